@@ -1,0 +1,41 @@
+# Set-up and the two main jobs. Everything is installed into .venv by these rules.
+#   make demo   set up, build, run the main job (python -m lpsim.demo)
+#   make test   set up, build, run the tests
+#   make bench  set up, build, run the quantisation benchmark
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+DEPS := $(VENV)/.deps-installed
+BUILT := $(VENV)/.lpsim-built
+SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
+
+.PHONY: demo test bench build clean
+
+demo: $(BUILT)
+	$(PY) -m lpsim.demo
+
+test: $(BUILT)
+	$(PY) -m pytest -q
+
+bench: $(BUILT)
+	$(PY) benchmarks/bench_quantize.py
+
+build: $(BUILT)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(DEPS): requirements.txt | $(PY)
+	$(PIP) install --quiet --upgrade pip setuptools wheel
+	$(PIP) install --quiet -r requirements.txt
+	touch $@
+
+# The extension is compiled ahead of time; `import lpsim` never compiles.
+$(BUILT): $(DEPS) $(SOURCES)
+	$(PIP) install --quiet --no-build-isolation --no-deps -e .
+	touch $@
+
+clean:
+	rm -rf build lpsim/_C*.so *.egg-info $(BUILT)

@@ -1,0 +1,37 @@
+// Portability macros shared by the host compiler and nvcc.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define LPSIM_HOST_DEVICE __host__ __device__
+#define LPSIM_INLINE __forceinline__
+#else
+#define LPSIM_HOST_DEVICE
+#define LPSIM_INLINE inline __attribute__((always_inline))
+#endif
+
+// Every function of the rounding core is inlined into the loop that calls it, on the host and on
+// the device, so that a CPU loop can be vectorised and a CUDA kernel keeps everything in registers.
+#define LPSIM_FN LPSIM_HOST_DEVICE LPSIM_INLINE
+
+namespace lpsim {
+
+// Position of the highest set bit of a non-zero word (0 for 1, 31 for 0x80000000).
+LPSIM_FN int leading_bit(uint32_t x) {
+#if defined(__CUDA_ARCH__)
+  return 31 - __clz(x);
+#else
+  return 31 - __builtin_clz(x);
+#endif
+}
+
+LPSIM_FN int leading_bit(uint64_t x) {
+#if defined(__CUDA_ARCH__)
+  return 63 - __clzll(static_cast<long long>(x));
+#else
+  return 63 - __builtin_clzll(x);
+#endif
+}
+
+}  // namespace lpsim

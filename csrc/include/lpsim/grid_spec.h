@@ -1,0 +1,81 @@
+// The container-independent description of a grid that the Python layer passes to the ops, and its
+// conversion into a Grid for a given container (host code, shared by the CPU and CUDA ops).
+#pragma once
+
+#include <cmath>
+#include <cstring>
+
+#include "round.h"
+
+namespace lpsim {
+
+// Exponents are unbiased; limits are real values (+Inf: unbounded). lpsim/formats.py builds these.
+struct GridSpec {
+  int32_t keep;         // fraction bits kept in the normal range; < 0: the container's precision
+  int32_t qmin;         // exponent of the finest spacing
+  int32_t emin;         // exponent of the smallest normal (used only without subnormals)
+  bool subnormals;
+  double pos_limit;     // largest positive value
+  double neg_limit;     // largest magnitude of a negative value
+  bool saturate;
+  bool has_inf;
+  bool unsigned_zero;
+};
+
+struct RandomSpec {
+  uint64_t seed;
+  uint64_t offset;
+  int32_t rbits;        // 1..32
+};
+
+// Container bits of a non-negative value that the container holds exactly; false otherwise.
+template <class C>
+bool exact_bits(double v, typename C::word& out) {
+  using W = typename C::word;
+  if (!(v >= 0)) return false;
+  if (std::isinf(v)) {
+    out = C::inf_bits;
+    return true;
+  }
+  if (v == 0) {
+    out = 0;
+    return true;
+  }
+  int e;
+  std::frexp(v, &e);  // v = m * 2^e, 0.5 <= m < 1
+  const int eb = e - 1 + C::bias;
+  if (eb >= (1 << C::exp_bits) - 1) return false;
+  // Scale so that the container's quantum at v is 1; the scaled value must be an integer.
+  const int quantum_exp = (eb >= 1 ? eb : 1) - C::bias - C::man_bits;
+  const double scaled = std::ldexp(v, -quantum_exp);
+  if (scaled != std::floor(scaled)) return false;
+  const W sig = static_cast<W>(scaled);
+  out = eb >= 1 ? (W(eb) << C::man_bits) | (sig & C::man_mask) : sig;
+  return true;
+}
+
+// The Grid for container C, or nullptr and a message when the spec does not fit the container.
+template <class C>
+const char* make_grid(const GridSpec& s, Grid<C>& g) {
+  using W = typename C::word;
+  g.keep = s.keep < 0 || s.keep > C::man_bits ? C::man_bits : s.keep;
+  g.qmin = s.qmin + C::bias;
+  g.flush_below = s.subnormals ? kNoFlush : s.emin + C::bias;
+  g.zero_sign = s.unsigned_zero ? 0 : C::sign_mask;
+  const int32_t smallest = s.subnormals ? g.qmin : g.flush_below;
+  if (smallest < 1 - C::man_bits || smallest >= (1 << C::exp_bits) - 1) {
+    return "the format's smallest spacing is not representable in this container";
+  }
+  g.min_positive = pow2_bits<C>(smallest);
+  if (!exact_bits<C>(s.pos_limit, g.pos_limit) || !exact_bits<C>(s.neg_limit, g.neg_limit)) {
+    return "the format's largest values are not representable in this container";
+  }
+  const W unbounded = s.has_inf ? C::inf_bits : C::quiet_nan;  // unclamped overflow
+  g.pos_overflow = s.saturate ? g.pos_limit : unbounded;
+  g.neg_overflow = s.saturate ? g.neg_limit : unbounded;
+  g.pos_inf = s.has_inf ? C::inf_bits : g.pos_overflow;
+  g.neg_inf = s.has_inf ? C::inf_bits : g.neg_overflow;
+  return nullptr;
+}
+
+}  // namespace lpsim

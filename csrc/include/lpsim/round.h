@@ -1,0 +1,219 @@
+// The rounding core: one definition of rounding a container value onto a grid of representable
+// numbers, shared by the CPU loops and the CUDA kernels.
+//
+// Every lpsim format is such a grid. Between consecutive powers of two 2^E <= |x| < 2^(E+1) the grid
+// spacing (the quantum) is 2^max(E - keep, qmin):
+//   Float(exp, man)   keep = man, qmin = emin - man (the subnormal spacing); without subnormals,
+//                     values below 2^emin use the spacing 2^emin, so they round to 0 or 2^emin;
+//   Fixed(wl, fl)     keep = the container's precision, qmin = -fl: a constant spacing 2^-fl;
+//   BlockFloat(wl)    a Fixed grid per block whose spacing follows the block's largest magnitude.
+// Values above the format's largest finite value are rounded as if the exponent were unbounded and
+// then handled by the overflow policy. The sign is handled apart: rounding acts on the magnitude,
+// and up/down are mapped to toward-zero or away-from-zero by the sign, so no rule flips a sign.
+//
+// Everything works on the container's bits, never on floating-point arithmetic, so the result is the
+// same on any CPU, on CUDA, and for any compiler flags.
+#pragma once
+
+#include "config.h"
+#include "container.h"
+#include "rounding.h"
+
+namespace lpsim {
+
+// A format's grid, in the bits of container C. Exponents are container-biased. Every field is what
+// the inner loop reads; grid_spec.h and block_grid() build them from the format's description.
+template <class C>
+struct Grid {
+  using word = typename C::word;
+  int32_t keep;          // fraction bits kept below the leading one in the normal range, <= man_bits
+  int32_t qmin;          // biased exponent of the finest spacing (subnormal spacing, fixed-point step)
+  int32_t flush_below;   // without subnormals: values below 2^flush_below round to 0 or to it;
+                         // with subnormals: kNoFlush
+  word min_positive;     // smallest positive grid value: 2^qmin, or 2^flush_below
+  word pos_limit;        // largest positive value (inf_bits: no limit)
+  word neg_limit;        // largest magnitude a negative value may have (0: none)
+  word pos_overflow;     // what a positive finite overflow becomes unless the rule rounds toward
+  word neg_overflow;     //   zero: the limit (saturating formats), Inf, or NaN where there is no Inf
+  word pos_inf;          // what +Inf and -Inf inputs become: Inf, the limit, or NaN
+  word neg_inf;
+  word zero_sign;        // sign bits a zero result keeps: sign_mask, or 0 for formats without -0
+};
+
+// flush_below of a grid with subnormals (below any exponent).
+constexpr int32_t kNoFlush = -(1 << 20);
+
+// The random input of the stochastic rules. `mask` keeps the top rbits bits of the 32-bit word and
+// of the discarded fraction, so rounding behaves as if x were first truncated to rbits bits below
+// the quantum. rbits = 32 (mask = all ones) is the default: stochastic then rounds up with
+// probability floor(frac * 2^32) / 2^32, where frac is the discarded fraction of the quantum, and
+// stochastic_equal decides inexactness on every discarded bit.
+LPSIM_FN uint32_t random_mask(int rbits) {
+  return rbits >= 32 ? 0xFFFFFFFFu : ~(0xFFFFFFFFu >> rbits);
+}
+
+// Bits of 2^q (q biased) in container C; q must be >= 1 - C::man_bits (the smallest subnormal).
+template <class C>
+LPSIM_FN typename C::word pow2_bits(int32_t q) {
+  using W = typename C::word;
+  return q >= 1 ? W(q) << C::man_bits : W(1) << (q - 1 + C::man_bits);
+}
+
+// select(c, a, b) = c ? a : b, computed with a mask so that gcc cannot turn it back into a branch
+// (it does so with ?: in a body this large, and then does not vectorise the loop).
+template <class T>
+LPSIM_FN T select(bool c, T a, T b) {
+  return T(b ^ ((a ^ b) & (T(0) - T(c))));
+}
+
+// Minimum and maximum in the form gcc recognises as MIN_EXPR / MAX_EXPR (one vector instruction).
+template <class T>
+LPSIM_FN T min_of(T a, T b) {
+  return b < a ? b : a;
+}
+template <class T>
+LPSIM_FN T max_of(T a, T b) {
+  return a < b ? b : a;
+}
+
+// Round the container bits u onto grid g by rule R. `random` is the element's 32-bit random word
+// (stochastic rules only) and `mask` comes from random_mask(rbits).
+//
+// Written for gcc's vectoriser, which this loop body must pass (kernels.cpp's loops depend on it):
+// - every choice is a select() and conditions are combined with the non-short-circuit & and |:
+//   ?:, && and || leave branches in the loop;
+// - no condition is a single-bit test such as `(v & 1) != 0` or `sign != 0`, which gcc turns into
+//   1-bit bool conversions it cannot vectorise; they are written as ordered comparisons;
+// - no select depends on a loop-invariant condition (a grid flag): the grid carries the outcome of
+//   every such decision per sign instead.
+template <Rounding R, class C>
+LPSIM_FN typename C::word round_to_grid(typename C::word u, const Grid<C>& g, uint32_t random,
+                                         uint32_t mask) {
+  using W = typename C::word;
+  constexpr int kMan = C::man_bits;
+  constexpr int kBits = C::word_bits;
+  constexpr W kHalf = W(1) << (kBits - 1);
+
+  const W sign = u & C::sign_mask;
+  const W a = u & C::abs_mask;
+  const bool negative = u > C::abs_mask;
+
+  // |x| = sig * 2^(eb - bias - kMan): the significand as an integer, subnormals included (their
+  // exponent field is 0 and they share the quantum of eb = 1).
+  const int32_t field = static_cast<int32_t>(a >> kMan);
+  const int32_t eb = max_of(field, int32_t(1));
+  const W sig = (a & C::man_mask) | (W(min_of(field, int32_t(1))) << kMan);
+
+  // How many low bits of sig lie below the grid's quantum. It is >= 0: keep <= kMan, and the
+  // grid's finest spacing is representable in the container.
+  const int32_t low = select(field < g.flush_below, g.flush_below, g.qmin);
+  const int32_t shift = max_of(int32_t(kMan - g.keep), low + kMan - eb);
+
+  // `aligned` has the last kept bit of sig at the top and the discarded bits below it, so
+  // `discarded` = floor(frac * 2^kBits), frac being the discarded fraction of the quantum (0 for
+  // shift = 0). For shift >= kBits the value is below the finest quantum, frac < 2^(kMan+1-kBits)
+  // < 1/2, and only the top bits of frac are kept; inexactness is then known from a != 0.
+  const int32_t up_shift = kBits - 1 - min_of(shift, int32_t(kBits - 1));
+  const int32_t down_shift = min_of(max_of(shift - kBits, int32_t(0)), int32_t(kBits - 1));
+  const W aligned = W(sig << up_shift);
+  const W discarded = select(shift < kBits, W(aligned << 1), W(sig >> down_shift));
+  const bool inexact = (discarded != 0) | ((shift >= kBits) & (a != 0));
+  const bool kept_odd = aligned >= kHalf;  // 0 when nothing is kept (sig < 2^(kMan+1))
+  const uint32_t frac32 = static_cast<uint32_t>(discarded >> (kBits - 32));
+
+  // Below the finest quantum (shift > kMan) the value lies strictly between 0 and min_positive.
+  const bool tiny = shift > kMan;
+  const int32_t kept_shift = min_of(shift, int32_t(kMan + 1));
+
+  bool up;
+  if constexpr (R == Rounding::nearest) {
+    up = (discarded > kHalf) | ((discarded == kHalf) & kept_odd);
+  } else if constexpr (R == Rounding::nearest_away) {
+    up = discarded >= kHalf;
+  } else if constexpr (R == Rounding::nearest_zero) {
+    up = discarded > kHalf;
+  } else if constexpr (R == Rounding::toward_zero) {
+    up = false;
+  } else if constexpr (R == Rounding::away) {
+    up = inexact;
+  } else if constexpr (R == Rounding::up) {
+    up = inexact & !negative;
+  } else if constexpr (R == Rounding::down) {
+    up = inexact & negative;
+  } else if constexpr (R == Rounding::odd) {
+    up = inexact & !kept_odd;
+  } else if constexpr (R == Rounding::stochastic) {
+    // frac + random >= 1 in 32-bit fixed point, both truncated to rbits: P(up) = truncated frac.
+    up = (frac32 & mask) > (~random | ~mask);
+  } else {
+    static_assert(R == Rounding::stochastic_equal, "unhandled rounding rule");
+    // Moves when inexact after truncation to rbits bits. The sticky bit (any discarded bit at all)
+    // sits at bit 0, which only the default mask (rbits = 32) keeps: then every bit decides.
+    const bool moves = ((frac32 | uint32_t(inexact)) & mask) != 0;
+    up = moves & (random > 0x7FFFFFFFu);
+  }
+
+  // On the grid: the kept bits plus the increment, carrying into the exponent field when the
+  // significand overflows (which is the next binade's first value).
+  const W kept = W(((a >> kept_shift) + W(up)) << kept_shift);
+  W mag = select(tiny, select(up, g.min_positive, W(0)), kept);
+
+  // Overflow. Rules that round toward zero keep the largest finite value, as in IEEE 754.
+  const W limit = select(negative, g.neg_limit, g.pos_limit);
+  const W unclamped = select(negative, g.neg_overflow, g.pos_overflow);
+  W overflow;
+  if constexpr (R == Rounding::toward_zero || R == Rounding::odd) {
+    overflow = limit;
+  } else if constexpr (R == Rounding::up) {
+    overflow = select(negative, limit, unclamped);
+  } else if constexpr (R == Rounding::down) {
+    overflow = select(negative, unclamped, limit);
+  } else {
+    overflow = unclamped;
+  }
+  mag = select(mag > limit, overflow, mag);
+
+  // Inf stays Inf where the format has it; NaN stays the same NaN.
+  mag = select(a == C::inf_bits, select(negative, g.neg_inf, g.pos_inf), mag);
+  const W out = select(mag == 0, W(sign & g.zero_sign), sign) | mag;
+  return select(a > C::inf_bits, u, out);
+}
+
+// The grid of one block of a BlockFloat(wl) format, from the largest finite magnitude in the block
+// (as container bits). The block's shared exponent is that of its largest magnitude, floor(log2);
+// elements are wl-bit sign-magnitude integers k, |k| <= 2^(wl-1) - 1, times 2^(exponent - (wl-2)),
+// so the largest element uses the top bit. The exponent is raised, if need be, so that the spacing
+// stays representable in the container: tiny blocks are then exact. Overflow (rounding up past the
+// largest integer) saturates; +/-Inf elements stay, NaN stays NaN, and neither affects the exponent.
+template <class C>
+LPSIM_FN Grid<C> block_grid(typename C::word max_abs, int32_t wl) {
+  using W = typename C::word;
+  constexpr int kMan = C::man_bits;
+  const int32_t floor_exponent = 1 - kMan + (wl - 2);
+  int32_t e = static_cast<int32_t>(max_abs >> kMan);
+  if (e == 0) e = max_abs != 0 ? leading_bit(max_abs) - kMan + 1 : floor_exponent;
+  if (e < floor_exponent) e = floor_exponent;
+  const int32_t q = e - (wl - 2);
+  const W top = (W(1) << (wl - 1)) - 1;  // the largest element integer
+  const W limit = e >= 1 ? (W(e) << kMan) | ((top << (kMan - (wl - 2))) & C::man_mask)
+                         : top << (q - 1 + kMan);
+  Grid<C> g;
+  g.keep = kMan;
+  g.qmin = q;
+  g.flush_below = kNoFlush;
+  g.min_positive = pow2_bits<C>(q);
+  g.pos_limit = g.neg_limit = limit;
+  g.pos_overflow = g.neg_overflow = limit;  // saturating
+  g.pos_inf = g.neg_inf = C::inf_bits;
+  g.zero_sign = C::sign_mask;
+  return g;
+}
+
+// The largest finite magnitude among the bits u, as container bits (a running maximum).
+template <class C>
+LPSIM_FN typename C::word finite_max_abs(typename C::word running, typename C::word u) {
+  const typename C::word a = u & C::abs_mask;
+  return (a < C::inf_bits && a > running) ? a : running;
+}
+
+}  // namespace lpsim

@@ -1,0 +1,41 @@
+"""lpsim: low-precision arithmetic simulation for PyTorch.
+
+Tensors stay in an ordinary float container (float32, float64, bfloat16 or float16) and fused
+kernels round every element into a target format (Float, Fixed, BlockFloat) under a chosen rule.
+
+    >>> import torch, lpsim
+    >>> x = torch.tensor([1.0, 1.1, 1.25, 300.0])
+    >>> lpsim.quantize(x, lpsim.Float(5, 2), "nearest")
+    tensor([  1.0000,   1.0000,   1.2500, 320.0000])
+"""
+
+from lpsim import formats
+from lpsim._ops import cpu_generator, cuda_built
+from lpsim.formats import PRESETS, BlockFloat, Fixed, Float, preset
+from lpsim.functional import (
+    block_quantize,
+    fixed_point_quantize,
+    float_quantize,
+    quantize,
+    quantize_,
+)
+from lpsim.rounding import Rounding
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Float",
+    "Fixed",
+    "BlockFloat",
+    "Rounding",
+    "PRESETS",
+    "preset",
+    "formats",
+    "quantize",
+    "quantize_",
+    "float_quantize",
+    "fixed_point_quantize",
+    "block_quantize",
+    "cuda_built",
+    "cpu_generator",
+]

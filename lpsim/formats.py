@@ -1,0 +1,555 @@
+"""Number formats: Float, Fixed and BlockFloat, and the named presets.
+
+A format is a frozen dataclass that describes a set of numbers. Values are simulated in an ordinary
+floating-point tensor (the *container*: float32, float64, bfloat16 or float16), so every number of
+the format must be representable in the container; a format that does not fit raises ValueError
+when it is used. Each format answers the questions ``numpy.finfo`` answers, under the same names:
+``max``, ``smallest_normal``, ``smallest_subnormal``, ``eps`` and ``bits``, and lists its finite
+values with ``values()`` when it has at most 16 bits.
+
+See docs/formats.md for every field and for which preset reproduces which library's cast.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from fractions import Fraction
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "Float",
+    "Fixed",
+    "BlockFloat",
+    "Format",
+    "PRESETS",
+    "preset",
+    "SPECIALS",
+]
+
+SPECIALS = ("ieee", "fn", "fnuz", "none")
+MAX_VALUES_BITS = 16  # values() lists formats of at most this many bits
+
+
+class Container(NamedTuple):
+    """An IEEE binary format that holds simulated values."""
+
+    name: str
+    exp: int
+    man: int
+
+    @property
+    def bias(self) -> int:
+        return 2 ** (self.exp - 1) - 1
+
+    @property
+    def emax(self) -> int:
+        return 2**self.exp - 2 - self.bias
+
+    @property
+    def emin(self) -> int:
+        return 1 - self.bias
+
+    @property
+    def qmin(self) -> int:
+        """Exponent of the smallest subnormal."""
+        return self.emin - self.man
+
+
+CONTAINERS = {
+    torch.float32: Container("float32", 8, 23),
+    torch.float64: Container("float64", 11, 52),
+    torch.bfloat16: Container("bfloat16", 8, 7),
+    torch.float16: Container("float16", 5, 10),
+}
+_WIDEST = CONTAINERS[torch.float64]
+
+
+def container_of(dtype: torch.dtype) -> Container:
+    """The container description of a tensor dtype.
+
+    Raises:
+        TypeError: the dtype is not float32, float64, bfloat16 or float16.
+    """
+    try:
+        return CONTAINERS[dtype]
+    except (KeyError, TypeError):
+        raise TypeError(
+            f"x must be a float32, float64, bfloat16 or float16 tensor, got {dtype}"
+        ) from None
+
+
+class GridSpec(NamedTuple):
+    """The grid a Float or Fixed format rounds onto, as the compiled ``quantize_grid`` op takes it:
+    spacing 2**max(E - keep, qmin) in the binade [2**E, 2**(E+1)), with overflow limits."""
+
+    keep: int  # fraction bits kept in the normal range; -1: the container's precision
+    qmin: int  # exponent of the finest spacing
+    emin: int  # exponent of the smallest normal (used without subnormals)
+    subnormals: bool
+    pos_limit: float  # largest positive value (inf: none)
+    neg_limit: float  # largest magnitude of a negative value
+    saturate: bool
+    has_inf: bool
+    unsigned_zero: bool
+
+
+def _check_int(owner: str, name: str, value, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{owner}.{name} must be in [{low}, {high}], got {value}")
+
+
+def _check_bool(owner: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}.{name} must be a bool, got {type(value).__name__}")
+
+
+def _exponent_of(value: Fraction) -> int:
+    """floor(log2(value)) for value > 0, exactly."""
+    e = value.numerator.bit_length() - value.denominator.bit_length()
+    return e if Fraction(2) ** e <= value else e - 1
+
+
+def _short_repr(obj) -> str:
+    """Class(field=value, ...) listing the positional fields and the keywords that differ from
+    their defaults."""
+    parts = []
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if f.kw_only and value == _default_of(obj, f):
+            continue
+        parts.append(f"{f.name}={value!r}")
+    return f"{type(obj).__name__}({', '.join(parts)})"
+
+
+def _default_of(obj, f):
+    if f.name == "bias":
+        return obj.default_bias
+    return f.default
+
+
+@dataclass(frozen=True, repr=False)
+class Float:
+    """A binary floating-point format with ``exp`` exponent bits and ``man`` fraction bits.
+
+    Values are (-1)**s * 2**(e - bias) * (1 + m / 2**man) for exponent codes e >= 1, and
+    (-1)**s * 2**(1 - bias) * (m / 2**man) for e = 0 (subnormals).
+
+    Args:
+        exp: exponent bits, 1 to 11 (2 to 11 for ``special="ieee"``).
+        man: stored fraction bits, 0 to 52. Precision is man + 1 bits.
+        bias: exponent bias; default 2**(exp-1) - 1, or 2**(exp-1) for ``special="fnuz"``.
+        subnormals: whether exponent code 0 holds subnormals. Without them it holds only zero,
+            and values below the smallest normal round to 0 or to the smallest normal.
+        special: which codes are not finite.
+            ``"ieee"``: the top exponent code holds +/-Inf and NaN (IEEE 754).
+            ``"fn"``: no Inf; only the all-ones code (top exponent, all-ones fraction) is NaN
+            (OCP E4M3).
+            ``"fnuz"``: no Inf and no -0; the negative-zero code is NaN; bias one larger.
+            ``"none"``: every code is finite; no Inf, no NaN (QPyTorch's convention, OCP FP6/FP4).
+        saturate: overflow clamps to +/-max. Otherwise overflow goes to +/-Inf, or NaN where the
+            format has no Inf; rules that round toward zero (toward_zero, odd, and up/down on the
+            side where they do) give +/-max, as in IEEE 754. With saturate, +/-Inf inputs also
+            become +/-max in formats without Inf.
+
+    Raises:
+        TypeError: a field has the wrong type.
+        ValueError: a field is out of range, or the format has no positive finite value or fits
+            no container (not even float64).
+    """
+
+    exp: int
+    man: int
+    bias: int | None = field(default=None, kw_only=True)
+    subnormals: bool = field(default=True, kw_only=True)
+    special: str = field(default="ieee", kw_only=True)
+    saturate: bool = field(default=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        _check_int("Float", "exp", self.exp, 1, 11)
+        _check_int("Float", "man", self.man, 0, 52)
+        _check_bool("Float", "subnormals", self.subnormals)
+        _check_bool("Float", "saturate", self.saturate)
+        if self.special not in SPECIALS:
+            raise ValueError(f"Float.special must be one of {SPECIALS}, got {self.special!r}")
+        if self.special == "ieee" and self.exp < 2:
+            raise ValueError(
+                "Float.exp must be >= 2 with special='ieee' (the top exponent code holds Inf "
+                f"and NaN), got {self.exp}"
+            )
+        if self.bias is None:
+            object.__setattr__(self, "bias", self.default_bias)
+        _check_int("Float", "bias", self.bias, -4096, 4096)
+        if self.special == "fn" and self.exp == 1 and self.man == 0:
+            raise ValueError("Float(exp=1, man=0, special='fn') has no finite non-zero value")
+        problem = self._misfit(_WIDEST)
+        if problem:
+            raise ValueError(f"{self!r} does not fit even a float64 container: {problem}")
+
+    @property
+    def default_bias(self) -> int:
+        """The bias used when none is given: 2**(exp-1) - 1, or 2**(exp-1) for fnuz."""
+        return 2 ** (self.exp - 1) - (0 if self.special == "fnuz" else 1)
+
+    def __repr__(self) -> str:
+        return _short_repr(self)
+
+    # Facts about the encoding, with numpy.finfo's names.
+
+    @property
+    def bits(self) -> int:
+        """Bits per value: 1 + exp + man."""
+        return 1 + self.exp + self.man
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal value."""
+        return 1 - self.bias
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest finite value."""
+        top = 2**self.exp - 1 - self.bias  # exponent of the top exponent code
+        if self.special == "ieee" or (self.special == "fn" and self.man == 0):
+            return top - 1
+        return top
+
+    @property
+    def max(self) -> float:
+        """The largest finite value."""
+        return float(self._max_fraction)
+
+    @property
+    def _max_fraction(self) -> Fraction:
+        # In "fn" formats the all-ones fraction of the top binade is NaN.
+        top_fraction = 2**self.man - (1 if self.special == "fn" and self.man > 0 else 0) - 1
+        return (1 + Fraction(top_fraction, 2**self.man)) * Fraction(2) ** self.emax
+
+    @property
+    def smallest_normal(self) -> float:
+        """2**emin."""
+        return math.ldexp(1.0, self.emin)
+
+    @property
+    def smallest_subnormal(self) -> float:
+        """The smallest positive value: 2**(emin - man), or 2**emin without subnormals."""
+        return math.ldexp(1.0, self.emin - (self.man if self.subnormals else 0))
+
+    @property
+    def eps(self) -> float:
+        """The distance from 1 to the next larger value, 2**-man."""
+        return math.ldexp(1.0, -self.man)
+
+    @property
+    def has_inf(self) -> bool:
+        return self.special == "ieee"
+
+    @property
+    def has_nan(self) -> bool:
+        return self.special != "none"
+
+    @property
+    def has_negative_zero(self) -> bool:
+        return self.special != "fnuz"
+
+    def values(self) -> torch.Tensor:
+        """All finite values, ascending, once each, as a float64 tensor (formats of <= 16 bits)."""
+        _check_enumerable(self)
+        magnitudes = set()
+        for e in range(2**self.exp):
+            for m in range(2**self.man):
+                value = self._decode(e, m)
+                if value is not None:
+                    magnitudes.add(value)
+        return _signed_values(magnitudes)
+
+    def _decode(self, e: int, m: int) -> Fraction | None:
+        """The magnitude of exponent code e and fraction code m; None for Inf/NaN codes."""
+        top = 2**self.exp - 1
+        if e == top and (self.special == "ieee" or (self.special == "fn" and m == 2**self.man - 1)):
+            return None
+        if e == 0:
+            return Fraction(m, 2**self.man) * Fraction(2) ** self.emin if self.subnormals else Fraction(0)
+        return (1 + Fraction(m, 2**self.man)) * Fraction(2) ** (e - self.bias)
+
+    # Fit to a container and the grid the kernels round onto.
+
+    def _misfit(self, c: Container) -> str | None:
+        if self.man > c.man:
+            return f"it has {self.man} fraction bits, the container {c.man}"
+        if self.emax > c.emax:
+            return f"its largest exponent is {self.emax}, the container's {c.emax}"
+        if self.emin - self.man < c.qmin:
+            return (f"its finest spacing is 2**{self.emin - self.man}, the container's "
+                    f"smallest subnormal 2**{c.qmin}")
+        return None
+
+    def grid(self) -> GridSpec:
+        return GridSpec(
+            keep=self.man,
+            qmin=self.emin - self.man,
+            emin=self.emin,
+            subnormals=self.subnormals,
+            pos_limit=self.max,
+            neg_limit=self.max,
+            saturate=self.saturate,
+            has_inf=self.has_inf,
+            unsigned_zero=not self.has_negative_zero,
+        )
+
+
+@dataclass(frozen=True, repr=False)
+class Fixed:
+    """A fixed-point format: values k * 2**-fl for integers k of ``wl`` bits.
+
+    Args:
+        wl: word length in bits, the sign bit included: 2 to 64 signed, 1 to 64 unsigned.
+        fl: fractional bits; the spacing is 2**-fl. May be negative (spacing above 1).
+        signed: two's complement k in [-2**(wl-1), 2**(wl-1) - 1]; unsigned: k in [0, 2**wl - 1].
+        clamp: values outside the range saturate to it (and +/-Inf become the limits). Without
+            clamp, values keep the spacing beyond the range and Inf stays Inf.
+        symmetric: drop the most negative code, so the range is [-max, max] (signed only).
+
+    Zero keeps the sign of its input in the container (-0.0 == 0), except in unsigned formats.
+
+    Raises:
+        TypeError: a field has the wrong type.
+        ValueError: a field is out of range, or the format fits no container.
+    """
+
+    wl: int
+    fl: int
+    signed: bool = field(default=True, kw_only=True)
+    clamp: bool = field(default=True, kw_only=True)
+    symmetric: bool = field(default=False, kw_only=True)
+
+    def __post_init__(self) -> None:
+        _check_bool("Fixed", "signed", self.signed)
+        _check_bool("Fixed", "clamp", self.clamp)
+        _check_bool("Fixed", "symmetric", self.symmetric)
+        _check_int("Fixed", "wl", self.wl, 2 if self.signed else 1, 64)
+        _check_int("Fixed", "fl", self.fl, -1100, 1100)
+        if self.symmetric and not self.signed:
+            raise ValueError("Fixed.symmetric applies to signed formats only")
+        problem = self._misfit(_WIDEST)
+        if problem:
+            raise ValueError(f"{self!r} does not fit even a float64 container: {problem}")
+
+    @property
+    def default_bias(self):  # for _short_repr; Fixed has no bias
+        return None
+
+    def __repr__(self) -> str:
+        return _short_repr(self)
+
+    @property
+    def bits(self) -> int:
+        return self.wl
+
+    @property
+    def eps(self) -> float:
+        """The spacing, 2**-fl."""
+        return math.ldexp(1.0, -self.fl)
+
+    smallest_normal = eps
+    smallest_subnormal = eps
+
+    @property
+    def _max_integer(self) -> int:
+        return 2 ** (self.wl - 1) - 1 if self.signed else 2**self.wl - 1
+
+    @property
+    def _min_integer(self) -> int:
+        if not self.signed:
+            return 0
+        return -(2 ** (self.wl - 1)) + (1 if self.symmetric else 0)
+
+    @property
+    def max(self) -> float:
+        """The largest value."""
+        return math.ldexp(float(self._max_integer), -self.fl)
+
+    @property
+    def min(self) -> float:
+        """The most negative value (0 for unsigned formats)."""
+        return math.ldexp(float(self._min_integer), -self.fl)
+
+    def values(self) -> torch.Tensor:
+        """All values, ascending, as a float64 tensor (formats of <= 16 bits)."""
+        _check_enumerable(self)
+        k = torch.arange(self._min_integer, self._max_integer + 1, dtype=torch.float64)
+        return torch.ldexp(k, torch.tensor(-self.fl))
+
+    def _misfit(self, c: Container) -> str | None:
+        needed = self._max_integer.bit_length()  # |min| is a power of two or equals max
+        if needed > c.man + 1:
+            return f"its integers need {needed} significant bits, the container has {c.man + 1}"
+        if -self.fl < c.qmin:
+            return f"its spacing 2**{-self.fl} is below the container's smallest subnormal 2**{c.qmin}"
+        largest = _exponent_of(max(self._max_integer, -self._min_integer) / Fraction(2) ** self.fl)
+        if largest > c.emax:
+            return f"its largest magnitude is about 2**{largest}, beyond the container's range"
+        return None
+
+    def grid(self) -> GridSpec:
+        unbounded = not self.clamp
+        return GridSpec(
+            keep=-1,
+            qmin=-self.fl,
+            emin=-self.fl,
+            subnormals=True,
+            pos_limit=math.inf if unbounded else self.max,
+            neg_limit=math.inf if unbounded else -self.min,
+            saturate=self.clamp,
+            has_inf=unbounded,
+            unsigned_zero=not self.signed,
+        )
+
+
+@dataclass(frozen=True, repr=False)
+class BlockFloat:
+    """Block floating point: blocks of values share one exponent, the exponent of the block's
+    largest finite magnitude; each element is a ``wl``-bit sign-magnitude integer k,
+    |k| <= 2**(wl-1) - 1, times 2**(exponent - (wl - 2)), so the largest element uses the top bit.
+    Rounding up past the largest integer saturates. +/-Inf and NaN elements stay as they are and do
+    not affect the exponent.
+
+    Args:
+        wl: bits per element, the sign included, 2 or more (at most the container's precision + 1).
+        dim: None: the whole tensor is one block. An int d: one exponent per index along d (the
+            maximum is taken over all other dimensions), as in QPyTorch.
+        block_size: blocks of this many consecutive elements along the last dimension (the last
+            block of a row may be shorter). Give dim or block_size, not both.
+
+    The range facts (max, eps, ...) and values() are those of one block whose shared exponent is 0,
+    that is whose largest magnitude lies in [1, 2).
+
+    Raises:
+        TypeError: a field has the wrong type.
+        ValueError: a field is out of range, or both dim and block_size are given.
+    """
+
+    wl: int
+    dim: int | None = None
+    block_size: int | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        _check_int("BlockFloat", "wl", self.wl, 2, _WIDEST.man + 2)
+        if self.dim is not None:
+            _check_int("BlockFloat", "dim", self.dim, -(2**31), 2**31)
+        if self.block_size is not None:
+            _check_int("BlockFloat", "block_size", self.block_size, 1, 2**31)
+            if self.dim is not None:
+                raise ValueError("BlockFloat takes dim or block_size, not both")
+
+    @property
+    def default_bias(self):  # for _short_repr; BlockFloat has no bias
+        return None
+
+    def __repr__(self) -> str:
+        return _short_repr(self)
+
+    @property
+    def bits(self) -> int:
+        """Bits per element, the shared exponent not included."""
+        return self.wl
+
+    @property
+    def eps(self) -> float:
+        """The element spacing relative to a shared exponent of 0: 2**-(wl-2)."""
+        return math.ldexp(1.0, 2 - self.wl)
+
+    smallest_subnormal = eps
+
+    @property
+    def smallest_normal(self) -> float:
+        """The smallest element that uses the top bit, at shared exponent 0: 1."""
+        return 1.0
+
+    @property
+    def max(self) -> float:
+        """The largest element at shared exponent 0: 2 - 2**-(wl-2)."""
+        return math.ldexp(float(2 ** (self.wl - 1) - 1), 2 - self.wl)
+
+    def values(self) -> torch.Tensor:
+        """The element values at shared exponent 0, ascending (formats of <= 16 bits)."""
+        _check_enumerable(self)
+        top = 2 ** (self.wl - 1) - 1
+        k = torch.arange(-top, top + 1, dtype=torch.float64)
+        return torch.ldexp(k, torch.tensor(2 - self.wl))
+
+    def _misfit(self, c: Container) -> str | None:
+        if self.wl > c.man + 2:
+            return f"wl is {self.wl}, the container holds at most {c.man + 2}"
+        return None
+
+
+Format = Float | Fixed | BlockFloat
+
+
+def check_fits(fmt: Format, dtype: torch.dtype) -> None:
+    """Raise unless every value of ``fmt`` is representable in a tensor of ``dtype``.
+
+    Raises:
+        TypeError: ``dtype`` is not a supported container.
+        ValueError: the format does not fit; the message says why and what to use instead.
+    """
+    c = container_of(dtype)
+    problem = fmt._misfit(c)
+    if problem:
+        wider = [d.name for d in CONTAINERS.values() if fmt._misfit(d) is None]
+        hint = f"; use a {' or '.join(wider)} tensor" if wider else ""
+        raise ValueError(f"{fmt!r} does not fit a {c.name} tensor: {problem}{hint}")
+
+
+def _check_enumerable(fmt) -> None:
+    if fmt.bits > MAX_VALUES_BITS:
+        raise ValueError(
+            f"values() lists formats of at most {MAX_VALUES_BITS} bits; {fmt!r} has {fmt.bits}"
+        )
+
+
+def _signed_values(magnitudes) -> torch.Tensor:
+    positive = sorted(float(m) for m in magnitudes if m > 0)
+    ordered = [-m for m in reversed(positive)] + [0.0] + positive
+    return torch.tensor(ordered, dtype=torch.float64)
+
+
+PRESETS: dict[str, Float] = {
+    "float32": Float(8, 23),
+    "tf32": Float(8, 10),
+    "bfloat16": Float(8, 7),
+    "float16": Float(5, 10),
+    # 8-bit formats. torch's float8_e4m3fn cast saturates; ml_dtypes' (and OCP's default) do not.
+    "e5m2": Float(5, 2),
+    "e4m3": Float(4, 3),
+    "e3m4": Float(3, 4),
+    "e4m3fn": Float(4, 3, special="fn"),
+    "e4m3fn_saturating": Float(4, 3, special="fn", saturate=True),
+    "e5m2fnuz": Float(5, 2, special="fnuz"),
+    "e4m3fnuz": Float(4, 3, special="fnuz"),
+    # OCP microscaling element formats: no Inf, no NaN, saturating.
+    "e3m2fn": Float(3, 2, special="none", saturate=True),
+    "e2m3fn": Float(2, 3, special="none", saturate=True),
+    "e2m1fn": Float(2, 1, special="none", saturate=True),
+    # QPyTorch's convention: the top exponent code is finite (one extra binade) and overflow
+    # saturates.
+    "e5m2_qtorch": Float(5, 2, special="none", saturate=True),
+    "e4m3_qtorch": Float(4, 3, special="none", saturate=True),
+}
+
+
+def preset(name: str) -> Float:
+    """The preset format called ``name`` (see PRESETS).
+
+    Raises:
+        ValueError: no preset has that name; the message lists them.
+    """
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"no preset named {name!r}; presets: {', '.join(PRESETS)}") from None
