@@ -4,9 +4,11 @@
 
 CPU section: every op on a float32 tensor of --size elements, as the median time and its ratio to
 ``x.clone()`` (the memory-speed floor of an out-of-place op: one read, one allocation, one write).
-When qtorch (QPyTorch 0.3.0) is installed, its time for the same call is another column; its
-formats differ in details (see docs/migrating-from-qtorch.md) but the work is the same.
-torch's own casts are listed as further references.
+Each op is timed alternately with clone, so every ratio compares medians taken over the same
+stretch of time and drifts in machine load cancel. When qtorch (QPyTorch 0.3.0) is installed, its
+time for the same call is another column, with its own interleaved clone; its formats differ in
+details (see docs/migrating-from-qtorch.md) but the work is the same. torch's own casts are
+listed as further references.
 """
 
 from __future__ import annotations
@@ -21,15 +23,22 @@ import lpsim
 from lpsim import BlockFloat, Fixed, Float
 
 
-def median_time(fn, repeat: int) -> float:
-    """Median wall time of fn() in seconds, after one warm-up call."""
+def _seconds(fn) -> float:
+    start = time.perf_counter()
     fn()
-    times = []
+    return time.perf_counter() - start
+
+
+def median_ratio(fn, reference, repeat: int) -> tuple[float, float]:
+    """(median time of fn, median time of reference) in seconds, the two timed alternately after
+    one warm-up call each."""
+    fn()
+    reference()
+    ours, ref = [], []
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        ours.append(_seconds(fn))
+        ref.append(_seconds(reference))
+    return statistics.median(ours), statistics.median(ref)
 
 
 def load_qtorch():
@@ -82,29 +91,29 @@ def run_cpu(size: int, repeat: int) -> None:
     torch.manual_seed(0)
     x = torch.randn(size)
     qq = load_qtorch()
-    clone = median_time(lambda: x.clone(), repeat)
+    clone = lambda: x.clone()  # noqa: E731
     print(f"CPU: {size} float32 elements, {torch.get_num_threads()} threads, "
-          f"generator {lpsim.cpu_generator()}, median of {repeat}")
-    print(f"x.clone(): {clone * 1e3:.2f} ms (the 1.00x reference)")
+          f"generator {lpsim.cpu_generator()}, medians of {repeat}, each op timed alternately "
+          "with x.clone()")
     for name, fn in (("x.to(bfloat16).float()", lambda: x.to(torch.bfloat16).float()),
                      ("x.to(float8_e5m2).float()", lambda: x.to(torch.float8_e5m2).float())):
-        t = median_time(fn, repeat)
-        print(f"{name}: {t * 1e3:.2f} ms ({t / clone:.2f}x)")
+        t, c = median_ratio(fn, clone, repeat)
+        print(f"{name}: {t * 1e3:.2f} ms, clone {c * 1e3:.2f} ms ({t / c:.2f}x)")
     print()
-    header = f"{'op':28s} {'lpsim ms':>9s} {'/clone':>7s}"
+    header = f"{'op':28s} {'lpsim ms':>9s} {'clone ms':>9s} {'/clone':>7s}"
     if qq:
         header += f" {'qtorch ms':>10s} {'/clone':>7s} {'qtorch/lpsim':>13s}"
     print(header)
     print("-" * len(header))
     for name, ours, theirs in cpu_cases(qq):
-        t = median_time(lambda: ours(x), repeat)
-        row = f"{name:28s} {t * 1e3:9.2f} {t / clone:6.2f}x"
+        t, c = median_ratio(lambda: ours(x), clone, repeat)
+        row = f"{name:28s} {t * 1e3:9.2f} {c * 1e3:9.2f} {t / c:6.2f}x"
         if qq:
             if theirs is None:
                 row += f" {'-':>10s} {'-':>7s} {'-':>13s}"
             else:
-                q = median_time(lambda: theirs(x), repeat)
-                row += f" {q * 1e3:10.2f} {q / clone:6.2f}x {q / t:12.1f}x"
+                q, qc = median_ratio(lambda: theirs(x), clone, max(3, repeat // 3))
+                row += f" {q * 1e3:10.2f} {q / qc:6.2f}x {q / qc / (t / c):12.1f}x"
         print(row)
 
 

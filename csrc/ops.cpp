@@ -233,8 +233,12 @@ void quantize_block_out_cpu(const at::Tensor& x, LPSIM_BLOCK_ARGS, const at::Ten
   block_cpu(x, out, wl, dim, block_size, rounding_of(rounding), random_spec(rbits, seed, offset));
 }
 
-// Test hook: the random words of elements [start, start + count), as the kernels draw them.
-at::Tensor random_words_cpu(const at::Tensor& seed, int64_t offset, int64_t start, int64_t count) {
+// Test hook: the random words of elements [start, start + count) under (seed, offset). `kernels`
+// chooses between the generator the CPU kernels use (whole groups, vectorised where the CPU can)
+// and the core's per-element definition random_word(); both must agree with each other and with
+// lpsim.reference.
+at::Tensor random_words_cpu(const at::Tensor& seed, int64_t offset, int64_t start, int64_t count,
+                            bool kernels) {
   TORCH_CHECK(start >= 0 && count >= 0, "lpsim: start and count must be >= 0");
   const RandomSpec r = random_spec(32, seed, offset);
   const PhiloxKey key = make_philox_key(r.seed, r.offset);
@@ -244,6 +248,10 @@ at::Tensor random_words_cpu(const at::Tensor& seed, int64_t offset, int64_t star
   int64_t cached = -1;
   for (int64_t i = 0; i < count; ++i) {
     const int64_t index = start + i;
+    if (!kernels) {
+      w[i] = random_word(static_cast<uint64_t>(index), key);
+      continue;
+    }
     if (index / kGroupSize != cached) {
       cached = index / kGroupSize;
       cpu::philox_group(static_cast<uint64_t>(cached), key, group_words);
@@ -269,7 +277,7 @@ TORCH_LIBRARY(lpsim, m) {
   def(std::string("quantize_block(Tensor x, ") + block_args + ") -> Tensor");
   def(std::string("quantize_block_(Tensor(a!) x, ") + block_args + ") -> ()");
   def(std::string("quantize_block_out(Tensor x, ") + block_args + ", *, Tensor(a!) out) -> ()");
-  m.def("random_words(Tensor seed, int offset, int start, int count) -> Tensor");
+  m.def("random_words(Tensor seed, int offset, int start, int count, bool kernels) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lpsim, CPU, m) {

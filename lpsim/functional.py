@@ -35,8 +35,8 @@ def _seed_tensor(seed: int | None, rounding: Rounding) -> torch.Tensor:
     """The seed as the ops take it: a one-element int64 CPU tensor holding the 64 seed bits."""
     if not rounding.is_stochastic:
         return _NO_SEED
-    if seed is None:
-        return torch.empty((), dtype=torch.int64).random_()
+    if seed is None:  # 63 random bits from torch's default CPU generator
+        return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
     if not 0 <= seed < _MAX_SEED:

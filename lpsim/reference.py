@@ -13,6 +13,7 @@ Use ``quantize(x, fmt, rounding, rbits=..., seed=..., offset=...)`` exactly like
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -52,12 +53,15 @@ def random_word(seed: int, offset: int, index: int) -> int:
     """The 32-bit random word of element ``index`` (row-major position) under (seed, offset)."""
     group, rest = divmod(index, GROUP_SIZE)
     word, lane = divmod(rest, GROUP_COUNTERS)
-    counter = group * GROUP_COUNTERS + lane
-    out = philox4x32_10(
+    return _counter_words(group * GROUP_COUNTERS + lane, seed, offset)[word]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _counter_words(counter: int, seed: int, offset: int) -> tuple[int, ...]:
+    return philox4x32_10(
         (counter & _MASK32, counter >> 32, offset & _MASK32, offset >> 32),
         (seed & _MASK32, seed >> 32),
     )
-    return out[word]
 
 
 def _floor_log2(m: Fraction) -> int:

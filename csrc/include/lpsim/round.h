@@ -104,10 +104,16 @@ LPSIM_FN typename C::word round_to_grid(typename C::word u, const Grid<C>& g, ui
   const int32_t eb = max_of(field, int32_t(1));
   const W sig = (a & C::man_mask) | (W(min_of(field, int32_t(1))) << kMan);
 
-  // How many low bits of sig lie below the grid's quantum. It is >= 0: keep <= kMan, and the
-  // grid's finest spacing is representable in the container.
-  const int32_t low = select(field < g.flush_below, g.flush_below, g.qmin);
-  const int32_t shift = max_of(int32_t(kMan - g.keep), low + kMan - eb);
+  // The leading one of sig is bit `top` (kMan for normal values, lower for subnormals), so x's
+  // biased exponent is `exponent` (<= 0 for subnormals). A format's normal range may reach below
+  // the container's (e5m2fnuz in float16): precision is counted from the leading one.
+  const int32_t top = top_bit(sig);
+  const int32_t exponent = eb + top - kMan;
+
+  // How many low bits of sig lie below the grid's quantum: the quantum is 2^(exponent - keep), or
+  // 2^low if coarser. It is >= 0 since the grid's finest spacing is representable in the container.
+  const int32_t low = select(exponent < g.flush_below, g.flush_below, g.qmin);
+  const int32_t shift = max_of(top - g.keep, low + kMan - eb);
 
   // `aligned` has the last kept bit of sig at the top and the discarded bits below it, so
   // `discarded` = floor(frac * 2^kBits), frac being the discarded fraction of the quantum (0 for

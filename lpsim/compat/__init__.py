@@ -1,0 +1,1 @@
+"""Drop-in names of other libraries, on top of lpsim's formats and kernels."""

@@ -1,0 +1,63 @@
+"""Helpers shared by the tests: bit-exact comparison and structured test inputs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_INT_VIEW = {
+    torch.float64: torch.int64,
+    torch.float32: torch.int32,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
+
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def assert_same_bits(got: torch.Tensor, want: torch.Tensor, context: str = "") -> None:
+    """got and want have the same dtype, shape and bits, except that any NaN matches any NaN.
+    Signed zeros are told apart. The message shows the first differing elements."""
+    assert got.dtype == want.dtype, f"{context}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{context}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    got_c, want_c = got.detach().cpu().contiguous(), want.detach().cpu().contiguous()
+    nan_got, nan_want = torch.isnan(got_c), torch.isnan(want_c)
+    view = _INT_VIEW[got.dtype]
+    same = (got_c.view(view) == want_c.view(view)) | (nan_got & nan_want)
+    if not bool(same.all()):
+        bad = (~same).flatten().nonzero().flatten()[:8].tolist()
+        g, w = got_c.flatten(), want_c.flatten()
+        rows = ", ".join(f"[{i}] got {g[i].item()!r} want {w[i].item()!r}" for i in bad)
+        raise AssertionError(f"{context}: {int((~same).sum())} elements differ: {rows}")
+
+
+def next_up(x: torch.Tensor) -> torch.Tensor:
+    return torch.nextafter(x, torch.full_like(x, math.inf))
+
+
+def next_down(x: torch.Tensor) -> torch.Tensor:
+    return torch.nextafter(x, torch.full_like(x, -math.inf))
+
+
+def specials(dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan], dtype=dtype)
+
+
+def neighbourhood(values: torch.Tensor, dtype: torch.dtype = torch.float32,
+                  beyond: float | None = None) -> torch.Tensor:
+    """Inputs that exercise every rounding decision of a format whose finite values (ascending,
+    float64) are ``values``: each value, the midpoint of each pair of neighbours, and the container
+    values just below and above each midpoint and each value; then the region past the largest
+    value up to ``beyond`` (default: three largest spacings past it), and +/-0, +/-Inf, NaN.
+    Everything is rounded into the container ``dtype`` first, so ties are exact ties whenever the
+    container holds them."""
+    v = values.to(torch.float64)
+    mids = (v[1:] + v[:-1]) / 2
+    top = v[-1].item()
+    step = (v[-1] - v[-2]).item()
+    far = beyond if beyond is not None else top + 3 * step
+    tail = torch.linspace(top, far, 16, dtype=torch.float64)
+    points = torch.cat([v, mids, tail, -tail]).to(dtype)
+    around = torch.cat([points, next_up(points), next_down(points)])
+    return torch.cat([around, specials(dtype)])

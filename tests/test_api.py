@@ -1,0 +1,125 @@
+"""The functional API: shapes, strides, empty and 0-d tensors, in place and out=, dtypes, the
+QPyTorch-named wrappers, and the straight-through gradient."""
+
+import pytest
+import torch
+
+import lpsim
+from lpsim import BlockFloat, Fixed, Float
+from lpsim import reference as ref
+from support import DTYPES, assert_same_bits
+
+FORMATS = [Float(5, 2), Fixed(8, 4), BlockFloat(6), BlockFloat(6, 1), BlockFloat(6, block_size=5)]
+RULES = ["nearest", "stochastic"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=repr)
+@pytest.mark.parametrize("rule", RULES)
+def test_non_contiguous_input_gives_the_result_of_its_contiguous_copy(fmt, rule):
+    base = torch.randn(12, 20, 6) * 8
+    for view in (base.transpose(0, 1), base[:, ::3, 1:5], base.permute(2, 0, 1),
+                 base.expand(2, 12, 20, 6)[1]):
+        got = lpsim.quantize(view, fmt, rule, seed=3)
+        assert got.shape == view.shape and got.is_contiguous()
+        assert_same_bits(got, lpsim.quantize(view.contiguous(), fmt, rule, seed=3), repr(fmt))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=repr)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_output_has_the_dtype_and_shape_of_the_input(fmt, dtype):
+    if isinstance(fmt, Fixed) and dtype == torch.bfloat16:
+        fmt = Fixed(8, 4)
+    x = (torch.randn(3, 4, 5) * 4).to(dtype)
+    y = lpsim.quantize(x, fmt, "nearest")
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_same_bits(y, ref.quantize(x, fmt, "nearest"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=repr)
+@pytest.mark.parametrize("shape", [(0,), (3, 0, 4), ()], ids=["empty", "empty-3d", "0-d"])
+def test_empty_and_zero_dimensional_tensors(fmt, shape):
+    if isinstance(fmt, BlockFloat) and fmt.dim == 1 and len(shape) < 2:
+        fmt = BlockFloat(fmt.wl, 0)
+    x = torch.randn(shape) * 3
+    y = lpsim.quantize(x, fmt, "stochastic", seed=1)
+    assert y.shape == x.shape
+    assert_same_bits(y, ref.quantize(x, fmt, "stochastic", seed=1))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=repr)
+@pytest.mark.parametrize("rule", RULES)
+def test_in_place_equals_out_of_place(fmt, rule):
+    x = torch.randn(9, 31) * 5
+    want = lpsim.quantize(x, fmt, rule, seed=21)
+    contiguous = x.clone()
+    assert lpsim.quantize_(contiguous, fmt, rule, seed=21) is contiguous
+    assert_same_bits(contiguous, want)
+    # A non-contiguous tensor is rounded in place through a contiguous copy.
+    strided = x.t().contiguous().t()
+    lpsim.quantize_(strided, fmt, rule, seed=21)
+    assert_same_bits(strided, want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=repr)
+def test_out_receives_the_result(fmt):
+    x = torch.randn(7, 10) * 5
+    want = lpsim.quantize(x, fmt, "stochastic", seed=2)
+    out = torch.empty_like(x)
+    assert lpsim.quantize(x, fmt, "stochastic", seed=2, out=out) is out
+    assert_same_bits(out, want)
+    strided_out = torch.empty(10, 7).t()
+    lpsim.quantize(x, fmt, "stochastic", seed=2, out=strided_out)
+    assert_same_bits(strided_out, want)
+
+
+def test_block_dims_count_from_the_end():
+    x = torch.randn(4, 5, 6)
+    for d in range(-3, 3):
+        assert_same_bits(lpsim.quantize(x, BlockFloat(5, d)),
+                         lpsim.quantize(x, BlockFloat(5, d % 3)))
+
+
+def test_qtorch_named_wrappers_equal_quantize_with_a_format():
+    x = torch.randn(100) * 10
+    kw = dict(seed=4)
+    assert_same_bits(lpsim.float_quantize(x, 5, 2, "stochastic", **kw),
+                     lpsim.quantize(x, Float(5, 2), "stochastic", **kw))
+    assert_same_bits(lpsim.float_quantize(x, exp=4, man=3, rounding="nearest", special="fn"),
+                     lpsim.quantize(x, Float(4, 3, special="fn")))
+    assert_same_bits(lpsim.fixed_point_quantize(x, 8, 4, rounding="stochastic", **kw),
+                     lpsim.quantize(x, Fixed(8, 4), "stochastic", **kw))
+    assert_same_bits(lpsim.fixed_point_quantize(x, wl=8, fl=4, clamp=False, symmetric=True),
+                     lpsim.quantize(x, Fixed(8, 4, clamp=False, symmetric=True)))
+    x2 = x.view(10, 10)
+    assert_same_bits(lpsim.block_quantize(x2, 6, dim=0, rounding="stochastic", **kw),
+                     lpsim.quantize(x2, BlockFloat(6, 0), "stochastic", **kw))
+    assert_same_bits(lpsim.block_quantize(x2, 6, block_size=4),
+                     lpsim.quantize(x2, BlockFloat(6, block_size=4)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=repr)
+def test_gradient_is_straight_through(fmt):
+    x = (torch.randn(6, 7) * 3).requires_grad_()
+    upstream = torch.randn(6, 7)
+    lpsim.quantize(x, fmt, "stochastic", seed=1).backward(upstream)
+    assert torch.equal(x.grad, upstream)
+
+
+def test_rounding_accepts_the_enum():
+    x = torch.randn(50)
+    assert_same_bits(lpsim.quantize(x, Float(5, 2), lpsim.Rounding.up),
+                     lpsim.quantize(x, Float(5, 2), "up"))
+
+
+@pytest.mark.skipif(
+    int(open("/proc/meminfo").read().split("MemAvailable:")[1].split()[0]) < 14 * 2**20,
+    reason="needs 14 GiB of free memory",
+)
+def test_more_than_two_to_the_31_elements_are_indexed_with_64_bits():
+    n = 2**31 + 4099
+    x = torch.full((n,), 1.1, dtype=torch.float16)
+    x[-3:] = torch.tensor([3.3, -7.0, 1e-3], dtype=torch.float16)
+    lpsim.quantize_(x, Float(5, 2), "nearest")
+    assert x[-3:].tolist() == [3.5, -7.0, 0.0009765625]
+    assert x[0].item() == 1.0 and x[2**31].item() == 1.0
+    del x

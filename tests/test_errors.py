@@ -1,0 +1,87 @@
+"""Bad input raises a clear exception that names the parameter and the allowed range: never a
+crash, a hang, or silently wrong numbers."""
+
+import pytest
+import torch
+
+import lpsim
+from lpsim import BlockFloat, Float, Rounding
+
+X = torch.randn(4, 3)
+
+
+@pytest.mark.parametrize(
+    "call,error,pattern",
+    [
+        (lambda: lpsim.quantize(torch.arange(4), Float(5, 2)), TypeError,
+         r"x must be a float32, float64, bfloat16 or float16 tensor, got torch.int64"),
+        (lambda: lpsim.quantize(torch.ones(3, dtype=torch.bool), Float(5, 2)), TypeError,
+         r"got torch.bool"),
+        (lambda: lpsim.quantize(torch.ones(3, dtype=torch.complex64), Float(5, 2)), TypeError,
+         r"got torch.complex64"),
+        (lambda: lpsim.quantize(torch.ones(3).to(torch.float8_e5m2), Float(3, 1)), TypeError,
+         r"got torch.float8_e5m2"),
+        (lambda: lpsim.quantize([1.0, 2.0], Float(5, 2)), TypeError, r"x must be a torch.Tensor"),
+        (lambda: lpsim.quantize(X, "e5m2"), TypeError, r"fmt must be a Float, Fixed or BlockFloat"),
+        (lambda: lpsim.quantize(X, Float(5, 2), "round"), ValueError,
+         r"rounding must be one of 'nearest', .*'stochastic_equal'; got 'round'"),
+        (lambda: lpsim.quantize(X, Float(5, 2), 3), TypeError, r"rounding must be a str"),
+        (lambda: lpsim.quantize(X, Float(5, 2), "stochastic", rbits=0), ValueError,
+         r"rbits must be in \[1, 32\], got 0"),
+        (lambda: lpsim.quantize(X, Float(5, 2), "stochastic", rbits=33), ValueError,
+         r"rbits must be in \[1, 32\], got 33"),
+        (lambda: lpsim.quantize(X, Float(5, 2), "stochastic", rbits=4.0), TypeError,
+         r"rbits must be an int"),
+        (lambda: lpsim.quantize(X, Float(5, 2), "nearest", rbits=4), ValueError,
+         r"rbits applies to the stochastic rules only"),
+        (lambda: lpsim.quantize(X, Float(5, 2), "stochastic", seed=-1), ValueError,
+         r"seed must be in \[0, 2\*\*64\)"),
+        (lambda: lpsim.quantize(X, Float(5, 2), "stochastic", seed=2**64), ValueError,
+         r"seed must be in \[0, 2\*\*64\)"),
+        (lambda: lpsim.quantize(X, Float(5, 2), "stochastic", seed="1"), TypeError,
+         r"seed must be an int or None"),
+        (lambda: lpsim.quantize(X, Float(5, 2), "stochastic", seed=1, offset=-2), ValueError,
+         r"offset must be in \[0, 2\*\*64\)"),
+        (lambda: lpsim.quantize(X, BlockFloat(8, 2)), IndexError,
+         r"BlockFloat.dim must be in \[-2, 1\] for a tensor of 2 dimensions, got 2"),
+        (lambda: lpsim.quantize(X, BlockFloat(8, -3)), IndexError, r"got -3"),
+        (lambda: lpsim.quantize(X, Float(5, 2), out=torch.empty(3, 4)), RuntimeError,
+         r"out must have the shape of x"),
+        (lambda: lpsim.quantize(X, Float(5, 2), out=torch.empty(4, 3, dtype=torch.float64)),
+         RuntimeError, r"out must have the dtype of x"),
+        (lambda: lpsim.quantize(X, Float(5, 2), out=X.numpy()), TypeError,
+         r"out must be a torch.Tensor"),
+        (lambda: lpsim.quantize(X.half(), Float(8, 7)), ValueError,
+         r"does not fit a float16 tensor"),
+        (lambda: Rounding.parse(None), TypeError, r"rounding must be a str"),
+    ],
+)
+def test_bad_input_raises_a_clear_error(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+def test_the_ops_check_their_arguments_when_called_directly():
+    ops = torch.ops.lpsim
+    seed = torch.tensor(0)
+    args = (2, -16, -14, True, 57344.0, 57344.0, False, True, False)
+    with pytest.raises(RuntimeError, match=r"rounding code must be in \[0, 10\)"):
+        ops.quantize_grid(X, *args, 10, 32, seed, 0)
+    with pytest.raises(RuntimeError, match=r"rbits must be in \[1, 32\]"):
+        ops.quantize_grid(X, *args, 8, 0, seed, 0)
+    with pytest.raises(RuntimeError, match="seed must be a one-element int64 CPU tensor"):
+        ops.quantize_grid(X, *args, 8, 32, torch.tensor(0.5), 0)
+    with pytest.raises(RuntimeError, match="largest values are not representable"):
+        ops.quantize_grid(X, 2, -16, -14, True, 1.0 + 2.0**-30, 57344.0, False, True, False, 0, 32, seed, 0)
+    with pytest.raises(RuntimeError, match="smallest spacing is not representable"):
+        ops.quantize_grid(X, 2, -200, -14, True, 57344.0, 57344.0, False, True, False, 0, 32, seed, 0)
+    with pytest.raises(RuntimeError, match=r"wl must be in \[2, 25\] for a Float container"):
+        ops.quantize_block(X, 26, None, None, 0, 32, seed, 0)
+    with pytest.raises(IndexError, match="dim 2 does not exist"):
+        ops.quantize_block(X, 8, 2, None, 0, 32, seed, 0)
+    with pytest.raises(RuntimeError, match="block_size must be >= 1"):
+        ops.quantize_block(X, 8, None, 0, 0, 32, seed, 0)
+    with pytest.raises(RuntimeError, match="give dim or block_size, not both"):
+        ops.quantize_block(X, 8, 0, 4, 0, 32, seed, 0)
+    with pytest.raises(TypeError, match="x must be a float32, float64, bfloat16 or float16"):
+        ops.quantize_grid(torch.arange(3), *args, 0, 32, seed, 0)

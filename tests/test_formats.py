@@ -1,0 +1,197 @@
+"""Formats: validation with clear messages, derived facts equal to numpy.finfo-style references
+(ml_dtypes, torch.finfo), values() equal to enumerations of other libraries' codes, and the fit to
+each container."""
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import lpsim
+from lpsim import BlockFloat, Fixed, Float
+from lpsim.formats import PRESETS, check_fits, preset
+
+ML_DTYPES = {
+    "e3m4": ml_dtypes.float8_e3m4,
+    "e4m3": ml_dtypes.float8_e4m3,
+    "e4m3fn": ml_dtypes.float8_e4m3fn,
+    "e5m2": ml_dtypes.float8_e5m2,
+    "e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+    "e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
+    "e2m3fn": ml_dtypes.float6_e2m3fn,
+    "e3m2fn": ml_dtypes.float6_e3m2fn,
+    "e2m1fn": ml_dtypes.float4_e2m1fn,
+    "bfloat16": ml_dtypes.bfloat16,
+}
+
+TORCH_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "e4m3fn": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+    "e4m3fnuz": torch.float8_e4m3fnuz,
+    "e5m2fnuz": torch.float8_e5m2fnuz,
+}
+
+
+@pytest.mark.parametrize("name", ML_DTYPES)
+def test_preset_facts_match_ml_dtypes_finfo(name):
+    fmt, info = preset(name), ml_dtypes.finfo(ML_DTYPES[name])
+    assert fmt.max == float(info.max)
+    assert fmt.smallest_normal == float(info.smallest_normal)
+    assert fmt.smallest_subnormal == float(info.smallest_subnormal)
+    assert fmt.eps == float(info.eps)
+    assert fmt.bits == info.bits
+
+
+@pytest.mark.parametrize("name", TORCH_DTYPES)
+def test_preset_facts_match_torch_finfo(name):
+    fmt, info = preset(name), torch.finfo(TORCH_DTYPES[name])
+    assert fmt.max == info.max
+    assert fmt.smallest_normal == info.smallest_normal
+    assert fmt.bits == info.bits
+    # torch 2.14 reports eps = 0.125 for float8_e5m2fnuz, although the format has two fraction
+    # bits (1.0 is followed by 1.25; ml_dtypes says 0.25): eps is checked against values() below.
+    if name != "e5m2fnuz":
+        assert fmt.eps == info.eps
+
+
+@pytest.mark.parametrize("name", [n for n, f in PRESETS.items() if f.bits <= 16])
+def test_eps_is_the_spacing_above_one(name):
+    v = preset(name).values()
+    above_one = v[v > 1.0]
+    assert above_one.min().item() - 1.0 == preset(name).eps
+
+
+def _finite_values_of_codes(dtype, bits: int) -> list[float]:
+    codes = np.arange(2**bits, dtype=np.uint16 if bits > 8 else np.uint8)
+    values = codes.view(dtype).astype(np.float64)
+    return sorted({float(v) for v in values if np.isfinite(v)} - {-0.0} | {0.0})
+
+
+@pytest.mark.parametrize("name", [n for n in ML_DTYPES if n != "bfloat16"])
+def test_values_enumerate_every_ml_dtypes_code(name):
+    fmt = preset(name)
+    assert fmt.values().tolist() == _finite_values_of_codes(ML_DTYPES[name], fmt.bits)
+
+
+@pytest.mark.parametrize("name,dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16)])
+def test_values_enumerate_every_torch_code(name, dtype):
+    codes = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype).double()
+    finite = sorted(set(codes[torch.isfinite(codes)].tolist()))
+    assert preset(name).values().tolist() == finite
+
+
+def test_values_are_ascending_and_unique_for_every_small_preset():
+    for name, fmt in PRESETS.items():
+        if fmt.bits <= 16:
+            v = fmt.values()
+            assert bool((v[1:] > v[:-1]).all()), name
+            assert v[-1].item() == fmt.max, name
+
+
+def test_qtorch_convention_presets_have_the_extra_binade():
+    # QPyTorch treats the top exponent code as finite: e5m2 reaches 114688, e4m3 480.
+    assert preset("e5m2_qtorch").max == 114688.0
+    assert preset("e4m3_qtorch").max == 480.0
+    assert preset("e5m2").max == 57344.0
+
+
+@pytest.mark.parametrize(
+    "kwargs,smallest,largest",
+    [
+        (dict(wl=8, fl=4), -8.0, 127 / 16),
+        (dict(wl=8, fl=4, symmetric=True), -127 / 16, 127 / 16),
+        (dict(wl=8, fl=4, signed=False), 0.0, 255 / 16),
+        (dict(wl=4, fl=-2), -32.0, 28.0),
+    ],
+)
+def test_fixed_range_and_values(kwargs, smallest, largest):
+    fmt = Fixed(**kwargs)
+    v = fmt.values()
+    assert (fmt.min, fmt.max) == (smallest, largest)
+    assert (v[0].item(), v[-1].item()) == (smallest, largest)
+    assert torch.equal(v[1:] - v[:-1], torch.full((v.numel() - 1,), fmt.eps, dtype=torch.float64))
+
+
+def test_block_float_facts_are_those_of_a_block_with_exponent_zero():
+    fmt = BlockFloat(4)
+    assert fmt.max == 1.75 and fmt.eps == 0.25 and fmt.smallest_normal == 1.0
+    assert fmt.values().tolist() == [k / 4 for k in range(-7, 8)]
+
+
+def test_float_without_subnormals_has_no_values_below_the_smallest_normal():
+    fmt = Float(3, 2, subnormals=False)
+    positive = fmt.values()[fmt.values() > 0]
+    assert positive.min().item() == fmt.smallest_normal == fmt.smallest_subnormal
+
+
+@pytest.mark.parametrize(
+    "make,error,pattern",
+    [
+        (lambda: Float(5.0, 2), TypeError, r"Float\.exp must be an int"),
+        (lambda: Float(True, 2), TypeError, r"Float\.exp must be an int"),
+        (lambda: Float(0, 2), ValueError, r"Float\.exp must be in \[1, 11\]"),
+        (lambda: Float(12, 2), ValueError, r"Float\.exp must be in \[1, 11\]"),
+        (lambda: Float(1, 2), ValueError, r"Float\.exp must be >= 2 with special='ieee'"),
+        (lambda: Float(5, -1), ValueError, r"Float\.man must be in \[0, 52\]"),
+        (lambda: Float(5, 53), ValueError, r"Float\.man must be in \[0, 52\]"),
+        (lambda: Float(5, 2, special="ocp"), ValueError, r"Float\.special must be one of"),
+        (lambda: Float(5, 2, bias=1.5), TypeError, r"Float\.bias must be an int"),
+        (lambda: Float(5, 2, saturate=1), TypeError, r"Float\.saturate must be a bool"),
+        (lambda: Float(5, 2, subnormals="yes"), TypeError, r"Float\.subnormals must be a bool"),
+        (lambda: Float(11, 52, bias=0), ValueError, r"does not fit even a float64 container"),
+        (lambda: Fixed(1, 0), ValueError, r"Fixed\.wl must be in \[2, 64\]"),
+        (lambda: Fixed(8, 2.5), TypeError, r"Fixed\.fl must be an int"),
+        (lambda: Fixed(60, 0), ValueError, r"does not fit even a float64 container"),
+        (lambda: Fixed(8, 4, signed=False, symmetric=True), ValueError, r"symmetric applies to signed"),
+        (lambda: BlockFloat(1), ValueError, r"BlockFloat\.wl must be in \[2, 54\]"),
+        (lambda: BlockFloat(8, 0, block_size=32), ValueError, r"dim or block_size, not both"),
+        (lambda: BlockFloat(8, block_size=0), ValueError, r"BlockFloat\.block_size must be in"),
+        (lambda: BlockFloat(8, dim=1.0), TypeError, r"BlockFloat\.dim must be an int"),
+        (lambda: preset("fp8"), ValueError, r"no preset named 'fp8'; presets: float32"),
+    ],
+)
+def test_bad_format_fields_raise_naming_the_field(make, error, pattern):
+    with pytest.raises(error, match=pattern):
+        make()
+
+
+@pytest.mark.parametrize(
+    "fmt,dtype,pattern",
+    [
+        (Float(8, 7), torch.float16, r"does not fit a float16 tensor: its largest exponent is 127.*use a float32 or float64 or bfloat16 tensor|does not fit a float16 tensor"),
+        (Float(5, 10), torch.bfloat16, r"has 10 fraction bits, the container 7"),
+        (Float(8, 23), torch.bfloat16, r"use a float32 or float64 tensor"),
+        (Fixed(26, 4), torch.float32, r"integers need 25 significant bits, the container has 24"),
+        (Fixed(8, 160), torch.float32, r"spacing 2\*\*-160 is below the container's smallest subnormal"),
+        (BlockFloat(10), torch.bfloat16, r"wl is 10, the container holds at most 9"),
+    ],
+)
+def test_format_too_wide_for_the_container_raises(fmt, dtype, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        check_fits(fmt, dtype)
+    with pytest.raises(ValueError, match=pattern):
+        lpsim.quantize(torch.zeros(3, dtype=dtype), fmt)
+
+
+def test_values_refuses_formats_wider_than_16_bits():
+    with pytest.raises(ValueError, match="at most 16 bits"):
+        Float(8, 23).values()
+
+
+def test_repr_lists_only_what_differs_from_the_defaults():
+    assert repr(Float(5, 2)) == "Float(exp=5, man=2)"
+    assert repr(Float(4, 3, special="fnuz")) == "Float(exp=4, man=3, special='fnuz')"
+    assert repr(Float(5, 2, bias=12)) == "Float(exp=5, man=2, bias=12)"
+    assert repr(Fixed(8, 4, clamp=False)) == "Fixed(wl=8, fl=4, clamp=False)"
+    assert repr(BlockFloat(8, block_size=32)) == "BlockFloat(wl=8, dim=None, block_size=32)"
+
+
+def test_formats_are_hashable_values():
+    assert Float(5, 2) == Float(5, 2, bias=15)
+    assert len({Float(5, 2), Float(5, 2, bias=15), Fixed(8, 4)}) == 2
+    assert math.isinf(Fixed(8, 4, clamp=False).grid().pos_limit)

@@ -1,0 +1,94 @@
+"""docs/migrating-from-qtorch.md, checked against QPyTorch 0.3.0's own CPU kernels: each claimed
+behaviour is observed, and lpsim.compat.qtorch agrees with QPyTorch everywhere except on the
+documented differences (exact ties, NaN)."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from lpsim.compat import qtorch as compat
+from support import assert_same_bits
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    qq = pytest.importorskip("qtorch.quant")  # compiles its CPU kernels on first import
+
+
+def test_qtorch_float_nearest_ties_away_and_lpsim_ties_to_even():
+    ties = torch.tensor([1.125, 1.375, -1.125, 3.5])
+    assert qq.float_quantize(ties, 5, 2, "nearest").tolist() == [1.25, 1.5, -1.25, 3.5]
+    assert compat.float_quantize(ties, 5, 2, "nearest").tolist() == [1.0, 1.5, -1.0, 3.5]
+
+
+def test_qtorch_float_range_saturation_and_specials():
+    x = torch.tensor([1e6, -1e6, math.inf, -math.inf, math.nan, 100000.0])
+    assert qq.float_quantize(x, 5, 2, "nearest").tolist() == [114688.0, -114688.0, 114688.0,
+                                                               -114688.0, 114688.0, 98304.0]
+    got = compat.float_quantize(x, 5, 2, "nearest")
+    assert got[:4].tolist() == [114688.0, -114688.0, 114688.0, -114688.0]
+    assert math.isnan(got[4].item()) and got[5].item() == 98304.0
+
+
+def test_qtorch_exponent_8_behaves_as_ieee_and_man_23_flips_signs():
+    x = torch.tensor([3.3e38, math.inf, -math.inf, 1.0])
+    assert qq.float_quantize(x, 8, 7, "nearest")[1:].tolist() == [math.inf, -math.inf, 1.0]
+    assert compat.float_quantize(x, 8, 7, "nearest")[1:].tolist() == [math.inf, -math.inf, 1.0]
+    assert qq.float_quantize(x, 8, 23, "nearest")[3].item() == -1.0  # QPyTorch's sign flip
+    assert_same_bits(compat.float_quantize(x, 8, 23, "nearest"), x)
+
+
+def test_qtorch_fixed_point_ties_to_even_on_cpu_and_block_ties_toward_plus_inf():
+    assert qq.fixed_point_quantize(torch.tensor([0.125, 0.375, -0.125]), 8, 2,
+                                   rounding="nearest").tolist() == [0.0, 0.5, -0.0]
+    block = torch.tensor([4.0, 0.5, 1.5, -0.5, -1.5])  # spacing 1: every other value is a tie
+    assert qq.block_quantize(block, 4, -1, "nearest").tolist() == [4.0, 1.0, 2.0, 0.0, -1.0]
+    assert compat.block_quantize(block, 4, -1, "nearest").tolist() == [4.0, 0.0, 2.0, -0.0, -2.0]
+
+
+def test_qtorch_stochastic_rounding_ignores_torch_manual_seed():
+    x = torch.full((64,), 1.1)
+    torch.manual_seed(0)
+    a = qq.float_quantize(x, 5, 2, "stochastic")
+    torch.manual_seed(0)
+    b = qq.float_quantize(x, 5, 2, "stochastic")
+    assert not torch.equal(a, b)
+    torch.manual_seed(0)
+    c = compat.float_quantize(x, 5, 2)
+    torch.manual_seed(0)
+    assert torch.equal(c, compat.float_quantize(x, 5, 2))
+
+
+def _no_ties(x: torch.Tensor, spacing_of) -> torch.Tensor:
+    """x without the elements that lie exactly halfway between two neighbours."""
+    q = spacing_of(x)
+    return x[((x / q) - (x / q).floor()) != 0.5]
+
+
+@pytest.mark.parametrize("exp,man", [(5, 2), (4, 3), (8, 7), (5, 10), (3, 4)])
+def test_compat_float_agrees_with_qtorch_off_ties(exp, man):
+    g = torch.Generator().manual_seed(exp * 31 + man)
+    x = torch.randn(20000, generator=g) * torch.exp2(torch.randint(-20, 20, (20000,), generator=g).float())
+    x = x[x.abs() > 2.0 ** (2 - 2 ** (exp - 1) - man + 2)]  # QPyTorch's subnormal path is its own
+    emin = 2 - 2 ** (exp - 1)
+    x = _no_ties(x, lambda v: torch.exp2(torch.clamp(torch.floor(torch.log2(v.abs())), min=emin) - man))
+    assert_same_bits(compat.float_quantize(x, exp, man, "nearest"), qq.float_quantize(x, exp, man, "nearest"))
+
+
+@pytest.mark.parametrize("wl,fl,symmetric", [(8, 4, False), (8, 4, True), (12, 6, False)])
+def test_compat_fixed_point_agrees_with_qtorch(wl, fl, symmetric):
+    x = torch.randn(20000, generator=torch.Generator().manual_seed(wl + fl)) * 2 ** (wl - fl - 2)
+    assert_same_bits(compat.fixed_point_quantize(x, wl, fl, True, symmetric, "nearest"),
+                     qq.fixed_point_quantize(x, wl, fl, True, symmetric, "nearest"))
+
+
+@pytest.mark.parametrize("wl,dim", [(8, -1), (6, 0), (8, 1)])
+def test_compat_block_agrees_with_qtorch_off_ties(wl, dim):
+    x = torch.randn(64, 96, generator=torch.Generator().manual_seed(wl))
+    ours = compat.block_quantize(x, wl, dim, "nearest")
+    theirs = qq.block_quantize(x, wl, dim, "nearest")
+    differ = ours != theirs
+    # Differences are ties only: both results are one spacing apart around a midpoint input.
+    assert bool(((ours - theirs).abs()[differ] > 0).all())
+    assert differ.double().mean().item() < 1e-3
