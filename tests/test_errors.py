@@ -85,3 +85,12 @@ def test_the_ops_check_their_arguments_when_called_directly():
         ops.quantize_block(X, 8, 0, 4, 0, 32, seed, 0)
     with pytest.raises(TypeError, match="x must be a float32, float64, bfloat16 or float16"):
         ops.quantize_grid(torch.arange(3), *args, 0, 32, seed, 0)
+
+
+def test_import_without_the_built_extension_names_the_build_command():
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['lpsim._C'] = None\ntry:\n    import lpsim\nexcept ImportError as e:\n    print(e)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "pip install --no-build-isolation -e ." in out.stdout, out.stdout + out.stderr
