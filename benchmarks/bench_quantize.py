@@ -1,6 +1,7 @@
 """Throughput of lpsim's quantisation against references measured in the same run.
 
     python benchmarks/bench_quantize.py [--size 16777216] [--repeat 15] [--threads N]
+                                        [--gpu-size 268435456] [--gpu-repeat 50] [--no-cpu]
 
 CPU section: every op on a float32 tensor of --size elements, as the median time and its ratio to
 ``x.clone()`` (the memory-speed floor of an out-of-place op: one read, one allocation, one write).
@@ -9,6 +10,12 @@ stretch of time and drifts in machine load cancel. When qtorch (QPyTorch 0.3.0) 
 time for the same call is another column, with its own interleaved clone; its formats differ in
 details (see docs/migrating-from-qtorch.md) but the work is the same. torch's own casts are
 listed as further references.
+
+GPU section (when CUDA is available and lpsim was built with its CUDA kernels): every op on
+--gpu-size float32 elements (2^28 by default) written into a preallocated output, timed with CUDA
+events (median of --gpu-repeat runs after warm-up), as effective bandwidth (bytes read plus bytes
+written, counting each input and output once, over time) and as a fraction of a device-to-device
+copy of the same tensor measured in the same run; qtorch's CUDA kernels beside it when installed.
 """
 
 from __future__ import annotations
@@ -117,15 +124,92 @@ def run_cpu(size: int, repeat: int) -> None:
         print(row)
 
 
+def cuda_median_ms(fn, repeat: int) -> float:
+    """Median time of fn() in milliseconds, each run between two CUDA events, after warm-up."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def gpu_cases(qq):
+    """(name, lpsim call writing into out, qtorch call or None); x has 2^k elements."""
+    cases = []
+    for rule in ("nearest", "stochastic"):
+        for label, fmt, theirs in (
+            ("float e5m2", Float(5, 2), lambda x, r: qq.float_quantize(x, 5, 2, rounding=r)),
+            ("float bfloat16", Float(8, 7), lambda x, r: qq.float_quantize(x, 8, 7, rounding=r)),
+            ("fixed <8,4>", Fixed(8, 4), lambda x, r: qq.fixed_point_quantize(x, 8, 4, rounding=r)),
+            ("block 8 tensor", BlockFloat(8), lambda x, r: qq.block_quantize(x, 8, -1, rounding=r)),
+            ("block 8 size=32", BlockFloat(8, block_size=32), None),
+        ):
+            cases.append((
+                f"{label} {rule}",
+                lambda x, out, f=fmt, r=rule: lpsim.quantize(x, f, r, seed=1, out=out),
+                (lambda x, t=theirs, r=rule: t(x, r)) if (qq and theirs) else None,
+            ))
+        cases.append((
+            f"block 8 dim=0 {rule}",
+            lambda x, out, r=rule: lpsim.quantize(x.view(4096, -1), BlockFloat(8, 0), r, seed=1,
+                                                  out=out.view(4096, -1)),
+            (lambda x, r=rule: qq.block_quantize(x.view(4096, -1), 8, 0, rounding=r)) if qq else None,
+        ))
+    return cases
+
+
+def run_gpu(size: int, repeat: int) -> None:
+    x = torch.randn(size, device="cuda")
+    out = torch.empty_like(x)
+    qq = load_qtorch()
+    bytes_moved = 2 * x.numel() * x.element_size()  # one read, one write
+    copy_ms = cuda_median_ms(lambda: out.copy_(x), repeat)
+    copy_gbs = bytes_moved / copy_ms / 1e6
+    print(f"GPU: {torch.cuda.get_device_name()}, {size} float32 elements, CUDA events, "
+          f"medians of {repeat}")
+    print(f"device-to-device copy: {copy_ms:.3f} ms, {copy_gbs:.0f} GB/s (the 100% reference)")
+    header = f"{'op':28s} {'lpsim ms':>9s} {'GB/s':>7s} {'of copy':>8s}"
+    if qq:
+        header += f" {'qtorch ms':>10s} {'GB/s':>7s} {'of copy':>8s} {'qtorch/lpsim':>13s}"
+    print(header)
+    print("-" * len(header))
+    for name, ours, theirs in gpu_cases(qq):
+        t = cuda_median_ms(lambda: ours(x, out), repeat)
+        row = f"{name:28s} {t:9.3f} {bytes_moved / t / 1e6:7.0f} {copy_ms / t:7.0%}"
+        if qq:
+            if theirs is None:
+                row += f" {'-':>10s} {'-':>7s} {'-':>8s} {'-':>13s}"
+            else:
+                q = cuda_median_ms(lambda: theirs(x), max(5, repeat // 5))
+                row += f" {q:10.3f} {bytes_moved / q / 1e6:7.0f} {copy_ms / q:7.0%} {q / t:12.1f}x"
+        print(row)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=2**24)
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--gpu-size", type=int, default=2**28)
+    parser.add_argument("--gpu-repeat", type=int, default=50)
+    parser.add_argument("--no-cpu", action="store_true", help="run the GPU section only")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    run_cpu(args.size, args.repeat)
+    if not args.no_cpu:
+        run_cpu(args.size, args.repeat)
+    if torch.cuda.is_available() and lpsim.cuda_built():
+        print()
+        run_gpu(args.gpu_size, args.gpu_repeat)
+    else:
+        print("\nGPU section skipped: no CUDA device, or lpsim built without its CUDA kernels.")
 
 
 if __name__ == "__main__":
