@@ -9,7 +9,7 @@ kernels round every element into a target format (Float, Fixed, BlockFloat) unde
     tensor([  1.0000,   1.0000,   1.2500, 320.0000])
 """
 
-from lpsim import formats
+from lpsim import formats, nn, optim
 from lpsim._ops import cpu_generator, cuda_built
 from lpsim.formats import PRESETS, BlockFloat, Fixed, Float, preset
 from lpsim.functional import (
@@ -31,6 +31,8 @@ __all__ = [
     "PRESETS",
     "preset",
     "formats",
+    "nn",
+    "optim",
     "quantize",
     "quantize_",
     "float_quantize",

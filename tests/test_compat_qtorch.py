@@ -64,3 +64,60 @@ def test_number_reprs_and_equality_follow_qtorch():
     assert repr(q.FixedPoint(8, 4)) == "FixedPoint (wl=8, fl=4)"
     assert repr(q.BlockFloatingPoint(8)) == "BlockFloatingPoint (wl=8, dim=-1)"
     assert q.FloatingPoint(5, 2) == q.FloatingPoint(5, 2) != q.FloatingPoint(4, 3)
+
+
+def _qtorch():
+    import warnings
+
+    import pytest
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pytest.importorskip("qtorch"), pytest.importorskip("qtorch.quant"), \
+            pytest.importorskip("qtorch.optim"), pytest.importorskip("qtorch.auto_low")
+
+
+def test_training_names_have_qtorch_signatures():
+    qtorch, quant, optim, auto_low = _qtorch()
+    pairs = [(q.quantizer, quant.quantizer), (q.Quantizer, quant.Quantizer),
+             (q.OptimLP, optim.OptimLP), (q.lower, auto_low.lower),
+             (q.sequential_lower, auto_low.sequential_lower),
+             (q.float_quantize, quant.float_quantize),
+             (q.fixed_point_quantize, quant.fixed_point_quantize),
+             (q.block_quantize, quant.block_quantize)]
+    for ours, theirs in pairs:
+        mine = [p for p in inspect.signature(ours).parameters.values() if p.kind != p.KEYWORD_ONLY]
+        names = list(inspect.signature(theirs).parameters)
+        assert [p.name for p in mine] == names, ours
+
+
+def test_lower_quantises_outputs_and_errors_of_the_named_layer_types():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    q.lower(model, ["activation"], q.FixedPoint(8, 6), q.FixedPoint(8, 6), "nearest", "nearest")
+    seen = []
+    model[2].register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    model(torch.randn(5, 6))
+    assert torch.equal(lpsim.quantize(seen[0], lpsim.Fixed(8, 6)), seen[0])
+    assert len(lpsim.nn.injected(model)) == 1  # only the ReLU (exact type match)
+
+
+def test_sequential_lower_wraps_a_copy_and_leaves_the_model_alone():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.Linear(4, 2)))
+    lowered = q.sequential_lower(model, ["linear"], q.FloatingPoint(5, 2))
+    assert isinstance(lowered[0], torch.nn.Sequential) and isinstance(lowered[0][1], q.Quantizer)
+    assert isinstance(lowered[1][0], torch.nn.Sequential)
+    assert isinstance(model[0], torch.nn.Linear)
+    x = torch.randn(3, 4)
+    out = lowered(x)
+    assert torch.equal(lpsim.quantize(out, q.FloatingPoint(5, 2).format), out)
+
+
+def test_optim_lp_takes_quantisation_functions():
+    model = torch.nn.Linear(4, 2)
+    weight_quant = q.quantizer(q.FloatingPoint(5, 2), forward_rounding="nearest")
+    opt = q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), weight_quant=weight_quant,
+                    grad_scaling=0.5)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    w = model.weight.detach()
+    assert torch.equal(lpsim.quantize(w, q.FloatingPoint(5, 2).format), w)

@@ -1,2 +1,18 @@
 """Quantisers for training: differentiable quantisation of activations and errors, modules, and
 injection of quantisers into existing models."""
+
+from lpsim.nn.inject import DEFAULT, LayerQuantization, inject, injected, remove, report
+from lpsim.nn.quantizer import QuantSpec, Quantizer, as_spec, quantizer
+
+__all__ = [
+    "quantizer",
+    "Quantizer",
+    "QuantSpec",
+    "as_spec",
+    "LayerQuantization",
+    "inject",
+    "remove",
+    "report",
+    "injected",
+    "DEFAULT",
+]

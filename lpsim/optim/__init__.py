@@ -1,1 +1,5 @@
 """Optimizers for low-precision training."""
+
+from lpsim.optim.optim_lp import OptimLP
+
+__all__ = ["OptimLP"]

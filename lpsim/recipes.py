@@ -1,0 +1,148 @@
+"""Named low-precision training recipes: what to quantise in a model and in its optimizer.
+
+A Recipe applies to any model and optimizer:
+
+    recipe = lpsim.recipes.IBM8
+    model, optimizer = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    loss = criterion(model(x), y)
+    (loss * recipe.loss_scale).backward()     # OptimLP divides the gradients by it again
+    optimizer.step()
+
+Every recipe keeps the model's first and last weight layers (the first and last Conv/Linear
+modules) in full precision, the usual practice, and quantises the rest:
+weights (fake-quantised in forward and rounded after every step), activations (every layer's
+outputs), errors (the gradients flowing back into those outputs), gradients, and the optimizer's
+state, with an optional high-precision weight accumulator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+from torch.optim import Optimizer
+
+from lpsim.formats import BlockFloat, Fixed, Float
+from lpsim.nn.inject import LayerQuantization, inject
+from lpsim.nn.quantizer import Spec
+from lpsim.optim.optim_lp import OptimLP
+
+__all__ = ["Recipe", "FP32", "BFLOAT16", "IBM8", "BLOCK8", "FIXED8", "FIXED8_ALL", "RECIPES",
+           "edge_layers"]
+
+WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+
+
+def edge_layers(model: nn.Module) -> list[str]:
+    """Names of the first and last weight layers (Conv/Linear) of the model."""
+    names = [n for n, m in model.named_modules() if isinstance(m, WEIGHT_LAYERS)]
+    return sorted({names[0], names[-1]}) if names else []
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A low-precision training recipe. Specs are None, a format, or (format, rounding).
+
+    Attributes:
+        name: short label.
+        weight, activation, error, grad, momentum, acc: what each category is rounded into.
+        loss_scale: multiply the loss by this before backward; the optimizer divides gradients by
+            it (OptimLP's grad_scaling) before quantising them.
+        keep_edges: keep the first and last weight layers in full precision.
+    """
+
+    name: str
+    weight: Spec = None
+    activation: Spec = None
+    error: Spec = None
+    grad: Spec = None
+    momentum: Spec = None
+    acc: Spec = None
+    loss_scale: float = 1.0
+    keep_edges: bool = True
+
+    @property
+    def quantises(self) -> bool:
+        return any(getattr(self, f) is not None for f in
+                   ("weight", "activation", "error", "grad", "momentum", "acc"))
+
+    def layers(self, model: nn.Module) -> dict:
+        """The inject() configuration of this recipe for model."""
+        config = {name: None for name in edge_layers(model)} if self.keep_edges else {}
+        config[WEIGHT_LAYERS] = LayerQuantization(weight=self.weight, output=self.activation,
+                                                  error=self.error)
+        config["default"] = LayerQuantization(output=self.activation, error=self.error)
+        return config
+
+    def apply(self, model: nn.Module, optimizer: Optimizer) -> tuple[nn.Module, Optimizer]:
+        """Inject the recipe into model (in place) and wrap optimizer; returns both."""
+        if not self.quantises:
+            return model, optimizer
+        inject(model, self.layers(model))
+        wrapped = OptimLP(optimizer, weight=self.weight, grad=self.grad, momentum=self.momentum,
+                          acc=self.acc, grad_scaling=1.0 / self.loss_scale)
+        return model, wrapped
+
+
+FP32 = Recipe("fp32")
+
+BFLOAT16 = Recipe(
+    "bfloat16",
+    weight=(Float(8, 7), "nearest"),
+    activation=(Float(8, 7), "nearest"),
+    error=(Float(8, 7), "nearest"),
+    grad=(Float(8, 7), "nearest"),
+    momentum=(Float(8, 7), "nearest"),
+)
+
+# After Sun et al., "Hybrid 8-bit floating point training and inference for deep neural networks"
+# (NeurIPS 2019) as in QPyTorch's IBM8 example: 8-bit e5m2 data with round-to-nearest, a 16-bit
+# e6m9 accumulator and momentum with stochastic rounding, and loss scaling.
+_E5M2 = Float(5, 2, saturate=True)
+IBM8 = Recipe(
+    "ibm8",
+    weight=(_E5M2, "nearest"),
+    activation=(_E5M2, "nearest"),
+    error=(_E5M2, "nearest"),
+    grad=(_E5M2, "nearest"),
+    momentum=(Float(6, 9), "stochastic"),
+    acc=(Float(6, 9), "stochastic"),
+    loss_scale=1000.0,
+)
+
+# 8-bit block floating point, one shared exponent per tensor, for all five categories
+# (the QPyTorch paper's Block8 recipe).
+BLOCK8 = Recipe(
+    "block8",
+    weight=(BlockFloat(8), "stochastic"),
+    activation=(BlockFloat(8), "stochastic"),
+    error=(BlockFloat(8), "stochastic"),
+    grad=(BlockFloat(8), "stochastic"),
+    momentum=(BlockFloat(8), "stochastic"),
+)
+
+# 8-bit fixed point with stochastic rounding: weights and gradients with 6 fractional bits,
+# activations with 4; errors stay in bfloat16 (fixed point cannot span their range without
+# per-layer scaling).
+FIXED8 = Recipe(
+    "fixed8",
+    weight=(Fixed(8, 6), "stochastic"),
+    activation=(Fixed(8, 4), "stochastic"),
+    error=(Float(8, 7), "stochastic"),
+    grad=(Fixed(8, 6), "stochastic"),
+    momentum=(Fixed(8, 6), "stochastic"),
+)
+
+# The counter-example: errors in 8-bit fixed point too. Their magnitudes (1e-2 to 1e-5 here) fall
+# below the 2^-6 spacing, so most of them round to zero (nearest) or to noise (stochastic), and
+# training slows to a crawl. This is why fixed-point recipes such as WAGE scale errors per layer.
+FIXED8_ALL = Recipe(
+    "fixed8-all",
+    weight=(Fixed(8, 6), "stochastic"),
+    activation=(Fixed(8, 4), "stochastic"),
+    error=(Fixed(8, 6), "stochastic"),
+    grad=(Fixed(8, 6), "stochastic"),
+    momentum=(Fixed(8, 6), "stochastic"),
+)
+
+RECIPES = {r.name: r for r in (FP32, BFLOAT16, IBM8, BLOCK8, FIXED8, FIXED8_ALL)}

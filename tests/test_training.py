@@ -1,0 +1,391 @@
+"""Training in simulated low precision: quantizer(), Quantizer, OptimLP and model injection."""
+
+import copy
+import math
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import lpsim
+from lpsim import BlockFloat, Fixed, Float
+from lpsim.nn import LayerQuantization, Quantizer, inject, injected, quantizer, remove, report
+from lpsim.optim import OptimLP
+from support import assert_same_bits
+
+E5M2 = Float(5, 2)
+BF16 = Float(8, 7)
+
+
+def representable(t: torch.Tensor, fmt) -> bool:
+    """Every element of t is a value of fmt (rounding it by any rule changes nothing)."""
+    return torch.equal(lpsim.quantize(t, fmt, "nearest"), t) and torch.equal(
+        lpsim.quantize(t, fmt, "up"), t)
+
+
+# quantizer() and Quantizer
+
+
+def test_forward_quantises_the_input_and_backward_the_gradient():
+    x = (torch.randn(200) * 3).requires_grad_()
+    upstream = torch.randn(200)
+    q = quantizer(forward=(E5M2, "nearest"), backward=(Fixed(8, 5), "nearest"))
+    y = q(x)
+    assert_same_bits(y, lpsim.quantize(x.detach(), E5M2, "nearest"))
+    y.backward(upstream)
+    assert_same_bits(x.grad, lpsim.quantize(upstream, Fixed(8, 5), "nearest"))
+
+
+def test_gradient_passes_unchanged_without_a_backward_format():
+    x = torch.randn(50, requires_grad=True)
+    upstream = torch.randn(50)
+    quantizer(forward=E5M2)(x).backward(upstream)
+    assert torch.equal(x.grad, upstream)
+
+
+@pytest.mark.parametrize("fmt,inside,outside", [
+    (Fixed(6, 3), [-4.0, 3.875, 0.1], [-4.2, 3.9, 100.0]),
+    (Float(4, 3, special="fn", saturate=True), [-448.0, 447.0, 1.0], [-449.0, 500.0, 1e9]),
+])
+def test_clip_mask_zeroes_the_gradient_where_the_forward_clipped(fmt, inside, outside):
+    x = torch.tensor(inside + outside, requires_grad=True)
+    quantizer(forward=fmt, clamp_grad_zero=True)(x).backward(torch.ones(6))
+    assert x.grad.tolist() == [1.0] * 3 + [0.0] * 3
+
+
+@pytest.mark.parametrize("fmt", [Fixed(6, 3, clamp=False), E5M2, BlockFloat(6)], ids=repr)
+def test_clip_mask_needs_a_format_that_clips(fmt):
+    with pytest.raises(ValueError, match="needs a forward format that clips"):
+        quantizer(forward=fmt, clamp_grad_zero=True)
+
+
+def test_backward_hooks_run_before_the_gradient_is_quantised():
+    x = torch.ones(4, requires_grad=True)
+    q = quantizer(backward=(Float(3, 1), "toward_zero"), backward_hooks=[lambda g: g * 1000.0])
+    q(x).backward(torch.full((4,), 0.0031))
+    # 3.1 rounds toward zero to 3.0 in Float(3, 1); without the hook 0.0031 would become 0.
+    assert x.grad.tolist() == [3.0] * 4
+
+
+def test_quantizer_module_exposes_its_options():
+    q = Quantizer(forward=E5M2, backward=(BF16, "nearest"), clamp_grad_zero=False)
+    assert repr(q) == ("Quantizer(forward=Float(exp=5, man=2) stochastic, "
+                       "backward=Float(exp=8, man=7) nearest)")
+    x = torch.randn(10)
+    assert set(q(x).unique().tolist()) <= set(E5M2.values().tolist())
+
+
+def test_malformed_specs_raise_naming_the_argument():
+    with pytest.raises(TypeError, match="forward must be None, a Float"):
+        quantizer(forward="e5m2")
+    with pytest.raises(TypeError, match="backward must be None"):
+        quantizer(backward=(E5M2,))
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        quantizer(forward=(E5M2, "roundish"))
+
+
+# OptimLP
+
+
+def _problem(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    data = torch.randn(64, 8)
+    target = torch.randint(0, 3, (64,))
+    return model, data, target
+
+
+def _train(model, opt, data, target, steps=3):
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(data), target)
+        loss.backward()
+        opt.step()
+    return loss
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    lambda p: torch.optim.Adam(p, lr=0.01),
+    lambda p: torch.optim.AdamW(p, lr=0.01, amsgrad=True),
+    lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5),
+], ids=["sgd-momentum", "sgd-nesterov", "adam", "adamw-amsgrad", "rmsprop"])
+def test_every_floating_state_buffer_is_quantised(make):
+    model, data, target = _problem()
+    opt = OptimLP(make(model.parameters()), weight=BF16, grad=BF16, momentum=(E5M2, "nearest"))
+    _train(model, opt, data, target)
+    buffers = 0
+    for state in opt.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() > 0:
+                assert representable(value, E5M2), key
+                buffers += 1
+    assert buffers >= 4
+    for p in model.parameters():
+        assert representable(p.detach(), BF16)
+
+
+def test_gradients_are_scaled_then_quantised_and_none_gradients_skipped():
+    model, data, target = _problem()
+    frozen = nn.Parameter(torch.ones(3))  # gets no gradient
+    base = torch.optim.SGD(list(model.parameters()) + [frozen], lr=0.0)
+    opt = OptimLP(base, grad=(Fixed(12, 6), "nearest"), grad_scaling=8.0)
+    nn.functional.cross_entropy(model(data), target).backward()
+    raw = [p.grad.clone() for p in model.parameters()]
+    opt.step()
+    for p, g in zip(model.parameters(), raw):
+        assert_same_bits(p.grad, lpsim.quantize(g * 8.0, Fixed(12, 6), "nearest"))
+    assert frozen.grad is None and torch.equal(frozen.detach(), torch.ones(3))
+
+
+def test_accumulators_hold_the_high_precision_weights():
+    model, data, target = _problem()
+    acc_fmt, weight_fmt = Float(6, 9), E5M2
+    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.05), weight=(weight_fmt, "nearest"),
+                  acc=(acc_fmt, "nearest"))
+    _train(model, opt, data, target)
+    for p in model.parameters():
+        acc = opt.accumulators[p]
+        assert representable(acc, acc_fmt)
+        assert_same_bits(p.detach(), lpsim.quantize(acc, weight_fmt, "nearest"))
+        assert not torch.equal(acc, p.detach())  # the accumulator keeps more than the weight
+
+
+def test_state_dict_round_trip_continues_identically():
+    model, data, target = _problem()
+
+    def make(m):
+        return OptimLP(torch.optim.Adam(m.parameters(), lr=0.01), weight=BF16, grad=BF16,
+                       momentum=BF16, acc=Float(8, 15))
+
+    opt = make(model)
+    torch.manual_seed(5)
+    _train(model, opt, data, target, steps=2)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    torch.manual_seed(6)
+    _train(model, opt, data, target, steps=2)
+
+    restored, _, _ = _problem(seed=1)
+    restored.load_state_dict(saved_model)
+    opt2 = make(restored)
+    opt2.load_state_dict(saved_opt)
+    torch.manual_seed(6)
+    _train(restored, opt2, data, target, steps=2)
+    for a, b in zip(model.parameters(), restored.parameters()):
+        assert_same_bits(a.detach(), b.detach())
+    for p, q in zip(model.parameters(), restored.parameters()):
+        assert_same_bits(opt.accumulators[p], opt2.accumulators[q])
+
+
+def test_lr_schedulers_zero_grad_add_param_group_and_closures_work():
+    model, data, target = _problem()
+    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=1.0), weight=BF16, acc=Float(8, 20))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    _train(model, opt, data, target, steps=1)
+    scheduler.step()
+    assert opt.param_groups[0]["lr"] == 0.5 == opt.optimizer.param_groups[0]["lr"]
+    extra = nn.Parameter(torch.randn(4))
+    opt.add_param_group({"params": [extra], "lr": 0.1})
+    assert extra in opt.accumulators and len(opt.optimizer.param_groups) == 2
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(data), target) + extra.sum()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and torch.isfinite(loss)
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_optim_lp_accepts_functions_like_qtorch():
+    model, data, target = _problem()
+    calls = []
+
+    def weight_quant(t):
+        calls.append(t.shape)
+        return lpsim.quantize(t, E5M2, "nearest")
+
+    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), weight=weight_quant)
+    _train(model, opt, data, target, steps=1)
+    assert len(calls) == 4
+    with pytest.raises(ValueError, match="grad_scaling must be a positive number"):
+        OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), grad_scaling=0)
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        OptimLP(model, weight=E5M2)
+
+
+# inject
+
+
+def _first_conv_last_linear_fp32(model):
+    names = [n for n, m in model.named_modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    return {names[0]: None, names[-1]: None}
+
+
+def _recipe(model):
+    return {
+        **_first_conv_last_linear_fp32(model),
+        (nn.Conv2d, nn.Linear): LayerQuantization(weight=E5M2, output=E5M2, error=E5M2),
+        nn.BatchNorm2d: LayerQuantization(output=BF16),
+        "default": LayerQuantization(output=(BF16, "nearest")),
+    }
+
+
+@pytest.mark.parametrize("name", ["resnet18", "vgg16_bn", "mobilenet_v3_small"])
+def test_injection_report_on_torchvision_models(name):
+    model = getattr(torchvision.models, name)(num_classes=10).eval()
+    x = torch.randn(1, 3, 32, 32)
+    before = model(x)
+    inject(model, _recipe(model))
+    text = report(model)
+    convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    rows = {n: done for n, _, done in injected(model)}
+    assert convs[0] not in rows and linears[-1] not in rows
+    assert all(n in rows and rows[n]["weight"] for n in convs[1:])
+    assert f"{len(rows)} modules quantised" in text and "Float(exp=5, man=2)" in text
+    y = model(x)
+    assert y.shape == before.shape and not torch.equal(y, before)
+    remove(model)
+    assert_same_bits(model(x), before)
+
+
+def test_transformer_encoder_injection_quantises_attention_weights():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=4, dim_feedforward=32, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 5, 16)
+    before = model(x)
+    inject(model, {nn.MultiheadAttention: LayerQuantization(weight=(E5M2, "nearest")),
+                   nn.Linear: LayerQuantization(weight=(E5M2, "nearest"), output=(BF16, "nearest"))})
+    attn = model.layers[0].self_attn
+    assert representable(attn.in_proj_weight.detach(), E5M2)
+    assert representable(attn.out_proj.weight.detach(), E5M2)
+    assert not torch.equal(model(x), before)
+    remove(model)
+    assert_same_bits(model(x), before)
+
+
+class _Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Sequential(nn.Linear(4, 4), nn.Tanh())})
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.blocks["a"](x)
+        return {"out": self.head(self.blocks["b"](h)), "aux": (h, 3)}
+
+
+def test_selectors_globs_callables_tuples_first_match_and_default():
+    model = _Custom()
+    config = {
+        "blocks.b.0": None,                                    # excluded, though nn.Linear matches below
+        lambda name, m: name == "head": LayerQuantization(input=(Fixed(8, 4), "nearest")),
+        (nn.Tanh, nn.ReLU): LayerQuantization(output=(Fixed(8, 6), "nearest")),
+        "blocks.*": LayerQuantization(weight=(E5M2, "nearest")),
+        "default": LayerQuantization(output=(BF16, "nearest")),
+    }
+    inject(model, config)
+    rows = {n: done for n, _, done in injected(model)}
+    assert set(rows) == {"head", "blocks.b.1", "blocks.a", "blocks.b"}
+    assert rows["head"]["input"] is not None and not rows["head"]["weight"]
+    assert rows["blocks.a"]["weight"] and rows["blocks.b.1"]["output"] is not None
+    seen = {}
+    model.head.register_forward_pre_hook(lambda m, args: seen.setdefault("head_in", args[0]))
+    out = model(torch.randn(3, 4))
+    assert representable(seen["head_in"], Fixed(8, 4))
+    assert out["aux"][1] == 3 and representable(model.blocks["a"].weight.detach(), E5M2)
+
+
+def test_error_quantisation_reaches_the_layer_output_gradient():
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 1))
+    inject(model, {"0": LayerQuantization(error=(Fixed(8, 7), "nearest"))})
+    seen = {}
+
+    def watch_input_gradient(module, args):
+        args[0].register_hook(lambda g: seen.setdefault("into_1", g))
+
+    model[1].register_forward_pre_hook(watch_input_gradient)
+    x = torch.randn(4, 6, requires_grad=True)
+    model(x).sum().backward()
+    grad_at_0 = seen["into_1"]
+    # The gradient leaving layer 1 towards layer 0 is quantised when it enters layer 0's output.
+    w = model[0].weight
+    expected_weight_grad = lpsim.quantize(grad_at_0, Fixed(8, 7), "nearest").t() @ x.detach()
+    assert torch.allclose(w.grad, expected_weight_grad)
+    assert not torch.allclose(w.grad, grad_at_0.t() @ x.detach())
+
+
+def test_remove_restores_parameters_and_state_dict_exactly():
+    model = torchvision.models.resnet18(num_classes=10)
+    params = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    inject(model, _recipe(model))
+    assert any("parametrizations" in k for k in model.state_dict())
+    remove(model)
+    assert list(model.state_dict()) == keys
+    assert all(p is params[n] for n, p in model.named_parameters())
+    assert not injected(model)
+
+
+def test_training_step_leaks_no_unquantised_values():
+    """After a step with every category quantised, weights, optimizer state and activations are
+    all exactly representable in their formats."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
+    act = Float(4, 3, special="fn", saturate=True)
+    inject(model, {nn.Module: LayerQuantization(weight=E5M2, output=act, error=E5M2)})
+    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), weight=E5M2,
+                  grad=E5M2, momentum=BF16, acc=Float(6, 9))
+    outputs = []
+    for m in model:
+        m.register_forward_hook(lambda mod, args, out: outputs.append(out.detach()))
+    x, y = torch.randn(16, 1, 8, 8), torch.randint(0, 10, (16,))
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    model(x)
+    assert outputs and all(representable(o, act) for o in outputs)
+    for p in model.parameters():
+        assert representable(p.detach(), E5M2) and representable(p.grad, E5M2)
+        assert representable(opt.accumulators[p], Float(6, 9))
+        assert representable(opt.state[p]["momentum_buffer"], BF16)
+
+
+def test_bad_configs_raise():
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="config values must be LayerQuantization or None"):
+        inject(nn.Sequential(model), {nn.Linear: E5M2})
+    with pytest.raises(TypeError, match="config keys must be"):
+        inject(nn.Sequential(model), {3: LayerQuantization(output=E5M2)})
+    with pytest.raises(TypeError, match="output must be None, a Float"):
+        LayerQuantization(output="e5m2")
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        inject([model], {})
+
+
+def test_compiled_injected_resnet18_equals_eager_bit_for_bit():
+    torch._dynamo.reset()
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    inject(model, _recipe(model))
+    x = torch.randn(2, 3, 32, 32)
+    # Inductor generates random numbers its own way unless fallback_random is set; with it, the
+    # seeds lpsim draws from torch's generator are the eager ones.
+    config = torch._inductor.config
+    previous = config.fallback_random
+    config.fallback_random = True
+    try:
+        compiled = torch.compile(model, fullgraph=True)
+        torch.manual_seed(3)
+        got = compiled(x)
+    finally:
+        config.fallback_random = previous
+    torch.manual_seed(3)
+    assert_same_bits(got, model(x))
