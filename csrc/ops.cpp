@@ -6,11 +6,7 @@
 // Arguments are the container-independent description that lpsim/formats.py computes; the Python
 // layer validates formats, so the checks here only guard against direct calls with bad values.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/copy.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <string>
@@ -107,20 +103,21 @@ void check_out(const at::Tensor& x, const at::Tensor& out) {
   TORCH_CHECK(out.device() == x.device(), "lpsim: out must be on the device of x");
 }
 
-namespace {
-
-// The output tensor a kernel writes: `dst` itself when it is contiguous, else a temporary that
-// finish() copies back.
-struct Destination {
-  at::Tensor target;
-  at::Tensor buffer;
-
-  explicit Destination(const at::Tensor& dst)
-      : target(dst), buffer(dst.is_contiguous() ? dst : at::empty_like(dst, at::MemoryFormat::Contiguous)) {}
-  void finish() {
-    if (!buffer.is_same(target)) target.copy_(buffer);
+BlockLayout block_layout(const at::Tensor& x, int64_t wl, std::optional<int64_t> dim,
+                         std::optional<int64_t> block_size) {
+  check_block(x, wl, dim, block_size);
+  BlockLayout layout{block_size.has_value(), 1, block_size.value_or(1), 1, x.numel()};
+  if (layout.by_size) {
+    layout.row_len = x.dim() == 0 ? 1 : x.size(-1);
+  } else if (dim.has_value() && x.dim() > 0) {
+    layout.classes = x.size(*dim);
+    layout.inner = 1;
+    for (int64_t d = *dim + 1; d < x.dim(); ++d) layout.inner *= x.size(d);
   }
-};
+  return layout;
+}
+
+namespace {
 
 // Elements per parallel task; a multiple of the random-word group so tasks do not share a group.
 constexpr int64_t kGrain = 64 * kGroupSize;
@@ -138,36 +135,30 @@ void grid_cpu(const at::Tensor& x, const at::Tensor& dst, const GridSpec& spec, 
   out.finish();
 }
 
-void block_cpu(const at::Tensor& x, const at::Tensor& dst, int64_t wl, std::optional<int64_t> dim,
-               std::optional<int64_t> block_size, Rounding rounding, const RandomSpec& random) {
+void block_cpu(const at::Tensor& x, const at::Tensor& dst, int32_t wl, const BlockLayout& layout,
+               Rounding rounding, const RandomSpec& random) {
   const cpu::Dtype dtype = container_of(x);
   const at::Tensor src = x.contiguous();
   Destination out(dst);
   const void* xp = src.data_ptr();
   void* yp = out.buffer.data_ptr();
   const int64_t n = src.numel();
-  const int32_t bits = static_cast<int32_t>(wl);
   if (n == 0) return out.finish();
 
-  if (block_size.has_value()) {
-    const int64_t row_len = src.dim() == 0 ? 1 : src.size(-1);
-    const int64_t rows = n / row_len;
-    const int64_t blocks = rows * ((row_len + *block_size - 1) / *block_size);
-    at::parallel_for(0, blocks, std::max<int64_t>(1, kGrain / *block_size), [&](int64_t b, int64_t e) {
-      cpu::quantize_blocks(dtype, rounding, xp, yp, b, e, row_len, *block_size, bits, random);
+  if (layout.by_size) {
+    const int64_t rows = n / layout.row_len;
+    const int64_t blocks = rows * ((layout.row_len + layout.block_size - 1) / layout.block_size);
+    const int64_t grain = std::max<int64_t>(1, kGrain / layout.block_size);
+    at::parallel_for(0, blocks, grain, [&](int64_t b, int64_t e) {
+      cpu::quantize_blocks(dtype, rounding, xp, yp, b, e, layout.row_len, layout.block_size, wl,
+                           random);
     });
     return out.finish();
   }
 
-  // One exponent for the whole tensor (one class), or one per index along dim.
-  int64_t classes = 1, inner = n;
-  if (dim.has_value() && src.dim() > 0) {
-    classes = src.size(*dim);
-    inner = 1;
-    for (int64_t d = *dim + 1; d < src.dim(); ++d) inner *= src.size(d);
-  }
   // Each task keeps its own running maxima; max is exact and order-free, so any split gives the
   // same result.
+  const int64_t classes = layout.classes, inner = layout.inner;
   const int64_t threads = at::get_num_threads();
   std::vector<uint64_t> partial(static_cast<size_t>(threads * classes), 0);
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
@@ -182,55 +173,9 @@ void block_cpu(const at::Tensor& x, const at::Tensor& dst, int64_t wl, std::opti
   }
   at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
     cpu::quantize_block_classes(dtype, rounding, xp, yp, begin, end, inner, classes,
-                                class_max.data(), bits, random);
+                                class_max.data(), wl, random);
   });
   out.finish();
-}
-
-#define LPSIM_GRID_ARGS                                                                       \
-  int64_t keep, int64_t qmin, int64_t emin, bool subnormals, double pos_limit, double neg_limit, \
-      bool saturate, bool has_inf, bool unsigned_zero, int64_t rounding, int64_t rbits,       \
-      const at::Tensor &seed, int64_t offset
-#define LPSIM_GRID_CALL                                                                  \
-  grid_spec(container_of(x), keep, qmin, emin, subnormals, pos_limit, neg_limit, saturate, \
-            has_inf, unsigned_zero),                                                       \
-      rounding_of(rounding), random_spec(rbits, seed, offset)
-
-at::Tensor quantize_grid_cpu(const at::Tensor& x, LPSIM_GRID_ARGS) {
-  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
-  grid_cpu(x, y, LPSIM_GRID_CALL);
-  return y;
-}
-
-void quantize_grid_inplace_cpu(const at::Tensor& x, LPSIM_GRID_ARGS) {
-  grid_cpu(x, x, LPSIM_GRID_CALL);
-}
-
-void quantize_grid_out_cpu(const at::Tensor& x, LPSIM_GRID_ARGS, const at::Tensor& out) {
-  check_out(x, out);
-  grid_cpu(x, out, LPSIM_GRID_CALL);
-}
-
-#define LPSIM_BLOCK_ARGS                                                                     \
-  int64_t wl, std::optional<int64_t> dim, std::optional<int64_t> block_size, int64_t rounding, \
-      int64_t rbits, const at::Tensor &seed, int64_t offset
-
-at::Tensor quantize_block_cpu(const at::Tensor& x, LPSIM_BLOCK_ARGS) {
-  check_block(x, wl, dim, block_size);
-  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
-  block_cpu(x, y, wl, dim, block_size, rounding_of(rounding), random_spec(rbits, seed, offset));
-  return y;
-}
-
-void quantize_block_inplace_cpu(const at::Tensor& x, LPSIM_BLOCK_ARGS) {
-  check_block(x, wl, dim, block_size);
-  block_cpu(x, x, wl, dim, block_size, rounding_of(rounding), random_spec(rbits, seed, offset));
-}
-
-void quantize_block_out_cpu(const at::Tensor& x, LPSIM_BLOCK_ARGS, const at::Tensor& out) {
-  check_block(x, wl, dim, block_size);
-  check_out(x, out);
-  block_cpu(x, out, wl, dim, block_size, rounding_of(rounding), random_spec(rbits, seed, offset));
 }
 
 // Test hook: the random words of elements [start, start + count) under (seed, offset). `kernels`
@@ -281,12 +226,7 @@ TORCH_LIBRARY(lpsim, m) {
 }
 
 TORCH_LIBRARY_IMPL(lpsim, CPU, m) {
-  m.impl("quantize_grid", quantize_grid_cpu);
-  m.impl("quantize_grid_", quantize_grid_inplace_cpu);
-  m.impl("quantize_grid_out", quantize_grid_out_cpu);
-  m.impl("quantize_block", quantize_block_cpu);
-  m.impl("quantize_block_", quantize_block_inplace_cpu);
-  m.impl("quantize_block_out", quantize_block_out_cpu);
+  register_quantize_ops<grid_cpu, block_cpu>(m);
   m.impl("random_words", random_words_cpu);
 }
 

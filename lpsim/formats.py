@@ -195,8 +195,7 @@ class Float:
         """The bias used when none is given: 2**(exp-1) - 1, or 2**(exp-1) for fnuz."""
         return 2 ** (self.exp - 1) - (0 if self.special == "fnuz" else 1)
 
-    def __repr__(self) -> str:
-        return _short_repr(self)
+    __repr__ = _short_repr
 
     # Facts about the encoding, with numpy.finfo's names.
 
@@ -339,12 +338,7 @@ class Fixed:
         if problem:
             raise ValueError(f"{self!r} does not fit even a float64 container: {problem}")
 
-    @property
-    def default_bias(self):  # for _short_repr; Fixed has no bias
-        return None
-
-    def __repr__(self) -> str:
-        return _short_repr(self)
+    __repr__ = _short_repr
 
     @property
     def bits(self) -> int:
@@ -446,12 +440,7 @@ class BlockFloat:
             if self.dim is not None:
                 raise ValueError("BlockFloat takes dim or block_size, not both")
 
-    @property
-    def default_bias(self):  # for _short_repr; BlockFloat has no bias
-        return None
-
-    def __repr__(self) -> str:
-        return _short_repr(self)
+    __repr__ = _short_repr
 
     @property
     def bits(self) -> int:

@@ -8,10 +8,11 @@
 #include "kernels.h"
 
 #include <algorithm>
-#include <type_traits>
 
 #include <lpsim/philox.h>
 #include <lpsim/round.h>
+
+#include "dispatch.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define LPSIM_MULTIVERSION __attribute__((target_clones("avx2", "default")))
@@ -98,27 +99,6 @@ LPSIM_INLINE typename C::storage* out(void* p) {
   return static_cast<typename C::storage*>(p);
 }
 
-template <Rounding R>
-using RoundingTag = std::integral_constant<Rounding, R>;
-
-// Call f(RoundingTag<R>{}) for the run-time rule r: one instantiation per rule, so that each loop
-// is compiled for its own rule.
-template <class F>
-LPSIM_INLINE void with_rounding(Rounding r, F&& f) {
-  switch (r) {
-    case Rounding::nearest: return f(RoundingTag<Rounding::nearest>{});
-    case Rounding::nearest_away: return f(RoundingTag<Rounding::nearest_away>{});
-    case Rounding::nearest_zero: return f(RoundingTag<Rounding::nearest_zero>{});
-    case Rounding::toward_zero: return f(RoundingTag<Rounding::toward_zero>{});
-    case Rounding::away: return f(RoundingTag<Rounding::away>{});
-    case Rounding::up: return f(RoundingTag<Rounding::up>{});
-    case Rounding::down: return f(RoundingTag<Rounding::down>{});
-    case Rounding::odd: return f(RoundingTag<Rounding::odd>{});
-    case Rounding::stochastic: return f(RoundingTag<Rounding::stochastic>{});
-    case Rounding::stochastic_equal: return f(RoundingTag<Rounding::stochastic_equal>{});
-  }
-}
-
 template <class C>
 LPSIM_INLINE void grid_impl(Rounding rounding, const void* x, void* y, int64_t begin, int64_t end,
                             const GridSpec& spec, const RandomSpec& random) {
@@ -190,17 +170,6 @@ LPSIM_INLINE void blocks_impl(Rounding rounding, const void* x, void* y, int64_t
       round_span<C, R>(xs, out<C>(y), start, stop, block_grid<C>(m, wl), key, mask, cache);
     }
   });
-}
-
-// Call f(C{}) for the container C of the run-time dtype.
-template <class F>
-LPSIM_INLINE void with_container(Dtype d, F&& f) {
-  switch (d) {
-    case Dtype::float32: return f(Float32Container{});
-    case Dtype::float64: return f(Float64Container{});
-    case Dtype::bfloat16: return f(BFloat16Container{});
-    case Dtype::float16: return f(Float16Container{});
-  }
 }
 
 }  // namespace

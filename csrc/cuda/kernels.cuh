@@ -12,6 +12,7 @@
 
 #include <type_traits>
 
+#include "dispatch.h"
 #include "device.cuh"
 #include "kernels.h"
 #include "pieces.h"
@@ -249,26 +250,6 @@ const typename C::storage* in(const void* p) {
 template <class C>
 typename C::storage* out(void* p) {
   return static_cast<typename C::storage*>(p);
-}
-
-template <Rounding R>
-using RoundingTag = std::integral_constant<Rounding, R>;
-
-// Call f(RoundingTag<R>{}) for the run-time rule r: one kernel instantiation per rule.
-template <class F>
-void with_rounding(Rounding r, F&& f) {
-  switch (r) {
-    case Rounding::nearest: return f(RoundingTag<Rounding::nearest>{});
-    case Rounding::nearest_away: return f(RoundingTag<Rounding::nearest_away>{});
-    case Rounding::nearest_zero: return f(RoundingTag<Rounding::nearest_zero>{});
-    case Rounding::toward_zero: return f(RoundingTag<Rounding::toward_zero>{});
-    case Rounding::away: return f(RoundingTag<Rounding::away>{});
-    case Rounding::up: return f(RoundingTag<Rounding::up>{});
-    case Rounding::down: return f(RoundingTag<Rounding::down>{});
-    case Rounding::odd: return f(RoundingTag<Rounding::odd>{});
-    case Rounding::stochastic: return f(RoundingTag<Rounding::stochastic>{});
-    case Rounding::stochastic_equal: return f(RoundingTag<Rounding::stochastic_equal>{});
-  }
 }
 
 template <class C, class Grids>
