@@ -20,6 +20,7 @@ from lpsim.functional import (
     quantize_,
 )
 from lpsim.rounding import Rounding
+from lpsim import dyadic  # integer-native arithmetic on (mantissa, scale) pairs
 
 __version__ = "0.1.0"
 
@@ -40,4 +41,5 @@ __all__ = [
     "block_quantize",
     "cuda_built",
     "cpu_generator",
+    "dyadic",
 ]

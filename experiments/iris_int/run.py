@@ -1,0 +1,381 @@
+"""Iris in float32 and in integers: a 4-8-8-3 MLP (ReLU, MSE loss, batch 32) trained with SGD
+whose learning rate and momentum are shifts (lr 2**-lr_shift, momentum 1 - 2**-momentum_shift).
+
+Both paths start from the same initial weights, see the same batches in the same order and use
+the same loss, L = (1/2N) sum over the batch and the 3 outputs of (y - t)^2 with one-hot targets,
+and the same early-stopping rule, so the arithmetic is the only difference. The integer path
+(lpsim.dyadic) converts the standardised features to 8-bit integers once and then runs forward,
+loss, backward and update in integer kernels: 8-bit activations and errors, 16-bit weights,
+32-bit accumulators, stochastic rounding.
+
+    python -m experiments.iris_int.run            # 10 seeds, writes docs/results/iris_int.md/.png
+
+Prints a per-epoch trace (loss, test accuracy, shifts, clamps) for the first seed every
+--log-every epochs, then the summary table beside the published run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from sklearn.datasets import load_iris
+from sklearn.model_selection import train_test_split
+
+from lpsim import dyadic
+from lpsim.dyadic import DyadicTensor
+from lpsim.dyadic import nn as inn
+from lpsim.dyadic.optim import SGD as IntegerSGD
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+LAYERS = (0, 2, 4)  # positions of the Linear layers in the Sequential
+PUBLISHED = {"float32": (90.0, 500, "500 epochs"), "integer": (95.0, 239, "early stopped")}
+
+
+# ---- data -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Data:
+    x_train: torch.Tensor  # standardised features, float32
+    y_train: torch.Tensor  # class indices
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+
+def load_data(split_seed: int) -> Data:
+    """Iris (bundled with scikit-learn): a stratified 80/20 split, features standardised with the
+    training set's mean and standard deviation."""
+    iris = load_iris()
+    x_train, x_test, y_train, y_test = train_test_split(
+        iris.data, iris.target, test_size=0.2, stratify=iris.target, random_state=split_seed)
+    x_train = torch.tensor(x_train, dtype=torch.float32)
+    x_test = torch.tensor(x_test, dtype=torch.float32)
+    mean, std = x_train.mean(0), x_train.std(0)
+    return Data((x_train - mean) / std, torch.tensor(y_train), (x_test - mean) / std,
+                torch.tensor(y_test))
+
+
+# ---- one training run -----------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """What one path did in one seed."""
+
+    losses: list[float] = field(default_factory=list)  # mean training loss per epoch
+    accuracies: list[float] = field(default_factory=list)  # test accuracy (%) after each epoch
+    stop_epoch: int | None = None  # early stopping epoch (None: ran to the end)
+    trace: list[dict] = field(default_factory=list)  # per-epoch shifts and clamps (integer path)
+
+    @property
+    def epochs_run(self) -> int:
+        return self.stop_epoch or len(self.accuracies)
+
+    @property
+    def stopped_accuracy(self) -> float:
+        return self.accuracies[self.epochs_run - 1]
+
+
+class EarlyStopping:
+    """Stops when the epoch's training loss has not improved on its best by more than
+    ``min_delta`` (relative) for ``patience`` epochs."""
+
+    def __init__(self, patience: int, min_delta: float):
+        self.patience, self.min_delta = patience, min_delta
+        self.best, self.waited = math.inf, 0
+
+    def should_stop(self, loss: float) -> bool:
+        if loss < self.best * (1 - self.min_delta):
+            self.best, self.waited = loss, 0
+        else:
+            self.waited += 1
+        return self.waited >= self.patience
+
+
+def float_model(seed: int) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8),
+                               torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def batches(n: int, batch: int, generator: torch.Generator) -> list[torch.Tensor]:
+    return list(torch.randperm(n, generator=generator).split(batch))
+
+
+def train_float(model, data: Data, args, seed: int) -> Run:
+    opt = torch.optim.SGD(model.parameters(), lr=2.0**-args.lr_shift,
+                          momentum=1 - 2.0**-args.momentum_shift)
+    order = torch.Generator().manual_seed(seed)
+    targets = torch.nn.functional.one_hot(data.y_train, 3).float()
+    stopper, run = EarlyStopping(args.patience, args.min_delta), Run()
+    for epoch in range(1, args.epochs + 1):
+        total = 0.0
+        for idx in batches(len(data.x_train), args.batch, order):
+            opt.zero_grad()
+            loss = 0.5 * ((model(data.x_train[idx]) - targets[idx]) ** 2).sum() / len(idx)
+            loss.backward()
+            opt.step()
+            total += loss.item() * len(idx)
+        run.losses.append(total / len(data.x_train))
+        with torch.no_grad():
+            run.accuracies.append(100.0 * (model(data.x_test).argmax(1) == data.y_test).float().mean().item())
+        if run.stop_epoch is None and stopper.should_stop(run.losses[-1]):
+            run.stop_epoch = epoch
+    return run
+
+
+def integer_model(torch_model: torch.nn.Sequential, args) -> inn.Sequential:
+    """The integer copy of the float model's initial weights."""
+    options = dict(weight_bits=args.weight_bits, activation_bits=args.activation_bits,
+                   error_bits=args.error_bits)
+    layers = []
+    for m in torch_model:
+        layers.append(inn.Linear.from_torch(m, **options) if isinstance(m, torch.nn.Linear)
+                      else inn.ReLU())
+    return inn.Sequential(*layers)
+
+
+def train_integer(model: inn.Sequential, data: Data, args, seed: int) -> Run:
+    torch.manual_seed(seed)  # the stochastic rounding's seeds come from torch's generator
+    scale = dyadic.scale_for(data.x_train, args.activation_bits)  # one scale for the data set
+    x_train = dyadic.from_float(data.x_train, args.activation_bits, scale).value
+    x_test = dyadic.from_float(data.x_test, args.activation_bits, scale).value
+    one_hot = torch.nn.functional.one_hot(data.y_train, 3).to(torch.int32)
+    opt = IntegerSGD(model.parameters(), lr_shift=args.lr_shift,
+                     momentum_shift=args.momentum_shift, grad_bits=args.grad_bits)
+    order = torch.Generator().manual_seed(seed)
+    stopper, run = EarlyStopping(args.patience, args.min_delta), Run()
+    for epoch in range(1, args.epochs + 1):
+        for stats in model.stats().values():
+            stats.reset()
+        opt.reset_stats()
+        total, loss_shifts = 0.0, []
+        model.train()
+        for idx in batches(len(data.x_train), args.batch, order):
+            x = DyadicTensor(x_train.mantissa[idx], x_train.scale)
+            out = model(x)
+            loss = inn.mse_loss(out, DyadicTensor(one_hot[idx], 0), error_bits=args.error_bits)
+            opt.zero_grad()
+            model.backward(loss.grad)
+            opt.step()
+            total += loss.loss * len(idx)
+            loss_shifts.append(loss.shift)
+        run.losses.append(total / len(data.x_train))
+        model.eval()
+        predicted = model(x_test).mantissa.argmax(1)
+        run.accuracies.append(100.0 * (predicted == data.y_test).float().mean().item())
+        run.trace.append(epoch_trace(model, opt, loss_shifts))
+        if run.stop_epoch is None and stopper.should_stop(run.losses[-1]):
+            run.stop_epoch = epoch
+    return run
+
+
+def epoch_trace(model: inn.Sequential, opt: IntegerSGD, loss_shifts: list[int]) -> dict:
+    stats = model.stats()
+    trace = {"loss_shift": statistics.fmean(loss_shifts)}
+    for number, position in enumerate(LAYERS, start=1):
+        s = stats[position].summary()
+        trace[f"fwd{number}"] = s["forward_shift"]
+        trace[f"bwd{number}"] = s["backward_shift"]
+        trace[f"fclamp{number}"] = s["forward_clamps"]
+        trace[f"bclamp{number}"] = s["backward_clamps"]
+        trace[f"overflow{number}"] = s["overflows"]
+    trace["grad_clamps"] = sum(c.gradient for c in opt.stats.values())
+    trace["weight_clamps"] = sum(c.weight for c in opt.stats.values())
+    return trace
+
+
+# ---- reporting ----------------------------------------------------------------------------------
+
+
+def trace_line(epoch: int, fl: Run, it: Run) -> str:
+    t = it.trace[epoch - 1]
+    shifts = " ".join(f"{t[f'fwd{i}']:.1f}/{t[f'bwd{i}']:.1f}" for i in (1, 2, 3))
+    clamps = " ".join(f"{t[f'fclamp{i}']}/{t[f'bclamp{i}']}" for i in (1, 2, 3))
+    return (f"{epoch:4d}  loss {fl.losses[epoch - 1]:.4f} {it.losses[epoch - 1]:.4f}  "
+            f"acc {fl.accuracies[epoch - 1]:5.1f} {it.accuracies[epoch - 1]:5.1f}  "
+            f"shift fwd/bwd {shifts}  clamps fwd/bwd {clamps}  "
+            f"grad/weight clamps {t['grad_clamps']}/{t['weight_clamps']}")
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    mean = statistics.fmean(values)
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{mean:.{digits}f} ± {sd:.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
+
+
+def summary_rows(results: dict[str, list[Run]], args) -> list[str]:
+    rows = ["| path | test accuracy at stop (%) | epochs run (early stopping) | "
+            f"test accuracy after {args.epochs} epochs (%) | stopped early | published run |",
+            "|---|---|---|---|---|---|"]
+    for name, label in (("float32", "float32"), ("integer", "integer (lpsim.dyadic)")):
+        runs = results[name]
+        acc, published_epochs, how = PUBLISHED[name]
+        stopped = sum(r.stop_epoch is not None for r in runs)
+        rows.append(
+            f"| {label} | {spread([r.stopped_accuracy for r in runs])} | "
+            f"{spread([float(r.epochs_run) for r in runs], 0)} | "
+            f"{spread([r.accuracies[-1] for r in runs])} | {stopped}/{len(runs)} | "
+            f"{acc:.0f}% after {published_epochs} epochs ({how}) |")
+    return rows
+
+
+def seed_rows(results: dict[str, list[Run]], seeds: list[int]) -> list[str]:
+    rows = ["| seed | float32 acc at stop | float32 epochs | integer acc at stop | integer epochs |",
+            "|---:|---:|---:|---:|---:|"]
+    for i, seed in enumerate(seeds):
+        f, n = results["float32"][i], results["integer"][i]
+        rows.append(f"| {seed} | {f.stopped_accuracy:.1f} | {f.epochs_run} | "
+                    f"{n.stopped_accuracy:.1f} | {n.epochs_run} |")
+    return rows
+
+
+def trace_rows(fl: Run, it: Run, every: int) -> list[str]:
+    rows = ["| epoch | loss float32 | loss integer | acc float32 | acc integer | shift fwd (L1 L2 L3) "
+            "| shift bwd (L1 L2 L3) | loss-grad shift | clamps fwd | clamps bwd | grad / weight clamps |",
+            "|---:|---:|---:|---:|---:|---|---|---:|---|---|---|"]
+    for epoch in [1] + list(range(every, len(it.trace) + 1, every)):
+        t = it.trace[epoch - 1]
+        fwd = " ".join(f"{t[f'fwd{i}']:.2f}" for i in (1, 2, 3))
+        bwd = " ".join(f"{t[f'bwd{i}']:.2f}" for i in (1, 2, 3))
+        fclamp = " ".join(str(t[f"fclamp{i}"]) for i in (1, 2, 3))
+        bclamp = " ".join(str(t[f"bclamp{i}"]) for i in (1, 2, 3))
+        rows.append(f"| {epoch} | {fl.losses[epoch - 1]:.4f} | {it.losses[epoch - 1]:.4f} | "
+                    f"{fl.accuracies[epoch - 1]:.1f} | {it.accuracies[epoch - 1]:.1f} | {fwd} | "
+                    f"{bwd} | {t['loss_shift']:.2f} | {fclamp} | {bclamp} | "
+                    f"{t['grad_clamps']} / {t['weight_clamps']} |")
+    return rows
+
+
+def write_plot(results: dict[str, list[Run]], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, colour in (("float32", "tab:blue"), ("integer", "tab:red")):
+        runs = results[name]
+        for key, ax in (("accuracies", axes[0]), ("losses", axes[1])):
+            curves = torch.tensor([getattr(r, key) for r in runs])
+            mean = curves.mean(0)
+            epochs = torch.arange(1, curves.shape[1] + 1)
+            ax.plot(epochs, mean, color=colour, label=f"{name} (mean of {len(runs)} seeds)")
+            ax.fill_between(epochs, curves.min(0).values, curves.max(0).values, color=colour,
+                            alpha=0.15)
+        stops = [r.stop_epoch for r in runs if r.stop_epoch]
+        if stops:
+            axes[0].axvline(statistics.fmean(stops), color=colour, linestyle=":",
+                            label=f"{name} mean early stop")
+    axes[0].set(xlabel="epoch", ylabel="test accuracy (%)", ylim=(0, 102),
+                title="Iris 4-8-8-3, test accuracy (band: min to max)")
+    axes[1].set(xlabel="epoch", ylabel="training loss (1/2N) sum (y - t)^2", yscale="log",
+                title="training loss")
+    axes[0].legend(loc="lower right", fontsize=8)
+    axes[1].legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_markdown(results, seeds, args, seconds: float, path: pathlib.Path) -> None:
+    command = ("python -m experiments.iris_int.run --seeds " + str(len(seeds)) +
+               f" --epochs {args.epochs} --lr-shift {args.lr_shift} "
+               f"--momentum-shift {args.momentum_shift} --batch {args.batch}")
+    lines = [
+        "# Iris, float32 and integer-only training (lpsim.dyadic)",
+        "",
+        f"Written by `{command}` ({seconds:.0f} s on a 2-core CPU). The set-up and the choices "
+        "behind it are in [docs/integer.md](../integer.md) and "
+        "[experiments/README.md](../../experiments/README.md).",
+        "",
+        f"4-8-8-3 MLP, ReLU, MSE loss (1/2N) sum (y - t)^2 on one-hot targets, batch {args.batch}, "
+        f"SGD with learning rate 2^-{args.lr_shift} and momentum 1 - 2^-{args.momentum_shift}, "
+        f"at most {args.epochs} epochs, early stopping when the training loss has not improved "
+        f"by {args.min_delta:.0%} for {args.patience} epochs. Iris: 120 training and 30 test "
+        f"samples (stratified split, seed {args.split_seed}), so one test sample is 3.3%. "
+        f"Integer path: {args.activation_bits}-bit activations and errors, {args.weight_bits}-bit "
+        f"weights, {args.grad_bits}-bit clipped gradients, 32-bit accumulators, stochastic "
+        "rounding, dynamic shifts. Seeds " + ", ".join(map(str, seeds)) + " (initial weights, "
+        "batch order and rounding); mean ± standard deviation [min, max] over seeds.",
+        "",
+        *summary_rows(results, args),
+        "",
+        "The published run is one run of the same set-up (lr_shift 7, momentum_shift 1, batch "
+        "32); its loss scaling, integer widths and stopping rule are not known to us, so the "
+        "comparison is of outcomes, not of identical procedures.",
+        "",
+        "![test accuracy and loss per epoch](iris_int.png)",
+        "",
+        "## Per seed",
+        "",
+        *seed_rows(results, seeds),
+        "",
+        f"## Integer path, seed {seeds[0]}: shifts and clamps per epoch",
+        "",
+        "Shifts are the bits each requantisation dropped, averaged over the epoch's batches "
+        "(forward: the accumulator to 8-bit activations; backward: the propagated error to 8 "
+        "bits; loss-grad: the output error to 8 bits). Clamps are elements clipped in the epoch; "
+        "accumulator overflows were " +
+        ("none." if all(t[f"overflow{i}"] == 0 for r in results["integer"] for t in r.trace
+                        for i in (1, 2, 3)) else "counted (see the trace)."),
+        "",
+        *trace_rows(results["float32"][0], results["integer"][0], args.log_every),
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=10, help="number of seeds (0, 1, ...)")
+    parser.add_argument("--epochs", type=int, default=500)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--lr-shift", type=int, default=7)
+    parser.add_argument("--momentum-shift", type=int, default=1)
+    parser.add_argument("--activation-bits", type=int, default=8)
+    parser.add_argument("--error-bits", type=int, default=8)
+    parser.add_argument("--weight-bits", type=int, default=16)
+    parser.add_argument("--grad-bits", type=int, default=16)
+    parser.add_argument("--patience", type=int, default=50)
+    parser.add_argument("--min-delta", type=float, default=0.01)
+    parser.add_argument("--split-seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "results")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(1)  # tiny tensors: threads only add overhead
+    data = load_data(args.split_seed)
+    seeds = list(range(args.seeds))
+    results: dict[str, list[Run]] = {"float32": [], "integer": []}
+    start = time.perf_counter()
+    for seed in seeds:
+        model = float_model(seed)
+        integer = integer_model(model, args)  # copies the initial weights before training
+        results["float32"].append(train_float(model, data, args, seed))
+        results["integer"].append(train_integer(integer, data, args, seed))
+        fl, it = results["float32"][-1], results["integer"][-1]
+        if seed == seeds[0]:
+            print("epoch  loss float32 integer  acc float32 integer  (integer path: shifts per "
+                  "layer, clamps per layer)")
+            for epoch in [1] + list(range(args.log_every, args.epochs + 1, args.log_every)):
+                print(trace_line(epoch, fl, it))
+        print(f"seed {seed}: float32 {fl.stopped_accuracy:.1f}% at epoch {fl.epochs_run}, "
+              f"integer {it.stopped_accuracy:.1f}% at epoch {it.epochs_run} "
+              f"({time.perf_counter() - start:.0f} s)")
+    seconds = time.perf_counter() - start
+    print("\n".join(summary_rows(results, args)))
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_plot(results, args.out / "iris_int.png")
+    write_markdown(results, seeds, args, seconds, args.out / "iris_int.md")
+    print(f"wrote {args.out / 'iris_int.md'} and {args.out / 'iris_int.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,502 @@
+"""Dyadic arithmetic: operations on DyadicTensors (values v * 2**-s), each one integer kernel.
+
+Scale bookkeeping (s: scale, larger is finer; k, q, p: shift counts):
+
+=================  ===================================================  ==========================
+operation          mantissa                                             scale
+=================  ===================================================  ==========================
+align(a, b)        the finer operand shifted right by |s_a - s_b|       min(s_a, s_b)
+add / sub          align, then v_a +/- v_b (exact)                      min(s_a, s_b)
+mul(a, b, q)       round(v_a v_b / 2**q)                                s_a + s_b - q
+div(a, b, p)       round(v_a 2**p / v_b)                                s_a - s_b + p
+requantize(x, t)   clip(round(v / 2**(s - t)), Qmin, Qmax)              t
+matmul(a, b)       exact sums of v_a v_b, checked against the           s_a + s_b
+                   accumulator's range
+=================  ===================================================  ==========================
+
+Rounding (``rounding=``): "stochastic" (default for the ops that round), "nearest" (ties to even)
+or "down" (floor, an arithmetic right shift). For negative mantissas every rule works on the
+floor: SR(v, k) = floor(v / 2**k) + [(v mod 2**k) > U] with v mod 2**k in [0, 2**k). The random
+U is the top k bits of the element's Philox word (see lpsim.functional for seeds and offsets), so
+the shift is exactly unbiased for k <= rbits (default 32); a larger shift first truncates the
+discarded bits to rbits bits, as lpsim's rbits does for the float formats. The element index is
+the row-major position in the result (after broadcasting).
+
+Overflow (``overflow=``): a result outside the mantissa's dtype (the accumulator's range for
+matmul) raises OverflowError by default; "saturate" clips it and warns with
+DyadicOverflowWarning. Nothing overflows silently. Requantisation clips to the target range by
+definition: its clip mask is returned, not raised.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import NamedTuple
+
+import torch
+
+from lpsim._ops import ops
+from lpsim.dyadic.tensor import DyadicTensor, normalize_axis, normalize_scale
+from lpsim.functional import _check_offset, _seed_tensor
+from lpsim.rounding import Rounding, check_rbits
+
+__all__ = [
+    "DyadicOverflowWarning",
+    "Requantized",
+    "integer_range",
+    "scale_for",
+    "fit_shift",
+    "from_float",
+    "requantize",
+    "align",
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "matmul",
+    "sum",
+    "check_overflow",
+]
+
+ROUNDINGS = (Rounding.nearest, Rounding.down, Rounding.stochastic)
+OVERFLOW_POLICIES = ("raise", "saturate")
+_INT32 = (-(2**31), 2**31 - 1)
+
+
+class DyadicOverflowWarning(RuntimeWarning):
+    """Results were saturated to their range under overflow="saturate"."""
+
+
+class Requantized(NamedTuple):
+    """A requantised tensor and where the clip to [Qmin, Qmax] fired (a bool tensor)."""
+
+    value: DyadicTensor
+    clipped: torch.Tensor
+
+    @property
+    def clip_count(self) -> int:
+        return int(self.clipped.sum())
+
+
+# ---- arguments ----------------------------------------------------------------------------------
+
+
+def _check_int(name: str, value, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _check_dyadic(name: str, x) -> DyadicTensor:
+    if not isinstance(x, DyadicTensor):
+        raise TypeError(f"{name} must be a DyadicTensor, got {type(x).__name__}")
+    return x
+
+
+def _random_args(rounding, rbits, seed, offset) -> tuple:
+    rule = Rounding.parse(rounding)
+    if rule not in ROUNDINGS:
+        names = ", ".join(repr(r.name) for r in ROUNDINGS)
+        raise ValueError(f"rounding must be one of {names} for dyadic operations; got {rule.name!r}")
+    return int(rule), check_rbits(rbits, rule), _seed_tensor(seed, rule), _check_offset(offset)
+
+
+def _check_policy(overflow: str) -> str:
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"overflow must be 'raise' or 'saturate', got {overflow!r}")
+    return overflow
+
+
+def check_overflow(count: int, what: str, bounds: tuple[int, int], overflow: str = "raise") -> None:
+    """Report ``count`` results of ``what`` that fell outside ``bounds``: OverflowError under
+    overflow="raise", a DyadicOverflowWarning under "saturate". Nothing when count is 0."""
+    if count == 0:
+        return
+    message = f"{what}: {count} result(s) outside [{bounds[0]}, {bounds[1]}]"
+    if _check_policy(overflow) == "raise":
+        raise OverflowError(message + " (overflow='saturate' clips them instead, with a warning)")
+    warnings.warn(message + "; saturated", DyadicOverflowWarning, stacklevel=3)
+
+
+def integer_range(bits: int, signed: bool = True) -> tuple[int, int]:
+    """(Qmin, Qmax) of a ``bits``-bit integer: [-2**(bits-1), 2**(bits-1) - 1] signed (2 to 64
+    bits), [0, 2**bits - 1] unsigned (1 to 63 bits).
+
+    >>> integer_range(8), integer_range(8, signed=False)
+    ((-128, 127), (0, 255))
+    """
+    if not isinstance(signed, bool):
+        raise TypeError(f"signed must be a bool, got {type(signed).__name__}")
+    if signed:
+        b = _check_int("bits", bits, 2, 64)
+        return -(2 ** (b - 1)), 2 ** (b - 1) - 1
+    b = _check_int("bits", bits, 1, 63)
+    return 0, 2**b - 1
+
+
+def _storage(bounds: tuple[int, int], dtype: torch.dtype | None) -> torch.dtype:
+    """The mantissa dtype for values in bounds: int32 when they fit, unless dtype says int64."""
+    fits32 = _INT32[0] <= bounds[0] and bounds[1] <= _INT32[1]
+    if dtype is None:
+        return torch.int32 if fits32 else torch.int64
+    if dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
+    if dtype == torch.int32 and not fits32:
+        raise ValueError(f"the range [{bounds[0]}, {bounds[1]}] does not fit torch.int32")
+    return dtype
+
+
+def _inner(shape: torch.Size, axis: int | None) -> int:
+    """Elements per class run for the kernels' class mapping (i / inner) % classes."""
+    if axis is None:
+        return max(math.prod(shape), 1)
+    return max(math.prod(shape[axis + 1:]), 1)
+
+
+def _scale_tensor(scale) -> torch.Tensor:
+    return scale if isinstance(scale, torch.Tensor) else torch.tensor(scale, dtype=torch.int64)
+
+
+def _result(mantissa: torch.Tensor, scale: torch.Tensor, axis: int | None) -> DyadicTensor:
+    if axis is None:
+        return DyadicTensor(mantissa, int(scale))
+    return DyadicTensor(mantissa, scale, axis)
+
+
+# ---- conversions --------------------------------------------------------------------------------
+
+
+def scale_for(x: torch.Tensor, bits: int, signed: bool = True, axis: int | None = None):
+    """The scale at which x's largest magnitude uses the top bit of a ``bits``-bit integer.
+
+    With floor(log2 max|x|) = e this is bits - 2 - e (signed) or bits - 1 - e (unsigned), so
+    max|x| * 2**scale lies in [2**(bits-2), 2**(bits-1)) (signed): only rounding up can reach
+    Qmax + 1 and clip, by at most one unit. An all-zero tensor (or channel) gets the scale of a
+    largest magnitude in [0.5, 1). Returns an int, or with ``axis`` an int64 tensor per channel.
+    """
+    integer_range(bits, signed)
+    magnitude = x.detach().abs().to(torch.float64)
+    if axis is None:
+        peak = magnitude.max() if magnitude.numel() else torch.zeros((), dtype=torch.float64)
+    else:
+        others = [d for d in range(x.dim()) if d != axis]
+        peak = magnitude.amax(dim=others) if others else magnitude
+    _, exponent = torch.frexp(peak)  # peak = f * 2**exponent, f in [0.5, 1): e = exponent - 1
+    scale = bits - 1 - exponent.to(torch.int64) + (0 if signed else 1)
+    return int(scale) if axis is None else scale
+
+
+def from_float(x: torch.Tensor, bits: int = 8, scale=None, *, signed: bool = True,
+               axis: int | None = None, dtype: torch.dtype | None = None,
+               rounding: Rounding | str = "nearest", rbits: int | None = None,
+               seed: int | None = None, offset: int = 0) -> Requantized:
+    """x as a ``bits``-bit dyadic tensor: clip(round(x * 2**scale), Qmin, Qmax) at ``scale``.
+
+    The conversion reads each float's exact bits (sign, integer significand, exponent) and shifts
+    the significand with the integer rounding: no floating-point arithmetic.
+
+    Args:
+        x: a finite float tensor (float16 and bfloat16 are widened exactly to float32).
+        bits: the integer width, sign included (see integer_range).
+        scale: an int, a per-channel sequence/tensor along ``axis``, or None: scale_for(x, ...).
+        signed: two's complement [-2**(bits-1), 2**(bits-1) - 1], else [0, 2**bits - 1].
+        axis: the dimension of a per-channel scale; None for one scale.
+        dtype: the mantissa dtype; default int32 when the range fits it, else int64.
+        rounding, rbits, seed, offset: as for requantize (default "nearest" here).
+
+    Returns:
+        Requantized(value, clipped).
+
+    Raises:
+        TypeError: x is not a float tensor; an argument has the wrong type.
+        ValueError: x has NaN or Inf, or an argument is out of range.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x must be a floating tensor, got {x.dtype}")
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    bounds = integer_range(bits, signed)
+    storage = _storage(bounds, dtype)
+    if axis is not None:
+        axis = normalize_axis(axis, x.dim())
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"x must be finite, found {int((~torch.isfinite(x)).sum())} NaN or Inf")
+    if scale is None:
+        scale = scale_for(x, bits, signed, axis)
+    scale, axis = normalize_scale(scale, x.shape, axis)
+    mantissa, clipped = ops.dyadic_from_float(
+        x.detach(), _scale_tensor(scale), _inner(x.shape, axis), bounds[0], bounds[1], storage,
+        *_random_args(rounding, rbits, seed, offset))
+    return Requantized(DyadicTensor(mantissa, scale, axis), clipped)
+
+
+def _target_shifts(x: DyadicTensor, scale, axis: int | None):
+    """(shift per class, target scale, axis) of requantising x to ``scale``."""
+    if isinstance(scale, int) and not isinstance(scale, bool):
+        target, _ = normalize_scale(scale, x.shape, None)
+        return _scale_tensor(x.scale) - target, target, x.axis
+    axis = x.axis if axis is None else axis
+    if axis is None:
+        raise ValueError("a per-channel target scale needs axis= (x has one scale)")
+    target, axis = normalize_scale(scale, x.shape, axis)
+    if x.axis is not None and x.axis != axis:
+        raise ValueError(f"x's scale runs along axis {x.axis}, the target's along {axis}")
+    return _scale_tensor(x.scale) - target, target, axis
+
+
+def requantize(x: DyadicTensor, scale, bits: int, signed: bool = True,
+               rounding: Rounding | str = "stochastic", *, axis: int | None = None,
+               dtype: torch.dtype | None = None, rbits: int | None = None,
+               seed: int | None = None, offset: int = 0) -> Requantized:
+    """R(x, t) = (clip(round(v / 2**(s - t)), Qmin, Qmax), t): x on the grid of scale t.
+
+    A coarser target (t < s) shifts the mantissa right by s - t with the rounding; a finer one
+    shifts it left, exactly. The clip mask is what the straight-through estimator uses: the
+    gradient passes through the rounding and is zeroed where the clip fired.
+
+    Args:
+        x: a DyadicTensor.
+        scale: the target scale t: an int, or per channel along ``axis`` (default x.axis).
+        bits, signed: the target integer, see integer_range.
+        rounding: "stochastic" (default), "nearest" (ties to even) or "down" (floor).
+        axis: the dimension of a per-channel target when x has a per-tensor scale.
+        dtype: the result's mantissa dtype; default int32 when [Qmin, Qmax] fits it, else int64.
+        rbits: random bits per decision, 1 to 32 (stochastic only; default 32).
+        seed: 0 <= seed < 2**64 (stochastic only); None draws one from torch's default generator.
+        offset: 0 <= offset < 2**64, the random stream under the seed.
+
+    Returns:
+        Requantized(value, clipped): the new tensor and a bool tensor of where the clip fired.
+
+    Raises:
+        TypeError, ValueError: an argument has the wrong type or is out of range.
+    """
+    _check_dyadic("x", x)
+    bounds = integer_range(bits, signed)
+    storage = _storage(bounds, dtype)
+    shifts, target, target_axis = _target_shifts(x, scale, axis)
+    mantissa, clipped = ops.dyadic_requantize(
+        x.mantissa, shifts, _inner(x.shape, target_axis), bounds[0], bounds[1], storage,
+        *_random_args(rounding, rbits, seed, offset))
+    return Requantized(_result(mantissa, target, target_axis), clipped)
+
+
+def fit_shift(x: DyadicTensor, bits: int, signed: bool = True) -> int:
+    """The smallest right shift k >= 0 after which every mantissa of x fits a ``bits``-bit
+    integer before rounding (rounding up may still reach Qmax + 1, which the clip catches).
+
+    This is the dynamic shift the integer layers use: requantize(x, x.scale - k, bits).
+    """
+    _check_dyadic("x", x)
+    integer_range(bits, signed)
+    if x.mantissa.numel() == 0:
+        return 0
+    top, bottom = int(x.mantissa.max()), int(x.mantissa.min())
+    needed = top.bit_length() if top > 0 else 0
+    if signed and bottom < 0:
+        needed = max(needed, (-bottom - 1).bit_length())
+    return max(0, needed - (bits - 1 if signed else bits))
+
+
+# ---- elementwise arithmetic ---------------------------------------------------------------------
+
+
+class _Pair(NamedTuple):
+    """Two operands broadcast to one shape and dtype, with their scales along the result's axis."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale_a: torch.Tensor  # int64, shape () or (channels,)
+    scale_b: torch.Tensor
+    axis: int | None
+    inner: int
+
+
+def _pair(a: DyadicTensor, b: DyadicTensor) -> _Pair:
+    _check_dyadic("a", a)
+    _check_dyadic("b", b)
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    va, vb = torch.broadcast_tensors(a.mantissa.to(dtype), b.mantissa.to(dtype))
+    ndim = va.dim()
+
+    def along(x: DyadicTensor):
+        if x.axis is None:
+            return _scale_tensor(x.scale), None
+        return x.scale, x.axis + ndim - x.mantissa.dim()
+
+    sa, axis_a = along(a)
+    sb, axis_b = along(b)
+    if axis_a is not None and axis_b is not None and axis_a != axis_b:
+        raise ValueError(f"a's scale runs along dimension {axis_a} of the result and b's along "
+                         f"{axis_b}: the result would need a scale per pair of channels")
+    axis = axis_a if axis_a is not None else axis_b
+    if axis is not None:  # per-tensor scales and broadcast length-1 channels repeat
+        channels = va.shape[axis]
+        sa, sb = sa.expand(channels), sb.expand(channels)
+    return _Pair(va.contiguous(), vb.contiguous(), sa, sb, axis, _inner(va.shape, axis))
+
+
+def _add(a, b, subtract, rounding, rbits, seed, offset) -> tuple[DyadicTensor, int]:
+    p = _pair(a, b)
+    scale = torch.minimum(p.scale_a, p.scale_b)
+    out, count = ops.dyadic_add(p.a, p.b, p.scale_a - scale, p.scale_b - scale, p.inner,
+                                subtract, *_random_args(rounding, rbits, seed, offset))
+    return _result(out, scale, p.axis), int(count)
+
+
+def _bounds_of(dtype: torch.dtype) -> tuple[int, int]:
+    info = torch.iinfo(dtype)
+    return info.min, info.max
+
+
+def align(a: DyadicTensor, b: DyadicTensor, *, rounding: Rounding | str = "stochastic",
+          rbits: int | None = None, seed: int | None = None,
+          offset: int = 0) -> tuple[DyadicTensor, DyadicTensor]:
+    """a and b, broadcast to one shape, both at the coarser scale min(s_a, s_b) (per channel):
+    the finer operand's mantissa is shifted right by the difference with the rounding.
+
+    With the same seed and offset, add(a, b) is exactly the sum of the aligned mantissas.
+    """
+    p = _pair(a, b)
+    scale = torch.minimum(p.scale_a, p.scale_b)
+    random = _random_args(rounding, rbits, seed, offset)
+    bounds = _bounds_of(p.a.dtype)
+    out = []
+    for mantissa, own in ((p.a, p.scale_a), (p.b, p.scale_b)):
+        shifted, _ = ops.dyadic_requantize(mantissa, own - scale, p.inner, bounds[0], bounds[1],
+                                           mantissa.dtype, *random)
+        out.append(_result(shifted, scale, p.axis))
+    return out[0], out[1]
+
+
+def add(a: DyadicTensor, b: DyadicTensor, *, rounding: Rounding | str = "stochastic",
+        rbits: int | None = None, seed: int | None = None, offset: int = 0,
+        overflow: str = "raise") -> DyadicTensor:
+    """a + b at the coarser scale: align, then add the mantissas exactly (broadcasting).
+
+    The mantissa dtype is the wider of the two; a sum outside it is an overflow (see the module
+    docstring). Per-channel scales must run along the same dimension of the result.
+    """
+    _check_policy(overflow)
+    result, count = _add(a, b, False, rounding, rbits, seed, offset)
+    check_overflow(count, "lpsim.dyadic.add", _bounds_of(result.dtype), overflow)
+    return result
+
+
+def sub(a: DyadicTensor, b: DyadicTensor, *, rounding: Rounding | str = "stochastic",
+        rbits: int | None = None, seed: int | None = None, offset: int = 0,
+        overflow: str = "raise") -> DyadicTensor:
+    """a - b at the coarser scale, as add()."""
+    _check_policy(overflow)
+    result, count = _add(a, b, True, rounding, rbits, seed, offset)
+    check_overflow(count, "lpsim.dyadic.sub", _bounds_of(result.dtype), overflow)
+    return result
+
+
+def mul(a: DyadicTensor, b: DyadicTensor, shift: int = 0, *,
+        rounding: Rounding | str = "stochastic", rbits: int | None = None,
+        seed: int | None = None, offset: int = 0, overflow: str = "raise") -> DyadicTensor:
+    """a * b with the product shifted right by ``shift`` (q >= 0): mantissa round(v_a v_b / 2**q)
+    at scale s_a + s_b - q. The product is exact (64 bits for int32 operands, 128 for int64)
+    before the one rounding; shift=0 is exact."""
+    _check_policy(overflow)
+    _check_int("shift", shift, 0, 2**30)
+    p = _pair(a, b)
+    out, count = ops.dyadic_mul(p.a, p.b, shift, *_random_args(rounding, rbits, seed, offset))
+    check_overflow(int(count), "lpsim.dyadic.mul", _bounds_of(out.dtype), overflow)
+    return _result(out, p.scale_a + p.scale_b - shift, p.axis)
+
+
+def div(a: DyadicTensor, b: DyadicTensor, shift: int, *,
+        rounding: Rounding | str = "stochastic", rbits: int | None = None,
+        seed: int | None = None, offset: int = 0, overflow: str = "raise") -> DyadicTensor:
+    """a / b with the dividend shifted left by ``shift`` (p) first: mantissa
+    round(v_a 2**p / v_b) at scale s_a - s_b + p. p is 0 to 31 for int32 mantissas, 0 to 63 for
+    int64 (the shifted dividend is exact in 64 or 128 bits). Stochastic rounding of a quotient
+    rounds up with probability floor(frac * 2**rbits) / 2**rbits.
+
+    Raises:
+        ZeroDivisionError: an element of b is 0.
+    """
+    _check_policy(overflow)
+    p = _pair(a, b)
+    _check_int("shift", shift, 0, 31 if p.a.dtype == torch.int32 else 63)
+    zeros = int((p.b == 0).sum())
+    if zeros:
+        raise ZeroDivisionError(f"lpsim.dyadic.div: b is 0 in {zeros} element(s)")
+    out, count = ops.dyadic_div(p.a, p.b, shift, *_random_args(rounding, rbits, seed, offset))
+    check_overflow(int(count), "lpsim.dyadic.div", _bounds_of(out.dtype), overflow)
+    return _result(out, p.scale_a - p.scale_b + shift, p.axis)
+
+
+# ---- products -----------------------------------------------------------------------------------
+
+
+def _matmul(a: DyadicTensor, b: DyadicTensor, accumulator_bits: int) -> tuple[DyadicTensor, int]:
+    _check_dyadic("a", a)
+    _check_dyadic("b", b)
+    if a.mantissa.dim() != 2 or b.mantissa.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul needs (N, K) and (K, M) tensors, got {tuple(a.shape)} and "
+                         f"{tuple(b.shape)}")
+    if a.axis == 1 or b.axis == 0:
+        raise ValueError("matmul: a per-channel scale along the summed dimension would add "
+                         "terms of different scales; align them first")
+    if a.axis is not None and b.axis is not None:
+        raise ValueError("matmul: per-channel scales on both operands would need a scale per "
+                         "element of the result")
+    bounds = integer_range(accumulator_bits, True)
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    out, count = ops.dyadic_matmul(a.mantissa.to(dtype), b.mantissa.to(dtype), *bounds)
+    if a.axis is not None:
+        return DyadicTensor(out, a.scale + b.scale, 0), int(count)
+    if b.axis is not None:
+        return DyadicTensor(out, a.scale + b.scale, 1), int(count)
+    return DyadicTensor(out, a.scale + b.scale), int(count)
+
+
+def matmul(a: DyadicTensor, b: DyadicTensor, *, accumulator_bits: int = 32,
+           overflow: str = "raise") -> DyadicTensor:
+    """The matrix product of (N, K) a and (K, M) b at scale s_a + s_b, as an accumulator of
+    ``accumulator_bits`` bits would compute it.
+
+    The sums are exact (int64, or int128 when the operands' magnitudes require it), then checked
+    against the accumulator's range: a two's complement accumulator that wraps ends with the
+    exact sum precisely when the exact sum is in range, so an out-of-range sum is exactly a wrong
+    result, and it is reported (see the module docstring). The result is int32 when the
+    accumulator has at most 32 bits. a may have a per-channel scale along its rows (axis 0) or b
+    along its columns (axis 1), not both.
+    """
+    _check_policy(overflow)
+    result, count = _matmul(a, b, accumulator_bits)
+    check_overflow(count, "lpsim.dyadic.matmul", integer_range(accumulator_bits), overflow)
+    return result
+
+
+def _sum(x: DyadicTensor, dim: int, accumulator_bits: int) -> tuple[DyadicTensor, int]:
+    _check_dyadic("x", x)
+    if x.mantissa.dim() != 2:
+        raise ValueError(f"sum needs a 2-D tensor, got {x.mantissa.dim()} dimensions")
+    _check_int("dim", dim, -2, 1)
+    if dim % 2 == 0:  # a row of ones times x
+        total, count = _matmul(DyadicTensor(torch.ones(1, x.shape[0], dtype=x.dtype)), x,
+                               accumulator_bits)
+    else:  # x times a column of ones
+        total, count = _matmul(x, DyadicTensor(torch.ones(x.shape[1], 1, dtype=x.dtype)),
+                               accumulator_bits)
+    flat = total.mantissa.reshape(-1)
+    return DyadicTensor(flat, total.scale, None if total.axis is None else 0), count
+
+
+def sum(x: DyadicTensor, dim: int, *, accumulator_bits: int = 32,  # noqa: A001 (as torch.sum)
+        overflow: str = "raise") -> DyadicTensor:
+    """The exact sum of a 2-D tensor over ``dim`` (0 or 1) at x's scale, checked against the
+    accumulator like matmul (it is a product with a vector of ones)."""
+    _check_policy(overflow)
+    result, count = _sum(x, dim, accumulator_bits)
+    check_overflow(count, "lpsim.dyadic.sum", integer_range(accumulator_bits), overflow)
+    return result

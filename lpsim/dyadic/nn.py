@@ -1,0 +1,371 @@
+"""Integer layers: forward and backward passes in dyadic integer arithmetic.
+
+torch's autograd does not run on integer tensors, so each module has an explicit ``forward(x)``
+and ``backward(grad)``; Sequential chains them. Every tensor is a DyadicTensor (values v * 2**-s)
+and every step is one of lpsim.dyadic's integer operations. Scale bookkeeping of Linear, with x an
+(N, in) activation at scale s_x, W an (out, in) weight at its fixed scale s_W and the bias b at
+s_W too:
+
+forward
+    acc = x W^T               exact sums, checked against the accumulator      s_x + s_W
+    acc = acc + R(b, s_x+s_W) the bias moved to the accumulator's scale        s_x + s_W
+    k_f = fit_shift(acc, activation_bits), or the fixed forward_shift
+    y   = R(acc, s_x + s_W - k_f, activation_bits)  -> clip mask               s_x + s_W - k_f
+backward, with g the gradient of y at scale s_g
+    g   = g with 0 where the forward clip fired (straight-through estimator)
+    dW  = g^T x               exact sums, checked                              s_g + s_x
+    db  = sum over the batch of g, checked                                     s_g
+    dx  = g W                 exact sums, checked                              s_g + s_W
+    k_b = fit_shift(dx, error_bits), or the fixed backward_shift
+    dx  = R(dx, s_g + s_W - k_b, error_bits)                                   s_g + s_W - k_b
+
+R is lpsim.dyadic.requantize with the layer's rounding (stochastic by default). The shifts k_f and
+k_b are the bits each requantisation drops: with fit_shift they are as few as keep the largest
+magnitude in range, so the forward clip fires only when rounding carries the largest element to
+Qmax + 1. Each layer's LayerStats records them, with the clamp and overflow counts.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from lpsim.dyadic import functional as F
+from lpsim.dyadic.tensor import DyadicTensor
+
+__all__ = [
+    "Parameter",
+    "LayerStats",
+    "Module",
+    "Linear",
+    "ReLU",
+    "Sequential",
+    "LossOutput",
+    "mse_loss",
+]
+
+
+@dataclass(eq=False)
+class Parameter:
+    """A trainable tensor: its value at a fixed scale, clipped to a signed ``bits``-bit integer,
+    and the gradient the last backward pass left (None before one)."""
+
+    name: str
+    value: DyadicTensor
+    bits: int
+    grad: DyadicTensor | None = None
+
+
+@dataclass
+class LayerStats:
+    """What one layer's requantisations did since the last reset().
+
+    forward_shifts, backward_shifts: the shift k of each forward and backward requantisation.
+    forward_clamps: activations clipped to [Qmin, Qmax] (their gradient is zeroed).
+    backward_clamps: errors clipped by the backward requantisation.
+    overflows: accumulator results outside its range (counted under overflow="saturate";
+        under "raise" the first one raises OverflowError).
+    """
+
+    forward_shifts: list[int] = field(default_factory=list)
+    backward_shifts: list[int] = field(default_factory=list)
+    forward_clamps: int = 0
+    backward_clamps: int = 0
+    overflows: int = 0
+
+    def reset(self) -> None:
+        self.forward_shifts.clear()
+        self.backward_shifts.clear()
+        self.forward_clamps = self.backward_clamps = self.overflows = 0
+
+    def summary(self) -> dict:
+        """Means of the shifts (NaN when there were none) and the counts."""
+
+        def mean(values: list[int]) -> float:
+            return sum(values) / len(values) if values else math.nan
+
+        return {
+            "forward_shift": mean(self.forward_shifts),
+            "backward_shift": mean(self.backward_shifts),
+            "forward_clamps": self.forward_clamps,
+            "backward_clamps": self.backward_clamps,
+            "overflows": self.overflows,
+        }
+
+
+class Module(abc.ABC):
+    """A layer with an integer forward and backward pass.
+
+    ``training`` (default True) is switched by train() and eval(): in evaluation mode a forward
+    pass rounds to nearest, records no statistics and keeps nothing for backward (overflows are
+    still reported as the overflow policy says).
+    """
+
+    training: bool = True
+
+    def train(self, mode: bool = True) -> Module:
+        self.training = mode
+        return self
+
+    def eval(self) -> Module:
+        return self.train(False)
+
+    @abc.abstractmethod
+    def forward(self, x: DyadicTensor) -> DyadicTensor:
+        """The output; keeps what backward() needs."""
+
+    @abc.abstractmethod
+    def backward(self, grad: DyadicTensor) -> DyadicTensor:
+        """The gradient with respect to the last forward() input; sets the parameters' grad."""
+
+    def parameters(self) -> list[Parameter]:
+        return []
+
+    def __call__(self, x: DyadicTensor) -> DyadicTensor:
+        return self.forward(x)
+
+
+def _check_shift(name: str, shift: int | None) -> int | None:
+    if shift is None:
+        return None
+    if not isinstance(shift, int) or isinstance(shift, bool) or shift < 0:
+        raise ValueError(f"{name} must be None (dynamic) or an int >= 0, got {shift!r}")
+    return shift
+
+
+class Linear(Module):
+    """y = x W^T + b in integers (see the module docstring for every scale).
+
+    Args:
+        in_features, out_features: the sizes.
+        bias: whether the layer has a bias.
+        weight, bias_value: initial float values ((out, in) and (out,)); default uniform on
+            [-1/sqrt(in), 1/sqrt(in)] from torch's default generator, as torch.nn.Linear.
+        weight_bits: width of the weight and bias integers (signed), 2 to 32.
+        headroom: bits of growth the parameters' fixed scale leaves above the initial largest
+            magnitude: scale = scale_for(initial values, weight_bits) - headroom, 0 to 16.
+        activation_bits: width of the output y (signed), 2 to 32.
+        error_bits: width of the gradient dx passed back (signed), 2 to 32.
+        accumulator_bits: width of the accumulator of every matrix product, 2 to 64.
+        forward_shift, backward_shift: fixed shifts k_f, k_b, or None to fit them to the data.
+        rounding: of every requantisation: "stochastic" (default), "nearest" or "down".
+        overflow: "raise" (default) or "saturate" for accumulator overflows (counted in stats).
+
+    Raises:
+        TypeError, ValueError: an argument has the wrong type or is out of range.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
+                 weight: torch.Tensor | None = None, bias_value: torch.Tensor | None = None,
+                 weight_bits: int = 16, headroom: int = 2, activation_bits: int = 8,
+                 error_bits: int = 8, accumulator_bits: int = 32, forward_shift: int | None = None,
+                 backward_shift: int | None = None, rounding: str = "stochastic",
+                 overflow: str = "raise"):
+        F._check_int("in_features", in_features, 1, 2**31)
+        F._check_int("out_features", out_features, 1, 2**31)
+        F._check_int("weight_bits", weight_bits, 2, 32)
+        F._check_int("headroom", headroom, 0, 16)
+        F._check_int("activation_bits", activation_bits, 2, 32)
+        F._check_int("error_bits", error_bits, 2, 32)
+        F._check_int("accumulator_bits", accumulator_bits, 2, 64)
+        F._random_args(rounding, None, 0, 0)  # validates the rule
+        F._check_policy(overflow)
+        self.in_features, self.out_features = in_features, out_features
+        self.activation_bits, self.error_bits = activation_bits, error_bits
+        self.accumulator_bits = accumulator_bits
+        self.forward_shift = _check_shift("forward_shift", forward_shift)
+        self.backward_shift = _check_shift("backward_shift", backward_shift)
+        self.rounding, self.overflow = rounding, overflow
+        self.stats = LayerStats()
+
+        bound = 1.0 / math.sqrt(in_features)
+        w = weight if weight is not None else torch.empty(out_features, in_features).uniform_(-bound, bound)
+        if tuple(w.shape) != (out_features, in_features):
+            raise ValueError(f"weight must have shape ({out_features}, {in_features}), got "
+                             f"{tuple(w.shape)}")
+        initial = [w.detach()]
+        b = None
+        if bias:
+            b = bias_value if bias_value is not None else torch.empty(out_features).uniform_(-bound, bound)
+            if tuple(b.shape) != (out_features,):
+                raise ValueError(f"bias_value must have shape ({out_features},), got {tuple(b.shape)}")
+            initial.append(b.detach())
+        scale = min(F.scale_for(t, weight_bits) for t in initial) - headroom
+        self.weight = Parameter("weight", F.from_float(w.detach(), weight_bits, scale).value,
+                                weight_bits)
+        self.bias = None if b is None else Parameter(
+            "bias", F.from_float(b.detach(), weight_bits, scale).value, weight_bits)
+        self._input: DyadicTensor | None = None
+        self._clipped: torch.Tensor | None = None
+
+    @classmethod
+    def from_torch(cls, module: torch.nn.Linear, **options) -> Linear:
+        """An integer copy of a torch.nn.Linear's current weight and bias (options as __init__)."""
+        bias = module.bias.detach() if module.bias is not None else None
+        return cls(module.in_features, module.out_features, bias=bias is not None,
+                   weight=module.weight.detach(), bias_value=bias, **options)
+
+    def parameters(self) -> list[Parameter]:
+        return [self.weight] + ([self.bias] if self.bias is not None else [])
+
+    def _product(self, what: str, a: DyadicTensor, b: DyadicTensor) -> DyadicTensor:
+        result, count = F._matmul(a, b, self.accumulator_bits)
+        self._count_overflows(what, count)
+        return result
+
+    def _count_overflows(self, what: str, count: int) -> None:
+        if self.training:
+            self.stats.overflows += count
+        F.check_overflow(count, f"Linear {what}", F.integer_range(self.accumulator_bits),
+                         self.overflow)
+
+    @property
+    def _rule(self) -> str:
+        return self.rounding if self.training else "nearest"
+
+    def _requantize(self, x: DyadicTensor, fixed: int | None, bits: int) -> tuple:
+        shift = fixed if fixed is not None else F.fit_shift(x, bits)
+        out = F.requantize(x, x.scale - shift, bits, rounding=self._rule)
+        return out, shift
+
+    def forward(self, x: DyadicTensor) -> DyadicTensor:
+        if not isinstance(x, DyadicTensor):
+            raise TypeError(f"x must be a DyadicTensor, got {type(x).__name__}")
+        if x.per_channel or x.mantissa.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"x must be (N, {self.in_features}) with one scale, got "
+                             f"{tuple(x.shape)}{' per channel' if x.per_channel else ''}")
+        acc = self._product("forward x W^T", x, self.weight.value.t())
+        if self.bias is not None:
+            bias = F.requantize(self.bias.value, acc.scale, self.accumulator_bits,
+                                rounding=self._rule)
+            self._count_overflows("bias at the accumulator's scale", bias.clip_count)
+            acc, count = F._add(acc, bias.value, False, self._rule, None, None, 0)
+            self._count_overflows("forward x W^T + b", count)
+        (y, clipped), shift = self._requantize(acc, self.forward_shift, self.activation_bits)
+        if self.training:
+            self.stats.forward_shifts.append(shift)
+            self.stats.forward_clamps += int(clipped.sum())
+            self._input, self._clipped = x, clipped
+        return y
+
+    def backward(self, grad: DyadicTensor) -> DyadicTensor:
+        if self._input is None:
+            raise RuntimeError("backward() needs a forward() first")
+        if grad.shape != self._clipped.shape or grad.per_channel:
+            raise ValueError(f"grad must have the output's shape {tuple(self._clipped.shape)} and "
+                             "one scale")
+        g = grad.masked_zero(self._clipped)
+        self.weight.grad = self._product("backward g^T x", g.t(), self._input)
+        if self.bias is not None:
+            self.bias.grad, count = F._sum(g, 0, self.accumulator_bits)
+            self._count_overflows("backward sum of g", count)
+        dx = self._product("backward g W", g, self.weight.value)
+        (dx, clipped), shift = self._requantize(dx, self.backward_shift, self.error_bits)
+        self.stats.backward_shifts.append(shift)
+        self.stats.backward_clamps += int(clipped.sum())
+        return dx
+
+
+class ReLU(Module):
+    """max(x, 0) on the mantissas (the scale is unchanged); the gradient passes where x > 0."""
+
+    def __init__(self):
+        self._positive: torch.Tensor | None = None
+
+    def forward(self, x: DyadicTensor) -> DyadicTensor:
+        if self.training:
+            self._positive = x.mantissa > 0
+        return x.with_mantissa(x.mantissa.clamp_min(0))
+
+    def backward(self, grad: DyadicTensor) -> DyadicTensor:
+        if self._positive is None:
+            raise RuntimeError("backward() needs a forward() first")
+        return grad.masked_zero(~self._positive)
+
+
+class Sequential(Module):
+    """Modules applied in order; backward runs them in reverse."""
+
+    def __init__(self, *modules: Module):
+        for index, m in enumerate(modules):
+            if not isinstance(m, Module):
+                raise TypeError(f"Sequential takes lpsim.dyadic.nn modules, got {type(m).__name__}")
+            for p in m.parameters():  # qualified names: "0.weight", "2.bias", ...
+                p.name = f"{index}.{p.name}"
+        self.modules = list(modules)
+
+    def train(self, mode: bool = True) -> Sequential:
+        self.training = mode
+        for m in self.modules:
+            m.train(mode)
+        return self
+
+    def forward(self, x: DyadicTensor) -> DyadicTensor:
+        for m in self.modules:
+            x = m.forward(x)
+        return x
+
+    def backward(self, grad: DyadicTensor) -> DyadicTensor:
+        for m in reversed(self.modules):
+            grad = m.backward(grad)
+        return grad
+
+    def parameters(self) -> list[Parameter]:
+        return [p for m in self.modules for p in m.parameters()]
+
+    def stats(self) -> dict[int, LayerStats]:
+        """The LayerStats of every module that keeps them, by position."""
+        return {i: m.stats for i, m in enumerate(self.modules) if hasattr(m, "stats")}
+
+
+class LossOutput(NamedTuple):
+    """The loss (a float, for reading), its gradient with respect to the output, and the shift
+    the gradient's requantisation applied."""
+
+    loss: float
+    grad: DyadicTensor
+    shift: int
+
+
+def mse_loss(output: DyadicTensor, target: DyadicTensor, *, error_bits: int = 8,
+             rounding: str = "stochastic", accumulator_bits: int = 32) -> LossOutput:
+    """L = (1 / 2N) sum over the batch and the outputs of (y - t)^2, and dL/dy = (y - t) / N.
+
+    In integers: the target is requantised to the output's scale s_y (a left shift, exact, when
+    it is coarser, as a one-hot target at scale 0 is), e = y - t is exact at s_y, and dividing by
+    the batch size N is free when N is a power of two (the scale grows by log2 N); otherwise
+    e / N = div(e, N, p) with p = N.bit_length(), rounded. The gradient is then requantised to
+    ``error_bits`` with the shift fit_shift() gives. The loss itself is computed exactly from the
+    integers and only then converted to a float.
+
+    Raises:
+        ValueError: output and target differ in shape, or are not (N, C) with one scale.
+        OverflowError: the target or the error does not fit the accumulator at the output's scale.
+    """
+    if output.shape != target.shape or output.mantissa.dim() != 2:
+        raise ValueError(f"output and target must be (N, C) of one shape, got {tuple(output.shape)}"
+                         f" and {tuple(target.shape)}")
+    if output.per_channel or target.per_channel:
+        raise ValueError("mse_loss needs per-tensor scales")
+    F._check_int("error_bits", error_bits, 2, 32)
+    bounds = F.integer_range(accumulator_bits)
+    moved = F.requantize(target, output.scale, accumulator_bits, rounding=rounding)
+    F.check_overflow(moved.clip_count, "mse_loss target at the output's scale", bounds)
+    widened = DyadicTensor(output.mantissa.to(moved.value.dtype), output.scale)
+    error, count = F._add(widened, moved.value, True, rounding, None, None, 0)
+    F.check_overflow(count, "mse_loss y - t", bounds)
+    n = output.shape[0]
+    total = int((error.mantissa.to(torch.int64) ** 2).sum())  # exact: |e| < 2**31, few elements
+    loss = math.ldexp(total / (2 * n), -2 * error.scale)
+    if n & (n - 1) == 0:
+        grad = error.ldexp(-(n.bit_length() - 1))
+    else:
+        grad = F.div(error, DyadicTensor(torch.tensor(n, dtype=error.dtype)), n.bit_length(),
+                     rounding=rounding)
+    shift = F.fit_shift(grad, error_bits)
+    grad = F.requantize(grad, grad.scale - shift, error_bits, rounding=rounding).value
+    return LossOutput(loss, grad, shift)

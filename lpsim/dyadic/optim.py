@@ -1,0 +1,106 @@
+"""Integer SGD with momentum, whose learning rate and momentum are shifts.
+
+For a parameter W at its fixed scale s_W (a signed b_W-bit integer) with gradient G (any scale),
+one step is, with R = lpsim.dyadic.requantize (stochastic rounding by default):
+
+    g = R(G, s_W, grad_bits)                    the gradient on W's grid, clipped (below)
+    M = M - R(M * 2**-momentum_shift, s_W) + g  momentum 1 - 2**-momentum_shift, M at scale s_W
+    W = R(W - R(M * 2**-lr_shift, s_W), s_W, b_W)  learning rate 2**-lr_shift; W clipped
+
+Multiplying by 2**-k is free (the scale grows by k), so each shift costs one rounding, when the
+result returns to the grid of W. The momentum follows torch.optim.SGD (dampening 0): M = beta M + g,
+W = W - lr M, with beta = 1 - 2**-momentum_shift (momentum_shift=0: no momentum) and
+lr = 2**-lr_shift. Gradient clipping is elementwise: |g| <= (2**(grad_bits-1) - 1) 2**-s_W.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from lpsim.dyadic import functional as F
+from lpsim.dyadic.nn import Parameter
+from lpsim.dyadic.tensor import DyadicTensor
+
+__all__ = ["SGD", "ClampCounts"]
+
+
+@dataclass
+class ClampCounts:
+    """Elements clipped by the optimizer since the last reset: gradients (gradient clipping) and
+    weights (the parameter's range)."""
+
+    gradient: int = 0
+    weight: int = 0
+
+
+class SGD:
+    """Integer SGD (see the module docstring).
+
+    Args:
+        parameters: lpsim.dyadic.nn Parameters (e.g. model.parameters()).
+        lr_shift: the learning rate is 2**-lr_shift, 0 to 62.
+        momentum_shift: the momentum is 1 - 2**-momentum_shift, 0 (none) to 30.
+        grad_bits: gradients are clipped to a signed grad_bits-bit integer at the weight's scale,
+            2 to 32.
+        rounding: of every requantisation: "stochastic" (default), "nearest" or "down".
+        overflow: "raise" (default) or "saturate" when the momentum buffer overflows int32.
+
+    Raises:
+        TypeError, ValueError: an argument has the wrong type or is out of range.
+    """
+
+    def __init__(self, parameters: Iterable[Parameter], *, lr_shift: int, momentum_shift: int = 0,
+                 grad_bits: int = 16, rounding: str = "stochastic", overflow: str = "raise"):
+        self.parameters = list(parameters)
+        for p in self.parameters:
+            if not isinstance(p, Parameter):
+                raise TypeError(f"parameters must be lpsim.dyadic.nn.Parameter, got {type(p).__name__}")
+        self.lr_shift = F._check_int("lr_shift", lr_shift, 0, 62)
+        self.momentum_shift = F._check_int("momentum_shift", momentum_shift, 0, 30)
+        self.grad_bits = F._check_int("grad_bits", grad_bits, 2, 32)
+        F._random_args(rounding, None, 0, 0)  # validates the rule
+        self.rounding = rounding
+        self.overflow = F._check_policy(overflow)
+        self.momentum: list[DyadicTensor | None] = [None] * len(self.parameters)
+        self.stats = {p.name: ClampCounts() for p in self.parameters}
+
+    def zero_grad(self) -> None:
+        for p in self.parameters:
+            p.grad = None
+
+    def reset_stats(self) -> None:
+        for counts in self.stats.values():
+            counts.gradient = counts.weight = 0
+
+    def _round(self, x: DyadicTensor, scale: int, bits: int = 32) -> F.Requantized:
+        return F.requantize(x, scale, bits, rounding=self.rounding)
+
+    def _checked(self, what: str, result: tuple[DyadicTensor, int]) -> DyadicTensor:
+        value, count = result
+        F.check_overflow(count, f"SGD {what}", F.integer_range(32), self.overflow)
+        return value
+
+    def step(self) -> None:
+        """Update every parameter that has a gradient."""
+        for index, p in enumerate(self.parameters):
+            if p.grad is None:
+                continue
+            w = p.value
+            grad = self._round(p.grad, w.scale, self.grad_bits)
+            counts = self.stats[p.name]
+            counts.gradient += grad.clip_count
+            m = self.momentum[index]
+            if m is None:
+                m = w.with_mantissa(torch.zeros_like(w.mantissa))
+            decay = self._round(m.ldexp(-self.momentum_shift), w.scale).value
+            m = self._checked("momentum decay", F._add(m, decay, True, self.rounding, None, None, 0))
+            m = self._checked("momentum", F._add(m, grad.value, False, self.rounding, None, None, 0))
+            self.momentum[index] = m
+            update = self._round(m.ldexp(-self.lr_shift), w.scale).value
+            moved = self._checked("update", F._add(w, update, True, self.rounding, None, None, 0))
+            new = self._round(moved, w.scale, p.bits)
+            counts.weight += new.clip_count
+            p.value = new.value

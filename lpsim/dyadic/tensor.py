@@ -1,0 +1,207 @@
+"""DyadicTensor: an integer mantissa tensor v and integer scales s, meaning the values v * 2**-s.
+
+The scale is one integer for the whole tensor, or one per index along a dimension (``axis``, a
+per-channel scale). A larger scale is a finer grid: (3, 2) is 0.75 and (3, 0) is 3. The mantissa
+is an int32 or int64 tensor; the scales are plain integers and cost nothing to change, so
+multiplying by a power of two (``ldexp``) is free and exact.
+
+    >>> import torch
+    >>> from lpsim.dyadic import DyadicTensor
+    >>> x = DyadicTensor(torch.tensor([3, -5, 12], dtype=torch.int32), scale=2)
+    >>> x.to_float()
+    tensor([ 0.7500, -1.2500,  3.0000])
+    >>> x.ldexp(3).scale, x.ldexp(3).to_float()
+    (-1, tensor([  6., -10.,  24.]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["DyadicTensor", "MAX_SCALE", "normalize_axis", "normalize_scale"]
+
+MAX_SCALE = 2**30  # |scale| bound: far beyond any useful grid, small enough for every shift count
+
+_MANTISSA_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_scale_value(s: int) -> int:
+    if not isinstance(s, int) or isinstance(s, bool):
+        raise TypeError(f"scale must be an int, got {type(s).__name__}")
+    if not -MAX_SCALE <= s <= MAX_SCALE:
+        raise ValueError(f"scale must be in [-2**30, 2**30], got {s}")
+    return s
+
+
+def normalize_axis(axis: int, ndim: int) -> int:
+    """``axis`` as a dimension index in [0, ndim), checked."""
+    if not isinstance(axis, int) or isinstance(axis, bool):
+        raise TypeError(f"axis must be an int or None, got {type(axis).__name__}")
+    if not -ndim <= axis < ndim:
+        raise IndexError(f"axis must be in [{-ndim}, {ndim - 1}] for a tensor of {ndim} "
+                         f"dimensions, got {axis}")
+    return axis % ndim
+
+
+def normalize_scale(scale, shape: torch.Size, axis: int | None) -> tuple:
+    """(scale, axis) checked for a mantissa of ``shape``: an int and None, or a 1-D int64 tensor
+    with one entry per index along the non-negative ``axis``."""
+    if axis is None:
+        if isinstance(scale, torch.Tensor) and scale.dim() == 0 and not scale.dtype.is_floating_point:
+            scale = int(scale)
+        return _check_scale_value(scale), None
+    axis = normalize_axis(axis, len(shape))
+    s = torch.as_tensor(scale)
+    if s.dtype.is_floating_point or s.dtype == torch.bool or s.dtype.is_complex:
+        raise TypeError(f"a per-channel scale must hold integers, got {s.dtype}")
+    s = s.to(torch.int64).reshape(-1)
+    if s.numel() != shape[axis]:
+        raise ValueError(f"a per-channel scale along axis {axis} needs {shape[axis]} entries, "
+                         f"got {s.numel()}")
+    if s.numel() and int(s.abs().max()) > MAX_SCALE:
+        raise ValueError(f"scale must be in [-2**30, 2**30], got {int(s.abs().max())}")
+    return s, axis
+
+
+class DyadicTensor:
+    """Values mantissa * 2**-scale, the scale per tensor or per channel.
+
+    Args:
+        mantissa: an int32 or int64 CPU tensor, any shape (kept as given, not copied).
+        scale: an int (one scale for the tensor), or with ``axis`` a 1-D int64 tensor or sequence
+            of ints, one per index along ``axis``. Every scale lies in [-2**30, 2**30].
+        axis: the dimension a per-channel scale runs along (negative counts from the end); None
+            for a per-tensor scale.
+
+    Raises:
+        TypeError: the mantissa is not an int32/int64 tensor, or a scale is not an integer.
+        ValueError: a scale is out of range, or a per-channel scale's length differs from the
+            size of ``axis``.
+        IndexError: ``axis`` does not exist in the mantissa.
+    """
+
+    __slots__ = ("mantissa", "scale", "axis")
+
+    def __init__(self, mantissa: torch.Tensor, scale: int | Sequence[int] | torch.Tensor = 0,
+                 axis: int | None = None):
+        if not isinstance(mantissa, torch.Tensor):
+            raise TypeError(f"mantissa must be a torch.Tensor, got {type(mantissa).__name__}")
+        if mantissa.dtype not in _MANTISSA_DTYPES:
+            raise TypeError(f"mantissa must be an int32 or int64 tensor, got {mantissa.dtype}")
+        if mantissa.device.type != "cpu":
+            raise ValueError(f"mantissa must be a CPU tensor, got one on {mantissa.device}")
+        self.mantissa = mantissa
+        self.scale, self.axis = normalize_scale(scale, mantissa.shape, axis)
+
+    # ---- facts -------------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.mantissa.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The mantissa's dtype, int32 or int64."""
+        return self.mantissa.dtype
+
+    @property
+    def per_channel(self) -> bool:
+        return self.axis is not None
+
+    def scales(self) -> torch.Tensor:
+        """The scale of every element as an int64 tensor that broadcasts against the mantissa."""
+        if self.axis is None:
+            return torch.tensor(self.scale, dtype=torch.int64)
+        view = [1] * self.mantissa.dim()
+        view[self.axis] = -1
+        return self.scale.reshape(view)
+
+    def to_float(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The values mantissa * 2**-scale as a float tensor of ``dtype``, for reading results (no
+        dyadic operation goes through floating point).
+
+        The product is formed in float64, exactly when the mantissa has at most 53 significant
+        bits and |scale| <= 1000, and then rounded once to nearest (ties to even) into ``dtype``.
+        """
+        if dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+        power = torch.pow(2.0, -self.scales().to(torch.float64))
+        return (self.mantissa.to(torch.float64) * power).to(dtype)
+
+    # ---- exact rescaling and views ------------------------------------------------------------
+
+    def ldexp(self, exponent: int) -> DyadicTensor:
+        """These values times 2**exponent: the same mantissa at scale - exponent (exact, free)."""
+        if not isinstance(exponent, int) or isinstance(exponent, bool):
+            raise TypeError(f"exponent must be an int, got {type(exponent).__name__}")
+        return DyadicTensor(self.mantissa, self.scale - exponent, self.axis)
+
+    def with_mantissa(self, mantissa: torch.Tensor) -> DyadicTensor:
+        """A tensor of the same scales with another mantissa of the same shape."""
+        if mantissa.shape != self.mantissa.shape:
+            raise ValueError(f"mantissa must have shape {tuple(self.shape)}, got "
+                             f"{tuple(mantissa.shape)}")
+        return DyadicTensor(mantissa, self.scale, self.axis)
+
+    def masked_zero(self, mask: torch.Tensor) -> DyadicTensor:
+        """These values with the elements where ``mask`` is True set to zero."""
+        return self.with_mantissa(self.mantissa.masked_fill(mask, 0))
+
+    def t(self) -> DyadicTensor:
+        """The transpose of a 2-D tensor (a per-channel axis moves with its dimension)."""
+        if self.mantissa.dim() != 2:
+            raise ValueError(f"t() needs a 2-D tensor, got {self.mantissa.dim()} dimensions")
+        axis = None if self.axis is None else 1 - self.axis
+        return DyadicTensor(self.mantissa.t(), self.scale, axis)
+
+    def clone(self) -> DyadicTensor:
+        scale = self.scale if self.axis is None else self.scale.clone()
+        return DyadicTensor(self.mantissa.clone(), scale, self.axis)
+
+    # ---- arithmetic (see lpsim.dyadic.functional for every option) -----------------------------
+
+    @classmethod
+    def from_float(cls, x: torch.Tensor, bits: int = 8, scale=None, **options) -> DyadicTensor:
+        """lpsim.dyadic.from_float(x, bits, scale, **options).value."""
+        return _functional.from_float(x, bits, scale, **options).value
+
+    def align(self, other: DyadicTensor, **options) -> tuple[DyadicTensor, DyadicTensor]:
+        """Both tensors at the coarser scale: lpsim.dyadic.align(self, other, **options)."""
+        return _functional.align(self, other, **options)
+
+    def add(self, other: DyadicTensor, **options) -> DyadicTensor:
+        """lpsim.dyadic.add(self, other, **options)."""
+        return _functional.add(self, other, **options)
+
+    def sub(self, other: DyadicTensor, **options) -> DyadicTensor:
+        """lpsim.dyadic.sub(self, other, **options)."""
+        return _functional.sub(self, other, **options)
+
+    def mul(self, other: DyadicTensor, shift: int = 0, **options) -> DyadicTensor:
+        """lpsim.dyadic.mul(self, other, shift, **options)."""
+        return _functional.mul(self, other, shift, **options)
+
+    def div(self, other: DyadicTensor, shift: int, **options) -> DyadicTensor:
+        """lpsim.dyadic.div(self, other, shift, **options)."""
+        return _functional.div(self, other, shift, **options)
+
+    def requantize(self, scale, bits: int, signed: bool = True, rounding: str = "stochastic",
+                   **options) -> DyadicTensor:
+        """lpsim.dyadic.requantize(self, scale, bits, signed, rounding, **options).value."""
+        return _functional.requantize(self, scale, bits, signed, rounding, **options).value
+
+    __add__ = add
+    __sub__ = sub
+
+    def __mul__(self, other: DyadicTensor) -> DyadicTensor:
+        return self.mul(other)
+
+    def __repr__(self) -> str:
+        scale = self.scale if self.axis is None else self.scale.tolist()
+        axis = "" if self.axis is None else f", axis={self.axis}"
+        return f"DyadicTensor(mantissa={self.mantissa!r}, scale={scale}{axis})"
+
+
+from lpsim.dyadic import functional as _functional  # noqa: E402  (it imports DyadicTensor)

@@ -1,0 +1,239 @@
+"""lpsim.dyadic's kernels compute exactly what Python's integers and fractions do.
+
+Every test builds its expectation from lpsim.dyadic.reference (rationals, floor, and the random
+words of lpsim.reference.random_word) and compares mantissas and scales exactly, for random
+inputs drawn by hypothesis over the full int32/int64 range, every rounding rule, shifts far beyond
+the random word, and per-tensor and per-channel scales.
+"""
+
+import warnings
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lpsim import dyadic
+from lpsim.dyadic import DyadicTensor, DyadicOverflowWarning
+from lpsim.dyadic import reference as ref
+from lpsim.rounding import Rounding
+
+RULES = st.sampled_from(["nearest", "down", "stochastic"])
+SEEDS = st.integers(0, 2**64 - 1)
+OFFSETS = st.integers(0, 2**64 - 1)
+INT_RANGE = {torch.int32: (-(2**31), 2**31 - 1), torch.int64: (-(2**63), 2**63 - 1)}
+
+
+@st.composite
+def mantissas(draw, dtype=None, min_size=1, max_size=24):
+    dtype = dtype or draw(st.sampled_from([torch.int32, torch.int64]))
+    lo, hi = INT_RANGE[dtype]
+    edges = st.sampled_from([lo, lo + 1, -1, 0, 1, hi - 1, hi])
+    values = draw(st.lists(st.one_of(st.integers(lo, hi), st.integers(-300, 300), edges),
+                           min_size=min_size, max_size=max_size))
+    return torch.tensor(values, dtype=dtype)
+
+
+def _random(rule: str, seed: int, offset: int, rbits: int) -> dict:
+    if rule == "stochastic":
+        return dict(rounding=rule, seed=seed, offset=offset, rbits=rbits)
+    return dict(rounding=rule)
+
+
+def _expected_requantize(values, shifts, lo, hi, rule, seed, offset, rbits):
+    r = Rounding[rule]
+    out = [ref.requantize_value(v, k, lo, hi, r, ref.word_of(r, seed, offset, i), rbits)
+           for i, (v, k) in enumerate(zip(values, shifts))]
+    return [v for v, _ in out], [c for _, c in out]
+
+
+@given(v=mantissas(), shift=st.integers(-70, 70), bits=st.integers(2, 64), signed=st.booleans(),
+       rule=RULES, seed=SEEDS, offset=OFFSETS, rbits=st.integers(1, 32), scale=st.integers(-50, 50))
+def test_requantize_matches_python_integers(v, shift, bits, signed, rule, seed, offset, rbits, scale):
+    bits = min(bits, 63) if not signed else bits
+    lo, hi = dyadic.integer_range(bits, signed)
+    out = dyadic.requantize(DyadicTensor(v, scale), scale - shift, bits, signed,
+                            **_random(rule, seed, offset, rbits))
+    want, clipped = _expected_requantize(v.tolist(), [shift] * v.numel(), lo, hi, rule, seed,
+                                         offset, rbits)
+    assert out.value.mantissa.tolist() == want
+    assert out.clipped.tolist() == clipped
+    assert out.value.scale == scale - shift
+    assert out.value.dtype == (torch.int32 if lo >= -(2**31) and hi < 2**31 else torch.int64)
+
+
+@given(data=st.data(), rows=st.integers(1, 4), cols=st.integers(1, 5), axis=st.sampled_from([0, 1]),
+       rule=RULES, seed=SEEDS, bits=st.integers(2, 20))
+def test_requantize_per_channel_scales_match_python_integers(data, rows, cols, axis, rule, seed, bits):
+    v = data.draw(mantissas(torch.int32, rows * cols, rows * cols)).reshape(rows, cols)
+    channels = (rows, cols)[axis]
+    own = data.draw(st.lists(st.integers(-40, 40), min_size=channels, max_size=channels))
+    target = data.draw(st.lists(st.integers(-40, 40), min_size=channels, max_size=channels))
+    x = DyadicTensor(v, own, axis)
+    out = dyadic.requantize(x, torch.tensor(target), bits, **_random(rule, seed, 0, 32))
+    shifts = [own[(r, c)[axis]] - target[(r, c)[axis]] for r in range(rows) for c in range(cols)]
+    lo, hi = dyadic.integer_range(bits)
+    want, clipped = _expected_requantize(v.flatten().tolist(), shifts, lo, hi, rule, seed, 0, 32)
+    assert out.value.mantissa.flatten().tolist() == want
+    assert out.clipped.flatten().tolist() == clipped
+    assert out.value.axis == axis and out.value.scale.tolist() == target
+
+
+def _saturated(values, dtype):
+    lo, hi = INT_RANGE[dtype]
+    return [min(max(v, lo), hi) for v in values], any(not lo <= v <= hi for v in values)
+
+
+def _run_saturating(op, *args, **kwargs):
+    """(result, whether a DyadicOverflowWarning was issued) of op(..., overflow="saturate")."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = op(*args, overflow="saturate", **kwargs)
+    return result, any(issubclass(w.category, DyadicOverflowWarning) for w in caught)
+
+
+@given(data=st.data(), subtract=st.booleans(), rule=RULES, seed=SEEDS, offset=OFFSETS,
+       rbits=st.integers(1, 32), sa=st.integers(-40, 40), sb=st.integers(-40, 40))
+def test_add_and_sub_match_python_integers(data, subtract, rule, seed, offset, rbits, sa, sb):
+    dtype = data.draw(st.sampled_from([torch.int32, torch.int64]))
+    a = data.draw(mantissas(dtype, 1, 16))
+    b = data.draw(mantissas(dtype, a.numel(), a.numel()))
+    op = dyadic.sub if subtract else dyadic.add
+    out, warned = _run_saturating(op, DyadicTensor(a, sa), DyadicTensor(b, sb),
+                                  **_random(rule, seed, offset, rbits))
+    s = min(sa, sb)
+    exact = ref.elementwise("sub" if subtract else "add", a.tolist(), b.tolist(),
+                            [sa - s] * a.numel(), [sb - s] * a.numel(), Rounding[rule], seed,
+                            offset, rbits)
+    want, overflowed = _saturated(exact, dtype)
+    assert out.mantissa.tolist() == want and out.scale == s
+    assert warned == overflowed
+
+
+@given(data=st.data(), rule=RULES, seed=SEEDS)
+def test_add_broadcasts_per_channel_scales_and_matches_python_integers(data, rule, seed):
+    rows, cols = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 5))
+    a = data.draw(mantissas(torch.int32, rows * cols, rows * cols)).reshape(rows, cols) // 4
+    b = data.draw(mantissas(torch.int32, cols, cols)) // 4
+    sa = data.draw(st.integers(-20, 20))
+    sb = data.draw(st.lists(st.integers(-20, 20), min_size=cols, max_size=cols))
+    # b (cols,) with a scale per entry broadcasts along the rows of a: the result's axis is 1.
+    out = dyadic.add(DyadicTensor(a, sa), DyadicTensor(b, sb, 0), rounding=rule, seed=seed)
+    s = [min(sa, t) for t in sb]
+    flat_b = b.repeat(rows).tolist()
+    exact = ref.elementwise("add", a.flatten().tolist(), flat_b,
+                            [sa - s[c] for _ in range(rows) for c in range(cols)],
+                            [sb[c] - s[c] for _ in range(rows) for c in range(cols)],
+                            Rounding[rule], seed, 0)
+    assert out.mantissa.flatten().tolist() == exact
+    assert out.axis == 1 and out.scale.tolist() == s
+
+
+@given(data=st.data(), rule=RULES, seed=SEEDS, sa=st.integers(-40, 40), sb=st.integers(-40, 40))
+def test_add_is_the_exact_sum_of_the_aligned_operands(data, rule, seed, sa, sb):
+    a = data.draw(mantissas(torch.int32, 1, 16)) // 2
+    b = data.draw(mantissas(torch.int32, a.numel(), a.numel())) // 2
+    x, y = DyadicTensor(a, sa), DyadicTensor(b, sb)
+    u, v = dyadic.align(x, y, rounding=rule, seed=seed)
+    total = dyadic.add(x, y, rounding=rule, seed=seed)
+    assert u.scale == v.scale == total.scale == min(sa, sb)
+    assert total.mantissa.tolist() == (u.mantissa.long() + v.mantissa.long()).tolist()
+
+
+@given(data=st.data(), shift=st.integers(0, 140), rule=RULES, seed=SEEDS, rbits=st.integers(1, 32),
+       sa=st.integers(-40, 40), sb=st.integers(-40, 40))
+def test_mul_matches_python_integers(data, shift, rule, seed, rbits, sa, sb):
+    dtype = data.draw(st.sampled_from([torch.int32, torch.int64]))
+    a = data.draw(mantissas(dtype, 1, 16))
+    b = data.draw(mantissas(dtype, a.numel(), a.numel()))
+    out, warned = _run_saturating(dyadic.mul, DyadicTensor(a, sa), DyadicTensor(b, sb), shift,
+                                  **_random(rule, seed, 0, rbits))
+    exact = ref.elementwise("mul", a.tolist(), b.tolist(), [shift] * a.numel(), [0] * a.numel(),
+                            Rounding[rule], seed, 0, rbits)
+    want, overflowed = _saturated(exact, dtype)
+    assert out.mantissa.tolist() == want and out.scale == sa + sb - shift
+    assert warned == overflowed
+
+
+@given(data=st.data(), rule=RULES, seed=SEEDS, rbits=st.integers(1, 32), sa=st.integers(-40, 40),
+       sb=st.integers(-40, 40))
+def test_div_matches_python_integers(data, rule, seed, rbits, sa, sb):
+    dtype = data.draw(st.sampled_from([torch.int32, torch.int64]))
+    shift = data.draw(st.integers(0, 31 if dtype == torch.int32 else 63))
+    a = data.draw(mantissas(dtype, 1, 16))
+    b = data.draw(mantissas(dtype, a.numel(), a.numel()))
+    b = torch.where(b == 0, torch.ones_like(b), b)  # division by zero raises (tested elsewhere)
+    out, warned = _run_saturating(dyadic.div, DyadicTensor(a, sa), DyadicTensor(b, sb), shift,
+                                  **_random(rule, seed, 0, rbits))
+    exact = ref.elementwise("div", a.tolist(), b.tolist(), [shift] * a.numel(), [0] * a.numel(),
+                            Rounding[rule], seed, 0, rbits)
+    want, overflowed = _saturated(exact, dtype)
+    assert out.mantissa.tolist() == want and out.scale == sa - sb + shift
+    assert warned == overflowed
+
+
+@given(data=st.data(), n=st.integers(1, 5), k=st.integers(0, 6), m=st.integers(1, 5),
+       acc_bits=st.integers(8, 64), sa=st.integers(-20, 20), sb=st.integers(-20, 20))
+def test_matmul_is_exact_and_checked_against_the_accumulator(data, n, k, m, acc_bits, sa, sb):
+    dtype = data.draw(st.sampled_from([torch.int32, torch.int64]))
+    bound = data.draw(st.sampled_from([100, 2**20, INT_RANGE[dtype][1]]))
+    values = st.integers(-bound, bound)
+    a = torch.tensor(data.draw(st.lists(values, min_size=n * k, max_size=n * k)), dtype=dtype)
+    b = torch.tensor(data.draw(st.lists(values, min_size=k * m, max_size=k * m)), dtype=dtype)
+    a, b = a.reshape(n, k), b.reshape(k, m)
+    exact = ref.matmul(a.tolist(), b.tolist(), m)
+    lo, hi = dyadic.integer_range(acc_bits)
+    overflowed = any(not lo <= v <= hi for row in exact for v in row)
+    if overflowed:
+        with pytest.raises(OverflowError, match=r"matmul: \d+ result\(s\) outside"):
+            dyadic.matmul(DyadicTensor(a, sa), DyadicTensor(b, sb), accumulator_bits=acc_bits)
+    out, warned = _run_saturating(dyadic.matmul, DyadicTensor(a, sa), DyadicTensor(b, sb),
+                                  accumulator_bits=acc_bits)
+    assert out.mantissa.tolist() == [[min(max(v, lo), hi) for v in row] for row in exact]
+    assert out.scale == sa + sb and warned == overflowed
+    assert out.dtype == (torch.int32 if acc_bits <= 32 else torch.int64)
+
+
+@given(x=st.lists(st.floats(allow_nan=False, allow_infinity=False, width=32), min_size=1,
+                  max_size=16),
+       scale=st.integers(-160, 160), bits=st.integers(2, 40), signed=st.booleans(), rule=RULES,
+       seed=SEEDS, dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_from_float_matches_exact_rationals(x, scale, bits, signed, rule, seed, dtype):
+    t = torch.tensor(x, dtype=dtype)
+    out = dyadic.from_float(t, bits, scale, signed=signed, **_random(rule, seed, 0, 32))
+    lo, hi = dyadic.integer_range(bits, signed)
+    r = Rounding[rule]
+    for i, value in enumerate(t.tolist()):
+        exact = ref.round_rational(Fraction(value) * Fraction(2) ** scale, r,
+                                   ref.word_of(r, seed, 0, i))
+        assert out.value.mantissa[i].item() == min(max(exact, lo), hi)
+        assert out.clipped[i].item() == (not lo <= exact <= hi)
+
+
+def test_from_float_chooses_the_scale_from_the_largest_magnitude():
+    # max |x| = 2.5 -> floor(log2) = 1 -> scale 8 - 2 - 1 = 5 (signed), 6 (unsigned): 2.5 * 32 = 80.
+    x = torch.tensor([0.3, -1.7, 2.5])
+    assert dyadic.from_float(x, 8).value.scale == 5
+    assert dyadic.from_float(x.abs(), 8, signed=False).value.scale == 6
+    per_channel = dyadic.from_float(torch.tensor([[0.1, 8.0], [-0.2, 1.0]]), 8, axis=1).value
+    assert per_channel.scale.tolist() == [8 - 2 + 3, 8 - 2 - 3]  # max 0.2: e = -3; max 8: e = 3
+
+
+def test_to_float_is_exact_for_representable_values():
+    v = torch.tensor([3, -5, 2**31 - 1, -(2**31)], dtype=torch.int32)
+    x = DyadicTensor(v, 33)
+    assert x.to_float(torch.float64).tolist() == [float(Fraction(k, 2**33)) for k in v.tolist()]
+    per_channel = DyadicTensor(torch.tensor([[1, 1], [3, 3]], dtype=torch.int32), [1, -2], axis=1)
+    assert per_channel.to_float().tolist() == [[0.5, 4.0], [1.5, 12.0]]
+
+
+def test_reference_rounding_rules_on_hand_values():
+    half = Fraction(5, 2)
+    assert ref.round_rational(half, Rounding.nearest) == 2  # ties to even
+    assert ref.round_rational(Fraction(7, 2), Rounding.nearest) == 4
+    assert ref.round_rational(Fraction(-5, 2), Rounding.nearest) == -2
+    assert ref.round_rational(Fraction(-7, 4), Rounding.down) == -2  # floor, not truncation
+    # stochastic: up iff floor(frac * 2**rbits) > word >> (32 - rbits); frac of -7/4 is 1/4.
+    assert ref.round_rational(Fraction(-7, 4), Rounding.stochastic, word=0, rbits=2) == -1
+    assert ref.round_rational(Fraction(-7, 4), Rounding.stochastic, word=1 << 30, rbits=2) == -2

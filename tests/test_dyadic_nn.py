@@ -1,0 +1,341 @@
+"""Integer layers, loss and optimizer: clipping, the straight-through gradient with its clip mask,
+the scale bookkeeping of a 3-layer network against hand-computed scales, overflow detection, and
+the optimizer's shifts against torch.optim.SGD."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from lpsim import dyadic
+from lpsim.dyadic import DyadicOverflowWarning, DyadicTensor
+from lpsim.dyadic import nn as inn
+from lpsim.dyadic.optim import SGD
+
+
+def _int(values, dtype=torch.int32):
+    return torch.tensor(values, dtype=dtype)
+
+
+# ---- clipping and the gradient mask -------------------------------------------------------------
+
+
+def test_requantize_clips_at_qmin_and_qmax_of_8_bit_signed():
+    v = _int([-1000, -129, -128, -1, 0, 127, 128, 1000])
+    out = dyadic.requantize(DyadicTensor(v, 3), 3, 8, signed=True)
+    assert out.value.mantissa.tolist() == [-128, -128, -128, -1, 0, 127, 127, 127]
+    assert out.clipped.tolist() == [True, True, False, False, False, False, True, True]
+
+
+def test_requantize_clips_at_qmin_and_qmax_of_8_bit_unsigned():
+    v = _int([-1000, -1, 0, 255, 256, 1000])
+    out = dyadic.requantize(DyadicTensor(v, 0), 0, 8, signed=False)
+    assert out.value.mantissa.tolist() == [0, 0, 0, 255, 255, 255]
+    assert out.clipped.tolist() == [True, True, False, False, True, True]
+
+
+def test_clip_after_rounding_up_to_qmax_plus_one_is_flagged():
+    # 255 / 2 = 127.5 rounds (nearest, ties to even) to 128 = Qmax + 1: clipped to 127 and flagged.
+    x = DyadicTensor(_int([255, 253]), 1)
+    out = dyadic.requantize(x, 0, 8, rounding="nearest")
+    assert out.value.mantissa.tolist() == [127, 126] and out.clipped.tolist() == [True, False]
+
+
+def test_left_shift_clips_exactly_at_the_range():
+    x = DyadicTensor(_int([1, -1, 2, 3, 0]), 0)
+    out = dyadic.requantize(x, 6, 8, rounding="nearest")  # times 64
+    assert out.value.mantissa.tolist() == [64, -64, 127, 127, 0]
+    assert out.clipped.tolist() == [False, False, True, True, False]
+    far = dyadic.requantize(DyadicTensor(_int([-1, 1]), 0), 63, 64, rounding="nearest")
+    assert far.value.mantissa.tolist() == [-(2**63), 2**63 - 1]  # -2**63 fits exactly
+    assert far.clipped.tolist() == [False, True]
+
+
+def test_linear_backward_zeroes_the_gradient_where_the_forward_clip_fired():
+    # W = identity with mantissa 64 at scale 6; x = [1, 2] at scale 0: acc = [64, 128] at scale 6.
+    # With no forward shift the 8-bit output clips 128 to 127, so that output passes no gradient.
+    layer = inn.Linear(2, 2, bias=False, weight=torch.eye(2), weight_bits=8, headroom=0,
+                       forward_shift=0, backward_shift=0, rounding="nearest")
+    assert layer.weight.value.scale == 6 and layer.weight.value.mantissa.tolist() == [[64, 0], [0, 64]]
+    y = layer(DyadicTensor(_int([[1, 2]]), 0))
+    assert y.mantissa.tolist() == [[64, 127]] and y.scale == 6
+    assert layer.stats.forward_clamps == 1
+    dx = layer.backward(DyadicTensor(_int([[1, 1]]), 0))
+    # g' = [1, 0]: dW = g'^T x = [[1, 2], [0, 0]] at scale 0; dx = g' W = [64, 0] at scale 6.
+    assert layer.weight.grad.mantissa.tolist() == [[1, 2], [0, 0]] and layer.weight.grad.scale == 0
+    assert dx.mantissa.tolist() == [[64, 0]] and dx.scale == 6
+
+
+def test_relu_passes_the_gradient_only_where_the_input_was_positive():
+    relu = inn.ReLU()
+    y = relu(DyadicTensor(_int([[-3, 0, 5, 2]]), 4))
+    assert y.mantissa.tolist() == [[0, 0, 5, 2]] and y.scale == 4
+    g = relu.backward(DyadicTensor(_int([[7, 7, 7, -7]]), 9))
+    assert g.mantissa.tolist() == [[0, 0, 7, -7]] and g.scale == 9
+
+
+# ---- scale bookkeeping --------------------------------------------------------------------------
+
+
+def _three_layers(forward_shifts, backward_shifts, **options):
+    gen = torch.Generator().manual_seed(0)
+
+    def weight(rows, cols, peak):  # uniform weights whose largest magnitude is exactly `peak`
+        w = (torch.rand(rows, cols, generator=gen) * 2 - 1) * peak * 0.9
+        w[0, 0] = peak
+        return w
+
+    sizes, peaks = [(4, 8), (8, 8), (8, 3)], [0.5, 0.75, 1.5]
+    layers = []
+    for (fan_in, fan_out), peak, fwd, bwd in zip(sizes, peaks, forward_shifts, backward_shifts):
+        layers.append(inn.Linear(fan_in, fan_out, weight=weight(fan_out, fan_in, peak),
+                                 bias_value=torch.full((fan_out,), peak / 4), forward_shift=fwd,
+                                 backward_shift=bwd, **options))
+        layers.append(inn.ReLU())
+    return inn.Sequential(*layers[:-1])
+
+
+def test_three_layer_scale_bookkeeping_matches_hand_computation():
+    # Parameter scales, 16-bit with 2 bits of headroom: peak 0.5 and 0.75 have floor(log2) = -1,
+    # so 16 - 2 + 1 - 2 = 13; peak 1.5 has floor(log2) = 0, so 12.
+    model = _three_layers(forward_shifts=(14, 12, 11), backward_shifts=(9, 8, 7))
+    l1, l2, l3 = model.modules[0], model.modules[2], model.modules[4]
+    assert [m.weight.value.scale for m in (l1, l2, l3)] == [13, 13, 12]
+    assert [m.bias.value.scale for m in (l1, l2, l3)] == [13, 13, 12]
+    x = dyadic.from_float(torch.linspace(-2, 2, 16).reshape(4, 4), 8, scale=4).value
+    y = model(x)
+    # Forward: s_y = s_x + s_W - k_f: 4 + 13 - 14 = 3, 3 + 13 - 12 = 4, 4 + 12 - 11 = 5.
+    assert y.scale == 5
+    assert [m.stats.forward_shifts for m in (l1, l2, l3)] == [[14], [12], [11]]
+    dx = model.backward(DyadicTensor(torch.ones(4, 3, dtype=torch.int32), 11))
+    # Backward from g at scale 11, each layer's input scale being 4, 3, 4 (L1, L2, L3):
+    #   L3: dW = 11 + 4 = 15, db = 11, dx = 11 + 12 - 7 = 16
+    #   L2: dW = 16 + 3 = 19, db = 16, dx = 16 + 13 - 8 = 21
+    #   L1: dW = 21 + 4 = 25, db = 21, dx = 21 + 13 - 9 = 25
+    assert [m.weight.grad.scale for m in (l3, l2, l1)] == [15, 19, 25]
+    assert [m.bias.grad.scale for m in (l3, l2, l1)] == [11, 16, 21]
+    assert dx.scale == 25
+    assert [m.stats.backward_shifts for m in (l1, l2, l3)] == [[9], [8], [7]]
+
+
+def test_three_layer_forward_and_backward_approximate_float_autograd():
+    # Wide integers (16-bit activations and errors, 64-bit accumulators) and nearest rounding:
+    # the integer pass must then agree with float64 autograd on the same quantised parameters to
+    # about 2**-12 relative, which catches any transposed, mis-scaled or mis-masked product.
+    model = _three_layers((None,) * 3, (None,) * 3, activation_bits=16, error_bits=16,
+                          accumulator_bits=64, rounding="nearest")
+    x = dyadic.from_float(torch.linspace(-2, 2, 16).reshape(4, 4), 16, rounding="nearest").value
+    g = dyadic.from_float(torch.linspace(-1, 1, 12).reshape(4, 3), 16, rounding="nearest").value
+    y = model(x)
+    dx = model.backward(g)
+
+    params = [(m.weight.value.to_float(torch.float64).requires_grad_(),
+               m.bias.value.to_float(torch.float64).requires_grad_()) for m in model.modules[::2]]
+    xf = x.to_float(torch.float64).requires_grad_()
+    h = xf
+    for i, (w, b) in enumerate(params):
+        h = h @ w.T + b
+        h = torch.relu(h) if i < 2 else h
+    h.backward(g.to_float(torch.float64))
+
+    def close(got: DyadicTensor, want: torch.Tensor):
+        scale = want.abs().max().item()
+        assert (got.to_float(torch.float64) - want).abs().max().item() <= 2**-12 * scale
+
+    close(y, h.detach())
+    close(dx, xf.grad)
+    for m, (w, b) in zip(model.modules[::2], params):
+        close(m.weight.grad, w.grad)
+        close(m.bias.grad, b.grad)
+
+
+def test_eval_mode_rounds_to_nearest_and_records_nothing():
+    model = _three_layers((None,) * 3, (None,) * 3)
+    x = dyadic.from_float(torch.linspace(-2, 2, 16).reshape(4, 4), 8).value
+    model.eval()
+    one, two = model(x), model(x)
+    assert torch.equal(one.mantissa, two.mantissa)
+    assert all(not s.forward_shifts for s in model.stats().values())
+    with pytest.raises(RuntimeError, match="backward\\(\\) needs a forward\\(\\) first"):
+        model.backward(one)
+
+
+def test_sequential_names_parameters_by_position():
+    model = _three_layers((None,) * 3, (None,) * 3)
+    assert [p.name for p in model.parameters()] == [
+        "0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+
+
+# ---- overflow -----------------------------------------------------------------------------------
+
+
+def test_int32_accumulation_overflow_raises_instead_of_wrapping():
+    a = DyadicTensor(_int([[2**30, 2**30]]), 0)
+    b = DyadicTensor(_int([[1], [1]]), 0)
+    with pytest.raises(OverflowError, match=r"matmul: 1 result\(s\) outside \[-2147483648, "
+                                            r"2147483647\]"):
+        dyadic.matmul(a, b)
+
+
+def test_partial_sums_that_wrap_but_end_in_range_are_exact():
+    # A 32-bit accumulator wraps after the second term and unwraps after the third: the total,
+    # 2**30, is right, so no overflow is reported.
+    a = DyadicTensor(_int([[2**30, 2**30, -(2**30)]]), 0)
+    b = DyadicTensor(_int([[1], [1], [1]]), 0)
+    assert dyadic.matmul(a, b).mantissa.tolist() == [[2**30]]
+
+
+def test_matmul_stays_exact_when_partial_sums_pass_128_bits():
+    # int64 operands: the first two products sum to 2**127, past a 128-bit accumulator; the total
+    # is 0, and it must come out exact and in range.
+    a = DyadicTensor(torch.full((1, 5), -(2**63), dtype=torch.int64), 0)
+    b = DyadicTensor(torch.tensor([[-(2**63)], [-(2**63)], [2**63 - 1], [2**63 - 1], [2]]), 0)
+    assert dyadic.matmul(a, b, accumulator_bits=64).mantissa.tolist() == [[0]]
+    with pytest.raises(OverflowError):  # the first two terms alone: 2**127
+        dyadic.matmul(DyadicTensor(a.mantissa[:, :2], 0), DyadicTensor(b.mantissa[:2], 0),
+                      accumulator_bits=64)
+
+
+def test_elementwise_overflow_raises_or_saturates_with_a_warning():
+    a = DyadicTensor(_int([2**31 - 1, 5]), 0)
+    b = DyadicTensor(_int([1, 5]), 0)
+    with pytest.raises(OverflowError, match=r"add: 1 result\(s\) outside"):
+        dyadic.add(a, b)
+    with pytest.warns(DyadicOverflowWarning, match=r"add: 1 result\(s\) outside .*saturated"):
+        out = dyadic.add(a, b, overflow="saturate")
+    assert out.mantissa.tolist() == [2**31 - 1, 10]
+    with pytest.raises(OverflowError, match="mul"):
+        dyadic.mul(a, a)
+
+
+def _overflowing_layer(overflow):
+    # 8-bit inputs times 16-bit weights summed over 8 terms need 26 bits: a 16-bit accumulator
+    # cannot hold them.
+    return inn.Linear(8, 2, weight=torch.ones(2, 8), accumulator_bits=16, overflow=overflow)
+
+
+def test_linear_accumulator_overflow_raises_by_default():
+    x = DyadicTensor(torch.full((3, 8), 127, dtype=torch.int32), 0)
+    with pytest.raises(OverflowError, match=r"Linear forward x W\^T: 6 result\(s\) outside "
+                                            r"\[-32768, 32767\]"):
+        _overflowing_layer("raise")(x)
+
+
+def test_linear_accumulator_overflow_is_counted_and_warned_under_saturate():
+    layer = _overflowing_layer("saturate")
+    x = DyadicTensor(torch.full((3, 8), 127, dtype=torch.int32), 0)
+    with pytest.warns(DyadicOverflowWarning):
+        layer(x)
+    assert layer.stats.overflows == 6
+    assert layer.stats.summary()["overflows"] == 6
+
+
+# ---- loss and optimizer -------------------------------------------------------------------------
+
+
+def test_mse_loss_and_gradient_by_hand():
+    # y = [0.75, -0.25] (mantissas 3, -1 at scale 2), t = [1, 0]: e = [-0.25, -0.25],
+    # L = (1/2N) sum e^2 = 1/16, dL/dy = e / N = e (N = 1), kept at scale 2.
+    out = inn.mse_loss(DyadicTensor(_int([[3, -1]]), 2), DyadicTensor(_int([[1, 0]]), 0))
+    assert out.loss == 0.0625
+    assert out.grad.mantissa.tolist() == [[-1, -1]] and out.grad.scale == 2 and out.shift == 0
+
+
+def test_mse_loss_divides_by_a_batch_that_is_not_a_power_of_two():
+    # N = 3: e = [[-1, -1], [0, -4], [0, 0]] at scale 2; e / 3 = div(e, 3, p = 2): e * 4 / 3
+    # rounded to nearest = [[-1, -1], [0, -5], [0, 0]] at scale 4. L = (1 + 1 + 16) / 16 / 6.
+    y = DyadicTensor(_int([[3, -1], [0, 0], [4, 0]]), 2)
+    t = DyadicTensor(_int([[1, 0], [0, 1], [1, 0]]), 0)
+    out = inn.mse_loss(y, t, rounding="nearest")
+    assert out.loss == pytest.approx(18 / 96, rel=0, abs=0)
+    assert out.grad.mantissa.tolist() == [[-1, -1], [0, -5], [0, 0]] and out.grad.scale == 4
+    power_of_two = inn.mse_loss(DyadicTensor(_int([[3, -1], [0, 0]]), 2),
+                                DyadicTensor(_int([[1, 0], [0, 1]]), 0))
+    assert power_of_two.grad.scale == 3  # N = 2: dividing is a scale change
+
+
+def test_integer_sgd_with_momentum_equals_torch_sgd_on_exact_values():
+    # lr 2**-2, momentum 1 - 2**-1 = 0.5; every intermediate is exact, so nearest rounding must
+    # reproduce torch.optim.SGD's float updates exactly.
+    w = inn.Parameter("w", DyadicTensor(_int([100, -100]), 10), bits=16)
+    opt = SGD([w], lr_shift=2, momentum_shift=1, rounding="nearest")
+    reference = torch.tensor([100.0, -100.0]).div(1024).requires_grad_()
+    torch_opt = torch.optim.SGD([reference], lr=0.25, momentum=0.5)
+    grad = DyadicTensor(_int([64, -32]), 10)
+    for _ in range(3):
+        w.grad = grad
+        opt.step()
+        reference.grad = grad.to_float()
+        torch_opt.step()
+        assert w.value.to_float().tolist() == reference.detach().tolist()
+    assert w.value.mantissa.tolist() == [100 - 16 - 24 - 28, -100 + 8 + 12 + 14]
+
+
+def test_sgd_rounds_a_gradient_from_another_scale_onto_the_weight_grid_unbiased():
+    # A gradient at scale 20 is 1/1024 of a weight step: stochastic rounding moves the weight by
+    # the right amount on average.
+    n = 1 << 14
+    w = inn.Parameter("w", DyadicTensor(torch.zeros(n, dtype=torch.int32), 10), bits=16)
+    w.grad = DyadicTensor(torch.full((n,), 3 * 1024 + 300, dtype=torch.int32), 20)
+    torch.manual_seed(0)
+    SGD([w], lr_shift=0).step()
+    mean = -w.value.mantissa.double().mean().item()
+    p = 300 / 1024
+    assert abs(mean - (3 + p)) <= 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_sgd_clips_gradients_and_weights_and_counts_them():
+    w = inn.Parameter("w", DyadicTensor(_int([32767, 0, 5]), 4), bits=16)
+    w.grad = DyadicTensor(_int([-1000, 1000, 1]), 4)
+    opt = SGD([w], lr_shift=0, grad_bits=8, rounding="nearest")
+    opt.step()
+    # g = clip([-1000, 1000, 1]) = [-128, 127, 1]; W - g = [32895, -127, 4] -> 32895 clips to 32767.
+    assert w.value.mantissa.tolist() == [32767, -127, 4]
+    assert opt.stats["w"].gradient == 2 and opt.stats["w"].weight == 1
+    opt.reset_stats()
+    assert opt.stats["w"].gradient == 0
+
+
+def test_momentum_shift_zero_means_no_momentum():
+    w = inn.Parameter("w", DyadicTensor(_int([0]), 0), bits=16)
+    opt = SGD([w], lr_shift=0, momentum_shift=0, rounding="nearest")
+    for _ in range(3):
+        w.grad = DyadicTensor(_int([2]), 0)
+        opt.step()
+    assert w.value.mantissa.tolist() == [-6]
+
+
+# ---- learning ------------------------------------------------------------------------------------
+
+
+def test_integer_network_learns_a_separable_problem():
+    gen = torch.Generator().manual_seed(1)
+    points = torch.randn(64, 2, generator=gen)
+    labels = (points[:, 0] + points[:, 1] > 0).long()
+    torch.manual_seed(1)
+    model = inn.Sequential(inn.Linear(2, 8), inn.ReLU(), inn.Linear(8, 2))
+    opt = SGD(model.parameters(), lr_shift=3, momentum_shift=1)
+    x = dyadic.from_float(points, 8).value
+    t = DyadicTensor(torch.nn.functional.one_hot(labels, 2).to(torch.int32), 0)
+    losses = []
+    for _ in range(60):
+        out = inn.mse_loss(model(x), t)
+        opt.zero_grad()
+        model.backward(out.grad)
+        opt.step()
+        losses.append(out.loss)
+    model.eval()
+    accuracy = (model(x).mantissa.argmax(1) == labels).float().mean().item()
+    assert losses[-1] < 0.5 * losses[0] and accuracy >= 0.9
+
+
+def test_iris_experiment_runs_and_writes_its_table(tmp_path):
+    from experiments.iris_int import run
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DyadicOverflowWarning)
+        run.main(["--seeds", "1", "--epochs", "12", "--log-every", "6", "--out", str(tmp_path)])
+    text = (tmp_path / "iris_int.md").read_text()
+    assert "| integer (lpsim.dyadic) |" in text and "| float32 |" in text
+    assert (tmp_path / "iris_int.png").stat().st_size > 10_000
