@@ -113,13 +113,13 @@ def test_kernels_reject_bad_arguments_from_direct_calls():
     ops = torch.ops.lpsim
     seed = torch.tensor(0)
     with pytest.raises(RuntimeError, match="dyadic ops round by nearest, down or stochastic"):
-        ops.dyadic_requantize(V, torch.tensor(0), 3, -128, 127, torch.int32, 1, 32, seed, 0)
+        ops.dyadic_requantize(V, [0], 3, -128, 127, torch.int32, 1, 32, seed, 0)
     with pytest.raises(RuntimeError, match="must contain 0 and fit"):
-        ops.dyadic_requantize(V, torch.tensor(0), 3, 1, 127, torch.int32, 0, 32, seed, 0)
+        ops.dyadic_requantize(V, [0], 3, 1, 127, torch.int32, 0, 32, seed, 0)
     with pytest.raises(RuntimeError, match="do not tile a tensor of 3 elements"):
-        ops.dyadic_requantize(V, torch.tensor([0, 0]), 1, -128, 127, torch.int32, 0, 32, seed, 0)
+        ops.dyadic_requantize(V, [0, 0], 1, -128, 127, torch.int32, 0, 32, seed, 0)
     with pytest.raises(RuntimeError, match="alignment shifts must be >= 0 with one of each pair 0"):
-        ops.dyadic_add(V, V, torch.tensor(1), torch.tensor(2), 3, False, 0, 32, seed, 0)
+        ops.dyadic_add(V, V, [1], [2], 3, False, 0, 32, seed, 0)
     with pytest.raises(ValueError, match="division by zero in 3 elements"):
         ops.dyadic_div(V, torch.zeros_like(V), 0, 0, 32, seed, 0)
 

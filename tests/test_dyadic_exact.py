@@ -14,6 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import lpsim
 from lpsim import dyadic
 from lpsim.dyadic import DyadicTensor, DyadicOverflowWarning
 from lpsim.dyadic import reference as ref
@@ -70,14 +71,19 @@ def test_requantize_per_channel_scales_match_python_integers(data, rows, cols, a
     channels = (rows, cols)[axis]
     own = data.draw(st.lists(st.integers(-40, 40), min_size=channels, max_size=channels))
     target = data.draw(st.lists(st.integers(-40, 40), min_size=channels, max_size=channels))
+    one = data.draw(st.integers(-40, 40))  # a per-tensor target
     x = DyadicTensor(v, own, axis)
-    out = dyadic.requantize(x, torch.tensor(target), bits, **_random(rule, seed, 0, 32))
-    shifts = [own[(r, c)[axis]] - target[(r, c)[axis]] for r in range(rows) for c in range(cols)]
     lo, hi = dyadic.integer_range(bits)
-    want, clipped = _expected_requantize(v.flatten().tolist(), shifts, lo, hi, rule, seed, 0, 32)
-    assert out.value.mantissa.flatten().tolist() == want
-    assert out.clipped.flatten().tolist() == clipped
-    assert out.value.axis == axis and out.value.scale.tolist() == target
+    for goal, goals in ((torch.tensor(target), target), (one, [one] * channels)):
+        out = dyadic.requantize(x, goal, bits, **_random(rule, seed, 0, 32))
+        shifts = [own[(r, c)[axis]] - goals[(r, c)[axis]] for r in range(rows) for c in range(cols)]
+        want, clipped = _expected_requantize(v.flatten().tolist(), shifts, lo, hi, rule, seed, 0, 32)
+        assert out.value.mantissa.flatten().tolist() == want
+        assert out.clipped.flatten().tolist() == clipped
+        if isinstance(goal, int):
+            assert out.value.axis is None and out.value.scale == one
+        else:
+            assert out.value.axis == axis and out.value.scale.tolist() == target
 
 
 def _saturated(values, dtype):
@@ -237,3 +243,14 @@ def test_reference_rounding_rules_on_hand_values():
     # stochastic: up iff floor(frac * 2**rbits) > word >> (32 - rbits); frac of -7/4 is 1/4.
     assert ref.round_rational(Fraction(-7, 4), Rounding.stochastic, word=0, rbits=2) == -1
     assert ref.round_rational(Fraction(-7, 4), Rounding.stochastic, word=1 << 30, rbits=2) == -2
+
+
+@given(v=mantissas(torch.int32), scale=st.integers(-20, 20), target=st.integers(-20, 20),
+       bits=st.integers(2, 24), signed=st.booleans(), rule=st.sampled_from(["nearest", "down"]))
+def test_requantize_agrees_with_lpsim_fixed_point_quantize(v, scale, target, bits, signed, rule):
+    # A per-tensor dyadic tensor of b-bit mantissas at scale t holds the values of Fixed(b, t):
+    # requantising to it must give what lpsim.quantize gives on the same values in float64.
+    out = dyadic.requantize(DyadicTensor(v, scale), target, bits, signed, rule).value
+    values = DyadicTensor(v, scale).to_float(torch.float64)
+    fixed = lpsim.quantize(values, lpsim.Fixed(bits, target, signed=signed), rule)
+    assert out.to_float(torch.float64).tolist() == fixed.tolist()

@@ -335,7 +335,8 @@ def test_iris_experiment_runs_and_writes_its_table(tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", DyadicOverflowWarning)
-        run.main(["--seeds", "1", "--epochs", "12", "--log-every", "6", "--out", str(tmp_path)])
+        run.main(["--seeds", "1", "--epochs", "12", "--log-every", "6", "--no-ablations",
+                  "--workers", "1", "--out", str(tmp_path)])
     text = (tmp_path / "iris_int.md").read_text()
-    assert "| integer (lpsim.dyadic) |" in text and "| float32 |" in text
+    assert "| integer (16-bit weights), stochastic |" in text and "| float32 |" in text
     assert (tmp_path / "iris_int.png").stat().st_size > 10_000

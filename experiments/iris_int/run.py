@@ -17,7 +17,9 @@ Prints a per-epoch trace (loss, test accuracy, shifts, clamps) for the first see
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import math
+import os
 import pathlib
 import statistics
 import time
@@ -34,7 +36,31 @@ from lpsim.dyadic.optim import SGD as IntegerSGD
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LAYERS = (0, 2, 4)  # positions of the Linear layers in the Sequential
-PUBLISHED = {"float32": (90.0, 500, "500 epochs"), "integer": (95.0, 239, "early stopped")}
+
+
+@dataclass(frozen=True)
+class Path:
+    """One way of training: float32, or integers with a weight width and a rounding rule used by
+    every requantisation (layers, loss and optimizer)."""
+
+    label: str
+    weight_bits: int | None = None  # None: float32, or the integer path's --weight-bits
+    rounding: str = "stochastic"
+    colour: str = "tab:red"
+
+
+# float32, the integer path, and an ablation at 8-bit weights, where a typical update is below
+# the weight's quantum: stochastic rounding against nearest (ties to even) and down (the plain
+# arithmetic shift).
+PATHS = {
+    "float32": Path("float32", colour="tab:blue"),
+    "integer": Path("integer (16-bit weights), stochastic", 0),
+    "w8-stochastic": Path("integer, 8-bit weights, stochastic", 8, colour="tab:orange"),
+    "w8-nearest": Path("integer, 8-bit weights, nearest", 8, "nearest", "tab:green"),
+    "w8-down": Path("integer, 8-bit weights, down", 8, "down", "tab:gray"),
+}
+PUBLISHED = {"float32": "90% after 500 epochs", "integer": "95% after 239 epochs (early stopped)"}
+THRESHOLDS = (90.0, 95.0)  # test accuracies whose first epoch measures the speed of convergence
 
 
 # ---- data -----------------------------------------------------------------------------------------
@@ -80,6 +106,9 @@ class Run:
     @property
     def stopped_accuracy(self) -> float:
         return self.accuracies[self.epochs_run - 1]
+
+    def first_epoch_reaching(self, accuracy: float) -> int | None:
+        return next((e for e, a in enumerate(self.accuracies, 1) if a >= accuracy - 1e-9), None)
 
 
 class EarlyStopping:
@@ -130,10 +159,11 @@ def train_float(model, data: Data, args, seed: int) -> Run:
     return run
 
 
-def integer_model(torch_model: torch.nn.Sequential, args) -> inn.Sequential:
+def integer_model(torch_model: torch.nn.Sequential, args, path: Path) -> inn.Sequential:
     """The integer copy of the float model's initial weights."""
-    options = dict(weight_bits=args.weight_bits, activation_bits=args.activation_bits,
-                   error_bits=args.error_bits)
+    options = dict(weight_bits=path.weight_bits or args.weight_bits,
+                   activation_bits=args.activation_bits, error_bits=args.error_bits,
+                   rounding=path.rounding)
     layers = []
     for m in torch_model:
         layers.append(inn.Linear.from_torch(m, **options) if isinstance(m, torch.nn.Linear)
@@ -141,14 +171,15 @@ def integer_model(torch_model: torch.nn.Sequential, args) -> inn.Sequential:
     return inn.Sequential(*layers)
 
 
-def train_integer(model: inn.Sequential, data: Data, args, seed: int) -> Run:
+def train_integer(model: inn.Sequential, data: Data, args, seed: int, rounding: str) -> Run:
     torch.manual_seed(seed)  # the stochastic rounding's seeds come from torch's generator
     scale = dyadic.scale_for(data.x_train, args.activation_bits)  # one scale for the data set
     x_train = dyadic.from_float(data.x_train, args.activation_bits, scale).value
     x_test = dyadic.from_float(data.x_test, args.activation_bits, scale).value
     one_hot = torch.nn.functional.one_hot(data.y_train, 3).to(torch.int32)
     opt = IntegerSGD(model.parameters(), lr_shift=args.lr_shift,
-                     momentum_shift=args.momentum_shift, grad_bits=args.grad_bits)
+                     momentum_shift=args.momentum_shift, grad_bits=args.grad_bits,
+                     rounding=rounding)
     order = torch.Generator().manual_seed(seed)
     stopper, run = EarlyStopping(args.patience, args.min_delta), Run()
     for epoch in range(1, args.epochs + 1):
@@ -160,7 +191,8 @@ def train_integer(model: inn.Sequential, data: Data, args, seed: int) -> Run:
         for idx in batches(len(data.x_train), args.batch, order):
             x = DyadicTensor(x_train.mantissa[idx], x_train.scale)
             out = model(x)
-            loss = inn.mse_loss(out, DyadicTensor(one_hot[idx], 0), error_bits=args.error_bits)
+            loss = inn.mse_loss(out, DyadicTensor(one_hot[idx], 0), error_bits=args.error_bits,
+                                rounding=rounding)
             opt.zero_grad()
             model.backward(loss.grad)
             opt.step()
@@ -191,6 +223,18 @@ def epoch_trace(model: inn.Sequential, opt: IntegerSGD, loss_shifts: list[int]) 
     return trace
 
 
+def train_seed(seed: int, args, names: list[str]) -> dict[str, Run]:
+    """Every path of one seed, from the same initial weights (runs in a worker process)."""
+    torch.set_num_threads(1)  # tiny tensors: threads only add overhead
+    data = load_data(args.split_seed)
+    model = float_model(seed)
+    copies = {name: integer_model(model, args, PATHS[name]) for name in names[1:]}
+    runs = {"float32": train_float(model, data, args, seed)}
+    for name, copy in copies.items():
+        runs[name] = train_integer(copy, data, args, seed, PATHS[name].rounding)
+    return runs
+
+
 # ---- reporting ----------------------------------------------------------------------------------
 
 
@@ -210,29 +254,40 @@ def spread(values: list[float], digits: int = 1) -> str:
     return f"{mean:.{digits}f} ± {sd:.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
 
 
+def reached(runs: list[Run], accuracy: float) -> str:
+    epochs = [r.first_epoch_reaching(accuracy) for r in runs]
+    hit = [float(e) for e in epochs if e is not None]
+    if not hit:
+        return f"never (0/{len(runs)})"
+    return f"{spread(hit, 0)} ({len(hit)}/{len(runs)})"
+
+
 def summary_rows(results: dict[str, list[Run]], args) -> list[str]:
-    rows = ["| path | test accuracy at stop (%) | epochs run (early stopping) | "
-            f"test accuracy after {args.epochs} epochs (%) | stopped early | published run |",
-            "|---|---|---|---|---|---|"]
-    for name, label in (("float32", "float32"), ("integer", "integer (lpsim.dyadic)")):
-        runs = results[name]
-        acc, published_epochs, how = PUBLISHED[name]
-        stopped = sum(r.stop_epoch is not None for r in runs)
+    rows = [f"| path | test accuracy after {args.epochs} epochs (%) | early stop: epoch | "
+            "early stop: test accuracy (%) | first epoch at >= 90% | first epoch at >= 95% | "
+            "published run |",
+            "|---|---|---|---|---|---|---|"]
+    for name, runs in results.items():
+        stopped = [r for r in runs if r.stop_epoch is not None]
+        stop = (f"{spread([float(r.stop_epoch) for r in stopped], 0)} ({len(stopped)}/{len(runs)})"
+                if stopped else f"none within {args.epochs} (0/{len(runs)})")
         rows.append(
-            f"| {label} | {spread([r.stopped_accuracy for r in runs])} | "
-            f"{spread([float(r.epochs_run) for r in runs], 0)} | "
-            f"{spread([r.accuracies[-1] for r in runs])} | {stopped}/{len(runs)} | "
-            f"{acc:.0f}% after {published_epochs} epochs ({how}) |")
+            f"| {PATHS[name].label} | {spread([r.accuracies[-1] for r in runs])} | {stop} | "
+            f"{spread([r.stopped_accuracy for r in runs])} | "
+            f"{reached(runs, THRESHOLDS[0])} | {reached(runs, THRESHOLDS[1])} | "
+            f"{PUBLISHED.get(name, '')} |")
     return rows
 
 
-def seed_rows(results: dict[str, list[Run]], seeds: list[int]) -> list[str]:
-    rows = ["| seed | float32 acc at stop | float32 epochs | integer acc at stop | integer epochs |",
-            "|---:|---:|---:|---:|---:|"]
+def seed_rows(results: dict[str, list[Run]], seeds: list[int], args) -> list[str]:
+    names = list(results)
+    rows = ["| seed | " + " | ".join(f"{PATHS[n].label}: acc at {args.epochs} / stop epoch"
+                                     for n in names) + " |",
+            "|---:|" + "---:|" * len(names)]
     for i, seed in enumerate(seeds):
-        f, n = results["float32"][i], results["integer"][i]
-        rows.append(f"| {seed} | {f.stopped_accuracy:.1f} | {f.epochs_run} | "
-                    f"{n.stopped_accuracy:.1f} | {n.epochs_run} |")
+        cells = [f"{results[n][i].accuracies[-1]:.1f} / {results[n][i].stop_epoch or '-'}"
+                 for n in names]
+        rows.append(f"| {seed} | " + " | ".join(cells) + " |")
     return rows
 
 
@@ -260,19 +315,15 @@ def write_plot(results: dict[str, list[Run]], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, colour in (("float32", "tab:blue"), ("integer", "tab:red")):
-        runs = results[name]
+    for name, runs in results.items():
+        colour = PATHS[name].colour
         for key, ax in (("accuracies", axes[0]), ("losses", axes[1])):
             curves = torch.tensor([getattr(r, key) for r in runs])
             mean = curves.mean(0)
             epochs = torch.arange(1, curves.shape[1] + 1)
-            ax.plot(epochs, mean, color=colour, label=f"{name} (mean of {len(runs)} seeds)")
+            ax.plot(epochs, mean, color=colour, label=f"{PATHS[name].label} (mean of {len(runs)})")
             ax.fill_between(epochs, curves.min(0).values, curves.max(0).values, color=colour,
                             alpha=0.15)
-        stops = [r.stop_epoch for r in runs if r.stop_epoch]
-        if stops:
-            axes[0].axvline(statistics.fmean(stops), color=colour, linestyle=":",
-                            label=f"{name} mean early stop")
     axes[0].set(xlabel="epoch", ylabel="test accuracy (%)", ylim=(0, 102),
                 title="Iris 4-8-8-3, test accuracy (band: min to max)")
     axes[1].set(xlabel="epoch", ylabel="training loss (1/2N) sum (y - t)^2", yscale="log",
@@ -315,7 +366,7 @@ def write_markdown(results, seeds, args, seconds: float, path: pathlib.Path) -> 
         "",
         "## Per seed",
         "",
-        *seed_rows(results, seeds),
+        *seed_rows(results, seeds, args),
         "",
         f"## Integer path, seed {seeds[0]}: shifts and clamps per epoch",
         "",
@@ -347,28 +398,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-delta", type=float, default=0.01)
     parser.add_argument("--split-seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=True,
+                        help="also train with 8-bit weights and each rounding rule")
+    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
+                        help="seeds trained in parallel processes")
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "results")
     args = parser.parse_args(argv)
 
-    torch.set_num_threads(1)  # tiny tensors: threads only add overhead
-    data = load_data(args.split_seed)
     seeds = list(range(args.seeds))
-    results: dict[str, list[Run]] = {"float32": [], "integer": []}
+    names = list(PATHS) if args.ablations else ["float32", "integer"]
     start = time.perf_counter()
-    for seed in seeds:
-        model = float_model(seed)
-        integer = integer_model(model, args)  # copies the initial weights before training
-        results["float32"].append(train_float(model, data, args, seed))
-        results["integer"].append(train_integer(integer, data, args, seed))
-        fl, it = results["float32"][-1], results["integer"][-1]
-        if seed == seeds[0]:
-            print("epoch  loss float32 integer  acc float32 integer  (integer path: shifts per "
-                  "layer, clamps per layer)")
-            for epoch in [1] + list(range(args.log_every, args.epochs + 1, args.log_every)):
-                print(trace_line(epoch, fl, it))
-        print(f"seed {seed}: float32 {fl.stopped_accuracy:.1f}% at epoch {fl.epochs_run}, "
-              f"integer {it.stopped_accuracy:.1f}% at epoch {it.epochs_run} "
-              f"({time.perf_counter() - start:.0f} s)")
+    if args.workers > 1:
+        with concurrent.futures.ProcessPoolExecutor(args.workers) as pool:
+            per_seed = list(pool.map(train_seed, seeds, [args] * len(seeds), [names] * len(seeds)))
+    else:
+        previous = torch.get_num_threads()
+        per_seed = [train_seed(seed, args, names) for seed in seeds]
+        torch.set_num_threads(previous)
+    results = {name: [runs[name] for runs in per_seed] for name in names}
+    fl, it = results["float32"][0], results["integer"][0]
+    print(f"seed {seeds[0]}, per epoch: loss float32 integer, test accuracy float32 integer, "
+          "integer path's shifts fwd/bwd and clamps fwd/bwd per layer")
+    for epoch in [1] + list(range(args.log_every, args.epochs + 1, args.log_every)):
+        print(trace_line(epoch, fl, it))
+    for i, seed in enumerate(seeds):
+        print(f"seed {seed}: test accuracy after {args.epochs} epochs " + ", ".join(
+            f"{name} {results[name][i].accuracies[-1]:.1f}%" for name in names))
     seconds = time.perf_counter() - start
     print("\n".join(summary_rows(results, args)))
     args.out.mkdir(parents=True, exist_ok=True)

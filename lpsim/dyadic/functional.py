@@ -156,13 +156,12 @@ def _inner(shape: torch.Size, axis: int | None) -> int:
     return max(math.prod(shape[axis + 1:]), 1)
 
 
-def _scale_tensor(scale) -> torch.Tensor:
-    return scale if isinstance(scale, torch.Tensor) else torch.tensor(scale, dtype=torch.int64)
+def _shifts(shift) -> list[int]:
+    """Per-class shifts as the kernels take them: [k] for an int, k.tolist() for a tensor."""
+    return shift.tolist() if isinstance(shift, torch.Tensor) else [shift]
 
 
-def _result(mantissa: torch.Tensor, scale: torch.Tensor, axis: int | None) -> DyadicTensor:
-    if axis is None:
-        return DyadicTensor(mantissa, int(scale))
+def _result(mantissa: torch.Tensor, scale, axis: int | None) -> DyadicTensor:
     return DyadicTensor(mantissa, scale, axis)
 
 
@@ -230,23 +229,24 @@ def from_float(x: torch.Tensor, bits: int = 8, scale=None, *, signed: bool = Tru
         scale = scale_for(x, bits, signed, axis)
     scale, axis = normalize_scale(scale, x.shape, axis)
     mantissa, clipped = ops.dyadic_from_float(
-        x.detach(), _scale_tensor(scale), _inner(x.shape, axis), bounds[0], bounds[1], storage,
+        x.detach(), _shifts(scale), _inner(x.shape, axis), bounds[0], bounds[1], storage,
         *_random_args(rounding, rbits, seed, offset))
     return Requantized(DyadicTensor(mantissa, scale, axis), clipped)
 
 
 def _target_shifts(x: DyadicTensor, scale, axis: int | None):
-    """(shift per class, target scale, axis) of requantising x to ``scale``."""
+    """(shift per class, the classes' axis, target scale, the target's axis) of requantising x to
+    ``scale``. A per-tensor target of a per-channel x has shifts per channel of x."""
     if isinstance(scale, int) and not isinstance(scale, bool):
         target, _ = normalize_scale(scale, x.shape, None)
-        return _scale_tensor(x.scale) - target, target, x.axis
+        return x.scale - target, x.axis, target, None
     axis = x.axis if axis is None else axis
     if axis is None:
         raise ValueError("a per-channel target scale needs axis= (x has one scale)")
     target, axis = normalize_scale(scale, x.shape, axis)
     if x.axis is not None and x.axis != axis:
         raise ValueError(f"x's scale runs along axis {x.axis}, the target's along {axis}")
-    return _scale_tensor(x.scale) - target, target, axis
+    return x.scale - target, axis, target, axis
 
 
 def requantize(x: DyadicTensor, scale, bits: int, signed: bool = True,
@@ -279,9 +279,9 @@ def requantize(x: DyadicTensor, scale, bits: int, signed: bool = True,
     _check_dyadic("x", x)
     bounds = integer_range(bits, signed)
     storage = _storage(bounds, dtype)
-    shifts, target, target_axis = _target_shifts(x, scale, axis)
+    shifts, shift_axis, target, target_axis = _target_shifts(x, scale, axis)
     mantissa, clipped = ops.dyadic_requantize(
-        x.mantissa, shifts, _inner(x.shape, target_axis), bounds[0], bounds[1], storage,
+        x.mantissa, _shifts(shifts), _inner(x.shape, shift_axis), bounds[0], bounds[1], storage,
         *_random_args(rounding, rbits, seed, offset))
     return Requantized(_result(mantissa, target, target_axis), clipped)
 
@@ -307,12 +307,13 @@ def fit_shift(x: DyadicTensor, bits: int, signed: bool = True) -> int:
 
 
 class _Pair(NamedTuple):
-    """Two operands broadcast to one shape and dtype, with their scales along the result's axis."""
+    """Two operands broadcast to one shape and dtype, with their scales along the result's axis:
+    ints when both are per tensor, else int64 tensors of one entry per channel."""
 
     a: torch.Tensor
     b: torch.Tensor
-    scale_a: torch.Tensor  # int64, shape () or (channels,)
-    scale_b: torch.Tensor
+    scale_a: int | torch.Tensor
+    scale_b: int | torch.Tensor
     axis: int | None
     inner: int
 
@@ -320,32 +321,38 @@ class _Pair(NamedTuple):
 def _pair(a: DyadicTensor, b: DyadicTensor) -> _Pair:
     _check_dyadic("a", a)
     _check_dyadic("b", b)
-    dtype = torch.promote_types(a.dtype, b.dtype)
-    va, vb = torch.broadcast_tensors(a.mantissa.to(dtype), b.mantissa.to(dtype))
+    va, vb = a.mantissa, b.mantissa
+    if va.dtype != vb.dtype:
+        va, vb = va.to(torch.int64), vb.to(torch.int64)
+    if va.shape != vb.shape:
+        va, vb = torch.broadcast_tensors(va, vb)
     ndim = va.dim()
-
-    def along(x: DyadicTensor):
-        if x.axis is None:
-            return _scale_tensor(x.scale), None
-        return x.scale, x.axis + ndim - x.mantissa.dim()
-
-    sa, axis_a = along(a)
-    sb, axis_b = along(b)
+    axis_a = None if a.axis is None else a.axis + ndim - a.mantissa.dim()
+    axis_b = None if b.axis is None else b.axis + ndim - b.mantissa.dim()
     if axis_a is not None and axis_b is not None and axis_a != axis_b:
         raise ValueError(f"a's scale runs along dimension {axis_a} of the result and b's along "
                          f"{axis_b}: the result would need a scale per pair of channels")
     axis = axis_a if axis_a is not None else axis_b
+    sa, sb = a.scale, b.scale
     if axis is not None:  # per-tensor scales and broadcast length-1 channels repeat
         channels = va.shape[axis]
-        sa, sb = sa.expand(channels), sb.expand(channels)
+        sa = torch.as_tensor(sa, dtype=torch.int64).expand(channels)
+        sb = torch.as_tensor(sb, dtype=torch.int64).expand(channels)
     return _Pair(va.contiguous(), vb.contiguous(), sa, sb, axis, _inner(va.shape, axis))
+
+
+def _coarser(p: _Pair):
+    """The coarser of the two scales, per channel."""
+    if p.axis is None:
+        return min(p.scale_a, p.scale_b)
+    return torch.minimum(p.scale_a, p.scale_b)
 
 
 def _add(a, b, subtract, rounding, rbits, seed, offset) -> tuple[DyadicTensor, int]:
     p = _pair(a, b)
-    scale = torch.minimum(p.scale_a, p.scale_b)
-    out, count = ops.dyadic_add(p.a, p.b, p.scale_a - scale, p.scale_b - scale, p.inner,
-                                subtract, *_random_args(rounding, rbits, seed, offset))
+    scale = _coarser(p)
+    out, count = ops.dyadic_add(p.a, p.b, _shifts(p.scale_a - scale), _shifts(p.scale_b - scale),
+                                p.inner, subtract, *_random_args(rounding, rbits, seed, offset))
     return _result(out, scale, p.axis), int(count)
 
 
@@ -363,13 +370,13 @@ def align(a: DyadicTensor, b: DyadicTensor, *, rounding: Rounding | str = "stoch
     With the same seed and offset, add(a, b) is exactly the sum of the aligned mantissas.
     """
     p = _pair(a, b)
-    scale = torch.minimum(p.scale_a, p.scale_b)
+    scale = _coarser(p)
     random = _random_args(rounding, rbits, seed, offset)
     bounds = _bounds_of(p.a.dtype)
     out = []
     for mantissa, own in ((p.a, p.scale_a), (p.b, p.scale_b)):
-        shifted, _ = ops.dyadic_requantize(mantissa, own - scale, p.inner, bounds[0], bounds[1],
-                                           mantissa.dtype, *random)
+        shifted, _ = ops.dyadic_requantize(mantissa, _shifts(own - scale), p.inner, bounds[0],
+                                           bounds[1], mantissa.dtype, *random)
         out.append(_result(shifted, scale, p.axis))
     return out[0], out[1]
 
