@@ -51,7 +51,8 @@ def _expected_requantize(values, shifts, lo, hi, rule, seed, offset, rbits):
 
 @given(v=mantissas(), shift=st.integers(-70, 70), bits=st.integers(2, 64), signed=st.booleans(),
        rule=RULES, seed=SEEDS, offset=OFFSETS, rbits=st.integers(1, 32), scale=st.integers(-50, 50))
-def test_requantize_matches_python_integers(v, shift, bits, signed, rule, seed, offset, rbits, scale):
+def test_requantize_matches_python_integers(v, shift, bits, signed, rule, seed, offset, rbits,
+                                            scale):
     bits = min(bits, 63) if not signed else bits
     lo, hi = dyadic.integer_range(bits, signed)
     out = dyadic.requantize(DyadicTensor(v, scale), scale - shift, bits, signed,
@@ -66,7 +67,8 @@ def test_requantize_matches_python_integers(v, shift, bits, signed, rule, seed, 
 
 @given(data=st.data(), rows=st.integers(1, 4), cols=st.integers(1, 5), axis=st.sampled_from([0, 1]),
        rule=RULES, seed=SEEDS, bits=st.integers(2, 20))
-def test_requantize_per_channel_scales_match_python_integers(data, rows, cols, axis, rule, seed, bits):
+def test_requantize_per_channel_scales_match_python_integers(data, rows, cols, axis, rule, seed,
+                                                             bits):
     v = data.draw(mantissas(torch.int32, rows * cols, rows * cols)).reshape(rows, cols)
     channels = (rows, cols)[axis]
     own = data.draw(st.lists(st.integers(-40, 40), min_size=channels, max_size=channels))
@@ -77,7 +79,8 @@ def test_requantize_per_channel_scales_match_python_integers(data, rows, cols, a
     for goal, goals in ((torch.tensor(target), target), (one, [one] * channels)):
         out = dyadic.requantize(x, goal, bits, **_random(rule, seed, 0, 32))
         shifts = [own[(r, c)[axis]] - goals[(r, c)[axis]] for r in range(rows) for c in range(cols)]
-        want, clipped = _expected_requantize(v.flatten().tolist(), shifts, lo, hi, rule, seed, 0, 32)
+        want, clipped = _expected_requantize(v.flatten().tolist(), shifts, lo, hi, rule, seed,
+                                             0, 32)
         assert out.value.mantissa.flatten().tolist() == want
         assert out.clipped.flatten().tolist() == clipped
         if isinstance(goal, int):

@@ -57,7 +57,8 @@ def test_linear_backward_zeroes_the_gradient_where_the_forward_clip_fired():
     # With no forward shift the 8-bit output clips 128 to 127, so that output passes no gradient.
     layer = inn.Linear(2, 2, bias=False, weight=torch.eye(2), weight_bits=8, headroom=0,
                        forward_shift=0, backward_shift=0, rounding="nearest")
-    assert layer.weight.value.scale == 6 and layer.weight.value.mantissa.tolist() == [[64, 0], [0, 64]]
+    assert layer.weight.value.scale == 6
+    assert layer.weight.value.mantissa.tolist() == [[64, 0], [0, 64]]
     y = layer(DyadicTensor(_int([[1, 2]]), 0))
     assert y.mantissa.tolist() == [[64, 127]] and y.scale == 6
     assert layer.stats.forward_clamps == 1

@@ -63,7 +63,7 @@ PUBLISHED = {"float32": "90% after 500 epochs", "integer": "95% after 239 epochs
 THRESHOLDS = (90.0, 95.0)  # test accuracies whose first epoch measures the speed of convergence
 
 
-# ---- data -----------------------------------------------------------------------------------------
+# ---- data ---------------------------------------------------------------------------------
 
 
 @dataclass
@@ -87,7 +87,7 @@ def load_data(split_seed: int) -> Data:
                 torch.tensor(y_test))
 
 
-# ---- one training run -----------------------------------------------------------------------------
+# ---- one training run ---------------------------------------------------------------------
 
 
 @dataclass
@@ -153,7 +153,8 @@ def train_float(model, data: Data, args, seed: int) -> Run:
             total += loss.item() * len(idx)
         run.losses.append(total / len(data.x_train))
         with torch.no_grad():
-            run.accuracies.append(100.0 * (model(data.x_test).argmax(1) == data.y_test).float().mean().item())
+            correct = (model(data.x_test).argmax(1) == data.y_test).float().mean().item()
+        run.accuracies.append(100.0 * correct)
         if run.stop_epoch is None and stopper.should_stop(run.losses[-1]):
             run.stop_epoch = epoch
     return run
@@ -251,7 +252,8 @@ def trace_line(epoch: int, fl: Run, it: Run) -> str:
 def spread(values: list[float], digits: int = 1) -> str:
     mean = statistics.fmean(values)
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{mean:.{digits}f} ± {sd:.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
+    low, high = min(values), max(values)
+    return f"{mean:.{digits}f} ± {sd:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
 def reached(runs: list[Run], accuracy: float) -> str:
@@ -292,8 +294,9 @@ def seed_rows(results: dict[str, list[Run]], seeds: list[int], args) -> list[str
 
 
 def trace_rows(fl: Run, it: Run, every: int) -> list[str]:
-    rows = ["| epoch | loss float32 | loss integer | acc float32 | acc integer | shift fwd (L1 L2 L3) "
-            "| shift bwd (L1 L2 L3) | loss-grad shift | clamps fwd | clamps bwd | grad / weight clamps |",
+    rows = ["| epoch | loss float32 | loss integer | acc float32 | acc integer "
+            "| shift fwd (L1 L2 L3) | shift bwd (L1 L2 L3) | loss-grad shift | clamps fwd "
+            "| clamps bwd | grad / weight clamps |",
             "|---:|---:|---:|---:|---:|---|---|---:|---|---|---|"]
     for epoch in [1] + list(range(every, len(it.trace) + 1, every)):
         t = it.trace[epoch - 1]
@@ -314,7 +317,7 @@ def write_plot(results: dict[str, list[Run]], path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.6))
     for name, runs in results.items():
         colour = PATHS[name].colour
         for key, ax in (("accuracies", axes[0]), ("losses", axes[1])):
@@ -325,12 +328,12 @@ def write_plot(results: dict[str, list[Run]], path: pathlib.Path) -> None:
             ax.fill_between(epochs, curves.min(0).values, curves.max(0).values, color=colour,
                             alpha=0.15)
     axes[0].set(xlabel="epoch", ylabel="test accuracy (%)", ylim=(0, 102),
-                title="Iris 4-8-8-3, test accuracy (band: min to max)")
+                title="Iris 4-8-8-3, test accuracy (mean; band: min to max)")
     axes[1].set(xlabel="epoch", ylabel="training loss (1/2N) sum (y - t)^2", yscale="log",
-                title="training loss")
-    axes[0].legend(loc="lower right", fontsize=8)
-    axes[1].legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
+                title="training loss (float32 and 16-bit integer curves overlap)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -100,7 +100,8 @@ def _random_args(rounding, rbits, seed, offset) -> tuple:
     rule = Rounding.parse(rounding)
     if rule not in ROUNDINGS:
         names = ", ".join(repr(r.name) for r in ROUNDINGS)
-        raise ValueError(f"rounding must be one of {names} for dyadic operations; got {rule.name!r}")
+        raise ValueError(f"rounding must be one of {names} for dyadic operations; "
+                         f"got {rule.name!r}")
     return int(rule), check_rbits(rbits, rule), _seed_tensor(seed, rule), _check_offset(offset)
 
 
@@ -160,9 +161,6 @@ def _shifts(shift) -> list[int]:
     """Per-class shifts as the kernels take them: [k] for an int, k.tolist() for a tensor."""
     return shift.tolist() if isinstance(shift, torch.Tensor) else [shift]
 
-
-def _result(mantissa: torch.Tensor, scale, axis: int | None) -> DyadicTensor:
-    return DyadicTensor(mantissa, scale, axis)
 
 
 # ---- conversions --------------------------------------------------------------------------------
@@ -283,7 +281,7 @@ def requantize(x: DyadicTensor, scale, bits: int, signed: bool = True,
     mantissa, clipped = ops.dyadic_requantize(
         x.mantissa, _shifts(shifts), _inner(x.shape, shift_axis), bounds[0], bounds[1], storage,
         *_random_args(rounding, rbits, seed, offset))
-    return Requantized(_result(mantissa, target, target_axis), clipped)
+    return Requantized(DyadicTensor(mantissa, target, target_axis), clipped)
 
 
 def fit_shift(x: DyadicTensor, bits: int, signed: bool = True) -> int:
@@ -353,7 +351,7 @@ def _add(a, b, subtract, rounding, rbits, seed, offset) -> tuple[DyadicTensor, i
     scale = _coarser(p)
     out, count = ops.dyadic_add(p.a, p.b, _shifts(p.scale_a - scale), _shifts(p.scale_b - scale),
                                 p.inner, subtract, *_random_args(rounding, rbits, seed, offset))
-    return _result(out, scale, p.axis), int(count)
+    return DyadicTensor(out, scale, p.axis), int(count)
 
 
 def _bounds_of(dtype: torch.dtype) -> tuple[int, int]:
@@ -377,7 +375,7 @@ def align(a: DyadicTensor, b: DyadicTensor, *, rounding: Rounding | str = "stoch
     for mantissa, own in ((p.a, p.scale_a), (p.b, p.scale_b)):
         shifted, _ = ops.dyadic_requantize(mantissa, _shifts(own - scale), p.inner, bounds[0],
                                            bounds[1], mantissa.dtype, *random)
-        out.append(_result(shifted, scale, p.axis))
+        out.append(DyadicTensor(shifted, scale, p.axis))
     return out[0], out[1]
 
 
@@ -416,7 +414,7 @@ def mul(a: DyadicTensor, b: DyadicTensor, shift: int = 0, *,
     p = _pair(a, b)
     out, count = ops.dyadic_mul(p.a, p.b, shift, *_random_args(rounding, rbits, seed, offset))
     check_overflow(int(count), "lpsim.dyadic.mul", _bounds_of(out.dtype), overflow)
-    return _result(out, p.scale_a + p.scale_b - shift, p.axis)
+    return DyadicTensor(out, p.scale_a + p.scale_b - shift, p.axis)
 
 
 def div(a: DyadicTensor, b: DyadicTensor, shift: int, *,
@@ -438,7 +436,7 @@ def div(a: DyadicTensor, b: DyadicTensor, shift: int, *,
         raise ZeroDivisionError(f"lpsim.dyadic.div: b is 0 in {zeros} element(s)")
     out, count = ops.dyadic_div(p.a, p.b, shift, *_random_args(rounding, rbits, seed, offset))
     check_overflow(int(count), "lpsim.dyadic.div", _bounds_of(out.dtype), overflow)
-    return _result(out, p.scale_a - p.scale_b + shift, p.axis)
+    return DyadicTensor(out, p.scale_a - p.scale_b + shift, p.axis)
 
 
 # ---- products -----------------------------------------------------------------------------------

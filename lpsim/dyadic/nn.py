@@ -183,16 +183,21 @@ class Linear(Module):
         self.stats = LayerStats()
 
         bound = 1.0 / math.sqrt(in_features)
-        w = weight if weight is not None else torch.empty(out_features, in_features).uniform_(-bound, bound)
+        w = weight
+        if w is None:
+            w = torch.empty(out_features, in_features).uniform_(-bound, bound)
         if tuple(w.shape) != (out_features, in_features):
             raise ValueError(f"weight must have shape ({out_features}, {in_features}), got "
                              f"{tuple(w.shape)}")
         initial = [w.detach()]
         b = None
         if bias:
-            b = bias_value if bias_value is not None else torch.empty(out_features).uniform_(-bound, bound)
+            b = bias_value
+            if b is None:
+                b = torch.empty(out_features).uniform_(-bound, bound)
             if tuple(b.shape) != (out_features,):
-                raise ValueError(f"bias_value must have shape ({out_features},), got {tuple(b.shape)}")
+                raise ValueError(f"bias_value must have shape ({out_features},), got "
+                                 f"{tuple(b.shape)}")
             initial.append(b.detach())
         scale = min(F.scale_for(t, weight_bits) for t in initial) - headroom
         self.weight = Parameter("weight", F.from_float(w.detach(), weight_bits, scale).value,

@@ -57,7 +57,8 @@ class SGD:
         self.parameters = list(parameters)
         for p in self.parameters:
             if not isinstance(p, Parameter):
-                raise TypeError(f"parameters must be lpsim.dyadic.nn.Parameter, got {type(p).__name__}")
+                raise TypeError("parameters must be lpsim.dyadic.nn.Parameter, got "
+                                f"{type(p).__name__}")
         self.lr_shift = F._check_int("lr_shift", lr_shift, 0, 62)
         self.momentum_shift = F._check_int("momentum_shift", momentum_shift, 0, 30)
         self.grad_bits = F._check_int("grad_bits", grad_bits, 2, 32)
@@ -78,6 +79,9 @@ class SGD:
     def _round(self, x: DyadicTensor, scale: int, bits: int = 32) -> F.Requantized:
         return F.requantize(x, scale, bits, rounding=self.rounding)
 
+    def _add(self, a: DyadicTensor, b: DyadicTensor, subtract: bool) -> tuple[DyadicTensor, int]:
+        return F._add(a, b, subtract, self.rounding, None, None, 0)  # same scale: exact
+
     def _checked(self, what: str, result: tuple[DyadicTensor, int]) -> DyadicTensor:
         value, count = result
         F.check_overflow(count, f"SGD {what}", F.integer_range(32), self.overflow)
@@ -96,11 +100,11 @@ class SGD:
             if m is None:
                 m = w.with_mantissa(torch.zeros_like(w.mantissa))
             decay = self._round(m.ldexp(-self.momentum_shift), w.scale).value
-            m = self._checked("momentum decay", F._add(m, decay, True, self.rounding, None, None, 0))
-            m = self._checked("momentum", F._add(m, grad.value, False, self.rounding, None, None, 0))
+            m = self._checked("momentum decay", self._add(m, decay, subtract=True))
+            m = self._checked("momentum", self._add(m, grad.value, subtract=False))
             self.momentum[index] = m
             update = self._round(m.ldexp(-self.lr_shift), w.scale).value
-            moved = self._checked("update", F._add(w, update, True, self.rounding, None, None, 0))
+            moved = self._checked("update", self._add(w, update, subtract=True))
             new = self._round(moved, w.scale, p.bits)
             counts.weight += new.clip_count
             p.value = new.value

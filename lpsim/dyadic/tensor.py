@@ -49,7 +49,8 @@ def normalize_scale(scale, shape: torch.Size, axis: int | None) -> tuple:
     """(scale, axis) checked for a mantissa of ``shape``: an int and None, or a 1-D int64 tensor
     with one entry per index along the non-negative ``axis``."""
     if axis is None:
-        if isinstance(scale, torch.Tensor) and scale.dim() == 0 and not scale.dtype.is_floating_point:
+        if (isinstance(scale, torch.Tensor) and scale.dim() == 0
+                and not scale.dtype.is_floating_point):
             scale = int(scale)
         return _check_scale_value(scale), None
     axis = normalize_axis(axis, len(shape))

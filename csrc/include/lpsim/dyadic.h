@@ -73,7 +73,8 @@ LPSIM_FN T shift_round(T v, int64_t k, Rounding rule, uint32_t word, int rbits) 
   T t = 0;
   if (rule == Rounding::stochastic) {
     // t = floor((v mod 2^k) / 2^(k - rbits)): shifted up when k <= rbits, truncated otherwise.
-    t = k <= rbits ? T(T(v - T(q << k)) << (rbits - k)) : T(floor_shift(v, k - rbits) - T(q << rbits));
+    t = k <= rbits ? T(T(v - T(q << k)) << (rbits - k))
+                   : T(floor_shift(v, k - rbits) - T(q << rbits));
   }
   return q + round_increment(rule, q, half, sticky, t, word, rbits);
 }
