@@ -168,39 +168,65 @@ void with_mantissa(at::ScalarType dtype, F&& f) {
 
 // ---- requantize and from_float -------------------------------------------------------------
 
+// What requantize and from_float share: the checked arguments, the contiguous input, the shift
+// of each class and the two outputs (the mantissa and where the clip fired).
+struct Requantization {
+  Rounding rule;
+  RandomSpec random;
+  at::Tensor src, out, clipped;
+  std::vector<int64_t> shifts;
+  int64_t inner, lo, hi;
+};
+
+Requantization prepare(const at::Tensor& in, at::IntArrayRef shift, int64_t inner, int64_t lo,
+                       int64_t hi, at::ScalarType dtype, int64_t rounding, int64_t rbits,
+                       const at::Tensor& seed, int64_t offset) {
+  check_integer_dtype(dtype, lo, hi);
+  Requantization r{integer_rounding(rounding), random_spec(rbits, seed, offset), in.contiguous(),
+                   {}, {}, {}, inner, lo, hi};
+  r.shifts = class_shifts(shift, inner, r.src.numel());
+  r.out = at::empty(r.src.sizes(), r.src.options().dtype(dtype));
+  r.clipped = at::empty(r.src.sizes(), r.src.options().dtype(at::kBool));
+  return r;
+}
+
+// out[i] = clip(round(v * 2^-(k + extra))) for read(i, v, extra) and k the class's shift, as O.
+template <class O, class Read>
+void requantize_into(const Requantization& r, Read read) {
+  O* y = r.out.data_ptr<O>();
+  bool* c = r.clipped.data_ptr<bool>();
+  const int bits = static_cast<int>(r.random.rbits);
+  const int64_t lo = r.lo, hi = r.hi;
+  count_over(r.src.numel(), r.inner, ClassShifts{r.shifts, {}}, r.rule, r.random,
+             [y, c, lo, hi, bits, read](int64_t i, uint32_t word, int64_t k, int64_t, auto tag) {
+    int64_t v, extra;
+    read(i, v, extra);
+    bool clip = false;
+    y[i] = static_cast<O>(
+        requantize_value(v, k + extra, lo, hi, decltype(tag)::value, word, bits, clip));
+    c[i] = clip;
+    return clip;
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor> requantize_cpu(const at::Tensor& v, at::IntArrayRef shift,
                                                   int64_t inner, int64_t lo, int64_t hi,
                                                   at::ScalarType dtype, int64_t rounding,
                                                   int64_t rbits, const at::Tensor& seed,
                                                   int64_t offset) {
   check_mantissa(v, "v");
-  check_integer_dtype(dtype, lo, hi);
-  const Rounding rule = integer_rounding(rounding);
-  const RandomSpec random = random_spec(rbits, seed, offset);
-  const at::Tensor src = v.contiguous();
-  const int64_t n = src.numel();
-  const std::vector<int64_t> shifts = class_shifts(shift, inner, n);
-  at::Tensor out = at::empty(src.sizes(), src.options().dtype(dtype));
-  at::Tensor clipped = at::empty(src.sizes(), src.options().dtype(at::kBool));
-  bool* c = clipped.data_ptr<bool>();
-  with_mantissa(src.scalar_type(), [&](auto in_type) {
+  const Requantization r = prepare(v, shift, inner, lo, hi, dtype, rounding, rbits, seed, offset);
+  with_mantissa(r.src.scalar_type(), [&](auto in_type) {
     using I = decltype(in_type);
-    const I* x = src.data_ptr<I>();
+    const I* x = r.src.data_ptr<I>();
     with_mantissa(dtype, [&](auto out_type) {
-      using O = decltype(out_type);
-      O* y = out.data_ptr<O>();
-      const int bits = static_cast<int>(random.rbits);
-      count_over(n, inner, ClassShifts{shifts, {}}, rule, random,
-                 [x, y, c, lo, hi, bits](int64_t i, uint32_t word, int64_t k, int64_t, auto tag) {
-        bool clip = false;
-        y[i] = static_cast<O>(
-            requantize_value(x[i], k, lo, hi, decltype(tag)::value, word, bits, clip));
-        c[i] = clip;
-        return clip;
+      requantize_into<decltype(out_type)>(r, [x](int64_t i, int64_t& value, int64_t& extra) {
+        value = x[i];
+        extra = 0;
       });
     });
   });
-  return {out, clipped};
+  return {r.out, r.clipped};
 }
 
 // A finite float as sign * m * 2^e with an integer significand m (no rounding: these are its bits).
@@ -231,53 +257,35 @@ std::tuple<at::Tensor, at::Tensor> from_float_cpu(const at::Tensor& x, at::IntAr
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
                    "lpsim: x must be a float32 or float64 tensor, got ", x.scalar_type());
   TORCH_CHECK(x.device().is_cpu(), "lpsim: x must be a CPU tensor");
-  check_integer_dtype(dtype, lo, hi);
-  const Rounding rule = integer_rounding(rounding);
-  const RandomSpec random = random_spec(rbits, seed, offset);
-  const at::Tensor src = x.contiguous();
-  const int64_t n = src.numel();
-  const std::vector<int64_t> scales = class_shifts(scale, inner, n);
-  for (int64_t s : scales) {
+  for (int64_t s : scale) {
     TORCH_CHECK(s > -(int64_t(1) << 32) && s < (int64_t(1) << 32),
                 "lpsim: scales must be in (-2**32, 2**32), got ", s);
   }
-  at::Tensor out = at::empty(src.sizes(), src.options().dtype(dtype));
-  at::Tensor clipped = at::empty(src.sizes(), src.options().dtype(at::kBool));
-  bool* c = clipped.data_ptr<bool>();
+  // x * 2^s = m * 2^(e + s): a right shift by -s - e, whose class part is -s.
+  std::vector<int64_t> negated(scale.begin(), scale.end());
+  for (int64_t& s : negated) s = -s;
+  const Requantization r = prepare(x, negated, inner, lo, hi, dtype, rounding, rbits, seed, offset);
   std::atomic<int64_t> not_finite{0};
+  std::atomic<int64_t>* bad = &not_finite;
   auto run = [&](auto float_type, auto out_type) {
-    using F = decltype(float_type);
-    using O = decltype(out_type);
-    const F* xs = src.data_ptr<F>();
-    O* y = out.data_ptr<O>();
-    const int bits = static_cast<int>(random.rbits);
-    std::atomic<int64_t>* bad = &not_finite;
-    count_over(n, inner, ClassShifts{scales, {}}, rule, random,
-               [xs, y, c, lo, hi, bits, bad](int64_t i, uint32_t word, int64_t s, int64_t,
-                                             auto tag) {
-      bool clip = false;
-      if (!std::isfinite(xs[i])) {
+    const auto* xs = r.src.data_ptr<decltype(float_type)>();
+    requantize_into<decltype(out_type)>(r, [xs, bad](int64_t i, int64_t& m, int64_t& e) {
+      if (!std::isfinite(xs[i])) {  // 0, unclipped; counted and raised below
         ++*bad;
-        y[i] = 0;
-        c[i] = false;
-        return false;
+        m = e = 0;
+        return;
       }
-      int64_t m, e;
       decompose(xs[i], m, e);
-      // x * 2^s = m * 2^(e + s): a right shift by -(e + s) when that is positive.
-      y[i] = static_cast<O>(
-          requantize_value(m, -(e + s), lo, hi, decltype(tag)::value, word, bits, clip));
-      c[i] = clip;
-      return clip;
+      e = -e;
     });
   };
   with_mantissa(dtype, [&](auto out_type) {
-    if (src.scalar_type() == at::kFloat) return run(float{}, out_type);
+    if (r.src.scalar_type() == at::kFloat) return run(float{}, out_type);
     return run(double{}, out_type);
   });
   TORCH_CHECK_VALUE(not_finite.load() == 0, "lpsim: x must be finite, found ", not_finite.load(),
                     " NaN or Inf elements");
-  return {out, clipped};
+  return {r.out, r.clipped};
 }
 
 // ---- elementwise arithmetic -----------------------------------------------------------------

@@ -293,6 +293,39 @@ def seed_rows(results: dict[str, list[Run]], seeds: list[int], args) -> list[str
     return rows
 
 
+def loss_gap(run: Run, reference: Run) -> float:
+    """The largest relative difference between a run's training loss and float32's, per epoch."""
+    return max(abs(a - b) / b for a, b in zip(run.losses, reference.losses))
+
+
+def integer_rows(results: dict[str, list[Run]]) -> list[str]:
+    """Totals over every seed and epoch of each integer path's clamps and overflows, the range of
+    its per-epoch mean shifts, and how far its loss strayed from float32's."""
+    rows = ["| path | forward shift | backward shift | forward clamps | backward clamps | "
+            "gradient clamps | weight clamps | accumulator overflows | "
+            "largest loss gap to float32 (median, max over seeds) |",
+            "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for name, runs in results.items():
+        if name == "float32":
+            continue
+        traces = [t for r in runs for t in r.trace]
+
+        def total(key: str) -> int:
+            return sum(t[f"{key}{i}"] for t in traces for i in (1, 2, 3))
+
+        def span(key: str) -> str:
+            values = [t[f"{key}{i}"] for t in traces for i in (1, 2, 3)]
+            return f"{min(values):.2f} to {max(values):.2f}"
+
+        gaps = sorted(loss_gap(r, f) for r, f in zip(runs, results["float32"]))
+        rows.append(
+            f"| {PATHS[name].label} | {span('fwd')} | {span('bwd')} | {total('fclamp')} | "
+            f"{total('bclamp')} | {sum(t['grad_clamps'] for t in traces)} | "
+            f"{sum(t['weight_clamps'] for t in traces)} | {total('overflow')} | "
+            f"{statistics.median(gaps):.1%}, {gaps[-1]:.1%} |")
+    return rows
+
+
 def trace_rows(fl: Run, it: Run, every: int) -> list[str]:
     rows = ["| epoch | loss float32 | loss integer | acc float32 | acc integer "
             "| shift fwd (L1 L2 L3) | shift bwd (L1 L2 L3) | loss-grad shift | clamps fwd "
@@ -345,7 +378,8 @@ def write_markdown(results, seeds, args, seconds: float, path: pathlib.Path) -> 
     lines = [
         "# Iris, float32 and integer-only training (lpsim.dyadic)",
         "",
-        f"Written by `{command}` ({seconds:.0f} s on a 2-core CPU). The set-up and the choices "
+        f"Written by `{command}` ({seconds:.0f} s wall time on a 2-core CPU). The set-up and the "
+        "choices "
         "behind it are in [docs/integer.md](../integer.md) and "
         "[experiments/README.md](../../experiments/README.md).",
         "",
@@ -367,6 +401,15 @@ def write_markdown(results, seeds, args, seconds: float, path: pathlib.Path) -> 
         "",
         "![test accuracy and loss per epoch](iris_int.png)",
         "",
+        "## Integer statistics, all seeds and epochs",
+        "",
+        "Shifts: the range of the per-epoch mean number of bits a requantisation dropped, over "
+        "the three layers (forward: accumulator to activations; backward: propagated error). "
+        "Clamps and overflows: totals. Loss gap: the largest relative difference between the "
+        "path's training loss and float32's over the epochs of one seed.",
+        "",
+        *integer_rows(results),
+        "",
         "## Per seed",
         "",
         *seed_rows(results, seeds, args),
@@ -375,10 +418,8 @@ def write_markdown(results, seeds, args, seconds: float, path: pathlib.Path) -> 
         "",
         "Shifts are the bits each requantisation dropped, averaged over the epoch's batches "
         "(forward: the accumulator to 8-bit activations; backward: the propagated error to 8 "
-        "bits; loss-grad: the output error to 8 bits). Clamps are elements clipped in the epoch; "
-        "accumulator overflows were " +
-        ("none." if all(t[f"overflow{i}"] == 0 for r in results["integer"] for t in r.trace
-                        for i in (1, 2, 3)) else "counted (see the trace)."),
+        "bits; loss-grad: the output error to 8 bits). Clamps are elements clipped in the "
+        "epoch.",
         "",
         *trace_rows(results["float32"][0], results["integer"][0], args.log_every),
         "",

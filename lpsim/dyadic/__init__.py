@@ -22,6 +22,7 @@ from lpsim.dyadic.functional import (
     Requantized,
     add,
     align,
+    check_overflow,
     div,
     fit_shift,
     from_float,
@@ -35,24 +36,4 @@ from lpsim.dyadic.functional import (
 from lpsim.dyadic.functional import sum  # noqa: A004 (as torch.sum)
 from lpsim.dyadic.tensor import DyadicTensor
 
-__all__ = [
-    "DyadicTensor",
-    "DyadicOverflowWarning",
-    "Requantized",
-    "integer_range",
-    "scale_for",
-    "fit_shift",
-    "from_float",
-    "requantize",
-    "align",
-    "add",
-    "sub",
-    "mul",
-    "div",
-    "matmul",
-    "sum",
-    "functional",
-    "nn",
-    "optim",
-    "reference",
-]
+__all__ = ["DyadicTensor", *functional.__all__, "functional", "nn", "optim", "reference"]
