@@ -1,0 +1,421 @@
+"""The CIFAR10 recipes of the QPyTorch paper (Zhang, Yang, De Sa, "QPyTorch: A Low-Precision
+Arithmetic Simulation Framework", 2019) and of QPyTorch's examples, written with lpsim.
+
+A recipe names a model, where quantisers go in it, the formats and rounding of the five quantised
+categories (weights, activations, errors, gradients, momentum; plus a weight accumulator for
+IBM8), the optimiser and its learning-rate schedule, the loss, and (SWALP) weight averaging.
+``recipe.prepare(model, lr)`` applies it to a freshly built model on its device and returns the
+model and optimiser to train; ``recipe.lr_factor(epoch, epochs, swa_start)`` is the schedule.
+
+Every schedule is written relative to the number of epochs; at a recipe's default epochs it is the
+schedule of its QPyTorch example. Each recipe's ``source`` names the example it
+follows, and its ``deviations`` say where and why it differs from it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+import lpsim
+from lpsim import BlockFloat, Fixed, Float
+from lpsim.nn import LayerQuantization, inject, quantizer
+from lpsim.optim import OptimLP
+from lpsim.recipes import BLOCK8 as _BLOCK8
+from lpsim.recipes import IBM8 as _IBM8
+from lpsim.recipes import Recipe
+
+__all__ = ["CifarRecipe", "WageRecipe", "RECIPES", "wilson_factor", "round_initial_weights",
+           "after_relus", "after_weight_layers_but_last", "ibm8_placement", "wage_shift",
+           "wage_init_", "WageWeight", "WageGradient", "wage_clip", "describe"]
+
+WEIGHT_LAYERS = (nn.Conv2d, nn.Linear)
+
+
+# Learning-rate schedules
+
+
+def wilson_factor(epoch: int, budget: int) -> float:
+    """The schedule of QPyTorch's examples (from the SWA code base): 1 for the first half of
+    ``budget`` epochs, then linear down to 0.01 at 90%, then 0.01."""
+    t = epoch / budget
+    if t <= 0.5:
+        return 1.0
+    if t <= 0.9:
+        return 1.0 - 0.99 * (t - 0.5) / 0.4
+    return 0.01
+
+
+def _wage_factor(epoch: int, epochs: int) -> float:
+    """WAGE's steps: the initial rate for the first two thirds, 1/8 of it to five sixths, then 1/64
+    (8, 1, 1/8 at epochs 0, 200, 250 of 300 in QPyTorch's example)."""
+    if 3 * epoch < 2 * epochs:
+        return 1.0
+    if 6 * epoch < 5 * epochs:
+        return 1.0 / 8
+    return 1.0 / 64
+
+
+# Where the quantisers go (inject() configurations)
+
+
+def after_relus(model: nn.Module, q: Recipe) -> dict:
+    """Activations and errors at the output of every ReLU (QPyTorch's VGG16LP model, and
+    lower(model, layer_types=["activation"]))."""
+    return {nn.ReLU: LayerQuantization(output=q.activation, error=q.error)}
+
+
+def _weight_layer_names(model: nn.Module) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, WEIGHT_LAYERS)]
+
+
+def after_weight_layers_but_last(model: nn.Module, q: Recipe) -> dict:
+    """Activations and errors at the output of every convolution and linear layer except the last
+    one (QPyTorch's sequential_lower(layer_types=["conv", "linear"]) with the final quantiser
+    removed, as in examples/SWALP)."""
+    return {_weight_layer_names(model)[-1]: None,
+            WEIGHT_LAYERS: LayerQuantization(output=q.activation, error=q.error)}
+
+
+IBM8_EDGE = (Float(6, 9), "nearest")  # the 16-bit format at the network's input and output
+
+
+def ibm8_placement(model: nn.Module, q: Recipe) -> dict:
+    """QPyTorch's PreResNet20LP: the input image and the logits (and the logits' error) in e6m9
+    with round-to-nearest; e5m2 at the output of the first convolution, of every convolution in
+    the residual branches and of every ReLU; shortcut convolutions and additions unquantised."""
+    names = _weight_layer_names(model)
+    low = LayerQuantization(output=q.activation, error=q.error)
+    return {
+        names[-1]: LayerQuantization(output=IBM8_EDGE, error=IBM8_EDGE),
+        names[0]: LayerQuantization(input=IBM8_EDGE, output=q.activation, error=q.error),
+        lambda name, m: isinstance(m, nn.Conv2d) and "downsample" not in name: low,
+        nn.ReLU: low,
+    }
+
+
+@torch.no_grad()
+def round_initial_weights(optimizer: OptimLP) -> None:
+    """Round the initial weights as OptimLP rounds them after every step (from the accumulator
+    when there is one), so that the first forward pass already sees low-precision weights.
+    QPyTorch's examples leave the initial weights unrounded until the first step."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            source = optimizer.accumulators[p] if optimizer.acc_quant is not None else p
+            if optimizer.weight_quant is not None:
+                p.copy_(optimizer.weight_quant(source))
+            else:
+                p.copy_(source)
+
+
+# The recipe
+
+
+@dataclass(frozen=True)
+class CifarRecipe:
+    """A CIFAR10 training recipe.
+
+    Attributes:
+        name: the name given to --recipe.
+        summary: one line for the listing.
+        model: a key of models.MODELS; model_options go to its constructor.
+        epochs, batch_size, lr, momentum, weight_decay: SGD's settings and the training length
+            (batch_size is the global batch, summed over processes).
+        schedule: "wilson" (wilson_factor over the epochs, or over the epochs before SWA) or
+            "wage" (three steps).
+        loss: "cross_entropy" (mean over the batch) or "sse" (WAGE's half sum of squared errors
+            against one-hot targets, summed over the batch).
+        inputs: "normalize" (per-channel mean and standard deviation) or "symmetric" (2x - 1, from
+            [0, 1] to [-1, 1]).
+        quantization: formats and rounding of the categories (an lpsim Recipe), or None.
+        placement: builds the inject() configuration from the model and ``quantization``.
+        swa_start: fraction of the epochs after which weights are averaged (None: no averaging);
+            swa_lr: the constant learning rate from then on.
+        source: the QPyTorch example (path in the Tiiiger/QPyTorch repository) it follows.
+        deviations: where and why it departs from that example.
+    """
+
+    name: str
+    summary: str
+    model: str
+    epochs: int
+    lr: float
+    source: str
+    model_options: tuple = ()
+    batch_size: int = 128
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    schedule: str = "wilson"
+    loss: str = "cross_entropy"
+    inputs: str = "normalize"
+    quantization: Recipe | None = None
+    placement: Callable[[nn.Module, Recipe], dict] | None = None
+    swa_start: float | None = None
+    swa_lr: float | None = None
+    deviations: tuple[str, ...] = field(default=())
+
+    @property
+    def loss_scale(self) -> float:
+        return self.quantization.loss_scale if self.quantization is not None else 1.0
+
+    def default_swa_start(self, epochs: int) -> int | None:
+        """The epoch from which weights are averaged, for a run of ``epochs`` epochs."""
+        return None if self.swa_start is None else int(epochs * self.swa_start)
+
+    def lr_factor(self, epoch: int, epochs: int, swa_start: int | None, lr: float) -> float:
+        """The learning rate of ``epoch`` (from 0) as a multiple of the initial rate ``lr``."""
+        if self.schedule == "wage":
+            return _wage_factor(epoch, epochs)
+        if swa_start is not None:
+            return wilson_factor(epoch, swa_start) if epoch < swa_start else self.swa_lr / lr
+        return wilson_factor(epoch, epochs)
+
+    def check_lr(self, lr: float) -> None:
+        """Raise ValueError unless lr suits the recipe."""
+        if not (lr > 0 and math.isfinite(lr)):
+            raise ValueError(f"the learning rate must be a positive number, got {lr!r}")
+
+    def prepare(self, model: nn.Module, lr: float):
+        """Apply the recipe to ``model`` (already on its device): inject the quantisers, build
+        SGD, wrap it in OptimLP, round the initial weights. Returns (model, optimizer)."""
+        self.check_lr(lr)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=self.momentum,
+                                    weight_decay=self.weight_decay)
+        q = self.quantization
+        if q is None:
+            return model, optimizer
+        inject(model, self.placement(model, q))
+        optimizer = OptimLP(optimizer, weight=q.weight, grad=q.grad, momentum=q.momentum,
+                            acc=q.acc, grad_scaling=1.0 / q.loss_scale)
+        round_initial_weights(optimizer)
+        return model, optimizer
+
+    def criterion(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss to differentiate, its sum over the batch for logging)."""
+        if self.loss == "sse":
+            target = nn.functional.one_hot(labels, logits.shape[1]).to(logits.dtype)
+            total = 0.5 * (logits - target).square().sum()
+            return total, total.detach()
+        mean = nn.functional.cross_entropy(logits, labels)
+        return mean, mean.detach() * len(labels)
+
+
+# WAGE (Wu, Li, Chen, Shi, "Training and inference with integers in deep neural networks", ICLR
+# 2018) as in QPyTorch's examples/WAGE: 2-bit weights, 8-bit activations, errors and gradients.
+
+WAGE_BITS = {"weight": 2, "activation": 8, "error": 8, "gradient": 8}
+
+
+def _symmetric_fixed(bits: int, *, clamp: bool = True) -> Fixed:
+    """Fixed point in (-1, 1): bits-bit words with bits - 1 fractional bits, without the most
+    negative code."""
+    return Fixed(bits, bits - 1, clamp=clamp, symmetric=True)
+
+
+def wage_shift(x: torch.Tensor) -> torch.Tensor:
+    """x divided by the smallest power of two at or above max|x| (so max|x| lands in (1/2, 1]);
+    an all-zero x is returned unchanged. WAGE's per-layer scaling of errors and gradients."""
+    peak = x.detach().abs().amax()
+    mantissa, exponent = torch.frexp(peak)  # peak = mantissa * 2**exponent, mantissa in [1/2, 1)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # exact powers of two: 2**(e-1)
+    scale = torch.where(peak > 0, torch.ldexp(torch.ones_like(peak), exponent),
+                        torch.ones_like(peak))
+    return x / scale
+
+
+def wage_init_(weight: torch.Tensor, bits: int = WAGE_BITS["weight"]) -> float:
+    """WAGE's initialisation, in place: uniform in [-L, L] with L = max(sqrt(3 / fan_in), Wm),
+    Wm = 1.5 / 2**(bits-1); returns the layer's scale, the power of two nearest to
+    Wm / sqrt(3 / fan_in) (at least 1), by which the quantised weight is divided."""
+    fan_in = weight[0].numel()
+    limit = math.sqrt(3.0 / fan_in)
+    wm = 1.5 / 2 ** (bits - 1)
+    scale = max(2.0 ** round(math.log2(wm / limit)), 1.0)
+    with torch.no_grad():
+        weight.uniform_(-max(wm, limit), max(wm, limit))
+    return scale
+
+
+class WageWeight(nn.Module):
+    """Parametrisation: the weight seen by forward is the accumulator rounded to nearest into
+    {-1/2, 0, 1/2} (2-bit symmetric fixed point), divided by the layer's scale; the gradient
+    passes straight through to the accumulator."""
+
+    def __init__(self, scale: float, bits: int = WAGE_BITS["weight"]):
+        super().__init__()
+        self.scale = scale
+        self.format = _symmetric_fixed(bits)
+
+    def forward(self, accumulator: torch.Tensor) -> torch.Tensor:
+        return lpsim.quantize(accumulator, self.format, "nearest") / self.scale
+
+    def extra_repr(self) -> str:
+        return f"{self.format!r} nearest, / {self.scale:g}"
+
+
+class WageGradient:
+    """OptimLP's gradient function for WAGE: g -> Q(lr * shift(g) / 2**(bits-1)) / lr, Q rounding
+    stochastically to multiples of 2**-(bits-1) without clamping. SGD with learning rate lr then
+    subtracts Q(...) itself from the accumulator, as WAGE does. lr is read from the optimizer's
+    first parameter group at every call (so the schedule, and a loaded state_dict, apply). Exact
+    when lr is a power of two."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, bits: int = WAGE_BITS["gradient"]):
+        self.optimizer = optimizer
+        self.bits = bits
+        self.format = _symmetric_fixed(bits, clamp=False)
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
+        lr = self.optimizer.param_groups[0]["lr"]
+        step = lpsim.quantize(wage_shift(grad) * (lr / 2 ** (self.bits - 1)), self.format,
+                              "stochastic")
+        return step / lr
+
+    def __repr__(self) -> str:
+        return f"WageGradient({self.format!r} stochastic)"
+
+
+def wage_clip(weight: torch.Tensor, bits: int = WAGE_BITS["weight"]) -> torch.Tensor:
+    """The accumulator clipped to +/-(1 - 2**-(bits-1)), the range of the quantised weight."""
+    limit = 1.0 - 2.0 ** (1 - bits)
+    return weight.clamp(-limit, limit)
+
+
+def _attach_output(module: nn.Module, fn) -> None:
+    module.register_forward_hook(lambda mod, args, output: fn(output))
+
+
+@dataclass(frozen=True)
+class WageRecipe(CifarRecipe):
+    """WAGE: its own initialisation, ternary weights with per-layer scales, fixed-point
+    activations with a clip-masked straight-through gradient, shifted fixed-point errors, and
+    plain SGD on an accumulator of shifted fixed-point gradients."""
+
+    def check_lr(self, lr: float) -> None:
+        super().check_lr(lr)
+        if math.frexp(lr)[0] != 0.5:
+            raise ValueError(
+                f"WAGE's learning rate must be a power of two (its updates are multiples of "
+                f"2**-{WAGE_BITS['gradient'] - 1}), got {lr!r}")
+
+    def prepare(self, model: nn.Module, lr: float):
+        self.check_lr(lr)
+        named = dict(model.named_parameters())
+        layers = [m for m in model.modules() if isinstance(m, WEIGHT_LAYERS)]
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) or (
+                len(named) != len(layers)):
+            raise ValueError("WAGE applies to models whose only parameters are the weights of "
+                             "convolutions and linear layers (no biases, no batch norm), such as "
+                             "vgg7")
+        for layer in layers:
+            scale = wage_init_(layer.weight)
+            with torch.no_grad():
+                layer.weight.copy_(wage_clip(layer.weight))
+            parametrize.register_parametrization(layer, "weight", WageWeight(scale))
+        act, err = (_symmetric_fixed(WAGE_BITS[k]) for k in ("activation", "error"))
+        inner = quantizer(forward=(act, "nearest"), backward=(err, "stochastic"),
+                          clamp_grad_zero=True, backward_hooks=[wage_shift])
+        for m in model.modules():
+            if isinstance(m, nn.ReLU):
+                _attach_output(m, inner)
+        first = quantizer(forward=(act, "nearest"))
+        model.register_forward_pre_hook(lambda mod, args: tuple(first(a) for a in args))
+        last = quantizer(backward=(err, "stochastic"), backward_hooks=[wage_shift])
+        _attach_output(model, last)
+        sgd = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0, weight_decay=0.0)
+        optimizer = OptimLP(sgd, grad=WageGradient(sgd), weight=wage_clip)
+        return model, optimizer
+
+
+# The recipes
+
+_HALF = (Float(5, 10), "stochastic")
+_BLOCK8_ROWS = (BlockFloat(8, dim=0), "stochastic")
+_INITIAL_WEIGHTS = ("The initial weights are rounded into the weight format before the first "
+                    "step; QPyTorch's example rounds them only after it.")
+_SCHEDULE_TIMING = ("Epoch e trains at the schedule's value for e; QPyTorch's example steps its "
+                    "LambdaLR before each epoch, so its epoch e trains at the value for e + 1.")
+
+FP32 = CifarRecipe(
+    "fp32", "VGG16 in float32 (the baseline)", model="vgg16", epochs=200, lr=0.05,
+    source="examples/lp_train/train.py with VGG16 and no quantisation",
+)
+
+FP16 = CifarRecipe(
+    "fp16", "VGG16, weights/activations/errors/gradients/momentum in e5m10, stochastic rounding",
+    model="vgg16", epochs=200, lr=0.05,
+    quantization=Recipe("fp16", weight=_HALF, activation=_HALF, error=_HALF, grad=_HALF,
+                        momentum=_HALF),
+    placement=after_relus,
+    source="examples/half_baseline/half_stochastic.sh",
+    deviations=(
+        "e5m10 is IEEE half precision (max 65504, overflow to Inf, ties to even); QPyTorch's "
+        "e5m10 treats the top exponent as finite and saturates.",
+        "The example script asks for 11 mantissa bits; half precision stores 10, the paper's "
+        "FP16.",
+        _INITIAL_WEIGHTS,
+    ),
+)
+
+BLOCK8 = CifarRecipe(
+    "block8", "VGG16, 8-bit block floating point (one exponent per tensor) everywhere, stochastic",
+    model="vgg16", epochs=200, lr=0.05,
+    quantization=_BLOCK8, placement=after_relus,
+    source="examples/lp_train/block_baseline/block_stochastic.sh",
+    deviations=(_INITIAL_WEIGHTS,),
+)
+
+WAGE = WageRecipe(
+    "wage", "VGG7, 2-bit weights, 8-bit activations/errors/gradients (WAGE), SSE loss",
+    model="vgg7", epochs=300, lr=8.0, momentum=0.0, weight_decay=0.0, schedule="wage",
+    loss="sse", inputs="symmetric",
+    source="examples/WAGE/reproduce.sh",
+    deviations=(
+        "Ternary weights round ties to even (as WAGE's TensorFlow code); QPyTorch's CUDA kernel "
+        "rounds them away from zero.",
+        "The accumulator is clipped after each update instead of before the next one, and once "
+        "at initialisation: the weights seen by every forward pass are the same.",
+    ),
+)
+
+SWALP = CifarRecipe(
+    "swalp", "VGG16, 8-bit block floating point per row everywhere, SWA from 2/3 of the epochs",
+    model="vgg16", model_options=(("conv_init", "fan_in"),), epochs=300, lr=0.05,
+    quantization=Recipe("swalp", weight=_BLOCK8_ROWS, activation=_BLOCK8_ROWS,
+                        error=_BLOCK8_ROWS, grad=_BLOCK8_ROWS, momentum=_BLOCK8_ROWS),
+    placement=after_weight_layers_but_last, swa_start=2 / 3, swa_lr=0.01,
+    source="examples/SWALP/example.sh (run with CIFAR10)",
+    deviations=(_SCHEDULE_TIMING, _INITIAL_WEIGHTS,
+                "Batch-norm statistics of the averaged model are recomputed on the training "
+                "data (a no-op for this VGG16, which has none)."),
+)
+
+IBM8 = CifarRecipe(
+    "ibm8", "PreResNet20, e5m2 nearest data, e6m9 stochastic accumulator/momentum, loss x1000",
+    model="preresnet20", epochs=200, lr=0.05,
+    quantization=_IBM8, placement=ibm8_placement,
+    source="examples/IBM8/example.sh",
+    deviations=(
+        "e5m2 here is IEEE-like with saturation at 57344; QPyTorch's e5m2 treats the top "
+        "exponent as finite (max 114688).",
+        _SCHEDULE_TIMING, _INITIAL_WEIGHTS,
+    ),
+)
+
+RECIPES = {r.name: r for r in (FP32, FP16, BLOCK8, WAGE, SWALP, IBM8)}
+
+
+def describe() -> str:
+    """Per recipe: name, model, epochs, learning rate and summary, the QPyTorch example it
+    follows, and where it departs from it."""
+    lines = []
+    for r in RECIPES.values():
+        lines.append(f"{r.name:7s} {r.model:12s} {r.epochs:4d} epochs  lr {r.lr:<5g} {r.summary}")
+        lines.append(f"        follows {r.source}")
+        lines.extend(f"        differs: {d}" for d in r.deviations)
+    return "\n".join(lines)

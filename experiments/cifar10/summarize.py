@@ -1,0 +1,77 @@
+"""Collect the final test errors of CIFAR10 runs into a table.
+
+    python -m experiments.cifar10.summarize [--runs out/cifar10] [--out docs/results/cifar10.md]
+
+Reads RUNS/<name>/checkpoint.pt (for the settings) and RUNS/<name>/log.csv of every run below
+RUNS and prints one row per run: recipe, data, epochs done of those planned, the last epoch's test
+error and, for SWALP, the averaged model's. Only finished runs on the verified CIFAR10 release are
+marked as results for the README's lpsim column; runs on fake data, on unverified data or not yet
+finished are listed with the reason they are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import pathlib
+
+import torch
+
+from experiments.cifar10.train import CHECKPOINT, LOG
+
+__all__ = ["collect", "markdown", "main"]
+
+
+def collect(runs: pathlib.Path) -> list[dict]:
+    """One dict per run directory below ``runs`` holding a checkpoint and a log, sorted by name."""
+    rows = []
+    for folder in sorted(p.parent for p in runs.glob(f"*/{CHECKPOINT}")):
+        if not (folder / LOG).is_file():
+            continue
+        config = torch.load(folder / CHECKPOINT, map_location="cpu", weights_only=True)["config"]
+        with open(folder / LOG, newline="") as f:
+            log = list(csv.DictReader(f))
+        last = log[-1] if log else {}
+        done, planned = len(log), config["epochs"]
+        if config["data"] != "cifar10":
+            status = f"not a result: data {config['data']}"
+        elif done < planned:
+            status = "not a result: unfinished"
+        elif config["width"] != 1.0:
+            status = f"not a result: width {config['width']}"
+        else:
+            status = "result"
+        rows.append({"run": folder.name, "recipe": config["recipe"], "data": config["data"],
+                     "epochs": f"{done}/{planned}", "test_error": last.get("test_error", ""),
+                     "swa_test_error": last.get("swa_test_error", ""), "status": status})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| run | recipe | data | epochs | test error % | averaged test error % | status |",
+             "|---|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['run']} | {r['recipe']} | {r['data']} | {r['epochs']} | "
+                     f"{r['test_error'] or '-'} | {r['swa_test_error'] or '-'} | {r['status']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> str:
+    p = argparse.ArgumentParser(prog="python -m experiments.cifar10.summarize",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=pathlib.Path, default=pathlib.Path("out") / "cifar10")
+    p.add_argument("--out", type=pathlib.Path, help="also write the table to this file")
+    args = p.parse_args(argv)
+    rows = collect(args.runs)
+    if not rows:
+        p.error(f"no runs (a checkpoint and a log) below {args.runs}")
+    text = markdown(rows)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return text
+
+
+if __name__ == "__main__":
+    main()

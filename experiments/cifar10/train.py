@@ -1,0 +1,454 @@
+"""Train a CIFAR10 recipe of the QPyTorch paper with lpsim.
+
+    python -m experiments.cifar10.train --recipe swalp --data-dir DATA [--epochs N] [--batch-size B]
+        [--lr LR] [--seed S] [--device auto|cpu|cuda|cuda:K] [--out-dir DIR] [--resume]
+    torchrun --nproc_per_node=G -m experiments.cifar10.train --recipe swalp --data-dir DATA ...
+
+DATA holds cifar-10-batches-py (the python version of CIFAR10, read by
+torchvision.datasets.CIFAR10). Under torchrun each process trains on its shard of every epoch with
+DistributedDataParallel (NCCL on GPUs, gloo on CPUs); --batch-size is the global batch.
+
+Every epoch writes DIR/checkpoint.pt (model, optimizer with its accumulators, scheduler, weight
+average, random-number state, history) and DIR/log.csv (one row per epoch). --resume continues
+from the checkpoint and gives the same bits as a run that was never interrupted. The recipes and
+their sources are listed by --list-recipes and described in experiments/cifar10/recipes.py;
+python -m experiments.cifar10.summarize tabulates the final test errors of finished runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import math
+import os
+import pathlib
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from tqdm import tqdm
+
+from experiments.cifar10 import data as cifar
+from experiments.cifar10.models import build_model
+from experiments.cifar10.recipes import RECIPES, CifarRecipe, describe
+from experiments.cifar10.swa import WeightAverage
+
+CHECKPOINT = "checkpoint.pt"
+LOG = "log.csv"
+COLUMNS = ("epoch", "lr", "train_loss", "train_error", "test_loss", "test_error",
+           "swa_test_loss", "swa_test_error", "train_seconds", "test_seconds")
+# Settings that must be equal for --resume to continue the same run.
+RUN_KEYS = ("recipe", "epochs", "batch_size", "lr", "seed", "swa_start", "width", "world_size",
+            "data")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.cifar10.train",
+                                description="Train a CIFAR10 recipe of the QPyTorch paper with lpsim.")
+    p.add_argument("--recipe", help=f"one of: {', '.join(RECIPES)}")
+    p.add_argument("--list-recipes", action="store_true", help="list the recipes and exit")
+    p.add_argument("--data-dir", type=pathlib.Path,
+                   help="directory holding cifar-10-batches-py")
+    p.add_argument("--unverified-data", action="store_true",
+                   help="read CIFAR10-format batches without comparing them to the official "
+                        "release's MD5 sums (re-packed copies, test fixtures)")
+    p.add_argument("--fake-data", type=positive_int, metavar="N",
+                   help="train on N random images (torchvision FakeData) instead, for timing")
+    p.add_argument("--epochs", type=positive_int, help="default: the recipe's")
+    p.add_argument("--batch-size", type=positive_int,
+                   help="global batch size, split evenly over processes (default: the recipe's)")
+    p.add_argument("--lr", type=positive_float, help="initial learning rate (default: the recipe's)")
+    p.add_argument("--swa-start", type=int, metavar="EPOCH",
+                   help="first epoch (from 0) averaged, for recipes with weight averaging "
+                        "(default: 2/3 of the epochs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto",
+                   help="auto (cuda when available), cpu, cuda or cuda:K; under torchrun each "
+                        "process takes the GPU of its local rank")
+    p.add_argument("--out-dir", type=pathlib.Path,
+                   help="where the checkpoint and log go (default: out/cifar10/<recipe>)")
+    p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint.pt")
+    p.add_argument("--stop-after", type=positive_int, metavar="N",
+                   help="end this invocation after N epochs (checkpoint written; continue with "
+                        "--resume); the schedule still spans --epochs")
+    p.add_argument("--width", type=positive_float, default=1.0,
+                   help="channel multiplier of the model (1: the published network)")
+    p.add_argument("--compile", action="store_true", help="train the torch.compile'd model")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic GPU kernels where torch has them (needed for "
+                        "bit-identical resumes on GPUs; CPU runs are deterministic for a fixed "
+                        "thread count)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+class Run:
+    """Everything a training invocation needs, settled from the arguments and the environment."""
+
+    def __init__(self, args: argparse.Namespace, p: argparse.ArgumentParser):
+        if args.recipe is None:
+            p.error("--recipe is required (see --list-recipes)")
+        if args.recipe not in RECIPES:
+            p.error(f"unknown recipe {args.recipe!r}; choose from {', '.join(RECIPES)}")
+        if (args.data_dir is None) == (args.fake_data is None):
+            p.error("give either --data-dir (CIFAR10) or --fake-data N")
+        self.recipe: CifarRecipe = RECIPES[args.recipe]
+        self.args = args
+        self.epochs = args.epochs or self.recipe.epochs
+        self.batch_size = args.batch_size or self.recipe.batch_size
+        self.lr = args.lr or self.recipe.lr
+        try:
+            self.recipe.check_lr(self.lr)
+        except ValueError as error:
+            p.error(str(error))
+        self.swa_start = None
+        if self.recipe.swa_start is not None:
+            self.swa_start = (args.swa_start if args.swa_start is not None
+                              else self.recipe.default_swa_start(self.epochs))
+            if not 0 < self.swa_start < self.epochs:
+                p.error(f"--swa-start must lie between 1 and epochs - 1 = {self.epochs - 1}, "
+                        f"got {self.swa_start}")
+        elif args.swa_start is not None:
+            p.error(f"recipe {self.recipe.name} does not average weights; --swa-start applies to "
+                    f"{', '.join(r.name for r in RECIPES.values() if r.swa_start)}")
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if self.batch_size % self.world_size:
+            p.error(f"--batch-size {self.batch_size} is not divisible by the {self.world_size} "
+                    "processes")
+        self.local_batch = self.batch_size // self.world_size
+        self.device = self._device(args.device, p)
+        self.out_dir = args.out_dir or pathlib.Path("out") / "cifar10" / self.recipe.name
+        self.checkpoint = self.out_dir / CHECKPOINT
+        if args.resume and not self.checkpoint.is_file():
+            p.error(f"--resume: no checkpoint at {self.checkpoint}")
+        if not args.resume and self.checkpoint.exists():
+            p.error(f"{self.checkpoint} exists: pass --resume to continue that run, or choose "
+                    "another --out-dir")
+        if args.fake_data:
+            self.data_name = f"fake:{args.fake_data}"
+        else:
+            self.data_name = "cifar10-unverified" if args.unverified_data else "cifar10"
+        self.config = {"recipe": self.recipe.name, "epochs": self.epochs,
+                       "batch_size": self.batch_size, "lr": self.lr, "seed": args.seed,
+                       "swa_start": self.swa_start, "width": args.width,
+                       "world_size": self.world_size, "data": self.data_name}
+
+    def _device(self, name: str, p: argparse.ArgumentParser) -> torch.device:
+        if name == "auto":
+            name = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            p.error(f"--device: unknown device {name!r}")
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                p.error("--device cuda: no CUDA device is available")
+            if self.world_size > 1 or device.index is None:
+                device = torch.device("cuda", self.local_rank if self.world_size > 1 else 0)
+            if device.index >= torch.cuda.device_count():
+                p.error(f"--device: no {device} (this machine has {torch.cuda.device_count()} "
+                        "CUDA devices)")
+        elif device.type != "cpu":
+            p.error(f"--device must be auto, cpu or cuda[:K], got {name!r}")
+        return device
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def main_process(self) -> bool:
+        return self.rank == 0
+
+
+def set_up_determinism(run: Run) -> None:
+    if run.device.type == "cuda":
+        torch.backends.cudnn.benchmark = not run.args.deterministic
+        if run.args.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            # warn_only: an op without a deterministic kernel warns instead of stopping the run
+            torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def to_inputs(recipe: CifarRecipe, images: torch.Tensor) -> torch.Tensor:
+    """uint8 images to the network's float inputs: [0, 1], then normalised or mapped to [-1, 1]."""
+    x = images.float().div_(255)
+    if recipe.inputs == "symmetric":
+        return x.mul_(2).sub_(1)
+    mean = torch.tensor(cifar.MEAN, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(cifar.STD, device=x.device).view(1, 3, 1, 1)
+    return (x - mean) / std
+
+
+def all_reduce_sum(run: Run, values: list) -> list[float]:
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=run.device) for v in values])
+    if run.distributed:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def train_epoch(run: Run, net: nn.Module, model: nn.Module, optimizer, train: cifar.Split,
+                epoch: int) -> tuple[float, float]:
+    """One epoch on this rank's shard; returns (mean loss, error %) over all ranks."""
+    recipe = run.recipe
+    model.train()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    correct = torch.zeros((), dtype=torch.int64, device=run.device)
+    seen = 0
+    batches = cifar.training_batches(train, run.local_batch, seed=run.args.seed, epoch=epoch,
+                                     rank=run.rank, world_size=run.world_size)
+    total = math.ceil(math.ceil(len(train) / run.world_size) / run.local_batch)
+    bar = tqdm(batches, total=total, desc=f"epoch {epoch + 1}/{run.epochs}", leave=False,
+               disable=True if (run.args.no_progress or not run.main_process) else None)
+    for images, labels in bar:
+        logits = net(to_inputs(recipe, images))
+        loss, batch_loss = recipe.criterion(logits, labels)
+        optimizer.zero_grad(set_to_none=True)
+        (loss * recipe.loss_scale).backward()
+        optimizer.step()
+        loss_sum += batch_loss.double()
+        correct += (logits.detach().argmax(1) == labels).sum()
+        seen += len(labels)
+    loss_total, correct_total, count = all_reduce_sum(run, [loss_sum, correct, seen])
+    return loss_total / count, 100.0 * (1.0 - correct_total / count)
+
+
+@torch.no_grad()
+def evaluate(run: Run, model: nn.Module, test: cifar.Split) -> tuple[float, float]:
+    """(mean loss, error %) of model on the whole test set, each rank evaluating its shard. The
+    random numbers of stochastic quantisers come from a fork of the generators, so evaluation
+    leaves the training stream untouched."""
+    shard = cifar.eval_shard(test, run.rank, run.world_size)
+    devices = [run.device] if run.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+        correct = torch.zeros((), dtype=torch.int64, device=run.device)
+        for start in range(0, len(shard), run.local_batch):
+            images = shard.images[start:start + run.local_batch]
+            labels = shard.labels[start:start + run.local_batch]
+            logits = model(to_inputs(run.recipe, images))
+            loss_sum += run.recipe.criterion(logits, labels)[1].double()
+            correct += (logits.argmax(1) == labels).sum()
+    loss_total, correct_total, count = all_reduce_sum(run, [loss_sum, correct, len(shard)])
+    return loss_total / count, 100.0 * (1.0 - correct_total / count)
+
+
+def update_average(run: Run, average: WeightAverage, model: nn.Module, train: cifar.Split,
+                   epoch: int) -> None:
+    """Fold the weights into the average and recompute its batch-norm statistics on this rank's
+    shard of the training data (averaged over ranks), under forked generators."""
+    average.update(model)
+    devices = [run.device] if run.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        batches = (to_inputs(run.recipe, images) for images, _ in cifar.training_batches(
+            train, run.local_batch, seed=run.args.seed, epoch=epoch, rank=run.rank,
+            world_size=run.world_size))
+        average.recompute_batch_norm(batches)
+    if run.distributed:
+        for m in average.model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
+                for buffer in (m.running_mean, m.running_var):
+                    dist.all_reduce(buffer)
+                    buffer.div_(run.world_size)
+
+
+def weights_digest(model: nn.Module) -> int:
+    """A 63-bit hash of the bits of every parameter."""
+    h = hashlib.sha256()
+    for _, p in sorted(model.named_parameters()):
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+def rank_digests(run: Run, model: nn.Module) -> list[int]:
+    """Every rank's weights_digest; raises RuntimeError if the ranks' weights differ."""
+    mine = weights_digest(model)
+    if not run.distributed:
+        return [mine]
+    gathered = [torch.zeros(1, dtype=torch.int64, device=run.device)
+                for _ in range(run.world_size)]
+    dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=run.device))
+    digests = [int(d) for d in gathered]
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"the ranks' weights differ after this epoch (digests {digests}): every "
+                           "rank must draw the same stochastic-rounding seeds")
+    return digests
+
+
+def rng_state(run: Run) -> dict:
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None}
+
+
+def set_rng_state(run: Run, state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if run.device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], run.device)
+
+
+def write_atomically(path: pathlib.Path, write) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def write_log(path: pathlib.Path, history: list[dict]) -> None:
+    def write(tmp):
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            writer.writeheader()
+            writer.writerows(history)
+
+    write_atomically(path, write)
+
+
+def load_data(run: Run) -> tuple[cifar.Split, cifar.Split]:
+    args = run.args
+    if args.fake_data:
+        size = args.fake_data
+        train = cifar.fake_cifar10(size, first=args.seed * 2 * size)
+        test = cifar.fake_cifar10(max(1, size // 5), first=(args.seed * 2 + 1) * size)
+    else:
+        verify = not args.unverified_data
+        train = cifar.load_cifar10(args.data_dir, train=True, verify=verify)
+        test = cifar.load_cifar10(args.data_dir, train=False, verify=verify)
+    return train.to(run.device), test.to(run.device)
+
+
+def _fmt(value, digits: int) -> str:
+    return "" if value is None else f"{value:.{digits}f}"
+
+
+def train(run: Run, train_set: cifar.Split, test_set: cifar.Split) -> list[dict]:
+    """Train (or continue) the run; returns the history, one dict per completed epoch."""
+    recipe, args = run.recipe, run.args
+    set_up_determinism(run)
+    torch.manual_seed(args.seed)
+    options = dict(recipe.model_options)
+    model = build_model(recipe.model, width=args.width, **options).to(run.device)
+    model, optimizer = recipe.prepare(model, run.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda e: recipe.lr_factor(e, run.epochs, run.swa_start, run.lr))
+    average = None
+    if run.swa_start is not None:
+        average = WeightAverage(build_model(recipe.model, width=args.width, **options).to(run.device))
+    net = model
+    if run.distributed:
+        ids = [run.device.index] if run.device.type == "cuda" else None
+        net = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    if args.compile:
+        # Quantisers are module hooks, on which dynamo does not guard by default: a graph compiled
+        # earlier in the process for another instance of the class would be reused without them.
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        net = torch.compile(net)
+
+    start, history = 0, []
+    if args.resume:
+        # On the CPU: generator states must stay there; load_state_dict moves the rest.
+        state = torch.load(run.checkpoint, map_location="cpu", weights_only=True)
+        different = {k: (state["config"].get(k), run.config[k]) for k in RUN_KEYS
+                     if state["config"].get(k) != run.config[k]}
+        if different:
+            raise SystemExit(f"--resume: {run.checkpoint} belongs to another run; settings that "
+                             f"differ (saved, now): {different}")
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        if average is not None:
+            average.load_state_dict(state["swa"])
+        set_rng_state(run, state["rng"])
+        start, history = state["epoch"], state["history"]
+
+    if run.main_process:
+        run.out_dir.mkdir(parents=True, exist_ok=True)
+        print(f"{recipe.name}: {recipe.summary}\n  {run.epochs} epochs, batch {run.batch_size} "
+              f"({run.world_size} process{'es' if run.distributed else ''} on {run.device}), "
+              f"lr {run.lr:g}, seed {args.seed}, {len(train_set)} training and {len(test_set)} "
+              f"test images; {'resuming after epoch ' + str(start) if start else 'from scratch'}",
+              flush=True)
+    stop = run.epochs if args.stop_after is None else min(run.epochs, start + args.stop_after)
+    for epoch in range(start, stop):
+        lr = optimizer.param_groups[0]["lr"]
+        began = time.perf_counter()
+        train_loss, train_error = train_epoch(run, net, model, optimizer, train_set, epoch)
+        if run.distributed:  # batch-norm statistics as rank 0 has them, as DDP's next step will
+            for buffer in model.buffers():
+                dist.broadcast(buffer, 0)
+        trained = time.perf_counter()
+        test_loss, test_error = evaluate(run, model, test_set)
+        swa_loss = swa_error = None
+        if average is not None and epoch >= run.swa_start:
+            update_average(run, average, model, train_set, epoch)
+            swa_loss, swa_error = evaluate(run, average.model, test_set)
+        scheduler.step()
+        digests = rank_digests(run, model)
+        history.append({
+            "epoch": epoch + 1, "lr": f"{lr:.6g}",
+            "train_loss": _fmt(train_loss, 6), "train_error": _fmt(train_error, 4),
+            "test_loss": _fmt(test_loss, 6), "test_error": _fmt(test_error, 4),
+            "swa_test_loss": _fmt(swa_loss, 6), "swa_test_error": _fmt(swa_error, 4),
+            "train_seconds": f"{trained - began:.2f}",
+            "test_seconds": f"{time.perf_counter() - trained:.2f}",
+        })
+        if run.main_process:
+            state = {"config": run.config, "epoch": epoch + 1, "model": model.state_dict(),
+                     "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                     "swa": None if average is None else average.state_dict(),
+                     "rng": rng_state(run), "history": history, "rank_digests": digests}
+            write_atomically(run.checkpoint, lambda tmp: torch.save(state, tmp))
+            write_log(run.out_dir / LOG, history)
+            row = history[-1]
+            swa = f"  swa test error {row['swa_test_error']}%" if swa_error is not None else ""
+            print(f"epoch {epoch + 1:3d}/{run.epochs}  lr {row['lr']}  train loss "
+                  f"{row['train_loss']} error {row['train_error']}%  test loss {row['test_loss']} "
+                  f"error {row['test_error']}%{swa}  ({row['train_seconds']} s + "
+                  f"{row['test_seconds']} s)", flush=True)
+        if run.distributed:
+            dist.barrier()
+    return history
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.list_recipes:
+        print(describe())
+        return []
+    run = Run(args, p)
+    try:
+        data = load_data(run)
+    except FileNotFoundError as error:
+        p.error(str(error))
+    if not run.distributed:
+        return train(run, *data)
+    if run.device.type == "cuda":
+        torch.cuda.set_device(run.device)
+    dist.init_process_group("nccl" if run.device.type == "cuda" else "gloo")
+    try:
+        return train(run, *data)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

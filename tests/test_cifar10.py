@@ -1,0 +1,472 @@
+"""The CIFAR10 reproductions (experiments/cifar10): every recipe trains end to end through
+torchvision's CIFAR10 reader on a tiny dataset in the real pickle layout, resumes bit for bit,
+and matches the definitions of QPyTorch's examples; the training benchmark runs."""
+
+from __future__ import annotations
+
+import csv
+import math
+import pathlib
+import pickle
+import sys
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms.functional as TF
+from torch import nn
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import lpsim  # noqa: E402
+from experiments.cifar10 import data as cifar  # noqa: E402
+from experiments.cifar10 import recipes, summarize, train  # noqa: E402
+from experiments.cifar10.models import build_model  # noqa: E402
+from experiments.cifar10.swa import WeightAverage  # noqa: E402
+from lpsim import BlockFloat, Fixed, Float  # noqa: E402
+from lpsim.nn import injected  # noqa: E402
+
+LABELS = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+PER_BATCH, TEST_IMAGES = 48, 65  # 240 training and 65 test images (test shards of
+# 33 and 32 under two processes: different numbers of batches of 16)
+
+
+def write_tiny_cifar10(root: pathlib.Path, seed: int = 0) -> dict:
+    """The python CIFAR10 release's layout (cifar-10-batches-py: data_batch_1..5, test_batch,
+    batches.meta; each batch a pickled dict whose "data" is uint8 (n, 3072), the red, green, then
+    blue 32x32 planes row by row, and "labels" a list of ints) with random images. Returns the
+    arrays written."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    written = {}
+
+    def batch(name: str, n: int) -> None:
+        data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
+        labels = [int(v) for v in rng.integers(0, 10, n)]
+        with open(folder / name, "wb") as f:
+            pickle.dump({"batch_label": name, "labels": labels, "data": data,
+                         "filenames": [f"{name}_{i:05d}.png" for i in range(n)]}, f)
+        written[name] = (data, labels)
+
+    for i in range(1, 6):
+        batch(f"data_batch_{i}", PER_BATCH)
+    batch("test_batch", TEST_IMAGES)
+    with open(folder / "batches.meta", "wb") as f:
+        pickle.dump({"label_names": LABELS, "num_cases_per_batch": PER_BATCH, "num_vis": 3072}, f)
+    return written
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and a busy machine cannot stall the second one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_cifar10(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cifar10")
+    return root, write_tiny_cifar10(root)
+
+
+def run_args(data_root, out_dir, recipe, *extra) -> list[str]:
+    return ["--recipe", recipe, "--data-dir", str(data_root), "--unverified-data",
+            "--batch-size", "32", "--width", "0.125", "--out-dir", str(out_dir), "--no-progress",
+            *extra]
+
+
+def representable(t: torch.Tensor, fmt) -> bool:
+    return torch.equal(lpsim.quantize(t, fmt, "nearest"), t) and torch.equal(
+        lpsim.quantize(t, fmt, "up"), t)
+
+
+# Data
+
+
+def test_loader_reads_the_pickle_layout_as_channel_planes(tiny_cifar10):
+    root, written = tiny_cifar10
+    train_set = cifar.load_cifar10(root, train=True, verify=False)
+    test_set = cifar.load_cifar10(root, train=False, verify=False)
+    assert train_set.images.shape == (5 * PER_BATCH, 3, 32, 32)
+    assert train_set.images.dtype == torch.uint8 and len(test_set) == TEST_IMAGES
+    data, labels = written["data_batch_2"]
+    i = PER_BATCH + 7  # the 8th image of the second batch
+    row = torch.from_numpy(data[7].astype(np.int64))
+    for c, y, x in [(0, 0, 0), (1, 5, 31), (2, 31, 3)]:
+        assert int(train_set.images[i, c, y, x]) == int(row[c * 1024 + y * 32 + x])
+    assert int(train_set.labels[i]) == labels[7]
+    assert test_set.labels.tolist() == written["test_batch"][1]
+
+
+def test_official_checksums_are_checked_unless_disabled(tiny_cifar10, tmp_path, capsys):
+    root, _ = tiny_cifar10
+    with pytest.raises(FileNotFoundError, match="--unverified-data"):
+        cifar.load_cifar10(root, train=True)
+    with pytest.raises(SystemExit):
+        train.main(["--recipe", "fp32", "--data-dir", str(tmp_path), "--out-dir",
+                    str(tmp_path / "o")])
+    assert "no CIFAR10 training batches in" in capsys.readouterr().err
+
+
+def test_augmentation_is_torchvision_random_crop_then_flip():
+    images = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
+    got = cifar.random_crop_flip(images, torch.Generator().manual_seed(5))
+    g = torch.Generator().manual_seed(5)
+    top, left = torch.randint(0, 9, (6,), generator=g), torch.randint(0, 9, (6,), generator=g)
+    flip = torch.rand(6, generator=g) < 0.5
+    assert 0 < int(flip.sum()) < 6
+    for i in range(6):
+        want = TF.crop(TF.pad(images[i], [4]), int(top[i]), int(left[i]), 32, 32)
+        if flip[i]:
+            want = TF.hflip(want)
+        assert torch.equal(got[i], want)
+
+
+def test_ranks_see_disjoint_shards_and_their_own_augmentation():
+    n = 64
+    split = cifar.Split(torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8), torch.arange(n))
+    seen, firsts = [], []
+    for rank in range(2):
+        batches = list(cifar.training_batches(split, 8, seed=3, epoch=1, rank=rank, world_size=2))
+        assert [len(b[1]) for b in batches] == [8] * 4
+        seen.append(torch.cat([b[1] for b in batches]))
+        firsts.append(batches[0])
+    assert set(seen[0].tolist()).isdisjoint(seen[1].tolist())
+    assert sorted(seen[0].tolist() + seen[1].tolist()) == list(range(n))
+    again = next(cifar.training_batches(split, 8, seed=3, epoch=1, rank=0, world_size=2))
+    assert torch.equal(again[0], firsts[0][0])  # a function of (seed, epoch, rank) only
+    other_epoch = next(cifar.training_batches(split, 8, seed=3, epoch=2, rank=0, world_size=2))
+    assert not torch.equal(other_epoch[1], firsts[0][1])
+    shards = [cifar.eval_shard(split, r, 3).labels.tolist() for r in range(3)]
+    assert sorted(sum(shards, [])) == list(range(n))
+
+
+# Recipe definitions
+
+
+def test_recipes_quantise_what_the_qpytorch_examples_quantise():
+    half, rows = (Float(5, 10), "stochastic"), (BlockFloat(8, dim=0), "stochastic")
+    for name, fmt in [("fp16", half), ("block8", (BlockFloat(8), "stochastic")),
+                      ("swalp", rows)]:
+        q = recipes.RECIPES[name].quantization
+        assert [q.weight, q.activation, q.error, q.grad, q.momentum] == [fmt] * 5, name
+        assert q.acc is None and q.loss_scale == 1
+    ibm8 = recipes.RECIPES["ibm8"].quantization
+    e5m2 = (Float(5, 2, saturate=True), "nearest")
+    assert [ibm8.weight, ibm8.activation, ibm8.error, ibm8.grad] == [e5m2] * 4
+    assert ibm8.momentum == ibm8.acc == (Float(6, 9), "stochastic") and ibm8.loss_scale == 1000
+    assert recipes.RECIPES["fp32"].quantization is None
+    swalp = recipes.RECIPES["swalp"]
+    assert swalp.default_swa_start(swalp.epochs) == 200 and swalp.swa_lr == 0.01
+    assert {r.model for r in recipes.RECIPES.values()} == {"vgg16", "vgg7", "preresnet20"}
+
+
+@pytest.mark.parametrize("name, model, quantised, untouched", [
+    ("fp16", "vgg16", 15, []),                               # the 15 ReLUs
+    ("swalp", "vgg16", 15, ["classifier.6"]),                # 13 convs, 2 of the 3 linears
+    ("ibm8", "preresnet20", 30, ["layer2.0.downsample.0", "layer3.0.downsample.0"]),
+])
+def test_quantisers_sit_where_the_qpytorch_models_put_them(name, model, quantised, untouched):
+    recipe = recipes.RECIPES[name]
+    net = build_model(model, width=0.25, **dict(recipe.model_options))
+    recipe.prepare(net, recipe.lr)
+    rows = {n: done for n, _, done in injected(net)}
+    assert len(rows) == quantised and not set(untouched) & set(rows)
+    if name == "ibm8":
+        # 1 stem conv + 18 branch convs + 10 ReLU modules + fc; the 16-bit edges
+        assert rows["conv1"]["input"].format == Float(6, 9)
+        assert rows["fc"]["output"].format == rows["fc"]["error"].format == Float(6, 9)
+        assert rows["layer1.0.conv2"]["output"].format == Float(5, 2, saturate=True)
+
+
+def test_schedules_follow_the_qpytorch_examples():
+    fp16, wage, swalp = (recipes.RECIPES[n] for n in ("fp16", "wage", "swalp"))
+    lr = [fp16.lr * fp16.lr_factor(e, 200, None, fp16.lr) for e in (0, 100, 120, 180, 199)]
+    assert lr == pytest.approx([0.05, 0.05, 0.05 * (1 - 0.99 * 0.1 / 0.4), 0.0005, 0.0005])
+    lr = [wage.lr * wage.lr_factor(e, 300, None, wage.lr) for e in (0, 199, 200, 249, 250, 299)]
+    assert lr == [8, 8, 1, 1, 0.125, 0.125]
+    lr = [swalp.lr * swalp.lr_factor(e, 300, 200, swalp.lr) for e in (0, 100, 199, 200, 299)]
+    assert lr == pytest.approx([0.05, 0.05, 0.0005, 0.01, 0.01])
+
+
+# WAGE
+
+
+def test_wage_shift_divides_by_the_power_of_two_at_or_above_the_peak():
+    assert recipes.wage_shift(torch.tensor([0.5, -0.25])).tolist() == [1.0, -0.5]
+    assert recipes.wage_shift(torch.tensor([-0.3, 0.1])).tolist() == pytest.approx([-0.6, 0.2])
+    assert recipes.wage_shift(torch.tensor([3.0])).tolist() == [0.75]
+    assert recipes.wage_shift(torch.zeros(3)).tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("shape, scale, limit", [
+    ((128, 3, 3, 3), 2.0, 0.75),          # fan-in 27: sqrt(3/27) = 1/3, 0.75 / (1/3) = 2.25
+    ((128, 128, 3, 3), 16.0, 0.75),       # fan-in 1152: ratio 14.7
+    ((1024, 8192), 32.0, 0.75),           # fan-in 8192: ratio 39.2
+])
+def test_wage_initialisation_and_layer_scales(shape, scale, limit):
+    w = torch.empty(shape)
+    assert recipes.wage_init_(w) == scale
+    assert float(w.abs().max()) <= limit and float(w.abs().max()) > 0.9 * limit
+
+
+def test_wage_update_equals_clip_then_subtract():
+    """WAGE's rule acc <- clip(acc) - Q(lr * shift(g) / 128) from the unclipped initial weights
+    (QPyTorch's order) and lpsim's (clip at initialisation, then subtract and clip) give the same
+    training: after every step clip(acc) is lpsim's accumulator and the ternary weights agree."""
+    def tiny():
+        return nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.ReLU(), nn.Flatten(),
+                             nn.Linear(4 * 6 * 6, 10, bias=False))
+
+    torch.manual_seed(0)
+    model, twin = tiny(), tiny()
+    start = torch.get_rng_state()
+    model, opt = recipes.RECIPES["wage"].prepare(model, 8.0)
+    torch.set_rng_state(start)
+    reference = [m.weight.detach() for m in twin if isinstance(m, (nn.Conv2d, nn.Linear))]
+    for w in reference:  # the same draws as prepare(): QPyTorch's unclipped initial accumulators
+        recipes.wage_init_(w)
+    assert any(float(w.abs().max()) > 0.5 for w in reference)
+    params, ternary = list(model.parameters()), Fixed(2, 1, symmetric=True)
+    x, y = torch.rand(16, 3, 8, 8) * 2 - 1, torch.randint(0, 10, (16,))
+    for step in range(4):
+        lr = 8.0 if step < 2 else 1.0
+        opt.param_groups[0]["lr"] = lr
+        loss, _ = recipes.RECIPES["wage"].criterion(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        grads = [p.grad.clone() for p in params]
+        state = torch.get_rng_state()
+        opt.step()
+        torch.set_rng_state(state)  # the reference draws the same seeds, in parameter order
+        for i, g in enumerate(grads):
+            q = lpsim.quantize(recipes.wage_shift(g) * (lr / 128),
+                               Fixed(8, 7, clamp=False, symmetric=True), "stochastic")
+            reference[i] = reference[i].clamp(-0.5, 0.5) - q
+        for acc, ref in zip(params, reference):
+            assert torch.equal(acc.detach(), ref.clamp(-0.5, 0.5)), step
+            assert torch.equal(lpsim.quantize(acc.detach(), ternary, "nearest"),
+                               lpsim.quantize(ref, ternary, "nearest"))
+        assert any(not torch.equal(ref, ref.clamp(-0.5, 0.5)) for ref in reference)
+
+
+def test_wage_rejects_models_with_biases_and_non_power_of_two_rates():
+    with pytest.raises(ValueError, match="no biases, no batch norm"):
+        recipes.RECIPES["wage"].prepare(build_model("vgg16", width=0.125), 8.0)
+    with pytest.raises(ValueError, match="power of two"):
+        recipes.RECIPES["wage"].prepare(build_model("vgg7", width=0.125), 3.0)
+
+
+def test_wage_activations_are_8_bit_fixed_point_and_weights_ternary():
+    torch.manual_seed(1)
+    model = build_model("vgg7", width=0.125)
+    recipes.RECIPES["wage"].prepare(model, 8.0)
+    seen = []
+    for m in model.modules():
+        if isinstance(m, nn.ReLU):
+            m.register_forward_hook(lambda mod, args, out: seen.append(out.detach()))
+    model(torch.rand(4, 3, 32, 32) * 2 - 1)
+    act = Fixed(8, 7, symmetric=True)
+    assert len(seen) == 7 and all(representable(a, act) for a in seen)
+    conv = model.features[0]
+    scale = conv.parametrizations.weight[0].scale
+    assert set((conv.weight.detach() * scale).unique().tolist()) <= {-0.5, 0.0, 0.5}
+
+
+# Weight averaging
+
+
+def test_weight_average_is_the_mean_and_batch_norm_is_recomputed():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    average = WeightAverage(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)))
+    snapshots = []
+    for _ in range(3):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.normal_()
+        snapshots.append([p.detach().clone() for p in net.parameters()])
+        average.update(net)
+    assert average.count == 3
+    for p, *values in zip(average.model.parameters(), *snapshots):
+        assert torch.allclose(p, torch.stack(values).mean(0), atol=1e-6)
+    batches = [torch.randn(8, 3, 4, 4) + 2 for _ in range(3)]
+    average.recompute_batch_norm(batches)
+    with torch.no_grad():
+        features = torch.cat([average.model[0](b) for b in batches])
+    bn = average.model[1]
+    assert torch.allclose(bn.running_mean, features.mean((0, 2, 3)), atol=1e-5)
+    with pytest.raises(ValueError, match="different parameters"):
+        average.update(nn.Sequential(nn.Conv2d(3, 4, 1)))
+
+
+# End to end through the command line
+
+
+def read_log(out_dir: pathlib.Path) -> list[dict]:
+    with open(out_dir / train.LOG, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def weight_format(recipe) -> object | None:
+    q = recipes.RECIPES[recipe].quantization
+    return None if q is None else q.weight[0]
+
+
+@pytest.mark.parametrize("recipe", list(recipes.RECIPES))
+def test_every_recipe_trains_end_to_end_through_the_cifar10_reader(recipe, tiny_cifar10, tmp_path):
+    root, _ = tiny_cifar10
+    history = train.main(run_args(root, tmp_path, recipe, "--epochs", "2"))
+    log = read_log(tmp_path)
+    assert [row["epoch"] for row in log] == ["1", "2"] and len(history) == 2
+    for row in log:
+        for key in ("train_loss", "train_error", "test_loss", "test_error"):
+            assert math.isfinite(float(row[key])), (key, row)
+    averaged = [row["swa_test_error"] != "" for row in log]
+    assert averaged == ([False, True] if recipe == "swalp" else [False, False])
+    state = torch.load(tmp_path / train.CHECKPOINT, weights_only=True)
+    assert state["epoch"] == 2 and state["config"]["recipe"] == recipe
+    fmt = weight_format(recipe)
+    weights = {k: v for k, v in state["model"].items() if k.endswith("weight") or
+               k.endswith("bias") or k.endswith("original")}
+    if fmt is not None:  # every stored weight is a value of the recipe's weight format
+        assert all(representable(v, fmt) for v in weights.values())
+    if recipe == "ibm8":
+        assert all(representable(a, Float(6, 9)) for a in state["optimizer"]["accumulators"])
+    if recipe == "wage":  # accumulators clipped to the ternary range
+        assert all(float(v.abs().max()) <= 0.5 for v in weights.values())
+
+
+def tensors_equal(a, b) -> bool:
+    """Nested dicts/lists of tensors and plain values, compared bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def without_times(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]
+
+
+@pytest.mark.parametrize("recipe, extra", [
+    ("swalp", ["--swa-start", "1"]),   # SWA state, dropout, block formats per row
+    ("ibm8", []),                      # accumulators, loss scaling, batch norm
+    ("wage", []),                      # its schedule changes across the interruption
+])
+def test_resume_continues_bit_identically(recipe, extra, tiny_cifar10, tmp_path):
+    root, _ = tiny_cifar10
+    straight, pieces = tmp_path / "straight", tmp_path / "pieces"
+    train.main(run_args(root, straight, recipe, "--epochs", "3", *extra))
+    train.main(run_args(root, pieces, recipe, "--epochs", "3", "--stop-after", "2", *extra))
+    assert len(read_log(pieces)) == 2
+    train.main(run_args(root, pieces, recipe, "--epochs", "3", "--resume", *extra))
+    a = torch.load(straight / train.CHECKPOINT, weights_only=True)
+    b = torch.load(pieces / train.CHECKPOINT, weights_only=True)
+    for key in ("model", "optimizer", "scheduler", "swa", "rng", "epoch"):
+        assert tensors_equal(a[key], b[key]), key
+    assert without_times(a["history"]) == without_times(b["history"])
+    assert without_times(read_log(straight)) == without_times(read_log(pieces))
+
+
+def test_resume_refuses_another_runs_checkpoint(tiny_cifar10, tmp_path):
+    root, _ = tiny_cifar10
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--stop-after", "1"))
+    with pytest.raises(SystemExit, match="belongs to another run.*'seed': \\(0, 1\\)"):
+        train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume", "--seed", "1"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--recipe", "fp8", "--fake-data", "8"], "unknown recipe 'fp8'; choose from fp32, fp16"),
+    (["--fake-data", "8"], "--recipe is required"),
+    (["--recipe", "fp32"], "give either --data-dir (CIFAR10) or --fake-data N"),
+    (["--recipe", "fp32", "--fake-data", "8", "--data-dir", "x"], "give either --data-dir"),
+    (["--recipe", "fp32", "--fake-data", "8", "--epochs", "0"], "--epochs: must be a positive"),
+    (["--recipe", "fp32", "--fake-data", "8", "--batch-size", "-4"], "--batch-size: must be a"),
+    (["--recipe", "fp32", "--fake-data", "8", "--lr", "nan"], "--lr: must be a positive number"),
+    (["--recipe", "wage", "--fake-data", "8", "--lr", "3"], "WAGE's learning rate must be a power"),
+    (["--recipe", "swalp", "--fake-data", "8", "--epochs", "3", "--swa-start", "3"],
+     "--swa-start must lie between 1 and epochs - 1 = 2"),
+    (["--recipe", "fp16", "--fake-data", "8", "--swa-start", "3"],
+     "recipe fp16 does not average weights"),
+    (["--recipe", "fp32", "--fake-data", "8", "--device", "tpu"], "--device"),
+    (["--recipe", "fp32", "--fake-data", "8", "--resume"], "--resume: no checkpoint at"),
+])
+def test_bad_arguments_give_clear_errors(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.main([*argv, "--out-dir", str(tmp_path)])
+    assert message in capsys.readouterr().err
+
+
+def test_an_existing_checkpoint_is_not_overwritten(tmp_path, capsys):
+    (tmp_path / train.CHECKPOINT).write_bytes(b"")
+    with pytest.raises(SystemExit):
+        train.main(["--recipe", "fp32", "--fake-data", "8", "--out-dir", str(tmp_path)])
+    assert "exists: pass --resume" in capsys.readouterr().err
+
+
+def test_cuda_device_without_a_gpu_is_an_error(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(SystemExit):
+        train.main(["--recipe", "fp32", "--fake-data", "8", "--device", "cuda",
+                    "--out-dir", str(tmp_path)])
+    assert "no CUDA device is available" in capsys.readouterr().err
+
+
+def test_fake_data_run_and_recipe_listing(tmp_path, capsys):
+    history = train.main(["--recipe", "block8", "--fake-data", "40", "--epochs", "1",
+                          "--batch-size", "20", "--width", "0.125", "--out-dir", str(tmp_path),
+                          "--no-progress"])
+    assert len(history) == 1 and math.isfinite(float(history[0]["test_loss"]))
+    train.main(["--list-recipes"])
+    listing = capsys.readouterr().out
+    assert all(f"{name} " in listing for name in recipes.RECIPES)
+
+
+def test_summary_reports_no_fake_unverified_or_unfinished_run_as_a_result(tiny_cifar10, tmp_path):
+    root, _ = tiny_cifar10
+    runs = tmp_path / "runs"
+    train.main(run_args(root, runs / "swalp", "swalp", "--epochs", "2"))
+    train.main(run_args(root, runs / "wage", "wage", "--epochs", "2", "--stop-after", "1"))
+    train.main(["--recipe", "fp32", "--fake-data", "16", "--epochs", "1", "--batch-size", "8",
+                "--width", "0.125", "--out-dir", str(runs / "fp32"), "--no-progress"])
+    text = summarize.main(["--runs", str(runs), "--out", str(tmp_path / "results" / "t.md")])
+    rows = {r["run"]: r for r in summarize.collect(runs)}
+    assert rows["swalp"]["status"] == "not a result: data cifar10-unverified"
+    assert rows["swalp"]["epochs"] == "2/2" and rows["swalp"]["swa_test_error"]
+    assert rows["swalp"]["test_error"] == read_log(runs / "swalp")[-1]["test_error"]
+    assert rows["wage"]["epochs"] == "1/2" and rows["fp32"]["status"] == "not a result: data fake:16"
+    assert all(r["status"] != "result" for r in rows.values())
+    assert (tmp_path / "results" / "t.md").read_text() == text + "\n"
+
+
+# The training benchmark
+
+
+def test_training_benchmark_times_every_recipe_against_float32(capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_training
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    rows = bench_training.main(["--models", "vgg16,vgg7", "--width", "0.125", "--batch-size", "2",
+                                "--repeat", "1", "--warmup", "1", "--no-compile",
+                                "--device", "cpu"])
+    assert [(r["model"], r["recipe"]) for r in rows] == [
+        ("vgg16", "fp16"), ("vgg16", "block8"), ("vgg16", "swalp"), ("vgg16", "ibm8"),
+        ("vgg7", "wage")]
+    assert all(r["ratio"] > 0 and r["mode"] == "eager" for r in rows)
+    printed = capsys.readouterr().out
+    assert "| vgg7 | wage |" in printed and "timed alternately with float32" in printed
+    with pytest.raises(SystemExit):
+        bench_training.main(["--recipes", "fp8"])
+    assert "unknown recipe 'fp8'" in capsys.readouterr().err
