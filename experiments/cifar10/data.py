@@ -28,8 +28,9 @@ import torch
 import torchvision
 from torch.utils.data import DistributedSampler
 
-__all__ = ["Split", "load_cifar10", "fake_cifar10", "epoch_generator", "random_crop_flip",
-           "training_batches", "eval_shard", "UnverifiedCIFAR10", "MEAN", "STD"]
+__all__ = ["Split", "load_cifar10", "fake_cifar10", "epoch_generator", "draw_crop_flip",
+           "crop_flip", "random_crop_flip", "training_batches", "eval_shard", "UnverifiedCIFAR10",
+           "MEAN", "STD"]
 
 # Per-channel mean and standard deviation of the CIFAR10 training set, as QPyTorch's examples use.
 MEAN = (0.4914, 0.4822, 0.4465)
@@ -110,39 +111,55 @@ def epoch_generator(seed: int, epoch: int, rank: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def random_crop_flip(images: torch.Tensor, generator: torch.Generator,
-                     padding: int = 4) -> torch.Tensor:
-    """Each image of the batch zero-padded by ``padding`` on every side, cropped back to its size
-    at a uniformly drawn offset, and flipped left-right with probability 1/2 (the distribution of
-    torchvision's RandomCrop(size, padding) followed by RandomHorizontalFlip()). The random
-    choices are drawn on the CPU from ``generator``: offsets first, then flips."""
-    n, _, h, w = images.shape
+def draw_crop_flip(n: int, generator: torch.Generator, padding: int = 4) -> torch.Tensor:
+    """(n, 3) int64 on the CPU: per image the crop's top and left offsets, uniform in
+    [0, 2 * padding], then 1 to flip (probability 1/2), drawn from ``generator`` in that order."""
     top = torch.randint(0, 2 * padding + 1, (n,), generator=generator)
     left = torch.randint(0, 2 * padding + 1, (n,), generator=generator)
     flip = torch.rand(n, generator=generator) < 0.5
+    return torch.stack([top, left, flip.long()], 1)
+
+
+def crop_flip(images: torch.Tensor, choices: torch.Tensor, padding: int = 4) -> torch.Tensor:
+    """Each image zero-padded by ``padding`` on every side, cropped back to its size at its offsets,
+    and flipped left-right where asked; ``choices`` as from draw_crop_flip, on the images'
+    device. One gather, no host synchronisation."""
+    n, c, h, w = images.shape
     device = images.device
+    top, left, flip = choices[:, 0], choices[:, 1], choices[:, 2].bool()
     padded = torch.nn.functional.pad(images, (padding,) * 4)
-    rows = (top[:, None] + torch.arange(h)).to(device)                      # (n, h)
-    cols = left[:, None] + torch.arange(w)                                  # (n, w)
-    cols = torch.where(flip[:, None], cols.flip(1), cols).to(device)
+    rows = top[:, None] + torch.arange(h, device=device)                    # (n, h)
+    cols = left[:, None] + torch.arange(w, device=device)                   # (n, w)
+    cols = torch.where(flip[:, None], cols.flip(1), cols)
     batch = torch.arange(n, device=device)[:, None, None, None]
-    channel = torch.arange(images.shape[1], device=device)[None, :, None, None]
+    channel = torch.arange(c, device=device)[None, :, None, None]
     return padded[batch, channel, rows[:, None, :, None], cols[:, None, None, :]]
+
+
+def random_crop_flip(images: torch.Tensor, generator: torch.Generator,
+                     padding: int = 4) -> torch.Tensor:
+    """The batch augmented as by torchvision's RandomCrop(size, padding) followed by
+    RandomHorizontalFlip(): crop_flip with choices drawn from ``generator`` (on the CPU)."""
+    choices = draw_crop_flip(len(images), generator, padding)
+    return crop_flip(images, choices.to(images.device), padding)
 
 
 def training_batches(split: Split, batch_size: int, *, seed: int, epoch: int, rank: int,
                      world_size: int):
     """The (uint8 images, labels) batches of one epoch for one rank: its shard of
     DistributedSampler's order for (seed, epoch), in batches of ``batch_size`` (the last may be
-    smaller), every batch crop-flip augmented. Every rank gets the same number of batches of the
-    same sizes (DistributedSampler pads by repeating a few images)."""
+    smaller), every image crop-flip augmented with choices drawn for the whole shard at once from
+    epoch_generator(seed, epoch, rank). Every rank gets the same number of batches of the same
+    sizes (DistributedSampler pads by repeating a few images). Order and choices reach the device
+    in one transfer each per epoch."""
     sampler = DistributedSampler(range(len(split)), num_replicas=world_size, rank=rank,
                                  shuffle=True, seed=seed)
     sampler.set_epoch(epoch)
-    order = torch.tensor(list(sampler), dtype=torch.int64).to(split.labels.device)
-    generator = epoch_generator(seed, epoch, rank)
-    for idx in order.split(batch_size):
-        yield random_crop_flip(split.images[idx], generator), split.labels[idx]
+    device = split.labels.device
+    order = torch.tensor(list(sampler), dtype=torch.int64).to(device)
+    choices = draw_crop_flip(len(order), epoch_generator(seed, epoch, rank)).to(device)
+    for idx, chosen in zip(order.split(batch_size), choices.split(batch_size)):
+        yield crop_flip(split.images[idx], chosen), split.labels[idx]
 
 
 def eval_shard(split: Split, rank: int, world_size: int) -> Split:

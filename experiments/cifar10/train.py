@@ -189,13 +189,18 @@ def set_up_determinism(run: Run) -> None:
             torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+_MOMENTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 def to_inputs(recipe: CifarRecipe, images: torch.Tensor) -> torch.Tensor:
     """uint8 images to the network's float inputs: [0, 1], then normalised or mapped to [-1, 1]."""
     x = images.float().div_(255)
     if recipe.inputs == "symmetric":
         return x.mul_(2).sub_(1)
-    mean = torch.tensor(cifar.MEAN, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(cifar.STD, device=x.device).view(1, 3, 1, 1)
+    if x.device not in _MOMENTS:  # made once per device: no host-to-device copy per batch
+        _MOMENTS[x.device] = tuple(torch.tensor(v, device=x.device).view(1, 3, 1, 1)
+                                   for v in (cifar.MEAN, cifar.STD))
+    mean, std = _MOMENTS[x.device]
     return (x - mean) / std
 
 
