@@ -109,9 +109,6 @@ def machine(device: torch.device) -> str:
 
 
 def run(args, device: torch.device) -> list[dict]:
-    # Dynamo does not guard on module hooks by default, so a compiled float32 model would lend
-    # its graph to a later-compiled instance of the same class whose quantisers are hooks.
-    torch._dynamo.config.skip_nnmodule_hook_guards = False
     rows = []
     modes = [False, True] if args.compile else [False]
     print(f"device: {machine(device)}; batch {args.batch_size}, 32x32 inputs, medians of "

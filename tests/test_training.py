@@ -389,3 +389,38 @@ def test_compiled_injected_resnet18_equals_eager_bit_for_bit():
         config.fallback_random = previous
     torch.manual_seed(3)
     assert_same_bits(got, model(x))
+
+
+_COMPILED_BEFORE_INJECTION = """
+import torch
+from torch import nn
+from lpsim import Fixed, quantize
+from lpsim.nn import LayerQuantization, inject
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        return self.act(self.fc(x))
+
+plain, other = Net(), Net()
+other.load_state_dict(plain.state_dict())
+x = torch.randn(3, 4)
+torch.compile(plain)(x)  # compiled with dynamo's defaults, before any injection
+inject(other, {nn.Tanh: LayerQuantization(output=(Fixed(8, 2), "nearest"))})
+y = torch.compile(other)(x)
+print(torch.equal(y, other(x)), torch.equal(quantize(y, Fixed(8, 2)), y))
+"""
+
+
+def test_compiling_an_injected_model_never_reuses_a_graph_compiled_without_its_quantisers():
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    # A fresh process: dynamo's hook guards start at their default there.
+    out = subprocess.run([sys.executable, "-c", _COMPILED_BEFORE_INJECTION], capture_output=True,
+                         text=True, timeout=600)
+    assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr

