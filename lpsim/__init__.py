@@ -21,6 +21,16 @@ from lpsim.functional import (
 )
 from lpsim.rounding import Rounding
 from lpsim import dyadic  # integer-native arithmetic on (mantissa, scale) pairs
+from lpsim.arithmetic import (
+    StochasticAdder,
+    sr_add,
+    sr_add_,
+    sr_addcdiv,
+    sr_addcdiv_,
+    sr_addcmul,
+    sr_addcmul_,
+)
+from lpsim import ops
 
 __version__ = "0.1.0"
 
@@ -42,4 +52,12 @@ __all__ = [
     "cuda_built",
     "cpu_generator",
     "dyadic",
+    "sr_add",
+    "sr_add_",
+    "sr_addcmul",
+    "sr_addcmul_",
+    "sr_addcdiv",
+    "sr_addcdiv_",
+    "StochasticAdder",
+    "ops",
 ]

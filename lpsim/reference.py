@@ -13,8 +13,10 @@ Use ``quantize(x, fmt, rounding, rbits=..., seed=..., offset=...)`` exactly like
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import struct
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -23,7 +25,22 @@ import torch
 from lpsim.formats import BlockFloat, Fixed, Float, container_of
 from lpsim.rounding import MAX_RBITS, Rounding
 
-__all__ = ["quantize", "round_value", "philox4x32_10", "random_word", "RefGrid", "grid_of"]
+__all__ = [
+    "quantize",
+    "round_value",
+    "round_rational",
+    "philox4x32_10",
+    "random_word",
+    "RefGrid",
+    "grid_of",
+    "round_sum",
+    "container_grid",
+    "value_word",
+    "sr_add",
+    "addc_term",
+    "sum_rounded",
+    "dot_rounded",
+]
 
 _MASK32 = 0xFFFFFFFF
 
@@ -171,7 +188,14 @@ def round_value(v: float, grid: RefGrid, rule: Rounding, word: int = 0,
         if grid.has_inf:
             return v
         return _signed(limit, negative, grid) if grid.saturate else math.nan
-    m = abs(Fraction(v))
+    return round_rational(abs(Fraction(v)), negative, grid, rule, word, rbits)
+
+
+def round_rational(m: Fraction, negative: bool, grid: RefGrid, rule: Rounding, word: int = 0,
+                   rbits: int = MAX_RBITS) -> float:
+    """The finite value (-1)**negative * m (m >= 0, any rational) rounded onto the grid, as a float
+    (+/-inf where the rounded magnitude exceeds the float range)."""
+    limit = grid.neg_limit if negative else grid.pos_limit
     if m == 0:
         return _signed(Fraction(0), negative, grid)
     q = grid.spacing(m)
@@ -189,7 +213,10 @@ def round_value(v: float, grid: RefGrid, rule: Rounding, word: int = 0,
 
 
 def _signed(mag: Fraction, negative: bool, grid: RefGrid) -> float:
-    value = float(mag)
+    try:
+        value = float(mag)
+    except OverflowError:  # an unbounded grid past the float64 range
+        value = math.inf
     if mag == 0 and grid.unsigned_zero:
         return 0.0
     return -value if negative else value
@@ -234,3 +261,161 @@ def quantize(x: torch.Tensor, fmt: Float | Fixed | BlockFloat, rounding: Roundin
         grid = grid_of(fmt)
         out = [round_value(v, grid, rule, word(i), bits) for i, v in enumerate(values)]
     return torch.tensor(out, dtype=torch.float64).reshape(x.shape).to(x.dtype)
+
+
+# ---- Stochastic arithmetic: sums computed exactly and rounded once, and recursive sums rounded
+# after every operation (lpsim.arithmetic, lpsim.ops). Defined on values: the exact sum is a
+# Fraction, rounded by round_rational.
+
+_VALUE_TAG0, _VALUE_TAG1 = 0x756C6176, 0x79656B65  # "valu", "ekey"
+
+
+def _float64_bits(v: float) -> int:
+    return struct.unpack("<Q", struct.pack("<d", v))[0]
+
+
+def value_word(seed: int, offset: int, a: float, b: float) -> int:
+    """The value-keyed random word for operands a and b under (seed, offset): Philox4x32-10 on the
+    counter of a's and b's float64 bits (low word first) under a key derived from (seed, offset)
+    by one Philox call on (offset, "valu", "ekey")."""
+    key = philox4x32_10((offset & _MASK32, offset >> 32, _VALUE_TAG0, _VALUE_TAG1),
+                        (seed & _MASK32, seed >> 32))[:2]
+    ab, bb = _float64_bits(a), _float64_bits(b)
+    return philox4x32_10((ab & _MASK32, ab >> 32, bb & _MASK32, bb >> 32), key)[0]
+
+
+def round_sum(a: float, b: float, grid: RefGrid, rule: Rounding, word: int = 0,
+              rbits: int = MAX_RBITS) -> float:
+    """The exact sum a + b rounded once onto the grid. IEEE 754 decides the special cases: a NaN
+    operand or Inf - Inf gives NaN, an Inf operand gives that Inf (then rounded onto the grid), and
+    an exact zero is +0 (-0 under "down") unless both operands are zeros of one sign."""
+    if math.isnan(a) or math.isnan(b):
+        return math.nan
+    if math.isinf(a) or math.isinf(b):
+        if math.isinf(a) and math.isinf(b) and (a > 0) != (b > 0):
+            return math.nan
+        return round_value(a if math.isinf(a) else b, grid, rule, word, rbits)
+    total = Fraction(a) + Fraction(b)
+    if total == 0:
+        sign_a, sign_b = math.copysign(1.0, a) < 0, math.copysign(1.0, b) < 0
+        negative = sign_a if sign_a == sign_b else rule is Rounding.down
+        return _signed(Fraction(0), negative, grid)
+    return round_rational(abs(total), total < 0, grid, rule, word, rbits)
+
+
+def sr_add(a: torch.Tensor, b: torch.Tensor, fmt: Float | Fixed | None = None,
+           rounding: Rounding | str = "stochastic", *, rbits: int | None = None,
+           seed: int | None = None, offset: int = 0, randomness: str = "position") -> torch.Tensor:
+    """What lpsim.sr_add returns, computed exactly and slowly (b: a tensor broadcastable to a).
+    ``seed`` is required for the stochastic rules."""
+    rule = Rounding.parse(rounding)
+    bits = MAX_RBITS if rbits is None else rbits
+    if rule.is_stochastic and seed is None:
+        raise ValueError("reference.sr_add needs an explicit seed for stochastic rounding")
+    grid = container_grid(fmt if fmt is not None else _own_format(a.dtype), a.dtype)
+    av = a.detach().cpu().double().flatten().tolist()
+    bv = b.detach().cpu().double().expand(a.shape).flatten().tolist()
+    out = []
+    for i, (x, y) in enumerate(zip(av, bv)):
+        word = 0
+        if rule.is_stochastic:
+            word = random_word(seed, offset, i) if randomness == "position" else value_word(seed, offset, x, y)
+        out.append(round_sum(x, y, grid, rule, word, bits))
+    return torch.tensor(out, dtype=torch.float64).reshape(a.shape).to(a.dtype)
+
+
+def addc_term(a_dtype: torch.dtype, t1: torch.Tensor, t2: torch.Tensor, value: float,
+              divide: bool) -> torch.Tensor:
+    """The term value * (t1 * t2) (or value * (t1 / t2)) of sr_addcmul / sr_addcdiv: computed in
+    float64 when a or the tensors are float64, else float32, each operation rounded to nearest."""
+    wide = torch.float64 if torch.float64 in (a_dtype, t1.dtype, t2.dtype) else torch.float32
+    v = torch.tensor(value, dtype=torch.float64).to(wide)
+    p, q = t1.to(wide), t2.to(wide)
+    return v * (p / q) if divide else v * (p * q)
+
+
+def container_grid(fmt: Float | Fixed, dtype: torch.dtype) -> RefGrid:
+    """The grid of fmt's values that a dtype holds, which a rational sum is rounded onto. It is
+    grid_of(fmt) except for unclamped Fixed formats, whose grid continues past their range: there
+    only the container's values remain (its precision, and its largest finite value as the limit,
+    past which IEEE 754's overflow rules apply)."""
+    grid = grid_of(fmt)
+    if isinstance(fmt, Fixed) and not fmt.clamp:
+        own = _own_format(dtype)
+        top = Fraction(own.max)
+        grid = dataclasses.replace(grid, man=own.man, pos_limit=top, neg_limit=top)
+    return grid
+
+
+def _own_format(dtype: torch.dtype) -> Float:
+    c = container_of(dtype)
+    return Float(c.exp, c.man)
+
+
+def _accumulate(terms, acc: RefGrid, rule: Rounding, bits: int, word) -> list[float]:
+    """The partial sums of one reduction: the first term rounded, then each sum rounded.
+    word(k) is the random word of rounding k."""
+    partial, s = [], None
+    for k, t in enumerate(terms):
+        w = word(k) if rule.is_stochastic else 0
+        s = round_value(t, acc, rule, w, bits) if s is None else round_sum(s, t, acc, rule, w, bits)
+        partial.append(s)
+    return partial
+
+
+def sum_rounded(x: torch.Tensor, dim: int | None, acc: Float | Fixed, rounding: Rounding | str,
+                *, rbits: int | None = None, seed: int | None = None, offset: int = 0,
+                cumulative: bool = False) -> torch.Tensor:
+    """What lpsim.ops.sum (cumulative: cumsum) computes, as float64: along dim (all elements in
+    row-major order for None), recursive summation in increasing index order, each partial sum
+    rounded onto acc; rounding k of reduction r takes word 2 (r n + k)."""
+    rule = Rounding.parse(rounding)
+    bits = MAX_RBITS if rbits is None else rbits
+    grid = container_grid(acc, torch.float64)
+    v = x.detach().cpu().double()
+    if dim is None:
+        v = v.reshape(1, -1, 1)
+    else:
+        d = dim % max(x.dim(), 1)
+        v = v.reshape(math.prod(x.shape[:d]), x.shape[d], math.prod(x.shape[d + 1:]))
+    outer, n, inner = v.shape
+    out = torch.zeros(outer, n if cumulative else 1, inner, dtype=torch.float64)
+    for o in range(outer):
+        for j in range(inner):
+            r = o * inner + j
+            partial = _accumulate(v[o, :, j].tolist(), grid, rule, bits,
+                                  lambda k: random_word(seed, offset, 2 * (r * n + k)))
+            if cumulative:
+                out[o, :, j] = torch.tensor(partial, dtype=torch.float64)
+            elif partial:
+                out[o, 0, j] = partial[-1]
+    return out
+
+
+def dot_rounded(a: torch.Tensor, b: torch.Tensor, acc: Float | Fixed, mul: Float | Fixed | None,
+                rounding: Rounding | str, *, rbits: int | None = None, seed: int | None = None,
+                offset: int = 0) -> torch.Tensor:
+    """What lpsim.ops.matmul computes for a (m, n) and b (n, p), as float64: c[i, l] sums the
+    exact products a[i, k] b[k, l], each rounded onto mul when given (word 2 (r n + k) + 1), in
+    increasing k, each partial sum rounded onto acc (word 2 (r n + k)), r = i p + l."""
+    rule = Rounding.parse(rounding)
+    bits = MAX_RBITS if rbits is None else rbits
+    acc_grid = container_grid(acc, torch.float64)
+    mul_grid = container_grid(mul, torch.float64) if mul is not None else None
+    av, bv = a.detach().cpu().double().tolist(), b.detach().cpu().double().tolist()
+    m, n, p = len(av), a.shape[1], b.shape[1]
+    out = torch.zeros(m, p, dtype=torch.float64)
+    for i in range(m):
+        for l in range(p):
+            r = i * p + l
+            products = []
+            for k in range(n):
+                prod = av[i][k] * bv[k][l]  # exact: float64 holds products of 24-bit significands
+                if mul_grid is not None:
+                    w = random_word(seed, offset, 2 * (r * n + k) + 1) if rule.is_stochastic else 0
+                    prod = round_value(prod, mul_grid, rule, w, bits)
+                products.append(prod)
+            partial = _accumulate(products, acc_grid, rule, bits,
+                                  lambda k: random_word(seed, offset, 2 * (r * n + k)))
+            out[i, l] = partial[-1] if partial else 0.0
+    return out

@@ -90,4 +90,31 @@ LPSIM_FN uint32_t random_word(uint64_t index, const PhiloxKey& key) {
   return philox_counter_words(philox_counter_of(index), key).w[philox_word_of(index)];
 }
 
+// Value-keyed words: a word that depends on the operands' values instead of the element's
+// position, so that the same operands round the same way whatever the layout, the order of the
+// elements or the thread count. The counter is the two operands' float64 bits (lo, hi, lo, hi),
+// the key is derived once per call from (seed, offset) by one Philox call on the counter
+// (offset lo, offset hi, kValueTag0, kValueTag1) under the seed, whose first two words are the key.
+constexpr uint32_t kValueTag0 = 0x756C6176u;  // "valu"
+constexpr uint32_t kValueTag1 = 0x79656B65u;  // "ekey"
+
+struct ValueKey {
+  uint32_t k0, k1;
+};
+
+LPSIM_FN ValueKey make_value_key(uint64_t seed, uint64_t offset) {
+  uint32_t c0 = static_cast<uint32_t>(offset), c1 = static_cast<uint32_t>(offset >> 32);
+  uint32_t c2 = kValueTag0, c3 = kValueTag1;
+  philox4x32_10(c0, c1, c2, c3, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  return ValueKey{c0, c1};
+}
+
+// The word for operands whose float64 bits are a and b: the first output word of Philox4x32-10.
+LPSIM_FN uint32_t value_word(uint64_t a, uint64_t b, const ValueKey& key) {
+  uint32_t c0 = static_cast<uint32_t>(a), c1 = static_cast<uint32_t>(a >> 32);
+  uint32_t c2 = static_cast<uint32_t>(b), c3 = static_cast<uint32_t>(b >> 32);
+  philox4x32_10(c0, c1, c2, c3, key.k0, key.k1);
+  return c0;
+}
+
 }  // namespace lpsim

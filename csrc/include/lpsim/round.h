@@ -79,6 +79,9 @@ LPSIM_FN T max_of(T a, T b) {
 // Round the container bits u onto grid g by rule R. `random` is the element's 32-bit random word
 // (stochastic rules only) and `mask` comes from random_mask(rbits).
 //
+// round_to_grid is round_with_tail without a tail: see there for values that are not container
+// values (exact sums). Both are this one definition, instantiated with and without the tail.
+//
 // Written for gcc's vectoriser, which this loop body must pass (kernels.cpp's loops depend on it):
 // - every choice is a select() and conditions are combined with the non-short-circuit & and |:
 //   ?:, && and || leave branches in the loop;
@@ -86,9 +89,9 @@ LPSIM_FN T max_of(T a, T b) {
 //   1-bit bool conversions it cannot vectorise; they are written as ordered comparisons;
 // - no select depends on a loop-invariant condition (a grid flag): the grid carries the outcome of
 //   every such decision per sign instead.
-template <Rounding R, class C>
-LPSIM_FN typename C::word round_to_grid(typename C::word u, const Grid<C>& g, uint32_t random,
-                                         uint32_t mask) {
+template <Rounding R, class C, bool kTail, class D>
+LPSIM_FN typename C::word round_on_grid(typename C::word u, D tail, bool sticky, const Grid<C>& g,
+                                         uint32_t random, uint32_t mask) {
   using W = typename C::word;
   constexpr int kMan = C::man_bits;
   constexpr int kBits = C::word_bits;
@@ -122,10 +125,35 @@ LPSIM_FN typename C::word round_to_grid(typename C::word u, const Grid<C>& g, ui
   const int32_t up_shift = kBits - 1 - min_of(shift, int32_t(kBits - 1));
   const int32_t down_shift = min_of(max_of(shift - kBits, int32_t(0)), int32_t(kBits - 1));
   const W aligned = W(sig << up_shift);
-  const W discarded = select(shift < kBits, W(aligned << 1), W(sig >> down_shift));
-  const bool inexact = (discarded != 0) | ((shift >= kBits) & (a != 0));
+  const W discarded_bits = select(shift < kBits, W(aligned << 1), W(sig >> down_shift));
   const bool kept_odd = aligned >= kHalf;  // 0 when nothing is kept (sig < 2^(kMan+1))
-  const uint32_t frac32 = static_cast<uint32_t>(discarded >> (kBits - 32));
+
+  // With a tail (see round_with_tail), the discarded fraction continues below the bits of sig: the
+  // tail, a fraction of sig's last unit, lies `shift` bits further down. `discarded` is then the
+  // fraction truncated to kD bits with every lost bit jammed into its last bit (round to odd): the
+  // comparisons with 1/2 and the top 32 bits stay those of the exact fraction, since kD >= 33.
+  // Without a tail, D = W and this is the fraction of u itself.
+  constexpr int kD = 8 * static_cast<int>(sizeof(D));
+  constexpr D kHalfD = D(1) << (kD - 1);
+  D discarded;
+  bool inexact;
+  if constexpr (!kTail) {
+    discarded = discarded_bits;
+    inexact = (discarded != 0) | ((shift >= kBits) & (a != 0));
+  } else {
+    static_assert(kD >= 33 && kD >= kBits, "the tail needs at least 33 bits");
+    // The tail's bits below bit `shift` fall off (all of them for shift >= kD); they are tested
+    // left-aligned, as a shift of the constant mask would not vectorise.
+    const int32_t tail_shift = min_of(shift, int32_t(kD - 1));
+    const D from_tail = select(shift < kD, D(tail >> tail_shift), D(0));
+    const D tail_lost = select(shift < kD, D(D(tail << (kD - 1 - tail_shift)) << 1), tail);
+    // For shift >= kBits the value lies below the finest quantum (inexact whatever it is), and the
+    // low bits of sig that discarded_bits drops are lost too.
+    const bool lost = (tail_lost != 0) | sticky | ((shift >= kBits) & (a != 0));
+    discarded = (D(discarded_bits) << (kD - kBits)) | from_tail | D(lost);
+    inexact = discarded != 0;
+  }
+  const uint32_t frac32 = static_cast<uint32_t>(discarded >> (kD - 32));
 
   // Below the finest quantum (shift > kMan) the value lies strictly between 0 and min_positive.
   const bool tiny = shift > kMan;
@@ -133,11 +161,11 @@ LPSIM_FN typename C::word round_to_grid(typename C::word u, const Grid<C>& g, ui
 
   bool up;
   if constexpr (R == Rounding::nearest) {
-    up = (discarded > kHalf) | ((discarded == kHalf) & kept_odd);
+    up = (discarded > kHalfD) | ((discarded == kHalfD) & kept_odd);
   } else if constexpr (R == Rounding::nearest_away) {
-    up = discarded >= kHalf;
+    up = discarded >= kHalfD;
   } else if constexpr (R == Rounding::nearest_zero) {
-    up = discarded > kHalf;
+    up = discarded > kHalfD;
   } else if constexpr (R == Rounding::toward_zero) {
     up = false;
   } else if constexpr (R == Rounding::away) {
@@ -179,10 +207,35 @@ LPSIM_FN typename C::word round_to_grid(typename C::word u, const Grid<C>& g, ui
   }
   mag = select(mag > limit, overflow, mag);
 
-  // Inf stays Inf where the format has it; NaN stays the same NaN.
-  mag = select(a == C::inf_bits, select(negative, g.neg_inf, g.pos_inf), mag);
-  const W out = select(mag == 0, W(sign & g.zero_sign), sign) | mag;
-  return select(a > C::inf_bits, u, out);
+  if constexpr (kTail) {
+    // round_with_tail's magnitude inf_bits stands for a finite value beyond the container's range.
+    return select(mag == 0, W(sign & g.zero_sign), sign) | mag;
+  } else {
+    // Inf stays Inf where the format has it; NaN stays the same NaN.
+    mag = select(a == C::inf_bits, select(negative, g.neg_inf, g.pos_inf), mag);
+    const W out = select(mag == 0, W(sign & g.zero_sign), sign) | mag;
+    return select(a > C::inf_bits, u, out);
+  }
+}
+
+template <Rounding R, class C>
+LPSIM_FN typename C::word round_to_grid(typename C::word u, const Grid<C>& g, uint32_t random,
+                                         uint32_t mask) {
+  return round_on_grid<R, C, false, typename C::word>(u, 0, false, g, random, mask);
+}
+
+// Round a value that need not be a container value: x = (-1)^s (|u| + t ulp), where u's magnitude
+// is |x| truncated onto the container's grid, ulp is the container's spacing at |u| (2^(e - man)
+// in u's binade e), and t in [0, 1) is `tail` / 2^64, plus a sliver below that when `sticky` is set
+// (the caller truncated t). Every rule then decides exactly as for x itself: the grid is no finer
+// than the container's, so x and u share their binade, their quantum and their truncation onto the
+// grid, and the discarded fraction is u's continued by t. u's magnitude must be finite, or inf_bits
+// for a finite x beyond the container's range (which every rule then treats as an overflow; |u| =
+// Inf or NaN inputs are not accepted here: round them with round_to_grid).
+template <Rounding R, class C>
+LPSIM_FN typename C::word round_with_tail(typename C::word u, uint64_t tail, bool sticky,
+                                           const Grid<C>& g, uint32_t random, uint32_t mask) {
+  return round_on_grid<R, C, true, uint64_t>(u, tail, sticky, g, random, mask);
 }
 
 // The grid of one block of a BlockFloat(wl) format, from the largest finite magnitude in the block

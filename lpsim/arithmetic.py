@@ -1,0 +1,367 @@
+"""Stochastic arithmetic: sums computed exactly and rounded once into a format.
+
+``sr_add(a, b, fmt, rounding)`` returns the exact sum a + b rounded into ``fmt`` by ``rounding``, in
+a tensor of a's dtype: one kernel computes the sum with integer arithmetic (no intermediate
+rounding at all) and rounds it with the same core as ``lpsim.quantize``. With the default
+``rounding="stochastic"`` an update far smaller than half a spacing of the weights still moves
+them with the right probability, so bfloat16 weights keep learning without a float32 master copy.
+``sr_addcmul_`` and ``sr_addcdiv_`` fuse the update term of an optimizer step into the same pass.
+
+    >>> import torch, lpsim
+    >>> w = torch.ones(8, dtype=torch.bfloat16)
+    >>> (w + 1e-3).tolist()                     # round to nearest: the update vanishes
+    [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    >>> lpsim.sr_add(w, 1e-3, seed=0).tolist()  # 1 + 2**-7 with probability 1e-3 / 2**-7
+    [1.0, 1.0078125, 1.0, 1.0, 1.0078125, 1.0, 1.0, 1.0]
+    >>> lpsim.sr_add(torch.ones(100000, dtype=torch.bfloat16), 1e-3, seed=0).double().mean()
+    tensor(1.0010, dtype=torch.float64)
+
+Exactly representable sums are returned unchanged by every rule. ``rounding="stochastic"`` ("mode
+1") rounds up with probability proportional to the distance from the value below, so the result
+is unbiased: E[sr_add(a, b)] = a + b. ``"stochastic_equal"`` ("mode 2") moves an inexact sum up or
+down with probability 1/2 and is biased. Any other lpsim rule may be given (``"nearest"`` gives
+IEEE 754 addition in the format).
+
+Randomness. ``randomness="position"`` (the default) draws each element's word from Philox keyed by
+(seed, offset) and the element's row-major position, as ``lpsim.quantize`` does.
+``randomness="value"`` keys the word by (seed, offset) and the two operands' values instead, so
+equal operands round the same way wherever they sit: the result is invariant under any
+permutation, layout or partition of the elements. See docs/stochastic-rounding.md for the
+trade-offs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lpsim._ops import ops
+from lpsim.formats import BlockFloat, Fixed, Float, GridSpec, check_fits
+from lpsim.functional import _check_offset, _check_tensor, _seed_tensor
+from lpsim.rounding import Rounding, check_rbits
+
+__all__ = [
+    "sr_add",
+    "sr_add_",
+    "sr_addcmul",
+    "sr_addcmul_",
+    "sr_addcdiv",
+    "sr_addcdiv_",
+    "StochasticAdder",
+    "RANDOMNESS",
+    "own_format",
+    "sum_grid",
+]
+
+RANDOMNESS = ("position", "value")  # the codes 0 and 1 of the compiled ops
+
+_OWN_FORMATS = {
+    torch.float32: Float(8, 23),
+    torch.float64: Float(11, 52),
+    torch.bfloat16: Float(8, 7),
+    torch.float16: Float(5, 10),
+}
+
+
+def own_format(dtype: torch.dtype) -> Float:
+    """The format of the values a floating dtype holds: Float(8, 7) for bfloat16, and so on.
+
+    Raises:
+        TypeError: the dtype is not float32, float64, bfloat16 or float16.
+    """
+    try:
+        return _OWN_FORMATS[dtype]
+    except (KeyError, TypeError):
+        raise TypeError(
+            f"dtype must be torch.float32, float64, bfloat16 or float16, got {dtype}"
+        ) from None
+
+
+def sum_grid(fmt: Float | Fixed, dtype: torch.dtype) -> GridSpec:
+    """The grid a sum is rounded onto when the result is stored in ``dtype``: fmt's grid with the
+    container's limits made explicit (a sum may be computed in a wider container). Only Fixed
+    formats change: their precision is the container's (their values within range need at most
+    wl - 1 bits), and an unclamped one continues past its range, where only the container's values
+    remain and a sum beyond the container's largest value overflows as in IEEE 754 (to Inf, or to
+    that value for the rules that round toward zero)."""
+    grid = fmt.grid()
+    if isinstance(fmt, Fixed):
+        own = own_format(dtype)
+        grid = grid._replace(keep=own.man)
+        if not fmt.clamp:
+            grid = grid._replace(pos_limit=own.max, neg_limit=own.max)
+    return grid
+
+
+def _check_container(x: torch.Tensor, name: str) -> None:
+    _check_tensor(x, name)
+    if x.dtype not in _OWN_FORMATS:
+        raise TypeError(
+            f"{name} must be a float32, float64, bfloat16 or float16 tensor, got {x.dtype}"
+        )
+
+
+def _randomness_code(randomness: str) -> int:
+    if not isinstance(randomness, str):
+        raise TypeError(f"randomness must be a str, got {type(randomness).__name__}")
+    if randomness not in RANDOMNESS:
+        raise ValueError(f"randomness must be one of {RANDOMNESS}, got {randomness!r}")
+    return RANDOMNESS.index(randomness)
+
+
+def _update_args(a, fmt, rounding, rbits, seed, offset, randomness) -> tuple:
+    """The op arguments after the operands: grid, rule, random spec and randomness code."""
+    _check_container(a, "a")
+    if fmt is None:
+        fmt = own_format(a.dtype)
+    if isinstance(fmt, BlockFloat):
+        raise TypeError(
+            "fmt must be a Float or Fixed format: a BlockFloat grid depends on the whole block, "
+            "not on one sum"
+        )
+    if not isinstance(fmt, (Float, Fixed)):
+        raise TypeError(f"fmt must be a Float or Fixed format or None, got {type(fmt).__name__}")
+    check_fits(fmt, a.dtype)
+    rule = Rounding.parse(rounding)
+    random = (check_rbits(rbits, rule), _seed_tensor(seed, rule), _check_offset(offset))
+    return tuple(sum_grid(fmt, a.dtype)) + (int(rule),) + random + (_randomness_code(randomness),)
+
+
+def _operand(a: torch.Tensor, b, name: str) -> torch.Tensor:
+    """b as the update ops take it: a tensor of a's shape and device whose dtype is a's, float32 or
+    float64 (other dtypes are converted, exactly, to float32; a Python number becomes float64)."""
+    if isinstance(b, (int, float)) and not isinstance(b, bool):
+        b = torch.tensor(float(b), dtype=torch.float64, device=a.device)
+    _check_container(b, name)
+    if b.device != a.device:
+        raise ValueError(f"{name} must be on a's device ({a.device}), got {b.device}")
+    if b.dtype not in (a.dtype, torch.float32, torch.float64):
+        b = b.float()
+    if b.shape != a.shape:
+        try:
+            b = b.expand(a.shape)
+        except RuntimeError:
+            raise ValueError(
+                f"{name} of shape {tuple(b.shape)} cannot be broadcast to a's shape {tuple(a.shape)}"
+            ) from None
+    return b
+
+
+def sr_add(
+    a: torch.Tensor,
+    b: torch.Tensor | float,
+    fmt: Float | Fixed | None = None,
+    rounding: Rounding | str = "stochastic",
+    rbits: int | None = None,
+    seed: int | None = None,
+    *,
+    offset: int = 0,
+    randomness: str = "position",
+) -> torch.Tensor:
+    """The exact sum a + b rounded once into ``fmt``, in a new tensor of a's dtype and shape.
+
+    Args:
+        a: a float32, float64, bfloat16 or float16 tensor: the container of the result.
+        b: a tensor broadcastable to a's shape, of any of those dtypes, or a Python number (taken
+            as a float64). The sum uses b's exact value, whatever its precision.
+        fmt: a Float or Fixed format that fits a's dtype; None: a's own format (bfloat16 for a
+            bfloat16 tensor), so that the result is what an addition in that format gives.
+        rounding: any lpsim rule; default "stochastic" (mode 1, unbiased). "stochastic_equal" is
+            mode 2 (probability 1/2). An exactly representable sum is returned unchanged by
+            every rule.
+        rbits: random bits per decision, 1 to 32, for the stochastic rules (default 32).
+        seed: 0 <= seed < 2**64; None: drawn from torch's default CPU generator.
+        offset: 0 <= offset < 2**64: the random stream under the seed. Give each call its own.
+        randomness: "position" (words keyed by the element's position) or "value" (keyed by the
+            operands' values).
+
+    Special values follow IEEE 754 addition (Inf - Inf and NaN give NaN, an exact zero sum of
+    opposite operands is +0, or -0 under "down") and then the format's own rules; a finite sum
+    beyond the format's range overflows as ``quantize`` does. The gradient is the identity for
+    both operands.
+
+    Raises:
+        TypeError: an operand is not a tensor of a supported dtype, or fmt is not a Float or Fixed.
+        ValueError: the format does not fit a's dtype, b cannot be broadcast, or an argument is out
+            of range.
+    """
+    args = _update_args(a, fmt, rounding, rbits, seed, offset, randomness)
+    return ops.sr_add(a, _operand(a, b, "b"), *args)
+
+
+def sr_add_(
+    a: torch.Tensor,
+    b: torch.Tensor | float,
+    fmt: Float | Fixed | None = None,
+    rounding: Rounding | str = "stochastic",
+    rbits: int | None = None,
+    seed: int | None = None,
+    *,
+    offset: int = 0,
+    randomness: str = "position",
+) -> torch.Tensor:
+    """a = sr_add(a, b, ...) in place; returns a. Arguments as for sr_add."""
+    args = _update_args(a, fmt, rounding, rbits, seed, offset, randomness)
+    ops.sr_add_(a, _operand(a, b, "b"), *args)
+    return a
+
+
+def _addc(a, tensor1, tensor2, value, divide, fmt, rounding, rbits, seed, offset, randomness, inplace):
+    args = _update_args(a, fmt, rounding, rbits, seed, offset, randomness)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"value must be a number, got {type(value).__name__}")
+    t1 = _operand(a, tensor1, "tensor1")
+    t2 = _operand(a, tensor2, "tensor2")
+    if t1.dtype != t2.dtype:  # one dtype for both: the wider
+        wide = torch.float64 if torch.float64 in (t1.dtype, t2.dtype) else torch.float32
+        t1, t2 = t1.to(wide), t2.to(wide)
+    if inplace:
+        ops.sr_addc_(a, t1, t2, float(value), divide, *args)
+        return a
+    return ops.sr_addc(a, t1, t2, float(value), divide, *args)
+
+
+_ADDC_DOC = """{summary}
+
+    The term value * (tensor1 {op} tensor2) is computed in float32, or in float64 when a or the
+    tensors are float64, each operation rounded to nearest (value is first rounded to that
+    precision, as torch does); the sum of a and the term is then exact and rounded once, as in
+    sr_add. tensor1 and tensor2 are broadcast to a's shape. Other arguments as for sr_add. Not
+    differentiable.
+    """
+
+
+def sr_addcmul(a, tensor1, tensor2, value: float = 1.0, fmt=None, rounding="stochastic", rbits=None,
+               seed=None, *, offset: int = 0, randomness: str = "position") -> torch.Tensor:
+    return _addc(a, tensor1, tensor2, value, False, fmt, rounding, rbits, seed, offset, randomness,
+                 False)
+
+
+def sr_addcmul_(a, tensor1, tensor2, value: float = 1.0, fmt=None, rounding="stochastic",
+                rbits=None, seed=None, *, offset: int = 0, randomness: str = "position") -> torch.Tensor:
+    return _addc(a, tensor1, tensor2, value, False, fmt, rounding, rbits, seed, offset, randomness,
+                 True)
+
+
+def sr_addcdiv(a, tensor1, tensor2, value: float = 1.0, fmt=None, rounding="stochastic", rbits=None,
+               seed=None, *, offset: int = 0, randomness: str = "position") -> torch.Tensor:
+    return _addc(a, tensor1, tensor2, value, True, fmt, rounding, rbits, seed, offset, randomness,
+                 False)
+
+
+def sr_addcdiv_(a, tensor1, tensor2, value: float = 1.0, fmt=None, rounding="stochastic",
+                rbits=None, seed=None, *, offset: int = 0, randomness: str = "position") -> torch.Tensor:
+    return _addc(a, tensor1, tensor2, value, True, fmt, rounding, rbits, seed, offset, randomness,
+                 True)
+
+
+sr_addcmul.__doc__ = _ADDC_DOC.format(
+    summary="a + value * tensor1 * tensor2, the sum exact and rounded once, in a new tensor.", op="*")
+sr_addcmul_.__doc__ = _ADDC_DOC.format(
+    summary="a = a + value * tensor1 * tensor2 in place, the sum exact and rounded once; returns a.",
+    op="*")
+sr_addcdiv.__doc__ = _ADDC_DOC.format(
+    summary="a + value * tensor1 / tensor2, the sum exact and rounded once, in a new tensor.", op="/")
+sr_addcdiv_.__doc__ = _ADDC_DOC.format(
+    summary="a = a + value * tensor1 / tensor2 in place, the sum exact and rounded once; returns a.",
+    op="/")
+
+
+class StochasticAdder:
+    """Stochastic additions into one dtype, with the names StochasTorch users know.
+
+    ``add(a, b)`` rounds the exact sum up or down with probability 1/2 each ("mode 2",
+    rounding="stochastic_equal"). ``add_biased(a, b)`` rounds up with probability proportional to
+    the distance from the value below ("mode 1", rounding="stochastic"); StochasTorch calls this the
+    *biased* random choice because the coin is weighted, but it is the one that is **unbiased in
+    expectation**: E[add_biased(a, b)] = a + b exactly, while E[add(a, b)] is the midpoint of the
+    two neighbours of a + b, which differs from a + b by up to half a spacing. Use ``add_biased``
+    to accumulate small updates.
+
+    Every call draws fresh random words: the adder keeps a seed (given, or drawn from torch's
+    default CPU generator when the adder is made) and counts its calls as the offset.
+
+    Args:
+        dtype: torch.float32, float64, bfloat16 or float16: results are rounded into this dtype's
+            format and returned in it.
+        seed: 0 <= seed < 2**64, or None.
+        randomness: "position" or "value" (see lpsim.sr_add).
+
+    Raises:
+        TypeError: dtype is not a supported floating dtype.
+    """
+
+    def __init__(self, dtype: torch.dtype, seed: int | None = None, *, randomness: str = "position"):
+        self.format = own_format(dtype)
+        self.dtype = dtype
+        _randomness_code(randomness)
+        self.randomness = randomness
+        if seed is None:
+            seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+        _seed_tensor(seed, Rounding.stochastic)  # validates
+        self.seed = seed
+        self.calls = 0
+
+    def __repr__(self) -> str:
+        return f"StochasticAdder({self.dtype}, seed={self.seed}, randomness={self.randomness!r})"
+
+    def _add(self, a, b, rounding: str) -> torch.Tensor:
+        _check_container(a, "a")
+        if a.dtype != self.dtype and isinstance(b, torch.Tensor) and b.dtype == self.dtype:
+            a, b = b, a  # addition commutes; the container is the operand of the adder's dtype
+        if a.dtype != self.dtype:
+            # Neither operand has the adder's dtype: add in a container that holds both operands
+            # and the format, then convert (exactly: the result lies in the format).
+            wide = torch.float64 if torch.float64 in (a.dtype, getattr(b, "dtype", None)) else torch.float32
+            a = a.to(wide)
+        offset = self.calls
+        self.calls += 1
+        out = sr_add(a, b, self.format, rounding, seed=self.seed, offset=offset,
+                     randomness=self.randomness)
+        return out.to(self.dtype)
+
+    def add(self, a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
+        """a + b rounded up or down with probability 1/2 each when inexact (biased in
+        expectation). The result has the adder's dtype."""
+        return self._add(a, b, "stochastic_equal")
+
+    def add_biased(self, a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
+        """a + b rounded up with probability proportional to its distance from the value below
+        (unbiased in expectation: E[result] = a + b). The result has the adder's dtype."""
+        return self._add(a, b, "stochastic")
+
+
+# Fake kernels (shapes and dtypes only) and the gradient of sr_add: the identity for both operands.
+
+
+@torch.library.register_fake("lpsim::sr_add")
+def _sr_add_fake(a, b, *args):
+    return torch.empty_like(a, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("lpsim::sr_add_")
+def _sr_add_inplace_fake(a, b, *args):
+    return None
+
+
+@torch.library.register_fake("lpsim::sr_addc")
+def _sr_addc_fake(a, t1, t2, *args):
+    return torch.empty_like(a, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("lpsim::sr_addc_")
+def _sr_addc_inplace_fake(a, t1, t2, *args):
+    return None
+
+
+_SR_ADD_ARGS = 14  # arguments after a and b in sr_add's schema
+
+
+def _sr_add_backward(ctx, grad):
+    return (grad, grad.to(ctx.b_dtype)) + (None,) * _SR_ADD_ARGS
+
+
+def _sr_add_setup(ctx, inputs, output):
+    ctx.b_dtype = inputs[1].dtype
+
+
+torch.library.register_autograd("lpsim::sr_add", _sr_add_backward, setup_context=_sr_add_setup)

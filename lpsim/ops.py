@@ -1,0 +1,250 @@
+"""Accumulation with rounding after every operation: sum, cumsum, matvec and matmul.
+
+Each op evaluates its sums by recursive summation in a fixed, documented order and rounds every
+partial sum into the accumulation format ``acc``, so that the rounding errors of low-precision
+accumulators (and their growth with the length of the sum) can be measured:
+
+    s_1 = round(t_1),   s_k = round(s_(k-1) + t_k)   for k = 2, ..., n,
+
+where each sum s_(k-1) + t_k is computed exactly before it is rounded, and the terms t_k are taken
+in increasing index order. For sum and cumsum the terms are the elements; for matvec and matmul
+they are the products a[i, k] * b[k, j], formed exactly (the operands are float32, bfloat16 or
+float16, whose products float64 holds exactly) and rounded into ``mul`` when it is given.
+
+    >>> import torch, lpsim
+    >>> x = torch.full((1000,), 1e-3)                                   # the sum is 1.00000005
+    >>> lpsim.ops.sum(x, acc=lpsim.Float(5, 10)).item()                 # float16 accumulator
+    0.978515625
+    >>> lpsim.ops.sum(x, acc=lpsim.Float(8, 7)).item()                  # bfloat16: stagnates
+    0.5
+    >>> lpsim.ops.sum(x, acc=lpsim.Float(8, 7), rounding="stochastic", seed=0).item()
+    0.9609375
+
+``rounding`` applies to every rounding (``"nearest"`` by default); with a stochastic rule the
+k-th rounding of the r-th result (results numbered in row-major order) draws word 2 (r n + k) of
+the position-keyed Philox stream of (seed, offset), and the rounding of its product word
+2 (r n + k) + 1. The results are returned in the input's dtype when ``acc`` fits it, else in
+float32 when ``acc`` fits float32, else in float64.
+
+These ops are written for correctness, not speed: one fused CPU loop, about 15 ns per
+multiply-add on a current x86 core. They run on CPU tensors only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lpsim._ops import ops as _lib
+from lpsim.arithmetic import own_format, sum_grid
+from lpsim.formats import BlockFloat, Fixed, Float, check_fits
+from lpsim.functional import _check_offset, _check_tensor, _seed_tensor
+from lpsim.rounding import Rounding, check_rbits
+
+__all__ = ["sum", "cumsum", "matvec", "matmul"]
+
+_CONTAINERS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_PRODUCT_CONTAINERS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_input(x, name: str, allowed=_CONTAINERS) -> None:
+    _check_tensor(x, name)
+    if x.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise TypeError(f"{name} must be a {names} tensor, got {x.dtype}")
+    if x.device.type != "cpu":
+        raise ValueError(f"lpsim.ops runs on CPU tensors only; {name} is on {x.device}")
+
+
+def _check_format(fmt, name: str, dtype: torch.dtype | None) -> Float | Fixed | None:
+    if fmt is None:
+        return own_format(dtype) if dtype is not None else None
+    if isinstance(fmt, BlockFloat) or not isinstance(fmt, (Float, Fixed)):
+        raise TypeError(f"{name} must be a Float or Fixed format or None, got {type(fmt).__name__}")
+    check_fits(fmt, torch.float64)
+    return fmt
+
+
+def _result_dtype(x_dtype: torch.dtype, acc: Float | Fixed) -> torch.dtype:
+    """x's dtype when it holds acc's values, else float32 when that does, else float64."""
+    for dtype in (x_dtype, torch.float32, torch.float64):
+        try:
+            check_fits(acc, dtype)
+            return dtype
+        except ValueError:
+            continue
+    raise AssertionError("every format fits float64")  # _check_format checked it
+
+
+def _random_args(rounding, rbits, seed, offset) -> tuple:
+    rule = Rounding.parse(rounding)
+    return (int(rule), check_rbits(rbits, rule), _seed_tensor(seed, rule), _check_offset(offset))
+
+
+def _dim_of(dim, x: torch.Tensor) -> int:
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    ndim = max(x.dim(), 1)
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"dim must be in [{-ndim}, {ndim - 1}] for a tensor of {x.dim()} "
+                         f"dimensions, got {dim}")
+    return dim % ndim
+
+
+def _reduce(x, dim, cumulative, acc, rounding, rbits, seed, offset):
+    """(float64 result of sum_rounded, outer, n, inner, acc)."""
+    _check_input(x, "x")
+    acc = _check_format(acc, "acc", x.dtype)
+    args = _random_args(rounding, rbits, seed, offset)
+    shape = tuple(x.shape)
+    if dim is None:
+        outer, n, inner = 1, x.numel(), 1
+    else:
+        d = _dim_of(dim, x)
+        shape = shape or (1,)
+        outer, n, inner = math.prod(shape[:d]), shape[d], math.prod(shape[d + 1:])
+    grid = sum_grid(acc, _result_dtype(x.dtype, acc))
+    y = _lib.sum_rounded(x.contiguous(), outer, n, inner, cumulative, *grid, *args)
+    return y, acc
+
+
+def sum(
+    x: torch.Tensor,
+    dim: int | None = None,
+    *,
+    keepdim: bool = False,
+    acc: Float | Fixed | None = None,
+    rounding: Rounding | str = "nearest",
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+) -> torch.Tensor:
+    """The sum of x's elements along ``dim`` (all of them, in row-major order, for None) by
+    recursive summation in increasing index order, each partial sum rounded into ``acc``.
+
+    Args:
+        x: a float32, float64, bfloat16 or float16 CPU tensor.
+        dim: the dimension to sum over; None: every element.
+        keepdim: keep the summed dimension with size 1 (with dim given).
+        acc: a Float or Fixed accumulation format; None: x's own format (a bfloat16 tensor is
+            summed in bfloat16).
+        rounding, rbits, seed, offset: as for lpsim.quantize; the default rule is "nearest".
+
+    Returns:
+        The sums, in x's dtype when acc fits it, else float32 or float64. The sum of no elements
+        is +0.
+
+    Raises:
+        TypeError: x is not a tensor of a supported dtype, or acc is not a Float or Fixed format.
+        ValueError: x is not on the CPU, or an argument is out of range.
+        IndexError: dim does not exist in x.
+    """
+    y, acc = _reduce(x, dim, False, acc, rounding, rbits, seed, offset)
+    out = y.to(_result_dtype(x.dtype, acc))
+    if dim is None:
+        return out.reshape(())
+    if x.dim() == 0:
+        return out.reshape(())
+    d = _dim_of(dim, x)
+    shape = list(x.shape)
+    shape[d] = 1
+    out = out.reshape(shape)
+    return out if keepdim else out.squeeze(d)
+
+
+def cumsum(
+    x: torch.Tensor,
+    dim: int,
+    *,
+    acc: Float | Fixed | None = None,
+    rounding: Rounding | str = "nearest",
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+) -> torch.Tensor:
+    """The partial sums of x along ``dim``, each rounded into ``acc``: element k is the k-th partial
+    sum of sum(x, dim) (same order, same roundings, same random words). Arguments as for sum.
+    Returns a tensor of x's shape."""
+    y, acc = _reduce(x, dim, True, acc, rounding, rbits, seed, offset)
+    return y.to(_result_dtype(x.dtype, acc)).reshape(x.shape)
+
+
+def _dot(a, b_rows, x_dtype, acc, mul, rounding, rbits, seed, offset):
+    """dot_rounded of a (m, n) with the rows of b_rows (p, n), in the result dtype."""
+    acc = _check_format(acc, "acc", x_dtype)
+    mul = _check_format(mul, "mul", None)
+    args = _random_args(rounding, rbits, seed, offset)
+    out_dtype = _result_dtype(x_dtype, acc)
+    acc_grid = sum_grid(acc, out_dtype)
+    # Products are rounded in float64, the container they are exact in.
+    mul_grid = sum_grid(mul, torch.float64) if mul is not None else acc_grid  # unused without mul
+    y = _lib.dot_rounded(a.contiguous(), b_rows.contiguous(), mul is not None, *mul_grid,
+                         *acc_grid, *args)
+    return y.to(out_dtype)
+
+
+def matvec(
+    a: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    acc: Float | Fixed | None = None,
+    mul: Float | Fixed | None = None,
+    rounding: Rounding | str = "nearest",
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+) -> torch.Tensor:
+    """y = a @ x with y[i] the recursive sum over j = 0, 1, ... of the exact products a[i, j] x[j]
+    (each rounded into ``mul`` when given), every partial sum rounded into ``acc``.
+
+    Args:
+        a: an (m, n) float32, bfloat16 or float16 CPU tensor.
+        x: an (n,) tensor of a's dtype.
+        acc: the accumulation format; None: a's own format.
+        mul: the format products are rounded into; None: products are exact (each step is then a
+            fused multiply-add).
+        rounding, rbits, seed, offset: as for sum.
+
+    Returns:
+        y of shape (m,), in a's dtype when acc fits it, else float32 or float64.
+
+    Raises:
+        TypeError: an operand has an unsupported dtype (float64 products would not be exact) or
+            the operands' dtypes differ; a format is not a Float or Fixed.
+        ValueError: the shapes do not match, an operand is not on the CPU, or an argument is out of
+            range.
+    """
+    _check_input(a, "a", _PRODUCT_CONTAINERS)
+    _check_input(x, "x", _PRODUCT_CONTAINERS)
+    if x.dtype != a.dtype:
+        raise TypeError(f"x must have a's dtype ({a.dtype}), got {x.dtype}")
+    if a.dim() != 2 or x.dim() != 1 or a.shape[1] != x.shape[0]:
+        raise ValueError(f"matvec takes a of shape (m, n) and x of shape (n,), got "
+                         f"{tuple(a.shape)} and {tuple(x.shape)}")
+    return _dot(a, x.reshape(1, -1), a.dtype, acc, mul, rounding, rbits, seed, offset).reshape(-1)
+
+
+def matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    acc: Float | Fixed | None = None,
+    mul: Float | Fixed | None = None,
+    rounding: Rounding | str = "nearest",
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+) -> torch.Tensor:
+    """c = a @ b for a (m, n) and b (n, p): c[i, j] is computed as matvec computes y[i], over
+    k = 0, 1, ..., n - 1. Results are numbered r = i p + j for the random words. Arguments,
+    result dtype and errors as for matvec."""
+    _check_input(a, "a", _PRODUCT_CONTAINERS)
+    _check_input(b, "b", _PRODUCT_CONTAINERS)
+    if b.dtype != a.dtype:
+        raise TypeError(f"b must have a's dtype ({a.dtype}), got {b.dtype}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"matmul takes a of shape (m, n) and b of shape (n, p), got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+    return _dot(a, b.t(), a.dtype, acc, mul, rounding, rbits, seed, offset)
+
