@@ -66,18 +66,17 @@ namespace {
 // Elements per parallel task; a multiple of the random-word group so tasks do not share a group.
 constexpr int64_t kGrain = 64 * kGroupSize;
 
-// body(x, y, n) over a's elements, x read from a (made contiguous) and y written to dst (through a
-// contiguous buffer that is copied back when dst is not contiguous). dst may be a itself.
+// body(x, y, begin, end) over a's elements in parallel, x read from a (made contiguous) and y
+// written to dst (see Destination). dst may be a itself.
 template <class Body>
 void update_into(const at::Tensor& a, const at::Tensor& dst, Body&& body) {
   const at::Tensor src = a.contiguous();
-  const at::Tensor buffer =
-      dst.is_contiguous() ? dst : at::empty_like(dst, at::MemoryFormat::Contiguous);
+  Destination out(dst);
   const void* x = src.const_data_ptr();
-  void* y = buffer.data_ptr();
+  void* y = out.buffer.data_ptr();
   at::parallel_for(0, src.numel(), kGrain,
                    [&](int64_t begin, int64_t end) { body(x, y, begin, end); });
-  if (!buffer.is_same(dst)) dst.copy_(buffer);
+  out.finish();
 }
 
 #define LPSIM_SR_GRID_ARGS                                                                    \

@@ -84,8 +84,8 @@ void dot_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t p,
 void sum_rounded(Dtype x_dtype, Rounding rounding, const void* x, uint64_t* y, int64_t n,
                  int64_t inner, int64_t begin, int64_t end, bool cumulative, const GridSpec& acc,
                  const RandomSpec& random) {
-  with_dtype(x_dtype, [&](auto cx) {
-    with_rule(rounding, [&](auto rule) {
+  with_container(x_dtype, [&](auto cx) {
+    with_rounding(rounding, [&](auto rule) {
       sum_span<decltype(cx), decltype(rule)::value>(x, y, n, inner, begin, end, cumulative, acc,
                                                     random);
     });
@@ -95,10 +95,10 @@ void sum_rounded(Dtype x_dtype, Rounding rounding, const void* x, uint64_t* y, i
 void dot_rounded(Dtype x_dtype, Rounding rounding, const void* a, const void* b, uint64_t* y,
                  int64_t n, int64_t p, int64_t begin, int64_t end, const GridSpec* mul,
                  const GridSpec& acc, const RandomSpec& random) {
-  with_dtype(x_dtype, [&](auto cx) {
+  with_container(x_dtype, [&](auto cx) {
     using X = decltype(cx);
     if constexpr (!std::is_same_v<X, F64>) {  // float64 products are not exact (checked by the op)
-      with_rule(rounding, [&](auto rule) {
+      with_rounding(rounding, [&](auto rule) {
         dot_span<X, decltype(rule)::value>(a, b, y, n, p, begin, end, mul, acc, random);
       });
     }

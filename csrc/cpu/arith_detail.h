@@ -1,15 +1,13 @@
-// Helpers shared by the stochastic-arithmetic loops (arith_update.cpp, arith_accumulate.cpp):
-// dispatch on the run-time container and rule, and position-keyed words for any index sequence.
+// Helpers shared by the stochastic-arithmetic loops (arith_update.cpp, arith_accumulate.cpp): the
+// run-time dispatch of dispatch.h, and position-keyed words for any sequence of indices.
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
-#include <type_traits>
-#include <utility>
 
 #include <lpsim/container.h>
 #include <lpsim/philox.h>
 
+#include "dispatch.h"
 #include "kernels.h"
 
 // Lambdas that must be inlined into their caller, so that they are compiled for the caller's
@@ -18,33 +16,8 @@
 
 namespace lpsim::cpu::arith {
 
-template <Rounding R>
-using RuleTag = std::integral_constant<Rounding, R>;
-
-// Call f(RuleTag<R>{}) for the run-time rule r: one instantiation per rule, every rule of the
-// enum (its codes are 0 .. kNumRoundings - 1).
-template <class F, size_t... kCodes>
-LPSIM_INLINE void with_rule_of(Rounding r, F&& f, std::index_sequence<kCodes...>) {
-  (void)((static_cast<size_t>(r) == kCodes ? (f(RuleTag<static_cast<Rounding>(kCodes)>{}), true)
-                                           : false) ||
-         ...);
-}
-
-template <class F>
-LPSIM_INLINE void with_rule(Rounding r, F&& f) {
-  with_rule_of(r, f, std::make_index_sequence<kNumRoundings>{});
-}
-
-// Call f(C{}) for the container of the run-time dtype.
-template <class F>
-LPSIM_INLINE void with_dtype(Dtype d, F&& f) {
-  switch (d) {
-    case Dtype::float32: return f(Float32Container{});
-    case Dtype::float64: return f(Float64Container{});
-    case Dtype::bfloat16: return f(BFloat16Container{});
-    case Dtype::float16: return f(Float16Container{});
-  }
-}
+using lpsim::with_container;
+using lpsim::with_rounding;
 
 template <class C>
 LPSIM_INLINE typename C::word bits_of(const typename C::storage& s) {

@@ -37,14 +37,14 @@ using namespace arith;
 LPSIM_MULTIVERSION
 void round_group(Dtype k, Rounding rule, const void* a, const void* b, void* r, int64_t n,
                  const void* grid, const uint32_t* words, uint32_t mask) {
-  with_dtype(k, [&](auto container) LPSIM_LAMBDA_INLINE {
+  with_container(k, [&](auto container) LPSIM_LAMBDA_INLINE {
     using K = decltype(container);
     using W = typename K::word;
     const W* ua = static_cast<const W*>(a);
     const W* ub = static_cast<const W*>(b);
     W* out = static_cast<W*>(r);
     const Grid<K> g = *static_cast<const Grid<K>*>(grid);  // a local copy, which out cannot alias
-    with_rule(rule, [&](auto tag) LPSIM_LAMBDA_INLINE {
+    with_rounding(rule, [&](auto tag) LPSIM_LAMBDA_INLINE {
       constexpr Rounding R = decltype(tag)::value;
       uint32_t special = 0;  // a bool here would be a reduction gcc does not vectorise
       for (int64_t i = 0; i < n; ++i) {
@@ -121,7 +121,7 @@ using SumContainer = std::conditional_t<
 // Call f(A{}, B{}) for the container of `a` and that of `b`, which is a's, float32 or float64.
 template <class F>
 void with_pair(Dtype a, Dtype b, F&& f) {
-  with_dtype(a, [&](auto first) {
+  with_container(a, [&](auto first) {
     if (b == a) return f(first, first);
     if (b == Dtype::float32) return f(first, Float32Container{});
     return f(first, Float64Container{});
