@@ -1,0 +1,295 @@
+"""SGD and AdamW for weights stored in low precision, updated by stochastic rounding.
+
+The weights themselves are the only copy: a bfloat16 tensor, or a float32 tensor restricted to any
+Float (or Fixed) format. Each step computes the update u in float32 (float64 for float64
+parameters) and sets the weight to the exact sum w + u rounded once into the weight format
+(lpsim.sr_add). With round to nearest an update smaller than half a spacing of w is lost, and
+training stagnates; with ``rounding="stochastic"`` it moves w to the next value with probability
+|u| / spacing, so E[w_new] = w + u and the weights follow the float32 trajectory in expectation,
+without the memory of a float32 master copy.
+
+``kahan=True`` keeps instead a compensation buffer c in the weight format (the part of the updates
+not applied yet) and runs Kahan's compensated summation in that format: y = u + c, w_new = w + y,
+c = y - (w_new - w), each operation rounded to nearest, the second by ``rounding``. It costs a
+second low-precision tensor per parameter (as much memory as a float32 master copy of a bfloat16
+weight) and is the usual deterministic alternative.
+
+Optimizer states (momentum buffers, Adam moments) are float32 by default; ``state_format``
+stores them in a low-precision format too, each new value computed in float32 and rounded once
+into it by ``rounding``. The random words of step t of parameter number i come from the stream
+offset (t << 32) + 4 i + k (k = 0 for the weight, 1 and 2 for the states) under the optimizer's
+seed, so a run is reproducible from its seed and a resumed run (load_state_dict) continues it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim import Optimizer
+
+from lpsim.arithmetic import RANDOMNESS, own_format, sr_add, sr_add_, sr_addcdiv_
+from lpsim.formats import BlockFloat, Fixed, Float, check_fits
+from lpsim.functional import quantize, quantize_
+from lpsim.rounding import Rounding, check_rbits
+
+__all__ = ["SGD", "AdamW"]
+
+_CONTAINERS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_WEIGHT, _FIRST_STATE, _SECOND_STATE = 0, 1, 2  # the k of a random stream's offset
+
+
+def _check_number(name: str, value, low: float = 0.0, high: float = math.inf) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+
+
+def _check_format(name: str, fmt) -> None:
+    if fmt is not None and (isinstance(fmt, BlockFloat) or not isinstance(fmt, (Float, Fixed))):
+        raise TypeError(f"{name} must be a Float or Fixed format or None, got {type(fmt).__name__}")
+
+
+class _LowPrecision(Optimizer):
+    """What SGD and AdamW share: checking the options, rounding the parameters into their format
+    when they join the optimizer, the rounded weight update and the rounded state updates."""
+
+    def __init__(self, params, defaults: dict, seed: int | None, randomness: str):
+        _check_format("weight_format", defaults["weight_format"])
+        _check_format("state_format", defaults["state_format"])
+        rule = Rounding.parse(defaults["rounding"])
+        check_rbits(defaults["rbits"], rule)
+        if not isinstance(defaults["kahan"], bool):
+            raise TypeError(f"kahan must be a bool, got {type(defaults['kahan']).__name__}")
+        if randomness not in RANDOMNESS:
+            raise ValueError(f"randomness must be one of {RANDOMNESS}, got {randomness!r}")
+        if seed is None:
+            seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
+        defaults = dict(defaults, seed=seed, randomness=randomness)
+        self._count = 0  # parameters seen so far: each one's number for its random streams
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_format("weight_format", group["weight_format"])
+        _check_format("state_format", group["state_format"])
+        with torch.no_grad():
+            for p in group["params"]:
+                if p.dtype not in _CONTAINERS:
+                    raise TypeError(f"parameters must be float32, float64, bfloat16 or float16 "
+                                    f"tensors, got {p.dtype}")
+                fmt = self._weight_format(group, p)
+                check_fits(fmt, p.dtype)
+                if group["state_format"] is not None:
+                    check_fits(group["state_format"], torch.float64)
+                quantize_(p, fmt, "nearest")  # the weights must be values of their format
+                self.state[p]["index"] = self._count
+                self._count += 1
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch.optim.Optimizer.load_state_dict, except that state tensors keep their dtypes
+        (torch casts floating-point state to the parameter's dtype, which would round float32
+        moments of bfloat16 weights to bfloat16)."""
+        saved = {index: {key: value.clone() for key, value in state.items()
+                         if isinstance(value, torch.Tensor)}
+                 for index, state in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, tensors in saved.items():
+            p = params[index]
+            for key, value in tensors.items():
+                self.state[p][key] = value.to(p.device)
+
+    @staticmethod
+    def _weight_format(group: dict, p: torch.Tensor) -> Float | Fixed:
+        return group["weight_format"] if group["weight_format"] is not None else own_format(p.dtype)
+
+    @staticmethod
+    def _work_dtype(p: torch.Tensor) -> torch.dtype:
+        """The precision updates are computed in."""
+        return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+    @staticmethod
+    def _offset(state: dict, kind: int) -> int:
+        return (state["step"] << 32) + 4 * state["index"] + kind
+
+    def _random(self, group: dict, state: dict, kind: int) -> dict:
+        return dict(rbits=group["rbits"], seed=group["seed"], offset=self._offset(state, kind))
+
+    def _store(self, group: dict, state: dict, key: str, value: torch.Tensor, kind: int,
+               like: torch.Tensor) -> torch.Tensor:
+        """Keep ``value`` (work precision) as state[key], rounded into state_format if given, in
+        the narrowest of the parameter's dtype, float32 and float64 that holds that format.
+        Returns the stored value in the work precision."""
+        fmt = group["state_format"]
+        if fmt is None:
+            state[key] = value
+            return value
+        stored = quantize(value, fmt, group["rounding"], **self._random(group, state, kind))
+        for dtype in (like.dtype, torch.float32, torch.float64):
+            try:
+                check_fits(fmt, dtype)
+                break
+            except ValueError:
+                continue
+        state[key] = stored.to(dtype)
+        return stored
+
+    def _update(self, group: dict, p: torch.Tensor, state: dict, update: torch.Tensor) -> None:
+        """p = p + update rounded into the weight format (with Kahan compensation if asked)."""
+        fmt = self._weight_format(group, p)
+        random = self._random(group, state, _WEIGHT)
+        if not group["kahan"]:
+            sr_add_(p, update, fmt, group["rounding"], randomness=group["randomness"], **random)
+            return
+        if "compensation" not in state:
+            state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        c = state["compensation"]
+        y = sr_add(c, update, fmt, "nearest")
+        new = sr_add(p, y, fmt, group["rounding"], randomness=group["randomness"], **random)
+        gained = sr_add(new, p.neg(), fmt, "nearest")
+        c.copy_(sr_add(y, gained.neg(), fmt, "nearest"))
+        p.copy_(new)
+
+    def _steps(self, closure):
+        """Evaluate the closure; then (group, p, state, grad in work precision) for every
+        parameter with a gradient, its step count advanced."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                state = self.state[p]
+                state["step"] = state.get("step", 0) + 1
+                work.append((group, p, state, p.grad.to(self._work_dtype(p), copy=True)))
+        return loss, work
+
+
+class SGD(_LowPrecision):
+    """Stochastic gradient descent (momentum, Nesterov, weight decay; torch.optim.SGD's rules) on
+    weights stored in low precision and updated by rounding the exact sum w + u once.
+
+    Args:
+        params: parameters (float32, float64, bfloat16 or float16 tensors) or parameter groups.
+            They are rounded into their weight format (to nearest) when they join the optimizer.
+        lr, momentum, dampening, weight_decay, nesterov: as in torch.optim.SGD (all >= 0;
+            nesterov needs momentum > 0 and dampening = 0).
+        weight_format: a Float or Fixed format that fits the parameters' dtype; None: the dtype's
+            own format (bfloat16 parameters hold bfloat16 values).
+        rounding: the rule of the weight and state updates, default "stochastic" (unbiased);
+            "nearest" is ordinary low-precision training, which stagnates.
+        rbits: random bits per stochastic decision (1 to 32).
+        state_format: None (float32 momentum buffers) or a Float or Fixed format to store them in.
+        kahan: Kahan-compensated updates (see the module documentation).
+        seed: 0 <= seed < 2**64; None: drawn from torch's default CPU generator.
+        randomness: "position" or "value" (see lpsim.sr_add).
+
+    Raises:
+        TypeError / ValueError: an option has the wrong type or range, a parameter's dtype is not
+            supported, or a format does not fit it.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False, *,
+                 weight_format: Float | Fixed | None = None, rounding: Rounding | str = "stochastic",
+                 rbits: int | None = None, state_format: Float | Fixed | None = None,
+                 kahan: bool = False, seed: int | None = None, randomness: str = "position"):
+        for name, value in (("lr", lr), ("momentum", momentum), ("dampening", dampening),
+                            ("weight_decay", weight_decay)):
+            _check_number(name, value)
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov needs momentum > 0 and dampening = 0")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                        nesterov=nesterov, weight_format=weight_format, rounding=rounding,
+                        rbits=rbits, state_format=state_format, kahan=kahan)
+        super().__init__(params, defaults, seed, randomness)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient. Returns the closure's loss."""
+        loss, work = self._steps(closure)
+        for group, p, state, d_p in work:
+            if group["weight_decay"] != 0:
+                d_p.add_(p.to(d_p.dtype), alpha=group["weight_decay"])
+            momentum = group["momentum"]
+            if momentum != 0:
+                buf = state.get("momentum_buffer")
+                new = d_p.clone() if buf is None else buf.to(d_p.dtype).mul_(momentum).add_(
+                    d_p, alpha=1 - group["dampening"])
+                buf = self._store(group, state, "momentum_buffer", new, _FIRST_STATE, p)
+                d_p = d_p.add_(buf, alpha=momentum) if group["nesterov"] else buf
+            self._update(group, p, state, d_p.mul(-group["lr"]))
+        return loss
+
+
+class AdamW(_LowPrecision):
+    """Adam with decoupled weight decay (torch.optim.AdamW's rules) on weights stored in low
+    precision. The step w - lr wd w - lr m_hat / (sqrt(v_hat) + eps) is one rounding of the exact
+    sum of w and that update; without weight decay and Kahan compensation it is computed by the
+    fused lpsim.sr_addcdiv_.
+
+    Args:
+        params, weight_format, rounding, rbits, state_format, kahan, seed, randomness: as for SGD
+            (state_format applies to both moments).
+        lr, betas, eps, weight_decay: as in torch.optim.AdamW (lr, eps, weight_decay >= 0;
+            0 <= beta < 1).
+
+    Raises:
+        TypeError / ValueError: as for SGD.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *,
+                 weight_format: Float | Fixed | None = None, rounding: Rounding | str = "stochastic",
+                 rbits: int | None = None, state_format: Float | Fixed | None = None,
+                 kahan: bool = False, seed: int | None = None, randomness: str = "position"):
+        _check_number("lr", lr)
+        _check_number("eps", eps)
+        _check_number("weight_decay", weight_decay)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"betas must be a pair of numbers, got {betas!r}")
+        for name, beta in zip(("betas[0]", "betas[1]"), betas):
+            _check_number(name, beta, 0.0, 1.0)
+            if beta == 1.0:
+                raise ValueError(f"{name} must be < 1, got {beta}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        weight_format=weight_format, rounding=rounding, rbits=rbits,
+                        state_format=state_format, kahan=kahan)
+        super().__init__(params, defaults, seed, randomness)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient. Returns the closure's loss."""
+        loss, work = self._steps(closure)
+        for group, p, state, grad in work:
+            beta1, beta2 = group["betas"]
+            t = state["step"]
+            m = state.get("exp_avg")
+            v = state.get("exp_avg_sq")
+            m = grad * (1 - beta1) if m is None else m.to(grad.dtype).mul_(beta1).add_(
+                grad, alpha=1 - beta1)
+            v = grad * grad * (1 - beta2) if v is None else v.to(grad.dtype).mul_(beta2).addcmul_(
+                grad, grad, value=1 - beta2)
+            m = self._store(group, state, "exp_avg", m, _FIRST_STATE, p)
+            v = self._store(group, state, "exp_avg_sq", v, _SECOND_STATE, p)
+            step_size = group["lr"] / (1 - beta1**t)
+            denom = v.sqrt().div_(math.sqrt(1 - beta2**t)).add_(group["eps"])
+            decay = group["lr"] * group["weight_decay"]
+            if decay == 0 and not group["kahan"]:
+                sr_addcdiv_(p, m, denom, -step_size, self._weight_format(group, p),
+                            group["rounding"], randomness=group["randomness"],
+                            **self._random(group, state, _WEIGHT))
+                continue
+            update = torch.addcdiv(p.to(grad.dtype) * -decay, m, denom, value=-step_size)
+            self._update(group, p, state, update)
+        return loss

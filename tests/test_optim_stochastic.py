@@ -1,0 +1,182 @@
+"""lpsim.optim.SGD and AdamW: low-precision weights updated by stochastic rounding reach the
+float32 optimum of a convex problem, nearest rounding stalls, and the rules follow torch.optim."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import lpsim
+from lpsim import Fixed, Float
+from support import assert_same_bits
+
+# Least squares with a unique optimum w_star of entries in [1, 2), where a bfloat16 spacing is
+# 2**-7: gradient steps lr * grad fall below half a spacing long before w reaches w_star.
+torch.manual_seed(0)
+X = torch.randn(256, 8)
+W_STAR = torch.rand(8) + 1.0
+Y = X @ W_STAR
+STEPS = 1500
+LR = 3e-3
+
+
+def _loss(w: torch.Tensor) -> torch.Tensor:
+    return ((X @ w.float() - Y) ** 2).mean()
+
+
+def _train(make_optimizer, dtype=torch.bfloat16, steps=STEPS) -> torch.Tensor:
+    w = torch.zeros(8, dtype=dtype, requires_grad=True)
+    opt = make_optimizer([w])
+    for _ in range(steps):
+        opt.zero_grad()
+        _loss(w).backward()
+        opt.step()
+    return w.detach()
+
+
+def _distance(w: torch.Tensor) -> float:
+    return (w.float() - W_STAR).norm().item()
+
+
+def test_sr_sgd_with_bfloat16_weights_reaches_the_float32_optimum_where_nearest_stalls():
+    float32 = _distance(_train(lambda p: torch.optim.SGD(p, lr=LR), torch.float32))
+    nearest = _distance(_train(lambda p: lpsim.optim.SGD(p, lr=LR, rounding="nearest")))
+    stochastic = _distance(_train(lambda p: lpsim.optim.SGD(p, lr=LR, seed=0)))
+    kahan = _distance(_train(lambda p: lpsim.optim.SGD(p, lr=LR, rounding="nearest", kahan=True)))
+    # Tolerance: float32's own distance plus a few bfloat16 spacings (2**-7) per coordinate.
+    tolerance = float32 + 4 * 2**-7 * 8**0.5
+    assert float32 < 0.01
+    assert stochastic < tolerance
+    assert kahan < tolerance
+    assert nearest > 10 * tolerance
+
+
+def test_sr_adamw_with_bfloat16_weights_matches_float32_adamw_where_nearest_stalls():
+    float32 = _distance(_train(lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0),
+                               torch.float32))
+    nearest = _distance(_train(lambda p: lpsim.optim.AdamW(p, lr=LR, weight_decay=0,
+                                                           rounding="nearest")))
+    stochastic = _distance(_train(lambda p: lpsim.optim.AdamW(p, lr=LR, weight_decay=0, seed=0)))
+    low_states = _distance(_train(lambda p: lpsim.optim.AdamW(
+        p, lr=LR, weight_decay=0, seed=0, state_format=Float(8, 7))))
+    tolerance = float32 + 4 * 2**-7 * 8**0.5
+    assert stochastic < tolerance
+    assert low_states < tolerance
+    assert nearest > 10 * tolerance
+
+
+def test_float32_weights_restricted_to_a_format_hold_only_its_values():
+    fmt = Float(5, 6)
+    w = torch.randn(100, requires_grad=True)
+    opt = lpsim.optim.SGD([w], lr=0.01, momentum=0.9, weight_format=fmt, seed=1)
+    assert_same_bits(w.detach(), lpsim.quantize(w.detach(), fmt), "rounded when added")
+    for _ in range(5):
+        w.grad = torch.randn(100)
+        opt.step()
+        assert_same_bits(w.detach(), lpsim.quantize(w.detach(), fmt), "after a step")
+
+
+@pytest.mark.parametrize("options", [
+    dict(momentum=0.9),
+    dict(momentum=0.9, nesterov=True, weight_decay=1e-2),
+    dict(momentum=0.5, dampening=0.3, weight_decay=1e-3),
+    dict(weight_decay=0.1),
+])
+def test_sgd_follows_torch_sgd_when_nothing_is_rounded_away(options):
+    # float64 weights and states in float64 formats: rounding is far below the comparison's tolerance.
+    torch.manual_seed(2)
+    w0 = torch.randn(50, dtype=torch.float64)
+    grads = [torch.randn(50, dtype=torch.float64) for _ in range(6)]
+    ours, theirs = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    opt_ours = lpsim.optim.SGD([ours], lr=0.1, rounding="nearest", **options)
+    opt_theirs = torch.optim.SGD([theirs], lr=0.1, **options)
+    for g in grads:
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        opt_ours.step()
+        opt_theirs.step()
+    torch.testing.assert_close(ours, theirs, rtol=1e-13, atol=1e-13)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+def test_adamw_follows_torch_adamw_when_nothing_is_rounded_away(weight_decay):
+    torch.manual_seed(3)
+    w0 = torch.randn(50, dtype=torch.float64)
+    ours, theirs = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    opt_ours = lpsim.optim.AdamW([ours], lr=0.01, weight_decay=weight_decay, rounding="nearest")
+    opt_theirs = torch.optim.AdamW([theirs], lr=0.01, weight_decay=weight_decay)
+    for _ in range(6):
+        g = torch.randn(50, dtype=torch.float64)
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        opt_ours.step()
+        opt_theirs.step()
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_low_precision_states_are_stored_in_their_format():
+    w = torch.zeros(6, dtype=torch.bfloat16, requires_grad=True)
+    opt = lpsim.optim.AdamW([w], lr=LR, seed=0, state_format=Float(8, 7))
+    w.grad = torch.linspace(0.1, 0.6, 6).bfloat16()
+    opt.step()
+    opt.step()
+    for key in ("exp_avg", "exp_avg_sq"):
+        state = opt.state[w][key]
+        assert state.dtype == torch.bfloat16
+    v = torch.zeros(6, requires_grad=True)
+    sgd = lpsim.optim.SGD([v], lr=0.1, momentum=0.9, seed=0, state_format=Float(4, 3))
+    v.grad = torch.linspace(0.1, 0.6, 6)
+    sgd.step()
+    sgd.step()
+    buf = sgd.state[v]["momentum_buffer"]
+    assert buf.dtype == torch.float32
+    assert_same_bits(buf, lpsim.quantize(buf, Float(4, 3)), "momentum in e4m3")
+
+
+def test_same_seed_gives_the_same_run_and_state_dict_resumes_it():
+    def run(steps, resume_from=None):
+        w = torch.zeros(8, dtype=torch.bfloat16, requires_grad=True)
+        opt = lpsim.optim.SGD([w], lr=LR, momentum=0.9, seed=123)
+        if resume_from is not None:
+            w.data.copy_(resume_from[0])
+            opt.load_state_dict(resume_from[1])
+        for _ in range(steps):
+            opt.zero_grad()
+            _loss(w).backward()
+            opt.step()
+        return w.detach().clone(), opt.state_dict()
+
+    full, _ = run(40)
+    assert_same_bits(run(40)[0], full, "same seed")
+    half = run(20)
+    resumed, _ = run(20, resume_from=half)
+    assert_same_bits(resumed, full, "resumed from a state_dict")
+    other = lpsim.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR, seed=124)
+    assert other.param_groups[0]["seed"] == 124
+
+
+def test_value_keyed_optimizer_updates_are_reproducible():
+    a = _train(lambda p: lpsim.optim.SGD(p, lr=LR, seed=5, randomness="value"), steps=50)
+    b = _train(lambda p: lpsim.optim.SGD(p, lr=LR, seed=5, randomness="value"), steps=50)
+    assert_same_bits(a, b)
+
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda w: lpsim.optim.SGD([w], lr=-1.0), ValueError, "lr must be in [0.0, inf]"),
+    (lambda w: lpsim.optim.SGD([w], nesterov=True), ValueError, "nesterov needs momentum > 0"),
+    (lambda w: lpsim.optim.SGD([w], weight_format=lpsim.BlockFloat(8)), TypeError,
+     "weight_format must be a Float or Fixed"),
+    (lambda w: lpsim.optim.SGD([w], weight_format=Float(8, 10)), ValueError,
+     "does not fit a bfloat16"),
+    (lambda w: lpsim.optim.SGD([w.int()]), TypeError, "parameters must be float32"),
+    (lambda w: lpsim.optim.SGD([w], rounding="nearest", rbits=3), ValueError, "rbits applies"),
+    (lambda w: lpsim.optim.SGD([w], randomness="hash"), ValueError, "randomness must be one of"),
+    (lambda w: lpsim.optim.SGD([w], seed=-2), ValueError, "seed must be an int in [0, 2**64)"),
+    (lambda w: lpsim.optim.AdamW([w], betas=(0.9, 1.0)), ValueError, "betas[1] must be < 1"),
+    (lambda w: lpsim.optim.AdamW([w], kahan=1), TypeError, "kahan must be a bool"),
+    (lambda w: lpsim.optim.AdamW([w], state_format=Fixed(8, 4, clamp=False), weight_format=3),
+     TypeError, "weight_format must be a Float or Fixed"),
+])
+def test_bad_options_raise_errors_that_name_them(call, error, words):
+    with pytest.raises(error, match=re.escape(words)):
+        call(torch.zeros(3, dtype=torch.bfloat16, requires_grad=True))

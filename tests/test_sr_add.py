@@ -1,0 +1,411 @@
+"""sr_add and its fused forms: the exact sum rounded once, against the exact oracle, statistics
+and reproducibility.
+
+The oracle (lpsim.reference.round_sum) adds the operands as Fractions and rounds the rational
+sum; the kernels add the operands' bits with integers. Statistical tests compare sample means with
+the exact expectation within 4 standard deviations of the Bernoulli variance, as in
+test_stochastic.py; with fixed seeds they are deterministic.
+"""
+
+from __future__ import annotations
+
+import doctest
+import math
+import re
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import lpsim
+import lpsim.arithmetic
+import lpsim.optim.stochastic
+from lpsim import Fixed, Float, Rounding
+from lpsim import reference as ref
+from lpsim.formats import check_fits
+from support import assert_same_bits
+
+N = 1 << 16
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
+            torch.float16: torch.int16}
+BITS = {torch.float32: 32, torch.float64: 64, torch.bfloat16: 16, torch.float16: 16}
+FORMATS = [
+    None,
+    Float(5, 2),
+    Float(4, 3, special="fn"),
+    Float(5, 2, special="fnuz"),
+    Float(3, 2, subnormals=False),
+    Float(2, 1, special="none", saturate=True),
+    Float(8, 7),
+    Float(5, 10, saturate=True),
+    Float(8, 10),
+    Float(8, 23),
+    Fixed(6, 3),
+    Fixed(7, 2, clamp=False),
+    Fixed(5, 2, symmetric=True),
+    Fixed(6, 4, signed=False),
+]
+
+
+def _fits(fmt, dtype) -> bool:
+    if fmt is None:
+        return True
+    try:
+        check_fits(fmt, dtype)
+        return True
+    except ValueError:
+        return False
+
+
+def _from_bits(words: list[int], dtype: torch.dtype) -> torch.Tensor:
+    bits = BITS[dtype]
+    signed = [w - (1 << bits) if w >= 1 << (bits - 1) else w for w in words]
+    return torch.tensor(signed, dtype=INT_VIEW[dtype]).view(dtype)
+
+
+@st.composite
+def operands(draw, dtype: torch.dtype, n: int):
+    """n values of dtype: random bit patterns (every exponent, subnormals, Inf, NaN, zeros)."""
+    words = draw(st.lists(st.integers(0, (1 << BITS[dtype]) - 1), min_size=n, max_size=n))
+    return _from_bits(words, dtype)
+
+
+@st.composite
+def partners(draw, a: torch.Tensor, dtype: torch.dtype):
+    """Second operands for a: near -a (cancellation), far below a (long tails, sticky bits),
+    near a, or random bit patterns."""
+    n = a.numel()
+    kinds = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+    scales = draw(st.lists(st.integers(-90, 8), min_size=n, max_size=n))
+    signs = draw(st.lists(st.sampled_from([-1.0, 1.0]), min_size=n, max_size=n))
+    raw = draw(operands(dtype, n)).double()
+    ad = a.double()
+    out = []
+    for i in range(n):
+        x = ad[i].item()
+        if not math.isfinite(x):
+            out.append(raw[i].item())
+        elif kinds[i] == 0:
+            out.append(-x * (1 + signs[i] * 2.0 ** scales[i]))
+        elif kinds[i] == 1:
+            out.append(signs[i] * abs(x) * 2.0 ** scales[i] * 1.37)
+        elif kinds[i] == 2:
+            out.append(x * (1 + signs[i] * 2.0 ** scales[i]))
+        else:
+            out.append(raw[i].item())
+    return torch.tensor(out, dtype=torch.float64).to(dtype)
+
+
+@st.composite
+def sum_cases(draw):
+    a_dtype = draw(st.sampled_from(DTYPES))
+    b_dtype = draw(st.sampled_from(sorted({a_dtype, torch.float32, torch.float64}, key=str)))
+    fmt = draw(st.sampled_from([f for f in FORMATS if _fits(f, a_dtype)]))
+    a = draw(operands(a_dtype, 24))
+    if draw(st.booleans()) and fmt is not None:
+        a = lpsim.quantize(a, fmt, "nearest")  # operands in the format, as in a training loop
+    b = draw(partners(a, b_dtype))
+    rule = draw(st.sampled_from(list(Rounding)))
+    rbits = draw(st.sampled_from([None, 1, 3, 8, 31])) if rule.is_stochastic else None
+    randomness = draw(st.sampled_from(["position", "value"]))
+    seed = draw(st.integers(0, 2**64 - 1))
+    offset = draw(st.integers(0, 2**64 - 1))
+    return a, b, fmt, rule, rbits, randomness, seed, offset
+
+
+@given(sum_cases())
+def test_sr_add_is_the_exact_sum_rounded_once(case):
+    a, b, fmt, rule, rbits, randomness, seed, offset = case
+    kwargs = dict(rbits=rbits, seed=seed, offset=offset, randomness=randomness)
+    got = lpsim.sr_add(a, b, fmt, rule, **kwargs)
+    want = ref.sr_add(a, b, fmt, rule, **kwargs)
+    assert_same_bits(got, want, f"{a.dtype}+{b.dtype} {fmt!r} {rule.name} {kwargs}")
+    inplace = a.clone()
+    lpsim.sr_add_(inplace, b, fmt, rule, **kwargs)
+    assert_same_bits(inplace, want, "in place")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_special_operands_follow_ieee_addition_then_the_format(dtype):
+    info = torch.finfo(dtype)
+    values = [0.0, -0.0, math.inf, -math.inf, math.nan, 1.0, -1.0, info.max, -info.max,
+              info.smallest_normal, -info.smallest_normal, info.smallest_normal / 4, 3.0]
+    a = torch.tensor([x for x in values for _ in values], dtype=dtype)
+    b = torch.tensor([y for _ in values for y in values], dtype=dtype)
+    for fmt in (None, Float(5, 2), Float(4, 3, special="fn"), Float(5, 2, special="fnuz"),
+                Float(5, 2, saturate=True), Fixed(6, 3), Fixed(7, 2, clamp=False)):
+        for rule in Rounding:
+            got = lpsim.sr_add(a, b, fmt, rule, seed=5)
+            assert_same_bits(got, ref.sr_add(a, b, fmt, rule, seed=5), f"{fmt!r} {rule.name}")
+
+
+def test_zero_sums_take_ieee_signs():
+    a = torch.tensor([1.5, -0.0, -0.0, 0.0, 2.0])
+    b = torch.tensor([-1.5, -0.0, 0.0, -0.0, -2.0])
+    want_signs = {"nearest": [1, -1, 1, 1, 1], "down": [-1, -1, -1, -1, -1]}
+    for rule, signs in want_signs.items():
+        got = lpsim.sr_add(a, b, None, rule)
+        assert got.eq(0).all()
+        assert [math.copysign(1.0, v) for v in got.tolist()] == signs
+
+
+@pytest.mark.parametrize("fmt", [Float(5, 2), Float(3, 2, subnormals=False), Fixed(6, 3),
+                                 Float(2, 1, special="none", saturate=True)], ids=repr)
+def test_exact_sums_are_returned_unchanged_by_every_rule(fmt):
+    values = fmt.values().tolist()
+    exact = set(map(Fraction, values))
+    pairs = [(x, y) for x in values for y in values if Fraction(x) + Fraction(y) in exact]
+    a = torch.tensor([x for x, _ in pairs]).repeat(8)
+    b = torch.tensor([y for _, y in pairs]).repeat(8)
+    want = (a.double() + b.double()).float()
+    nonzero = want != 0  # the sign of an exact zero depends on the rule (checked above)
+    for rule in Rounding:
+        for rbits in ([None, 1, 7] if rule.is_stochastic else [None]):
+            for randomness in ("position", "value"):
+                got = lpsim.sr_add(a, b, fmt, rule, rbits, seed=11, randomness=randomness)
+                assert_same_bits(got[nonzero], want[nonzero], f"{rule.name} rbits={rbits}")
+
+
+def _assert_mean(draws: torch.Tensor, expected: float, below: float, above: float, p: float):
+    sigma = (above - below) * math.sqrt(max(p * (1 - p), 1 / draws.numel()) / draws.numel())
+    mean = draws.double().mean().item()
+    assert abs(mean - expected) <= 4 * sigma, (mean, expected, sigma)
+
+
+# (a, b, the container of a, the format): the neighbours of a + b and the fraction p between them.
+UNBIASED_CASES = [
+    (1.0, 1e-4, torch.bfloat16, None),                      # far below half a spacing
+    (1.0, -1e-4, torch.bfloat16, None),                     # crosses below the binade edge
+    (-3.0, 0.0107421875, torch.bfloat16, None),
+    (1.0, 2.0**-7 * 0.3, torch.float32, Float(8, 7)),       # bfloat16 values in float32
+    (0.5, 2.0**-40 * 3, torch.float32, Float(8, 23)),       # a tail 40 bits down
+    (1.0, 0.126, torch.float16, Float(5, 2)),
+    (2.0**-15, 3e-6, torch.float16, None),                  # subnormal range
+    (0.0, 1e-8, torch.float16, None),                       # below the smallest subnormal
+    (3.0, 0.4, torch.float32, Fixed(8, 2)),
+    (1.0, 1e-20, torch.float64, Float(11, 52)),
+]
+
+
+def _neighbours(a: float, b: float, dtype, fmt) -> tuple[float, float, float]:
+    """The two format values around a + b (exact, as Fractions) and the fraction p of the way."""
+    grid = ref.container_grid(fmt if fmt is not None else lpsim.arithmetic.own_format(dtype), dtype)
+    total = Fraction(a) + Fraction(b)
+    below = Fraction(ref.round_rational(abs(total), total < 0, grid, Rounding.down))
+    above = Fraction(ref.round_rational(abs(total), total < 0, grid, Rounding.up))
+    low, high = min(below, above), max(below, above)
+    return float(low), float(high), float((total - low) / (high - low))
+
+
+@pytest.mark.parametrize("a,b,dtype,fmt", UNBIASED_CASES,
+                         ids=[f"{a}+{b}-{d}-{f!r}" for a, b, d, f in UNBIASED_CASES])
+def test_stochastic_sum_is_unbiased(a, b, dtype, fmt):
+    below, above, p = _neighbours(a, b, dtype, fmt)
+    b_tensor = torch.tensor(b, dtype=torch.float64)
+    draws = lpsim.sr_add(torch.full((N,), a, dtype=dtype), b_tensor, fmt, seed=1).double()
+    assert set(draws.unique().tolist()) <= {below, above}
+    exact = float(Fraction(a) + Fraction(b))
+    _assert_mean(draws, exact, below, above, p)
+
+
+@pytest.mark.parametrize("a,b,dtype,fmt", UNBIASED_CASES[:6],
+                         ids=[f"{a}+{b}-{d}" for a, b, d, _ in UNBIASED_CASES[:6]])
+def test_stochastic_equal_sum_moves_either_way_half_the_time(a, b, dtype, fmt):
+    below, above, _ = _neighbours(a, b, dtype, fmt)
+    draws = lpsim.sr_add(torch.full((N,), a, dtype=dtype), torch.tensor(b, dtype=torch.float64),
+                         fmt, "stochastic_equal", seed=2).double()
+    share_up = (draws == above).double().mean().item()
+    assert (draws == below).sum() + (draws == above).sum() == N
+    assert abs(share_up - 0.5) <= 4 * math.sqrt(0.25 / N)
+
+
+@pytest.mark.parametrize("rbits", [1, 2, 3, 8])
+def test_rbits_gives_the_bias_of_truncating_the_exact_sum(rbits):
+    # The fraction 0.7 of a bfloat16 spacing lies in the float64 operand, below a's last bit.
+    a = torch.ones(N, dtype=torch.bfloat16)
+    b = torch.tensor(0.7 * 2.0**-7, dtype=torch.float64)
+    draws = lpsim.sr_add(a, b, rbits=rbits, seed=4).double()
+    p = math.floor(0.7 * 2**rbits) / 2**rbits
+    _assert_mean(draws, 1.0 + 2.0**-7 * p, 1.0, 1.0 + 2.0**-7, p)
+
+
+def test_probability_is_resolved_to_two_to_the_minus_32():
+    # A fraction below 2**-32 of a spacing never rounds up; one within 2**-32 of 1 always does.
+    a = torch.ones(N, dtype=torch.bfloat16)
+    tiny = lpsim.sr_add(a, torch.tensor(2.0**-7 * 2.0**-33, dtype=torch.float64), seed=6)
+    assert tiny.eq(1.0).all()
+    almost = lpsim.sr_add(a, torch.tensor(2.0**-7 * (1 - 2.0**-40), dtype=torch.float64), seed=6)
+    assert almost.eq(1.0 + 2.0**-7).all()
+
+
+def test_mixed_precision_operand_is_added_exactly_not_rounded_first():
+    # 1 + 2**-8 + 2**-24 lies just above the midpoint of 1 and 1 + 2**-7: nearest rounds up. Rounding
+    # b to bfloat16 first (as torch's bfloat16 addition does) makes it a tie, which goes to 1.
+    a = torch.ones(1, dtype=torch.bfloat16)
+    b = torch.tensor([2.0**-8 + 2.0**-24])
+    assert lpsim.sr_add(a, b, rounding="nearest").item() == 1.0 + 2.0**-7
+    assert (a + b.bfloat16()).item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("b_dtype", [torch.float32, torch.float64], ids=str)
+def test_every_code_survives_the_wider_container_unchanged(dtype, b_dtype):
+    # a + 0 computed in b's wider container and converted back: every code, NaNs aside, comes back.
+    a = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    got = lpsim.sr_add(a, torch.zeros((), dtype=b_dtype), rounding="nearest")
+    finite = ~a.isnan()
+    nonzero = a != 0
+    assert_same_bits(got[finite & nonzero], a[finite & nonzero], "non-zero codes")
+    assert got[a.isnan()].isnan().all()
+
+
+def test_same_seed_gives_the_same_bits_and_other_offsets_other_bits():
+    a = torch.randn(4096).bfloat16()
+    b = torch.randn(4096) * 1e-3
+    first = lpsim.sr_add(a, b, seed=9, offset=3)
+    assert_same_bits(lpsim.sr_add(a, b, seed=9, offset=3), first)
+    assert not torch.equal(lpsim.sr_add(a, b, seed=9, offset=4), first)
+    assert not torch.equal(lpsim.sr_add(a, b, seed=10, offset=3), first)
+    torch.manual_seed(5)
+    unseeded = lpsim.sr_add(a, b)
+    torch.manual_seed(5)
+    assert_same_bits(lpsim.sr_add(a, b), unseeded, "torch.manual_seed")
+
+
+@pytest.mark.parametrize("randomness", ["position", "value"])
+def test_same_seed_gives_the_same_bits_for_any_thread_count(randomness):
+    a = torch.randn(257, 1031).bfloat16()
+    b = torch.randn(257, 1031) * 1e-3
+    previous = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(lpsim.sr_add(a, b, seed=77, randomness=randomness))
+    finally:
+        torch.set_num_threads(previous)
+    assert_same_bits(results[1], results[0], "2 threads")
+    assert_same_bits(results[2], results[0], "3 threads")
+
+
+def test_value_keyed_rounding_is_invariant_under_permutation_layout_and_splitting():
+    torch.manual_seed(0)
+    a = torch.randn(64, 48).bfloat16()
+    b = torch.randn(64, 48) * 3e-3
+    want = lpsim.sr_add(a, b, seed=8, randomness="value")
+    perm = torch.randperm(a.numel())
+    permuted = lpsim.sr_add(a.flatten()[perm], b.flatten()[perm], seed=8, randomness="value")
+    assert_same_bits(permuted, want.flatten()[perm], "permuted")
+    transposed = lpsim.sr_add(a.t().contiguous(), b.t().contiguous(), seed=8, randomness="value")
+    assert_same_bits(transposed.t(), want, "transposed")
+    halves = torch.cat([lpsim.sr_add(a[:20], b[:20], seed=8, randomness="value"),
+                        lpsim.sr_add(a[20:], b[20:], seed=8, randomness="value")])
+    assert_same_bits(halves, want, "split")
+    # Position-keyed words do depend on the order (so the permutation above was a real test).
+    by_position = lpsim.sr_add(a.flatten()[perm], b.flatten()[perm], seed=8)
+    assert not torch.equal(by_position, lpsim.sr_add(a, b, seed=8).flatten()[perm])
+
+
+def test_value_words_are_the_reference_philox_of_the_operands():
+    torch.manual_seed(1)
+    x = torch.randn(300, dtype=torch.float64) * 1e3
+    y = torch.randn(300, dtype=torch.float64)
+    for seed, offset in ((0, 0), (2**64 - 1, 7), (12345, 2**40 + 3)):
+        seed_tensor = torch.tensor(seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64)
+        offset_arg = offset - 2**64 if offset >= 2**63 else offset
+        got = torch.ops.lpsim.value_words(x.view(torch.int64), y.view(torch.int64), seed_tensor,
+                                          offset_arg).tolist()
+        want = [ref.value_word(seed, offset, u, v) for u, v in zip(x.tolist(), y.tolist())]
+        assert got == want
+
+
+def test_non_contiguous_and_broadcast_operands():
+    a = torch.randn(30, 40).bfloat16().t()  # a transposed view
+    b = torch.randn(40, 1) * 1e-2           # broadcast along the last dimension
+    want = ref.sr_add(a, b, None, "stochastic", seed=3)
+    assert_same_bits(lpsim.sr_add(a, b, seed=3), want, "functional")
+    inplace = a.clone().t().contiguous().t()
+    lpsim.sr_add_(inplace, b, seed=3)
+    assert_same_bits(inplace, want, "in place on a view")
+
+
+@pytest.mark.parametrize("divide", [False, True])
+@pytest.mark.parametrize("a_dtype,t_dtype", [(torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32),
+                                             (torch.float32, torch.float32),
+                                             (torch.float16, torch.float64),
+                                             (torch.float64, torch.float32)], ids=str)
+def test_addcmul_and_addcdiv_round_the_exact_sum_of_a_and_the_term(divide, a_dtype, t_dtype):
+    torch.manual_seed(2)
+    a = torch.randn(2000).to(a_dtype)
+    t1 = torch.randn(2000).to(t_dtype)
+    t2 = (torch.rand(2000) + 0.5).to(t_dtype)
+    value = -1.7e-3
+    term = ref.addc_term(a_dtype, t1, t2, value, divide)
+    for rule in ("stochastic", "nearest", "stochastic_equal"):
+        want = ref.sr_add(a, term, None, rule, seed=21, offset=2)
+        fused = lpsim.sr_addcdiv if divide else lpsim.sr_addcmul
+        assert_same_bits(fused(a, t1, t2, value, rounding=rule, seed=21, offset=2), want, rule)
+        inplace = a.clone()
+        (lpsim.sr_addcdiv_ if divide else lpsim.sr_addcmul_)(inplace, t1, t2, value,
+                                                             rounding=rule, seed=21, offset=2)
+        assert_same_bits(inplace, want, f"{rule} in place")
+
+
+def test_stochastic_adder_add_is_mode_2_and_add_biased_is_unbiased():
+    adder = lpsim.StochasticAdder(torch.bfloat16, seed=3)
+    a = torch.ones(N, dtype=torch.bfloat16)
+    b = torch.full((N,), 2.0**-7 * 0.1)  # a tenth of a spacing
+    biased_coin = adder.add_biased(a, b).double()
+    _assert_mean(biased_coin, 1.0 + 2.0**-7 * 0.1, 1.0, 1.0 + 2.0**-7, 0.1)
+    fair_coin = adder.add(a, b).double()
+    assert abs((fair_coin > 1).double().mean().item() - 0.5) <= 4 * math.sqrt(0.25 / N)
+    # Each call draws new words; a float32 operand pair is rounded into the adder's dtype.
+    assert not torch.equal(adder.add_biased(a, b), adder.add_biased(a, b))
+    out = adder.add_biased(b, a.float())
+    assert out.dtype == torch.bfloat16
+    assert adder.calls == 5
+
+
+def test_sr_add_gradient_is_the_identity_for_both_operands():
+    a = torch.randn(5, requires_grad=True)
+    b = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    lpsim.sr_add(a, b, Float(5, 2), seed=0).sum().backward()
+    assert torch.equal(a.grad, torch.ones(5))
+    assert torch.equal(b.grad, torch.ones(5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda a: lpsim.sr_add(a, 1.0, lpsim.BlockFloat(8)), TypeError, "Float or Fixed"),
+    (lambda a: lpsim.sr_add(a, 1.0, Float(8, 10)), ValueError, "does not fit a bfloat16"),
+    (lambda a: lpsim.sr_add(a, torch.ones(3)), ValueError, "cannot be broadcast"),
+    (lambda a: lpsim.sr_add(a, "x"), TypeError, "b must be a torch.Tensor"),
+    (lambda a: lpsim.sr_add(a.int(), 1.0), TypeError, "a must be a float32"),
+    (lambda a: lpsim.sr_add(a, 1.0, randomness="hash"), ValueError, "randomness must be one of"),
+    (lambda a: lpsim.sr_add(a, 1.0, rounding="nearest", rbits=4), ValueError, "rbits applies"),
+    (lambda a: lpsim.sr_add(a, 1.0, rbits=0), ValueError, "rbits must be in [1, 32]"),
+    (lambda a: lpsim.sr_add(a, 1.0, seed=-1), ValueError, "seed must be in [0, 2**64)"),
+    (lambda a: lpsim.sr_addcmul_(a, a, a, value="x"), TypeError, "value must be a number"),
+    (lambda a: lpsim.StochasticAdder(torch.int32), TypeError, "dtype must be"),
+])
+def test_bad_arguments_raise_errors_that_name_them(call, error, words):
+    with pytest.raises(error, match=re.escape(words)):
+        call(torch.ones(4, dtype=torch.bfloat16))
+
+
+def test_the_op_rejects_grids_without_explicit_precision():
+    a = torch.ones(4)
+    with pytest.raises(RuntimeError, match="explicit precision and finite limits"):
+        torch.ops.lpsim.sr_add(a, a, *Fixed(8, 4).grid(), 0, 32, torch.zeros((), dtype=torch.int64),
+                               0, 0)
+
+
+@pytest.mark.parametrize("module", [lpsim.arithmetic, lpsim.ops, lpsim.optim.stochastic],
+                         ids=lambda m: m.__name__)
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
+
