@@ -169,6 +169,20 @@ def test_exact_sums_are_returned_unchanged_by_every_rule(fmt):
                 assert_same_bits(got[nonzero], want[nonzero], f"{rule.name} rbits={rbits}")
 
 
+@pytest.mark.parametrize("a_dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_every_depth_of_the_excess_is_seen_by_every_rule(a_dtype):
+    # a + b with a on the bfloat16 grid and b's bits lying 1 to 140 bits below the grid's last bit,
+    # on both sides of a and of a binade edge: every rule must see the excess, however deep.
+    depths = torch.arange(1, 141, dtype=torch.float64)
+    tails = torch.cat([2.0 ** -(7 + depths), 3 * 2.0 ** -(8 + depths), -(2.0 ** -(7 + depths))])
+    a = torch.tensor([1.0, 1.5, 2.0 ** -100], dtype=a_dtype).repeat_interleave(tails.numel())
+    b = tails.repeat(3) * torch.tensor([1.0, 1.0, 2.0 ** -100], dtype=torch.float64).repeat_interleave(
+        tails.numel())
+    for rule in Rounding:
+        got = lpsim.sr_add(a, b, Float(8, 7), rule, seed=3)
+        assert_same_bits(got, ref.sr_add(a, b, Float(8, 7), rule, seed=3), rule.name)
+
+
 def _assert_mean(draws: torch.Tensor, expected: float, below: float, above: float, p: float):
     sigma = (above - below) * math.sqrt(max(p * (1 - p), 1 / draws.numel()) / draws.numel())
     mean = draws.double().mean().item()
