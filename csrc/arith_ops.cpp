@@ -61,90 +61,41 @@ GridSpec sum_grid_spec(cpu::Dtype dtype, int64_t keep, int64_t qmin, int64_t emi
                    unsigned_zero);
 }
 
+Update make_update(const at::Tensor& a, const at::Tensor& operand, const char* name, int64_t keep,
+                   int64_t qmin, int64_t emin, bool subnormals, double pos_limit,
+                   double neg_limit, bool saturate, bool has_inf, bool unsigned_zero,
+                   int64_t rounding, int64_t rbits, const at::Tensor& seed, int64_t offset,
+                   int64_t randomness) {
+  Update u{};
+  u.a = container_of(a);
+  u.operand = operand_of(a, operand, name);
+  u.grid = sum_grid_spec(u.a, keep, qmin, emin, subnormals, pos_limit, neg_limit, saturate,
+                         has_inf, unsigned_zero);
+  u.rounding = rounding_of(rounding);
+  u.random = random_spec(rbits, seed, offset);
+  u.randomness = randomness_of(randomness);
+  return u;
+}
+
 namespace {
 
 // Elements per parallel task; a multiple of the random-word group so tasks do not share a group.
 constexpr int64_t kGrain = 64 * kGroupSize;
 
-// body(x, y, begin, end) over a's elements in parallel, x read from a (made contiguous) and y
-// written to dst (see Destination). dst may be a itself.
-template <class Body>
-void update_into(const at::Tensor& a, const at::Tensor& dst, Body&& body) {
-  const at::Tensor src = a.contiguous();
-  Destination out(dst);
-  const void* x = src.const_data_ptr();
-  void* y = out.buffer.data_ptr();
-  at::parallel_for(0, src.numel(), kGrain,
-                   [&](int64_t begin, int64_t end) { body(x, y, begin, end); });
-  out.finish();
-}
-
-#define LPSIM_SR_GRID_ARGS                                                                    \
-  int64_t keep, int64_t qmin, int64_t emin, bool subnormals, double pos_limit, double neg_limit, \
-      bool saturate, bool has_inf, bool unsigned_zero, int64_t rounding, int64_t rbits,       \
-      const at::Tensor &seed, int64_t offset, int64_t randomness
-#define LPSIM_SR_GRID(dtype)                                                                 \
-  sum_grid_spec(dtype, keep, qmin, emin, subnormals, pos_limit, neg_limit, saturate, has_inf, \
-                unsigned_zero)
-
-void add_cpu(const at::Tensor& a, const at::Tensor& b, const at::Tensor& dst, LPSIM_SR_GRID_ARGS) {
-  const cpu::Dtype da = container_of(a);
-  const cpu::Dtype db = operand_of(a, b, "b");
-  const GridSpec spec = LPSIM_SR_GRID(da);
-  const Rounding rule = rounding_of(rounding);
-  const RandomSpec random = random_spec(rbits, seed, offset);
-  const cpu::Randomness source = randomness_of(randomness);
-  const at::Tensor bc = b.contiguous();
-  const void* bp = bc.const_data_ptr();
-  update_into(a, dst, [&](const void* x, void* y, int64_t begin, int64_t end) {
-    cpu::add_rounded(da, db, rule, source, x, bp, y, begin, end, spec, random);
+// The CPU kernels of the update ops: the elements split across threads in whole groups of random
+// words (any split gives the same result, since every word depends on its index only).
+void add_kernel_cpu(const at::Tensor&, const Update& u) {
+  at::parallel_for(0, u.n, kGrain, [&](int64_t begin, int64_t end) {
+    cpu::add_rounded(u.a, u.operand, u.rounding, u.randomness, u.x, u.b, u.y, begin, end, u.grid,
+                     u.random);
   });
 }
 
-at::Tensor sr_add_cpu(const at::Tensor& a, const at::Tensor& b, LPSIM_SR_GRID_ARGS) {
-  at::Tensor y = at::empty_like(a, at::MemoryFormat::Contiguous);
-  add_cpu(a, b, y, keep, qmin, emin, subnormals, pos_limit, neg_limit, saturate, has_inf,
-          unsigned_zero, rounding, rbits, seed, offset, randomness);
-  return y;
-}
-
-void sr_add_inplace_cpu(const at::Tensor& a, const at::Tensor& b, LPSIM_SR_GRID_ARGS) {
-  add_cpu(a, b, a, keep, qmin, emin, subnormals, pos_limit, neg_limit, saturate, has_inf,
-          unsigned_zero, rounding, rbits, seed, offset, randomness);
-}
-
-void addc_cpu(const at::Tensor& a, const at::Tensor& t1, const at::Tensor& t2, double value,
-              bool divide, const at::Tensor& dst, LPSIM_SR_GRID_ARGS) {
-  const cpu::Dtype da = container_of(a);
-  const cpu::Dtype dt = operand_of(a, t1, "tensor1");
-  operand_of(a, t2, "tensor2");
-  TORCH_CHECK_TYPE(t1.scalar_type() == t2.scalar_type(),
-                   "lpsim: tensor1 and tensor2 must have one dtype, got ", t1.scalar_type(),
-                   " and ", t2.scalar_type());
-  const GridSpec spec = LPSIM_SR_GRID(da);
-  const Rounding rule = rounding_of(rounding);
-  const RandomSpec random = random_spec(rbits, seed, offset);
-  const cpu::Randomness source = randomness_of(randomness);
-  const at::Tensor c1 = t1.contiguous(), c2 = t2.contiguous();
-  const void* p1 = c1.const_data_ptr();
-  const void* p2 = c2.const_data_ptr();
-  update_into(a, dst, [&](const void* x, void* y, int64_t begin, int64_t end) {
-    cpu::addc_rounded(da, dt, divide, value, rule, source, x, p1, p2, y, begin, end, spec, random);
+void addc_kernel_cpu(const at::Tensor&, const Update& u) {
+  at::parallel_for(0, u.n, kGrain, [&](int64_t begin, int64_t end) {
+    cpu::addc_rounded(u.a, u.operand, u.divide, u.value, u.rounding, u.randomness, u.x, u.t1, u.t2,
+                      u.y, begin, end, u.grid, u.random);
   });
-}
-
-at::Tensor sr_addc_cpu(const at::Tensor& a, const at::Tensor& t1, const at::Tensor& t2,
-                       double value, bool divide, LPSIM_SR_GRID_ARGS) {
-  at::Tensor y = at::empty_like(a, at::MemoryFormat::Contiguous);
-  addc_cpu(a, t1, t2, value, divide, y, keep, qmin, emin, subnormals, pos_limit, neg_limit,
-           saturate, has_inf, unsigned_zero, rounding, rbits, seed, offset, randomness);
-  return y;
-}
-
-void sr_addc_inplace_cpu(const at::Tensor& a, const at::Tensor& t1, const at::Tensor& t2,
-                         double value, bool divide, LPSIM_SR_GRID_ARGS) {
-  addc_cpu(a, t1, t2, value, divide, a, keep, qmin, emin, subnormals, pos_limit, neg_limit,
-           saturate, has_inf, unsigned_zero, rounding, rbits, seed, offset, randomness);
 }
 
 // A grid for the float64 container the accumulation ops compute in.
@@ -264,10 +215,7 @@ TORCH_LIBRARY_FRAGMENT(lpsim, m) {
 }
 
 TORCH_LIBRARY_IMPL(lpsim, CPU, m) {
-  m.impl("sr_add", sr_add_cpu);
-  m.impl("sr_add_", sr_add_inplace_cpu);
-  m.impl("sr_addc", sr_addc_cpu);
-  m.impl("sr_addc_", sr_addc_inplace_cpu);
+  register_update_ops<add_kernel_cpu, addc_kernel_cpu>(m);
   m.impl("sum_rounded", sum_rounded_cpu);
   m.impl("dot_rounded", dot_rounded_cpu);
   m.impl("value_words", value_words_cpu);
