@@ -32,6 +32,8 @@ trade-offs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from lpsim._ops import ops
@@ -76,6 +78,7 @@ def own_format(dtype: torch.dtype) -> Float:
         ) from None
 
 
+@functools.lru_cache(maxsize=256)  # formats are frozen dataclasses; grid() costs ~25 us
 def sum_grid(fmt: Float | Fixed, dtype: torch.dtype) -> GridSpec:
     """The grid a sum is rounded onto when the result is stored in ``dtype``: fmt's grid with the
     container's limits made explicit (a sum may be computed in a wider container). Only Fixed

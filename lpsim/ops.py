@@ -26,8 +26,8 @@ the position-keyed Philox stream of (seed, offset), and the rounding of its prod
 2 (r n + k) + 1. The results are returned in the input's dtype when ``acc`` fits it, else in
 float32 when ``acc`` fits float32, else in float64.
 
-These ops are written for correctness, not speed: one fused CPU loop, about 15 ns per
-multiply-add on a current x86 core. They run on CPU tensors only.
+These ops are written for correctness, not speed: one CPU loop, about 30 ns per multiply-add on a
+2-core x86 machine. They run on CPU tensors only.
 """
 
 from __future__ import annotations
