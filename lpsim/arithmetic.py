@@ -37,7 +37,7 @@ import functools
 import torch
 
 from lpsim._ops import ops
-from lpsim.formats import BlockFloat, Fixed, Float, GridSpec, check_fits
+from lpsim.formats import CONTAINERS, BlockFloat, Fixed, Float, GridSpec, check_fits
 from lpsim.functional import _check_offset, _check_tensor, _seed_tensor
 from lpsim.rounding import Rounding, check_rbits
 
@@ -56,26 +56,17 @@ __all__ = [
 
 RANDOMNESS = ("position", "value")  # the codes 0 and 1 of the compiled ops
 
-_OWN_FORMATS = {
-    torch.float32: Float(8, 23),
-    torch.float64: Float(11, 52),
-    torch.bfloat16: Float(8, 7),
-    torch.float16: Float(5, 10),
-}
-
-
+@functools.lru_cache(maxsize=None)
 def own_format(dtype: torch.dtype) -> Float:
     """The format of the values a floating dtype holds: Float(8, 7) for bfloat16, and so on.
 
     Raises:
         TypeError: the dtype is not float32, float64, bfloat16 or float16.
     """
-    try:
-        return _OWN_FORMATS[dtype]
-    except (KeyError, TypeError):
-        raise TypeError(
-            f"dtype must be torch.float32, float64, bfloat16 or float16, got {dtype}"
-        ) from None
+    if not isinstance(dtype, torch.dtype) or dtype not in CONTAINERS:
+        raise TypeError(f"dtype must be torch.float32, float64, bfloat16 or float16, got {dtype}")
+    container = CONTAINERS[dtype]
+    return Float(container.exp, container.man)
 
 
 @functools.lru_cache(maxsize=256)  # formats are frozen dataclasses; grid() costs ~25 us
@@ -97,7 +88,7 @@ def sum_grid(fmt: Float | Fixed, dtype: torch.dtype) -> GridSpec:
 
 def _check_container(x: torch.Tensor, name: str) -> None:
     _check_tensor(x, name)
-    if x.dtype not in _OWN_FORMATS:
+    if x.dtype not in CONTAINERS:
         raise TypeError(
             f"{name} must be a float32, float64, bfloat16 or float16 tensor, got {x.dtype}"
         )

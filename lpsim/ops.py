@@ -215,14 +215,13 @@ def matvec(
         ValueError: the shapes do not match, an operand is not on the CPU, or an argument is out of
             range.
     """
-    _check_input(a, "a", _PRODUCT_CONTAINERS)
-    _check_input(x, "x", _PRODUCT_CONTAINERS)
-    if x.dtype != a.dtype:
-        raise TypeError(f"x must have a's dtype ({a.dtype}), got {x.dtype}")
-    if a.dim() != 2 or x.dim() != 1 or a.shape[1] != x.shape[0]:
-        raise ValueError(f"matvec takes a of shape (m, n) and x of shape (n,), got "
-                         f"{tuple(a.shape)} and {tuple(x.shape)}")
-    return _dot(a, x.reshape(1, -1), a.dtype, acc, mul, rounding, rbits, seed, offset).reshape(-1)
+    _check_tensor(x, "x")
+    if x.dim() != 1:
+        raise ValueError(f"matvec takes a of shape (m, n) and x of shape (n,), got x of shape "
+                         f"{tuple(x.shape)}")
+    # The product with one column numbers its results as matvec does: r = i.
+    return _product(a, x.reshape(-1, 1), ("a", "x"), acc, mul, rounding, rbits, seed,
+                    offset).reshape(-1)
 
 
 def matmul(
@@ -239,10 +238,16 @@ def matmul(
     """c = a @ b for a (m, n) and b (n, p): c[i, j] is computed as matvec computes y[i], over
     k = 0, 1, ..., n - 1. Results are numbered r = i p + j for the random words. Arguments,
     result dtype and errors as for matvec."""
-    _check_input(a, "a", _PRODUCT_CONTAINERS)
-    _check_input(b, "b", _PRODUCT_CONTAINERS)
+    return _product(a, b, ("a", "b"), acc, mul, rounding, rbits, seed, offset)
+
+
+def _product(a, b, names, acc, mul, rounding, rbits, seed, offset):
+    """matmul's checks (naming the operands `names` in messages), then _dot."""
+    first, second = names
+    _check_input(a, first, _PRODUCT_CONTAINERS)
+    _check_input(b, second, _PRODUCT_CONTAINERS)
     if b.dtype != a.dtype:
-        raise TypeError(f"b must have a's dtype ({a.dtype}), got {b.dtype}")
+        raise TypeError(f"{second} must have {first}'s dtype ({a.dtype}), got {b.dtype}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul takes a of shape (m, n) and b of shape (n, p), got "
                          f"{tuple(a.shape)} and {tuple(b.shape)}")

@@ -17,8 +17,9 @@ weight) and is the usual deterministic alternative.
 Optimizer states (momentum buffers, Adam moments) are float32 by default; ``state_format``
 stores them in a low-precision format too, each new value computed in float32 and rounded once
 into it by ``rounding``. The random words of step t of parameter number i come from the stream
-offset (t << 32) + 4 i + k (k = 0 for the weight, 1 and 2 for the states) under the optimizer's
-seed, so a run is reproducible from its seed and a resumed run (load_state_dict) continues it.
+offset (t << 32) + 4 i + k (k = 0 for the weight, 1 and 2 for the states; distinct for up to 2^30
+parameters) under the optimizer's seed, so a run is reproducible from its seed and a resumed run
+(load_state_dict) continues it.
 """
 
 from __future__ import annotations
