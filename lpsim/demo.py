@@ -7,7 +7,7 @@ The data are the 1797 8x8 digit images bundled with scikit-learn (no download), 
 fixed seed. Every recipe starts from the same initial weights and sees the same batches; see
 lpsim.recipes for what each quantises. By default all of lpsim.recipes.RECIPES run: float32,
 bfloat16, IBM8, 8-bit block float, 8-bit fixed point, and fixed8-unscaled, the counter-example
-whose fixed-point errors, without loss scaling, fall below the format's spacing. Prints the test
+whose fixed-point errors, without the loss scale, fall below the format's spacing. Prints the test
 accuracy and wall time of every recipe and writes the accuracy curves to
 <out>/digits_accuracy.png and the table to <out>/digits_results.md.
 """
@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from lpsim.recipes import RECIPES, Recipe
+
+NAME_WIDTH = max(len(name) for name in RECIPES)  # recipe names line up in the printed lines
 
 
 def digits(seed: int = 0):
@@ -70,8 +72,8 @@ def train(recipe: Recipe, data, epochs: int, seed: int = 0, progress: bool = Tru
     batches = torch.Generator().manual_seed(seed)
     curve = []
     start = time.perf_counter()
-    for _ in tqdm(range(epochs), desc=f"{recipe.name:15s}", unit="epoch", disable=not progress,
-                  leave=False):
+    for _ in tqdm(range(epochs), desc=f"{recipe.name:{NAME_WIDTH}s}", unit="epoch",
+                  disable=not progress, leave=False):
         for idx in torch.randperm(len(train_y), generator=batches).split(64):
             optimizer.zero_grad()
             loss = nn.functional.cross_entropy(model(train_x[idx]), train_y[idx])
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         results[name] = train(RECIPES[name], data, args.epochs, args.seed)
         curve, seconds = results[name]
-        print(f"{name:15s} test accuracy {100 * curve[-1]:5.1f}%  ({seconds:.1f} s)")
+        print(f"{name:{NAME_WIDTH}s} test accuracy {100 * curve[-1]:5.1f}%  ({seconds:.1f} s)")
     args.out.mkdir(parents=True, exist_ok=True)
     plot({n: r[0] for n, r in results.items()}, args.out / "digits_accuracy.png")
     text = table(results, args.epochs)
