@@ -193,7 +193,15 @@ def sr_add_(
     offset: int = 0,
     randomness: str = "position",
 ) -> torch.Tensor:
-    """a = sr_add(a, b, ...) in place; returns a. Arguments as for sr_add."""
+    """a = sr_add(a, b, ...) in place; returns a. Arguments as for sr_add.
+
+    Under autograd it behaves as torch's in-place ops: a's version counter is bumped (in
+    torch.no_grad() too), so a backward that saved a's old values raises instead of using the new
+    ones; outside torch.no_grad() a leaf that requires grad, or a view of one, is refused with
+    RuntimeError. A non-leaf a keeps its history (the gradient through it is the identity, as for
+    sr_add). No gradient reaches b: if b requires grad, a backward through a raises ("derivative
+    for lpsim::sr_add_ is not implemented"); use sr_add to differentiate with respect to b.
+    """
     args = _update_args(a, fmt, rounding, rbits, seed, offset, randomness)
     ops.sr_add_(a, _operand(a, b, "b"), *args)
     return a
@@ -220,7 +228,8 @@ _ADDC_DOC = """{summary}
     tensors are float64, each operation rounded to nearest (value is first rounded to that
     precision, as torch does); the sum of a and the term is then exact and rounded once, as in
     sr_add. tensor1 and tensor2 are broadcast to a's shape. Other arguments as for sr_add. Not
-    differentiable.
+    differentiable. The in-place form follows torch's in-place rules as sr_add_ does: a non-leaf
+    a keeps its history, and if tensor1 or tensor2 requires grad, a backward through a raises.
     """
 
 

@@ -134,3 +134,26 @@ def test_kernels_reject_bad_arguments_from_direct_calls():
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda rule: dyadic.requantize(X, 0, 8, rounding=rule),
+        lambda rule: dyadic.from_float(torch.tensor([1.0, 2.5]), 8, rounding=rule),
+        lambda rule: dyadic.add(X, X, rounding=rule),
+        lambda rule: dyadic.align(X, X, rounding=rule),
+        lambda rule: dyadic.mul(X, X, rounding=rule),
+        lambda rule: dyadic.div(X, X, 1, rounding=rule),
+        lambda rule: inn.Linear(3, 2, rounding=rule),
+        lambda rule: SGD([], lr_shift=7, rounding=rule),
+    ],
+    ids=["requantize", "from_float", "add", "align", "mul", "div", "Linear", "SGD"],
+)
+@pytest.mark.parametrize("rule", ["stochastc", "nearest_away", lpsim.Rounding.odd])
+def test_a_bad_rounding_name_lists_only_the_rules_dyadic_accepts(call, rule):
+    with pytest.raises(ValueError) as raised:
+        call(rule)
+    got = rule.name if isinstance(rule, lpsim.Rounding) else rule
+    assert str(raised.value) == ("rounding must be one of 'nearest', 'down', 'stochastic' for "
+                                 f"dyadic operations; got {got!r}")

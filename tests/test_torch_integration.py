@@ -65,3 +65,149 @@ def test_compiled_unseeded_stochastic_rounding_traces():
 
     y = torch.compile(f, fullgraph=True)(torch.full((1000,), 1.1))
     assert set(y.unique().tolist()) <= {1.0, 1.25}
+
+
+# In-place and out= ops under autograd: they bump the version counter of the tensor they write (in
+# no_grad too) and refuse a leaf that requires grad, as torch's own in-place ops do, whether they
+# are called through lpsim's functions, through torch.ops.lpsim or from compiled code.
+
+_SEED = torch.tensor(5)
+_GRID = tuple(Float(3, 1).grid()) + (0, 32, _SEED, 0)  # after x in quantize_grid's schema
+_UPDATE = _GRID[:9] + (8, 32, _SEED, 0, 0)  # after the operands in sr_add's schema
+
+# Each writes into its argument t, a float32 tensor of shape (3,).
+IN_PLACE = {
+    "quantize_ Float": lambda t: lpsim.quantize_(t, Float(3, 1), "nearest"),
+    "quantize_ BlockFloat": lambda t: lpsim.quantize_(t, BlockFloat(4), "stochastic", seed=1),
+    "sr_add_": lambda t: lpsim.sr_add_(t, 0.3, Float(3, 1), seed=2),
+    "sr_addcmul_": lambda t: lpsim.sr_addcmul_(t, torch.ones(3), torch.ones(3), 0.3, seed=3),
+    "sr_addcdiv_": lambda t: lpsim.sr_addcdiv_(t, torch.ones(3), torch.ones(3), 0.3, seed=4),
+    "ops.quantize_grid_": lambda t: torch.ops.lpsim.quantize_grid_(t, *_GRID),
+    "ops.quantize_block_": lambda t: torch.ops.lpsim.quantize_block_(t, 4, None, None, 0, 32,
+                                                                     _SEED, 0),
+    "ops.sr_add_": lambda t: torch.ops.lpsim.sr_add_(t, torch.full((3,), 0.3), *_UPDATE),
+}
+OUT = {
+    "quantize out= Float": lambda t: lpsim.quantize(torch.full((3,), 1.1), Float(3, 1), out=t),
+    "quantize out= BlockFloat": lambda t: lpsim.quantize(torch.full((3,), 1.1), BlockFloat(4),
+                                                         out=t),
+    "ops.quantize_grid_out": lambda t: torch.ops.lpsim.quantize_grid_out(
+        torch.full((3,), 1.1), *_GRID, out=t),
+}
+WRITING = {**IN_PLACE, **OUT}
+
+
+def _values():
+    return torch.tensor([1.1, 2.3, 3.7])
+
+
+def test_opcheck_in_place_ops_with_autograd_inputs():
+    x = torch.randn(4, 5, requires_grad=True) * 1  # a non-leaf: written in place, keeps history
+    torch.library.opcheck(torch.ops.lpsim.quantize_grid_, (x,) + _GRID)
+    torch.library.opcheck(torch.ops.lpsim.sr_add_, (x, torch.randn(4, 5)) + _UPDATE)
+    torch.library.opcheck(torch.ops.lpsim.sr_addc_,
+                          (x, torch.randn(4, 5), torch.rand(4, 5) + 1, 0.5, True) + _UPDATE)
+
+
+def test_every_writing_op_has_autograd_and_version_kernels():
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("lpsim::")]
+    writing = [n for n in names if torch._C._get_schema(n, "").is_mutable]
+    assert len(writing) >= 6, writing
+    for name in writing:
+        for key in ("Autograd", "ADInplaceOrView"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(name, key), (name, key)
+
+
+@pytest.mark.parametrize("grad_mode", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("write", WRITING.values(), ids=WRITING.keys())
+def test_writing_bumps_the_version_counter(write, grad_mode):
+    t = _values()
+    before = t._version
+    with torch.set_grad_enabled(grad_mode):
+        write(t)
+    assert t._version > before
+
+
+@pytest.mark.parametrize("write", IN_PLACE.values(), ids=IN_PLACE.keys())
+def test_backward_refuses_values_overwritten_in_place(write):
+    a = _values().requires_grad_()
+    b = a * 1
+    y = (b * b).sum()  # saves b
+    write(b)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+@pytest.mark.parametrize("write", WRITING.values(), ids=WRITING.keys())
+def test_backward_refuses_values_overwritten_under_no_grad(write):
+    a = _values().requires_grad_()
+    b = a * 1
+    y = (b * b).sum()
+    with torch.no_grad():
+        write(b)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+@pytest.mark.parametrize("write", IN_PLACE.values(), ids=IN_PLACE.keys())
+def test_in_place_ops_refuse_a_leaf_that_requires_grad(write):
+    a = _values().requires_grad_()
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in "
+                                           "an in-place operation"):
+        write(a)
+    with pytest.raises(RuntimeError, match="a view of a leaf Variable that requires grad"):
+        write(a.view(3))
+    assert torch.equal(a.detach(), _values())
+    with torch.no_grad():  # as an optimizer does
+        write(a)
+    assert not torch.equal(a.detach(), _values())
+
+
+@pytest.mark.parametrize("write", OUT.values(), ids=OUT.keys())
+def test_out_ops_refuse_arguments_that_require_grad(write):
+    message = r"functions with out=\.\.\. arguments don't support automatic differentiation"
+    with pytest.raises(RuntimeError, match=message):
+        write(_values().requires_grad_())
+    with pytest.raises(RuntimeError, match=message):
+        lpsim.quantize(_values().requires_grad_(), Float(3, 1), out=torch.empty(3))
+    with pytest.raises(RuntimeError, match=message):
+        write(_values().requires_grad_() * 1)  # a non-leaf's history would no longer hold
+    with torch.no_grad():
+        write(_values().requires_grad_())
+
+
+def test_in_place_rounding_of_a_non_leaf_is_straight_through():
+    a = _values().requires_grad_()
+    b = a * 3
+    lpsim.quantize_(b, Float(3, 1), "nearest")
+    assert torch.equal(b.detach(), torch.tensor([3.0, 6.0, 12.0]))
+    (b * 2).sum().backward()
+    assert torch.equal(a.grad, torch.full((3,), 6.0))
+
+
+def test_sr_add_in_place_does_not_drop_the_gradient_of_b():
+    a, b = _values(), torch.full((3,), 0.3, requires_grad=True)
+    lpsim.sr_add_(a, b, seed=0)
+    with pytest.raises(RuntimeError, match="derivative for lpsim::sr_add_ is not implemented"):
+        a.sum().backward()
+    assert b.grad is None
+
+
+def test_compiled_in_place_ops_refuse_a_leaf_and_bump_the_version():
+    torch._dynamo.reset()
+
+    def f(t):
+        lpsim.quantize_(t, Float(3, 1), "nearest")
+        lpsim.sr_add_(t, 0.25, Float(3, 1), "nearest")
+        return t * 2
+
+    compiled = torch.compile(f, fullgraph=True)
+    t, want = _values(), f(_values())
+    assert_same_bits(compiled(t), want)
+    assert t._version > 0
+    a = _values().requires_grad_()
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad"):
+        compiled(a)
+    with torch.no_grad():
+        assert_same_bits(compiled(a), want)
+    assert a._version > 0

@@ -97,11 +97,16 @@ def _check_dyadic(name: str, x) -> DyadicTensor:
 
 
 def _random_args(rounding, rbits, seed, offset) -> tuple:
-    rule = Rounding.parse(rounding)
+    # A name that is no lpsim rule at all (a typo) gets the same message as a rule dyadic rejects:
+    # it lists only the rules dyadic accepts, not all those Rounding.parse knows.
+    if isinstance(rounding, str) and rounding not in Rounding.__members__:
+        rule = None
+    else:
+        rule = Rounding.parse(rounding)  # raises TypeError for anything but a str or Rounding
     if rule not in ROUNDINGS:
         names = ", ".join(repr(r.name) for r in ROUNDINGS)
-        raise ValueError(f"rounding must be one of {names} for dyadic operations; "
-                         f"got {rule.name!r}")
+        got = rounding if rule is None else rule.name
+        raise ValueError(f"rounding must be one of {names} for dyadic operations; got {got!r}")
     return int(rule), check_rbits(rbits, rule), _seed_tensor(seed, rule), _check_offset(offset)
 
 
