@@ -1,13 +1,21 @@
-"""lpsim.compat.qtorch: QPyTorch 0.3's names, signatures and defaults (stochastic rounding,
-saturating formats with QPyTorch's ranges), with the documented ties-to-even."""
+"""lpsim.compat.qtorch: QPyTorch 0.3's names, signatures, module layout and defaults (stochastic
+rounding, saturating formats with QPyTorch's ranges), with the documented ties-to-even; its
+training behaviour (clip masks, lower(), OptimLP and its checkpoints) compared with qtorch 0.3.0
+on CPU; and QPyTorch's numerical deviations that docs/migrating-from-qtorch.md lists, observed."""
 
+import copy
+import dataclasses
 import inspect
 import math
+import subprocess
+import sys
 
+import pytest
 import torch
 
 import lpsim
 from lpsim.compat import qtorch as q
+from lpsim.rounding import Rounding
 from support import assert_same_bits
 
 
@@ -98,7 +106,8 @@ def test_lower_quantises_outputs_and_errors_of_the_named_layer_types():
     model[2].register_forward_pre_hook(lambda m, args: seen.append(args[0]))
     model(torch.randn(5, 6))
     assert torch.equal(lpsim.quantize(seen[0], lpsim.Fixed(8, 6)), seen[0])
-    assert len(lpsim.nn.injected(model)) == 1  # only the ReLU (exact type match)
+    hooked = [type(m) for m in model.modules() if m._forward_hooks]
+    assert hooked == [torch.nn.ReLU]  # only the ReLU (exact type match)
 
 
 def test_sequential_lower_wraps_a_copy_and_leaves_the_model_alone():
@@ -121,3 +130,589 @@ def test_optim_lp_takes_quantisation_functions():
     opt.step()
     w = model.weight.detach()
     assert torch.equal(lpsim.quantize(w, q.FloatingPoint(5, 2).format), w)
+
+
+# QPyTorch's behaviour, compared with qtorch 0.3.0 on CPU (or with the exact expectation where
+# QPyTorch is wrong).
+
+
+def _wage_shift(g: torch.Tensor) -> torch.Tensor:
+    return g / 2.0 ** torch.ceil(torch.log2(g.abs().max()))
+
+
+def test_clamping_grad_zero_without_a_forward_number_quantises_only_the_gradient():
+    # WAGE's last quantiser: quantizer(forward_number=None, backward_number=FixedPoint(8, 7),
+    # clamping_grad_zero=True, backward_hooks=[shift]) is the identity forward and rounds the
+    # shifted gradient backward, with nothing clipped.
+    qtorch, quant, _, _ = _qtorch()
+    torch.manual_seed(0)
+    x, upstream = torch.randn(64, 10), torch.randn(64, 10) * 37
+    grads = []
+    for lib, make in ((qtorch, quant.quantizer), (q, q.quantizer)):
+        f = make(forward_number=None, backward_number=lib.FixedPoint(8, 7),
+                 backward_rounding="nearest", clamping_grad_zero=True, backward_hooks=[_wage_shift])
+        xi = x.clone().requires_grad_()
+        y = f(xi)
+        assert torch.equal(y, x)
+        y.backward(upstream)
+        grads.append(xi.grad)
+    assert_same_bits(grads[1], grads[0])
+
+
+def test_clip_mask_is_decided_on_the_rounded_value_as_qtorch_decides_it():
+    # FixedPoint(4, 3): 0.9 rounds to 0.875 = max and -1.05 to -1.0 = min, so nothing is clipped
+    # and the gradient (1 rounded into the format: 0.875) passes; 0.95 rounds to 1.0 and -1.07 to
+    # -1.125, both clipped.
+    qtorch, quant, _, _ = _qtorch()
+    x = torch.tensor([0.9, -1.05, 0.95, -1.07, 0.5])
+    want_value = [0.875, -1.0, 0.875, -1.0, 0.5]
+    want_grad = [0.875, 0.875, 0.0, 0.0, 0.875]
+    for lib, make in ((qtorch, quant.quantizer), (q, q.quantizer)):
+        f = make(lib.FixedPoint(4, 3), lib.FixedPoint(4, 3), "nearest", "nearest",
+                 clamping_grad_zero=True)
+        xi = x.clone().requires_grad_()
+        y = f(xi)
+        y.sum().backward()
+        assert y.tolist() == want_value and xi.grad.tolist() == want_grad, lib
+
+
+def test_qtorch_clamp_zero_test_passes_on_100_points():
+    # QPyTorch's test_backward.test_clamp_zero: its oracle rounds (ties to even), masks what lies
+    # outside the range after rounding, clamps, and rounds the clipped gradient. Its 10 points
+    # miss the inputs that round onto the range's ends; 100 points include them.
+    wl = 4
+    scale, t_max = 2.0 ** (wl - 1), 1 - 1 / 2.0 ** (wl - 1)
+    z = torch.linspace(-2, 2, steps=100, requires_grad=True)
+    number = q.FixedPoint(wl=wl, fl=wl - 1, clamp=True, symmetric=True)
+    q.quantizer(number, number, "nearest", "nearest", clamping_grad_zero=True)(z).sum().backward()
+    rounded = torch.round(z.detach() * scale) / scale
+    mask = (rounded > t_max) | (rounded < -t_max)
+    clipped_grad = torch.ones(100).clamp(-t_max, t_max)
+    oracle = (torch.round(clipped_grad * scale) / scale).masked_fill(mask, 0)
+    assert torch.equal(z.grad, oracle)
+    assert 0 < int(mask.sum()) < 100 and bool((z.detach().abs() > t_max)[~mask].any())
+
+
+def _unbounded(fmt):
+    """fmt's grid without its range limits: what a value rounds to before it is clipped."""
+    if isinstance(fmt, lpsim.Fixed):
+        return dataclasses.replace(fmt, clamp=False)
+    return lpsim.Float(fmt.exp + 1, fmt.man, bias=fmt.bias, subnormals=fmt.subnormals)
+
+
+@pytest.mark.parametrize("fmt", [lpsim.Fixed(4, 3), lpsim.Fixed(6, 2, symmetric=True),
+                                 lpsim.Float(4, 3, special="fn", saturate=True),
+                                 lpsim.Float(5, 2, special="none", saturate=True),
+                                 lpsim.Float(3, 1, saturate=True)], ids=repr)
+@pytest.mark.parametrize("rule", [r.name for r in Rounding])
+def test_clip_mask_follows_the_forward_values_own_rounding(fmt, rule):
+    # The forward value is what quantize() gives (the same random words for the same seed), and
+    # the gradient is zero exactly where that rounding, without the range's limits, went beyond
+    # the range: for stochastic rules the mask follows each element's own random decision.
+    low = fmt.min if isinstance(fmt, lpsim.Fixed) else -fmt.max
+    grid = torch.linspace(-1.3, 1.3, 2601) * fmt.max
+    x = grid.clone().requires_grad_()
+    torch.manual_seed(7)
+    y = lpsim.nn.quantizer(forward=(fmt, rule), clamp_grad_zero=True)(x)
+    y.backward(torch.ones_like(grid))
+    torch.manual_seed(7)
+    assert_same_bits(y.detach(), lpsim.quantize(grid, fmt, rule))
+    torch.manual_seed(7)
+    beyond = lpsim.quantize(grid, _unbounded(fmt), rule)
+    clipped = (beyond > fmt.max) | (beyond < low)
+    assert torch.equal(x.grad == 0, clipped)
+    if Rounding[rule].is_stochastic:  # inputs just past max go either way
+        beyond_max = grid > fmt.max
+        assert bool((beyond_max & clipped).any()) and bool((beyond_max & ~clipped).any())
+
+
+def test_clip_mask_keeps_the_gradient_of_inf_in_a_format_that_keeps_inf():
+    fmt = lpsim.Float(5, 2, saturate=True)  # IEEE e5m2, saturating: +/-Inf stay Inf
+    x = torch.tensor([math.inf, -math.inf, 1e6, math.nan, 1.0], requires_grad=True)
+    y = lpsim.nn.quantizer(forward=(fmt, "nearest"), clamp_grad_zero=True)(x)
+    y.sum().backward()
+    assert y[:3].tolist() == [math.inf, -math.inf, 57344.0] and math.isnan(y[3].item())
+    assert x.grad.tolist()[:3] == [1.0, 1.0, 0.0] and x.grad[4].item() == 1.0
+
+
+def test_lower_quantises_a_top_level_module_as_qtorch_does():
+    qtorch, _, _, auto_low = _qtorch()
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(4, 4), torch.randn(3, 4)
+    theirs = copy.deepcopy(model)
+    auto_low.lower(theirs, ["linear"], qtorch.FixedPoint(8, 4), None, "nearest")
+    ours = q.lower(copy.deepcopy(model), ["linear"], q.FixedPoint(8, 4), None, "nearest")
+    assert_same_bits(ours(x), theirs(x))
+    assert not torch.equal(ours(x), model(x))
+
+
+def test_sequential_lower_wraps_a_top_level_module_as_qtorch_does():
+    qtorch, _, _, auto_low = _qtorch()
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(4, 4), torch.randn(3, 4)
+    theirs = auto_low.sequential_lower(model, ["linear"], qtorch.FixedPoint(8, 4), None, "nearest")
+    ours = q.sequential_lower(model, ["linear"], q.FixedPoint(8, 4), None, "nearest")
+    assert type(ours) is type(theirs) is torch.nn.Sequential
+    assert [type(m).__name__ for m in ours] == [type(m).__name__ for m in theirs]
+    assert ours[0] is not model and isinstance(ours[1], q.Quantizer)
+    assert_same_bits(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize("calls", [
+    [(["linear"], 8, 4), (["activation"], 6, 3)],
+    [(["linear"], 8, 4), (["linear"], 6, 2)],
+    [(["linear", "activation"], 10, 6), (["linear"], 8, 3), (["activation"], 7, 2)],
+], ids=["other-types", "same-type", "three-calls"])
+def test_lower_calls_stack_as_in_qtorch(calls):
+    # A second lower() adds its quantisers after the first's, on the same modules too (QPyTorch
+    # wraps the already wrapped forward): values and gradients match QPyTorch's bit for bit.
+    qtorch, _, _, auto_low = _qtorch()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    x, upstream = torch.randn(5, 6), torch.randn(5, 3)
+    results = []
+    for lib, lower in ((qtorch, auto_low.lower), (q, q.lower)):
+        lowered = copy.deepcopy(model)
+        for types, wl, fl in calls:
+            lower(lowered, types, lib.FixedPoint(wl, fl), lib.FixedPoint(wl, fl), "nearest",
+                  "nearest")
+        xi = x.clone().requires_grad_()
+        y = lowered(xi)
+        y.backward(upstream)
+        results.append((y, xi.grad, lowered[0].weight.grad))
+    for ours, theirs in zip(results[1], results[0]):
+        assert_same_bits(ours, theirs)
+
+
+def test_lower_that_matches_nothing_changes_nothing():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    q.lower(model, ["conv", "pool"], q.FixedPoint(8, 4))
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_lowered_model_deep_copies_and_keeps_qtorchs_stochastic_eval():
+    model = q.lower(torch.nn.Sequential(torch.nn.Linear(4, 64)), ["linear"],
+                    q.FloatingPoint(4, 1))
+    clone = copy.deepcopy(model).eval()
+    x = torch.randn(2, 4)
+    fmt = q.FloatingPoint(4, 1).format
+    for m in (model, clone):
+        out = m(x)
+        assert torch.equal(lpsim.quantize(out, fmt), out)
+    # QPyTorch's quantisers round stochastically in eval mode too: two passes differ.
+    assert not torch.equal(clone(x), clone(x))
+
+
+def test_functionality_overview_notebook_runs():
+    # QPyTorch's examples/tutorial/Functionality_Overview.ipynb, cell by cell (the quantisation
+    # functions, a Quantizer in a model, OptimLP with and without accumulators, sequential_lower).
+    from lpsim.compat.qtorch import FixedPoint, FloatingPoint
+    from lpsim.compat.qtorch.auto_low import sequential_lower
+    from lpsim.compat.qtorch.optim import OptimLP
+    from lpsim.compat.qtorch.quant import (Quantizer, block_quantize, fixed_point_quantize,
+                                           float_quantize)
+
+    full = torch.rand(5)
+    assert float_quantize(full, exp=5, man=2, rounding="nearest").shape == (5,)
+    assert fixed_point_quantize(full, wl=8, fl=6).shape == block_quantize(full, wl=8).shape == (5,)
+    Q = Quantizer(forward_number=FixedPoint(wl=4, fl=2),
+                  backward_number=FloatingPoint(exp=5, man=2),
+                  forward_rounding="nearest", backward_rounding="stochastic")
+
+    class LinearLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = torch.nn.Linear(5, 1)
+
+        def forward(self, x):
+            return Q(self.W(x))
+
+    def forward_backward(model):
+        out = model(torch.rand(5))
+        loss = torch.nn.BCELoss()(torch.sigmoid(out), torch.Tensor([0]))
+        model.zero_grad()
+        loss.backward()
+
+    lp_model = LinearLP()
+    forward_backward(lp_model)
+    weight_quant = lambda x: float_quantize(x, exp=5, man=2, rounding="nearest")  # noqa: E731
+    momentum_quant = lambda x: float_quantize(x, exp=6, man=9, rounding="nearest")  # noqa: E731
+    optimizer = OptimLP(torch.optim.SGD(lp_model.parameters(), momentum=0.9, lr=0.1),
+                        weight_quant=weight_quant, grad_quant=weight_quant,
+                        momentum_quant=momentum_quant)
+    optimizer.step()
+    optimizer.zero_grad()
+    assert torch.equal(weight_quant(lp_model.W.weight.data), lp_model.W.weight.data)
+
+    lp_model = LinearLP()
+    forward_backward(lp_model)
+    acc_quant = lambda x: float_quantize(x, exp=6, man=9, rounding="nearest")  # noqa: E731
+    optimizer = OptimLP(torch.optim.SGD(lp_model.parameters(), momentum=0, lr=0.1),
+                        weight_quant=weight_quant, grad_quant=weight_quant,
+                        momentum_quant=momentum_quant, acc_quant=acc_quant)
+    optimizer.step()
+    acc = optimizer.weight_acc[lp_model.W.weight]
+    assert torch.equal(acc_quant(acc), acc)
+    assert torch.equal(lp_model.W.weight.data, weight_quant(acc))
+    optimizer.zero_grad()
+
+    class LinearFP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.W = torch.nn.Linear(5, 1)
+
+        def forward(self, x):
+            return self.W(x)
+
+    lowered = sequential_lower(LinearFP(), layer_types=["linear"],
+                               forward_number=FixedPoint(wl=4, fl=2),
+                               backward_number=FloatingPoint(exp=5, man=2))
+    assert [type(m).__name__ for m in lowered.W] == ["Linear", "Quantizer"]
+
+
+# The names QPyTorch users touch.
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                  lambda ps: torch.optim.Adam(ps, lr=0.01)], ids=["SGD", "Adam"])
+def test_optim_lp_has_qtorchs_attributes(make):
+    qtorch, _, optim, _ = _qtorch()
+    model = torch.nn.Linear(3, 2)
+    acc = lambda t: q.float_quantize(t, 6, 9, "nearest")  # noqa: E731
+    ours = q.OptimLP(make(model.parameters()), acc_quant=acc)
+    theirs = optim.OptimLP(make(model.parameters()), acc_quant=acc)
+    assert ours.momentum_keys == theirs.momentum_keys
+    assert ours.optim is ours.optimizer and type(ours.optim) is type(theirs.optim)
+    assert {id(p) for p in ours.weight_acc} == {id(p) for p in theirs.weight_acc}
+    assert q.OptimLP(make(model.parameters())).weight_acc == {}
+
+
+def test_momentum_keys_list_what_momentum_quant_rounds():
+    model = torch.nn.Linear(3, 2)
+    amsgrad = q.OptimLP(torch.optim.AdamW(model.parameters(), amsgrad=True))
+    assert amsgrad.momentum_keys == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
+    rms = q.OptimLP(torch.optim.RMSprop(model.parameters(), momentum=0.9),
+                    momentum_quant=lambda t: q.float_quantize(t, 5, 2, "nearest"))
+    assert rms.momentum_keys == []
+    model(torch.randn(4, 3)).sum().backward()
+    rms.step()
+    assert rms.momentum_keys == ["square_avg", "momentum_buffer"]
+
+
+def test_quantizer_module_has_its_quantize_function():
+    module = q.Quantizer(q.FixedPoint(8, 4), None, "nearest")
+    x = torch.randn(10)
+    assert_same_bits(module.quantize(x), module(x))
+
+
+QTORCH_MODULES = ["qtorch", "qtorch.auto_low", "qtorch.auto_low.auto_low", "qtorch.number",
+                  "qtorch.optim", "qtorch.optim.optim_low", "qtorch.quant",
+                  "qtorch.quant.quant_function", "qtorch.quant.quant_module"]
+# Public names of QPyTorch's modules beyond their __all__ (the compiled modules quant_cpu and
+# quant_cuda are left out: lpsim has none).
+QTORCH_EXTRA_NAMES = {
+    "qtorch.quant.quant_function": ["get_module", "assert_wl_fl"],
+    "qtorch.auto_low.auto_low": ["LAYERS_TYPES", "SEQUENTIAL_LAYERS", "DICT_LAYERS", "CONV_LAYERS",
+                                 "POOL_LAYERS", "PAD_LAYERS", "ACTIVATION_LAYERS", "NORM_LAYERS",
+                                 "LINEAR_LAYERS", "DROPOUT_LAYERS", "LOSS_LAYERS"],
+}
+
+
+def test_package_has_qtorchs_modules_and_names():
+    import importlib
+    import pathlib
+
+    qtorch = _qtorch()[0]
+    root = pathlib.Path(qtorch.__file__).parent
+    found = sorted(".".join(("qtorch",) + f.relative_to(root).with_suffix("").parts)
+                   .removesuffix(".__init__") for f in root.rglob("*.py"))
+    assert found == QTORCH_MODULES
+    for name in QTORCH_MODULES:
+        theirs = importlib.import_module(name)
+        ours = importlib.import_module("lpsim.compat." + name)
+        for attr in list(getattr(theirs, "__all__", [])) + QTORCH_EXTRA_NAMES.get(name, []):
+            assert hasattr(ours, attr), f"{name}.{attr}"
+
+
+def test_layer_lists_are_qtorchs():
+    import importlib
+
+    _qtorch()
+    theirs = importlib.import_module("qtorch.auto_low.auto_low")
+    from lpsim.compat.qtorch.auto_low import auto_low as ours
+
+    for name in QTORCH_EXTRA_NAMES["qtorch.auto_low.auto_low"][1:]:
+        assert set(getattr(ours, name)) == set(getattr(theirs, name)), name
+    assert {k: set(v) for k, v in ours.LAYERS_TYPES.items()} == \
+        {k: set(v) for k, v in theirs.LAYERS_TYPES.items()}
+
+
+def test_get_module_has_qtorchs_kernel_functions():
+    import importlib
+
+    _qtorch()
+    theirs_module = importlib.import_module("qtorch.quant.quant_function")
+    from lpsim.compat.qtorch.quant import quant_function as ours_module
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 32) * 3
+    theirs, ours = theirs_module.get_module(x), ours_module.get_module(x)
+    # Equal values (no ties here); the zeros differ in sign: QPyTorch returns +0 for negative
+    # inputs that round to zero, lpsim keeps the sign (-0.0).
+    assert torch.equal(ours.fixed_point_quantize_nearest(x, 8, 4, True, False),
+                       theirs.fixed_point_quantize_nearest(x, 8, 4, True, False))
+    assert torch.equal(ours.float_quantize_nearest(x, 2, 5), theirs.float_quantize_nearest(x, 2, 5))
+    assert torch.equal(ours.block_quantize_nearest(x, 8, 0), theirs.block_quantize_nearest(x, 8, 0))
+    for wl, fl, symmetric in ((6, 3, False), (5, 2, True)):
+        out, mask = ours.fixed_point_quantize_nearest_mask(x, wl, fl, symmetric)
+        want_out, want_mask = theirs.fixed_point_quantize_nearest_mask(x, wl, fl, symmetric)
+        assert torch.equal(out, want_out)
+        assert mask.dtype == want_mask.dtype == torch.uint8 and torch.equal(mask, want_mask)
+    out, mask = ours.fixed_point_quantize_stochastic_mask(x, 6, 3, False)  # range [-4, 3.875]
+    clipped = mask.bool()
+    assert bool(clipped[(x >= 4.0) | (x <= -4.125)].all())
+    assert not clipped[(x >= -4.0) & (x <= 3.875)].any()
+    assert set(out[clipped].unique().tolist()) <= {-4.0, 3.875}
+    for f, args in ((ours.float_quantize_stochastic, (2, 5)),
+                    (ours.fixed_point_quantize_stochastic, (8, 4, True, False)),
+                    (ours.block_quantize_stochastic, (8, -1))):
+        assert f(x, *args).shape == x.shape
+
+
+def test_assert_wl_fl_is_qtorchs():
+    import importlib
+
+    _qtorch()
+    theirs = importlib.import_module("qtorch.quant.quant_function").assert_wl_fl
+    from lpsim.compat.qtorch.quant.quant_function import assert_wl_fl as ours
+
+    for wl, fl in ((-1, -1), (8, 4), (8, -1)):
+        assert ours(wl, fl) is None and theirs(wl, fl) is None
+    for f in (ours, theirs):
+        with pytest.raises(ValueError, match="fixed point weight wl -1, fl 3"):
+            f(-1, 3, "weight")
+
+
+def test_import_as_qtorch_gives_the_package_and_its_modules():
+    import lpsim.compat.qtorch as qtorch
+
+    assert qtorch.quant.quantizer is qtorch.quantizer
+    assert qtorch.optim.OptimLP is qtorch.OptimLP
+    assert qtorch.auto_low.lower is qtorch.lower
+    assert qtorch.number.FloatingPoint is qtorch.FloatingPoint
+
+
+def _run(args, cwd):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+SCRIPT = """\
+import sys
+import qtorch
+from qtorch import FloatingPoint
+from qtorch.quant import quantizer, Quantizer, float_quantize
+from qtorch.quant.quant_function import get_module
+from qtorch.optim import OptimLP
+from qtorch.auto_low import lower, sequential_lower
+import lpsim.compat.qtorch as lpsim_qtorch
+assert qtorch is lpsim_qtorch and OptimLP is lpsim_qtorch.OptimLP
+assert Quantizer is lpsim_qtorch.Quantizer
+print("ran", sys.argv[1:], float_quantize.__module__)
+"""
+
+
+def test_install_lets_an_unchanged_qtorch_script_import_lpsim(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    one_liner = ("import lpsim.compat.qtorch; lpsim.compat.qtorch.install(); import runpy; "
+                 f"runpy.run_path({str(script)!r}, run_name='__main__')")
+    for args, argv in ((["-c", one_liner], "[]"),
+                       (["-m", "lpsim.compat.qtorch", str(script), "--epochs", "1"],
+                        "['--epochs', '1']")):
+        done = _run(args, tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert f"ran {argv} lpsim.compat.qtorch.quant.quant_function" in done.stdout
+
+
+def test_install_refuses_once_qtorch_itself_is_imported(tmp_path):
+    _qtorch()
+    done = _run(["-c", "import qtorch, lpsim.compat.qtorch as q; q.install()"], tmp_path)
+    assert done.returncode != 0 and "already imported" in done.stderr
+
+
+# Checkpoints.
+
+
+def _train_steps(model, optimizer, steps, generator=None):
+    generator = generator or torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(8, 5, generator=generator)).pow(2).mean().backward()
+        optimizer.step()
+
+
+def test_qtorch_checkpoints_load(tmp_path):
+    # QPyTorch's OptimLP.state_dict() saves its wrapper's (empty) state and the parameter groups;
+    # its wrapped optimizer's state_dict holds the momentum. Both load.
+    _, _, optim, _ = _qtorch()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    weight_quant = lambda t: q.float_quantize(t, 5, 2, "nearest")  # noqa: E731
+    theirs = optim.OptimLP(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                           weight_quant=weight_quant)
+    _train_steps(model, theirs, 2)
+    theirs.param_groups[0]["lr"] = 0.02
+    torch.save({"optimizer": theirs.state_dict(), "wrapped": theirs.optim.state_dict()},
+               tmp_path / "checkpoint.pt")
+    saved = torch.load(tmp_path / "checkpoint.pt")
+
+    ours = q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                     weight_quant=weight_quant)
+    ours.load_state_dict(saved["optimizer"])
+    assert ours.param_groups[0]["lr"] == 0.02 and not ours.optim.state
+    ours.load_state_dict(saved["wrapped"])
+    for p in model.parameters():
+        assert torch.equal(ours.optim.state[p]["momentum_buffer"],
+                           theirs.optim.state[p]["momentum_buffer"])
+
+
+def test_checkpoints_load_into_qtorch(tmp_path):
+    # QPyTorch's OptimLP.load_state_dict (torch's) takes the layout; it loads the state into its
+    # wrapper's own `state`, which its wrapped optimizer never reads (QPyTorch's behaviour).
+    _, _, optim, _ = _qtorch()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    acc_quant = lambda t: q.float_quantize(t, 6, 9, "nearest")  # noqa: E731
+    ours = q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                     acc_quant=acc_quant)
+    _train_steps(model, ours, 2)
+    ours.param_groups[0]["lr"] = 0.02
+    torch.save(ours.state_dict(), tmp_path / "checkpoint.pt")
+    theirs = optim.OptimLP(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                           acc_quant=acc_quant)
+    theirs.load_state_dict(torch.load(tmp_path / "checkpoint.pt"))
+    assert theirs.param_groups[0]["lr"] == 0.02
+    for p in model.parameters():
+        assert torch.equal(theirs.state[p]["momentum_buffer"],
+                           ours.optim.state[p]["momentum_buffer"])
+
+
+def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(5, 3)
+        optimizer = q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                              weight_quant=lambda t: q.float_quantize(t, 5, 2, "nearest"),
+                              momentum_quant=lambda t: q.float_quantize(t, 6, 9, "nearest"),
+                              acc_quant=lambda t: q.float_quantize(t, 6, 9, "nearest"))
+        return model, optimizer
+
+    model, optimizer = make()
+    _train_steps(model, optimizer, 4, torch.Generator().manual_seed(0))
+    data = torch.Generator().manual_seed(0)
+    first, first_optimizer = make()
+    _train_steps(first, first_optimizer, 2, data)
+    torch.save({"model": first.state_dict(), "optimizer": first_optimizer.state_dict()},
+               tmp_path / "checkpoint.pt")
+    saved = torch.load(tmp_path / "checkpoint.pt")
+    assert set(saved["optimizer"]) == {"state", "param_groups", "weight_acc"}
+    resumed, resumed_optimizer = make()
+    resumed.load_state_dict(saved["model"])
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    _train_steps(resumed, resumed_optimizer, 2, data)
+    for p, r in zip(model.parameters(), resumed.parameters()):
+        assert_same_bits(r, p)
+        assert_same_bits(resumed_optimizer.weight_acc[r], optimizer.weight_acc[p])
+
+
+# docs/migrating-from-qtorch.md's account of QPyTorch's numbers: QPyTorch's result observed, and
+# lpsim's correctly rounded one.
+
+
+def _qq():
+    return _qtorch()[1]
+
+
+def test_qtorch_fixed_nearest_moves_large_values_that_are_on_the_grid():
+    qq = _qq()
+    x = torch.tensor([(2.0**23 + 1) / 4, (2.0**24 - 1) / 4, -(2.0**23 + 3) / 4])
+    assert qq.fixed_point_quantize(x, 8, 2, False, rounding="nearest").tolist() == \
+        [2097152.5, 2.0**22, -2097152.5]
+    assert torch.equal(q.fixed_point_quantize(x, 8, 2, False, rounding="nearest"), x)
+
+
+@pytest.mark.parametrize("value,qtorch_p,p", [(2.0**21 + 0.25, 0.125, 0.25),
+                                              (2.0**22 + 0.5, 0.25, 0.5)])
+def test_qtorch_fixed_stochastic_loses_probability_on_large_values(value, qtorch_p, p):
+    qq = _qq()
+    x = torch.full((1 << 17,), value)
+    torch.manual_seed(0)
+    for got, want in ((qq.fixed_point_quantize(x, 8, 0, False, rounding="stochastic"), qtorch_p),
+                      (q.fixed_point_quantize(x, 8, 0, False, rounding="stochastic"), p)):
+        up = (got - math.floor(value)).double().mean().item()
+        assert abs(up - want) < 5 * math.sqrt(want * (1 - want) / x.numel())
+
+
+def test_qtorch_float_double_rounds_subnormals_below_a_midpoint():
+    qq = _qq()
+    x = torch.tensor([2.0**-17 - 2.0**-40, 3 * 2.0**-17 - 2.0**-38])
+    assert qq.float_quantize(x, 5, 2, "nearest").tolist() == [2.0**-16, 2.0**-15]
+    assert q.float_quantize(x, 5, 2, "nearest").tolist() == [0.0, 2.0**-16]
+
+
+def _nan_equal(got: torch.Tensor, want: list) -> bool:
+    return torch.equal(got.nan_to_num(7.0), torch.tensor(want).nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("x,wl,qtorch_result,lpsim_result", [
+    ([1.0, -0.375], 4, [1.0, -0.25], [1.0, -0.5]),                              # exact tie
+    ([1.0, 0.125 - 2.0**-23], 4, [1.0, 0.25], [1.0, 0.0]),                     # near-tie
+    ([1.0, 0.3, -0.7], 23, None,  # a shift by -1: undefined behaviour, -2.0 on x86
+     [1.0, 0.3000001907348633, -0.6999998092651367]),
+    ([1.0, math.inf, 0.3], 8, [math.nan] * 3, [1.0, math.inf, 0.296875]),       # Inf in the block
+    ([2.0**126, 1e37, -2.0**127], 8, [-3.3762391092936863e+38] * 3,
+     [2.0**126, 1.0633823966279327e+37, -2.0**127]),                           # max >= 2^126
+    ([1e-42, 4e-43, -7e-43], 4, [0.0, 0.0, 0.0],
+     [1.0761972206014595e-42, 3.587324068671532e-43, -7.174648137343064e-43]),  # subnormal max
+], ids=["exact-tie", "near-tie", "wl-23", "inf", "huge-max", "subnormal-max"])
+def test_qtorch_block_deviations_and_lpsims_results(x, wl, qtorch_result, lpsim_result):
+    qq = _qq()
+    x = torch.tensor(x)
+    theirs = qq.block_quantize(x, wl, -1, "nearest")
+    if qtorch_result is None:
+        assert not _nan_equal(theirs, lpsim_result)
+    else:
+        assert _nan_equal(theirs, qtorch_result)
+    assert _nan_equal(q.block_quantize(x, wl, -1, "nearest"), lpsim_result)
+
+
+def test_qtorch_turns_negative_zeros_positive_and_lpsim_keeps_the_sign():
+    # QPyTorch: -0.0 becomes +0 (fixed, float), and so do negative values rounding to zero in the
+    # float subnormal range and in block formats. lpsim keeps the sign (-0.0 == 0).
+    qq = _qq()
+    x = torch.tensor([-0.0, -1e-6, -0.01, 1.0])
+    results = {
+        "fixed": (qq.fixed_point_quantize(x[:1], 8, 4, rounding="nearest"),
+                  q.fixed_point_quantize(x[:1], 8, 4, rounding="nearest")),
+        "float": (qq.float_quantize(x[:2], 5, 2, "nearest"),
+                  q.float_quantize(x[:2], 5, 2, "nearest")),
+        "block": (qq.block_quantize(x, 4, -1, "nearest")[:3],
+                  q.block_quantize(x, 4, -1, "nearest")[:3]),
+    }
+    for kind, (theirs, ours) in results.items():
+        assert theirs.eq(0).all() and not torch.signbit(theirs).any(), kind
+        assert ours.eq(0).all() and torch.signbit(ours).all(), kind
+
+
+def test_qtorch_optim_lp_load_state_dict_detaches_its_parameter_groups():
+    _, _, optim, _ = _qtorch()
+    model = torch.nn.Linear(3, 2)
+    theirs = optim.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    saved = theirs.state_dict()
+    saved["param_groups"][0]["lr"] = 0.02
+    theirs.load_state_dict(saved)
+    assert theirs.param_groups[0]["lr"] == 0.02 and theirs.optim.param_groups[0]["lr"] == 0.1
+    ours = q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    ours.load_state_dict(saved)
+    assert ours.optim.param_groups[0]["lr"] == 0.02 and ours.param_groups is ours.optim.param_groups

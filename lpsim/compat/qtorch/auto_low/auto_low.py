@@ -1,0 +1,132 @@
+"""QPyTorch's ``qtorch.auto_low.auto_low``: lower() and sequential_lower(), which insert
+quantisers after the modules of named layer types, and the layer lists that define the names.
+
+A module is of a layer type when its type is exactly one of the listed classes (subclasses do not
+count), as in QPyTorch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from torch import nn
+
+from lpsim.compat.qtorch.number import Number
+from lpsim.compat.qtorch.quant.quant_module import Quantizer
+from lpsim.nn.inject import _guard_hooks_under_compile, _map_tensors
+
+__all__ = ["lower", "sequential_lower"]
+
+SEQUENTIAL_LAYERS = [nn.Sequential, nn.ModuleList]
+DICT_LAYERS = [nn.ModuleDict]
+
+CONV_LAYERS = [nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+               nn.ConvTranspose3d, nn.Unfold, nn.Fold]
+POOL_LAYERS = [nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.MaxUnpool1d, nn.MaxUnpool2d,
+               nn.MaxUnpool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.FractionalMaxPool2d,
+               nn.LPPool1d, nn.LPPool2d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+               nn.AdaptiveMaxPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+               nn.AdaptiveAvgPool3d]
+PAD_LAYERS = [nn.ReflectionPad1d, nn.ReflectionPad2d, nn.ReplicationPad1d, nn.ReplicationPad2d,
+              nn.ZeroPad2d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d]
+ACTIVATION_LAYERS = [nn.ELU, nn.Hardshrink, nn.Hardtanh, nn.LeakyReLU, nn.LogSigmoid, nn.PReLU,
+                     nn.ReLU, nn.ReLU6, nn.RReLU, nn.SELU, nn.Sigmoid, nn.Softplus, nn.Softshrink,
+                     nn.Softsign, nn.Tanh, nn.Tanhshrink, nn.Threshold, nn.Softmin, nn.Softmax,
+                     nn.Softmax2d, nn.LogSoftmax]
+NORM_LAYERS = [nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.InstanceNorm1d,
+               nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LayerNorm, nn.LocalResponseNorm]
+LINEAR_LAYERS = [nn.Linear, nn.Bilinear]
+DROPOUT_LAYERS = [nn.Dropout, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout]
+LOSS_LAYERS = [nn.L1Loss, nn.MSELoss, nn.CrossEntropyLoss, nn.NLLLoss, nn.PoissonNLLLoss,
+               nn.KLDivLoss, nn.BCELoss, nn.BCEWithLogitsLoss, nn.MarginRankingLoss,
+               nn.HingeEmbeddingLoss, nn.MultiLabelMarginLoss, nn.SmoothL1Loss, nn.SoftMarginLoss,
+               nn.MultiLabelSoftMarginLoss, nn.MultiMarginLoss, nn.TripletMarginLoss]
+
+# The names lower() and sequential_lower() take, with the classes each stands for.
+LAYERS_TYPES = {
+    "conv": CONV_LAYERS,
+    "linear": LINEAR_LAYERS,
+    "pool": POOL_LAYERS,
+    "pad": PAD_LAYERS,
+    "activation": ACTIVATION_LAYERS,
+    "normalization": NORM_LAYERS,
+    "dropout": DROPOUT_LAYERS,
+    "loss": LOSS_LAYERS,
+}
+LAYER_TYPES = LAYERS_TYPES  # the name earlier lpsim releases used
+
+_LOWERED = "_qtorch_lowered"  # a lowered module's list of output quantisers, in lower() order
+
+
+def _layer_classes(layer_types) -> tuple[type, ...]:
+    if isinstance(layer_types, str):
+        raise TypeError(f"layer_types must be a list of names, got the string {layer_types!r}")
+    classes = []
+    for name in layer_types:
+        if name not in LAYERS_TYPES:
+            raise ValueError(f"layer_types must name some of {sorted(LAYERS_TYPES)}; got {name!r}")
+        classes.extend(LAYERS_TYPES[name])
+    return tuple(classes)
+
+
+def _quantize_output(module: nn.Module, args, output):
+    """Forward hook of a lowered module: its outputs through its quantisers, in lower() order."""
+    for quant in module.__dict__[_LOWERED]:
+        output = _map_tensors(output, quant)
+    return output
+
+
+def lower(model: nn.Module, layer_types=(), forward_number: Number | None = None,
+          backward_number: Number | None = None, forward_rounding: str = "stochastic",
+          backward_rounding: str = "stochastic") -> nn.Module:
+    """In place, quantise the outputs (into forward_number) and their gradients (into
+    backward_number) of every module of ``model``, the model itself included, whose type is
+    exactly one of layer_types' classes. Returns the model (QPyTorch returns None).
+
+    Calls stack as in QPyTorch: a module lowered twice passes its output through the first call's
+    quantiser, then the second's, before any forward hook of its own. A call that matches no
+    module changes nothing. The quantisers keep stochastic rules in eval mode, as QPyTorch's do.
+
+    The quantisers run in a forward hook (QPyTorch replaces ``module.forward``), so a lowered
+    model can be deep-copied, and every floating-point tensor of a tuple, list or dict output is
+    quantised. A module that occurs several times in the model is lowered once.
+
+    Raises:
+        ValueError: layer_types names an unknown layer type.
+        TypeError: a number is not a qtorch Number.
+    """
+    classes = _layer_classes(layer_types)
+    quant = Quantizer(forward_number, backward_number, forward_rounding, backward_rounding)
+    matched = [m for m in model.modules() if type(m) in classes]
+    if matched:
+        _guard_hooks_under_compile()
+    for module in matched:
+        if _LOWERED not in module.__dict__:
+            module.__dict__[_LOWERED] = []
+            module.register_forward_hook(_quantize_output, prepend=True)
+        module.__dict__[_LOWERED].append(quant)
+    return model
+
+
+def sequential_lower(model: nn.Module, layer_types=(), forward_number: Number | None = None,
+                     backward_number: Number | None = None, forward_rounding: str = "stochastic",
+                     backward_rounding: str = "stochastic") -> nn.Module:
+    """A deep copy of model in which every module without children whose type is exactly one of
+    layer_types' classes is replaced by nn.Sequential(module, Quantizer(...)), one Quantizer shared
+    by all. A model that is itself such a module becomes nn.Sequential(model copy, Quantizer).
+
+    Raises:
+        ValueError: layer_types names an unknown layer type.
+        TypeError: a number is not a qtorch Number.
+    """
+    classes = _layer_classes(layer_types)
+    quant = Quantizer(forward_number, backward_number, forward_rounding, backward_rounding)
+
+    def wrapped(module: nn.Module) -> nn.Module:
+        if any(True for _ in module.children()):
+            for name, child in module.named_children():
+                setattr(module, name, wrapped(child))
+            return module
+        return nn.Sequential(module, quant) if type(module) in classes else module
+
+    return wrapped(copy.deepcopy(model))

@@ -1,0 +1,93 @@
+"""QPyTorch's ``qtorch.optim.optim_low``: the OptimLP wrapper."""
+
+from __future__ import annotations
+
+import torch
+
+from lpsim import optim as lpoptim
+
+__all__ = ["OptimLP"]
+
+_WEIGHT_ACC = "weight_acc"  # the state_dict key of the accumulators (QPyTorch saves none)
+
+
+class OptimLP(lpoptim.OptimLP):
+    """QPyTorch's OptimLP(optim, weight_quant, grad_scaling, grad_quant, momentum_quant,
+    acc_quant): the *_quant arguments are functions tensor -> tensor (a quantizer(), a lambda
+    around float_quantize, ...) or lpsim formats. One step quantises the gradients (after
+    multiplying them by grad_scaling), lets the accumulators take the weights' place, steps the
+    wrapped optimizer, and rounds the optimizer state, the accumulators and the weights.
+
+    Unlike QPyTorch it wraps any torch.optim optimizer, forwards the closure, rounds every
+    floating-point state tensor (momentum_keys lists them), multiplies the gradients by
+    grad_scaling also without grad_quant (QPyTorch then ignores grad_scaling), and rounds each
+    accumulator into acc_quant when it is created (QPyTorch copies the weight unrounded).
+    See lpsim.optim.OptimLP for the rest.
+
+    state_dict() has QPyTorch's layout (a torch optimizer's "state" and "param_groups", here the
+    wrapped optimizer's, so the momentum buffers are in it) plus the accumulators under
+    "weight_acc", which QPyTorch's load_state_dict ignores. load_state_dict() takes that, a
+    QPyTorch OptimLP's state_dict, a torch optimizer's, or lpsim.optim.OptimLP's.
+    """
+
+    def __init__(self, optim, weight_quant=None, grad_scaling: float = 1.0, grad_quant=None,
+                 momentum_quant=None, acc_quant=None):
+        super().__init__(optim, weight=weight_quant, grad=grad_quant, momentum=momentum_quant,
+                         acc=acc_quant, grad_scaling=grad_scaling)
+
+    @property
+    def optim(self) -> torch.optim.Optimizer:
+        """The wrapped optimizer (QPyTorch's name for lpsim's ``optimizer``)."""
+        return self.optimizer
+
+    @property
+    def weight_acc(self) -> dict[torch.Tensor, torch.Tensor]:
+        """The accumulators, parameter -> tensor (lpsim's ``accumulators``): after a step each
+        holds the updated weight rounded into acc_quant. Empty without acc_quant (QPyTorch then
+        has no such attribute)."""
+        return self.accumulators
+
+    @property
+    def momentum_keys(self) -> list[str]:
+        """The keys of the optimizer state that momentum_quant rounds: every floating-point state
+        tensor except the step counters. For SGD (momentum_buffer) and Adam or AdamW (exp_avg,
+        exp_avg_sq, and max_exp_avg_sq with amsgrad) the list is known before the first step, as
+        in QPyTorch; for other optimizers it lists the keys found in the state so far."""
+        if isinstance(self.optimizer, torch.optim.SGD):
+            return ["momentum_buffer"]
+        if isinstance(self.optimizer, torch.optim.Adam):  # AdamW included
+            amsgrad = any(group.get("amsgrad", False) for group in self.param_groups)
+            return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
+        keys: list[str] = []
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if (key != "step" and key not in keys and isinstance(value, torch.Tensor)
+                        and value.is_floating_point() and value.dim() > 0):
+                    keys.append(key)
+        return keys
+
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state_dict ("state", "param_groups": QPyTorch's layout), and
+        under "weight_acc" the accumulators in parameter order (None for parameters without one)."""
+        saved = super().state_dict()
+        return {**saved["optimizer"], _WEIGHT_ACC: saved["accumulators"]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state_dict of this class, of QPyTorch's OptimLP (its "state" is empty: QPyTorch
+        saves its wrapper's state, not the wrapped optimizer's, so momentum buffers start afresh),
+        of a torch optimizer, or of lpsim.optim.OptimLP. Accumulators the state_dict does not hold
+        start from the current weights.
+
+        Raises:
+            TypeError: state_dict is not a dict.
+            ValueError: it is none of these, or holds accumulators for some parameters that need
+                one but not for others.
+        """
+        if isinstance(state_dict, dict) and _WEIGHT_ACC in state_dict:
+            inner = {k: v for k, v in state_dict.items() if k != _WEIGHT_ACC}
+            saved = state_dict[_WEIGHT_ACC]
+            if saved is None or all(acc is None for acc in saved):
+                state_dict = inner
+            else:
+                state_dict = {"optimizer": inner, "accumulators": saved}
+        super().load_state_dict(state_dict)

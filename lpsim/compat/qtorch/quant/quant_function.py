@@ -1,0 +1,140 @@
+"""QPyTorch's ``qtorch.quant.quant_function``: the quantisation functions and quantizer().
+
+Rounding is what QPyTorch documents ("nearest" ties to even, "stochastic" is the default), with
+lpsim's generator for the random numbers: pass ``seed=`` or use ``torch.manual_seed``. Every rule
+of lpsim.Rounding is accepted besides "nearest" and "stochastic".
+
+QPyTorch's compiled-kernel modules ``quant_cpu`` and ``quant_cuda`` do not exist here;
+get_module() returns an object with their functions, computed by lpsim's kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from lpsim import functional
+from lpsim import nn as lpnn
+from lpsim.compat.qtorch.number import (
+    BlockFloatingPoint,
+    FixedPoint,
+    FloatingPoint,
+    Number,
+    lpsim_format,
+)
+from lpsim.nn.quantizer import QuantSpec, quantize_with_clip_mask
+from lpsim.rounding import Rounding
+
+__all__ = ["fixed_point_quantize", "block_quantize", "float_quantize", "quantizer"]
+
+
+def float_quantize(x: torch.Tensor, exp: int, man: int, rounding: Rounding | str = "stochastic",
+                   *, seed: int | None = None) -> torch.Tensor:
+    """x rounded into FloatingPoint(exp, man) (QPyTorch's range: saturating, no Inf codes below
+    exp=8)."""
+    return functional.quantize(x, FloatingPoint(exp, man).format, rounding, seed=seed)
+
+
+def fixed_point_quantize(x: torch.Tensor, wl: int, fl: int, clamp: bool = True,
+                         symmetric: bool = False, rounding: Rounding | str = "stochastic",
+                         *, seed: int | None = None) -> torch.Tensor:
+    """x rounded into FixedPoint(wl, fl, clamp, symmetric)."""
+    return functional.quantize(x, FixedPoint(wl, fl, clamp, symmetric).format, rounding, seed=seed)
+
+
+def block_quantize(x: torch.Tensor, wl: int, dim: int = -1,
+                   rounding: Rounding | str = "stochastic", *,
+                   seed: int | None = None) -> torch.Tensor:
+    """x rounded into BlockFloatingPoint(wl, dim): dim=-1 is one block for the whole tensor."""
+    return functional.quantize(x, BlockFloatingPoint(wl, dim).format, rounding, seed=seed)
+
+
+def quantizer(forward_number: Number | None = None, backward_number: Number | None = None,
+              forward_rounding: str = "stochastic", backward_rounding: str = "stochastic",
+              clamping_grad_zero: bool = False,
+              backward_hooks: Iterable[Callable[[torch.Tensor], torch.Tensor]] = ()):
+    """A differentiable function quantising its input into forward_number and the gradient into
+    backward_number (None: left as is), after applying backward_hooks to the gradient.
+
+    clamping_grad_zero zeroes the gradient where the forward pass clipped: where the rounded value
+    lay outside the range of forward_number (a FixedPoint with clamp, or a FloatingPoint with
+    exp < 8, which saturates), decided as QPyTorch's kernels decide it. Without a forward_number
+    nothing is clipped and the gradient is only quantised.
+
+    Unlike QPyTorch, backward_hooks always run (QPyTorch applies them only with
+    clamping_grad_zero and a backward_number), and the clip mask applies without a
+    backward_number too (QPyTorch then passes the gradient unmasked).
+
+    Raises:
+        TypeError: a number is not a qtorch Number.
+        ValueError: clamping_grad_zero with a forward_number that does not clip.
+    """
+    return lpnn.quantizer(lpsim_format(forward_number), lpsim_format(backward_number),
+                          forward_rounding, backward_rounding,
+                          clamp_grad_zero=clamping_grad_zero and forward_number is not None,
+                          backward_hooks=backward_hooks)
+
+
+def assert_wl_fl(wl: int, fl: int, stage: str = "") -> None:
+    """QPyTorch's check that a fixed-point format is either full precision (wl = fl = -1) or has a
+    word length: raises ValueError for wl == -1 with fl != -1."""
+    if wl == -1 and fl != -1:
+        raise ValueError(f"fixed point {stage} wl {wl}, fl {fl}")
+
+
+def _mask_kernel(rounding: str):
+    def kernel(a: torch.Tensor, wl: int, fl: int, symmetric: bool):
+        spec = QuantSpec(FixedPoint(wl, fl, True, symmetric).format, Rounding.parse(rounding))
+        out, clipped = quantize_with_clip_mask(a, spec)
+        return out, clipped.to(torch.uint8)
+
+    kernel.__name__ = f"fixed_point_quantize_{rounding}_mask"
+    kernel.__doc__ = (f"(a rounded ({rounding}) into FixedPoint(wl, fl, clamp=True, symmetric), "
+                      "uint8 mask of the elements whose rounded value was clipped).")
+    return kernel
+
+
+class Kernels:
+    """The functions of QPyTorch's compiled modules (quant_cpu, quant_cuda), with their argument
+    orders (float kernels take man before exp), computed by lpsim's kernels on any device."""
+
+    @staticmethod
+    def float_quantize_nearest(a: torch.Tensor, man: int, exp: int) -> torch.Tensor:
+        return float_quantize(a, exp, man, "nearest")
+
+    @staticmethod
+    def float_quantize_stochastic(a: torch.Tensor, man: int, exp: int) -> torch.Tensor:
+        return float_quantize(a, exp, man, "stochastic")
+
+    @staticmethod
+    def fixed_point_quantize_nearest(a: torch.Tensor, wl: int, fl: int, clamp: bool,
+                                     symmetric: bool) -> torch.Tensor:
+        return fixed_point_quantize(a, wl, fl, clamp, symmetric, "nearest")
+
+    @staticmethod
+    def fixed_point_quantize_stochastic(a: torch.Tensor, wl: int, fl: int, clamp: bool,
+                                        symmetric: bool) -> torch.Tensor:
+        return fixed_point_quantize(a, wl, fl, clamp, symmetric, "stochastic")
+
+    fixed_point_quantize_nearest_mask = staticmethod(_mask_kernel("nearest"))
+    fixed_point_quantize_stochastic_mask = staticmethod(_mask_kernel("stochastic"))
+
+    @staticmethod
+    def block_quantize_nearest(a: torch.Tensor, wl: int, dim: int) -> torch.Tensor:
+        return block_quantize(a, wl, dim, "nearest")
+
+    @staticmethod
+    def block_quantize_stochastic(a: torch.Tensor, wl: int, dim: int) -> torch.Tensor:
+        return block_quantize(a, wl, dim, "stochastic")
+
+
+_KERNELS = Kernels()
+
+
+def get_module(x: torch.Tensor) -> Kernels:
+    """The kernel module QPyTorch would use for x (quant_cpu or quant_cuda). lpsim's ops dispatch
+    on the tensor's device, so one object serves every device."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    return _KERNELS
