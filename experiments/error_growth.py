@@ -17,6 +17,7 @@ random bits stochastic rounding is biased (it acts as if the sum were first trun
 bits below the last kept one), and the error grows like n times that bias once it dominates.
 
     python -m experiments.error_growth       # writes docs/results/error_growth.{md,png}
+    python -m experiments.error_growth --out DIR    # writes DIR/error_growth.{md,png} instead
 
 About 30 s on an idle 2-core machine (three independent (A, x) per n).
 """
@@ -93,6 +94,7 @@ def plot(results: dict, ns: list[int], path: pathlib.Path) -> None:
     axes[1].legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def table(results: dict, ns: list[int], seconds: float, args) -> str:
@@ -119,12 +121,21 @@ def table(results: dict, ns: list[int], seconds: float, args) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=100)
-    parser.add_argument("--max-exponent", type=float, default=5.0, help="largest n is 10**this")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.error_growth",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=100)
+    p.add_argument("--max-exponent", type=float, default=5.0, help="largest n is 10**this")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", type=pathlib.Path, default=RESULTS, metavar="DIR",
+                   help="directory for error_growth.md and error_growth.png (default: "
+                        "docs/results, where the committed results are regenerated; give another "
+                        "for trial runs)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     start = time.time()
     steps = int(round((args.max_exponent - 1) * 2))
     ns = [int(round(10 ** (1 + k / 2))) for k in range(steps + 1)]
@@ -137,10 +148,10 @@ def main() -> None:
             results[name][label(rule, rbits)] = runs
             print(f"{name:9s} {label(rule, rbits):22s} " +
                   " ".join(f"{sum(r) / len(r):.1e}" for r in runs), flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    plot(results, ns, RESULTS / "error_growth.png")
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(results, ns, args.out / "error_growth.png")
     report = table(results, ns, time.time() - start, args)
-    (RESULTS / "error_growth.md").write_text(report)
+    (args.out / "error_growth.md").write_text(report)
     print(report)
 
 

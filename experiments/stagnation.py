@@ -19,8 +19,10 @@ float32 from the stored weights; only the weight storage and update differ: floa
 (three seeds), stochastic_equal and Kahan-compensated nearest.
 
     python -m experiments.stagnation    # writes docs/results/stagnation.{md,png}
+    python -m experiments.stagnation --out DIR    # writes DIR/stagnation.{md,png} instead
 
-About 1.5 minutes on an idle 2-core machine (longer when it is shared).
+About 1.5 minutes on an idle 2-core machine (longer when it is shared); prints a line per tenth of
+the accumulation and per training run as it goes.
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ BF16 = lpsim.Float(8, 7)
 # ---- Part 1: accumulation
 
 def accumulate(steps: int, copies: int, record_every: int) -> dict:
-    """Trajectories (recorded every record_every steps) and final values of each method."""
+    """Trajectories (recorded every record_every steps) and final values of each method. Prints a
+    line after every tenth of the steps."""
+    began = time.time()
+    report_at = {steps * k // 10 for k in range(1, 11)}
     inc = torch.full((copies,), 1e-4)  # float32: 1e-4 rounded to float32
     one = torch.ones(copies, dtype=torch.bfloat16)
     x = {"nearest": one.clone(), "stochastic": one.clone(), "stochastic_equal": one.clone(),
@@ -70,6 +75,9 @@ def accumulate(steps: int, copies: int, record_every: int) -> dict:
             for name, value in x.items():
                 traces[name].append(value.double().mean().item())
             traces["float32"].append(f32.item())
+        if step in report_at:
+            print(f"accumulation: {step}/{steps} increments ({time.time() - began:.0f} s)",
+                  flush=True)
     exact = 1.0 + steps * float(inc[0])
     final = {name: value.double() for name, value in x.items()}
     final["float32"] = f32.double()
@@ -171,6 +179,7 @@ def plot(acc: dict, runs: dict, path: pathlib.Path) -> None:
     axes[2].legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def table(acc: dict, runs: dict, seconds: float, args) -> str:
@@ -214,28 +223,40 @@ def table(acc: dict, runs: dict, seconds: float, args) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--increments", type=int, default=100_000)
-    parser.add_argument("--copies", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=10_000)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seeds", type=int, default=3, help="seeds of the stochastic rules")
-    args = parser.parse_args()
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m experiments.stagnation",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--increments", type=int, default=100_000)
+    p.add_argument("--copies", type=int, default=256)
+    p.add_argument("--steps", type=int, default=10_000)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seeds", type=int, default=3, help="seeds of the stochastic rules")
+    p.add_argument("--out", type=pathlib.Path, default=RESULTS, metavar="DIR",
+                   help="directory for stagnation.md and stagnation.png (default: docs/results, "
+                        "where the committed results are regenerated; give another for trial runs)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     start = time.time()
     acc = accumulate(args.increments, args.copies, record_every=max(1, args.increments // 400))
-    print(f"accumulation done in {time.time() - start:.0f} s")
+    print(f"accumulation done in {time.time() - start:.0f} s", flush=True)
     data = breast_cancer()
-    runs = {}
-    for method in ("float32", "nearest", "stochastic", "stochastic_equal", "kahan"):
-        seeds = range(args.seeds) if method.startswith("stochastic") else [0]
-        runs[method] = [train(method, s, data, args.steps, args.lr, record_every=50) for s in seeds]
-        print(f"{method}: loss {runs[method][0]['final_loss']:.4f}, "
-              f"accuracy {runs[method][0]['accuracy']:.4f}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    plot(acc, runs, RESULTS / "stagnation.png")
+    methods = ("float32", "nearest", "stochastic", "stochastic_equal", "kahan")
+    configurations = [(method, seed) for method in methods
+                      for seed in (range(args.seeds) if method.startswith("stochastic") else [0])]
+    runs = {method: [] for method in methods}
+    for k, (method, seed) in enumerate(configurations, 1):
+        run = train(method, seed, data, args.steps, args.lr, record_every=50)
+        runs[method].append(run)
+        print(f"training [{k}/{len(configurations)}] {method}, seed {seed}: loss "
+              f"{run['final_loss']:.4f}, accuracy {run['accuracy']:.4f} "
+              f"({time.time() - start:.0f} s)", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(acc, runs, args.out / "stagnation.png")
     report = table(acc, runs, time.time() - start, args)
-    (RESULTS / "stagnation.md").write_text(report)
+    (args.out / "stagnation.md").write_text(report)
     print(report)
 
 

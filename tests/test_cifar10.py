@@ -59,13 +59,7 @@ def write_tiny_cifar10(root: pathlib.Path, seed: int = 0) -> dict:
     return written
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and a busy machine cannot stall the second one."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +104,8 @@ def test_official_checksums_are_checked_unless_disabled(tiny_cifar10, tmp_path, 
     with pytest.raises(SystemExit):
         train.main(["--recipe", "fp32", "--data-dir", str(tmp_path), "--out-dir",
                     str(tmp_path / "o")])
-    assert "no CIFAR10 training batches in" in capsys.readouterr().err
+    assert "no CIFAR10 training batches: CIFAR10 (its python version) is expected in" in (
+        capsys.readouterr().err)
 
 
 def test_augmentation_is_torchvision_random_crop_then_flip():
@@ -447,6 +442,98 @@ def test_summary_reports_no_fake_unverified_or_unfinished_run_as_a_result(tiny_c
     assert rows["wage"]["epochs"] == "1/2" and rows["fp32"]["status"] == "not a result: data fake:16"
     assert all(r["status"] != "result" for r in rows.values())
     assert (tmp_path / "results" / "t.md").read_text() == text + "\n"
+
+
+# What the command line promises
+
+
+def test_a_swalp_run_too_short_to_average_names_the_epochs_it_needs(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--recipe", "swalp", "--fake-data", "8", "--epochs", "1",
+                    "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "needs --epochs 2 or more, got 1" in err and "--swa-start must lie" not in err
+
+
+@pytest.mark.parametrize("epochs, start", [(2, 1), (3, 2), (4, 2), (30, 20), (300, 200)])
+def test_the_swa_start_scales_with_the_epochs_and_leaves_an_epoch_on_each_side(epochs, start):
+    assert recipes.RECIPES["swalp"].default_swa_start(epochs) == start
+
+
+def test_missing_data_message_names_the_directory_and_download(tmp_path, capsys):
+    data = tmp_path / "data"
+    with pytest.raises(SystemExit):
+        train.main(["--recipe", "fp32", "--data-dir", str(data), "--out-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert f"expected in {(data / 'cifar-10-batches-py').resolve()}" in err
+    assert "pass --download to fetch it there" in err and "download=True" not in err
+
+
+def test_download_flag_makes_torchvision_fetch_into_the_data_dir(tmp_path, monkeypatch):
+    import torchvision
+
+    fetched = []
+
+    def download(self):  # torchvision's CIFAR10.download, without the network
+        fetched.append(pathlib.Path(self.root))
+        if not (pathlib.Path(self.root) / "cifar-10-batches-py").exists():
+            write_tiny_cifar10(pathlib.Path(self.root))
+
+    monkeypatch.setattr(torchvision.datasets.CIFAR10, "download", download)
+    data = tmp_path / "data"
+    history = train.main(run_args(data, tmp_path / "run", "fp32", "--epochs", "1", "--download"))
+    assert fetched == [data, data] and len(history) == 1  # the training and the test split
+
+
+def test_download_applies_only_to_the_data_dir(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--recipe", "fp32", "--fake-data", "8", "--download",
+                    "--out-dir", str(tmp_path)])
+    assert "--download fetches CIFAR10 into --data-dir" in capsys.readouterr().err
+
+
+def test_resuming_a_finished_run_says_so_and_how_to_extend_it(tiny_cifar10, tmp_path, capsys):
+    root, _ = tiny_cifar10
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "1"))
+    capsys.readouterr()
+    for again in ([], ["--epochs", "1"]):  # the epochs come from the checkpoint unless given
+        history = train.main(run_args(root, tmp_path, "fp32", "--resume", *again))
+        out = capsys.readouterr().out
+        assert "already finished its 1 epoch" in out and "--resume --epochs M with M > 1" in out
+        assert len(history) == 1 and len(read_log(tmp_path)) == 1
+
+
+@pytest.mark.parametrize("recipe, final_lr", [("fp32", 0.05 * 0.01), ("swalp", 0.01)])
+def test_resume_with_more_epochs_trains_them_at_the_rate_the_schedule_ended_on(
+        recipe, final_lr, tiny_cifar10, tmp_path, capsys):
+    root, _ = tiny_cifar10
+    train.main(run_args(root, tmp_path, recipe, "--epochs", "2"))
+    before = read_log(tmp_path)
+    with pytest.raises(SystemExit):
+        train.main(run_args(root, tmp_path, recipe, "--resume", "--epochs", "1"))
+    assert "--epochs can only grow" in capsys.readouterr().err
+    history = train.main(run_args(root, tmp_path, recipe, "--resume", "--epochs", "4"))
+    log = read_log(tmp_path)
+    assert len(history) == 4 and [row["epoch"] for row in log] == ["1", "2", "3", "4"]
+    assert without_times(log[:2]) == without_times(before)
+    assert [float(row["lr"]) for row in log[2:]] == pytest.approx([final_lr] * 2)
+    state = torch.load(tmp_path / train.CHECKPOINT, weights_only=True)
+    assert state["epoch"] == 4 and state["config"]["epochs"] == 4
+    assert state["config"]["schedule_epochs"] == 2
+    if recipe == "swalp":  # averaging goes on: epochs 2, 3 and 4 are in the average
+        assert state["swa"]["count"] == 3 and all(row["swa_test_error"] for row in log[1:])
+    assert "the schedule spans the first 2" in capsys.readouterr().out
+
+
+def test_curves_are_plotted_after_every_epoch(tiny_cifar10, tmp_path):
+    root, _ = tiny_cifar10
+    curves = tmp_path / train.CURVES
+    train.main(run_args(root, tmp_path, "swalp", "--epochs", "2", "--stop-after", "1"))
+    assert curves.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    curves.unlink()
+    train.main(run_args(root, tmp_path, "swalp", "--epochs", "2", "--resume"))
+    assert curves.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 # The training benchmark

@@ -71,26 +71,46 @@ class UnverifiedCIFAR10(torchvision.datasets.CIFAR10):
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
 
 
-def load_cifar10(root: str | os.PathLike, train: bool, verify: bool = True) -> Split:
+def load_cifar10(root: str | os.PathLike, train: bool, verify: bool = True,
+                 download: bool = False) -> Split:
     """One split of CIFAR10 as read by torchvision.datasets.CIFAR10(root) from
     root/cifar-10-batches-py (the python pickle batches of the official release).
 
     Args:
         verify: check the files against the official release's MD5 sums (torchvision's own
             check). False reads any data in the same layout (re-packed copies, test fixtures).
+        download: first let torchvision download and unpack the release into root (about
+            170 MB) unless the files are already there.
 
     Raises:
-        FileNotFoundError: root does not hold the batches (or, with verify, not the official ones).
+        FileNotFoundError: root does not hold the batches (or, with verify, not the official
+            ones); the message names the directory where they are expected.
     """
-    folder = os.path.join(os.fspath(root), torchvision.datasets.CIFAR10.base_folder)
-    reader = torchvision.datasets.CIFAR10 if verify else UnverifiedCIFAR10
+    base = torchvision.datasets.CIFAR10
+    folder = os.path.abspath(os.path.join(os.fspath(root), base.base_folder))
+    reader = base if verify else UnverifiedCIFAR10
     try:
-        dataset = reader(os.fspath(root), train=train, download=False)
+        dataset = reader(os.fspath(root), train=train, download=download)
     except (RuntimeError, FileNotFoundError) as error:
-        hint = " (data other than the official release needs --unverified-data)" if verify else ""
-        raise FileNotFoundError(
-            f"no CIFAR10 {'training' if train else 'test'} batches in {folder}: {error}{hint}"
-        ) from error
+        names = [name for name, _ in base.train_list + base.test_list] + [base.meta["filename"]]
+        missing = [name for name in names if not os.path.isfile(os.path.join(folder, name))]
+        if not os.path.isdir(folder):
+            reason = "which does not exist"
+        elif missing:
+            reason = f"which lacks {', '.join(missing)}"
+        else:
+            reason = None
+        split = "training" if train else "test"
+        if reason is not None:
+            message = (f"no CIFAR10 {split} batches: CIFAR10 (its python version) is expected in "
+                       f"{folder}, {reason}; pass --download to fetch it there")
+        elif verify:
+            message = (f"no CIFAR10 {split} batches in {folder}: the files differ from the "
+                       "official release's (MD5 sums); data other than the official release "
+                       "needs --unverified-data")
+        else:
+            message = f"no CIFAR10 {split} batches in {folder}: {error}"
+        raise FileNotFoundError(message) from error
     return _as_split(dataset.data, dataset.targets)
 
 

@@ -164,8 +164,19 @@ class CifarRecipe:
         return self.quantization.loss_scale if self.quantization is not None else 1.0
 
     def default_swa_start(self, epochs: int) -> int | None:
-        """The epoch from which weights are averaged, for a run of ``epochs`` epochs."""
-        return None if self.swa_start is None else int(epochs * self.swa_start)
+        """The epoch (from 0) from which weights are averaged in a run of ``epochs`` epochs: the
+        recipe's fraction of them, kept between 1 and epochs - 1 so that at least one epoch
+        trains before averaging and one is averaged (None for recipes without averaging).
+
+        Raises:
+            ValueError: epochs < 2, too few for both.
+        """
+        if self.swa_start is None:
+            return None
+        if epochs < 2:
+            raise ValueError(f"recipe {self.name} trains at least one epoch before averaging and "
+                             f"averages at least one: it needs 2 or more epochs, got {epochs}")
+        return min(max(int(epochs * self.swa_start), 1), epochs - 1)
 
     def lr_factor(self, epoch: int, epochs: int, swa_start: int | None, lr: float) -> float:
         """The learning rate of ``epoch`` (from 0) as a multiple of the initial rate ``lr``."""

@@ -1,16 +1,22 @@
 """Train a CIFAR10 recipe of the QPyTorch paper with lpsim.
 
-    python -m experiments.cifar10.train --recipe swalp --data-dir DATA [--epochs N] [--batch-size B]
-        [--lr LR] [--seed S] [--device auto|cpu|cuda|cuda:K] [--out-dir DIR] [--resume]
+    python -m experiments.cifar10.train --recipe swalp --data-dir DATA [--download] [--epochs N]
+        [--batch-size B] [--lr LR] [--seed S] [--device auto|cpu|cuda|cuda:K] [--out-dir DIR]
+        [--resume]
     torchrun --nproc_per_node=G -m experiments.cifar10.train --recipe swalp --data-dir DATA ...
 
 DATA holds cifar-10-batches-py (the python version of CIFAR10, read by
-torchvision.datasets.CIFAR10). Under torchrun each process trains on its shard of every epoch with
-DistributedDataParallel (NCCL on GPUs, gloo on CPUs); --batch-size is the global batch.
+torchvision.datasets.CIFAR10); --download fetches it there first. Under torchrun each process
+trains on its shard of every epoch with DistributedDataParallel (NCCL on GPUs, gloo on CPUs);
+--batch-size is the global batch.
 
 Every epoch writes DIR/checkpoint.pt (model, optimizer with its accumulators, scheduler, weight
-average, random-number state, history) and DIR/log.csv (one row per epoch). --resume continues
-from the checkpoint and gives the same bits as a run that was never interrupted. The recipes and
+average, random-number state, history), DIR/log.csv (one row per epoch) and DIR/curves.png (error
+and loss against the epoch). --resume continues from the checkpoint and gives the same bits as a
+run that was never interrupted; it takes the number of epochs (and SWALP's start) from the
+checkpoint unless given. --resume --epochs M with M above the run's epochs extends it: the
+learning-rate schedule keeps the length the run began with, and the added epochs train at the rate
+it ends on (SWALP's averaging goes on). The recipes and
 their sources are listed by --list-recipes and described in experiments/cifar10/recipes.py;
 python -m experiments.cifar10.summarize tabulates the final test errors of finished runs.
 """
@@ -38,11 +44,12 @@ from experiments.cifar10.swa import WeightAverage
 
 CHECKPOINT = "checkpoint.pt"
 LOG = "log.csv"
+CURVES = "curves.png"
 COLUMNS = ("epoch", "lr", "train_loss", "train_error", "test_loss", "test_error",
            "swa_test_loss", "swa_test_error", "train_seconds", "test_seconds")
-# Settings that must be equal for --resume to continue the same run.
-RUN_KEYS = ("recipe", "epochs", "batch_size", "lr", "seed", "swa_start", "width", "world_size",
-            "data")
+# Settings that must be equal for --resume to continue the same run. The epochs may grow; the
+# length of the learning-rate schedule (schedule_epochs, the run's first --epochs) never changes.
+RUN_KEYS = ("recipe", "batch_size", "lr", "seed", "swa_start", "width", "world_size", "data")
 
 
 def positive_int(text: str) -> int:
@@ -66,25 +73,32 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--list-recipes", action="store_true", help="list the recipes and exit")
     p.add_argument("--data-dir", type=pathlib.Path,
                    help="directory holding cifar-10-batches-py")
+    p.add_argument("--download", action="store_true",
+                   help="first download CIFAR10 into DATA_DIR with torchvision (about 170 MB; "
+                        "skipped when it is there)")
     p.add_argument("--unverified-data", action="store_true",
                    help="read CIFAR10-format batches without comparing them to the official "
                         "release's MD5 sums (re-packed copies, test fixtures)")
     p.add_argument("--fake-data", type=positive_int, metavar="N",
                    help="train on N random images (torchvision FakeData) instead, for timing")
-    p.add_argument("--epochs", type=positive_int, help="default: the recipe's")
+    p.add_argument("--epochs", type=positive_int,
+                   help="default: the recipe's, or with --resume the checkpoint's; with --resume a "
+                        "larger number extends the run at the rate its schedule ended on")
     p.add_argument("--batch-size", type=positive_int,
                    help="global batch size, split evenly over processes (default: the recipe's)")
     p.add_argument("--lr", type=positive_float, help="initial learning rate (default: the recipe's)")
     p.add_argument("--swa-start", type=int, metavar="EPOCH",
-                   help="first epoch (from 0) averaged, for recipes with weight averaging "
-                        "(default: 2/3 of the epochs)")
+                   help="first epoch (from 0) averaged, for recipes with weight averaging: "
+                        "1 to epochs - 1 (default: 2/3 of the epochs, kept in that range)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto",
                    help="auto (cuda when available), cpu, cuda or cuda:K; under torchrun each "
                         "process takes the GPU of its local rank")
     p.add_argument("--out-dir", type=pathlib.Path,
                    help="where the checkpoint and log go (default: out/cifar10/<recipe>)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT_DIR/checkpoint.pt")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT_DIR/checkpoint.pt (a finished run: only with a larger "
+                        "--epochs)")
     p.add_argument("--stop-after", type=positive_int, metavar="N",
                    help="end this invocation after N epochs (checkpoint written; continue with "
                         "--resume); the schedule still spans --epochs")
@@ -109,9 +123,30 @@ class Run:
             p.error(f"unknown recipe {args.recipe!r}; choose from {', '.join(RECIPES)}")
         if (args.data_dir is None) == (args.fake_data is None):
             p.error("give either --data-dir (CIFAR10) or --fake-data N")
+        if args.download and args.data_dir is None:
+            p.error("--download fetches CIFAR10 into --data-dir; it does not apply to --fake-data")
         self.recipe: CifarRecipe = RECIPES[args.recipe]
         self.args = args
-        self.epochs = args.epochs or self.recipe.epochs
+        self.out_dir = args.out_dir or pathlib.Path("out") / "cifar10" / self.recipe.name
+        self.checkpoint = self.out_dir / CHECKPOINT
+        if args.resume and not self.checkpoint.is_file():
+            p.error(f"--resume: no checkpoint at {self.checkpoint}")
+        if not args.resume and self.checkpoint.exists():
+            p.error(f"{self.checkpoint} exists: pass --resume to continue that run, or choose "
+                    "another --out-dir")
+        # The checkpoint (on the CPU: generator states must stay there), under --resume.
+        self.saved = (torch.load(self.checkpoint, map_location="cpu", weights_only=True)
+                      if args.resume else None)
+        saved = None
+        if self.saved is not None:
+            saved = {"schedule_epochs": self.saved["config"]["epochs"], **self.saved["config"]}
+        self.epochs = args.epochs or (saved["epochs"] if saved else self.recipe.epochs)
+        # The epochs the learning-rate schedule spans: the run's first --epochs. Epochs added by
+        # --resume --epochs train at the rate the schedule ends on.
+        self.schedule_epochs = saved["schedule_epochs"] if saved else self.epochs
+        if saved and self.epochs < saved["epochs"]:
+            p.error(f"--resume --epochs {self.epochs}: the run in {self.out_dir} has "
+                    f"{saved['epochs']} epochs, and --epochs can only grow")
         self.batch_size = args.batch_size or self.recipe.batch_size
         self.lr = args.lr or self.recipe.lr
         try:
@@ -120,11 +155,19 @@ class Run:
             p.error(str(error))
         self.swa_start = None
         if self.recipe.swa_start is not None:
-            self.swa_start = (args.swa_start if args.swa_start is not None
-                              else self.recipe.default_swa_start(self.epochs))
-            if not 0 < self.swa_start < self.epochs:
-                p.error(f"--swa-start must lie between 1 and epochs - 1 = {self.epochs - 1}, "
-                        f"got {self.swa_start}")
+            if self.schedule_epochs < 2:
+                p.error(f"recipe {self.recipe.name} trains at least one epoch before averaging "
+                        f"and averages at least one: it needs --epochs 2 or more, got "
+                        f"{self.schedule_epochs}")
+            if args.swa_start is not None:
+                self.swa_start = args.swa_start
+            elif saved and saved["recipe"] == self.recipe.name:
+                self.swa_start = saved["swa_start"]
+            else:
+                self.swa_start = self.recipe.default_swa_start(self.schedule_epochs)
+            if not 0 < self.swa_start < self.schedule_epochs:
+                p.error(f"--swa-start must lie between 1 and epochs - 1 = "
+                        f"{self.schedule_epochs - 1}, got {self.swa_start}")
         elif args.swa_start is not None:
             p.error(f"recipe {self.recipe.name} does not average weights; --swa-start applies to "
                     f"{', '.join(r.name for r in RECIPES.values() if r.swa_start)}")
@@ -136,21 +179,25 @@ class Run:
                     "processes")
         self.local_batch = self.batch_size // self.world_size
         self.device = self._device(args.device, p)
-        self.out_dir = args.out_dir or pathlib.Path("out") / "cifar10" / self.recipe.name
-        self.checkpoint = self.out_dir / CHECKPOINT
-        if args.resume and not self.checkpoint.is_file():
-            p.error(f"--resume: no checkpoint at {self.checkpoint}")
-        if not args.resume and self.checkpoint.exists():
-            p.error(f"{self.checkpoint} exists: pass --resume to continue that run, or choose "
-                    "another --out-dir")
         if args.fake_data:
             self.data_name = f"fake:{args.fake_data}"
         else:
             self.data_name = "cifar10-unverified" if args.unverified_data else "cifar10"
         self.config = {"recipe": self.recipe.name, "epochs": self.epochs,
-                       "batch_size": self.batch_size, "lr": self.lr, "seed": args.seed,
-                       "swa_start": self.swa_start, "width": args.width,
-                       "world_size": self.world_size, "data": self.data_name}
+                       "schedule_epochs": self.schedule_epochs, "batch_size": self.batch_size,
+                       "lr": self.lr, "seed": args.seed, "swa_start": self.swa_start,
+                       "width": args.width, "world_size": self.world_size, "data": self.data_name}
+        if saved:
+            different = {k: (saved.get(k), self.config[k]) for k in RUN_KEYS
+                         if saved.get(k) != self.config[k]}
+            if different:
+                raise SystemExit(f"--resume: {self.checkpoint} belongs to another run; settings "
+                                 f"that differ (saved, now): {different}")
+
+    @property
+    def finished(self) -> bool:
+        """Whether --resume found a run that has already trained all its epochs."""
+        return self.saved is not None and self.saved["epoch"] >= self.epochs
 
     def _device(self, name: str, p: argparse.ArgumentParser) -> torch.device:
         if name == "auto":
@@ -327,6 +374,36 @@ def write_log(path: pathlib.Path, history: list[dict]) -> None:
     write_atomically(path, write)
 
 
+def plot_curves(path: pathlib.Path, history: list[dict], title: str) -> None:
+    """The training and test error (%) and loss of every epoch in ``history`` (rows of the log),
+    and the averaged weights' test error and loss where there are some, as a PNG written with
+    matplotlib's Agg backend (no display needed) and put in place atomically."""
+    import matplotlib  # noqa: PLC0415  (imported on first use: the trainer runs without a plot)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, quantity in zip(axes, ("error", "loss")):
+        for prefix, label, style in (("train_", "training", "--"), ("test_", "test", "-"),
+                                     ("swa_test_", "test, averaged weights", "-")):
+            points = [(int(row["epoch"]), float(row[prefix + quantity])) for row in history
+                      if row[prefix + quantity] != ""]
+            if points:
+                epochs, values = zip(*points)
+                ax.plot(epochs, values, style, marker="o", markersize=3, label=label)
+        ax.set_xlabel("epoch")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("error (%)" if quantity == "error" else "loss (mean per image)")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best")
+    fig.suptitle(title)
+    fig.tight_layout()
+    write_atomically(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100))
+    plt.close(fig)
+
+
 def load_data(run: Run) -> tuple[cifar.Split, cifar.Split]:
     args = run.args
     if args.fake_data:
@@ -335,8 +412,10 @@ def load_data(run: Run) -> tuple[cifar.Split, cifar.Split]:
         test = cifar.fake_cifar10(max(1, size // 5), first=(args.seed * 2 + 1) * size)
     else:
         verify = not args.unverified_data
-        train = cifar.load_cifar10(args.data_dir, train=True, verify=verify)
-        test = cifar.load_cifar10(args.data_dir, train=False, verify=verify)
+        train = cifar.load_cifar10(args.data_dir, train=True, verify=verify,
+                                   download=args.download)
+        test = cifar.load_cifar10(args.data_dir, train=False, verify=verify,
+                                  download=args.download)
     return train.to(run.device), test.to(run.device)
 
 
@@ -352,8 +431,9 @@ def train(run: Run, train_set: cifar.Split, test_set: cifar.Split) -> list[dict]
     options = dict(recipe.model_options)
     model = build_model(recipe.model, width=args.width, **options).to(run.device)
     model, optimizer = recipe.prepare(model, run.lr)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda e: recipe.lr_factor(e, run.epochs, run.swa_start, run.lr))
+    # Epochs past the schedule's length (added by --resume --epochs) keep the rate it ends on.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: recipe.lr_factor(
+        min(e, run.schedule_epochs), run.schedule_epochs, run.swa_start, run.lr))
     average = None
     if run.swa_start is not None:
         average = WeightAverage(build_model(recipe.model, width=args.width, **options).to(run.device))
@@ -365,14 +445,8 @@ def train(run: Run, train_set: cifar.Split, test_set: cifar.Split) -> list[dict]
         net = torch.compile(net)
 
     start, history = 0, []
-    if args.resume:
-        # On the CPU: generator states must stay there; load_state_dict moves the rest.
-        state = torch.load(run.checkpoint, map_location="cpu", weights_only=True)
-        different = {k: (state["config"].get(k), run.config[k]) for k in RUN_KEYS
-                     if state["config"].get(k) != run.config[k]}
-        if different:
-            raise SystemExit(f"--resume: {run.checkpoint} belongs to another run; settings that "
-                             f"differ (saved, now): {different}")
+    if run.saved is not None:
+        state = run.saved  # on the CPU; load_state_dict moves it
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -386,7 +460,9 @@ def train(run: Run, train_set: cifar.Split, test_set: cifar.Split) -> list[dict]
         print(f"{recipe.name}: {recipe.summary}\n  {run.epochs} epochs, batch {run.batch_size} "
               f"({run.world_size} process{'es' if run.distributed else ''} on {run.device}), "
               f"lr {run.lr:g}, seed {args.seed}, {len(train_set)} training and {len(test_set)} "
-              f"test images; {'resuming after epoch ' + str(start) if start else 'from scratch'}",
+              f"test images; {'resuming after epoch ' + str(start) if start else 'from scratch'}"
+              + (f"; the schedule spans the first {run.schedule_epochs}, later epochs train at "
+                 "the rate it ends on" if run.epochs > run.schedule_epochs else ""),
               flush=True)
     stop = run.epochs if args.stop_after is None else min(run.epochs, start + args.stop_after)
     for epoch in range(start, stop):
@@ -419,6 +495,7 @@ def train(run: Run, train_set: cifar.Split, test_set: cifar.Split) -> list[dict]
                      "rng": rng_state(run), "history": history, "rank_digests": digests}
             write_atomically(run.checkpoint, lambda tmp: torch.save(state, tmp))
             write_log(run.out_dir / LOG, history)
+            plot_curves(run.out_dir / CURVES, history, f"{recipe.name} ({run.out_dir})")
             row = history[-1]
             swa = f"  swa test error {row['swa_test_error']}%" if swa_error is not None else ""
             print(f"epoch {epoch + 1:3d}/{run.epochs}  lr {row['lr']}  train loss "
@@ -437,10 +514,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(describe())
         return []
     run = Run(args, p)
+    if run.finished:
+        last = run.saved["history"][-1]
+        if run.main_process:
+            print(f"{run.checkpoint}: this run already finished its {run.epochs} "
+                  f"epoch{'s' if run.epochs > 1 else ''} (last test error {last['test_error']}%); "
+                  f"nothing to do. To train longer, pass --resume --epochs M with M > "
+                  f"{run.epochs}: the added epochs train at the learning rate its schedule ended "
+                  "on.", flush=True)
+        return run.saved["history"]
     try:
         data = load_data(run)
     except FileNotFoundError as error:
         p.error(str(error))
+    except OSError as error:  # --download without a connection, or unreadable files
+        p.error(f"could not {'fetch CIFAR10 into' if args.download else 'read CIFAR10 from'} "
+                f"{args.data_dir}: {error}")
     if not run.distributed:
         return train(run, *data)
     if run.device.type == "cuda":
