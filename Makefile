@@ -1,5 +1,5 @@
 # Set-up and the two main jobs. Everything is installed into .venv by these rules.
-#   make demo   set up, build, run the main job (python -m lpsim.demo)
+#   make demo   set up, build, run the main job (python -m lpsim.demo $(DEMO_ARGS))
 #   make test   set up, build, run the tests
 #   make bench  set up, build, run the quantisation benchmark
 
@@ -14,7 +14,7 @@ SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 .PHONY: demo test bench build clean
 
 demo: $(BUILT)
-	$(PY) -m lpsim.demo
+	$(PY) -m lpsim.demo $(DEMO_ARGS)
 
 test: $(BUILT)
 	$(PY) -m pytest -q

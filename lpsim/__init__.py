@@ -2,6 +2,9 @@
 
 Tensors stay in an ordinary float container (float32, float64, bfloat16 or float16) and fused
 kernels round every element into a target format (Float, Fixed, BlockFloat) under a chosen rule.
+``quantize(x, fmt, rounding)`` is the API; the QPyTorch names ``float_quantize``,
+``fixed_point_quantize`` and ``block_quantize`` behave exactly as in QPyTorch (its number ranges,
+stochastic rounding by default, ``dim=-1`` for one block over the whole tensor).
 
     >>> import torch, lpsim
     >>> x = torch.tensor([1.0, 1.1, 1.25, 300.0])
@@ -12,13 +15,7 @@ kernels round every element into a target format (Float, Fixed, BlockFloat) unde
 from lpsim import formats, nn, optim
 from lpsim._ops import cpu_generator, cuda_built
 from lpsim.formats import PRESETS, BlockFloat, Fixed, Float, preset
-from lpsim.functional import (
-    block_quantize,
-    fixed_point_quantize,
-    float_quantize,
-    quantize,
-    quantize_,
-)
+from lpsim.functional import quantize, quantize_
 from lpsim.rounding import Rounding
 from lpsim import dyadic  # integer-native arithmetic on (mantissa, scale) pairs
 from lpsim.arithmetic import (
@@ -31,8 +28,21 @@ from lpsim.arithmetic import (
     sr_addcmul_,
 )
 from lpsim import ops
+from lpsim import recipes
+from lpsim import compat
+from lpsim.compat.qtorch import block_quantize, fixed_point_quantize, float_quantize
 
 __version__ = "0.1.0"
+
+_LAZY_MODULES = ("demo",)  # reachable as lpsim.demo without importing it with the package
+
+
+def __getattr__(name: str):
+    if name in _LAZY_MODULES:
+        import importlib  # noqa: PLC0415
+
+        return importlib.import_module(f"lpsim.{name}")
+    raise AttributeError(f"module 'lpsim' has no attribute {name!r}")
 
 __all__ = [
     "Float",
@@ -60,4 +70,6 @@ __all__ = [
     "sr_addcdiv_",
     "StochasticAdder",
     "ops",
+    "recipes",
+    "compat",
 ]

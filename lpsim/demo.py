@@ -119,7 +119,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out"))
     parser.add_argument("--recipes", type=str, default=",".join(RECIPES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads (default: torch's, one per core); pass 1 on a machine "
+                             "whose cores are busy with other work")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be a positive integer, got {args.threads}")
+        torch.set_num_threads(args.threads)
     names = args.recipes.split(",")
     unknown = [n for n in names if n not in RECIPES]
     if unknown:

@@ -414,8 +414,10 @@ class BlockFloat:
 
     Args:
         wl: bits per element, the sign included, 2 or more (at most the container's precision + 1).
-        dim: None: the whole tensor is one block. An int d: one exponent per index along d (the
-            maximum is taken over all other dimensions), as in QPyTorch.
+        dim: None: the whole tensor is one block. An int d >= 0: one exponent per index along d (the
+            maximum is taken over all other dimensions), as in QPyTorch. Negative dims are refused:
+            QPyTorch's dim=-1 means the whole tensor and torch's the last dimension, so -1 would
+            mean different things to different readers.
         block_size: blocks of this many consecutive elements along the last dimension (the last
             block of a row may be shorter). Give dim or block_size, not both.
 
@@ -434,7 +436,13 @@ class BlockFloat:
     def __post_init__(self) -> None:
         _check_int("BlockFloat", "wl", self.wl, 2, _WIDEST.man + 2)
         if self.dim is not None:
-            _check_int("BlockFloat", "dim", self.dim, -(2**31), 2**31)
+            if isinstance(self.dim, int) and not isinstance(self.dim, bool) and self.dim < 0:
+                raise ValueError(
+                    f"BlockFloat.dim must be None (one block for the whole tensor) or a dimension "
+                    f">= 0, got {self.dim}: negative dims are ambiguous (QPyTorch's -1 is the whole "
+                    "tensor, torch's the last dimension); write dim=None or dim=x.dim() - 1"
+                )
+            _check_int("BlockFloat", "dim", self.dim, 0, 2**31)
         if self.block_size is not None:
             _check_int("BlockFloat", "block_size", self.block_size, 1, 2**31)
             if self.dim is not None:

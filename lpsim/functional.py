@@ -19,13 +19,7 @@ from lpsim._ops import ops
 from lpsim.formats import BlockFloat, Fixed, Float, Format, check_fits
 from lpsim.rounding import Rounding, check_rbits
 
-__all__ = [
-    "quantize",
-    "quantize_",
-    "float_quantize",
-    "fixed_point_quantize",
-    "block_quantize",
-]
+__all__ = ["quantize", "quantize_"]
 
 _MAX_SEED = 2**64
 _NO_SEED = torch.zeros((), dtype=torch.int64)  # passed to rules that draw no random words
@@ -61,12 +55,12 @@ def _block_dim(fmt: BlockFloat, x: torch.Tensor) -> int | None:
     if fmt.dim is None:
         return None
     ndim = max(x.dim(), 1)
-    if not -ndim <= fmt.dim < ndim:
+    if not fmt.dim < ndim:
         raise IndexError(
-            f"BlockFloat.dim must be in [{-ndim}, {ndim - 1}] for a tensor of {x.dim()} "
+            f"BlockFloat.dim must be in [0, {ndim - 1}] for a tensor of {x.dim()} "
             f"dimensions, got {fmt.dim}"
         )
-    return fmt.dim % ndim
+    return fmt.dim
 
 
 def _prepare(x, fmt, rounding, rbits, seed, offset):
@@ -109,13 +103,16 @@ def quantize(
 
     Returns:
         A new contiguous tensor (or ``out``). The gradient with respect to x is the identity
-        (straight-through); with ``out`` the call is not differentiable.
+        (straight-through); with ``out`` the call is not differentiable: as torch's out=
+        functions, it refuses x or out that requires grad while grad mode is on. Writing into
+        ``out`` bumps its version counter, as torch's in-place ops do.
 
     Raises:
         TypeError: x is not a floating tensor of a supported dtype, fmt is not a format, or an
             argument has the wrong type.
         ValueError: the format does not fit x's dtype, or an argument is out of range.
         IndexError: a BlockFloat dim does not exist in x.
+        RuntimeError: ``out`` is given and x or out requires grad, outside torch.no_grad().
     """
     name, args = _prepare(x, fmt, rounding, rbits, seed, offset)
     if out is None:
@@ -134,72 +131,14 @@ def quantize_(
     seed: int | None = None,
     offset: int = 0,
 ) -> torch.Tensor:
-    """Round x into ``fmt`` in place and return x. Arguments as for quantize()."""
+    """Round x into ``fmt`` in place and return x. Arguments as for quantize().
+
+    Under autograd it behaves as torch's in-place ops: x's version counter is bumped (in
+    torch.no_grad() too), so a backward that saved x's old values raises instead of using the
+    rounded ones; outside torch.no_grad() a leaf that requires grad, or a view of one, is refused
+    with RuntimeError. Rounding a non-leaf keeps its history: the gradient through x stays the
+    identity (straight-through).
+    """
     name, args = _prepare(x, fmt, rounding, rbits, seed, offset)
     getattr(ops, name + "_")(x, *args)
     return x
-
-
-def float_quantize(
-    x: torch.Tensor,
-    exp: int,
-    man: int,
-    rounding: Rounding | str = "nearest",
-    *,
-    bias: int | None = None,
-    subnormals: bool = True,
-    special: str = "ieee",
-    saturate: bool = False,
-    rbits: int | None = None,
-    seed: int | None = None,
-    offset: int = 0,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """quantize(x, Float(exp, man, ...), rounding): QPyTorch's float_quantize with IEEE semantics.
-
-    Note QPyTorch's defaults differ (stochastic rounding, no Inf, saturation):
-    lpsim.compat.qtorch.float_quantize reproduces them.
-    """
-    fmt = Float(exp, man, bias=bias, subnormals=subnormals, special=special, saturate=saturate)
-    return quantize(x, fmt, rounding, rbits=rbits, seed=seed, offset=offset, out=out)
-
-
-def fixed_point_quantize(
-    x: torch.Tensor,
-    wl: int,
-    fl: int,
-    clamp: bool = True,
-    symmetric: bool = False,
-    rounding: Rounding | str = "nearest",
-    *,
-    signed: bool = True,
-    rbits: int | None = None,
-    seed: int | None = None,
-    offset: int = 0,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """quantize(x, Fixed(wl, fl, ...), rounding), with QPyTorch's argument order."""
-    fmt = Fixed(wl, fl, signed=signed, clamp=clamp, symmetric=symmetric)
-    return quantize(x, fmt, rounding, rbits=rbits, seed=seed, offset=offset, out=out)
-
-
-def block_quantize(
-    x: torch.Tensor,
-    wl: int,
-    dim: int | None = None,
-    rounding: Rounding | str = "nearest",
-    *,
-    block_size: int | None = None,
-    rbits: int | None = None,
-    seed: int | None = None,
-    offset: int = 0,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """quantize(x, BlockFloat(wl, dim, block_size=...), rounding).
-
-    ``dim=None`` is one block for the whole tensor; a negative dim counts from the end as usual in
-    torch. (QPyTorch's block_quantize uses dim=-1 for the whole tensor;
-    lpsim.compat.qtorch.block_quantize keeps that meaning.)
-    """
-    fmt = BlockFloat(wl, dim, block_size=block_size)
-    return quantize(x, fmt, rounding, rbits=rbits, seed=seed, offset=offset, out=out)

@@ -9,10 +9,13 @@ A Recipe applies to any model and optimizer:
     optimizer.step()
 
 Every recipe keeps the model's first and last weight layers (the first and last Conv/Linear
-modules) in full precision, the usual practice, and quantises the rest:
-weights (fake-quantised in forward and rounded after every step), activations (every layer's
-outputs), errors (the gradients flowing back into those outputs), gradients, and the optimizer's
-state, with an optional high-precision weight accumulator.
+modules) in full precision, the usual practice: their parameters, gradients, optimizer state,
+outputs and errors are never rounded. It quantises the rest: weights and biases (of every other
+layer, normalisation layers included: fake-quantised in forward and rounded after every step),
+activations (every layer's outputs), errors (the gradients flowing back into those outputs),
+gradients, and the optimizer's state, with an optional high-precision weight accumulator. The
+optimizer rounds exactly the parameters the model fake-quantises
+(lpsim.nn.quantized_parameters), so `lpsim.nn.report(model, optimizer)` shows both agree.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lpsim.formats import BlockFloat, Fixed, Float
-from lpsim.nn.inject import LayerQuantization, inject
+from lpsim.nn.inject import LayerQuantization, inject, quantized_parameters
 from lpsim.nn.quantizer import Spec
 from lpsim.optim.optim_lp import OptimLP
 
@@ -69,18 +72,22 @@ class Recipe:
     def layers(self, model: nn.Module) -> dict:
         """The inject() configuration of this recipe for model."""
         config = {name: None for name in edge_layers(model)} if self.keep_edges else {}
-        config[WEIGHT_LAYERS] = LayerQuantization(weight=self.weight, output=self.activation,
-                                                  error=self.error)
-        config["default"] = LayerQuantization(output=self.activation, error=self.error)
+        layer = LayerQuantization(weight=self.weight, bias=self.weight, output=self.activation,
+                                  error=self.error)
+        config[WEIGHT_LAYERS] = layer
+        config["default"] = layer
         return config
 
     def apply(self, model: nn.Module, optimizer: Optimizer) -> tuple[nn.Module, Optimizer]:
         """Inject the recipe into model (in place) and wrap optimizer; returns both."""
         if not self.quantises:
             return model, optimizer
-        inject(model, self.layers(model))
+        # The configuration is built for this model: an entry may decide nothing (a model with
+        # two weight layers has no other to quantise), which is not a mistake here.
+        inject(model, self.layers(model), unmatched="ignore")
         wrapped = OptimLP(optimizer, weight=self.weight, grad=self.grad, momentum=self.momentum,
-                          acc=self.acc, grad_scaling=1.0 / self.loss_scale)
+                          acc=self.acc, grad_scaling=1.0 / self.loss_scale,
+                          parameters=quantized_parameters(model))
         return model, wrapped
 
 

@@ -72,29 +72,28 @@ def test_out_receives_the_result(fmt):
     assert_same_bits(strided_out, want)
 
 
-def test_block_dims_count_from_the_end():
-    x = torch.randn(4, 5, 6)
-    for d in range(-3, 3):
-        assert_same_bits(lpsim.quantize(x, BlockFloat(5, d)),
-                         lpsim.quantize(x, BlockFloat(5, d % 3)))
+def test_negative_block_dims_are_refused_as_ambiguous():
+    for d in (-1, -2):
+        with pytest.raises(ValueError, match="negative dims are ambiguous"):
+            BlockFloat(5, d)
 
 
-def test_qtorch_named_wrappers_equal_quantize_with_a_format():
-    x = torch.randn(100) * 10
+def test_top_level_qtorch_names_are_the_qtorch_drop_in():
+    # A user typing QPyTorch's names gets QPyTorch's numbers: its ranges (the top exponent code
+    # finite, saturation), stochastic rounding by default, dim=-1 as one block for the tensor.
+    from lpsim.compat import qtorch as compat
+
+    assert lpsim.float_quantize is compat.float_quantize
+    assert lpsim.fixed_point_quantize is compat.fixed_point_quantize
+    assert lpsim.block_quantize is compat.block_quantize
+    assert lpsim.float_quantize(torch.tensor([1e5, 1e9]), 5, 2, "nearest").tolist() == [98304.0, 114688.0]
+    x = torch.tensor([[8.0, 0.3], [0.2, 0.1]])
+    assert_same_bits(lpsim.block_quantize(x, 4, -1, "nearest"), lpsim.quantize(x, BlockFloat(4)))
+    assert_same_bits(lpsim.block_quantize(x, 4, 1, "nearest"), lpsim.quantize(x, BlockFloat(4, 1)))
     kw = dict(seed=4)
-    assert_same_bits(lpsim.float_quantize(x, 5, 2, "stochastic", **kw),
-                     lpsim.quantize(x, Float(5, 2), "stochastic", **kw))
-    assert_same_bits(lpsim.float_quantize(x, exp=4, man=3, rounding="nearest", special="fn"),
-                     lpsim.quantize(x, Float(4, 3, special="fn")))
-    assert_same_bits(lpsim.fixed_point_quantize(x, 8, 4, rounding="stochastic", **kw),
-                     lpsim.quantize(x, Fixed(8, 4), "stochastic", **kw))
-    assert_same_bits(lpsim.fixed_point_quantize(x, wl=8, fl=4, clamp=False, symmetric=True),
-                     lpsim.quantize(x, Fixed(8, 4, clamp=False, symmetric=True)))
-    x2 = x.view(10, 10)
-    assert_same_bits(lpsim.block_quantize(x2, 6, dim=0, rounding="stochastic", **kw),
-                     lpsim.quantize(x2, BlockFloat(6, 0), "stochastic", **kw))
-    assert_same_bits(lpsim.block_quantize(x2, 6, block_size=4),
-                     lpsim.quantize(x2, BlockFloat(6, block_size=4)))
+    y = torch.randn(100) * 10
+    assert_same_bits(lpsim.fixed_point_quantize(y, 8, 4, **kw),
+                     lpsim.quantize(y, Fixed(8, 4), "stochastic", **kw))
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=repr)

@@ -41,7 +41,7 @@ FORMATS = {
     "fixed-symmetric": Fixed(6, 2, symmetric=True),
     "block-whole": BlockFloat(6),
     "block-dim0": BlockFloat(5, 0),
-    "block-dim-last": BlockFloat(4, -1),
+    "block-dim2": BlockFloat(4, 2),
     "block-dim1": BlockFloat(8, 1),
     "block-size16": BlockFloat(8, block_size=16),
     "block-size7": BlockFloat(4, block_size=7),

@@ -72,7 +72,7 @@ def test_every_rule_equals_the_oracle_on_every_decision(fmt, dtype):
     [
         (BlockFloat(4), (7, 9)),
         (BlockFloat(3, 0), (5, 11)),
-        (BlockFloat(5, -1), (6, 4, 3)),
+        (BlockFloat(5, 2), (6, 4, 3)),
         (BlockFloat(4, 1), (3, 5, 2)),
         (BlockFloat(4, block_size=4), (5, 10)),
         (BlockFloat(2, block_size=3), (4, 7)),

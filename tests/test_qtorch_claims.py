@@ -92,3 +92,14 @@ def test_compat_block_agrees_with_qtorch_off_ties(wl, dim):
     # Differences are ties only: both results are one spacing apart around a midpoint input.
     assert bool(((ours - theirs).abs()[differ] > 0).all())
     assert differ.double().mean().item() < 1e-3
+
+
+def test_top_level_qtorch_names_give_qtorch_numbers():
+    # lpsim.float_quantize and lpsim.block_quantize are QPyTorch's functions, not lpsim's IEEE ones.
+    import lpsim
+
+    x = torch.tensor([1e5, -3e5, 0.3, 7.1, 1e-6])
+    assert_same_bits(lpsim.float_quantize(x, 5, 2, "nearest"), qq.float_quantize(x, 5, 2, "nearest"))
+    blocks = torch.tensor([[8.0, 2.9], [4.2, -6.1]])
+    assert_same_bits(lpsim.block_quantize(blocks, 4, -1, "nearest"),
+                     qq.block_quantize(blocks, 4, -1, "nearest"))

@@ -1,7 +1,15 @@
 """Quantisers for training: differentiable quantisation of activations and errors, modules, and
 injection of quantisers into existing models."""
 
-from lpsim.nn.inject import DEFAULT, LayerQuantization, inject, injected, remove, report
+from lpsim.nn.inject import (
+    DEFAULT,
+    LayerQuantization,
+    inject,
+    injected,
+    quantized_parameters,
+    remove,
+    report,
+)
 from lpsim.nn.quantizer import QuantSpec, Quantizer, as_spec, quantizer
 
 __all__ = [
@@ -14,5 +22,6 @@ __all__ = [
     "remove",
     "report",
     "injected",
+    "quantized_parameters",
     "DEFAULT",
 ]

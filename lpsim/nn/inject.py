@@ -13,29 +13,41 @@
     lpsim.nn.remove(model)                  # back to the original model exactly
 
 Selectors are module types (subclasses match), glob patterns on qualified module names
-("features.*", "classifier.2"), callables (name, module) -> bool, or tuples of these (any
-matches). For every module of the model (the model itself excluded) the first matching entry, in
-the mapping's order, decides; its value is a LayerQuantization, or None to leave the module as it
-is. The entry keyed "default" applies to leaf modules (modules without children) that no other
-entry matched.
+("features.*", "classifier.2"; the model itself is named ""), callables (name, module) -> bool, or
+tuples of these (any matches). Every module of the model, the model itself included, is decided by
+the first matching entry in the mapping's order; its value is a LayerQuantization, or None to leave
+the module as it is. The entry keyed "default" applies to leaf modules (modules without children)
+that no other entry matched.
+
+A selector that decides no module (it matches nothing, or only modules an earlier entry already
+decided) is almost always a mistake (a misspelled name, a layer the model does not have), so it is
+an error unless ``unmatched="warn"`` or ``"ignore"`` is given. The "default" entry is exempt: it is
+a fallback, and a model whose leaves all have entries of their own leaves it nothing.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lpsim.nn.quantizer import QuantSpec, Spec, as_spec, quantizer
+from lpsim.nn.quantizer import QuantSpec, Spec, as_spec, eval_spec, parse_eval_rounding, quantizer
 from lpsim.rounding import Rounding
 
-__all__ = ["LayerQuantization", "inject", "remove", "report", "DEFAULT"]
+__all__ = ["LayerQuantization", "inject", "remove", "report", "injected", "quantized_parameters",
+           "DEFAULT"]
 
 DEFAULT = "default"
 _STATE = "_lpsim_injection"  # attribute holding what inject() did to a module
+_UNMATCHED = ("error", "warn", "ignore")
+
+# Children whose forward() their parent never calls: the parent reads their parameters directly,
+# so their weight quantisers run but their input, output and error quantisers never do.
+_FORWARD_BYPASSED = {nn.MultiheadAttention: ("out_proj",)}
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,9 @@ class LayerQuantization:
         output: the floating-point tensors forward returns (nested tuples, lists and dicts too).
         error: the gradient flowing back into those outputs (the layer's error), in backward.
         rounding: the rule for fields given as bare formats.
+        eval_rounding: the rule that replaces stochastic rules while the module is in eval mode
+            ("nearest" by default: evaluation is deterministic and draws no random numbers, so
+            how often one evaluates never changes training). None keeps the stochastic rules.
     """
 
     weight: Spec = None
@@ -60,28 +75,49 @@ class LayerQuantization:
     output: Spec = None
     error: Spec = None
     rounding: Rounding | str = field(default="stochastic")
+    eval_rounding: Rounding | str | None = field(default="nearest")
 
     def spec(self, name: str) -> QuantSpec | None:
         return as_spec(getattr(self, name), self.rounding, name)
 
     def __post_init__(self) -> None:
         Rounding.parse(self.rounding)
+        parse_eval_rounding(self.eval_rounding)
         for f in ("weight", "bias", "input", "output", "error"):
             self.spec(f)  # raises TypeError for malformed specs
 
 
 class _FakeQuantize(nn.Module):
-    """Parametrisation: the parameter as seen by forward is its quantised value."""
+    """Parametrisation: the parameter as seen by forward is its quantised value (``spec`` in
+    training mode, ``eval_spec`` in eval mode)."""
 
-    def __init__(self, spec: QuantSpec):
+    def __init__(self, spec: QuantSpec, eval_spec: QuantSpec):
         super().__init__()
         self.spec = spec
+        self.eval_spec = eval_spec
 
     def forward(self, value: torch.Tensor) -> torch.Tensor:
-        return self.spec(value)
+        return self.spec(value) if self.training else self.eval_spec(value)
 
     def extra_repr(self) -> str:
         return str(self.spec)
+
+
+def _check_selector(selector) -> None:
+    if isinstance(selector, tuple):
+        for s in selector:
+            _check_selector(s)
+    elif isinstance(selector, nn.Module):
+        raise TypeError(
+            f"config keys select modules by type, name pattern or predicate; got the module "
+            f"instance {type(selector).__name__}(...). Use its type ({type(selector).__name__}), "
+            "its qualified name, or lambda name, m: m is that_module"
+        )
+    elif not isinstance(selector, (type, str)) and not callable(selector):
+        raise TypeError(
+            "config keys must be module types, name patterns, callables (name, module) -> bool, "
+            f"or tuples of these; got {selector!r}"
+        )
 
 
 def _matches(selector, name: str, module: nn.Module) -> bool:
@@ -91,24 +127,61 @@ def _matches(selector, name: str, module: nn.Module) -> bool:
         return isinstance(module, selector)
     if isinstance(selector, str):
         return fnmatch.fnmatchcase(name, selector)
-    if callable(selector):
-        return bool(selector(name, module))
-    raise TypeError(
-        "config keys must be module types, name patterns, callables (name, module) -> bool, or "
-        f"tuples of these; got {selector!r}"
-    )
+    return bool(selector(name, module))
 
 
-def _choose(config, name: str, module: nn.Module):
-    """The config value of the first entry matching the module, and whether any matched."""
-    for selector, settings in config.items():
-        if selector == DEFAULT:
+def _plan(model: nn.Module, config) -> tuple[list, dict]:
+    """[(name, module, settings)] for the modules some entry decides, and for every selector the
+    number of modules it decided and the number it matched."""
+    decided = {key: 0 for key in config}
+    matched = {key: 0 for key in config}
+    plan = []
+    for name, module in model.named_modules():
+        chosen = None
+        for selector in config:
+            if selector == DEFAULT:
+                continue
+            if _matches(selector, name, module):
+                matched[selector] += 1
+                if chosen is None:
+                    chosen = selector
+        if chosen is None and DEFAULT in config and not any(True for _ in module.children()):
+            chosen = DEFAULT
+            matched[DEFAULT] += 1
+        if chosen is not None:
+            decided[chosen] += 1
+            plan.append((name, module, config[chosen]))
+    return plan, {key: (decided[key], matched[key]) for key in config}
+
+
+def _selector_name(selector) -> str:
+    if isinstance(selector, type):
+        return selector.__name__
+    if isinstance(selector, tuple):
+        return "(" + ", ".join(_selector_name(s) for s in selector) + ")"
+    if isinstance(selector, str):
+        return repr(selector)
+    return getattr(selector, "__name__", repr(selector))
+
+
+def _check_unmatched(counts: dict, unmatched: str) -> None:
+    problems = []
+    for selector, (decided, matched) in counts.items():
+        if decided or selector == DEFAULT:  # "default" is a fallback: finding nothing left is fine
             continue
-        if _matches(selector, name, module):
-            return settings, True
-    if DEFAULT in config and not any(True for _ in module.children()):
-        return config[DEFAULT], True
-    return None, False
+        if matched:
+            why = f"matches {matched} module(s), all decided by an earlier entry"
+        else:
+            why = "matches no module of the model"
+        problems.append(f"{_selector_name(selector)}: {why}")
+    if not problems or unmatched == "ignore":
+        return
+    message = ("inject(): config entries that decide no module (pass unmatched='warn' or 'ignore' "
+               "to allow this): " + "; ".join(problems))
+    if unmatched == "warn":
+        warnings.warn(message, stacklevel=3)
+    else:
+        raise ValueError(message)
 
 
 def _map_tensors(value, fn):
@@ -128,33 +201,60 @@ def _parameter_names(module: nn.Module, suffix: str) -> list[str]:
     return [n for n, _ in module.named_parameters(recurse=False) if n.endswith(suffix)]
 
 
-def _inject_module(name: str, module: nn.Module, settings: LayerQuantization) -> dict:
+def _bypassed(model: nn.Module) -> dict[str, str]:
+    """Qualified names of the modules whose forward their parent never calls, with the reason."""
+    found = {}
+    for name, module in model.named_modules():
+        for parent_type, children in _FORWARD_BYPASSED.items():
+            if isinstance(module, parent_type):
+                for child in children:
+                    if isinstance(getattr(module, child, None), nn.Module):
+                        qualified = f"{name}.{child}" if name else child
+                        found[qualified] = (f"{type(module).__name__} never calls its forward "
+                                            "(it reads the parameters directly)")
+    return found
+
+
+def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str | None) -> dict:
     done = {"type": type(module).__name__, "weight": [], "bias": [], "input": None, "output": None,
-            "error": None, "hooks": []}
+            "error": None, "hooks": [], "parameter_order": list(module._parameters),
+            "bypassed": bypassed}
+    eval_rule = parse_eval_rounding(settings.eval_rounding)
     for kind in ("weight", "bias"):
         spec = settings.spec(kind)
         if spec is None:
             continue
         for pname in _parameter_names(module, kind):
-            parametrize.register_parametrization(module, pname, _FakeQuantize(spec))
+            parametrize.register_parametrization(
+                module, pname, _FakeQuantize(spec, eval_spec(spec, eval_rule)))
             done[kind].append((pname, spec))
     input_spec = settings.spec("input")
     if input_spec is not None:
+        input_eval = eval_spec(input_spec, eval_rule)
+
         def quantize_inputs(mod, args, kwargs):
-            return _map_tensors(args, input_spec), _map_tensors(kwargs, input_spec)
+            spec = input_spec if mod.training else input_eval
+            return _map_tensors(args, spec), _map_tensors(kwargs, spec)
 
         done["hooks"].append(module.register_forward_pre_hook(quantize_inputs, with_kwargs=True))
         done["input"] = input_spec
     output_spec, error_spec = settings.spec("output"), settings.spec("error")
     if output_spec is not None or error_spec is not None:
-        apply = quantizer(output_spec, error_spec)
+        train_apply = quantizer(output_spec, error_spec)
+        eval_apply = quantizer(eval_spec(output_spec, eval_rule), eval_spec(error_spec, eval_rule))
 
         def quantize_outputs(mod, args, output):
-            return _map_tensors(output, apply)
+            return _map_tensors(output, train_apply if mod.training else eval_apply)
 
         done["hooks"].append(module.register_forward_hook(quantize_outputs))
         done["output"], done["error"] = output_spec, error_spec
     return done
+
+
+def _active(done: dict) -> bool:
+    """Whether any quantiser of an injection exists (a weight setting on a module without
+    weights, say, creates none)."""
+    return bool(done["weight"] or done["bias"] or done["hooks"])
 
 
 def _guard_hooks_under_compile() -> None:
@@ -170,9 +270,13 @@ def _guard_hooks_under_compile() -> None:
         torch._dynamo.reset()
 
 
-def inject(model: nn.Module, config, *, verbose: bool = False) -> nn.Module:
+def inject(model: nn.Module, config, *, unmatched: str = "error", verbose: bool = False) -> nn.Module:
     """Insert quantisers into ``model`` in place, as ``config`` says (see the module docstring),
     and return it. Injecting again into an injected model first removes the earlier injection.
+
+    Modules whose forward their parent never calls (``out_proj`` of ``nn.MultiheadAttention``)
+    get their weight quantisers, which run, and a warning for configured input, output or error
+    quantisers, which would never run.
 
     Also sets ``torch._dynamo.config.skip_nnmodule_hook_guards = False`` for the process (and, the
     first time, clears dynamo's caches), so that torch.compile never reuses a graph compiled
@@ -180,36 +284,62 @@ def inject(model: nn.Module, config, *, verbose: bool = False) -> nn.Module:
     would lend its graph to the injected one, silently without quantisers.
 
     Args:
-        model: any nn.Module (nested containers, ModuleDict, custom modules).
+        model: any nn.Module (nested containers, ModuleDict, custom modules, a single layer).
         config: a mapping (in priority order) from selectors to LayerQuantization or None.
+        unmatched: what a config entry that decides no module causes: "error" (ValueError, the
+            default), "warn" (a UserWarning) or "ignore".
         verbose: print the report table.
 
     Raises:
-        TypeError: a selector or a setting is malformed.
+        TypeError: a selector or a setting is malformed (a module instance as a selector, say).
+        ValueError: an entry decides no module (with unmatched="error"), or unmatched is not one of
+            "error", "warn", "ignore". The model is unchanged when inject raises.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not hasattr(config, "items"):
         raise TypeError(f"config must be a mapping from selectors to settings, got {type(config).__name__}")
-    for settings in config.values():
+    if unmatched not in _UNMATCHED:
+        raise ValueError(f"unmatched must be one of {', '.join(map(repr, _UNMATCHED))}; got {unmatched!r}")
+    for selector, settings in config.items():
+        if selector != DEFAULT:
+            _check_selector(selector)
         if settings is not None and not isinstance(settings, LayerQuantization):
             raise TypeError(f"config values must be LayerQuantization or None, got {settings!r}")
+    remove(model)  # an earlier injection would otherwise be matched as part of the model
+    plan, counts = _plan(model, config)
+    _check_unmatched(counts, unmatched)
     _guard_hooks_under_compile()
-    remove(model)
-    for name, module in list(model.named_modules()):
-        if module is model:
+    bypassed = _bypassed(model)
+    never_run = []
+    for name, module, settings in plan:
+        if settings is None:
             continue
-        settings, matched = _choose(config, name, module)
-        if matched and settings is not None:
-            setattr(module, _STATE, _inject_module(name, module, settings))
+        done = _inject_module(module, settings, bypassed.get(name))
+        if done["bypassed"] and done["hooks"]:
+            never_run.append(f"{name!r} ({done['bypassed']})")
+        setattr(module, _STATE, done)
+    if never_run:
+        warnings.warn("inject(): the input/output/error quantisers configured for these modules "
+                      f"never run: {', '.join(never_run)}", stacklevel=2)
     if verbose:
         print(report(model))
     return model
 
 
+def _restore_parameter_order(module: nn.Module, order: list[str]) -> None:
+    params = module._parameters
+    ordered = {k: params[k] for k in order if k in params}
+    ordered.update((k, v) for k, v in params.items() if k not in ordered)
+    params.clear()
+    params.update(ordered)
+
+
 def remove(model: nn.Module) -> nn.Module:
     """Undo inject(): remove every hook and parametrisation it added, restoring the original
-    parameters (the same Parameter objects). Returns the model."""
+    parameters (the same Parameter objects, in their original registration order, so that
+    named_parameters(), state_dict() and optimizer states saved before injection match again).
+    Returns the model."""
     for module in model.modules():
         done = getattr(module, _STATE, None)
         if done is None:
@@ -218,32 +348,115 @@ def remove(model: nn.Module) -> nn.Module:
             handle.remove()
         for pname, _ in done["weight"] + done["bias"]:
             parametrize.remove_parametrizations(module, pname, leave_parametrized=False)
+        _restore_parameter_order(module, done["parameter_order"])
         delattr(module, _STATE)
     return model
 
 
 def injected(model: nn.Module) -> list[tuple[str, nn.Module, dict]]:
-    """(name, module, what was injected) for every injected module, in model order."""
-    return [(n, m, getattr(m, _STATE)) for n, m in model.named_modules() if hasattr(m, _STATE)]
+    """(name, module, what was injected) for every module inject() placed a quantiser in, in
+    model order."""
+    return [(n, m, getattr(m, _STATE)) for n, m in model.named_modules()
+            if hasattr(m, _STATE) and _active(getattr(m, _STATE))]
 
 
-def report(model: nn.Module) -> str:
-    """A table of the quantisers inject() placed in model: one row per module."""
-    def cell(entries) -> str:
-        if not entries:
-            return "-"
-        if isinstance(entries, list):
-            specs = {str(s) for _, s in entries}
-            return ", ".join(sorted(specs))
-        return str(entries)
+def quantized_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters that inject() fake-quantises in ``model``, in model order: the ones to give
+    OptimLP(..., parameters=...) so that the optimizer rounds exactly the parameters forward sees
+    quantised, and leaves the others (first and last layers kept in float32, say) alone."""
+    found = []
+    for _, module, done in injected(model):
+        for pname, _ in done["weight"] + done["bias"]:
+            found.append(module.parametrizations[pname].original)
+    return found
 
-    rows = [("module", "type", "weight", "bias", "input", "output", "error")]
-    for name, module, done in injected(model):
-        rows.append((name, done["type"], cell(done["weight"]), cell(done["bias"]),
-                     cell(done["input"]), cell(done["output"]), cell(done["error"])))
+
+def _plain_name(name: str) -> str:
+    """A parameter's name without the parametrisation's indirection."""
+    return name.replace(".parametrizations.", ".").replace(".original", "")
+
+
+def _modules_that_run(model: nn.Module, example) -> set[int]:
+    """ids of the modules whose forward runs on ``example`` (a tensor or a tuple of arguments).
+    The pass runs without gradients and inside a fork of torch's generators, so it leaves the
+    random streams of training where they were."""
+    ran: set[int] = set()
+    handles = [m.register_forward_pre_hook(lambda mod, args: ran.add(id(mod)))
+               for m in model.modules()]
+    args = example if isinstance(example, tuple) else (example,)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(*args)
+    finally:
+        for h in handles:
+            h.remove()
+    return ran
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append(f"{len(rows) - 1} modules quantised")
+    return lines
+
+
+def report(model: nn.Module, optimizer=None, *, example=None) -> str:
+    """What really runs in low precision in ``model``: a table with one row per module that holds a
+    quantiser and per module left in full precision (leaf modules and modules with parameters of
+    their own), then the share of parameter elements fake-quantised, and, with an OptimLP
+    ``optimizer``, what the optimizer rounds for each parameter.
+
+    The ``note`` column flags configured quantisers that never run: on modules whose forward their
+    parent bypasses (always), and, given ``example`` (a tensor or a tuple of positional arguments),
+    on modules whose forward does not run on it. The example pass runs without gradients and in a
+    fork of torch's generators, so it changes nothing; each such quantiser also gives a warning.
+    """
+    ran = _modules_that_run(model, example) if example is not None else None
+    specs = lambda entries: ", ".join(sorted({str(s) for _, s in entries})) or "-"  # noqa: E731
+    rows = [("module", "type", "weight", "bias", "input", "output", "error", "note")]
+    quantised = full = 0
+    for name, module in model.named_modules():
+        if isinstance(module, (parametrize.ParametrizationList, _FakeQuantize)):
+            continue
+        done = getattr(module, _STATE, None)
+        if done is not None and _active(done):
+            note = ""
+            if done["hooks"] and done["bypassed"]:
+                note = f"input/output/error never run: {done['bypassed']}"
+            elif done["hooks"] and ran is not None and id(module) not in ran:
+                note = "input/output/error never ran on the example: forward not called"
+            if note:
+                warnings.warn(f"report(): {name or type(module).__name__}: {note}", stacklevel=2)
+            quantised += 1
+            rows.append((name or "(model)", done["type"], specs(done["weight"]), specs(done["bias"]),
+                         str(done["input"] or "-"), str(done["output"] or "-"),
+                         str(done["error"] or "-"), note))
+        elif not any(True for _ in module.children()) or any(True for _ in module.parameters(recurse=False)):
+            full += 1
+            note = "full precision" if done is None else "full precision (nothing to quantise)"
+            rows.append((name or "(model)", type(module).__name__) + ("-",) * 5 + (note,))
+    lines = _table(rows)
+    total = sum(p.numel() for p in model.parameters())
+    fake = sum(p.numel() for p in quantized_parameters(model))
+    share = f"{100 * fake / total:.1f}%" if total else "-"
+    lines.append(f"{quantised} modules quantised, {full} in full precision; "
+                 f"{fake} of {total} parameter elements fake-quantised ({share})")
+    if optimizer is not None:
+        lines.append("")
+        lines.extend(_optimizer_table(model, optimizer))
     return "\n".join(lines)
 
+
+def _optimizer_table(model: nn.Module, optimizer) -> list[str]:
+    settings_of = getattr(optimizer, "parameter_settings", None)
+    if settings_of is None:
+        return [f"optimizer: {type(optimizer).__name__} rounds nothing (not an OptimLP)"]
+    names = {id(p): _plain_name(n) for n, p in model.named_parameters()}
+    rows = [("parameter", "weight", "grad", "momentum", "acc")]
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            s = settings_of(p)
+            cells = ("full precision", "", "", "") if s is None else tuple(
+                str(getattr(s, k) or "-") for k in ("weight", "grad", "momentum", "acc"))
+            rows.append((names.get(id(p), "(not in model)"),) + cells)
+    return ["optimizer (OptimLP) rounds:"] + _table(rows)

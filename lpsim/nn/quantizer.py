@@ -7,17 +7,19 @@ whose rounding overrides the default. None means "leave as is".
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import NamedTuple, Union
 
 import torch
 from torch import nn
 
-from lpsim.formats import BlockFloat, Fixed, Float, Format
+from lpsim.formats import BlockFloat, Fixed, Float, Format, check_fits
 from lpsim.functional import quantize
 from lpsim.rounding import Rounding
 
-__all__ = ["Spec", "QuantSpec", "as_spec", "quantizer", "Quantizer"]
+__all__ = ["Spec", "QuantSpec", "as_spec", "quantizer", "Quantizer", "eval_spec",
+           "parse_eval_rounding"]
 
 Spec = Union[Format, tuple, None]
 
@@ -34,6 +36,32 @@ class QuantSpec(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.format!r} {self.rounding.name}"
+
+    def for_eval(self, eval_rounding: Rounding | None) -> QuantSpec:
+        """The spec an evaluating module uses: a stochastic rule replaced by ``eval_rounding``
+        (None keeps it); deterministic rules are kept."""
+        if eval_rounding is None or not self.rounding.is_stochastic:
+            return self
+        return QuantSpec(self.format, eval_rounding)
+
+
+def eval_spec(spec: QuantSpec | None, eval_rounding: Rounding | None) -> QuantSpec | None:
+    """spec.for_eval(eval_rounding), None for None."""
+    return None if spec is None else spec.for_eval(eval_rounding)
+
+
+def parse_eval_rounding(value: Rounding | str | None) -> Rounding | None:
+    """The rule that replaces stochastic rules in eval mode (None: keep them).
+
+    Raises:
+        ValueError: value names a stochastic rule (evaluation would draw random words again).
+    """
+    if value is None:
+        return None
+    rule = Rounding.parse(value)
+    if rule.is_stochastic:
+        raise ValueError(f"eval_rounding must be a deterministic rule or None, got {rule.name!r}")
+    return rule
 
 
 def as_spec(value: Spec, rounding: Rounding | str, name: str) -> QuantSpec | None:
@@ -76,14 +104,70 @@ def clip_range(fmt: Format) -> tuple[float, float]:
     )
 
 
-def clip_mask(x: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """Where quantising x into fmt clips it (see clip_range)."""
+def unclipped(fmt: Fixed | Float) -> Fixed | Float:
+    """A format that rounds every value exactly as ``fmt`` does, but does not clip in the binade
+    above fmt's range: fmt without clamp (Fixed), or fmt with one more exponent bit, the same bias
+    and IEEE Inf (Float). Rounding into it and then clipping gives what rounding into fmt gives.
+
+    Raises:
+        ValueError: fmt does not clip (see clip_range), or it is a Float whose widened exponent
+            fits no container (more than 9 exponent bits with the default bias).
+    """
+    clip_range(fmt)
+    if isinstance(fmt, Fixed):
+        return dataclasses.replace(fmt, clamp=False)
+    try:
+        return Float(fmt.exp + 1, fmt.man, bias=fmt.bias, subnormals=fmt.subnormals)
+    except ValueError:
+        raise ValueError(
+            f"clamp_grad_zero: {fmt!r} leaves no room above its range in a float64 container, so "
+            "where rounding overflows cannot be seen"
+        ) from None
+
+
+def _wide_enough(fmt: Format, dtype: torch.dtype) -> torch.dtype:
+    """dtype if fmt fits it, else the narrowest of float32 and float64 that fmt fits."""
+    for candidate in (dtype, torch.float32, torch.float64):
+        try:
+            check_fits(fmt, candidate)
+            return candidate
+        except ValueError:
+            continue
+    return torch.float64  # unclipped() built fmt, so it fits float64
+
+
+def quantize_with_clip_mask(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(spec(x), clipped): x rounded by spec into a clamping Fixed or saturating Float format, and
+    the boolean mask of the elements whose rounded value lay outside the format's range and was
+    clipped to its limit.
+
+    The mask is decided on the rounded value, as QPyTorch's kernels decide it: with Fixed(4, 3)
+    and nearest, 0.9 rounds to 0.875 = max and is not clipped, 0.95 rounds to 1.0 and is. x is
+    rounded once, into unclipped(spec.format) in a container that holds it, and then clipped, so
+    the result is bit for bit spec(x) for every rule, and a stochastic rule's mask comes from the
+    same random decisions as its values (the same draw from torch's generator as spec(x) makes).
+    NaN is never clipped, nor is +/-Inf in a format that keeps it (a saturating IEEE Float); in
+    other formats +/-Inf is clipped to the limits.
+
+    Raises:
+        ValueError: as unclipped().
+    """
+    fmt = spec.format
+    wide = unclipped(fmt)
     low, high = clip_range(fmt)
-    return (x > high) | (x < low)
+    rounded = quantize(x.detach().to(_wide_enough(wide, x.dtype)), wide, spec.rounding)
+    clipped = (rounded > high) | (rounded < low)
+    if isinstance(fmt, Float) and fmt.has_inf:
+        clipped &= ~rounded.isinf() | x.isfinite()
+    out = torch.where(clipped, rounded.clamp(low, high), rounded)
+    if isinstance(fmt, Float) and not fmt.has_negative_zero:
+        out = torch.where(out == 0, 0.0, out)
+    return out.to(x.dtype), clipped
 
 
 class _Quantize(torch.autograd.Function):
-    """y = forward_spec(x); dL/dx = backward_spec(hooks(dL/dy)), zero where the forward clipped."""
+    """y = forward_spec(x); dL/dx = backward_spec(hooks(dL/dy)), zero where the forward clipped
+    (where the rounded value lay outside the format's range)."""
 
     @staticmethod
     def forward(ctx, x, forward_spec, backward_spec, clamp_grad_zero, hooks):
@@ -91,7 +175,9 @@ class _Quantize(torch.autograd.Function):
         ctx.hooks = hooks
         ctx.masked = clamp_grad_zero
         if clamp_grad_zero:
-            ctx.save_for_backward(clip_mask(x, forward_spec.format))
+            out, clipped = quantize_with_clip_mask(x, forward_spec)
+            ctx.save_for_backward(clipped)
+            return out
         if forward_spec is None:
             return x.view_as(x)
         return forward_spec(x)
@@ -123,14 +209,16 @@ def quantizer(
         forward: spec of the forward quantisation (None: identity).
         backward: spec of the gradient quantisation (None: the gradient passes unchanged).
         forward_rounding, backward_rounding: rules for specs given as bare formats.
-        clamp_grad_zero: zero the gradient where the forward pass clipped the input (outside the
-            range of a clamping Fixed format or a saturating Float): the straight-through
-            estimator with a clip mask.
+        clamp_grad_zero: zero the gradient where the forward pass clipped: where the rounded
+            value lay outside the range of a clamping Fixed format or a saturating Float (decided
+            on the rounded value, with the forward pass's own random decisions; see
+            quantize_with_clip_mask): the straight-through estimator with a clip mask.
         backward_hooks: functions applied in order to the gradient before its quantisation (for
             example loss-scaling).
 
     Random numbers of stochastic rules come from torch's default generator, so torch.manual_seed
-    makes forward and backward reproducible.
+    makes forward and backward reproducible. The function has no train/eval mode: the Quantizer
+    module and lpsim.nn.inject() switch to deterministic rounding in eval mode.
 
     Raises:
         TypeError: a spec is malformed.
@@ -142,7 +230,7 @@ def quantizer(
     if clamp_grad_zero:
         if forward_spec is None:
             raise ValueError("clamp_grad_zero needs a forward format")
-        clip_range(forward_spec.format)
+        unclipped(forward_spec.format)
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         return _Quantize.apply(x, forward_spec, backward_spec, clamp_grad_zero, hooks)
@@ -153,7 +241,14 @@ def quantizer(
 class Quantizer(nn.Module):
     """A module wrapping quantizer(): quantises activations forward and errors backward.
 
-    Arguments as for lpsim.nn.quantizer().
+    Arguments as for lpsim.nn.quantizer(), and:
+
+    Args:
+        eval_rounding: the rule that replaces the stochastic rules while the module is in eval
+            mode (``module.eval()``), "nearest" by default, so that evaluation is deterministic and
+            draws no random numbers (evaluating never shifts the training stream of torch's
+            generator). None keeps the stochastic rules in eval mode too. Deterministic rules
+            are the same in both modes.
     """
 
     def __init__(
@@ -164,18 +259,24 @@ class Quantizer(nn.Module):
         backward_rounding: Rounding | str = "stochastic",
         clamp_grad_zero: bool = False,
         backward_hooks: Iterable[Callable[[torch.Tensor], torch.Tensor]] = (),
+        eval_rounding: Rounding | str | None = "nearest",
     ):
         super().__init__()
         self.forward_spec = as_spec(forward, forward_rounding, "forward")
         self.backward_spec = as_spec(backward, backward_rounding, "backward")
         self.clamp_grad_zero = clamp_grad_zero
         self.backward_hooks = tuple(backward_hooks)
-        self._apply_quantizer = quantizer(self.forward_spec, self.backward_spec,
-                                          clamp_grad_zero=clamp_grad_zero,
-                                          backward_hooks=self.backward_hooks)
+        self.eval_rounding = parse_eval_rounding(eval_rounding)
+        self._apply_train = quantizer(self.forward_spec, self.backward_spec,
+                                      clamp_grad_zero=clamp_grad_zero,
+                                      backward_hooks=self.backward_hooks)
+        self._apply_eval = quantizer(eval_spec(self.forward_spec, self.eval_rounding),
+                                     eval_spec(self.backward_spec, self.eval_rounding),
+                                     clamp_grad_zero=clamp_grad_zero,
+                                     backward_hooks=self.backward_hooks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._apply_quantizer(x)
+        return self._apply_train(x) if self.training else self._apply_eval(x)
 
     def extra_repr(self) -> str:
         parts = [f"forward={self.forward_spec or 'None'}", f"backward={self.backward_spec or 'None'}"]
@@ -183,4 +284,8 @@ class Quantizer(nn.Module):
             parts.append("clamp_grad_zero=True")
         if self.backward_hooks:
             parts.append(f"backward_hooks={len(self.backward_hooks)}")
+        if self.eval_rounding is not None and any(
+                s is not None and s.rounding.is_stochastic
+                for s in (self.forward_spec, self.backward_spec)):
+            parts.append(f"eval_rounding={self.eval_rounding.name}")
         return ", ".join(parts)

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch.optim import Optimizer
 
-from lpsim.functional import quantize_
+from lpsim.formats import check_fits
+from lpsim.functional import quantize, quantize_
 from lpsim.nn.quantizer import QuantSpec, Spec, as_spec
 from lpsim.rounding import Rounding
 
-__all__ = ["OptimLP"]
+__all__ = ["OptimLP", "ParameterQuantization"]
 
 QuantFunction = Callable[[torch.Tensor], torch.Tensor]
+_GROUP_KEY = "quantization"  # a parameter group's own ParameterQuantization (or None)
+_CATEGORIES = ("weight", "grad", "momentum", "acc")
 
 
 def _as_function(value, rounding, name: str) -> QuantFunction | None:
@@ -21,6 +25,34 @@ def _as_function(value, rounding, name: str) -> QuantFunction | None:
     if callable(value) and not isinstance(value, tuple):  # a function, or a QuantSpec
         return value
     return as_spec(value, rounding, name)
+
+
+@dataclass(frozen=True)
+class ParameterQuantization:
+    """What OptimLP rounds for one parameter. Each field is None (not rounded), a format, a
+    (format, rounding) pair, or any function tensor -> tensor; bare formats use ``rounding``.
+
+    Args:
+        weight: the parameter after every step.
+        grad: its gradient before every step (after OptimLP's grad_scaling).
+        momentum: every floating-point tensor of the optimizer's state for the parameter.
+        acc: the high-precision accumulator that takes the parameter's place in the update.
+        rounding: the rule for fields given as bare formats.
+    """
+
+    weight: Spec | QuantFunction = None
+    grad: Spec | QuantFunction = None
+    momentum: Spec | QuantFunction = None
+    acc: Spec | QuantFunction = None
+    rounding: Rounding | str = field(default="stochastic")
+
+    def __post_init__(self) -> None:
+        for name in _CATEGORIES:  # formats and pairs become QuantSpecs; malformed ones raise
+            object.__setattr__(self, name, _as_function(getattr(self, name), self.rounding, name))
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name}={getattr(self, name)}" for name in _CATEGORIES
+                         if getattr(self, name) is not None) or "nothing"
 
 
 def _round_in_place(quant: QuantFunction, t: torch.Tensor) -> None:
@@ -32,13 +64,39 @@ def _round_in_place(quant: QuantFunction, t: torch.Tensor) -> None:
         t.copy_(quant(t))
 
 
+def _rounded(quant: QuantFunction, t: torch.Tensor) -> torch.Tensor:
+    """quant(t) in a new tensor."""
+    if isinstance(quant, QuantSpec):
+        return quantize(t, quant.format, quant.rounding)
+    return quant(t.clone())
+
+
+_WIDE = (torch.float32, torch.float64)
+
+
+def _accumulator_dtype(acc: QuantFunction, dtype: torch.dtype) -> torch.dtype:
+    """The container of a parameter's accumulator: the parameter's own dtype when it is float32 or
+    float64 and holds the format, else float32 when that holds it, else float64."""
+    candidates = ((dtype,) if dtype in _WIDE else ()) + _WIDE
+    if not isinstance(acc, QuantSpec):
+        return candidates[0]
+    for candidate in candidates:
+        try:
+            check_fits(acc.format, candidate)
+            return candidate
+        except ValueError:
+            continue
+    return torch.float64  # check_fits(format, float64) raised: let quantize say why
+
+
 class OptimLP(Optimizer):
     """Wrap ``optimizer`` (any torch.optim optimizer) so that one step is, for every parameter:
 
-    1. gradient: multiplied by ``grad_scaling``, then quantised by ``grad`` (parameters whose
-       .grad is None are skipped);
-    2. with ``acc``: the parameter's high-precision accumulator (a float copy of the weight,
-       itself rounded into ``acc``) takes the weight's place for the update;
+    1. gradient: multiplied by ``grad_scaling`` (every parameter's, so that a loss scale is undone
+       everywhere), then quantised by ``grad`` (parameters whose .grad is None are skipped);
+    2. with ``acc``: the parameter's high-precision accumulator (a copy of the weight in a
+       container wide enough for ``acc``, float32 unless ``acc`` needs float64, itself rounded
+       into ``acc``) takes the weight's place for the update;
     3. ``optimizer.step(closure)``;
     4. every floating-point tensor in the optimizer's state for the parameter (momentum_buffer,
        exp_avg, exp_avg_sq, max_exp_avg_sq, ...; not the 0-d ``step`` counters) quantised by
@@ -48,12 +106,37 @@ class OptimLP(Optimizer):
 
     Each of ``weight``, ``grad``, ``momentum``, ``acc`` is None (no quantisation), a format, a
     (format, rounding) pair, or any function tensor -> tensor (QPyTorch's convention); bare formats
-    use ``rounding``. Quantisation happens in place, so tensors keep their storage (DDP and other
-    wrappers hold on to them). Parameter groups and state are the wrapped optimizer's own, so LR
-    schedulers, zero_grad and add_param_group act on it; state_dict() includes the accumulators.
+    use ``rounding``. They are the defaults; each parameter may have its own settings:
+
+    - ``parameters=`` an iterable of parameters: only these are rounded (with the defaults); every
+      other parameter of the optimizer stays in full precision (its gradient is still multiplied
+      by grad_scaling). ``lpsim.nn.quantized_parameters(model)`` lists the parameters inject()
+      fake-quantises, so the optimizer rounds exactly those.
+    - ``parameters=`` a mapping parameter -> ParameterQuantization or None: each listed parameter
+      its own settings (None: full precision); unlisted ones stay in full precision.
+    - a parameter group of the wrapped optimizer with the key ``"quantization"``
+      (a ParameterQuantization, or None for full precision) sets its parameters' settings, unless
+      ``parameters=`` says otherwise: ``SGD([{"params": body}, {"params": edges,
+      "quantization": None}], lr=0.1)``.
+
+    A parameter's accumulator may be wider than the parameter itself (a bfloat16 model with an
+    e6m9 accumulator in float32): the wrapped optimizer then updates the accumulator directly, and
+    its state buffers live in the accumulator's dtype. Quantisation happens in place, so
+    parameters keep their storage (DDP and other wrappers hold on to them). Parameter groups and
+    state are the wrapped optimizer's own, so LR schedulers, zero_grad and add_param_group act on
+    it; state_dict() includes the accumulators, and load_state_dict() also takes a plain torch
+    optimizer's state_dict (the accumulators then start from the current weights).
 
     With ``acc`` and a closure, the closure is evaluated at the accumulators' values (the
-    parameters hold them during the wrapped step).
+    parameters hold them during the wrapped step); that needs accumulators of the parameters'
+    dtype.
+
+    Raises:
+        TypeError: optimizer is not a torch optimizer, or a spec is malformed (the message names
+            the argument).
+        ValueError: grad_scaling is not positive; a format does not fit the tensor it rounds (the
+            message names the argument, the parameter and the dtype); ``parameters`` holds a
+            tensor the optimizer does not.
     """
 
     def __init__(
@@ -65,23 +148,61 @@ class OptimLP(Optimizer):
         acc: Spec | QuantFunction = None,
         grad_scaling: float = 1.0,
         rounding: Rounding | str = "stochastic",
+        *,
+        parameters: Iterable[torch.Tensor] | Mapping[torch.Tensor, ParameterQuantization | None]
+        | None = None,
     ):
         if not isinstance(optimizer, Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not isinstance(grad_scaling, (int, float)) or isinstance(grad_scaling, bool) or not grad_scaling > 0:
             raise ValueError(f"grad_scaling must be a positive number, got {grad_scaling!r}")
         self.optimizer = optimizer
-        self.weight_quant = _as_function(weight, rounding, "weight")
-        self.grad_quant = _as_function(grad, rounding, "grad")
-        self.momentum_quant = _as_function(momentum, rounding, "momentum")
-        self.acc_quant = _as_function(acc, rounding, "acc")
+        self.default_quantization = ParameterQuantization(weight, grad, momentum, acc, rounding)
         self.grad_scaling = float(grad_scaling)
+        self._chosen = self._parse_parameters(parameters)
+        self.settings: dict[torch.Tensor, ParameterQuantization | None] = {}
         self.accumulators: dict[torch.Tensor, torch.Tensor] = {}
         # The base class sets up hooks and calls add_param_group on each group, which the wrapped
         # optimizer already holds (see add_param_group); then both share groups and state.
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._share_with_optimizer()
-        self._init_accumulators()
+        if self._chosen is not None:
+            known = {id(p) for p in self._params()}
+            stray = sum(1 for key in self._chosen if key not in known)
+            if stray:
+                raise ValueError(f"parameters: {stray} tensor(s) are not parameters of the wrapped "
+                                 "optimizer")
+        self._configure()
+
+    # The defaults under QPyTorch's attribute names.
+    weight_quant = property(lambda self: self.default_quantization.weight)
+    grad_quant = property(lambda self: self.default_quantization.grad)
+    momentum_quant = property(lambda self: self.default_quantization.momentum)
+    acc_quant = property(lambda self: self.default_quantization.acc)
+
+    @staticmethod
+    def _parse_parameters(parameters) -> dict | None:
+        """{id(parameter): settings, or True for "the defaults"} from the ``parameters`` argument."""
+        if parameters is None:
+            return None
+        if isinstance(parameters, torch.Tensor):
+            raise TypeError("parameters must be an iterable of tensors or a mapping, not a tensor")
+        if isinstance(parameters, Mapping):
+            chosen = {}
+            for p, settings in parameters.items():
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"parameters: keys must be tensors, got {type(p).__name__}")
+                if settings is not None and not isinstance(settings, ParameterQuantization):
+                    raise TypeError("parameters: values must be ParameterQuantization or None, got "
+                                    f"{settings!r}")
+                chosen[id(p)] = settings
+            return chosen
+        chosen = {}
+        for p in parameters:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"parameters must hold tensors, got {type(p).__name__}")
+            chosen[id(p)] = True
+        return chosen
 
     def _share_with_optimizer(self) -> None:
         self.param_groups = self.optimizer.param_groups
@@ -91,13 +212,66 @@ class OptimLP(Optimizer):
         for group in self.param_groups:
             yield from group["params"]
 
-    def _init_accumulators(self) -> None:
-        if self.acc_quant is None:
-            return
+    def _settings_of_group(self, group: dict) -> ParameterQuantization | None:
+        if _GROUP_KEY not in group:
+            return self.default_quantization
+        settings = group[_GROUP_KEY]
+        if settings is not None and not isinstance(settings, ParameterQuantization):
+            raise TypeError(f"a parameter group's {_GROUP_KEY!r} must be a ParameterQuantization or "
+                            f"None, got {settings!r}")
+        return settings
+
+    def _configure(self) -> None:
+        """Work out every parameter's settings, check that their formats fit, and create the
+        missing accumulators."""
+        settings = {}
+        for g, group in enumerate(self.param_groups):
+            group_settings = self._settings_of_group(group)
+            for i, p in enumerate(group["params"]):
+                if self._chosen is None:
+                    s = group_settings
+                else:
+                    s = self._chosen.get(id(p))
+                    s = group_settings if s is True else s
+                if s is not None:
+                    self._check_fits(s, p, f"parameter {i} of group {g}")
+                settings[p] = s
+        self.settings = settings
         with torch.no_grad():
-            for p in self._params():
-                if p not in self.accumulators:
-                    self.accumulators[p] = self.acc_quant(p.detach().clone())
+            for p, s in settings.items():
+                if s is not None and s.acc is not None and p not in self.accumulators:
+                    dtype = _accumulator_dtype(s.acc, p.dtype)
+                    self.accumulators[p] = _rounded(s.acc, p.detach().to(dtype))
+
+    @staticmethod
+    def _check_fits(s: ParameterQuantization, p: torch.Tensor, where: str) -> None:
+        state_dtype = p.dtype if s.acc is None else _accumulator_dtype(s.acc, p.dtype)
+        for name, dtype, what in (("weight", p.dtype, "the parameter"),
+                                  ("grad", p.dtype, "its gradient"),
+                                  ("acc", state_dtype, "its accumulator"),
+                                  ("momentum", state_dtype, "its optimizer state")):
+            quant = getattr(s, name)
+            if not isinstance(quant, QuantSpec):
+                continue
+            try:
+                check_fits(quant.format, dtype)
+            except ValueError as error:
+                raise ValueError(f"OptimLP {name}: {error} ({where}: {what} is "
+                                 f"{str(dtype).replace('torch.', '')})") from None
+
+    def parameter_settings(self, p: torch.Tensor) -> ParameterQuantization | None:
+        """What the optimizer rounds for parameter ``p`` (None: nothing, full precision).
+
+        Raises:
+            KeyError: p is not a parameter of the optimizer.
+        """
+        return self.settings[p]
+
+    def _rounded_params(self):
+        for p in self._params():
+            s = self.settings.get(p)
+            if s is not None:
+                yield p, s
 
     @torch.no_grad()
     def _quantize_grads(self) -> None:
@@ -106,37 +280,86 @@ class OptimLP(Optimizer):
                 continue
             if self.grad_scaling != 1.0:
                 p.grad.mul_(self.grad_scaling)
-            if self.grad_quant is not None:
-                _round_in_place(self.grad_quant, p.grad)
+            s = self.settings.get(p)
+            if s is not None and s.grad is not None:
+                _round_in_place(s.grad, p.grad)
 
     @torch.no_grad()
     def _quantize_state(self) -> None:
-        if self.momentum_quant is None:
-            return
-        for p in self._params():
+        for p, s in self._rounded_params():
+            if s.momentum is None:
+                continue
             for key, value in self.optimizer.state.get(p, {}).items():
                 if (key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
                         and value.dim() > 0):
-                    _round_in_place(self.momentum_quant, value)
+                    _round_in_place(s.momentum, value)
+
+    def _widened(self) -> list[torch.Tensor]:
+        """The parameters whose accumulator is wider than they are."""
+        return [p for p, acc in self.accumulators.items() if acc.dtype != p.dtype]
+
+    @torch.no_grad()
+    def _swap_in(self, for_step: bool) -> list:
+        """Let the parameters hold their accumulators: where an accumulator is wider than its
+        parameter, the accumulator itself becomes the parameter's data (and, for a step, the
+        gradient is given in its dtype); for a step, other parameters receive a copy of theirs.
+        Returns what _swap_out needs."""
+        swapped = []
+        for p, s in self._rounded_params():
+            if s.acc is None:
+                continue
+            acc = self.accumulators[p]
+            if acc.dtype == p.dtype:
+                if for_step:
+                    p.copy_(acc)
+                continue
+            grad = p.grad
+            swapped.append((p, p.data, grad))
+            p.grad = None
+            p.data = acc
+            if for_step and grad is not None:
+                p.grad = grad.to(acc.dtype)
+        return swapped
+
+    @staticmethod
+    def _swap_out(swapped: list) -> None:
+        for p, data, grad in swapped:
+            p.grad = None
+            p.data = data
+            p.grad = grad
+
+    @torch.no_grad()
+    def _round_weights(self) -> None:
+        for p, s in self._rounded_params():
+            if s.acc is None:
+                if s.weight is not None:
+                    _round_in_place(s.weight, p)
+                continue
+            acc = self.accumulators[p]
+            if acc.dtype == p.dtype:
+                acc.copy_(p)  # the wrapped step updated the parameter
+            _round_in_place(s.acc, acc)
+            if s.weight is None:
+                p.copy_(acc)  # rounds to nearest in p's dtype when the accumulator is wider
+            elif acc.dtype == p.dtype:
+                p.copy_(acc)
+                _round_in_place(s.weight, p)
+            else:
+                p.copy_(_rounded(s.weight, acc))
 
     def step(self, closure=None):
         """One step of the wrapped optimizer with the quantisation above; returns its loss."""
+        if closure is not None and self._widened():
+            raise ValueError("OptimLP.step(closure) needs accumulators of the parameters' dtype: "
+                             "some are wider than their parameters (see acc)")
         self._quantize_grads()
-        if self.acc_quant is not None:
-            with torch.no_grad():
-                for p in self._params():
-                    p.copy_(self.accumulators[p])
-        loss = self.optimizer.step(closure)
+        swapped = self._swap_in(for_step=True)
+        try:
+            loss = self.optimizer.step(closure)
+        finally:
+            self._swap_out(swapped)
         self._quantize_state()
-        with torch.no_grad():
-            for p in self._params():
-                if self.acc_quant is not None:
-                    acc = self.accumulators[p]
-                    acc.copy_(p)
-                    _round_in_place(self.acc_quant, acc)
-                    p.copy_(acc)
-                if self.weight_quant is not None:
-                    _round_in_place(self.weight_quant, p)
+        self._round_weights()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -147,32 +370,68 @@ class OptimLP(Optimizer):
             return  # one of the wrapped optimizer's own groups, offered by Optimizer.__init__
         self.optimizer.add_param_group(param_group)
         self._share_with_optimizer()
-        self._init_accumulators()
+        if self._chosen is not None:  # a new group's parameters take the defaults or its own key
+            for p in self.optimizer.param_groups[-1]["params"]:
+                self._chosen.setdefault(id(p), True)
+        self._configure()
 
     def state_dict(self) -> dict:
-        """The wrapped optimizer's state_dict and the accumulators, in parameter order."""
+        """The wrapped optimizer's state_dict, and the accumulators in parameter order (None for
+        parameters without one)."""
         return {
             "optimizer": self.optimizer.state_dict(),
-            "accumulators": [self.accumulators[p].clone() for p in self._params()]
-            if self.acc_quant is not None else None,
+            "accumulators": [self.accumulators[p].clone() if p in self.accumulators else None
+                             for p in self._params()],
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        """Load a state_dict of OptimLP, or of a plain torch optimizer of the wrapped type (then
+        the accumulators start from the current weights).
+
+        Raises:
+            ValueError: the state_dict is neither, or lacks accumulators these parameters need.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        if "optimizer" in state_dict:
+            inner, saved = state_dict["optimizer"], state_dict.get("accumulators")
+        elif "state" in state_dict and "param_groups" in state_dict:
+            inner, saved = state_dict, None  # a plain torch optimizer's
+        else:
+            raise ValueError("state_dict must be an OptimLP state_dict (keys 'optimizer', "
+                             "'accumulators') or a torch optimizer's (keys 'state', "
+                             f"'param_groups'); got keys {sorted(state_dict)}")
+        params = list(self._params())
+        if saved is not None and len(saved) != len(params):
+            raise ValueError(f"state_dict holds {len(saved)} accumulators for {len(params)} "
+                             "parameters")
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                if p not in self.accumulators:
+                    continue
+                acc = self.accumulators[p]
+                if saved is None:
+                    acc.copy_(p)
+                elif saved[i] is None:
+                    raise ValueError(f"state_dict holds no accumulator for parameter {i}")
+                else:
+                    acc.copy_(saved[i])
+        # Torch casts state buffers to their parameter's dtype: show it the accumulators' dtype
+        # where they are wider, so that their buffers keep it.
+        swapped = self._swap_in(for_step=False)
+        try:
+            self.optimizer.load_state_dict(inner)
+        finally:
+            self._swap_out(swapped)
         self._share_with_optimizer()
-        saved = state_dict.get("accumulators")
-        if self.acc_quant is not None:
-            params = list(self._params())
-            if saved is None or len(saved) != len(params):
-                raise ValueError("state_dict holds no accumulators for these parameters")
-            with torch.no_grad():
-                for p, acc in zip(params, saved):
-                    self.accumulators[p] = acc.to(device=p.device, dtype=p.dtype).clone()
+        self._configure()
 
     def __repr__(self) -> str:
-        parts = [f"{name}={getattr(self, name + '_quant')}"
-                 for name in ("weight", "grad", "momentum", "acc")
-                 if getattr(self, name + "_quant") is not None]
+        parts = [f"{name}={getattr(self.default_quantization, name)}" for name in _CATEGORIES
+                 if getattr(self.default_quantization, name) is not None]
         if self.grad_scaling != 1.0:
             parts.append(f"grad_scaling={self.grad_scaling}")
+        full = sum(1 for s in self.settings.values() if s is None)
+        if full:
+            parts.append(f"{full} of {len(self.settings)} parameters in full precision")
         return f"OptimLP({', '.join(parts)}) wrapping {self.optimizer!r}"

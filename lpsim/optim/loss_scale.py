@@ -1,0 +1,438 @@
+"""Dynamic loss scaling for gradients and errors in any simulated format.
+
+Errors (the gradients flowing back through a model) are often far smaller than the smallest value
+of a low-precision format: in e4m3 (smallest subnormal 2**-9) the errors of a mean loss over a
+batch of a thousand examples round to zero, and training stalls. Multiplying the loss by a scale
+S multiplies every error by S, which lifts them into the format's range; the gradients are divided
+by S again before the optimizer uses them. Too large an S pushes the largest errors past the
+format's largest value instead. DynamicLossScaler chooses S as torch.amp.GradScaler does (grow it
+after a run of clean steps, shrink it and skip the step after an overflow), with the overflow of
+the simulated formats as the signal:
+
+    scaler = DynamicLossScaler()
+    scaler.watch_model(model)               # a model injected with LayerQuantization(error=...)
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss = criterion(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)              # unscales, then steps or skips
+        scaler.update()                     # grows or backs off the scale
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lpsim.formats import Fixed, Float
+from lpsim.nn.inject import injected
+from lpsim.nn.quantizer import QuantSpec, as_spec
+
+__all__ = ["DynamicLossScaler"]
+
+_CONFIG = ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale",
+           "power_of_two")
+
+
+def _is_power_of_two(value: float) -> bool:
+    return math.frexp(value)[0] == 0.5
+
+
+def _show(value: float) -> str:
+    """value as written in messages: 2**k for large and small powers of two."""
+    if 0 < value < math.inf and _is_power_of_two(value) and abs(math.log2(value)) >= 10:
+        return f"2**{int(math.log2(value))}"
+    return repr(value)
+
+
+def _check_scale_number(name: str, value, low: float, high: float, *, open_low: bool = True,
+                        open_high: bool = True, power_of_two: bool = False,
+                        bounds: str = "") -> float:
+    """value as a float, or TypeError/ValueError naming ``name`` and the allowed range
+    (``bounds``: the names of the limits, such as "[min_scale, max_scale]")."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    above = value > low if open_low else value >= low
+    below = value < high if open_high else value <= high
+    if not (above and below):
+        left, right = "(" if open_low else "[", ")" if open_high else "]"
+        interval = f"{left}{_show(low)}, {_show(high)}{right}"
+        raise ValueError(f"{name} must be in {bounds + ' = ' if bounds else ''}{interval}, "
+                         f"got {_show(value)}")
+    if power_of_two and not _is_power_of_two(value):
+        raise ValueError(f"{name} must be a power of two (2.0**k) with power_of_two=True, "
+                         f"got {value}")
+    return value
+
+
+def _overflow_bounds(spec) -> tuple[float | None, float]:
+    """(low, high) such that an error e overflows ``spec``'s format when e >= high or e <= low
+    (low None: no lower bound, only |e| >= high counts, as for Float)."""
+    fmt = spec.format if isinstance(spec, QuantSpec) else spec
+    if isinstance(fmt, Float):
+        return None, fmt.max
+    if isinstance(fmt, Fixed) and fmt.clamp:
+        return (fmt.min if fmt.min < 0 else None), fmt.max
+    raise ValueError(
+        "watch needs a format with a largest value that errors can overflow: a Float or a Fixed "
+        f"with clamp=True, got {fmt!r} (a BlockFloat scales each block to its own largest value, a "
+        "Fixed without clamp keeps its spacing beyond its range)"
+    )
+
+
+def _tensors(value):
+    """The floating-point tensors in value (a tensor, or nested tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            yield value
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+class _Handles:
+    """The hooks watch_model() registered; remove() takes them out."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+class DynamicLossScaler:
+    """Dynamic loss scaling, as torch.amp.GradScaler, for gradients and errors in any simulated
+    format (lpsim.nn quantisers, lpsim.nn.inject, OptimLP, the recipes, or no quantisation).
+
+    The scale S multiplies the loss (``scale(loss)``), hence every error and gradient of the
+    backward pass; ``unscale_(optimizer)`` divides the gradients of the optimizer's parameters by
+    S again, in place. ``step(optimizer)`` unscales if that was not done yet and calls
+    ``optimizer.step()``, or skips the step when the backward pass overflowed; ``update()`` then
+    adapts S:
+
+    - after an overflow in the iteration (any of its steps): S <- S * backoff_factor, and the
+      count of clean steps restarts;
+    - after ``growth_interval`` consecutive iterations without overflow: S <- S * growth_factor;
+
+    S is clamped to [min_scale, max_scale] each time.
+
+    What counts as overflow:
+
+    1. a non-finite gradient (Inf or NaN) of any parameter of the optimizer, after the backward
+       pass. A non-saturating simulated format produces exactly that when its errors overflow:
+       +/-Inf in an IEEE-style Float, NaN in a format without Inf (e4m3fn, the fnuz formats)
+       with saturate=False; overflow of the float32 container itself gives Inf too.
+    2. an error at or beyond the largest magnitude of a *watched* format: before a quantiser
+       rounds the errors into a format, a hook from ``watch(format)`` (or ``watch_model(model)``)
+       records overflow when any element e is non-finite or has |e| >= max (for a clamping
+       signed Fixed, e >= max or e <= min; for an unsigned one, e >= max). This is how a
+       *saturating* format (Float with saturate=True, clamping Fixed) is seen: it clamps the
+       error to +/-max instead of producing Inf, and the clamped gradient stays finite but
+       wrong. The bound is inclusive because an error equal to max cannot be told apart from one
+       that an earlier quantiser clamped; a legitimate error exactly at max costs one halving.
+
+    A step with either kind of overflow is skipped: optimizer.step() is not called, so
+    parameters, optimizer state (and OptimLP's accumulators) stay as they were. Watched overflows
+    are not attributed to one optimizer: with several optimizers, every step of that iteration
+    is skipped.
+
+    Powers of two: with ``power_of_two=True`` (the default) init_scale, growth_factor,
+    backoff_factor, min_scale and max_scale must be powers of two, so S always is one, and
+    multiplying the loss by S and dividing the gradients by it are exact in any binary floating
+    format, unless a product leaves the container's range (float16's, for example). Without
+    quantisers the unscaled gradients then equal those of the unscaled loss bit for bit; with
+    them, only the rounding of the scaled errors differs, which is the point. With
+    ``power_of_two=False`` any positive values are accepted, and scaling and unscaling then round
+    in the container.
+
+    With OptimLP, leave its ``grad_scaling`` at 1.0: the scaler divides the gradients by S before
+    OptimLP quantises them. With a recipe, apply ``dataclasses.replace(recipe, loss_scale=1.0)``
+    and let the scaler choose the scale.
+
+    Args:
+        init_scale: the first S, in (0, inf) and within [min_scale, max_scale].
+        growth_factor: the factor of a growth, in (1, inf).
+        backoff_factor: the factor of a backoff, in (0, 1).
+        growth_interval: clean iterations before a growth, an integer >= 1.
+        min_scale, max_scale: the range of S, 0 < min_scale <= max_scale < inf (by default
+            2**-64 and 2**64, powers of two that float32 and bfloat16 hold).
+        power_of_two: require the five numbers above to be powers of two (see above).
+
+    ``get_scale()`` returns S (a float).
+
+    Attributes:
+        found_overflow: whether the last step() found an overflow (and skipped the step).
+        skipped_steps: how many optimizer steps were skipped in all.
+        clean_steps: iterations without overflow since the last growth or backoff.
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ValueError: an argument is out of its range, or not a power of two where one is required;
+            the message names the argument and the range.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float = 2.0**-64,
+        max_scale: float = 2.0**64,
+        *,
+        power_of_two: bool = True,
+    ):
+        self._configure(init_scale, growth_factor, backoff_factor, growth_interval, min_scale,
+                        max_scale, power_of_two, scale_name="init_scale")
+        self.found_overflow = False
+        self.skipped_steps = 0
+        self.clean_steps = 0
+        self._optimizers: dict[int, dict] = {}  # per optimizer this iteration: unscaled, stepped
+        self._watched: dict[torch.device, torch.Tensor] = {}  # overflow seen by watch hooks
+
+    def _configure(self, scale, growth_factor, backoff_factor, growth_interval, min_scale,
+                   max_scale, power_of_two, *, scale_name: str) -> None:
+        if not isinstance(power_of_two, bool):
+            raise TypeError(f"power_of_two must be a bool, got {type(power_of_two).__name__}")
+        exact = {"power_of_two": power_of_two}
+        growth_factor = _check_scale_number("growth_factor", growth_factor, 1.0, math.inf, **exact)
+        backoff_factor = _check_scale_number("backoff_factor", backoff_factor, 0.0, 1.0, **exact)
+        if not isinstance(growth_interval, int) or isinstance(growth_interval, bool):
+            raise TypeError(f"growth_interval must be an int, got {type(growth_interval).__name__}")
+        if growth_interval < 1:
+            raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
+        min_scale = _check_scale_number("min_scale", min_scale, 0.0, math.inf, **exact)
+        max_scale = _check_scale_number("max_scale", max_scale, min_scale, math.inf,
+                                        open_low=False, bounds="[min_scale, inf)", **exact)
+        scale = _check_scale_number(scale_name, scale, min_scale, max_scale, open_low=False,
+                                    open_high=False, bounds="[min_scale, max_scale]", **exact)
+        self._scale = scale
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.min_scale = min_scale
+        self.max_scale = max_scale
+        self.power_of_two = power_of_two
+
+    # The backward pass
+
+    def get_scale(self) -> float:
+        """The current scale S."""
+        return self._scale
+
+    def scale(self, loss):
+        """loss * S: a tensor, or the same structure of tuples and lists of tensors, each
+        multiplied by the scale (exact in a binary format when S is a power of two). Call
+        backward() on the result.
+
+        Raises:
+            TypeError: loss is not a tensor or a tuple or list of them.
+        """
+        if isinstance(loss, torch.Tensor):
+            return loss * self._scale
+        if isinstance(loss, (tuple, list)):
+            return type(loss)(self.scale(item) for item in loss)
+        raise TypeError("loss must be a tensor or a tuple or list of tensors, got "
+                        f"{type(loss).__name__}")
+
+    def watch(self, spec) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A backward hook for lpsim.nn.quantizer / Quantizer (``backward_hooks=[...]``) that
+        records overflow when the errors about to be rounded into ``spec``'s format reach its
+        largest magnitude or are not finite (see the class docstring). The hook returns the error
+        unchanged and does not synchronise with the device: it keeps a flag on the error's device,
+        read once by step().
+
+        Args:
+            spec: a Float, a clamping Fixed, or a (format, rounding) pair.
+
+        Raises:
+            TypeError: spec is not a format or a (format, rounding) pair.
+            ValueError: the format cannot overflow (BlockFloat, Fixed without clamp).
+        """
+        low, high = _overflow_bounds(as_spec(spec, "nearest", "spec"))
+
+        def record_overflow(error: torch.Tensor) -> torch.Tensor:
+            if low is None:
+                inside = error.abs() < high  # False for NaN
+            else:
+                inside = (error < high) & (error > low)
+            self._record(~inside.all())
+            return error
+
+        return record_overflow
+
+    def watch_model(self, model: nn.Module) -> _Handles:
+        """Watch every error quantiser that lpsim.nn.inject placed in ``model`` (modules injected
+        with LayerQuantization(error=...), as the recipes do): the errors flowing back into each
+        such module's outputs are checked against the module's error format, as by watch().
+        Formats that cannot overflow (BlockFloat, Fixed without clamp) are not watched. Inject
+        first; after injecting other formats, remove the handle and watch the model again.
+
+        Returns:
+            A handle whose remove() takes the hooks out again.
+
+        Raises:
+            ValueError: no module of the model has an error quantiser that can overflow.
+        """
+        handles = []
+        for _, module, done in injected(model):
+            spec = done.get("error")
+            if spec is None:
+                continue
+            try:
+                hook = self.watch(spec)
+            except ValueError:
+                continue
+
+            def observe(mod, args, output, hook=hook):
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(hook)
+
+            handles.append(module.register_forward_hook(observe))
+        if not handles:
+            raise ValueError(
+                "watch_model found no error quantiser that can overflow in the model: inject it "
+                "first with LayerQuantization(error=...) in a Float or clamping Fixed format"
+            )
+        return _Handles(handles)
+
+    def _record(self, overflow: torch.Tensor) -> None:
+        device = overflow.device
+        seen = self._watched.get(device)
+        self._watched[device] = overflow if seen is None else seen | overflow
+
+    # The optimizer step
+
+    def _state(self, optimizer: Optimizer) -> dict:
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError("optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        return self._optimizers.setdefault(id(optimizer), {"unscaled": False, "stepped": False,
+                                                           "skipped": False, "overflow": []})
+
+    @torch.no_grad()
+    def unscale_(self, optimizer: Optimizer) -> None:
+        """Divide the gradients of ``optimizer``'s parameters by the scale, in place, and note
+        (without synchronising) whether any is not finite. Call it at most once per iteration,
+        before step(), where the true gradients are needed before the step (gradient clipping).
+
+        Raises:
+            RuntimeError: unscale_ was already called for this optimizer since the last update(),
+                or step() was.
+        """
+        state = self._state(optimizer)
+        if state["unscaled"]:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the "
+                               "last update()")
+        if state["stepped"]:
+            raise RuntimeError("unscale_() is being called after step(); call update() first")
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    by_device.setdefault(p.grad.device, []).append(p.grad)
+        for grads in by_device.values():
+            dense = [g for g in grads if not g.is_sparse]
+            sparse = [g for g in grads if g.is_sparse]  # nn.Embedding(sparse=True)
+            if self._scale != 1.0:
+                if dense:
+                    torch._foreach_div_(dense, self._scale)
+                for g in sparse:
+                    g.div_(self._scale)
+            values = dense + [g.coalesce()._values() for g in sparse]
+            finite = torch.stack([torch.isfinite(v).all() for v in values]).all()
+            state["overflow"].append(~finite)
+        state["unscaled"] = True
+
+    def step(self, optimizer: Optimizer, closure=None):
+        """Unscale the gradients (unless unscale_ did already) and call
+        ``optimizer.step(closure)`` if the iteration has not overflowed (see the class
+        docstring); otherwise skip it. Reads the overflow flags once (one synchronisation per
+        device).
+
+        The closure is passed on unchanged; gradients it recomputes are not unscaled.
+
+        Returns:
+            What optimizer.step returns, or None when the step is skipped.
+
+        Raises:
+            RuntimeError: step() was already called for this optimizer since the last update().
+        """
+        state = self._state(optimizer)
+        if state["stepped"]:
+            raise RuntimeError("step() has already been called on this optimizer since the last "
+                               "update()")
+        if not state["unscaled"]:
+            self.unscale_(optimizer)
+        flags = state["overflow"] + list(self._watched.values())
+        overflow = any(bool(flag) for flag in flags)
+        state["stepped"], state["skipped"] = True, overflow
+        self.found_overflow = overflow
+        if overflow:
+            self.skipped_steps += 1
+            return None
+        return optimizer.step() if closure is None else optimizer.step(closure)
+
+    def update(self) -> None:
+        """Adapt the scale after this iteration's steps: back off if any overflowed, grow after
+        growth_interval clean iterations (see the class docstring); then start a new iteration.
+
+        Raises:
+            RuntimeError: no step() since the last update().
+        """
+        if not any(s["stepped"] for s in self._optimizers.values()):
+            raise RuntimeError("update() needs a step() since the last update()")
+        if any(s["skipped"] for s in self._optimizers.values()):
+            self._scale = max(self._scale * self.backoff_factor, self.min_scale)
+            self.clean_steps = 0
+        else:
+            self.clean_steps += 1
+            if self.clean_steps >= self.growth_interval:
+                self._scale = min(self._scale * self.growth_factor, self.max_scale)
+                self.clean_steps = 0
+        self._optimizers.clear()
+        self._watched.clear()
+
+    # Checkpoints
+
+    def state_dict(self) -> dict:
+        """The scale, the counters and the configuration, as plain Python numbers."""
+        return {"scale": self._scale, "clean_steps": self.clean_steps,
+                "skipped_steps": self.skipped_steps,
+                **{name: getattr(self, name) for name in _CONFIG}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what state_dict() returned (validated as the constructor's arguments).
+
+        Raises:
+            KeyError: an entry is missing.
+            TypeError, ValueError: an entry is malformed.
+        """
+        missing = [k for k in ("scale", "clean_steps", "skipped_steps", *_CONFIG)
+                   if k not in state_dict]
+        if missing:
+            raise KeyError(f"state_dict lacks {', '.join(missing)}")
+        for name in ("clean_steps", "skipped_steps"):
+            value = state_dict[name]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"state_dict[{name!r}] must be an int >= 0, got {value!r}")
+        self._configure(state_dict["scale"], *(state_dict[name] for name in _CONFIG),
+                        scale_name="state_dict['scale']")
+        self.clean_steps = state_dict["clean_steps"]
+        self.skipped_steps = state_dict["skipped_steps"]
+
+    def __repr__(self) -> str:
+        return (f"DynamicLossScaler(scale={self._scale}, growth_factor={self.growth_factor}, "
+                f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval}, "
+                f"skipped_steps={self.skipped_steps})")

@@ -1,0 +1,443 @@
+"""Dynamic loss scaling: DynamicLossScaler grows, backs off and skips steps on the overflow of
+simulated formats, unscales exactly, and rescues training whose e4m3 errors would underflow."""
+
+import copy
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.nn import functional as F
+
+import lpsim
+from lpsim import BlockFloat, Fixed, Float, recipes
+from lpsim.nn import Quantizer
+from lpsim.optim import OptimLP
+from lpsim.optim.loss_scale import DynamicLossScaler
+from support import assert_same_bits
+
+E4M3 = lpsim.preset("e4m3fn")                       # overflow becomes NaN
+E4M3_SATURATING = lpsim.preset("e4m3fn_saturating")  # overflow clamps to +/-448
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+
+def _problem(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    return model, torch.randn(32, 8), torch.randint(0, 3, (32,))
+
+
+def _iteration(scaler, model, opt, data, target):
+    """One scaled iteration; returns what step() returned."""
+    opt.zero_grad()
+    scaler.scale(F.cross_entropy(model(data), target)).backward()
+    result = scaler.step(opt)
+    scaler.update()
+    return result
+
+
+def _snapshot(model, opt):
+    return ([p.detach().clone() for p in model.parameters()],
+            copy.deepcopy(opt.state_dict()))
+
+
+def _assert_unchanged(model, opt, snapshot):
+    params, state = snapshot
+    for p, before in zip(model.parameters(), params):
+        assert_same_bits(p.detach(), before)
+    now = opt.state_dict()
+    inner = (lambda s: s["optimizer"]) if isinstance(opt, OptimLP) else (lambda s: s)
+    for key, buffers in inner(state)["state"].items():
+        for name, value in buffers.items():
+            assert_same_bits(inner(now)["state"][key][name], value, name)
+    if isinstance(opt, OptimLP) and state["accumulators"] is not None:
+        for acc, before in zip(now["accumulators"], state["accumulators"]):
+            assert_same_bits(acc, before, "accumulator")
+
+
+# Growth and backoff
+
+
+def test_scale_grows_after_growth_interval_clean_steps():
+    model, data, target = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = DynamicLossScaler(init_scale=2.0**4, growth_interval=3)
+    scales = []
+    for _ in range(7):
+        _iteration(scaler, model, opt, data, target)
+        scales.append(scaler.get_scale())
+        assert not scaler.found_overflow
+    assert scales == [16.0, 16.0, 32.0, 32.0, 32.0, 64.0, 64.0]
+    assert scaler.clean_steps == 1 and scaler.skipped_steps == 0
+
+
+def test_scale_stays_within_min_and_max_scale():
+    model, data, target = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = DynamicLossScaler(init_scale=4.0, growth_interval=1, max_scale=8.0)
+    for _ in range(3):
+        _iteration(scaler, model, opt, data, target)
+    assert scaler.get_scale() == 8.0
+    scaler = DynamicLossScaler(init_scale=4.0, backoff_factor=0.25, min_scale=2.0)
+    for _ in range(2):
+        opt.zero_grad()
+        scaler.scale(model(data).sum() * math.inf).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 2.0 and scaler.skipped_steps == 2
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+@pytest.mark.parametrize("wrap", ["sgd-momentum", "optimlp-acc"])
+def test_non_finite_gradient_backs_off_and_skips_the_step(bad, wrap):
+    model, data, target = _problem()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = base if wrap == "sgd-momentum" else OptimLP(
+        base, weight=Float(5, 2), grad=Float(5, 2), momentum=Float(6, 9), acc=Float(6, 9))
+    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=100)
+    assert _iteration(scaler, model, opt, data, target) is None  # SGD.step returns None too
+    assert not scaler.found_overflow
+    before = _snapshot(model, opt)
+
+    opt.zero_grad()
+    scaler.scale(F.cross_entropy(model(data), target)).backward()
+    model[2].bias.grad[1] = bad
+    assert scaler.step(opt) is None
+    assert scaler.found_overflow and scaler.skipped_steps == 1
+    scaler.update()
+    assert scaler.get_scale() == 2.0**9 and scaler.clean_steps == 0
+    _assert_unchanged(model, opt, before)
+
+    _iteration(scaler, model, opt, data, target)   # the next clean step goes through
+    assert not scaler.found_overflow and scaler.skipped_steps == 1
+    assert not torch.equal(model[0].weight.detach(), before[0][0])
+
+
+def test_step_returns_the_optimizers_result_and_forwards_the_closure():
+    model, data, target = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler()
+    scaler.scale(F.cross_entropy(model(data), target)).backward()
+    assert scaler.step(opt, closure=lambda: 1.5) == 1.5
+
+
+# The saturation of a watched format
+
+
+@pytest.mark.parametrize("fmt,inside,overflowing", [
+    (E4M3_SATURATING, [447.0, -447.0, 0.0, 1e-30], [448.0, -448.0, 1e6, math.inf, math.nan]),
+    (E4M3, [447.0, -447.0], [448.0, -math.inf, math.nan]),
+    (Fixed(8, 4), [7.875, -7.9], [7.9375, -8.0, math.nan]),
+    (Fixed(8, 4, signed=False), [0.0, -5.0, 15.9], [15.9375, 100.0]),
+], ids=["e4m3fn-saturating", "e4m3fn", "fixed-signed", "fixed-unsigned"])
+def test_watch_counts_errors_at_or_beyond_the_largest_magnitude(fmt, inside, overflowing):
+    scaler = DynamicLossScaler()
+    hook = scaler.watch((fmt, "nearest"))
+    error = torch.tensor(inside)
+    assert hook(error) is error
+    assert not any(bool(flag) for flag in scaler._watched.values())
+    for value in overflowing:
+        scaler = DynamicLossScaler()
+        scaler.watch(fmt)(torch.tensor(inside + [value]))
+        assert any(bool(flag) for flag in scaler._watched.values()), value
+
+
+@pytest.mark.parametrize("fmt", [BlockFloat(8), Fixed(8, 4, clamp=False)], ids=repr)
+def test_watch_rejects_formats_that_cannot_overflow(fmt):
+    with pytest.raises(ValueError, match="watch needs a format with a largest value"):
+        DynamicLossScaler().watch(fmt)
+    with pytest.raises(TypeError, match="spec must be None, a Float"):
+        DynamicLossScaler().watch("e4m3fn")
+
+
+def test_saturation_of_a_watched_format_backs_off_and_skips_the_step():
+    torch.manual_seed(0)
+    scaler = DynamicLossScaler(init_scale=2.0**20)
+    q = Quantizer(backward=(E4M3_SATURATING, "nearest"),
+                  backward_hooks=[scaler.watch(E4M3_SATURATING)])
+    model = nn.Sequential(nn.Linear(8, 16), q, nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data, target = torch.randn(32, 8), torch.randint(0, 3, (32,))
+    before = _snapshot(model, opt)
+    opt.zero_grad()
+    scaler.scale(F.cross_entropy(model(data), target)).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())  # saturated, not Inf
+    assert scaler.step(opt) is None and scaler.found_overflow
+    scaler.update()
+    assert scaler.get_scale() == 2.0**19
+    _assert_unchanged(model, opt, before)
+
+
+def test_watch_model_sees_the_saturating_errors_of_a_recipe():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 3))
+    recipe = replace(recipes.IBM8, loss_scale=1.0)           # the scaler chooses the scale
+    model, opt = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
+    assert opt.grad_scaling == 1.0
+    scaler = DynamicLossScaler(init_scale=2.0**40, growth_interval=1000)
+    handle = scaler.watch_model(model)
+    data, target = torch.randn(64, 8), torch.randint(0, 3, (64,))
+    losses, overflows = [], []
+    for _ in range(40):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(data), target)
+        scaler.scale(loss).backward()
+        finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        scaler.step(opt)
+        overflows.append(scaler.found_overflow and finite)
+        scaler.update()
+        losses.append(loss.item())
+    # e5m2's max is 57344: from 2**40 the errors saturate (finite gradients, steps skipped)
+    # until the scale has backed off to 2**23 (17 steps; seeds 0, 1, 2 alike); then it trains.
+    # Measured loss after 40 steps: 1.099 -> 0.872, 1.108 -> 0.866, 1.088 -> 0.928.
+    assert all(overflows[:10]) and 12 <= scaler.skipped_steps <= 25
+    assert scaler.get_scale() <= 2.0**24
+    assert losses[-1] < losses[0] - 0.1
+    handle.remove()
+    opt.zero_grad()
+    scaler.scale(F.cross_entropy(model(data), target)).backward()
+    assert not scaler._watched
+
+
+def test_watch_model_needs_an_error_quantiser_that_can_overflow():
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="no error quantiser that can overflow"):
+        DynamicLossScaler().watch_model(model)
+    lpsim.nn.inject(model, {"default": lpsim.nn.LayerQuantization(error=BlockFloat(8))})
+    with pytest.raises(ValueError, match="no error quantiser that can overflow"):
+        DynamicLossScaler().watch_model(model)
+
+
+def test_a_watched_overflow_skips_the_step_of_every_optimizer():
+    model, data, target = _problem()
+    scaler = DynamicLossScaler(init_scale=2.0**20)
+    first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    last = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    watch = scaler.watch(E4M3_SATURATING)
+    before = [p.detach().clone() for p in model.parameters()]
+    out = model(data)
+    out.register_hook(watch)
+    scaler.scale(F.cross_entropy(out, target)).backward()
+    assert scaler.step(first) is None and scaler.step(last) is None
+    assert scaler.skipped_steps == 2
+    scaler.update()
+    assert scaler.get_scale() == 2.0**19
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+
+
+# Unscaling
+
+
+@pytest.mark.parametrize("exponent", [-20, 0, 7, 40])
+def test_unscale_is_exact_with_a_power_of_two_scale(exponent):
+    model, data, target = _problem()
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(data), target).backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler(init_scale=2.0**exponent)
+    scaled = scaler.scale(F.cross_entropy(model(data), target))
+    scaled.backward()
+    scaler.unscale_(opt)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert_same_bits(p.grad, q.grad)
+
+
+def test_sparse_gradients_are_unscaled_and_checked():
+    embedding = nn.Embedding(10, 3, sparse=True)
+    opt = torch.optim.SGD(embedding.parameters(), lr=0.1)
+    scaler = DynamicLossScaler(init_scale=8.0)
+    scaler.scale(embedding(torch.tensor([1, 2, 2])).sum()).backward()
+    scaler.unscale_(opt)
+    assert embedding.weight.grad.to_dense()[:3].tolist() == [[0.0] * 3, [1.0] * 3, [2.0] * 3]
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    scaler.scale(embedding(torch.tensor([4])).sum() * math.inf).backward()
+    assert scaler.step(opt) is None and scaler.found_overflow
+
+
+def test_optim_lp_quantises_the_unscaled_gradients():
+    model, data, target = _problem()
+    reference = copy.deepcopy(model)
+    F.cross_entropy(reference(data), target).backward()
+    seen = []
+    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.0),
+                  grad=lambda g: seen.append(g.clone()) or g)
+    scaler = DynamicLossScaler(init_scale=2.0**12)
+    scaler.scale(F.cross_entropy(model(data), target)).backward()
+    scaler.step(opt)
+    for g, q in zip(seen, reference.parameters()):
+        assert_same_bits(g, q.grad)
+
+
+def test_scale_multiplies_tensors_in_tuples_and_lists():
+    scaler = DynamicLossScaler(init_scale=8.0)
+    a, b = torch.tensor(1.5), torch.tensor([2.0, -3.0])
+    assert scaler.scale(a).item() == 12.0
+    scaled = scaler.scale([a, (b,)])
+    assert isinstance(scaled, list) and scaled[1][0].tolist() == [16.0, -24.0]
+    with pytest.raises(TypeError, match="loss must be a tensor"):
+        scaler.scale(1.5)
+
+
+def test_unscale_and_step_once_per_iteration():
+    model, data, target = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler()
+    with pytest.raises(RuntimeError, match="update\\(\\) needs a step\\(\\)"):
+        scaler.update()
+    scaler.scale(F.cross_entropy(model(data), target)).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+        scaler.unscale_(opt)
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="step\\(\\) has already been called"):
+        scaler.step(opt)
+    scaler.update()
+    scaler.step(opt)  # a new iteration
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        scaler.step(model)
+
+
+# Checkpoints and arguments
+
+
+def test_state_dict_round_trip():
+    model, data, target = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler(init_scale=2.0**5, growth_factor=4.0, backoff_factor=0.25,
+                               growth_interval=2, min_scale=2.0**-3, max_scale=2.0**9)
+    for _ in range(3):
+        _iteration(scaler, model, opt, data, target)
+    opt.zero_grad()
+    scaler.scale(model(data).sum() * math.nan).backward()
+    scaler.step(opt)
+    scaler.update()
+    _iteration(scaler, model, opt, data, target)
+    state = scaler.state_dict()
+    assert state == {"scale": 2.0**5, "clean_steps": 1, "skipped_steps": 1, "growth_factor": 4.0,
+                     "backoff_factor": 0.25, "growth_interval": 2, "min_scale": 0.125,
+                     "max_scale": 512.0, "power_of_two": True}
+    restored = DynamicLossScaler()
+    restored.load_state_dict(copy.deepcopy(state))
+    assert restored.state_dict() == state
+    _iteration(scaler, model, opt, data, target)
+    _iteration(restored, model, opt, data, target)
+    assert restored.state_dict() == scaler.state_dict() and restored.get_scale() == 2.0**7
+    with pytest.raises(KeyError, match="state_dict lacks scale"):
+        restored.load_state_dict({k: v for k, v in state.items() if k != "scale"})
+    with pytest.raises(ValueError, match="state_dict\\['scale'\\] must be a power of two"):
+        restored.load_state_dict({**state, "scale": 3.0})
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"init_scale": 0.0}, ValueError,
+     r"init_scale must be in \[min_scale, max_scale\] = \[2\*\*-64, 2\*\*64\], got 0.0"),
+    ({"init_scale": 2.0**70}, ValueError, r"init_scale must be in .* got 2\*\*70"),
+    ({"init_scale": 3.0}, ValueError, "init_scale must be a power of two"),
+    ({"init_scale": "big"}, TypeError, "init_scale must be a number"),
+    ({"growth_factor": 1.0}, ValueError, r"growth_factor must be in \(1.0, inf\)"),
+    ({"growth_factor": 3.0}, ValueError, "growth_factor must be a power of two"),
+    ({"backoff_factor": 1.0}, ValueError, r"backoff_factor must be in \(0.0, 1.0\)"),
+    ({"backoff_factor": 0.0}, ValueError, r"backoff_factor must be in \(0.0, 1.0\)"),
+    ({"backoff_factor": 0.3}, ValueError, "backoff_factor must be a power of two"),
+    ({"growth_interval": 0}, ValueError, "growth_interval must be >= 1"),
+    ({"growth_interval": 2.0}, TypeError, "growth_interval must be an int"),
+    ({"growth_interval": True}, TypeError, "growth_interval must be an int"),
+    ({"min_scale": -1.0}, ValueError, r"min_scale must be in \(0.0, inf\)"),
+    ({"min_scale": math.nan}, ValueError, r"min_scale must be in \(0.0, inf\)"),
+    ({"max_scale": math.inf}, ValueError, r"max_scale must be in \[min_scale, inf\) = "),
+    ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 2.0}, ValueError,
+     r"max_scale must be in \[min_scale, inf\) = \[4.0, inf\), got 2.0"),
+    ({"power_of_two": 1}, TypeError, "power_of_two must be a bool"),
+])
+def test_arguments_are_validated_naming_the_parameter(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        DynamicLossScaler(**kwargs)
+
+
+def test_any_positive_factors_without_power_of_two():
+    scaler = DynamicLossScaler(init_scale=1000.0, growth_factor=1.5, backoff_factor=0.3,
+                               power_of_two=False)
+    assert scaler.get_scale() == 1000.0
+    model, data, target = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    opt.zero_grad()
+    scaler.scale(model(data).sum() * math.inf).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 1000.0 * 0.3
+
+
+# Training: e4m3 errors underflow without loss scaling
+
+
+def _digits():
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16
+    y = torch.tensor(digits.target)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+    return x[order[:1400]], y[order[:1400]], x[order[1400:]], y[order[1400:]]
+
+
+def _train_digits(seed, fmt, scaler, watch, steps=100):
+    """Full-batch SGD of a 64-64-10 MLP whose errors are rounded to nearest into fmt after each
+    layer. The loss is a mean over 1400 examples, so the errors of the logits are below
+    1/1400 < 2**-10, half of e4m3's smallest subnormal."""
+    train_x, train_y, test_x, test_y = _digits()
+    torch.manual_seed(seed)
+    hooks = [scaler.watch(fmt)] if watch else []
+    model = nn.Sequential(
+        nn.Linear(64, 64), nn.ReLU(), Quantizer(backward=(fmt, "nearest"), backward_hooks=hooks),
+        nn.Linear(64, 10), Quantizer(backward=(fmt, "nearest"), backward_hooks=hooks))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    with torch.no_grad():
+        first = F.cross_entropy(model(train_x), train_y).item()
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(train_x), train_y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    with torch.no_grad():
+        last = F.cross_entropy(model(train_x), train_y).item()
+        accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
+    return first, last, accuracy
+
+
+# Measured (loss before -> after 100 steps, test accuracy) for seeds 0, 1, 2:
+#   unscaled, either format:     2.312 -> 2.312, 0.081; 2.305 -> 2.305, 0.149; 2.321 -> 2.321, 0.126
+#   e4m3fn, scaled (NaN signal): 2.312 -> 0.011, 0.962; 2.305 -> 0.011, 0.967; 2.321 -> 0.012, 0.967
+#   e4m3fn saturating, watched:  2.312 -> 0.011, 0.962; 2.305 -> 0.011, 0.967; 2.321 -> 0.012, 0.967
+@pytest.mark.parametrize("fmt,watch", [(E4M3, False), (E4M3_SATURATING, True)],
+                         ids=["e4m3fn-nan-overflow", "e4m3fn-saturating-watched"])
+def test_e4m3_errors_stall_without_loss_scaling_and_train_with_it(fmt, watch):
+    first, last, accuracy = _train_digits(0, fmt, None, watch=False)
+    assert last == pytest.approx(first, abs=1e-6)   # every error rounded to 0: nothing moved
+    assert accuracy < 0.3
+    scaler = DynamicLossScaler(growth_interval=20)
+    first, last, accuracy = _train_digits(0, fmt, scaler, watch)
+    assert first > 2.2 and last < 0.1
+    assert accuracy > 0.9
+
+
+# Measured at init_scale 2**30 (loss after 100 steps, test accuracy), seeds 0, 1, 2:
+#   watched:    0.013, 0.962;  0.013, 0.970;  0.014, 0.967  (13 to 14 steps skipped)
+#   unwatched:  2.301, 0.088;  2.300, 0.108;  2.329, 0.141  (no step skipped; scale grew to 2**35)
+def test_saturation_is_invisible_without_watch():
+    scaler = DynamicLossScaler(init_scale=2.0**30, growth_interval=20)
+    _, last, accuracy = _train_digits(0, E4M3_SATURATING, scaler, watch=False)
+    assert scaler.skipped_steps == 0 and scaler.get_scale() > 2.0**30
+    assert last > 2.0 and accuracy < 0.3
+    scaler = DynamicLossScaler(init_scale=2.0**30, growth_interval=20)
+    _, last, accuracy = _train_digits(0, E4M3_SATURATING, scaler, watch=True)
+    assert scaler.skipped_steps > 5 and last < 0.1 and accuracy > 0.9

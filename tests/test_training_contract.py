@@ -1,0 +1,340 @@
+"""The training stack does what its configuration says: what inject() quantises, what OptimLP
+rounds, what report() shows, what remove() restores, and what evaluation draws. Each test here
+reproduces a way in which the stack once silently differed from its configuration."""
+
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import lpsim
+from lpsim import Fixed, Float
+from lpsim.nn import LayerQuantization, Quantizer, inject, injected, quantized_parameters, remove, report
+from lpsim.optim import OptimLP, ParameterQuantization
+from support import assert_same_bits
+
+E5M2 = Float(5, 2)
+E6M9 = Float(6, 9)
+
+
+def on_grid(t: torch.Tensor, fmt) -> bool:
+    t = t.detach()
+    return torch.equal(lpsim.quantize(t, fmt, "nearest"), t) and torch.equal(lpsim.quantize(t, fmt, "up"), t)
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def train_step(model, opt, scale=1.0):
+    (model(torch.randn(16, 4)).square().mean() * scale).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+# Item 0: documented dotted paths
+
+
+def _documented_paths() -> set[str]:
+    root = __import__("pathlib").Path(__file__).resolve().parent.parent
+    texts = [(root / "README.md").read_text()] + [p.read_text() for p in (root / "docs").glob("*.md")]
+    found = set()
+    for text in texts:
+        for path in re.findall(r"\blpsim(?:\.[A-Za-z_][A-Za-z0-9_]*)+", text):
+            found.add(path)
+    return found
+
+
+def test_every_documented_dotted_path_resolves_after_import_lpsim():
+    missing = []
+    for path in sorted(_documented_paths()):
+        obj = lpsim
+        parts = path.split(".")[1:]
+        for i, part in enumerate(parts):
+            if not hasattr(obj, part):
+                # a file name or a method call's attribute of an instance, not an import path
+                if isinstance(obj, type) or part in ("py", "md", "png", "csv", "json", "pt"):
+                    break
+                missing.append(path)
+                break
+            obj = getattr(obj, part)
+    assert not missing, f"not reachable after `import lpsim`: {missing}"
+    assert lpsim.recipes.IBM8.name == "ibm8"
+
+
+# Item 1: the first and last layers stay in full precision, in the optimizer too
+
+
+def test_recipe_keeps_edge_layers_in_full_precision_in_the_optimizer():
+    model = mlp()
+    edges = [model[0].weight.detach().clone(), model[4].weight.detach().clone()]
+    model, opt = lpsim.recipes.IBM8.apply(model, torch.optim.SGD(model.parameters(), lr=0.1,
+                                                                   momentum=0.9))
+    train_step(model, opt, lpsim.recipes.IBM8.loss_scale)
+    remove(model)
+    for layer, before in zip((model[0], model[4]), edges):
+        assert not torch.equal(layer.weight, before)  # trained
+        assert not on_grid(layer.weight, E5M2), "an edge layer's stored weight was rounded"
+        assert not on_grid(opt.state[layer.weight]["momentum_buffer"], E6M9)
+        assert opt.parameter_settings(layer.weight) is None
+    middle = model[2]
+    assert on_grid(middle.weight, E5M2) and on_grid(middle.bias, E5M2)
+    assert on_grid(opt.state[middle.weight]["momentum_buffer"], E6M9)
+
+
+def test_optimizer_rounds_exactly_the_parameters_inject_quantises():
+    model = mlp()
+    inject(model, {"4": None, nn.Linear: LayerQuantization(weight=E5M2, output=E5M2, error=E5M2)})
+    fake = quantized_parameters(model)
+    assert {id(p) for p in fake} == {id(model[0].parametrizations.weight.original),
+                                     id(model[2].parametrizations.weight.original)}
+    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), weight=E5M2, grad=E5M2,
+                  momentum=E6M9, parameters=fake)
+    train_step(model, opt)
+    assert on_grid(fake[0], E5M2) and on_grid(fake[1], E5M2)
+    assert not on_grid(model[4].weight, E5M2) and not on_grid(model[0].bias, E5M2)
+    text = report(model, opt)
+    assert re.search(r"^4\.weight\s+full precision", text, re.M)
+    assert re.search(r"^0\.weight\s+Float\(exp=5, man=2\) stochastic", text, re.M)
+
+
+def test_parameter_groups_and_mappings_choose_each_parameters_rounding():
+    body, edge, odd = (nn.Parameter(torch.randn(20)) for _ in range(3))
+    sgd = torch.optim.SGD([{"params": [body, odd]}, {"params": [edge], "quantization": None}], lr=0.1)
+    opt = OptimLP(sgd, weight=E5M2, rounding="nearest")
+    assert opt.parameter_settings(edge) is None
+    assert opt.parameter_settings(body).weight.format == E5M2
+    fixed = ParameterQuantization(weight=Fixed(8, 4), rounding="nearest")
+    opt = OptimLP(torch.optim.SGD([body, edge, odd], lr=0.1), weight=E5M2,
+                  parameters={body: fixed, edge: None})
+    assert opt.parameter_settings(body) == fixed and opt.parameter_settings(edge) is None
+    assert opt.parameter_settings(odd) is None  # unlisted: full precision
+    for p in (body, edge, odd):
+        p.grad = torch.randn(20)
+    opt.step()
+    assert on_grid(body, Fixed(8, 4)) and not on_grid(edge, E5M2) and not on_grid(odd, E5M2)
+    with pytest.raises(ValueError, match="parameters: 1 tensor"):
+        OptimLP(torch.optim.SGD([body], lr=0.1), parameters=[body, edge])
+
+
+# Item 2: selectors that decide nothing are errors
+
+
+@pytest.mark.parametrize("selector", ["fc", "Default", "layer4.*", nn.LSTM,
+                                      lambda name, m: isinstance(m, nn.Conv2d)],
+                         ids=["name", "misspelled-default", "glob", "type", "callable"])
+def test_a_selector_that_matches_nothing_is_an_error(selector):
+    model = mlp()
+    config = {selector: None, nn.Linear: LayerQuantization(output=E5M2)}
+    with pytest.raises(ValueError, match="matches no module"):
+        inject(model, config)
+    assert not injected(model)  # the model is unchanged
+    with pytest.warns(UserWarning, match="matches no module"):
+        inject(model, config, unmatched="warn")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inject(model, config, unmatched="ignore")
+    assert len(injected(model)) == 3
+
+
+def test_a_selector_shadowed_by_earlier_entries_is_an_error():
+    with pytest.raises(ValueError, match=r"'2': matches 1 module\(s\), all decided by an earlier"):
+        inject(mlp(), {nn.Linear: LayerQuantization(output=E5M2), "2": None})
+    with pytest.raises(ValueError, match="unmatched must be one of"):
+        inject(mlp(), {nn.Linear: None}, unmatched="silent")
+
+
+# Item 3: the root module is a candidate
+
+
+def test_injecting_into_a_single_layer_quantises_it():
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 2)
+    inject(layer, {nn.Linear: LayerQuantization(weight=(E5M2, "nearest"), output=(E5M2, "nearest"))})
+    assert [name for name, _, _ in injected(layer)] == [""]
+    y = layer(torch.randn(3, 4))
+    assert on_grid(y, E5M2) and on_grid(layer.weight, E5M2)
+    assert "1 modules quantised" in report(layer)
+
+
+# Item 4 is in test_torch_integration.py (the in-place ops and autograd).
+
+
+# Item 5: report() shows what really runs
+
+
+def test_report_flags_quantisers_that_never_run_and_counts_only_real_ones():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    inject(model, {nn.ReLU: LayerQuantization(weight=E5M2),  # a ReLU has no weight
+                   nn.Linear: LayerQuantization(weight=E5M2, output=E5M2)})
+    text = report(model)
+    assert "2 modules quantised, 1 in full precision" in text
+    assert re.search(r"^1\s+ReLU .*full precision \(nothing to quantise\)", text, re.M)
+    assert "24 of 30 parameter elements fake-quantised (80.0%)" in text
+
+    mha = nn.MultiheadAttention(8, 2)
+    with pytest.warns(UserWarning, match="never run: 'out_proj' \\(MultiheadAttention never calls"):
+        inject(mha, {nn.Linear: LayerQuantization(weight=E5M2, output=E5M2)})
+    with pytest.warns(UserWarning, match="out_proj: input/output/error never run"):
+        text = report(mha)
+    assert re.search(r"^out_proj\s+NonDynamicallyQuantizableLinear .*never run", text, re.M)
+
+
+def test_report_with_an_example_flags_modules_whose_forward_does_not_run():
+    class Skips(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.used(x)
+
+    model = Skips()
+    inject(model, {nn.Linear: LayerQuantization(output=(E5M2, "stochastic"))})
+    example = torch.randn(2, 4)
+    state = torch.get_rng_state()
+    with pytest.warns(UserWarning, match="unused: input/output/error never ran on the example"):
+        text = report(model, example=example)
+    assert torch.equal(torch.get_rng_state(), state)  # the example pass drew nothing
+    assert re.search(r"^used .*stochastic\s+-$", text, re.M)
+
+
+# Item 6: remove() restores registration order
+
+
+def test_remove_restores_parameter_order_so_saved_optimizer_state_loads():
+    model = mlp()
+    names = [n for n, _ in model.named_parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    inject(model, {nn.Linear: LayerQuantization(weight=E5M2)})
+    remove(model)
+    assert [n for n, _ in model.named_parameters()] == names
+    fresh = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    fresh.load_state_dict(saved)
+    model(torch.randn(2, 4)).sum().backward()
+    fresh.step()  # shapes match parameter for parameter
+
+
+# Item 7: evaluation is deterministic and draws nothing
+
+
+def _sr_model():
+    model = mlp()
+    inject(model, {nn.Linear: LayerQuantization(weight=Fixed(8, 3), output=Fixed(8, 3),
+                                                error=Fixed(8, 3))})
+    return model
+
+
+def test_evaluation_with_stochastic_quantisers_is_deterministic_and_draws_nothing():
+    model = _sr_model().eval()
+    x = torch.randn(32, 4)
+    state = torch.get_rng_state()
+    a, b = model(x), model(x)
+    assert torch.equal(a, b)
+    assert torch.equal(torch.get_rng_state(), state)
+    model.train()
+    assert not torch.equal(model(x), model(x))  # training still rounds stochastically
+    q = Quantizer(forward=Fixed(8, 3), backward=Fixed(8, 3)).eval()
+    assert torch.equal(q(x), lpsim.quantize(x, Fixed(8, 3), "nearest"))
+    keep = Quantizer(forward=Fixed(8, 3), eval_rounding=None).eval()
+    assert not torch.equal(keep(x * 0.01), keep(x * 0.01))
+    with pytest.raises(ValueError, match="eval_rounding must be a deterministic rule"):
+        LayerQuantization(output=E5M2, eval_rounding="stochastic")
+
+
+def test_training_does_not_depend_on_how_often_one_evaluates():
+    results = []
+    for evaluations in (0, 3):
+        model = _sr_model()
+        opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), weight=Fixed(8, 3))
+        torch.manual_seed(1)
+        for _ in range(3):
+            train_step(model, opt)
+            model.eval()
+            with torch.no_grad():
+                for _ in range(evaluations):
+                    model(torch.ones(4, 4))
+            model.train()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results):
+        assert_same_bits(a, b)
+
+
+# Item 9: accumulators wider than the parameters
+
+
+def test_bfloat16_model_with_a_float32_accumulator():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).to(torch.bfloat16)
+    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+                  weight=(Float(8, 7), "nearest"), acc=(E6M9, "nearest"), momentum=E6M9)
+    acc = opt.accumulators[model.weight]
+    assert acc.dtype == torch.float32
+    before = acc.clone()
+    x = torch.randn(16, 8, dtype=torch.bfloat16)
+    for _ in range(3):
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert model.weight.dtype == torch.bfloat16 and acc.dtype == torch.float32
+    assert opt.state[model.weight]["momentum_buffer"].dtype == torch.float32
+    assert on_grid(acc, E6M9) and not torch.equal(acc, before)
+    assert_same_bits(model.weight.detach(), lpsim.quantize(acc, Float(8, 7), "nearest").to(torch.bfloat16))
+    # Small updates accumulate in e6m9 below bfloat16's spacing.
+    assert not on_grid(acc, Float(8, 7))
+    saved = opt.state_dict()
+    other = OptimLP(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+                    weight=(Float(8, 7), "nearest"), acc=(E6M9, "nearest"), momentum=E6M9)
+    other.load_state_dict(saved)
+    assert other.state[model.weight]["momentum_buffer"].dtype == torch.float32
+    assert_same_bits(other.state[model.weight]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("name", ["weight", "grad", "momentum"])
+def test_a_format_that_does_not_fit_names_its_argument(name):
+    model = nn.Linear(4, 2).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"^OptimLP {name}: Float\(exp=6, man=9\) does not fit a "
+                                         r"bfloat16 tensor.*parameter 0 of group 0"):
+        OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), **{name: E6M9})
+
+
+# Item 10: messages that say what is wrong
+
+
+def test_a_module_instance_as_selector_says_to_use_its_type_or_name():
+    model = mlp()
+    with pytest.raises(TypeError, match="module instance Linear.*Use its type"):
+        inject(model, {model[0]: LayerQuantization(output=E5M2)})
+
+
+def test_optim_lp_loads_a_plain_optimizers_state_dict():
+    model = mlp()
+    plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_step(model, plain)
+    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), weight=E5M2,
+                  acc=E6M9)
+    opt.load_state_dict(plain.state_dict())
+    assert opt.param_groups[0]["lr"] == 0.1
+    assert_same_bits(opt.state[model[0].weight]["momentum_buffer"],
+                     plain.state[model[0].weight]["momentum_buffer"])
+    assert_same_bits(opt.accumulators[model[0].weight], model[0].weight.detach())
+    with pytest.raises(ValueError, match="must be an OptimLP state_dict .* or a torch optimizer's"):
+        opt.load_state_dict({"weights": []})
+
+
+# Item 14: the package declares its annotations
+
+
+def test_package_ships_py_typed():
+    import importlib.resources
+    import pathlib
+
+    assert importlib.resources.files("lpsim").joinpath("py.typed").is_file()
+    pyproject = (pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    assert 'lpsim = ["py.typed"]' in pyproject
