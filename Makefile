@@ -1,6 +1,7 @@
 # Set-up and the two main jobs. Everything is installed into .venv by these rules.
 #   make demo   set up, build, run the main job (python -m lpsim.demo $(DEMO_ARGS))
-#   make test   set up, build, run the tests
+#   make test   set up, lint, build, run the tests
+#   make lint   ruff (lint and format check) and clang-format check; make format applies them
 #   make bench  set up, build, run the quantisation benchmark
 
 PYTHON ?= python3
@@ -11,13 +12,25 @@ DEPS := $(VENV)/.deps-installed
 BUILT := $(VENV)/.lpsim-built
 SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: demo test bench build clean
+CXX_SOURCES := $(shell find csrc tests/cpp -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
+
+.PHONY: demo test bench build clean lint format
 
 demo: $(BUILT)
 	$(PY) -m lpsim.demo $(DEMO_ARGS)
 
-test: $(BUILT)
+test: lint $(BUILT)
 	$(PY) -m pytest -q
+
+lint: $(DEPS)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run --Werror $(CXX_SOURCES)
+
+format: $(DEPS)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/clang-format -i $(CXX_SOURCES)
 
 bench: $(BUILT)
 	$(PY) benchmarks/bench_quantize.py

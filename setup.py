@@ -40,15 +40,22 @@ if WITH_CUDA:
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CXX_FLAGS = ["-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off", "-Wall", "-Wextra",
-             "-Wno-unused-parameter"]
+CXX_FLAGS = [
+    "-O3",
+    "-std=c++20",
+    "-fopenmp",
+    "-ffp-contract=off",
+    "-Wall",
+    "-Wextra",
+    "-Wno-unused-parameter",
+]
 NVCC_FLAGS = ["-O3", "-std=c++20", "--expt-relaxed-constexpr"]
 
 sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
 include_dirs = [os.path.join(HERE, "csrc", "include"), os.path.join(HERE, "csrc")]
 define_macros = []
 if WITH_CUDA:
-    sources += sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
+    sources += sorted(glob.glob("csrc/cuda/*.cu"))
     define_macros.append(("LPSIM_WITH_CUDA", None))
     Extension = CUDAExtension
     extra = {"cxx": CXX_FLAGS, "nvcc": NVCC_FLAGS}

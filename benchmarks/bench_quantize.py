@@ -60,37 +60,52 @@ def cpu_cases(qq):
     """(name, lpsim call, qtorch call or None)."""
     cases = []
     for rule in ("nearest", "stochastic"):
-        cases.append((
-            f"float e5m2 {rule}",
-            lambda x, r=rule: lpsim.quantize(x, Float(5, 2), r, seed=1),
-            (lambda x, r=rule: qq.float_quantize(x, exp=5, man=2, rounding=r)) if qq else None,
-        ))
-        cases.append((
-            f"float bfloat16 {rule}",
-            lambda x, r=rule: lpsim.quantize(x, Float(8, 7), r, seed=1),
-            (lambda x, r=rule: qq.float_quantize(x, exp=8, man=7, rounding=r)) if qq else None,
-        ))
-        cases.append((
-            f"fixed <8,4> {rule}",
-            lambda x, r=rule: lpsim.quantize(x, Fixed(8, 4), r, seed=1),
-            (lambda x, r=rule: qq.fixed_point_quantize(x, wl=8, fl=4, rounding=r)) if qq else None,
-        ))
-        cases.append((
-            f"block 8 tensor {rule}",
-            lambda x, r=rule: lpsim.quantize(x, BlockFloat(8), r, seed=1),
-            (lambda x, r=rule: qq.block_quantize(x, wl=8, dim=-1, rounding=r)) if qq else None,
-        ))
-        cases.append((
-            f"block 8 dim=0 {rule}",
-            lambda x, r=rule: lpsim.quantize(x.view(4096, -1), BlockFloat(8, 0), r, seed=1),
-            (lambda x, r=rule: qq.block_quantize(x.view(4096, -1), wl=8, dim=0, rounding=r))
-            if qq else None,
-        ))
-        cases.append((
-            f"block 8 size=32 {rule}",
-            lambda x, r=rule: lpsim.quantize(x, BlockFloat(8, block_size=32), r, seed=1),
-            None,
-        ))
+        cases.append(
+            (
+                f"float e5m2 {rule}",
+                lambda x, r=rule: lpsim.quantize(x, Float(5, 2), r, seed=1),
+                (lambda x, r=rule: qq.float_quantize(x, exp=5, man=2, rounding=r)) if qq else None,
+            )
+        )
+        cases.append(
+            (
+                f"float bfloat16 {rule}",
+                lambda x, r=rule: lpsim.quantize(x, Float(8, 7), r, seed=1),
+                (lambda x, r=rule: qq.float_quantize(x, exp=8, man=7, rounding=r)) if qq else None,
+            )
+        )
+        cases.append(
+            (
+                f"fixed <8,4> {rule}",
+                lambda x, r=rule: lpsim.quantize(x, Fixed(8, 4), r, seed=1),
+                (lambda x, r=rule: qq.fixed_point_quantize(x, wl=8, fl=4, rounding=r))
+                if qq
+                else None,
+            )
+        )
+        cases.append(
+            (
+                f"block 8 tensor {rule}",
+                lambda x, r=rule: lpsim.quantize(x, BlockFloat(8), r, seed=1),
+                (lambda x, r=rule: qq.block_quantize(x, wl=8, dim=-1, rounding=r)) if qq else None,
+            )
+        )
+        cases.append(
+            (
+                f"block 8 dim=0 {rule}",
+                lambda x, r=rule: lpsim.quantize(x.view(4096, -1), BlockFloat(8, 0), r, seed=1),
+                (lambda x, r=rule: qq.block_quantize(x.view(4096, -1), wl=8, dim=0, rounding=r))
+                if qq
+                else None,
+            )
+        )
+        cases.append(
+            (
+                f"block 8 size=32 {rule}",
+                lambda x, r=rule: lpsim.quantize(x, BlockFloat(8, block_size=32), r, seed=1),
+                None,
+            )
+        )
     return cases
 
 
@@ -99,11 +114,15 @@ def run_cpu(size: int, repeat: int) -> None:
     x = torch.randn(size)
     qq = load_qtorch()
     clone = lambda: x.clone()  # noqa: E731
-    print(f"CPU: {size} float32 elements, {torch.get_num_threads()} threads, "
-          f"generator {lpsim.cpu_generator()}, medians of {repeat}, each op timed alternately "
-          "with x.clone()")
-    for name, fn in (("x.to(bfloat16).float()", lambda: x.to(torch.bfloat16).float()),
-                     ("x.to(float8_e5m2).float()", lambda: x.to(torch.float8_e5m2).float())):
+    print(
+        f"CPU: {size} float32 elements, {torch.get_num_threads()} threads, "
+        f"generator {lpsim.cpu_generator()}, medians of {repeat}, each op timed alternately "
+        "with x.clone()"
+    )
+    for name, fn in (
+        ("x.to(bfloat16).float()", lambda: x.to(torch.bfloat16).float()),
+        ("x.to(float8_e5m2).float()", lambda: x.to(torch.float8_e5m2).float()),
+    ):
         t, c = median_ratio(fn, clone, repeat)
         print(f"{name}: {t * 1e3:.2f} ms, clone {c * 1e3:.2f} ms ({t / c:.2f}x)")
     print()
@@ -113,13 +132,13 @@ def run_cpu(size: int, repeat: int) -> None:
     print(header)
     print("-" * len(header))
     for name, ours, theirs in cpu_cases(qq):
-        t, c = median_ratio(lambda: ours(x), clone, repeat)
+        t, c = median_ratio(lambda ours=ours: ours(x), clone, repeat)
         row = f"{name:28s} {t * 1e3:9.2f} {c * 1e3:9.2f} {t / c:6.2f}x"
         if qq:
             if theirs is None:
                 row += f" {'-':>10s} {'-':>7s} {'-':>13s}"
             else:
-                q, qc = median_ratio(lambda: theirs(x), clone, max(3, repeat // 3))
+                q, qc = median_ratio(lambda theirs=theirs: theirs(x), clone, max(3, repeat // 3))
                 row += f" {q * 1e3:10.2f} {q / qc:6.2f}x {q / qc / (t / c):12.1f}x"
         print(row)
 
@@ -151,17 +170,24 @@ def gpu_cases(qq):
             ("block 8 tensor", BlockFloat(8), lambda x, r: qq.block_quantize(x, 8, -1, rounding=r)),
             ("block 8 size=32", BlockFloat(8, block_size=32), None),
         ):
-            cases.append((
-                f"{label} {rule}",
-                lambda x, out, f=fmt, r=rule: lpsim.quantize(x, f, r, seed=1, out=out),
-                (lambda x, t=theirs, r=rule: t(x, r)) if (qq and theirs) else None,
-            ))
-        cases.append((
-            f"block 8 dim=0 {rule}",
-            lambda x, out, r=rule: lpsim.quantize(x.view(4096, -1), BlockFloat(8, 0), r, seed=1,
-                                                  out=out.view(4096, -1)),
-            (lambda x, r=rule: qq.block_quantize(x.view(4096, -1), 8, 0, rounding=r)) if qq else None,
-        ))
+            cases.append(
+                (
+                    f"{label} {rule}",
+                    lambda x, out, f=fmt, r=rule: lpsim.quantize(x, f, r, seed=1, out=out),
+                    (lambda x, t=theirs, r=rule: t(x, r)) if (qq and theirs) else None,
+                )
+            )
+        cases.append(
+            (
+                f"block 8 dim=0 {rule}",
+                lambda x, out, r=rule: lpsim.quantize(
+                    x.view(4096, -1), BlockFloat(8, 0), r, seed=1, out=out.view(4096, -1)
+                ),
+                (lambda x, r=rule: qq.block_quantize(x.view(4096, -1), 8, 0, rounding=r))
+                if qq
+                else None,
+            )
+        )
     return cases
 
 
@@ -172,8 +198,10 @@ def run_gpu(size: int, repeat: int) -> None:
     bytes_moved = 2 * x.numel() * x.element_size()  # one read, one write
     copy_ms = cuda_median_ms(lambda: out.copy_(x), repeat)
     copy_gbs = bytes_moved / copy_ms / 1e6
-    print(f"GPU: {torch.cuda.get_device_name()}, {size} float32 elements, CUDA events, "
-          f"medians of {repeat}")
+    print(
+        f"GPU: {torch.cuda.get_device_name()}, {size} float32 elements, CUDA events, "
+        f"medians of {repeat}"
+    )
     print(f"device-to-device copy: {copy_ms:.3f} ms, {copy_gbs:.0f} GB/s (the 100% reference)")
     header = f"{'op':28s} {'lpsim ms':>9s} {'GB/s':>7s} {'of copy':>8s}"
     if qq:
@@ -181,13 +209,13 @@ def run_gpu(size: int, repeat: int) -> None:
     print(header)
     print("-" * len(header))
     for name, ours, theirs in gpu_cases(qq):
-        t = cuda_median_ms(lambda: ours(x, out), repeat)
+        t = cuda_median_ms(lambda ours=ours: ours(x, out), repeat)
         row = f"{name:28s} {t:9.3f} {bytes_moved / t / 1e6:7.0f} {copy_ms / t:7.0%}"
         if qq:
             if theirs is None:
                 row += f" {'-':>10s} {'-':>7s} {'-':>8s} {'-':>13s}"
             else:
-                q = cuda_median_ms(lambda: theirs(x), max(5, repeat // 5))
+                q = cuda_median_ms(lambda theirs=theirs: theirs(x), max(5, repeat // 5))
                 row += f" {q:10.3f} {bytes_moved / q / 1e6:7.0f} {copy_ms / q:7.0%} {q / t:12.1f}x"
         print(row)
 

@@ -104,17 +104,23 @@ def alternate(base: Step, other: Step, warmup: int, repeat: int) -> tuple[float,
 def machine(device: torch.device) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
-    return (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-            f"torch {torch.__version__}")
+    return (
+        f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}"
+    )
 
 
 def run(args, device: torch.device) -> list[dict]:
     rows = []
     modes = [False, True] if args.compile else [False]
-    print(f"device: {machine(device)}; batch {args.batch_size}, 32x32 inputs, medians of "
-          f"{args.repeat} steps after {args.warmup} warm-up steps, timed alternately with float32")
-    header = (f"{'model':9s} {'recipe':7s} {'mode':8s} {'fp32 ms':>9s} {'recipe ms':>10s} "
-              f"{'ratio':>7s} {'warm-up s':>10s}")
+    print(
+        f"device: {machine(device)}; batch {args.batch_size}, 32x32 inputs, medians of "
+        f"{args.repeat} steps after {args.warmup} warm-up steps, timed alternately with float32"
+    )
+    header = (
+        f"{'model':9s} {'recipe':7s} {'mode':8s} {'fp32 ms':>9s} {'recipe ms':>10s} "
+        f"{'ratio':>7s} {'warm-up s':>10s}"
+    )
     print(header)
     print("-" * len(header))
     for compiled in modes:
@@ -126,29 +132,44 @@ def run(args, device: torch.device) -> list[dict]:
                 base = base or Step(model_name, None, args, device)
                 step = Step(m, recipe, args, device)
                 fp32, ours, warm = alternate(base, step, args.warmup, args.repeat)
-                row = {"model": m, "recipe": recipe, "mode": "compiled" if compiled else "eager",
-                       "fp32_ms": 1e3 * fp32, "recipe_ms": 1e3 * ours, "ratio": ours / fp32,
-                       "warmup_s": warm}
+                row = {
+                    "model": m,
+                    "recipe": recipe,
+                    "mode": "compiled" if compiled else "eager",
+                    "fp32_ms": 1e3 * fp32,
+                    "recipe_ms": 1e3 * ours,
+                    "ratio": ours / fp32,
+                    "warmup_s": warm,
+                }
                 rows.append(row)
-                print(f"{m:9s} {recipe:7s} {row['mode']:8s} {row['fp32_ms']:9.1f} "
-                      f"{row['recipe_ms']:10.1f} {row['ratio']:6.2f}x {warm:10.1f}", flush=True)
+                print(
+                    f"{m:9s} {recipe:7s} {row['mode']:8s} {row['fp32_ms']:9.1f} "
+                    f"{row['recipe_ms']:10.1f} {row['ratio']:6.2f}x {warm:10.1f}",
+                    flush=True,
+                )
                 del step
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
     """The rows as the table of docs/performance.md: eager and compiled side by side."""
-    lines = ["| model | recipe | fp32 eager ms | recipe eager ms | eager ratio | fp32 compiled ms "
-             "| recipe compiled ms | compiled ratio |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| model | recipe | fp32 eager ms | recipe eager ms | eager ratio | fp32 compiled ms "
+        "| recipe compiled ms | compiled ratio |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     compiled = {(r["model"], r["recipe"]): r for r in rows if r["mode"] == "compiled"}
     for r in rows:
         if r["mode"] != "eager":
             continue
         c = compiled.get((r["model"], r["recipe"]))
-        tail = (f"{c['fp32_ms']:.1f} | {c['recipe_ms']:.1f} | {c['ratio']:.2f}x" if c
-                else "- | - | -")
-        lines.append(f"| {r['model']} | {r['recipe']} | {r['fp32_ms']:.1f} | {r['recipe_ms']:.1f} "
-                     f"| {r['ratio']:.2f}x | {tail} |")
+        tail = (
+            f"{c['fp32_ms']:.1f} | {c['recipe_ms']:.1f} | {c['ratio']:.2f}x" if c else "- | - | -"
+        )
+        lines.append(
+            f"| {r['model']} | {r['recipe']} | {r['fp32_ms']:.1f} | {r['recipe_ms']:.1f} "
+            f"| {r['ratio']:.2f}x | {tail} |"
+        )
     return "\n".join(lines)
 
 
@@ -160,10 +181,17 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-compile", dest="compile", action="store_false")
-    p.add_argument("--device", choices=["cpu", "cuda"],
-                   help="default: the CPU section, then the GPU section when CUDA is available")
-    p.add_argument("--width", type=float, default=1.0,
-                   help="channel multiplier of vgg16 and vgg7 (1: the published networks)")
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        help="default: the CPU section, then the GPU section when CUDA is available",
+    )
+    p.add_argument(
+        "--width",
+        type=float,
+        default=1.0,
+        help="channel multiplier of vgg16 and vgg7 (1: the published networks)",
+    )
     p.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
     args = p.parse_args(argv)
     args.models = args.models.split(",")
@@ -187,8 +215,9 @@ def main(argv=None) -> list[dict]:
     args = parse(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    devices = [args.device] if args.device else ["cpu"] + (["cuda"] if torch.cuda.is_available()
-                                                           else [])
+    devices = (
+        [args.device] if args.device else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    )
     batch = args.batch_size
     rows = []
     for name in devices:

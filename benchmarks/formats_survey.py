@@ -54,26 +54,40 @@ def rows(size: int, names: list[str] | None = None):
             finite = torch.isfinite(y)
             error = ((y - x)[finite].norm() / x[finite].norm()).item()
             unchanged = (y == x).double().mean().item()
-            yield name, rule.name, error, unchanged, 1.0 - finite.double().mean().item(), \
-                _throughput(x, fmt, rule)
+            yield (
+                name,
+                rule.name,
+                error,
+                unchanged,
+                1.0 - finite.double().mean().item(),
+                _throughput(x, fmt, rule),
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Rounding error and speed of every format and rule.")
+    parser = argparse.ArgumentParser(
+        description="Rounding error and speed of every format and rule."
+    )
     parser.add_argument("--size", type=int, default=1 << 20, help="elements (default 2**20)")
     parser.add_argument("--formats", type=str, default=None, help="comma-separated names")
     args = parser.parse_args(argv)
     names = args.formats.split(",") if args.formats else None
-    print(f"lpsim {lpsim.__version__}: {args.size} standard-normal float32 values, "
-          f"{torch.get_num_threads()} threads, CPU generator {lpsim.cpu_generator()}")
-    print(f"{'format':16s} {'rounding':17s} {'rel. error':>11s} {'unchanged':>10s} "
-          f"{'non-finite':>11s} {'M elem/s':>9s}")
+    print(
+        f"lpsim {lpsim.__version__}: {args.size} standard-normal float32 values, "
+        f"{torch.get_num_threads()} threads, CPU generator {lpsim.cpu_generator()}"
+    )
+    print(
+        f"{'format':16s} {'rounding':17s} {'rel. error':>11s} {'unchanged':>10s} "
+        f"{'non-finite':>11s} {'M elem/s':>9s}"
+    )
     last = None
     for name, rule, error, unchanged, nonfinite, speed in rows(args.size, names):
         if last is not None and name != last:
             print()
         last = name
-        print(f"{name:16s} {rule:17s} {error:11.3e} {unchanged:9.1%} {nonfinite:10.2%} {speed:9.0f}")
+        print(
+            f"{name:16s} {rule:17s} {error:11.3e} {unchanged:9.1%} {nonfinite:10.2%} {speed:9.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -3,12 +3,11 @@
 // Host code only.
 #pragma once
 
-#include <type_traits>
-
 #include <lpsim/container.h>
 #include <lpsim/rounding.h>
+#include <lpsim/types.h>
 
-#include "cpu/kernels.h"
+#include <type_traits>
 
 namespace lpsim {
 
@@ -19,28 +18,51 @@ using RoundingTag = std::integral_constant<Rounding, R>;
 template <class F>
 LPSIM_INLINE void with_rounding(Rounding r, F&& f) {
   switch (r) {
-    case Rounding::nearest: return f(RoundingTag<Rounding::nearest>{});
-    case Rounding::nearest_away: return f(RoundingTag<Rounding::nearest_away>{});
-    case Rounding::nearest_zero: return f(RoundingTag<Rounding::nearest_zero>{});
-    case Rounding::toward_zero: return f(RoundingTag<Rounding::toward_zero>{});
-    case Rounding::away: return f(RoundingTag<Rounding::away>{});
-    case Rounding::up: return f(RoundingTag<Rounding::up>{});
-    case Rounding::down: return f(RoundingTag<Rounding::down>{});
-    case Rounding::odd: return f(RoundingTag<Rounding::odd>{});
-    case Rounding::stochastic: return f(RoundingTag<Rounding::stochastic>{});
-    case Rounding::stochastic_equal: return f(RoundingTag<Rounding::stochastic_equal>{});
+    case Rounding::nearest:
+      return f(RoundingTag<Rounding::nearest>{});
+    case Rounding::nearest_away:
+      return f(RoundingTag<Rounding::nearest_away>{});
+    case Rounding::nearest_zero:
+      return f(RoundingTag<Rounding::nearest_zero>{});
+    case Rounding::toward_zero:
+      return f(RoundingTag<Rounding::toward_zero>{});
+    case Rounding::away:
+      return f(RoundingTag<Rounding::away>{});
+    case Rounding::up:
+      return f(RoundingTag<Rounding::up>{});
+    case Rounding::down:
+      return f(RoundingTag<Rounding::down>{});
+    case Rounding::odd:
+      return f(RoundingTag<Rounding::odd>{});
+    case Rounding::stochastic:
+      return f(RoundingTag<Rounding::stochastic>{});
+    case Rounding::stochastic_equal:
+      return f(RoundingTag<Rounding::stochastic_equal>{});
   }
 }
 
 // f(C{}) for the container C of the run-time dtype.
 template <class F>
-LPSIM_INLINE void with_container(cpu::Dtype d, F&& f) {
+LPSIM_INLINE void with_container(Dtype d, F&& f) {
   switch (d) {
-    case cpu::Dtype::float32: return f(Float32Container{});
-    case cpu::Dtype::float64: return f(Float64Container{});
-    case cpu::Dtype::bfloat16: return f(BFloat16Container{});
-    case cpu::Dtype::float16: return f(Float16Container{});
+    case Dtype::float32:
+      return f(Float32Container{});
+    case Dtype::float64:
+      return f(Float64Container{});
+    case Dtype::bfloat16:
+      return f(BFloat16Container{});
+    case Dtype::float16:
+      return f(Float16Container{});
   }
+}
+
+// f(B{}) for the container B of an operand of an update of an A tensor: A's, float32 or float64
+// (the dtypes operand_of in checks.cpp lets through).
+template <class A, class F>
+LPSIM_INLINE void with_operand(Dtype b, F&& f) {
+  if (b == Dtype::float32) return f(Float32Container{});
+  if (b == Dtype::float64) return f(Float64Container{});
+  return f(A{});
 }
 
 }  // namespace lpsim

@@ -2,7 +2,7 @@
 // registrations define the lpsim ops; it also answers a few questions about the build.
 #include <Python.h>
 
-#include "cpu/kernels.h"
+#include "cpu/loops.h"
 
 namespace {
 

@@ -4,7 +4,7 @@ backward error analysis", SIAM J. Sci. Comput. 2021).
 
 A is 100 x n with entries uniform on [0, 1e-3], x has entries uniform on [0, 1]; both are rounded
 (to nearest) into the working format, float16 or bfloat16, so that they are exact inputs. Each
-y_i is computed by lpsim.ops.matvec: recursive summation over j = 1..n of the exact products
+y_i is computed by lpsim.accumulate.matvec: recursive summation over j = 1..n of the exact products
 a_ij x_j, every partial sum rounded into the working format by the rule under test: nearest,
 stochastic (32 random bits), and stochastic with rbits = 16, 8, 4 and 2. The backward error is
 
@@ -43,8 +43,14 @@ FORMATS = {  # name: (format, container, unit roundoff u = 2**-(precision))
     "float16": (lpsim.Float(5, 10), torch.float16, 2.0**-11),
     "bfloat16": (lpsim.Float(8, 7), torch.bfloat16, 2.0**-8),
 }
-RULES = [("nearest", None), ("stochastic", None), ("stochastic", 16), ("stochastic", 8),
-         ("stochastic", 4), ("stochastic", 2)]
+RULES = [
+    ("nearest", None),
+    ("stochastic", None),
+    ("stochastic", 16),
+    ("stochastic", 8),
+    ("stochastic", 4),
+    ("stochastic", 2),
+]
 
 
 def label(rule: str, rbits: int | None) -> str:
@@ -58,15 +64,20 @@ def backward_error(n: int, rows: int, fmt, dtype, rule: str, rbits, seed: int) -
     a = (torch.rand(rows, n, generator=g, dtype=torch.float64) * 1e-3).to(dtype)
     x = torch.rand(n, generator=g, dtype=torch.float64).to(dtype)
     exact = a.double() @ x.double()  # |A||x| = A x: every entry is non-negative
-    approx = lpsim.ops.matvec(a, x, acc=fmt, rounding=rule, rbits=rbits, seed=seed).double()
+    approx = lpsim.accumulate.matvec(a, x, acc=fmt, rounding=rule, rbits=rbits, seed=seed).double()
     return ((approx - exact).abs() / exact).max().item()
 
 
 def plot(results: dict, ns: list[int], path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.2), sharey=True)
-    colors = {"nearest": "tab:red", "stochastic": "tab:blue", "stochastic, rbits=16": "tab:cyan",
-              "stochastic, rbits=8": "tab:green", "stochastic, rbits=4": "tab:olive",
-              "stochastic, rbits=2": "tab:orange"}
+    colors = {
+        "nearest": "tab:red",
+        "stochastic": "tab:blue",
+        "stochastic, rbits=16": "tab:cyan",
+        "stochastic, rbits=8": "tab:green",
+        "stochastic, rbits=4": "tab:olive",
+        "stochastic, rbits=2": "tab:orange",
+    }
     for ax, (name, (_, _, u)) in zip(axes, FORMATS.items()):
         # The plain stochastic curve last and widest: rbits=16 lies on top of it.
         order = [lab for lab in results[name] if lab != "stochastic"] + ["stochastic"]
@@ -76,8 +87,15 @@ def plot(results: dict, ns: list[int], path: pathlib.Path) -> None:
             low = [min(r) for r in runs]
             high = [max(r) for r in runs]
             wide = rule_label == "stochastic"
-            ax.plot(ns, mean, "o-", color=colors[rule_label], label=rule_label,
-                    markersize=5 if wide else 3, linewidth=2.5 if wide else 1.2)
+            ax.plot(
+                ns,
+                mean,
+                "o-",
+                color=colors[rule_label],
+                label=rule_label,
+                markersize=5 if wide else 3,
+                linewidth=2.5 if wide else 1.2,
+            )
             ax.fill_between(ns, low, high, color=colors[rule_label], alpha=0.15)
         ax.plot(ns, [n * u for n in ns], "k--", label="n u")
         ax.plot(ns, [math.sqrt(n) * u for n in ns], "k:", label="sqrt(n) u")
@@ -110,27 +128,38 @@ def table(results: dict, ns: list[int], seconds: float, args) -> str:
     ]
     for name, (_, _, u) in FORMATS.items():
         labels = list(results[name])
-        lines += [f"## {name} (u = 2^{int(math.log2(u))} = {u:.3g})", "",
-                  "| n | n u | sqrt(n) u | " + " | ".join(labels) + " |",
-                  "|---:|---:|---:|" + "---:|" * len(labels)]
+        lines += [
+            f"## {name} (u = 2^{int(math.log2(u))} = {u:.3g})",
+            "",
+            "| n | n u | sqrt(n) u | " + " | ".join(labels) + " |",
+            "|---:|---:|---:|" + "---:|" * len(labels),
+        ]
         for k, n in enumerate(ns):
             cells = [f"{sum(results[name][lab][k]) / args.repeats:.2e}" for lab in labels]
-            lines.append(f"| {n} | {n * u:.2e} | {math.sqrt(n) * u:.2e} | " + " | ".join(cells) + " |")
+            lines.append(
+                f"| {n} | {n * u:.2e} | {math.sqrt(n) * u:.2e} | " + " | ".join(cells) + " |"
+            )
         lines.append("")
     lines += ["![error growth](error_growth.png)", ""]
     return "\n".join(lines)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.error_growth",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.error_growth", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--rows", type=int, default=100)
     p.add_argument("--max-exponent", type=float, default=5.0, help="largest n is 10**this")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=pathlib.Path, default=RESULTS, metavar="DIR",
-                   help="directory for error_growth.md and error_growth.png (default: "
-                        "docs/results, where the committed results are regenerated; give another "
-                        "for trial runs)")
+    p.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=RESULTS,
+        metavar="DIR",
+        help="directory for error_growth.md and error_growth.png (default: "
+        "docs/results, where the committed results are regenerated; give another "
+        "for trial runs)",
+    )
     return p
 
 
@@ -143,11 +172,19 @@ def main(argv: list[str] | None = None) -> None:
     for name, (fmt, dtype, _) in FORMATS.items():
         results[name] = {}
         for rule, rbits in RULES:
-            runs = [[backward_error(n, args.rows, fmt, dtype, rule, rbits, seed)
-                     for seed in range(args.repeats)] for n in ns]
+            runs = [
+                [
+                    backward_error(n, args.rows, fmt, dtype, rule, rbits, seed)
+                    for seed in range(args.repeats)
+                ]
+                for n in ns
+            ]
             results[name][label(rule, rbits)] = runs
-            print(f"{name:9s} {label(rule, rbits):22s} " +
-                  " ".join(f"{sum(r) / len(r):.1e}" for r in runs), flush=True)
+            print(
+                f"{name:9s} {label(rule, rbits):22s} "
+                + " ".join(f"{sum(r) / len(r):.1e}" for r in runs),
+                flush=True,
+            )
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, ns, args.out / "error_growth.png")
     report = table(results, ns, time.time() - start, args)

@@ -48,6 +48,7 @@ BF16 = lpsim.Float(8, 7)
 
 # ---- Part 1: accumulation
 
+
 def accumulate(steps: int, copies: int, record_every: int) -> dict:
     """Trajectories (recorded every record_every steps) and final values of each method. Prints a
     line after every tenth of the steps."""
@@ -55,8 +56,12 @@ def accumulate(steps: int, copies: int, record_every: int) -> dict:
     report_at = {steps * k // 10 for k in range(1, 11)}
     inc = torch.full((copies,), 1e-4)  # float32: 1e-4 rounded to float32
     one = torch.ones(copies, dtype=torch.bfloat16)
-    x = {"nearest": one.clone(), "stochastic": one.clone(), "stochastic_equal": one.clone(),
-         "kahan": one[:1].clone()}
+    x = {
+        "nearest": one.clone(),
+        "stochastic": one.clone(),
+        "stochastic_equal": one.clone(),
+        "kahan": one[:1].clone(),
+    }
     compensation = torch.zeros(1, dtype=torch.bfloat16)
     f32 = torch.ones(1)
     traces = {name: [] for name in list(x) + ["float32"]}
@@ -76,31 +81,45 @@ def accumulate(steps: int, copies: int, record_every: int) -> dict:
                 traces[name].append(value.double().mean().item())
             traces["float32"].append(f32.item())
         if step in report_at:
-            print(f"accumulation: {step}/{steps} increments ({time.time() - began:.0f} s)",
-                  flush=True)
+            print(
+                f"accumulation: {step}/{steps} increments ({time.time() - began:.0f} s)", flush=True
+            )
     exact = 1.0 + steps * float(inc[0])
     final = {name: value.double() for name, value in x.items()}
     final["float32"] = f32.double()
-    overflow = next((s for s, v in zip(recorded, traces["stochastic_equal"]) if v == float("inf")),
-                    None)
-    return {"steps": recorded, "traces": traces, "final": final, "exact": exact,
-            "increment": float(inc[0]), "overflow": overflow}
+    overflow = next(
+        (s for s, v in zip(recorded, traces["stochastic_equal"]) if v == float("inf")), None
+    )
+    return {
+        "steps": recorded,
+        "traces": traces,
+        "final": final,
+        "exact": exact,
+        "increment": float(inc[0]),
+        "overflow": overflow,
+    }
 
 
 # ---- Part 2: logistic regression
 
+
 def breast_cancer():
     data = load_breast_cancer()
     x_train, x_test, y_train, y_test = train_test_split(
-        data.data, data.target, test_size=0.3, random_state=0, stratify=data.target)
+        data.data, data.target, test_size=0.3, random_state=0, stratify=data.target
+    )
     mean, std = x_train.mean(0), x_train.std(0)
 
     def features(x):
         x = torch.tensor((x - mean) / std, dtype=torch.float32)
         return torch.cat([x, torch.ones(len(x), 1)], 1)  # the last weight is the bias
 
-    return (features(x_train), torch.tensor(y_train, dtype=torch.float32),
-            features(x_test), torch.tensor(y_test, dtype=torch.float32))
+    return (
+        features(x_train),
+        torch.tensor(y_train, dtype=torch.float32),
+        features(x_test),
+        torch.tensor(y_test, dtype=torch.float32),
+    )
 
 
 def train(method: str, seed: int, data, steps: int, lr: float, record_every: int) -> dict:
@@ -125,23 +144,39 @@ def train(method: str, seed: int, data, steps: int, lr: float, record_every: int
         if step % record_every == 0 or step == 1:
             with torch.no_grad():
                 losses.append((step, loss.item()))
-                accuracies.append((step, ((x_test @ w.float() > 0).float() == y_test)
-                                   .float().mean().item()))
+                accuracies.append(
+                    (step, ((x_test @ w.float() > 0).float() == y_test).float().mean().item())
+                )
     with torch.no_grad():
         final_loss = torch.nn.functional.binary_cross_entropy_with_logits(
-            x_train @ w.float(), y_train).item()
-    return {"losses": losses, "accuracies": accuracies, "final_loss": final_loss,
-            "accuracy": accuracies[-1][1], "last_change": last_change,
-            "max_weight": w.detach().float().abs().max().item()}
+            x_train @ w.float(), y_train
+        ).item()
+    return {
+        "losses": losses,
+        "accuracies": accuracies,
+        "final_loss": final_loss,
+        "accuracy": accuracies[-1][1],
+        "last_change": last_change,
+        "max_weight": w.detach().float().abs().max().item(),
+    }
 
 
 # ---- Report
 
-LABELS = {"nearest": "nearest", "stochastic": "stochastic (mode 1)",
-          "stochastic_equal": "stochastic_equal (mode 2)", "kahan": "Kahan (nearest)",
-          "float32": "float32"}
-COLORS = {"nearest": "tab:red", "stochastic": "tab:blue", "stochastic_equal": "tab:orange",
-          "kahan": "tab:green", "float32": "black"}
+LABELS = {
+    "nearest": "nearest",
+    "stochastic": "stochastic (mode 1)",
+    "stochastic_equal": "stochastic_equal (mode 2)",
+    "kahan": "Kahan (nearest)",
+    "float32": "float32",
+}
+COLORS = {
+    "nearest": "tab:red",
+    "stochastic": "tab:blue",
+    "stochastic_equal": "tab:orange",
+    "kahan": "tab:green",
+    "float32": "black",
+}
 
 
 def plot(acc: dict, runs: dict, path: pathlib.Path) -> None:
@@ -155,21 +190,32 @@ def plot(acc: dict, runs: dict, path: pathlib.Path) -> None:
     top = 1.25 * acc["exact"]
     ax.set_ylim(0, top)
     if acc["overflow"] is not None:
-        ax.annotate(f"mode 2 leaves the plot at once\nand overflows to Inf by step {acc['overflow']}",
-                    xy=(acc["steps"][1], top * 0.97), xytext=(acc["steps"][-1] * 0.08, top * 0.88),
-                    fontsize=8, color=COLORS["stochastic_equal"],
-                    arrowprops=dict(arrowstyle="->", color=COLORS["stochastic_equal"]))
+        ax.annotate(
+            f"mode 2 leaves the plot at once\nand overflows to Inf by step {acc['overflow']}",
+            xy=(acc["steps"][1], top * 0.97),
+            xytext=(acc["steps"][-1] * 0.08, top * 0.88),
+            fontsize=8,
+            color=COLORS["stochastic_equal"],
+            arrowprops=dict(arrowstyle="->", color=COLORS["stochastic_equal"]),
+        )
     ax.set_xlabel("increments of 1e-4 added")
     ax.set_ylabel("bfloat16 accumulator (mean of the copies)")
     ax.set_title("1.0 + sum of 1e-4, rounded into bfloat16")
     ax.legend(fontsize=8, loc="lower right")
-    for ax, key, title in ((axes[1], "losses", "training loss"),
-                           (axes[2], "accuracies", "test accuracy")):
+    for ax, key, title in (
+        (axes[1], "losses", "training loss"),
+        (axes[2], "accuracies", "test accuracy"),
+    ):
         for method, seeds in runs.items():
             for i, run in enumerate(seeds):
                 steps, values = zip(*run[key])
-                ax.plot(steps, values, color=COLORS[method], alpha=1.0 if i == 0 else 0.4,
-                        label=LABELS[method] if i == 0 else None)
+                ax.plot(
+                    steps,
+                    values,
+                    color=COLORS[method],
+                    alpha=1.0 if i == 0 else 0.4,
+                    label=LABELS[method] if i == 0 else None,
+                )
         ax.set_xlabel("gradient steps (lr 1e-3)")
         ax.set_title(f"logistic regression, breast_cancer: {title}")
     axes[1].set_yscale("log")
@@ -204,8 +250,11 @@ def table(acc: dict, runs: dict, seconds: float, args) -> str:
         err = mean - acc["exact"]
         lines.append(f"| {LABELS[name]} | {mean:.6g} | {std:.3g} | {err:+.3g} |")
     if acc["overflow"] is not None:
-        lines += ["", f"Mode 2 overflows: the mean is Inf from step {acc['overflow']} on (recorded "
-                  f"every {acc['steps'][0]} steps)."]
+        lines += [
+            "",
+            f"Mode 2 overflows: the mean is Inf from step {acc['overflow']} on (recorded "
+            f"every {acc['steps'][0]} steps).",
+        ]
     lines += [
         "",
         f"## Logistic regression on breast_cancer ({args.steps} full-batch steps, lr {args.lr})",
@@ -216,24 +265,32 @@ def table(acc: dict, runs: dict, seconds: float, args) -> str:
     ]
     for method, seeds in runs.items():
         for seed, run in enumerate(seeds):
-            lines.append(f"| {LABELS[method]}{'' if method == 'float32' else ' (bfloat16)'} | "
-                         f"{seed if len(seeds) > 1 else '-'} | {run['final_loss']:.4f} | "
-                         f"{run['accuracy']:.4f} | {run['last_change']} | {run['max_weight']:.3g} |")
+            lines.append(
+                f"| {LABELS[method]}{'' if method == 'float32' else ' (bfloat16)'} | "
+                f"{seed if len(seeds) > 1 else '-'} | {run['final_loss']:.4f} | "
+                f"{run['accuracy']:.4f} | {run['last_change']} | {run['max_weight']:.3g} |"
+            )
     lines += ["", "![stagnation](stagnation.png)", ""]
     return "\n".join(lines)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.stagnation",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.stagnation", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--increments", type=int, default=100_000)
     p.add_argument("--copies", type=int, default=256)
     p.add_argument("--steps", type=int, default=10_000)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seeds", type=int, default=3, help="seeds of the stochastic rules")
-    p.add_argument("--out", type=pathlib.Path, default=RESULTS, metavar="DIR",
-                   help="directory for stagnation.md and stagnation.png (default: docs/results, "
-                        "where the committed results are regenerated; give another for trial runs)")
+    p.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=RESULTS,
+        metavar="DIR",
+        help="directory for stagnation.md and stagnation.png (default: docs/results, "
+        "where the committed results are regenerated; give another for trial runs)",
+    )
     return p
 
 
@@ -244,15 +301,21 @@ def main(argv: list[str] | None = None) -> None:
     print(f"accumulation done in {time.time() - start:.0f} s", flush=True)
     data = breast_cancer()
     methods = ("float32", "nearest", "stochastic", "stochastic_equal", "kahan")
-    configurations = [(method, seed) for method in methods
-                      for seed in (range(args.seeds) if method.startswith("stochastic") else [0])]
+    configurations = [
+        (method, seed)
+        for method in methods
+        for seed in (range(args.seeds) if method.startswith("stochastic") else [0])
+    ]
     runs = {method: [] for method in methods}
     for k, (method, seed) in enumerate(configurations, 1):
         run = train(method, seed, data, args.steps, args.lr, record_every=50)
         runs[method].append(run)
-        print(f"training [{k}/{len(configurations)}] {method}, seed {seed}: loss "
-              f"{run['final_loss']:.4f}, accuracy {run['accuracy']:.4f} "
-              f"({time.time() - start:.0f} s)", flush=True)
+        print(
+            f"training [{k}/{len(configurations)}] {method}, seed {seed}: loss "
+            f"{run['final_loss']:.4f}, accuracy {run['accuracy']:.4f} "
+            f"({time.time() - start:.0f} s)",
+            flush=True,
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     plot(acc, runs, args.out / "stagnation.png")
     report = table(acc, runs, time.time() - start, args)

@@ -6,20 +6,32 @@ kernels round every element into a target format (Float, Fixed, BlockFloat) unde
 ``fixed_point_quantize`` and ``block_quantize`` behave exactly as in QPyTorch (its number ranges,
 stochastic rounding by default, ``dim=-1`` for one block over the whole tensor).
 
+One word names each feature: ``lpsim.quantize`` rounds a tensor into a format, ``lpsim.update``
+holds ``sr_add`` and its fused forms (sums rounded once), ``lpsim.accumulate`` the sums and products
+rounded after every operation, and ``lpsim.dyadic`` integer-native arithmetic.
+
     >>> import torch, lpsim
     >>> x = torch.tensor([1.0, 1.1, 1.25, 300.0])
     >>> lpsim.quantize(x, lpsim.Float(5, 2), "nearest")
     tensor([  1.0000,   1.0000,   1.2500, 320.0000])
 """
 
-from lpsim import formats, nn, optim
+from lpsim import (
+    accumulate,
+    compat,
+    dyadic,  # integer-native arithmetic on (mantissa, scale) pairs
+    formats,
+    nn,
+    optim,
+    recipes,
+    update,
+)
 from lpsim._ops import cpu_generator, cuda_built
+from lpsim.compat.qtorch import block_quantize, fixed_point_quantize, float_quantize
 from lpsim.formats import PRESETS, BlockFloat, Fixed, Float, preset
 from lpsim.functional import quantize, quantize_
 from lpsim.rounding import Rounding
-from lpsim import dyadic  # integer-native arithmetic on (mantissa, scale) pairs
-from lpsim.arithmetic import (
-    StochasticAdder,
+from lpsim.update import (
     sr_add,
     sr_add_,
     sr_addcdiv,
@@ -27,10 +39,6 @@ from lpsim.arithmetic import (
     sr_addcmul,
     sr_addcmul_,
 )
-from lpsim import ops
-from lpsim import recipes
-from lpsim import compat
-from lpsim.compat.qtorch import block_quantize, fixed_point_quantize, float_quantize
 
 __version__ = "0.1.0"
 
@@ -43,6 +51,7 @@ def __getattr__(name: str):
 
         return importlib.import_module(f"lpsim.{name}")
     raise AttributeError(f"module 'lpsim' has no attribute {name!r}")
+
 
 __all__ = [
     "Float",
@@ -68,8 +77,8 @@ __all__ = [
     "sr_addcmul_",
     "sr_addcdiv",
     "sr_addcdiv_",
-    "StochasticAdder",
-    "ops",
+    "update",
+    "accumulate",
     "recipes",
     "compat",
 ]

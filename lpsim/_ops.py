@@ -61,10 +61,15 @@ def _quantize_block_out_fake(x, *args, out):
     return None
 
 
-# Straight-through estimator: quantisation passes the gradient unchanged.
+def arguments_after(op: str, first: int) -> int:
+    """How many arguments follow the first ``first`` ones in the registered schema of
+    ``torch.ops.lpsim.<op>``: what a backward returns None for. Read from the schema, so that a
+    field added to the grid (csrc/include/lpsim/grid_spec.h, lpsim/formats.py's GridSpec) needs no
+    count changed here."""
+    return len(getattr(ops, op).default._schema.arguments) - first
 
-_GRID_ARGS = 13  # arguments after x in quantize_grid's schema
-_BLOCK_ARGS = 7  # arguments after x in quantize_block's schema
+
+# Straight-through estimator: quantisation passes the gradient unchanged.
 
 
 def _straight_through(count: int):
@@ -74,5 +79,5 @@ def _straight_through(count: int):
     return backward
 
 
-torch.library.register_autograd("lpsim::quantize_grid", _straight_through(_GRID_ARGS))
-torch.library.register_autograd("lpsim::quantize_block", _straight_through(_BLOCK_ARGS))
+for _name in ("quantize_grid", "quantize_block"):
+    torch.library.register_autograd(f"lpsim::{_name}", _straight_through(arguments_after(_name, 1)))

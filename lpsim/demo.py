@@ -41,12 +41,19 @@ def digits(seed: int = 0):
 
 def small_cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.Conv2d(1, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
         nn.MaxPool2d(2),
-        nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
         nn.Flatten(),
-        nn.Linear(32 * 4 * 4, 64), nn.ReLU(),
+        nn.Linear(32 * 4 * 4, 64),
+        nn.ReLU(),
         nn.Linear(64, 10),
     )
 
@@ -72,8 +79,13 @@ def train(recipe: Recipe, data, epochs: int, seed: int = 0, progress: bool = Tru
     batches = torch.Generator().manual_seed(seed)
     curve = []
     start = time.perf_counter()
-    for _ in tqdm(range(epochs), desc=f"{recipe.name:{NAME_WIDTH}s}", unit="epoch",
-                  disable=not progress, leave=False):
+    for _ in tqdm(
+        range(epochs),
+        desc=f"{recipe.name:{NAME_WIDTH}s}",
+        unit="epoch",
+        disable=not progress,
+        leave=False,
+    ):
         for idx in torch.randperm(len(train_y), generator=batches).split(64):
             optimizer.zero_grad()
             loss = nn.functional.cross_entropy(model(train_x[idx]), train_y[idx])
@@ -106,10 +118,14 @@ def plot(curves: dict[str, list[float]], path: pathlib.Path) -> None:
 
 
 def table(results: dict[str, tuple[list[float], float]], epochs: int) -> str:
-    lines = [f"| recipe | test accuracy after {epochs} epochs | best | wall time (s) |",
-             "|---|---:|---:|---:|"]
+    lines = [
+        f"| recipe | test accuracy after {epochs} epochs | best | wall time (s) |",
+        "|---|---:|---:|---:|",
+    ]
     for name, (curve, seconds) in results.items():
-        lines.append(f"| {name} | {100 * curve[-1]:.1f}% | {100 * max(curve):.1f}% | {seconds:.1f} |")
+        lines.append(
+            f"| {name} | {100 * curve[-1]:.1f}% | {100 * max(curve):.1f}% | {seconds:.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -119,9 +135,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out"))
     parser.add_argument("--recipes", type=str, default=",".join(RECIPES))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads (default: torch's, one per core); pass 1 on a machine "
-                             "whose cores are busy with other work")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads (default: torch's, one per core); pass 1 on a machine "
+        "whose cores are busy with other work",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
@@ -132,8 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"unknown recipes {unknown}; choose from {', '.join(RECIPES)}")
     data = digits(args.seed)
-    print(f"Small CNN on scikit-learn digits: {len(data[1])} training and {len(data[3])} test "
-          f"images, {args.epochs} epochs, {torch.get_num_threads()} threads")
+    print(
+        f"Small CNN on scikit-learn digits: {len(data[1])} training and {len(data[3])} test "
+        f"images, {args.epochs} epochs, {torch.get_num_threads()} threads"
+    )
     results = {}
     for name in names:
         results[name] = train(RECIPES[name], data, args.epochs, args.seed)

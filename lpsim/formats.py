@@ -272,7 +272,11 @@ class Float:
         if e == top and (self.special == "ieee" or (self.special == "fn" and m == 2**self.man - 1)):
             return None
         if e == 0:
-            return Fraction(m, 2**self.man) * Fraction(2) ** self.emin if self.subnormals else Fraction(0)
+            return (
+                Fraction(m, 2**self.man) * Fraction(2) ** self.emin
+                if self.subnormals
+                else Fraction(0)
+            )
         return (1 + Fraction(m, 2**self.man)) * Fraction(2) ** (e - self.bias)
 
     # Fit to a container and the grid the kernels round onto.
@@ -283,8 +287,10 @@ class Float:
         if self.emax > c.emax:
             return f"its largest exponent is {self.emax}, the container's {c.emax}"
         if self.emin - self.man < c.qmin:
-            return (f"its finest spacing is 2**{self.emin - self.man}, the container's "
-                    f"smallest subnormal 2**{c.qmin}")
+            return (
+                f"its finest spacing is 2**{self.emin - self.man}, the container's "
+                f"smallest subnormal 2**{c.qmin}"
+            )
         return None
 
     def grid(self) -> GridSpec:
@@ -383,7 +389,9 @@ class Fixed:
         if needed > c.man + 1:
             return f"its integers need {needed} significant bits, the container has {c.man + 1}"
         if -self.fl < c.qmin:
-            return f"its spacing 2**{-self.fl} is below the container's smallest subnormal 2**{c.qmin}"
+            return (
+                f"its spacing 2**{-self.fl} is below the container's smallest subnormal 2**{c.qmin}"
+            )
         largest = _exponent_of(max(self._max_integer, -self._min_integer) / Fraction(2) ** self.fl)
         if largest > c.emax:
             return f"its largest magnitude is about 2**{largest}, beyond the container's range"
@@ -438,9 +446,9 @@ class BlockFloat:
         if self.dim is not None:
             if isinstance(self.dim, int) and not isinstance(self.dim, bool) and self.dim < 0:
                 raise ValueError(
-                    f"BlockFloat.dim must be None (one block for the whole tensor) or a dimension "
-                    f">= 0, got {self.dim}: negative dims are ambiguous (QPyTorch's -1 is the whole "
-                    "tensor, torch's the last dimension); write dim=None or dim=x.dim() - 1"
+                    "BlockFloat.dim must be None (one block for the whole tensor) or a dimension "
+                    f">= 0, got {self.dim}: negative dims are ambiguous (QPyTorch's -1 is the "
+                    "whole tensor, torch's the last dimension); write dim=None or dim=x.dim() - 1"
                 )
             _check_int("BlockFloat", "dim", self.dim, 0, 2**31)
         if self.block_size is not None:

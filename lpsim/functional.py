@@ -15,40 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from lpsim._checks import check_container, check_tensor, random_args
 from lpsim._ops import ops
 from lpsim.formats import BlockFloat, Fixed, Float, Format, check_fits
-from lpsim.rounding import Rounding, check_rbits
+from lpsim.rounding import Rounding
 
 __all__ = ["quantize", "quantize_"]
-
-_MAX_SEED = 2**64
-_NO_SEED = torch.zeros((), dtype=torch.int64)  # passed to rules that draw no random words
-
-
-def _seed_tensor(seed: int | None, rounding: Rounding) -> torch.Tensor:
-    """The seed as the ops take it: a one-element int64 CPU tensor holding the 64 seed bits."""
-    if not rounding.is_stochastic:
-        return _NO_SEED
-    if seed is None:  # 63 random bits from torch's default CPU generator
-        return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
-    if not 0 <= seed < _MAX_SEED:
-        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
-    return torch.tensor(seed - _MAX_SEED if seed >= 2**63 else seed, dtype=torch.int64)
-
-
-def _check_offset(offset: int) -> int:
-    if not isinstance(offset, int) or isinstance(offset, bool):
-        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
-    if not 0 <= offset < _MAX_SEED:
-        raise ValueError(f"offset must be in [0, 2**64), got {offset}")
-    return offset - _MAX_SEED if offset >= 2**63 else offset
-
-
-def _check_tensor(x, name: str = "x") -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
 
 
 def _block_dim(fmt: BlockFloat, x: torch.Tensor) -> int | None:
@@ -65,14 +37,13 @@ def _block_dim(fmt: BlockFloat, x: torch.Tensor) -> int | None:
 
 def _prepare(x, fmt, rounding, rbits, seed, offset):
     """Validated op arguments: (op name, arguments after x)."""
-    _check_tensor(x)
+    check_tensor(x)
     if not isinstance(fmt, (Float, Fixed, BlockFloat)):
         raise TypeError(f"fmt must be a Float, Fixed or BlockFloat, got {type(fmt).__name__}")
-    if x.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        raise TypeError(f"x must be a float32, float64, bfloat16 or float16 tensor, got {x.dtype}")
+    check_container(x)
     check_fits(fmt, x.dtype)
-    rule = Rounding.parse(rounding)
-    random = (check_rbits(rbits, rule), _seed_tensor(seed, rule), _check_offset(offset))
+    rule, *random = random_args(rounding, rbits, seed, offset)
+    random = tuple(random)
     if isinstance(fmt, BlockFloat):
         return "quantize_block", (fmt.wl, _block_dim(fmt, x), fmt.block_size, int(rule)) + random
     return "quantize_grid", tuple(fmt.grid()) + (int(rule),) + random
@@ -94,7 +65,7 @@ def quantize(
         x: a float32, float64, bfloat16 or float16 tensor, any shape and strides. Its dtype is the
             container: the format must fit it (see lpsim.formats).
         fmt: a Float, Fixed or BlockFloat format.
-        rounding: a rule name or lpsim.Rounding (see lpsim.rounding).
+        rounding: a rule name or lpsim.Rounding (see lpsim.rounding); default "nearest".
         rbits: random bits per decision, 1 to 32, for the stochastic rules only (default 32).
         seed: 0 <= seed < 2**64, for the stochastic rules. None: drawn from torch's default CPU
             generator.
@@ -117,7 +88,7 @@ def quantize(
     name, args = _prepare(x, fmt, rounding, rbits, seed, offset)
     if out is None:
         return getattr(ops, name)(x, *args)
-    _check_tensor(out, "out")
+    check_tensor(out, "out")
     getattr(ops, name + "_out")(x, *args, out=out)
     return out
 
@@ -131,7 +102,8 @@ def quantize_(
     seed: int | None = None,
     offset: int = 0,
 ) -> torch.Tensor:
-    """Round x into ``fmt`` in place and return x. Arguments as for quantize().
+    """Round x into ``fmt`` in place and return x. Arguments (default rounding "nearest") and
+    errors as for quantize().
 
     Under autograd it behaves as torch's in-place ops: x's version counter is bumped (in
     torch.no_grad() too), so a backward that saved x's old values raises instead of using the

@@ -3,7 +3,8 @@
 A Recipe applies to any model and optimizer:
 
     recipe = lpsim.recipes.IBM8
-    model, optimizer = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model, optimizer = recipe.apply(model, sgd)
     loss = criterion(model(x), y)
     (loss * recipe.loss_scale).backward()     # OptimLP divides the gradients by it again
     optimizer.step()
@@ -16,10 +17,18 @@ activations (every layer's outputs), errors (the gradients flowing back into tho
 gradients, and the optimizer's state, with an optional high-precision weight accumulator. The
 optimizer rounds exactly the parameters the model fake-quantises
 (lpsim.nn.quantized_parameters), so `lpsim.nn.report(model, optimizer)` shows both agree.
+
+Reproductions of other code bases place the quantisers themselves and round every parameter, as
+QPyTorch's examples do:
+
+    model, optimizer = recipe.apply(model, optimizer, layers={nn.ReLU: LayerQuantization(
+        output=recipe.activation, error=recipe.error)}, parameters="all")
+    optimizer.round_weights()                 # low-precision weights from the first forward pass
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from torch import nn
@@ -30,8 +39,17 @@ from lpsim.nn.inject import LayerQuantization, inject, quantized_parameters
 from lpsim.nn.quantizer import Spec
 from lpsim.optim.optim_lp import OptimLP
 
-__all__ = ["Recipe", "FP32", "BFLOAT16", "IBM8", "BLOCK8", "FIXED8", "FIXED8_UNSCALED", "RECIPES",
-           "edge_layers"]
+__all__ = [
+    "Recipe",
+    "FP32",
+    "BFLOAT16",
+    "IBM8",
+    "BLOCK8",
+    "FIXED8",
+    "FIXED8_UNSCALED",
+    "RECIPES",
+    "edge_layers",
+]
 
 WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
@@ -66,30 +84,74 @@ class Recipe:
 
     @property
     def quantises(self) -> bool:
-        return any(getattr(self, f) is not None for f in
-                   ("weight", "activation", "error", "grad", "momentum", "acc"))
+        return any(
+            getattr(self, f) is not None
+            for f in ("weight", "activation", "error", "grad", "momentum", "acc")
+        )
 
     def layers(self, model: nn.Module) -> dict:
         """The inject() configuration of this recipe for model."""
         config = {name: None for name in edge_layers(model)} if self.keep_edges else {}
-        layer = LayerQuantization(weight=self.weight, bias=self.weight, output=self.activation,
-                                  error=self.error)
+        layer = LayerQuantization(
+            weight=self.weight, bias=self.weight, output=self.activation, error=self.error
+        )
         config[WEIGHT_LAYERS] = layer
         config["default"] = layer
         return config
 
-    def apply(self, model: nn.Module, optimizer: Optimizer) -> tuple[nn.Module, Optimizer]:
-        """Inject the recipe into model (in place) and wrap optimizer; returns both."""
+    def apply(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer,
+        *,
+        layers: Mapping | None = None,
+        parameters: str = "quantized",
+    ) -> tuple[nn.Module, Optimizer]:
+        """Inject the recipe into ``model`` (in place) and wrap ``optimizer`` in OptimLP with the
+        recipe's weight, grad, momentum and acc and gradients divided by its loss scale; returns
+        (model, wrapped optimizer). A recipe that quantises nothing returns both unchanged.
+
+        Args:
+            model: the model to quantise.
+            optimizer: a torch.optim optimizer over the model's parameters.
+            layers: the inject() configuration to use instead of ``self.layers(model)``: where
+                the quantisers go (QPyTorch's examples place them after chosen layers). Every
+                entry must decide a module (inject's unmatched="error"); the recipe's own
+                configuration may leave an entry unused.
+            parameters: which parameters the optimizer rounds: "quantized" (default) those the
+                model fake-quantises (lpsim.nn.quantized_parameters), so that forward and the
+                optimizer agree; "all" every parameter of the optimizer, as QPyTorch's OptimLP
+                does.
+
+        Raises:
+            ValueError: parameters is neither "quantized" nor "all", or an entry of ``layers``
+                decides no module.
+            TypeError, ValueError: as inject() and OptimLP for malformed settings.
+        """
+        if parameters not in _PARAMETERS:
+            raise ValueError(f"parameters must be 'quantized' or 'all', got {parameters!r}")
         if not self.quantises:
             return model, optimizer
-        # The configuration is built for this model: an entry may decide nothing (a model with
-        # two weight layers has no other to quantise), which is not a mistake here.
-        inject(model, self.layers(model), unmatched="ignore")
-        wrapped = OptimLP(optimizer, weight=self.weight, grad=self.grad, momentum=self.momentum,
-                          acc=self.acc, grad_scaling=1.0 / self.loss_scale,
-                          parameters=quantized_parameters(model))
+        if layers is None:
+            # The configuration is built for this model: an entry may decide nothing (a model
+            # with two weight layers has no other to quantise), which is not a mistake here.
+            inject(model, self.layers(model), unmatched="ignore")
+        else:
+            inject(model, layers)
+        chosen = quantized_parameters(model) if parameters == "quantized" else None
+        wrapped = OptimLP(
+            optimizer,
+            weight=self.weight,
+            grad=self.grad,
+            momentum=self.momentum,
+            acc=self.acc,
+            grad_scaling=1.0 / self.loss_scale,
+            parameters=chosen,
+        )
         return model, wrapped
 
+
+_PARAMETERS = ("quantized", "all")  # what Recipe.apply's optimizer rounds
 
 FP32 = Recipe("fp32")
 

@@ -140,11 +140,21 @@ def block_grid(wl: int, max_abs: Fraction, dtype: torch.dtype) -> RefGrid:
     e = floor_exponent if max_abs == 0 else max(_floor_log2(max_abs), floor_exponent)
     q = e - (wl - 2)
     limit = (2 ** (wl - 1) - 1) * Fraction(2) ** q
-    return RefGrid(man=None, qmin=q, flush_below=None, pos_limit=limit, neg_limit=limit,
-                   saturate=True, has_inf=True, unsigned_zero=False)
+    return RefGrid(
+        man=None,
+        qmin=q,
+        flush_below=None,
+        pos_limit=limit,
+        neg_limit=limit,
+        saturate=True,
+        has_inf=True,
+        unsigned_zero=False,
+    )
 
 
-def _rounds_up(rule: Rounding, negative: bool, k: int, frac: Fraction, word: int, rbits: int) -> bool:
+def _rounds_up(
+    rule: Rounding, negative: bool, k: int, frac: Fraction, word: int, rbits: int
+) -> bool:
     """Whether the magnitude k*q + frac*q (0 <= frac < 1) goes to (k+1)*q rather than k*q."""
     half = Fraction(1, 2)
     if rule is Rounding.nearest:
@@ -173,12 +183,16 @@ def _rounds_up(rule: Rounding, negative: bool, k: int, frac: Fraction, word: int
 
 
 def _toward_zero_on_overflow(rule: Rounding, negative: bool) -> bool:
-    return (rule in (Rounding.toward_zero, Rounding.odd)
-            or (rule is Rounding.up and negative) or (rule is Rounding.down and not negative))
+    return (
+        rule in (Rounding.toward_zero, Rounding.odd)
+        or (rule is Rounding.up and negative)
+        or (rule is Rounding.down and not negative)
+    )
 
 
-def round_value(v: float, grid: RefGrid, rule: Rounding, word: int = 0,
-                rbits: int = MAX_RBITS) -> float:
+def round_value(
+    v: float, grid: RefGrid, rule: Rounding, word: int = 0, rbits: int = MAX_RBITS
+) -> float:
     """v rounded onto the grid by the rule (word: the element's random word), as a float."""
     if math.isnan(v):
         return math.nan
@@ -191,8 +205,14 @@ def round_value(v: float, grid: RefGrid, rule: Rounding, word: int = 0,
     return round_rational(abs(Fraction(v)), negative, grid, rule, word, rbits)
 
 
-def round_rational(m: Fraction, negative: bool, grid: RefGrid, rule: Rounding, word: int = 0,
-                   rbits: int = MAX_RBITS) -> float:
+def round_rational(
+    m: Fraction,
+    negative: bool,
+    grid: RefGrid,
+    rule: Rounding,
+    word: int = 0,
+    rbits: int = MAX_RBITS,
+) -> float:
     """The finite value (-1)**negative * m (m >= 0, any rational) rounded onto the grid, as a float
     (+/-inf where the rounded magnitude exceeds the float range)."""
     limit = grid.neg_limit if negative else grid.pos_limit
@@ -231,12 +251,19 @@ def _block_keys(shape: tuple[int, ...], fmt: BlockFloat) -> list:
     if fmt.dim is None or not shape:
         return [0] * count
     d = fmt.dim % len(shape)
-    inner = math.prod(shape[d + 1:])
+    inner = math.prod(shape[d + 1 :])
     return [(i // inner) % shape[d] for i in range(count)]
 
 
-def quantize(x: torch.Tensor, fmt: Float | Fixed | BlockFloat, rounding: Rounding | str = "nearest",
-             *, rbits: int | None = None, seed: int | None = None, offset: int = 0) -> torch.Tensor:
+def quantize(
+    x: torch.Tensor,
+    fmt: Float | Fixed | BlockFloat,
+    rounding: Rounding | str = "nearest",
+    *,
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+) -> torch.Tensor:
     """What lpsim.quantize returns, computed exactly and slowly. ``seed`` is required for the
     stochastic rules."""
     rule = Rounding.parse(rounding)
@@ -254,9 +281,13 @@ def quantize(x: torch.Tensor, fmt: Float | Fixed | BlockFloat, rounding: Roundin
         for key, v in zip(keys, values):
             if math.isfinite(v):
                 max_abs[key] = max(max_abs.get(key, Fraction(0)), abs(Fraction(v)))
-        grids = {key: block_grid(fmt.wl, max_abs.get(key, Fraction(0)), x.dtype) for key in set(keys)}
-        out = [round_value(v, grids[key], rule, word(i), bits)
-               for i, (key, v) in enumerate(zip(keys, values))]
+        grids = {
+            key: block_grid(fmt.wl, max_abs.get(key, Fraction(0)), x.dtype) for key in set(keys)
+        }
+        out = [
+            round_value(v, grids[key], rule, word(i), bits)
+            for i, (key, v) in enumerate(zip(keys, values))
+        ]
     else:
         grid = grid_of(fmt)
         out = [round_value(v, grid, rule, word(i), bits) for i, v in enumerate(values)]
@@ -264,7 +295,7 @@ def quantize(x: torch.Tensor, fmt: Float | Fixed | BlockFloat, rounding: Roundin
 
 
 # ---- Stochastic arithmetic: sums computed exactly and rounded once, and recursive sums rounded
-# after every operation (lpsim.arithmetic, lpsim.ops). Defined on values: the exact sum is a
+# after every operation (lpsim.update, lpsim.accumulate). Defined on values: the exact sum is a
 # Fraction, rounded by round_rational.
 
 _VALUE_TAG0, _VALUE_TAG1 = 0x756C6176, 0x79656B65  # "valu", "ekey"
@@ -278,14 +309,16 @@ def value_word(seed: int, offset: int, a: float, b: float) -> int:
     """The value-keyed random word for operands a and b under (seed, offset): Philox4x32-10 on the
     counter of a's and b's float64 bits (low word first) under a key derived from (seed, offset)
     by one Philox call on (offset, "valu", "ekey")."""
-    key = philox4x32_10((offset & _MASK32, offset >> 32, _VALUE_TAG0, _VALUE_TAG1),
-                        (seed & _MASK32, seed >> 32))[:2]
+    key = philox4x32_10(
+        (offset & _MASK32, offset >> 32, _VALUE_TAG0, _VALUE_TAG1), (seed & _MASK32, seed >> 32)
+    )[:2]
     ab, bb = _float64_bits(a), _float64_bits(b)
     return philox4x32_10((ab & _MASK32, ab >> 32, bb & _MASK32, bb >> 32), key)[0]
 
 
-def round_sum(a: float, b: float, grid: RefGrid, rule: Rounding, word: int = 0,
-              rbits: int = MAX_RBITS) -> float:
+def round_sum(
+    a: float, b: float, grid: RefGrid, rule: Rounding, word: int = 0, rbits: int = MAX_RBITS
+) -> float:
     """The exact sum a + b rounded once onto the grid. IEEE 754 decides the special cases: a NaN
     operand or Inf - Inf gives NaN, an Inf operand gives that Inf (then rounded onto the grid), and
     an exact zero is +0 (-0 under "down") unless both operands are zeros of one sign."""
@@ -303,9 +336,17 @@ def round_sum(a: float, b: float, grid: RefGrid, rule: Rounding, word: int = 0,
     return round_rational(abs(total), total < 0, grid, rule, word, rbits)
 
 
-def sr_add(a: torch.Tensor, b: torch.Tensor, fmt: Float | Fixed | None = None,
-           rounding: Rounding | str = "stochastic", *, rbits: int | None = None,
-           seed: int | None = None, offset: int = 0, randomness: str = "position") -> torch.Tensor:
+def sr_add(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    fmt: Float | Fixed | None = None,
+    rounding: Rounding | str = "stochastic",
+    *,
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+    randomness: str = "position",
+) -> torch.Tensor:
     """What lpsim.sr_add returns, computed exactly and slowly (b: a tensor broadcastable to a).
     ``seed`` is required for the stochastic rules."""
     rule = Rounding.parse(rounding)
@@ -319,13 +360,18 @@ def sr_add(a: torch.Tensor, b: torch.Tensor, fmt: Float | Fixed | None = None,
     for i, (x, y) in enumerate(zip(av, bv)):
         word = 0
         if rule.is_stochastic:
-            word = random_word(seed, offset, i) if randomness == "position" else value_word(seed, offset, x, y)
+            word = (
+                random_word(seed, offset, i)
+                if randomness == "position"
+                else value_word(seed, offset, x, y)
+            )
         out.append(round_sum(x, y, grid, rule, word, bits))
     return torch.tensor(out, dtype=torch.float64).reshape(a.shape).to(a.dtype)
 
 
-def addc_term(a_dtype: torch.dtype, t1: torch.Tensor, t2: torch.Tensor, value: float,
-              divide: bool) -> torch.Tensor:
+def addc_term(
+    a_dtype: torch.dtype, t1: torch.Tensor, t2: torch.Tensor, value: float, divide: bool
+) -> torch.Tensor:
     """The term value * (t1 * t2) (or value * (t1 / t2)) of sr_addcmul / sr_addcdiv: computed in
     float64 when a or the tensors are float64, else float32, each operation rounded to nearest."""
     wide = torch.float64 if torch.float64 in (a_dtype, t1.dtype, t2.dtype) else torch.float32
@@ -363,12 +409,20 @@ def _accumulate(terms, acc: RefGrid, rule: Rounding, bits: int, word) -> list[fl
     return partial
 
 
-def sum_rounded(x: torch.Tensor, dim: int | None, acc: Float | Fixed, rounding: Rounding | str,
-                *, rbits: int | None = None, seed: int | None = None, offset: int = 0,
-                cumulative: bool = False) -> torch.Tensor:
-    """What lpsim.ops.sum (cumulative: cumsum) computes, as float64: along dim (all elements in
-    row-major order for None), recursive summation in increasing index order, each partial sum
-    rounded onto acc; rounding k of reduction r takes word 2 (r n + k)."""
+def sum_rounded(
+    x: torch.Tensor,
+    dim: int | None,
+    acc: Float | Fixed,
+    rounding: Rounding | str,
+    *,
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+    cumulative: bool = False,
+) -> torch.Tensor:
+    """What lpsim.accumulate.sum (cumulative: cumsum) computes, as float64: along dim (all
+    elements in row-major order for None), recursive summation in increasing index order, each
+    partial sum rounded onto acc; rounding k of reduction r takes word 2 (r n + k)."""
     rule = Rounding.parse(rounding)
     bits = MAX_RBITS if rbits is None else rbits
     grid = container_grid(acc, torch.float64)
@@ -377,14 +431,19 @@ def sum_rounded(x: torch.Tensor, dim: int | None, acc: Float | Fixed, rounding: 
         v = v.reshape(1, -1, 1)
     else:
         d = dim % max(x.dim(), 1)
-        v = v.reshape(math.prod(x.shape[:d]), x.shape[d], math.prod(x.shape[d + 1:]))
+        v = v.reshape(math.prod(x.shape[:d]), x.shape[d], math.prod(x.shape[d + 1 :]))
     outer, n, inner = v.shape
     out = torch.zeros(outer, n if cumulative else 1, inner, dtype=torch.float64)
     for o in range(outer):
         for j in range(inner):
             r = o * inner + j
-            partial = _accumulate(v[o, :, j].tolist(), grid, rule, bits,
-                                  lambda k: random_word(seed, offset, 2 * (r * n + k)))
+            partial = _accumulate(
+                v[o, :, j].tolist(),
+                grid,
+                rule,
+                bits,
+                lambda k, r=r: random_word(seed, offset, 2 * (r * n + k)),
+            )
             if cumulative:
                 out[o, :, j] = torch.tensor(partial, dtype=torch.float64)
             elif partial:
@@ -392,10 +451,18 @@ def sum_rounded(x: torch.Tensor, dim: int | None, acc: Float | Fixed, rounding: 
     return out
 
 
-def dot_rounded(a: torch.Tensor, b: torch.Tensor, acc: Float | Fixed, mul: Float | Fixed | None,
-                rounding: Rounding | str, *, rbits: int | None = None, seed: int | None = None,
-                offset: int = 0) -> torch.Tensor:
-    """What lpsim.ops.matmul computes for a (m, n) and b (n, p), as float64: c[i, l] sums the
+def dot_rounded(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    acc: Float | Fixed,
+    mul: Float | Fixed | None,
+    rounding: Rounding | str,
+    *,
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+) -> torch.Tensor:
+    """What lpsim.accumulate.matmul computes for a (m, n) and b (n, p), as float64: c[i, l] sums the
     exact products a[i, k] b[k, l], each rounded onto mul when given (word 2 (r n + k) + 1), in
     increasing k, each partial sum rounded onto acc (word 2 (r n + k)), r = i p + l."""
     rule = Rounding.parse(rounding)
@@ -406,16 +473,21 @@ def dot_rounded(a: torch.Tensor, b: torch.Tensor, acc: Float | Fixed, mul: Float
     m, n, p = len(av), a.shape[1], b.shape[1]
     out = torch.zeros(m, p, dtype=torch.float64)
     for i in range(m):
-        for l in range(p):
-            r = i * p + l
+        for j in range(p):
+            r = i * p + j
             products = []
             for k in range(n):
-                prod = av[i][k] * bv[k][l]  # exact: float64 holds products of 24-bit significands
+                prod = av[i][k] * bv[k][j]  # exact: float64 holds products of 24-bit significands
                 if mul_grid is not None:
                     w = random_word(seed, offset, 2 * (r * n + k) + 1) if rule.is_stochastic else 0
                     prod = round_value(prod, mul_grid, rule, w, bits)
                 products.append(prod)
-            partial = _accumulate(products, acc_grid, rule, bits,
-                                  lambda k: random_word(seed, offset, 2 * (r * n + k)))
-            out[i, l] = partial[-1] if partial else 0.0
+            partial = _accumulate(
+                products,
+                acc_grid,
+                rule,
+                bits,
+                lambda k, r=r: random_word(seed, offset, 2 * (r * n + k)),
+            )
+            out[i, j] = partial[-1] if partial else 0.0
     return out

@@ -44,8 +44,9 @@ def specials(dtype: torch.dtype) -> torch.Tensor:
     return torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan], dtype=dtype)
 
 
-def neighbourhood(values: torch.Tensor, dtype: torch.dtype = torch.float32,
-                  beyond: float | None = None) -> torch.Tensor:
+def neighbourhood(
+    values: torch.Tensor, dtype: torch.dtype = torch.float32, beyond: float | None = None
+) -> torch.Tensor:
     """Inputs that exercise every rounding decision of a format whose finite values (ascending,
     float64) are ``values``: each value, the midpoint of each pair of neighbours, and the container
     values just below and above each midpoint and each value; then the region past the largest

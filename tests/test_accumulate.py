@@ -1,5 +1,6 @@
-"""lpsim.ops: recursive sums and dot products rounded after every operation, against a float32
-sequential sum, the exact oracle (lpsim.reference.sum_rounded / dot_rounded) and statistics."""
+"""lpsim.accumulate: recursive sums and dot products rounded after every operation, against a
+float32 sequential sum, the exact oracle (lpsim.reference.sum_rounded / dot_rounded) and
+statistics."""
 
 from __future__ import annotations
 
@@ -9,14 +10,21 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from support import assert_same_bits
 
 import lpsim
 from lpsim import Fixed, Float, Rounding
 from lpsim import reference as ref
-from support import assert_same_bits
 
-ACCS = [Float(5, 10), Float(8, 7), Float(4, 3), Float(8, 23), Fixed(10, 6), Fixed(9, 3, clamp=False),
-        Float(3, 2, subnormals=False)]
+ACCS = [
+    Float(5, 10),
+    Float(8, 7),
+    Float(4, 3),
+    Float(8, 23),
+    Fixed(10, 6),
+    Fixed(9, 3, clamp=False),
+    Float(3, 2, subnormals=False),
+]
 
 
 def _sequential_float32_sum(values: torch.Tensor) -> torch.Tensor:
@@ -31,21 +39,22 @@ def test_sum_with_float32_accumulator_and_nearest_is_the_sequential_float32_sum(
     x = torch.cat([torch.randn(1500) * 1e3, torch.randn(1500) * 1e-3, -torch.randn(500) * 1e3])
     x = x[torch.randperm(x.numel())]
     want = _sequential_float32_sum(x)
-    assert_same_bits(lpsim.ops.sum(x, acc=Float(8, 23)), want, "dim=None")
-    assert_same_bits(lpsim.ops.sum(x), want, "default accumulator")
+    assert_same_bits(lpsim.accumulate.sum(x, acc=Float(8, 23)), want, "dim=None")
+    assert_same_bits(lpsim.accumulate.sum(x), want, "default accumulator")
     rows = x[:3000].reshape(3, 1000)
-    got = lpsim.ops.sum(rows, 1)
+    got = lpsim.accumulate.sum(rows, 1)
     assert_same_bits(got, torch.stack([_sequential_float32_sum(r) for r in rows]), "dim=1")
-    assert_same_bits(lpsim.ops.cumsum(rows, 1)[:, -1], got, "cumsum ends at the sum")
+    assert_same_bits(lpsim.accumulate.cumsum(rows, 1)[:, -1], got, "cumsum ends at the sum")
 
 
 def test_bfloat16_nearest_accumulation_stagnates_and_stochastic_does_not():
     x = torch.full((4096,), 1e-3)
     exact = 4096 * float(torch.tensor(1e-3))
-    nearest = lpsim.ops.sum(x, acc=Float(8, 7)).item()
+    nearest = lpsim.accumulate.sum(x, acc=Float(8, 7)).item()
     assert nearest < exact / 4  # increments below half a spacing vanish
-    stochastic = torch.stack([lpsim.ops.sum(x, acc=Float(8, 7), rounding="stochastic", seed=s)
-                              for s in range(32)])
+    stochastic = torch.stack(
+        [lpsim.accumulate.sum(x, acc=Float(8, 7), rounding="stochastic", seed=s) for s in range(32)]
+    )
     # 4096 steps with spacings up to 2**-5: standard deviation below 2**-5 * sqrt(4096) / 2 = 1.
     assert abs(stochastic.double().mean().item() - exact) <= 4 * 1.0 / math.sqrt(32)
 
@@ -55,8 +64,13 @@ def reductions(draw):
     dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]))
     shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
     scale = 2.0 ** draw(st.integers(-6, 6))
-    x = torch.tensor(draw(st.lists(st.floats(-1, 1, width=32), min_size=math.prod(shape),
-                                   max_size=math.prod(shape)))).reshape(shape)
+    x = torch.tensor(
+        draw(
+            st.lists(
+                st.floats(-1, 1, width=32), min_size=math.prod(shape), max_size=math.prod(shape)
+            )
+        )
+    ).reshape(shape)
     x = (x * scale).to(dtype)
     dim = draw(st.sampled_from([None] + list(range(-len(shape), len(shape)))))
     acc = draw(st.sampled_from(ACCS))
@@ -69,11 +83,13 @@ def reductions(draw):
 @given(reductions())
 def test_sum_and_cumsum_round_every_partial_sum_exactly_as_the_oracle(case):
     x, dim, acc, rule, rbits, seed = case
-    got = lpsim.ops.sum(x, dim, acc=acc, rounding=rule, rbits=rbits, seed=seed, offset=5)
+    got = lpsim.accumulate.sum(x, dim, acc=acc, rounding=rule, rbits=rbits, seed=seed, offset=5)
     want = ref.sum_rounded(x, dim, acc, rule, rbits=rbits, seed=seed, offset=5)
     assert_same_bits(got, want.reshape(got.shape).to(got.dtype), f"sum {acc!r} {rule.name}")
     if dim is not None:
-        got = lpsim.ops.cumsum(x, dim, acc=acc, rounding=rule, rbits=rbits, seed=seed, offset=5)
+        got = lpsim.accumulate.cumsum(
+            x, dim, acc=acc, rounding=rule, rbits=rbits, seed=seed, offset=5
+        )
         want = ref.sum_rounded(x, dim, acc, rule, rbits=rbits, seed=seed, offset=5, cumulative=True)
         assert_same_bits(got, want.reshape(x.shape).to(got.dtype), f"cumsum {acc!r} {rule.name}")
 
@@ -84,7 +100,7 @@ def products(draw):
     m, n, p = draw(st.integers(1, 5)), draw(st.integers(0, 9)), draw(st.integers(1, 4))
     values = st.lists(st.floats(-4, 4, width=32), min_size=m * n + n * p, max_size=m * n + n * p)
     v = torch.tensor(draw(values), dtype=torch.float32).to(dtype)
-    a, b = v[: m * n].reshape(m, n), v[m * n:].reshape(n, p)
+    a, b = v[: m * n].reshape(m, n), v[m * n :].reshape(n, p)
     acc = draw(st.sampled_from(ACCS))
     mul = draw(st.sampled_from([None, Float(5, 2), Float(8, 7), Fixed(8, 4)]))
     rule = draw(st.sampled_from(list(Rounding)))
@@ -95,10 +111,10 @@ def products(draw):
 @given(products())
 def test_matmul_and_matvec_form_exact_products_and_round_every_step_as_the_oracle(case):
     a, b, acc, mul, rule, seed = case
-    got = lpsim.ops.matmul(a, b, acc=acc, mul=mul, rounding=rule, seed=seed)
+    got = lpsim.accumulate.matmul(a, b, acc=acc, mul=mul, rounding=rule, seed=seed)
     want = ref.dot_rounded(a, b, acc, mul, rule, seed=seed)
     assert_same_bits(got, want.to(got.dtype), f"matmul {acc!r} {mul!r} {rule.name}")
-    got = lpsim.ops.matvec(a, b[:, 0], acc=acc, mul=mul, rounding=rule, seed=seed)
+    got = lpsim.accumulate.matvec(a, b[:, 0], acc=acc, mul=mul, rounding=rule, seed=seed)
     want = ref.dot_rounded(a, b[:, :1], acc, mul, rule, seed=seed).reshape(-1)
     assert_same_bits(got, want.to(got.dtype), f"matvec {acc!r} {mul!r} {rule.name}")
 
@@ -109,34 +125,40 @@ def test_products_are_exact_without_a_mul_format():
     # 1 + 2**-11 and the sum is 0.
     a = torch.tensor([[1.0, 1 + 2.0**-12]])
     b = torch.tensor([-(1 + 2.0**-11), 1 + 2.0**-12])
-    assert lpsim.ops.matvec(a, b, acc=Float(8, 23)).item() == 2.0**-24
-    assert lpsim.ops.matvec(a, b, acc=Float(8, 23), mul=Float(8, 23)).item() == 0.0
+    assert lpsim.accumulate.matvec(a, b, acc=Float(8, 23)).item() == 2.0**-24
+    assert lpsim.accumulate.matvec(a, b, acc=Float(8, 23), mul=Float(8, 23)).item() == 0.0
 
 
-@pytest.mark.parametrize("dtype,acc,want", [
-    (torch.bfloat16, Float(8, 7), torch.bfloat16),
-    (torch.bfloat16, Float(5, 10), torch.float32),
-    (torch.float16, Float(8, 7), torch.float32),
-    (torch.float32, Float(11, 52), torch.float64),
-    (torch.float64, Float(5, 2), torch.float64),
-])
+@pytest.mark.parametrize(
+    "dtype,acc,want",
+    [
+        (torch.bfloat16, Float(8, 7), torch.bfloat16),
+        (torch.bfloat16, Float(5, 10), torch.float32),
+        (torch.float16, Float(8, 7), torch.float32),
+        (torch.float32, Float(11, 52), torch.float64),
+        (torch.float64, Float(5, 2), torch.float64),
+    ],
+)
 def test_result_dtype_is_the_narrowest_that_holds_the_accumulator(dtype, acc, want):
     x = torch.ones(3, 4, dtype=dtype)
-    assert lpsim.ops.sum(x, acc=acc).dtype == want
-    assert lpsim.ops.cumsum(x, 0, acc=acc).dtype == want
+    assert lpsim.accumulate.sum(x, acc=acc).dtype == want
+    assert lpsim.accumulate.cumsum(x, 0, acc=acc).dtype == want
     if dtype != torch.float64:
-        assert lpsim.ops.matmul(x, x.t(), acc=acc).dtype == want
+        assert lpsim.accumulate.matmul(x, x.t(), acc=acc).dtype == want
 
 
 def test_shapes_and_keepdim_follow_torch():
     x = torch.rand(2, 3, 4)
     for dim in (0, 1, 2, -1):
-        assert lpsim.ops.sum(x, dim).shape == torch.sum(x, dim).shape
-        assert lpsim.ops.sum(x, dim, keepdim=True).shape == torch.sum(x, dim, keepdim=True).shape
-        assert lpsim.ops.cumsum(x, dim).shape == x.shape
-    assert lpsim.ops.sum(x).shape == ()
-    assert lpsim.ops.sum(torch.empty(0)).item() == 0.0
-    assert lpsim.ops.matmul(torch.rand(3, 0), torch.rand(0, 2)).eq(0).all()
+        assert lpsim.accumulate.sum(x, dim).shape == torch.sum(x, dim).shape
+        assert (
+            lpsim.accumulate.sum(x, dim, keepdim=True).shape
+            == torch.sum(x, dim, keepdim=True).shape
+        )
+        assert lpsim.accumulate.cumsum(x, dim).shape == x.shape
+    assert lpsim.accumulate.sum(x).shape == ()
+    assert lpsim.accumulate.sum(torch.empty(0)).item() == 0.0
+    assert lpsim.accumulate.matmul(torch.rand(3, 0), torch.rand(0, 2)).eq(0).all()
 
 
 def test_stochastic_accumulation_is_reproducible_for_any_thread_count():
@@ -148,25 +170,55 @@ def test_stochastic_accumulation_is_reproducible_for_any_thread_count():
         runs = []
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            runs.append(lpsim.ops.matmul(a, b, acc=Float(5, 10), rounding="stochastic", seed=4))
+            runs.append(
+                lpsim.accumulate.matmul(a, b, acc=Float(5, 10), rounding="stochastic", seed=4)
+            )
     finally:
         torch.set_num_threads(previous)
     assert_same_bits(runs[1], runs[0], "2 threads")
     assert_same_bits(runs[2], runs[0], "3 threads")
 
 
-@pytest.mark.parametrize("call,error,words", [
-    (lambda: lpsim.ops.matmul(torch.ones(2, 2, dtype=torch.float64), torch.ones(2, 2, dtype=torch.float64)),
-     TypeError, "a must be a float32, bfloat16, float16 tensor"),
-    (lambda: lpsim.ops.matmul(torch.ones(2, 3), torch.ones(2, 3)), ValueError, "matmul takes"),
-    (lambda: lpsim.ops.matvec(torch.ones(2, 3), torch.ones(3).half()), TypeError, "x must have a's dtype"),
-    (lambda: lpsim.ops.sum(torch.ones(2), 1), IndexError, "dim must be in [-1, 0]"),
-    (lambda: lpsim.ops.sum(torch.ones(2), acc=lpsim.BlockFloat(8)), TypeError, "acc must be a Float or Fixed"),
-    (lambda: lpsim.ops.sum(torch.ones(2, dtype=torch.int32)), TypeError, "x must be a float32"),
-    (lambda: lpsim.ops.cumsum(torch.ones(2), 0, rounding="stochastic", rbits=40), ValueError,
-     "rbits must be in [1, 32]"),
-])
+@pytest.mark.parametrize(
+    "call,error,words",
+    [
+        (
+            lambda: lpsim.accumulate.matmul(
+                torch.ones(2, 2, dtype=torch.float64), torch.ones(2, 2, dtype=torch.float64)
+            ),
+            TypeError,
+            "a must be a float32, bfloat16 or float16 tensor",
+        ),
+        (
+            lambda: lpsim.accumulate.matmul(torch.ones(2, 3), torch.ones(2, 3)),
+            ValueError,
+            "matmul takes",
+        ),
+        (
+            lambda: lpsim.accumulate.matvec(torch.ones(2, 3), torch.ones(3).half()),
+            TypeError,
+            "x must have a's dtype",
+        ),
+        (lambda: lpsim.accumulate.sum(torch.ones(2), 1), IndexError, "dim must be in [-1, 0]"),
+        (
+            lambda: lpsim.accumulate.sum(torch.ones(2), acc=lpsim.BlockFloat(8)),
+            TypeError,
+            "acc must be a Float or Fixed",
+        ),
+        (
+            lambda: lpsim.accumulate.sum(torch.ones(2, dtype=torch.int32)),
+            TypeError,
+            "x must be a float32",
+        ),
+        (
+            lambda: lpsim.accumulate.cumsum(torch.ones(2), 0, rounding="stochastic", rbits=40),
+            ValueError,
+            "rbits must be in [1, 32]",
+        ),
+    ],
+)
 def test_bad_arguments_raise_errors_that_name_them(call, error, words):
     import re
+
     with pytest.raises(error, match=re.escape(words)):
         call()

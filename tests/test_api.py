@@ -3,11 +3,11 @@ QPyTorch-named wrappers, and the straight-through gradient."""
 
 import pytest
 import torch
+from support import DTYPES, assert_same_bits
 
 import lpsim
 from lpsim import BlockFloat, Fixed, Float
 from lpsim import reference as ref
-from support import DTYPES, assert_same_bits
 
 FORMATS = [Float(5, 2), Fixed(8, 4), BlockFloat(6), BlockFloat(6, 1), BlockFloat(6, block_size=5)]
 RULES = ["nearest", "stochastic"]
@@ -17,8 +17,12 @@ RULES = ["nearest", "stochastic"]
 @pytest.mark.parametrize("rule", RULES)
 def test_non_contiguous_input_gives_the_result_of_its_contiguous_copy(fmt, rule):
     base = torch.randn(12, 20, 6) * 8
-    for view in (base.transpose(0, 1), base[:, ::3, 1:5], base.permute(2, 0, 1),
-                 base.expand(2, 12, 20, 6)[1]):
+    for view in (
+        base.transpose(0, 1),
+        base[:, ::3, 1:5],
+        base.permute(2, 0, 1),
+        base.expand(2, 12, 20, 6)[1],
+    ):
         got = lpsim.quantize(view, fmt, rule, seed=3)
         assert got.shape == view.shape and got.is_contiguous()
         assert_same_bits(got, lpsim.quantize(view.contiguous(), fmt, rule, seed=3), repr(fmt))
@@ -86,14 +90,19 @@ def test_top_level_qtorch_names_are_the_qtorch_drop_in():
     assert lpsim.float_quantize is compat.float_quantize
     assert lpsim.fixed_point_quantize is compat.fixed_point_quantize
     assert lpsim.block_quantize is compat.block_quantize
-    assert lpsim.float_quantize(torch.tensor([1e5, 1e9]), 5, 2, "nearest").tolist() == [98304.0, 114688.0]
+    assert lpsim.float_quantize(torch.tensor([1e5, 1e9]), 5, 2, "nearest").tolist() == [
+        98304.0,
+        114688.0,
+    ]
     x = torch.tensor([[8.0, 0.3], [0.2, 0.1]])
     assert_same_bits(lpsim.block_quantize(x, 4, -1, "nearest"), lpsim.quantize(x, BlockFloat(4)))
     assert_same_bits(lpsim.block_quantize(x, 4, 1, "nearest"), lpsim.quantize(x, BlockFloat(4, 1)))
     kw = dict(seed=4)
     y = torch.randn(100) * 10
-    assert_same_bits(lpsim.fixed_point_quantize(y, 8, 4, **kw),
-                     lpsim.quantize(y, Fixed(8, 4), "stochastic", **kw))
+    assert_same_bits(
+        lpsim.fixed_point_quantize(y, 8, 4, **kw),
+        lpsim.quantize(y, Fixed(8, 4), "stochastic", **kw),
+    )
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=repr)
@@ -106,8 +115,9 @@ def test_gradient_is_straight_through(fmt):
 
 def test_rounding_accepts_the_enum():
     x = torch.randn(50)
-    assert_same_bits(lpsim.quantize(x, Float(5, 2), lpsim.Rounding.up),
-                     lpsim.quantize(x, Float(5, 2), "up"))
+    assert_same_bits(
+        lpsim.quantize(x, Float(5, 2), lpsim.Rounding.up), lpsim.quantize(x, Float(5, 2), "up")
+    )
 
 
 @pytest.mark.skipif(

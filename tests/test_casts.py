@@ -7,10 +7,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from support import assert_same_bits, neighbourhood
 
 import lpsim
 from lpsim.formats import preset
-from support import assert_same_bits, neighbourhood
 
 TORCH_CASTS = [
     ("bfloat16", torch.bfloat16),

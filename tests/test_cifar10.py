@@ -47,8 +47,15 @@ def write_tiny_cifar10(root: pathlib.Path, seed: int = 0) -> dict:
         data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
         labels = [int(v) for v in rng.integers(0, 10, n)]
         with open(folder / name, "wb") as f:
-            pickle.dump({"batch_label": name, "labels": labels, "data": data,
-                         "filenames": [f"{name}_{i:05d}.png" for i in range(n)]}, f)
+            pickle.dump(
+                {
+                    "batch_label": name,
+                    "labels": labels,
+                    "data": data,
+                    "filenames": [f"{name}_{i:05d}.png" for i in range(n)],
+                },
+                f,
+            )
         written[name] = (data, labels)
 
     for i in range(1, 6):
@@ -69,14 +76,27 @@ def tiny_cifar10(tmp_path_factory):
 
 
 def run_args(data_root, out_dir, recipe, *extra) -> list[str]:
-    return ["--recipe", recipe, "--data-dir", str(data_root), "--unverified-data",
-            "--batch-size", "32", "--width", "0.125", "--out-dir", str(out_dir), "--no-progress",
-            *extra]
+    return [
+        "--recipe",
+        recipe,
+        "--data-dir",
+        str(data_root),
+        "--unverified-data",
+        "--batch-size",
+        "32",
+        "--width",
+        "0.125",
+        "--out-dir",
+        str(out_dir),
+        "--no-progress",
+        *extra,
+    ]
 
 
 def representable(t: torch.Tensor, fmt) -> bool:
     return torch.equal(lpsim.quantize(t, fmt, "nearest"), t) and torch.equal(
-        lpsim.quantize(t, fmt, "up"), t)
+        lpsim.quantize(t, fmt, "up"), t
+    )
 
 
 # Data
@@ -102,10 +122,12 @@ def test_official_checksums_are_checked_unless_disabled(tiny_cifar10, tmp_path, 
     with pytest.raises(FileNotFoundError, match="--unverified-data"):
         cifar.load_cifar10(root, train=True)
     with pytest.raises(SystemExit):
-        train.main(["--recipe", "fp32", "--data-dir", str(tmp_path), "--out-dir",
-                    str(tmp_path / "o")])
+        train.main(
+            ["--recipe", "fp32", "--data-dir", str(tmp_path), "--out-dir", str(tmp_path / "o")]
+        )
     assert "no CIFAR10 training batches: CIFAR10 (its python version) is expected in" in (
-        capsys.readouterr().err)
+        capsys.readouterr().err
+    )
 
 
 def test_augmentation_is_torchvision_random_crop_then_flip():
@@ -146,8 +168,7 @@ def test_ranks_see_disjoint_shards_and_their_own_augmentation():
 
 def test_recipes_quantise_what_the_qpytorch_examples_quantise():
     half, rows = (Float(5, 10), "stochastic"), (BlockFloat(8, dim=0), "stochastic")
-    for name, fmt in [("fp16", half), ("block8", (BlockFloat(8), "stochastic")),
-                      ("swalp", rows)]:
+    for name, fmt in [("fp16", half), ("block8", (BlockFloat(8), "stochastic")), ("swalp", rows)]:
         q = recipes.RECIPES[name].quantization
         assert [q.weight, q.activation, q.error, q.grad, q.momentum] == [fmt] * 5, name
         assert q.acc is None and q.loss_scale == 1
@@ -161,11 +182,14 @@ def test_recipes_quantise_what_the_qpytorch_examples_quantise():
     assert {r.model for r in recipes.RECIPES.values()} == {"vgg16", "vgg7", "preresnet20"}
 
 
-@pytest.mark.parametrize("name, model, quantised, untouched", [
-    ("fp16", "vgg16", 15, []),                               # the 15 ReLUs
-    ("swalp", "vgg16", 15, ["classifier.6"]),                # 13 convs, 2 of the 3 linears
-    ("ibm8", "preresnet20", 30, ["layer2.0.downsample.0", "layer3.0.downsample.0"]),
-])
+@pytest.mark.parametrize(
+    "name, model, quantised, untouched",
+    [
+        ("fp16", "vgg16", 15, []),  # the 15 ReLUs
+        ("swalp", "vgg16", 15, ["classifier.6"]),  # 13 convs, 2 of the 3 linears
+        ("ibm8", "preresnet20", 30, ["layer2.0.downsample.0", "layer3.0.downsample.0"]),
+    ],
+)
 def test_quantisers_sit_where_the_qpytorch_models_put_them(name, model, quantised, untouched):
     recipe = recipes.RECIPES[name]
     net = build_model(model, width=0.25, **dict(recipe.model_options))
@@ -199,11 +223,14 @@ def test_wage_shift_divides_by_the_power_of_two_at_or_above_the_peak():
     assert recipes.wage_shift(torch.zeros(3)).tolist() == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("shape, scale, limit", [
-    ((128, 3, 3, 3), 2.0, 0.75),          # fan-in 27: sqrt(3/27) = 1/3, 0.75 / (1/3) = 2.25
-    ((128, 128, 3, 3), 16.0, 0.75),       # fan-in 1152: ratio 14.7
-    ((1024, 8192), 32.0, 0.75),           # fan-in 8192: ratio 39.2
-])
+@pytest.mark.parametrize(
+    "shape, scale, limit",
+    [
+        ((128, 3, 3, 3), 2.0, 0.75),  # fan-in 27: sqrt(3/27) = 1/3, 0.75 / (1/3) = 2.25
+        ((128, 128, 3, 3), 16.0, 0.75),  # fan-in 1152: ratio 14.7
+        ((1024, 8192), 32.0, 0.75),  # fan-in 8192: ratio 39.2
+    ],
+)
 def test_wage_initialisation_and_layer_scales(shape, scale, limit):
     w = torch.empty(shape)
     assert recipes.wage_init_(w) == scale
@@ -214,9 +241,14 @@ def test_wage_update_equals_clip_then_subtract():
     """WAGE's rule acc <- clip(acc) - Q(lr * shift(g) / 128) from the unclipped initial weights
     (QPyTorch's order) and lpsim's (clip at initialisation, then subtract and clip) give the same
     training: after every step clip(acc) is lpsim's accumulator and the ternary weights agree."""
+
     def tiny():
-        return nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.ReLU(), nn.Flatten(),
-                             nn.Linear(4 * 6 * 6, 10, bias=False))
+        return nn.Sequential(
+            nn.Conv2d(3, 4, 3, bias=False),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(4 * 6 * 6, 10, bias=False),
+        )
 
     torch.manual_seed(0)
     model, twin = tiny(), tiny()
@@ -240,13 +272,18 @@ def test_wage_update_equals_clip_then_subtract():
         opt.step()
         torch.set_rng_state(state)  # the reference draws the same seeds, in parameter order
         for i, g in enumerate(grads):
-            q = lpsim.quantize(recipes.wage_shift(g) * (lr / 128),
-                               Fixed(8, 7, clamp=False, symmetric=True), "stochastic")
+            q = lpsim.quantize(
+                recipes.wage_shift(g) * (lr / 128),
+                Fixed(8, 7, clamp=False, symmetric=True),
+                "stochastic",
+            )
             reference[i] = reference[i].clamp(-0.5, 0.5) - q
         for acc, ref in zip(params, reference):
             assert torch.equal(acc.detach(), ref.clamp(-0.5, 0.5)), step
-            assert torch.equal(lpsim.quantize(acc.detach(), ternary, "nearest"),
-                               lpsim.quantize(ref, ternary, "nearest"))
+            assert torch.equal(
+                lpsim.quantize(acc.detach(), ternary, "nearest"),
+                lpsim.quantize(ref, ternary, "nearest"),
+            )
         assert any(not torch.equal(ref, ref.clamp(-0.5, 0.5)) for ref in reference)
 
 
@@ -327,8 +364,11 @@ def test_every_recipe_trains_end_to_end_through_the_cifar10_reader(recipe, tiny_
     state = torch.load(tmp_path / train.CHECKPOINT, weights_only=True)
     assert state["epoch"] == 2 and state["config"]["recipe"] == recipe
     fmt = weight_format(recipe)
-    weights = {k: v for k, v in state["model"].items() if k.endswith("weight") or
-               k.endswith("bias") or k.endswith("original")}
+    weights = {
+        k: v
+        for k, v in state["model"].items()
+        if k.endswith("weight") or k.endswith("bias") or k.endswith("original")
+    }
     if fmt is not None:  # every stored weight is a value of the recipe's weight format
         assert all(representable(v, fmt) for v in weights.values())
     if recipe == "ibm8":
@@ -352,11 +392,14 @@ def without_times(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]
 
 
-@pytest.mark.parametrize("recipe, extra", [
-    ("swalp", ["--swa-start", "1"]),   # SWA state, dropout, block formats per row
-    ("ibm8", []),                      # accumulators, loss scaling, batch norm
-    ("wage", []),                      # its schedule changes across the interruption
-])
+@pytest.mark.parametrize(
+    "recipe, extra",
+    [
+        ("swalp", ["--swa-start", "1"]),  # SWA state, dropout, block formats per row
+        ("ibm8", []),  # accumulators, loss scaling, batch norm
+        ("wage", []),  # its schedule changes across the interruption
+    ],
+)
 def test_resume_continues_bit_identically(recipe, extra, tiny_cifar10, tmp_path):
     root, _ = tiny_cifar10
     straight, pieces = tmp_path / "straight", tmp_path / "pieces"
@@ -379,22 +422,35 @@ def test_resume_refuses_another_runs_checkpoint(tiny_cifar10, tmp_path):
         train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume", "--seed", "1"))
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--recipe", "fp8", "--fake-data", "8"], "unknown recipe 'fp8'; choose from fp32, fp16"),
-    (["--fake-data", "8"], "--recipe is required"),
-    (["--recipe", "fp32"], "give either --data-dir (CIFAR10) or --fake-data N"),
-    (["--recipe", "fp32", "--fake-data", "8", "--data-dir", "x"], "give either --data-dir"),
-    (["--recipe", "fp32", "--fake-data", "8", "--epochs", "0"], "--epochs: must be a positive"),
-    (["--recipe", "fp32", "--fake-data", "8", "--batch-size", "-4"], "--batch-size: must be a"),
-    (["--recipe", "fp32", "--fake-data", "8", "--lr", "nan"], "--lr: must be a positive number"),
-    (["--recipe", "wage", "--fake-data", "8", "--lr", "3"], "WAGE's learning rate must be a power"),
-    (["--recipe", "swalp", "--fake-data", "8", "--epochs", "3", "--swa-start", "3"],
-     "--swa-start must lie between 1 and epochs - 1 = 2"),
-    (["--recipe", "fp16", "--fake-data", "8", "--swa-start", "3"],
-     "recipe fp16 does not average weights"),
-    (["--recipe", "fp32", "--fake-data", "8", "--device", "tpu"], "--device"),
-    (["--recipe", "fp32", "--fake-data", "8", "--resume"], "--resume: no checkpoint at"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--recipe", "fp8", "--fake-data", "8"], "unknown recipe 'fp8'; choose from fp32, fp16"),
+        (["--fake-data", "8"], "--recipe is required"),
+        (["--recipe", "fp32"], "give either --data-dir (CIFAR10) or --fake-data N"),
+        (["--recipe", "fp32", "--fake-data", "8", "--data-dir", "x"], "give either --data-dir"),
+        (["--recipe", "fp32", "--fake-data", "8", "--epochs", "0"], "--epochs: must be a positive"),
+        (["--recipe", "fp32", "--fake-data", "8", "--batch-size", "-4"], "--batch-size: must be a"),
+        (
+            ["--recipe", "fp32", "--fake-data", "8", "--lr", "nan"],
+            "--lr: must be a positive number",
+        ),
+        (
+            ["--recipe", "wage", "--fake-data", "8", "--lr", "3"],
+            "WAGE's learning rate must be a power",
+        ),
+        (
+            ["--recipe", "swalp", "--fake-data", "8", "--epochs", "3", "--swa-start", "3"],
+            "--swa-start must lie between 1 and epochs - 1 = 2",
+        ),
+        (
+            ["--recipe", "fp16", "--fake-data", "8", "--swa-start", "3"],
+            "recipe fp16 does not average weights",
+        ),
+        (["--recipe", "fp32", "--fake-data", "8", "--device", "tpu"], "--device"),
+        (["--recipe", "fp32", "--fake-data", "8", "--resume"], "--resume: no checkpoint at"),
+    ],
+)
 def test_bad_arguments_give_clear_errors(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main([*argv, "--out-dir", str(tmp_path)])
@@ -412,15 +468,30 @@ def test_cuda_device_without_a_gpu_is_an_error(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit):
-        train.main(["--recipe", "fp32", "--fake-data", "8", "--device", "cuda",
-                    "--out-dir", str(tmp_path)])
+        train.main(
+            ["--recipe", "fp32", "--fake-data", "8", "--device", "cuda", "--out-dir", str(tmp_path)]
+        )
     assert "no CUDA device is available" in capsys.readouterr().err
 
 
 def test_fake_data_run_and_recipe_listing(tmp_path, capsys):
-    history = train.main(["--recipe", "block8", "--fake-data", "40", "--epochs", "1",
-                          "--batch-size", "20", "--width", "0.125", "--out-dir", str(tmp_path),
-                          "--no-progress"])
+    history = train.main(
+        [
+            "--recipe",
+            "block8",
+            "--fake-data",
+            "40",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "20",
+            "--width",
+            "0.125",
+            "--out-dir",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
     assert len(history) == 1 and math.isfinite(float(history[0]["test_loss"]))
     train.main(["--list-recipes"])
     listing = capsys.readouterr().out
@@ -432,14 +503,31 @@ def test_summary_reports_no_fake_unverified_or_unfinished_run_as_a_result(tiny_c
     runs = tmp_path / "runs"
     train.main(run_args(root, runs / "swalp", "swalp", "--epochs", "2"))
     train.main(run_args(root, runs / "wage", "wage", "--epochs", "2", "--stop-after", "1"))
-    train.main(["--recipe", "fp32", "--fake-data", "16", "--epochs", "1", "--batch-size", "8",
-                "--width", "0.125", "--out-dir", str(runs / "fp32"), "--no-progress"])
+    train.main(
+        [
+            "--recipe",
+            "fp32",
+            "--fake-data",
+            "16",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--width",
+            "0.125",
+            "--out-dir",
+            str(runs / "fp32"),
+            "--no-progress",
+        ]
+    )
     text = summarize.main(["--runs", str(runs), "--out", str(tmp_path / "results" / "t.md")])
     rows = {r["run"]: r for r in summarize.collect(runs)}
     assert rows["swalp"]["status"] == "not a result: data cifar10-unverified"
     assert rows["swalp"]["epochs"] == "2/2" and rows["swalp"]["swa_test_error"]
     assert rows["swalp"]["test_error"] == read_log(runs / "swalp")[-1]["test_error"]
-    assert rows["wage"]["epochs"] == "1/2" and rows["fp32"]["status"] == "not a result: data fake:16"
+    assert (
+        rows["wage"]["epochs"] == "1/2" and rows["fp32"]["status"] == "not a result: data fake:16"
+    )
     assert all(r["status"] != "result" for r in rows.values())
     assert (tmp_path / "results" / "t.md").read_text() == text + "\n"
 
@@ -449,8 +537,9 @@ def test_summary_reports_no_fake_unverified_or_unfinished_run_as_a_result(tiny_c
 
 def test_a_swalp_run_too_short_to_average_names_the_epochs_it_needs(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        train.main(["--recipe", "swalp", "--fake-data", "8", "--epochs", "1",
-                    "--out-dir", str(tmp_path)])
+        train.main(
+            ["--recipe", "swalp", "--fake-data", "8", "--epochs", "1", "--out-dir", str(tmp_path)]
+        )
     err = capsys.readouterr().err
     assert "needs --epochs 2 or more, got 1" in err and "--swa-start must lie" not in err
 
@@ -487,8 +576,9 @@ def test_download_flag_makes_torchvision_fetch_into_the_data_dir(tmp_path, monke
 
 def test_download_applies_only_to_the_data_dir(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        train.main(["--recipe", "fp32", "--fake-data", "8", "--download",
-                    "--out-dir", str(tmp_path)])
+        train.main(
+            ["--recipe", "fp32", "--fake-data", "8", "--download", "--out-dir", str(tmp_path)]
+        )
     assert "--download fetches CIFAR10 into --data-dir" in capsys.readouterr().err
 
 
@@ -505,7 +595,8 @@ def test_resuming_a_finished_run_says_so_and_how_to_extend_it(tiny_cifar10, tmp_
 
 @pytest.mark.parametrize("recipe, final_lr", [("fp32", 0.05 * 0.01), ("swalp", 0.01)])
 def test_resume_with_more_epochs_trains_them_at_the_rate_the_schedule_ended_on(
-        recipe, final_lr, tiny_cifar10, tmp_path, capsys):
+    recipe, final_lr, tiny_cifar10, tmp_path, capsys
+):
     root, _ = tiny_cifar10
     train.main(run_args(root, tmp_path, recipe, "--epochs", "2"))
     before = read_log(tmp_path)
@@ -545,12 +636,30 @@ def test_training_benchmark_times_every_recipe_against_float32(capsys):
         import bench_training
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    rows = bench_training.main(["--models", "vgg16,vgg7", "--width", "0.125", "--batch-size", "2",
-                                "--repeat", "1", "--warmup", "1", "--no-compile",
-                                "--device", "cpu"])
+    rows = bench_training.main(
+        [
+            "--models",
+            "vgg16,vgg7",
+            "--width",
+            "0.125",
+            "--batch-size",
+            "2",
+            "--repeat",
+            "1",
+            "--warmup",
+            "1",
+            "--no-compile",
+            "--device",
+            "cpu",
+        ]
+    )
     assert [(r["model"], r["recipe"]) for r in rows] == [
-        ("vgg16", "fp16"), ("vgg16", "block8"), ("vgg16", "swalp"), ("vgg16", "ibm8"),
-        ("vgg7", "wage")]
+        ("vgg16", "fp16"),
+        ("vgg16", "block8"),
+        ("vgg16", "swalp"),
+        ("vgg16", "ibm8"),
+        ("vgg7", "wage"),
+    ]
     assert all(r["ratio"] > 0 and r["mode"] == "eager" for r in rows)
     printed = capsys.readouterr().out
     assert "| vgg7 | wage |" in printed and "timed alternately with float32" in printed

@@ -12,11 +12,11 @@ import sys
 
 import pytest
 import torch
+from support import assert_same_bits
 
 import lpsim
 from lpsim.compat import qtorch as q
 from lpsim.rounding import Rounding
-from support import assert_same_bits
 
 
 def test_signatures_are_qtorch_0_3():
@@ -58,13 +58,17 @@ def test_default_rounding_is_stochastic_and_seedable():
 def test_block_dim_minus_one_is_the_whole_tensor():
     x = torch.randn(8, 16)
     assert_same_bits(q.block_quantize(x, 6, -1, "nearest"), lpsim.quantize(x, lpsim.BlockFloat(6)))
-    assert_same_bits(q.block_quantize(x, 6, 0, "nearest"), lpsim.quantize(x, lpsim.BlockFloat(6, 0)))
+    assert_same_bits(
+        q.block_quantize(x, 6, 0, "nearest"), lpsim.quantize(x, lpsim.BlockFloat(6, 0))
+    )
 
 
 def test_fixed_point_matches_lpsim_fixed():
     x = torch.randn(300) * 4
-    assert_same_bits(q.fixed_point_quantize(x, 8, 4, clamp=True, symmetric=True, rounding="nearest"),
-                     lpsim.quantize(x, lpsim.Fixed(8, 4, symmetric=True)))
+    assert_same_bits(
+        q.fixed_point_quantize(x, 8, 4, clamp=True, symmetric=True, rounding="nearest"),
+        lpsim.quantize(x, lpsim.Fixed(8, 4, symmetric=True)),
+    )
 
 
 def test_number_reprs_and_equality_follow_qtorch():
@@ -81,18 +85,26 @@ def _qtorch():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return pytest.importorskip("qtorch"), pytest.importorskip("qtorch.quant"), \
-            pytest.importorskip("qtorch.optim"), pytest.importorskip("qtorch.auto_low")
+        return (
+            pytest.importorskip("qtorch"),
+            pytest.importorskip("qtorch.quant"),
+            pytest.importorskip("qtorch.optim"),
+            pytest.importorskip("qtorch.auto_low"),
+        )
 
 
 def test_training_names_have_qtorch_signatures():
     qtorch, quant, optim, auto_low = _qtorch()
-    pairs = [(q.quantizer, quant.quantizer), (q.Quantizer, quant.Quantizer),
-             (q.OptimLP, optim.OptimLP), (q.lower, auto_low.lower),
-             (q.sequential_lower, auto_low.sequential_lower),
-             (q.float_quantize, quant.float_quantize),
-             (q.fixed_point_quantize, quant.fixed_point_quantize),
-             (q.block_quantize, quant.block_quantize)]
+    pairs = [
+        (q.quantizer, quant.quantizer),
+        (q.Quantizer, quant.Quantizer),
+        (q.OptimLP, optim.OptimLP),
+        (q.lower, auto_low.lower),
+        (q.sequential_lower, auto_low.sequential_lower),
+        (q.float_quantize, quant.float_quantize),
+        (q.fixed_point_quantize, quant.fixed_point_quantize),
+        (q.block_quantize, quant.block_quantize),
+    ]
     for ours, theirs in pairs:
         mine = [p for p in inspect.signature(ours).parameters.values() if p.kind != p.KEYWORD_ONLY]
         names = list(inspect.signature(theirs).parameters)
@@ -124,8 +136,9 @@ def test_sequential_lower_wraps_a_copy_and_leaves_the_model_alone():
 def test_optim_lp_takes_quantisation_functions():
     model = torch.nn.Linear(4, 2)
     weight_quant = q.quantizer(q.FloatingPoint(5, 2), forward_rounding="nearest")
-    opt = q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), weight_quant=weight_quant,
-                    grad_scaling=0.5)
+    opt = q.OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.1), weight_quant=weight_quant, grad_scaling=0.5
+    )
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
     w = model.weight.detach()
@@ -149,8 +162,13 @@ def test_clamping_grad_zero_without_a_forward_number_quantises_only_the_gradient
     x, upstream = torch.randn(64, 10), torch.randn(64, 10) * 37
     grads = []
     for lib, make in ((qtorch, quant.quantizer), (q, q.quantizer)):
-        f = make(forward_number=None, backward_number=lib.FixedPoint(8, 7),
-                 backward_rounding="nearest", clamping_grad_zero=True, backward_hooks=[_wage_shift])
+        f = make(
+            forward_number=None,
+            backward_number=lib.FixedPoint(8, 7),
+            backward_rounding="nearest",
+            clamping_grad_zero=True,
+            backward_hooks=[_wage_shift],
+        )
         xi = x.clone().requires_grad_()
         y = f(xi)
         assert torch.equal(y, x)
@@ -168,8 +186,13 @@ def test_clip_mask_is_decided_on_the_rounded_value_as_qtorch_decides_it():
     want_value = [0.875, -1.0, 0.875, -1.0, 0.5]
     want_grad = [0.875, 0.875, 0.0, 0.0, 0.875]
     for lib, make in ((qtorch, quant.quantizer), (q, q.quantizer)):
-        f = make(lib.FixedPoint(4, 3), lib.FixedPoint(4, 3), "nearest", "nearest",
-                 clamping_grad_zero=True)
+        f = make(
+            lib.FixedPoint(4, 3),
+            lib.FixedPoint(4, 3),
+            "nearest",
+            "nearest",
+            clamping_grad_zero=True,
+        )
         xi = x.clone().requires_grad_()
         y = f(xi)
         y.sum().backward()
@@ -200,10 +223,17 @@ def _unbounded(fmt):
     return lpsim.Float(fmt.exp + 1, fmt.man, bias=fmt.bias, subnormals=fmt.subnormals)
 
 
-@pytest.mark.parametrize("fmt", [lpsim.Fixed(4, 3), lpsim.Fixed(6, 2, symmetric=True),
-                                 lpsim.Float(4, 3, special="fn", saturate=True),
-                                 lpsim.Float(5, 2, special="none", saturate=True),
-                                 lpsim.Float(3, 1, saturate=True)], ids=repr)
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        lpsim.Fixed(4, 3),
+        lpsim.Fixed(6, 2, symmetric=True),
+        lpsim.Float(4, 3, special="fn", saturate=True),
+        lpsim.Float(5, 2, special="none", saturate=True),
+        lpsim.Float(3, 1, saturate=True),
+    ],
+    ids=repr,
+)
 @pytest.mark.parametrize("rule", [r.name for r in Rounding])
 def test_clip_mask_follows_the_forward_values_own_rounding(fmt, rule):
     # The forward value is what quantize() gives (the same random words for the same seed), and
@@ -258,11 +288,15 @@ def test_sequential_lower_wraps_a_top_level_module_as_qtorch_does():
     assert_same_bits(ours(x), theirs(x))
 
 
-@pytest.mark.parametrize("calls", [
-    [(["linear"], 8, 4), (["activation"], 6, 3)],
-    [(["linear"], 8, 4), (["linear"], 6, 2)],
-    [(["linear", "activation"], 10, 6), (["linear"], 8, 3), (["activation"], 7, 2)],
-], ids=["other-types", "same-type", "three-calls"])
+@pytest.mark.parametrize(
+    "calls",
+    [
+        [(["linear"], 8, 4), (["activation"], 6, 3)],
+        [(["linear"], 8, 4), (["linear"], 6, 2)],
+        [(["linear", "activation"], 10, 6), (["linear"], 8, 3), (["activation"], 7, 2)],
+    ],
+    ids=["other-types", "same-type", "three-calls"],
+)
 def test_lower_calls_stack_as_in_qtorch(calls):
     # A second lower() adds its quantisers after the first's, on the same modules too (QPyTorch
     # wraps the already wrapped forward): values and gradients match QPyTorch's bit for bit.
@@ -274,8 +308,9 @@ def test_lower_calls_stack_as_in_qtorch(calls):
     for lib, lower in ((qtorch, auto_low.lower), (q, q.lower)):
         lowered = copy.deepcopy(model)
         for types, wl, fl in calls:
-            lower(lowered, types, lib.FixedPoint(wl, fl), lib.FixedPoint(wl, fl), "nearest",
-                  "nearest")
+            lower(
+                lowered, types, lib.FixedPoint(wl, fl), lib.FixedPoint(wl, fl), "nearest", "nearest"
+            )
         xi = x.clone().requires_grad_()
         y = lowered(xi)
         y.backward(upstream)
@@ -291,8 +326,7 @@ def test_lower_that_matches_nothing_changes_nothing():
 
 
 def test_lowered_model_deep_copies_and_keeps_qtorchs_stochastic_eval():
-    model = q.lower(torch.nn.Sequential(torch.nn.Linear(4, 64)), ["linear"],
-                    q.FloatingPoint(4, 1))
+    model = q.lower(torch.nn.Sequential(torch.nn.Linear(4, 64)), ["linear"], q.FloatingPoint(4, 1))
     clone = copy.deepcopy(model).eval()
     x = torch.randn(2, 4)
     fmt = q.FloatingPoint(4, 1).format
@@ -309,15 +343,22 @@ def test_functionality_overview_notebook_runs():
     from lpsim.compat.qtorch import FixedPoint, FloatingPoint
     from lpsim.compat.qtorch.auto_low import sequential_lower
     from lpsim.compat.qtorch.optim import OptimLP
-    from lpsim.compat.qtorch.quant import (Quantizer, block_quantize, fixed_point_quantize,
-                                           float_quantize)
+    from lpsim.compat.qtorch.quant import (
+        Quantizer,
+        block_quantize,
+        fixed_point_quantize,
+        float_quantize,
+    )
 
     full = torch.rand(5)
     assert float_quantize(full, exp=5, man=2, rounding="nearest").shape == (5,)
     assert fixed_point_quantize(full, wl=8, fl=6).shape == block_quantize(full, wl=8).shape == (5,)
-    Q = Quantizer(forward_number=FixedPoint(wl=4, fl=2),
-                  backward_number=FloatingPoint(exp=5, man=2),
-                  forward_rounding="nearest", backward_rounding="stochastic")
+    Q = Quantizer(
+        forward_number=FixedPoint(wl=4, fl=2),
+        backward_number=FloatingPoint(exp=5, man=2),
+        forward_rounding="nearest",
+        backward_rounding="stochastic",
+    )
 
     class LinearLP(torch.nn.Module):
         def __init__(self):
@@ -337,9 +378,12 @@ def test_functionality_overview_notebook_runs():
     forward_backward(lp_model)
     weight_quant = lambda x: float_quantize(x, exp=5, man=2, rounding="nearest")  # noqa: E731
     momentum_quant = lambda x: float_quantize(x, exp=6, man=9, rounding="nearest")  # noqa: E731
-    optimizer = OptimLP(torch.optim.SGD(lp_model.parameters(), momentum=0.9, lr=0.1),
-                        weight_quant=weight_quant, grad_quant=weight_quant,
-                        momentum_quant=momentum_quant)
+    optimizer = OptimLP(
+        torch.optim.SGD(lp_model.parameters(), momentum=0.9, lr=0.1),
+        weight_quant=weight_quant,
+        grad_quant=weight_quant,
+        momentum_quant=momentum_quant,
+    )
     optimizer.step()
     optimizer.zero_grad()
     assert torch.equal(weight_quant(lp_model.W.weight.data), lp_model.W.weight.data)
@@ -347,9 +391,13 @@ def test_functionality_overview_notebook_runs():
     lp_model = LinearLP()
     forward_backward(lp_model)
     acc_quant = lambda x: float_quantize(x, exp=6, man=9, rounding="nearest")  # noqa: E731
-    optimizer = OptimLP(torch.optim.SGD(lp_model.parameters(), momentum=0, lr=0.1),
-                        weight_quant=weight_quant, grad_quant=weight_quant,
-                        momentum_quant=momentum_quant, acc_quant=acc_quant)
+    optimizer = OptimLP(
+        torch.optim.SGD(lp_model.parameters(), momentum=0, lr=0.1),
+        weight_quant=weight_quant,
+        grad_quant=weight_quant,
+        momentum_quant=momentum_quant,
+        acc_quant=acc_quant,
+    )
     optimizer.step()
     acc = optimizer.weight_acc[lp_model.W.weight]
     assert torch.equal(acc_quant(acc), acc)
@@ -364,17 +412,26 @@ def test_functionality_overview_notebook_runs():
         def forward(self, x):
             return self.W(x)
 
-    lowered = sequential_lower(LinearFP(), layer_types=["linear"],
-                               forward_number=FixedPoint(wl=4, fl=2),
-                               backward_number=FloatingPoint(exp=5, man=2))
+    lowered = sequential_lower(
+        LinearFP(),
+        layer_types=["linear"],
+        forward_number=FixedPoint(wl=4, fl=2),
+        backward_number=FloatingPoint(exp=5, man=2),
+    )
     assert [type(m).__name__ for m in lowered.W] == ["Linear", "Quantizer"]
 
 
 # The names QPyTorch users touch.
 
 
-@pytest.mark.parametrize("make", [lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-                                  lambda ps: torch.optim.Adam(ps, lr=0.01)], ids=["SGD", "Adam"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lambda ps: torch.optim.Adam(ps, lr=0.01),
+    ],
+    ids=["SGD", "Adam"],
+)
 def test_optim_lp_has_qtorchs_attributes(make):
     qtorch, _, optim, _ = _qtorch()
     model = torch.nn.Linear(3, 2)
@@ -391,8 +448,10 @@ def test_momentum_keys_list_what_momentum_quant_rounds():
     model = torch.nn.Linear(3, 2)
     amsgrad = q.OptimLP(torch.optim.AdamW(model.parameters(), amsgrad=True))
     assert amsgrad.momentum_keys == ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
-    rms = q.OptimLP(torch.optim.RMSprop(model.parameters(), momentum=0.9),
-                    momentum_quant=lambda t: q.float_quantize(t, 5, 2, "nearest"))
+    rms = q.OptimLP(
+        torch.optim.RMSprop(model.parameters(), momentum=0.9),
+        momentum_quant=lambda t: q.float_quantize(t, 5, 2, "nearest"),
+    )
     assert rms.momentum_keys == []
     model(torch.randn(4, 3)).sum().backward()
     rms.step()
@@ -405,16 +464,34 @@ def test_quantizer_module_has_its_quantize_function():
     assert_same_bits(module.quantize(x), module(x))
 
 
-QTORCH_MODULES = ["qtorch", "qtorch.auto_low", "qtorch.auto_low.auto_low", "qtorch.number",
-                  "qtorch.optim", "qtorch.optim.optim_low", "qtorch.quant",
-                  "qtorch.quant.quant_function", "qtorch.quant.quant_module"]
+QTORCH_MODULES = [
+    "qtorch",
+    "qtorch.auto_low",
+    "qtorch.auto_low.auto_low",
+    "qtorch.number",
+    "qtorch.optim",
+    "qtorch.optim.optim_low",
+    "qtorch.quant",
+    "qtorch.quant.quant_function",
+    "qtorch.quant.quant_module",
+]
 # Public names of QPyTorch's modules beyond their __all__ (the compiled modules quant_cpu and
 # quant_cuda are left out: lpsim has none).
 QTORCH_EXTRA_NAMES = {
     "qtorch.quant.quant_function": ["get_module", "assert_wl_fl"],
-    "qtorch.auto_low.auto_low": ["LAYERS_TYPES", "SEQUENTIAL_LAYERS", "DICT_LAYERS", "CONV_LAYERS",
-                                 "POOL_LAYERS", "PAD_LAYERS", "ACTIVATION_LAYERS", "NORM_LAYERS",
-                                 "LINEAR_LAYERS", "DROPOUT_LAYERS", "LOSS_LAYERS"],
+    "qtorch.auto_low.auto_low": [
+        "LAYERS_TYPES",
+        "SEQUENTIAL_LAYERS",
+        "DICT_LAYERS",
+        "CONV_LAYERS",
+        "POOL_LAYERS",
+        "PAD_LAYERS",
+        "ACTIVATION_LAYERS",
+        "NORM_LAYERS",
+        "LINEAR_LAYERS",
+        "DROPOUT_LAYERS",
+        "LOSS_LAYERS",
+    ],
 }
 
 
@@ -424,8 +501,10 @@ def test_package_has_qtorchs_modules_and_names():
 
     qtorch = _qtorch()[0]
     root = pathlib.Path(qtorch.__file__).parent
-    found = sorted(".".join(("qtorch",) + f.relative_to(root).with_suffix("").parts)
-                   .removesuffix(".__init__") for f in root.rglob("*.py"))
+    found = sorted(
+        ".".join(("qtorch",) + f.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        for f in root.rglob("*.py")
+    )
     assert found == QTORCH_MODULES
     for name in QTORCH_MODULES:
         theirs = importlib.import_module(name)
@@ -443,8 +522,9 @@ def test_layer_lists_are_qtorchs():
 
     for name in QTORCH_EXTRA_NAMES["qtorch.auto_low.auto_low"][1:]:
         assert set(getattr(ours, name)) == set(getattr(theirs, name)), name
-    assert {k: set(v) for k, v in ours.LAYERS_TYPES.items()} == \
-        {k: set(v) for k, v in theirs.LAYERS_TYPES.items()}
+    assert {k: set(v) for k, v in ours.LAYERS_TYPES.items()} == {
+        k: set(v) for k, v in theirs.LAYERS_TYPES.items()
+    }
 
 
 def test_get_module_has_qtorchs_kernel_functions():
@@ -459,8 +539,10 @@ def test_get_module_has_qtorchs_kernel_functions():
     theirs, ours = theirs_module.get_module(x), ours_module.get_module(x)
     # Equal values (no ties here); the zeros differ in sign: QPyTorch returns +0 for negative
     # inputs that round to zero, lpsim keeps the sign (-0.0).
-    assert torch.equal(ours.fixed_point_quantize_nearest(x, 8, 4, True, False),
-                       theirs.fixed_point_quantize_nearest(x, 8, 4, True, False))
+    assert torch.equal(
+        ours.fixed_point_quantize_nearest(x, 8, 4, True, False),
+        theirs.fixed_point_quantize_nearest(x, 8, 4, True, False),
+    )
     assert torch.equal(ours.float_quantize_nearest(x, 2, 5), theirs.float_quantize_nearest(x, 2, 5))
     assert torch.equal(ours.block_quantize_nearest(x, 8, 0), theirs.block_quantize_nearest(x, 8, 0))
     for wl, fl, symmetric in ((6, 3, False), (5, 2, True)):
@@ -473,9 +555,11 @@ def test_get_module_has_qtorchs_kernel_functions():
     assert bool(clipped[(x >= 4.0) | (x <= -4.125)].all())
     assert not clipped[(x >= -4.0) & (x <= 3.875)].any()
     assert set(out[clipped].unique().tolist()) <= {-4.0, 3.875}
-    for f, args in ((ours.float_quantize_stochastic, (2, 5)),
-                    (ours.fixed_point_quantize_stochastic, (8, 4, True, False)),
-                    (ours.block_quantize_stochastic, (8, -1))):
+    for f, args in (
+        (ours.float_quantize_stochastic, (2, 5)),
+        (ours.fixed_point_quantize_stochastic, (8, 4, True, False)),
+        (ours.block_quantize_stochastic, (8, -1)),
+    ):
         assert f(x, *args).shape == x.shape
 
 
@@ -503,8 +587,9 @@ def test_import_as_qtorch_gives_the_package_and_its_modules():
 
 
 def _run(args, cwd):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 SCRIPT = """\
@@ -525,11 +610,14 @@ print("ran", sys.argv[1:], float_quantize.__module__)
 def test_install_lets_an_unchanged_qtorch_script_import_lpsim(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    one_liner = ("import lpsim.compat.qtorch; lpsim.compat.qtorch.install(); import runpy; "
-                 f"runpy.run_path({str(script)!r}, run_name='__main__')")
-    for args, argv in ((["-c", one_liner], "[]"),
-                       (["-m", "lpsim.compat.qtorch", str(script), "--epochs", "1"],
-                        "['--epochs', '1']")):
+    one_liner = (
+        "import lpsim.compat.qtorch; lpsim.compat.qtorch.install(); import runpy; "
+        f"runpy.run_path({str(script)!r}, run_name='__main__')"
+    )
+    for args, argv in (
+        (["-c", one_liner], "[]"),
+        (["-m", "lpsim.compat.qtorch", str(script), "--epochs", "1"], "['--epochs', '1']"),
+    ):
         done = _run(args, tmp_path)
         assert done.returncode == 0, done.stderr
         assert f"ran {argv} lpsim.compat.qtorch.quant.quant_function" in done.stdout
@@ -559,22 +647,27 @@ def test_qtorch_checkpoints_load(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3)
     weight_quant = lambda t: q.float_quantize(t, 5, 2, "nearest")  # noqa: E731
-    theirs = optim.OptimLP(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                           weight_quant=weight_quant)
+    theirs = optim.OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), weight_quant=weight_quant
+    )
     _train_steps(model, theirs, 2)
     theirs.param_groups[0]["lr"] = 0.02
-    torch.save({"optimizer": theirs.state_dict(), "wrapped": theirs.optim.state_dict()},
-               tmp_path / "checkpoint.pt")
+    torch.save(
+        {"optimizer": theirs.state_dict(), "wrapped": theirs.optim.state_dict()},
+        tmp_path / "checkpoint.pt",
+    )
     saved = torch.load(tmp_path / "checkpoint.pt")
 
-    ours = q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                     weight_quant=weight_quant)
+    ours = q.OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), weight_quant=weight_quant
+    )
     ours.load_state_dict(saved["optimizer"])
     assert ours.param_groups[0]["lr"] == 0.02 and not ours.optim.state
     ours.load_state_dict(saved["wrapped"])
     for p in model.parameters():
-        assert torch.equal(ours.optim.state[p]["momentum_buffer"],
-                           theirs.optim.state[p]["momentum_buffer"])
+        assert torch.equal(
+            ours.optim.state[p]["momentum_buffer"], theirs.optim.state[p]["momentum_buffer"]
+        )
 
 
 def test_checkpoints_load_into_qtorch(tmp_path):
@@ -584,28 +677,33 @@ def test_checkpoints_load_into_qtorch(tmp_path):
     torch.manual_seed(0)
     model = torch.nn.Linear(5, 3)
     acc_quant = lambda t: q.float_quantize(t, 6, 9, "nearest")  # noqa: E731
-    ours = q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                     acc_quant=acc_quant)
+    ours = q.OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), acc_quant=acc_quant
+    )
     _train_steps(model, ours, 2)
     ours.param_groups[0]["lr"] = 0.02
     torch.save(ours.state_dict(), tmp_path / "checkpoint.pt")
-    theirs = optim.OptimLP(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                           acc_quant=acc_quant)
+    theirs = optim.OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), acc_quant=acc_quant
+    )
     theirs.load_state_dict(torch.load(tmp_path / "checkpoint.pt"))
     assert theirs.param_groups[0]["lr"] == 0.02
     for p in model.parameters():
-        assert torch.equal(theirs.state[p]["momentum_buffer"],
-                           ours.optim.state[p]["momentum_buffer"])
+        assert torch.equal(
+            theirs.state[p]["momentum_buffer"], ours.optim.state[p]["momentum_buffer"]
+        )
 
 
 def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
     def make():
         torch.manual_seed(0)
         model = torch.nn.Linear(5, 3)
-        optimizer = q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                              weight_quant=lambda t: q.float_quantize(t, 5, 2, "nearest"),
-                              momentum_quant=lambda t: q.float_quantize(t, 6, 9, "nearest"),
-                              acc_quant=lambda t: q.float_quantize(t, 6, 9, "nearest"))
+        optimizer = q.OptimLP(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            weight_quant=lambda t: q.float_quantize(t, 5, 2, "nearest"),
+            momentum_quant=lambda t: q.float_quantize(t, 6, 9, "nearest"),
+            acc_quant=lambda t: q.float_quantize(t, 6, 9, "nearest"),
+        )
         return model, optimizer
 
     model, optimizer = make()
@@ -613,8 +711,10 @@ def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
     data = torch.Generator().manual_seed(0)
     first, first_optimizer = make()
     _train_steps(first, first_optimizer, 2, data)
-    torch.save({"model": first.state_dict(), "optimizer": first_optimizer.state_dict()},
-               tmp_path / "checkpoint.pt")
+    torch.save(
+        {"model": first.state_dict(), "optimizer": first_optimizer.state_dict()},
+        tmp_path / "checkpoint.pt",
+    )
     saved = torch.load(tmp_path / "checkpoint.pt")
     assert set(saved["optimizer"]) == {"state", "param_groups", "weight_acc"}
     resumed, resumed_optimizer = make()
@@ -637,19 +737,25 @@ def _qq():
 def test_qtorch_fixed_nearest_moves_large_values_that_are_on_the_grid():
     qq = _qq()
     x = torch.tensor([(2.0**23 + 1) / 4, (2.0**24 - 1) / 4, -(2.0**23 + 3) / 4])
-    assert qq.fixed_point_quantize(x, 8, 2, False, rounding="nearest").tolist() == \
-        [2097152.5, 2.0**22, -2097152.5]
+    assert qq.fixed_point_quantize(x, 8, 2, False, rounding="nearest").tolist() == [
+        2097152.5,
+        2.0**22,
+        -2097152.5,
+    ]
     assert torch.equal(q.fixed_point_quantize(x, 8, 2, False, rounding="nearest"), x)
 
 
-@pytest.mark.parametrize("value,qtorch_p,p", [(2.0**21 + 0.25, 0.125, 0.25),
-                                              (2.0**22 + 0.5, 0.25, 0.5)])
+@pytest.mark.parametrize(
+    "value,qtorch_p,p", [(2.0**21 + 0.25, 0.125, 0.25), (2.0**22 + 0.5, 0.25, 0.5)]
+)
 def test_qtorch_fixed_stochastic_loses_probability_on_large_values(value, qtorch_p, p):
     qq = _qq()
     x = torch.full((1 << 17,), value)
     torch.manual_seed(0)
-    for got, want in ((qq.fixed_point_quantize(x, 8, 0, False, rounding="stochastic"), qtorch_p),
-                      (q.fixed_point_quantize(x, 8, 0, False, rounding="stochastic"), p)):
+    for got, want in (
+        (qq.fixed_point_quantize(x, 8, 0, False, rounding="stochastic"), qtorch_p),
+        (q.fixed_point_quantize(x, 8, 0, False, rounding="stochastic"), p),
+    ):
         up = (got - math.floor(value)).double().mean().item()
         assert abs(up - want) < 5 * math.sqrt(want * (1 - want) / x.numel())
 
@@ -665,17 +771,33 @@ def _nan_equal(got: torch.Tensor, want: list) -> bool:
     return torch.equal(got.nan_to_num(7.0), torch.tensor(want).nan_to_num(7.0))
 
 
-@pytest.mark.parametrize("x,wl,qtorch_result,lpsim_result", [
-    ([1.0, -0.375], 4, [1.0, -0.25], [1.0, -0.5]),                              # exact tie
-    ([1.0, 0.125 - 2.0**-23], 4, [1.0, 0.25], [1.0, 0.0]),                     # near-tie
-    ([1.0, 0.3, -0.7], 23, None,  # a shift by -1: undefined behaviour, -2.0 on x86
-     [1.0, 0.3000001907348633, -0.6999998092651367]),
-    ([1.0, math.inf, 0.3], 8, [math.nan] * 3, [1.0, math.inf, 0.296875]),       # Inf in the block
-    ([2.0**126, 1e37, -2.0**127], 8, [-3.3762391092936863e+38] * 3,
-     [2.0**126, 1.0633823966279327e+37, -2.0**127]),                           # max >= 2^126
-    ([1e-42, 4e-43, -7e-43], 4, [0.0, 0.0, 0.0],
-     [1.0761972206014595e-42, 3.587324068671532e-43, -7.174648137343064e-43]),  # subnormal max
-], ids=["exact-tie", "near-tie", "wl-23", "inf", "huge-max", "subnormal-max"])
+@pytest.mark.parametrize(
+    "x,wl,qtorch_result,lpsim_result",
+    [
+        ([1.0, -0.375], 4, [1.0, -0.25], [1.0, -0.5]),  # exact tie
+        ([1.0, 0.125 - 2.0**-23], 4, [1.0, 0.25], [1.0, 0.0]),  # near-tie
+        (
+            [1.0, 0.3, -0.7],
+            23,
+            None,  # a shift by -1: undefined behaviour, -2.0 on x86
+            [1.0, 0.3000001907348633, -0.6999998092651367],
+        ),
+        ([1.0, math.inf, 0.3], 8, [math.nan] * 3, [1.0, math.inf, 0.296875]),  # Inf in the block
+        (
+            [2.0**126, 1e37, -(2.0**127)],
+            8,
+            [-3.3762391092936863e38] * 3,
+            [2.0**126, 1.0633823966279327e37, -(2.0**127)],
+        ),  # max >= 2^126
+        (
+            [1e-42, 4e-43, -7e-43],
+            4,
+            [0.0, 0.0, 0.0],
+            [1.0761972206014595e-42, 3.587324068671532e-43, -7.174648137343064e-43],
+        ),  # subnormal max
+    ],
+    ids=["exact-tie", "near-tie", "wl-23", "inf", "huge-max", "subnormal-max"],
+)
 def test_qtorch_block_deviations_and_lpsims_results(x, wl, qtorch_result, lpsim_result):
     qq = _qq()
     x = torch.tensor(x)
@@ -693,12 +815,18 @@ def test_qtorch_turns_negative_zeros_positive_and_lpsim_keeps_the_sign():
     qq = _qq()
     x = torch.tensor([-0.0, -1e-6, -0.01, 1.0])
     results = {
-        "fixed": (qq.fixed_point_quantize(x[:1], 8, 4, rounding="nearest"),
-                  q.fixed_point_quantize(x[:1], 8, 4, rounding="nearest")),
-        "float": (qq.float_quantize(x[:2], 5, 2, "nearest"),
-                  q.float_quantize(x[:2], 5, 2, "nearest")),
-        "block": (qq.block_quantize(x, 4, -1, "nearest")[:3],
-                  q.block_quantize(x, 4, -1, "nearest")[:3]),
+        "fixed": (
+            qq.fixed_point_quantize(x[:1], 8, 4, rounding="nearest"),
+            q.fixed_point_quantize(x[:1], 8, 4, rounding="nearest"),
+        ),
+        "float": (
+            qq.float_quantize(x[:2], 5, 2, "nearest"),
+            q.float_quantize(x[:2], 5, 2, "nearest"),
+        ),
+        "block": (
+            qq.block_quantize(x, 4, -1, "nearest")[:3],
+            q.block_quantize(x, 4, -1, "nearest")[:3],
+        ),
     }
     for kind, (theirs, ours) in results.items():
         assert theirs.eq(0).all() and not torch.signbit(theirs).any(), kind

@@ -59,8 +59,25 @@ def sample(shape, dtype, seed=0):
     x = torch.randn(n, generator=gen, dtype=torch.float64) * scale
     ties = torch.randint(-64, 64, (n,), generator=gen).double() / 8 + 1 / 16
     x = torch.where(torch.rand(n, generator=gen) < 0.2, ties, x)
-    specials = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1.0, -1.5, 2.5, 1e-30,
-                             -6e-8, 448.0, 65504.0, 1e5, -3.0e38], dtype=torch.float64)
+    specials = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            math.inf,
+            -math.inf,
+            math.nan,
+            1.0,
+            -1.5,
+            2.5,
+            1e-30,
+            -6e-8,
+            448.0,
+            65504.0,
+            1e5,
+            -3.0e38,
+        ],
+        dtype=torch.float64,
+    )
     k = min(n, len(specials))
     x[torch.randperm(n, generator=gen)[:k]] = specials[:k]
     return x.to(dtype).reshape(shape)
@@ -76,8 +93,11 @@ def fits(fmt, dtype) -> bool:
 
 def applies(fmt, shape) -> bool:
     """Whether fmt's dim exists in a tensor of this shape."""
-    return not (isinstance(fmt, BlockFloat) and fmt.dim is not None
-                and not -max(len(shape), 1) <= fmt.dim < max(len(shape), 1))
+    return not (
+        isinstance(fmt, BlockFloat)
+        and fmt.dim is not None
+        and not -max(len(shape), 1) <= fmt.dim < max(len(shape), 1)
+    )
 
 
 def assert_same(cuda_result: torch.Tensor, cpu_result: torch.Tensor) -> None:
@@ -101,7 +121,7 @@ def test_matches_cpu(name, dtype):
         x = sample(shape, dtype, seed=s)
         xc = x.cuda()
         for rule in RULES:
-            for rbits in ([None, 5] if rule.is_stochastic else [None]):
+            for rbits in [None, 5] if rule.is_stochastic else [None]:
                 kw = dict(rbits=rbits, seed=1234 + s, offset=7 * s)
                 assert_same(lpsim.quantize(xc, fmt, rule, **kw), lpsim.quantize(x, fmt, rule, **kw))
 
@@ -124,14 +144,19 @@ BIG_CASES = [
 
 
 @pytest.mark.parametrize("case", range(len(BIG_CASES)))
-@pytest.mark.parametrize("rule", [Rounding.nearest, Rounding.up, Rounding.stochastic,
-                                  Rounding.stochastic_equal], ids=lambda r: r.name)
+@pytest.mark.parametrize(
+    "rule",
+    [Rounding.nearest, Rounding.up, Rounding.stochastic, Rounding.stochastic_equal],
+    ids=lambda r: r.name,
+)
 def test_large_tensors(case, rule):
     fmt, shape = BIG_CASES[case]
     shape = shape if isinstance(shape, tuple) else (shape,)
     x = sample(shape, torch.float32, seed=case)
-    assert_same(lpsim.quantize(x.cuda(), fmt, rule, seed=99, offset=3),
-                lpsim.quantize(x, fmt, rule, seed=99, offset=3))
+    assert_same(
+        lpsim.quantize(x.cuda(), fmt, rule, seed=99, offset=3),
+        lpsim.quantize(x, fmt, rule, seed=99, offset=3),
+    )
 
 
 def views():
@@ -142,8 +167,15 @@ def views():
     yield "column", lambda t: t[:, 5]
 
 
-LAYOUT_FORMATS = ["e5m2", "fixed(8,4)", "block-whole", "block-dim0", "block-dim-last",
-                  "block-size7", "block-size600"]
+LAYOUT_FORMATS = [
+    "e5m2",
+    "fixed(8,4)",
+    "block-whole",
+    "block-dim0",
+    "block-dim-last",
+    "block-size7",
+    "block-size600",
+]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -199,8 +231,9 @@ def test_scalar_tensor():
     x = torch.tensor(1.37)
     for fmt in (Float(4, 3), BlockFloat(4), BlockFloat(4, 0), BlockFloat(4, block_size=3)):
         for rule in (Rounding.nearest, Rounding.stochastic):
-            assert_same(lpsim.quantize(x.cuda(), fmt, rule, seed=2),
-                        lpsim.quantize(x, fmt, rule, seed=2))
+            assert_same(
+                lpsim.quantize(x.cuda(), fmt, rule, seed=2), lpsim.quantize(x, fmt, rule, seed=2)
+            )
 
 
 @pytest.mark.parametrize("name", ["e4m3fn", "block-dim-last", "block-size16", "block-size600"])
@@ -221,8 +254,9 @@ def test_side_stream(name):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-@pytest.mark.parametrize("name", ["e5m2", "block-whole", "block-dim-last", "block-size16",
-                                  "block-size600"])
+@pytest.mark.parametrize(
+    "name", ["e5m2", "block-whole", "block-dim-last", "block-size16", "block-size600"]
+)
 def test_second_device(name):
     fmt = FORMATS[name]
     x = sample((33, 650), torch.float32, seed=7)

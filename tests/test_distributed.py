@@ -30,8 +30,13 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         e5m2, bf16 = Float(5, 2), Float(8, 7)
         inject(model, {nn.Linear: LayerQuantization(weight=e5m2, output=bf16, error=e5m2)})
         ddp = nn.parallel.DistributedDataParallel(model)
-        opt = OptimLP(torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), weight=e5m2,
-                      grad=e5m2, momentum=bf16, acc=Float(6, 9))
+        opt = OptimLP(
+            torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9),
+            weight=e5m2,
+            grad=e5m2,
+            momentum=bf16,
+            acc=Float(6, 9),
+        )
         data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
         for _ in range(5):
             x = torch.randn(16, 10, generator=data)
@@ -43,8 +48,12 @@ def _worker(rank: int, world: int, port: int, results) -> None:
         gathered = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(gathered, flat)
         if rank == 0:
-            results.put((bool(torch.equal(gathered[0], gathered[1])),
-                         bool(torch.equal(lpsim.quantize(flat, e5m2, "nearest"), flat))))
+            results.put(
+                (
+                    bool(torch.equal(gathered[0], gathered[1])),
+                    bool(torch.equal(lpsim.quantize(flat, e5m2, "nearest"), flat)),
+                )
+            )
     finally:
         dist.destroy_process_group()
 

@@ -20,8 +20,9 @@ def test_document_examples_run(path):
     assert result.failed == 0, f"{result.failed} example(s) failed in {path.name}"
 
 
-@pytest.mark.parametrize("module", [lpsim, lpsim.formats, lpsim.functional, lpsim.rounding],
-                         ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [lpsim, lpsim.formats, lpsim.functional, lpsim.rounding], ids=lambda m: m.__name__
+)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0

@@ -22,91 +22,191 @@ M = DyadicTensor(torch.ones(2, 3, dtype=torch.int32), 0)
 @pytest.mark.parametrize(
     "call,error,pattern",
     [
-        (lambda: DyadicTensor(torch.ones(3), 0), TypeError,
-         r"mantissa must be an int32 or int64 tensor, got torch.float32"),
+        (
+            lambda: DyadicTensor(torch.ones(3), 0),
+            TypeError,
+            r"mantissa must be an int32 or int64 tensor, got torch.float32",
+        ),
         (lambda: DyadicTensor([1, 2], 0), TypeError, r"mantissa must be a torch.Tensor"),
-        (lambda: DyadicTensor(V, 2**31), ValueError,
-         r"scale must be in \[-2\*\*30, 2\*\*30\], got"),
+        (
+            lambda: DyadicTensor(V, 2**31),
+            ValueError,
+            r"scale must be in \[-2\*\*30, 2\*\*30\], got",
+        ),
         (lambda: DyadicTensor(V, 1.5), TypeError, r"scale must be an int, got float"),
-        (lambda: DyadicTensor(V, [1, 2], axis=0), ValueError,
-         r"a per-channel scale along axis 0 needs 3 entries, got 2"),
-        (lambda: DyadicTensor(V, [1.0, 2.0, 3.0], axis=0), TypeError,
-         r"a per-channel scale must hold integers"),
-        (lambda: DyadicTensor(V, [1, 2, 3], axis=1), IndexError,
-         r"axis must be in \[-1, 0\] for a tensor of 1 dimensions, got 1"),
+        (
+            lambda: DyadicTensor(V, [1, 2], axis=0),
+            ValueError,
+            r"a per-channel scale along axis 0 needs 3 entries, got 2",
+        ),
+        (
+            lambda: DyadicTensor(V, [1.0, 2.0, 3.0], axis=0),
+            TypeError,
+            r"a per-channel scale must hold integers",
+        ),
+        (
+            lambda: DyadicTensor(V, [1, 2, 3], axis=1),
+            IndexError,
+            r"axis must be in \[-1, 0\] for a tensor of 1 dimensions, got 1",
+        ),
         (lambda: dyadic.requantize(X, 0, 1), ValueError, r"bits must be in \[2, 64\], got 1"),
-        (lambda: dyadic.requantize(X, 0, 64, signed=False), ValueError,
-         r"bits must be in \[1, 63\], got 64"),
+        (
+            lambda: dyadic.requantize(X, 0, 64, signed=False),
+            ValueError,
+            r"bits must be in \[1, 63\], got 64",
+        ),
         (lambda: dyadic.requantize(X, 0, 8, signed=1), TypeError, r"signed must be a bool"),
         (lambda: dyadic.requantize(X, 0, 8.0), TypeError, r"bits must be an int, got float"),
-        (lambda: dyadic.requantize(X, 0, 8, rounding="nearest_away"), ValueError,
-         r"rounding must be one of 'nearest', 'down', 'stochastic' for dyadic operations; got "
-         r"'nearest_away'"),
-        (lambda: dyadic.requantize(X, 0, 8, rounding="nearest", rbits=4), ValueError,
-         r"rbits applies to the stochastic rules only"),
-        (lambda: dyadic.requantize(X, 0, 8, rbits=33), ValueError,
-         r"rbits must be in \[1, 32\], got 33"),
-        (lambda: dyadic.requantize(X, 0, 8, seed=-1), ValueError,
-         r"seed must be in \[0, 2\*\*64\)"),
-        (lambda: dyadic.requantize(X, 0, 40, dtype=torch.int32), ValueError,
-         r"the range \[-549755813888, 549755813887\] does not fit torch.int32"),
-        (lambda: dyadic.requantize(X, 0, 8, dtype=torch.int16), TypeError,
-         r"dtype must be torch.int32 or torch.int64"),
-        (lambda: dyadic.requantize(X, [0, 1, 2], 8), ValueError,
-         r"a per-channel target scale needs axis="),
-        (lambda: dyadic.requantize(DyadicTensor(torch.ones(2, 2, dtype=torch.int32), [0, 0], 0),
-                                   [0, 0], 8, axis=1), ValueError,
-         r"x's scale runs along axis 0, the target's along 1"),
+        (
+            lambda: dyadic.requantize(X, 0, 8, rounding="nearest_away"),
+            ValueError,
+            r"rounding must be one of 'nearest', 'down', 'stochastic' for dyadic operations; got "
+            r"'nearest_away'",
+        ),
+        (
+            lambda: dyadic.requantize(X, 0, 8, rounding="nearest", rbits=4),
+            ValueError,
+            r"rbits applies to the stochastic rules only",
+        ),
+        (
+            lambda: dyadic.requantize(X, 0, 8, rbits=33),
+            ValueError,
+            r"rbits must be in \[1, 32\], got 33",
+        ),
+        (
+            lambda: dyadic.requantize(X, 0, 8, seed=-1),
+            ValueError,
+            r"seed must be in \[0, 2\*\*64\)",
+        ),
+        (
+            lambda: dyadic.requantize(X, 0, 40, dtype=torch.int32),
+            ValueError,
+            r"the range \[-549755813888, 549755813887\] does not fit torch.int32",
+        ),
+        (
+            lambda: dyadic.requantize(X, 0, 8, dtype=torch.int16),
+            TypeError,
+            r"dtype must be torch.int32 or torch.int64",
+        ),
+        (
+            lambda: dyadic.requantize(X, [0, 1, 2], 8),
+            ValueError,
+            r"a per-channel target scale needs axis=",
+        ),
+        (
+            lambda: dyadic.requantize(
+                DyadicTensor(torch.ones(2, 2, dtype=torch.int32), [0, 0], 0), [0, 0], 8, axis=1
+            ),
+            ValueError,
+            r"x's scale runs along axis 0, the target's along 1",
+        ),
         (lambda: dyadic.mul(X, X, -1), ValueError, r"shift must be in \[0, 1073741824\], got -1"),
         (lambda: dyadic.div(X, X, 32), ValueError, r"shift must be in \[0, 31\], got 32"),
-        (lambda: dyadic.div(DyadicTensor(V.long(), 0), X, 64), ValueError,
-         r"shift must be in \[0, 63\], got 64"),
-        (lambda: dyadic.div(X, DyadicTensor(torch.tensor([1, 0, 0], dtype=torch.int32), 0), 0),
-         ZeroDivisionError, r"b is 0 in 2 element\(s\)"),
+        (
+            lambda: dyadic.div(DyadicTensor(V.long(), 0), X, 64),
+            ValueError,
+            r"shift must be in \[0, 63\], got 64",
+        ),
+        (
+            lambda: dyadic.div(X, DyadicTensor(torch.tensor([1, 0, 0], dtype=torch.int32), 0), 0),
+            ZeroDivisionError,
+            r"b is 0 in 2 element\(s\)",
+        ),
         (lambda: dyadic.add(X, V), TypeError, r"b must be a DyadicTensor, got Tensor"),
-        (lambda: dyadic.add(X, X, overflow="wrap"), ValueError,
-         r"overflow must be 'raise' or 'saturate', got 'wrap'"),
-        (lambda: dyadic.add(DyadicTensor(torch.ones(2, 2, dtype=torch.int32), [0, 1], 0),
-                            DyadicTensor(torch.ones(2, 2, dtype=torch.int32), [0, 1], 1)),
-         ValueError, r"a's scale runs along dimension 0 of the result and b's along 1"),
-        (lambda: dyadic.matmul(M, M), ValueError, r"matmul needs \(N, K\) and \(K, M\) tensors, "
-                                                  r"got \(2, 3\) and \(2, 3\)"),
-        (lambda: dyadic.matmul(DyadicTensor(M.mantissa, [0, 1, 2], 1), M.t()), ValueError,
-         r"per-channel scale along the summed dimension"),
-        (lambda: dyadic.matmul(M, M.t(), accumulator_bits=65), ValueError,
-         r"bits must be in \[2, 64\], got 65"),
+        (
+            lambda: dyadic.add(X, X, overflow="wrap"),
+            ValueError,
+            r"overflow must be 'raise' or 'saturate', got 'wrap'",
+        ),
+        (
+            lambda: dyadic.add(
+                DyadicTensor(torch.ones(2, 2, dtype=torch.int32), [0, 1], 0),
+                DyadicTensor(torch.ones(2, 2, dtype=torch.int32), [0, 1], 1),
+            ),
+            ValueError,
+            r"a's scale runs along dimension 0 of the result and b's along 1",
+        ),
+        (
+            lambda: dyadic.matmul(M, M),
+            ValueError,
+            r"matmul needs \(N, K\) and \(K, M\) tensors, "
+            r"got \(2, 3\) and \(2, 3\)",
+        ),
+        (
+            lambda: dyadic.matmul(DyadicTensor(M.mantissa, [0, 1, 2], 1), M.t()),
+            ValueError,
+            r"per-channel scale along the summed dimension",
+        ),
+        (
+            lambda: dyadic.matmul(M, M.t(), accumulator_bits=65),
+            ValueError,
+            r"bits must be in \[2, 64\], got 65",
+        ),
         (lambda: dyadic.sum(M, 2), ValueError, r"dim must be in \[-2, 1\], got 2"),
         (lambda: dyadic.sum(X, 0), ValueError, r"sum needs a 2-D tensor, got 1 dimensions"),
-        (lambda: dyadic.from_float(torch.tensor([1.0, float("nan")]), 8), ValueError,
-         r"x must be finite, found 1 NaN or Inf"),
-        (lambda: dyadic.from_float(torch.tensor([1, 2]), 8), TypeError,
-         r"x must be a floating tensor, got torch.int64"),
-        (lambda: dyadic.from_float(torch.ones(2, 2), 8, axis=2), IndexError,
-         r"axis must be in \[-2, 1\] for a tensor of 2 dimensions, got 2"),
+        (
+            lambda: dyadic.from_float(torch.tensor([1.0, float("nan")]), 8),
+            ValueError,
+            r"x must be finite, found 1 NaN or Inf",
+        ),
+        (
+            lambda: dyadic.from_float(torch.tensor([1, 2]), 8),
+            TypeError,
+            r"x must be a floating tensor, got torch.int64",
+        ),
+        (
+            lambda: dyadic.from_float(torch.ones(2, 2), 8, axis=2),
+            IndexError,
+            r"axis must be in \[-2, 1\] for a tensor of 2 dimensions, got 2",
+        ),
         (lambda: dyadic.fit_shift(V, 8), TypeError, r"x must be a DyadicTensor"),
         (lambda: X.ldexp(1.0), TypeError, r"exponent must be an int"),
         (lambda: X.to_float(torch.int32), TypeError, r"dtype must be a floating dtype"),
-        (lambda: inn.Linear(4, 3, weight_bits=40), ValueError,
-         r"weight_bits must be in \[2, 32\], got 40"),
-        (lambda: inn.Linear(4, 3, accumulator_bits=1), ValueError,
-         r"accumulator_bits must be in \[2, 64\], got 1"),
-        (lambda: inn.Linear(4, 3, forward_shift=-1), ValueError,
-         r"forward_shift must be None \(dynamic\) or an int >= 0, got -1"),
+        (
+            lambda: inn.Linear(4, 3, weight_bits=40),
+            ValueError,
+            r"weight_bits must be in \[2, 32\], got 40",
+        ),
+        (
+            lambda: inn.Linear(4, 3, accumulator_bits=1),
+            ValueError,
+            r"accumulator_bits must be in \[2, 64\], got 1",
+        ),
+        (
+            lambda: inn.Linear(4, 3, forward_shift=-1),
+            ValueError,
+            r"forward_shift must be None \(dynamic\) or an int >= 0, got -1",
+        ),
         (lambda: inn.Linear(4, 3, rounding="up"), ValueError, r"rounding must be one of"),
-        (lambda: inn.Linear(4, 3, weight=torch.ones(4, 3)), ValueError,
-         r"weight must have shape \(3, 4\), got \(4, 3\)"),
+        (
+            lambda: inn.Linear(4, 3, weight=torch.ones(4, 3)),
+            ValueError,
+            r"weight must have shape \(3, 4\), got \(4, 3\)",
+        ),
         (lambda: inn.Linear(3, 2)(M.t()), ValueError, r"x must be \(N, 3\) with one scale"),
         (lambda: inn.Linear(3, 2)(M.mantissa), TypeError, r"x must be a DyadicTensor"),
-        (lambda: inn.Sequential(torch.nn.ReLU()), TypeError,
-         r"Sequential takes lpsim.dyadic.nn modules, got ReLU"),
-        (lambda: inn.mse_loss(M, M.t()), ValueError,
-         r"output and target must be \(N, C\) of one shape"),
+        (
+            lambda: inn.Sequential(torch.nn.ReLU()),
+            TypeError,
+            r"Sequential takes lpsim.dyadic.nn modules, got ReLU",
+        ),
+        (
+            lambda: inn.mse_loss(M, M.t()),
+            ValueError,
+            r"output and target must be \(N, C\) of one shape",
+        ),
         (lambda: SGD([1], lr_shift=1), TypeError, r"parameters must be lpsim.dyadic.nn.Parameter"),
         (lambda: SGD([], lr_shift=63), ValueError, r"lr_shift must be in \[0, 62\], got 63"),
-        (lambda: SGD([], lr_shift=7, momentum_shift=31), ValueError,
-         r"momentum_shift must be in \[0, 30\], got 31"),
-        (lambda: SGD([], lr_shift=7, grad_bits=1), ValueError,
-         r"grad_bits must be in \[2, 32\], got 1"),
+        (
+            lambda: SGD([], lr_shift=7, momentum_shift=31),
+            ValueError,
+            r"momentum_shift must be in \[0, 30\], got 31",
+        ),
+        (
+            lambda: SGD([], lr_shift=7, grad_bits=1),
+            ValueError,
+            r"grad_bits must be in \[2, 32\], got 1",
+        ),
     ],
 )
 def test_bad_input_raises_a_clear_error(call, error, pattern):
@@ -129,8 +229,9 @@ def test_kernels_reject_bad_arguments_from_direct_calls():
         ops.dyadic_div(V, torch.zeros_like(V), 0, 0, 32, seed, 0)
 
 
-@pytest.mark.parametrize("module", [lpsim.dyadic, lpsim.dyadic.tensor, lpsim.dyadic.functional],
-                         ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [lpsim.dyadic, lpsim.dyadic.tensor, lpsim.dyadic.functional], ids=lambda m: m.__name__
+)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
@@ -155,5 +256,7 @@ def test_a_bad_rounding_name_lists_only_the_rules_dyadic_accepts(call, rule):
     with pytest.raises(ValueError) as raised:
         call(rule)
     got = rule.name if isinstance(rule, lpsim.Rounding) else rule
-    assert str(raised.value) == ("rounding must be one of 'nearest', 'down', 'stochastic' for "
-                                 f"dyadic operations; got {got!r}")
+    assert str(raised.value) == (
+        "rounding must be one of 'nearest', 'down', 'stochastic' for "
+        f"dyadic operations; got {got!r}"
+    )

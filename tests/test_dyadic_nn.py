@@ -55,8 +55,17 @@ def test_left_shift_clips_exactly_at_the_range():
 def test_linear_backward_zeroes_the_gradient_where_the_forward_clip_fired():
     # W = identity with mantissa 64 at scale 6; x = [1, 2] at scale 0: acc = [64, 128] at scale 6.
     # With no forward shift the 8-bit output clips 128 to 127, so that output passes no gradient.
-    layer = inn.Linear(2, 2, bias=False, weight=torch.eye(2), weight_bits=8, headroom=0,
-                       forward_shift=0, backward_shift=0, rounding="nearest")
+    layer = inn.Linear(
+        2,
+        2,
+        bias=False,
+        weight=torch.eye(2),
+        weight_bits=8,
+        headroom=0,
+        forward_shift=0,
+        backward_shift=0,
+        rounding="nearest",
+    )
     assert layer.weight.value.scale == 6
     assert layer.weight.value.mantissa.tolist() == [[64, 0], [0, 64]]
     y = layer(DyadicTensor(_int([[1, 2]]), 0))
@@ -90,9 +99,17 @@ def _three_layers(forward_shifts, backward_shifts, **options):
     sizes, peaks = [(4, 8), (8, 8), (8, 3)], [0.5, 0.75, 1.5]
     layers = []
     for (fan_in, fan_out), peak, fwd, bwd in zip(sizes, peaks, forward_shifts, backward_shifts):
-        layers.append(inn.Linear(fan_in, fan_out, weight=weight(fan_out, fan_in, peak),
-                                 bias_value=torch.full((fan_out,), peak / 4), forward_shift=fwd,
-                                 backward_shift=bwd, **options))
+        layers.append(
+            inn.Linear(
+                fan_in,
+                fan_out,
+                weight=weight(fan_out, fan_in, peak),
+                bias_value=torch.full((fan_out,), peak / 4),
+                forward_shift=fwd,
+                backward_shift=bwd,
+                **options,
+            )
+        )
         layers.append(inn.ReLU())
     return inn.Sequential(*layers[:-1])
 
@@ -124,15 +141,26 @@ def test_three_layer_forward_and_backward_approximate_float_autograd():
     # Wide integers (16-bit activations and errors, 64-bit accumulators) and nearest rounding:
     # the integer pass must then agree with float64 autograd on the same quantised parameters to
     # about 2**-12 relative, which catches any transposed, mis-scaled or mis-masked product.
-    model = _three_layers((None,) * 3, (None,) * 3, activation_bits=16, error_bits=16,
-                          accumulator_bits=64, rounding="nearest")
+    model = _three_layers(
+        (None,) * 3,
+        (None,) * 3,
+        activation_bits=16,
+        error_bits=16,
+        accumulator_bits=64,
+        rounding="nearest",
+    )
     x = dyadic.from_float(torch.linspace(-2, 2, 16).reshape(4, 4), 16, rounding="nearest").value
     g = dyadic.from_float(torch.linspace(-1, 1, 12).reshape(4, 3), 16, rounding="nearest").value
     y = model(x)
     dx = model.backward(g)
 
-    params = [(m.weight.value.to_float(torch.float64).requires_grad_(),
-               m.bias.value.to_float(torch.float64).requires_grad_()) for m in model.modules[::2]]
+    params = [
+        (
+            m.weight.value.to_float(torch.float64).requires_grad_(),
+            m.bias.value.to_float(torch.float64).requires_grad_(),
+        )
+        for m in model.modules[::2]
+    ]
     xf = x.to_float(torch.float64).requires_grad_()
     h = xf
     for i, (w, b) in enumerate(params):
@@ -165,7 +193,13 @@ def test_eval_mode_rounds_to_nearest_and_records_nothing():
 def test_sequential_names_parameters_by_position():
     model = _three_layers((None,) * 3, (None,) * 3)
     assert [p.name for p in model.parameters()] == [
-        "0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
+        "4.weight",
+        "4.bias",
+    ]
 
 
 # ---- overflow -----------------------------------------------------------------------------------
@@ -174,8 +208,11 @@ def test_sequential_names_parameters_by_position():
 def test_int32_accumulation_overflow_raises_instead_of_wrapping():
     a = DyadicTensor(_int([[2**30, 2**30]]), 0)
     b = DyadicTensor(_int([[1], [1]]), 0)
-    with pytest.raises(OverflowError, match=r"matmul: 1 result\(s\) outside \[-2147483648, "
-                                            r"2147483647\]"):
+    with pytest.raises(
+        OverflowError,
+        match=r"matmul: 1 result\(s\) outside \[-2147483648, "
+        r"2147483647\]",
+    ):
         dyadic.matmul(a, b)
 
 
@@ -194,8 +231,9 @@ def test_matmul_stays_exact_when_partial_sums_pass_128_bits():
     b = DyadicTensor(torch.tensor([[-(2**63)], [-(2**63)], [2**63 - 1], [2**63 - 1], [2]]), 0)
     assert dyadic.matmul(a, b, accumulator_bits=64).mantissa.tolist() == [[0]]
     with pytest.raises(OverflowError):  # the first two terms alone: 2**127
-        dyadic.matmul(DyadicTensor(a.mantissa[:, :2], 0), DyadicTensor(b.mantissa[:2], 0),
-                      accumulator_bits=64)
+        dyadic.matmul(
+            DyadicTensor(a.mantissa[:, :2], 0), DyadicTensor(b.mantissa[:2], 0), accumulator_bits=64
+        )
 
 
 def test_elementwise_overflow_raises_or_saturates_with_a_warning():
@@ -218,8 +256,11 @@ def _overflowing_layer(overflow):
 
 def test_linear_accumulator_overflow_raises_by_default():
     x = DyadicTensor(torch.full((3, 8), 127, dtype=torch.int32), 0)
-    with pytest.raises(OverflowError, match=r"Linear forward x W\^T: 6 result\(s\) outside "
-                                            r"\[-32768, 32767\]"):
+    with pytest.raises(
+        OverflowError,
+        match=r"Linear forward x W\^T: 6 result\(s\) outside "
+        r"\[-32768, 32767\]",
+    ):
         _overflowing_layer("raise")(x)
 
 
@@ -251,8 +292,9 @@ def test_mse_loss_divides_by_a_batch_that_is_not_a_power_of_two():
     out = inn.mse_loss(y, t, rounding="nearest")
     assert out.loss == pytest.approx(18 / 96, rel=0, abs=0)
     assert out.grad.mantissa.tolist() == [[-1, -1], [0, -5], [0, 0]] and out.grad.scale == 4
-    power_of_two = inn.mse_loss(DyadicTensor(_int([[3, -1], [0, 0]]), 2),
-                                DyadicTensor(_int([[1, 0], [0, 1]]), 0))
+    power_of_two = inn.mse_loss(
+        DyadicTensor(_int([[3, -1], [0, 0]]), 2), DyadicTensor(_int([[1, 0], [0, 1]]), 0)
+    )
     assert power_of_two.grad.scale == 3  # N = 2: dividing is a scale change
 
 
@@ -336,8 +378,21 @@ def test_iris_experiment_runs_and_writes_its_table(tmp_path):
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", DyadicOverflowWarning)
-        run.main(["--seeds", "1", "--epochs", "12", "--log-every", "6", "--no-ablations",
-                  "--workers", "1", "--out", str(tmp_path)])
+        run.main(
+            [
+                "--seeds",
+                "1",
+                "--epochs",
+                "12",
+                "--log-every",
+                "6",
+                "--no-ablations",
+                "--workers",
+                "1",
+                "--out",
+                str(tmp_path),
+            ]
+        )
     text = (tmp_path / "iris_int.md").read_text()
     assert "| integer (16-bit weights), stochastic |" in text and "| float32 |" in text
     assert (tmp_path / "iris_int.png").stat().st_size > 10_000

@@ -37,9 +37,20 @@ def _assert_mean(draws: torch.Tensor, expected: Fraction, label: str):
 # (mantissa, shift): small and large shifts, negative mantissas (floor semantics), a shift of the
 # width of the random word, and shifts past it, where the decision uses the top 32 discarded bits.
 UNBIASED = [
-    (5, 3), (-5, 3), (1, 1), (-1, 1), (3, 2), (-3, 2), (1, 20), (-(2**19) - 7, 20),
-    (12345, 16), (2**31 + 2**30 + 1, 32), (-(2**45) - 2**44 - 12345, 46), (2**62 + 2**61 + 3, 63),
-    (-(2**63), 64), (2**62 + 2**60, 80),
+    (5, 3),
+    (-5, 3),
+    (1, 1),
+    (-1, 1),
+    (3, 2),
+    (-3, 2),
+    (1, 20),
+    (-(2**19) - 7, 20),
+    (12345, 16),
+    (2**31 + 2**30 + 1, 32),
+    (-(2**45) - 2**44 - 12345, 46),
+    (2**62 + 2**61 + 3, 63),
+    (-(2**63), 64),
+    (2**62 + 2**60, 80),
 ]
 
 
@@ -95,8 +106,9 @@ def test_nearest_ties_to_even_and_rounds_negative_values_symmetrically():
     assert out.tolist() == [0, 2, 2, 4, 0, -2, -2, -4, 4, -4]
     # Not a tie: 3/4 -> 1, -3/4 -> -1, 5/4 -> 1.
     w = torch.tensor([3, -3, 5, -5], dtype=torch.int32)
-    assert dyadic.requantize(DyadicTensor(w, 2), 0, 8, rounding="nearest").value.mantissa.tolist() \
-        == [1, -1, 1, -1]
+    assert dyadic.requantize(
+        DyadicTensor(w, 2), 0, 8, rounding="nearest"
+    ).value.mantissa.tolist() == [1, -1, 1, -1]
 
 
 def test_down_is_floor_on_twos_complement():
@@ -133,12 +145,14 @@ def test_results_do_not_depend_on_the_thread_count():
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append((
-                dyadic.requantize(x, 2, 12, seed=1).value.mantissa,
-                dyadic.add(x, y, seed=2).mantissa,
-                dyadic.mul(x, y, 30, seed=3, overflow="saturate").mantissa,
-                dyadic.div(x, y, 20, seed=4, overflow="saturate").mantissa,
-            ))
+            results.append(
+                (
+                    dyadic.requantize(x, 2, 12, seed=1).value.mantissa,
+                    dyadic.add(x, y, seed=2).mantissa,
+                    dyadic.mul(x, y, 30, seed=3, overflow="saturate").mantissa,
+                    dyadic.div(x, y, 20, seed=4, overflow="saturate").mantissa,
+                )
+            )
     finally:
         torch.set_num_threads(previous)
     for one, two in zip(*results):

@@ -13,47 +13,105 @@ X = torch.randn(4, 3)
 @pytest.mark.parametrize(
     "call,error,pattern",
     [
-        (lambda: lpsim.quantize(torch.arange(4), Float(5, 2)), TypeError,
-         r"x must be a float32, float64, bfloat16 or float16 tensor, got torch.int64"),
-        (lambda: lpsim.quantize(torch.ones(3, dtype=torch.bool), Float(5, 2)), TypeError,
-         r"got torch.bool"),
-        (lambda: lpsim.quantize(torch.ones(3, dtype=torch.complex64), Float(5, 2)), TypeError,
-         r"got torch.complex64"),
-        (lambda: lpsim.quantize(torch.ones(3).to(torch.float8_e5m2), Float(3, 1)), TypeError,
-         r"got torch.float8_e5m2"),
+        (
+            lambda: lpsim.quantize(torch.arange(4), Float(5, 2)),
+            TypeError,
+            r"x must be a float32, float64, bfloat16 or float16 tensor, got torch.int64",
+        ),
+        (
+            lambda: lpsim.quantize(torch.ones(3, dtype=torch.bool), Float(5, 2)),
+            TypeError,
+            r"got torch.bool",
+        ),
+        (
+            lambda: lpsim.quantize(torch.ones(3, dtype=torch.complex64), Float(5, 2)),
+            TypeError,
+            r"got torch.complex64",
+        ),
+        (
+            lambda: lpsim.quantize(torch.ones(3).to(torch.float8_e5m2), Float(3, 1)),
+            TypeError,
+            r"got torch.float8_e5m2",
+        ),
         (lambda: lpsim.quantize([1.0, 2.0], Float(5, 2)), TypeError, r"x must be a torch.Tensor"),
         (lambda: lpsim.quantize(X, "e5m2"), TypeError, r"fmt must be a Float, Fixed or BlockFloat"),
-        (lambda: lpsim.quantize(X, Float(5, 2), "round"), ValueError,
-         r"rounding must be one of 'nearest', .*'stochastic_equal'; got 'round'"),
+        (
+            lambda: lpsim.quantize(X, Float(5, 2), "round"),
+            ValueError,
+            r"rounding must be one of 'nearest', .*'stochastic_equal'; got 'round'",
+        ),
         (lambda: lpsim.quantize(X, Float(5, 2), 3), TypeError, r"rounding must be a str"),
-        (lambda: lpsim.quantize(X, Float(5, 2), "stochastic", rbits=0), ValueError,
-         r"rbits must be in \[1, 32\], got 0"),
-        (lambda: lpsim.quantize(X, Float(5, 2), "stochastic", rbits=33), ValueError,
-         r"rbits must be in \[1, 32\], got 33"),
-        (lambda: lpsim.quantize(X, Float(5, 2), "stochastic", rbits=4.0), TypeError,
-         r"rbits must be an int"),
-        (lambda: lpsim.quantize(X, Float(5, 2), "nearest", rbits=4), ValueError,
-         r"rbits applies to the stochastic rules only"),
-        (lambda: lpsim.quantize(X, Float(5, 2), "stochastic", seed=-1), ValueError,
-         r"seed must be in \[0, 2\*\*64\)"),
-        (lambda: lpsim.quantize(X, Float(5, 2), "stochastic", seed=2**64), ValueError,
-         r"seed must be in \[0, 2\*\*64\)"),
-        (lambda: lpsim.quantize(X, Float(5, 2), "stochastic", seed="1"), TypeError,
-         r"seed must be an int or None"),
-        (lambda: lpsim.quantize(X, Float(5, 2), "stochastic", seed=1, offset=-2), ValueError,
-         r"offset must be in \[0, 2\*\*64\)"),
-        (lambda: lpsim.quantize(X, BlockFloat(8, 2)), IndexError,
-         r"BlockFloat.dim must be in \[0, 1\] for a tensor of 2 dimensions, got 2"),
-        (lambda: BlockFloat(8, -1), ValueError,
-         r"BlockFloat.dim must be None .* or a dimension >= 0, got -1: negative dims are ambiguous"),
-        (lambda: lpsim.quantize(X, Float(5, 2), out=torch.empty(3, 4)), RuntimeError,
-         r"out must have the shape of x"),
-        (lambda: lpsim.quantize(X, Float(5, 2), out=torch.empty(4, 3, dtype=torch.float64)),
-         RuntimeError, r"out must have the dtype of x"),
-        (lambda: lpsim.quantize(X, Float(5, 2), out=X.numpy()), TypeError,
-         r"out must be a torch.Tensor"),
-        (lambda: lpsim.quantize(X.half(), Float(8, 7)), ValueError,
-         r"does not fit a float16 tensor"),
+        (
+            lambda: lpsim.quantize(X, Float(5, 2), "stochastic", rbits=0),
+            ValueError,
+            r"rbits must be in \[1, 32\], got 0",
+        ),
+        (
+            lambda: lpsim.quantize(X, Float(5, 2), "stochastic", rbits=33),
+            ValueError,
+            r"rbits must be in \[1, 32\], got 33",
+        ),
+        (
+            lambda: lpsim.quantize(X, Float(5, 2), "stochastic", rbits=4.0),
+            TypeError,
+            r"rbits must be an int",
+        ),
+        (
+            lambda: lpsim.quantize(X, Float(5, 2), "nearest", rbits=4),
+            ValueError,
+            r"rbits applies to the stochastic rules only",
+        ),
+        (
+            lambda: lpsim.quantize(X, Float(5, 2), "stochastic", seed=-1),
+            ValueError,
+            r"seed must be in \[0, 2\*\*64\)",
+        ),
+        (
+            lambda: lpsim.quantize(X, Float(5, 2), "stochastic", seed=2**64),
+            ValueError,
+            r"seed must be in \[0, 2\*\*64\)",
+        ),
+        (
+            lambda: lpsim.quantize(X, Float(5, 2), "stochastic", seed="1"),
+            TypeError,
+            r"seed must be an int or None",
+        ),
+        (
+            lambda: lpsim.quantize(X, Float(5, 2), "stochastic", seed=1, offset=-2),
+            ValueError,
+            r"offset must be in \[0, 2\*\*64\)",
+        ),
+        (
+            lambda: lpsim.quantize(X, BlockFloat(8, 2)),
+            IndexError,
+            r"BlockFloat.dim must be in \[0, 1\] for a tensor of 2 dimensions, got 2",
+        ),
+        (
+            lambda: BlockFloat(8, -1),
+            ValueError,
+            r"BlockFloat.dim must be None .* or a dimension >= 0, got -1: "
+            r"negative dims are ambiguous",
+        ),
+        (
+            lambda: lpsim.quantize(X, Float(5, 2), out=torch.empty(3, 4)),
+            RuntimeError,
+            r"out must have the shape of x",
+        ),
+        (
+            lambda: lpsim.quantize(X, Float(5, 2), out=torch.empty(4, 3, dtype=torch.float64)),
+            RuntimeError,
+            r"out must have the dtype of x",
+        ),
+        (
+            lambda: lpsim.quantize(X, Float(5, 2), out=X.numpy()),
+            TypeError,
+            r"out must be a torch.Tensor",
+        ),
+        (
+            lambda: lpsim.quantize(X.half(), Float(8, 7)),
+            ValueError,
+            r"does not fit a float16 tensor",
+        ),
         (lambda: Rounding.parse(None), TypeError, r"rounding must be a str"),
     ],
 )
@@ -73,9 +131,13 @@ def test_the_ops_check_their_arguments_when_called_directly():
     with pytest.raises(RuntimeError, match="seed must be a one-element int64 CPU tensor"):
         ops.quantize_grid(X, *args, 8, 32, torch.tensor(0.5), 0)
     with pytest.raises(RuntimeError, match="largest values are not representable"):
-        ops.quantize_grid(X, 2, -16, -14, True, 1.0 + 2.0**-30, 57344.0, False, True, False, 0, 32, seed, 0)
+        ops.quantize_grid(
+            X, 2, -16, -14, True, 1.0 + 2.0**-30, 57344.0, False, True, False, 0, 32, seed, 0
+        )
     with pytest.raises(RuntimeError, match="smallest spacing is not representable"):
-        ops.quantize_grid(X, 2, -200, -14, True, 57344.0, 57344.0, False, True, False, 0, 32, seed, 0)
+        ops.quantize_grid(
+            X, 2, -200, -14, True, 57344.0, 57344.0, False, True, False, 0, 32, seed, 0
+        )
     with pytest.raises(RuntimeError, match=r"wl must be in \[2, 25\] for a Float container"):
         ops.quantize_block(X, 26, None, None, 0, 32, seed, 0)
     with pytest.raises(IndexError, match="dim 2 does not exist"):
@@ -92,6 +154,9 @@ def test_import_without_the_built_extension_names_the_build_command():
     import subprocess
     import sys
 
-    code = "import sys; sys.modules['lpsim._C'] = None\ntry:\n    import lpsim\nexcept ImportError as e:\n    print(e)\n"
+    code = (
+        "import sys; sys.modules['lpsim._C'] = None\n"
+        "try:\n    import lpsim\nexcept ImportError as e:\n    print(e)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "pip install --no-build-isolation -e ." in out.stdout, out.stdout + out.stderr

@@ -4,12 +4,12 @@ every container the format fits."""
 
 import pytest
 import torch
+from support import DTYPES, assert_same_bits, neighbourhood
 
 import lpsim
 from lpsim import BlockFloat, Fixed, Float, Rounding
 from lpsim import reference as ref
 from lpsim.formats import check_fits
-from support import DTYPES, assert_same_bits, neighbourhood
 
 FORMATS = [
     Float(3, 2),
@@ -99,10 +99,15 @@ def test_block_formats_equal_the_oracle(fmt, shape, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_block_specials_keep_their_values_and_do_not_set_the_exponent(dtype):
-    x = torch.tensor([[1.0, float("inf"), float("nan"), 0.3, -0.0, -float("inf"), 0.7, 1e-3]], dtype=dtype)
+    x = torch.tensor(
+        [[1.0, float("inf"), float("nan"), 0.3, -0.0, -float("inf"), 0.7, 1e-3]], dtype=dtype
+    )
     for fmt in (BlockFloat(4), BlockFloat(4, 0), BlockFloat(4, block_size=4)):
         for rule in Rounding:
-            assert_same_bits(lpsim.quantize(x, fmt, rule, seed=5), ref.quantize(x, fmt, rule, seed=5),
-                             f"{fmt!r} {rule.name}")
+            assert_same_bits(
+                lpsim.quantize(x, fmt, rule, seed=5),
+                ref.quantize(x, fmt, rule, seed=5),
+                f"{fmt!r} {rule.name}",
+            )
     y = lpsim.quantize(x, BlockFloat(4), "nearest")
     assert y[0, 1].item() == float("inf") and torch.isnan(y[0, 2]) and y[0, 0].item() == 1.0

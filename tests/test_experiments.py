@@ -25,14 +25,22 @@ TINY = {
 
 def digests(names: list[str]) -> dict:
     """The SHA-256 of each of docs/results/<name> (None where absent)."""
-    return {name: hashlib.sha256((RESULTS / name).read_bytes()).hexdigest()
-            if (RESULTS / name).exists() else None for name in names}
+    return {
+        name: hashlib.sha256((RESULTS / name).read_bytes()).hexdigest()
+        if (RESULTS / name).exists()
+        else None
+        for name in names
+    }
 
 
-@pytest.mark.parametrize("experiment, written", [
-    (stagnation, ["stagnation.md", "stagnation.png"]),
-    (error_growth, ["error_growth.md", "error_growth.png"]),
-], ids=["stagnation", "error_growth"])
+@pytest.mark.parametrize(
+    "experiment, written",
+    [
+        (stagnation, ["stagnation.md", "stagnation.png"]),
+        (error_growth, ["error_growth.md", "error_growth.png"]),
+    ],
+    ids=["stagnation", "error_growth"],
+)
 def test_experiment_writes_into_out_and_leaves_docs_results_alone(experiment, written, tmp_path):
     committed = digests(written)
     out = tmp_path / "results"
@@ -43,8 +51,9 @@ def test_experiment_writes_into_out_and_leaves_docs_results_alone(experiment, wr
     assert digests(written) == committed
 
 
-@pytest.mark.parametrize("experiment", [stagnation, error_growth],
-                         ids=["stagnation", "error_growth"])
+@pytest.mark.parametrize(
+    "experiment", [stagnation, error_growth], ids=["stagnation", "error_growth"]
+)
 def test_out_defaults_to_docs_results_and_help_says_so(experiment):
     p = experiment.parser()
     assert p.parse_args([]).out == RESULTS
@@ -52,7 +61,8 @@ def test_out_defaults_to_docs_results_and_help_says_so(experiment):
 
 
 def test_stagnation_prints_a_line_per_tenth_of_the_accumulation_and_per_configuration(
-        tmp_path, capsys):
+    tmp_path, capsys
+):
     stagnation.main([*TINY[stagnation], "--out", str(tmp_path)])
     lines = capsys.readouterr().out.splitlines()
     tenths = [line for line in lines if line.startswith("accumulation: ")]
@@ -60,4 +70,5 @@ def test_stagnation_prints_a_line_per_tenth_of_the_accumulation_and_per_configur
     # float32, nearest, kahan once; stochastic and stochastic_equal once per seed
     configurations = [line for line in lines if line.startswith("training [")]
     assert [line.split("]")[0] for line in configurations] == [
-        f"training [{k}/7" for k in range(1, 8)]
+        f"training [{k}/7" for k in range(1, 8)
+    ]

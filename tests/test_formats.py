@@ -147,7 +147,11 @@ def test_float_without_subnormals_has_no_values_below_the_smallest_normal():
         (lambda: Fixed(1, 0), ValueError, r"Fixed\.wl must be in \[2, 64\]"),
         (lambda: Fixed(8, 2.5), TypeError, r"Fixed\.fl must be an int"),
         (lambda: Fixed(60, 0), ValueError, r"does not fit even a float64 container"),
-        (lambda: Fixed(8, 4, signed=False, symmetric=True), ValueError, r"symmetric applies to signed"),
+        (
+            lambda: Fixed(8, 4, signed=False, symmetric=True),
+            ValueError,
+            r"symmetric applies to signed",
+        ),
         (lambda: BlockFloat(1), ValueError, r"BlockFloat\.wl must be in \[2, 54\]"),
         (lambda: BlockFloat(8, 0, block_size=32), ValueError, r"dim or block_size, not both"),
         (lambda: BlockFloat(8, block_size=0), ValueError, r"BlockFloat\.block_size must be in"),
@@ -163,11 +167,20 @@ def test_bad_format_fields_raise_naming_the_field(make, error, pattern):
 @pytest.mark.parametrize(
     "fmt,dtype,pattern",
     [
-        (Float(8, 7), torch.float16, r"does not fit a float16 tensor: its largest exponent is 127.*use a float32 or float64 or bfloat16 tensor|does not fit a float16 tensor"),
+        (
+            Float(8, 7),
+            torch.float16,
+            r"does not fit a float16 tensor: its largest exponent is 127"
+            r".*use a float32 or float64 or bfloat16 tensor|does not fit a float16 tensor",
+        ),
         (Float(5, 10), torch.bfloat16, r"has 10 fraction bits, the container 7"),
         (Float(8, 23), torch.bfloat16, r"use a float32 or float64 tensor"),
         (Fixed(26, 4), torch.float32, r"integers need 25 significant bits, the container has 24"),
-        (Fixed(8, 160), torch.float32, r"spacing 2\*\*-160 is below the container's smallest subnormal"),
+        (
+            Fixed(8, 160),
+            torch.float32,
+            r"spacing 2\*\*-160 is below the container's smallest subnormal",
+        ),
         (BlockFloat(10), torch.bfloat16, r"wl is 10, the container holds at most 9"),
     ],
 )

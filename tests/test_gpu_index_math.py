@@ -1,6 +1,8 @@
 """The CUDA kernels' index arithmetic (csrc/cuda/pieces.h: division by invariant integers, and the
-element -> shared-exponent block mapping of every block layout) is plain host code: compiled here
-with the system C++ compiler and checked against 64-bit division, so it is proved without a GPU."""
+element -> shared-exponent block mapping of every block layout; lpsim/philox.h: the Philox counter
+-> element mapping of the one-thread-per-counter kernels) is plain host code: compiled here with
+the system C++ compiler and checked against 64-bit division and the CPU's element -> counter
+mapping, so it is proved without a GPU."""
 
 from __future__ import annotations
 
@@ -18,9 +20,21 @@ CXX = shutil.which("c++") or shutil.which("g++")
 def test_divider_and_block_pieces_match_plain_division(tmp_path):
     binary = tmp_path / "pieces_check"
     subprocess.run(
-        [CXX, "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{ROOT / 'csrc' / 'include'}",
-         f"-I{ROOT / 'csrc'}", str(ROOT / "tests" / "cpp" / "pieces_check.cpp"), "-o", str(binary)],
-        check=True, capture_output=True, text=True,
+        [
+            CXX,
+            "-std=c++17",
+            "-O1",
+            "-Wall",
+            "-Werror",
+            f"-I{ROOT / 'csrc' / 'include'}",
+            f"-I{ROOT / 'csrc'}",
+            str(ROOT / "tests" / "cpp" / "pieces_check.cpp"),
+            "-o",
+            str(binary),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout

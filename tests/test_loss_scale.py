@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 from sklearn.datasets import load_digits
+from support import assert_same_bits
 from torch import nn
 from torch.nn import functional as F
 
@@ -16,9 +17,8 @@ from lpsim import BlockFloat, Fixed, Float, recipes
 from lpsim.nn import Quantizer
 from lpsim.optim import OptimLP
 from lpsim.optim.loss_scale import DynamicLossScaler
-from support import assert_same_bits
 
-E4M3 = lpsim.preset("e4m3fn")                       # overflow becomes NaN
+E4M3 = lpsim.preset("e4m3fn")  # overflow becomes NaN
 E4M3_SATURATING = lpsim.preset("e4m3fn_saturating")  # overflow clamps to +/-448
 
 
@@ -41,8 +41,7 @@ def _iteration(scaler, model, opt, data, target):
 
 
 def _snapshot(model, opt):
-    return ([p.detach().clone() for p in model.parameters()],
-            copy.deepcopy(opt.state_dict()))
+    return ([p.detach().clone() for p in model.parameters()], copy.deepcopy(opt.state_dict()))
 
 
 def _assert_unchanged(model, opt, snapshot):
@@ -96,8 +95,13 @@ def test_scale_stays_within_min_and_max_scale():
 def test_non_finite_gradient_backs_off_and_skips_the_step(bad, wrap):
     model, data, target = _problem()
     base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    opt = base if wrap == "sgd-momentum" else OptimLP(
-        base, weight=Float(5, 2), grad=Float(5, 2), momentum=Float(6, 9), acc=Float(6, 9))
+    opt = (
+        base
+        if wrap == "sgd-momentum"
+        else OptimLP(
+            base, weight=Float(5, 2), grad=Float(5, 2), momentum=Float(6, 9), acc=Float(6, 9)
+        )
+    )
     scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=100)
     assert _iteration(scaler, model, opt, data, target) is None  # SGD.step returns None too
     assert not scaler.found_overflow
@@ -112,7 +116,7 @@ def test_non_finite_gradient_backs_off_and_skips_the_step(bad, wrap):
     assert scaler.get_scale() == 2.0**9 and scaler.clean_steps == 0
     _assert_unchanged(model, opt, before)
 
-    _iteration(scaler, model, opt, data, target)   # the next clean step goes through
+    _iteration(scaler, model, opt, data, target)  # the next clean step goes through
     assert not scaler.found_overflow and scaler.skipped_steps == 1
     assert not torch.equal(model[0].weight.detach(), before[0][0])
 
@@ -128,12 +132,16 @@ def test_step_returns_the_optimizers_result_and_forwards_the_closure():
 # The saturation of a watched format
 
 
-@pytest.mark.parametrize("fmt,inside,overflowing", [
-    (E4M3_SATURATING, [447.0, -447.0, 0.0, 1e-30], [448.0, -448.0, 1e6, math.inf, math.nan]),
-    (E4M3, [447.0, -447.0], [448.0, -math.inf, math.nan]),
-    (Fixed(8, 4), [7.875, -7.9], [7.9375, -8.0, math.nan]),
-    (Fixed(8, 4, signed=False), [0.0, -5.0, 15.9], [15.9375, 100.0]),
-], ids=["e4m3fn-saturating", "e4m3fn", "fixed-signed", "fixed-unsigned"])
+@pytest.mark.parametrize(
+    "fmt,inside,overflowing",
+    [
+        (E4M3_SATURATING, [447.0, -447.0, 0.0, 1e-30], [448.0, -448.0, 1e6, math.inf, math.nan]),
+        (E4M3, [447.0, -447.0], [448.0, -math.inf, math.nan]),
+        (Fixed(8, 4), [7.875, -7.9], [7.9375, -8.0, math.nan]),
+        (Fixed(8, 4, signed=False), [0.0, -5.0, 15.9], [15.9375, 100.0]),
+    ],
+    ids=["e4m3fn-saturating", "e4m3fn", "fixed-signed", "fixed-unsigned"],
+)
 def test_watch_counts_errors_at_or_beyond_the_largest_magnitude(fmt, inside, overflowing):
     scaler = DynamicLossScaler()
     hook = scaler.watch((fmt, "nearest"))
@@ -157,8 +165,9 @@ def test_watch_rejects_formats_that_cannot_overflow(fmt):
 def test_saturation_of_a_watched_format_backs_off_and_skips_the_step():
     torch.manual_seed(0)
     scaler = DynamicLossScaler(init_scale=2.0**20)
-    q = Quantizer(backward=(E4M3_SATURATING, "nearest"),
-                  backward_hooks=[scaler.watch(E4M3_SATURATING)])
+    q = Quantizer(
+        backward=(E4M3_SATURATING, "nearest"), backward_hooks=[scaler.watch(E4M3_SATURATING)]
+    )
     model = nn.Sequential(nn.Linear(8, 16), q, nn.ReLU(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     data, target = torch.randn(32, 8), torch.randint(0, 3, (32,))
@@ -174,9 +183,10 @@ def test_saturation_of_a_watched_format_backs_off_and_skips_the_step():
 
 def test_watch_model_sees_the_saturating_errors_of_a_recipe():
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
-                          nn.Linear(16, 3))
-    recipe = replace(recipes.IBM8, loss_scale=1.0)           # the scaler chooses the scale
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)
+    )
+    recipe = replace(recipes.IBM8, loss_scale=1.0)  # the scaler chooses the scale
     model, opt = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9))
     assert opt.grad_scaling == 1.0
     scaler = DynamicLossScaler(init_scale=2.0**40, growth_interval=1000)
@@ -266,8 +276,9 @@ def test_optim_lp_quantises_the_unscaled_gradients():
     reference = copy.deepcopy(model)
     F.cross_entropy(reference(data), target).backward()
     seen = []
-    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.0),
-                  grad=lambda g: seen.append(g.clone()) or g)
+    opt = OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.0), grad=lambda g: seen.append(g.clone()) or g
+    )
     scaler = DynamicLossScaler(init_scale=2.0**12)
     scaler.scale(F.cross_entropy(model(data), target)).backward()
     scaler.step(opt)
@@ -310,8 +321,14 @@ def test_unscale_and_step_once_per_iteration():
 def test_state_dict_round_trip():
     model, data, target = _problem()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = DynamicLossScaler(init_scale=2.0**5, growth_factor=4.0, backoff_factor=0.25,
-                               growth_interval=2, min_scale=2.0**-3, max_scale=2.0**9)
+    scaler = DynamicLossScaler(
+        init_scale=2.0**5,
+        growth_factor=4.0,
+        backoff_factor=0.25,
+        growth_interval=2,
+        min_scale=2.0**-3,
+        max_scale=2.0**9,
+    )
     for _ in range(3):
         _iteration(scaler, model, opt, data, target)
     opt.zero_grad()
@@ -320,9 +337,17 @@ def test_state_dict_round_trip():
     scaler.update()
     _iteration(scaler, model, opt, data, target)
     state = scaler.state_dict()
-    assert state == {"scale": 2.0**5, "clean_steps": 1, "skipped_steps": 1, "growth_factor": 4.0,
-                     "backoff_factor": 0.25, "growth_interval": 2, "min_scale": 0.125,
-                     "max_scale": 512.0, "power_of_two": True}
+    assert state == {
+        "scale": 2.0**5,
+        "clean_steps": 1,
+        "skipped_steps": 1,
+        "growth_factor": 4.0,
+        "backoff_factor": 0.25,
+        "growth_interval": 2,
+        "min_scale": 0.125,
+        "max_scale": 512.0,
+        "power_of_two": True,
+    }
     restored = DynamicLossScaler()
     restored.load_state_dict(copy.deepcopy(state))
     assert restored.state_dict() == state
@@ -335,35 +360,45 @@ def test_state_dict_round_trip():
         restored.load_state_dict({**state, "scale": 3.0})
 
 
-@pytest.mark.parametrize("kwargs,error,message", [
-    ({"init_scale": 0.0}, ValueError,
-     r"init_scale must be in \[min_scale, max_scale\] = \[2\*\*-64, 2\*\*64\], got 0.0"),
-    ({"init_scale": 2.0**70}, ValueError, r"init_scale must be in .* got 2\*\*70"),
-    ({"init_scale": 3.0}, ValueError, "init_scale must be a power of two"),
-    ({"init_scale": "big"}, TypeError, "init_scale must be a number"),
-    ({"growth_factor": 1.0}, ValueError, r"growth_factor must be in \(1.0, inf\)"),
-    ({"growth_factor": 3.0}, ValueError, "growth_factor must be a power of two"),
-    ({"backoff_factor": 1.0}, ValueError, r"backoff_factor must be in \(0.0, 1.0\)"),
-    ({"backoff_factor": 0.0}, ValueError, r"backoff_factor must be in \(0.0, 1.0\)"),
-    ({"backoff_factor": 0.3}, ValueError, "backoff_factor must be a power of two"),
-    ({"growth_interval": 0}, ValueError, "growth_interval must be >= 1"),
-    ({"growth_interval": 2.0}, TypeError, "growth_interval must be an int"),
-    ({"growth_interval": True}, TypeError, "growth_interval must be an int"),
-    ({"min_scale": -1.0}, ValueError, r"min_scale must be in \(0.0, inf\)"),
-    ({"min_scale": math.nan}, ValueError, r"min_scale must be in \(0.0, inf\)"),
-    ({"max_scale": math.inf}, ValueError, r"max_scale must be in \[min_scale, inf\) = "),
-    ({"min_scale": 4.0, "max_scale": 2.0, "init_scale": 2.0}, ValueError,
-     r"max_scale must be in \[min_scale, inf\) = \[4.0, inf\), got 2.0"),
-    ({"power_of_two": 1}, TypeError, "power_of_two must be a bool"),
-])
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (
+            {"init_scale": 0.0},
+            ValueError,
+            r"init_scale must be in \[min_scale, max_scale\] = \[2\*\*-64, 2\*\*64\], got 0.0",
+        ),
+        ({"init_scale": 2.0**70}, ValueError, r"init_scale must be in .* got 2\*\*70"),
+        ({"init_scale": 3.0}, ValueError, "init_scale must be a power of two"),
+        ({"init_scale": "big"}, TypeError, "init_scale must be a number"),
+        ({"growth_factor": 1.0}, ValueError, r"growth_factor must be in \(1.0, inf\)"),
+        ({"growth_factor": 3.0}, ValueError, "growth_factor must be a power of two"),
+        ({"backoff_factor": 1.0}, ValueError, r"backoff_factor must be in \(0.0, 1.0\)"),
+        ({"backoff_factor": 0.0}, ValueError, r"backoff_factor must be in \(0.0, 1.0\)"),
+        ({"backoff_factor": 0.3}, ValueError, "backoff_factor must be a power of two"),
+        ({"growth_interval": 0}, ValueError, "growth_interval must be >= 1"),
+        ({"growth_interval": 2.0}, TypeError, "growth_interval must be an int"),
+        ({"growth_interval": True}, TypeError, "growth_interval must be an int"),
+        ({"min_scale": -1.0}, ValueError, r"min_scale must be in \(0.0, inf\)"),
+        ({"min_scale": math.nan}, ValueError, r"min_scale must be in \(0.0, inf\)"),
+        ({"max_scale": math.inf}, ValueError, r"max_scale must be in \[min_scale, inf\) = "),
+        (
+            {"min_scale": 4.0, "max_scale": 2.0, "init_scale": 2.0},
+            ValueError,
+            r"max_scale must be in \[min_scale, inf\) = \[4.0, inf\), got 2.0",
+        ),
+        ({"power_of_two": 1}, TypeError, "power_of_two must be a bool"),
+    ],
+)
 def test_arguments_are_validated_naming_the_parameter(kwargs, error, message):
     with pytest.raises(error, match=message):
         DynamicLossScaler(**kwargs)
 
 
 def test_any_positive_factors_without_power_of_two():
-    scaler = DynamicLossScaler(init_scale=1000.0, growth_factor=1.5, backoff_factor=0.3,
-                               power_of_two=False)
+    scaler = DynamicLossScaler(
+        init_scale=1000.0, growth_factor=1.5, backoff_factor=0.3, power_of_two=False
+    )
     assert scaler.get_scale() == 1000.0
     model, data, target = _problem()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -393,8 +428,12 @@ def _train_digits(seed, fmt, scaler, watch, steps=100):
     torch.manual_seed(seed)
     hooks = [scaler.watch(fmt)] if watch else []
     model = nn.Sequential(
-        nn.Linear(64, 64), nn.ReLU(), Quantizer(backward=(fmt, "nearest"), backward_hooks=hooks),
-        nn.Linear(64, 10), Quantizer(backward=(fmt, "nearest"), backward_hooks=hooks))
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        Quantizer(backward=(fmt, "nearest"), backward_hooks=hooks),
+        nn.Linear(64, 10),
+        Quantizer(backward=(fmt, "nearest"), backward_hooks=hooks),
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     with torch.no_grad():
         first = F.cross_entropy(model(train_x), train_y).item()
@@ -418,11 +457,14 @@ def _train_digits(seed, fmt, scaler, watch, steps=100):
 #   unscaled, either format:     2.312 -> 2.312, 0.081; 2.305 -> 2.305, 0.149; 2.321 -> 2.321, 0.126
 #   e4m3fn, scaled (NaN signal): 2.312 -> 0.011, 0.962; 2.305 -> 0.011, 0.967; 2.321 -> 0.012, 0.967
 #   e4m3fn saturating, watched:  2.312 -> 0.011, 0.962; 2.305 -> 0.011, 0.967; 2.321 -> 0.012, 0.967
-@pytest.mark.parametrize("fmt,watch", [(E4M3, False), (E4M3_SATURATING, True)],
-                         ids=["e4m3fn-nan-overflow", "e4m3fn-saturating-watched"])
+@pytest.mark.parametrize(
+    "fmt,watch",
+    [(E4M3, False), (E4M3_SATURATING, True)],
+    ids=["e4m3fn-nan-overflow", "e4m3fn-saturating-watched"],
+)
 def test_e4m3_errors_stall_without_loss_scaling_and_train_with_it(fmt, watch):
     first, last, accuracy = _train_digits(0, fmt, None, watch=False)
-    assert last == pytest.approx(first, abs=1e-6)   # every error rounded to 0: nothing moved
+    assert last == pytest.approx(first, abs=1e-6)  # every error rounded to 0: nothing moved
     assert accuracy < 0.3
     scaler = DynamicLossScaler(growth_interval=20)
     first, last, accuracy = _train_digits(0, fmt, scaler, watch)

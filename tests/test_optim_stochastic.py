@@ -7,10 +7,10 @@ import re
 
 import pytest
 import torch
+from support import assert_same_bits
 
 import lpsim
 from lpsim import Fixed, Float
-from support import assert_same_bits
 
 # Least squares with a unique optimum w_star of entries in [1, 2), where a bfloat16 spacing is
 # 2**-7: gradient steps lr * grad fall below half a spacing long before w reaches w_star.
@@ -54,13 +54,18 @@ def test_sr_sgd_with_bfloat16_weights_reaches_the_float32_optimum_where_nearest_
 
 
 def test_sr_adamw_with_bfloat16_weights_matches_float32_adamw_where_nearest_stalls():
-    float32 = _distance(_train(lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0),
-                               torch.float32))
-    nearest = _distance(_train(lambda p: lpsim.optim.AdamW(p, lr=LR, weight_decay=0,
-                                                           rounding="nearest")))
+    float32 = _distance(
+        _train(lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0), torch.float32)
+    )
+    nearest = _distance(
+        _train(lambda p: lpsim.optim.AdamW(p, lr=LR, weight_decay=0, rounding="nearest"))
+    )
     stochastic = _distance(_train(lambda p: lpsim.optim.AdamW(p, lr=LR, weight_decay=0, seed=0)))
-    low_states = _distance(_train(lambda p: lpsim.optim.AdamW(
-        p, lr=LR, weight_decay=0, seed=0, state_format=Float(8, 7))))
+    low_states = _distance(
+        _train(
+            lambda p: lpsim.optim.AdamW(p, lr=LR, weight_decay=0, seed=0, state_format=Float(8, 7))
+        )
+    )
     tolerance = float32 + 4 * 2**-7 * 8**0.5
     assert stochastic < tolerance
     assert low_states < tolerance
@@ -78,14 +83,18 @@ def test_float32_weights_restricted_to_a_format_hold_only_its_values():
         assert_same_bits(w.detach(), lpsim.quantize(w.detach(), fmt), "after a step")
 
 
-@pytest.mark.parametrize("options", [
-    dict(momentum=0.9),
-    dict(momentum=0.9, nesterov=True, weight_decay=1e-2),
-    dict(momentum=0.5, dampening=0.3, weight_decay=1e-3),
-    dict(weight_decay=0.1),
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(momentum=0.9),
+        dict(momentum=0.9, nesterov=True, weight_decay=1e-2),
+        dict(momentum=0.5, dampening=0.3, weight_decay=1e-3),
+        dict(weight_decay=0.1),
+    ],
+)
 def test_sgd_follows_torch_sgd_when_nothing_is_rounded_away(options):
-    # float64 weights and states in float64 formats: rounding is far below the comparison's tolerance.
+    # float64 weights and states in float64 formats: rounding is far below the comparison's
+    # tolerance.
     torch.manual_seed(2)
     w0 = torch.randn(50, dtype=torch.float64)
     grads = [torch.randn(50, dtype=torch.float64) for _ in range(6)]
@@ -161,22 +170,40 @@ def test_value_keyed_optimizer_updates_are_reproducible():
     assert_same_bits(a, b)
 
 
-@pytest.mark.parametrize("call,error,words", [
-    (lambda w: lpsim.optim.SGD([w], lr=-1.0), ValueError, "lr must be in [0.0, inf]"),
-    (lambda w: lpsim.optim.SGD([w], nesterov=True), ValueError, "nesterov needs momentum > 0"),
-    (lambda w: lpsim.optim.SGD([w], weight_format=lpsim.BlockFloat(8)), TypeError,
-     "weight_format must be a Float or Fixed"),
-    (lambda w: lpsim.optim.SGD([w], weight_format=Float(8, 10)), ValueError,
-     "does not fit a bfloat16"),
-    (lambda w: lpsim.optim.SGD([w.int()]), TypeError, "parameters must be float32"),
-    (lambda w: lpsim.optim.SGD([w], rounding="nearest", rbits=3), ValueError, "rbits applies"),
-    (lambda w: lpsim.optim.SGD([w], randomness="hash"), ValueError, "randomness must be one of"),
-    (lambda w: lpsim.optim.SGD([w], seed=-2), ValueError, "seed must be an int in [0, 2**64)"),
-    (lambda w: lpsim.optim.AdamW([w], betas=(0.9, 1.0)), ValueError, "betas[1] must be < 1"),
-    (lambda w: lpsim.optim.AdamW([w], kahan=1), TypeError, "kahan must be a bool"),
-    (lambda w: lpsim.optim.AdamW([w], state_format=Fixed(8, 4, clamp=False), weight_format=3),
-     TypeError, "weight_format must be a Float or Fixed"),
-])
+@pytest.mark.parametrize(
+    "call,error,words",
+    [
+        (lambda w: lpsim.optim.SGD([w], lr=-1.0), ValueError, "lr must be in [0.0, inf]"),
+        (lambda w: lpsim.optim.SGD([w], nesterov=True), ValueError, "nesterov needs momentum > 0"),
+        (
+            lambda w: lpsim.optim.SGD([w], weight_format=lpsim.BlockFloat(8)),
+            TypeError,
+            "weight_format must be a Float or Fixed",
+        ),
+        (
+            lambda w: lpsim.optim.SGD([w], weight_format=Float(8, 10)),
+            ValueError,
+            "does not fit a bfloat16",
+        ),
+        (lambda w: lpsim.optim.SGD([w.int()]), TypeError, "parameters must be float32"),
+        (lambda w: lpsim.optim.SGD([w], rounding="nearest", rbits=3), ValueError, "rbits applies"),
+        (
+            lambda w: lpsim.optim.SGD([w], randomness="hash"),
+            ValueError,
+            "randomness must be one of",
+        ),
+        (lambda w: lpsim.optim.SGD([w], seed=-2), ValueError, "seed must be an int in [0, 2**64)"),
+        (lambda w: lpsim.optim.AdamW([w], betas=(0.9, 1.0)), ValueError, "betas[1] must be < 1"),
+        (lambda w: lpsim.optim.AdamW([w], kahan=1), TypeError, "kahan must be a bool"),
+        (
+            lambda w: lpsim.optim.AdamW(
+                [w], state_format=Fixed(8, 4, clamp=False), weight_format=3
+            ),
+            TypeError,
+            "weight_format must be a Float or Fixed",
+        ),
+    ],
+)
 def test_bad_options_raise_errors_that_name_them(call, error, words):
     with pytest.raises(error, match=re.escape(words)):
         call(torch.zeros(3, dtype=torch.bfloat16, requires_grad=True))

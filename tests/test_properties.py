@@ -7,12 +7,12 @@ import math
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from support import assert_same_bits
 
 import lpsim
 from lpsim import BlockFloat, Fixed, Float, Rounding
 from lpsim import reference as ref
 from lpsim.formats import check_fits
-from support import assert_same_bits
 
 CONTAINER = st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16])
 
@@ -26,8 +26,14 @@ def float_formats(draw):
     default = 2 ** (exp - 1) - (0 if special == "fnuz" else 1)
     bias = default + draw(st.integers(-3, 3) | st.just(0))
     try:
-        return Float(exp, man, bias=bias, special=special,
-                     subnormals=draw(st.booleans()), saturate=draw(st.booleans()))
+        return Float(
+            exp,
+            man,
+            bias=bias,
+            special=special,
+            subnormals=draw(st.booleans()),
+            saturate=draw(st.booleans()),
+        )
     except ValueError:
         assume(False)
 
@@ -36,17 +42,25 @@ def float_formats(draw):
 def fixed_formats(draw):
     signed = draw(st.booleans())
     try:
-        return Fixed(draw(st.integers(2, 54)), draw(st.integers(-60, 160)), signed=signed,
-                     clamp=draw(st.booleans()), symmetric=signed and draw(st.booleans()))
+        return Fixed(
+            draw(st.integers(2, 54)),
+            draw(st.integers(-60, 160)),
+            signed=signed,
+            clamp=draw(st.booleans()),
+            symmetric=signed and draw(st.booleans()),
+        )
     except ValueError:
         assume(False)
 
 
 def block_formats():
     return st.builds(
-        lambda wl, kind, dim, size: BlockFloat(wl, dim if kind == "dim" else None,
-                                                block_size=size if kind == "size" else None),
-        st.integers(2, 25), st.sampled_from(["tensor", "dim", "size"]), st.integers(0, 1),
+        lambda wl, kind, dim, size: BlockFloat(
+            wl, dim if kind == "dim" else None, block_size=size if kind == "size" else None
+        ),
+        st.integers(2, 25),
+        st.sampled_from(["tensor", "dim", "size"]),
+        st.integers(0, 1),
         st.integers(1, 9),
     )
 
@@ -63,7 +77,7 @@ def _grid_points(fmt, draw, count):
     points = []
     for _ in range(count):
         e = draw(st.integers(low - 2, top + 2))
-        k = draw(st.integers(0, 2**min(12, max(fmt.bits, 1))))
+        k = draw(st.integers(0, 2 ** min(12, max(fmt.bits, 1))))
         half = draw(st.sampled_from([0.0, 0.5, 0.25, 0.75]))
         value = math.ldexp(k + half, e - min(12, fmt.bits))
         points.append(-value if draw(st.booleans()) else value)
@@ -110,9 +124,12 @@ def test_rounding_is_idempotent_and_never_flips_a_sign(case):
     if not isinstance(fmt, BlockFloat):  # a block's exponent can drop after rounding
         assert_same_bits(again, y, f"{fmt!r} {rule.name}")
     signed_zero_kept = not (isinstance(fmt, Float) and fmt.special == "fnuz") and not (
-        isinstance(fmt, Fixed) and not fmt.signed)
+        isinstance(fmt, Fixed) and not fmt.signed
+    )
     finite = ~torch.isnan(y)
     if signed_zero_kept:
         assert torch.equal(torch.signbit(y[finite]), torch.signbit(x[finite]))
     else:
-        assert not bool((torch.signbit(y[finite]) & (y[finite] != 0) & ~torch.signbit(x[finite])).any())
+        assert not bool(
+            (torch.signbit(y[finite]) & (y[finite] != 0) & ~torch.signbit(x[finite])).any()
+        )

@@ -7,9 +7,9 @@ import warnings
 
 import pytest
 import torch
+from support import assert_same_bits
 
 from lpsim.compat import qtorch as compat
-from support import assert_same_bits
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -24,8 +24,14 @@ def test_qtorch_float_nearest_ties_away_and_lpsim_ties_to_even():
 
 def test_qtorch_float_range_saturation_and_specials():
     x = torch.tensor([1e6, -1e6, math.inf, -math.inf, math.nan, 100000.0])
-    assert qq.float_quantize(x, 5, 2, "nearest").tolist() == [114688.0, -114688.0, 114688.0,
-                                                               -114688.0, 114688.0, 98304.0]
+    assert qq.float_quantize(x, 5, 2, "nearest").tolist() == [
+        114688.0,
+        -114688.0,
+        114688.0,
+        -114688.0,
+        114688.0,
+        98304.0,
+    ]
     got = compat.float_quantize(x, 5, 2, "nearest")
     assert got[:4].tolist() == [114688.0, -114688.0, 114688.0, -114688.0]
     assert math.isnan(got[4].item()) and got[5].item() == 98304.0
@@ -40,8 +46,9 @@ def test_qtorch_exponent_8_behaves_as_ieee_and_man_23_flips_signs():
 
 
 def test_qtorch_fixed_point_ties_to_even_on_cpu_and_block_ties_toward_plus_inf():
-    assert qq.fixed_point_quantize(torch.tensor([0.125, 0.375, -0.125]), 8, 2,
-                                   rounding="nearest").tolist() == [0.0, 0.5, -0.0]
+    assert qq.fixed_point_quantize(
+        torch.tensor([0.125, 0.375, -0.125]), 8, 2, rounding="nearest"
+    ).tolist() == [0.0, 0.5, -0.0]
     block = torch.tensor([4.0, 0.5, 1.5, -0.5, -1.5])  # spacing 1: every other value is a tie
     assert qq.block_quantize(block, 4, -1, "nearest").tolist() == [4.0, 1.0, 2.0, 0.0, -1.0]
     assert compat.block_quantize(block, 4, -1, "nearest").tolist() == [4.0, 0.0, 2.0, -0.0, -2.0]
@@ -69,18 +76,26 @@ def _no_ties(x: torch.Tensor, spacing_of) -> torch.Tensor:
 @pytest.mark.parametrize("exp,man", [(5, 2), (4, 3), (8, 7), (5, 10), (3, 4)])
 def test_compat_float_agrees_with_qtorch_off_ties(exp, man):
     g = torch.Generator().manual_seed(exp * 31 + man)
-    x = torch.randn(20000, generator=g) * torch.exp2(torch.randint(-20, 20, (20000,), generator=g).float())
+    x = torch.randn(20000, generator=g) * torch.exp2(
+        torch.randint(-20, 20, (20000,), generator=g).float()
+    )
     x = x[x.abs() > 2.0 ** (2 - 2 ** (exp - 1) - man + 2)]  # QPyTorch's subnormal path is its own
     emin = 2 - 2 ** (exp - 1)
-    x = _no_ties(x, lambda v: torch.exp2(torch.clamp(torch.floor(torch.log2(v.abs())), min=emin) - man))
-    assert_same_bits(compat.float_quantize(x, exp, man, "nearest"), qq.float_quantize(x, exp, man, "nearest"))
+    x = _no_ties(
+        x, lambda v: torch.exp2(torch.clamp(torch.floor(torch.log2(v.abs())), min=emin) - man)
+    )
+    assert_same_bits(
+        compat.float_quantize(x, exp, man, "nearest"), qq.float_quantize(x, exp, man, "nearest")
+    )
 
 
 @pytest.mark.parametrize("wl,fl,symmetric", [(8, 4, False), (8, 4, True), (12, 6, False)])
 def test_compat_fixed_point_agrees_with_qtorch(wl, fl, symmetric):
     x = torch.randn(20000, generator=torch.Generator().manual_seed(wl + fl)) * 2 ** (wl - fl - 2)
-    assert_same_bits(compat.fixed_point_quantize(x, wl, fl, True, symmetric, "nearest"),
-                     qq.fixed_point_quantize(x, wl, fl, True, symmetric, "nearest"))
+    assert_same_bits(
+        compat.fixed_point_quantize(x, wl, fl, True, symmetric, "nearest"),
+        qq.fixed_point_quantize(x, wl, fl, True, symmetric, "nearest"),
+    )
 
 
 @pytest.mark.parametrize("wl,dim", [(8, -1), (6, 0), (8, 1)])
@@ -99,7 +114,10 @@ def test_top_level_qtorch_names_give_qtorch_numbers():
     import lpsim
 
     x = torch.tensor([1e5, -3e5, 0.3, 7.1, 1e-6])
-    assert_same_bits(lpsim.float_quantize(x, 5, 2, "nearest"), qq.float_quantize(x, 5, 2, "nearest"))
+    assert_same_bits(
+        lpsim.float_quantize(x, 5, 2, "nearest"), qq.float_quantize(x, 5, 2, "nearest")
+    )
     blocks = torch.tensor([[8.0, 2.9], [4.2, -6.1]])
-    assert_same_bits(lpsim.block_quantize(blocks, 4, -1, "nearest"),
-                     qq.block_quantize(blocks, 4, -1, "nearest"))
+    assert_same_bits(
+        lpsim.block_quantize(blocks, 4, -1, "nearest"), qq.block_quantize(blocks, 4, -1, "nearest")
+    )

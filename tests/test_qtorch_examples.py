@@ -80,8 +80,14 @@ def _write_tiny_cifar10(root, per_batch: int, test: int) -> None:
     for name in names:
         n = test if name == "test_batch" else per_batch
         with open(folder / name, "wb") as f:
-            pickle.dump({"batch_label": name, "data": rng.integers(0, 256, (n, 3072), np.uint8),
-                         "labels": [int(v) for v in rng.integers(0, 10, n)]}, f)
+            pickle.dump(
+                {
+                    "batch_label": name,
+                    "data": rng.integers(0, 256, (n, 3072), np.uint8),
+                    "labels": [int(v) for v in rng.integers(0, 10, n)],
+                },
+                f,
+            )
     with open(folder / "batches.meta", "wb") as f:
         pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, f)
 
@@ -93,14 +99,20 @@ def cifar(tmp_path_factory):
     root = tmp_path_factory.mktemp("cifar10")
     _write_tiny_cifar10(root, per_batch=BATCH * TRAIN_BATCHES // 5 + 1, test=BATCH)
     data = {}
-    for key, transform in (("raw", transforms.ToTensor()),
-                           ("normalized", transforms.Compose([transforms.ToTensor(),
-                                                              transforms.Normalize(MEAN, STD)]))):
+    for key, transform in (
+        ("raw", transforms.ToTensor()),
+        (
+            "normalized",
+            transforms.Compose([transforms.ToTensor(), transforms.Normalize(MEAN, STD)]),
+        ),
+    ):
         train = _TinyCIFAR10(str(root), train=True, transform=transform)
         test = _TinyCIFAR10(str(root), train=False, transform=transform)
         loader = torch.utils.data.DataLoader(train, batch_size=BATCH, shuffle=False)
-        data[key] = ([b for b, _ in zip(loader, range(TRAIN_BATCHES))],
-                     next(iter(torch.utils.data.DataLoader(test, batch_size=BATCH))))
+        data[key] = (
+            [b for b, _ in zip(loader, range(TRAIN_BATCHES))],
+            next(iter(torch.utils.data.DataLoader(test, batch_size=BATCH))),
+        )
     return data
 
 
@@ -132,8 +144,11 @@ def wage(qtorch, cifar, rounding):
     activations, errors and gradients, the shift() error scaling, sum-of-squares loss."""
     fixed_point_quantize, quantizer = qtorch.quant.fixed_point_quantize, qtorch.quant.quantizer
     bits = {"weight": 2, "activate": 8, "error": 8, "grad": 8}
-    modes = ({"weight": "nearest", "activate": "nearest", "error": "stochastic",
-              "grad": "stochastic"} if rounding == "published" else dict.fromkeys(bits, "nearest"))
+    modes = (
+        {"weight": "nearest", "activate": "nearest", "error": "stochastic", "grad": "stochastic"}
+        if rounding == "published"
+        else dict.fromkeys(bits, "nearest")
+    )
 
     def shift(x):
         return x / 2.0 ** torch.ceil(torch.log2(x.abs().max()))
@@ -143,25 +158,44 @@ def wage(qtorch, cifar, rounding):
         return torch.clamp(x, -1 + delta, 1 - delta)
 
     def quant_weight(x, scale):
-        y = fixed_point_quantize(x, bits["weight"], bits["weight"] - 1, clamp=True,
-                                 symmetric=True, rounding=modes["weight"])
+        y = fixed_point_quantize(
+            x,
+            bits["weight"],
+            bits["weight"] - 1,
+            clamp=True,
+            symmetric=True,
+            rounding=modes["weight"],
+        )
         return y / scale if scale > 1.8 else y
 
     def quant_grad(x, lr):
         lr = lr / 2.0 ** (bits["grad"] - 1)
-        return fixed_point_quantize(lr * shift(x), bits["grad"], bits["grad"] - 1, clamp=False,
-                                    symmetric=True, rounding=modes["grad"])
+        return fixed_point_quantize(
+            lr * shift(x),
+            bits["grad"],
+            bits["grad"] - 1,
+            clamp=False,
+            symmetric=True,
+            rounding=modes["grad"],
+        )
 
     class WAGEQuantizer(nn.Module):
         def __init__(self, bits_a, bits_e):
             super().__init__()
-            number = lambda b: (None if b == -1 else  # noqa: E731
-                                qtorch.FixedPoint(wl=b, fl=b - 1, clamp=True, symmetric=True))
-            self.quantizer = quantizer(forward_number=number(bits_a),
-                                       forward_rounding=modes["activate"],
-                                       backward_number=number(bits_e),
-                                       backward_rounding=modes["error"],
-                                       clamping_grad_zero=True, backward_hooks=[shift])
+
+            def number(b):
+                if b == -1:
+                    return None
+                return qtorch.FixedPoint(wl=b, fl=b - 1, clamp=True, symmetric=True)
+
+            self.quantizer = quantizer(
+                forward_number=number(bits_a),
+                forward_rounding=modes["activate"],
+                backward_number=number(bits_e),
+                backward_rounding=modes["error"],
+                clamping_grad_zero=True,
+                backward_hooks=[shift],
+            )
 
         def forward(self, x):
             return self.quantizer(x)
@@ -171,15 +205,33 @@ def wage(qtorch, cifar, rounding):
     conv = lambda i, o: nn.Conv2d(i, o, kernel_size=3, padding=1, bias=False)  # noqa: E731
     model = nn.Sequential(
         WAGEQuantizer(bits["activate"], -1),
-        conv(3, 8), nn.ReLU(inplace=True), quant(),
-        conv(8, 8), nn.MaxPool2d(2, 2), nn.ReLU(inplace=True), quant(),
-        conv(8, 16), nn.ReLU(inplace=True), quant(),
-        conv(16, 16), nn.MaxPool2d(2, 2), nn.ReLU(inplace=True), quant(),
-        conv(16, 32), nn.ReLU(inplace=True), quant(),
-        conv(32, 32), nn.MaxPool2d(2, 2), nn.ReLU(inplace=True), quant(),
+        conv(3, 8),
+        nn.ReLU(inplace=True),
+        quant(),
+        conv(8, 8),
+        nn.MaxPool2d(2, 2),
+        nn.ReLU(inplace=True),
+        quant(),
+        conv(8, 16),
+        nn.ReLU(inplace=True),
+        quant(),
+        conv(16, 16),
+        nn.MaxPool2d(2, 2),
+        nn.ReLU(inplace=True),
+        quant(),
+        conv(16, 32),
+        nn.ReLU(inplace=True),
+        quant(),
+        conv(32, 32),
+        nn.MaxPool2d(2, 2),
+        nn.ReLU(inplace=True),
+        quant(),
         nn.Flatten(),
-        nn.Linear(512, 64, bias=False), nn.ReLU(inplace=True), quant(),
-        nn.Linear(64, 10, bias=False), WAGEQuantizer(-1, bits["error"]),
+        nn.Linear(512, 64, bias=False),
+        nn.ReLU(inplace=True),
+        quant(),
+        nn.Linear(64, 10, bias=False),
+        WAGEQuantizer(-1, bits["error"]),
     )
     scale, acc = {}, {}
     for name, param in model.named_parameters():  # wage_init_ with factor 1
@@ -232,8 +284,12 @@ class _VGG(nn.Module):
         super().__init__()
         self.features = _vgg_features([4, "M", 8, "M", 16, "M", 32, "M", 32, "M"])
         self.classifier = nn.Sequential(
-            nn.Dropout(), nn.Linear(32, 32), nn.ReLU(True),
-            nn.Dropout(), nn.Linear(32, 32), nn.ReLU(True),
+            nn.Dropout(),
+            nn.Linear(32, 32),
+            nn.ReLU(True),
+            nn.Dropout(),
+            nn.Linear(32, 32),
+            nn.ReLU(True),
             nn.Linear(32, num_classes),
         )
         for m in self.modules():
@@ -250,19 +306,32 @@ def swalp(qtorch, cifar, rounding):
     activations, errors, gradients and momentum, via sequential_lower; SGD with the SWALP
     schedule, and the weight average of the low-precision iterates."""
     mode = "stochastic" if rounding == "published" else "nearest"
-    number = {n: qtorch.BlockFloatingPoint(wl=8, dim=0)
-              for n in ("weight", "activate", "grad", "error", "momentum")}
-    quant = {n: qtorch.quant.quantizer(forward_number=number[n], forward_rounding=mode)
-             for n in ("weight", "momentum", "grad")}
+    number = {
+        n: qtorch.BlockFloatingPoint(wl=8, dim=0)
+        for n in ("weight", "activate", "grad", "error", "momentum")
+    }
+    quant = {
+        n: qtorch.quant.quantizer(forward_number=number[n], forward_rounding=mode)
+        for n in ("weight", "momentum", "grad")
+    }
     torch.manual_seed(100)
     model = qtorch.auto_low.sequential_lower(
-        _VGG(), layer_types=["conv", "linear"], forward_number=number["activate"],
-        backward_number=number["error"], forward_rounding=mode, backward_rounding=mode)
+        _VGG(),
+        layer_types=["conv", "linear"],
+        forward_number=number["activate"],
+        backward_number=number["error"],
+        forward_rounding=mode,
+        backward_rounding=mode,
+    )
     model.classifier[-1] = model.classifier[-1][0]  # no quantiser after the last layer
     swa_model = _VGG()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-    optimizer = qtorch.optim.OptimLP(optimizer, weight_quant=quant["weight"],
-                                     grad_quant=quant["grad"], momentum_quant=quant["momentum"])
+    optimizer = qtorch.optim.OptimLP(
+        optimizer,
+        weight_quant=quant["weight"],
+        grad_quant=quant["grad"],
+        momentum_quant=quant["momentum"],
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=[lambda epoch: 1.0])
     batches, test = cifar["normalized"]
     losses = _train(model, F.cross_entropy, optimizer, batches)
@@ -314,8 +383,9 @@ class _PreResNet(nn.Module):
     def _make_layer(self, planes, quant, stride=1):
         downsample = None
         if stride != 1 or self.inplanes != planes:
-            downsample = nn.Sequential(nn.Conv2d(self.inplanes, planes, 1, stride=stride,
-                                                 bias=False))
+            downsample = nn.Sequential(
+                nn.Conv2d(self.inplanes, planes, 1, stride=stride, bias=False)
+            )
         block = _BasicBlock(self.inplanes, planes, quant, stride, downsample)
         self.inplanes = planes
         return nn.Sequential(block)
@@ -331,26 +401,46 @@ def ibm8(qtorch, cifar, rounding):
     """examples/IBM8 (example.sh): PreResNet with e5m2 weights, activations, errors and
     gradients, e6m9 momentum and accumulators, 16-bit (e6m9) input and logits, a loss scale of
     1000 undone by OptimLP's grad_scaling."""
-    formats = {"weight": (5, 2), "grad": (5, 2), "momentum": (6, 9), "activate": (5, 2),
-               "error": (5, 2), "acc": (6, 9)}
-    modes = {"weight": "nearest", "grad": "nearest", "momentum": "stochastic",
-             "activate": "nearest", "error": "nearest", "acc": "stochastic"}
+    formats = {
+        "weight": (5, 2),
+        "grad": (5, 2),
+        "momentum": (6, 9),
+        "activate": (5, 2),
+        "error": (5, 2),
+        "acc": (6, 9),
+    }
+    modes = {
+        "weight": "nearest",
+        "grad": "nearest",
+        "momentum": "stochastic",
+        "activate": "nearest",
+        "error": "nearest",
+        "acc": "stochastic",
+    }
     if rounding == "nearest":
         modes = dict.fromkeys(modes, "nearest")
     number = {n: qtorch.FloatingPoint(exp=e, man=m) for n, (e, m) in formats.items()}
-    quantizers = {n: qtorch.quant.quantizer(forward_number=number[n], forward_rounding=modes[n])
-                  for n in formats}
+    quantizers = {
+        n: qtorch.quant.quantizer(forward_number=number[n], forward_rounding=modes[n])
+        for n in formats
+    }
     half = qtorch.FloatingPoint(exp=6, man=9)
     torch.manual_seed(100)
     model = _PreResNet(
-        lambda: qtorch.quant.Quantizer(number["activate"], number["error"], modes["activate"],
-                                       modes["error"]),
-        half=lambda: qtorch.quant.Quantizer(half, half, "nearest", "nearest"))
+        lambda: qtorch.quant.Quantizer(
+            number["activate"], number["error"], modes["activate"], modes["error"]
+        ),
+        half=lambda: qtorch.quant.Quantizer(half, half, "nearest", "nearest"),
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-    optimizer = qtorch.optim.OptimLP(optimizer, weight_quant=quantizers["weight"],
-                                     grad_quant=quantizers["grad"],
-                                     momentum_quant=quantizers["momentum"],
-                                     acc_quant=quantizers["acc"], grad_scaling=1 / 1000)
+    optimizer = qtorch.optim.OptimLP(
+        optimizer,
+        weight_quant=quantizers["weight"],
+        grad_quant=quantizers["grad"],
+        momentum_quant=quantizers["momentum"],
+        acc_quant=quantizers["acc"],
+        grad_scaling=1 / 1000,
+    )
     batches, test = cifar["normalized"]
     losses = _train(model, F.cross_entropy, optimizer, batches, loss_scale=1000)
     return losses, _test_loss(model, F.cross_entropy, test)
@@ -360,20 +450,34 @@ def _lp_train(qtorch, cifar, numbers, modes, lower):
     """examples/lp_train/train.py: PreResNet with quantised activations and errors (Quantizer in
     the model, or sequential_lower on conv and linear layers), SGD with weight decay through
     OptimLP quantising weights, gradients and momentum."""
-    quant = {n: qtorch.quant.quantizer(forward_number=numbers[n], forward_rounding=modes[n])
-             for n in ("weight", "grad", "momentum")}
+    quant = {
+        n: qtorch.quant.quantizer(forward_number=numbers[n], forward_rounding=modes[n])
+        for n in ("weight", "grad", "momentum")
+    }
     torch.manual_seed(200)
     if lower:
         model = _PreResNet(nn.Identity)
         model = qtorch.auto_low.sequential_lower(
-            model, ["conv", "linear"], numbers["activate"], numbers["error"], modes["activate"],
-            modes["error"])
+            model,
+            ["conv", "linear"],
+            numbers["activate"],
+            numbers["error"],
+            modes["activate"],
+            modes["error"],
+        )
     else:
-        model = _PreResNet(lambda: qtorch.quant.Quantizer(numbers["activate"], numbers["error"],
-                                                          modes["activate"], modes["error"]))
+        model = _PreResNet(
+            lambda: qtorch.quant.Quantizer(
+                numbers["activate"], numbers["error"], modes["activate"], modes["error"]
+            )
+        )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-    optimizer = qtorch.optim.OptimLP(optimizer, weight_quant=quant["weight"],
-                                     grad_quant=quant["grad"], momentum_quant=quant["momentum"])
+    optimizer = qtorch.optim.OptimLP(
+        optimizer,
+        weight_quant=quant["weight"],
+        grad_quant=quant["grad"],
+        momentum_quant=quant["momentum"],
+    )
     batches, test = cifar["normalized"]
     losses = _train(model, F.cross_entropy, optimizer, batches)
     return losses, _test_loss(model, F.cross_entropy, test)
@@ -382,8 +486,10 @@ def _lp_train(qtorch, cifar, numbers, modes, lower):
 def block(qtorch, cifar, rounding):
     """examples/lp_train/block_baseline: 12-bit block floating point (one exponent per tensor)
     everywhere, inserted with sequential_lower, nearest rounding (the published script)."""
-    numbers = {n: qtorch.BlockFloatingPoint(12)
-               for n in ("weight", "grad", "momentum", "activate", "error")}
+    numbers = {
+        n: qtorch.BlockFloatingPoint(12)
+        for n in ("weight", "grad", "momentum", "activate", "error")
+    }
     return _lp_train(qtorch, cifar, numbers, dict.fromkeys(numbers, "nearest"), lower=True)
 
 
@@ -403,8 +509,12 @@ EXAMPLES = {"wage": wage, "swalp": swalp, "ibm8": ibm8, "block": block, "lp_trai
 
 
 # The published block script rounds to nearest: its "nearest" case is the published one.
-CASES = [(example, rounding) for example in EXAMPLES for rounding in ("nearest", "published")
-         if (example, rounding) != ("block", "published")]
+CASES = [
+    (example, rounding)
+    for example in EXAMPLES
+    for rounding in ("nearest", "published")
+    if (example, rounding) != ("block", "published")
+]
 
 
 @pytest.mark.parametrize("example,rounding", CASES)

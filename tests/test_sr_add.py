@@ -18,19 +18,26 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from support import assert_same_bits
 
 import lpsim
-import lpsim.arithmetic
+import lpsim.accumulate
+import lpsim.compat.stochastorch
 import lpsim.optim.stochastic
+import lpsim.update
 from lpsim import Fixed, Float, Rounding
 from lpsim import reference as ref
+from lpsim.compat.stochastorch import StochasticAdder
 from lpsim.formats import check_fits
-from support import assert_same_bits
 
 N = 1 << 16
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-INT_VIEW = {torch.float32: torch.int32, torch.float64: torch.int64, torch.bfloat16: torch.int16,
-            torch.float16: torch.int16}
+INT_VIEW = {
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+}
 BITS = {torch.float32: 32, torch.float64: 64, torch.bfloat16: 16, torch.float16: 16}
 FORMATS = [
     None,
@@ -131,12 +138,32 @@ def test_sr_add_is_the_exact_sum_rounded_once(case):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_special_operands_follow_ieee_addition_then_the_format(dtype):
     info = torch.finfo(dtype)
-    values = [0.0, -0.0, math.inf, -math.inf, math.nan, 1.0, -1.0, info.max, -info.max,
-              info.smallest_normal, -info.smallest_normal, info.smallest_normal / 4, 3.0]
+    values = [
+        0.0,
+        -0.0,
+        math.inf,
+        -math.inf,
+        math.nan,
+        1.0,
+        -1.0,
+        info.max,
+        -info.max,
+        info.smallest_normal,
+        -info.smallest_normal,
+        info.smallest_normal / 4,
+        3.0,
+    ]
     a = torch.tensor([x for x in values for _ in values], dtype=dtype)
     b = torch.tensor([y for _ in values for y in values], dtype=dtype)
-    for fmt in (None, Float(5, 2), Float(4, 3, special="fn"), Float(5, 2, special="fnuz"),
-                Float(5, 2, saturate=True), Fixed(6, 3), Fixed(7, 2, clamp=False)):
+    for fmt in (
+        None,
+        Float(5, 2),
+        Float(4, 3, special="fn"),
+        Float(5, 2, special="fnuz"),
+        Float(5, 2, saturate=True),
+        Fixed(6, 3),
+        Fixed(7, 2, clamp=False),
+    ):
         for rule in Rounding:
             got = lpsim.sr_add(a, b, fmt, rule, seed=5)
             assert_same_bits(got, ref.sr_add(a, b, fmt, rule, seed=5), f"{fmt!r} {rule.name}")
@@ -152,8 +179,16 @@ def test_zero_sums_take_ieee_signs():
         assert [math.copysign(1.0, v) for v in got.tolist()] == signs
 
 
-@pytest.mark.parametrize("fmt", [Float(5, 2), Float(3, 2, subnormals=False), Fixed(6, 3),
-                                 Float(2, 1, special="none", saturate=True)], ids=repr)
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        Float(5, 2),
+        Float(3, 2, subnormals=False),
+        Fixed(6, 3),
+        Float(2, 1, special="none", saturate=True),
+    ],
+    ids=repr,
+)
 def test_exact_sums_are_returned_unchanged_by_every_rule(fmt):
     values = fmt.values().tolist()
     exact = set(map(Fraction, values))
@@ -163,9 +198,9 @@ def test_exact_sums_are_returned_unchanged_by_every_rule(fmt):
     want = (a.double() + b.double()).float()
     nonzero = want != 0  # the sign of an exact zero depends on the rule (checked above)
     for rule in Rounding:
-        for rbits in ([None, 1, 7] if rule.is_stochastic else [None]):
+        for rbits in [None, 1, 7] if rule.is_stochastic else [None]:
             for randomness in ("position", "value"):
-                got = lpsim.sr_add(a, b, fmt, rule, rbits, seed=11, randomness=randomness)
+                got = lpsim.sr_add(a, b, fmt, rule, rbits=rbits, seed=11, randomness=randomness)
                 assert_same_bits(got[nonzero], want[nonzero], f"{rule.name} rbits={rbits}")
 
 
@@ -175,9 +210,10 @@ def test_every_depth_of_the_excess_is_seen_by_every_rule(a_dtype):
     # on both sides of a and of a binade edge: every rule must see the excess, however deep.
     depths = torch.arange(1, 141, dtype=torch.float64)
     tails = torch.cat([2.0 ** -(7 + depths), 3 * 2.0 ** -(8 + depths), -(2.0 ** -(7 + depths))])
-    a = torch.tensor([1.0, 1.5, 2.0 ** -100], dtype=a_dtype).repeat_interleave(tails.numel())
-    b = tails.repeat(3) * torch.tensor([1.0, 1.0, 2.0 ** -100], dtype=torch.float64).repeat_interleave(
-        tails.numel())
+    a = torch.tensor([1.0, 1.5, 2.0**-100], dtype=a_dtype).repeat_interleave(tails.numel())
+    b = tails.repeat(3) * torch.tensor(
+        [1.0, 1.0, 2.0**-100], dtype=torch.float64
+    ).repeat_interleave(tails.numel())
     for rule in Rounding:
         got = lpsim.sr_add(a, b, Float(8, 7), rule, seed=3)
         assert_same_bits(got, ref.sr_add(a, b, Float(8, 7), rule, seed=3), rule.name)
@@ -191,14 +227,14 @@ def _assert_mean(draws: torch.Tensor, expected: float, below: float, above: floa
 
 # (a, b, the container of a, the format): the neighbours of a + b and the fraction p between them.
 UNBIASED_CASES = [
-    (1.0, 1e-4, torch.bfloat16, None),                      # far below half a spacing
-    (1.0, -1e-4, torch.bfloat16, None),                     # crosses below the binade edge
+    (1.0, 1e-4, torch.bfloat16, None),  # far below half a spacing
+    (1.0, -1e-4, torch.bfloat16, None),  # crosses below the binade edge
     (-3.0, 0.0107421875, torch.bfloat16, None),
-    (1.0, 2.0**-7 * 0.3, torch.float32, Float(8, 7)),       # bfloat16 values in float32
-    (0.5, 2.0**-40 * 3, torch.float32, Float(8, 23)),       # a tail 40 bits down
+    (1.0, 2.0**-7 * 0.3, torch.float32, Float(8, 7)),  # bfloat16 values in float32
+    (0.5, 2.0**-40 * 3, torch.float32, Float(8, 23)),  # a tail 40 bits down
     (1.0, 0.126, torch.float16, Float(5, 2)),
-    (2.0**-15, 3e-6, torch.float16, None),                  # subnormal range
-    (0.0, 1e-8, torch.float16, None),                       # below the smallest subnormal
+    (2.0**-15, 3e-6, torch.float16, None),  # subnormal range
+    (0.0, 1e-8, torch.float16, None),  # below the smallest subnormal
     (3.0, 0.4, torch.float32, Fixed(8, 2)),
     (1.0, 1e-20, torch.float64, Float(11, 52)),
 ]
@@ -206,7 +242,7 @@ UNBIASED_CASES = [
 
 def _neighbours(a: float, b: float, dtype, fmt) -> tuple[float, float, float]:
     """The two format values around a + b (exact, as Fractions) and the fraction p of the way."""
-    grid = ref.container_grid(fmt if fmt is not None else lpsim.arithmetic.own_format(dtype), dtype)
+    grid = ref.container_grid(fmt if fmt is not None else lpsim.update.own_format(dtype), dtype)
     total = Fraction(a) + Fraction(b)
     below = Fraction(ref.round_rational(abs(total), total < 0, grid, Rounding.down))
     above = Fraction(ref.round_rational(abs(total), total < 0, grid, Rounding.up))
@@ -214,8 +250,9 @@ def _neighbours(a: float, b: float, dtype, fmt) -> tuple[float, float, float]:
     return float(low), float(high), float((total - low) / (high - low))
 
 
-@pytest.mark.parametrize("a,b,dtype,fmt", UNBIASED_CASES,
-                         ids=[f"{a}+{b}-{d}-{f!r}" for a, b, d, f in UNBIASED_CASES])
+@pytest.mark.parametrize(
+    "a,b,dtype,fmt", UNBIASED_CASES, ids=[f"{a}+{b}-{d}-{f!r}" for a, b, d, f in UNBIASED_CASES]
+)
 def test_stochastic_sum_is_unbiased(a, b, dtype, fmt):
     below, above, p = _neighbours(a, b, dtype, fmt)
     b_tensor = torch.tensor(b, dtype=torch.float64)
@@ -225,12 +262,18 @@ def test_stochastic_sum_is_unbiased(a, b, dtype, fmt):
     _assert_mean(draws, exact, below, above, p)
 
 
-@pytest.mark.parametrize("a,b,dtype,fmt", UNBIASED_CASES[:6],
-                         ids=[f"{a}+{b}-{d}" for a, b, d, _ in UNBIASED_CASES[:6]])
+@pytest.mark.parametrize(
+    "a,b,dtype,fmt", UNBIASED_CASES[:6], ids=[f"{a}+{b}-{d}" for a, b, d, _ in UNBIASED_CASES[:6]]
+)
 def test_stochastic_equal_sum_moves_either_way_half_the_time(a, b, dtype, fmt):
     below, above, _ = _neighbours(a, b, dtype, fmt)
-    draws = lpsim.sr_add(torch.full((N,), a, dtype=dtype), torch.tensor(b, dtype=torch.float64),
-                         fmt, "stochastic_equal", seed=2).double()
+    draws = lpsim.sr_add(
+        torch.full((N,), a, dtype=dtype),
+        torch.tensor(b, dtype=torch.float64),
+        fmt,
+        "stochastic_equal",
+        seed=2,
+    ).double()
     share_up = (draws == above).double().mean().item()
     assert (draws == below).sum() + (draws == above).sum() == N
     assert abs(share_up - 0.5) <= 4 * math.sqrt(0.25 / N)
@@ -256,8 +299,9 @@ def test_probability_is_resolved_to_two_to_the_minus_32():
 
 
 def test_mixed_precision_operand_is_added_exactly_not_rounded_first():
-    # 1 + 2**-8 + 2**-24 lies just above the midpoint of 1 and 1 + 2**-7: nearest rounds up. Rounding
-    # b to bfloat16 first (as torch's bfloat16 addition does) makes it a tie, which goes to 1.
+    # 1 + 2**-8 + 2**-24 lies just above the midpoint of 1 and 1 + 2**-7: nearest rounds up.
+    # Rounding b to bfloat16 first (as torch's bfloat16 addition does) makes it a tie, which goes
+    # to 1.
     a = torch.ones(1, dtype=torch.bfloat16)
     b = torch.tensor([2.0**-8 + 2.0**-24])
     assert lpsim.sr_add(a, b, rounding="nearest").item() == 1.0 + 2.0**-7
@@ -315,8 +359,12 @@ def test_value_keyed_rounding_is_invariant_under_permutation_layout_and_splittin
     assert_same_bits(permuted, want.flatten()[perm], "permuted")
     transposed = lpsim.sr_add(a.t().contiguous(), b.t().contiguous(), seed=8, randomness="value")
     assert_same_bits(transposed.t(), want, "transposed")
-    halves = torch.cat([lpsim.sr_add(a[:20], b[:20], seed=8, randomness="value"),
-                        lpsim.sr_add(a[20:], b[20:], seed=8, randomness="value")])
+    halves = torch.cat(
+        [
+            lpsim.sr_add(a[:20], b[:20], seed=8, randomness="value"),
+            lpsim.sr_add(a[20:], b[20:], seed=8, randomness="value"),
+        ]
+    )
     assert_same_bits(halves, want, "split")
     # Position-keyed words do depend on the order (so the permutation above was a real test).
     by_position = lpsim.sr_add(a.flatten()[perm], b.flatten()[perm], seed=8)
@@ -330,15 +378,16 @@ def test_value_words_are_the_reference_philox_of_the_operands():
     for seed, offset in ((0, 0), (2**64 - 1, 7), (12345, 2**40 + 3)):
         seed_tensor = torch.tensor(seed - 2**64 if seed >= 2**63 else seed, dtype=torch.int64)
         offset_arg = offset - 2**64 if offset >= 2**63 else offset
-        got = torch.ops.lpsim.value_words(x.view(torch.int64), y.view(torch.int64), seed_tensor,
-                                          offset_arg).tolist()
+        got = torch.ops.lpsim.value_words(
+            x.view(torch.int64), y.view(torch.int64), seed_tensor, offset_arg
+        ).tolist()
         want = [ref.value_word(seed, offset, u, v) for u, v in zip(x.tolist(), y.tolist())]
         assert got == want
 
 
 def test_non_contiguous_and_broadcast_operands():
     a = torch.randn(30, 40).bfloat16().t()  # a transposed view
-    b = torch.randn(40, 1) * 1e-2           # broadcast along the last dimension
+    b = torch.randn(40, 1) * 1e-2  # broadcast along the last dimension
     want = ref.sr_add(a, b, None, "stochastic", seed=3)
     assert_same_bits(lpsim.sr_add(a, b, seed=3), want, "functional")
     inplace = a.clone().t().contiguous().t()
@@ -347,11 +396,17 @@ def test_non_contiguous_and_broadcast_operands():
 
 
 @pytest.mark.parametrize("divide", [False, True])
-@pytest.mark.parametrize("a_dtype,t_dtype", [(torch.bfloat16, torch.bfloat16),
-                                             (torch.bfloat16, torch.float32),
-                                             (torch.float32, torch.float32),
-                                             (torch.float16, torch.float64),
-                                             (torch.float64, torch.float32)], ids=str)
+@pytest.mark.parametrize(
+    "a_dtype,t_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.float32),
+        (torch.float16, torch.float64),
+        (torch.float64, torch.float32),
+    ],
+    ids=str,
+)
 def test_addcmul_and_addcdiv_round_the_exact_sum_of_a_and_the_term(divide, a_dtype, t_dtype):
     torch.manual_seed(2)
     a = torch.randn(2000).to(a_dtype)
@@ -364,13 +419,14 @@ def test_addcmul_and_addcdiv_round_the_exact_sum_of_a_and_the_term(divide, a_dty
         fused = lpsim.sr_addcdiv if divide else lpsim.sr_addcmul
         assert_same_bits(fused(a, t1, t2, value, rounding=rule, seed=21, offset=2), want, rule)
         inplace = a.clone()
-        (lpsim.sr_addcdiv_ if divide else lpsim.sr_addcmul_)(inplace, t1, t2, value,
-                                                             rounding=rule, seed=21, offset=2)
+        (lpsim.sr_addcdiv_ if divide else lpsim.sr_addcmul_)(
+            inplace, t1, t2, value, rounding=rule, seed=21, offset=2
+        )
         assert_same_bits(inplace, want, f"{rule} in place")
 
 
 def test_stochastic_adder_add_is_mode_2_and_add_biased_is_unbiased():
-    adder = lpsim.StochasticAdder(torch.bfloat16, seed=3)
+    adder = StochasticAdder(torch.bfloat16, seed=3)
     a = torch.ones(N, dtype=torch.bfloat16)
     b = torch.full((N,), 2.0**-7 * 0.1)  # a tenth of a spacing
     biased_coin = adder.add_biased(a, b).double()
@@ -392,19 +448,26 @@ def test_sr_add_gradient_is_the_identity_for_both_operands():
     assert torch.equal(b.grad, torch.ones(5, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("call,error,words", [
-    (lambda a: lpsim.sr_add(a, 1.0, lpsim.BlockFloat(8)), TypeError, "Float or Fixed"),
-    (lambda a: lpsim.sr_add(a, 1.0, Float(8, 10)), ValueError, "does not fit a bfloat16"),
-    (lambda a: lpsim.sr_add(a, torch.ones(3)), ValueError, "cannot be broadcast"),
-    (lambda a: lpsim.sr_add(a, "x"), TypeError, "b must be a torch.Tensor"),
-    (lambda a: lpsim.sr_add(a.int(), 1.0), TypeError, "a must be a float32"),
-    (lambda a: lpsim.sr_add(a, 1.0, randomness="hash"), ValueError, "randomness must be one of"),
-    (lambda a: lpsim.sr_add(a, 1.0, rounding="nearest", rbits=4), ValueError, "rbits applies"),
-    (lambda a: lpsim.sr_add(a, 1.0, rbits=0), ValueError, "rbits must be in [1, 32]"),
-    (lambda a: lpsim.sr_add(a, 1.0, seed=-1), ValueError, "seed must be in [0, 2**64)"),
-    (lambda a: lpsim.sr_addcmul_(a, a, a, value="x"), TypeError, "value must be a number"),
-    (lambda a: lpsim.StochasticAdder(torch.int32), TypeError, "dtype must be"),
-])
+@pytest.mark.parametrize(
+    "call,error,words",
+    [
+        (lambda a: lpsim.sr_add(a, 1.0, lpsim.BlockFloat(8)), TypeError, "Float or Fixed"),
+        (lambda a: lpsim.sr_add(a, 1.0, Float(8, 10)), ValueError, "does not fit a bfloat16"),
+        (lambda a: lpsim.sr_add(a, torch.ones(3)), ValueError, "cannot be broadcast"),
+        (lambda a: lpsim.sr_add(a, "x"), TypeError, "b must be a torch.Tensor"),
+        (lambda a: lpsim.sr_add(a.int(), 1.0), TypeError, "a must be a float32"),
+        (
+            lambda a: lpsim.sr_add(a, 1.0, randomness="hash"),
+            ValueError,
+            "randomness must be one of",
+        ),
+        (lambda a: lpsim.sr_add(a, 1.0, rounding="nearest", rbits=4), ValueError, "rbits applies"),
+        (lambda a: lpsim.sr_add(a, 1.0, rbits=0), ValueError, "rbits must be in [1, 32]"),
+        (lambda a: lpsim.sr_add(a, 1.0, seed=-1), ValueError, "seed must be in [0, 2**64)"),
+        (lambda a: lpsim.sr_addcmul_(a, a, a, value="x"), TypeError, "value must be a number"),
+        (lambda a: StochasticAdder(torch.int32), TypeError, "dtype must be"),
+    ],
+)
 def test_bad_arguments_raise_errors_that_name_them(call, error, words):
     with pytest.raises(error, match=re.escape(words)):
         call(torch.ones(4, dtype=torch.bfloat16))
@@ -413,13 +476,16 @@ def test_bad_arguments_raise_errors_that_name_them(call, error, words):
 def test_the_op_rejects_grids_without_explicit_precision():
     a = torch.ones(4)
     with pytest.raises(RuntimeError, match="explicit precision and finite limits"):
-        torch.ops.lpsim.sr_add(a, a, *Fixed(8, 4).grid(), 0, 32, torch.zeros((), dtype=torch.int64),
-                               0, 0)
+        torch.ops.lpsim.sr_add(
+            a, a, *Fixed(8, 4).grid(), 0, 32, torch.zeros((), dtype=torch.int64), 0, 0
+        )
 
 
-@pytest.mark.parametrize("module", [lpsim.arithmetic, lpsim.ops, lpsim.optim.stochastic],
-                         ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module",
+    [lpsim.update, lpsim.accumulate, lpsim.optim.stochastic, lpsim.compat.stochastorch],
+    ids=lambda m: m.__name__,
+)
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
-

@@ -6,27 +6,33 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import assert_same_bits
 
 import lpsim
 from lpsim import Fixed, Float, Rounding
-from support import assert_same_bits
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not lpsim.cuda_built(),
     reason="needs a CUDA device and lpsim built with its CUDA kernels",
 )
 
-PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
-         (torch.bfloat16, torch.float64), (torch.float16, torch.float16),
-         (torch.float16, torch.float32), (torch.float32, torch.float32),
-         (torch.float32, torch.float64), (torch.float64, torch.float64),
-         (torch.float64, torch.float32)]
+PAIRS = [
+    (torch.bfloat16, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+    (torch.bfloat16, torch.float64),
+    (torch.float16, torch.float16),
+    (torch.float16, torch.float32),
+    (torch.float32, torch.float32),
+    (torch.float32, torch.float64),
+    (torch.float64, torch.float64),
+    (torch.float64, torch.float32),
+]
 
 
 def _operands(a_dtype, b_dtype, n=70001):
     g = torch.Generator().manual_seed(0)
     a = (torch.randn(n, generator=g, dtype=torch.float64) * 4).to(a_dtype)
-    b = (torch.randn(n, generator=g, dtype=torch.float64) * 2.0 ** -9).to(b_dtype)
+    b = (torch.randn(n, generator=g, dtype=torch.float64) * 2.0**-9).to(b_dtype)
     a[:6] = torch.tensor([0.0, -0.0, float("inf"), float("nan"), 1.0, -1.0], dtype=a_dtype)
     return a, b
 

@@ -12,10 +12,10 @@ from fractions import Fraction
 
 import pytest
 import torch
+from support import assert_same_bits
 
 import lpsim
 from lpsim import BlockFloat, Fixed, Float
-from support import assert_same_bits
 
 N = 1 << 16
 
@@ -29,7 +29,9 @@ def _neighbours(fmt, x: float) -> tuple[float, float]:
 
 
 def _draws(x: float, fmt, rule: str, seed: int, rbits=None, dtype=torch.float64) -> torch.Tensor:
-    return lpsim.quantize(torch.full((N,), x, dtype=dtype), fmt, rule, seed=seed, rbits=rbits).double()
+    return lpsim.quantize(
+        torch.full((N,), x, dtype=dtype), fmt, rule, seed=seed, rbits=rbits
+    ).double()
 
 
 def _assert_mean(draws: torch.Tensor, expected: float, below: float, above: float, p: float):
@@ -41,13 +43,13 @@ def _assert_mean(draws: torch.Tensor, expected: float, below: float, above: floa
 E5M2 = Float(5, 2)
 # Inputs at binade edges, mid-binade, in the subnormal range and below the smallest subnormal.
 UNBIASED_CASES = [
-    (E5M2, 1.0 + 1e-6),            # just above a power of two
-    (E5M2, 2.0 - 1e-6),            # just below the next one
+    (E5M2, 1.0 + 1e-6),  # just above a power of two
+    (E5M2, 2.0 - 1e-6),  # just below the next one
     (E5M2, 1.1),
     (E5M2, -3.3),
-    (E5M2, 5e-6),                  # subnormal range: spacing 2**-16
-    (E5M2, 3e-6),                  # below the smallest subnormal: 0 or 2**-16
-    (E5M2, 57344.0 * 0.99),        # the top binade
+    (E5M2, 5e-6),  # subnormal range: spacing 2**-16
+    (E5M2, 3e-6),  # below the smallest subnormal: 0 or 2**-16
+    (E5M2, 57344.0 * 0.99),  # the top binade
     (Float(4, 3, special="fn"), 300.0),
     (Float(3, 2, subnormals=False), 0.1),  # below the smallest normal: 0 or 0.25
     (Fixed(8, 4), 0.03),
@@ -83,7 +85,9 @@ def test_stochastic_between_max_and_the_next_grid_point_overflows_with_its_proba
     assert set(saturating.unique().tolist()) == {57344.0}
 
 
-@pytest.mark.parametrize("fmt,x", UNBIASED_CASES[:8], ids=[f"{f!r}-{x}" for f, x in UNBIASED_CASES[:8]])
+@pytest.mark.parametrize(
+    "fmt,x", UNBIASED_CASES[:8], ids=[f"{f!r}-{x}" for f, x in UNBIASED_CASES[:8]]
+)
 def test_stochastic_equal_picks_each_neighbour_half_the_time(fmt, x):
     below, above = _neighbours(fmt, x)
     draws = _draws(x, fmt, "stochastic_equal", seed=2)
@@ -110,14 +114,17 @@ def test_rbits_gives_the_bias_of_truncation_to_rbits_bits(rbits):
 def test_stochastic_equal_with_rbits_moves_only_what_truncation_leaves_inexact():
     fmt = Float(5, 2)
     tiny = 1.0 + 0.25 * 2**-6  # inexact, but zero after truncation to 4 bits
-    assert torch.equal(_draws(tiny, fmt, "stochastic_equal", seed=5, rbits=4),
-                       torch.full((N,), 1.0, dtype=torch.float64))
+    assert torch.equal(
+        _draws(tiny, fmt, "stochastic_equal", seed=5, rbits=4),
+        torch.full((N,), 1.0, dtype=torch.float64),
+    )
     moved = _draws(tiny, fmt, "stochastic_equal", seed=5)
     assert abs((moved == 1.25).double().mean().item() - 0.5) <= 4 * math.sqrt(0.25 / N)
 
 
-@pytest.mark.parametrize("fmt", [Float(5, 2), Float(4, 3, special="fnuz"), Fixed(6, 3), BlockFloat(5)],
-                         ids=repr)
+@pytest.mark.parametrize(
+    "fmt", [Float(5, 2), Float(4, 3, special="fnuz"), Fixed(6, 3), BlockFloat(5)], ids=repr
+)
 @pytest.mark.parametrize("rule", ["stochastic", "stochastic_equal"])
 def test_exact_values_never_move(fmt, rule):
     v = fmt.values().float()
@@ -131,7 +138,9 @@ def test_exact_values_never_move(fmt, rule):
 
 
 @pytest.mark.parametrize(
-    "fmt", [Float(5, 2), Fixed(8, 3), BlockFloat(6), BlockFloat(6, 0), BlockFloat(6, block_size=7)], ids=repr
+    "fmt",
+    [Float(5, 2), Fixed(8, 3), BlockFloat(6), BlockFloat(6, 0), BlockFloat(6, block_size=7)],
+    ids=repr,
 )
 def test_same_seed_gives_the_same_bits_for_any_thread_count(fmt):
     x = torch.randn(257, 1031) * 10  # not a multiple of any chunk or group size

@@ -3,10 +3,10 @@ registration), torch.compile(fullgraph=True) traces quantize and matches eager b
 
 import pytest
 import torch
+from support import assert_same_bits
 
 import lpsim
 from lpsim import BlockFloat, Fixed, Float
-from support import assert_same_bits
 
 
 def _grid_args(fmt, rule=0):
@@ -19,8 +19,11 @@ def test_opcheck_quantize_grid(rule):
     torch.library.opcheck(torch.ops.lpsim.quantize_grid, (x,) + _grid_args(Float(5, 2), rule))
     y = torch.randn(5, 7)
     torch.library.opcheck(torch.ops.lpsim.quantize_grid_, (y,) + _grid_args(Fixed(8, 3), rule))
-    torch.library.opcheck(torch.ops.lpsim.quantize_grid_out, (x.detach(),) + _grid_args(Float(4, 3), rule),
-                          {"out": torch.empty(5, 7)})
+    torch.library.opcheck(
+        torch.ops.lpsim.quantize_grid_out,
+        (x.detach(),) + _grid_args(Float(4, 3), rule),
+        {"out": torch.empty(5, 7)},
+    )
 
 
 @pytest.mark.parametrize("dim,block_size", [(None, None), (1, None), (None, 4)])
@@ -29,8 +32,9 @@ def test_opcheck_quantize_block(dim, block_size):
     args = (6, dim, block_size, 8, 32, torch.tensor(3), 0)
     torch.library.opcheck(torch.ops.lpsim.quantize_block, (x,) + args)
     torch.library.opcheck(torch.ops.lpsim.quantize_block_, (torch.randn(6, 9),) + args)
-    torch.library.opcheck(torch.ops.lpsim.quantize_block_out, (torch.randn(6, 9),) + args,
-                          {"out": torch.empty(6, 9)})
+    torch.library.opcheck(
+        torch.ops.lpsim.quantize_block_out, (torch.randn(6, 9),) + args, {"out": torch.empty(6, 9)}
+    )
 
 
 def _model(x):
@@ -83,16 +87,19 @@ IN_PLACE = {
     "sr_addcmul_": lambda t: lpsim.sr_addcmul_(t, torch.ones(3), torch.ones(3), 0.3, seed=3),
     "sr_addcdiv_": lambda t: lpsim.sr_addcdiv_(t, torch.ones(3), torch.ones(3), 0.3, seed=4),
     "ops.quantize_grid_": lambda t: torch.ops.lpsim.quantize_grid_(t, *_GRID),
-    "ops.quantize_block_": lambda t: torch.ops.lpsim.quantize_block_(t, 4, None, None, 0, 32,
-                                                                     _SEED, 0),
+    "ops.quantize_block_": lambda t: torch.ops.lpsim.quantize_block_(
+        t, 4, None, None, 0, 32, _SEED, 0
+    ),
     "ops.sr_add_": lambda t: torch.ops.lpsim.sr_add_(t, torch.full((3,), 0.3), *_UPDATE),
 }
 OUT = {
     "quantize out= Float": lambda t: lpsim.quantize(torch.full((3,), 1.1), Float(3, 1), out=t),
-    "quantize out= BlockFloat": lambda t: lpsim.quantize(torch.full((3,), 1.1), BlockFloat(4),
-                                                         out=t),
+    "quantize out= BlockFloat": lambda t: lpsim.quantize(
+        torch.full((3,), 1.1), BlockFloat(4), out=t
+    ),
     "ops.quantize_grid_out": lambda t: torch.ops.lpsim.quantize_grid_out(
-        torch.full((3,), 1.1), *_GRID, out=t),
+        torch.full((3,), 1.1), *_GRID, out=t
+    ),
 }
 WRITING = {**IN_PLACE, **OUT}
 
@@ -105,8 +112,9 @@ def test_opcheck_in_place_ops_with_autograd_inputs():
     x = torch.randn(4, 5, requires_grad=True) * 1  # a non-leaf: written in place, keeps history
     torch.library.opcheck(torch.ops.lpsim.quantize_grid_, (x,) + _GRID)
     torch.library.opcheck(torch.ops.lpsim.sr_add_, (x, torch.randn(4, 5)) + _UPDATE)
-    torch.library.opcheck(torch.ops.lpsim.sr_addc_,
-                          (x, torch.randn(4, 5), torch.rand(4, 5) + 1, 0.5, True) + _UPDATE)
+    torch.library.opcheck(
+        torch.ops.lpsim.sr_addc_, (x, torch.randn(4, 5), torch.rand(4, 5) + 1, 0.5, True) + _UPDATE
+    )
 
 
 def test_every_writing_op_has_autograd_and_version_kernels():
@@ -152,8 +160,10 @@ def test_backward_refuses_values_overwritten_under_no_grad(write):
 @pytest.mark.parametrize("write", IN_PLACE.values(), ids=IN_PLACE.keys())
 def test_in_place_ops_refuse_a_leaf_that_requires_grad(write):
     a = _values().requires_grad_()
-    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in "
-                                           "an in-place operation"):
+    with pytest.raises(
+        RuntimeError,
+        match="a leaf Variable that requires grad is being used in an in-place operation",
+    ):
         write(a)
     with pytest.raises(RuntimeError, match="a view of a leaf Variable that requires grad"):
         write(a.view(3))

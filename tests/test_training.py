@@ -1,18 +1,17 @@
 """Training in simulated low precision: quantizer(), Quantizer, OptimLP and model injection."""
 
 import copy
-import math
 
 import pytest
 import torch
 import torchvision
+from support import assert_same_bits
 from torch import nn
 
 import lpsim
 from lpsim import BlockFloat, Fixed, Float
 from lpsim.nn import LayerQuantization, Quantizer, inject, injected, quantizer, remove, report
 from lpsim.optim import OptimLP
-from support import assert_same_bits
 
 E5M2 = Float(5, 2)
 BF16 = Float(8, 7)
@@ -21,7 +20,8 @@ BF16 = Float(8, 7)
 def representable(t: torch.Tensor, fmt) -> bool:
     """Every element of t is a value of fmt (rounding it by any rule changes nothing)."""
     return torch.equal(lpsim.quantize(t, fmt, "nearest"), t) and torch.equal(
-        lpsim.quantize(t, fmt, "up"), t)
+        lpsim.quantize(t, fmt, "up"), t
+    )
 
 
 # quantizer() and Quantizer
@@ -46,10 +46,13 @@ def test_gradient_passes_unchanged_without_a_backward_format():
 
 # The mask is decided on the rounded value: the "outside" inputs round (stochastically) to values
 # beyond the range whichever way they go, the "inside" ones to values within it.
-@pytest.mark.parametrize("fmt,inside,outside", [
-    (Fixed(6, 3), [-4.0, 3.875, 0.1], [-4.2, 4.01, 100.0]),
-    (Float(4, 3, special="fn", saturate=True), [-448.0, 447.0, 1.0], [-481.0, 500.0, 1e9]),
-])
+@pytest.mark.parametrize(
+    "fmt,inside,outside",
+    [
+        (Fixed(6, 3), [-4.0, 3.875, 0.1], [-4.2, 4.01, 100.0]),
+        (Float(4, 3, special="fn", saturate=True), [-448.0, 447.0, 1.0], [-481.0, 500.0, 1e9]),
+    ],
+)
 def test_clip_mask_zeroes_the_gradient_where_the_forward_clipped(fmt, inside, outside):
     x = torch.tensor(inside + outside, requires_grad=True)
     quantizer(forward=fmt, clamp_grad_zero=True)(x).backward(torch.ones(6))
@@ -72,8 +75,10 @@ def test_backward_hooks_run_before_the_gradient_is_quantised():
 
 def test_quantizer_module_exposes_its_options():
     q = Quantizer(forward=E5M2, backward=(BF16, "nearest"), clamp_grad_zero=False)
-    assert repr(q) == ("Quantizer(forward=Float(exp=5, man=2) stochastic, "
-                       "backward=Float(exp=8, man=7) nearest, eval_rounding=nearest)")
+    assert repr(q) == (
+        "Quantizer(forward=Float(exp=5, man=2) stochastic, "
+        "backward=Float(exp=8, man=7) nearest, eval_rounding=nearest)"
+    )
     x = torch.randn(10)
     assert set(q(x).unique().tolist()) <= set(E5M2.values().tolist())
 
@@ -107,13 +112,17 @@ def _train(model, opt, data, target, steps=3):
     return loss
 
 
-@pytest.mark.parametrize("make", [
-    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
-    lambda p: torch.optim.Adam(p, lr=0.01),
-    lambda p: torch.optim.AdamW(p, lr=0.01, amsgrad=True),
-    lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5),
-], ids=["sgd-momentum", "sgd-nesterov", "adam", "adamw-amsgrad", "rmsprop"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3),
+        lambda p: torch.optim.Adam(p, lr=0.01),
+        lambda p: torch.optim.AdamW(p, lr=0.01, amsgrad=True),
+        lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5),
+    ],
+    ids=["sgd-momentum", "sgd-nesterov", "adam", "adamw-amsgrad", "rmsprop"],
+)
 def test_every_floating_state_buffer_is_quantised(make):
     model, data, target = _problem()
     opt = OptimLP(make(model.parameters()), weight=BF16, grad=BF16, momentum=(E5M2, "nearest"))
@@ -145,8 +154,11 @@ def test_gradients_are_scaled_then_quantised_and_none_gradients_skipped():
 def test_accumulators_hold_the_high_precision_weights():
     model, data, target = _problem()
     acc_fmt, weight_fmt = Float(6, 9), E5M2
-    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.05), weight=(weight_fmt, "nearest"),
-                  acc=(acc_fmt, "nearest"))
+    opt = OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        weight=(weight_fmt, "nearest"),
+        acc=(acc_fmt, "nearest"),
+    )
     _train(model, opt, data, target)
     for p in model.parameters():
         acc = opt.accumulators[p]
@@ -159,8 +171,13 @@ def test_state_dict_round_trip_continues_identically():
     model, data, target = _problem()
 
     def make(m):
-        return OptimLP(torch.optim.Adam(m.parameters(), lr=0.01), weight=BF16, grad=BF16,
-                       momentum=BF16, acc=Float(8, 15))
+        return OptimLP(
+            torch.optim.Adam(m.parameters(), lr=0.01),
+            weight=BF16,
+            grad=BF16,
+            momentum=BF16,
+            acc=Float(8, 15),
+        )
 
     opt = make(model)
     torch.manual_seed(5)
@@ -265,11 +282,18 @@ def test_transformer_encoder_injection_quantises_attention_weights():
     before = model(x)
     # out_proj's weight quantiser runs; its output quantiser cannot (MultiheadAttention never
     # calls out_proj's forward), which inject() says.
-    with pytest.warns(UserWarning, match=r"never run: 'layers\.0\.self_attn\.out_proj' .*"
-                                         r"'layers\.1\.self_attn\.out_proj'"):
-        inject(model, {nn.MultiheadAttention: LayerQuantization(weight=(E5M2, "nearest")),
-                       nn.Linear: LayerQuantization(weight=(E5M2, "nearest"),
-                                                    output=(BF16, "nearest"))})
+    with pytest.warns(
+        UserWarning,
+        match=r"never run: 'layers\.0\.self_attn\.out_proj' .*"
+        r"'layers\.1\.self_attn\.out_proj'",
+    ):
+        inject(
+            model,
+            {
+                nn.MultiheadAttention: LayerQuantization(weight=(E5M2, "nearest")),
+                nn.Linear: LayerQuantization(weight=(E5M2, "nearest"), output=(BF16, "nearest")),
+            },
+        )
     attn = model.layers[0].self_attn
     assert representable(attn.in_proj_weight.detach(), E5M2)
     assert representable(attn.out_proj.weight.detach(), E5M2)
@@ -281,7 +305,9 @@ def test_transformer_encoder_injection_quantises_attention_weights():
 class _Custom(nn.Module):
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Sequential(nn.Linear(4, 4), nn.Tanh())})
+        self.blocks = nn.ModuleDict(
+            {"a": nn.Linear(4, 4), "b": nn.Sequential(nn.Linear(4, 4), nn.Tanh())}
+        )
         self.head = nn.Linear(4, 2)
 
     def forward(self, x):
@@ -292,7 +318,7 @@ class _Custom(nn.Module):
 def test_selectors_globs_callables_tuples_first_match_and_default():
     model = _Custom()
     config = {
-        "blocks.b.0": None,                                    # excluded, though nn.Linear matches below
+        "blocks.b.0": None,  # excluded, though nn.Linear matches below
         lambda name, m: name == "head": LayerQuantization(input=(Fixed(8, 4), "nearest")),
         (nn.Tanh, nn.ReLU): LayerQuantization(output=(Fixed(8, 6), "nearest")),
         "blocks.*": LayerQuantization(weight=(E5M2, "nearest")),
@@ -349,8 +375,13 @@ def test_training_step_leaks_no_unquantised_values():
     model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 10))
     act = Float(4, 3, special="fn", saturate=True)
     inject(model, {nn.Module: LayerQuantization(weight=E5M2, output=act, error=E5M2)})
-    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), weight=E5M2,
-                  grad=E5M2, momentum=BF16, acc=Float(6, 9))
+    opt = OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        weight=E5M2,
+        grad=E5M2,
+        momentum=BF16,
+        acc=Float(6, 9),
+    )
     outputs = []
     for m in model:
         m.register_forward_hook(lambda mod, args, out: outputs.append(out.detach()))
@@ -429,6 +460,10 @@ def test_compiling_an_injected_model_never_reuses_a_graph_compiled_without_its_q
     import sys  # noqa: PLC0415
 
     # A fresh process: dynamo's hook guards start at their default there.
-    out = subprocess.run([sys.executable, "-c", _COMPILED_BEFORE_INJECTION], capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", _COMPILED_BEFORE_INJECTION],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr

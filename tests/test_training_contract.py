@@ -7,13 +7,21 @@ import warnings
 
 import pytest
 import torch
+from support import assert_same_bits
 from torch import nn
 
 import lpsim
 from lpsim import Fixed, Float
-from lpsim.nn import LayerQuantization, Quantizer, inject, injected, quantized_parameters, remove, report
+from lpsim.nn import (
+    LayerQuantization,
+    Quantizer,
+    inject,
+    injected,
+    quantized_parameters,
+    remove,
+    report,
+)
 from lpsim.optim import OptimLP, ParameterQuantization
-from support import assert_same_bits
 
 E5M2 = Float(5, 2)
 E6M9 = Float(6, 9)
@@ -21,7 +29,9 @@ E6M9 = Float(6, 9)
 
 def on_grid(t: torch.Tensor, fmt) -> bool:
     t = t.detach()
-    return torch.equal(lpsim.quantize(t, fmt, "nearest"), t) and torch.equal(lpsim.quantize(t, fmt, "up"), t)
+    return torch.equal(lpsim.quantize(t, fmt, "nearest"), t) and torch.equal(
+        lpsim.quantize(t, fmt, "up"), t
+    )
 
 
 def mlp() -> nn.Sequential:
@@ -40,7 +50,9 @@ def train_step(model, opt, scale=1.0):
 
 def _documented_paths() -> set[str]:
     root = __import__("pathlib").Path(__file__).resolve().parent.parent
-    texts = [(root / "README.md").read_text()] + [p.read_text() for p in (root / "docs").glob("*.md")]
+    texts = [(root / "README.md").read_text()] + [
+        p.read_text() for p in (root / "docs").glob("*.md")
+    ]
     found = set()
     for text in texts:
         for path in re.findall(r"\blpsim(?:\.[A-Za-z_][A-Za-z0-9_]*)+", text):
@@ -53,7 +65,7 @@ def test_every_documented_dotted_path_resolves_after_import_lpsim():
     for path in sorted(_documented_paths()):
         obj = lpsim
         parts = path.split(".")[1:]
-        for i, part in enumerate(parts):
+        for part in parts:
             if not hasattr(obj, part):
                 # a file name or a method call's attribute of an instance, not an import path
                 if isinstance(obj, type) or part in ("py", "md", "png", "csv", "json", "pt"):
@@ -71,8 +83,9 @@ def test_every_documented_dotted_path_resolves_after_import_lpsim():
 def test_recipe_keeps_edge_layers_in_full_precision_in_the_optimizer():
     model = mlp()
     edges = [model[0].weight.detach().clone(), model[4].weight.detach().clone()]
-    model, opt = lpsim.recipes.IBM8.apply(model, torch.optim.SGD(model.parameters(), lr=0.1,
-                                                                   momentum=0.9))
+    model, opt = lpsim.recipes.IBM8.apply(
+        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    )
     train_step(model, opt, lpsim.recipes.IBM8.loss_scale)
     remove(model)
     for layer, before in zip((model[0], model[4]), edges):
@@ -89,10 +102,17 @@ def test_optimizer_rounds_exactly_the_parameters_inject_quantises():
     model = mlp()
     inject(model, {"4": None, nn.Linear: LayerQuantization(weight=E5M2, output=E5M2, error=E5M2)})
     fake = quantized_parameters(model)
-    assert {id(p) for p in fake} == {id(model[0].parametrizations.weight.original),
-                                     id(model[2].parametrizations.weight.original)}
-    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), weight=E5M2, grad=E5M2,
-                  momentum=E6M9, parameters=fake)
+    assert {id(p) for p in fake} == {
+        id(model[0].parametrizations.weight.original),
+        id(model[2].parametrizations.weight.original),
+    }
+    opt = OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        weight=E5M2,
+        grad=E5M2,
+        momentum=E6M9,
+        parameters=fake,
+    )
     train_step(model, opt)
     assert on_grid(fake[0], E5M2) and on_grid(fake[1], E5M2)
     assert not on_grid(model[4].weight, E5M2) and not on_grid(model[0].bias, E5M2)
@@ -103,13 +123,18 @@ def test_optimizer_rounds_exactly_the_parameters_inject_quantises():
 
 def test_parameter_groups_and_mappings_choose_each_parameters_rounding():
     body, edge, odd = (nn.Parameter(torch.randn(20)) for _ in range(3))
-    sgd = torch.optim.SGD([{"params": [body, odd]}, {"params": [edge], "quantization": None}], lr=0.1)
+    sgd = torch.optim.SGD(
+        [{"params": [body, odd]}, {"params": [edge], "quantization": None}], lr=0.1
+    )
     opt = OptimLP(sgd, weight=E5M2, rounding="nearest")
     assert opt.parameter_settings(edge) is None
     assert opt.parameter_settings(body).weight.format == E5M2
     fixed = ParameterQuantization(weight=Fixed(8, 4), rounding="nearest")
-    opt = OptimLP(torch.optim.SGD([body, edge, odd], lr=0.1), weight=E5M2,
-                  parameters={body: fixed, edge: None})
+    opt = OptimLP(
+        torch.optim.SGD([body, edge, odd], lr=0.1),
+        weight=E5M2,
+        parameters={body: fixed, edge: None},
+    )
     assert opt.parameter_settings(body) == fixed and opt.parameter_settings(edge) is None
     assert opt.parameter_settings(odd) is None  # unlisted: full precision
     for p in (body, edge, odd):
@@ -123,9 +148,11 @@ def test_parameter_groups_and_mappings_choose_each_parameters_rounding():
 # Item 2: selectors that decide nothing are errors
 
 
-@pytest.mark.parametrize("selector", ["fc", "Default", "layer4.*", nn.LSTM,
-                                      lambda name, m: isinstance(m, nn.Conv2d)],
-                         ids=["name", "misspelled-default", "glob", "type", "callable"])
+@pytest.mark.parametrize(
+    "selector",
+    ["fc", "Default", "layer4.*", nn.LSTM, lambda name, m: isinstance(m, nn.Conv2d)],
+    ids=["name", "misspelled-default", "glob", "type", "callable"],
+)
 def test_a_selector_that_matches_nothing_is_an_error(selector):
     model = mlp()
     config = {selector: None, nn.Linear: LayerQuantization(output=E5M2)}
@@ -153,7 +180,9 @@ def test_a_selector_shadowed_by_earlier_entries_is_an_error():
 def test_injecting_into_a_single_layer_quantises_it():
     torch.manual_seed(0)
     layer = nn.Linear(4, 2)
-    inject(layer, {nn.Linear: LayerQuantization(weight=(E5M2, "nearest"), output=(E5M2, "nearest"))})
+    inject(
+        layer, {nn.Linear: LayerQuantization(weight=(E5M2, "nearest"), output=(E5M2, "nearest"))}
+    )
     assert [name for name, _, _ in injected(layer)] == [""]
     y = layer(torch.randn(3, 4))
     assert on_grid(y, E5M2) and on_grid(layer.weight, E5M2)
@@ -168,8 +197,13 @@ def test_injecting_into_a_single_layer_quantises_it():
 
 def test_report_flags_quantisers_that_never_run_and_counts_only_real_ones():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    inject(model, {nn.ReLU: LayerQuantization(weight=E5M2),  # a ReLU has no weight
-                   nn.Linear: LayerQuantization(weight=E5M2, output=E5M2)})
+    inject(
+        model,
+        {
+            nn.ReLU: LayerQuantization(weight=E5M2),  # a ReLU has no weight
+            nn.Linear: LayerQuantization(weight=E5M2, output=E5M2),
+        },
+    )
     text = report(model)
     assert "2 modules quantised, 1 in full precision" in text
     assert re.search(r"^1\s+ReLU .*full precision \(nothing to quantise\)", text, re.M)
@@ -226,8 +260,10 @@ def test_remove_restores_parameter_order_so_saved_optimizer_state_loads():
 
 def _sr_model():
     model = mlp()
-    inject(model, {nn.Linear: LayerQuantization(weight=Fixed(8, 3), output=Fixed(8, 3),
-                                                error=Fixed(8, 3))})
+    inject(
+        model,
+        {nn.Linear: LayerQuantization(weight=Fixed(8, 3), output=Fixed(8, 3), error=Fixed(8, 3))},
+    )
     return model
 
 
@@ -272,8 +308,12 @@ def test_training_does_not_depend_on_how_often_one_evaluates():
 def test_bfloat16_model_with_a_float32_accumulator():
     torch.manual_seed(0)
     model = nn.Linear(8, 4).to(torch.bfloat16)
-    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
-                  weight=(Float(8, 7), "nearest"), acc=(E6M9, "nearest"), momentum=E6M9)
+    opt = OptimLP(
+        torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+        weight=(Float(8, 7), "nearest"),
+        acc=(E6M9, "nearest"),
+        momentum=E6M9,
+    )
     acc = opt.accumulators[model.weight]
     assert acc.dtype == torch.float32
     before = acc.clone()
@@ -285,22 +325,33 @@ def test_bfloat16_model_with_a_float32_accumulator():
     assert model.weight.dtype == torch.bfloat16 and acc.dtype == torch.float32
     assert opt.state[model.weight]["momentum_buffer"].dtype == torch.float32
     assert on_grid(acc, E6M9) and not torch.equal(acc, before)
-    assert_same_bits(model.weight.detach(), lpsim.quantize(acc, Float(8, 7), "nearest").to(torch.bfloat16))
+    assert_same_bits(
+        model.weight.detach(), lpsim.quantize(acc, Float(8, 7), "nearest").to(torch.bfloat16)
+    )
     # Small updates accumulate in e6m9 below bfloat16's spacing.
     assert not on_grid(acc, Float(8, 7))
     saved = opt.state_dict()
-    other = OptimLP(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
-                    weight=(Float(8, 7), "nearest"), acc=(E6M9, "nearest"), momentum=E6M9)
+    other = OptimLP(
+        torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9),
+        weight=(Float(8, 7), "nearest"),
+        acc=(E6M9, "nearest"),
+        momentum=E6M9,
+    )
     other.load_state_dict(saved)
     assert other.state[model.weight]["momentum_buffer"].dtype == torch.float32
-    assert_same_bits(other.state[model.weight]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"])
+    assert_same_bits(
+        other.state[model.weight]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"]
+    )
 
 
 @pytest.mark.parametrize("name", ["weight", "grad", "momentum"])
 def test_a_format_that_does_not_fit_names_its_argument(name):
     model = nn.Linear(4, 2).to(torch.bfloat16)
-    with pytest.raises(ValueError, match=rf"^OptimLP {name}: Float\(exp=6, man=9\) does not fit a "
-                                         r"bfloat16 tensor.*parameter 0 of group 0"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^OptimLP {name}: Float\(exp=6, man=9\) does not fit a "
+        r"bfloat16 tensor.*parameter 0 of group 0",
+    ):
         OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), **{name: E6M9})
 
 
@@ -317,12 +368,13 @@ def test_optim_lp_loads_a_plain_optimizers_state_dict():
     model = mlp()
     plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     train_step(model, plain)
-    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), weight=E5M2,
-                  acc=E6M9)
+    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), weight=E5M2, acc=E6M9)
     opt.load_state_dict(plain.state_dict())
     assert opt.param_groups[0]["lr"] == 0.1
-    assert_same_bits(opt.state[model[0].weight]["momentum_buffer"],
-                     plain.state[model[0].weight]["momentum_buffer"])
+    assert_same_bits(
+        opt.state[model[0].weight]["momentum_buffer"],
+        plain.state[model[0].weight]["momentum_buffer"],
+    )
     assert_same_bits(opt.accumulators[model[0].weight], model[0].weight.detach())
     with pytest.raises(ValueError, match="must be an OptimLP state_dict .* or a torch optimizer's"):
         opt.load_state_dict({"weights": []})

@@ -9,7 +9,6 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC target("avx2")
 #include <immintrin.h>
-
 #include <lpsim/philox.h>
 
 namespace lpsim::cpu {

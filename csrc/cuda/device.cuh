@@ -70,6 +70,8 @@ inline unsigned grid_blocks(uint64_t wanted) {
 }
 
 // Blocks for `items` work items of one thread each.
-inline unsigned blocks_for(uint64_t items) { return grid_blocks((items + kThreads - 1) / kThreads); }
+inline unsigned blocks_for(uint64_t items) {
+  return grid_blocks((items + kThreads - 1) / kThreads);
+}
 
 }  // namespace lpsim::gpu

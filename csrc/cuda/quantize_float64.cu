@@ -1,6 +1,6 @@
-// The CUDA launchers for float64 tensors (see kernels.cuh). One file per container, so that the
+// The CUDA launchers for float64 tensors (see quantize.cuh). One file per container, so that the
 // containers' kernels compile in parallel.
-#include "kernels.cuh"
+#include "cuda/quantize.cuh"
 
 namespace lpsim::gpu {
 LPSIM_GPU_INSTANTIATE(Float64Container)

@@ -28,9 +28,20 @@ import torch
 import torchvision
 from torch.utils.data import DistributedSampler
 
-__all__ = ["Split", "load_cifar10", "fake_cifar10", "epoch_generator", "draw_crop_flip",
-           "crop_flip", "random_crop_flip", "training_batches", "eval_shard", "UnverifiedCIFAR10",
-           "MEAN", "STD"]
+__all__ = [
+    "Split",
+    "load_cifar10",
+    "fake_cifar10",
+    "epoch_generator",
+    "draw_crop_flip",
+    "crop_flip",
+    "random_crop_flip",
+    "training_batches",
+    "eval_shard",
+    "UnverifiedCIFAR10",
+    "MEAN",
+    "STD",
+]
 
 # Per-channel mean and standard deviation of the CIFAR10 training set, as QPyTorch's examples use.
 MEAN = (0.4914, 0.4822, 0.4465)
@@ -47,7 +58,7 @@ class Split:
     def __len__(self) -> int:
         return len(self.labels)
 
-    def to(self, device) -> "Split":
+    def to(self, device) -> Split:
         return Split(self.images.to(device), self.labels.to(device))
 
 
@@ -61,8 +72,10 @@ class UnverifiedCIFAR10(torchvision.datasets.CIFAR10):
     a check that every batch file is present."""
 
     def _check_integrity(self) -> bool:
-        return all(os.path.isfile(os.path.join(self.root, self.base_folder, name))
-                   for name, _ in self.train_list + self.test_list)
+        return all(
+            os.path.isfile(os.path.join(self.root, self.base_folder, name))
+            for name, _ in self.train_list + self.test_list
+        )
 
     def _load_meta(self) -> None:
         path = os.path.join(self.root, self.base_folder, self.meta["filename"])
@@ -71,8 +84,9 @@ class UnverifiedCIFAR10(torchvision.datasets.CIFAR10):
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
 
 
-def load_cifar10(root: str | os.PathLike, train: bool, verify: bool = True,
-                 download: bool = False) -> Split:
+def load_cifar10(
+    root: str | os.PathLike, train: bool, verify: bool = True, download: bool = False
+) -> Split:
     """One split of CIFAR10 as read by torchvision.datasets.CIFAR10(root) from
     root/cifar-10-batches-py (the python pickle batches of the official release).
 
@@ -102,12 +116,16 @@ def load_cifar10(root: str | os.PathLike, train: bool, verify: bool = True,
             reason = None
         split = "training" if train else "test"
         if reason is not None:
-            message = (f"no CIFAR10 {split} batches: CIFAR10 (its python version) is expected in "
-                       f"{folder}, {reason}; pass --download to fetch it there")
+            message = (
+                f"no CIFAR10 {split} batches: CIFAR10 (its python version) is expected in "
+                f"{folder}, {reason}; pass --download to fetch it there"
+            )
         elif verify:
-            message = (f"no CIFAR10 {split} batches in {folder}: the files differ from the "
-                       "official release's (MD5 sums); data other than the official release "
-                       "needs --unverified-data")
+            message = (
+                f"no CIFAR10 {split} batches in {folder}: the files differ from the "
+                "official release's (MD5 sums); data other than the official release "
+                "needs --unverified-data"
+            )
         else:
             message = f"no CIFAR10 {split} batches in {folder}: {error}"
         raise FileNotFoundError(message) from error
@@ -118,8 +136,9 @@ def fake_cifar10(size: int, first: int = 0) -> Split:
     """``size`` random 32x32 RGB images with random labels from torchvision.datasets.FakeData (for
     timing runs where CIFAR10 is not at hand; nothing can be learnt from them). Image i is drawn
     from seed first + i, so sets with disjoint [first, first + size) share no image."""
-    fake = torchvision.datasets.FakeData(size=size, image_size=(3, 32, 32), num_classes=10,
-                                         random_offset=first)
+    fake = torchvision.datasets.FakeData(
+        size=size, image_size=(3, 32, 32), num_classes=10, random_offset=first
+    )
     images = np.stack([np.asarray(fake[i][0]) for i in range(size)])
     labels = [int(fake[i][1]) for i in range(size)]
     return _as_split(images, labels)
@@ -148,32 +167,35 @@ def crop_flip(images: torch.Tensor, choices: torch.Tensor, padding: int = 4) -> 
     device = images.device
     top, left, flip = choices[:, 0], choices[:, 1], choices[:, 2].bool()
     padded = torch.nn.functional.pad(images, (padding,) * 4)
-    rows = top[:, None] + torch.arange(h, device=device)                    # (n, h)
-    cols = left[:, None] + torch.arange(w, device=device)                   # (n, w)
+    rows = top[:, None] + torch.arange(h, device=device)  # (n, h)
+    cols = left[:, None] + torch.arange(w, device=device)  # (n, w)
     cols = torch.where(flip[:, None], cols.flip(1), cols)
     batch = torch.arange(n, device=device)[:, None, None, None]
     channel = torch.arange(c, device=device)[None, :, None, None]
     return padded[batch, channel, rows[:, None, :, None], cols[:, None, None, :]]
 
 
-def random_crop_flip(images: torch.Tensor, generator: torch.Generator,
-                     padding: int = 4) -> torch.Tensor:
+def random_crop_flip(
+    images: torch.Tensor, generator: torch.Generator, padding: int = 4
+) -> torch.Tensor:
     """The batch augmented as by torchvision's RandomCrop(size, padding) followed by
     RandomHorizontalFlip(): crop_flip with choices drawn from ``generator`` (on the CPU)."""
     choices = draw_crop_flip(len(images), generator, padding)
     return crop_flip(images, choices.to(images.device), padding)
 
 
-def training_batches(split: Split, batch_size: int, *, seed: int, epoch: int, rank: int,
-                     world_size: int):
+def training_batches(
+    split: Split, batch_size: int, *, seed: int, epoch: int, rank: int, world_size: int
+):
     """The (uint8 images, labels) batches of one epoch for one rank: its shard of
     DistributedSampler's order for (seed, epoch), in batches of ``batch_size`` (the last may be
     smaller), every image crop-flip augmented with choices drawn for the whole shard at once from
     epoch_generator(seed, epoch, rank). Every rank gets the same number of batches of the same
     sizes (DistributedSampler pads by repeating a few images). Order and choices reach the device
     in one transfer each per epoch."""
-    sampler = DistributedSampler(range(len(split)), num_replicas=world_size, rank=rank,
-                                 shuffle=True, seed=seed)
+    sampler = DistributedSampler(
+        range(len(split)), num_replicas=world_size, rank=rank, shuffle=True, seed=seed
+    )
     sampler.set_epoch(epoch)
     device = split.labels.device
     order = torch.tensor(list(sampler), dtype=torch.int64).to(device)
@@ -183,6 +205,6 @@ def training_batches(split: Split, batch_size: int, *, seed: int, epoch: int, ra
 
 
 def eval_shard(split: Split, rank: int, world_size: int) -> Split:
-    """Every world_size-th test image starting at rank: the shards are disjoint and cover the set."""
+    """Every world_size-th test image starting at rank: the shards are disjoint and cover the
+    set."""
     return Split(split.images[rank::world_size], split.labels[rank::world_size])
-

@@ -64,8 +64,12 @@ class VGG16(nn.Module):
         self.features = nn.Sequential(*layers)
         hidden = _channels(512, width)
         self.classifier = nn.Sequential(
-            nn.Dropout(), nn.Linear(channels, hidden), nn.ReLU(),
-            nn.Dropout(), nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Dropout(),
+            nn.Linear(channels, hidden),
+            nn.ReLU(),
+            nn.Dropout(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
             nn.Linear(hidden, num_classes),
         )
         for m in self.modules():
@@ -95,15 +99,25 @@ class VGG7(nn.Module):
             return nn.Conv2d(cin, cout, kernel_size=3, padding=1, bias=False)
 
         self.features = nn.Sequential(
-            conv(3, c1), nn.ReLU(),
-            conv(c1, c1), nn.MaxPool2d(2), nn.ReLU(),
-            conv(c1, c2), nn.ReLU(),
-            conv(c2, c2), nn.MaxPool2d(2), nn.ReLU(),
-            conv(c2, c3), nn.ReLU(),
-            conv(c3, c3), nn.MaxPool2d(2), nn.ReLU(),
+            conv(3, c1),
+            nn.ReLU(),
+            conv(c1, c1),
+            nn.MaxPool2d(2),
+            nn.ReLU(),
+            conv(c1, c2),
+            nn.ReLU(),
+            conv(c2, c2),
+            nn.MaxPool2d(2),
+            nn.ReLU(),
+            conv(c2, c3),
+            nn.ReLU(),
+            conv(c3, c3),
+            nn.MaxPool2d(2),
+            nn.ReLU(),
         )
         self.classifier = nn.Sequential(
-            nn.Linear(c3 * 4 * 4, hidden, bias=False), nn.ReLU(),
+            nn.Linear(c3 * 4 * 4, hidden, bias=False),
+            nn.ReLU(),
             nn.Linear(hidden, num_classes, bias=False),
         )
 

@@ -24,15 +24,27 @@ from torch.nn.utils import parametrize
 
 import lpsim
 from lpsim import BlockFloat, Fixed, Float
-from lpsim.nn import LayerQuantization, inject, quantizer
+from lpsim.nn import LayerQuantization, quantizer
 from lpsim.optim import OptimLP
-from lpsim.recipes import BLOCK8 as _BLOCK8
-from lpsim.recipes import IBM8 as _IBM8
+from lpsim.recipes import BLOCK8 as LPSIM_BLOCK8
+from lpsim.recipes import IBM8 as LPSIM_IBM8
 from lpsim.recipes import Recipe
 
-__all__ = ["CifarRecipe", "WageRecipe", "RECIPES", "wilson_factor", "round_initial_weights",
-           "after_relus", "after_weight_layers_but_last", "ibm8_placement", "wage_shift",
-           "wage_init_", "WageWeight", "WageGradient", "wage_clip", "describe"]
+__all__ = [
+    "CifarRecipe",
+    "WageRecipe",
+    "RECIPES",
+    "wilson_factor",
+    "after_relus",
+    "after_weight_layers_but_last",
+    "ibm8_placement",
+    "wage_shift",
+    "wage_init_",
+    "WageWeight",
+    "WageGradient",
+    "wage_clip",
+    "describe",
+]
 
 WEIGHT_LAYERS = (nn.Conv2d, nn.Linear)
 
@@ -78,8 +90,10 @@ def after_weight_layers_but_last(model: nn.Module, q: Recipe) -> dict:
     """Activations and errors at the output of every convolution and linear layer except the last
     one (QPyTorch's sequential_lower(layer_types=["conv", "linear"]) with the final quantiser
     removed, as in examples/SWALP)."""
-    return {_weight_layer_names(model)[-1]: None,
-            WEIGHT_LAYERS: LayerQuantization(output=q.activation, error=q.error)}
+    return {
+        _weight_layer_names(model)[-1]: None,
+        WEIGHT_LAYERS: LayerQuantization(output=q.activation, error=q.error),
+    }
 
 
 IBM8_EDGE = (Float(6, 9), "nearest")  # the 16-bit format at the network's input and output
@@ -97,20 +111,6 @@ def ibm8_placement(model: nn.Module, q: Recipe) -> dict:
         lambda name, m: isinstance(m, nn.Conv2d) and "downsample" not in name: low,
         nn.ReLU: low,
     }
-
-
-@torch.no_grad()
-def round_initial_weights(optimizer: OptimLP) -> None:
-    """Round the initial weights as OptimLP rounds them after every step (from the accumulator
-    when there is one), so that the first forward pass already sees low-precision weights.
-    QPyTorch's examples leave the initial weights unrounded until the first step."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            source = optimizer.accumulators[p] if optimizer.acc_quant is not None else p
-            if optimizer.weight_quant is not None:
-                p.copy_(optimizer.weight_quant(source))
-            else:
-                p.copy_(source)
 
 
 # The recipe
@@ -174,8 +174,10 @@ class CifarRecipe:
         if self.swa_start is None:
             return None
         if epochs < 2:
-            raise ValueError(f"recipe {self.name} trains at least one epoch before averaging and "
-                             f"averages at least one: it needs 2 or more epochs, got {epochs}")
+            raise ValueError(
+                f"recipe {self.name} trains at least one epoch before averaging and "
+                f"averages at least one: it needs 2 or more epochs, got {epochs}"
+            )
         return min(max(int(epochs * self.swa_start), 1), epochs - 1)
 
     def lr_factor(self, epoch: int, epochs: int, swa_start: int | None, lr: float) -> float:
@@ -192,21 +194,27 @@ class CifarRecipe:
             raise ValueError(f"the learning rate must be a positive number, got {lr!r}")
 
     def prepare(self, model: nn.Module, lr: float):
-        """Apply the recipe to ``model`` (already on its device): inject the quantisers, build
-        SGD, wrap it in OptimLP, round the initial weights. Returns (model, optimizer)."""
+        """Apply the recipe to ``model`` (already on its device): build SGD, then let the lpsim
+        Recipe inject the quantisers where ``placement`` says and wrap SGD in OptimLP rounding
+        every parameter (as QPyTorch's examples do), and round the initial weights as OptimLP
+        rounds them after every step (from the accumulator when there is one). Returns
+        (model, optimizer)."""
         self.check_lr(lr)
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=self.momentum,
-                                    weight_decay=self.weight_decay)
+        optimizer = torch.optim.SGD(
+            model.parameters(), lr=lr, momentum=self.momentum, weight_decay=self.weight_decay
+        )
         q = self.quantization
         if q is None:
             return model, optimizer
-        inject(model, self.placement(model, q))
-        optimizer = OptimLP(optimizer, weight=q.weight, grad=q.grad, momentum=q.momentum,
-                            acc=q.acc, grad_scaling=1.0 / q.loss_scale)
-        round_initial_weights(optimizer)
+        model, optimizer = q.apply(
+            model, optimizer, layers=self.placement(model, q), parameters="all"
+        )
+        optimizer.round_weights()
         return model, optimizer
 
-    def criterion(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def criterion(
+        self, logits: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the loss to differentiate, its sum over the batch for logging)."""
         if self.loss == "sse":
             target = nn.functional.one_hot(labels, logits.shape[1]).to(logits.dtype)
@@ -234,8 +242,9 @@ def wage_shift(x: torch.Tensor) -> torch.Tensor:
     peak = x.detach().abs().amax()
     mantissa, exponent = torch.frexp(peak)  # peak = mantissa * 2**exponent, mantissa in [1/2, 1)
     exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # exact powers of two: 2**(e-1)
-    scale = torch.where(peak > 0, torch.ldexp(torch.ones_like(peak), exponent),
-                        torch.ones_like(peak))
+    scale = torch.where(
+        peak > 0, torch.ldexp(torch.ones_like(peak), exponent), torch.ones_like(peak)
+    )
     return x / scale
 
 
@@ -283,8 +292,9 @@ class WageGradient:
 
     def __call__(self, grad: torch.Tensor) -> torch.Tensor:
         lr = self.optimizer.param_groups[0]["lr"]
-        step = lpsim.quantize(wage_shift(grad) * (lr / 2 ** (self.bits - 1)), self.format,
-                              "stochastic")
+        step = lpsim.quantize(
+            wage_shift(grad) * (lr / 2 ** (self.bits - 1)), self.format, "stochastic"
+        )
         return step / lr
 
     def __repr__(self) -> str:
@@ -312,25 +322,33 @@ class WageRecipe(CifarRecipe):
         if math.frexp(lr)[0] != 0.5:
             raise ValueError(
                 f"WAGE's learning rate must be a power of two (its updates are multiples of "
-                f"2**-{WAGE_BITS['gradient'] - 1}), got {lr!r}")
+                f"2**-{WAGE_BITS['gradient'] - 1}), got {lr!r}"
+            )
 
     def prepare(self, model: nn.Module, lr: float):
         self.check_lr(lr)
         named = dict(model.named_parameters())
         layers = [m for m in model.modules() if isinstance(m, WEIGHT_LAYERS)]
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()) or (
-                len(named) != len(layers)):
-            raise ValueError("WAGE applies to models whose only parameters are the weights of "
-                             "convolutions and linear layers (no biases, no batch norm), such as "
-                             "vgg7")
+            len(named) != len(layers)
+        ):
+            raise ValueError(
+                "WAGE applies to models whose only parameters are the weights of "
+                "convolutions and linear layers (no biases, no batch norm), such as "
+                "vgg7"
+            )
         for layer in layers:
             scale = wage_init_(layer.weight)
             with torch.no_grad():
                 layer.weight.copy_(wage_clip(layer.weight))
             parametrize.register_parametrization(layer, "weight", WageWeight(scale))
         act, err = (_symmetric_fixed(WAGE_BITS[k]) for k in ("activation", "error"))
-        inner = quantizer(forward=(act, "nearest"), backward=(err, "stochastic"),
-                          clamp_grad_zero=True, backward_hooks=[wage_shift])
+        inner = quantizer(
+            forward=(act, "nearest"),
+            backward=(err, "stochastic"),
+            clamp_grad_zero=True,
+            backward_hooks=[wage_shift],
+        )
         for m in model.modules():
             if isinstance(m, nn.ReLU):
                 _attach_output(m, inner)
@@ -347,44 +365,66 @@ class WageRecipe(CifarRecipe):
 
 _HALF = (Float(5, 10), "stochastic")
 _BLOCK8_ROWS = (BlockFloat(8, dim=0), "stochastic")
-_INITIAL_WEIGHTS = ("The initial weights are rounded into the weight format before the first "
-                    "step; QPyTorch's example rounds them only after it.")
-_SCHEDULE_TIMING = ("Epoch e trains at the schedule's value for e; QPyTorch's example steps its "
-                    "LambdaLR before each epoch, so its epoch e trains at the value for e + 1.")
+_INITIAL_WEIGHTS = (
+    "The initial weights are rounded into the weight format before the first "
+    "step; QPyTorch's example rounds them only after it."
+)
+_SCHEDULE_TIMING = (
+    "Epoch e trains at the schedule's value for e; QPyTorch's example steps its "
+    "LambdaLR before each epoch, so its epoch e trains at the value for e + 1."
+)
 
 FP32 = CifarRecipe(
-    "fp32", "VGG16 in float32 (the baseline)", model="vgg16", epochs=200, lr=0.05,
+    "fp32",
+    "VGG16 in float32 (the baseline)",
+    model="vgg16",
+    epochs=200,
+    lr=0.05,
     source="examples/lp_train/train.py with VGG16 and no quantisation",
 )
 
 FP16 = CifarRecipe(
-    "fp16", "VGG16, weights/activations/errors/gradients/momentum in e5m10, stochastic rounding",
-    model="vgg16", epochs=200, lr=0.05,
-    quantization=Recipe("fp16", weight=_HALF, activation=_HALF, error=_HALF, grad=_HALF,
-                        momentum=_HALF),
+    "fp16",
+    "VGG16, weights/activations/errors/gradients/momentum in e5m10, stochastic rounding",
+    model="vgg16",
+    epochs=200,
+    lr=0.05,
+    quantization=Recipe(
+        "fp16", weight=_HALF, activation=_HALF, error=_HALF, grad=_HALF, momentum=_HALF
+    ),
     placement=after_relus,
     source="examples/half_baseline/half_stochastic.sh",
     deviations=(
         "e5m10 is IEEE half precision (max 65504, overflow to Inf, ties to even); QPyTorch's "
         "e5m10 treats the top exponent as finite and saturates.",
-        "The example script asks for 11 mantissa bits; half precision stores 10, the paper's "
-        "FP16.",
+        "The example script asks for 11 mantissa bits; half precision stores 10, the paper's FP16.",
         _INITIAL_WEIGHTS,
     ),
 )
 
 BLOCK8 = CifarRecipe(
-    "block8", "VGG16, 8-bit block floating point (one exponent per tensor) everywhere, stochastic",
-    model="vgg16", epochs=200, lr=0.05,
-    quantization=_BLOCK8, placement=after_relus,
+    "block8",
+    "VGG16, 8-bit block floating point (one exponent per tensor) everywhere, stochastic",
+    model="vgg16",
+    epochs=200,
+    lr=0.05,
+    quantization=LPSIM_BLOCK8,
+    placement=after_relus,
     source="examples/lp_train/block_baseline/block_stochastic.sh",
     deviations=(_INITIAL_WEIGHTS,),
 )
 
 WAGE = WageRecipe(
-    "wage", "VGG7, 2-bit weights, 8-bit activations/errors/gradients (WAGE), SSE loss",
-    model="vgg7", epochs=300, lr=8.0, momentum=0.0, weight_decay=0.0, schedule="wage",
-    loss="sse", inputs="symmetric",
+    "wage",
+    "VGG7, 2-bit weights, 8-bit activations/errors/gradients (WAGE), SSE loss",
+    model="vgg7",
+    epochs=300,
+    lr=8.0,
+    momentum=0.0,
+    weight_decay=0.0,
+    schedule="wage",
+    loss="sse",
+    inputs="symmetric",
     source="examples/WAGE/reproduce.sh",
     deviations=(
         "Ternary weights round ties to even (as WAGE's TensorFlow code); QPyTorch's CUDA kernel "
@@ -395,26 +435,46 @@ WAGE = WageRecipe(
 )
 
 SWALP = CifarRecipe(
-    "swalp", "VGG16, 8-bit block floating point per row everywhere, SWA from 2/3 of the epochs",
-    model="vgg16", model_options=(("conv_init", "fan_in"),), epochs=300, lr=0.05,
-    quantization=Recipe("swalp", weight=_BLOCK8_ROWS, activation=_BLOCK8_ROWS,
-                        error=_BLOCK8_ROWS, grad=_BLOCK8_ROWS, momentum=_BLOCK8_ROWS),
-    placement=after_weight_layers_but_last, swa_start=2 / 3, swa_lr=0.01,
+    "swalp",
+    "VGG16, 8-bit block floating point per row everywhere, SWA from 2/3 of the epochs",
+    model="vgg16",
+    model_options=(("conv_init", "fan_in"),),
+    epochs=300,
+    lr=0.05,
+    quantization=Recipe(
+        "swalp",
+        weight=_BLOCK8_ROWS,
+        activation=_BLOCK8_ROWS,
+        error=_BLOCK8_ROWS,
+        grad=_BLOCK8_ROWS,
+        momentum=_BLOCK8_ROWS,
+    ),
+    placement=after_weight_layers_but_last,
+    swa_start=2 / 3,
+    swa_lr=0.01,
     source="examples/SWALP/example.sh (run with CIFAR10)",
-    deviations=(_SCHEDULE_TIMING, _INITIAL_WEIGHTS,
-                "Batch-norm statistics of the averaged model are recomputed on the training "
-                "data (a no-op for this VGG16, which has none)."),
+    deviations=(
+        _SCHEDULE_TIMING,
+        _INITIAL_WEIGHTS,
+        "Batch-norm statistics of the averaged model are recomputed on the training "
+        "data (a no-op for this VGG16, which has none).",
+    ),
 )
 
 IBM8 = CifarRecipe(
-    "ibm8", "PreResNet20, e5m2 nearest data, e6m9 stochastic accumulator/momentum, loss x1000",
-    model="preresnet20", epochs=200, lr=0.05,
-    quantization=_IBM8, placement=ibm8_placement,
+    "ibm8",
+    "PreResNet20, e5m2 nearest data, e6m9 stochastic accumulator/momentum, loss x1000",
+    model="preresnet20",
+    epochs=200,
+    lr=0.05,
+    quantization=LPSIM_IBM8,
+    placement=ibm8_placement,
     source="examples/IBM8/example.sh",
     deviations=(
         "e5m2 here is IEEE-like with saturation at 57344; QPyTorch's e5m2 treats the top "
         "exponent as finite (max 114688).",
-        _SCHEDULE_TIMING, _INITIAL_WEIGHTS,
+        _SCHEDULE_TIMING,
+        _INITIAL_WEIGHTS,
     ),
 )
 

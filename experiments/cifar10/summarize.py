@@ -41,24 +41,37 @@ def collect(runs: pathlib.Path) -> list[dict]:
             status = f"not a result: width {config['width']}"
         else:
             status = "result"
-        rows.append({"run": folder.name, "recipe": config["recipe"], "data": config["data"],
-                     "epochs": f"{done}/{planned}", "test_error": last.get("test_error", ""),
-                     "swa_test_error": last.get("swa_test_error", ""), "status": status})
+        rows.append(
+            {
+                "run": folder.name,
+                "recipe": config["recipe"],
+                "data": config["data"],
+                "epochs": f"{done}/{planned}",
+                "test_error": last.get("test_error", ""),
+                "swa_test_error": last.get("swa_test_error", ""),
+                "status": status,
+            }
+        )
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| run | recipe | data | epochs | test error % | averaged test error % | status |",
-             "|---|---|---|---:|---:|---:|---|"]
+    lines = [
+        "| run | recipe | data | epochs | test error % | averaged test error % | status |",
+        "|---|---|---|---:|---:|---:|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['run']} | {r['recipe']} | {r['data']} | {r['epochs']} | "
-                     f"{r['test_error'] or '-'} | {r['swa_test_error'] or '-'} | {r['status']} |")
+        lines.append(
+            f"| {r['run']} | {r['recipe']} | {r['data']} | {r['epochs']} | "
+            f"{r['test_error'] or '-'} | {r['swa_test_error'] or '-'} | {r['status']} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> str:
-    p = argparse.ArgumentParser(prog="python -m experiments.cifar10.summarize",
-                                description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.cifar10.summarize", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--runs", type=pathlib.Path, default=pathlib.Path("out") / "cifar10")
     p.add_argument("--out", type=pathlib.Path, help="also write the table to this file")
     args = p.parse_args(argv)

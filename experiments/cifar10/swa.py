@@ -38,8 +38,10 @@ class WeightAverage:
         current = dict(model.named_parameters())
         mine = dict(self.model.named_parameters())
         if current.keys() != mine.keys():
-            raise ValueError("the averaged model and the trained model have different parameters: "
-                             f"{sorted(set(current) ^ set(mine))[:4]}")
+            raise ValueError(
+                "the averaged model and the trained model have different parameters: "
+                f"{sorted(set(current) ^ set(mine))[:4]}"
+            )
         alpha = 1.0 / (self.count + 1)
         for name, p in mine.items():
             p.mul_(1.0 - alpha).add_(current[name].detach() * alpha)

@@ -45,8 +45,18 @@ from experiments.cifar10.swa import WeightAverage
 CHECKPOINT = "checkpoint.pt"
 LOG = "log.csv"
 CURVES = "curves.png"
-COLUMNS = ("epoch", "lr", "train_loss", "train_error", "test_loss", "test_error",
-           "swa_test_loss", "swa_test_error", "train_seconds", "test_seconds")
+COLUMNS = (
+    "epoch",
+    "lr",
+    "train_loss",
+    "train_error",
+    "test_loss",
+    "test_error",
+    "swa_test_loss",
+    "swa_test_error",
+    "train_seconds",
+    "test_seconds",
+)
 # Settings that must be equal for --resume to continue the same run. The epochs may grow; the
 # length of the learning-rate schedule (schedule_epochs, the run's first --epochs) never changes.
 RUN_KEYS = ("recipe", "batch_size", "lr", "seed", "swa_start", "width", "world_size", "data")
@@ -67,48 +77,90 @@ def positive_float(text: str) -> float:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.cifar10.train",
-                                description="Train a CIFAR10 recipe of the QPyTorch paper with lpsim.")
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.cifar10.train",
+        description="Train a CIFAR10 recipe of the QPyTorch paper with lpsim.",
+    )
     p.add_argument("--recipe", help=f"one of: {', '.join(RECIPES)}")
     p.add_argument("--list-recipes", action="store_true", help="list the recipes and exit")
-    p.add_argument("--data-dir", type=pathlib.Path,
-                   help="directory holding cifar-10-batches-py")
-    p.add_argument("--download", action="store_true",
-                   help="first download CIFAR10 into DATA_DIR with torchvision (about 170 MB; "
-                        "skipped when it is there)")
-    p.add_argument("--unverified-data", action="store_true",
-                   help="read CIFAR10-format batches without comparing them to the official "
-                        "release's MD5 sums (re-packed copies, test fixtures)")
-    p.add_argument("--fake-data", type=positive_int, metavar="N",
-                   help="train on N random images (torchvision FakeData) instead, for timing")
-    p.add_argument("--epochs", type=positive_int,
-                   help="default: the recipe's, or with --resume the checkpoint's; with --resume a "
-                        "larger number extends the run at the rate its schedule ended on")
-    p.add_argument("--batch-size", type=positive_int,
-                   help="global batch size, split evenly over processes (default: the recipe's)")
-    p.add_argument("--lr", type=positive_float, help="initial learning rate (default: the recipe's)")
-    p.add_argument("--swa-start", type=int, metavar="EPOCH",
-                   help="first epoch (from 0) averaged, for recipes with weight averaging: "
-                        "1 to epochs - 1 (default: 2/3 of the epochs, kept in that range)")
+    p.add_argument("--data-dir", type=pathlib.Path, help="directory holding cifar-10-batches-py")
+    p.add_argument(
+        "--download",
+        action="store_true",
+        help="first download CIFAR10 into DATA_DIR with torchvision (about 170 MB; "
+        "skipped when it is there)",
+    )
+    p.add_argument(
+        "--unverified-data",
+        action="store_true",
+        help="read CIFAR10-format batches without comparing them to the official "
+        "release's MD5 sums (re-packed copies, test fixtures)",
+    )
+    p.add_argument(
+        "--fake-data",
+        type=positive_int,
+        metavar="N",
+        help="train on N random images (torchvision FakeData) instead, for timing",
+    )
+    p.add_argument(
+        "--epochs",
+        type=positive_int,
+        help="default: the recipe's, or with --resume the checkpoint's; with --resume a "
+        "larger number extends the run at the rate its schedule ended on",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        help="global batch size, split evenly over processes (default: the recipe's)",
+    )
+    p.add_argument(
+        "--lr", type=positive_float, help="initial learning rate (default: the recipe's)"
+    )
+    p.add_argument(
+        "--swa-start",
+        type=int,
+        metavar="EPOCH",
+        help="first epoch (from 0) averaged, for recipes with weight averaging: "
+        "1 to epochs - 1 (default: 2/3 of the epochs, kept in that range)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto",
-                   help="auto (cuda when available), cpu, cuda or cuda:K; under torchrun each "
-                        "process takes the GPU of its local rank")
-    p.add_argument("--out-dir", type=pathlib.Path,
-                   help="where the checkpoint and log go (default: out/cifar10/<recipe>)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from OUT_DIR/checkpoint.pt (a finished run: only with a larger "
-                        "--epochs)")
-    p.add_argument("--stop-after", type=positive_int, metavar="N",
-                   help="end this invocation after N epochs (checkpoint written; continue with "
-                        "--resume); the schedule still spans --epochs")
-    p.add_argument("--width", type=positive_float, default=1.0,
-                   help="channel multiplier of the model (1: the published network)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="auto (cuda when available), cpu, cuda or cuda:K; under torchrun each "
+        "process takes the GPU of its local rank",
+    )
+    p.add_argument(
+        "--out-dir",
+        type=pathlib.Path,
+        help="where the checkpoint and log go (default: out/cifar10/<recipe>)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from OUT_DIR/checkpoint.pt (a finished run: only with a larger --epochs)",
+    )
+    p.add_argument(
+        "--stop-after",
+        type=positive_int,
+        metavar="N",
+        help="end this invocation after N epochs (checkpoint written; continue with "
+        "--resume); the schedule still spans --epochs",
+    )
+    p.add_argument(
+        "--width",
+        type=positive_float,
+        default=1.0,
+        help="channel multiplier of the model (1: the published network)",
+    )
     p.add_argument("--compile", action="store_true", help="train the torch.compile'd model")
-    p.add_argument("--deterministic", action="store_true",
-                   help="deterministic GPU kernels where torch has them (needed for "
-                        "bit-identical resumes on GPUs; CPU runs are deterministic for a fixed "
-                        "thread count)")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic GPU kernels where torch has them (needed for "
+        "bit-identical resumes on GPUs; CPU runs are deterministic for a fixed "
+        "thread count)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -132,11 +184,16 @@ class Run:
         if args.resume and not self.checkpoint.is_file():
             p.error(f"--resume: no checkpoint at {self.checkpoint}")
         if not args.resume and self.checkpoint.exists():
-            p.error(f"{self.checkpoint} exists: pass --resume to continue that run, or choose "
-                    "another --out-dir")
+            p.error(
+                f"{self.checkpoint} exists: pass --resume to continue that run, or choose "
+                "another --out-dir"
+            )
         # The checkpoint (on the CPU: generator states must stay there), under --resume.
-        self.saved = (torch.load(self.checkpoint, map_location="cpu", weights_only=True)
-                      if args.resume else None)
+        self.saved = (
+            torch.load(self.checkpoint, map_location="cpu", weights_only=True)
+            if args.resume
+            else None
+        )
         saved = None
         if self.saved is not None:
             saved = {"schedule_epochs": self.saved["config"]["epochs"], **self.saved["config"]}
@@ -145,8 +202,10 @@ class Run:
         # --resume --epochs train at the rate the schedule ends on.
         self.schedule_epochs = saved["schedule_epochs"] if saved else self.epochs
         if saved and self.epochs < saved["epochs"]:
-            p.error(f"--resume --epochs {self.epochs}: the run in {self.out_dir} has "
-                    f"{saved['epochs']} epochs, and --epochs can only grow")
+            p.error(
+                f"--resume --epochs {self.epochs}: the run in {self.out_dir} has "
+                f"{saved['epochs']} epochs, and --epochs can only grow"
+            )
         self.batch_size = args.batch_size or self.recipe.batch_size
         self.lr = args.lr or self.recipe.lr
         try:
@@ -156,9 +215,11 @@ class Run:
         self.swa_start = None
         if self.recipe.swa_start is not None:
             if self.schedule_epochs < 2:
-                p.error(f"recipe {self.recipe.name} trains at least one epoch before averaging "
-                        f"and averages at least one: it needs --epochs 2 or more, got "
-                        f"{self.schedule_epochs}")
+                p.error(
+                    f"recipe {self.recipe.name} trains at least one epoch before averaging "
+                    f"and averages at least one: it needs --epochs 2 or more, got "
+                    f"{self.schedule_epochs}"
+                )
             if args.swa_start is not None:
                 self.swa_start = args.swa_start
             elif saved and saved["recipe"] == self.recipe.name:
@@ -166,33 +227,52 @@ class Run:
             else:
                 self.swa_start = self.recipe.default_swa_start(self.schedule_epochs)
             if not 0 < self.swa_start < self.schedule_epochs:
-                p.error(f"--swa-start must lie between 1 and epochs - 1 = "
-                        f"{self.schedule_epochs - 1}, got {self.swa_start}")
+                p.error(
+                    f"--swa-start must lie between 1 and epochs - 1 = "
+                    f"{self.schedule_epochs - 1}, got {self.swa_start}"
+                )
         elif args.swa_start is not None:
-            p.error(f"recipe {self.recipe.name} does not average weights; --swa-start applies to "
-                    f"{', '.join(r.name for r in RECIPES.values() if r.swa_start)}")
+            p.error(
+                f"recipe {self.recipe.name} does not average weights; --swa-start applies to "
+                f"{', '.join(r.name for r in RECIPES.values() if r.swa_start)}"
+            )
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         if self.batch_size % self.world_size:
-            p.error(f"--batch-size {self.batch_size} is not divisible by the {self.world_size} "
-                    "processes")
+            p.error(
+                f"--batch-size {self.batch_size} is not divisible by the {self.world_size} "
+                "processes"
+            )
         self.local_batch = self.batch_size // self.world_size
         self.device = self._device(args.device, p)
         if args.fake_data:
             self.data_name = f"fake:{args.fake_data}"
         else:
             self.data_name = "cifar10-unverified" if args.unverified_data else "cifar10"
-        self.config = {"recipe": self.recipe.name, "epochs": self.epochs,
-                       "schedule_epochs": self.schedule_epochs, "batch_size": self.batch_size,
-                       "lr": self.lr, "seed": args.seed, "swa_start": self.swa_start,
-                       "width": args.width, "world_size": self.world_size, "data": self.data_name}
+        self.config = {
+            "recipe": self.recipe.name,
+            "epochs": self.epochs,
+            "schedule_epochs": self.schedule_epochs,
+            "batch_size": self.batch_size,
+            "lr": self.lr,
+            "seed": args.seed,
+            "swa_start": self.swa_start,
+            "width": args.width,
+            "world_size": self.world_size,
+            "data": self.data_name,
+        }
         if saved:
-            different = {k: (saved.get(k), self.config[k]) for k in RUN_KEYS
-                         if saved.get(k) != self.config[k]}
+            different = {
+                k: (saved.get(k), self.config[k])
+                for k in RUN_KEYS
+                if saved.get(k) != self.config[k]
+            }
             if different:
-                raise SystemExit(f"--resume: {self.checkpoint} belongs to another run; settings "
-                                 f"that differ (saved, now): {different}")
+                raise SystemExit(
+                    f"--resume: {self.checkpoint} belongs to another run; settings "
+                    f"that differ (saved, now): {different}"
+                )
 
     @property
     def finished(self) -> bool:
@@ -212,8 +292,10 @@ class Run:
             if self.world_size > 1 or device.index is None:
                 device = torch.device("cuda", self.local_rank if self.world_size > 1 else 0)
             if device.index >= torch.cuda.device_count():
-                p.error(f"--device: no {device} (this machine has {torch.cuda.device_count()} "
-                        "CUDA devices)")
+                p.error(
+                    f"--device: no {device} (this machine has {torch.cuda.device_count()} "
+                    "CUDA devices)"
+                )
         elif device.type != "cpu":
             p.error(f"--device must be auto, cpu or cuda[:K], got {name!r}")
         return device
@@ -245,8 +327,9 @@ def to_inputs(recipe: CifarRecipe, images: torch.Tensor) -> torch.Tensor:
     if recipe.inputs == "symmetric":
         return x.mul_(2).sub_(1)
     if x.device not in _MOMENTS:  # made once per device: no host-to-device copy per batch
-        _MOMENTS[x.device] = tuple(torch.tensor(v, device=x.device).view(1, 3, 1, 1)
-                                   for v in (cifar.MEAN, cifar.STD))
+        _MOMENTS[x.device] = tuple(
+            torch.tensor(v, device=x.device).view(1, 3, 1, 1) for v in (cifar.MEAN, cifar.STD)
+        )
     mean, std = _MOMENTS[x.device]
     return (x - mean) / std
 
@@ -258,19 +341,31 @@ def all_reduce_sum(run: Run, values: list) -> list[float]:
     return t.tolist()
 
 
-def train_epoch(run: Run, net: nn.Module, model: nn.Module, optimizer, train: cifar.Split,
-                epoch: int) -> tuple[float, float]:
+def train_epoch(
+    run: Run, net: nn.Module, model: nn.Module, optimizer, train: cifar.Split, epoch: int
+) -> tuple[float, float]:
     """One epoch on this rank's shard; returns (mean loss, error %) over all ranks."""
     recipe = run.recipe
     model.train()
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
     correct = torch.zeros((), dtype=torch.int64, device=run.device)
     seen = 0
-    batches = cifar.training_batches(train, run.local_batch, seed=run.args.seed, epoch=epoch,
-                                     rank=run.rank, world_size=run.world_size)
+    batches = cifar.training_batches(
+        train,
+        run.local_batch,
+        seed=run.args.seed,
+        epoch=epoch,
+        rank=run.rank,
+        world_size=run.world_size,
+    )
     total = math.ceil(math.ceil(len(train) / run.world_size) / run.local_batch)
-    bar = tqdm(batches, total=total, desc=f"epoch {epoch + 1}/{run.epochs}", leave=False,
-               disable=True if (run.args.no_progress or not run.main_process) else None)
+    bar = tqdm(
+        batches,
+        total=total,
+        desc=f"epoch {epoch + 1}/{run.epochs}",
+        leave=False,
+        disable=True if (run.args.no_progress or not run.main_process) else None,
+    )
     for images, labels in bar:
         logits = net(to_inputs(recipe, images))
         loss, batch_loss = recipe.criterion(logits, labels)
@@ -296,8 +391,8 @@ def evaluate(run: Run, model: nn.Module, test: cifar.Split) -> tuple[float, floa
         loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
         correct = torch.zeros((), dtype=torch.int64, device=run.device)
         for start in range(0, len(shard), run.local_batch):
-            images = shard.images[start:start + run.local_batch]
-            labels = shard.labels[start:start + run.local_batch]
+            images = shard.images[start : start + run.local_batch]
+            labels = shard.labels[start : start + run.local_batch]
             logits = model(to_inputs(run.recipe, images))
             loss_sum += run.recipe.criterion(logits, labels)[1].double()
             correct += (logits.argmax(1) == labels).sum()
@@ -305,16 +400,25 @@ def evaluate(run: Run, model: nn.Module, test: cifar.Split) -> tuple[float, floa
     return loss_total / count, 100.0 * (1.0 - correct_total / count)
 
 
-def update_average(run: Run, average: WeightAverage, model: nn.Module, train: cifar.Split,
-                   epoch: int) -> None:
+def update_average(
+    run: Run, average: WeightAverage, model: nn.Module, train: cifar.Split, epoch: int
+) -> None:
     """Fold the weights into the average and recompute its batch-norm statistics on this rank's
     shard of the training data (averaged over ranks), under forked generators."""
     average.update(model)
     devices = [run.device] if run.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
-        batches = (to_inputs(run.recipe, images) for images, _ in cifar.training_batches(
-            train, run.local_batch, seed=run.args.seed, epoch=epoch, rank=run.rank,
-            world_size=run.world_size))
+        batches = (
+            to_inputs(run.recipe, images)
+            for images, _ in cifar.training_batches(
+                train,
+                run.local_batch,
+                seed=run.args.seed,
+                epoch=epoch,
+                rank=run.rank,
+                world_size=run.world_size,
+            )
+        )
         average.recompute_batch_norm(batches)
     if run.distributed:
         for m in average.model.modules():
@@ -337,19 +441,22 @@ def rank_digests(run: Run, model: nn.Module) -> list[int]:
     mine = weights_digest(model)
     if not run.distributed:
         return [mine]
-    gathered = [torch.zeros(1, dtype=torch.int64, device=run.device)
-                for _ in range(run.world_size)]
+    gathered = [torch.zeros(1, dtype=torch.int64, device=run.device) for _ in range(run.world_size)]
     dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=run.device))
     digests = [int(d) for d in gathered]
     if len(set(digests)) != 1:
-        raise RuntimeError(f"the ranks' weights differ after this epoch (digests {digests}): every "
-                           "rank must draw the same stochastic-rounding seeds")
+        raise RuntimeError(
+            f"the ranks' weights differ after this epoch (digests {digests}): every "
+            "rank must draw the same stochastic-rounding seeds"
+        )
     return digests
 
 
 def rng_state(run: Run) -> dict:
-    return {"cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None}
+    return {
+        "cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None,
+    }
 
 
 def set_rng_state(run: Run, state: dict) -> None:
@@ -386,10 +493,16 @@ def plot_curves(path: pathlib.Path, history: list[dict], title: str) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, quantity in zip(axes, ("error", "loss")):
-        for prefix, label, style in (("train_", "training", "--"), ("test_", "test", "-"),
-                                     ("swa_test_", "test, averaged weights", "-")):
-            points = [(int(row["epoch"]), float(row[prefix + quantity])) for row in history
-                      if row[prefix + quantity] != ""]
+        for prefix, label, style in (
+            ("train_", "training", "--"),
+            ("test_", "test", "-"),
+            ("swa_test_", "test, averaged weights", "-"),
+        ):
+            points = [
+                (int(row["epoch"]), float(row[prefix + quantity]))
+                for row in history
+                if row[prefix + quantity] != ""
+            ]
             if points:
                 epochs, values = zip(*points)
                 ax.plot(epochs, values, style, marker="o", markersize=3, label=label)
@@ -412,10 +525,8 @@ def load_data(run: Run) -> tuple[cifar.Split, cifar.Split]:
         test = cifar.fake_cifar10(max(1, size // 5), first=(args.seed * 2 + 1) * size)
     else:
         verify = not args.unverified_data
-        train = cifar.load_cifar10(args.data_dir, train=True, verify=verify,
-                                   download=args.download)
-        test = cifar.load_cifar10(args.data_dir, train=False, verify=verify,
-                                  download=args.download)
+        train = cifar.load_cifar10(args.data_dir, train=True, verify=verify, download=args.download)
+        test = cifar.load_cifar10(args.data_dir, train=False, verify=verify, download=args.download)
     return train.to(run.device), test.to(run.device)
 
 
@@ -432,11 +543,17 @@ def train(run: Run, train_set: cifar.Split, test_set: cifar.Split) -> list[dict]
     model = build_model(recipe.model, width=args.width, **options).to(run.device)
     model, optimizer = recipe.prepare(model, run.lr)
     # Epochs past the schedule's length (added by --resume --epochs) keep the rate it ends on.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda e: recipe.lr_factor(
-        min(e, run.schedule_epochs), run.schedule_epochs, run.swa_start, run.lr))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda e: recipe.lr_factor(
+            min(e, run.schedule_epochs), run.schedule_epochs, run.swa_start, run.lr
+        ),
+    )
     average = None
     if run.swa_start is not None:
-        average = WeightAverage(build_model(recipe.model, width=args.width, **options).to(run.device))
+        average = WeightAverage(
+            build_model(recipe.model, width=args.width, **options).to(run.device)
+        )
     net = model
     if run.distributed:
         ids = [run.device.index] if run.device.type == "cuda" else None
@@ -457,13 +574,19 @@ def train(run: Run, train_set: cifar.Split, test_set: cifar.Split) -> list[dict]
 
     if run.main_process:
         run.out_dir.mkdir(parents=True, exist_ok=True)
-        print(f"{recipe.name}: {recipe.summary}\n  {run.epochs} epochs, batch {run.batch_size} "
-              f"({run.world_size} process{'es' if run.distributed else ''} on {run.device}), "
-              f"lr {run.lr:g}, seed {args.seed}, {len(train_set)} training and {len(test_set)} "
-              f"test images; {'resuming after epoch ' + str(start) if start else 'from scratch'}"
-              + (f"; the schedule spans the first {run.schedule_epochs}, later epochs train at "
-                 "the rate it ends on" if run.epochs > run.schedule_epochs else ""),
-              flush=True)
+        print(
+            f"{recipe.name}: {recipe.summary}\n  {run.epochs} epochs, batch {run.batch_size} "
+            f"({run.world_size} process{'es' if run.distributed else ''} on {run.device}), "
+            f"lr {run.lr:g}, seed {args.seed}, {len(train_set)} training and {len(test_set)} "
+            f"test images; {'resuming after epoch ' + str(start) if start else 'from scratch'}"
+            + (
+                f"; the schedule spans the first {run.schedule_epochs}, later epochs train at "
+                "the rate it ends on"
+                if run.epochs > run.schedule_epochs
+                else ""
+            ),
+            flush=True,
+        )
     stop = run.epochs if args.stop_after is None else min(run.epochs, start + args.stop_after)
     for epoch in range(start, stop):
         lr = optimizer.param_groups[0]["lr"]
@@ -480,28 +603,44 @@ def train(run: Run, train_set: cifar.Split, test_set: cifar.Split) -> list[dict]
             swa_loss, swa_error = evaluate(run, average.model, test_set)
         scheduler.step()
         digests = rank_digests(run, model)
-        history.append({
-            "epoch": epoch + 1, "lr": f"{lr:.6g}",
-            "train_loss": _fmt(train_loss, 6), "train_error": _fmt(train_error, 4),
-            "test_loss": _fmt(test_loss, 6), "test_error": _fmt(test_error, 4),
-            "swa_test_loss": _fmt(swa_loss, 6), "swa_test_error": _fmt(swa_error, 4),
-            "train_seconds": f"{trained - began:.2f}",
-            "test_seconds": f"{time.perf_counter() - trained:.2f}",
-        })
+        history.append(
+            {
+                "epoch": epoch + 1,
+                "lr": f"{lr:.6g}",
+                "train_loss": _fmt(train_loss, 6),
+                "train_error": _fmt(train_error, 4),
+                "test_loss": _fmt(test_loss, 6),
+                "test_error": _fmt(test_error, 4),
+                "swa_test_loss": _fmt(swa_loss, 6),
+                "swa_test_error": _fmt(swa_error, 4),
+                "train_seconds": f"{trained - began:.2f}",
+                "test_seconds": f"{time.perf_counter() - trained:.2f}",
+            }
+        )
         if run.main_process:
-            state = {"config": run.config, "epoch": epoch + 1, "model": model.state_dict(),
-                     "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                     "swa": None if average is None else average.state_dict(),
-                     "rng": rng_state(run), "history": history, "rank_digests": digests}
-            write_atomically(run.checkpoint, lambda tmp: torch.save(state, tmp))
+            state = {
+                "config": run.config,
+                "epoch": epoch + 1,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "swa": None if average is None else average.state_dict(),
+                "rng": rng_state(run),
+                "history": history,
+                "rank_digests": digests,
+            }
+            write_atomically(run.checkpoint, lambda tmp, state=state: torch.save(state, tmp))
             write_log(run.out_dir / LOG, history)
             plot_curves(run.out_dir / CURVES, history, f"{recipe.name} ({run.out_dir})")
             row = history[-1]
             swa = f"  swa test error {row['swa_test_error']}%" if swa_error is not None else ""
-            print(f"epoch {epoch + 1:3d}/{run.epochs}  lr {row['lr']}  train loss "
-                  f"{row['train_loss']} error {row['train_error']}%  test loss {row['test_loss']} "
-                  f"error {row['test_error']}%{swa}  ({row['train_seconds']} s + "
-                  f"{row['test_seconds']} s)", flush=True)
+            print(
+                f"epoch {epoch + 1:3d}/{run.epochs}  lr {row['lr']}  train loss "
+                f"{row['train_loss']} error {row['train_error']}%  test loss {row['test_loss']} "
+                f"error {row['test_error']}%{swa}  ({row['train_seconds']} s + "
+                f"{row['test_seconds']} s)",
+                flush=True,
+            )
         if run.distributed:
             dist.barrier()
     return history
@@ -517,19 +656,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if run.finished:
         last = run.saved["history"][-1]
         if run.main_process:
-            print(f"{run.checkpoint}: this run already finished its {run.epochs} "
-                  f"epoch{'s' if run.epochs > 1 else ''} (last test error {last['test_error']}%); "
-                  f"nothing to do. To train longer, pass --resume --epochs M with M > "
-                  f"{run.epochs}: the added epochs train at the learning rate its schedule ended "
-                  "on.", flush=True)
+            print(
+                f"{run.checkpoint}: this run already finished its {run.epochs} "
+                f"epoch{'s' if run.epochs > 1 else ''} (last test error {last['test_error']}%); "
+                f"nothing to do. To train longer, pass --resume --epochs M with M > "
+                f"{run.epochs}: the added epochs train at the learning rate its schedule ended "
+                "on.",
+                flush=True,
+            )
         return run.saved["history"]
     try:
         data = load_data(run)
     except FileNotFoundError as error:
         p.error(str(error))
     except OSError as error:  # --download without a connection, or unreadable files
-        p.error(f"could not {'fetch CIFAR10 into' if args.download else 'read CIFAR10 from'} "
-                f"{args.data_dir}: {error}")
+        p.error(
+            f"could not {'fetch CIFAR10 into' if args.download else 'read CIFAR10 from'} "
+            f"{args.data_dir}: {error}"
+        )
     if not run.distributed:
         return train(run, *data)
     if run.device.type == "cuda":

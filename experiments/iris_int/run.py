@@ -79,12 +79,14 @@ def load_data(split_seed: int) -> Data:
     training set's mean and standard deviation."""
     iris = load_iris()
     x_train, x_test, y_train, y_test = train_test_split(
-        iris.data, iris.target, test_size=0.2, stratify=iris.target, random_state=split_seed)
+        iris.data, iris.target, test_size=0.2, stratify=iris.target, random_state=split_seed
+    )
     x_train = torch.tensor(x_train, dtype=torch.float32)
     x_test = torch.tensor(x_test, dtype=torch.float32)
     mean, std = x_train.mean(0), x_train.std(0)
-    return Data((x_train - mean) / std, torch.tensor(y_train), (x_test - mean) / std,
-                torch.tensor(y_test))
+    return Data(
+        (x_train - mean) / std, torch.tensor(y_train), (x_test - mean) / std, torch.tensor(y_test)
+    )
 
 
 # ---- one training run ---------------------------------------------------------------------
@@ -129,8 +131,13 @@ class EarlyStopping:
 
 def float_model(seed: int) -> torch.nn.Sequential:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8),
-                               torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8),
+        torch.nn.ReLU(),
+        torch.nn.Linear(8, 8),
+        torch.nn.ReLU(),
+        torch.nn.Linear(8, 3),
+    )
 
 
 def batches(n: int, batch: int, generator: torch.Generator) -> list[torch.Tensor]:
@@ -138,8 +145,9 @@ def batches(n: int, batch: int, generator: torch.Generator) -> list[torch.Tensor
 
 
 def train_float(model, data: Data, args, seed: int) -> Run:
-    opt = torch.optim.SGD(model.parameters(), lr=2.0**-args.lr_shift,
-                          momentum=1 - 2.0**-args.momentum_shift)
+    opt = torch.optim.SGD(
+        model.parameters(), lr=2.0**-args.lr_shift, momentum=1 - 2.0**-args.momentum_shift
+    )
     order = torch.Generator().manual_seed(seed)
     targets = torch.nn.functional.one_hot(data.y_train, 3).float()
     stopper, run = EarlyStopping(args.patience, args.min_delta), Run()
@@ -162,13 +170,17 @@ def train_float(model, data: Data, args, seed: int) -> Run:
 
 def integer_model(torch_model: torch.nn.Sequential, args, path: Path) -> inn.Sequential:
     """The integer copy of the float model's initial weights."""
-    options = dict(weight_bits=path.weight_bits or args.weight_bits,
-                   activation_bits=args.activation_bits, error_bits=args.error_bits,
-                   rounding=path.rounding)
+    options = dict(
+        weight_bits=path.weight_bits or args.weight_bits,
+        activation_bits=args.activation_bits,
+        error_bits=args.error_bits,
+        rounding=path.rounding,
+    )
     layers = []
     for m in torch_model:
-        layers.append(inn.Linear.from_torch(m, **options) if isinstance(m, torch.nn.Linear)
-                      else inn.ReLU())
+        layers.append(
+            inn.Linear.from_torch(m, **options) if isinstance(m, torch.nn.Linear) else inn.ReLU()
+        )
     return inn.Sequential(*layers)
 
 
@@ -178,9 +190,13 @@ def train_integer(model: inn.Sequential, data: Data, args, seed: int, rounding: 
     x_train = dyadic.from_float(data.x_train, args.activation_bits, scale).value
     x_test = dyadic.from_float(data.x_test, args.activation_bits, scale).value
     one_hot = torch.nn.functional.one_hot(data.y_train, 3).to(torch.int32)
-    opt = IntegerSGD(model.parameters(), lr_shift=args.lr_shift,
-                     momentum_shift=args.momentum_shift, grad_bits=args.grad_bits,
-                     rounding=rounding)
+    opt = IntegerSGD(
+        model.parameters(),
+        lr_shift=args.lr_shift,
+        momentum_shift=args.momentum_shift,
+        grad_bits=args.grad_bits,
+        rounding=rounding,
+    )
     order = torch.Generator().manual_seed(seed)
     stopper, run = EarlyStopping(args.patience, args.min_delta), Run()
     for epoch in range(1, args.epochs + 1):
@@ -192,8 +208,9 @@ def train_integer(model: inn.Sequential, data: Data, args, seed: int, rounding: 
         for idx in batches(len(data.x_train), args.batch, order):
             x = DyadicTensor(x_train.mantissa[idx], x_train.scale)
             out = model(x)
-            loss = inn.mse_loss(out, DyadicTensor(one_hot[idx], 0), error_bits=args.error_bits,
-                                rounding=rounding)
+            loss = inn.mse_loss(
+                out, DyadicTensor(one_hot[idx], 0), error_bits=args.error_bits, rounding=rounding
+            )
             opt.zero_grad()
             model.backward(loss.grad)
             opt.step()
@@ -243,10 +260,12 @@ def trace_line(epoch: int, fl: Run, it: Run) -> str:
     t = it.trace[epoch - 1]
     shifts = " ".join(f"{t[f'fwd{i}']:.1f}/{t[f'bwd{i}']:.1f}" for i in (1, 2, 3))
     clamps = " ".join(f"{t[f'fclamp{i}']}/{t[f'bclamp{i}']}" for i in (1, 2, 3))
-    return (f"{epoch:4d}  loss {fl.losses[epoch - 1]:.4f} {it.losses[epoch - 1]:.4f}  "
-            f"acc {fl.accuracies[epoch - 1]:5.1f} {it.accuracies[epoch - 1]:5.1f}  "
-            f"shift fwd/bwd {shifts}  clamps fwd/bwd {clamps}  "
-            f"grad/weight clamps {t['grad_clamps']}/{t['weight_clamps']}")
+    return (
+        f"{epoch:4d}  loss {fl.losses[epoch - 1]:.4f} {it.losses[epoch - 1]:.4f}  "
+        f"acc {fl.accuracies[epoch - 1]:5.1f} {it.accuracies[epoch - 1]:5.1f}  "
+        f"shift fwd/bwd {shifts}  clamps fwd/bwd {clamps}  "
+        f"grad/weight clamps {t['grad_clamps']}/{t['weight_clamps']}"
+    )
 
 
 def spread(values: list[float], digits: int = 1) -> str:
@@ -265,30 +284,40 @@ def reached(runs: list[Run], accuracy: float) -> str:
 
 
 def summary_rows(results: dict[str, list[Run]], args) -> list[str]:
-    rows = [f"| path | test accuracy after {args.epochs} epochs (%) | early stop: epoch | "
-            "early stop: test accuracy (%) | first epoch at >= 90% | first epoch at >= 95% | "
-            "published run |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        f"| path | test accuracy after {args.epochs} epochs (%) | early stop: epoch | "
+        "early stop: test accuracy (%) | first epoch at >= 90% | first epoch at >= 95% | "
+        "published run |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, runs in results.items():
         stopped = [r for r in runs if r.stop_epoch is not None]
-        stop = (f"{spread([float(r.stop_epoch) for r in stopped], 0)} ({len(stopped)}/{len(runs)})"
-                if stopped else f"none within {args.epochs} (0/{len(runs)})")
+        stop = (
+            f"{spread([float(r.stop_epoch) for r in stopped], 0)} ({len(stopped)}/{len(runs)})"
+            if stopped
+            else f"none within {args.epochs} (0/{len(runs)})"
+        )
         rows.append(
             f"| {PATHS[name].label} | {spread([r.accuracies[-1] for r in runs])} | {stop} | "
             f"{spread([r.stopped_accuracy for r in runs])} | "
             f"{reached(runs, THRESHOLDS[0])} | {reached(runs, THRESHOLDS[1])} | "
-            f"{PUBLISHED.get(name, '')} |")
+            f"{PUBLISHED.get(name, '')} |"
+        )
     return rows
 
 
 def seed_rows(results: dict[str, list[Run]], seeds: list[int], args) -> list[str]:
     names = list(results)
-    rows = ["| seed | " + " | ".join(f"{PATHS[n].label}: acc at {args.epochs} / stop epoch"
-                                     for n in names) + " |",
-            "|---:|" + "---:|" * len(names)]
+    rows = [
+        "| seed | "
+        + " | ".join(f"{PATHS[n].label}: acc at {args.epochs} / stop epoch" for n in names)
+        + " |",
+        "|---:|" + "---:|" * len(names),
+    ]
     for i, seed in enumerate(seeds):
-        cells = [f"{results[n][i].accuracies[-1]:.1f} / {results[n][i].stop_epoch or '-'}"
-                 for n in names]
+        cells = [
+            f"{results[n][i].accuracies[-1]:.1f} / {results[n][i].stop_epoch or '-'}" for n in names
+        ]
         rows.append(f"| {seed} | " + " | ".join(cells) + " |")
     return rows
 
@@ -301,19 +330,21 @@ def loss_gap(run: Run, reference: Run) -> float:
 def integer_rows(results: dict[str, list[Run]]) -> list[str]:
     """Totals over every seed and epoch of each integer path's clamps and overflows, the range of
     its per-epoch mean shifts, and how far its loss strayed from float32's."""
-    rows = ["| path | forward shift | backward shift | forward clamps | backward clamps | "
-            "gradient clamps | weight clamps | accumulator overflows | "
-            "largest loss gap to float32 (median, max over seeds) |",
-            "|---|---|---|---:|---:|---:|---:|---:|---|"]
+    rows = [
+        "| path | forward shift | backward shift | forward clamps | backward clamps | "
+        "gradient clamps | weight clamps | accumulator overflows | "
+        "largest loss gap to float32 (median, max over seeds) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
+    ]
     for name, runs in results.items():
         if name == "float32":
             continue
         traces = [t for r in runs for t in r.trace]
 
-        def total(key: str) -> int:
+        def total(key: str, traces=traces) -> int:
             return sum(t[f"{key}{i}"] for t in traces for i in (1, 2, 3))
 
-        def span(key: str) -> str:
+        def span(key: str, traces=traces) -> str:
             values = [t[f"{key}{i}"] for t in traces for i in (1, 2, 3)]
             return f"{min(values):.2f} to {max(values):.2f}"
 
@@ -322,25 +353,30 @@ def integer_rows(results: dict[str, list[Run]]) -> list[str]:
             f"| {PATHS[name].label} | {span('fwd')} | {span('bwd')} | {total('fclamp')} | "
             f"{total('bclamp')} | {sum(t['grad_clamps'] for t in traces)} | "
             f"{sum(t['weight_clamps'] for t in traces)} | {total('overflow')} | "
-            f"{statistics.median(gaps):.1%}, {gaps[-1]:.1%} |")
+            f"{statistics.median(gaps):.1%}, {gaps[-1]:.1%} |"
+        )
     return rows
 
 
 def trace_rows(fl: Run, it: Run, every: int) -> list[str]:
-    rows = ["| epoch | loss float32 | loss integer | acc float32 | acc integer "
-            "| shift fwd (L1 L2 L3) | shift bwd (L1 L2 L3) | loss-grad shift | clamps fwd "
-            "| clamps bwd | grad / weight clamps |",
-            "|---:|---:|---:|---:|---:|---|---|---:|---|---|---|"]
+    rows = [
+        "| epoch | loss float32 | loss integer | acc float32 | acc integer "
+        "| shift fwd (L1 L2 L3) | shift bwd (L1 L2 L3) | loss-grad shift | clamps fwd "
+        "| clamps bwd | grad / weight clamps |",
+        "|---:|---:|---:|---:|---:|---|---|---:|---|---|---|",
+    ]
     for epoch in [1] + list(range(every, len(it.trace) + 1, every)):
         t = it.trace[epoch - 1]
         fwd = " ".join(f"{t[f'fwd{i}']:.2f}" for i in (1, 2, 3))
         bwd = " ".join(f"{t[f'bwd{i}']:.2f}" for i in (1, 2, 3))
         fclamp = " ".join(str(t[f"fclamp{i}"]) for i in (1, 2, 3))
         bclamp = " ".join(str(t[f"bclamp{i}"]) for i in (1, 2, 3))
-        rows.append(f"| {epoch} | {fl.losses[epoch - 1]:.4f} | {it.losses[epoch - 1]:.4f} | "
-                    f"{fl.accuracies[epoch - 1]:.1f} | {it.accuracies[epoch - 1]:.1f} | {fwd} | "
-                    f"{bwd} | {t['loss_shift']:.2f} | {fclamp} | {bclamp} | "
-                    f"{t['grad_clamps']} / {t['weight_clamps']} |")
+        rows.append(
+            f"| {epoch} | {fl.losses[epoch - 1]:.4f} | {it.losses[epoch - 1]:.4f} | "
+            f"{fl.accuracies[epoch - 1]:.1f} | {it.accuracies[epoch - 1]:.1f} | {fwd} | "
+            f"{bwd} | {t['loss_shift']:.2f} | {fclamp} | {bclamp} | "
+            f"{t['grad_clamps']} / {t['weight_clamps']} |"
+        )
     return rows
 
 
@@ -358,12 +394,21 @@ def write_plot(results: dict[str, list[Run]], path: pathlib.Path) -> None:
             mean = curves.mean(0)
             epochs = torch.arange(1, curves.shape[1] + 1)
             ax.plot(epochs, mean, color=colour, label=f"{PATHS[name].label} (mean of {len(runs)})")
-            ax.fill_between(epochs, curves.min(0).values, curves.max(0).values, color=colour,
-                            alpha=0.15)
-    axes[0].set(xlabel="epoch", ylabel="test accuracy (%)", ylim=(0, 102),
-                title="Iris 4-8-8-3, test accuracy (mean; band: min to max)")
-    axes[1].set(xlabel="epoch", ylabel="training loss (1/2N) sum (y - t)^2", yscale="log",
-                title="training loss (float32 and 16-bit integer curves overlap)")
+            ax.fill_between(
+                epochs, curves.min(0).values, curves.max(0).values, color=colour, alpha=0.15
+            )
+    axes[0].set(
+        xlabel="epoch",
+        ylabel="test accuracy (%)",
+        ylim=(0, 102),
+        title="Iris 4-8-8-3, test accuracy (mean; band: min to max)",
+    )
+    axes[1].set(
+        xlabel="epoch",
+        ylabel="training loss (1/2N) sum (y - t)^2",
+        yscale="log",
+        title="training loss (float32 and 16-bit integer curves overlap)",
+    )
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
@@ -372,9 +417,12 @@ def write_plot(results: dict[str, list[Run]], path: pathlib.Path) -> None:
 
 
 def write_markdown(results, seeds, args, seconds: float, path: pathlib.Path) -> None:
-    command = ("python -m experiments.iris_int.run --seeds " + str(len(seeds)) +
-               f" --epochs {args.epochs} --lr-shift {args.lr_shift} "
-               f"--momentum-shift {args.momentum_shift} --batch {args.batch}")
+    command = (
+        "python -m experiments.iris_int.run --seeds "
+        + str(len(seeds))
+        + f" --epochs {args.epochs} --lr-shift {args.lr_shift} "
+        f"--momentum-shift {args.momentum_shift} --batch {args.batch}"
+    )
     lines = [
         "# Iris, float32 and integer-only training (lpsim.dyadic)",
         "",
@@ -442,10 +490,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-delta", type=float, default=0.01)
     parser.add_argument("--split-seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=25)
-    parser.add_argument("--ablations", action=argparse.BooleanOptionalAction, default=True,
-                        help="also train with 8-bit weights and each rounding rule")
-    parser.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1),
-                        help="seeds trained in parallel processes")
+    parser.add_argument(
+        "--ablations",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also train with 8-bit weights and each rounding rule",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="seeds trained in parallel processes",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "results")
     args = parser.parse_args(argv)
 
@@ -461,13 +517,17 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(previous)
     results = {name: [runs[name] for runs in per_seed] for name in names}
     fl, it = results["float32"][0], results["integer"][0]
-    print(f"seed {seeds[0]}, per epoch: loss float32 integer, test accuracy float32 integer, "
-          "integer path's shifts fwd/bwd and clamps fwd/bwd per layer")
+    print(
+        f"seed {seeds[0]}, per epoch: loss float32 integer, test accuracy float32 integer, "
+        "integer path's shifts fwd/bwd and clamps fwd/bwd per layer"
+    )
     for epoch in [1] + list(range(args.log_every, args.epochs + 1, args.log_every)):
         print(trace_line(epoch, fl, it))
     for i, seed in enumerate(seeds):
-        print(f"seed {seed}: test accuracy after {args.epochs} epochs " + ", ".join(
-            f"{name} {results[name][i].accuracies[-1]:.1f}%" for name in names))
+        print(
+            f"seed {seed}: test accuracy after {args.epochs} epochs "
+            + ", ".join(f"{name} {results[name][i].accuracies[-1]:.1f}%" for name in names)
+        )
     seconds = time.perf_counter() - start
     print("\n".join(summary_rows(results, args)))
     args.out.mkdir(parents=True, exist_ok=True)

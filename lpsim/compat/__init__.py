@@ -1,5 +1,9 @@
-"""Drop-in names of other libraries, on top of lpsim's formats and kernels."""
+"""Drop-in names of other libraries, on top of lpsim's formats and kernels.
 
-from lpsim.compat import qtorch
+- ``lpsim.compat.qtorch``: QPyTorch 0.3's package (number formats, quantisers, OptimLP, lower).
+- ``lpsim.compat.stochastorch``: StochasTorch's ``StochasticAdder``.
+"""
 
-__all__ = ["qtorch"]
+from lpsim.compat import qtorch, stochastorch
+
+__all__ = ["qtorch", "stochastorch"]

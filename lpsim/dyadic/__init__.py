@@ -20,6 +20,7 @@ from lpsim.dyadic import functional, nn, optim, reference
 from lpsim.dyadic.functional import (
     DyadicOverflowWarning,
     Requantized,
+    Saturated,
     add,
     align,
     check_overflow,
@@ -30,10 +31,14 @@ from lpsim.dyadic.functional import (
     matmul,
     mul,
     requantize,
+    saturating_add,
+    saturating_matmul,
+    saturating_sub,
+    saturating_sum,
     scale_for,
     sub,
+    sum,  # noqa: A004 (as torch.sum)
 )
-from lpsim.dyadic.functional import sum  # noqa: A004 (as torch.sum)
 from lpsim.dyadic.tensor import DyadicTensor
 
 __all__ = ["DyadicTensor", *functional.__all__, "functional", "nn", "optim", "reference"]

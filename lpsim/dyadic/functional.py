@@ -36,14 +36,15 @@ from typing import NamedTuple
 
 import torch
 
+from lpsim._checks import check_choice, check_int, check_offset, check_rule, seed_tensor
 from lpsim._ops import ops
 from lpsim.dyadic.tensor import DyadicTensor, normalize_axis, normalize_scale
-from lpsim.functional import _check_offset, _seed_tensor
 from lpsim.rounding import Rounding, check_rbits
 
 __all__ = [
     "DyadicOverflowWarning",
     "Requantized",
+    "Saturated",
     "integer_range",
     "scale_for",
     "fit_shift",
@@ -56,6 +57,10 @@ __all__ = [
     "div",
     "matmul",
     "sum",
+    "saturating_add",
+    "saturating_sub",
+    "saturating_matmul",
+    "saturating_sum",
     "check_overflow",
 ]
 
@@ -76,18 +81,21 @@ class Requantized(NamedTuple):
 
     @property
     def clip_count(self) -> int:
+        """How many elements the clip changed."""
         return int(self.clipped.sum())
 
 
+class Saturated(NamedTuple):
+    """A result whose out-of-range elements were saturated to their range, and how many were.
+
+    The saturating_* functions return it and leave the reporting to the caller (the integer
+    layers count overflows in their statistics, then report them under their own policy)."""
+
+    value: DyadicTensor
+    overflows: int
+
+
 # ---- arguments ----------------------------------------------------------------------------------
-
-
-def _check_int(name: str, value, low: int, high: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
-    return value
 
 
 def _check_dyadic(name: str, x) -> DyadicTensor:
@@ -97,23 +105,8 @@ def _check_dyadic(name: str, x) -> DyadicTensor:
 
 
 def _random_args(rounding, rbits, seed, offset) -> tuple:
-    # A name that is no lpsim rule at all (a typo) gets the same message as a rule dyadic rejects:
-    # it lists only the rules dyadic accepts, not all those Rounding.parse knows.
-    if isinstance(rounding, str) and rounding not in Rounding.__members__:
-        rule = None
-    else:
-        rule = Rounding.parse(rounding)  # raises TypeError for anything but a str or Rounding
-    if rule not in ROUNDINGS:
-        names = ", ".join(repr(r.name) for r in ROUNDINGS)
-        got = rounding if rule is None else rule.name
-        raise ValueError(f"rounding must be one of {names} for dyadic operations; got {got!r}")
-    return int(rule), check_rbits(rbits, rule), _seed_tensor(seed, rule), _check_offset(offset)
-
-
-def _check_policy(overflow: str) -> str:
-    if overflow not in OVERFLOW_POLICIES:
-        raise ValueError(f"overflow must be 'raise' or 'saturate', got {overflow!r}")
-    return overflow
+    rule = check_rule(rounding, ROUNDINGS, "dyadic operations")
+    return int(rule), check_rbits(rbits, rule), seed_tensor(seed, rule), check_offset(offset)
 
 
 def check_overflow(count: int, what: str, bounds: tuple[int, int], overflow: str = "raise") -> None:
@@ -122,7 +115,7 @@ def check_overflow(count: int, what: str, bounds: tuple[int, int], overflow: str
     if count == 0:
         return
     message = f"{what}: {count} result(s) outside [{bounds[0]}, {bounds[1]}]"
-    if _check_policy(overflow) == "raise":
+    if check_choice("overflow", overflow, OVERFLOW_POLICIES) == "raise":
         raise OverflowError(message + " (overflow='saturate' clips them instead, with a warning)")
     warnings.warn(message + "; saturated", DyadicOverflowWarning, stacklevel=3)
 
@@ -137,9 +130,9 @@ def integer_range(bits: int, signed: bool = True) -> tuple[int, int]:
     if not isinstance(signed, bool):
         raise TypeError(f"signed must be a bool, got {type(signed).__name__}")
     if signed:
-        b = _check_int("bits", bits, 2, 64)
+        b = check_int("bits", bits, 2, 64)
         return -(2 ** (b - 1)), 2 ** (b - 1) - 1
-    b = _check_int("bits", bits, 1, 63)
+    b = check_int("bits", bits, 1, 63)
     return 0, 2**b - 1
 
 
@@ -159,7 +152,7 @@ def _inner(shape: torch.Size, axis: int | None) -> int:
     """Elements per class run for the kernels' class mapping (i / inner) % classes."""
     if axis is None:
         return max(math.prod(shape), 1)
-    return max(math.prod(shape[axis + 1:]), 1)
+    return max(math.prod(shape[axis + 1 :]), 1)
 
 
 def _shifts(shift) -> list[int]:
@@ -167,11 +160,12 @@ def _shifts(shift) -> list[int]:
     return shift.tolist() if isinstance(shift, torch.Tensor) else [shift]
 
 
-
 # ---- conversions --------------------------------------------------------------------------------
 
 
-def scale_for(x: torch.Tensor, bits: int, signed: bool = True, axis: int | None = None):
+def scale_for(
+    x: torch.Tensor, bits: int, signed: bool = True, axis: int | None = None
+) -> int | torch.Tensor:
     """The scale at which x's largest magnitude uses the top bit of a ``bits``-bit integer.
 
     With floor(log2 max|x|) = e this is bits - 2 - e (signed) or bits - 1 - e (unsigned), so
@@ -191,10 +185,19 @@ def scale_for(x: torch.Tensor, bits: int, signed: bool = True, axis: int | None 
     return int(scale) if axis is None else scale
 
 
-def from_float(x: torch.Tensor, bits: int = 8, scale=None, *, signed: bool = True,
-               axis: int | None = None, dtype: torch.dtype | None = None,
-               rounding: Rounding | str = "nearest", rbits: int | None = None,
-               seed: int | None = None, offset: int = 0) -> Requantized:
+def from_float(
+    x: torch.Tensor,
+    bits: int = 8,
+    scale: int | list[int] | None = None,
+    *,
+    signed: bool = True,
+    axis: int | None = None,
+    dtype: torch.dtype | None = None,
+    rounding: Rounding | str = "nearest",
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+) -> Requantized:
     """x as a ``bits``-bit dyadic tensor: clip(round(x * 2**scale), Qmin, Qmax) at ``scale``.
 
     The conversion reads each float's exact bits (sign, integer significand, exponent) and shifts
@@ -232,8 +235,14 @@ def from_float(x: torch.Tensor, bits: int = 8, scale=None, *, signed: bool = Tru
         scale = scale_for(x, bits, signed, axis)
     scale, axis = normalize_scale(scale, x.shape, axis)
     mantissa, clipped = ops.dyadic_from_float(
-        x.detach(), _shifts(scale), _inner(x.shape, axis), bounds[0], bounds[1], storage,
-        *_random_args(rounding, rbits, seed, offset))
+        x.detach(),
+        _shifts(scale),
+        _inner(x.shape, axis),
+        bounds[0],
+        bounds[1],
+        storage,
+        *_random_args(rounding, rbits, seed, offset),
+    )
     return Requantized(DyadicTensor(mantissa, scale, axis), clipped)
 
 
@@ -252,10 +261,19 @@ def _target_shifts(x: DyadicTensor, scale, axis: int | None):
     return x.scale - target, axis, target, axis
 
 
-def requantize(x: DyadicTensor, scale, bits: int, signed: bool = True,
-               rounding: Rounding | str = "stochastic", *, axis: int | None = None,
-               dtype: torch.dtype | None = None, rbits: int | None = None,
-               seed: int | None = None, offset: int = 0) -> Requantized:
+def requantize(
+    x: DyadicTensor,
+    scale: int | list[int],
+    bits: int,
+    signed: bool = True,
+    rounding: Rounding | str = "stochastic",
+    *,
+    axis: int | None = None,
+    dtype: torch.dtype | None = None,
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+) -> Requantized:
     """R(x, t) = (clip(round(v / 2**(s - t)), Qmin, Qmax), t): x on the grid of scale t.
 
     A coarser target (t < s) shifts the mantissa right by s - t with the rounding; a finer one
@@ -284,8 +302,14 @@ def requantize(x: DyadicTensor, scale, bits: int, signed: bool = True,
     storage = _storage(bounds, dtype)
     shifts, shift_axis, target, target_axis = _target_shifts(x, scale, axis)
     mantissa, clipped = ops.dyadic_requantize(
-        x.mantissa, _shifts(shifts), _inner(x.shape, shift_axis), bounds[0], bounds[1], storage,
-        *_random_args(rounding, rbits, seed, offset))
+        x.mantissa,
+        _shifts(shifts),
+        _inner(x.shape, shift_axis),
+        bounds[0],
+        bounds[1],
+        storage,
+        *_random_args(rounding, rbits, seed, offset),
+    )
     return Requantized(DyadicTensor(mantissa, target, target_axis), clipped)
 
 
@@ -333,8 +357,10 @@ def _pair(a: DyadicTensor, b: DyadicTensor) -> _Pair:
     axis_a = None if a.axis is None else a.axis + ndim - a.mantissa.dim()
     axis_b = None if b.axis is None else b.axis + ndim - b.mantissa.dim()
     if axis_a is not None and axis_b is not None and axis_a != axis_b:
-        raise ValueError(f"a's scale runs along dimension {axis_a} of the result and b's along "
-                         f"{axis_b}: the result would need a scale per pair of channels")
+        raise ValueError(
+            f"a's scale runs along dimension {axis_a} of the result and b's along "
+            f"{axis_b}: the result would need a scale per pair of channels"
+        )
     axis = axis_a if axis_a is not None else axis_b
     sa, sb = a.scale, b.scale
     if axis is not None:  # per-tensor scales and broadcast length-1 channels repeat
@@ -351,12 +377,55 @@ def _coarser(p: _Pair):
     return torch.minimum(p.scale_a, p.scale_b)
 
 
-def _add(a, b, subtract, rounding, rbits, seed, offset) -> tuple[DyadicTensor, int]:
+def _add(a, b, subtract, rounding, rbits, seed, offset) -> Saturated:
     p = _pair(a, b)
     scale = _coarser(p)
-    out, count = ops.dyadic_add(p.a, p.b, _shifts(p.scale_a - scale), _shifts(p.scale_b - scale),
-                                p.inner, subtract, *_random_args(rounding, rbits, seed, offset))
-    return DyadicTensor(out, scale, p.axis), int(count)
+    out, count = ops.dyadic_add(
+        p.a,
+        p.b,
+        _shifts(p.scale_a - scale),
+        _shifts(p.scale_b - scale),
+        p.inner,
+        subtract,
+        *_random_args(rounding, rbits, seed, offset),
+    )
+    return Saturated(DyadicTensor(out, scale, p.axis), int(count))
+
+
+def saturating_add(
+    a: DyadicTensor,
+    b: DyadicTensor,
+    *,
+    rounding: Rounding | str = "stochastic",
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+) -> Saturated:
+    """a + b as add() computes it (default rounding "stochastic", used only to align the finer
+    operand), with sums outside the mantissa's dtype saturated and counted instead of reported.
+
+    Raises:
+        TypeError, ValueError: as add().
+    """
+    return _add(a, b, False, rounding, rbits, seed, offset)
+
+
+def saturating_sub(
+    a: DyadicTensor,
+    b: DyadicTensor,
+    *,
+    rounding: Rounding | str = "stochastic",
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+) -> Saturated:
+    """a - b as sub() computes it (default rounding "stochastic", used only to align the finer
+    operand), with differences outside the mantissa's dtype saturated and counted.
+
+    Raises:
+        TypeError, ValueError: as sub().
+    """
+    return _add(a, b, True, rounding, rbits, seed, offset)
 
 
 def _bounds_of(dtype: torch.dtype) -> tuple[int, int]:
@@ -364,13 +433,24 @@ def _bounds_of(dtype: torch.dtype) -> tuple[int, int]:
     return info.min, info.max
 
 
-def align(a: DyadicTensor, b: DyadicTensor, *, rounding: Rounding | str = "stochastic",
-          rbits: int | None = None, seed: int | None = None,
-          offset: int = 0) -> tuple[DyadicTensor, DyadicTensor]:
+def align(
+    a: DyadicTensor,
+    b: DyadicTensor,
+    *,
+    rounding: Rounding | str = "stochastic",
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+) -> tuple[DyadicTensor, DyadicTensor]:
     """a and b, broadcast to one shape, both at the coarser scale min(s_a, s_b) (per channel):
-    the finer operand's mantissa is shifted right by the difference with the rounding.
+    the finer operand's mantissa is shifted right by the difference with the rounding
+    ("stochastic" by default; rbits, seed and offset as for requantize).
 
     With the same seed and offset, add(a, b) is exactly the sum of the aligned mantissas.
+
+    Raises:
+        TypeError, ValueError: an operand is not a DyadicTensor, the per-channel axes differ, or a
+            random argument is out of range.
     """
     p = _pair(a, b)
     scale = _coarser(p)
@@ -378,64 +458,108 @@ def align(a: DyadicTensor, b: DyadicTensor, *, rounding: Rounding | str = "stoch
     bounds = _bounds_of(p.a.dtype)
     out = []
     for mantissa, own in ((p.a, p.scale_a), (p.b, p.scale_b)):
-        shifted, _ = ops.dyadic_requantize(mantissa, _shifts(own - scale), p.inner, bounds[0],
-                                           bounds[1], mantissa.dtype, *random)
+        shifted, _ = ops.dyadic_requantize(
+            mantissa, _shifts(own - scale), p.inner, bounds[0], bounds[1], mantissa.dtype, *random
+        )
         out.append(DyadicTensor(shifted, scale, p.axis))
     return out[0], out[1]
 
 
-def add(a: DyadicTensor, b: DyadicTensor, *, rounding: Rounding | str = "stochastic",
-        rbits: int | None = None, seed: int | None = None, offset: int = 0,
-        overflow: str = "raise") -> DyadicTensor:
+def add(
+    a: DyadicTensor,
+    b: DyadicTensor,
+    *,
+    rounding: Rounding | str = "stochastic",
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+    overflow: str = "raise",
+) -> DyadicTensor:
     """a + b at the coarser scale: align, then add the mantissas exactly (broadcasting).
 
     The mantissa dtype is the wider of the two; a sum outside it is an overflow (see the module
-    docstring). Per-channel scales must run along the same dimension of the result.
+    docstring). Per-channel scales must run along the same dimension of the result. The rounding
+    ("stochastic" by default) applies to the alignment only; operands at one scale add exactly.
+
+    Raises:
+        TypeError, ValueError: as align(), or overflow is not "raise" or "saturate".
+        OverflowError: a sum overflows under overflow="raise".
     """
-    _check_policy(overflow)
+    check_choice("overflow", overflow, OVERFLOW_POLICIES)
     result, count = _add(a, b, False, rounding, rbits, seed, offset)
     check_overflow(count, "lpsim.dyadic.add", _bounds_of(result.dtype), overflow)
     return result
 
 
-def sub(a: DyadicTensor, b: DyadicTensor, *, rounding: Rounding | str = "stochastic",
-        rbits: int | None = None, seed: int | None = None, offset: int = 0,
-        overflow: str = "raise") -> DyadicTensor:
-    """a - b at the coarser scale, as add()."""
-    _check_policy(overflow)
+def sub(
+    a: DyadicTensor,
+    b: DyadicTensor,
+    *,
+    rounding: Rounding | str = "stochastic",
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+    overflow: str = "raise",
+) -> DyadicTensor:
+    """a - b at the coarser scale, as add() (default rounding "stochastic", errors as add())."""
+    check_choice("overflow", overflow, OVERFLOW_POLICIES)
     result, count = _add(a, b, True, rounding, rbits, seed, offset)
     check_overflow(count, "lpsim.dyadic.sub", _bounds_of(result.dtype), overflow)
     return result
 
 
-def mul(a: DyadicTensor, b: DyadicTensor, shift: int = 0, *,
-        rounding: Rounding | str = "stochastic", rbits: int | None = None,
-        seed: int | None = None, offset: int = 0, overflow: str = "raise") -> DyadicTensor:
+def mul(
+    a: DyadicTensor,
+    b: DyadicTensor,
+    shift: int = 0,
+    *,
+    rounding: Rounding | str = "stochastic",
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+    overflow: str = "raise",
+) -> DyadicTensor:
     """a * b with the product shifted right by ``shift`` (q >= 0): mantissa round(v_a v_b / 2**q)
     at scale s_a + s_b - q. The product is exact (64 bits for int32 operands, 128 for int64)
-    before the one rounding; shift=0 is exact."""
-    _check_policy(overflow)
-    _check_int("shift", shift, 0, 2**30)
+    before the one rounding ("stochastic" by default); shift=0 is exact.
+
+    Raises:
+        TypeError, ValueError: as add(), or shift is not an int in [0, 2**30].
+        OverflowError: a product overflows under overflow="raise".
+    """
+    check_choice("overflow", overflow, OVERFLOW_POLICIES)
+    check_int("shift", shift, 0, 2**30)
     p = _pair(a, b)
     out, count = ops.dyadic_mul(p.a, p.b, shift, *_random_args(rounding, rbits, seed, offset))
     check_overflow(int(count), "lpsim.dyadic.mul", _bounds_of(out.dtype), overflow)
     return DyadicTensor(out, p.scale_a + p.scale_b - shift, p.axis)
 
 
-def div(a: DyadicTensor, b: DyadicTensor, shift: int, *,
-        rounding: Rounding | str = "stochastic", rbits: int | None = None,
-        seed: int | None = None, offset: int = 0, overflow: str = "raise") -> DyadicTensor:
+def div(
+    a: DyadicTensor,
+    b: DyadicTensor,
+    shift: int,
+    *,
+    rounding: Rounding | str = "stochastic",
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+    overflow: str = "raise",
+) -> DyadicTensor:
     """a / b with the dividend shifted left by ``shift`` (p) first: mantissa
     round(v_a 2**p / v_b) at scale s_a - s_b + p. p is 0 to 31 for int32 mantissas, 0 to 63 for
-    int64 (the shifted dividend is exact in 64 or 128 bits). Stochastic rounding of a quotient
-    rounds up with probability floor(frac * 2**rbits) / 2**rbits.
+    int64 (the shifted dividend is exact in 64 or 128 bits). The rounding is "stochastic" by
+    default; stochastic rounding of a quotient rounds up with probability
+    floor(frac * 2**rbits) / 2**rbits.
 
     Raises:
+        TypeError, ValueError: as mul(), with shift's range as stated.
         ZeroDivisionError: an element of b is 0.
+        OverflowError: a quotient overflows under overflow="raise".
     """
-    _check_policy(overflow)
+    check_choice("overflow", overflow, OVERFLOW_POLICIES)
     p = _pair(a, b)
-    _check_int("shift", shift, 0, 31 if p.a.dtype == torch.int32 else 63)
+    check_int("shift", shift, 0, 31 if p.a.dtype == torch.int32 else 63)
     zeros = int((p.b == 0).sum())
     if zeros:
         raise ZeroDivisionError(f"lpsim.dyadic.div: b is 0 in {zeros} element(s)")
@@ -447,30 +571,44 @@ def div(a: DyadicTensor, b: DyadicTensor, shift: int, *,
 # ---- products -----------------------------------------------------------------------------------
 
 
-def _matmul(a: DyadicTensor, b: DyadicTensor, accumulator_bits: int) -> tuple[DyadicTensor, int]:
+def saturating_matmul(a: DyadicTensor, b: DyadicTensor, *, accumulator_bits: int = 32) -> Saturated:
+    """The product matmul() computes, exact (no rounding), with sums outside the accumulator's
+    range saturated to it and counted instead of reported.
+
+    Raises:
+        TypeError: an operand is not a DyadicTensor, or accumulator_bits is not an int.
+        ValueError: the shapes or the operands' per-channel axes do not allow the product, or
+            accumulator_bits is outside [2, 64].
+    """
     _check_dyadic("a", a)
     _check_dyadic("b", b)
     if a.mantissa.dim() != 2 or b.mantissa.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"matmul needs (N, K) and (K, M) tensors, got {tuple(a.shape)} and "
-                         f"{tuple(b.shape)}")
+        raise ValueError(
+            f"matmul needs (N, K) and (K, M) tensors, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
     if a.axis == 1 or b.axis == 0:
-        raise ValueError("matmul: a per-channel scale along the summed dimension would add "
-                         "terms of different scales; align them first")
+        raise ValueError(
+            "matmul: a per-channel scale along the summed dimension would add "
+            "terms of different scales; align them first"
+        )
     if a.axis is not None and b.axis is not None:
-        raise ValueError("matmul: per-channel scales on both operands would need a scale per "
-                         "element of the result")
+        raise ValueError(
+            "matmul: per-channel scales on both operands would need a scale per "
+            "element of the result"
+        )
     bounds = integer_range(accumulator_bits, True)
     dtype = torch.promote_types(a.dtype, b.dtype)
     out, count = ops.dyadic_matmul(a.mantissa.to(dtype), b.mantissa.to(dtype), *bounds)
     if a.axis is not None:
-        return DyadicTensor(out, a.scale + b.scale, 0), int(count)
+        return Saturated(DyadicTensor(out, a.scale + b.scale, 0), int(count))
     if b.axis is not None:
-        return DyadicTensor(out, a.scale + b.scale, 1), int(count)
-    return DyadicTensor(out, a.scale + b.scale), int(count)
+        return Saturated(DyadicTensor(out, a.scale + b.scale, 1), int(count))
+    return Saturated(DyadicTensor(out, a.scale + b.scale), int(count))
 
 
-def matmul(a: DyadicTensor, b: DyadicTensor, *, accumulator_bits: int = 32,
-           overflow: str = "raise") -> DyadicTensor:
+def matmul(
+    a: DyadicTensor, b: DyadicTensor, *, accumulator_bits: int = 32, overflow: str = "raise"
+) -> DyadicTensor:
     """The matrix product of (N, K) a and (K, M) b at scale s_a + s_b, as an accumulator of
     ``accumulator_bits`` bits would compute it.
 
@@ -479,34 +617,61 @@ def matmul(a: DyadicTensor, b: DyadicTensor, *, accumulator_bits: int = 32,
     exact sum precisely when the exact sum is in range, so an out-of-range sum is exactly a wrong
     result, and it is reported (see the module docstring). The result is int32 when the
     accumulator has at most 32 bits. a may have a per-channel scale along its rows (axis 0) or b
-    along its columns (axis 1), not both.
+    along its columns (axis 1), not both. Nothing is rounded.
+
+    Raises:
+        TypeError, ValueError: as saturating_matmul(), or overflow is not "raise" or "saturate".
+        OverflowError: a sum leaves the accumulator's range under overflow="raise".
     """
-    _check_policy(overflow)
-    result, count = _matmul(a, b, accumulator_bits)
+    check_choice("overflow", overflow, OVERFLOW_POLICIES)
+    result, count = saturating_matmul(a, b, accumulator_bits=accumulator_bits)
     check_overflow(count, "lpsim.dyadic.matmul", integer_range(accumulator_bits), overflow)
     return result
 
 
-def _sum(x: DyadicTensor, dim: int, accumulator_bits: int) -> tuple[DyadicTensor, int]:
+def saturating_sum(x: DyadicTensor, dim: int, *, accumulator_bits: int = 32) -> Saturated:
+    """The sum sum() computes, exact, with sums outside the accumulator's range saturated to it
+    and counted instead of reported.
+
+    Raises:
+        TypeError: x is not a DyadicTensor, or dim or accumulator_bits is not an int.
+        ValueError: x is not 2-D, or dim or accumulator_bits is out of range.
+    """
     _check_dyadic("x", x)
     if x.mantissa.dim() != 2:
         raise ValueError(f"sum needs a 2-D tensor, got {x.mantissa.dim()} dimensions")
-    _check_int("dim", dim, -2, 1)
+    check_int("dim", dim, -2, 1)
     if dim % 2 == 0:  # a row of ones times x
-        total, count = _matmul(DyadicTensor(torch.ones(1, x.shape[0], dtype=x.dtype)), x,
-                               accumulator_bits)
+        total, count = saturating_matmul(
+            DyadicTensor(torch.ones(1, x.shape[0], dtype=x.dtype)),
+            x,
+            accumulator_bits=accumulator_bits,
+        )
     else:  # x times a column of ones
-        total, count = _matmul(x, DyadicTensor(torch.ones(x.shape[1], 1, dtype=x.dtype)),
-                               accumulator_bits)
+        total, count = saturating_matmul(
+            x,
+            DyadicTensor(torch.ones(x.shape[1], 1, dtype=x.dtype)),
+            accumulator_bits=accumulator_bits,
+        )
     flat = total.mantissa.reshape(-1)
-    return DyadicTensor(flat, total.scale, None if total.axis is None else 0), count
+    return Saturated(DyadicTensor(flat, total.scale, None if total.axis is None else 0), count)
 
 
-def sum(x: DyadicTensor, dim: int, *, accumulator_bits: int = 32,  # noqa: A001 (as torch.sum)
-        overflow: str = "raise") -> DyadicTensor:
+def sum(
+    x: DyadicTensor,
+    dim: int,
+    *,
+    accumulator_bits: int = 32,  # noqa: A001 (as torch.sum)
+    overflow: str = "raise",
+) -> DyadicTensor:
     """The exact sum of a 2-D tensor over ``dim`` (0 or 1) at x's scale, checked against the
-    accumulator like matmul (it is a product with a vector of ones)."""
-    _check_policy(overflow)
-    result, count = _sum(x, dim, accumulator_bits)
+    accumulator like matmul (it is a product with a vector of ones). Nothing is rounded.
+
+    Raises:
+        TypeError, ValueError: as saturating_sum(), or overflow is not "raise" or "saturate".
+        OverflowError: a sum leaves the accumulator's range under overflow="raise".
+    """
+    check_choice("overflow", overflow, OVERFLOW_POLICIES)
+    result, count = saturating_sum(x, dim, accumulator_bits=accumulator_bits)
     check_overflow(count, "lpsim.dyadic.sum", integer_range(accumulator_bits), overflow)
     return result

@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import torch
 
+from lpsim._checks import check_choice, check_int, check_rule
 from lpsim.dyadic import functional as F
 from lpsim.dyadic.tensor import DyadicTensor
 
@@ -159,21 +160,33 @@ class Linear(Module):
         TypeError, ValueError: an argument has the wrong type or is out of range.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
-                 weight: torch.Tensor | None = None, bias_value: torch.Tensor | None = None,
-                 weight_bits: int = 16, headroom: int = 2, activation_bits: int = 8,
-                 error_bits: int = 8, accumulator_bits: int = 32, forward_shift: int | None = None,
-                 backward_shift: int | None = None, rounding: str = "stochastic",
-                 overflow: str = "raise"):
-        F._check_int("in_features", in_features, 1, 2**31)
-        F._check_int("out_features", out_features, 1, 2**31)
-        F._check_int("weight_bits", weight_bits, 2, 32)
-        F._check_int("headroom", headroom, 0, 16)
-        F._check_int("activation_bits", activation_bits, 2, 32)
-        F._check_int("error_bits", error_bits, 2, 32)
-        F._check_int("accumulator_bits", accumulator_bits, 2, 64)
-        F._random_args(rounding, None, 0, 0)  # validates the rule
-        F._check_policy(overflow)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = True,
+        weight: torch.Tensor | None = None,
+        bias_value: torch.Tensor | None = None,
+        weight_bits: int = 16,
+        headroom: int = 2,
+        activation_bits: int = 8,
+        error_bits: int = 8,
+        accumulator_bits: int = 32,
+        forward_shift: int | None = None,
+        backward_shift: int | None = None,
+        rounding: str = "stochastic",
+        overflow: str = "raise",
+    ):
+        check_int("in_features", in_features, 1, 2**31)
+        check_int("out_features", out_features, 1, 2**31)
+        check_int("weight_bits", weight_bits, 2, 32)
+        check_int("headroom", headroom, 0, 16)
+        check_int("activation_bits", activation_bits, 2, 32)
+        check_int("error_bits", error_bits, 2, 32)
+        check_int("accumulator_bits", accumulator_bits, 2, 64)
+        check_rule(rounding, F.ROUNDINGS, "dyadic operations")
+        check_choice("overflow", overflow, F.OVERFLOW_POLICIES)
         self.in_features, self.out_features = in_features, out_features
         self.activation_bits, self.error_bits = activation_bits, error_bits
         self.accumulator_bits = accumulator_bits
@@ -187,8 +200,9 @@ class Linear(Module):
         if w is None:
             w = torch.empty(out_features, in_features).uniform_(-bound, bound)
         if tuple(w.shape) != (out_features, in_features):
-            raise ValueError(f"weight must have shape ({out_features}, {in_features}), got "
-                             f"{tuple(w.shape)}")
+            raise ValueError(
+                f"weight must have shape ({out_features}, {in_features}), got {tuple(w.shape)}"
+            )
         initial = [w.detach()]
         b = None
         if bias:
@@ -196,14 +210,19 @@ class Linear(Module):
             if b is None:
                 b = torch.empty(out_features).uniform_(-bound, bound)
             if tuple(b.shape) != (out_features,):
-                raise ValueError(f"bias_value must have shape ({out_features},), got "
-                                 f"{tuple(b.shape)}")
+                raise ValueError(
+                    f"bias_value must have shape ({out_features},), got {tuple(b.shape)}"
+                )
             initial.append(b.detach())
         scale = min(F.scale_for(t, weight_bits) for t in initial) - headroom
-        self.weight = Parameter("weight", F.from_float(w.detach(), weight_bits, scale).value,
-                                weight_bits)
-        self.bias = None if b is None else Parameter(
-            "bias", F.from_float(b.detach(), weight_bits, scale).value, weight_bits)
+        self.weight = Parameter(
+            "weight", F.from_float(w.detach(), weight_bits, scale).value, weight_bits
+        )
+        self.bias = (
+            None
+            if b is None
+            else Parameter("bias", F.from_float(b.detach(), weight_bits, scale).value, weight_bits)
+        )
         self._input: DyadicTensor | None = None
         self._clipped: torch.Tensor | None = None
 
@@ -211,22 +230,29 @@ class Linear(Module):
     def from_torch(cls, module: torch.nn.Linear, **options) -> Linear:
         """An integer copy of a torch.nn.Linear's current weight and bias (options as __init__)."""
         bias = module.bias.detach() if module.bias is not None else None
-        return cls(module.in_features, module.out_features, bias=bias is not None,
-                   weight=module.weight.detach(), bias_value=bias, **options)
+        return cls(
+            module.in_features,
+            module.out_features,
+            bias=bias is not None,
+            weight=module.weight.detach(),
+            bias_value=bias,
+            **options,
+        )
 
     def parameters(self) -> list[Parameter]:
         return [self.weight] + ([self.bias] if self.bias is not None else [])
 
     def _product(self, what: str, a: DyadicTensor, b: DyadicTensor) -> DyadicTensor:
-        result, count = F._matmul(a, b, self.accumulator_bits)
+        result, count = F.saturating_matmul(a, b, accumulator_bits=self.accumulator_bits)
         self._count_overflows(what, count)
         return result
 
     def _count_overflows(self, what: str, count: int) -> None:
         if self.training:
             self.stats.overflows += count
-        F.check_overflow(count, f"Linear {what}", F.integer_range(self.accumulator_bits),
-                         self.overflow)
+        F.check_overflow(
+            count, f"Linear {what}", F.integer_range(self.accumulator_bits), self.overflow
+        )
 
     @property
     def _rule(self) -> str:
@@ -241,14 +267,17 @@ class Linear(Module):
         if not isinstance(x, DyadicTensor):
             raise TypeError(f"x must be a DyadicTensor, got {type(x).__name__}")
         if x.per_channel or x.mantissa.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"x must be (N, {self.in_features}) with one scale, got "
-                             f"{tuple(x.shape)}{' per channel' if x.per_channel else ''}")
+            raise ValueError(
+                f"x must be (N, {self.in_features}) with one scale, got "
+                f"{tuple(x.shape)}{' per channel' if x.per_channel else ''}"
+            )
         acc = self._product("forward x W^T", x, self.weight.value.t())
         if self.bias is not None:
-            bias = F.requantize(self.bias.value, acc.scale, self.accumulator_bits,
-                                rounding=self._rule)
+            bias = F.requantize(
+                self.bias.value, acc.scale, self.accumulator_bits, rounding=self._rule
+            )
             self._count_overflows("bias at the accumulator's scale", bias.clip_count)
-            acc, count = F._add(acc, bias.value, False, self._rule, None, None, 0)
+            acc, count = F.saturating_add(acc, bias.value, rounding=self._rule)
             self._count_overflows("forward x W^T + b", count)
         (y, clipped), shift = self._requantize(acc, self.forward_shift, self.activation_bits)
         if self.training:
@@ -261,12 +290,13 @@ class Linear(Module):
         if self._input is None:
             raise RuntimeError("backward() needs a forward() first")
         if grad.shape != self._clipped.shape or grad.per_channel:
-            raise ValueError(f"grad must have the output's shape {tuple(self._clipped.shape)} and "
-                             "one scale")
+            raise ValueError(
+                f"grad must have the output's shape {tuple(self._clipped.shape)} and one scale"
+            )
         g = grad.masked_zero(self._clipped)
         self.weight.grad = self._product("backward g^T x", g.t(), self._input)
         if self.bias is not None:
-            self.bias.grad, count = F._sum(g, 0, self.accumulator_bits)
+            self.bias.grad, count = F.saturating_sum(g, 0, accumulator_bits=self.accumulator_bits)
             self._count_overflows("backward sum of g", count)
         dx = self._product("backward g W", g, self.weight.value)
         (dx, clipped), shift = self._requantize(dx, self.backward_shift, self.error_bits)
@@ -336,8 +366,14 @@ class LossOutput(NamedTuple):
     shift: int
 
 
-def mse_loss(output: DyadicTensor, target: DyadicTensor, *, error_bits: int = 8,
-             rounding: str = "stochastic", accumulator_bits: int = 32) -> LossOutput:
+def mse_loss(
+    output: DyadicTensor,
+    target: DyadicTensor,
+    *,
+    error_bits: int = 8,
+    rounding: str = "stochastic",
+    accumulator_bits: int = 32,
+) -> LossOutput:
     """L = (1 / 2N) sum over the batch and the outputs of (y - t)^2, and dL/dy = (y - t) / N.
 
     In integers: the target is requantised to the output's scale s_y (a left shift, exact, when
@@ -345,23 +381,26 @@ def mse_loss(output: DyadicTensor, target: DyadicTensor, *, error_bits: int = 8,
     the batch size N is free when N is a power of two (the scale grows by log2 N); otherwise
     e / N = div(e, N, p) with p = N.bit_length(), rounded. The gradient is then requantised to
     ``error_bits`` with the shift fit_shift() gives. The loss itself is computed exactly from the
-    integers and only then converted to a float.
+    integers and only then converted to a float. Every rounding uses ``rounding`` ("stochastic" by
+    default, "nearest" or "down").
 
     Raises:
         ValueError: output and target differ in shape, or are not (N, C) with one scale.
         OverflowError: the target or the error does not fit the accumulator at the output's scale.
     """
     if output.shape != target.shape or output.mantissa.dim() != 2:
-        raise ValueError(f"output and target must be (N, C) of one shape, got {tuple(output.shape)}"
-                         f" and {tuple(target.shape)}")
+        raise ValueError(
+            f"output and target must be (N, C) of one shape, got {tuple(output.shape)}"
+            f" and {tuple(target.shape)}"
+        )
     if output.per_channel or target.per_channel:
         raise ValueError("mse_loss needs per-tensor scales")
-    F._check_int("error_bits", error_bits, 2, 32)
+    check_int("error_bits", error_bits, 2, 32)
     bounds = F.integer_range(accumulator_bits)
     moved = F.requantize(target, output.scale, accumulator_bits, rounding=rounding)
     F.check_overflow(moved.clip_count, "mse_loss target at the output's scale", bounds)
     widened = DyadicTensor(output.mantissa.to(moved.value.dtype), output.scale)
-    error, count = F._add(widened, moved.value, True, rounding, None, None, 0)
+    error, count = F.saturating_sub(widened, moved.value, rounding=rounding)
     F.check_overflow(count, "mse_loss y - t", bounds)
     n = output.shape[0]
     total = int((error.mantissa.to(torch.int64) ** 2).sum())  # exact: |e| < 2**31, few elements
@@ -369,8 +408,12 @@ def mse_loss(output: DyadicTensor, target: DyadicTensor, *, error_bits: int = 8,
     if n & (n - 1) == 0:
         grad = error.ldexp(-(n.bit_length() - 1))
     else:
-        grad = F.div(error, DyadicTensor(torch.tensor(n, dtype=error.dtype)), n.bit_length(),
-                     rounding=rounding)
+        grad = F.div(
+            error,
+            DyadicTensor(torch.tensor(n, dtype=error.dtype)),
+            n.bit_length(),
+            rounding=rounding,
+        )
     shift = F.fit_shift(grad, error_bits)
     grad = F.requantize(grad, grad.scale - shift, error_bits, rounding=rounding).value
     return LossOutput(loss, grad, shift)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lpsim._checks import check_choice, check_int, check_rule
 from lpsim.dyadic import functional as F
 from lpsim.dyadic.nn import Parameter
 from lpsim.dyadic.tensor import DyadicTensor
@@ -52,19 +53,28 @@ class SGD:
         TypeError, ValueError: an argument has the wrong type or is out of range.
     """
 
-    def __init__(self, parameters: Iterable[Parameter], *, lr_shift: int, momentum_shift: int = 0,
-                 grad_bits: int = 16, rounding: str = "stochastic", overflow: str = "raise"):
+    def __init__(
+        self,
+        parameters: Iterable[Parameter],
+        *,
+        lr_shift: int,
+        momentum_shift: int = 0,
+        grad_bits: int = 16,
+        rounding: str = "stochastic",
+        overflow: str = "raise",
+    ):
         self.parameters = list(parameters)
         for p in self.parameters:
             if not isinstance(p, Parameter):
-                raise TypeError("parameters must be lpsim.dyadic.nn.Parameter, got "
-                                f"{type(p).__name__}")
-        self.lr_shift = F._check_int("lr_shift", lr_shift, 0, 62)
-        self.momentum_shift = F._check_int("momentum_shift", momentum_shift, 0, 30)
-        self.grad_bits = F._check_int("grad_bits", grad_bits, 2, 32)
-        F._random_args(rounding, None, 0, 0)  # validates the rule
+                raise TypeError(
+                    f"parameters must be lpsim.dyadic.nn.Parameter, got {type(p).__name__}"
+                )
+        self.lr_shift = check_int("lr_shift", lr_shift, 0, 62)
+        self.momentum_shift = check_int("momentum_shift", momentum_shift, 0, 30)
+        self.grad_bits = check_int("grad_bits", grad_bits, 2, 32)
+        check_rule(rounding, F.ROUNDINGS, "dyadic operations")
         self.rounding = rounding
-        self.overflow = F._check_policy(overflow)
+        self.overflow = check_choice("overflow", overflow, F.OVERFLOW_POLICIES)
         self.momentum: list[DyadicTensor | None] = [None] * len(self.parameters)
         self.stats = {p.name: ClampCounts() for p in self.parameters}
 
@@ -79,8 +89,9 @@ class SGD:
     def _round(self, x: DyadicTensor, scale: int, bits: int = 32) -> F.Requantized:
         return F.requantize(x, scale, bits, rounding=self.rounding)
 
-    def _add(self, a: DyadicTensor, b: DyadicTensor, subtract: bool) -> tuple[DyadicTensor, int]:
-        return F._add(a, b, subtract, self.rounding, None, None, 0)  # same scale: exact
+    def _add(self, a: DyadicTensor, b: DyadicTensor, subtract: bool) -> F.Saturated:
+        combine = F.saturating_sub if subtract else F.saturating_add
+        return combine(a, b, rounding=self.rounding)  # same scale: exact
 
     def _checked(self, what: str, result: tuple[DyadicTensor, int]) -> DyadicTensor:
         value, count = result

@@ -20,7 +20,8 @@ __all__ = ["round_rational", "requantize_value", "word_of", "elementwise", "matm
 def round_rational(x: Fraction, rule: Rounding, word: int = 0, rbits: int = MAX_RBITS) -> int:
     """The integer the rule makes of x: with q = floor(x) and frac = x - q,
     down: q; nearest: q + 1 iff frac > 1/2 or (frac = 1/2 and q odd);
-    stochastic: q + 1 iff floor(frac * 2**rbits) > word >> (32 - rbits)."""
+    stochastic: q + 1 iff floor(frac * 2**rbits) + (word >> (32 - rbits)) >= 2**rbits, the
+    decision lpsim.reference makes for the float and fixed formats."""
     q = math.floor(x)
     frac = x - q
     if rule is Rounding.down:
@@ -29,12 +30,13 @@ def round_rational(x: Fraction, rule: Rounding, word: int = 0, rbits: int = MAX_
         half = Fraction(1, 2)
         return q + (frac > half or (frac == half and q % 2 == 1))
     if rule is Rounding.stochastic:
-        return q + (math.floor(frac * 2**rbits) > word >> (MAX_RBITS - rbits))
+        return q + (math.floor(frac * 2**rbits) + (word >> (MAX_RBITS - rbits)) >= 2**rbits)
     raise ValueError(f"no integer rounding {rule!r}")
 
 
-def requantize_value(v: int, k: int, lo: int, hi: int, rule: Rounding, word: int = 0,
-                     rbits: int = MAX_RBITS) -> tuple[int, bool]:
+def requantize_value(
+    v: int, k: int, lo: int, hi: int, rule: Rounding, word: int = 0, rbits: int = MAX_RBITS
+) -> tuple[int, bool]:
     """(clip(round(v / 2**k), lo, hi), whether the clip fired), for any integer k."""
     r = round_rational(Fraction(v) / Fraction(2) ** k, rule, word, rbits)
     return min(max(r, lo), hi), not lo <= r <= hi
@@ -45,9 +47,17 @@ def word_of(rule: Rounding, seed: int | None, offset: int, index: int) -> int:
     return random_word(seed, offset, index) if rule is Rounding.stochastic else 0
 
 
-def elementwise(op: str, a: list[int], b: list[int], shift_a: list[int], shift_b: list[int],
-                rule: Rounding, seed: int | None = None, offset: int = 0,
-                rbits: int = MAX_RBITS) -> list[int]:
+def elementwise(
+    op: str,
+    a: list[int],
+    b: list[int],
+    shift_a: list[int],
+    shift_b: list[int],
+    rule: Rounding,
+    seed: int | None = None,
+    offset: int = 0,
+    rbits: int = MAX_RBITS,
+) -> list[int]:
     """The exact results of the elementwise kernels on flat lists, before any range check:
     "add"/"sub": round(a / 2**shift_a) +/- round(b / 2**shift_b) (the finer operand shifted);
     "mul": round(a b / 2**shift_a); "div": round(a 2**shift_a / b). Shifts are per element."""

@@ -5,6 +5,11 @@ per-channel scale). A larger scale is a finer grid: (3, 2) is 0.75 and (3, 0) is
 is an int32 or int64 tensor; the scales are plain integers and cost nothing to change, so
 multiplying by a power of two (``ldexp``) is free and exact.
 
+A DyadicTensor is a value: it holds its mantissa and scales and offers only exact operations
+(``ldexp``, views, ``to_float``). Arithmetic that rounds or can overflow is a function of
+lpsim.dyadic (add, mul, requantize, ...), where rounding, seed, offset and overflow policy are
+arguments.
+
     >>> import torch
     >>> from lpsim.dyadic import DyadicTensor
     >>> x = DyadicTensor(torch.tensor([3, -5, 12], dtype=torch.int32), scale=2)
@@ -40,8 +45,9 @@ def normalize_axis(axis: int, ndim: int) -> int:
     if not isinstance(axis, int) or isinstance(axis, bool):
         raise TypeError(f"axis must be an int or None, got {type(axis).__name__}")
     if not -ndim <= axis < ndim:
-        raise IndexError(f"axis must be in [{-ndim}, {ndim - 1}] for a tensor of {ndim} "
-                         f"dimensions, got {axis}")
+        raise IndexError(
+            f"axis must be in [{-ndim}, {ndim - 1}] for a tensor of {ndim} dimensions, got {axis}"
+        )
     return axis % ndim
 
 
@@ -49,8 +55,11 @@ def normalize_scale(scale, shape: torch.Size, axis: int | None) -> tuple:
     """(scale, axis) checked for a mantissa of ``shape``: an int and None, or a 1-D int64 tensor
     with one entry per index along the non-negative ``axis``."""
     if axis is None:
-        if (isinstance(scale, torch.Tensor) and scale.dim() == 0
-                and not scale.dtype.is_floating_point):
+        if (
+            isinstance(scale, torch.Tensor)
+            and scale.dim() == 0
+            and not scale.dtype.is_floating_point
+        ):
             scale = int(scale)
         return _check_scale_value(scale), None
     axis = normalize_axis(axis, len(shape))
@@ -59,8 +68,9 @@ def normalize_scale(scale, shape: torch.Size, axis: int | None) -> tuple:
         raise TypeError(f"a per-channel scale must hold integers, got {s.dtype}")
     s = s.to(torch.int64).reshape(-1)
     if s.numel() != shape[axis]:
-        raise ValueError(f"a per-channel scale along axis {axis} needs {shape[axis]} entries, "
-                         f"got {s.numel()}")
+        raise ValueError(
+            f"a per-channel scale along axis {axis} needs {shape[axis]} entries, got {s.numel()}"
+        )
     if s.numel() and int(s.abs().max()) > MAX_SCALE:
         raise ValueError(f"scale must be in [-2**30, 2**30], got {int(s.abs().max())}")
     return s, axis
@@ -85,8 +95,12 @@ class DyadicTensor:
 
     __slots__ = ("mantissa", "scale", "axis")
 
-    def __init__(self, mantissa: torch.Tensor, scale: int | Sequence[int] | torch.Tensor = 0,
-                 axis: int | None = None):
+    def __init__(
+        self,
+        mantissa: torch.Tensor,
+        scale: int | Sequence[int] | torch.Tensor = 0,
+        axis: int | None = None,
+    ):
         if not isinstance(mantissa, torch.Tensor):
             raise TypeError(f"mantissa must be a torch.Tensor, got {type(mantissa).__name__}")
         if mantissa.dtype not in _MANTISSA_DTYPES:
@@ -100,6 +114,7 @@ class DyadicTensor:
 
     @property
     def shape(self) -> torch.Size:
+        """The mantissa's shape."""
         return self.mantissa.shape
 
     @property
@@ -109,6 +124,7 @@ class DyadicTensor:
 
     @property
     def per_channel(self) -> bool:
+        """Whether the scale is one per index along ``axis`` (else one for the tensor)."""
         return self.axis is not None
 
     def scales(self) -> torch.Tensor:
@@ -142,8 +158,9 @@ class DyadicTensor:
     def with_mantissa(self, mantissa: torch.Tensor) -> DyadicTensor:
         """A tensor of the same scales with another mantissa of the same shape."""
         if mantissa.shape != self.mantissa.shape:
-            raise ValueError(f"mantissa must have shape {tuple(self.shape)}, got "
-                             f"{tuple(mantissa.shape)}")
+            raise ValueError(
+                f"mantissa must have shape {tuple(self.shape)}, got {tuple(mantissa.shape)}"
+            )
         return DyadicTensor(mantissa, self.scale, self.axis)
 
     def masked_zero(self, mask: torch.Tensor) -> DyadicTensor:
@@ -158,51 +175,11 @@ class DyadicTensor:
         return DyadicTensor(self.mantissa.t(), self.scale, axis)
 
     def clone(self) -> DyadicTensor:
+        """A copy that shares no storage with this tensor."""
         scale = self.scale if self.axis is None else self.scale.clone()
         return DyadicTensor(self.mantissa.clone(), scale, self.axis)
-
-    # ---- arithmetic (see lpsim.dyadic.functional for every option) -----------------------------
-
-    @classmethod
-    def from_float(cls, x: torch.Tensor, bits: int = 8, scale=None, **options) -> DyadicTensor:
-        """lpsim.dyadic.from_float(x, bits, scale, **options).value."""
-        return _functional.from_float(x, bits, scale, **options).value
-
-    def align(self, other: DyadicTensor, **options) -> tuple[DyadicTensor, DyadicTensor]:
-        """Both tensors at the coarser scale: lpsim.dyadic.align(self, other, **options)."""
-        return _functional.align(self, other, **options)
-
-    def add(self, other: DyadicTensor, **options) -> DyadicTensor:
-        """lpsim.dyadic.add(self, other, **options)."""
-        return _functional.add(self, other, **options)
-
-    def sub(self, other: DyadicTensor, **options) -> DyadicTensor:
-        """lpsim.dyadic.sub(self, other, **options)."""
-        return _functional.sub(self, other, **options)
-
-    def mul(self, other: DyadicTensor, shift: int = 0, **options) -> DyadicTensor:
-        """lpsim.dyadic.mul(self, other, shift, **options)."""
-        return _functional.mul(self, other, shift, **options)
-
-    def div(self, other: DyadicTensor, shift: int, **options) -> DyadicTensor:
-        """lpsim.dyadic.div(self, other, shift, **options)."""
-        return _functional.div(self, other, shift, **options)
-
-    def requantize(self, scale, bits: int, signed: bool = True, rounding: str = "stochastic",
-                   **options) -> DyadicTensor:
-        """lpsim.dyadic.requantize(self, scale, bits, signed, rounding, **options).value."""
-        return _functional.requantize(self, scale, bits, signed, rounding, **options).value
-
-    __add__ = add
-    __sub__ = sub
-
-    def __mul__(self, other: DyadicTensor) -> DyadicTensor:
-        return self.mul(other)
 
     def __repr__(self) -> str:
         scale = self.scale if self.axis is None else self.scale.tolist()
         axis = "" if self.axis is None else f", axis={self.axis}"
         return f"DyadicTensor(mantissa={self.mantissa!r}, scale={scale}{axis})"
-
-
-from lpsim.dyadic import functional as _functional  # noqa: E402  (it imports DyadicTensor)

@@ -10,7 +10,7 @@ from lpsim.nn.inject import (
     remove,
     report,
 )
-from lpsim.nn.quantizer import QuantSpec, Quantizer, as_spec, quantizer
+from lpsim.nn.quantizer import Quantizer, QuantSpec, as_spec, quantizer
 
 __all__ = [
     "quantizer",

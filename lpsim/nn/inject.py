@@ -29,17 +29,26 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from lpsim.nn._hooks import guard_hooks_under_compile, map_tensors
 from lpsim.nn.quantizer import QuantSpec, Spec, as_spec, eval_spec, parse_eval_rounding, quantizer
 from lpsim.rounding import Rounding
 
-__all__ = ["LayerQuantization", "inject", "remove", "report", "injected", "quantized_parameters",
-           "DEFAULT"]
+__all__ = [
+    "LayerQuantization",
+    "inject",
+    "remove",
+    "report",
+    "injected",
+    "quantized_parameters",
+    "DEFAULT",
+]
 
 DEFAULT = "default"
 _STATE = "_lpsim_injection"  # attribute holding what inject() did to a module
@@ -63,7 +72,7 @@ class LayerQuantization:
         input: the floating-point tensors passed to forward (positional and keyword), forward only.
         output: the floating-point tensors forward returns (nested tuples, lists and dicts too).
         error: the gradient flowing back into those outputs (the layer's error), in backward.
-        rounding: the rule for fields given as bare formats.
+        rounding: the rule for fields given as bare formats (default "stochastic").
         eval_rounding: the rule that replaces stochastic rules while the module is in eval mode
             ("nearest" by default: evaluation is deterministic and draws no random numbers, so
             how often one evaluates never changes training). None keeps the stochastic rules.
@@ -176,25 +185,14 @@ def _check_unmatched(counts: dict, unmatched: str) -> None:
         problems.append(f"{_selector_name(selector)}: {why}")
     if not problems or unmatched == "ignore":
         return
-    message = ("inject(): config entries that decide no module (pass unmatched='warn' or 'ignore' "
-               "to allow this): " + "; ".join(problems))
+    message = (
+        "inject(): config entries that decide no module (pass unmatched='warn' or 'ignore' "
+        "to allow this): " + "; ".join(problems)
+    )
     if unmatched == "warn":
         warnings.warn(message, stacklevel=3)
     else:
         raise ValueError(message)
-
-
-def _map_tensors(value, fn):
-    """value with fn applied to every floating-point tensor inside tuples, lists and dicts."""
-    if isinstance(value, torch.Tensor):
-        return fn(value) if value.is_floating_point() else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # named tuple
-        return type(value)(*(_map_tensors(v, fn) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map_tensors(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _map_tensors(v, fn) for k, v in value.items()}
-    return value
 
 
 def _parameter_names(module: nn.Module, suffix: str) -> list[str]:
@@ -210,15 +208,25 @@ def _bypassed(model: nn.Module) -> dict[str, str]:
                 for child in children:
                     if isinstance(getattr(module, child, None), nn.Module):
                         qualified = f"{name}.{child}" if name else child
-                        found[qualified] = (f"{type(module).__name__} never calls its forward "
-                                            "(it reads the parameters directly)")
+                        found[qualified] = (
+                            f"{type(module).__name__} never calls its forward "
+                            "(it reads the parameters directly)"
+                        )
     return found
 
 
 def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str | None) -> dict:
-    done = {"type": type(module).__name__, "weight": [], "bias": [], "input": None, "output": None,
-            "error": None, "hooks": [], "parameter_order": list(module._parameters),
-            "bypassed": bypassed}
+    done = {
+        "type": type(module).__name__,
+        "weight": [],
+        "bias": [],
+        "input": None,
+        "output": None,
+        "error": None,
+        "hooks": [],
+        "parameter_order": list(module._parameters),
+        "bypassed": bypassed,
+    }
     eval_rule = parse_eval_rounding(settings.eval_rounding)
     for kind in ("weight", "bias"):
         spec = settings.spec(kind)
@@ -226,7 +234,8 @@ def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str
             continue
         for pname in _parameter_names(module, kind):
             parametrize.register_parametrization(
-                module, pname, _FakeQuantize(spec, eval_spec(spec, eval_rule)))
+                module, pname, _FakeQuantize(spec, eval_spec(spec, eval_rule))
+            )
             done[kind].append((pname, spec))
     input_spec = settings.spec("input")
     if input_spec is not None:
@@ -234,7 +243,7 @@ def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str
 
         def quantize_inputs(mod, args, kwargs):
             spec = input_spec if mod.training else input_eval
-            return _map_tensors(args, spec), _map_tensors(kwargs, spec)
+            return map_tensors(args, spec), map_tensors(kwargs, spec)
 
         done["hooks"].append(module.register_forward_pre_hook(quantize_inputs, with_kwargs=True))
         done["input"] = input_spec
@@ -244,7 +253,7 @@ def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str
         eval_apply = quantizer(eval_spec(output_spec, eval_rule), eval_spec(error_spec, eval_rule))
 
         def quantize_outputs(mod, args, output):
-            return _map_tensors(output, train_apply if mod.training else eval_apply)
+            return map_tensors(output, train_apply if mod.training else eval_apply)
 
         done["hooks"].append(module.register_forward_hook(quantize_outputs))
         done["output"], done["error"] = output_spec, error_spec
@@ -257,20 +266,13 @@ def _active(done: dict) -> bool:
     return bool(done["weight"] or done["bias"] or done["hooks"])
 
 
-def _guard_hooks_under_compile() -> None:
-    """Make torch.compile guard on module hooks. By default dynamo skips those guards, so a graph
-    compiled for a module class without hooks is reused for an injected module of the same class,
-    and its quantisers silently vanish from the compiled model. With the guards, adding or removing
-    hooks recompiles. Graphs compiled before the guards were on carry none, so the first time this
-    clears dynamo's caches (models compiled earlier recompile on their next call)."""
-    import torch._dynamo  # noqa: PLC0415 - 2 s to import: only when injecting
-
-    if torch._dynamo.config.skip_nnmodule_hook_guards:
-        torch._dynamo.config.skip_nnmodule_hook_guards = False
-        torch._dynamo.reset()
-
-
-def inject(model: nn.Module, config, *, unmatched: str = "error", verbose: bool = False) -> nn.Module:
+def inject(
+    model: nn.Module,
+    config: Mapping[object, LayerQuantization | None],
+    *,
+    unmatched: str = "error",
+    verbose: bool = False,
+) -> nn.Module:
     """Insert quantisers into ``model`` in place, as ``config`` says (see the module docstring),
     and return it. Injecting again into an injected model first removes the earlier injection.
 
@@ -298,9 +300,13 @@ def inject(model: nn.Module, config, *, unmatched: str = "error", verbose: bool 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not hasattr(config, "items"):
-        raise TypeError(f"config must be a mapping from selectors to settings, got {type(config).__name__}")
+        raise TypeError(
+            f"config must be a mapping from selectors to settings, got {type(config).__name__}"
+        )
     if unmatched not in _UNMATCHED:
-        raise ValueError(f"unmatched must be one of {', '.join(map(repr, _UNMATCHED))}; got {unmatched!r}")
+        raise ValueError(
+            f"unmatched must be one of {', '.join(map(repr, _UNMATCHED))}; got {unmatched!r}"
+        )
     for selector, settings in config.items():
         if selector != DEFAULT:
             _check_selector(selector)
@@ -309,7 +315,7 @@ def inject(model: nn.Module, config, *, unmatched: str = "error", verbose: bool 
     remove(model)  # an earlier injection would otherwise be matched as part of the model
     plan, counts = _plan(model, config)
     _check_unmatched(counts, unmatched)
-    _guard_hooks_under_compile()
+    guard_hooks_under_compile()
     bypassed = _bypassed(model)
     never_run = []
     for name, module, settings in plan:
@@ -320,8 +326,11 @@ def inject(model: nn.Module, config, *, unmatched: str = "error", verbose: bool 
             never_run.append(f"{name!r} ({done['bypassed']})")
         setattr(module, _STATE, done)
     if never_run:
-        warnings.warn("inject(): the input/output/error quantisers configured for these modules "
-                      f"never run: {', '.join(never_run)}", stacklevel=2)
+        warnings.warn(
+            "inject(): the input/output/error quantisers configured for these modules "
+            f"never run: {', '.join(never_run)}",
+            stacklevel=2,
+        )
     if verbose:
         print(report(model))
     return model
@@ -356,8 +365,11 @@ def remove(model: nn.Module) -> nn.Module:
 def injected(model: nn.Module) -> list[tuple[str, nn.Module, dict]]:
     """(name, module, what was injected) for every module inject() placed a quantiser in, in
     model order."""
-    return [(n, m, getattr(m, _STATE)) for n, m in model.named_modules()
-            if hasattr(m, _STATE) and _active(getattr(m, _STATE))]
+    return [
+        (n, m, getattr(m, _STATE))
+        for n, m in model.named_modules()
+        if hasattr(m, _STATE) and _active(getattr(m, _STATE))
+    ]
 
 
 def quantized_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -381,8 +393,9 @@ def _modules_that_run(model: nn.Module, example) -> set[int]:
     The pass runs without gradients and inside a fork of torch's generators, so it leaves the
     random streams of training where they were."""
     ran: set[int] = set()
-    handles = [m.register_forward_pre_hook(lambda mod, args: ran.add(id(mod)))
-               for m in model.modules()]
+    handles = [
+        m.register_forward_pre_hook(lambda mod, args: ran.add(id(mod))) for m in model.modules()
+    ]
     args = example if isinstance(example, tuple) else (example,)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
@@ -400,7 +413,12 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     return lines
 
 
-def report(model: nn.Module, optimizer=None, *, example=None) -> str:
+def report(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    example: torch.Tensor | tuple | None = None,
+) -> str:
     """What really runs in low precision in ``model``: a table with one row per module that holds a
     quantiser and per module left in full precision (leaf modules and modules with parameters of
     their own), then the share of parameter elements fake-quantised, and, with an OptimLP
@@ -428,10 +446,21 @@ def report(model: nn.Module, optimizer=None, *, example=None) -> str:
             if note:
                 warnings.warn(f"report(): {name or type(module).__name__}: {note}", stacklevel=2)
             quantised += 1
-            rows.append((name or "(model)", done["type"], specs(done["weight"]), specs(done["bias"]),
-                         str(done["input"] or "-"), str(done["output"] or "-"),
-                         str(done["error"] or "-"), note))
-        elif not any(True for _ in module.children()) or any(True for _ in module.parameters(recurse=False)):
+            rows.append(
+                (
+                    name or "(model)",
+                    done["type"],
+                    specs(done["weight"]),
+                    specs(done["bias"]),
+                    str(done["input"] or "-"),
+                    str(done["output"] or "-"),
+                    str(done["error"] or "-"),
+                    note,
+                )
+            )
+        elif not any(True for _ in module.children()) or any(
+            True for _ in module.parameters(recurse=False)
+        ):
             full += 1
             note = "full precision" if done is None else "full precision (nothing to quantise)"
             rows.append((name or "(model)", type(module).__name__) + ("-",) * 5 + (note,))
@@ -439,8 +468,10 @@ def report(model: nn.Module, optimizer=None, *, example=None) -> str:
     total = sum(p.numel() for p in model.parameters())
     fake = sum(p.numel() for p in quantized_parameters(model))
     share = f"{100 * fake / total:.1f}%" if total else "-"
-    lines.append(f"{quantised} modules quantised, {full} in full precision; "
-                 f"{fake} of {total} parameter elements fake-quantised ({share})")
+    lines.append(
+        f"{quantised} modules quantised, {full} in full precision; "
+        f"{fake} of {total} parameter elements fake-quantised ({share})"
+    )
     if optimizer is not None:
         lines.append("")
         lines.extend(_optimizer_table(model, optimizer))
@@ -456,7 +487,10 @@ def _optimizer_table(model: nn.Module, optimizer) -> list[str]:
     for group in optimizer.param_groups:
         for p in group["params"]:
             s = settings_of(p)
-            cells = ("full precision", "", "", "") if s is None else tuple(
-                str(getattr(s, k) or "-") for k in ("weight", "grad", "momentum", "acc"))
+            cells = (
+                ("full precision", "", "", "")
+                if s is None
+                else tuple(str(getattr(s, k) or "-") for k in ("weight", "grad", "momentum", "acc"))
+            )
             rows.append((names.get(id(p), "(not in model)"),) + cells)
     return ["optimizer (OptimLP) rounds:"] + _table(rows)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -18,10 +18,17 @@ from lpsim.formats import BlockFloat, Fixed, Float, Format, check_fits
 from lpsim.functional import quantize
 from lpsim.rounding import Rounding
 
-__all__ = ["Spec", "QuantSpec", "as_spec", "quantizer", "Quantizer", "eval_spec",
-           "parse_eval_rounding"]
+__all__ = [
+    "Spec",
+    "QuantSpec",
+    "as_spec",
+    "quantizer",
+    "Quantizer",
+    "eval_spec",
+    "parse_eval_rounding",
+]
 
-Spec = Union[Format, tuple, None]
+Spec = Format | tuple | None
 
 
 class QuantSpec(NamedTuple):
@@ -78,8 +85,11 @@ def as_spec(value: Spec, rounding: Rounding | str, name: str) -> QuantSpec | Non
         return value
     if isinstance(value, (Float, Fixed, BlockFloat)):
         return QuantSpec(value, Rounding.parse(rounding))
-    if (isinstance(value, tuple) and len(value) == 2
-            and isinstance(value[0], (Float, Fixed, BlockFloat))):
+    if (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], (Float, Fixed, BlockFloat))
+    ):
         return QuantSpec(value[0], Rounding.parse(value[1]))
     raise TypeError(
         f"{name} must be None, a Float, Fixed or BlockFloat, or a (format, rounding) pair; "
@@ -92,7 +102,8 @@ def clip_range(fmt: Format) -> tuple[float, float]:
     format, [-max, max] of a saturating Float.
 
     Raises:
-        ValueError: the format does not clip (Fixed without clamp, non-saturating Float, BlockFloat).
+        ValueError: the format does not clip (Fixed without clamp, non-saturating Float,
+            BlockFloat).
     """
     if isinstance(fmt, Fixed) and fmt.clamp:
         return fmt.min, fmt.max
@@ -208,7 +219,8 @@ def quantizer(
     Args:
         forward: spec of the forward quantisation (None: identity).
         backward: spec of the gradient quantisation (None: the gradient passes unchanged).
-        forward_rounding, backward_rounding: rules for specs given as bare formats.
+        forward_rounding, backward_rounding: rules for specs given as bare formats (default
+            "stochastic" for both).
         clamp_grad_zero: zero the gradient where the forward pass clipped: where the rounded
             value lay outside the range of a clamping Fixed format or a saturating Float (decided
             on the rounded value, with the forward pass's own random decisions; see
@@ -241,7 +253,7 @@ def quantizer(
 class Quantizer(nn.Module):
     """A module wrapping quantizer(): quantises activations forward and errors backward.
 
-    Arguments as for lpsim.nn.quantizer(), and:
+    Arguments as for lpsim.nn.quantizer() (rules "stochastic" by default), and:
 
     Args:
         eval_rounding: the rule that replaces the stochastic rules while the module is in eval
@@ -267,25 +279,34 @@ class Quantizer(nn.Module):
         self.clamp_grad_zero = clamp_grad_zero
         self.backward_hooks = tuple(backward_hooks)
         self.eval_rounding = parse_eval_rounding(eval_rounding)
-        self._apply_train = quantizer(self.forward_spec, self.backward_spec,
-                                      clamp_grad_zero=clamp_grad_zero,
-                                      backward_hooks=self.backward_hooks)
-        self._apply_eval = quantizer(eval_spec(self.forward_spec, self.eval_rounding),
-                                     eval_spec(self.backward_spec, self.eval_rounding),
-                                     clamp_grad_zero=clamp_grad_zero,
-                                     backward_hooks=self.backward_hooks)
+        self._apply_train = quantizer(
+            self.forward_spec,
+            self.backward_spec,
+            clamp_grad_zero=clamp_grad_zero,
+            backward_hooks=self.backward_hooks,
+        )
+        self._apply_eval = quantizer(
+            eval_spec(self.forward_spec, self.eval_rounding),
+            eval_spec(self.backward_spec, self.eval_rounding),
+            clamp_grad_zero=clamp_grad_zero,
+            backward_hooks=self.backward_hooks,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._apply_train(x) if self.training else self._apply_eval(x)
 
     def extra_repr(self) -> str:
-        parts = [f"forward={self.forward_spec or 'None'}", f"backward={self.backward_spec or 'None'}"]
+        parts = [
+            f"forward={self.forward_spec or 'None'}",
+            f"backward={self.backward_spec or 'None'}",
+        ]
         if self.clamp_grad_zero:
             parts.append("clamp_grad_zero=True")
         if self.backward_hooks:
             parts.append(f"backward_hooks={len(self.backward_hooks)}")
         if self.eval_rounding is not None and any(
-                s is not None and s.rounding.is_stochastic
-                for s in (self.forward_spec, self.backward_spec)):
+            s is not None and s.rounding.is_stochastic
+            for s in (self.forward_spec, self.backward_spec)
+        ):
             parts.append(f"eval_rounding={self.eval_rounding.name}")
         return ", ".join(parts)

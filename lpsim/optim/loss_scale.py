@@ -30,12 +30,18 @@ from torch.optim import Optimizer
 
 from lpsim.formats import Fixed, Float
 from lpsim.nn.inject import injected
-from lpsim.nn.quantizer import QuantSpec, as_spec
+from lpsim.nn.quantizer import QuantSpec, Spec, as_spec
 
 __all__ = ["DynamicLossScaler"]
 
-_CONFIG = ("growth_factor", "backoff_factor", "growth_interval", "min_scale", "max_scale",
-           "power_of_two")
+_CONFIG = (
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "min_scale",
+    "max_scale",
+    "power_of_two",
+)
 
 
 def _is_power_of_two(value: float) -> bool:
@@ -49,9 +55,17 @@ def _show(value: float) -> str:
     return repr(value)
 
 
-def _check_scale_number(name: str, value, low: float, high: float, *, open_low: bool = True,
-                        open_high: bool = True, power_of_two: bool = False,
-                        bounds: str = "") -> float:
+def _check_scale_number(
+    name: str,
+    value,
+    low: float,
+    high: float,
+    *,
+    open_low: bool = True,
+    open_high: bool = True,
+    power_of_two: bool = False,
+    bounds: str = "",
+) -> float:
     """value as a float, or TypeError/ValueError naming ``name`` and the allowed range
     (``bounds``: the names of the limits, such as "[min_scale, max_scale]")."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -62,11 +76,13 @@ def _check_scale_number(name: str, value, low: float, high: float, *, open_low: 
     if not (above and below):
         left, right = "(" if open_low else "[", ")" if open_high else "]"
         interval = f"{left}{_show(low)}, {_show(high)}{right}"
-        raise ValueError(f"{name} must be in {bounds + ' = ' if bounds else ''}{interval}, "
-                         f"got {_show(value)}")
+        raise ValueError(
+            f"{name} must be in {bounds + ' = ' if bounds else ''}{interval}, got {_show(value)}"
+        )
     if power_of_two and not _is_power_of_two(value):
-        raise ValueError(f"{name} must be a power of two (2.0**k) with power_of_two=True, "
-                         f"got {value}")
+        raise ValueError(
+            f"{name} must be a power of two (2.0**k) with power_of_two=True, got {value}"
+        )
     return value
 
 
@@ -192,16 +208,34 @@ class DynamicLossScaler:
         *,
         power_of_two: bool = True,
     ):
-        self._configure(init_scale, growth_factor, backoff_factor, growth_interval, min_scale,
-                        max_scale, power_of_two, scale_name="init_scale")
+        self._configure(
+            init_scale,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            min_scale,
+            max_scale,
+            power_of_two,
+            scale_name="init_scale",
+        )
         self.found_overflow = False
         self.skipped_steps = 0
         self.clean_steps = 0
         self._optimizers: dict[int, dict] = {}  # per optimizer this iteration: unscaled, stepped
         self._watched: dict[torch.device, torch.Tensor] = {}  # overflow seen by watch hooks
 
-    def _configure(self, scale, growth_factor, backoff_factor, growth_interval, min_scale,
-                   max_scale, power_of_two, *, scale_name: str) -> None:
+    def _configure(
+        self,
+        scale,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        min_scale,
+        max_scale,
+        power_of_two,
+        *,
+        scale_name: str,
+    ) -> None:
         if not isinstance(power_of_two, bool):
             raise TypeError(f"power_of_two must be a bool, got {type(power_of_two).__name__}")
         exact = {"power_of_two": power_of_two}
@@ -212,10 +246,25 @@ class DynamicLossScaler:
         if growth_interval < 1:
             raise ValueError(f"growth_interval must be >= 1, got {growth_interval}")
         min_scale = _check_scale_number("min_scale", min_scale, 0.0, math.inf, **exact)
-        max_scale = _check_scale_number("max_scale", max_scale, min_scale, math.inf,
-                                        open_low=False, bounds="[min_scale, inf)", **exact)
-        scale = _check_scale_number(scale_name, scale, min_scale, max_scale, open_low=False,
-                                    open_high=False, bounds="[min_scale, max_scale]", **exact)
+        max_scale = _check_scale_number(
+            "max_scale",
+            max_scale,
+            min_scale,
+            math.inf,
+            open_low=False,
+            bounds="[min_scale, inf)",
+            **exact,
+        )
+        scale = _check_scale_number(
+            scale_name,
+            scale,
+            min_scale,
+            max_scale,
+            open_low=False,
+            open_high=False,
+            bounds="[min_scale, max_scale]",
+            **exact,
+        )
         self._scale = scale
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -230,7 +279,7 @@ class DynamicLossScaler:
         """The current scale S."""
         return self._scale
 
-    def scale(self, loss):
+    def scale(self, loss: torch.Tensor | tuple | list) -> torch.Tensor | tuple | list:
         """loss * S: a tensor, or the same structure of tuples and lists of tensors, each
         multiplied by the scale (exact in a binary format when S is a power of two). Call
         backward() on the result.
@@ -242,10 +291,11 @@ class DynamicLossScaler:
             return loss * self._scale
         if isinstance(loss, (tuple, list)):
             return type(loss)(self.scale(item) for item in loss)
-        raise TypeError("loss must be a tensor or a tuple or list of tensors, got "
-                        f"{type(loss).__name__}")
+        raise TypeError(
+            f"loss must be a tensor or a tuple or list of tensors, got {type(loss).__name__}"
+        )
 
-    def watch(self, spec) -> Callable[[torch.Tensor], torch.Tensor]:
+    def watch(self, spec: Spec) -> Callable[[torch.Tensor], torch.Tensor]:
         """A backward hook for lpsim.nn.quantizer / Quantizer (``backward_hooks=[...]``) that
         records overflow when the errors about to be rounded into ``spec``'s format reach its
         largest magnitude or are not finite (see the class docstring). The hook returns the error
@@ -316,10 +366,12 @@ class DynamicLossScaler:
 
     def _state(self, optimizer: Optimizer) -> dict:
         if not isinstance(optimizer, Optimizer):
-            raise TypeError("optimizer must be a torch.optim.Optimizer, got "
-                            f"{type(optimizer).__name__}")
-        return self._optimizers.setdefault(id(optimizer), {"unscaled": False, "stepped": False,
-                                                           "skipped": False, "overflow": []})
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        return self._optimizers.setdefault(
+            id(optimizer), {"unscaled": False, "stepped": False, "skipped": False, "overflow": []}
+        )
 
     @torch.no_grad()
     def unscale_(self, optimizer: Optimizer) -> None:
@@ -333,8 +385,9 @@ class DynamicLossScaler:
         """
         state = self._state(optimizer)
         if state["unscaled"]:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the "
-                               "last update()")
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()"
+            )
         if state["stepped"]:
             raise RuntimeError("unscale_() is being called after step(); call update() first")
         by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -355,7 +408,9 @@ class DynamicLossScaler:
             state["overflow"].append(~finite)
         state["unscaled"] = True
 
-    def step(self, optimizer: Optimizer, closure=None):
+    def step(
+        self, optimizer: Optimizer, closure: Callable[[], object] | None = None
+    ) -> object | None:
         """Unscale the gradients (unless unscale_ did already) and call
         ``optimizer.step(closure)`` if the iteration has not overflowed (see the class
         docstring); otherwise skip it. Reads the overflow flags once (one synchronisation per
@@ -371,8 +426,9 @@ class DynamicLossScaler:
         """
         state = self._state(optimizer)
         if state["stepped"]:
-            raise RuntimeError("step() has already been called on this optimizer since the last "
-                               "update()")
+            raise RuntimeError(
+                "step() has already been called on this optimizer since the last update()"
+            )
         if not state["unscaled"]:
             self.unscale_(optimizer)
         flags = state["overflow"] + list(self._watched.values())
@@ -408,9 +464,12 @@ class DynamicLossScaler:
 
     def state_dict(self) -> dict:
         """The scale, the counters and the configuration, as plain Python numbers."""
-        return {"scale": self._scale, "clean_steps": self.clean_steps,
-                "skipped_steps": self.skipped_steps,
-                **{name: getattr(self, name) for name in _CONFIG}}
+        return {
+            "scale": self._scale,
+            "clean_steps": self.clean_steps,
+            "skipped_steps": self.skipped_steps,
+            **{name: getattr(self, name) for name in _CONFIG},
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore what state_dict() returned (validated as the constructor's arguments).
@@ -419,20 +478,26 @@ class DynamicLossScaler:
             KeyError: an entry is missing.
             TypeError, ValueError: an entry is malformed.
         """
-        missing = [k for k in ("scale", "clean_steps", "skipped_steps", *_CONFIG)
-                   if k not in state_dict]
+        missing = [
+            k for k in ("scale", "clean_steps", "skipped_steps", *_CONFIG) if k not in state_dict
+        ]
         if missing:
             raise KeyError(f"state_dict lacks {', '.join(missing)}")
         for name in ("clean_steps", "skipped_steps"):
             value = state_dict[name]
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"state_dict[{name!r}] must be an int >= 0, got {value!r}")
-        self._configure(state_dict["scale"], *(state_dict[name] for name in _CONFIG),
-                        scale_name="state_dict['scale']")
+        self._configure(
+            state_dict["scale"],
+            *(state_dict[name] for name in _CONFIG),
+            scale_name="state_dict['scale']",
+        )
         self.clean_steps = state_dict["clean_steps"]
         self.skipped_steps = state_dict["skipped_steps"]
 
     def __repr__(self) -> str:
-        return (f"DynamicLossScaler(scale={self._scale}, growth_factor={self.growth_factor}, "
-                f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval}, "
-                f"skipped_steps={self.skipped_steps})")
+        return (
+            f"DynamicLossScaler(scale={self._scale}, growth_factor={self.growth_factor}, "
+            f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval}, "
+            f"skipped_steps={self.skipped_steps})"
+        )

@@ -37,7 +37,7 @@ class ParameterQuantization:
         grad: its gradient before every step (after OptimLP's grad_scaling).
         momentum: every floating-point tensor of the optimizer's state for the parameter.
         acc: the high-precision accumulator that takes the parameter's place in the update.
-        rounding: the rule for fields given as bare formats.
+        rounding: the rule for fields given as bare formats (default "stochastic").
     """
 
     weight: Spec | QuantFunction = None
@@ -51,8 +51,14 @@ class ParameterQuantization:
             object.__setattr__(self, name, _as_function(getattr(self, name), self.rounding, name))
 
     def __str__(self) -> str:
-        return ", ".join(f"{name}={getattr(self, name)}" for name in _CATEGORIES
-                         if getattr(self, name) is not None) or "nothing"
+        return (
+            ", ".join(
+                f"{name}={getattr(self, name)}"
+                for name in _CATEGORIES
+                if getattr(self, name) is not None
+            )
+            or "nothing"
+        )
 
 
 def _round_in_place(quant: QuantFunction, t: torch.Tensor) -> None:
@@ -106,7 +112,8 @@ class OptimLP(Optimizer):
 
     Each of ``weight``, ``grad``, ``momentum``, ``acc`` is None (no quantisation), a format, a
     (format, rounding) pair, or any function tensor -> tensor (QPyTorch's convention); bare formats
-    use ``rounding``. They are the defaults; each parameter may have its own settings:
+    use ``rounding`` (default "stochastic"). They are the defaults; each parameter may have its
+    own settings:
 
     - ``parameters=`` an iterable of parameters: only these are rounded (with the defaults); every
       other parameter of the optimizer stays in full precision (its gradient is still multiplied
@@ -149,12 +156,19 @@ class OptimLP(Optimizer):
         grad_scaling: float = 1.0,
         rounding: Rounding | str = "stochastic",
         *,
-        parameters: Iterable[torch.Tensor] | Mapping[torch.Tensor, ParameterQuantization | None]
+        parameters: Iterable[torch.Tensor]
+        | Mapping[torch.Tensor, ParameterQuantization | None]
         | None = None,
     ):
         if not isinstance(optimizer, Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not isinstance(grad_scaling, (int, float)) or isinstance(grad_scaling, bool) or not grad_scaling > 0:
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if (
+            not isinstance(grad_scaling, (int, float))
+            or isinstance(grad_scaling, bool)
+            or not grad_scaling > 0
+        ):
             raise ValueError(f"grad_scaling must be a positive number, got {grad_scaling!r}")
         self.optimizer = optimizer
         self.default_quantization = ParameterQuantization(weight, grad, momentum, acc, rounding)
@@ -170,8 +184,9 @@ class OptimLP(Optimizer):
             known = {id(p) for p in self._params()}
             stray = sum(1 for key in self._chosen if key not in known)
             if stray:
-                raise ValueError(f"parameters: {stray} tensor(s) are not parameters of the wrapped "
-                                 "optimizer")
+                raise ValueError(
+                    f"parameters: {stray} tensor(s) are not parameters of the wrapped optimizer"
+                )
         self._configure()
 
     # The defaults under QPyTorch's attribute names.
@@ -182,7 +197,8 @@ class OptimLP(Optimizer):
 
     @staticmethod
     def _parse_parameters(parameters) -> dict | None:
-        """{id(parameter): settings, or True for "the defaults"} from the ``parameters`` argument."""
+        """{id(parameter): settings, or True for "the defaults"}, from the ``parameters``
+        argument."""
         if parameters is None:
             return None
         if isinstance(parameters, torch.Tensor):
@@ -193,8 +209,10 @@ class OptimLP(Optimizer):
                 if not isinstance(p, torch.Tensor):
                     raise TypeError(f"parameters: keys must be tensors, got {type(p).__name__}")
                 if settings is not None and not isinstance(settings, ParameterQuantization):
-                    raise TypeError("parameters: values must be ParameterQuantization or None, got "
-                                    f"{settings!r}")
+                    raise TypeError(
+                        "parameters: values must be ParameterQuantization or None, got "
+                        f"{settings!r}"
+                    )
                 chosen[id(p)] = settings
             return chosen
         chosen = {}
@@ -217,8 +235,10 @@ class OptimLP(Optimizer):
             return self.default_quantization
         settings = group[_GROUP_KEY]
         if settings is not None and not isinstance(settings, ParameterQuantization):
-            raise TypeError(f"a parameter group's {_GROUP_KEY!r} must be a ParameterQuantization or "
-                            f"None, got {settings!r}")
+            raise TypeError(
+                f"a parameter group's {_GROUP_KEY!r} must be a ParameterQuantization or "
+                f"None, got {settings!r}"
+            )
         return settings
 
     def _configure(self) -> None:
@@ -246,18 +266,22 @@ class OptimLP(Optimizer):
     @staticmethod
     def _check_fits(s: ParameterQuantization, p: torch.Tensor, where: str) -> None:
         state_dtype = p.dtype if s.acc is None else _accumulator_dtype(s.acc, p.dtype)
-        for name, dtype, what in (("weight", p.dtype, "the parameter"),
-                                  ("grad", p.dtype, "its gradient"),
-                                  ("acc", state_dtype, "its accumulator"),
-                                  ("momentum", state_dtype, "its optimizer state")):
+        for name, dtype, what in (
+            ("weight", p.dtype, "the parameter"),
+            ("grad", p.dtype, "its gradient"),
+            ("acc", state_dtype, "its accumulator"),
+            ("momentum", state_dtype, "its optimizer state"),
+        ):
             quant = getattr(s, name)
             if not isinstance(quant, QuantSpec):
                 continue
             try:
                 check_fits(quant.format, dtype)
             except ValueError as error:
-                raise ValueError(f"OptimLP {name}: {error} ({where}: {what} is "
-                                 f"{str(dtype).replace('torch.', '')})") from None
+                raise ValueError(
+                    f"OptimLP {name}: {error} ({where}: {what} is "
+                    f"{str(dtype).replace('torch.', '')})"
+                ) from None
 
     def parameter_settings(self, p: torch.Tensor) -> ParameterQuantization | None:
         """What the optimizer rounds for parameter ``p`` (None: nothing, full precision).
@@ -290,8 +314,12 @@ class OptimLP(Optimizer):
             if s.momentum is None:
                 continue
             for key, value in self.optimizer.state.get(p, {}).items():
-                if (key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
-                        and value.dim() > 0):
+                if (
+                    key != "step"
+                    and isinstance(value, torch.Tensor)
+                    and value.is_floating_point()
+                    and value.dim() > 0
+                ):
                     _round_in_place(s.momentum, value)
 
     def _widened(self) -> list[torch.Tensor]:
@@ -347,11 +375,32 @@ class OptimLP(Optimizer):
             else:
                 p.copy_(_rounded(s.weight, acc))
 
-    def step(self, closure=None):
+    @torch.no_grad()
+    def round_weights(self) -> None:
+        """Set every rounded parameter to its weight value without a step: its accumulator (when
+        it has one) rounded by ``weight``, or the parameter itself rounded by ``weight``. step()
+        ends the same way, so calling this once after construction lets the first forward pass
+        see low-precision weights (QPyTorch's examples round them only after the first step).
+
+        Parameters in full precision are unchanged, and so is every accumulator: an accumulator
+        rounded into ``acc`` when the optimizer was made keeps that value. A stochastic ``weight``
+        rule draws its seed from torch's default CPU generator, one draw per rounded parameter in
+        parameter order.
+        """
+        for p, s in self._rounded_params():
+            source = self.accumulators[p] if s.acc is not None else p
+            if s.weight is not None:
+                p.copy_(_rounded(s.weight, source))
+            elif source is not p:
+                p.copy_(source)
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step of the wrapped optimizer with the quantisation above; returns its loss."""
         if closure is not None and self._widened():
-            raise ValueError("OptimLP.step(closure) needs accumulators of the parameters' dtype: "
-                             "some are wider than their parameters (see acc)")
+            raise ValueError(
+                "OptimLP.step(closure) needs accumulators of the parameters' dtype: "
+                "some are wider than their parameters (see acc)"
+            )
         self._quantize_grads()
         swapped = self._swap_in(for_step=True)
         try:
@@ -380,8 +429,10 @@ class OptimLP(Optimizer):
         parameters without one)."""
         return {
             "optimizer": self.optimizer.state_dict(),
-            "accumulators": [self.accumulators[p].clone() if p in self.accumulators else None
-                             for p in self._params()],
+            "accumulators": [
+                self.accumulators[p].clone() if p in self.accumulators else None
+                for p in self._params()
+            ],
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -398,13 +449,16 @@ class OptimLP(Optimizer):
         elif "state" in state_dict and "param_groups" in state_dict:
             inner, saved = state_dict, None  # a plain torch optimizer's
         else:
-            raise ValueError("state_dict must be an OptimLP state_dict (keys 'optimizer', "
-                             "'accumulators') or a torch optimizer's (keys 'state', "
-                             f"'param_groups'); got keys {sorted(state_dict)}")
+            raise ValueError(
+                "state_dict must be an OptimLP state_dict (keys 'optimizer', "
+                "'accumulators') or a torch optimizer's (keys 'state', "
+                f"'param_groups'); got keys {sorted(state_dict)}"
+            )
         params = list(self._params())
         if saved is not None and len(saved) != len(params):
-            raise ValueError(f"state_dict holds {len(saved)} accumulators for {len(params)} "
-                             "parameters")
+            raise ValueError(
+                f"state_dict holds {len(saved)} accumulators for {len(params)} parameters"
+            )
         with torch.no_grad():
             for i, p in enumerate(params):
                 if p not in self.accumulators:
@@ -427,8 +481,11 @@ class OptimLP(Optimizer):
         self._configure()
 
     def __repr__(self) -> str:
-        parts = [f"{name}={getattr(self.default_quantization, name)}" for name in _CATEGORIES
-                 if getattr(self.default_quantization, name) is not None]
+        parts = [
+            f"{name}={getattr(self.default_quantization, name)}"
+            for name in _CATEGORIES
+            if getattr(self.default_quantization, name) is not None
+        ]
         if self.grad_scaling != 1.0:
             parts.append(f"grad_scaling={self.grad_scaling}")
         full = sum(1 for s in self.settings.values() if s is None)

@@ -25,18 +25,19 @@ parameters) under the optimizer's seed, so a run is reproducible from its seed a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
 
-from lpsim.arithmetic import RANDOMNESS, own_format, sr_add, sr_add_, sr_addcdiv_
-from lpsim.formats import BlockFloat, Fixed, Float, check_fits
+from lpsim._checks import CONTAINER_DTYPES, RANDOMNESS, check_element_format, draw_seed
+from lpsim.formats import Fixed, Float, check_fits
 from lpsim.functional import quantize, quantize_
 from lpsim.rounding import Rounding, check_rbits
+from lpsim.update import own_format, sr_add, sr_add_, sr_addcdiv_
 
 __all__ = ["SGD", "AdamW"]
 
-_CONTAINERS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _WEIGHT, _FIRST_STATE, _SECOND_STATE = 0, 1, 2  # the k of a random stream's offset
 
 
@@ -47,18 +48,13 @@ def _check_number(name: str, value, low: float = 0.0, high: float = math.inf) ->
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
 
 
-def _check_format(name: str, fmt) -> None:
-    if fmt is not None and (isinstance(fmt, BlockFloat) or not isinstance(fmt, (Float, Fixed))):
-        raise TypeError(f"{name} must be a Float or Fixed format or None, got {type(fmt).__name__}")
-
-
 class _LowPrecision(Optimizer):
     """What SGD and AdamW share: checking the options, rounding the parameters into their format
     when they join the optimizer, the rounded weight update and the rounded state updates."""
 
     def __init__(self, params, defaults: dict, seed: int | None, randomness: str):
-        _check_format("weight_format", defaults["weight_format"])
-        _check_format("state_format", defaults["state_format"])
+        check_element_format("weight_format", defaults["weight_format"])
+        check_element_format("state_format", defaults["state_format"])
         rule = Rounding.parse(defaults["rounding"])
         check_rbits(defaults["rbits"], rule)
         if not isinstance(defaults["kahan"], bool):
@@ -66,7 +62,7 @@ class _LowPrecision(Optimizer):
         if randomness not in RANDOMNESS:
             raise ValueError(f"randomness must be one of {RANDOMNESS}, got {randomness!r}")
         if seed is None:
-            seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+            seed = int(draw_seed())
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
             raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
         defaults = dict(defaults, seed=seed, randomness=randomness)
@@ -76,13 +72,15 @@ class _LowPrecision(Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        _check_format("weight_format", group["weight_format"])
-        _check_format("state_format", group["state_format"])
+        check_element_format("weight_format", group["weight_format"])
+        check_element_format("state_format", group["state_format"])
         with torch.no_grad():
             for p in group["params"]:
-                if p.dtype not in _CONTAINERS:
-                    raise TypeError(f"parameters must be float32, float64, bfloat16 or float16 "
-                                    f"tensors, got {p.dtype}")
+                if p.dtype not in CONTAINER_DTYPES:
+                    raise TypeError(
+                        f"parameters must be float32, float64, bfloat16 or float16 "
+                        f"tensors, got {p.dtype}"
+                    )
                 fmt = self._weight_format(group, p)
                 check_fits(fmt, p.dtype)
                 if group["state_format"] is not None:
@@ -95,9 +93,14 @@ class _LowPrecision(Optimizer):
         """torch.optim.Optimizer.load_state_dict, except that state tensors keep their dtypes
         (torch casts floating-point state to the parameter's dtype, which would round float32
         moments of bfloat16 weights to bfloat16)."""
-        saved = {index: {key: value.clone() for key, value in state.items()
-                         if isinstance(value, torch.Tensor)}
-                 for index, state in state_dict["state"].items()}
+        saved = {
+            index: {
+                key: value.clone()
+                for key, value in state.items()
+                if isinstance(value, torch.Tensor)
+            }
+            for index, state in state_dict["state"].items()
+        }
         super().load_state_dict(state_dict)
         params = [p for group in self.param_groups for p in group["params"]]
         for index, tensors in saved.items():
@@ -121,8 +124,9 @@ class _LowPrecision(Optimizer):
     def _random(self, group: dict, state: dict, kind: int) -> dict:
         return dict(rbits=group["rbits"], seed=group["seed"], offset=self._offset(state, kind))
 
-    def _store(self, group: dict, state: dict, key: str, value: torch.Tensor, kind: int,
-               like: torch.Tensor) -> torch.Tensor:
+    def _store(
+        self, group: dict, state: dict, key: str, value: torch.Tensor, kind: int, like: torch.Tensor
+    ) -> torch.Tensor:
         """Keep ``value`` (work precision) as state[key], rounded into state_format if given, in
         the narrowest of the parameter's dtype, float32 and float64 that holds that format.
         Returns the stored value in the work precision."""
@@ -200,23 +204,48 @@ class SGD(_LowPrecision):
             supported, or a format does not fit it.
     """
 
-    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, *,
-                 weight_format: Float | Fixed | None = None, rounding: Rounding | str = "stochastic",
-                 rbits: int | None = None, state_format: Float | Fixed | None = None,
-                 kahan: bool = False, seed: int | None = None, randomness: str = "position"):
-        for name, value in (("lr", lr), ("momentum", momentum), ("dampening", dampening),
-                            ("weight_decay", weight_decay)):
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        weight_format: Float | Fixed | None = None,
+        rounding: Rounding | str = "stochastic",
+        rbits: int | None = None,
+        state_format: Float | Fixed | None = None,
+        kahan: bool = False,
+        seed: int | None = None,
+        randomness: str = "position",
+    ):
+        for name, value in (
+            ("lr", lr),
+            ("momentum", momentum),
+            ("dampening", dampening),
+            ("weight_decay", weight_decay),
+        ):
             _check_number(name, value)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov needs momentum > 0 and dampening = 0")
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                        nesterov=nesterov, weight_format=weight_format, rounding=rounding,
-                        rbits=rbits, state_format=state_format, kahan=kahan)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            weight_format=weight_format,
+            rounding=rounding,
+            rbits=rbits,
+            state_format=state_format,
+            kahan=kahan,
+        )
         super().__init__(params, defaults, seed, randomness)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One update of every parameter that has a gradient. Returns the closure's loss."""
         loss, work = self._steps(closure)
         for group, p, state, d_p in work:
@@ -225,8 +254,11 @@ class SGD(_LowPrecision):
             momentum = group["momentum"]
             if momentum != 0:
                 buf = state.get("momentum_buffer")
-                new = d_p.clone() if buf is None else buf.to(d_p.dtype).mul_(momentum).add_(
-                    d_p, alpha=1 - group["dampening"])
+                new = (
+                    d_p.clone()
+                    if buf is None
+                    else buf.to(d_p.dtype).mul_(momentum).add_(d_p, alpha=1 - group["dampening"])
+                )
                 buf = self._store(group, state, "momentum_buffer", new, _FIRST_STATE, p)
                 d_p = d_p.add_(buf, alpha=momentum) if group["nesterov"] else buf
             self._update(group, p, state, d_p.mul(-group["lr"]))
@@ -249,11 +281,22 @@ class AdamW(_LowPrecision):
         TypeError / ValueError: as for SGD.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *,
-                 weight_format: Float | Fixed | None = None, rounding: Rounding | str = "stochastic",
-                 rbits: int | None = None, state_format: Float | Fixed | None = None,
-                 kahan: bool = False, seed: int | None = None, randomness: str = "position"):
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        weight_format: Float | Fixed | None = None,
+        rounding: Rounding | str = "stochastic",
+        rbits: int | None = None,
+        state_format: Float | Fixed | None = None,
+        kahan: bool = False,
+        seed: int | None = None,
+        randomness: str = "position",
+    ):
         _check_number("lr", lr)
         _check_number("eps", eps)
         _check_number("weight_decay", weight_decay)
@@ -263,13 +306,21 @@ class AdamW(_LowPrecision):
             _check_number(name, beta, 0.0, 1.0)
             if beta == 1.0:
                 raise ValueError(f"{name} must be < 1, got {beta}")
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        weight_format=weight_format, rounding=rounding, rbits=rbits,
-                        state_format=state_format, kahan=kahan)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            weight_format=weight_format,
+            rounding=rounding,
+            rbits=rbits,
+            state_format=state_format,
+            kahan=kahan,
+        )
         super().__init__(params, defaults, seed, randomness)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One update of every parameter that has a gradient. Returns the closure's loss."""
         loss, work = self._steps(closure)
         for group, p, state, grad in work:
@@ -277,19 +328,32 @@ class AdamW(_LowPrecision):
             t = state["step"]
             m = state.get("exp_avg")
             v = state.get("exp_avg_sq")
-            m = grad * (1 - beta1) if m is None else m.to(grad.dtype).mul_(beta1).add_(
-                grad, alpha=1 - beta1)
-            v = grad * grad * (1 - beta2) if v is None else v.to(grad.dtype).mul_(beta2).addcmul_(
-                grad, grad, value=1 - beta2)
+            m = (
+                grad * (1 - beta1)
+                if m is None
+                else m.to(grad.dtype).mul_(beta1).add_(grad, alpha=1 - beta1)
+            )
+            v = (
+                grad * grad * (1 - beta2)
+                if v is None
+                else v.to(grad.dtype).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            )
             m = self._store(group, state, "exp_avg", m, _FIRST_STATE, p)
             v = self._store(group, state, "exp_avg_sq", v, _SECOND_STATE, p)
             step_size = group["lr"] / (1 - beta1**t)
             denom = v.sqrt().div_(math.sqrt(1 - beta2**t)).add_(group["eps"])
             decay = group["lr"] * group["weight_decay"]
             if decay == 0 and not group["kahan"]:
-                sr_addcdiv_(p, m, denom, -step_size, self._weight_format(group, p),
-                            group["rounding"], randomness=group["randomness"],
-                            **self._random(group, state, _WEIGHT))
+                sr_addcdiv_(
+                    p,
+                    m,
+                    denom,
+                    -step_size,
+                    self._weight_format(group, p),
+                    group["rounding"],
+                    randomness=group["randomness"],
+                    **self._random(group, state, _WEIGHT),
+                )
                 continue
             update = torch.addcdiv(p.to(grad.dtype) * -decay, m, denom, value=-step_size)
             self._update(group, p, state, update)

@@ -1,6 +1,9 @@
 // Host check of the CUDA kernels' index arithmetic (csrc/cuda/pieces.h) against plain 64-bit
-// division. Built and run by tests/test_gpu_index_math.py; prints one line per failure and exits
-// with the number of failures (capped), so that it needs no GPU.
+// division, and of the counter -> element mapping the kernels use (lpsim/philox.h). Built and run
+// by tests/test_gpu_index_math.py; prints one line per failure and exits with the number of
+// failures (capped), so that it needs no GPU.
+#include <lpsim/philox.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -57,8 +60,8 @@ void check_pieces(const Pieces& pieces, uint64_t n, uint64_t row_len, uint64_t l
     const uint64_t naive = i / row_len * per_row + i % row_len / len;
     const uint64_t p = pieces.piece_of(i);
     if (p != naive) fail(what, i, row_len, p, naive);
-    if (pieces.class_of(i) != naive % classes) fail(what, i, classes, pieces.class_of(i),
-                                                   naive % classes);
+    if (pieces.class_of(i) != naive % classes)
+      fail(what, i, classes, pieces.class_of(i), naive % classes);
     if (p != previous) {
       if (pieces.start(p) != expected_start) fail(what, p, i, pieces.start(p), expected_start);
       expected_start = pieces.stop(p);
@@ -67,6 +70,26 @@ void check_pieces(const Pieces& pieces, uint64_t n, uint64_t row_len, uint64_t l
     if (i < pieces.start(p) || i >= pieces.stop(p)) fail(what, i, p, pieces.start(p), i);
   }
   if (n > 0 && expected_start != n) fail(what, n, row_len, expected_start, n);
+}
+
+// One thread per Philox counter: the elements philox_element_of(c, 0..3) of the counters covering
+// [0, n) are each element of [0, n) once (and then some past n), and element i takes word
+// philox_word_of(i) of counter philox_counter_of(i): the inverse of the CPU's mapping.
+void check_counters(uint64_t n) {
+  const uint64_t counters = lpsim::philox_counters_for(n);
+  std::vector<int> seen(static_cast<size_t>(n), 0);
+  for (uint64_t c = 0; c < counters; ++c) {
+    for (int w = 0; w < 4; ++w) {
+      const uint64_t i = lpsim::philox_element_of(c, w);
+      const uint64_t counter = lpsim::philox_counter_of(i);
+      if (counter != c) fail("counter_of", i, c, counter, c);
+      if (lpsim::philox_word_of(i) != w) fail("word_of", i, c, lpsim::philox_word_of(i), w);
+      if (i < n) ++seen[static_cast<size_t>(i)];
+    }
+  }
+  for (uint64_t i = 0; i < n; ++i) {
+    if (seen[static_cast<size_t>(i)] != 1) fail("covered", i, n, seen[static_cast<size_t>(i)], 1);
+  }
 }
 
 }  // namespace
@@ -98,6 +121,10 @@ int main() {
     }
   }
   check_pieces(Pieces::along(1000, 1), 1000, 1000, 1000, 1, "whole");
+
+  for (uint64_t n : {0ull, 1ull, 63ull, 64ull, 255ull, 256ull, 257ull, 1000ull, 4096ull}) {
+    check_counters(n);
+  }
 
   std::printf("%d failures\n", failures);
   return failures > 100 ? 100 : failures;

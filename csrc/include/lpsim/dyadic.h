@@ -8,17 +8,21 @@
 // complement, so v mod 2^k is always in [0, 2^k) --
 //   down        q: what an arithmetic right shift does;
 //   nearest     q + 1 when frac > 1/2, and on a tie (frac = 1/2) when q is odd: ties to even;
-//   stochastic  q + [t > U] with t = floor(frac * 2^rbits) and U = word >> (32 - rbits), the top
-//               rbits bits of the element's 32-bit random word (uniform on 0 .. 2^rbits - 1).
-// For a right shift by k <= rbits, t > U is (v mod 2^k) > (word >> (32 - k)): this is
-// SR(v, k) = floor(v / 2^k) + [(v mod 2^k) > U] with U uniform on {0 .. 2^k - 1}, exactly unbiased.
-// For k > rbits the discarded bits are truncated to rbits bits before the comparison, so
+//   stochastic  q + [t + U >= 2^rbits] with t = floor(frac * 2^rbits) and U = word >> (32 - rbits),
+//               the top rbits bits of the element's 32-bit random word (uniform on 0 .. 2^rbits -
+//               1): stochastic.h's decision, the one the float formats use: a non-negative value
+//               rounds the same way here and in the equivalent Fixed format under the same word
+//               (a negative one need not: Fixed rounds its magnitude, this its two's complement).
+// For a right shift by k <= rbits, this is (v mod 2^k) + (word >> (32 - k)) >= 2^k: it is
+// SR(v, k) = floor(v / 2^k) + [(v mod 2^k) + U >= 2^k] with U uniform on {0 .. 2^k - 1}, exactly
+// unbiased. For k > rbits the discarded bits are truncated to rbits bits before the comparison, so
 // P(up) = floor(frac * 2^rbits) / 2^rbits, which is below frac by less than 2^-rbits (as lpsim's
 // rbits for the float formats). The same rule rounds a quotient n / d.
 #pragma once
 
 #include "config.h"
 #include "rounding.h"
+#include "stochastic.h"
 
 namespace lpsim::dyadic {
 
@@ -57,7 +61,11 @@ template <class T>
 LPSIM_FN T round_increment(Rounding rule, T q, bool half, bool sticky, T t, uint32_t word,
                            int rbits) {
   if (rule == Rounding::nearest) return T(half && (sticky || (q & 1) != 0));
-  if (rule == Rounding::stochastic) return T(t > T(word >> (32 - rbits)));
+  if (rule == Rounding::stochastic) {
+    // t < 2^rbits, so t's bits moved to the top of 32 are floor(frac * 2^32) truncated to rbits.
+    const uint32_t frac32 = static_cast<uint32_t>(t) << (32 - rbits);
+    return T(stochastic_rounds_up(frac32, word, random_mask(rbits)));
+  }
   return T(0);  // down
 }
 

@@ -77,11 +77,11 @@ struct ExactSum {
 // Method: the operand of larger magnitude X has the significand sx (an integer) and the quantum
 // 2^qx of its binade; the other operand, Y = sy 2^(qx - d), d >= 0, is split into k + f quanta of
 // X: k = floor(sy / 2^d), f the 64 bits of the rest and a sticky bit for any below them. The sum is
-// then sx + k + f, or (sx - k - 1) + (1 - f) when subtracting a non-zero f, in quanta of X, which is
-// normalised: a carry out of the binade moves one bit of the integer into the fraction; cancellation
-// moves fraction bits up (more than one bit of cancellation needs d <= 1, when f has at most one
-// bit, so nothing is lost). The normalised integer is the significand of |x| truncated to the
-// container's precision and the fraction its tail.
+// then sx + k + f, or (sx - k - 1) + (1 - f) when subtracting a non-zero f, in quanta of X, which
+// is normalised: a carry out of the binade moves one bit of the integer into the fraction;
+// cancellation moves fraction bits up (more than one bit of cancellation needs d <= 1, when f has
+// at most one bit, so nothing is lost). The normalised integer is the significand of |x| truncated
+// to the container's precision and the fraction its tail.
 //
 // Written like round_on_grid, for the vectoriser: every case is computed and the result chosen
 // with select(), shift counts are clamped instead of guarded, and no condition is a one-bit test.
@@ -182,8 +182,8 @@ LPSIM_FN bool has_special(typename C::word ua, typename C::word ub) {
 // has_special() finds with round_sum_to_grid.
 template <Rounding R, class C>
 LPSIM_FN typename C::word round_finite_sum_to_grid(typename C::word ua, typename C::word ub,
-                                                    const Grid<C>& g, uint32_t random,
-                                                    uint32_t mask) {
+                                                   const Grid<C>& g, uint32_t random,
+                                                   uint32_t mask) {
   const ExactSum<C> s = exact_sum<R, C>(ua, ub);
   return round_with_tail<R, C>(s.u, s.tail, s.sticky, g, random, mask);
 }
@@ -193,7 +193,7 @@ LPSIM_FN typename C::word round_finite_sum_to_grid(typename C::word ua, typename
 // format makes of Inf); a finite sum beyond the container's range is an overflow of the format.
 template <Rounding R, class C>
 LPSIM_FN typename C::word round_sum_to_grid(typename C::word ua, typename C::word ub,
-                                             const Grid<C>& g, uint32_t random, uint32_t mask) {
+                                            const Grid<C>& g, uint32_t random, uint32_t mask) {
   if (has_special<C>(ua, ub)) return round_to_grid<R, C>(special_sum<C>(ua, ub), g, random, mask);
   return round_finite_sum_to_grid<R, C>(ua, ub, g, random, mask);
 }

@@ -9,23 +9,46 @@
 
 namespace lpsim {
 
+// The fields of a grid, declared once. LPSIM_GRID_FIELDS(X, P) calls X(P, type, name) for each
+// field, in the order of the ops' schemas, and everything else is generated from it: the GridSpec
+// struct below, the schema text and the C++ parameter lists of every op that takes a grid
+// (csrc/checks.h), and the struct initialiser in those ops. P is a prefix for the argument names
+// (dot_rounded's `mul_` grid). The types are those of the op arguments (int -> int64_t, float ->
+// double, bool -> bool). Python's side is the GridSpec NamedTuple of lpsim/formats.py, whose fields
+// tests/test_one_stochastic_decision.py checks against the registered schemas; a new field is added
+// there and here, and used in make_grid below.
+//
 // Exponents are unbiased; limits are real values (+Inf: unbounded). lpsim/formats.py builds these.
+//   keep           fraction bits kept in the normal range; < 0: the container's precision
+//   qmin           exponent of the finest spacing
+//   emin           exponent of the smallest normal (used only without subnormals)
+//   subnormals     whether the format has subnormals (else values below 2^emin flush)
+//   pos_limit      largest positive value
+//   neg_limit      largest magnitude of a negative value
+//   saturate       overflow clamps to the limit (else Inf, or NaN where there is no Inf)
+//   has_inf        the format has +/-Inf
+//   unsigned_zero  the format has no -0
+#define LPSIM_GRID_FIELDS(X, P) \
+  X(P, int64_t, keep)           \
+  X(P, int64_t, qmin)           \
+  X(P, int64_t, emin)           \
+  X(P, bool, subnormals)        \
+  X(P, double, pos_limit)       \
+  X(P, double, neg_limit)       \
+  X(P, bool, saturate)          \
+  X(P, bool, has_inf)           \
+  X(P, bool, unsigned_zero)
+
 struct GridSpec {
-  int32_t keep;         // fraction bits kept in the normal range; < 0: the container's precision
-  int32_t qmin;         // exponent of the finest spacing
-  int32_t emin;         // exponent of the smallest normal (used only without subnormals)
-  bool subnormals;
-  double pos_limit;     // largest positive value
-  double neg_limit;     // largest magnitude of a negative value
-  bool saturate;
-  bool has_inf;
-  bool unsigned_zero;
+#define LPSIM_GRID_DECLARE_(P, type, name) type name;
+  LPSIM_GRID_FIELDS(LPSIM_GRID_DECLARE_, )
+#undef LPSIM_GRID_DECLARE_
 };
 
 struct RandomSpec {
   uint64_t seed;
   uint64_t offset;
-  int32_t rbits;        // 1..32
+  int32_t rbits;  // 1..32
 };
 
 // Container bits of a non-negative value that the container holds exactly; false otherwise.
@@ -58,9 +81,10 @@ bool exact_bits(double v, typename C::word& out) {
 template <class C>
 const char* make_grid(const GridSpec& s, Grid<C>& g) {
   using W = typename C::word;
-  g.keep = s.keep < 0 || s.keep > C::man_bits ? C::man_bits : s.keep;
-  g.qmin = s.qmin + C::bias;
-  g.flush_below = s.subnormals ? kNoFlush : s.emin + C::bias;
+  // The exponents were checked to lie well inside int32 (grid_spec in csrc/checks.cpp).
+  g.keep = s.keep < 0 || s.keep > C::man_bits ? C::man_bits : static_cast<int32_t>(s.keep);
+  g.qmin = static_cast<int32_t>(s.qmin) + C::bias;
+  g.flush_below = s.subnormals ? kNoFlush : static_cast<int32_t>(s.emin) + C::bias;
   g.zero_sign = s.unsigned_zero ? 0 : C::sign_mask;
   const int32_t smallest = s.subnormals ? g.qmin : g.flush_below;
   if (smallest < 1 - C::man_bits || smallest >= (1 << C::exp_bits) - 1) {

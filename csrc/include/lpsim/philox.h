@@ -85,6 +85,18 @@ LPSIM_FN int philox_word_of(uint64_t index) {
   return static_cast<int>((index % kGroupSize) / kGroupCounters);
 }
 
+// The inverse, for generators that run one counter at a time (the CUDA kernels: one thread per
+// counter, using all four words): the element that takes word w of counter c.
+LPSIM_FN uint64_t philox_element_of(uint64_t counter, int w) {
+  return counter / kGroupCounters * kGroupSize + counter % kGroupCounters +
+         static_cast<uint64_t>(w) * kGroupCounters;
+}
+
+// How many counters cover elements [0, n): those of every group the elements touch.
+LPSIM_FN uint64_t philox_counters_for(uint64_t n) {
+  return (n + kGroupSize - 1) / kGroupSize * kGroupCounters;
+}
+
 // The random word of one element: the definition every generator must reproduce.
 LPSIM_FN uint32_t random_word(uint64_t index, const PhiloxKey& key) {
   return philox_counter_words(philox_counter_of(index), key).w[philox_word_of(index)];

@@ -1,8 +1,8 @@
 // The rounding core: one definition of rounding a container value onto a grid of representable
 // numbers, shared by the CPU loops and the CUDA kernels.
 //
-// Every lpsim format is such a grid. Between consecutive powers of two 2^E <= |x| < 2^(E+1) the grid
-// spacing (the quantum) is 2^max(E - keep, qmin):
+// Every lpsim format is such a grid. Between consecutive powers of two 2^E <= |x| < 2^(E+1) the
+// grid spacing (the quantum) is 2^max(E - keep, qmin):
 //   Float(exp, man)   keep = man, qmin = emin - man (the subnormal spacing); without subnormals,
 //                     values below 2^emin use the spacing 2^emin, so they round to 0 or 2^emin;
 //   Fixed(wl, fl)     keep = the container's precision, qmin = -fl: a constant spacing 2^-fl;
@@ -11,13 +11,14 @@
 // then handled by the overflow policy. The sign is handled apart: rounding acts on the magnitude,
 // and up/down are mapped to toward-zero or away-from-zero by the sign, so no rule flips a sign.
 //
-// Everything works on the container's bits, never on floating-point arithmetic, so the result is the
-// same on any CPU, on CUDA, and for any compiler flags.
+// Everything works on the container's bits, never on floating-point arithmetic, so the result is
+// the same on any CPU, on CUDA, and for any compiler flags.
 #pragma once
 
 #include "config.h"
 #include "container.h"
 #include "rounding.h"
+#include "stochastic.h"
 
 namespace lpsim {
 
@@ -26,31 +27,28 @@ namespace lpsim {
 template <class C>
 struct Grid {
   using word = typename C::word;
-  int32_t keep;          // fraction bits kept below the leading one in the normal range, <= man_bits
-  int32_t qmin;          // biased exponent of the finest spacing (subnormal spacing, fixed-point step)
-  int32_t flush_below;   // without subnormals: values below 2^flush_below round to 0 or to it;
-                         // with subnormals: kNoFlush
-  word min_positive;     // smallest positive grid value: 2^qmin, or 2^flush_below
-  word pos_limit;        // largest positive value (inf_bits: no limit)
-  word neg_limit;        // largest magnitude a negative value may have (0: none)
-  word pos_overflow;     // what a positive finite overflow becomes unless the rule rounds toward
-  word neg_overflow;     //   zero: the limit (saturating formats), Inf, or NaN where there is no Inf
-  word pos_inf;          // what +Inf and -Inf inputs become: Inf, the limit, or NaN
+  int32_t keep;  // fraction bits kept below the leading one in the normal range, <= man_bits
+  int32_t qmin;  // biased exponent of the finest spacing (subnormal spacing, fixed-point step)
+  int32_t flush_below;  // without subnormals: values below 2^flush_below round to 0 or to it;
+                        // with subnormals: kNoFlush
+  word min_positive;    // smallest positive grid value: 2^qmin, or 2^flush_below
+  word pos_limit;       // largest positive value (inf_bits: no limit)
+  word neg_limit;       // largest magnitude a negative value may have (0: none)
+  word pos_overflow;    // what a positive finite overflow becomes unless the rule rounds toward
+  word neg_overflow;    //   zero: the limit (saturating formats), Inf, or NaN where there is no Inf
+  word pos_inf;         // what +Inf and -Inf inputs become: Inf, the limit, or NaN
   word neg_inf;
-  word zero_sign;        // sign bits a zero result keeps: sign_mask, or 0 for formats without -0
+  word zero_sign;  // sign bits a zero result keeps: sign_mask, or 0 for formats without -0
 };
 
 // flush_below of a grid with subnormals (below any exponent).
 constexpr int32_t kNoFlush = -(1 << 20);
 
-// The random input of the stochastic rules. `mask` keeps the top rbits bits of the 32-bit word and
-// of the discarded fraction, so rounding behaves as if x were first truncated to rbits bits below
-// the quantum. rbits = 32 (mask = all ones) is the default: stochastic then rounds up with
-// probability floor(frac * 2^32) / 2^32, where frac is the discarded fraction of the quantum, and
+// The random input of the stochastic rules is the element's 32-bit word and random_mask(rbits)
+// (stochastic.h): rounding behaves as if x were first truncated to rbits bits below the quantum.
+// rbits = 32 (mask = all ones) is the default: stochastic then rounds up with probability
+// floor(frac * 2^32) / 2^32, where frac is the discarded fraction of the quantum, and
 // stochastic_equal decides inexactness on every discarded bit.
-LPSIM_FN uint32_t random_mask(int rbits) {
-  return rbits >= 32 ? 0xFFFFFFFFu : ~(0xFFFFFFFFu >> rbits);
-}
 
 // Bits of 2^q (q biased) in container C; q must be >= 1 - C::man_bits (the smallest subnormal).
 template <class C>
@@ -82,7 +80,7 @@ LPSIM_FN T max_of(T a, T b) {
 // round_to_grid is round_with_tail without a tail: see there for values that are not container
 // values (exact sums). Both are this one definition, instantiated with and without the tail.
 //
-// Written for gcc's vectoriser, which this loop body must pass (kernels.cpp's loops depend on it):
+// Written for gcc's vectoriser, which this loop body must pass (cpu/quantize.cpp depends on it):
 // - every choice is a select() and conditions are combined with the non-short-circuit & and |:
 //   ?:, && and || leave branches in the loop;
 // - no condition is a single-bit test such as `(v & 1) != 0` or `sign != 0`, which gcc turns into
@@ -91,7 +89,7 @@ LPSIM_FN T max_of(T a, T b) {
 //   every such decision per sign instead.
 template <Rounding R, class C, bool kTail, class D>
 LPSIM_FN typename C::word round_on_grid(typename C::word u, D tail, bool sticky, const Grid<C>& g,
-                                         uint32_t random, uint32_t mask) {
+                                        uint32_t random, uint32_t mask) {
   using W = typename C::word;
   constexpr int kMan = C::man_bits;
   constexpr int kBits = C::word_bits;
@@ -177,8 +175,8 @@ LPSIM_FN typename C::word round_on_grid(typename C::word u, D tail, bool sticky,
   } else if constexpr (R == Rounding::odd) {
     up = inexact & !kept_odd;
   } else if constexpr (R == Rounding::stochastic) {
-    // frac + random >= 1 in 32-bit fixed point, both truncated to rbits: P(up) = truncated frac.
-    up = (frac32 & mask) > (~random | ~mask);
+    // The library's one stochastic decision (stochastic.h): P(up) = frac truncated to rbits bits.
+    up = stochastic_rounds_up(frac32, random, mask);
   } else {
     static_assert(R == Rounding::stochastic_equal, "unhandled rounding rule");
     // Moves when inexact after truncation to rbits bits. The sticky bit (any discarded bit at all)
@@ -220,7 +218,7 @@ LPSIM_FN typename C::word round_on_grid(typename C::word u, D tail, bool sticky,
 
 template <Rounding R, class C>
 LPSIM_FN typename C::word round_to_grid(typename C::word u, const Grid<C>& g, uint32_t random,
-                                         uint32_t mask) {
+                                        uint32_t mask) {
   return round_on_grid<R, C, false, typename C::word>(u, 0, false, g, random, mask);
 }
 
@@ -234,7 +232,7 @@ LPSIM_FN typename C::word round_to_grid(typename C::word u, const Grid<C>& g, ui
 // Inf or NaN inputs are not accepted here: round them with round_to_grid).
 template <Rounding R, class C>
 LPSIM_FN typename C::word round_with_tail(typename C::word u, uint64_t tail, bool sticky,
-                                           const Grid<C>& g, uint32_t random, uint32_t mask) {
+                                          const Grid<C>& g, uint32_t random, uint32_t mask) {
   return round_on_grid<R, C, true, uint64_t>(u, tail, sticky, g, random, mask);
 }
 
@@ -243,7 +241,8 @@ LPSIM_FN typename C::word round_with_tail(typename C::word u, uint64_t tail, boo
 // elements are wl-bit sign-magnitude integers k, |k| <= 2^(wl-1) - 1, times 2^(exponent - (wl-2)),
 // so the largest element uses the top bit. The exponent is raised, if need be, so that the spacing
 // stays representable in the container: tiny blocks are then exact. Overflow (rounding up past the
-// largest integer) saturates; +/-Inf elements stay, NaN stays NaN, and neither affects the exponent.
+// largest integer) saturates; +/-Inf elements stay, NaN stays NaN, and neither affects the
+// exponent.
 template <class C>
 LPSIM_FN Grid<C> block_grid(typename C::word max_abs, int32_t wl) {
   using W = typename C::word;
@@ -254,8 +253,8 @@ LPSIM_FN Grid<C> block_grid(typename C::word max_abs, int32_t wl) {
   if (e < floor_exponent) e = floor_exponent;
   const int32_t q = e - (wl - 2);
   const W top = (W(1) << (wl - 1)) - 1;  // the largest element integer
-  const W limit = e >= 1 ? (W(e) << kMan) | ((top << (kMan - (wl - 2))) & C::man_mask)
-                         : top << (q - 1 + kMan);
+  const W limit =
+      e >= 1 ? (W(e) << kMan) | ((top << (kMan - (wl - 2))) & C::man_mask) : top << (q - 1 + kMan);
   Grid<C> g;
   g.keep = kMan;
   g.qmin = q;

@@ -55,8 +55,16 @@ __all__ = [
 ]
 
 # QPyTorch 0.3's modules, relative to the package.
-MODULES = ("number", "quant", "quant.quant_function", "quant.quant_module", "optim",
-           "optim.optim_low", "auto_low", "auto_low.auto_low")
+MODULES = (
+    "number",
+    "quant",
+    "quant.quant_function",
+    "quant.quant_module",
+    "optim",
+    "optim.optim_low",
+    "auto_low",
+    "auto_low.auto_low",
+)
 
 
 def install(name: str = "qtorch") -> None:
@@ -75,8 +83,10 @@ def install(name: str = "qtorch") -> None:
     present = sys.modules.get(name)
     if present is not None and present is not package:
         where = getattr(present, "__file__", present)
-        raise RuntimeError(f"install(): a module {name!r} is already imported ({where!r}); call "
-                           f"install() before the first import of {name}")
+        raise RuntimeError(
+            f"install(): a module {name!r} is already imported ({where!r}); call "
+            f"install() before the first import of {name}"
+        )
     sys.modules[name] = package
     for relative in MODULES:
         sys.modules[f"{name}.{relative}"] = sys.modules[f"{__name__}.{relative}"]

@@ -8,39 +8,113 @@ count), as in QPyTorch.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 
 from torch import nn
 
 from lpsim.compat.qtorch.number import Number
 from lpsim.compat.qtorch.quant.quant_module import Quantizer
-from lpsim.nn.inject import _guard_hooks_under_compile, _map_tensors
+from lpsim.nn._hooks import guard_hooks_under_compile, map_tensors
 
 __all__ = ["lower", "sequential_lower"]
 
 SEQUENTIAL_LAYERS = [nn.Sequential, nn.ModuleList]
 DICT_LAYERS = [nn.ModuleDict]
 
-CONV_LAYERS = [nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
-               nn.ConvTranspose3d, nn.Unfold, nn.Fold]
-POOL_LAYERS = [nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.MaxUnpool1d, nn.MaxUnpool2d,
-               nn.MaxUnpool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.FractionalMaxPool2d,
-               nn.LPPool1d, nn.LPPool2d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
-               nn.AdaptiveMaxPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
-               nn.AdaptiveAvgPool3d]
-PAD_LAYERS = [nn.ReflectionPad1d, nn.ReflectionPad2d, nn.ReplicationPad1d, nn.ReplicationPad2d,
-              nn.ZeroPad2d, nn.ConstantPad1d, nn.ConstantPad2d, nn.ConstantPad3d]
-ACTIVATION_LAYERS = [nn.ELU, nn.Hardshrink, nn.Hardtanh, nn.LeakyReLU, nn.LogSigmoid, nn.PReLU,
-                     nn.ReLU, nn.ReLU6, nn.RReLU, nn.SELU, nn.Sigmoid, nn.Softplus, nn.Softshrink,
-                     nn.Softsign, nn.Tanh, nn.Tanhshrink, nn.Threshold, nn.Softmin, nn.Softmax,
-                     nn.Softmax2d, nn.LogSoftmax]
-NORM_LAYERS = [nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm, nn.InstanceNorm1d,
-               nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LayerNorm, nn.LocalResponseNorm]
+CONV_LAYERS = [
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.Unfold,
+    nn.Fold,
+]
+POOL_LAYERS = [
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.MaxPool3d,
+    nn.MaxUnpool1d,
+    nn.MaxUnpool2d,
+    nn.MaxUnpool3d,
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AvgPool3d,
+    nn.FractionalMaxPool2d,
+    nn.LPPool1d,
+    nn.LPPool2d,
+    nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveAvgPool3d,
+]
+PAD_LAYERS = [
+    nn.ReflectionPad1d,
+    nn.ReflectionPad2d,
+    nn.ReplicationPad1d,
+    nn.ReplicationPad2d,
+    nn.ZeroPad2d,
+    nn.ConstantPad1d,
+    nn.ConstantPad2d,
+    nn.ConstantPad3d,
+]
+ACTIVATION_LAYERS = [
+    nn.ELU,
+    nn.Hardshrink,
+    nn.Hardtanh,
+    nn.LeakyReLU,
+    nn.LogSigmoid,
+    nn.PReLU,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.RReLU,
+    nn.SELU,
+    nn.Sigmoid,
+    nn.Softplus,
+    nn.Softshrink,
+    nn.Softsign,
+    nn.Tanh,
+    nn.Tanhshrink,
+    nn.Threshold,
+    nn.Softmin,
+    nn.Softmax,
+    nn.Softmax2d,
+    nn.LogSoftmax,
+]
+NORM_LAYERS = [
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.GroupNorm,
+    nn.InstanceNorm1d,
+    nn.InstanceNorm2d,
+    nn.InstanceNorm3d,
+    nn.LayerNorm,
+    nn.LocalResponseNorm,
+]
 LINEAR_LAYERS = [nn.Linear, nn.Bilinear]
 DROPOUT_LAYERS = [nn.Dropout, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout]
-LOSS_LAYERS = [nn.L1Loss, nn.MSELoss, nn.CrossEntropyLoss, nn.NLLLoss, nn.PoissonNLLLoss,
-               nn.KLDivLoss, nn.BCELoss, nn.BCEWithLogitsLoss, nn.MarginRankingLoss,
-               nn.HingeEmbeddingLoss, nn.MultiLabelMarginLoss, nn.SmoothL1Loss, nn.SoftMarginLoss,
-               nn.MultiLabelSoftMarginLoss, nn.MultiMarginLoss, nn.TripletMarginLoss]
+LOSS_LAYERS = [
+    nn.L1Loss,
+    nn.MSELoss,
+    nn.CrossEntropyLoss,
+    nn.NLLLoss,
+    nn.PoissonNLLLoss,
+    nn.KLDivLoss,
+    nn.BCELoss,
+    nn.BCEWithLogitsLoss,
+    nn.MarginRankingLoss,
+    nn.HingeEmbeddingLoss,
+    nn.MultiLabelMarginLoss,
+    nn.SmoothL1Loss,
+    nn.SoftMarginLoss,
+    nn.MultiLabelSoftMarginLoss,
+    nn.MultiMarginLoss,
+    nn.TripletMarginLoss,
+]
 
 # The names lower() and sequential_lower() take, with the classes each stands for.
 LAYERS_TYPES = {
@@ -72,13 +146,18 @@ def _layer_classes(layer_types) -> tuple[type, ...]:
 def _quantize_output(module: nn.Module, args, output):
     """Forward hook of a lowered module: its outputs through its quantisers, in lower() order."""
     for quant in module.__dict__[_LOWERED]:
-        output = _map_tensors(output, quant)
+        output = map_tensors(output, quant)
     return output
 
 
-def lower(model: nn.Module, layer_types=(), forward_number: Number | None = None,
-          backward_number: Number | None = None, forward_rounding: str = "stochastic",
-          backward_rounding: str = "stochastic") -> nn.Module:
+def lower(
+    model: nn.Module,
+    layer_types: Iterable[str] = (),
+    forward_number: Number | None = None,
+    backward_number: Number | None = None,
+    forward_rounding: str = "stochastic",
+    backward_rounding: str = "stochastic",
+) -> nn.Module:
     """In place, quantise the outputs (into forward_number) and their gradients (into
     backward_number) of every module of ``model``, the model itself included, whose type is
     exactly one of layer_types' classes. Returns the model (QPyTorch returns None).
@@ -99,7 +178,7 @@ def lower(model: nn.Module, layer_types=(), forward_number: Number | None = None
     quant = Quantizer(forward_number, backward_number, forward_rounding, backward_rounding)
     matched = [m for m in model.modules() if type(m) in classes]
     if matched:
-        _guard_hooks_under_compile()
+        guard_hooks_under_compile()
     for module in matched:
         if _LOWERED not in module.__dict__:
             module.__dict__[_LOWERED] = []
@@ -108,9 +187,14 @@ def lower(model: nn.Module, layer_types=(), forward_number: Number | None = None
     return model
 
 
-def sequential_lower(model: nn.Module, layer_types=(), forward_number: Number | None = None,
-                     backward_number: Number | None = None, forward_rounding: str = "stochastic",
-                     backward_rounding: str = "stochastic") -> nn.Module:
+def sequential_lower(
+    model: nn.Module,
+    layer_types: Iterable[str] = (),
+    forward_number: Number | None = None,
+    backward_number: Number | None = None,
+    forward_rounding: str = "stochastic",
+    backward_rounding: str = "stochastic",
+) -> nn.Module:
     """A deep copy of model in which every module without children whose type is exactly one of
     layer_types' classes is replaced by nn.Sequential(module, Quantizer(...)), one Quantizer shared
     by all. A model that is itself such a module becomes nn.Sequential(model copy, Quantizer).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from lpsim import optim as lpoptim
+from lpsim.optim.optim_lp import QuantFunction
 
 __all__ = ["OptimLP"]
 
@@ -30,10 +31,23 @@ class OptimLP(lpoptim.OptimLP):
     QPyTorch OptimLP's state_dict, a torch optimizer's, or lpsim.optim.OptimLP's.
     """
 
-    def __init__(self, optim, weight_quant=None, grad_scaling: float = 1.0, grad_quant=None,
-                 momentum_quant=None, acc_quant=None):
-        super().__init__(optim, weight=weight_quant, grad=grad_quant, momentum=momentum_quant,
-                         acc=acc_quant, grad_scaling=grad_scaling)
+    def __init__(
+        self,
+        optim: torch.optim.Optimizer,
+        weight_quant: QuantFunction | None = None,
+        grad_scaling: float = 1.0,
+        grad_quant: QuantFunction | None = None,
+        momentum_quant: QuantFunction | None = None,
+        acc_quant: QuantFunction | None = None,
+    ):
+        super().__init__(
+            optim,
+            weight=weight_quant,
+            grad=grad_quant,
+            momentum=momentum_quant,
+            acc=acc_quant,
+            grad_scaling=grad_scaling,
+        )
 
     @property
     def optim(self) -> torch.optim.Optimizer:
@@ -61,8 +75,13 @@ class OptimLP(lpoptim.OptimLP):
         keys: list[str] = []
         for state in self.optimizer.state.values():
             for key, value in state.items():
-                if (key != "step" and key not in keys and isinstance(value, torch.Tensor)
-                        and value.is_floating_point() and value.dim() > 0):
+                if (
+                    key != "step"
+                    and key not in keys
+                    and isinstance(value, torch.Tensor)
+                    and value.is_floating_point()
+                    and value.dim() > 0
+                ):
                     keys.append(key)
         return keys
 

@@ -29,31 +29,53 @@ from lpsim.rounding import Rounding
 __all__ = ["fixed_point_quantize", "block_quantize", "float_quantize", "quantizer"]
 
 
-def float_quantize(x: torch.Tensor, exp: int, man: int, rounding: Rounding | str = "stochastic",
-                   *, seed: int | None = None) -> torch.Tensor:
+def float_quantize(
+    x: torch.Tensor,
+    exp: int,
+    man: int,
+    rounding: Rounding | str = "stochastic",
+    *,
+    seed: int | None = None,
+) -> torch.Tensor:
     """x rounded into FloatingPoint(exp, man) (QPyTorch's range: saturating, no Inf codes below
     exp=8)."""
     return functional.quantize(x, FloatingPoint(exp, man).format, rounding, seed=seed)
 
 
-def fixed_point_quantize(x: torch.Tensor, wl: int, fl: int, clamp: bool = True,
-                         symmetric: bool = False, rounding: Rounding | str = "stochastic",
-                         *, seed: int | None = None) -> torch.Tensor:
+def fixed_point_quantize(
+    x: torch.Tensor,
+    wl: int,
+    fl: int,
+    clamp: bool = True,
+    symmetric: bool = False,
+    rounding: Rounding | str = "stochastic",
+    *,
+    seed: int | None = None,
+) -> torch.Tensor:
     """x rounded into FixedPoint(wl, fl, clamp, symmetric)."""
     return functional.quantize(x, FixedPoint(wl, fl, clamp, symmetric).format, rounding, seed=seed)
 
 
-def block_quantize(x: torch.Tensor, wl: int, dim: int = -1,
-                   rounding: Rounding | str = "stochastic", *,
-                   seed: int | None = None) -> torch.Tensor:
+def block_quantize(
+    x: torch.Tensor,
+    wl: int,
+    dim: int = -1,
+    rounding: Rounding | str = "stochastic",
+    *,
+    seed: int | None = None,
+) -> torch.Tensor:
     """x rounded into BlockFloatingPoint(wl, dim): dim=-1 is one block for the whole tensor."""
     return functional.quantize(x, BlockFloatingPoint(wl, dim).format, rounding, seed=seed)
 
 
-def quantizer(forward_number: Number | None = None, backward_number: Number | None = None,
-              forward_rounding: str = "stochastic", backward_rounding: str = "stochastic",
-              clamping_grad_zero: bool = False,
-              backward_hooks: Iterable[Callable[[torch.Tensor], torch.Tensor]] = ()):
+def quantizer(
+    forward_number: Number | None = None,
+    backward_number: Number | None = None,
+    forward_rounding: str = "stochastic",
+    backward_rounding: str = "stochastic",
+    clamping_grad_zero: bool = False,
+    backward_hooks: Iterable[Callable[[torch.Tensor], torch.Tensor]] = (),
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """A differentiable function quantising its input into forward_number and the gradient into
     backward_number (None: left as is), after applying backward_hooks to the gradient.
 
@@ -70,10 +92,14 @@ def quantizer(forward_number: Number | None = None, backward_number: Number | No
         TypeError: a number is not a qtorch Number.
         ValueError: clamping_grad_zero with a forward_number that does not clip.
     """
-    return lpnn.quantizer(lpsim_format(forward_number), lpsim_format(backward_number),
-                          forward_rounding, backward_rounding,
-                          clamp_grad_zero=clamping_grad_zero and forward_number is not None,
-                          backward_hooks=backward_hooks)
+    return lpnn.quantizer(
+        lpsim_format(forward_number),
+        lpsim_format(backward_number),
+        forward_rounding,
+        backward_rounding,
+        clamp_grad_zero=clamping_grad_zero and forward_number is not None,
+        backward_hooks=backward_hooks,
+    )
 
 
 def assert_wl_fl(wl: int, fl: int, stage: str = "") -> None:
@@ -90,8 +116,10 @@ def _mask_kernel(rounding: str):
         return out, clipped.to(torch.uint8)
 
     kernel.__name__ = f"fixed_point_quantize_{rounding}_mask"
-    kernel.__doc__ = (f"(a rounded ({rounding}) into FixedPoint(wl, fl, clamp=True, symmetric), "
-                      "uint8 mask of the elements whose rounded value was clipped).")
+    kernel.__doc__ = (
+        f"(a rounded ({rounding}) into FixedPoint(wl, fl, clamp=True, symmetric), "
+        "uint8 mask of the elements whose rounded value was clipped)."
+    )
     return kernel
 
 
@@ -108,13 +136,15 @@ class Kernels:
         return float_quantize(a, exp, man, "stochastic")
 
     @staticmethod
-    def fixed_point_quantize_nearest(a: torch.Tensor, wl: int, fl: int, clamp: bool,
-                                     symmetric: bool) -> torch.Tensor:
+    def fixed_point_quantize_nearest(
+        a: torch.Tensor, wl: int, fl: int, clamp: bool, symmetric: bool
+    ) -> torch.Tensor:
         return fixed_point_quantize(a, wl, fl, clamp, symmetric, "nearest")
 
     @staticmethod
-    def fixed_point_quantize_stochastic(a: torch.Tensor, wl: int, fl: int, clamp: bool,
-                                        symmetric: bool) -> torch.Tensor:
+    def fixed_point_quantize_stochastic(
+        a: torch.Tensor, wl: int, fl: int, clamp: bool, symmetric: bool
+    ) -> torch.Tensor:
         return fixed_point_quantize(a, wl, fl, clamp, symmetric, "stochastic")
 
     fixed_point_quantize_nearest_mask = staticmethod(_mask_kernel("nearest"))

@@ -17,11 +17,22 @@ class Quantizer(lpnn.Quantizer):
     makes evaluation deterministic, as lpsim.nn.Quantizer does by default.
     """
 
-    def __init__(self, forward_number: Number | None = None, backward_number: Number | None = None,
-                 forward_rounding: str = "stochastic", backward_rounding: str = "stochastic",
-                 *, eval_rounding: Rounding | str | None = None):
-        super().__init__(lpsim_format(forward_number), lpsim_format(backward_number),
-                         forward_rounding, backward_rounding, eval_rounding=eval_rounding)
+    def __init__(
+        self,
+        forward_number: Number | None = None,
+        backward_number: Number | None = None,
+        forward_rounding: str = "stochastic",
+        backward_rounding: str = "stochastic",
+        *,
+        eval_rounding: Rounding | str | None = None,
+    ):
+        super().__init__(
+            lpsim_format(forward_number),
+            lpsim_format(backward_number),
+            forward_rounding,
+            backward_rounding,
+            eval_rounding=eval_rounding,
+        )
 
     @property
     def quantize(self):

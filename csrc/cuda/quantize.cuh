@@ -1,4 +1,4 @@
-// The CUDA kernels over the rounding core, and the launchers of kernels.h.
+// The CUDA kernels of the quantize ops over the rounding core, and the launchers of quantize.h.
 //
 // The kernels call the core (round_to_grid, block_grid, finite_max_abs, philox_counter_words) and
 // hold no rounding logic of their own. Elements are indexed by their row-major position i, which
@@ -12,10 +12,10 @@
 
 #include <type_traits>
 
+#include "cuda/device.cuh"
+#include "cuda/pieces.h"
+#include "cuda/quantize.h"
 #include "dispatch.h"
-#include "device.cuh"
-#include "kernels.h"
-#include "pieces.h"
 
 namespace lpsim::gpu {
 
@@ -44,9 +44,9 @@ struct PieceGrid {
 // ---- Elementwise rounding
 
 // Stochastic rules: one thread per Philox counter. Counter c = 64 g + l gives the words of the
-// elements 256 g + 64 w + l, w = 0..3, so all four words of each call are used, and for each w a
-// warp reads and writes 32 consecutive elements. Other rules: one 16-byte pack per thread when x
-// and y are aligned to 16 bytes, else one element.
+// elements 256 g + 64 w + l, w = 0..3 (philox_element_of), so all four words of each call are used,
+// and for each w a warp reads and writes 32 consecutive elements. Other rules: one 16-byte pack per
+// thread when x and y are aligned to 16 bytes, else one element.
 template <class C, Rounding R, class Grids>
 __global__ void __launch_bounds__(kThreads)
     round_kernel(const typename C::storage* x, typename C::storage* y, uint64_t n, Grids grids,
@@ -56,13 +56,12 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t first = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   if constexpr (is_stochastic(R)) {
-    const uint64_t counters = (n + kGroupSize - 1) / kGroupSize * kGroupCounters;
+    const uint64_t counters = philox_counters_for(n);
     for (uint64_t c = first; c < counters; c += stride) {
       const PhiloxWords words = philox_counter_words(c, key);
-      const uint64_t base = c / kGroupCounters * kGroupSize + c % kGroupCounters;
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        const uint64_t i = base + uint64_t(w) * kGroupCounters;
+        const uint64_t i = philox_element_of(c, w);
         if (i < n) y[i] = S(round_to_grid<R, C>(W(x[i]), grids(i), words.w[w], mask));
       }
     }
@@ -142,8 +141,8 @@ __global__ void __launch_bounds__(kThreads)
 // (q0 + slot) % classes, and the block then adds one atomic per class instead of one per column.
 template <class C>
 __global__ void __launch_bounds__(kThreads)
-    max_abs_columns_kernel(const typename C::storage* x, uint64_t n, uint64_t width,
-                           uint64_t inner, uint64_t classes, typename C::word* class_max) {
+    max_abs_columns_kernel(const typename C::storage* x, uint64_t n, uint64_t width, uint64_t inner,
+                           uint64_t classes, typename C::word* class_max) {
   using W = typename C::word;
   __shared__ W slot_max[kThreads];
   const uint64_t rows = (n + width - 1) / width;
@@ -227,10 +226,9 @@ __global__ void __launch_bounds__(kThreads)
       const uint64_t c = g0 * kGroupCounters + k;
       PhiloxWords words{};
       if constexpr (is_stochastic(R)) words = philox_counter_words(c, key);
-      const uint64_t base = c / kGroupCounters * kGroupSize + c % kGroupCounters;
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        const uint64_t i = base + uint64_t(w) * kGroupCounters;
+        const uint64_t i = philox_element_of(c, w);
         if (i >= e0 && i < e1) {
           const Grid<C> g = block_grid<C>(block_max[blocks.piece_of(i) - b0], wl);
           y[i] = S(round_to_grid<R, C>(W(x[i]), g, words.w[w], mask));
@@ -261,11 +259,11 @@ void launch_round(Rounding rounding, const void* x, void* y, uint64_t n, const G
   const bool packed = aligned16(x) && aligned16(y);
   with_rounding(rounding, [&](auto tag) {
     constexpr Rounding R = decltype(tag)::value;
-    const uint64_t items = is_stochastic(R) ? (n + kGroupSize - 1) / kGroupSize * kGroupCounters
+    const uint64_t items = is_stochastic(R) ? philox_counters_for(n)
                            : packed         ? (n + Pack<S>::kSize - 1) / Pack<S>::kSize
                                             : n;
-    round_kernel<C, R, Grids><<<blocks_for(items), kThreads, 0, stream>>>(
-        in<C>(x), out<C>(y), n, grids, key, mask, packed);
+    round_kernel<C, R, Grids><<<blocks_for(items), kThreads, 0, stream>>>(in<C>(x), out<C>(y), n,
+                                                                          grids, key, mask, packed);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -276,8 +274,8 @@ void launch_max_abs_pieces(const void* x, const Pieces& pieces, uint64_t piece_c
                            typename C::word* class_max, cudaStream_t stream) {
   const uint64_t len = pieces.piece_len.divisor;
   const uint64_t tiles = piece_count * ((len + kReduceTile - 1) / kReduceTile);
-  max_abs_pieces_kernel<C><<<grid_blocks(tiles), kThreads, 0, stream>>>(in<C>(x), pieces,
-                                                                         piece_count, class_max);
+  max_abs_pieces_kernel<C>
+      <<<grid_blocks(tiles), kThreads, 0, stream>>>(in<C>(x), pieces, piece_count, class_max);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -285,7 +283,7 @@ template <class C>
 void quantize_grid(Rounding rounding, const void* x, void* y, int64_t n, const GridSpec& spec,
                    const RandomSpec& random, cudaStream_t stream) {
   Grid<C> grid;
-  make_grid<C>(spec, grid);  // checked by the caller (grid_spec in ops.cpp)
+  make_grid<C>(spec, grid);  // checked by the caller (grid_spec in checks.cpp)
   launch_round<C>(rounding, x, y, static_cast<uint64_t>(n), UniformGrid<C>{grid}, random, stream);
 }
 
@@ -312,8 +310,9 @@ void quantize_block_classes(Rounding rounding, const void* x, void* y, int64_t n
     if (down > 65535) down = 65535;
     if (down < 1) down = 1;
     const dim3 blocks(across, static_cast<unsigned>(down));
-    max_abs_columns_kernel<C><<<blocks, kThreads, 0, stream>>>(
-        in<C>(x), size, width, static_cast<uint64_t>(inner), static_cast<uint64_t>(classes), maxima);
+    max_abs_columns_kernel<C>
+        <<<blocks, kThreads, 0, stream>>>(in<C>(x), size, width, static_cast<uint64_t>(inner),
+                                          static_cast<uint64_t>(classes), maxima);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   launch_round<C>(rounding, x, y, size, PieceGrid<C>{pieces, maxima, wl}, random, stream);
@@ -325,8 +324,8 @@ void quantize_blocks(Rounding rounding, const void* x, void* y, int64_t n, int64
                      cudaStream_t stream) {
   using W = typename C::word;
   const uint64_t size = static_cast<uint64_t>(n);
-  const Pieces blocks = Pieces::blocks(size, static_cast<uint64_t>(row_len),
-                                       static_cast<uint64_t>(block_size));
+  const Pieces blocks =
+      Pieces::blocks(size, static_cast<uint64_t>(row_len), static_cast<uint64_t>(block_size));
   const uint64_t count = size / static_cast<uint64_t>(row_len) * blocks.per_row;
   const uint64_t len = blocks.piece_len.divisor;  // min(block_size, row_len)
   if (block_scratch_words(n, row_len, block_size) == 0) {
@@ -347,14 +346,13 @@ void quantize_blocks(Rounding rounding, const void* x, void* y, int64_t n, int64
   launch_round<C>(rounding, x, y, size, PieceGrid<C>{blocks, maxima, wl}, random, stream);
 }
 
-// The launchers of kernels.h for container C (one .cu file per container).
-#define LPSIM_GPU_INSTANTIATE(C)                                                                 \
-  template void quantize_grid<C>(Rounding, const void*, void*, int64_t, const GridSpec&,        \
-                                 const RandomSpec&, cudaStream_t);                               \
-  template void quantize_block_classes<C>(Rounding, const void*, void*, int64_t, int64_t,       \
-                                          int64_t, void*, int32_t, const RandomSpec&,            \
-                                          cudaStream_t);                                         \
-  template void quantize_blocks<C>(Rounding, const void*, void*, int64_t, int64_t, int64_t,     \
-                                   void*, int32_t, const RandomSpec&, cudaStream_t);
+// The launchers of quantize.h for container C (one .cu file per container).
+#define LPSIM_GPU_INSTANTIATE(C)                                                                   \
+  template void quantize_grid<C>(Rounding, const void*, void*, int64_t, const GridSpec&,           \
+                                 const RandomSpec&, cudaStream_t);                                 \
+  template void quantize_block_classes<C>(Rounding, const void*, void*, int64_t, int64_t, int64_t, \
+                                          void*, int32_t, const RandomSpec&, cudaStream_t);        \
+  template void quantize_blocks<C>(Rounding, const void*, void*, int64_t, int64_t, int64_t, void*, \
+                                   int32_t, const RandomSpec&, cudaStream_t);
 
 }  // namespace lpsim::gpu

@@ -1,75 +1,23 @@
-// CPU loops over the rounding core (see kernels.h).
-//
-// Each entry point is compiled twice by GCC function multi-versioning (target_clones): once for
-// AVX2 and once for the baseline x86-64, chosen at load time by the CPU. The rounding core uses
-// per-element shift counts, which only AVX2 can vectorise (vpsllvd/vpsrlvd); the core is integer
-// code, so both versions return the same bits. Everything beneath an entry point is inlined into
-// it (LPSIM_INLINE, LPSIM_LAMBDA_INLINE), so that all of it is compiled for the clone's target.
-#include "kernels.h"
-
-#include <algorithm>
+// CPU loops of the quantize ops (see quantize.h), multiversioned for AVX2 (loops.h).
+#include "cpu/quantize.h"
 
 #include <lpsim/philox.h>
 #include <lpsim/round.h>
 
+#include <algorithm>
+
+#include "cpu/loops.h"
 #include "dispatch.h"
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define LPSIM_MULTIVERSION __attribute__((target_clones("avx2", "default")))
-#else
-#define LPSIM_MULTIVERSION
-#endif
-
-// The dispatch lambdas must be inlined into the entry points so that they are compiled for each
-// clone's target; left out of line they were compiled for the baseline and ran 5x slower.
-#define LPSIM_LAMBDA_INLINE __attribute__((always_inline))
 
 namespace lpsim::cpu {
 
-#if defined(__x86_64__) && defined(__GNUC__)
-void philox_group_avx2(uint64_t group, const PhiloxKey& key, uint32_t* words);
-#endif
-
 namespace {
-
-void philox_group_scalar(uint64_t group, const PhiloxKey& key, uint32_t* words) {
-  for (int l = 0; l < kGroupCounters; ++l) {
-    const PhiloxWords out = philox_counter_words(group * kGroupCounters + l, key);
-    for (int w = 0; w < 4; ++w) words[w * kGroupCounters + l] = out.w[w];
-  }
-}
-
-using GroupGenerator = void (*)(uint64_t, const PhiloxKey&, uint32_t*);
-
-GroupGenerator pick_generator() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (__builtin_cpu_supports("avx2")) return philox_group_avx2;
-#endif
-  return philox_group_scalar;
-}
-
-const GroupGenerator generate_group = pick_generator();
-
-// The random words of the group an element falls in, regenerated only when the group changes.
-struct WordCache {
-  int64_t group = -1;
-  alignas(64) uint32_t words[kGroupSize];
-
-  LPSIM_INLINE const uint32_t* at(int64_t g, const PhiloxKey& key) {
-    if (g != group) {
-      generate_group(static_cast<uint64_t>(g), key, words);
-      group = g;
-    }
-    return words;
-  }
-};
 
 // Round x[begin, end) onto one grid. The loops have no dependence between iterations and call the
 // core inline, so the compiler vectorises them (-fopt-info-vec reports them).
 template <class C, Rounding R>
 LPSIM_INLINE void round_span(const typename C::storage* x, typename C::storage* y, int64_t begin,
-                             int64_t end, const Grid<C>& grid, const PhiloxKey& key, uint32_t mask,
-                             WordCache& cache) {
+                             int64_t end, const Grid<C>& grid, uint32_t mask, WordCache& cache) {
   using S = typename C::storage;
   // A local copy: y may alias the grid's words as far as the compiler knows, which would force a
   // reload of every field in every iteration and block vectorisation.
@@ -81,7 +29,7 @@ LPSIM_INLINE void round_span(const typename C::storage* x, typename C::storage* 
       const int64_t group = start / kGroupSize;
       const int64_t base = group * kGroupSize;
       const int64_t stop = std::min(end, base + kGroupSize);
-      const uint32_t* words = cache.at(group, key);
+      const uint32_t* words = cache.group(group);
       for (int64_t i = start; i < stop; ++i) {
         y[i] = static_cast<S>(round_to_grid<R, C>(x[i], g, words[i - base], mask));
       }
@@ -104,12 +52,11 @@ LPSIM_INLINE void grid_impl(Rounding rounding, const void* x, void* y, int64_t b
                             const GridSpec& spec, const RandomSpec& random) {
   Grid<C> g;
   make_grid<C>(spec, g);  // validated by the caller
-  const PhiloxKey key = make_philox_key(random.seed, random.offset);
   const uint32_t mask = random_mask(random.rbits);
-  WordCache cache;
+  WordCache cache(make_philox_key(random.seed, random.offset));
   with_rounding(rounding, [&](auto tag) LPSIM_LAMBDA_INLINE {
     constexpr Rounding R = decltype(tag)::value;
-    round_span<C, R>(in<C>(x), out<C>(y), begin, end, g, key, mask, cache);
+    round_span<C, R>(in<C>(x), out<C>(y), begin, end, g, mask, cache);
   });
 }
 
@@ -119,16 +66,15 @@ LPSIM_INLINE void block_classes_impl(Rounding rounding, const void* x, void* y, 
                                      const uint64_t* class_max_abs, int32_t wl,
                                      const RandomSpec& random) {
   using W = typename C::word;
-  const PhiloxKey key = make_philox_key(random.seed, random.offset);
   const uint32_t mask = random_mask(random.rbits);
-  WordCache cache;
+  WordCache cache(make_philox_key(random.seed, random.offset));
   with_rounding(rounding, [&](auto tag) LPSIM_LAMBDA_INLINE {
     constexpr Rounding R = decltype(tag)::value;
     for (int64_t start = begin; start < end;) {
       const int64_t row = start / inner;
       const int64_t stop = std::min(end, (row + 1) * inner);
       const Grid<C> g = block_grid<C>(static_cast<W>(class_max_abs[row % classes]), wl);
-      round_span<C, R>(in<C>(x), out<C>(y), start, stop, g, key, mask, cache);
+      round_span<C, R>(in<C>(x), out<C>(y), start, stop, g, mask, cache);
       start = stop;
     }
   });
@@ -155,10 +101,9 @@ LPSIM_INLINE void blocks_impl(Rounding rounding, const void* x, void* y, int64_t
                               const RandomSpec& random) {
   using W = typename C::word;
   const typename C::storage* xs = in<C>(x);
-  const PhiloxKey key = make_philox_key(random.seed, random.offset);
   const uint32_t mask = random_mask(random.rbits);
   const int64_t per_row = (row_len + block_size - 1) / block_size;
-  WordCache cache;
+  WordCache cache(make_philox_key(random.seed, random.offset));
   with_rounding(rounding, [&](auto tag) LPSIM_LAMBDA_INLINE {
     constexpr Rounding R = decltype(tag)::value;
     for (int64_t b = block_begin; b < block_end; ++b) {
@@ -167,7 +112,7 @@ LPSIM_INLINE void blocks_impl(Rounding rounding, const void* x, void* y, int64_t
       const int64_t stop = std::min(start + block_size, (row + 1) * row_len);
       W m = 0;
       for (int64_t i = start; i < stop; ++i) m = finite_max_abs<C>(m, xs[i]);
-      round_span<C, R>(xs, out<C>(y), start, stop, block_grid<C>(m, wl), key, mask, cache);
+      round_span<C, R>(xs, out<C>(y), start, stop, block_grid<C>(m, wl), mask, cache);
     }
   });
 }
@@ -178,7 +123,9 @@ LPSIM_MULTIVERSION
 void quantize_grid(Dtype dtype, Rounding rounding, const void* x, void* y, int64_t begin,
                    int64_t end, const GridSpec& grid, const RandomSpec& random) {
   with_container(dtype, [&](auto container) LPSIM_LAMBDA_INLINE {
-    using C = decltype(container); grid_impl<C>(rounding, x, y, begin, end, grid, random); });
+    using C = decltype(container);
+    grid_impl<C>(rounding, x, y, begin, end, grid, random);
+  });
 }
 
 LPSIM_MULTIVERSION
@@ -195,7 +142,9 @@ LPSIM_MULTIVERSION
 void max_abs_classes(Dtype dtype, const void* x, int64_t begin, int64_t end, int64_t inner,
                      int64_t classes, uint64_t* max_abs) {
   with_container(dtype, [&](auto container) LPSIM_LAMBDA_INLINE {
-    using C = decltype(container); max_abs_impl<C>(x, begin, end, inner, classes, max_abs); });
+    using C = decltype(container);
+    max_abs_impl<C>(x, begin, end, inner, classes, max_abs);
+  });
 }
 
 LPSIM_MULTIVERSION
@@ -206,14 +155,6 @@ void quantize_blocks(Dtype dtype, Rounding rounding, const void* x, void* y, int
     using C = decltype(container);
     blocks_impl<C>(rounding, x, y, block_begin, block_end, row_len, block_size, wl, random);
   });
-}
-
-void philox_group(uint64_t group, const PhiloxKey& key, uint32_t* words) {
-  generate_group(group, key, words);
-}
-
-const char* philox_group_isa() {
-  return generate_group == philox_group_scalar ? "scalar" : "avx2";
 }
 
 }  // namespace lpsim::cpu

@@ -1,9 +1,10 @@
-// CPU loops of the update ops (see arith.h): y = x + b, or x + value * (t1 op t2), computed exactly
-// and rounded once, by the core's round_sum_to_grid (exact_sum.h) and nothing else.
+// CPU loops of the update ops (see update.h): y = x + b, or x + value * (t1 op t2), computed
+// exactly and rounded once, by the core's round_sum_to_grid (exact_sum.h) and nothing else.
 //
 // The work goes group by group of kGroupSize elements, in four stages:
 //   1. load   both operands of each element as words of the compute container K (one that holds
-//             both exactly), computing the addcmul / addcdiv term on the way;
+//             both exactly), computing the addcmul / addcdiv term on the way: lpsim/update.h's
+//             AddOperands and AddcOperands, which the CUDA kernels use too;
 //   2. words  the random words: Philox by position (one vectorised group) or by value;
 //   3. round  the exact sums of finite operands, by the branch-free round_finite_sum_to_grid, in a
 //             loop that gcc vectorises for 16- and 32-bit containers (AVX2 clone); elements with an
@@ -13,25 +14,20 @@
 // of operand dtypes: that keeps the build short. Measured on a 2-core x86 machine (bfloat16,
 // 2^24 elements, 2 threads): about 5 ns per element in all, 4.9x torch's own bfloat16 addition;
 // the same loop left scalar was about 3x slower.
+#include "cpu/update.h"
+
+#include <lpsim/exact_sum.h>
+#include <lpsim/update.h>
+
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
 
-#include <lpsim/exact_sum.h>
-
-#include "arith.h"
-#include "arith_detail.h"
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define LPSIM_MULTIVERSION __attribute__((target_clones("avx2", "default")))
-#else
-#define LPSIM_MULTIVERSION
-#endif
+#include "cpu/loops.h"
+#include "dispatch.h"
 
 namespace lpsim::cpu {
 namespace {
-
-using namespace arith;
 
 // Stage 3: r[i] = a[i] + b[i] rounded onto the grid, for the n < kGroupSize elements of a group.
 LPSIM_MULTIVERSION
@@ -74,13 +70,12 @@ template <class A, class K, class Load>
 void update_span(Load&& load, Rounding rule, Randomness randomness, void* yv, int64_t begin,
                  int64_t end, const GridSpec& spec, const RandomSpec& random) {
   using W = typename K::word;
-  using F64 = Float64Container;
   auto* y = static_cast<typename A::storage*>(yv);
   Grid<K> grid;
   make_grid<K>(spec, grid);  // the format fits A, hence K, which holds A (checked by the caller)
   const uint32_t mask = random_mask(random.rbits);
   const bool stochastic = is_stochastic(rule);
-  PositionWords position(random);
+  WordCache position(make_philox_key(random.seed, random.offset));
   const ValueKey value_key = make_value_key(random.seed, random.offset);
   alignas(64) W a[kGroupSize];
   alignas(64) W b[kGroupSize];
@@ -94,10 +89,10 @@ void update_span(Load&& load, Rounding rule, Randomness randomness, void* yv, in
     for (int64_t i = 0; i < n; ++i) load(start + i, a[i], b[i]);
     if (stochastic && randomness == Randomness::value) {
       for (int64_t i = 0; i < n; ++i) {
-        words[i] = value_word(convert_exact<F64, K>(a[i]), convert_exact<F64, K>(b[i]), value_key);
+        words[i] = update_value_word<K>(a[i], b[i], value_key);
       }
     } else if (stochastic) {
-      std::memcpy(words, position.group(static_cast<uint64_t>(group)) + (start - base),
+      std::memcpy(words, position.group(group) + (start - base),
                   static_cast<size_t>(n) * sizeof(uint32_t));
     }
     round_group(kDtypeOf<K>, rule, a, b, r, n, &grid, words, mask);
@@ -108,76 +103,38 @@ void update_span(Load&& load, Rounding rule, Randomness randomness, void* yv, in
   }
 }
 
-template <class A, class B>
-constexpr bool kEitherIs64 =
-    std::is_same_v<A, Float64Container> || std::is_same_v<B, Float64Container>;
-
-// The container an exact sum of A and B values is computed in: one that holds both.
-template <class A, class B>
-using SumContainer = std::conditional_t<
-    std::is_same_v<A, B>, A,
-    std::conditional_t<kEitherIs64<A, B>, Float64Container, Float32Container>>;
-
-// Call f(A{}, B{}) for the container of `a` and that of `b`, which is a's, float32 or float64.
-template <class F>
-void with_pair(Dtype a, Dtype b, F&& f) {
-  with_container(a, [&](auto first) {
-    if (b == a) return f(first, first);
-    if (b == Dtype::float32) return f(first, Float32Container{});
-    return f(first, Float64Container{});
-  });
-}
-
-// A value of container C as the floating-point type T of container K (float or double).
-template <class T, class K, class C>
-T load_as(const typename C::storage& s) {
-  const typename K::word bits = convert_exact<K, C>(bits_of<C>(s));
-  T v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
-
 }  // namespace
 
 void add_rounded(Dtype a, Dtype b, Rounding rounding, Randomness randomness, const void* x,
                  const void* bv, void* y, int64_t begin, int64_t end, const GridSpec& grid,
                  const RandomSpec& random) {
-  with_pair(a, b, [&](auto ca, auto cb) {
+  with_container(a, [&](auto ca) {
     using A = decltype(ca);
-    using B = decltype(cb);
-    using K = SumContainer<A, B>;
-    const auto* xs = static_cast<const typename A::storage*>(x);
-    const auto* bs = static_cast<const typename B::storage*>(bv);
-    const auto load = [xs, bs](int64_t i, typename K::word& ua, typename K::word& ub) {
-      ua = convert_exact<K, A>(bits_of<A>(xs[i]));
-      ub = convert_exact<K, B>(bits_of<B>(bs[i]));
-    };
-    update_span<A, K>(load, rounding, randomness, y, begin, end, grid, random);
+    with_operand<A>(b, [&](auto cb) {
+      using B = decltype(cb);
+      using K = SumContainer<A, B>;
+      const AddOperands<A, B, K> load{static_cast<const typename A::storage*>(x),
+                                      static_cast<const typename B::storage*>(bv)};
+      update_span<A, K>(load, rounding, randomness, y, begin, end, grid, random);
+    });
   });
 }
 
 void addc_rounded(Dtype a, Dtype t, bool divide, double value, Rounding rounding,
                   Randomness randomness, const void* x, const void* t1, const void* t2, void* y,
                   int64_t begin, int64_t end, const GridSpec& grid, const RandomSpec& random) {
-  with_pair(a, t, [&](auto ca, auto ct) {
+  with_container(a, [&](auto ca) {
     using A = decltype(ca);
-    using TC = decltype(ct);
-    // The term is computed in float64 if either container is float64, else in float32.
-    using K = std::conditional_t<kEitherIs64<A, TC>, Float64Container, Float32Container>;
-    using T = std::conditional_t<kEitherIs64<A, TC>, double, float>;
-    static_assert(sizeof(T) == sizeof(typename K::word), "T is K's floating-point type");
-    const auto* xs = static_cast<const typename A::storage*>(x);
-    const auto* p1 = static_cast<const typename TC::storage*>(t1);
-    const auto* p2 = static_cast<const typename TC::storage*>(t2);
-    const T v = static_cast<T>(value);
-    const auto load = [=](int64_t i, typename K::word& ua, typename K::word& ub) {
-      const T p = load_as<T, K, TC>(p1[i]);
-      const T q = load_as<T, K, TC>(p2[i]);
-      const T term = divide ? v * (p / q) : v * (p * q);
-      std::memcpy(&ub, &term, sizeof ub);
-      ua = convert_exact<K, A>(bits_of<A>(xs[i]));
-    };
-    update_span<A, K>(load, rounding, randomness, y, begin, end, grid, random);
+    with_operand<A>(t, [&](auto ct) {
+      using TC = decltype(ct);
+      using K = TermContainer<A, TC>;
+      using Load = AddcOperands<A, TC, K>;
+      const Load load{static_cast<const typename A::storage*>(x),
+                      static_cast<const typename TC::storage*>(t1),
+                      static_cast<const typename TC::storage*>(t2),
+                      static_cast<typename Load::T>(value), divide};
+      update_span<A, K>(load, rounding, randomness, y, begin, end, grid, random);
+    });
   });
 }
 

@@ -1,17 +1,25 @@
-// CPU loops of the accumulation ops (see arith.h): recursive sums and dot products rounded after
-// every operation. Each running sum is a float64 word (every format fits float64, and float64
+// CPU loops of the accumulation ops (see accumulate.h): recursive sums and dot products rounded
+// after every operation. Each running sum is a float64 word (every format fits float64, and float64
 // holds the exact product of two values of at most 24 significant bits), rounded by the core's
 // round_to_grid and round_sum_to_grid onto the accumulation format's grid. The loops are scalar:
 // every step depends on the one before (about 30 ns per multiply-add on a 2-core x86 machine).
+#include "cpu/accumulate.h"
+
 #include <lpsim/exact_sum.h>
 
-#include "arith.h"
-#include "arith_detail.h"
+#include <type_traits>
+
+#include "cpu/loops.h"
+#include "dispatch.h"
 
 namespace lpsim::cpu {
 namespace {
 
-using namespace arith;
+template <class C>
+typename C::word bits_of(const typename C::storage& s) {
+  return static_cast<typename C::word>(s);
+}
+
 using F64 = Float64Container;
 
 // The running sum of one reduction, in float64 bits: the first term rounded, then each sum of the
@@ -36,14 +44,14 @@ void sum_span(const void* xv, uint64_t* y, int64_t n, int64_t inner, int64_t beg
   const auto* x = static_cast<const typename X::storage*>(xv);
   Grid<F64> g;
   make_grid<F64>(spec, g);
-  PositionWords words(random);
+  WordCache words(make_philox_key(random.seed, random.offset));
   const uint32_t mask = random_mask(random.rbits);
   for (int64_t r = begin; r < end; ++r) {
     const int64_t o = r / inner, j = r % inner;
     const typename X::storage* column = x + o * n * inner + j;
     RoundedSum<R> s{g, mask};
     for (int64_t k = 0; k < n; ++k) {
-      const uint64_t event = 2 * static_cast<uint64_t>(r * n + k);
+      const int64_t event = 2 * (r * n + k);
       s.add(convert_exact<F64, X>(bits_of<X>(column[k * inner])),
             is_stochastic(R) ? words(event) : 0);
       if (cumulative) y[(o * n + k) * inner + j] = s.value;
@@ -60,18 +68,18 @@ void dot_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t p,
   Grid<F64> acc_grid, mul_grid;
   make_grid<F64>(acc, acc_grid);
   if (mul != nullptr) make_grid<F64>(*mul, mul_grid);
-  PositionWords words(random);
+  WordCache words(make_philox_key(random.seed, random.offset));
   const uint32_t mask = random_mask(random.rbits);
   for (int64_t r = begin; r < end; ++r) {
     const typename X::storage* row = a + (r / p) * n;
     const typename X::storage* column = b + (r % p) * n;
     RoundedSum<R> s{acc_grid, mask};
     for (int64_t k = 0; k < n; ++k) {
-      const uint64_t event = 2 * static_cast<uint64_t>(r * n + k);
+      const int64_t event = 2 * (r * n + k);
       uint64_t product = exact_product<X>(bits_of<X>(row[k]), bits_of<X>(column[k]));
       if (mul != nullptr) {
-        product = round_to_grid<R, F64>(product, mul_grid, is_stochastic(R) ? words(event + 1) : 0,
-                                        mask);
+        product =
+            round_to_grid<R, F64>(product, mul_grid, is_stochastic(R) ? words(event + 1) : 0, mask);
       }
       s.add(product, is_stochastic(R) ? words(event) : 0);
     }

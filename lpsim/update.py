@@ -1,4 +1,4 @@
-"""Stochastic arithmetic: sums computed exactly and rounded once into a format.
+"""Updates: sums computed exactly and rounded once into a format (sr_add and its fused forms).
 
 ``sr_add(a, b, fmt, rounding)`` returns the exact sum a + b rounded into ``fmt`` by ``rounding``, in
 a tensor of a's dtype: one kernel computes the sum with integer arithmetic (no intermediate
@@ -36,10 +36,16 @@ import functools
 
 import torch
 
-from lpsim._ops import ops
+from lpsim._checks import (
+    RANDOMNESS,
+    check_container,
+    check_element_format,
+    check_randomness,
+    random_args,
+)
+from lpsim._ops import arguments_after, ops
 from lpsim.formats import CONTAINERS, BlockFloat, Fixed, Float, GridSpec, check_fits
-from lpsim.functional import _check_offset, _check_tensor, _seed_tensor
-from lpsim.rounding import Rounding, check_rbits
+from lpsim.rounding import Rounding
 
 __all__ = [
     "sr_add",
@@ -48,15 +54,13 @@ __all__ = [
     "sr_addcmul_",
     "sr_addcdiv",
     "sr_addcdiv_",
-    "StochasticAdder",
     "RANDOMNESS",
     "own_format",
     "sum_grid",
 ]
 
-RANDOMNESS = ("position", "value")  # the codes 0 and 1 of the compiled ops
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def own_format(dtype: torch.dtype) -> Float:
     """The format of the values a floating dtype holds: Float(8, 7) for bfloat16, and so on.
 
@@ -86,25 +90,9 @@ def sum_grid(fmt: Float | Fixed, dtype: torch.dtype) -> GridSpec:
     return grid
 
 
-def _check_container(x: torch.Tensor, name: str) -> None:
-    _check_tensor(x, name)
-    if x.dtype not in CONTAINERS:
-        raise TypeError(
-            f"{name} must be a float32, float64, bfloat16 or float16 tensor, got {x.dtype}"
-        )
-
-
-def _randomness_code(randomness: str) -> int:
-    if not isinstance(randomness, str):
-        raise TypeError(f"randomness must be a str, got {type(randomness).__name__}")
-    if randomness not in RANDOMNESS:
-        raise ValueError(f"randomness must be one of {RANDOMNESS}, got {randomness!r}")
-    return RANDOMNESS.index(randomness)
-
-
 def _update_args(a, fmt, rounding, rbits, seed, offset, randomness) -> tuple:
     """The op arguments after the operands: grid, rule, random spec and randomness code."""
-    _check_container(a, "a")
+    check_container(a, "a")
     if fmt is None:
         fmt = own_format(a.dtype)
     if isinstance(fmt, BlockFloat):
@@ -112,12 +100,10 @@ def _update_args(a, fmt, rounding, rbits, seed, offset, randomness) -> tuple:
             "fmt must be a Float or Fixed format: a BlockFloat grid depends on the whole block, "
             "not on one sum"
         )
-    if not isinstance(fmt, (Float, Fixed)):
-        raise TypeError(f"fmt must be a Float or Fixed format or None, got {type(fmt).__name__}")
+    check_element_format("fmt", fmt)
     check_fits(fmt, a.dtype)
-    rule = Rounding.parse(rounding)
-    random = (check_rbits(rbits, rule), _seed_tensor(seed, rule), _check_offset(offset))
-    return tuple(sum_grid(fmt, a.dtype)) + (int(rule),) + random + (_randomness_code(randomness),)
+    rule, *random = random_args(rounding, rbits, seed, offset)
+    return (*sum_grid(fmt, a.dtype), int(rule), *random, check_randomness(randomness))
 
 
 def _operand(a: torch.Tensor, b, name: str) -> torch.Tensor:
@@ -125,7 +111,7 @@ def _operand(a: torch.Tensor, b, name: str) -> torch.Tensor:
     float64 (other dtypes are converted, exactly, to float32; a Python number becomes float64)."""
     if isinstance(b, (int, float)) and not isinstance(b, bool):
         b = torch.tensor(float(b), dtype=torch.float64, device=a.device)
-    _check_container(b, name)
+    check_container(b, name)
     if b.device != a.device:
         raise ValueError(f"{name} must be on a's device ({a.device}), got {b.device}")
     if b.dtype not in (a.dtype, torch.float32, torch.float64):
@@ -135,7 +121,8 @@ def _operand(a: torch.Tensor, b, name: str) -> torch.Tensor:
             b = b.expand(a.shape)
         except RuntimeError:
             raise ValueError(
-                f"{name} of shape {tuple(b.shape)} cannot be broadcast to a's shape {tuple(a.shape)}"
+                f"{name} of shape {tuple(b.shape)} cannot be broadcast to a's shape "
+                f"{tuple(a.shape)}"
             ) from None
     return b
 
@@ -145,9 +132,9 @@ def sr_add(
     b: torch.Tensor | float,
     fmt: Float | Fixed | None = None,
     rounding: Rounding | str = "stochastic",
+    *,
     rbits: int | None = None,
     seed: int | None = None,
-    *,
     offset: int = 0,
     randomness: str = "position",
 ) -> torch.Tensor:
@@ -187,13 +174,14 @@ def sr_add_(
     b: torch.Tensor | float,
     fmt: Float | Fixed | None = None,
     rounding: Rounding | str = "stochastic",
+    *,
     rbits: int | None = None,
     seed: int | None = None,
-    *,
     offset: int = 0,
     randomness: str = "position",
 ) -> torch.Tensor:
-    """a = sr_add(a, b, ...) in place; returns a. Arguments as for sr_add.
+    """a = sr_add(a, b, ...) in place; returns a. Arguments (default rounding "stochastic") and
+    errors as for sr_add.
 
     Under autograd it behaves as torch's in-place ops: a's version counter is bumped (in
     torch.no_grad() too), so a backward that saved a's old values raises instead of using the new
@@ -207,7 +195,9 @@ def sr_add_(
     return a
 
 
-def _addc(a, tensor1, tensor2, value, divide, fmt, rounding, rbits, seed, offset, randomness, inplace):
+def _addc(
+    a, tensor1, tensor2, value, divide, fmt, rounding, rbits, seed, offset, randomness, inplace
+):
     args = _update_args(a, fmt, rounding, rbits, seed, offset, randomness)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"value must be a number, got {type(value).__name__}")
@@ -227,110 +217,106 @@ _ADDC_DOC = """{summary}
     The term value * (tensor1 {op} tensor2) is computed in float32, or in float64 when a or the
     tensors are float64, each operation rounded to nearest (value is first rounded to that
     precision, as torch does); the sum of a and the term is then exact and rounded once, as in
-    sr_add. tensor1 and tensor2 are broadcast to a's shape. Other arguments as for sr_add. Not
-    differentiable. The in-place form follows torch's in-place rules as sr_add_ does: a non-leaf
-    a keeps its history, and if tensor1 or tensor2 requires grad, a backward through a raises.
+    sr_add. tensor1 and tensor2 are broadcast to a's shape. Other arguments, among them the
+    default rounding "stochastic", and errors as for sr_add (TypeError also when value is not a
+    number). Not differentiable. The in-place form follows torch's in-place rules as sr_add_ does:
+    a non-leaf a keeps its history, and if tensor1 or tensor2 requires grad, a backward through a
+    raises.
     """
 
 
-def sr_addcmul(a, tensor1, tensor2, value: float = 1.0, fmt=None, rounding="stochastic", rbits=None,
-               seed=None, *, offset: int = 0, randomness: str = "position") -> torch.Tensor:
-    return _addc(a, tensor1, tensor2, value, False, fmt, rounding, rbits, seed, offset, randomness,
-                 False)
+def sr_addcmul(
+    a: torch.Tensor,
+    tensor1: torch.Tensor | float,
+    tensor2: torch.Tensor | float,
+    value: float = 1.0,
+    fmt: Float | Fixed | None = None,
+    rounding: Rounding | str = "stochastic",
+    *,
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+    randomness: str = "position",
+) -> torch.Tensor:
+    return _addc(
+        a, tensor1, tensor2, value, False, fmt, rounding, rbits, seed, offset, randomness, False
+    )
 
 
-def sr_addcmul_(a, tensor1, tensor2, value: float = 1.0, fmt=None, rounding="stochastic",
-                rbits=None, seed=None, *, offset: int = 0, randomness: str = "position") -> torch.Tensor:
-    return _addc(a, tensor1, tensor2, value, False, fmt, rounding, rbits, seed, offset, randomness,
-                 True)
+def sr_addcmul_(
+    a: torch.Tensor,
+    tensor1: torch.Tensor | float,
+    tensor2: torch.Tensor | float,
+    value: float = 1.0,
+    fmt: Float | Fixed | None = None,
+    rounding: Rounding | str = "stochastic",
+    *,
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+    randomness: str = "position",
+) -> torch.Tensor:
+    return _addc(
+        a, tensor1, tensor2, value, False, fmt, rounding, rbits, seed, offset, randomness, True
+    )
 
 
-def sr_addcdiv(a, tensor1, tensor2, value: float = 1.0, fmt=None, rounding="stochastic", rbits=None,
-               seed=None, *, offset: int = 0, randomness: str = "position") -> torch.Tensor:
-    return _addc(a, tensor1, tensor2, value, True, fmt, rounding, rbits, seed, offset, randomness,
-                 False)
+def sr_addcdiv(
+    a: torch.Tensor,
+    tensor1: torch.Tensor | float,
+    tensor2: torch.Tensor | float,
+    value: float = 1.0,
+    fmt: Float | Fixed | None = None,
+    rounding: Rounding | str = "stochastic",
+    *,
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+    randomness: str = "position",
+) -> torch.Tensor:
+    return _addc(
+        a, tensor1, tensor2, value, True, fmt, rounding, rbits, seed, offset, randomness, False
+    )
 
 
-def sr_addcdiv_(a, tensor1, tensor2, value: float = 1.0, fmt=None, rounding="stochastic",
-                rbits=None, seed=None, *, offset: int = 0, randomness: str = "position") -> torch.Tensor:
-    return _addc(a, tensor1, tensor2, value, True, fmt, rounding, rbits, seed, offset, randomness,
-                 True)
+def sr_addcdiv_(
+    a: torch.Tensor,
+    tensor1: torch.Tensor | float,
+    tensor2: torch.Tensor | float,
+    value: float = 1.0,
+    fmt: Float | Fixed | None = None,
+    rounding: Rounding | str = "stochastic",
+    *,
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+    randomness: str = "position",
+) -> torch.Tensor:
+    return _addc(
+        a, tensor1, tensor2, value, True, fmt, rounding, rbits, seed, offset, randomness, True
+    )
 
 
 sr_addcmul.__doc__ = _ADDC_DOC.format(
-    summary="a + value * tensor1 * tensor2, the sum exact and rounded once, in a new tensor.", op="*")
+    summary="a + value * tensor1 * tensor2, the sum exact and rounded once, in a new tensor.",
+    op="*",
+)
 sr_addcmul_.__doc__ = _ADDC_DOC.format(
-    summary="a = a + value * tensor1 * tensor2 in place, the sum exact and rounded once; returns a.",
-    op="*")
+    summary=(
+        "a = a + value * tensor1 * tensor2 in place, the sum exact and rounded once; returns a."
+    ),
+    op="*",
+)
 sr_addcdiv.__doc__ = _ADDC_DOC.format(
-    summary="a + value * tensor1 / tensor2, the sum exact and rounded once, in a new tensor.", op="/")
+    summary="a + value * tensor1 / tensor2, the sum exact and rounded once, in a new tensor.",
+    op="/",
+)
 sr_addcdiv_.__doc__ = _ADDC_DOC.format(
-    summary="a = a + value * tensor1 / tensor2 in place, the sum exact and rounded once; returns a.",
-    op="/")
-
-
-class StochasticAdder:
-    """Stochastic additions into one dtype, with the names StochasTorch users know.
-
-    ``add(a, b)`` rounds the exact sum up or down with probability 1/2 each ("mode 2",
-    rounding="stochastic_equal"). ``add_biased(a, b)`` rounds up with probability proportional to
-    the distance from the value below ("mode 1", rounding="stochastic"); StochasTorch calls this the
-    *biased* random choice because the coin is weighted, but it is the one that is **unbiased in
-    expectation**: E[add_biased(a, b)] = a + b exactly, while E[add(a, b)] is the midpoint of the
-    two neighbours of a + b, which differs from a + b by up to half a spacing. Use ``add_biased``
-    to accumulate small updates.
-
-    Every call draws fresh random words: the adder keeps a seed (given, or drawn from torch's
-    default CPU generator when the adder is made) and counts its calls as the offset.
-
-    Args:
-        dtype: torch.float32, float64, bfloat16 or float16: results are rounded into this dtype's
-            format and returned in it.
-        seed: 0 <= seed < 2**64, or None.
-        randomness: "position" or "value" (see lpsim.sr_add).
-
-    Raises:
-        TypeError: dtype is not a supported floating dtype.
-    """
-
-    def __init__(self, dtype: torch.dtype, seed: int | None = None, *, randomness: str = "position"):
-        self.format = own_format(dtype)
-        self.dtype = dtype
-        _randomness_code(randomness)
-        self.randomness = randomness
-        if seed is None:
-            seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
-        _seed_tensor(seed, Rounding.stochastic)  # validates
-        self.seed = seed
-        self.calls = 0
-
-    def __repr__(self) -> str:
-        return f"StochasticAdder({self.dtype}, seed={self.seed}, randomness={self.randomness!r})"
-
-    def _add(self, a, b, rounding: str) -> torch.Tensor:
-        _check_container(a, "a")
-        if a.dtype != self.dtype and isinstance(b, torch.Tensor) and b.dtype == self.dtype:
-            a, b = b, a  # addition commutes; the container is the operand of the adder's dtype
-        if a.dtype != self.dtype:
-            # Neither operand has the adder's dtype: add in a container that holds both operands
-            # and the format, then convert (exactly: the result lies in the format).
-            wide = torch.float64 if torch.float64 in (a.dtype, getattr(b, "dtype", None)) else torch.float32
-            a = a.to(wide)
-        offset = self.calls
-        self.calls += 1
-        out = sr_add(a, b, self.format, rounding, seed=self.seed, offset=offset,
-                     randomness=self.randomness)
-        return out.to(self.dtype)
-
-    def add(self, a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
-        """a + b rounded up or down with probability 1/2 each when inexact (biased in
-        expectation). The result has the adder's dtype."""
-        return self._add(a, b, "stochastic_equal")
-
-    def add_biased(self, a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
-        """a + b rounded up with probability proportional to its distance from the value below
-        (unbiased in expectation: E[result] = a + b). The result has the adder's dtype."""
-        return self._add(a, b, "stochastic")
+    summary=(
+        "a = a + value * tensor1 / tensor2 in place, the sum exact and rounded once; returns a."
+    ),
+    op="/",
+)
 
 
 # Fake kernels (shapes and dtypes only) and the gradient of sr_add: the identity for both operands.
@@ -356,7 +342,7 @@ def _sr_addc_inplace_fake(a, t1, t2, *args):
     return None
 
 
-_SR_ADD_ARGS = 14  # arguments after a and b in sr_add's schema
+_SR_ADD_ARGS = arguments_after("sr_add", 2)  # arguments after a and b in sr_add's schema
 
 
 def _sr_add_backward(ctx, grad):

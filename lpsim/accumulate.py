@@ -1,4 +1,4 @@
-"""Accumulation with rounding after every operation: sum, cumsum, matvec and matmul.
+"""Accumulation: sum, cumsum, matvec and matmul with rounding after every operation.
 
 Each op evaluates its sums by recursive summation in a fixed, documented order and rounds every
 partial sum into the accumulation format ``acc``, so that the rounding errors of low-precision
@@ -13,11 +13,11 @@ float16, whose products float64 holds exactly) and rounded into ``mul`` when it 
 
     >>> import torch, lpsim
     >>> x = torch.full((1000,), 1e-3)                                   # the sum is 1.00000005
-    >>> lpsim.ops.sum(x, acc=lpsim.Float(5, 10)).item()                 # float16 accumulator
+    >>> lpsim.accumulate.sum(x, acc=lpsim.Float(5, 10)).item()                 # float16 accumulator
     0.978515625
-    >>> lpsim.ops.sum(x, acc=lpsim.Float(8, 7)).item()                  # bfloat16: stagnates
+    >>> lpsim.accumulate.sum(x, acc=lpsim.Float(8, 7)).item()                  # bfloat16: stagnates
     0.5
-    >>> lpsim.ops.sum(x, acc=lpsim.Float(8, 7), rounding="stochastic", seed=0).item()
+    >>> lpsim.accumulate.sum(x, acc=lpsim.Float(8, 7), rounding="stochastic", seed=0).item()
     0.9609375
 
 ``rounding`` applies to every rounding (``"nearest"`` by default); with a stochastic rule the
@@ -36,32 +36,33 @@ import math
 
 import torch
 
+from lpsim._checks import (
+    CONTAINER_DTYPES,
+    check_container,
+    check_element_format,
+    check_tensor,
+    random_args,
+)
 from lpsim._ops import ops as _lib
-from lpsim.arithmetic import own_format, sum_grid
-from lpsim.formats import BlockFloat, Fixed, Float, check_fits
-from lpsim.functional import _check_offset, _check_tensor, _seed_tensor
-from lpsim.rounding import Rounding, check_rbits
+from lpsim.formats import Fixed, Float, check_fits
+from lpsim.rounding import Rounding
+from lpsim.update import own_format, sum_grid
 
 __all__ = ["sum", "cumsum", "matvec", "matmul"]
 
-_CONTAINERS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _PRODUCT_CONTAINERS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_input(x, name: str, allowed=_CONTAINERS) -> None:
-    _check_tensor(x, name)
-    if x.dtype not in allowed:
-        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
-        raise TypeError(f"{name} must be a {names} tensor, got {x.dtype}")
+def _check_input(x, name: str, allowed=CONTAINER_DTYPES) -> None:
+    check_container(x, name, allowed)
     if x.device.type != "cpu":
-        raise ValueError(f"lpsim.ops runs on CPU tensors only; {name} is on {x.device}")
+        raise ValueError(f"lpsim.accumulate runs on CPU tensors only; {name} is on {x.device}")
 
 
 def _check_format(fmt, name: str, dtype: torch.dtype | None) -> Float | Fixed | None:
     if fmt is None:
         return own_format(dtype) if dtype is not None else None
-    if isinstance(fmt, BlockFloat) or not isinstance(fmt, (Float, Fixed)):
-        raise TypeError(f"{name} must be a Float or Fixed format or None, got {type(fmt).__name__}")
+    check_element_format(name, fmt)
     check_fits(fmt, torch.float64)
     return fmt
 
@@ -78,8 +79,8 @@ def _result_dtype(x_dtype: torch.dtype, acc: Float | Fixed) -> torch.dtype:
 
 
 def _random_args(rounding, rbits, seed, offset) -> tuple:
-    rule = Rounding.parse(rounding)
-    return (int(rule), check_rbits(rbits, rule), _seed_tensor(seed, rule), _check_offset(offset))
+    rule, *random = random_args(rounding, rbits, seed, offset)
+    return (int(rule), *random)
 
 
 def _dim_of(dim, x: torch.Tensor) -> int:
@@ -87,8 +88,9 @@ def _dim_of(dim, x: torch.Tensor) -> int:
         raise TypeError(f"dim must be an int, got {type(dim).__name__}")
     ndim = max(x.dim(), 1)
     if not -ndim <= dim < ndim:
-        raise IndexError(f"dim must be in [{-ndim}, {ndim - 1}] for a tensor of {x.dim()} "
-                         f"dimensions, got {dim}")
+        raise IndexError(
+            f"dim must be in [{-ndim}, {ndim - 1}] for a tensor of {x.dim()} dimensions, got {dim}"
+        )
     return dim % ndim
 
 
@@ -103,7 +105,7 @@ def _reduce(x, dim, cumulative, acc, rounding, rbits, seed, offset):
     else:
         d = _dim_of(dim, x)
         shape = shape or (1,)
-        outer, n, inner = math.prod(shape[:d]), shape[d], math.prod(shape[d + 1:])
+        outer, n, inner = math.prod(shape[:d]), shape[d], math.prod(shape[d + 1 :])
     grid = sum_grid(acc, _result_dtype(x.dtype, acc))
     y = _lib.sum_rounded(x.contiguous(), outer, n, inner, cumulative, *grid, *args)
     return y, acc
@@ -164,8 +166,8 @@ def cumsum(
     offset: int = 0,
 ) -> torch.Tensor:
     """The partial sums of x along ``dim``, each rounded into ``acc``: element k is the k-th partial
-    sum of sum(x, dim) (same order, same roundings, same random words). Arguments as for sum.
-    Returns a tensor of x's shape."""
+    sum of sum(x, dim) (same order, same roundings, same random words). Arguments (default rounding
+    "nearest") and errors as for sum. Returns a tensor of x's shape."""
     y, acc = _reduce(x, dim, True, acc, rounding, rbits, seed, offset)
     return y.to(_result_dtype(x.dtype, acc)).reshape(x.shape)
 
@@ -179,8 +181,9 @@ def _dot(a, b_rows, x_dtype, acc, mul, rounding, rbits, seed, offset):
     acc_grid = sum_grid(acc, out_dtype)
     # Products are rounded in float64, the container they are exact in.
     mul_grid = sum_grid(mul, torch.float64) if mul is not None else acc_grid  # unused without mul
-    y = _lib.dot_rounded(a.contiguous(), b_rows.contiguous(), mul is not None, *mul_grid,
-                         *acc_grid, *args)
+    y = _lib.dot_rounded(
+        a.contiguous(), b_rows.contiguous(), mul is not None, *mul_grid, *acc_grid, *args
+    )
     return y.to(out_dtype)
 
 
@@ -204,7 +207,7 @@ def matvec(
         acc: the accumulation format; None: a's own format.
         mul: the format products are rounded into; None: products are exact (each step is then a
             fused multiply-add).
-        rounding, rbits, seed, offset: as for sum.
+        rounding, rbits, seed, offset: as for sum; the default rule is "nearest".
 
     Returns:
         y of shape (m,), in a's dtype when acc fits it, else float32 or float64.
@@ -215,13 +218,15 @@ def matvec(
         ValueError: the shapes do not match, an operand is not on the CPU, or an argument is out of
             range.
     """
-    _check_tensor(x, "x")
+    check_tensor(x, "x")
     if x.dim() != 1:
-        raise ValueError(f"matvec takes a of shape (m, n) and x of shape (n,), got x of shape "
-                         f"{tuple(x.shape)}")
+        raise ValueError(
+            f"matvec takes a of shape (m, n) and x of shape (n,), got x of shape {tuple(x.shape)}"
+        )
     # The product with one column numbers its results as matvec does: r = i.
-    return _product(a, x.reshape(-1, 1), ("a", "x"), acc, mul, rounding, rbits, seed,
-                    offset).reshape(-1)
+    return _product(
+        a, x.reshape(-1, 1), ("a", "x"), acc, mul, rounding, rbits, seed, offset
+    ).reshape(-1)
 
 
 def matmul(
@@ -236,8 +241,8 @@ def matmul(
     offset: int = 0,
 ) -> torch.Tensor:
     """c = a @ b for a (m, n) and b (n, p): c[i, j] is computed as matvec computes y[i], over
-    k = 0, 1, ..., n - 1. Results are numbered r = i p + j for the random words. Arguments,
-    result dtype and errors as for matvec."""
+    k = 0, 1, ..., n - 1. Results are numbered r = i p + j for the random words. Arguments
+    (default rounding "nearest"), result dtype and errors as for matvec."""
     return _product(a, b, ("a", "b"), acc, mul, rounding, rbits, seed, offset)
 
 
@@ -249,7 +254,8 @@ def _product(a, b, names, acc, mul, rounding, rbits, seed, offset):
     if b.dtype != a.dtype:
         raise TypeError(f"{second} must have {first}'s dtype ({a.dtype}), got {b.dtype}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"matmul takes a of shape (m, n) and b of shape (n, p), got "
-                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+        raise ValueError(
+            f"matmul takes a of shape (m, n) and b of shape (n, p), got "
+            f"{tuple(a.shape)} and {tuple(b.shape)}"
+        )
     return _dot(a, b.t(), a.dtype, acc, mul, rounding, rbits, seed, offset)
-

@@ -1,18 +1,18 @@
-// CUDA launchers of the quantize ops. Plain C++ on raw device pointers, like cpu/kernels.h: only the
-// .cu files compile device code, and only ops_cuda.cpp includes torch's headers. Each launcher
+// CUDA launchers of the quantize ops. Plain C++ on raw device pointers, like cpu/quantize.h: only
+// the .cu files compile device code, and only quantize_ops.cpp includes torch's headers with
+// them. Each launcher
 // handles the n > 0 elements of one contiguous tensor on the current device, indexed by row-major
 // position (which also selects an element's random word), and enqueues its kernels on `stream`.
 //
-// The templates are defined in kernels.cuh and instantiated for each container by one .cu file
+// The templates are defined in quantize.cuh and instantiated for each container by one .cu file
 // each (quantize_<container>.cu), so that the four compile in parallel.
 #pragma once
 
 #include <cuda_runtime_api.h>
-
-#include <cstdint>
-
 #include <lpsim/grid_spec.h>
 #include <lpsim/rounding.h>
+
+#include <cstdint>
 
 namespace lpsim::gpu {
 

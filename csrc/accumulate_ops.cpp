@@ -1,0 +1,97 @@
+// The accumulation ops: schemas (a fragment of the lpsim library), argument checks, and the torch
+// glue around the CPU loops (cpu/accumulate.h).
+//
+//   sum_rounded   recursive sums (and cumulative sums) rounded after every addition
+//   dot_rounded   dot products: exact products, optionally rounded, summed as above
+//
+// Both return float64 tensors whose values lie in the accumulation format; lpsim/accumulate.py
+// validates formats and shapes and converts the results to the output dtype.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+
+#include "checks.h"
+#include "cpu/accumulate.h"
+
+namespace lpsim {
+namespace {
+
+// Reductions per parallel task: enough terms to amortise a task's start.
+int64_t reduction_grain(int64_t terms) {
+  return std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(terms, 1));
+}
+
+at::Tensor sum_rounded_cpu(const at::Tensor& x, int64_t outer, int64_t n, int64_t inner,
+                           bool cumulative, LPSIM_GRID_PARAMS() int64_t rounding, int64_t rbits,
+                           const at::Tensor& seed, int64_t offset) {
+  const Dtype dtype = container_of(x);
+  TORCH_CHECK(outer >= 0 && n >= 0 && inner >= 1 && outer * n * inner == x.numel(),
+              "lpsim: sum_rounded needs outer * n * inner = x.numel(), got ", outer, " * ", n,
+              " * ", inner, " for ", x.numel(), " elements");
+  // Sums are computed in float64 (every format fits it).
+  const GridSpec acc = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES()});
+  const Rounding rule = rounding_of(rounding);
+  const RandomSpec random = random_spec(rbits, seed, offset);
+  const at::Tensor src = x.contiguous();
+  const int64_t reductions = outer * inner;
+  at::Tensor y =
+      at::empty({cumulative ? outer * n * inner : reductions}, x.options().dtype(at::kDouble));
+  const void* xp = src.const_data_ptr();
+  auto* yp = reinterpret_cast<uint64_t*>(y.data_ptr<double>());
+  at::parallel_for(0, reductions, reduction_grain(n), [&](int64_t begin, int64_t end) {
+    cpu::sum_rounded(dtype, rule, xp, yp, n, inner, begin, end, cumulative, acc, random);
+  });
+  return y;
+}
+
+at::Tensor dot_rounded_cpu(const at::Tensor& a, const at::Tensor& b, bool has_mul,
+                           LPSIM_GRID_PARAMS(mul_) LPSIM_GRID_PARAMS() int64_t rounding,
+                           int64_t rbits, const at::Tensor& seed, int64_t offset) {
+  const Dtype dtype = container_of(a);
+  TORCH_CHECK_TYPE(dtype != Dtype::float64,
+                   "lpsim: products are formed exactly in float64, so the operands must be "
+                   "float32, bfloat16 or float16 tensors, got float64");
+  TORCH_CHECK_TYPE(b.scalar_type() == a.scalar_type(),
+                   "lpsim: both operands must have one dtype, got ", a.scalar_type(), " and ",
+                   b.scalar_type());
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1),
+              "lpsim: dot_rounded takes a (m, n) and b (p, n), got ", a.sizes(), " and ",
+              b.sizes());
+  const GridSpec acc = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES()});
+  GridSpec mul{};
+  if (has_mul) mul = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES(mul_)});
+  const Rounding rule = rounding_of(rounding);
+  const RandomSpec random = random_spec(rbits, seed, offset);
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  const int64_t m = a.size(0), n = a.size(1), p = b.size(0);
+  at::Tensor y = at::empty({m, p}, a.options().dtype(at::kDouble));
+  const void* ap = ac.const_data_ptr();
+  const void* bp = bc.const_data_ptr();
+  auto* yp = reinterpret_cast<uint64_t*>(y.data_ptr<double>());
+  const GridSpec* mul_grid = has_mul ? &mul : nullptr;
+  at::parallel_for(0, m * p, reduction_grain(n), [&](int64_t begin, int64_t end) {
+    cpu::dot_rounded(dtype, rule, ap, bp, yp, n, p, begin, end, mul_grid, acc, random);
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lpsim, m) {
+  const auto def = [&m](const std::string& schema) { m.def(schema.c_str()); };
+  def("sum_rounded(Tensor x, int outer, int n, int inner, bool cumulative, " + grid_schema() +
+      ", " + kRandomSchema + ") -> Tensor");
+  def("dot_rounded(Tensor a, Tensor b, bool has_mul, " + grid_schema("mul_") + ", " +
+      grid_schema() + ", " + kRandomSchema + ") -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(lpsim, CPU, m) {
+  m.impl("sum_rounded", sum_rounded_cpu);
+  m.impl("dot_rounded", dot_rounded_cpu);
+}
+
+}  // namespace lpsim

@@ -1,0 +1,69 @@
+// What every CPU loop file shares: the function multiversioning of the loops' entry points, and
+// the random words of lpsim/philox.h generated a group at a time and cached. Plain C++ on raw
+// pointers (no torch headers), so that the loop files can be compiled in several instruction-set
+// versions; the *_ops.cpp files check the tensors and split the work across threads with
+// at::parallel_for, in tasks that start on a group boundary where words are drawn (kGrain).
+#pragma once
+
+#include <lpsim/philox.h>
+
+#include <cstdint>
+
+// Each entry point of a loop file is compiled twice by GCC function multi-versioning
+// (target_clones): once for AVX2 and once for the baseline x86-64, chosen at load time by the CPU.
+// The rounding core uses per-element shift counts, which only AVX2 can vectorise
+// (vpsllvd/vpsrlvd); the core is integer code, so both versions return the same bits. Everything
+// beneath an entry point must be inlined into it (LPSIM_INLINE, LPSIM_LAMBDA_INLINE) to be compiled
+// for the clone's target.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LPSIM_MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#else
+#define LPSIM_MULTIVERSION
+#endif
+
+// The dispatch lambdas must be inlined into the entry points so that they are compiled for each
+// clone's target; left out of line they were compiled for the baseline and ran 5x slower.
+#define LPSIM_LAMBDA_INLINE __attribute__((always_inline))
+
+namespace lpsim::cpu {
+
+// Elements per parallel task: a multiple of the random-word group, so that tasks do not share a
+// group (each task then generates each of its groups once).
+constexpr int64_t kGrain = 64 * kGroupSize;
+
+// The random words of one group of kGroupSize elements, in the layout of lpsim/philox.h:
+// words[64 w + l] = word w of counter 64 group + l. Uses the fastest generator this CPU runs
+// (philox.cpp).
+void philox_group(uint64_t group, const PhiloxKey& key, uint32_t* words);
+
+// Name of the generator philox_group uses on this CPU ("avx2" or "scalar"), for benchmarks.
+const char* philox_group_isa();
+
+// The position-keyed words of one (seed, offset) for any sequence of element indices: the words
+// of a group are generated together (all four words of every Philox call are used, which is what
+// keeps stochastic rounding near memory speed) and kept while the indices stay in the group.
+class WordCache {
+ public:
+  explicit WordCache(const PhiloxKey& key) : key_(key) {}
+
+  // The kGroupSize words of group g: element g * kGroupSize + j takes group(g)[j].
+  LPSIM_INLINE const uint32_t* group(int64_t g) {
+    if (g != group_) {
+      philox_group(static_cast<uint64_t>(g), key_, words_);
+      group_ = g;
+    }
+    return words_;
+  }
+
+  // The word of element `index`.
+  LPSIM_INLINE uint32_t operator()(int64_t index) {
+    return group(index / kGroupSize)[index % kGroupSize];
+  }
+
+ private:
+  PhiloxKey key_;
+  int64_t group_ = -1;
+  alignas(64) uint32_t words_[kGroupSize];
+};
+
+}  // namespace lpsim::cpu

@@ -1,0 +1,7 @@
+// The CUDA update kernels for float32 results (see update.cuh). One file per container, so
+// that the containers' kernels compile in parallel.
+#include "cuda/update.cuh"
+
+namespace lpsim::gpu::update {
+LPSIM_GPU_UPDATE_INSTANCES(, Float32Container)
+}  // namespace lpsim::gpu::update

@@ -1,0 +1,145 @@
+// The update ops' choices (sr_add, sr_addc), made once for the CPU loops and the CUDA kernels:
+// which container holds the exact sum, how the addcmul / addcdiv term is computed and rounded, and
+// which operand bits a value-keyed random word is drawn from. A loop loads element i's two
+// operands with AddOperands or AddcOperands, draws its word, and rounds with round_sum_to_grid
+// (exact_sum.h).
+#pragma once
+
+#include <type_traits>
+
+#include "container.h"
+#include "exact_sum.h"
+#include "philox.h"
+
+namespace lpsim {
+
+template <class A, class B>
+constexpr bool kEitherIs64 =
+    std::is_same_v<A, Float64Container> || std::is_same_v<B, Float64Container>;
+
+// The container an exact sum of an A value and a B value is computed in: one that holds both
+// (B is A, float32 or float64). A itself when B is A; float64 when either is; float32 otherwise
+// (bfloat16 or float16 with float32).
+template <class A, class B>
+using SumContainer =
+    std::conditional_t<std::is_same_v<A, B>, A,
+                       std::conditional_t<kEitherIs64<A, B>, Float64Container, Float32Container>>;
+
+// The container of an addcmul / addcdiv term of t1 and t2 (container T) added to an A value, and of
+// the sum: float64 if A or T is float64, else float32 (torch's addcmul in float32 for the 16-bit
+// types).
+template <class A, class T>
+using TermContainer = std::conditional_t<kEitherIs64<A, T>, Float64Container, Float32Container>;
+
+// The floating-point type whose bits are K's word (float32 or float64 containers only).
+template <class K>
+using RealOf = std::conditional_t<std::is_same_v<K, Float64Container>, double, float>;
+
+LPSIM_FN float real_of(uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float v;
+  __builtin_memcpy(&v, &bits, sizeof v);
+  return v;
+#endif
+}
+LPSIM_FN double real_of(uint64_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(static_cast<long long>(bits));
+#else
+  double v;
+  __builtin_memcpy(&v, &bits, sizeof v);
+  return v;
+#endif
+}
+LPSIM_FN uint32_t bits_of_real(float v) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(v);
+#else
+  uint32_t bits;
+  __builtin_memcpy(&bits, &v, sizeof bits);
+  return bits;
+#endif
+}
+LPSIM_FN uint64_t bits_of_real(double v) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<uint64_t>(__double_as_longlong(v));
+#else
+  uint64_t bits;
+  __builtin_memcpy(&bits, &v, sizeof bits);
+  return bits;
+#endif
+}
+
+// One IEEE operation rounded to nearest, ties to even. The host build has no contraction
+// (-ffp-contract=off) and SSE arithmetic; nvcc's intrinsics forbid contraction on the device.
+LPSIM_FN float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+LPSIM_FN double mul_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+LPSIM_FN float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+LPSIM_FN double div_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __ddiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+// Operands of sr_add: x[i] and b[i] as words of K = SumContainer<A, B>.
+template <class A, class B, class K>
+struct AddOperands {
+  const typename A::storage* x;
+  const typename B::storage* b;
+  LPSIM_FN void operator()(uint64_t i, typename K::word& ua, typename K::word& ub) const {
+    ua = convert_exact<K, A>(static_cast<typename A::word>(x[i]));
+    ub = convert_exact<K, B>(static_cast<typename B::word>(b[i]));
+  }
+};
+
+// Operands of sr_addc: x[i] and the term value * (t1[i] * t2[i]), or value * (t1[i] / t2[i]) with
+// `divide`, as words of K = TermContainer<A, TC>. The term is computed in K's precision, each
+// operation rounded to nearest (as torch's addcmul / addcdiv in that precision); only the sum with
+// x is exact.
+template <class A, class TC, class K>
+struct AddcOperands {
+  using T = RealOf<K>;
+  const typename A::storage* x;
+  const typename TC::storage* t1;
+  const typename TC::storage* t2;
+  T value;
+  bool divide;
+  LPSIM_FN void operator()(uint64_t i, typename K::word& ua, typename K::word& ub) const {
+    const T p = real_of(convert_exact<K, TC>(static_cast<typename TC::word>(t1[i])));
+    const T q = real_of(convert_exact<K, TC>(static_cast<typename TC::word>(t2[i])));
+    ub = bits_of_real(divide ? mul_rn(value, div_rn(p, q)) : mul_rn(value, mul_rn(p, q)));
+    ua = convert_exact<K, A>(static_cast<typename A::word>(x[i]));
+  }
+};
+
+// The value-keyed word of an update whose operands are ua and ub (words of K): keyed by their
+// float64 bits, so that it does not depend on the container the sum is computed in.
+template <class K>
+LPSIM_FN uint32_t update_value_word(typename K::word ua, typename K::word ub, const ValueKey& key) {
+  return value_word(convert_exact<Float64Container, K>(ua), convert_exact<Float64Container, K>(ub),
+                    key);
+}
+
+}  // namespace lpsim

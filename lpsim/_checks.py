@@ -1,0 +1,158 @@
+"""Argument checks and random-stream arguments shared by lpsim's modules.
+
+Every public entry point validates its tensors, integers, seeds and offsets here, so that one kind
+of mistake gets one message wherever it is made, and every function that draws random numbers
+derives its seed the same way: from ``seed=`` when given, else from torch's default CPU generator
+(``draw_seed``), so that ``torch.manual_seed`` makes runs reproducible.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lpsim.formats import BlockFloat, Fixed, Float
+from lpsim.rounding import Rounding, check_rbits
+
+CONTAINER_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+RANDOMNESS = ("position", "value")  # the randomness codes 0 and 1 of the compiled update ops
+MAX_SEED = 2**64  # seeds and offsets are 64-bit words: 0 <= seed, offset < MAX_SEED
+
+_NO_SEED = torch.zeros((), dtype=torch.int64)  # passed to rules that draw no random words
+
+
+def draw_seed() -> torch.Tensor:
+    """A seed drawn from torch's default CPU generator: 63 random bits in a 0-d int64 tensor."""
+    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
+
+
+def seed_tensor(seed: int | None, rounding: Rounding) -> torch.Tensor:
+    """The seed as the compiled ops take it: a 0-d int64 CPU tensor holding the 64 seed bits.
+
+    Rules that draw no random words get a constant (and consume nothing from torch's generator);
+    a stochastic rule without a seed gets draw_seed().
+
+    Raises:
+        TypeError: seed is not an int or None.
+        ValueError: seed is outside [0, 2**64).
+    """
+    if not rounding.is_stochastic:
+        return _NO_SEED
+    if seed is None:
+        return draw_seed()
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    if not 0 <= seed < MAX_SEED:
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    return torch.tensor(seed - MAX_SEED if seed >= 2**63 else seed, dtype=torch.int64)
+
+
+def check_offset(offset: int) -> int:
+    """The stream offset as the compiled ops take it: the 64 bits of 0 <= offset < 2**64 as a
+    signed int64 value.
+
+    Raises:
+        TypeError: offset is not an int.
+        ValueError: offset is outside [0, 2**64).
+    """
+    if not isinstance(offset, int) or isinstance(offset, bool):
+        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+    if not 0 <= offset < MAX_SEED:
+        raise ValueError(f"offset must be in [0, 2**64), got {offset}")
+    return offset - MAX_SEED if offset >= 2**63 else offset
+
+
+def random_args(
+    rounding: Rounding | str, rbits: int | None, seed: int | None, offset: int
+) -> tuple[Rounding, int, torch.Tensor, int]:
+    """(rule, rbits, seed tensor, offset) checked, in the order the compiled ops take them.
+
+    Raises:
+        TypeError, ValueError: as Rounding.parse, check_rbits, seed_tensor and check_offset.
+    """
+    rule = Rounding.parse(rounding)
+    return rule, check_rbits(rbits, rule), seed_tensor(seed, rule), check_offset(offset)
+
+
+def check_tensor(x, name: str = "x") -> None:
+    """Raises TypeError unless x is a torch.Tensor (the message calls it ``name``)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def check_container(x, name: str = "x", allowed: Sequence[torch.dtype] = CONTAINER_DTYPES) -> None:
+    """Raises TypeError unless x is a tensor of one of the ``allowed`` floating dtypes."""
+    check_tensor(x, name)
+    if x.dtype not in allowed:
+        names = [str(d).replace("torch.", "") for d in allowed]
+        names = ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+        raise TypeError(f"{name} must be a {names} tensor, got {x.dtype}")
+
+
+def check_int(name: str, value, low: int, high: int) -> int:
+    """value, checked to be an int (not a bool) in [low, high].
+
+    Raises:
+        TypeError: value is not an int.
+        ValueError: value is outside [low, high].
+    """
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def check_randomness(randomness: str) -> int:
+    """The code of a randomness name ("position": 0, "value": 1).
+
+    Raises:
+        TypeError: randomness is not a str.
+        ValueError: it is not one of RANDOMNESS.
+    """
+    if not isinstance(randomness, str):
+        raise TypeError(f"randomness must be a str, got {type(randomness).__name__}")
+    if randomness not in RANDOMNESS:
+        raise ValueError(f"randomness must be one of {RANDOMNESS}, got {randomness!r}")
+    return RANDOMNESS.index(randomness)
+
+
+def check_choice(name: str, value, choices: Sequence[str]) -> str:
+    """value, checked to be one of ``choices``.
+
+    Raises:
+        ValueError: it is not (the message lists the choices).
+    """
+    if value not in choices:
+        listed = " or ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be {listed}, got {value!r}")
+    return value
+
+
+def check_rule(rounding: Rounding | str, rules: Sequence[Rounding], where: str) -> Rounding:
+    """The rule ``rounding`` names, checked to be one of ``rules`` (the rules ``where`` accepts).
+
+    A name that is no lpsim rule at all (a typo) gets the same message as a rule outside
+    ``rules``: it lists only the accepted rules, not all those Rounding.parse knows.
+
+    Raises:
+        TypeError: rounding is not a str or Rounding.
+        ValueError: it names no rule of ``rules``.
+    """
+    if isinstance(rounding, str) and rounding not in Rounding.__members__:
+        rule = None
+    else:
+        rule = Rounding.parse(rounding)  # raises TypeError for anything but a str or Rounding
+    if rule not in rules:
+        names = ", ".join(repr(r.name) for r in rules)
+        got = rounding if rule is None else rule.name
+        raise ValueError(f"rounding must be one of {names} for {where}; got {got!r}")
+    return rule
+
+
+def check_element_format(name: str, fmt) -> None:
+    """Raises TypeError unless fmt is None, a Float or a Fixed: a format whose grid around a
+    value does not depend on other elements (a BlockFloat's does)."""
+    if fmt is not None and (isinstance(fmt, BlockFloat) or not isinstance(fmt, (Float, Fixed))):
+        raise TypeError(f"{name} must be a Float or Fixed format or None, got {type(fmt).__name__}")

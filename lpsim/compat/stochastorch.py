@@ -1,0 +1,94 @@
+"""StochasTorch's names on lpsim's kernels: ``StochasticAdder(dtype).add(a, b)``.
+
+StochasTorch offers stochastic addition into one dtype through an adder object; this module gives
+the same object over ``lpsim.sr_add``, so that a StochasTorch user changes one import:
+
+    >>> import torch
+    >>> from lpsim.compat.stochastorch import StochasticAdder
+    >>> adder = StochasticAdder(torch.bfloat16, seed=0)
+    >>> w = torch.ones(4, dtype=torch.bfloat16)
+    >>> adder.add_biased(w, 1e-3).dtype
+    torch.bfloat16
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lpsim._checks import check_container, check_randomness, draw_seed, seed_tensor
+from lpsim.rounding import Rounding
+from lpsim.update import own_format, sr_add
+
+__all__ = ["StochasticAdder"]
+
+
+class StochasticAdder:
+    """Stochastic additions into one dtype, with the names StochasTorch users know.
+
+    ``add(a, b)`` rounds the exact sum up or down with probability 1/2 each ("mode 2",
+    rounding="stochastic_equal"). ``add_biased(a, b)`` rounds up with probability proportional to
+    the distance from the value below ("mode 1", rounding="stochastic"); StochasTorch calls this the
+    *biased* random choice because the coin is weighted, but it is the one that is **unbiased in
+    expectation**: E[add_biased(a, b)] = a + b exactly, while E[add(a, b)] is the midpoint of the
+    two neighbours of a + b, which differs from a + b by up to half a spacing. Use ``add_biased``
+    to accumulate small updates.
+
+    Every call draws fresh random words: the adder keeps a seed (given, or drawn from torch's
+    default CPU generator when the adder is made) and counts its calls as the offset.
+
+    Args:
+        dtype: torch.float32, float64, bfloat16 or float16: results are rounded into this dtype's
+            format and returned in it.
+        seed: 0 <= seed < 2**64, or None.
+        randomness: "position" or "value" (see lpsim.sr_add).
+
+    Raises:
+        TypeError: dtype is not a supported floating dtype, or seed is not an int or None.
+        ValueError: seed or randomness is out of range.
+    """
+
+    def __init__(
+        self, dtype: torch.dtype, *, seed: int | None = None, randomness: str = "position"
+    ) -> None:
+        self.format = own_format(dtype)
+        self.dtype = dtype
+        check_randomness(randomness)
+        self.randomness = randomness
+        if seed is None:
+            seed = int(draw_seed())
+        seed_tensor(seed, Rounding.stochastic)  # validates
+        self.seed = seed
+        self.calls = 0
+
+    def __repr__(self) -> str:
+        return f"StochasticAdder({self.dtype}, seed={self.seed}, randomness={self.randomness!r})"
+
+    def _add(self, a: torch.Tensor, b: torch.Tensor | float, rounding: str) -> torch.Tensor:
+        check_container(a, "a")
+        if a.dtype != self.dtype and isinstance(b, torch.Tensor) and b.dtype == self.dtype:
+            a, b = b, a  # addition commutes; the container is the operand of the adder's dtype
+        if a.dtype != self.dtype:
+            # Neither operand has the adder's dtype: add in a container that holds both operands
+            # and the format, then convert (exactly: the result lies in the format).
+            wide = (
+                torch.float64
+                if torch.float64 in (a.dtype, getattr(b, "dtype", None))
+                else torch.float32
+            )
+            a = a.to(wide)
+        offset = self.calls
+        self.calls += 1
+        out = sr_add(
+            a, b, self.format, rounding, seed=self.seed, offset=offset, randomness=self.randomness
+        )
+        return out.to(self.dtype)
+
+    def add(self, a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
+        """a + b rounded up or down with probability 1/2 each when inexact (biased in
+        expectation). The result has the adder's dtype."""
+        return self._add(a, b, "stochastic_equal")
+
+    def add_biased(self, a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
+        """a + b rounded up with probability proportional to its distance from the value below
+        (unbiased in expectation: E[result] = a + b). The result has the adder's dtype."""
+        return self._add(a, b, "stochastic")

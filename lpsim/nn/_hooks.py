@@ -1,0 +1,35 @@
+"""Hook plumbing shared by lpsim.nn.inject and lpsim.compat.qtorch.auto_low: applying a quantiser
+to every floating-point tensor of a module's inputs or outputs, and making torch.compile see the
+hooks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def map_tensors(value, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """value with fn applied to every floating-point tensor inside tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return fn(value) if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # named tuple
+        return type(value)(*(map_tensors(v, fn) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def guard_hooks_under_compile() -> None:
+    """Make torch.compile guard on module hooks. By default dynamo skips those guards, so a graph
+    compiled for a module class without hooks is reused for an injected module of the same class,
+    and its quantisers silently vanish from the compiled model. With the guards, adding or removing
+    hooks recompiles. Graphs compiled before the guards were on carry none, so the first time this
+    clears dynamo's caches (models compiled earlier recompile on their next call)."""
+    import torch._dynamo  # noqa: PLC0415 - 2 s to import: only when injecting
+
+    if torch._dynamo.config.skip_nnmodule_hook_guards:
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        torch._dynamo.reset()
