@@ -24,7 +24,9 @@ _NO_SEED = torch.zeros((), dtype=torch.int64)  # passed to rules that draw no ra
 
 def draw_seed() -> torch.Tensor:
     """A seed drawn from torch's default CPU generator: 63 random bits in a 0-d int64 tensor."""
-    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
+    # randint(high, size) draws what randint(0, high, size, dtype=torch.int64) draws (int64 is
+    # randint's default dtype), ~1 us sooner: fewer arguments to parse.
+    return torch.randint(2**63 - 1, ())
 
 
 def seed_tensor(seed: int | None, rounding: Rounding) -> torch.Tensor:

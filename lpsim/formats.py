@@ -96,6 +96,33 @@ class GridSpec(NamedTuple):
     unsigned_zero: bool
 
 
+def _stored_grid(fmt) -> GridSpec:
+    """fmt._build_grid(), built on the first call and stored on fmt. Formats are frozen, so the
+    grid never changes; building it costs ~30 us (max goes through Fractions), reading it back
+    ~0.2 us (benchmarks/bench_overhead.py). Not functools.cached_property: its lock stops
+    torch.compile."""
+    grid = fmt.__dict__.get("_grid")
+    if grid is None:
+        grid = fmt._build_grid()
+        object.__setattr__(fmt, "_grid", grid)  # frozen: set once, never changed
+    return grid
+
+
+def _stored_grid_arguments(fmt, dtype: torch.dtype) -> tuple:
+    """tuple(fmt.grid()) once check_fits(fmt, dtype) has passed, stored on fmt per dtype (a
+    format that does not fit raises on every call). Saves check_fits' ~3 us per quantize call;
+    a plain attribute rather than functools.lru_cache, which torch.compile warns about."""
+    stored = fmt.__dict__.get("_grid_arguments")
+    if stored is None:
+        stored = {}
+        object.__setattr__(fmt, "_grid_arguments", stored)  # frozen: a cache, not a field
+    arguments = stored.get(dtype)
+    if arguments is None:
+        check_fits(fmt, dtype)
+        arguments = stored[dtype] = tuple(_stored_grid(fmt))
+    return arguments
+
+
 def _check_int(owner: str, name: str, value, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__}")
@@ -294,6 +321,18 @@ class Float:
         return None
 
     def grid(self) -> GridSpec:
+        """The grid the compiled ops round onto (computed once per format object)."""
+        return _stored_grid(self)
+
+    def grid_arguments(self, dtype: torch.dtype) -> tuple:
+        """grid() as the ops' argument tuple for a tensor of ``dtype``.
+
+        Raises:
+            ValueError: the format does not fit ``dtype`` (see check_fits).
+        """
+        return _stored_grid_arguments(self, dtype)
+
+    def _build_grid(self) -> GridSpec:
         return GridSpec(
             keep=self.man,
             qmin=self.emin - self.man,
@@ -398,6 +437,18 @@ class Fixed:
         return None
 
     def grid(self) -> GridSpec:
+        """The grid the compiled ops round onto (computed once per format object)."""
+        return _stored_grid(self)
+
+    def grid_arguments(self, dtype: torch.dtype) -> tuple:
+        """grid() as the ops' argument tuple for a tensor of ``dtype``.
+
+        Raises:
+            ValueError: the format does not fit ``dtype`` (see check_fits).
+        """
+        return _stored_grid_arguments(self, dtype)
+
+    def _build_grid(self) -> GridSpec:
         unbounded = not self.clamp
         return GridSpec(
             keep=-1,

@@ -38,15 +38,17 @@ def _block_dim(fmt: BlockFloat, x: torch.Tensor) -> int | None:
 def _prepare(x, fmt, rounding, rbits, seed, offset):
     """Validated op arguments: (op name, arguments after x)."""
     check_tensor(x)
-    if not isinstance(fmt, (Float, Fixed, BlockFloat)):
+    if isinstance(fmt, (Float, Fixed)):
+        check_container(x)
+        grid = fmt.grid_arguments(x.dtype)
+        rule, *random = random_args(rounding, rbits, seed, offset)
+        return "quantize_grid", (*grid, int(rule), *random)
+    if not isinstance(fmt, BlockFloat):
         raise TypeError(f"fmt must be a Float, Fixed or BlockFloat, got {type(fmt).__name__}")
     check_container(x)
     check_fits(fmt, x.dtype)
     rule, *random = random_args(rounding, rbits, seed, offset)
-    random = tuple(random)
-    if isinstance(fmt, BlockFloat):
-        return "quantize_block", (fmt.wl, _block_dim(fmt, x), fmt.block_size, int(rule)) + random
-    return "quantize_grid", tuple(fmt.grid()) + (int(rule),) + random
+    return "quantize_block", (fmt.wl, _block_dim(fmt, x), fmt.block_size, int(rule), *random)
 
 
 def quantize(

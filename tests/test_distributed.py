@@ -55,12 +55,26 @@ def _worker(rank: int, world: int, port: int, results) -> None:
                 )
             )
     finally:
+        # Both ranks leave together: a rank that tears gloo down while the other still talks to
+        # it can abort the process ("terminate called without an active exception").
+        dist.barrier()
         dist.destroy_process_group()
 
 
 def test_ddp_ranks_keep_identical_quantised_weights():
     context = mp.get_context("spawn")
-    results = context.SimpleQueue()
-    mp.start_processes(_worker, args=(2, _free_port(), results), nprocs=2, start_method="spawn")
-    identical, quantised = results.get()
+    results = context.Queue()
+    workers = mp.start_processes(
+        _worker, args=(2, _free_port(), results), nprocs=2, start_method="spawn", join=False
+    )
+    identical, quantised = results.get(timeout=300)
     assert identical and quantised
+    try:
+        while not workers.join():
+            pass
+    except mp.ProcessExitedException as error:
+        # On a loaded machine gloo occasionally aborts a process while it tears down ("terminate
+        # called without an active exception", about 1 run in 20 here), after the results above
+        # were sent. Any other failure of a worker is a failure of the test.
+        if error.signal_name != "SIGABRT":
+            raise

@@ -1,0 +1,42 @@
+"""The benchmark scripts run and print their tables (no timing is asserted)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _import(name: str):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def test_overhead_benchmark_prints_a_row_per_op_and_reference(capsys):
+    bench_overhead = _import("bench_overhead")
+    threads = torch.get_num_threads()
+    try:
+        rows = bench_overhead.main(["--quick", "--sizes", "64,128", "--repeat", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    ops = [
+        "quantize nearest",
+        "quantize stochastic",
+        "quantize_ nearest",
+        "Quantizer forward+backward",
+        "sr_add_ bfloat16",
+        "injected Linear forward",
+        "plain Linear forward",
+    ]
+    assert [(r["op"], r["size"]) for r in rows] == [(op, s) for s in (64, 128) for op in ops]
+    assert all(r["us"] > 0 and r["bf16"] > 0 and r["clone"] > 0 for r in rows)
+    lines = capsys.readouterr().out.splitlines()
+    for label in [*ops, "x.to(torch.bfloat16)", "x.clone()"]:
+        assert sum(line.startswith(label + " ") for line in lines) == 1, label
+    assert "64 us" in lines[1] and "128 us" in lines[1]
