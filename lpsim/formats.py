@@ -159,8 +159,25 @@ def _default_of(obj, f):
     return f.default
 
 
+class _OnGrid:
+    """What Float and Fixed share: a grid (GridSpec) the compiled ops round onto, built by the
+    format's _build_grid() once per format object."""
+
+    def grid(self) -> GridSpec:
+        """The grid the compiled ops round onto (computed once per format object)."""
+        return _stored_grid(self)
+
+    def grid_arguments(self, dtype: torch.dtype) -> tuple:
+        """grid() as the ops' argument tuple for a tensor of ``dtype``.
+
+        Raises:
+            ValueError: the format does not fit ``dtype`` (see check_fits).
+        """
+        return _stored_grid_arguments(self, dtype)
+
+
 @dataclass(frozen=True, repr=False)
-class Float:
+class Float(_OnGrid):
     """A binary floating-point format with ``exp`` exponent bits and ``man`` fraction bits.
 
     Values are (-1)**s * 2**(e - bias) * (1 + m / 2**man) for exponent codes e >= 1, and
@@ -320,18 +337,6 @@ class Float:
             )
         return None
 
-    def grid(self) -> GridSpec:
-        """The grid the compiled ops round onto (computed once per format object)."""
-        return _stored_grid(self)
-
-    def grid_arguments(self, dtype: torch.dtype) -> tuple:
-        """grid() as the ops' argument tuple for a tensor of ``dtype``.
-
-        Raises:
-            ValueError: the format does not fit ``dtype`` (see check_fits).
-        """
-        return _stored_grid_arguments(self, dtype)
-
     def _build_grid(self) -> GridSpec:
         return GridSpec(
             keep=self.man,
@@ -347,7 +352,7 @@ class Float:
 
 
 @dataclass(frozen=True, repr=False)
-class Fixed:
+class Fixed(_OnGrid):
     """A fixed-point format: values k * 2**-fl for integers k of ``wl`` bits.
 
     Args:
@@ -435,18 +440,6 @@ class Fixed:
         if largest > c.emax:
             return f"its largest magnitude is about 2**{largest}, beyond the container's range"
         return None
-
-    def grid(self) -> GridSpec:
-        """The grid the compiled ops round onto (computed once per format object)."""
-        return _stored_grid(self)
-
-    def grid_arguments(self, dtype: torch.dtype) -> tuple:
-        """grid() as the ops' argument tuple for a tensor of ``dtype``.
-
-        Raises:
-            ValueError: the format does not fit ``dtype`` (see check_fits).
-        """
-        return _stored_grid_arguments(self, dtype)
 
     def _build_grid(self) -> GridSpec:
         unbounded = not self.clamp
