@@ -44,7 +44,7 @@ from lpsim._checks import (
     random_args,
 )
 from lpsim._ops import ops as _lib
-from lpsim.formats import Fixed, Float, check_fits
+from lpsim.formats import Fixed, Float, check_fits, fitting_container
 from lpsim.rounding import Rounding
 from lpsim.update import own_format, sum_grid
 
@@ -65,17 +65,6 @@ def _check_format(fmt, name: str, dtype: torch.dtype | None) -> Float | Fixed | 
     check_element_format(name, fmt)
     check_fits(fmt, torch.float64)
     return fmt
-
-
-def _result_dtype(x_dtype: torch.dtype, acc: Float | Fixed) -> torch.dtype:
-    """x's dtype when it holds acc's values, else float32 when that does, else float64."""
-    for dtype in (x_dtype, torch.float32, torch.float64):
-        try:
-            check_fits(acc, dtype)
-            return dtype
-        except ValueError:
-            continue
-    raise AssertionError("every format fits float64")  # _check_format checked it
 
 
 def _random_args(rounding, rbits, seed, offset) -> tuple:
@@ -106,7 +95,7 @@ def _reduce(x, dim, cumulative, acc, rounding, rbits, seed, offset):
         d = _dim_of(dim, x)
         shape = shape or (1,)
         outer, n, inner = math.prod(shape[:d]), shape[d], math.prod(shape[d + 1 :])
-    grid = sum_grid(acc, _result_dtype(x.dtype, acc))
+    grid = sum_grid(acc, fitting_container(acc, x.dtype))
     y = _lib.sum_rounded(x.contiguous(), outer, n, inner, cumulative, *grid, *args)
     return y, acc
 
@@ -143,7 +132,7 @@ def sum(
         IndexError: dim does not exist in x.
     """
     y, acc = _reduce(x, dim, False, acc, rounding, rbits, seed, offset)
-    out = y.to(_result_dtype(x.dtype, acc))
+    out = y.to(fitting_container(acc, x.dtype))
     if dim is None:
         return out.reshape(())
     if x.dim() == 0:
@@ -169,7 +158,7 @@ def cumsum(
     sum of sum(x, dim) (same order, same roundings, same random words). Arguments (default rounding
     "nearest") and errors as for sum. Returns a tensor of x's shape."""
     y, acc = _reduce(x, dim, True, acc, rounding, rbits, seed, offset)
-    return y.to(_result_dtype(x.dtype, acc)).reshape(x.shape)
+    return y.to(fitting_container(acc, x.dtype)).reshape(x.shape)
 
 
 def _dot(a, b_rows, x_dtype, acc, mul, rounding, rbits, seed, offset):
@@ -177,7 +166,7 @@ def _dot(a, b_rows, x_dtype, acc, mul, rounding, rbits, seed, offset):
     acc = _check_format(acc, "acc", x_dtype)
     mul = _check_format(mul, "mul", None)
     args = _random_args(rounding, rbits, seed, offset)
-    out_dtype = _result_dtype(x_dtype, acc)
+    out_dtype = fitting_container(acc, x_dtype)
     acc_grid = sum_grid(acc, out_dtype)
     # Products are rounded in float64, the container they are exact in.
     mul_grid = sum_grid(mul, torch.float64) if mul is not None else acc_grid  # unused without mul

@@ -540,6 +540,15 @@ class BlockFloat:
 Format = Float | Fixed | BlockFloat
 
 
+def fitting_container(fmt: Format, dtype: torch.dtype) -> torch.dtype:
+    """``dtype`` when a tensor of it holds every value of ``fmt``, else float32 when that does,
+    else float64 (also when nothing does: rounding into fmt then says why)."""
+    for candidate in (dtype, torch.float32, torch.float64):
+        if candidate in CONTAINERS and fmt._misfit(CONTAINERS[candidate]) is None:
+            return candidate
+    return torch.float64
+
+
 def check_fits(fmt: Format, dtype: torch.dtype) -> None:
     """Raise unless every value of ``fmt`` is representable in a tensor of ``dtype``.
 

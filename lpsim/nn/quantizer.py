@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from lpsim.formats import BlockFloat, Fixed, Float, Format, check_fits
+from lpsim.formats import BlockFloat, Fixed, Float, Format, fitting_container
 from lpsim.functional import quantize
 from lpsim.rounding import Rounding
 
@@ -136,17 +136,6 @@ def unclipped(fmt: Fixed | Float) -> Fixed | Float:
         ) from None
 
 
-def _wide_enough(fmt: Format, dtype: torch.dtype) -> torch.dtype:
-    """dtype if fmt fits it, else the narrowest of float32 and float64 that fmt fits."""
-    for candidate in (dtype, torch.float32, torch.float64):
-        try:
-            check_fits(fmt, candidate)
-            return candidate
-        except ValueError:
-            continue
-    return torch.float64  # unclipped() built fmt, so it fits float64
-
-
 def quantize_with_clip_mask(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """(spec(x), clipped): x rounded by spec into a clamping Fixed or saturating Float format, and
     the boolean mask of the elements whose rounded value lay outside the format's range and was
@@ -166,7 +155,7 @@ def quantize_with_clip_mask(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Ten
     fmt = spec.format
     wide = unclipped(fmt)
     low, high = clip_range(fmt)
-    rounded = quantize(x.detach().to(_wide_enough(wide, x.dtype)), wide, spec.rounding)
+    rounded = quantize(x.detach().to(fitting_container(wide, x.dtype)), wide, spec.rounding)
     clipped = (rounded > high) | (rounded < low)
     if isinstance(fmt, Float) and fmt.has_inf:
         clipped &= ~rounded.isinf() | x.isfinite()

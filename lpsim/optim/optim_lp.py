@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim import Optimizer
 
-from lpsim.formats import check_fits
+from lpsim.formats import check_fits, fitting_container
 from lpsim.functional import quantize, quantize_
 from lpsim.nn.quantizer import QuantSpec, Spec, as_spec
 from lpsim.rounding import Rounding
@@ -83,16 +83,8 @@ _WIDE = (torch.float32, torch.float64)
 def _accumulator_dtype(acc: QuantFunction, dtype: torch.dtype) -> torch.dtype:
     """The container of a parameter's accumulator: the parameter's own dtype when it is float32 or
     float64 and holds the format, else float32 when that holds it, else float64."""
-    candidates = ((dtype,) if dtype in _WIDE else ()) + _WIDE
-    if not isinstance(acc, QuantSpec):
-        return candidates[0]
-    for candidate in candidates:
-        try:
-            check_fits(acc.format, candidate)
-            return candidate
-        except ValueError:
-            continue
-    return torch.float64  # check_fits(format, float64) raised: let quantize say why
+    own = dtype if dtype in _WIDE else torch.float32
+    return fitting_container(acc.format, own) if isinstance(acc, QuantSpec) else own
 
 
 class OptimLP(Optimizer):
