@@ -11,9 +11,11 @@ taken over the same stretch of time, so drifts in machine load cancel. At 64 ele
 the per-call overhead (argument checks, dispatch, allocation); at 2^20 it is mostly the kernel.
 
 The ops: quantize into Float(5, 2) by "nearest" and by "stochastic"; quantize_; an
-lpsim.nn.Quantizer's forward and backward; sr_add_ of a float32 update into a bfloat16 tensor; the
-forward of an nn.Linear with input, weight and output quantised by lpsim.nn.inject (a Linear of
-64 features on size / 64 rows; the plain Linear's forward is printed beside it). QPyTorch's
+lpsim.nn.Quantizer's forward and backward (and, as its reference, the forward and backward of
+``x * 1.0``: the cost of a round trip through autograd's engine); sr_add_ of a float32 update into
+a bfloat16 tensor; the forward of an nn.Linear with input, weight and output quantised by
+lpsim.nn.inject (a Linear of 64 features on size / 64 rows; the plain Linear's forward is printed
+beside it). QPyTorch's
 ``float_quantize(x, 5, 2, "nearest")`` is timed too when qtorch imports (its first import compiles
 its extension, about 17 s).
 
@@ -71,11 +73,15 @@ def cases(size: int, qq) -> list[tuple[str, object]]:
     def quantizer_step():
         torch.autograd.backward(quantizer(grad_x), grad)
 
+    def multiply_step():  # the same autograd round trip through a native op
+        torch.autograd.backward(grad_x * 1.0, grad)
+
     found = [
         ("quantize nearest", lambda: lpsim.quantize(x, FORMAT, "nearest")),
         ("quantize stochastic", lambda: lpsim.quantize(x, FORMAT, "stochastic")),
         ("quantize_ nearest", lambda: lpsim.quantize_(x, FORMAT, "nearest")),
         ("Quantizer forward+backward", quantizer_step),
+        ("x * 1.0 forward+backward", multiply_step),
         ("sr_add_ bfloat16", lambda: lpsim.sr_add_(a, update)),
         ("injected Linear forward", lambda: injected(inputs)),
         ("plain Linear forward", lambda: plain(inputs)),

@@ -1,20 +1,28 @@
 """Time per training step of the CIFAR10 recipes against float32, eager and torch.compile'd.
 
     python benchmarks/bench_training.py [--models resnet18,vgg16,vgg7] [--recipes fp16,...]
-        [--batch-size B] [--repeat N] [--warmup W] [--no-compile] [--device cpu|cuda] [--width W]
-        [--threads N]
+        [--batch-sizes 8,32] [--repeat N] [--warmup W] [--no-compile] [--device cpu|cuda]
+        [--width W] [--threads N] [--json PATH] [--compare BEFORE.json]
 
-A step is zero_grad, forward, loss, backward and optimizer step on 32x32 random inputs. Every
-recipe of experiments/cifar10/recipes.py is applied to each model with the code the trainer uses
-(its quantiser placement, OptimLP with its formats); resnet18 is torchvision's, vgg16 the CIFAR
-VGG16 of the recipes. WAGE needs a network without biases and batch norm, so it runs on vgg7 only.
-The float32 baseline is the same model with plain SGD (momentum 0.9).
+A step is forward, loss, zero_grad, backward (together: "forward+backward") and the optimizer
+step on 32x32 random inputs; each part is timed on its own. Every recipe of
+experiments/cifar10/recipes.py is applied to each model with the code the trainer uses (its
+quantiser placement, OptimLP with its formats); resnet18 is torchvision's, vgg16 the CIFAR VGG16 of
+the recipes. WAGE needs a network without biases and batch norm, so it runs on vgg7 only. Two
+recipes exist only here, for the per-call overhead of deterministic rounding: fp16-nearest (the
+fp16 recipe with round-to-nearest everywhere) and bf16-nearest (lpsim.recipes.BFLOAT16's formats,
+bfloat16 with round-to-nearest, placed as fp16's). The float32 baseline is the same model with
+plain SGD (momentum 0.9).
 
-For each (model, recipe) pair the float32 step and the recipe's step are timed alternately,
---repeat times each after --warmup steps each, and the ratio compares their medians: both were
-measured over the same stretch of time, so drifts in machine load cancel. With torch.compile
-(default mode; the optimizer step stays eager) the same is done for the compiled models, and the
-time the first compiled steps took is reported.
+For each (model, recipe, batch size) the float32 step and the recipe's step are timed
+alternately, --repeat times each after --warmup steps each, and each ratio compares medians: both
+were measured over the same stretch of time, so drifts in machine load cancel. The optimizer ratio
+is the recipe's optimizer step over float32's. With torch.compile (default mode; the optimizer
+step stays eager) the same is done for the compiled models, and the time the first compiled steps
+took is reported.
+
+--json writes the rows; --compare reads rows written before (by an older lpsim, say) and prints
+both side by side.
 
 CPU: batch 8 by default (the CPU section always runs unless --device cuda). GPU, when present:
 batch 128, each step bracketed by torch.cuda.synchronize().
@@ -23,6 +31,8 @@ batch 128, each step bracketed by torch.cuda.synchronize().
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import pathlib
 import platform
 import statistics
@@ -35,10 +45,28 @@ import torchvision
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from experiments.cifar10.models import build_model  # noqa: E402
-from experiments.cifar10.recipes import RECIPES  # noqa: E402
+from experiments.cifar10.recipes import RECIPES as CIFAR_RECIPES  # noqa: E402
+from lpsim import Float, recipes  # noqa: E402
 
 MODELS = ("resnet18", "vgg16", "vgg7")
+
+
+def _nearest(name: str, fmt) -> object:
+    """The fp16 recipe with ``fmt`` and round-to-nearest in every category."""
+    spec = (fmt, "nearest")
+    quantization = dataclasses.replace(
+        recipes.FP32, name=name, weight=spec, activation=spec, error=spec, grad=spec, momentum=spec
+    )
+    return dataclasses.replace(CIFAR_RECIPES["fp16"], name=name, quantization=quantization)
+
+
+RECIPES = {
+    **CIFAR_RECIPES,
+    "fp16-nearest": _nearest("fp16-nearest", Float(5, 10)),
+    "bf16-nearest": _nearest("bf16-nearest", recipes.BFLOAT16.weight[0]),
+}
 QUANTISED = [name for name in RECIPES if name != "fp32"]
+DEFAULT_RECIPES = [name for name in CIFAR_RECIPES if name != "fp32"]
 
 
 def make_model(name: str, width: float) -> torch.nn.Module:
@@ -75,30 +103,37 @@ class Step:
         self.y = torch.randint(0, 10, (args.batch_size,), device=device)
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    def __call__(self) -> float:
-        """Run one step; its wall time in seconds."""
+    def __call__(self) -> tuple[float, float]:
+        """Run one step; (forward+backward, optimizer step) wall times in seconds."""
         self.sync()
         start = time.perf_counter()
         loss, _ = self.recipe.criterion(self.net(self.x), self.y)
         self.optimizer.zero_grad(set_to_none=True)
         (loss * self.recipe.loss_scale).backward()
+        self.sync()
+        middle = time.perf_counter()
         self.optimizer.step()
         self.sync()
-        return time.perf_counter() - start
+        return middle - start, time.perf_counter() - middle
 
 
-def alternate(base: Step, other: Step, warmup: int, repeat: int) -> tuple[float, float, float]:
-    """(median base step, median other step, seconds of the other's warm-up steps), timed
-    alternately."""
+def alternate(base: Step, other: Step, warmup: int, repeat: int) -> dict:
+    """Medians of the two steps' parts (fp32_fb, fp32_opt, fp32 = their sum per step, and the same
+    for ``recipe``) and the seconds of the other's warm-up steps, timed alternately."""
     warm = 0.0
     for _ in range(warmup):
         base()
-        warm += other()
-    ours, theirs = [], []
+        warm += sum(other())
+    keys = ("fp32_fb", "fp32_opt", "fp32", "recipe_fb", "recipe_opt", "recipe")
+    times = {key: [] for key in keys}
     for _ in range(repeat):
-        ours.append(base())
-        theirs.append(other())
-    return statistics.median(ours), statistics.median(theirs), warm
+        for label, step in (("fp32", base), ("recipe", other)):
+            fb, opt = step()
+            times[label + "_fb"].append(fb)
+            times[label + "_opt"].append(opt)
+            times[label].append(fb + opt)
+    medians = {key + "_ms": 1e3 * statistics.median(values) for key, values in times.items()}
+    return {**medians, "warmup_s": warm}
 
 
 def machine(device: torch.device) -> str:
@@ -110,16 +145,17 @@ def machine(device: torch.device) -> str:
     )
 
 
-def run(args, device: torch.device) -> list[dict]:
+def run(args, device: torch.device, batch_size: int) -> list[dict]:
     rows = []
     modes = [False, True] if args.compile else [False]
+    args.batch_size = batch_size
     print(
-        f"device: {machine(device)}; batch {args.batch_size}, 32x32 inputs, medians of "
+        f"device: {machine(device)}; batch {batch_size}, 32x32 inputs, medians of "
         f"{args.repeat} steps after {args.warmup} warm-up steps, timed alternately with float32"
     )
     header = (
-        f"{'model':9s} {'recipe':7s} {'mode':8s} {'fp32 ms':>9s} {'recipe ms':>10s} "
-        f"{'ratio':>7s} {'warm-up s':>10s}"
+        f"{'model':9s} {'recipe':13s} {'mode':8s} {'fp32 ms':>9s} {'recipe ms':>10s} "
+        f"{'ratio':>7s} {'fwd+bwd':>8s} {'opt':>7s} {'warm-up s':>10s}"
     )
     print(header)
     print("-" * len(header))
@@ -131,20 +167,21 @@ def run(args, device: torch.device) -> list[dict]:
             for m, recipe in pairs([model_name], args.recipes):
                 base = base or Step(model_name, None, args, device)
                 step = Step(m, recipe, args, device)
-                fp32, ours, warm = alternate(base, step, args.warmup, args.repeat)
                 row = {
                     "model": m,
                     "recipe": recipe,
                     "mode": "compiled" if compiled else "eager",
-                    "fp32_ms": 1e3 * fp32,
-                    "recipe_ms": 1e3 * ours,
-                    "ratio": ours / fp32,
-                    "warmup_s": warm,
+                    "batch": batch_size,
+                    **alternate(base, step, args.warmup, args.repeat),
                 }
+                row["ratio"] = row["recipe_ms"] / row["fp32_ms"]
+                row["fb_ratio"] = row["recipe_fb_ms"] / row["fp32_fb_ms"]
+                row["opt_ratio"] = row["recipe_opt_ms"] / row["fp32_opt_ms"]
                 rows.append(row)
                 print(
-                    f"{m:9s} {recipe:7s} {row['mode']:8s} {row['fp32_ms']:9.1f} "
-                    f"{row['recipe_ms']:10.1f} {row['ratio']:6.2f}x {warm:10.1f}",
+                    f"{m:9s} {recipe:13s} {row['mode']:8s} {row['fp32_ms']:9.1f} "
+                    f"{row['recipe_ms']:10.1f} {row['ratio']:6.2f}x {row['fb_ratio']:7.2f}x "
+                    f"{row['opt_ratio']:6.2f}x {row['warmup_s']:10.1f}",
                     flush=True,
                 )
                 del step
@@ -152,23 +189,43 @@ def run(args, device: torch.device) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The rows as the table of docs/performance.md: eager and compiled side by side."""
+    """The rows as the table of docs/performance.md: per model, recipe and batch, the eager step
+    split into forward+backward and optimizer, and the compiled step."""
     lines = [
-        "| model | recipe | fp32 eager ms | recipe eager ms | eager ratio | fp32 compiled ms "
-        "| recipe compiled ms | compiled ratio |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| model | recipe | batch | fp32 eager ms | recipe eager ms | eager ratio "
+        "| fwd+bwd ratio | optimizer ratio | compiled ratio |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    compiled = {(r["model"], r["recipe"]): r for r in rows if r["mode"] == "compiled"}
+    compiled = {(r["model"], r["recipe"], r["batch"]): r for r in rows if r["mode"] == "compiled"}
     for r in rows:
         if r["mode"] != "eager":
             continue
-        c = compiled.get((r["model"], r["recipe"]))
-        tail = (
-            f"{c['fp32_ms']:.1f} | {c['recipe_ms']:.1f} | {c['ratio']:.2f}x" if c else "- | - | -"
-        )
+        c = compiled.get((r["model"], r["recipe"], r["batch"]))
+        compiled_ratio = f"{c['ratio']:.2f}x" if c else "-"
         lines.append(
-            f"| {r['model']} | {r['recipe']} | {r['fp32_ms']:.1f} | {r['recipe_ms']:.1f} "
-            f"| {r['ratio']:.2f}x | {tail} |"
+            f"| {r['model']} | {r['recipe']} | {r['batch']} | {r['fp32_ms']:.1f} "
+            f"| {r['recipe_ms']:.1f} | {r['ratio']:.2f}x | {r['fb_ratio']:.2f}x "
+            f"| {r['opt_ratio']:.2f}x | {compiled_ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def comparison(before: list[dict], after: list[dict]) -> str:
+    """A markdown table of the ratios measured before and after, for the rows both have."""
+    key = lambda r: (r["model"], r["recipe"], r["batch"], r["mode"])  # noqa: E731
+    earlier = {key(r): r for r in before}
+    lines = [
+        "| model | recipe | batch | mode | ratio before | ratio after | optimizer before "
+        "| optimizer after |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in after:
+        b = earlier.get(key(r))
+        if b is None:
+            continue
+        lines.append(
+            f"| {r['model']} | {r['recipe']} | {r['batch']} | {r['mode']} | {b['ratio']:.2f}x "
+            f"| {r['ratio']:.2f}x | {b['opt_ratio']:.2f}x | {r['opt_ratio']:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -176,8 +233,13 @@ def markdown(rows: list[dict]) -> str:
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--recipes", default=",".join(QUANTISED))
-    p.add_argument("--batch-size", type=int, help="default: 8 on CPU, 128 on GPU")
+    p.add_argument("--recipes", default=",".join(DEFAULT_RECIPES), help=", ".join(QUANTISED))
+    p.add_argument(
+        "--batch-sizes",
+        "--batch-size",
+        dest="batch_sizes",
+        help="comma-separated; default: 8 on CPU, 128 on GPU",
+    )
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--no-compile", dest="compile", action="store_false")
@@ -193,9 +255,18 @@ def parse(argv=None) -> argparse.Namespace:
         help="channel multiplier of vgg16 and vgg7 (1: the published networks)",
     )
     p.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
+    p.add_argument("--json", type=pathlib.Path, help="write the rows to this file")
+    p.add_argument("--compare", type=pathlib.Path, help="rows written before by --json")
     args = p.parse_args(argv)
     args.models = args.models.split(",")
     args.recipes = args.recipes.split(",")
+    if args.batch_sizes is not None:
+        try:
+            args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+        except ValueError:
+            p.error(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
+        if min(args.batch_sizes) < 1:
+            p.error("--batch-sizes must be at least 1")
     for m in args.models:
         if m not in MODELS:
             p.error(f"unknown model {m!r}; choose from {', '.join(MODELS)}")
@@ -218,15 +289,18 @@ def main(argv=None) -> list[dict]:
     devices = (
         [args.device] if args.device else ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     )
-    batch = args.batch_size
     rows = []
     for name in devices:
-        args.batch_size = batch or (128 if name == "cuda" else 8)
-        section = run(args, torch.device(name))
-        print()
-        print(markdown(section))
-        print()
-        rows += section
+        for batch in args.batch_sizes or [128 if name == "cuda" else 8]:
+            section = run(args, torch.device(name), batch)
+            print()
+            print(markdown(section))
+            print()
+            rows += section
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.compare:
+        print(comparison(json.loads(args.compare.read_text()), rows))
     return rows
 
 

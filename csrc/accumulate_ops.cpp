@@ -27,7 +27,7 @@ int64_t reduction_grain(int64_t terms) {
 
 at::Tensor sum_rounded_cpu(const at::Tensor& x, int64_t outer, int64_t n, int64_t inner,
                            bool cumulative, LPSIM_GRID_PARAMS() int64_t rounding, int64_t rbits,
-                           const at::Tensor& seed, int64_t offset) {
+                           const Seed& seed, int64_t offset) {
   const Dtype dtype = container_of(x);
   TORCH_CHECK(outer >= 0 && n >= 0 && inner >= 1 && outer * n * inner == x.numel(),
               "lpsim: sum_rounded needs outer * n * inner = x.numel(), got ", outer, " * ", n,
@@ -35,7 +35,7 @@ at::Tensor sum_rounded_cpu(const at::Tensor& x, int64_t outer, int64_t n, int64_
   // Sums are computed in float64 (every format fits it).
   const GridSpec acc = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES()});
   const Rounding rule = rounding_of(rounding);
-  const RandomSpec random = random_spec(rbits, seed, offset);
+  const RandomSpec random = random_spec(rule, rbits, seed, offset);
   const at::Tensor src = x.contiguous();
   const int64_t reductions = outer * inner;
   at::Tensor y =
@@ -50,7 +50,7 @@ at::Tensor sum_rounded_cpu(const at::Tensor& x, int64_t outer, int64_t n, int64_
 
 at::Tensor dot_rounded_cpu(const at::Tensor& a, const at::Tensor& b, bool has_mul,
                            LPSIM_GRID_PARAMS(mul_) LPSIM_GRID_PARAMS() int64_t rounding,
-                           int64_t rbits, const at::Tensor& seed, int64_t offset) {
+                           int64_t rbits, const Seed& seed, int64_t offset) {
   const Dtype dtype = container_of(a);
   TORCH_CHECK_TYPE(dtype != Dtype::float64,
                    "lpsim: products are formed exactly in float64, so the operands must be "
@@ -65,7 +65,7 @@ at::Tensor dot_rounded_cpu(const at::Tensor& a, const at::Tensor& b, bool has_mu
   GridSpec mul{};
   if (has_mul) mul = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES(mul_)});
   const Rounding rule = rounding_of(rounding);
-  const RandomSpec random = random_spec(rbits, seed, offset);
+  const RandomSpec random = random_spec(rule, rbits, seed, offset);
   const at::Tensor ac = a.contiguous(), bc = b.contiguous();
   const int64_t m = a.size(0), n = a.size(1), p = b.size(0);
   at::Tensor y = at::empty({m, p}, a.options().dtype(at::kDouble));

@@ -1,7 +1,12 @@
 // The argument checks every op file shares (see checks.h).
 #include "checks.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
+
+#include <climits>
 #include <cmath>
+#include <mutex>
 
 namespace lpsim {
 
@@ -84,12 +89,30 @@ Rounding rounding_of(int64_t code) {
   return static_cast<Rounding>(code);
 }
 
-RandomSpec random_spec(int64_t rbits, const at::Tensor& seed, int64_t offset) {
+namespace {
+
+// What torch.randint(2**63 - 1, ()) returns from the default CPU generator: its random64() modulo
+// the range (ATen's uniform_int_from_to for ranges of 2^32 or more), under the generator's lock.
+uint64_t draw_seed() {
+  auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(
+      std::nullopt, at::detail::getDefaultCPUGenerator());
+  const std::lock_guard<std::mutex> lock(gen->mutex_);
+  return gen->random64() % static_cast<uint64_t>(INT64_MAX);
+}
+
+}  // namespace
+
+RandomSpec random_spec(Rounding rule, int64_t rbits, const Seed& seed, int64_t offset) {
   TORCH_CHECK(rbits >= 1 && rbits <= 32, "lpsim: rbits must be in [1, 32], got ", rbits);
-  TORCH_CHECK(seed.scalar_type() == at::kLong && seed.numel() == 1 && seed.device().is_cpu(),
-              "lpsim: seed must be a one-element int64 CPU tensor");
-  return RandomSpec{static_cast<uint64_t>(seed.item<int64_t>()), static_cast<uint64_t>(offset),
-                    static_cast<int32_t>(rbits)};
+  uint64_t bits = 0;
+  if (seed.has_value()) {
+    TORCH_CHECK(seed->scalar_type() == at::kLong && seed->numel() == 1 && seed->device().is_cpu(),
+                "lpsim: seed must be a one-element int64 CPU tensor or None");
+    bits = static_cast<uint64_t>(seed->item<int64_t>());
+  } else if (is_stochastic(rule)) {
+    bits = draw_seed();
+  }
+  return RandomSpec{bits, static_cast<uint64_t>(offset), static_cast<int32_t>(rbits)};
 }
 
 void check_out(const at::Tensor& x, const at::Tensor& out) {

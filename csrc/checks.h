@@ -10,6 +10,7 @@
 #include <lpsim/grid_spec.h>
 #include <lpsim/types.h>
 
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -50,8 +51,12 @@ inline std::string grid_schema(const std::string& prefix = "") {
   return s;
 }
 
-// The arguments of the rule and its random words, after the grid in every op that rounds.
-constexpr const char* kRandomSchema = "int rounding, int rbits, Tensor seed, int offset";
+// The arguments of the rule and its random words, after the grid in every op that rounds. The seed
+// is a one-element int64 CPU tensor holding the 64 seed bits, or None: a stochastic rule then draws
+// its seed from torch's default CPU generator (random_spec), so that a call without a seed creates
+// no tensor.
+constexpr const char* kRandomSchema = "int rounding, int rbits, Tensor? seed, int offset";
+using Seed = std::optional<at::Tensor>;
 
 // ---- Checks
 
@@ -68,7 +73,11 @@ GridSpec grid_spec(Dtype dtype, const GridSpec& grid);
 GridSpec sum_grid_spec(Dtype dtype, const GridSpec& grid);
 
 Rounding rounding_of(int64_t code);
-RandomSpec random_spec(int64_t rbits, const at::Tensor& seed, int64_t offset);
+// The random stream of a rounding by `rule`: rbits checked, and the seed read from its tensor or,
+// for a stochastic rule without one, drawn from torch's default CPU generator as
+// torch.randint(2**63 - 1, ()) draws it (lpsim._checks.draw_seed). Rules that draw no random words
+// consume nothing from the generator.
+RandomSpec random_spec(Rounding rule, int64_t rbits, const Seed& seed, int64_t offset);
 void check_out(const at::Tensor& x, const at::Tensor& out);
 
 // ---- The output tensor a kernel writes: `dst` itself when it is contiguous, else a contiguous

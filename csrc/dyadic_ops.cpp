@@ -104,12 +104,11 @@ cpu::DyadicCounts run_parallel(int64_t n, Loop&& loop) {
 std::tuple<at::Tensor, at::Tensor> requantize_cpu(const at::Tensor& v, at::IntArrayRef shift,
                                                   int64_t inner, int64_t lo, int64_t hi,
                                                   at::ScalarType dtype, int64_t rounding,
-                                                  int64_t rbits, const at::Tensor& seed,
-                                                  int64_t offset) {
+                                                  int64_t rbits, const Seed& seed, int64_t offset) {
   check_mantissa(v, "v");
   check_integer_dtype(dtype, lo, hi);
   const Rounding rule = integer_rounding(rounding);
-  const RandomSpec random = random_spec(rbits, seed, offset);
+  const RandomSpec random = random_spec(rule, rbits, seed, offset);
   const at::Tensor src = v.contiguous();
   const std::vector<int64_t> shifts = class_shifts(shift, inner, src.numel());
   at::Tensor out = at::empty(src.sizes(), src.options().dtype(dtype));
@@ -130,8 +129,7 @@ std::tuple<at::Tensor, at::Tensor> requantize_cpu(const at::Tensor& v, at::IntAr
 std::tuple<at::Tensor, at::Tensor> from_float_cpu(const at::Tensor& x, at::IntArrayRef scale,
                                                   int64_t inner, int64_t lo, int64_t hi,
                                                   at::ScalarType dtype, int64_t rounding,
-                                                  int64_t rbits, const at::Tensor& seed,
-                                                  int64_t offset) {
+                                                  int64_t rbits, const Seed& seed, int64_t offset) {
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble,
                    "lpsim: x must be a float32 or float64 tensor, got ", x.scalar_type());
   TORCH_CHECK(x.device().is_cpu(), "lpsim: x must be a CPU tensor");
@@ -141,7 +139,7 @@ std::tuple<at::Tensor, at::Tensor> from_float_cpu(const at::Tensor& x, at::IntAr
   }
   check_integer_dtype(dtype, lo, hi);
   const Rounding rule = integer_rounding(rounding);
-  const RandomSpec random = random_spec(rbits, seed, offset);
+  const RandomSpec random = random_spec(rule, rbits, seed, offset);
   const at::Tensor src = x.contiguous();
   // x * 2^s is a right shift by -s of x's exact bits: the class part of the shift is -s.
   std::vector<int64_t> shifts = class_shifts(scale, inner, src.numel());
@@ -169,10 +167,10 @@ std::tuple<at::Tensor, at::Tensor> from_float_cpu(const at::Tensor& x, at::IntAr
 std::tuple<at::Tensor, at::Tensor> add_cpu(const at::Tensor& a, const at::Tensor& b,
                                            at::IntArrayRef shift_a, at::IntArrayRef shift_b,
                                            int64_t inner, bool subtract, int64_t rounding,
-                                           int64_t rbits, const at::Tensor& seed, int64_t offset) {
+                                           int64_t rbits, const Seed& seed, int64_t offset) {
   check_pair(a, b);
   const Rounding rule = integer_rounding(rounding);
-  const RandomSpec random = random_spec(rbits, seed, offset);
+  const RandomSpec random = random_spec(rule, rbits, seed, offset);
   const std::vector<int64_t> ka = class_shifts(shift_a, inner, a.numel());
   const std::vector<int64_t> kb = class_shifts(shift_b, inner, a.numel());
   TORCH_CHECK(ka.size() == kb.size(), "lpsim: shift_a and shift_b must have the same length");
@@ -196,12 +194,12 @@ std::tuple<at::Tensor, at::Tensor> add_cpu(const at::Tensor& a, const at::Tensor
 }
 
 std::tuple<at::Tensor, at::Tensor> mul_cpu(const at::Tensor& a, const at::Tensor& b, int64_t shift,
-                                           int64_t rounding, int64_t rbits, const at::Tensor& seed,
+                                           int64_t rounding, int64_t rbits, const Seed& seed,
                                            int64_t offset) {
   check_pair(a, b);
   TORCH_CHECK(shift >= 0, "lpsim: the product shift must be >= 0, got ", shift);
   const Rounding rule = integer_rounding(rounding);
-  const RandomSpec random = random_spec(rbits, seed, offset);
+  const RandomSpec random = random_spec(rule, rbits, seed, offset);
   const at::Tensor ac = a.contiguous(), bc = b.contiguous();
   at::Tensor out = at::empty(ac.sizes(), ac.options());
   const Integer type = integer_of(ac.scalar_type());
@@ -215,7 +213,7 @@ std::tuple<at::Tensor, at::Tensor> mul_cpu(const at::Tensor& a, const at::Tensor
 }
 
 std::tuple<at::Tensor, at::Tensor> div_cpu(const at::Tensor& a, const at::Tensor& b, int64_t shift,
-                                           int64_t rounding, int64_t rbits, const at::Tensor& seed,
+                                           int64_t rounding, int64_t rbits, const Seed& seed,
                                            int64_t offset) {
   check_pair(a, b);
   // The shifted dividend must fit the wide type: |a| <= 2^31 (2^63) and 2^(31 + shift) <= 2^62
@@ -224,7 +222,7 @@ std::tuple<at::Tensor, at::Tensor> div_cpu(const at::Tensor& a, const at::Tensor
   TORCH_CHECK(shift >= 0 && shift <= limit, "lpsim: the dividend shift must be in [0, ", limit,
               "] for ", a.scalar_type(), " mantissas, got ", shift);
   const Rounding rule = integer_rounding(rounding);
-  const RandomSpec random = random_spec(rbits, seed, offset);
+  const RandomSpec random = random_spec(rule, rbits, seed, offset);
   const at::Tensor ac = a.contiguous(), bc = b.contiguous();
   at::Tensor out = at::empty(ac.sizes(), ac.options());
   const Integer type = integer_of(ac.scalar_type());

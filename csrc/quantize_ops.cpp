@@ -89,16 +89,16 @@ using BlockKernel = void (*)(const at::Tensor& x, const at::Tensor& dst, int32_t
                              const RandomSpec& random);
 
 #define LPSIM_QUANTIZE_GRID_ARGS \
-  LPSIM_GRID_PARAMS() int64_t rounding, int64_t rbits, const at::Tensor &seed, int64_t offset
+  LPSIM_GRID_PARAMS() int64_t rounding, int64_t rbits, const Seed &seed, int64_t offset
 #define LPSIM_QUANTIZE_GRID_CALL                                                    \
   grid_spec(container_of(x), GridSpec{LPSIM_GRID_VALUES()}), rounding_of(rounding), \
-      random_spec(rbits, seed, offset)
+      random_spec(rounding_of(rounding), rbits, seed, offset)
 #define LPSIM_QUANTIZE_BLOCK_ARGS                                                              \
   int64_t wl, std::optional<int64_t> dim, std::optional<int64_t> block_size, int64_t rounding, \
-      int64_t rbits, const at::Tensor &seed, int64_t offset
+      int64_t rbits, const Seed &seed, int64_t offset
 #define LPSIM_QUANTIZE_BLOCK_CALL                                                        \
   static_cast<int32_t>(wl), block_layout(x, wl, dim, block_size), rounding_of(rounding), \
-      random_spec(rbits, seed, offset)
+      random_spec(rounding_of(rounding), rbits, seed, offset)
 
 template <GridKernel kernel>
 at::Tensor quantize_grid_op(const at::Tensor& x, LPSIM_QUANTIZE_GRID_ARGS) {
@@ -212,7 +212,7 @@ void block_cpu(const at::Tensor& x, const at::Tensor& dst, int32_t wl, const Blo
 at::Tensor random_words_cpu(const at::Tensor& seed, int64_t offset, int64_t start, int64_t count,
                             bool kernels) {
   TORCH_CHECK(start >= 0 && count >= 0, "lpsim: start and count must be >= 0");
-  const RandomSpec r = random_spec(32, seed, offset);
+  const RandomSpec r = random_spec(Rounding::stochastic, 32, seed, offset);
   const PhiloxKey key = make_philox_key(r.seed, r.offset);
   at::Tensor words = at::empty({count}, at::TensorOptions().dtype(at::kLong));
   int64_t* w = words.data_ptr<int64_t>();

@@ -75,14 +75,14 @@ struct Update {
 
 // The checked description of an update of `a`, operands not yet filled in.
 Update make_update(const at::Tensor& a, const at::Tensor& operand, const char* name,
-                   const GridSpec& grid, int64_t rounding, int64_t rbits, const at::Tensor& seed,
+                   const GridSpec& grid, int64_t rounding, int64_t rbits, const Seed& seed,
                    int64_t offset, int64_t randomness) {
   Update u{};
   u.a = container_of(a);
   u.operand = operand_of(a, operand, name);
   u.grid = sum_grid_spec(u.a, grid);
   u.rounding = rounding_of(rounding);
-  u.random = random_spec(rbits, seed, offset);
+  u.random = random_spec(u.rounding, rbits, seed, offset);
   u.randomness = randomness_of(randomness);
   return u;
 }
@@ -128,7 +128,7 @@ void addc_into(const at::Tensor& a, const at::Tensor& t1, const at::Tensor& t2, 
 
 #define LPSIM_UPDATE_ARGS \
   LPSIM_GRID_PARAMS()     \
-  int64_t rounding, int64_t rbits, const at::Tensor &seed, int64_t offset, int64_t randomness
+  int64_t rounding, int64_t rbits, const Seed &seed, int64_t offset, int64_t randomness
 #define LPSIM_UPDATE_CALL(operand, label)                                                      \
   make_update(a, operand, label, GridSpec{LPSIM_GRID_VALUES()}, rounding, rbits, seed, offset, \
               randomness)
@@ -192,7 +192,7 @@ at::Tensor value_words_cpu(const at::Tensor& a_bits, const at::Tensor& b_bits,
   TORCH_CHECK(a_bits.scalar_type() == at::kLong && b_bits.scalar_type() == at::kLong &&
                   a_bits.sizes() == b_bits.sizes(),
               "lpsim: value_words takes two int64 tensors of one shape");
-  const RandomSpec r = random_spec(32, seed, offset);
+  const RandomSpec r = random_spec(Rounding::stochastic, 32, seed, offset);
   const ValueKey key = make_value_key(r.seed, r.offset);
   const at::Tensor ac = a_bits.contiguous(), bc = b_bits.contiguous();
   at::Tensor words = at::empty(a_bits.sizes(), a_bits.options());

@@ -19,35 +19,38 @@ CONTAINER_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 RANDOMNESS = ("position", "value")  # the randomness codes 0 and 1 of the compiled update ops
 MAX_SEED = 2**64  # seeds and offsets are 64-bit words: 0 <= seed, offset < MAX_SEED
 
-_NO_SEED = torch.zeros((), dtype=torch.int64)  # passed to rules that draw no random words
-
 
 def draw_seed() -> torch.Tensor:
-    """A seed drawn from torch's default CPU generator: 63 random bits in a 0-d int64 tensor."""
+    """A seed drawn from torch's default CPU generator: 63 random bits in a 0-d int64 tensor. The
+    compiled ops draw the same value themselves when given no seed (csrc/checks.cpp)."""
     # randint(high, size) draws what randint(0, high, size, dtype=torch.int64) draws (int64 is
     # randint's default dtype), ~1 us sooner: fewer arguments to parse.
     return torch.randint(2**63 - 1, ())
 
 
-def seed_tensor(seed: int | None, rounding: Rounding) -> torch.Tensor:
-    """The seed as the compiled ops take it: a 0-d int64 CPU tensor holding the 64 seed bits.
+def seed_argument(seed: int | None, rounding: Rounding) -> int | torch.Tensor | None:
+    """The seed as the compiled ops take it (through lpsim._ops.call): the 64 seed bits as a
+    signed int64 value, or None.
 
-    Rules that draw no random words get a constant (and consume nothing from torch's generator);
-    a stochastic rule without a seed gets draw_seed().
+    None stands for "no random words" for rules that draw none (which then consume nothing from
+    torch's generator), and for "draw one" for a stochastic rule without a seed: the op draws it
+    from torch's default CPU generator, as draw_seed() would, without a tensor per call. While
+    torch.compile traces, the draw is draw_seed() here instead, so that the graph holds it as a
+    random op of its own.
 
     Raises:
         TypeError: seed is not an int or None.
         ValueError: seed is outside [0, 2**64).
     """
     if not rounding.is_stochastic:
-        return _NO_SEED
+        return None
     if seed is None:
-        return draw_seed()
+        return draw_seed() if torch.compiler.is_compiling() else None
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
     if not 0 <= seed < MAX_SEED:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
-    return torch.tensor(seed - MAX_SEED if seed >= 2**63 else seed, dtype=torch.int64)
+    return seed - MAX_SEED if seed >= 2**63 else seed
 
 
 def check_offset(offset: int) -> int:
@@ -67,14 +70,15 @@ def check_offset(offset: int) -> int:
 
 def random_args(
     rounding: Rounding | str, rbits: int | None, seed: int | None, offset: int
-) -> tuple[Rounding, int, torch.Tensor, int]:
-    """(rule, rbits, seed tensor, offset) checked, in the order the compiled ops take them.
+) -> tuple[Rounding, int, int | torch.Tensor | None, int]:
+    """(rule, rbits, seed, offset) checked, in the order the compiled ops take them (the seed as
+    seed_argument gives it).
 
     Raises:
-        TypeError, ValueError: as Rounding.parse, check_rbits, seed_tensor and check_offset.
+        TypeError, ValueError: as Rounding.parse, check_rbits, seed_argument and check_offset.
     """
     rule = Rounding.parse(rounding)
-    return rule, check_rbits(rbits, rule), seed_tensor(seed, rule), check_offset(offset)
+    return rule, check_rbits(rbits, rule), seed_argument(seed, rule), check_offset(offset)
 
 
 def check_tensor(x, name: str = "x") -> None:

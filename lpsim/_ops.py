@@ -1,5 +1,6 @@
-"""Loading of the compiled kernels and their registration with torch: fake (meta) kernels, so that
-torch.compile can trace the ops, and the straight-through gradient of the functional ops."""
+"""Loading of the compiled kernels, their fake (meta) kernels, so that torch.compile can trace the
+ops, and ``call``, the one way lpsim's Python layer runs an op. The ops' autograd kernels are C++
+(csrc/autograd.cpp)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,56 @@ except ImportError as error:  # pragma: no cover - exercised by hand on an unbui
     ) from error
 
 ops = torch.ops.lpsim
+
+
+class _Op:
+    """What call() needs of one op: its handle in lpsim._C, and from its schema the positions of
+    its tensor arguments and the names of its keyword-only ones."""
+
+    __slots__ = ("handle", "overload", "tensors", "keywords")
+
+    def __init__(self, name: str):
+        self.handle = _C.op_handle(name)
+        self.overload = getattr(ops, name).default
+        arguments = self.overload._schema.arguments
+        self.tensors = [
+            i for i, a in enumerate(arguments) if str(a.type) in ("Tensor", "Optional[Tensor]")
+        ]
+        self.keywords = [a.name for a in arguments if a.kwarg_only]
+
+
+# Every lpsim op, from the schemas the library registered (~16 ms at import). Built here, not on
+# first use: dynamo cannot trace _C.op_handle.
+_OPS: dict[str, _Op] = {
+    schema.name.removeprefix("lpsim::"): _Op(schema.name.removeprefix("lpsim::"))
+    for schema in torch._C._jit_get_all_schemas()
+    if schema.name.startswith("lpsim::") and not schema.overload_name
+}
+
+
+def call(name: str, *args):
+    """torch.ops.lpsim.<name>(*args), with every argument given positionally in schema order
+    (keyword-only ones last), and a Python int allowed for a seed (any Tensor argument): it stands
+    for a 0-d int64 CPU tensor holding it.
+
+    In eager mode the call goes through lpsim._C.call, which reaches the same dispatcher entry
+    without torch.ops' Python and argument parsing (about 10 us a call; csrc/module.cpp). While
+    torch.compile traces, for tensor subclasses and under a TorchFunctionMode it goes through
+    torch.ops, so that dynamo and __torch_function__ see the op.
+    """
+    op = _OPS[name]
+    if not torch.compiler.is_compiling():
+        result = _C.call(op.handle, args)
+        if result is not NotImplemented:
+            return result
+    args = list(args)
+    for i in op.tensors:
+        if isinstance(args[i], int):
+            args[i] = torch.tensor(args[i], dtype=torch.int64)
+    keywords = {}
+    for keyword in reversed(op.keywords):
+        keywords[keyword] = args.pop()
+    return op.overload(*args, **keywords)
 
 
 def cuda_built() -> bool:
@@ -59,25 +110,3 @@ def _quantize_grid_out_fake(x, *args, out):
 @torch.library.register_fake("lpsim::quantize_block_out")
 def _quantize_block_out_fake(x, *args, out):
     return None
-
-
-def arguments_after(op: str, first: int) -> int:
-    """How many arguments follow the first ``first`` ones in the registered schema of
-    ``torch.ops.lpsim.<op>``: what a backward returns None for. Read from the schema, so that a
-    field added to the grid (csrc/include/lpsim/grid_spec.h, lpsim/formats.py's GridSpec) needs no
-    count changed here."""
-    return len(getattr(ops, op).default._schema.arguments) - first
-
-
-# Straight-through estimator: quantisation passes the gradient unchanged.
-
-
-def _straight_through(count: int):
-    def backward(ctx, grad):
-        return (grad,) + (None,) * count
-
-    return backward
-
-
-for _name in ("quantize_grid", "quantize_block"):
-    torch.library.register_autograd(f"lpsim::{_name}", _straight_through(arguments_after(_name, 1)))

@@ -43,7 +43,7 @@ from lpsim._checks import (
     check_tensor,
     random_args,
 )
-from lpsim._ops import ops as _lib
+from lpsim._ops import call
 from lpsim.formats import Fixed, Float, check_fits, fitting_container
 from lpsim.rounding import Rounding
 from lpsim.update import own_format, sum_grid
@@ -96,7 +96,7 @@ def _reduce(x, dim, cumulative, acc, rounding, rbits, seed, offset):
         shape = shape or (1,)
         outer, n, inner = math.prod(shape[:d]), shape[d], math.prod(shape[d + 1 :])
     grid = sum_grid(acc, fitting_container(acc, x.dtype))
-    y = _lib.sum_rounded(x.contiguous(), outer, n, inner, cumulative, *grid, *args)
+    y = call("sum_rounded", x.contiguous(), outer, n, inner, cumulative, *grid, *args)
     return y, acc
 
 
@@ -170,8 +170,14 @@ def _dot(a, b_rows, x_dtype, acc, mul, rounding, rbits, seed, offset):
     acc_grid = sum_grid(acc, out_dtype)
     # Products are rounded in float64, the container they are exact in.
     mul_grid = sum_grid(mul, torch.float64) if mul is not None else acc_grid  # unused without mul
-    y = _lib.dot_rounded(
-        a.contiguous(), b_rows.contiguous(), mul is not None, *mul_grid, *acc_grid, *args
+    y = call(
+        "dot_rounded",
+        a.contiguous(),
+        b_rows.contiguous(),
+        mul is not None,
+        *mul_grid,
+        *acc_grid,
+        *args,
     )
     return y.to(out_dtype)
 

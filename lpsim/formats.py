@@ -96,14 +96,24 @@ class GridSpec(NamedTuple):
     unsigned_zero: bool
 
 
+# Grids and op arguments of every format seen, shared by equal formats: a format written inline,
+# quantize(x, Float(5, 2)), finds the grid its first equal built. Formats are frozen and few.
+_GRIDS: dict = {}
+_GRID_ARGUMENTS: dict = {}
+
+
 def _stored_grid(fmt) -> GridSpec:
-    """fmt._build_grid(), built on the first call and stored on fmt. Formats are frozen, so the
-    grid never changes; building it costs ~30 us (max goes through Fractions), reading it back
+    """fmt._build_grid(), built once per distinct format and stored on fmt. Formats are frozen, so
+    the grid never changes; building it costs ~30 us (max goes through Fractions), reading it back
     ~0.2 us (benchmarks/bench_overhead.py). Not functools.cached_property: its lock stops
     torch.compile."""
     grid = fmt.__dict__.get("_grid")
     if grid is None:
-        grid = fmt._build_grid()
+        grid = _GRIDS.get(fmt)
+        if grid is None:
+            grid = fmt._build_grid()
+            if not torch.compiler.is_compiling():  # dynamo cannot replay a store of a new format
+                _GRIDS[fmt] = grid
         object.__setattr__(fmt, "_grid", grid)  # frozen: set once, never changed
     return grid
 
@@ -114,7 +124,11 @@ def _stored_grid_arguments(fmt, dtype: torch.dtype) -> tuple:
     a plain attribute rather than functools.lru_cache, which torch.compile warns about."""
     stored = fmt.__dict__.get("_grid_arguments")
     if stored is None:
-        stored = {}
+        stored = _GRID_ARGUMENTS.get(fmt)
+        if stored is None:
+            stored = {}
+            if not torch.compiler.is_compiling():
+                _GRID_ARGUMENTS[fmt] = stored
         object.__setattr__(fmt, "_grid_arguments", stored)  # frozen: a cache, not a field
     arguments = stored.get(dtype)
     if arguments is None:
@@ -161,10 +175,10 @@ def _default_of(obj, f):
 
 class _OnGrid:
     """What Float and Fixed share: a grid (GridSpec) the compiled ops round onto, built by the
-    format's _build_grid() once per format object."""
+    format's _build_grid() once per distinct format."""
 
     def grid(self) -> GridSpec:
-        """The grid the compiled ops round onto (computed once per format object)."""
+        """The grid the compiled ops round onto (computed once per distinct format)."""
         return _stored_grid(self)
 
     def grid_arguments(self, dtype: torch.dtype) -> tuple:
@@ -174,6 +188,12 @@ class _OnGrid:
             ValueError: the format does not fit ``dtype`` (see check_fits).
         """
         return _stored_grid_arguments(self, dtype)
+
+    def stored_grid_arguments(self, dtype: torch.dtype) -> tuple | None:
+        """grid_arguments(dtype) if it was computed before for this format, else None: a
+        dictionary look-up, for lpsim.functional's fast path."""
+        stored = self.__dict__.get("_grid_arguments")
+        return None if stored is None else stored.get(dtype)
 
 
 @dataclass(frozen=True, repr=False)

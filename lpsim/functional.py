@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from lpsim._checks import check_container, check_tensor, random_args
-from lpsim._ops import ops
+from lpsim._ops import call
 from lpsim.formats import BlockFloat, Fixed, Float, Format, check_fits
-from lpsim.rounding import Rounding
+from lpsim.rounding import MAX_RBITS, Rounding
 
 __all__ = ["quantize", "quantize_"]
 
@@ -36,7 +36,19 @@ def _block_dim(fmt: BlockFloat, x: torch.Tensor) -> int | None:
 
 
 def _prepare(x, fmt, rounding, rbits, seed, offset):
-    """Validated op arguments: (op name, arguments after x)."""
+    """Validated op arguments: (op name, arguments after x).
+
+    The common call, a Float or Fixed already used with x's dtype, a rule and no rbits, seed or
+    offset, costs a few dictionary look-ups (the rest of a call is lpsim._ops.call)."""
+    if isinstance(x, torch.Tensor) and isinstance(fmt, (Float, Fixed)):
+        grid = fmt.stored_grid_arguments(x.dtype)  # stored only for dtypes that passed the checks
+        if grid is not None and rbits is None and seed is None and type(offset) is int:
+            default = _DEFAULT_RANDOM.get(rounding) if type(rounding) in (str, Rounding) else None
+            if default is not None and offset == 0:
+                random, stochastic = default
+                # While torch.compile traces, seed_argument draws the seed as a graph op.
+                if not (stochastic and torch.compiler.is_compiling()):
+                    return "quantize_grid", grid + random
     check_tensor(x)
     if isinstance(fmt, (Float, Fixed)):
         check_container(x)
@@ -49,6 +61,15 @@ def _prepare(x, fmt, rounding, rbits, seed, offset):
     check_fits(fmt, x.dtype)
     rule, *random = random_args(rounding, rbits, seed, offset)
     return "quantize_block", (fmt.wl, _block_dim(fmt, x), fmt.block_size, int(rule), *random)
+
+
+# For each rule, by name and as a Rounding: the arguments after the grid with rbits, seed and
+# offset at their defaults, (rule, 32 bits, no seed, offset 0), and whether the rule is stochastic.
+_DEFAULT_RANDOM = {
+    key: ((int(rule), MAX_RBITS, None, 0), rule.is_stochastic)
+    for rule in Rounding
+    for key in (rule.name, rule)
+}
 
 
 def quantize(
@@ -89,9 +110,9 @@ def quantize(
     """
     name, args = _prepare(x, fmt, rounding, rbits, seed, offset)
     if out is None:
-        return getattr(ops, name)(x, *args)
+        return call(name, x, *args)
     check_tensor(out, "out")
-    getattr(ops, name + "_out")(x, *args, out=out)
+    call(name + "_out", x, *args, out)
     return out
 
 
@@ -114,5 +135,5 @@ def quantize_(
     identity (straight-through).
     """
     name, args = _prepare(x, fmt, rounding, rbits, seed, offset)
-    getattr(ops, name + "_")(x, *args)
+    call(name + "_", x, *args)
     return x

@@ -43,7 +43,7 @@ from lpsim._checks import (
     check_randomness,
     random_args,
 )
-from lpsim._ops import arguments_after, ops
+from lpsim._ops import call
 from lpsim.formats import CONTAINERS, BlockFloat, Fixed, Float, GridSpec, check_fits
 from lpsim.rounding import Rounding
 
@@ -166,7 +166,7 @@ def sr_add(
             of range.
     """
     args = _update_args(a, fmt, rounding, rbits, seed, offset, randomness)
-    return ops.sr_add(a, _operand(a, b, "b"), *args)
+    return call("sr_add", a, _operand(a, b, "b"), *args)
 
 
 def sr_add_(
@@ -191,7 +191,7 @@ def sr_add_(
     for lpsim::sr_add_ is not implemented"); use sr_add to differentiate with respect to b.
     """
     args = _update_args(a, fmt, rounding, rbits, seed, offset, randomness)
-    ops.sr_add_(a, _operand(a, b, "b"), *args)
+    call("sr_add_", a, _operand(a, b, "b"), *args)
     return a
 
 
@@ -207,9 +207,9 @@ def _addc(
         wide = torch.float64 if torch.float64 in (t1.dtype, t2.dtype) else torch.float32
         t1, t2 = t1.to(wide), t2.to(wide)
     if inplace:
-        ops.sr_addc_(a, t1, t2, float(value), divide, *args)
+        call("sr_addc_", a, t1, t2, float(value), divide, *args)
         return a
-    return ops.sr_addc(a, t1, t2, float(value), divide, *args)
+    return call("sr_addc", a, t1, t2, float(value), divide, *args)
 
 
 _ADDC_DOC = """{summary}
@@ -319,7 +319,8 @@ sr_addcdiv_.__doc__ = _ADDC_DOC.format(
 )
 
 
-# Fake kernels (shapes and dtypes only) and the gradient of sr_add: the identity for both operands.
+# Fake kernels (shapes and dtypes only). sr_add's gradient, the identity for both operands, is
+# registered in C++ (csrc/autograd.cpp).
 
 
 @torch.library.register_fake("lpsim::sr_add")
@@ -340,17 +341,3 @@ def _sr_addc_fake(a, t1, t2, *args):
 @torch.library.register_fake("lpsim::sr_addc_")
 def _sr_addc_inplace_fake(a, t1, t2, *args):
     return None
-
-
-_SR_ADD_ARGS = arguments_after("sr_add", 2)  # arguments after a and b in sr_add's schema
-
-
-def _sr_add_backward(ctx, grad):
-    return (grad, grad.to(ctx.b_dtype)) + (None,) * _SR_ADD_ARGS
-
-
-def _sr_add_setup(ctx, inputs, output):
-    ctx.b_dtype = inputs[1].dtype
-
-
-torch.library.register_autograd("lpsim::sr_add", _sr_add_backward, setup_context=_sr_add_setup)

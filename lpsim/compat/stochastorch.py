@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from lpsim._checks import check_container, check_randomness, draw_seed, seed_tensor
+from lpsim._checks import check_container, check_randomness, draw_seed, seed_argument
 from lpsim.rounding import Rounding
 from lpsim.update import own_format, sr_add
 
@@ -56,7 +56,7 @@ class StochasticAdder:
         self.randomness = randomness
         if seed is None:
             seed = int(draw_seed())
-        seed_tensor(seed, Rounding.stochastic)  # validates
+        seed_argument(seed, Rounding.stochastic)  # validates
         self.seed = seed
         self.calls = 0
 

@@ -36,8 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from lpsim._checks import check_choice, check_int, check_offset, check_rule, seed_tensor
-from lpsim._ops import ops
+from lpsim._checks import check_choice, check_int, check_offset, check_rule, seed_argument
+from lpsim._ops import call
 from lpsim.dyadic.tensor import DyadicTensor, normalize_axis, normalize_scale
 from lpsim.rounding import Rounding, check_rbits
 
@@ -106,7 +106,7 @@ def _check_dyadic(name: str, x) -> DyadicTensor:
 
 def _random_args(rounding, rbits, seed, offset) -> tuple:
     rule = check_rule(rounding, ROUNDINGS, "dyadic operations")
-    return int(rule), check_rbits(rbits, rule), seed_tensor(seed, rule), check_offset(offset)
+    return int(rule), check_rbits(rbits, rule), seed_argument(seed, rule), check_offset(offset)
 
 
 def check_overflow(count: int, what: str, bounds: tuple[int, int], overflow: str = "raise") -> None:
@@ -234,7 +234,8 @@ def from_float(
     if scale is None:
         scale = scale_for(x, bits, signed, axis)
     scale, axis = normalize_scale(scale, x.shape, axis)
-    mantissa, clipped = ops.dyadic_from_float(
+    mantissa, clipped = call(
+        "dyadic_from_float",
         x.detach(),
         _shifts(scale),
         _inner(x.shape, axis),
@@ -301,7 +302,8 @@ def requantize(
     bounds = integer_range(bits, signed)
     storage = _storage(bounds, dtype)
     shifts, shift_axis, target, target_axis = _target_shifts(x, scale, axis)
-    mantissa, clipped = ops.dyadic_requantize(
+    mantissa, clipped = call(
+        "dyadic_requantize",
         x.mantissa,
         _shifts(shifts),
         _inner(x.shape, shift_axis),
@@ -380,7 +382,8 @@ def _coarser(p: _Pair):
 def _add(a, b, subtract, rounding, rbits, seed, offset) -> Saturated:
     p = _pair(a, b)
     scale = _coarser(p)
-    out, count = ops.dyadic_add(
+    out, count = call(
+        "dyadic_add",
         p.a,
         p.b,
         _shifts(p.scale_a - scale),
@@ -458,8 +461,15 @@ def align(
     bounds = _bounds_of(p.a.dtype)
     out = []
     for mantissa, own in ((p.a, p.scale_a), (p.b, p.scale_b)):
-        shifted, _ = ops.dyadic_requantize(
-            mantissa, _shifts(own - scale), p.inner, bounds[0], bounds[1], mantissa.dtype, *random
+        shifted, _ = call(
+            "dyadic_requantize",
+            mantissa,
+            _shifts(own - scale),
+            p.inner,
+            bounds[0],
+            bounds[1],
+            mantissa.dtype,
+            *random,
         )
         out.append(DyadicTensor(shifted, scale, p.axis))
     return out[0], out[1]
@@ -530,7 +540,7 @@ def mul(
     check_choice("overflow", overflow, OVERFLOW_POLICIES)
     check_int("shift", shift, 0, 2**30)
     p = _pair(a, b)
-    out, count = ops.dyadic_mul(p.a, p.b, shift, *_random_args(rounding, rbits, seed, offset))
+    out, count = call("dyadic_mul", p.a, p.b, shift, *_random_args(rounding, rbits, seed, offset))
     check_overflow(int(count), "lpsim.dyadic.mul", _bounds_of(out.dtype), overflow)
     return DyadicTensor(out, p.scale_a + p.scale_b - shift, p.axis)
 
@@ -563,7 +573,7 @@ def div(
     zeros = int((p.b == 0).sum())
     if zeros:
         raise ZeroDivisionError(f"lpsim.dyadic.div: b is 0 in {zeros} element(s)")
-    out, count = ops.dyadic_div(p.a, p.b, shift, *_random_args(rounding, rbits, seed, offset))
+    out, count = call("dyadic_div", p.a, p.b, shift, *_random_args(rounding, rbits, seed, offset))
     check_overflow(int(count), "lpsim.dyadic.div", _bounds_of(out.dtype), overflow)
     return DyadicTensor(out, p.scale_a - p.scale_b + shift, p.axis)
 
@@ -598,7 +608,7 @@ def saturating_matmul(a: DyadicTensor, b: DyadicTensor, *, accumulator_bits: int
         )
     bounds = integer_range(accumulator_bits, True)
     dtype = torch.promote_types(a.dtype, b.dtype)
-    out, count = ops.dyadic_matmul(a.mantissa.to(dtype), b.mantissa.to(dtype), *bounds)
+    out, count = call("dyadic_matmul", a.mantissa.to(dtype), b.mantissa.to(dtype), *bounds)
     if a.axis is not None:
         return Saturated(DyadicTensor(out, a.scale + b.scale, 0), int(count))
     if b.axis is not None:

@@ -1,6 +1,15 @@
-// Autograd for the ops that write into a tensor argument (Tensor(a!) in their schemas): the
-// in-place quantize_grid_, quantize_block_, sr_add_ and sr_addc_, and the out= ops
-// quantize_grid_out and quantize_block_out.
+// The lpsim ops' kernels at the Autograd and ADInplaceOrView keys, all in C++: a Python kernel
+// there (torch.library.register_autograd) costs a Python frame and an autograd.Function per call,
+// about 24 us, even under torch.no_grad() (benchmarks/bench_overhead.py; docs/performance.md).
+//
+// Straight-through ops (quantize_grid, quantize_block, sr_add): the gradient with respect to each
+// of the op's first `inputs` arguments (x; sr_add's a and b) is the incoming gradient, in that
+// argument's dtype; the other arguments have none. With grad mode on and one of those inputs
+// requiring grad, the result's grad_fn is a StraightThrough node with an edge to each.
+//
+// The ops that write into a tensor argument (Tensor(a!) in their schemas): the in-place
+// quantize_grid_, quantize_block_, sr_add_ and sr_addc_, and the out= ops quantize_grid_out and
+// quantize_block_out.
 //
 // For a custom op without kernels at the Autograd and ADInplaceOrView keys, the dispatcher's
 // defaults run it like a pure function: the written tensor's version counter stays put and a leaf
@@ -36,8 +45,59 @@
 namespace lpsim {
 namespace {
 
+struct StraightThroughOp {
+  const char* name;
+  size_t inputs;  // the leading arguments that receive the gradient
+};
+constexpr StraightThroughOp kStraightThroughOps[] = {
+    {"quantize_grid", 1}, {"quantize_block", 1}, {"sr_add", 2}};
+
 constexpr const char* kWritingOps[] = {"quantize_grid_",     "quantize_grid_out", "quantize_block_",
                                        "quantize_block_out", "sr_add_",           "sr_addc_"};
+
+// The backward of a straight-through op: the incoming gradient, in each input's dtype.
+struct StraightThrough : public torch::autograd::Node {
+  StraightThrough(std::string name, std::vector<at::ScalarType> dtypes)
+      : name_(std::move(name)), dtypes_(std::move(dtypes)) {}
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    torch::autograd::variable_list out;
+    for (const at::ScalarType dtype : dtypes_) {
+      out.push_back(grads[0].defined() ? grads[0].to(dtype) : at::Tensor());
+    }
+    return out;
+  }
+  std::string name() const override { return name_; }
+
+ private:
+  std::string name_;
+  std::vector<at::ScalarType> dtypes_;
+};
+
+// The result is the op's only output.
+template <size_t inputs>
+void straight_through_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                             torch::jit::Stack* stack) {
+  namespace ag = torch::autograd;
+  const size_t first = stack->size() - op.schema().arguments().size();
+  std::vector<at::Tensor> differentiable;
+  bool requires_grad = false;
+  for (size_t i = 0; i < inputs; ++i) {
+    differentiable.push_back((*stack)[first + i].toTensor());
+    requires_grad = requires_grad || differentiable.back().requires_grad();
+  }
+  requires_grad = requires_grad && ag::GradMode::is_enabled();
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+  }
+  if (requires_grad) {
+    std::vector<at::ScalarType> dtypes;
+    for (const at::Tensor& t : differentiable) dtypes.push_back(t.scalar_type());
+    auto node = c10::make_intrusive<StraightThrough>(op.schema().name() + "_backward", dtypes);
+    node->set_next_edges(ag::collect_next_edges(differentiable));
+    ag::set_history(stack->back().toTensor(), node);
+  }
+}
 
 bool is_written(const c10::Argument& argument) {
   const c10::AliasInfo* alias = argument.alias_info();
@@ -117,6 +177,11 @@ void bump_versions_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet key
 }  // namespace
 
 TORCH_LIBRARY_IMPL(lpsim, Autograd, m) {
+  for (const StraightThroughOp& op : kStraightThroughOps) {
+    m.impl(op.name, op.inputs == 1
+                        ? torch::CppFunction::makeFromBoxedFunction<&straight_through_kernel<1>>()
+                        : torch::CppFunction::makeFromBoxedFunction<&straight_through_kernel<2>>());
+  }
   for (const char* name : kWritingOps) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
   }
