@@ -30,6 +30,7 @@ def test_overhead_benchmark_prints_a_row_per_op_and_reference(capsys):
         "quantize stochastic",
         "quantize_ nearest",
         "Quantizer forward+backward",
+        "x * 1.0 forward+backward",
         "sr_add_ bfloat16",
         "injected Linear forward",
         "plain Linear forward",
