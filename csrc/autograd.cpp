@@ -7,9 +7,10 @@
 // argument's dtype; the other arguments have none. With grad mode on and one of those inputs
 // requiring grad, the result's grad_fn is a StraightThrough node with an edge to each.
 //
-// The ops that write into a tensor argument (Tensor(a!) in their schemas): the in-place
-// quantize_grid_, quantize_block_, sr_add_ and sr_addc_, and the out= ops quantize_grid_out and
-// quantize_block_out.
+// The ops that write into a tensor argument (Tensor(a!) or Tensor(a!)[] in their schemas): the
+// in-place quantize_grid_, quantize_block_, sr_add_ and sr_addc_, the multi-tensor
+// quantize_grid_many_ and optimizer steps, and the out= ops quantize_grid_out and
+// quantize_block_out. A tensor-list argument counts as each of its tensors.
 //
 // For a custom op without kernels at the Autograd and ADInplaceOrView keys, the dispatcher's
 // defaults run it like a pure function: the written tensor's version counter stays put and a leaf
@@ -52,8 +53,9 @@ struct StraightThroughOp {
 constexpr StraightThroughOp kStraightThroughOps[] = {
     {"quantize_grid", 1}, {"quantize_block", 1}, {"sr_add", 2}};
 
-constexpr const char* kWritingOps[] = {"quantize_grid_",     "quantize_grid_out", "quantize_block_",
-                                       "quantize_block_out", "sr_add_",           "sr_addc_"};
+constexpr const char* kWritingOps[] = {
+    "quantize_grid_", "quantize_grid_out", "quantize_block_",     "quantize_block_out",
+    "sr_add_",        "sr_addc_",          "quantize_grid_many_", "optim_step_"};
 
 // The backward of a straight-through op: the incoming gradient, in each input's dtype.
 struct StraightThrough : public torch::autograd::Node {
@@ -104,6 +106,13 @@ bool is_written(const c10::Argument& argument) {
   return alias != nullptr && alias->isWrite();
 }
 
+// The tensors an argument holds: itself, the tensors of a list, or none.
+std::vector<at::Tensor> tensors_of(const c10::IValue& value) {
+  if (value.isTensor()) return {value.toTensor()};
+  if (value.isTensorList()) return value.toTensorVector();
+  return {};
+}
+
 void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                      torch::jit::Stack* stack) {
   namespace ag = torch::autograd;
@@ -115,20 +124,17 @@ void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
     bool out_op = false, any_requires_grad = false, read_requires_grad = false;
     ag::edge_list edges;  // of the inputs that require grad, for a NotImplemented node
     for (size_t i = 0; i < arguments.size(); ++i) {
-      const c10::IValue& value = (*stack)[first + i];
-      if (!value.isTensor()) {
-        continue;
-      }
-      const at::Tensor& tensor = value.toTensor();
       const bool writes = is_written(arguments[i]);
-      if (writes) {
-        written.push_back(tensor);
-        out_op = out_op || arguments[i].kwarg_only();  // torch's out= convention
-      }
-      if (tensor.requires_grad()) {
-        any_requires_grad = true;
-        read_requires_grad = read_requires_grad || !writes;
-        edges.push_back(ag::impl::gradient_edge(tensor));
+      for (const at::Tensor& tensor : tensors_of((*stack)[first + i])) {
+        if (writes) {
+          written.push_back(tensor);
+          out_op = out_op || arguments[i].kwarg_only();  // torch's out= convention
+        }
+        if (tensor.requires_grad()) {
+          any_requires_grad = true;
+          read_requires_grad = read_requires_grad || !writes;
+          edges.push_back(ag::impl::gradient_edge(tensor));
+        }
       }
     }
     if (any_requires_grad) {
@@ -157,20 +163,18 @@ void bump_versions_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet key
                           torch::jit::Stack* stack) {
   const auto& arguments = op.schema().arguments();
   const size_t first = stack->size() - arguments.size();
-  at::Tensor written[2];  // the ops write one tensor; two leave room
-  size_t count = 0;
+  std::vector<at::Tensor> written;
   for (size_t i = 0; i < arguments.size(); ++i) {
     if (is_written(arguments[i])) {
-      TORCH_INTERNAL_ASSERT(count < 2, op.schema().name(), " writes more than two tensors");
-      written[count++] = (*stack)[first + i].toTensor();
+      for (const at::Tensor& tensor : tensors_of((*stack)[first + i])) written.push_back(tensor);
     }
   }
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
   }
-  for (size_t i = 0; i < count; ++i) {
-    torch::autograd::increment_version(written[i]);
+  for (const at::Tensor& tensor : written) {
+    torch::autograd::increment_version(tensor);
   }
 }
 

@@ -81,14 +81,17 @@ RandomSpec random_spec(Rounding rule, int64_t rbits, const Seed& seed, int64_t o
 void check_out(const at::Tensor& x, const at::Tensor& out);
 
 // ---- The output tensor a kernel writes: `dst` itself when it is contiguous, else a contiguous
-// temporary that finish() copies back.
+// temporary that finish() copies back. With `keep_values` the temporary starts as a copy of dst
+// (for kernels that read and write the destination: the in-place multi-tensor ops).
 struct Destination {
   at::Tensor target;
   at::Tensor buffer;
 
-  explicit Destination(const at::Tensor& dst)
+  explicit Destination(const at::Tensor& dst, bool keep_values = false)
       : target(dst),
-        buffer(dst.is_contiguous() ? dst : at::empty_like(dst, at::MemoryFormat::Contiguous)) {}
+        buffer(dst.is_contiguous() ? dst
+               : keep_values       ? dst.contiguous()
+                                   : at::empty_like(dst, at::MemoryFormat::Contiguous)) {}
   void finish() {
     if (!buffer.is_same(target)) target.copy_(buffer);
   }

@@ -15,6 +15,7 @@
 //   int, int?  a Python int in the int64 range (not a bool), or None for int?
 //   float      a Python float or int
 //   bool       a Python bool
+//   Tensor[]   a list or tuple of such tensors
 // and nothing while a TorchFunctionMode is active (it must see the call).
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -106,6 +107,21 @@ bool to_ivalue(PyObject* value, const c10::TypePtr& type, c10::IValue& out) {
       if (!PyBool_Check(value)) return false;
       out = value == Py_True;
       return true;
+    case TypeKind::ListType: {  // Tensor[] only: a list or tuple of tensors
+      const auto element = type->expectRef<c10::ListType>().getElementType();
+      if (element->kind() != TypeKind::TensorType) return false;
+      if (!PyList_Check(value) && !PyTuple_Check(value)) return false;
+      const Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
+      c10::List<at::Tensor> tensors;
+      tensors.reserve(n);
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* item = PySequence_Fast_GET_ITEM(value, i);
+        if (!THPVariable_CheckExact(item)) return false;
+        tensors.push_back(THPVariable_Unpack(item));
+      }
+      out = std::move(tensors);
+      return true;
+    }
     default:
       return false;
   }

@@ -30,6 +30,7 @@ from lpsim._ops import cpu_generator, cuda_built
 from lpsim.compat.qtorch import block_quantize, fixed_point_quantize, float_quantize
 from lpsim.formats import PRESETS, BlockFloat, Fixed, Float, preset
 from lpsim.functional import quantize, quantize_
+from lpsim.multi_tensor import quantize_many_
 from lpsim.rounding import Rounding
 from lpsim.update import (
     sr_add,
@@ -65,6 +66,7 @@ __all__ = [
     "optim",
     "quantize",
     "quantize_",
+    "quantize_many_",
     "float_quantize",
     "fixed_point_quantize",
     "block_quantize",

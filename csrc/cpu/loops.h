@@ -21,6 +21,15 @@
 #define LPSIM_MULTIVERSION
 #endif
 
+// Loops whose arithmetic reproduces another library's fused multiply-adds (the optimizer steps,
+// lpsim/optim_step.h) are cloned for x86-64-v3 (AVX2 with FMA) instead, so that std::fma is one
+// instruction; every clone computes the same correctly rounded fma.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define LPSIM_MULTIVERSION_FMA __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define LPSIM_MULTIVERSION_FMA
+#endif
+
 // The dispatch lambdas must be inlined into the entry points so that they are compiled for each
 // clone's target; left out of line they were compiled for the baseline and ran 5x slower.
 #define LPSIM_LAMBDA_INLINE __attribute__((always_inline))

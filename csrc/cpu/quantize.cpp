@@ -13,27 +13,28 @@ namespace lpsim::cpu {
 
 namespace {
 
-// Round x[begin, end) onto one grid. The loops have no dependence between iterations and call the
-// core inline, so the compiler vectorises them (-fopt-info-vec reports them).
+// Round x[0, n) onto one grid into y[0, n), where x and y hold the elements [first, first + n) of
+// a tensor: element k draws the random word of element first + k. The loops have no dependence
+// between iterations and call the core inline, so the compiler vectorises them (-fopt-info-vec
+// reports them).
 template <class C, Rounding R>
-LPSIM_INLINE void round_span(const typename C::storage* x, typename C::storage* y, int64_t begin,
-                             int64_t end, const Grid<C>& grid, uint32_t mask, WordCache& cache) {
+LPSIM_INLINE void round_span(const typename C::storage* x, typename C::storage* y, int64_t first,
+                             int64_t n, const Grid<C>& grid, uint32_t mask, WordCache& cache) {
   using S = typename C::storage;
   // A local copy: y may alias the grid's words as far as the compiler knows, which would force a
   // reload of every field in every iteration and block vectorisation.
   const Grid<C> g = grid;
   if constexpr (!is_stochastic(R)) {
-    for (int64_t i = begin; i < end; ++i) y[i] = static_cast<S>(round_to_grid<R, C>(x[i], g, 0, 0));
+    for (int64_t k = 0; k < n; ++k) y[k] = static_cast<S>(round_to_grid<R, C>(x[k], g, 0, 0));
   } else {
-    for (int64_t start = begin; start < end;) {
-      const int64_t group = start / kGroupSize;
-      const int64_t base = group * kGroupSize;
-      const int64_t stop = std::min(end, base + kGroupSize);
+    for (int64_t k = 0; k < n;) {
+      const int64_t group = (first + k) / kGroupSize;
+      const int64_t skip = first - group * kGroupSize;  // words[k + skip] is element k's word
+      const int64_t stop = std::min(n, kGroupSize - skip);
       const uint32_t* words = cache.group(group);
-      for (int64_t i = start; i < stop; ++i) {
-        y[i] = static_cast<S>(round_to_grid<R, C>(x[i], g, words[i - base], mask));
+      for (; k < stop; ++k) {
+        y[k] = static_cast<S>(round_to_grid<R, C>(x[k], g, words[k + skip], mask));
       }
-      start = stop;
     }
   }
 }
@@ -47,16 +48,18 @@ LPSIM_INLINE typename C::storage* out(void* p) {
   return static_cast<typename C::storage*>(p);
 }
 
+// x[0, n) rounded into y[0, n), the elements [first, first + n) of a tensor (see round_span).
 template <class C>
-LPSIM_INLINE void grid_impl(Rounding rounding, const void* x, void* y, int64_t begin, int64_t end,
-                            const GridSpec& spec, const RandomSpec& random) {
+LPSIM_INLINE void grid_impl(Rounding rounding, const typename C::storage* x, typename C::storage* y,
+                            int64_t first, int64_t n, const GridSpec& spec,
+                            const RandomSpec& random) {
   Grid<C> g;
   make_grid<C>(spec, g);  // validated by the caller
   const uint32_t mask = random_mask(random.rbits);
   WordCache cache(make_philox_key(random.seed, random.offset));
   with_rounding(rounding, [&](auto tag) LPSIM_LAMBDA_INLINE {
     constexpr Rounding R = decltype(tag)::value;
-    round_span<C, R>(in<C>(x), out<C>(y), begin, end, g, mask, cache);
+    round_span<C, R>(x, y, first, n, g, mask, cache);
   });
 }
 
@@ -74,7 +77,7 @@ LPSIM_INLINE void block_classes_impl(Rounding rounding, const void* x, void* y, 
       const int64_t row = start / inner;
       const int64_t stop = std::min(end, (row + 1) * inner);
       const Grid<C> g = block_grid<C>(static_cast<W>(class_max_abs[row % classes]), wl);
-      round_span<C, R>(in<C>(x), out<C>(y), start, stop, g, mask, cache);
+      round_span<C, R>(in<C>(x) + start, out<C>(y) + start, start, stop - start, g, mask, cache);
       start = stop;
     }
   });
@@ -112,7 +115,8 @@ LPSIM_INLINE void blocks_impl(Rounding rounding, const void* x, void* y, int64_t
       const int64_t stop = std::min(start + block_size, (row + 1) * row_len);
       W m = 0;
       for (int64_t i = start; i < stop; ++i) m = finite_max_abs<C>(m, xs[i]);
-      round_span<C, R>(xs, out<C>(y), start, stop, block_grid<C>(m, wl), mask, cache);
+      round_span<C, R>(xs + start, out<C>(y) + start, start, stop - start, block_grid<C>(m, wl),
+                       mask, cache);
     }
   });
 }
@@ -124,7 +128,16 @@ void quantize_grid(Dtype dtype, Rounding rounding, const void* x, void* y, int64
                    int64_t end, const GridSpec& grid, const RandomSpec& random) {
   with_container(dtype, [&](auto container) LPSIM_LAMBDA_INLINE {
     using C = decltype(container);
-    grid_impl<C>(rounding, x, y, begin, end, grid, random);
+    grid_impl<C>(rounding, in<C>(x) + begin, out<C>(y) + begin, begin, end - begin, grid, random);
+  });
+}
+
+LPSIM_MULTIVERSION
+void quantize_grid_span(Dtype dtype, Rounding rounding, const void* x, void* y, int64_t first,
+                        int64_t n, const GridSpec& grid, const RandomSpec& random) {
+  with_container(dtype, [&](auto container) LPSIM_LAMBDA_INLINE {
+    using C = decltype(container);
+    grid_impl<C>(rounding, in<C>(x), out<C>(y), first, n, grid, random);
   });
 }
 

@@ -16,6 +16,13 @@ namespace lpsim::cpu {
 void quantize_grid(Dtype dtype, Rounding rounding, const void* x, void* y, int64_t begin,
                    int64_t end, const GridSpec& grid, const RandomSpec& random);
 
+// y[k] = round(x[k]) on a fixed grid for k in [0, n), where x and y hold the elements
+// [first, first + n) of a tensor: element k draws the random word of element first + k, as
+// quantize_grid would for that element. For loops that round values they computed in a buffer (the
+// optimizer steps).
+void quantize_grid_span(Dtype dtype, Rounding rounding, const void* x, void* y, int64_t first,
+                        int64_t n, const GridSpec& grid, const RandomSpec& random);
+
 // Block floating point with shared exponents by class: element i belongs to class (i / inner) %
 // classes and uses the block grid of class_max_abs[class] (container bits of that class's largest
 // finite magnitude). One class is one exponent for the whole tensor; `dim` blocks use one class per

@@ -43,10 +43,36 @@ struct PieceGrid {
 
 // ---- Elementwise rounding
 
-// Stochastic rules: one thread per Philox counter. Counter c = 64 g + l gives the words of the
-// elements 256 g + 64 w + l, w = 0..3 (philox_element_of), so all four words of each call are used,
-// and for each w a warp reads and writes 32 consecutive elements. Other rules: one 16-byte pack per
-// thread when x and y are aligned to 16 bytes, else one element.
+// How many work items round_item has for n elements.
+template <Rounding R>
+__host__ __device__ __forceinline__ uint64_t round_items(uint64_t n) {
+  return is_stochastic(R) ? philox_counters_for(n) : n;
+}
+
+// Work item `item` of the n elements of x: for the stochastic rules the Philox counter `item`,
+// whose words go to its four elements philox_element_of(item, w), so that all four words of each
+// call are used and for each w a warp reads and writes 32 consecutive elements; for other rules
+// element `item`.
+template <class C, Rounding R, class Grids>
+__device__ __forceinline__ void round_item(const typename C::storage* x, typename C::storage* y,
+                                           uint64_t n, uint64_t item, const Grids& grids,
+                                           const PhiloxKey& key, uint32_t mask) {
+  using S = typename C::storage;
+  using W = typename C::word;
+  if constexpr (is_stochastic(R)) {
+    const PhiloxWords words = philox_counter_words(item, key);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const uint64_t i = philox_element_of(item, w);
+      if (i < n) y[i] = S(round_to_grid<R, C>(W(x[i]), grids(i), words.w[w], mask));
+    }
+  } else {
+    y[item] = S(round_to_grid<R, C>(W(x[item]), grids(item), 0, 0));
+  }
+}
+
+// One thread per work item of round_item; for the deterministic rules, one 16-byte pack per thread
+// instead when x and y are aligned to 16 bytes.
 template <class C, Rounding R, class Grids>
 __global__ void __launch_bounds__(kThreads)
     round_kernel(const typename C::storage* x, typename C::storage* y, uint64_t n, Grids grids,
@@ -55,18 +81,8 @@ __global__ void __launch_bounds__(kThreads)
   using W = typename C::word;
   const uint64_t first = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
-  if constexpr (is_stochastic(R)) {
-    const uint64_t counters = philox_counters_for(n);
-    for (uint64_t c = first; c < counters; c += stride) {
-      const PhiloxWords words = philox_counter_words(c, key);
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const uint64_t i = philox_element_of(c, w);
-        if (i < n) y[i] = S(round_to_grid<R, C>(W(x[i]), grids(i), words.w[w], mask));
-      }
-    }
-  } else {
-    uint64_t done = 0;  // elements handled as packs
+  uint64_t done = 0;  // elements handled as packs
+  if constexpr (!is_stochastic(R)) {
     if (packed) {
       using P = Pack<S>;
       const uint64_t packs = n / P::kSize;
@@ -80,9 +96,46 @@ __global__ void __launch_bounds__(kThreads)
       }
       done = packs * P::kSize;
     }
-    for (uint64_t i = done + first; i < n; i += stride) {
-      y[i] = S(round_to_grid<R, C>(W(x[i]), grids(i), 0, 0));
+  }
+  const uint64_t items = round_items<R>(n);
+  for (uint64_t item = done + first; item < items; item += stride) {
+    round_item<C, R>(x, y, n, item, grids, key, mask);
+  }
+}
+
+// ---- Many tensors in one launch (quantize_grid_many)
+
+// The tensors of one launch, passed by value as a kernel argument: tensor t owns the work items
+// [items_before[t], items_before[t + 1]) of the launch.
+template <class C>
+struct ManyLaunch {
+  typename C::storage* data[kManyTensors];
+  uint64_t numel[kManyTensors];
+  uint64_t offset[kManyTensors];
+  uint64_t items_before[kManyTensors + 1];
+  int count;
+};
+
+template <class C, Rounding R>
+__global__ void __launch_bounds__(kThreads)
+    round_many_kernel(ManyLaunch<C> tensors, Grid<C> grid, uint64_t seed, uint32_t mask) {
+  const uint64_t first = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
+  const uint64_t items = tensors.items_before[tensors.count];
+  for (uint64_t item = first; item < items; item += stride) {
+    // The tensor of the item: the last t with items_before[t] <= item, by bisection.
+    int lo = 0, hi = tensors.count;  // items_before[lo] <= item < items_before[hi]
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (tensors.items_before[mid] <= item) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
     }
+    const PhiloxKey key = make_philox_key(seed, tensors.offset[lo]);
+    round_item<C, R>(tensors.data[lo], tensors.data[lo], tensors.numel[lo],
+                     item - tensors.items_before[lo], UniformGrid<C>{grid}, key, mask);
   }
 }
 
@@ -288,6 +341,32 @@ void quantize_grid(Rounding rounding, const void* x, void* y, int64_t n, const G
 }
 
 template <class C>
+void quantize_grid_many(Rounding rounding, const ManyTensor* tensors, int64_t count,
+                        const GridSpec& spec, const RandomSpec& random, cudaStream_t stream) {
+  Grid<C> grid;
+  make_grid<C>(spec, grid);  // checked by the caller (grid_spec in checks.cpp)
+  const uint32_t mask = random_mask(random.rbits);
+  with_rounding(rounding, [&](auto tag) {
+    constexpr Rounding R = decltype(tag)::value;
+    for (int64_t start = 0; start < count; start += kManyTensors) {
+      ManyLaunch<C> launch{};
+      launch.count = static_cast<int>(count - start < kManyTensors ? count - start : kManyTensors);
+      for (int t = 0; t < launch.count; ++t) {
+        const ManyTensor& m = tensors[start + t];
+        launch.data[t] = out<C>(m.data);
+        launch.numel[t] = static_cast<uint64_t>(m.numel);
+        launch.offset[t] = m.offset;
+        launch.items_before[t + 1] = launch.items_before[t] + round_items<R>(launch.numel[t]);
+      }
+      const uint64_t items = launch.items_before[launch.count];
+      round_many_kernel<C, R>
+          <<<blocks_for(items), kThreads, 0, stream>>>(launch, grid, random.seed, mask);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+}
+
+template <class C>
 void quantize_block_classes(Rounding rounding, const void* x, void* y, int64_t n, int64_t inner,
                             int64_t classes, void* class_max, int32_t wl, const RandomSpec& random,
                             cudaStream_t stream) {
@@ -350,6 +429,8 @@ void quantize_blocks(Rounding rounding, const void* x, void* y, int64_t n, int64
 #define LPSIM_GPU_INSTANTIATE(C)                                                                   \
   template void quantize_grid<C>(Rounding, const void*, void*, int64_t, const GridSpec&,           \
                                  const RandomSpec&, cudaStream_t);                                 \
+  template void quantize_grid_many<C>(Rounding, const ManyTensor*, int64_t, const GridSpec&,       \
+                                      const RandomSpec&, cudaStream_t);                            \
   template void quantize_block_classes<C>(Rounding, const void*, void*, int64_t, int64_t, int64_t, \
                                           void*, int32_t, const RandomSpec&, cudaStream_t);        \
   template void quantize_blocks<C>(Rounding, const void*, void*, int64_t, int64_t, int64_t, void*, \

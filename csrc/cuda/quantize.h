@@ -47,4 +47,22 @@ void quantize_blocks(Rounding rounding, const void* x, void* y, int64_t n, int64
                      int64_t block_size, void* block_max, int32_t wl, const RandomSpec& random,
                      cudaStream_t stream);
 
+// One tensor of quantize_grid_many: n > 0 contiguous elements rounded in place, drawing their
+// random words from the stream `offset` under the call's seed.
+struct ManyTensor {
+  void* data;
+  int64_t numel;
+  uint64_t offset;
+};
+
+// The most tensors one launch of quantize_grid_many rounds: their descriptors travel as kernel
+// arguments, which must stay below CUDA's 4 KiB.
+constexpr int kManyTensors = 48;
+
+// Every element of `count` tensors of container C rounded in place onto the grid of `spec`, one
+// launch per kManyTensors tensors. random.offset is not used: each tensor has its own.
+template <class C>
+void quantize_grid_many(Rounding rounding, const ManyTensor* tensors, int64_t count,
+                        const GridSpec& spec, const RandomSpec& random, cudaStream_t stream);
+
 }  // namespace lpsim::gpu

@@ -1,0 +1,123 @@
+"""Rounding many tensors in one call: ``quantize_many_(tensors, fmt, rounding)``.
+
+One compiled call rounds every tensor of a list in place, where a loop of ``quantize_`` pays the
+per-call cost (argument checks, dispatch, a parallel region or a kernel launch) once per tensor:
+for the hundreds of small tensors of a model's parameters, gradients and optimizer states, that
+cost dominates. On the CPU all elements of all tensors are one parallel region; on CUDA one launch
+rounds a chunk of up to 48 tensors of one dtype.
+
+Randomness. Tensor number i draws its random words from the stream ``offset + i`` under the seed,
+so it is rounded exactly (bit for bit) as ``quantize_(tensors[i], fmt, rounding, rbits=rbits,
+seed=seed, offset=offset + i)`` rounds it. Without ``seed``, one seed is drawn for the whole call
+from torch's default CPU generator, as one ``quantize_`` call draws it: after the same
+``torch.manual_seed``, ``quantize_many_([x], fmt, "stochastic")`` rounds x as ``quantize_(x, fmt,
+"stochastic")`` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from lpsim._checks import MAX_SEED, check_container, draw_seed, random_args
+from lpsim._ops import call
+from lpsim.formats import BlockFloat, Fixed, Float, Format
+from lpsim.functional import quantize_
+from lpsim.rounding import Rounding
+
+__all__ = ["quantize_many_"]
+
+
+def _checked_tensors(tensors) -> list[torch.Tensor]:
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
+        raise TypeError(f"tensors must be a list or tuple of tensors, got {type(tensors).__name__}")
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        check_container(t, f"tensors[{i}]")
+        if t.device != tensors[0].device:
+            raise ValueError(
+                f"tensors[{i}] is on {t.device} and tensors[0] on {tensors[0].device}: "
+                "all must be on one device"
+            )
+    return tensors
+
+
+def _grid_arguments(fmt: Float | Fixed, tensors: list[torch.Tensor]) -> tuple:
+    """fmt's grid as the op takes it, after checking that fmt fits every tensor's dtype."""
+    grid = ()
+    for i, t in enumerate(tensors):
+        try:
+            grid = fmt.grid_arguments(t.dtype)
+        except ValueError as error:
+            raise ValueError(f"tensors[{i}]: {error}") from None
+    return grid
+
+
+def quantize_many_(
+    tensors: Sequence[torch.Tensor],
+    fmt: Format,
+    rounding: Rounding | str = "nearest",
+    *,
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+) -> Sequence[torch.Tensor]:
+    """Round every tensor of ``tensors`` into ``fmt`` in place; returns ``tensors``.
+
+    Tensor i is rounded exactly as ``quantize_(tensors[i], fmt, rounding, rbits=rbits, seed=seed,
+    offset=offset + i)`` would round it (see the module documentation for the random streams).
+
+    Args:
+        tensors: a list or tuple of float32, float64, bfloat16 or float16 tensors on one device;
+            dtypes, shapes and strides may differ, tensors may be empty, the list may be empty.
+            Each tensor's dtype is its container: the format must fit it. The tensors must not
+            overlap in memory (the same tensor twice, or two views of one storage that share
+            elements): they are rounded concurrently.
+        fmt: a Float, Fixed or BlockFloat format. Float and Fixed formats round every tensor in one
+            compiled call; a BlockFloat format is a loop of ``quantize_`` over the tensors, with
+            the same seed and offsets.
+        rounding: a rule name or lpsim.Rounding (see lpsim.rounding); default "nearest".
+        rbits: random bits per decision, 1 to 32, for the stochastic rules only (default 32).
+        seed: 0 <= seed < 2**64, for the stochastic rules. None: one seed drawn from torch's
+            default CPU generator for the whole call (none for the deterministic rules).
+        offset: the stream of tensor 0; tensor i uses ``offset + i``. 0 <= offset and
+            offset + len(tensors) - 1 < 2**64.
+
+    Under autograd it behaves as ``quantize_``: every tensor's version counter is bumped, and
+    outside torch.no_grad() a leaf that requires grad, or a view of one, is refused.
+
+    Raises:
+        TypeError: tensors is not a list or tuple, or tensors[i] is not a tensor of a supported
+            dtype (the message names tensors[i]); fmt is not a format; an argument has the wrong
+            type.
+        ValueError: the format does not fit tensors[i]'s dtype (the message names tensors[i]), the
+            tensors are on different devices, or an argument is out of range.
+        IndexError: a BlockFloat dim does not exist in a tensor.
+        RuntimeError: a tensor is a leaf that requires grad (or a view of one) in grad mode.
+    """
+    checked = _checked_tensors(tensors)
+    rule, op_rbits, seed_argument, stream = random_args(rounding, rbits, seed, offset)
+    if len(checked) > 1 and offset + len(checked) - 1 >= MAX_SEED:
+        raise ValueError(
+            f"offset + len(tensors) - 1 must be < 2**64: tensor i uses the stream offset + i; "
+            f"got offset {offset} for {len(checked)} tensors"
+        )
+    if isinstance(fmt, BlockFloat):
+        # One loop of quantize_ under one seed: the one given, or one drawn here for all.
+        if rule.is_stochastic and seed is None:
+            seed = int(draw_seed())
+        for i, t in enumerate(checked):
+            quantize_(t, fmt, rule, rbits=rbits, seed=seed, offset=offset + i)
+        return tensors
+    if not isinstance(fmt, (Float, Fixed)):
+        raise TypeError(f"fmt must be a Float, Fixed or BlockFloat, got {type(fmt).__name__}")
+    if checked:
+        grid = _grid_arguments(fmt, checked)
+        call("quantize_grid_many_", checked, *grid, int(rule), op_rbits, seed_argument, stream)
+    return tensors
+
+
+@torch.library.register_fake("lpsim::quantize_grid_many_")
+def _quantize_grid_many_fake(xs, *args):
+    return None

@@ -1,0 +1,403 @@
+"""FusedSGD and FusedAdam: OptimLP(torch.optim.SGD / Adam / AdamW) in one pass per step.
+
+``OptimLP(torch.optim.SGD(params, ...), weight=..., grad=..., momentum=..., acc=...)`` reads and
+writes every parameter, gradient and state tensor several times per step (scale the gradient, round
+it, torch's update in several elementwise ops, round the states, round the accumulator, round the
+weight). These optimizers do the same step in one compiled pass over the elements of all
+parameters: each element's gradient, states and weight are read once, torch's float32 arithmetic is
+applied (lpsim/optim_step.h reproduces torch's CPU single-tensor kernels operation by operation) and
+the results are rounded by the same rounding core, with the same random words, as OptimLP's
+quantize_many_ calls.
+
+Bit-identity. For float32 parameters on the CPU, after the same ``torch.manual_seed``, a step gives
+bit for bit the parameters, gradients, states and accumulators that OptimLP around the torch
+optimizer gives (foreach=False, torch's CPU default), for every format and rule: the seeds are
+drawn from torch's default CPU generator in OptimLP's order and each tensor gets OptimLP's stream
+offset. That order: one seed per stochastic spec (format and rule) per phase, phases in the order
+gradients, states, accumulators, weights, specs in the order they first appear in parameter order;
+tensor i of a spec's batch uses the stream offset i (states: exp_avg before exp_avg_sq for each
+parameter). torch's float32 ``sqrt`` (Adam) is called through the library torch uses (MKL's vsSqrt
+where torch is built with it), since it is not always correctly rounded.
+
+Limits: float32 parameters only (other dtypes raise TypeError), CPU only (CUDA raises
+NotImplementedError: the step arithmetic is written for CUDA, but no kernel runs it yet), element
+formats (Float, Fixed) only, Adam without amsgrad, no closure re-evaluation at accumulator values
+(the closure runs first, as torch's optimizers run it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.optim import Optimizer
+
+from lpsim._checks import check_element_format, draw_seed
+from lpsim._ops import ops
+from lpsim.formats import Float
+from lpsim.functional import quantize
+from lpsim.nn.quantizer import QuantSpec, Spec, as_spec
+from lpsim.rounding import Rounding
+
+__all__ = ["FusedSGD", "FusedAdam"]
+
+_CATEGORIES = ("grad", "state", "acc", "weight")  # the op's rounding categories, in its order
+_UNROUNDED = Float(8, 23)  # the grid passed for a category that is not rounded (rule -1)
+_NO_SEED = torch.zeros((), dtype=torch.int64)
+
+
+def _check_number(name: str, value, low: float = 0.0, high: float = math.inf) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def _spec(value, rounding, name: str) -> QuantSpec | None:
+    """A format, a (format, rounding) pair or None as a QuantSpec of an element format."""
+    spec = as_spec(value, rounding, name)
+    if spec is not None:
+        check_element_format(name, spec.format)
+    return spec
+
+
+class _Fused(Optimizer):
+    """What FusedSGD and FusedAdam share: the formats, the accumulators, the seeds and offsets of
+    OptimLP's batches, and the call of the compiled step."""
+
+    _STATES: tuple[str, ...] = ()  # the state tensors the step rounds, in OptimLP's order
+    _ALGORITHM = 0
+
+    def __init__(self, params, defaults: dict, formats: dict, grad_scaling: float, rounding):
+        if (
+            not isinstance(grad_scaling, (int, float))
+            or isinstance(grad_scaling, bool)
+            or not grad_scaling > 0
+        ):
+            raise ValueError(f"grad_scaling must be a positive number, got {grad_scaling!r}")
+        Rounding.parse(rounding)
+        for name, value in formats.items():
+            defaults[name] = _spec(value, rounding, name)
+        defaults["rounding"] = rounding
+        self.grad_scaling = float(grad_scaling)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for category in _CATEGORIES:
+            name = f"{category}_format"
+            group[name] = spec = _spec(group[name], group["rounding"], name)
+            if spec is not None:
+                try:
+                    spec.format.grid_arguments(torch.float32)
+                except ValueError as error:
+                    raise ValueError(f"{name}: {error}") from None
+        with torch.no_grad():
+            for i, p in enumerate(group["params"]):
+                if p.dtype != torch.float32:
+                    raise TypeError(
+                        f"{type(self).__name__} takes float32 parameters; parameter {i} of group "
+                        f"{len(self.param_groups) - 1} is {p.dtype}"
+                    )
+                if p.device.type != "cpu":
+                    raise NotImplementedError(
+                        f"lpsim::optim_step_ has no kernel for {p.device.type} parameters yet "
+                        f"({type(self).__name__} runs on the CPU)"
+                    )
+                acc = group["acc_format"]
+                if acc is not None:  # as OptimLP: the accumulator starts as the rounded weight
+                    self.state[p]["accumulator"] = quantize(p.detach().clone(), *acc)
+
+    def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
+        """Create the states a parameter with a gradient needs for its step."""
+
+    def _per_parameter(self, group: dict, p: torch.Tensor, state: dict) -> list[float]:
+        raise NotImplementedError
+
+    def _scalars(self, group: dict) -> list[float]:
+        raise NotImplementedError
+
+    def _has_states(self, group: dict) -> bool:
+        return True
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One step of every parameter (see the module documentation). Returns the closure's
+        loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = [(group, p) for group in self.param_groups for p in group["params"]]
+        for group, p in params:
+            if p.grad is not None:
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                self._init_state(group, p, self.state[p])
+        # OptimLP's batches: per phase, one per spec, tensors in parameter order.
+        batches = {category: {} for category in _CATEGORIES}
+        offsets = {}
+        for group, p in params:
+            state = self.state[p]
+            slots = [0] * 5
+            specs = [group[f"{c}_format"] for c in _CATEGORIES]
+            wanted = [
+                specs[0] is not None and p.grad is not None,
+                *[specs[1] is not None and key in state for key in self._STATES],
+                specs[2] is not None,
+                specs[3] is not None,
+            ]
+            categories = ["grad", *(["state"] * len(self._STATES)), "acc", "weight"]
+            slot_of = [0, *range(1, 1 + len(self._STATES)), 3, 4]
+            for want, category, slot in zip(wanted, categories, slot_of):
+                if want:
+                    spec = group[f"{category}_format"]
+                    members = batches[category].setdefault(spec, [])
+                    slots[slot] = len(members)
+                    members.append(p)
+            offsets[p] = slots
+        seeds = {}
+        for category in _CATEGORIES:
+            for spec in batches[category]:
+                seeds[category, spec] = draw_seed() if spec.rounding.is_stochastic else _NO_SEED
+        for group in self.param_groups:
+            self._step_group(group, offsets, seeds)
+        return loss
+
+    def _step_group(self, group: dict, offsets: dict, seeds: dict) -> None:
+        params = group["params"]
+        if not params:
+            return
+        empty = torch.empty(0)
+        grads, states1, states2, accumulators, per_parameter, offset_list = [], [], [], [], [], []
+        for p in params:
+            state = self.state[p]
+            grads.append(p.grad if p.grad is not None else empty)
+            found = [state.get(key, empty) for key in self._STATES] + [empty, empty]
+            states1.append(found[0])
+            states2.append(found[1])
+            accumulators.append(state.get("accumulator", empty))
+            per_parameter += self._per_parameter(group, p, state)
+            offset_list += offsets[p]
+        grids, roundings, rbits, seed_list = [], [], [], []
+        for category in _CATEGORIES:
+            spec = group[f"{category}_format"]
+            fmt = spec.format if spec is not None else _UNROUNDED
+            grids += fmt.grid_arguments(torch.float32)
+            roundings.append(int(spec.rounding) if spec is not None else -1)
+            rbits.append(32)
+            seed_list.append(seeds.get((category, spec), _NO_SEED))
+        scalars = self._scalars(group) + [self.grad_scaling]
+        ops.optim_step_(
+            params,
+            grads,
+            states1,
+            states2,
+            accumulators,
+            *grids,
+            roundings,
+            rbits,
+            torch.stack(seed_list),
+            offset_list,
+            self._ALGORITHM,
+            scalars,
+            per_parameter,
+        )
+
+
+class FusedSGD(_Fused):
+    """``OptimLP(torch.optim.SGD(params, lr, momentum, dampening, weight_decay, nesterov,
+    maximize=maximize), weight=weight_format, grad=grad_format, momentum=state_format,
+    acc=acc_format, grad_scaling=grad_scaling, rounding=rounding)`` in one fused pass per step,
+    bit for bit (see the module documentation).
+
+    Args:
+        params: float32 CPU parameters or parameter groups (a group may set any option below).
+        lr, momentum, dampening, weight_decay: as torch.optim.SGD, all >= 0.
+        nesterov: Nesterov momentum (needs momentum > 0 and dampening = 0).
+        maximize: maximise the objective.
+        weight_format, grad_format, state_format, acc_format: None (not rounded), a Float or
+            Fixed format (rounded by ``rounding``) or a (format, rounding) pair: OptimLP's
+            ``weight``, ``grad``, ``momentum`` (the momentum buffer) and ``acc`` (a float32 copy
+            of the weight that the update applies to; the weight is then the accumulator rounded
+            by ``weight_format``).
+        grad_scaling: > 0, every gradient is multiplied by it first (a loss scale undone).
+        rounding: the rule of bare formats, default "stochastic".
+
+    Raises:
+        TypeError: a parameter is not float32, a format is not a Float, Fixed or pair, or an
+            option has the wrong type.
+        ValueError: an option is out of range (the message names it and the range).
+        NotImplementedError: a parameter is not on the CPU.
+    """
+
+    _STATES = ("momentum_buffer",)
+    _ALGORITHM = 0
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        weight_format: Spec = None,
+        grad_format: Spec = None,
+        state_format: Spec = None,
+        acc_format: Spec = None,
+        grad_scaling: float = 1.0,
+        rounding: Rounding | str = "stochastic",
+    ):
+        for name, value in (
+            ("lr", lr),
+            ("momentum", momentum),
+            ("dampening", dampening),
+            ("weight_decay", weight_decay),
+        ):
+            _check_number(name, value)
+        for name, value in (("nesterov", nesterov), ("maximize", maximize)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov needs momentum > 0 and dampening = 0")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+        )
+        formats = dict(
+            grad_format=grad_format,
+            state_format=state_format,
+            acc_format=acc_format,
+            weight_format=weight_format,
+        )
+        super().__init__(params, defaults, formats, grad_scaling, rounding)
+
+    def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
+        if group["momentum"] != 0 and "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.empty_like(p)
+            state["fresh"] = True  # removed after the step: torch's first step clones
+
+    def _per_parameter(self, group: dict, p: torch.Tensor, state: dict) -> list[float]:
+        return [1.0 if state.pop("fresh", False) else 0.0]
+
+    def _scalars(self, group: dict) -> list[float]:
+        return [
+            group["weight_decay"],
+            group["momentum"],
+            1 - group["dampening"],
+            -group["lr"],
+            float(group["nesterov"]),
+            float(group["maximize"]),
+        ]
+
+
+class FusedAdam(_Fused):
+    """``OptimLP(torch.optim.Adam(...))`` (``decoupled=False``) or
+    ``OptimLP(torch.optim.AdamW(...))`` (``decoupled=True``, the default) with OptimLP's
+    formats, in one fused pass per step, bit for bit (see the module documentation). AdamW with
+    weight_decay=0 is Adam. The default weight_decay is AdamW's 1e-2: pass weight_decay=0.0 for
+    torch.optim.Adam's default.
+
+    Args:
+        params: float32 CPU parameters or parameter groups (a group may set any option below).
+        lr: >= 0. betas: (beta1, beta2), each in [0, 1). eps: >= 0. weight_decay: >= 0 (default
+            1e-2, AdamW's).
+        decoupled: AdamW's decoupled weight decay (True) or Adam's L2 term (False).
+        amsgrad: only False (ValueError otherwise).
+        maximize: maximise the objective.
+        weight_format, grad_format, state_format, acc_format, grad_scaling, rounding: as for
+            FusedSGD; state_format rounds exp_avg and exp_avg_sq.
+
+    Raises:
+        TypeError, ValueError, NotImplementedError: as for FusedSGD; ValueError for amsgrad=True.
+    """
+
+    _STATES = ("exp_avg", "exp_avg_sq")
+    _ALGORITHM = 1
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        decoupled: bool = True,
+        amsgrad: bool = False,
+        maximize: bool = False,
+        weight_format: Spec = None,
+        grad_format: Spec = None,
+        state_format: Spec = None,
+        acc_format: Spec = None,
+        grad_scaling: float = 1.0,
+        rounding: Rounding | str = "stochastic",
+    ):
+        _check_number("lr", lr)
+        _check_number("eps", eps)
+        _check_number("weight_decay", weight_decay)
+        if amsgrad is not False:
+            raise ValueError(f"amsgrad must be False: {type(self).__name__} has no amsgrad")
+        for name, value in (("decoupled", decoupled), ("maximize", maximize)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"betas must be a pair of numbers, got {betas!r}")
+        for name, beta in zip(("betas[0]", "betas[1]"), betas):
+            _check_number(name, beta, 0.0, 1.0)
+            if beta == 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {beta}")
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled=decoupled,
+            maximize=maximize,
+        )
+        formats = dict(
+            grad_format=grad_format,
+            state_format=state_format,
+            acc_format=acc_format,
+            weight_format=weight_format,
+        )
+        super().__init__(params, defaults, formats, grad_scaling, rounding)
+
+    def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
+        if "step" not in state:  # torch.optim.Adam's state, in its order
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+
+    def _per_parameter(self, group: dict, p: torch.Tensor, state: dict) -> list[float]:
+        if p.grad is None or "step" not in state:
+            return [0.0, 1.0]
+        beta1, beta2 = group["betas"]
+        step = state["step"].item()
+        return [-(group["lr"] / (1 - beta1**step)), (1 - beta2**step) ** 0.5]
+
+    def _scalars(self, group: dict) -> list[float]:
+        beta1, beta2 = group["betas"]
+        decay = group["weight_decay"] != 0
+        return [
+            group["weight_decay"],
+            1 - group["lr"] * group["weight_decay"],
+            1 - beta1,
+            beta2,
+            1 - beta2,
+            group["eps"],
+            float(decay and not group["decoupled"]),
+            float(decay and group["decoupled"]),
+            float(group["maximize"]),
+        ]

@@ -1,0 +1,192 @@
+"""FusedSGD and FusedAdam: one pass per step, bit for bit what OptimLP around torch's SGD, Adam and
+AdamW gives, over many steps, formats, rules and hyperparameters; resumable; thread-count
+invariant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import assert_same_bits
+
+from lpsim import Fixed, Float
+from lpsim.optim import FusedAdam, FusedSGD, OptimLP
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 20
+FORMATS = {
+    "none": {},
+    "e5m2": dict(weight=Float(5, 2), grad=Float(5, 2), momentum=Float(5, 2)),
+    "bf16_acc": dict(
+        weight=Float(4, 3), grad=Float(8, 7), momentum=(Float(8, 7), "nearest"), acc=Float(8, 15)
+    ),
+    "fixed_nearest_acc_sr": dict(
+        weight=(Fixed(12, 8), "nearest"), acc=(Float(8, 10), "stochastic")
+    ),
+    "grad_only": dict(grad=Float(4, 3)),
+    "all_nearest": dict(
+        weight=(Float(5, 2), "nearest"),
+        grad=(Float(5, 2), "nearest"),
+        momentum=(Float(5, 2), "nearest"),
+    ),
+}
+SGD_CASES = {
+    "momentum_wd": dict(lr=0.1, momentum=0.9, weight_decay=5e-4),
+    "nesterov": dict(lr=0.05, momentum=0.9, nesterov=True),
+    "dampening": dict(lr=0.05, momentum=0.5, dampening=0.3, weight_decay=1e-2),
+    "plain": dict(lr=0.1),
+    "maximize": dict(lr=0.1, momentum=0.8, maximize=True),
+}
+ADAM_CASES = {
+    "adam_l2": ("adam", dict(lr=1e-2, weight_decay=1e-3)),
+    "adamw": ("adamw", dict(lr=1e-2, weight_decay=1e-2)),
+    "adamw_beta_half": ("adamw", dict(lr=1e-2, betas=(0.3, 0.99), weight_decay=0.0)),
+    "adam_maximize": (
+        "adam",
+        dict(lr=3e-3, betas=(0.5, 0.9), eps=1e-6, weight_decay=0.0, maximize=True),
+    ),
+}
+
+
+def _params() -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    shapes = [(30, 20), (5,), (17_000,), (3, 3, 3), (0,)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def _set_grads(step: int, params, skip: int | None = None) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    for i, p in enumerate(params):
+        p.grad = None if i == skip else torch.randn(p.shape, generator=g) * 0.1
+
+
+def _fused_kwargs(formats: dict) -> dict:
+    return dict(
+        weight_format=formats.get("weight"),
+        grad_format=formats.get("grad"),
+        state_format=formats.get("momentum"),
+        acc_format=formats.get("acc"),
+    )
+
+
+def _torch_optimizer(kind: str, params, hyper: dict):
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[kind]
+    return cls(params, foreach=False, **hyper)
+
+
+def _fused_optimizer(kind: str, params, hyper: dict, formats: dict, **extra):
+    if kind == "sgd":
+        return FusedSGD(params, **hyper, **_fused_kwargs(formats), **extra)
+    return FusedAdam(params, decoupled=kind == "adamw", **hyper, **_fused_kwargs(formats), **extra)
+
+
+def _run(make, steps=STEPS, skip_at=None):
+    params = _params()
+    torch.manual_seed(5)
+    opt = make(params)
+    for step in range(steps):
+        _set_grads(step, params, skip=1 if step == skip_at else None)
+        opt.step()
+    return params, opt
+
+
+def _assert_same_run(kind, hyper, formats, **options):
+    grad_scaling = options.pop("grad_scaling", 1.0)
+    want, reference = _run(
+        lambda ps: OptimLP(_torch_optimizer(kind, ps, hyper), grad_scaling=grad_scaling, **formats),
+        **options,
+    )
+    got, fused = _run(
+        lambda ps: _fused_optimizer(kind, ps, hyper, formats, grad_scaling=grad_scaling), **options
+    )
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
+        assert_same_bits(a.grad, b.grad, f"gradient {i}")
+        for key in FusedSGD._STATES + FusedAdam._STATES:
+            if key in reference.state[b]:
+                assert_same_bits(fused.state[a][key], reference.state[b][key], f"{key} {i}")
+        if b in reference.accumulators:
+            assert_same_bits(fused.state[a]["accumulator"], reference.accumulators[b])
+
+
+@pytest.mark.parametrize("formats", FORMATS.values(), ids=FORMATS.keys())
+@pytest.mark.parametrize("hyper", SGD_CASES.values(), ids=SGD_CASES.keys())
+def test_sgd_is_bit_identical_to_optimlp_around_torch_sgd(hyper, formats):
+    _assert_same_run("sgd", hyper, formats)
+
+
+@pytest.mark.parametrize("formats", FORMATS.values(), ids=FORMATS.keys())
+@pytest.mark.parametrize("case", ADAM_CASES.values(), ids=ADAM_CASES.keys())
+def test_adam_is_bit_identical_to_optimlp_around_torch_adam(case, formats):
+    kind, hyper = case
+    _assert_same_run(kind, hyper, formats)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_grad_scaling_and_a_missing_gradient_match_optimlp(kind):
+    hyper = SGD_CASES["momentum_wd"] if kind == "sgd" else ADAM_CASES["adamw"][1]
+    _assert_same_run(kind, hyper, FORMATS["bf16_acc"], grad_scaling=0.25, steps=6, skip_at=3)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_state_dict_round_trip_resumes_bit_exact(kind):
+    hyper = SGD_CASES["momentum_wd"] if kind == "sgd" else ADAM_CASES["adam_l2"][1]
+    formats = FORMATS["bf16_acc"]
+    straight, _ = _run(lambda ps: _fused_optimizer(kind, ps, hyper, formats), steps=8)
+
+    params = _params()
+    torch.manual_seed(5)
+    first = _fused_optimizer(kind, params, hyper, formats)
+    for step in range(4):
+        _set_grads(step, params)
+        first.step()
+    saved = first.state_dict()
+    rng = torch.get_rng_state()
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = _fused_optimizer(kind, resumed_params, hyper, formats)
+    resumed.load_state_dict(saved)
+    torch.set_rng_state(rng)
+    for step in range(4, 8):
+        _set_grads(step, resumed_params)
+        resumed.step()
+    for a, b in zip(resumed_params, straight):
+        assert_same_bits(a.detach(), b.detach())
+
+
+def test_result_does_not_depend_on_the_thread_count():
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            params, _ = _run(
+                lambda ps: _fused_optimizer("adamw", ps, ADAM_CASES["adamw"][1], FORMATS["e5m2"]),
+                steps=3,
+            )
+            results.append(params)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert_same_bits(a.detach(), b.detach())
+
+
+def test_bad_arguments_name_the_parameter_and_range():
+    p = [torch.nn.Parameter(torch.randn(3))]
+    with pytest.raises(ValueError, match=r"lr must be in \[0.0, inf\], got -1"):
+        FusedSGD(p, lr=-1)
+    with pytest.raises(ValueError, match="nesterov needs momentum > 0"):
+        FusedSGD(p, lr=0.1, nesterov=True)
+    with pytest.raises(TypeError, match="maximize must be a bool"):
+        FusedSGD(p, lr=0.1, maximize=1)
+    with pytest.raises(ValueError, match="grad_scaling must be a positive number"):
+        FusedSGD(p, lr=0.1, grad_scaling=0)
+    with pytest.raises(ValueError, match=r"betas\[1\] must be in \[0, 1\), got 1.0"):
+        FusedAdam(p, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="amsgrad must be False"):
+        FusedAdam(p, amsgrad=True)
+    with pytest.raises(TypeError, match="weight_format must be None, a Float"):
+        FusedSGD(p, lr=0.1, weight_format="e5m2")
+    with pytest.raises(TypeError, match="takes float32 parameters; parameter 0 of group 0"):
+        FusedSGD([torch.nn.Parameter(torch.randn(3).double())], lr=0.1)
+    with pytest.raises(ValueError, match="grad_format: .*does not fit a float32"):
+        FusedSGD(p, lr=0.1, grad_format=Float(9, 23))

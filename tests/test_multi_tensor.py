@@ -1,0 +1,195 @@
+"""quantize_many_: one call rounds a list of tensors exactly as quantize_ rounds each one with the
+stream offset + i, for every rule, dtype, shape and layout, on any thread count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from support import assert_same_bits
+
+import lpsim
+from lpsim import BlockFloat, Fixed, Float, Rounding, quantize_, quantize_many_
+
+RULES = [r.name for r in Rounding]
+FORMATS = {"e5m2": Float(5, 2), "e4m3fn": lpsim.preset("e4m3fn"), "fixed": Fixed(8, 4)}
+
+
+def _tensors(seed: int = 0) -> list[torch.Tensor]:
+    """Mixed dtypes and shapes, a non-contiguous view, an empty tensor, and tensors long enough to
+    cross work items (cpu::kGrain = 16384 elements) and random-word groups."""
+    g = torch.Generator().manual_seed(seed)
+    scale = 4.0
+    return [
+        torch.randn(5, 7, generator=g) * scale,
+        (torch.randn(40_000, generator=g) * scale).double(),
+        (torch.randn(6, 9, generator=g) * scale).t(),
+        torch.empty(0),
+        (torch.randn(33_000, generator=g) * scale).bfloat16(),
+        (torch.randn(300, generator=g) * scale).half(),
+        torch.randn(64, 64, generator=g)[::2, 1::3] * scale,
+        torch.tensor(2.5),
+    ]
+
+
+def _one_by_one(tensors, fmt, rounding, offset=0, **kwargs):
+    copies = [t.clone() for t in tensors]
+    for i, t in enumerate(copies):
+        quantize_(t, fmt, rounding, offset=offset + i, **kwargs)
+    return copies
+
+
+@pytest.mark.parametrize("fmt", FORMATS.values(), ids=FORMATS.keys())
+@pytest.mark.parametrize("rounding", RULES)
+def test_equals_quantize_with_offset_plus_index(fmt, rounding):
+    tensors = _tensors()
+    want = _one_by_one(tensors, fmt, rounding, offset=11, seed=1234)
+    returned = quantize_many_(tensors, fmt, rounding, seed=1234, offset=11)
+    assert returned is tensors
+    for i, (got, expected) in enumerate(zip(tensors, want)):
+        assert_same_bits(got, expected, f"tensors[{i}]")
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "stochastic_equal"])
+def test_rbits_is_passed_to_every_tensor(rounding):
+    tensors = _tensors(1)
+    want = _one_by_one(tensors, Float(5, 2), rounding, seed=7, rbits=3)
+    quantize_many_(tensors, Float(5, 2), rounding, seed=7, rbits=3)
+    for got, expected in zip(tensors, want):
+        assert_same_bits(got, expected)
+
+
+def test_writes_through_non_contiguous_views_into_their_base():
+    base = torch.randn(50, 40) * 3
+    expected = base.clone()
+    quantize_(expected[:, ::2], Float(4, 3), "stochastic", seed=5, offset=1)
+    quantize_many_([torch.empty(0), base[:, ::2]], Float(4, 3), "stochastic", seed=5)
+    assert_same_bits(base, expected)
+
+
+def test_unseeded_call_draws_one_seed_as_quantize_does():
+    tensors = _tensors(2)
+    copies = [t.clone() for t in tensors]
+    torch.manual_seed(9)
+    quantize_many_(tensors, Float(5, 2), "stochastic")
+    after = torch.randint(1000, ())
+    torch.manual_seed(9)
+    seed = int(lpsim._checks.draw_seed())
+    for i, t in enumerate(copies):
+        quantize_(t, Float(5, 2), "stochastic", seed=seed, offset=i)
+    assert torch.randint(1000, ()) == after  # both consumed one draw
+    for got, expected in zip(tensors, copies):
+        assert_same_bits(got, expected)
+    torch.manual_seed(9)
+    x = _tensors(2)[0]
+    quantize_many_([x], Float(5, 2), "stochastic")
+    torch.manual_seed(9)
+    y = _tensors(2)[0]
+    quantize_(y, Float(5, 2), "stochastic")
+    assert_same_bits(x, y)
+
+
+def test_deterministic_rules_draw_no_seed():
+    torch.manual_seed(3)
+    quantize_many_(_tensors(), Float(5, 2), "nearest")
+    after = torch.randint(1000, ())
+    torch.manual_seed(3)
+    assert torch.randint(1000, ()) == after
+
+
+def test_empty_list_and_empty_tensors():
+    assert quantize_many_([], Float(5, 2), "stochastic", seed=1) == []
+    empty = [torch.empty(0), torch.empty(3, 0, dtype=torch.float64)]
+    quantize_many_(empty, Float(5, 2), "nearest")
+    assert [t.shape for t in empty] == [torch.Size([0]), torch.Size([3, 0])]
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_result_does_not_depend_on_the_thread_count(rounding):
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            tensors = _tensors(3) + [torch.randn(100_000, generator=torch.Generator()) * 5]
+            quantize_many_(tensors, Float(4, 3), rounding, seed=77, offset=2)
+            results.append(tensors)
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert_same_bits(a, b)
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_block_float_is_a_loop_of_quantize(rounding):
+    fmt = BlockFloat(6, dim=0)
+    tensors = [torch.randn(4, 5), torch.randn(3, 2).double(), torch.randn(7, 3).t()]
+    want = _one_by_one(tensors, fmt, rounding, offset=3, seed=8)
+    quantize_many_(tensors, fmt, rounding, seed=8, offset=3)
+    for got, expected in zip(tensors, want):
+        assert_same_bits(got, expected)
+
+
+def test_version_counters_are_bumped():
+    tensors = [torch.randn(3), torch.randn(4)]
+    before = [t._version for t in tensors]
+    quantize_many_(tensors, Float(5, 2))
+    assert [t._version for t in tensors] == [v + 1 for v in before]
+
+
+def test_refuses_a_leaf_that_requires_grad_in_grad_mode():
+    leaf = torch.randn(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        quantize_many_([torch.randn(2), leaf], Float(5, 2))
+    with torch.no_grad():
+        quantize_many_([torch.randn(2), leaf], Float(5, 2))
+
+
+def test_errors_name_the_tensor():
+    with pytest.raises(TypeError, match="tensors must be a list or tuple"):
+        quantize_many_(torch.randn(3), Float(5, 2))
+    with pytest.raises(TypeError, match=r"tensors\[1\] must be a torch.Tensor"):
+        quantize_many_([torch.randn(3), 1.0], Float(5, 2))
+    with pytest.raises(TypeError, match=r"tensors\[1\] must be a float32.*got torch.int32"):
+        quantize_many_([torch.randn(3), torch.zeros(3, dtype=torch.int32)], Float(5, 2))
+    with pytest.raises(ValueError, match=r"tensors\[2\]: .*does not fit a bfloat16"):
+        quantize_many_([torch.randn(3), torch.randn(3), torch.randn(3).bfloat16()], Float(5, 10))
+    with pytest.raises(TypeError, match="fmt must be a Float, Fixed or BlockFloat"):
+        quantize_many_([torch.randn(3)], "e5m2")
+    with pytest.raises(ValueError, match="offset"):
+        quantize_many_([torch.randn(3)] * 3, Float(5, 2), "stochastic", seed=1, offset=2**64 - 2)
+    with pytest.raises(ValueError, match="rbits"):
+        quantize_many_([torch.randn(3)], Float(5, 2), "stochastic", rbits=40)
+
+
+def test_direct_op_call_checks_the_grid_against_each_dtype():
+    grid = Float(5, 10).grid_arguments(torch.float32)
+    with pytest.raises(RuntimeError, match="not representable"):
+        torch.ops.lpsim.quantize_grid_many_(
+            [torch.randn(3), torch.randn(3).bfloat16()], *grid, 0, 32, torch.tensor(0), 0
+        )
+
+
+_DTYPES = st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16])
+
+
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 40), max_size=3), max_size=6),
+    dtypes=st.lists(_DTYPES, min_size=6, max_size=6),
+    rounding=st.sampled_from(RULES),
+    seed=st.integers(0, 2**64 - 1),
+    offset=st.integers(0, 2**40),
+    transpose=st.booleans(),
+)
+def test_property_equals_one_by_one(shapes, dtypes, rounding, seed, offset, transpose):
+    g = torch.Generator().manual_seed(seed % 2**32)
+    tensors = []
+    for shape, dtype in zip(shapes, dtypes):
+        t = (torch.randn(shape, generator=g) * 8).to(dtype)
+        tensors.append(t.t() if transpose and t.dim() == 2 else t)
+    fmt = Float(4, 3)
+    want = _one_by_one(tensors, fmt, rounding, offset=offset, seed=seed)
+    quantize_many_(tensors, fmt, rounding, seed=seed, offset=offset)
+    for got, expected in zip(tensors, want):
+        assert_same_bits(got, expected)
