@@ -51,7 +51,7 @@ cpu::Rounder rounder(const GridSpec& grid, at::IntArrayRef roundings, at::IntArr
   if (!r.active) return r;
   r.grid = grid_spec(Dtype::float32, grid);
   r.rounding = rounding_of(roundings[k]);
-  r.random = random_spec(rbits[k], seeds[static_cast<int64_t>(k)], 0);
+  r.random = random_spec(r.rounding, rbits[k], seeds[static_cast<int64_t>(k)], 0);
   return r;
 }
 

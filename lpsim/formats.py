@@ -106,34 +106,36 @@ def _stored_grid(fmt) -> GridSpec:
     """fmt._build_grid(), built once per distinct format and stored on fmt. Formats are frozen, so
     the grid never changes; building it costs ~30 us (max goes through Fractions), reading it back
     ~0.2 us (benchmarks/bench_overhead.py). Not functools.cached_property: its lock stops
-    torch.compile."""
+    torch.compile. While torch.compile traces, nothing is stored (dynamo cannot replay a store
+    into a format): the grid is read from the stores or built."""
     grid = fmt.__dict__.get("_grid")
     if grid is None:
         grid = _GRIDS.get(fmt)
         if grid is None:
             grid = fmt._build_grid()
-            if not torch.compiler.is_compiling():  # dynamo cannot replay a store of a new format
-                _GRIDS[fmt] = grid
-        object.__setattr__(fmt, "_grid", grid)  # frozen: set once, never changed
+        if not torch.compiler.is_compiling():
+            _GRIDS.setdefault(fmt, grid)
+            object.__setattr__(fmt, "_grid", grid)  # frozen: set once, never changed
     return grid
 
 
 def _stored_grid_arguments(fmt, dtype: torch.dtype) -> tuple:
     """tuple(fmt.grid()) once check_fits(fmt, dtype) has passed, stored on fmt per dtype (a
     format that does not fit raises on every call). Saves check_fits' ~3 us per quantize call;
-    a plain attribute rather than functools.lru_cache, which torch.compile warns about."""
+    a plain attribute rather than functools.lru_cache, which torch.compile warns about. Stores
+    nothing while torch.compile traces, as _stored_grid."""
     stored = fmt.__dict__.get("_grid_arguments")
     if stored is None:
-        stored = _GRID_ARGUMENTS.get(fmt)
-        if stored is None:
-            stored = {}
-            if not torch.compiler.is_compiling():
-                _GRID_ARGUMENTS[fmt] = stored
-        object.__setattr__(fmt, "_grid_arguments", stored)  # frozen: a cache, not a field
+        stored = _GRID_ARGUMENTS.get(fmt, {})
     arguments = stored.get(dtype)
     if arguments is None:
         check_fits(fmt, dtype)
-        arguments = stored[dtype] = tuple(_stored_grid(fmt))
+        arguments = tuple(_stored_grid(fmt))
+        if not torch.compiler.is_compiling():
+            stored = _GRID_ARGUMENTS.setdefault(fmt, stored)
+            stored[dtype] = arguments
+    if not torch.compiler.is_compiling() and "_grid_arguments" not in fmt.__dict__:
+        object.__setattr__(fmt, "_grid_arguments", stored)  # frozen: a cache, not a field
     return arguments
 
 

@@ -9,6 +9,10 @@ Randomness. The stochastic rules draw one 32-bit word per element from Philox4x3
 does not depend on the thread count, the memory layout or the device. Without ``seed``, a seed is
 drawn from torch's default CPU generator, so ``torch.manual_seed`` makes runs reproducible.
 ``offset`` selects a disjoint stream under the same seed.
+
+Under torch.compile, Float and Fixed formats with a deterministic rule are rounded by
+lpsim.fusable's torch-op form of the same rounding (bit for bit the kernel's), which Inductor fuses
+into the kernel that produces x; eager calls run the C++ kernel.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from lpsim._checks import check_container, check_tensor, random_args
 from lpsim._ops import call
 from lpsim.formats import BlockFloat, Fixed, Float, Format, check_fits
+from lpsim.fusable import compiled_quantize, compiled_quantize_
 from lpsim.rounding import MAX_RBITS, Rounding
 
 __all__ = ["quantize", "quantize_"]
@@ -108,6 +113,10 @@ def quantize(
         IndexError: a BlockFloat dim does not exist in x.
         RuntimeError: ``out`` is given and x or out requires grad, outside torch.no_grad().
     """
+    if torch.compiler.is_compiling():  # the fusable form, where there is one (lpsim.fusable)
+        fused = compiled_quantize(x, fmt, rounding, rbits=rbits, seed=seed, offset=offset, out=out)
+        if fused is not None:
+            return fused
     name, args = _prepare(x, fmt, rounding, rbits, seed, offset)
     if out is None:
         return call(name, x, *args)
@@ -134,6 +143,9 @@ def quantize_(
     with RuntimeError. Rounding a non-leaf keeps its history: the gradient through x stays the
     identity (straight-through).
     """
+    if torch.compiler.is_compiling():
+        if compiled_quantize_(x, fmt, rounding, rbits=rbits, seed=seed, offset=offset) is not None:
+            return x
     name, args = _prepare(x, fmt, rounding, rbits, seed, offset)
     call(name + "_", x, *args)
     return x

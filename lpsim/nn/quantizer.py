@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from lpsim.formats import CONTAINERS, BlockFloat, Fixed, Float, Format, fitting_container
+from lpsim.formats import BlockFloat, Fixed, Float, Format, fitting_container
 from lpsim.functional import quantize
 from lpsim.rounding import Rounding
 
@@ -165,22 +165,6 @@ def quantize_with_clip_mask(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Ten
     return out.to(x.dtype), clipped
 
 
-def _store_grids(fmt: Format) -> None:
-    """Build and store fmt's grid arguments for every container it fits, now.
-
-    torch.compile traces an autograd.Function's backward while it traces the forward pass, and
-    allows no side effects there: the first quantize() into a format inside backward, which stores
-    the format's grid on it (formats.grid_arguments), would stop fullgraph compilation with an
-    AttributeError. Storing them when the quantizer is made leaves backward nothing to store."""
-    if not isinstance(fmt, (Float, Fixed)):
-        return
-    for dtype in CONTAINERS:
-        try:
-            fmt.grid_arguments(dtype)
-        except ValueError:  # does not fit this container: quantize() raises when it is used
-            pass
-
-
 class _Quantize(torch.autograd.Function):
     """y = forward_spec(x); dL/dx = backward_spec(hooks(dL/dy)), zero where the forward clipped
     (where the rounded value lay outside the format's range)."""
@@ -243,8 +227,6 @@ def quantizer(
     """
     forward_spec = as_spec(forward, forward_rounding, "forward")
     backward_spec = as_spec(backward, backward_rounding, "backward")
-    if backward_spec is not None:
-        _store_grids(backward_spec.format)
     hooks = tuple(backward_hooks)
     if clamp_grad_zero:
         if forward_spec is None:
