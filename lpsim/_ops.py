@@ -58,6 +58,17 @@ def call(name: str, *args):
         result = _C.call(op.handle, args)
         if result is not NotImplemented:
             return result
+    return _through_torch_ops(op, args)
+
+
+def call_directly(name: str, *args):
+    """call()'s eager way only: lpsim._C.call's result, or NotImplemented for arguments it does not
+    take (see csrc/module.cpp)."""
+    return _C.call(_OPS[name].handle, args)
+
+
+def _through_torch_ops(op: _Op, args: tuple):
+    """The op through torch.ops, seeds given as ints made tensors, keyword-only arguments named."""
     args = list(args)
     for i in op.tensors:
         if isinstance(args[i], int):

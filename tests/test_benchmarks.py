@@ -41,3 +41,16 @@ def test_overhead_benchmark_prints_a_row_per_op_and_reference(capsys):
     for label in [*ops, "x.to(torch.bfloat16)", "x.clone()"]:
         assert sum(line.startswith(label + " ") for line in lines) == 1, label
     assert "64 us" in lines[1] and "128 us" in lines[1]
+
+
+def test_fusable_benchmark_times_every_case_against_the_producer_alone(capsys):
+    bench_fusable = _import("bench_fusable")
+    threads = torch.get_num_threads()
+    try:
+        rows = bench_fusable.main(["--sizes", "256", "--repeat", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["case"] for r in rows][0] == "x * 2 + 1 compiled alone"
+    assert len(rows) == 5 and rows[0]["ratio"] == 1.0
+    assert all(r["ms"] > 0 and r["size"] == 256 for r in rows)
+    assert "fusable quantize, compiled" in capsys.readouterr().out
