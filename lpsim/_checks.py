@@ -8,6 +8,7 @@ derives its seed the same way: from ``seed=`` when given, else from torch's defa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -108,6 +109,36 @@ def check_int(name: str, value, low: int, high: int) -> int:
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
     return value
+
+
+def check_number(name: str, value, low: float = 0.0, high: float = math.inf) -> float:
+    """value, checked to be a real number (an int or float, not a bool) in [low, high].
+
+    Raises:
+        TypeError: value is not a number.
+        ValueError: value is outside [low, high].
+    """
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def check_betas(betas) -> tuple[float, float]:
+    """Adam's (beta1, beta2), checked: a pair of numbers, each in [0, 1).
+
+    Raises:
+        TypeError: betas is not a pair of numbers.
+        ValueError: a beta is outside [0, 1).
+    """
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"betas must be a pair of numbers, got {betas!r}")
+    for name, beta in zip(("betas[0]", "betas[1]"), betas):
+        check_number(name, beta, 0.0, 1.0)
+        if beta == 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {beta}")
+    return tuple(betas)
 
 
 def check_randomness(randomness: str) -> int:

@@ -27,13 +27,12 @@ formats (Float, Fixed) only, Adam without amsgrad, no closure re-evaluation at a
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
 
-from lpsim._checks import check_element_format, draw_seed
+from lpsim._checks import check_betas, check_element_format, check_number, draw_seed
 from lpsim._ops import ops
 from lpsim.formats import Float
 from lpsim.functional import quantize
@@ -45,14 +44,6 @@ __all__ = ["FusedSGD", "FusedAdam"]
 _CATEGORIES = ("grad", "state", "acc", "weight")  # the op's rounding categories, in its order
 _UNROUNDED = Float(8, 23)  # the grid passed for a category that is not rounded (rule -1)
 _NO_SEED = torch.zeros((), dtype=torch.int64)
-
-
-def _check_number(name: str, value, low: float = 0.0, high: float = math.inf) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
-    return value
 
 
 def _spec(value, rounding, name: str) -> QuantSpec | None:
@@ -260,7 +251,7 @@ class FusedSGD(_Fused):
             ("dampening", dampening),
             ("weight_decay", weight_decay),
         ):
-            _check_number(name, value)
+            check_number(name, value)
         for name, value in (("nesterov", nesterov), ("maximize", maximize)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -343,20 +334,15 @@ class FusedAdam(_Fused):
         grad_scaling: float = 1.0,
         rounding: Rounding | str = "stochastic",
     ):
-        _check_number("lr", lr)
-        _check_number("eps", eps)
-        _check_number("weight_decay", weight_decay)
+        check_number("lr", lr)
+        check_number("eps", eps)
+        check_number("weight_decay", weight_decay)
         if amsgrad is not False:
             raise ValueError(f"amsgrad must be False: {type(self).__name__} has no amsgrad")
         for name, value in (("decoupled", decoupled), ("maximize", maximize)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise TypeError(f"betas must be a pair of numbers, got {betas!r}")
-        for name, beta in zip(("betas[0]", "betas[1]"), betas):
-            _check_number(name, beta, 0.0, 1.0)
-            if beta == 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {beta}")
+        check_betas(betas)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),

@@ -30,7 +30,14 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.optim import Optimizer
 
-from lpsim._checks import CONTAINER_DTYPES, RANDOMNESS, check_element_format, draw_seed
+from lpsim._checks import (
+    CONTAINER_DTYPES,
+    RANDOMNESS,
+    check_betas,
+    check_element_format,
+    check_number,
+    draw_seed,
+)
 from lpsim.formats import Fixed, Float, check_fits
 from lpsim.functional import quantize, quantize_
 from lpsim.rounding import Rounding, check_rbits
@@ -39,13 +46,6 @@ from lpsim.update import own_format, sr_add, sr_add_, sr_addcdiv_
 __all__ = ["SGD", "AdamW"]
 
 _WEIGHT, _FIRST_STATE, _SECOND_STATE = 0, 1, 2  # the k of a random stream's offset
-
-
-def _check_number(name: str, value, low: float = 0.0, high: float = math.inf) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
 
 
 class _LowPrecision(Optimizer):
@@ -227,7 +227,7 @@ class SGD(_LowPrecision):
             ("dampening", dampening),
             ("weight_decay", weight_decay),
         ):
-            _check_number(name, value)
+            check_number(name, value)
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov needs momentum > 0 and dampening = 0")
         defaults = dict(
@@ -297,15 +297,10 @@ class AdamW(_LowPrecision):
         seed: int | None = None,
         randomness: str = "position",
     ):
-        _check_number("lr", lr)
-        _check_number("eps", eps)
-        _check_number("weight_decay", weight_decay)
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise TypeError(f"betas must be a pair of numbers, got {betas!r}")
-        for name, beta in zip(("betas[0]", "betas[1]"), betas):
-            _check_number(name, beta, 0.0, 1.0)
-            if beta == 1.0:
-                raise ValueError(f"{name} must be < 1, got {beta}")
+        check_number("lr", lr)
+        check_number("eps", eps)
+        check_number("weight_decay", weight_decay)
+        check_betas(betas)
         defaults = dict(
             lr=lr,
             betas=tuple(betas),
