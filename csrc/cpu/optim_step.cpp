@@ -44,7 +44,7 @@ void optim_step(const StepConfig& c, const StepTensors& t, int64_t begin, int64_
     if (t.grad != nullptr) {
       float* g = t.grad + first;
       if (c.scale_grad) {
-        for (int64_t k = 0; k < n; ++k) g[k] = mul_f(g[k], c.grad_scale);  // grad.mul_(scaling)
+        for (int64_t k = 0; k < n; ++k) g[k] = mul_rn(g[k], c.grad_scale);  // grad.mul_(scaling)
       }
       round_into(c.grad, t.offset[0], g, g, first, n);
       if (!adam) {

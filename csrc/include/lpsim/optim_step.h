@@ -26,49 +26,9 @@
 #include <cmath>
 
 #include "config.h"
+#include "ieee_ops.h"
 
 namespace lpsim {
-
-LPSIM_FN float mul_f(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-
-LPSIM_FN float add_f(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
-}
-
-LPSIM_FN float sub_f(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
-
-LPSIM_FN float div_f(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-
-// a * b + c rounded once.
-LPSIM_FN float fma_f(float a, float b, float c) {
-#if defined(__CUDA_ARCH__)
-  return __fmaf_rn(a, b, c);
-#else
-  return std::fma(a, b, c);
-#endif
-}
 
 // ---- SGD (torch.optim.SGD, _single_tensor_sgd)
 
@@ -88,13 +48,13 @@ struct SgdScalars {
 // takes the direction itself).
 LPSIM_FN float sgd_element(float w, float g, float& buf, bool fresh, const SgdScalars& s) {
   float d = s.maximize ? -g : g;
-  if (s.has_weight_decay) d = fma_f(w, s.weight_decay, d);  // grad.add(param, alpha=weight_decay)
+  if (s.has_weight_decay) d = fma_rn(w, s.weight_decay, d);  // grad.add(param, alpha=weight_decay)
   if (s.has_momentum) {
     // buf.mul_(momentum).add_(grad, alpha=1 - dampening)
-    buf = fresh ? d : fma_f(d, s.one_minus_dampening, mul_f(buf, s.momentum));
-    d = s.nesterov ? fma_f(buf, s.momentum, d) : buf;  // grad.add(buf, alpha=momentum)
+    buf = fresh ? d : fma_rn(d, s.one_minus_dampening, mul_rn(buf, s.momentum));
+    d = s.nesterov ? fma_rn(buf, s.momentum, d) : buf;  // grad.add(buf, alpha=momentum)
   }
-  return fma_f(d, s.neg_lr, w);  // param.add_(grad, alpha=-lr)
+  return fma_rn(d, s.neg_lr, w);  // param.add_(grad, alpha=-lr)
 }
 
 // ---- Adam and AdamW (torch.optim.Adam, _single_tensor_adam; AdamW is decoupled weight decay)
@@ -115,14 +75,14 @@ struct AdamScalars {
 // update applies to (w, decayed by AdamW's factor).
 LPSIM_FN float adam_moments(float w, float g, float& m, float& v, const AdamScalars& s) {
   float d = s.maximize ? -g : g;
-  if (s.decoupled_decay) w = mul_f(w, s.decay);          // param.mul_(1 - lr * weight_decay)
-  if (s.coupled_decay) d = fma_f(w, s.weight_decay, d);  // grad.add(param, alpha=weight_decay)
+  if (s.decoupled_decay) w = mul_rn(w, s.decay);          // param.mul_(1 - lr * weight_decay)
+  if (s.coupled_decay) d = fma_rn(w, s.weight_decay, d);  // grad.add(param, alpha=weight_decay)
   // exp_avg.lerp_(grad, 1 - beta1)
-  const float diff = sub_f(d, m);
+  const float diff = sub_rn(d, m);
   const bool small = std::fabs(s.lerp_weight) < 0.5f;
-  m = small ? fma_f(s.lerp_weight, diff, m) : fma_f(sub_f(s.lerp_weight, 1.0f), diff, d);
+  m = small ? fma_rn(s.lerp_weight, diff, m) : fma_rn(sub_rn(s.lerp_weight, 1.0f), diff, d);
   // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-  v = fma_f(mul_f(s.one_minus_beta2, d), d, mul_f(v, s.beta2));
+  v = fma_rn(mul_rn(s.one_minus_beta2, d), d, mul_rn(v, s.beta2));
   return w;
 }
 
@@ -131,8 +91,8 @@ LPSIM_FN float adam_moments(float w, float g, float& m, float& v, const AdamScal
 // beta1^step)).
 LPSIM_FN float adam_update(float w, float m, float root, float bias2_sqrt, float neg_step_size,
                            const AdamScalars& s) {
-  const float denom = add_f(div_f(root, bias2_sqrt), s.eps);  // (sqrt / bias2_sqrt).add_(eps)
-  return add_f(w, div_f(mul_f(neg_step_size, m), denom));     // param.addcdiv_(m, denom, -step)
+  const float denom = add_rn(div_rn(root, bias2_sqrt), s.eps);  // (sqrt / bias2_sqrt).add_(eps)
+  return add_rn(w, div_rn(mul_rn(neg_step_size, m), denom));    // param.addcdiv_(m, denom, -step)
 }
 
 }  // namespace lpsim

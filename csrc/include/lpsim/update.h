@@ -9,6 +9,7 @@
 
 #include "container.h"
 #include "exact_sum.h"
+#include "ieee_ops.h"
 #include "philox.h"
 
 namespace lpsim {
@@ -69,37 +70,6 @@ LPSIM_FN uint64_t bits_of_real(double v) {
   uint64_t bits;
   __builtin_memcpy(&bits, &v, sizeof bits);
   return bits;
-#endif
-}
-
-// One IEEE operation rounded to nearest, ties to even. The host build has no contraction
-// (-ffp-contract=off) and SSE arithmetic; nvcc's intrinsics forbid contraction on the device.
-LPSIM_FN float mul_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-LPSIM_FN double mul_rn(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __dmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-LPSIM_FN float div_rn(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
-LPSIM_FN double div_rn(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return __ddiv_rn(a, b);
-#else
-  return a / b;
 #endif
 }
 
