@@ -2,15 +2,15 @@
 // there (torch.library.register_autograd) costs a Python frame and an autograd.Function per call,
 // about 24 us, even under torch.no_grad() (benchmarks/bench_overhead.py; docs/performance.md).
 //
-// Straight-through ops (quantize_grid, quantize_block, sr_add): the gradient with respect to each
-// of the op's first `inputs` arguments (x; sr_add's a and b) is the incoming gradient, in that
-// argument's dtype; the other arguments have none. With grad mode on and one of those inputs
-// requiring grad, the result's grad_fn is a StraightThrough node with an edge to each.
+// Straight-through ops (quantize_grid, quantize_block, quantize_scaled, sr_add): the gradient with
+// respect to each of the op's first `inputs` arguments (x; sr_add's a and b) is the incoming
+// gradient, in that argument's dtype; the other arguments have none. With grad mode on and one of
+// those inputs requiring grad, the result's grad_fn is a StraightThrough node with an edge to each.
 //
 // The ops that write into a tensor argument (Tensor(a!) or Tensor(a!)[] in their schemas): the
-// in-place quantize_grid_, quantize_block_, sr_add_ and sr_addc_, the multi-tensor
-// quantize_grid_many_ and optimizer steps, and the out= ops quantize_grid_out and
-// quantize_block_out. A tensor-list argument counts as each of its tensors.
+// in-place quantize_grid_, quantize_block_, quantize_scaled_, sr_add_ and sr_addc_, the
+// multi-tensor quantize_grid_many_ and optimizer steps, and the out= ops quantize_grid_out,
+// quantize_block_out and quantize_scaled_out. A tensor-list argument counts as each of its tensors.
 //
 // For a custom op without kernels at the Autograd and ADInplaceOrView keys, the dispatcher's
 // defaults run it like a pure function: the written tensor's version counter stays put and a leaf
@@ -51,11 +51,12 @@ struct StraightThroughOp {
   size_t inputs;  // the leading arguments that receive the gradient
 };
 constexpr StraightThroughOp kStraightThroughOps[] = {
-    {"quantize_grid", 1}, {"quantize_block", 1}, {"sr_add", 2}};
+    {"quantize_grid", 1}, {"quantize_block", 1}, {"quantize_scaled", 1}, {"sr_add", 2}};
 
 constexpr const char* kWritingOps[] = {
-    "quantize_grid_", "quantize_grid_out", "quantize_block_",     "quantize_block_out",
-    "sr_add_",        "sr_addc_",          "quantize_grid_many_", "optim_step_"};
+    "quantize_grid_",      "quantize_grid_out",   "quantize_block_", "quantize_block_out",
+    "quantize_scaled_",    "quantize_scaled_out", "sr_add_",         "sr_addc_",
+    "quantize_grid_many_", "optim_step_"};
 
 // The backward of a straight-through op: the incoming gradient, in each input's dtype.
 struct StraightThrough : public torch::autograd::Node {

@@ -107,11 +107,19 @@ bool to_ivalue(PyObject* value, const c10::TypePtr& type, c10::IValue& out) {
       if (!PyBool_Check(value)) return false;
       out = value == Py_True;
       return true;
-    case TypeKind::ListType: {  // Tensor[] only: a list or tuple of tensors
+    case TypeKind::ListType: {  // Tensor[] or int[]: a list or tuple of tensors or ints
       const auto element = type->expectRef<c10::ListType>().getElementType();
-      if (element->kind() != TypeKind::TensorType) return false;
       if (!PyList_Check(value) && !PyTuple_Check(value)) return false;
       const Py_ssize_t n = PySequence_Fast_GET_SIZE(value);
+      if (element->kind() == TypeKind::IntType) {
+        std::vector<int64_t> integers(static_cast<size_t>(n));
+        for (Py_ssize_t i = 0; i < n; ++i) {
+          if (!to_int(PySequence_Fast_GET_ITEM(value, i), integers[i])) return false;
+        }
+        out = c10::IValue(std::move(integers));
+        return true;
+      }
+      if (element->kind() != TypeKind::TensorType) return false;
       c10::List<at::Tensor> tensors;
       tensors.reserve(n);
       for (Py_ssize_t i = 0; i < n; ++i) {

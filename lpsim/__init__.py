@@ -1,8 +1,8 @@
 """lpsim: low-precision arithmetic simulation for PyTorch.
 
 Tensors stay in an ordinary float container (float32, float64, bfloat16 or float16) and fused
-kernels round every element into a target format (Float, Fixed, BlockFloat) under a chosen rule.
-``quantize(x, fmt, rounding)`` is the API; the QPyTorch names ``float_quantize``,
+kernels round every element into a target format (Float, Fixed, BlockFloat, Scaled) under a chosen
+rule. ``quantize(x, fmt, rounding)`` is the API; the QPyTorch names ``float_quantize``,
 ``fixed_point_quantize`` and ``block_quantize`` behave exactly as in QPyTorch (its number ranges,
 stochastic rounding by default, ``dim=-1`` for one block over the whole tensor).
 
@@ -24,6 +24,7 @@ from lpsim import (
     nn,
     optim,
     recipes,
+    scaled,  # scaled formats: MX, NVFP4, FP8 with block, row or tensor scales
     update,
 )
 from lpsim._ops import cpu_generator, cuda_built
@@ -32,6 +33,7 @@ from lpsim.formats import PRESETS, BlockFloat, Fixed, Float, preset
 from lpsim.functional import quantize, quantize_
 from lpsim.multi_tensor import quantize_many_
 from lpsim.rounding import Rounding
+from lpsim.scaled import PowerOfTwo, Scaled
 from lpsim.update import (
     sr_add,
     sr_add_,
@@ -58,6 +60,9 @@ __all__ = [
     "Float",
     "Fixed",
     "BlockFloat",
+    "Scaled",
+    "PowerOfTwo",
+    "scaled",
     "Rounding",
     "PRESETS",
     "preset",

@@ -102,7 +102,7 @@ _GRIDS: dict = {}
 _GRID_ARGUMENTS: dict = {}
 
 
-def _stored_grid(fmt) -> GridSpec:
+def stored_grid(fmt) -> GridSpec:
     """fmt._build_grid(), built once per distinct format and stored on fmt. Formats are frozen, so
     the grid never changes; building it costs ~30 us (max goes through Fractions), reading it back
     ~0.2 us (benchmarks/bench_overhead.py). Not functools.cached_property: its lock stops
@@ -123,14 +123,14 @@ def _stored_grid_arguments(fmt, dtype: torch.dtype) -> tuple:
     """tuple(fmt.grid()) once check_fits(fmt, dtype) has passed, stored on fmt per dtype (a
     format that does not fit raises on every call). Saves check_fits' ~3 us per quantize call;
     a plain attribute rather than functools.lru_cache, which torch.compile warns about. Stores
-    nothing while torch.compile traces, as _stored_grid."""
+    nothing while torch.compile traces, as stored_grid."""
     stored = fmt.__dict__.get("_grid_arguments")
     if stored is None:
         stored = _GRID_ARGUMENTS.get(fmt, {})
     arguments = stored.get(dtype)
     if arguments is None:
         check_fits(fmt, dtype)
-        arguments = tuple(_stored_grid(fmt))
+        arguments = tuple(stored_grid(fmt))
         if not torch.compiler.is_compiling():
             stored = _GRID_ARGUMENTS.setdefault(fmt, stored)
             stored[dtype] = arguments
@@ -139,14 +139,14 @@ def _stored_grid_arguments(fmt, dtype: torch.dtype) -> tuple:
     return arguments
 
 
-def _check_int(owner: str, name: str, value, low: int, high: int) -> None:
+def check_int_field(owner: str, name: str, value, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__}")
     if not low <= value <= high:
         raise ValueError(f"{owner}.{name} must be in [{low}, {high}], got {value}")
 
 
-def _check_bool(owner: str, name: str, value) -> None:
+def check_bool_field(owner: str, name: str, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{owner}.{name} must be a bool, got {type(value).__name__}")
 
@@ -157,7 +157,7 @@ def _exponent_of(value: Fraction) -> int:
     return e if Fraction(2) ** e <= value else e - 1
 
 
-def _short_repr(obj) -> str:
+def short_repr(obj) -> str:
     """Class(field=value, ...) listing the positional fields and the keywords that differ from
     their defaults."""
     parts = []
@@ -181,7 +181,7 @@ class _OnGrid:
 
     def grid(self) -> GridSpec:
         """The grid the compiled ops round onto (computed once per distinct format)."""
-        return _stored_grid(self)
+        return stored_grid(self)
 
     def grid_arguments(self, dtype: torch.dtype) -> tuple:
         """grid() as the ops' argument tuple for a tensor of ``dtype``.
@@ -236,10 +236,10 @@ class Float(_OnGrid):
     saturate: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
-        _check_int("Float", "exp", self.exp, 1, 11)
-        _check_int("Float", "man", self.man, 0, 52)
-        _check_bool("Float", "subnormals", self.subnormals)
-        _check_bool("Float", "saturate", self.saturate)
+        check_int_field("Float", "exp", self.exp, 1, 11)
+        check_int_field("Float", "man", self.man, 0, 52)
+        check_bool_field("Float", "subnormals", self.subnormals)
+        check_bool_field("Float", "saturate", self.saturate)
         if self.special not in SPECIALS:
             raise ValueError(f"Float.special must be one of {SPECIALS}, got {self.special!r}")
         if self.special == "ieee" and self.exp < 2:
@@ -249,7 +249,7 @@ class Float(_OnGrid):
             )
         if self.bias is None:
             object.__setattr__(self, "bias", self.default_bias)
-        _check_int("Float", "bias", self.bias, -4096, 4096)
+        check_int_field("Float", "bias", self.bias, -4096, 4096)
         if self.special == "fn" and self.exp == 1 and self.man == 0:
             raise ValueError("Float(exp=1, man=0, special='fn') has no finite non-zero value")
         problem = self._misfit(_WIDEST)
@@ -261,7 +261,7 @@ class Float(_OnGrid):
         """The bias used when none is given: 2**(exp-1) - 1, or 2**(exp-1) for fnuz."""
         return 2 ** (self.exp - 1) - (0 if self.special == "fnuz" else 1)
 
-    __repr__ = _short_repr
+    __repr__ = short_repr
 
     # Facts about the encoding, with numpy.finfo's names.
 
@@ -399,18 +399,18 @@ class Fixed(_OnGrid):
     symmetric: bool = field(default=False, kw_only=True)
 
     def __post_init__(self) -> None:
-        _check_bool("Fixed", "signed", self.signed)
-        _check_bool("Fixed", "clamp", self.clamp)
-        _check_bool("Fixed", "symmetric", self.symmetric)
-        _check_int("Fixed", "wl", self.wl, 2 if self.signed else 1, 64)
-        _check_int("Fixed", "fl", self.fl, -1100, 1100)
+        check_bool_field("Fixed", "signed", self.signed)
+        check_bool_field("Fixed", "clamp", self.clamp)
+        check_bool_field("Fixed", "symmetric", self.symmetric)
+        check_int_field("Fixed", "wl", self.wl, 2 if self.signed else 1, 64)
+        check_int_field("Fixed", "fl", self.fl, -1100, 1100)
         if self.symmetric and not self.signed:
             raise ValueError("Fixed.symmetric applies to signed formats only")
         problem = self._misfit(_WIDEST)
         if problem:
             raise ValueError(f"{self!r} does not fit even a float64 container: {problem}")
 
-    __repr__ = _short_repr
+    __repr__ = short_repr
 
     @property
     def bits(self) -> int:
@@ -508,7 +508,7 @@ class BlockFloat:
     block_size: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
-        _check_int("BlockFloat", "wl", self.wl, 2, _WIDEST.man + 2)
+        check_int_field("BlockFloat", "wl", self.wl, 2, _WIDEST.man + 2)
         if self.dim is not None:
             if isinstance(self.dim, int) and not isinstance(self.dim, bool) and self.dim < 0:
                 raise ValueError(
@@ -516,13 +516,13 @@ class BlockFloat:
                     f">= 0, got {self.dim}: negative dims are ambiguous (QPyTorch's -1 is the "
                     "whole tensor, torch's the last dimension); write dim=None or dim=x.dim() - 1"
                 )
-            _check_int("BlockFloat", "dim", self.dim, 0, 2**31)
+            check_int_field("BlockFloat", "dim", self.dim, 0, 2**31)
         if self.block_size is not None:
-            _check_int("BlockFloat", "block_size", self.block_size, 1, 2**31)
+            check_int_field("BlockFloat", "block_size", self.block_size, 1, 2**31)
             if self.dim is not None:
                 raise ValueError("BlockFloat takes dim or block_size, not both")
 
-    __repr__ = _short_repr
+    __repr__ = short_repr
 
     @property
     def bits(self) -> int:

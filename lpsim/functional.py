@@ -24,6 +24,7 @@ from lpsim._ops import call
 from lpsim.formats import BlockFloat, Fixed, Float, Format, check_fits
 from lpsim.fusable import compiled_quantize, compiled_quantize_
 from lpsim.rounding import MAX_RBITS, Rounding
+from lpsim.scaled import Scaled
 
 __all__ = ["quantize", "quantize_"]
 
@@ -60,8 +61,15 @@ def _prepare(x, fmt, rounding, rbits, seed, offset):
         grid = fmt.grid_arguments(x.dtype)
         rule, *random = random_args(rounding, rbits, seed, offset)
         return "quantize_grid", (*grid, int(rule), *random)
+    if isinstance(fmt, Scaled):
+        check_container(x)
+        arguments = fmt.op_arguments(x.dtype)
+        rule, *random = random_args(rounding, rbits, seed, offset)
+        return "quantize_scaled", (*arguments, int(rule), *random)
     if not isinstance(fmt, BlockFloat):
-        raise TypeError(f"fmt must be a Float, Fixed or BlockFloat, got {type(fmt).__name__}")
+        raise TypeError(
+            f"fmt must be a Float, Fixed, BlockFloat or Scaled, got {type(fmt).__name__}"
+        )
     check_container(x)
     check_fits(fmt, x.dtype)
     rule, *random = random_args(rounding, rbits, seed, offset)
@@ -92,7 +100,7 @@ def quantize(
     Args:
         x: a float32, float64, bfloat16 or float16 tensor, any shape and strides. Its dtype is the
             container: the format must fit it (see lpsim.formats).
-        fmt: a Float, Fixed or BlockFloat format.
+        fmt: a Float, Fixed, BlockFloat or Scaled format (lpsim.scaled).
         rounding: a rule name or lpsim.Rounding (see lpsim.rounding); default "nearest".
         rbits: random bits per decision, 1 to 32, for the stochastic rules only (default 32).
         seed: 0 <= seed < 2**64, for the stochastic rules. None: drawn from torch's default CPU

@@ -25,6 +25,7 @@ from lpsim._ops import call
 from lpsim.formats import BlockFloat, Fixed, Float, Format
 from lpsim.functional import quantize_
 from lpsim.rounding import Rounding
+from lpsim.scaled import Scaled
 
 __all__ = ["quantize_many_"]
 
@@ -74,9 +75,9 @@ def quantize_many_(
             Each tensor's dtype is its container: the format must fit it. The tensors must not
             overlap in memory (the same tensor twice, or two views of one storage that share
             elements): they are rounded concurrently.
-        fmt: a Float, Fixed or BlockFloat format. Float and Fixed formats round every tensor in one
-            compiled call; a BlockFloat format is a loop of ``quantize_`` over the tensors, with
-            the same seed and offsets.
+        fmt: a Float, Fixed, BlockFloat or Scaled format. Float and Fixed formats round every
+            tensor in one compiled call; BlockFloat and Scaled formats are a loop of
+            ``quantize_`` over the tensors, with the same seed and offsets.
         rounding: a rule name or lpsim.Rounding (see lpsim.rounding); default "nearest".
         rbits: random bits per decision, 1 to 32, for the stochastic rules only (default 32).
         seed: 0 <= seed < 2**64, for the stochastic rules. None: one seed drawn from torch's
@@ -103,7 +104,7 @@ def quantize_many_(
             f"offset + len(tensors) - 1 must be < 2**64: tensor i uses the stream offset + i; "
             f"got offset {offset} for {len(checked)} tensors"
         )
-    if isinstance(fmt, BlockFloat):
+    if isinstance(fmt, (BlockFloat, Scaled)):
         # One loop of quantize_ under one seed: the one given, or one drawn here for all.
         if rule.is_stochastic and seed is None:
             seed = int(draw_seed())
@@ -111,7 +112,9 @@ def quantize_many_(
             quantize_(t, fmt, rule, rbits=rbits, seed=seed, offset=offset + i)
         return tensors
     if not isinstance(fmt, (Float, Fixed)):
-        raise TypeError(f"fmt must be a Float, Fixed or BlockFloat, got {type(fmt).__name__}")
+        raise TypeError(
+            f"fmt must be a Float, Fixed, BlockFloat or Scaled, got {type(fmt).__name__}"
+        )
     if checked:
         grid = _grid_arguments(fmt, checked)
         call("quantize_grid_many_", checked, *grid, int(rule), op_rbits, seed_argument, stream)

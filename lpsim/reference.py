@@ -20,10 +20,12 @@ import struct
 from dataclasses import dataclass
 from fractions import Fraction
 
+import numpy as np
 import torch
 
 from lpsim.formats import BlockFloat, Fixed, Float, container_of
 from lpsim.rounding import MAX_RBITS, Rounding
+from lpsim.scaled import PowerOfTwo, Scaled
 
 __all__ = [
     "quantize",
@@ -40,6 +42,8 @@ __all__ = [
     "addc_term",
     "sum_rounded",
     "dot_rounded",
+    "scaled_block_keys",
+    "scaled_block_scale",
 ]
 
 _MASK32 = 0xFFFFFFFF
@@ -257,7 +261,7 @@ def _block_keys(shape: tuple[int, ...], fmt: BlockFloat) -> list:
 
 def quantize(
     x: torch.Tensor,
-    fmt: Float | Fixed | BlockFloat,
+    fmt: Float | Fixed | BlockFloat | Scaled,
     rounding: Rounding | str = "nearest",
     *,
     rbits: int | None = None,
@@ -275,7 +279,9 @@ def quantize(
     def word(i: int) -> int:
         return random_word(seed, offset, i) if rule.is_stochastic else 0
 
-    if isinstance(fmt, BlockFloat):
+    if isinstance(fmt, Scaled):
+        out = _quantize_scaled(values, tuple(x.shape), x.dtype, fmt, rule, word, bits)
+    elif isinstance(fmt, BlockFloat):
         keys = _block_keys(tuple(x.shape), fmt)
         max_abs: dict = {}
         for key, v in zip(keys, values):
@@ -490,4 +496,118 @@ def dot_rounded(
                 lambda k, r=r: random_word(seed, offset, 2 * (r * n + k)),
             )
             out[i, j] = partial[-1] if partial else 0.0
+    return out
+
+
+# ---- Scaled formats (lpsim.scaled): each block's scale from its largest magnitude, then its
+# elements rounded. Power-of-two scales exactly, with Fractions; Float scales in the arithmetic
+# the format defines (float32, or float64 for float64 tensors), with numpy's IEEE scalars.
+
+
+def scaled_block_keys(shape: tuple[int, ...], fmt: Scaled) -> list:
+    """The block each element (in row-major order) belongs to: elements with equal keys share a
+    scale."""
+    dims = list(shape) or [1]
+    count = math.prod(dims)
+    block = fmt.block
+    if block == "tensor":
+        return [0] * count
+    if isinstance(block, tuple):
+        if len(dims) == 1:
+            dims = [1, *dims]
+        rows, cols = dims[-2], dims[-1]
+        keys = []
+        for i in range(count):
+            r, c = (i // cols) % rows, i % cols
+            keys.append((i // (rows * cols), r // block[0], c // block[1]))
+        return keys
+    d = fmt.axis % len(dims)
+    length, inner = dims[d], math.prod(dims[d + 1 :])
+    size = length if block is None else block
+    return [(i // (length * inner), (i // inner) % length // size, i % inner) for i in range(count)]
+
+
+def _ceil_log2(m: Fraction) -> int:
+    e = _floor_log2(m)
+    return e if Fraction(2) ** e == m else e + 1
+
+
+def _arithmetic(dtype: torch.dtype):
+    """The numpy scalar type a scaled format's float arithmetic uses for tensors of dtype."""
+    return np.float64 if dtype == torch.float64 else np.float32
+
+
+def _tensor_scale(values: list[float], fmt: Scaled, real) -> float:
+    """NVFP4's per-tensor scale t (NaN when the tensor holds a NaN or Inf)."""
+    if any(not math.isfinite(v) for v in values):
+        return math.nan
+    amax = max((abs(v) for v in values), default=0.0)
+    with np.errstate(all="ignore"):
+        t = real(real(amax) / real(fmt.scale.max * fmt.element.max))
+    return float(max(t, real(2.0**-126 / fmt.scale.smallest_normal)))
+
+
+def scaled_block_scale(block: list[float], fmt: Scaled, dtype: torch.dtype, t: float = 1.0):
+    """The scale of one block of values, as ("power", e) for a PowerOfTwo scale 2**e, or
+    ("float", r, c): the encoder multiplies by r, elements decode times c. None for a block that
+    holds a NaN or an Inf."""
+    if any(not math.isfinite(v) for v in block) or math.isnan(t):
+        return None
+    amax = max((abs(Fraction(v)) for v in block), default=Fraction(0))
+    real = _arithmetic(dtype)
+    elem_max = fmt.element.max
+    if isinstance(fmt.scale, PowerOfTwo):
+        emax = fmt.element_emax
+        rule = fmt.scale_rule
+        if rule == "rceil":
+            with np.errstate(all="ignore"):
+                d = Fraction(float(real(real(float(amax)) / real(elem_max))))
+            e = None if d == 0 else _ceil_log2(d)
+        elif amax == 0:
+            e = None
+        elif rule == "floor":
+            e = _floor_log2(amax) - emax
+        elif rule == "ceil":
+            e = _ceil_log2(amax) - emax
+        else:  # "even": amax rounded to the element's precision, ties away from zero
+            q = Fraction(2) ** (_floor_log2(amax) - fmt.element_precision)
+            e = _floor_log2(math.floor(amax / q + Fraction(1, 2)) * q) - emax
+        e = fmt.scale.emin if e is None else min(max(e, fmt.scale.emin), fmt.scale.emax)
+        return ("power", e)
+    with np.errstate(all="ignore"):
+        d = real(real(float(amax)) / real(elem_max))
+        if fmt.tensor_scale:
+            d = real(d / real(t))
+        d = min(max(d, real(fmt.scale.smallest_normal)), real(fmt.scale.max))
+        s = real(round_value(float(d), grid_of(fmt.scale), Rounding.nearest))
+        if fmt.tensor_scale:
+            return ("float", real(real(real(1) / real(t)) / s), real(real(t) * s))
+        return ("float", real(real(1) / s), s)
+
+
+def _quantize_scaled(values, shape, dtype, fmt: Scaled, rule, word, bits) -> list[float]:
+    keys = scaled_block_keys(shape, fmt)
+    blocks: dict = {}
+    for key, v in zip(keys, values):
+        blocks.setdefault(key, []).append(v)
+    t = _tensor_scale(values, fmt, _arithmetic(dtype)) if fmt.tensor_scale else 1.0
+    scales = {key: scaled_block_scale(block, fmt, dtype, t) for key, block in blocks.items()}
+    grid = grid_of(fmt.saturating_element())
+    real = _arithmetic(dtype)
+    out = []
+    for i, (key, v) in enumerate(zip(keys, values)):
+        scale = scales[key]
+        if scale is None:
+            out.append(math.nan)
+        elif scale[0] == "power":
+            e = scale[1]
+            m = abs(Fraction(v)) / Fraction(2) ** e
+            q = round_rational(m, math.copysign(1.0, v) < 0, grid, rule, word(i), bits)
+            out.append(math.ldexp(q, e))  # exact: q has few bits, and keeps its sign at 0
+        else:
+            _, r, c = scale
+            with np.errstate(all="ignore"):
+                y = float(real(real(v) * r))
+                q = round_value(y, grid, rule, word(i), bits)
+                out.append(float(real(real(q) * c)))
     return out

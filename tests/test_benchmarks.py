@@ -54,3 +54,20 @@ def test_fusable_benchmark_times_every_case_against_the_producer_alone(capsys):
     assert len(rows) == 5 and rows[0]["ratio"] == 1.0
     assert all(r["ms"] > 0 and r["size"] == 256 for r in rows)
     assert "fusable quantize, compiled" in capsys.readouterr().out
+
+
+def test_scaled_benchmark_times_each_format_and_rule_against_clone(capsys):
+    bench_scaled = _import("bench_scaled")
+    threads = torch.get_num_threads()
+    try:
+        rows = bench_scaled.main(["--size", "4096", "--repeat", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    assert [(r["format"], r["rule"]) for r in rows] == [
+        (name, rule)
+        for name in ("mxfp8_e4m3", "mxfp4_e2m1", "nvfp4")
+        for rule in ("nearest", "stochastic")
+    ]
+    assert all(r["lpsim_ms"] > 0 and r["clone_ms"] > 0 and r["ratio"] > 0 for r in rows)
+    assert all((r["torchao_ms"] is not None) == (r["rule"] == "nearest") for r in rows)
+    assert "torchao" in capsys.readouterr().out

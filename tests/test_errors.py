@@ -34,7 +34,11 @@ X = torch.randn(4, 3)
             r"got torch.float8_e5m2",
         ),
         (lambda: lpsim.quantize([1.0, 2.0], Float(5, 2)), TypeError, r"x must be a torch.Tensor"),
-        (lambda: lpsim.quantize(X, "e5m2"), TypeError, r"fmt must be a Float, Fixed or BlockFloat"),
+        (
+            lambda: lpsim.quantize(X, "e5m2"),
+            TypeError,
+            r"fmt must be a Float, Fixed, BlockFloat or Scaled",
+        ),
         (
             lambda: lpsim.quantize(X, Float(5, 2), "round"),
             ValueError,

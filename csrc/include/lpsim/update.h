@@ -32,47 +32,6 @@ using SumContainer =
 template <class A, class T>
 using TermContainer = std::conditional_t<kEitherIs64<A, T>, Float64Container, Float32Container>;
 
-// The floating-point type whose bits are K's word (float32 or float64 containers only).
-template <class K>
-using RealOf = std::conditional_t<std::is_same_v<K, Float64Container>, double, float>;
-
-LPSIM_FN float real_of(uint32_t bits) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(bits);
-#else
-  float v;
-  __builtin_memcpy(&v, &bits, sizeof v);
-  return v;
-#endif
-}
-LPSIM_FN double real_of(uint64_t bits) {
-#if defined(__CUDA_ARCH__)
-  return __longlong_as_double(static_cast<long long>(bits));
-#else
-  double v;
-  __builtin_memcpy(&v, &bits, sizeof v);
-  return v;
-#endif
-}
-LPSIM_FN uint32_t bits_of_real(float v) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(v);
-#else
-  uint32_t bits;
-  __builtin_memcpy(&bits, &v, sizeof bits);
-  return bits;
-#endif
-}
-LPSIM_FN uint64_t bits_of_real(double v) {
-#if defined(__CUDA_ARCH__)
-  return static_cast<uint64_t>(__double_as_longlong(v));
-#else
-  uint64_t bits;
-  __builtin_memcpy(&bits, &v, sizeof bits);
-  return bits;
-#endif
-}
-
 // Operands of sr_add: x[i] and b[i] as words of K = SumContainer<A, B>.
 template <class A, class B, class K>
 struct AddOperands {

@@ -1,0 +1,37 @@
+// CPU loops of the scaled-format ops over the core's definitions (lpsim/scaled.h). Plain C++ on raw
+// pointers, like every loop file (loops.h); scaled_ops.cpp checks the tensors and splits the work.
+// A group's positions are numbered row-major within its tile; position p holds the `inner`
+// consecutive elements of one (row, column) of the tile (ScaledLayout).
+#pragma once
+
+#include <lpsim/grid_spec.h>
+#include <lpsim/scaled.h>
+#include <lpsim/types.h>
+
+#include <cstdint>
+
+namespace lpsim::cpu {
+
+// Running maximum of the magnitude bits of the elements at positions [p0, p1) of group g, for the
+// inner indices [i0, i1): into amax[0, i1 - i0).
+void scaled_max_abs(Dtype dtype, const void* x, const ScaledLayout& layout, int64_t g, int64_t p0,
+                    int64_t p1, int64_t i0, int64_t i1, uint64_t* amax);
+
+// Running maximum of the magnitude bits of x[begin, end), into *amax (the tensor scale's amax).
+void max_abs_bits(Dtype dtype, const void* x, int64_t begin, int64_t end, uint64_t* amax);
+
+// The tensor scale of spec (spec.two_level) from the tensor's largest magnitude bits.
+void set_tensor_scale(Dtype dtype, ScaledSpec& spec, uint64_t amax);
+
+// scales[k] = the scale of a block whose largest magnitude bits are amax[k], for k in [0, count).
+void block_scales(Dtype dtype, const ScaledSpec& spec, const uint64_t* amax, int64_t count,
+                  BlockScale* scales);
+
+// The elements at positions [p0, p1) of group g, inner indices [i0, i1), rounded by `rounding`
+// into y: element (p, i) uses scales[i - i0].
+void scaled_round(Dtype dtype, Rounding rounding, const void* x, void* y,
+                  const ScaledLayout& layout, int64_t g, int64_t p0, int64_t p1, int64_t i0,
+                  int64_t i1, const BlockScale* scales, const ScaledSpec& spec,
+                  const RandomSpec& random);
+
+}  // namespace lpsim::cpu

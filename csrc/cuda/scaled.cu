@@ -1,0 +1,102 @@
+// CUDA kernels of the quantize_scaled ops (see scaled.h): one thread per element, over the core's
+// definitions of blocks, scales and elements (lpsim/scaled.h), so that every element gets the bits
+// the CPU loops give it.
+#include <lpsim/philox.h>
+#include <lpsim/round.h>
+#include <lpsim/scaled.h>
+
+#include "cuda/device.cuh"
+#include "cuda/scaled.h"
+#include "dispatch.h"
+
+namespace lpsim::gpu {
+namespace {
+
+// amax[block_of(i)] = the largest magnitude bits of the block's elements, and amax[blocks] the
+// tensor's (when the format has a tensor scale).
+template <class C>
+__global__ void __launch_bounds__(kThreads)
+    max_abs_kernel(const typename C::storage* x, int64_t n, ScaledLayout layout, bool tensor,
+                   uint64_t* amax) {
+  const int64_t blocks = layout.blocks();
+  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * kThreads) {
+    const uint64_t a = static_cast<typename C::word>(x[i]) & C::abs_mask;
+    atomic_max(amax + block_of(layout, i), a);
+    if (tensor) atomic_max(amax + blocks, a);
+  }
+}
+
+template <class C>
+__global__ void __launch_bounds__(kThreads)
+    scales_kernel(const uint64_t* amax, ScaledLayout layout, ScaledSpec spec,
+                  Grid<ScaledArithmetic<C>> scale_grid, BlockScale* scales) {
+  const int64_t blocks = layout.blocks();
+  if (spec.two_level) set_tensor_scale<C>(spec, static_cast<typename C::word>(amax[blocks]));
+  for (int64_t k = blockIdx.x * int64_t(kThreads) + threadIdx.x; k < blocks;
+       k += int64_t(gridDim.x) * kThreads) {
+    scales[k] = block_scale<C>(static_cast<typename C::word>(amax[k]), spec, scale_grid);
+  }
+}
+
+template <class C, Rounding R, bool kPowerOfTwo>
+__global__ void __launch_bounds__(kThreads)
+    round_kernel(const typename C::storage* x, typename C::storage* y, int64_t n,
+                 ScaledLayout layout, const BlockScale* scales, ElementGrids<C> grids,
+                 PhiloxKey key, uint32_t mask) {
+  using S = typename C::storage;
+  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * kThreads) {
+    const uint32_t word = is_stochastic(R) ? random_word(static_cast<uint64_t>(i), key) : 0;
+    y[i] = static_cast<S>(
+        scaled_element<R, C, kPowerOfTwo>(x[i], scales[block_of(layout, i)], grids, word, mask));
+  }
+}
+
+}  // namespace
+
+template <class C>
+void quantize_scaled(Rounding rounding, const void* x, void* y, int64_t n,
+                     const ScaledLayout& layout, const ScaledSpec& spec, void* amax, void* scales,
+                     const RandomSpec& random, cudaStream_t stream) {
+  using S = typename C::storage;
+  const auto* xs = static_cast<const S*>(x);
+  auto* words = static_cast<uint64_t*>(amax);
+  auto* block_scales = static_cast<BlockScale*>(scales);
+  max_abs_kernel<C><<<blocks_for(n), kThreads, 0, stream>>>(xs, n, layout, spec.two_level, words);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  Grid<ScaledArithmetic<C>> scale_grid{};
+  if (spec.rule == ScaleRule::amax) make_grid(spec.scale, scale_grid);  // validated by the op
+  scales_kernel<C><<<blocks_for(layout.blocks()), kThreads, 0, stream>>>(words, layout, spec,
+                                                                         scale_grid, block_scales);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const ElementGrids<C> grids = element_grids<C>(spec);
+  const PhiloxKey key = make_philox_key(random.seed, random.offset);
+  const uint32_t mask = random_mask(random.rbits);
+  with_rounding(rounding, [&](auto tag) {
+    constexpr Rounding R = decltype(tag)::value;
+    if (spec.rule == ScaleRule::amax) {
+      round_kernel<C, R, false><<<blocks_for(n), kThreads, 0, stream>>>(
+          xs, static_cast<S*>(y), n, layout, block_scales, grids, key, mask);
+    } else {
+      round_kernel<C, R, true><<<blocks_for(n), kThreads, 0, stream>>>(
+          xs, static_cast<S*>(y), n, layout, block_scales, grids, key, mask);
+    }
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template void quantize_scaled<Float32Container>(Rounding, const void*, void*, int64_t,
+                                                const ScaledLayout&, const ScaledSpec&, void*,
+                                                void*, const RandomSpec&, cudaStream_t);
+template void quantize_scaled<Float64Container>(Rounding, const void*, void*, int64_t,
+                                                const ScaledLayout&, const ScaledSpec&, void*,
+                                                void*, const RandomSpec&, cudaStream_t);
+template void quantize_scaled<BFloat16Container>(Rounding, const void*, void*, int64_t,
+                                                 const ScaledLayout&, const ScaledSpec&, void*,
+                                                 void*, const RandomSpec&, cudaStream_t);
+template void quantize_scaled<Float16Container>(Rounding, const void*, void*, int64_t,
+                                                const ScaledLayout&, const ScaledSpec&, void*,
+                                                void*, const RandomSpec&, cudaStream_t);
+
+}  // namespace lpsim::gpu
