@@ -191,7 +191,7 @@ LPSIM_FN BlockScale block_scale(typename C::word amax, const ScaledSpec& s,
     b.exponent = e < emin ? emin : (e > emax ? emax : e);
     return b;
   }
-  const T smallest = real_of(bits_of_real(static_cast<T>(pow2_double(int32_t(s.scale.emin)))));
+  const T smallest = pow2_real(static_cast<int32_t>(s.scale.emin), T());
   const T largest = static_cast<T>(s.scale.pos_limit);
   T d = div_rn(real_of(convert_exact<K, C>(amax)), static_cast<T>(s.element_max));
   if (s.two_level) d = div_rn(d, static_cast<T>(s.tensor));
