@@ -29,7 +29,7 @@ from lpsim import (
 )
 from lpsim._ops import cpu_generator, cuda_built
 from lpsim.compat.qtorch import block_quantize, fixed_point_quantize, float_quantize
-from lpsim.formats import PRESETS, BlockFloat, Fixed, Float, preset
+from lpsim.formats import P3109, PRESETS, BlockFloat, Fixed, Float, preset
 from lpsim.functional import quantize, quantize_
 from lpsim.multi_tensor import quantize_many_
 from lpsim.rounding import Rounding
@@ -60,6 +60,7 @@ __all__ = [
     "Float",
     "Fixed",
     "BlockFloat",
+    "P3109",
     "Scaled",
     "PowerOfTwo",
     "scaled",

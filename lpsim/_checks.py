@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lpsim.formats import BlockFloat, Fixed, Float
+from lpsim.formats import GRID_FORMATS
 from lpsim.rounding import Rounding, check_rbits
 
 CONTAINER_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -189,7 +189,9 @@ def check_rule(rounding: Rounding | str, rules: Sequence[Rounding], where: str) 
 
 
 def check_element_format(name: str, fmt) -> None:
-    """Raises TypeError unless fmt is None, a Float or a Fixed: a format whose grid around a
-    value does not depend on other elements (a BlockFloat's does)."""
-    if fmt is not None and (isinstance(fmt, BlockFloat) or not isinstance(fmt, (Float, Fixed))):
-        raise TypeError(f"{name} must be a Float or Fixed format or None, got {type(fmt).__name__}")
+    """Raises TypeError unless fmt is None, a Float, a Fixed or a P3109: a format whose grid
+    around a value does not depend on other elements (a BlockFloat's does)."""
+    if fmt is not None and not isinstance(fmt, GRID_FORMATS):
+        raise TypeError(
+            f"{name} must be a Float, Fixed or P3109 format or None, got {type(fmt).__name__}"
+        )

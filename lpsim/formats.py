@@ -1,4 +1,4 @@
-"""Number formats: Float, Fixed and BlockFloat, and the named presets.
+"""Number formats: Float, Fixed, BlockFloat and P3109, and the named presets.
 
 A format is a frozen dataclass that describes a set of numbers. Values are simulated in an ordinary
 floating-point tensor (the *container*: float32, float64, bfloat16 or float16), so every number of
@@ -23,10 +23,14 @@ __all__ = [
     "Float",
     "Fixed",
     "BlockFloat",
+    "P3109",
     "Format",
+    "GRID_FORMATS",
     "PRESETS",
     "preset",
     "SPECIALS",
+    "P3109_DOMAINS",
+    "P3109_SATURATIONS",
 ]
 
 SPECIALS = ("ieee", "fn", "fnuz", "none")
@@ -82,18 +86,20 @@ def container_of(dtype: torch.dtype) -> Container:
 
 
 class GridSpec(NamedTuple):
-    """The grid a Float or Fixed format rounds onto, as the compiled ``quantize_grid`` op takes it:
-    spacing 2**max(E - keep, qmin) in the binade [2**E, 2**(E+1)), with overflow limits."""
+    """The grid a Float, Fixed or P3109 format rounds onto, as the compiled ``quantize_grid`` op
+    takes it: spacing 2**max(E - keep, qmin) in the binade [2**E, 2**(E+1)), with overflow limits.
+    The fields are those of LPSIM_GRID_FIELDS in csrc/include/lpsim/grid_spec.h, in its order."""
 
     keep: int  # fraction bits kept in the normal range; -1: the container's precision
     qmin: int  # exponent of the finest spacing
     emin: int  # exponent of the smallest normal (used without subnormals)
     subnormals: bool
     pos_limit: float  # largest positive value (inf: none)
-    neg_limit: float  # largest magnitude of a negative value
-    saturate: bool
-    has_inf: bool
-    unsigned_zero: bool
+    neg_limit: float  # largest magnitude of a negative value (0: no negative values)
+    saturate: bool  # overflow clamps to the limit
+    has_inf: bool  # +Inf, and -Inf if neg_limit > 0: Inf stays, unclamped overflow gives it
+    unsigned_zero: bool  # no -0
+    code_parity: bool  # precision-1 ties: to the even exponent code (P3109), not the larger value
 
 
 # Grids and op arguments of every format seen, shared by equal formats: a format written inline,
@@ -370,6 +376,7 @@ class Float(_OnGrid):
             saturate=self.saturate,
             has_inf=self.has_inf,
             unsigned_zero=not self.has_negative_zero,
+            code_parity=False,
         )
 
 
@@ -475,6 +482,231 @@ class Fixed(_OnGrid):
             saturate=self.clamp,
             has_inf=unbounded,
             unsigned_zero=not self.signed,
+            code_parity=False,
+        )
+
+
+P3109_DOMAINS = ("extended", "finite")
+P3109_SATURATIONS = ("SatFinite", "SatPropagate", "SatNone")
+
+
+@dataclass(frozen=True, repr=False)
+class P3109(_OnGrid):
+    """A binary floating-point format of IEEE P3109 (Binary{K}p{P}, K = ``bits``, P =
+    ``precision`` in the report's notation), with the saturation mode its projection applies.
+
+    The encoding follows the P3109 interim report (v3.0 2025, v4.0 2026; gfloat's
+    ``format_info_p3109``): ``bits`` bits, of which 1 is the sign (signed formats only) and
+    precision - 1 are the trailing significand, the rest the exponent field, with exponent bias
+    2**(bits - precision - 1) (signed) or 2**(bits - precision) (unsigned). Exponent code 0 holds
+    zero and the subnormals. There is one NaN and no -0: the negative-zero code (0x80 for 8 bits)
+    is the NaN of a signed format, the all-ones code that of an unsigned one. In the "extended"
+    domain the largest remaining code of each sign is Inf (0x7F = +Inf and 0xFF = -Inf signed,
+    0xFE = +Inf unsigned); in the "finite" domain it is a finite value. An unsigned format has no
+    negative values.
+
+    Rounding rounds x to the format's precision with the exponent unbounded above (the report's
+    RoundToPrecision: ``nearest`` is NearestTiesToEven, ``nearest_away`` NearestTiesToAway,
+    ``toward_zero`` TowardZero, ``up`` TowardPositive, ``down`` TowardNegative; ``stochastic`` with
+    rbits = n is StochasticA with n random bits); ties to even go to the value with the even code,
+    which at precision 1 is the even exponent code. A result outside [lo, max], lo = -max (signed)
+    or 0 (unsigned), is then mapped by ``saturation`` (the report's Saturate):
+
+    - ``"SatFinite"``: to lo or max, +/-Inf inputs included.
+    - ``"SatPropagate"``: finite results to lo or max; +Inf and -Inf inputs stay infinite where the
+      format has them (+Inf: extended; -Inf: signed extended), and otherwise become max or lo.
+    - ``"SatNone"`` (the interim report v3.0's OvfInf): a result that the rule rounded toward zero
+      (``toward_zero``; ``down`` above max; ``up`` below lo; and lpsim's ``odd``, see below)
+      becomes max or lo; any other becomes +Inf above max and -Inf below lo where the format has
+      them, and NaN where it does not (finite formats; negative values in unsigned formats).
+      +/-Inf inputs stay infinite where the format has them, and become NaN otherwise.
+
+    So in an unsigned format a negative x that rounds to zero gives +0, and one that does not
+    gives 0 under SatFinite and SatPropagate, and under SatNone 0 for toward_zero and up, NaN for
+    the other rules; -Inf gives 0, or NaN under SatNone. NaN stays NaN. This is the formal
+    specification's wSaturate (imandra-ai/ieee-p3109, July 2026) and the v4.0 report's table,
+    except that v4.0 sends SatNone results outside a finite format's range to lo or max where the
+    formal specification (and gfloat's ``sat=False``) gives NaN, as here; v3.0 defines only
+    SatFinite for finite formats, and sends negative values in unsigned formats to 0 under OvfInf.
+    lpsim's ``odd`` is P3109's ToOdd within the range, but keeps max (or lo) on overflow where
+    ToOdd under SatNone gives Inf.
+
+    Why a class of its own rather than Float options: the bias, the one NaN at the negative-zero
+    code, the Inf codes inside the top binade, the missing sign bit of unsigned formats and the
+    saturation modes that treat Inf by domain and signedness would each be a Float option that
+    means something only in combination with the others; here every field is one of the report's
+    format-defining parameters or its saturation mode, and Float stays as it is. Both describe
+    their numbers by the same GridSpec, so the kernels, the fusable path and every op that takes a
+    Float take a P3109 format alike.
+
+    Args:
+        bits: the bit width K, 3 to 16.
+        precision: the precision P (significand bits, the leading one included): 1 to bits - 1
+            for signed formats, 1 to bits for unsigned ones.
+        signed: whether the format has a sign bit and negative values.
+        domain: ``"extended"`` (with Inf) or ``"finite"`` (every code but the NaN is finite).
+        saturation: ``"SatFinite"``, ``"SatPropagate"`` or ``"SatNone"`` (see above).
+
+    Raises:
+        TypeError: a field has the wrong type.
+        ValueError: a field is out of range, or the format fits no container (not even float64).
+    """
+
+    bits: int
+    precision: int
+    signed: bool = field(default=True, kw_only=True)
+    domain: str = field(default="extended", kw_only=True)
+    saturation: str = field(default="SatNone", kw_only=True)
+
+    def __post_init__(self) -> None:
+        check_int_field("P3109", "bits", self.bits, 3, 16)
+        check_bool_field("P3109", "signed", self.signed)
+        if not isinstance(self.precision, int) or isinstance(self.precision, bool):
+            raise TypeError(f"P3109.precision must be an int, got {type(self.precision).__name__}")
+        top = self.bits - 1 if self.signed else self.bits
+        if not 1 <= self.precision <= top:
+            kind = "a signed" if self.signed else "an unsigned"
+            raise ValueError(
+                f"P3109.precision must be in [1, {top}] for {kind} {self.bits}-bit format, "
+                f"got {self.precision}"
+            )
+        if self.domain not in P3109_DOMAINS:
+            raise ValueError(f"P3109.domain must be one of {P3109_DOMAINS}, got {self.domain!r}")
+        if self.saturation not in P3109_SATURATIONS:
+            hint = (
+                " (the interim report v3.0's OvfInf is SatNone)"
+                if self.saturation == "OvfInf"
+                else ""
+            )
+            raise ValueError(
+                f"P3109.saturation must be one of {P3109_SATURATIONS}, "
+                f"got {self.saturation!r}{hint}"
+            )
+        problem = self._misfit(_WIDEST)
+        if problem:
+            raise ValueError(f"{self!r} does not fit even a float64 container: {problem}")
+
+    __repr__ = short_repr
+
+    @property
+    def name(self) -> str:
+        """The report's name, lower case: binary{K}p{P} then s/u (signed/unsigned) and e/f
+        (extended/finite), e.g. binary8p4se."""
+        sign = "s" if self.signed else "u"
+        return f"binary{self.bits}p{self.precision}{sign}{self.domain[0]}"
+
+    # Facts about the encoding, with numpy.finfo's names.
+
+    @property
+    def bias(self) -> int:
+        """The exponent bias: 2**(bits - precision - 1) signed, 2**(bits - precision) unsigned."""
+        return 2 ** (self.bits - self.precision - (1 if self.signed else 0))
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal value, 1 - bias."""
+        return 1 - self.bias
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest finite value."""
+        return _exponent_of(self._max_fraction)
+
+    @property
+    def max(self) -> float:
+        """The largest finite value."""
+        return float(self._max_fraction)
+
+    @property
+    def min(self) -> float:
+        """The most negative finite value: -max, or 0 for unsigned formats."""
+        return -self.max if self.signed else 0.0
+
+    @property
+    def smallest_normal(self) -> float:
+        """2**emin (at precision 1 also the smallest positive value: there are no subnormals)."""
+        return math.ldexp(1.0, self.emin)
+
+    @property
+    def smallest_subnormal(self) -> float:
+        """The smallest positive value, 2**(emin - (precision - 1))."""
+        return math.ldexp(1.0, self.emin - self._trailing)
+
+    @property
+    def eps(self) -> float:
+        """The distance from 1 to the next larger value, 2**-(precision - 1)."""
+        return math.ldexp(1.0, -self._trailing)
+
+    @property
+    def has_inf(self) -> bool:
+        """Whether the format encodes +Inf (the extended domain; -Inf only if also signed)."""
+        return self.domain == "extended"
+
+    @property
+    def has_nan(self) -> bool:
+        return True
+
+    @property
+    def has_negative_zero(self) -> bool:
+        return False
+
+    @property
+    def _trailing(self) -> int:
+        return self.precision - 1
+
+    @property
+    def _max_code(self) -> int:
+        """The code of max, counted without the sign bit: below it lie the finite codes, above it
+        Inf (extended) and, in unsigned formats, the NaN."""
+        top = 2 ** (self.bits - (1 if self.signed else 0)) - 1
+        return top - (0 if self.signed else 1) - (1 if self.has_inf else 0)
+
+    @property
+    def _max_fraction(self) -> Fraction:
+        return self._decode(self._max_code)
+
+    def _decode(self, code: int) -> Fraction:
+        """The magnitude of a finite code without its sign bit."""
+        e, m = code >> self._trailing, code & (2**self._trailing - 1)
+        if e == 0:
+            return Fraction(m, 2**self._trailing) * Fraction(2) ** self.emin
+        return (1 + Fraction(m, 2**self._trailing)) * Fraction(2) ** (e - self.bias)
+
+    def values(self) -> torch.Tensor:
+        """All finite values, ascending, once each, as a float64 tensor (formats of <= 16 bits)."""
+        _check_enumerable(self)
+        magnitudes = {self._decode(code) for code in range(self._max_code + 1)}
+        if self.signed:
+            return _signed_values(magnitudes)
+        return torch.tensor(sorted(float(m) for m in magnitudes), dtype=torch.float64)
+
+    # Fit to a container and the grid the kernels round onto.
+
+    def _misfit(self, c: Container) -> str | None:
+        if self._trailing > c.man:
+            return f"it has {self._trailing} trailing significand bits, the container {c.man}"
+        if self.emax > c.emax:
+            return f"its largest exponent is {self.emax}, the container's {c.emax}"
+        if self.emin - self._trailing < c.qmin:
+            return (
+                f"its finest spacing is 2**{self.emin - self._trailing}, the container's "
+                f"smallest subnormal 2**{c.qmin}"
+            )
+        return None
+
+    def _build_grid(self) -> GridSpec:
+        # SatFinite clamps Inf too: the grid has no Inf. Unsigned (neg_limit 0): no -Inf either.
+        return GridSpec(
+            keep=self._trailing,
+            qmin=self.emin - self._trailing,
+            emin=self.emin,
+            subnormals=True,
+            pos_limit=self.max,
+            neg_limit=self.max if self.signed else 0.0,
+            saturate=self.saturation != "SatNone",
+            has_inf=self.has_inf and self.saturation != "SatFinite",
+            unsigned_zero=True,
+            code_parity=True,
         )
 
 
@@ -559,7 +791,11 @@ class BlockFloat:
         return None
 
 
-Format = Float | Fixed | BlockFloat
+Format = Float | Fixed | BlockFloat | P3109
+
+# The format classes whose numbers form a GridSpec (every one but BlockFloat, whose grid depends on
+# the block): lpsim.quantize and the ops that take a grid accept exactly these.
+GRID_FORMATS = (Float, Fixed, P3109)
 
 
 def fitting_container(fmt: Format, dtype: torch.dtype) -> torch.dtype:
@@ -599,7 +835,7 @@ def _signed_values(magnitudes) -> torch.Tensor:
     return torch.tensor(ordered, dtype=torch.float64)
 
 
-PRESETS: dict[str, Float] = {
+PRESETS: dict[str, Float | P3109] = {
     "float32": Float(8, 23),
     "tf32": Float(8, 10),
     "bfloat16": Float(8, 7),
@@ -621,9 +857,21 @@ PRESETS: dict[str, Float] = {
     "e5m2_qtorch": Float(5, 2, special="none", saturate=True),
     "e4m3_qtorch": Float(4, 3, special="none", saturate=True),
 }
+# The IEEE P3109 8-bit formats under the report's names (binary8p4se: K = 8, P = 4, signed,
+# extended), with the default saturation mode SatNone: P = 1..7 signed, 1..8 unsigned, each in the
+# extended and the finite domain. dataclasses.replace(preset, saturation=...) picks another mode.
+PRESETS.update(
+    {
+        fmt.name: fmt
+        for signed in (True, False)
+        for precision in range(1, 8 if signed else 9)
+        for domain in P3109_DOMAINS
+        for fmt in [P3109(8, precision, signed=signed, domain=domain)]
+    }
+)
 
 
-def preset(name: str) -> Float:
+def preset(name: str) -> Float | P3109:
     """The preset format called ``name`` (see PRESETS).
 
     Raises:

@@ -10,7 +10,7 @@ does not depend on the thread count, the memory layout or the device. Without ``
 drawn from torch's default CPU generator, so ``torch.manual_seed`` makes runs reproducible.
 ``offset`` selects a disjoint stream under the same seed.
 
-Under torch.compile, Float and Fixed formats with a deterministic rule are rounded by
+Under torch.compile, Float, Fixed and P3109 formats with a deterministic rule are rounded by
 lpsim.fusable's torch-op form of the same rounding (bit for bit the kernel's), which Inductor fuses
 into the kernel that produces x; eager calls run the C++ kernel.
 """
@@ -21,7 +21,7 @@ import torch
 
 from lpsim._checks import check_container, check_tensor, random_args
 from lpsim._ops import call
-from lpsim.formats import BlockFloat, Fixed, Float, Format, check_fits
+from lpsim.formats import GRID_FORMATS, BlockFloat, Format, check_fits
 from lpsim.fusable import compiled_quantize, compiled_quantize_
 from lpsim.rounding import MAX_RBITS, Rounding
 from lpsim.scaled import Scaled
@@ -44,9 +44,10 @@ def _block_dim(fmt: BlockFloat, x: torch.Tensor) -> int | None:
 def _prepare(x, fmt, rounding, rbits, seed, offset):
     """Validated op arguments: (op name, arguments after x).
 
-    The common call, a Float or Fixed already used with x's dtype, a rule and no rbits, seed or
-    offset, costs a few dictionary look-ups (the rest of a call is lpsim._ops.call)."""
-    if isinstance(x, torch.Tensor) and isinstance(fmt, (Float, Fixed)):
+    The common call, a grid format (Float, Fixed, P3109) already used with x's dtype, a rule and
+    no rbits, seed or offset, costs a few dictionary look-ups (the rest of a call is
+    lpsim._ops.call)."""
+    if isinstance(x, torch.Tensor) and isinstance(fmt, GRID_FORMATS):
         grid = fmt.stored_grid_arguments(x.dtype)  # stored only for dtypes that passed the checks
         if grid is not None and rbits is None and seed is None and type(offset) is int:
             default = _DEFAULT_RANDOM.get(rounding) if type(rounding) in (str, Rounding) else None
@@ -56,7 +57,7 @@ def _prepare(x, fmt, rounding, rbits, seed, offset):
                 if not (stochastic and torch.compiler.is_compiling()):
                     return "quantize_grid", grid + random
     check_tensor(x)
-    if isinstance(fmt, (Float, Fixed)):
+    if isinstance(fmt, GRID_FORMATS):
         check_container(x)
         grid = fmt.grid_arguments(x.dtype)
         rule, *random = random_args(rounding, rbits, seed, offset)
@@ -68,7 +69,8 @@ def _prepare(x, fmt, rounding, rbits, seed, offset):
         return "quantize_scaled", (*arguments, int(rule), *random)
     if not isinstance(fmt, BlockFloat):
         raise TypeError(
-            f"fmt must be a Float, Fixed, BlockFloat or Scaled, got {type(fmt).__name__}"
+            f"fmt must be a Float, Fixed, P3109, BlockFloat or Scaled format, "
+            f"got {type(fmt).__name__}"
         )
     check_container(x)
     check_fits(fmt, x.dtype)
@@ -100,7 +102,7 @@ def quantize(
     Args:
         x: a float32, float64, bfloat16 or float16 tensor, any shape and strides. Its dtype is the
             container: the format must fit it (see lpsim.formats).
-        fmt: a Float, Fixed, BlockFloat or Scaled format (lpsim.scaled).
+        fmt: a Float, Fixed, P3109, BlockFloat or Scaled format.
         rounding: a rule name or lpsim.Rounding (see lpsim.rounding); default "nearest".
         rbits: random bits per decision, 1 to 32, for the stochastic rules only (default 32).
         seed: 0 <= seed < 2**64, for the stochastic rules. None: drawn from torch's default CPU

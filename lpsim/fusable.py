@@ -9,9 +9,9 @@ without a tail) restated on the bits of x viewed as integers, with shifts, masks
 costs no extra pass over memory; the custom op is opaque to Inductor and always costs one.
 
 ``compiled_quantize`` is what ``lpsim.quantize`` calls while torch.compile traces it: the fusable
-form with the straight-through gradient for Float and Fixed formats under deterministic rules, and
-None otherwise (stochastic rules and BlockFloat keep the custom op: the Philox stream and the
-per-block maximum have no fusable form here). Eager calls keep the C++ kernel.
+form with the straight-through gradient for Float, Fixed and P3109 formats under deterministic
+rules, and None otherwise (stochastic rules and BlockFloat keep the custom op: the Philox stream and
+the per-block maximum have no fusable form here). Eager calls keep the C++ kernel.
 
 Integer work types: int32 for float32, int64 for float64, and int32 for bfloat16 and float16 (their
 int16 views are sign-extended first, so every intermediate value fits and the result converts
@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from lpsim._checks import check_container, check_offset
-from lpsim.formats import CONTAINERS, Fixed, Float, GridSpec
+from lpsim.formats import CONTAINERS, GRID_FORMATS, GridSpec
 from lpsim.rounding import Rounding, check_rbits
 
 __all__ = ["quantize_grid_torch", "compiled_quantize", "compiled_quantize_", "FUSABLE_RULES"]
@@ -72,6 +72,7 @@ class _Constants(NamedTuple):
     pos_inf: int  # what +Inf and -Inf become
     neg_inf: int
     keeps_negative_zero: bool
+    code_parity: bool  # a lone leading one's parity is its exponent code's (see round.h)
     inf_bits: int
     sign_bit: int  # the sign bit as a negative number of the work type (-2**(bits-1))
 
@@ -116,9 +117,12 @@ def _constants(grid: GridSpec, dtype: torch.dtype) -> _Constants:
     min_positive = smallest << c.man if smallest >= 1 else 1 << (smallest - 1 + c.man)
     pos_limit = _exact_bits(grid.pos_limit, c.exp, c.man)
     neg_limit = _exact_bits(grid.neg_limit, c.exp, c.man)
-    unbounded = inf_bits if grid.has_inf else inf_bits | (1 << (c.man - 1))  # Inf, or quiet NaN
-    pos_overflow = pos_limit if grid.saturate else unbounded
-    neg_overflow = neg_limit if grid.saturate else unbounded
+    quiet_nan = inf_bits | (1 << (c.man - 1))
+    neg_inf = grid.has_inf and grid.neg_limit > 0  # no -Inf without negative values
+    pos_unbounded = inf_bits if grid.has_inf else quiet_nan  # unclamped overflow
+    neg_unbounded = inf_bits if neg_inf else quiet_nan
+    pos_overflow = pos_limit if grid.saturate else pos_unbounded
+    neg_overflow = neg_limit if grid.saturate else neg_unbounded
     work_bits = torch.iinfo(_LAYOUTS[dtype].work).bits
     return _Constants(
         man=c.man,
@@ -131,8 +135,9 @@ def _constants(grid: GridSpec, dtype: torch.dtype) -> _Constants:
         pos_overflow=pos_overflow,
         neg_overflow=neg_overflow,
         pos_inf=inf_bits if grid.has_inf else pos_overflow,
-        neg_inf=inf_bits if grid.has_inf else neg_overflow,
+        neg_inf=inf_bits if neg_inf else neg_overflow,
         keeps_negative_zero=not grid.unsigned_zero,
+        code_parity=grid.code_parity,
         inf_bits=inf_bits,
         sign_bit=-(1 << (work_bits - 1)) if dtype in (torch.float32, torch.float64) else -(1 << 15),
     )
@@ -171,7 +176,7 @@ def quantize_grid_torch(x: torch.Tensor, grid: GridSpec, rule: Rounding) -> torc
 
     Args:
         x: a float32, float64, bfloat16 or float16 tensor, any shape and strides.
-        grid: the grid (Float.grid() or Fixed.grid()); it must fit x's dtype.
+        grid: the grid (the grid() of a Float, Fixed or P3109 format); it must fit x's dtype.
         rule: any rule of FUSABLE_RULES.
 
     Returns:
@@ -236,6 +241,12 @@ def quantize_grid_torch(x: torch.Tensor, grid: GridSpec, rule: Rounding) -> torc
     kept_shift = shift.clamp(0, man + 1)
     if rule in (Rounding.nearest, Rounding.odd):
         kept_odd = (sig >> kept_shift) & 1  # the last kept bit (0 when nothing is kept)
+        if k.code_parity and k.keep == 0:
+            # Precision 1 with the code's parity (round.h): the kept value is 0 or the power of two
+            # 2**exponent, whose exponent code is exponent - qmin + 1. exponent is exact here:
+            # without the leading one's position (qmin >= 1) every container subnormal lies below
+            # the grid and keeps nothing. (At precision > 1 a lone leading one is odd either way.)
+            kept_odd = kept_odd & (((exponent - k.qmin) & 1) ^ 1)
 
     if rule == Rounding.nearest:
         up = d + kept_odd > half  # d and half are even unless span = 0, where d = 0 < half
@@ -314,7 +325,7 @@ def _fusable_grid(x, fmt, rounding, rbits, offset) -> tuple[GridSpec, Rounding] 
     """(grid, rule) when the fusable form applies to these quantize() arguments, else None. Checks
     the arguments as quantize() does, so both paths raise the same errors."""
     rule = Rounding.parse(rounding)
-    if not isinstance(fmt, (Float, Fixed)) or rule.is_stochastic:
+    if not isinstance(fmt, GRID_FORMATS) or rule.is_stochastic:
         return None
     check_container(x)
     fmt.grid_arguments(x.dtype)  # raises ValueError when the format does not fit x's dtype
@@ -335,10 +346,11 @@ def compiled_quantize(
 ) -> torch.Tensor | None:
     """lpsim.quantize(x, fmt, rounding, ...) in fusable torch ops, or None where there is none.
 
-    For a Float or Fixed ``fmt`` and a deterministic rule (FUSABLE_RULES), without ``out``: a new
-    tensor of x's dtype, shape and layout holding x rounded into fmt, bit for bit the custom op's
-    result, with the straight-through gradient (the gradient passes unchanged). Otherwise None:
-    the caller uses the custom op. ``seed`` is ignored as the custom op ignores it for these rules.
+    For a Float, Fixed or P3109 ``fmt`` and a deterministic rule (FUSABLE_RULES), without
+    ``out``: a new tensor of x's dtype, shape and layout holding x rounded into fmt, bit for bit
+    the custom op's result, with the straight-through gradient (the gradient passes unchanged).
+    Otherwise None: the caller uses the custom op. ``seed`` is ignored as the custom op ignores it
+    for these rules.
 
     Raises:
         TypeError, ValueError: as lpsim.quantize for the same arguments.

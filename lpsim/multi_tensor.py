@@ -22,7 +22,7 @@ import torch
 
 from lpsim._checks import MAX_SEED, check_container, draw_seed, random_args
 from lpsim._ops import call
-from lpsim.formats import BlockFloat, Fixed, Float, Format
+from lpsim.formats import GRID_FORMATS, BlockFloat, Format
 from lpsim.functional import quantize_
 from lpsim.rounding import Rounding
 from lpsim.scaled import Scaled
@@ -44,7 +44,7 @@ def _checked_tensors(tensors) -> list[torch.Tensor]:
     return tensors
 
 
-def _grid_arguments(fmt: Float | Fixed, tensors: list[torch.Tensor]) -> tuple:
+def _grid_arguments(fmt: Format, tensors: list[torch.Tensor]) -> tuple:
     """fmt's grid as the op takes it, after checking that fmt fits every tensor's dtype."""
     grid = ()
     for i, t in enumerate(tensors):
@@ -75,8 +75,8 @@ def quantize_many_(
             Each tensor's dtype is its container: the format must fit it. The tensors must not
             overlap in memory (the same tensor twice, or two views of one storage that share
             elements): they are rounded concurrently.
-        fmt: a Float, Fixed, BlockFloat or Scaled format. Float and Fixed formats round every
-            tensor in one compiled call; BlockFloat and Scaled formats are a loop of
+        fmt: a Float, Fixed, P3109, BlockFloat or Scaled format. Float, Fixed and P3109 formats
+            round every tensor in one compiled call; BlockFloat and Scaled formats are a loop of
             ``quantize_`` over the tensors, with the same seed and offsets.
         rounding: a rule name or lpsim.Rounding (see lpsim.rounding); default "nearest".
         rbits: random bits per decision, 1 to 32, for the stochastic rules only (default 32).
@@ -111,9 +111,10 @@ def quantize_many_(
         for i, t in enumerate(checked):
             quantize_(t, fmt, rule, rbits=rbits, seed=seed, offset=offset + i)
         return tensors
-    if not isinstance(fmt, (Float, Fixed)):
+    if not isinstance(fmt, GRID_FORMATS):
         raise TypeError(
-            f"fmt must be a Float, Fixed, BlockFloat or Scaled, got {type(fmt).__name__}"
+            f"fmt must be a Float, Fixed, P3109, BlockFloat or Scaled format, "
+            f"got {type(fmt).__name__}"
         )
     if checked:
         grid = _grid_arguments(fmt, checked)

@@ -23,7 +23,7 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-from lpsim.formats import BlockFloat, Fixed, Float, container_of
+from lpsim.formats import P3109, BlockFloat, Fixed, Float, container_of
 from lpsim.rounding import MAX_RBITS, Rounding
 from lpsim.scaled import PowerOfTwo, Scaled
 
@@ -100,8 +100,13 @@ class RefGrid:
     pos_limit: Fraction | None  # None: unbounded
     neg_limit: Fraction | None
     saturate: bool
-    has_inf: bool
+    has_inf: bool  # +Inf, and -Inf where there are negative values (neg_limit != 0)
     unsigned_zero: bool
+    code_parity: bool = False  # a tie at precision 1 goes to the even exponent code (P3109)
+
+    @property
+    def has_negative_inf(self) -> bool:
+        return self.has_inf and self.neg_limit != 0
 
     def spacing(self, m: Fraction) -> Fraction:
         if self.flush_below is not None and m < Fraction(2) ** self.flush_below:
@@ -110,8 +115,8 @@ class RefGrid:
         return Fraction(2) ** e
 
 
-def grid_of(fmt: Float | Fixed) -> RefGrid:
-    """The grid of a Float or Fixed format, from its definition."""
+def grid_of(fmt: Float | Fixed | P3109) -> RefGrid:
+    """The grid of a Float, Fixed or P3109 format, from its definition."""
     if isinstance(fmt, Float):
         limit = Fraction(fmt.max)
         return RefGrid(
@@ -123,6 +128,22 @@ def grid_of(fmt: Float | Fixed) -> RefGrid:
             saturate=fmt.saturate,
             has_inf=fmt.has_inf,
             unsigned_zero=not fmt.has_negative_zero,
+        )
+    if isinstance(fmt, P3109):
+        # The saturation modes (P3109's docstring): SatFinite clamps everything, Inf included;
+        # SatPropagate clamps finite results and keeps the Inf the format has; SatNone clamps
+        # nothing (but for the rules that round toward zero) and keeps the Inf the format has.
+        man = fmt.precision - 1
+        return RefGrid(
+            man=man,
+            qmin=fmt.emin - man,
+            flush_below=None,
+            pos_limit=Fraction(fmt.max),
+            neg_limit=Fraction(fmt.max) if fmt.signed else Fraction(0),
+            saturate=fmt.saturation != "SatNone",
+            has_inf=fmt.has_inf and fmt.saturation != "SatFinite",
+            unsigned_zero=True,
+            code_parity=True,
         )
     bounded = fmt.clamp
     return RefGrid(
@@ -157,12 +178,13 @@ def block_grid(wl: int, max_abs: Fraction, dtype: torch.dtype) -> RefGrid:
 
 
 def _rounds_up(
-    rule: Rounding, negative: bool, k: int, frac: Fraction, word: int, rbits: int
+    rule: Rounding, negative: bool, odd: bool, frac: Fraction, word: int, rbits: int
 ) -> bool:
-    """Whether the magnitude k*q + frac*q (0 <= frac < 1) goes to (k+1)*q rather than k*q."""
+    """Whether the magnitude k*q + frac*q (0 <= frac < 1) goes to (k+1)*q rather than k*q; odd
+    says whether k*q counts as odd (_odd_code)."""
     half = Fraction(1, 2)
     if rule is Rounding.nearest:
-        return frac > half or (frac == half and k % 2 == 1)
+        return frac > half or (frac == half and odd)
     if rule is Rounding.nearest_away:
         return frac >= half
     if rule is Rounding.nearest_zero:
@@ -176,7 +198,7 @@ def _rounds_up(
     if rule is Rounding.down:
         return frac > 0 and negative
     if rule is Rounding.odd:
-        return frac > 0 and k % 2 == 0
+        return frac > 0 and not odd
     truncated = math.floor(frac * 2**rbits)  # frac truncated to rbits bits, as an integer
     if rule is Rounding.stochastic:
         return truncated + (word >> (MAX_RBITS - rbits)) >= 2**rbits
@@ -203,7 +225,7 @@ def round_value(
     negative = math.copysign(1.0, v) < 0
     limit = grid.neg_limit if negative else grid.pos_limit
     if math.isinf(v):
-        if grid.has_inf:
+        if grid.has_negative_inf if negative else grid.has_inf:
             return v
         return _signed(limit, negative, grid) if grid.saturate else math.nan
     return round_rational(abs(Fraction(v)), negative, grid, rule, word, rbits)
@@ -225,15 +247,24 @@ def round_rational(
     q = grid.spacing(m)
     k = math.floor(m / q)
     frac = m / q - k
-    mag = (k + _rounds_up(rule, negative, k, frac, word, rbits)) * q
+    mag = (k + _rounds_up(rule, negative, _odd_code(grid, k, q), frac, word, rbits)) * q
     if limit is not None and mag > limit:
         if grid.saturate or _toward_zero_on_overflow(rule, negative):
             mag = limit
-        elif grid.has_inf:
+        elif grid.has_negative_inf if negative else grid.has_inf:
             return -math.inf if negative else math.inf
         else:
             return math.nan
     return _signed(mag, negative, grid)
+
+
+def _odd_code(grid: RefGrid, k: int, q: Fraction) -> bool:
+    """Whether the grid value k*q counts as odd for ties to even and rounding to odd: k is odd,
+    except at precision 1 (man = 0) in a grid with code_parity, where the value 1 * 2**e counts
+    by its exponent code, e - qmin + 1."""
+    if grid.code_parity and grid.man == 0 and k == 1:
+        return (_floor_log2(q) - grid.qmin) % 2 == 0
+    return k % 2 == 1
 
 
 def _signed(mag: Fraction, negative: bool, grid: RefGrid) -> float:

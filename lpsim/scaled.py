@@ -161,6 +161,7 @@ class PowerOfTwo:
             saturate=True,
             has_inf=False,
             unsigned_zero=True,
+            code_parity=False,
         )
 
 

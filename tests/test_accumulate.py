@@ -203,7 +203,7 @@ def test_stochastic_accumulation_is_reproducible_for_any_thread_count():
         (
             lambda: lpsim.accumulate.sum(torch.ones(2), acc=lpsim.BlockFloat(8)),
             TypeError,
-            "acc must be a Float or Fixed",
+            "acc must be a Float, Fixed or P3109",
         ),
         (
             lambda: lpsim.accumulate.sum(torch.ones(2, dtype=torch.int32)),

@@ -37,7 +37,7 @@ X = torch.randn(4, 3)
         (
             lambda: lpsim.quantize(X, "e5m2"),
             TypeError,
-            r"fmt must be a Float, Fixed, BlockFloat or Scaled",
+            r"fmt must be a Float, Fixed, P3109, BlockFloat or Scaled",
         ),
         (
             lambda: lpsim.quantize(X, Float(5, 2), "round"),
@@ -127,7 +127,8 @@ def test_bad_input_raises_a_clear_error(call, error, pattern):
 def test_the_ops_check_their_arguments_when_called_directly():
     ops = torch.ops.lpsim
     seed = torch.tensor(0)
-    args = (2, -16, -14, True, 57344.0, 57344.0, False, True, False)
+    grid = lpsim.Float(5, 2).grid()  # keep 2, qmin -16, emin -14, limits 57344, Inf, +/-0
+    args = tuple(grid)
     with pytest.raises(RuntimeError, match=r"rounding code must be in \[0, 10\)"):
         ops.quantize_grid(X, *args, 10, 32, seed, 0)
     with pytest.raises(RuntimeError, match=r"rbits must be in \[1, 32\]"):
@@ -135,13 +136,9 @@ def test_the_ops_check_their_arguments_when_called_directly():
     with pytest.raises(RuntimeError, match="seed must be a one-element int64 CPU tensor"):
         ops.quantize_grid(X, *args, 8, 32, torch.tensor(0.5), 0)
     with pytest.raises(RuntimeError, match="largest values are not representable"):
-        ops.quantize_grid(
-            X, 2, -16, -14, True, 1.0 + 2.0**-30, 57344.0, False, True, False, 0, 32, seed, 0
-        )
+        ops.quantize_grid(X, *grid._replace(pos_limit=1.0 + 2.0**-30), 0, 32, seed, 0)
     with pytest.raises(RuntimeError, match="smallest spacing is not representable"):
-        ops.quantize_grid(
-            X, 2, -200, -14, True, 57344.0, 57344.0, False, True, False, 0, 32, seed, 0
-        )
+        ops.quantize_grid(X, *grid._replace(qmin=-200), 0, 32, seed, 0)
     with pytest.raises(RuntimeError, match=r"wl must be in \[2, 25\] for a Float container"):
         ops.quantize_block(X, 26, None, None, 0, 32, seed, 0)
     with pytest.raises(IndexError, match="dim 2 does not exist"):

@@ -155,7 +155,7 @@ def test_errors_name_the_tensor():
         quantize_many_([torch.randn(3), torch.zeros(3, dtype=torch.int32)], Float(5, 2))
     with pytest.raises(ValueError, match=r"tensors\[2\]: .*does not fit a bfloat16"):
         quantize_many_([torch.randn(3), torch.randn(3), torch.randn(3).bfloat16()], Float(5, 10))
-    with pytest.raises(TypeError, match="fmt must be a Float, Fixed, BlockFloat or Scaled"):
+    with pytest.raises(TypeError, match="fmt must be a Float, Fixed, P3109, BlockFloat or Scaled"):
         quantize_many_([torch.randn(3)], "e5m2")
     with pytest.raises(ValueError, match="offset"):
         quantize_many_([torch.randn(3)] * 3, Float(5, 2), "stochastic", seed=1, offset=2**64 - 2)

@@ -178,7 +178,7 @@ def test_value_keyed_optimizer_updates_are_reproducible():
         (
             lambda w: lpsim.optim.SGD([w], weight_format=lpsim.BlockFloat(8)),
             TypeError,
-            "weight_format must be a Float or Fixed",
+            "weight_format must be a Float, Fixed or P3109",
         ),
         (
             lambda w: lpsim.optim.SGD([w], weight_format=Float(8, 10)),
@@ -204,7 +204,7 @@ def test_value_keyed_optimizer_updates_are_reproducible():
                 [w], state_format=Fixed(8, 4, clamp=False), weight_format=3
             ),
             TypeError,
-            "weight_format must be a Float or Fixed",
+            "weight_format must be a Float, Fixed or P3109",
         ),
     ],
 )

@@ -77,7 +77,7 @@ def test_compiled_unseeded_stochastic_rounding_traces():
 
 _SEED = torch.tensor(5)
 _GRID = tuple(Float(3, 1).grid()) + (0, 32, _SEED, 0)  # after x in quantize_grid's schema
-_UPDATE = _GRID[:9] + (8, 32, _SEED, 0, 0)  # after the operands in sr_add's schema
+_UPDATE = tuple(Float(3, 1).grid()) + (8, 32, _SEED, 0, 0)  # after sr_add's operands
 
 # Each writes into its argument t, a float32 tensor of shape (3,).
 IN_PLACE = {

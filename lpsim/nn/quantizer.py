@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from lpsim.formats import BlockFloat, Fixed, Float, Format, fitting_container
+from lpsim.formats import GRID_FORMATS, BlockFloat, Fixed, Float, Format, fitting_container
 from lpsim.functional import quantize
 from lpsim.rounding import Rounding
 
@@ -83,16 +83,16 @@ def as_spec(value: Spec, rounding: Rounding | str, name: str) -> QuantSpec | Non
         return None
     if isinstance(value, QuantSpec):
         return value
-    if isinstance(value, (Float, Fixed, BlockFloat)):
+    if isinstance(value, (*GRID_FORMATS, BlockFloat)):
         return QuantSpec(value, Rounding.parse(rounding))
     if (
         isinstance(value, tuple)
         and len(value) == 2
-        and isinstance(value[0], (Float, Fixed, BlockFloat))
+        and isinstance(value[0], (*GRID_FORMATS, BlockFloat))
     ):
         return QuantSpec(value[0], Rounding.parse(value[1]))
     raise TypeError(
-        f"{name} must be None, a Float, Fixed or BlockFloat, or a (format, rounding) pair; "
+        f"{name} must be None, a Float, Fixed, P3109 or BlockFloat, or a (format, rounding) pair; "
         f"got {value!r}"
     )
 

@@ -19,15 +19,22 @@ namespace lpsim {
 // there and here, and used in make_grid below.
 //
 // Exponents are unbiased; limits are real values (+Inf: unbounded). lpsim/formats.py builds these.
-//   keep           fraction bits kept in the normal range; < 0: the container's precision
-//   qmin           exponent of the finest spacing
-//   emin           exponent of the smallest normal (used only without subnormals)
-//   subnormals     whether the format has subnormals (else values below 2^emin flush)
-//   pos_limit      largest positive value
-//   neg_limit      largest magnitude of a negative value
-//   saturate       overflow clamps to the limit (else Inf, or NaN where there is no Inf)
-//   has_inf        the format has +/-Inf
-//   unsigned_zero  the format has no -0
+//   keep              fraction bits kept in the normal range; < 0: the container's precision
+//   qmin              exponent of the finest spacing
+//   emin              exponent of the smallest normal (used only without subnormals)
+//   subnormals        whether the format has subnormals (else values below 2^emin flush)
+//   pos_limit         largest positive value
+//   neg_limit         largest magnitude of a negative value (0 in unsigned formats)
+//   saturate          overflow clamps to the limit (else Inf, or NaN where there is no Inf)
+//   has_inf           the format has +Inf, and -Inf where it has negative values (neg_limit > 0):
+//                     +/-Inf inputs stay infinite and an overflow that does not saturate becomes
+//                     +/-Inf; otherwise both become the limit (saturate) or NaN. A format without
+//                     negative values (unsigned P3109) has no -Inf.
+//   unsigned_zero     the format has no -0
+//   code_parity       ties to even and rounding to odd look at the parity of the value's code, not
+//                     of its significand; the two differ only where the leading one is the only
+//                     kept bit (precision 1), where every significand is odd: IEEE 754 then gives a
+//                     tie to the larger magnitude, P3109 to the even exponent code
 #define LPSIM_GRID_FIELDS(X, P) \
   X(P, int64_t, keep)           \
   X(P, int64_t, qmin)           \
@@ -37,7 +44,8 @@ namespace lpsim {
   X(P, double, neg_limit)       \
   X(P, bool, saturate)          \
   X(P, bool, has_inf)           \
-  X(P, bool, unsigned_zero)
+  X(P, bool, unsigned_zero)     \
+  X(P, bool, code_parity)
 
 struct GridSpec {
 #define LPSIM_GRID_DECLARE_(P, type, name) type name;
@@ -94,11 +102,16 @@ const char* make_grid(const GridSpec& s, Grid<C>& g) {
   if (!exact_bits<C>(s.pos_limit, g.pos_limit) || !exact_bits<C>(s.neg_limit, g.neg_limit)) {
     return "the format's largest values are not representable in this container";
   }
-  const W unbounded = s.has_inf ? C::inf_bits : C::quiet_nan;  // unclamped overflow
-  g.pos_overflow = s.saturate ? g.pos_limit : unbounded;
-  g.neg_overflow = s.saturate ? g.neg_limit : unbounded;
+  // Unclamped overflow: Inf where the side has it, else NaN. Without negative values (neg_limit =
+  // 0, unsigned formats) there is no -Inf.
+  const bool neg_inf = s.has_inf && s.neg_limit > 0;
+  const W pos_unbounded = s.has_inf ? C::inf_bits : C::quiet_nan;
+  const W neg_unbounded = neg_inf ? C::inf_bits : C::quiet_nan;
+  g.pos_overflow = s.saturate ? g.pos_limit : pos_unbounded;
+  g.neg_overflow = s.saturate ? g.neg_limit : neg_unbounded;
   g.pos_inf = s.has_inf ? C::inf_bits : g.pos_overflow;
-  g.neg_inf = s.has_inf ? C::inf_bits : g.neg_overflow;
+  g.neg_inf = neg_inf ? C::inf_bits : g.neg_overflow;
+  g.code_parity = s.code_parity ? 0x80000000u : 0u;
   return nullptr;
 }
 

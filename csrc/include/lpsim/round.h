@@ -38,7 +38,9 @@ struct Grid {
   word neg_overflow;    //   zero: the limit (saturating formats), Inf, or NaN where there is no Inf
   word pos_inf;         // what +Inf and -Inf inputs become: Inf, the limit, or NaN
   word neg_inf;
-  word zero_sign;  // sign bits a zero result keeps: sign_mask, or 0 for formats without -0
+  word zero_sign;        // sign bits a zero result keeps: sign_mask, or 0 for formats without -0
+  uint32_t code_parity;  // 0x80000000: a lone leading one's parity is its exponent code's (P3109);
+                         // 0: it is odd, as the significand 1 is (IEEE 754)
 };
 
 // flush_below of a grid with subnormals (below any exponent).
@@ -124,7 +126,17 @@ LPSIM_FN typename C::word round_on_grid(typename C::word u, D tail, bool sticky,
   const int32_t down_shift = min_of(max_of(shift - kBits, int32_t(0)), int32_t(kBits - 1));
   const W aligned = W(sig << up_shift);
   const W discarded_bits = select(shift < kBits, W(aligned << 1), W(sig >> down_shift));
-  const bool kept_odd = aligned >= kHalf;  // 0 when nothing is kept (sig < 2^(kMan+1))
+  // Whether the kept value is odd, which ties to even and rounding to odd look at: the last kept
+  // bit of sig (0 when nothing is kept, sig < 2^(kMan+1)). Where the leading one is the only kept
+  // bit (shift == top; every value at precision 1), that bit is 1 and IEEE 754 calls both
+  // neighbours of a tie odd (it then takes the larger magnitude, which going up does). With
+  // g.code_parity the parity is instead that of the value's code (P3109, gfloat): the kept value is
+  // 2^exponent, whose exponent code is exponent - qmin + 1 counted from the finest spacing. (At
+  // precision > 1 a lone leading one is the smallest subnormal, code 1: odd either way.) The
+  // parity test is an ordered comparison of the masked bit (see above).
+  const bool leading_only = shift == top;
+  const bool even_code = ((uint32_t(exponent - g.qmin) << 31) & g.code_parity) > 0x7FFFFFFFu;
+  const bool kept_odd = (leading_only & !even_code) | (!leading_only & (aligned >= kHalf));
 
   // With a tail (see round_with_tail), the discarded fraction continues below the bits of sig: the
   // tail, a fraction of sig's last unit, lies `shift` bits further down. `discarded` is then the
@@ -264,6 +276,7 @@ LPSIM_FN Grid<C> block_grid(typename C::word max_abs, int32_t wl) {
   g.pos_overflow = g.neg_overflow = limit;  // saturating
   g.pos_inf = g.neg_inf = C::inf_bits;
   g.zero_sign = C::sign_mask;
+  g.code_parity = 0;
   return g;
 }
 

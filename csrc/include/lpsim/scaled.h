@@ -221,6 +221,7 @@ LPSIM_FN Grid<K> own_grid() {
   g.pos_limit = g.neg_limit = convert_exact<K, C>(C::inf_bits - 1);
   g.pos_overflow = g.neg_overflow = g.pos_inf = g.neg_inf = K::inf_bits;
   g.zero_sign = K::sign_mask;
+  g.code_parity = 0;
   return g;
 }
 
