@@ -8,7 +8,8 @@ stochastic rounding by default, ``dim=-1`` for one block over the whole tensor).
 
 One word names each feature: ``lpsim.quantize`` rounds a tensor into a format, ``lpsim.update``
 holds ``sr_add`` and its fused forms (sums rounded once), ``lpsim.accumulate`` the sums and products
-rounded after every operation, and ``lpsim.dyadic`` integer-native arithmetic.
+rounded after every operation, ``lpsim.dyadic`` integer-native arithmetic, and ``lpsim.transforms``
+the orthogonal transforms applied before quantisation (``RandomHadamard``).
 
     >>> import torch, lpsim
     >>> x = torch.tensor([1.0, 1.1, 1.25, 300.0])
@@ -24,6 +25,7 @@ from lpsim import (
     nn,
     optim,
     recipes,
+    transforms,
     update,
 )
 from lpsim._ops import cpu_generator, cuda_built
@@ -32,6 +34,7 @@ from lpsim.formats import PRESETS, BlockFloat, Fixed, Float, preset
 from lpsim.functional import quantize, quantize_
 from lpsim.multi_tensor import quantize_many_
 from lpsim.rounding import Rounding
+from lpsim.transforms import RandomHadamard
 from lpsim.update import (
     sr_add,
     sr_add_,
@@ -83,4 +86,6 @@ __all__ = [
     "accumulate",
     "recipes",
     "compat",
+    "transforms",
+    "RandomHadamard",
 ]
