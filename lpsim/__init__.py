@@ -8,7 +8,8 @@ stochastic rounding by default, ``dim=-1`` for one block over the whole tensor).
 
 One word names each feature: ``lpsim.quantize`` rounds a tensor into a format, ``lpsim.update``
 holds ``sr_add`` and its fused forms (sums rounded once), ``lpsim.accumulate`` the sums and products
-rounded after every operation, and ``lpsim.dyadic`` integer-native arithmetic.
+rounded after every operation, ``lpsim.dyadic`` integer-native arithmetic, and ``lpsim.transforms``
+the orthogonal transforms applied before quantisation (``RandomHadamard``).
 
     >>> import torch, lpsim
     >>> x = torch.tensor([1.0, 1.1, 1.25, 300.0])
@@ -25,6 +26,7 @@ from lpsim import (
     optim,
     recipes,
     scaled,  # scaled formats: MX, NVFP4, FP8 with block, row or tensor scales
+    transforms,
     update,
 )
 from lpsim._ops import cpu_generator, cuda_built
@@ -34,6 +36,7 @@ from lpsim.functional import quantize, quantize_
 from lpsim.multi_tensor import quantize_many_
 from lpsim.rounding import Rounding
 from lpsim.scaled import PowerOfTwo, Scaled
+from lpsim.transforms import RandomHadamard
 from lpsim.update import (
     sr_add,
     sr_add_,
@@ -89,4 +92,6 @@ __all__ = [
     "accumulate",
     "recipes",
     "compat",
+    "transforms",
+    "RandomHadamard",
 ]

@@ -9,6 +9,7 @@ import lpsim
 import lpsim.formats
 import lpsim.functional
 import lpsim.rounding
+import lpsim.transforms
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCUMENTS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
@@ -21,7 +22,9 @@ def test_document_examples_run(path):
 
 
 @pytest.mark.parametrize(
-    "module", [lpsim, lpsim.formats, lpsim.functional, lpsim.rounding], ids=lambda m: m.__name__
+    "module",
+    [lpsim, lpsim.formats, lpsim.functional, lpsim.rounding, lpsim.transforms],
+    ids=lambda m: m.__name__,
 )
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)

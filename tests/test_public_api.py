@@ -26,6 +26,7 @@ PUBLIC_MODULES = [
     "lpsim.rounding",
     "lpsim.functional",
     "lpsim.recipes",
+    "lpsim.transforms",
     "lpsim.nn",
     "lpsim.optim",
     "lpsim.dyadic",
