@@ -38,6 +38,7 @@ from lpsim.formats import BlockFloat, Fixed, Float
 from lpsim.nn.inject import LayerQuantization, inject, quantized_parameters
 from lpsim.nn.quantizer import Spec
 from lpsim.optim.optim_lp import OptimLP
+from lpsim.scaled import Scaled, preset
 
 __all__ = [
     "Recipe",
@@ -47,6 +48,9 @@ __all__ = [
     "BLOCK8",
     "FIXED8",
     "FIXED8_UNSCALED",
+    "MXFP8",
+    "MXFP4",
+    "NVFP4",
     "RECIPES",
     "edge_layers",
 ]
@@ -70,6 +74,15 @@ class Recipe:
         loss_scale: multiply the loss by this before backward; the optimizer divides gradients by
             it (OptimLP's grad_scaling) before quantising them.
         keep_edges: keep the first and last weight layers in full precision.
+        placement: where the model's quantisers go. "outputs" (the default, QPyTorch's
+            practice): weights and biases of every layer (normalisation layers included) and
+            every layer's outputs (``activation``) and errors. "operands" (FP8 and MX training):
+            only the operands of the weight layers' products: their weights, their inputs
+            (``activation``) and the errors flowing into their outputs; biases, normalisation
+            layers and everything else stay in full precision.
+        round_weights: whether the optimizer rounds the weights after every step (by ``weight``).
+            False keeps full-precision master weights in the parameters, which the model sees
+            quantised by ``weight`` in every forward pass only, as FP8 and MX training do.
     """
 
     name: str
@@ -81,6 +94,14 @@ class Recipe:
     acc: Spec = None
     loss_scale: float = 1.0
     keep_edges: bool = True
+    placement: str = "outputs"
+    round_weights: bool = True
+
+    def __post_init__(self) -> None:
+        if self.placement not in _PLACEMENTS:
+            raise ValueError(
+                f"Recipe.placement must be one of {_PLACEMENTS}, got {self.placement!r}"
+            )
 
     @property
     def quantises(self) -> bool:
@@ -89,9 +110,31 @@ class Recipe:
             for f in ("weight", "activation", "error", "grad", "momentum", "acc")
         )
 
+    def along(self, axis: int) -> Recipe:
+        """This recipe with every Scaled format's blocks along ``axis`` instead: the scaled
+        recipes block along axis 1, the channels of (batch, channel, ...) tensors and the inputs
+        of (out, in, ...) weights; sequence models with (batch, token, channel) activations want
+        -1."""
+
+        def moved(spec):
+            if isinstance(spec, Scaled):
+                return replace(spec, axis=axis)
+            if isinstance(spec, tuple) and spec and isinstance(spec[0], Scaled):
+                return (replace(spec[0], axis=axis), *spec[1:])
+            return spec
+
+        fields = ("weight", "activation", "error", "grad", "momentum", "acc")
+        return replace(self, **{f: moved(getattr(self, f)) for f in fields})
+
     def layers(self, model: nn.Module) -> dict:
         """The inject() configuration of this recipe for model."""
         config = {name: None for name in edge_layers(model)} if self.keep_edges else {}
+        if self.placement == "operands":
+            config[WEIGHT_LAYERS] = LayerQuantization(
+                weight=self.weight, input=self.activation, error=self.error
+            )
+            config["default"] = None
+            return config
         layer = LayerQuantization(
             weight=self.weight, bias=self.weight, output=self.activation, error=self.error
         )
@@ -141,7 +184,7 @@ class Recipe:
         chosen = quantized_parameters(model) if parameters == "quantized" else None
         wrapped = OptimLP(
             optimizer,
-            weight=self.weight,
+            weight=self.weight if self.round_weights else None,
             grad=self.grad,
             momentum=self.momentum,
             acc=self.acc,
@@ -152,6 +195,7 @@ class Recipe:
 
 
 _PARAMETERS = ("quantized", "all")  # what Recipe.apply's optimizer rounds
+_PLACEMENTS = ("outputs", "operands")  # where Recipe.layers puts the model's quantisers
 
 FP32 = Recipe("fp32")
 
@@ -212,4 +256,52 @@ FIXED8 = Recipe(
 # for this reason (a loss scale, or WAGE's per-layer shift).
 FIXED8_UNSCALED = replace(FIXED8, name="fixed8-unscaled", loss_scale=1.0)
 
-RECIPES = {r.name: r for r in (FP32, BFLOAT16, IBM8, BLOCK8, FIXED8, FIXED8_UNSCALED)}
+
+def _channels(name: str) -> Scaled:
+    return replace(preset(name), axis=1)
+
+
+# Scaled formats on the operands of every product (weights and inputs of the weight layers in
+# every forward pass, the errors into their outputs in every backward pass), blocks along the
+# channels (axis 1, the products' reduction dimension; Recipe.along moves them), and
+# full-precision master weights, biases, gradients and optimizer state, as MX and NVFP4 training
+# keep them.
+# MXFP8 after the OCP MX paper (Rouhani et al., "Microscaling Data Formats for Deep Learning",
+# 2023): E4M3 forward, E5M2 errors, round to nearest.
+MXFP8 = Recipe(
+    "mxfp8",
+    weight=(_channels("mxfp8_e4m3"), "nearest"),
+    activation=(_channels("mxfp8_e4m3"), "nearest"),
+    error=(_channels("mxfp8_e5m2"), "nearest"),
+    placement="operands",
+    round_weights=False,
+)
+
+# MXFP4 with stochastically rounded errors (Tseng et al., "Training LLMs with MXFP4", 2025, round
+# the backward pass's operands stochastically so that its products are unbiased).
+MXFP4 = Recipe(
+    "mxfp4",
+    weight=(_channels("mxfp4_e2m1"), "nearest"),
+    activation=(_channels("mxfp4_e2m1"), "nearest"),
+    error=(_channels("mxfp4_e2m1"), "stochastic"),
+    placement="operands",
+    round_weights=False,
+)
+
+# NVFP4 after NVIDIA's recipe ("Pretraining Large Language Models with NVFP4", 2025): E2M1 with
+# an E4M3 scale per 16 and a float32 tensor scale, round to nearest forward, stochastic rounding of
+# the gradients. NVIDIA scales weights in 16x16 tiles and applies a random Hadamard transform to
+# the weight-gradient product's operands; here weights use the same 1x16 blocks along the input
+# channels as the rest, and no transform (lpsim.transforms has one).
+NVFP4 = Recipe(
+    "nvfp4",
+    weight=(_channels("nvfp4"), "nearest"),
+    activation=(_channels("nvfp4"), "nearest"),
+    error=(_channels("nvfp4"), "stochastic"),
+    placement="operands",
+    round_weights=False,
+)
+
+RECIPES = {
+    r.name: r for r in (FP32, BFLOAT16, IBM8, BLOCK8, FIXED8, FIXED8_UNSCALED, MXFP8, MXFP4, NVFP4)
+}

@@ -320,6 +320,11 @@ class Scaled:
             symmetric=self.element.symmetric,
         )
 
+    def _misfit(self, container) -> str | None:
+        """Why a tensor of ``container`` cannot be quantised into this format (its elements do
+        not fit it), or None: the decoded values are rounded into the tensor's own dtype."""
+        return self.element._misfit(container)
+
     def op_arguments(self, dtype: torch.dtype) -> tuple:
         """The compiled quantize_scaled op's arguments between x and the rounding rule, for a
         tensor of ``dtype`` (computed once per dtype).

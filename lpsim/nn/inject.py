@@ -36,8 +36,16 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from lpsim.delayed_scaling import DelayedScaler
 from lpsim.nn._hooks import guard_hooks_under_compile, map_tensors
-from lpsim.nn.quantizer import QuantSpec, Spec, as_spec, eval_spec, parse_eval_rounding, quantizer
+from lpsim.nn.quantizer import (
+    QuantSpec,
+    Spec,
+    as_spec,
+    bind,
+    parse_eval_rounding,
+    quantizing_function,
+)
 from lpsim.rounding import Rounding
 
 __all__ = [
@@ -52,6 +60,7 @@ __all__ = [
 
 DEFAULT = "default"
 _STATE = "_lpsim_injection"  # attribute holding what inject() did to a module
+_SCALERS = "lpsim_scalers"  # submodule holding the DelayedScalers of inputs, outputs and errors
 _UNMATCHED = ("error", "warn", "ignore")
 
 # Children whose forward() their parent never calls: the parent reads their parameters directly,
@@ -96,14 +105,19 @@ class LayerQuantization:
             self.spec(f)  # raises TypeError for malformed specs
 
 
+class _Scalers(nn.Module):
+    """The DelayedScalers of a module's input, output and error quantisers (submodules named
+    after them), so that their state is in the model's state_dict and follows .to()."""
+
+
 class _FakeQuantize(nn.Module):
     """Parametrisation: the parameter as seen by forward is its quantised value (``spec`` in
-    training mode, ``eval_spec`` in eval mode)."""
+    training mode, ``eval_spec`` in eval mode; with a DelayedScaling, through ``scaler``, its
+    submodule)."""
 
-    def __init__(self, spec: QuantSpec, eval_spec: QuantSpec):
+    def __init__(self, spec: QuantSpec, eval_rule: Rounding | None):
         super().__init__()
-        self.spec = spec
-        self.eval_spec = eval_spec
+        self.spec, self.eval_spec, self.scaler = bind(spec, eval_rule)
 
     def forward(self, value: torch.Tensor) -> torch.Tensor:
         return self.spec(value) if self.training else self.eval_spec(value)
@@ -233,30 +247,38 @@ def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str
         if spec is None:
             continue
         for pname in _parameter_names(module, kind):
-            parametrize.register_parametrization(
-                module, pname, _FakeQuantize(spec, eval_spec(spec, eval_rule))
-            )
+            parametrize.register_parametrization(module, pname, _FakeQuantize(spec, eval_rule))
             done[kind].append((pname, spec))
+    scalers = _Scalers()
     input_spec = settings.spec("input")
     if input_spec is not None:
-        input_eval = eval_spec(input_spec, eval_rule)
+        input_train, input_eval, scalers.input = bind(input_spec, eval_rule)
 
         def quantize_inputs(mod, args, kwargs):
-            spec = input_spec if mod.training else input_eval
-            return map_tensors(args, spec), map_tensors(kwargs, spec)
+            quantise = input_train if mod.training else input_eval
+            return map_tensors(args, quantise), map_tensors(kwargs, quantise)
 
         done["hooks"].append(module.register_forward_pre_hook(quantize_inputs, with_kwargs=True))
         done["input"] = input_spec
     output_spec, error_spec = settings.spec("output"), settings.spec("error")
     if output_spec is not None or error_spec is not None:
-        train_apply = quantizer(output_spec, error_spec)
-        eval_apply = quantizer(eval_spec(output_spec, eval_rule), eval_spec(error_spec, eval_rule))
+        output_train, output_eval, scalers.output = bind(output_spec, eval_rule)
+        error_train, error_eval, scalers.error = bind(error_spec, eval_rule)
+        train_apply = quantizing_function(output_train, error_train)
+        eval_apply = quantizing_function(output_eval, error_eval)
 
         def quantize_outputs(mod, args, output):
             return map_tensors(output, train_apply if mod.training else eval_apply)
 
         done["hooks"].append(module.register_forward_hook(quantize_outputs))
         done["output"], done["error"] = output_spec, error_spec
+    if any(True for _ in scalers.children()):
+        if hasattr(module, _SCALERS):
+            raise ValueError(
+                f"inject(): {type(module).__name__} already has an attribute {_SCALERS!r}"
+            )
+        module.add_module(_SCALERS, scalers)
+        done["scalers"] = True
     return done
 
 
@@ -358,6 +380,8 @@ def remove(model: nn.Module) -> nn.Module:
         for pname, _ in done["weight"] + done["bias"]:
             parametrize.remove_parametrizations(module, pname, leave_parametrized=False)
         _restore_parameter_order(module, done["parameter_order"])
+        if done.get("scalers"):
+            delattr(module, _SCALERS)
         delattr(module, _STATE)
     return model
 
@@ -434,7 +458,9 @@ def report(
     rows = [("module", "type", "weight", "bias", "input", "output", "error", "note")]
     quantised = full = 0
     for name, module in model.named_modules():
-        if isinstance(module, (parametrize.ParametrizationList, _FakeQuantize)):
+        if isinstance(
+            module, (parametrize.ParametrizationList, _FakeQuantize, _Scalers, DelayedScaler)
+        ):
             continue
         done = getattr(module, _STATE, None)
         if done is not None and _active(done):

@@ -1,8 +1,10 @@
 """Differentiable quantisers: quantise a tensor in the forward pass and its gradient in the backward
 pass, each with its own format and rounding rule.
 
-A *spec* says how to quantise: a format (Float, Fixed, BlockFloat), or a (format, rounding) pair
-whose rounding overrides the default. None means "leave as is".
+A *spec* says how to quantise: a format (Float, Fixed, P3109, BlockFloat, Scaled) or a
+DelayedScaling, or a (format, rounding) pair whose rounding overrides the default. None means
+"leave as is". A DelayedScaling keeps state per tensor: the Quantizer module and inject() give each
+quantised tensor its own DelayedScaler (see ``bind``), which is in the model's state_dict.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.formats import GRID_FORMATS, BlockFloat, Fixed, Float, Format, fitting_container
 from lpsim.functional import quantize
 from lpsim.rounding import Rounding
+from lpsim.scaled import Scaled
 
 __all__ = [
     "Spec",
@@ -26,19 +30,32 @@ __all__ = [
     "Quantizer",
     "eval_spec",
     "parse_eval_rounding",
+    "ScalerCall",
+    "bind",
+    "quantizing_function",
 ]
 
-Spec = Format | tuple | None
+Spec = Format | Scaled | DelayedScaling | tuple | None
+_SPEC_FORMATS = (*GRID_FORMATS, BlockFloat, Scaled, DelayedScaling)
 
 
 class QuantSpec(NamedTuple):
     """A format and the rule that rounds into it."""
 
-    format: Format
+    format: Format | Scaled | DelayedScaling
     rounding: Rounding
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x quantised (differentiable, straight-through)."""
+        """x quantised (differentiable, straight-through).
+
+        Raises:
+            TypeError: the format is a DelayedScaling, which needs a state (``bind``).
+        """
+        if isinstance(self.format, DelayedScaling):
+            raise TypeError(
+                "a DelayedScaling spec keeps state per tensor: quantise through bind(spec) or "
+                "format.scaler(), not the spec itself"
+            )
         return quantize(x, self.format, self.rounding)
 
     def __str__(self) -> str:
@@ -83,17 +100,47 @@ def as_spec(value: Spec, rounding: Rounding | str, name: str) -> QuantSpec | Non
         return None
     if isinstance(value, QuantSpec):
         return value
-    if isinstance(value, (*GRID_FORMATS, BlockFloat)):
+    if isinstance(value, _SPEC_FORMATS):
         return QuantSpec(value, Rounding.parse(rounding))
-    if (
-        isinstance(value, tuple)
-        and len(value) == 2
-        and isinstance(value[0], (*GRID_FORMATS, BlockFloat))
-    ):
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], _SPEC_FORMATS):
         return QuantSpec(value[0], Rounding.parse(value[1]))
     raise TypeError(
-        f"{name} must be None, a Float, Fixed, P3109 or BlockFloat, or a (format, rounding) pair; "
-        f"got {value!r}"
+        f"{name} must be None, a Float, Fixed, P3109, BlockFloat, Scaled or DelayedScaling, or a "
+        f"(format, rounding) pair; got {value!r}"
+    )
+
+
+class ScalerCall(NamedTuple):
+    """A DelayedScaler applied with a rule: ``scaler(x, rounding, record=record)``."""
+
+    scaler: DelayedScaler
+    rounding: Rounding
+    record: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scaler(x, self.rounding, record=self.record)
+
+    def __str__(self) -> str:
+        return f"{self.scaler.scaling!r} {self.rounding.name}"
+
+
+def bind(spec: QuantSpec | None, eval_rounding: Rounding | None):
+    """(train, eval, scaler): the functions that quantise one tensor by ``spec`` in training and
+    in eval mode, and the state they share. For a DelayedScaling spec, a new DelayedScaler: the
+    training function records every call, the eval function none, and uses ``eval_rounding`` in
+    place of a stochastic rule (see QuantSpec.for_eval). For other specs, (spec,
+    spec.for_eval(eval_rounding), None); for None, (None, None, None). The owner of the scaler
+    registers it as a submodule, so that its state follows the model (state_dict, .to())."""
+    if spec is None:
+        return None, None, None
+    evaluated = spec.for_eval(eval_rounding)
+    if not isinstance(spec.format, DelayedScaling):
+        return spec, evaluated, None
+    scaler = spec.format.scaler()
+    return (
+        ScalerCall(scaler, spec.rounding, True),
+        ScalerCall(scaler, evaluated.rounding, False),
+        scaler,
     )
 
 
@@ -227,14 +274,30 @@ def quantizer(
     """
     forward_spec = as_spec(forward, forward_rounding, "forward")
     backward_spec = as_spec(backward, backward_rounding, "backward")
+    for name, spec in (("forward", forward_spec), ("backward", backward_spec)):
+        if spec is not None and isinstance(spec.format, DelayedScaling):
+            raise TypeError(
+                f"{name}: quantizer() keeps no state, and a DelayedScaling needs one; use the "
+                "Quantizer module, which holds its DelayedScaler"
+            )
+    return quantizing_function(forward_spec, backward_spec, clamp_grad_zero, backward_hooks)
+
+
+def quantizing_function(forward, backward, clamp_grad_zero=False, backward_hooks=()):
+    """quantizer() for functions already made: ``forward`` and ``backward`` are None, a
+    QuantSpec or a ScalerCall (clamp_grad_zero needs a QuantSpec forward)."""
     hooks = tuple(backward_hooks)
     if clamp_grad_zero:
-        if forward_spec is None:
+        if forward is None:
             raise ValueError("clamp_grad_zero needs a forward format")
-        unclipped(forward_spec.format)
+        if not isinstance(forward, QuantSpec):
+            raise ValueError(
+                "clamp_grad_zero needs a forward format that clips, not a DelayedScaling"
+            )
+        unclipped(forward.format)
 
     def apply(x: torch.Tensor) -> torch.Tensor:
-        return _Quantize.apply(x, forward_spec, backward_spec, clamp_grad_zero, hooks)
+        return _Quantize.apply(x, forward, backward, clamp_grad_zero, hooks)
 
     return apply
 
@@ -268,17 +331,17 @@ class Quantizer(nn.Module):
         self.clamp_grad_zero = clamp_grad_zero
         self.backward_hooks = tuple(backward_hooks)
         self.eval_rounding = parse_eval_rounding(eval_rounding)
-        self._apply_train = quantizer(
-            self.forward_spec,
-            self.backward_spec,
-            clamp_grad_zero=clamp_grad_zero,
-            backward_hooks=self.backward_hooks,
+        forward_train, forward_eval, self.forward_scaler = bind(
+            self.forward_spec, self.eval_rounding
         )
-        self._apply_eval = quantizer(
-            eval_spec(self.forward_spec, self.eval_rounding),
-            eval_spec(self.backward_spec, self.eval_rounding),
-            clamp_grad_zero=clamp_grad_zero,
-            backward_hooks=self.backward_hooks,
+        backward_train, backward_eval, self.backward_scaler = bind(
+            self.backward_spec, self.eval_rounding
+        )
+        self._apply_train = quantizing_function(
+            forward_train, backward_train, clamp_grad_zero, self.backward_hooks
+        )
+        self._apply_eval = quantizing_function(
+            forward_eval, backward_eval, clamp_grad_zero, self.backward_hooks
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

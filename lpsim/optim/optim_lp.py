@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim import Optimizer
 
+from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.formats import check_fits, fitting_container
 from lpsim.functional import quantize
 from lpsim.multi_tensor import quantize_many_
-from lpsim.nn.quantizer import QuantSpec, Spec, as_spec
+from lpsim.nn.quantizer import QuantSpec, ScalerCall, Spec, as_spec
 from lpsim.rounding import Rounding
 
 __all__ = ["OptimLP", "ParameterQuantization"]
@@ -191,6 +192,9 @@ class OptimLP(Optimizer):
         self._chosen = self._parse_parameters(parameters)
         self.settings: dict[torch.Tensor, ParameterQuantization | None] = {}
         self.accumulators: dict[torch.Tensor, torch.Tensor] = {}
+        # Delayed scaling: one DelayedScaler per parameter and rounded tensor ("weight", "grad",
+        # "acc", "momentum.<state key>"), made when the tensor is first rounded.
+        self.scalers: dict[torch.Tensor, dict[str, DelayedScaler]] = {}
         # The base class sets up hooks and calls add_param_group on each group, which the wrapped
         # optimizer already holds (see add_param_group); then both share groups and state.
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -276,7 +280,8 @@ class OptimLP(Optimizer):
             for p, s in settings.items():
                 if s is not None and s.acc is not None and p not in self.accumulators:
                     dtype = _accumulator_dtype(s.acc, p.dtype)
-                    self.accumulators[p] = _rounded(s.acc, p.detach().to(dtype))
+                    acc = p.detach().to(dtype)
+                    self.accumulators[p] = _rounded(self._quantizer(p, "acc", s.acc, acc), acc)
 
     @staticmethod
     def _check_fits(s: ParameterQuantization, p: torch.Tensor, where: str) -> None:
@@ -297,6 +302,17 @@ class OptimLP(Optimizer):
                     f"OptimLP {name}: {error} ({where}: {what} is "
                     f"{str(dtype).replace('torch.', '')})"
                 ) from None
+
+    def _quantizer(self, p: torch.Tensor, name: str, quant: QuantFunction, t: torch.Tensor):
+        """What rounds tensor ``name`` of parameter p: ``quant`` itself, or for a DelayedScaling
+        spec the call of that tensor's own scaler (made on t's device the first time)."""
+        if not (isinstance(quant, QuantSpec) and isinstance(quant.format, DelayedScaling)):
+            return quant
+        scalers = self.scalers.setdefault(p, {})
+        scaler = scalers.get(name)
+        if scaler is None:
+            scaler = scalers[name] = quant.format.scaler().to(t.device)
+        return ScalerCall(scaler, quant.rounding, True)
 
     def parameter_settings(self, p: torch.Tensor) -> ParameterQuantization | None:
         """What the optimizer rounds for parameter ``p`` (None: nothing, full precision).
@@ -322,7 +338,7 @@ class OptimLP(Optimizer):
                 p.grad.mul_(self.grad_scaling)
             s = self.settings.get(p)
             if s is not None and s.grad is not None:
-                batch.add(s.grad, p.grad)
+                batch.add(self._quantizer(p, "grad", s.grad, p.grad), p.grad)
         batch.run()
 
     @torch.no_grad()
@@ -338,7 +354,7 @@ class OptimLP(Optimizer):
                     and value.is_floating_point()
                     and value.dim() > 0
                 ):
-                    batch.add(s.momentum, value)
+                    batch.add(self._quantizer(p, f"momentum.{key}", s.momentum, value), value)
         batch.run()
 
     def _widened(self) -> list[torch.Tensor]:
@@ -383,7 +399,7 @@ class OptimLP(Optimizer):
                 acc = self.accumulators[p]
                 if acc.dtype == p.dtype:
                     acc.copy_(p)  # the wrapped step updated the parameter
-                accumulators.add(s.acc, acc)
+                accumulators.add(self._quantizer(p, "acc", s.acc, acc), acc)
         accumulators.run()
         self._set_weights()
 
@@ -404,7 +420,8 @@ class OptimLP(Optimizer):
             elif acc is not p:
                 p.copy_(acc)
             if s.weight is not None:
-                weights.add(s.weight, acc if acc.dtype != p.dtype else p)
+                target = acc if acc.dtype != p.dtype else p
+                weights.add(self._quantizer(p, "weight", s.weight, target), target)
         weights.run()
         for p, value in widened:
             p.copy_(value)
@@ -453,12 +470,17 @@ class OptimLP(Optimizer):
         self._configure()
 
     def state_dict(self) -> dict:
-        """The wrapped optimizer's state_dict, and the accumulators in parameter order (None for
-        parameters without one)."""
+        """The wrapped optimizer's state_dict, the accumulators in parameter order (None for
+        parameters without one), and the delayed-scaling states in parameter order (a dict from
+        tensor name to DelayedScaler.state_dict(), empty for parameters without one)."""
         return {
             "optimizer": self.optimizer.state_dict(),
             "accumulators": [
                 self.accumulators[p].clone() if p in self.accumulators else None
+                for p in self._params()
+            ],
+            "scalers": [
+                {name: scaler.state_dict() for name, scaler in self.scalers.get(p, {}).items()}
                 for p in self._params()
             ],
         }
@@ -487,6 +509,12 @@ class OptimLP(Optimizer):
             raise ValueError(
                 f"state_dict holds {len(saved)} accumulators for {len(params)} parameters"
             )
+        scalers = state_dict.get("scalers") if "optimizer" in state_dict else None
+        if scalers is not None and len(scalers) != len(params):
+            raise ValueError(
+                f"state_dict holds scalers for {len(scalers)} of {len(params)} parameters"
+            )
+        self._load_scalers(params, scalers)
         with torch.no_grad():
             for i, p in enumerate(params):
                 if p not in self.accumulators:
@@ -507,6 +535,25 @@ class OptimLP(Optimizer):
             self._swap_out(swapped)
         self._share_with_optimizer()
         self._configure()
+
+    def _load_scalers(self, params: list, saved: list | None) -> None:
+        """Delayed-scaling states from a state_dict (None: none saved; scalers start afresh)."""
+        self.scalers = {}
+        if saved is None:
+            return
+        for p, states in zip(params, saved, strict=True):
+            s = self.settings.get(p)
+            for name, state in states.items():
+                category = name.split(".", 1)[0]
+                quant = None if s is None else getattr(s, category, None)
+                if not (isinstance(quant, QuantSpec) and isinstance(quant.format, DelayedScaling)):
+                    raise ValueError(
+                        f"state_dict holds a delayed-scaling state {name!r} for a parameter whose "
+                        f"{category} has no DelayedScaling"
+                    )
+                scaler = quant.format.scaler().to(p.device)
+                scaler.load_state_dict(state)
+                self.scalers.setdefault(p, {})[name] = scaler
 
     def __repr__(self) -> str:
         parts = [

@@ -1,0 +1,194 @@
+"""Delayed scaling: FP8 with one float32 scale per tensor, taken from the largest magnitudes
+(amax) of the tensor's earlier quantisations, as Transformer Engine's ``DelayedScaling`` recipe
+computes it.
+
+``DelayedScaling(element, history_length=1024, reduction="max", margin=0)`` describes the scaling;
+it goes wherever a format goes in ``lpsim.nn.Quantizer``, ``lpsim.nn.inject``'s
+``LayerQuantization`` and ``lpsim.optim.OptimLP``, each of which gives every tensor it quantises
+its own ``DelayedScaler``: the state (the amax history and the scale), an ``nn.Module`` whose
+buffers are in its owner's ``state_dict``.
+
+One call ``scaler(x, rounding)`` does, in float32 arithmetic (float64 for a float64 x), one IEEE
+operation at a time:
+
+1. y = x * scale; element = y rounded onto the saturating element format by ``rounding``;
+   the result is element * scale_inverse, in x's dtype (rounded to nearest where x is bfloat16 or
+   float16). The gradient passes straight through.
+2. When recording (the default in training mode): amax = max |x| is pushed onto the history (the
+   oldest entry drops out), and the scale is recomputed from the history:
+   a = the largest entry ("max", NaN entries ignored) or the newest ("most_recent");
+   if a is finite and positive, scale = (elem_max * 2^-margin) / a and scale_inverse = 1 / scale,
+   else both stay as they were.
+
+So the scale a call uses comes from the calls before it: the first call uses scale 1. This is
+Transformer Engine's amax_and_scale_update (history rolled, max or most-recent reduction,
+``fp8_max * 2^-margin / amax``, the scale kept for a zero or non-finite amax, NaN ignored by the
+max reduction as CUDA's fmaxf ignores it), with one update per call: Transformer Engine updates
+once per training step, which is the same when each tensor is quantised once per step. A tensor
+quantised several times per step (gradient accumulation) records each call.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lpsim._checks import check_container, check_number
+from lpsim.formats import Fixed, Float, check_int_field, short_repr
+from lpsim.functional import quantize
+from lpsim.rounding import Rounding
+from lpsim.scaled import Scaled
+
+__all__ = ["DelayedScaling", "DelayedScaler", "REDUCTIONS"]
+
+REDUCTIONS = ("max", "most_recent")
+
+
+@dataclass(frozen=True, repr=False)
+class DelayedScaling:
+    """Per-tensor scaling from an amax history (see the module docstring).
+
+    Args:
+        element: the element format, a Float or Fixed (E4M3 or E5M2 in Transformer Engine); it
+            always saturates.
+        history_length: amaxes remembered, 1 to 2**20 (Transformer Engine's amax_history_len,
+            default 1024).
+        reduction: "max" (the largest remembered amax, the default) or "most_recent"
+            (Transformer Engine's amax_compute_algo).
+        margin: the scale leaves 2**margin of headroom above the reduced amax, a number in
+            [0, 64] (default 0).
+
+    Raises:
+        TypeError: a field has the wrong type.
+        ValueError: a field is out of range.
+    """
+
+    element: Float | Fixed
+    history_length: int = field(default=1024, kw_only=True)
+    reduction: str = field(default="max", kw_only=True)
+    margin: float = field(default=0, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.element, (Float, Fixed)):
+            raise TypeError(
+                f"DelayedScaling.element must be a Float or Fixed, got "
+                f"{type(self.element).__name__}"
+            )
+        check_int_field("DelayedScaling", "history_length", self.history_length, 1, 2**20)
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(
+                f"DelayedScaling.reduction must be one of {REDUCTIONS}, got {self.reduction!r}"
+            )
+        check_number("DelayedScaling.margin", self.margin, 0.0, 64.0)
+        if not self.element.max > 0:
+            raise ValueError(f"DelayedScaling.element {self.element!r} has no positive value")
+
+    __repr__ = short_repr
+
+    def saturating_element(self) -> Float | Fixed:
+        """The element format as it is rounded: saturating."""
+        return Scaled(self.element, Float(8, 23), "tensor").saturating_element()
+
+    def _misfit(self, container) -> str | None:
+        """None: every tensor dtype can be quantised (the work is in float32 or float64, the
+        result rounded to the tensor's dtype)."""
+        return None
+
+    def scaled_max(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """elem_max * 2**-margin in ``dtype`` (float32 or float64), the numerator of the scale."""
+        top = torch.tensor(self.element.max, dtype=dtype)
+        return top * torch.tensor(math.pow(2.0, -self.margin), dtype=dtype)
+
+    def scaler(self) -> DelayedScaler:
+        """A new scaler (fresh state: empty history, scale 1) for one tensor."""
+        return DelayedScaler(self)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """``value`` forward (computed without autograd), the identity gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x, value):
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class DelayedScaler(nn.Module):
+    """The state of delayed scaling for one tensor, and the quantisation that uses it.
+
+    Buffers (float32, in the module's ``state_dict``; ``.to(device)`` moves them):
+        amax_history: the last ``history_length`` amaxes, newest first (zeros before any call).
+        scale: what x is multiplied by before rounding (1 before the first recorded call).
+        scale_inverse: 1 / scale, what the rounded elements are multiplied by.
+        calls: how many calls have been recorded (a 0-d int64).
+    """
+
+    def __init__(self, scaling: DelayedScaling):
+        super().__init__()
+        if not isinstance(scaling, DelayedScaling):
+            raise TypeError(f"scaling must be a DelayedScaling, got {type(scaling).__name__}")
+        self.scaling = scaling
+        self._element = scaling.saturating_element()
+        self.register_buffer("amax_history", torch.zeros(scaling.history_length))
+        self.register_buffer("scale", torch.ones(()))
+        self.register_buffer("scale_inverse", torch.ones(()))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rounding: Rounding | str = "nearest",
+        *,
+        rbits: int | None = None,
+        seed: int | None = None,
+        record: bool | None = None,
+    ) -> torch.Tensor:
+        """x quantised with the current scale (straight-through gradient); then, when
+        ``record`` (default: the module's training mode), x's amax enters the history and the
+        scale is updated.
+
+        Args:
+            x: a float32, float64, bfloat16 or float16 tensor on the buffers' device.
+            rounding, rbits, seed: as lpsim.quantize, for the elements.
+            record: whether this call updates the state (None: ``self.training``).
+
+        Raises:
+            TypeError, ValueError: as lpsim.quantize; x on another device than the buffers.
+        """
+        check_container(x)
+        if x.device != self.scale.device:
+            raise ValueError(
+                f"x is on {x.device} but the scaler's state is on {self.scale.device}; move the "
+                "module holding it with .to()"
+            )
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        with torch.no_grad():
+            wide = x.detach().to(work)
+            scale = self.scale.to(work)
+            elements = quantize(wide * scale, self._element, rounding, rbits=rbits, seed=seed)
+            value = (elements * self.scale_inverse.to(work)).to(x.dtype)
+            if self.training if record is None else record:
+                self._record(wide.abs().amax() if wide.numel() else wide.new_zeros(()))
+        return _StraightThrough.apply(x, value)
+
+    def _record(self, amax: torch.Tensor) -> None:
+        history = self.amax_history
+        history.copy_(torch.cat([amax.float().reshape(1), history[:-1]]))
+        if self.scaling.reduction == "max":
+            reduced = torch.where(history.isnan(), 0.0, history).amax()
+        else:
+            reduced = history[0]
+        usable = torch.isfinite(reduced) & (reduced > 0)
+        scale = torch.where(usable, self.scaling.scaled_max() / reduced, self.scale)
+        self.scale_inverse.copy_(torch.where(usable, 1 / scale, self.scale_inverse))
+        self.scale.copy_(scale)
+        self.calls.add_(1)
+
+    def extra_repr(self) -> str:
+        return repr(self.scaling)

@@ -1,0 +1,120 @@
+"""Scaled formats wherever a format goes: Quantizer, inject, OptimLP and the scaled recipes (MXFP8,
+MXFP4, NVFP4) give bit for bit what lpsim.quantize gives for the same tensor, format and rule."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+import lpsim
+from lpsim import demo, recipes
+from lpsim.nn import LayerQuantization, Quantizer, inject, injected
+from lpsim.optim import OptimLP
+from lpsim.scaled import preset
+
+MX = preset("mxfp8_e4m3")
+NV = preset("nvfp4")
+
+
+def _heavy(*shape, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * torch.exp2(3 * torch.randn(*shape, generator=g))
+
+
+@pytest.mark.parametrize("fmt", [MX, NV, replace(MX, axis=0)])
+def test_quantizer_rounds_forward_and_backward_as_quantize_does(fmt):
+    q = Quantizer(forward=(fmt, "nearest"), backward=(fmt, "nearest"))
+    x = _heavy(8, 64).requires_grad_()
+    g = _heavy(8, 64, seed=1)
+    y = q(x)
+    y.backward(g)
+    assert torch.equal(y, lpsim.quantize(x.detach(), fmt))
+    assert torch.equal(x.grad, lpsim.quantize(g, fmt))
+
+
+def test_inject_fake_quantises_weights_and_outputs_in_scaled_formats():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16))
+    inject(
+        model,
+        {nn.Linear: LayerQuantization(weight=MX, output=NV, rounding="nearest"), "default": None},
+    )
+    assert torch.equal(
+        model[0].weight, lpsim.quantize(model[0].parametrizations.weight.original, MX)
+    )
+    x = _heavy(4, 64)
+    hidden = lpsim.quantize(nn.functional.linear(x, model[0].weight, model[0].bias), NV)
+    assert torch.equal(model[1](model[0](x)), torch.relu(hidden))
+
+
+def test_optimlp_rounds_gradients_momentum_and_weights_in_scaled_formats():
+    torch.manual_seed(0)
+    model = nn.Linear(64, 8)
+    reference = nn.Linear(64, 8)
+    reference.load_state_dict(model.state_dict())
+    opt = OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+        weight=(MX, "nearest"),
+        grad=(NV, "nearest"),
+        momentum=(MX, "nearest"),
+    )
+    plain = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+    for step in range(3):
+        x = _heavy(4, 64, seed=step)
+        for m in (model, reference):
+            m(x).square().sum().backward()
+        opt.step()
+        with torch.no_grad():
+            for p in reference.parameters():
+                p.grad.copy_(lpsim.quantize(p.grad, NV))
+        plain.step()
+        with torch.no_grad():
+            for p in reference.parameters():
+                buffer = plain.state[p]["momentum_buffer"]
+                buffer.copy_(lpsim.quantize(buffer, MX))
+                p.copy_(lpsim.quantize(p, MX))
+        model.zero_grad()
+        reference.zero_grad()
+        for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p, r), step
+
+
+@pytest.mark.parametrize("recipe", [recipes.MXFP8, recipes.MXFP4, recipes.NVFP4])
+def test_scaled_recipes_quantise_the_operands_of_the_inner_weight_layers_only(recipe):
+    torch.manual_seed(0)
+    model = demo.small_cnn()
+    weights = [p.detach().clone() for p in model.parameters()]
+    model, opt = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    first, last = recipes.edge_layers(model)
+    done = {name: d for name, _, d in injected(model)}
+    assert first not in done and last not in done and done
+    for d in done.values():
+        assert d["type"] in ("Conv2d", "Linear") and not d["bias"] and d["output"] is None
+        assert d["input"].format.axis == 1 and d["error"].format.axis == 1
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(10, (8,))
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    # Full-precision master weights: the stored parameters are not on the format's grid, and
+    # the step moved them.
+    for p in lpsim.nn.quantized_parameters(model):
+        assert opt.parameter_settings(p).weight is None
+        assert not torch.equal(p, lpsim.quantize(p.detach(), recipe.weight[0]))
+    assert any(not torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=False))
+
+
+def test_recipe_along_moves_every_scaled_block_axis():
+    moved = recipes.NVFP4.along(-1)
+    for name in ("weight", "activation", "error"):
+        assert getattr(moved, name)[0].axis == -1
+        assert getattr(moved, name)[0] == replace(getattr(recipes.NVFP4, name)[0], axis=-1)
+    assert recipes.IBM8.along(-1) == recipes.IBM8
+
+
+def test_recipe_placement_is_checked():
+    with pytest.raises(
+        ValueError, match=r"Recipe.placement must be one of \('outputs', 'operands'\)"
+    ):
+        recipes.Recipe("x", placement="inputs")
