@@ -93,31 +93,19 @@ def cpu_generator() -> str:
 # Fake kernels: shapes and dtypes only. The compiled kernels return contiguous tensors.
 
 
-@torch.library.register_fake("lpsim::quantize_grid")
-def _quantize_grid_fake(x, *args):
+def _new_tensor_fake(x, *args):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake("lpsim::quantize_block")
-def _quantize_block_fake(x, *args):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@torch.library.register_fake("lpsim::quantize_grid_")
-def _quantize_grid_inplace_fake(x, *args):
+def _in_place_fake(x, *args):
     return None
 
 
-@torch.library.register_fake("lpsim::quantize_block_")
-def _quantize_block_inplace_fake(x, *args):
+def _out_fake(x, *args, out):
     return None
 
 
-@torch.library.register_fake("lpsim::quantize_grid_out")
-def _quantize_grid_out_fake(x, *args, out):
-    return None
-
-
-@torch.library.register_fake("lpsim::quantize_block_out")
-def _quantize_block_out_fake(x, *args, out):
-    return None
+for _name in ("quantize_grid", "quantize_block", "quantize_scaled"):
+    torch.library.register_fake(f"lpsim::{_name}")(_new_tensor_fake)
+    torch.library.register_fake(f"lpsim::{_name}_")(_in_place_fake)
+    torch.library.register_fake(f"lpsim::{_name}_out")(_out_fake)

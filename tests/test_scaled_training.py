@@ -118,3 +118,25 @@ def test_recipe_placement_is_checked():
         ValueError, match=r"Recipe.placement must be one of \('outputs', 'operands'\)"
     ):
         recipes.Recipe("x", placement="inputs")
+
+
+@pytest.mark.parametrize(("name", "rounding"), [("nvfp4", "nearest"), ("mxfp4_e2m1", "stochastic")])
+def test_scaled_quantize_runs_under_torch_compile_fullgraph_bit_for_bit(name, rounding):
+    fmt = preset(name)
+
+    @torch.compile(fullgraph=True)
+    def step(x):
+        return lpsim.quantize(x * 2, fmt, rounding, seed=3) + 1
+
+    @torch.compile(fullgraph=True)
+    def in_place(x):
+        lpsim.quantize_(x, fmt, rounding, seed=3)
+        return x
+
+    x = _heavy(4, 64).requires_grad_()
+    y = step(x)
+    assert torch.equal(y, lpsim.quantize(x.detach() * 2, fmt, rounding, seed=3) + 1)
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))  # straight through, times 2
+    z = _heavy(4, 64, seed=1)
+    assert torch.equal(in_place(z.clone()), lpsim.quantize(z, fmt, rounding, seed=3))
