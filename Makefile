@@ -3,6 +3,10 @@
 #   make test   set up, lint, build, run the tests
 #   make lint   ruff (lint and format check) and clang-format check; make format applies them
 #   make bench  set up, build, run the quantisation benchmark
+#   make gpu-check  on a GPU machine: build the CUDA kernels for its GPU, run the GPU tests and the
+#               GPU benchmarks, write out/gpu-check/report.md (tools/gpu_check.py). It runs under
+#               GPU_PYTHON (default python3, the machine's own torch) and installs nothing; without
+#               a GPU it reports the GPU parts skipped.
 
 PYTHON ?= python3
 VENV := .venv
@@ -14,7 +18,7 @@ SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
 CXX_SOURCES := $(shell find csrc tests/cpp -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' 2>/dev/null)
 
-.PHONY: demo test bench build clean lint format
+.PHONY: demo test bench build clean lint format gpu-check
 
 demo: $(BUILT)
 	$(PY) -m lpsim.demo $(DEMO_ARGS)
@@ -36,6 +40,10 @@ bench: $(BUILT)
 	$(PY) benchmarks/bench_quantize.py
 
 build: $(BUILT)
+
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 import lpsim
-from lpsim import BlockFloat, Fixed, Float, Rounding
+from lpsim import P3109, BlockFloat, Fixed, Float, Rounding
 from lpsim.formats import check_fits
+from lpsim.scaled import SCALED_PRESETS, Scaled
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or not lpsim.cuda_built(),
@@ -46,6 +47,9 @@ FORMATS = {
     "block-size16": BlockFloat(8, block_size=16),
     "block-size7": BlockFloat(4, block_size=7),
     "block-size600": BlockFloat(6, block_size=600),  # longer than a fused tile's blocks
+    "p3109-8p1": P3109(8, 1),  # ties to the even exponent code
+    "p3109-8p3-unsigned": P3109(8, 3, signed=False, saturation="SatFinite"),
+    "p3109-8p4-finite": P3109(8, 4, domain="finite"),
 }
 
 SHAPES = [(1000,), (7, 300), (3, 17, 45)]
@@ -266,3 +270,82 @@ def test_second_device(name):
     assert y.device == xc.device
     assert torch.cuda.current_device() == before
     assert_same(y, lpsim.quantize(x, fmt, "stochastic", seed=9))
+
+
+# Scaled formats: every preset, with its blocks along other axes, as tiles and per tensor.
+SCALED = {
+    **SCALED_PRESETS,
+    "mxfp8_e4m3-axis0": Scaled(SCALED_PRESETS["mxfp8_e4m3"].element, axis=0),
+    "mxfp4_e2m1-ceil": Scaled(SCALED_PRESETS["mxfp4_e2m1"].element, scale_rule="ceil"),
+    "mxfp6_e3m2-even": Scaled(SCALED_PRESETS["mxfp6_e3m2"].element, scale_rule="even"),
+    "mxint8-rceil": Scaled(SCALED_PRESETS["mxint8"].element, scale_rule="rceil"),
+    "nvfp4-axis1-whole": Scaled(
+        SCALED_PRESETS["nvfp4"].element, Float(4, 3, special="fn"), None, axis=1, tensor_scale=True
+    ),
+    "e4m3-16x16": Scaled(Float(4, 3, special="fn"), Float(8, 23), (16, 16)),
+}
+
+
+def scaled_applies(fmt: Scaled, shape) -> bool:
+    return isinstance(fmt.block, (tuple, str)) or -max(len(shape), 1) <= fmt.axis < max(
+        len(shape), 1
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(SCALED))
+def test_scaled_matches_cpu(name, dtype):
+    fmt = SCALED[name]
+    if not fits(fmt.element, dtype):
+        pytest.skip(f"{name}'s elements do not fit {dtype}")
+    for s, shape in enumerate(SHAPES):
+        if not scaled_applies(fmt, shape):
+            continue
+        x = sample(shape, dtype, seed=s)
+        xc = x.cuda()
+        for rule in RULES:
+            for rbits in [None, 3] if rule.is_stochastic else [None]:
+                kw = dict(rbits=rbits, seed=77 + s, offset=3 * s)
+                assert_same(lpsim.quantize(xc, fmt, rule, **kw), lpsim.quantize(x, fmt, rule, **kw))
+
+
+SCALED_BIG_CASES = [
+    ("mxfp8_e4m3", ((1 << 20) + 3,)),
+    ("mxfp4_e2m1", (4096, 1024)),
+    ("nvfp4", (4096, 1024)),
+    ("mxfp8_e4m3-axis0", (3000, 700)),
+    ("fp8_e4m3_128x128", (1000, 700)),
+    ("fp8_e4m3_row", (300, 40000)),  # rows longer than a fused group
+    ("fp8_e4m3_tensor", ((3 << 20) + 1,)),
+]
+
+
+@pytest.mark.parametrize("case", range(len(SCALED_BIG_CASES)))
+@pytest.mark.parametrize("rule", [Rounding.nearest, Rounding.stochastic], ids=lambda r: r.name)
+def test_scaled_large_tensors(case, rule):
+    name, shape = SCALED_BIG_CASES[case]
+    x = sample(shape, torch.float32, seed=case)
+    fmt = SCALED[name]
+    assert_same(
+        lpsim.quantize(x.cuda(), fmt, rule, seed=9, offset=1),
+        lpsim.quantize(x, fmt, rule, seed=9, offset=1),
+    )
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "nvfp4", "mxfp8_e4m3-axis0", "e4m3-16x16"])
+def test_scaled_views_in_place_and_out(name):
+    fmt = SCALED[name]
+    base = sample((64, 96), torch.float32, seed=6)
+    base_cuda = base.cuda()
+    for _, view in views():
+        x, xc = view(base), view(base_cuda)
+        if not scaled_applies(fmt, x.shape):
+            continue
+        expected = lpsim.quantize(x, fmt, "stochastic", seed=5)
+        assert_same(lpsim.quantize(xc, fmt, "stochastic", seed=5), expected)
+        out = torch.empty_like(xc)
+        lpsim.quantize(xc, fmt, "stochastic", seed=5, out=out)
+        assert_same(out, expected)
+    in_place = base_cuda.clone()
+    lpsim.quantize_(in_place, fmt, "nearest")
+    assert_same(in_place, lpsim.quantize(base, fmt, "nearest"))

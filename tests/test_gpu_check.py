@@ -1,0 +1,40 @@
+"""tools/gpu_check.py (make gpu-check) in the form CI runs it: without a GPU it reports the
+machine, the test dependencies and that the GPU parts were skipped, and exits 0. The GPU form
+runs on a GPU machine only."""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import pytest
+import torch
+
+TOOLS = pathlib.Path(__file__).resolve().parent.parent / "tools"
+sys.path.insert(0, str(TOOLS))
+import gpu_check  # noqa: E402
+
+sys.path.remove(str(TOOLS))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU form runs the whole check")
+def test_without_a_gpu_the_check_reports_the_gpu_parts_skipped(tmp_path):
+    assert gpu_check.main(["--out", str(tmp_path)]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert report.startswith("# lpsim GPU check")
+    assert f"torch {torch.__version__}" in report
+    assert "## Test dependencies" in report
+    assert "the CUDA build, the GPU tests and the GPU benchmarks were skipped" in report
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "report.md",
+        "build.log",
+        "tests.log",
+        "bench.log",
+    }
+
+
+def test_pytest_summary_is_the_last_summary_line():
+    text = "x\n==== 2 failed, 10 passed, 3 skipped in 4.20s ====\n"
+    assert gpu_check._pytest_summary(text) == "2 failed, 10 passed, 3 skipped in 4.20s"
+    assert gpu_check._pytest_summary("5 passed in 0.1s\n") == "5 passed in 0.1s"
+    assert gpu_check._pytest_summary("nothing") == "no summary (see tests.log)"

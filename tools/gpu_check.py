@@ -1,0 +1,256 @@
+"""Everything that needs CUDA, in one command: build lpsim's CUDA kernels for the GPU at hand, run
+every GPU test, run the GPU sections of the benchmarks, and write one markdown report.
+
+    python3 tools/gpu_check.py [--out DIR] [--quick] [--no-build]     (or: make gpu-check)
+
+It uses the Python it runs under (on a GPU machine without a package registry, its own python3
+with torch) and installs nothing. The report, report.md, and the full logs (build.log, tests.log,
+bench.log) go to --out, or to $LPSIM_GPU_CHECK_OUT, else $OUT, else out/gpu-check. Test
+dependencies that are missing are listed in the report (docs/performance.md says how to bring them
+as wheels); tests that need them skip or fail, and the report shows which.
+
+Steps and their time limits (seconds; about 9 minutes in all): build 300, tests 240 (60 with
+--quick), benchmarks 240 (90 with --quick). A step that runs past its limit is stopped and
+reported; the steps after it still run. Without a CUDA device (or without torch's CUDA), the
+report says so and everything that needs one is skipped: the command then takes seconds and
+exits 0, which is how CI runs it (tests/test_gpu_check.py).
+
+Exit status: 0 when every step that ran succeeded (or was skipped for want of a GPU), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import pathlib
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# What the tests import beyond torch, and what happens without it.
+TEST_DEPENDENCIES = {
+    "pytest": "no test runs",
+    "hypothesis": "the property tests fail to import",
+    "ml_dtypes": "the cast comparisons against ml_dtypes fail to import",
+    "numpy": "most tests fail to import",
+    "gfloat": "the P3109 and MX comparisons against gfloat fail to import",
+    "torchao": "the MX and NVFP4 comparisons against torchao fail to import",
+    "scipy": "the Hadamard comparison against scipy fails",
+    "sklearn": "the demo's data (digits) is missing",
+    "matplotlib": "the plots of the demo and experiments fail",
+    "qtorch": "QPyTorch comparisons are skipped (qtorch needs a JIT build)",
+}
+
+# The GPU tests: the files that exist for CUDA, and the device-parametrised tests of the others.
+GPU_TEST_FILES = ["tests/test_cuda.py", "tests/test_sr_add_cuda.py", "tests/test_gpu_index_math.py"]
+DEVICE_TESTS = ["tests/test_transforms.py", "tests/test_compat_qtorch.py", "tests/test_cifar10.py"]
+
+
+def _run(command: list[str], log: pathlib.Path, timeout: float, env=None) -> tuple[int, float]:
+    """(exit status, seconds) of command, its output written to log; status 124 on timeout."""
+    start = time.monotonic()
+    with log.open("a") as out:
+        out.write(f"\n$ {' '.join(command)}\n")
+        out.flush()
+        try:
+            status = subprocess.run(
+                command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            out.write(f"\n[stopped after {timeout:.0f} s]\n")
+            status = 124
+    return status, time.monotonic() - start
+
+
+def _tail(log: pathlib.Path, lines: int) -> str:
+    text = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return "\n".join(text[-lines:])
+
+
+def _environment() -> tuple[list[str], object]:
+    """Lines describing the machine, and torch (None when it does not import)."""
+    lines = [f"- Python {platform.python_version()} ({sys.executable}), {platform.machine()}"]
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError as error:
+        lines.append(f"- torch does not import: {error}")
+        return lines, None
+    lines.append(f"- torch {torch.__version__}, built with CUDA {torch.version.cuda}")
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            lines.append(
+                f"- GPU {i}: {p.name}, compute capability {p.major}.{p.minor}, "
+                f"{p.total_memory / 2**30:.0f} GiB, {p.multi_processor_count} multiprocessors"
+            )
+    nvcc = shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
+    )
+    if nvcc:
+        version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        release = re.search(r"release [^\n]*", version)
+        lines.append(f"- nvcc {nvcc}: {release.group(0) if release else 'version unknown'}")
+    else:
+        lines.append("- nvcc not found")
+    lines.append(f"- {os.cpu_count()} CPU cores")
+    return lines, torch
+
+
+def _missing_dependencies() -> list[str]:
+    return [
+        f"- `{name}` missing: {effect}"
+        for name, effect in TEST_DEPENDENCIES.items()
+        if importlib.util.find_spec(name) is None
+    ]
+
+
+def _pytest_summary(text: str) -> str:
+    """pytest's last summary line ("3 failed, 200 passed, 4 skipped in 12.3s") in text."""
+    found = re.findall(r"^=*\s*(\d+ \w+.* in [\d.]+s.*?)\s*=*$", text, re.M)
+    return found[-1] if found else "no summary (see tests.log)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="where the report goes")
+    parser.add_argument("--quick", action="store_true", help="fewer tests and shorter benchmarks")
+    parser.add_argument("--no-build", action="store_true", help="use the extension as built")
+    args = parser.parse_args(argv)
+    out = args.out or pathlib.Path(
+        os.environ.get("LPSIM_GPU_CHECK_OUT") or os.environ.get("OUT") or ROOT / "out/gpu-check"
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    logs = {name: out / f"{name}.log" for name in ("build", "tests", "bench")}
+    for log in logs.values():
+        log.write_text("")
+    report = ["# lpsim GPU check", "", "## Machine", ""]
+    environment, torch = _environment()
+    report += environment
+    missing = _missing_dependencies()
+    report += ["", "## Test dependencies", ""] + (missing or ["- all present"])
+    failed = False
+
+    has_gpu = torch is not None and torch.version.cuda is not None and torch.cuda.is_available()
+    if not has_gpu:
+        report += [
+            "",
+            "## Skipped",
+            "",
+            "No CUDA device (or torch without CUDA): the CUDA build, the GPU tests and the GPU "
+            "benchmarks were skipped.",
+        ]
+        (out / "report.md").write_text("\n".join(report) + "\n")
+        print("\n".join(report))
+        return 0
+
+    # 1. Build for this GPU's architecture.
+    report += ["", "## Build", ""]
+    if args.no_build:
+        report.append("- skipped (--no-build): the extension as it was built")
+    else:
+        p = torch.cuda.get_device_properties(0)
+        env = dict(os.environ)
+        env.setdefault("TORCH_CUDA_ARCH_LIST", f"{p.major}.{p.minor}")
+        env.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
+        env["LPSIM_CUDA"] = "1"
+        command = [sys.executable, "setup.py", "build_ext", "--inplace"]
+        status, seconds = _run(command, logs["build"], 300, env)
+        report.append(
+            f"- `{' '.join(command)}` for sm_{p.major}{p.minor}: "
+            f"{'ok' if status == 0 else f'FAILED (status {status})'} in {seconds:.0f} s"
+        )
+        if status != 0:
+            report += ["", "```", _tail(logs["build"], 40), "```"]
+            (out / "report.md").write_text("\n".join(report) + "\n")
+            print("\n".join(report))
+            return 1
+    probe = subprocess.run(
+        [sys.executable, "-c", "import lpsim; print(lpsim.cuda_built())"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    built = probe.stdout.strip() == "True"
+    report.append(f"- lpsim imports with its CUDA kernels: {built}")
+    if not built:
+        report += ["", "```", (probe.stdout + probe.stderr)[-3000:], "```"]
+        failed = True
+
+    # 2. The GPU tests: the CUDA test files whole, the device-parametrised tests of the others.
+    report += ["", "## Tests", ""]
+    pytest = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider"]
+    limit = 60 if args.quick else 240
+    for files, selection in ((GPU_TEST_FILES, []), (DEVICE_TESTS, ["-k", "cuda"])):
+        before = logs["tests"].stat().st_size
+        status, seconds = _run([*pytest, *selection, *files], logs["tests"], limit / 2)
+        text = logs["tests"].read_text(errors="replace")[before:]
+        report.append(
+            f"- `pytest {' '.join(selection + files)}`: {_pytest_summary(text)} ({seconds:.0f} s)"
+        )
+        if status not in (0, 5):  # 5: nothing selected
+            failed = True
+            failures = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
+            report += ["", "```", *failures[:60], "```", ""]
+
+    # 3. The GPU sections of the benchmarks.
+    report += ["", "## Benchmarks", ""]
+    size, repeat = (2**26, 10) if args.quick else (2**28, 30)
+    benchmarks = [
+        (
+            "quantize",
+            [
+                "benchmarks/bench_quantize.py",
+                "--no-cpu",
+                "--gpu-size",
+                str(size),
+                "--gpu-repeat",
+                str(repeat),
+            ],
+        ),
+        (
+            "scaled formats",
+            [
+                "benchmarks/bench_scaled.py",
+                "--device",
+                "cuda",
+                "--size",
+                str(size),
+                "--repeat",
+                str(repeat),
+            ],
+        ),
+        (
+            "training",
+            [
+                "benchmarks/bench_training.py",
+                "--device",
+                "cuda",
+                "--models",
+                "resnet18",
+                "--repeat",
+                "5" if args.quick else "10",
+            ],
+        ),
+    ]
+    budget = 90 if args.quick else 240
+    for name, bench in benchmarks:
+        before = logs["bench"].stat().st_size
+        status, seconds = _run([sys.executable, *bench], logs["bench"], budget / len(benchmarks))
+        text = logs["bench"].read_text(errors="replace")[before:]
+        report += [f"### {name}", "", f"`{' '.join(bench)}`: status {status}, {seconds:.0f} s", ""]
+        report += ["```", text.strip()[-6000:], "```", ""]
+        failed |= status != 0
+
+    (out / "report.md").write_text("\n".join(report) + "\n")
+    print("\n".join(report))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
