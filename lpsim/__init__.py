@@ -48,18 +48,23 @@ from lpsim.update import (
 
 __version__ = "0.1.0"
 
-_LAZY_MODULES = ("demo",)  # reachable as lpsim.demo without importing it with the package
+# Reachable as lpsim.demo, lpsim.explore and lpsim.finfo without importing them with the package
+# (so that `python -m lpsim.demo` and `python -m lpsim.explore` run them once).
+_LAZY_MODULES = ("demo", "explore")
 
 
 def __getattr__(name: str):
-    if name in _LAZY_MODULES:
-        import importlib  # noqa: PLC0415
+    import importlib  # noqa: PLC0415
 
+    if name in _LAZY_MODULES:
         return importlib.import_module(f"lpsim.{name}")
+    if name == "finfo":
+        return importlib.import_module("lpsim.explore").finfo
     raise AttributeError(f"module 'lpsim' has no attribute {name!r}")
 
 
 __all__ = [
+    "finfo",
     "Float",
     "Fixed",
     "BlockFloat",

@@ -1,0 +1,241 @@
+"""The format explorer: ``finfo(fmt)``, torch.finfo's facts for every format family, and a command
+that prints them side by side and plots relative spacing over the range.
+
+    python -m lpsim.explore NAME_OR_FORMAT... [--plot PATH]
+
+A NAME is a preset of ``lpsim.PRESETS`` (e4m3fn, bfloat16, binary8p3se, ...) or of
+``lpsim.scaled.SCALED_PRESETS`` (mxfp8_e4m3, nvfp4, ...); a FORMAT is a constructor call of the
+format classes, such as ``"Float(4, 3, special='fn')"`` or ``"Fixed(8, 4)"`` (evaluated with those
+classes and nothing else in scope).
+
+``python -m lpsim.explore`` rather than ``python -m lpsim.formats``: lpsim imports lpsim.formats
+on start, and running an imported module as a script makes Python warn that it runs twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+
+import torch
+
+from lpsim.formats import P3109, PRESETS, BlockFloat, Fixed, Float
+from lpsim.scaled import SCALED_PRESETS, PowerOfTwo, Scaled
+
+__all__ = ["FormatInfo", "finfo", "parse_format", "main"]
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    """A format's facts, with torch.finfo's names (real values as floats).
+
+    Attributes:
+        format: the format described.
+        bits: bits per value (per element for BlockFloat and Scaled, the shared scale not counted).
+        max: the largest finite value.
+        min: the most negative finite value (0 for unsigned formats).
+        smallest_normal: the smallest positive value with a full significand (Fixed: the spacing).
+        tiny: smallest_normal, under torch.finfo's other name.
+        smallest_subnormal: the smallest positive value.
+        eps: the distance from 1 to the next larger value (Fixed: the spacing; BlockFloat and
+            Scaled: the element's, relative to its block's scale).
+        resolution: 10**-floor(-log10(eps)), the decimal resolution as numpy and torch define it.
+        binades: log2(max / smallest_subnormal), the positive range in powers of two.
+        note: what the facts are relative to, where a block or a scale is involved ("" otherwise).
+    """
+
+    format: object
+    bits: int
+    max: float
+    min: float
+    smallest_normal: float
+    smallest_subnormal: float
+    eps: float
+    note: str = ""
+
+    @property
+    def tiny(self) -> float:
+        return self.smallest_normal
+
+    @property
+    def resolution(self) -> float:
+        return 10.0 ** -math.floor(-math.log10(self.eps))
+
+    @property
+    def binades(self) -> float:
+        return math.log2(self.max / self.smallest_subnormal)
+
+
+def finfo(fmt: Float | Fixed | P3109 | BlockFloat | Scaled) -> FormatInfo:
+    """The facts of ``fmt``: a Float, Fixed, P3109, BlockFloat or Scaled format.
+
+    BlockFloat facts are those of one block whose shared exponent is 0 (every block is these
+    values times a power of two). Scaled facts span every block scale: max is the largest element
+    times the largest scale, smallest_subnormal the smallest positive element times the smallest
+    scale (the tensor scale taken as 1), eps the element's.
+
+    Raises:
+        TypeError: fmt is not one of these formats.
+    """
+    if isinstance(fmt, Float):
+        return FormatInfo(
+            fmt, fmt.bits, fmt.max, -fmt.max, fmt.smallest_normal, fmt.smallest_subnormal, fmt.eps
+        )
+    if isinstance(fmt, P3109):
+        return FormatInfo(
+            fmt, fmt.bits, fmt.max, fmt.min, fmt.smallest_normal, fmt.smallest_subnormal, fmt.eps
+        )
+    if isinstance(fmt, Fixed):
+        return FormatInfo(fmt, fmt.bits, fmt.max, fmt.min, fmt.eps, fmt.eps, fmt.eps)
+    if isinstance(fmt, BlockFloat):
+        return FormatInfo(
+            fmt,
+            fmt.bits,
+            fmt.max,
+            -fmt.max,
+            fmt.smallest_normal,
+            fmt.smallest_subnormal,
+            fmt.eps,
+            "one block, shared exponent 0",
+        )
+    if isinstance(fmt, Scaled):
+        element = finfo(fmt.element)
+        scale = fmt.scale
+        smallest_scale = scale.smallest_normal  # scales are clamped to the normal range
+        largest_scale = scale.max
+        note = "over every block scale" + (", tensor scale 1" if fmt.tensor_scale else "")
+        return FormatInfo(
+            fmt,
+            fmt.bits,
+            element.max * largest_scale,
+            element.min * largest_scale,
+            element.smallest_normal * smallest_scale,
+            element.smallest_subnormal * smallest_scale,
+            element.eps,
+            note,
+        )
+    raise TypeError(
+        f"fmt must be a Float, Fixed, P3109, BlockFloat or Scaled format, got {type(fmt).__name__}"
+    )
+
+
+_CONSTRUCTORS = {
+    "Float": Float,
+    "Fixed": Fixed,
+    "P3109": P3109,
+    "BlockFloat": BlockFloat,
+    "Scaled": Scaled,
+    "PowerOfTwo": PowerOfTwo,
+}
+
+
+def parse_format(text: str) -> Float | Fixed | P3109 | BlockFloat | Scaled:
+    """The format a command-line argument names: a preset name, or a constructor call of the
+    format classes.
+
+    Raises:
+        ValueError: neither; the message lists where names come from.
+    """
+    if text in PRESETS:
+        return PRESETS[text]
+    if text in SCALED_PRESETS:
+        return SCALED_PRESETS[text]
+    if "(" in text:
+        try:
+            fmt = eval(text, {"__builtins__": {}}, dict(_CONSTRUCTORS))  # noqa: S307
+        except Exception as error:  # a malformed call: report it as the argument's problem
+            raise ValueError(f"cannot make a format of {text!r}: {error}") from None
+        if isinstance(fmt, tuple(_CONSTRUCTORS.values())) and not isinstance(fmt, PowerOfTwo):
+            return fmt
+        raise ValueError(f"{text!r} is not a format")
+    raise ValueError(
+        f"{text!r} is neither a preset (lpsim.PRESETS, lpsim.scaled.SCALED_PRESETS) nor a "
+        "constructor call such as \"Float(4, 3, special='fn')\""
+    )
+
+
+def _number(v: float) -> str:
+    if v == 0:
+        return "0"
+    exponent = math.log2(abs(v))
+    if exponent == int(exponent) and abs(exponent) > 10:
+        return ("-" if v < 0 else "") + f"2^{int(exponent)}"
+    return f"{v:.6g}"
+
+
+def table(names: list[str], infos: list[FormatInfo]) -> str:
+    """The facts side by side: one column per format."""
+    rows = [
+        ("bits", [str(i.bits) for i in infos]),
+        ("max", [_number(i.max) for i in infos]),
+        ("min", [_number(i.min) for i in infos]),
+        ("smallest_normal", [_number(i.smallest_normal) for i in infos]),
+        ("smallest_subnormal", [_number(i.smallest_subnormal) for i in infos]),
+        ("eps", [_number(i.eps) for i in infos]),
+        ("resolution", [_number(i.resolution) for i in infos]),
+        ("binades", [f"{i.binades:.1f}" for i in infos]),
+    ]
+    if any(i.note for i in infos):
+        rows.append(("relative to", [i.note or "-" for i in infos]))
+    first = max(len(r[0]) for r in rows)
+    widths = [max(len(n), *(len(r[1][k]) for r in rows)) for k, n in enumerate(names)]
+    lines = [" ".join([" " * first] + [n.rjust(w) for n, w in zip(names, widths, strict=True)])]
+    for label, cells in rows:
+        cells = [c.rjust(w) for c, w in zip(cells, widths, strict=True)]
+        lines.append(" ".join([label.ljust(first), *cells]))
+    return "\n".join(lines)
+
+
+def relative_spacing(
+    fmt: Float | Fixed | P3109 | BlockFloat | Scaled,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(v, (next value - v) / v) for every positive value v of fmt but the largest (for a Scaled
+    format, its element's values: the relative spacing is the same in every block)."""
+    values = (fmt.element if isinstance(fmt, Scaled) else fmt).values()
+    positive = values[values > 0]
+    return positive[:-1], (positive[1:] - positive[:-1]) / positive[:-1]
+
+
+def plot(names: list[str], formats: list, path: str) -> None:
+    """Relative spacing against magnitude, log-log, one step line per format."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, fmt in zip(names, formats, strict=True):
+        v, spacing = relative_spacing(fmt)
+        ax.step(v.numpy(), spacing.numpy(), where="post", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("magnitude")
+    ax.set_ylabel("relative spacing to the next value")
+    ax.set_title("Relative spacing over each format's positive range")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m lpsim.explore", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("formats", nargs="+", metavar="NAME_OR_FORMAT")
+    parser.add_argument("--plot", metavar="PATH", help="write the relative-spacing plot here")
+    args = parser.parse_args(argv)
+    try:
+        formats = [parse_format(text) for text in args.formats]
+    except ValueError as error:
+        parser.error(str(error))
+    print(table(args.formats, [finfo(f) for f in formats]))
+    if args.plot:
+        plot(args.formats, formats, args.plot)
+        print(f"wrote {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
