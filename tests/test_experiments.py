@@ -1,10 +1,11 @@
-"""The experiments' command lines (experiments/stagnation.py, experiments/error_growth.py): each
-writes where --out says, leaves the committed results in docs/results alone, and reports progress
-while it runs."""
+"""The experiments' command lines (experiments/stagnation.py, experiments/error_growth.py,
+experiments/scaled_sqnr.py): each writes where --out says, leaves the committed results in
+docs/results alone, and reports progress while it runs."""
 
 from __future__ import annotations
 
 import hashlib
+import math
 import pathlib
 import sys
 
@@ -14,12 +15,18 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from experiments import error_growth, stagnation  # noqa: E402
+import torch  # noqa: E402
+
+from experiments import error_growth, scaled_sqnr, stagnation  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 TINY = {
     stagnation: ["--increments", "40", "--copies", "4", "--steps", "20", "--seeds", "2"],
     error_growth: ["--rows", "4", "--max-exponent", "1.5", "--repeats", "1"],
+    scaled_sqnr: [
+        *("--digits-epochs", "1", "--resnet-steps", "1", "--batch", "4", "--image-size", "16"),
+        *("--presets", "nvfp4", "--rules", "rceil"),
+    ],
 }
 
 
@@ -38,8 +45,9 @@ def digests(names: list[str]) -> dict:
     [
         (stagnation, ["stagnation.md", "stagnation.png"]),
         (error_growth, ["error_growth.md", "error_growth.png"]),
+        (scaled_sqnr, ["scaled_sqnr.md", "scaled_sqnr.png"]),
     ],
-    ids=["stagnation", "error_growth"],
+    ids=["stagnation", "error_growth", "scaled_sqnr"],
 )
 def test_experiment_writes_into_out_and_leaves_docs_results_alone(experiment, written, tmp_path):
     committed = digests(written)
@@ -52,7 +60,9 @@ def test_experiment_writes_into_out_and_leaves_docs_results_alone(experiment, wr
 
 
 @pytest.mark.parametrize(
-    "experiment", [stagnation, error_growth], ids=["stagnation", "error_growth"]
+    "experiment",
+    [stagnation, error_growth, scaled_sqnr],
+    ids=["stagnation", "error_growth", "scaled_sqnr"],
 )
 def test_out_defaults_to_docs_results_and_help_says_so(experiment):
     p = experiment.parser()
@@ -72,3 +82,68 @@ def test_stagnation_prints_a_line_per_tenth_of_the_accumulation_and_per_configur
     assert [line.split("]")[0] for line in configurations] == [
         f"training [{k}/7" for k in range(1, 8)
     ]
+
+
+SQNR_DIGITS = [
+    *("--models", "digits", "--digits-epochs", "1", "--batch", "8"),
+    *("--presets", "mxfp4_e2m1,nvfp4,fp8_e4m3_row", "--rules", "floor,rceil"),
+]
+
+
+def test_scaled_sqnr_gives_the_same_table_twice_and_a_progress_line_per_row(tmp_path, capsys):
+    threads = torch.get_num_threads()
+    tables = []
+    for run in range(2):
+        scaled_sqnr.main([*SQNR_DIGITS, "--out", str(tmp_path / str(run))])
+        text = (tmp_path / str(run) / "scaled_sqnr.md").read_text()
+        tables.append([line for line in text.splitlines() if line.startswith("|")])
+    assert tables[0] == tables[1]
+    # mxfp4_e2m1 under two rules, nvfp4, fp8_e4m3_row, and the two unscaled formats
+    assert [line.split(" | ")[0] for line in tables[0][2:]] == [
+        "| mxfp4_e2m1, floor",
+        "| mxfp4_e2m1, rceil",
+        "| nvfp4, amax",
+        "| fp8_e4m3_row, amax",
+        "| e4m3fn, no scale",
+        "| bfloat16, no scale",
+    ]
+    assert tables[0][5].count("n/a") == 3  # per-row scales: no transform
+    progress = [line for line in capsys.readouterr().out.splitlines() if " SQNR dB " in line]
+    assert [line.split("]")[0] for line in progress[:6]] == [f"digits [{k}/6" for k in range(1, 7)]
+    assert torch.get_num_threads() == threads  # --threads lasts for the run only
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--presets", "mxfp4_e2m1,mxfp5"),
+        ("--rules", "floor,nearest"),
+        ("--models", "vgg16"),
+        ("--presets", ""),
+        ("--batch", "1"),
+        ("--resnet-lr", "0"),
+    ],
+)
+def test_scaled_sqnr_refuses_bad_options_naming_them(option, value, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        scaled_sqnr.main([option, value, "--out", str(tmp_path)])
+    assert option in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_scaled_sqnr_lays_blocks_along_the_reduction_and_channel_dimensions():
+    conv_weight = torch.arange(2 * 3 * 2 * 2.0).reshape(2, 3, 2, 2)
+    assert torch.equal(scaled_sqnr.as_matrix("weight", conv_weight), conv_weight.reshape(2, 12))
+    activation = torch.arange(2 * 3 * 2 * 2.0).reshape(2, 3, 2, 2)  # (N, C, H, W)
+    matrix = scaled_sqnr.as_matrix("activation", activation)
+    assert matrix.shape == (8, 3)
+    assert torch.equal(matrix[1], activation[0, :, 0, 1])  # one pixel's channels
+    linear = torch.randn(4, 5)
+    assert torch.equal(scaled_sqnr.as_matrix("gradient", linear), linear)
+
+
+def test_scaled_sqnr_in_db_with_exact_and_signal_free_tensors():
+    x = torch.tensor([3.0, 4.0])
+    assert scaled_sqnr.sqnr_db(x, x + torch.tensor([0.05, 0.0])) == pytest.approx(40.0)
+    assert scaled_sqnr.sqnr_db(x, x) == math.inf
+    assert scaled_sqnr.sqnr_db(torch.zeros(2), torch.ones(2)) is None
