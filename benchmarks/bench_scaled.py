@@ -4,6 +4,12 @@ in the same run, and torchao's CPU cast of the same format beside it (quantise a
 lpsim's result is the dequantised value). Medians of --repeat runs, in milliseconds.
 
     python benchmarks/bench_scaled.py [--size 16777216] [--repeat 9] [--threads 2]
+    python benchmarks/bench_scaled.py --device cuda [--size 268435456] [--repeat 30]
+
+With --device cuda: the same casts on the GPU, timed with CUDA events, as GB/s (one read and one
+write of the tensor) and as a share of a device-to-device copy of the same tensor (the 100%
+reference) measured in the same run; lpsim writes into a preallocated tensor (out=), as the copy
+does.
 """
 
 from __future__ import annotations
@@ -12,8 +18,10 @@ import argparse
 import statistics
 import time
 import warnings
+from dataclasses import replace
 
 import torch
+from bench_quantize import cuda_median_ms  # benchmarks/ is on sys.path as a script and in tests
 
 import lpsim
 from lpsim.scaled import preset
@@ -68,12 +76,44 @@ def _alternating_medians(fns: dict, x: torch.Tensor, repeat: int) -> dict:
     return {name: 1000 * statistics.median(t) for name, t in times.items()}
 
 
+def run_gpu(size: int, repeat: int) -> list[dict]:
+    """The GPU section: each format and rule against a device copy, CUDA events, medians."""
+    cols = 1024
+    x = torch.randn(max(1, size // cols), cols, device="cuda")
+    out = torch.empty_like(x)
+    bytes_moved = 2 * x.numel() * x.element_size()
+    copy_ms = cuda_median_ms(lambda: out.copy_(x), repeat)
+    print(f"GPU: {torch.cuda.get_device_name()}, {x.numel()} float32 elements, medians of {repeat}")
+    print(f"device-to-device copy: {copy_ms:.3f} ms, {bytes_moved / copy_ms / 1e6:.0f} GB/s")
+    print(f"{'format':<18} {'rule':<11} {'lpsim ms':>9} {'GB/s':>7} {'of copy':>8}")
+    rows = []
+    cases = [(name, preset(name)) for name in FORMATS]
+    cases.append(("mxfp8_e4m3 axis 0", replace(preset("mxfp8_e4m3"), axis=0)))
+    for name, fmt in cases:
+        for rule in ("nearest", "stochastic"):
+            ms = cuda_median_ms(
+                lambda fmt=fmt, rule=rule: lpsim.quantize(x, fmt, rule, seed=1, out=out), repeat
+            )
+            rows.append({"format": name, "rule": rule, "lpsim_ms": ms, "of_copy": copy_ms / ms})
+            print(
+                f"{name:<18} {rule:<11} {ms:9.3f} {bytes_moved / ms / 1e6:7.0f} {copy_ms / ms:7.0%}"
+            )
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=2**24)
-    parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--size", type=int, default=None, help="2**24 on the CPU, 2**28 on CUDA")
+    parser.add_argument("--repeat", type=int, default=None, help="9 on the CPU, 30 on CUDA")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        if not (torch.cuda.is_available() and lpsim.cuda_built()):
+            parser.error("--device cuda: no CUDA device, or lpsim built without its CUDA kernels")
+        return run_gpu(args.size or 2**28, args.repeat or 30)
+    args.size = args.size or 2**24
+    args.repeat = args.repeat or 9
     torch.set_num_threads(args.threads)
     cols = 1024 if args.size >= 1024 else 32
     x = torch.randn(max(1, args.size // cols), cols)
