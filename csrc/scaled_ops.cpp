@@ -183,18 +183,10 @@ void scaled_cpu(const at::Tensor& x, const at::Tensor& dst, ScaledSpec spec,
     const int64_t width = std::clamp<int64_t>(kFusedElements / positions, 1, inner);
     const int64_t slices = (inner + width - 1) / width;
     const int64_t grain = std::max<int64_t>(1, cpu::kGrain / (positions * width));
+    const cpu::ScaledTasks tasks{width, slices, positions, 1};
     at::parallel_for(0, groups * slices, grain, [&](int64_t begin, int64_t end) {
-      std::vector<uint64_t> amax(static_cast<size_t>(width));
-      std::vector<BlockScale> scales(static_cast<size_t>(width));
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t g = task / slices;
-        const int64_t i0 = task % slices * width, i1 = std::min(inner, i0 + width);
-        std::fill(amax.begin(), amax.end(), 0);
-        cpu::scaled_max_abs(dtype, xp, layout, g, 0, positions, i0, i1, amax.data());
-        cpu::block_scales(dtype, spec, amax.data(), i1 - i0, scales.data());
-        cpu::scaled_round(dtype, rounding, xp, yp, layout, g, 0, positions, i0, i1, scales.data(),
-                          spec, random);
-      }
+      cpu::scaled_quantize(dtype, rounding, xp, yp, layout, tasks, begin, end, spec, random,
+                           nullptr);
     });
     return out.finish();
   }
@@ -219,12 +211,10 @@ void scaled_cpu(const at::Tensor& x, const at::Tensor& dst, ScaledSpec spec,
   }
   std::vector<BlockScale> scales(static_cast<size_t>(groups * inner));
   cpu::block_scales(dtype, spec, amax.data(), groups * inner, scales.data());
+  const cpu::ScaledTasks tasks{inner, 1, chunk, chunks};
   at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / chunks, p0 = task % chunks * chunk;
-      cpu::scaled_round(dtype, rounding, xp, yp, layout, g, p0, p0 + chunk, 0, inner,
-                        scales.data() + g * inner, spec, random);
-    }
+    cpu::scaled_quantize(dtype, rounding, xp, yp, layout, tasks, begin, end, spec, random,
+                         scales.data());
   });
   out.finish();
 }

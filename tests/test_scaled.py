@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pathlib
+import re
+import shutil
+import subprocess
 import warnings
 
 import gfloat
@@ -41,6 +45,8 @@ TORCHAO_MODES = {
     "rceil": ScaleCalculationMode.RCEIL,
 }
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CXX = shutil.which("c++") or shutil.which("g++")
 
 
 def heavy_tailed(rows: int, cols: int, seed: int, spread: float = 4.0) -> torch.Tensor:
@@ -265,6 +271,246 @@ def test_any_axis_and_layout_give_the_contiguous_result(axis):
     y = x.clone()
     lpsim.quantize_(y, fmt)
     assert_same_bits(y, expected)
+
+
+# ---- The vectorised paths against the exact reference
+#
+# The CPU loops round a block with a power-of-two scale onto the element grid shifted by the scale,
+# in the tensor's container, where that grid fits the container, and blocks with Float scales in
+# float32 arithmetic; tiny blocks (whose shifted grid reaches below the container's subnormals)
+# and NaN or Inf blocks take the scalar path. Blocks along the last axis are contiguous runs with
+# one scale; along another axis each row of a run holds elements of many blocks. These tests hold
+# every path to the exact reference, bit for bit, with dense edge cases.
+
+# (smallest positive, largest finite) of each container, as powers of two.
+_RANGE = {
+    torch.float32: (-149, 128),
+    torch.bfloat16: (-133, 128),
+    torch.float16: (-24, 16),
+    torch.float64: (-1074, 1024),
+}
+_RULES = [
+    *[(r, None) for r in lpsim.Rounding if not r.is_stochastic],
+    *[(r, bits) for r in lpsim.Rounding if r.is_stochastic for bits in (1, 3, 8, 32)],
+]
+
+
+def _edge_rows(dtype, cols: int, seed: int) -> torch.Tensor:
+    """Rows of finite values, one kind per row: ordinary, ties, wide ranges within a row, zeros
+    of both signs, tiny values near the container's subnormals (scales clamp; the shifted grid
+    does not fit), huge values near its largest, and both in one row."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = _RANGE[dtype]
+
+    def randn():
+        return torch.randn(cols, generator=g, dtype=torch.float64)
+
+    def exp2(a: int, b: int):
+        return torch.exp2(torch.randint(a, b, (cols,), generator=g).double())
+
+    rows = [
+        randn() * 3,
+        torch.randint(-(2**9), 2**9, (cols,), generator=g).double() / 16,  # many midpoints
+        randn() * exp2(-12, 12),
+        torch.tensor([0.0, -0.0] * (cols // 2) + [0.0] * (cols % 2), dtype=torch.float64),
+        randn() * exp2(lo, lo + 16),
+        randn().abs().clamp(max=1.9) * exp2(hi - 8, hi - 1),
+        randn() * exp2(lo, hi - 1),
+    ]
+    tiny_and_huge = randn() * 2.0 ** (lo + 2)
+    tiny_and_huge[::7] = 1.5 * 2.0 ** (hi - 2)
+    rows.append(tiny_and_huge)
+    x = torch.stack(rows)
+    return x.clamp(-(2.0 ** (hi - 1)), 2.0 ** (hi - 1)).to(dtype)
+
+
+def _special_rows(dtype, cols: int) -> torch.Tensor:
+    x = torch.linspace(-3, 3, 4 * cols, dtype=torch.float64).reshape(4, cols)
+    x[0, 1], x[1, cols - 1], x[2, cols // 2] = math.nan, math.inf, -math.inf
+    return x.to(dtype)
+
+
+def _cases_of(fmt: Scaled):
+    """(format, layout) pairs: blocks along the last axis, and along axis 0 of the transpose."""
+    yield fmt, lambda x: x
+    if isinstance(fmt.block, int) or fmt.block is None:
+        yield dataclasses.replace(fmt, axis=0), lambda x: x.t().contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(SCALED_PRESETS))
+def test_every_path_matches_the_reference_bit_for_bit(name, dtype):
+    fmt = preset(name)
+    try:
+        lpsim.formats.check_fits(fmt.element, dtype)
+    except ValueError:
+        pytest.skip(f"{name} does not fit {dtype}")
+    tensors = [_edge_rows(dtype, 48, seed=len(name)), _special_rows(dtype, 48)]
+    for case, layout in _cases_of(fmt):
+        for x in map(layout, tensors):
+            for rounding, rbits in _RULES:
+                kwargs = {"rbits": rbits, "seed": 11 + (rbits or 0)} if rbits else {}
+                ours = lpsim.quantize(x, case, rounding, **kwargs)
+                assert_same_bits(ours, reference.quantize(x, case, rounding, **kwargs))
+
+
+@pytest.mark.parametrize(
+    "dtype, name, rounding, shuffled, axis",
+    [
+        (torch.bfloat16, "mxfp8_e4m3", "nearest", False, -1),
+        (torch.bfloat16, "nvfp4", "stochastic", True, 0),
+        (torch.float16, "mxfp4_e2m1", "stochastic", False, -1),
+        (torch.float16, "mxfp8_e5m2", "up", True, 0),
+    ],
+)
+def test_every_16_bit_value_matches_the_reference(dtype, name, rounding, shuffled, axis):
+    # All finite 16-bit values, in order (each block holds neighbouring values) or shuffled (each
+    # block spans the whole range).
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    values = values[torch.isfinite(values)]
+    if shuffled:
+        values = values[torch.randperm(len(values), generator=torch.Generator().manual_seed(3))]
+    x = values[: len(values) // 64 * 64].reshape(-1, 64)
+    fmt = dataclasses.replace(preset(name), axis=axis)
+    if axis == 0:
+        x = x.t().contiguous()
+    ours = lpsim.quantize(x, fmt, rounding, seed=5)
+    assert_same_bits(ours, reference.quantize(x, fmt, rounding, seed=5))
+
+
+def test_float64_blocks_with_elements_far_below_the_scale_round_exactly():
+    # x / 2^e of the tiny elements lies below float64's range (the scale clamps at 2^127): they are
+    # rounded exactly, so rules that round away from zero give the smallest element times 2^127.
+    x = torch.tensor(
+        [[2.0**200, 2.0**-1074, -(2.0**-1000), 2.0**-900] + [0.0] * 28], dtype=torch.float64
+    )
+    for rounding in lpsim.Rounding:
+        kwargs = {"seed": 2} if rounding.is_stochastic else {}
+        ours = lpsim.quantize(x, preset("mxfp8_e4m3"), rounding, **kwargs)
+        assert_same_bits(ours, reference.quantize(x, preset("mxfp8_e4m3"), rounding, **kwargs))
+    assert lpsim.quantize(x, preset("mxfp8_e4m3"), "up")[0, 1] == 2.0 ** (127 - 9)
+
+
+def test_large_groups_along_axis_0_with_tiny_and_nan_blocks_match_the_reference():
+    # 33000 positions per group: scanned in chunks, then rounded with the blocks' scales; blocks
+    # along axis 0, so each row holds an ordinary, a tiny and a NaN block.
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(33000, 3, generator=g)
+    x[:, 1] *= 2.0**-140  # with scales down to 2^-149, its shifted grid does not fit float32
+    x[100, 2] = math.nan
+    for fmt, rounding in (
+        (Scaled(Float(4, 3, special="fn"), PowerOfTwo(8, bias=149), None, axis=0), "stochastic"),
+        (Scaled(Float(2, 1, special="none"), Float(4, 3, special="fn"), None, axis=0), "nearest"),
+    ):
+        ours = lpsim.quantize(x, fmt, rounding, seed=4)
+        assert_same_bits(ours, reference.quantize(x, fmt, rounding, seed=4))
+
+
+@pytest.mark.parametrize(
+    "shape, fmt",
+    [
+        # 1100 positions per group: a task takes 29 of the 40 inner indices, then the other 11.
+        ((1100, 40), Scaled(Float(4, 3, special="fn"), PowerOfTwo(8), None, axis=0)),
+        # The last group is one row of 3000 blocks: wider than a batch, rounded 2048 at a time.
+        ((5, 3000), Scaled(Float(2, 1, special="none"), PowerOfTwo(8), 4, axis=0)),
+        ((5, 3000), Scaled(Float(2, 1, special="none"), Float(4, 3, special="fn"), 4, axis=0)),
+    ],
+)
+def test_wide_and_sliced_groups_along_axis_0_match_the_reference(shape, fmt):
+    x = heavy_tailed(*shape, seed=13, spread=3.0)
+    x[:, 3] *= 2.0**-135  # tiny blocks, off the vectorised path
+    x[2, 7] = math.inf
+    for rounding in ("nearest", "stochastic"):
+        ours = lpsim.quantize(x, fmt, rounding, seed=6)
+        assert_same_bits(ours, reference.quantize(x, fmt, rounding, seed=6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_blocks_along_axis_0_do_not_depend_on_the_thread_count(dtype):
+    x = heavy_tailed(512, 384, seed=12, spread=2.0)
+    x[7, 5] = math.nan
+    x[:, 9] *= 1e-30
+    x = x.to(dtype)
+    threads = torch.get_num_threads()
+    results = []
+    for n in (1, 2):
+        torch.set_num_threads(n)
+        results.append(
+            [
+                lpsim.quantize(x, dataclasses.replace(preset(name), axis=0), rounding, seed=3)
+                for name in ("mxfp8_e4m3", "mxfp4_e2m1", "nvfp4", "fp8_e4m3_row")
+                for rounding in ("nearest", "stochastic")
+            ]
+        )
+    torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert_same_bits(a, b)
+
+
+# Formats whose shifted grids stop fitting float32 (scales down to 2^-149, or elements down to
+# 2^-24) or have no subnormals, besides the presets: every path of the loops is taken.
+PATH_FORMATS = [
+    *SCALED_PRESETS.values(),
+    Scaled(Float(4, 3, special="fn"), PowerOfTwo(8, bias=149), 32),
+    Scaled(Float(5, 10), PowerOfTwo(8), 16, scale_rule="ceil"),
+    Scaled(Float(4, 3, subnormals=False), PowerOfTwo(8, bias=140), 8, scale_rule="even"),
+    Scaled(Fixed(8, 6), PowerOfTwo(8), 32, scale_rule="rceil"),
+    Scaled(Float(2, 1, special="none"), Float(4, 3, special="fn"), 16),
+]
+
+
+def _check_arguments(fmt: Scaled) -> str:
+    """The format as tests/cpp/scaled_paths_check.cpp reads it: the op's arguments, reals in hex."""
+    *grids, rule, tensor_scale, emax, precision, elem_max, _block, _axis = fmt.op_arguments(
+        torch.float64
+    )
+
+    def text(v):
+        return float(v).hex() if isinstance(v, float) else str(int(v))
+
+    def fits(dtype):
+        try:
+            lpsim.formats.check_fits(fmt.element, dtype)
+        except ValueError:
+            return 0
+        return 1
+
+    fields = [*grids, rule, tensor_scale, emax, precision, elem_max]
+    return " ".join([*map(text, fields), str(fits(torch.bfloat16)), str(fits(torch.float16))])
+
+
+@pytest.mark.skipif(CXX is None, reason="needs a C++ compiler")
+def test_vectorised_paths_give_scaled_elements_bits_for_every_value_and_rule(tmp_path):
+    # The loops' paths against the element as x / 2^e rounded in float64 (power-of-two scales)
+    # and against the float64 element grid (Float scales), element by element with the same random
+    # word, in C++: every bfloat16 and float16 value, random and edge float32 and float64 values,
+    # every rule and rbits 1, 3, 8 and 32.
+    binary = tmp_path / "scaled_paths_check"
+    subprocess.run(
+        [
+            CXX,
+            "-std=c++20",
+            "-O2",
+            "-ffp-contract=off",
+            "-Wall",
+            "-Werror",
+            f"-I{ROOT / 'csrc' / 'include'}",
+            str(ROOT / "tests" / "cpp" / "scaled_paths_check.cpp"),
+            "-o",
+            str(binary),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    arguments = [_check_arguments(fmt) for fmt in PATH_FORMATS]
+    run = subprocess.run([str(binary), *arguments], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout
+    assert run.stdout.strip().endswith("\n0 failures"), run.stdout
+    # Every path compared something.
+    paths = r"compared: (\d+) in the container, (\d+) in float32, (\d+) with"
+    counts = re.search(paths, run.stdout)
+    assert counts and all(int(c) > 0 for c in counts.groups()), run.stdout
 
 
 # ---- Properties

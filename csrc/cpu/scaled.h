@@ -12,6 +12,22 @@
 
 namespace lpsim::cpu {
 
+// How the op splits the groups into tasks: task t is group t / (slices * chunks), its inner
+// indices [i0, min(i0 + width, inner)) with i0 = (t / chunks % slices) * width, and its positions
+// [p0, p0 + chunk) with p0 = (t % chunks) * chunk.
+struct ScaledTasks {
+  int64_t width, slices;
+  int64_t chunk, chunks;
+};
+
+// The elements of the tasks [begin, end), rounded into y. With `scales`, block (g, i) (group g,
+// inner index i) has scale scales[g * inner + i]; without (nullptr), each task holds whole blocks
+// (chunks = 1) and their scales are found from its elements, while they are in cache.
+void scaled_quantize(Dtype dtype, Rounding rounding, const void* x, void* y,
+                     const ScaledLayout& layout, const ScaledTasks& tasks, int64_t begin,
+                     int64_t end, const ScaledSpec& spec, const RandomSpec& random,
+                     const BlockScale* scales);
+
 // Running maximum of the magnitude bits of the elements at positions [p0, p1) of group g, for the
 // inner indices [i0, i1): into amax[0, i1 - i0).
 void scaled_max_abs(Dtype dtype, const void* x, const ScaledLayout& layout, int64_t g, int64_t p0,
@@ -26,12 +42,5 @@ void set_tensor_scale(Dtype dtype, ScaledSpec& spec, uint64_t amax);
 // scales[k] = the scale of a block whose largest magnitude bits are amax[k], for k in [0, count).
 void block_scales(Dtype dtype, const ScaledSpec& spec, const uint64_t* amax, int64_t count,
                   BlockScale* scales);
-
-// The elements at positions [p0, p1) of group g, inner indices [i0, i1), rounded by `rounding`
-// into y: element (p, i) uses scales[i - i0].
-void scaled_round(Dtype dtype, Rounding rounding, const void* x, void* y,
-                  const ScaledLayout& layout, int64_t g, int64_t p0, int64_t p1, int64_t i0,
-                  int64_t i1, const BlockScale* scales, const ScaledSpec& spec,
-                  const RandomSpec& random);
 
 }  // namespace lpsim::cpu

@@ -7,12 +7,22 @@
 // for NaN, so one maximum also says whether the block holds a NaN or an Inf (it is then NaN
 // throughout, the OCP spec's NaN scale).
 //
-// Power-of-two scales are exact: the element is x / 2^e rounded once onto the element grid (in
-// float64, which holds x / 2^e exactly for the 16- and 32-bit containers) and decodes to that times
-// 2^e. Float scales follow the arithmetic the format defines (float32, or float64 for float64
-// tensors), one IEEE operation at a time (ieee_ops.h): d = amax / elem_max, s = d rounded onto the
-// scale grid, r = 1 / s, element = round(x * r), value = element * s (with a tensor scale t:
-// d / t, (1 / t) / s and t * s).
+// Power-of-two scales are exact: the element is x / 2^e rounded once onto the element grid, and
+// decodes to that times 2^e (rounded to the tensor's dtype). Where the element grid shifted by e
+// (every exponent raised by e) fits the tensor's container, that is x rounded onto the shifted grid
+// in the container itself (shifted_element_grid; always so for float64). Elsewhere x / 2^e is
+// rounded in float64, which holds it exactly for the 16- and 32-bit containers, and the value
+// rounded again to the container; for the 16-bit containers that equals x rounded onto the shifted
+// grid in float32 where that fits (shifted_arithmetic_element). Float scales follow the arithmetic
+// the format defines (float32, or float64 for float64 tensors), one IEEE operation at a time
+// (ieee_ops.h): d = amax / elem_max, s = d rounded onto the scale grid, r = 1 / s,
+// element = round(x * r), value = element * s (with a tensor scale t: d / t, (1 / t) / s and
+// t * s).
+//
+// Rounding does not depend on the container it is computed in: a value that two containers hold
+// exactly, rounded onto one grid that both hold (its finest spacing and its limits representable),
+// gives the same value in both, by every rule, the stochastic ones included (the discarded fraction
+// and its top 32 bits are those of the value, whatever the container's width).
 #pragma once
 
 #include <cstdint>
@@ -57,17 +67,21 @@ struct GroupTile {
   int64_t width;   // columns of the tile; a tile row is width * inner contiguous elements
 };
 
-LPSIM_HOST_DEVICE inline GroupTile group_tile(const ScaledLayout& l, int64_t g) {
-  const int64_t across = l.tiles_across(), down = l.tiles_down();
-  const int64_t tc = g % across;
-  const int64_t tr = (g / across) % down;
-  const int64_t o = g / (across * down);
+// The tile in tile row tr and tile column tc of outer index o.
+LPSIM_HOST_DEVICE inline GroupTile tile_at(const ScaledLayout& l, int64_t o, int64_t tr,
+                                           int64_t tc) {
   const int64_t r0 = tr * l.tile_rows, c0 = tc * l.tile_cols;
   GroupTile t;
   t.start = ((o * l.rows + r0) * l.cols + c0) * l.inner;
   t.height = l.rows - r0 < l.tile_rows ? l.rows - r0 : l.tile_rows;
   t.width = l.cols - c0 < l.tile_cols ? l.cols - c0 : l.tile_cols;
   return t;
+}
+
+// Groups are numbered row-major over (outer, tile row, tile column).
+LPSIM_HOST_DEVICE inline GroupTile group_tile(const ScaledLayout& l, int64_t g) {
+  const int64_t across = l.tiles_across(), down = l.tiles_down();
+  return tile_at(l, g / (across * down), (g / across) % down, g % across);
 }
 
 // The block (scale index: group * inner + inner index) of the element at offset i.
@@ -154,6 +168,83 @@ LPSIM_FN void set_tensor_scale(ScaledSpec& s, typename C::word amax) {
   s.tensor_reciprocal = div_rn(T(1), t);
 }
 
+// The bits of a finite container-C value in the arithmetic's container: convert_exact, without
+// the branches (for Inf, NaN and zero, and a bit scan for subnormals) that keep a loop from
+// vectorising. Only float16 needs more than convert_exact's shift: its normal values are
+// re-biased, its subnormals (k times its finest spacing) converted as the integer k. Any input
+// gives some value, so that a loop may run over a block it then discards.
+template <class C>
+LPSIM_FN typename ScaledArithmetic<C>::word to_arithmetic(typename C::word u) {
+  using K = ScaledArithmetic<C>;
+  if constexpr (!std::is_same_v<C, Float16Container>) {
+    return convert_exact<K, C>(u);
+  } else {
+    constexpr int kShift = K::man_bits - C::man_bits;
+    const uint32_t sign = (u & C::sign_mask)
+                          << (K::exp_bits + K::man_bits - C::exp_bits - C::man_bits);
+    const uint32_t a = u & C::abs_mask;
+    const uint32_t normal = (a << kShift) + (uint32_t(K::bias - C::bias) << K::man_bits);
+    const float finest = pow2_real(1 - C::bias - C::man_bits, float());
+    const uint32_t subnormal =
+        bits_of_real(mul_rn(static_cast<float>(static_cast<int32_t>(a)), finest));
+    return sign | select(a <= C::man_mask, subnormal, normal);
+  }
+}
+
+// The container-C bits of v, a value of the arithmetic's container that C holds or +-Inf (a value
+// rounded onto C's own grid): convert_exact without its branches (see to_arithmetic). Other
+// inputs (NaN) give some value.
+template <class C>
+LPSIM_FN typename C::word from_arithmetic(typename ScaledArithmetic<C>::word v) {
+  using K = ScaledArithmetic<C>;
+  if constexpr (!std::is_same_v<C, Float16Container>) {
+    return convert_exact<C, K>(v);
+  } else {
+    constexpr int kShift = K::man_bits - C::man_bits;
+    const uint32_t sign =
+        (v >> (K::exp_bits + K::man_bits - C::exp_bits - C::man_bits)) & C::sign_mask;
+    const uint32_t a = v & K::abs_mask;
+    const uint32_t normal = (a >> kShift) - (uint32_t(K::bias - C::bias) << C::man_bits);
+    // Below C's smallest normal, v is k times C's finest spacing: k converted as an integer (from
+    // at most the smallest normal, so that the conversion is defined for any input).
+    const uint32_t smallest_normal = uint32_t(K::bias - C::bias + 1) << K::man_bits;
+    const float scaled =
+        mul_rn(real_of(min_of(a, smallest_normal)), pow2_real(C::bias + C::man_bits - 1, float()));
+    const uint32_t subnormal = static_cast<uint32_t>(static_cast<int32_t>(scaled));
+    const uint32_t magnitude = select(a < smallest_normal, subnormal, normal);
+    return sign | select(a == K::inf_bits, C::inf_bits, magnitude);
+  }
+}
+
+// A Float scale's factors for a finite block whose largest magnitude bits (in container C) are
+// `amax`: the encoder multiplies by `reciprocal`, elements decode times `decode`. Without a tensor
+// scale, t = 1 and 1 / t = 1 make the divisions by t and the product with it exact no-ops, so one
+// branch-free formula serves both (and a loop over blocks vectorises). `scale_grid` is the scale's
+// grid in the arithmetic's container.
+template <class C>
+LPSIM_FN void float_scale_factors(typename C::word amax, const ScaledSpec& s,
+                                  const Grid<ScaledArithmetic<C>>& scale_grid,
+                                  RealOf<ScaledArithmetic<C>>& reciprocal,
+                                  RealOf<ScaledArithmetic<C>>& decode) {
+  using K = ScaledArithmetic<C>;
+  using T = RealOf<K>;
+  const T smallest = pow2_real(static_cast<int32_t>(s.scale.emin), T());
+  const T largest = static_cast<T>(s.scale.pos_limit);
+  const T t = static_cast<T>(s.tensor);
+  T d = div_rn(real_of(to_arithmetic<C>(amax)), static_cast<T>(s.element_max));
+  d = div_rn(d, t);
+  d = min_of(max_of(d, smallest), largest);
+  const T scale = real_of(round_to_grid<Rounding::nearest, K>(bits_of_real(d), scale_grid, 0, 0));
+  reciprocal = div_rn(static_cast<T>(s.tensor_reciprocal), scale);
+  decode = mul_rn(t, scale);
+}
+
+// Whether a block whose largest magnitude bits are `amax` is finite (and so is the tensor scale).
+template <class C>
+LPSIM_FN bool finite_block(typename C::word amax, const ScaledSpec& s) {
+  return amax < C::inf_bits && s.tensor == s.tensor;
+}
+
 // The scale of a block whose largest magnitude bits (in container C) are `amax`. `scale_grid` is
 // the Float scale's grid in the arithmetic's container (unused for power-of-two scales).
 template <class C>
@@ -162,12 +253,12 @@ LPSIM_FN BlockScale block_scale(typename C::word amax, const ScaledSpec& s,
   using K = ScaledArithmetic<C>;
   using T = RealOf<K>;
   BlockScale b;
-  b.finite = amax < C::inf_bits && s.tensor == s.tensor;
+  b.finite = finite_block<C>(amax, s);
   b.exponent = 0;
   b.reciprocal = b.decode = 1;
   if (!b.finite) return b;
-  const uint64_t a = convert_exact<Float64Container, C>(amax);  // amax as float64 bits, exact
   if (s.rule != ScaleRule::amax) {
+    const uint64_t a = convert_exact<Float64Container, C>(amax);  // amax as float64 bits, exact
     const int32_t emin = static_cast<int32_t>(s.scale.emin);
     const int32_t emax = floor_log2(bits_of_real(s.scale.pos_limit));
     int32_t e = emin;
@@ -191,23 +282,14 @@ LPSIM_FN BlockScale block_scale(typename C::word amax, const ScaledSpec& s,
     b.exponent = e < emin ? emin : (e > emax ? emax : e);
     return b;
   }
-  const T smallest = pow2_real(static_cast<int32_t>(s.scale.emin), T());
-  const T largest = static_cast<T>(s.scale.pos_limit);
-  T d = div_rn(real_of(convert_exact<K, C>(amax)), static_cast<T>(s.element_max));
-  if (s.two_level) d = div_rn(d, static_cast<T>(s.tensor));
-  d = d < smallest ? smallest : (d > largest ? largest : d);
-  const T scale = real_of(round_to_grid<Rounding::nearest, K>(bits_of_real(d), scale_grid, 0, 0));
-  if (s.two_level) {
-    b.reciprocal = div_rn(static_cast<T>(s.tensor_reciprocal), scale);
-    b.decode = mul_rn(static_cast<T>(s.tensor), scale);
-  } else {
-    b.reciprocal = div_rn(T(1), scale);
-    b.decode = scale;
-  }
+  T reciprocal, decode;
+  float_scale_factors<C>(amax, s, scale_grid, reciprocal, decode);
+  b.reciprocal = reciprocal;
+  b.decode = decode;
   return b;
 }
 
-// ---- Elements
+// ---- Element grids
 
 // The grid of container C's own values in container K (which holds them): what a value computed in
 // K is rounded onto to be stored in C, to nearest with IEEE overflow to Inf.
@@ -225,19 +307,124 @@ LPSIM_FN Grid<K> own_grid() {
   return g;
 }
 
-// What an element needs besides its block's scale.
+// What an element needs besides its block's scale: the saturating element grid in three
+// containers (the op checked that it fits C, hence also the wider ones).
 template <class C>
 struct ElementGrids {
-  Grid<Float64Container> element;  // the saturating element grid, in float64
-  Grid<ScaledArithmetic<C>> own;   // C's values in the arithmetic's container
+  Grid<Float64Container> element;        // in float64: power-of-two scales (x / 2^e)
+  Grid<ScaledArithmetic<C>> arithmetic;  // in the arithmetic's container: Float scales
+  Grid<C> container;                     // in C: what shifted_element_grid shifts
+  Grid<ScaledArithmetic<C>> own;         // C's values in the arithmetic's container
 };
 
 template <class C>
 ElementGrids<C> element_grids(const ScaledSpec& s) {
   ElementGrids<C> g;
   make_grid<Float64Container>(s.element, g.element);  // validated by the op
+  make_grid<ScaledArithmetic<C>>(s.element, g.arithmetic);
+  make_grid<C>(s.element, g.container);
   g.own = own_grid<ScaledArithmetic<C>, C>();
   return g;
+}
+
+// ---- Power-of-two scales in the container
+
+// The biased exponent of a positive finite container value's leading one (<= 0 for subnormals).
+template <class C>
+LPSIM_FN int32_t binade(typename C::word v) {
+  const int32_t field = static_cast<int32_t>(v >> C::man_bits);
+  return field > 0 ? field : leading_bit(v) - C::man_bits + 1;
+}
+
+// The bits of v * 2^e for a positive finite container value v, where v * 2^e is itself a
+// container value (the caller checks: finite, and a multiple of the container's finest spacing).
+template <class C>
+LPSIM_FN typename C::word times_pow2(typename C::word v, int32_t e) {
+  using W = typename C::word;
+  constexpr int kMan = C::man_bits;
+  // v = sig * 2^(b - bias - kMan) with sig's leading one at bit kMan, b = binade(v).
+  const int32_t b = binade<C>(v);
+  const int32_t field = static_cast<int32_t>(v >> kMan);
+  const W sig = field > 0 ? (v & C::man_mask) | (W(1) << kMan) : W(v << (1 - b));
+  const int32_t exponent = b + e;
+  if (exponent >= 1) return (W(exponent) << kMan) | (sig & C::man_mask);
+  // Subnormal: sig * 2^(exponent - bias - kMan) is sig >> (1 - exponent) finest spacings.
+  return W(sig >> (1 - exponent));
+}
+
+// What an overflow or Inf outcome of the element grid becomes on the grid shifted by 2^e: a limit
+// (saturating formats) becomes the shifted limit; Inf and NaN stay.
+template <class C>
+LPSIM_FN typename C::word shifted_outcome(typename C::word v, const Grid<C>& element,
+                                          typename C::word pos_limit, typename C::word neg_limit) {
+  return v == element.pos_limit ? pos_limit : (v == element.neg_limit ? neg_limit : v);
+}
+
+// The element grid of a block with scale 2^e as a grid in container C: every value of `element`
+// (the element grid in C, ElementGrids::container) times 2^e, its exponents (qmin, flush_below)
+// raised by e. Rounding x onto it is rounding x / 2^e onto the element grid and multiplying by
+// 2^e, which scaled_element computes, when every value of the shifted grid is exact in C: its
+// finest spacing 2^(qmin + e) must be one of C's, and its limits finite in C. Otherwise
+// scaled_element's values are rounded again onto C's own grid, a second rounding that no grid
+// expresses. Returns whether the shifted grid fits C; `out` is set only then.
+template <class C>
+LPSIM_FN bool shifted_element_grid(const Grid<C>& element, int32_t e, Grid<C>& out) {
+  using W = typename C::word;
+  constexpr int32_t kTopField = (1 << C::exp_bits) - 2;  // the largest finite exponent field
+  if (element.qmin + e < 1 - C::man_bits) return false;
+  const W largest = element.pos_limit > element.neg_limit ? element.pos_limit : element.neg_limit;
+  if (binade<C>(largest) + e > kTopField) return false;
+  const W pos_limit = element.pos_limit > 0 ? times_pow2<C>(element.pos_limit, e) : W(0);
+  const W neg_limit = element.neg_limit > 0 ? times_pow2<C>(element.neg_limit, e) : W(0);
+  const bool flushes = element.flush_below != kNoFlush;
+  out = element;
+  out.qmin = element.qmin + e;
+  out.flush_below = flushes ? element.flush_below + e : kNoFlush;
+  out.min_positive = pow2_bits<C>((flushes ? element.flush_below : element.qmin) + e);
+  out.pos_limit = pos_limit;
+  out.neg_limit = neg_limit;
+  out.pos_overflow = shifted_outcome<C>(element.pos_overflow, element, pos_limit, neg_limit);
+  out.neg_overflow = shifted_outcome<C>(element.neg_overflow, element, pos_limit, neg_limit);
+  out.pos_inf = shifted_outcome<C>(element.pos_inf, element, pos_limit, neg_limit);
+  out.neg_inf = shifted_outcome<C>(element.neg_inf, element, pos_limit, neg_limit);
+  return true;
+}
+
+// ---- Elements
+
+// The value the element with bits u (a 16-bit container C) of a finite block with scale 2^e
+// decodes to, where the element grid shifted by e does not fit C but fits the arithmetic's
+// container K (`shifted`: shifted_element_grid in K): x, exact in K, rounded onto the shifted grid
+// in K is scaled_element's x / 2^e rounded onto the element grid times 2^e, exactly; then rounded
+// onto C's own grid (`own`), as scaled_element does.
+template <Rounding R, class C>
+LPSIM_FN typename C::word shifted_arithmetic_element(typename C::word u,
+                                                     const Grid<ScaledArithmetic<C>>& shifted,
+                                                     const Grid<ScaledArithmetic<C>>& own,
+                                                     uint32_t random, uint32_t mask) {
+  using K = ScaledArithmetic<C>;
+  const typename K::word v = round_to_grid<R, K>(to_arithmetic<C>(u), shifted, random, mask);
+  return from_arithmetic<C>(round_to_grid<Rounding::nearest, K>(v, own, 0, 0));
+}
+
+// The value the element with bits u (container C) of a finite block with a Float scale decodes
+// to: y = x * reciprocal rounded in the arithmetic, rounded onto the element grid in the
+// arithmetic's container (which holds y and the grid exactly: the same as in float64), times
+// decode, rounded to C. The operations are those of a vectorisable loop: no float64 for the 16- and
+// 32-bit containers, and no branches.
+template <Rounding R, class C>
+LPSIM_FN typename C::word float_scaled_element(typename C::word u,
+                                               RealOf<ScaledArithmetic<C>> reciprocal,
+                                               RealOf<ScaledArithmetic<C>> decode,
+                                               const Grid<ScaledArithmetic<C>>& element,
+                                               const Grid<ScaledArithmetic<C>>& own,
+                                               uint32_t random, uint32_t mask) {
+  using K = ScaledArithmetic<C>;
+  const auto y = mul_rn(real_of(to_arithmetic<C>(u)), reciprocal);
+  const auto q = real_of(round_to_grid<R, K>(bits_of_real(y), element, random, mask));
+  typename K::word out = bits_of_real(mul_rn(q, decode));
+  if constexpr (!std::is_same_v<K, C>) out = round_to_grid<Rounding::nearest, K>(out, own, 0, 0);
+  return from_arithmetic<C>(out);
 }
 
 // The value the element with bits u (container C) decodes to, in block scale b, rounded by rule R
@@ -248,19 +435,24 @@ LPSIM_FN typename C::word scaled_element(typename C::word u, const BlockScale& b
   using K = ScaledArithmetic<C>;
   using T = RealOf<K>;
   using F64 = Float64Container;
-  double y;
+  if (!b.finite) return C::quiet_nan;
   if constexpr (kPowerOfTwo) {
-    y = mul_rn(real_of(convert_exact<F64, C>(u)), pow2_double(-b.exponent));
+    Grid<C> shifted;
+    if (shifted_element_grid<C>(g.container, b.exponent, shifted)) {
+      return round_to_grid<R, C>(u, shifted, random, mask);
+    }
+    const double y = mul_rn(real_of(convert_exact<F64, C>(u)), pow2_double(-b.exponent));
+    const T q =
+        static_cast<T>(real_of(round_to_grid<R, F64>(bits_of_real(y), g.element, random, mask)));
+    typename K::word out = bits_of_real(mul_rn(q, pow2_real(b.exponent, T())));
+    if constexpr (!std::is_same_v<K, C>) {
+      out = round_to_grid<Rounding::nearest, K>(out, g.own, 0, 0);
+    }
+    return convert_exact<C, K>(out);
   } else {
-    y = mul_rn(real_of(convert_exact<K, C>(u)), static_cast<T>(b.reciprocal));
+    return float_scaled_element<R, C>(u, static_cast<T>(b.reciprocal), static_cast<T>(b.decode),
+                                      g.arithmetic, g.own, random, mask);
   }
-  const T q =
-      static_cast<T>(real_of(round_to_grid<R, F64>(bits_of_real(y), g.element, random, mask)));
-  const T v =
-      kPowerOfTwo ? mul_rn(q, pow2_real(b.exponent, T())) : mul_rn(q, static_cast<T>(b.decode));
-  typename K::word out = bits_of_real(v);
-  if constexpr (!std::is_same_v<K, C>) out = round_to_grid<Rounding::nearest, K>(out, g.own, 0, 0);
-  return b.finite ? convert_exact<C, K>(out) : C::quiet_nan;
 }
 
 }  // namespace lpsim
