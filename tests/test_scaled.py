@@ -275,12 +275,27 @@ def test_any_axis_and_layout_give_the_contiguous_result(axis):
 
 # ---- The vectorised paths against the exact reference
 #
-# The CPU loops round a block with a power-of-two scale onto the element grid shifted by the scale,
-# in the tensor's container, where that grid fits the container, and blocks with Float scales in
-# float32 arithmetic; tiny blocks (whose shifted grid reaches below the container's subnormals)
-# and NaN or Inf blocks take the scalar path. Blocks along the last axis are contiguous runs with
-# one scale; along another axis each row of a run holds elements of many blocks. These tests hold
-# every path to the exact reference, bit for bit, with dense edge cases.
+# The CPU loops round a block with a power-of-two scale onto the element grid shifted by the scale:
+# in the tensor's container where that grid fits it, else (16-bit tensors) in float32 where it fits
+# that, else (tiny blocks: scales below 2^-127, or elements finer than float32's) one element at a
+# time in float64; blocks with Float scales in float32 arithmetic; NaN or Inf blocks are NaN.
+# Blocks along the last axis are contiguous; along another axis each row of a group holds elements
+# of many blocks, transposed into a buffer. These tests hold every path to the exact reference, bit
+# for bit, with dense edge cases.
+
+# Besides the presets, formats that take the other paths: scales down to 2^-149 (tiny float32
+# blocks run one element at a time), elements down to 2^-24 (float16's own: small blocks fit only
+# float32), no subnormals, a Fixed element, and a Float scale without a tensor scale.
+PATH_FORMATS = {
+    **SCALED_PRESETS,
+    "e4m3_scales_to_2^-149": Scaled(Float(4, 3, special="fn"), PowerOfTwo(8, bias=149), 32),
+    "e5m10_ceil": Scaled(Float(5, 10), PowerOfTwo(8), 16, scale_rule="ceil"),
+    "e4m3_no_subnormals_even": Scaled(
+        Float(4, 3, subnormals=False), PowerOfTwo(8, bias=140), 8, scale_rule="even"
+    ),
+    "int8_rceil": Scaled(Fixed(8, 6), PowerOfTwo(8), 32, scale_rule="rceil"),
+    "e2m1_e4m3_scale": Scaled(Float(2, 1, special="none"), Float(4, 3, special="fn"), 16),
+}
 
 # (smallest positive, largest finite) of each container, as powers of two.
 _RANGE = {
@@ -338,9 +353,9 @@ def _cases_of(fmt: Scaled):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", list(SCALED_PRESETS))
+@pytest.mark.parametrize("name", list(PATH_FORMATS))
 def test_every_path_matches_the_reference_bit_for_bit(name, dtype):
-    fmt = preset(name)
+    fmt = PATH_FORMATS[name]
     try:
         lpsim.formats.check_fits(fmt.element, dtype)
     except ValueError:
@@ -410,15 +425,16 @@ def test_large_groups_along_axis_0_with_tiny_and_nan_blocks_match_the_reference(
     "shape, fmt",
     [
         # 1100 positions per group: a task takes 29 of the 40 inner indices, then the other 11.
-        ((1100, 40), Scaled(Float(4, 3, special="fn"), PowerOfTwo(8), None, axis=0)),
+        ((1100, 40), Scaled(Float(4, 3, special="fn"), PowerOfTwo(8, bias=149), None, axis=0)),
         # The last group is one row of 3000 blocks: wider than a batch, rounded 2048 at a time.
-        ((5, 3000), Scaled(Float(2, 1, special="none"), PowerOfTwo(8), 4, axis=0)),
+        ((5, 3000), Scaled(Float(2, 1, special="none"), PowerOfTwo(8, bias=149), 4, axis=0)),
         ((5, 3000), Scaled(Float(2, 1, special="none"), Float(4, 3, special="fn"), 4, axis=0)),
     ],
 )
 def test_wide_and_sliced_groups_along_axis_0_match_the_reference(shape, fmt):
     x = heavy_tailed(*shape, seed=13, spread=3.0)
-    x[:, 3] *= 2.0**-135  # tiny blocks, off the vectorised path
+    # A block of float32 subnormals: with scales down to 2^-149, its shifted grid does not fit.
+    x[:, 3] = torch.arange(1, shape[0] + 1) * 2.0**-149
     x[2, 7] = math.inf
     for rounding in ("nearest", "stochastic"):
         ours = lpsim.quantize(x, fmt, rounding, seed=6)
@@ -445,18 +461,6 @@ def test_blocks_along_axis_0_do_not_depend_on_the_thread_count(dtype):
     torch.set_num_threads(threads)
     for a, b in zip(*results):
         assert_same_bits(a, b)
-
-
-# Formats whose shifted grids stop fitting float32 (scales down to 2^-149, or elements down to
-# 2^-24) or have no subnormals, besides the presets: every path of the loops is taken.
-PATH_FORMATS = [
-    *SCALED_PRESETS.values(),
-    Scaled(Float(4, 3, special="fn"), PowerOfTwo(8, bias=149), 32),
-    Scaled(Float(5, 10), PowerOfTwo(8), 16, scale_rule="ceil"),
-    Scaled(Float(4, 3, subnormals=False), PowerOfTwo(8, bias=140), 8, scale_rule="even"),
-    Scaled(Fixed(8, 6), PowerOfTwo(8), 32, scale_rule="rceil"),
-    Scaled(Float(2, 1, special="none"), Float(4, 3, special="fn"), 16),
-]
 
 
 def _check_arguments(fmt: Scaled) -> str:
@@ -503,7 +507,7 @@ def test_vectorised_paths_give_scaled_elements_bits_for_every_value_and_rule(tmp
         capture_output=True,
         text=True,
     )
-    arguments = [_check_arguments(fmt) for fmt in PATH_FORMATS]
+    arguments = [_check_arguments(fmt) for fmt in PATH_FORMATS.values()]
     run = subprocess.run([str(binary), *arguments], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout
     assert run.stdout.strip().endswith("\n0 failures"), run.stdout
