@@ -499,6 +499,7 @@ def test_vectorised_paths_give_scaled_elements_bits_for_every_value_and_rule(tmp
             "-Wall",
             "-Werror",
             f"-I{ROOT / 'csrc' / 'include'}",
+            f"-I{ROOT / 'csrc'}",
             str(ROOT / "tests" / "cpp" / "scaled_paths_check.cpp"),
             "-o",
             str(binary),

@@ -27,6 +27,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "dispatch.h"  // with_rounding: the run-time rule to its template instance
+
 namespace {
 
 using namespace lpsim;
@@ -101,32 +103,6 @@ std::vector<RuleCase> rule_cases() {
     }
   }
   return cases;
-}
-
-template <class F>
-void with_rule(Rounding r, F&& f) {
-  switch (r) {
-    case Rounding::nearest:
-      return f(std::integral_constant<Rounding, Rounding::nearest>{});
-    case Rounding::nearest_away:
-      return f(std::integral_constant<Rounding, Rounding::nearest_away>{});
-    case Rounding::nearest_zero:
-      return f(std::integral_constant<Rounding, Rounding::nearest_zero>{});
-    case Rounding::toward_zero:
-      return f(std::integral_constant<Rounding, Rounding::toward_zero>{});
-    case Rounding::away:
-      return f(std::integral_constant<Rounding, Rounding::away>{});
-    case Rounding::up:
-      return f(std::integral_constant<Rounding, Rounding::up>{});
-    case Rounding::down:
-      return f(std::integral_constant<Rounding, Rounding::down>{});
-    case Rounding::odd:
-      return f(std::integral_constant<Rounding, Rounding::odd>{});
-    case Rounding::stochastic:
-      return f(std::integral_constant<Rounding, Rounding::stochastic>{});
-    case Rounding::stochastic_equal:
-      return f(std::integral_constant<Rounding, Rounding::stochastic_equal>{});
-  }
 }
 
 // The finite values of container C to try: every one for the 16-bit containers, else `count`
@@ -207,7 +183,7 @@ void check_power_of_two(int format, const ScaledSpec& s,
     b.reciprocal = b.decode = 1;
     for (const RuleCase& rc : rules) {
       const uint32_t mask = random_mask(rc.rbits);
-      with_rule(rc.rule, [&](auto tag) {
+      with_rounding(rc.rule, [&](auto tag) {
         constexpr Rounding R = decltype(tag)::value;
         for (const typename C::word u : values) {
           const uint32_t word = word_of(rng);
@@ -293,7 +269,7 @@ void check_float_scales(int format, ScaledSpec s, const std::vector<typename C::
     }
     for (const RuleCase& rc : rules) {
       const uint32_t mask = random_mask(rc.rbits);
-      with_rule(rc.rule, [&](auto tag) {
+      with_rounding(rc.rule, [&](auto tag) {
         constexpr Rounding R = decltype(tag)::value;
         for (const typename C::word u : values) {
           const uint32_t word = word_of(rng);
