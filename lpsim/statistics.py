@@ -1,0 +1,190 @@
+"""Statistics of a rounding: what happened to the elements of a tensor when it was quantised.
+
+``rounding_statistics(x, rounded, fmt)`` compares a tensor with its rounded value and counts, in
+one fused pass over both (a compiled kernel on CPU and CUDA):
+
+- ``nonfinite``: elements of x that are NaN or +/-Inf (left out of every other count and sum);
+- ``overflow``: finite elements that lie outside the format's range [min, max] (they saturated to
+  its limit or became Inf or NaN), or whose rounded value is not finite;
+- ``underflow``: finite nonzero elements that became zero;
+- ``subnormal``: finite elements whose rounded value is nonzero and below the format's smallest
+  normal value in magnitude;
+- ``unchanged``: finite elements equal to their rounded value (-0 equals +0);
+- ``squared_error`` and ``squared_value``: the sums of (rounded - x)**2 and of x**2 in float64
+  over the elements where both x and the rounded value are finite, so that SQNR and the relative
+  error follow.
+
+Which of the categories a format family has (the bounds of ``statistics_bounds``):
+
+============  ============================  ==========================
+family        overflow                      subnormal
+============  ============================  ==========================
+Float, P3109  outside [min, max]            below smallest_normal
+Fixed         outside [min, max]            none (no subnormals)
+BlockFloat    non-finite results only       none (per block)
+Scaled        non-finite results only       none (per block)
+============  ============================  ==========================
+
+BlockFloat and Scaled ranges depend on each block's scale, which the rounded tensor alone does not
+show; their underflow, unchanged and error sums are exact as for the other families.
+
+Counts are exact. The sums are float64, added in a fixed order (chunks of 16,384 elements, each
+summed in 256 lanes that are then added pairwise, chunks added in order), so the statistics are
+the same for any thread count and on any device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from lpsim.formats import P3109, BlockFloat, Fixed, Float
+from lpsim.scaled import Scaled
+
+__all__ = [
+    "RoundingStatistics",
+    "rounding_statistics",
+    "statistics_bounds",
+]
+
+
+@dataclass(frozen=True)
+class RoundingStatistics:
+    """What one or more roundings did (see the module docstring for each field's definition).
+    Statistics of several roundings add up with ``+``."""
+
+    elements: int = 0
+    nonfinite: int = 0
+    overflow: int = 0
+    underflow: int = 0
+    subnormal: int = 0
+    unchanged: int = 0
+    squared_error: float = 0.0
+    squared_value: float = 0.0
+
+    def __add__(self, other: RoundingStatistics) -> RoundingStatistics:
+        if not isinstance(other, RoundingStatistics):
+            return NotImplemented
+        return RoundingStatistics(
+            *(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True))
+        )
+
+    def as_tuple(self) -> tuple:
+        return (
+            self.elements,
+            self.nonfinite,
+            self.overflow,
+            self.underflow,
+            self.subnormal,
+            self.unchanged,
+            self.squared_error,
+            self.squared_value,
+        )
+
+    def as_dict(self) -> dict:
+        """The fields and the derived sqnr_db and relative_error, for CSV and JSON."""
+        return {**asdict(self), "sqnr_db": self.sqnr_db, "relative_error": self.relative_error}
+
+    @property
+    def finite(self) -> int:
+        """Elements of x that are finite."""
+        return self.elements - self.nonfinite
+
+    def fraction(self, name: str) -> float:
+        """A count as a fraction of the finite elements (nan when there are none)."""
+        count = getattr(self, name)
+        return count / self.finite if self.finite else math.nan
+
+    @property
+    def sqnr_db(self) -> float:
+        """Signal-to-quantisation-noise ratio in dB, 10 log10(squared_value / squared_error):
+        inf for an exact rounding, nan when there is no signal."""
+        if self.squared_value == 0:
+            return math.nan
+        if self.squared_error == 0:
+            return math.inf
+        return 10 * math.log10(self.squared_value / self.squared_error)
+
+    @property
+    def relative_error(self) -> float:
+        """sqrt(squared_error / squared_value), the relative error in the 2-norm (nan when there
+        is no signal)."""
+        if self.squared_value == 0:
+            return math.nan
+        return math.sqrt(self.squared_error / self.squared_value)
+
+
+def statistics_bounds(fmt) -> tuple[float, float, float]:
+    """(low, high, smallest_normal) of ``fmt`` for the counts: finite values outside [low, high]
+    overflow, nonzero rounded values below smallest_normal in magnitude are subnormal (0: none).
+
+    Raises:
+        TypeError: fmt is not a Float, Fixed, P3109, BlockFloat or Scaled format.
+    """
+    if isinstance(fmt, Float):
+        return -fmt.max, fmt.max, fmt.smallest_normal
+    if isinstance(fmt, P3109):
+        return fmt.min, fmt.max, fmt.smallest_normal
+    if isinstance(fmt, Fixed):
+        return fmt.min, fmt.max, 0.0
+    if isinstance(fmt, (BlockFloat, Scaled)):
+        return -math.inf, math.inf, 0.0
+    raise TypeError(
+        f"fmt must be a Float, Fixed, P3109, BlockFloat or Scaled format, got {type(fmt).__name__}"
+    )
+
+
+def _check_pair(x: torch.Tensor, rounded: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor) or not isinstance(rounded, torch.Tensor):
+        raise TypeError("x and rounded must be tensors")
+    if x.shape != rounded.shape:
+        raise ValueError(
+            f"rounded must have x's shape {tuple(x.shape)}, got {tuple(rounded.shape)}"
+        )
+    if not x.is_floating_point() or not rounded.is_floating_point():
+        raise TypeError(
+            f"x and rounded must be floating tensors, got {x.dtype} and {rounded.dtype}"
+        )
+    if x.device != rounded.device:
+        raise ValueError(
+            f"x and rounded must be on one device, got {x.device} and {rounded.device}"
+        )
+
+
+def rounding_statistics(x: torch.Tensor, rounded: torch.Tensor, fmt) -> RoundingStatistics:
+    """The statistics of rounding ``x`` to ``rounded`` in ``fmt`` (see the module docstring).
+
+    Args:
+        x: the tensor before rounding, any floating dtype, shape and strides.
+        rounded: its rounded value, of x's shape and device (any floating dtype).
+        fmt: the format x was rounded into (it sets the overflow and subnormal bounds).
+
+    Raises:
+        TypeError: x or rounded is not a floating tensor, or fmt is not a format.
+        ValueError: their shapes or devices differ.
+    """
+    _check_pair(x, rounded)
+    low, high, smallest_normal = statistics_bounds(fmt)
+    return _statistics(x.detach(), rounded.detach(), low, high, smallest_normal)
+
+
+def _statistics(x, rounded, low, high, smallest_normal) -> RoundingStatistics:
+    x = x.reshape(-1).to(torch.float64)
+    y = rounded.reshape(-1).to(torch.float64)
+    finite = x.isfinite()
+    overflow = finite & ((x < low) | (x > high) | ~y.isfinite())
+    both = finite & y.isfinite()
+    error = torch.where(both, y - x, 0.0)
+    value = torch.where(both, x, 0.0)
+    return RoundingStatistics(
+        elements=x.numel(),
+        nonfinite=int((~finite).sum()),
+        overflow=int(overflow.sum()),
+        underflow=int((finite & (x != 0) & (y == 0)).sum()),
+        subnormal=int((both & (y != 0) & (y.abs() < smallest_normal)).sum()),
+        unchanged=int((finite & (y == x)).sum()),
+        squared_error=float((error * error).sum()),
+        squared_value=float((value * value).sum()),
+    )
