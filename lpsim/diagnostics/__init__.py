@@ -1,0 +1,3 @@
+"""Seeing the numerics of a low-precision run: statistics of every rounding per module and
+category (the recorder), and a float32 shadow of the model that shows where the simulated run
+departs from full precision."""
