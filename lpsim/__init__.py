@@ -20,12 +20,14 @@ the orthogonal transforms applied before quantisation (``RandomHadamard``).
 from lpsim import (
     accumulate,
     compat,
+    diagnostics,  # the recorder of rounding statistics and the float32 shadow
     dyadic,  # integer-native arithmetic on (mantissa, scale) pairs
     formats,
     nn,
     optim,
     recipes,
     scaled,  # scaled formats: MX, NVFP4, FP8 with block, row or tensor scales
+    statistics,  # what a rounding did: overflow, underflow, subnormal counts, squared errors
     transforms,
     update,
 )
@@ -99,4 +101,6 @@ __all__ = [
     "compat",
     "transforms",
     "RandomHadamard",
+    "statistics",
+    "diagnostics",
 ]

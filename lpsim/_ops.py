@@ -109,3 +109,13 @@ for _name in ("quantize_grid", "quantize_block", "quantize_scaled"):
     torch.library.register_fake(f"lpsim::{_name}")(_new_tensor_fake)
     torch.library.register_fake(f"lpsim::{_name}_")(_in_place_fake)
     torch.library.register_fake(f"lpsim::{_name}_out")(_out_fake)
+
+
+@torch.library.register_fake("lpsim::rounding_statistics")
+def _rounding_statistics_fake(x, rounded, low, high, smallest_normal):
+    return torch.empty(6, dtype=torch.int64), torch.empty(2, dtype=torch.float64)
+
+
+@torch.library.register_fake("lpsim::quantize_grid_statistics")
+def _quantize_grid_statistics_fake(x, *args):
+    return _new_tensor_fake(x), *_rounding_statistics_fake(x, x, 0.0, 0.0, 0.0)

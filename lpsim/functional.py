@@ -41,8 +41,9 @@ def _block_dim(fmt: BlockFloat, x: torch.Tensor) -> int | None:
     return fmt.dim
 
 
-def _prepare(x, fmt, rounding, rbits, seed, offset):
-    """Validated op arguments: (op name, arguments after x).
+def quantize_op_arguments(x, fmt, rounding, rbits, seed, offset):
+    """The op that quantize(x, fmt, rounding, ...) calls and its validated arguments: (op name,
+    arguments after x), for the modules that call variants of the same op (lpsim.statistics).
 
     The common call, a grid format (Float, Fixed, P3109) already used with x's dtype, a rule and
     no rbits, seed or offset, costs a few dictionary look-ups (the rest of a call is
@@ -127,7 +128,7 @@ def quantize(
         fused = compiled_quantize(x, fmt, rounding, rbits=rbits, seed=seed, offset=offset, out=out)
         if fused is not None:
             return fused
-    name, args = _prepare(x, fmt, rounding, rbits, seed, offset)
+    name, args = quantize_op_arguments(x, fmt, rounding, rbits, seed, offset)
     if out is None:
         return call(name, x, *args)
     check_tensor(out, "out")
@@ -156,6 +157,6 @@ def quantize_(
     if torch.compiler.is_compiling():
         if compiled_quantize_(x, fmt, rounding, rbits=rbits, seed=seed, offset=offset) is not None:
             return x
-    name, args = _prepare(x, fmt, rounding, rbits, seed, offset)
+    name, args = quantize_op_arguments(x, fmt, rounding, rbits, seed, offset)
     call(name + "_", x, *args)
     return x

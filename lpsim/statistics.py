@@ -6,7 +6,7 @@ one fused pass over both (a compiled kernel on CPU and CUDA):
 - ``nonfinite``: elements of x that are NaN or +/-Inf (left out of every other count and sum);
 - ``overflow``: finite elements that lie outside the format's range [min, max] (they saturated to
   its limit or became Inf or NaN), or whose rounded value is not finite;
-- ``underflow``: finite nonzero elements that became zero;
+- ``underflow``: finite nonzero elements inside the range that became zero;
 - ``subnormal``: finite elements whose rounded value is nonzero and below the format's smallest
   normal value in magnitude;
 - ``unchanged``: finite elements equal to their rounded value (-0 equals +0);
@@ -30,7 +30,11 @@ show; their underflow, unchanged and error sums are exact as for the other famil
 
 Counts are exact. The sums are float64, added in a fixed order (chunks of 16,384 elements, each
 summed in 256 lanes that are then added pairwise, chunks added in order), so the statistics are
-the same for any thread count and on any device.
+the same for any thread count and on any device (csrc/include/lpsim/rounding_statistics.h).
+
+``quantize_with_statistics(x, fmt, rounding)`` returns ``quantize(x, fmt, rounding)`` (the same
+bits, the same random draws) and its statistics; for Float, Fixed and P3109 formats on the CPU the
+statistics of each chunk are taken inside the rounding kernel while the chunk is in cache.
 """
 
 from __future__ import annotations
@@ -40,14 +44,22 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lpsim.formats import P3109, BlockFloat, Fixed, Float
+from lpsim._checks import check_tensor
+from lpsim._ops import call
+from lpsim.formats import GRID_FORMATS, P3109, BlockFloat, Fixed, Float, Format
+from lpsim.functional import quantize, quantize_op_arguments
+from lpsim.rounding import Rounding
 from lpsim.scaled import Scaled
 
 __all__ = [
     "RoundingStatistics",
     "rounding_statistics",
+    "quantize_with_statistics",
     "statistics_bounds",
 ]
+
+# The containers the kernels read; other floating dtypes are compared in float64 (exactly).
+_CONTAINERS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -116,7 +128,7 @@ class RoundingStatistics:
         return math.sqrt(self.squared_error / self.squared_value)
 
 
-def statistics_bounds(fmt) -> tuple[float, float, float]:
+def statistics_bounds(fmt: Format | Scaled) -> tuple[float, float, float]:
     """(low, high, smallest_normal) of ``fmt`` for the counts: finite values outside [low, high]
     overflow, nonzero rounded values below smallest_normal in magnitude are subnormal (0: none).
 
@@ -153,7 +165,9 @@ def _check_pair(x: torch.Tensor, rounded: torch.Tensor) -> None:
         )
 
 
-def rounding_statistics(x: torch.Tensor, rounded: torch.Tensor, fmt) -> RoundingStatistics:
+def rounding_statistics(
+    x: torch.Tensor, rounded: torch.Tensor, fmt: Format | Scaled
+) -> RoundingStatistics:
     """The statistics of rounding ``x`` to ``rounded`` in ``fmt`` (see the module docstring).
 
     Args:
@@ -171,20 +185,37 @@ def rounding_statistics(x: torch.Tensor, rounded: torch.Tensor, fmt) -> Rounding
 
 
 def _statistics(x, rounded, low, high, smallest_normal) -> RoundingStatistics:
-    x = x.reshape(-1).to(torch.float64)
-    y = rounded.reshape(-1).to(torch.float64)
-    finite = x.isfinite()
-    overflow = finite & ((x < low) | (x > high) | ~y.isfinite())
-    both = finite & y.isfinite()
-    error = torch.where(both, y - x, 0.0)
-    value = torch.where(both, x, 0.0)
-    return RoundingStatistics(
-        elements=x.numel(),
-        nonfinite=int((~finite).sum()),
-        overflow=int(overflow.sum()),
-        underflow=int((finite & (x != 0) & (y == 0)).sum()),
-        subnormal=int((both & (y != 0) & (y.abs() < smallest_normal)).sum()),
-        unchanged=int((finite & (y == x)).sum()),
-        squared_error=float((error * error).sum()),
-        squared_value=float((value * value).sum()),
-    )
+    if x.dtype != rounded.dtype or x.dtype not in _CONTAINERS:
+        x, rounded = x.to(torch.float64), rounded.to(torch.float64)
+    counts, sums = call("rounding_statistics", x, rounded, low, high, smallest_normal)
+    return _from_op(counts, sums)
+
+
+def _from_op(counts: torch.Tensor, sums: torch.Tensor) -> RoundingStatistics:
+    return RoundingStatistics(*counts.tolist(), *sums.tolist())
+
+
+def quantize_with_statistics(
+    x: torch.Tensor,
+    fmt: Format | Scaled,
+    rounding: Rounding | str = "nearest",
+    *,
+    rbits: int | None = None,
+    seed: int | None = None,
+    offset: int = 0,
+) -> tuple[torch.Tensor, RoundingStatistics]:
+    """(quantize(x, fmt, rounding, ...), its RoundingStatistics): the rounded tensor, bit for bit
+    and draw for draw what quantize() returns with the same arguments (see lpsim.quantize for
+    them and the errors raised), and the statistics of the rounding. Not differentiable: the
+    result does not require grad.
+    """
+    check_tensor(x)
+    x = x.detach()
+    bounds = statistics_bounds(fmt)
+    if isinstance(fmt, GRID_FORMATS):
+        name, args = quantize_op_arguments(x, fmt, rounding, rbits, seed, offset)
+        assert name == "quantize_grid"
+        rounded, counts, sums = call("quantize_grid_statistics", x, *args, *bounds)
+        return rounded, _from_op(counts, sums)
+    rounded = quantize(x, fmt, rounding, rbits=rbits, seed=seed, offset=offset)
+    return rounded, _statistics(x, rounded, *bounds)

@@ -71,3 +71,13 @@ def test_scaled_benchmark_times_each_format_and_rule_against_clone(capsys):
     assert all(r["lpsim_ms"] > 0 and r["clone_ms"] > 0 and r["ratio"] > 0 for r in rows)
     assert all((r["torchao_ms"] is not None) == (r["rule"] == "nearest") for r in rows)
     assert "torchao" in capsys.readouterr().out
+
+
+def test_statistics_benchmark_prints_a_row_per_format_and_rule(capsys):
+    bench_statistics = _import("bench_statistics")
+    rows = bench_statistics.main(["--quick"])
+    assert [(r["format"], r["rule"]) for r in rows] == [
+        (f, r) for f in bench_statistics.FORMATS for r in bench_statistics.RULES
+    ]
+    assert all(r["quantize_ms"] > 0 and r["with_statistics_ms"] > 0 for r in rows)
+    assert "median overhead of the statistics" in capsys.readouterr().out

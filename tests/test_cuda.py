@@ -349,3 +349,30 @@ def test_scaled_views_in_place_and_out(name):
     in_place = base_cuda.clone()
     lpsim.quantize_(in_place, fmt, "nearest")
     assert_same(in_place, lpsim.quantize(base, fmt, "nearest"))
+
+
+# ---- Rounding statistics: the CUDA kernel adds the same terms in the same order as the CPU loop
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["e5m2", "e4m3fn", "fixed(8,4)", "p3109-8p1", "block-size16"])
+@pytest.mark.parametrize("n", [1, 1000, 16384, 3 * 16384 + 4097])
+def test_rounding_statistics_match_cpu_bit_for_bit(name, dtype, n):
+    from lpsim.statistics import quantize_with_statistics, rounding_statistics  # noqa: PLC0415
+
+    fmt = FORMATS[name]
+    try:
+        check_fits(fmt, dtype)
+    except ValueError:
+        pytest.skip("the format does not fit this container")
+    x = sample((n,), dtype, seed=n)
+    y = lpsim.quantize(x, fmt, "nearest")
+    cpu = rounding_statistics(x, y, fmt)
+    assert rounding_statistics(x.cuda(), y.cuda(), fmt) == cpu
+    for rule in ("nearest", "stochastic"):
+        rounded_cpu, stats_cpu = quantize_with_statistics(x, fmt, rule, seed=3)
+        rounded_cuda, stats_cuda = quantize_with_statistics(x.cuda(), fmt, rule, seed=3)
+        assert torch.equal(
+            rounded_cuda.cpu().view(INT_VIEW[dtype]), rounded_cpu.view(INT_VIEW[dtype])
+        )
+        assert stats_cuda == stats_cpu

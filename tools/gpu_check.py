@@ -226,6 +226,18 @@ def main(argv: list[str] | None = None) -> int:
             ],
         ),
         (
+            "rounding statistics",
+            [
+                "benchmarks/bench_statistics.py",
+                "--device",
+                "cuda",
+                "--size",
+                str(size // 4),
+                "--repeat",
+                str(repeat),
+            ],
+        ),
+        (
             "training",
             [
                 "benchmarks/bench_training.py",

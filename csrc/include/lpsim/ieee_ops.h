@@ -88,9 +88,23 @@ LPSIM_FN float add_rn(float a, float b) {
   return a + b;
 #endif
 }
+LPSIM_FN double add_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
 LPSIM_FN float sub_rn(float a, float b) {
 #if defined(__CUDA_ARCH__)
   return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+LPSIM_FN double sub_rn(double a, double b) {
+#if defined(__CUDA_ARCH__)
+  return __dsub_rn(a, b);
 #else
   return a - b;
 #endif

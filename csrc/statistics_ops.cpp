@@ -1,0 +1,185 @@
+// The statistics ops: schemas, argument checks and the torch glue around the CPU loops
+// (cpu/statistics.h) and the CUDA launcher (cuda/statistics.h).
+//
+//   rounding_statistics(x, rounded, low, high, smallest_normal) -> (counts, sums)
+//   quantize_grid_statistics(x, <grid>, <rule and random>, low, high, smallest_normal)
+//       -> (y, counts, sums): quantize_grid's y, and the statistics of the rounding
+//
+// counts: int64 [elements, nonfinite, overflow, underflow, subnormal, unchanged]; sums: float64
+// [squared_error, squared_value] (lpsim/rounding_statistics.h defines them and fixes the order of
+// the sums). Both are CPU tensors whatever x's device: they are read by the host.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <lpsim/rounding_statistics.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "checks.h"
+#include "cpu/statistics.h"
+#include "dispatch.h"
+
+#if defined(LPSIM_WITH_CUDA)
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda/quantize.h"
+#include "cuda/statistics.h"
+#endif
+
+namespace lpsim {
+namespace {
+
+using Counts = std::tuple<at::Tensor, at::Tensor>;
+using RoundedCounts = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+StatisticsBounds statistics_bounds(double low, double high, double smallest_normal) {
+  TORCH_CHECK(!std::isnan(low) && !std::isnan(high) && low <= high,
+              "lpsim: low and high must satisfy low <= high, got ", low, " and ", high);
+  TORCH_CHECK(smallest_normal >= 0, "lpsim: smallest_normal must be >= 0, got ", smallest_normal);
+  return StatisticsBounds{low, high, smallest_normal};
+}
+
+void check_rounded(const at::Tensor& x, const at::Tensor& rounded) {
+  TORCH_CHECK(x.sizes() == rounded.sizes(), "lpsim: rounded must have x's shape ", x.sizes(),
+              ", got ", rounded.sizes());
+  TORCH_CHECK(x.scalar_type() == rounded.scalar_type(), "lpsim: rounded must have x's dtype ",
+              x.scalar_type(), ", got ", rounded.scalar_type());
+  TORCH_CHECK(x.device() == rounded.device(), "lpsim: rounded must be on x's device ", x.device(),
+              ", got ", rounded.device());
+}
+
+int64_t chunk_count(int64_t n) { return (n + kStatisticsChunk - 1) / kStatisticsChunk; }
+
+Counts as_tensors(const ChunkStatistics& total) {
+  at::Tensor counts = at::empty({kStatisticsCounts}, at::TensorOptions().dtype(at::kLong));
+  for (int k = 0; k < kStatisticsCounts; ++k) counts.data_ptr<int64_t>()[k] = total.counts[k];
+  at::Tensor sums = at::empty({2}, at::TensorOptions().dtype(at::kDouble));
+  sums.data_ptr<double>()[0] = total.squared_error;
+  sums.data_ptr<double>()[1] = total.squared_value;
+  return {counts, sums};
+}
+
+// ---- CPU
+
+Counts statistics_cpu(const at::Tensor& x, const at::Tensor& rounded, double low, double high,
+                      double smallest_normal) {
+  check_rounded(x, rounded);
+  const Dtype dtype = container_of(x);
+  const StatisticsBounds bounds = statistics_bounds(low, high, smallest_normal);
+  const at::Tensor xs = x.contiguous(), ys = rounded.contiguous();
+  const int64_t n = xs.numel(), chunks = chunk_count(n);
+  std::vector<ChunkStatistics> parts(static_cast<size_t>(chunks));
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    cpu::rounding_statistics(dtype, xs.const_data_ptr(), ys.const_data_ptr(), begin, end, n, bounds,
+                             parts.data());
+  });
+  return as_tensors(combine_chunks(parts.data(), chunks));
+}
+
+RoundedCounts quantize_grid_statistics_cpu(const at::Tensor& x,
+                                           LPSIM_GRID_PARAMS() int64_t rounding, int64_t rbits,
+                                           const Seed& seed, int64_t offset, double low,
+                                           double high, double smallest_normal) {
+  const Dtype dtype = container_of(x);
+  const GridSpec spec = grid_spec(dtype, GridSpec{LPSIM_GRID_VALUES()});
+  const Rounding rule = rounding_of(rounding);
+  const RandomSpec random = random_spec(rule, rbits, seed, offset);
+  const StatisticsBounds bounds = statistics_bounds(low, high, smallest_normal);
+  const at::Tensor xs = x.contiguous();
+  at::Tensor y = at::empty_like(xs);
+  const int64_t n = xs.numel(), chunks = chunk_count(n);
+  std::vector<ChunkStatistics> parts(static_cast<size_t>(chunks));
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    cpu::quantize_grid_statistics(dtype, rule, xs.const_data_ptr(), y.data_ptr(), begin, end, n,
+                                  spec, random, bounds, parts.data());
+  });
+  const auto [counts, sums] = as_tensors(combine_chunks(parts.data(), chunks));
+  return {y, counts, sums};
+}
+
+// ---- CUDA: the kernels run on x's device, on its current stream; the chunks' statistics are
+// copied to the host and combined there.
+
+#if defined(LPSIM_WITH_CUDA)
+Counts statistics_of_contiguous_cuda(const at::Tensor& xs, const at::Tensor& ys,
+                                     const StatisticsBounds& bounds) {
+  const int64_t n = xs.numel(), chunks = chunk_count(n);
+  if (n == 0) return as_tensors(ChunkStatistics{});
+  at::Tensor parts =
+      at::empty({chunks * int64_t{sizeof(ChunkStatistics)}}, xs.options().dtype(at::kByte));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(xs.device().index()).stream();
+  with_container(container_of(xs), [&](auto container) {
+    using C = decltype(container);
+    gpu::rounding_statistics<C>(xs.const_data_ptr(), ys.const_data_ptr(), n, bounds,
+                                static_cast<ChunkStatistics*>(parts.data_ptr()), stream);
+  });
+  const at::Tensor host = parts.cpu();
+  return as_tensors(
+      combine_chunks(static_cast<const ChunkStatistics*>(host.const_data_ptr()), chunks));
+}
+
+Counts statistics_cuda(const at::Tensor& x, const at::Tensor& rounded, double low, double high,
+                       double smallest_normal) {
+  check_rounded(x, rounded);
+  container_of(x);  // TypeError for other dtypes
+  const StatisticsBounds bounds = statistics_bounds(low, high, smallest_normal);
+  const c10::cuda::CUDAGuard guard(x.device());
+  return statistics_of_contiguous_cuda(x.contiguous(), rounded.contiguous(), bounds);
+}
+
+// quantize_grid's kernel, then the statistics kernel (the GPU reads y back from its cache).
+RoundedCounts quantize_grid_statistics_cuda(const at::Tensor& x,
+                                            LPSIM_GRID_PARAMS() int64_t rounding, int64_t rbits,
+                                            const Seed& seed, int64_t offset, double low,
+                                            double high, double smallest_normal) {
+  const Dtype dtype = container_of(x);
+  const GridSpec spec = grid_spec(dtype, GridSpec{LPSIM_GRID_VALUES()});
+  const Rounding rule = rounding_of(rounding);
+  const RandomSpec random = random_spec(rule, rbits, seed, offset);
+  const StatisticsBounds bounds = statistics_bounds(low, high, smallest_normal);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xs = x.contiguous();
+  at::Tensor y = at::empty_like(xs);
+  if (xs.numel() > 0) {
+    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+    with_container(dtype, [&](auto container) {
+      using C = decltype(container);
+      gpu::quantize_grid<C>(rule, xs.const_data_ptr(), y.data_ptr(), xs.numel(), spec, random,
+                            stream);
+    });
+  }
+  const auto [counts, sums] = statistics_of_contiguous_cuda(xs, y, bounds);
+  return {y, counts, sums};
+}
+#endif
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(lpsim, m) {
+  const std::string bounds = "float low, float high, float smallest_normal";
+  m.def(("rounding_statistics(Tensor x, Tensor rounded, " + bounds + ") -> (Tensor, Tensor)")
+            .c_str());
+  m.def(("quantize_grid_statistics(Tensor x, " + grid_schema() + ", " + kRandomSchema + ", " +
+         bounds + ") -> (Tensor, Tensor, Tensor)")
+            .c_str());
+}
+
+TORCH_LIBRARY_IMPL(lpsim, CPU, m) {
+  m.impl("rounding_statistics", statistics_cpu);
+  m.impl("quantize_grid_statistics", quantize_grid_statistics_cpu);
+}
+
+#if defined(LPSIM_WITH_CUDA)
+TORCH_LIBRARY_IMPL(lpsim, CUDA, m) {
+  m.impl("rounding_statistics", statistics_cuda);
+  m.impl("quantize_grid_statistics", quantize_grid_statistics_cuda);
+}
+#endif
+
+}  // namespace lpsim

@@ -1,0 +1,643 @@
+"""Shadow mode: a float32 copy of a simulated model run on the same batch, and the per-layer
+relative divergence of the simulated model's activations and errors from the copy's, to find the
+first layer where a low-precision run departs from full precision.
+
+    shadow = Shadow(model)                       # model: injected by lpsim.nn.inject
+    report = shadow.compare(x, loss_fn=lambda out: F.cross_entropy(out, y) * loss_scale)
+    print(report.table())
+    report.first_divergent(0.1)                  # the first layer whose activations diverge
+    report.first_divergent(0.1, kind="error")    # the first, going backward, whose errors do
+
+The *reference* is a deep copy of the model with every quantiser of lpsim.nn.inject removed and
+every lpsim.nn.Quantizer module replaced by nn.Identity, its floating-point parameters and buffers
+in float32. Before every comparison it takes the simulated model's stored parameter values (for a
+fake-quantised weight, the unrounded parameter that the parametrisation rounds in each forward
+pass, with OptimLP the values the optimizer rounded) and its buffers: "the float32 model on the
+same weights", so each comparison measures one step's divergence, not drift accumulated over
+training.
+
+For each module call, in the order the calls finish (forward order), the report gives
+
+- the activation divergence ||a_sim - a_ref|| / ||a_ref||: a is the module's output after every
+  forward hook, so after the module's own output quantiser (what the next layer receives);
+- the error divergence ||e_sim - e_ref|| / ||e_ref||: e is the gradient of the loss with respect
+  to the module's output before its output quantiser, so after its error quantiser (what the
+  module's backward receives).
+
+Norms are Euclidean over every floating-point tensor of the output (tuples, lists and dicts
+included), computed in float64. A zero reference norm gives 0 where the simulated tensor is zero
+too and inf otherwise; NaN in either model gives NaN.
+
+compare() never changes the simulated model: its parameters, their .grad (the gradients are taken
+with torch.autograd.grad, which accumulates nothing), its buffers (restored bit for bit:
+BatchNorm running statistics, DelayedScaler histories), the modules' training flags, and the state
+of torch's generators are as before the call.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from lpsim.nn.inject import injected, remove
+from lpsim.nn.quantizer import Quantizer
+
+__all__ = ["Shadow", "ShadowReport", "ModuleDivergence"]
+
+KINDS = ("activation", "error")
+DROPOUT_TYPES = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+
+
+@dataclass(frozen=True)
+class ModuleDivergence:
+    """How far one module call of the simulated model departs from the float32 reference.
+
+    Attributes:
+        module: the module's qualified name ("" for the model itself).
+        call: which call of the module in the forward pass this is, from 1 (a module used twice
+            has two rows).
+        type: the module's class name.
+        activation_divergence: ||a_sim - a_ref|| / ||a_ref|| of the module's output, a
+            non-negative number, inf where the reference is zero and the simulated output is
+            not, NaN where either holds NaN; None when the module returned no floating-point
+            tensor.
+        error_divergence: the same for the gradient of the loss with respect to the module's
+            output; None without a loss, or when no gradient reaches the output.
+        reference_activation_norm: ||a_ref||, the Euclidean norm of the reference output
+            (None as for activation_divergence).
+        reference_error_norm: ||e_ref||, the Euclidean norm of the reference error (None as for
+            error_divergence).
+    """
+
+    module: str
+    call: int
+    type: str
+    activation_divergence: float | None
+    error_divergence: float | None
+    reference_activation_norm: float | None
+    reference_error_norm: float | None
+
+    @property
+    def label(self) -> str:
+        """The module's name as the table prints it: "(model)" for the model itself, and " #2",
+        " #3", ... after the name of a module's second and later calls."""
+        name = self.module or "(model)"
+        return name if self.call == 1 else f"{name} #{self.call}"
+
+
+@dataclass(frozen=True)
+class ShadowReport:
+    """The result of Shadow.compare(): one ModuleDivergence per module call, in forward order
+    (the order in which the calls finished), and the two losses.
+
+    Attributes:
+        modules: the rows, in forward order.
+        simulated_loss: the simulated model's loss (None without loss_fn).
+        reference_loss: the float32 reference's loss (None without loss_fn).
+    """
+
+    modules: tuple[ModuleDivergence, ...]
+    simulated_loss: float | None = None
+    reference_loss: float | None = None
+
+    def first_divergent(
+        self, threshold: float, kind: str = "activation"
+    ) -> ModuleDivergence | None:
+        """The first module call whose divergence exceeds ``threshold`` (a NaN divergence always
+        does), or None.
+
+        Args:
+            threshold: a relative divergence, a non-negative number (0.01 is one percent).
+            kind: "activation" searches the activation divergences in forward order; "error"
+                searches the error divergences in backward order (the reverse of forward order:
+                the errors of the last layers are computed first).
+
+        Raises:
+            ValueError: threshold is negative or NaN, or kind is neither "activation" nor "error".
+        """
+        if not isinstance(threshold, (int, float)) or not threshold >= 0:
+            raise ValueError(f"threshold must be a non-negative number, got {threshold!r}")
+        if kind not in KINDS:
+            raise ValueError(f"kind must be 'activation' or 'error', got {kind!r}")
+        rows = self.modules if kind == "activation" else tuple(reversed(self.modules))
+        for row in rows:
+            value = getattr(row, f"{kind}_divergence")
+            if value is not None and not value <= threshold:
+                return row
+        return None
+
+    def table(self) -> str:
+        """The report as plain text: one line per module call in forward order with the
+        activation and error divergences and the reference norms ("-" where not measured), then
+        the losses."""
+        header = ("module", "type", "activation", "error", "|activation|", "|error|")
+        rows = [header] + [
+            (
+                row.label,
+                row.type,
+                _number(row.activation_divergence),
+                _number(row.error_divergence),
+                _number(row.reference_activation_norm),
+                _number(row.reference_error_norm),
+            )
+            for row in self.modules
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = [_aligned(r, widths) for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        if self.simulated_loss is not None:
+            lines.append(
+                f"loss: simulated {_number(self.simulated_loss)}, "
+                f"reference {_number(self.reference_loss)}"
+            )
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        """The report as plain Python values for json.dump: {"simulated_loss", "reference_loss",
+        "modules": [one dict per row with the fields of ModuleDivergence]}; the "modules" list
+        suits csv.DictWriter. Infinite and NaN divergences stay floats (json writes Infinity and
+        NaN)."""
+        return {
+            "simulated_loss": self.simulated_loss,
+            "reference_loss": self.reference_loss,
+            "modules": [asdict(row) for row in self.modules],
+        }
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _aligned(cells: tuple[str, ...], widths: list[int]) -> str:
+    """Names left-aligned, numbers right-aligned."""
+    left = [c.ljust(w) for c, w in zip(cells[:2], widths[:2])]
+    right = [c.rjust(w) for c, w in zip(cells[2:], widths[2:])]
+    return "  ".join(left + right).rstrip()
+
+
+def _floating_tensors(value) -> list[torch.Tensor]:
+    """The floating-point tensors inside value (a tensor, or tuples, lists and dicts of them), in
+    a fixed order."""
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _floating_tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _floating_tensors(item)]
+    return []
+
+
+def _clone_tensors_needing_grad(value):
+    """value with every tensor that requires a gradient cloned (the same values), so that an
+    in-place operation after the module changes the clone and leaves the module's own output,
+    whose gradient compare() asks for, as the module returned it."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.requires_grad else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # named tuple
+        return type(value)(*(_clone_tensors_needing_grad(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_clone_tensors_needing_grad(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _clone_tensors_needing_grad(v) for k, v in value.items()}
+    return value
+
+
+class _Recorder:
+    """Forward hooks on the named modules of one model that record, per call, the output before
+    the other forward hooks (whose gradient is the module's error) and after them (the module's
+    activation, detached and copied)."""
+
+    def __init__(self, model: nn.Module, names: list[str], track_errors: bool):
+        self.order: list[tuple[str, int]] = []
+        self.types: dict[tuple[str, int], str] = {}
+        self.activations: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self.raw_outputs: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self.track_errors = track_errors
+        self._calls: dict[str, int] = {}
+        self._handles = []
+        modules = dict(model.named_modules())
+        for name in names:
+            module = modules.get(name)
+            if module is None:
+                continue
+            self._handles.append(
+                module.register_forward_hook(self._before_other_hooks(name), prepend=True)
+            )
+            self._handles.append(module.register_forward_hook(self._after_other_hooks(name)))
+
+    def _before_other_hooks(self, name: str):
+        def hook(module, args, output):
+            call = self._calls.get(name, 0) + 1
+            self._calls[name] = call
+            key = (name, call)
+            self.order.append(key)
+            self.types[key] = parametrize.type_before_parametrizations(module).__name__
+            if not self.track_errors:
+                return None
+            self.raw_outputs[key] = _floating_tensors(output)
+            return _clone_tensors_needing_grad(output)
+
+        return hook
+
+    def _after_other_hooks(self, name: str):
+        def hook(module, args, output):
+            key = (name, self._calls[name])
+            self.activations[key] = [t.detach().clone() for t in _floating_tensors(output)]
+
+        return hook
+
+    def errors(self, loss: torch.Tensor) -> dict[tuple[str, int], list[torch.Tensor] | None]:
+        """The gradient of ``loss`` with respect to every recorded raw output (None for a call
+        whose outputs no gradient reaches)."""
+        wanted = {}
+        for tensors in self.raw_outputs.values():
+            for t in tensors:
+                if t.requires_grad:
+                    wanted[id(t)] = t
+        found: dict[int, torch.Tensor | None] = {}
+        if loss.requires_grad and wanted:
+            grads = torch.autograd.grad(loss, list(wanted.values()), allow_unused=True)
+            found = dict(zip(wanted, grads))
+        errors = {}
+        for key, tensors in self.raw_outputs.items():
+            grads = [found.get(id(t)) for t in tensors]
+            if all(g is None for g in grads):
+                errors[key] = None
+            else:
+                errors[key] = [
+                    torch.zeros_like(t) if g is None else g for t, g in zip(tensors, grads)
+                ]
+        return errors
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _squared_norm(tensors: list[torch.Tensor]) -> float:
+    return sum(float(t.double().square().sum()) for t in tensors)
+
+
+def _divergence(
+    module: str, simulated: list[torch.Tensor] | None, reference: list[torch.Tensor] | None
+) -> tuple[float | None, float | None]:
+    """(||simulated - reference|| / ||reference||, ||reference||) over the tensors of one output,
+    (None, None) where either side has none."""
+    if not simulated or not reference:
+        return None, None
+    shapes = [tuple(t.shape) for t in simulated], [tuple(t.shape) for t in reference]
+    if shapes[0] != shapes[1]:
+        raise RuntimeError(
+            f"Shadow: module {module or '(model)'!r} returned tensors of shapes {shapes[0]} in the "
+            f"simulated model and {shapes[1]} in the reference"
+        )
+    difference = math.sqrt(
+        sum(float((s.double() - r.double()).square().sum()) for s, r in zip(simulated, reference))
+    )
+    norm = math.sqrt(_squared_norm(reference))
+    if math.isnan(difference) or math.isnan(norm):
+        return math.nan, norm
+    if norm == 0:
+        return (0.0 if difference == 0 else math.inf), norm
+    return difference / norm, norm
+
+
+@dataclass
+class _Run:
+    """What one model's forward (and backward) pass recorded."""
+
+    order: list[tuple[str, int]]
+    types: dict[tuple[str, int], str]
+    activations: dict[tuple[str, int], list[torch.Tensor]]
+    errors: dict[tuple[str, int], list[torch.Tensor] | None]
+    loss: float | None
+
+
+def _run(
+    model: nn.Module,
+    inputs: tuple,
+    names: list[str],
+    loss_fn: Callable[..., torch.Tensor] | None,
+    generator_devices: list[int],
+) -> _Run:
+    """Forward (and, given loss_fn, the gradients with respect to every module output) of model on
+    inputs, in a fork of torch's generators."""
+    recorder = _Recorder(model, names, track_errors=loss_fn is not None)
+    try:
+        with torch.random.fork_rng(devices=generator_devices):
+            if loss_fn is None:
+                with torch.no_grad():
+                    model(*inputs)
+                return _Run(recorder.order, recorder.types, recorder.activations, {}, None)
+            with torch.enable_grad():
+                loss = _checked_loss(loss_fn(model(*inputs)))
+                errors = recorder.errors(loss)
+            return _Run(
+                recorder.order, recorder.types, recorder.activations, errors, float(loss.detach())
+            )
+    finally:
+        recorder.remove()
+
+
+def _checked_loss(loss) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        described = (
+            f"a {loss.dtype} tensor of shape {tuple(loss.shape)}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
+        raise TypeError(
+            f"loss_fn must return a floating-point tensor with one element, got {described}"
+        )
+    return loss.reshape(())
+
+
+def _lpsim_parameter_names(model: nn.Module) -> dict[str, str]:
+    """{name in model: name in the reference} of the parameters that lpsim.nn.inject
+    parametrised ("0.parametrizations.weight.original": "0.weight")."""
+    names = {}
+    for module_name, _, done in injected(model):
+        prefix = f"{module_name}." if module_name else ""
+        for parameter_name, _ in done["weight"] + done["bias"]:
+            stored = f"{prefix}parametrizations.{parameter_name}.original"
+            names[stored] = f"{prefix}{parameter_name}"
+    return names
+
+
+def _stored_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters (the stored, unrounded values of parametrised ones) and buffers, by
+    the names the reference gives them."""
+    renamed = _lpsim_parameter_names(model)
+    tensors = {
+        renamed.get(name, name): p for name, p in model.named_parameters(remove_duplicate=False)
+    }
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    return tensors
+
+
+def _give_parametrized_modules_own_classes(model: nn.Module) -> nn.Module:
+    """model (a deep copy) with every parametrised module given a class of its own. torch gives a
+    parametrised module a class made for it, holding one property per parametrised tensor, and a
+    deep copy shares that class with the original; removing a parametrisation deletes the
+    property from the class, so removing the copy's would break the original."""
+    for module in model.modules():
+        if parametrize.is_parametrized(module):
+            shared = type(module)
+            namespace = {
+                key: value
+                for key, value in vars(shared).items()
+                if key not in ("__dict__", "__weakref__")
+            }
+            module.__class__ = type(shared.__name__, shared.__bases__, namespace)
+    return model
+
+
+def _replace_quantizers(model: nn.Module) -> nn.Module:
+    """model with every lpsim.nn.Quantizer module replaced by nn.Identity (in place; the model
+    itself, if a Quantizer, by a new nn.Identity, returned)."""
+    if isinstance(model, Quantizer):
+        return nn.Identity()
+    for name, module in list(model.named_modules()):
+        if name and isinstance(module, Quantizer):
+            parent_name, _, child_name = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child_name, nn.Identity())
+    return model
+
+
+def _recorded_names(reference: nn.Module) -> list[str]:
+    """Qualified names of the modules whose calls compare() records: every module of the
+    reference except the parametrisations (which run when a parameter is read, outside the data
+    flow)."""
+    skipped = [
+        name
+        for name, module in reference.named_modules()
+        if isinstance(module, parametrize.ParametrizationList)
+    ]
+    return [
+        name
+        for name, _ in reference.named_modules()
+        if not any(name == s or name.startswith(f"{s}.") for s in skipped)
+    ]
+
+
+def _as_arguments(inputs) -> tuple:
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,)
+    if isinstance(inputs, tuple):
+        return inputs
+    raise TypeError(
+        "inputs must be a tensor or a tuple of the model's positional arguments, got "
+        f"{type(inputs).__name__}"
+    )
+
+
+def _cast_floating(value, dtype: torch.dtype):
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _cuda_devices(model: nn.Module, inputs: tuple) -> list[int]:
+    tensors = [*model.parameters(), *model.buffers(), *_floating_tensors(inputs)]
+    return sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+
+
+class _DropoutOff:
+    """Context: dropout modules of the given models in eval mode (identity), their training flags
+    restored on exit."""
+
+    def __init__(self, *models: nn.Module):
+        self.modules = [
+            m for model in models for m in model.modules() if isinstance(m, DROPOUT_TYPES)
+        ]
+
+    def __enter__(self):
+        self.flags = [m.training for m in self.modules]
+        for m in self.modules:
+            m.training = False
+
+    def __exit__(self, *exception):
+        for m, flag in zip(self.modules, self.flags):
+            m.training = flag
+
+
+class Shadow:
+    """A float32 shadow of a simulated model (see the module docstring).
+
+    Args:
+        model: the simulated model: any nn.Module, injected by lpsim.nn.inject, holding
+            lpsim.nn.Quantizer modules, or both. Shadow never changes it.
+        dtype: the floating-point dtype of the reference (torch.float32 by default); its
+            floating-point parameters and buffers, and the floating-point inputs it receives,
+            are converted to it.
+
+    The reference is made once, by deep copy; after changing the model's structure (injecting
+    quantisers into it does not count, its parameters keep their names), make a new Shadow.
+    Forward hooks, pre-hooks and parametrisations of the model other than lpsim's quantisers are
+    copied with it and run in both models (a DynamicLossScaler that watches the model records
+    compare()'s errors as it does a training step's).
+
+    Raises:
+        TypeError: model is not an nn.Module, or dtype is not a floating-point torch.dtype.
+    """
+
+    def __init__(self, model: nn.Module, *, dtype: torch.dtype = torch.float32):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+        self._model = model
+        self._dtype = dtype
+        reference = copy.deepcopy(model)
+        reference = _replace_quantizers(remove(_give_parametrized_modules_own_classes(reference)))
+        reference.to(dtype)
+        for p in reference.parameters():
+            p.grad = None
+        self._reference = reference
+        self._names = _recorded_names(reference)
+
+    @property
+    def model(self) -> nn.Module:
+        """The simulated model."""
+        return self._model
+
+    @property
+    def reference(self) -> nn.Module:
+        """The reference model: without quantisers, in the Shadow's dtype, holding the values of
+        the simulated model's parameters and buffers as of the last compare()."""
+        return self._reference
+
+    def compare(
+        self,
+        inputs: torch.Tensor | tuple,
+        loss_fn: Callable[[object], torch.Tensor] | None = None,
+        *,
+        dropout: bool = False,
+    ) -> ShadowReport:
+        """Run the simulated model and the reference on the same inputs and report, per module
+        call, how far the simulated activations (and, given loss_fn, errors) are from the
+        reference's.
+
+        First the reference takes the simulated model's current parameters (stored values),
+        buffers and each module's training flag; both then run in that mode (a model in eval
+        mode uses its eval_rounding). Both passes start from the state torch's generators (the
+        CPU one and those of the CUDA devices the model and the inputs are on) had when
+        compare() was called, and on return the generators are back in that state: the
+        simulated model's stochastic roundings draw from them as in training, and compare()
+        shifts no training stream. The simulated model's buffers (BatchNorm running statistics,
+        DelayedScaler histories), which its forward updates, are restored bit for bit; its
+        parameters and their .grad are never written.
+
+        Args:
+            inputs: the batch: a tensor, or a tuple of the model's positional arguments
+                (floating-point tensors among them are converted to the reference's dtype for
+                the reference).
+            loss_fn: a function of the model's output returning the loss, a floating-point
+                tensor with one element (close over the targets: ``lambda out:
+                F.cross_entropy(out, y)``). Include the loss scale the training multiplies the
+                loss by, as it decides where the simulated errors underflow. None: forward only,
+                no error divergences.
+            dropout: False (the default) runs the dropout modules (nn.Dropout and its relatives)
+                of both models as identity, so that the divergence measures rounding alone.
+                True runs them as their mode says; their masks then agree only until the
+                simulated model's first stochastic rounding, whose random draws the reference
+                does not make. Dropout called as a function in a forward is never changed.
+
+        Returns:
+            A ShadowReport with one row per call of a module the reference also has (every
+            module but lpsim's quantisers and the parametrisations, the model itself included),
+            in the order the calls finished in the simulated model.
+
+        Raises:
+            TypeError: inputs is neither a tensor nor a tuple, loss_fn is not callable or
+                returns no one-element floating-point tensor, or dropout is not a bool.
+            RuntimeError: the model no longer has a parameter or buffer of the reference (its
+                structure changed: make a new Shadow), or a module's outputs differ in shape
+                between the two models.
+        """
+        arguments = _as_arguments(inputs)
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable or None, got {type(loss_fn).__name__}")
+        if not isinstance(dropout, bool):
+            raise TypeError(f"dropout must be a bool, got {dropout!r}")
+        self._synchronize()
+        generator_devices = _cuda_devices(self._model, arguments)
+        saved_buffers = [
+            (b, b.clone()) for model in (self._model, self._reference) for b in model.buffers()
+        ]
+        dropout_context = _DropoutOff() if dropout else _DropoutOff(self._model, self._reference)
+        try:
+            with dropout_context:
+                simulated = _run(self._model, arguments, self._names, loss_fn, generator_devices)
+                reference = _run(
+                    self._reference,
+                    _cast_floating(arguments, self._dtype),
+                    self._names,
+                    loss_fn,
+                    generator_devices,
+                )
+        finally:
+            with torch.no_grad():
+                for buffer, saved in saved_buffers:
+                    buffer.copy_(saved)
+        return _report(simulated, reference)
+
+    def _synchronize(self) -> None:
+        """Copy the simulated model's parameters, buffers and training flags into the
+        reference."""
+        stored = _stored_tensors(self._model)
+        with torch.no_grad():
+            for kind, named in (
+                ("parameter", self._reference.named_parameters(remove_duplicate=False)),
+                ("buffer", self._reference.named_buffers(remove_duplicate=False)),
+            ):
+                for name, tensor in named:
+                    if name not in stored:
+                        raise RuntimeError(
+                            f"Shadow: the model has no {kind} {name!r} any more; its structure "
+                            "changed since the Shadow was made: make a new one"
+                        )
+                    tensor.copy_(stored[name])
+        modules = dict(self._model.named_modules(remove_duplicate=False))
+        for name, module in self._reference.named_modules(remove_duplicate=False):
+            if name in modules:
+                module.training = modules[name].training
+
+
+def _report(simulated: _Run, reference: _Run) -> ShadowReport:
+    rows = []
+    for key in simulated.order:
+        name, call = key
+        activation, activation_norm = _divergence(
+            name, simulated.activations.get(key), reference.activations.get(key)
+        )
+        error, error_norm = _divergence(name, simulated.errors.get(key), reference.errors.get(key))
+        rows.append(
+            ModuleDivergence(
+                module=name,
+                call=call,
+                type=simulated.types[key],
+                activation_divergence=activation,
+                error_divergence=error,
+                reference_activation_norm=activation_norm,
+                reference_error_norm=error_norm,
+            )
+        )
+    return ShadowReport(tuple(rows), simulated.loss, reference.loss)

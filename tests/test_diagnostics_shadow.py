@@ -1,0 +1,350 @@
+"""Shadow mode: the float32 reference of a simulated model, and the per-layer divergence of the
+simulated activations and errors from it, without changing the simulated model."""
+
+import copy
+import csv
+import io
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import lpsim
+from lpsim import Fixed, Float
+from lpsim.delayed_scaling import DelayedScaling
+from lpsim.diagnostics.shadow import Shadow, ShadowReport
+from lpsim.nn import LayerQuantization, Quantizer, inject, remove
+from lpsim.optim import OptimLP
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FLOAT32 = Float(8, 23)  # every float32 value, so rounding into it changes nothing
+COARSE = (Float(3, 1), "nearest")
+FIXED8 = (Fixed(8, 4), "nearest")  # spacing 2^-4: errors below 2^-5 round to zero
+
+
+def mlp(*, inplace: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 16),
+        nn.ReLU(inplace=inplace),
+        nn.Linear(16, 16),
+        nn.ReLU(inplace=inplace),
+        nn.Linear(16, 3),
+    )
+
+
+def batch(n: int = 32) -> torch.Tensor:
+    return torch.randn(n, 4, generator=torch.Generator().manual_seed(1))
+
+
+def squared_loss(out: torch.Tensor) -> torch.Tensor:
+    return out.square().sum()
+
+
+def row(report: ShadowReport, name: str, call: int = 1):
+    return next(r for r in report.modules if r.module == name and r.call == call)
+
+
+def test_an_exact_format_everywhere_gives_zero_divergence_everywhere():
+    model = inject(
+        mlp(),
+        {"default": LayerQuantization(weight=FLOAT32, bias=FLOAT32, output=FLOAT32, error=FLOAT32)},
+    )
+    report = Shadow(model).compare(batch(), squared_loss)
+    assert [r.label for r in report.modules] == ["0", "1", "2", "3", "4", "(model)"]
+    for r in report.modules:
+        assert r.activation_divergence == 0.0 and r.error_divergence == 0.0, r
+        assert r.reference_activation_norm > 0 and r.reference_error_norm > 0
+    assert report.simulated_loss == report.reference_loss
+    assert report.first_divergent(0.0) is None
+    assert report.first_divergent(0.0, kind="error") is None
+
+
+def test_one_coarse_layer_is_where_the_activations_first_diverge():
+    model = inject(mlp(), {"2": LayerQuantization(output=COARSE)})
+    report = Shadow(model).compare(batch())
+    assert row(report, "0").activation_divergence == 0.0
+    assert row(report, "1").activation_divergence == 0.0
+    assert row(report, "2").activation_divergence > 0.01
+    assert report.first_divergent(0.0).module == "2"
+    assert all(r.error_divergence is None for r in report.modules)  # no loss, no errors
+
+
+def test_an_error_format_that_flushes_small_errors_diverges_at_that_layer():
+    model = inject(mlp(), {"2": LayerQuantization(error=FIXED8)})
+    report = Shadow(model).compare(batch(), lambda out: squared_loss(out) * 1e-4)
+    assert all(r.activation_divergence == 0.0 for r in report.modules)
+    for name in ("4", "3", "(model)"):  # later in forward, so earlier in backward: exact
+        assert next(r for r in report.modules if r.label == name).error_divergence == 0.0
+    assert row(report, "2").error_divergence == 1.0  # every error rounded to zero
+    assert report.first_divergent(0.5, kind="error").module == "2"
+    assert row(report, "1").error_divergence == 1.0  # nothing flows back past it
+
+
+def test_the_report_equals_a_hand_computation_on_two_linear_layers():
+    torch.manual_seed(0)
+    first, second = nn.Linear(4, 5), nn.Linear(5, 2)
+    model = inject(
+        nn.Sequential(first, second),
+        {"0": LayerQuantization(output=COARSE, error=FIXED8), "1": None},
+    )
+    x = batch(8)
+    report = Shadow(model).compare(x, squared_loss)
+
+    w0, b0, w1, b1 = (p.detach() for p in (first.weight, first.bias, second.weight, second.bias))
+    reference_0 = x @ w0.T + b0
+    simulated_0 = lpsim.quantize(reference_0, *COARSE)
+    reference_1 = reference_0 @ w1.T + b1
+    simulated_1 = simulated_0 @ w1.T + b1
+    reference_error_1, simulated_error_1 = 2 * reference_1, 2 * simulated_1  # d(sum y^2)/dy
+    reference_error_0 = reference_error_1 @ w1
+    simulated_error_0 = lpsim.quantize(simulated_error_1 @ w1, *FIXED8)
+
+    def relative(simulated, reference):
+        return float((simulated - reference).double().norm() / reference.double().norm())
+
+    expected = {
+        "0": (relative(simulated_0, reference_0), relative(simulated_error_0, reference_error_0)),
+        "1": (relative(simulated_1, reference_1), relative(simulated_error_1, reference_error_1)),
+    }
+    for name, (activation, error) in expected.items():
+        r = row(report, name)
+        assert r.activation_divergence == pytest.approx(activation, rel=1e-5)
+        assert r.error_divergence == pytest.approx(error, rel=1e-5)
+    assert row(report, "1").reference_activation_norm == pytest.approx(
+        float(reference_1.double().norm()), rel=1e-6
+    )
+    assert report.reference_loss == pytest.approx(float(reference_1.square().sum()), rel=1e-6)
+    assert report.simulated_loss == pytest.approx(float(simulated_1.square().sum()), rel=1e-6)
+
+
+def test_zero_reference_norms_give_zero_or_infinite_divergence():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+    with torch.no_grad():
+        model[0].bias.fill_(-100.0)  # every ReLU output is zero in both models
+    target = model(batch(8)).detach()
+    inject(model, {"0": LayerQuantization(output=COARSE), "1": None})
+    report = Shadow(model).compare(batch(8), lambda out: (out - target).square().sum())
+    assert row(report, "1").activation_divergence == 0.0  # 0 / 0: both zero
+    assert row(report, "0").error_divergence == 0.0  # the ReLU passes no error back
+
+    linear = nn.Linear(4, 3)
+    target = linear(batch(8)).detach()  # the reference hits the target: its error is zero
+    inject(linear, {"": LayerQuantization(output=COARSE)})
+    report = Shadow(linear).compare(batch(8), lambda out: (out - target).square().sum())
+    assert report.modules[0].reference_error_norm == 0.0
+    assert report.modules[0].error_divergence == math.inf
+    assert report.first_divergent(1e6, kind="error") is report.modules[0]
+
+
+def test_quantizer_modules_become_identity_in_the_reference():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), Quantizer(forward=COARSE), nn.Linear(8, 2))
+    shadow = Shadow(model)
+    assert isinstance(shadow.reference[1], nn.Identity)
+    assert isinstance(model[1], Quantizer)
+    report = shadow.compare(batch())
+    assert row(report, "0").activation_divergence == 0.0
+    assert report.first_divergent(0.0).module == "1"
+
+
+def test_the_reference_takes_the_stored_weights_at_every_compare():
+    model = inject(mlp(), {"2": LayerQuantization(weight=COARSE)})
+    stored = model[2].parametrizations.weight.original
+    shadow = Shadow(model)
+    shadow.compare(batch())
+    assert torch.equal(shadow.reference[2].weight, stored)
+    assert not torch.equal(shadow.reference[2].weight, model[2].weight)  # not the rounded ones
+    assert row(shadow.compare(batch()), "2").activation_divergence > 0
+    with torch.no_grad():
+        stored.mul_(0.5)  # an optimizer step, say
+    shadow.compare(batch())
+    assert torch.equal(shadow.reference[2].weight, stored)
+    assert [n for n, _ in shadow.reference.named_parameters()] == [
+        n for n, _ in mlp().named_parameters()
+    ]
+
+
+def snapshot(model: nn.Module) -> dict:
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "parameters": list(model.parameters()),
+        "grads": [None if p.grad is None else (p.grad, p.grad.clone()) for p in model.parameters()],
+        "training": [m.training for m in model.modules()],
+        "rng": torch.get_rng_state(),
+    }
+
+
+def assert_unchanged(model: nn.Module, before: dict) -> None:
+    after = snapshot(model)
+    assert before["state"].keys() == after["state"].keys()
+    for key, value in before["state"].items():
+        assert torch.equal(value, after["state"][key]), key
+        assert value.dtype == after["state"][key].dtype
+    assert all(a is b for a, b in zip(before["parameters"], after["parameters"]))
+    for saved, p in zip(before["grads"], model.parameters()):
+        if saved is None:
+            assert p.grad is None
+        else:
+            assert p.grad is saved[0] and torch.equal(p.grad, saved[1])
+    assert before["training"] == after["training"]
+    assert torch.equal(before["rng"], after["rng"])
+
+
+def stateful_model() -> nn.Module:
+    """BatchNorm running statistics, a DelayedScaler's history, dropout and stochastic rounding:
+    everything a forward pass changes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 16),
+        nn.BatchNorm1d(16),
+        nn.ReLU(),
+        nn.Dropout(0.25),
+        nn.Linear(16, 16),
+        nn.Linear(16, 3),
+    )
+    delayed = DelayedScaling(Float(4, 3, special="fn", saturate=True))
+    return inject(
+        model,
+        {
+            "4": LayerQuantization(weight=delayed, output=delayed),
+            "default": LayerQuantization(weight=Float(5, 2), output=Float(5, 2), error=Float(5, 2)),
+        },
+    )
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_compare_leaves_the_simulated_model_bitwise_unchanged(mode):
+    model = stateful_model()
+    model.train(mode == "train")
+    model(batch())[0].sum().backward()  # some gradients to keep, and a None one
+    model[5].bias.grad = None
+    before = snapshot(model)
+    torch.manual_seed(3)
+    expected = model(batch())
+    model.load_state_dict(before["state"])
+    torch.set_rng_state(before["rng"])
+
+    shadow = Shadow(model)
+    assert_unchanged(model, before)
+    for dropout in (False, True):
+        report = shadow.compare(batch(), squared_loss, dropout=dropout)
+        assert_unchanged(model, before)
+        assert report.first_divergent(0.0) is not None
+    torch.manual_seed(3)
+    assert torch.equal(model(batch()), expected)
+    remove(model)  # the reference's own copy of the parametrised classes survives this
+    shadow.reference(batch())
+
+
+def test_compare_between_training_steps_changes_no_training_run():
+    def train(with_shadow: bool) -> list[torch.Tensor]:
+        model = stateful_model()
+        optimizer = OptimLP(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            weight=Fixed(8, 6),
+            grad=Fixed(8, 6),
+        )
+        shadow = Shadow(model) if with_shadow else None
+        torch.manual_seed(5)
+        for _ in range(3):
+            x = torch.randn(16, 4)
+            if shadow is not None:
+                shadow.compare(x, squared_loss)
+            optimizer.zero_grad()
+            squared_loss(model(x)).backward()
+            optimizer.step()
+        return [t.clone() for t in model.state_dict().values()]
+
+    for plain, shadowed in zip(train(False), train(True)):
+        assert torch.equal(plain, shadowed)
+
+
+def test_dropout_is_identity_by_default_and_its_masks_match_without_stochastic_rounding():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 3))
+    inject(model, {nn.Linear: LayerQuantization(output=(FLOAT32, "nearest"))})
+    shadow = Shadow(model)
+    for dropout in (False, True):
+        report = shadow.compare(batch(), squared_loss, dropout=dropout)
+        assert all(r.activation_divergence == 0.0 for r in report.modules)
+        assert all(r.error_divergence == 0.0 for r in report.modules)
+    off = shadow.compare(batch())
+    on = shadow.compare(batch(), dropout=True)
+    assert row(off, "1").reference_activation_norm != row(on, "1").reference_activation_norm
+    assert model[1].training and shadow.reference[1].training
+
+
+def test_in_place_activations_leave_the_layer_errors_intact():
+    model = inject(mlp(inplace=True), {"default": LayerQuantization(output=(FLOAT32, "nearest"))})
+    x = batch()
+    report = Shadow(model).compare(x, squared_loss)
+    assert all(r.error_divergence == 0.0 for r in report.modules)
+    plain = remove(copy.deepcopy(model))
+    hidden = plain[0](x)
+    hidden.retain_grad()
+    squared_loss(plain[2:](plain[1](hidden.clone()))).backward()
+    assert row(report, "0").reference_error_norm == pytest.approx(
+        float(hidden.grad.double().norm()), rel=1e-6
+    )
+
+
+def test_a_module_called_twice_has_a_row_per_call():
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    model = inject(
+        nn.Sequential(shared, nn.ReLU(), shared), {"1": LayerQuantization(output=COARSE)}
+    )
+    report = Shadow(model).compare(batch())
+    assert [r.label for r in report.modules] == ["0", "1", "0 #2", "(model)"]
+    assert row(report, "0").activation_divergence == 0.0
+    assert row(report, "0", call=2).activation_divergence > 0
+
+
+def test_the_report_prints_as_a_table_and_serialises_as_json_and_csv():
+    model = inject(mlp(), {"2": LayerQuantization(output=COARSE, error=FIXED8)})
+    shadow = Shadow(model)
+    report = shadow.compare(batch(), squared_loss)
+    lines = report.table().splitlines()
+    assert lines[0].split() == ["module", "type", "activation", "error", "|activation|", "|error|"]
+    assert len(lines) == 2 + len(report.modules) + 1 and lines[-1].startswith("loss: simulated")
+    assert lines[-2].split()[:2] == ["(model)", "Sequential"]
+    data = json.loads(json.dumps(report.as_dict()))
+    assert data["modules"][2]["module"] == "2" and data["reference_loss"] == report.reference_loss
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(data["modules"][0]))
+    writer.writeheader()
+    writer.writerows(report.as_dict()["modules"])
+    assert len(out.getvalue().splitlines()) == 1 + len(report.modules)
+    forward_only = shadow.compare(batch()).table().splitlines()
+    assert forward_only[2].split()[3] == "-" and not forward_only[-1].startswith("loss")
+
+
+def test_bad_arguments_raise_errors_that_name_them():
+    model = mlp()
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        Shadow("model")
+    with pytest.raises(TypeError, match="dtype must be a floating-point"):
+        Shadow(model, dtype=torch.int32)
+    shadow = Shadow(model)
+    with pytest.raises(TypeError, match="inputs must be a tensor or a tuple"):
+        shadow.compare([batch()])
+    with pytest.raises(TypeError, match="loss_fn must be callable"):
+        shadow.compare(batch(), loss_fn=3)
+    with pytest.raises(TypeError, match="loss_fn must return a floating-point tensor with one"):
+        shadow.compare(batch(), loss_fn=lambda out: out)
+    with pytest.raises(TypeError, match="dropout must be a bool"):
+        shadow.compare(batch(), dropout=1)
+    report = shadow.compare(batch())
+    for threshold in (-1.0, math.nan, "0.1"):
+        with pytest.raises(ValueError, match="threshold must be a non-negative number"):
+            report.first_divergent(threshold)
+    with pytest.raises(ValueError, match="kind must be 'activation' or 'error'"):
+        report.first_divergent(0.1, kind="gradient")
+    model[2] = nn.Linear(16, 16, bias=False)
+    with pytest.raises(RuntimeError, match="no parameter '2.bias' any more"):
+        shadow.compare(batch())

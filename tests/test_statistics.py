@@ -1,0 +1,311 @@
+"""Rounding statistics (lpsim.statistics): exact counts of every category on hand-made tensors of
+each format family, the kernel against a recount written from the definitions in plain Python, the
+float64 sums against exact rational arithmetic and against a model of their documented order, the
+same bits for any thread count, and quantize_with_statistics against quantize."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from support import DTYPES, assert_same_bits
+
+import lpsim
+from lpsim import P3109, BlockFloat, Fixed, Float
+from lpsim.scaled import preset
+from lpsim.statistics import (
+    RoundingStatistics,
+    quantize_with_statistics,
+    rounding_statistics,
+    statistics_bounds,
+)
+
+INF, NAN = math.inf, math.nan
+
+CHUNK = 256 * 64  # elements per chunk of the documented summation order
+
+
+def counts(s: RoundingStatistics) -> tuple:
+    return (s.elements, s.nonfinite, s.overflow, s.underflow, s.subnormal, s.unchanged)
+
+
+def recount(x: torch.Tensor, y: torch.Tensor, fmt) -> RoundingStatistics:
+    """The statistics from their definitions, element by element in Python, sums exact
+    (Fraction) and then rounded once."""
+    low, high, smallest_normal = statistics_bounds(fmt)
+    n = [0] * 6
+    squared_error = squared_value = Fraction(0)
+    for a, b in zip(x.double().flatten().tolist(), y.double().flatten().tolist(), strict=True):
+        n[0] += 1
+        if not math.isfinite(a):
+            n[1] += 1
+            continue
+        n[2] += a < low or a > high or not math.isfinite(b)
+        overflow = a < low or a > high or not math.isfinite(b)
+        n[3] += not overflow and a != 0 and b == 0
+        n[4] += math.isfinite(b) and b != 0 and abs(b) < smallest_normal
+        n[5] += a == b
+        if math.isfinite(b):
+            squared_error += (Fraction(b) - Fraction(a)) ** 2
+            squared_value += Fraction(a) ** 2
+    return RoundingStatistics(*n, float(squared_error), float(squared_value))
+
+
+def assert_sums_close(got: RoundingStatistics, exact: RoundingStatistics, terms: int) -> None:
+    """float64 sums of `terms` nonnegative terms, each rounded once, are within terms * 2^-52 of
+    the exact sum, relatively."""
+    bound = (terms + 2) * 2.0**-52
+    for name in ("squared_error", "squared_value"):
+        g, e = getattr(got, name), getattr(exact, name)
+        assert abs(g - e) <= bound * e, f"{name}: {g!r} vs exact {e!r}"
+
+
+def stats_of(values, fmt, rounding="nearest", dtype=torch.float32) -> RoundingStatistics:
+    x = torch.tensor(values, dtype=dtype)
+    return rounding_statistics(x, lpsim.quantize(x, fmt, rounding), fmt)
+
+
+# ---- Every category, by hand, for each family
+
+
+def test_float_counts_each_category_exactly():
+    e5m2 = Float(5, 2)  # max 57344, smallest normal 2^-14, smallest subnormal 2^-16
+    s = stats_of([1.0, 1.1, 1e6, -1e6, 2.0**-15, 2.0**-20, 0.0, -0.0, NAN, INF, -INF], e5m2)
+    # 1.0, 0.0, -0.0 and 2^-15 are unchanged; 1e6 and -1e6 overflow to +/-Inf (left out of the
+    # sums); 2^-15 is subnormal; 2^-20 underflows; NaN and +/-Inf are non-finite.
+    assert counts(s) == (11, 3, 2, 1, 1, 4)
+    x11 = float(torch.tensor(1.1))  # 1.1 in float32, rounded to 1.0
+    assert s.squared_error == (x11 - 1.0) ** 2 + 2.0**-40
+    assert s.squared_value == 1.0 + x11**2 + 2.0**-30 + 2.0**-40
+
+
+def test_saturating_float_counts_saturated_values_as_overflow():
+    e4m3fn = Float(4, 3, special="fn", saturate=True)  # saturates at 448
+    x = torch.tensor([500.0, -1000.0, 448.0, 1.0])
+    y = lpsim.quantize(x, e4m3fn)
+    assert y.tolist() == [448.0, -448.0, 448.0, 1.0]
+    s = rounding_statistics(x, y, e4m3fn)
+    assert counts(s) == (4, 0, 2, 0, 0, 2)
+    # the saturated values' errors are in the sums: (500-448)^2 + (1000-448)^2
+    assert s.squared_error == 52.0**2 + 552.0**2
+    assert s.squared_value == 500.0**2 + 1000.0**2 + 448.0**2 + 1.0
+
+
+def test_p3109_counts_against_its_range():
+    fmt = P3109(8, 3)  # signed, extended: overflow saturates or gives Inf by its saturation
+    x = torch.tensor([fmt.max * 4, -fmt.max * 4, fmt.smallest_subnormal, fmt.max, 0.25 * 2**-20])
+    s = rounding_statistics(x, lpsim.quantize(x, fmt), fmt)
+    assert counts(s) == (5, 0, 2, 1, 1, 2)  # smallest_subnormal and max are values
+
+
+def test_fixed_counts_asymmetric_range_and_no_subnormals():
+    fmt = Fixed(8, 4)  # [-8, 7.9375], spacing 1/16, clamps
+    s = stats_of([-8.0, -8.01, 7.9375, 7.95, 0.01, 0.5, 0.04], fmt)
+    # -8, 7.9375 and 0.5 are values; -8.01 and 7.95 lie outside the range; 0.01 underflows
+    # (below half the spacing); 0.04 rounds to 1/16
+    assert counts(s) == (7, 0, 2, 1, 0, 3)
+
+
+def test_unsigned_fixed_counts_negative_values_as_overflow():
+    fmt = Fixed(8, 6, signed=False)
+    s = stats_of([-1.0, -0.001, 1.0], fmt)
+    # both negative values lie outside [0, max]: overflow, not underflow, though they became 0
+    assert counts(s) == (3, 0, 2, 0, 0, 1)
+
+
+def test_block_float_counts_underflow_inside_a_block():
+    fmt = BlockFloat(4)  # one exponent for the whole tensor, 4-bit significands
+    s = stats_of([8.0, 0.001, 1.0, 0.0, NAN], fmt)
+    # NaN is left out of the block's exponent, whose spacing is 2: 0.001 and 1.0 (a tie, to the
+    # even 0) underflow
+    assert counts(s) == (5, 1, 0, 2, 0, 2)
+
+
+def test_scaled_counts_underflow_of_small_elements_in_large_blocks():
+    fmt = preset("mxfp4_e2m1")
+    x = torch.zeros(32)
+    x[0], x[1], x[2] = 6.0, 1e-3, 1.0
+    s = rounding_statistics(x, lpsim.quantize(x, fmt), fmt)
+    assert counts(s) == (32, 0, 0, 1, 0, 31)
+
+
+def test_statistics_add_up_and_derive_sqnr():
+    a = RoundingStatistics(4, 0, 1, 0, 0, 1, 1.0, 100.0)
+    b = RoundingStatistics(2, 1, 0, 1, 1, 0, 0.0, 0.0)
+    total = a + b
+    assert total == RoundingStatistics(6, 1, 1, 1, 1, 1, 1.0, 100.0)
+    assert total.sqnr_db == 20.0 and total.relative_error == 0.1
+    assert total.fraction("overflow") == 0.2
+    assert RoundingStatistics().sqnr_db != RoundingStatistics().sqnr_db  # nan without a signal
+    assert RoundingStatistics(1, 0, 0, 0, 0, 1, 0.0, 4.0).sqnr_db == math.inf
+
+
+# ---- The kernel against the definition
+
+
+FAMILIES = [
+    Float(5, 2),
+    Float(4, 3, special="fn"),
+    Float(2, 1, special="none", saturate=True),
+    Float(3, 2, subnormals=False),
+    P3109(8, 4, domain="finite"),
+    P3109(6, 2, signed=False, saturation="SatFinite"),
+    Fixed(8, 4),
+    Fixed(10, 2, clamp=False),
+    BlockFloat(5, block_size=8),
+    preset("mxfp8_e4m3"),
+    preset("nvfp4"),
+]
+
+
+def wide_values(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Values over a wide exponent range with zeros, exact values, NaN and Inf among them."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen, dtype=torch.float64)
+    x = x * torch.exp2(torch.randint(-30, 30, (n,), generator=gen).double())
+    special = torch.randint(0, 12, (n,), generator=gen)
+    x = torch.where(special == 0, 0.0, x)
+    x = torch.where(special == 1, torch.randint(-8, 8, (n,), generator=gen).double(), x)
+    x = torch.where(special == 2, math.nan, x)
+    x = torch.where(special == 3, math.inf, x)
+    x = torch.where(special == 4, -0.0, x)
+    return x.to(dtype)
+
+
+@given(
+    family=st.sampled_from(range(len(FAMILIES))),
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(0, 700),
+    seed=st.integers(0, 2**16),
+    rule=st.sampled_from(["nearest", "toward_zero", "up", "stochastic"]),
+)
+def test_kernel_counts_equal_a_python_recount(family, dtype, n, seed, rule):
+    fmt = FAMILIES[family]
+    try:
+        x = wide_values(n, dtype, seed)
+        y = lpsim.quantize(x, fmt, rule, seed=seed)
+    except ValueError:  # the format does not fit this container
+        return
+    got = rounding_statistics(x, y, fmt)
+    want = recount(x, y, fmt)
+    assert counts(got) == counts(want)
+    assert_sums_close(got, want, n)
+
+
+def documented_order_sums(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """The two sums in the order lpsim/rounding_statistics.h fixes, in numpy float64: lane l of a
+    chunk adds its elements l, l + 256, ... in turn, lanes are added pairwise, chunks in order."""
+    a, b = x.double().flatten().numpy(), y.double().flatten().numpy()
+    both = np.isfinite(a) & np.isfinite(b)
+    value = np.where(both, a, 0.0)
+    error = np.where(both, b, 0.0) - value
+    totals = []
+    for terms in (error * error, value * value):
+        padded = np.zeros(-(-len(terms) // CHUNK) * CHUNK)
+        padded[: len(terms)] = terms
+        total = 0.0
+        for chunk in padded.reshape(-1, 64, 256):
+            lanes = np.zeros(256)
+            for row in chunk:
+                lanes = lanes + row
+            width = 128
+            while width >= 1:
+                lanes[:width] = lanes[:width] + lanes[width : 2 * width]
+                width //= 2
+            total = total + lanes[0]
+        totals.append(float(total))
+    return totals[0], totals[1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sums_follow_the_documented_order_bit_for_bit(dtype):
+    x = wide_values(3 * CHUNK + 1234, dtype, 7)
+    fmt = Float(3, 2)
+    y = lpsim.quantize(x, fmt, "nearest")
+    got = rounding_statistics(x, y, fmt)
+    assert (got.squared_error, got.squared_value) == documented_order_sums(x, y)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_statistics_are_the_same_for_any_thread_count(threads):
+    x = wide_values(5 * CHUNK + 99, torch.float32, 3)
+    fmt = Float(4, 3)
+    y = lpsim.quantize(x, fmt)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        reference = rounding_statistics(x, y, fmt)
+        _, fused_reference = quantize_with_statistics(x, fmt)
+        torch.set_num_threads(threads)
+        assert rounding_statistics(x, y, fmt) == reference
+        assert quantize_with_statistics(x, fmt)[1] == fused_reference == reference
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_strided_and_mixed_dtype_inputs_give_the_contiguous_statistics():
+    x = wide_values(2 * 3000, torch.float32, 5).reshape(3000, 2).t()  # non-contiguous
+    fmt = Float(5, 2)
+    y = lpsim.quantize(x, fmt)
+    want = rounding_statistics(x.contiguous(), y, fmt)
+    assert rounding_statistics(x, y, fmt) == want
+    # rounded in another dtype: both compared in float64, exactly
+    assert rounding_statistics(x, y.double(), fmt) == want
+
+
+# ---- quantize_with_statistics
+
+
+@pytest.mark.parametrize("fmt", FAMILIES, ids=repr)
+@pytest.mark.parametrize("rule", ["nearest", "stochastic", "down"])
+def test_quantize_with_statistics_returns_quantize_bits(fmt, rule):
+    x = wide_values(7 * 4700, torch.float32, 11).reshape(-1, 7)[:, :4]  # 2 chunks, strided
+    rounded, stats = quantize_with_statistics(x, fmt, rule, seed=5, offset=3)
+    want = lpsim.quantize(x, fmt, rule, seed=5, offset=3)
+    assert_same_bits(rounded, want)
+    assert stats == rounding_statistics(x, want, fmt)
+
+
+def test_quantize_with_statistics_draws_as_quantize_from_torchs_generator():
+    x = torch.randn(5000)
+    torch.manual_seed(1)
+    rounded, _ = quantize_with_statistics(x, Float(5, 2), "stochastic")
+    torch.manual_seed(1)
+    assert_same_bits(rounded, lpsim.quantize(x, Float(5, 2), "stochastic"))
+
+
+def test_quantize_with_statistics_is_not_differentiable():
+    x = torch.randn(10, requires_grad=True)
+    rounded, _ = quantize_with_statistics(x, Float(5, 2))
+    assert not rounded.requires_grad
+
+
+# ---- Bad input
+
+
+def test_bad_arguments_raise_errors_naming_them():
+    x = torch.randn(4)
+    with pytest.raises(ValueError, match="rounded must have x's shape"):
+        rounding_statistics(x, torch.randn(5), Float(5, 2))
+    with pytest.raises(TypeError, match="x and rounded must be tensors"):
+        rounding_statistics([1.0], x, Float(5, 2))
+    with pytest.raises(TypeError, match="floating tensors"):
+        rounding_statistics(x, torch.ones(4, dtype=torch.int32), Float(5, 2))
+    with pytest.raises(TypeError, match="fmt must be a Float"):
+        rounding_statistics(x, x, "e5m2")
+    with pytest.raises(TypeError, match="fmt must be a Float"):
+        quantize_with_statistics(x, object())
+    with pytest.raises(ValueError, match="rbits"):
+        quantize_with_statistics(x, Float(5, 2), "stochastic", rbits=0)
+    ops = torch.ops.lpsim
+    with pytest.raises(RuntimeError, match="low and high"):
+        ops.rounding_statistics(x, x, 1.0, -1.0, 0.0)
+    with pytest.raises(RuntimeError, match="smallest_normal"):
+        ops.rounding_statistics(x, x, -1.0, 1.0, -1.0)
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        ops.rounding_statistics(x, x.double(), -1.0, 1.0, 0.0)
