@@ -21,7 +21,7 @@ LPSIM_INLINE ChunkStatistics chunk_statistics(const typename C::storage* x,
   double squared_error[kStatisticsLanes] = {};
   double squared_value[kStatisticsLanes] = {};
   uint32_t nonfinite = 0, overflow = 0, underflow = 0, subnormal = 0, unchanged = 0;
-  const StatisticsBounds b = bounds;  // a local copy, so stores cannot alias it
+  const RealBounds<StatisticsReal<C>> b = real_bounds<StatisticsReal<C>>(bounds);
   for (int64_t row = 0; row * kStatisticsLanes < n; ++row) {
     const int64_t first = row * kStatisticsLanes;
     const int lanes = static_cast<int>(n - first < kStatisticsLanes ? n - first : kStatisticsLanes);

@@ -13,7 +13,7 @@ static_assert(kThreads == kStatisticsLanes, "a lane per thread");
 template <class C>
 __global__ void __launch_bounds__(kThreads)
     statistics_kernel(const typename C::storage* x, const typename C::storage* y, int64_t n,
-                      StatisticsBounds bounds, ChunkStatistics* chunks) {
+                      RealBounds<StatisticsReal<C>> bounds, ChunkStatistics* chunks) {
   __shared__ double squared_error[kStatisticsLanes];
   __shared__ double squared_value[kStatisticsLanes];
   __shared__ unsigned long long counts[kStatisticsCounts];
@@ -74,7 +74,8 @@ void rounding_statistics(const void* x, const void* y, int64_t n, const Statisti
   using S = typename C::storage;
   const int64_t chunk_count = (n + kStatisticsChunk - 1) / kStatisticsChunk;
   statistics_kernel<C><<<grid_blocks(chunk_count), kThreads, 0, stream>>>(
-      static_cast<const S*>(x), static_cast<const S*>(y), n, bounds, chunks);
+      static_cast<const S*>(x), static_cast<const S*>(y), n, real_bounds<StatisticsReal<C>>(bounds),
+      chunks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

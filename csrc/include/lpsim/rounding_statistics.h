@@ -9,7 +9,9 @@
 // block a lane per thread, and both give the same bits.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "config.h"
 #include "container.h"
@@ -47,13 +49,19 @@ struct ChunkStatistics {
   double squared_value;  // sum of x^2 there
 };
 
-// The value of a container's bits, exactly, as a double.
+// The type the counts compare values in: float for the containers of at most 32 bits, whose values
+// are floats exactly (a vector then holds twice as many), double for float64. The sums are always
+// float64.
 template <class C>
-LPSIM_FN double value_of(typename C::storage bits) {
-  if constexpr (C::word_bits == 64) {
+using StatisticsReal = std::conditional_t<std::is_same_v<C, Float64Container>, double, float>;
+
+// The value of a container's bits, exactly, as a StatisticsReal<C>.
+template <class C>
+LPSIM_FN StatisticsReal<C> value_of(typename C::storage bits) {
+  if constexpr (std::is_same_v<C, Float64Container>) {
     return real_of(static_cast<uint64_t>(bits));
   } else if constexpr (C::exp_bits == 8) {  // float32, bfloat16: the float32 word's top bits
-    return static_cast<double>(real_of(static_cast<uint32_t>(bits) << (23 - C::man_bits)));
+    return real_of(static_cast<uint32_t>(bits) << (23 - C::man_bits));
   } else {  // float16: rebias the exponent into a float32 word; subnormals scaled exactly
     static_assert(C::exp_bits == 5 && C::man_bits == 10, "an IEEE container");
     const uint32_t sign = (static_cast<uint32_t>(bits) & 0x8000u) << 16;
@@ -63,8 +71,36 @@ LPSIM_FN double value_of(typename C::storage bits) {
     if (magnitude < 0x0400u) {
       word = bits_of_real(static_cast<float>(magnitude) * 0x1p-24f);  // subnormal or zero
     }
-    return static_cast<double>(real_of(word | sign));
+    return real_of(word | sign);
   }
+}
+
+// StatisticsBounds in the type the values are compared in, rounded outward so that every
+// comparison of a Real value gives what the comparison with the double bound gives: x < low for a
+// float x exactly when x < the least float >= low, and likewise for high and smallest_normal.
+template <class Real>
+struct RealBounds {
+  Real low;
+  Real high;
+  Real smallest_normal;
+};
+
+// The least Real >= v (v not NaN; +Inf for v beyond the largest finite Real). Host code.
+template <class Real>
+inline Real at_or_above(double v) {
+  const Real r = static_cast<Real>(v);
+  return static_cast<double>(r) < v ? std::nextafter(r, static_cast<Real>(INFINITY)) : r;
+}
+// The greatest Real <= v. Host code.
+template <class Real>
+inline Real at_or_below(double v) {
+  return -at_or_above<Real>(-v);
+}
+
+template <class Real>
+inline RealBounds<Real> real_bounds(const StatisticsBounds& b) {
+  return {at_or_above<Real>(b.low), at_or_below<Real>(b.high),
+          at_or_above<Real>(b.smallest_normal)};
 }
 
 // One element's share of the statistics: each count 0 or 1, and the two squares.
@@ -75,7 +111,8 @@ struct ElementStatistics {
 
 // a < b without the invalid-operation signal of an ordered comparison with NaN: GCC keeps a
 // comparison that may signal out of a branch-free (vectorised) loop under -ftrapping-math.
-LPSIM_FN bool quiet_less(double a, double b) {
+template <class Real>
+LPSIM_FN bool quiet_less(Real a, Real b) {
 #if defined(__CUDA_ARCH__)
   return a < b;
 #else
@@ -83,28 +120,29 @@ LPSIM_FN bool quiet_less(double a, double b) {
 #endif
 }
 
-LPSIM_FN ElementStatistics element_statistics(double x, double y, const StatisticsBounds& b) {
+template <class Real>
+LPSIM_FN ElementStatistics element_statistics(Real x, Real y, const RealBounds<Real>& b) {
   // x - x is 0 for finite x and NaN for NaN and +/-Inf, without a library call. The conditions are
   // combined with & and |, not && and ||, so that the CPU loop has no branches and vectorises.
-  const bool x_finite = sub_rn(x, x) == 0.0;
-  const bool y_finite = sub_rn(y, y) == 0.0;
+  const bool x_finite = sub_rn(x, x) == Real(0);
+  const bool y_finite = sub_rn(y, y) == Real(0);
   const bool both = x_finite & y_finite;
 #if defined(__CUDA_ARCH__)
-  const double y_magnitude = fabs(y);
+  const Real y_magnitude = fabs(y);
 #else
-  const double y_magnitude = __builtin_fabs(y);
+  const Real y_magnitude = std::fabs(y);
 #endif
-  // The operands are selected, not the results: GCC would move an operation whose result is
-  // selected into a branch, which a loop cannot vectorise.
-  const double value = both ? x : 0.0;
-  const double error = sub_rn(both ? y : 0.0, value);
+  const bool overflow = x_finite & (quiet_less(x, b.low) | quiet_less(b.high, x) | !y_finite);
   ElementStatistics s;
   s.nonfinite = !x_finite;
-  const bool overflow = x_finite & (quiet_less(x, b.low) | quiet_less(b.high, x) | !y_finite);
   s.overflow = overflow;
-  s.underflow = x_finite & !overflow & (x != 0.0) & (y == 0.0);
-  s.subnormal = both & (y != 0.0) & quiet_less(y_magnitude, b.smallest_normal);
+  s.underflow = x_finite & !overflow & (x != Real(0)) & (y == Real(0));
+  s.subnormal = both & (y != Real(0)) & quiet_less(y_magnitude, b.smallest_normal);
   s.unchanged = x_finite & (y == x);
+  // The operands are selected, not the results: GCC would move an operation whose result is
+  // selected into a branch, which a loop cannot vectorise.
+  const double value = static_cast<double>(both ? x : Real(0));
+  const double error = sub_rn(static_cast<double>(both ? y : Real(0)), value);
   s.squared_error = mul_rn(error, error);
   s.squared_value = mul_rn(value, value);
   return s;
