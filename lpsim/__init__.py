@@ -20,6 +20,7 @@ the orthogonal transforms applied before quantisation (``RandomHadamard``).
 from lpsim import (
     accumulate,
     compat,
+    diagnostics,  # statistics of every rounding in a training run
     dyadic,  # integer-native arithmetic on (mantissa, scale) pairs
     formats,
     nn,
@@ -31,6 +32,7 @@ from lpsim import (
 )
 from lpsim._ops import cpu_generator, cuda_built
 from lpsim.compat.qtorch import block_quantize, fixed_point_quantize, float_quantize
+from lpsim.diagnostics import recorder as _recorder  # reachable as lpsim.diagnostics.recorder
 from lpsim.formats import P3109, PRESETS, BlockFloat, Fixed, Float, preset
 from lpsim.functional import quantize, quantize_
 from lpsim.multi_tensor import quantize_many_
