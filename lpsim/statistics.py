@@ -16,17 +16,19 @@ one fused pass over both (a compiled kernel on CPU and CUDA):
 
 Which of the categories a format family has (the bounds of ``statistics_bounds``):
 
-============  ============================  ==========================
-family        overflow                      subnormal
-============  ============================  ==========================
-Float, P3109  outside [min, max]            below smallest_normal
-Fixed         outside [min, max]            none (no subnormals)
-BlockFloat    non-finite results only       none (per block)
-Scaled        non-finite results only       none (per block)
-============  ============================  ==========================
+==============  ============================  ==========================
+family          overflow                      subnormal
+==============  ============================  ==========================
+Float, P3109    outside [min, max]            below smallest_normal
+Fixed           outside [min, max]            none (no subnormals)
+BlockFloat      non-finite results only       none (per block)
+Scaled          non-finite results only       none (per block)
+DelayedScaling  non-finite results only       none (per tensor)
+==============  ============================  ==========================
 
-BlockFloat and Scaled ranges depend on each block's scale, which the rounded tensor alone does not
-show; their underflow, unchanged and error sums are exact as for the other families.
+BlockFloat, Scaled and DelayedScaling ranges depend on the scale of each block (or of the
+tensor), which the rounded tensor alone does not show; their underflow, unchanged and error sums
+are exact as for the other families.
 
 Counts are exact. The sums are float64, added in a fixed order (chunks of 16,384 elements, each
 summed in 256 lanes that are then added pairwise, chunks added in order), so the statistics are
@@ -46,6 +48,7 @@ import torch
 
 from lpsim._checks import check_tensor
 from lpsim._ops import call
+from lpsim.delayed_scaling import DelayedScaling
 from lpsim.formats import GRID_FORMATS, P3109, BlockFloat, Fixed, Float, Format
 from lpsim.functional import quantize, quantize_op_arguments
 from lpsim.rounding import Rounding
@@ -133,7 +136,7 @@ def statistics_bounds(fmt: Format | Scaled) -> tuple[float, float, float]:
     overflow, nonzero rounded values below smallest_normal in magnitude are subnormal (0: none).
 
     Raises:
-        TypeError: fmt is not a Float, Fixed, P3109, BlockFloat or Scaled format.
+        TypeError: fmt is not a Float, Fixed, P3109, BlockFloat, Scaled or DelayedScaling format.
     """
     if isinstance(fmt, Float):
         return -fmt.max, fmt.max, fmt.smallest_normal
@@ -141,10 +144,11 @@ def statistics_bounds(fmt: Format | Scaled) -> tuple[float, float, float]:
         return fmt.min, fmt.max, fmt.smallest_normal
     if isinstance(fmt, Fixed):
         return fmt.min, fmt.max, 0.0
-    if isinstance(fmt, (BlockFloat, Scaled)):
+    if isinstance(fmt, (BlockFloat, Scaled, DelayedScaling)):
         return -math.inf, math.inf, 0.0
     raise TypeError(
-        f"fmt must be a Float, Fixed, P3109, BlockFloat or Scaled format, got {type(fmt).__name__}"
+        "fmt must be a Float, Fixed, P3109, BlockFloat, Scaled or DelayedScaling format, got "
+        f"{type(fmt).__name__}"
     )
 
 

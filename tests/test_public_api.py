@@ -30,6 +30,7 @@ PUBLIC_MODULES = [
     "lpsim.statistics",
     "lpsim.diagnostics",
     "lpsim.diagnostics.shadow",
+    "lpsim.diagnostics.recorder",
     "lpsim.nn",
     "lpsim.optim",
     "lpsim.dyadic",

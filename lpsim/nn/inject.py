@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from lpsim import _observation
 from lpsim.delayed_scaling import DelayedScaler
 from lpsim.nn._hooks import guard_hooks_under_compile, map_tensors
 from lpsim.nn.quantizer import (
@@ -85,6 +86,9 @@ class LayerQuantization:
         eval_rounding: the rule that replaces stochastic rules while the module is in eval mode
             ("nearest" by default: evaluation is deterministic and draws no random numbers, so
             how often one evaluates never changes training). None keeps the stochastic rules.
+
+    While a lpsim.diagnostics.recorder.Recorder observes the model, every rounding is recorded
+    under the module's qualified name and the field's name as its category.
     """
 
     weight: Spec = None
@@ -113,14 +117,22 @@ class _Scalers(nn.Module):
 class _FakeQuantize(nn.Module):
     """Parametrisation: the parameter as seen by forward is its quantised value (``spec`` in
     training mode, ``eval_spec`` in eval mode; with a DelayedScaling, through ``scaler``, its
-    submodule)."""
+    submodule). ``site`` is (the module owning the parameter, "weight" or "bias"), under which the
+    rounding is reported to the current observer (lpsim._observation)."""
 
-    def __init__(self, spec: QuantSpec, eval_rule: Rounding | None):
+    def __init__(self, spec: QuantSpec, eval_rule: Rounding | None, site: tuple):
         super().__init__()
         self.spec, self.eval_spec, self.scaler = bind(spec, eval_rule)
+        self.site = site  # a tuple, so the owner is not registered as a submodule
 
     def forward(self, value: torch.Tensor) -> torch.Tensor:
-        return self.spec(value) if self.training else self.eval_spec(value)
+        quantise = self.spec if self.training else self.eval_spec
+        rounded = quantise(value)
+        observer = _observation.current
+        if observer is not None:
+            owner, category = self.site
+            observer.observe(owner, category, value, rounded, quantise, self.training)
+        return rounded
 
     def extra_repr(self) -> str:
         return str(self.spec)
@@ -229,6 +241,17 @@ def _bypassed(model: nn.Module) -> dict[str, str]:
     return found
 
 
+def _observed_input(quantise, observer, module: nn.Module):
+    """``quantise``, reporting each input it rounds to ``observer`` as the module's "input"."""
+
+    def quantise_and_report(x: torch.Tensor) -> torch.Tensor:
+        rounded = quantise(x)
+        observer.observe(module, "input", x, rounded, quantise, module.training)
+        return rounded
+
+    return quantise_and_report
+
+
 def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str | None) -> dict:
     done = {
         "type": type(module).__name__,
@@ -247,7 +270,8 @@ def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str
         if spec is None:
             continue
         for pname in _parameter_names(module, kind):
-            parametrize.register_parametrization(module, pname, _FakeQuantize(spec, eval_rule))
+            quantise = _FakeQuantize(spec, eval_rule, (module, kind))
+            parametrize.register_parametrization(module, pname, quantise)
             done[kind].append((pname, spec))
     scalers = _Scalers()
     input_spec = settings.spec("input")
@@ -256,6 +280,9 @@ def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str
 
         def quantize_inputs(mod, args, kwargs):
             quantise = input_train if mod.training else input_eval
+            observer = _observation.current
+            if observer is not None:
+                quantise = _observed_input(quantise, observer, mod)
             return map_tensors(args, quantise), map_tensors(kwargs, quantise)
 
         done["hooks"].append(module.register_forward_pre_hook(quantize_inputs, with_kwargs=True))
@@ -268,7 +295,11 @@ def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str
         eval_apply = quantizing_function(output_eval, error_eval)
 
         def quantize_outputs(mod, args, output):
-            return map_tensors(output, train_apply if mod.training else eval_apply)
+            apply = train_apply if mod.training else eval_apply
+            if _observation.current is not None:
+                observed = (mod, mod.training)
+                return map_tensors(output, lambda x: apply(x, observed))
+            return map_tensors(output, apply)
 
         done["hooks"].append(module.register_forward_hook(quantize_outputs))
         done["output"], done["error"] = output_spec, error_spec

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from lpsim import _observation
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.formats import GRID_FORMATS, BlockFloat, Fixed, Float, Format, fitting_container
 from lpsim.functional import quantize
@@ -212,33 +213,50 @@ def quantize_with_clip_mask(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Ten
     return out.to(x.dtype), clipped
 
 
+def _report(observed, category: str, x, rounded, quantiser) -> None:
+    """Tell the current observer, if any, that the module ``observed`` names rounded x."""
+    observer = _observation.current
+    if observer is not None:
+        module, training = observed
+        observer.observe(module, category, x, rounded, quantiser, training)
+
+
 class _Quantize(torch.autograd.Function):
     """y = forward_spec(x); dL/dx = backward_spec(hooks(dL/dy)), zero where the forward clipped
-    (where the rounded value lay outside the format's range)."""
+    (where the rounded value lay outside the format's range). ``observed`` is None, or the pair
+    (module, training mode) under which both roundings are reported to the current observer (as
+    "output" and "error"; see lpsim._observation)."""
 
     @staticmethod
-    def forward(ctx, x, forward_spec, backward_spec, clamp_grad_zero, hooks):
+    def forward(ctx, x, forward_spec, backward_spec, clamp_grad_zero, hooks, observed):
         ctx.backward_spec = backward_spec
         ctx.hooks = hooks
         ctx.masked = clamp_grad_zero
+        ctx.observed = observed
         if clamp_grad_zero:
             out, clipped = quantize_with_clip_mask(x, forward_spec)
             ctx.save_for_backward(clipped)
-            return out
-        if forward_spec is None:
+        elif forward_spec is None:
             return x.view_as(x)
-        return forward_spec(x)
+        else:
+            out = forward_spec(x)
+        if observed is not None:
+            _report(observed, "output", x, out, forward_spec)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         for hook in ctx.hooks:
             grad = hook(grad)
         if ctx.backward_spec is not None:
-            grad = ctx.backward_spec(grad)
+            rounded = ctx.backward_spec(grad)
+            if ctx.observed is not None:
+                _report(ctx.observed, "error", grad, rounded, ctx.backward_spec)
+            grad = rounded
         if ctx.masked:
             (mask,) = ctx.saved_tensors
             grad = grad.masked_fill(mask, 0.0)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def quantizer(
@@ -285,7 +303,9 @@ def quantizer(
 
 def quantizing_function(forward, backward, clamp_grad_zero=False, backward_hooks=()):
     """quantizer() for functions already made: ``forward`` and ``backward`` are None, a
-    QuantSpec or a ScalerCall (clamp_grad_zero needs a QuantSpec forward)."""
+    QuantSpec or a ScalerCall (clamp_grad_zero needs a QuantSpec forward). The function returned
+    takes the tensor and, optionally, ``observed``: None, or the pair (module, training mode)
+    under which its roundings are reported to the current observer (lpsim._observation)."""
     hooks = tuple(backward_hooks)
     if clamp_grad_zero:
         if forward is None:
@@ -296,8 +316,8 @@ def quantizing_function(forward, backward, clamp_grad_zero=False, backward_hooks
             )
         unclipped(forward.format)
 
-    def apply(x: torch.Tensor) -> torch.Tensor:
-        return _Quantize.apply(x, forward, backward, clamp_grad_zero, hooks)
+    def apply(x: torch.Tensor, observed: tuple | None = None) -> torch.Tensor:
+        return _Quantize.apply(x, forward, backward, clamp_grad_zero, hooks, observed)
 
     return apply
 
@@ -313,6 +333,9 @@ class Quantizer(nn.Module):
             draws no random numbers (evaluating never shifts the training stream of torch's
             generator). None keeps the stochastic rules in eval mode too. Deterministic rules
             are the same in both modes.
+
+    While a lpsim.diagnostics.recorder.Recorder observes its model, the module's forward
+    rounding is recorded as its "output" and its backward rounding as its "error".
     """
 
     def __init__(
@@ -345,7 +368,10 @@ class Quantizer(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._apply_train(x) if self.training else self._apply_eval(x)
+        apply = self._apply_train if self.training else self._apply_eval
+        if _observation.current is None:
+            return apply(x)
+        return apply(x, (self, self.training))
 
     def extra_repr(self) -> str:
         parts = [

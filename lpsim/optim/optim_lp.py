@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim import Optimizer
 
+from lpsim import _observation
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.formats import check_fits, fitting_container
 from lpsim.functional import quantize
@@ -67,12 +68,26 @@ class _Batch:
     """Tensors to round in place, one quantize_many_ call per spec (format and rule) when run, in
     the order the specs first appear; tensor i of a spec's call uses the stream offset i. Functions
     that are not QuantSpecs are applied one tensor at a time, when the tensor is added.
-    (Measured on resnet18's 62 parameters: one call per spec instead of one per tensor.)"""
+    (Measured on resnet18's 62 parameters: one call per spec instead of one per tensor.)
 
-    def __init__(self) -> None:
+    With an ``observer`` (lpsim._observation), the value of every tensor of a category it wants is
+    copied when added, and each rounding is reported to it after the run, under the parameter the
+    tensor belongs to."""
+
+    def __init__(self, observer=None) -> None:
         self.groups: dict[QuantSpec, list[torch.Tensor]] = {}
+        self.observer = observer
+        self.observed: list[tuple] = []  # (parameter, category, value before, tensor, quant)
 
-    def add(self, quant: QuantFunction, t: torch.Tensor) -> None:
+    def add(
+        self,
+        quant: QuantFunction,
+        t: torch.Tensor,
+        parameter: torch.Tensor | None = None,
+        category: str = "",
+    ) -> None:
+        if self.observer is not None and self.observer.wants(category):
+            self.observed.append((parameter, category, t.clone(), t, quant))
         if isinstance(quant, QuantSpec):
             self.groups.setdefault(quant, []).append(t)
         else:
@@ -81,6 +96,8 @@ class _Batch:
     def run(self) -> None:
         for spec, tensors in self.groups.items():
             quantize_many_(tensors, spec.format, spec.rounding)
+        for parameter, category, before, t, quant in self.observed:
+            self.observer.observe(parameter, category, before, t, quant, True)
 
 
 def _rounded(quant: QuantFunction, t: torch.Tensor) -> torch.Tensor:
@@ -153,6 +170,10 @@ class OptimLP(Optimizer):
     With ``acc`` and a closure, the closure is evaluated at the accumulators' values (the
     parameters hold them during the wrapped step); that needs accumulators of the parameters'
     dtype.
+
+    While a lpsim.diagnostics.recorder.Recorder observes the optimizer, every rounding of a step
+    is recorded under its parameter with the category "grad", "momentum" (each state tensor),
+    "accumulator" or "weight"; only then are the tensors copied before they are rounded in place.
 
     Raises:
         TypeError: optimizer is not a torch optimizer, or a spec is malformed (the message names
@@ -330,7 +351,7 @@ class OptimLP(Optimizer):
 
     @torch.no_grad()
     def _quantize_grads(self) -> None:
-        batch = _Batch()
+        batch = _Batch(_observation.current)
         for p in self._params():
             if p.grad is None:
                 continue
@@ -338,12 +359,12 @@ class OptimLP(Optimizer):
                 p.grad.mul_(self.grad_scaling)
             s = self.settings.get(p)
             if s is not None and s.grad is not None:
-                batch.add(self._quantizer(p, "grad", s.grad, p.grad), p.grad)
+                batch.add(self._quantizer(p, "grad", s.grad, p.grad), p.grad, p, "grad")
         batch.run()
 
     @torch.no_grad()
     def _quantize_state(self) -> None:
-        batch = _Batch()
+        batch = _Batch(_observation.current)
         for p, s in self._rounded_params():
             if s.momentum is None:
                 continue
@@ -354,7 +375,8 @@ class OptimLP(Optimizer):
                     and value.is_floating_point()
                     and value.dim() > 0
                 ):
-                    batch.add(self._quantizer(p, f"momentum.{key}", s.momentum, value), value)
+                    quant = self._quantizer(p, f"momentum.{key}", s.momentum, value)
+                    batch.add(quant, value, p, "momentum")
         batch.run()
 
     def _widened(self) -> list[torch.Tensor]:
@@ -393,13 +415,13 @@ class OptimLP(Optimizer):
 
     @torch.no_grad()
     def _round_weights(self) -> None:
-        accumulators = _Batch()
+        accumulators = _Batch(_observation.current)
         for p, s in self._rounded_params():
             if s.acc is not None:
                 acc = self.accumulators[p]
                 if acc.dtype == p.dtype:
                     acc.copy_(p)  # the wrapped step updated the parameter
-                accumulators.add(self._quantizer(p, "acc", s.acc, acc), acc)
+                accumulators.add(self._quantizer(p, "acc", s.acc, acc), acc, p, "accumulator")
         accumulators.run()
         self._set_weights()
 
@@ -407,7 +429,7 @@ class OptimLP(Optimizer):
     def _set_weights(self) -> None:
         """Every rounded parameter set to its accumulator (when it has one) or itself, rounded by
         ``weight``: in place, or through a copy in the accumulator's dtype where that is wider."""
-        weights = _Batch()
+        weights = _Batch(_observation.current)
         widened = []  # (parameter, its weight value in the accumulator's dtype)
         for p, s in self._rounded_params():
             acc = self.accumulators[p] if s.acc is not None else p
@@ -421,7 +443,7 @@ class OptimLP(Optimizer):
                 p.copy_(acc)
             if s.weight is not None:
                 target = acc if acc.dtype != p.dtype else p
-                weights.add(self._quantizer(p, "weight", s.weight, target), target)
+                weights.add(self._quantizer(p, "weight", s.weight, target), target, p, "weight")
         weights.run()
         for p, value in widened:
             p.copy_(value)

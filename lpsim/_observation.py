@@ -1,0 +1,28 @@
+"""The observer that the quantising call sites report their roundings to.
+
+``current`` is None while nothing observes: then a call site costs one attribute lookup and a
+branch, allocates nothing and adds no autograd node. lpsim.diagnostics.recorder.Recorder sets it
+while it is attached (and while the step it is at is one it records) to an object with two
+methods:
+
+- ``wants(category) -> bool``: whether roundings of ``category`` are observed. Call sites that
+  round in place (OptimLP) ask before copying a tensor's value from before the rounding.
+- ``observe(owner, category, x, rounded, quantiser, training)``: ``x`` was rounded to
+  ``rounded`` by ``quantiser`` (a QuantSpec, a ScalerCall, or any function tensor -> tensor).
+  ``owner`` is the module whose tensor it is (lpsim.nn.inject's sites and the Quantizer module)
+  or the parameter (OptimLP's sites); ``training`` says whether the module rounded in training
+  mode (OptimLP always does).
+
+The call sites and their categories:
+
+- lpsim.nn.inject: "weight" and "bias" (the parametrisations, in forward), "input" (the
+  forward pre-hook), "output" (the forward hook) and "error" (the gradient flowing into the
+  outputs, in backward);
+- lpsim.nn.Quantizer: "output" (forward) and "error" (backward);
+- lpsim.optim.OptimLP: "grad", "momentum" (every rounded state tensor), "accumulator" and
+  "weight" (the weight rounding that ends a step).
+"""
+
+from __future__ import annotations
+
+current = None  # the observer of every rounding, or None

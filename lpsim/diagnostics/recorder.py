@@ -1,0 +1,738 @@
+"""The recorder: statistics of every rounding of a training run, per step, module and category.
+
+    model, optimizer = lpsim.recipes.FIXED8.apply(model, torch.optim.SGD(model.parameters(), 0.05))
+    with Recorder(model, optimizer) as recorder:
+        for x, y in batches:
+            optimizer.zero_grad()
+            loss = criterion(model(x), y)
+            (loss * lpsim.recipes.FIXED8.loss_scale).backward()
+            optimizer.step()                # ends the step: the recorder moves to the next
+    print(recorder.table())
+    recorder.to_csv("roundings.csv")
+    recorder.plot("errors.png", metric="underflow", category="error")
+
+What is recorded while the recorder is attached:
+
+- the model's roundings: in every module that lpsim.nn.inject quantises, under the module's
+  qualified name ("(model)" for the model itself) and the category "weight", "bias" (the
+  parametrisations, in every forward pass), "input", "output" or "error" (the gradient flowing
+  back into the module's outputs); in every lpsim.nn.Quantizer module, "output" (its forward
+  rounding) and "error" (its backward rounding). Only roundings in training mode, unless
+  ``record_eval=True``. Modules outside the recorder's model are not recorded.
+- an OptimLP's roundings: under the parameter's qualified name in the model ("0.weight"; without
+  a model, "group0.param0" for parameter 0 of group 0) and the category "grad", "momentum" (every
+  rounded state tensor: momentum_buffer, exp_avg, ...), "accumulator" or "weight" (the weight
+  rounding that ends a step). Parameters outside the recorder's model and optimizer are not
+  recorded.
+- stagnation: per parameter and step, how many elements the step should have moved and how many
+  of them it left where they were (Stagnation, below).
+
+A record holds a RoundingStatistics (lpsim.statistics): counts of elements, and of nonfinite,
+overflowing, underflowing (nonzero to zero), subnormal and unchanged elements, and the float64
+sums of the squared rounding errors and squared values, from which the SQNR in dB follows. The
+roundings of one step, module and category add up into one record (the several outputs of a
+module, the state tensors of a parameter, the forward passes of gradient accumulation).
+
+FusedSGD and FusedAdam round inside one compiled pass, so only their stagnation is recorded.
+Roundings by functions that are not formats (OptimLP accepts any function tensor -> tensor) have
+no format to count against and are not recorded (their stagnation is).
+
+Steps. The step counter starts at 0. The attached optimizer's step() ends a step (through a step
+hook), and so does Recorder.step(): call it yourself when the recorder has no optimizer. With
+``every=k`` only the steps 0, k, 2k, ... are recorded; during the others nothing observes. A step
+that a DynamicLossScaler skips does not call the optimizer's step(): its roundings count towards
+the next.
+
+Detached, nothing observes: every call site costs one attribute lookup and a branch. attach()
+makes the recorder lpsim._observation's current observer and registers two step hooks on the
+optimizer; detach() undoes both, and nothing else is changed, so the model and the optimizer are
+exactly as before. Recording draws no random numbers and writes no tensor of the run: a run with
+a recorder attached is bit for bit the run without.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lpsim import _observation
+from lpsim.nn.quantizer import QuantSpec, ScalerCall
+from lpsim.optim.optim_lp import OptimLP
+from lpsim.statistics import RoundingStatistics, rounding_statistics
+
+__all__ = [
+    "Recorder",
+    "Record",
+    "StagnationRecord",
+    "Stagnation",
+    "CATEGORIES",
+    "PLOT_METRICS",
+]
+
+# What a recorder can record: the model's categories, the optimizer's, and stagnation.
+CATEGORIES = (
+    "weight",
+    "bias",
+    "input",
+    "output",
+    "error",
+    "grad",
+    "momentum",
+    "accumulator",
+    "stagnation",
+)
+PLOT_METRICS = ("underflow", "overflow", "subnormal", "unchanged", "sqnr_db")
+SUMMARY_KEYS = ("step", "module", "category")
+STAGNATION_KEYS = ("step", "parameter")
+CSV_COLUMNS = (
+    "step",
+    "module",
+    "category",
+    "elements",
+    "nonfinite",
+    "overflow",
+    "underflow",
+    "subnormal",
+    "unchanged",
+    "squared_error",
+    "squared_value",
+    "sqnr_db",
+    "relative_error",
+    "updated",
+    "lost",
+    "stagnation",
+)
+_TABLE_FRACTIONS = ("overflow", "underflow", "subnormal", "unchanged")
+_TENSORBOARD_FRACTIONS = ("overflow", "underflow", "subnormal")
+
+_attached = None  # the Recorder attached now (one at a time), or None
+
+
+@dataclass(frozen=True)
+class Stagnation:
+    """What one or more steps did to a parameter's elements that should have moved.
+
+    Attributes:
+        elements: elements of the parameter.
+        updated: elements whose update was nonzero. With OptimLP: elements whose new value
+            before the weight rounding differs from the weight before the step. With any other
+            optimizer (FusedSGD, FusedAdam, torch's), whose updates are not seen: elements with
+            a nonzero gradient before the step.
+        lost: of the updated elements, those whose weight after the step equals the weight
+            before it (OptimLP: the rounding returned them to the old weight).
+
+    Stagnations add up with ``+``.
+    """
+
+    elements: int = 0
+    updated: int = 0
+    lost: int = 0
+
+    def __add__(self, other: Stagnation) -> Stagnation:
+        if not isinstance(other, Stagnation):
+            return NotImplemented
+        return Stagnation(
+            self.elements + other.elements, self.updated + other.updated, self.lost + other.lost
+        )
+
+    @property
+    def fraction(self) -> float:
+        """lost / updated, the share of the nonzero updates that were lost (nan when there were
+        none)."""
+        return self.lost / self.updated if self.updated else math.nan
+
+    def as_dict(self) -> dict:
+        """The fields and the fraction, for CSV and JSON."""
+        return {
+            "elements": self.elements,
+            "updated": self.updated,
+            "lost": self.lost,
+            "fraction": self.fraction,
+        }
+
+
+class Record(NamedTuple):
+    """The statistics of the roundings of one category in one module (or parameter) in one
+    step."""
+
+    step: int
+    module: str
+    category: str
+    statistics: RoundingStatistics
+
+
+class StagnationRecord(NamedTuple):
+    """The stagnation of one parameter in one step."""
+
+    step: int
+    parameter: str
+    stagnation: Stagnation
+
+
+class Recorder:
+    """Records the statistics of every rounding in ``model`` and ``optimizer`` while attached
+    (see the module docstring for what is recorded, and how steps are counted).
+
+    Args:
+        model: the model whose roundings are recorded (injected with lpsim.nn.inject, or holding
+            lpsim.nn.Quantizer modules), or None.
+        optimizer: the optimizer whose roundings (OptimLP) and stagnation (any optimizer) are
+            recorded, and whose step() ends each step; or None.
+        categories: the categories to record, a subset of CATEGORIES (one name or several;
+            default all).
+        every: record every ``every``-th step only (steps 0, every, 2 * every, ...).
+        record_eval: also record the model's roundings in eval mode.
+
+    Raises:
+        TypeError: model is not an nn.Module, optimizer not a torch optimizer, or an argument
+            has the wrong type (the message names it).
+        ValueError: neither a model nor an optimizer, an unknown category, or every < 1.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        optimizer: Optimizer | None = None,
+        *,
+        categories: Iterable[str] | str | None = None,
+        every: int = 1,
+        record_eval: bool = False,
+    ):
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module or None, got {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+            )
+        if model is None and optimizer is None:
+            raise ValueError("Recorder needs a model, an optimizer or both; got neither")
+        if not isinstance(every, int) or isinstance(every, bool):
+            raise TypeError(f"every must be an int, got {type(every).__name__}")
+        if every < 1:
+            raise ValueError(f"every must be at least 1, got {every}")
+        if not isinstance(record_eval, bool):
+            raise TypeError(f"record_eval must be a bool, got {type(record_eval).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+        self.categories = _checked_categories(categories)
+        self.every = every
+        self.record_eval = record_eval
+        self.current_step = 0
+        self._statistics: dict[tuple[int, str, str], RoundingStatistics] = {}
+        self._stagnation: dict[tuple[int, str], Stagnation] = {}
+        self._names: dict[int, str] = {}  # id of a module or parameter -> its name
+        self._hooks: list = []
+        # id(parameter) -> (its weight before the step, the mask of its nonzero gradient or None)
+        self._before_step: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # Stagnation in OptimLP is seen in its weight rounding, which is then observed.
+        self._observed = set(self.categories) | (
+            {"weight"} if "stagnation" in self.categories else set()
+        )
+
+    # Attaching
+
+    @property
+    def attached(self) -> bool:
+        """Whether the recorder is attached."""
+        return _attached is self
+
+    def attach(self) -> Recorder:
+        """Start recording (at the current step); returns the recorder.
+
+        Raises:
+            RuntimeError: this or another recorder is attached already.
+        """
+        global _attached
+        if _attached is self:
+            raise RuntimeError("this Recorder is attached already")
+        if _attached is not None:
+            raise RuntimeError("another Recorder is attached: detach it first")
+        self._names = self._collect_names()
+        if self.optimizer is not None:
+            self._hooks = [
+                self.optimizer.register_step_pre_hook(self._before_optimizer_step),
+                self.optimizer.register_step_post_hook(self._after_optimizer_step),
+            ]
+        _attached = self
+        self._observe_if_recorded()
+        return self
+
+    def detach(self) -> None:
+        """Stop recording: no observer and no hook of the recorder is left (a detached recorder
+        may be detached again, which does nothing). The records stay."""
+        global _attached
+        if _attached is not self:
+            return
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._before_step.clear()
+        _observation.current = None
+        _attached = None
+
+    def __enter__(self) -> Recorder:
+        return self.attach()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.detach()
+
+    def step(self) -> None:
+        """End the current step and move to the next (the attached optimizer's step() calls
+        this)."""
+        self.current_step += 1
+        if self.attached:
+            self._observe_if_recorded()
+
+    def _recorded(self) -> bool:
+        return self.current_step % self.every == 0
+
+    def _observe_if_recorded(self) -> None:
+        _observation.current = self if self._recorded() else None
+
+    def _collect_names(self) -> dict[int, str]:
+        names = {}
+        if self.optimizer is not None:
+            for g, group in enumerate(self.optimizer.param_groups):
+                for i, p in enumerate(group["params"]):
+                    names[id(p)] = f"group{g}.param{i}"
+        if self.model is not None:
+            for name, module in self.model.named_modules():
+                names[id(module)] = name or "(model)"
+            for name, p in self.model.named_parameters():
+                names[id(p)] = _plain_parameter_name(name)
+        return names
+
+    # The observer (called by the quantising call sites, see lpsim._observation)
+
+    def wants(self, category: str) -> bool:
+        """Whether roundings of ``category`` are observed (sites that round in place copy the
+        tensor first only then)."""
+        return category in self._observed
+
+    def observe(
+        self,
+        owner: object,
+        category: str,
+        x: torch.Tensor,
+        rounded: torch.Tensor,
+        quantiser: object,
+        training: bool,
+    ) -> None:
+        """Record that ``x`` was rounded to ``rounded`` by ``quantiser`` in ``owner`` (a module of
+        the model or a parameter), under ``category``."""
+        if not training and not self.record_eval:
+            return
+        name = self._names.get(id(owner))
+        if name is None:
+            return
+        if category == "weight" and id(owner) in self._before_step:
+            weight_before, _ = self._before_step.pop(id(owner))
+            self._add_stagnation(name, _lost_updates(weight_before, x, rounded))
+        if category not in self.categories:
+            return
+        fmt = _format_of(quantiser)
+        if fmt is None:
+            return
+        key = (self.current_step, name, category)
+        statistics = rounding_statistics(x, rounded, fmt)
+        self._statistics[key] = self._statistics.get(key, RoundingStatistics()) + statistics
+
+    def _add_stagnation(self, parameter: str, stagnation: Stagnation) -> None:
+        key = (self.current_step, parameter)
+        self._stagnation[key] = self._stagnation.get(key, Stagnation()) + stagnation
+
+    # Stagnation through the optimizer's step hooks
+
+    def _before_optimizer_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
+        self._before_step.clear()
+        if not self._recorded() or "stagnation" not in self.categories:
+            return
+        for p in _parameters(optimizer):
+            if id(p) not in self._names:
+                continue
+            if isinstance(optimizer, OptimLP):
+                settings = optimizer.parameter_settings(p)
+                if settings is not None and settings.weight is not None:
+                    self._before_step[id(p)] = (p.detach().clone(), None)
+            elif p.grad is not None:
+                self._before_step[id(p)] = (p.detach().clone(), p.grad != 0)
+
+    def _after_optimizer_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
+        for p in _parameters(optimizer):
+            found = self._before_step.get(id(p))
+            if found is not None and found[1] is not None:
+                weight_before, moving = found
+                lost = moving & (p.detach() == weight_before)
+                stagnation = Stagnation(p.numel(), int(moving.sum()), int(lost.sum()))
+                self._add_stagnation(self._names[id(p)], stagnation)
+        self._before_step.clear()
+        self.step()
+
+    # Results
+
+    @property
+    def records(self) -> list[Record]:
+        """Every record, in the order the keys first occurred (steps in order)."""
+        return [Record(*key, statistics) for key, statistics in self._statistics.items()]
+
+    @property
+    def stagnation_records(self) -> list[StagnationRecord]:
+        """The stagnation of every parameter in every recorded step."""
+        return [StagnationRecord(*key, value) for key, value in self._stagnation.items()]
+
+    def summary(
+        self, by: Iterable[str] | str = ("module", "category")
+    ) -> dict[tuple, RoundingStatistics]:
+        """The records added up (with ``+``) per value of ``by``, a subset of ("step", "module",
+        "category"): {(values of by...): RoundingStatistics}, in the order of first occurrence.
+
+        Raises:
+            ValueError: by names something else, or a key twice.
+        """
+        keys = _checked_keys(by, SUMMARY_KEYS, "by")
+        totals: dict[tuple, RoundingStatistics] = {}
+        for record in self.records:
+            key = tuple(getattr(record, k) for k in keys)
+            totals[key] = totals.get(key, RoundingStatistics()) + record.statistics
+        return totals
+
+    def stagnation_summary(
+        self, by: Iterable[str] | str = ("parameter",)
+    ) -> dict[tuple, Stagnation]:
+        """The stagnation records added up per value of ``by``, a subset of ("step",
+        "parameter").
+
+        Raises:
+            ValueError: by names something else, or a key twice.
+        """
+        keys = _checked_keys(by, STAGNATION_KEYS, "by")
+        totals: dict[tuple, Stagnation] = {}
+        for record in self.stagnation_records:
+            key = tuple(getattr(record, k) for k in keys)
+            totals[key] = totals.get(key, Stagnation()) + record.stagnation
+        return totals
+
+    def table(self, by: Iterable[str] | str = ("module", "category")) -> str:
+        """A plain-text table of ``summary(by)``: elements, the overflow, underflow, subnormal and
+        unchanged elements in percent of the finite ones, and the SQNR in dB ("inf": exact;
+        "-": no signal). Then, where stagnation was recorded, a table of it per parameter (and
+        step, when by holds "step"): updated and lost elements, and the lost ones in percent of
+        the updated ones.
+
+        Raises:
+            ValueError: as summary().
+        """
+        keys = _checked_keys(by, SUMMARY_KEYS, "by")
+        header = (*keys, "elements", *(f"{name} %" for name in _TABLE_FRACTIONS), "SQNR dB")
+        rows = [header]
+        for key, statistics in self.summary(keys).items():
+            rows.append(
+                (
+                    *map(str, key),
+                    str(statistics.elements),
+                    *(_percent(statistics.fraction(name)) for name in _TABLE_FRACTIONS),
+                    _decibels(statistics.sqnr_db),
+                )
+            )
+        lines = _aligned(rows, len(keys)) if len(rows) > 1 else ["no roundings recorded"]
+        stagnation_keys = tuple(
+            "parameter" if k == "module" else k for k in keys if k != "category"
+        )
+        stagnation = self.stagnation_summary(stagnation_keys)
+        if stagnation:
+            rows = [(*stagnation_keys, "updated", "lost", "stagnation %")]
+            for key, value in stagnation.items():
+                rows.append(
+                    (*map(str, key), str(value.updated), str(value.lost), _percent(value.fraction))
+                )
+            lines += [""] + _aligned(rows, len(stagnation_keys))
+        return "\n".join(lines)
+
+    def to_csv(self, path: str | os.PathLike) -> None:
+        """Write every record to a CSV file with the columns CSV_COLUMNS: one row per record
+        (the RoundingStatistics fields, sqnr_db and relative_error), then one row per stagnation
+        record (category "stagnation", the parameter in the module column; elements, updated,
+        lost, and the fraction in the stagnation column). Cells that do not apply are empty;
+        floats are written exactly (Python's repr: "inf" and "nan" included)."""
+        with open(path, "w", newline="") as file:
+            writer = csv.DictWriter(file, CSV_COLUMNS, restval="")
+            writer.writeheader()
+            for record in self.records:
+                writer.writerow(
+                    {
+                        "step": record.step,
+                        "module": record.module,
+                        "category": record.category,
+                        **record.statistics.as_dict(),
+                    }
+                )
+            for record in self.stagnation_records:
+                value = record.stagnation
+                writer.writerow(
+                    {
+                        "step": record.step,
+                        "module": record.parameter,
+                        "category": "stagnation",
+                        "elements": value.elements,
+                        "updated": value.updated,
+                        "lost": value.lost,
+                        "stagnation": value.fraction,
+                    }
+                )
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        """Write every record to a JSON file: {"every": ..., "records": [{"step", "module",
+        "category", the RoundingStatistics fields, "sqnr_db", "relative_error"}, ...],
+        "stagnation": [{"step", "parameter", "elements", "updated", "lost", "fraction"}, ...]}.
+        Non-finite numbers (an exact rounding's infinite SQNR, say) are written as null, so
+        that the file is standard JSON."""
+        data = {
+            "every": self.every,
+            "records": [
+                {
+                    "step": r.step,
+                    "module": r.module,
+                    "category": r.category,
+                    **_finite_or_none(r.statistics.as_dict()),
+                }
+                for r in self.records
+            ],
+            "stagnation": [
+                {
+                    "step": r.step,
+                    "parameter": r.parameter,
+                    **_finite_or_none(r.stagnation.as_dict()),
+                }
+                for r in self.stagnation_records
+            ],
+        }
+        with open(path, "w") as file:
+            json.dump(data, file, indent=1, allow_nan=False)
+            file.write("\n")
+
+    def plot(
+        self, path: str | os.PathLike, metric: str = "underflow", category: str | None = None
+    ) -> None:
+        """Save a heatmap of ``metric`` per layer (rows) and recorded step (columns) as an image
+        (PNG for a .png path; any format matplotlib writes). Metrics: "underflow", "overflow",
+        "subnormal", "unchanged" (in percent of the finite elements) and "sqnr_db". Rows are the
+        modules (and parameters) with records of ``category``, or every (module, category) pair
+        when category is None. Cells without a value (no record, no signal, or an exact rounding's
+        infinite SQNR) are left blank. Needs matplotlib; does not touch pyplot's state.
+
+        Raises:
+            ValueError: metric or category is unknown, or nothing of category was recorded.
+            ImportError: matplotlib is not installed.
+        """
+        if metric not in PLOT_METRICS:
+            raise ValueError(f"metric must be one of {PLOT_METRICS}, got {metric!r}")
+        if category is not None and category not in CATEGORIES[:-1]:
+            raise ValueError(f"category must be None or one of {CATEGORIES[:-1]}, got {category!r}")
+        records = [r for r in self.records if category is None or r.category == category]
+        if not records:
+            raise ValueError(f"nothing recorded for category {category!r}")
+        rows = list(dict.fromkeys((r.module, r.category) for r in records))
+        steps = sorted({r.step for r in records})
+        values = torch.full((len(rows), len(steps)), math.nan, dtype=torch.float64)
+        row_of = {row: i for i, row in enumerate(rows)}
+        column_of = {step: j for j, step in enumerate(steps)}
+        for r in records:
+            values[row_of[r.module, r.category], column_of[r.step]] = _metric(r.statistics, metric)
+        labels = [m if category is not None else f"{m} {c}" for m, c in rows]
+        _heatmap(path, values, labels, steps, metric, category)
+
+    def to_tensorboard(self, writer: object) -> None:
+        """Write every record as TensorBoard scalars at its step: "<category>/<metric>/<module>"
+        for the metrics overflow, underflow and subnormal (percent of the finite elements) and
+        sqnr_db (when finite), and "stagnation/<parameter>" (percent of the updated elements,
+        when any were updated).
+
+        Args:
+            writer: a log directory (a torch.utils.tensorboard.SummaryWriter is opened on it and
+                closed again; needs the tensorboard package) or any object with
+                ``add_scalar(tag, value, step)``, such as an open SummaryWriter.
+
+        Raises:
+            ImportError: writer is a directory and tensorboard is not installed.
+            TypeError: writer is neither a path nor has add_scalar.
+        """
+        if isinstance(writer, (str, os.PathLike)):
+            summary_writer = _summary_writer(writer)
+            try:
+                self._write_scalars(summary_writer)
+            finally:
+                summary_writer.close()
+            return
+        if not callable(getattr(writer, "add_scalar", None)):
+            raise TypeError(
+                "writer must be a log directory or have add_scalar(tag, value, step), got "
+                f"{type(writer).__name__}"
+            )
+        self._write_scalars(writer)
+
+    def _write_scalars(self, writer) -> None:
+        for r in self.records:
+            for name in _TENSORBOARD_FRACTIONS:
+                percent = 100 * r.statistics.fraction(name)
+                _add_scalar(writer, f"{r.category}/{name}/{r.module}", percent, r.step)
+            _add_scalar(writer, f"{r.category}/sqnr_db/{r.module}", r.statistics.sqnr_db, r.step)
+        for r in self.stagnation_records:
+            _add_scalar(writer, f"stagnation/{r.parameter}", 100 * r.stagnation.fraction, r.step)
+
+    def __repr__(self) -> str:
+        state = "attached" if self.attached else "detached"
+        return (
+            f"Recorder({state}, step {self.current_step}, every={self.every}, "
+            f"{len(self._statistics)} records, {len(self._stagnation)} stagnation records)"
+        )
+
+
+def _checked_categories(categories) -> tuple[str, ...]:
+    if categories is None:
+        return CATEGORIES
+    names = (categories,) if isinstance(categories, str) else tuple(categories)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"categories must hold strings, got {type(name).__name__}")
+        if name not in CATEGORIES:
+            raise ValueError(f"categories: unknown category {name!r}; choose from {CATEGORIES}")
+    if not names:
+        raise ValueError(f"categories must name at least one of {CATEGORIES}")
+    return tuple(c for c in CATEGORIES if c in names)
+
+
+def _checked_keys(by, allowed: tuple[str, ...], name: str) -> tuple[str, ...]:
+    keys = (by,) if isinstance(by, str) else tuple(by)
+    for key in keys:
+        if key not in allowed:
+            raise ValueError(f"{name} must name some of {allowed}, got {key!r}")
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"{name} names a key twice: {keys}")
+    return keys
+
+
+def _plain_parameter_name(name: str) -> str:
+    """A parameter's qualified name without a parametrisation's indirection:
+    "0.parametrizations.weight.original" -> "0.weight"."""
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[-3] == "parametrizations" and parts[-1].startswith("original"):
+        parts = parts[:-3] + [parts[-2]]
+    return ".".join(parts)
+
+
+def _parameters(optimizer: Optimizer):
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def _format_of(quantiser):
+    """The format a quantiser rounds into (a DelayedScaling for a scaler's call), or None for a
+    function that is not a spec."""
+    if isinstance(quantiser, QuantSpec):
+        return quantiser.format
+    if isinstance(quantiser, ScalerCall):
+        return quantiser.scaler.scaling
+    return None
+
+
+def _lost_updates(
+    weight_before: torch.Tensor, x: torch.Tensor, rounded: torch.Tensor
+) -> Stagnation:
+    """The stagnation of a weight rounding: x (the new weight before rounding, maybe in a wider
+    accumulator dtype) rounded to ``rounded``, the weight having been ``weight_before``."""
+    before = weight_before.to(x.dtype)
+    updated = x != before
+    lost = updated & (rounded == before)
+    return Stagnation(x.numel(), int(updated.sum()), int(lost.sum()))
+
+
+def _metric(statistics: RoundingStatistics, metric: str) -> float:
+    if metric == "sqnr_db":
+        return statistics.sqnr_db
+    return 100 * statistics.fraction(metric)
+
+
+def _percent(fraction: float) -> str:
+    if math.isnan(fraction):
+        return "-"
+    percent = 100 * fraction
+    return f"{percent:.2f}" if percent == 0 or percent >= 0.01 else f"{percent:.1e}"
+
+
+def _decibels(value: float) -> str:
+    if math.isnan(value):
+        return "-"
+    return "inf" if math.isinf(value) else f"{value:.1f}"
+
+
+def _aligned(rows: list[tuple[str, ...]], text_columns: int) -> list[str]:
+    """Rows as lines of columns two spaces apart, a rule under the header; the first
+    ``text_columns`` columns left-aligned, the numbers right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+
+    def line(row):
+        cells = [
+            cell.ljust(width) if i < text_columns else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths))
+        ]
+        return "  ".join(cells).rstrip()
+
+    lines = [line(row) for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return lines
+
+
+def _finite_or_none(values: dict) -> dict:
+    return {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in values.items()
+    }
+
+
+def _add_scalar(writer, tag: str, value: float, step: int) -> None:
+    if math.isfinite(value):
+        writer.add_scalar(tag, value, step)
+
+
+def _summary_writer(logdir):
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional dependency
+    except ImportError as error:
+        raise ImportError(
+            "Recorder.to_tensorboard(logdir) needs the tensorboard package (pip install "
+            "tensorboard); without it, pass any object with add_scalar(tag, value, step)"
+        ) from error
+    return SummaryWriter(os.fspath(logdir))
+
+
+def _heatmap(path, values: torch.Tensor, labels: list[str], steps: list[int], metric, category):
+    try:
+        from matplotlib.figure import Figure  # noqa: PLC0415 - optional dependency
+    except ImportError as error:
+        raise ImportError("Recorder.plot needs matplotlib (pip install matplotlib)") from error
+    import numpy  # noqa: PLC0415
+
+    data = values.numpy()
+    figure = Figure(
+        figsize=(min(16.0, 3.0 + 0.25 * len(steps)), 1.5 + 0.3 * len(labels)), layout="constrained"
+    )
+    axes = figure.subplots()
+    image = axes.imshow(
+        numpy.ma.masked_invalid(data), aspect="auto", interpolation="nearest", cmap="viridis"
+    )
+    axes.set_yticks(range(len(labels)), labels=labels)
+    shown = range(0, len(steps), max(1, len(steps) // 12))
+    axes.set_xticks(list(shown), labels=[str(steps[j]) for j in shown])
+    axes.set_xlabel("step")
+    unit = "SQNR (dB)" if metric == "sqnr_db" else f"{metric} (% of elements)"
+    figure.colorbar(image, ax=axes, label=unit)
+    axes.set_title(f"{unit}" + (f", {category}" if category is not None else ""))
+    figure.savefig(path, dpi=100)

@@ -1,0 +1,589 @@
+"""The recorder: its statistics equal a recount of the roundings it saw, it records every
+category of an injected model and an OptimLP, its stagnation matches a hand count, detaching
+leaves the model exactly as before, and its exports hold the same numbers."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import sys
+
+import pytest
+import torch
+from support import assert_same_bits
+from torch import nn
+
+import lpsim
+from lpsim import Fixed, Float, _observation
+from lpsim.delayed_scaling import DelayedScaling
+from lpsim.demo import small_cnn
+from lpsim.diagnostics import recorder as recorder_module
+from lpsim.diagnostics.recorder import CSV_COLUMNS, Recorder, Stagnation
+from lpsim.nn import LayerQuantization, Quantizer, inject
+from lpsim.optim import FusedSGD, OptimLP
+from lpsim.statistics import RoundingStatistics
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FIXED = Fixed(6, 3)  # [-4, 3.875], spacing 1/8: inputs overflow, small values underflow
+FLOAT = Float(3, 2)  # normal down to 0.25, subnormal down to 1/16, largest 14
+RAW_FIELDS = tuple(f.name for f in dataclasses.fields(RoundingStatistics))
+COUNTS = slice(0, 6)  # elements, nonfinite, overflow, underflow, subnormal, unchanged
+
+
+def python_recount(x: torch.Tensor, rounded: torch.Tensor, fmt) -> RoundingStatistics:
+    """The statistics of a rounding, counted element by element in Python."""
+    if isinstance(fmt, Fixed):
+        low, high, smallest_normal = fmt.min, fmt.max, 0.0
+    else:
+        low, high, smallest_normal = -fmt.max, fmt.max, fmt.smallest_normal
+    counts = dict(elements=0, nonfinite=0, overflow=0, underflow=0, subnormal=0, unchanged=0)
+    errors, values = [], []
+    pairs = zip(x.double().flatten().tolist(), rounded.double().flatten().tolist())
+    for a, b in pairs:
+        counts["elements"] += 1
+        if not math.isfinite(a):
+            counts["nonfinite"] += 1
+            continue
+        counts["overflow"] += a < low or a > high or not math.isfinite(b)
+        counts["underflow"] += a != 0 and b == 0
+        counts["subnormal"] += math.isfinite(b) and b != 0 and abs(b) < smallest_normal
+        counts["unchanged"] += a == b
+        if math.isfinite(b):
+            errors.append((b - a) ** 2)
+            values.append(a * a)
+    return RoundingStatistics(
+        **counts, squared_error=math.fsum(errors), squared_value=math.fsum(values)
+    )
+
+
+def assert_same_statistics(got: RoundingStatistics, want: RoundingStatistics, where) -> None:
+    assert got.as_tuple()[COUNTS] == want.as_tuple()[COUNTS], where
+    assert got.squared_error == pytest.approx(want.squared_error, rel=1e-12, abs=0), where
+    assert got.squared_value == pytest.approx(want.squared_value, rel=1e-12, abs=0), where
+
+
+def add_to(totals: dict, key, statistics: RoundingStatistics) -> None:
+    totals[key] = totals.get(key, RoundingStatistics()) + statistics
+
+
+# The recorder's totals equal a Python recount
+
+
+def recount_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 5 * 5, 4)
+    )
+    config = {
+        nn.Conv2d: LayerQuantization(
+            weight=FIXED, input=FIXED, output=FIXED, error=FLOAT, rounding="nearest"
+        ),
+        nn.Linear: LayerQuantization(
+            weight=FLOAT, bias=FIXED, output=FLOAT, error=FIXED, rounding="nearest"
+        ),
+    }
+    return inject(model, config)
+
+
+def capture_roundings(model: nn.Module, formats: dict, captured: list, step: list) -> None:
+    """Hooks of the test's own that save every tensor the injected quantisers round, before
+    rounding: inputs (a pre-hook that runs before inject's), outputs (a forward hook that runs
+    before inject's) and errors (a tensor hook on the rounded output)."""
+    for name, fmt in formats.items():
+        module = model.get_submodule(name)
+
+        def save_input(m, args, name=name, fmt=fmt["input"]):
+            if fmt is not None:
+                captured.append((step[0], name, "input", args[0].detach().clone(), fmt))
+
+        def save_output(m, args, output, name=name, fmt=fmt["output"]):
+            captured.append((step[0], name, "output", output.detach().clone(), fmt))
+
+        def watch_error(m, args, output, name=name, fmt=fmt["error"]):
+            at = step[0]
+            output.register_hook(
+                lambda g: captured.append((at, name, "error", g.detach().clone(), fmt))
+            )
+
+        module.register_forward_pre_hook(save_input, prepend=True)
+        module.register_forward_hook(save_output, prepend=True)
+        module.register_forward_hook(watch_error)
+
+
+def test_the_recorders_totals_equal_a_python_recount_of_the_models_roundings():
+    model = recount_model()
+    formats = {
+        "0": {"weight": FIXED, "input": FIXED, "output": FIXED, "error": FLOAT},
+        "3": {"weight": FLOAT, "bias": FIXED, "input": None, "output": FLOAT, "error": FIXED},
+    }
+    captured, step = [], [0]
+    capture_roundings(model, formats, captured, step)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(1)
+    with Recorder(model) as recorder:
+        for _ in range(2):
+            for name, fmt in formats.items():
+                module = model.get_submodule(name)
+                for kind in ("weight", "bias"):
+                    if kind in fmt:
+                        value = module.parametrizations[kind].original.detach().clone()
+                        captured.append((step[0], name, kind, value, fmt[kind]))
+            x = 3 * torch.randn(4, 1, 5, 5, generator=generator)
+            sgd.zero_grad()
+            (model(x).square().sum() * 4).backward()
+            sgd.step()
+            recorder.step()
+            step[0] += 1
+    expected = {}
+    for at, name, category, x, fmt in captured:
+        rounded = lpsim.quantize(x, fmt, "nearest")
+        add_to(expected, (at, name, category), python_recount(x, rounded, fmt))
+    got = {(r.step, r.module, r.category): r.statistics for r in recorder.records}
+    assert sorted(got) == sorted(expected)
+    for key, statistics in expected.items():
+        assert_same_statistics(got[key], statistics, key)
+    total = sum(expected.values(), RoundingStatistics())
+    assert total.overflow and total.underflow and total.subnormal  # every count is exercised
+    assert_same_statistics(sum(got.values(), RoundingStatistics()), total, "total")
+
+
+class CapturingSGD(torch.optim.SGD):
+    """SGD that keeps the parameters and momentum buffers after each of its steps: what OptimLP
+    then rounds into the accumulators and the momentum format."""
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        self.after_step = {
+            p: (p.detach().clone(), self.state[p]["momentum_buffer"].clone())
+            for group in self.param_groups
+            for p in group["params"]
+        }
+        return loss
+
+
+def test_the_recorders_totals_equal_a_python_recount_of_the_optimizers_roundings():
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4)
+    inner = CapturingSGD(model.parameters(), lr=0.1, momentum=0.9)
+    grad, momentum, acc, weight = FLOAT, Float(4, 3), Float(6, 9), FIXED
+    optimizer = OptimLP(
+        inner, weight=weight, grad=grad, momentum=momentum, acc=acc, rounding="nearest"
+    )
+    names = {id(p): name for name, p in model.named_parameters()}
+    expected, stagnation = {}, {}
+    with Recorder(model, optimizer) as recorder:
+        for step in range(3):
+            optimizer.zero_grad()
+            (model(torch.randn(8, 6)).square().sum() * 8).backward()
+            grads = {p: p.grad.clone() for p in model.parameters()}
+            weights = {p: p.detach().clone() for p in model.parameters()}
+            optimizer.step()
+            for p in model.parameters():
+                name = names[id(p)]
+                new_acc, new_momentum = inner.after_step[p]
+                state = inner.state[p]["momentum_buffer"]
+                rounded_acc = optimizer.accumulators[p]
+                pairs = (
+                    ("grad", grads[p], p.grad, grad),
+                    ("momentum", new_momentum, state, momentum),
+                    ("accumulator", new_acc, rounded_acc, acc),
+                    ("weight", rounded_acc, p.detach(), weight),
+                )
+                for category, before, after, fmt in pairs:
+                    add_to(expected, (step, name, category), python_recount(before, after, fmt))
+                updated = rounded_acc != weights[p]
+                lost = updated & (p.detach() == weights[p])
+                stagnation[step, name] = Stagnation(p.numel(), int(updated.sum()), int(lost.sum()))
+    assert recorder.current_step == 3  # the optimizer's steps moved the recorder on
+    got = {(r.step, r.module, r.category): r.statistics for r in recorder.records}
+    assert sorted(got) == sorted(expected)
+    for key, statistics in expected.items():
+        assert_same_statistics(got[key], statistics, key)
+    assert {(r.step, r.parameter): r.stagnation for r in recorder.stagnation_records} == stagnation
+    assert sum(s.lost for s in stagnation.values()) > 0
+
+
+# What is recorded
+
+
+def test_an_injected_cnn_and_optim_lp_record_every_category():
+    torch.manual_seed(0)
+    model = inject(
+        small_cnn(),
+        {
+            nn.Conv2d: LayerQuantization(weight=FLOAT, bias=FLOAT, input=FIXED, output=FIXED),
+            nn.ReLU: LayerQuantization(error=FLOAT),
+        },
+    )
+    optimizer = OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        weight=FLOAT,
+        grad=FLOAT,
+        momentum=FLOAT,
+        acc=Float(6, 9),
+        parameters=lpsim.nn.quantized_parameters(model),
+    )
+    with Recorder(model, optimizer) as recorder:
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(torch.rand(4, 1, 8, 8)), torch.arange(4))
+        loss.backward()
+        optimizer.step()
+    categories = {category for _, category in recorder.summary()}
+    assert categories == {
+        "weight",
+        "bias",
+        "input",
+        "output",
+        "error",
+        "grad",
+        "momentum",
+        "accumulator",
+    }
+    modules = {module for module, category in recorder.summary() if category == "input"}
+    assert modules == {"0", "3", "7"}  # the convolutions, by their names in the model
+    parameters = {name for (name,) in recorder.stagnation_summary()}
+    assert parameters == {"0.weight", "0.bias", "3.weight", "3.bias", "7.weight", "7.bias"}
+    text = recorder.table()
+    assert "SQNR dB" in text and "stagnation %" in text and "3.weight" in text
+
+
+def test_a_quantizer_module_records_its_output_and_error_under_its_name():
+    model = nn.Sequential(nn.Linear(3, 3), Quantizer(FLOAT, FIXED, "nearest", "nearest"))
+    x = torch.randn(5, 3)
+    with Recorder(model) as recorder:
+        y = model(x)
+        y.backward(torch.randn(5, 3))
+    got = recorder.summary()
+    assert set(got) == {("1", "output"), ("1", "error")}
+    output = model[0](x).detach()
+    want = python_recount(output, lpsim.quantize(output, FLOAT, "nearest"), FLOAT)
+    assert_same_statistics(got["1", "output"], want, "output")
+
+
+def test_delayed_scaling_roundings_are_recorded():
+    e4m3 = Float(4, 3, special="fn")
+    model = inject(nn.Linear(4, 4), {nn.Linear: LayerQuantization(output=DelayedScaling(e4m3))})
+    with Recorder(model) as recorder:
+        model(torch.randn(3, 4) * 1000).sum().backward()
+    (statistics,) = recorder.summary().values()
+    assert statistics.elements == 12 and statistics.overflow == 0  # a scale hides its range
+
+
+def test_every_records_only_every_kth_step():
+    model = recount_model()
+    with Recorder(model, categories="output", every=2) as recorder:
+        for _ in range(5):
+            model(torch.randn(1, 1, 5, 5))
+            recorder.step()
+    assert sorted({r.step for r in recorder.records}) == [0, 2, 4]
+    assert {r.category for r in recorder.records} == {"output"}
+
+
+def test_eval_roundings_are_recorded_only_when_asked():
+    model = recount_model().eval()
+    with torch.no_grad():
+        with Recorder(model) as recorder:
+            model(torch.randn(1, 1, 5, 5))
+        assert recorder.records == []
+        with Recorder(model, record_eval=True) as recorder:
+            model(torch.randn(1, 1, 5, 5))
+    assert {r.category for r in recorder.records} == {"weight", "bias", "input", "output"}
+
+
+# Stagnation
+
+
+def tiny_parameter() -> tuple[nn.Parameter, torch.Tensor]:
+    """Weights on the Fixed(8, 4) grid (spacing 1/16) and gradients whose updates (lr 1) round
+    back to the old weight for two of the five nonzero ones: 0.5 - 0.01 -> 0.5 and
+    1.0 - 0.02 -> 1.0; 0.45, 0.7 and -0.35 round to new values; the first update is zero."""
+    weight = nn.Parameter(torch.tensor([0.5, 0.5, 0.5, 0.5, -0.25, 1.0]))
+    gradient = torch.tensor([0.0, 0.01, 0.05, -0.2, 0.1, 0.02])
+    return weight, gradient
+
+
+@pytest.mark.parametrize(
+    "kind, want",
+    [
+        ("optim_lp", Stagnation(6, 5, 2)),
+        ("fused", Stagnation(6, 5, 2)),
+        ("torch", Stagnation(6, 5, 0)),
+    ],
+)
+def test_stagnation_matches_a_hand_count_on_a_tiny_example(kind, want):
+    weight, gradient = tiny_parameter()
+    grid = Fixed(8, 4)
+    if kind == "optim_lp":
+        optimizer = OptimLP(torch.optim.SGD([weight], lr=1.0), weight=grid, rounding="nearest")
+    elif kind == "fused":
+        optimizer = FusedSGD([weight], lr=1.0, weight_format=grid, rounding="nearest")
+    else:
+        optimizer = torch.optim.SGD([weight], lr=1.0)
+    with Recorder(optimizer=optimizer) as recorder:
+        (weight * gradient).sum().backward()
+        optimizer.step()
+    (record,) = recorder.stagnation_records
+    assert record == (0, "group0.param0", want)
+    assert record.stagnation.fraction == want.lost / want.updated
+
+
+# Detaching
+
+
+def trained_model(steps: int, recorder_options: dict | None):
+    """An injected model and OptimLP with stochastic rounding, after ``steps`` steps with the
+    same seeds every time, recorded with a Recorder made from ``recorder_options`` (None: no
+    recorder); and what the model and optimizer looked like before the recorder was attached."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 3)
+    )
+    rule = "stochastic"
+    inject(
+        model,
+        {
+            (nn.Conv2d, nn.Linear): LayerQuantization(
+                weight=FIXED, input=FIXED, output=FIXED, error=FLOAT, rounding=rule
+            ),
+            nn.BatchNorm2d: LayerQuantization(output=Float(5, 2), rounding=rule),
+        },
+    )
+    optimizer = OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        weight=FIXED,
+        grad=FLOAT,
+        momentum=Float(5, 2),
+        rounding=rule,
+    )
+    before = layout(model, optimizer)
+    recorder = (
+        Recorder(model, optimizer, **recorder_options) if recorder_options is not None else None
+    )
+    if recorder is not None:
+        recorder.attach()
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(6, 1, 4, 4)).square().sum().backward()
+        optimizer.step()
+    if recorder is not None:
+        recorder.detach()
+    return model, optimizer, before
+
+
+def layout(model: nn.Module, optimizer) -> dict:
+    """Everything of a model and optimizer that attaching could change, but their values."""
+    return {
+        "modules": [(name, type(m)) for name, m in model.named_modules()],
+        "parameters": [(name, id(p)) for name, p in model.named_parameters()],
+        "buffers": [(name, id(b)) for name, b in model.named_buffers()],
+        "state_dict": sorted(model.state_dict()),
+        "hooks": [
+            (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_hooks))
+            for m in model.modules()
+        ],
+        "attributes": [sorted(vars(m)) for m in model.modules()],
+        "optimizer_hooks": (
+            len(optimizer._optimizer_step_pre_hooks),
+            len(optimizer._optimizer_step_post_hooks),
+        ),
+    }
+
+
+def assert_identical(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    if got.is_floating_point():
+        assert_same_bits(got, want, name)
+    else:
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+def test_detaching_restores_the_model_exactly_and_recording_changes_nothing():
+    plain, plain_optimizer, _ = trained_model(3, None)
+    recorded, optimizer, before = trained_model(3, {})
+    assert _observation.current is None
+    assert layout(recorded, optimizer) == before
+    for (name, a), (_, b) in zip(plain.state_dict().items(), recorded.state_dict().items()):
+        assert_identical(b, a, name)
+    for p, q in zip(plain_optimizer.param_groups[0]["params"], optimizer.param_groups[0]["params"]):
+        assert_same_bits(
+            optimizer.state[q]["momentum_buffer"], plain_optimizer.state[p]["momentum_buffer"]
+        )
+    x = torch.randn(6, 1, 4, 4)
+    for model in (plain, recorded):
+        torch.manual_seed(5)
+        model.zero_grad()
+        model.output = model(x)
+        model.output.sum().backward()
+    assert_same_bits(recorded.output, plain.output, "output")
+    for (name, p), (_, q) in zip(plain.named_parameters(), recorded.named_parameters()):
+        assert_same_bits(q.grad, p.grad, name)
+
+
+def test_a_detached_model_calls_no_observer(monkeypatch):
+    model, optimizer, _ = trained_model(1, {"every": 1})
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an observer was called")
+
+    monkeypatch.setattr(recorder_module, "rounding_statistics", refuse)
+    monkeypatch.setattr(Recorder, "observe", refuse)
+    monkeypatch.setattr(Recorder, "wants", refuse)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(2, 1, 4, 4)).sum().backward()
+        optimizer.step()
+    with Recorder(model, optimizer), pytest.raises(AssertionError, match="observer was called"):
+        model(torch.randn(2, 1, 4, 4))  # attached, the same call sites do call it
+
+
+# Exports
+
+
+@pytest.fixture(scope="module")
+def filled_recorder():
+    model, optimizer, _ = trained_model(2, {})
+    recorder = Recorder(model, optimizer)
+    with recorder:
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(torch.randn(6, 1, 4, 4)).square().sum().backward()
+            optimizer.step()
+    assert recorder.records and recorder.stagnation_records
+    return recorder
+
+
+def same_number(text_or_value, want) -> bool:
+    got = float(text_or_value) if isinstance(text_or_value, str) else text_or_value
+    return (math.isnan(got) and math.isnan(want)) or got == want
+
+
+def test_csv_export_parses_back_to_the_same_numbers(filled_recorder, tmp_path):
+    path = tmp_path / "roundings.csv"
+    filled_recorder.to_csv(path)
+    with open(path, newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert tuple(rows[0]) == CSV_COLUMNS
+    records, stagnation = filled_recorder.records, filled_recorder.stagnation_records
+    assert len(rows) == len(records) + len(stagnation)
+    for row, record in zip(rows, records):
+        assert (int(row["step"]), row["module"], row["category"]) == record[:3]
+        for field, value in record.statistics.as_dict().items():
+            assert same_number(row[field], value), (record[:3], field)
+    for row, record in zip(rows[len(records) :], stagnation):
+        assert (int(row["step"]), row["module"], row["category"]) == (
+            record.step,
+            record.parameter,
+            "stagnation",
+        )
+        value = record.stagnation
+        assert (int(row["elements"]), int(row["updated"]), int(row["lost"])) == (
+            value.elements,
+            value.updated,
+            value.lost,
+        )
+        assert same_number(row["stagnation"], value.fraction)
+
+
+def test_json_export_parses_back_to_the_same_numbers(filled_recorder, tmp_path):
+    path = tmp_path / "roundings.json"
+    filled_recorder.to_json(path)
+    data = json.loads(path.read_text())  # standard JSON: no NaN or Infinity
+    assert data["every"] == 1
+    for entry, record in zip(data["records"], filled_recorder.records, strict=True):
+        assert (entry["step"], entry["module"], entry["category"]) == record[:3]
+        statistics = RoundingStatistics(*(entry[f] for f in RAW_FIELDS))
+        assert statistics == record.statistics
+        sqnr = record.statistics.sqnr_db
+        assert entry["sqnr_db"] == (sqnr if math.isfinite(sqnr) else None)
+    for entry, record in zip(data["stagnation"], filled_recorder.stagnation_records, strict=True):
+        assert entry["parameter"] == record.parameter
+        assert Stagnation(entry["elements"], entry["updated"], entry["lost"]) == record.stagnation
+
+
+def test_summary_adds_the_records_and_the_table_shows_it(filled_recorder):
+    by_category = filled_recorder.summary(by="category")
+    for (category,), statistics in by_category.items():
+        parts = [r.statistics for r in filled_recorder.records if r.category == category]
+        assert statistics == sum(parts, RoundingStatistics())
+    table = filled_recorder.table(by=("step", "category"))
+    header = table.splitlines()[0].split()
+    assert header[:4] == ["step", "category", "elements", "overflow"]
+    assert f"{by_category['error',].elements}" in filled_recorder.table(by="category")
+
+
+def test_the_plot_writes_a_png(filled_recorder, tmp_path):
+    pytest.importorskip("matplotlib")
+    for metric, category in (("underflow", "error"), ("overflow", "input"), ("sqnr_db", None)):
+        path = tmp_path / f"{metric}.png"
+        filled_recorder.plot(path, metric=metric, category=category)
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="metric"):
+        filled_recorder.plot(tmp_path / "x.png", metric="sqnr")
+    with pytest.raises(ValueError, match="category"):
+        filled_recorder.plot(tmp_path / "x.png", category="activations")
+    with pytest.raises(ValueError, match="nothing recorded"):
+        filled_recorder.plot(tmp_path / "x.png", category="accumulator")
+
+
+class FakeWriter:
+    def __init__(self):
+        self.scalars = {}
+
+    def add_scalar(self, tag, value, step):
+        self.scalars[tag, step] = value
+
+
+def test_tensorboard_scalars_go_to_any_writer_and_a_missing_package_is_explained(
+    filled_recorder, monkeypatch, tmp_path
+):
+    writer = FakeWriter()
+    filled_recorder.to_tensorboard(writer)
+    record = next(r for r in filled_recorder.records if r.category == "error")
+    tag = f"error/underflow/{record.module}"
+    assert writer.scalars[tag, record.step] == 100 * record.statistics.fraction("underflow")
+    stagnation = filled_recorder.stagnation_records[0]
+    assert (f"stagnation/{stagnation.parameter}", stagnation.step) in writer.scalars
+    assert all(math.isfinite(v) for v in writer.scalars.values())
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
+    with pytest.raises(ImportError, match="pip install tensorboard"):
+        filled_recorder.to_tensorboard(tmp_path / "logs")
+    with pytest.raises(TypeError, match="add_scalar"):
+        filled_recorder.to_tensorboard(object())
+
+
+# Arguments
+
+
+@pytest.mark.parametrize(
+    "arguments, error, match",
+    [
+        (dict(model="model"), TypeError, "model must be an nn.Module"),
+        (dict(optimizer=object()), TypeError, "optimizer must be a torch.optim.Optimizer"),
+        (dict(), ValueError, "needs a model, an optimizer or both"),
+        (dict(model=nn.Linear(1, 1), categories=["weights"]), ValueError, "categories"),
+        (dict(model=nn.Linear(1, 1), categories=[]), ValueError, "categories"),
+        (dict(model=nn.Linear(1, 1), categories=[1]), TypeError, "categories"),
+        (dict(model=nn.Linear(1, 1), every=0), ValueError, "every"),
+        (dict(model=nn.Linear(1, 1), every=2.0), TypeError, "every"),
+        (dict(model=nn.Linear(1, 1), record_eval="yes"), TypeError, "record_eval"),
+    ],
+)
+def test_bad_arguments_raise_errors_that_name_them(arguments, error, match):
+    with pytest.raises(error, match=match):
+        Recorder(**arguments)
+
+
+def test_bad_keys_and_a_second_recorder_are_refused():
+    recorder = Recorder(nn.Linear(1, 1))
+    with pytest.raises(ValueError, match="by must name some of"):
+        recorder.summary(by=("layer",))
+    with pytest.raises(ValueError, match="by names a key twice"):
+        recorder.table(by=("module", "module"))
+    with recorder:
+        with pytest.raises(RuntimeError, match="attached already"):
+            recorder.attach()
+        with pytest.raises(RuntimeError, match="another Recorder"):
+            Recorder(nn.Linear(1, 1)).attach()
+    assert not recorder.attached and _observation.current is None
