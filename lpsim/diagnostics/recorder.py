@@ -399,11 +399,7 @@ class Recorder:
             ValueError: by names something else, or a key twice.
         """
         keys = _checked_keys(by, SUMMARY_KEYS, "by")
-        totals: dict[tuple, RoundingStatistics] = {}
-        for record in self.records:
-            key = tuple(getattr(record, k) for k in keys)
-            totals[key] = totals.get(key, RoundingStatistics()) + record.statistics
-        return totals
+        return _totals(self.records, keys, "statistics", RoundingStatistics())
 
     def stagnation_summary(
         self, by: Iterable[str] | str = ("parameter",)
@@ -415,11 +411,7 @@ class Recorder:
             ValueError: by names something else, or a key twice.
         """
         keys = _checked_keys(by, STAGNATION_KEYS, "by")
-        totals: dict[tuple, Stagnation] = {}
-        for record in self.stagnation_records:
-            key = tuple(getattr(record, k) for k in keys)
-            totals[key] = totals.get(key, Stagnation()) + record.stagnation
-        return totals
+        return _totals(self.stagnation_records, keys, "stagnation", Stagnation())
 
     def table(self, by: Iterable[str] | str = ("module", "category")) -> str:
         """A plain-text table of ``summary(by)``: elements, the overflow, underflow, subnormal and
@@ -594,6 +586,16 @@ class Recorder:
             f"Recorder({state}, step {self.current_step}, every={self.every}, "
             f"{len(self._statistics)} records, {len(self._stagnation)} stagnation records)"
         )
+
+
+def _totals(records, keys: tuple[str, ...], field: str, zero):
+    """The ``field`` of the records added up with ``+`` (starting from ``zero``) per tuple of
+    their ``keys`` attributes, in the order of first occurrence."""
+    totals = {}
+    for record in records:
+        key = tuple(getattr(record, k) for k in keys)
+        totals[key] = totals.get(key, zero) + getattr(record, field)
+    return totals
 
 
 def _checked_categories(categories) -> tuple[str, ...]:
