@@ -8,8 +8,9 @@ stochastic rounding by default, ``dim=-1`` for one block over the whole tensor).
 
 One word names each feature: ``lpsim.quantize`` rounds a tensor into a format, ``lpsim.update``
 holds ``sr_add`` and its fused forms (sums rounded once), ``lpsim.accumulate`` the sums and products
-rounded after every operation, ``lpsim.dyadic`` integer-native arithmetic, and ``lpsim.transforms``
-the orthogonal transforms applied before quantisation (``RandomHadamard``).
+rounded after every operation, ``lpsim.MAC`` the arithmetic inside a matrix product (products,
+accumulator, order of the additions), ``lpsim.dyadic`` integer-native arithmetic, and
+``lpsim.transforms`` the orthogonal transforms applied before quantisation (``RandomHadamard``).
 
     >>> import torch, lpsim
     >>> x = torch.tensor([1.0, 1.1, 1.25, 300.0])
@@ -23,6 +24,7 @@ from lpsim import (
     diagnostics,  # the recorder of rounding statistics and the float32 shadow
     dyadic,  # integer-native arithmetic on (mantissa, scale) pairs
     formats,
+    mac,  # the arithmetic of a simulated matrix product: MAC
     nn,
     optim,
     recipes,
@@ -35,6 +37,7 @@ from lpsim._ops import cpu_generator, cuda_built
 from lpsim.compat.qtorch import block_quantize, fixed_point_quantize, float_quantize
 from lpsim.formats import P3109, PRESETS, BlockFloat, Fixed, Float, preset
 from lpsim.functional import quantize, quantize_
+from lpsim.mac import MAC
 from lpsim.multi_tensor import quantize_many_
 from lpsim.rounding import Rounding
 from lpsim.scaled import PowerOfTwo, Scaled
@@ -97,6 +100,8 @@ __all__ = [
     "sr_addcdiv_",
     "update",
     "accumulate",
+    "MAC",
+    "mac",
     "recipes",
     "compat",
     "transforms",

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from lpsim.formats import P3109, BlockFloat, Fixed, Float, container_of
+from lpsim.mac import MAC, WORDS_PER_TERM
 from lpsim.rounding import MAX_RBITS, Rounding
 from lpsim.scaled import PowerOfTwo, Scaled
 
@@ -42,6 +43,8 @@ __all__ = [
     "addc_term",
     "sum_rounded",
     "dot_rounded",
+    "mac_matmul",
+    "mac_dot",
     "scaled_block_keys",
     "scaled_block_scale",
 ]
@@ -527,6 +530,101 @@ def dot_rounded(
                 lambda k, r=r: random_word(seed, offset, 2 * (r * n + k)),
             )
             out[i, j] = partial[-1] if partial else 0.0
+    return out
+
+
+# ---- Simulated multiply-accumulate (lpsim.mac): every MAC variant on exact rationals.
+
+
+def mac_dot(products: list[float], mac: MAC, word=lambda k, j: 0, rbits: int = MAX_RBITS) -> float:
+    """The sum of one result's exact products (float64 values) as ``mac`` adds them (lpsim.mac's
+    docstring defines every variant), each rounding exact and then rounded once.
+    ``word(k, j)`` is the random word of rounding j of term k."""
+    if mac.native:
+        raise ValueError("the native MAC (accumulator=None) adds in an unspecified order")
+    rule = mac.rounding
+    acc = container_grid(mac.accumulator, torch.float64)
+
+    def rounded(v: float, grid: RefGrid, k: int, j: int) -> float:
+        return round_value(v, grid, rule, word(k, j), rbits)
+
+    def added(a: float, b: float, grid: RefGrid, k: int, j: int) -> float:
+        return round_sum(a, b, grid, rule, word(k, j), rbits)
+
+    terms = products
+    if mac.product is not None:
+        mul = container_grid(mac.product, torch.float64)
+        terms = [rounded(t, mul, k, 0) for k, t in enumerate(products)]
+    if not terms:
+        return 0.0
+
+    def sequential(first: int, last: int, grid: RefGrid) -> float:
+        s = rounded(terms[first], grid, first, 1)
+        for k in range(first + 1, last):
+            s = added(s, terms[k], grid, k, 1)
+        return s
+
+    if mac.order == "sequential" and mac.compensated:
+        s, c = rounded(terms[0], acc, 0, 1), 0.0
+        for k in range(1, len(terms)):
+            y = added(terms[k], -c, acc, k, 3)
+            u = added(s, y, acc, k, 1)
+            c = added(added(u, -s, acc, k, 4), -y, acc, k, 5)
+            s = u
+        return s
+    if mac.order == "sequential":
+        return sequential(0, len(terms), acc)
+    if mac.order == "chunked":
+        inner = container_grid(mac.chunk_accumulator or mac.accumulator, torch.float64)
+        s = None
+        for first in range(0, len(terms), mac.chunk):
+            last = min(first + mac.chunk, len(terms))
+            u = sequential(first, last, inner)
+            s = rounded(u, acc, last - 1, 2) if s is None else added(s, u, acc, last - 1, 2)
+        return s
+
+    def tree(lo: int, hi: int) -> float:
+        if hi - lo == 1:
+            return terms[lo]
+        split = lo + (1 << ((hi - lo - 1).bit_length() - 1))
+        return added(tree(lo, split), tree(split, hi), acc, split, 1)
+
+    return rounded(terms[0], acc, 0, 1) if len(terms) == 1 else tree(0, len(terms))
+
+
+def mac_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    mac: MAC,
+    *,
+    seed: int | None = None,
+    offset: int = 0,
+) -> torch.Tensor:
+    """What a matrix product a (M, K) @ b (K, N) gives under ``mac``, as float64: result r = i N + j
+    is mac_dot of the exact products a[i, k] b[k, j], rounding j of its term k drawing word
+    8 (r K + k) + j of (seed, offset). a and b hold float32, bfloat16 or float16 values (whose
+    products float64 holds exactly); ``seed`` is required for a stochastic rule."""
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"mac_matmul takes a (M, K) and b (K, N), got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    if mac.rounding.is_stochastic and seed is None:
+        raise ValueError("a stochastic MAC needs a seed")
+    bits = MAX_RBITS if mac.rbits is None else mac.rbits
+    av, bv = a.detach().cpu().double().tolist(), b.detach().cpu().double().tolist()
+    m, n_terms, n = a.shape[0], a.shape[1], b.shape[1]
+    out = torch.zeros(m, n, dtype=torch.float64)
+    for i in range(m):
+        for j in range(n):
+            r = i * n + j
+
+            def word(k: int, slot: int, r=r) -> int:
+                if not mac.rounding.is_stochastic:
+                    return 0
+                return random_word(seed, offset, WORDS_PER_TERM * (r * n_terms + k) + slot)
+
+            products = [av[i][k] * bv[k][j] for k in range(n_terms)]  # exact in float64
+            out[i, j] = mac_dot(products, mac, word, bits)
     return out
 
 

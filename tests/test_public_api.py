@@ -22,6 +22,7 @@ PUBLIC_MODULES = [
     "lpsim",
     "lpsim.update",
     "lpsim.accumulate",
+    "lpsim.mac",
     "lpsim.formats",
     "lpsim.rounding",
     "lpsim.functional",

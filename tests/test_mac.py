@@ -1,0 +1,278 @@
+"""lpsim.MAC, the description of a simulated multiply-accumulate, and its exact reference
+(lpsim.reference.mac_matmul): checked against IEEE float32 and float64 arithmetic done by numpy and
+Python, against lpsim.accumulate (whose sums the compiled core rounds on integer bits), against
+the classical error bounds of recursive, pairwise and compensated summation (Higham, Accuracy and
+Stability of Numerical Algorithms, 2nd ed., ch. 4), and against the unbiasedness of stochastic
+rounding."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lpsim
+from lpsim import MAC, Fixed, Float
+from lpsim import reference as ref
+
+FLOAT16 = Float(5, 10)
+BFLOAT16 = Float(8, 7)
+FLOAT32 = Float(8, 23)
+FLOAT64 = Float(11, 52)
+DETERMINISTIC = ["nearest", "nearest_away", "toward_zero", "up", "down", "odd"]
+
+
+def exact_dot(a: torch.Tensor, b: torch.Tensor) -> Fraction:
+    return sum(
+        (Fraction(x) * Fraction(y) for x, y in zip(a.double().tolist(), b.double().tolist())),
+        Fraction(0),
+    )
+
+
+def one_result(a_row: torch.Tensor, b_column: torch.Tensor, mac: MAC, seed=None) -> float:
+    return ref.mac_matmul(a_row.reshape(1, -1), b_column.reshape(-1, 1), mac, seed=seed).item()
+
+
+def normal_terms(k: int, seed: int, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(k, generator=g) * scale).to(torch.bfloat16).float()
+    b = torch.randn(k, generator=g).to(torch.bfloat16).float()
+    return a, b
+
+
+# ---- The description: validated, and every field named in its errors.
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(accumulator=3), TypeError, "accumulator"),
+        (dict(accumulator=FLOAT16, product="e5m2"), TypeError, "product"),
+        (dict(accumulator=FLOAT16, order="tree"), ValueError, "order"),
+        (dict(accumulator=FLOAT16, order="chunked"), ValueError, "chunk"),
+        (dict(accumulator=FLOAT16, order="chunked", chunk=0), ValueError, "chunk must be in"),
+        (dict(accumulator=FLOAT16, order="chunked", chunk=2.0), TypeError, "chunk"),
+        (dict(accumulator=FLOAT16, chunk=4), ValueError, "chunk"),
+        (dict(accumulator=FLOAT16, chunk_accumulator=BFLOAT16), ValueError, "chunk_accumulator"),
+        (dict(accumulator=FLOAT16, order="pairwise", compensated=True), ValueError, "compensated"),
+        (dict(accumulator=FLOAT16, compensated=1), TypeError, "compensated"),
+        (dict(accumulator=FLOAT16, rounding="round"), ValueError, "round"),
+        (dict(accumulator=FLOAT16, rbits=8), ValueError, "rbits"),
+        (dict(accumulator=FLOAT16, rounding="stochastic", rbits=40), ValueError, "rbits"),
+        (dict(product=FLOAT16), ValueError, "accumulator=None"),
+        (dict(rounding="stochastic"), ValueError, "accumulator=None"),
+    ],
+)
+def test_bad_fields_raise_errors_naming_them(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        MAC(**kwargs)
+
+
+def test_the_default_is_torchs_own_product_and_fused_means_exact_products():
+    assert MAC().native and MAC().fused
+    assert not MAC(accumulator=FLOAT16, product=FLOAT16).fused
+    assert MAC(accumulator=FLOAT16, rounding="stochastic").rounding is lpsim.Rounding.stochastic
+    with pytest.raises(ValueError, match="unspecified order"):
+        ref.mac_dot([1.0], MAC())
+
+
+# ---- The reference against arithmetic no one here wrote.
+
+
+@given(st.integers(1, 64), st.integers(0, 2**32 - 1))
+@settings(max_examples=30, deadline=None)
+def test_separate_float32_multiply_and_add_is_numpys_float32_loop(k, seed):
+    a, b = normal_terms(k, seed)
+    a = a * torch.randn(k, generator=torch.Generator().manual_seed(seed + 1)).exp()
+    s = np.float32(a[0].item()) * np.float32(b[0].item())
+    for x, y in zip(a[1:].tolist(), b[1:].tolist()):
+        s = np.float32(s + np.float32(np.float32(x) * np.float32(y)))
+    mac = MAC(accumulator=FLOAT32, product=FLOAT32)
+    assert one_result(a, b, mac) == float(s)
+
+
+@given(st.integers(1, 64), st.integers(0, 2**32 - 1))
+@settings(max_examples=30, deadline=None)
+def test_fused_float64_accumulation_is_pythons_float_loop(k, seed):
+    # float32 products are exact in float64, so each Python addition is the fused step.
+    a, b = normal_terms(k, seed)
+    s = 0.0
+    for x, y in zip(a.tolist(), b.tolist()):
+        s = s + x * y
+    assert one_result(a, b, MAC(accumulator=FLOAT64)) == s
+
+
+@pytest.mark.parametrize("rounding", DETERMINISTIC)
+@pytest.mark.parametrize(
+    "acc, mul",
+    [(FLOAT16, None), (BFLOAT16, None), (Float(4, 3), Float(4, 3)), (Fixed(12, 6), None)],
+)
+def test_sequential_order_is_lpsim_accumulate_matmul(rounding, acc, mul):
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(3, 40, generator=g).to(torch.bfloat16)
+    b = torch.randn(40, 2, generator=g).to(torch.bfloat16)
+    want = lpsim.accumulate.matmul(a, b, acc=acc, mul=mul, rounding=rounding).double()
+    got = ref.mac_matmul(a, b, MAC(accumulator=acc, product=mul, rounding=rounding))
+    assert torch.equal(got, want)
+
+
+# ---- The orders against one another.
+
+
+@pytest.mark.parametrize("rounding", DETERMINISTIC)
+@pytest.mark.parametrize("k", [1, 7, 33])
+def test_one_chunk_of_the_accumulators_format_is_the_sequential_sum(rounding, k):
+    a, b = normal_terms(k, k)
+    sequential = MAC(accumulator=BFLOAT16, rounding=rounding)
+    chunked = MAC(accumulator=BFLOAT16, rounding=rounding, order="chunked", chunk=64)
+    assert one_result(a, b, chunked) == one_result(a, b, sequential)
+
+
+@pytest.mark.parametrize("rounding", DETERMINISTIC)
+def test_chunks_of_one_term_round_each_product_into_the_chunk_format(rounding):
+    a, b = normal_terms(50, 5)
+    chunked = MAC(
+        accumulator=FLOAT16,
+        rounding=rounding,
+        order="chunked",
+        chunk=1,
+        chunk_accumulator=Float(4, 3),
+    )
+    separate = MAC(accumulator=FLOAT16, product=Float(4, 3), rounding=rounding)
+    assert one_result(a, b, chunked) == one_result(a, b, separate)
+
+
+def test_adding_ones_stagnates_sequentially_but_not_in_a_tree_chunks_or_kahan():
+    # float16 holds every integer up to 2048 and 2048 + 1 rounds back to 2048 (ties to even).
+    ones = torch.ones(4096)
+    assert one_result(ones, ones, MAC(accumulator=FLOAT16)) == 2048.0
+    assert one_result(ones, ones, MAC(accumulator=FLOAT16, order="pairwise")) == 4096.0
+    chunked = MAC(accumulator=FLOAT16, order="chunked", chunk=256)  # 16 exact chunks of 256
+    assert one_result(ones, ones, chunked) == 4096.0
+    assert one_result(ones, ones, MAC(accumulator=FLOAT16, compensated=True)) == 4096.0
+
+
+def test_chunk_sums_in_a_narrow_format_lose_what_the_accumulator_would_keep():
+    # bfloat16 (8 significant bits) sums 1 + 2^-9 to 1 in every chunk; float32 keeps it.
+    a = torch.tensor([1.0, 2.0**-9] * 4)
+    ones = torch.ones(8)
+    narrow = MAC(accumulator=FLOAT32, order="chunked", chunk=2, chunk_accumulator=BFLOAT16)
+    wide = MAC(accumulator=FLOAT32, order="chunked", chunk=2)
+    assert one_result(a, ones, narrow) == 4.0
+    assert one_result(a, ones, wide) == 4.0 + 4 * 2.0**-9
+
+
+def test_the_pairwise_tree_splits_at_the_largest_power_of_two_below_the_count():
+    # float16 spaces 2048..4096 by 2, and ties go to the even significand (2048, 2052). Four terms:
+    # (2048 + 1) + (1 + 1) = 2048 + 2 = 2050. Five terms split 4 + 1: 2050 + 1 = 2051 -> 2052; a
+    # split into 3 + 2 would give ((2048 + 1) + 1) + (1 + 1) = 2048 + 2 = 2050.
+    t = torch.tensor([2048.0, 1.0, 1.0, 1.0, 1.0])
+    mac = MAC(accumulator=FLOAT16, order="pairwise")
+    assert one_result(t[:4], torch.ones(4), mac) == 2050.0
+    assert one_result(t, torch.ones(5), mac) == 2052.0
+
+
+# ---- Classical error bounds (Higham, ch. 4), on random data.
+
+
+def unit_roundoff(fmt: Float) -> Fraction:
+    return Fraction(1, 2 ** (fmt.man + 1))
+
+
+def gamma(n: int, u: Fraction) -> Fraction:
+    return n * u / (1 - n * u)
+
+
+@given(st.integers(2, 200), st.integers(0, 2**32 - 1), st.sampled_from([FLOAT16, BFLOAT16]))
+@settings(max_examples=25, deadline=None)
+def test_every_order_is_within_its_classical_error_bound(k, seed, acc):
+    a, b = normal_terms(k, seed, scale=0.25)
+    exact = exact_dot(a, b)
+    magnitude = exact_dot(a.abs(), b.abs())
+    u = unit_roundoff(acc)
+    depth = math.ceil(math.log2(k))
+    bounds = {
+        MAC(accumulator=acc): gamma(k, u),  # the first rounding (of t_0) counted too
+        MAC(accumulator=acc, order="pairwise"): gamma(depth + 1, u),
+        MAC(accumulator=acc, order="chunked", chunk=16): gamma(16 + math.ceil(k / 16), u),
+        # |E| <= (2u + O(n u^2)) sum |t_k|, plus the first term's rounding (u).
+        MAC(accumulator=acc, compensated=True): 3 * u + 8 * k * u * u,
+    }
+    for mac, bound in bounds.items():
+        error = abs(Fraction(one_result(a, b, mac)) - exact)
+        assert error <= bound * magnitude, (mac, float(error), float(bound * magnitude))
+
+
+def test_kahan_stays_near_the_exact_sums_where_recursion_drifts():
+    # Eight sums of 2000 products in bfloat16: on average the recursive sums drift by many units
+    # of roundoff of the result, the compensated ones by about the final rounding's half unit.
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(1, 2000, generator=g).to(torch.bfloat16).float()
+    b = torch.randn(2000, 8, generator=g).to(torch.bfloat16).float()
+    exact = [exact_dot(a[0], b[:, j]) for j in range(8)]
+    size = sum(abs(e) for e in exact) * unit_roundoff(BFLOAT16)
+
+    def drift(mac: MAC) -> Fraction:
+        c = ref.mac_matmul(a, b, mac)[0].tolist()
+        return sum(abs(Fraction(v) - e) for v, e in zip(c, exact)) / size
+
+    plain = drift(MAC(accumulator=BFLOAT16))
+    kahan = drift(MAC(accumulator=BFLOAT16, compensated=True))
+    assert kahan <= 1.5
+    assert plain >= 5 * kahan
+
+
+# ---- Stochastic rounding.
+
+
+@pytest.mark.parametrize("order", ["sequential", "pairwise", "chunked"])
+def test_stochastic_sums_are_unbiased(order):
+    # Each stochastic rounding is unbiased given what came before, so the final sum's mean is the
+    # exact sum: the sample mean over 300 seeds lies within 5 standard errors of it.
+    a, b = normal_terms(96, 2)
+    extra = dict(chunk=8) if order == "chunked" else {}
+    mac = MAC(accumulator=BFLOAT16, rounding="stochastic", order=order, **extra)
+    results = [one_result(a, b, mac, seed=s) for s in range(300)]
+    exact = float(exact_dot(a, b))
+    error = statistics.fmean(results) - exact
+    assert abs(error) <= 5 * statistics.stdev(results) / math.sqrt(len(results))
+    assert len(set(results)) > 3  # the results do vary: the bound is not vacuous
+
+
+@pytest.mark.parametrize(
+    "mac",
+    [
+        MAC(accumulator=BFLOAT16, product=Float(4, 3), rounding="stochastic", rbits=6),
+        MAC(accumulator=FLOAT16, rounding="stochastic_equal", compensated=True),
+        MAC(accumulator=Fixed(10, 4), rounding="stochastic", order="pairwise"),
+    ],
+)
+def test_every_result_lies_on_the_accumulators_grid(mac):
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(2, 30, generator=g)
+    b = torch.randn(30, 3, generator=g)
+    c = ref.mac_matmul(a, b, mac, seed=9)
+    assert torch.equal(lpsim.quantize(c, mac.accumulator, "nearest"), c)
+
+
+def test_results_draw_the_documented_words():
+    # Result r = i N + j, term k, rounding j' draws word 8 (r K + k) + j' of (seed, offset).
+    g = torch.Generator().manual_seed(6)
+    a, b = torch.randn(2, 5, generator=g), torch.randn(5, 3, generator=g)
+    mac = MAC(accumulator=BFLOAT16, product=Float(4, 3), rounding="stochastic", order="pairwise")
+    c = ref.mac_matmul(a, b, mac, seed=12, offset=7)
+    i, j = 1, 2
+    r = i * 3 + j
+    products = [a[i, k].item() * b[k, j].item() for k in range(5)]
+
+    def word(k, slot):
+        return ref.random_word(12, 7, 8 * (r * 5 + k) + slot)
+
+    assert c[i, j].item() == ref.mac_dot(products, mac, word)
+    assert not torch.equal(c, ref.mac_matmul(a, b, mac, seed=12, offset=8))
