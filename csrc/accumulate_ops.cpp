@@ -3,8 +3,9 @@
 //
 //   sum_rounded   recursive sums (and cumulative sums) rounded after every addition
 //   dot_rounded   dot products: exact products, optionally rounded, summed as above
+//   mac_matmul    matrix products under a MAC (lpsim/mac.h): products, accumulator, order, Kahan
 //
-// Both return float64 tensors whose values lie in the accumulation format; lpsim/accumulate.py
+// All return float64 tensors whose values lie in the accumulation format; lpsim/accumulate.py
 // validates formats and shapes and converts the results to the output dtype.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -48,9 +49,9 @@ at::Tensor sum_rounded_cpu(const at::Tensor& x, int64_t outer, int64_t n, int64_
   return y;
 }
 
-at::Tensor dot_rounded_cpu(const at::Tensor& a, const at::Tensor& b, bool has_mul,
-                           LPSIM_GRID_PARAMS(mul_) LPSIM_GRID_PARAMS() int64_t rounding,
-                           int64_t rbits, const Seed& seed, int64_t offset) {
+// The operands' container, checked: a (m, n) and b (p, n) of one dtype whose products float64
+// holds exactly (not float64).
+Dtype check_product_operands(const at::Tensor& a, const at::Tensor& b, const char* op) {
   const Dtype dtype = container_of(a);
   TORCH_CHECK_TYPE(dtype != Dtype::float64,
                    "lpsim: products are formed exactly in float64, so the operands must be "
@@ -58,9 +59,15 @@ at::Tensor dot_rounded_cpu(const at::Tensor& a, const at::Tensor& b, bool has_mu
   TORCH_CHECK_TYPE(b.scalar_type() == a.scalar_type(),
                    "lpsim: both operands must have one dtype, got ", a.scalar_type(), " and ",
                    b.scalar_type());
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1),
-              "lpsim: dot_rounded takes a (m, n) and b (p, n), got ", a.sizes(), " and ",
-              b.sizes());
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1), "lpsim: ", op,
+              " takes a (m, n) and b (p, n), got ", a.sizes(), " and ", b.sizes());
+  return dtype;
+}
+
+at::Tensor dot_rounded_cpu(const at::Tensor& a, const at::Tensor& b, bool has_mul,
+                           LPSIM_GRID_PARAMS(mul_) LPSIM_GRID_PARAMS() int64_t rounding,
+                           int64_t rbits, const Seed& seed, int64_t offset) {
+  const Dtype dtype = check_product_operands(a, b, "dot_rounded");
   const GridSpec acc = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES()});
   GridSpec mul{};
   if (has_mul) mul = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES(mul_)});
@@ -79,6 +86,37 @@ at::Tensor dot_rounded_cpu(const at::Tensor& a, const at::Tensor& b, bool has_mu
   return y;
 }
 
+at::Tensor mac_matmul_cpu(const at::Tensor& a, const at::Tensor& b, int64_t order, int64_t chunk,
+                          bool compensated, bool has_product,
+                          LPSIM_GRID_PARAMS(product_) LPSIM_GRID_PARAMS(chunk_) LPSIM_GRID_PARAMS()
+                              int64_t rounding,
+                          int64_t rbits, const Seed& seed, int64_t offset) {
+  const Dtype dtype = check_product_operands(a, b, "mac_matmul");
+  TORCH_CHECK(order >= 0 && order <= static_cast<int64_t>(MacOrder::kPairwise),
+              "lpsim: mac_matmul's order must be 0 (sequential), 1 (chunked) or 2 (pairwise), got ",
+              order);
+  TORCH_CHECK(chunk >= 1, "lpsim: mac_matmul's chunk must be at least 1, got ", chunk);
+  const MacShape shape{static_cast<MacOrder>(order), chunk, compensated};
+  const GridSpec acc = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES()});
+  const GridSpec inner = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES(chunk_)});
+  GridSpec product{};
+  if (has_product) product = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES(product_)});
+  const Rounding rule = rounding_of(rounding);
+  const RandomSpec random = random_spec(rule, rbits, seed, offset);
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  const int64_t m = a.size(0), n = a.size(1), p = b.size(0);
+  at::Tensor y = at::empty({m, p}, a.options().dtype(at::kDouble));
+  const void* ap = ac.const_data_ptr();
+  const void* bp = bc.const_data_ptr();
+  auto* yp = reinterpret_cast<uint64_t*>(y.data_ptr<double>());
+  const GridSpec* product_grid = has_product ? &product : nullptr;
+  at::parallel_for(0, m * p, reduction_grain(n), [&](int64_t begin, int64_t end) {
+    cpu::mac_matmul(dtype, rule, ap, bp, yp, n, p, begin, end, shape, product_grid, acc, inner,
+                    random);
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lpsim, m) {
@@ -87,11 +125,15 @@ TORCH_LIBRARY_FRAGMENT(lpsim, m) {
       ", " + kRandomSchema + ") -> Tensor");
   def("dot_rounded(Tensor a, Tensor b, bool has_mul, " + grid_schema("mul_") + ", " +
       grid_schema() + ", " + kRandomSchema + ") -> Tensor");
+  def("mac_matmul(Tensor a, Tensor b, int order, int chunk, bool compensated, bool has_product, " +
+      grid_schema("product_") + ", " + grid_schema("chunk_") + ", " + grid_schema() + ", " +
+      kRandomSchema + ") -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lpsim, CPU, m) {
   m.impl("sum_rounded", sum_rounded_cpu);
   m.impl("dot_rounded", dot_rounded_cpu);
+  m.impl("mac_matmul", mac_matmul_cpu);
 }
 
 }  // namespace lpsim

@@ -37,6 +37,17 @@ once, by ``rounding``, onto the named format's grid):
   accumulator: y = round(t_k - c), u = round(s + y), c = round(round(u - s) - y), s = u.
 - ``rounding``, ``rbits``: the rule of every rounding, and the random bits of a stochastic rule.
 
+``matmul(a, b, mac)`` computes a product under a MAC (CPU; exact products need float32, bfloat16
+or float16 operands):
+
+    >>> import torch
+    >>> ones = torch.ones(1, 4096)
+    >>> lpsim.mac.matmul(ones, ones.t(), lpsim.MAC(accumulator=lpsim.Float(5, 10))).item()
+    2048.0
+    >>> lpsim.mac.matmul(ones, ones.t(), lpsim.MAC(accumulator=lpsim.Float(5, 10),
+    ...                                            order="pairwise")).item()
+    4096.0
+
 Random words: with a stochastic rule, rounding j of term k of result r (results numbered in
 row-major order over the result's M x N entries) draws word ``8 (r K + k) + j`` of the
 position-keyed stream of (seed, offset), with j = 0 for the product's rounding; 1 for the
@@ -51,11 +62,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from lpsim._checks import check_choice, check_element_format, check_int
-from lpsim.formats import Fixed, Float
-from lpsim.rounding import Rounding, check_rbits
+import torch
 
-__all__ = ["MAC", "ORDERS", "WORDS_PER_TERM"]
+from lpsim._checks import check_choice, check_container, check_element_format, check_int
+from lpsim._checks import random_args as _random_args
+from lpsim._ops import call
+from lpsim.formats import Fixed, Float, check_fits, fitting_container
+from lpsim.rounding import Rounding, check_rbits
+from lpsim.update import sum_grid
+
+__all__ = ["MAC", "ORDERS", "WORDS_PER_TERM", "matmul"]
 
 ORDERS = ("sequential", "chunked", "pairwise")
 WORDS_PER_TERM = 8  # random words reserved per term and result (see the module docstring)
@@ -140,3 +156,68 @@ class MAC:
     def native(self) -> bool:
         """Whether this is torch's own float32 product (accumulator None)."""
         return self.accumulator is None
+
+
+ORDER_CODES = {order: code for code, order in enumerate(ORDERS)}  # the op's MacOrder values
+PRODUCT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def matmul(
+    a: torch.Tensor, b: torch.Tensor, mac: MAC, *, seed: int | None = None, offset: int = 0
+) -> torch.Tensor:
+    """c = a @ b with every result summed as ``mac`` prescribes (the module docstring defines the
+    variants and the random words).
+
+    Args:
+        a: an (M, K) float32, bfloat16 or float16 CPU tensor.
+        b: a (K, N) tensor of a's dtype.
+        mac: the arithmetic; the native MAC() is torch.matmul itself.
+        seed, offset: the random stream of a stochastic rule (seed None: drawn from torch's
+            default CPU generator).
+
+    Returns:
+        c of shape (M, N), in a's dtype when the accumulator fits it, else float32 or float64.
+
+    Raises:
+        TypeError: an operand has an unsupported dtype (float64 products would not be exact), the
+            dtypes differ, or mac is not a MAC.
+        ValueError: the shapes do not match or an operand is not on the CPU.
+    """
+    if not isinstance(mac, MAC):
+        raise TypeError(f"mac must be a MAC, got {type(mac).__name__}")
+    for name, x in (("a", a), ("b", b)):
+        check_container(x, name, PRODUCT_DTYPES)
+        if x.device.type != "cpu":
+            raise ValueError(f"lpsim.mac.matmul runs on CPU tensors only; {name} is on {x.device}")
+    if b.dtype != a.dtype:
+        raise TypeError(f"b must have a's dtype ({a.dtype}), got {b.dtype}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"matmul takes a of shape (M, K) and b of shape (K, N), got {tuple(a.shape)} and "
+            f"{tuple(b.shape)}"
+        )
+    if mac.native:
+        return torch.matmul(a, b)
+    for fmt in (mac.accumulator, mac.product, mac.chunk_accumulator):
+        if fmt is not None:
+            check_fits(fmt, torch.float64)
+    out_dtype = fitting_container(mac.accumulator, a.dtype)
+    acc = sum_grid(mac.accumulator, out_dtype)
+    inner = sum_grid(mac.chunk_accumulator or mac.accumulator, torch.float64)
+    product = sum_grid(mac.product, torch.float64) if mac.product is not None else acc
+    rule, *random = _random_args(mac.rounding, mac.rbits, seed, offset)
+    y = call(
+        "mac_matmul",
+        a.contiguous(),
+        b.t().contiguous(),
+        ORDER_CODES[mac.order],
+        mac.chunk or 1,
+        mac.compensated,
+        mac.product is not None,
+        *product,
+        *inner,
+        *acc,
+        int(rule),
+        *random,
+    )
+    return y.to(out_dtype)

@@ -7,6 +7,7 @@ rounding."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from fractions import Fraction
@@ -16,6 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import assert_same_bits
 
 import lpsim
 from lpsim import MAC, Fixed, Float
@@ -276,3 +278,106 @@ def test_results_draw_the_documented_words():
 
     assert c[i, j].item() == ref.mac_dot(products, mac, word)
     assert not torch.equal(c, ref.mac_matmul(a, b, mac, seed=12, offset=8))
+
+
+# ---- The compiled kernel (lpsim.mac.matmul) against the exact reference, bit for bit.
+
+KERNEL_MACS = [
+    MAC(accumulator=FLOAT16),
+    MAC(accumulator=BFLOAT16, product=Float(4, 3)),
+    MAC(accumulator=FLOAT32, product=BFLOAT16),
+    MAC(accumulator=Float(4, 3, subnormals=False)),
+    MAC(accumulator=Fixed(12, 6)),
+    MAC(accumulator=FLOAT16, compensated=True),
+    MAC(accumulator=BFLOAT16, order="pairwise"),
+    MAC(accumulator=FLOAT16, product=Float(5, 2), order="pairwise"),
+    MAC(accumulator=FLOAT32, order="chunked", chunk=4, chunk_accumulator=BFLOAT16),
+    MAC(accumulator=BFLOAT16, order="chunked", chunk=3, chunk_accumulator=FLOAT32),
+    MAC(accumulator=FLOAT16, order="chunked", chunk=64),
+]
+RULES = [*DETERMINISTIC, "nearest_zero", "away", "stochastic", "stochastic_equal"]
+
+
+def kernel_operands(dtype: torch.dtype, m: int, k: int, n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g) * torch.randn(m, k, generator=g).mul(3).exp()
+    b = torch.randn(k, n, generator=g)
+    a[0, : min(k, 3)] = torch.tensor([1e4, -1e4, 3.0])[: min(k, 3)]  # cancellation
+    return a.to(dtype), b.to(dtype)
+
+
+@pytest.mark.parametrize("rounding", RULES)
+@pytest.mark.parametrize("mac", KERNEL_MACS, ids=repr)
+def test_kernel_equals_the_exact_reference_bit_for_bit(mac, rounding):
+    mac = dataclasses.replace(mac, rounding=rounding)
+    a, b = kernel_operands(torch.bfloat16, 3, 23, 4, 1)
+    got = lpsim.mac.matmul(a, b, mac, seed=5, offset=3)
+    assert_same_bits(got.double(), ref.mac_matmul(a, b, mac, seed=5, offset=3), repr(mac))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [0, 1, 2, 5, 16, 17, 100])
+def test_kernel_equals_the_reference_for_every_dtype_and_length(dtype, k):
+    a, b = kernel_operands(dtype, 2, k, 3, k)
+    for mac in (
+        MAC(accumulator=BFLOAT16, order="pairwise", rounding="stochastic", rbits=5),
+        MAC(accumulator=FLOAT16, order="chunked", chunk=7, chunk_accumulator=Float(4, 3)),
+        MAC(accumulator=Float(6, 9), compensated=True, rounding="up"),
+    ):
+        got = lpsim.mac.matmul(a, b, mac, seed=1)
+        assert_same_bits(got.double(), ref.mac_matmul(a, b, mac, seed=1), repr(mac))
+
+
+@given(
+    st.integers(1, 40),
+    st.sampled_from(KERNEL_MACS),
+    st.sampled_from(RULES),
+    st.integers(0, 2**64 - 1),
+)
+@settings(max_examples=60, deadline=None)
+def test_kernel_equals_the_reference_on_random_products(k, mac, rounding, seed):
+    mac = dataclasses.replace(mac, rounding=rounding)
+    a, b = kernel_operands(torch.float32, 2, k, 2, seed % 1000)
+    got = lpsim.mac.matmul(a, b, mac, seed=seed)
+    assert_same_bits(got.double(), ref.mac_matmul(a, b, mac, seed=seed), repr(mac))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_kernel_results_do_not_depend_on_the_thread_count(threads):
+    a, b = kernel_operands(torch.float32, 17, 300, 13, 2)
+    mac = MAC(accumulator=BFLOAT16, order="pairwise", rounding="stochastic")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = lpsim.mac.matmul(a, b, mac, seed=4)
+        torch.set_num_threads(threads)
+        assert_same_bits(lpsim.mac.matmul(a, b, mac, seed=4), want)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_native_mac_is_torchs_matmul():
+    a, b = kernel_operands(torch.float32, 5, 7, 3, 0)
+    assert torch.equal(lpsim.mac.matmul(a, b, MAC()), a @ b)
+
+
+def test_kernel_results_take_the_accumulators_container():
+    a, b = kernel_operands(torch.bfloat16, 2, 4, 2, 0)
+    assert lpsim.mac.matmul(a, b, MAC(accumulator=BFLOAT16)).dtype == torch.bfloat16
+    assert lpsim.mac.matmul(a, b, MAC(accumulator=FLOAT16)).dtype == torch.float32
+    assert lpsim.mac.matmul(a, b, MAC(accumulator=Float(9, 30))).dtype == torch.float64
+
+
+@pytest.mark.parametrize(
+    "a, b, mac, error, words",
+    [
+        (torch.ones(2, 3), torch.ones(3, 2), "fp16", TypeError, "mac must be a MAC"),
+        (torch.ones(2, 3).double(), torch.ones(3, 2).double(), MAC(FLOAT16), TypeError, "a must"),
+        (torch.ones(2, 3), torch.ones(3, 2).half(), MAC(FLOAT16), TypeError, "b must have"),
+        (torch.ones(2, 3), torch.ones(2, 2), MAC(FLOAT16), ValueError, "shape"),
+        (torch.ones(3), torch.ones(3, 2), MAC(FLOAT16), ValueError, "shape"),
+    ],
+)
+def test_kernel_arguments_are_checked(a, b, mac, error, words):
+    with pytest.raises(error, match=words):
+        lpsim.mac.matmul(a, b, mac)

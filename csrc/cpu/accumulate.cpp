@@ -6,6 +6,7 @@
 #include "cpu/accumulate.h"
 
 #include <lpsim/exact_sum.h>
+#include <lpsim/mac.h>
 
 #include <type_traits>
 
@@ -87,6 +88,30 @@ void dot_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t p,
   }
 }
 
+template <class X, Rounding R>
+void mac_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t p, int64_t begin,
+              int64_t end, const MacShape& shape, const GridSpec* product, const GridSpec& acc,
+              const GridSpec& inner, const RandomSpec& random) {
+  const auto* a = static_cast<const typename X::storage*>(av);
+  const auto* b = static_cast<const typename X::storage*>(bv);
+  Grid<F64> acc_grid, inner_grid, product_grid;
+  make_grid<F64>(acc, acc_grid);
+  make_grid<F64>(inner, inner_grid);
+  if (product != nullptr) make_grid<F64>(*product, product_grid);
+  WordCache words(make_philox_key(random.seed, random.offset));
+  const uint32_t mask = random_mask(random.rbits);
+  for (int64_t r = begin; r < end; ++r) {
+    const typename X::storage* row = a + (r / p) * n;
+    const typename X::storage* column = b + (r % p) * n;
+    MacSum<R, WordCache> s(shape, product != nullptr ? &product_grid : nullptr, acc_grid,
+                           inner_grid, mask, words, kMacWordsPerTerm * r * n);
+    for (int64_t k = 0; k < n; ++k) {
+      s.add(exact_product<X>(bits_of<X>(row[k]), bits_of<X>(column[k])), k);
+    }
+    y[r] = s.finish(n);
+  }
+}
+
 }  // namespace
 
 void sum_rounded(Dtype x_dtype, Rounding rounding, const void* x, uint64_t* y, int64_t n,
@@ -108,6 +133,21 @@ void dot_rounded(Dtype x_dtype, Rounding rounding, const void* a, const void* b,
     if constexpr (!std::is_same_v<X, F64>) {  // float64 products are not exact (checked by the op)
       with_rounding(rounding, [&](auto rule) {
         dot_span<X, decltype(rule)::value>(a, b, y, n, p, begin, end, mul, acc, random);
+      });
+    }
+  });
+}
+
+void mac_matmul(Dtype x_dtype, Rounding rounding, const void* a, const void* b, uint64_t* y,
+                int64_t n, int64_t p, int64_t begin, int64_t end, const MacShape& shape,
+                const GridSpec* product, const GridSpec& acc, const GridSpec& inner,
+                const RandomSpec& random) {
+  with_container(x_dtype, [&](auto cx) {
+    using X = decltype(cx);
+    if constexpr (!std::is_same_v<X, F64>) {  // float64 products are not exact (checked by the op)
+      with_rounding(rounding, [&](auto rule) {
+        mac_span<X, decltype(rule)::value>(a, b, y, n, p, begin, end, shape, product, acc, inner,
+                                           random);
       });
     }
   });

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <lpsim/grid_spec.h>
+#include <lpsim/mac.h>
 #include <lpsim/types.h>
 
 #include <cstdint>
@@ -26,5 +27,14 @@ void sum_rounded(Dtype x_dtype, Rounding rounding, const void* x, uint64_t* y, i
 void dot_rounded(Dtype x_dtype, Rounding rounding, const void* a, const void* b, uint64_t* y,
                  int64_t n, int64_t p, int64_t begin, int64_t end, const GridSpec* mul,
                  const GridSpec& acc, const RandomSpec& random);
+
+// Matrix products under a MAC (lpsim/mac.h): for r in [begin, end), r = i p + l, the exact products
+// a[i, k] * b[l, k] (a: m x n, b: p x n, row-major, float32, bfloat16 or float16) summed by MacSum
+// with the rounding grids `product` (nullptr: exact products), `acc` and `inner` (the chunks').
+// Results are float64 bits y[r].
+void mac_matmul(Dtype x_dtype, Rounding rounding, const void* a, const void* b, uint64_t* y,
+                int64_t n, int64_t p, int64_t begin, int64_t end, const MacShape& shape,
+                const GridSpec* product, const GridSpec& acc, const GridSpec& inner,
+                const RandomSpec& random);
 
 }  // namespace lpsim::cpu
