@@ -64,6 +64,21 @@ Dtype check_product_operands(const at::Tensor& a, const at::Tensor& b, const cha
   return dtype;
 }
 
+// The float64 (m, p) results of a (m, n) times the rows of b (p, n): loop(a, b, y, n, p, begin,
+// end) computes the results [begin, end) in row-major order, split across threads.
+template <class Loop>
+at::Tensor product_results(const at::Tensor& a, const at::Tensor& b, const Loop& loop) {
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  const int64_t m = a.size(0), n = a.size(1), p = b.size(0);
+  at::Tensor y = at::empty({m, p}, a.options().dtype(at::kDouble));
+  const void* ap = ac.const_data_ptr();
+  const void* bp = bc.const_data_ptr();
+  auto* yp = reinterpret_cast<uint64_t*>(y.data_ptr<double>());
+  at::parallel_for(0, m * p, reduction_grain(n),
+                   [&](int64_t begin, int64_t end) { loop(ap, bp, yp, n, p, begin, end); });
+  return y;
+}
+
 at::Tensor dot_rounded_cpu(const at::Tensor& a, const at::Tensor& b, bool has_mul,
                            LPSIM_GRID_PARAMS(mul_) LPSIM_GRID_PARAMS() int64_t rounding,
                            int64_t rbits, const Seed& seed, int64_t offset) {
@@ -73,17 +88,13 @@ at::Tensor dot_rounded_cpu(const at::Tensor& a, const at::Tensor& b, bool has_mu
   if (has_mul) mul = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES(mul_)});
   const Rounding rule = rounding_of(rounding);
   const RandomSpec random = random_spec(rule, rbits, seed, offset);
-  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
-  const int64_t m = a.size(0), n = a.size(1), p = b.size(0);
-  at::Tensor y = at::empty({m, p}, a.options().dtype(at::kDouble));
-  const void* ap = ac.const_data_ptr();
-  const void* bp = bc.const_data_ptr();
-  auto* yp = reinterpret_cast<uint64_t*>(y.data_ptr<double>());
   const GridSpec* mul_grid = has_mul ? &mul : nullptr;
-  at::parallel_for(0, m * p, reduction_grain(n), [&](int64_t begin, int64_t end) {
-    cpu::dot_rounded(dtype, rule, ap, bp, yp, n, p, begin, end, mul_grid, acc, random);
-  });
-  return y;
+  return product_results(a, b,
+                         [&](const void* ap, const void* bp, uint64_t* yp, int64_t n, int64_t p,
+                             int64_t begin, int64_t end) {
+                           cpu::dot_rounded(dtype, rule, ap, bp, yp, n, p, begin, end, mul_grid,
+                                            acc, random);
+                         });
 }
 
 at::Tensor mac_matmul_cpu(const at::Tensor& a, const at::Tensor& b, int64_t order, int64_t chunk,
@@ -103,18 +114,13 @@ at::Tensor mac_matmul_cpu(const at::Tensor& a, const at::Tensor& b, int64_t orde
   if (has_product) product = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES(product_)});
   const Rounding rule = rounding_of(rounding);
   const RandomSpec random = random_spec(rule, rbits, seed, offset);
-  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
-  const int64_t m = a.size(0), n = a.size(1), p = b.size(0);
-  at::Tensor y = at::empty({m, p}, a.options().dtype(at::kDouble));
-  const void* ap = ac.const_data_ptr();
-  const void* bp = bc.const_data_ptr();
-  auto* yp = reinterpret_cast<uint64_t*>(y.data_ptr<double>());
   const GridSpec* product_grid = has_product ? &product : nullptr;
-  at::parallel_for(0, m * p, reduction_grain(n), [&](int64_t begin, int64_t end) {
-    cpu::mac_matmul(dtype, rule, ap, bp, yp, n, p, begin, end, shape, product_grid, acc, inner,
-                    random);
-  });
-  return y;
+  return product_results(a, b,
+                         [&](const void* ap, const void* bp, uint64_t* yp, int64_t n, int64_t p,
+                             int64_t begin, int64_t end) {
+                           cpu::mac_matmul(dtype, rule, ap, bp, yp, n, p, begin, end, shape,
+                                           product_grid, acc, inner, random);
+                         });
 }
 
 }  // namespace

@@ -37,7 +37,6 @@ import math
 import torch
 
 from lpsim._checks import (
-    CONTAINER_DTYPES,
     check_container,
     check_element_format,
     check_tensor,
@@ -50,11 +49,11 @@ from lpsim.update import own_format, sum_grid
 
 __all__ = ["sum", "cumsum", "matvec", "matmul"]
 
-_PRODUCT_CONTAINERS = (torch.float32, torch.bfloat16, torch.float16)
+PRODUCT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # products exact in float64
 
 
-def _check_input(x, name: str, allowed=CONTAINER_DTYPES) -> None:
-    check_container(x, name, allowed)
+def _check_input(x, name: str) -> None:
+    check_container(x, name)
     if x.device.type != "cpu":
         raise ValueError(f"lpsim.accumulate runs on CPU tensors only; {name} is on {x.device}")
 
@@ -243,14 +242,28 @@ def matmul(
 
 def _product(a, b, names, acc, mul, rounding, rbits, seed, offset):
     """matmul's checks (naming the operands `names` in messages), then _dot."""
+    check_product_operands(a, b, names, "lpsim.accumulate")
+    return _dot(a, b.t(), a.dtype, acc, mul, rounding, rbits, seed, offset)
+
+
+def check_product_operands(a, b, names: tuple[str, str], where: str) -> None:
+    """The operands of a matrix product whose products are formed exactly, checked: a (M, K) and
+    b (K, N) CPU tensors of one dtype, float32, bfloat16 or float16 (`names` name them and `where`
+    the caller in messages).
+
+    Raises:
+        TypeError: an operand has another dtype, or the dtypes differ.
+        ValueError: the shapes do not match, or an operand is not on the CPU.
+    """
     first, second = names
-    _check_input(a, first, _PRODUCT_CONTAINERS)
-    _check_input(b, second, _PRODUCT_CONTAINERS)
+    for name, x in ((first, a), (second, b)):
+        check_container(x, name, PRODUCT_DTYPES)
+        if x.device.type != "cpu":
+            raise ValueError(f"{where} runs on CPU tensors only; {name} is on {x.device}")
     if b.dtype != a.dtype:
         raise TypeError(f"{second} must have {first}'s dtype ({a.dtype}), got {b.dtype}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(
-            f"matmul takes a of shape (m, n) and b of shape (n, p), got "
+            f"matmul takes {first} of shape (m, n) and {second} of shape (n, p), got "
             f"{tuple(a.shape)} and {tuple(b.shape)}"
         )
-    return _dot(a, b.t(), a.dtype, acc, mul, rounding, rbits, seed, offset)

@@ -64,9 +64,10 @@ from typing import Literal
 
 import torch
 
-from lpsim._checks import check_choice, check_container, check_element_format, check_int
+from lpsim._checks import check_choice, check_element_format, check_int
 from lpsim._checks import random_args as _random_args
 from lpsim._ops import call
+from lpsim.accumulate import check_product_operands
 from lpsim.formats import Fixed, Float, check_fits, fitting_container
 from lpsim.rounding import Rounding, check_rbits
 from lpsim.update import sum_grid
@@ -159,7 +160,6 @@ class MAC:
 
 
 ORDER_CODES = {order: code for code, order in enumerate(ORDERS)}  # the op's MacOrder values
-PRODUCT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def matmul(
@@ -185,17 +185,7 @@ def matmul(
     """
     if not isinstance(mac, MAC):
         raise TypeError(f"mac must be a MAC, got {type(mac).__name__}")
-    for name, x in (("a", a), ("b", b)):
-        check_container(x, name, PRODUCT_DTYPES)
-        if x.device.type != "cpu":
-            raise ValueError(f"lpsim.mac.matmul runs on CPU tensors only; {name} is on {x.device}")
-    if b.dtype != a.dtype:
-        raise TypeError(f"b must have a's dtype ({a.dtype}), got {b.dtype}")
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(
-            f"matmul takes a of shape (M, K) and b of shape (K, N), got {tuple(a.shape)} and "
-            f"{tuple(b.shape)}"
-        )
+    check_product_operands(a, b, ("a", "b"), "lpsim.mac.matmul")
     if mac.native:
         return torch.matmul(a, b)
     for fmt in (mac.accumulator, mac.product, mac.chunk_accumulator):
