@@ -158,6 +158,25 @@ class MAC:
         """Whether this is torch's own float32 product (accumulator None)."""
         return self.accumulator is None
 
+    def __str__(self) -> str:
+        """A one-line summary: the accumulator, the rule, then what differs from a fused
+        sequential sum ("Float(exp=8, man=7) nearest, chunk 32 in Float(exp=5, man=10)")."""
+        if self.native:
+            return "torch float32"
+        words = [f"{self.accumulator!r} {self.rounding.name}"]
+        if self.rbits is not None:
+            words[0] += f" rbits={self.rbits}"
+        if self.product is not None:
+            words.append(f"products {self.product!r}")
+        if self.order == "chunked":
+            inner = f" in {self.chunk_accumulator!r}" if self.chunk_accumulator is not None else ""
+            words.append(f"chunk {self.chunk}{inner}")
+        elif self.order == "pairwise":
+            words.append("pairwise")
+        if self.compensated:
+            words.append("Kahan")
+        return ", ".join(words)
+
 
 ORDER_CODES = {order: code for code, order in enumerate(ORDERS)}  # the op's MacOrder values
 

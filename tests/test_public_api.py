@@ -33,6 +33,7 @@ PUBLIC_MODULES = [
     "lpsim.diagnostics.shadow",
     "lpsim.diagnostics.recorder",
     "lpsim.nn",
+    "lpsim.nn.functional",
     "lpsim.optim",
     "lpsim.dyadic",
     "lpsim.dyadic.functional",

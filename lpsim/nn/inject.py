@@ -27,17 +27,22 @@ a fallback, and a model whose leaves all have entries of their own leaves it not
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import types
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
 from lpsim import _observation
 from lpsim.delayed_scaling import DelayedScaler
+from lpsim.mac import MAC
+from lpsim.nn import functional as _functional
 from lpsim.nn._hooks import guard_hooks_under_compile, map_tensors
 from lpsim.nn.quantizer import (
     QuantSpec,
@@ -86,6 +91,13 @@ class LayerQuantization:
         eval_rounding: the rule that replaces stochastic rules while the module is in eval mode
             ("nearest" by default: evaluation is deterministic and draws no random numbers, so
             how often one evaluates never changes training). None keeps the stochastic rules.
+            It replaces the stochastic rules of the MACs too.
+        mac: the arithmetic of the forward product of a Linear, Conv1d or Conv2d (an lpsim.MAC;
+            None: torch's own), computed by lpsim.nn.functional. Other modules ignore it, and
+            inject warns when a model given MACs has modules whose products lpsim does not simulate
+            (MultiheadAttention, Conv3d, transposed convolutions, Bilinear, recurrent layers).
+        input_grad_mac, weight_grad_mac: the arithmetic of the backward products (the input's and
+            the weight's gradients, the bias gradient with the weight's); None: ``mac``'s.
 
     While a lpsim.diagnostics.recorder.Recorder observes the model, every rounding is recorded
     under the module's qualified name and the field's name as its category.
@@ -98,15 +110,33 @@ class LayerQuantization:
     error: Spec = None
     rounding: Rounding | str = field(default="stochastic")
     eval_rounding: Rounding | str | None = field(default="nearest")
+    mac: MAC | None = None
+    input_grad_mac: MAC | None = None
+    weight_grad_mac: MAC | None = None
 
     def spec(self, name: str) -> QuantSpec | None:
         return as_spec(getattr(self, name), self.rounding, name)
+
+    def macs(self) -> tuple[MAC, MAC, MAC] | None:
+        """(forward, input gradient, weight gradient) MACs, or None when no MAC is set."""
+        if self.mac is None and self.input_grad_mac is None and self.weight_grad_mac is None:
+            return None
+        forward = self.mac if self.mac is not None else _functional.NATIVE
+        return (
+            forward,
+            self.input_grad_mac if self.input_grad_mac is not None else forward,
+            self.weight_grad_mac if self.weight_grad_mac is not None else forward,
+        )
 
     def __post_init__(self) -> None:
         Rounding.parse(self.rounding)
         parse_eval_rounding(self.eval_rounding)
         for f in ("weight", "bias", "input", "output", "error"):
             self.spec(f)  # raises TypeError for malformed specs
+        for f in ("mac", "input_grad_mac", "weight_grad_mac"):
+            value = getattr(self, f)
+            if value is not None and not isinstance(value, MAC):
+                raise TypeError(f"{f} must be a lpsim.MAC or None, got {type(value).__name__}")
 
 
 class _Scalers(nn.Module):
@@ -136,6 +166,47 @@ class _FakeQuantize(nn.Module):
 
     def extra_repr(self) -> str:
         return str(self.spec)
+
+
+# The modules whose products lpsim.nn.functional computes under MACs, and modules with products it
+# does not simulate (inject warns when a model given MACs has them).
+_SIMULATED_PRODUCTS = (nn.Linear, nn.Conv1d, nn.Conv2d)
+_UNSIMULATED_PRODUCTS = (
+    nn.MultiheadAttention,
+    nn.Conv3d,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.Bilinear,
+    nn.RNNBase,
+)
+
+
+def _for_eval(mac: MAC, eval_rule: Rounding | None) -> MAC:
+    """The MAC an evaluating module uses: a stochastic rule replaced by eval_rule (None keeps
+    it)."""
+    if eval_rule is None or mac.native or not mac.rounding.is_stochastic:
+        return mac
+    return dataclasses.replace(mac, rounding=eval_rule, rbits=None)
+
+
+def _simulated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The forward of an injected Linear, Conv1d or Conv2d: its product by lpsim.nn.functional
+    under the injected MACs (the eval MACs in eval mode), its weight and bias as forward sees them
+    (quantised by their parametrisations)."""
+    done = getattr(self, _STATE)
+    mac, input_grad_mac, weight_grad_mac = done["macs"] if self.training else done["eval_macs"]
+    keywords = dict(mac=mac, input_grad_mac=input_grad_mac, weight_grad_mac=weight_grad_mac)
+    if isinstance(self, nn.Linear):
+        return _functional.linear(x, self.weight, self.bias, **keywords)
+    padding = self.padding
+    if self.padding_mode != "zeros":
+        x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+        padding = 0
+    conv = _functional.conv1d if isinstance(self, nn.Conv1d) else _functional.conv2d
+    return conv(
+        x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups, **keywords
+    )
 
 
 def _check_selector(selector) -> None:
@@ -265,6 +336,12 @@ def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str
         "bypassed": bypassed,
     }
     eval_rule = parse_eval_rounding(settings.eval_rounding)
+    macs = settings.macs()
+    if macs is not None and isinstance(module, _SIMULATED_PRODUCTS):
+        done["macs"] = macs
+        done["eval_macs"] = tuple(_for_eval(m, eval_rule) for m in macs)
+        # A bound method, so that copy.deepcopy of the model binds the copy's own forward.
+        module.forward = types.MethodType(_simulated_forward, module)
     for kind in ("weight", "bias"):
         spec = settings.spec(kind)
         if spec is None:
@@ -316,7 +393,7 @@ def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str
 def _active(done: dict) -> bool:
     """Whether any quantiser of an injection exists (a weight setting on a module without
     weights, say, creates none)."""
-    return bool(done["weight"] or done["bias"] or done["hooks"])
+    return bool(done["weight"] or done["bias"] or done["hooks"] or "macs" in done)
 
 
 def inject(
@@ -370,18 +447,30 @@ def inject(
     _check_unmatched(counts, unmatched)
     guard_hooks_under_compile()
     bypassed = _bypassed(model)
-    never_run = []
+    never_run, simulating = [], False
     for name, module, settings in plan:
         if settings is None:
             continue
         done = _inject_module(module, settings, bypassed.get(name))
-        if done["bypassed"] and done["hooks"]:
+        if done["bypassed"] and (done["hooks"] or "macs" in done):
             never_run.append(f"{name!r} ({done['bypassed']})")
+        simulating = simulating or settings.macs() is not None
         setattr(module, _STATE, done)
     if never_run:
         warnings.warn(
-            "inject(): the input/output/error quantisers configured for these modules "
+            "inject(): the input/output/error quantisers and MACs configured for these modules "
             f"never run: {', '.join(never_run)}",
+            stacklevel=2,
+        )
+    unsimulated = [
+        f"{name!r} ({type(module).__name__})"
+        for name, module in model.named_modules()
+        if isinstance(module, _UNSIMULATED_PRODUCTS)
+    ]
+    if simulating and unsimulated:
+        warnings.warn(
+            "inject(): lpsim simulates the products of Linear, Conv1d and Conv2d only; these "
+            f"modules compute theirs in torch's own arithmetic: {', '.join(unsimulated)}",
             stacklevel=2,
         )
     if verbose:
@@ -408,6 +497,8 @@ def remove(model: nn.Module) -> nn.Module:
             continue
         for handle in done["hooks"]:
             handle.remove()
+        if "macs" in done:
+            del module.forward  # the class's forward again
         for pname, _ in done["weight"] + done["bias"]:
             parametrize.remove_parametrizations(module, pname, leave_parametrized=False)
         _restore_parameter_order(module, done["parameter_order"])
@@ -461,6 +552,16 @@ def _modules_that_run(model: nn.Module, example) -> set[int]:
     return ran
 
 
+def _products(macs: tuple[MAC, MAC, MAC] | None) -> str:
+    """The report's summary of a module's MACs: one when the three agree, else each named."""
+    if macs is None:
+        return "-"
+    forward, input_grad, weight_grad = macs
+    if forward == input_grad == weight_grad:
+        return str(forward)
+    return f"forward {forward}; input grad {input_grad}; weight grad {weight_grad}"
+
+
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -475,7 +576,9 @@ def report(
     example: torch.Tensor | tuple | None = None,
 ) -> str:
     """What really runs in low precision in ``model``: a table with one row per module that holds a
-    quantiser and per module left in full precision (leaf modules and modules with parameters of
+    quantiser or simulated products (a ``products`` column, shown when some module has MACs, gives
+    them) and per module left in full
+    precision (leaf modules and modules with parameters of
     their own), then the share of parameter elements fake-quantised, and, with an OptimLP
     ``optimizer``, what the optimizer rounds for each parameter.
 
@@ -486,7 +589,7 @@ def report(
     """
     ran = _modules_that_run(model, example) if example is not None else None
     specs = lambda entries: ", ".join(sorted({str(s) for _, s in entries})) or "-"  # noqa: E731
-    rows = [("module", "type", "weight", "bias", "input", "output", "error", "note")]
+    rows = [("module", "type", "weight", "bias", "input", "output", "error", "products", "note")]
     quantised = full = 0
     for name, module in model.named_modules():
         if isinstance(
@@ -512,6 +615,7 @@ def report(
                     str(done["input"] or "-"),
                     str(done["output"] or "-"),
                     str(done["error"] or "-"),
+                    _products(done.get("macs")),
                     note,
                 )
             )
@@ -520,7 +624,9 @@ def report(
         ):
             full += 1
             note = "full precision" if done is None else "full precision (nothing to quantise)"
-            rows.append((name or "(model)", type(module).__name__) + ("-",) * 5 + (note,))
+            rows.append((name or "(model)", type(module).__name__) + ("-",) * 6 + (note,))
+    if all(row[7] == "-" for row in rows[1:]):  # the products column only where MACs are set
+        rows = [row[:7] + row[8:] for row in rows]
     lines = _table(rows)
     total = sum(p.numel() for p in model.parameters())
     fake = sum(p.numel() for p in quantized_parameters(model))

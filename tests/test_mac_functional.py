@@ -1,0 +1,498 @@
+"""lpsim.nn.functional: linear, matmul, bmm, conv1d and conv2d under MACs, with autograd.
+
+Two kinds of proof. With small-integer operands every sum is exact in float32, so the simulated
+ops under an exact float32 accumulator must give torch's float64 results and gradients bit for bit:
+this checks the decomposition (unfold, the transposed convolution as a direct one, groups, bias)
+for every geometry. With a rounding accumulator, single results are recomputed by a plain loop
+that enumerates the terms the module docstring names, in its order, and sums them with the exact
+reference (lpsim.reference.mac_dot): this checks the order of the additions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import assert_same_bits
+
+import lpsim
+import lpsim.nn.functional as LF
+from lpsim import MAC, Float
+from lpsim import reference as ref
+
+EXACT = MAC(accumulator=Float(8, 23))  # exact for the small-integer operands below
+FLOAT16 = MAC(accumulator=Float(5, 10))
+BFLOAT16_SR = MAC(accumulator=Float(8, 7), rounding="stochastic")
+
+
+def ints(*shape, seed=0, low=-3, high=4) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, shape, generator=g).float()
+
+
+def torch_grads(op, tensors, grad, **kwargs):
+    """The result and gradients of torch's own op in float64 on the same values."""
+    leaves = [t.detach().double().requires_grad_() for t in tensors]
+    y = op(*leaves, **kwargs)
+    y.backward(grad.double())
+    return y.detach(), [t.grad for t in leaves]
+
+
+def simulated_grads(op, tensors, grad, **kwargs):
+    leaves = [t.detach().clone().requires_grad_() for t in tensors]
+    y = op(*leaves, **kwargs)
+    y.backward(grad)
+    return y.detach(), [t.grad for t in leaves]
+
+
+def assert_matches_torch(op, simulated, tensors, **kwargs):
+    y_ref = op(*[t.double() for t in tensors], **kwargs)
+    grad = ints(*y_ref.shape, seed=99)
+    y_torch, grads_torch = torch_grads(op, tensors, grad, **kwargs)
+    y_sim, grads_sim = simulated_grads(simulated, tensors, grad, mac=EXACT, **kwargs)
+    # A MAC's sum starts from its first term, BLAS's from +0: a sum of zeros of which the first is
+    # -0 is -0 here and +0 there (both IEEE sums). Adding +0 makes every zero +0.
+    assert_same_bits(y_sim.double() + 0.0, y_torch + 0.0, "result")
+    for name, got, want in zip("xwb", grads_sim, grads_torch):
+        assert_same_bits(got.double() + 0.0, want + 0.0, f"gradient of {name}")
+
+
+# ---- The decomposition: exact sums give torch's results and gradients bit for bit.
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(5, 7), (2, 3, 7), (7,)])
+def test_linear_matches_torch_on_exact_sums(shape, bias):
+    tensors = [ints(*shape, seed=1), ints(4, 7, seed=2)] + ([ints(4, seed=3)] if bias else [])
+    assert_matches_torch(F.linear, LF.linear, tensors)
+
+
+@pytest.mark.parametrize(
+    "a_shape, b_shape",
+    [
+        ((3, 5), (5, 4)),
+        ((5,), (5, 4)),
+        ((3, 5), (5,)),
+        ((2, 3, 5), (5, 4)),
+        ((2, 3, 5), (2, 5, 4)),
+        ((2, 1, 3, 5), (4, 5, 2)),
+        ((5,), (2, 5, 3)),
+    ],
+)
+def test_matmul_matches_torch_on_exact_sums(a_shape, b_shape):
+    tensors = [ints(*a_shape, seed=4), ints(*b_shape, seed=5)]
+    assert_matches_torch(torch.matmul, LF.matmul, tensors)
+
+
+def test_bmm_matches_torch_on_exact_sums():
+    tensors = [ints(3, 4, 5, seed=6), ints(3, 5, 2, seed=7)]
+    assert_matches_torch(torch.bmm, LF.bmm, tensors)
+
+
+CONV2D_GEOMETRIES = [
+    dict(stride=1, padding=0, dilation=1, groups=1, kernel=3),
+    dict(stride=2, padding=1, dilation=1, groups=1, kernel=3),
+    dict(stride=2, padding=2, dilation=2, groups=2, kernel=3),
+    dict(stride=(2, 1), padding=(1, 0), dilation=(1, 2), groups=1, kernel=2),
+    dict(stride=1, padding="same", dilation=1, groups=1, kernel=2),
+    dict(stride=1, padding="same", dilation=2, groups=2, kernel=4),
+    dict(stride=1, padding="valid", dilation=1, groups=1, kernel=3),
+    dict(stride=3, padding=4, dilation=1, groups=1, kernel=3),  # padding beyond the kernel's reach
+    dict(stride=3, padding=0, dilation=1, groups=6, kernel=1),  # depthwise, uncovered rows
+]
+
+
+@pytest.mark.filterwarnings(
+    "ignore:Using padding='same' with even kernel"
+)  # torch's own, on even kernels
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("geometry", CONV2D_GEOMETRIES, ids=str)
+def test_conv2d_matches_torch_on_exact_sums(geometry, bias):
+    g = dict(geometry)
+    k, groups = g.pop("kernel"), g["groups"]
+    c, o = 6, 6
+    tensors = [ints(2, c, 9, 8, seed=8), ints(o, c // groups, k, k, seed=9)]
+    if bias:
+        tensors.append(ints(o, seed=10))
+    assert_matches_torch(F.conv2d, LF.conv2d, tensors, **g)
+
+
+@pytest.mark.parametrize(
+    "geometry",
+    [
+        dict(stride=1, padding=0, dilation=1, groups=1),
+        dict(stride=2, padding=2, dilation=3, groups=2),
+        dict(stride=1, padding="same", dilation=1, groups=1),
+    ],
+    ids=str,
+)
+def test_conv1d_matches_torch_on_exact_sums(geometry):
+    tensors = [
+        ints(3, 4, 11, seed=11),
+        ints(6, 4 // geometry["groups"], 3, seed=12),
+        ints(6, seed=13),
+    ]
+    assert_matches_torch(F.conv1d, LF.conv1d, tensors, **geometry)
+
+
+# ---- The order of the additions, as the module docstring states it, against the exact reference.
+
+
+def reference_sum(terms: list[float], mac: MAC) -> float:
+    return ref.mac_dot(terms, mac)
+
+
+def spread(*shape, seed) -> torch.Tensor:
+    """Values of very different magnitudes, whose float16 sums round at every step."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-6, 7, shape, generator=g))
+    return x.to(torch.float16).float()
+
+
+def test_conv2d_forward_sums_channel_then_kernel_row_then_column():
+    x, w = spread(2, 3, 6, 5, seed=20), spread(4, 3, 3, 2, seed=21)
+    stride, padding = (2, 1), (1, 1)
+    y = LF.conv2d(x, w, None, stride, padding, mac=FLOAT16)
+    xp = F.pad(x, (1, 1, 1, 1))
+    for n, o, h, v in [(0, 0, 0, 0), (1, 3, 2, 4), (1, 2, 1, 3)]:
+        terms = [
+            xp[n, c, h * 2 + i, v + j].item() * w[o, c, i, j].item()
+            for c in range(3)
+            for i in range(3)
+            for j in range(2)
+        ]
+        assert y[n, o, h, v].item() == reference_sum(terms, FLOAT16)
+
+
+def conv_gradients(mac_name: str, mac: MAC, x, w, grad, **geometry):
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    kwargs = {mac_name: mac, "mac": EXACT}
+    y = LF.conv2d(xl, wl, None, **geometry, **kwargs)
+    y.backward(grad)
+    return xl.grad, wl.grad
+
+
+def test_conv2d_input_gradient_sums_output_channel_then_flipped_kernel():
+    x, w = spread(1, 2, 7, 6, seed=22), spread(3, 2, 3, 3, seed=23)
+    stride, padding, dilation = 2, 1, 1
+    grad = spread(1, 3, 4, 3, seed=24)
+    grad_x, _ = conv_gradients(
+        "input_grad_mac", FLOAT16, x, w, grad, stride=stride, padding=padding, dilation=dilation
+    )
+    # The zero-dilated output gradient, padded by the kernel's reach minus the padding (plus the
+    # rows and columns the stride leaves uncovered at the end).
+    dilated = torch.zeros(1, 3, 7, 5)
+    dilated[:, :, ::2, ::2] = grad
+    dilated = F.pad(dilated, (1, 1 + 1, 1, 1))  # reach 2 - padding 1; one uncovered column
+    flipped = w.flip(2, 3)
+    for c, h, v in [(0, 0, 0), (1, 3, 2), (1, 6, 5), (0, 5, 4)]:
+        terms = [
+            dilated[0, o, h + i, v + j].item() * flipped[o, c, i, j].item()
+            for o in range(3)
+            for i in range(3)
+            for j in range(3)
+        ]
+        assert grad_x[0, c, h, v].item() == reference_sum(terms, FLOAT16)
+
+
+def test_conv2d_weight_gradient_sums_batch_then_position():
+    x, w = spread(2, 2, 5, 5, seed=25), spread(3, 2, 2, 2, seed=26)
+    grad = spread(2, 3, 4, 4, seed=27)
+    _, grad_w = conv_gradients("weight_grad_mac", FLOAT16, x, w, grad)
+    for o, c, i, j in [(0, 0, 0, 0), (2, 1, 1, 0), (1, 1, 1, 1)]:
+        terms = [
+            grad[n, o, h, v].item() * x[n, c, h + i, v + j].item()
+            for n in range(2)
+            for h in range(4)
+            for v in range(4)
+        ]
+        assert grad_w[o, c, i, j].item() == reference_sum(terms, FLOAT16)
+
+
+def test_linear_folds_leading_dimensions_into_the_weight_gradient_sum():
+    x, w = spread(2, 3, 8, seed=28), spread(4, 8, seed=29)
+    grad = spread(2, 3, 4, seed=30)
+    wl = w.clone().requires_grad_()
+    bl = torch.zeros(4, requires_grad=True)
+    LF.linear(x, wl, bl, weight_grad_mac=FLOAT16, mac=EXACT).backward(grad)
+    rows = x.reshape(6, 8)
+    g = grad.reshape(6, 4)
+    for o, i in [(0, 0), (3, 7), (2, 5)]:
+        terms = [g[r, o].item() * rows[r, i].item() for r in range(6)]
+        assert wl.grad[o, i].item() == reference_sum(terms, FLOAT16)
+    for o in range(4):
+        assert bl.grad[o].item() == reference_sum([g[r, o].item() for r in range(6)], FLOAT16)
+
+
+def test_bias_is_one_rounded_addition_in_the_accumulator():
+    x, w = torch.ones(1, 2048), torch.ones(1, 2048)
+    bias = torch.tensor([1.0])
+    # float16: the sum stagnates at 2048; 2048 + 1 rounds to nearest even, 2048.
+    assert LF.linear(x, w, bias, mac=FLOAT16).item() == 2048.0
+    assert LF.linear(x, w, bias + 2, mac=FLOAT16).item() == 2052.0
+
+
+def test_linear_equals_mac_matmul():
+    x, w = spread(5, 33, seed=31), spread(6, 33, seed=32)
+    assert_same_bits(LF.linear(x, w, mac=FLOAT16), lpsim.mac.matmul(x, w.t(), FLOAT16))
+
+
+# ---- Formats, randomness, the fast path, errors.
+
+
+def test_operand_formats_are_quantised_with_the_straight_through_gradient():
+    x, w = spread(3, 5, seed=33).requires_grad_(), spread(2, 5, seed=34).requires_grad_()
+    e4m3 = Float(4, 3)
+    y = LF.linear(x, w, mac=EXACT, input_format=e4m3, weight_format=e4m3)
+    xq, wq = (
+        lpsim.quantize(x.detach(), e4m3, "nearest"),
+        lpsim.quantize(w.detach(), e4m3, "nearest"),
+    )
+    assert_same_bits(y.detach(), lpsim.mac.matmul(xq, wq.t(), EXACT))
+    grad = spread(3, 2, seed=35)
+    y.backward(grad)
+    assert_same_bits(x.grad, lpsim.mac.matmul(grad, wq, EXACT))
+    assert_same_bits(w.grad, lpsim.mac.matmul(grad.t(), xq, EXACT))
+
+
+def test_grad_format_rounds_the_error_before_both_backward_products():
+    x, w = spread(3, 5, seed=36).requires_grad_(), spread(2, 5, seed=37).requires_grad_()
+    e5m2 = Float(5, 2)
+    LF.linear(x, w, mac=EXACT, grad_format=e5m2).backward(spread(3, 2, seed=38))
+    gq = lpsim.quantize(spread(3, 2, seed=38), e5m2, "nearest")
+    assert_same_bits(x.grad, lpsim.mac.matmul(gq, w.detach(), EXACT))
+    assert_same_bits(w.grad, lpsim.mac.matmul(gq.t(), x.detach(), EXACT))
+
+
+def test_stochastic_products_are_reproducible_under_manual_seed():
+    x, w = spread(4, 40, seed=39), spread(3, 40, seed=40)
+    torch.manual_seed(5)
+    first = LF.linear(x, w, mac=BFLOAT16_SR)
+    torch.manual_seed(5)
+    assert_same_bits(LF.linear(x, w, mac=BFLOAT16_SR), first)
+    torch.manual_seed(6)
+    assert not torch.equal(LF.linear(x, w, mac=BFLOAT16_SR), first)
+
+
+def test_matrices_of_a_batch_draw_disjoint_words():
+    a = spread(1, 4, 40, seed=41).expand(2, 4, 40)
+    b = spread(1, 40, 3, seed=42).expand(2, 40, 3)
+    c = LF.bmm(a, b, mac=BFLOAT16_SR)
+    assert not torch.equal(c[0], c[1])
+
+
+def test_native_arithmetic_is_torch_itself():
+    x, w, b = torch.randn(3, 5), torch.randn(2, 5), torch.randn(2)
+    assert_same_bits(LF.linear(x, w, b), F.linear(x, w, b))
+    img, k = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3)
+    assert_same_bits(LF.conv2d(img, k, None, 1, 1), F.conv2d(img, k, None, 1, 1))
+
+
+@pytest.mark.parametrize("op", ["linear", "conv2d"])
+def test_gradcheck_in_float64_with_the_native_mac(op):
+    if op == "linear":
+        args = (torch.randn(3, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64))
+        fn = lambda x, w: LF.linear(x, w, grad_format=None)  # noqa: E731
+    else:
+        args = (
+            torch.randn(1, 2, 5, 5, dtype=torch.float64),
+            torch.randn(2, 2, 3, 3, dtype=torch.float64),
+        )
+        fn = lambda x, w: LF.conv2d(x, w, None, 2, 1)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in args))
+
+
+def test_native_forward_with_simulated_backward():
+    x, w = spread(3, 5, seed=43).requires_grad_(), spread(2, 5, seed=44).requires_grad_()
+    y = LF.linear(x, w, input_grad_mac=FLOAT16, weight_grad_mac=FLOAT16)
+    assert_same_bits(y.detach(), F.linear(x.detach(), w.detach()))
+    grad = spread(3, 2, seed=45)
+    y.backward(grad)
+    assert_same_bits(x.grad, lpsim.mac.matmul(grad, w.detach(), FLOAT16))
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (
+            lambda: LF.linear(torch.ones(2, 3), torch.ones(4, 5), mac=FLOAT16),
+            ValueError,
+            "in_features",
+        ),
+        (lambda: LF.linear(torch.ones(2, 3), torch.ones(4, 3), mac="fp16"), TypeError, "mac"),
+        (
+            lambda: LF.linear(torch.ones(2, 3), torch.ones(4, 3), input_grad_mac=3),
+            TypeError,
+            "input_grad_mac",
+        ),
+        (
+            lambda: LF.linear(torch.ones(2, 3), torch.ones(4, 3), input_format="e4m3"),
+            TypeError,
+            "input_format",
+        ),
+        (
+            lambda: LF.conv2d(
+                torch.ones(1, 2, 4, 4), torch.ones(1, 2, 3, 3), stride=0, mac=FLOAT16
+            ),
+            ValueError,
+            "stride",
+        ),
+        (
+            lambda: LF.conv2d(
+                torch.ones(1, 2, 4, 4), torch.ones(1, 2, 3, 3), padding="full", mac=FLOAT16
+            ),
+            ValueError,
+            "padding",
+        ),
+        (
+            lambda: LF.conv2d(
+                torch.ones(1, 2, 4, 4),
+                torch.ones(1, 2, 3, 3),
+                stride=2,
+                padding="same",
+                mac=FLOAT16,
+            ),
+            ValueError,
+            "same",
+        ),
+        (
+            lambda: LF.conv2d(
+                torch.ones(1, 3, 4, 4), torch.ones(2, 2, 3, 3), groups=2, mac=FLOAT16
+            ),
+            ValueError,
+            "groups",
+        ),
+        (lambda: LF.bmm(torch.ones(2, 3), torch.ones(3, 2), mac=FLOAT16), ValueError, "bmm"),
+        (
+            lambda: LF.matmul(
+                torch.ones(2, 3, dtype=torch.float64),
+                torch.ones(3, 2, dtype=torch.float64),
+                mac=FLOAT16,
+            ),
+            TypeError,
+            "float64",
+        ),
+    ],
+)
+def test_bad_arguments_raise_errors_that_name_them(call, error, words):
+    with pytest.raises(error, match=words):
+        call()
+
+
+# ---- inject: every Linear, Conv1d and Conv2d of an existing model under MACs.
+
+
+def small_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(2, 4, 3, stride=2, padding=1, padding_mode="reflect"),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4 * 3 * 3, 5),
+    )
+
+
+def test_injected_layers_compute_the_functional_ops_forward_and_backward():
+    model = small_model()
+    x = spread(2, 2, 6, 6, seed=50)
+    e5m2 = Float(5, 2)
+    lpsim.nn.inject(
+        model,
+        {
+            "default": lpsim.nn.LayerQuantization(
+                weight=(e5m2, "nearest"), mac=FLOAT16, weight_grad_mac=EXACT
+            )
+        },
+    )
+    y = model(x)
+    y.backward(torch.ones_like(y))
+    conv, linear = model[0], model[3]
+    wq = lpsim.quantize(conv.parametrizations.weight.original.detach(), e5m2, "nearest")
+    bq = conv.bias.detach()
+    xr = F.pad(x, (1, 1, 1, 1), mode="reflect").requires_grad_()
+    h = LF.conv2d(xr, wq, bq, 2, 0, mac=FLOAT16, weight_grad_mac=EXACT)
+    lw = lpsim.quantize(linear.parametrizations.weight.original.detach(), e5m2, "nearest")
+    lb = linear.bias.detach()
+    want = LF.linear(h.relu().flatten(1), lw, lb, mac=FLOAT16, weight_grad_mac=EXACT)
+    assert_same_bits(y.detach(), want.detach())
+    lwl = lw.clone().requires_grad_()
+    LF.linear(h.relu().flatten(1).detach(), lwl, lb, mac=FLOAT16, weight_grad_mac=EXACT).backward(
+        torch.ones_like(y)
+    )
+    assert_same_bits(linear.parametrizations.weight.original.grad, lwl.grad)
+
+
+def test_remove_restores_the_class_forward():
+    model = small_model()
+    x = spread(2, 2, 6, 6, seed=51)
+    before = model(x)
+    lpsim.nn.inject(model, {"default": lpsim.nn.LayerQuantization(mac=FLOAT16)})
+    assert not torch.equal(model(x), before)
+    lpsim.nn.remove(model)
+    assert "forward" not in vars(model[0]) and "forward" not in vars(model[3])
+    assert_same_bits(model(x), before)
+
+
+def test_eval_mode_replaces_stochastic_mac_rules():
+    model = small_model()
+    x = spread(2, 2, 6, 6, seed=52)
+    lpsim.nn.inject(model, {"default": lpsim.nn.LayerQuantization(mac=BFLOAT16_SR)})
+    model.eval()
+    nearest = MAC(accumulator=Float(8, 7))
+    h = LF.conv2d(
+        F.pad(x, (1, 1, 1, 1), mode="reflect"), model[0].weight, model[0].bias, 2, mac=nearest
+    )
+    want = LF.linear(h.relu().flatten(1), model[3].weight, model[3].bias, mac=nearest)
+    assert_same_bits(model(x), want)
+
+
+def test_a_deep_copy_runs_its_own_parameters():
+    import copy
+
+    model = small_model()
+    lpsim.nn.inject(model, {"default": lpsim.nn.LayerQuantization(mac=FLOAT16)})
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin[3].weight.mul_(2)
+    x = spread(2, 2, 6, 6, seed=53)
+    assert not torch.equal(twin(x), model(x))
+
+
+def test_report_shows_the_products():
+    model = small_model()
+    lpsim.nn.inject(
+        model, {torch.nn.Linear: lpsim.nn.LayerQuantization(mac=FLOAT16, weight_grad_mac=EXACT)}
+    )
+    table = lpsim.nn.report(model)
+    assert "products" in table
+    assert f"forward {FLOAT16}; input grad {FLOAT16}; weight grad {EXACT}" in table
+
+
+def test_resnet18_runs_with_simulated_products_in_forward_and_backward():
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(0)
+    # In eval mode: batch normalisation over a batch of two 1 x 1 maps (layer4, training mode)
+    # divides differences of a few ulps by sqrt(eps), which would hide the comparison.
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    x = torch.randn(2, 3, 16, 16)
+    reference = model(x)
+    float32 = MAC(accumulator=Float(8, 23))
+    lpsim.nn.inject(model, {"default": lpsim.nn.LayerQuantization(mac=float32)})
+    assert sum("macs" in done for _, _, done in lpsim.nn.injected(model)) == 21  # 20 convs, fc
+    y = model(x)
+    # A sequential float32 sum differs from BLAS's order by a few units in the last place.
+    torch.testing.assert_close(y, reference, rtol=1e-4, atol=1e-4)
+    y.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_transformer_encoder_warns_that_attention_products_are_not_simulated():
+    layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0)
+    model = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    with pytest.warns(UserWarning) as caught:
+        lpsim.nn.inject(model, {"default": lpsim.nn.LayerQuantization(mac=FLOAT16)})
+    messages = " ".join(str(w.message) for w in caught)
+    assert "'layers.0.self_attn' (MultiheadAttention)" in messages
+    assert "'layers.0.self_attn.out_proj'" in messages and "never run" in messages
+    simulated = [name for name, _, done in lpsim.nn.injected(model) if "macs" in done]
+    assert simulated == ["layers.0.self_attn.out_proj", "layers.0.linear1", "layers.0.linear2"]
+    model(torch.randn(3, 2, 8)).sum().backward()
