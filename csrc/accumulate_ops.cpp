@@ -3,7 +3,8 @@
 //
 //   sum_rounded   recursive sums (and cumulative sums) rounded after every addition
 //   dot_rounded   dot products: exact products, optionally rounded, summed as above
-//   mac_matmul    matrix products under a MAC (lpsim/mac.h): products, accumulator, order, Kahan
+//   mac_matmul    matrix products under a MAC (lpsim/mac.h): products, accumulator, order, Kahan,
+//                 tensor core (lpsim/tensor_core.h; group 0: none)
 //
 // All return float64 tensors whose values lie in the accumulation format; lpsim/accumulate.py
 // validates formats and shapes and converts the results to the output dtype.
@@ -13,6 +14,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <optional>
 #include <string>
 
 #include "checks.h"
@@ -97,8 +100,36 @@ at::Tensor dot_rounded_cpu(const at::Tensor& a, const at::Tensor& b, bool has_mu
                          });
 }
 
+// The tensor core's fields, checked (group 0: none).
+TensorCoreSpec tensor_core_spec(int64_t order, int64_t chunk, int64_t group, int64_t fraction_bits,
+                                std::optional<int64_t> exponent_floor, int64_t operand_emin,
+                                int64_t normalise) {
+  TORCH_CHECK(group >= 0 && group <= kMaxTensorCoreGroup,
+              "lpsim: mac_matmul's group must be in [0, ", kMaxTensorCoreGroup, "], got ", group);
+  if (group == 0) return TensorCoreSpec{};
+  TORCH_CHECK(order != static_cast<int64_t>(MacOrder::kPairwise),
+              "lpsim: a tensor core chains its groups sequentially or in chunks, not pairwise");
+  TORCH_CHECK(order != static_cast<int64_t>(MacOrder::kChunked) || chunk % group == 0,
+              "lpsim: mac_matmul's chunk must be a multiple of the group, got ", chunk, " and ",
+              group);
+  TORCH_CHECK(fraction_bits >= 0 && fraction_bits <= kMaxFractionBits,
+              "lpsim: mac_matmul's fraction_bits must be in [0, ", kMaxFractionBits, "], got ",
+              fraction_bits);
+  TORCH_CHECK(!exponent_floor.has_value() || std::abs(*exponent_floor) <= 1000,
+              "lpsim: mac_matmul's exponent_floor must be in [-1000, 1000], got ",
+              exponent_floor.value_or(0));
+  TORCH_CHECK(operand_emin >= -1000 && operand_emin <= 1000,
+              "lpsim: mac_matmul's operand_emin must be in [-1000, 1000], got ", operand_emin);
+  return TensorCoreSpec{
+      static_cast<int32_t>(group), static_cast<int32_t>(fraction_bits),
+      exponent_floor.has_value() ? static_cast<int32_t>(*exponent_floor) : kNoExponentFloor,
+      static_cast<int32_t>(operand_emin), rounding_of(normalise)};
+}
+
 at::Tensor mac_matmul_cpu(const at::Tensor& a, const at::Tensor& b, int64_t order, int64_t chunk,
-                          bool compensated, bool has_product,
+                          bool compensated, bool has_product, int64_t group, int64_t fraction_bits,
+                          std::optional<int64_t> exponent_floor, int64_t operand_emin,
+                          int64_t normalise,
                           LPSIM_GRID_PARAMS(product_) LPSIM_GRID_PARAMS(chunk_) LPSIM_GRID_PARAMS()
                               int64_t rounding,
                           int64_t rbits, const Seed& seed, int64_t offset) {
@@ -107,7 +138,9 @@ at::Tensor mac_matmul_cpu(const at::Tensor& a, const at::Tensor& b, int64_t orde
               "lpsim: mac_matmul's order must be 0 (sequential), 1 (chunked) or 2 (pairwise), got ",
               order);
   TORCH_CHECK(chunk >= 1, "lpsim: mac_matmul's chunk must be at least 1, got ", chunk);
-  const MacShape shape{static_cast<MacOrder>(order), chunk, compensated};
+  const MacShape shape{static_cast<MacOrder>(order), chunk, compensated,
+                       tensor_core_spec(order, chunk, group, fraction_bits, exponent_floor,
+                                        operand_emin, normalise)};
   const GridSpec acc = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES()});
   const GridSpec inner = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES(chunk_)});
   GridSpec product{};
@@ -131,7 +164,8 @@ TORCH_LIBRARY_FRAGMENT(lpsim, m) {
       ", " + kRandomSchema + ") -> Tensor");
   def("dot_rounded(Tensor a, Tensor b, bool has_mul, " + grid_schema("mul_") + ", " +
       grid_schema() + ", " + kRandomSchema + ") -> Tensor");
-  def("mac_matmul(Tensor a, Tensor b, int order, int chunk, bool compensated, bool has_product, " +
+  def("mac_matmul(Tensor a, Tensor b, int order, int chunk, bool compensated, bool has_product, "
+      "int group, int fraction_bits, int? exponent_floor, int operand_emin, int normalise, " +
       grid_schema("product_") + ", " + grid_schema("chunk_") + ", " + grid_schema() + ", " +
       kRandomSchema + ") -> Tensor");
 }

@@ -48,13 +48,31 @@ or float16 operands):
     ...                                            order="pairwise")).item()
     4096.0
 
+- ``tensor_core``: a ``TensorCore``, the multi-term adder of a GPU's matrix unit: the products are
+  taken ``group`` at a time (exact, ``product`` None), each group and the running value c (+0 at
+  the start) aligned to their largest exponent, truncated, added exactly and normalised once into
+  the accumulator by the tensor core's own rule; the result is c for the next group. With
+  ``order="sequential"`` the whole sum is one such chain in ``accumulator``; with
+  ``order="chunked"`` each chunk (a multiple of ``group`` terms) is a chain in
+  ``chunk_accumulator``, whose result is added into ``accumulator`` by ``rounding``: the
+  promotion of a partial sum into float32 every ``chunk`` products. ``TensorCore`` defines the
+  step; ``PRESETS`` holds the published models of NVIDIA's tensor cores:
+
+    >>> tc = lpsim.mac.preset("H100/bf16")
+    >>> tc.tensor_core.group, tc.tensor_core.fraction_bits, tc.accumulator
+    (16, 25, Float(exp=8, man=23))
+    >>> x = torch.tensor([[1.0] + [2.0**-24] * 15], dtype=torch.bfloat16)
+    >>> lpsim.mac.matmul(x, x.t(), tc).item()        # the 2^-48 products fall below 2^(0 - 25)
+    1.0
+
 Random words: with a stochastic rule, rounding j of term k of result r (results numbered in
 row-major order over the result's M x N entries) draws word ``8 (r K + k) + j`` of the
 position-keyed stream of (seed, offset), with j = 0 for the product's rounding; 1 for the
 addition that brings term k in (sequential: into s; chunked: into its chunk's sum; pairwise: the
 tree node whose right part starts at k, or term 0 when K = 1); 2 for the addition of the chunk
 that ends at term k into the accumulator; and, in Kahan's summation, 3 for y, 4 for u - s and 5 for
-c (1 is u).
+c (1 is u). A tensor core's normalisation of the group that ends at term k draws word 1 of that
+term (by its own rule, with ``rbits``), and a chunk's promotion word 2 of its last term.
 """
 
 from __future__ import annotations
@@ -70,15 +88,90 @@ from lpsim._ops import call
 from lpsim.accumulate import check_product_operands
 from lpsim.formats import Fixed, Float, check_fits, fitting_container
 from lpsim.rounding import Rounding, check_rbits
-from lpsim.update import sum_grid
+from lpsim.update import own_format, sum_grid
 
-__all__ = ["MAC", "ORDERS", "WORDS_PER_TERM", "matmul"]
+__all__ = [
+    "MAC",
+    "ORDERS",
+    "PRESETS",
+    "TensorCore",
+    "WORDS_PER_TERM",
+    "matmul",
+    "preset",
+]
 
 ORDERS = ("sequential", "chunked", "pairwise")
 WORDS_PER_TERM = 8  # random words reserved per term and result (see the module docstring)
 MAX_CHUNK = 2**31 - 1
 
 Order = Literal["sequential", "chunked", "pairwise"]
+
+MAX_GROUP = 128  # products per tensor-core step (the compiled core's buffer)
+MAX_FRACTION_BITS = 52  # a group's aligned sum fits an int64
+MAX_EXPONENT_FLOOR = 1000
+BINARY32_EMIN = -126  # c is held as a binary32 value: its subnormals align by exponent -126
+
+
+@dataclass(frozen=True)
+class TensorCore:
+    """One step of a tensor core's multi-term adder: ``group`` exact products and the incoming
+    value c, aligned to their largest exponent, truncated, added exactly and normalised once.
+
+    A step, with p_1, ..., p_n the group's nonzero products and c the running value:
+
+    1. exponents: a product a b is aligned by e_a + e_b, the exponents of its operands (the
+       exponent of x is floor(log2 |x|), or ``operands.emin`` for a subnormal of the operand
+       format): the product is not renormalised, so its magnitude lies in [0, 4) 2^(e_a + e_b).
+       A nonzero c is aligned by its binary32 exponent, max(floor(log2 |c|), -126). Zero products
+       and c = 0 take no part.
+    2. E = the largest of these exponents, and at least ``exponent_floor`` when given.
+    3. every term, c included, is truncated toward zero to a multiple of 2^(E - fraction_bits);
+       the truncated terms are added exactly (the hardware's carry bits hold the sum).
+    4. the sum is rounded once onto the accumulator by ``normalise`` (+0 when it is exactly 0);
+       the result is c for the next group.
+
+    A NaN product or c, or +Inf meeting -Inf, gives NaN; else an Inf among them gives that Inf.
+
+    Args:
+        group: products per step, in [1, 128].
+        fraction_bits: F, the bits kept below the largest exponent, in [0, 52] (23 plus the extra
+            alignment bits of the paper's models).
+        exponent_floor: the smallest E, in [-1000, 1000]; None: no floor.
+        normalise: the rounding of a group's sum onto the accumulator (a rule or its name;
+            "toward_zero" on the GPUs modelled, "nearest" for their float16 outputs).
+        operands: the format of a and b, whose emin is the exponent of their subnormals (a Float
+            that float64 holds); None: the format of the tensors' dtype. The operands' values are
+            used as they are: a preset's docstring names the values it expects.
+
+    Raises:
+        TypeError: a field has the wrong type.
+        ValueError: a field is out of range (the message names it and its range).
+    """
+
+    group: int
+    fraction_bits: int
+    exponent_floor: int | None = None
+    normalise: Rounding | str = "toward_zero"
+    operands: Float | None = None
+
+    def __post_init__(self) -> None:
+        check_int("group", self.group, 1, MAX_GROUP)
+        check_int("fraction_bits", self.fraction_bits, 0, MAX_FRACTION_BITS)
+        if self.exponent_floor is not None:
+            check_int(
+                "exponent_floor", self.exponent_floor, -MAX_EXPONENT_FLOOR, MAX_EXPONENT_FLOOR
+            )
+        object.__setattr__(self, "normalise", Rounding.parse(self.normalise))
+        if self.operands is not None:
+            if not isinstance(self.operands, Float):
+                raise TypeError(
+                    f"operands must be a Float format or None, got {type(self.operands).__name__}"
+                )
+            check_fits(self.operands, torch.float64)
+
+    def operand_emin(self, dtype: torch.dtype) -> int:
+        """The exponent of the operands' subnormals for operands stored in ``dtype``."""
+        return (self.operands or own_format(dtype)).emin
 
 
 @dataclass(frozen=True)
@@ -96,6 +189,8 @@ class MAC:
         chunk: the terms per chunk, in [1, 2^31 - 1]; required by, and only for, "chunked".
         chunk_accumulator: the format of a chunk's sum ("chunked" only); None: the accumulator.
         compensated: Kahan's compensated summation ("sequential" only).
+        tensor_core: a TensorCore that adds the products in groups ("sequential" or "chunked",
+            exact products, no Kahan); None: one product at a time.
 
     Raises:
         TypeError: a format is not a Float, Fixed or P3109; chunk or rbits is not an int; rounding
@@ -112,6 +207,7 @@ class MAC:
     chunk: int | None = None
     chunk_accumulator: Float | Fixed | None = None
     compensated: bool = False
+    tensor_core: TensorCore | None = None
 
     def __post_init__(self) -> None:
         check_element_format("accumulator", self.accumulator)
@@ -119,7 +215,10 @@ class MAC:
         check_element_format("chunk_accumulator", self.chunk_accumulator)
         rule = Rounding.parse(self.rounding)
         object.__setattr__(self, "rounding", rule)
-        check_rbits(self.rbits, rule)
+        core = self.tensor_core
+        if core is not None and not isinstance(core, TensorCore):
+            raise TypeError(f"tensor_core must be a TensorCore or None, got {type(core).__name__}")
+        check_rbits(self.rbits, self.drawing_rule)
         check_choice("order", self.order, ORDERS)
         if not isinstance(self.compensated, bool):
             raise TypeError(f"compensated must be a bool, got {type(self.compensated).__name__}")
@@ -142,11 +241,47 @@ class MAC:
             or self.compensated
             or rule is not Rounding.nearest
         )
+        if core is not None:
+            self._check_tensor_core(core)
         if self.accumulator is None and customised:
             raise ValueError(
                 "accumulator=None is torch's own float32 product, which takes no other field: "
                 "give the accumulator format to set product, order, compensated or rounding"
             )
+
+    def _check_tensor_core(self, core: TensorCore) -> None:
+        if self.accumulator is None:
+            raise ValueError("a tensor core needs the accumulator format its groups round into")
+        if self.product is not None:
+            raise ValueError("a tensor core forms its products exactly: product must be None")
+        if self.compensated:
+            raise ValueError("a tensor core does not compensate: compensated must be False")
+        if self.order == "pairwise":
+            raise ValueError(
+                'a tensor core chains its groups: order must be "sequential" or "chunked", '
+                'not "pairwise"'
+            )
+        if self.order == "chunked" and self.chunk % core.group:
+            raise ValueError(
+                f"chunk must be a multiple of the tensor core's group ({core.group}), "
+                f"got {self.chunk}"
+            )
+        for name in ("accumulator", "chunk_accumulator"):
+            fmt = getattr(self, name)
+            if fmt is not None and not (isinstance(fmt, Float) and fmt.exp <= 8):
+                raise ValueError(
+                    f"a tensor core's {name} must be a Float of at most 8 exponent bits (its "
+                    f"values are held as binary32 values), got {fmt}"
+                )
+
+    @property
+    def drawing_rule(self) -> Rounding:
+        """The rule that decides whether random words are drawn: a stochastic tensor-core
+        normalisation if there is one, else ``rounding``."""
+        core = self.tensor_core
+        if core is not None and core.normalise.is_stochastic:
+            return core.normalise
+        return self.rounding
 
     @property
     def fused(self) -> bool:
@@ -175,6 +310,13 @@ class MAC:
             words.append("pairwise")
         if self.compensated:
             words.append("Kahan")
+        core = self.tensor_core
+        if core is not None:
+            floor = f", floor {core.exponent_floor}" if core.exponent_floor is not None else ""
+            words.append(
+                f"tensor core: groups of {core.group}, {core.fraction_bits} fraction bits"
+                f"{floor}, {core.normalise.name}"
+            )
         return ", ".join(words)
 
 
@@ -214,7 +356,8 @@ def matmul(
     acc = sum_grid(mac.accumulator, out_dtype)
     inner = sum_grid(mac.chunk_accumulator or mac.accumulator, torch.float64)
     product = sum_grid(mac.product, torch.float64) if mac.product is not None else acc
-    rule, *random = _random_args(mac.rounding, mac.rbits, seed, offset)
+    _, *random = _random_args(mac.drawing_rule, mac.rbits, seed, offset)
+    core = mac.tensor_core
     y = call(
         "mac_matmul",
         a.contiguous(),
@@ -223,10 +366,99 @@ def matmul(
         mac.chunk or 1,
         mac.compensated,
         mac.product is not None,
+        core.group if core is not None else 0,
+        core.fraction_bits if core is not None else 0,
+        core.exponent_floor if core is not None else None,
+        core.operand_emin(a.dtype) if core is not None else 0,
+        int(core.normalise) if core is not None else 0,
         *product,
         *inner,
         *acc,
-        int(rule),
+        int(mac.rounding),
         *random,
     )
     return y.to(out_dtype)
+
+
+# ---- Presets: the published models of NVIDIA's tensor cores (docs/accumulation.md cites each).
+
+_FLOAT32 = Float(8, 23)
+_OPERANDS = {
+    "fp16": Float(5, 10),
+    "bf16": Float(8, 7),
+    "tf32": Float(8, 10),
+    "e4m3": Float(4, 3, special="fn"),
+    "e5m2": Float(5, 2),
+}
+# (GPU, operands) -> (group, fraction_bits, exponent_floor), float32 output, toward zero.
+_MODELS = {
+    ("V100", "fp16"): (4, 23, None),
+    ("A100", "fp16"): (8, 24, -132),
+    ("A100", "bf16"): (8, 24, -132),
+    ("A100", "tf32"): (4, 24, -132),
+    ("H100", "fp16"): (16, 25, -133),
+    ("H100", "bf16"): (16, 25, -133),
+    ("H100", "tf32"): (8, 25, -133),
+    ("H100", "e4m3"): (32, 13, -133),
+    ("H100", "e5m2"): (32, 13, -133),
+    ("B200", "fp16"): (16, 25, -133),
+    ("B200", "bf16"): (16, 25, -133),
+    ("B200", "tf32"): (8, 25, -133),
+    ("B200", "e4m3"): (32, 25, -133),
+    ("B200", "e5m2"): (32, 25, -133),
+}
+# float16 output (fp16 operands): the groups round to nearest into float16, with their own floor.
+_FLOAT16_OUTPUT_FLOORS = {"V100": -19, "A100": -20, "H100": -21, "B200": -21}
+# H100's fp8 groups keep 13 fraction bits: the running value is an e8m13 number.
+_H100_FP8_ACCUMULATOR = Float(8, 13)
+
+
+def _tensor_core_mac(gpu: str, operands: str) -> MAC:
+    group, fraction_bits, floor = _MODELS[gpu, operands]
+    core = TensorCore(group, fraction_bits, floor, "toward_zero", _OPERANDS[operands])
+    narrow = gpu == "H100" and operands in ("e4m3", "e5m2")
+    return MAC(accumulator=_H100_FP8_ACCUMULATOR if narrow else _FLOAT32, tensor_core=core)
+
+
+def _float16_output_mac(gpu: str) -> MAC:
+    group, fraction_bits, _ = _MODELS[gpu, "fp16"]
+    floor = _FLOAT16_OUTPUT_FLOORS[gpu]
+    core = TensorCore(group, fraction_bits, floor, "nearest", _OPERANDS["fp16"])
+    return MAC(accumulator=Float(5, 10), tensor_core=core)
+
+
+PRESETS: dict[str, MAC] = {
+    f"{gpu}/{operands}": _tensor_core_mac(gpu, operands) for gpu, operands in _MODELS
+}
+PRESETS.update({f"{gpu}/fp16/fp16": _float16_output_mac(gpu) for gpu in _FLOAT16_OUTPUT_FLOORS})
+# DeepSeek-V3's FP8 GEMM (arXiv:2412.19437, section 3.3.2): H100 e4m3 tensor-core accumulation,
+# promoted into float32 (round to nearest) every 128 products.
+PRESETS["DeepSeek-V3"] = MAC(
+    accumulator=_FLOAT32,
+    order="chunked",
+    chunk=128,
+    chunk_accumulator=_H100_FP8_ACCUMULATOR,
+    tensor_core=PRESETS["H100/e4m3"].tensor_core,
+)
+
+
+def preset(name: str) -> MAC:
+    """The MAC of a published tensor-core model: ``"GPU/operands"`` with float32 output
+    (GPU V100, A100, H100 or B200; operands fp16, bf16, tf32, e4m3 or e5m2, as the GPU supports),
+    ``"GPU/fp16/fp16"`` with float16 output, or ``"DeepSeek-V3"``. ``PRESETS`` lists them all;
+    docs/accumulation.md gives each one's source.
+
+    The operands are passed as float32, bfloat16 or float16 tensors holding values of the named
+    format: tf32 values are float32 values with 10 fraction bits, fp8 values (e4m3 as OCP's
+    E4M3, e5m2) are carried in float32, bfloat16 or float16 tensors. Round them first, e.g. with
+    ``lpsim.quantize(x, lpsim.Float(8, 10))``.
+
+    Raises:
+        ValueError: no preset has that name (the message lists them).
+    """
+    try:
+        return PRESETS[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"no tensor-core preset {name!r}; the presets are {sorted(PRESETS)}"
+        ) from None

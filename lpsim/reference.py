@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from lpsim.formats import P3109, BlockFloat, Fixed, Float, container_of
-from lpsim.mac import MAC, WORDS_PER_TERM
+from lpsim.mac import BINARY32_EMIN, MAC, WORDS_PER_TERM, TensorCore
 from lpsim.rounding import MAX_RBITS, Rounding
 from lpsim.scaled import PowerOfTwo, Scaled
 
@@ -45,6 +45,8 @@ __all__ = [
     "dot_rounded",
     "mac_matmul",
     "mac_dot",
+    "tensor_core_step",
+    "alignment_exponent",
     "scaled_block_keys",
     "scaled_block_scale",
 ]
@@ -536,14 +538,64 @@ def dot_rounded(
 # ---- Simulated multiply-accumulate (lpsim.mac): every MAC variant on exact rationals.
 
 
-def mac_dot(products: list[float], mac: MAC, word=lambda k, j: 0, rbits: int = MAX_RBITS) -> float:
+def alignment_exponent(x: float, emin: int) -> int:
+    """The exponent a tensor core aligns the finite nonzero x by: floor(log2 |x|), at least emin."""
+    return max(_floor_log2(abs(Fraction(x))), emin)
+
+
+def tensor_core_step(
+    products: list[float],
+    exponents: list[int],
+    c: float,
+    core: TensorCore,
+    grid: RefGrid,
+    word: int = 0,
+    rbits: int = MAX_RBITS,
+) -> float:
+    """One step of a tensor core (lpsim.mac.TensorCore defines it): the exact products of a group
+    (float64 values), product k aligned by exponents[k], and the running value c, summed on
+    rationals after truncation toward zero to multiples of 2^(E - F), then rounded onto grid by
+    core.normalise (word: its random word)."""
+    values = list(products) + [c]
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    infinities = {v for v in values if math.isinf(v)}
+    if len(infinities) == 2:
+        return math.nan
+    if infinities:
+        return round_value(infinities.pop(), grid, core.normalise, word, rbits)
+    terms = [(Fraction(p), e) for p, e in zip(products, exponents) if p != 0]
+    if c != 0:
+        terms.append((Fraction(c), alignment_exponent(c, BINARY32_EMIN)))
+    if not terms:
+        return 0.0
+    top = max(e for _, e in terms)
+    if core.exponent_floor is not None:
+        top = max(top, core.exponent_floor)
+    unit = Fraction(2) ** (top - core.fraction_bits)
+    total = sum((math.trunc(v / unit) for v, _ in terms), 0) * unit
+    if total == 0:
+        return 0.0
+    return round_rational(abs(total), total < 0, grid, core.normalise, word, rbits)
+
+
+def mac_dot(
+    products: list[float],
+    mac: MAC,
+    word=lambda k, j: 0,
+    rbits: int = MAX_RBITS,
+    exponents: list[int] | None = None,
+) -> float:
     """The sum of one result's exact products (float64 values) as ``mac`` adds them (lpsim.mac's
     docstring defines every variant), each rounding exact and then rounded once.
-    ``word(k, j)`` is the random word of rounding j of term k."""
+    ``word(k, j)`` is the random word of rounding j of term k. A tensor core needs ``exponents``:
+    exponents[k] aligns product k (the sum of its operands' alignment_exponent)."""
     if mac.native:
         raise ValueError("the native MAC (accumulator=None) adds in an unspecified order")
     rule = mac.rounding
     acc = container_grid(mac.accumulator, torch.float64)
+    if mac.tensor_core is not None:
+        return _tensor_core_dot(products, exponents, mac, acc, word, rbits)
 
     def rounded(v: float, grid: RefGrid, k: int, j: int) -> float:
         return round_value(v, grid, rule, word(k, j), rbits)
@@ -592,6 +644,38 @@ def mac_dot(products: list[float], mac: MAC, word=lambda k, j: 0, rbits: int = M
     return rounded(terms[0], acc, 0, 1) if len(terms) == 1 else tree(0, len(terms))
 
 
+def _tensor_core_dot(products, exponents, mac: MAC, acc: RefGrid, word, rbits: int) -> float:
+    """mac_dot with a tensor core: groups chained from c = +0 in the accumulator (sequential), or
+    in the chunk accumulator per chunk, each chunk's result added into the accumulator."""
+    core = mac.tensor_core
+    rule = mac.rounding
+
+    def chain(first: int, last: int, grid: RefGrid) -> float:
+        c = 0.0
+        for start in range(first, last, core.group):
+            end = min(start + core.group, last)
+            w = word(end - 1, 1) if core.normalise.is_stochastic else 0
+            c = tensor_core_step(products[start:end], exponents[start:end], c, core, grid, w, rbits)
+        return c
+
+    if not products:
+        return 0.0
+    if mac.order == "sequential":
+        return chain(0, len(products), acc)
+    inner = container_grid(mac.chunk_accumulator or mac.accumulator, torch.float64)
+    s = None
+    for first in range(0, len(products), mac.chunk):
+        last = min(first + mac.chunk, len(products))
+        u = chain(first, last, inner)
+        w = word(last - 1, 2) if rule.is_stochastic else 0
+        s = (
+            round_value(u, acc, rule, w, rbits)
+            if s is None
+            else round_sum(s, u, acc, rule, w, rbits)
+        )
+    return s
+
+
 def mac_matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -608,8 +692,10 @@ def mac_matmul(
         raise ValueError(
             f"mac_matmul takes a (M, K) and b (K, N), got {tuple(a.shape)} and {tuple(b.shape)}"
         )
-    if mac.rounding.is_stochastic and seed is None:
+    if mac.drawing_rule.is_stochastic and seed is None:
         raise ValueError("a stochastic MAC needs a seed")
+    core = mac.tensor_core
+    emin = core.operand_emin(a.dtype) if core is not None else 0
     bits = MAX_RBITS if mac.rbits is None else mac.rbits
     av, bv = a.detach().cpu().double().tolist(), b.detach().cpu().double().tolist()
     m, n_terms, n = a.shape[0], a.shape[1], b.shape[1]
@@ -619,12 +705,20 @@ def mac_matmul(
             r = i * n + j
 
             def word(k: int, slot: int, r=r) -> int:
-                if not mac.rounding.is_stochastic:
+                if not mac.drawing_rule.is_stochastic:
                     return 0
                 return random_word(seed, offset, WORDS_PER_TERM * (r * n_terms + k) + slot)
 
             products = [av[i][k] * bv[k][j] for k in range(n_terms)]  # exact in float64
-            out[i, j] = mac_dot(products, mac, word, bits)
+            exponents = None
+            if core is not None:
+                exponents = [
+                    alignment_exponent(av[i][k], emin) + alignment_exponent(bv[k][j], emin)
+                    if math.isfinite(av[i][k] * bv[k][j]) and av[i][k] * bv[k][j] != 0
+                    else 0
+                    for k in range(n_terms)
+                ]
+            out[i, j] = mac_dot(products, mac, word, bits, exponents)
     return out
 
 

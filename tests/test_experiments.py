@@ -17,12 +17,13 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from experiments import error_growth, scaled_sqnr, stagnation  # noqa: E402
+from experiments import error_growth, mac_error, scaled_sqnr, stagnation  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 TINY = {
     stagnation: ["--increments", "40", "--copies", "4", "--steps", "20", "--seeds", "2"],
     error_growth: ["--rows", "4", "--max-exponent", "1.5", "--repeats", "1"],
+    mac_error: ["--rows", "2", "--max-exponent", "8"],
     scaled_sqnr: [
         *("--digits-epochs", "1", "--resnet-steps", "1", "--batch", "4", "--image-size", "16"),
         *("--presets", "nvfp4", "--rules", "rceil"),
@@ -46,8 +47,9 @@ def digests(names: list[str]) -> dict:
         (stagnation, ["stagnation.md", "stagnation.png"]),
         (error_growth, ["error_growth.md", "error_growth.png"]),
         (scaled_sqnr, ["scaled_sqnr.md", "scaled_sqnr.png"]),
+        (mac_error, ["mac_error.md", "mac_error.png"]),
     ],
-    ids=["stagnation", "error_growth", "scaled_sqnr"],
+    ids=["stagnation", "error_growth", "scaled_sqnr", "mac_error"],
 )
 def test_experiment_writes_into_out_and_leaves_docs_results_alone(experiment, written, tmp_path):
     committed = digests(written)
@@ -61,8 +63,8 @@ def test_experiment_writes_into_out_and_leaves_docs_results_alone(experiment, wr
 
 @pytest.mark.parametrize(
     "experiment",
-    [stagnation, error_growth, scaled_sqnr],
-    ids=["stagnation", "error_growth", "scaled_sqnr"],
+    [stagnation, error_growth, scaled_sqnr, mac_error],
+    ids=["stagnation", "error_growth", "scaled_sqnr", "mac_error"],
 )
 def test_out_defaults_to_docs_results_and_help_says_so(experiment):
     p = experiment.parser()

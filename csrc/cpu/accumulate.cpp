@@ -106,7 +106,7 @@ void mac_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t p,
     MacSum<R, WordCache> s(shape, product != nullptr ? &product_grid : nullptr, acc_grid,
                            inner_grid, mask, words, kMacWordsPerTerm * r * n);
     for (int64_t k = 0; k < n; ++k) {
-      s.add(exact_product<X>(bits_of<X>(row[k]), bits_of<X>(column[k])), k);
+      s.template add_operands<X>(bits_of<X>(row[k]), bits_of<X>(column[k]), k);
     }
     y[r] = s.finish(n);
   }

@@ -8,6 +8,9 @@
 // loop needs no buffer of a result's products. The pairwise tree, whose left part is always the
 // largest power of two below the count, is built as a binary counter: term k joins the stack as a
 // block of one, equal blocks on top merge, and the blocks left at the end merge from the right.
+//
+// A tensor core (tensor_core.h) buffers one group of products at a time: its alignment needs the
+// group's largest exponent before any product is truncated.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +20,7 @@
 #include "exact_sum.h"
 #include "grid_spec.h"
 #include "round.h"
+#include "tensor_core.h"
 
 namespace lpsim {
 
@@ -27,7 +31,8 @@ enum class MacOrder : int32_t { kSequential = 0, kChunked = 1, kPairwise = 2 };
 constexpr int64_t kMacWordsPerTerm = 8;
 enum MacWord : int64_t {
   kProductWord = 0,    // the product's rounding
-  kAddWord = 1,        // the addition that brings term k in (pairwise: the node split at k)
+  kAddWord = 1,        // the addition that brings term k in (pairwise: the node split at k;
+                       // tensor core: the normalisation of the group ending at k)
   kChunkWord = 2,      // the addition of the chunk ending at k into the accumulator
   kKahanTermWord = 3,  // Kahan: y = t_k - c
   kKahanDiffWord = 4,  // Kahan: u - s
@@ -37,8 +42,9 @@ enum MacWord : int64_t {
 // A MAC's order and its grids (Grid<Float64Container>, made by the caller).
 struct MacShape {
   MacOrder order;
-  int64_t chunk;     // terms per chunk (kChunked)
-  bool compensated;  // Kahan (kSequential)
+  int64_t chunk;                 // terms per chunk (kChunked)
+  bool compensated;              // Kahan (kSequential)
+  TensorCoreSpec tensor_core{};  // group 0: no tensor core; else kSequential or kChunked
 };
 
 // The deepest pairwise stack: one block per bit of the term count.
@@ -62,7 +68,23 @@ class MacSum {
         words_(words),
         first_word_(first_word) {}
 
-  // Adds the exact product of term k (float64 bits), k = 0, 1, ... in turn.
+  // Adds term k, the product of the operands ua and ub (words of container X), k = 0, 1, ... in
+  // turn.
+  template <class X>
+  LPSIM_FN void add_operands(typename X::word ua, typename X::word ub, int64_t k) {
+    const uint64_t product = exact_product<X>(ua, ub);
+    const TensorCoreSpec& core = shape_.tensor_core;
+    if (core.group == 0) {
+      add(product, k);
+      return;
+    }
+    group_.add(product, convert_exact<F64, X>(ua), convert_exact<F64, X>(ub), core.operand_emin);
+    group_open_ = true;
+    last_ = k;
+    if ((k + 1) % core.group == 0) close_group(k);
+  }
+
+  // Adds the exact product of term k (float64 bits), k = 0, 1, ... in turn (no tensor core).
   LPSIM_FN void add(uint64_t exact_product, int64_t k) {
     const uint64_t term =
         product_ != nullptr ? rounded(exact_product, *product_, k, kProductWord) : exact_product;
@@ -90,6 +112,7 @@ class MacSum {
   // The result after `count` terms (+0 for none).
   LPSIM_FN uint64_t finish(int64_t count) {
     if (count == 0) return 0;
+    if (shape_.tensor_core.group != 0 && group_open_) close_group(last_);
     if (shape_.order == MacOrder::kChunked) {
       if ((last_ + 1) % shape_.chunk != 0) close_chunk(last_);
     } else if (shape_.order == MacOrder::kPairwise) {
@@ -121,6 +144,21 @@ class MacSum {
     sum_ = started_ ? added(sum_, chunk_sum_, acc_, k, kChunkWord)
                     : rounded(chunk_sum_, acc_, k, kChunkWord);
     started_ = true;
+    chunk_sum_ = 0;  // a tensor core's next chunk starts from c = +0
+  }
+
+  // Tensor core: the group that ends at term k becomes the next value of its chain (the chunk's
+  // sum, kChunked, or the running sum), and a chunk that ends there is added into the accumulator.
+  LPSIM_FN void close_group(int64_t k) {
+    const TensorCoreSpec& core = shape_.tensor_core;
+    const bool chunked = shape_.order == MacOrder::kChunked;
+    uint64_t& chain = chunked ? chunk_sum_ : sum_;
+    const uint32_t random =
+        is_stochastic(core.normalise) ? words_(first_word_ + kMacWordsPerTerm * k + kAddWord) : 0;
+    chain = tensor_core_step(core, group_, chain, chunked ? inner_ : acc_, random, mask_);
+    group_.clear();
+    group_open_ = false;
+    if (chunked && (k + 1) % shape_.chunk == 0) close_chunk(k);
   }
 
   // Pairwise: term k joins as a block of one; equal blocks on top merge.
@@ -155,6 +193,8 @@ class MacSum {
   int64_t first_[kMacStackDepth] = {};
   int64_t size_[kMacStackDepth] = {};
   int depth_ = 0;
+  TensorCoreGroup group_;
+  bool group_open_ = false;
 };
 
 }  // namespace lpsim
