@@ -496,3 +496,26 @@ def test_transformer_encoder_warns_that_attention_products_are_not_simulated():
     simulated = [name for name, _, done in lpsim.nn.injected(model) if "macs" in done]
     assert simulated == ["layers.0.self_attn.out_proj", "layers.0.linear1", "layers.0.linear2"]
     model(torch.randn(3, 2, 8)).sum().backward()
+
+
+def test_tensor_core_presets_run_in_the_functional_ops():
+    x, w = spread(3, 40, seed=60), spread(2, 40, seed=61)
+    h100 = lpsim.mac.preset("H100/fp16")
+    assert_same_bits(LF.linear(x, w, mac=h100), lpsim.mac.matmul(x, w.t(), h100))
+
+
+def test_eval_mode_replaces_a_stochastic_tensor_core_normalisation():
+    import dataclasses
+
+    h100 = lpsim.mac.preset("H100/fp16")
+    stochastic = dataclasses.replace(
+        h100, tensor_core=dataclasses.replace(h100.tensor_core, normalise="stochastic")
+    )
+    model = torch.nn.Linear(40, 2)
+    lpsim.nn.inject(model, {"": lpsim.nn.LayerQuantization(mac=stochastic)})
+    model.eval()
+    x = spread(3, 40, seed=62)
+    nearest = dataclasses.replace(
+        h100, tensor_core=dataclasses.replace(h100.tensor_core, normalise="nearest")
+    )
+    assert_same_bits(model(x), LF.linear(x, model.weight, model.bias, mac=nearest))

@@ -126,7 +126,7 @@ def arithmetic(
 
 def _seed(mac: MAC) -> int | None:
     """One seed for the products of one call under ``mac`` (None: the rule draws no words)."""
-    return int(draw_seed()) if Rounding.parse(mac.rounding).is_stochastic else None
+    return int(draw_seed()) if not mac.native and mac.drawing_rule.is_stochastic else None
 
 
 def _product(a: torch.Tensor, b: torch.Tensor, mac: MAC, seed: int | None, offset: int):
@@ -203,7 +203,8 @@ class _AddBias(torch.autograd.Function):
         if how.forward.native:
             return y + b
         mac = how.forward
-        return sr_add(y, b.to(y.dtype), mac.accumulator, mac.rounding, rbits=mac.rbits)
+        rbits = mac.rbits if mac.rounding.is_stochastic else None
+        return sr_add(y, b.to(y.dtype), mac.accumulator, mac.rounding, rbits=rbits)
 
     @staticmethod
     def backward(ctx, grad):

@@ -183,11 +183,15 @@ _UNSIMULATED_PRODUCTS = (
 
 
 def _for_eval(mac: MAC, eval_rule: Rounding | None) -> MAC:
-    """The MAC an evaluating module uses: a stochastic rule replaced by eval_rule (None keeps
-    it)."""
-    if eval_rule is None or mac.native or not mac.rounding.is_stochastic:
+    """The MAC an evaluating module uses: its stochastic rules (the MAC's, a tensor core's
+    normalisation) replaced by eval_rule (None keeps them)."""
+    if eval_rule is None or mac.native or not mac.drawing_rule.is_stochastic:
         return mac
-    return dataclasses.replace(mac, rounding=eval_rule, rbits=None)
+    core = mac.tensor_core
+    if core is not None and core.normalise.is_stochastic:
+        core = dataclasses.replace(core, normalise=eval_rule)
+    rounding = eval_rule if mac.rounding.is_stochastic else mac.rounding
+    return dataclasses.replace(mac, rounding=rounding, rbits=None, tensor_core=core)
 
 
 def _simulated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
