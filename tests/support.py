@@ -32,6 +32,19 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor, context: str = "") -
         raise AssertionError(f"{context}: {int((~same).sum())} elements differ: {rows}")
 
 
+def assert_same_for_any_thread_count(compute, threads: int) -> None:
+    """compute() gives the same bits with ``threads`` threads as with one (torch's thread count is
+    restored afterwards)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = compute()
+        torch.set_num_threads(threads)
+        assert_same_bits(compute(), want, f"{threads} threads")
+    finally:
+        torch.set_num_threads(before)
+
+
 def next_up(x: torch.Tensor) -> torch.Tensor:
     return torch.nextafter(x, torch.full_like(x, math.inf))
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import assert_same_bits
+from support import assert_same_bits, assert_same_for_any_thread_count
 
 import lpsim
 from lpsim import MAC, Fixed, Float
@@ -346,14 +346,7 @@ def test_kernel_equals_the_reference_on_random_products(k, mac, rounding, seed):
 def test_kernel_results_do_not_depend_on_the_thread_count(threads):
     a, b = kernel_operands(torch.float32, 17, 300, 13, 2)
     mac = MAC(accumulator=BFLOAT16, order="pairwise", rounding="stochastic")
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        want = lpsim.mac.matmul(a, b, mac, seed=4)
-        torch.set_num_threads(threads)
-        assert_same_bits(lpsim.mac.matmul(a, b, mac, seed=4), want)
-    finally:
-        torch.set_num_threads(before)
+    assert_same_for_any_thread_count(lambda: lpsim.mac.matmul(a, b, mac, seed=4), threads)
 
 
 def test_the_native_mac_is_torchs_matmul():

@@ -18,7 +18,7 @@ import tensor_core_model as model
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support import assert_same_bits
+from support import assert_same_bits, assert_same_for_any_thread_count
 
 import lpsim
 from lpsim import MAC, Float
@@ -332,14 +332,7 @@ def test_kernel_handles_inf_nan_and_overflow_like_the_reference():
 def test_kernel_results_do_not_depend_on_the_thread_count(threads):
     a, b = kernel_operands(torch.float32, 9, 300, 7, 2, None)
     mac = MAC(accumulator=FLOAT32, tensor_core=TensorCore(8, 20, -100, "stochastic_equal"))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        want = lpsim.mac.matmul(a, b, mac, seed=4)
-        torch.set_num_threads(threads)
-        assert_same_bits(lpsim.mac.matmul(a, b, mac, seed=4), want)
-    finally:
-        torch.set_num_threads(before)
+    assert_same_for_any_thread_count(lambda: lpsim.mac.matmul(a, b, mac, seed=4), threads)
 
 
 # ---- Errors name the field and its range.

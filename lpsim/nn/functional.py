@@ -397,6 +397,11 @@ def _geometry(weight_shape, stride, padding, dilation, groups, dims: int) -> _Ge
     return _Geometry(stride, (*pads[0], *pads[1]), dilation, groups)
 
 
+def _padded(x: torch.Tensor, geometry: _Geometry) -> torch.Tensor:
+    """x (N, C, H, W) with the geometry's zero padding (F.pad takes the last dimension first)."""
+    return F.pad(x, geometry.padding[2:] + geometry.padding[:2])
+
+
 def _output_size(size: int, pad: int, kernel: int, stride: int, dilation: int) -> int:
     return (size + pad - dilation * (kernel - 1) - 1) // stride + 1
 
@@ -421,7 +426,7 @@ def _groups(t: torch.Tensor, groups: int, dim: int):
 
 
 def _conv_forward(x, w, geometry: _Geometry, mac: MAC):
-    padded = F.pad(x, geometry.padding[2:] + geometry.padding[:2])
+    padded = _padded(x, geometry)
     seed = _seed(mac)
     parts = zip(_groups(padded, geometry.groups, 1), _groups(w, geometry.groups, 0))
     return torch.cat(
@@ -483,7 +488,7 @@ def _native_input_grad(grad, w, input_size, geometry: _Geometry):
 def _conv_weight_grad(x, grad, w_shape, geometry: _Geometry, mac: MAC):
     """The gradient of the weight: the output gradient (O, N L) times the input's columns
     (N L, C kh kw), per group."""
-    padded = F.pad(x, geometry.padding[2:] + geometry.padding[:2])
+    padded = _padded(x, geometry)
     kh, kw = w_shape[2:]
     if mac.native:
         return torch.nn.grad.conv2d_weight(
