@@ -81,3 +81,16 @@ def test_statistics_benchmark_prints_a_row_per_format_and_rule(capsys):
     ]
     assert all(r["quantize_ms"] > 0 and r["with_statistics_ms"] > 0 for r in rows)
     assert "median overhead of the statistics" in capsys.readouterr().out
+
+
+def test_mac_benchmark_prints_a_row_per_mac_against_torch_matmul(capsys):
+    bench_mac = _import("bench_mac")
+    threads = torch.get_num_threads()
+    try:
+        rows = bench_mac.main(["--quick"])
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["mac"] for r in rows] == list(bench_mac.MACS)
+    assert all(r["gflops"] > 0 and r["torch_gflops"] > 0 and r["ratio"] > 0 for r in rows)
+    assert all(r["rows"] == 64 and r["shape"] == "64x64x64" for r in rows)
+    assert "lane loop" in capsys.readouterr().out

@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "cpu/loops.h"
+#include "cpu/mac_lanes.h"
 #include "dispatch.h"
 
 namespace lpsim::cpu {
@@ -142,6 +143,10 @@ void mac_matmul(Dtype x_dtype, Rounding rounding, const void* a, const void* b, 
                 int64_t n, int64_t p, int64_t begin, int64_t end, const MacShape& shape,
                 const GridSpec* product, const GridSpec& acc, const GridSpec& inner,
                 const RandomSpec& random) {
+  // The sequential sums go through the lane loop (mac_lanes.h), which gives the same bits.
+  if (mac_matmul_lanes(x_dtype, rounding, a, b, y, n, p, begin, end, shape, product, acc, random)) {
+    return;
+  }
   with_container(x_dtype, [&](auto cx) {
     using X = decltype(cx);
     if constexpr (!std::is_same_v<X, F64>) {  // float64 products are not exact (checked by the op)

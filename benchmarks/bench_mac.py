@@ -1,0 +1,159 @@
+"""Throughput of lpsim.mac.matmul against torch.matmul float32, measured in the same run.
+
+    python benchmarks/bench_mac.py [--shapes 512x512x512,2048x2048x256] [--repeat 5]
+                                   [--budget 8] [--threads N] [--scalar-loop] [--quick]
+                                   [--only TEXT]
+
+For each shape MxNxK (float32 operands a: M x K, b: K x N) and each MAC of ``MACS``, the table
+gives GFLOP/s = 2 M N K / time (the median of --repeat calls) and the ratio to torch.matmul's
+float32 GFLOP/s on the same operands (itself a median, timed in the same run). The native MAC() is
+torch.matmul itself (ratio about 1.0). A tensor core's rows (lpsim.mac.PRESETS) take a and b
+rounded to nearest in its operand format.
+
+A slow row would take minutes at the full shape, so each row first times its MAC on a few rows of
+a; when the full shape would exceed --budget seconds per call, the row is timed on the first M'
+rows of a instead (the "rows" column), with M' chosen to fit the budget, and fewer repetitions.
+Every result of a row costs the same (K multiply-adds), so GFLOP/s on M' rows is the full shape's
+to within the noise. --scalar-loop times every row with mac_matmul's lane loop switched off
+(csrc/cpu/mac_lanes.h; the private op lpsim::_mac_lanes), which is the kernel before the lanes.
+--quick runs a small shape with one repetition: a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import lpsim
+from lpsim import MAC, Float
+
+FLOAT16 = Float(5, 10)
+BFLOAT16 = Float(8, 7)
+FLOAT32 = Float(8, 23)
+
+MACS = {
+    "native MAC() (torch.matmul)": MAC(),
+    "sequential fp16 nearest": MAC(accumulator=FLOAT16),
+    "sequential fp16 stochastic": MAC(accumulator=FLOAT16, rounding="stochastic"),
+    "sequential bf16 nearest": MAC(accumulator=BFLOAT16),
+    "sequential bf16 stochastic": MAC(accumulator=BFLOAT16, rounding="stochastic"),
+    "chunked 32 bf16 into fp32": MAC(
+        accumulator=FLOAT32, order="chunked", chunk=32, chunk_accumulator=BFLOAT16
+    ),
+    "pairwise bf16 nearest": MAC(accumulator=BFLOAT16, order="pairwise"),
+    "Kahan bf16 nearest": MAC(accumulator=BFLOAT16, compensated=True),
+    **{f"tensor core {name}": mac for name, mac in lpsim.mac.PRESETS.items()},
+}
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _median(fn, repeat: int) -> float:
+    return statistics.median(_seconds(fn) for _ in range(repeat))
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    shapes = []
+    for item in text.split(","):
+        m, n, k = (int(v) for v in item.lower().split("x"))
+        shapes.append((m, n, k))
+    return shapes
+
+
+def operands_of(mac: MAC, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a and b rounded to nearest in a tensor core's operand format (unchanged for other MACs)."""
+    core = mac.tensor_core
+    if core is None or core.operands is None:
+        return a, b
+    return lpsim.quantize(a, core.operands), lpsim.quantize(b, core.operands)
+
+
+def time_row(a, b, mac: MAC, repeat: int, budget: float) -> tuple[int, float]:
+    """(rows of a timed, median seconds per call) for one MAC."""
+    a, b = operands_of(mac, a, b)
+    m = a.shape[0]
+    if mac.native:
+        lpsim.mac.matmul(a, b, mac)
+        return m, _median(lambda: lpsim.mac.matmul(a, b, mac), repeat)
+    probe_rows = min(m, 8)
+    probe = a[:probe_rows].contiguous()
+    estimate = _seconds(lambda: lpsim.mac.matmul(probe, b, mac, seed=1)) * m / probe_rows
+    rows = m
+    if estimate > budget:
+        rows = max(probe_rows, int(m * budget / estimate))
+        repeat = 1
+    elif estimate * repeat > 3 * budget:
+        repeat = max(1, int(3 * budget / estimate))
+    part = a[:rows].contiguous()
+    return rows, _median(lambda: lpsim.mac.matmul(part, b, mac, seed=1), repeat)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="512x512x512,2048x2048x256", help="MxNxK,...")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--budget", type=float, default=8.0, help="seconds per timed call")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="one small shape, one repetition")
+    parser.add_argument("--only", default="", help="the rows whose label contains this text")
+    parser.add_argument("--scalar-loop", action="store_true", help="the lane loop switched off")
+    args = parser.parse_args(argv)
+    lanes_before = torch.ops.lpsim._mac_lanes(not args.scalar_loop)
+    try:
+        return _run(args)
+    finally:
+        torch.ops.lpsim._mac_lanes(lanes_before)
+
+
+def _run(args) -> list[dict]:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    shapes = parse_shapes("64x64x64" if args.quick else args.shapes)
+    repeat = 1 if args.quick else args.repeat
+    budget = 0.5 if args.quick else args.budget
+    rows = []
+    for m, n, k in shapes:
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(m, k, generator=g)
+        b = torch.randn(k, n, generator=g)
+        torch.matmul(a, b)
+        seconds = _median(lambda a=a, b=b: torch.matmul(a, b), max(repeat, 5))
+        reference = 2 * m * n * k / seconds / 1e9
+        for label, mac in MACS.items():
+            if args.only not in label:
+                continue
+            timed_rows, seconds = time_row(a, b, mac, repeat, budget)
+            gflops = 2 * timed_rows * n * k / seconds / 1e9
+            rows.append(
+                {
+                    "mac": label,
+                    "shape": f"{m}x{n}x{k}",
+                    "rows": timed_rows,
+                    "gflops": gflops,
+                    "torch_gflops": reference,
+                    "ratio": gflops / reference,
+                }
+            )
+    loop = "scalar loop" if args.scalar_loop else "lane loop"
+    print(
+        f"threads={torch.get_num_threads()}, {loop}, float32 operands, median of {repeat} "
+        f"(slow rows: fewer rows of a, fewer repetitions)"
+    )
+    print(f"{'MAC':34} {'MxNxK':>16} {'rows':>6} {'GFLOP/s':>9} {'torch':>8} {'ratio':>9}")
+    for r in rows:
+        print(
+            f"{r['mac']:34} {r['shape']:>16} {r['rows']:>6} {r['gflops']:>9.3f} "
+            f"{r['torch_gflops']:>8.1f} {r['ratio']:>9.5f}"
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()

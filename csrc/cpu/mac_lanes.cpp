@@ -1,0 +1,362 @@
+// The lane loop of mac_matmul (see mac_lanes.h for the design).
+// The vector types below are passed between inline functions only, never across a call, so the ABI
+// of the baseline clone's 32-byte vectors (which gcc warns about) does not matter.
+#pragma GCC diagnostic ignored "-Wpsabi"
+#include "cpu/mac_lanes.h"
+
+#include <lpsim/exact_sum.h>
+#include <lpsim/mac.h>
+#include <lpsim/nearest_sum.h>
+
+#include <algorithm>
+#include <atomic>
+#include <type_traits>
+#include <vector>
+
+#include "cpu/loops.h"
+#include "dispatch.h"
+
+namespace lpsim::cpu {
+namespace {
+
+using F64 = Float64Container;
+
+// Tile size: 16 lanes by 4 rows is 16 AVX2 vectors of independent sums per term, to cover the
+// latency of one addition's rounding (about 40 cycles on the fast path); the panel of b (K x 16
+// float64) is read once per term for 4 rows. Measured against other sizes at nearest_terms.
+constexpr int kLanes = 16;
+constexpr int kRows = 4;
+constexpr int kTileSize = kLanes * kRows;
+// Terms whose random words are drawn ahead of the vector loop (stochastic rules): one Philox group
+// (256 words) holds 32 terms' words of one result.
+constexpr int64_t kTermBlock = 32;
+
+std::atomic<bool> lanes_enabled{true};
+
+// An operand as float64: exact for finite values, by the hardware's conversion where there is one
+// (float32, and bfloat16 as the top half of a float32; convert_exact cost about 1 ns an element).
+// A NaN's payload may differ from convert_exact's, which does not matter: a tile with an Inf or NaN
+// operand takes the generic loop, which redoes every lane that meets one with the scalar loop, on
+// the operands themselves.
+template <class X>
+LPSIM_INLINE double as_double(typename X::storage s) {
+  if constexpr (std::is_same_v<X, Float32Container>) {
+    float f;
+    __builtin_memcpy(&f, &s, sizeof f);
+    return f;
+  } else if constexpr (std::is_same_v<X, BFloat16Container>) {
+    const uint32_t u = uint32_t(s) << 16;
+    float f;
+    __builtin_memcpy(&f, &u, sizeof f);
+    return f;
+  } else {
+    const uint64_t u = convert_exact<F64, X>(static_cast<typename X::word>(s));
+    double d;
+    __builtin_memcpy(&d, &u, sizeof d);
+    return d;
+  }
+}
+
+LPSIM_INLINE uint64_t bits_of(double d) {
+  uint64_t u;
+  __builtin_memcpy(&u, &d, sizeof u);
+  return u;
+}
+
+// One tile's operands in float64: a's rows (kRows x n, rows past the tile's own are zero) and the
+// panel of b's columns (n x kLanes, columns past the tile's own are zero). A float64 product of two
+// converted values is exact_product's (the core converts and multiplies the same way).
+struct Tile {
+  const double* a;
+  const double* b;
+  int64_t n;
+};
+
+// The tile's running sums over the terms [k0, k1) (k0 = 0 starts them), float64 bits, lane
+// r * kLanes + l for row r and column l; `bad` marks lanes that met an Inf or NaN, which the caller
+// redoes. `add_words` and `product_words` hold each lane's words of terms [k0, k1) (stochastic
+// rules), term-major: word[(k - k0) * kTileSize + lane].
+struct Lanes {
+  alignas(64) uint64_t sum[kTileSize];
+  alignas(64) uint64_t bad[kTileSize];
+};
+
+// The generic loop. gcc does not vectorise it (the core's float64-word arithmetic needs 64-bit
+// operations AVX2 lacks: unsigned compares, int64 <-> double conversion), so it gains little on the
+// scalar loop: measured 59 against 73 ns per multiply-add (bf16, rule up, one thread), and nothing
+// for stochastic rules, whose cost is the random words (8 Philox words drawn per term).
+template <Rounding R, bool kProduct>
+LPSIM_INLINE void generic_terms(const Tile& t, int64_t k0, int64_t k1, const Grid<F64>& acc_grid,
+                                const Grid<F64>& product_grid, uint32_t mask,
+                                const uint32_t* add_words, const uint32_t* product_words,
+                                Lanes& lanes) {
+  // Local copies: the stores to the lanes may alias the grids as far as the compiler knows.
+  const Grid<F64> g = acc_grid, pg = product_grid;
+  uint64_t* s = lanes.sum;
+  uint64_t* bad = lanes.bad;
+  auto word = [&](const uint32_t* words, int64_t k, int lane) LPSIM_LAMBDA_INLINE {
+    return is_stochastic(R) ? words[(k - k0) * kTileSize + lane] : uint32_t(0);
+  };
+  auto term = [&](int64_t k, int r, int l) LPSIM_LAMBDA_INLINE {
+    const uint64_t exact = bits_of(t.a[r * t.n + k] * t.b[k * kLanes + l]);
+    if constexpr (kProduct) {
+      return round_to_grid<R, F64>(exact, pg, word(product_words, k, r * kLanes + l), mask);
+    } else {
+      return exact;
+    }
+  };
+  int64_t k = k0;
+  if (k == 0) {
+    for (int r = 0; r < kRows; ++r) {
+      for (int l = 0; l < kLanes; ++l) {
+        const int lane = r * kLanes + l;
+        const uint64_t v = term(0, r, l);
+        bad[lane] = has_special<F64>(v, v);
+        s[lane] = round_to_grid<R, F64>(v, g, word(add_words, 0, lane), mask);
+      }
+    }
+    ++k;
+  }
+  for (; k < k1; ++k) {
+    for (int r = 0; r < kRows; ++r) {
+      for (int l = 0; l < kLanes; ++l) {
+        const int lane = r * kLanes + l;
+        const uint64_t v = term(k, r, l);
+        bad[lane] |= has_special<F64>(s[lane], v);
+        s[lane] = round_finite_sum_to_grid<R, F64>(s[lane], v, g, word(add_words, k, lane), mask);
+      }
+    }
+  }
+}
+
+LPSIM_MULTIVERSION
+void generic_kernel(Rounding rounding, bool has_product, const Tile& t, int64_t k0, int64_t k1,
+                    const Grid<F64>& acc_grid, const Grid<F64>& product_grid, uint32_t mask,
+                    const uint32_t* add_words, const uint32_t* product_words, Lanes& lanes) {
+  with_rounding(rounding, [&](auto rule) LPSIM_LAMBDA_INLINE {
+    constexpr Rounding R = decltype(rule)::value;
+    if (has_product) {
+      generic_terms<R, true>(t, k0, k1, acc_grid, product_grid, mask, add_words, product_words,
+                             lanes);
+    } else {
+      generic_terms<R, false>(t, k0, k1, acc_grid, product_grid, mask, add_words, product_words,
+                              lanes);
+    }
+  });
+}
+
+// Nearest onto a grid that nearest_sum.h serves, exact products: every term of the tile, with
+// nearest_sum on GCC vector types of four lanes. Measured on this 2-core Zen 3, one thread, bf16,
+// 256x256x512, ns per multiply-add: the scalar form, which gcc does not vectorise across lanes,
+// 7.3; these vectors 2.2 (kRows 2: 2.6; 8 lanes by 4 rows: 2.7). Tried and dropped: GCC's 8- and
+// 16-lane vector types (12 and 7.5: gcc splits them badly), and a pack of four vectors whose
+// operators interleave their instructions (2.4). The sum's ~23 operations, 11 of them on the two
+// float64 adders, bound it near 0.7 ns at 2 GHz; the rest is latency the out-of-order core does not
+// hide.
+typedef double Doubles __attribute__((vector_size(32)));
+typedef uint64_t Words __attribute__((vector_size(32)));
+constexpr int kWidth = 4;  // lanes per vector
+constexpr int kVectors = kLanes / kWidth;
+
+template <bool kFlush>
+LPSIM_INLINE bool nearest_terms(const Tile& t, const NearestGrid& grid, Lanes& lanes) {
+  const NearestGrid g = grid;
+  Words s[kRows][kVectors];
+  Doubles top{};
+  auto product = [&](int64_t k, int r, int v) LPSIM_LAMBDA_INLINE {
+    Doubles b;
+    __builtin_memcpy(&b, t.b + k * kLanes + v * kWidth, sizeof b);
+    const Doubles p = b * t.a[r * t.n + k];
+    Words u;
+    __builtin_memcpy(&u, &p, sizeof u);
+    return u;
+  };
+  for (int r = 0; r < kRows; ++r) {
+    for (int v = 0; v < kVectors; ++v) {
+      s[r][v] = nearest_round<Doubles, Words, kFlush>(product(0, r, v), g, top);
+    }
+  }
+  for (int64_t k = 1; k < t.n; ++k) {
+    for (int r = 0; r < kRows; ++r) {
+      for (int v = 0; v < kVectors; ++v) {
+        s[r][v] = nearest_sum<Doubles, Words, kFlush>(s[r][v], product(k, r, v), g, top);
+      }
+    }
+  }
+  __builtin_memcpy(lanes.sum, s, sizeof s);
+  bool within = true;
+  for (int j = 0; j < kWidth; ++j) within = within & (top[j] <= g.limit);
+  return within;
+}
+
+// The tile's sums, or false where one of them overflows the grid (the caller then takes the
+// generic loop). The operands must be finite.
+LPSIM_MULTIVERSION
+bool nearest_kernel(const Tile& t, const NearestGrid& g, Lanes& lanes) {
+  return g.flush_threshold > 0 ? nearest_terms<true>(t, g, lanes)
+                               : nearest_terms<false>(t, g, lanes);
+}
+
+// The scalar definition of result r (mac_span's loop), for the lanes marked bad.
+template <class X, Rounding R>
+uint64_t scalar_result(const typename X::storage* a, const typename X::storage* b, int64_t n,
+                       int64_t p, int64_t r, const MacShape& shape, const Grid<F64>* product,
+                       const Grid<F64>& acc, uint32_t mask, WordCache& words) {
+  const typename X::storage* row = a + (r / p) * n;
+  const typename X::storage* column = b + (r % p) * n;
+  MacSum<R, WordCache> s(shape, product, acc, acc, mask, words, kMacWordsPerTerm * r * n);
+  for (int64_t k = 0; k < n; ++k) {
+    s.add(exact_product<X>(static_cast<typename X::word>(row[k]),
+                           static_cast<typename X::word>(column[k])),
+          k);
+  }
+  return s.finish(n);
+}
+
+template <class X, Rounding R>
+void lanes_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t p, int64_t begin,
+                int64_t end, const MacShape& shape, const GridSpec* product, const GridSpec& acc,
+                const RandomSpec& random) {
+  using S = typename X::storage;
+  const auto* a = static_cast<const S*>(av);
+  const auto* b = static_cast<const S*>(bv);
+  Grid<F64> acc_grid, product_grid;
+  make_grid<F64>(acc, acc_grid);
+  if (product != nullptr) make_grid<F64>(*product, product_grid);
+  const Grid<F64>* product_ptr = product != nullptr ? &product_grid : nullptr;
+  NearestGrid nearest{};
+  const bool fast =
+      R == Rounding::nearest && product == nullptr && make_nearest_grid(acc_grid, nearest);
+  WordCache cache(make_philox_key(random.seed, random.offset));
+  const uint32_t mask = random_mask(random.rbits);
+
+  std::vector<double> panels;
+  std::vector<char> panel_finite;
+  std::vector<double> rows(static_cast<size_t>(n) * kRows);
+  const int64_t block = is_stochastic(R) ? kTermBlock : n;
+  std::vector<uint32_t> add_words, product_words;
+  if (is_stochastic(R)) {
+    add_words.resize(static_cast<size_t>(block) * kTileSize);
+    product_words.resize(static_cast<size_t>(block) * kTileSize);
+  }
+  Lanes lanes;
+
+  // The results of rows [i0, i1) and columns [j0, j1).
+  auto results = [&](int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+    // b's columns [j0, j1) as panels, packed once for all the row blocks: per multiply-add,
+    // converting operands per tile cost about as much as the fast path's arithmetic.
+    const int64_t blocks = (j1 - j0 + kLanes - 1) / kLanes;
+    const int64_t panel_size = n * kLanes;
+    panels.resize(static_cast<size_t>(blocks * panel_size));
+    panel_finite.assign(static_cast<size_t>(blocks), 1);
+    for (int64_t block_index = 0; block_index < blocks; ++block_index) {
+      const int64_t jb = j0 + block_index * kLanes;
+      const int width = static_cast<int>(std::min<int64_t>(kLanes, j1 - jb));
+      double* panel = panels.data() + block_index * panel_size;
+      bool finite = true;  // the fast path takes finite operands only
+      for (int l = 0; l < kLanes; ++l) {
+        const S* column = b + (jb + l) * n;
+        for (int64_t k = 0; k < n; ++k) {
+          const double v = l < width ? as_double<X>(column[k]) : 0.0;
+          panel[k * kLanes + l] = v;
+          finite = finite & (v - v == 0.0);
+        }
+      }
+      panel_finite[block_index] = finite;
+    }
+    for (int64_t ib = i0; ib < i1; ib += kRows) {
+      const int height = static_cast<int>(std::min<int64_t>(kRows, i1 - ib));
+      bool rows_finite = true;
+      for (int r = 0; r < kRows; ++r) {
+        const S* row = a + (ib + r) * n;
+        for (int64_t k = 0; k < n; ++k) {
+          const double v = r < height ? as_double<X>(row[k]) : 0.0;
+          rows[r * n + k] = v;
+          rows_finite = rows_finite & (v - v == 0.0);
+        }
+      }
+      for (int64_t block_index = 0; block_index < blocks; ++block_index) {
+        const int64_t jb = j0 + block_index * kLanes;
+        const int width = static_cast<int>(std::min<int64_t>(kLanes, j1 - jb));
+        const bool finite = rows_finite && panel_finite[block_index] != 0;
+        const Tile tile{rows.data(), panels.data() + block_index * panel_size, n};
+        if (fast && finite && nearest_kernel(tile, nearest, lanes)) {
+          std::fill(lanes.bad, lanes.bad + kTileSize, uint64_t(0));
+        } else {
+          for (int64_t k0 = 0; k0 < n; k0 += block) {
+            const int64_t k1 = std::min(n, k0 + block);
+            if constexpr (is_stochastic(R)) {
+              // Lane-major, so that the cache generates each result's groups once.
+              for (int r = 0; r < height; ++r) {
+                for (int l = 0; l < width; ++l) {
+                  const int lane = r * kLanes + l;
+                  const int64_t first = kMacWordsPerTerm * (((ib + r) * p + jb + l) * n + k0);
+                  for (int64_t k = k0; k < k1; ++k) {
+                    const int64_t w = first + kMacWordsPerTerm * (k - k0);
+                    add_words[(k - k0) * kTileSize + lane] = cache(w + kAddWord);
+                    if (product != nullptr) {
+                      product_words[(k - k0) * kTileSize + lane] = cache(w + kProductWord);
+                    }
+                  }
+                }
+              }
+            }
+            generic_kernel(R, product != nullptr, tile, k0, k1, acc_grid, product_grid, mask,
+                           add_words.data(), product_words.data(), lanes);
+          }
+        }
+        for (int r = 0; r < height; ++r) {
+          for (int l = 0; l < width; ++l) {
+            const int lane = r * kLanes + l;
+            const int64_t result = (ib + r) * p + jb + l;
+            y[result] = lanes.bad[lane] != 0
+                            ? scalar_result<X, R>(a, b, n, p, result, shape, product_ptr, acc_grid,
+                                                  mask, cache)
+                            : lanes.sum[lane];
+          }
+        }
+      }
+    }
+  };
+
+  // The task's results in row-major order: a partial first row, whole rows, a partial last row.
+  const int64_t first_row = begin / p, last_row = (end - 1) / p;
+  if (first_row == last_row) {
+    results(first_row, first_row + 1, begin % p, (end - 1) % p + 1);
+    return;
+  }
+  int64_t whole = first_row;
+  if (begin % p != 0) {
+    results(first_row, first_row + 1, begin % p, p);
+    ++whole;
+  }
+  const int64_t stop = end % p == 0 ? last_row + 1 : last_row;
+  if (stop > whole) results(whole, stop, 0, p);
+  if (end % p != 0) results(last_row, last_row + 1, 0, end % p);
+}
+
+}  // namespace
+
+bool mac_matmul_lanes(Dtype x_dtype, Rounding rounding, const void* a, const void* b, uint64_t* y,
+                      int64_t n, int64_t p, int64_t begin, int64_t end, const MacShape& shape,
+                      const GridSpec* product, const GridSpec& acc, const RandomSpec& random) {
+  if (!lanes_enabled.load(std::memory_order_relaxed) || shape.order != MacOrder::kSequential ||
+      shape.compensated || shape.tensor_core.group != 0 || n == 0 || end <= begin ||
+      x_dtype == Dtype::float64) {
+    return false;
+  }
+  with_container(x_dtype, [&](auto cx) {
+    using X = decltype(cx);
+    if constexpr (!std::is_same_v<X, F64>) {
+      with_rounding(rounding, [&](auto rule) {
+        lanes_span<X, decltype(rule)::value>(a, b, y, n, p, begin, end, shape, product, acc,
+                                             random);
+      });
+    }
+  });
+  return true;
+}
+
+bool set_mac_lanes(bool enabled) { return lanes_enabled.exchange(enabled); }
+
+}  // namespace lpsim::cpu

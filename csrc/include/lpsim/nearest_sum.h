@@ -1,0 +1,193 @@
+// A fast path for the commonest rounding of a MAC: the exact sum s + t of two float64 values
+// rounded to nearest (ties to even) onto a format's grid, computed with float64 arithmetic instead
+// of the integer exact_sum + round_with_tail of exact_sum.h (about 25 floating-point and integer
+// operations that vectorise four to an AVX2 register, against some 150 integer ones). It takes
+// finite operands and gives round_sum_to_grid<nearest>'s bits wherever the result does not
+// overflow the grid; callers redo the rest (Inf, NaN, overflow) with the core.
+// make_nearest_grid says which grids it serves.
+//
+// Why it is exact:
+// 1. TwoSum (Knuth): hi = fl(s + t) and lo = (s - (hi - b')) + (t - b'), b' = hi - s, give
+//    s + t = hi + lo exactly, for any finite s and t whose sum does not overflow float64. Here
+//    |s| <= 2^900 and |t| <= 2^256 (a product of float32 values), so nothing overflows.
+// 2. Round to odd: v = hi, or the neighbour of hi on the side of lo when lo != 0 and hi's last bit
+//    is even. Then v = x = s + t when x is a float64 value, and otherwise v is the odd float64
+//    value strictly between x's two float64 neighbours. Every point of the format's grid and every
+//    midpoint between two such points has at most keep + 2 <= 52 significant bits, so it is an
+//    even float64 value (or zero): none lies strictly between x and v, and x and v are on the same
+//    side of (or both on) each. Rounding v to nearest onto the grid therefore gives x's rounding.
+// 3. Rounding v onto the grid: its quantum is q = max(2^(e - keep), 2^low), e the binade of v (the
+//    same as x's: round to odd never crosses a power of two), low = qmin, or flush_below for values
+//    below 2^flush_below in formats without subnormals (see round_on_grid). With M = 1.5 * 2^52 q,
+//    |v| + M lies in [2^52 q, 2^53 q), where float64's spacing is q, because |v| < 2^51 q (keep <=
+//    50); so fl(|v| + M) is |v| rounded to the nearest multiple of q, ties to the even multiple (M
+//    is one), and subtracting M is exact. That is round_on_grid's nearest rule: the even multiple
+//    has the even last kept bit, and where the leading one is the only kept bit (keep = 0) both
+//    give the larger neighbour. The sign is v's; a zero result keeps it (the grid has -0).
+// 4. Values stay far from float64's subnormals (every grid spacing is >= 2^-900), so flush-to-zero
+//    modes do not matter; the arithmetic must round to nearest, float64's default, and must not be
+//    contracted into fused multiply-adds (the CPU build uses -ffp-contract=off; CUDA uses the _rn
+//    intrinsics below).
+// Overflow is left to the caller: it checks that no result exceeds the grid's limit.
+#pragma once
+
+#include <cstdint>
+
+#include "config.h"
+#include "container.h"
+#include "round.h"
+
+namespace lpsim {
+
+// The constants of the fast path for one grid (in float64; see step 3 above).
+struct NearestGrid {
+  double scale;            // 1.5 * 2^(52 - keep): 2^e times this is M for normal values
+  double floor_magic;      // 1.5 * 2^52 * 2^qmin: M at the finest spacing
+  double flush_threshold;  // 2^flush_below without subnormals, else 0
+  double flush_magic;      // 1.5 * 2^52 * 2^flush_below (without subnormals)
+  double limit;            // the largest magnitude (the grid's limits are symmetric)
+};
+
+LPSIM_FN double nearest_double_of(uint64_t u) {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(static_cast<long long>(u));
+#else
+  double d;
+  __builtin_memcpy(&d, &u, sizeof d);
+  return d;
+#endif
+}
+
+LPSIM_FN uint64_t nearest_bits_of(double d) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<uint64_t>(__double_as_longlong(d));
+#else
+  uint64_t u;
+  __builtin_memcpy(&u, &d, sizeof u);
+  return u;
+#endif
+}
+
+// float64 operations rounded to nearest, never contracted.
+// (templates: D is double, or on the CPU a vector of doubles).
+template <class D>
+LPSIM_FN D add_rn(D a, D b) {
+#if defined(__CUDA_ARCH__)
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+template <class D>
+LPSIM_FN D sub_rn(D a, D b) {
+#if defined(__CUDA_ARCH__)
+  return __dsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+template <class D>
+LPSIM_FN D mul_rn(D a, D b) {
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+// 2^e for a biased float64 exponent e in [1, 2046].
+LPSIM_FN double nearest_pow2(int32_t e) { return nearest_double_of(uint64_t(e) << 52); }
+
+// Whether the fast path serves grid g (of float64 words, as make_grid builds it), and its
+// constants. It needs: keep <= 50 (step 2), symmetric limits below 2^900 and spacings above 2^-900
+// (steps 1 and 4), a -0 (step 3), and IEEE parity at precision 1 (P3109's code parity differs
+// there).
+inline bool make_nearest_grid(const Grid<Float64Container>& g, NearestGrid& out) {
+  using C = Float64Container;
+  const int32_t low = g.flush_below == kNoFlush ? g.qmin : g.flush_below;
+  const bool fits = g.keep <= 50 && (g.code_parity == 0 || g.keep >= 1) &&
+                    g.zero_sign == C::sign_mask && g.pos_limit == g.neg_limit &&
+                    g.pos_limit < (uint64_t(C::bias + 900) << 52) && g.qmin >= C::bias - 900 &&
+                    low >= C::bias - 900;
+  if (!fits) return false;
+  out.scale = 1.5 * nearest_pow2(C::bias + 52 - g.keep);
+  out.floor_magic = 1.5 * nearest_pow2(g.qmin + 52);
+  out.flush_threshold = g.flush_below == kNoFlush ? 0.0 : nearest_pow2(g.flush_below);
+  out.flush_magic = 1.5 * nearest_pow2(low + 52);
+  out.limit = nearest_double_of(g.pos_limit);
+  return true;
+}
+
+// The two functions below are templates over the value type D and its bits U: double and uint64_t
+// for one value (CUDA, scalar code), or GCC vector types of either (the CPU lane loop, cpu/
+// mac_lanes.cpp: gcc does not vectorise the scalar form across lanes by itself). They use only
+// what both support: arithmetic, bitwise operations and comparisons (a vector comparison is a lane
+// mask), and nearest_pick for c ? a : b, which a caller's own lane type may overload. Free of
+// branches.
+
+template <class M, class T>
+LPSIM_FN T nearest_pick(M c, T a, T b) {
+  return c ? a : b;
+}
+
+// Bits of v in D (same size as U).
+template <class D, class U>
+LPSIM_FN D nearest_values_of(U v) {
+  if constexpr (sizeof(U) == sizeof(uint64_t)) {
+    return nearest_double_of(v);
+  } else {
+    D d;
+    __builtin_memcpy(&d, &v, sizeof d);
+    return d;
+  }
+}
+template <class U, class D>
+LPSIM_FN U nearest_words_of(D d) {
+  if constexpr (sizeof(D) == sizeof(double)) {
+    return nearest_bits_of(d);
+  } else {
+    U u;
+    __builtin_memcpy(&u, &d, sizeof u);
+    return u;
+  }
+}
+
+// v (float64 bits, finite) rounded to nearest onto the grid, the exponent unbounded: the grid's
+// rounding wherever the result is at most g.limit. `top` becomes the largest result magnitude so
+// far: the caller checks top <= g.limit once at the end (instead of once per rounding) and rounds
+// with the core where it is not. kFlush: the grid has no subnormals (flush_threshold > 0).
+template <class D, class U, bool kFlush>
+LPSIM_FN U nearest_round(U v, const NearestGrid& g, D& top) {
+  using C = Float64Container;
+  const D none{};
+  const D a = nearest_values_of<D>(U(v & C::abs_mask));
+  const D binade = nearest_values_of<D>(U(v & C::inf_bits));  // 2^e, or 0 for v = 0
+  D floor = none + g.floor_magic;
+  if constexpr (kFlush)
+    floor = nearest_pick(a < none + g.flush_threshold, none + g.flush_magic, floor);
+  const D scaled = mul_rn(binade, none + g.scale);
+  const D magic = nearest_pick(scaled < floor, floor, scaled);
+  const D r = sub_rn(add_rn(a, magic), magic);
+  top = nearest_pick(top < r, r, top);
+  return nearest_words_of<U>(r) | (v & C::sign_mask);
+}
+
+// The exact s + t (float64 bits of finite values within the bounds of step 1) rounded to nearest
+// onto the grid: round_sum_to_grid<Rounding::nearest>'s bits where the result is at most g.limit
+// (see nearest_round for `top`).
+template <class D, class U, bool kFlush>
+LPSIM_FN U nearest_sum(U s, U t, const NearestGrid& g, D& top) {
+  const U zero{};
+  const D x = nearest_values_of<D>(s), y = nearest_values_of<D>(t);
+  const D hi = add_rn(x, y);
+  const D back = sub_rn(hi, x);
+  const D lo = add_rn(sub_rn(x, sub_rn(hi, back)), sub_rn(y, back));
+  // Round to odd, on the magnitude's bits: for lo != 0, hi's odd neighbour toward lo, or hi if it
+  // is odd. Toward |hi| + (lo has hi's sign): h | 1; toward zero: (h - 1) | 1.
+  const U h = nearest_words_of<U>(hi);
+  const U inexact = nearest_pick(lo != D{}, U(zero + 1), zero);
+  const U toward_zero = U((h ^ nearest_words_of<U>(lo)) >> 63) & inexact;
+  return nearest_round<D, U, kFlush>(U((h - toward_zero) | inexact), g, top);
+}
+
+}  // namespace lpsim
