@@ -75,4 +75,40 @@ class WordCache {
   alignas(64) uint32_t words_[kGroupSize];
 };
 
+// The words of the element indices of one residue modulo kStride (a divisor of kGroupCounters),
+// for loops that draw every kStride-th word, as a MAC draws one word per term and rounding
+// (lpsim/mac.h: kMacWordsPerTerm apart). Those elements of a group are words 0..3 of its counters
+// congruent to the residue, so a group costs kGroupCounters / kStride Philox calls instead of
+// kGroupCounters; the words are WordCache's.
+template <int kStride>
+class StridedWordCache {
+  static_assert(kGroupCounters % kStride == 0, "the stride must divide the counters of a group");
+  static constexpr int kCounters = kGroupCounters / kStride;
+
+ public:
+  explicit StridedWordCache(const PhiloxKey& key) : key_(key) {}
+
+  // The word of element `index` (every index given must have the same residue modulo kStride).
+  LPSIM_INLINE uint32_t operator()(int64_t index) {
+    const int64_t g = index / kGroupSize;
+    const int64_t within = index % kGroupSize;  // word within / 64 of counter within % 64
+    const int64_t lane = within % kGroupCounters;
+    if (g != group_) {
+      const int64_t residue = lane % kStride;
+      for (int c = 0; c < kCounters; ++c) {
+        const PhiloxWords out = philox_counter_words(
+            static_cast<uint64_t>(g * kGroupCounters + residue + kStride * c), key_);
+        for (int w = 0; w < 4; ++w) words_[w * kCounters + c] = out.w[w];
+      }
+      group_ = g;
+    }
+    return words_[(within / kGroupCounters) * kCounters + lane / kStride];
+  }
+
+ private:
+  PhiloxKey key_;
+  int64_t group_ = -1;
+  uint32_t words_[4 * kCounters];
+};
+
 }  // namespace lpsim::cpu

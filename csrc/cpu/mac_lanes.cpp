@@ -28,7 +28,7 @@ constexpr int kLanes = 16;
 constexpr int kRows = 4;
 constexpr int kTileSize = kLanes * kRows;
 // Terms whose random words are drawn ahead of the vector loop (stochastic rules): one Philox group
-// (256 words) holds 32 terms' words of one result.
+// (256 words) holds 32 terms' words of one result, of which the lanes use one or two per term.
 constexpr int64_t kTermBlock = 32;
 
 std::atomic<bool> lanes_enabled{true};
@@ -85,7 +85,7 @@ struct Lanes {
 // operations AVX2 lacks: unsigned compares, int64 <-> double conversion), so it gains little on the
 // scalar loop: measured 59 against 73 ns per multiply-add (bf16, rule up, one thread), and nothing
 // for stochastic rules, whose cost is the random words (8 Philox words drawn per term).
-template <Rounding R, bool kProduct>
+template <Rounding R, bool kProduct, bool kTwoSum>
 LPSIM_INLINE void generic_terms(const Tile& t, int64_t k0, int64_t k1, const Grid<F64>& acc_grid,
                                 const Grid<F64>& product_grid, uint32_t mask,
                                 const uint32_t* add_words, const uint32_t* product_words,
@@ -123,24 +123,34 @@ LPSIM_INLINE void generic_terms(const Tile& t, int64_t k0, int64_t k1, const Gri
         const int lane = r * kLanes + l;
         const uint64_t v = term(k, r, l);
         bad[lane] |= has_special<F64>(s[lane], v);
-        s[lane] = round_finite_sum_to_grid<R, F64>(s[lane], v, g, word(add_words, k, lane), mask);
+        const uint32_t random = word(add_words, k, lane);
+        if constexpr (kTwoSum) {
+          s[lane] = round_two_sum_to_grid<R>(s[lane], v, g, random, mask);
+        } else {
+          s[lane] = round_finite_sum_to_grid<R, F64>(s[lane], v, g, random, mask);
+        }
       }
     }
   }
 }
 
 LPSIM_MULTIVERSION
-void generic_kernel(Rounding rounding, bool has_product, const Tile& t, int64_t k0, int64_t k1,
-                    const Grid<F64>& acc_grid, const Grid<F64>& product_grid, uint32_t mask,
-                    const uint32_t* add_words, const uint32_t* product_words, Lanes& lanes) {
+void generic_kernel(Rounding rounding, bool has_product, bool two_sum, const Tile& t, int64_t k0,
+                    int64_t k1, const Grid<F64>& acc_grid, const Grid<F64>& product_grid,
+                    uint32_t mask, const uint32_t* add_words, const uint32_t* product_words,
+                    Lanes& lanes) {
   with_rounding(rounding, [&](auto rule) LPSIM_LAMBDA_INLINE {
     constexpr Rounding R = decltype(rule)::value;
+    auto run = [&](auto product, auto sum) LPSIM_LAMBDA_INLINE {
+      generic_terms<R, decltype(product)::value, decltype(sum)::value>(
+          t, k0, k1, acc_grid, product_grid, mask, add_words, product_words, lanes);
+    };
+    using Yes = std::true_type;
+    using No = std::false_type;
     if (has_product) {
-      generic_terms<R, true>(t, k0, k1, acc_grid, product_grid, mask, add_words, product_words,
-                             lanes);
+      two_sum ? run(Yes{}, Yes{}) : run(Yes{}, No{});
     } else {
-      generic_terms<R, false>(t, k0, k1, acc_grid, product_grid, mask, add_words, product_words,
-                              lanes);
+      two_sum ? run(No{}, Yes{}) : run(No{}, No{});
     }
   });
 }
@@ -227,7 +237,11 @@ void lanes_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t 
   NearestGrid nearest{};
   const bool fast =
       R == Rounding::nearest && product == nullptr && make_nearest_grid(acc_grid, nearest);
-  WordCache cache(make_philox_key(random.seed, random.offset));
+  const bool two_sum = two_sum_serves(acc_grid, R);
+  const PhiloxKey key = make_philox_key(random.seed, random.offset);
+  WordCache cache(key);  // the scalar loop's, for the lanes it redoes
+  // The lanes draw two of a term's kMacWordsPerTerm words at most: one Philox call in eight.
+  StridedWordCache<kMacWordsPerTerm> add_cache(key), product_cache(key);
   const uint32_t mask = random_mask(random.rbits);
 
   std::vector<double> panels;
@@ -286,23 +300,23 @@ void lanes_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t 
           for (int64_t k0 = 0; k0 < n; k0 += block) {
             const int64_t k1 = std::min(n, k0 + block);
             if constexpr (is_stochastic(R)) {
-              // Lane-major, so that the cache generates each result's groups once.
+              // Lane-major, so that the caches generate each result's groups once.
               for (int r = 0; r < height; ++r) {
                 for (int l = 0; l < width; ++l) {
                   const int lane = r * kLanes + l;
                   const int64_t first = kMacWordsPerTerm * (((ib + r) * p + jb + l) * n + k0);
                   for (int64_t k = k0; k < k1; ++k) {
                     const int64_t w = first + kMacWordsPerTerm * (k - k0);
-                    add_words[(k - k0) * kTileSize + lane] = cache(w + kAddWord);
+                    add_words[(k - k0) * kTileSize + lane] = add_cache(w + kAddWord);
                     if (product != nullptr) {
-                      product_words[(k - k0) * kTileSize + lane] = cache(w + kProductWord);
+                      product_words[(k - k0) * kTileSize + lane] = product_cache(w + kProductWord);
                     }
                   }
                 }
               }
             }
-            generic_kernel(R, product != nullptr, tile, k0, k1, acc_grid, product_grid, mask,
-                           add_words.data(), product_words.data(), lanes);
+            generic_kernel(R, product != nullptr, two_sum, tile, k0, k1, acc_grid, product_grid,
+                           mask, add_words.data(), product_words.data(), lanes);
           }
         }
         for (int r = 0; r < height; ++r) {

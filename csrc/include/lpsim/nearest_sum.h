@@ -4,7 +4,8 @@
 // operations that vectorise four to an AVX2 register, against some 150 integer ones). It takes
 // finite operands and gives round_sum_to_grid<nearest>'s bits wherever the result does not
 // overflow the grid; callers redo the rest (Inf, NaN, overflow) with the core.
-// make_nearest_grid says which grids it serves.
+// make_nearest_grid says which grids it serves. round_two_sum_to_grid, at the end, serves every
+// other rule from the same TwoSum.
 //
 // Why it is exact:
 // 1. TwoSum (Knuth): hi = fl(s + t) and lo = (s - (hi - b')) + (t - b'), b' = hi - s, give
@@ -172,6 +173,14 @@ LPSIM_FN U nearest_round(U v, const NearestGrid& g, D& top) {
   return nearest_words_of<U>(r) | (v & C::sign_mask);
 }
 
+// TwoSum (step 1): hi = fl(x + y) and the error lo, x + y = hi + lo exactly.
+template <class D>
+LPSIM_FN void two_sum(D x, D y, D& hi, D& lo) {
+  hi = add_rn(x, y);
+  const D back = sub_rn(hi, x);
+  lo = add_rn(sub_rn(x, sub_rn(hi, back)), sub_rn(y, back));
+}
+
 // The exact s + t (float64 bits of finite values within the bounds of step 1) rounded to nearest
 // onto the grid: round_sum_to_grid<Rounding::nearest>'s bits where the result is at most g.limit
 // (see nearest_round for `top`).
@@ -179,15 +188,55 @@ template <class D, class U, bool kFlush>
 LPSIM_FN U nearest_sum(U s, U t, const NearestGrid& g, D& top) {
   const U zero{};
   const D x = nearest_values_of<D>(s), y = nearest_values_of<D>(t);
-  const D hi = add_rn(x, y);
-  const D back = sub_rn(hi, x);
-  const D lo = add_rn(sub_rn(x, sub_rn(hi, back)), sub_rn(y, back));
+  D hi, lo;
+  two_sum(x, y, hi, lo);
   // Round to odd, on the magnitude's bits: for lo != 0, hi's odd neighbour toward lo, or hi if it
   // is odd. Toward |hi| + (lo has hi's sign): h | 1; toward zero: (h - 1) | 1.
   const U h = nearest_words_of<U>(hi);
   const U inexact = nearest_pick(lo != D{}, U(zero + 1), zero);
   const U toward_zero = U((h ^ nearest_words_of<U>(lo)) >> 63) & inexact;
   return nearest_round<D, U, kFlush>(U((h - toward_zero) | inexact), g, top);
+}
+
+// Every rule, from the same TwoSum: the exact s + t (float64 bits of finite values within the
+// bounds of step 1) rounded once onto grid g by rule R, which is round_finite_sum_to_grid<R,
+// Float64Container>'s result bit for bit whenever two_sum_serves(g, R).
+//
+// Why it is exact. Let x = s + t = hi + lo (TwoSum), and w the float64 magnitude just below |x|
+// or equal to it: |hi| when lo is zero or has hi's sign (|lo| <= half an ulp of hi, so |x| lies in
+// [|hi|, the next float64)), and the float64 below |hi| otherwise, whose bits are |hi|'s minus one
+// (|x| then lies strictly between them, as it is not a float64 value). So w <= |x| < w + ulp(w),
+// with equality exactly when lo = 0: w is |x| truncated onto float64, which is round_with_tail's u,
+// and x's tail is a non-zero fraction of ulp(w) exactly when lo != 0. round_with_tail reads the
+// tail only through (a) the top 32 bits of the discarded fraction (stochastic rules), (b) its
+// comparisons with one half and (c) whether it is zero. With at least 32 discarded bits of w's
+// significand for (a), or at least one for (b), those are w's own bits, and the true tail, like a
+// tail of 0 with the sticky bit set, lies strictly inside the last discarded unit: every decision
+// is the same. two_sum_serves checks the count: 52 - keep discarded bits in float64's normal range,
+// more below it (qmin >= 1); limits below 2^900 keep TwoSum within step 1. A zero sum is
+// exact_sum's zero: hi is that zero under float64's nearest (+0 for opposite signs, else the
+// operands' sign), and rule `down` takes -0 for opposite signs.
+inline bool two_sum_serves(const Grid<Float64Container>& g, Rounding rule) {
+  const int32_t keep_limit = is_stochastic(rule) ? 52 - 32 : 52 - 1;
+  const uint64_t bound = uint64_t(Float64Container::bias + 900) << 52;
+  return g.keep <= keep_limit && g.qmin >= 1 && g.pos_limit < bound && g.neg_limit < bound;
+}
+
+template <Rounding R>
+LPSIM_FN uint64_t round_two_sum_to_grid(uint64_t s, uint64_t t, const Grid<Float64Container>& g,
+                                        uint32_t random, uint32_t mask) {
+  using C = Float64Container;
+  double hi, lo;
+  two_sum(nearest_double_of(s), nearest_double_of(t), hi, lo);
+  const uint64_t h = nearest_bits_of(hi);
+  const bool inexact = lo != 0.0;
+  const bool borrow = inexact & ((h ^ nearest_bits_of(lo)) > C::abs_mask);
+  uint64_t u = (h & C::sign_mask) | ((h & C::abs_mask) - uint64_t(borrow));
+  if constexpr (R == Rounding::down) {
+    const bool opposite = (s ^ t) > C::abs_mask;
+    u = select((hi == 0.0) & opposite, C::sign_mask, u);
+  }
+  return round_with_tail<R, C>(u, 0, inexact, g, random, mask);
 }
 
 }  // namespace lpsim
