@@ -485,19 +485,6 @@ def test_resnet18_runs_with_simulated_products_in_forward_and_backward():
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_transformer_encoder_warns_that_attention_products_are_not_simulated():
-    layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0)
-    model = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
-    with pytest.warns(UserWarning) as caught:
-        lpsim.nn.inject(model, {"default": lpsim.nn.LayerQuantization(mac=FLOAT16)})
-    messages = " ".join(str(w.message) for w in caught)
-    assert "'layers.0.self_attn' (MultiheadAttention)" in messages
-    assert "'layers.0.self_attn.out_proj'" in messages and "never run" in messages
-    simulated = [name for name, _, done in lpsim.nn.injected(model) if "macs" in done]
-    assert simulated == ["layers.0.self_attn.out_proj", "layers.0.linear1", "layers.0.linear2"]
-    model(torch.randn(3, 2, 8)).sum().backward()
-
-
 def test_tensor_core_presets_run_in_the_functional_ops():
     x, w = spread(3, 40, seed=60), spread(2, 40, seed=61)
     h100 = lpsim.mac.preset("H100/fp16")

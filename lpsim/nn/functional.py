@@ -1,7 +1,8 @@
-"""Matrix products and convolutions whose every dot product is summed as a MAC prescribes, in the
-forward pass and in both products of the backward pass.
+"""Matrix products, convolutions and multi-head attention whose every dot product is summed as a
+MAC prescribes, in the forward pass and in both products of the backward pass.
 
-Each function has torch.nn.functional's (or torch's) signature plus the keywords:
+Each function has torch.nn.functional's (or torch's) signature plus the keywords (all of them for
+the products below, the three MACs and ``out_proj_macs`` for ``multi_head_attention_forward``):
 
 - ``mac``: the arithmetic of the forward product (an ``lpsim.MAC``; the default ``MAC()`` is
   torch's own float32 product);
@@ -37,6 +38,12 @@ Which terms each result sums, in which order (k below is a MAC's term index):
   stride - 1 zeros between its elements when the stride exceeds 1, and zero padding) by the
   flipped kernel: each input element sums over (output channel, kernel row, kernel column) of the
   flipped kernel, those zeros included. Every group is its own product.
+- ``multi_head_attention_forward``: torch's multi-head attention, whose four products (the input
+  projections and the out projection, each a ``linear``; the scores q k^T of each head, summed
+  over head_dim, q scaled by 1 / sqrt(head_dim) and rounded before the product; the context
+  softmax(scores) v, summed over the source positions) run under the MACs, the out projection
+  under its own if given; the softmax and the dropout are torch's. Its docstring states each
+  product's terms and order.
 - ``bias`` is added after the sum, as one more rounded addition in the forward MAC's
   accumulator (result = round(s + bias) by its rule; torch's float32 addition for the native
   MAC); its gradient sums the output gradient over every position, in the order of the weight
@@ -47,11 +54,14 @@ Random words: every stochastic product draws a seed from torch's default CPU gen
 convolution use the offsets 0, 1, ... of that seed (lpsim.mac's words within each).
 
 The results have the dtype ``lpsim.mac.matmul`` gives (the operands' when the accumulator fits it,
-else float32). Without any non-native MAC and format the functions are torch's own.
+else float32). Without any non-native MAC and format the functions are torch's own, except
+``multi_head_attention_forward``, which always computes torch's explicit path (its need_weights=True
+one) product by product: torch's result to rounding.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -64,7 +74,7 @@ from lpsim.nn.quantizer import QuantSpec, Spec, as_spec, quantizing_function
 from lpsim.rounding import Rounding
 from lpsim.update import sr_add
 
-__all__ = ["linear", "matmul", "bmm", "conv1d", "conv2d", "NATIVE"]
+__all__ = ["linear", "matmul", "bmm", "conv1d", "conv2d", "multi_head_attention_forward", "NATIVE"]
 
 NATIVE = MAC()  # torch's own float32 product: the default of every MAC keyword
 
@@ -617,3 +627,324 @@ def conv1d(
         return F.conv1d(input, weight, bias, stride, padding, dilation, groups)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 1)
     return _conv(input, weight, bias, geometry, how, 1)
+
+
+def _keywords(how: Arithmetic) -> dict:
+    """The MAC keywords of the functions above for the products of ``how``."""
+    return dict(mac=how.forward, input_grad_mac=how.input_grad, weight_grad_mac=how.weight_grad)
+
+
+def _additive_mask(mask: torch.Tensor | None, name: str, dtype: torch.dtype):
+    """``mask`` as torch adds it to the scores: a bool mask becomes -inf where True and 0 where
+    False (in ``dtype``, the query's), a floating-point mask is added as it is.
+
+    Raises:
+        TypeError: the mask is neither bool nor floating-point.
+    """
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros_like(mask, dtype=dtype).masked_fill_(mask, float("-inf"))
+    if not torch.is_floating_point(mask):
+        raise TypeError(f"{name} must be a bool or floating-point tensor, got {mask.dtype}")
+    return mask
+
+
+def _attention_is_batched(query, key, value, key_padding_mask, attn_mask) -> bool:
+    """Whether the inputs are batched (query 3-D) or not (2-D), as torch decides it.
+
+    Raises:
+        ValueError: the dimensions of the inputs and masks disagree.
+    """
+    if query.dim() not in (2, 3) or key.dim() != query.dim() or value.dim() != query.dim():
+        raise ValueError(
+            "multi_head_attention_forward takes query, key and value all 3-D (batched) or all 2-D "
+            f"(unbatched), got {query.dim()}-D, {key.dim()}-D and {value.dim()}-D"
+        )
+    if key_padding_mask is not None and key_padding_mask.dim() != query.dim() - 1:
+        raise ValueError(
+            f"key_padding_mask must be {query.dim() - 1}-D for a {query.dim()}-D query, got "
+            f"{key_padding_mask.dim()}-D"
+        )
+    if attn_mask is not None and attn_mask.dim() not in (2, 3):
+        raise ValueError(f"attn_mask must be 2-D or 3-D, got {attn_mask.dim()}-D")
+    return query.dim() == 3
+
+
+def _three_dimensional_mask(attn_mask, batch_heads: int, tgt_len: int, src_len: int):
+    """attn_mask as (1 or N H, L, S).
+
+    Raises:
+        ValueError: its shape is neither (L, S) nor (N H, L, S).
+    """
+    if attn_mask is None:
+        return None
+    if attn_mask.dim() == 2 and attn_mask.shape == (tgt_len, src_len):
+        return attn_mask.unsqueeze(0)
+    if attn_mask.dim() == 3 and attn_mask.shape == (batch_heads, tgt_len, src_len):
+        return attn_mask
+    raise ValueError(
+        f"attn_mask must have shape ({tgt_len}, {src_len}) or ({batch_heads}, {tgt_len}, "
+        f"{src_len}), got {tuple(attn_mask.shape)}"
+    )
+
+
+def _packed_projections(query, key, value, weight, bias, how: Arithmetic):
+    """q, k and v by the packed (3 E, E) weight and (3 E) bias, grouped into products as torch
+    groups them: one product for self-attention (query is key is value), one for query and one
+    for key and value when key is value, else one each."""
+    e = query.shape[-1]
+    if query is key and key is value:
+        return linear(query, weight, bias, **_keywords(how)).unflatten(-1, (3, e)).unbind(-2)
+    if key is value:
+        w_q, w_kv = weight.split([e, 2 * e])
+        b_q, b_kv = (None, None) if bias is None else bias.split([e, 2 * e])
+        q = linear(query, w_q, b_q, **_keywords(how))
+        k, v = linear(key, w_kv, b_kv, **_keywords(how)).unflatten(-1, (2, e)).unbind(-2)
+        return q, k, v
+    return _separate_projections(query, key, value, weight.chunk(3), bias, how)
+
+
+def _separate_projections(query, key, value, weights, bias, how: Arithmetic):
+    """q, k and v, one product each by its own weight and third of the (3 E) bias."""
+    biases = (None, None, None) if bias is None else bias.chunk(3)
+    return tuple(
+        linear(x, w, b, **_keywords(how)) for x, w, b in zip((query, key, value), weights, biases)
+    )
+
+
+def _in_projections(query, key, value, in_proj_weight, in_proj_bias, separate, weights, how):
+    """q, k and v: the packed weight's products, or with ``separate`` those of the three weights
+    (q_proj_weight, k_proj_weight, v_proj_weight).
+
+    Raises:
+        ValueError: a weight the chosen layout needs is missing.
+    """
+    if not separate:
+        if in_proj_weight is None:
+            raise ValueError("use_separate_proj_weight is False but in_proj_weight is None")
+        return _packed_projections(query, key, value, in_proj_weight, in_proj_bias, how)
+    if any(w is None for w in weights):
+        raise ValueError(
+            "use_separate_proj_weight is True: q_proj_weight, k_proj_weight and v_proj_weight "
+            "are needed"
+        )
+    return _separate_projections(query, key, value, weights, in_proj_bias, how)
+
+
+def _heads(t: torch.Tensor, batch_heads: int, head_dim: int) -> torch.Tensor:
+    """(S, N, E) as (N H, S, head_dim): matrix n H + h of the batch is head h of sequence n."""
+    return t.reshape(t.shape[0], batch_heads, head_dim).transpose(0, 1)
+
+
+def _pad_masks(attn_mask, key_padding_mask):
+    """The masks with one more source position, not masked (a zero column)."""
+    pad = lambda m: None if m is None else F.pad(m, (0, 1))  # noqa: E731
+    return pad(attn_mask), pad(key_padding_mask)
+
+
+def _sources(k, v, biases, statics, add_zero_attn, masks, bsz: int, num_heads: int):
+    """k and v as (N H, S', head_dim) batches of heads, and the masks, with bias_k and bias_v
+    appended to every sequence, static_k and static_v in place of the projections, and a zero
+    key and value appended with add_zero_attn (each a source position the masks do not mask).
+
+    Raises:
+        ValueError: bias_k without bias_v (or the reverse), biases with static keys or values, or
+            a static tensor of the wrong shape.
+    """
+    (bias_k, bias_v), (static_k, static_v), (attn_mask, key_padding_mask) = biases, statics, masks
+    if (bias_k is None) != (bias_v is None):
+        raise ValueError("bias_k and bias_v are given together or not at all")
+    batch_heads, head_dim = bsz * num_heads, k.shape[-1] // num_heads
+    if bias_k is not None:
+        if static_k is not None or static_v is not None:
+            raise ValueError("bias_k and bias_v cannot be added to static_k and static_v")
+        k = torch.cat([k, bias_k.repeat(1, bsz, 1)])
+        v = torch.cat([v, bias_v.repeat(1, bsz, 1)])
+        attn_mask, key_padding_mask = _pad_masks(attn_mask, key_padding_mask)
+    for name, t in (("static_k", static_k), ("static_v", static_v)):
+        if t is not None and (t.dim() != 3 or t.shape[0] != batch_heads or t.shape[2] != head_dim):
+            raise ValueError(
+                f"{name} must have shape ({batch_heads}, S, {head_dim}), got {tuple(t.shape)}"
+            )
+    k = _heads(k, batch_heads, head_dim) if static_k is None else static_k
+    v = _heads(v, batch_heads, head_dim) if static_v is None else static_v
+    if add_zero_attn:
+        k = torch.cat([k, k.new_zeros(batch_heads, 1, head_dim)], dim=1)
+        v = torch.cat([v, v.new_zeros(batch_heads, 1, head_dim)], dim=1)
+        attn_mask, key_padding_mask = _pad_masks(attn_mask, key_padding_mask)
+    return k, v, attn_mask, key_padding_mask
+
+
+def _merged_mask(attn_mask, key_padding_mask, bsz: int, num_heads: int, src_len: int):
+    """The one additive mask of the scores (N H or 1, L, S): attn_mask + key_padding_mask, each
+    sequence's padding mask repeated for its heads (the sum rounded as torch adds)."""
+    if key_padding_mask is None:
+        return attn_mask
+    if key_padding_mask.shape != (bsz, src_len):
+        raise ValueError(
+            f"key_padding_mask must have shape ({bsz}, {src_len}) (with bias_k and "
+            f"add_zero_attn's positions), got {tuple(key_padding_mask.shape)}"
+        )
+    padding = (
+        key_padding_mask.reshape(bsz, 1, 1, src_len)
+        .expand(-1, num_heads, -1, -1)
+        .reshape(bsz * num_heads, 1, src_len)
+    )
+    return padding if attn_mask is None else attn_mask + padding
+
+
+def _attention(q, k, v, mask, dropout_p: float, how: Arithmetic):
+    """The context softmax(q k^T / sqrt(head_dim) + mask) v of each matrix of the batch and the
+    attention weights; q is scaled (rounded in its dtype) before its product, as torch does."""
+    scaled = q * math.sqrt(1.0 / float(q.shape[-1]))
+    scores = bmm(scaled, k.transpose(1, 2), **_keywords(how))
+    if mask is not None:
+        scores = scores + mask
+    weights = F.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    return bmm(weights, v, **_keywords(how)), weights
+
+
+def _out_arithmetic(out_proj_macs, how: Arithmetic) -> Arithmetic:
+    """The Arithmetic of the out projection: ``how`` for None, else the (forward, input gradient,
+    weight gradient) triple.
+
+    Raises:
+        TypeError: out_proj_macs is not None or a triple of MACs.
+    """
+    if out_proj_macs is None:
+        return how
+    if not isinstance(out_proj_macs, tuple) or len(out_proj_macs) != 3:
+        raise TypeError(
+            "out_proj_macs must be None or a (forward, input gradient, weight gradient) tuple of "
+            f"MACs, got {out_proj_macs!r}"
+        )
+    return arithmetic(*out_proj_macs, None, None, None, "nearest")
+
+
+def multi_head_attention_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    embed_dim_to_check: int,
+    num_heads: int,
+    in_proj_weight: torch.Tensor | None,
+    in_proj_bias: torch.Tensor | None,
+    bias_k: torch.Tensor | None,
+    bias_v: torch.Tensor | None,
+    add_zero_attn: bool,
+    dropout_p: float,
+    out_proj_weight: torch.Tensor,
+    out_proj_bias: torch.Tensor | None,
+    training: bool = True,
+    key_padding_mask: torch.Tensor | None = None,
+    need_weights: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    use_separate_proj_weight: bool = False,
+    q_proj_weight: torch.Tensor | None = None,
+    k_proj_weight: torch.Tensor | None = None,
+    v_proj_weight: torch.Tensor | None = None,
+    static_k: torch.Tensor | None = None,
+    static_v: torch.Tensor | None = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+    *,
+    mac: MAC = NATIVE,
+    input_grad_mac: MAC | None = None,
+    weight_grad_mac: MAC | None = None,
+    out_proj_macs: tuple[MAC, MAC, MAC] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """torch.nn.functional.multi_head_attention_forward (torch's arguments, shapes and results:
+    query (L, N, E) or unbatched (L, E), key and value (S, N, kdim / vdim) or (S, ...)) with its
+    four products under the MACs: ``mac``, ``input_grad_mac`` and ``weight_grad_mac`` for the
+    input projections and the two products of attention, ``out_proj_macs`` (a (forward, input
+    gradient, weight gradient) triple; None: those three) for the out projection. With H heads of
+    head_dim = E / H, the batch of attention matrices is (N H), matrix n H + h being head h of
+    sequence n; in each product below k (the MAC's term index) runs 0, ..., K - 1:
+
+    - in projections: ``linear`` of query, key and value by their rows of in_proj_weight (or by
+      q_proj_weight, k_proj_weight, v_proj_weight when use_separate_proj_weight): K = E (kdim,
+      vdim for key and value), the input's features in order; the bias one rounded addition in
+      the accumulator. Self-attention (query is key is value) is one product by the packed
+      (3 E, E) weight, key is value one product by its (2 E, E) rows, as in torch.
+    - scores: s[b, i, j] = sum over d of q'[b, i, d] k[b, j, d], K = head_dim, where
+      q' = q * sqrt(1 / head_dim) is rounded to q's dtype before the product (torch scales q, not
+      the scores). The mask (attn_mask plus key_padding_mask, bool masks as -inf) is then added
+      in torch's arithmetic, in the scores' dtype, not in the accumulator.
+    - attention weights: torch's softmax over j in the scores' dtype (float32 for float32
+      operands, whatever the MAC), then, with dropout_p > 0 in training, torch's F.dropout (the
+      same random draws as torch's).
+    - context: c[b, i, d] = sum over j of p[b, i, j] v[b, j, d], K = S, the source positions in
+      order (bias_k's, then add_zero_attn's, last; masked positions add zero terms).
+    - out projection: ``linear`` of the context, K = E over (head, head_dim) head-major, the bias
+      one rounded addition, under out_proj_macs.
+
+    The backward products are the functions' own: for scores = bmm(q', k^T), the gradient of q'
+    sums over j (K = S) under input_grad_mac and that of k over i (K = L) under weight_grad_mac;
+    for the context = bmm(p, v), the gradient of p sums over d (K = head_dim) under
+    input_grad_mac and that of v over i (K = L) under weight_grad_mac; the projections' weight
+    gradients sum over (position, sequence), in that order. A tensor used twice (query as key,
+    say) gets the sum of its gradients from autograd, in torch's arithmetic.
+
+    is_causal is torch's hint: attn_mask, which it requires, is the causal mask and is used as
+    given. need_weights only decides whether the weights (after dropout, averaged over heads with
+    average_attn_weights) are returned: the computation is always the explicit one (torch's
+    need_weights=False path is its fused scaled_dot_product_attention, not simulated here). With
+    the native MACs every product is torch's and the result equals torch's to rounding.
+
+    Random words: each linear draws its own seed, each bmm one seed with matrix b at offset b.
+
+    Raises:
+        TypeError: a MAC argument is malformed, a mask is neither bool nor floating-point, or a
+            non-native MAC gets float64 operands.
+        ValueError: the shapes do not match torch's, or is_causal is given without attn_mask.
+    """
+    how = arithmetic(mac, input_grad_mac, weight_grad_mac, None, None, None, "nearest")
+    out_how = _out_arithmetic(out_proj_macs, how)
+    batched = _attention_is_batched(query, key, value, key_padding_mask, attn_mask)
+    if not batched:  # one sequence (each unsqueezed on its own, as in torch)
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+    tgt_len, bsz, embed_dim = query.shape
+    src_len = key.shape[0]
+    if embed_dim != embed_dim_to_check or embed_dim % num_heads:
+        raise ValueError(
+            f"query's embedding dimension {embed_dim} must be embed_dim_to_check "
+            f"({embed_dim_to_check}) and divisible by num_heads ({num_heads})"
+        )
+    if key.shape[:2] != value.shape[:2] or (
+        not use_separate_proj_weight and key.shape != value.shape
+    ):
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} do not match")
+    if is_causal and attn_mask is None:
+        raise ValueError("is_causal needs attn_mask (the causal mask), as in torch")
+    head_dim, batch_heads = embed_dim // num_heads, bsz * num_heads
+    key_padding_mask = _additive_mask(key_padding_mask, "key_padding_mask", query.dtype)
+    attn_mask = _additive_mask(attn_mask, "attn_mask", query.dtype)
+    attn_mask = _three_dimensional_mask(attn_mask, batch_heads, tgt_len, src_len)
+    separate = (q_proj_weight, k_proj_weight, v_proj_weight)
+    q, k, v = _in_projections(
+        query, key, value, in_proj_weight, in_proj_bias, use_separate_proj_weight, separate, how
+    )
+    biases, statics = (bias_k, bias_v), (static_k, static_v)
+    k, v, attn_mask, key_padding_mask = _sources(
+        k, v, biases, statics, add_zero_attn, (attn_mask, key_padding_mask), bsz, num_heads
+    )
+    q = _heads(q, batch_heads, head_dim)
+    src_len = k.shape[1]
+    mask = _merged_mask(attn_mask, key_padding_mask, bsz, num_heads, src_len)
+    context, attention = _attention(q, k, v, mask, dropout_p if training else 0.0, how)
+    context = context.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
+    output = linear(context, out_proj_weight, out_proj_bias, **_keywords(out_how))
+    output = output.reshape(tgt_len, bsz, output.shape[-1])
+    if not batched:
+        output = output.squeeze(1)
+    if not need_weights:
+        return output, None
+    attention = attention.reshape(bsz, num_heads, tgt_len, src_len)
+    if average_attn_weights:
+        attention = attention.mean(dim=1)
+    return output, attention if batched else attention.squeeze(0)

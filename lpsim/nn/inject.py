@@ -70,8 +70,11 @@ _SCALERS = "lpsim_scalers"  # submodule holding the DelayedScalers of inputs, ou
 _UNMATCHED = ("error", "warn", "ignore")
 
 # Children whose forward() their parent never calls: the parent reads their parameters directly,
-# so their weight quantisers run but their input, output and error quantisers never do.
+# so their weight quantisers run but their input, output and error quantisers never do. Their MACs
+# run only in a parent that simulates its products (a MultiheadAttention given MACs uses
+# out_proj's MACs for its out projection).
 _FORWARD_BYPASSED = {nn.MultiheadAttention: ("out_proj",)}
+_FAST_PATH = "_lpsim_fast_path"  # attribute holding how inject() kept a torch fast path off
 
 
 @dataclass(frozen=True)
@@ -92,10 +95,12 @@ class LayerQuantization:
             ("nearest" by default: evaluation is deterministic and draws no random numbers, so
             how often one evaluates never changes training). None keeps the stochastic rules.
             It replaces the stochastic rules of the MACs too.
-        mac: the arithmetic of the forward product of a Linear, Conv1d or Conv2d (an lpsim.MAC;
-            None: torch's own), computed by lpsim.nn.functional. Other modules ignore it, and
-            inject warns when a model given MACs has modules whose products lpsim does not simulate
-            (MultiheadAttention, Conv3d, transposed convolutions, Bilinear, recurrent layers).
+        mac: the arithmetic of the forward product of a Linear, Conv1d or Conv2d, and of the four
+            products of a MultiheadAttention (an lpsim.MAC; None: torch's own), computed by
+            lpsim.nn.functional. A MultiheadAttention's out projection uses the MACs of its
+            ``out_proj`` when out_proj is itself injected with MACs, else its own. Other modules
+            ignore it, and inject warns when a model given MACs has modules whose products lpsim
+            does not simulate (Conv3d, transposed convolutions, Bilinear, recurrent layers).
         input_grad_mac, weight_grad_mac: the arithmetic of the backward products (the input's and
             the weight's gradients, the bias gradient with the weight's); None: ``mac``'s.
 
@@ -170,9 +175,8 @@ class _FakeQuantize(nn.Module):
 
 # The modules whose products lpsim.nn.functional computes under MACs, and modules with products it
 # does not simulate (inject warns when a model given MACs has them).
-_SIMULATED_PRODUCTS = (nn.Linear, nn.Conv1d, nn.Conv2d)
+_SIMULATED_PRODUCTS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.MultiheadAttention)
 _UNSIMULATED_PRODUCTS = (
-    nn.MultiheadAttention,
     nn.Conv3d,
     nn.ConvTranspose1d,
     nn.ConvTranspose2d,
@@ -194,12 +198,20 @@ def _for_eval(mac: MAC, eval_rule: Rounding | None) -> MAC:
     return dataclasses.replace(mac, rounding=rounding, rbits=None, tensor_core=core)
 
 
+def _injected_macs(module: nn.Module) -> tuple[MAC, MAC, MAC] | None:
+    """The (forward, input gradient, weight gradient) MACs injected into ``module`` (the eval MACs
+    in eval mode), or None where it has none."""
+    done = getattr(module, _STATE, None)
+    if done is None or "macs" not in done:
+        return None
+    return done["macs"] if module.training else done["eval_macs"]
+
+
 def _simulated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The forward of an injected Linear, Conv1d or Conv2d: its product by lpsim.nn.functional
     under the injected MACs (the eval MACs in eval mode), its weight and bias as forward sees them
     (quantised by their parametrisations)."""
-    done = getattr(self, _STATE)
-    mac, input_grad_mac, weight_grad_mac = done["macs"] if self.training else done["eval_macs"]
+    mac, input_grad_mac, weight_grad_mac = _injected_macs(self)
     keywords = dict(mac=mac, input_grad_mac=input_grad_mac, weight_grad_mac=weight_grad_mac)
     if isinstance(self, nn.Linear):
         return _functional.linear(x, self.weight, self.bias, **keywords)
@@ -211,6 +223,73 @@ def _simulated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return conv(
         x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups, **keywords
     )
+
+
+def _simulated_attention_forward(
+    self: nn.MultiheadAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_padding_mask: torch.Tensor | None = None,
+    need_weights: bool = True,
+    attn_mask: torch.Tensor | None = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The forward of an injected MultiheadAttention (torch's arguments and results): its four
+    products by lpsim.nn.functional.multi_head_attention_forward under the injected MACs (the eval
+    MACs in eval mode), the out projection under out_proj's own when out_proj was injected with
+    MACs; its parameters, out_proj's included, as forward sees them (quantised by their
+    parametrisations), each read once per call.
+
+    Raises:
+        ValueError: an input is a nested tensor (torch's MultiheadAttention takes those only in
+            its fused path, which simulates nothing).
+    """
+    if query.is_nested or key.is_nested or value.is_nested:
+        raise ValueError(
+            "an injected MultiheadAttention with MACs does not take nested tensors (torch takes "
+            "them only in its fused path, which would not simulate the products)"
+        )
+    batched = query.dim() == 3
+    if self.batch_first and batched:  # to (L, N, E), keeping which inputs are the same tensor
+        same_kv, same_qk = key is value, query is key
+        query = query.transpose(1, 0)
+        key = query if same_qk else key.transpose(1, 0)
+        value = key if same_kv else value.transpose(1, 0)
+    mac, input_grad_mac, weight_grad_mac = _injected_macs(self)
+    output, weights = _functional.multi_head_attention_forward(
+        query,
+        key,
+        value,
+        self.embed_dim,
+        self.num_heads,
+        self.in_proj_weight,
+        self.in_proj_bias,
+        self.bias_k,
+        self.bias_v,
+        self.add_zero_attn,
+        self.dropout,
+        self.out_proj.weight,
+        self.out_proj.bias,
+        training=self.training,
+        key_padding_mask=key_padding_mask,
+        need_weights=need_weights,
+        attn_mask=attn_mask,
+        use_separate_proj_weight=not self._qkv_same_embed_dim,
+        q_proj_weight=self.q_proj_weight,
+        k_proj_weight=self.k_proj_weight,
+        v_proj_weight=self.v_proj_weight,
+        average_attn_weights=average_attn_weights,
+        is_causal=is_causal,
+        mac=mac,
+        input_grad_mac=input_grad_mac,
+        weight_grad_mac=weight_grad_mac,
+        out_proj_macs=_injected_macs(self.out_proj),
+    )
+    if self.batch_first and batched:
+        output = output.transpose(1, 0)
+    return output, weights
 
 
 def _check_selector(selector) -> None:
@@ -300,8 +379,9 @@ def _parameter_names(module: nn.Module, suffix: str) -> list[str]:
     return [n for n, _ in module.named_parameters(recurse=False) if n.endswith(suffix)]
 
 
-def _bypassed(model: nn.Module) -> dict[str, str]:
-    """Qualified names of the modules whose forward their parent never calls, with the reason."""
+def _bypassed(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Qualified names of the modules whose forward their parent never calls, with the parent and
+    the reason."""
     found = {}
     for name, module in model.named_modules():
         for parent_type, children in _FORWARD_BYPASSED.items():
@@ -310,10 +390,69 @@ def _bypassed(model: nn.Module) -> dict[str, str]:
                     if isinstance(getattr(module, child, None), nn.Module):
                         qualified = f"{name}.{child}" if name else child
                         found[qualified] = (
-                            f"{type(module).__name__} never calls its forward "
-                            "(it reads the parameters directly)"
+                            module,
+                            f"{type(module).__name__} never calls its forward; "
+                            "it reads the parameters directly",
                         )
     return found
+
+
+def _never_run(done: dict, parent: nn.Module) -> list[str]:
+    """What never runs of an injection into a module whose forward ``parent`` never calls: its
+    input/output/error quantisers, and its MACs unless the parent simulates its products."""
+    parts = ["input/output/error"] if done["hooks"] else []
+    if "macs" in done and _injected_macs(parent) is None:
+        parts.append(
+            f"MACs ({type(parent).__name__} has none: give it MACs to simulate its products)"
+        )
+    return parts
+
+
+def _keep_off_fast_path(module: nn.Module, args) -> None:
+    """A forward pre-hook that does nothing: see _guard_fast_paths."""
+
+
+def _runs_forward(modules) -> bool:
+    """Whether any of ``modules`` holds an injection that runs in forward (hooks or MACs)."""
+    for module in modules:
+        done = getattr(module, _STATE, None)
+        if done is not None and (done["hooks"] or "macs" in done):
+            return True
+    return False
+
+
+def _guard_fast_paths(model: nn.Module) -> None:
+    """Keep torch's fused transformer paths from bypassing injected quantisers and MACs.
+
+    In eval mode without gradients, a TransformerEncoderLayer computes its whole layer by
+    torch._transformer_encoder_layer_fwd, calling no submodule's forward, unless some module in
+    it has forward hooks (torch checks ``_forward_hooks`` and ``_forward_pre_hooks``): each layer
+    holding an injection that runs in forward gets a forward pre-hook that does nothing. Given a
+    key padding mask, a TransformerEncoder turns its input into a nested tensor for its layers
+    unless its ``use_nested_tensor`` is False: it is set False while such layers are injected.
+    remove() undoes both."""
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoderLayer) and _runs_forward(module.modules()):
+            handle = module.register_forward_pre_hook(_keep_off_fast_path)
+            setattr(module, _FAST_PATH, {"hook": handle})
+        elif (
+            isinstance(module, nn.TransformerEncoder)
+            and getattr(module, "use_nested_tensor", False)
+            and _runs_forward(module.layers.modules())
+        ):
+            setattr(module, _FAST_PATH, {"use_nested_tensor": module.use_nested_tensor})
+            module.use_nested_tensor = False
+
+
+def _unguard_fast_paths(model: nn.Module) -> None:
+    for module in model.modules():
+        guard = module.__dict__.pop(_FAST_PATH, None)
+        if guard is None:
+            continue
+        if "hook" in guard:
+            guard["hook"].remove()
+        else:
+            module.use_nested_tensor = guard["use_nested_tensor"]
 
 
 def _observed_input(quantise, observer, module: nn.Module):
@@ -338,14 +477,20 @@ def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str
         "hooks": [],
         "parameter_order": list(module._parameters),
         "bypassed": bypassed,
+        "never_run": [],
     }
     eval_rule = parse_eval_rounding(settings.eval_rounding)
     macs = settings.macs()
     if macs is not None and isinstance(module, _SIMULATED_PRODUCTS):
         done["macs"] = macs
         done["eval_macs"] = tuple(_for_eval(m, eval_rule) for m in macs)
+        forward = (
+            _simulated_attention_forward
+            if isinstance(module, nn.MultiheadAttention)
+            else _simulated_forward
+        )
         # A bound method, so that copy.deepcopy of the model binds the copy's own forward.
-        module.forward = types.MethodType(_simulated_forward, module)
+        module.forward = types.MethodType(forward, module)
     for kind in ("weight", "bias"):
         spec = settings.spec(kind)
         if spec is None:
@@ -412,7 +557,14 @@ def inject(
 
     Modules whose forward their parent never calls (``out_proj`` of ``nn.MultiheadAttention``)
     get their weight quantisers, which run, and a warning for configured input, output or error
-    quantisers, which would never run.
+    quantisers, which would never run, and for MACs, which run only when the parent has MACs
+    too (a MultiheadAttention with MACs computes its out projection under out_proj's).
+
+    torch's fused transformer paths, which skip the forward of every submodule, are kept off for
+    the TransformerEncoderLayers and TransformerEncoders that hold input, output or error
+    quantisers or MACs (a forward pre-hook that does nothing on each such layer, and
+    ``use_nested_tensor = False`` on each such encoder, both undone by remove()), so that in
+    eval mode without gradients these run as they do with gradients.
 
     Also sets ``torch._dynamo.config.skip_nnmodule_hook_guards = False`` for the process (and, the
     first time, clears dynamo's caches), so that torch.compile never reuses a graph compiled
@@ -451,21 +603,27 @@ def inject(
     _check_unmatched(counts, unmatched)
     guard_hooks_under_compile()
     bypassed = _bypassed(model)
-    never_run, simulating = [], False
+    simulating = False
     for name, module, settings in plan:
         if settings is None:
             continue
-        done = _inject_module(module, settings, bypassed.get(name))
-        if done["bypassed"] and (done["hooks"] or "macs" in done):
-            never_run.append(f"{name!r} ({done['bypassed']})")
+        reason = bypassed[name][1] if name in bypassed else None
+        setattr(module, _STATE, _inject_module(module, settings, reason))
         simulating = simulating or settings.macs() is not None
-        setattr(module, _STATE, done)
+    never_run = []
+    for name, (parent, reason) in bypassed.items():
+        done = getattr(model.get_submodule(name), _STATE, None)
+        if done is not None:
+            done["never_run"] = _never_run(done, parent)
+            if done["never_run"]:
+                never_run.append(f"{name!r} ({reason}): {' and '.join(done['never_run'])}")
     if never_run:
         warnings.warn(
-            "inject(): the input/output/error quantisers and MACs configured for these modules "
-            f"never run: {', '.join(never_run)}",
+            "inject(): quantisers or MACs configured for these modules never run: "
+            + "; ".join(never_run),
             stacklevel=2,
         )
+    _guard_fast_paths(model)
     unsimulated = [
         f"{name!r} ({type(module).__name__})"
         for name, module in model.named_modules()
@@ -473,8 +631,9 @@ def inject(
     ]
     if simulating and unsimulated:
         warnings.warn(
-            "inject(): lpsim simulates the products of Linear, Conv1d and Conv2d only; these "
-            f"modules compute theirs in torch's own arithmetic: {', '.join(unsimulated)}",
+            "inject(): lpsim simulates the products of Linear, Conv1d, Conv2d and "
+            "MultiheadAttention only; these modules compute theirs in torch's own arithmetic: "
+            + ", ".join(unsimulated),
             stacklevel=2,
         )
     if verbose:
@@ -493,8 +652,9 @@ def _restore_parameter_order(module: nn.Module, order: list[str]) -> None:
 def remove(model: nn.Module) -> nn.Module:
     """Undo inject(): remove every hook and parametrisation it added, restoring the original
     parameters (the same Parameter objects, in their original registration order, so that
-    named_parameters(), state_dict() and optimizer states saved before injection match again).
-    Returns the model."""
+    named_parameters(), state_dict() and optimizer states saved before injection match again),
+    and torch's fused transformer paths where inject kept them off. Returns the model."""
+    _unguard_fast_paths(model)
     for module in model.modules():
         done = getattr(module, _STATE, None)
         if done is None:
@@ -603,8 +763,8 @@ def report(
         done = getattr(module, _STATE, None)
         if done is not None and _active(done):
             note = ""
-            if done["hooks"] and done["bypassed"]:
-                note = f"input/output/error never run: {done['bypassed']}"
+            if done.get("never_run"):
+                note = f"{' and '.join(done['never_run'])} never run: {done['bypassed']}"
             elif done["hooks"] and ran is not None and id(module) not in ran:
                 note = "input/output/error never ran on the example: forward not called"
             if note:
