@@ -207,6 +207,71 @@ bool nearest_kernel(const Tile& t, const NearestGrid& g, Lanes& lanes) {
                                : nearest_terms<false>(t, g, lanes);
 }
 
+// Stochastic rounding onto a grid make_stochastic_grid serves, exact products: the terms [k0, k1)
+// of the tile (k0 = 0 starts the sums, later blocks continue them from lanes.sum), with the lanes'
+// words in `words` (term-major, as generic_terms takes them) and stochastic_sum on the same
+// vectors. `range` carries stochastic_sum's per-lane range from block to block; the caller checks
+// it against the limit after the last block.
+typedef int64_t Signed __attribute__((vector_size(32)));
+typedef uint32_t Words32 __attribute__((vector_size(16)));
+
+LPSIM_INLINE bool stochastic_terms(const Tile& t, int64_t k0, int64_t k1,
+                                   const StochasticGrid& grid, const uint32_t* words, Lanes& lanes,
+                                   Words* range) {
+  const StochasticGrid g = grid;
+  Words s[kRows][kVectors];
+  Words r[kRows][kVectors];
+  __builtin_memcpy(s, lanes.sum, sizeof s);
+  __builtin_memcpy(r, range, sizeof r);
+  auto product = [&](int64_t k, int row, int v) LPSIM_LAMBDA_INLINE {
+    Doubles b;
+    __builtin_memcpy(&b, t.b + k * kLanes + v * kWidth, sizeof b);
+    const Doubles p = b * t.a[row * t.n + k];
+    Words u;
+    __builtin_memcpy(&u, &p, sizeof u);
+    return u;
+  };
+  auto word = [&](int64_t k, int row, int v) LPSIM_LAMBDA_INLINE {
+    Words32 w;
+    __builtin_memcpy(&w, words + (k - k0) * kTileSize + row * kLanes + v * kWidth, sizeof w);
+    return __builtin_convertvector(w, Words);
+  };
+  int64_t k = k0;
+  if (k == 0) {
+    for (int row = 0; row < kRows; ++row) {
+      for (int v = 0; v < kVectors; ++v) {
+        s[row][v] =
+            stochastic_round<Words, Signed>(product(0, row, v), word(0, row, v), g, r[row][v]);
+      }
+    }
+    ++k;
+  }
+  for (; k < k1; ++k) {
+    for (int row = 0; row < kRows; ++row) {
+      for (int v = 0; v < kVectors; ++v) {
+        s[row][v] = stochastic_sum<Doubles, Words, Signed>(s[row][v], product(k, row, v),
+                                                           word(k, row, v), g, r[row][v]);
+      }
+    }
+  }
+  __builtin_memcpy(lanes.sum, s, sizeof s);
+  __builtin_memcpy(range, r, sizeof r);
+  bool within = true;
+  for (int row = 0; row < kRows; ++row) {
+    for (int v = 0; v < kVectors; ++v) {
+      for (int j = 0; j < kWidth; ++j) within = within & (r[row][v][j] <= g.limit);
+    }
+  }
+  return within;
+}
+
+// stochastic_terms for one block; true while every lane's range is within the limit.
+LPSIM_MULTIVERSION
+bool stochastic_kernel(const Tile& t, int64_t k0, int64_t k1, const StochasticGrid& g,
+                       const uint32_t* words, Lanes& lanes, Words* range) {
+  return stochastic_terms(t, k0, k1, g, words, lanes, range);
+}
+
 // The scalar definition of result r (mac_span's loop), for the lanes marked bad.
 template <class X, Rounding R>
 uint64_t scalar_result(const typename X::storage* a, const typename X::storage* b, int64_t n,
@@ -238,6 +303,10 @@ void lanes_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t 
   const bool fast =
       R == Rounding::nearest && product == nullptr && make_nearest_grid(acc_grid, nearest);
   const bool two_sum = two_sum_serves(acc_grid, R);
+  StochasticGrid stochastic{};
+  const bool fast_stochastic =
+      R == Rounding::stochastic && product == nullptr &&
+      make_stochastic_grid(acc_grid, random_mask(random.rbits), stochastic);
   const PhiloxKey key = make_philox_key(random.seed, random.offset);
   WordCache cache(key);  // the scalar loop's, for the lanes it redoes
   // The lanes draw two of a term's kMacWordsPerTerm words at most: one Philox call in eight.
@@ -294,27 +363,41 @@ void lanes_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t 
         const int width = static_cast<int>(std::min<int64_t>(kLanes, j1 - jb));
         const bool finite = rows_finite && panel_finite[block_index] != 0;
         const Tile tile{rows.data(), panels.data() + block_index * panel_size, n};
-        if (fast && finite && nearest_kernel(tile, nearest, lanes)) {
+        // The words of terms [k0, k1) of the tile's lanes, lane-major, so that the caches generate
+        // each result's groups once.
+        auto gather_words = [&](int64_t k0, int64_t k1) {
+          for (int r = 0; r < height; ++r) {
+            for (int l = 0; l < width; ++l) {
+              const int lane = r * kLanes + l;
+              const int64_t first = kMacWordsPerTerm * (((ib + r) * p + jb + l) * n + k0);
+              for (int64_t k = k0; k < k1; ++k) {
+                const int64_t w = first + kMacWordsPerTerm * (k - k0);
+                add_words[(k - k0) * kTileSize + lane] = add_cache(w + kAddWord);
+                if (product != nullptr) {
+                  product_words[(k - k0) * kTileSize + lane] = product_cache(w + kProductWord);
+                }
+              }
+            }
+          }
+        };
+        // Stochastic rounding in vectors: every block, then one check of the range.
+        auto stochastic_tile = [&]() {
+          Words range[kRows * kVectors] = {};
+          bool within = true;
+          for (int64_t k0 = 0; k0 < n; k0 += block) {
+            const int64_t k1 = std::min(n, k0 + block);
+            gather_words(k0, k1);
+            within = stochastic_kernel(tile, k0, k1, stochastic, add_words.data(), lanes, range);
+          }
+          return within;
+        };
+        if ((fast && finite && nearest_kernel(tile, nearest, lanes)) ||
+            (fast_stochastic && finite && stochastic_tile())) {
           std::fill(lanes.bad, lanes.bad + kTileSize, uint64_t(0));
         } else {
           for (int64_t k0 = 0; k0 < n; k0 += block) {
             const int64_t k1 = std::min(n, k0 + block);
-            if constexpr (is_stochastic(R)) {
-              // Lane-major, so that the caches generate each result's groups once.
-              for (int r = 0; r < height; ++r) {
-                for (int l = 0; l < width; ++l) {
-                  const int lane = r * kLanes + l;
-                  const int64_t first = kMacWordsPerTerm * (((ib + r) * p + jb + l) * n + k0);
-                  for (int64_t k = k0; k < k1; ++k) {
-                    const int64_t w = first + kMacWordsPerTerm * (k - k0);
-                    add_words[(k - k0) * kTileSize + lane] = add_cache(w + kAddWord);
-                    if (product != nullptr) {
-                      product_words[(k - k0) * kTileSize + lane] = product_cache(w + kProductWord);
-                    }
-                  }
-                }
-              }
-            }
+            if constexpr (is_stochastic(R)) gather_words(k0, k1);
             generic_kernel(R, product != nullptr, two_sum, tile, k0, k1, acc_grid, product_grid,
                            mask, add_words.data(), product_words.data(), lanes);
           }

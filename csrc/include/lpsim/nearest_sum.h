@@ -239,4 +239,78 @@ LPSIM_FN uint64_t round_two_sum_to_grid(uint64_t s, uint64_t t, const Grid<Float
   return round_with_tail<R, C>(u, 0, inexact, g, random, mask);
 }
 
+// Stochastic rounding (Rounding::stochastic) in vectors, for the lane loop: the same w as
+// round_two_sum_to_grid, then round_on_grid's decision with the shift computed directly. For a
+// grid with subnormals and at most 20 kept bits, a w of float64 exponent field E >= 1 discards
+// shift = max(52 - keep, qmin + 52 - E) >= 32 bits of its significand: its discarded fraction's top
+// 32 bits are bits [shift - 32, shift) of w, it rounds up when stochastic_rounds_up says so, and
+// the result is w truncated to a multiple of 2^shift plus 2^shift if up (a carry into the exponent
+// field is the next binade's first value), with x's sign; w = 0 gives hi, exact_sum's zero. The
+// shortcut holds for shift <= 52; smaller magnitudes (below the grid's finest spacing) and results
+// beyond the grid's limit are left to the caller: `range` gathers, per lane, the largest result
+// magnitude and whether a shift exceeded 52, which the caller checks once at the end.
+struct StochasticGrid {
+  uint64_t normal_shift;  // 52 - keep
+  int64_t floor_shift;    // qmin + 52: the shift is floor_shift - E below the normal range
+  uint64_t limit;         // the largest magnitude (float64 bits; the limits are symmetric)
+  uint64_t mask;          // random_mask(rbits)
+};
+
+inline bool make_stochastic_grid(const Grid<Float64Container>& g, uint32_t mask,
+                                 StochasticGrid& out) {
+  using C = Float64Container;
+  const uint64_t bound = uint64_t(C::bias + 900) << 52;
+  const bool fits = g.keep <= 20 && g.flush_below == kNoFlush && g.qmin >= C::bias - 900 &&
+                    g.zero_sign == C::sign_mask && g.pos_limit == g.neg_limit &&
+                    g.pos_limit < bound;
+  if (!fits) return false;
+  out.normal_shift = uint64_t(52 - g.keep);
+  out.floor_shift = int64_t(g.qmin) + 52;
+  out.limit = g.pos_limit;
+  out.mask = mask;
+  return true;
+}
+
+// The magnitude bits of w (see above) rounded stochastically; `range` as above: the largest result
+// magnitude, with bit 63 set in a lane where a shift exceeded 52.
+template <class U, class S>
+LPSIM_FN U stochastic_magnitude(U w, U random, const StochasticGrid& g, U& range) {
+  const U zero{};
+  const S field = S(w >> 52);
+  const S below = S(zero + g.floor_shift) - field;
+  const U shift =
+      U(nearest_pick(below > S(zero + g.normal_shift), below, S(zero + g.normal_shift)));
+  const U large = U(nearest_pick(shift > 52, U(zero + 1), zero)) & U(w != zero);
+  const U clamped = nearest_pick(shift > 52, U(zero + 52), shift);
+  const U frac32 = U(w << (64 - clamped)) >> 32;
+  const U threshold = U(~random | ~(zero + g.mask)) & U(zero + 0xFFFFFFFFu);
+  const U up = nearest_pick(U(frac32 & (zero + g.mask)) > threshold, U(zero + 1), zero);
+  const U mag = ((w >> clamped) + up) << clamped;
+  range = nearest_pick(mag > range, mag, range) | (large << 63);
+  return mag;
+}
+
+// The exact s + t (float64 bits of finite values within step 1's bounds) rounded stochastically
+// onto the grid with the lane's random word (in the low 32 bits): round_sum_to_grid<stochastic>'s
+// bits wherever `range` stays within the limit (see above).
+template <class D, class U, class S>
+LPSIM_FN U stochastic_sum(U s, U t, U random, const StochasticGrid& g, U& range) {
+  using C = Float64Container;
+  const U zero{};
+  D hi, lo;
+  two_sum(nearest_values_of<D>(s), nearest_values_of<D>(t), hi, lo);
+  const U h = nearest_words_of<U>(hi);
+  const U inexact = nearest_pick(lo != D{}, U(zero + 1), zero);
+  const U borrow = U((h ^ nearest_words_of<U>(lo)) >> 63) & inexact;
+  const U w = U(h & C::abs_mask) - borrow;
+  return (h & C::sign_mask) | stochastic_magnitude<U, S>(w, random, g, range);
+}
+
+// The float64 value v (finite) rounded stochastically onto the grid, as round_to_grid<stochastic>.
+template <class U, class S>
+LPSIM_FN U stochastic_round(U v, U random, const StochasticGrid& g, U& range) {
+  using C = Float64Container;
+  return (v & C::sign_mask) | stochastic_magnitude<U, S>(U(v & C::abs_mask), random, g, range);
+}
+
 }  // namespace lpsim
