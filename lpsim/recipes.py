@@ -35,6 +35,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lpsim.formats import BlockFloat, Fixed, Float
+from lpsim.mac import MAC
 from lpsim.nn.inject import LayerQuantization, inject, quantized_parameters
 from lpsim.nn.quantizer import Spec
 from lpsim.optim.optim_lp import OptimLP
@@ -83,6 +84,9 @@ class Recipe:
         round_weights: whether the optimizer rounds the weights after every step (by ``weight``).
             False keeps full-precision master weights in the parameters, which the model sees
             quantised by ``weight`` in every forward pass only, as FP8 and MX training do.
+        mac: the arithmetic of the weight layers' products, forward and backward (an lpsim.MAC;
+            None: torch's own): every Linear, Conv1d and Conv2d it reaches (all of them unless
+            ``keep_edges``) sums its products as the MAC prescribes (lpsim.nn.functional).
     """
 
     name: str
@@ -96,6 +100,7 @@ class Recipe:
     keep_edges: bool = True
     placement: str = "outputs"
     round_weights: bool = True
+    mac: MAC | None = None
 
     def __post_init__(self) -> None:
         if self.placement not in _PLACEMENTS:
@@ -107,7 +112,7 @@ class Recipe:
     def quantises(self) -> bool:
         return any(
             getattr(self, f) is not None
-            for f in ("weight", "activation", "error", "grad", "momentum", "acc")
+            for f in ("weight", "activation", "error", "grad", "momentum", "acc", "mac")
         )
 
     def along(self, axis: int) -> Recipe:
@@ -131,14 +136,14 @@ class Recipe:
         config = {name: None for name in edge_layers(model)} if self.keep_edges else {}
         if self.placement == "operands":
             config[WEIGHT_LAYERS] = LayerQuantization(
-                weight=self.weight, input=self.activation, error=self.error
+                weight=self.weight, input=self.activation, error=self.error, mac=self.mac
             )
             config["default"] = None
             return config
         layer = LayerQuantization(
             weight=self.weight, bias=self.weight, output=self.activation, error=self.error
         )
-        config[WEIGHT_LAYERS] = layer
+        config[WEIGHT_LAYERS] = replace(layer, mac=self.mac)
         config["default"] = layer
         return config
 

@@ -1,5 +1,5 @@
-"""The experiments' command lines (experiments/stagnation.py, experiments/error_growth.py,
-experiments/scaled_sqnr.py): each writes where --out says, leaves the committed results in
+"""The experiments' command lines (experiments/stagnation.py, error_growth.py, scaled_sqnr.py,
+mac_error.py, mac_training.py): each writes where --out says, leaves the committed results in
 docs/results alone, and reports progress while it runs."""
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
-from experiments import error_growth, mac_error, scaled_sqnr, stagnation  # noqa: E402
+from experiments import error_growth, mac_error, mac_training, scaled_sqnr, stagnation  # noqa: E402
 
 RESULTS = ROOT / "docs" / "results"
 TINY = {
     stagnation: ["--increments", "40", "--copies", "4", "--steps", "20", "--seeds", "2"],
     error_growth: ["--rows", "4", "--max-exponent", "1.5", "--repeats", "1"],
     mac_error: ["--rows", "2", "--max-exponent", "8"],
+    mac_training: ["--epochs", "1", "--configs", "bf16-nearest"],
     scaled_sqnr: [
         *("--digits-epochs", "1", "--resnet-steps", "1", "--batch", "4", "--image-size", "16"),
         *("--presets", "nvfp4", "--rules", "rceil"),
@@ -48,8 +49,9 @@ def digests(names: list[str]) -> dict:
         (error_growth, ["error_growth.md", "error_growth.png"]),
         (scaled_sqnr, ["scaled_sqnr.md", "scaled_sqnr.png"]),
         (mac_error, ["mac_error.md", "mac_error.png"]),
+        (mac_training, ["mac_training.md", "mac_training.png"]),
     ],
-    ids=["stagnation", "error_growth", "scaled_sqnr", "mac_error"],
+    ids=["stagnation", "error_growth", "scaled_sqnr", "mac_error", "mac_training"],
 )
 def test_experiment_writes_into_out_and_leaves_docs_results_alone(experiment, written, tmp_path):
     committed = digests(written)
@@ -63,8 +65,8 @@ def test_experiment_writes_into_out_and_leaves_docs_results_alone(experiment, wr
 
 @pytest.mark.parametrize(
     "experiment",
-    [stagnation, error_growth, scaled_sqnr, mac_error],
-    ids=["stagnation", "error_growth", "scaled_sqnr", "mac_error"],
+    [stagnation, error_growth, scaled_sqnr, mac_error, mac_training],
+    ids=["stagnation", "error_growth", "scaled_sqnr", "mac_error", "mac_training"],
 )
 def test_out_defaults_to_docs_results_and_help_says_so(experiment):
     p = experiment.parser()

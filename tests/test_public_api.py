@@ -301,3 +301,18 @@ def test_every_public_function_is_annotated(module_name):
         if signature.return_annotation is inspect.Signature.empty and not name.endswith("__init__"):
             missing.append(f"{name} -> ?")
     assert not missing, f"{module_name}: not annotated: {missing}"
+
+
+def test_recipe_mac_simulates_the_products_of_the_weight_layers_it_reaches():
+    mac = lpsim.MAC(accumulator=Float(8, 7))
+    for keep_edges, simulated in ((False, ["0", "2", "4"]), (True, ["2"])):
+        recipe = lpsim.recipes.Recipe("probe", mac=mac, keep_edges=keep_edges)
+        assert recipe.quantises
+        model, _ = recipe.apply(_mlp(), torch.optim.SGD(_mlp().parameters(), lr=0.1))
+        injected = {name: getattr(m, "_lpsim_injection", {}) for name, m in model.named_modules()}
+        found = [name for name, done in injected.items() if "macs" in done]
+        assert found == simulated
+        x = torch.randn(5, 4)
+        a = model[0](x)
+        want = lpsim.nn.functional.linear(x, model[0].weight, model[0].bias, mac=mac)
+        assert torch.equal(a, want) == (not keep_edges)
