@@ -77,6 +77,7 @@ term (by its own rule, with ``rbits``), and a chunk's promotion word 2 of its la
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -292,6 +293,17 @@ class MAC:
     def native(self) -> bool:
         """Whether this is torch's own float32 product (accumulator None)."""
         return self.accumulator is None
+
+    def for_eval(self, eval_rounding: Rounding | None) -> MAC:
+        """The MAC an evaluating module uses: its stochastic rules (the MAC's, a tensor core's
+        normalisation) replaced by ``eval_rounding`` (None keeps them)."""
+        if eval_rounding is None or self.native or not self.drawing_rule.is_stochastic:
+            return self
+        core = self.tensor_core
+        if core is not None and core.normalise.is_stochastic:
+            core = dataclasses.replace(core, normalise=eval_rounding)
+        rounding = eval_rounding if self.rounding.is_stochastic else self.rounding
+        return dataclasses.replace(self, rounding=rounding, rbits=None, tensor_core=core)
 
     def __str__(self) -> str:
         """A one-line summary: the accumulator, the rule, then what differs from a fused

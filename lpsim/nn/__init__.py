@@ -1,6 +1,7 @@
 """Quantisers for training: differentiable quantisation of activations and errors, modules, and
 injection of quantisers into existing models."""
 
+from lpsim.nn.functions import FunctionQuantization, quantize_functions
 from lpsim.nn.inject import (
     DEFAULT,
     LayerQuantization,
@@ -24,4 +25,6 @@ __all__ = [
     "injected",
     "quantized_parameters",
     "DEFAULT",
+    "quantize_functions",
+    "FunctionQuantization",
 ]

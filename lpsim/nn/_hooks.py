@@ -1,12 +1,35 @@
-"""Hook plumbing shared by lpsim.nn.inject and lpsim.compat.qtorch.auto_low: applying a quantiser
-to every floating-point tensor of a module's inputs or outputs, and making torch.compile see the
-hooks."""
+"""Hook plumbing shared by lpsim.nn.inject, lpsim.nn.functions and lpsim.compat.qtorch.auto_low:
+applying a quantiser to every floating-point tensor of a module's inputs or outputs, making
+torch.compile see the hooks, and naming function calls for lpsim.nn.quantize_functions."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
 
 import torch
+
+# The name under which lpsim.nn.quantize_functions selects the function calls made inside a
+# ``named_function`` block (the attention steps of lpsim.nn.functional's multi-head attention).
+_FUNCTION_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "lpsim_function_name", default=None
+)
+
+
+def function_name() -> str | None:
+    """The name of the current ``named_function`` block, None outside one."""
+    return _FUNCTION_NAME.get()
+
+
+@contextlib.contextmanager
+def named_function(name: str) -> Iterator[None]:
+    """Calls made inside are selected by lpsim.nn.quantize_functions under ``name``."""
+    token = _FUNCTION_NAME.set(name)
+    try:
+        yield
+    finally:
+        _FUNCTION_NAME.reset(token)
 
 
 def map_tensors(value, fn: Callable[[torch.Tensor], torch.Tensor]):

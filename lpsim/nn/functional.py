@@ -70,6 +70,7 @@ import torch.nn.functional as F
 from lpsim import mac as _mac
 from lpsim._checks import draw_seed
 from lpsim.mac import MAC
+from lpsim.nn import _hooks
 from lpsim.nn.quantizer import QuantSpec, Spec, as_spec, quantizing_function
 from lpsim.rounding import Rounding
 from lpsim.update import sr_add
@@ -798,13 +799,16 @@ def _attention(q, k, v, mask, dropout_p: float, how: Arithmetic):
     """The context softmax(q k^T / sqrt(head_dim) + mask) v of each matrix of the batch and the
     attention weights; q is scaled (rounded in its dtype) before its product, as torch does."""
     scaled = q * math.sqrt(1.0 / float(q.shape[-1]))
-    scores = bmm(scaled, k.transpose(1, 2), **_keywords(how))
+    with _hooks.named_function("attention.scores"):
+        scores = bmm(scaled, k.transpose(1, 2), **_keywords(how))
     if mask is not None:
         scores = scores + mask
-    weights = F.softmax(scores, dim=-1)
+    with _hooks.named_function("attention.softmax"):
+        weights = F.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    return bmm(weights, v, **_keywords(how)), weights
+    with _hooks.named_function("attention.context"):
+        return bmm(weights, v, **_keywords(how)), weights
 
 
 def _out_arithmetic(out_proj_macs, how: Arithmetic) -> Arithmetic:

@@ -27,8 +27,6 @@ a fallback, and a model whose leaves all have entries of their own leaves it not
 
 from __future__ import annotations
 
-import dataclasses
-import fnmatch
 import types
 import warnings
 from collections.abc import Mapping
@@ -52,6 +50,7 @@ from lpsim.nn.quantizer import (
     parse_eval_rounding,
     quantizing_function,
 )
+from lpsim.nn.selectors import check_selector, matches
 from lpsim.rounding import Rounding
 
 __all__ = [
@@ -186,16 +185,9 @@ _UNSIMULATED_PRODUCTS = (
 )
 
 
-def _for_eval(mac: MAC, eval_rule: Rounding | None) -> MAC:
-    """The MAC an evaluating module uses: its stochastic rules (the MAC's, a tensor core's
-    normalisation) replaced by eval_rule (None keeps them)."""
-    if eval_rule is None or mac.native or not mac.drawing_rule.is_stochastic:
-        return mac
-    core = mac.tensor_core
-    if core is not None and core.normalise.is_stochastic:
-        core = dataclasses.replace(core, normalise=eval_rule)
-    rounding = eval_rule if mac.rounding.is_stochastic else mac.rounding
-    return dataclasses.replace(mac, rounding=rounding, rbits=None, tensor_core=core)
+def simulates_products(module: nn.Module) -> bool:
+    """Whether inject gave ``module`` MACs: its products run under lpsim.nn.functional."""
+    return "macs" in getattr(module, _STATE, {})
 
 
 def _injected_macs(module: nn.Module) -> tuple[MAC, MAC, MAC] | None:
@@ -292,33 +284,6 @@ def _simulated_attention_forward(
     return output, weights
 
 
-def _check_selector(selector) -> None:
-    if isinstance(selector, tuple):
-        for s in selector:
-            _check_selector(s)
-    elif isinstance(selector, nn.Module):
-        raise TypeError(
-            f"config keys select modules by type, name pattern or predicate; got the module "
-            f"instance {type(selector).__name__}(...). Use its type ({type(selector).__name__}), "
-            "its qualified name, or lambda name, m: m is that_module"
-        )
-    elif not isinstance(selector, (type, str)) and not callable(selector):
-        raise TypeError(
-            "config keys must be module types, name patterns, callables (name, module) -> bool, "
-            f"or tuples of these; got {selector!r}"
-        )
-
-
-def _matches(selector, name: str, module: nn.Module) -> bool:
-    if isinstance(selector, tuple):
-        return any(_matches(s, name, module) for s in selector)
-    if isinstance(selector, type):
-        return isinstance(module, selector)
-    if isinstance(selector, str):
-        return fnmatch.fnmatchcase(name, selector)
-    return bool(selector(name, module))
-
-
 def _plan(model: nn.Module, config) -> tuple[list, dict]:
     """[(name, module, settings)] for the modules some entry decides, and for every selector the
     number of modules it decided and the number it matched."""
@@ -330,7 +295,7 @@ def _plan(model: nn.Module, config) -> tuple[list, dict]:
         for selector in config:
             if selector == DEFAULT:
                 continue
-            if _matches(selector, name, module):
+            if matches(selector, name, module):
                 matched[selector] += 1
                 if chosen is None:
                     chosen = selector
@@ -483,7 +448,7 @@ def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str
     macs = settings.macs()
     if macs is not None and isinstance(module, _SIMULATED_PRODUCTS):
         done["macs"] = macs
-        done["eval_macs"] = tuple(_for_eval(m, eval_rule) for m in macs)
+        done["eval_macs"] = tuple(m.for_eval(eval_rule) for m in macs)
         forward = (
             _simulated_attention_forward
             if isinstance(module, nn.MultiheadAttention)
@@ -595,7 +560,7 @@ def inject(
         )
     for selector, settings in config.items():
         if selector != DEFAULT:
-            _check_selector(selector)
+            check_selector(selector)
         if settings is not None and not isinstance(settings, LayerQuantization):
             raise TypeError(f"config values must be LayerQuantization or None, got {settings!r}")
     remove(model)  # an earlier injection would otherwise be matched as part of the model

@@ -1,0 +1,453 @@
+"""Quantising what is not a module: matrix products, softmax and attention called as functions.
+
+inject hooks modules, so the products a model computes by calling functions (q @ k^T and p @ v
+inside ``F.scaled_dot_product_attention``, a ``torch.matmul`` in a forward method, a softmax) are
+invisible to it. ``quantize_functions`` sees them: a context manager (a
+``torch.overrides.TorchFunctionMode``) that, while active, quantises the operands and results of
+the calls its config selects and runs their products under MACs:
+
+    config = {
+        "attention.scores": LayerQuantization(input=e4m3, weight=e4m3, error=e5m2, mac=hopper),
+        "attention.context": LayerQuantization(input=e4m3, weight=e4m3, error=e5m2),
+        ("softmax", "blocks.0.*"): LayerQuantization(output=bf16),
+    }
+    functions = lpsim.nn.quantize_functions(model, config)
+    with functions:
+        loss = criterion(model(x), y)
+    loss.backward()          # error formats and backward MACs are in the autograd graph already
+
+Keys are an op name, or a pair (op name, module selector). The selectors are inject's (module
+types, glob patterns on qualified names relative to ``model``, callables (name, module) -> bool,
+tuples of these); a pair applies to calls made while a module it selects is running (the module
+itself or any module inside it). Each call is decided by the first entry, in the mapping's order,
+whose op and selector match it; a call no entry matches is torch's own. Values are
+``LayerQuantization``; a field an op does not take is an error.
+
+The ops and what LayerQuantization's fields mean for them:
+
+- ``"matmul"``: ``torch.matmul``, ``torch.mm``, ``torch.bmm``, their Tensor methods and the ``@``
+  operator. ``input`` and ``weight`` are the first and second operands' formats (quantised before
+  the product, straight-through gradient), ``output`` the result's, ``error`` the gradient
+  arriving at the result; ``mac``, ``input_grad_mac`` and ``weight_grad_mac`` the forward product
+  and the gradients of the first and second operands, as lpsim.nn.functional.matmul computes them
+  (its docstring states the terms and their order).
+- ``"linear"``: ``torch.nn.functional.linear`` (nn.Linear's forward): the fields of ``"matmul"``
+  plus ``bias``; the bias is added as lpsim.nn.functional.linear adds it.
+- ``"softmax"``: ``torch.softmax``, ``torch.nn.functional.softmax``, ``Tensor.softmax``:
+  ``input``, ``output``, ``error``.
+- ``"attention.scores"``, ``"attention.softmax"``, ``"attention.context"``: the three steps of
+  attention (the scores q k^T, their softmax, the context p v), as ``"matmul"`` and ``"softmax"``
+  take them; where no entry names them, the ``"matmul"`` and ``"softmax"`` entries decide them.
+
+Attention is computed step by step where an entry decides one of its steps (else it is torch's
+fused kernel):
+
+- ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)``:
+  s = q k^T (the scores product: input q, weight k^T, K = head_dim), then s * scale (scale
+  defaults to 1 / sqrt(head_dim)), in the scores' dtype, as the FP8 attention kernels apply it
+  after their product; the causal mask (positions j > i get -inf) and attn_mask (a bool mask's
+  False as -inf, else added); softmax over the keys in the scores' dtype; dropout with
+  ``dropout_p`` (torch's F.dropout: other random draws than torch's fused kernels); the context
+  product p v (K = the keys). With enable_gqa the key and value heads are repeated as torch's.
+- ``F.multi_head_attention_forward`` (nn.MultiheadAttention, nn.TransformerEncoderLayer and
+  nn.TransformerDecoderLayer call it): lpsim.nn.functional.multi_head_attention_forward, whose
+  in and out projections are ``"linear"`` calls and whose attention steps are the three above
+  (q scaled by 1 / sqrt(head_dim) before the scores product, as torch does).
+
+Calls made directly by a module that inject gave MACs (an injected Linear, Conv or
+MultiheadAttention) are left to inject. Rules: bare formats use the LayerQuantization's
+``rounding``; while the innermost running module (or, outside the model's modules, the model) is
+in eval mode, its ``eval_rounding`` replaces stochastic rules, as in inject. Stochastic roundings
+draw their seeds from torch's default generator, as lpsim.quantize does.
+
+Not simulated: calls with ``out=``, other functions (einsum, baddbmm, convolutions: use inject for
+Conv layers). DelayedScaling formats are refused (their amax history needs a state per call site,
+which this context does not keep yet).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from lpsim.delayed_scaling import DelayedScaling
+from lpsim.mac import MAC
+from lpsim.nn import _hooks
+from lpsim.nn import functional as _functional
+from lpsim.nn.inject import LayerQuantization, simulates_products
+from lpsim.nn.quantizer import QuantSpec, parse_eval_rounding, quantizing_function
+from lpsim.nn.selectors import check_selector, matches
+
+__all__ = ["quantize_functions", "FunctionQuantization", "OPS"]
+
+_PRODUCT_FIELDS = (
+    "input",
+    "weight",
+    "output",
+    "error",
+    "mac",
+    "input_grad_mac",
+    "weight_grad_mac",
+)
+_SOFTMAX_FIELDS = ("input", "output", "error")
+# Each op and the LayerQuantization fields it takes.
+OPS: dict[str, tuple[str, ...]] = {
+    "matmul": _PRODUCT_FIELDS,
+    "linear": (*_PRODUCT_FIELDS, "bias"),
+    "softmax": _SOFTMAX_FIELDS,
+    "attention.scores": _PRODUCT_FIELDS,
+    "attention.softmax": _SOFTMAX_FIELDS,
+    "attention.context": _PRODUCT_FIELDS,
+}
+_FALLBACK = {
+    "attention.scores": "matmul",
+    "attention.softmax": "softmax",
+    "attention.context": "matmul",
+}
+_ATTENTION = ("attention.scores", "attention.softmax", "attention.context")
+_SETTINGS_FIELDS = ("weight", "bias", "input", "output", "error")
+_MAC_FIELDS = ("mac", "input_grad_mac", "weight_grad_mac")
+
+_MATMUL_FUNCTIONS = (
+    torch.matmul,
+    torch.mm,
+    torch.bmm,
+    torch.Tensor.matmul,
+    torch.Tensor.mm,
+    torch.Tensor.bmm,
+    torch.Tensor.__matmul__,
+)
+_SOFTMAX_FUNCTIONS = (torch.softmax, F.softmax, torch.Tensor.softmax)
+
+
+class _Arithmetic(NamedTuple):
+    """What one entry does in one mode (training or eval): field -> QuantSpec, and the three
+    MACs (None: torch's products)."""
+
+    specs: dict[str, QuantSpec]
+    macs: tuple[MAC, MAC, MAC] | None
+
+
+class _Entry(NamedTuple):
+    op: str
+    selector: object  # None: any call
+    train: _Arithmetic
+    eval: _Arithmetic
+
+
+def _parse_key(key) -> tuple[str, object]:
+    """(op, selector) of a config key.
+
+    Raises:
+        ValueError: an unknown op name.
+        TypeError: a key that is neither an op name nor an (op name, selector) pair.
+    """
+    if isinstance(key, str):
+        op, selector = key, None
+    elif isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str):
+        op, selector = key
+        check_selector(selector)
+    else:
+        raise TypeError(
+            f"quantize_functions: config keys are op names or (op name, module selector) pairs, "
+            f"got {key!r}"
+        )
+    if op not in OPS:
+        raise ValueError(f"quantize_functions: unknown op {op!r}; the ops are {sorted(OPS)}")
+    return op, selector
+
+
+def _entry(key, settings) -> _Entry:
+    """The validated entry of one config item.
+
+    Raises:
+        TypeError: settings is not a LayerQuantization, or gives a DelayedScaling format.
+        ValueError: settings sets a field the op does not take.
+    """
+    op, selector = _parse_key(key)
+    if not isinstance(settings, LayerQuantization):
+        raise TypeError(
+            f"quantize_functions: the value of {key!r} must be a LayerQuantization, got "
+            f"{type(settings).__name__}"
+        )
+    for name in (*_SETTINGS_FIELDS, *_MAC_FIELDS):
+        if getattr(settings, name) is not None and name not in OPS[op]:
+            raise ValueError(
+                f"quantize_functions: {op!r} takes the fields {', '.join(OPS[op])}; the entry "
+                f"{key!r} sets {name}"
+            )
+    specs = {}
+    for name in _SETTINGS_FIELDS:
+        spec = settings.spec(name)
+        if spec is None:
+            continue
+        if isinstance(spec.format, DelayedScaling):
+            raise TypeError(
+                f"quantize_functions: {name} of {key!r} is a DelayedScaling, which needs an amax "
+                "history per call site; use a Scaled format with current scaling (for example "
+                "lpsim.scaled.preset('fp8_e4m3_tensor'))"
+            )
+        specs[name] = spec
+    eval_rule = parse_eval_rounding(settings.eval_rounding)
+    macs = settings.macs()
+    eval_specs = {name: spec.for_eval(eval_rule) for name, spec in specs.items()}
+    eval_macs = None if macs is None else tuple(m.for_eval(eval_rule) for m in macs)
+    return _Entry(op, selector, _Arithmetic(specs, macs), _Arithmetic(eval_specs, eval_macs))
+
+
+def _operand(x, spec: QuantSpec | None):
+    """x quantised by spec (straight-through gradient), x itself for None or a non-tensor."""
+    if spec is None or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        return x
+    return quantizing_function(spec, None)(x)
+
+
+def _result(y: torch.Tensor, how: _Arithmetic) -> torch.Tensor:
+    """y quantised by the output format, its gradient by the error format."""
+    output, error = how.specs.get("output"), how.specs.get("error")
+    if output is None and error is None:
+        return y
+    return quantizing_function(output, error)(y)
+
+
+class FunctionQuantization(TorchFunctionMode):
+    """The context ``quantize_functions`` returns (see the module docstring). It can be entered
+    any number of times, one at a time; each entry registers forward hooks on the model's modules
+    (to know which module a call runs under) and each exit removes them."""
+
+    def __init__(self, model: nn.Module, entries: list[_Entry]):
+        super().__init__()
+        self.model = model
+        self.entries = entries
+        self._running: list[tuple[str, nn.Module]] = []
+        self._hooks: list = []
+        self._active = False
+
+    # -- entering and leaving --------------------------------------------------------------
+    def __enter__(self):
+        if self._active:
+            raise RuntimeError("quantize_functions: this context is already active")
+        self._active = True
+        for name, module in self.model.named_modules():
+            self._hooks.append(module.register_forward_pre_hook(self._entering(name)))
+            self._hooks.append(module.register_forward_hook(self._leaving, always_call=True))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks.clear()
+            self._running.clear()
+            self._active = False
+
+    def _entering(self, name: str):
+        def push(module, args):
+            self._running.append((name, module))
+
+        return push
+
+    def _leaving(self, module, args, output):
+        if self._running and self._running[-1][1] is module:
+            self._running.pop()
+
+    # -- choosing --------------------------------------------------------------------------
+    def _left_to_inject(self) -> bool:
+        """Whether the innermost running module is one whose products inject simulates."""
+        if not self._running:
+            return False
+        return simulates_products(self._running[-1][1])
+
+    def _training(self) -> bool:
+        return self._running[-1][1].training if self._running else self.model.training
+
+    def _selected(self, op: str) -> _Entry | None:
+        for entry in self.entries:
+            if entry.op != op:
+                continue
+            if entry.selector is None or any(
+                matches(entry.selector, name, module) for name, module in self._running
+            ):
+                return entry
+        return None
+
+    def arithmetic(self, op: str) -> _Arithmetic | None:
+        """What the config prescribes for a call of ``op`` made now (None: torch's own), the
+        attention steps falling back to "matmul" and "softmax"."""
+        if self._left_to_inject():
+            return None
+        entry = self._selected(op)
+        if entry is None and op in _FALLBACK:
+            entry = self._selected(_FALLBACK[op])
+        if entry is None:
+            return None
+        return entry.train if self._training() else entry.eval
+
+    # -- the ops -------------------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _MATMUL_FUNCTIONS:
+            return self._matmul(func, args, kwargs)
+        if func is F.linear:
+            return self._linear(args, kwargs)
+        if func in _SOFTMAX_FUNCTIONS:
+            return self._softmax(_hooks.function_name() or "softmax", func, args, kwargs)
+        if func is F.scaled_dot_product_attention:
+            return self._scaled_dot_product_attention(func, args, kwargs)
+        if func is F.multi_head_attention_forward:
+            return self._multi_head_attention(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _product(self, how: _Arithmetic, a, b, bias=None, linear: bool = False):
+        """a @ b (or linear(a, b, bias)) with the operands, the result and the products as
+        ``how`` prescribes."""
+        a, b = _operand(a, how.specs.get("input")), _operand(b, how.specs.get("weight"))
+        bias = _operand(bias, how.specs.get("bias"))
+        keywords = {}
+        if how.macs is not None:
+            keywords = dict(zip(_MAC_FIELDS, how.macs))
+        if linear:
+            y = _functional.linear(a, b, bias, **keywords)
+        else:
+            y = _functional.matmul(a, b, **keywords)
+        return _result(y, how)
+
+    def _matmul(self, func, args, kwargs):
+        how = self.arithmetic(_hooks.function_name() or "matmul")
+        if how is None:
+            return func(*args, **kwargs)
+        if len(args) != 2 or kwargs:
+            raise ValueError(
+                f"quantize_functions: {func.__name__} is simulated with its two operands only, "
+                f"got {len(args)} positional arguments and keywords {sorted(kwargs)}"
+            )
+        return self._product(how, *args)
+
+    def _linear(self, args, kwargs):
+        how = self.arithmetic("linear")
+        if how is None:
+            return F.linear(*args, **kwargs)
+        bound = dict(zip(("input", "weight", "bias"), args), **kwargs)
+        return self._product(how, bound["input"], bound["weight"], bound.get("bias"), True)
+
+    def _softmax(self, op: str, func, args, kwargs):
+        how = self.arithmetic(op)
+        if how is None:
+            return func(*args, **kwargs)
+        x = _operand(args[0], how.specs.get("input"))
+        return _result(func(x, *args[1:], **kwargs), how)
+
+    def _simulates_attention(self, ops) -> bool:
+        return any(self.arithmetic(op) is not None for op in ops)
+
+    def _scaled_dot_product_attention(self, func, args, kwargs):
+        if not self._simulates_attention(_ATTENTION):
+            return func(*args, **kwargs)
+        return scaled_dot_product_attention(self, *args, **kwargs)
+
+    def _multi_head_attention(self, func, args, kwargs):
+        if not self._simulates_attention((*_ATTENTION, "linear")):
+            return func(*args, **kwargs)
+        with self._reentered():
+            return _functional.multi_head_attention_forward(*args, **kwargs)
+
+    def _reentered(self):
+        """This mode pushed again (inside __torch_function__ torch pops it), so that the calls of
+        a Python decomposition reach it; the hooks stay as they are."""
+        return _Pushed(self)
+
+
+class _Pushed:
+    def __init__(self, mode: FunctionQuantization):
+        self.mode = mode
+
+    def __enter__(self):
+        return TorchFunctionMode.__enter__(self.mode)
+
+    def __exit__(self, *exc):
+        return TorchFunctionMode.__exit__(self.mode, *exc)
+
+
+def scaled_dot_product_attention(
+    mode: FunctionQuantization,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """F.scaled_dot_product_attention step by step, each step as ``mode`` prescribes (the module
+    docstring states the steps).
+
+    Raises:
+        ValueError: is_causal together with attn_mask (as torch), or enable_gqa with head counts
+            that do not divide.
+    """
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: is_causal and attn_mask are exclusive")
+    if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+        heads, kv_heads = query.shape[-3], key.shape[-3]
+        if heads % kv_heads:
+            raise ValueError(
+                f"scaled_dot_product_attention: enable_gqa needs the query heads ({heads}) to be "
+                f"a multiple of the key heads ({kv_heads})"
+            )
+        key = key.repeat_interleave(heads // kv_heads, dim=-3)
+        value = value.repeat_interleave(heads // kv_heads, dim=-3)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = _step(mode, "attention.scores", query, key.transpose(-2, -1))
+    scores = scores * scale
+    target, source = query.shape[-2], key.shape[-2]
+    if is_causal:
+        allowed = torch.ones(target, source, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    how = mode.arithmetic("attention.softmax")
+    weights = _softmax_step(how, scores)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    return _step(mode, "attention.context", weights, value)
+
+
+def _step(mode: FunctionQuantization, op: str, a, b):
+    how = mode.arithmetic(op)
+    return torch.matmul(a, b) if how is None else mode._product(how, a, b)
+
+
+def _softmax_step(how: _Arithmetic | None, scores: torch.Tensor) -> torch.Tensor:
+    if how is None:
+        return torch.softmax(scores, dim=-1)
+    return _result(torch.softmax(_operand(scores, how.specs.get("input")), dim=-1), how)
+
+
+def quantize_functions(
+    model: nn.Module, config: Mapping[object, LayerQuantization]
+) -> FunctionQuantization:
+    """The context that quantises the functions ``config`` selects while ``model`` runs (see the
+    module docstring for keys, ops and fields).
+
+    Raises:
+        TypeError: model is not an nn.Module, a key or value is malformed, or a format is a
+            DelayedScaling.
+        ValueError: an unknown op, or a field its op does not take.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize_functions: model must be an nn.Module, got {type(model)}")
+    if not isinstance(config, Mapping):
+        raise TypeError(f"quantize_functions: config must be a mapping, got {type(config)}")
+    return FunctionQuantization(model, [_entry(k, v) for k, v in config.items()])

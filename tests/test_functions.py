@@ -1,0 +1,434 @@
+"""lpsim.nn.quantize_functions: the function calls a model makes (matrix products, softmax,
+attention) quantised as the config selects.
+
+The proofs: with empty settings every op is torch's (bit for bit where the computation is the same
+call, to float64 rounding where attention is computed step by step); with formats and MACs each
+op equals the same quantisers and lpsim.nn.functional products applied by hand, forward and
+backward, bit for bit; inside F.scaled_dot_product_attention, nn.MultiheadAttention and
+nn.TransformerEncoderLayer the scores and context products are on the format's grid (seen by an
+outer TorchFunctionMode that records the calls the decomposition makes); selection by op and by
+module, precedence of inject's MACs, eval rounding, seeds and errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support import assert_same_bits
+from torch import nn
+
+import lpsim
+import lpsim.nn.functional as LF
+from lpsim import MAC, Float
+from lpsim.delayed_scaling import DelayedScaling
+from lpsim.nn import LayerQuantization, inject, quantize_functions
+
+E4M3 = Float(4, 3)
+E5M2 = Float(5, 2)
+BF16 = Float(8, 7)
+BF16_MAC = MAC(accumulator=BF16)
+FP16_MAC = MAC(accumulator=Float(5, 10))
+
+
+def nearest(**fields) -> LayerQuantization:
+    return LayerQuantization(rounding="nearest", **fields)
+
+
+class Recorder(torch.overrides.TorchFunctionMode):
+    """Records (name, first argument, result) of the softmax, matmul and linear calls it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.softmax, F.softmax, torch.matmul, F.linear):
+            self.calls.append((func.__name__, args[0].detach().clone(), out.detach().clone()))
+        return out
+
+    def named(self, name):
+        return [(x, y) for n, x, y in self.calls if n == name]
+
+
+def on_grid(x: torch.Tensor, fmt) -> bool:
+    finite = x[torch.isfinite(x)]
+    return torch.equal(lpsim.quantize(finite, fmt), finite)
+
+
+class Products(nn.Module):
+    """Calls every op lpsim.nn.quantize_functions takes, in a submodule ``a`` and the model."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.a(x) @ self.b.weight
+        return torch.softmax(torch.matmul(y, x.transpose(-2, -1)), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal self-attention by F.scaled_dot_product_attention; head_dim 16, so the scale 1/4 is
+    exact and the scores keep their grid after it."""
+
+    def __init__(self, width=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+# ---- With empty settings every op is torch's.
+
+
+def test_empty_settings_leave_products_and_softmax_as_torch_bit_for_bit():
+    torch.manual_seed(0)
+    model, x = Products(), torch.randn(3, 5, 8)
+    expected = model(x)
+    config = {op: LayerQuantization() for op in ("matmul", "linear", "softmax")}
+    with quantize_functions(model, config):
+        got = model(x)
+    assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"is_causal": True},
+        {"scale": 0.3},
+        {"attn_mask": "bool"},
+        {"attn_mask": "float"},
+        {"enable_gqa": True},
+    ],
+    ids=lambda o: "-".join(f"{k}" for k in o) or "plain",
+)
+def test_stepwise_attention_is_torchs_to_float64_rounding_forward_and_backward(options):
+    torch.manual_seed(1)
+    q = torch.randn(2, 4, 5, 8, dtype=torch.float64, requires_grad=True)
+    kv_heads = 2 if options.get("enable_gqa") else 4
+    k = torch.randn(2, kv_heads, 7, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, kv_heads, 7, 8, dtype=torch.float64, requires_grad=True)
+    options = dict(options)
+    if options.get("attn_mask") == "bool":
+        options["attn_mask"] = torch.rand(5, 7) > 0.3
+        options["attn_mask"][:, 0] = True
+    elif options.get("attn_mask") == "float":
+        options["attn_mask"] = torch.randn(2, 1, 5, 7, dtype=torch.float64)
+    expected = F.scaled_dot_product_attention(q, k, v, **options)
+    grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    with quantize_functions(nn.Identity(), {"attention.scores": LayerQuantization()}):
+        got = F.scaled_dot_product_attention(q, k, v, **options)
+    got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    for g, e in zip(got_grads, grads):
+        torch.testing.assert_close(g, e, rtol=1e-11, atol=1e-11)
+
+
+def test_multihead_attention_under_empty_settings_is_torchs_to_float64_rounding():
+    torch.manual_seed(2)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    mask = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    expected, weights = mha(x, x, x, attn_mask=mask)
+    with quantize_functions(mha, {"attention.context": LayerQuantization()}):
+        got, got_weights = mha(x, x, x, attn_mask=mask)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_weights, weights, rtol=1e-12, atol=1e-12)
+
+
+# ---- Formats and MACs: the same quantisers and products applied by hand, bit for bit.
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda a, b: a @ b,
+        lambda a, b: torch.matmul(a, b),
+        lambda a, b: a.matmul(b),
+        lambda a, b: torch.bmm(a, b),
+        lambda a, b: a.bmm(b),
+        lambda a, b: torch.mm(a[0], b[0]),
+        lambda a, b: a[0].mm(b[0]),
+    ],
+    ids=["operator", "matmul", "method", "bmm", "bmm-method", "mm", "mm-method"],
+)
+def test_matmul_quantises_operands_result_and_sums_under_the_mac(call):
+    torch.manual_seed(3)
+    a = torch.randn(2, 5, 64, requires_grad=True)
+    b = torch.randn(2, 64, 3, requires_grad=True)
+    settings = nearest(input=E4M3, weight=E5M2, output=BF16, error=E5M2, mac=FP16_MAC)
+    with quantize_functions(nn.Identity(), {"matmul": settings}):
+        got = call(a, b)
+    grads = torch.autograd.grad(got.sum() * 3.1, (a, b))
+    qa = lpsim.quantize(a.detach(), E4M3).requires_grad_()
+    qb = lpsim.quantize(b.detach(), E5M2).requires_grad_()
+    two_dimensional = got.dim() == 2  # mm: the first matrices
+    product = LF.matmul(
+        qa[0] if two_dimensional else qa,
+        qb[0] if two_dimensional else qb,
+        mac=FP16_MAC,
+        grad_format=(E5M2, "nearest"),
+    )
+    expected_grads = torch.autograd.grad(product.sum() * 3.1, (qa, qb))
+    assert_same_bits(got.detach(), lpsim.quantize(product.detach(), BF16))
+    for g, e in zip(grads, expected_grads):
+        assert_same_bits(g, e)
+
+
+def test_linear_takes_bias_format_and_all_three_macs_bit_for_bit():
+    torch.manual_seed(4)
+    layer = nn.Linear(96, 4)
+    x = torch.randn(7, 96, requires_grad=True)
+    macs = dict(mac=BF16_MAC, input_grad_mac=FP16_MAC, weight_grad_mac=BF16_MAC)
+    settings = nearest(input=E4M3, weight=E4M3, bias=E5M2, **macs)
+    with quantize_functions(layer, {"linear": settings}):
+        got = layer(x)
+    got_grads = torch.autograd.grad(got.square().sum(), (x, layer.weight, layer.bias))
+    x2 = x.detach().clone().requires_grad_()
+    w2, b2 = (p.detach().clone().requires_grad_() for p in (layer.weight, layer.bias))
+    expected = LF.linear(
+        lpsim.quantize(x2, E4M3),
+        lpsim.quantize(w2, E4M3),
+        lpsim.quantize(b2, E5M2),
+        **macs,
+    )
+    expected_grads = torch.autograd.grad(expected.square().sum(), (x2, w2, b2))
+    assert_same_bits(got, expected)
+    for g, e in zip(got_grads, expected_grads):
+        assert_same_bits(g, e)
+
+
+def test_softmax_input_output_and_error_formats():
+    torch.manual_seed(5)
+    x = torch.randn(4, 9, requires_grad=True) * 3
+    settings = nearest(input=E4M3, output=BF16, error=E5M2)
+    for call in (lambda t: torch.softmax(t, -1), lambda t: F.softmax(t, dim=-1)):
+        with quantize_functions(nn.Identity(), {"softmax": settings}):
+            got = call(x)
+        (grad,) = torch.autograd.grad(got, x, torch.linspace(-1, 1, 36).reshape(4, 9))
+        xq = lpsim.quantize(x.detach(), E4M3).requires_grad_()
+        expected = torch.softmax(xq, -1)
+        g = lpsim.quantize(torch.linspace(-1, 1, 36).reshape(4, 9), E5M2)
+        (expected_grad,) = torch.autograd.grad(expected, xq, g)
+        assert_same_bits(got.detach(), lpsim.quantize(expected.detach(), BF16))
+        assert_same_bits(grad, expected_grad)
+
+
+# ---- Attention: the scores and context products are on the format's grid.
+
+
+def test_scaled_dot_product_attention_scores_and_context_are_on_the_grid():
+    torch.manual_seed(6)
+    model, x = Attention(), torch.randn(2, 8, 32)
+    config = {
+        "attention.scores": nearest(output=E4M3),
+        "attention.context": nearest(input=E5M2, output=E4M3),
+    }
+    recorder = Recorder()
+    with recorder, quantize_functions(model, config):
+        out = model(x)
+    ((scores, probabilities),) = recorder.named("softmax")
+    assert on_grid(scores * 4, E4M3)  # the scores times 1/4, exact
+    assert not on_grid(probabilities, E5M2)  # the softmax is torch's, in float32
+    assert on_grid(out, E4M3)
+    products = recorder.named("matmul")
+    assert len(products) == 2
+    assert on_grid(products[1][0], E5M2)  # the context's first operand: the probabilities
+
+
+@pytest.mark.parametrize("need_weights", [True, False])
+def test_multihead_attention_scores_and_context_are_on_the_grid(need_weights):
+    torch.manual_seed(7)
+    mha = nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 6, 16)
+    config = {
+        "attention.scores": nearest(output=E4M3),
+        "attention.softmax": nearest(output=E5M2),
+        "attention.context": nearest(output=E4M3),
+    }
+    recorder = Recorder()
+    with recorder, quantize_functions(mha, config):
+        mha(x, x, x, need_weights=need_weights)
+    ((scores, _),) = recorder.named("softmax")
+    assert on_grid(scores, E4M3)  # torch scales q before the product
+    products = recorder.named("matmul")
+    assert len(products) == 2
+    assert on_grid(products[1][0], E5M2)  # the weights, rounded by attention.softmax
+    context = recorder.named("linear")[-1][0]  # the out projection's input
+    assert on_grid(context, E4M3)
+
+
+def test_transformer_encoder_layer_runs_every_product_as_configured_in_eval_too():
+    torch.manual_seed(8)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    config = {"linear": nearest(output=BF16), "attention.scores": nearest(output=E4M3)}
+    for training in (True, False):
+        layer.train(training)
+        recorder = Recorder()
+        with torch.no_grad(), recorder, quantize_functions(layer, config):
+            out = layer(x)
+        ((scores, _),) = recorder.named("softmax")
+        assert on_grid(scores, E4M3)
+        assert not on_grid(out, BF16)  # the layer norm's output is torch's
+        plain = layer(x)
+        assert not torch.equal(out, plain)
+
+
+# ---- Selection.
+
+
+def test_op_and_module_selectors_choose_the_first_matching_entry():
+    torch.manual_seed(9)
+    model, x = Products(), torch.randn(3, 5, 8)
+    config = {
+        ("linear", "b"): nearest(output=E4M3),  # never runs: b's forward is not called
+        ("linear", "a"): nearest(output=E5M2),
+        "linear": nearest(output=E4M3),
+    }
+    with quantize_functions(model, config):
+        got = model(x)
+    y = lpsim.quantize(model.a(x), E5M2) @ model.b.weight
+    assert_same_bits(got, torch.softmax(torch.matmul(y, x.transpose(-2, -1)), dim=-1))
+    # The products are called by the model itself, under no Linear: a type selector skips them.
+    with quantize_functions(model, {("matmul", nn.Linear): nearest(output=E4M3)}):
+        got = model(x)
+    assert_same_bits(got, model(x))
+    with quantize_functions(model, {"matmul": nearest(output=E4M3)}):
+        got = model(x)
+    y = lpsim.quantize(model.a(x) @ model.b.weight, E4M3)
+    s = lpsim.quantize(torch.matmul(y, x.transpose(-2, -1)), E4M3)
+    assert_same_bits(got, torch.softmax(s, dim=-1))
+
+
+def test_attention_steps_fall_back_to_matmul_and_softmax_entries():
+    torch.manual_seed(10)
+    model, x = Attention(), torch.randn(2, 8, 32)
+    with quantize_functions(model, {"matmul": nearest(output=E4M3)}):
+        general = model(x)
+    config = {
+        "attention.scores": nearest(output=E4M3),
+        "attention.context": nearest(output=E4M3),
+    }
+    with quantize_functions(model, config):
+        specific = model(x)
+    assert_same_bits(general, specific)
+    assert on_grid(general, E4M3)
+
+
+def test_calls_of_modules_inject_gave_macs_are_left_to_inject():
+    torch.manual_seed(11)
+    layer = nn.Linear(64, 4)
+    x = torch.randn(3, 64)
+    injected = copy.deepcopy(layer)
+    # A native forward product (a torch.matmul, which the context sees) with a simulated weight
+    # gradient.
+    inject(injected, {nn.Linear: LayerQuantization(weight_grad_mac=BF16_MAC)})
+    expected = injected(x)
+    config = {"linear": nearest(output=E4M3), "matmul": nearest(output=E4M3)}
+    with quantize_functions(injected, config):
+        got = injected(x)
+    assert_same_bits(got, expected)
+    assert not on_grid(got, E4M3)
+
+
+# ---- Rules and randomness.
+
+
+def test_eval_mode_replaces_stochastic_rules_by_eval_rounding():
+    torch.manual_seed(12)
+    model, x = Products(), torch.randn(3, 5, 8)
+    stochastic = {"softmax": LayerQuantization(output=E4M3)}  # stochastic by default
+    model.eval()
+    with quantize_functions(model, stochastic):
+        got = model(x)
+    with quantize_functions(model, {"softmax": nearest(output=E4M3)}):
+        expected = model(x)
+    assert_same_bits(got, expected)
+
+
+def test_stochastic_rounding_follows_torch_manual_seed():
+    model, x = Products(), torch.randn(3, 5, 8)
+    config = {
+        "matmul": LayerQuantization(output=E4M3, mac=MAC(accumulator=BF16, rounding="stochastic"))
+    }
+    results = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        with quantize_functions(model, config):
+            results.append(model(x))
+    assert_same_bits(results[0], results[1])
+    assert not torch.equal(results[0], results[2])
+
+
+def test_compiled_model_gives_the_eager_bits():
+    """Dynamo traces through the context (aot_eager: the traced graph run by torch's eager
+    kernels; Inductor's generated softmax and fused scaling may differ in the last bit)."""
+    torch.manual_seed(13)
+    model, x = Attention(width=16, heads=1), torch.randn(1, 4, 16)
+    config = {"attention.scores": nearest(output=E4M3), "linear": nearest(input=E5M2)}
+    with quantize_functions(model, config):
+        eager = model(x)
+    compiled = torch.compile(model, backend="aot_eager")
+    with quantize_functions(model, config):
+        assert_same_bits(compiled(x), eager)
+
+
+def test_hooks_are_removed_on_exit_and_the_context_is_not_reentrant():
+    model = Products()
+    functions = quantize_functions(model, {"matmul": nearest(output=E4M3)})
+    with functions:
+        assert model.a._forward_pre_hooks
+        with pytest.raises(RuntimeError, match="already active"):
+            functions.__enter__()
+    assert not model.a._forward_pre_hooks and not model.a._forward_hooks
+    with functions:  # and it can be entered again
+        model(torch.randn(2, 3, 8))
+
+
+# ---- Errors name what is wrong.
+
+
+@pytest.mark.parametrize(
+    "config, error, match",
+    [
+        ({"conv": LayerQuantization()}, ValueError, "unknown op 'conv'"),
+        ({"softmax": nearest(weight=E4M3)}, ValueError, "sets weight"),
+        ({"softmax": LayerQuantization(mac=BF16_MAC)}, ValueError, "sets mac"),
+        ({"matmul": nearest(bias=E4M3)}, ValueError, "sets bias"),
+        ({"matmul": E4M3}, TypeError, "must be a LayerQuantization"),
+        ({("matmul", 3): LayerQuantization()}, TypeError, "config keys"),
+        ({3: LayerQuantization()}, TypeError, "op names or"),
+        (
+            {"matmul": nearest(output=DelayedScaling(E4M3, history_length=4))},
+            TypeError,
+            "DelayedScaling",
+        ),
+    ],
+)
+def test_malformed_configs_raise_errors_that_name_the_problem(config, error, match):
+    with pytest.raises(error, match=match):
+        quantize_functions(nn.Identity(), config)
+
+
+def test_a_model_and_a_mapping_are_required():
+    with pytest.raises(TypeError, match="model must be an nn.Module"):
+        quantize_functions(lambda x: x, {})
+    with pytest.raises(TypeError, match="config must be a mapping"):
+        quantize_functions(nn.Identity(), [("matmul", LayerQuantization())])
+
+
+def test_a_matmul_with_out_is_refused_when_simulated():
+    a, b, out = torch.ones(2, 2), torch.ones(2, 2), torch.empty(2, 2)
+    with quantize_functions(nn.Identity(), {"matmul": nearest(output=E4M3)}):
+        with pytest.raises(ValueError, match="two operands only"):
+            torch.matmul(a, b, out=out)
