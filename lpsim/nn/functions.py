@@ -60,9 +60,16 @@ MultiheadAttention) are left to inject. Rules: bare formats use the LayerQuantiz
 in eval mode, its ``eval_rounding`` replaces stochastic rules, as in inject. Stochastic roundings
 draw their seeds from torch's default generator, as lpsim.quantize does.
 
-Not simulated: calls with ``out=``, other functions (einsum, baddbmm, convolutions: use inject for
-Conv layers). DelayedScaling formats are refused (their amax history needs a state per call site,
-which this context does not keep yet).
+A DelayedScaling format keeps one amax history per call site: the entry, the innermost running
+module, the op, the field, and the call's rank among that op's calls in the module's current
+forward (the second softmax of a block is another site than the first). The scalers (lpsim's
+DelayedScaler) are created at a site's first call, on its tensor's device, and live in the
+context's ``scalers`` (an nn.ModuleDict); ``state_dict()`` and ``load_state_dict()`` save and
+restore them (loading creates the scalers it names), so that a resumed run continues their
+histories. In eval mode they quantise without recording.
+
+Not simulated: calls with ``out=`` (refused), other functions (einsum, baddbmm; convolutions
+through inject).
 """
 
 from __future__ import annotations
@@ -81,7 +88,7 @@ from lpsim.mac import MAC
 from lpsim.nn import _hooks
 from lpsim.nn import functional as _functional
 from lpsim.nn.inject import LayerQuantization, simulates_products
-from lpsim.nn.quantizer import QuantSpec, parse_eval_rounding, quantizing_function
+from lpsim.nn.quantizer import QuantSpec, ScalerCall, parse_eval_rounding, quantizing_function
 from lpsim.nn.selectors import check_selector, matches
 
 __all__ = ["quantize_functions", "FunctionQuantization", "OPS"]
@@ -141,6 +148,16 @@ class _Entry(NamedTuple):
     eval: _Arithmetic
 
 
+class _Decision(NamedTuple):
+    """What one call does: ``how`` by the entry at ``index`` of the config, and the call's site
+    (where a DelayedScaling keeps its history)."""
+
+    index: int
+    how: _Arithmetic
+    site: str
+    training: bool
+
+
 def _parse_key(key) -> tuple[str, object]:
     """(op, selector) of a config key.
 
@@ -182,38 +199,13 @@ def _entry(key, settings) -> _Entry:
                 f"quantize_functions: {op!r} takes the fields {', '.join(OPS[op])}; the entry "
                 f"{key!r} sets {name}"
             )
-    specs = {}
-    for name in _SETTINGS_FIELDS:
-        spec = settings.spec(name)
-        if spec is None:
-            continue
-        if isinstance(spec.format, DelayedScaling):
-            raise TypeError(
-                f"quantize_functions: {name} of {key!r} is a DelayedScaling, which needs an amax "
-                "history per call site; use a Scaled format with current scaling (for example "
-                "lpsim.scaled.preset('fp8_e4m3_tensor'))"
-            )
-        specs[name] = spec
+    specs = {name: settings.spec(name) for name in _SETTINGS_FIELDS}
+    specs = {name: spec for name, spec in specs.items() if spec is not None}
     eval_rule = parse_eval_rounding(settings.eval_rounding)
     macs = settings.macs()
     eval_specs = {name: spec.for_eval(eval_rule) for name, spec in specs.items()}
     eval_macs = None if macs is None else tuple(m.for_eval(eval_rule) for m in macs)
     return _Entry(op, selector, _Arithmetic(specs, macs), _Arithmetic(eval_specs, eval_macs))
-
-
-def _operand(x, spec: QuantSpec | None):
-    """x quantised by spec (straight-through gradient), x itself for None or a non-tensor."""
-    if spec is None or not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        return x
-    return quantizing_function(spec, None)(x)
-
-
-def _result(y: torch.Tensor, how: _Arithmetic) -> torch.Tensor:
-    """y quantised by the output format, its gradient by the error format."""
-    output, error = how.specs.get("output"), how.specs.get("error")
-    if output is None and error is None:
-        return y
-    return quantizing_function(output, error)(y)
 
 
 class FunctionQuantization(TorchFunctionMode):
@@ -225,7 +217,9 @@ class FunctionQuantization(TorchFunctionMode):
         super().__init__()
         self.model = model
         self.entries = entries
-        self._running: list[tuple[str, nn.Module]] = []
+        self.scalers = nn.ModuleDict()  # site -> DelayedScaler (see the module docstring)
+        self._running: list[tuple[str, nn.Module, dict]] = []  # name, module, calls per op
+        self._outside: dict[str, int] = {}  # calls per op made outside the model's modules
         self._hooks: list = []
         self._active = False
 
@@ -234,6 +228,7 @@ class FunctionQuantization(TorchFunctionMode):
         if self._active:
             raise RuntimeError("quantize_functions: this context is already active")
         self._active = True
+        self._outside.clear()
         for name, module in self.model.named_modules():
             self._hooks.append(module.register_forward_pre_hook(self._entering(name)))
             self._hooks.append(module.register_forward_hook(self._leaving, always_call=True))
@@ -251,7 +246,7 @@ class FunctionQuantization(TorchFunctionMode):
 
     def _entering(self, name: str):
         def push(module, args):
-            self._running.append((name, module))
+            self._running.append((name, module, {}))
 
         return push
 
@@ -262,34 +257,94 @@ class FunctionQuantization(TorchFunctionMode):
     # -- choosing --------------------------------------------------------------------------
     def _left_to_inject(self) -> bool:
         """Whether the innermost running module is one whose products inject simulates."""
-        if not self._running:
-            return False
-        return simulates_products(self._running[-1][1])
+        return bool(self._running) and simulates_products(self._running[-1][1])
 
-    def _training(self) -> bool:
-        return self._running[-1][1].training if self._running else self.model.training
-
-    def _selected(self, op: str) -> _Entry | None:
-        for entry in self.entries:
+    def _selected(self, op: str) -> int | None:
+        """The index of the first entry that decides a call of ``op`` made now."""
+        for index, entry in enumerate(self.entries):
             if entry.op != op:
                 continue
             if entry.selector is None or any(
-                matches(entry.selector, name, module) for name, module in self._running
+                matches(entry.selector, name, module) for name, module, _ in self._running
             ):
-                return entry
+                return index
         return None
 
-    def arithmetic(self, op: str) -> _Arithmetic | None:
-        """What the config prescribes for a call of ``op`` made now (None: torch's own), the
-        attention steps falling back to "matmul" and "softmax"."""
+    def _entry_index(self, op: str) -> int | None:
+        """_selected, the attention steps falling back to "matmul" and "softmax" (None: torch's
+        own, or a call inject decides)."""
         if self._left_to_inject():
             return None
-        entry = self._selected(op)
-        if entry is None and op in _FALLBACK:
-            entry = self._selected(_FALLBACK[op])
-        if entry is None:
+        index = self._selected(op)
+        if index is None and op in _FALLBACK:
+            index = self._selected(_FALLBACK[op])
+        return index
+
+    def decide(self, op: str) -> _Decision | None:
+        """What the config prescribes for a call of ``op`` made now (None: torch's own); counts
+        the call for its site."""
+        index = self._entry_index(op)
+        if index is None:
             return None
-        return entry.train if self._training() else entry.eval
+        name, module, calls = self._running[-1] if self._running else ("", None, self._outside)
+        training = module.training if module is not None else self.model.training
+        rank = calls.get(op, 0)
+        calls[op] = rank + 1
+        entry = self.entries[index]
+        site = f"{index}:{name.replace('.', '/')}:{op}:{rank}"
+        return _Decision(index, entry.train if training else entry.eval, site, training)
+
+    def _quantiser(self, decision: _Decision, field: str, device: torch.device):
+        """The QuantSpec, or for a DelayedScaling the ScalerCall of the call's site (its scaler
+        created on ``device``), that quantises ``field`` of the call (None: not quantised)."""
+        spec = decision.how.specs.get(field)
+        if spec is None or not isinstance(spec.format, DelayedScaling):
+            return spec
+        scaler = self._scaler(f"{decision.site}:{field}", device)
+        return ScalerCall(scaler, spec.rounding, decision.training)
+
+    def _quantise(self, decision: _Decision, field: str, x):
+        """x quantised as ``field`` of the call prescribes (straight-through gradient); x itself
+        where it is not, or is not a floating-point tensor."""
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return x
+        quantiser = self._quantiser(decision, field, x.device)
+        return x if quantiser is None else quantizing_function(quantiser, None)(x)
+
+    def _scaler(self, key: str, device: torch.device | None = None):
+        """The DelayedScaler of a site and field (created on first use).
+
+        Raises:
+            KeyError: the key names no DelayedScaling field of the config.
+        """
+        if key not in self.scalers:
+            index, field = int(key.split(":")[0]), key.split(":")[-1]
+            spec = self.entries[index].train.specs.get(field)
+            if spec is None or not isinstance(spec.format, DelayedScaling):
+                raise KeyError(f"quantize_functions: no DelayedScaling {field} at {key!r}")
+            self.scalers[key] = spec.format.scaler().to(device)
+        return self.scalers[key]
+
+    def _result(self, y: torch.Tensor, decision: _Decision) -> torch.Tensor:
+        """y quantised by the output format, its gradient by the error format."""
+        output = self._quantiser(decision, "output", y.device)
+        error = self._quantiser(decision, "error", y.device)
+        if output is None and error is None:
+            return y
+        return quantizing_function(output, error)(y)
+
+    def state_dict(self) -> dict:
+        """The DelayedScalers' states, by site."""
+        return {key: scaler.state_dict() for key, scaler in self.scalers.items()}
+
+    def load_state_dict(self, state: Mapping[str, dict]) -> None:
+        """Restore the scalers ``state`` names (creating them).
+
+        Raises:
+            KeyError: a site that names no DelayedScaling field of this config.
+        """
+        for key, scaler_state in state.items():
+            self._scaler(key, scaler_state["scale"].device).load_state_dict(scaler_state)
 
     # -- the ops -------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -299,54 +354,61 @@ class FunctionQuantization(TorchFunctionMode):
         if func is F.linear:
             return self._linear(args, kwargs)
         if func in _SOFTMAX_FUNCTIONS:
-            return self._softmax(_hooks.function_name() or "softmax", func, args, kwargs)
+            return self.softmax(_hooks.function_name() or "softmax", func, args, kwargs)
         if func is F.scaled_dot_product_attention:
             return self._scaled_dot_product_attention(func, args, kwargs)
         if func is F.multi_head_attention_forward:
             return self._multi_head_attention(func, args, kwargs)
         return func(*args, **kwargs)
 
-    def _product(self, how: _Arithmetic, a, b, bias=None, linear: bool = False):
-        """a @ b (or linear(a, b, bias)) with the operands, the result and the products as
-        ``how`` prescribes."""
-        a, b = _operand(a, how.specs.get("input")), _operand(b, how.specs.get("weight"))
-        bias = _operand(bias, how.specs.get("bias"))
-        keywords = {}
-        if how.macs is not None:
-            keywords = dict(zip(_MAC_FIELDS, how.macs))
+    def _product(self, decision: _Decision, a, b, bias=None, linear: bool = False):
+        """a @ b (or linear(a, b, bias)) with the operands, the result and the products as the
+        call's decision prescribes."""
+        a, b = self._quantise(decision, "input", a), self._quantise(decision, "weight", b)
+        bias = self._quantise(decision, "bias", bias)
+        macs = decision.how.macs
+        keywords = {} if macs is None else dict(zip(_MAC_FIELDS, macs))
         if linear:
             y = _functional.linear(a, b, bias, **keywords)
         else:
             y = _functional.matmul(a, b, **keywords)
-        return _result(y, how)
+        return self._result(y, decision)
 
     def _matmul(self, func, args, kwargs):
-        how = self.arithmetic(_hooks.function_name() or "matmul")
-        if how is None:
+        decision = self.decide(_hooks.function_name() or "matmul")
+        if decision is None:
             return func(*args, **kwargs)
         if len(args) != 2 or kwargs:
             raise ValueError(
                 f"quantize_functions: {func.__name__} is simulated with its two operands only, "
                 f"got {len(args)} positional arguments and keywords {sorted(kwargs)}"
             )
-        return self._product(how, *args)
+        return self._product(decision, *args)
 
     def _linear(self, args, kwargs):
-        how = self.arithmetic("linear")
-        if how is None:
+        decision = self.decide("linear")
+        if decision is None:
             return F.linear(*args, **kwargs)
         bound = dict(zip(("input", "weight", "bias"), args), **kwargs)
-        return self._product(how, bound["input"], bound["weight"], bound.get("bias"), True)
+        return self._product(decision, bound["input"], bound["weight"], bound.get("bias"), True)
 
-    def _softmax(self, op: str, func, args, kwargs):
-        how = self.arithmetic(op)
-        if how is None:
+    def softmax(self, op: str, func, args, kwargs):
+        """func(*args, **kwargs), a softmax, with its input and result as the config prescribes
+        for ``op`` ("softmax" or "attention.softmax")."""
+        decision = self.decide(op)
+        if decision is None:
             return func(*args, **kwargs)
-        x = _operand(args[0], how.specs.get("input"))
-        return _result(func(x, *args[1:], **kwargs), how)
+        x = self._quantise(decision, "input", args[0])
+        return self._result(func(x, *args[1:], **kwargs), decision)
+
+    def product(self, op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a @ b with the operands, the result and the products as the config prescribes for
+        ``op``."""
+        decision = self.decide(op)
+        return torch.matmul(a, b) if decision is None else self._product(decision, a, b)
 
     def _simulates_attention(self, ops) -> bool:
-        return any(self.arithmetic(op) is not None for op in ops)
+        return any(self._entry_index(op) is not None for op in ops)
 
     def _scaled_dot_product_attention(self, func, args, kwargs):
         if not self._simulates_attention(_ATTENTION):
@@ -406,7 +468,7 @@ def scaled_dot_product_attention(
         key = key.repeat_interleave(heads // kv_heads, dim=-3)
         value = value.repeat_interleave(heads // kv_heads, dim=-3)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = _step(mode, "attention.scores", query, key.transpose(-2, -1))
+    scores = mode.product("attention.scores", query, key.transpose(-2, -1))
     scores = scores * scale
     target, source = query.shape[-2], key.shape[-2]
     if is_causal:
@@ -417,22 +479,10 @@ def scaled_dot_product_attention(
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask
-    how = mode.arithmetic("attention.softmax")
-    weights = _softmax_step(how, scores)
+    weights = mode.softmax("attention.softmax", torch.softmax, (scores,), {"dim": -1})
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    return _step(mode, "attention.context", weights, value)
-
-
-def _step(mode: FunctionQuantization, op: str, a, b):
-    how = mode.arithmetic(op)
-    return torch.matmul(a, b) if how is None else mode._product(how, a, b)
-
-
-def _softmax_step(how: _Arithmetic | None, scores: torch.Tensor) -> torch.Tensor:
-    if how is None:
-        return torch.softmax(scores, dim=-1)
-    return _result(torch.softmax(_operand(scores, how.specs.get("input")), dim=-1), how)
+    return mode.product("attention.context", weights, value)
 
 
 def quantize_functions(
