@@ -457,6 +457,26 @@ def test_delayed_scaling_state_dict_resumes_the_histories():
         resumed.load_state_dict({"0::matmul:0:output": saved["0::matmul:0:input"]})
 
 
+def test_delayed_scaling_of_attention_steps_has_a_site_per_step():
+    torch.manual_seed(16)
+    model, x = Attention(), torch.randn(2, 8, 32)
+    config = {
+        "attention.scores": nearest(input=DELAYED, weight=DELAYED),
+        "attention.context": nearest(input=DELAYED, error=DELAYED),
+    }
+    functions = quantize_functions(model, config)
+    for _ in range(2):
+        with functions:
+            model(x).sum().backward()
+    assert sorted(functions.scalers.keys()) == [
+        "0::attention/scores:0:input",
+        "0::attention/scores:0:weight",
+        "1::attention/context:0:error",
+        "1::attention/context:0:input",
+    ]
+    assert all(int(scaler.calls) == 2 for scaler in functions.scalers.values())
+
+
 # ---- Errors name what is wrong.
 
 

@@ -291,7 +291,7 @@ class FunctionQuantization(TorchFunctionMode):
         rank = calls.get(op, 0)
         calls[op] = rank + 1
         entry = self.entries[index]
-        site = f"{index}:{name.replace('.', '/')}:{op}:{rank}"
+        site = f"{index}:{name.replace('.', '/')}:{op.replace('.', '/')}:{rank}"
         return _Decision(index, entry.train if training else entry.eval, site, training)
 
     def _quantiser(self, decision: _Decision, field: str, device: torch.device):
