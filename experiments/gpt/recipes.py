@@ -1,0 +1,309 @@
+"""The low-precision recipes the GPT trains under, each built from a fresh model.
+
+``RECIPES[name].build(model, lr=..., weight_decay=..., betas=..., seed=...)`` injects the recipe's
+quantisers into the model (lpsim.nn.inject, in place) and returns ``(model, optimizer,
+functions)``: the optimizer to train with, and ``functions``, None or the config of
+``lpsim.nn.quantize_functions`` for the two products inside attention (which inject cannot see):
+
+    with lpsim.nn.quantize_functions(model, functions):
+        logits = model(tokens)
+
+What each recipe quantises ("operands" are the inputs of a product: for a Linear its input
+activation and its weight, forward, and the error flowing back into its output, backward; blocks
+of scaled formats run along the last axis, the Linear products' reduction axis for activations
+(B, T, in) and weights (out, in)):
+
+- ``fp32``: nothing; torch.optim.AdamW.
+- ``bf16-nearest``, ``bf16-stochastic``: bfloat16 weights without a float32 master copy: every
+  parameter (Linear, embeddings, LayerNorm) holds a bfloat16 value and lpsim.optim.AdamW rounds
+  each updated weight once into bfloat16, to nearest (updates below half a spacing are lost) or
+  stochastically (unbiased); its moments stay float32. Every Linear (the head included) takes
+  bfloat16 inputs and rounds its output and its error to bfloat16 by round to nearest, as
+  torch.autocast(bfloat16) computes them (bfloat16 operands, float32 accumulation, a bfloat16
+  result); embeddings, LayerNorm, GELU, residual additions, attention, softmax and the loss stay
+  float32.
+- ``fp8-current``: every Linear but the head (the head and the embeddings stay float32, the usual
+  practice of FP8 recipes; the first Linear, block 0's qkv, is quantised, unlike lpsim.recipes'
+  keep_edges): E4M3 inputs and weights with one float32 scale per tensor from the tensor's own
+  amax (current scaling, SCALED_PRESETS "fp8_e4m3_tensor"), E5M2 errors likewise
+  ("fp8_e5m2_tensor"), round to nearest; float32 master weights, gradients and AdamW state.
+- ``fp8-delayed``: the same operands with Transformer Engine's delayed scaling
+  (lpsim.delayed_scaling.DelayedScaling, amax history 16, reduction max, margin 0): each tensor's
+  scale comes from the amaxes of its earlier quantisations, one DelayedScaler per tensor in the
+  model's state_dict.
+- ``mxfp8``, ``mxfp4``, ``nvfp4``: lpsim.recipes.MXFP8 / MXFP4 / NVFP4 with blocks along the last
+  axis (Recipe.along(-1)) on every Linear but the head: MXFP8 E4M3 forward and E5M2 errors, round
+  to nearest; MXFP4 E2M1 forward to nearest and errors stochastically; NVFP4 E2M1 with E4M3 scales
+  per 16 and a float32 tensor scale, forward to nearest, errors stochastically. Float32 master
+  weights. Where they differ from the published recipes: no random Hadamard transform of the
+  weight-gradient product's operands (Tseng et al.'s MXFP4 and NVIDIA's NVFP4 apply one):
+  lpsim.RandomHadamard exists, but neither lpsim.recipes nor inject can place it on the two
+  operands of a backward product; each error is quantised once, in blocks along the output
+  channels (the reduction axis of the input-gradient product, not of the weight-gradient product,
+  which reduces over tokens); NVFP4's weights use 1x16 blocks, not 16x16 tiles.
+- ``fp8-hopper``, ``fp8-hopper-promoted``: fp8-current, with the forward product of every quantised
+  Linear summed by lpsim.mac.preset("H100/e4m3") (the H100's FP8 tensor core: each group of 32
+  exact products and the running sum aligned to their largest exponent, truncated to 13 fraction
+  bits and normalised toward zero into a Float(8, 13) accumulator, never promoted) or
+  preset("DeepSeek-V3") (the same chain, promoted into float32 every 128 products).
+  The tensor-core model runs on a scalar CPU loop (about 30 ns per multiply-add on one thread),
+  so only the forward products are simulated: the two backward products of each Linear
+  (input_grad_mac, weight_grad_mac) are torch's float32 (lpsim.nn.functional.NATIVE), and so are
+  the attention products. The products run on the CPU only: these recipes need --device cpu.
+
+Attention (``functions``; fp32 and the bf16 recipes have none): every FP8 and scaled recipe rounds
+the operands of both attention products into its forward element format and the errors flowing
+into them into its error format, with the same rounding rules as its Linear layers; the products
+themselves are float32 and so is the softmax (as FP8 attention kernels compute it). The scores
+product q k^T (``"attention.scores"``): ``input`` q, ``weight`` k^T, ``error`` the gradient of the
+scores; the context product p v (``"attention.context"``): ``input`` the probabilities p,
+``weight`` v, ``error`` the gradient of the context. lpsim.nn.quantize_functions passes the second
+operand as the matrix it multiplies (k^T, (B, heads, head_dim, T), and v, (B, heads, T,
+head_dim)), so both reduce along their axis -2 and the first operands along -1: scaled formats'
+blocks run along those axes; errors along -1 (as the Linear layers' errors). fp8-delayed scales
+the attention operands by delayed scaling too: quantize_functions keeps one amax history per call
+site (block, product, operand), which the trainer saves in its checkpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+import lpsim
+from lpsim import Float
+from lpsim.delayed_scaling import DelayedScaling
+from lpsim.nn import LayerQuantization, inject
+from lpsim.nn.functional import NATIVE
+from lpsim.recipes import MXFP4, MXFP8, NVFP4, WEIGHT_LAYERS, Recipe
+from lpsim.scaled import Scaled, preset
+
+__all__ = [
+    "GPTRecipe",
+    "RECIPES",
+    "HEAD",
+    "BFLOAT16",
+    "parameter_groups",
+    "attention_functions",
+    "linear_layers",
+    "describe",
+]
+
+HEAD = "head"  # the model's last Linear, kept in float32 by the FP8 and scaled recipes
+BFLOAT16 = Float(8, 7)
+
+_E4M3_TENSOR = (preset("fp8_e4m3_tensor"), "nearest")
+_E5M2_TENSOR = (preset("fp8_e5m2_tensor"), "nearest")
+_DELAYED = dict(history_length=16, reduction="max")
+_E4M3_DELAYED = (DelayedScaling(preset("fp8_e4m3_tensor").element, **_DELAYED), "nearest")
+_E5M2_DELAYED = (DelayedScaling(preset("fp8_e5m2_tensor").element, **_DELAYED), "nearest")
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups: weight decay on the matrices (Linear weights and embeddings,
+    every parameter of two or more dimensions), none on biases and LayerNorm parameters (GPT-2's
+    and nanoGPT's practice)."""
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def _along(spec, axis: int):
+    """A (Scaled, rounding) spec with its blocks along ``axis``; other specs unchanged."""
+    fmt, rounding = spec
+    if isinstance(fmt, Scaled) and fmt.block != "tensor":
+        fmt = replace(fmt, axis=axis)
+    return fmt, rounding
+
+
+def attention_functions(forward, error) -> dict[str, LayerQuantization]:
+    """The quantize_functions config of the two attention products: operands in ``forward``
+    ((format, rounding); scaled blocks along each operand's reduction axis: -1 for q and p, -2 for
+    k^T and v) and the errors into the products in ``error`` (blocks along -1)."""
+    first, second, errors = _along(forward, -1), _along(forward, -2), _along(error, -1)
+    product = LayerQuantization(input=first, weight=second, error=errors)
+    return {"attention.scores": product, "attention.context": product}
+
+
+def linear_layers(recipe: Recipe, *, forward_mac_only: bool = False) -> Callable[[nn.Module], dict]:
+    """The inject() config maker of a Recipe with placement "operands" for the GPT: its
+    Linear-operand quantisers on every Linear but the head (which stays float32, as do the
+    embeddings and LayerNorms). ``forward_mac_only``: the recipe's MAC sums the forward products
+    only, the backward products are torch's float32 (NATIVE)."""
+    if recipe.placement != "operands":
+        raise ValueError(f"linear_layers needs a recipe with placement 'operands', got {recipe}")
+
+    def layers(model: nn.Module) -> dict:
+        config = {HEAD: None, **replace(recipe, keep_edges=False).layers(model)}
+        if forward_mac_only and recipe.mac is not None:
+            config[WEIGHT_LAYERS] = replace(
+                config[WEIGHT_LAYERS], input_grad_mac=NATIVE, weight_grad_mac=NATIVE
+            )
+        return config
+
+    return layers
+
+
+def _bf16_layers(model: nn.Module) -> dict:
+    bf16 = (BFLOAT16, "nearest")
+    return {nn.Linear: LayerQuantization(input=bf16, output=bf16, error=bf16)}
+
+
+@dataclass(frozen=True)
+class GPTRecipe:
+    """A recipe (see the module docstring).
+
+    Attributes:
+        name: what --recipe calls it.
+        summary: one line for --list-recipes and the results table.
+        layers: makes the inject() config for a model (None: nothing injected).
+        functions: the quantize_functions config of the attention products (None: none).
+        weight_format: None (float32 weights, torch.optim.AdamW) or the format every parameter is
+            stored in by lpsim.optim.AdamW, with ``weight_rounding``.
+        weight_rounding: "nearest" or "stochastic", for weight_format.
+        cpu_only: its products run under lpsim.mac, which computes on the CPU only.
+    """
+
+    name: str
+    summary: str
+    layers: Callable[[nn.Module], dict] | None = None
+    functions: Mapping[str, LayerQuantization] | None = None
+    weight_format: Float | None = None
+    weight_rounding: str = "nearest"
+    cpu_only: bool = False
+
+    def build(
+        self,
+        model: nn.Module,
+        *,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        seed: int,
+    ) -> tuple[nn.Module, Optimizer, dict | None]:
+        """Quantise ``model`` (in place) and make its optimizer; returns (model, optimizer,
+        functions). ``seed`` keys lpsim.optim.AdamW's stochastic rounding (unused by the
+        others)."""
+        if self.layers is not None:
+            inject(model, self.layers(model))
+        groups = parameter_groups(model, weight_decay)
+        if self.weight_format is None:
+            optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas)
+        else:
+            optimizer = lpsim.optim.AdamW(
+                groups,
+                lr=lr,
+                betas=betas,
+                weight_format=self.weight_format,
+                rounding=self.weight_rounding,
+                seed=seed,
+            )
+        return model, optimizer, None if self.functions is None else dict(self.functions)
+
+
+def _operands_recipe(name: str, forward, error, mac=None) -> Recipe:
+    return Recipe(
+        name,
+        weight=forward,
+        activation=forward,
+        error=error,
+        placement="operands",
+        round_weights=False,
+        keep_edges=False,
+        mac=mac,
+    )
+
+
+_FP8_CURRENT = _operands_recipe("fp8-current", _E4M3_TENSOR, _E5M2_TENSOR)
+_FP8_DELAYED = _operands_recipe("fp8-delayed", _E4M3_DELAYED, _E5M2_DELAYED)
+_FP8_FUNCTIONS = attention_functions(_E4M3_TENSOR, _E5M2_TENSOR)
+_FP8_DELAYED_FUNCTIONS = attention_functions(_E4M3_DELAYED, _E5M2_DELAYED)
+
+
+def _scaled(recipe: Recipe, summary: str) -> GPTRecipe:
+    along = recipe.along(-1)
+    return GPTRecipe(
+        recipe.name,
+        summary,
+        layers=linear_layers(along),
+        functions=attention_functions(along.activation, along.error),
+    )
+
+
+def _hopper(name: str, mac_name: str, summary: str) -> GPTRecipe:
+    recipe = replace(_FP8_CURRENT, name=name, mac=lpsim.mac.preset(mac_name))
+    return GPTRecipe(
+        name,
+        summary,
+        layers=linear_layers(recipe, forward_mac_only=True),
+        functions=_FP8_FUNCTIONS,
+        cpu_only=True,
+    )
+
+
+RECIPES: dict[str, GPTRecipe] = {
+    r.name: r
+    for r in (
+        GPTRecipe("fp32", "float32 throughout; torch.optim.AdamW"),
+        GPTRecipe(
+            "bf16-nearest",
+            "bfloat16 weights (no float32 copy) updated by round to nearest; Linear inputs, "
+            "outputs and errors bfloat16",
+            layers=_bf16_layers,
+            weight_format=BFLOAT16,
+            weight_rounding="nearest",
+        ),
+        GPTRecipe(
+            "bf16-stochastic",
+            "bfloat16 weights (no float32 copy) updated by stochastic rounding; Linear inputs, "
+            "outputs and errors bfloat16",
+            layers=_bf16_layers,
+            weight_format=BFLOAT16,
+            weight_rounding="stochastic",
+        ),
+        GPTRecipe(
+            "fp8-current",
+            "E4M3 inputs and weights, E5M2 errors, per-tensor current scaling; head float32",
+            layers=linear_layers(_FP8_CURRENT),
+            functions=_FP8_FUNCTIONS,
+        ),
+        GPTRecipe(
+            "fp8-delayed",
+            "E4M3 inputs and weights, E5M2 errors, delayed scaling (amax history 16, max); "
+            "head float32",
+            layers=linear_layers(_FP8_DELAYED),
+            functions=_FP8_DELAYED_FUNCTIONS,
+        ),
+        _scaled(MXFP8, "MXFP8: E4M3 forward, E5M2 errors, E8M0 scale per 32; head float32"),
+        _scaled(
+            MXFP4,
+            "MXFP4: E2M1 per 32 (E8M0 scales), errors stochastic, no Hadamard; head float32",
+        ),
+        _scaled(
+            NVFP4,
+            "NVFP4: E2M1, E4M3 scale per 16 and a tensor scale, errors stochastic; head float32",
+        ),
+        _hopper(
+            "fp8-hopper",
+            "H100/e4m3",
+            "fp8-current, forward products on H100's FP8 tensor core (never promoted)",
+        ),
+        _hopper(
+            "fp8-hopper-promoted",
+            "DeepSeek-V3",
+            "fp8-current, forward products on H100's FP8 tensor core promoted to float32 every 128",
+        ),
+    )
+}
+
+
+def describe() -> str:
+    """One line per recipe: its name and summary."""
+    width = max(len(name) for name in RECIPES)
+    return "\n".join(f"{name.ljust(width)}  {r.summary}" for name, r in RECIPES.items())

@@ -1,0 +1,409 @@
+"""The character-level GPT experiment (experiments/gpt): the corpus and its batches, the model's
+products, what every recipe quantises, that every recipe learns, the trainer's bit-exact resume,
+its argument errors, the comparison of all recipes, and two gloo processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import lpsim  # noqa: E402
+from experiments.gpt import recipes, results, train  # noqa: E402
+from experiments.gpt.data import TRAIN_FRACTION, corpus_text, load_corpus  # noqa: E402
+from experiments.gpt.model import GPT, GPTConfig  # noqa: E402
+from lpsim import Float  # noqa: E402
+from lpsim.delayed_scaling import DelayedScaling  # noqa: E402
+from lpsim.nn import injected  # noqa: E402
+from lpsim.nn.functional import NATIVE  # noqa: E402
+from lpsim.scaled import Scaled, preset  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+TINY = [
+    "--steps",
+    "6",
+    "--batch-size",
+    "4",
+    "--context",
+    "16",
+    "--width",
+    "16",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--eval-every",
+    "3",
+    "--val-windows",
+    "4",
+    "--threads",
+    "1",
+    "--no-progress",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return load_corpus()
+
+
+def tiny_model(corpus, width=16, layers=1, heads=2, context=16) -> GPT:
+    return GPT(GPTConfig(corpus.vocab_size, context, layers, width, heads))
+
+
+# The corpus
+
+
+def test_corpus_is_the_help_topics_in_key_order_split_90_10(corpus):
+    from pydoc_data.topics import topics
+
+    assert corpus.text == "".join(topics[k] for k in sorted(topics)) == corpus_text()
+    assert list(corpus.vocabulary) == sorted(set(corpus.text))
+    assert corpus.decode(corpus.tokens[:500]) == corpus.text[:500]
+    assert corpus.split == int(TRAIN_FRACTION * len(corpus.text))
+    assert torch.equal(torch.cat([corpus.train, corpus.validation]), corpus.tokens)
+    assert corpus.fingerprint == load_corpus(corpus.text).fingerprint
+
+
+def test_training_batches_are_windows_drawn_from_seed_and_step(corpus):
+    inputs, targets = corpus.training_batch(7, 5, 32, seed=3)
+    again = corpus.training_batch(7, 5, 32, seed=3)
+    assert torch.equal(inputs, again[0]) and torch.equal(targets, again[1])
+    assert not torch.equal(inputs, corpus.training_batch(8, 5, 32, seed=3)[0])
+    assert not torch.equal(inputs, corpus.training_batch(7, 5, 32, seed=4)[0])
+    generator = torch.Generator().manual_seed((3 * 0x9E3779B1 + 7) % 2**32)
+    starts = torch.randint(0, corpus.split - 32, (5,), generator=generator)
+    for row, start in enumerate(starts.tolist()):
+        assert torch.equal(inputs[row], corpus.train[start : start + 32])
+        assert torch.equal(targets[row], corpus.train[start + 1 : start + 33])  # shifted by one
+    assert inputs.dtype == targets.dtype == torch.int64 and inputs.shape == (5, 32)
+
+
+def test_validation_windows_are_fixed_and_span_the_split(corpus):
+    inputs, targets = corpus.validation_windows(9, 20)
+    assert torch.equal(inputs, corpus.validation_windows(9, 20)[0])
+    assert torch.equal(inputs[0], corpus.validation[:20])
+    assert torch.equal(targets[-1], corpus.validation[-20:])  # the last start leaves the target
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_corpus_refuses_windows_it_cannot_hold(corpus):
+    with pytest.raises(ValueError, match="context must lie between 1 and"):
+        corpus.training_batch(0, 2, len(corpus.validation), seed=0)
+    with pytest.raises(ValueError, match="seed must lie in"):
+        corpus.training_batch(0, 2, 8, seed=-1)
+
+
+# The model
+
+
+def test_logits_depend_only_on_earlier_tokens(corpus):
+    torch.manual_seed(0)
+    model = tiny_model(corpus, context=12)
+    tokens = corpus.training_batch(0, 2, 12, seed=0)[0]
+    changed = tokens.clone()
+    changed[:, 7] = (changed[:, 7] + 1) % corpus.vocab_size
+    a, b = model(tokens), model(changed)
+    assert torch.equal(a[:, :7], b[:, :7]) and not torch.equal(a[:, 7:], b[:, 7:])
+
+
+class _Calls(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_every_product_is_a_linear_or_scaled_dot_product_attention(corpus):
+    layers = 2
+    model = tiny_model(corpus, layers=layers)
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 4 * layers + 1 and linears[-1] == recipes.HEAD
+    with _Calls() as mode:
+        model(corpus.training_batch(0, 2, 16, seed=0)[0])
+    products = {torch.matmul, torch.mm, torch.bmm, torch.einsum, torch.addmm, torch.baddbmm}
+    products |= {torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.bmm}
+    assert not products & set(mode.calls)
+    assert mode.calls.count(F.linear) == 4 * layers + 1
+    assert mode.calls.count(F.scaled_dot_product_attention) == layers
+
+
+def test_initialisation_is_gpt2s(corpus):
+    torch.manual_seed(0)
+    model = tiny_model(corpus, width=64, layers=2)
+    std = lambda t: float(t.detach().std())  # noqa: E731
+    assert abs(std(model.blocks[0].mlp.hidden.weight) - 0.02) < 0.002
+    assert abs(std(model.blocks[1].mlp.output.weight) - 0.01) < 0.001  # 0.02 / sqrt(2 * 2)
+    assert abs(std(model.token_embedding.weight) - 0.02) < 0.003
+    biases = [m.bias.detach() for m in model.modules() if isinstance(m, nn.Linear)]
+    assert all(not b.any() for b in biases)
+    with pytest.raises(ValueError, match="heads \\(3\\) must divide width \\(16\\)"):
+        GPTConfig(10, heads=3, width=16)
+
+
+# The recipes
+
+
+def layer_settings(model) -> dict:
+    return {name: done for name, _, done in injected(model)}
+
+
+def test_fp8_recipes_quantise_every_linear_but_the_head(corpus):
+    model, optimizer, functions = build("fp8-current", corpus)
+    done = layer_settings(model)
+    assert recipes.HEAD not in done and len(done) == 4
+    e4m3, e5m2 = preset("fp8_e4m3_tensor"), preset("fp8_e5m2_tensor")
+    for settings in done.values():
+        assert settings["input"].format == e4m3 and settings["error"].format == e5m2
+        assert [s.format for _, s in settings["weight"]] == [e4m3]
+        assert settings["output"] is None and not settings["bias"]
+    assert type(optimizer) is torch.optim.AdamW
+    assert functions["attention.scores"].input[0] == e4m3
+    assert functions["attention.context"].error[0] == e5m2
+    delayed, _, functions = build("fp8-delayed", corpus)
+    for settings in layer_settings(delayed).values():
+        scaling = settings["input"].format
+        assert isinstance(scaling, DelayedScaling) and scaling.history_length == 16
+        assert scaling.reduction == "max" and scaling.element == e4m3.element
+        assert settings["error"].format.element == e5m2.element
+    assert isinstance(functions["attention.scores"].weight[0], DelayedScaling)
+
+
+@pytest.mark.parametrize("name, block", [("mxfp8", 32), ("mxfp4", 32), ("nvfp4", 16)])
+def test_scaled_recipes_block_along_each_products_reduction(name, block, corpus):
+    model, optimizer, functions = build(name, corpus)
+    for settings in layer_settings(model).values():
+        for spec in (settings["input"], settings["error"], *(s for _, s in settings["weight"])):
+            assert isinstance(spec.format, Scaled) and spec.format.block == block
+            assert spec.format.axis == -1
+        assert str(settings["error"].rounding) != "nearest" or name == "mxfp8"
+    scores, context = functions["attention.scores"], functions["attention.context"]
+    for product in (scores, context):
+        assert product.input[0].axis == -1 and product.weight[0].axis == -2  # q, p; k^T, v
+        assert product.error[0].axis == -1 and product.input[0].block == block
+    assert type(optimizer) is torch.optim.AdamW
+
+
+def test_bf16_recipes_keep_every_weight_in_bfloat16_without_a_master_copy(corpus):
+    for name, rounding in (("bf16-nearest", "nearest"), ("bf16-stochastic", "stochastic")):
+        model, optimizer, functions = build(name, corpus)
+        assert isinstance(optimizer, lpsim.optim.AdamW) and functions is None
+        assert all(g["weight_format"] == Float(8, 7) for g in optimizer.param_groups)
+        assert all(g["rounding"] == rounding for g in optimizer.param_groups)
+        for p in model.parameters():
+            assert torch.equal(p, p.to(torch.bfloat16).float())
+        done = layer_settings(model)
+        assert len(done) == 5 and recipes.HEAD in done  # every Linear, the head too
+        for settings in done.values():
+            assert {settings[k].format for k in ("input", "output", "error")} == {Float(8, 7)}
+
+
+def test_hopper_recipes_sum_the_forward_products_on_the_tensor_core(corpus):
+    for name, mac in (("fp8-hopper", "H100/e4m3"), ("fp8-hopper-promoted", "DeepSeek-V3")):
+        recipe = recipes.RECIPES[name]
+        assert recipe.cpu_only
+        model, _, functions = build(name, corpus)
+        for settings in layer_settings(model).values():
+            assert settings["macs"] == (lpsim.mac.preset(mac), NATIVE, NATIVE)
+        assert functions == recipes.RECIPES["fp8-current"].functions
+
+
+def build(name, corpus, **shape):
+    torch.manual_seed(0)
+    return recipes.RECIPES[name].build(
+        tiny_model(corpus, **shape), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99), seed=0
+    )
+
+
+@pytest.mark.parametrize("name", list(recipes.RECIPES))
+def test_every_recipe_learns_a_repeated_batch(name, corpus):
+    model, optimizer, _ = build(name, corpus)
+    context, _ = train.functions_context(model, recipes.RECIPES[name])
+    inputs, targets = corpus.training_batch(0, 4, 16, seed=0)
+    losses = []
+    for _ in range(12):
+        with context():
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(math.isfinite(v) for v in losses), losses
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_learning_rate_warms_up_then_follows_a_cosine_to_a_tenth():
+    steps, warmup = 100, 5
+    factors = [train.lr_factor(s, steps, warmup) for s in range(steps)]
+    assert factors[:5] == [0.2, 0.4, 0.6, 0.8, 1.0]
+    assert factors[-1] == pytest.approx(train.FINAL_LR_FACTOR)
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:]))
+    assert factors[52] == pytest.approx(0.55)  # halfway through the cosine
+
+
+# The trainer
+
+
+def tensors_equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def without_times(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]
+
+
+@pytest.mark.parametrize("name", ["bf16-stochastic", "fp8-delayed", "mxfp4"])
+def test_resume_continues_bit_identically(name, tmp_path):
+    straight, pieces = tmp_path / "straight", tmp_path / "pieces"
+    train.main(["--recipe", name, *TINY, "--out-dir", str(straight)])
+    train.main(["--recipe", name, *TINY, "--out-dir", str(pieces), "--stop-after", "4"])
+    assert torch.load(pieces / train.CHECKPOINT, weights_only=True)["step"] == 4
+    train.main(["--recipe", name, "--out-dir", str(pieces), "--resume", "--no-progress"])
+    a = torch.load(straight / train.CHECKPOINT, weights_only=True)
+    b = torch.load(pieces / train.CHECKPOINT, weights_only=True)
+    for key in ("model", "optimizer", "scheduler", "rng", "functions", "step", "settings"):
+        assert tensors_equal(a[key], b[key]), key
+    assert a["step"] == 6 and [int(r["step"]) for r in a["history"]] == [0, 3, 6]
+    assert without_times(a["history"]) == without_times(b["history"])
+    log = results.read_log(pieces / train.LOG)
+    assert without_times(log) == without_times(results.read_log(straight / train.LOG))
+    assert (pieces / train.CURVES).is_file()
+
+
+def test_resume_refuses_other_settings_and_finished_runs_say_so(tmp_path, capsys):
+    train.main(["--recipe", "fp32", *TINY, "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="belongs to another run.*'seed': \\(0, 1\\)"):
+        train.main(["--recipe", "fp32", "--out-dir", str(tmp_path), "--resume", "--seed", "1"])
+    history = train.main(["--recipe", "fp32", "--out-dir", str(tmp_path), "--resume"])
+    assert "has finished its 6 steps" in capsys.readouterr().out and len(history) == 3
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--recipe", "fp4"], "unknown recipe 'fp4'; choose from fp32, bf16-nearest"),
+        ([], "--recipe is required"),
+        (["--recipe", "fp32", "--steps", "0"], "--steps: must be a positive integer"),
+        (["--recipe", "fp32", "--batch-size", "-2"], "--batch-size: must be a positive"),
+        (["--recipe", "fp32", "--lr", "inf"], "--lr: must be a positive number"),
+        (["--recipe", "fp32", "--seed", "-1"], "--seed: must be an integer from 0"),
+        (["--recipe", "fp32", "--width", "30", "--heads", "4"], "--heads 4 must divide --width 30"),
+        (["--recipe", "fp32", "--context", "10000000"], "--context: context must lie between"),
+        (["--recipe", "fp32", "--device", "tpu"], "--device"),
+        (["--recipe", "fp32", "--resume"], "--resume: no checkpoint at"),
+    ],
+)
+def test_bad_arguments_name_the_parameter(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.main([*argv, "--out-dir", str(tmp_path)])
+    assert message in capsys.readouterr().err
+
+
+def test_batches_must_split_over_the_processes(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        train.main(["--recipe", "fp32", "--batch-size", "5", "--out-dir", str(tmp_path)])
+    assert "--batch-size 5 is not divisible by the 2 processes" in capsys.readouterr().err
+
+
+def test_an_existing_checkpoint_is_not_overwritten(tmp_path, capsys):
+    (tmp_path / train.CHECKPOINT).write_bytes(b"")
+    with pytest.raises(SystemExit):
+        train.main(["--recipe", "fp32", "--out-dir", str(tmp_path)])
+    assert "exists: pass --resume" in capsys.readouterr().err
+
+
+def test_tensor_core_recipes_need_the_cpu(tmp_path, capsys):
+    if not torch.cuda.is_available():
+        pytest.skip("the refusal needs a GPU to refuse")
+    with pytest.raises(SystemExit):
+        train.main(["--recipe", "fp8-hopper", "--device", "cuda", "--out-dir", str(tmp_path)])
+    assert "runs on the CPU only: use --device cpu" in capsys.readouterr().err
+
+
+def test_all_recipes_give_the_table_and_the_plot(tmp_path, capsys):
+    runs = train.main(["--recipe", "all", *TINY, "--out-dir", str(tmp_path)])
+    assert list(runs) == list(recipes.RECIPES) and all(runs.values())
+    table = (tmp_path / train.TABLE).read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows] == list(recipes.RECIPES)
+    fp32 = rows[0].split("|")
+    assert fp32[4].strip() == "+0.0000" and fp32[6].strip() == "1.0x"
+    assert "--recipe all --steps 6 --batch-size 4 --context 16" in table
+    assert (tmp_path / train.PLOT).stat().st_size > 0
+    for name in recipes.RECIPES:
+        assert (tmp_path / name / train.CHECKPOINT).is_file()
+    with pytest.raises(SystemExit):  # the runs exist: --resume or another directory
+        train.main(["--recipe", "all", *TINY, "--out-dir", str(tmp_path)])
+    assert "checkpoints exist" in capsys.readouterr().err
+    again = train.main(["--recipe", "all", "--resume", "--out-dir", str(tmp_path)])
+    assert without_times(again["fp32"]) == without_times(runs["fp32"])
+
+
+def test_recipe_listing_names_every_recipe(capsys):
+    train.main(["--list-recipes"])
+    listing = capsys.readouterr().out
+    assert [line.split()[0] for line in listing.splitlines()] == list(recipes.RECIPES)
+
+
+def test_two_gloo_processes_keep_identical_weights(tmp_path):
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "experiments.gpt.train",
+        "--recipe",
+        "bf16-stochastic",
+        *TINY,
+        "--device",
+        "cpu",
+        "--out-dir",
+        str(tmp_path),
+    ]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "(2 processes on cpu" in done.stdout
+    state = torch.load(tmp_path / train.CHECKPOINT, weights_only=True)
+    assert state["settings"]["world_size"] == 2
+    digests = state["rank_digests"]
+    assert len(digests) == 2 and digests[0] == digests[1]
+    assert [int(r["step"]) for r in state["history"]] == [0, 3, 6]
+
+
+def test_settings_round_trip_through_the_checkpoint():
+    settings = train.Settings(recipe="fp32", world_size=1, corpus="x", **train.DEFAULTS)
+    assert train.Settings(**dataclasses.asdict(settings)) == settings
+    assert settings.warmup == 250 and train.command_line(settings) == "--recipe all"
