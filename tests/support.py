@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import pathlib
+import shutil
+import subprocess
 
 import torch
 
@@ -75,3 +78,31 @@ def neighbourhood(
     points = torch.cat([v, mids, tail, -tail]).to(dtype)
     around = torch.cat([points, next_up(points), next_down(points)])
     return torch.cat([around, specials(dtype)])
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CXX = shutil.which("c++") or shutil.which("g++")  # None: the C++ checks are skipped
+
+
+def build_cpp_check(name: str, directory: pathlib.Path, flags: tuple[str, ...] = ()) -> str:
+    """Compile tests/cpp/NAME.cpp against lpsim's headers (csrc/include and csrc) with warnings as
+    errors, into ``directory``; returns the binary's path. ``flags``: the standard, optimisation
+    and other flags of that check."""
+    binary = directory / name
+    subprocess.run(
+        [
+            CXX,
+            *flags,
+            "-Wall",
+            "-Werror",
+            f"-I{ROOT / 'csrc' / 'include'}",
+            f"-I{ROOT / 'csrc'}",
+            str(ROOT / "tests" / "cpp" / f"{name}.cpp"),
+            "-o",
+            str(binary),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return str(binary)

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pathlib
 import re
-import shutil
 import subprocess
 import warnings
 
@@ -20,6 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import CXX, build_cpp_check
 
 import lpsim
 from lpsim import Fixed, Float, reference
@@ -45,8 +44,6 @@ TORCHAO_MODES = {
     "rceil": ScaleCalculationMode.RCEIL,
 }
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-CXX = shutil.which("c++") or shutil.which("g++")
 
 
 def heavy_tailed(rows: int, cols: int, seed: int, spread: float = 4.0) -> torch.Tensor:
@@ -489,27 +486,11 @@ def test_vectorised_paths_give_scaled_elements_bits_for_every_value_and_rule(tmp
     # and against the float64 element grid (Float scales), element by element with the same random
     # word, in C++: every bfloat16 and float16 value, random and edge float32 and float64 values,
     # every rule and rbits 1, 3, 8 and 32.
-    binary = tmp_path / "scaled_paths_check"
-    subprocess.run(
-        [
-            CXX,
-            "-std=c++20",
-            "-O2",
-            "-ffp-contract=off",
-            "-Wall",
-            "-Werror",
-            f"-I{ROOT / 'csrc' / 'include'}",
-            f"-I{ROOT / 'csrc'}",
-            str(ROOT / "tests" / "cpp" / "scaled_paths_check.cpp"),
-            "-o",
-            str(binary),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
+    binary = build_cpp_check(
+        "scaled_paths_check", tmp_path, ("-std=c++20", "-O2", "-ffp-contract=off")
     )
     arguments = [_check_arguments(fmt) for fmt in PATH_FORMATS.values()]
-    run = subprocess.run([str(binary), *arguments], capture_output=True, text=True, timeout=600)
+    run = subprocess.run([binary, *arguments], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout
     assert run.stdout.strip().endswith("\n0 failures"), run.stdout
     # Every path compared something.

@@ -22,6 +22,15 @@ LPSIM_INLINE void round_span(const typename C::storage* x, typename C::storage* 
   // A local copy: y may alias the grid's words as far as the compiler knows, which would force a
   // reload of every field in every iteration and block vectorisation.
   const Grid<C> g = grid;
+  // Round to nearest and stochastic rounding take the core's shortcuts where they apply (round.h).
+  if constexpr (R == Rounding::nearest) {
+    if (shortcut_applies(g)) {
+      const typename C::word half_min = pow2_bits<C>(g.qmin - 1);
+      for (int64_t k = 0; k < n; ++k)
+        y[k] = static_cast<S>(round_nearest_shortcut<C>(x[k], g, half_min));
+      return;
+    }
+  }
   if constexpr (!is_stochastic(R)) {
     for (int64_t k = 0; k < n; ++k) y[k] = static_cast<S>(round_to_grid<R, C>(x[k], g, 0, 0));
   } else {
@@ -30,6 +39,14 @@ LPSIM_INLINE void round_span(const typename C::storage* x, typename C::storage* 
       const int64_t skip = first - group * kGroupSize;  // words[k + skip] is element k's word
       const int64_t stop = std::min(n, kGroupSize - skip);
       const uint32_t* words = cache.group(group);
+      if constexpr (R == Rounding::stochastic) {
+        if (shortcut_applies(g)) {
+          for (; k < stop; ++k) {
+            y[k] = static_cast<S>(round_stochastic_shortcut<C>(x[k], g, words[k + skip], mask));
+          }
+          continue;
+        }
+      }
       for (; k < stop; ++k) {
         y[k] = static_cast<S>(round_to_grid<R, C>(x[k], g, words[k + skip], mask));
       }
