@@ -75,7 +75,7 @@ through inject).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -392,7 +392,7 @@ class FunctionQuantization(TorchFunctionMode):
         bound = dict(zip(("input", "weight", "bias"), args), **kwargs)
         return self._product(decision, bound["input"], bound["weight"], bound.get("bias"), True)
 
-    def softmax(self, op: str, func, args, kwargs):
+    def softmax(self, op: str, func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
         """func(*args, **kwargs), a softmax, with its input and result as the config prescribes
         for ``op`` ("softmax" or "attention.softmax")."""
         decision = self.decide(op)
