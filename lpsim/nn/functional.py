@@ -15,6 +15,10 @@ the products below, the three MACs and ``out_proj_macs`` for ``multi_head_attent
 - ``grad_format``: likewise, the gradient arriving at the result, quantised before both backward
   products (the layer's error).
 
+``linear``, ``matmul`` and ``bmm`` also take ``input_grad_operands`` and ``weight_grad_operands``
+(an ``Operands``, or None): the formats, and a transform, of the two operands of each backward
+product, quantised afresh from the unquantised tensors as hardware quantises them (see Operands).
+
     >>> import torch, lpsim
     >>> from lpsim import MAC, Float
     >>> x = torch.ones(2, 4096)
@@ -62,6 +66,7 @@ one) product by product: torch's result to rounding.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -69,15 +74,141 @@ import torch.nn.functional as F
 
 from lpsim import mac as _mac
 from lpsim._checks import draw_seed
+from lpsim.delayed_scaling import DelayedScaling
 from lpsim.mac import MAC
 from lpsim.nn import _hooks
 from lpsim.nn.quantizer import QuantSpec, Spec, as_spec, quantizing_function
 from lpsim.rounding import Rounding
+from lpsim.transforms import RandomHadamard
 from lpsim.update import sr_add
 
-__all__ = ["linear", "matmul", "bmm", "conv1d", "conv2d", "multi_head_attention_forward", "NATIVE"]
+__all__ = [
+    "linear",
+    "matmul",
+    "bmm",
+    "conv1d",
+    "conv2d",
+    "multi_head_attention_forward",
+    "Operands",
+    "NATIVE",
+]
 
 NATIVE = MAC()  # torch's own float32 product: the default of every MAC keyword
+
+
+@dataclass(frozen=True)
+class Operands:
+    """The two operands of one backward product, each quantised afresh from the unquantised tensor
+    it comes from, optionally after a transform along the product's reduction axis.
+
+    Without it a backward product takes the operands of the forward product as they were quantised
+    for it (``input_format``, ``weight_format``, blocks along the forward's reduction axis) and the
+    error as it arrives (after ``grad_format``). Hardware quantises each operand of each product
+    along that product's own reduction axis, from the higher-precision tensor: Transformer Engine
+    keeps a second copy of the input and of the weight, quantised along the other axis, for the
+    backward products; Tseng et al., "Training LLMs with MXFP4" (2025), and NVIDIA's NVFP4 recipe
+    ("Pretraining Large Language Models with NVFP4", 2025) also apply a 16-point random Hadamard
+    transform to both operands of the weight-gradient product before quantising them.
+
+    Each operand is quantised as the matrix whose last axis is the product's reduction axis, so a
+    scaled format with blocks along axis -1 (``Recipe.along(-1)``) scales blocks along the
+    reduction whatever the layout of the tensor it comes from. With E the error (the gradient of
+    the result, M x N), A the first operand (``input``, M x K) and B the second (the weight's
+    role; for ``linear`` B is the weight transposed, in_features x out_features):
+
+    - the input-gradient product dA = E B^T (``input_grad_operands``) sums over N: ``error``
+      quantises E (M x N), ``weight`` quantises B (K x N; for ``linear`` the weight, out_features
+      x in_features, read along out_features).
+    - the weight-gradient product dB = A^T E (``weight_grad_operands``) sums over M (for
+      ``linear``, every token): ``input`` quantises A^T (K x M), ``error`` quantises E^T (N x M).
+
+    Args:
+        error: the format of the error as this product's operand: None, a format, or a (format,
+            rounding) pair (a bare format is rounded by the function's ``rounding``, or by
+            LayerQuantization.rounding). Not with ``grad_format`` (LayerQuantization.error), which
+            quantises the error once for both products.
+        input: the weight-gradient product's other operand, quantised from the input before
+            ``input_format``. Only in ``weight_grad_operands``.
+        weight: the input-gradient product's other operand, quantised from the weight before
+            ``weight_format``. Only in ``input_grad_operands``.
+        transform: None, or a RandomHadamard with axis -1 applied to both operands along the
+            reduction axis before they are quantised (the product is unchanged up to rounding:
+            R is orthogonal). The reduction length must be a multiple of its size. An operand
+            left None is still transformed.
+
+    Formats are stateless: a DelayedScaling keeps one history per tensor and is refused.
+
+    Raises:
+        TypeError: a format is malformed or a DelayedScaling, or transform is not a RandomHadamard.
+        ValueError: transform.axis is not -1.
+    """
+
+    error: Spec = None
+    input: Spec = None
+    weight: Spec = None
+    transform: RandomHadamard | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("error", "input", "weight"):
+            spec = as_spec(getattr(self, name), "nearest", f"Operands.{name}")
+            if spec is not None and isinstance(spec.format, DelayedScaling):
+                raise TypeError(
+                    f"Operands.{name}: a DelayedScaling keeps state per tensor; the operands of "
+                    "a backward product take stateless formats (Scaled with current scaling)"
+                )
+        if self.transform is not None:
+            if not isinstance(self.transform, RandomHadamard):
+                raise TypeError(
+                    "Operands.transform must be a lpsim.RandomHadamard or None, got "
+                    f"{type(self.transform).__name__}"
+                )
+            if self.transform.axis != -1:
+                raise ValueError(
+                    "Operands.transform runs along the product's reduction axis, the operands' "
+                    f"last: its axis must be -1, got {self.transform.axis}"
+                )
+
+    def specs(self, product: str, rounding: Rounding | str) -> OperandSpecs:
+        """The resolved specs for ``product`` ("input_grad" or "weight_grad"), bare formats
+        rounded by ``rounding``.
+
+        Raises:
+            ValueError: the field of the operand the product does not take is set.
+        """
+        other, absent = ("weight", "input") if product == "input_grad" else ("input", "weight")
+        if getattr(self, absent) is not None:
+            raise ValueError(
+                f"{product}_operands.{absent}: the {product.replace('_', '-')}ient product's "
+                f"operands are the error and the {other}"
+            )
+        return OperandSpecs(
+            as_spec(self.error, rounding, f"{product}_operands.error"),
+            as_spec(getattr(self, other), rounding, f"{product}_operands.{other}"),
+            self.transform,
+        )
+
+
+class OperandSpecs(NamedTuple):
+    """Operands resolved for one product: the error's spec, the other operand's (the weight's for
+    the input gradient, the input's for the weight gradient), and the transform."""
+
+    error: QuantSpec | None
+    other: QuantSpec | None
+    transform: RandomHadamard | None
+
+    def for_eval(self, eval_rounding: Rounding | None) -> OperandSpecs:
+        """The specs with stochastic rules replaced by ``eval_rounding`` (QuantSpec.for_eval)."""
+        return OperandSpecs(
+            None if self.error is None else self.error.for_eval(eval_rounding),
+            None if self.other is None else self.other.for_eval(eval_rounding),
+            self.transform,
+        )
+
+    def operand(self, x: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
+        """x (reduction axis last) transformed, then quantised by ``spec``."""
+        if self.transform is not None:
+            x = self.transform.apply(x)
+        return x if spec is None else spec(x)
 
 
 class Arithmetic(NamedTuple):
@@ -90,6 +221,8 @@ class Arithmetic(NamedTuple):
     input_spec: QuantSpec | None
     weight_spec: QuantSpec | None
     grad_spec: QuantSpec | None
+    input_grad_operands: OperandSpecs | None = None
+    weight_grad_operands: OperandSpecs | None = None
 
     @property
     def native(self) -> bool:
@@ -101,6 +234,8 @@ class Arithmetic(NamedTuple):
             and self.input_spec is None
             and self.weight_spec is None
             and self.grad_spec is None
+            and self.input_grad_operands is None
+            and self.weight_grad_operands is None
         )
 
 
@@ -112,11 +247,17 @@ def arithmetic(
     weight_format: Spec,
     grad_format: Spec,
     rounding: Rounding | str,
+    *,
+    input_grad_operands: Operands | None = None,
+    weight_grad_operands: Operands | None = None,
 ) -> Arithmetic:
     """The validated Arithmetic of the functions' keywords.
 
     Raises:
-        TypeError: a MAC argument is not a MAC, or a format argument is malformed.
+        TypeError: a MAC argument is not a MAC, an operands argument not an Operands, or a format
+            argument is malformed.
+        ValueError: grad_format and an Operands.error are both given, or an Operands sets the
+            field of an operand its product does not take.
     """
     for name, value in (
         ("mac", mac),
@@ -125,6 +266,20 @@ def arithmetic(
     ):
         if not isinstance(value, MAC) and not (value is None and name != "mac"):
             raise TypeError(f"{name} must be a lpsim.MAC, got {type(value).__name__}")
+    operands = {}
+    products = (("input_grad", input_grad_operands), ("weight_grad", weight_grad_operands))
+    for product, value in products:
+        if value is not None and not isinstance(value, Operands):
+            raise TypeError(
+                f"{product}_operands must be a lpsim.nn.functional.Operands or None, got "
+                f"{type(value).__name__}"
+            )
+        operands[product] = None if value is None else value.specs(product, rounding)
+        if grad_format is not None and value is not None and value.error is not None:
+            raise ValueError(
+                f"grad_format and {product}_operands.error both quantise the error: give "
+                "grad_format (once, for both backward products) or each product's error format"
+            )
     return Arithmetic(
         mac,
         mac if input_grad_mac is None else input_grad_mac,
@@ -132,6 +287,8 @@ def arithmetic(
         as_spec(input_format, rounding, "input_format"),
         as_spec(weight_format, rounding, "weight_format"),
         as_spec(grad_format, rounding, "grad_format"),
+        operands["input_grad"],
+        operands["weight_grad"],
     )
 
 
@@ -165,24 +322,44 @@ def _batched(a: torch.Tensor, b: torch.Tensor, mac: MAC) -> torch.Tensor:
 
 class _BatchedProduct(torch.autograd.Function):
     """c[i] = a[i] @ b[i] under the forward MAC; dA[i] = g[i] b[i]^T under input_grad and
-    dB[i] = a[i]^T g[i] under weight_grad."""
+    dB[i] = a[i]^T g[i] under weight_grad, their operands formed by the Arithmetic's Operands
+    where it has them (from ``raw_a`` and ``raw_b``, the tensors a and b were quantised from)."""
 
     @staticmethod
-    def forward(ctx, a, b, how: Arithmetic):
-        ctx.save_for_backward(a, b)
+    def forward(ctx, a, b, raw_a, raw_b, how: Arithmetic):
+        wgrad, dgrad = how.weight_grad_operands, how.input_grad_operands
+        ctx.save_for_backward(
+            a,
+            b,
+            raw_a if wgrad is not None and wgrad.other is not None else None,
+            raw_b if dgrad is not None and dgrad.other is not None else None,
+        )
         ctx.how = how
         return _batched(a, b, how.forward)
 
     @staticmethod
     def backward(ctx, grad):
-        a, b = ctx.saved_tensors
+        a, b, raw_a, raw_b = ctx.saved_tensors
         how = ctx.how
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_a = _batched(grad, b.transpose(1, 2), how.input_grad)
+            ops = how.input_grad_operands
+            if ops is None:
+                grad_a = _batched(grad, b.transpose(1, 2), how.input_grad)
+            else:  # the operands with the reduction axis (N) last: E (M x N), B (K x N)
+                error = ops.operand(grad, ops.error)
+                weight = ops.operand(b if ops.other is None else raw_b, ops.other)
+                grad_a = _batched(error, weight.transpose(1, 2), how.input_grad)
         if ctx.needs_input_grad[1]:
-            grad_b = _batched(a.transpose(1, 2), grad, how.weight_grad)
-        return grad_a, grad_b, None
+            ops = how.weight_grad_operands
+            if ops is None:
+                grad_b = _batched(a.transpose(1, 2), grad, how.weight_grad)
+            else:  # the operands with the reduction axis (M) last: A^T (K x M), E^T (N x M)
+                source = a if ops.other is None else raw_a
+                inputs = ops.operand(source.transpose(1, 2), ops.other)
+                error = ops.operand(grad.transpose(1, 2), ops.error)
+                grad_b = _batched(inputs, error.transpose(1, 2), how.weight_grad)
+        return grad_a, grad_b, None, None, None
 
 
 def _quantised_operands(a, b, how: Arithmetic):
@@ -243,41 +420,80 @@ def matmul(
     weight_format: Spec = None,
     grad_format: Spec = None,
     rounding: Rounding | str = "nearest",
+    input_grad_operands: Operands | None = None,
+    weight_grad_operands: Operands | None = None,
 ) -> torch.Tensor:
     """torch.matmul(input, other) under the MACs (the module docstring states the terms and their
-    order; ``other`` takes the weight's role: weight_format, weight_grad_mac).
+    order; ``other`` takes the weight's role: weight_format, weight_grad_mac,
+    input_grad_operands.weight).
 
     Raises:
-        TypeError: a MAC or format argument is malformed, or an operand dtype is unsupported by
-            a non-native MAC (float64: its products would not be exact).
-        ValueError: the shapes do not match, or a non-native MAC gets a non-CPU operand.
+        TypeError: a MAC, format or operands argument is malformed, or an operand dtype is
+            unsupported by a non-native MAC (float64: its products would not be exact).
+        ValueError: the shapes do not match, a non-native MAC gets a non-CPU operand, or the
+            operands arguments conflict (see arithmetic).
     """
     how = arithmetic(
-        mac, input_grad_mac, weight_grad_mac, input_format, weight_format, grad_format, rounding
+        mac,
+        input_grad_mac,
+        weight_grad_mac,
+        input_format,
+        weight_format,
+        grad_format,
+        rounding,
+        input_grad_operands=input_grad_operands,
+        weight_grad_operands=weight_grad_operands,
     )
     if how.native:
         return torch.matmul(input, other)
     a, b = _quantised_operands(input, other, how)
+    return simulated_matmul(a, b, how, (input, other))
+
+
+def simulated_matmul(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    how: Arithmetic,
+    unquantised: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """torch.matmul(a, b) under ``how``, whose input and weight formats the caller has already
+    applied (matmul applies them; inject and quantize_functions apply their own quantisers):
+    ``unquantised`` are the tensors a and b were quantised from, which the backward products'
+    Operands quantise afresh. The error is quantised by how.grad_spec.
+
+    Raises:
+        ValueError: the shapes do not match; otherwise as matmul.
+    """
     if a.dim() == 0 or b.dim() == 0:
         raise ValueError("matmul: both operands need at least one dimension")
+    raw_a, raw_b = unquantised
     vector_a, vector_b = a.dim() == 1, b.dim() == 1
     if vector_a:
-        a = a.unsqueeze(0)
+        a, raw_a = a.unsqueeze(0), raw_a.unsqueeze(0)
     if vector_b:
-        b = b.unsqueeze(1)
+        b, raw_b = b.unsqueeze(1), raw_b.unsqueeze(1)
     if a.shape[-1] != b.shape[-2]:
         raise ValueError(
             f"matmul: input (..., M, K) and other (..., K, N) disagree on K: "
-            f"{tuple(input.shape)} and {tuple(other.shape)}"
+            f"{tuple(a.shape)} and {tuple(b.shape)}"
         )
     if b.dim() == 2:  # fold the input's leading dimensions into the rows, as torch does
-        c = _BatchedProduct.apply(a.reshape(1, -1, a.shape[-1]), b.unsqueeze(0), how)
+        c = _BatchedProduct.apply(
+            a.reshape(1, -1, a.shape[-1]),
+            b.unsqueeze(0),
+            raw_a.reshape(1, -1, a.shape[-1]),
+            raw_b.unsqueeze(0),
+            how,
+        )
         c = c.reshape(*a.shape[:-1], b.shape[-1])
     else:
         batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-        a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])
-        b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])
-        c = _BatchedProduct.apply(a3, b3, how).reshape(*batch, a.shape[-2], b.shape[-1])
+
+        def batched(t: torch.Tensor) -> torch.Tensor:
+            return t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:])
+
+        c = _BatchedProduct.apply(batched(a), batched(b), batched(raw_a), batched(raw_b), how)
+        c = c.reshape(*batch, a.shape[-2], b.shape[-1])
     if vector_a:
         c = c.squeeze(-2)
     if vector_b:
@@ -296,6 +512,8 @@ def bmm(
     weight_format: Spec = None,
     grad_format: Spec = None,
     rounding: Rounding | str = "nearest",
+    input_grad_operands: Operands | None = None,
+    weight_grad_operands: Operands | None = None,
 ) -> torch.Tensor:
     """torch.bmm(input, mat2) under the MACs: input (B, M, K), mat2 (B, K, N).
 
@@ -317,6 +535,8 @@ def bmm(
         weight_format=weight_format,
         grad_format=grad_format,
         rounding=rounding,
+        input_grad_operands=input_grad_operands,
+        weight_grad_operands=weight_grad_operands,
     )
 
 
@@ -332,6 +552,8 @@ def linear(
     weight_format: Spec = None,
     grad_format: Spec = None,
     rounding: Rounding | str = "nearest",
+    input_grad_operands: Operands | None = None,
+    weight_grad_operands: Operands | None = None,
 ) -> torch.Tensor:
     """torch.nn.functional.linear(input, weight, bias) under the MACs: input (..., in_features),
     weight (out_features, in_features), bias (out_features) added as the module docstring states.
@@ -340,20 +562,50 @@ def linear(
         ValueError: the shapes do not match; otherwise as matmul.
     """
     how = arithmetic(
-        mac, input_grad_mac, weight_grad_mac, input_format, weight_format, grad_format, rounding
+        mac,
+        input_grad_mac,
+        weight_grad_mac,
+        input_format,
+        weight_format,
+        grad_format,
+        rounding,
+        input_grad_operands=input_grad_operands,
+        weight_grad_operands=weight_grad_operands,
     )
     if how.native:
         return F.linear(input, weight, bias)
-    if weight.dim() != 2 or input.dim() < 1 or input.shape[-1] != weight.shape[1]:
+    x, w = _quantised_operands(input, weight, how)
+    return simulated_linear(x, w, bias, how, (input, weight))
+
+
+def simulated_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    how: Arithmetic,
+    unquantised: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """linear(x, w, bias) under ``how``, x and w already quantised by the caller (as for
+    simulated_matmul; ``unquantised`` is (input, weight) before quantisation).
+
+    Raises:
+        ValueError: the shapes do not match; otherwise as matmul.
+    """
+    if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
         raise ValueError(
             f"linear takes input (..., in_features) and weight (out_features, in_features), got "
-            f"{tuple(input.shape)} and {tuple(weight.shape)}"
+            f"{tuple(x.shape)} and {tuple(w.shape)}"
         )
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    x, w = _quantised_operands(input, weight, how)
-    rows = x.reshape(1, -1, x.shape[-1])
-    y = _BatchedProduct.apply(rows, w.t().unsqueeze(0), how)[0]
+    if bias is not None and bias.shape != (w.shape[0],):
+        raise ValueError(f"bias must have shape ({w.shape[0]},), got {tuple(bias.shape)}")
+    raw_x, raw_w = unquantised
+    y = _BatchedProduct.apply(
+        x.reshape(1, -1, x.shape[-1]),
+        w.t().unsqueeze(0),
+        raw_x.reshape(1, -1, x.shape[-1]),
+        raw_w.t().unsqueeze(0),
+        how,
+    )[0]
     y = _add_bias(y, bias, 1, how).reshape(*x.shape[:-1], w.shape[0])
     return _with_grad_format(y, how)
 

@@ -30,7 +30,9 @@ The ops and what LayerQuantization's fields mean for them:
   the product, straight-through gradient), ``output`` the result's, ``error`` the gradient
   arriving at the result; ``mac``, ``input_grad_mac`` and ``weight_grad_mac`` the forward product
   and the gradients of the first and second operands, as lpsim.nn.functional.matmul computes them
-  (its docstring states the terms and their order).
+  (its docstring states the terms and their order); ``input_grad_operands`` and
+  ``weight_grad_operands`` the operands of those two backward products (an
+  lpsim.nn.functional.Operands: quantised afresh from the unquantised operands and error).
 - ``"linear"``: ``torch.nn.functional.linear`` (nn.Linear's forward): the fields of ``"matmul"``
   plus ``bias``; the bias is added as lpsim.nn.functional.linear adds it.
 - ``"softmax"``: ``torch.softmax``, ``torch.nn.functional.softmax``, ``Tensor.softmax``:
@@ -87,6 +89,7 @@ from lpsim.delayed_scaling import DelayedScaling
 from lpsim.mac import MAC
 from lpsim.nn import _hooks
 from lpsim.nn import functional as _functional
+from lpsim.nn.functional import OperandSpecs
 from lpsim.nn.inject import LayerQuantization, simulates_products
 from lpsim.nn.quantizer import QuantSpec, ScalerCall, parse_eval_rounding, quantizing_function
 from lpsim.nn.selectors import check_selector, matches
@@ -101,6 +104,8 @@ _PRODUCT_FIELDS = (
     "mac",
     "input_grad_mac",
     "weight_grad_mac",
+    "input_grad_operands",
+    "weight_grad_operands",
 )
 _SOFTMAX_FIELDS = ("input", "output", "error")
 # Each op and the LayerQuantization fields it takes.
@@ -120,6 +125,7 @@ _FALLBACK = {
 _ATTENTION = ("attention.scores", "attention.softmax", "attention.context")
 _SETTINGS_FIELDS = ("weight", "bias", "input", "output", "error")
 _MAC_FIELDS = ("mac", "input_grad_mac", "weight_grad_mac")
+_OPERANDS_FIELDS = ("input_grad_operands", "weight_grad_operands")
 
 _MATMUL_FUNCTIONS = (
     torch.matmul,
@@ -134,11 +140,13 @@ _SOFTMAX_FUNCTIONS = (torch.softmax, F.softmax, torch.Tensor.softmax)
 
 
 class _Arithmetic(NamedTuple):
-    """What one entry does in one mode (training or eval): field -> QuantSpec, and the three
-    MACs (None: torch's products)."""
+    """What one entry does in one mode (training or eval): field -> QuantSpec, the three MACs
+    (None: torch's products) and the backward products' (input grad, weight grad) operands (None:
+    the forward's operands)."""
 
     specs: dict[str, QuantSpec]
     macs: tuple[MAC, MAC, MAC] | None
+    operands: tuple[OperandSpecs | None, OperandSpecs | None] | None = None
 
 
 class _Entry(NamedTuple):
@@ -193,7 +201,7 @@ def _entry(key, settings) -> _Entry:
             f"quantize_functions: the value of {key!r} must be a LayerQuantization, got "
             f"{type(settings).__name__}"
         )
-    for name in (*_SETTINGS_FIELDS, *_MAC_FIELDS):
+    for name in (*_SETTINGS_FIELDS, *_MAC_FIELDS, *_OPERANDS_FIELDS):
         if getattr(settings, name) is not None and name not in OPS[op]:
             raise ValueError(
                 f"quantize_functions: {op!r} takes the fields {', '.join(OPS[op])}; the entry "
@@ -205,7 +213,12 @@ def _entry(key, settings) -> _Entry:
     macs = settings.macs()
     eval_specs = {name: spec.for_eval(eval_rule) for name, spec in specs.items()}
     eval_macs = None if macs is None else tuple(m.for_eval(eval_rule) for m in macs)
-    return _Entry(op, selector, _Arithmetic(specs, macs), _Arithmetic(eval_specs, eval_macs))
+    return _Entry(
+        op,
+        selector,
+        _Arithmetic(specs, macs, settings.operands()),
+        _Arithmetic(eval_specs, eval_macs, settings.operands(for_eval=True)),
+    )
 
 
 class FunctionQuantization(TorchFunctionMode):
@@ -364,9 +377,19 @@ class FunctionQuantization(TorchFunctionMode):
     def _product(self, decision: _Decision, a, b, bias=None, linear: bool = False):
         """a @ b (or linear(a, b, bias)) with the operands, the result and the products as the
         call's decision prescribes."""
+        unquantised = (a, b)
         a, b = self._quantise(decision, "input", a), self._quantise(decision, "weight", b)
         bias = self._quantise(decision, "bias", bias)
-        macs = decision.how.macs
+        macs, operands = decision.how.macs, decision.how.operands
+        if operands is not None:  # the backward products quantise the unquantised operands
+            how = _functional.Arithmetic(
+                *(macs or (_functional.NATIVE,) * 3), None, None, None, *operands
+            )
+            if linear:
+                y = _functional.simulated_linear(a, b, bias, how, unquantised)
+            else:
+                y = _functional.simulated_matmul(a, b, how, unquantised)
+            return self._result(y, decision)
         keywords = {} if macs is None else dict(zip(_MAC_FIELDS, macs))
         if linear:
             y = _functional.linear(a, b, bias, **keywords)

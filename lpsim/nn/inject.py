@@ -42,6 +42,7 @@ from lpsim.delayed_scaling import DelayedScaler
 from lpsim.mac import MAC
 from lpsim.nn import functional as _functional
 from lpsim.nn._hooks import guard_hooks_under_compile, map_tensors
+from lpsim.nn.functional import OperandSpecs
 from lpsim.nn.quantizer import (
     QuantSpec,
     Spec,
@@ -102,6 +103,11 @@ class LayerQuantization:
             does not simulate (Conv3d, transposed convolutions, Bilinear, recurrent layers).
         input_grad_mac, weight_grad_mac: the arithmetic of the backward products (the input's and
             the weight's gradients, the bias gradient with the weight's); None: ``mac``'s.
+        input_grad_operands, weight_grad_operands: lpsim.nn.functional.Operands (None: none): the
+            formats, and a transform, of the two operands of each backward product of a Linear,
+            quantised afresh from the unquantised input, weight and error along that product's
+            reduction axis (bare formats use ``rounding``; eval mode applies eval_rounding).
+            Linear layers only; an Operands.error excludes ``error`` (both quantise the error).
 
     While a lpsim.diagnostics.recorder.Recorder observes the model, every rounding is recorded
     under the module's qualified name and the field's name as its category.
@@ -117,6 +123,8 @@ class LayerQuantization:
     mac: MAC | None = None
     input_grad_mac: MAC | None = None
     weight_grad_mac: MAC | None = None
+    input_grad_operands: _functional.Operands | None = None
+    weight_grad_operands: _functional.Operands | None = None
 
     def spec(self, name: str) -> QuantSpec | None:
         return as_spec(getattr(self, name), self.rounding, name)
@@ -132,6 +140,42 @@ class LayerQuantization:
             self.weight_grad_mac if self.weight_grad_mac is not None else forward,
         )
 
+    def operands(
+        self, for_eval: bool = False
+    ) -> tuple[OperandSpecs | None, OperandSpecs | None] | None:
+        """The resolved (input gradient, weight gradient) Operands, or None when neither is set;
+        ``for_eval``: with stochastic rules replaced by eval_rounding, as in eval mode.
+
+        Raises:
+            ValueError: ``error`` and an Operands.error are both set, or an Operands sets the
+                operand its product does not take.
+        """
+        if self.input_grad_operands is None and self.weight_grad_operands is None:
+            return None
+        for name in ("input_grad_operands", "weight_grad_operands"):
+            value = getattr(self, name)
+            if self.error is not None and getattr(value, "error", None) is not None:
+                raise ValueError(
+                    f"LayerQuantization: error and {name}.error both quantise the layer's error: "
+                    "give error (once, for both backward products) or each product's error format"
+                )
+        how = _functional.arithmetic(
+            _functional.NATIVE,
+            None,
+            None,
+            None,
+            None,
+            None,
+            self.rounding,
+            input_grad_operands=self.input_grad_operands,
+            weight_grad_operands=self.weight_grad_operands,
+        )
+        operands = how.input_grad_operands, how.weight_grad_operands
+        if for_eval:
+            eval_rule = parse_eval_rounding(self.eval_rounding)
+            return tuple(None if o is None else o.for_eval(eval_rule) for o in operands)
+        return operands
+
     def __post_init__(self) -> None:
         Rounding.parse(self.rounding)
         parse_eval_rounding(self.eval_rounding)
@@ -141,6 +185,7 @@ class LayerQuantization:
             value = getattr(self, f)
             if value is not None and not isinstance(value, MAC):
                 raise TypeError(f"{f} must be a lpsim.MAC or None, got {type(value).__name__}")
+        self.operands()  # raises for malformed or conflicting Operands
 
 
 class _Scalers(nn.Module):
@@ -202,11 +247,25 @@ def _injected_macs(module: nn.Module) -> tuple[MAC, MAC, MAC] | None:
 def _simulated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The forward of an injected Linear, Conv1d or Conv2d: its product by lpsim.nn.functional
     under the injected MACs (the eval MACs in eval mode), its weight and bias as forward sees them
-    (quantised by their parametrisations)."""
+    (quantised by their parametrisations). A Linear with Operands quantises its input here rather
+    than in a forward pre-hook, so that the backward products can quantise the unquantised input
+    (and the unquantised weight, its parametrisation's original) afresh."""
     mac, input_grad_mac, weight_grad_mac = _injected_macs(self)
     keywords = dict(mac=mac, input_grad_mac=input_grad_mac, weight_grad_mac=weight_grad_mac)
     if isinstance(self, nn.Linear):
-        return _functional.linear(x, self.weight, self.bias, **keywords)
+        done = getattr(self, _STATE)
+        if "operands" not in done:
+            return _functional.linear(x, self.weight, self.bias, **keywords)
+        operands = done["operands"] if self.training else done["eval_operands"]
+        quantise_input = done["input_quantiser"]
+        weight = self.weight
+        unquantised = (x, _unquantised_weight(self, weight))
+        if quantise_input is not None:
+            x = quantise_input(self, x)
+        how = _functional.Arithmetic(
+            mac, input_grad_mac, weight_grad_mac, None, None, None, *operands
+        )
+        return _functional.simulated_linear(x, weight, self.bias, how, unquantised)
     padding = self.padding
     if self.padding_mode != "zeros":
         x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
@@ -215,6 +274,13 @@ def _simulated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return conv(
         x, self.weight, self.bias, self.stride, padding, self.dilation, self.groups, **keywords
     )
+
+
+def _unquantised_weight(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """The module's weight before its parametrisation (``weight`` itself when it has none)."""
+    if parametrize.is_parametrized(module, "weight"):
+        return module.parametrizations.weight.original
+    return weight
 
 
 def _simulated_attention_forward(
@@ -446,6 +512,17 @@ def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str
     }
     eval_rule = parse_eval_rounding(settings.eval_rounding)
     macs = settings.macs()
+    operands = settings.operands()
+    if operands is not None:
+        if not isinstance(module, nn.Linear):
+            raise ValueError(
+                "inject(): LayerQuantization.input_grad_operands and weight_grad_operands apply to "
+                f"Linear layers, but an entry that sets them selects {type(module).__name__}; "
+                "select the Linear layers for them"
+            )
+        done["operands"] = operands
+        done["eval_operands"] = settings.operands(for_eval=True)
+        macs = macs if macs is not None else (_functional.NATIVE,) * 3
     if macs is not None and isinstance(module, _SIMULATED_PRODUCTS):
         done["macs"] = macs
         done["eval_macs"] = tuple(m.for_eval(eval_rule) for m in macs)
@@ -466,17 +543,26 @@ def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str
             done[kind].append((pname, spec))
     scalers = _Scalers()
     input_spec = settings.spec("input")
+    done["input_quantiser"] = None
     if input_spec is not None:
         input_train, input_eval, scalers.input = bind(input_spec, eval_rule)
 
-        def quantize_inputs(mod, args, kwargs):
+        def quantise_input(mod, x):
             quantise = input_train if mod.training else input_eval
             observer = _observation.current
             if observer is not None:
                 quantise = _observed_input(quantise, observer, mod)
-            return map_tensors(args, quantise), map_tensors(kwargs, quantise)
+            return map_tensors(x, quantise)
 
-        done["hooks"].append(module.register_forward_pre_hook(quantize_inputs, with_kwargs=True))
+        def quantize_inputs(mod, args, kwargs):
+            return quantise_input(mod, args), quantise_input(mod, kwargs)
+
+        if "operands" in done:  # the simulated forward quantises the input itself
+            done["input_quantiser"] = quantise_input
+        else:
+            done["hooks"].append(
+                module.register_forward_pre_hook(quantize_inputs, with_kwargs=True)
+            )
         done["input"] = input_spec
     output_spec, error_spec = settings.spec("output"), settings.spec("error")
     if output_spec is not None or error_spec is not None:
@@ -681,14 +767,26 @@ def _modules_that_run(model: nn.Module, example) -> set[int]:
     return ran
 
 
-def _products(macs: tuple[MAC, MAC, MAC] | None) -> str:
-    """The report's summary of a module's MACs: one when the three agree, else each named."""
+def _products(done: dict) -> str:
+    """The report's summary of a module's MACs (one when the three agree, else each named) and of
+    its backward products' Operands."""
+    macs = done.get("macs")
     if macs is None:
         return "-"
     forward, input_grad, weight_grad = macs
     if forward == input_grad == weight_grad:
-        return str(forward)
-    return f"forward {forward}; input grad {input_grad}; weight grad {weight_grad}"
+        text = str(forward)
+    else:
+        text = f"forward {forward}; input grad {input_grad}; weight grad {weight_grad}"
+    for product, other, ops in zip(
+        ("input grad", "weight grad"), ("weight", "input"), done.get("operands", (None, None))
+    ):
+        if ops is not None:
+            parts = [f"{name} {spec}" for name, spec in (("error", ops.error), (other, ops.other))]
+            if ops.transform is not None:
+                parts.append(f"transform {ops.transform}")
+            text += f"; {product} operands: {', '.join(parts)}"
+    return text
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
@@ -744,7 +842,7 @@ def report(
                     str(done["input"] or "-"),
                     str(done["output"] or "-"),
                     str(done["error"] or "-"),
-                    _products(done.get("macs")),
+                    _products(done),
                     note,
                 )
             )
