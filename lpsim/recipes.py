@@ -283,12 +283,15 @@ MXFP8 = Recipe(
 )
 
 # MXFP4 with stochastically rounded errors (Tseng et al., "Training LLMs with MXFP4", 2025, round
-# the backward pass's operands stochastically so that its products are unbiased).
+# the backward pass's operands stochastically so that its products are unbiased). The errors take
+# round-up scales ("rceil"): with OCP's floor scale a block's largest elements reach nearly 8
+# times the scale, above E2M1's largest value 6, and stochastic rounding saturates them, a bias
+# toward zero (Tseng et al. multiply by 3/4 before quantising instead).
 MXFP4 = Recipe(
     "mxfp4",
     weight=(_channels("mxfp4_e2m1"), "nearest"),
     activation=(_channels("mxfp4_e2m1"), "nearest"),
-    error=(_channels("mxfp4_e2m1"), "stochastic"),
+    error=(replace(_channels("mxfp4_e2m1"), scale_rule="rceil"), "stochastic"),
     placement="operands",
     round_weights=False,
 )
@@ -296,8 +299,10 @@ MXFP4 = Recipe(
 # NVFP4 after NVIDIA's recipe ("Pretraining Large Language Models with NVFP4", 2025): E2M1 with
 # an E4M3 scale per 16 and a float32 tensor scale, round to nearest forward, stochastic rounding of
 # the gradients. NVIDIA scales weights in 16x16 tiles and applies a random Hadamard transform to
-# the weight-gradient product's operands; here weights use the same 1x16 blocks along the input
-# channels as the rest, and no transform (lpsim.transforms has one).
+# the weight-gradient product's operands, quantised along the tokens; here weights use the same
+# 1x16 blocks along the input channels as the rest, and the weight gradient takes the operands
+# the error and the input were quantised into, with no transform: lpsim.nn.functional.Operands
+# places both on Linear layers (experiments/gpt's nvfp4 recipe), not yet on convolutions.
 NVFP4 = Recipe(
     "nvfp4",
     weight=(_channels("nvfp4"), "nearest"),

@@ -186,18 +186,45 @@ def test_fp8_recipes_quantise_every_linear_but_the_head(corpus):
     assert isinstance(functions["attention.scores"].weight[0], DelayedScaling)
 
 
-@pytest.mark.parametrize("name, block", [("mxfp8", 32), ("mxfp4", 32), ("nvfp4", 16)])
-def test_scaled_recipes_block_along_each_products_reduction(name, block, corpus):
-    model, optimizer, functions = build(name, corpus)
+def test_mxfp8_blocks_along_each_products_reduction(corpus):
+    model, optimizer, functions = build("mxfp8", corpus)
     for settings in layer_settings(model).values():
         for spec in (settings["input"], settings["error"], *(s for _, s in settings["weight"])):
-            assert isinstance(spec.format, Scaled) and spec.format.block == block
+            assert isinstance(spec.format, Scaled) and spec.format.block == 32
             assert spec.format.axis == -1
-        assert str(settings["error"].rounding) != "nearest" or name == "mxfp8"
     scores, context = functions["attention.scores"], functions["attention.context"]
     for product in (scores, context):
         assert product.input[0].axis == -1 and product.weight[0].axis == -2  # q, p; k^T, v
-        assert product.error[0].axis == -1 and product.input[0].block == block
+        assert product.error[0].axis == -1 and product.input[0].block == 32
+    assert type(optimizer) is torch.optim.AdamW
+
+
+@pytest.mark.parametrize("name, block", [("mxfp4", 32), ("nvfp4", 16)])
+def test_fp4_recipes_quantise_each_backward_operand_along_its_products_reduction(
+    name, block, corpus
+):
+    model, optimizer, functions = build(name, corpus)
+    done = layer_settings(model)
+    assert recipes.HEAD not in done and len(done) == 4
+    for settings in done.values():
+        assert settings["error"] is None  # each backward product quantises the error itself
+        input_grad, weight_grad = settings["operands"]
+        assert input_grad.error.rounding.is_stochastic and weight_grad.error.rounding.is_stochastic
+        assert weight_grad.transform == recipes.HADAMARD and input_grad.transform is None
+        for spec in (settings["input"], input_grad.error, weight_grad.error, weight_grad.other):
+            assert spec.format.block == block and spec.format.axis == -1
+    weights = [s.format.block for settings in done.values() for _, s in settings["weight"]]
+    assert set(weights) == {32 if name == "mxfp4" else (16, 16)}
+    if name == "mxfp4":  # stochastic operands take round-up scales: none saturates
+        assert input_grad.other.rounding.is_stochastic
+        assert {input_grad.error.format.scale_rule, weight_grad.other.format.scale_rule} == {
+            "rceil"
+        }
+    else:  # NVFP4's 16x16 weight tiles serve the input gradient as they are
+        assert input_grad.other is None and not weight_grad.other.rounding.is_stochastic
+    for product in (functions["attention.scores"], functions["attention.context"]):
+        error_format, error_rounding = product.error
+        assert error_format == input_grad.error.format and error_rounding == "stochastic"
     assert type(optimizer) is torch.optim.AdamW
 
 

@@ -105,6 +105,20 @@ def test_scaled_recipes_quantise_the_operands_of_the_inner_weight_layers_only(re
     assert any(not torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=False))
 
 
+@pytest.mark.parametrize("recipe", [recipes.MXFP4])
+def test_stochastically_rounded_recipe_errors_are_unbiased_at_the_block_maximum(recipe):
+    # Each row one block of 32 (axis 1) whose largest element, 7.5, lies above 6 times a floor
+    # scale: a floor-scaled stochastic rounding would saturate it at 6 times the scale.
+    fmt, rounding = recipe.error
+    assert rounding == "stochastic"
+    row = torch.linspace(-1.0, 1.0, 32)
+    row[0] = 7.5
+    x = row.repeat(4000, 1)
+    y = lpsim.quantize(x, fmt, rounding, seed=0).double()
+    mean, standard_error = y.mean(0), y.std(0) / len(y) ** 0.5
+    assert ((mean - row.double()).abs() <= 5 * standard_error + 1e-12).all()
+
+
 def test_recipe_along_moves_every_scaled_block_axis():
     moved = recipes.NVFP4.along(-1)
     for name in ("weight", "activation", "error"):

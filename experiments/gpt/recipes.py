@@ -31,16 +31,29 @@ of scaled formats run along the last axis, the Linear products' reduction axis f
   (lpsim.delayed_scaling.DelayedScaling, amax history 16, reduction max, margin 0): each tensor's
   scale comes from the amaxes of its earlier quantisations, one DelayedScaler per tensor in the
   model's state_dict.
-- ``mxfp8``, ``mxfp4``, ``nvfp4``: lpsim.recipes.MXFP8 / MXFP4 / NVFP4 with blocks along the last
-  axis (Recipe.along(-1)) on every Linear but the head: MXFP8 E4M3 forward and E5M2 errors, round
-  to nearest; MXFP4 E2M1 forward to nearest and errors stochastically; NVFP4 E2M1 with E4M3 scales
-  per 16 and a float32 tensor scale, forward to nearest, errors stochastically. Float32 master
-  weights. Where they differ from the published recipes: no random Hadamard transform of the
-  weight-gradient product's operands (Tseng et al.'s MXFP4 and NVIDIA's NVFP4 apply one):
-  lpsim.RandomHadamard exists, but neither lpsim.recipes nor inject can place it on the two
-  operands of a backward product; each error is quantised once, in blocks along the output
-  channels (the reduction axis of the input-gradient product, not of the weight-gradient product,
-  which reduces over tokens); NVFP4's weights use 1x16 blocks, not 16x16 tiles.
+- ``mxfp8``: lpsim.recipes.MXFP8 with blocks along the last axis (Recipe.along(-1)) on every
+  Linear but the head: E4M3 forward and E5M2 errors, E8M0 scale per 32, round to nearest; the
+  backward products take the forward's quantised operands and the error quantised once (blocks
+  along the output channels). Float32 master weights.
+- ``mxfp4``: after Tseng et al., "Training LLMs with MXFP4" (2025), on every Linear but the head:
+  E2M1 with an E8M0 scale per 32. Forward: inputs and weights rounded to nearest, blocks along
+  in_features (the forward product's reduction). Backward (lpsim.nn.functional.Operands): every
+  operand of both products is quantised afresh from the unquantised tensor, along that product's
+  reduction axis, and rounded stochastically so that the products are unbiased: the input
+  gradient's error (blocks along the output channels) and weight (along out_features); the weight
+  gradient's error and input (along the tokens), both after a 16-point random Hadamard transform
+  along the tokens (one fixed sign vector, seed 0). The stochastically rounded operands take
+  round-up scales ("rceil": the block's largest magnitude at most 6 times its scale) where Tseng
+  et al. multiply by 3/4: with OCP's floor scale the block's largest elements can exceed 6 and
+  saturate under stochastic rounding, a bias. Float32 master weights.
+- ``nvfp4``: after NVIDIA's "Pretraining Large Language Models with NVFP4" (2025), on every Linear
+  but the head: E2M1 with an E4M3 scale per 16 and a float32 tensor scale. Inputs 1x16 blocks
+  along in_features, weights 16x16 tiles (the same quantised weight serves the forward and the
+  input-gradient products, as in NVIDIA's recipe), round to nearest. Backward: the error
+  rounded stochastically, 1x16 blocks along the output channels for the input gradient; for the
+  weight gradient the error (stochastically) and the unquantised input (to nearest) quantised
+  afresh in 1x16 blocks along the tokens, after the 16-point random Hadamard transform. Float32
+  master weights. Not simulated: NVIDIA keeps some layers (the last few blocks) in BF16.
 - ``fp8-hopper``, ``fp8-hopper-promoted``: fp8-current, with the forward product of every quantised
   Linear summed by lpsim.mac.preset("H100/e4m3") (the H100's FP8 tensor core: each group of 32
   exact products and the running sum aligned to their largest exponent, truncated to 13 fraction
@@ -53,7 +66,8 @@ of scaled formats run along the last axis, the Linear products' reduction axis f
 
 Attention (``functions``; fp32 and the bf16 recipes have none): every FP8 and scaled recipe rounds
 the operands of both attention products into its forward element format and the errors flowing
-into them into its error format, with the same rounding rules as its Linear layers; the products
+into them into its error format (the FP4 recipes: the stochastically rounded error format of their
+input-gradient products), with the same rounding rules as its Linear layers; the products
 themselves are float32 and so is the softmax (as FP8 attention kernels compute it). The scores
 product q k^T (``"attention.scores"``): ``input`` q, ``weight`` k^T, ``error`` the gradient of the
 scores; the context product p v (``"attention.context"``): ``input`` the probabilities p,
@@ -78,13 +92,16 @@ import lpsim
 from lpsim import Float
 from lpsim.delayed_scaling import DelayedScaling
 from lpsim.nn import LayerQuantization, inject
-from lpsim.nn.functional import NATIVE
-from lpsim.recipes import MXFP4, MXFP8, NVFP4, WEIGHT_LAYERS, Recipe
+from lpsim.nn.functional import NATIVE, Operands
+from lpsim.recipes import MXFP8, WEIGHT_LAYERS, Recipe
 from lpsim.scaled import Scaled, preset
 
 __all__ = [
     "GPTRecipe",
     "RECIPES",
+    "HADAMARD",
+    "MXFP4_LINEAR",
+    "NVFP4_LINEAR",
     "HEAD",
     "BFLOAT16",
     "parameter_groups",
@@ -236,6 +253,36 @@ def _scaled(recipe: Recipe, summary: str) -> GPTRecipe:
     )
 
 
+HADAMARD = lpsim.RandomHadamard(16, axis=-1, seed=0)  # the FP4 recipes' weight-gradient transform
+_MXFP4 = preset("mxfp4_e2m1")  # blocks along axis -1: each product's reduction axis below
+_MXFP4_SR = (replace(_MXFP4, scale_rule="rceil"), "stochastic")
+_NVFP4 = preset("nvfp4")
+_NVFP4_SR = (_NVFP4, "stochastic")
+MXFP4_LINEAR = LayerQuantization(
+    input=(_MXFP4, "nearest"),
+    weight=(_MXFP4, "nearest"),
+    input_grad_operands=Operands(error=_MXFP4_SR, weight=_MXFP4_SR),
+    weight_grad_operands=Operands(error=_MXFP4_SR, input=_MXFP4_SR, transform=HADAMARD),
+)
+NVFP4_LINEAR = LayerQuantization(
+    input=(_NVFP4, "nearest"),
+    weight=(replace(_NVFP4, block=(16, 16)), "nearest"),
+    input_grad_operands=Operands(error=_NVFP4_SR),
+    weight_grad_operands=Operands(error=_NVFP4_SR, input=(_NVFP4, "nearest"), transform=HADAMARD),
+)
+
+
+def _fp4(name: str, linear: LayerQuantization, summary: str) -> GPTRecipe:
+    """An FP4 recipe: ``linear`` on every Linear but the head; attention's operands in its input
+    format and errors in its input-gradient product's error format."""
+    return GPTRecipe(
+        name,
+        summary,
+        layers=lambda model: {HEAD: None, nn.Linear: linear},
+        functions=attention_functions(linear.input, linear.input_grad_operands.error),
+    )
+
+
 def _hopper(name: str, mac_name: str, summary: str) -> GPTRecipe:
     recipe = replace(_FP8_CURRENT, name=name, mac=lpsim.mac.preset(mac_name))
     return GPTRecipe(
@@ -281,13 +328,17 @@ RECIPES: dict[str, GPTRecipe] = {
             functions=_FP8_DELAYED_FUNCTIONS,
         ),
         _scaled(MXFP8, "MXFP8: E4M3 forward, E5M2 errors, E8M0 scale per 32; head float32"),
-        _scaled(
-            MXFP4,
-            "MXFP4: E2M1 per 32 (E8M0 scales), errors stochastic, no Hadamard; head float32",
+        _fp4(
+            "mxfp4",
+            MXFP4_LINEAR,
+            "MXFP4: E2M1 per 32 (E8M0 scales); backward operands stochastic, Hadamard on the "
+            "weight gradient's; head float32",
         ),
-        _scaled(
-            NVFP4,
-            "NVFP4: E2M1, E4M3 scale per 16 and a tensor scale, errors stochastic; head float32",
+        _fp4(
+            "nvfp4",
+            NVFP4_LINEAR,
+            "NVFP4: E2M1, E4M3 scale per 16 and a tensor scale, 16x16 weight tiles; errors "
+            "stochastic, Hadamard on the weight gradient's operands; head float32",
         ),
         _hopper(
             "fp8-hopper",
