@@ -315,3 +315,13 @@ def test_quantize_functions_refuses_operands_on_softmax():
         quantize_functions(
             _Product(), {"softmax": LayerQuantization(weight_grad_operands=Operands())}
         )
+
+
+def test_operands_on_a_linear_whose_parent_bypasses_its_forward_are_reported_as_never_run():
+    attention = nn.MultiheadAttention(32, 2)
+    with pytest.warns(
+        UserWarning, match=r"'out_proj' .*: input/output/error and backward operands$"
+    ):
+        inject(attention, {"out_proj": _layer()})
+    with pytest.warns(UserWarning, match="backward operands never run"):
+        assert "backward operands never run" in report(attention)

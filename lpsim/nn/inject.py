@@ -431,8 +431,11 @@ def _bypassed(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
 def _never_run(done: dict, parent: nn.Module) -> list[str]:
     """What never runs of an injection into a module whose forward ``parent`` never calls: its
     input/output/error quantisers, and its MACs unless the parent simulates its products."""
-    parts = ["input/output/error"] if done["hooks"] else []
-    if "macs" in done and _injected_macs(parent) is None:
+    parts = ["input/output/error"] if done["hooks"] or done["input_quantiser"] else []
+    if "operands" in done:  # the parent's products take the parameters, never the Operands
+        parts.append("backward operands")
+    simulated = "macs" in done and not all(m.native for m in done["macs"])
+    if simulated and _injected_macs(parent) is None:
         parts.append(
             f"MACs ({type(parent).__name__} has none: give it MACs to simulate its products)"
         )
@@ -782,7 +785,8 @@ def _products(done: dict) -> str:
         ("input grad", "weight grad"), ("weight", "input"), done.get("operands", (None, None))
     ):
         if ops is not None:
-            parts = [f"{name} {spec}" for name, spec in (("error", ops.error), (other, ops.other))]
+            specs = (("error", ops.error), (other, ops.other))
+            parts = [f"{name} {spec or '-'}" for name, spec in specs]
             if ops.transform is not None:
                 parts.append(f"transform {ops.transform}")
             text += f"; {product} operands: {', '.join(parts)}"
