@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
 import pathlib
 import shutil
 import subprocess
+import sys
 
 import torch
 
@@ -106,3 +108,47 @@ def build_cpp_check(name: str, directory: pathlib.Path, flags: tuple[str, ...] =
         text=True,
     )
     return str(binary)
+
+
+def tensors_equal(a, b) -> bool:
+    """Nested dicts/lists of tensors and plain values, compared bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def without_times(rows: list[dict]) -> list[dict]:
+    """A training log's rows without their wall-time columns (those ending in "seconds")."""
+    return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]
+
+
+def run_two_gloo_processes(module: str, args: list[str]) -> str:
+    """python -m torch.distributed.run with 2 CPU processes (one thread each) running
+    ``python -m module *args`` from the repository's root; returns its standard output.
+
+    Raises:
+        AssertionError: the run failed (its output's tails are the message).
+    """
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        module,
+        *args,
+    ]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout

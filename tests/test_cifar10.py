@@ -20,6 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from support import tensors_equal, without_times  # noqa: E402
+
 import lpsim  # noqa: E402
 from experiments.cifar10 import data as cifar  # noqa: E402
 from experiments.cifar10 import recipes, summarize, train  # noqa: E402
@@ -375,21 +377,6 @@ def test_every_recipe_trains_end_to_end_through_the_cifar10_reader(recipe, tiny_
         assert all(representable(a, Float(6, 9)) for a in state["optimizer"]["accumulators"])
     if recipe == "wage":  # accumulators clipped to the ternary range
         assert all(float(v.abs().max()) <= 0.5 for v in weights.values())
-
-
-def tensors_equal(a, b) -> bool:
-    """Nested dicts/lists of tensors and plain values, compared bit for bit."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-def without_times(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]
 
 
 @pytest.mark.parametrize(

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
@@ -20,6 +18,8 @@ from torch.overrides import TorchFunctionMode
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from support import run_two_gloo_processes, tensors_equal, without_times  # noqa: E402
 
 import lpsim  # noqa: E402
 from experiments.gpt import recipes, results, train  # noqa: E402
@@ -289,20 +289,6 @@ def test_learning_rate_warms_up_then_follows_a_cosine_to_a_tenth():
 # The trainer
 
 
-def tensors_equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(tensors_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(tensors_equal(x, y) for x, y in zip(a, b))
-    return a == b
-
-
-def without_times(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.endswith("seconds")} for r in rows]
-
-
 @pytest.mark.parametrize("name", ["bf16-stochastic", "fp8-delayed", "mxfp4"])
 def test_resume_continues_bit_identically(name, tmp_path):
     straight, pieces = tmp_path / "straight", tmp_path / "pieces"
@@ -398,31 +384,9 @@ def test_recipe_listing_names_every_recipe(capsys):
 
 
 def test_two_gloo_processes_keep_identical_weights(tmp_path):
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "experiments.gpt.train",
-        "--recipe",
-        "bf16-stochastic",
-        *TINY,
-        "--device",
-        "cpu",
-        "--out-dir",
-        str(tmp_path),
-    ]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "(2 processes on cpu" in done.stdout
+    args = ["--recipe", "bf16-stochastic", *TINY, "--device", "cpu", "--out-dir", str(tmp_path)]
+    stdout = run_two_gloo_processes("experiments.gpt.train", args)
+    assert "(2 processes on cpu" in stdout
     state = torch.load(tmp_path / train.CHECKPOINT, weights_only=True)
     assert state["settings"]["world_size"] == 2
     digests = state["rank_digests"]

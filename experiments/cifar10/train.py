@@ -24,8 +24,6 @@ python -m experiments.cifar10.summarize tabulates the final test errors of finis
 from __future__ import annotations
 
 import argparse
-import csv
-import hashlib
 import math
 import os
 import pathlib
@@ -41,6 +39,17 @@ from experiments.cifar10 import data as cifar
 from experiments.cifar10.models import build_model
 from experiments.cifar10.recipes import RECIPES, CifarRecipe, describe
 from experiments.cifar10.swa import WeightAverage
+from experiments.runs import (
+    all_reduce_sum,
+    choose_device,
+    positive_float,
+    positive_int,
+    rank_digests,
+    rng_state,
+    set_rng_state,
+    write_atomically,
+    write_csv,
+)
 
 CHECKPOINT = "checkpoint.pt"
 LOG = "log.csv"
@@ -60,20 +69,6 @@ COLUMNS = (
 # Settings that must be equal for --resume to continue the same run. The epochs may grow; the
 # length of the learning-rate schedule (schedule_epochs, the run's first --epochs) never changes.
 RUN_KEYS = ("recipe", "batch_size", "lr", "seed", "swa_start", "width", "world_size", "data")
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -245,7 +240,7 @@ class Run:
                 "processes"
             )
         self.local_batch = self.batch_size // self.world_size
-        self.device = self._device(args.device, p)
+        self.device = choose_device(args.device, p, self.world_size, self.local_rank)
         if args.fake_data:
             self.data_name = f"fake:{args.fake_data}"
         else:
@@ -279,27 +274,6 @@ class Run:
         """Whether --resume found a run that has already trained all its epochs."""
         return self.saved is not None and self.saved["epoch"] >= self.epochs
 
-    def _device(self, name: str, p: argparse.ArgumentParser) -> torch.device:
-        if name == "auto":
-            name = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            device = torch.device(name)
-        except RuntimeError:
-            p.error(f"--device: unknown device {name!r}")
-        if device.type == "cuda":
-            if not torch.cuda.is_available():
-                p.error("--device cuda: no CUDA device is available")
-            if self.world_size > 1 or device.index is None:
-                device = torch.device("cuda", self.local_rank if self.world_size > 1 else 0)
-            if device.index >= torch.cuda.device_count():
-                p.error(
-                    f"--device: no {device} (this machine has {torch.cuda.device_count()} "
-                    "CUDA devices)"
-                )
-        elif device.type != "cpu":
-            p.error(f"--device must be auto, cpu or cuda[:K], got {name!r}")
-        return device
-
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
@@ -332,13 +306,6 @@ def to_inputs(recipe: CifarRecipe, images: torch.Tensor) -> torch.Tensor:
         )
     mean, std = _MOMENTS[x.device]
     return (x - mean) / std
-
-
-def all_reduce_sum(run: Run, values: list) -> list[float]:
-    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=run.device) for v in values])
-    if run.distributed:
-        dist.all_reduce(t)
-    return t.tolist()
 
 
 def train_epoch(
@@ -375,7 +342,9 @@ def train_epoch(
         loss_sum += batch_loss.double()
         correct += (logits.detach().argmax(1) == labels).sum()
         seen += len(labels)
-    loss_total, correct_total, count = all_reduce_sum(run, [loss_sum, correct, seen])
+    loss_total, correct_total, count = all_reduce_sum(
+        [loss_sum, correct, seen], run.device, run.distributed
+    )
     return loss_total / count, 100.0 * (1.0 - correct_total / count)
 
 
@@ -396,7 +365,9 @@ def evaluate(run: Run, model: nn.Module, test: cifar.Split) -> tuple[float, floa
             logits = model(to_inputs(run.recipe, images))
             loss_sum += run.recipe.criterion(logits, labels)[1].double()
             correct += (logits.argmax(1) == labels).sum()
-    loss_total, correct_total, count = all_reduce_sum(run, [loss_sum, correct, len(shard)])
+    loss_total, correct_total, count = all_reduce_sum(
+        [loss_sum, correct, len(shard)], run.device, run.distributed
+    )
     return loss_total / count, 100.0 * (1.0 - correct_total / count)
 
 
@@ -426,59 +397,6 @@ def update_average(
                 for buffer in (m.running_mean, m.running_var):
                     dist.all_reduce(buffer)
                     buffer.div_(run.world_size)
-
-
-def weights_digest(model: nn.Module) -> int:
-    """A 63-bit hash of the bits of every parameter."""
-    h = hashlib.sha256()
-    for _, p in sorted(model.named_parameters()):
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return int.from_bytes(h.digest()[:8], "little") >> 1
-
-
-def rank_digests(run: Run, model: nn.Module) -> list[int]:
-    """Every rank's weights_digest; raises RuntimeError if the ranks' weights differ."""
-    mine = weights_digest(model)
-    if not run.distributed:
-        return [mine]
-    gathered = [torch.zeros(1, dtype=torch.int64, device=run.device) for _ in range(run.world_size)]
-    dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=run.device))
-    digests = [int(d) for d in gathered]
-    if len(set(digests)) != 1:
-        raise RuntimeError(
-            f"the ranks' weights differ after this epoch (digests {digests}): every "
-            "rank must draw the same stochastic-rounding seeds"
-        )
-    return digests
-
-
-def rng_state(run: Run) -> dict:
-    return {
-        "cpu": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(run.device) if run.device.type == "cuda" else None,
-    }
-
-
-def set_rng_state(run: Run, state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    if run.device.type == "cuda" and state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"], run.device)
-
-
-def write_atomically(path: pathlib.Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def write_log(path: pathlib.Path, history: list[dict]) -> None:
-    def write(tmp):
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS)
-            writer.writeheader()
-            writer.writerows(history)
-
-    write_atomically(path, write)
 
 
 def plot_curves(path: pathlib.Path, history: list[dict], title: str) -> None:
@@ -569,7 +487,7 @@ def train(run: Run, train_set: cifar.Split, test_set: cifar.Split) -> list[dict]
         scheduler.load_state_dict(state["scheduler"])
         if average is not None:
             average.load_state_dict(state["swa"])
-        set_rng_state(run, state["rng"])
+        set_rng_state(run.device, state["rng"])
         start, history = state["epoch"], state["history"]
 
     if run.main_process:
@@ -602,7 +520,7 @@ def train(run: Run, train_set: cifar.Split, test_set: cifar.Split) -> list[dict]
             update_average(run, average, model, train_set, epoch)
             swa_loss, swa_error = evaluate(run, average.model, test_set)
         scheduler.step()
-        digests = rank_digests(run, model)
+        digests = rank_digests(model, run.device, run.world_size, " after this epoch")
         history.append(
             {
                 "epoch": epoch + 1,
@@ -625,12 +543,12 @@ def train(run: Run, train_set: cifar.Split, test_set: cifar.Split) -> list[dict]
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
                 "swa": None if average is None else average.state_dict(),
-                "rng": rng_state(run),
+                "rng": rng_state(run.device),
                 "history": history,
                 "rank_digests": digests,
             }
             write_atomically(run.checkpoint, lambda tmp, state=state: torch.save(state, tmp))
-            write_log(run.out_dir / LOG, history)
+            write_csv(run.out_dir / LOG, history, COLUMNS)
             plot_curves(run.out_dir / CURVES, history, f"{recipe.name} ({run.out_dir})")
             row = history[-1]
             swa = f"  swa test error {row['swa_test_error']}%" if swa_error is not None else ""

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import csv
-import os
 import pathlib
-from collections.abc import Callable
+
+from experiments.runs import write_atomically, write_csv
 
 __all__ = [
     "COLUMNS",
-    "write_atomically",
     "write_log",
     "read_log",
     "plot_run",
@@ -34,21 +33,9 @@ COLUMNS = (
 )
 
 
-def write_atomically(path: pathlib.Path, write: Callable[[pathlib.Path], None]) -> None:
-    """write(tmp) to a temporary file beside ``path``, then put it in place in one rename."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def write_log(path: pathlib.Path, history: list[dict]) -> None:
-    def write(tmp):
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS)
-            writer.writeheader()
-            writer.writerows(history)
-
-    write_atomically(path, write)
+    """A run's log.csv: one row of COLUMNS per evaluation, written atomically."""
+    write_csv(path, history, COLUMNS)
 
 
 def read_log(path: pathlib.Path) -> list[dict]:

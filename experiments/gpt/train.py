@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import math
 import os
 import pathlib
@@ -67,6 +66,16 @@ from experiments.gpt import results
 from experiments.gpt.data import MAX_SEED, MAX_STEP, Corpus, load_corpus
 from experiments.gpt.model import GPT, GPTConfig
 from experiments.gpt.recipes import RECIPES, GPTRecipe, describe
+from experiments.runs import (
+    all_reduce_sum,
+    choose_device,
+    positive_float,
+    positive_int,
+    rank_digests,
+    rng_state,
+    set_rng_state,
+    write_atomically,
+)
 
 CHECKPOINT = "checkpoint.pt"
 LOG = "log.csv"
@@ -81,19 +90,6 @@ GRADIENT_CLIP = 1.0  # largest global gradient norm
 WARMUP_FRACTION = 0.05
 FINAL_LR_FACTOR = 0.1  # the cosine ends at this fraction of --lr
 
-# The settings of a run (what --resume must find unchanged).
-SETTINGS = (
-    "steps",
-    "batch_size",
-    "context",
-    "width",
-    "layers",
-    "heads",
-    "lr",
-    "seed",
-    "eval_every",
-    "val_windows",
-)
 DEFAULTS = dict(
     steps=5000,
     batch_size=64,
@@ -106,6 +102,7 @@ DEFAULTS = dict(
     eval_every=250,
     val_windows=256,
 )
+SETTINGS = tuple(DEFAULTS)  # the settings of a run (what --resume must find unchanged)
 SHORT = dict(
     steps=300,
     batch_size=8,
@@ -118,20 +115,6 @@ SHORT = dict(
     val_windows=64,
 )
 SHORT_THREADS = 1
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
 
 
 def seed_int(text: str) -> int:
@@ -247,32 +230,10 @@ class Session:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.device = self._device(args.device)
+        self.device = choose_device(args.device, p, self.world_size, self.local_rank)
         self.requested = {k: getattr(args, k) for k in SETTINGS if getattr(args, k) is not None}
         if args.short:
             self.requested = {**SHORT, **self.requested}
-
-    def _device(self, name: str) -> torch.device:
-        p = self.parser
-        if name == "auto":
-            name = "cuda" if torch.cuda.is_available() else "cpu"
-        try:
-            device = torch.device(name)
-        except RuntimeError:
-            p.error(f"--device: unknown device {name!r}")
-        if device.type == "cuda":
-            if not torch.cuda.is_available():
-                p.error("--device cuda: no CUDA device is available")
-            if self.world_size > 1 or device.index is None:
-                device = torch.device("cuda", self.local_rank if self.world_size > 1 else 0)
-            if device.index >= torch.cuda.device_count():
-                p.error(
-                    f"--device: no {device} (this machine has {torch.cuda.device_count()} "
-                    "CUDA devices)"
-                )
-        elif device.type != "cpu":
-            p.error(f"--device must be auto, cpu or cuda[:K], got {name!r}")
-        return device
 
     @property
     def distributed(self) -> bool:
@@ -375,53 +336,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     optimizer.load_state_dict({**state, "param_groups": groups})
 
 
-def rng_state(device: torch.device) -> dict:
-    return {
-        "cpu": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-    }
-
-
-def set_rng_state(device: torch.device, state: dict) -> None:
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and state["cuda"] is not None:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def weights_digest(model: nn.Module) -> int:
-    """A 63-bit hash of the bits of every parameter."""
-    h = hashlib.sha256()
-    for _, p in sorted(model.named_parameters()):
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return int.from_bytes(h.digest()[:8], "little") >> 1
-
-
-def rank_digests(session: Session, model: nn.Module) -> list[int]:
-    """Every rank's weights_digest; raises RuntimeError if the ranks' weights differ."""
-    mine = weights_digest(model)
-    if not session.distributed:
-        return [mine]
-    device = session.device
-    gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(session.world_size)]
-    dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=device))
-    digests = [int(d) for d in gathered]
-    if len(set(digests)) != 1:
-        raise RuntimeError(
-            f"the ranks' weights differ (digests {digests}): every rank must draw the same "
-            "stochastic-rounding seeds"
-        )
-    return digests
-
-
-def all_reduce_sum(session: Session, values: list) -> list[float]:
-    t = torch.stack(
-        [torch.as_tensor(v, dtype=torch.float64, device=session.device) for v in values]
-    )
-    if session.distributed:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
 def functions_context(model: nn.Module, recipe: GPTRecipe):
     """(context, mode): ``context()`` returns the context every forward pass runs in, and
     ``mode`` is the lpsim.nn.quantize_functions object it enters (one per run, entered at every
@@ -463,7 +377,7 @@ def evaluate(run: Run, model: nn.Module, context, windows) -> float:
                 total += cross_entropy_sum(logits, targets[start : start + run.local_batch])
         finally:
             model.train()
-    loss_sum, count = all_reduce_sum(session, [total, targets.numel()])
+    loss_sum, count = all_reduce_sum([total, targets.numel()], session.device, session.distributed)
     return loss_sum / count
 
 
@@ -524,7 +438,7 @@ def train(run: Run) -> list[dict]:
             began = time.perf_counter()
             validation = evaluate(run, model, context, windows)
             eval_seconds = time.perf_counter() - began
-            (train_sum,) = all_reduce_sum(session, [interval.loss_sum])
+            (train_sum,) = all_reduce_sum([interval.loss_sum], session.device, session.distributed)
             train_loss = train_sum / session.world_size / interval.steps if interval.steps else None
             tokens = step * s.batch_size * s.context
             history.append(
@@ -539,7 +453,7 @@ def train(run: Run) -> list[dict]:
                 }
             )
             interval = Interval(None, device)
-        digests = rank_digests(session, model)
+        digests = rank_digests(model, session.device, session.world_size)
         if session.main_process:
             state = {
                 "settings": asdict(s),
@@ -553,7 +467,7 @@ def train(run: Run) -> list[dict]:
                 "interval": interval.state(),
                 "rank_digests": digests,
             }
-            results.write_atomically(run.checkpoint, lambda tmp: torch.save(state, tmp))
+            write_atomically(run.checkpoint, lambda tmp: torch.save(state, tmp))
             results.write_log(run.out_dir / LOG, history)
             if evaluate_now:
                 results.plot_run(run.out_dir / CURVES, history, f"{recipe.name} ({run.out_dir})")
@@ -667,7 +581,7 @@ def write_comparison(session: Session, runs: dict, out_dir: pathlib.Path, settin
         ]
     out_dir.mkdir(parents=True, exist_ok=True)
     text = "\n".join(lines)
-    results.write_atomically(out_dir / TABLE, lambda tmp: tmp.write_text(text))
+    write_atomically(out_dir / TABLE, lambda tmp: tmp.write_text(text))
     results.plot_comparison(
         out_dir / PLOT,
         runs,

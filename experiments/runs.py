@@ -1,0 +1,146 @@
+"""What the experiments' trainers (experiments.cifar10.train, experiments.gpt.train) share: the
+types of their numeric arguments, the device a process trains on (under torchrun too), the sums
+and the weight check across ranks, the random state a checkpoint keeps, and files written in
+one rename."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import math
+import os
+import pathlib
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "positive_int",
+    "positive_float",
+    "choose_device",
+    "all_reduce_sum",
+    "weights_digest",
+    "rank_digests",
+    "rng_state",
+    "set_rng_state",
+    "write_atomically",
+    "write_csv",
+]
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer > 0."""
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def choose_device(
+    name: str, parser: argparse.ArgumentParser, world_size: int, local_rank: int
+) -> torch.device:
+    """The device --device ``name`` (auto, cpu, cuda or cuda:K) names: under torchrun
+    (world_size > 1) a CUDA process takes the GPU of its local rank, else cuda is cuda:0. A bad
+    name, or a CUDA device the machine lacks, ends the program through ``parser.error``."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        parser.error(f"--device: unknown device {name!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device is available")
+        if world_size > 1 or device.index is None:
+            device = torch.device("cuda", local_rank if world_size > 1 else 0)
+        if device.index >= torch.cuda.device_count():
+            parser.error(
+                f"--device: no {device} (this machine has {torch.cuda.device_count()} CUDA devices)"
+            )
+    elif device.type != "cpu":
+        parser.error(f"--device must be auto, cpu or cuda[:K], got {name!r}")
+    return device
+
+
+def all_reduce_sum(values: Sequence, device: torch.device, distributed: bool) -> list[float]:
+    """``values`` summed over the ranks (themselves when not distributed), in float64."""
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+    if distributed:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def weights_digest(model: nn.Module) -> int:
+    """A 63-bit hash of the bits of every parameter."""
+    h = hashlib.sha256()
+    for _, p in sorted(model.named_parameters()):
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(h.digest()[:8], "little") >> 1
+
+
+def rank_digests(
+    model: nn.Module, device: torch.device, world_size: int, when: str = ""
+) -> list[int]:
+    """Every rank's weights_digest.
+
+    Raises:
+        RuntimeError: the ranks' weights differ (``when``, such as " after this epoch", is put
+            in the message).
+    """
+    mine = weights_digest(model)
+    if world_size == 1:
+        return [mine]
+    gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
+    dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=device))
+    digests = [int(d) for d in gathered]
+    if len(set(digests)) != 1:
+        raise RuntimeError(
+            f"the ranks' weights differ{when} (digests {digests}): every rank must draw the same "
+            "stochastic-rounding seeds"
+        )
+    return digests
+
+
+def rng_state(device: torch.device) -> dict:
+    """torch's CPU generator state, and ``device``'s when it is a CUDA device."""
+    return {
+        "cpu": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+    }
+
+
+def set_rng_state(device: torch.device, state: dict) -> None:
+    """Restore what rng_state(device) returned."""
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda" and state["cuda"] is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def write_atomically(path: pathlib.Path, write: Callable[[pathlib.Path], None]) -> None:
+    """write(tmp) to a temporary file beside ``path``, then put it in place in one rename."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def write_csv(path: pathlib.Path, rows: list[dict], columns: Sequence[str]) -> None:
+    """``rows`` as a CSV file with a header of ``columns``, written atomically."""
+
+    def write(tmp: pathlib.Path) -> None:
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns)
+            writer.writeheader()
+            writer.writerows(rows)
+
+    write_atomically(path, write)
