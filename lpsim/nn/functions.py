@@ -381,20 +381,15 @@ class FunctionQuantization(TorchFunctionMode):
         a, b = self._quantise(decision, "input", a), self._quantise(decision, "weight", b)
         bias = self._quantise(decision, "bias", bias)
         macs, operands = decision.how.macs, decision.how.operands
-        if operands is not None:  # the backward products quantise the unquantised operands
-            how = _functional.Arithmetic(
-                *(macs or (_functional.NATIVE,) * 3), None, None, None, *operands
-            )
-            if linear:
-                y = _functional.simulated_linear(a, b, bias, how, unquantised)
-            else:
-                y = _functional.simulated_matmul(a, b, how, unquantised)
-            return self._result(y, decision)
-        keywords = {} if macs is None else dict(zip(_MAC_FIELDS, macs))
-        if linear:
-            y = _functional.linear(a, b, bias, **keywords)
-        else:
-            y = _functional.matmul(a, b, **keywords)
+        how = _functional.Arithmetic(
+            *(macs or (_functional.NATIVE,) * 3), None, None, None, *(operands or (None, None))
+        )
+        if how.native:
+            y = F.linear(a, b, bias) if linear else torch.matmul(a, b)
+        elif linear:
+            y = _functional.simulated_linear(a, b, bias, how, unquantised)
+        else:  # the backward products' Operands quantise the unquantised operands
+            y = _functional.simulated_matmul(a, b, how, unquantised)
         return self._result(y, decision)
 
     def _matmul(self, func, args, kwargs):

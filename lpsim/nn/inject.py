@@ -251,21 +251,20 @@ def _simulated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     than in a forward pre-hook, so that the backward products can quantise the unquantised input
     (and the unquantised weight, its parametrisation's original) afresh."""
     mac, input_grad_mac, weight_grad_mac = _injected_macs(self)
-    keywords = dict(mac=mac, input_grad_mac=input_grad_mac, weight_grad_mac=weight_grad_mac)
     if isinstance(self, nn.Linear):
         done = getattr(self, _STATE)
-        if "operands" not in done:
-            return _functional.linear(x, self.weight, self.bias, **keywords)
-        operands = done["operands"] if self.training else done["eval_operands"]
-        quantise_input = done["input_quantiser"]
+        operands = done.get("operands" if self.training else "eval_operands", (None, None))
         weight = self.weight
         unquantised = (x, _unquantised_weight(self, weight))
-        if quantise_input is not None:
-            x = quantise_input(self, x)
+        if done["input_quantiser"] is not None:
+            x = done["input_quantiser"](self, x)
         how = _functional.Arithmetic(
             mac, input_grad_mac, weight_grad_mac, None, None, None, *operands
         )
+        if how.native:
+            return F.linear(x, weight, self.bias)
         return _functional.simulated_linear(x, weight, self.bias, how, unquantised)
+    keywords = dict(mac=mac, input_grad_mac=input_grad_mac, weight_grad_mac=weight_grad_mac)
     padding = self.padding
     if self.padding_mode != "zeros":
         x = F.pad(x, self._reversed_padding_repeated_twice, mode=self.padding_mode)
