@@ -28,7 +28,6 @@ from experiments.gpt.model import GPT, GPTConfig  # noqa: E402
 from lpsim import Float  # noqa: E402
 from lpsim.delayed_scaling import DelayedScaling  # noqa: E402
 from lpsim.nn import injected  # noqa: E402
-from lpsim.nn.functional import NATIVE  # noqa: E402
 from lpsim.scaled import Scaled, preset  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -242,14 +241,21 @@ def test_bf16_recipes_keep_every_weight_in_bfloat16_without_a_master_copy(corpus
             assert {settings[k].format for k in ("input", "output", "error")} == {Float(8, 7)}
 
 
-def test_hopper_recipes_sum_the_forward_products_on_the_tensor_core(corpus):
-    for name, mac in (("fp8-hopper", "H100/e4m3"), ("fp8-hopper-promoted", "DeepSeek-V3")):
+def test_hopper_recipes_sum_every_product_on_the_tensor_core(corpus):
+    for name, model_name in (("fp8-hopper", "H100/e4m3"), ("fp8-hopper-promoted", "DeepSeek-V3")):
         recipe = recipes.RECIPES[name]
         assert recipe.cpu_only
+        mac = recipes.scaled_operands_mac(model_name)
+        # The preset's tensor core, but each scaled operand aligned by its own exponent.
+        assert mac.tensor_core.operands is None
+        assert dataclasses.replace(mac.tensor_core, operands=Float(4, 3, special="fn")) == (
+            lpsim.mac.preset(model_name).tensor_core
+        )
         model, _, functions = build(name, corpus)
         for settings in layer_settings(model).values():
-            assert settings["macs"] == (lpsim.mac.preset(mac), NATIVE, NATIVE)
-        assert functions == recipes.RECIPES["fp8-current"].functions
+            assert settings["macs"] == (mac, mac, mac)  # forward, input and weight gradients
+        fp8 = recipes.RECIPES["fp8-current"].functions
+        assert functions == {k: dataclasses.replace(v, mac=mac) for k, v in fp8.items()}
 
 
 def build(name, corpus, **shape):

@@ -1,9 +1,12 @@
-"""mac_matmul's lane loop (csrc/cpu/mac_lanes.cpp) against the scalar loop it replaces for
-sequential MACs (one MacSum per result, csrc/cpu/accumulate.cpp), bit for bit: every rule, Float,
-Fixed and P3109 accumulators, rounded products, tile remainders, tasks split across threads, and
-adversarial sums (ties, near ties, cancellation, subnormals, overflow, Inf and NaN) for its float64
-fast path (csrc/include/lpsim/nearest_sum.h). The scalar loop itself is checked against the exact
-reference in test_mac.py; a few cases here check the lanes against that reference directly."""
+"""mac_matmul's faster loops against the scalar loop they replace (one MacSum per result,
+csrc/cpu/accumulate.cpp), bit for bit. The lane loop (csrc/cpu/mac_lanes.cpp) for sequential MACs:
+every rule, Float, Fixed and P3109 accumulators, rounded products, tile remainders, tasks split
+across threads, and adversarial sums (ties, near ties, cancellation, subnormals, overflow, Inf and
+NaN) for its float64 fast path (csrc/include/lpsim/nearest_sum.h). The tensor-core loop
+(csrc/cpu/tensor_core_loop.cpp): every preset, random tensor cores under every deterministic rule,
+Inf, NaN, overflow, cancellation and task boundaries. The scalar loop itself is checked against
+the exact reference in test_mac.py; a few cases here check the lanes against that reference
+directly."""
 
 from __future__ import annotations
 
@@ -13,11 +16,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support import assert_same_bits
 
 import lpsim
 from lpsim import MAC, P3109, Fixed, Float
 from lpsim import reference as ref
+from lpsim.mac import TensorCore
 
 FLOAT16 = Float(5, 10)
 BFLOAT16 = Float(8, 7)
@@ -161,8 +167,8 @@ def adversarial_sums(acc: Float) -> tuple[torch.Tensor, torch.Tensor]:
     a_rows = []
     b_cols = []
     # One row per s, one column per multiple: t = a[i, 1] * b[1, j] = step_i * coefficient_j.
-    for si, st in zip(s.tolist(), steps.tolist()):
-        a_rows.append([si, st])
+    for si, step_i in zip(s.tolist(), steps.tolist()):
+        a_rows.append([si, step_i])
     b_cols = [[1.0, c] for c in a1]
     # Terms far below the spacing: s + t is then no float64 value (TwoSum's error is t itself), and
     # rounding it toward zero, down or stochastically differs from rounding s.
@@ -227,3 +233,110 @@ def test_lanes_handle_every_mac_field_they_do_not_serve_by_the_scalar_loop():
         got, want = lanes_and_scalar(a, b, mac)
         assert_same_bits(got, want, repr(mac))
     assert dataclasses.replace(MAC(accumulator=BFLOAT16), rounding="up").rounding.name == "up"
+
+
+# ---- The tensor-core loop (csrc/cpu/tensor_core_loop.cpp) against the scalar loop, bit for bit.
+
+DETERMINISTIC = [r for r in RULES if not r.startswith("stochastic")]
+
+
+def tensor_core_operands(dtype, m, k, n, seed, fmt=None, spread=4.0):
+    """Operands of every magnitude (log-normal), with a cancellation, zero rows and columns, signed
+    zeros, and, in float32, subnormals; quantised to `fmt` when given."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g) * torch.randn(m, k, generator=g).mul(spread).exp()
+    b = torch.randn(k, n, generator=g) * torch.randn(k, n, generator=g).mul(spread).exp()
+    if k >= 3:
+        a[0, :3] = torch.tensor([1e4, -1e4, 3.0])
+        b[:3, 0] = 1.0
+    if m >= 3:
+        a[1, :] = 0.0
+        a[2, ::2] = -0.0
+    if n >= 3:
+        b[:, 1] = -0.0
+    if k >= 5 and m >= 4:
+        a[3, :5] = torch.tensor([1e-40, -3e-42, 2.0**-149, 1e-39, 5.0])  # float32 subnormals
+    if fmt is not None:
+        a, b = lpsim.quantize(a, fmt), lpsim.quantize(b, fmt)
+    return a.to(dtype), b.to(dtype)
+
+
+@pytest.mark.parametrize("name", sorted(lpsim.mac.PRESETS))
+def test_tensor_core_loop_equals_the_scalar_loop_for_every_preset(name):
+    mac = lpsim.mac.preset(name)
+    core = mac.tensor_core
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        k = 3 * (mac.chunk or core.group) + 5  # whole groups and chunks, then a partial one
+        a, b = tensor_core_operands(dtype, 7, k, 6, 1, core.operands)
+        got, want = lanes_and_scalar(a, b, mac)
+        assert_same_bits(got, want, f"{name} {dtype}")
+
+
+@given(
+    st.integers(0, 140),
+    st.integers(1, 128),
+    st.integers(0, 52),
+    st.one_of(st.none(), st.integers(-160, 40), st.sampled_from([-1000, 1000])),
+    st.sampled_from(DETERMINISTIC),
+    st.sampled_from(DETERMINISTIC),
+    st.sampled_from(["sequential", "chunked"]),
+    st.sampled_from([FLOAT32, FLOAT16, Float(8, 13), Float(4, 3, saturate=True), Float(6, 9)]),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    st.integers(0, 10_000),
+)
+@settings(max_examples=150, deadline=None)
+def test_tensor_core_loop_equals_the_scalar_loop_for_random_tensor_cores(
+    k, group, fraction_bits, floor, normalise, rounding, order, acc, dtype, seed
+):
+    # fraction_bits above 43 with large groups leave float64's exact sums: the loop declines them.
+    core = TensorCore(group, fraction_bits, floor, normalise)
+    chunked = dict(order="chunked", chunk=group * (1 + seed % 3), chunk_accumulator=Float(8, 13))
+    mac = MAC(
+        accumulator=acc,
+        rounding=rounding,
+        tensor_core=core,
+        **(chunked if order == "chunked" else {}),
+    )
+    a, b = tensor_core_operands(dtype, 5, k, 4, seed, spread=1.0 + seed % 7)
+    got, want = lanes_and_scalar(a, b, mac)
+    assert_same_bits(got, want, repr(mac))
+
+
+@pytest.mark.parametrize("normalise", ["toward_zero", "nearest", "up"])
+def test_tensor_core_loop_handles_inf_nan_overflow_and_exact_cancellation(normalise):
+    core = TensorCore(4, 13, -133, normalise)
+    a = torch.tensor(
+        [
+            [3e38, 3e38, 3e38, 3e38, 3e38, 1.0, 1.0, 1.0],  # the chain overflows, then goes on
+            [1.0, -1.0, 2.0, -2.0, 0.5, -0.5, 0.0, -0.0],  # exact cancellation: +0
+            [math.inf, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+            [1.0, math.nan, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+            [-0.0, -0.0, -0.0, -0.0, -0.0, -0.0, -0.0, -0.0],
+        ]
+    )
+    b = torch.ones(8, 3)
+    b[:, 2] = -1.0
+    for acc in (FLOAT32, Float(8, 13), Float(5, 10), Float(4, 3, saturate=True)):
+        for mac in (
+            MAC(accumulator=acc, tensor_core=core),
+            MAC(accumulator=acc, order="chunked", chunk=4, chunk_accumulator=acc, tensor_core=core),
+        ):
+            got, want = lanes_and_scalar(a, b, mac)
+            assert_same_bits(got, want, repr(mac))
+            if normalise != "up":
+                assert got[1].tolist() == [0.0, 0.0, 0.0]
+                assert math.copysign(1.0, got[1, 0].item()) == 1.0
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_tensor_core_loop_does_not_depend_on_the_thread_count_or_the_tasks_row_boundaries(threads):
+    # 221 results of 300 terms: the op's tasks start and end inside rows of 13.
+    a, b = tensor_core_operands(torch.float32, 17, 300, 13, 4, Float(4, 3, special="fn"))
+    mac = lpsim.mac.preset("DeepSeek-V3")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got, want = lanes_and_scalar(a, b, mac)
+    finally:
+        torch.set_num_threads(before)
+    assert_same_bits(got, want, repr(mac))

@@ -12,6 +12,7 @@
 
 #include "cpu/loops.h"
 #include "cpu/mac_lanes.h"
+#include "cpu/tensor_core_loop.h"
 #include "dispatch.h"
 
 namespace lpsim::cpu {
@@ -143,8 +144,11 @@ void mac_matmul(Dtype x_dtype, Rounding rounding, const void* a, const void* b, 
                 int64_t n, int64_t p, int64_t begin, int64_t end, const MacShape& shape,
                 const GridSpec* product, const GridSpec& acc, const GridSpec& inner,
                 const RandomSpec& random) {
-  // The sequential sums go through the lane loop (mac_lanes.h), which gives the same bits.
-  if (mac_matmul_lanes(x_dtype, rounding, a, b, y, n, p, begin, end, shape, product, acc, random)) {
+  // The sequential sums go through the lane loop (mac_lanes.h), which gives the same bits, and the
+  // tensor cores with deterministic rules through their loop (tensor_core_loop.h).
+  if (mac_matmul_lanes(x_dtype, rounding, a, b, y, n, p, begin, end, shape, product, acc, random) ||
+      mac_matmul_tensor_core(x_dtype, rounding, a, b, y, n, p, begin, end, shape, product, acc,
+                             inner)) {
     return;
   }
   with_container(x_dtype, [&](auto cx) {

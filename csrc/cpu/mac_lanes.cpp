@@ -13,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/float64_operands.h"
 #include "cpu/loops.h"
 #include "dispatch.h"
 
@@ -32,36 +33,6 @@ constexpr int kTileSize = kLanes * kRows;
 constexpr int64_t kTermBlock = 32;
 
 std::atomic<bool> lanes_enabled{true};
-
-// An operand as float64: exact for finite values, by the hardware's conversion where there is one
-// (float32, and bfloat16 as the top half of a float32; convert_exact cost about 1 ns an element).
-// A NaN's payload may differ from convert_exact's, which does not matter: a tile with an Inf or NaN
-// operand takes the generic loop, which redoes every lane that meets one with the scalar loop, on
-// the operands themselves.
-template <class X>
-LPSIM_INLINE double as_double(typename X::storage s) {
-  if constexpr (std::is_same_v<X, Float32Container>) {
-    float f;
-    __builtin_memcpy(&f, &s, sizeof f);
-    return f;
-  } else if constexpr (std::is_same_v<X, BFloat16Container>) {
-    const uint32_t u = uint32_t(s) << 16;
-    float f;
-    __builtin_memcpy(&f, &u, sizeof f);
-    return f;
-  } else {
-    const uint64_t u = convert_exact<F64, X>(static_cast<typename X::word>(s));
-    double d;
-    __builtin_memcpy(&d, &u, sizeof d);
-    return d;
-  }
-}
-
-LPSIM_INLINE uint64_t bits_of(double d) {
-  uint64_t u;
-  __builtin_memcpy(&u, &d, sizeof u);
-  return u;
-}
 
 // One tile's operands in float64: a's rows (kRows x n, rows past the tile's own are zero) and the
 // panel of b's columns (n x kLanes, columns past the tile's own are zero). A float64 product of two
@@ -455,5 +426,6 @@ bool mac_matmul_lanes(Dtype x_dtype, Rounding rounding, const void* a, const voi
 }
 
 bool set_mac_lanes(bool enabled) { return lanes_enabled.exchange(enabled); }
+bool mac_lanes_enabled() { return lanes_enabled.load(std::memory_order_relaxed); }
 
 }  // namespace lpsim::cpu

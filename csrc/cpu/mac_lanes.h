@@ -31,9 +31,11 @@ bool mac_matmul_lanes(Dtype x_dtype, Rounding rounding, const void* a, const voi
                       int64_t n, int64_t p, int64_t begin, int64_t end, const MacShape& shape,
                       const GridSpec* product, const GridSpec& acc, const RandomSpec& random);
 
-// Switches the loop on or off for the whole process and returns the previous setting. Tests only
-// (the private op lpsim::_mac_lanes): off, every result comes from the scalar loop, which the tests
-// compare the lanes against. It is on at load.
+// Switches the faster loops (this lane loop and the tensor-core loop, tensor_core_loop.h) on or off
+// for the whole process and returns the previous setting. Tests only (the private op
+// lpsim::_mac_lanes): off, every result comes from the scalar loop, which the tests compare the
+// faster loops against. They are on at load.
 bool set_mac_lanes(bool enabled);
+bool mac_lanes_enabled();
 
 }  // namespace lpsim::cpu

@@ -54,15 +54,18 @@ of scaled formats run along the last axis, the Linear products' reduction axis f
   weight gradient the error (stochastically) and the unquantised input (to nearest) quantised
   afresh in 1x16 blocks along the tokens, after the 16-point random Hadamard transform. Float32
   master weights. Not simulated: NVIDIA keeps some layers (the last few blocks) in BF16.
-- ``fp8-hopper``, ``fp8-hopper-promoted``: fp8-current, with the forward product of every quantised
-  Linear summed by lpsim.mac.preset("H100/e4m3") (the H100's FP8 tensor core: each group of 32
-  exact products and the running sum aligned to their largest exponent, truncated to 13 fraction
-  bits and normalised toward zero into a Float(8, 13) accumulator, never promoted) or
-  preset("DeepSeek-V3") (the same chain, promoted into float32 every 128 products).
-  The tensor-core model runs on a scalar CPU loop (about 30 ns per multiply-add on one thread),
-  so only the forward products are simulated: the two backward products of each Linear
-  (input_grad_mac, weight_grad_mac) are torch's float32 (lpsim.nn.functional.NATIVE), and so are
-  the attention products. The products run on the CPU only: these recipes need --device cpu.
+- ``fp8-hopper``, ``fp8-hopper-promoted``: fp8-current, with every product of every quantised
+  Linear (the forward product and both backward products) and both attention products summed by
+  lpsim.mac.preset("H100/e4m3") (the H100's FP8 tensor core: each group of 32 exact products and
+  the running sum aligned to their largest exponent, truncated to 13 fraction bits and normalised
+  toward zero into a Float(8, 13) accumulator, never promoted) or preset("DeepSeek-V3") (the same
+  chain, promoted into float32 every 128 products). The operands are the dequantised values (the
+  FP8 code times its tensor's float32 scale), so each is aligned by its own exponent
+  (``scaled_operands_mac``: the preset with ``operands=None``); the hardware multiplies the codes
+  and applies the two scales after the sum, so where a scale is not a power of two the model's
+  truncation points can differ from the hardware's by a bit, and the scales' own significand bits
+  take part in the truncated products. The products run on the CPU only (lpsim.mac's
+  tensor-core loop): these recipes need --device cpu.
 
 Attention (``functions``; fp32 and the bf16 recipes have none): every FP8 and scaled recipe rounds
 the operands of both attention products into its forward element format and the errors flowing
@@ -89,11 +92,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 import lpsim
-from lpsim import Float
+from lpsim import MAC, Float
 from lpsim.delayed_scaling import DelayedScaling
 from lpsim.nn import LayerQuantization, inject
-from lpsim.nn.functional import NATIVE, Operands
-from lpsim.recipes import MXFP8, WEIGHT_LAYERS, Recipe
+from lpsim.nn.functional import Operands
+from lpsim.recipes import MXFP8, Recipe
 from lpsim.scaled import Scaled, preset
 
 __all__ = [
@@ -139,30 +142,25 @@ def _along(spec, axis: int):
     return fmt, rounding
 
 
-def attention_functions(forward, error) -> dict[str, LayerQuantization]:
+def attention_functions(forward, error, mac: MAC | None = None) -> dict[str, LayerQuantization]:
     """The quantize_functions config of the two attention products: operands in ``forward``
     ((format, rounding); scaled blocks along each operand's reduction axis: -1 for q and p, -2 for
-    k^T and v) and the errors into the products in ``error`` (blocks along -1)."""
+    k^T and v), the errors into the products in ``error`` (blocks along -1), and ``mac`` for their
+    forward and backward products (None: torch's)."""
     first, second, errors = _along(forward, -1), _along(forward, -2), _along(error, -1)
-    product = LayerQuantization(input=first, weight=second, error=errors)
+    product = LayerQuantization(input=first, weight=second, error=errors, mac=mac)
     return {"attention.scores": product, "attention.context": product}
 
 
-def linear_layers(recipe: Recipe, *, forward_mac_only: bool = False) -> Callable[[nn.Module], dict]:
+def linear_layers(recipe: Recipe) -> Callable[[nn.Module], dict]:
     """The inject() config maker of a Recipe with placement "operands" for the GPT: its
-    Linear-operand quantisers on every Linear but the head (which stays float32, as do the
-    embeddings and LayerNorms). ``forward_mac_only``: the recipe's MAC sums the forward products
-    only, the backward products are torch's float32 (NATIVE)."""
+    Linear-operand quantisers (and its MAC, for the forward and both backward products) on every
+    Linear but the head (which stays float32, as do the embeddings and LayerNorms)."""
     if recipe.placement != "operands":
         raise ValueError(f"linear_layers needs a recipe with placement 'operands', got {recipe}")
 
     def layers(model: nn.Module) -> dict:
-        config = {HEAD: None, **replace(recipe, keep_edges=False).layers(model)}
-        if forward_mac_only and recipe.mac is not None:
-            config[WEIGHT_LAYERS] = replace(
-                config[WEIGHT_LAYERS], input_grad_mac=NATIVE, weight_grad_mac=NATIVE
-            )
-        return config
+        return {HEAD: None, **replace(recipe, keep_edges=False).layers(model)}
 
     return layers
 
@@ -283,13 +281,21 @@ def _fp4(name: str, linear: LayerQuantization, summary: str) -> GPTRecipe:
     )
 
 
+def scaled_operands_mac(name: str) -> MAC:
+    """lpsim.mac.preset(name) for operands that carry a per-tensor scale: the preset's tensor core
+    with ``operands=None``, so that each operand is aligned by its own exponent (float32's emin),
+    not clamped to the FP8 format's emin as though a scaled value were an FP8 code."""
+    mac = lpsim.mac.preset(name)
+    return replace(mac, tensor_core=replace(mac.tensor_core, operands=None))
+
+
 def _hopper(name: str, mac_name: str, summary: str) -> GPTRecipe:
-    recipe = replace(_FP8_CURRENT, name=name, mac=lpsim.mac.preset(mac_name))
+    mac = scaled_operands_mac(mac_name)
     return GPTRecipe(
         name,
         summary,
-        layers=linear_layers(recipe, forward_mac_only=True),
-        functions=_FP8_FUNCTIONS,
+        layers=linear_layers(replace(_FP8_CURRENT, name=name, mac=mac)),
+        functions=attention_functions(_E4M3_TENSOR, _E5M2_TENSOR, mac),
         cpu_only=True,
     )
 
@@ -343,12 +349,12 @@ RECIPES: dict[str, GPTRecipe] = {
         _hopper(
             "fp8-hopper",
             "H100/e4m3",
-            "fp8-current, forward products on H100's FP8 tensor core (never promoted)",
+            "fp8-current, every product on H100's FP8 tensor core (never promoted)",
         ),
         _hopper(
             "fp8-hopper-promoted",
             "DeepSeek-V3",
-            "fp8-current, forward products on H100's FP8 tensor core promoted to float32 every 128",
+            "fp8-current, every product on H100's FP8 tensor core, promoted to float32 every 128",
         ),
     )
 }

@@ -175,4 +175,40 @@ LPSIM_FN uint64_t tensor_core_step(const TensorCoreSpec& spec, const TensorCoreG
   return round_sum_by_rule(spec.normalise, hi, lo, g, random, mask);
 }
 
+// The step in float64 arithmetic, for loops that hold the operands as float64 values (the CPU's
+// tensor-core loop, cpu/tensor_core_loop.cpp, which the tests compare with tensor_core_step bit for
+// bit). With finite operands and c, each term's truncation truncated_count(v, q) is trunc(v 2^-q)
+// computed in float64: v is an exact product (at most 48 significant bits) or c (at most 53), and
+// scaling by the power of two 2^-q is exact, or leaves a value below 1 that truncates to 0 either
+// way; |v 2^-q| < 2^(F + 2). The group's terms and c are integers below 2^(F + 2), so every partial
+// sum of them, in any order, is exact in float64 when (group + 1) 2^(F + 2) <= 2^53.
+LPSIM_FN bool tensor_core_sums_in_float64(const TensorCoreSpec& spec) {
+  return spec.fraction_bits <= 51 &&
+         (int64_t(spec.group) + 1) << (spec.fraction_bits + 2) <= int64_t(1) << 53;
+}
+
+// 2^e as a float64, e in [-1022, 1023].
+LPSIM_FN double pow2_double(int32_t e) {
+  const uint64_t bits = static_cast<uint64_t>(e + Float64Container::bias)
+                        << Float64Container::man_bits;
+  double d;
+  __builtin_memcpy(&d, &bits, sizeof d);
+  return d;
+}
+
+// The weights of the last kept bit that the float64 step serves: 2^-q and the result sum 2^q are
+// normal float64 values (|sum| < 2^53).
+LPSIM_FN bool tensor_core_weight_in_float64(int32_t q) { return q >= -1000 && q <= 960; }
+
+// The step's result from the exact sum of its truncated terms in float64 (an integer, |sum| <
+// 2^53) and the weight 2^q of their last bit: tensor_core_step's ending, on the same words.
+LPSIM_FN uint64_t tensor_core_result(const TensorCoreSpec& spec, double sum, int32_t q,
+                                     const Grid<Float64Container>& g) {
+  if (sum == 0) return 0;
+  const double value = sum * pow2_double(q);  // exact: a power-of-two scaling to a normal value
+  uint64_t bits;
+  __builtin_memcpy(&bits, &value, sizeof bits);
+  return round_sum_by_rule(spec.normalise, bits, 0, g, 0, 0);
+}
+
 }  // namespace lpsim
