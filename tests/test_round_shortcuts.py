@@ -1,5 +1,6 @@
 """The CPU loops' shortcuts for round to nearest and stochastic rounding (round_nearest_shortcut
-and round_stochastic_shortcut in lpsim/round.h) give round_to_grid's bits, compared in C++
+and round_stochastic_shortcut in lpsim/round.h, and their forms for inputs where no special case
+arises, lpsim/in_range.h) give round_to_grid's bits, compared in C++
 (tests/cpp/round_shortcuts_check.cpp) under both rules (stochastic: a random word per input and
 rbits 32, 1, 3, 8, 13 and 23 in turn) on every bfloat16 and float16 value, on every 251st float32
 bit pattern and the values within 64 units of every power of two, and on random float64 values,
@@ -10,6 +11,7 @@ reference either way."""
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 
@@ -86,6 +88,71 @@ def test_shortcut_applies_to_float_formats_with_subnormals(check_output, name):
     report = _report(check_output, FORMATS[name][0])
     assert report["float32"].startswith("compared"), report
     assert report["float64"].startswith("compared"), report
+
+
+def _in_range(report: dict[str, str]) -> dict[str, tuple[int, int]]:
+    """container -> (inputs compared in lpsim/in_range.h's range, of which in its fixed part)."""
+    counts = {}
+    for container, text in report.items():
+        found = re.search(r"in range (\d+), fixed (\d+)", text)
+        if found:
+            counts[container] = (int(found[1]), int(found[2]))
+    return counts
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["bfloat16", "float16", "e5m2", "e4m3fn", "e2m1", "e8m22", "e5m2fnuz", "e11m3-in-float64"],
+)
+def test_the_in_range_forms_are_compared_where_they_apply(check_output, name):
+    counts = _in_range(_report(check_output, FORMATS[name][0]))
+    assert counts and all(fixed > 0 for _, fixed in counts.values()), counts
+
+
+@pytest.mark.parametrize("name", ["float16", "e5m2", "e4m3fn", "e3m2"])
+def test_the_variable_quantum_is_compared_in_the_grids_subnormal_binades(check_output, name):
+    counts = _in_range(_report(check_output, FORMATS[name][0]))
+    assert counts["float32"][0] > counts["float32"][1] > 0, counts
+
+
+def test_the_in_range_forms_need_a_kept_fraction_bit(check_output):
+    counts = _in_range(_report(check_output, FORMATS["e8m0-precision1"][0]))
+    assert counts["float32"] == (0, 0), counts
+
+
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "e4m3fn", "e5m2fnuz", "e2m1", "e8m22"])
+@pytest.mark.parametrize("scale", [1.0, 1e-4])
+def test_quantize_equals_the_reference_on_blocks_in_and_out_of_the_ranges(name, scale):
+    # The CPU loop rounds blocks of 256 wholly in the fixed-quantum range by that form, blocks
+    # reaching into the grid's subnormal binades by the variable one (scale 1e-4 puts float16's
+    # there), others by the shortcut: blocks wholly in range, blocks with one input out of it (the
+    # smallest subnormals, below them, above the limit, Inf, NaN, zeros of both signs), a partial
+    # last block, a view from element 100, in place and not, both rules.
+    fmt = FORMATS[name][0]
+    g = torch.Generator().manual_seed(1)
+    limit = fmt.grid().pos_limit
+    base = (torch.randn(256 * 12 + 77, generator=g, dtype=torch.float64) * scale).clamp(
+        -limit, limit
+    )
+    smallest = 2.0 ** fmt.grid().qmin
+    outliers = [1e-30, -3e-8, 1e30, math.inf, -math.inf, math.nan, 0.0, -0.0, 1.5 * smallest]
+    for i, v in enumerate(outliers):
+        base[256 * (i + 2) + 17 * i] = v
+    base[5] = 0.0
+    base[6] = -0.0
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        try:
+            lpsim.formats.check_fits(fmt, dtype)
+        except ValueError:
+            continue
+        for x in (base.to(dtype), base.to(dtype)[100:]):
+            for rule in ("nearest", "stochastic"):
+                seed = 3 if rule == "stochastic" else None
+                want = ref.quantize(x, fmt, rule, seed=seed)
+                assert_same_bits(lpsim.quantize(x, fmt, rule, seed=seed), want, f"{dtype} {rule}")
+                y = x.clone()
+                lpsim.quantize_(y, fmt, rule, seed=seed)
+                assert_same_bits(y, want, f"{dtype} {rule} in place")
 
 
 @pytest.mark.parametrize("name", ["no-subnormals", "p3109-8p3", "fixed"])

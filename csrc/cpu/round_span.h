@@ -2,6 +2,7 @@
 // round (quantize.cpp, statistics.cpp). Inline: it is compiled into each entry point's clones.
 #pragma once
 
+#include <lpsim/in_range.h>
 #include <lpsim/philox.h>
 #include <lpsim/round.h>
 
@@ -10,6 +11,27 @@
 #include "cpu/loops.h"
 
 namespace lpsim::cpu {
+
+// Elements per block of the range tests: 1 KiB of float32, in the L1 cache; one group of random
+// words.
+constexpr int64_t kRangeBlock = kGroupSize;
+
+// Which form rounds a block (lpsim/in_range.h): the fixed quantum, the variable one, or the
+// shortcut. The test reads the block once more from the cache before it is written, so y may be x.
+enum class Form { fixed, variable, shortcut };
+
+template <class C>
+LPSIM_INLINE Form block_form(const typename C::storage* x, int64_t n, bool ranged,
+                             const InRange<C>& r) {
+  using W = typename C::word;
+  if (!ranged) return Form::shortcut;
+  W outside = 0, outside_fixed = 0;
+  for (int64_t k = 0; k < n; ++k) {
+    outside |= outside_range<C>(x[k], r.low, r.span, r.zero_span);
+    outside_fixed |= outside_range<C>(x[k], r.fixed_low, r.fixed_span, r.zero_span);
+  }
+  return outside_fixed == 0 ? Form::fixed : outside == 0 ? Form::variable : Form::shortcut;
+}
 
 // Round x[0, n) onto one grid into y[0, n), where x and y hold the elements [first, first + n) of
 // a tensor: element k draws the random word of element first + k. The loops have no dependence
@@ -22,12 +44,57 @@ LPSIM_INLINE void round_span(const typename C::storage* x, typename C::storage* 
   // A local copy: y may alias the grid's words as far as the compiler knows, which would force a
   // reload of every field in every iteration and block vectorisation.
   const Grid<C> g = grid;
-  // Round to nearest and stochastic rounding take the core's shortcuts where they apply (round.h).
-  if constexpr (R == Rounding::nearest) {
+  // Round to nearest and stochastic rounding go by blocks where the core's shortcuts apply
+  // (round.h): a block whose inputs all lie in lpsim/in_range.h's ranges takes its forms (float32
+  // to bfloat16 nearest 1.8 -> 0.6 ns per element on one core), others the shortcut.
+  constexpr bool kShortcut = R == Rounding::nearest || R == Rounding::stochastic;
+  if constexpr (kShortcut) {
     if (shortcut_applies(g)) {
-      const typename C::word half_min = pow2_bits<C>(g.qmin - 1);
-      for (int64_t k = 0; k < n; ++k)
-        y[k] = static_cast<S>(round_nearest_shortcut<C>(x[k], g, half_min));
+      InRange<C> range{};
+      const bool ranged = make_in_range(g, range);
+      const InRange<C> r = range;
+      [[maybe_unused]] const typename C::word half_min = pow2_bits<C>(g.qmin - 1);
+      for (int64_t k0 = 0; k0 < n;) {
+        // Stochastic blocks are the random-word groups' pieces of the span.
+        const int64_t group = (first + k0) / kGroupSize;
+        const int64_t skip = first + k0 - group * kGroupSize;  // words[k - k0 + skip]: element k's
+        const int64_t k1 = std::min(n, k0 + kRangeBlock - skip);
+        const S* xs = x + k0;
+        S* ys = y + k0;
+        const int64_t m = k1 - k0;
+        const Form form = block_form<C>(xs, m, ranged, r);
+        if constexpr (R == Rounding::nearest) {
+          if (form == Form::fixed) {
+            for (int64_t k = 0; k < m; ++k)
+              ys[k] = static_cast<S>(round_nearest_at<C>(xs[k], r.shift));
+          } else if (form == Form::variable) {
+            for (int64_t k = 0; k < m; ++k) {
+              ys[k] = static_cast<S>(round_nearest_at<C>(xs[k], in_range_shift<C>(xs[k], r)));
+            }
+          } else {
+            for (int64_t k = 0; k < m; ++k) {
+              ys[k] = static_cast<S>(round_nearest_shortcut<C>(xs[k], g, half_min));
+            }
+          }
+        } else {
+          const uint32_t* words = cache.group(group) + skip;
+          if (form == Form::fixed) {
+            for (int64_t k = 0; k < m; ++k) {
+              ys[k] = static_cast<S>(round_stochastic_at<C>(xs[k], r.shift, words[k], mask));
+            }
+          } else if (form == Form::variable) {
+            for (int64_t k = 0; k < m; ++k) {
+              ys[k] = static_cast<S>(
+                  round_stochastic_at<C>(xs[k], in_range_shift<C>(xs[k], r), words[k], mask));
+            }
+          } else {
+            for (int64_t k = 0; k < m; ++k) {
+              ys[k] = static_cast<S>(round_stochastic_shortcut<C>(xs[k], g, words[k], mask));
+            }
+          }
+        }
+        k0 = k1;
+      }
       return;
     }
   }
@@ -39,14 +106,6 @@ LPSIM_INLINE void round_span(const typename C::storage* x, typename C::storage* 
       const int64_t skip = first - group * kGroupSize;  // words[k + skip] is element k's word
       const int64_t stop = std::min(n, kGroupSize - skip);
       const uint32_t* words = cache.group(group);
-      if constexpr (R == Rounding::stochastic) {
-        if (shortcut_applies(g)) {
-          for (; k < stop; ++k) {
-            y[k] = static_cast<S>(round_stochastic_shortcut<C>(x[k], g, words[k + skip], mask));
-          }
-          continue;
-        }
-      }
       for (; k < stop; ++k) {
         y[k] = static_cast<S>(round_to_grid<R, C>(x[k], g, words[k + skip], mask));
       }

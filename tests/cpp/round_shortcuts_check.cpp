@@ -1,4 +1,5 @@
-// Host check of round_nearest_shortcut and round_stochastic_shortcut (lpsim/round.h) against
+// Host check of round_nearest_shortcut and round_stochastic_shortcut (lpsim/round.h), and of the
+// forms of lpsim/in_range.h (both quantum shifts) on the inputs in their ranges, against
 // round_to_grid<nearest> and round_to_grid<stochastic>, bit for bit, every input under both rules
 // (stochastic with a random word per input and rbits 32, 1, 3, 8, 13 and 23 in turn): for each grid
 // given on the command line and each container it fits, every bfloat16 and float16 value, the
@@ -7,11 +8,13 @@
 // and run by tests/test_round_shortcuts.py (with `sample` for every grid). Each argument is one
 // grid: the GridSpec fields in the order of lpsim/grid_spec.h (limits as hexadecimal floats),
 // comma-separated, then `all` or `sample`. Prints per grid and container whether the shortcut
-// applies and how many values were compared, one line per failure (capped), and "<n> failures"
-// last.
+// applies and how many values were compared (and how many of them in in_range.h's range, and in
+// its fixed part), one line per failure (capped), and "<n> failures" last.
 #include <lpsim/grid_spec.h>
+#include <lpsim/in_range.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -25,6 +28,8 @@ namespace {
 using namespace lpsim;
 
 long long failures = 0;
+// Inputs compared in the in_range.h forms' range and in its fixed part, per grid and container.
+std::atomic<long long> in_range{0}, in_fixed_range{0};
 
 // A random word per input, from the input and a salt (any fixed function will do: the two forms
 // must agree for every word).
@@ -42,17 +47,32 @@ constexpr int kRbits[] = {32, 1, 3, 8, 13, 23};
 // stochastic rounding with v's random word and the rbits v picks; got and want receive the two.
 template <class C>
 LPSIM_INLINE bool differ(uint64_t v, bool stochastic, const Grid<C>& g, typename C::word half_min,
-                         typename C::word& got, typename C::word& want) {
+                         typename C::word& got, typename C::word& want, long long& ranged,
+                         long long& fixed) {
   using W = typename C::word;
   const W u = static_cast<W>(v);
+  const uint32_t random = word_of(v, 0x5bd1e995u);
+  const uint32_t mask = random_mask(kRbits[v % 6]);
+  // A form of lpsim/in_range.h at quantum bit s.
+  auto form = [&](int32_t s) {
+    return stochastic ? round_stochastic_at<C>(u, s, random, mask) : round_nearest_at<C>(u, s);
+  };
   if (!stochastic) {
     got = round_nearest_shortcut<C>(u, g, half_min);
     want = round_to_grid<Rounding::nearest, C>(u, g, 0, 0);
   } else {
-    const uint32_t random = word_of(v, 0x5bd1e995u);
-    const uint32_t mask = random_mask(kRbits[v % 6]);
     got = round_stochastic_shortcut<C>(u, g, random, mask);
     want = round_to_grid<Rounding::stochastic, C>(u, g, random, mask);
+  }
+  // The forms of lpsim/in_range.h, for the inputs in their ranges.
+  InRange<C> r;
+  if (got == want && make_in_range(g, r) && outside_range<C>(u, r.low, r.span, r.zero_span) == 0) {
+    got = form(in_range_shift<C>(u, r));
+    ++ranged;
+    if (got == want && outside_range<C>(u, r.fixed_low, r.fixed_span, r.zero_span) == 0) {
+      got = form(r.shift);
+      ++fixed;
+    }
   }
   return got != want;
 }
@@ -70,14 +90,18 @@ long long compare_range(uint64_t begin, uint64_t end, uint64_t stride, const Gri
       const uint64_t count = std::min(kBlock, (end - start + stride - 1) / stride);
       uint64_t mismatches = 0;
       W got, want;
+      long long ranged = 0, fixed = 0;
       for (uint64_t i = 0; i < count; ++i) {
-        mismatches += differ<C>(start + i * stride, stochastic, g, half_min, got, want);
+        mismatches +=
+            differ<C>(start + i * stride, stochastic, g, half_min, got, want, ranged, fixed);
       }
+      in_range += ranged;
+      in_fixed_range += fixed;
       compared += static_cast<long long>(count);
       if (mismatches == 0) continue;
       for (uint64_t i = 0; i < count; ++i) {
         const uint64_t v = start + i * stride;
-        if (differ<C>(v, stochastic, g, half_min, got, want) && bad++ < 10) {
+        if (differ<C>(v, stochastic, g, half_min, got, want, ranged, fixed) && bad++ < 10) {
           std::printf("  input %llx (%s, rbits %d): shortcut %llx, round_to_grid %llx\n",
                       (unsigned long long)v, stochastic ? "stochastic" : "nearest", kRbits[v % 6],
                       (unsigned long long)got, (unsigned long long)want);
@@ -146,6 +170,8 @@ void check(const char* name, const GridSpec& spec, bool all) {
     std::printf("  %s: shortcut does not apply\n", name);
     return;
   }
+  in_range = 0;
+  in_fixed_range = 0;
   long long compared = compare_powers_of_two<C>(g, 64);
   if constexpr (C::word_bits == 32 && sizeof(typename C::storage) == 2) {
     compared += compare_words<C>(uint64_t(1) << 16, 1, g);
@@ -161,7 +187,8 @@ void check(const char* name, const GridSpec& spec, bool all) {
     }
     failures += bad;
   }
-  std::printf("  %s: compared %lld\n", name, compared);
+  std::printf("  %s: compared %lld, in range %lld, fixed %lld\n", name, compared, in_range.load(),
+              in_fixed_range.load());
 }
 
 GridSpec parse(const std::string& text) {

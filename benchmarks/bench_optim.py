@@ -1,0 +1,100 @@
+"""The optimizer step on resnet18's parameters: torch's SGD, OptimLP around it, and FusedSGD.
+
+    python benchmarks/bench_optim.py [--threads 1] [--repeat 7] [--format e5m10] [--quick]
+
+torchvision's resnet18 (11.2M parameters, 62 tensors, float32) with random gradients. Each step
+is timed alternately for torch.optim.SGD (momentum 0.9, weight decay 5e-4), OptimLP wrapping the
+same SGD with ``--format`` for the weight, gradient and momentum (three rounding passes over every
+parameter after torch's step), and lpsim.optim.FusedSGD with the same formats (one pass), under
+round to nearest and stochastic rounding. Printed: medians of --repeat steps and each one's ratio
+to torch's SGD step, measured over the same stretch of time.
+
+--quick: a small model and few repeats, a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from lpsim import Float
+from lpsim.optim import FusedSGD, OptimLP
+
+FORMATS = {"e5m10": Float(5, 10), "bf16": Float(8, 7), "e4m3": Float(4, 3, special="fn")}
+SGD = dict(lr=0.01, momentum=0.9, weight_decay=5e-4)
+
+
+def _model(quick: bool) -> nn.Module:
+    if quick:
+        return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 10))
+    import torchvision
+
+    return torchvision.models.resnet18(num_classes=10)
+
+
+def _optimizers(params, fmt: Float, rounding: str) -> dict:
+    formats = dict(weight=fmt, grad=fmt, momentum=fmt)
+    return {
+        "torch.optim.SGD": torch.optim.SGD(params, **SGD),
+        "OptimLP(SGD)": OptimLP(torch.optim.SGD(params, **SGD), rounding=rounding, **formats),
+        "FusedSGD": FusedSGD(
+            params,
+            **SGD,
+            weight_format=fmt,
+            grad_format=fmt,
+            state_format=fmt,
+            rounding=rounding,
+        ),
+    }
+
+
+def _time(step) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--format", choices=sorted(FORMATS), default="e5m10")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    repeat = 2 if args.quick else args.repeat
+    fmt = FORMATS[args.format]
+    rows = []
+    torch.manual_seed(0)
+    model = _model(args.quick)
+    params = list(model.parameters())
+    count = sum(p.numel() for p in params)
+    print(
+        f"{count / 1e6:.1f}M parameters in {len(params)} tensors, {args.format}, "
+        f"{args.threads} thread(s), medians of {repeat} steps"
+    )
+    print(f"{'rounding':<10} {'optimizer':<18} {'ms':>9} {'ratio':>7}")
+    for rounding in ("nearest", "stochastic"):
+        optimizers = _optimizers(params, fmt, rounding)
+        times: dict[str, list[float]] = {name: [] for name in optimizers}
+        for _ in range(repeat + 1):  # the first round warms up and is dropped
+            for name, optimizer in optimizers.items():
+                for p in params:
+                    p.grad = torch.randn_like(p) * 1e-2
+                times[name].append(_time(optimizer.step))
+        base = statistics.median(times["torch.optim.SGD"][1:])
+        for name, measured in times.items():
+            median = statistics.median(measured[1:])
+            rows.append(
+                dict(rounding=rounding, optimizer=name, ms=median * 1e3, ratio=median / base)
+            )
+            print(f"{rounding:<10} {name:<18} {median * 1e3:9.1f} {median / base:6.2f}x")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

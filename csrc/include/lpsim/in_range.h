@@ -1,0 +1,95 @@
+// Rounding where no special case can arise: the magnitudes from a grid's second-smallest binade up
+// to its limits (and zero where the grid keeps its sign). There round_nearest_shortcut and
+// round_stochastic_shortcut (round.h) reduce to rounding the container bits at one bit s, the
+// quantum 2^s container units: no underflow to zero or to the smallest subnormal, no overflow, Inf
+// or NaN. Above the grid's subnormals s is fixed, kMan - keep; in its subnormal binades it is
+// qmin + kMan - e for a container exponent field e. The CPU loops (cpu/round_span.h) test a block
+// of inputs against the two ranges and round it by the fixed form, the variable form or the
+// shortcut. tests/cpp/round_shortcuts_check.cpp compares both forms with round_to_grid on every
+// input in range (every bfloat16 and float16 value, samples of float32 and float64 values).
+#pragma once
+
+#include "round.h"
+#include "stochastic.h"
+
+namespace lpsim {
+
+template <class C>
+struct InRange {
+  using word = typename C::word;
+  word low;           // the smallest magnitude in range: binade max(qmin + 1, 1) (a container
+                      // subnormal's quantum is not its binade's; binade qmin ends at s = kMan)
+  word span;          // the largest magnitude in range, the smaller limit, minus low
+  word fixed_low;     // the smallest magnitude where s is fixed: binade max(qmin + keep, 1)
+  word fixed_span;    // the smaller limit minus fixed_low
+  word zero_span;     // ~0 where the grid keeps the sign of zero (zero is in range), else 0
+  int32_t shift;      // the fixed s, kMan - keep
+  int32_t subnormal;  // qmin + kMan: s = subnormal - e below the fixed range
+};
+
+// Whether the forms apply to g (a grid the shortcuts serve, keeping at least one fraction bit,
+// with a nonempty range), and their constants.
+template <class C>
+LPSIM_FN bool make_in_range(const Grid<C>& g, InRange<C>& r) {
+  using W = typename C::word;
+  if (!shortcut_applies(g) || g.keep < 1) return false;
+  const int32_t first = max_of(g.qmin + 1, int32_t(1));
+  const int32_t fixed = max_of(g.qmin + g.keep, int32_t(1));
+  if (fixed >= (1 << C::exp_bits) - 1) return false;
+  const W high = min_of(g.pos_limit, g.neg_limit);
+  r.low = W(first) << C::man_bits;
+  r.fixed_low = W(fixed) << C::man_bits;
+  if (high < r.fixed_low) return false;  // unsigned grids (no negative values), empty ranges
+  r.span = high - r.low;
+  r.fixed_span = high - r.fixed_low;
+  r.zero_span = g.zero_sign == C::sign_mask ? ~W(0) : W(0);
+  r.shift = C::man_bits - g.keep;
+  r.subnormal = g.qmin + C::man_bits;
+  return true;
+}
+
+// Nonzero when container bits u lie outside [low, low + span] (and are not a zero in range): a
+// word, not a bool, for the vectoriser.
+template <class C>
+LPSIM_FN typename C::word outside_range(typename C::word u, typename C::word low,
+                                        typename C::word span, typename C::word zero_span) {
+  using W = typename C::word;
+  const W a = u & C::abs_mask;
+  return select(W(a - low) > span, W(1), W(0)) & select(a == 0, W(~zero_span), ~W(0));
+}
+
+// The quantum's bit s for u in r's range: the fixed s, or the subnormal binades' (at most kMan - 1
+// in range; the clamp only keeps shifts defined for the zero).
+template <class C>
+LPSIM_FN int32_t in_range_shift(typename C::word u, const InRange<C>& r) {
+  const int32_t e = static_cast<int32_t>((u & C::abs_mask) >> C::man_bits);
+  return min_of(max_of(r.shift, r.subnormal - e), int32_t(C::man_bits - 1));
+}
+
+// u rounded to nearest, ties to even, at the quantum 2^s, s in [1, kMan - 1]: the last kept bit is
+// bit s, a carry out of the fraction moves into the exponent field (the next binade's first value),
+// the result stays within the limits (grid values: rounding to nearest is monotone), and a zero
+// stays the signed zero. round_nearest_shortcut's bits for u in range.
+template <class C>
+LPSIM_FN typename C::word round_nearest_at(typename C::word u, int32_t s) {
+  using W = typename C::word;
+  const W a = u & C::abs_mask;
+  const W unit = W(1) << s;
+  return ((a + ((unit >> 1) - W(1)) + ((a >> s) & W(1))) & (W(0) - unit)) | (u & C::sign_mask);
+}
+
+// u rounded stochastically (Rounding::stochastic) at the quantum 2^s, s in [1, kMan - 1]: the
+// discarded bits, read at the top of a word, decide as everywhere (stochastic_rounds_up); rounding
+// up stays within the limits (grid values). round_stochastic_shortcut's bits for u in range.
+template <class C>
+LPSIM_FN typename C::word round_stochastic_at(typename C::word u, int32_t s, uint32_t random,
+                                              uint32_t mask) {
+  using W = typename C::word;
+  constexpr int kBits = C::word_bits;
+  const W a = u & C::abs_mask;
+  const uint32_t discarded = static_cast<uint32_t>(W(a << (kBits - s)) >> (kBits - 32));
+  const W up = select(stochastic_rounds_up(discarded, random, mask), W(1), W(0));
+  return (((a >> s) + up) << s) | (u & C::sign_mask);
+}
+
+}  // namespace lpsim
