@@ -94,3 +94,19 @@ def test_mac_benchmark_prints_a_row_per_mac_against_torch_matmul(capsys):
     assert all(r["gflops"] > 0 and r["torch_gflops"] > 0 and r["ratio"] > 0 for r in rows)
     assert all(r["rows"] == 64 and r["shape"] == "64x64x64" for r in rows)
     assert "lane loop" in capsys.readouterr().out
+
+
+def test_optimizer_benchmark_times_each_optimizer_against_torchs_sgd(capsys):
+    bench_optim = _import("bench_optim")
+    threads = torch.get_num_threads()
+    try:
+        rows = bench_optim.main(["--quick"])
+    finally:
+        torch.set_num_threads(threads)
+    names = ["torch.optim.SGD", "OptimLP(SGD)", "FusedSGD"]
+    assert [(r["rounding"], r["optimizer"]) for r in rows] == [
+        (rule, name) for rule in ("nearest", "stochastic") for name in names
+    ]
+    assert all(r["ms"] > 0 for r in rows)
+    assert [r["ratio"] for r in rows if r["optimizer"] == "torch.optim.SGD"] == [1.0, 1.0]
+    assert "FusedSGD" in capsys.readouterr().out
