@@ -1,5 +1,6 @@
-// The loop that rounds a contiguous span of a tensor onto one grid, shared by the loop files that
-// round (quantize.cpp, statistics.cpp). Inline: it is compiled into each entry point's clones.
+// The loops that round a contiguous span of a tensor onto one grid, shared by the loop files that
+// round (quantize.cpp, statistics.cpp, scaled.cpp). Inline: it is compiled into each entry point's
+// clones.
 #pragma once
 
 #include <lpsim/in_range.h>
@@ -33,6 +34,54 @@ LPSIM_INLINE Form block_form(const typename C::storage* x, int64_t n, bool range
   return outside_fixed == 0 ? Form::fixed : outside == 0 ? Form::variable : Form::shortcut;
 }
 
+// x[0, n) rounded onto g into y[0, n) by round to nearest or stochastic rounding (R), for a grid
+// the core's shortcuts serve: each block of kRangeBlock by the form of lpsim/in_range.h it allows
+// (`ranged`: make_in_range(g, r) held), else by the shortcut. words[k] is element k's random word
+// (stochastic rounding only). x and y may be the same memory.
+template <class C, Rounding R>
+LPSIM_INLINE void round_by_forms(const typename C::storage* x, typename C::storage* y,
+                                 const uint32_t* words, int64_t n, const Grid<C>& g, bool ranged,
+                                 const InRange<C>& r, uint32_t mask) {
+  static_assert(R == Rounding::nearest || R == Rounding::stochastic);
+  using S = typename C::storage;
+  [[maybe_unused]] const typename C::word half_min = pow2_bits<C>(g.qmin - 1);
+  for (int64_t k0 = 0; k0 < n; k0 += kRangeBlock) {
+    const int64_t m = std::min(kRangeBlock, n - k0);
+    const S* xs = x + k0;
+    S* ys = y + k0;
+    const Form form = block_form<C>(xs, m, ranged, r);
+    if constexpr (R == Rounding::nearest) {
+      if (form == Form::fixed) {
+        for (int64_t k = 0; k < m; ++k) ys[k] = static_cast<S>(round_nearest_at<C>(xs[k], r.shift));
+      } else if (form == Form::variable) {
+        for (int64_t k = 0; k < m; ++k) {
+          ys[k] = static_cast<S>(round_nearest_at<C>(xs[k], in_range_shift<C>(xs[k], r)));
+        }
+      } else {
+        for (int64_t k = 0; k < m; ++k) {
+          ys[k] = static_cast<S>(round_nearest_shortcut<C>(xs[k], g, half_min));
+        }
+      }
+    } else {
+      const uint32_t* ws = words + k0;
+      if (form == Form::fixed) {
+        for (int64_t k = 0; k < m; ++k) {
+          ys[k] = static_cast<S>(round_stochastic_at<C>(xs[k], r.shift, ws[k], mask));
+        }
+      } else if (form == Form::variable) {
+        for (int64_t k = 0; k < m; ++k) {
+          ys[k] = static_cast<S>(
+              round_stochastic_at<C>(xs[k], in_range_shift<C>(xs[k], r), ws[k], mask));
+        }
+      } else {
+        for (int64_t k = 0; k < m; ++k) {
+          ys[k] = static_cast<S>(round_stochastic_shortcut<C>(xs[k], g, ws[k], mask));
+        }
+      }
+    }
+  }
+}
+
 // Round x[0, n) onto one grid into y[0, n), where x and y hold the elements [first, first + n) of
 // a tensor: element k draws the random word of element first + k. The loops have no dependence
 // between iterations and call the core inline, so the compiler vectorises them (-fopt-info-vec
@@ -46,54 +95,24 @@ LPSIM_INLINE void round_span(const typename C::storage* x, typename C::storage* 
   const Grid<C> g = grid;
   // Round to nearest and stochastic rounding go by blocks where the core's shortcuts apply
   // (round.h): a block whose inputs all lie in lpsim/in_range.h's ranges takes its forms (float32
-  // to bfloat16 nearest 1.8 -> 0.6 ns per element on one core), others the shortcut.
-  constexpr bool kShortcut = R == Rounding::nearest || R == Rounding::stochastic;
-  if constexpr (kShortcut) {
+  // to bfloat16 nearest 1.8 -> 0.6 ns per element on one core), others the shortcut. Stochastic
+  // blocks are the random-word groups' pieces of the span.
+  if constexpr (R == Rounding::nearest || R == Rounding::stochastic) {
     if (shortcut_applies(g)) {
       InRange<C> range{};
       const bool ranged = make_in_range(g, range);
       const InRange<C> r = range;
-      [[maybe_unused]] const typename C::word half_min = pow2_bits<C>(g.qmin - 1);
-      for (int64_t k0 = 0; k0 < n;) {
-        // Stochastic blocks are the random-word groups' pieces of the span.
-        const int64_t group = (first + k0) / kGroupSize;
-        const int64_t skip = first + k0 - group * kGroupSize;  // words[k - k0 + skip]: element k's
-        const int64_t k1 = std::min(n, k0 + kRangeBlock - skip);
-        const S* xs = x + k0;
-        S* ys = y + k0;
-        const int64_t m = k1 - k0;
-        const Form form = block_form<C>(xs, m, ranged, r);
-        if constexpr (R == Rounding::nearest) {
-          if (form == Form::fixed) {
-            for (int64_t k = 0; k < m; ++k)
-              ys[k] = static_cast<S>(round_nearest_at<C>(xs[k], r.shift));
-          } else if (form == Form::variable) {
-            for (int64_t k = 0; k < m; ++k) {
-              ys[k] = static_cast<S>(round_nearest_at<C>(xs[k], in_range_shift<C>(xs[k], r)));
-            }
-          } else {
-            for (int64_t k = 0; k < m; ++k) {
-              ys[k] = static_cast<S>(round_nearest_shortcut<C>(xs[k], g, half_min));
-            }
-          }
-        } else {
-          const uint32_t* words = cache.group(group) + skip;
-          if (form == Form::fixed) {
-            for (int64_t k = 0; k < m; ++k) {
-              ys[k] = static_cast<S>(round_stochastic_at<C>(xs[k], r.shift, words[k], mask));
-            }
-          } else if (form == Form::variable) {
-            for (int64_t k = 0; k < m; ++k) {
-              ys[k] = static_cast<S>(
-                  round_stochastic_at<C>(xs[k], in_range_shift<C>(xs[k], r), words[k], mask));
-            }
-          } else {
-            for (int64_t k = 0; k < m; ++k) {
-              ys[k] = static_cast<S>(round_stochastic_shortcut<C>(xs[k], g, words[k], mask));
-            }
-          }
+      if constexpr (R == Rounding::nearest) {
+        round_by_forms<C, R>(x, y, nullptr, n, g, ranged, r, mask);
+      } else {
+        for (int64_t k0 = 0; k0 < n;) {
+          const int64_t group = (first + k0) / kGroupSize;
+          const int64_t skip = first + k0 - group * kGroupSize;  // element k0's word in the group
+          const int64_t k1 = std::min(n, k0 + kGroupSize - skip);
+          round_by_forms<C, R>(x + k0, y + k0, cache.group(group) + skip, k1 - k0, g, ranged, r,
+                               mask);
+          k0 = k1;
         }
-        k0 = k1;
       }
       return;
     }

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "cpu/loops.h"
+#include "cpu/round_span.h"
 #include "dispatch.h"
 
 namespace lpsim::cpu {
@@ -141,13 +142,22 @@ LPSIM_INLINE uint32_t word_at(const uint32_t* words, int64_t k) {
   }
 }
 
-// On one grid (a power-of-two block whose shifted grid fits), as quantize.cpp's round_span.
+// On one grid (a power-of-two block whose shifted grid fits), as quantize.cpp's round_span: round
+// to nearest and stochastic rounding by the forms of lpsim/in_range.h where the grid's `range`
+// (nullptr: none) and each block allow, else by the shortcuts where the grid takes them.
 template <Rounding R, class C>
 LPSIM_INLINE void round_on_grid_loop(const typename C::storage* x, typename C::storage* y,
                                      const uint32_t* words, int64_t n, const Grid<C>& grid,
-                                     uint32_t mask) {
+                                     const InRange<C>* range, uint32_t mask) {
   using S = typename C::storage;
   const Grid<C> g = grid;  // a local copy, as in round_span
+  if constexpr (R == Rounding::nearest || R == Rounding::stochastic) {
+    if (shortcut_applies(g)) {
+      const InRange<C> r = range != nullptr ? *range : InRange<C>{};
+      round_by_forms<C, R>(x, y, words, n, g, range != nullptr, r, mask);
+      return;
+    }
+  }
   for (int64_t k = 0; k < n; ++k) {
     y[k] = static_cast<S>(round_to_grid<R, C>(x[k], g, word_at<is_stochastic(R)>(words, k), mask));
   }
@@ -234,6 +244,8 @@ class BatchRounder {
       const int32_t exponent_max = floor_log2(bits_of_real(spec.scale.pos_limit));
       shifted_state_.assign(static_cast<size_t>(exponent_max - exponent_min_ + 1), kUnknown);
       shifted_.resize(shifted_state_.size());
+      shifted_ranges_.resize(shifted_state_.size());
+      shifted_ranged_.assign(shifted_state_.size(), 0);
       shifted_arithmetic_.resize(shifted_state_.size());
       runs_.reserve(static_cast<size_t>(kBatch));
     }
@@ -285,7 +297,7 @@ class BatchRounder {
           S* ys = y + run.start;
           const uint32_t* ws = words + run.start;
           if (run.grid != nullptr) {
-            round_on_grid_loop<R, C>(xs, ys, ws, run.n, *run.grid, mask_);
+            round_on_grid_loop<R, C>(xs, ys, ws, run.n, *run.grid, run.range, mask_);
           } else if (run.arithmetic_grid != nullptr) {
             if constexpr (!std::is_same_v<K, C>) {
               round_on_arithmetic_grid_loop<R, C>(xs, ys, ws, run.n, *run.arithmetic_grid, grids_,
@@ -327,6 +339,7 @@ class BatchRounder {
   struct Run {
     int64_t start, n;
     const Grid<C>* grid;
+    const InRange<C>* range;  // grid's ranges of lpsim/in_range.h, or nullptr
     const Grid<K>* arithmetic_grid;
     int64_t block;
   };
@@ -339,6 +352,7 @@ class BatchRounder {
     if (shifted_state_[i] == kUnknown) {
       if (shifted_element_grid<C>(grids_.container, e, shifted_[i])) {
         shifted_state_[i] = kFits;
+        shifted_ranged_[i] = make_in_range(shifted_[i], shifted_ranges_[i]);
       } else if (!std::is_same_v<K, C> &&
                  shifted_element_grid<K>(grids_.arithmetic, e, shifted_arithmetic_[i])) {
         shifted_state_[i] = kFitsArithmetic;
@@ -347,6 +361,7 @@ class BatchRounder {
       }
     }
     run.grid = shifted_state_[i] == kFits ? &shifted_[i] : nullptr;
+    run.range = shifted_state_[i] == kFits && shifted_ranged_[i] ? &shifted_ranges_[i] : nullptr;
     run.arithmetic_grid = shifted_state_[i] == kFitsArithmetic ? &shifted_arithmetic_[i] : nullptr;
   }
 
@@ -365,6 +380,7 @@ class BatchRounder {
         run.n += pieces[i].size;
       }
       run.grid = nullptr;
+      run.range = nullptr;
       run.arithmetic_grid = nullptr;
       if (b.finite) set_shifted_grids(b.exponent, run);
       runs_.push_back(run);
@@ -387,6 +403,8 @@ class BatchRounder {
   enum : uint8_t { kUnknown, kFits, kFitsArithmetic, kDoesNotFit };
   std::vector<uint8_t> shifted_state_;
   std::vector<Grid<C>> shifted_;
+  std::vector<InRange<C>> shifted_ranges_;
+  std::vector<uint8_t> shifted_ranged_;
   std::vector<Grid<K>> shifted_arithmetic_;
   std::vector<T> reciprocal_, decode_;  // Float scales: each element's block's factors
 };
