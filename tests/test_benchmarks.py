@@ -18,13 +18,18 @@ def _import(name: str):
         sys.path.remove(str(BENCHMARKS))
 
 
-def test_overhead_benchmark_prints_a_row_per_op_and_reference(capsys):
-    bench_overhead = _import("bench_overhead")
+def _run(name: str, argv: list[str]):
+    """benchmarks/<name>.py's main(argv): (the module, its rows), torch's thread count restored."""
+    module = _import(name)
     threads = torch.get_num_threads()
     try:
-        rows = bench_overhead.main(["--quick", "--sizes", "64,128", "--repeat", "1"])
+        return module, module.main(argv)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_overhead_benchmark_prints_a_row_per_op_and_reference(capsys):
+    _, rows = _run("bench_overhead", ["--quick", "--sizes", "64,128", "--repeat", "1"])
     ops = [
         "quantize nearest",
         "quantize stochastic",
@@ -44,12 +49,7 @@ def test_overhead_benchmark_prints_a_row_per_op_and_reference(capsys):
 
 
 def test_fusable_benchmark_times_every_case_against_the_producer_alone(capsys):
-    bench_fusable = _import("bench_fusable")
-    threads = torch.get_num_threads()
-    try:
-        rows = bench_fusable.main(["--sizes", "256", "--repeat", "1"])
-    finally:
-        torch.set_num_threads(threads)
+    _, rows = _run("bench_fusable", ["--sizes", "256", "--repeat", "1"])
     assert [r["case"] for r in rows][0] == "x * 2 + 1 compiled alone"
     assert len(rows) == 5 and rows[0]["ratio"] == 1.0
     assert all(r["ms"] > 0 and r["size"] == 256 for r in rows)
@@ -57,12 +57,7 @@ def test_fusable_benchmark_times_every_case_against_the_producer_alone(capsys):
 
 
 def test_scaled_benchmark_times_each_format_and_rule_against_clone(capsys):
-    bench_scaled = _import("bench_scaled")
-    threads = torch.get_num_threads()
-    try:
-        rows = bench_scaled.main(["--size", "4096", "--repeat", "1"])
-    finally:
-        torch.set_num_threads(threads)
+    _, rows = _run("bench_scaled", ["--size", "4096", "--repeat", "1"])
     assert [(r["format"], r["rule"]) for r in rows] == [
         (name, rule)
         for name in ("mxfp8_e4m3", "mxfp4_e2m1", "nvfp4")
@@ -74,8 +69,7 @@ def test_scaled_benchmark_times_each_format_and_rule_against_clone(capsys):
 
 
 def test_statistics_benchmark_prints_a_row_per_format_and_rule(capsys):
-    bench_statistics = _import("bench_statistics")
-    rows = bench_statistics.main(["--quick"])
+    bench_statistics, rows = _run("bench_statistics", ["--quick"])
     assert [(r["format"], r["rule"]) for r in rows] == [
         (f, r) for f in bench_statistics.FORMATS for r in bench_statistics.RULES
     ]
@@ -84,12 +78,7 @@ def test_statistics_benchmark_prints_a_row_per_format_and_rule(capsys):
 
 
 def test_mac_benchmark_prints_a_row_per_mac_against_torch_matmul(capsys):
-    bench_mac = _import("bench_mac")
-    threads = torch.get_num_threads()
-    try:
-        rows = bench_mac.main(["--quick"])
-    finally:
-        torch.set_num_threads(threads)
+    bench_mac, rows = _run("bench_mac", ["--quick"])
     assert [r["mac"] for r in rows] == list(bench_mac.MACS)
     assert all(r["gflops"] > 0 and r["torch_gflops"] > 0 and r["ratio"] > 0 for r in rows)
     assert all(r["rows"] == 64 and r["shape"] == "64x64x64" for r in rows)
@@ -97,12 +86,7 @@ def test_mac_benchmark_prints_a_row_per_mac_against_torch_matmul(capsys):
 
 
 def test_optimizer_benchmark_times_each_optimizer_against_torchs_sgd(capsys):
-    bench_optim = _import("bench_optim")
-    threads = torch.get_num_threads()
-    try:
-        rows = bench_optim.main(["--quick"])
-    finally:
-        torch.set_num_threads(threads)
+    _, rows = _run("bench_optim", ["--quick"])
     names = ["torch.optim.SGD", "OptimLP(SGD)", "FusedSGD"]
     assert [(r["rounding"], r["optimizer"]) for r in rows] == [
         (rule, name) for rule in ("nearest", "stochastic") for name in names

@@ -66,10 +66,18 @@ def scalar_loop():
         torch.ops.lpsim._mac_lanes(before)
 
 
-def lanes_and_scalar(a, b, mac, seed=3):
-    got = lpsim.mac.matmul(a, b, mac, seed=seed, offset=1)
-    with scalar_loop():
-        want = lpsim.mac.matmul(a, b, mac, seed=seed, offset=1)
+def lanes_and_scalar(a, b, mac, seed=3, threads=None):
+    """a @ b under mac by the faster loops and by the scalar loop, on `threads` threads (None:
+    torch's current count, which is restored either way)."""
+    before = torch.get_num_threads()
+    try:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        got = lpsim.mac.matmul(a, b, mac, seed=seed, offset=1)
+        with scalar_loop():
+            want = lpsim.mac.matmul(a, b, mac, seed=seed, offset=1)
+    finally:
+        torch.set_num_threads(before)
     return got, want
 
 
@@ -130,12 +138,7 @@ def test_lanes_do_not_depend_on_the_thread_count_or_the_tasks_row_boundaries(thr
     # rows of 13, so tiles are cut at both ends of a task.
     a, b = operands(torch.float32, 17, 300, 13, 4)
     mac = MAC(accumulator=BFLOAT16, rounding=rounding)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        got, want = lanes_and_scalar(a, b, mac)
-    finally:
-        torch.set_num_threads(before)
+    got, want = lanes_and_scalar(a, b, mac, threads=threads)
     assert_same_bits(got, want, repr(mac))
 
 
@@ -333,10 +336,5 @@ def test_tensor_core_loop_does_not_depend_on_the_thread_count_or_the_tasks_row_b
     # 221 results of 300 terms: the op's tasks start and end inside rows of 13.
     a, b = tensor_core_operands(torch.float32, 17, 300, 13, 4, Float(4, 3, special="fn"))
     mac = lpsim.mac.preset("DeepSeek-V3")
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads)
-        got, want = lanes_and_scalar(a, b, mac)
-    finally:
-        torch.set_num_threads(before)
+    got, want = lanes_and_scalar(a, b, mac, threads=threads)
     assert_same_bits(got, want, repr(mac))

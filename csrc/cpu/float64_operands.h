@@ -1,10 +1,11 @@
 // Product operands held as float64 values by the faster MAC loops (mac_lanes.cpp,
 // tensor_core_loop.cpp): a product of two converted values is exact_product's (the core converts
-// and multiplies the same way).
+// and multiplies the same way); bits_of_real (ieee_ops.h) gives a value's word back.
 #pragma once
 
 #include <lpsim/container.h>
 #include <lpsim/exact_sum.h>
+#include <lpsim/ieee_ops.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -18,26 +19,12 @@ namespace lpsim::cpu {
 template <class X>
 LPSIM_INLINE double as_double(typename X::storage s) {
   if constexpr (std::is_same_v<X, Float32Container>) {
-    float f;
-    __builtin_memcpy(&f, &s, sizeof f);
-    return f;
+    return real_of(uint32_t(s));
   } else if constexpr (std::is_same_v<X, BFloat16Container>) {
-    const uint32_t u = uint32_t(s) << 16;
-    float f;
-    __builtin_memcpy(&f, &u, sizeof f);
-    return f;
+    return real_of(uint32_t(s) << 16);
   } else {
-    const uint64_t u = convert_exact<Float64Container, X>(static_cast<typename X::word>(s));
-    double d;
-    __builtin_memcpy(&d, &u, sizeof d);
-    return d;
+    return real_of(convert_exact<Float64Container, X>(static_cast<typename X::word>(s)));
   }
-}
-
-LPSIM_INLINE uint64_t bits_of(double d) {
-  uint64_t u;
-  __builtin_memcpy(&u, &d, sizeof u);
-  return u;
 }
 
 }  // namespace lpsim::cpu

@@ -69,7 +69,7 @@ LPSIM_INLINE void generic_terms(const Tile& t, int64_t k0, int64_t k1, const Gri
     return is_stochastic(R) ? words[(k - k0) * kTileSize + lane] : uint32_t(0);
   };
   auto term = [&](int64_t k, int r, int l) LPSIM_LAMBDA_INLINE {
-    const uint64_t exact = bits_of(t.a[r * t.n + k] * t.b[k * kLanes + l]);
+    const uint64_t exact = bits_of_real(t.a[r * t.n + k] * t.b[k * kLanes + l]);
     if constexpr (kProduct) {
       return round_to_grid<R, F64>(exact, pg, word(product_words, k, r * kLanes + l), mask);
     } else {

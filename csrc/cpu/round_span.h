@@ -95,39 +95,38 @@ LPSIM_INLINE void round_span(const typename C::storage* x, typename C::storage* 
   const Grid<C> g = grid;
   // Round to nearest and stochastic rounding go by blocks where the core's shortcuts apply
   // (round.h): a block whose inputs all lie in lpsim/in_range.h's ranges takes its forms (float32
-  // to bfloat16 nearest 1.8 -> 0.6 ns per element on one core), others the shortcut. Stochastic
-  // blocks are the random-word groups' pieces of the span.
-  if constexpr (R == Rounding::nearest || R == Rounding::stochastic) {
-    if (shortcut_applies(g)) {
-      InRange<C> range{};
-      const bool ranged = make_in_range(g, range);
-      const InRange<C> r = range;
-      if constexpr (R == Rounding::nearest) {
-        round_by_forms<C, R>(x, y, nullptr, n, g, ranged, r, mask);
-      } else {
-        for (int64_t k0 = 0; k0 < n;) {
-          const int64_t group = (first + k0) / kGroupSize;
-          const int64_t skip = first + k0 - group * kGroupSize;  // element k0's word in the group
-          const int64_t k1 = std::min(n, k0 + kGroupSize - skip);
-          round_by_forms<C, R>(x + k0, y + k0, cache.group(group) + skip, k1 - k0, g, ranged, r,
-                               mask);
-          k0 = k1;
-        }
-      }
-      return;
-    }
-  }
+  // to bfloat16 nearest 1.8 -> 0.6 ns per element on one core), others the shortcut.
+  constexpr bool kForms = R == Rounding::nearest || R == Rounding::stochastic;
+  [[maybe_unused]] InRange<C> range{};
+  [[maybe_unused]] const bool forms = kForms && shortcut_applies(g);
+  [[maybe_unused]] const bool ranged = forms && make_in_range(g, range);
+  [[maybe_unused]] const InRange<C> r = range;
   if constexpr (!is_stochastic(R)) {
+    if constexpr (kForms) {
+      if (forms) {
+        round_by_forms<C, R>(x, y, nullptr, n, g, ranged, r, mask);
+        return;
+      }
+    }
     for (int64_t k = 0; k < n; ++k) y[k] = static_cast<S>(round_to_grid<R, C>(x[k], g, 0, 0));
   } else {
-    for (int64_t k = 0; k < n;) {
-      const int64_t group = (first + k) / kGroupSize;
-      const int64_t skip = first - group * kGroupSize;  // words[k + skip] is element k's word
-      const int64_t stop = std::min(n, kGroupSize - skip);
-      const uint32_t* words = cache.group(group);
-      for (; k < stop; ++k) {
-        y[k] = static_cast<S>(round_to_grid<R, C>(x[k], g, words[k + skip], mask));
+    // Random words come in groups: the span's pieces of each group in turn.
+    for (int64_t k0 = 0; k0 < n;) {
+      const int64_t group = (first + k0) / kGroupSize;
+      const int64_t skip = first + k0 - group * kGroupSize;  // element k0's word in the group
+      const int64_t k1 = std::min(n, k0 + kGroupSize - skip);
+      const uint32_t* words = cache.group(group) + skip;  // words[k - k0]: element k's
+      if constexpr (kForms) {
+        if (forms) {
+          round_by_forms<C, R>(x + k0, y + k0, words, k1 - k0, g, ranged, r, mask);
+          k0 = k1;
+          continue;
+        }
       }
+      for (int64_t k = k0; k < k1; ++k) {
+        y[k] = static_cast<S>(round_to_grid<R, C>(x[k], g, words[k - k0], mask));
+      }
+      k0 = k1;
     }
   }
 }

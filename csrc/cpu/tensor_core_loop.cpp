@@ -40,7 +40,7 @@ LPSIM_INLINE bool convert(const typename X::storage* x, int64_t count, int64_t n
   bool finite = true;
   for (int64_t i = 0; i < count * n; ++i) {
     const double v = as_double<X>(x[i]);
-    const uint64_t u = bits_of(v);
+    const uint64_t u = bits_of_real(v);
     finite &= (u & F64::abs_mask) < F64::inf_bits;
     out.value[i] = v;
     out.exponent[i] = (u & F64::abs_mask) == 0 ? kZeroOperand : operand_exponent(u, emin);
@@ -75,15 +75,14 @@ LPSIM_INLINE uint64_t step(const TensorCoreSpec& core, const Pair& t, int64_t k0
     // No nonzero term, Inf or NaN coming in, or weights outside float64's normal range: the core.
     TensorCoreGroup group;
     for (int64_t k = k0; k < k1; ++k) {
-      group.add(bits_of(t.a[k] * t.b[k]), bits_of(t.a[k]), bits_of(t.b[k]), core.operand_emin);
+      group.add(bits_of_real(t.a[k] * t.b[k]), bits_of_real(t.a[k]), bits_of_real(t.b[k]),
+                core.operand_emin);
     }
     return tensor_core_step(core, group, c, g, 0, 0);
   }
   const double down = pow2_double(-q);
-  double c_value;
-  __builtin_memcpy(&c_value, &c, sizeof c_value);
   // Four partial sums, for the vectoriser: every partial sum is exact, so the order is free.
-  double partial[4] = {std::trunc(c_value * down), 0, 0, 0};
+  double partial[4] = {std::trunc(real_of(c) * down), 0, 0, 0};
   int64_t k = k0;
   for (; k + 4 <= k1; k += 4) {
     for (int j = 0; j < 4; ++j) partial[j] += std::trunc(t.a[k + j] * t.b[k + j] * down);

@@ -34,6 +34,9 @@ LPSIM_FN double real_of(uint64_t bits) {
   return v;
 #endif
 }
+// 2^k as a double, for |k| <= 1022.
+LPSIM_FN double pow2_double(int32_t k) { return real_of(uint64_t(k + 1023) << 52); }
+
 LPSIM_FN uint32_t bits_of_real(float v) {
 #if defined(__CUDA_ARCH__)
   return __float_as_uint(v);

@@ -126,9 +126,6 @@ struct BlockScale {
   double decode;
 };
 
-// 2^k as a double, for |k| <= 1022.
-LPSIM_FN double pow2_double(int32_t k) { return real_of(uint64_t(k + 1023) << 52); }
-
 // 2^k in the arithmetic's type, for k within its normal or subnormal range.
 LPSIM_FN float pow2_real(int32_t k, float) {
   return real_of(k >= -126 ? uint32_t(k + 127) << 23 : uint32_t(1) << (k + 149));

@@ -15,6 +15,7 @@
 #include "container.h"
 #include "exact_sum.h"
 #include "grid_spec.h"
+#include "ieee_ops.h"
 #include "round.h"
 #include "rounding.h"
 
@@ -187,15 +188,6 @@ LPSIM_FN bool tensor_core_sums_in_float64(const TensorCoreSpec& spec) {
          (int64_t(spec.group) + 1) << (spec.fraction_bits + 2) <= int64_t(1) << 53;
 }
 
-// 2^e as a float64, e in [-1022, 1023].
-LPSIM_FN double pow2_double(int32_t e) {
-  const uint64_t bits = static_cast<uint64_t>(e + Float64Container::bias)
-                        << Float64Container::man_bits;
-  double d;
-  __builtin_memcpy(&d, &bits, sizeof d);
-  return d;
-}
-
 // The weights of the last kept bit that the float64 step serves: 2^-q and the result sum 2^q are
 // normal float64 values (|sum| < 2^53).
 LPSIM_FN bool tensor_core_weight_in_float64(int32_t q) { return q >= -1000 && q <= 960; }
@@ -205,10 +197,8 @@ LPSIM_FN bool tensor_core_weight_in_float64(int32_t q) { return q >= -1000 && q 
 LPSIM_FN uint64_t tensor_core_result(const TensorCoreSpec& spec, double sum, int32_t q,
                                      const Grid<Float64Container>& g) {
   if (sum == 0) return 0;
-  const double value = sum * pow2_double(q);  // exact: a power-of-two scaling to a normal value
-  uint64_t bits;
-  __builtin_memcpy(&bits, &value, sizeof bits);
-  return round_sum_by_rule(spec.normalise, bits, 0, g, 0, 0);
+  // Exact: a power-of-two scaling to a normal value.
+  return round_sum_by_rule(spec.normalise, bits_of_real(sum * pow2_double(q)), 0, g, 0, 0);
 }
 
 }  // namespace lpsim
