@@ -41,6 +41,14 @@ LPSIM_INLINE void with_rounding(Rounding r, F&& f) {
   }
 }
 
+// f(std::bool_constant<b>{}) for the run-time flag b: a loop instantiated for each value, so that
+// its branches on the flag fold away and it vectorises.
+template <class F>
+LPSIM_INLINE void with_flag(bool b, F&& f) {
+  if (b) return f(std::true_type{});
+  return f(std::false_type{});
+}
+
 // f(C{}) for the container C of the run-time dtype.
 template <class F>
 LPSIM_INLINE void with_container(Dtype d, F&& f) {
