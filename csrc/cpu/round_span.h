@@ -17,21 +17,21 @@ namespace lpsim::cpu {
 // words.
 constexpr int64_t kRangeBlock = kGroupSize;
 
-// Which form rounds a block (lpsim/in_range.h): the fixed quantum, the variable one, or the
-// shortcut. The test reads the block once more from the cache before it is written, so y may be x.
-enum class Form { fixed, variable, shortcut };
-
+// Which form rounds a block (lpsim/in_range.h): by its largest magnitude and smallest range key,
+// two reductions that vectorise. The test reads the block once more from the cache before it is
+// written, so y may be x.
 template <class C>
 LPSIM_INLINE Form block_form(const typename C::storage* x, int64_t n, bool ranged,
                              const InRange<C>& r) {
   using W = typename C::word;
   if (!ranged) return Form::shortcut;
-  W outside = 0, outside_fixed = 0;
+  W largest = 0, smallest = ~W(0);
   for (int64_t k = 0; k < n; ++k) {
-    outside |= outside_range<C>(x[k], r.low, r.span, r.zero_span);
-    outside_fixed |= outside_range<C>(x[k], r.fixed_low, r.fixed_span, r.zero_span);
+    const W u = x[k];
+    largest = max_of(largest, W(u & C::abs_mask));
+    smallest = min_of(smallest, range_key<C>(u, r));
   }
-  return outside_fixed == 0 ? Form::fixed : outside == 0 ? Form::variable : Form::shortcut;
+  return form_of<C>(largest, smallest, r);
 }
 
 // x[0, n) rounded onto g into y[0, n) by round to nearest or stochastic rounding (R), for a grid

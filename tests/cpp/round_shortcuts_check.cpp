@@ -66,10 +66,13 @@ LPSIM_INLINE bool differ(uint64_t v, bool stochastic, const Grid<C>& g, typename
   }
   // The forms of lpsim/in_range.h, for the inputs in their ranges.
   InRange<C> r;
-  if (got == want && make_in_range(g, r) && outside_range<C>(u, r.low, r.span, r.zero_span) == 0) {
+  const Form f = got == want && make_in_range(g, r)
+                     ? form_of<C>(u & C::abs_mask, range_key<C>(u, r), r)
+                     : Form::shortcut;
+  if (f != Form::shortcut) {
     got = form(in_range_shift<C>(u, r));
     ++ranged;
-    if (got == want && outside_range<C>(u, r.fixed_low, r.fixed_span, r.zero_span) == 0) {
+    if (got == want && f == Form::fixed) {
       got = form(r.shift);
       ++fixed;
     }

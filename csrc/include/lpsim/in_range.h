@@ -17,13 +17,13 @@ namespace lpsim {
 template <class C>
 struct InRange {
   using word = typename C::word;
-  word low;           // the smallest magnitude in range: binade max(qmin + 1, 1) (a container
-                      // subnormal's quantum is not its binade's; binade qmin ends at s = kMan)
-  word span;          // the largest magnitude in range, the smaller limit, minus low
-  word fixed_low;     // the smallest magnitude where s is fixed: binade max(qmin + keep, 1)
-  word fixed_span;    // the smaller limit minus fixed_low
-  word zero_span;     // ~0 where the grid keeps the sign of zero (zero is in range), else 0
-  int32_t shift;      // the fixed s, kMan - keep
+  word high;       // the largest magnitude in range: the smaller limit
+  word zero_key;   // 1 where the grid keeps the sign of zero (zero is in range), else 0
+  word low_key;    // the smallest key (range_key) in range: that of the first magnitude of binade
+                   // max(qmin + 1, 1) (a container subnormal's quantum is not its binade's; binade
+                   // qmin ends at s = kMan)
+  word fixed_key;  // the smallest key where s is fixed: that of binade max(qmin + keep, 1)
+  int32_t shift;   // the fixed s, kMan - keep
   int32_t subnormal;  // qmin + kMan: s = subnormal - e below the fixed range
 };
 
@@ -36,26 +36,37 @@ LPSIM_FN bool make_in_range(const Grid<C>& g, InRange<C>& r) {
   const int32_t first = max_of(g.qmin + 1, int32_t(1));
   const int32_t fixed = max_of(g.qmin + g.keep, int32_t(1));
   if (fixed >= (1 << C::exp_bits) - 1) return false;
-  const W high = min_of(g.pos_limit, g.neg_limit);
-  r.low = W(first) << C::man_bits;
-  r.fixed_low = W(fixed) << C::man_bits;
-  if (high < r.fixed_low) return false;  // unsigned grids (no negative values), empty ranges
-  r.span = high - r.low;
-  r.fixed_span = high - r.fixed_low;
-  r.zero_span = g.zero_sign == C::sign_mask ? ~W(0) : W(0);
+  const W low = W(first) << C::man_bits, fixed_low = W(fixed) << C::man_bits;
+  r.high = min_of(g.pos_limit, g.neg_limit);
+  if (r.high < fixed_low) return false;  // unsigned grids (no negative values), empty ranges
+  r.zero_key = g.zero_sign == C::sign_mask ? W(1) : W(0);
+  r.low_key = low - r.zero_key;
+  r.fixed_key = fixed_low - r.zero_key;
   r.shift = C::man_bits - g.keep;
   r.subnormal = g.qmin + C::man_bits;
   return true;
 }
 
-// Nonzero when container bits u lie outside [low, low + span] (and are not a zero in range): a
-// word, not a bool, for the vectoriser.
+// Which form rounds a set of inputs (a block of the CPU loops, or one input): the fixed quantum,
+// the variable one, or neither (the shortcut).
+enum class Form { fixed, variable, shortcut };
+
+// The key of container bits u in the range tests: its magnitude less r.zero_key, so that a zero
+// in range wraps to the largest word (the smallest key never comes from it) and a zero outside
+// the range is the smallest key, below every range's.
 template <class C>
-LPSIM_FN typename C::word outside_range(typename C::word u, typename C::word low,
-                                        typename C::word span, typename C::word zero_span) {
-  using W = typename C::word;
-  const W a = u & C::abs_mask;
-  return select(W(a - low) > span, W(1), W(0)) & select(a == 0, W(~zero_span), ~W(0));
+LPSIM_FN typename C::word range_key(typename C::word u, const InRange<C>& r) {
+  return typename C::word((u & C::abs_mask) - r.zero_key);
+}
+
+// The form of a set of inputs whose largest magnitude (container bits without the sign) is
+// `largest` and whose smallest range_key is `smallest`: a block is tested by two reductions (a
+// maximum and a minimum, which vectorise), not element by element. Inf and NaN lie above high.
+template <class C>
+LPSIM_FN Form form_of(typename C::word largest, typename C::word smallest, const InRange<C>& r) {
+  if (largest > r.high) return Form::shortcut;
+  if (smallest >= r.fixed_key) return Form::fixed;
+  return smallest >= r.low_key ? Form::variable : Form::shortcut;
 }
 
 // The quantum's bit s for u in r's range: the fixed s, or the subnormal binades' (at most kMan - 1
