@@ -1,15 +1,19 @@
 """FusedSGD and FusedAdam: one pass per step, bit for bit what OptimLP around torch's SGD, Adam and
 AdamW gives, over many steps, formats, rules and hyperparameters; resumable; thread-count
-invariant."""
+invariant. OptimLP around torch's SGD takes the same fused step where it gives the same bits, and
+its own batches elsewhere."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 from support import assert_same_bits
 
-from lpsim import Fixed, Float
-from lpsim.optim import FusedAdam, FusedSGD, OptimLP
+from lpsim import BlockFloat, Fixed, Float
+from lpsim.diagnostics import Recorder
+from lpsim.optim import FusedAdam, FusedSGD, OptimLP, ParameterQuantization, fused
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -90,12 +94,38 @@ def _run(make, steps=STEPS, skip_at=None):
     return params, opt
 
 
+@contextlib.contextmanager
+def _unfused():
+    """OptimLP's own batches around the torch optimizer's step, never the fused step."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(OptimLP, "_fused_step_applies", lambda self: False)
+        yield
+
+
+@contextlib.contextmanager
+def _counting_fused_calls():
+    """Counts the fused step's op calls (fused.run_step) in the list it yields."""
+    calls = []
+    run_step = fused.run_step
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[0]))
+        return run_step(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused, "run_step", counted)
+        yield calls
+
+
 def _assert_same_run(kind, hyper, formats, **options):
     grad_scaling = options.pop("grad_scaling", 1.0)
-    want, reference = _run(
-        lambda ps: OptimLP(_torch_optimizer(kind, ps, hyper), grad_scaling=grad_scaling, **formats),
-        **options,
-    )
+    with _unfused():
+        want, reference = _run(
+            lambda ps: OptimLP(
+                _torch_optimizer(kind, ps, hyper), grad_scaling=grad_scaling, **formats
+            ),
+            **options,
+        )
     got, fused = _run(
         lambda ps: _fused_optimizer(kind, ps, hyper, formats, grad_scaling=grad_scaling), **options
     )
@@ -190,3 +220,138 @@ def test_bad_arguments_name_the_parameter_and_range():
         FusedSGD([torch.nn.Parameter(torch.randn(3).double())], lr=0.1)
     with pytest.raises(ValueError, match="grad_format: .*does not fit a float32"):
         FusedSGD(p, lr=0.1, grad_format=Float(9, 23))
+
+
+# ---- OptimLP around torch.optim.SGD takes the fused step where it gives the same bits
+
+
+def _assert_same_state(got: list, got_opt: OptimLP, want: list, want_opt: OptimLP) -> None:
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
+        if b.grad is not None:
+            assert_same_bits(a.grad, b.grad, f"gradient {i}")
+        assert ("momentum_buffer" in got_opt.state[a]) == ("momentum_buffer" in want_opt.state[b])
+        if "momentum_buffer" in want_opt.state[b]:
+            key = "momentum_buffer"
+            assert_same_bits(got_opt.state[a][key], want_opt.state[b][key], f"momentum {i}")
+        if b in want_opt.accumulators:
+            assert_same_bits(got_opt.accumulators[a], want_opt.accumulators[b], f"acc {i}")
+
+
+def _optimlp_runs(make, steps=STEPS, skip_at=None):
+    """(params, optimizer, fused op calls) of a run with the fused step where it applies, and
+    (params, optimizer) of the same run through OptimLP's own batches; the torch generator's
+    states after both runs are compared too (the fused step draws the same seeds)."""
+    with _unfused():
+        want, want_opt = _run(make, steps, skip_at)
+    want_rng = torch.get_rng_state()
+    with _counting_fused_calls() as calls:
+        got, got_opt = _run(make, steps, skip_at)
+    assert torch.equal(torch.get_rng_state(), want_rng)
+    return got, got_opt, calls, want, want_opt
+
+
+@pytest.mark.parametrize("formats", FORMATS.values(), ids=FORMATS.keys())
+@pytest.mark.parametrize("hyper", SGD_CASES.values(), ids=SGD_CASES.keys())
+def test_optimlp_around_sgd_takes_the_fused_step_with_the_same_bits(hyper, formats):
+    got, got_opt, calls, want, want_opt = _optimlp_runs(
+        lambda ps: OptimLP(torch.optim.SGD(ps, **hyper), **formats), skip_at=4
+    )
+    assert len(calls) == STEPS  # one op call per step: one group, one setting
+    _assert_same_state(got, got_opt, want, want_opt)
+
+
+def test_optimlp_fused_step_with_settings_per_parameter_and_groups():
+    def make(ps):
+        sgd = torch.optim.SGD(
+            [
+                {"params": ps[:3], "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-3},
+                {"params": ps[3:], "lr": 0.02, "momentum": 0.5, "nesterov": False},
+            ]
+        )
+        settings = {
+            ps[0]: ParameterQuantization(weight=Float(5, 2), grad=Float(4, 3), acc=Float(8, 12)),
+            ps[1]: None,  # full precision
+            ps[2]: ParameterQuantization(weight=(Fixed(10, 6), "nearest"), momentum=Float(6, 5)),
+            ps[3]: ParameterQuantization(weight=Float(5, 2), grad=Float(4, 3), acc=Float(8, 12)),
+        }
+        return OptimLP(sgd, grad_scaling=0.5, parameters=settings)
+
+    got, got_opt, calls, want, want_opt = _optimlp_runs(make, steps=8, skip_at=2)
+    # Group 0: three settings; group 1: ps[3]'s, and ps[4] unlisted (full precision).
+    assert calls[:5] == [1, 1, 1, 1, 1]
+    _assert_same_state(got, got_opt, want, want_opt)
+
+
+def test_optimlp_continues_the_unfused_steps_bit_for_bit():
+    formats = FORMATS["bf16_acc"]
+    with _unfused():
+        want, want_opt = _run(
+            lambda ps: OptimLP(torch.optim.SGD(ps, **SGD_CASES["momentum_wd"]), **formats),
+            steps=6,
+        )
+    params = _params()
+    torch.manual_seed(5)
+    opt = OptimLP(torch.optim.SGD(params, **SGD_CASES["momentum_wd"]), **formats)
+    for step in range(6):
+        _set_grads(step, params)
+        if step < 3:
+            with _unfused():
+                opt.step()
+        else:
+            opt.step()
+    _assert_same_state(params, opt, want, want_opt)
+
+
+def _identity(t):
+    return t
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "closure",
+        "recorder",
+        "foreach",
+        "function_spec",
+        "block_format",
+        "float64_parameter",
+        "adam",
+        "scheduler",
+        "fused_false",
+    ],
+)
+def test_optimlp_keeps_its_own_batches_where_the_fused_step_does_not_apply(case):
+    params = _params()
+    if case == "float64_parameter":
+        params[0] = torch.nn.Parameter(params[0].detach().double())
+    formats = dict(FORMATS["e5m2"])
+    if case == "function_spec":
+        formats["momentum"] = _identity
+    if case == "block_format":
+        formats["grad"] = BlockFloat(8)
+    if case == "adam":
+        inner = torch.optim.Adam(params, lr=1e-3)
+    else:
+        foreach = case == "foreach"
+        inner = torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=foreach)
+    opt = OptimLP(inner, **formats, fused=case != "fused_false")
+    if case == "scheduler":
+        torch.optim.lr_scheduler.StepLR(inner, step_size=1)
+    for p in params:
+        p.grad = torch.randn_like(p) * 0.1
+    with _counting_fused_calls() as calls:
+        if case == "closure":
+            opt.step(lambda: 0.0)
+        elif case == "recorder":
+            with Recorder(torch.nn.Module(), opt):
+                opt.step()
+        else:
+            opt.step()
+    assert calls == []
+
+
+def test_optimlp_fused_must_be_a_bool():
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.randn(3))], lr=0.1)
+    with pytest.raises(TypeError, match="fused must be a bool, got int"):
+        OptimLP(sgd, fused=1)

@@ -128,75 +128,114 @@ class _Fused(Optimizer):
                 if p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 self._init_state(group, p, self.state[p])
-        # OptimLP's batches: per phase, one per spec, tensors in parameter order.
-        batches = {category: {} for category in _CATEGORIES}
-        offsets = {}
-        for group, p in params:
-            state = self.state[p]
-            slots = [0] * 5
-            specs = [group[f"{c}_format"] for c in _CATEGORIES]
-            wanted = [
-                specs[0] is not None and p.grad is not None,
-                *[specs[1] is not None and key in state for key in self._STATES],
-                specs[2] is not None,
-                specs[3] is not None,
-            ]
-            categories = ["grad", *(["state"] * len(self._STATES)), "acc", "weight"]
-            slot_of = [0, *range(1, 1 + len(self._STATES)), 3, 4]
-            for want, category, slot in zip(wanted, categories, slot_of):
-                if want:
-                    spec = group[f"{category}_format"]
-                    members = batches[category].setdefault(spec, [])
-                    slots[slot] = len(members)
-                    members.append(p)
-            offsets[p] = slots
-        seeds = {}
-        for category in _CATEGORIES:
-            for spec in batches[category]:
-                seeds[category, spec] = draw_seed() if spec.rounding.is_stochastic else _NO_SEED
+        specs = {p: tuple(group[f"{c}_format"] for c in _CATEGORIES) for group, p in params}
+        offsets, seeds = plan_streams([p for _, p in params], specs, self.state, self._STATES)
         for group in self.param_groups:
-            self._step_group(group, offsets, seeds)
+            if group["params"]:
+                run_step(
+                    group["params"],
+                    specs[group["params"][0]],
+                    self.state,
+                    self._STATES,
+                    self._ALGORITHM,
+                    self._scalars(group) + [self.grad_scaling],
+                    [
+                        x
+                        for p in group["params"]
+                        for x in self._per_parameter(group, p, self.state[p])
+                    ],
+                    offsets,
+                    seeds,
+                )
         return loss
 
-    def _step_group(self, group: dict, offsets: dict, seeds: dict) -> None:
-        params = group["params"]
-        if not params:
-            return
-        empty = torch.empty(0)
-        grads, states1, states2, accumulators, per_parameter, offset_list = [], [], [], [], [], []
-        for p in params:
-            state = self.state[p]
-            grads.append(p.grad if p.grad is not None else empty)
-            found = [state.get(key, empty) for key in self._STATES] + [empty, empty]
-            states1.append(found[0])
-            states2.append(found[1])
-            accumulators.append(state.get("accumulator", empty))
-            per_parameter += self._per_parameter(group, p, state)
-            offset_list += offsets[p]
-        grids, roundings, rbits, seed_list = [], [], [], []
-        for category in _CATEGORIES:
-            spec = group[f"{category}_format"]
-            fmt = spec.format if spec is not None else _UNROUNDED
-            grids += fmt.grid_arguments(torch.float32)
-            roundings.append(int(spec.rounding) if spec is not None else -1)
-            rbits.append(32)
-            seed_list.append(seeds.get((category, spec), _NO_SEED))
-        scalars = self._scalars(group) + [self.grad_scaling]
-        ops.optim_step_(
-            params,
-            grads,
-            states1,
-            states2,
-            accumulators,
-            *grids,
-            roundings,
-            rbits,
-            torch.stack(seed_list),
-            offset_list,
-            self._ALGORITHM,
-            scalars,
-            per_parameter,
-        )
+
+def plan_streams(params: list, specs: dict, state: dict, state_keys: tuple[str, ...]):
+    """OptimLP's random streams for one step of ``params`` (in parameter order): the stream offset
+    of each rounded tensor (five slots per parameter: gradient, the states in ``state_keys``
+    order, accumulator, weight) and the seed of each (category, spec). ``specs[p]``: the
+    QuantSpec (or None) of each category of _CATEGORIES; ``state[p]``: its optimizer state. As
+    OptimLP's batches: per phase, one quantize_many_ call per spec, tensors in parameter order,
+    tensor i of a call at offset i; one seed per stochastic spec per phase, phases in the order
+    of _CATEGORIES, drawn in that order."""
+    batches = {category: {} for category in _CATEGORIES}
+    offsets = {}
+    for p in params:
+        kept = state.get(p, {})
+        slots = [0] * 5
+        grad_spec, state_spec, acc_spec, weight_spec = specs[p]
+        rounded = [
+            ("grad", grad_spec, 0, grad_spec is not None and p.grad is not None),
+            *[
+                ("state", state_spec, 1 + i, state_spec is not None and key in kept)
+                for i, key in enumerate(state_keys)
+            ],
+            ("acc", acc_spec, 3, acc_spec is not None),
+            ("weight", weight_spec, 4, weight_spec is not None),
+        ]
+        for category, spec, slot, wanted in rounded:
+            if wanted:
+                members = batches[category].setdefault(spec, [])
+                slots[slot] = len(members)
+                members.append(p)
+        offsets[p] = slots
+    seeds = {}
+    for category in _CATEGORIES:
+        for spec in batches[category]:
+            seeds[category, spec] = draw_seed() if spec.rounding.is_stochastic else _NO_SEED
+    return offsets, seeds
+
+
+def run_step(
+    params: list,
+    specs: tuple,
+    state: dict,
+    state_keys: tuple[str, ...],
+    algorithm: int,
+    scalars: list[float],
+    per_parameter: list[float],
+    offsets: dict,
+    seeds: dict,
+    accumulators: dict | None = None,
+) -> None:
+    """One lpsim::optim_step_ call: the step of ``params`` (float32 CPU tensors of one parameter
+    group, all rounded by the same ``specs``) with their states ``state[p][key]`` for key in
+    ``state_keys`` (absent: none), their accumulators (``accumulators[p]``, else
+    ``state[p]["accumulator"]``), the group's ``scalars`` followed by the gradient scaling, the
+    ``per_parameter`` values and the streams of plan_streams."""
+    empty = torch.empty(0)
+    grads, states1, states2, accs, offset_list = [], [], [], [], []
+    for p in params:
+        kept = state.get(p, {})
+        grads.append(p.grad if p.grad is not None else empty)
+        found = [kept.get(key, empty) for key in state_keys] + [empty, empty]
+        states1.append(found[0])
+        states2.append(found[1])
+        acc = accumulators.get(p) if accumulators is not None else kept.get("accumulator")
+        accs.append(acc if acc is not None else empty)
+        offset_list += offsets[p]
+    grids, roundings, rbits, seed_list = [], [], [], []
+    for category, spec in zip(_CATEGORIES, specs):
+        fmt = spec.format if spec is not None else _UNROUNDED
+        grids += fmt.grid_arguments(torch.float32)
+        roundings.append(int(spec.rounding) if spec is not None else -1)
+        rbits.append(32)
+        seed_list.append(seeds.get((category, spec), _NO_SEED))
+    ops.optim_step_(
+        params,
+        grads,
+        states1,
+        states2,
+        accs,
+        *grids,
+        roundings,
+        rbits,
+        torch.stack(seed_list),
+        offset_list,
+        algorithm,
+        scalars,
+        per_parameter,
+    )
 
 
 class FusedSGD(_Fused):
@@ -274,22 +313,38 @@ class FusedSGD(_Fused):
         super().__init__(params, defaults, formats, grad_scaling, rounding)
 
     def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
-        if group["momentum"] != 0 and "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.empty_like(p)
-            state["fresh"] = True  # removed after the step: torch's first step clones
+        sgd_init_state(group, p, state)
 
     def _per_parameter(self, group: dict, p: torch.Tensor, state: dict) -> list[float]:
-        return [1.0 if state.pop("fresh", False) else 0.0]
+        return sgd_per_parameter(state)
 
     def _scalars(self, group: dict) -> list[float]:
-        return [
-            group["weight_decay"],
-            group["momentum"],
-            1 - group["dampening"],
-            -group["lr"],
-            float(group["nesterov"]),
-            float(group["maximize"]),
-        ]
+        return sgd_scalars(group)
+
+
+def sgd_init_state(group: dict, p: torch.Tensor, state: dict) -> None:
+    """Create the momentum buffer of a parameter with a gradient (torch.optim.SGD's state key),
+    marked fresh: torch's first step takes the direction itself, so its old values are unused."""
+    if group["momentum"] != 0 and state.get("momentum_buffer") is None:
+        state["momentum_buffer"] = torch.empty_like(p)
+        state["fresh"] = True  # removed by sgd_per_parameter
+
+
+def sgd_per_parameter(state: dict) -> list[float]:
+    """The SGD step's value per parameter: whether its momentum buffer is fresh."""
+    return [1.0 if state.pop("fresh", False) else 0.0]
+
+
+def sgd_scalars(group: dict) -> list[float]:
+    """The SGD step's scalars from a torch.optim.SGD (or FusedSGD) parameter group."""
+    return [
+        group["weight_decay"],
+        group["momentum"],
+        1 - group["dampening"],
+        -group["lr"],
+        float(group["nesterov"]),
+        float(group["maximize"]),
+    ]
 
 
 class FusedAdam(_Fused):
