@@ -4,9 +4,10 @@
 
 torchvision's resnet18 (11.2M parameters, 62 tensors, float32) with random gradients. Each step
 is timed alternately for torch.optim.SGD (momentum 0.9, weight decay 5e-4), OptimLP wrapping the
-same SGD with ``--format`` for the weight, gradient and momentum (three rounding passes over every
-parameter after torch's step), and lpsim.optim.FusedSGD with the same formats (one pass), under
-round to nearest and stochastic rounding. Printed: medians of --repeat steps and each one's ratio
+same SGD with ``--format`` for the weight, gradient and momentum (which takes the fused step),
+the same with fused=False ("batches": three rounding passes over every parameter after torch's
+step), and lpsim.optim.FusedSGD with the same formats (one pass), under round to nearest and
+stochastic rounding. Printed: medians of --repeat steps and each one's ratio
 to torch's SGD step, measured over the same stretch of time.
 
 --quick: a small model and few repeats, a smoke test.
@@ -41,6 +42,9 @@ def _optimizers(params, fmt: Float, rounding: str) -> dict:
     return {
         "torch.optim.SGD": torch.optim.SGD(params, **SGD),
         "OptimLP(SGD)": OptimLP(torch.optim.SGD(params, **SGD), rounding=rounding, **formats),
+        "OptimLP(SGD) batches": OptimLP(
+            torch.optim.SGD(params, **SGD), rounding=rounding, **formats, fused=False
+        ),
         "FusedSGD": FusedSGD(
             params,
             **SGD,
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"{count / 1e6:.1f}M parameters in {len(params)} tensors, {args.format}, "
         f"{args.threads} thread(s), medians of {repeat} steps"
     )
-    print(f"{'rounding':<10} {'optimizer':<18} {'ms':>9} {'ratio':>7}")
+    print(f"{'rounding':<10} {'optimizer':<22} {'ms':>9} {'ratio':>7}")
     for rounding in ("nearest", "stochastic"):
         optimizers = _optimizers(params, fmt, rounding)
         times: dict[str, list[float]] = {name: [] for name in optimizers}
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(
                 dict(rounding=rounding, optimizer=name, ms=median * 1e3, ratio=median / base)
             )
-            print(f"{rounding:<10} {name:<18} {median * 1e3:9.1f} {median / base:6.2f}x")
+            print(f"{rounding:<10} {name:<22} {median * 1e3:9.1f} {median / base:6.2f}x")
     return rows
 
 

@@ -11,8 +11,9 @@ quantiser placement, OptimLP with its formats); resnet18 is torchvision's, vgg16
 the recipes. WAGE needs a network without biases and batch norm, so it runs on vgg7 only. Two
 recipes exist only here, for the per-call overhead of deterministic rounding: fp16-nearest (the
 fp16 recipe with round-to-nearest everywhere) and bf16-nearest (lpsim.recipes.BFLOAT16's formats,
-bfloat16 with round-to-nearest, placed as fp16's). The float32 baseline is the same model with
-plain SGD (momentum 0.9).
+bfloat16 with round-to-nearest, placed as fp16's). The float32 baseline of a recipe is the same
+model with the same torch SGD settings (momentum and weight decay: 0.9 and 5e-4 for most recipes,
+none for WAGE) and no quantisation, so that the ratios measure the simulation alone.
 
 For each (model, recipe, batch size) the float32 step and the recipe's step are timed
 alternately, --repeat times each after --warmup steps each, and each ratio compares medians: both
@@ -86,14 +87,24 @@ def pairs(models, recipes) -> list[tuple[str, str]]:
 
 
 class Step:
-    """One training step of a model under a recipe (None: float32) on fixed random data."""
+    """One training step of a model under a recipe on fixed random data; with ``float32``, the
+    float32 step of that recipe: the same model and SGD settings (momentum, weight decay) without
+    quantisation."""
 
-    def __init__(self, model_name: str, recipe: str | None, args, device: torch.device):
+    def __init__(
+        self, model_name: str, recipe: str, args, device: torch.device, float32: bool = False
+    ):
         torch.manual_seed(0)
         model = make_model(model_name, args.width).to(device)
-        if recipe is None:
+        if float32:
+            settings = RECIPES[recipe]
             self.recipe = RECIPES["fp32"]
-            self.optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            self.optimizer = torch.optim.SGD(
+                model.parameters(),
+                lr=0.01,
+                momentum=settings.momentum,
+                weight_decay=settings.weight_decay,
+            )
         else:
             self.recipe = RECIPES[recipe]
             model, self.optimizer = self.recipe.prepare(model, self.recipe.lr)
@@ -163,9 +174,12 @@ def run(args, device: torch.device, batch_size: int) -> list[dict]:
         args.compiled = compiled
         for model_name in args.models:
             torch._dynamo.reset()  # a fresh cache for each model's instances
-            base = None
+            bases = {}  # float32 steps by SGD settings
             for m, recipe in pairs([model_name], args.recipes):
-                base = base or Step(model_name, None, args, device)
+                settings = (m, RECIPES[recipe].momentum, RECIPES[recipe].weight_decay)
+                if settings not in bases:
+                    bases[settings] = Step(m, recipe, args, device, float32=True)
+                base = bases[settings]
                 step = Step(m, recipe, args, device)
                 row = {
                     "model": m,
