@@ -1,7 +1,7 @@
 """FusedSGD and FusedAdam: one pass per step, bit for bit what OptimLP around torch's SGD, Adam and
 AdamW gives, over many steps, formats, rules and hyperparameters; resumable; thread-count
-invariant. OptimLP around torch's SGD takes the same fused step where it gives the same bits, and
-its own batches elsewhere."""
+invariant. OptimLP around torch's SGD, Adam and AdamW takes the same fused step where it gives the
+same bits, and its own batches elsewhere."""
 
 from __future__ import annotations
 
@@ -230,10 +230,9 @@ def _assert_same_state(got: list, got_opt: OptimLP, want: list, want_opt: OptimL
         assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
         if b.grad is not None:
             assert_same_bits(a.grad, b.grad, f"gradient {i}")
-        assert ("momentum_buffer" in got_opt.state[a]) == ("momentum_buffer" in want_opt.state[b])
-        if "momentum_buffer" in want_opt.state[b]:
-            key = "momentum_buffer"
-            assert_same_bits(got_opt.state[a][key], want_opt.state[b][key], f"momentum {i}")
+        assert list(got_opt.state[a]) == list(want_opt.state[b])  # the same keys, in order
+        for key, value in want_opt.state[b].items():
+            assert_same_bits(got_opt.state[a][key], value, f"{key} {i}")
         if b in want_opt.accumulators:
             assert_same_bits(got_opt.accumulators[a], want_opt.accumulators[b], f"acc {i}")
 
@@ -258,6 +257,17 @@ def test_optimlp_around_sgd_takes_the_fused_step_with_the_same_bits(hyper, forma
         lambda ps: OptimLP(torch.optim.SGD(ps, **hyper), **formats), skip_at=4
     )
     assert len(calls) == STEPS  # one op call per step: one group, one setting
+    _assert_same_state(got, got_opt, want, want_opt)
+
+
+@pytest.mark.parametrize("formats", FORMATS.values(), ids=FORMATS.keys())
+@pytest.mark.parametrize("case", ADAM_CASES.values(), ids=ADAM_CASES.keys())
+def test_optimlp_around_adam_takes_the_fused_step_with_the_same_bits(case, formats):
+    kind, hyper = case
+    got, got_opt, calls, want, want_opt = _optimlp_runs(
+        lambda ps: OptimLP(_torch_optimizer(kind, ps, hyper), **formats), skip_at=4
+    )
+    assert len(calls) == STEPS
     _assert_same_state(got, got_opt, want, want_opt)
 
 
@@ -316,7 +326,7 @@ def _identity(t):
         "function_spec",
         "block_format",
         "float64_parameter",
-        "adam",
+        "amsgrad",
         "scheduler",
         "fused_false",
     ],
@@ -330,8 +340,8 @@ def test_optimlp_keeps_its_own_batches_where_the_fused_step_does_not_apply(case)
         formats["momentum"] = _identity
     if case == "block_format":
         formats["grad"] = BlockFloat(8)
-    if case == "adam":
-        inner = torch.optim.Adam(params, lr=1e-3)
+    if case == "amsgrad":
+        inner = torch.optim.Adam(params, lr=1e-3, amsgrad=True)
     else:
         foreach = case == "foreach"
         inner = torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=foreach)

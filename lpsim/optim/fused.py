@@ -415,30 +415,47 @@ class FusedAdam(_Fused):
         super().__init__(params, defaults, formats, grad_scaling, rounding)
 
     def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
-        if "step" not in state:  # torch.optim.Adam's state, in its order
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["step"] += 1
+        adam_init_state(group, p, state)
 
     def _per_parameter(self, group: dict, p: torch.Tensor, state: dict) -> list[float]:
-        if p.grad is None or "step" not in state:
-            return [0.0, 1.0]
-        beta1, beta2 = group["betas"]
-        step = state["step"].item()
-        return [-(group["lr"] / (1 - beta1**step)), (1 - beta2**step) ** 0.5]
+        return adam_per_parameter(group, p, state)
 
     def _scalars(self, group: dict) -> list[float]:
-        beta1, beta2 = group["betas"]
-        decay = group["weight_decay"] != 0
-        return [
-            group["weight_decay"],
-            1 - group["lr"] * group["weight_decay"],
-            1 - beta1,
-            beta2,
-            1 - beta2,
-            group["eps"],
-            float(decay and not group["decoupled"]),
-            float(decay and group["decoupled"]),
-            float(group["maximize"]),
-        ]
+        return adam_scalars(group, group["decoupled"])
+
+
+def adam_init_state(group: dict, p: torch.Tensor, state: dict) -> None:
+    """torch.optim.Adam's state of a parameter with a gradient, in its order, and its step count
+    advanced."""
+    if "step" not in state:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["step"] += 1
+
+
+def adam_per_parameter(group: dict, p: torch.Tensor, state: dict) -> list[float]:
+    """The Adam step's values per parameter: -lr / (1 - beta1^step) and (1 - beta2^step)^0.5, as
+    torch's Python code computes them in double."""
+    if p.grad is None or "step" not in state:
+        return [0.0, 1.0]
+    beta1, beta2 = group["betas"]
+    step = state["step"].item()
+    return [-(group["lr"] / (1 - beta1**step)), (1 - beta2**step) ** 0.5]
+
+
+def adam_scalars(group: dict, decoupled: bool) -> list[float]:
+    """The Adam step's scalars from a parameter group (AdamW's with ``decoupled``)."""
+    beta1, beta2 = group["betas"]
+    decay = group["weight_decay"] != 0
+    return [
+        group["weight_decay"],
+        1 - group["lr"] * group["weight_decay"],
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        group["eps"],
+        float(decay and not decoupled),
+        float(decay and decoupled),
+        float(group["maximize"]),
+    ]

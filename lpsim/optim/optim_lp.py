@@ -111,7 +111,56 @@ def _rounded(quant: QuantFunction, t: torch.Tensor) -> torch.Tensor:
 _WIDE = (torch.float32, torch.float64)
 
 
-_SGD_STATES = ("momentum_buffer",)  # torch.optim.SGD's state tensors, rounded by momentum
+@dataclass(frozen=True)
+class _FusedRule:
+    """How OptimLP takes the fused step around one torch optimizer class: the op's algorithm, the
+    state tensors it updates (in the state dict's order), the state it creates for a parameter with
+    a gradient, its per-parameter values and its group scalars, the group options that must be
+    unset or False (torch's other paths) and those that must be numbers, not tensors."""
+
+    algorithm: int
+    states: tuple[str, ...]
+    init_state: Callable[[dict, torch.Tensor, dict], None]
+    per_parameter: Callable[[dict, torch.Tensor, dict], list[float]]
+    scalars: Callable[[dict], list[float]]
+    off: tuple[str, ...]
+    numbers: tuple[str, ...]
+
+
+def _adam_rule(decoupled: bool) -> _FusedRule:
+    return _FusedRule(
+        algorithm=1,
+        states=("exp_avg", "exp_avg_sq"),
+        init_state=fused.adam_init_state,
+        per_parameter=fused.adam_per_parameter,
+        scalars=lambda group: fused.adam_scalars(
+            group, group.get("decoupled_weight_decay", decoupled)
+        ),
+        off=("foreach", "fused", "differentiable", "capturable", "amsgrad"),
+        numbers=("lr", "betas", "eps", "weight_decay"),
+    )
+
+
+_FUSED_RULES = {
+    torch.optim.SGD: _FusedRule(
+        algorithm=0,
+        states=("momentum_buffer",),
+        init_state=fused.sgd_init_state,
+        per_parameter=lambda group, p, state: fused.sgd_per_parameter(state),
+        scalars=fused.sgd_scalars,
+        off=("foreach", "fused", "differentiable"),
+        numbers=("lr", "momentum", "dampening", "weight_decay"),
+    ),
+    torch.optim.Adam: _adam_rule(decoupled=False),
+    torch.optim.AdamW: _adam_rule(decoupled=True),
+}
+
+
+def _is_number(value) -> bool:
+    """A Python number, or a tuple of them (Adam's betas): not a tensor."""
+    if isinstance(value, tuple):
+        return all(_is_number(v) for v in value)
+    return isinstance(value, (int, float))
 
 
 def _fusable_tensor(t: torch.Tensor) -> bool:
@@ -190,19 +239,20 @@ class OptimLP(Optimizer):
     parameters hold them during the wrapped step); that needs accumulators of the parameters'
     dtype.
 
-    Fused step. Around a torch.optim.SGD, step() does not call the wrapped optimizer where lpsim's
-    fused step (lpsim.optim.FusedSGD's) gives the same bits: one compiled pass per parameter group
-    and setting reads each gradient, momentum buffer, accumulator and weight once, applies torch's
-    float32 arithmetic and writes them rounded, with the random streams above (1.0-1.3x torch's
-    own SGD step on resnet18 with round to nearest, against 2.4x for the batches; see
-    docs/performance.md). That is the case when SGD runs its single-tensor path (foreach and fused
-    unset or False, as torch leaves them on the CPU; not differentiable; learning rates that are
-    numbers; no step hooks and no LR scheduler attached to the wrapped optimizer itself, rather
-    than to OptimLP), every parameter, gradient, momentum buffer and accumulator is a contiguous
-    float32 CPU tensor, every setting is a Float, Fixed or P3109 format with a rule (no functions,
-    block formats or delayed scaling), no closure is given and no Recorder observes the step.
-    Otherwise, or with ``fused=False``, the steps above run as listed. The two paths give the same
-    tensors and draw the same seeds, so a run may switch between them.
+    Fused step. Around a torch.optim.SGD, Adam or AdamW, step() does not call the wrapped
+    optimizer where lpsim's fused step (that of lpsim.optim.FusedSGD and FusedAdam) gives the same
+    bits: one compiled pass per parameter group and setting reads each gradient, state tensor,
+    accumulator and weight once, applies torch's float32 arithmetic and writes them rounded, with
+    the random streams above (SGD on resnet18 with round to nearest, one thread: 1.07x torch's own
+    step, against 1.88x for the batches; docs/performance.md). That is the case when the optimizer
+    runs its single-tensor path (foreach and fused unset or False, as torch leaves them on the CPU;
+    not differentiable; Adam without amsgrad or capturable; hyperparameters that are numbers, not
+    tensors; no step hooks and no LR scheduler attached to the wrapped optimizer itself, rather
+    than to OptimLP), every parameter, gradient, state tensor and accumulator is a contiguous
+    float32 CPU tensor, every setting is a Float, Fixed or P3109 format with a rule (no
+    functions, block formats or delayed scaling), no closure is given and no Recorder observes the
+    step. Otherwise, or with ``fused=False``, the steps above run as listed. The two paths give
+    the same tensors and draw the same seeds, so a run may switch between them.
 
     While a lpsim.diagnostics.recorder.Recorder observes the optimizer, every rounding of a step
     is recorded under its parameter with the category "grad", "momentum" (each state tensor),
@@ -519,17 +569,17 @@ class OptimLP(Optimizer):
         return loss
 
     def _fused_step_applies(self) -> bool:
-        """Whether lpsim's fused step (lpsim.optim.FusedSGD's op) gives this step's bits: the
-        wrapped optimizer is a torch.optim.SGD on its single-tensor path (foreach and fused off
-        or left to torch, which keeps them off on the CPU; not differentiable; learning rates that
-        are numbers; no step hooks on it), every parameter, gradient, momentum buffer and
-        accumulator is a contiguous float32 CPU tensor, every setting is a format with a rule
-        (Float, Fixed or P3109; no functions, no delayed scaling), and no Recorder observes the
-        step (which needs the tensors before each rounding)."""
+        """Whether lpsim's fused step (FusedSGD's and FusedAdam's op) gives this step's bits: the
+        wrapped optimizer is a torch.optim.SGD, Adam or AdamW on its single-tensor path (see
+        _FusedRule; no step hooks on it), every parameter, gradient, state tensor and accumulator
+        is a contiguous float32 CPU tensor, every setting is a format with a rule (Float, Fixed or
+        P3109; no functions, no delayed scaling), and no Recorder observes the step (which needs
+        the tensors before each rounding)."""
         opt = self.optimizer
+        rule = _FUSED_RULES.get(type(opt))
         if (
             not self.fused
-            or type(opt) is not torch.optim.SGD
+            or rule is None
             or _observation.current is not None
             or "step" in vars(opt)  # wrapped by an LR scheduler or a user
             or opt._optimizer_step_pre_hooks
@@ -537,19 +587,17 @@ class OptimLP(Optimizer):
         ):
             return False
         for group in self.param_groups:
-            if (
-                group.get("foreach")
-                or group.get("fused")
-                or group.get("differentiable")
-                or isinstance(group["lr"], torch.Tensor)
+            if any(group.get(key) for key in rule.off) or not all(
+                _is_number(group[key]) for key in rule.numbers
             ):
                 return False
             for p in group["params"]:
-                s = self.settings.get(p)
-                tensors = [p, p.grad, self.state.get(p, {}).get("momentum_buffer")]
-                tensors.append(self.accumulators.get(p))
+                state = self.state.get(p, {})
+                tensors = [p, p.grad, self.accumulators.get(p)]
+                tensors += [state.get(key) for key in rule.states]
                 if any(t is not None and not _fusable_tensor(t) for t in tensors):
                     return False
+                s = self.settings.get(p)
                 if s is not None and not all(_fusable_spec(getattr(s, n)) for n in _CATEGORIES):
                     return False
         return True
@@ -558,29 +606,32 @@ class OptimLP(Optimizer):
     def _fused_step(self) -> None:
         """step() in one pass per parameter group and settings, bit for bit (see
         _fused_step_applies): the random streams and seeds of OptimLP's batches."""
+        rule = _FUSED_RULES[type(self.optimizer)]
         params = list(self._params())
         specs = {}
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    fused.sgd_init_state(group, p, self.state[p])
+                    rule.init_state(group, p, self.state[p])
                 s = self.settings.get(p)
                 specs[p] = (None,) * 4 if s is None else (s.grad, s.momentum, s.acc, s.weight)
-        offsets, seeds = fused.plan_streams(params, specs, self.state, _SGD_STATES)
+        offsets, seeds = fused.plan_streams(params, specs, self.state, rule.states)
         accumulators = {p: a for p, a in self.accumulators.items() if specs[p][2] is not None}
         for group in self.param_groups:
             runs: dict[tuple, list[torch.Tensor]] = {}  # the group's parameters by settings
             for p in group["params"]:
                 runs.setdefault(specs[p], []).append(p)
-            scalars = fused.sgd_scalars(group) + [self.grad_scaling]
+            scalars = rule.scalars(group) + [self.grad_scaling]
             for run_specs, run in runs.items():
-                per_parameter = [x for p in run for x in fused.sgd_per_parameter(self.state[p])]
+                per_parameter = [
+                    x for p in run for x in rule.per_parameter(group, p, self.state[p])
+                ]
                 fused.run_step(
                     run,
                     run_specs,
                     self.state,
-                    _SGD_STATES,
-                    0,
+                    rule.states,
+                    rule.algorithm,
                     scalars,
                     per_parameter,
                     offsets,
