@@ -261,6 +261,7 @@ class Float(_OnGrid):
         problem = self._misfit(_WIDEST)
         if problem:
             raise ValueError(f"{self!r} does not fit even a float64 container: {problem}")
+        stored_grid(self)  # now, outside torch.compile's traces (lpsim.fusable.format_constants)
 
     @property
     def default_bias(self) -> int:
@@ -416,6 +417,7 @@ class Fixed(_OnGrid):
         problem = self._misfit(_WIDEST)
         if problem:
             raise ValueError(f"{self!r} does not fit even a float64 container: {problem}")
+        stored_grid(self)  # now, outside torch.compile's traces (lpsim.fusable.format_constants)
 
     __repr__ = short_repr
 
@@ -585,6 +587,7 @@ class P3109(_OnGrid):
         problem = self._misfit(_WIDEST)
         if problem:
             raise ValueError(f"{self!r} does not fit even a float64 container: {problem}")
+        stored_grid(self)  # now, outside torch.compile's traces (lpsim.fusable.format_constants)
 
     __repr__ = short_repr
 

@@ -98,6 +98,26 @@ def _exact_bits(value: float, exp: int, man: int) -> int:
     return (biased << man) | (significand & ((1 << man) - 1)) if biased >= 1 else significand
 
 
+def format_constants(fmt, dtype: torch.dtype) -> _Constants:
+    """_constants(fmt.grid(), dtype), also while torch.compile traces.
+
+    A grid stored on a format is read by dynamo through the format's attributes, so once a second
+    trace sees its float fields (the limits) change (a model of the same class with another
+    format), dynamo makes them symbolic floats, which _constants cannot take (and which dynamo
+    refuses inside an autograd.Function). Formats store their grid when they are made (outside
+    any trace), and the constants of such a format are computed by dynamo at trace time
+    (_stored_format_constants). A format made inside a traced function has no stored grid, and
+    its grid's fields are constants of that trace."""
+    if fmt.__dict__.get("_grid") is not None:
+        return _stored_format_constants(fmt, dtype)
+    return _constants(fmt.grid(), dtype)
+
+
+@torch.compiler.assume_constant_result
+def _stored_format_constants(fmt, dtype: torch.dtype) -> _Constants:
+    return _constants(fmt.grid(), dtype)
+
+
 def _constants(grid: GridSpec, dtype: torch.dtype) -> _Constants:
     """grid in the bits of container ``dtype``, as make_grid in csrc/include/lpsim/grid_spec.h.
 
@@ -191,8 +211,12 @@ def quantize_grid_torch(x: torch.Tensor, grid: GridSpec, rule: Rounding) -> torc
     if rule.is_stochastic:
         raise ValueError(f"quantize_grid_torch takes the deterministic rules, not {rule.name!r}")
     check_container(x)
+    return _quantize_bits(x, _constants(grid, x.dtype), rule)
+
+
+def _quantize_bits(x: torch.Tensor, k: _Constants, rule: Rounding) -> torch.Tensor:
+    """quantize_grid_torch(x, grid, rule) for k = _constants(grid, x.dtype), arguments checked."""
     layout = _LAYOUTS[x.dtype]
-    k = _constants(grid, x.dtype)
     man = k.man
 
     u = x.view(layout.storage)
@@ -308,21 +332,26 @@ def _either(condition: torch.Tensor, a, b, like: torch.Tensor) -> torch.Tensor |
     return torch.where(condition, a, b)
 
 
+def _quantize_format(x: torch.Tensor, fmt, rule: Rounding) -> torch.Tensor:
+    """quantize_grid_torch(x, fmt.grid(), rule), arguments checked (_fusable_format)."""
+    return _quantize_bits(x, format_constants(fmt, x.dtype), rule)
+
+
 class _StraightThrough(torch.autograd.Function):
-    """quantize_grid_torch with the identity gradient (what the custom op's autograd formula in
+    """_quantize_format with the identity gradient (what the custom op's autograd formula in
     lpsim._ops gives)."""
 
     @staticmethod
-    def forward(ctx, x, grid, rule):
-        return quantize_grid_torch(x, grid, rule)
+    def forward(ctx, x, fmt, rule):
+        return _quantize_format(x, fmt, rule)
 
     @staticmethod
     def backward(ctx, grad):
         return grad, None, None
 
 
-def _fusable_grid(x, fmt, rounding, rbits, offset) -> tuple[GridSpec, Rounding] | None:
-    """(grid, rule) when the fusable form applies to these quantize() arguments, else None. Checks
+def _fusable_format(x, fmt, rounding, rbits, offset) -> tuple[object, Rounding] | None:
+    """(fmt, rule) when the fusable form applies to these quantize() arguments, else None. Checks
     the arguments as quantize() does, so both paths raise the same errors."""
     rule = Rounding.parse(rounding)
     if not isinstance(fmt, GRID_FORMATS) or rule.is_stochastic:
@@ -331,7 +360,7 @@ def _fusable_grid(x, fmt, rounding, rbits, offset) -> tuple[GridSpec, Rounding] 
     fmt.grid_arguments(x.dtype)  # raises ValueError when the format does not fit x's dtype
     check_rbits(rbits, rule)  # raises ValueError for rbits with a deterministic rule
     check_offset(offset)
-    return fmt.grid(), rule
+    return fmt, rule
 
 
 def compiled_quantize(
@@ -357,12 +386,12 @@ def compiled_quantize(
     """
     if out is not None:
         return None
-    found = _fusable_grid(x, fmt, rounding, rbits, offset)
+    found = _fusable_format(x, fmt, rounding, rbits, offset)
     if found is None:
         return None
     if torch.is_grad_enabled() and x.requires_grad:
         return _StraightThrough.apply(x, *found)
-    return quantize_grid_torch(x, *found)  # no graph to record (a backward pass, say)
+    return _quantize_format(x, *found)  # no graph to record (a backward pass, say)
 
 
 def compiled_quantize_(
@@ -384,9 +413,9 @@ def compiled_quantize_(
     Raises:
         TypeError, ValueError: as lpsim.quantize_ for the same arguments.
     """
-    found = _fusable_grid(x, fmt, rounding, rbits, offset)
+    found = _fusable_format(x, fmt, rounding, rbits, offset)
     if found is None:
         return None
     if torch.is_grad_enabled() and x.requires_grad:
         return x.copy_(_StraightThrough.apply(x, *found))
-    return x.copy_(quantize_grid_torch(x, *found))
+    return x.copy_(_quantize_format(x, *found))

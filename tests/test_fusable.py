@@ -505,3 +505,43 @@ def test_injected_resnet18_training_step_compiles_without_a_graph_break():
     assert_same_bits(got, want)
     for (name, p), grad in zip(model.named_parameters(), grads):
         assert_same_bits(p.grad, grad, name)
+
+
+def test_models_injected_with_different_formats_compile_one_after_another():
+    """Two models of one class with other formats, compiled in one process: dynamo's second trace
+    sees the grids' limits change between calls and would make them symbolic floats (lifted
+    inside the error quantiser's autograd.Function, which it refused); the constants of a stored
+    grid are computed at trace time instead (fusable.format_constants), and each compiled model's
+    output and gradient equal the eager ones bit for bit, also for a model re-injected under its
+    compiled module and for formats made inside the traced function."""
+    torch._dynamo.reset()
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1)) * 3
+    weights = torch.linspace(-1e-3, 1e3, 1000)
+
+    def injected(fmt):
+        model = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.ReLU())
+        spec = lpsim.nn.LayerQuantization(output=(fmt, "nearest"), error=(fmt, "nearest"))
+        lpsim.nn.inject(model, {torch.nn.ReLU: spec}, unmatched="ignore")
+        return model
+
+    def run(model):
+        xs = x.clone().requires_grad_()
+        y = model(xs)
+        (y * weights).sum().backward()
+        return y.detach(), xs.grad
+
+    for fmt in (Float(5, 10), Float(8, 7), Float(4, 3), Float(5, 10)):
+        want = run(injected(fmt))
+        got = run(torch.compile(injected(fmt), fullgraph=True, backend="aot_eager"))
+        assert_same_bits(got[0], want[0], f"{fmt} output")
+        assert_same_bits(got[1], want[1], f"{fmt} gradient")
+    model = injected(Float(5, 10))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    compiled(x)
+    lpsim.nn.remove(model)
+    spec = lpsim.nn.LayerQuantization(output=(Float(4, 3), "nearest"))
+    lpsim.nn.inject(model, {torch.nn.ReLU: spec}, unmatched="ignore")
+    assert_same_bits(compiled(x), model(x), "re-injected")
+    for fmt in ("Float(5, 2)", "Fixed(8, 4)"):  # a format made inside the traced function
+        made_inside = torch.compile(eval(f"lambda x: lpsim.quantize(x, {fmt})"), fullgraph=True)
+        assert_same_bits(made_inside(x), lpsim.quantize(x, eval(fmt)), fmt)
