@@ -87,7 +87,7 @@ def test_mac_benchmark_prints_a_row_per_mac_against_torch_matmul(capsys):
 
 def test_optimizer_benchmark_times_each_optimizer_against_torchs_sgd(capsys):
     _, rows = _run("bench_optim", ["--quick"])
-    names = ["torch.optim.SGD", "OptimLP(SGD)", "FusedSGD"]
+    names = ["torch.optim.SGD", "OptimLP(SGD)", "OptimLP(SGD) batches", "FusedSGD"]
     assert [(r["rounding"], r["optimizer"]) for r in rows] == [
         (rule, name) for rule in ("nearest", "stochastic") for name in names
     ]
