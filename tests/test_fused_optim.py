@@ -329,6 +329,7 @@ def _identity(t):
         "amsgrad",
         "scheduler",
         "fused_false",
+        "extra_state",
     ],
 )
 def test_optimlp_keeps_its_own_batches_where_the_fused_step_does_not_apply(case):
@@ -348,6 +349,8 @@ def test_optimlp_keeps_its_own_batches_where_the_fused_step_does_not_apply(case)
     opt = OptimLP(inner, **formats, fused=case != "fused_false")
     if case == "scheduler":
         torch.optim.lr_scheduler.StepLR(inner, step_size=1)
+    if case == "extra_state":  # a tensor OptimLP's momentum phase rounds and the fused step lacks
+        inner.state[params[0]]["trace"] = torch.zeros(params[0].shape)
     for p in params:
         p.grad = torch.randn_like(p) * 0.1
     with _counting_fused_calls() as calls:

@@ -163,6 +163,16 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float))
 
 
+def _state_tensor(key: str, value) -> bool:
+    """Whether OptimLP's momentum phase rounds this entry of an optimizer's state."""
+    return (
+        key != "step"
+        and isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and value.dim() > 0
+    )
+
+
 def _fusable_tensor(t: torch.Tensor) -> bool:
     return (
         t.dtype == torch.float32
@@ -456,12 +466,7 @@ class OptimLP(Optimizer):
             if s.momentum is None:
                 continue
             for key, value in self.optimizer.state.get(p, {}).items():
-                if (
-                    key != "step"
-                    and isinstance(value, torch.Tensor)
-                    and value.is_floating_point()
-                    and value.dim() > 0
-                ):
+                if _state_tensor(key, value):
                     quant = self._quantizer(p, f"momentum.{key}", s.momentum, value)
                     batch.add(quant, value, p, "momentum")
         batch.run()
@@ -593,6 +598,10 @@ class OptimLP(Optimizer):
                 return False
             for p in group["params"]:
                 state = self.state.get(p, {})
+                # The tensors OptimLP's momentum phase would round, in its order: the rule's.
+                rounded = [key for key, value in state.items() if _state_tensor(key, value)]
+                if rounded and rounded != list(rule.states):
+                    return False
                 tensors = [p, p.grad, self.accumulators.get(p)]
                 tensors += [state.get(key) for key in rule.states]
                 if any(t is not None and not _fusable_tensor(t) for t in tensors):
