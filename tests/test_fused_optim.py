@@ -10,6 +10,7 @@ import contextlib
 import pytest
 import torch
 from support import assert_same_bits
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lpsim import BlockFloat, Fixed, Float
 from lpsim.diagnostics import Recorder
@@ -330,6 +331,7 @@ def _identity(t):
         "scheduler",
         "fused_false",
         "extra_state",
+        "global_hook",
     ],
 )
 def test_optimlp_keeps_its_own_batches_where_the_fused_step_does_not_apply(case):
@@ -353,14 +355,21 @@ def test_optimlp_keeps_its_own_batches_where_the_fused_step_does_not_apply(case)
         inner.state[params[0]]["trace"] = torch.zeros(params[0].shape)
     for p in params:
         p.grad = torch.randn_like(p) * 0.1
-    with _counting_fused_calls() as calls:
-        if case == "closure":
-            opt.step(lambda: 0.0)
-        elif case == "recorder":
-            with Recorder(torch.nn.Module(), opt):
+    hook = None
+    if case == "global_hook":
+        hook = register_optimizer_step_pre_hook(lambda *args: None)
+    try:
+        with _counting_fused_calls() as calls:
+            if case == "closure":
+                opt.step(lambda: 0.0)
+            elif case == "recorder":
+                with Recorder(torch.nn.Module(), opt):
+                    opt.step()
+            else:
                 opt.step()
-        else:
-            opt.step()
+    finally:
+        if hook is not None:
+            hook.remove()
     assert calls == []
 
 

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+import torch.optim.optimizer as torch_optimizer
 from torch.optim import Optimizer
 
 from lpsim import _observation
@@ -249,20 +250,20 @@ class OptimLP(Optimizer):
     parameters hold them during the wrapped step); that needs accumulators of the parameters'
     dtype.
 
-    Fused step. Around a torch.optim.SGD, Adam or AdamW, step() does not call the wrapped
-    optimizer where lpsim's fused step (that of lpsim.optim.FusedSGD and FusedAdam) gives the same
-    bits: one compiled pass per parameter group and setting reads each gradient, state tensor,
-    accumulator and weight once, applies torch's float32 arithmetic and writes them rounded, with
-    the random streams above (SGD on resnet18 with round to nearest, one thread: 1.07x torch's own
-    step, against 1.88x for the batches; docs/performance.md). That is the case when the optimizer
-    runs its single-tensor path (foreach and fused unset or False, as torch leaves them on the CPU;
-    not differentiable; Adam without amsgrad or capturable; hyperparameters that are numbers, not
-    tensors; no step hooks and no LR scheduler attached to the wrapped optimizer itself, rather
-    than to OptimLP), every parameter, gradient, state tensor and accumulator is a contiguous
-    float32 CPU tensor, every setting is a Float, Fixed or P3109 format with a rule (no
-    functions, block formats or delayed scaling), no closure is given and no Recorder observes the
-    step. Otherwise, or with ``fused=False``, the steps above run as listed. The two paths give
-    the same tensors and draw the same seeds, so a run may switch between them.
+    Fused step. Around a torch.optim.SGD, Adam or AdamW, step() does not call the wrapped optimizer
+    where lpsim's fused step (that of lpsim.optim.FusedSGD and FusedAdam) gives the same bits: one
+    compiled pass per parameter group and setting reads each gradient, state tensor, accumulator and
+    weight once, applies torch's float32 arithmetic and writes them rounded, with the random streams
+    above (SGD on resnet18 with round to nearest, one thread: 1.07x torch's own step, against 1.88x
+    for the batches; docs/performance.md). That is the case when the optimizer runs its
+    single-tensor path (foreach and fused unset or False, as torch leaves them on the CPU; not
+    differentiable; Adam without amsgrad or capturable; hyperparameters that are numbers, not
+    tensors; no step hooks, global or on the wrapped optimizer, and no LR scheduler attached to the
+    wrapped optimizer itself, rather than to OptimLP), every parameter, gradient, state tensor and
+    accumulator is a contiguous float32 CPU tensor, every setting is a Float, Fixed or P3109 format
+    with a rule (no functions, block formats or delayed scaling), no closure is given and no
+    Recorder observes the step. Otherwise, or with ``fused=False``, the steps above run as listed.
+    The two paths give the same tensors and draw the same seeds, so a run may switch between them.
 
     While a lpsim.diagnostics.recorder.Recorder observes the optimizer, every rounding of a step
     is recorded under its parameter with the category "grad", "momentum" (each state tensor),
@@ -576,10 +577,10 @@ class OptimLP(Optimizer):
     def _fused_step_applies(self) -> bool:
         """Whether lpsim's fused step (FusedSGD's and FusedAdam's op) gives this step's bits: the
         wrapped optimizer is a torch.optim.SGD, Adam or AdamW on its single-tensor path (see
-        _FusedRule; no step hooks on it), every parameter, gradient, state tensor and accumulator
-        is a contiguous float32 CPU tensor, every setting is a format with a rule (Float, Fixed or
-        P3109; no functions, no delayed scaling), and no Recorder observes the step (which needs
-        the tensors before each rounding)."""
+        _FusedRule; no step hooks, global or on it), every parameter, gradient, state tensor and
+        accumulator is a contiguous float32 CPU tensor, every setting is a format with a rule
+        (Float, Fixed or P3109; no functions, no delayed scaling), and no Recorder observes the step
+        (which needs the tensors before each rounding)."""
         opt = self.optimizer
         rule = _FUSED_RULES.get(type(opt))
         if (
@@ -589,6 +590,9 @@ class OptimLP(Optimizer):
             or "step" in vars(opt)  # wrapped by an LR scheduler or a user
             or opt._optimizer_step_pre_hooks
             or opt._optimizer_step_post_hooks
+            # Global hooks run around the wrapped optimizer's step too.
+            or torch_optimizer._global_optimizer_pre_hooks
+            or torch_optimizer._global_optimizer_post_hooks
         ):
             return False
         for group in self.param_groups:
