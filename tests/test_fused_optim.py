@@ -133,7 +133,7 @@ def _assert_same_run(kind, hyper, formats, **options):
     for i, (a, b) in enumerate(zip(got, want)):
         assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
         assert_same_bits(a.grad, b.grad, f"gradient {i}")
-        for key in FusedSGD._STATES + FusedAdam._STATES:
+        for key in FusedSGD._RULE.states + FusedAdam._RULE.states:
             if key in reference.state[b]:
                 assert_same_bits(fused.state[a][key], reference.state[b][key], f"{key} {i}")
         if b in reference.accumulators:

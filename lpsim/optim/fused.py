@@ -28,6 +28,7 @@ formats (Float, Fixed) only, Adam without amsgrad, no closure re-evaluation at a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch.optim import Optimizer
@@ -58,8 +59,7 @@ class _Fused(Optimizer):
     """What FusedSGD and FusedAdam share: the formats, the accumulators, the seeds and offsets of
     OptimLP's batches, and the call of the compiled step."""
 
-    _STATES: tuple[str, ...] = ()  # the state tensors the step rounds, in OptimLP's order
-    _ALGORITHM = 0
+    _RULE: StepRule  # the step arithmetic
 
     def __init__(self, params, defaults: dict, formats: dict, grad_scaling: float, rounding):
         if (
@@ -102,18 +102,6 @@ class _Fused(Optimizer):
                 if acc is not None:  # as OptimLP: the accumulator starts as the rounded weight
                     self.state[p]["accumulator"] = quantize(p.detach().clone(), *acc)
 
-    def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
-        """Create the states a parameter with a gradient needs for its step."""
-
-    def _per_parameter(self, group: dict, p: torch.Tensor, state: dict) -> list[float]:
-        raise NotImplementedError
-
-    def _scalars(self, group: dict) -> list[float]:
-        raise NotImplementedError
-
-    def _has_states(self, group: dict) -> bool:
-        return True
-
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step of every parameter (see the module documentation). Returns the closure's
@@ -122,32 +110,69 @@ class _Fused(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        params = [(group, p) for group in self.param_groups for p in group["params"]]
-        for group, p in params:
-            if p.grad is not None:
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                self._init_state(group, p, self.state[p])
-        specs = {p: tuple(group[f"{c}_format"] for c in _CATEGORIES) for group, p in params}
-        offsets, seeds = plan_streams([p for _, p in params], specs, self.state, self._STATES)
         for group in self.param_groups:
-            if group["params"]:
-                run_step(
-                    group["params"],
-                    specs[group["params"][0]],
-                    self.state,
-                    self._STATES,
-                    self._ALGORITHM,
-                    self._scalars(group) + [self.grad_scaling],
-                    [
-                        x
-                        for p in group["params"]
-                        for x in self._per_parameter(group, p, self.state[p])
-                    ],
-                    offsets,
-                    seeds,
-                )
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        specs = {
+            p: tuple(group[f"{c}_format"] for c in _CATEGORIES)
+            for group in self.param_groups
+            for p in group["params"]
+        }
+        fused_step(self.param_groups, specs, self.state, self._RULE, self.grad_scaling)
         return loss
+
+
+@dataclass(frozen=True)
+class StepRule:
+    """The arithmetic of one optimizer's fused step: the op's algorithm, the state tensors it
+    updates (in the state dict's order), the state it creates for a parameter with a gradient, its
+    values per parameter and its scalars per parameter group."""
+
+    algorithm: int
+    states: tuple[str, ...]
+    init_state: Callable[[dict, torch.Tensor, dict], None]
+    per_parameter: Callable[[dict, torch.Tensor, dict], list[float]]
+    scalars: Callable[[dict], list[float]]
+
+
+def fused_step(
+    param_groups: list[dict],
+    specs: dict,
+    state: dict,
+    rule: StepRule,
+    grad_scaling: float,
+    accumulators: dict | None = None,
+) -> None:
+    """One fused step of every parameter of ``param_groups``: the states of those with a gradient
+    created (rule.init_state), OptimLP's random streams planned (plan_streams), and one op call
+    (run_step) per group and setting ``specs[p]``, parameters in order. ``state``: the optimizer's
+    state per parameter; ``accumulators``: as run_step."""
+    params = [p for group in param_groups for p in group["params"]]
+    for group in param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                rule.init_state(group, p, state[p])
+    offsets, seeds = plan_streams(params, specs, state, rule.states)
+    for group in param_groups:
+        runs: dict[tuple, list[torch.Tensor]] = {}  # the group's parameters by setting
+        for p in group["params"]:
+            runs.setdefault(specs[p], []).append(p)
+        scalars = rule.scalars(group) + [grad_scaling]
+        for run_specs, run in runs.items():
+            per_parameter = [x for p in run for x in rule.per_parameter(group, p, state[p])]
+            run_step(
+                run,
+                run_specs,
+                state,
+                rule.states,
+                rule.algorithm,
+                scalars,
+                per_parameter,
+                offsets,
+                seeds,
+                accumulators,
+            )
 
 
 def plan_streams(params: list, specs: dict, state: dict, state_keys: tuple[str, ...]):
@@ -238,6 +263,88 @@ def run_step(
     )
 
 
+def sgd_init_state(group: dict, p: torch.Tensor, state: dict) -> None:
+    """Create the momentum buffer of a parameter with a gradient (torch.optim.SGD's state key),
+    marked fresh: torch's first step takes the direction itself, so its old values are unused."""
+    if group["momentum"] != 0 and state.get("momentum_buffer") is None:
+        state["momentum_buffer"] = torch.empty_like(p)
+        state["fresh"] = True  # removed by sgd_per_parameter
+
+
+def sgd_per_parameter(state: dict) -> list[float]:
+    """The SGD step's value per parameter: whether its momentum buffer is fresh."""
+    return [1.0 if state.pop("fresh", False) else 0.0]
+
+
+def sgd_scalars(group: dict) -> list[float]:
+    """The SGD step's scalars from a torch.optim.SGD (or FusedSGD) parameter group."""
+    return [
+        group["weight_decay"],
+        group["momentum"],
+        1 - group["dampening"],
+        -group["lr"],
+        float(group["nesterov"]),
+        float(group["maximize"]),
+    ]
+
+
+def adam_init_state(group: dict, p: torch.Tensor, state: dict) -> None:
+    """torch.optim.Adam's state of a parameter with a gradient, in its order, and its step count
+    advanced."""
+    if "step" not in state:
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["step"] += 1
+
+
+def adam_per_parameter(group: dict, p: torch.Tensor, state: dict) -> list[float]:
+    """The Adam step's values per parameter: -lr / (1 - beta1^step) and (1 - beta2^step)^0.5, as
+    torch's Python code computes them in double."""
+    if p.grad is None or "step" not in state:
+        return [0.0, 1.0]
+    beta1, beta2 = group["betas"]
+    step = state["step"].item()
+    return [-(group["lr"] / (1 - beta1**step)), (1 - beta2**step) ** 0.5]
+
+
+def adam_scalars(group: dict, decoupled: bool) -> list[float]:
+    """The Adam step's scalars from a parameter group (AdamW's with ``decoupled``)."""
+    beta1, beta2 = group["betas"]
+    decay = group["weight_decay"] != 0
+    return [
+        group["weight_decay"],
+        1 - group["lr"] * group["weight_decay"],
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        group["eps"],
+        float(decay and not decoupled),
+        float(decay and decoupled),
+        float(group["maximize"]),
+    ]
+
+
+SGD_RULE = StepRule(
+    algorithm=0,
+    states=("momentum_buffer",),
+    init_state=sgd_init_state,
+    per_parameter=lambda group, p, state: sgd_per_parameter(state),
+    scalars=sgd_scalars,
+)
+
+
+def adam_rule(decoupled_key: str, decoupled: bool) -> StepRule:
+    """Adam's step, AdamW's where the group's ``decoupled_key`` (default ``decoupled``) is true."""
+    return StepRule(
+        algorithm=1,
+        states=("exp_avg", "exp_avg_sq"),
+        init_state=adam_init_state,
+        per_parameter=adam_per_parameter,
+        scalars=lambda group: adam_scalars(group, group.get(decoupled_key, decoupled)),
+    )
+
+
 class FusedSGD(_Fused):
     """``OptimLP(torch.optim.SGD(params, lr, momentum, dampening, weight_decay, nesterov,
     maximize=maximize), weight=weight_format, grad=grad_format, momentum=state_format,
@@ -264,8 +371,7 @@ class FusedSGD(_Fused):
         NotImplementedError: a parameter is not on the CPU.
     """
 
-    _STATES = ("momentum_buffer",)
-    _ALGORITHM = 0
+    _RULE = SGD_RULE
 
     def __init__(
         self,
@@ -312,40 +418,6 @@ class FusedSGD(_Fused):
         )
         super().__init__(params, defaults, formats, grad_scaling, rounding)
 
-    def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
-        sgd_init_state(group, p, state)
-
-    def _per_parameter(self, group: dict, p: torch.Tensor, state: dict) -> list[float]:
-        return sgd_per_parameter(state)
-
-    def _scalars(self, group: dict) -> list[float]:
-        return sgd_scalars(group)
-
-
-def sgd_init_state(group: dict, p: torch.Tensor, state: dict) -> None:
-    """Create the momentum buffer of a parameter with a gradient (torch.optim.SGD's state key),
-    marked fresh: torch's first step takes the direction itself, so its old values are unused."""
-    if group["momentum"] != 0 and state.get("momentum_buffer") is None:
-        state["momentum_buffer"] = torch.empty_like(p)
-        state["fresh"] = True  # removed by sgd_per_parameter
-
-
-def sgd_per_parameter(state: dict) -> list[float]:
-    """The SGD step's value per parameter: whether its momentum buffer is fresh."""
-    return [1.0 if state.pop("fresh", False) else 0.0]
-
-
-def sgd_scalars(group: dict) -> list[float]:
-    """The SGD step's scalars from a torch.optim.SGD (or FusedSGD) parameter group."""
-    return [
-        group["weight_decay"],
-        group["momentum"],
-        1 - group["dampening"],
-        -group["lr"],
-        float(group["nesterov"]),
-        float(group["maximize"]),
-    ]
-
 
 class FusedAdam(_Fused):
     """``OptimLP(torch.optim.Adam(...))`` (``decoupled=False``) or
@@ -368,8 +440,7 @@ class FusedAdam(_Fused):
         TypeError, ValueError, NotImplementedError: as for FusedSGD; ValueError for amsgrad=True.
     """
 
-    _STATES = ("exp_avg", "exp_avg_sq")
-    _ALGORITHM = 1
+    _RULE = adam_rule("decoupled", True)
 
     def __init__(
         self,
@@ -413,49 +484,3 @@ class FusedAdam(_Fused):
             weight_format=weight_format,
         )
         super().__init__(params, defaults, formats, grad_scaling, rounding)
-
-    def _init_state(self, group: dict, p: torch.Tensor, state: dict) -> None:
-        adam_init_state(group, p, state)
-
-    def _per_parameter(self, group: dict, p: torch.Tensor, state: dict) -> list[float]:
-        return adam_per_parameter(group, p, state)
-
-    def _scalars(self, group: dict) -> list[float]:
-        return adam_scalars(group, group["decoupled"])
-
-
-def adam_init_state(group: dict, p: torch.Tensor, state: dict) -> None:
-    """torch.optim.Adam's state of a parameter with a gradient, in its order, and its step count
-    advanced."""
-    if "step" not in state:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    state["step"] += 1
-
-
-def adam_per_parameter(group: dict, p: torch.Tensor, state: dict) -> list[float]:
-    """The Adam step's values per parameter: -lr / (1 - beta1^step) and (1 - beta2^step)^0.5, as
-    torch's Python code computes them in double."""
-    if p.grad is None or "step" not in state:
-        return [0.0, 1.0]
-    beta1, beta2 = group["betas"]
-    step = state["step"].item()
-    return [-(group["lr"] / (1 - beta1**step)), (1 - beta2**step) ** 0.5]
-
-
-def adam_scalars(group: dict, decoupled: bool) -> list[float]:
-    """The Adam step's scalars from a parameter group (AdamW's with ``decoupled``)."""
-    beta1, beta2 = group["betas"]
-    decay = group["weight_decay"] != 0
-    return [
-        group["weight_decay"],
-        1 - group["lr"] * group["weight_decay"],
-        1 - beta1,
-        beta2,
-        1 - beta2,
-        group["eps"],
-        float(decay and not decoupled),
-        float(decay and decoupled),
-        float(group["maximize"]),
-    ]

@@ -114,46 +114,29 @@ _WIDE = (torch.float32, torch.float64)
 
 @dataclass(frozen=True)
 class _FusedRule:
-    """How OptimLP takes the fused step around one torch optimizer class: the op's algorithm, the
-    state tensors it updates (in the state dict's order), the state it creates for a parameter with
-    a gradient, its per-parameter values and its group scalars, the group options that must be
-    unset or False (torch's other paths) and those that must be numbers, not tensors."""
+    """When OptimLP takes the fused step around one torch optimizer class: its arithmetic, the
+    group options that must be unset or False (torch's other paths) and those that must be numbers,
+    not tensors."""
 
-    algorithm: int
-    states: tuple[str, ...]
-    init_state: Callable[[dict, torch.Tensor, dict], None]
-    per_parameter: Callable[[dict, torch.Tensor, dict], list[float]]
-    scalars: Callable[[dict], list[float]]
+    step: fused.StepRule
     off: tuple[str, ...]
     numbers: tuple[str, ...]
 
 
-def _adam_rule(decoupled: bool) -> _FusedRule:
-    return _FusedRule(
-        algorithm=1,
-        states=("exp_avg", "exp_avg_sq"),
-        init_state=fused.adam_init_state,
-        per_parameter=fused.adam_per_parameter,
-        scalars=lambda group: fused.adam_scalars(
-            group, group.get("decoupled_weight_decay", decoupled)
-        ),
-        off=("foreach", "fused", "differentiable", "capturable", "amsgrad"),
-        numbers=("lr", "betas", "eps", "weight_decay"),
-    )
-
-
+_ADAM_OFF = ("foreach", "fused", "differentiable", "capturable", "amsgrad")
+_ADAM_NUMBERS = ("lr", "betas", "eps", "weight_decay")
 _FUSED_RULES = {
     torch.optim.SGD: _FusedRule(
-        algorithm=0,
-        states=("momentum_buffer",),
-        init_state=fused.sgd_init_state,
-        per_parameter=lambda group, p, state: fused.sgd_per_parameter(state),
-        scalars=fused.sgd_scalars,
+        fused.SGD_RULE,
         off=("foreach", "fused", "differentiable"),
         numbers=("lr", "momentum", "dampening", "weight_decay"),
     ),
-    torch.optim.Adam: _adam_rule(decoupled=False),
-    torch.optim.AdamW: _adam_rule(decoupled=True),
+    torch.optim.Adam: _FusedRule(
+        fused.adam_rule("decoupled_weight_decay", False), _ADAM_OFF, _ADAM_NUMBERS
+    ),
+    torch.optim.AdamW: _FusedRule(
+        fused.adam_rule("decoupled_weight_decay", True), _ADAM_OFF, _ADAM_NUMBERS
+    ),
 }
 
 
@@ -604,10 +587,10 @@ class OptimLP(Optimizer):
                 state = self.state.get(p, {})
                 # The tensors OptimLP's momentum phase would round, in its order: the rule's.
                 rounded = [key for key, value in state.items() if _state_tensor(key, value)]
-                if rounded and rounded != list(rule.states):
+                if rounded and rounded != list(rule.step.states):
                     return False
                 tensors = [p, p.grad, self.accumulators.get(p)]
-                tensors += [state.get(key) for key in rule.states]
+                tensors += [state.get(key) for key in rule.step.states]
                 if any(t is not None and not _fusable_tensor(t) for t in tensors):
                     return False
                 s = self.settings.get(p)
@@ -619,38 +602,15 @@ class OptimLP(Optimizer):
     def _fused_step(self) -> None:
         """step() in one pass per parameter group and settings, bit for bit (see
         _fused_step_applies): the random streams and seeds of OptimLP's batches."""
-        rule = _FUSED_RULES[type(self.optimizer)]
-        params = list(self._params())
+        rule = _FUSED_RULES[type(self.optimizer)].step
         specs = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    rule.init_state(group, p, self.state[p])
-                s = self.settings.get(p)
-                specs[p] = (None,) * 4 if s is None else (s.grad, s.momentum, s.acc, s.weight)
-        offsets, seeds = fused.plan_streams(params, specs, self.state, rule.states)
+        for p in self._params():
+            s = self.settings.get(p)
+            specs[p] = (None,) * 4 if s is None else (s.grad, s.momentum, s.acc, s.weight)
         accumulators = {p: a for p, a in self.accumulators.items() if specs[p][2] is not None}
-        for group in self.param_groups:
-            runs: dict[tuple, list[torch.Tensor]] = {}  # the group's parameters by settings
-            for p in group["params"]:
-                runs.setdefault(specs[p], []).append(p)
-            scalars = rule.scalars(group) + [self.grad_scaling]
-            for run_specs, run in runs.items():
-                per_parameter = [
-                    x for p in run for x in rule.per_parameter(group, p, self.state[p])
-                ]
-                fused.run_step(
-                    run,
-                    run_specs,
-                    self.state,
-                    rule.states,
-                    rule.algorithm,
-                    scalars,
-                    per_parameter,
-                    offsets,
-                    seeds,
-                    accumulators,
-                )
+        fused.fused_step(
+            self.param_groups, specs, self.state, rule, self.grad_scaling, accumulators
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
