@@ -2,7 +2,7 @@
 
     python benchmarks/bench_mac.py [--shapes 512x512x512,2048x2048x256] [--repeat 5]
                                    [--budget 8] [--threads N] [--scalar-loop] [--quick]
-                                   [--only TEXT]
+                                   [--only TEXT] [--device cpu|cuda]
 
 For each shape MxNxK (float32 operands a: M x K, b: K x N) and each MAC of ``MACS``, the table
 gives GFLOP/s = 2 M N K / time (the median of --repeat calls) and the ratio to torch.matmul's
@@ -16,7 +16,9 @@ rows of a instead (the "rows" column), with M' chosen to fit the budget, and few
 Every result of a row costs the same (K multiply-adds), so GFLOP/s on M' rows is the full shape's
 to within the noise. --scalar-loop times every row with mac_matmul's lane loop switched off
 (csrc/cpu/mac_lanes.h; the private op lpsim::_mac_lanes), which is the kernel before the lanes.
---quick runs a small shape with one repetition: a smoke test.
+--quick runs a small shape with one repetition: a smoke test. --device cuda runs both sides on
+the current CUDA device (each call timed to a synchronisation), against torch.matmul float32 with
+TF32 off: its SIMT kernels, the reference the GPU target is stated against.
 """
 
 from __future__ import annotations
@@ -49,14 +51,19 @@ MACS = {
 }
 
 
-def _seconds(fn) -> float:
+def _seconds(fn, device: str = "cpu") -> float:
+    """Seconds of one call of fn, its CUDA work included on a CUDA device."""
+    if device == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
     fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def _median(fn, repeat: int) -> float:
-    return statistics.median(_seconds(fn) for _ in range(repeat))
+def _median(fn, repeat: int, device: str = "cpu") -> float:
+    return statistics.median(_seconds(fn, device) for _ in range(repeat))
 
 
 def parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -78,13 +85,14 @@ def operands_of(mac: MAC, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tenso
 def time_row(a, b, mac: MAC, repeat: int, budget: float) -> tuple[int, float]:
     """(rows of a timed, median seconds per call) for one MAC."""
     a, b = operands_of(mac, a, b)
-    m = a.shape[0]
+    m, device = a.shape[0], a.device.type
     if mac.native:
         lpsim.mac.matmul(a, b, mac)
-        return m, _median(lambda: lpsim.mac.matmul(a, b, mac), repeat)
-    probe_rows = min(m, 8)
+        return m, _median(lambda: lpsim.mac.matmul(a, b, mac), repeat, device)
+    probe_rows = min(m, 8 if device == "cpu" else 256)
     probe = a[:probe_rows].contiguous()
-    estimate = _seconds(lambda: lpsim.mac.matmul(probe, b, mac, seed=1)) * m / probe_rows
+    lpsim.mac.matmul(probe, b, mac, seed=1)  # a first call (CUDA: loads the kernel)
+    estimate = _seconds(lambda: lpsim.mac.matmul(probe, b, mac, seed=1), device) * m / probe_rows
     rows = m
     if estimate > budget:
         rows = max(probe_rows, int(m * budget / estimate))
@@ -92,7 +100,7 @@ def time_row(a, b, mac: MAC, repeat: int, budget: float) -> tuple[int, float]:
     elif estimate * repeat > 3 * budget:
         repeat = max(1, int(3 * budget / estimate))
     part = a[:rows].contiguous()
-    return rows, _median(lambda: lpsim.mac.matmul(part, b, mac, seed=1), repeat)
+    return rows, _median(lambda: lpsim.mac.matmul(part, b, mac, seed=1), repeat, device)
 
 
 def main(argv=None) -> list[dict]:
@@ -102,8 +110,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--budget", type=float, default=8.0, help="seconds per timed call")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="one small shape, one repetition")
-    parser.add_argument("--only", default="", help="the rows whose label contains this text")
+    parser.add_argument(
+        "--only", default="", help="the rows whose label contains one of these texts (a,b,...)"
+    )
     parser.add_argument("--scalar-loop", action="store_true", help="the lane loop switched off")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args(argv)
     lanes_before = torch.ops.lpsim._mac_lanes(not args.scalar_loop)
     try:
@@ -115,19 +126,22 @@ def main(argv=None) -> list[dict]:
 def _run(args) -> list[dict]:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # the float32 SIMT reference
     shapes = parse_shapes("64x64x64" if args.quick else args.shapes)
     repeat = 1 if args.quick else args.repeat
     budget = 0.5 if args.quick else args.budget
     rows = []
     for m, n, k in shapes:
         g = torch.Generator().manual_seed(0)
-        a = torch.randn(m, k, generator=g)
-        b = torch.randn(k, n, generator=g)
+        a = torch.randn(m, k, generator=g).to(device)
+        b = torch.randn(k, n, generator=g).to(device)
         torch.matmul(a, b)
-        seconds = _median(lambda a=a, b=b: torch.matmul(a, b), max(repeat, 5))
+        seconds = _median(lambda a=a, b=b: torch.matmul(a, b), max(repeat, 5), device)
         reference = 2 * m * n * k / seconds / 1e9
         for label, mac in MACS.items():
-            if args.only not in label:
+            if not any(text in label for text in args.only.split(",")):
                 continue
             timed_rows, seconds = time_row(a, b, mac, repeat, budget)
             gflops = 2 * timed_rows * n * k / seconds / 1e9
@@ -141,9 +155,13 @@ def _run(args) -> list[dict]:
                     "ratio": gflops / reference,
                 }
             )
-    loop = "scalar loop" if args.scalar_loop else "lane loop"
+    if device == "cuda":
+        where = f"{torch.cuda.get_device_name()}, torch.matmul with TF32 off"
+    else:
+        loop = "scalar loop" if args.scalar_loop else "lane loop"
+        where = f"threads={torch.get_num_threads()}, {loop}"
     print(
-        f"threads={torch.get_num_threads()}, {loop}, float32 operands, median of {repeat} "
+        f"{where}, float32 operands, median of {repeat} "
         f"(slow rows: fewer rows of a, fewer repetitions)"
     )
     print(f"{'MAC':34} {'MxNxK':>16} {'rows':>6} {'GFLOP/s':>9} {'torch':>8} {'ratio':>9}")

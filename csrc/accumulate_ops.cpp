@@ -17,9 +17,18 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "checks.h"
 #include "cpu/accumulate.h"
+#include "dispatch.h"
+
+#if defined(LPSIM_WITH_CUDA)
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda/mac.h"
+#endif
 
 namespace lpsim {
 namespace {
@@ -126,35 +135,85 @@ TensorCoreSpec tensor_core_spec(int64_t order, int64_t chunk, int64_t group, int
       static_cast<int32_t>(operand_emin), rounding_of(normalise)};
 }
 
-at::Tensor mac_matmul_cpu(const at::Tensor& a, const at::Tensor& b, int64_t order, int64_t chunk,
-                          bool compensated, bool has_product, int64_t group, int64_t fraction_bits,
-                          std::optional<int64_t> exponent_floor, int64_t operand_emin,
-                          int64_t normalise,
-                          LPSIM_GRID_PARAMS(product_) LPSIM_GRID_PARAMS(chunk_) LPSIM_GRID_PARAMS()
-                              int64_t rounding,
-                          int64_t rbits, const Seed& seed, int64_t offset) {
-  const Dtype dtype = check_product_operands(a, b, "mac_matmul");
+// mac_matmul's arguments, checked and decoded: the shape, the grids and the random stream.
+struct MacArguments {
+  Dtype dtype;
+  MacShape shape;
+  GridSpec acc, inner, product;
+  bool has_product;
+  Rounding rule;
+  RandomSpec random;
+  const GridSpec* product_grid() const { return has_product ? &product : nullptr; }
+};
+
+// mac_matmul's parameters (the schema's, in its order), and the same names as arguments.
+#define LPSIM_MAC_PARAMS                                                                          \
+  const at::Tensor &a, const at::Tensor &b, int64_t order, int64_t chunk, bool compensated,       \
+      bool has_product, int64_t group, int64_t fraction_bits,                                     \
+      std::optional<int64_t> exponent_floor, int64_t operand_emin, int64_t normalise,             \
+      LPSIM_GRID_PARAMS(product_) LPSIM_GRID_PARAMS(chunk_) LPSIM_GRID_PARAMS() int64_t rounding, \
+      int64_t rbits, const Seed &seed, int64_t offset
+#define LPSIM_MAC_VALUES                                                                         \
+  a, b, order, chunk, compensated, has_product, group, fraction_bits, exponent_floor,            \
+      operand_emin, normalise,                                                                   \
+      LPSIM_GRID_VALUES(product_) LPSIM_GRID_VALUES(chunk_) LPSIM_GRID_VALUES() rounding, rbits, \
+      seed, offset
+
+MacArguments mac_arguments(LPSIM_MAC_PARAMS) {
+  MacArguments args{};
+  args.dtype = check_product_operands(a, b, "mac_matmul");
   TORCH_CHECK(order >= 0 && order <= static_cast<int64_t>(MacOrder::kPairwise),
               "lpsim: mac_matmul's order must be 0 (sequential), 1 (chunked) or 2 (pairwise), got ",
               order);
   TORCH_CHECK(chunk >= 1, "lpsim: mac_matmul's chunk must be at least 1, got ", chunk);
-  const MacShape shape{static_cast<MacOrder>(order), chunk, compensated,
-                       tensor_core_spec(order, chunk, group, fraction_bits, exponent_floor,
-                                        operand_emin, normalise)};
-  const GridSpec acc = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES()});
-  const GridSpec inner = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES(chunk_)});
-  GridSpec product{};
-  if (has_product) product = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES(product_)});
-  const Rounding rule = rounding_of(rounding);
-  const RandomSpec random = random_spec(rule, rbits, seed, offset);
-  const GridSpec* product_grid = has_product ? &product : nullptr;
+  args.shape = MacShape{static_cast<MacOrder>(order), chunk, compensated,
+                        tensor_core_spec(order, chunk, group, fraction_bits, exponent_floor,
+                                         operand_emin, normalise)};
+  args.acc = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES()});
+  args.inner = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES(chunk_)});
+  args.has_product = has_product;
+  if (has_product) {
+    args.product = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES(product_)});
+  }
+  args.rule = rounding_of(rounding);
+  args.random = random_spec(args.rule, rbits, seed, offset);
+  return args;
+}
+
+at::Tensor mac_matmul_cpu(LPSIM_MAC_PARAMS) {
+  const MacArguments args = mac_arguments(LPSIM_MAC_VALUES);
   return product_results(a, b,
                          [&](const void* ap, const void* bp, uint64_t* yp, int64_t n, int64_t p,
                              int64_t begin, int64_t end) {
-                           cpu::mac_matmul(dtype, rule, ap, bp, yp, n, p, begin, end, shape,
-                                           product_grid, acc, inner, random);
+                           cpu::mac_matmul(args.dtype, args.rule, ap, bp, yp, n, p, begin, end,
+                                           args.shape, args.product_grid(), args.acc, args.inner,
+                                           args.random);
                          });
 }
+
+#if defined(LPSIM_WITH_CUDA)
+// The kernel runs on a's device, on its current stream.
+at::Tensor mac_matmul_cuda(LPSIM_MAC_PARAMS) {
+  const MacArguments args = mac_arguments(LPSIM_MAC_VALUES);
+  TORCH_CHECK(b.device() == a.device(), "lpsim: mac_matmul's operands must be on one device, got ",
+              a.device(), " and ", b.device());
+  const c10::cuda::CUDAGuard guard(a.device());
+  const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+  const int64_t m = a.size(0), n = a.size(1), p = b.size(0);
+  at::Tensor y = at::empty({m, p}, a.options().dtype(at::kDouble));
+  if (m == 0 || p == 0) return y;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(a.device().index()).stream();
+  with_container(args.dtype, [&](auto container) {
+    using X = decltype(container);
+    if constexpr (!std::is_same_v<X, Float64Container>) {  // refused by check_product_operands
+      gpu::mac_matmul<X>(args.rule, ac.const_data_ptr(), bc.const_data_ptr(),
+                         reinterpret_cast<uint64_t*>(y.data_ptr<double>()), m, n, p, args.shape,
+                         args.product_grid(), args.acc, args.inner, args.random, stream);
+    }
+  });
+  return y;
+}
+#endif
 
 }  // namespace
 
@@ -175,5 +234,9 @@ TORCH_LIBRARY_IMPL(lpsim, CPU, m) {
   m.impl("dot_rounded", dot_rounded_cpu);
   m.impl("mac_matmul", mac_matmul_cpu);
 }
+
+#if defined(LPSIM_WITH_CUDA)
+TORCH_LIBRARY_IMPL(lpsim, CUDA, m) { m.impl("mac_matmul", mac_matmul_cuda); }
+#endif
 
 }  // namespace lpsim

@@ -246,20 +246,25 @@ def _product(a, b, names, acc, mul, rounding, rbits, seed, offset):
     return _dot(a, b.t(), a.dtype, acc, mul, rounding, rbits, seed, offset)
 
 
-def check_product_operands(a, b, names: tuple[str, str], where: str) -> None:
+def check_product_operands(
+    a, b, names: tuple[str, str], where: str, devices: tuple[str, ...] = ("cpu",)
+) -> None:
     """The operands of a matrix product whose products are formed exactly, checked: a (M, K) and
-    b (K, N) CPU tensors of one dtype, float32, bfloat16 or float16 (`names` name them and `where`
-    the caller in messages).
+    b (K, N) tensors of one dtype, float32, bfloat16 or float16, on one device of a type in
+    `devices` (`names` name them and `where` the caller in messages).
 
     Raises:
         TypeError: an operand has another dtype, or the dtypes differ.
-        ValueError: the shapes do not match, or an operand is not on the CPU.
+        ValueError: the shapes do not match, or an operand is on another device.
     """
     first, second = names
     for name, x in ((first, a), (second, b)):
         check_container(x, name, PRODUCT_DTYPES)
-        if x.device.type != "cpu":
-            raise ValueError(f"{where} runs on CPU tensors only; {name} is on {x.device}")
+        if x.device.type not in devices:
+            allowed = " or ".join(d.upper() for d in devices)
+            raise ValueError(f"{where} runs on {allowed} tensors only; {name} is on {x.device}")
+    if b.device != a.device:
+        raise ValueError(f"{second} must be on {first}'s device ({a.device}), got {b.device}")
     if b.dtype != a.dtype:
         raise TypeError(f"{second} must have {first}'s dtype ({a.dtype}), got {b.dtype}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:

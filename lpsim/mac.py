@@ -342,8 +342,9 @@ def matmul(
     variants and the random words).
 
     Args:
-        a: an (M, K) float32, bfloat16 or float16 CPU tensor.
-        b: a (K, N) tensor of a's dtype.
+        a: an (M, K) float32, bfloat16 or float16 tensor, on the CPU or a CUDA device (the CUDA
+            kernel gives the CPU's bits for the same seed and offset).
+        b: a (K, N) tensor of a's dtype, on a's device.
         mac: the arithmetic; the native MAC() is torch.matmul itself.
         seed, offset: the random stream of a stochastic rule (seed None: drawn from torch's
             default CPU generator).
@@ -354,11 +355,11 @@ def matmul(
     Raises:
         TypeError: an operand has an unsupported dtype (float64 products would not be exact), the
             dtypes differ, or mac is not a MAC.
-        ValueError: the shapes do not match or an operand is not on the CPU.
+        ValueError: the shapes do not match, or the operands are not on one CPU or CUDA device.
     """
     if not isinstance(mac, MAC):
         raise TypeError(f"mac must be a MAC, got {type(mac).__name__}")
-    check_product_operands(a, b, ("a", "b"), "lpsim.mac.matmul")
+    check_product_operands(a, b, ("a", "b"), "lpsim.mac.matmul", ("cpu", "cuda"))
     if mac.native:
         return torch.matmul(a, b)
     for fmt in (mac.accumulator, mac.product, mac.chunk_accumulator):

@@ -430,8 +430,8 @@ def matmul(
     Raises:
         TypeError: a MAC, format or operands argument is malformed, or an operand dtype is
             unsupported by a non-native MAC (float64: its products would not be exact).
-        ValueError: the shapes do not match, a non-native MAC gets a non-CPU operand, or the
-            operands arguments conflict (see arithmetic).
+        ValueError: the shapes do not match, a non-native MAC gets operands that are not on one
+            CPU or CUDA device, or the operands arguments conflict (see arithmetic).
     """
     how = arithmetic(
         mac,

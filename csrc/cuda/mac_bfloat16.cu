@@ -1,0 +1,7 @@
+// The mac_matmul launcher for bfloat16 operands (see mac.cuh). One file per container, so that the
+// containers' kernels compile in parallel.
+#include "cuda/mac.cuh"
+
+namespace lpsim::gpu {
+LPSIM_GPU_INSTANTIATE_MAC(BFloat16Container)
+}  // namespace lpsim::gpu

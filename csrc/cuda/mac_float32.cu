@@ -1,0 +1,7 @@
+// The mac_matmul launcher for float32 operands (see mac.cuh). One file per container, so that the
+// containers' kernels compile in parallel.
+#include "cuda/mac.cuh"
+
+namespace lpsim::gpu {
+LPSIM_GPU_INSTANTIATE_MAC(Float32Container)
+}  // namespace lpsim::gpu
