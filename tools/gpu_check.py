@@ -53,6 +53,7 @@ GPU_TEST_FILES = [
     "tests/test_cuda.py",
     "tests/test_sr_add_cuda.py",
     "tests/test_mac_cuda.py",
+    "tests/test_fused_optim_cuda.py",
     "tests/test_gpu_index_math.py",
 ]
 DEVICE_TESTS = ["tests/test_transforms.py", "tests/test_compat_qtorch.py", "tests/test_cifar10.py"]

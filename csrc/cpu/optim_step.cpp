@@ -84,7 +84,8 @@ LPSIM_INLINE void adam_moments_span(const AdamScalars& scalars, const float* __r
 }  // namespace
 
 LPSIM_MULTIVERSION_FMA
-void optim_step(const StepConfig& c, const StepTensors& t, int64_t begin, int64_t end) {
+void optim_step(const StepConfig& c, SqrtSpan sqrt, const StepTensors& t, int64_t begin,
+                int64_t end) {
   // The update loops read an absent state as zeros (and do not use its value): their branches are
   // selects, so that they vectorise.
   float w[kChunk], s1[kChunk], s2[kChunk], root[kChunk], zeros[kChunk] = {};
@@ -116,7 +117,7 @@ void optim_step(const StepConfig& c, const StepTensors& t, int64_t begin, int64_
         sgd_span(sgd, fresh, w0, g, m0, w, s1, n);
       } else {
         adam_moments_span(adam_scalars, w0, g, m0, v0, w, s1, s2, n);
-        c.sqrt(s2, root, n);
+        sqrt(s2, root, n);
         for (int64_t k = 0; k < n; ++k) {
           w[k] = adam_update(w[k], s1[k], root[k], bias2_sqrt, neg_step_size, adam_scalars);
         }

@@ -43,6 +43,23 @@ __device__ __forceinline__ W warp_max(W v) {
   return v;
 }
 
+// The tensor of a work item in a launch over several tensors, tensor t owning the items
+// [items_before[t], items_before[t + 1]): the last t < count with items_before[t] <= item, by
+// bisection.
+__device__ __forceinline__ int tensor_of_item(const uint64_t* items_before, int count,
+                                              uint64_t item) {
+  int lo = 0, hi = count;  // items_before[lo] <= item < items_before[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (items_before[mid] <= item) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
 // 16 bytes of storage elements, loaded and stored with one instruction each (the type's alignment
 // lets the compiler use 128-bit accesses).
 template <class S>

@@ -123,16 +123,7 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
   const uint64_t items = tensors.items_before[tensors.count];
   for (uint64_t item = first; item < items; item += stride) {
-    // The tensor of the item: the last t with items_before[t] <= item, by bisection.
-    int lo = 0, hi = tensors.count;  // items_before[lo] <= item < items_before[hi]
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (tensors.items_before[mid] <= item) {
-        lo = mid;
-      } else {
-        hi = mid;
-      }
-    }
+    const int lo = tensor_of_item(tensors.items_before, tensors.count, item);
     const PhiloxKey key = make_philox_key(seed, tensors.offset[lo]);
     round_item<C, R>(tensors.data[lo], tensors.data[lo], tensors.numel[lo],
                      item - tensors.items_before[lo], UniformGrid<C>{grid}, key, mask);

@@ -19,10 +19,14 @@ tensor i of a spec's batch uses the stream offset i (states: exp_avg before exp_
 parameter). torch's float32 ``sqrt`` (Adam) is called through the library torch uses (MKL's vsSqrt
 where torch is built with it), since it is not always correctly rounded.
 
-Limits: float32 parameters only (other dtypes raise TypeError), CPU only (CUDA raises
-NotImplementedError: the step arithmetic is written for CUDA, but no kernel runs it yet), element
-formats (Float, Fixed) only, Adam without amsgrad, no closure re-evaluation at accumulator values
-(the closure runs first, as torch's optimizers run it).
+CUDA. Where lpsim is built with its CUDA kernels, CUDA parameters take a kernel over the same core
+with the same random words, in the arithmetic of torch's CUDA kernels (lpsim/optim_step.h: Adam's
+last addition and square root differ from the CPU's), which is OptimLP's around torch's optimizer
+with foreach=False on that device (tests/test_fused_optim_cuda.py, run by ``make gpu-check``).
+
+Limits: float32 parameters only (other dtypes raise TypeError), CPU and CUDA devices only (others
+raise NotImplementedError), element formats (Float, Fixed) only, Adam without amsgrad, no closure
+re-evaluation at accumulator values (the closure runs first, as torch's optimizers run it).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import torch
 from torch.optim import Optimizer
 
 from lpsim._checks import check_betas, check_element_format, check_number, draw_seed
-from lpsim._ops import ops
+from lpsim._ops import cuda_built, ops
 from lpsim.formats import Float
 from lpsim.functional import quantize
 from lpsim.nn.quantizer import QuantSpec, Spec, as_spec
@@ -45,6 +49,11 @@ __all__ = ["FusedSGD", "FusedAdam"]
 _CATEGORIES = ("grad", "state", "acc", "weight")  # the op's rounding categories, in its order
 _UNROUNDED = Float(8, 23)  # the grid passed for a category that is not rounded (rule -1)
 _NO_SEED = torch.zeros((), dtype=torch.int64)
+
+
+def _kernel_devices() -> tuple[str, ...]:
+    """The device types lpsim::optim_step_ has kernels for in this build."""
+    return ("cpu", "cuda") if cuda_built() else ("cpu",)
 
 
 def _spec(value, rounding, name: str) -> QuantSpec | None:
@@ -93,10 +102,11 @@ class _Fused(Optimizer):
                         f"{type(self).__name__} takes float32 parameters; parameter {i} of group "
                         f"{len(self.param_groups) - 1} is {p.dtype}"
                     )
-                if p.device.type != "cpu":
+                devices = _kernel_devices()
+                if p.device.type not in devices:
                     raise NotImplementedError(
-                        f"lpsim::optim_step_ has no kernel for {p.device.type} parameters yet "
-                        f"({type(self).__name__} runs on the CPU)"
+                        f"lpsim::optim_step_ has no kernel for {p.device.type} parameters "
+                        f"({type(self).__name__} runs on {' and '.join(devices)} tensors)"
                     )
                 acc = group["acc_format"]
                 if acc is not None:  # as OptimLP: the accumulator starts as the rounded weight
@@ -368,7 +378,8 @@ class FusedSGD(_Fused):
         TypeError: a parameter is not float32, a format is not a Float, Fixed or pair, or an
             option has the wrong type.
         ValueError: an option is out of range (the message names it and the range).
-        NotImplementedError: a parameter is not on the CPU.
+        NotImplementedError: a parameter is neither on the CPU nor, where lpsim is built with
+            its CUDA kernels, on a CUDA device.
     """
 
     _RULE = SGD_RULE

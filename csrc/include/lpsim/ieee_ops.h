@@ -119,5 +119,14 @@ LPSIM_FN float fma_rn(float a, float b, float c) {
   return std::fma(a, b, c);
 #endif
 }
+// The square root, correctly rounded (torch's CUDA sqrt; on the CPU torch may call MKL's, which is
+// not always correctly rounded: see optim_step.h).
+LPSIM_FN float sqrt_rn(float a) {
+#if defined(__CUDA_ARCH__)
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
+#endif
+}
 
 }  // namespace lpsim

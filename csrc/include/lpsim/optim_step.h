@@ -1,20 +1,25 @@
 // The arithmetic of one element of an optimizer step, as torch.optim's single-tensor SGD and
-// Adam/AdamW compute it in float32 on the CPU (foreach=False, the CPU default), operation by
-// operation, so that a fused step reproduces torch's bits. Established against torch 2.14's CPU
-// kernels on random data with mixed magnitudes (tests/test_fused_optim.py keeps checking it):
+// Adam/AdamW compute it in float32 (foreach=False), operation by operation, so that a fused step
+// reproduces torch's bits. Established against torch 2.14's CPU kernels on random data with mixed
+// magnitudes (tests/test_fused_optim.py keeps checking it):
 //
-//   x.add(y, alpha=a), x.add_(y, alpha=a)   fma(y, float(a), x)   (ATen's vectorised add is an fma;
-//                                            its scalar tail is contracted to the same fma)
-//   x.mul_(s)                                x * float(s)
-//   x.lerp_(y, w)                            |w| < 0.5: fma(w, y - x, x); else fma(w - 1, y - x, y)
-//                                            (w = float(w), ATen's two-branch lerp)
-//   x.addcmul_(y, z, value=c)                fma(float(c) * y, z, x)
-//   x.addcdiv_(y, z, value=c)                x + (float(c) * y) / z
-//   x.sqrt()                                 torch's own sqrt: MKL's vsSqrt where torch uses it,
-//   which
-//                                            is not always correctly rounded, so the caller
-//                                            computes it (adam_denominator takes its result)
-//   x / s, x.add_(s)                         x / float(s), x + float(s)
+//   x.add(y, alpha=a), x.add_(y, alpha=a)  fma(y, float(a), x)  (ATen's vectorised add is an fma;
+//                                          its scalar tail is contracted to the same fma)
+//   x.mul_(s)                              x * float(s)
+//   x.lerp_(y, w)                          |w| < 0.5: fma(w, y - x, x); else fma(w - 1, y - x, y)
+//                                          (w = float(w), ATen's two-branch lerp)
+//   x.addcmul_(y, z, value=c)              fma(float(c) * y, z, x)
+//   x.addcdiv_(y, z, value=c)              x + (float(c) * y) / z
+//   x.sqrt()                               torch's own sqrt: MKL's vsSqrt where torch uses it,
+//                                          which is not always correctly rounded, so the caller
+//                                          computes it (adam_update takes its result)
+//   x / s, x.add_(s)                       x / float(s), x + float(s)
+//
+// On CUDA devices ATen's kernels are the same expressions compiled by nvcc, which contracts a
+// product followed by an addition into an fma: the forms above, except for addcdiv, whose CUDA
+// kernel computes a + alpha * (b / c), so fma(float(c), y / z, x), and sqrt, which is correctly
+// rounded (sqrt_rn). tests/test_fused_optim_cuda.py checks the device forms against torch's CUDA
+// optimizers on a GPU.
 //
 // Python scalars (lr, betas, bias corrections) are computed in double by the caller, as torch's
 // Python code computes them, and converted to float32 once, as ATen converts a Scalar.
@@ -92,7 +97,12 @@ LPSIM_FN float adam_moments(float w, float g, float& m, float& v, const AdamScal
 LPSIM_FN float adam_update(float w, float m, float root, float bias2_sqrt, float neg_step_size,
                            const AdamScalars& s) {
   const float denom = add_rn(div_rn(root, bias2_sqrt), s.eps);  // (sqrt / bias2_sqrt).add_(eps)
-  return add_rn(w, div_rn(mul_rn(neg_step_size, m), denom));    // param.addcdiv_(m, denom, -step)
+  // param.addcdiv_(m, denom, value=-step_size)
+#if defined(__CUDA_ARCH__)
+  return fma_rn(neg_step_size, div_rn(m, denom), w);
+#else
+  return add_rn(w, div_rn(mul_rn(neg_step_size, m), denom));
+#endif
 }
 
 }  // namespace lpsim

@@ -235,6 +235,36 @@ LPSIM_FN typename C::word round_to_grid(typename C::word u, const Grid<C>& g, ui
 }
 
 // The shortcuts: round to nearest (ties to even) and stochastic rounding by shorter forms of
+// round_to_grid by a rule chosen at run time, for kernels that round several tensors each by its
+// own rule (the CUDA optimizer step): one switch, whose branch is the same for every element.
+template <class C>
+LPSIM_FN typename C::word round_to_grid_by_rule(Rounding rule, typename C::word u, const Grid<C>& g,
+                                                uint32_t random, uint32_t mask) {
+  switch (rule) {
+    case Rounding::nearest:
+      return round_to_grid<Rounding::nearest, C>(u, g, random, mask);
+    case Rounding::nearest_away:
+      return round_to_grid<Rounding::nearest_away, C>(u, g, random, mask);
+    case Rounding::nearest_zero:
+      return round_to_grid<Rounding::nearest_zero, C>(u, g, random, mask);
+    case Rounding::toward_zero:
+      return round_to_grid<Rounding::toward_zero, C>(u, g, random, mask);
+    case Rounding::away:
+      return round_to_grid<Rounding::away, C>(u, g, random, mask);
+    case Rounding::up:
+      return round_to_grid<Rounding::up, C>(u, g, random, mask);
+    case Rounding::down:
+      return round_to_grid<Rounding::down, C>(u, g, random, mask);
+    case Rounding::odd:
+      return round_to_grid<Rounding::odd, C>(u, g, random, mask);
+    case Rounding::stochastic:
+      return round_to_grid<Rounding::stochastic, C>(u, g, random, mask);
+    case Rounding::stochastic_equal:
+    default:
+      return round_to_grid<Rounding::stochastic_equal, C>(u, g, random, mask);
+  }
+}
+
 // round_to_grid, for the grids where shortcut_applies (subnormals, IEEE parity, fewer kept bits
 // than the container: the Float formats with subnormals). They give round_to_grid's bits for every
 // input (and random word and mask): tests/cpp/round_shortcuts_check.cpp compares them on every
