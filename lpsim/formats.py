@@ -182,8 +182,20 @@ def _default_of(obj, f):
 
 
 class _OnGrid:
-    """What Float and Fixed share: a grid (GridSpec) the compiled ops round onto, built by the
-    format's _build_grid() once per distinct format."""
+    """What Float, Fixed and P3109 share: a grid (GridSpec) the compiled ops round onto, built by
+    the format's _build_grid() once per distinct format."""
+
+    def _finish(self) -> None:
+        """The end of a format's validation: it must fit float64 (its _misfit), and its grid is
+        stored now, outside torch.compile's traces (lpsim.fusable.format_constants).
+
+        Raises:
+            ValueError: the format does not fit even a float64 container.
+        """
+        problem = self._misfit(_WIDEST)
+        if problem:
+            raise ValueError(f"{self!r} does not fit even a float64 container: {problem}")
+        stored_grid(self)
 
     def grid(self) -> GridSpec:
         """The grid the compiled ops round onto (computed once per distinct format)."""
@@ -258,10 +270,7 @@ class Float(_OnGrid):
         check_int_field("Float", "bias", self.bias, -4096, 4096)
         if self.special == "fn" and self.exp == 1 and self.man == 0:
             raise ValueError("Float(exp=1, man=0, special='fn') has no finite non-zero value")
-        problem = self._misfit(_WIDEST)
-        if problem:
-            raise ValueError(f"{self!r} does not fit even a float64 container: {problem}")
-        stored_grid(self)  # now, outside torch.compile's traces (lpsim.fusable.format_constants)
+        self._finish()
 
     @property
     def default_bias(self) -> int:
@@ -414,10 +423,7 @@ class Fixed(_OnGrid):
         check_int_field("Fixed", "fl", self.fl, -1100, 1100)
         if self.symmetric and not self.signed:
             raise ValueError("Fixed.symmetric applies to signed formats only")
-        problem = self._misfit(_WIDEST)
-        if problem:
-            raise ValueError(f"{self!r} does not fit even a float64 container: {problem}")
-        stored_grid(self)  # now, outside torch.compile's traces (lpsim.fusable.format_constants)
+        self._finish()
 
     __repr__ = short_repr
 
@@ -584,10 +590,7 @@ class P3109(_OnGrid):
                 f"P3109.saturation must be one of {P3109_SATURATIONS}, "
                 f"got {self.saturation!r}{hint}"
             )
-        problem = self._misfit(_WIDEST)
-        if problem:
-            raise ValueError(f"{self!r} does not fit even a float64 container: {problem}")
-        stored_grid(self)  # now, outside torch.compile's traces (lpsim.fusable.format_constants)
+        self._finish()
 
     __repr__ = short_repr
 
