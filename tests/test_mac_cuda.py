@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import lpsim
-from lpsim import MAC, P3109, Fixed, Float
+from lpsim import MAC, P3109, Fixed, Float, Rounding
 from lpsim.mac import PRESETS, TensorCore
 
 pytestmark = pytest.mark.skipif(
@@ -22,18 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 FLOAT16 = Float(5, 10)
 BFLOAT16 = Float(8, 7)
-RULES = [
-    "nearest",
-    "nearest_away",
-    "nearest_zero",
-    "toward_zero",
-    "away",
-    "up",
-    "down",
-    "odd",
-    "stochastic",
-    "stochastic_equal",
-]
+RULES = [rule.name for rule in Rounding]  # every rule, by name
 ACCUMULATORS = [
     FLOAT16,
     BFLOAT16,
