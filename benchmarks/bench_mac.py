@@ -8,7 +8,7 @@ For each shape MxNxK (float32 operands a: M x K, b: K x N) and each MAC of ``MAC
 gives GFLOP/s = 2 M N K / time (the median of --repeat calls) and the ratio to torch.matmul's
 float32 GFLOP/s on the same operands (itself a median, timed in the same run). The native MAC() is
 torch.matmul itself (ratio about 1.0). A tensor core's rows (lpsim.mac.PRESETS) take a and b
-rounded to nearest in its operand format.
+rounded to nearest in its operand format, and the rows that name operands (OPERANDS) in theirs.
 
 A slow row would take minutes at the full shape, so each row first times its MAC on a few rows of
 a; when the full shape would exceed --budget seconds per call, the row is timed on the first M'
@@ -42,12 +42,21 @@ MACS = {
     "sequential fp16 stochastic": MAC(accumulator=FLOAT16, rounding="stochastic"),
     "sequential bf16 nearest": MAC(accumulator=BFLOAT16),
     "sequential bf16 stochastic": MAC(accumulator=BFLOAT16, rounding="stochastic"),
+    "sequential fp16 nearest, fp16 operands": MAC(accumulator=FLOAT16),
+    "sequential bf16 nearest, bf16 operands": MAC(accumulator=BFLOAT16),
     "chunked 32 bf16 into fp32": MAC(
         accumulator=FLOAT32, order="chunked", chunk=32, chunk_accumulator=BFLOAT16
     ),
     "pairwise bf16 nearest": MAC(accumulator=BFLOAT16, order="pairwise"),
     "Kahan bf16 nearest": MAC(accumulator=BFLOAT16, compensated=True),
     **{f"tensor core {name}": mac for name, mac in lpsim.mac.PRESETS.items()},
+}
+# Rows whose operands are rounded to nearest in a format first (the float32 operands otherwise;
+# a tensor core's rows take its own operand format): products of two such operands are exact
+# float32 values, which the lane loop's float32 form sums (csrc/cpu/mac_lanes.h).
+OPERANDS = {
+    "sequential fp16 nearest, fp16 operands": FLOAT16,
+    "sequential bf16 nearest, bf16 operands": BFLOAT16,
 }
 
 
@@ -74,17 +83,21 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def operands_of(mac: MAC, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """a and b rounded to nearest in a tensor core's operand format (unchanged for other MACs)."""
+def operands_of(
+    label: str, mac: MAC, a: torch.Tensor, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """a and b rounded to nearest in the row's operand format (OPERANDS) or a tensor core's
+    (unchanged for other MACs)."""
     core = mac.tensor_core
-    if core is None or core.operands is None:
+    fmt = OPERANDS.get(label, core.operands if core is not None else None)
+    if fmt is None:
         return a, b
-    return lpsim.quantize(a, core.operands), lpsim.quantize(b, core.operands)
+    return lpsim.quantize(a, fmt), lpsim.quantize(b, fmt)
 
 
-def time_row(a, b, mac: MAC, repeat: int, budget: float) -> tuple[int, float]:
+def time_row(a, b, label: str, mac: MAC, repeat: int, budget: float) -> tuple[int, float]:
     """(rows of a timed, median seconds per call) for one MAC."""
-    a, b = operands_of(mac, a, b)
+    a, b = operands_of(label, mac, a, b)
     m, device = a.shape[0], a.device.type
     if mac.native:
         lpsim.mac.matmul(a, b, mac)
@@ -143,7 +156,7 @@ def _run(args) -> list[dict]:
         for label, mac in MACS.items():
             if not any(text in label for text in args.only.split(",")):
                 continue
-            timed_rows, seconds = time_row(a, b, mac, repeat, budget)
+            timed_rows, seconds = time_row(a, b, label, mac, repeat, budget)
             gflops = 2 * timed_rows * n * k / seconds / 1e9
             rows.append(
                 {
@@ -161,7 +174,7 @@ def _run(args) -> list[dict]:
         loop = "scalar loop" if args.scalar_loop else "lane loop"
         where = f"threads={torch.get_num_threads()}, {loop}"
     print(
-        f"{where}, float32 operands, median of {repeat} "
+        f"{where}, float32 operands unless the row names others, median of {repeat} "
         f"(slow rows: fewer rows of a, fewer repetitions)"
     )
     print(f"{'MAC':34} {'MxNxK':>16} {'rows':>6} {'GFLOP/s':>9} {'torch':>8} {'ratio':>9}")

@@ -238,6 +238,164 @@ def test_lanes_handle_every_mac_field_they_do_not_serve_by_the_scalar_loop():
     assert dataclasses.replace(MAC(accumulator=BFLOAT16), rounding="up").rounding.name == "up"
 
 
+# ---- The float32 form of the lane loop: nearest onto a grid with float32's exponent range and at
+# most 21 kept bits (Float(8, m) with subnormals: bfloat16's), for tiles whose products are exact
+# float32 values (operands of at most 24 significant bits between them, magnitudes in
+# [2^-62, 2^62)). Every test counts the tiles that form served, so that it cannot pass by falling
+# back to the float64 form; the other grids' tiles (float16's among them) are the tests above.
+
+
+@contextlib.contextmanager
+def float_tiles(at_least=1):
+    """Asserts that at least `at_least` tiles took the float32 lanes inside the block."""
+    before = torch.ops.lpsim._mac_float_tiles()
+    yield
+    served = torch.ops.lpsim._mac_float_tiles() - before
+    assert served >= at_least, f"{served} tiles took the float32 lanes"
+
+
+def narrow_operands(m, k, n, seed, fmt, spread=2.0):
+    """a (m, k) and b (k, n) rounded to `fmt`, of log-normal magnitudes, in float32."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g) * torch.randn(m, k, generator=g).mul(spread).exp()
+    b = torch.randn(k, n, generator=g) * torch.randn(k, n, generator=g).mul(spread).exp()
+    return lpsim.quantize(a, fmt), lpsim.quantize(b, fmt)
+
+
+FLOAT_LANE_ACCUMULATORS = [BFLOAT16, Float(8, 1), Float(8, 3), Float(8, 12), Float(8, 21)]
+
+
+@pytest.mark.parametrize("acc", FLOAT_LANE_ACCUMULATORS, ids=repr)
+@pytest.mark.parametrize("operand", [BFLOAT16, FLOAT16, Float(5, 2)], ids=repr)
+def test_float32_lanes_equal_the_scalar_loop_on_narrow_operands(acc, operand):
+    # 9 x 35 results (tiles cut in both directions) of 70 terms, magnitudes spread over e^(+-8)
+    # (into float16's subnormals); a few operands scaled to overflow the sums of their tiles, which
+    # fall back.
+    a, b = narrow_operands(9, 70, 35, 11, operand)
+    a[8, 3] = 2.0**60
+    b[3, 34] = 2.0**61
+    mac = MAC(accumulator=acc)
+    with float_tiles():
+        got, want = lanes_and_scalar(a, b, mac)
+    assert_same_bits(got, want, f"{mac!r} on {operand!r} operands")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float32_lanes_take_bfloat16_and_float16_tensors(dtype):
+    a, b = narrow_operands(6, 50, 21, 12, BFLOAT16 if dtype == torch.bfloat16 else FLOAT16)
+    a, b = a.to(dtype), b.to(dtype)
+    for acc in (BFLOAT16, Float(8, 12)):
+        mac = MAC(accumulator=acc)
+        with float_tiles():
+            got, want = lanes_and_scalar(a, b, mac)
+        assert_same_bits(got, want, repr(mac))
+        assert_same_bits(got.double(), ref.mac_matmul(a, b, mac), f"{mac!r} against the reference")
+
+
+@pytest.mark.parametrize("acc", [BFLOAT16, Float(8, 7, saturate=True)], ids=repr)
+def test_float32_lanes_hand_sums_beyond_the_limit_to_the_core(acc):
+    # Row 0 against column 0: 32 terms of 2^123.17 (beyond bfloat16's largest value after 29),
+    # then 20 of -2^123.17: the sum overflows and then, saturated, comes back down; row 1 against
+    # column 1 overflows negatively. Their tile falls back; rows 4-7 stay in range.
+    g = torch.Generator().manual_seed(13)
+    a = lpsim.quantize(torch.randn(8, 52, generator=g), BFLOAT16)
+    b = lpsim.quantize(torch.randn(52, 16, generator=g), BFLOAT16)
+    big = 1.5 * 2.0**61
+    a[0, :] = big
+    b[:32, 0] = big
+    b[32:, 0] = -big
+    a[1, :] = -big
+    b[:, 1] = big
+    mac = MAC(accumulator=acc)
+    with float_tiles():
+        got, want = lanes_and_scalar(a, b, mac)
+    assert_same_bits(got, want, repr(mac))
+    assert got[1, 1] == (-acc.max if acc.saturate else -math.inf)
+    assert got[0, 0] == (acc.max - 20 * big * big if acc.saturate else math.inf)
+
+
+def narrow_adversarial_sums(acc: Float) -> tuple[torch.Tensor, torch.Tensor]:
+    """adversarial_sums with operands narrow enough for the float32 lanes: a[:, 0] = s, a value of
+    the accumulator grid (near its smallest subnormals, near 1, near its largest values, and their
+    negatives), times b[0] = 1; a[:, 1] = the grid's spacing at s (a power of two) times b[1] = a
+    multiple of half of it nudged by 2^-10 of it (ties, and the values next to them, on both
+    sides), so s + t lands on and next to every midpoint and grid value around s; and rows t = -s
+    (exact cancellation to +0)."""
+    values = acc.values().double()
+    positive = values[torch.isfinite(values) & (values > 0)]
+    spacing = torch.cat([positive[1:] - positive[:-1], positive[-1:] - positive[-2:-1]])
+    middle = len(positive) // 2
+    picks = torch.cat([torch.arange(0, 24), torch.arange(middle - 24, middle + 24)])
+    picks = torch.cat([picks, torch.arange(len(positive) - 24, len(positive))]).clamp(
+        0, len(positive) - 1
+    )
+    s = torch.cat([positive[picks], -positive[picks]])
+    step = torch.cat([spacing[picks], spacing[picks]])
+    multiples = [-3.0, -2.0, -1.5, -1.0, -0.5, 0.5, 1.0, 1.5, 2.0, 3.0]
+    coefficients = [m + nudge for m in multiples for nudge in (0.0, 2.0**-10, -(2.0**-10))]
+    a = torch.stack([s, step], dim=1)
+    b = torch.tensor([[1.0, c] for c in coefficients], dtype=torch.float64).t()
+    a_cancel = torch.stack([s, -s], dim=1)
+    a, b = torch.cat([a, a_cancel]).float(), b.float()
+    assert torch.equal(a.double(), torch.cat([torch.stack([s, step], 1), a_cancel]))
+    return a, b
+
+
+@pytest.mark.parametrize("acc", [BFLOAT16, Float(8, 1), Float(8, 4)], ids=repr)
+def test_float32_lanes_agree_on_ties_near_ties_cancellation_and_overflow(acc):
+    a, b = narrow_adversarial_sums(acc)
+    mac = MAC(accumulator=acc)
+    with float_tiles():
+        got, want = lanes_and_scalar(a, b, mac)
+    assert_same_bits(got, want, repr(mac))
+    assert_same_bits(got.double(), ref.mac_matmul(a, b, mac), f"{mac!r} against the reference")
+
+
+def test_float32_lanes_keep_bfloat16_subnormals_and_stay_off_in_flush_to_zero_mode():
+    # Sums that pass through float32's (and bfloat16's) subnormals: 2^-124 (1 + 2^-7) - 2^-124 is
+    # 2^-131, and adding 2^-124 back gives 2^-124 (1 + 2^-7). Under flush-to-zero the float32
+    # arithmetic would lose the 2^-131 and give 2^-124, so there the float32 lanes must not run.
+    a = torch.full((4, 6), 2.0**-62)
+    b = torch.zeros(6, 16)
+    b[0, :] = 2.0**-62 * (1 + 2.0**-7)
+    b[1, :] = -(2.0**-62)
+    b[2, :] = 2.0**-62
+    b[3, 1::2] = 2.0**-60
+    b[4, 2::3] = -(2.0**-61)
+    mac = MAC(accumulator=BFLOAT16)
+    with float_tiles():
+        got, want = lanes_and_scalar(a, b, mac, threads=1)
+    assert_same_bits(got, want, "sums through the subnormals")
+    assert bool((got[:, 0] == 2.0**-124 * (1 + 2.0**-7)).all())
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-to-zero mode")
+    try:
+        before = torch.ops.lpsim._mac_float_tiles()
+        flushed = lpsim.mac.matmul(a, b, mac, seed=3, offset=1)
+        assert torch.ops.lpsim._mac_float_tiles() == before
+    finally:
+        torch.set_flush_denormal(False)
+    assert_same_bits(flushed, want, "sums through the subnormals in flush-to-zero mode")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    man=st.integers(1, 21),
+    width=st.integers(1, 12),
+    spread=st.floats(0.0, 8.0),
+    k=st.integers(1, 90),
+    seed=st.integers(0, 2**16),
+)
+def test_float32_lanes_equal_the_scalar_loop_for_random_grids_and_operand_widths(
+    man, width, spread, k, seed
+):
+    acc = Float(8, man)
+    a, b = narrow_operands(5, k, 19, seed, Float(8, width - 1), spread)
+    mac = MAC(accumulator=acc)
+    got, want = lanes_and_scalar(a, b, mac)
+    assert_same_bits(got, want, f"{mac!r}, operands of {width} bits")
+
+
 # ---- The tensor-core loop (csrc/cpu/tensor_core_loop.cpp) against the scalar loop, bit for bit.
 
 DETERMINISTIC = [r for r in RULES if not r.startswith("stochastic")]

@@ -198,6 +198,70 @@ LPSIM_FN U nearest_sum(U s, U t, const NearestGrid& g, D& top) {
   return nearest_round<D, U, kFlush>(U((h - toward_zero) | inexact), g, top);
 }
 
+// ---- The same rounding in float32 lanes, for terms that are exact in float32.
+//
+// Where every term is a float32 value (a product of operands with at most 24 significant bits
+// between them, far from float32's range limits: the caller checks) and the accumulator's grid has
+// float32's own exponent range with at most 21 kept bits (bfloat16's, or any Float(8, m) with
+// subnormals and m <= 21), the sum can run on float32 arithmetic: eight lanes to an AVX2 register
+// instead of four. Steps 1 and 2 above hold for float32 as for float64: TwoSum is exact for finite
+// operands whose sum does not overflow, and round to odd leaves 24 - (keep + 1) >= 2 spare bits.
+// Step 3 is done on the bits: on such a grid every float32 value, subnormals included, is rounded
+// at the same bit, shift = 23 - keep, so v's bits (sign included) are rounded to nearest, ties to
+// the even multiple, by adding 2^(shift - 1) - 1 and the kept last bit and clearing the shift low
+// bits. A carry out of the fraction raises the exponent field (the next binade's first value, on
+// the grid) and never reaches the sign: the largest finite value rounds at most to Inf's bits.
+// Results beyond the limit are left to the caller, which finds them from the final sums alone: the
+// grid's limit is float32's largest value on it (make_nearest_bits_grid checks), so a sum beyond
+// it rounds to Inf's bits, and Inf's bits are kept by every later sum: fl(Inf + t) = Inf with a
+// NaN error, v is then the largest finite value or Inf's bits plus one, whichever sign the NaN
+// has, and both round to Inf's bits. (A finite s + t that overflows float32 gives the same.) A
+// final sum with an all-ones exponent field therefore marks a lane that went beyond the limit.
+// (A magic-constant rounding, as for float64, would overflow float32 on grids this wide; narrower
+// grids such as float16's keep the float64 lanes, where the bit rounding would need a shift per
+// lane, measured slower.) The arithmetic must keep float32 subnormals (no flush-to-zero or
+// denormals-are-zero mode): the caller checks.
+struct NearestBitsGrid {
+  uint32_t shift;  // 23 - keep: the discarded bits of every value
+};
+
+inline bool make_nearest_bits_grid(const Grid<Float32Container>& g, NearestBitsGrid& out) {
+  using C = Float32Container;
+  const int32_t shift = C::man_bits - g.keep;
+  // The grid's finest spacing is 2^qmin = 2^(1 - bias - keep) of float32's: its subnormals are
+  // float32's, spaced as its values of the smallest binade; its limit is the value below Inf.
+  const bool fits = g.keep >= 1 && shift >= 2 && g.qmin == 1 - g.keep && g.code_parity == 0 &&
+                    g.flush_below == kNoFlush && g.zero_sign == C::sign_mask &&
+                    g.pos_limit == g.neg_limit && g.pos_limit == C::inf_bits - (1u << shift);
+  if (!fits) return false;
+  out.shift = uint32_t(shift);
+  return true;
+}
+
+// The float32 value v (bits: finite, or Inf's bits plus the cases above) rounded to nearest onto
+// the grid. U: 32-bit words (uint32_t or a vector of them).
+template <class U>
+LPSIM_FN U nearest_bits_round(U v, const NearestBitsGrid& g) {
+  const U zero{};
+  const U up = (zero + ((1u << (g.shift - 1)) - 1)) + ((v >> g.shift) & 1u);
+  return (v + up) & (zero + ~((1u << g.shift) - 1));
+}
+
+// The exact s + t (float32 bits of finite values, or s Inf's bits as above) rounded to nearest onto
+// the grid: round_sum_to_grid<Rounding::nearest>'s bits wherever the result is finite. D: float,
+// or a vector of floats of U's width.
+template <class D, class U>
+LPSIM_FN U nearest_bits_sum(U s, U t, const NearestBitsGrid& g) {
+  const U zero{};
+  D hi, lo;
+  two_sum(nearest_values_of<D>(s), nearest_values_of<D>(t), hi, lo);
+  // Round to odd, as nearest_sum does on float64's bits.
+  const U h = nearest_words_of<U>(hi);
+  const U inexact = nearest_pick(lo != D{}, U(zero + 1), zero);
+  const U toward_zero = U((h ^ nearest_words_of<U>(lo)) >> 31) & inexact;
+  return nearest_bits_round<U>(U((h - toward_zero) | inexact), g);
+}
+
 // Every rule, from the same TwoSum: the exact s + t (float64 bits of finite values within the
 // bounds of step 1) rounded once onto grid g by rule R, which is round_finite_sum_to_grid<R,
 // Float64Container>'s result bit for bit whenever two_sum_serves(g, R).
