@@ -181,21 +181,27 @@ LPSIM_FN void two_sum(D x, D y, D& hi, D& lo) {
   lo = add_rn(sub_rn(x, sub_rn(hi, back)), sub_rn(y, back));
 }
 
+// Round to odd (step 2) of x + y = hi + lo, TwoSum's pair, on the bits of hi (sign included):
+// for lo != 0, hi's odd neighbour toward lo, or hi if it is odd. Toward |hi| + (lo has hi's
+// sign): h | 1; toward zero: (h - 1) | 1. kSignBit: the sign bit's index in a word of U (63 for
+// float64, 31 for float32).
+template <int kSignBit, class D, class U>
+LPSIM_FN U round_to_odd_bits(D hi, D lo) {
+  const U zero{};
+  const U h = nearest_words_of<U>(hi);
+  const U inexact = nearest_pick(lo != D{}, U(zero + 1), zero);
+  const U toward_zero = U((h ^ nearest_words_of<U>(lo)) >> kSignBit) & inexact;
+  return U((h - toward_zero) | inexact);
+}
+
 // The exact s + t (float64 bits of finite values within the bounds of step 1) rounded to nearest
 // onto the grid: round_sum_to_grid<Rounding::nearest>'s bits where the result is at most g.limit
 // (see nearest_round for `top`).
 template <class D, class U, bool kFlush>
 LPSIM_FN U nearest_sum(U s, U t, const NearestGrid& g, D& top) {
-  const U zero{};
-  const D x = nearest_values_of<D>(s), y = nearest_values_of<D>(t);
   D hi, lo;
-  two_sum(x, y, hi, lo);
-  // Round to odd, on the magnitude's bits: for lo != 0, hi's odd neighbour toward lo, or hi if it
-  // is odd. Toward |hi| + (lo has hi's sign): h | 1; toward zero: (h - 1) | 1.
-  const U h = nearest_words_of<U>(hi);
-  const U inexact = nearest_pick(lo != D{}, U(zero + 1), zero);
-  const U toward_zero = U((h ^ nearest_words_of<U>(lo)) >> 63) & inexact;
-  return nearest_round<D, U, kFlush>(U((h - toward_zero) | inexact), g, top);
+  two_sum(nearest_values_of<D>(s), nearest_values_of<D>(t), hi, lo);
+  return nearest_round<D, U, kFlush>(round_to_odd_bits<63, D, U>(hi, lo), g, top);
 }
 
 // ---- The same rounding in float32 lanes, for terms that are exact in float32.
@@ -252,14 +258,9 @@ LPSIM_FN U nearest_bits_round(U v, const NearestBitsGrid& g) {
 // or a vector of floats of U's width.
 template <class D, class U>
 LPSIM_FN U nearest_bits_sum(U s, U t, const NearestBitsGrid& g) {
-  const U zero{};
   D hi, lo;
   two_sum(nearest_values_of<D>(s), nearest_values_of<D>(t), hi, lo);
-  // Round to odd, as nearest_sum does on float64's bits.
-  const U h = nearest_words_of<U>(hi);
-  const U inexact = nearest_pick(lo != D{}, U(zero + 1), zero);
-  const U toward_zero = U((h ^ nearest_words_of<U>(lo)) >> 31) & inexact;
-  return nearest_bits_round<U>(U((h - toward_zero) | inexact), g);
+  return nearest_bits_round<U>(round_to_odd_bits<31, D, U>(hi, lo), g);
 }
 
 // Every rule, from the same TwoSum: the exact s + t (float64 bits of finite values within the
