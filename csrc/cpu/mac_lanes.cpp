@@ -143,31 +143,49 @@ typedef uint64_t Words __attribute__((vector_size(32)));
 constexpr int kWidth = 4;  // lanes per vector
 constexpr int kVectors = kLanes / kWidth;
 
+// The vector forms' loop over a tile's terms [k0, k1): sum[r][v] = first(p, r, v) at term 0 (k0 = 0
+// starts the sums; later blocks continue them) and sum[r][v] = add(sum[r][v], p, k, r, v) at every
+// later term k, where p is the bits of the products of row r of a with the panel's v-th vector of
+// columns (Values of the operands' type Real, as many lanes as fit). The forms differ only in
+// first and add.
+template <class Values, class Bits, class Real, int kCount, class First, class Add>
+LPSIM_INLINE void vector_terms(const Real* a, const Real* b, int64_t n, int64_t k0, int64_t k1,
+                               Bits (&sum)[kRows][kCount], First first, Add add) {
+  constexpr int width = static_cast<int>(sizeof(Values) / sizeof(Real));
+  static_assert(width * kCount == kLanes, "a row of the tile is kCount vectors");
+  auto product = [&](int64_t k, int r, int v) LPSIM_LAMBDA_INLINE {
+    Values column;
+    __builtin_memcpy(&column, b + k * kLanes + v * width, sizeof column);
+    const Values p = column * a[r * n + k];
+    Bits u;
+    __builtin_memcpy(&u, &p, sizeof u);
+    return u;
+  };
+  int64_t k = k0;
+  if (k == 0) {
+    for (int r = 0; r < kRows; ++r) {
+      for (int v = 0; v < kCount; ++v) sum[r][v] = first(product(0, r, v), r, v);
+    }
+    ++k;
+  }
+  for (; k < k1; ++k) {
+    for (int r = 0; r < kRows; ++r) {
+      for (int v = 0; v < kCount; ++v) sum[r][v] = add(sum[r][v], product(k, r, v), k, r, v);
+    }
+  }
+}
+
 template <bool kFlush>
 LPSIM_INLINE bool nearest_terms(const Tile& t, const NearestGrid& grid, Lanes& lanes) {
   const NearestGrid g = grid;
   Words s[kRows][kVectors];
   Doubles top{};
-  auto product = [&](int64_t k, int r, int v) LPSIM_LAMBDA_INLINE {
-    Doubles b;
-    __builtin_memcpy(&b, t.b + k * kLanes + v * kWidth, sizeof b);
-    const Doubles p = b * t.a[r * t.n + k];
-    Words u;
-    __builtin_memcpy(&u, &p, sizeof u);
-    return u;
-  };
-  for (int r = 0; r < kRows; ++r) {
-    for (int v = 0; v < kVectors; ++v) {
-      s[r][v] = nearest_round<Doubles, Words, kFlush>(product(0, r, v), g, top);
-    }
-  }
-  for (int64_t k = 1; k < t.n; ++k) {
-    for (int r = 0; r < kRows; ++r) {
-      for (int v = 0; v < kVectors; ++v) {
-        s[r][v] = nearest_sum<Doubles, Words, kFlush>(s[r][v], product(k, r, v), g, top);
-      }
-    }
-  }
+  vector_terms<Doubles>(
+      t.a, t.b, t.n, 0, t.n, s,
+      [&](Words p, int, int)
+          LPSIM_LAMBDA_INLINE { return nearest_round<Doubles, Words, kFlush>(p, g, top); },
+      [&](Words sum, Words p, int64_t, int, int)
+          LPSIM_LAMBDA_INLINE { return nearest_sum<Doubles, Words, kFlush>(sum, p, g, top); });
   __builtin_memcpy(lanes.sum, s, sizeof s);
   bool within = true;
   for (int j = 0; j < kWidth; ++j) within = within & (top[j] <= g.limit);
@@ -206,26 +224,11 @@ LPSIM_MULTIVERSION
 bool nearest_float_kernel(const FloatTile& t, const NearestBitsGrid& grid, Lanes& lanes) {
   const NearestBitsGrid g = grid;
   Words8 s[kRows][kFloatVectors];
-  auto product = [&](int64_t k, int r, int v) LPSIM_LAMBDA_INLINE {
-    Floats b;
-    __builtin_memcpy(&b, t.b + k * kLanes + v * kFloatWidth, sizeof b);
-    const Floats p = b * t.a[r * t.n + k];
-    Words8 u;
-    __builtin_memcpy(&u, &p, sizeof u);
-    return u;
-  };
-  for (int r = 0; r < kRows; ++r) {
-    for (int v = 0; v < kFloatVectors; ++v) {
-      s[r][v] = nearest_bits_round<Words8>(product(0, r, v), g);
-    }
-  }
-  for (int64_t k = 1; k < t.n; ++k) {
-    for (int r = 0; r < kRows; ++r) {
-      for (int v = 0; v < kFloatVectors; ++v) {
-        s[r][v] = nearest_bits_sum<Floats, Words8>(s[r][v], product(k, r, v), g);
-      }
-    }
-  }
+  vector_terms<Floats>(
+      t.a, t.b, t.n, 0, t.n, s,
+      [&](Words8 p, int, int) LPSIM_LAMBDA_INLINE { return nearest_bits_round<Words8>(p, g); },
+      [&](Words8 sum, Words8 p, int64_t, int, int)
+          LPSIM_LAMBDA_INLINE { return nearest_bits_sum<Floats, Words8>(sum, p, g); });
   bool within = true;  // no sum went beyond the limit: none ends with an all-ones exponent field
   for (int r = 0; r < kRows; ++r) {
     for (int v = 0; v < kFloatVectors; ++v) {
@@ -255,37 +258,19 @@ LPSIM_INLINE bool stochastic_terms(const Tile& t, int64_t k0, int64_t k1,
   Words r[kRows][kVectors];
   __builtin_memcpy(s, lanes.sum, sizeof s);
   __builtin_memcpy(r, range, sizeof r);
-  auto product = [&](int64_t k, int row, int v) LPSIM_LAMBDA_INLINE {
-    Doubles b;
-    __builtin_memcpy(&b, t.b + k * kLanes + v * kWidth, sizeof b);
-    const Doubles p = b * t.a[row * t.n + k];
-    Words u;
-    __builtin_memcpy(&u, &p, sizeof u);
-    return u;
-  };
   auto word = [&](int64_t k, int row, int v) LPSIM_LAMBDA_INLINE {
     Words32 w;
     __builtin_memcpy(&w, words + (k - k0) * kTileSize + row * kLanes + v * kWidth, sizeof w);
     return __builtin_convertvector(w, Words);
   };
-  int64_t k = k0;
-  if (k == 0) {
-    for (int row = 0; row < kRows; ++row) {
-      for (int v = 0; v < kVectors; ++v) {
-        s[row][v] =
-            stochastic_round<Words, Signed>(product(0, row, v), word(0, row, v), g, r[row][v]);
-      }
-    }
-    ++k;
-  }
-  for (; k < k1; ++k) {
-    for (int row = 0; row < kRows; ++row) {
-      for (int v = 0; v < kVectors; ++v) {
-        s[row][v] = stochastic_sum<Doubles, Words, Signed>(s[row][v], product(k, row, v),
-                                                           word(k, row, v), g, r[row][v]);
-      }
-    }
-  }
+  vector_terms<Doubles>(
+      t.a, t.b, t.n, k0, k1, s,
+      [&](Words p, int row, int v) LPSIM_LAMBDA_INLINE {
+        return stochastic_round<Words, Signed>(p, word(0, row, v), g, r[row][v]);
+      },
+      [&](Words sum, Words p, int64_t k, int row, int v) LPSIM_LAMBDA_INLINE {
+        return stochastic_sum<Doubles, Words, Signed>(sum, p, word(k, row, v), g, r[row][v]);
+      });
   __builtin_memcpy(lanes.sum, s, sizeof s);
   __builtin_memcpy(range, r, sizeof r);
   bool within = true;
