@@ -40,11 +40,27 @@
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/library.h>
 
+#include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace lpsim {
 namespace {
+
+// How torch holds an autograd node: c10::intrusive_ptr in the torch this project pins,
+// std::shared_ptr in older ones (2.11, which GPU machines may have).
+using NodePointer = decltype(torch::autograd::Edge::function);
+
+template <class N, class... Args>
+NodePointer make_node(Args&&... args) {
+  if constexpr (std::is_same_v<NodePointer, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<N>(std::forward<Args>(args)...);
+  } else {
+    return c10::make_intrusive<N>(std::forward<Args>(args)...);
+  }
+}
 
 struct StraightThroughOp {
   const char* name;
@@ -96,7 +112,7 @@ void straight_through_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet 
   if (requires_grad) {
     std::vector<at::ScalarType> dtypes;
     for (const at::Tensor& t : differentiable) dtypes.push_back(t.scalar_type());
-    auto node = c10::make_intrusive<StraightThrough>(op.schema().name() + "_backward", dtypes);
+    NodePointer node = make_node<StraightThrough>(op.schema().name() + "_backward", dtypes);
     node->set_next_edges(ag::collect_next_edges(differentiable));
     ag::set_history(stack->back().toTensor(), node);
   }
@@ -117,7 +133,7 @@ std::vector<at::Tensor> tensors_of(const c10::IValue& value) {
 void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                      torch::jit::Stack* stack) {
   namespace ag = torch::autograd;
-  c10::intrusive_ptr<ag::Node> not_implemented;
+  NodePointer not_implemented;
   std::vector<at::Tensor> written;
   if (ag::GradMode::is_enabled()) {
     const auto& arguments = op.schema().arguments();
@@ -147,8 +163,7 @@ void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
       }
     }
     if (read_requires_grad) {
-      not_implemented =
-          c10::make_intrusive<ag::NotImplemented>(op.schema().name(), std::move(edges));
+      not_implemented = make_node<ag::NotImplemented>(op.schema().name(), std::move(edges));
     }
   }
   {

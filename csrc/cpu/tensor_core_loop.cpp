@@ -57,9 +57,13 @@ struct Pair {
 };
 
 // One step: terms [k0, k1) of the pair and the incoming value c into the next value of grid g,
-// tensor_core_step's bits.
-LPSIM_INLINE uint64_t step(const TensorCoreSpec& core, const Pair& t, int64_t k0, int64_t k1,
-                           uint64_t c, const Grid<F64>& g) {
+// tensor_core_step's bits. The same for every operand container and rule, so it is compiled once
+// (per clone) instead of inlined into each of the loops: its roundings by a rule chosen at run time
+// (round_sum_by_rule, three of them) inlined into every loop made this file take minutes to
+// compile.
+LPSIM_MULTIVERSION __attribute__((noinline)) uint64_t step(const TensorCoreSpec& core,
+                                                           const Pair& t, int64_t k0, int64_t k1,
+                                                           uint64_t c, const Grid<F64>& g) {
   const uint64_t c_mag = c & F64::abs_mask;
   int32_t top_product = kNoProduct;
   for (int64_t k = k0; k < k1; ++k) top_product = std::max(top_product, t.ae[k] + t.be[k]);

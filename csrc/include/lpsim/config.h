@@ -15,6 +15,17 @@
 // the device, so that a CPU loop can be vectorised and a CUDA kernel keeps everything in registers.
 #define LPSIM_FN LPSIM_HOST_DEVICE LPSIM_INLINE
 
+// The exception: a function that chooses among the rounding rules at run time (a switch whose every
+// case inlines a whole rounding) stays out of line on the host. The CPU loops instantiated for each
+// container and compile-time rule would otherwise inline it ten cases at a time, and took minutes
+// to compile; it is called once per step of a scalar chain, where the call costs little. CUDA keeps
+// it inline.
+#if defined(__CUDACC__)
+#define LPSIM_FN_RULE_SWITCH LPSIM_HOST_DEVICE __forceinline__
+#else
+#define LPSIM_FN_RULE_SWITCH inline __attribute__((noinline))
+#endif
+
 namespace lpsim {
 
 // Position of the leading one of a significand below 2^24 (2^53 for the 64-bit overload), read from

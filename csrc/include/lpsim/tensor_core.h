@@ -110,7 +110,7 @@ LPSIM_FN uint64_t scaled_bits(uint64_t m, int32_t q) {
 
 // The exact sum ua + ub rounded onto g by a rule chosen at run time: the one place where the
 // tensor core's normalisation, whose rule is not MacSum's, meets the compile-time rules.
-LPSIM_FN uint64_t round_sum_by_rule(Rounding rule, uint64_t ua, uint64_t ub,
+LPSIM_FN_RULE_SWITCH uint64_t round_sum_by_rule(Rounding rule, uint64_t ua, uint64_t ub,
                                     const Grid<Float64Container>& g, uint32_t random,
                                     uint32_t mask) {
   using F64 = Float64Container;
