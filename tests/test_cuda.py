@@ -176,7 +176,7 @@ LAYOUT_FORMATS = [
     "fixed(8,4)",
     "block-whole",
     "block-dim0",
-    "block-dim-last",
+    "block-dim1",
     "block-size7",
     "block-size600",
 ]
@@ -240,7 +240,7 @@ def test_scalar_tensor():
             )
 
 
-@pytest.mark.parametrize("name", ["e4m3fn", "block-dim-last", "block-size16", "block-size600"])
+@pytest.mark.parametrize("name", ["e4m3fn", "block-dim1", "block-size16", "block-size600"])
 def test_side_stream(name):
     fmt = FORMATS[name]
     x = sample((64, 700), torch.float32, seed=6)
@@ -259,7 +259,7 @@ def test_side_stream(name):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize(
-    "name", ["e5m2", "block-whole", "block-dim-last", "block-size16", "block-size600"]
+    "name", ["e5m2", "block-whole", "block-dim1", "block-size16", "block-size600"]
 )
 def test_second_device(name):
     fmt = FORMATS[name]

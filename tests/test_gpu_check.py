@@ -13,6 +13,7 @@ import torch
 TOOLS = pathlib.Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS))
 import gpu_check  # noqa: E402
+import torch_cuda_arithmetic  # noqa: E402
 
 sys.path.remove(str(TOOLS))
 
@@ -38,3 +39,10 @@ def test_pytest_summary_is_the_last_summary_line():
     assert gpu_check._pytest_summary(text) == "2 failed, 10 passed, 3 skipped in 4.20s"
     assert gpu_check._pytest_summary("5 passed in 0.1s\n") == "5 passed in 0.1s"
     assert gpu_check._pytest_summary("nothing") == "no summary (see tests.log)"
+
+
+def test_the_cuda_arithmetic_probe_without_a_gpu_compares_nothing(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: make gpu-check runs the probe")
+    assert torch_cuda_arithmetic.main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out

@@ -181,7 +181,7 @@ def test_functional_linear_and_conv2d_forward_and_backward_equal_the_cpu():
     results = []
     for device in ("cpu", "cuda"):
         torch.manual_seed(13)
-        xd, wd, vd = (t.to(device).requires_grad_() for t in (x, w, v))
+        xd, wd, vd = (t.to(device).detach().requires_grad_() for t in (x, w, v))
         h = F.conv2d(xd, wd, mac=mac, input_grad_mac=mac, weight_grad_mac=mac)
         y = F.linear(h.flatten(1), vd, mac=mac, input_grad_mac=mac, weight_grad_mac=mac)
         y.square().sum().backward()

@@ -9,12 +9,15 @@ bench.log) go to --out, or to $LPSIM_GPU_CHECK_OUT, else $OUT, else out/gpu-chec
 dependencies that are missing are listed in the report (docs/performance.md says how to bring them
 as wheels); tests that need them skip or fail, and the report shows which.
 
-Steps and their time limits (seconds): build 300, tests 240 (60 with --quick), benchmarks 240 (90
-with --quick; each benchmark gets its share, SHARES). The limits add up to 13 minutes, more than
-one 10-minute device call allows: after a long build, run the rest again with --no-build. A step
-that runs past its limit is stopped and reported; the steps after it still run. Without a CUDA
-device (or without torch's CUDA), the report says so and everything that needs one is skipped: the
-command then takes seconds and exits 0, which is how CI runs it (tests/test_gpu_check.py).
+Steps and their time limits: the whole check gets --time-limit seconds (default 540, to fit a
+10-minute device call with the machine's start); the build at most 300 of them, and what the build
+leaves is split between the tests (40% to the CUDA test files, 20% to the device-parametrised tests
+of the others), a comparison of torch's CUDA arithmetic with lpsim's model of it (at most 60 s) and
+the benchmarks (the rest, each benchmark its share, SHARES). --quick shortens the benchmarks, not
+their limits. A step that runs past its limit is stopped and reported; the steps after it still run.
+With pytest-xdist the tests run in up to 8 processes. Without a CUDA device (or without torch's
+CUDA), the report says so and everything that needs one is skipped: the command then takes seconds
+and exits 0, which is how CI runs it (tests/test_gpu_check.py).
 
 Exit status: 0 when every step that ran succeeded (or was skipped for want of a GPU), 1 otherwise.
 """
@@ -56,7 +59,14 @@ GPU_TEST_FILES = [
     "tests/test_fused_optim_cuda.py",
     "tests/test_gpu_index_math.py",
 ]
-DEVICE_TESTS = ["tests/test_transforms.py", "tests/test_compat_qtorch.py", "tests/test_cifar10.py"]
+DEVICE_TESTS = [
+    "tests/test_transforms.py",
+    "tests/test_compat_qtorch.py",
+    "tests/test_cifar10.py",
+    "tests/test_op_devices.py",
+    "tests/test_gpt.py",
+]
+DEVICE_SELECTION = "cuda or gpu or tensor_core_recipes_need_the_cpu"
 
 # The benchmarks' shares of the benchmark step's time.
 SHARES = {
@@ -137,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=None, help="where the report goes")
     parser.add_argument("--quick", action="store_true", help="fewer tests and shorter benchmarks")
     parser.add_argument("--no-build", action="store_true", help="use the extension as built")
+    parser.add_argument("--time-limit", type=float, default=540, help="seconds for everything")
     args = parser.parse_args(argv)
+    deadline = time.monotonic() + args.time_limit
     out = args.out or pathlib.Path(
         os.environ.get("LPSIM_GPU_CHECK_OUT") or os.environ.get("OUT") or ROOT / "out/gpu-check"
     )
@@ -176,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         env.setdefault("MAX_JOBS", str(os.cpu_count() or 4))
         env["LPSIM_CUDA"] = "1"
         command = [sys.executable, "setup.py", "build_ext", "--inplace"]
-        status, seconds = _run(command, logs["build"], 300, env)
+        status, seconds = _run(command, logs["build"], min(300, args.time_limit / 2), env)
         report.append(
             f"- `{' '.join(command)}` for sm_{p.major}{p.minor}: "
             f"{'ok' if status == 0 else f'FAILED (status {status})'} in {seconds:.0f} s"
@@ -201,10 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     # 2. The GPU tests: the CUDA test files whole, the device-parametrised tests of the others.
     report += ["", "## Tests", ""]
     pytest = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider"]
-    limit = 60 if args.quick else 240
-    for files, selection in ((GPU_TEST_FILES, []), (DEVICE_TESTS, ["-k", "cuda"])):
+    if importlib.util.find_spec("xdist") is not None:
+        # pytest-xdist: the tests in several processes, each with its own CUDA context.
+        pytest += ["-n", str(min(8, os.cpu_count() or 1))]
+    left = max(deadline - time.monotonic(), 60)
+    runs = ((GPU_TEST_FILES, [], 0.4), (DEVICE_TESTS, ["-k", DEVICE_SELECTION], 0.2))
+    for files, selection, share in runs:
         before = logs["tests"].stat().st_size
-        status, seconds = _run([*pytest, *selection, *files], logs["tests"], limit / 2)
+        status, seconds = _run([*pytest, *selection, *files], logs["tests"], left * share)
         text = logs["tests"].read_text(errors="replace")[before:]
         report.append(
             f"- `pytest {' '.join(selection + files)}`: {_pytest_summary(text)} ({seconds:.0f} s)"
@@ -214,7 +230,16 @@ def main(argv: list[str] | None = None) -> int:
             failures = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
             report += ["", "```", *failures[:60], "```", ""]
 
-    # 3. The GPU sections of the benchmarks.
+    # 3. torch's own CUDA arithmetic, which FusedSGD and FusedAdam reproduce (lpsim/optim_step.h).
+    report += ["", "## torch's CUDA arithmetic (tools/torch_cuda_arithmetic.py)", ""]
+    probe = [sys.executable, "tools/torch_cuda_arithmetic.py"]
+    before = logs["bench"].stat().st_size
+    status, seconds = _run(probe, logs["bench"], 60)
+    text = logs["bench"].read_text(errors="replace")[before:]
+    report += ["```", text.strip()[-4000:], "```", ""]
+    failed |= status != 0
+
+    # 4. The GPU sections of the benchmarks.
     report += ["", "## Benchmarks", ""]
     size, repeat = (2**26, 10) if args.quick else (2**28, 30)
     benchmarks = [
@@ -281,11 +306,17 @@ def main(argv: list[str] | None = None) -> int:
             ],
         ),
     ]
-    budget = 90 if args.quick else 240
+    budget = max(deadline - time.monotonic(), 30)
+    # The benchmarks run as scripts (sys.path[0] is benchmarks/): lpsim, built in place, is found
+    # through PYTHONPATH.
+    bench_env = dict(os.environ)
+    bench_env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
     for name, bench in benchmarks:
         before = logs["bench"].stat().st_size
         limit = budget * SHARES[name] / sum(SHARES.values())
-        status, seconds = _run([sys.executable, *bench], logs["bench"], limit)
+        status, seconds = _run([sys.executable, *bench], logs["bench"], limit, bench_env)
         text = logs["bench"].read_text(errors="replace")[before:]
         report += [f"### {name}", "", f"`{' '.join(bench)}`: status {status}, {seconds:.0f} s", ""]
         report += ["```", text.strip()[-6000:], "```", ""]

@@ -16,10 +16,13 @@
 //   x / s, x.add_(s)                       x / float(s), x + float(s)
 //
 // On CUDA devices ATen's kernels are the same expressions compiled by nvcc, which contracts a
-// product followed by an addition into an fma: the forms above, except for addcdiv, whose CUDA
-// kernel computes a + alpha * (b / c), so fma(float(c), y / z, x), and sqrt, which is correctly
-// rounded (sqrt_rn). tests/test_fused_optim_cuda.py checks the device forms against torch's CUDA
-// optimizers on a GPU.
+// product followed by an addition into an fma: the forms above, except for
+//   x.addcmul_(y, z, value=c)              fma(float(c), y * z, x)  (a + alpha * (b * c))
+//   x.addcdiv_(y, z, value=c)              fma(float(c), y / z, x)  (a + alpha * (b / c))
+//   x / s                                  x * (1 / float(s))  (a CPU scalar divisor: ATen
+//                                          multiplies by its reciprocal)
+//   x.sqrt()                               correctly rounded (sqrt_rn)
+// tests/test_fused_optim_cuda.py checks the device forms against torch's CUDA optimizers on a GPU.
 //
 // Python scalars (lr, betas, bias corrections) are computed in double by the caller, as torch's
 // Python code computes them, and converted to float32 once, as ATen converts a Scalar.
@@ -87,7 +90,11 @@ LPSIM_FN float adam_moments(float w, float g, float& m, float& v, const AdamScal
   const bool small = std::fabs(s.lerp_weight) < 0.5f;
   m = small ? fma_rn(s.lerp_weight, diff, m) : fma_rn(sub_rn(s.lerp_weight, 1.0f), diff, d);
   // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+#if defined(__CUDA_ARCH__)
+  v = fma_rn(s.one_minus_beta2, mul_rn(d, d), mul_rn(v, s.beta2));
+#else
   v = fma_rn(mul_rn(s.one_minus_beta2, d), d, mul_rn(v, s.beta2));
+#endif
   return w;
 }
 
@@ -96,11 +103,12 @@ LPSIM_FN float adam_moments(float w, float g, float& m, float& v, const AdamScal
 // beta1^step)).
 LPSIM_FN float adam_update(float w, float m, float root, float bias2_sqrt, float neg_step_size,
                            const AdamScalars& s) {
-  const float denom = add_rn(div_rn(root, bias2_sqrt), s.eps);  // (sqrt / bias2_sqrt).add_(eps)
-  // param.addcdiv_(m, denom, value=-step_size)
+  // (sqrt / bias2_sqrt).add_(eps), then param.addcdiv_(m, denom, value=-step_size)
 #if defined(__CUDA_ARCH__)
+  const float denom = add_rn(mul_rn(root, div_rn(1.0f, bias2_sqrt)), s.eps);
   return fma_rn(neg_step_size, div_rn(m, denom), w);
 #else
+  const float denom = add_rn(div_rn(root, bias2_sqrt), s.eps);
   return add_rn(w, div_rn(mul_rn(neg_step_size, m), denom));
 #endif
 }

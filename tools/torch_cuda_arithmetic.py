@@ -1,0 +1,149 @@
+"""Which float32 expression each of torch's CUDA ops that the optimizers use computes: for each op,
+the number of elements (of N random ones, over mixed magnitudes) on which the op's result differs
+from each candidate expression. lpsim/optim_step.h's device forms are the candidates with 0.
+
+    python3 tools/torch_cuda_arithmetic.py [N]
+
+The candidates are evaluated on the CPU in float64 and rounded once to float32: a product of two
+float32 values is exact in float64, so "fma(x, y, z)" is x * y + z rounded twice (to float64, then
+float32), which differs from the single rounding on about one element in 2^29.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def _sample(n: int, gen: torch.Generator) -> torch.Tensor:
+    scale = torch.exp2(torch.randint(-20, 4, (n,), generator=gen).double())
+    return (torch.randn(n, generator=gen, dtype=torch.float64) * scale).float()
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x.double()
+
+
+def _round(x: torch.Tensor) -> torch.Tensor:
+    return x.float()
+
+
+def _fma(x, y, z) -> torch.Tensor:
+    """fma(x, y, z) of float32 values (float64 tensors or floats), rounded to float32."""
+    return _round(torch.as_tensor(x, dtype=torch.float64) * y + z).double()
+
+
+def _adam_step(n: int, gen: torch.Generator) -> dict:
+    """One step of torch.optim.Adam (foreach=False) on CUDA from a random state, against the chain
+    of lpsim/optim_step.h's device forms evaluated here: the parameter, exp_avg and exp_avg_sq."""
+    lr, (beta1, beta2), eps, step = 1e-2, (0.9, 0.999), 1e-8, 3
+    p0, g = _sample(n, gen), _sample(n, gen)
+    m0, v0 = _sample(n, gen), _sample(n, gen).square()
+    P, G, M, V = (t.double() for t in (p0, g, m0, v0))
+    param = torch.nn.Parameter(p0.cuda())
+    param.grad = g.cuda()
+    opt = torch.optim.Adam([param], lr=lr, betas=(beta1, beta2), eps=eps, foreach=False)
+    opt.state[param] = {
+        "step": torch.tensor(float(step - 1)),
+        "exp_avg": m0.cuda(),
+        "exp_avg_sq": v0.cuda(),
+    }
+    opt.step()
+    f = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
+    m = _fma(f(1 - beta1), _round(G - M).double(), M)
+    v = _fma(f(1 - beta2), _round(G * G).double(), _round(V * f(beta2)).double())
+    bias2_sqrt = f((1 - beta2**step) ** 0.5)
+    inverse = float(torch.tensor(1.0) / torch.tensor(bias2_sqrt))
+    denom = _round(_round(_round(torch.sqrt(v)).double() * inverse).double() + f(eps)).double()
+    new_param = _fma(f(-(lr / (1 - beta1**step))), _round(m / denom).double(), P)
+    state = opt.state[param]
+    return {
+        "Adam step: exp_avg": (state["exp_avg"], {"device forms": _round(m)}),
+        "Adam step: exp_avg_sq": (state["exp_avg_sq"], {"device forms": _round(v)}),
+        "Adam step: param": (param.detach(), {"device forms": _round(new_param)}),
+    }
+
+
+def main(argv: list[str]) -> int:
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to compare")
+        return 0
+    n = int(argv[0]) if argv else 1 << 20
+    gen = torch.Generator().manual_seed(0)
+    a, b = _sample(n, gen), _sample(n, gen)
+    c = _sample(n, gen).abs() + 1e-3
+    alpha, s, w_small, w_large = 0.001, 0.9986995, 0.1, 0.9
+    fa = float(torch.tensor(alpha, dtype=torch.float32))
+    fs = float(torch.tensor(s, dtype=torch.float32))
+    A, B, C = _f32(a), _f32(b), _f32(c)
+    bc = _round(B * C).double()
+    b_over_c = _round(B / C).double()
+    ab = _round(fa * B).double()
+    inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(fs, dtype=torch.float32))
+    diff = _round(B - A).double()
+    cases = {
+        "addcmul(a, b, c, value=alpha)": (
+            torch.addcmul(a.cuda(), b.cuda(), c.cuda(), value=alpha),
+            {
+                "fma(alpha, b*c, a)": _round(fa * bc + A),
+                "fma(alpha*b, c, a)": _round(ab * C + A),
+                "a + alpha*(b*c), unfused": _round(A + _round(fa * bc).double()),
+                "a + (alpha*b)*c, unfused": _round(A + _round(ab * C).double()),
+            },
+        ),
+        "addcdiv(a, b, c, value=alpha)": (
+            torch.addcdiv(a.cuda(), b.cuda(), c.cuda(), value=alpha),
+            {
+                "fma(alpha, b/c, a)": _round(fa * b_over_c + A),
+                "a + (alpha*b)/c": _round(A + _round(ab / C).double()),
+                "a + alpha*(b/c), unfused": _round(A + _round(fa * b_over_c).double()),
+            },
+        ),
+        "a / s (python float)": (
+            a.cuda() / s,
+            {"a / float(s)": _round(A / fs), "a * (1/float(s))": _round(A * inv)},
+        ),
+        "add(a, b, alpha=alpha)": (
+            torch.add(a.cuda(), b.cuda(), alpha=alpha),
+            {
+                "fma(alpha, b, a)": _round(fa * B + A),
+                "a + alpha*b, unfused": _round(A + _round(fa * B).double()),
+            },
+        ),
+        "lerp(a, b, 0.1)": (
+            torch.lerp(a.cuda(), b.cuda(), w_small),
+            {
+                "fma(w, b - a, a)": _round(float(torch.tensor(w_small).float()) * diff + A),
+                "a + w*(b - a), unfused": _round(
+                    A + _round(float(torch.tensor(w_small).float()) * diff).double()
+                ),
+            },
+        ),
+        "lerp(a, b, 0.9)": (
+            torch.lerp(a.cuda(), b.cuda(), w_large),
+            {
+                "fma(w - 1, b - a, b)": _round(float(torch.tensor(w_large).float() - 1) * diff + B),
+                "b - (b - a)*(1 - w), unfused": _round(
+                    B - _round(diff * float(1 - torch.tensor(w_large).float())).double()
+                ),
+            },
+        ),
+        "sqrt(|a|)": (
+            torch.sqrt(a.abs().cuda()),
+            {"correctly rounded": _round(torch.sqrt(A.abs()))},
+        ),
+    }
+    cases.update(_adam_step(n, gen))
+    print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}, {n} elements")
+    print(f"{'op':32} {'candidate':30} {'differ':>8}")
+    for op, (got, candidates) in cases.items():
+        got = got.cpu()
+        for name, want in candidates.items():
+            differ = int((got.view(torch.int32) != want.view(torch.int32)).sum())
+            print(f"{op:32} {name:30} {differ:8}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
