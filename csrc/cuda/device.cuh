@@ -27,6 +27,9 @@ __device__ __forceinline__ uint32_t shfl_xor(uint32_t v, int d) {
 __device__ __forceinline__ uint64_t shfl_xor(uint64_t v, int d) {
   return __shfl_xor_sync(kFullMask, static_cast<unsigned long long>(v), d);
 }
+__device__ __forceinline__ uint64_t shfl_index(uint64_t v, int lane) {
+  return __shfl_sync(kFullMask, static_cast<unsigned long long>(v), lane);
+}
 __device__ __forceinline__ void atomic_max(uint32_t* p, uint32_t v) { atomicMax(p, v); }
 __device__ __forceinline__ void atomic_max(uint64_t* p, uint64_t v) {
   atomicMax(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
@@ -40,6 +43,19 @@ __device__ __forceinline__ W warp_max(W v) {
     const W other = shfl_xor(v, d);
     v = other > v ? other : v;
   }
+  return v;
+}
+
+// The largest of v over the thread block, in thread 0 (the other threads get partial maxima). Every
+// thread of the block must call it, kThreads of them.
+template <class W>
+__device__ __forceinline__ W block_max(W v) {
+  __shared__ W warp_maxima[kThreads / kWarp];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  v = warp_max(v);
+  if (lane == 0) warp_maxima[warp] = v;
+  __syncthreads();
+  if (warp == 0) v = warp_max(lane < kThreads / kWarp ? warp_maxima[lane] : W(0));
   return v;
 }
 

@@ -13,17 +13,35 @@ namespace lpsim::gpu {
 namespace {
 
 // amax[block_of(i)] = the largest magnitude bits of the block's elements, and amax[blocks] the
-// tensor's (when the format has a tensor scale).
+// tensor's (when the format has a tensor scale). A warp takes 32 consecutive elements at a time
+// (the whole warp goes round the loop while one of its lanes has an element): where all 32 lie in
+// one scale block (MX and NVFP4 blocks along the last axis), the warp's maximum goes to it in one
+// atomic, else each element in its own. The tensor's maximum is reduced over the thread block
+// first: one atomic per thread block, not per element on one word (which took NVFP4 52 ms on 2^26
+// elements on an H100).
 template <class C>
 __global__ void __launch_bounds__(kThreads)
     max_abs_kernel(const typename C::storage* x, int64_t n, ScaledLayout layout, bool tensor,
                    uint64_t* amax) {
   const int64_t blocks = layout.blocks();
-  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n;
+  const int lane = threadIdx.x % kWarp;
+  uint64_t tensor_max = 0;
+  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i - lane < n;
        i += int64_t(gridDim.x) * kThreads) {
-    const uint64_t a = static_cast<typename C::word>(x[i]) & C::abs_mask;
-    atomic_max(amax + block_of(layout, i), a);
-    if (tensor) atomic_max(amax + blocks, a);
+    const bool active = i < n;
+    const uint64_t a = active ? static_cast<typename C::word>(x[i]) & C::abs_mask : 0;
+    const uint64_t block = active ? static_cast<uint64_t>(block_of(layout, i)) : ~uint64_t(0);
+    tensor_max = a > tensor_max ? a : tensor_max;
+    if (__all_sync(kFullMask, block == shfl_index(block, 0))) {
+      const uint64_t warp_amax = warp_max(a);
+      if (lane == 0) atomic_max(amax + block, warp_amax);
+    } else if (active) {
+      atomic_max(amax + block, a);
+    }
+  }
+  if (tensor) {
+    tensor_max = block_max(tensor_max);
+    if (threadIdx.x == 0) atomic_max(amax + blocks, tensor_max);
   }
 }
 
