@@ -163,6 +163,24 @@ def test_large_tensors(case, rule):
     )
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory < 24 << 30,
+    reason="needs 24 GiB of GPU memory",
+)
+def test_more_than_two_to_the_31_elements():
+    # 2^31 + 77 float16 elements (4 GiB): element indices, random-word counters and block indices
+    # past int32's range, stochastic elementwise and blocks of 32 (the last one partial).
+    n = (1 << 31) + 77
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    x = torch.empty(n, dtype=torch.float16, device="cuda").normal_(generator=gen)
+    x_cpu = x.cpu()
+    for fmt in (Float(4, 3), BlockFloat(5, block_size=32)):
+        got = lpsim.quantize(x, fmt, "stochastic", seed=7, offset=1).cpu()
+        want = lpsim.quantize(x_cpu, fmt, "stochastic", seed=7, offset=1)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), fmt
+        del got, want
+
+
 def views():
     """Non-contiguous and unaligned views of a 2-D tensor, applied alike on both devices."""
     yield "transpose", lambda t: t.t()
