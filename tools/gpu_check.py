@@ -58,6 +58,7 @@ GPU_TEST_FILES = [
     "tests/test_mac_cuda.py",
     "tests/test_fused_optim_cuda.py",
     "tests/test_gpu_index_math.py",
+    "tests/test_tensor_core_hardware.py",
 ]
 DEVICE_TESTS = [
     "tests/test_transforms.py",
