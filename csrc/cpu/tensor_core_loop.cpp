@@ -57,13 +57,10 @@ struct Pair {
 };
 
 // One step: terms [k0, k1) of the pair and the incoming value c into the next value of grid g,
-// tensor_core_step's bits. The same for every operand container and rule, so it is compiled once
-// (per clone) instead of inlined into each of the loops: its roundings by a rule chosen at run time
-// (round_sum_by_rule, three of them) inlined into every loop made this file take minutes to
-// compile.
-LPSIM_MULTIVERSION __attribute__((noinline)) uint64_t step(const TensorCoreSpec& core,
-                                                           const Pair& t, int64_t k0, int64_t k1,
-                                                           uint64_t c, const Grid<F64>& g) {
+// tensor_core_step's bits, for the tensor core's normalisation N (spec.normalise).
+template <Rounding N>
+LPSIM_INLINE uint64_t step(const TensorCoreSpec& core, const Pair& t, int64_t k0, int64_t k1,
+                           uint64_t c, const Grid<F64>& g) {
   const uint64_t c_mag = c & F64::abs_mask;
   int32_t top_product = kNoProduct;
   for (int64_t k = k0; k < k1; ++k) top_product = std::max(top_product, t.ae[k] + t.be[k]);
@@ -93,35 +90,42 @@ LPSIM_MULTIVERSION __attribute__((noinline)) uint64_t step(const TensorCoreSpec&
   }
   for (; k < k1; ++k) partial[0] += std::trunc(t.a[k] * t.b[k] * down);
   const double sum = (partial[0] + partial[1]) + (partial[2] + partial[3]);
-  return tensor_core_result(core, sum, q, g);
+  return tensor_core_result<N>(sum, q, g);
+}
+
+// The chain of steps over the groups of terms [k0, k1) (k0 on a group boundary), from c: the next
+// value of grid g after each group. The same for every operand container and rule of the results,
+// so it is compiled once per clone, out of line, with the normalisation chosen once per chain;
+// inlined into each of the loops (with the normalisation chosen per group, ten roundings each
+// time) it made this file take over ten minutes to compile.
+LPSIM_MULTIVERSION __attribute__((noinline)) uint64_t chain(const TensorCoreSpec& core,
+                                                            const Pair& t, int64_t k0, int64_t k1,
+                                                            uint64_t c, const Grid<F64>& g) {
+  with_rounding(core.normalise, [&](auto rule) LPSIM_LAMBDA_INLINE {
+    constexpr Rounding N = decltype(rule)::value;
+    if constexpr (!is_stochastic(N)) {  // mac_matmul_tensor_core takes no stochastic one
+      for (int64_t k = k0; k < k1; k += core.group) {
+        c = step<N>(core, t, k, std::min(k1, k + core.group), c, g);
+      }
+    }
+  });
+  return c;
 }
 
 // MacSum's chain of groups for one result (its close_group, close_chunk and finish), rule R for
-// the chunks' additions into the accumulator.
+// the chunks' additions into the accumulator. A chunk is a whole number of groups (the op checks).
 template <Rounding R>
 LPSIM_INLINE uint64_t result(const MacShape& shape, const Pair& t, int64_t n, const Grid<F64>& acc,
                              const Grid<F64>& inner) {
   if (n == 0) return 0;
   const TensorCoreSpec& core = shape.tensor_core;
-  const bool chunked = shape.order == MacOrder::kChunked;
-  uint64_t sum = 0, chunk_sum = 0;
-  bool started = false;
-  auto close_chunk = [&]() LPSIM_LAMBDA_INLINE {
-    sum = started ? round_sum_to_grid<R, F64>(sum, chunk_sum, acc, 0, 0)
-                  : round_to_grid<R, F64>(chunk_sum, acc, 0, 0);
-    started = true;
-    chunk_sum = 0;
-  };
-  for (int64_t k0 = 0; k0 < n; k0 += core.group) {
-    const int64_t k1 = std::min(n, k0 + core.group);
-    if (chunked) {
-      chunk_sum = step(core, t, k0, k1, chunk_sum, inner);
-      if (k1 % shape.chunk == 0) close_chunk();
-    } else {
-      sum = step(core, t, k0, k1, sum, acc);
-    }
+  if (shape.order != MacOrder::kChunked) return chain(core, t, 0, n, 0, acc);
+  uint64_t sum = 0;
+  for (int64_t k0 = 0; k0 < n; k0 += shape.chunk) {
+    const uint64_t chunk_sum = chain(core, t, k0, std::min(n, k0 + shape.chunk), 0, inner);
+    sum = k0 == 0 ? round_to_grid<R, F64>(chunk_sum, acc, 0, 0)
+                  : round_sum_to_grid<R, F64>(sum, chunk_sum, acc, 0, 0);
   }
-  if (chunked && n % shape.chunk != 0) close_chunk();
   return sum;
 }
 

@@ -111,8 +111,8 @@ LPSIM_FN uint64_t scaled_bits(uint64_t m, int32_t q) {
 // The exact sum ua + ub rounded onto g by a rule chosen at run time: the one place where the
 // tensor core's normalisation, whose rule is not MacSum's, meets the compile-time rules.
 LPSIM_FN_RULE_SWITCH uint64_t round_sum_by_rule(Rounding rule, uint64_t ua, uint64_t ub,
-                                    const Grid<Float64Container>& g, uint32_t random,
-                                    uint32_t mask) {
+                                                const Grid<Float64Container>& g, uint32_t random,
+                                                uint32_t mask) {
   using F64 = Float64Container;
   switch (rule) {
     case Rounding::nearest:
@@ -193,12 +193,13 @@ LPSIM_FN bool tensor_core_sums_in_float64(const TensorCoreSpec& spec) {
 LPSIM_FN bool tensor_core_weight_in_float64(int32_t q) { return q >= -1000 && q <= 960; }
 
 // The step's result from the exact sum of its truncated terms in float64 (an integer, |sum| <
-// 2^53) and the weight 2^q of their last bit: tensor_core_step's ending, on the same words.
-LPSIM_FN uint64_t tensor_core_result(const TensorCoreSpec& spec, double sum, int32_t q,
-                                     const Grid<Float64Container>& g) {
+// 2^53) and the weight 2^q of their last bit: tensor_core_step's ending, on the same words, for
+// the deterministic normalisation N (spec.normalise).
+template <Rounding N>
+LPSIM_FN uint64_t tensor_core_result(double sum, int32_t q, const Grid<Float64Container>& g) {
   if (sum == 0) return 0;
   // Exact: a power-of-two scaling to a normal value.
-  return round_sum_by_rule(spec.normalise, bits_of_real(sum * pow2_double(q)), 0, g, 0, 0);
+  return round_sum_to_grid<N, Float64Container>(bits_of_real(sum * pow2_double(q)), 0, g, 0, 0);
 }
 
 }  // namespace lpsim
