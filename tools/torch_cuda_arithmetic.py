@@ -29,6 +29,26 @@ def _round(x: torch.Tensor) -> torch.Tensor:
     return x.float()
 
 
+def _divisions(a: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """a / s for the divisors s = (1 - 0.999^t)^0.5 of Adam's steps t = 1..50, a slice of a for
+    each: one divisor cannot tell a float32 reciprocal 1/float(s) from float(1/s), 50 can."""
+    pieces = torch.tensor_split(a, 50)
+    got, divided, by_float_reciprocal, by_double_reciprocal = [], [], [], []
+    for t, piece in enumerate(pieces, start=1):
+        s = (1 - 0.999**t) ** 0.5
+        fs = torch.tensor(s, dtype=torch.float32)
+        got.append((piece.cuda() / s).cpu())
+        P = piece.double()
+        divided.append(_round(P / float(fs)))
+        by_float_reciprocal.append(_round(P * float(torch.tensor(1.0) / fs)))
+        by_double_reciprocal.append(_round(P * float(torch.tensor(1 / s, dtype=torch.float32))))
+    return torch.cat(got), {
+        "a / float(s)": torch.cat(divided),
+        "a * (1/float(s))": torch.cat(by_float_reciprocal),
+        "a * float(1/s)": torch.cat(by_double_reciprocal),
+    }
+
+
 def _fma(x, y, z) -> torch.Tensor:
     """fma(x, y, z) of float32 values (float64 tensors or floats), rounded to float32."""
     return _round(torch.as_tensor(x, dtype=torch.float64) * y + z).double()
@@ -104,6 +124,7 @@ def main(argv: list[str]) -> int:
             a.cuda() / s,
             {"a / float(s)": _round(A / fs), "a * (1/float(s))": _round(A * inv)},
         ),
+        "a / s, Adam's 50 bias corrections": _divisions(a),
         "add(a, b, alpha=alpha)": (
             torch.add(a.cuda(), b.cuda(), alpha=alpha),
             {
