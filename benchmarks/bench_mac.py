@@ -129,6 +129,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--scalar-loop", action="store_true", help="the lane loop switched off")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not (torch.cuda.is_available() and lpsim.cuda_built()):
+        parser.error("--device cuda: no CUDA device, or lpsim built without its CUDA kernels")
     lanes_before = torch.ops.lpsim._mac_lanes(not args.scalar_loop)
     try:
         return _run(args)

@@ -46,3 +46,15 @@ def test_the_cuda_arithmetic_probe_without_a_gpu_compares_nothing(capsys):
         pytest.skip("a GPU is present: make gpu-check runs the probe")
     assert torch_cuda_arithmetic.main([]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_an_unknown_step_is_refused_with_the_steps_named(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--out", str(tmp_path), "--steps", "build,lint"])
+    assert "build,tests,probe,bench" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU form runs the steps")
+def test_some_steps_without_a_gpu_are_skipped_too(tmp_path):
+    assert gpu_check.main(["--out", str(tmp_path), "--steps", "build,bench"]) == 0
+    assert "skipped" in (tmp_path / "report.md").read_text()

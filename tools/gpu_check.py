@@ -1,7 +1,9 @@
 """Everything that needs CUDA, in one command: build lpsim's CUDA kernels for the GPU at hand, run
-every GPU test, run the GPU sections of the benchmarks, and write one markdown report.
+every GPU test, compare torch's CUDA arithmetic with lpsim's model of it, run the GPU sections of
+the benchmarks, and write one markdown report.
 
-    python3 tools/gpu_check.py [--out DIR] [--quick] [--no-build]     (or: make gpu-check)
+    python3 tools/gpu_check.py [--out DIR] [--quick] [--steps build,tests,probe,bench]
+                               [--time-limit SECONDS]          (or: make gpu-check)
 
 It uses the Python it runs under (on a GPU machine without a package registry, its own python3
 with torch) and installs nothing. The report, report.md, and the full logs (build.log, tests.log,
@@ -10,14 +12,17 @@ dependencies that are missing are listed in the report (docs/performance.md says
 as wheels); tests that need them skip or fail, and the report shows which.
 
 Steps and their time limits: the whole check gets --time-limit seconds (default 540, to fit a
-10-minute device call with the machine's start); the build at most 300 of them, and what the build
-leaves is split between the tests (40% to the CUDA test files, 20% to the device-parametrised tests
-of the others), a comparison of torch's CUDA arithmetic with lpsim's model of it (at most 60 s) and
-the benchmarks (the rest, each benchmark its share, SHARES). --quick shortens the benchmarks, not
-their limits. A step that runs past its limit is stopped and reported; the steps after it still run.
-With pytest-xdist the tests run in up to 8 processes. Without a CUDA device (or without torch's
-CUDA), the report says so and everything that needs one is skipped: the command then takes seconds
-and exits 0, which is how CI runs it (tests/test_gpu_check.py).
+10-minute device call with the machine's start); the build at most 300 of them (94-109 s for sm_90
+on 16 cores), and what the build leaves is split between the tests (40% to the CUDA test files, 20%
+to the device-parametrised tests of the others; 65% and 30% without the benchmarks), a comparison of
+torch's CUDA arithmetic with lpsim's model of it (at most 60 s) and the benchmarks (the rest, each
+benchmark its share, SHARES). Everything takes more than one call: run --steps build,tests,probe in
+one and --steps build,bench in another (--no-build is --steps without build, for a machine that
+still holds the build). --quick shortens the benchmarks, not their limits. A step that runs past its
+limit is stopped and reported; the steps after it still run. With pytest-xdist the tests run in up
+to 8 processes. Without a CUDA device (or without torch's CUDA), the report says so and everything
+that needs one is skipped: the command then takes seconds and exits 0, which is how CI runs it
+(tests/test_gpu_check.py).
 
 Exit status: 0 when every step that ran succeeded (or was skipped for want of a GPU), 1 otherwise.
 """
@@ -68,6 +73,10 @@ DEVICE_TESTS = [
     "tests/test_gpt.py",
 ]
 DEVICE_SELECTION = "cuda or gpu or tensor_core_recipes_need_the_cpu"
+
+# The steps, in their order (--steps picks some: a long build can leave the benchmarks to a second
+# device call).
+STEPS = ("build", "tests", "probe", "bench")
 
 # The benchmarks' shares of the benchmark step's time.
 SHARES = {
@@ -148,8 +157,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=pathlib.Path, default=None, help="where the report goes")
     parser.add_argument("--quick", action="store_true", help="fewer tests and shorter benchmarks")
     parser.add_argument("--no-build", action="store_true", help="use the extension as built")
+    parser.add_argument(
+        "--steps",
+        default=",".join(STEPS),
+        help=f"the steps to run, comma-separated, of {','.join(STEPS)} (default: all)",
+    )
     parser.add_argument("--time-limit", type=float, default=540, help="seconds for everything")
     args = parser.parse_args(argv)
+    steps = set(args.steps.split(","))
+    if not steps <= set(STEPS):
+        parser.error(f"--steps takes some of {','.join(STEPS)}, got {args.steps!r}")
+    if args.no_build:
+        steps.discard("build")
     deadline = time.monotonic() + args.time_limit
     out = args.out or pathlib.Path(
         os.environ.get("LPSIM_GPU_CHECK_OUT") or os.environ.get("OUT") or ROOT / "out/gpu-check"
@@ -180,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. Build for this GPU's architecture.
     report += ["", "## Build", ""]
-    if args.no_build:
-        report.append("- skipped (--no-build): the extension as it was built")
+    if "build" not in steps:
+        report.append("- skipped: the extension as it was built")
     else:
         p = torch.cuda.get_device_properties(0)
         env = dict(os.environ)
@@ -199,30 +218,47 @@ def main(argv: list[str] | None = None) -> int:
             (out / "report.md").write_text("\n".join(report) + "\n")
             print("\n".join(report))
             return 1
-    probe = subprocess.run(
+    imported = subprocess.run(
         [sys.executable, "-c", "import lpsim; print(lpsim.cuda_built())"],
         cwd=ROOT,
         capture_output=True,
         text=True,
     )
-    built = probe.stdout.strip() == "True"
+    built = imported.stdout.strip() == "True"
     report.append(f"- lpsim imports with its CUDA kernels: {built}")
     if not built:
-        report += ["", "```", (probe.stdout + probe.stderr)[-3000:], "```"]
+        report += ["", "```", (imported.stdout + imported.stderr)[-3000:], "```"]
         failed = True
 
     # 2. The GPU tests: the CUDA test files whole, the device-parametrised tests of the others.
+    if "tests" in steps:
+        failed |= _tests(report, logs["tests"], deadline, with_bench="bench" in steps)
+    # 3. torch's own CUDA arithmetic, which FusedSGD and FusedAdam reproduce (lpsim/optim_step.h).
+    if "probe" in steps:
+        failed |= _probe(report, logs["bench"])
+    # 4. The GPU sections of the benchmarks.
+    if "bench" in steps:
+        failed |= _benchmarks(report, logs["bench"], deadline, args.quick)
+    (out / "report.md").write_text("\n".join(report) + "\n")
+    print("\n".join(report))
+    return 1 if failed else 0
+
+
+def _tests(report: list[str], log: pathlib.Path, deadline: float, with_bench: bool) -> bool:
+    """Runs the GPU tests within their share of the time left; True if one failed."""
     report += ["", "## Tests", ""]
     pytest = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider"]
     if importlib.util.find_spec("xdist") is not None:
         # pytest-xdist: the tests in several processes, each with its own CUDA context.
         pytest += ["-n", str(min(8, os.cpu_count() or 1))]
     left = max(deadline - time.monotonic(), 60)
-    runs = ((GPU_TEST_FILES, [], 0.4), (DEVICE_TESTS, ["-k", DEVICE_SELECTION], 0.2))
+    shares = (0.4, 0.2) if with_bench else (0.65, 0.3)
+    runs = ((GPU_TEST_FILES, [], shares[0]), (DEVICE_TESTS, ["-k", DEVICE_SELECTION], shares[1]))
+    failed = False
     for files, selection, share in runs:
-        before = logs["tests"].stat().st_size
-        status, seconds = _run([*pytest, *selection, *files], logs["tests"], left * share)
-        text = logs["tests"].read_text(errors="replace")[before:]
+        before = log.stat().st_size
+        status, seconds = _run([*pytest, *selection, *files], log, left * share)
+        text = log.read_text(errors="replace")[before:]
         report.append(
             f"- `pytest {' '.join(selection + files)}`: {_pytest_summary(text)} ({seconds:.0f} s)"
         )
@@ -230,19 +266,24 @@ def main(argv: list[str] | None = None) -> int:
             failed = True
             failures = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
             report += ["", "```", *failures[:60], "```", ""]
+    return failed
 
-    # 3. torch's own CUDA arithmetic, which FusedSGD and FusedAdam reproduce (lpsim/optim_step.h).
+
+def _probe(report: list[str], log: pathlib.Path) -> bool:
+    """torch's CUDA arithmetic against lpsim's model of it, into the report; True if it broke."""
     report += ["", "## torch's CUDA arithmetic (tools/torch_cuda_arithmetic.py)", ""]
-    probe = [sys.executable, "tools/torch_cuda_arithmetic.py"]
-    before = logs["bench"].stat().st_size
-    status, seconds = _run(probe, logs["bench"], 60)
-    text = logs["bench"].read_text(errors="replace")[before:]
+    before = log.stat().st_size
+    status, _ = _run([sys.executable, "tools/torch_cuda_arithmetic.py"], log, 60)
+    text = log.read_text(errors="replace")[before:]
     report += ["```", text.strip()[-4000:], "```", ""]
-    failed |= status != 0
+    return status != 0
 
-    # 4. The GPU sections of the benchmarks.
+
+def _benchmarks(report: list[str], log: pathlib.Path, deadline: float, quick: bool) -> bool:
+    """The GPU sections of the benchmarks, each within its share of the time left, into the
+    report; True if one failed or ran out of time."""
     report += ["", "## Benchmarks", ""]
-    size, repeat = (2**26, 10) if args.quick else (2**28, 30)
+    size, repeat = (2**26, 10) if quick else (2**28, 30)
     benchmarks = [
         (
             "quantize",
@@ -286,9 +327,11 @@ def main(argv: list[str] | None = None) -> int:
                 "--device",
                 "cuda",
                 "--models",
-                "resnet18",
+                "resnet18,vgg16",
+                "--recipes",
+                "fp16,block8",
                 "--repeat",
-                "5" if args.quick else "10",
+                "5" if quick else "10",
             ],
         ),
         (
@@ -303,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                 "1",
                 "--only",
                 "native,sequential,chunked,H100,DeepSeek",
-                *(["--quick"] if args.quick else []),
+                *(["--quick"] if quick else []),
             ],
         ),
     ]
@@ -314,18 +357,16 @@ def main(argv: list[str] | None = None) -> int:
     bench_env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
+    failed = False
     for name, bench in benchmarks:
-        before = logs["bench"].stat().st_size
+        before = log.stat().st_size
         limit = budget * SHARES[name] / sum(SHARES.values())
-        status, seconds = _run([sys.executable, *bench], logs["bench"], limit, bench_env)
-        text = logs["bench"].read_text(errors="replace")[before:]
+        status, seconds = _run([sys.executable, *bench], log, limit, bench_env)
+        text = log.read_text(errors="replace")[before:]
         report += [f"### {name}", "", f"`{' '.join(bench)}`: status {status}, {seconds:.0f} s", ""]
         report += ["```", text.strip()[-6000:], "```", ""]
         failed |= status != 0
-
-    (out / "report.md").write_text("\n".join(report) + "\n")
-    print("\n".join(report))
-    return 1 if failed else 0
+    return failed
 
 
 if __name__ == "__main__":
