@@ -1,7 +1,8 @@
 """FusedSGD and FusedAdam on CUDA parameters (csrc/cuda/optim_step.cu): bit for bit what OptimLP
 around torch's SGD, Adam and AdamW (foreach=False) gives on the same device, over many steps,
 formats, rules and hyperparameters, and for SGD also what the CPU kernel gives (Adam's CUDA
-arithmetic is torch's CUDA one: its last addition and square root differ from the CPU's).
+arithmetic is torch's CUDA one: its addcmul, division by the bias correction, last addition and
+square root differ from the CPU's; tools/torch_cuda_arithmetic.py reads them off the GPU).
 Skipped without a CUDA device."""
 
 from __future__ import annotations
