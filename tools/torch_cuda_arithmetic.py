@@ -55,8 +55,11 @@ def _fma(x, y, z) -> torch.Tensor:
 
 
 def _adam_step(n: int, gen: torch.Generator) -> dict:
-    """One step of torch.optim.Adam (foreach=False) on CUDA from a random state, against the chain
-    of lpsim/optim_step.h's device forms evaluated here: the parameter, exp_avg and exp_avg_sq."""
+    """One step of torch.optim.Adam (foreach=False) on CUDA from a random state, against chains of
+    forms evaluated here: lpsim/optim_step.h's device forms, and each of them swapped for its
+    alternative (the CPU's addcmul, a true division by the bias correction or the reciprocal taken
+    in double, the CPU's addcdiv). Step 3 of a run, whose bias corrections tell the reciprocals
+    apart. The parameter, exp_avg and exp_avg_sq."""
     lr, (beta1, beta2), eps, step = 1e-2, (0.9, 0.999), 1e-8, 3
     p0, g = _sample(n, gen), _sample(n, gen)
     m0, v0 = _sample(n, gen), _sample(n, gen).square()
@@ -72,16 +75,41 @@ def _adam_step(n: int, gen: torch.Generator) -> dict:
     opt.step()
     f = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
     m = _fma(f(1 - beta1), _round(G - M).double(), M)
-    v = _fma(f(1 - beta2), _round(G * G).double(), _round(V * f(beta2)).double())
-    bias2_sqrt = f((1 - beta2**step) ** 0.5)
-    inverse = float(torch.tensor(1.0) / torch.tensor(bias2_sqrt))
-    denom = _round(_round(_round(torch.sqrt(v)).double() * inverse).double() + f(eps)).double()
-    new_param = _fma(f(-(lr / (1 - beta1**step))), _round(m / denom).double(), P)
+    decayed = _round(V * f(beta2)).double()
+    v_forms = {
+        "device": _fma(f(1 - beta2), _round(G * G).double(), decayed),
+        "CPU addcmul": _fma(_round(f(1 - beta2) * G).double(), G, decayed),
+    }
+    s = (1 - beta2**step) ** 0.5
+    fs = f(s)
+    scalings = {
+        "device": lambda r: _round(r * float(torch.tensor(1.0) / torch.tensor(fs))),
+        "true division": lambda r: _round(r / fs),
+        "reciprocal in double": lambda r: _round(r * f(1 / s)),
+    }
+    neg_step = f(-(lr / (1 - beta1**step)))
+    updates = {
+        "device": lambda denom: _fma(neg_step, _round(m / denom).double(), P),
+        "CPU addcdiv": lambda denom: _round(
+            P + _round(_round(neg_step * m).double() / denom).double()
+        ),
+    }
+    params = {}
+    for v_name, v in v_forms.items():
+        root = _round(torch.sqrt(v)).double()
+        for scale_name, scale in scalings.items():
+            denom = _round(scale(root).double() + f(eps)).double()
+            for update_name, update in updates.items():
+                names = [x for x in (v_name, scale_name, update_name) if x != "device"]
+                params[", ".join(names) or "device forms"] = _round(update(denom))
     state = opt.state[param]
     return {
         "Adam step: exp_avg": (state["exp_avg"], {"device forms": _round(m)}),
-        "Adam step: exp_avg_sq": (state["exp_avg_sq"], {"device forms": _round(v)}),
-        "Adam step: param": (param.detach(), {"device forms": _round(new_param)}),
+        "Adam step: exp_avg_sq": (
+            state["exp_avg_sq"],
+            {name: _round(v) for name, v in v_forms.items()},
+        ),
+        "Adam step: param": (param.detach(), params),
     }
 
 
