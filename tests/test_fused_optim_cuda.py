@@ -105,6 +105,21 @@ def test_fused_sgd_on_cuda_equals_the_cpu_kernel(formats):
     _assert_same(got, fused, want, reference)
 
 
+@pytest.mark.parametrize("case", list(SGD_CASES))
+def test_torch_sgd_on_cuda_gives_the_same_bits_with_foreach_as_without(case):
+    # torch's SGD on CUDA parameters takes its foreach path unless told otherwise. OptimLP takes
+    # the fused step only around the single-tensor path; where this holds, it could take it around
+    # the default one on CUDA too (it does not yet).
+    results = []
+    for foreach in (None, False):
+        params, _ = _run_on(
+            "cuda", lambda ps, f=foreach: torch.optim.SGD(ps, foreach=f, **SGD_CASES[case])
+        )
+        results.append(params)
+    for i, (a, b) in enumerate(zip(*results)):
+        assert_same_bits(a.detach().cpu(), b.detach().cpu(), f"parameter {i}")
+
+
 def test_fused_sgd_on_cuda_runs_more_parameters_than_one_launch_holds():
     # 60 parameters: three launches of the kernel (kStepTensors = 24 per launch).
     shapes = [(n % 7 + 1, 33) for n in range(60)]
