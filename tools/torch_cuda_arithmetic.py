@@ -21,12 +21,18 @@ def _sample(n: int, gen: torch.Generator) -> torch.Tensor:
     return (torch.randn(n, generator=gen, dtype=torch.float64) * scale).float()
 
 
-def _f32(x: torch.Tensor) -> torch.Tensor:
-    return x.double()
-
-
 def _round(x: torch.Tensor) -> torch.Tensor:
     return x.float()
+
+
+def _f32(x: float) -> float:
+    """The Python float x rounded to float32, as ATen converts a Scalar for a float32 kernel."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def _reciprocal(s: float) -> float:
+    """1 / float(s) in float32: the factor of ATen's CUDA division by a Python float s."""
+    return float(torch.tensor(1.0) / torch.tensor(_f32(s)))
 
 
 def _divisions(a: torch.Tensor) -> tuple[torch.Tensor, dict]:
@@ -36,12 +42,11 @@ def _divisions(a: torch.Tensor) -> tuple[torch.Tensor, dict]:
     got, divided, by_float_reciprocal, by_double_reciprocal = [], [], [], []
     for t, piece in enumerate(pieces, start=1):
         s = (1 - 0.999**t) ** 0.5
-        fs = torch.tensor(s, dtype=torch.float32)
         got.append((piece.cuda() / s).cpu())
         P = piece.double()
-        divided.append(_round(P / float(fs)))
-        by_float_reciprocal.append(_round(P * float(torch.tensor(1.0) / fs)))
-        by_double_reciprocal.append(_round(P * float(torch.tensor(1 / s, dtype=torch.float32))))
+        divided.append(_round(P / _f32(s)))
+        by_float_reciprocal.append(_round(P * _reciprocal(s)))
+        by_double_reciprocal.append(_round(P * _f32(1 / s)))
     return torch.cat(got), {
         "a / float(s)": torch.cat(divided),
         "a * (1/float(s))": torch.cat(by_float_reciprocal),
@@ -73,7 +78,7 @@ def _adam_step(n: int, gen: torch.Generator) -> dict:
         "exp_avg_sq": v0.cuda(),
     }
     opt.step()
-    f = lambda x: float(torch.tensor(x, dtype=torch.float32))  # noqa: E731
+    f = _f32
     m = _fma(f(1 - beta1), _round(G - M).double(), M)
     decayed = _round(V * f(beta2)).double()
     v_forms = {
@@ -81,10 +86,9 @@ def _adam_step(n: int, gen: torch.Generator) -> dict:
         "CPU addcmul": _fma(_round(f(1 - beta2) * G).double(), G, decayed),
     }
     s = (1 - beta2**step) ** 0.5
-    fs = f(s)
     scalings = {
-        "device": lambda r: _round(r * float(torch.tensor(1.0) / torch.tensor(fs))),
-        "true division": lambda r: _round(r / fs),
+        "device": lambda r: _round(r * _reciprocal(s)),
+        "true division": lambda r: _round(r / f(s)),
         "reciprocal in double": lambda r: _round(r * f(1 / s)),
     }
     neg_step = f(-(lr / (1 - beta1**step)))
@@ -122,13 +126,12 @@ def main(argv: list[str]) -> int:
     a, b = _sample(n, gen), _sample(n, gen)
     c = _sample(n, gen).abs() + 1e-3
     alpha, s, w_small, w_large = 0.001, 0.9986995, 0.1, 0.9
-    fa = float(torch.tensor(alpha, dtype=torch.float32))
-    fs = float(torch.tensor(s, dtype=torch.float32))
-    A, B, C = _f32(a), _f32(b), _f32(c)
+    fa, fs = _f32(alpha), _f32(s)
+    A, B, C = a.double(), b.double(), c.double()
     bc = _round(B * C).double()
     b_over_c = _round(B / C).double()
     ab = _round(fa * B).double()
-    inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(fs, dtype=torch.float32))
+    inv = _reciprocal(s)
     diff = _round(B - A).double()
     cases = {
         "addcmul(a, b, c, value=alpha)": (
@@ -163,18 +166,16 @@ def main(argv: list[str]) -> int:
         "lerp(a, b, 0.1)": (
             torch.lerp(a.cuda(), b.cuda(), w_small),
             {
-                "fma(w, b - a, a)": _round(float(torch.tensor(w_small).float()) * diff + A),
-                "a + w*(b - a), unfused": _round(
-                    A + _round(float(torch.tensor(w_small).float()) * diff).double()
-                ),
+                "fma(w, b - a, a)": _round(_f32(w_small) * diff + A),
+                "a + w*(b - a), unfused": _round(A + _round(_f32(w_small) * diff).double()),
             },
         ),
         "lerp(a, b, 0.9)": (
             torch.lerp(a.cuda(), b.cuda(), w_large),
             {
-                "fma(w - 1, b - a, b)": _round(float(torch.tensor(w_large).float() - 1) * diff + B),
+                "fma(w - 1, b - a, b)": _round((_f32(w_large) - 1) * diff + B),
                 "b - (b - a)*(1 - w), unfused": _round(
-                    B - _round(diff * float(1 - torch.tensor(w_large).float())).double()
+                    B - _round(diff * (1 - _f32(w_large))).double()
                 ),
             },
         ),
@@ -185,12 +186,12 @@ def main(argv: list[str]) -> int:
     }
     cases.update(_adam_step(n, gen))
     print(f"torch {torch.__version__} on {torch.cuda.get_device_name()}, {n} elements")
-    print(f"{'op':32} {'candidate':30} {'differ':>8}")
+    print(f"{'op':34} {'candidate':30} {'differ':>8}")
     for op, (got, candidates) in cases.items():
         got = got.cpu()
         for name, want in candidates.items():
             differ = int((got.view(torch.int32) != want.view(torch.int32)).sum())
-            print(f"{op:32} {name:30} {differ:8}")
+            print(f"{op:34} {name:30} {differ:8}")
     return 0
 
 
