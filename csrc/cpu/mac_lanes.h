@@ -10,10 +10,11 @@
 // lanes: for each term k every lane adds its own product, so the lanes' sequential sums are
 // independent and the loop runs across them in vectors. Each result is a pure function of its row,
 // its column and its random words, so neither the tiles nor the thread count change any bit.
-// - Nearest onto a float32 grid of at most 21 kept bits (bfloat16, float16, the float8s), exact
-//   products, where every product of the tile is an exact float32 value (operands of 24 significant
-//   bits between them, as bfloat16 and float16 operands are): the float32 form of nearest_sum.h in
-//   AVX2 vectors of eight lanes. A tile whose sums leave its range falls to:
+// - Nearest onto a grid with float32's exponent range and at most 21 kept bits (bfloat16's, any
+//   Float(8, m <= 21) with subnormals: nearest_sum.h's make_nearest_bits_grid), exact products,
+//   where every product of the tile is an exact float32 value (operands of 24 significant bits
+//   between them, as bfloat16 and float16 operands are): the float32 form of nearest_sum.h in AVX2
+//   vectors of eight lanes. A tile whose sums leave its range falls to:
 // - Nearest onto a grid that lpsim/nearest_sum.h serves, exact products, finite operands: that
 //   float64 fast path in AVX2 vectors of four lanes. A tile whose sums overflow the grid falls to:
 // - everything else: the core's branch-free round_finite_sum_to_grid (and round_to_grid for the
@@ -42,7 +43,7 @@ bool mac_matmul_lanes(Dtype x_dtype, Rounding rounding, const void* a, const voi
 bool set_mac_lanes(bool enabled);
 bool mac_lanes_enabled();
 
-// How many tiles the float32 lanes (nearest onto a float32 grid of at most 21 kept bits, every
+// How many tiles the float32 lanes (nearest onto a grid with float32's exponent range, every
 // product an exact float32 value) have served since load. Tests only (the private op
 // lpsim::_mac_float_tiles): it shows that a test reaches that path.
 int64_t mac_float_tiles();
