@@ -8,7 +8,9 @@ same SGD with ``--format`` for the weight, gradient and momentum (which takes th
 the same with fused=False ("batches": three rounding passes over every parameter after torch's
 step), and lpsim.optim.FusedSGD with the same formats (one pass), under round to nearest and
 stochastic rounding. Printed: medians of --repeat steps and each one's ratio
-to torch's SGD step, measured over the same stretch of time.
+to torch's SGD step, measured over the same stretch of time. The block formats (block8: one
+exponent per tensor, as the block8 recipe; block8-rows: one per row, as swalp) have no FusedSGD
+row: FusedSGD takes element formats only, and OptimLP's fused step rounds them around its pass.
 
 --quick: a small model and few repeats, a smoke test.
 """
@@ -22,10 +24,16 @@ import time
 import torch
 from torch import nn
 
-from lpsim import Float
+from lpsim import BlockFloat, Float
 from lpsim.optim import FusedSGD, OptimLP
 
-FORMATS = {"e5m10": Float(5, 10), "bf16": Float(8, 7), "e4m3": Float(4, 3, special="fn")}
+FORMATS = {
+    "e5m10": Float(5, 10),
+    "bf16": Float(8, 7),
+    "e4m3": Float(4, 3, special="fn"),
+    "block8": BlockFloat(8),
+    "block8-rows": BlockFloat(8, 0),
+}
 SGD = dict(lr=0.01, momentum=0.9, weight_decay=5e-4)
 
 
@@ -37,23 +45,20 @@ def _model(quick: bool) -> nn.Module:
     return torchvision.models.resnet18(num_classes=10)
 
 
-def _optimizers(params, fmt: Float, rounding: str) -> dict:
+def _optimizers(params, fmt: Float | BlockFloat, rounding: str) -> dict:
     formats = dict(weight=fmt, grad=fmt, momentum=fmt)
-    return {
+    optimizers = {
         "torch.optim.SGD": torch.optim.SGD(params, **SGD),
         "OptimLP(SGD)": OptimLP(torch.optim.SGD(params, **SGD), rounding=rounding, **formats),
         "OptimLP(SGD) batches": OptimLP(
             torch.optim.SGD(params, **SGD), rounding=rounding, **formats, fused=False
         ),
-        "FusedSGD": FusedSGD(
-            params,
-            **SGD,
-            weight_format=fmt,
-            grad_format=fmt,
-            state_format=fmt,
-            rounding=rounding,
-        ),
     }
+    if isinstance(fmt, Float):
+        optimizers["FusedSGD"] = FusedSGD(
+            params, **SGD, weight_format=fmt, grad_format=fmt, state_format=fmt, rounding=rounding
+        )
+    return optimizers
 
 
 def _time(step) -> float:

@@ -12,6 +12,7 @@ import torch
 from support import assert_same_bits
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+import lpsim
 from lpsim import BlockFloat, Fixed, Float
 from lpsim.diagnostics import Recorder
 from lpsim.optim import FusedAdam, FusedSGD, OptimLP, ParameterQuantization, fused
@@ -272,6 +273,48 @@ def test_optimlp_around_adam_takes_the_fused_step_with_the_same_bits(case, forma
     _assert_same_state(got, got_opt, want, want_opt)
 
 
+BLOCK_FORMATS = {
+    "block8_stochastic": dict(
+        weight=(BlockFloat(8), "stochastic"),
+        grad=(BlockFloat(8), "stochastic"),
+        momentum=(BlockFloat(8), "stochastic"),
+    ),
+    "rows_nearest": dict(
+        weight=(BlockFloat(8, 0), "nearest"),
+        grad=(BlockFloat(6, 0), "nearest"),
+        momentum=(BlockFloat(8, 0), "nearest"),
+    ),
+    "blocks_with_element_formats_and_acc": dict(
+        weight=(BlockFloat(5), "stochastic"),
+        grad=(BlockFloat(6, block_size=16), "stochastic"),
+        momentum=(Float(5, 2), "stochastic"),
+        acc=(Float(8, 10), "stochastic"),
+    ),
+    "element_grad_block_states": dict(
+        grad=(Float(4, 3), "stochastic"), momentum=(BlockFloat(8, block_size=7), "stochastic")
+    ),
+}
+BLOCK_CASES = {
+    "sgd_momentum_wd": ("sgd", SGD_CASES["momentum_wd"]),
+    "sgd_nesterov": ("sgd", SGD_CASES["nesterov"]),
+    "adam_l2": ADAM_CASES["adam_l2"],
+    "adamw": ADAM_CASES["adamw"],
+}
+
+
+@pytest.mark.parametrize("grad_scaling", [1.0, 0.125], ids=["unscaled", "scaled"])
+@pytest.mark.parametrize("formats", BLOCK_FORMATS.values(), ids=BLOCK_FORMATS.keys())
+@pytest.mark.parametrize("case", BLOCK_CASES.values(), ids=BLOCK_CASES.keys())
+def test_optimlp_fused_step_rounds_block_formats_with_the_same_bits(case, formats, grad_scaling):
+    kind, hyper = case
+    got, got_opt, calls, want, want_opt = _optimlp_runs(
+        lambda ps: OptimLP(_torch_optimizer(kind, ps, hyper), grad_scaling=grad_scaling, **formats),
+        skip_at=4,
+    )
+    assert len(calls) == STEPS
+    _assert_same_state(got, got_opt, want, want_opt)
+
+
 def test_optimlp_fused_step_with_settings_per_parameter_and_groups():
     def make(ps):
         sgd = torch.optim.SGD(
@@ -325,7 +368,8 @@ def _identity(t):
         "recorder",
         "foreach",
         "function_spec",
-        "block_format",
+        "block_accumulator",
+        "scaled_format",
         "float64_parameter",
         "amsgrad",
         "scheduler",
@@ -341,8 +385,10 @@ def test_optimlp_keeps_its_own_batches_where_the_fused_step_does_not_apply(case)
     formats = dict(FORMATS["e5m2"])
     if case == "function_spec":
         formats["momentum"] = _identity
-    if case == "block_format":
-        formats["grad"] = BlockFloat(8)
+    if case == "block_accumulator":  # the fused step rounds block formats around its pass, except
+        formats["acc"] = BlockFloat(8)  # an accumulator's: the weight is rounded from it
+    if case == "scaled_format":
+        formats["momentum"] = lpsim.scaled.preset("mxfp8_e4m3")
     if case == "amsgrad":
         inner = torch.optim.Adam(params, lr=1e-3, amsgrad=True)
     else:

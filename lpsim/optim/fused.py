@@ -39,8 +39,8 @@ from torch.optim import Optimizer
 
 from lpsim._checks import check_betas, check_element_format, check_number, draw_seed
 from lpsim._ops import cuda_built, ops
-from lpsim.formats import Float
-from lpsim.functional import quantize
+from lpsim.formats import BlockFloat, Float
+from lpsim.functional import quantize, quantize_
 from lpsim.nn.quantizer import QuantSpec, Spec, as_spec
 from lpsim.rounding import Rounding
 
@@ -237,7 +237,14 @@ def run_step(
     group, all rounded by the same ``specs``) with their states ``state[p][key]`` for key in
     ``state_keys`` (absent: none), their accumulators (``accumulators[p]``, else
     ``state[p]["accumulator"]``), the group's ``scalars`` followed by the gradient scaling, the
-    ``per_parameter`` values and the streams of plan_streams."""
+    ``per_parameter`` values and the streams of plan_streams.
+
+    A BlockFloat gradient, state or weight spec (the accumulator's must be an element format, or
+    None) is not rounded inside the op, since its shared exponent depends on the whole tensor:
+    each gradient is scaled and rounded by quantize_ before the op, and the op leaves each state
+    and weight unrounded, to be rounded by quantize_ after it, with the same seeds and stream
+    offsets. That is OptimLP's order (gradients, the wrapped step, states, weights), so the bits
+    are the same."""
     empty = torch.empty(0)
     grads, states1, states2, accs, offset_list = [], [], [], [], []
     for p in params:
@@ -249,8 +256,25 @@ def run_step(
         acc = accumulators.get(p) if accumulators is not None else kept.get("accumulator")
         accs.append(acc if acc is not None else empty)
         offset_list += offsets[p]
+    deferred = {
+        category: spec
+        for category, spec in zip(_CATEGORIES, specs)
+        if spec is not None and isinstance(spec.format, BlockFloat)
+    }
+    if "acc" in deferred:
+        raise TypeError("the fused step rounds accumulators into element formats only")
+    if "grad" in deferred:
+        grad_scaling = scalars[-1]
+        for p in params:
+            if p.grad is not None:
+                if grad_scaling != 1.0:
+                    p.grad.mul_(grad_scaling)
+                _round_deferred(p.grad, deferred["grad"], seeds, "grad", offsets[p][0])
+        scalars = scalars[:-1] + [1.0]
     grids, roundings, rbits, seed_list = [], [], [], []
     for category, spec in zip(_CATEGORIES, specs):
+        if category in deferred:
+            spec = None
         fmt = spec.format if spec is not None else _UNROUNDED
         grids += fmt.grid_arguments(torch.float32)
         roundings.append(int(spec.rounding) if spec is not None else -1)
@@ -270,6 +294,28 @@ def run_step(
         algorithm,
         scalars,
         per_parameter,
+    )
+    if "state" in deferred:
+        for p in params:
+            kept = state.get(p, {})
+            for slot, key in enumerate(state_keys, start=1):
+                if key in kept:
+                    _round_deferred(kept[key], deferred["state"], seeds, "state", offsets[p][slot])
+    if "weight" in deferred:
+        for p in params:
+            _round_deferred(p, deferred["weight"], seeds, "weight", offsets[p][4])
+
+
+def _round_deferred(t: torch.Tensor, spec: QuantSpec, seeds: dict, category: str, offset: int):
+    """t rounded in place by a spec the op does not round (run_step), as OptimLP's batch rounds it:
+    the batch's seed, the tensor's stream offset."""
+    seed = seeds[category, spec]
+    quantize_(
+        t,
+        spec.format,
+        spec.rounding,
+        seed=int(seed) if spec.rounding.is_stochastic else None,
+        offset=offset,
     )
 
 

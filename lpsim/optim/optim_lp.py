@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 
 from lpsim import _observation
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
-from lpsim.formats import GRID_FORMATS, check_fits, fitting_container
+from lpsim.formats import GRID_FORMATS, BlockFloat, check_fits, fitting_container
 from lpsim.functional import quantize
 from lpsim.multi_tensor import quantize_many_
 from lpsim.nn.quantizer import QuantSpec, ScalerCall, Spec, as_spec
@@ -166,10 +166,12 @@ def _fusable_tensor(t: torch.Tensor) -> bool:
     )
 
 
-def _fusable_spec(quant) -> bool:
-    return quant is None or (
-        isinstance(quant, QuantSpec) and isinstance(quant.format, GRID_FORMATS)
-    )
+def _fusable_spec(quant, category: str) -> bool:
+    """Whether the fused step rounds ``category`` by ``quant`` as OptimLP's batches do: element
+    formats in every category; BlockFloat in all but the accumulator's (fused.run_step rounds those
+    around the op)."""
+    formats = GRID_FORMATS if category == "acc" else (*GRID_FORMATS, BlockFloat)
+    return quant is None or (isinstance(quant, QuantSpec) and isinstance(quant.format, formats))
 
 
 def _accumulator_dtype(acc: QuantFunction, dtype: torch.dtype) -> torch.dtype:
@@ -244,9 +246,11 @@ class OptimLP(Optimizer):
     tensors; no step hooks, global or on the wrapped optimizer, and no LR scheduler attached to the
     wrapped optimizer itself, rather than to OptimLP), every parameter, gradient, state tensor and
     accumulator is a contiguous float32 CPU tensor, every setting is a Float, Fixed or P3109 format
-    with a rule (no functions, block formats or delayed scaling), no closure is given and no
-    Recorder observes the step. Otherwise, or with ``fused=False``, the steps above run as listed.
-    The two paths give the same tensors and draw the same seeds, so a run may switch between them.
+    with a rule, or a BlockFloat format with a rule for the gradients, states and weights (no
+    functions, scaled formats or delayed scaling; the step rounds block formats by quantize_ around
+    its pass), no closure is given and no Recorder observes the step. Otherwise, or with
+    ``fused=False``, the steps above run as listed. The two paths give the same tensors and draw
+    the same seeds, so a run may switch between them.
 
     While a lpsim.diagnostics.recorder.Recorder observes the optimizer, every rounding of a step
     is recorded under its parameter with the category "grad", "momentum" (each state tensor),
@@ -594,7 +598,7 @@ class OptimLP(Optimizer):
                 if any(t is not None and not _fusable_tensor(t) for t in tensors):
                     return False
                 s = self.settings.get(p)
-                if s is not None and not all(_fusable_spec(getattr(s, n)) for n in _CATEGORIES):
+                if s is not None and not all(_fusable_spec(getattr(s, n), n) for n in _CATEGORIES):
                     return False
         return True
 
