@@ -11,6 +11,8 @@
 // SIMD loop generate 8 (or 16) counters at once and store each output word contiguously.
 #pragma once
 
+#include <type_traits>
+
 #include "config.h"
 
 namespace lpsim {
@@ -40,28 +42,90 @@ LPSIM_FN void mulhilo(uint32_t m, uint32_t a, uint32_t& hi, uint32_t& lo) {
 #endif
 }
 
-// Ten Philox4x32 rounds on the counter (c0, c1, c2, c3), in place. V is uint32_t or a SIMD pack of
-// uint32 lanes that supports ^ with V and with uint32_t, and mulhilo(uint32_t, V, V&, V&): this
-// one definition serves the scalar, vectorised CPU and CUDA generators.
+// The constants of Philox4x32: the round multipliers and the key schedule's Weyl increments.
+constexpr uint32_t kPhiloxMul0 = 0xD2511F53u, kPhiloxMul1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxWeyl0 = 0x9E3779B9u, kPhiloxWeyl1 = 0xBB67AE85u;
+
+// A counter's four words. Each word may be a uint32_t or a SIMD pack of uint32 lanes, so that a
+// word equal in every lane can stay scalar (philox4x32_10_lanes).
+template <class W0, class W1, class W2, class W3>
+struct PhiloxCounter {
+  W0 c0;
+  W1 c1;
+  W2 c2;
+  W3 c3;
+};
+
+template <class W0, class W1, class W2, class W3>
+LPSIM_FN PhiloxCounter<W0, W1, W2, W3> philox_counter(W0 c0, W1 c1, W2 c2, W3 c3) {
+  return PhiloxCounter<W0, W1, W2, W3>{c0, c1, c2, c3};
+}
+
+// a ^ b ^ k, the scalar operands combined first: one vector operation fewer where a is a scalar
+// and b a vector.
+template <class A, class B>
+LPSIM_FN auto xor3(const A& a, const B& b, uint32_t k) {
+  if constexpr (std::is_same_v<A, uint32_t>) {
+    return b ^ (a ^ k);
+  } else {
+    return a ^ (b ^ k);
+  }
+}
+
+// Round `round` (0..9) of Philox4x32-10: the one definition of the round that every generator
+// uses. A SIMD lane type V must support V ^ V, V ^ uint32_t, uint32_t ^ V and mulhilo(uint32_t,
+// V, V&, V&); the type of each result word follows from its operands.
+template <class W0, class W1, class W2, class W3>
+LPSIM_FN auto philox_round(const PhiloxCounter<W0, W1, W2, W3>& c, uint32_t k0, uint32_t k1,
+                           int round) {
+  k0 += static_cast<uint32_t>(round) * kPhiloxWeyl0;
+  k1 += static_cast<uint32_t>(round) * kPhiloxWeyl1;
+  W0 hi0, lo0;
+  W2 hi1, lo1;
+  mulhilo(kPhiloxMul0, c.c0, hi0, lo0);
+  mulhilo(kPhiloxMul1, c.c2, hi1, lo1);
+  return philox_counter(xor3(hi1, c.c1, k0), lo1, xor3(hi0, c.c3, k1), lo0);
+}
+
+// Ten Philox4x32 rounds on the counter (c0, c1, c2, c3), in place, with the key (k0, k1). V is
+// uint32_t or a SIMD lane type (see philox_round).
 template <class V>
 LPSIM_FN void philox4x32_10(V& c0, V& c1, V& c2, V& c3, uint32_t k0, uint32_t k1) {
-  constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
-  constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
   for (int round = 0; round < 10; ++round) {
-    V hi0, lo0, hi1, lo1;
-    mulhilo(kMul0, c0, hi0, lo0);
-    mulhilo(kMul1, c2, hi1, lo1);
-    const V n0 = hi1 ^ c1 ^ k0;
-    const V n2 = hi0 ^ c3 ^ k1;
-    c0 = n0;
-    c1 = lo1;
-    c2 = n2;
-    c3 = lo0;
-    k0 += kWeyl0;
-    k1 += kWeyl1;
+    const PhiloxCounter<V, V, V, V> next =
+        philox_round(philox_counter(c0, c1, c2, c3), k0, k1, round);
+    c0 = next.c0;
+    c1 = next.c1;
+    c2 = next.c2;
+    c3 = next.c3;
+  }
+}
+
+// Philox4x32-10 of counters that differ only in their low word c0 (the lanes of V), with the same
+// high words c1, c2, c3 (uint32_t) in every lane, as the counters of one group do; the four words
+// of each lane are returned in out0..out3. The same words as philox4x32_10, with fewer vector
+// operations: round 0 multiplies the lane-constant c2 and round 1 the lane-constant word it leaves
+// in c0, so 2 of the 20 multiplications are scalar.
+template <class V>
+LPSIM_FN void philox4x32_10_lanes(const V& c0, uint32_t c1, uint32_t c2, uint32_t c3, uint32_t k0,
+                                  uint32_t k1, V& out0, V& out1, V& out2, V& out3) {
+  const auto r0 = philox_round(philox_counter(c0, c1, c2, c3), k0, k1, 0);  // (u32, u32, V, V)
+  const auto r1 = philox_round(r0, k0, k1, 1);                              // (V, V, V, u32)
+  const PhiloxCounter<V, V, V, V> r2 = philox_round(r1, k0, k1, 2);
+  out0 = r2.c0;
+  out1 = r2.c1;
+  out2 = r2.c2;
+  out3 = r2.c3;
+  for (int round = 3; round < 10; ++round) {
+    const PhiloxCounter<V, V, V, V> next =
+        philox_round(philox_counter(out0, out1, out2, out3), k0, k1, round);
+    out0 = next.c0;
+    out1 = next.c1;
+    out2 = next.c2;
+    out3 = next.c3;
   }
 }
 

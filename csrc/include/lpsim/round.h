@@ -388,11 +388,13 @@ LPSIM_FN Grid<C> block_grid(typename C::word max_abs, int32_t wl) {
   return g;
 }
 
-// The largest finite magnitude among the bits u, as container bits (a running maximum).
+// The largest finite magnitude among the bits u, as container bits (a running maximum). Written
+// as a plain maximum of (Inf and NaN read as 0), so that a loop over it is a max reduction, which
+// compilers vectorise.
 template <class C>
 LPSIM_FN typename C::word finite_max_abs(typename C::word running, typename C::word u) {
   const typename C::word a = u & C::abs_mask;
-  return (a < C::inf_bits && a > running) ? a : running;
+  return max_of(running, select(a < C::inf_bits, a, typename C::word(0)));
 }
 
 }  // namespace lpsim
