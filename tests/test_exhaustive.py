@@ -97,6 +97,34 @@ def test_block_formats_equal_the_oracle(fmt, shape, dtype):
         assert_same_bits(got, want, f"{fmt!r} {rule.name} {dtype}")
 
 
+@pytest.mark.parametrize(
+    "fmt", [BlockFloat(8), BlockFloat(5, 0), BlockFloat(7, block_size=300)], ids=repr
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_block_formats_equal_the_oracle_where_the_cpu_loops_take_their_forms(fmt, dtype):
+    """Blocks of 256 inputs whose magnitudes all lie in one binade (the fixed quantum form of
+    lpsim/in_range.h), within the block's top binades (the variable form) or anywhere, with a
+    maximum just below a power of two and one that rounds up past the largest element (the
+    saturation): the forms and the shortcut against the exact oracle."""
+    if not _fits(fmt, dtype):
+        pytest.skip(f"{fmt!r} does not fit {dtype}")
+    g = torch.Generator().manual_seed(fmt.wl)
+    rows = []
+    for low in (1.0, 0.125, 0.0):  # magnitudes in [low, 2) before scaling
+        u = torch.rand(2, 600, generator=g, dtype=torch.float64)
+        magnitude = low + (2.0 - low) * u
+        sign = torch.where(torch.rand(2, 600, generator=g) < 0.5, -1.0, 1.0).double()
+        rows.append(sign * magnitude * 2.0**-7)
+    x = torch.cat(rows)
+    x[0, 7] = 2.0**-6 * (1 - 2.0**-30)  # just below a power of two: the top binade's end
+    x[3, 11] = -(2.0**-7) * (2 - 2.0 ** (1 - fmt.wl))  # rounds up past the largest element
+    x = x.to(dtype)
+    for rule in Rounding:
+        got = lpsim.quantize(x, fmt, rule, seed=7)
+        want = ref.quantize(x, fmt, rule, seed=7)
+        assert_same_bits(got, want, f"{fmt!r} {rule.name} {dtype}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_block_specials_keep_their_values_and_do_not_set_the_exponent(dtype):
     x = torch.tensor(

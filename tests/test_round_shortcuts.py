@@ -52,12 +52,16 @@ def _argument(fmt) -> str:
 
 
 @pytest.fixture(scope="module")
-def check_output(tmp_path_factory) -> str:
+def binary(tmp_path_factory):
     if CXX is None:
         pytest.skip("needs a C++ compiler")
-    binary = build_cpp_check(
+    return build_cpp_check(
         "round_shortcuts_check", tmp_path_factory.mktemp("cpp"), ("-std=c++20", "-O2", "-pthread")
     )
+
+
+@pytest.fixture(scope="module")
+def check_output(binary) -> str:
     arguments = []
     for fmt, every in FORMATS.values():
         arguments += [_argument(fmt), "all" if every else "sample"]
@@ -179,3 +183,26 @@ def test_quantize_equals_the_exact_reference_on_every_container(name):
             got = lpsim.quantize(x, fmt, "stochastic", rbits=rbits, seed=7)
             want = ref.quantize(x, fmt, "stochastic", rbits=rbits, seed=7)
             assert_same_bits(got, want, f"{dtype} stochastic rbits {rbits}")
+
+
+def test_block_grids_round_as_fixed_point_grids_and_take_the_shortcuts(binary):
+    """BlockFloat's grids keep wl - 2 fraction bits (the top binade's precision) so that the
+    shortcuts and forms apply; on every 16-bit value and every 4093rd float32 pattern, for widths
+    3, 5 and 8 and block maxima from zero to the largest finite value, they round as the same grids
+    with every container bit kept, and the shortcuts and forms agree with round_to_grid."""
+    run = subprocess.run([binary, "blocks"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("\n0 failures"), run.stdout[-5000:]
+    rows = re.findall(
+        r"  (\w+) wl (\d+) max (\w+): keep (\d+), shortcut (\w+), compared \d+, "
+        r"in range (\d+), fixed (\d+)",
+        run.stdout,
+    )
+    assert len(rows) == 54, run.stdout
+    for container, wl, peak, keep, shortcut, ranged, fixed in rows:
+        assert int(keep) == int(wl) - 2
+        normal = (
+            int(peak, 16) >= {"float32": 1 << 23, "bfloat16": 1 << 7, "float16": 1 << 10}[container]
+        )
+        # A normal block maximum: the shortcuts apply and the forms are compared.
+        assert (shortcut == "yes") == normal, (container, wl, peak)
+        assert not normal or int(ranged) >= int(fixed) > 0, (container, wl, peak)

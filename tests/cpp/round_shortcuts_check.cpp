@@ -10,6 +10,12 @@
 // comma-separated, then `all` or `sample`. Prints per grid and container whether the shortcut
 // applies and how many values were compared (and how many of them in in_range.h's range, and in
 // its fixed part), one line per failure (capped), and "<n> failures" last.
+//
+// With the single argument `blocks`: BlockFloat's grids (block_grid) for several widths and block
+// maxima (normal, subnormal, zero) in each container. Each input (as above, float32 every 4093rd
+// pattern) is rounded by round_to_grid on the grid and on the same grid with keep = man_bits (the
+// fixed-point grid written out: the block grid's keep only lets the shortcuts apply), which must
+// agree, and by the shortcuts and forms where they apply.
 #include <lpsim/grid_spec.h>
 #include <lpsim/in_range.h>
 
@@ -194,6 +200,73 @@ void check(const char* name, const GridSpec& spec, bool all) {
               in_fixed_range.load());
 }
 
+// The same rounding by round_to_grid on block grid g and on g with keep = man_bits, over the words
+// begin, begin + stride, ... below end; counts the disagreements (printing a few).
+template <class C>
+long long compare_keep(const Grid<C>& g, uint64_t end, uint64_t stride, long long& bad) {
+  using W = typename C::word;
+  Grid<C> wide = g;
+  wide.keep = C::man_bits;
+  long long compared = 0;
+  for (uint64_t v = 0; v < end; v += stride) {
+    const W u = static_cast<W>(v);
+    const uint32_t random = word_of(v, 0x2545F491u);
+    const uint32_t mask = random_mask(kRbits[v % 6]);
+    const W pairs[2][2] = {{round_to_grid<Rounding::nearest, C>(u, g, 0, 0),
+                            round_to_grid<Rounding::nearest, C>(u, wide, 0, 0)},
+                           {round_to_grid<Rounding::stochastic, C>(u, g, random, mask),
+                            round_to_grid<Rounding::stochastic, C>(u, wide, random, mask)}};
+    for (const auto& pair : pairs) {
+      if (pair[0] != pair[1] && bad++ < 10) {
+        std::printf("  input %llx: keep %d gives %llx, keep %d %llx\n", (unsigned long long)v,
+                    g.keep, (unsigned long long)pair[0], C::man_bits, (unsigned long long)pair[1]);
+      }
+    }
+    compared += 2;
+  }
+  return compared;
+}
+
+template <class C>
+void check_blocks(const char* name) {
+  using W = typename C::word;
+  // Every 16-bit value; every 4093rd float32 bit pattern.
+  constexpr bool kHalf = sizeof(typename C::storage) == 2;
+  const uint64_t end = uint64_t(1) << (kHalf ? 16 : 32);
+  const uint64_t stride = kHalf ? 1 : 4093;
+  const int widths[] = {3, 5, 8};
+  // Block maxima: zero, a subnormal, the smallest normal, just above one, a large normal, the
+  // largest finite value.
+  const W maxima[] = {W(0),
+                      W(3),
+                      W(1) << C::man_bits,
+                      W(C::bias) << C::man_bits | W(5),
+                      W((1 << C::exp_bits) - 4) << C::man_bits,
+                      C::inf_bits - 1};
+  for (const int wl : widths) {
+    if (wl > C::man_bits + 2) continue;
+    for (const W m : maxima) {
+      const Grid<C> g = block_grid<C>(m, wl);
+      in_range = 0;
+      in_fixed_range = 0;
+      long long bad = 0;
+      long long compared = compare_keep<C>(g, end, stride, bad);
+      failures += bad;
+      if (shortcut_applies(g)) {
+        const W half_min = pow2_bits<C>(g.qmin - 1);
+        long long shortcut_bad = 0;
+        compared += compare_range<C>(0, end, stride, g, half_min, shortcut_bad);
+        failures += shortcut_bad;
+      }
+      std::printf(
+          "  %s wl %d max %llx: keep %d, shortcut %s, compared %lld, in range %lld, "
+          "fixed %lld\n",
+          name, wl, (unsigned long long)m, g.keep, shortcut_applies(g) ? "yes" : "no", compared,
+          in_range.load(), in_fixed_range.load());
+    }
+  }
+}
+
 GridSpec parse(const std::string& text) {
   std::stringstream in(text);
   std::string field;
@@ -220,6 +293,14 @@ GridSpec parse(const std::string& text) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 2 && std::string(argv[1]) == "blocks") {
+    std::printf("block grids\n");
+    check_blocks<Float32Container>("float32");
+    check_blocks<BFloat16Container>("bfloat16");
+    check_blocks<Float16Container>("float16");
+    std::printf("%lld failures\n", failures);
+    return failures == 0 ? 0 : 1;
+  }
   for (int i = 1; i + 1 < argc; i += 2) {
     const GridSpec spec = parse(argv[i]);
     const bool all = std::string(argv[i + 1]) == "all";

@@ -376,7 +376,11 @@ LPSIM_FN Grid<C> block_grid(typename C::word max_abs, int32_t wl) {
   const W limit =
       e >= 1 ? (W(e) << kMan) | ((top << (kMan - (wl - 2))) & C::man_mask) : top << (q - 1 + kMan);
   Grid<C> g;
-  g.keep = kMan;
+  // wl - 2 fraction bits below the leading one, the precision of the block's top binade e. Below
+  // e the fixed spacing 2^q is coarser than that precision, and above the limit every input
+  // saturates, so every input rounds as with keep = kMan (tests/cpp/round_shortcuts_check.cpp,
+  // `blocks`); with this keep the shortcuts and the CPU loops' forms apply to the grid.
+  g.keep = wl - 2;
   g.qmin = q;
   g.flush_below = kNoFlush;
   g.min_positive = pow2_bits<C>(q);
