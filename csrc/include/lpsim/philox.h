@@ -87,14 +87,14 @@ LPSIM_FN auto philox_round(const PhiloxCounter<W0, W1, W2, W3>& c, uint32_t k0, 
   return philox_counter(xor3(hi1, c.c1, k0), lo1, xor3(hi0, c.c3, k1), lo0);
 }
 
-// Ten Philox4x32 rounds on the counter (c0, c1, c2, c3), in place, with the key (k0, k1). V is
-// uint32_t or a SIMD lane type (see philox_round).
-template <class V>
-LPSIM_FN void philox4x32_10(V& c0, V& c1, V& c2, V& c3, uint32_t k0, uint32_t k1) {
+// Rounds kFirst..9 of Philox4x32-10 on the counter (c0, c1, c2, c3), in place, with the key (k0,
+// k1). V is uint32_t or a SIMD lane type (see philox_round).
+template <int kFirst, class V>
+LPSIM_FN void philox_rounds_from(V& c0, V& c1, V& c2, V& c3, uint32_t k0, uint32_t k1) {
 #if defined(__CUDA_ARCH__)
 #pragma unroll
 #endif
-  for (int round = 0; round < 10; ++round) {
+  for (int round = kFirst; round < 10; ++round) {
     const PhiloxCounter<V, V, V, V> next =
         philox_round(philox_counter(c0, c1, c2, c3), k0, k1, round);
     c0 = next.c0;
@@ -102,6 +102,12 @@ LPSIM_FN void philox4x32_10(V& c0, V& c1, V& c2, V& c3, uint32_t k0, uint32_t k1
     c2 = next.c2;
     c3 = next.c3;
   }
+}
+
+// Ten Philox4x32 rounds on the counter (c0, c1, c2, c3), in place, with the key (k0, k1).
+template <class V>
+LPSIM_FN void philox4x32_10(V& c0, V& c1, V& c2, V& c3, uint32_t k0, uint32_t k1) {
+  philox_rounds_from<0>(c0, c1, c2, c3, k0, k1);
 }
 
 // Philox4x32-10 of counters that differ only in their low word c0 (the lanes of V), with the same
@@ -119,14 +125,7 @@ LPSIM_FN void philox4x32_10_lanes(const V& c0, uint32_t c1, uint32_t c2, uint32_
   out1 = r2.c1;
   out2 = r2.c2;
   out3 = r2.c3;
-  for (int round = 3; round < 10; ++round) {
-    const PhiloxCounter<V, V, V, V> next =
-        philox_round(philox_counter(out0, out1, out2, out3), k0, k1, round);
-    out0 = next.c0;
-    out1 = next.c1;
-    out2 = next.c2;
-    out3 = next.c3;
-  }
+  philox_rounds_from<3>(out0, out1, out2, out3, k0, k1);
 }
 
 // The four words of one counter.
