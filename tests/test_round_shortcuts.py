@@ -119,6 +119,15 @@ def test_the_variable_quantum_is_compared_in_the_grids_subnormal_binades(check_o
     assert counts["float32"][0] > counts["float32"][1] > 0, counts
 
 
+@pytest.mark.parametrize("name", ["bfloat16", "float16", "e5m2", "e4m3fn", "e2m1", "e5m2fnuz"])
+def test_the_bounded_form_is_compared_beyond_the_grids_limits(check_output, name):
+    # Finite inputs of the fixed range past the limit: the fixed quantum's rounding, then the
+    # grid's overflow outcome (saturation, Inf or NaN).
+    report = _report(check_output, FORMATS[name][0])
+    beyond = {c: int(m[1]) for c, t in report.items() if (m := re.search(r"bounded (\d+)", t))}
+    assert beyond and all(count > 0 for count in beyond.values()), report
+
+
 def test_the_in_range_forms_need_a_kept_fraction_bit(check_output):
     counts = _in_range(_report(check_output, FORMATS["e8m0-precision1"][0]))
     assert counts["float32"] == (0, 0), counts

@@ -53,6 +53,10 @@ LPSIM_INLINE void round_by_forms(const typename C::storage* x, typename C::stora
     if constexpr (R == Rounding::nearest) {
       if (form == Form::fixed) {
         for (int64_t k = 0; k < m; ++k) ys[k] = static_cast<S>(round_nearest_at<C>(xs[k], r.shift));
+      } else if (form == Form::bounded) {
+        for (int64_t k = 0; k < m; ++k) {
+          ys[k] = static_cast<S>(bounded<C>(round_nearest_at<C>(xs[k], r.shift), g));
+        }
       } else if (form == Form::variable) {
         for (int64_t k = 0; k < m; ++k) {
           ys[k] = static_cast<S>(round_nearest_at<C>(xs[k], in_range_shift<C>(xs[k], r)));
@@ -67,6 +71,11 @@ LPSIM_INLINE void round_by_forms(const typename C::storage* x, typename C::stora
       if (form == Form::fixed) {
         for (int64_t k = 0; k < m; ++k) {
           ys[k] = static_cast<S>(round_stochastic_at<C>(xs[k], r.shift, ws[k], mask));
+        }
+      } else if (form == Form::bounded) {
+        for (int64_t k = 0; k < m; ++k) {
+          ys[k] =
+              static_cast<S>(bounded<C>(round_stochastic_at<C>(xs[k], r.shift, ws[k], mask), g));
         }
       } else if (form == Form::variable) {
         for (int64_t k = 0; k < m; ++k) {

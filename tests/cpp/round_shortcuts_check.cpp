@@ -34,8 +34,9 @@ namespace {
 using namespace lpsim;
 
 long long failures = 0;
-// Inputs compared in the in_range.h forms' range and in its fixed part, per grid and container.
-std::atomic<long long> in_range{0}, in_fixed_range{0};
+// Inputs compared in the in_range.h forms' range, in its fixed part, and beyond its limits (the
+// bounded form), per grid and container.
+std::atomic<long long> in_range{0}, in_fixed_range{0}, beyond_range{0};
 
 // A random word per input, from the input and a salt (any fixed function will do: the two forms
 // must agree for every word).
@@ -54,7 +55,7 @@ constexpr int kRbits[] = {32, 1, 3, 8, 13, 23};
 template <class C>
 LPSIM_INLINE bool differ(uint64_t v, bool stochastic, const Grid<C>& g, typename C::word half_min,
                          typename C::word& got, typename C::word& want, long long& ranged,
-                         long long& fixed) {
+                         long long& fixed, long long& beyond) {
   using W = typename C::word;
   const W u = static_cast<W>(v);
   const uint32_t random = word_of(v, 0x5bd1e995u);
@@ -75,7 +76,10 @@ LPSIM_INLINE bool differ(uint64_t v, bool stochastic, const Grid<C>& g, typename
   const Form f = got == want && make_in_range(g, r)
                      ? form_of<C>(u & C::abs_mask, range_key<C>(u, r), r)
                      : Form::shortcut;
-  if (f != Form::shortcut) {
+  if (f == Form::bounded) {
+    got = bounded<C>(form(r.shift), g);
+    ++beyond;
+  } else if (f != Form::shortcut) {
     got = form(in_range_shift<C>(u, r));
     ++ranged;
     if (got == want && f == Form::fixed) {
@@ -99,18 +103,19 @@ long long compare_range(uint64_t begin, uint64_t end, uint64_t stride, const Gri
       const uint64_t count = std::min(kBlock, (end - start + stride - 1) / stride);
       uint64_t mismatches = 0;
       W got, want;
-      long long ranged = 0, fixed = 0;
+      long long ranged = 0, fixed = 0, beyond = 0;
       for (uint64_t i = 0; i < count; ++i) {
-        mismatches +=
-            differ<C>(start + i * stride, stochastic, g, half_min, got, want, ranged, fixed);
+        mismatches += differ<C>(start + i * stride, stochastic, g, half_min, got, want, ranged,
+                                fixed, beyond);
       }
       in_range += ranged;
       in_fixed_range += fixed;
+      beyond_range += beyond;
       compared += static_cast<long long>(count);
       if (mismatches == 0) continue;
       for (uint64_t i = 0; i < count; ++i) {
         const uint64_t v = start + i * stride;
-        if (differ<C>(v, stochastic, g, half_min, got, want, ranged, fixed) && bad++ < 10) {
+        if (differ<C>(v, stochastic, g, half_min, got, want, ranged, fixed, beyond) && bad++ < 10) {
           std::printf("  input %llx (%s, rbits %d): shortcut %llx, round_to_grid %llx\n",
                       (unsigned long long)v, stochastic ? "stochastic" : "nearest", kRbits[v % 6],
                       (unsigned long long)got, (unsigned long long)want);
@@ -181,6 +186,7 @@ void check(const char* name, const GridSpec& spec, bool all) {
   }
   in_range = 0;
   in_fixed_range = 0;
+  beyond_range = 0;
   long long compared = compare_powers_of_two<C>(g, 64);
   if constexpr (C::word_bits == 32 && sizeof(typename C::storage) == 2) {
     compared += compare_words<C>(uint64_t(1) << 16, 1, g);
@@ -196,8 +202,8 @@ void check(const char* name, const GridSpec& spec, bool all) {
     }
     failures += bad;
   }
-  std::printf("  %s: compared %lld, in range %lld, fixed %lld\n", name, compared, in_range.load(),
-              in_fixed_range.load());
+  std::printf("  %s: compared %lld, in range %lld, fixed %lld, bounded %lld\n", name, compared,
+              in_range.load(), in_fixed_range.load(), beyond_range.load());
 }
 
 // The same rounding by round_to_grid on block grid g and on g with keep = man_bits, over the words
@@ -249,6 +255,7 @@ void check_blocks(const char* name) {
       const Grid<C> g = block_grid<C>(m, wl);
       in_range = 0;
       in_fixed_range = 0;
+      beyond_range = 0;
       long long bad = 0;
       long long compared = compare_keep<C>(g, end, stride, bad);
       failures += bad;
@@ -260,9 +267,9 @@ void check_blocks(const char* name) {
       }
       std::printf(
           "  %s wl %d max %llx: keep %d, shortcut %s, compared %lld, in range %lld, "
-          "fixed %lld\n",
+          "fixed %lld, bounded %lld\n",
           name, wl, (unsigned long long)m, g.keep, shortcut_applies(g) ? "yes" : "no", compared,
-          in_range.load(), in_fixed_range.load());
+          in_range.load(), in_fixed_range.load(), beyond_range.load());
     }
   }
 }

@@ -3,10 +3,12 @@
 // round_stochastic_shortcut (round.h) reduce to rounding the container bits at one bit s, the
 // quantum 2^s container units: no underflow to zero or to the smallest subnormal, no overflow, Inf
 // or NaN. Above the grid's subnormals s is fixed, kMan - keep; in its subnormal binades it is
-// qmin + kMan - e for a container exponent field e. The CPU loops (cpu/round_span.h) test a block
-// of inputs against the two ranges and round it by the fixed form, the variable form or the
-// shortcut. tests/cpp/round_shortcuts_check.cpp compares both forms with round_to_grid on every
-// input in range (every bfloat16 and float16 value, samples of float32 and float64 values).
+// qmin + kMan - e for a container exponent field e. Finite inputs of the fixed range beyond the
+// limits round at the fixed s as if the exponent were unbounded and then take the grid's overflow
+// outcome (the bounded form). The CPU loops (cpu/round_span.h) test a block of inputs against the
+// ranges and round it by the fixed, variable or bounded form or the shortcut.
+// tests/cpp/round_shortcuts_check.cpp compares the forms with round_to_grid on every input they
+// serve (every bfloat16 and float16 value, samples of float32 and float64 values).
 #pragma once
 
 #include "round.h"
@@ -48,8 +50,9 @@ LPSIM_FN bool make_in_range(const Grid<C>& g, InRange<C>& r) {
 }
 
 // Which form rounds a set of inputs (a block of the CPU loops, or one input): the fixed quantum,
-// the variable one, or neither (the shortcut).
-enum class Form { fixed, variable, shortcut };
+// the variable one, the fixed quantum with the grid's limits (`bounded`: finite inputs of the fixed
+// range, some of them beyond `high`), or none of them (the shortcut).
+enum class Form { fixed, variable, bounded, shortcut };
 
 // The key of container bits u in the range tests: its magnitude less r.zero_key, so that a zero
 // in range wraps to the largest word (the smallest key never comes from it) and a zero outside
@@ -64,7 +67,9 @@ LPSIM_FN typename C::word range_key(typename C::word u, const InRange<C>& r) {
 // maximum and a minimum, which vectorise), not element by element. Inf and NaN lie above high.
 template <class C>
 LPSIM_FN Form form_of(typename C::word largest, typename C::word smallest, const InRange<C>& r) {
-  if (largest > r.high) return Form::shortcut;
+  if (largest > r.high) {
+    return largest < C::inf_bits && smallest >= r.fixed_key ? Form::bounded : Form::shortcut;
+  }
   if (smallest >= r.fixed_key) return Form::fixed;
   return smallest >= r.low_key ? Form::variable : Form::shortcut;
 }
@@ -101,6 +106,21 @@ LPSIM_FN typename C::word round_stochastic_at(typename C::word u, int32_t s, uin
   const uint32_t discarded = static_cast<uint32_t>(W(a << (kBits - s)) >> (kBits - 32));
   const W up = select(stochastic_rounds_up(discarded, random, mask), W(1), W(0));
   return (((a >> s) + up) << s) | (u & C::sign_mask);
+}
+
+// The bounded form: `rounded`, a finite input of the fixed range rounded by the fixed form (at
+// r.shift: a magnitude in the fixed range, or past the grid's limits, as if the exponent were
+// unbounded), replaced by the grid's overflow outcome of its sign where it passes the limit of its
+// sign: the shortcuts' last steps for such an input (it is neither zero nor Inf), and so their
+// bits.
+template <class C>
+LPSIM_FN typename C::word bounded(typename C::word rounded, const Grid<C>& g) {
+  using W = typename C::word;
+  const W a = rounded & C::abs_mask;
+  const bool negative = rounded > C::abs_mask;
+  const W limit = select(negative, g.neg_limit, g.pos_limit);
+  const W outcome = select(negative, g.neg_overflow, g.pos_overflow);
+  return (rounded & C::sign_mask) | select(a > limit, outcome, a);
 }
 
 }  // namespace lpsim
