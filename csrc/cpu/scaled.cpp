@@ -179,8 +179,8 @@ LPSIM_INLINE void round_on_arithmetic_grid_loop(const typename C::storage* x,
   }
 }
 
-// With Float scales, element k's block's factors r[k] and d[k].
-template <Rounding R, class C>
+// With Float scales, element k's block's factors r[k] and d[k]; kShortcut as float_scaled_element.
+template <Rounding R, class C, bool kShortcut>
 LPSIM_INLINE void float_scaled_loop(const typename C::storage* x, typename C::storage* y,
                                     const uint32_t* words, int64_t n,
                                     const RealOf<ScaledArithmetic<C>>* r,
@@ -190,8 +190,8 @@ LPSIM_INLINE void float_scaled_loop(const typename C::storage* x, typename C::st
   using K = ScaledArithmetic<C>;
   const Grid<K> element = grids.arithmetic, own = grids.own;  // local copies, as in round_span
   for (int64_t k = 0; k < n; ++k) {
-    y[k] = static_cast<S>(float_scaled_element<R, C>(x[k], r[k], d[k], element, own,
-                                                     word_at<is_stochastic(R)>(words, k), mask));
+    y[k] = static_cast<S>(float_scaled_element<R, C, kShortcut>(
+        x[k], r[k], d[k], element, own, word_at<is_stochastic(R)>(words, k), mask));
   }
 }
 
@@ -321,7 +321,13 @@ class BatchRounder {
     }
     with_rounding(rounding, [&](auto tag) LPSIM_LAMBDA_INLINE {
       constexpr Rounding R = decltype(tag)::value;
-      float_scaled_loop<R, C>(x, y, words, n, reciprocal_.data(), decode_.data(), grids_, mask_);
+      if (shortcut_applies(grids_.arithmetic)) {
+        float_scaled_loop<R, C, true>(x, y, words, n, reciprocal_.data(), decode_.data(), grids_,
+                                      mask_);
+      } else {
+        float_scaled_loop<R, C, false>(x, y, words, n, reciprocal_.data(), decode_.data(), grids_,
+                                       mask_);
+      }
     });
     // A block with a NaN or an Inf is NaN whatever its elements: written over the loop's values.
     if (!any_nan) return;

@@ -342,6 +342,21 @@ LPSIM_FN typename C::word round_stochastic_shortcut(typename C::word u, const Gr
   return select(a > C::inf_bits, u, out);
 }
 
+// round_to_grid<R>'s bits, by the shortcut where the caller knows that shortcut_applies(g)
+// (kShortcut) and R has one (nearest, stochastic): a loop over many values on one grid decides
+// kShortcut once, outside the loop.
+template <Rounding R, class C, bool kShortcut>
+LPSIM_FN typename C::word round_to_grid_or_shortcut(typename C::word u, const Grid<C>& g,
+                                                    uint32_t random, uint32_t mask) {
+  if constexpr (kShortcut && R == Rounding::nearest) {
+    return round_nearest_shortcut<C>(u, g, pow2_bits<C>(g.qmin - 1));
+  } else if constexpr (kShortcut && R == Rounding::stochastic) {
+    return round_stochastic_shortcut<C>(u, g, random, mask);
+  } else {
+    return round_to_grid<R, C>(u, g, random, mask);
+  }
+}
+
 // Round a value that need not be a container value: x = (-1)^s (|u| + t ulp), where u's magnitude
 // is |x| truncated onto the container's grid, ulp is the container's spacing at |u| (2^(e - man)
 // in u's binade e), and t in [0, 1) is `tail` / 2^64, plus a sliver below that when `sticky` is set

@@ -408,8 +408,9 @@ LPSIM_FN typename C::word shifted_arithmetic_element(typename C::word u,
 // to: y = x * reciprocal rounded in the arithmetic, rounded onto the element grid in the
 // arithmetic's container (which holds y and the grid exactly: the same as in float64), times
 // decode, rounded to C. The operations are those of a vectorisable loop: no float64 for the 16- and
-// 32-bit containers, and no branches.
-template <Rounding R, class C>
+// 32-bit containers, and no branches. kShortcut: the element grid takes the shortcuts of round.h
+// (shortcut_applies), the same bits in fewer operations.
+template <Rounding R, class C, bool kShortcut = false>
 LPSIM_FN typename C::word float_scaled_element(typename C::word u,
                                                RealOf<ScaledArithmetic<C>> reciprocal,
                                                RealOf<ScaledArithmetic<C>> decode,
@@ -418,7 +419,8 @@ LPSIM_FN typename C::word float_scaled_element(typename C::word u,
                                                uint32_t random, uint32_t mask) {
   using K = ScaledArithmetic<C>;
   const auto y = mul_rn(real_of(to_arithmetic<C>(u)), reciprocal);
-  const auto q = real_of(round_to_grid<R, K>(bits_of_real(y), element, random, mask));
+  const auto q =
+      real_of(round_to_grid_or_shortcut<R, K, kShortcut>(bits_of_real(y), element, random, mask));
   typename K::word out = bits_of_real(mul_rn(q, decode));
   if constexpr (!std::is_same_v<K, C>) out = round_to_grid<Rounding::nearest, K>(out, own, 0, 0);
   return from_arithmetic<C>(out);
