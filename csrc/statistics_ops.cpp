@@ -28,7 +28,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "cuda/quantize.h"
 #include "cuda/statistics.h"
 #endif
 
@@ -107,21 +106,30 @@ RoundedCounts quantize_grid_statistics_cpu(const at::Tensor& x,
 // copied to the host and combined there.
 
 #if defined(LPSIM_WITH_CUDA)
-Counts statistics_of_contiguous_cuda(const at::Tensor& xs, const at::Tensor& ys,
-                                     const StatisticsBounds& bounds) {
-  const int64_t n = xs.numel(), chunks = chunk_count(n);
-  if (n == 0) return as_tensors(ChunkStatistics{});
+// The statistics of the n > 0 elements of x's device tensor, whose chunks' statistics
+// launch(container, chunks) enqueues on `stream` into device memory; combined on the host.
+template <class Launch>
+Counts chunk_statistics_cuda(const at::Tensor& x, int64_t n, cudaStream_t stream, Launch launch) {
+  const int64_t chunks = chunk_count(n);
   at::Tensor parts =
-      at::empty({chunks * int64_t{sizeof(ChunkStatistics)}}, xs.options().dtype(at::kByte));
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(xs.device().index()).stream();
-  with_container(container_of(xs), [&](auto container) {
-    using C = decltype(container);
-    gpu::rounding_statistics<C>(xs.const_data_ptr(), ys.const_data_ptr(), n, bounds,
-                                static_cast<ChunkStatistics*>(parts.data_ptr()), stream);
+      at::empty({chunks * int64_t{sizeof(ChunkStatistics)}}, x.options().dtype(at::kByte));
+  with_container(container_of(x), [&](auto container) {
+    launch(container, static_cast<ChunkStatistics*>(parts.data_ptr()));
   });
   const at::Tensor host = parts.cpu();
   return as_tensors(
       combine_chunks(static_cast<const ChunkStatistics*>(host.const_data_ptr()), chunks));
+}
+
+Counts statistics_of_contiguous_cuda(const at::Tensor& xs, const at::Tensor& ys,
+                                     const StatisticsBounds& bounds) {
+  const int64_t n = xs.numel();
+  if (n == 0) return as_tensors(ChunkStatistics{});
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(xs.device().index()).stream();
+  return chunk_statistics_cuda(xs, n, stream, [&](auto container, ChunkStatistics* parts) {
+    using C = decltype(container);
+    gpu::rounding_statistics<C>(xs.const_data_ptr(), ys.const_data_ptr(), n, bounds, parts, stream);
+  });
 }
 
 Counts statistics_cuda(const at::Tensor& x, const at::Tensor& rounded, double low, double high,
@@ -133,7 +141,7 @@ Counts statistics_cuda(const at::Tensor& x, const at::Tensor& rounded, double lo
   return statistics_of_contiguous_cuda(x.contiguous(), rounded.contiguous(), bounds);
 }
 
-// quantize_grid's kernel, then the statistics kernel (the GPU reads y back from its cache).
+// One kernel rounds and counts (gpu::quantize_grid_statistics): x is read once.
 RoundedCounts quantize_grid_statistics_cuda(const at::Tensor& x,
                                             LPSIM_GRID_PARAMS() int64_t rounding, int64_t rbits,
                                             const Seed& seed, int64_t offset, double low,
@@ -146,15 +154,18 @@ RoundedCounts quantize_grid_statistics_cuda(const at::Tensor& x,
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xs = x.contiguous();
   at::Tensor y = at::empty_like(xs);
-  if (xs.numel() > 0) {
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
-    with_container(dtype, [&](auto container) {
-      using C = decltype(container);
-      gpu::quantize_grid<C>(rule, xs.const_data_ptr(), y.data_ptr(), xs.numel(), spec, random,
-                            stream);
-    });
+  const int64_t n = xs.numel();
+  if (n == 0) {
+    const auto [counts, sums] = as_tensors(ChunkStatistics{});
+    return {y, counts, sums};
   }
-  const auto [counts, sums] = statistics_of_contiguous_cuda(xs, y, bounds);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  const auto [counts, sums] =
+      chunk_statistics_cuda(xs, n, stream, [&](auto container, ChunkStatistics* parts) {
+        using C = decltype(container);
+        gpu::quantize_grid_statistics<C>(rule, xs.const_data_ptr(), y.data_ptr(), n, spec, random,
+                                         bounds, parts, stream);
+      });
   return {y, counts, sums};
 }
 #endif

@@ -387,7 +387,8 @@ def test_rounding_statistics_match_cpu_bit_for_bit(name, dtype, n):
     y = lpsim.quantize(x, fmt, "nearest")
     cpu = rounding_statistics(x, y, fmt)
     assert rounding_statistics(x.cuda(), y.cuda(), fmt) == cpu
-    for rule in ("nearest", "stochastic"):
+    # quantize_with_statistics rounds and counts in one kernel, instantiated for each rule.
+    for rule in ("nearest", "stochastic", "down", "stochastic_equal"):
         rounded_cpu, stats_cpu = quantize_with_statistics(x, fmt, rule, seed=3)
         rounded_cuda, stats_cuda = quantize_with_statistics(x.cuda(), fmt, rule, seed=3)
         assert torch.equal(

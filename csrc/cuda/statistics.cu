@@ -1,9 +1,15 @@
-// CUDA kernel of the rounding_statistics op (see statistics.h): a thread block per chunk, a lane
-// per thread, the lanes' sums added pairwise in shared memory in the order the CPU loop adds them.
+// CUDA kernels of the statistics ops (see statistics.h): rounding_statistics takes a chunk per
+// thread block, a lane per thread; quantize_grid_statistics rounds and counts in one pass, a chunk
+// per quarter of a block. Both add the lanes' sums pairwise in shared memory in the order the CPU
+// loop adds them.
+#include <lpsim/grid_spec.h>
+#include <lpsim/philox.h>
+#include <lpsim/round.h>
 #include <lpsim/rounding_statistics.h>
 
 #include "cuda/device.cuh"
 #include "cuda/statistics.h"
+#include "dispatch.h"
 
 namespace lpsim::gpu {
 namespace {
@@ -66,6 +72,106 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- quantize_grid_statistics: the rounding and its statistics in one pass
+//
+// A chunk is kStatisticsRows rows of one random-word group each (kStatisticsLanes = kGroupSize
+// elements), and a quarter of a block takes it: its thread t holds the lanes t + 64 w (w = 0..3),
+// which in every row are the four elements of Philox counter 64 g + t of the row's group g. So each
+// Philox call serves four elements, each lane's sums still run over its rows in order, and the
+// lanes are then added pairwise as in statistics_kernel: the CPU loop's bits, with quantize_grid's
+// y.
+constexpr int kChunkThreads = kGroupCounters;              // threads per chunk
+constexpr int kChunksPerBlock = kThreads / kChunkThreads;  // chunks a block takes at a time
+static_assert(kStatisticsLanes == kGroupSize, "a chunk's row is one group of random words");
+static_assert(kThreads % kChunkThreads == 0, "a block holds whole chunks");
+
+template <class C, Rounding R>
+__global__ void __launch_bounds__(kThreads)
+    quantize_statistics_kernel(const typename C::storage* x, typename C::storage* y, int64_t n,
+                               Grid<C> grid, PhiloxKey key, uint32_t mask,
+                               RealBounds<StatisticsReal<C>> bounds, ChunkStatistics* chunks) {
+  using S = typename C::storage;
+  using W = typename C::word;
+  constexpr int kWords = kStatisticsLanes / kChunkThreads;  // lanes per thread: 4
+  __shared__ double squared_error[kChunksPerBlock][kStatisticsLanes];
+  __shared__ double squared_value[kChunksPerBlock][kStatisticsLanes];
+  __shared__ unsigned long long counts[kChunksPerBlock][kStatisticsCounts];
+  const int part = threadIdx.x / kChunkThreads;
+  const int t = threadIdx.x % kChunkThreads;
+  const int64_t chunk_count = (n + kStatisticsChunk - 1) / kStatisticsChunk;
+  // Every thread of the block runs the same iterations (the barriers); a part whose chunk lies past
+  // the end idles through them.
+  for (int64_t c0 = int64_t{blockIdx.x} * kChunksPerBlock; c0 < chunk_count;
+       c0 += int64_t{gridDim.x} * kChunksPerBlock) {
+    const int64_t c = c0 + part;
+    if (t < kStatisticsCounts) counts[part][t] = 0;
+    __syncthreads();
+    double error[kWords], value[kWords];
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) error[w] = value[w] = 0.0;
+    unsigned nonfinite = 0, overflow = 0, underflow = 0, subnormal = 0, unchanged = 0;
+    if (c < chunk_count) {
+      const int64_t first = c * kStatisticsChunk;
+      for (int row = 0; row < kStatisticsRows; ++row) {
+        const int64_t group_first = first + int64_t{row} * kStatisticsLanes;
+        if (group_first >= n) break;
+        PhiloxWords words{{0, 0, 0, 0}};
+        if constexpr (is_stochastic(R)) {
+          words = philox_counter_words(philox_counter_of(uint64_t(group_first) + t), key);
+        }
+#pragma unroll
+        for (int w = 0; w < kWords; ++w) {
+          const int64_t i = group_first + t + int64_t{w} * kChunkThreads;
+          if (i >= n) continue;
+          const S v = x[i];
+          const S r = S(round_to_grid<R, C>(W(v), grid, words.w[w], mask));
+          y[i] = r;
+          const ElementStatistics s = element_statistics(value_of<C>(v), value_of<C>(r), bounds);
+          nonfinite += s.nonfinite;
+          overflow += s.overflow;
+          underflow += s.underflow;
+          subnormal += s.subnormal;
+          unchanged += s.unchanged;
+          error[w] = add_rn(error[w], s.squared_error);
+          value[w] = add_rn(value[w], s.squared_value);
+        }
+      }
+    }
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) {
+      squared_error[part][t + w * kChunkThreads] = error[w];
+      squared_value[part][t + w * kChunkThreads] = value[w];
+    }
+    atomicAdd(&counts[part][kNonfinite], static_cast<unsigned long long>(nonfinite));
+    atomicAdd(&counts[part][kOverflow], static_cast<unsigned long long>(overflow));
+    atomicAdd(&counts[part][kUnderflow], static_cast<unsigned long long>(underflow));
+    atomicAdd(&counts[part][kSubnormal], static_cast<unsigned long long>(subnormal));
+    atomicAdd(&counts[part][kUnchanged], static_cast<unsigned long long>(unchanged));
+    __syncthreads();
+    for (int width = kStatisticsLanes / 2; width >= 1; width /= 2) {
+      for (int lane = t; lane < width; lane += kChunkThreads) {
+        squared_error[part][lane] =
+            add_rn(squared_error[part][lane], squared_error[part][lane + width]);
+        squared_value[part][lane] =
+            add_rn(squared_value[part][lane], squared_value[part][lane + width]);
+      }
+      __syncthreads();
+    }
+    if (t == 0 && c < chunk_count) {
+      const int64_t first = c * kStatisticsChunk;
+      ChunkStatistics chunk;
+      chunk.counts[kElements] = n - first < kStatisticsChunk ? n - first : kStatisticsChunk;
+      for (int k = kNonfinite; k < kStatisticsCounts; ++k) {
+        chunk.counts[k] = static_cast<int64_t>(counts[part][k]);
+      }
+      chunk.squared_error = squared_error[part][0];
+      chunk.squared_value = squared_value[part][0];
+      chunks[c] = chunk;
+    }
+    __syncthreads();  // the shared arrays are reused by the next chunks
+  }
+}
+
 }  // namespace
 
 template <class C>
@@ -77,6 +183,27 @@ void rounding_statistics(const void* x, const void* y, int64_t n, const Statisti
       static_cast<const S*>(x), static_cast<const S*>(y), n, real_bounds<StatisticsReal<C>>(bounds),
       chunks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class C>
+void quantize_grid_statistics(Rounding rounding, const void* x, void* y, int64_t n,
+                              const GridSpec& spec, const RandomSpec& random,
+                              const StatisticsBounds& bounds, ChunkStatistics* chunks,
+                              cudaStream_t stream) {
+  using S = typename C::storage;
+  Grid<C> grid;
+  make_grid<C>(spec, grid);  // checked by the caller (grid_spec in checks.cpp)
+  const PhiloxKey key = make_philox_key(random.seed, random.offset);
+  const uint32_t mask = random_mask(random.rbits);
+  const int64_t chunk_count = (n + kStatisticsChunk - 1) / kStatisticsChunk;
+  const unsigned blocks = grid_blocks((chunk_count + kChunksPerBlock - 1) / kChunksPerBlock);
+  with_rounding(rounding, [&](auto tag) {
+    constexpr Rounding R = decltype(tag)::value;
+    quantize_statistics_kernel<C, R><<<blocks, kThreads, 0, stream>>>(
+        static_cast<const S*>(x), static_cast<S*>(y), n, grid, key, mask,
+        real_bounds<StatisticsReal<C>>(bounds), chunks);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 template void rounding_statistics<Float32Container>(const void*, const void*, int64_t,
@@ -91,5 +218,22 @@ template void rounding_statistics<BFloat16Container>(const void*, const void*, i
 template void rounding_statistics<Float16Container>(const void*, const void*, int64_t,
                                                     const StatisticsBounds&, ChunkStatistics*,
                                                     cudaStream_t);
+
+template void quantize_grid_statistics<Float32Container>(Rounding, const void*, void*, int64_t,
+                                                         const GridSpec&, const RandomSpec&,
+                                                         const StatisticsBounds&, ChunkStatistics*,
+                                                         cudaStream_t);
+template void quantize_grid_statistics<Float64Container>(Rounding, const void*, void*, int64_t,
+                                                         const GridSpec&, const RandomSpec&,
+                                                         const StatisticsBounds&, ChunkStatistics*,
+                                                         cudaStream_t);
+template void quantize_grid_statistics<BFloat16Container>(Rounding, const void*, void*, int64_t,
+                                                          const GridSpec&, const RandomSpec&,
+                                                          const StatisticsBounds&, ChunkStatistics*,
+                                                          cudaStream_t);
+template void quantize_grid_statistics<Float16Container>(Rounding, const void*, void*, int64_t,
+                                                         const GridSpec&, const RandomSpec&,
+                                                         const StatisticsBounds&, ChunkStatistics*,
+                                                         cudaStream_t);
 
 }  // namespace lpsim::gpu

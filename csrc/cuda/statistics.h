@@ -1,8 +1,11 @@
-// CUDA launcher of the rounding_statistics op. Plain C++ on raw device pointers, like quantize.h;
-// the kernel is in statistics.cu, over the core's definition (lpsim/rounding_statistics.h).
+// CUDA launchers of the statistics ops. Plain C++ on raw device pointers, like quantize.h; the
+// kernels are in statistics.cu, over the core's definitions (lpsim/rounding_statistics.h,
+// lpsim/round.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
+#include <lpsim/grid_spec.h>
+#include <lpsim/rounding.h>
 #include <lpsim/rounding_statistics.h>
 
 #include <cstdint>
@@ -15,5 +18,14 @@ namespace lpsim::gpu {
 template <class C>
 void rounding_statistics(const void* x, const void* y, int64_t n, const StatisticsBounds& bounds,
                          ChunkStatistics* chunks, cudaStream_t stream);
+
+// y = x (n > 0 contiguous elements) rounded onto the grid by `rounding` (quantize_grid's bits,
+// random words included), and chunks[c] the statistics of chunk c of that rounding, as
+// rounding_statistics gives them: both in one pass over x.
+template <class C>
+void quantize_grid_statistics(Rounding rounding, const void* x, void* y, int64_t n,
+                              const GridSpec& spec, const RandomSpec& random,
+                              const StatisticsBounds& bounds, ChunkStatistics* chunks,
+                              cudaStream_t stream);
 
 }  // namespace lpsim::gpu
