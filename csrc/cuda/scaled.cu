@@ -1,6 +1,8 @@
-// CUDA kernels of the quantize_scaled ops (see scaled.h): one thread per element, over the core's
-// definitions of blocks, scales and elements (lpsim/scaled.h), so that every element gets the bits
-// the CPU loops give it.
+// CUDA kernels of the quantize_scaled ops (see scaled.h), over the core's definitions of blocks,
+// scales and elements (lpsim/scaled.h), so that every element gets the bits the CPU loops give it:
+// small blocks along the last axis (MX, NVFP4) in one pass, a warp's lanes sharing each block's
+// maximum (small_blocks_kernel); other layouts in three (every block's maximum by atomics, the
+// scales, then one thread per element).
 #include <lpsim/philox.h>
 #include <lpsim/round.h>
 #include <lpsim/scaled.h>
@@ -71,6 +73,77 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The tensor's largest magnitude bits into *amax (formats with a tensor scale, before
+// small_blocks_kernel): one atomic per thread block.
+template <class C>
+__global__ void __launch_bounds__(kThreads)
+    tensor_max_kernel(const typename C::storage* x, int64_t n, uint64_t* amax) {
+  uint64_t m = 0;
+  for (int64_t i = blockIdx.x * int64_t(kThreads) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * kThreads) {
+    const uint64_t a = static_cast<typename C::word>(x[i]) & C::abs_mask;
+    m = a > m ? a : m;
+  }
+  m = block_max(m);
+  if (threadIdx.x == 0) atomic_max(amax, m);
+}
+
+// Blocks of b consecutive elements along the last axis, b a power of two up to a warp (MX's 32,
+// NVFP4's 16), none crossing a row (small_blocks_serve): each block's maximum, scale and elements
+// in one pass. 64 threads take a group of random words (kGroupSize elements) at a time, thread t
+// its Philox counter's four elements 64 w + t, so that each call serves four elements; for each w
+// a warp holds 32 consecutive elements, whole blocks aligned to lanes, whose maxima a butterfly of
+// shuffles finds in every lane of the block. Every lane then computes its block's scale (the same
+// instructions for the warp as one lane's) and rounds its element: the core's block_scale and
+// scaled_element, as the other kernels and the CPU loops.
+template <class C, Rounding R, bool kPowerOfTwo>
+__global__ void __launch_bounds__(kThreads)
+    small_blocks_kernel(const typename C::storage* x, typename C::storage* y, int64_t n,
+                        int block_size, ScaledSpec spec, Grid<ScaledArithmetic<C>> scale_grid,
+                        ElementGrids<C> grids, PhiloxKey key, uint32_t mask,
+                        const uint64_t* tensor_amax) {
+  using S = typename C::storage;
+  using W = typename C::word;
+  constexpr int kGroupThreads = kGroupCounters;
+  static_assert(kThreads % kGroupThreads == 0 && kGroupThreads % kWarp == 0,
+                "a group's threads are whole warps of one block");
+  if (spec.two_level) set_tensor_scale<C>(spec, static_cast<W>(*tensor_amax));
+  const int t = threadIdx.x % kGroupThreads;
+  const int64_t groups = (n + kGroupSize - 1) / kGroupSize;
+  const int64_t per_block = kThreads / kGroupThreads;
+  // g is the same in every lane of a warp, so the whole warp goes round the loop together.
+  for (int64_t g = blockIdx.x * per_block + threadIdx.x / kGroupThreads; g < groups;
+       g += int64_t(gridDim.x) * per_block) {
+    PhiloxWords words{{0, 0, 0, 0}};
+    if constexpr (is_stochastic(R)) {
+      words = philox_counter_words(static_cast<uint64_t>(g) * kGroupCounters + t, key);
+    }
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const int64_t i = g * kGroupSize + int64_t(w) * kGroupCounters + t;
+      const bool active = i < n;
+      const W u = active ? static_cast<W>(x[i]) : W(0);
+      W m = u & C::abs_mask;  // inactive lanes fill whole blocks past the end
+      for (int d = 1; d < block_size; d *= 2) {
+        const W other = shfl_xor(m, d);
+        m = other > m ? other : m;
+      }
+      const BlockScale b = block_scale<C>(m, spec, scale_grid);
+      if (active) {
+        y[i] = static_cast<S>(scaled_element<R, C, kPowerOfTwo>(u, b, grids, words.w[w], mask));
+      }
+    }
+  }
+}
+
+// Whether small_blocks_kernel serves the layout: blocks of a power of two up to a warp along the
+// last axis (one row of tiles, no inner indices), the rows' length a multiple of it.
+bool small_blocks_serve(const ScaledLayout& l) {
+  const int64_t b = l.tile_cols;
+  return l.inner == 1 && l.rows == 1 && l.tile_rows == 1 && b >= 1 && b <= kWarp &&
+         (b & (b - 1)) == 0 && l.cols % b == 0;
+}
+
 }  // namespace
 
 template <class C>
@@ -81,6 +154,35 @@ void quantize_scaled(Rounding rounding, const void* x, void* y, int64_t n,
   const auto* xs = static_cast<const S*>(x);
   auto* words = static_cast<uint64_t*>(amax);
   auto* block_scales = static_cast<BlockScale*>(scales);
+  if (small_blocks_serve(layout)) {
+    // One pass (after the tensor's maximum, for a tensor scale).
+    uint64_t* tensor_amax = words + layout.blocks();
+    if (spec.two_level) {
+      tensor_max_kernel<C><<<blocks_for(n), kThreads, 0, stream>>>(xs, n, tensor_amax);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    Grid<ScaledArithmetic<C>> scale_grid{};
+    if (spec.rule == ScaleRule::amax) make_grid(spec.scale, scale_grid);  // validated by the op
+    const ElementGrids<C> grids = element_grids<C>(spec);
+    const PhiloxKey key = make_philox_key(random.seed, random.offset);
+    const uint32_t mask = random_mask(random.rbits);
+    const int block_size = static_cast<int>(layout.tile_cols);
+    const uint64_t groups = (static_cast<uint64_t>(n) + kGroupSize - 1) / kGroupSize;
+    const unsigned thread_blocks =
+        grid_blocks((groups + kThreads / kGroupCounters - 1) / (kThreads / kGroupCounters));
+    with_rounding(rounding, [&](auto tag) {
+      constexpr Rounding R = decltype(tag)::value;
+      if (spec.rule == ScaleRule::amax) {
+        small_blocks_kernel<C, R, false><<<thread_blocks, kThreads, 0, stream>>>(
+            xs, static_cast<S*>(y), n, block_size, spec, scale_grid, grids, key, mask, tensor_amax);
+      } else {
+        small_blocks_kernel<C, R, true><<<thread_blocks, kThreads, 0, stream>>>(
+            xs, static_cast<S*>(y), n, block_size, spec, scale_grid, grids, key, mask, tensor_amax);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return;
+  }
   max_abs_kernel<C><<<blocks_for(n), kThreads, 0, stream>>>(xs, n, layout, spec.two_level, words);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   Grid<ScaledArithmetic<C>> scale_grid{};
