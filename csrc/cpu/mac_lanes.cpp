@@ -218,11 +218,17 @@ struct FloatTile {
   int64_t n;
 };
 
-// The tile's sums, or false where one of them exceeds the grid's limit (the caller then takes the
-// float64 paths).
-LPSIM_MULTIVERSION
-bool nearest_float_kernel(const FloatTile& t, const NearestBitsGrid& grid, Lanes& lanes) {
-  const NearestBitsGrid g = grid;
+// bfloat16's grid as a constant: its shift becomes an immediate operand, where the grid's shift
+// (a variable) took a register that the 8 vectors of sums left free only by reloading it. One
+// thread, bf16 operands and accumulator, 256x256x512, 12 alternated runs: 0.91x the time.
+struct BFloat16Bits {
+  static constexpr uint32_t shift = Float32Container::man_bits - 7;
+};
+
+// The tile's sums on grid g (a NearestBitsGrid, or BFloat16Bits), or false where one of them
+// exceeds the grid's limit (the caller then takes the float64 paths).
+template <class G>
+LPSIM_INLINE bool float_terms(const FloatTile& t, const G& g, Lanes& lanes) {
   Words8 s[kRows][kFloatVectors];
   vector_terms<Floats>(
       t.a, t.b, t.n, 0, t.n, s,
@@ -240,6 +246,13 @@ bool nearest_float_kernel(const FloatTile& t, const NearestBitsGrid& grid, Lanes
     }
   }
   return within;
+}
+
+LPSIM_MULTIVERSION
+bool nearest_float_kernel(const FloatTile& t, const NearestBitsGrid& grid, Lanes& lanes) {
+  if (grid.shift == BFloat16Bits::shift) return float_terms(t, BFloat16Bits{}, lanes);
+  const NearestBitsGrid g = grid;  // a local copy, as in round_span
+  return float_terms(t, g, lanes);
 }
 
 // Stochastic rounding onto a grid make_stochastic_grid serves, exact products: the terms [k0, k1)

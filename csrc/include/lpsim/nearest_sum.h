@@ -245,9 +245,10 @@ inline bool make_nearest_bits_grid(const Grid<Float32Container>& g, NearestBitsG
 }
 
 // The float32 value v (bits: finite, or Inf's bits plus the cases above) rounded to nearest onto
-// the grid. U: 32-bit words (uint32_t or a vector of them).
-template <class U>
-LPSIM_FN U nearest_bits_round(U v, const NearestBitsGrid& g) {
+// the grid. U: 32-bit words (uint32_t or a vector of them). G: NearestBitsGrid, or a type whose
+// `shift` is a constant.
+template <class U, class G = NearestBitsGrid>
+LPSIM_FN U nearest_bits_round(U v, const G& g) {
   const U zero{};
   const U up = (zero + ((1u << (g.shift - 1)) - 1)) + ((v >> g.shift) & 1u);
   return (v + up) & (zero + ~((1u << g.shift) - 1));
@@ -256,11 +257,26 @@ LPSIM_FN U nearest_bits_round(U v, const NearestBitsGrid& g) {
 // The exact s + t (float32 bits of finite values, or s Inf's bits as above) rounded to nearest onto
 // the grid: round_sum_to_grid<Rounding::nearest>'s bits wherever the result is finite. D: float,
 // or a vector of floats of U's width.
-template <class D, class U>
-LPSIM_FN U nearest_bits_sum(U s, U t, const NearestBitsGrid& g) {
+//
+// Round to odd and the rounding are folded into one step on hi's bits h: nearest_bits_round adds
+// 2^(shift - 1) - 1 and a last bit `bump` and clears the shift low bits, and with lo != 0 the
+// result only differs from h's own where h's discarded bits d are exactly one half (a tie in h),
+// where x lies beyond the tie toward lo. So bump is h's kept last bit where lo = 0 (ties to even,
+// as for v = h) and else 1 where lo points away from zero: with d < 1/2 neither bump carries, with
+// d > 1/2 both do, and at d = 1/2 the carry is the side lo is on. This is round_to_odd_bits
+// followed by nearest_bits_round, case by case (shift >= 2: v's added odd bit is then discarded,
+// and h - 1 at d = 0 borrows back what the carry returns), in 10 operations instead of 12; an Inf h
+// (with a NaN lo) stays Inf's bits.
+template <class D, class U, class G = NearestBitsGrid>
+LPSIM_FN U nearest_bits_sum(U s, U t, const G& g) {
   D hi, lo;
   two_sum(nearest_values_of<D>(s), nearest_values_of<D>(t), hi, lo);
-  return nearest_bits_round<U>(round_to_odd_bits<31, D, U>(hi, lo), g);
+  const U zero{};
+  const U h = nearest_words_of<U>(hi);
+  const U odd = (h >> g.shift) & 1u;
+  const U away = U(zero + 1) - U((h ^ nearest_words_of<U>(lo)) >> 31);
+  const U bump = nearest_pick(lo == D{}, odd, away);
+  return (h + ((1u << (g.shift - 1)) - 1) + bump) & (zero + ~((1u << g.shift) - 1));
 }
 
 // Every rule, from the same TwoSum: the exact s + t (float64 bits of finite values within the
