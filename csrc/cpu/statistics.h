@@ -20,7 +20,7 @@ LPSIM_INLINE ChunkStatistics chunk_statistics(const typename C::storage* x,
                                               const StatisticsBounds& bounds) {
   double squared_error[kStatisticsLanes] = {};
   double squared_value[kStatisticsLanes] = {};
-  uint32_t nonfinite = 0, overflow = 0, underflow = 0, subnormal = 0, unchanged = 0;
+  StatisticsCounts counts{};
   const RealBounds<StatisticsReal<C>> b = real_bounds<StatisticsReal<C>>(bounds);
   for (int64_t row = 0; row * kStatisticsLanes < n; ++row) {
     const int64_t first = row * kStatisticsLanes;
@@ -28,22 +28,18 @@ LPSIM_INLINE ChunkStatistics chunk_statistics(const typename C::storage* x,
     for (int l = 0; l < lanes; ++l) {
       const ElementStatistics s =
           element_statistics(value_of<C>(x[first + l]), value_of<C>(y[first + l]), b);
-      nonfinite += s.nonfinite;
-      overflow += s.overflow;
-      underflow += s.underflow;
-      subnormal += s.subnormal;
-      unchanged += s.unchanged;
+      add_counts(counts, s);
       squared_error[l] = add_rn(squared_error[l], s.squared_error);
       squared_value[l] = add_rn(squared_value[l], s.squared_value);
     }
   }
   ChunkStatistics chunk;
   chunk.counts[kElements] = n;
-  chunk.counts[kNonfinite] = nonfinite;
-  chunk.counts[kOverflow] = overflow;
-  chunk.counts[kUnderflow] = underflow;
-  chunk.counts[kSubnormal] = subnormal;
-  chunk.counts[kUnchanged] = unchanged;
+  chunk.counts[kNonfinite] = counts.nonfinite;
+  chunk.counts[kOverflow] = counts.overflow;
+  chunk.counts[kUnderflow] = counts.underflow;
+  chunk.counts[kSubnormal] = counts.subnormal;
+  chunk.counts[kUnchanged] = counts.unchanged;
   chunk.squared_error = add_lanes(squared_error);
   chunk.squared_value = add_lanes(squared_value);
   return chunk;

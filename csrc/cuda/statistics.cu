@@ -16,58 +16,78 @@ namespace {
 
 static_assert(kThreads == kStatisticsLanes, "a lane per thread");
 
+// A chunk's statistics in shared memory, and the steps both kernels take with them.
+struct SharedChunk {
+  double squared_error[kStatisticsLanes];
+  double squared_value[kStatisticsLanes];
+  unsigned long long counts[kStatisticsCounts];
+};
+
+// Adds a thread's counts into the chunk's.
+__device__ __forceinline__ void add_shared_counts(SharedChunk& chunk, const StatisticsCounts& c) {
+  atomicAdd(&chunk.counts[kNonfinite], static_cast<unsigned long long>(c.nonfinite));
+  atomicAdd(&chunk.counts[kOverflow], static_cast<unsigned long long>(c.overflow));
+  atomicAdd(&chunk.counts[kUnderflow], static_cast<unsigned long long>(c.underflow));
+  atomicAdd(&chunk.counts[kSubnormal], static_cast<unsigned long long>(c.subnormal));
+  atomicAdd(&chunk.counts[kUnchanged], static_cast<unsigned long long>(c.unchanged));
+}
+
+// Adds the lanes' sums pairwise into lane 0 (lpsim/rounding_statistics.h's order), thread t of
+// `threads` taking lanes t, t + threads, ... of each step. Every thread of the block must call it
+// (the barriers), after the lanes are written and a barrier.
+__device__ __forceinline__ void add_shared_lanes(SharedChunk& chunk, int t, int threads) {
+  for (int width = kStatisticsLanes / 2; width >= 1; width /= 2) {
+    for (int lane = t; lane < width; lane += threads) {
+      chunk.squared_error[lane] =
+          add_rn(chunk.squared_error[lane], chunk.squared_error[lane + width]);
+      chunk.squared_value[lane] =
+          add_rn(chunk.squared_value[lane], chunk.squared_value[lane + width]);
+    }
+    __syncthreads();
+  }
+}
+
+// Chunk c's statistics, once its lanes are added.
+__device__ __forceinline__ ChunkStatistics finished_chunk(const SharedChunk& shared, int64_t c,
+                                                          int64_t n) {
+  const int64_t first = c * kStatisticsChunk;
+  ChunkStatistics chunk;
+  chunk.counts[kElements] = n - first < kStatisticsChunk ? n - first : kStatisticsChunk;
+  for (int k = kNonfinite; k < kStatisticsCounts; ++k) {
+    chunk.counts[k] = static_cast<int64_t>(shared.counts[k]);
+  }
+  chunk.squared_error = shared.squared_error[0];
+  chunk.squared_value = shared.squared_value[0];
+  return chunk;
+}
+
 template <class C>
 __global__ void __launch_bounds__(kThreads)
     statistics_kernel(const typename C::storage* x, const typename C::storage* y, int64_t n,
                       RealBounds<StatisticsReal<C>> bounds, ChunkStatistics* chunks) {
-  __shared__ double squared_error[kStatisticsLanes];
-  __shared__ double squared_value[kStatisticsLanes];
-  __shared__ unsigned long long counts[kStatisticsCounts];
+  __shared__ SharedChunk shared;
   const int lane = threadIdx.x;
   const int64_t chunk_count = (n + kStatisticsChunk - 1) / kStatisticsChunk;
   for (int64_t c = blockIdx.x; c < chunk_count; c += gridDim.x) {
-    if (lane < kStatisticsCounts) counts[lane] = 0;
+    if (lane < kStatisticsCounts) shared.counts[lane] = 0;
     __syncthreads();
     const int64_t first = c * kStatisticsChunk;
     double error = 0.0, value = 0.0;
-    unsigned nonfinite = 0, overflow = 0, underflow = 0, subnormal = 0, unchanged = 0;
+    StatisticsCounts counts{};
     for (int row = 0; row < kStatisticsRows; ++row) {
       const int64_t i = first + int64_t{row} * kStatisticsLanes + lane;
       if (i >= n) break;
       const ElementStatistics s = element_statistics(value_of<C>(x[i]), value_of<C>(y[i]), bounds);
-      nonfinite += s.nonfinite;
-      overflow += s.overflow;
-      underflow += s.underflow;
-      subnormal += s.subnormal;
-      unchanged += s.unchanged;
+      add_counts(counts, s);
       error = add_rn(error, s.squared_error);
       value = add_rn(value, s.squared_value);
     }
-    squared_error[lane] = error;
-    squared_value[lane] = value;
-    atomicAdd(counts + kNonfinite, static_cast<unsigned long long>(nonfinite));
-    atomicAdd(counts + kOverflow, static_cast<unsigned long long>(overflow));
-    atomicAdd(counts + kUnderflow, static_cast<unsigned long long>(underflow));
-    atomicAdd(counts + kSubnormal, static_cast<unsigned long long>(subnormal));
-    atomicAdd(counts + kUnchanged, static_cast<unsigned long long>(unchanged));
+    shared.squared_error[lane] = error;
+    shared.squared_value[lane] = value;
+    add_shared_counts(shared, counts);
     __syncthreads();
-    for (int width = kStatisticsLanes / 2; width >= 1; width /= 2) {
-      if (lane < width) {
-        squared_error[lane] = add_rn(squared_error[lane], squared_error[lane + width]);
-        squared_value[lane] = add_rn(squared_value[lane], squared_value[lane + width]);
-      }
-      __syncthreads();
-    }
-    if (lane == 0) {
-      ChunkStatistics chunk;
-      chunk.counts[kElements] = n - first < kStatisticsChunk ? n - first : kStatisticsChunk;
-      for (int k = kNonfinite; k < kStatisticsCounts; ++k) {
-        chunk.counts[k] = static_cast<int64_t>(counts[k]);
-      }
-      chunk.squared_error = squared_error[0];
-      chunk.squared_value = squared_value[0];
-      chunks[c] = chunk;
-    }
+    add_shared_lanes(shared, lane, kStatisticsLanes);
+    if (lane == 0) chunks[c] = finished_chunk(shared, c, n);
     __syncthreads();  // the shared arrays are reused by the next chunk
   }
 }
@@ -93,9 +113,7 @@ __global__ void __launch_bounds__(kThreads)
   using S = typename C::storage;
   using W = typename C::word;
   constexpr int kWords = kStatisticsLanes / kChunkThreads;  // lanes per thread: 4
-  __shared__ double squared_error[kChunksPerBlock][kStatisticsLanes];
-  __shared__ double squared_value[kChunksPerBlock][kStatisticsLanes];
-  __shared__ unsigned long long counts[kChunksPerBlock][kStatisticsCounts];
+  __shared__ SharedChunk shared[kChunksPerBlock];
   const int part = threadIdx.x / kChunkThreads;
   const int t = threadIdx.x % kChunkThreads;
   const int64_t chunk_count = (n + kStatisticsChunk - 1) / kStatisticsChunk;
@@ -104,12 +122,12 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t c0 = int64_t{blockIdx.x} * kChunksPerBlock; c0 < chunk_count;
        c0 += int64_t{gridDim.x} * kChunksPerBlock) {
     const int64_t c = c0 + part;
-    if (t < kStatisticsCounts) counts[part][t] = 0;
+    if (t < kStatisticsCounts) shared[part].counts[t] = 0;
     __syncthreads();
     double error[kWords], value[kWords];
 #pragma unroll
     for (int w = 0; w < kWords; ++w) error[w] = value[w] = 0.0;
-    unsigned nonfinite = 0, overflow = 0, underflow = 0, subnormal = 0, unchanged = 0;
+    StatisticsCounts counts{};
     if (c < chunk_count) {
       const int64_t first = c * kStatisticsChunk;
       for (int row = 0; row < kStatisticsRows; ++row) {
@@ -127,11 +145,7 @@ __global__ void __launch_bounds__(kThreads)
           const S r = S(round_to_grid<R, C>(W(v), grid, words.w[w], mask));
           y[i] = r;
           const ElementStatistics s = element_statistics(value_of<C>(v), value_of<C>(r), bounds);
-          nonfinite += s.nonfinite;
-          overflow += s.overflow;
-          underflow += s.underflow;
-          subnormal += s.subnormal;
-          unchanged += s.unchanged;
+          add_counts(counts, s);
           error[w] = add_rn(error[w], s.squared_error);
           value[w] = add_rn(value[w], s.squared_value);
         }
@@ -139,35 +153,13 @@ __global__ void __launch_bounds__(kThreads)
     }
 #pragma unroll
     for (int w = 0; w < kWords; ++w) {
-      squared_error[part][t + w * kChunkThreads] = error[w];
-      squared_value[part][t + w * kChunkThreads] = value[w];
+      shared[part].squared_error[t + w * kChunkThreads] = error[w];
+      shared[part].squared_value[t + w * kChunkThreads] = value[w];
     }
-    atomicAdd(&counts[part][kNonfinite], static_cast<unsigned long long>(nonfinite));
-    atomicAdd(&counts[part][kOverflow], static_cast<unsigned long long>(overflow));
-    atomicAdd(&counts[part][kUnderflow], static_cast<unsigned long long>(underflow));
-    atomicAdd(&counts[part][kSubnormal], static_cast<unsigned long long>(subnormal));
-    atomicAdd(&counts[part][kUnchanged], static_cast<unsigned long long>(unchanged));
+    add_shared_counts(shared[part], counts);
     __syncthreads();
-    for (int width = kStatisticsLanes / 2; width >= 1; width /= 2) {
-      for (int lane = t; lane < width; lane += kChunkThreads) {
-        squared_error[part][lane] =
-            add_rn(squared_error[part][lane], squared_error[part][lane + width]);
-        squared_value[part][lane] =
-            add_rn(squared_value[part][lane], squared_value[part][lane + width]);
-      }
-      __syncthreads();
-    }
-    if (t == 0 && c < chunk_count) {
-      const int64_t first = c * kStatisticsChunk;
-      ChunkStatistics chunk;
-      chunk.counts[kElements] = n - first < kStatisticsChunk ? n - first : kStatisticsChunk;
-      for (int k = kNonfinite; k < kStatisticsCounts; ++k) {
-        chunk.counts[k] = static_cast<int64_t>(counts[part][k]);
-      }
-      chunk.squared_error = squared_error[part][0];
-      chunk.squared_value = squared_value[part][0];
-      chunks[c] = chunk;
-    }
+    add_shared_lanes(shared[part], t, kChunkThreads);
+    if (t == 0 && c < chunk_count) chunks[c] = finished_chunk(shared[part], c, n);
     __syncthreads();  // the shared arrays are reused by the next chunks
   }
 }
@@ -206,34 +198,17 @@ void quantize_grid_statistics(Rounding rounding, const void* x, void* y, int64_t
   });
 }
 
-template void rounding_statistics<Float32Container>(const void*, const void*, int64_t,
-                                                    const StatisticsBounds&, ChunkStatistics*,
-                                                    cudaStream_t);
-template void rounding_statistics<Float64Container>(const void*, const void*, int64_t,
-                                                    const StatisticsBounds&, ChunkStatistics*,
-                                                    cudaStream_t);
-template void rounding_statistics<BFloat16Container>(const void*, const void*, int64_t,
-                                                     const StatisticsBounds&, ChunkStatistics*,
-                                                     cudaStream_t);
-template void rounding_statistics<Float16Container>(const void*, const void*, int64_t,
-                                                    const StatisticsBounds&, ChunkStatistics*,
-                                                    cudaStream_t);
+// The launchers for each container.
+#define LPSIM_STATISTICS_LAUNCHERS(C)                                                              \
+  template void rounding_statistics<C>(const void*, const void*, int64_t, const StatisticsBounds&, \
+                                       ChunkStatistics*, cudaStream_t);                            \
+  template void quantize_grid_statistics<C>(                                                       \
+      Rounding, const void*, void*, int64_t, const GridSpec&, const RandomSpec&,                   \
+      const StatisticsBounds&, ChunkStatistics*, cudaStream_t);
 
-template void quantize_grid_statistics<Float32Container>(Rounding, const void*, void*, int64_t,
-                                                         const GridSpec&, const RandomSpec&,
-                                                         const StatisticsBounds&, ChunkStatistics*,
-                                                         cudaStream_t);
-template void quantize_grid_statistics<Float64Container>(Rounding, const void*, void*, int64_t,
-                                                         const GridSpec&, const RandomSpec&,
-                                                         const StatisticsBounds&, ChunkStatistics*,
-                                                         cudaStream_t);
-template void quantize_grid_statistics<BFloat16Container>(Rounding, const void*, void*, int64_t,
-                                                          const GridSpec&, const RandomSpec&,
-                                                          const StatisticsBounds&, ChunkStatistics*,
-                                                          cudaStream_t);
-template void quantize_grid_statistics<Float16Container>(Rounding, const void*, void*, int64_t,
-                                                         const GridSpec&, const RandomSpec&,
-                                                         const StatisticsBounds&, ChunkStatistics*,
-                                                         cudaStream_t);
+LPSIM_STATISTICS_LAUNCHERS(Float32Container)
+LPSIM_STATISTICS_LAUNCHERS(Float64Container)
+LPSIM_STATISTICS_LAUNCHERS(BFloat16Container)
+LPSIM_STATISTICS_LAUNCHERS(Float16Container)
 
 }  // namespace lpsim::gpu

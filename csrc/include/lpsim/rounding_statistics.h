@@ -109,6 +109,19 @@ struct ElementStatistics {
   double squared_error, squared_value;
 };
 
+// The counts of the elements a lane (or a thread) has taken, element by element.
+struct StatisticsCounts {
+  uint32_t nonfinite, overflow, underflow, subnormal, unchanged;
+};
+
+LPSIM_FN void add_counts(StatisticsCounts& c, const ElementStatistics& s) {
+  c.nonfinite += s.nonfinite;
+  c.overflow += s.overflow;
+  c.underflow += s.underflow;
+  c.subnormal += s.subnormal;
+  c.unchanged += s.unchanged;
+}
+
 // a < b without the invalid-operation signal of an ordered comparison with NaN: GCC keeps a
 // comparison that may signal out of a branch-free (vectorised) loop under -ftrapping-math.
 template <class Real>
