@@ -321,13 +321,10 @@ class BatchRounder {
     }
     with_rounding(rounding, [&](auto tag) LPSIM_LAMBDA_INLINE {
       constexpr Rounding R = decltype(tag)::value;
-      if (shortcut_applies(grids_.arithmetic)) {
-        float_scaled_loop<R, C, true>(x, y, words, n, reciprocal_.data(), decode_.data(), grids_,
-                                      mask_);
-      } else {
-        float_scaled_loop<R, C, false>(x, y, words, n, reciprocal_.data(), decode_.data(), grids_,
-                                       mask_);
-      }
+      with_flag(shortcut_applies(grids_.arithmetic), [&](auto shortcut) LPSIM_LAMBDA_INLINE {
+        float_scaled_loop<R, C, decltype(shortcut)::value>(x, y, words, n, reciprocal_.data(),
+                                                           decode_.data(), grids_, mask_);
+      });
     });
     // A block with a NaN or an Inf is NaN whatever its elements: written over the loop's values.
     if (!any_nan) return;

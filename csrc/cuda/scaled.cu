@@ -154,56 +154,45 @@ void quantize_scaled(Rounding rounding, const void* x, void* y, int64_t n,
   const auto* xs = static_cast<const S*>(x);
   auto* words = static_cast<uint64_t*>(amax);
   auto* block_scales = static_cast<BlockScale*>(scales);
-  if (small_blocks_serve(layout)) {
-    // One pass (after the tensor's maximum, for a tensor scale).
-    uint64_t* tensor_amax = words + layout.blocks();
+  Grid<ScaledArithmetic<C>> scale_grid{};
+  if (spec.rule == ScaleRule::amax) make_grid(spec.scale, scale_grid);  // validated by the op
+  const ElementGrids<C> grids = element_grids<C>(spec);
+  const PhiloxKey key = make_philox_key(random.seed, random.offset);
+  const uint32_t mask = random_mask(random.rbits);
+  // Small blocks: one pass (after the tensor's maximum, for a tensor scale). Others: every block's
+  // maximum, the scales, then the elements.
+  const bool small = small_blocks_serve(layout);
+  uint64_t* tensor_amax = words + layout.blocks();
+  if (small) {
     if (spec.two_level) {
       tensor_max_kernel<C><<<blocks_for(n), kThreads, 0, stream>>>(xs, n, tensor_amax);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    Grid<ScaledArithmetic<C>> scale_grid{};
-    if (spec.rule == ScaleRule::amax) make_grid(spec.scale, scale_grid);  // validated by the op
-    const ElementGrids<C> grids = element_grids<C>(spec);
-    const PhiloxKey key = make_philox_key(random.seed, random.offset);
-    const uint32_t mask = random_mask(random.rbits);
-    const int block_size = static_cast<int>(layout.tile_cols);
-    const uint64_t groups = (static_cast<uint64_t>(n) + kGroupSize - 1) / kGroupSize;
-    const unsigned thread_blocks =
-        grid_blocks((groups + kThreads / kGroupCounters - 1) / (kThreads / kGroupCounters));
-    with_rounding(rounding, [&](auto tag) {
-      constexpr Rounding R = decltype(tag)::value;
-      if (spec.rule == ScaleRule::amax) {
-        small_blocks_kernel<C, R, false><<<thread_blocks, kThreads, 0, stream>>>(
+  } else {
+    max_abs_kernel<C><<<blocks_for(n), kThreads, 0, stream>>>(xs, n, layout, spec.two_level, words);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    scales_kernel<C><<<blocks_for(layout.blocks()), kThreads, 0, stream>>>(
+        words, layout, spec, scale_grid, block_scales);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const uint64_t groups = (static_cast<uint64_t>(n) + kGroupSize - 1) / kGroupSize;
+  const uint64_t groups_per_block = kThreads / kGroupCounters;
+  const unsigned small_blocks = grid_blocks((groups + groups_per_block - 1) / groups_per_block);
+  const int block_size = static_cast<int>(layout.tile_cols);
+  with_rounding(rounding, [&](auto tag) {
+    constexpr Rounding R = decltype(tag)::value;
+    with_flag(spec.rule != ScaleRule::amax, [&](auto power_of_two) {
+      constexpr bool kPowerOfTwo = decltype(power_of_two)::value;
+      if (small) {
+        small_blocks_kernel<C, R, kPowerOfTwo><<<small_blocks, kThreads, 0, stream>>>(
             xs, static_cast<S*>(y), n, block_size, spec, scale_grid, grids, key, mask, tensor_amax);
       } else {
-        small_blocks_kernel<C, R, true><<<thread_blocks, kThreads, 0, stream>>>(
-            xs, static_cast<S*>(y), n, block_size, spec, scale_grid, grids, key, mask, tensor_amax);
+        round_kernel<C, R, kPowerOfTwo><<<blocks_for(n), kThreads, 0, stream>>>(
+            xs, static_cast<S*>(y), n, layout, block_scales, grids, key, mask);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
-    return;
-  }
-  max_abs_kernel<C><<<blocks_for(n), kThreads, 0, stream>>>(xs, n, layout, spec.two_level, words);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  Grid<ScaledArithmetic<C>> scale_grid{};
-  if (spec.rule == ScaleRule::amax) make_grid(spec.scale, scale_grid);  // validated by the op
-  scales_kernel<C><<<blocks_for(layout.blocks()), kThreads, 0, stream>>>(words, layout, spec,
-                                                                         scale_grid, block_scales);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const ElementGrids<C> grids = element_grids<C>(spec);
-  const PhiloxKey key = make_philox_key(random.seed, random.offset);
-  const uint32_t mask = random_mask(random.rbits);
-  with_rounding(rounding, [&](auto tag) {
-    constexpr Rounding R = decltype(tag)::value;
-    if (spec.rule == ScaleRule::amax) {
-      round_kernel<C, R, false><<<blocks_for(n), kThreads, 0, stream>>>(
-          xs, static_cast<S*>(y), n, layout, block_scales, grids, key, mask);
-    } else {
-      round_kernel<C, R, true><<<blocks_for(n), kThreads, 0, stream>>>(
-          xs, static_cast<S*>(y), n, layout, block_scales, grids, key, mask);
-    }
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template void quantize_scaled<Float32Container>(Rounding, const void*, void*, int64_t,

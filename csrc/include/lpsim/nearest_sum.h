@@ -244,26 +244,32 @@ inline bool make_nearest_bits_grid(const Grid<Float32Container>& g, NearestBitsG
   return true;
 }
 
+// v's bits rounded at g.shift, a tie going up where tie_up is 1 and down where it is 0: v plus
+// 2^(shift - 1) - 1 plus tie_up, the shift low bits cleared. U: 32-bit words (uint32_t or a vector
+// of them). G: NearestBitsGrid, or a type whose `shift` is a constant.
+template <class U, class G = NearestBitsGrid>
+LPSIM_FN U round_bits_at_shift(U v, U tie_up, const G& g) {
+  const U zero{};
+  return (v + (zero + ((1u << (g.shift - 1)) - 1)) + tie_up) & (zero + ~((1u << g.shift) - 1));
+}
+
 // The float32 value v (bits: finite, or Inf's bits plus the cases above) rounded to nearest onto
-// the grid. U: 32-bit words (uint32_t or a vector of them). G: NearestBitsGrid, or a type whose
-// `shift` is a constant.
+// the grid: a tie goes to v's even kept bits.
 template <class U, class G = NearestBitsGrid>
 LPSIM_FN U nearest_bits_round(U v, const G& g) {
-  const U zero{};
-  const U up = (zero + ((1u << (g.shift - 1)) - 1)) + ((v >> g.shift) & 1u);
-  return (v + up) & (zero + ~((1u << g.shift) - 1));
+  return round_bits_at_shift<U>(v, U((v >> g.shift) & 1u), g);
 }
 
 // The exact s + t (float32 bits of finite values, or s Inf's bits as above) rounded to nearest onto
 // the grid: round_sum_to_grid<Rounding::nearest>'s bits wherever the result is finite. D: float,
 // or a vector of floats of U's width.
 //
-// Round to odd and the rounding are folded into one step on hi's bits h: nearest_bits_round adds
-// 2^(shift - 1) - 1 and a last bit `bump` and clears the shift low bits, and with lo != 0 the
-// result only differs from h's own where h's discarded bits d are exactly one half (a tie in h),
-// where x lies beyond the tie toward lo. So bump is h's kept last bit where lo = 0 (ties to even,
-// as for v = h) and else 1 where lo points away from zero: with d < 1/2 neither bump carries, with
-// d > 1/2 both do, and at d = 1/2 the carry is the side lo is on. This is round_to_odd_bits
+// Round to odd and the rounding are folded into one step on hi's bits h: round_bits_at_shift with
+// a tie's direction `bump`. With lo != 0 the result only differs from h's own where h's discarded
+// bits d are exactly one half (a tie in h), where x lies beyond the tie toward lo. So bump is h's
+// kept last bit where lo = 0 (ties to even, as for v = h) and else 1 where lo points away from
+// zero: with d < 1/2 neither bump carries, with d > 1/2 both do, and at d = 1/2 the carry is the
+// side lo is on. This is round_to_odd_bits
 // followed by nearest_bits_round, case by case (shift >= 2: v's added odd bit is then discarded,
 // and h - 1 at d = 0 borrows back what the carry returns), in 10 operations instead of 12; an Inf h
 // (with a NaN lo) stays Inf's bits.
@@ -276,7 +282,7 @@ LPSIM_FN U nearest_bits_sum(U s, U t, const G& g) {
   const U odd = (h >> g.shift) & 1u;
   const U away = U(zero + 1) - U((h ^ nearest_words_of<U>(lo)) >> 31);
   const U bump = nearest_pick(lo == D{}, odd, away);
-  return (h + ((1u << (g.shift - 1)) - 1) + bump) & (zero + ~((1u << g.shift) - 1));
+  return round_bits_at_shift<U>(h, bump, g);
 }
 
 // Every rule, from the same TwoSum: the exact s + t (float64 bits of finite values within the
