@@ -115,12 +115,8 @@ LPSIM_FN typename C::word round_stochastic_at(typename C::word u, int32_t s, uin
 // bits.
 template <class C>
 LPSIM_FN typename C::word bounded(typename C::word rounded, const Grid<C>& g) {
-  using W = typename C::word;
-  const W a = rounded & C::abs_mask;
   const bool negative = rounded > C::abs_mask;
-  const W limit = select(negative, g.neg_limit, g.pos_limit);
-  const W outcome = select(negative, g.neg_overflow, g.pos_overflow);
-  return (rounded & C::sign_mask) | select(a > limit, outcome, a);
+  return (rounded & C::sign_mask) | limited_magnitude<C>(rounded & C::abs_mask, negative, g);
 }
 
 }  // namespace lpsim

@@ -265,6 +265,17 @@ LPSIM_FN typename C::word round_to_grid_by_rule(Rounding rule, typename C::word 
   }
 }
 
+// mag, the rounded magnitude of a value of sign `negative`, or the grid's overflow outcome of that
+// sign where mag passes the grid's limit of that sign: the overflow step of round to nearest and
+// stochastic rounding (whose outcome does not depend on the direction), which the shortcuts below
+// and in_range.h's bounded form share.
+template <class C>
+LPSIM_FN typename C::word limited_magnitude(typename C::word mag, bool negative, const Grid<C>& g) {
+  using W = typename C::word;
+  const W limit = select(negative, g.neg_limit, g.pos_limit);
+  return select(mag > limit, select(negative, g.neg_overflow, g.pos_overflow), mag);
+}
+
 // round_to_grid, for the grids where shortcut_applies (subnormals, IEEE parity, fewer kept bits
 // than the container: the Float formats with subnormals). They give round_to_grid's bits for every
 // input (and random word and mask): tests/cpp/round_shortcuts_check.cpp compares them on every
@@ -305,8 +316,7 @@ LPSIM_FN typename C::word round_nearest_shortcut(typename C::word u, const Grid<
       (W(a << (C::word_bits - 1 - in_binade)) >= kHalf) | ((s >= kMan) & (a > C::man_mask));
   const W rounded = (a + ((unit >> 1) - W(1)) + select(odd, W(1), W(0))) & ~(unit - W(1));
   W mag = select(s > kMan, select(a > half_min, g.min_positive, W(0)), rounded);
-  const W limit = select(negative, g.neg_limit, g.pos_limit);
-  mag = select(mag > limit, select(negative, g.neg_overflow, g.pos_overflow), mag);
+  mag = limited_magnitude<C>(mag, negative, g);
   mag = select(a == C::inf_bits, select(negative, g.neg_inf, g.pos_inf), mag);
   const W out = select(mag == 0, W(sign & g.zero_sign), sign) | mag;
   return select(a > C::inf_bits, u, out);
@@ -335,8 +345,7 @@ LPSIM_FN typename C::word round_stochastic_shortcut(typename C::word u, const Gr
   const int32_t kept_shift = min_of(s, int32_t(kMan + 1));
   const W kept = W(((a >> kept_shift) + select(up, W(1), W(0))) << kept_shift);
   W mag = select(s > kMan, select(up, g.min_positive, W(0)), kept);
-  const W limit = select(negative, g.neg_limit, g.pos_limit);
-  mag = select(mag > limit, select(negative, g.neg_overflow, g.pos_overflow), mag);
+  mag = limited_magnitude<C>(mag, negative, g);
   mag = select(a == C::inf_bits, select(negative, g.neg_inf, g.pos_inf), mag);
   const W out = select(mag == 0, W(sign & g.zero_sign), sign) | mag;
   return select(a > C::inf_bits, u, out);
