@@ -58,3 +58,18 @@ def test_an_unknown_step_is_refused_with_the_steps_named(capsys, tmp_path):
 def test_some_steps_without_a_gpu_are_skipped_too(tmp_path):
     assert gpu_check.main(["--out", str(tmp_path), "--steps", "build,bench"]) == 0
     assert "skipped" in (tmp_path / "report.md").read_text()
+
+
+def test_an_unknown_benchmark_is_refused_with_the_benchmarks_named(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--out", str(tmp_path), "--benchmarks", "scaled,gemm"])
+    assert "quantize,scaled,statistics,training,mac" in capsys.readouterr().err
+
+
+def test_every_benchmark_has_a_title_a_share_and_a_script_that_exists():
+    for quick in (False, True):
+        commands = gpu_check.benchmark_commands(quick)
+        assert [name for name, _ in commands] == list(gpu_check.SHARES)
+        for _, command in commands:
+            assert (gpu_check.ROOT / command[0]).is_file()
+    assert set(gpu_check.BENCHMARK_TITLES) == set(gpu_check.SHARES)

@@ -3,6 +3,7 @@ every GPU test, compare torch's CUDA arithmetic with lpsim's model of it, run th
 the benchmarks, and write one markdown report.
 
     python3 tools/gpu_check.py [--out DIR] [--quick] [--steps build,tests,probe,bench]
+                               [--benchmarks quantize,scaled,statistics,training,mac]
                                [--time-limit SECONDS]          (or: make gpu-check)
 
 It uses the Python it runs under (on a GPU machine without a package registry, its own python3
@@ -16,9 +17,10 @@ Steps and their time limits: the whole check gets --time-limit seconds (default 
 on 16 cores), and what the build leaves is split between the tests (40% to the CUDA test files, 20%
 to the device-parametrised tests of the others; 65% and 30% without the benchmarks), a comparison of
 torch's CUDA arithmetic with lpsim's model of it (at most 60 s) and the benchmarks (the rest, each
-benchmark its share, SHARES). Everything takes more than one call: run --steps build,tests,probe in
-one and --steps build,bench in another (--no-build is --steps without build, for a machine that
-still holds the build). --quick shortens the benchmarks, not their limits. A step that runs past its
+benchmark its share, SHARES; --benchmarks picks some). Everything takes more than one call: run
+--steps build,tests,probe in one and --steps bench --no-build in another on the machine that still
+holds the build (--no-build is --steps without build), or --steps build,bench on a fresh one.
+--quick shortens the benchmarks, not their limits. A step that runs past its
 limit is stopped and reported; the steps after it still run. With pytest-xdist the tests run in up
 to 8 processes. Without a CUDA device (or without torch's CUDA), the report says so and everything
 that needs one is skipped: the command then takes seconds and exits 0, which is how CI runs it
@@ -78,14 +80,16 @@ DEVICE_SELECTION = "cuda or gpu or tensor_core_recipes_need_the_cpu"
 # device call).
 STEPS = ("build", "tests", "probe", "bench")
 
-# The benchmarks' shares of the benchmark step's time.
-SHARES = {
-    "quantize": 2,
-    "scaled formats": 2,
-    "rounding statistics": 1,
-    "training": 4,
-    "simulated GEMM": 3,
+# The benchmarks (--benchmarks names them), their titles in the report, and their shares of the
+# benchmark step's time.
+BENCHMARK_TITLES = {
+    "quantize": "quantize",
+    "scaled": "scaled formats",
+    "statistics": "rounding statistics",
+    "training": "training",
+    "mac": "simulated GEMM",
 }
+SHARES = {"quantize": 2, "scaled": 2, "statistics": 1, "training": 4, "mac": 3}
 
 
 def _run(command: list[str], log: pathlib.Path, timeout: float, env=None) -> tuple[int, float]:
@@ -162,11 +166,20 @@ def main(argv: list[str] | None = None) -> int:
         default=",".join(STEPS),
         help=f"the steps to run, comma-separated, of {','.join(STEPS)} (default: all)",
     )
+    parser.add_argument(
+        "--benchmarks",
+        default=",".join(SHARES),
+        help=f"the benchmarks of the bench step, comma-separated, of {','.join(SHARES)} "
+        "(default: all)",
+    )
     parser.add_argument("--time-limit", type=float, default=540, help="seconds for everything")
     args = parser.parse_args(argv)
     steps = set(args.steps.split(","))
     if not steps <= set(STEPS):
         parser.error(f"--steps takes some of {','.join(STEPS)}, got {args.steps!r}")
+    chosen = args.benchmarks.split(",")
+    if not set(chosen) <= set(SHARES):
+        parser.error(f"--benchmarks takes some of {','.join(SHARES)}, got {args.benchmarks!r}")
     if args.no_build:
         steps.discard("build")
     deadline = time.monotonic() + args.time_limit
@@ -238,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         failed |= _probe(report, logs["bench"])
     # 4. The GPU sections of the benchmarks.
     if "bench" in steps:
-        failed |= _benchmarks(report, logs["bench"], deadline, args.quick)
+        failed |= _benchmarks(report, logs["bench"], deadline, args.quick, chosen)
     (out / "report.md").write_text("\n".join(report) + "\n")
     print("\n".join(report))
     return 1 if failed else 0
@@ -279,12 +292,10 @@ def _probe(report: list[str], log: pathlib.Path) -> bool:
     return status != 0
 
 
-def _benchmarks(report: list[str], log: pathlib.Path, deadline: float, quick: bool) -> bool:
-    """The GPU sections of the benchmarks, each within its share of the time left, into the
-    report; True if one failed or ran out of time."""
-    report += ["", "## Benchmarks", ""]
+def benchmark_commands(quick: bool) -> list[tuple[str, list[str]]]:
+    """Each benchmark's name and the arguments of its GPU section (after the interpreter)."""
     size, repeat = (2**26, 10) if quick else (2**28, 30)
-    benchmarks = [
+    return [
         (
             "quantize",
             [
@@ -297,7 +308,7 @@ def _benchmarks(report: list[str], log: pathlib.Path, deadline: float, quick: bo
             ],
         ),
         (
-            "scaled formats",
+            "scaled",
             [
                 "benchmarks/bench_scaled.py",
                 "--device",
@@ -309,7 +320,7 @@ def _benchmarks(report: list[str], log: pathlib.Path, deadline: float, quick: bo
             ],
         ),
         (
-            "rounding statistics",
+            "statistics",
             [
                 "benchmarks/bench_statistics.py",
                 "--device",
@@ -335,7 +346,7 @@ def _benchmarks(report: list[str], log: pathlib.Path, deadline: float, quick: bo
             ],
         ),
         (
-            "simulated GEMM",
+            "mac",
             [
                 "benchmarks/bench_mac.py",
                 "--device",
@@ -350,6 +361,14 @@ def _benchmarks(report: list[str], log: pathlib.Path, deadline: float, quick: bo
             ],
         ),
     ]
+
+
+def _benchmarks(
+    report: list[str], log: pathlib.Path, deadline: float, quick: bool, chosen: list[str]
+) -> bool:
+    """The GPU sections of the chosen benchmarks, each within its share of the time left, into the
+    report; True if one failed or ran out of time."""
+    report += ["", "## Benchmarks", ""]
     budget = max(deadline - time.monotonic(), 30)
     # The benchmarks run as scripts (sys.path[0] is benchmarks/): lpsim, built in place, is found
     # through PYTHONPATH.
@@ -357,13 +376,17 @@ def _benchmarks(report: list[str], log: pathlib.Path, deadline: float, quick: bo
     bench_env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
+    benchmarks = [(name, bench) for name, bench in benchmark_commands(quick) if name in chosen]
+    total = sum(SHARES[name] for name, _ in benchmarks)
     failed = False
     for name, bench in benchmarks:
         before = log.stat().st_size
-        limit = budget * SHARES[name] / sum(SHARES.values())
-        status, seconds = _run([sys.executable, *bench], log, limit, bench_env)
+        status, seconds = _run(
+            [sys.executable, *bench], log, budget * SHARES[name] / total, bench_env
+        )
         text = log.read_text(errors="replace")[before:]
-        report += [f"### {name}", "", f"`{' '.join(bench)}`: status {status}, {seconds:.0f} s", ""]
+        report += [f"### {BENCHMARK_TITLES[name]}", ""]
+        report += [f"`{' '.join(bench)}`: status {status}, {seconds:.0f} s", ""]
         report += ["```", text.strip()[-6000:], "```", ""]
         failed |= status != 0
     return failed
