@@ -9,14 +9,15 @@ A Recipe applies to any model and optimizer:
     (loss * recipe.loss_scale).backward()     # OptimLP divides the gradients by it again
     optimizer.step()
 
-Every recipe keeps the model's first and last weight layers (the first and last Conv/Linear
-modules) in full precision, the usual practice: their parameters, gradients, optimizer state,
-outputs and errors are never rounded. It quantises the rest: weights and biases (of every other
-layer, normalisation layers included: fake-quantised in forward and rounded after every step),
-activations (every layer's outputs), errors (the gradients flowing back into those outputs),
-gradients, and the optimizer's state, with an optional high-precision weight accumulator. The
-optimizer rounds exactly the parameters the model fake-quantises
-(lpsim.nn.quantized_parameters), so `lpsim.nn.report(model, optimizer)` shows both agree.
+Every recipe keeps the model's first and last weight layers (the first and last Conv, Linear or
+MultiheadAttention modules) in full precision, the usual practice: their parameters, gradients,
+optimizer state, outputs and errors are never rounded. It quantises the rest: weights and biases
+(of every other layer, normalisation layers and attention projections included: fake-quantised in
+forward and rounded after every step), activations (every layer's outputs), errors (the
+gradients flowing back into those outputs), gradients, and the optimizer's state, with an optional
+high-precision weight accumulator. The optimizer rounds exactly the parameters the model
+fake-quantises (lpsim.nn.quantized_parameters), so `lpsim.nn.report(model, optimizer)` shows both
+agree.
 
 Reproductions of other code bases place the quantisers themselves and round every parameter, as
 QPyTorch's examples do:
@@ -56,12 +57,25 @@ __all__ = [
     "edge_layers",
 ]
 
-WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.MultiheadAttention)
+
+
+def attention_out_projections(model: nn.Module) -> dict[str, str]:
+    """The out projections of the model's MultiheadAttention modules, by name, each with its
+    attention's name: Linear modules whose forward the attention never calls (it reads their
+    parameters), so their inputs, outputs and errors are the attention's."""
+    return {
+        f"{name}.out_proj" if name else "out_proj": name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.MultiheadAttention)
+    }
 
 
 def edge_layers(model: nn.Module) -> list[str]:
-    """Names of the first and last weight layers (Conv/Linear) of the model."""
-    names = [n for n, m in model.named_modules() if isinstance(m, WEIGHT_LAYERS)]
+    """Names of the first and last weight layers (Conv/Linear/MultiheadAttention, an attention's
+    out projection counting as part of it) of the model."""
+    inner = attention_out_projections(model)
+    names = [n for n, m in model.named_modules() if isinstance(m, WEIGHT_LAYERS) and n not in inner]
     return sorted({names[0], names[-1]}) if names else []
 
 
@@ -85,8 +99,11 @@ class Recipe:
             False keeps full-precision master weights in the parameters, which the model sees
             quantised by ``weight`` in every forward pass only, as FP8 and MX training do.
         mac: the arithmetic of the weight layers' products, forward and backward (an lpsim.MAC;
-            None: torch's own): every Linear, Conv1d and Conv2d it reaches (all of them unless
-            ``keep_edges``) sums its products as the MAC prescribes (lpsim.nn.functional).
+            None: torch's own): every Linear, Conv1d, Conv2d and MultiheadAttention it reaches
+            (all of them unless ``keep_edges``) sums its products as the MAC prescribes
+            (lpsim.nn.functional). A MultiheadAttention's in projection (its own parameters, no
+            Linear) is rounded like the weight layers' weights and biases, and its out projection
+            by the attention's quantisers, which hold its input, output and error.
     """
 
     name: str
@@ -134,6 +151,14 @@ class Recipe:
     def layers(self, model: nn.Module) -> dict:
         """The inject() configuration of this recipe for model."""
         config = {name: None for name in edge_layers(model)} if self.keep_edges else {}
+        # A MultiheadAttention's out projection: its weight (and bias) rounded as the layers'
+        # below, its input, output and error left to the attention's own quantisers; in full
+        # precision where the attention is.
+        projection = LayerQuantization(
+            weight=self.weight, bias=self.weight if self.placement == "outputs" else None
+        )
+        for name, attention in attention_out_projections(model).items():
+            config[name] = None if config.get(attention, True) is None else projection
         if self.placement == "operands":
             config[WEIGHT_LAYERS] = LayerQuantization(
                 weight=self.weight, input=self.activation, error=self.error, mac=self.mac

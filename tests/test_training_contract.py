@@ -11,7 +11,7 @@ from support import assert_same_bits
 from torch import nn
 
 import lpsim
-from lpsim import Fixed, Float
+from lpsim import BlockFloat, Fixed, Float
 from lpsim.nn import (
     LayerQuantization,
     Quantizer,
@@ -353,6 +353,67 @@ def test_a_format_that_does_not_fit_names_its_argument(name):
         r"bfloat16 tensor.*parameter 0 of group 0",
     ):
         OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), **{name: E6M9})
+
+
+@pytest.mark.parametrize("name", ["weight", "grad", "momentum", "acc"])
+@pytest.mark.parametrize(
+    "fmt",
+    [BlockFloat(8, dim=1), lpsim.scaled.Scaled(Float(4, 3), lpsim.scaled.PowerOfTwo(), 4, axis=1)],
+    ids=["block_dim", "scaled_axis"],
+)
+def test_a_block_dimension_the_parameter_lacks_is_refused_before_any_step(name, fmt):
+    # Accepted once, it failed inside step() after the parameter had been updated unrounded.
+    p = nn.Parameter(torch.randn(5))
+    with pytest.raises(
+        ValueError, match=rf"^OptimLP {name}: .*must be in.*parameter 0 of group 0.*shape \(5,\)"
+    ):
+        OptimLP(torch.optim.SGD([p], lr=0.1, momentum=0.9), **{name: (fmt, "nearest")})
+    OptimLP(torch.optim.SGD([nn.Parameter(torch.randn(2, 8))], lr=0.1), **{name: fmt})
+
+
+def test_state_made_at_construction_goes_to_the_accumulators_dtype():
+    # Adagrad makes its sum when constructed, in the parameter's dtype; with a float32
+    # accumulator it must be float32 like the state made in a step, and formats that fit float32
+    # (not float16) must round it.
+    p = nn.Parameter(torch.randn(4, dtype=torch.float16))
+    inner = torch.optim.Adagrad([p], lr=0.1)
+    opt = OptimLP(inner, momentum=(Fixed(16, 4), "nearest"), acc=(E6M9, "nearest"))
+    assert inner.state[p]["sum"].dtype == torch.float32
+    p.grad = torch.randn(4, dtype=torch.float16)
+    opt.step()
+    assert on_grid(inner.state[p]["sum"], Fixed(16, 4))
+    # Without an accumulator the existing state's dtype is checked at construction.
+    q = nn.Parameter(torch.randn(4))
+    inner = torch.optim.Adagrad([q], lr=0.1)
+    inner.state[q]["sum"] = inner.state[q]["sum"].half()
+    with pytest.raises(ValueError, match=r"^OptimLP momentum: Fixed.*float16.*optimizer state"):
+        OptimLP(inner, momentum=(Fixed(16, 4), "nearest"))
+
+
+def test_a_recipe_rounds_the_attention_projections_too():
+    # MultiheadAttention keeps its in projection as its own parameters (no Linear): a recipe once
+    # left them in full precision in the model and the optimizer, silently.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16),
+        nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True),
+        nn.Linear(16, 2),
+    )
+    names = {id(p): n for n, p in model.named_parameters()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nor a warning of quantisers that never run
+        model, opt = lpsim.recipes.IBM8.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        model(torch.randn(3, 5, 8)).sum().backward()
+        opt.step()
+    quantized = {names[id(p)] for p in quantized_parameters(model)}
+    assert {"1.self_attn.in_proj_weight", "1.self_attn.in_proj_bias"} <= quantized
+    assert set(names.values()) - quantized == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    remove(model)
+    attention = model[1].self_attn
+    assert on_grid(attention.in_proj_weight, E5M2) and on_grid(attention.out_proj.weight, E5M2)
+    assert lpsim.recipes.edge_layers(
+        nn.Sequential(nn.Linear(8, 8), nn.MultiheadAttention(8, 2))
+    ) == ["0", "1"]
 
 
 # Item 10: messages that say what is wrong

@@ -348,7 +348,9 @@ def adam_init_state(group: dict, p: torch.Tensor, state: dict) -> None:
     """torch.optim.Adam's state of a parameter with a gradient, in its order, and its step count
     advanced."""
     if "step" not in state:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        # torch.optim.Adam's (not fused) step count: float64 where that is the default dtype.
+        dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        state["step"] = torch.tensor(0.0, dtype=dtype)
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     state["step"] += 1

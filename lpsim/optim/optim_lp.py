@@ -17,6 +17,7 @@ from lpsim.multi_tensor import quantize_many_
 from lpsim.nn.quantizer import QuantSpec, ScalerCall, Spec, as_spec
 from lpsim.optim import fused
 from lpsim.rounding import Rounding
+from lpsim.scaled import Scaled
 
 __all__ = ["OptimLP", "ParameterQuantization"]
 
@@ -115,12 +116,22 @@ _WIDE = (torch.float32, torch.float64)
 @dataclass(frozen=True)
 class _FusedRule:
     """When OptimLP takes the fused step around one torch optimizer class: its arithmetic, the
-    group options that must be unset or False (torch's other paths) and those that must be numbers,
-    not tensors."""
+    group options that must be unset or False (torch's other paths), those that must be numbers,
+    not tensors, and what else a group's settings must satisfy."""
 
     step: fused.StepRule
     off: tuple[str, ...]
     numbers: tuple[str, ...]
+    group_applies: Callable[[dict], bool] = lambda group: True
+
+
+def _adam_group_applies(group: dict) -> bool:
+    """betas[0] = 0 is left to torch's step. exp_avg.lerp_(grad, w) with w = 1 - betas[0] >= 0.5
+    computes fma(w - 1, grad - exp_avg, grad) in torch's vectorised CPU loop (as the fused step
+    does) but grad - (grad - exp_avg) * (1 - w) in its last numel % 16 elements (AVX2): at w = 1
+    the two add zero products of opposite signs to grad, so where grad is a zero the results'
+    signs differ."""
+    return group["betas"][0] != 0
 
 
 _ADAM_OFF = ("foreach", "fused", "differentiable", "capturable", "amsgrad")
@@ -132,10 +143,16 @@ _FUSED_RULES = {
         numbers=("lr", "momentum", "dampening", "weight_decay"),
     ),
     torch.optim.Adam: _FusedRule(
-        fused.adam_rule("decoupled_weight_decay", False), _ADAM_OFF, _ADAM_NUMBERS
+        fused.adam_rule("decoupled_weight_decay", False),
+        _ADAM_OFF,
+        _ADAM_NUMBERS,
+        _adam_group_applies,
     ),
     torch.optim.AdamW: _FusedRule(
-        fused.adam_rule("decoupled_weight_decay", True), _ADAM_OFF, _ADAM_NUMBERS
+        fused.adam_rule("decoupled_weight_decay", True),
+        _ADAM_OFF,
+        _ADAM_NUMBERS,
+        _adam_group_applies,
     ),
 }
 
@@ -147,13 +164,20 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float))
 
 
-def _state_tensor(key: str, value) -> bool:
-    """Whether OptimLP's momentum phase rounds this entry of an optimizer's state."""
+# The 0-d entries torch's optimizers keep per parameter as scalars of the algorithm (a step count,
+# ASGD's eta and mu, NAdam's product of momenta), not as buffers of the parameter's elements.
+_SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product"})
+
+
+def _state_tensor(key: str, value, param: torch.Tensor) -> bool:
+    """Whether OptimLP's momentum phase rounds this entry of param's optimizer state: a
+    floating-point buffer, not one of the scalars above. A 0-d entry is one only for a 0-d
+    parameter (whose buffers are 0-d too); for others it is a scalar whatever its key."""
     return (
-        key != "step"
+        key not in _SCALAR_STATE
         and isinstance(value, torch.Tensor)
         and value.is_floating_point()
-        and value.dim() > 0
+        and (value.dim() > 0 or param.dim() == 0)
     )
 
 
@@ -388,26 +412,43 @@ class OptimLP(Optimizer):
                     dtype = _accumulator_dtype(s.acc, p.dtype)
                     acc = p.detach().to(dtype)
                     self.accumulators[p] = _rounded(self._quantizer(p, "acc", s.acc, acc), acc)
+                    # State the wrapped optimizer made before (Adagrad's sum, at construction) in
+                    # the parameter's dtype goes to the accumulator's, where the state it makes
+                    # in a step (the accumulator's place) would be.
+                    state = self.optimizer.state.get(p, {})
+                    for key, value in state.items():
+                        if _state_tensor(key, value, p) and value.dtype != dtype:
+                            state[key] = value.to(dtype)
 
-    @staticmethod
-    def _check_fits(s: ParameterQuantization, p: torch.Tensor, where: str) -> None:
+    def _check_fits(self, s: ParameterQuantization, p: torch.Tensor, where: str) -> None:
+        """Refuse, naming the argument and the parameter, a format that does not fit the dtype of
+        a tensor it rounds (the optimizer state's: the accumulator's with one, to which
+        _configure moves the existing buffers, else the parameter's and the existing buffers')
+        or whose block dimension or axis the parameter's shape lacks."""
         state_dtype = p.dtype if s.acc is None else _accumulator_dtype(s.acc, p.dtype)
-        for name, dtype, what in (
-            ("weight", p.dtype, "the parameter"),
-            ("grad", p.dtype, "its gradient"),
-            ("acc", state_dtype, "its accumulator"),
-            ("momentum", state_dtype, "its optimizer state"),
+        state = self.optimizer.state.get(p, {}) if s.acc is None else {}
+        state_dtypes = {v.dtype for k, v in state.items() if _state_tensor(k, v, p)}
+        for name, dtypes, what in (
+            ("weight", {p.dtype}, "the parameter"),
+            ("grad", {p.dtype}, "its gradient"),
+            ("acc", {state_dtype}, "its accumulator"),
+            ("momentum", {state_dtype} | state_dtypes, "its optimizer state"),
         ):
             quant = getattr(s, name)
             if not isinstance(quant, QuantSpec):
                 continue
-            try:
-                check_fits(quant.format, dtype)
-            except ValueError as error:
-                raise ValueError(
-                    f"OptimLP {name}: {error} ({where}: {what} is "
-                    f"{str(dtype).replace('torch.', '')})"
-                ) from None
+            for dtype in sorted(dtypes, key=str):
+                try:
+                    check_fits(quant.format, dtype)
+                    if isinstance(quant.format, (BlockFloat, Scaled)):
+                        # quantize's own checks of the block dimension or axis.
+                        quantize(torch.zeros((1,) * p.dim(), dtype=dtype), quant.format, "nearest")
+                except (ValueError, IndexError) as error:
+                    shape = f", shape {tuple(p.shape)}" if isinstance(error, IndexError) else ""
+                    raise ValueError(
+                        f"OptimLP {name}: {error} ({where}: {what} is "
+                        f"{str(dtype).replace('torch.', '')}{shape})"
+                    ) from None
 
     def _quantizer(self, p: torch.Tensor, name: str, quant: QuantFunction, t: torch.Tensor):
         """What rounds tensor ``name`` of parameter p: ``quant`` itself, or for a DelayedScaling
@@ -454,7 +495,7 @@ class OptimLP(Optimizer):
             if s.momentum is None:
                 continue
             for key, value in self.optimizer.state.get(p, {}).items():
-                if _state_tensor(key, value):
+                if _state_tensor(key, value, p):
                     quant = self._quantizer(p, f"momentum.{key}", s.momentum, value)
                     batch.add(quant, value, p, "momentum")
         batch.run()
@@ -583,14 +624,16 @@ class OptimLP(Optimizer):
         ):
             return False
         for group in self.param_groups:
-            if any(group.get(key) for key in rule.off) or not all(
-                _is_number(group[key]) for key in rule.numbers
+            if (
+                any(group.get(key) for key in rule.off)
+                or not all(_is_number(group[key]) for key in rule.numbers)
+                or not rule.group_applies(group)
             ):
                 return False
             for p in group["params"]:
                 state = self.state.get(p, {})
                 # The tensors OptimLP's momentum phase would round, in its order: the rule's.
-                rounded = [key for key, value in state.items() if _state_tensor(key, value)]
+                rounded = [key for key, value in state.items() if _state_tensor(key, value, p)]
                 if rounded and rounded != list(rule.step.states):
                     return False
                 tensors = [p, p.grad, self.accumulators.get(p)]
