@@ -784,8 +784,9 @@ def scaled_block_scale(block: list[float], fmt: Scaled, dtype: torch.dtype, t: f
         rule = fmt.scale_rule
         if rule == "rceil":
             with np.errstate(all="ignore"):
-                d = Fraction(float(real(real(float(amax)) / real(elem_max))))
-            e = None if d == 0 else _ceil_log2(d)
+                d = float(real(real(float(amax)) / real(elem_max)))
+            # A quotient beyond the arithmetic's range (elem_max < 1) takes the largest scale.
+            e = None if d == 0 else fmt.scale.emax if math.isinf(d) else _ceil_log2(Fraction(d))
         elif amax == 0:
             e = None
         elif rule == "floor":
@@ -832,5 +833,11 @@ def _quantize_scaled(values, shape, dtype, fmt: Scaled, rule, word, bits) -> lis
             with np.errstate(all="ignore"):
                 y = float(real(real(v) * r))
                 q = round_value(y, grid, rule, word(i), bits)
-                out.append(float(real(real(q) * c)))
+                decoded = float(real(real(q) * c))
+                # A value of the format (the decoded element nearest y) comes back unchanged.
+                nearest = float(real(real(round_value(y, grid, Rounding.nearest)) * c))
+                nearest = float(torch.tensor(nearest, dtype=torch.float64).to(dtype))
+                if nearest == v and math.copysign(1.0, nearest) == math.copysign(1.0, v):
+                    decoded = v
+                out.append(decoded)
     return out

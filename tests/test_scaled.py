@@ -95,6 +95,34 @@ def test_mx_presets_match_torchao_to_mx_bit_for_bit(name, rule):
     assert_same_bits(ours, reference.quantize(x, fmt))
 
 
+def test_rceil_takes_the_exact_ceiling_where_torchao_rounds_log2_first():
+    # torchao's RCEIL is ceil(log2(amax / elem_max)) with a float32 log2, which rounds a quotient
+    # a few units above 2^-5 down to -5 exactly; the rule (NVIDIA's cvt.rp to UE8M0) is the
+    # exact ceiling, -4. The test of the four rules above meets no such block.
+    x = torch.zeros(1, 32)
+    x[0, 0] = 0.234375 + 2.0**-25  # amax / 7.5 = 2^-5 (1 + 2^-19)
+    x[0, 1] = 0.0195312
+    fmt = dataclasses.replace(preset("mxfp6_e2m3"), scale_rule="rceil")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code, data = to_mx(x, MX_ELEMENTS["mxfp6_e2m3"], 32, ScaleCalculationMode.RCEIL)
+        theirs = to_dtype(data, code, MX_ELEMENTS["mxfp6_e2m3"], 32, torch.float32)
+    assert int(code.view(torch.uint8)[0, 0]) - 127 == -5
+    ours = lpsim.quantize(x, fmt)
+    assert_same_bits(ours, reference.quantize(x, fmt))
+    assert ours[0, 1] == 0.25 * 2.0**-4 and theirs[0, 1] == 0.625 * 2.0**-5
+
+
+def test_rceil_saturates_the_scale_where_the_quotient_overflows():
+    # Elements whose largest value is below 1 (Fixed(5, 7): 15/128): amax / elem_max overflows
+    # float32, and the rule takes the largest scale; the reference once raised OverflowError.
+    fmt = Scaled(Fixed(5, 7), block=4, scale_rule="rceil")
+    x = torch.tensor([1e38, 1.0, -2.0, 0.5])
+    ours = lpsim.quantize(x, fmt)
+    assert_same_bits(ours, reference.quantize(x, fmt))
+    assert ours[0] == 15 / 128 * 2.0**127
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_mxfp8_matches_torchao_on_bfloat16_inputs(dtype):
     x = heavy_tailed(16, 128, seed=3).to(dtype)
@@ -516,6 +544,26 @@ def test_blocks_of_scaled_element_values_are_unchanged(name):
     x = (picks * torch.exp2(e)).float()
     for rounding in lpsim.Rounding:
         assert_same_bits(lpsim.quantize(x, fmt, rounding, seed=1), x)
+
+
+@pytest.mark.parametrize("name", SCALED_PRESETS)
+def test_values_of_the_format_come_back_unchanged_by_every_rule(name):
+    # Values of the format under their own scales: rounded to nearest until that changes nothing
+    # (a block's scale follows its largest value, which the rounding may move). With a Float scale
+    # the encoder's y = x * (1 / s) lies a rounding or two from the element, where the directed
+    # and stochastic rules once moved it a step.
+    fmt = preset(name)
+    x = heavy_tailed(128, 256, seed=7, spread=2.0)
+    for _ in range(8):
+        y = lpsim.quantize(x, fmt, "nearest")
+        if bool(same_bits(y, x).all()):
+            break
+        x = y
+    else:
+        pytest.fail("rounding to nearest found no fixed point in 8 passes")
+    for rounding, rbits in _RULES:
+        got = lpsim.quantize(x, fmt, rounding, rbits=rbits, seed=1)
+        assert_same_bits(got, x)
 
 
 def test_a_nan_or_inf_makes_its_block_nan_and_leaves_the_others():

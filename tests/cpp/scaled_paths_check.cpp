@@ -230,6 +230,8 @@ void old_factors(typename C::word amax, const ScaledSpec& s,
   }
 }
 
+// The element of y rounded by rule R, decoded (times d, rounded to C) in the old way; a value of
+// the format (the decoded element nearest y) comes back unchanged by every rule.
 template <Rounding R, class C>
 typename C::word old_float_element(typename C::word u, RealOf<ScaledArithmetic<C>> r,
                                    RealOf<ScaledArithmetic<C>> d, const ElementGrids<C>& g,
@@ -237,11 +239,18 @@ typename C::word old_float_element(typename C::word u, RealOf<ScaledArithmetic<C
   using K = ScaledArithmetic<C>;
   using T = RealOf<K>;
   const double y = mul_rn(real_of(convert_exact<K, C>(u)), r);
-  const T q =
-      static_cast<T>(real_of(round_to_grid<R, F64>(bits_of_real(y), g.element, random, mask)));
-  typename K::word out = bits_of_real(mul_rn(q, d));
-  if constexpr (!std::is_same_v<K, C>) out = round_to_grid<Rounding::nearest, K>(out, g.own, 0, 0);
-  return convert_exact<C, K>(out);
+  auto decoded = [&](auto rule, uint32_t word) {
+    constexpr Rounding kRule = decltype(rule)::value;
+    const T q =
+        static_cast<T>(real_of(round_to_grid<kRule, F64>(bits_of_real(y), g.element, word, mask)));
+    typename K::word out = bits_of_real(mul_rn(q, d));
+    if constexpr (!std::is_same_v<K, C>) {
+      out = round_to_grid<Rounding::nearest, K>(out, g.own, 0, 0);
+    }
+    return convert_exact<C, K>(out);
+  };
+  const auto nearest = decoded(std::integral_constant<Rounding, Rounding::nearest>{}, 0);
+  return nearest == u ? u : decoded(std::integral_constant<Rounding, R>{}, random);
 }
 
 // Float scales: blocks whose largest magnitude is each of `amaxes`, the values `values` in them

@@ -404,12 +404,30 @@ LPSIM_FN typename C::word shifted_arithmetic_element(typename C::word u,
   return from_arithmetic<C>(round_to_grid<Rounding::nearest, K>(v, own, 0, 0));
 }
 
+// The value element q of a block with a Float scale decodes to: q * decode in the arithmetic,
+// rounded onto C's own grid (`own`, in the arithmetic's container).
+template <class C>
+LPSIM_FN typename ScaledArithmetic<C>::word decoded_element(RealOf<ScaledArithmetic<C>> q,
+                                                            RealOf<ScaledArithmetic<C>> decode,
+                                                            const Grid<ScaledArithmetic<C>>& own) {
+  using K = ScaledArithmetic<C>;
+  typename K::word out = bits_of_real(mul_rn(q, decode));
+  if constexpr (!std::is_same_v<K, C>) out = round_to_grid<Rounding::nearest, K>(out, own, 0, 0);
+  return out;
+}
+
 // The value the element with bits u (container C) of a finite block with a Float scale decodes
 // to: y = x * reciprocal rounded in the arithmetic, rounded onto the element grid in the
-// arithmetic's container (which holds y and the grid exactly: the same as in float64), times
-// decode, rounded to C. The operations are those of a vectorisable loop: no float64 for the 16- and
-// 32-bit containers, and no branches. kShortcut: the element grid takes the shortcuts of round.h
-// (shortcut_applies), the same bits in fewer operations.
+// arithmetic's container (which holds y and the grid exactly: the same as in float64), decoded
+// (decoded_element), in C. A value of the format comes back unchanged by every rule: where x is
+// the decoded value of the element nearest y, the result is x, although y, a rounding or two away
+// from that element, would go a step down or up under a directed or stochastic rule. (The element
+// nearest y is the one x decodes from wherever y's relative error, from a few roundings in the
+// arithmetic and one into C, stays below half the element grid's spacing: element formats much
+// narrower than C, as every preset's.) Under round to nearest that element is y's own rounding,
+// so the check is left out there. The operations are those of a vectorisable loop: no float64 for
+// the 16- and 32-bit containers, and no branches. kShortcut: the element grid takes the shortcuts
+// of round.h (shortcut_applies), the same bits in fewer operations.
 template <Rounding R, class C, bool kShortcut = false>
 LPSIM_FN typename C::word float_scaled_element(typename C::word u,
                                                RealOf<ScaledArithmetic<C>> reciprocal,
@@ -418,11 +436,16 @@ LPSIM_FN typename C::word float_scaled_element(typename C::word u,
                                                const Grid<ScaledArithmetic<C>>& own,
                                                uint32_t random, uint32_t mask) {
   using K = ScaledArithmetic<C>;
-  const auto y = mul_rn(real_of(to_arithmetic<C>(u)), reciprocal);
-  const auto q =
-      real_of(round_to_grid_or_shortcut<R, K, kShortcut>(bits_of_real(y), element, random, mask));
-  typename K::word out = bits_of_real(mul_rn(q, decode));
-  if constexpr (!std::is_same_v<K, C>) out = round_to_grid<Rounding::nearest, K>(out, own, 0, 0);
+  const typename K::word x = to_arithmetic<C>(u);
+  const auto y = bits_of_real(mul_rn(real_of(x), reciprocal));
+  typename K::word out = decoded_element<C>(
+      real_of(round_to_grid_or_shortcut<R, K, kShortcut>(y, element, random, mask)), decode, own);
+  if constexpr (R != Rounding::nearest) {
+    const typename K::word nearest = decoded_element<C>(
+        real_of(round_to_grid_or_shortcut<Rounding::nearest, K, kShortcut>(y, element, 0, 0)),
+        decode, own);
+    out = select(nearest == x, x, out);
+  }
   return from_arithmetic<C>(out);
 }
 
