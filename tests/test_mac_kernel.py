@@ -280,6 +280,27 @@ def test_float32_lanes_equal_the_scalar_loop_on_narrow_operands(acc, operand):
     assert_same_bits(got, want, f"{mac!r} on {operand!r} operands")
 
 
+@pytest.mark.parametrize(
+    "a_man, b_man, served", [(11, 11, True), (12, 11, False), (21, 1, True), (22, 1, False)]
+)
+def test_float32_lanes_take_a_tile_exactly_when_its_products_are_float32_values(
+    a_man, b_man, served
+):
+    # One tile (4 rows by 16 columns) whose widest operands have a_man + 1 and b_man + 1
+    # significant bits: its products are all float32 values where these add up to at most 24, and
+    # the float32 lanes must then take it and otherwise leave it to the float64 ones.
+    g = torch.Generator().manual_seed(5)
+    a = lpsim.quantize(torch.randn(4, 40, generator=g), Float(8, a_man))
+    b = lpsim.quantize(torch.randn(40, 16, generator=g), Float(8, b_man))
+    a[0, 0] = 1 + 2.0**-a_man
+    b[0, 0] = -(1 + 2.0**-b_man)
+    mac = MAC(accumulator=BFLOAT16)
+    before = torch.ops.lpsim._mac_float_tiles()
+    got, want = lanes_and_scalar(a, b, mac)
+    assert (torch.ops.lpsim._mac_float_tiles() > before) == served
+    assert_same_bits(got, want, f"operands of {a_man + 1} and {b_man + 1} bits")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_float32_lanes_take_bfloat16_and_float16_tensors(dtype):
     a, b = narrow_operands(6, 50, 21, 12, BFLOAT16 if dtype == torch.bfloat16 else FLOAT16)

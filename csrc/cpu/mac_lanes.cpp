@@ -302,19 +302,41 @@ bool stochastic_kernel(const Tile& t, int64_t k0, int64_t k1, const StochasticGr
   return stochastic_terms(t, k0, k1, g, words, lanes, range);
 }
 
-// An operand's significant bits for the float32 lanes: 0 for a zero, the significand's width for
-// a magnitude in [2^-62, 2^62), and kNoFloatTerms otherwise (Inf, NaN, magnitudes whose products
-// could leave float32's normal range). Two operands whose widths add up to at most 24 have an exact
-// float32 product in [2^-124, 2^124) (or a zero).
+// The operands' significant bits for the float32 lanes, over `count` float32 values: 0 where all
+// are zeros, the widest significand's width where every nonzero magnitude is in [2^-62, 2^62), and
+// kNoFloatTerms otherwise (an Inf, a NaN, a magnitude whose products could leave float32's normal
+// range). Two sets whose widths add up to at most 24 have exact float32 products in
+// [2^-124, 2^124) (or zeros). The widest significand has the fewest trailing zeros, so its width
+// is read off the OR of all the fraction fields: reductions that vectorise.
 constexpr int kNoFloatTerms = 64;
 constexpr int kFloatTermBits = 24;
 
-LPSIM_INLINE int float_term_width(float v) {
-  const uint32_t u = bits_of_real(v) & Float32Container::abs_mask;
-  if (u == 0) return 0;
-  const uint32_t field = u >> 23;
-  if (field < 127 - 62 || field >= 127 + 62) return kNoFloatTerms;
-  return 24 - __builtin_ctz((u & Float32Container::man_mask) | (uint32_t(1) << 23));
+LPSIM_MULTIVERSION
+int float_terms_width(const float* v, int64_t count) {
+  using C = Float32Container;
+  uint32_t fractions = 0, high = 0, low = 0xff;
+  for (int64_t i = 0; i < count; ++i) {
+    const uint32_t u = bits_of_real(v[i]) & C::abs_mask;
+    const uint32_t field = u >> C::man_bits;
+    fractions |= u & C::man_mask;
+    high = std::max(high, field);
+    low = std::min(low, u == 0 ? uint32_t(0xff) : field);
+  }
+  if (high == 0 && fractions == 0) return 0;  // zeros only
+  if (low < 127 - 62 || high >= 127 + 62) return kNoFloatTerms;
+  return 24 - __builtin_ctz(fractions | (uint32_t(1) << C::man_bits));
+}
+
+// The panel of b's columns [jb, jb + width) in the lanes' layout: panel[k * kLanes + l] =
+// convert(column jb + l at term k), columns from width on zeros. b holds its columns' terms
+// contiguously (n per column).
+template <class T, class S, class Convert>
+LPSIM_INLINE void pack_panel(const S* b, int64_t n, int64_t jb, int width, T* panel,
+                             Convert convert) {
+  for (int l = 0; l < kLanes; ++l) {
+    const S* column = b + (jb + l) * n;
+    for (int64_t k = 0; k < n; ++k) panel[k * kLanes + l] = l < width ? convert(column[k]) : T(0);
+  }
 }
 
 // Whether this thread's float arithmetic keeps subnormals (the float32 lanes need it, see
@@ -378,7 +400,7 @@ void lanes_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t 
   const uint32_t mask = random_mask(random.rbits);
 
   std::vector<double> panels;
-  std::vector<char> panel_finite;
+  std::vector<signed char> panel_finite;
   std::vector<double> rows(static_cast<size_t>(n) * kRows);
   // The same operands in float32 for the float32 lanes, with their widest operand's width.
   std::vector<float> float_panels;
@@ -394,37 +416,35 @@ void lanes_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t 
 
   // The results of rows [i0, i1) and columns [j0, j1).
   auto results = [&](int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
-    // b's columns [j0, j1) as panels, packed once for all the row blocks: per multiply-add,
-    // converting operands per tile cost about as much as the fast path's arithmetic.
+    // b's columns [j0, j1) as panels of kLanes columns, packed once for all the row blocks (per
+    // multiply-add, converting operands per tile cost about as much as the fast path's arithmetic):
+    // in float32 for the float32 lanes, with their width, and in float64 where a tile takes the
+    // other paths, packed at its first use (the float32 lanes serve most tiles without them).
     const int64_t blocks = (j1 - j0 + kLanes - 1) / kLanes;
     const int64_t panel_size = n * kLanes;
     panels.resize(static_cast<size_t>(blocks * panel_size));
-    panel_finite.assign(static_cast<size_t>(blocks), 1);
-    for (int64_t block_index = 0; block_index < blocks; ++block_index) {
-      const int64_t jb = j0 + block_index * kLanes;
-      const int width = static_cast<int>(std::min<int64_t>(kLanes, j1 - jb));
+    panel_finite.assign(static_cast<size_t>(blocks), -1);  // -1: not packed yet
+    auto double_panel = [&](int64_t block_index) {
       double* panel = panels.data() + block_index * panel_size;
-      bool finite = true;  // the fast path takes finite operands only
-      for (int l = 0; l < kLanes; ++l) {
-        const S* column = b + (jb + l) * n;
-        for (int64_t k = 0; k < n; ++k) {
-          const double v = l < width ? as_double<X>(column[k]) : 0.0;
-          panel[k * kLanes + l] = v;
-          finite = finite & (v - v == 0.0);
-        }
+      if (panel_finite[block_index] < 0) {
+        const int64_t jb = j0 + block_index * kLanes;
+        const int width = static_cast<int>(std::min<int64_t>(kLanes, j1 - jb));
+        pack_panel(b, n, jb, width, panel, [](S v) { return as_double<X>(v); });
+        bool finite = true;  // the fast path takes finite operands only
+        for (int64_t i = 0; i < panel_size; ++i) finite = finite & (panel[i] - panel[i] == 0.0);
+        panel_finite[block_index] = finite;
       }
-      panel_finite[block_index] = finite;
-    }
+      return panel;
+    };
     if (fast_float) {
       float_panels.resize(panels.size());
       panel_width.assign(static_cast<size_t>(blocks), 0);
       for (int64_t block_index = 0; block_index < blocks; ++block_index) {
-        int width = 0;
-        for (int64_t i = block_index * panel_size; i < (block_index + 1) * panel_size; ++i) {
-          float_panels[i] = static_cast<float>(panels[i]);
-          width = std::max(width, float_term_width(float_panels[i]));
-        }
-        panel_width[block_index] = width;
+        const int64_t jb = j0 + block_index * kLanes;
+        const int width = static_cast<int>(std::min<int64_t>(kLanes, j1 - jb));
+        float* panel = float_panels.data() + block_index * panel_size;
+        pack_panel(b, n, jb, width, panel, [](S v) { return static_cast<float>(as_double<X>(v)); });
+        panel_width[block_index] = float_terms_width(panel, panel_size);
       }
     }
     for (int64_t ib = i0; ib < i1; ib += kRows) {
@@ -440,17 +460,12 @@ void lanes_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t 
       }
       int rows_width = kNoFloatTerms;
       if (fast_float) {
-        rows_width = 0;
-        for (int64_t i = 0; i < kRows * n; ++i) {
-          float_rows[i] = static_cast<float>(rows[i]);
-          rows_width = std::max(rows_width, float_term_width(float_rows[i]));
-        }
+        for (int64_t i = 0; i < kRows * n; ++i) float_rows[i] = static_cast<float>(rows[i]);
+        rows_width = float_terms_width(float_rows.data(), kRows * n);
       }
       for (int64_t block_index = 0; block_index < blocks; ++block_index) {
         const int64_t jb = j0 + block_index * kLanes;
         const int width = static_cast<int>(std::min<int64_t>(kLanes, j1 - jb));
-        const bool finite = rows_finite && panel_finite[block_index] != 0;
-        const Tile tile{rows.data(), panels.data() + block_index * panel_size, n};
         // The words of terms [k0, k1) of the tile's lanes, lane-major, so that the caches generate
         // each result's groups once.
         auto gather_words = [&](int64_t k0, int64_t k1) {
@@ -469,7 +484,7 @@ void lanes_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t 
           }
         };
         // Stochastic rounding in vectors: every block, then one check of the range.
-        auto stochastic_tile = [&]() {
+        auto stochastic_tile = [&](const Tile& tile) {
           Words range[kRows * kVectors] = {};
           bool within = true;
           for (int64_t k0 = 0; k0 < n; k0 += block) {
@@ -488,18 +503,22 @@ void lanes_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t 
         };
         const bool float_terms =
             fast_float && rows_width + panel_width[block_index] <= kFloatTermBits;
-        if ((float_terms && float_tile()) ||
-            (fast && finite && nearest_kernel(tile, nearest, lanes)) ||
-            (fast_stochastic && finite && stochastic_tile())) {
-          std::fill(lanes.bad, lanes.bad + kTileSize, uint64_t(0));
-        } else {
-          for (int64_t k0 = 0; k0 < n; k0 += block) {
-            const int64_t k1 = std::min(n, k0 + block);
-            if constexpr (is_stochastic(R)) gather_words(k0, k1);
-            generic_kernel(R, product != nullptr, two_sum, tile, k0, k1, acc_grid, product_grid,
-                           mask, add_words.data(), product_words.data(), lanes);
+        bool done = float_terms && float_tile();
+        if (!done) {
+          const Tile tile{rows.data(), double_panel(block_index), n};
+          const bool finite = rows_finite && panel_finite[block_index] == 1;
+          done = (fast && finite && nearest_kernel(tile, nearest, lanes)) ||
+                 (fast_stochastic && finite && stochastic_tile(tile));
+          if (!done) {
+            for (int64_t k0 = 0; k0 < n; k0 += block) {
+              const int64_t k1 = std::min(n, k0 + block);
+              if constexpr (is_stochastic(R)) gather_words(k0, k1);
+              generic_kernel(R, product != nullptr, two_sum, tile, k0, k1, acc_grid, product_grid,
+                             mask, add_words.data(), product_words.data(), lanes);
+            }
           }
         }
+        if (done) std::fill(lanes.bad, lanes.bad + kTileSize, uint64_t(0));
         for (int r = 0; r < height; ++r) {
           for (int l = 0; l < width; ++l) {
             const int lane = r * kLanes + l;
