@@ -2,6 +2,7 @@
 #include "checks.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Generator.h>
 
 #include <climits>
@@ -121,6 +122,10 @@ void check_out(const at::Tensor& x, const at::Tensor& out) {
   TORCH_CHECK(out.scalar_type() == x.scalar_type(), "lpsim: out must have the dtype of x, ",
               x.scalar_type(), ", got ", out.scalar_type());
   TORCH_CHECK(out.device() == x.device(), "lpsim: out must be on the device of x");
+  // out may be x itself (each element is read before it is written, and a block's maximum before
+  // any of its elements), but not another view of the same memory: torch's own rule for out=.
+  at::assert_no_internal_overlap(out);
+  at::assert_no_partial_overlap(out, x);
 }
 
 }  // namespace lpsim

@@ -12,6 +12,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -30,6 +32,38 @@
 namespace lpsim {
 namespace {
 
+// The tensors' elements, as byte ranges from their first to past their last, must not meet: the
+// tensors are rounded concurrently (non-contiguous ones through copies written back), so an element
+// of two of them would be rounded twice, by two streams, or raced. Ranges that meet are refused
+// even where two views' strides interleave without sharing an element (x[::2] and x[1::2]), which
+// separate calls round.
+void check_disjoint(at::TensorList xs) {
+  struct Range {
+    uintptr_t begin, end;
+    size_t index;
+  };
+  std::vector<Range> ranges;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const at::Tensor& x = xs[i];
+    if (x.numel() == 0) continue;
+    int64_t last = 0;  // the last element's offset from the first, in elements (strides >= 0)
+    for (int64_t d = 0; d < x.dim(); ++d) last += (x.size(d) - 1) * x.stride(d);
+    const auto begin = reinterpret_cast<uintptr_t>(x.data_ptr());
+    ranges.push_back({begin, begin + static_cast<uintptr_t>((last + 1) * x.element_size()), i});
+  }
+  std::sort(ranges.begin(), ranges.end(),
+            [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  for (size_t k = 1; k < ranges.size(); ++k) {
+    const Range& widest = ranges[k - 1];
+    TORCH_CHECK_VALUE(ranges[k].begin >= widest.end, "lpsim: tensors[",
+                      std::min(widest.index, ranges[k].index), "] and tensors[",
+                      std::max(widest.index, ranges[k].index),
+                      "] overlap in memory: every tensor is rounded once, concurrently, so they "
+                      "must not share elements (round views of one tensor in separate calls)");
+    if (ranges[k].end < widest.end) ranges[k] = widest;  // the range reaching furthest so far
+  }
+}
+
 // The tensors of one call, checked: each one's container (the grid must fit it) and a contiguous
 // buffer to round in place (the tensor itself, or a copy that finish() writes back).
 struct ManyTensors {
@@ -38,6 +72,7 @@ struct ManyTensors {
   std::vector<int64_t> numels;
 
   ManyTensors(at::TensorList xs, const GridSpec& spec) {
+    check_disjoint(xs);
     for (size_t i = 0; i < xs.size(); ++i) {
       const at::Tensor& x = xs[i];
       TORCH_CHECK(x.device() == xs[0].device(), "lpsim: tensors[", i, "] is on ", x.device(),
@@ -106,6 +141,8 @@ void quantize_grid_many_cuda(at::TensorList xs, LPSIM_MANY_ARGS) {
 TORCH_LIBRARY_FRAGMENT(lpsim, m) {
   m.def(("quantize_grid_many_(Tensor(a!)[] xs, " + grid_schema() + ", " + kRandomSchema + ") -> ()")
             .c_str());
+  // The same check for quantize_many_'s loop of quantize_ (BlockFloat and Scaled formats).
+  m.def("_check_disjoint(Tensor[] xs) -> ()", [](at::TensorList xs) { check_disjoint(xs); });
 }
 
 TORCH_LIBRARY_IMPL(lpsim, CPU, m) { m.impl("quantize_grid_many_", quantize_grid_many_cpu); }

@@ -93,7 +93,8 @@ def quantize_many_(
             dtype (the message names tensors[i]); fmt is not a format; an argument has the wrong
             type.
         ValueError: the format does not fit tensors[i]'s dtype (the message names tensors[i]), the
-            tensors are on different devices, or an argument is out of range.
+            tensors are on different devices, two of them overlap in memory (the message names
+            both), or an argument is out of range.
         IndexError: a BlockFloat dim does not exist in a tensor.
         RuntimeError: a tensor is a leaf that requires grad (or a view of one) in grad mode.
     """
@@ -105,7 +106,10 @@ def quantize_many_(
             f"got offset {offset} for {len(checked)} tensors"
         )
     if isinstance(fmt, (BlockFloat, Scaled)):
-        # One loop of quantize_ under one seed: the one given, or one drawn here for all.
+        # One loop of quantize_ under one seed: the one given, or one drawn here for all. The
+        # tensors must not overlap there either (the op's check, on real tensors).
+        if not torch.compiler.is_compiling():
+            call("_check_disjoint", checked)
         if rule.is_stochastic and seed is None:
             seed = int(draw_seed())
         for i, t in enumerate(checked):

@@ -124,6 +124,24 @@ def test_bad_input_raises_a_clear_error(call, error, pattern):
         call()
 
 
+@pytest.mark.parametrize(
+    "fmt",
+    [lpsim.Float(4, 3), BlockFloat(8), lpsim.scaled.preset("mxfp8_e4m3")],
+    ids=["float", "block", "scaled"],
+)
+def test_out_overlapping_x_in_part_is_refused_and_out_x_itself_is_exact(fmt):
+    # An out= that shares part of x's memory once gave wrong values silently (the kernels read
+    # elements already written); torch's own out= ops refuse it, and so does lpsim.
+    buf = torch.randn(96)
+    x, out = buf[:64].view(2, 32), buf[32:].view(2, 32)
+    want = lpsim.quantize(x.clone(), fmt)
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        lpsim.quantize(x, fmt, out=out)
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        lpsim.quantize(x, fmt, out=x.view(32, 2).t())  # x's memory in another order
+    assert torch.equal(lpsim.quantize(x, fmt, out=x), want)
+
+
 def test_the_ops_check_their_arguments_when_called_directly():
     ops = torch.ops.lpsim
     seed = torch.tensor(0)

@@ -163,6 +163,21 @@ def test_errors_name_the_tensor():
         quantize_many_([torch.randn(3)], Float(5, 2), "stochastic", rbits=40)
 
 
+@pytest.mark.parametrize(
+    "fmt", [Float(4, 3), BlockFloat(8), lpsim.scaled.preset("mxfp8_e4m3")], ids=repr
+)
+def test_tensors_that_share_memory_are_refused(fmt):
+    # Once accepted: an element of two tensors was rounded twice (by two streams), or raced.
+    buf = torch.randn(96)
+    before = buf.clone()
+    for tensors in ([buf[:64], buf[32:]], [buf[:32], buf[:32]], [buf[::2], buf[1::2]]):
+        with pytest.raises(ValueError, match=r"tensors\[0\] and tensors\[1\] overlap in memory"):
+            quantize_many_(tensors, fmt, "stochastic", seed=1)
+        assert torch.equal(buf, before)  # refused before anything is written
+    # Neighbouring views, and empty tensors anywhere, are fine.
+    quantize_many_([buf[:32], buf[32:64], buf[:0], buf[64:]], fmt, "stochastic", seed=1)
+
+
 def test_direct_op_call_checks_the_grid_against_each_dtype():
     grid = Float(5, 10).grid_arguments(torch.float32)
     with pytest.raises(RuntimeError, match="not representable"):
