@@ -34,23 +34,23 @@ def seed_argument(seed: int | None, rounding: Rounding) -> int | torch.Tensor | 
     signed int64 value, or None.
 
     None stands for "no random words" for rules that draw none (which then consume nothing from
-    torch's generator), and for "draw one" for a stochastic rule without a seed: the op draws it
-    from torch's default CPU generator, as draw_seed() would, without a tensor per call. While
-    torch.compile traces, the draw is draw_seed() here instead, so that the graph holds it as a
-    random op of its own.
+    torch's generator, and ignore a seed given, once checked), and for "draw one" for a stochastic
+    rule without a seed: the op draws it from torch's default CPU generator, as draw_seed() would,
+    without a tensor per call. While torch.compile traces, the draw is draw_seed() here instead, so
+    that the graph holds it as a random op of its own.
 
     Raises:
         TypeError: seed is not an int or None.
         ValueError: seed is outside [0, 2**64).
     """
-    if not rounding.is_stochastic:
-        return None
     if seed is None:
-        return draw_seed() if torch.compiler.is_compiling() else None
+        return draw_seed() if rounding.is_stochastic and torch.compiler.is_compiling() else None
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
     if not 0 <= seed < MAX_SEED:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+    if not rounding.is_stochastic:
+        return None
     return seed - MAX_SEED if seed >= 2**63 else seed
 
 

@@ -80,6 +80,16 @@ X = torch.randn(4, 3)
             TypeError,
             r"seed must be an int or None",
         ),
+        (  # a rule without random words ignores a seed, but not a malformed one
+            lambda: lpsim.quantize(X, Float(5, 2), "nearest", seed="1"),
+            TypeError,
+            r"seed must be an int or None",
+        ),
+        (
+            lambda: lpsim.quantize(X, BlockFloat(8), "down", seed=-1),
+            ValueError,
+            r"seed must be in \[0, 2\*\*64\)",
+        ),
         (
             lambda: lpsim.quantize(X, Float(5, 2), "stochastic", seed=1, offset=-2),
             ValueError,
