@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import lpsim
+import lpsim.compat.qtorch
 from lpsim import BlockFloat, Float, Rounding
 
 X = torch.randn(4, 3)
@@ -127,6 +128,28 @@ X = torch.randn(4, 3)
             r"does not fit a float16 tensor",
         ),
         (lambda: Rounding.parse(None), TypeError, r"rounding must be a str"),
+        (  # a truthy string meant as "off" once turned the clip mask on
+            lambda: lpsim.nn.quantizer(Float(4, 3), clamp_grad_zero="no"),
+            TypeError,
+            r"clamp_grad_zero must be a bool, got str",
+        ),
+        (
+            lambda: lpsim.nn.Quantizer(Float(4, 3), clamp_grad_zero=1),
+            TypeError,
+            r"clamp_grad_zero must be a bool, got int",
+        ),
+        (  # once accepted, and a TypeError only in backward
+            lambda: lpsim.nn.quantizer(None, Float(4, 3), backward_hooks=[5]),
+            TypeError,
+            r"backward_hooks\[0\] must be callable, got int",
+        ),
+        (
+            lambda: lpsim.compat.qtorch.quant.quantizer(
+                lpsim.compat.qtorch.FixedPoint(4, 2), clamping_grad_zero="no"
+            ),
+            TypeError,
+            r"clamping_grad_zero must be a bool, got str",
+        ),
     ],
 )
 def test_bad_input_raises_a_clear_error(call, error, pattern):

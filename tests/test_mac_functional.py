@@ -231,6 +231,36 @@ def test_bias_is_one_rounded_addition_in_the_accumulator():
     assert LF.linear(x, w, bias + 2, mac=FLOAT16).item() == 2052.0
 
 
+def test_a_bias_of_another_dtype_is_added_exactly_and_rounded_once():
+    # A float32 bias on bfloat16 (float16) operands was first rounded to their dtype, then added:
+    # two roundings (or an overflow) where the rule is one.
+    one = torch.ones(1, 1, dtype=torch.bfloat16)
+    bias = torch.tensor([2.0**-8 + 2.0**-20])  # 1 + bias lies just above a bfloat16 midpoint
+    assert LF.linear(one, one, bias, mac=MAC(accumulator=Float(8, 7))).item() == 1 + 2.0**-7
+    x, w = torch.ones(1, 1, dtype=torch.half), torch.full((1, 1), -10000.0, dtype=torch.half)
+    assert LF.linear(x, w, torch.tensor([70000.0]), mac=FLOAT16).item() == 60000.0
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda mac: LF.linear(torch.zeros(2, 0), torch.zeros(3, 0), torch.ones(3), mac=mac),
+        lambda mac: LF.linear(torch.zeros(0, 5, 4), torch.zeros(3, 4), torch.ones(3), mac=mac),
+        lambda mac: LF.matmul(torch.zeros(2, 0), torch.zeros(0, 3), mac=mac),
+        lambda mac: LF.matmul(torch.zeros(0, 2, 4), torch.zeros(4, 3), mac=mac),
+        lambda mac: LF.bmm(torch.zeros(2, 2, 0), torch.zeros(2, 0, 3), mac=mac),
+        lambda mac: LF.bmm(torch.zeros(0, 2, 4), torch.zeros(0, 4, 3), mac=mac),
+    ],
+    ids=["linear_k0", "linear_m0", "matmul_k0", "matmul_batch0", "bmm_k0", "bmm_batch0"],
+)
+def test_empty_products_give_torchs_shapes_and_values(call):
+    # An empty sum (K = 0) or batch once failed inside the simulated ops (reshape(-1) of an empty
+    # tensor, a stack of no matrices); the empty sum is +0, plus the bias rounded once.
+    want = call(MAC())
+    got = call(FLOAT16)
+    assert_same_bits(got, want, "empty product")
+
+
 def test_linear_equals_mac_matmul():
     x, w = spread(5, 33, seed=31), spread(6, 33, seed=32)
     assert_same_bits(LF.linear(x, w, mac=FLOAT16), lpsim.mac.matmul(x, w.t(), FLOAT16))

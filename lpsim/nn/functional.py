@@ -317,6 +317,9 @@ def _batched(a: torch.Tensor, b: torch.Tensor, mac: MAC) -> torch.Tensor:
     if mac.native:
         return torch.matmul(*(t.to(torch.promote_types(a.dtype, b.dtype)) for t in (a, b)))
     seed = _seed(mac)
+    if a.shape[0] == 0:  # no matrices: the results' dtype from an empty product
+        empty = _product(a.new_zeros((0, a.shape[2])), b.new_zeros((b.shape[1], 0)), mac, seed, 0)
+        return empty.new_empty((0, a.shape[1], b.shape[2]))
     return torch.stack([_product(a[i], b[i], mac, seed, i) for i in range(a.shape[0])])
 
 
@@ -392,14 +395,16 @@ class _AddBias(torch.autograd.Function):
             return y + b
         mac = how.forward
         rbits = mac.rbits if mac.rounding.is_stochastic else None
-        return sr_add(y, b.to(y.dtype), mac.accumulator, mac.rounding, rbits=rbits)
+        # b in its own dtype: sr_add rounds the exact y + b once (b.to(y.dtype) rounded it first).
+        return sr_add(y, b, mac.accumulator, mac.rounding, rbits=rbits)
 
     @staticmethod
     def backward(ctx, grad):
         how = ctx.how
         grad_bias = None
         if ctx.needs_input_grad[1]:
-            rows = grad.movedim(ctx.dim, -1).reshape(-1, grad.shape[ctx.dim])
+            rows = grad.movedim(ctx.dim, -1)
+            rows = rows.reshape(math.prod(rows.shape[:-1]), rows.shape[-1])
             ones = torch.ones(1, rows.shape[0], dtype=rows.dtype)
             grad_bias = _product(ones, rows, how.weight_grad, _seed(how.weight_grad), 0)[0]
         return grad, grad_bias, None, None
@@ -478,10 +483,11 @@ def simulated_matmul(
             f"{tuple(a.shape)} and {tuple(b.shape)}"
         )
     if b.dim() == 2:  # fold the input's leading dimensions into the rows, as torch does
+        rows = math.prod(a.shape[:-1])  # (not -1: K may be 0)
         c = _BatchedProduct.apply(
-            a.reshape(1, -1, a.shape[-1]),
+            a.reshape(1, rows, a.shape[-1]),
             b.unsqueeze(0),
-            raw_a.reshape(1, -1, a.shape[-1]),
+            raw_a.reshape(1, rows, a.shape[-1]),
             raw_b.unsqueeze(0),
             how,
         )
@@ -490,7 +496,7 @@ def simulated_matmul(
         batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
 
         def batched(t: torch.Tensor) -> torch.Tensor:
-            return t.expand(*batch, *t.shape[-2:]).reshape(-1, *t.shape[-2:])
+            return t.expand(*batch, *t.shape[-2:]).reshape(math.prod(batch), *t.shape[-2:])
 
         c = _BatchedProduct.apply(batched(a), batched(b), batched(raw_a), batched(raw_b), how)
         c = c.reshape(*batch, a.shape[-2], b.shape[-1])
@@ -599,10 +605,11 @@ def simulated_linear(
     if bias is not None and bias.shape != (w.shape[0],):
         raise ValueError(f"bias must have shape ({w.shape[0]},), got {tuple(bias.shape)}")
     raw_x, raw_w = unquantised
+    rows = math.prod(x.shape[:-1])  # (not -1: in_features may be 0)
     y = _BatchedProduct.apply(
-        x.reshape(1, -1, x.shape[-1]),
+        x.reshape(1, rows, x.shape[-1]),
         w.t().unsqueeze(0),
-        raw_x.reshape(1, -1, x.shape[-1]),
+        raw_x.reshape(1, rows, x.shape[-1]),
         raw_w.t().unsqueeze(0),
         how,
     )[0]

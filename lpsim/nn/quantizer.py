@@ -287,7 +287,8 @@ def quantizer(
     module and lpsim.nn.inject() switch to deterministic rounding in eval mode.
 
     Raises:
-        TypeError: a spec is malformed.
+        TypeError: a spec is malformed; clamp_grad_zero is not a bool; a backward hook is not
+            callable.
         ValueError: clamp_grad_zero without a clipping forward format.
     """
     forward_spec = as_spec(forward, forward_rounding, "forward")
@@ -306,7 +307,12 @@ def quantizing_function(forward, backward, clamp_grad_zero=False, backward_hooks
     QuantSpec or a ScalerCall (clamp_grad_zero needs a QuantSpec forward). The function returned
     takes the tensor and, optionally, ``observed``: None, or the pair (module, training mode)
     under which its roundings are reported to the current observer (lpsim._observation)."""
+    if not isinstance(clamp_grad_zero, bool):
+        raise TypeError(f"clamp_grad_zero must be a bool, got {type(clamp_grad_zero).__name__}")
     hooks = tuple(backward_hooks)
+    for i, hook in enumerate(hooks):
+        if not callable(hook):
+            raise TypeError(f"backward_hooks[{i}] must be callable, got {type(hook).__name__}")
     if clamp_grad_zero:
         if forward is None:
             raise ValueError("clamp_grad_zero needs a forward format")

@@ -89,9 +89,14 @@ def quantizer(
     backward_number too (QPyTorch then passes the gradient unmasked).
 
     Raises:
-        TypeError: a number is not a qtorch Number.
+        TypeError: a number is not a qtorch Number; clamping_grad_zero is not a bool; a backward
+            hook is not callable.
         ValueError: clamping_grad_zero with a forward_number that does not clip.
     """
+    if not isinstance(clamping_grad_zero, bool):
+        raise TypeError(
+            f"clamping_grad_zero must be a bool, got {type(clamping_grad_zero).__name__}"
+        )
     return lpnn.quantizer(
         lpsim_format(forward_number),
         lpsim_format(backward_number),
