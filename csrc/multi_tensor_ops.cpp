@@ -53,14 +53,14 @@ void check_disjoint(at::TensorList xs) {
   }
   std::sort(ranges.begin(), ranges.end(),
             [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  const Range* furthest = ranges.empty() ? nullptr : &ranges[0];  // reaching furthest so far
   for (size_t k = 1; k < ranges.size(); ++k) {
-    const Range& widest = ranges[k - 1];
-    TORCH_CHECK_VALUE(ranges[k].begin >= widest.end, "lpsim: tensors[",
-                      std::min(widest.index, ranges[k].index), "] and tensors[",
-                      std::max(widest.index, ranges[k].index),
+    TORCH_CHECK_VALUE(ranges[k].begin >= furthest->end, "lpsim: tensors[",
+                      std::min(furthest->index, ranges[k].index), "] and tensors[",
+                      std::max(furthest->index, ranges[k].index),
                       "] overlap in memory: every tensor is rounded once, concurrently, so they "
                       "must not share elements (round views of one tensor in separate calls)");
-    if (ranges[k].end < widest.end) ranges[k] = widest;  // the range reaching furthest so far
+    if (ranges[k].end > furthest->end) furthest = &ranges[k];
   }
 }
 

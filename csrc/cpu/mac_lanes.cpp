@@ -422,9 +422,12 @@ void lanes_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t 
     // other paths, packed at its first use (the float32 lanes serve most tiles without them).
     const int64_t blocks = (j1 - j0 + kLanes - 1) / kLanes;
     const int64_t panel_size = n * kLanes;
-    panels.resize(static_cast<size_t>(blocks * panel_size));
     panel_finite.assign(static_cast<size_t>(blocks), -1);  // -1: not packed yet
     auto double_panel = [&](int64_t block_index) {
+      // Allocated at the first tile that needs one (a pointer into it lives for one tile).
+      if (panels.size() < static_cast<size_t>(blocks * panel_size)) {
+        panels.resize(static_cast<size_t>(blocks * panel_size));
+      }
       double* panel = panels.data() + block_index * panel_size;
       if (panel_finite[block_index] < 0) {
         const int64_t jb = j0 + block_index * kLanes;
@@ -437,7 +440,7 @@ void lanes_span(const void* av, const void* bv, uint64_t* y, int64_t n, int64_t 
       return panel;
     };
     if (fast_float) {
-      float_panels.resize(panels.size());
+      float_panels.resize(static_cast<size_t>(blocks * panel_size));
       panel_width.assign(static_cast<size_t>(blocks), 0);
       for (int64_t block_index = 0; block_index < blocks; ++block_index) {
         const int64_t jb = j0 + block_index * kLanes;
