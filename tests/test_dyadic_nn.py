@@ -4,6 +4,7 @@ the optimizer's shifts against torch.optim.SGD."""
 
 import math
 import warnings
+from fractions import Fraction
 
 import pytest
 import torch
@@ -251,7 +252,9 @@ def test_elementwise_overflow_raises_or_saturates_with_a_warning():
 def _overflowing_layer(overflow):
     # 8-bit inputs times 16-bit weights summed over 8 terms need 26 bits: a 16-bit accumulator
     # cannot hold them.
-    return inn.Linear(8, 2, weight=torch.ones(2, 8), accumulator_bits=16, overflow=overflow)
+    return inn.Linear(
+        8, 2, weight=torch.ones(2, 8), bias=False, accumulator_bits=16, overflow=overflow
+    )
 
 
 def test_linear_accumulator_overflow_raises_by_default():
@@ -271,6 +274,43 @@ def test_linear_accumulator_overflow_is_counted_and_warned_under_saturate():
         layer(x)
     assert layer.stats.overflows == 6
     assert layer.stats.summary()["overflows"] == 6
+
+
+def _bias_overflowing_layer(overflow):
+    # W = b = 96 at scale 7 (8-bit, headroom 0): x = 21 gives x W = 2016, inside a 12-bit
+    # accumulator's [-2048, 2047], and x W + b = 2112, outside it.
+    return inn.Linear(
+        1,
+        1,
+        weight=torch.tensor([[0.75]]),
+        bias_value=torch.tensor([0.75]),
+        weight_bits=8,
+        headroom=0,
+        accumulator_bits=12,
+        rounding="nearest",
+        overflow=overflow,
+    )
+
+
+def test_linear_bias_addition_is_checked_against_the_accumulator():
+    x = DyadicTensor(_int([[21]]), 0)
+    with pytest.raises(OverflowError, match=r"x W\^T \+ b: 1 result\(s\) outside \[-2048, 2047\]"):
+        _bias_overflowing_layer("raise")(x)
+    layer = _bias_overflowing_layer("saturate")
+    with pytest.warns(DyadicOverflowWarning):
+        y = layer(x)
+    assert layer.stats.overflows == 1
+    # The accumulator's 2047 at scale 7, requantised to 8 activation bits: saturated, not 2112.
+    assert y.mantissa.item() * 2.0**-y.scale <= 2047 * 2.0**-7
+
+
+def test_a_zero_bias_does_not_coarsen_the_weight_scale():
+    torch.manual_seed(0)
+    w = torch.empty(4, 8).uniform_(-0.01, 0.01)
+    zero_bias = inn.Linear(8, 4, weight=w, bias_value=torch.zeros(4), weight_bits=16, headroom=2)
+    no_bias = inn.Linear(8, 4, weight=w, bias=False, weight_bits=16, headroom=2)
+    assert zero_bias.weight.value.scale == no_bias.weight.value.scale == dyadic.scale_for(w, 16) - 2
+    assert torch.equal(zero_bias.weight.value.mantissa, no_bias.weight.value.mantissa)
 
 
 # ---- loss and optimizer -------------------------------------------------------------------------
@@ -326,6 +366,30 @@ def test_sgd_rounds_a_gradient_from_another_scale_onto_the_weight_grid_unbiased(
     mean = -w.value.mantissa.double().mean().item()
     p = 300 / 1024
     assert abs(mean - (3 + p)) <= 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_mse_loss_error_is_checked_against_the_accumulator():
+    y = DyadicTensor(_int([[30000]]), 0)
+    t = DyadicTensor(_int([[-30000]]), 0)  # both fit 16 bits; y - t = 60000 does not
+    with pytest.raises(OverflowError, match=r"y - t: 1 result\(s\) outside \[-32768, 32767\]"):
+        inn.mse_loss(y, t, accumulator_bits=16, rounding="nearest")
+
+
+def test_mse_loss_is_exact_where_the_sum_of_squares_passes_int64():
+    # Four errors of -2**31: the sum of squares is 2**64, which int64 wraps to 0.
+    y = DyadicTensor(torch.full((1, 4), -(2**31), dtype=torch.int64), 0)
+    t = DyadicTensor(torch.zeros(1, 4, dtype=torch.int64), 0)
+    assert inn.mse_loss(y, t, rounding="nearest").loss == 2.0**63
+    big = DyadicTensor(torch.tensor([[2**40 + 2**31 - 1]], dtype=torch.int64), 0)
+    zero = DyadicTensor(torch.zeros(1, 1, dtype=torch.int64), 0)
+    loss = inn.mse_loss(big, zero, rounding="nearest", accumulator_bits=64).loss
+    assert loss == float(Fraction((2**40 + 2**31 - 1) ** 2, 2))
+
+
+def test_mse_loss_refuses_an_empty_batch():
+    empty = DyadicTensor(torch.zeros(0, 3, dtype=torch.int32), 0)
+    with pytest.raises(ValueError, match="N >= 1"):
+        inn.mse_loss(empty, empty)
 
 
 def test_sgd_clips_gradients_and_weights_and_counts_them():
@@ -396,3 +460,21 @@ def test_iris_experiment_runs_and_writes_its_table(tmp_path):
     text = (tmp_path / "iris_int.md").read_text()
     assert "| integer (16-bit weights), stochastic |" in text and "| float32 |" in text
     assert (tmp_path / "iris_int.png").stat().st_size > 10_000
+
+
+def test_sgd_keeps_its_counts_by_the_parameters_current_names():
+    first, second = inn.Linear(2, 2), inn.Linear(2, 2)
+    with pytest.raises(ValueError, match="distinct names.*'weight' 2 times"):
+        SGD([*first.parameters(), *second.parameters()], lr_shift=4)
+    opt = SGD(first.parameters(), lr_shift=4)  # made before Sequential names the parameters
+    inn.Sequential(first, second)
+    first.weight.grad = first.weight.value.with_mantissa(torch.ones(2, 2, dtype=torch.int32))
+    opt.step()
+    assert set(opt.stats) == {"0.weight", "0.bias"}
+
+
+def test_sgd_refuses_a_gradient_of_another_shape():
+    w = inn.Parameter("w", DyadicTensor(_int([1, 2, 3]), 4), bits=16)
+    w.grad = DyadicTensor(torch.ones(2, 3, dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match=r"gradient of 'w' has shape \(2, 3\), its value \(3,\)"):
+        SGD([w], lr_shift=0).step()

@@ -138,6 +138,17 @@ def _check_shift(name: str, shift: int | None) -> int | None:
     return shift
 
 
+def _accumulated(result: F.Saturated, accumulator_bits: int) -> F.Saturated:
+    """A sum saturated to its mantissa dtype, clipped further to the accumulator's range: the
+    result, and how many elements either saturated. (An accumulator narrower than the dtype never
+    saturates the dtype, so no element counts twice.)"""
+    value, count = result
+    clipped = F.requantize(
+        value, value.scale, accumulator_bits, rounding="nearest", dtype=value.dtype
+    )
+    return F.Saturated(clipped.value, count + clipped.clip_count)
+
+
 class Linear(Module):
     """y = x W^T + b in integers (see the module docstring for every scale).
 
@@ -214,7 +225,9 @@ class Linear(Module):
                     f"bias_value must have shape ({out_features},), got {tuple(b.shape)}"
                 )
             initial.append(b.detach())
-        scale = min(F.scale_for(t, weight_bits) for t in initial) - headroom
+        # The largest magnitude of weight and bias together (an all-zero bias does not count).
+        largest = torch.cat([t.reshape(-1) for t in initial])
+        scale = F.scale_for(largest, weight_bits) - headroom
         self.weight = Parameter(
             "weight", F.from_float(w.detach(), weight_bits, scale).value, weight_bits
         )
@@ -277,7 +290,9 @@ class Linear(Module):
                 self.bias.value, acc.scale, self.accumulator_bits, rounding=self._rule
             )
             self._count_overflows("bias at the accumulator's scale", bias.clip_count)
-            acc, count = F.saturating_add(acc, bias.value, rounding=self._rule)
+            acc, count = _accumulated(
+                F.saturating_add(acc, bias.value, rounding=self._rule), self.accumulator_bits
+            )
             self._count_overflows("forward x W^T + b", count)
         (y, clipped), shift = self._requantize(acc, self.forward_shift, self.activation_bits)
         if self.training:
@@ -366,6 +381,17 @@ class LossOutput(NamedTuple):
     shift: int
 
 
+def _sum_of_squares(m: torch.Tensor) -> int:
+    """The exact sum of the squares of integer mantissas: in int64 where it cannot wrap, else in
+    Python's integers."""
+    if m.numel() == 0:
+        return 0
+    peak = max(-int(m.min()), int(m.max()))
+    if peak * peak * m.numel() < 2**63:
+        return int((m.to(torch.int64) ** 2).sum())
+    return sum(v * v for v in m.reshape(-1).tolist())
+
+
 def mse_loss(
     output: DyadicTensor,
     target: DyadicTensor,
@@ -385,7 +411,7 @@ def mse_loss(
     default, "nearest" or "down").
 
     Raises:
-        ValueError: output and target differ in shape, or are not (N, C) with one scale.
+        ValueError: output and target differ in shape, are not (N, C) with one scale, or N = 0.
         OverflowError: the target or the error does not fit the accumulator at the output's scale.
     """
     if output.shape != target.shape or output.mantissa.dim() != 2:
@@ -393,6 +419,8 @@ def mse_loss(
             f"output and target must be (N, C) of one shape, got {tuple(output.shape)}"
             f" and {tuple(target.shape)}"
         )
+    if output.shape[0] == 0:
+        raise ValueError("mse_loss needs a batch of N >= 1 samples (the mean over N), got N = 0")
     if output.per_channel or target.per_channel:
         raise ValueError("mse_loss needs per-tensor scales")
     check_int("error_bits", error_bits, 2, 32)
@@ -400,10 +428,12 @@ def mse_loss(
     moved = F.requantize(target, output.scale, accumulator_bits, rounding=rounding)
     F.check_overflow(moved.clip_count, "mse_loss target at the output's scale", bounds)
     widened = DyadicTensor(output.mantissa.to(moved.value.dtype), output.scale)
-    error, count = F.saturating_sub(widened, moved.value, rounding=rounding)
+    error, count = _accumulated(
+        F.saturating_sub(widened, moved.value, rounding=rounding), accumulator_bits
+    )
     F.check_overflow(count, "mse_loss y - t", bounds)
     n = output.shape[0]
-    total = int((error.mantissa.to(torch.int64) ** 2).sum())  # exact: |e| < 2**31, few elements
+    total = _sum_of_squares(error.mantissa)
     loss = math.ldexp(total / (2 * n), -2 * error.scale)
     if n & (n - 1) == 0:
         grad = error.ldexp(-(n.bit_length() - 1))

@@ -10,7 +10,8 @@ one step is, with R = lpsim.dyadic.requantize (stochastic rounding by default):
 Multiplying by 2**-k is free (the scale grows by k), so each shift costs one rounding, when the
 result returns to the grid of W. The momentum follows torch.optim.SGD (dampening 0): M = beta M + g,
 W = W - lr M, with beta = 1 - 2**-momentum_shift (momentum_shift=0: no momentum) and
-lr = 2**-lr_shift. Gradient clipping is elementwise: |g| <= (2**(grad_bits-1) - 1) 2**-s_W.
+lr = 2**-lr_shift. Gradient clipping is elementwise, to a signed grad_bits-bit integer at W's
+scale: g in [-2**(grad_bits-1), 2**(grad_bits-1) - 1] 2**-s_W.
 """
 
 from __future__ import annotations
@@ -76,14 +77,31 @@ class SGD:
         self.rounding = rounding
         self.overflow = check_choice("overflow", overflow, F.OVERFLOW_POLICIES)
         self.momentum: list[DyadicTensor | None] = [None] * len(self.parameters)
-        self.stats = {p.name: ClampCounts() for p in self.parameters}
+        self._counts = [ClampCounts() for _ in self.parameters]
+        self._distinct_names()
+
+    def _distinct_names(self) -> list[str]:
+        names = [p.name for p in self.parameters]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(
+                    f"parameters must have distinct names (stats are kept by name), got {name!r} "
+                    f"{names.count(name)} times: put the layers in a Sequential, which names them "
+                    f"'0.weight', '1.weight', ..., or set Parameter.name"
+                )
+        return names
+
+    @property
+    def stats(self) -> dict[str, ClampCounts]:
+        """The ClampCounts of each parameter, by its current name."""
+        return dict(zip(self._distinct_names(), self._counts))
 
     def zero_grad(self) -> None:
         for p in self.parameters:
             p.grad = None
 
     def reset_stats(self) -> None:
-        for counts in self.stats.values():
+        for counts in self._counts:
             counts.gradient = counts.weight = 0
 
     def _round(self, x: DyadicTensor, scale: int, bits: int = 32) -> F.Requantized:
@@ -104,8 +122,13 @@ class SGD:
             if p.grad is None:
                 continue
             w = p.value
+            if p.grad.shape != w.shape:
+                raise ValueError(
+                    f"the gradient of {p.name!r} has shape {tuple(p.grad.shape)}, its value "
+                    f"{tuple(w.shape)}"
+                )
             grad = self._round(p.grad, w.scale, self.grad_bits)
-            counts = self.stats[p.name]
+            counts = self._counts[index]
             counts.gradient += grad.clip_count
             m = self.momentum[index]
             if m is None:
