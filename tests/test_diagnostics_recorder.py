@@ -180,6 +180,8 @@ def test_the_recorders_totals_equal_a_python_recount_of_the_optimizers_roundings
             (model(torch.randn(8, 6)).square().sum() * 8).backward()
             grads = {p: p.grad.clone() for p in model.parameters()}
             weights = {p: p.detach().clone() for p in model.parameters()}
+            # The value each update starts from: the accumulator (the weight before the first).
+            starts = {p: optimizer.accumulators.get(p, p).detach().clone() for p in weights}
             optimizer.step()
             for p in model.parameters():
                 name = names[id(p)]
@@ -194,8 +196,8 @@ def test_the_recorders_totals_equal_a_python_recount_of_the_optimizers_roundings
                 )
                 for category, before, after, fmt in pairs:
                     add_to(expected, (step, name, category), python_recount(before, after, fmt))
-                updated = rounded_acc != weights[p]
-                lost = updated & (p.detach() == weights[p])
+                updated = new_acc != starts[p]  # the accumulator's rounding
+                lost = updated & (rounded_acc == starts[p])
                 stagnation[step, name] = Stagnation(p.numel(), int(updated.sum()), int(lost.sum()))
     assert recorder.current_step == 3  # the optimizer's steps moved the recorder on
     got = {(r.step, r.module, r.category): r.statistics for r in recorder.records}
@@ -203,7 +205,27 @@ def test_the_recorders_totals_equal_a_python_recount_of_the_optimizers_roundings
     for key, statistics in expected.items():
         assert_same_statistics(got[key], statistics, key)
     assert {(r.step, r.parameter): r.stagnation for r in recorder.stagnation_records} == stagnation
-    assert sum(s.lost for s in stagnation.values()) > 0
+
+
+def test_stagnation_with_an_accumulator_is_that_of_its_rounding():
+    # Plain SGD: the update is -lr * grad, and it moves the accumulator, Float(5, 4) (spacing 1/16
+    # in [1, 2)); the weight follows it rounded. An update of 0.01 is lost to the accumulator's
+    # rounding to nearest, one of 0.1 is not, and zero gradients are no update.
+    p = nn.Parameter(torch.full((8,), 1.5))
+    optimizer = OptimLP(
+        torch.optim.SGD([p], lr=0.01), weight=(Fixed(8, 2), "nearest"), acc=(Float(5, 4), "nearest")
+    )
+    with Recorder(None, optimizer) as recorder:
+        for grad in (
+            torch.zeros(8),
+            torch.tensor([1.0, -1, 0, 0, 0, 0, 0, 0]),
+            torch.full((8,), 10.0),
+        ):
+            p.grad = grad
+            optimizer.step()
+    got = {r.step: r.stagnation for r in recorder.stagnation_records}
+    assert got == {0: Stagnation(8, 0, 0), 1: Stagnation(8, 2, 2), 2: Stagnation(8, 8, 0)}
+    assert torch.equal(optimizer.accumulators[p], torch.full((8,), 1.375))
 
 
 # What is recorded

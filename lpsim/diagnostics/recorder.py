@@ -124,11 +124,14 @@ class Stagnation:
     Attributes:
         elements: elements of the parameter.
         updated: elements whose update was nonzero. With OptimLP: elements whose new value
-            before the weight rounding differs from the weight before the step. With any other
-            optimizer (FusedSGD, FusedAdam, torch's), whose updates are not seen: elements with
-            a nonzero gradient before the step.
-        lost: of the updated elements, those whose weight after the step equals the weight
-            before it (OptimLP: the rounding returned them to the old weight).
+            before its rounding differs from the value before the step. That value is the
+            weight, or with an accumulator (``acc``) the accumulator: the update moves it, and
+            the weight follows it rounded. With any other optimizer (FusedSGD, FusedAdam,
+            torch's), whose updates are not seen: elements with a nonzero gradient before the
+            step.
+        lost: of the updated elements, those the step left where they were (OptimLP: those its
+            rounding returned to the old weight, or to the old accumulator; otherwise those whose
+            weight after the step equals the weight before it).
 
     Stagnations add up with ``+``.
     """
@@ -232,10 +235,11 @@ class Recorder:
         self._names: dict[int, str] = {}  # id of a module or parameter -> its name
         self._hooks: list = []
         # id(parameter) -> (its weight before the step, the mask of its nonzero gradient or None)
-        self._before_step: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        # Stagnation in OptimLP is seen in its weight rounding, which is then observed.
+        self._before_step: dict[int, _BeforeStep] = {}
+        # Stagnation in OptimLP is seen in the rounding of the value its update moves (the
+        # weight's, or the accumulator's), which is then observed.
         self._observed = set(self.categories) | (
-            {"weight"} if "stagnation" in self.categories else set()
+            {"weight", "accumulator"} if "stagnation" in self.categories else set()
         )
 
     # Attaching
@@ -334,9 +338,10 @@ class Recorder:
         name = self._names.get(id(owner))
         if name is None:
             return
-        if category == "weight" and id(owner) in self._before_step:
-            weight_before, _ = self._before_step.pop(id(owner))
-            self._add_stagnation(name, _lost_updates(weight_before, x, rounded))
+        before = self._before_step.get(id(owner))
+        if before is not None and before.category == category:
+            del self._before_step[id(owner)]
+            self._add_stagnation(name, _lost_updates(before, x, rounded))
         if category not in self.categories:
             return
         fmt = _format_of(quantiser)
@@ -361,17 +366,27 @@ class Recorder:
                 continue
             if isinstance(optimizer, OptimLP):
                 settings = optimizer.parameter_settings(p)
-                if settings is not None and settings.weight is not None:
-                    self._before_step[id(p)] = (p.detach().clone(), None)
+                if settings is None:
+                    continue
+                if settings.acc is not None:
+                    # The update moves the accumulator (made with the optimizer or its parameter
+                    # group; one made in this step has no value before it).
+                    acc = optimizer.accumulators.get(p)
+                    if acc is not None:
+                        before = _BeforeStep(None, acc.detach().clone(), "accumulator")
+                        self._before_step[id(p)] = before
+                elif settings.weight is not None:
+                    before = _BeforeStep(None, p.detach().clone(), "weight")
+                    self._before_step[id(p)] = before
             elif p.grad is not None:
-                self._before_step[id(p)] = (p.detach().clone(), p.grad != 0)
+                self._before_step[id(p)] = _BeforeStep(p.grad != 0, p.detach().clone(), "")
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
         for p in _parameters(optimizer):
             found = self._before_step.get(id(p))
-            if found is not None and found[1] is not None:
-                weight_before, moving = found
-                lost = moving & (p.detach() == weight_before)
+            if found is not None and found.moving is not None:
+                moving = found.moving
+                lost = moving & (p.detach() == found.previous)
                 stagnation = Stagnation(p.numel(), int(moving.sum()), int(lost.sum()))
                 self._add_stagnation(self._names[id(p)], stagnation)
         self._before_step.clear()
@@ -646,14 +661,25 @@ def _format_of(quantiser):
     return None
 
 
-def _lost_updates(
-    weight_before: torch.Tensor, x: torch.Tensor, rounded: torch.Tensor
-) -> Stagnation:
-    """The stagnation of a weight rounding: x (the new weight before rounding, maybe in a wider
-    accumulator dtype) rounded to ``rounded``, the weight having been ``weight_before``."""
-    before = weight_before.to(x.dtype)
-    updated = x != before
-    lost = updated & (rounded == before)
+class _BeforeStep(NamedTuple):
+    """A parameter before an optimizer step. Optimizers whose roundings are not seen: the
+    elements with a nonzero gradient (``moving``) and the weight (``previous``). OptimLP: moving is
+    None, previous is the value its update moves (the accumulator with one, else the weight), and
+    ``category`` the observed rounding of its new value ("accumulator" or "weight")."""
+
+    moving: torch.Tensor | None
+    previous: torch.Tensor
+    category: str
+
+
+def _lost_updates(before: _BeforeStep, x: torch.Tensor, rounded: torch.Tensor) -> Stagnation:
+    """The stagnation of the rounding of an OptimLP's updated value: x (the new weight or
+    accumulator before its rounding, maybe in a wider dtype) rounded to ``rounded``. Updated: the
+    elements where x differs from the value before the step; lost: of those, the ones the rounding
+    returned to it."""
+    previous = before.previous.to(x.dtype)
+    updated = x != previous
+    lost = updated & (rounded == previous)
     return Stagnation(x.numel(), int(updated.sum()), int(lost.sum()))
 
 
