@@ -5,12 +5,15 @@
 //   dot_rounded   dot products: exact products, optionally rounded, summed as above
 //   mac_matmul    matrix products under a MAC (lpsim/mac.h): products, accumulator, order, Kahan,
 //                 tensor core (lpsim/tensor_core.h; group 0: none)
+//   to_container  their results converted to the output dtype
 //
-// All return float64 tensors whose values lie in the accumulation format; lpsim/accumulate.py
-// validates formats and shapes and converts the results to the output dtype.
+// The first three return float64 tensors whose values lie in the accumulation format;
+// lpsim/accumulate.py and lpsim/mac.py validate formats and shapes and convert the results to the
+// output dtype with to_container, which holds them exactly.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -21,7 +24,9 @@
 
 #include "checks.h"
 #include "cpu/accumulate.h"
+#include "cpu/loops.h"
 #include "dispatch.h"
+#include "parallel.h"
 
 #if defined(LPSIM_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -55,7 +60,7 @@ at::Tensor sum_rounded_cpu(const at::Tensor& x, int64_t outer, int64_t n, int64_
       at::empty({cumulative ? outer * n * inner : reductions}, x.options().dtype(at::kDouble));
   const void* xp = src.const_data_ptr();
   auto* yp = reinterpret_cast<uint64_t*>(y.data_ptr<double>());
-  at::parallel_for(0, reductions, reduction_grain(n), [&](int64_t begin, int64_t end) {
+  lpsim::parallel_for(0, reductions, reduction_grain(n), [&](int64_t begin, int64_t end) {
     cpu::sum_rounded(dtype, rule, xp, yp, n, inner, begin, end, cumulative, acc, random);
   });
   return y;
@@ -86,8 +91,8 @@ at::Tensor product_results(const at::Tensor& a, const at::Tensor& b, const Loop&
   const void* ap = ac.const_data_ptr();
   const void* bp = bc.const_data_ptr();
   auto* yp = reinterpret_cast<uint64_t*>(y.data_ptr<double>());
-  at::parallel_for(0, m * p, reduction_grain(n),
-                   [&](int64_t begin, int64_t end) { loop(ap, bp, yp, n, p, begin, end); });
+  lpsim::parallel_for(0, m * p, reduction_grain(n),
+                      [&](int64_t begin, int64_t end) { loop(ap, bp, yp, n, p, begin, end); });
   return y;
 }
 
@@ -215,6 +220,29 @@ at::Tensor mac_matmul_cuda(LPSIM_MAC_PARAMS) {
 }
 #endif
 
+// x converted to dtype by torch's conversion, on the CPU with IEEE subnormals (parallel.h): the
+// float64 results above lie on grids that dtype holds, so they are kept exactly, subnormals too,
+// whatever the caller's flush-to-zero mode.
+at::Tensor to_container_cpu(const at::Tensor& x, at::ScalarType dtype) {
+  TORCH_CHECK(x.scalar_type() == at::kDouble, "lpsim: to_container takes float64, got ",
+              x.scalar_type());
+  const at::Tensor src = x.contiguous();
+  at::Tensor y = at::empty_like(src, src.options().dtype(dtype));
+  const at::Tensor from = src.view(-1), to = y.view(-1);
+  lpsim::parallel_for(0, src.numel(), cpu::kGrain, [&](int64_t begin, int64_t end) {
+    to.slice(0, begin, end).copy_(from.slice(0, begin, end));
+  });
+  return y;
+}
+
+#if defined(LPSIM_WITH_CUDA)
+at::Tensor to_container_cuda(const at::Tensor& x, at::ScalarType dtype) {
+  TORCH_CHECK(x.scalar_type() == at::kDouble, "lpsim: to_container takes float64, got ",
+              x.scalar_type());
+  return x.to(dtype, /*non_blocking=*/false, /*copy=*/true, at::MemoryFormat::Contiguous);
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lpsim, m) {
@@ -227,16 +255,21 @@ TORCH_LIBRARY_FRAGMENT(lpsim, m) {
       "int group, int fraction_bits, int? exponent_floor, int operand_emin, int normalise, " +
       grid_schema("product_") + ", " + grid_schema("chunk_") + ", " + grid_schema() + ", " +
       kRandomSchema + ") -> Tensor");
+  def("to_container(Tensor x, ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lpsim, CPU, m) {
   m.impl("sum_rounded", sum_rounded_cpu);
   m.impl("dot_rounded", dot_rounded_cpu);
   m.impl("mac_matmul", mac_matmul_cpu);
+  m.impl("to_container", to_container_cpu);
 }
 
 #if defined(LPSIM_WITH_CUDA)
-TORCH_LIBRARY_IMPL(lpsim, CUDA, m) { m.impl("mac_matmul", mac_matmul_cuda); }
+TORCH_LIBRARY_IMPL(lpsim, CUDA, m) {
+  m.impl("mac_matmul", mac_matmul_cuda);
+  m.impl("to_container", to_container_cuda);
+}
 #endif
 
 }  // namespace lpsim

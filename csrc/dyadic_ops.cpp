@@ -28,6 +28,7 @@
 #include "checks.h"
 #include "cpu/dyadic.h"
 #include "cpu/loops.h"
+#include "parallel.h"
 
 namespace lpsim {
 namespace {
@@ -88,7 +89,7 @@ at::Tensor count_tensor(int64_t count) {
 template <class Loop>
 cpu::DyadicCounts run_parallel(int64_t n, Loop&& loop) {
   std::atomic<int64_t> flagged{0}, invalid{0};
-  at::parallel_for(0, n, cpu::kGrain, [&](int64_t begin, int64_t end) {
+  lpsim::parallel_for(0, n, cpu::kGrain, [&](int64_t begin, int64_t end) {
     const cpu::DyadicCounts mine = loop(begin, end);
     flagged += mine.flagged;
     invalid += mine.invalid;
@@ -273,7 +274,7 @@ std::tuple<at::Tensor, at::Tensor> matmul_cpu(const at::Tensor& a_in, const at::
   void* z = out.data_ptr();
   std::atomic<int64_t> overflows{0};
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, depth * cols));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  lpsim::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     overflows +=
         cpu::dyadic_matmul(in_type, x, y, out_type, z, begin, end, depth, cols, lo, hi, narrow);
   });

@@ -15,12 +15,14 @@
 //   int, int?  a Python int in the int64 range (not a bool), or None for int?
 //   float      a Python float or int
 //   bool       a Python bool
+//   ScalarType a torch.dtype
 //   Tensor[]   a list or tuple of such tensors
 // and nothing while a TorchFunctionMode is active (it must see the call).
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <Python.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -107,6 +109,10 @@ bool to_ivalue(PyObject* value, const c10::TypePtr& type, c10::IValue& out) {
       if (!PyBool_Check(value)) return false;
       out = value == Py_True;
       return true;
+    case TypeKind::ScalarTypeType:  // a torch.dtype
+      if (!THPDtype_Check(value)) return false;
+      out = reinterpret_cast<THPDtype*>(value)->scalar_type;
+      return true;
     case TypeKind::ListType: {  // Tensor[] or int[]: a list or tuple of tensors or ints
       const auto element = type->expectRef<c10::ListType>().getElementType();
       if (!PyList_Check(value) && !PyTuple_Check(value)) return false;
@@ -170,7 +176,7 @@ PyObject* py_call(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   stack.reserve(arguments.size());
   for (size_t i = 0; i < arguments.size(); ++i) {
     c10::IValue value;
-    if (!to_ivalue(PyTuple_GET_ITEM(args, i), arguments[i].type(), value)) {
+    if (!to_ivalue(PyTuple_GET_ITEM(args, i), arguments[i].real_type(), value)) {
       PyErr_Clear();
       Py_RETURN_NOTIMPLEMENTED;
     }

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cpu/loops.h"
+#include "parallel.h"
 
 namespace lpsim {
 
@@ -29,7 +30,7 @@ void for_each_span(const std::vector<int64_t>& numels, const F& f) {
   for (size_t t = 0; t < numels.size(); ++t) {
     first[t + 1] = first[t] + (numels[t] + cpu::kGrain - 1) / cpu::kGrain;
   }
-  at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
+  lpsim::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       // The last tensor whose first item is <= item: empty tensors before it are skipped.
       const size_t t = static_cast<size_t>(std::upper_bound(first.begin(), first.end(), item) -

@@ -25,6 +25,7 @@
 #include "cpu/loops.h"
 #include "cpu/quantize.h"
 #include "dispatch.h"
+#include "parallel.h"
 
 #if defined(LPSIM_WITH_CUDA)
 #include <ATen/ops/zeros.h>
@@ -156,7 +157,7 @@ void grid_cpu(const at::Tensor& x, const at::Tensor& dst, const GridSpec& spec, 
   Destination out(dst);
   const void* xp = src.data_ptr();
   void* yp = out.buffer.data_ptr();
-  at::parallel_for(0, src.numel(), cpu::kGrain, [&](int64_t begin, int64_t end) {
+  lpsim::parallel_for(0, src.numel(), cpu::kGrain, [&](int64_t begin, int64_t end) {
     cpu::quantize_grid(dtype, rounding, xp, yp, begin, end, spec, random);
   });
   out.finish();
@@ -176,7 +177,7 @@ void block_cpu(const at::Tensor& x, const at::Tensor& dst, int32_t wl, const Blo
     const int64_t rows = n / layout.row_len;
     const int64_t blocks = rows * ((layout.row_len + layout.block_size - 1) / layout.block_size);
     const int64_t grain = std::max<int64_t>(1, cpu::kGrain / layout.block_size);
-    at::parallel_for(0, blocks, grain, [&](int64_t b, int64_t e) {
+    lpsim::parallel_for(0, blocks, grain, [&](int64_t b, int64_t e) {
       cpu::quantize_blocks(dtype, rounding, xp, yp, b, e, layout.row_len, layout.block_size, wl,
                            random);
     });
@@ -188,7 +189,7 @@ void block_cpu(const at::Tensor& x, const at::Tensor& dst, int32_t wl, const Blo
   const int64_t classes = layout.classes, inner = layout.inner;
   const int64_t threads = at::get_num_threads();
   std::vector<uint64_t> partial(static_cast<size_t>(threads * classes), 0);
-  at::parallel_for(0, n, cpu::kGrain, [&](int64_t begin, int64_t end) {
+  lpsim::parallel_for(0, n, cpu::kGrain, [&](int64_t begin, int64_t end) {
     uint64_t* mine = partial.data() + at::get_thread_num() * classes;
     cpu::max_abs_classes(dtype, xp, begin, end, inner, classes, mine);
   });
@@ -198,7 +199,7 @@ void block_cpu(const at::Tensor& x, const at::Tensor& dst, int32_t wl, const Blo
       class_max[c] = std::max(class_max[c], partial[t * classes + c]);
     }
   }
-  at::parallel_for(0, n, cpu::kGrain, [&](int64_t begin, int64_t end) {
+  lpsim::parallel_for(0, n, cpu::kGrain, [&](int64_t begin, int64_t end) {
     cpu::quantize_block_classes(dtype, rounding, xp, yp, begin, end, inner, classes,
                                 class_max.data(), wl, random);
   });

@@ -24,6 +24,7 @@
 #include "checks.h"
 #include "cpu/loops.h"
 #include "cpu/scaled.h"
+#include "parallel.h"
 
 #if defined(LPSIM_WITH_CUDA)
 #include <ATen/ops/zeros.h>
@@ -162,13 +163,14 @@ void scaled_cpu(const at::Tensor& x, const at::Tensor& dst, ScaledSpec spec,
   Destination out(dst);
   const int64_t n = src.numel();
   if (n == 0) return out.finish();
+  const IeeeSubnormals mode;  // the tensor's and the blocks' scales, computed on this thread
   const void* xp = src.data_ptr();
   void* yp = out.buffer.data_ptr();
 
   if (spec.two_level) {
     // The maximum is exact and order-free: any split of the work gives the same tensor scale.
     std::vector<uint64_t> partial(static_cast<size_t>(at::get_num_threads()), 0);
-    at::parallel_for(0, n, cpu::kGrain, [&](int64_t begin, int64_t end) {
+    lpsim::parallel_for(0, n, cpu::kGrain, [&](int64_t begin, int64_t end) {
       cpu::max_abs_bits(dtype, xp, begin, end, &partial[at::get_thread_num()]);
     });
     cpu::set_tensor_scale(dtype, spec, *std::max_element(partial.begin(), partial.end()));
@@ -184,7 +186,7 @@ void scaled_cpu(const at::Tensor& x, const at::Tensor& dst, ScaledSpec spec,
     const int64_t slices = (inner + width - 1) / width;
     const int64_t grain = std::max<int64_t>(1, cpu::kGrain / (positions * width));
     const cpu::ScaledTasks tasks{width, slices, positions, 1};
-    at::parallel_for(0, groups * slices, grain, [&](int64_t begin, int64_t end) {
+    lpsim::parallel_for(0, groups * slices, grain, [&](int64_t begin, int64_t end) {
       cpu::scaled_quantize(dtype, rounding, xp, yp, layout, tasks, begin, end, spec, random,
                            nullptr);
     });
@@ -195,7 +197,7 @@ void scaled_cpu(const at::Tensor& x, const at::Tensor& dst, ScaledSpec spec,
   const int64_t chunk = std::max<int64_t>(1, kFusedElements / inner);
   const int64_t chunks = (positions + chunk - 1) / chunk;
   std::vector<uint64_t> partial(static_cast<size_t>(groups * chunks * inner), 0);
-  at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+  lpsim::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t g = task / chunks, p0 = task % chunks * chunk;
       cpu::scaled_max_abs(dtype, xp, layout, g, p0, p0 + chunk, 0, inner,
@@ -212,7 +214,7 @@ void scaled_cpu(const at::Tensor& x, const at::Tensor& dst, ScaledSpec spec,
   std::vector<BlockScale> scales(static_cast<size_t>(groups * inner));
   cpu::block_scales(dtype, spec, amax.data(), groups * inner, scales.data());
   const cpu::ScaledTasks tasks{inner, 1, chunk, chunks};
-  at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+  lpsim::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     cpu::scaled_quantize(dtype, rounding, xp, yp, layout, tasks, begin, end, spec, random,
                          scales.data());
   });

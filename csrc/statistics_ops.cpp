@@ -23,6 +23,7 @@
 #include "checks.h"
 #include "cpu/statistics.h"
 #include "dispatch.h"
+#include "parallel.h"
 
 #if defined(LPSIM_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -74,7 +75,7 @@ Counts statistics_cpu(const at::Tensor& x, const at::Tensor& rounded, double low
   const at::Tensor xs = x.contiguous(), ys = rounded.contiguous();
   const int64_t n = xs.numel(), chunks = chunk_count(n);
   std::vector<ChunkStatistics> parts(static_cast<size_t>(chunks));
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+  lpsim::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     cpu::rounding_statistics(dtype, xs.const_data_ptr(), ys.const_data_ptr(), begin, end, n, bounds,
                              parts.data());
   });
@@ -94,7 +95,7 @@ RoundedCounts quantize_grid_statistics_cpu(const at::Tensor& x,
   at::Tensor y = at::empty_like(xs);
   const int64_t n = xs.numel(), chunks = chunk_count(n);
   std::vector<ChunkStatistics> parts(static_cast<size_t>(chunks));
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+  lpsim::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     cpu::quantize_grid_statistics(dtype, rule, xs.const_data_ptr(), y.data_ptr(), begin, end, n,
                                   spec, random, bounds, parts.data());
   });

@@ -20,6 +20,7 @@
 #include "checks.h"
 #include "cpu/loops.h"
 #include "cpu/update.h"
+#include "parallel.h"
 
 #if defined(LPSIM_WITH_CUDA)
 #include <c10/cuda/CUDAGuard.h>
@@ -172,14 +173,14 @@ void register_update_ops(torch::Library& m) {
 // the same result, since every word depends on its index only).
 
 void add_kernel_cpu(const at::Tensor&, const Update& u) {
-  at::parallel_for(0, u.n, cpu::kGrain, [&](int64_t begin, int64_t end) {
+  lpsim::parallel_for(0, u.n, cpu::kGrain, [&](int64_t begin, int64_t end) {
     cpu::add_rounded(u.a, u.operand, u.rounding, u.randomness, u.x, u.b, u.y, begin, end, u.grid,
                      u.random);
   });
 }
 
 void addc_kernel_cpu(const at::Tensor&, const Update& u) {
-  at::parallel_for(0, u.n, cpu::kGrain, [&](int64_t begin, int64_t end) {
+  lpsim::parallel_for(0, u.n, cpu::kGrain, [&](int64_t begin, int64_t end) {
     cpu::addc_rounded(u.a, u.operand, u.divide, u.value, u.rounding, u.randomness, u.x, u.t1, u.t2,
                       u.y, begin, end, u.grid, u.random);
   });

@@ -111,6 +111,11 @@ for _name in ("quantize_grid", "quantize_block", "quantize_scaled"):
     torch.library.register_fake(f"lpsim::{_name}_out")(_out_fake)
 
 
+@torch.library.register_fake("lpsim::to_container")
+def _to_container_fake(x, dtype):
+    return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
+
+
 @torch.library.register_fake("lpsim::rounding_statistics")
 def _rounding_statistics_fake(x, rounded, low, high, smallest_normal):
     return torch.empty(6, dtype=torch.int64), torch.empty(2, dtype=torch.float64)

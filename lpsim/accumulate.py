@@ -131,7 +131,7 @@ def sum(
         IndexError: dim does not exist in x.
     """
     y, acc = _reduce(x, dim, False, acc, rounding, rbits, seed, offset)
-    out = y.to(fitting_container(acc, x.dtype))
+    out = call("to_container", y, fitting_container(acc, x.dtype))
     if dim is None:
         return out.reshape(())
     if x.dim() == 0:
@@ -157,7 +157,7 @@ def cumsum(
     sum of sum(x, dim) (same order, same roundings, same random words). Arguments (default rounding
     "nearest") and errors as for sum. Returns a tensor of x's shape."""
     y, acc = _reduce(x, dim, True, acc, rounding, rbits, seed, offset)
-    return y.to(fitting_container(acc, x.dtype)).reshape(x.shape)
+    return call("to_container", y, fitting_container(acc, x.dtype)).reshape(x.shape)
 
 
 def _dot(a, b_rows, x_dtype, acc, mul, rounding, rbits, seed, offset):
@@ -178,7 +178,7 @@ def _dot(a, b_rows, x_dtype, acc, mul, rounding, rbits, seed, offset):
         *acc_grid,
         *args,
     )
-    return y.to(out_dtype)
+    return call("to_container", y, out_dtype)
 
 
 def matvec(

@@ -390,7 +390,7 @@ def matmul(
         int(mac.rounding),
         *random,
     )
-    return y.to(out_dtype)
+    return call("to_container", y, out_dtype)
 
 
 # ---- Presets: the published models of NVIDIA's tensor cores (docs/accumulation.md cites each).
