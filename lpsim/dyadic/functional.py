@@ -109,14 +109,24 @@ def _random_args(rounding, rbits, seed, offset) -> tuple:
     return int(rule), check_rbits(rbits, rule), seed_argument(seed, rule), check_offset(offset)
 
 
-def check_overflow(count: int, what: str, bounds: tuple[int, int], overflow: str = "raise") -> None:
+def check_overflow(
+    count: int,
+    what: str,
+    bounds: tuple[int, int],
+    overflow: str = "raise",
+    *,
+    can_saturate: bool = True,
+) -> None:
     """Report ``count`` results of ``what`` that fell outside ``bounds``: OverflowError under
-    overflow="raise", a DyadicOverflowWarning under "saturate". Nothing when count is 0."""
+    overflow="raise" (naming overflow="saturate" as the alternative where the caller has one,
+    ``can_saturate``), a DyadicOverflowWarning under "saturate". Nothing when count is 0."""
     if count == 0:
         return
     message = f"{what}: {count} result(s) outside [{bounds[0]}, {bounds[1]}]"
     if check_choice("overflow", overflow, OVERFLOW_POLICIES) == "raise":
-        raise OverflowError(message + " (overflow='saturate' clips them instead, with a warning)")
+        if can_saturate:
+            message += " (overflow='saturate' clips them instead, with a warning)"
+        raise OverflowError(message)
     warnings.warn(message + "; saturated", DyadicOverflowWarning, stacklevel=3)
 
 

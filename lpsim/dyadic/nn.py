@@ -426,12 +426,14 @@ def mse_loss(
     check_int("error_bits", error_bits, 2, 32)
     bounds = F.integer_range(accumulator_bits)
     moved = F.requantize(target, output.scale, accumulator_bits, rounding=rounding)
-    F.check_overflow(moved.clip_count, "mse_loss target at the output's scale", bounds)
+    F.check_overflow(
+        moved.clip_count, "mse_loss target at the output's scale", bounds, can_saturate=False
+    )
     widened = DyadicTensor(output.mantissa.to(moved.value.dtype), output.scale)
     error, count = _accumulated(
         F.saturating_sub(widened, moved.value, rounding=rounding), accumulator_bits
     )
-    F.check_overflow(count, "mse_loss y - t", bounds)
+    F.check_overflow(count, "mse_loss y - t", bounds, can_saturate=False)
     n = output.shape[0]
     total = _sum_of_squares(error.mantissa)
     loss = math.ldexp(total / (2 * n), -2 * error.scale)
