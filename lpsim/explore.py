@@ -39,9 +39,15 @@ class FormatInfo:
         tiny: smallest_normal, under torch.finfo's other name.
         smallest_subnormal: the smallest positive value.
         eps: the distance from 1 to the next larger value (Fixed: the spacing; BlockFloat and
-            Scaled: the element's, relative to its block's scale).
+            Scaled: the element's, relative to its block's scale). Where 1 is a subnormal value
+            (Float(1, ...), or a bias that puts 1 below the smallest normal) this is the
+            subnormal spacing; where no value follows 1 (1 lies outside the positive range, or
+            is max) it is the spacing above 1 in a binade of normal values, 2**-man, which is
+            what numpy's and torch's finfo call eps (see Float.eps).
         resolution: 10**-floor(-log10(eps)), the decimal resolution as numpy and torch define it.
-        binades: log2(max / smallest_subnormal), the positive range in powers of two.
+        binades: log2(max / smallest_subnormal), the positive range in powers of two (computed
+            from the exponents and significands apart, so it stays finite where the quotient
+            would overflow a float64).
         note: what the facts are relative to, where a block or a scale is involved ("" otherwise).
     """
 
@@ -64,7 +70,12 @@ class FormatInfo:
 
     @property
     def binades(self) -> float:
-        return math.log2(self.max / self.smallest_subnormal)
+        # max / smallest_subnormal overflows float64 for wide formats (Float(11, 52): about
+        # 2**1024 / 2**-1074): take the exponents apart, exactly, and divide the significands
+        # only (exactly too where smallest_subnormal is a power of two, as in every format).
+        m_max, e_max = math.frexp(self.max)
+        m_min, e_min = math.frexp(self.smallest_subnormal)
+        return math.log2(m_max / m_min) + (e_max - e_min)
 
 
 def finfo(fmt: Float | Fixed | P3109 | BlockFloat | Scaled) -> FormatInfo:
@@ -156,11 +167,17 @@ def parse_format(text: str) -> Float | Fixed | P3109 | BlockFloat | Scaled:
 
 
 def _number(v: float) -> str:
+    """v as the table prints it: an exact power of two beyond 2^+-10 as 2^k, anything else with
+    six significant digits. (The power is read off frexp's significand, which is exactly 1/2 for
+    powers of two only: a log2 that merely rounds to an integer, as that of Float(11, 52)'s max
+    2^1024 (1 - 2^-53) does, is not one.)"""
     if v == 0:
         return "0"
-    exponent = math.log2(abs(v))
-    if exponent == int(exponent) and abs(exponent) > 10:
-        return ("-" if v < 0 else "") + f"2^{int(exponent)}"
+    if not math.isfinite(v):
+        return f"{v:.6g}"
+    significand, exponent = math.frexp(abs(v))
+    if significand == 0.5 and abs(exponent - 1) > 10:
+        return ("-" if v < 0 else "") + f"2^{exponent - 1}"
     return f"{v:.6g}"
 
 

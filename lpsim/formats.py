@@ -322,8 +322,23 @@ class Float(_OnGrid):
 
     @property
     def eps(self) -> float:
-        """The distance from 1 to the next larger value, 2**-man."""
+        """The distance from 1 to the next larger value: 2**-man where 1 is a normal value, and
+        the subnormal spacing 2**(emin - man) where 1 is a subnormal one (emin > 0, as in every
+        Float(1, ...) and in formats whose bias puts 1 below the smallest normal).
+
+        Where no value follows 1 (1 is not a value of the format, lying outside its positive
+        range, or 1 is max), eps is 2**-man, the spacing above 1 in a binade of normal values:
+        numpy's and torch's finfo define eps as this for their types.
+        """
+        if self._one_is_subnormal:
+            return math.ldexp(1.0, self.emin - self.man)
         return math.ldexp(1.0, -self.man)
+
+    @property
+    def _one_is_subnormal(self) -> bool:
+        """Whether 1 is a subnormal value: below the smallest normal, a multiple of the
+        subnormal spacing."""
+        return self.emin > 0 and self.subnormals and self.emin <= self.man
 
     @property
     def has_inf(self) -> bool:
@@ -640,7 +655,9 @@ class P3109(_OnGrid):
 
     @property
     def eps(self) -> float:
-        """The distance from 1 to the next larger value, 2**-(precision - 1)."""
+        """The distance from 1 to the next larger value, 2**-(precision - 1) (1 is always a
+        normal value; where it is max, in binary3p1se and binary3p2se, eps is still
+        2**-(precision - 1), as for Float)."""
         return math.ldexp(1.0, -self._trailing)
 
     @property

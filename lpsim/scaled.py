@@ -298,7 +298,8 @@ class Scaled:
 
     @property
     def eps(self) -> float:
-        """The element format's eps: the relative spacing within a block's top binade."""
+        """The element format's eps, relative to the block's scale (for a Float element in
+        which 1 is a normal value, 2**-man: the relative spacing within a block's top binade)."""
         return self.element.eps
 
     def saturating_element(self) -> Float | Fixed:

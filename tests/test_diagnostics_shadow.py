@@ -1,6 +1,7 @@
 """Shadow mode: the float32 reference of a simulated model, and the per-layer divergence of the
 simulated activations and errors from it, without changing the simulated model."""
 
+import collections
 import copy
 import csv
 import io
@@ -348,3 +349,134 @@ def test_bad_arguments_raise_errors_that_name_them():
     model[2] = nn.Linear(16, 16, bias=False)
     with pytest.raises(RuntimeError, match="no parameter '2.bias' any more"):
         shadow.compare(batch())
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_an_injected_module_registered_under_two_names_is_compared(nested):
+    """nn.Sequential(a, shared, relu, shared, b): named_parameters(remove_duplicate=False) lists
+    the quantised weight under both names, and the reference takes it under both."""
+    torch.manual_seed(0)
+    shared = nn.Linear(8, 8)
+    block = nn.Sequential(shared) if nested else shared
+    model = nn.Sequential(nn.Linear(4, 8), block, nn.ReLU(), block, nn.Linear(8, 3))
+    inject(model, {"1.0" if nested else "1": LayerQuantization(weight=COARSE)})
+    stored = shared.parametrizations.weight.original
+    shadow = Shadow(model)
+    report = shadow.compare(batch(5), squared_loss)
+    labels = ["0", "1", "2", "1 #2", "4", "(model)"]
+    if nested:
+        labels = ["0", "1.0", "1", "2", "1.0 #2", "1 #2", "4", "(model)"]
+    assert [r.label for r in report.modules] == labels
+    assert row(report, "0").activation_divergence == 0.0
+    assert row(report, "1").activation_divergence > 0
+    assert row(report, "1", call=2).error_divergence is not None
+    reference = shadow.reference
+    assert reference[1] is reference[3]
+    with torch.no_grad():
+        stored.mul_(0.5)  # an optimizer step, say
+    report = shadow.compare(batch(5), squared_loss)
+    assert torch.equal(reference.get_parameter(f"3.{'0.' if nested else ''}weight"), stored)
+    plain = remove(copy.deepcopy(model))
+    assert torch.equal(reference(batch(5)), plain(batch(5)))
+
+
+def test_an_attached_recorder_records_none_of_compares_roundings():
+    """The records of a run with compare() between its steps (one of them failing) are those of
+    the run without, and the recorder observes again after each compare()."""
+    from lpsim import _observation  # noqa: PLC0415
+    from lpsim.diagnostics import Recorder  # noqa: PLC0415
+
+    def failing_loss(out):
+        raise ZeroDivisionError("a loss that fails")
+
+    def run(with_shadow: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        inject(model, {"0": LayerQuantization(weight=COARSE, output=COARSE, error=FIXED8)})
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        shadow = Shadow(model)
+        x = batch(3)
+        with Recorder(model, optimizer) as recorder:
+            for step in range(3):
+                if with_shadow:
+                    if step == 1:
+                        with pytest.raises(ZeroDivisionError):
+                            shadow.compare(x, failing_loss)
+                    else:
+                        shadow.compare(x, squared_loss)
+                    assert _observation.current is recorder
+                optimizer.zero_grad()
+                squared_loss(model(x)).backward()
+                optimizer.step()
+        assert _observation.current is None
+        return recorder.records
+
+    plain, shadowed = run(False), run(True)
+    assert [r.step for r in plain] == [0] * 3 + [1] * 3 + [2] * 3
+    assert shadowed == plain
+
+
+class ModelOutput(collections.OrderedDict):
+    """Like transformers' ModelOutput: a dict whose items are also attributes."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+Pair = collections.namedtuple("Pair", ["first", "second"])
+
+
+class Containers(nn.Module):
+    """Modules that return a dict subclass, a named tuple and a defaultdict, and a model that
+    takes a named tuple; each reads what it receives by attribute or by a missing key."""
+
+    def __init__(self):
+        super().__init__()
+        self.dict_out = DictOut()
+        self.pair_out = PairOut()
+        self.default_out = DefaultOut()
+
+    def forward(self, pair):
+        hidden = self.dict_out(pair.first).logits + pair.second
+        pair = self.pair_out(hidden)
+        found = self.default_out(pair.first * pair.second)
+        return found["x"] + found["missing"] + hidden
+
+
+class DictOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return ModelOutput(logits=self.linear(x), count=3)
+
+
+class PairOut(nn.Module):
+    def forward(self, x):
+        return Pair(x.relu(), x.sigmoid())
+
+
+class DefaultOut(nn.Module):
+    def forward(self, x):
+        found = collections.defaultdict(lambda: torch.zeros(()))
+        found["x"] = x
+        return found
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_outputs_and_inputs_keep_their_container_types(dtype):
+    torch.manual_seed(0)
+    model = inject(Containers(), {"dict_out.linear": LayerQuantization(weight=COARSE)})
+    inputs = (Pair(batch(5), batch(5).flip(0)),)
+    shadow = Shadow(model, dtype=dtype)
+    for loss_fn in (None, squared_loss):
+        report = shadow.compare(inputs, loss_fn)
+        assert row(report, "dict_out.linear").activation_divergence > 0
+        assert row(report, "dict_out").activation_divergence > 0
+        assert row(report, "").activation_divergence > 0
+    assert row(report, "pair_out").error_divergence > 0
+    assert row(report, "dict_out").error_divergence > 0

@@ -6,14 +6,16 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from fractions import Fraction
 
 import ml_dtypes
+import numpy as np
 import pytest
 import torch
 
 import lpsim
 from lpsim import P3109, BlockFloat, Fixed, Float
-from lpsim.explore import finfo, main, parse_format
+from lpsim.explore import finfo, main, parse_format, table
 from lpsim.scaled import preset as scaled_preset
 
 TORCH_TWINS = {
@@ -25,14 +27,21 @@ TORCH_TWINS = {
     "e4m3fnuz": torch.float8_e4m3fnuz,
     "e5m2fnuz": torch.float8_e5m2fnuz,
 }
+# Every format of ml_dtypes that lpsim has a preset for, and numpy's float32 and float16, which
+# ml_dtypes.finfo hands on to numpy.finfo.
 ML_DTYPES_TWINS = {
     "e2m1fn": ml_dtypes.float4_e2m1fn,
     "e3m2fn": ml_dtypes.float6_e3m2fn,
     "e2m3fn": ml_dtypes.float6_e2m3fn,
     "e3m4": ml_dtypes.float8_e3m4,
+    "e4m3": ml_dtypes.float8_e4m3,
+    "e4m3fn": ml_dtypes.float8_e4m3fn,
     "e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
     "e5m2": ml_dtypes.float8_e5m2,
     "e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
+    "bfloat16": ml_dtypes.bfloat16,
+    "float16": np.float16,
+    "float32": np.float32,
 }
 # torch 2.14's finfo(float8_e5m2fnuz).eps is 0.125, though its own cast puts 1.25 after 1.0 (code
 # 0x40 + 1): ml_dtypes' 0.25 is checked instead.
@@ -51,36 +60,62 @@ def test_float_facts_equal_torch_finfo(name):
 
 @pytest.mark.parametrize("name", list(ML_DTYPES_TWINS))
 def test_float_facts_equal_ml_dtypes_finfo(name):
-    ours, theirs = finfo(lpsim.preset(name)), ml_dtypes.finfo(ML_DTYPES_TWINS[name])
+    """docs/formats.md: every fact but resolution equals ml_dtypes.finfo's. ml_dtypes stores
+    resolution in the type itself: lpsim's rounded into it for the 16- and 32-bit types, 0.1
+    rounded into it for the 8-bit ones, and lpsim's exactly for the 6- and 4-bit ones."""
+    ours, dtype = finfo(lpsim.preset(name)), ML_DTYPES_TWINS[name]
+    theirs = ml_dtypes.finfo(dtype)
     assert ours.bits == theirs.bits
-    assert (ours.max, ours.min, ours.eps) == (
-        float(theirs.max),
-        float(theirs.min),
-        float(theirs.eps),
-    )
-    assert ours.smallest_normal == float(theirs.smallest_normal)
-    assert ours.smallest_subnormal == float(theirs.smallest_subnormal)
-    # (ml_dtypes' resolution is 0.1 rounded into each 8-bit type, not numpy's 10**-precision.)
+    for fact in ("max", "min", "smallest_normal", "tiny", "smallest_subnormal", "eps"):
+        assert getattr(ours, fact) == float(getattr(theirs, fact)), fact
+    resolution = float(theirs.resolution)
+    if ours.bits >= 16:
+        assert resolution == float(np.array(ours.resolution).astype(dtype))
+        assert resolution != ours.resolution  # rounded: 10**-k is no binary fraction
+    elif ours.bits == 8:
+        assert resolution == float(np.array(0.1).astype(dtype))
+        assert resolution != ours.resolution
+    else:
+        assert resolution == ours.resolution
 
 
-@pytest.mark.parametrize("precision", range(1, 8))
-@pytest.mark.parametrize("signed", [True, False])
-def test_p3109_facts_equal_gfloat(precision, signed):
+def test_the_8_bit_resolutions_are_those_the_docs_give():
+    resolutions = {
+        name: (lpsim.finfo(lpsim.preset(name)).resolution, float(ml_dtypes.finfo(d).resolution))
+        for name, d in ML_DTYPES_TWINS.items()
+        if lpsim.preset(name).bits == 8
+    }
+    assert resolutions == {
+        "e3m4": (0.1, 0.09375),
+        "e4m3": (1.0, 0.1015625),
+        "e4m3fn": (1.0, 0.1015625),
+        "e4m3fnuz": (1.0, 0.1015625),
+        "e5m2": (1.0, 0.09375),
+        "e5m2fnuz": (1.0, 0.09375),
+    }
+    assert float(ml_dtypes.finfo(ml_dtypes.bfloat16).resolution) == 0.010009765625
+
+
+@pytest.mark.parametrize("bits", range(3, 17))
+def test_p3109_facts_equal_gfloat(bits):
     gfloat = pytest.importorskip("gfloat")
     from gfloat.formats import Domain, Signedness, format_info_p3109  # noqa: PLC0415
 
-    fi = format_info_p3109(
-        8, precision, Signedness.Signed if signed else Signedness.Unsigned, Domain.Finite
-    )
-    ours = finfo(P3109(8, precision, signed=signed, domain="finite"))
-    assert (ours.max, ours.smallest_normal, ours.smallest_subnormal) == (
-        fi.max,
-        fi.smallest_normal,
-        fi.smallest_subnormal,
-    )
-    assert ours.min == (-fi.max if signed else 0.0)
-    assert ours.eps == fi.eps
-    assert gfloat is not None
+    checked = 0
+    for signed in (True, False):
+        for domain in (Domain.Finite, Domain.Extended):
+            for precision in range(1, bits + (0 if signed else 1)):
+                try:
+                    fmt = P3109(bits, precision, signed=signed, domain=domain.name.lower())
+                except ValueError:  # wider than float64 (12 bits and more at precision 1)
+                    continue
+                signedness = Signedness.Signed if signed else Signedness.Unsigned
+                fi = format_info_p3109(bits, precision, signedness, domain)
+                ours = finfo(fmt)
+                for fact in ("max", "min", "smallest_normal", "smallest_subnormal", "eps"):
+                    assert getattr(ours, fact) == getattr(fi, fact), (fmt, fact)
+                checked += 1
+    assert checked > 0 and gfloat is not None
 
 
 def test_fixed_facts_are_the_spacing_and_the_integer_limits():
@@ -110,6 +145,34 @@ def test_block_and_scaled_facts_are_relative_to_their_scales():
 def test_binades_are_the_log_of_the_positive_range():
     info = finfo(Float(5, 2))
     assert info.binades == math.log2(57344 / 2.0**-16)
+
+
+@pytest.mark.parametrize(
+    "fmt,binades",
+    [
+        (Float(11, 52), 2098.0),  # max / smallest_subnormal overflows float64
+        (Float(10, 4), 511 + math.log2(31 / 16) + 514),  # (31/16) 2**511 over 2**-514
+        (Float(11, 10), 1023 + math.log2(2 - 2**-10) + 1032),
+        (Float(8, 23), 127 + math.log2(2 - 2**-23) + 149),
+    ],
+)
+def test_binades_of_wide_formats_are_finite(fmt, binades):
+    info = finfo(fmt)
+    assert info.binades == pytest.approx(binades, rel=1e-15)
+    quotient = Fraction(info.max) / Fraction(info.smallest_subnormal)  # exact, as Python ints
+    exact = math.log2(quotient.numerator) - math.log2(quotient.denominator)
+    assert info.binades == pytest.approx(exact, rel=1e-15)
+
+
+def test_the_table_prints_powers_of_two_only_where_they_are_exact():
+    formats = (Float(11, 52), Float(5, 52), Float(8, 52), Float(8, 23))
+    lines = table(["a", "b", "c", "d"], [finfo(f) for f in formats]).splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
+    # max is 2**1024 (1 - 2**-53), 2**16 (1 - 2**-53), 2**128 (1 - 2**-53), 2**128 (1 - 2**-24)
+    assert rows["max"] == ["1.79769e+308", "65536", "3.40282e+38", "3.40282e+38"]
+    assert rows["smallest_subnormal"] == ["2^-1074", "2^-66", "2^-178", "2^-149"]
+    assert rows["eps"] == ["2^-52", "2^-52", "2^-52", "2^-23"]
+    assert rows["binades"] == ["2098.0", "82.0", "306.0", "277.0"]
 
 
 def test_non_formats_are_refused():

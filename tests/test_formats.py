@@ -11,7 +11,7 @@ import torch
 
 import lpsim
 from lpsim import BlockFloat, Fixed, Float
-from lpsim.formats import PRESETS, check_fits, preset
+from lpsim.formats import PRESETS, SPECIALS, check_fits, preset
 
 ML_DTYPES = {
     "e3m4": ml_dtypes.float8_e3m4,
@@ -208,3 +208,60 @@ def test_formats_are_hashable_values():
     assert Float(5, 2) == Float(5, 2, bias=15)
     assert len({Float(5, 2), Float(5, 2, bias=15), Fixed(8, 4)}) == 2
     assert math.isinf(Fixed(8, 4, clamp=False).grid().pos_limit)
+
+
+def _positive_values_by_codes(fmt: Float) -> list[float]:
+    """The positive finite values of a Float, decoded from every code by the definition (not by
+    Float's own decoder), ascending; exact, as integer significands times powers of two."""
+    top = 2**fmt.exp - 1
+    found = set()
+    for e in range(top + 1):
+        for m in range(2**fmt.man):
+            if e == top and fmt.special == "ieee":
+                continue  # Inf and NaN
+            if e == top and fmt.special == "fn" and m == 2**fmt.man - 1:
+                continue  # the NaN
+            if e == 0:
+                value = math.ldexp(m, 1 - fmt.bias - fmt.man) if fmt.subnormals else 0.0
+            else:
+                value = math.ldexp(2**fmt.man + m, e - fmt.bias - fmt.man)
+            if value > 0:
+                found.add(value)
+    return sorted(found)
+
+
+def _small_floats():
+    for exp in range(1, 6):
+        for man in range(0, 5):
+            for special in SPECIALS:
+                for subnormals in (True, False):
+                    for bias in range(-3, 2**exp + 3):
+                        try:
+                            yield Float(exp, man, bias=bias, subnormals=subnormals, special=special)
+                        except ValueError:  # exp 1 with "ieee", Float(1, 0, special="fn")
+                            continue
+
+
+def test_eps_and_the_range_facts_equal_an_enumeration_of_every_code_of_every_small_float():
+    """eps is the distance from 1 to the next value where 1 is a value below max, normal or
+    subnormal (Float(1, ...), biases that put 1 below the smallest normal); where 1 is not a
+    value or is max, it is 2**-man. max, smallest_subnormal and binades agree with the codes."""
+    checked = subnormal_one = no_next = 0
+    for fmt in _small_floats():
+        positive = _positive_values_by_codes(fmt)
+        if fmt.bits <= 6:
+            assert fmt.values().tolist() == [-v for v in positive[::-1]] + [0.0] + positive, fmt
+        assert (fmt.max, fmt.smallest_subnormal) == (positive[-1], positive[0]), fmt
+        above = [v for v in positive if v > 1]
+        if 1 in positive and above:
+            expected = above[0] - 1
+            subnormal_one += fmt.smallest_normal > 1
+        else:
+            expected = 2.0**-fmt.man
+            no_next += 1
+        info = lpsim.finfo(fmt)
+        assert fmt.eps == info.eps == expected, fmt
+        assert info.resolution == 10.0 ** -math.floor(-math.log10(expected)), fmt
+        assert info.binades == pytest.approx(math.log2(positive[-1] / positive[0]), abs=1e-12)
+        checked += 1
+    assert checked > 2000 and subnormal_one > 100 and no_next > 100

@@ -26,12 +26,16 @@ For each module call, in the order the calls finish (forward order), the report 
 
 Norms are Euclidean over every floating-point tensor of the output (tuples, lists and dicts
 included), computed in float64. A zero reference norm gives 0 where the simulated tensor is zero
-too and inf otherwise; NaN in either model gives NaN.
+too and inf otherwise; NaN in either model gives NaN. Where compare() hands a module's output on
+(with loss_fn, a copy whose gradient-carrying tensors are clones) and the reference its inputs
+(in its dtype), every container keeps its type: named tuples, OrderedDicts and dict subclasses
+with attribute access such as HuggingFace's ModelOutput stay what the model returned.
 
 compare() never changes the simulated model: its parameters, their .grad (the gradients are taken
 with torch.autograd.grad, which accumulates nothing), its buffers (restored bit for bit:
 BatchNorm running statistics, DelayedScaler histories), the modules' training flags, and the state
-of torch's generators are as before the call.
+of torch's generators are as before the call. Its passes are not part of the run: a
+lpsim.diagnostics.Recorder attached meanwhile records none of them.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from lpsim import _observation
 from lpsim.nn.inject import injected, remove
 from lpsim.nn.quantizer import Quantizer
 
@@ -200,19 +205,50 @@ def _floating_tensors(value) -> list[torch.Tensor]:
     return []
 
 
+def _map_tensors(value, fn: Callable[[torch.Tensor], torch.Tensor]):
+    """value with fn applied to every tensor inside it (tuples, lists and dicts followed), each
+    container rebuilt with its own type: a named tuple, a torch.return_types structure, an
+    OrderedDict, a dict subclass with attribute access (HuggingFace's ModelOutput) stay what they
+    are, so that the code that reads them still finds their fields. A container none of whose
+    tensors fn changed is returned itself."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        items = [_map_tensors(v, fn) for v in value]
+        if all(new is old for new, old in zip(items, value)):
+            return value
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # named tuple
+            return type(value)(*items)
+        return type(value)(items)
+    if isinstance(value, dict):
+        items = {k: _map_tensors(v, fn) for k, v in value.items()}
+        if all(items[k] is v for k, v in value.items()):
+            return value
+        return _same_mapping(value, items)
+    return value
+
+
+def _same_mapping(value: dict, items: dict) -> dict:
+    """A mapping of value's type holding ``items`` (value's keys, in its order). A dict subclass
+    is copied (copy.copy keeps its class, its attributes and a defaultdict's factory) and its
+    items are set through its own __setitem__ (ModelOutput's also sets the attribute); a subclass
+    that refuses either is made from the items by its constructor."""
+    if type(value) is dict:
+        return items
+    try:
+        rebuilt = copy.copy(value)
+        for k, v in items.items():
+            rebuilt[k] = v
+    except Exception:  # a mapping that cannot be copied or refuses item assignment
+        return type(value)(items)
+    return rebuilt
+
+
 def _clone_tensors_needing_grad(value):
     """value with every tensor that requires a gradient cloned (the same values), so that an
     in-place operation after the module changes the clone and leaves the module's own output,
     whose gradient compare() asks for, as the module returned it."""
-    if isinstance(value, torch.Tensor):
-        return value.clone() if value.requires_grad else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # named tuple
-        return type(value)(*(_clone_tensors_needing_grad(v) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_clone_tensors_needing_grad(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _clone_tensors_needing_grad(v) for k, v in value.items()}
-    return value
+    return _map_tensors(value, lambda t: t.clone() if t.requires_grad else t)
 
 
 class _Recorder:
@@ -367,9 +403,15 @@ def _checked_loss(loss) -> torch.Tensor:
 
 def _lpsim_parameter_names(model: nn.Module) -> dict[str, str]:
     """{name in model: name in the reference} of the parameters that lpsim.nn.inject
-    parametrised ("0.parametrizations.weight.original": "0.weight")."""
+    parametrised ("0.parametrizations.weight.original": "0.weight"), under every name of a module
+    registered under several (nn.Sequential(a, shared, b, shared): "1." and "3."), as
+    named_parameters(remove_duplicate=False) lists them."""
+    done_by_module = {id(module): done for _, module, done in injected(model)}
     names = {}
-    for module_name, _, done in injected(model):
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        done = done_by_module.get(id(module))
+        if done is None:
+            continue
         prefix = f"{module_name}." if module_name else ""
         for parameter_name, _ in done["weight"] + done["bias"]:
             stored = f"{prefix}parametrizations.{parameter_name}.original"
@@ -445,13 +487,9 @@ def _as_arguments(inputs) -> tuple:
 
 
 def _cast_floating(value, dtype: torch.dtype):
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(_cast_floating(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
-    return value
+    """value with every floating-point tensor inside it converted to dtype, its containers of
+    their own types."""
+    return _map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def _cuda_devices(model: nn.Module, inputs: tuple) -> list[int]:
@@ -543,7 +581,8 @@ class Shadow:
         simulated model's stochastic roundings draw from them as in training, and compare()
         shifts no training stream. The simulated model's buffers (BatchNorm running statistics,
         DelayedScaler histories), which its forward updates, are restored bit for bit; its
-        parameters and their .grad are never written.
+        parameters and their .grad are never written. The roundings of both passes are hidden
+        from an attached lpsim.diagnostics.Recorder, which records the training run only.
 
         Args:
             inputs: the batch: a tensor, or a tuple of the model's positional arguments
@@ -583,6 +622,10 @@ class Shadow:
             (b, b.clone()) for model in (self._model, self._reference) for b in model.buffers()
         ]
         dropout_context = _DropoutOff() if dropout else _DropoutOff(self._model, self._reference)
+        # compare()'s passes are not the run's: an attached Recorder does not see their roundings
+        # (and gets its observer back, at the step it was at, however the passes end).
+        observer = _observation.current
+        _observation.current = None
         try:
             with dropout_context:
                 simulated = _run(self._model, arguments, self._names, loss_fn, generator_devices)
@@ -594,6 +637,7 @@ class Shadow:
                     generator_devices,
                 )
         finally:
+            _observation.current = observer
             with torch.no_grad():
                 for buffer, saved in saved_buffers:
                     buffer.copy_(saved)
