@@ -50,7 +50,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lpsim import _observation
-from lpsim.nn.inject import injected, remove
+from lpsim.nn.inject import injected, own_parametrized_classes, remove
 from lpsim.nn.quantizer import Quantizer
 
 __all__ = ["Shadow", "ShadowReport", "ModuleDivergence"]
@@ -414,6 +414,8 @@ def _lpsim_parameter_names(model: nn.Module) -> dict[str, str]:
             continue
         prefix = f"{module_name}." if module_name else ""
         for parameter_name, _ in done["weight"] + done["bias"]:
+            if len(module.parametrizations[parameter_name]) > 1:
+                continue  # parametrised before inject (weight_norm, ...): so in the reference too
             stored = f"{prefix}parametrizations.{parameter_name}.original"
             names[stored] = f"{prefix}{parameter_name}"
     return names
@@ -428,23 +430,6 @@ def _stored_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     }
     tensors.update(model.named_buffers(remove_duplicate=False))
     return tensors
-
-
-def _give_parametrized_modules_own_classes(model: nn.Module) -> nn.Module:
-    """model (a deep copy) with every parametrised module given a class of its own. torch gives a
-    parametrised module a class made for it, holding one property per parametrised tensor, and a
-    deep copy shares that class with the original; removing a parametrisation deletes the
-    property from the class, so removing the copy's would break the original."""
-    for module in model.modules():
-        if parametrize.is_parametrized(module):
-            shared = type(module)
-            namespace = {
-                key: value
-                for key, value in vars(shared).items()
-                if key not in ("__dict__", "__weakref__")
-            }
-            module.__class__ = type(shared.__name__, shared.__bases__, namespace)
-    return model
 
 
 def _replace_quantizers(model: nn.Module) -> nn.Module:
@@ -544,7 +529,7 @@ class Shadow:
         self._model = model
         self._dtype = dtype
         reference = copy.deepcopy(model)
-        reference = _replace_quantizers(remove(_give_parametrized_modules_own_classes(reference)))
+        reference = _replace_quantizers(remove(own_parametrized_classes(reference)))
         reference.to(dtype)
         for p in reference.parameters():
             p.grad = None

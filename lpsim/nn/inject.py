@@ -85,7 +85,8 @@ class LayerQuantization:
     Args:
         weight: the module's own parameters whose names end in "weight" (weight, in_proj_weight,
             ...), fake-quantised in every forward pass by a parametrisation (straight-through
-            gradient).
+            gradient); one that already has torch parametrisations (weight_norm, orthogonal,
+            ...) is quantised after them, and remove() leaves them.
         bias: the module's own parameters whose names end in "bias", likewise.
         input: the floating-point tensors passed to forward (positional and keyword), forward only.
         output: the floating-point tensors forward returns (nested tuples, lists and dicts too).
@@ -217,6 +218,74 @@ class _FakeQuantize(nn.Module):
         return str(self.spec)
 
 
+def own_parametrized_classes(model: nn.Module) -> nn.Module:
+    """``model`` with every parametrised module given a class of its own; returns it.
+
+    torch gives a parametrised module a class made for it, holding one property per parametrised
+    tensor, and copy.deepcopy shares that class between the copy and the original. Registering a
+    parametrisation on another tensor adds a property to the class, and removing one deletes it
+    (and, with the last, turns the module back into its original class), so either, done to the
+    copy, would break the original. inject() and remove() give each module they change a class of
+    its own first; lpsim.diagnostics.Shadow gives its copy of the model its own classes."""
+    for module in model.modules():
+        _own_parametrized_class(module)
+    return model
+
+
+def _own_parametrized_class(module: nn.Module) -> None:
+    """Give a parametrised ``module`` a class of its own: a copy of its class (same name, bases
+    and attributes), which no other module shares (see own_parametrized_classes)."""
+    if not parametrize.is_parametrized(module):
+        return
+    shared = type(module)
+    namespace = {
+        key: value for key, value in vars(shared).items() if key not in ("__dict__", "__weakref__")
+    }
+    module.__class__ = type(shared.__name__, shared.__bases__, namespace)
+
+
+def _original_tensors(parametrization: parametrize.ParametrizationList) -> list[torch.Tensor]:
+    """The tensors a parametrised tensor is computed from (``original``, or ``original0``,
+    ``original1``, ... for a parametrisation such as weight_norm's)."""
+    if parametrization.is_tensor:
+        return [parametrization.original]
+    return [getattr(parametrization, f"original{i}") for i in range(parametrization.ntensors)]
+
+
+def _originals(parametrization: parametrize.ParametrizationList) -> list[nn.Parameter]:
+    """The parameters among _original_tensors (none for a parametrised buffer)."""
+    return [t for t in _original_tensors(parametrization) if isinstance(t, nn.Parameter)]
+
+
+def _parametrization_modules(model: nn.Module) -> set[int]:
+    """ids of the modules that make up parametrisations (the ``parametrizations`` ModuleDict of
+    each parametrised module and everything in it): they compute parameters, they are no layers."""
+    found = set()
+    for module in model.modules():
+        if parametrize.is_parametrized(module):
+            found.update(id(m) for m in module.parametrizations.modules())
+    return found
+
+
+def _is_leaf(module: nn.Module) -> bool:
+    """Whether ``module`` has no children but its parametrisations (a weight_norm Linear is a leaf
+    module, as the Linear was)."""
+    parametrizations = module.parametrizations if parametrize.is_parametrized(module) else None
+    return all(child is parametrizations for child in module.children())
+
+
+def _remove_quantiser(module: nn.Module, pname: str) -> None:
+    """Take inject's fake-quantiser off ``module``'s parameter ``pname``: with no other
+    parametrisation, the original Parameter back in its place; else the parametrisations the
+    tensor had before inject (weight_norm, orthogonal, ...) stay."""
+    parametrizations = module.parametrizations[pname]
+    if len(parametrizations) == 1 and isinstance(parametrizations[0], _FakeQuantize):
+        parametrize.remove_parametrizations(module, pname, leave_parametrized=False)
+        return
+    last = max(i for i, p in enumerate(parametrizations) if isinstance(p, _FakeQuantize))
+    del parametrizations[last]
+
+
 # The modules whose products lpsim.nn.functional computes under MACs, and modules with products it
 # does not simulate (inject warns when a model given MACs has them).
 _SIMULATED_PRODUCTS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.MultiheadAttention)
@@ -244,12 +313,18 @@ def _injected_macs(module: nn.Module) -> tuple[MAC, MAC, MAC] | None:
     return done["macs"] if module.training else done["eval_macs"]
 
 
-def _simulated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _simulated_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:  # noqa: A002
     """The forward of an injected Linear, Conv1d or Conv2d: its product by lpsim.nn.functional
     under the injected MACs (the eval MACs in eval mode), its weight and bias as forward sees them
     (quantised by their parametrisations). A Linear with Operands quantises its input here rather
     than in a forward pre-hook, so that the backward products can quantise the unquantised input
-    (and the unquantised weight, its parametrisation's original) afresh."""
+    (and the weight as it is before inject's fake-quantiser) afresh.
+
+    It takes what torch's forward takes: the argument by its name, ``input``, and a convolution's
+    unbatched input ((C, L), (C, H, W)), computed as the batch of one it is."""
+    x = input
+    if isinstance(self, (nn.Conv1d, nn.Conv2d)) and x.dim() == len(self.kernel_size) + 1:
+        return _simulated_forward(self, x.unsqueeze(0)).squeeze(0)
     mac, input_grad_mac, weight_grad_mac = _injected_macs(self)
     if isinstance(self, nn.Linear):
         done = getattr(self, _STATE)
@@ -276,10 +351,20 @@ def _simulated_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _unquantised_weight(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
-    """The module's weight before its parametrisation (``weight`` itself when it has none)."""
-    if parametrize.is_parametrized(module, "weight"):
-        return module.parametrizations.weight.original
-    return weight
+    """The module's weight before inject's fake-quantiser, the last of its parametrisations: its
+    original, or the value of the parametrisations it had before inject (weight_norm, ...);
+    ``weight`` itself when inject quantises no weight."""
+    if not parametrize.is_parametrized(module, "weight"):
+        return weight
+    parametrizations = module.parametrizations.weight
+    if not isinstance(parametrizations[-1], _FakeQuantize):
+        return weight
+    if len(parametrizations) == 1:
+        return parametrizations.original
+    value = parametrizations[0](*_original_tensors(parametrizations))
+    for i in range(1, len(parametrizations) - 1):
+        value = parametrizations[i](value)
+    return value
 
 
 def _simulated_attention_forward(
@@ -355,7 +440,10 @@ def _plan(model: nn.Module, config) -> tuple[list, dict]:
     decided = {key: 0 for key in config}
     matched = {key: 0 for key in config}
     plan = []
+    parametrizing = _parametrization_modules(model)  # a user's weight_norm and the like
     for name, module in model.named_modules():
+        if id(module) in parametrizing:
+            continue
         chosen = None
         for selector in config:
             if selector == DEFAULT:
@@ -364,7 +452,7 @@ def _plan(model: nn.Module, config) -> tuple[list, dict]:
                 matched[selector] += 1
                 if chosen is None:
                     chosen = selector
-        if chosen is None and DEFAULT in config and not any(True for _ in module.children()):
+        if chosen is None and DEFAULT in config and _is_leaf(module):
             chosen = DEFAULT
             matched[DEFAULT] += 1
         if chosen is not None:
@@ -406,7 +494,17 @@ def _check_unmatched(counts: dict, unmatched: str) -> None:
 
 
 def _parameter_names(module: nn.Module, suffix: str) -> list[str]:
-    return [n for n, _ in module.named_parameters(recurse=False) if n.endswith(suffix)]
+    """The names ending in ``suffix`` of the module's own parameters, those already parametrised
+    (weight_norm, orthogonal, ...) included: inject's fake-quantiser goes after their
+    parametrisations."""
+    names = [n for n, _ in module.named_parameters(recurse=False) if n.endswith(suffix)]
+    if parametrize.is_parametrized(module):
+        names += [
+            n
+            for n, parametrization in module.parametrizations.items()
+            if n.endswith(suffix) and n not in names and _originals(parametrization)
+        ]
+    return names
 
 
 def _bypassed(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
@@ -501,7 +599,7 @@ def _observed_input(quantise, observer, module: nn.Module):
 
 def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str | None) -> dict:
     done = {
-        "type": type(module).__name__,
+        "type": parametrize.type_before_parametrizations(module).__name__,
         "weight": [],
         "bias": [],
         "input": None,
@@ -535,6 +633,7 @@ def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str
         )
         # A bound method, so that copy.deepcopy of the model binds the copy's own forward.
         module.forward = types.MethodType(forward, module)
+    _own_parametrized_class(module)  # registering may add a property to a shared class
     for kind in ("weight", "bias"):
         spec = settings.spec(kind)
         if spec is None:
@@ -634,7 +733,9 @@ def inject(
     Raises:
         TypeError: a selector or a setting is malformed (a module instance as a selector, say).
         ValueError: an entry decides no module (with unmatched="error"), or unmatched is not one of
-            "error", "warn", "ignore". The model is unchanged when inject raises.
+            "error", "warn", "ignore". The model is unchanged when inject raises (an earlier
+            injection included: whatever raises, every module's class, parameters, submodules,
+            hooks and attributes are put back as they were).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -651,47 +752,85 @@ def inject(
             check_selector(selector)
         if settings is not None and not isinstance(settings, LayerQuantization):
             raise TypeError(f"config values must be LayerQuantization or None, got {settings!r}")
-    remove(model)  # an earlier injection would otherwise be matched as part of the model
-    plan, counts = _plan(model, config)
-    _check_unmatched(counts, unmatched)
-    guard_hooks_under_compile()
-    bypassed = _bypassed(model)
-    simulating = False
-    for name, module, settings in plan:
-        if settings is None:
-            continue
-        reason = bypassed[name][1] if name in bypassed else None
-        setattr(module, _STATE, _inject_module(module, settings, reason))
-        simulating = simulating or settings.macs() is not None
-    never_run = []
-    for name, (parent, reason) in bypassed.items():
-        done = getattr(model.get_submodule(name), _STATE, None)
-        if done is not None:
-            done["never_run"] = _never_run(done, parent)
-            if done["never_run"]:
-                never_run.append(f"{name!r} ({reason}): {' and '.join(done['never_run'])}")
-    if never_run:
-        warnings.warn(
-            "inject(): quantisers or MACs configured for these modules never run: "
-            + "; ".join(never_run),
-            stacklevel=2,
-        )
-    _guard_fast_paths(model)
-    unsimulated = [
-        f"{name!r} ({type(module).__name__})"
-        for name, module in model.named_modules()
-        if isinstance(module, _UNSIMULATED_PRODUCTS)
-    ]
-    if simulating and unsimulated:
-        warnings.warn(
-            "inject(): lpsim simulates the products of Linear, Conv1d, Conv2d and "
-            "MultiheadAttention only; these modules compute theirs in torch's own arithmetic: "
-            + ", ".join(unsimulated),
-            stacklevel=2,
-        )
+    snapshot = _Snapshot(model)  # to put back should anything below raise
+    try:
+        remove(model)  # an earlier injection would otherwise be matched as part of the model
+        plan, counts = _plan(model, config)
+        _check_unmatched(counts, unmatched)
+        guard_hooks_under_compile()
+        bypassed = _bypassed(model)
+        simulating = False
+        for name, module, settings in plan:
+            if settings is None:
+                continue
+            reason = bypassed[name][1] if name in bypassed else None
+            setattr(module, _STATE, _inject_module(module, settings, reason))
+            simulating = simulating or settings.macs() is not None
+        never_run = []
+        for name, (parent, reason) in bypassed.items():
+            done = getattr(model.get_submodule(name), _STATE, None)
+            if done is not None:
+                done["never_run"] = _never_run(done, parent)
+                if done["never_run"]:
+                    never_run.append(f"{name!r} ({reason}): {' and '.join(done['never_run'])}")
+        if never_run:
+            warnings.warn(
+                "inject(): quantisers or MACs configured for these modules never run: "
+                + "; ".join(never_run),
+                stacklevel=2,
+            )
+        _guard_fast_paths(model)
+        unsimulated = [
+            f"{name!r} ({type(module).__name__})"
+            for name, module in model.named_modules()
+            if isinstance(module, _UNSIMULATED_PRODUCTS)
+        ]
+        if simulating and unsimulated:
+            warnings.warn(
+                "inject(): lpsim simulates the products of Linear, Conv1d, Conv2d and "
+                "MultiheadAttention only; these modules compute theirs in torch's own arithmetic: "
+                + ", ".join(unsimulated),
+                stacklevel=2,
+            )
+    except BaseException:
+        snapshot.restore()
+        raise
     if verbose:
         print(report(model))
     return model
+
+
+class _Snapshot:
+    """The structure of every module of a model (its class and its attributes, the dicts and sets
+    among them, which hold its parameters, buffers, submodules and hooks, by content) as it is now,
+    for restore() to put back exactly: inject() takes one so that the model is unchanged when it
+    raises, an earlier injection included (the same Parameter objects, hooks, quantisers and
+    scalers)."""
+
+    def __init__(self, model: nn.Module):
+        self.saved = []
+        for module in model.modules():
+            attributes = dict(module.__dict__)
+            contents = {
+                key: list(value.items()) if isinstance(value, dict) else list(value)
+                for key, value in attributes.items()
+                if isinstance(value, (dict, set))
+            }
+            self.saved.append((module, type(module), attributes, contents))
+
+    def restore(self) -> None:
+        # A class changed since is a new one (inject and remove never change a class in place:
+        # see _own_parametrized_class), so the saved classes are as they were.
+        for module, cls, attributes, contents in self.saved:
+            module.__class__ = cls
+            state = module.__dict__
+            for key in [k for k in state if k not in attributes]:
+                del state[key]
+            state.update(attributes)
+            for key, items in contents.items():
+                container = attributes[key]
+                container.clear()
+                container.update(items)
 
 
 def _restore_parameter_order(module: nn.Module, order: list[str]) -> None:
@@ -706,7 +845,10 @@ def remove(model: nn.Module) -> nn.Module:
     """Undo inject(): remove every hook and parametrisation it added, restoring the original
     parameters (the same Parameter objects, in their original registration order, so that
     named_parameters(), state_dict() and optimizer states saved before injection match again),
-    and torch's fused transformer paths where inject kept them off. Returns the model."""
+    and torch's fused transformer paths where inject kept them off. Parametrisations the
+    parameters had before inject stay. A copy.deepcopy of an injected model may be removed (or
+    injected again) without harm to the original: each module whose parametrisations change gets
+    a class of its own first (see own_parametrized_classes). Returns the model."""
     _unguard_fast_paths(model)
     for module in model.modules():
         done = getattr(module, _STATE, None)
@@ -716,8 +858,10 @@ def remove(model: nn.Module) -> nn.Module:
             handle.remove()
         if "macs" in done:
             del module.forward  # the class's forward again
+        if done["weight"] or done["bias"]:
+            _own_parametrized_class(module)  # the class may be shared with a deep copy
         for pname, _ in done["weight"] + done["bias"]:
-            parametrize.remove_parametrizations(module, pname, leave_parametrized=False)
+            _remove_quantiser(module, pname)
         _restore_parameter_order(module, done["parameter_order"])
         if done.get("scalers"):
             delattr(module, _SCALERS)
@@ -736,14 +880,17 @@ def injected(model: nn.Module) -> list[tuple[str, nn.Module, dict]]:
 
 
 def quantized_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters that inject() fake-quantises in ``model``, in model order: the ones to give
-    OptimLP(..., parameters=...) so that the optimizer rounds exactly the parameters forward sees
-    quantised, and leaves the others (first and last layers kept in float32, say) alone."""
-    found = []
+    """The parameters that inject() fake-quantises in ``model``, in model order, each once (a
+    parameter tied between modules too): the ones to give OptimLP(..., parameters=...) so that
+    the optimizer rounds exactly the parameters forward sees quantised, and leaves the others
+    (first and last layers kept in float32, say) alone. For a tensor parametrised before inject
+    (weight_norm, orthogonal, ...), the parameters it is computed from."""
+    found: dict[int, nn.Parameter] = {}  # each once, a tied parameter too
     for _, module, done in injected(model):
         for pname, _ in done["weight"] + done["bias"]:
-            found.append(module.parametrizations[pname].original)
-    return found
+            for parameter in _originals(module.parametrizations[pname]):
+                found.setdefault(id(parameter), parameter)
+    return list(found.values())
 
 
 def _plain_name(name: str) -> str:
@@ -753,19 +900,41 @@ def _plain_name(name: str) -> str:
 
 def _modules_that_run(model: nn.Module, example) -> set[int]:
     """ids of the modules whose forward runs on ``example`` (a tensor or a tuple of arguments).
-    The pass runs without gradients and inside a fork of torch's generators, so it leaves the
-    random streams of training where they were."""
+    The pass changes nothing: it runs without gradients, inside a fork of torch's generators (the
+    CPU one and those of the CUDA devices the model and the example are on), so it leaves the
+    random streams of training where they were, with no observer (a Recorder records nothing),
+    and every buffer it writes (BatchNorm's running statistics, the DelayedScalers' histories
+    and scales) is put back as it was, the same tensor holding the same bits."""
     ran: set[int] = set()
+    args = example if isinstance(example, tuple) else (example,)
+    tensors = [*model.parameters(), *model.buffers()]
+    map_tensors(args, lambda t: tensors.append(t) or t)
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    buffers = [
+        (module._buffers, name, buffer, buffer.clone())
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None
+    ]
+    observer = _observation.current
     handles = [
         m.register_forward_pre_hook(lambda mod, args: ran.add(id(mod))) for m in model.modules()
     ]
-    args = example if isinstance(example, tuple) else (example,)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        _observation.current = None
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
             model(*args)
     finally:
+        _observation.current = observer
         for h in handles:
             h.remove()
+        with torch.no_grad():
+            for owner, name, buffer, saved in buffers:
+                owner[name] = buffer
+                if buffer.shape == saved.shape:
+                    buffer.copy_(saved)
+                else:
+                    buffer.set_(saved)
     return ran
 
 
@@ -814,17 +983,18 @@ def report(
 
     The ``note`` column flags configured quantisers that never run: on modules whose forward their
     parent bypasses (always), and, given ``example`` (a tensor or a tuple of positional arguments),
-    on modules whose forward does not run on it. The example pass runs without gradients and in a
-    fork of torch's generators, so it changes nothing; each such quantiser also gives a warning.
+    on modules whose forward does not run on it. The example pass runs without gradients, in a
+    fork of torch's generators and unobserved, and the buffers it writes (BatchNorm's running
+    statistics, the DelayedScalers' state) are restored afterwards, so it changes nothing; each
+    such quantiser also gives a warning.
     """
     ran = _modules_that_run(model, example) if example is not None else None
     specs = lambda entries: ", ".join(sorted({str(s) for _, s in entries})) or "-"  # noqa: E731
     rows = [("module", "type", "weight", "bias", "input", "output", "error", "products", "note")]
     quantised = full = 0
+    parametrizing = _parametrization_modules(model)
     for name, module in model.named_modules():
-        if isinstance(
-            module, (parametrize.ParametrizationList, _FakeQuantize, _Scalers, DelayedScaler)
-        ):
+        if id(module) in parametrizing or isinstance(module, (_Scalers, DelayedScaler)):
             continue
         done = getattr(module, _STATE, None)
         if done is not None and _active(done):
@@ -849,12 +1019,11 @@ def report(
                     note,
                 )
             )
-        elif not any(True for _ in module.children()) or any(
-            True for _ in module.parameters(recurse=False)
-        ):
+        elif _is_leaf(module) or any(True for _ in module.parameters(recurse=False)):
             full += 1
             note = "full precision" if done is None else "full precision (nothing to quantise)"
-            rows.append((name or "(model)", type(module).__name__) + ("-",) * 6 + (note,))
+            kind = parametrize.type_before_parametrizations(module).__name__
+            rows.append((name or "(model)", kind) + ("-",) * 6 + (note,))
     if all(row[7] == "-" for row in rows[1:]):  # the products column only where MACs are set
         rows = [row[:7] + row[8:] for row in rows]
     lines = _table(rows)

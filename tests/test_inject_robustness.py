@@ -1,0 +1,345 @@
+"""inject(), remove(), quantized_parameters() and report() on models as users have them: deep
+copies of injected models, tied parameters, a failing inject(), weights already parametrised
+(weight_norm, orthogonal), the calls torch's own layers accept, and report()'s example pass. Each
+test reproduces a way in which these once broke or silently differed from their documentation."""
+
+import copy
+import re
+import warnings
+
+import pytest
+import torch
+from support import assert_same_bits
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import orthogonal, weight_norm
+
+import lpsim
+from lpsim import Float
+from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
+from lpsim.diagnostics.recorder import Recorder
+from lpsim.diagnostics.shadow import Shadow
+from lpsim.nn import LayerQuantization, inject, injected, quantized_parameters, remove, report
+from lpsim.nn.functional import Operands
+
+E5M2 = Float(5, 2)
+E4M1 = Float(4, 1)
+DELAYED = DelayedScaling(Float(4, 3, special="fn"), history_length=4)
+
+
+def assert_same_state(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for key in want:
+        if want[key].is_floating_point():
+            assert_same_bits(got[key], want[key], key)
+        else:
+            assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+
+
+def structure(model: nn.Module) -> dict:
+    """What inject and remove change: each module's class, its parameters (by identity), its
+    submodules and hooks."""
+    return {
+        name: (
+            type(module),
+            [(n, id(p)) for n, p in module._parameters.items()],
+            list(module._modules),
+            list(module._forward_pre_hooks.values()),
+            list(module._forward_hooks.values()),
+            dict(module.__dict__).get("forward"),
+        )
+        for name, module in model.named_modules()
+    }
+
+
+# A deep copy of an injected model shares torch's parametrised classes with the original
+
+
+def test_removing_or_reinjecting_a_deep_copy_leaves_the_original_working():
+    model = inject(
+        nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)),
+        {nn.Linear: LayerQuantization(weight=E5M2, bias=E5M2, output=E5M2)},
+    ).eval()
+    originals = [model[0].parametrizations.weight.original, model[2].parametrizations.bias.original]
+    x = torch.randn(3, 4)
+    before = model(x)
+    for change in (remove, lambda m: inject(m, {"0": LayerQuantization(bias=E4M1)})):
+        change(copy.deepcopy(model))
+        assert_same_bits(model(x), before)
+    remove(model)
+    assert model[0].weight is originals[0] and model[2].bias is originals[1]
+    assert type(model[0]) is nn.Linear and not injected(model)
+
+
+def test_the_copy_works_after_the_original_is_removed():
+    model = inject(nn.Sequential(nn.Linear(4, 4)), {nn.Linear: LayerQuantization(weight=E5M2)})
+    model.eval()
+    clone = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    before = clone(x)
+    remove(model)
+    assert_same_bits(clone(x), before)
+    remove(clone)
+    assert type(clone[0]) is nn.Linear
+
+
+def test_injecting_a_copy_of_a_weight_normed_model_leaves_the_originals_class_alone():
+    model = nn.Sequential(weight_norm(nn.Linear(4, 4)))
+    x = torch.randn(3, 4)
+    before = model(x)
+    clone = inject(copy.deepcopy(model), {nn.Linear: LayerQuantization(bias=E5M2)})
+    assert not hasattr(type(model[0]), "bias")  # no property for a tensor it does not parametrise
+    assert_same_bits(model(x), before)
+    remove(clone)
+    assert_same_bits(model(x), before)
+
+
+def test_shadow_gives_its_reference_classes_of_its_own():
+    model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.ReLU(), nn.Linear(4, 2))
+    inject(model, {"2": LayerQuantization(weight=E5M2)})
+    shadow = Shadow(model)
+    parametrize.remove_parametrizations(shadow.reference[0], "weight")
+    x = torch.randn(3, 4)
+    assert model(x).shape == (3, 2)  # the model's weight_norm property is still there
+    remove(model)
+
+
+# Tied parameters
+
+
+def test_a_tied_parameter_is_listed_and_counted_once():
+    model = nn.Sequential(nn.Linear(6, 6), nn.Linear(6, 6))
+    model[1].weight = model[0].weight
+    inject(model, {nn.Linear: LayerQuantization(weight=E5M2, bias=E5M2)})
+    found = quantized_parameters(model)
+    assert [id(p) for p in found] == [id(p) for p in model.parameters()]  # each once, in order
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.optim.SGD(found, lr=0.1)
+    assert (
+        report(model)
+        .splitlines()[-1]
+        .endswith("48 of 48 parameter elements fake-quantised (100.0%)")
+    )
+    inject(model, {"0": LayerQuantization(weight=E5M2), "1": LayerQuantization(weight=E5M2)})
+    assert len(quantized_parameters(model)) == 1
+    assert "36 of 48 parameter elements fake-quantised (75.0%)" in report(model)
+
+
+# inject() leaves the model as it was when it raises
+
+
+def _earlier_injection() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Conv1d(1, 1, 1), nn.Flatten(), nn.Linear(4, 2))
+    inject(
+        model,
+        {
+            "0": LayerQuantization(
+                weight=(E5M2, "nearest"),
+                input=(DELAYED, "nearest"),
+                mac=lpsim.MAC(accumulator=Float(8, 7), rounding="nearest"),
+            ),
+            "1": LayerQuantization(output=(DELAYED, "nearest")),
+            "3": LayerQuantization(bias=(E5M2, "nearest")),
+        },
+    )
+    return model
+
+
+_BAD_OPERANDS = LayerQuantization(weight=E4M1, input=E4M1, input_grad_operands=Operands(error=E4M1))
+
+
+@pytest.mark.parametrize(
+    "config, error",
+    [
+        # Operands are refused at the Conv1d, after the Linear before it is parametrised
+        ({(nn.Linear, nn.Conv1d): _BAD_OPERANDS}, "apply to Linear layers"),
+        # an entry deciding nothing, found after the earlier injection is removed
+        ({nn.Linear: LayerQuantization(weight=E4M1), "nothing": None}, "decide no module"),
+        # a name clash at the last module, after the others are injected
+        ({nn.Module: LayerQuantization(weight=E4M1, output=DELAYED)}, "already has an attribute"),
+    ],
+)
+@pytest.mark.parametrize("earlier", [True, False])
+def test_inject_that_raises_leaves_the_model_exactly_as_it_was(config, error, earlier):
+    def make():
+        if earlier:
+            model = _earlier_injection()
+        else:
+            torch.manual_seed(0)
+            model = nn.Sequential(
+                nn.Linear(4, 4), nn.Conv1d(1, 1, 1), nn.Flatten(), nn.Linear(4, 2)
+            )
+        model[3].lpsim_scalers = "the user's"  # the last module's attribute clashes with inject's
+        return model
+
+    model, twin = make(), make()  # (not a deep copy: its hooks would share the scalers)
+    parameters = {n: id(p) for n, p in model.named_parameters()}
+    state = copy.deepcopy(model.state_dict())
+    shape = structure(model)
+    with pytest.raises(ValueError, match=error):
+        inject(model, config)
+    assert {n: id(p) for n, p in model.named_parameters()} == parameters
+    assert_same_state(model.state_dict(), state)
+    assert structure(model) == shape
+    x = torch.randn(3, 1, 4)
+    for mode in ("train", "eval"):
+        getattr(model, mode)(), getattr(twin, mode)()
+        assert_same_bits(model(x), twin(x), mode)
+    assert_same_state(model.state_dict(), twin.state_dict())  # the scalers recorded alike
+    remove(model)
+    assert [type(m) for m in model.modules()] == [
+        nn.Sequential,
+        nn.Linear,
+        nn.Conv1d,
+        nn.Flatten,
+        nn.Linear,
+    ]
+    assert {n: id(p) for n, p in model.named_parameters()} == {
+        n.replace(".parametrizations", "").replace(".original", ""): i
+        for n, i in parameters.items()
+    }
+
+
+# Weights that already have a parametrisation
+
+
+@pytest.mark.parametrize("wrap", [weight_norm, orthogonal])
+def test_an_already_parametrised_weight_is_quantised_after_its_parametrisation(wrap):
+    torch.manual_seed(0)
+    model = nn.Sequential(wrap(nn.Linear(4, 4)), nn.ReLU(), nn.Linear(4, 2))
+    first = model[0].parametrizations.weight[0]
+    originals = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    x = torch.randn(3, 4)
+    before = model(x)
+    weight, bias = model[0].weight.detach().clone(), model[0].bias.detach().clone()
+
+    inject(model, {"0": LayerQuantization(weight=(E4M1, "nearest"), bias=(E4M1, "nearest"))})
+    assert len(model[0].parametrizations.weight) == 2
+    expected = x @ lpsim.quantize(weight, E4M1, "nearest").t() + lpsim.quantize(
+        bias, E4M1, "nearest"
+    )
+    assert_same_bits(model[0](x), expected)
+    text = report(model)
+    assert re.search(r"^0\s+Linear\s+Float\(exp=4, man=1\) nearest", text, re.M)
+    assert "parametrizations" not in text  # the user's parametrisation is no layer
+    behind = [p for n, p in originals.items() if n.startswith("0.")]
+    assert {id(p) for p in quantized_parameters(model)} == {id(p) for p in behind}
+
+    remove(model)
+    assert list(model[0].parametrizations.weight) == [first]
+    assert dict(model.named_parameters()) == originals
+    assert list(model.state_dict()) == keys
+    assert_same_bits(model(x), before)
+
+
+@pytest.mark.parametrize("wrap", [weight_norm, orthogonal])
+def test_backward_operands_take_the_parametrised_weight_before_quantisation(wrap):
+    torch.manual_seed(0)
+    layer = wrap(nn.Linear(4, 4))
+    weight = layer.weight.detach().clone()
+    inject(
+        layer,
+        {
+            nn.Linear: LayerQuantization(
+                weight=E4M1,
+                rounding="nearest",
+                input_grad_operands=Operands(weight=E5M2),
+            )
+        },
+    )
+    x = torch.randn(3, 4, requires_grad=True)
+    layer(x).sum().backward()
+    want = torch.ones(3, 4) @ lpsim.quantize(weight, E5M2, "nearest")
+    torch.testing.assert_close(x.grad, want)
+    assert all(p.grad is not None for p in layer.parameters())
+    remove(layer)
+    assert len(layer.parametrizations.weight) == 1
+
+
+def test_the_default_entry_leaves_a_users_parametrisation_alone():
+    model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.ReLU())
+    inject(model, {"default": LayerQuantization(output=E5M2)})
+    assert [name for name, _, _ in injected(model)] == ["0", "1"]
+    remove(model)
+
+
+# Layers given MACs take what torch's layers take
+
+
+_MAC = LayerQuantization(mac=lpsim.MAC(accumulator=Float(5, 10), rounding="stochastic"))
+
+
+@pytest.mark.parametrize(
+    "layer, shape",
+    [
+        (nn.Linear(4, 3), (2, 4)),
+        (nn.Linear(4, 3), (4,)),
+        (nn.Conv1d(2, 3, 3), (2, 7)),
+        (nn.Conv1d(2, 3, 3, padding=1, padding_mode="reflect"), (2, 7)),
+        (nn.Conv2d(2, 3, 3), (2, 5, 5)),
+        (nn.Conv2d(2, 3, 3, padding=1, padding_mode="circular"), (2, 5, 5)),
+    ],
+)
+def test_layers_with_macs_take_the_keyword_input_and_unbatched_inputs(layer, shape):
+    x = torch.randn(shape)
+    plain = layer(x)
+    inject(layer, {type(layer): _MAC})
+    torch.manual_seed(1)
+    batched = layer(x.unsqueeze(0)).squeeze(0)
+    for call in (lambda: layer(x), lambda: layer(input=x)):
+        torch.manual_seed(1)
+        assert_same_bits(call(), batched)
+    assert batched.shape == plain.shape
+
+
+def test_the_keyword_input_is_quantised_by_the_input_quantiser():
+    layer = nn.Linear(4, 3)
+    inject(layer, {nn.Linear: LayerQuantization(input=(E4M1, "nearest"), mac=_MAC.mac)})
+    x = torch.randn(2, 4)
+    torch.manual_seed(1)
+    want = layer(x)
+    torch.manual_seed(1)
+    assert_same_bits(layer(input=x), want)
+    torch.manual_seed(1)
+    assert_same_bits(layer(lpsim.quantize(x, E4M1, "nearest")), want)
+
+
+# report()'s example pass changes nothing
+
+
+def test_report_with_an_example_changes_no_state_and_draws_nothing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    inject(
+        model,
+        {
+            nn.Linear: LayerQuantization(
+                weight=(DELAYED, "stochastic"),
+                input=(DELAYED, "nearest"),
+                output=(DELAYED, "stochastic"),
+            )
+        },
+    )
+    model(torch.randn(8, 4))  # some history in every scaler
+    scalers = {
+        name: {k: v.clone() for k, v in m.state_dict().items()}
+        for name, m in model.named_modules()
+        if isinstance(m, DelayedScaler)
+    }
+    assert len(scalers) == 6  # weight, input and output of each Linear
+    state = copy.deepcopy(model.state_dict())
+    buffers = [id(b) for b in model.buffers()]
+    example = torch.randn(8, 4) * 100
+    rng = torch.get_rng_state()
+    with Recorder(model) as recorder:
+        report(model, example=example)
+        assert recorder.records == []
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert_same_state(model.state_dict(), state)
+    assert [id(b) for b in model.buffers()] == buffers
+    for name, m in model.named_modules():
+        if isinstance(m, DelayedScaler):
+            assert_same_state(m.state_dict(), scalers[name])
