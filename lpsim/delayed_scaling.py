@@ -112,7 +112,10 @@ class _StraightThrough(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, value):
-        return value
+        # Not ``value`` itself: a custom Function's input returned as is becomes a view, on which
+        # torch refuses in-place ops (an inplace ReLU after the quantiser). value is new, so its
+        # alias (no view) is the scaler's own result.
+        return value.detach()
 
     @staticmethod
     def backward(ctx, grad):

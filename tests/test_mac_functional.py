@@ -340,6 +340,118 @@ def test_native_forward_with_simulated_backward():
     assert_same_bits(x.grad, lpsim.mac.matmul(grad, w.detach(), FLOAT16))
 
 
+# Double backward. (name, lpsim's op, torch's op, shapes of input, weight, bias)
+_TWICE = [
+    ("linear", LF.linear, F.linear, (4, 5), (3, 5), (3,)),
+    (
+        "matmul",
+        lambda x, w, b, **k: LF.matmul(x, w, **k),
+        lambda x, w, b: x @ w,
+        (2, 4, 5),
+        (5, 3),
+        None,
+    ),
+    (
+        "bmm",
+        lambda x, w, b, **k: LF.bmm(x, w, **k),
+        lambda x, w, b: x.bmm(w),
+        (2, 4, 5),
+        (2, 5, 3),
+        None,
+    ),
+    (
+        "conv1d",
+        lambda x, w, b, **k: LF.conv1d(x, w, b, 2, 1, **k),
+        lambda x, w, b: F.conv1d(x, w, b, 2, 1),
+        (2, 4, 9),
+        (3, 4, 3),
+        (3,),
+    ),
+    (
+        "conv2d",
+        lambda x, w, b, **k: LF.conv2d(x, w, b, 1, 1, 1, 2, **k),
+        lambda x, w, b: F.conv2d(x, w, b, 1, 1, 1, 2),
+        (2, 4, 5, 5),
+        (6, 2, 3, 3),
+        (6,),
+    ),
+]
+
+
+def _padded(tensors):
+    """(input, weight, bias), bias None where the case has none."""
+    return [*tensors, *[None] * (3 - len(tensors))]
+
+
+def second_derivatives(op, tensors, loss):
+    """The gradients of a weighted sum of the first derivatives (taken with create_graph)."""
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    first = torch.autograd.grad(loss(op(*leaves)), leaves, create_graph=True)
+    total = sum((g * ints(*g.shape, seed=7)).sum() for g in first)
+    return torch.autograd.grad(total, leaves, allow_unused=True, materialize_grads=True)
+
+
+@pytest.mark.parametrize("case", _TWICE, ids=[c[0] for c in _TWICE])
+@pytest.mark.parametrize("loss", [lambda y: (y**2).sum(), lambda y: y.sum()], ids=["y2", "y"])
+def test_double_backward_through_simulated_backward_products_raises(case, loss):
+    # Before, lpsim::mac_matmul (no autograd kernel) gave zero second derivatives with a warning.
+    _, op, _, *shapes = case
+    tensors = [ints(*s, seed=i) for i, s in enumerate(shapes) if s]
+    for macs in (dict(mac=EXACT), dict(input_grad_mac=EXACT), dict(weight_grad_mac=EXACT)):
+        with pytest.raises(RuntimeError, match="has no derivative"):
+            second_derivatives(lambda *t, macs=macs: op(*_padded(t), **macs), tensors, loss)
+
+
+@pytest.mark.parametrize("case", _TWICE, ids=[c[0] for c in _TWICE])
+@pytest.mark.parametrize("loss", [lambda y: (y**2).sum(), lambda y: y.sum()], ids=["y2", "y"])
+def test_double_backward_with_native_backward_macs_is_torchs(case, loss):
+    # The forward product simulated (exact on small integers), the backward products torch's.
+    _, op, torch_op, *shapes = case
+    tensors = [ints(*s, seed=i) for i, s in enumerate(shapes) if s]
+    expected = second_derivatives(lambda *t: torch_op(*_padded(t)), tensors, loss)
+    native = MAC()
+    for macs in (dict(mac=EXACT, input_grad_mac=native, weight_grad_mac=native), dict()):
+        got = second_derivatives(lambda *t, macs=macs: op(*_padded(t), **macs), tensors, loss)
+        for g, e in zip(got, expected):
+            assert_same_bits(g, e)
+
+
+def test_mac_matmul_is_not_differentiable():
+    a, b = spread(3, 4, seed=1).requires_grad_(), spread(4, 2, seed=2)
+    c = lpsim.mac.matmul(a, b, FLOAT16)
+    with torch.no_grad():
+        assert_same_bits(c.detach(), lpsim.mac.matmul(a, b, FLOAT16))
+    with pytest.raises(RuntimeError, match="lpsim.nn.functional.matmul"):
+        c.sum().backward()
+
+
+def test_bfloat16_gradients_under_a_float32_accumulator_are_cast_by_autograd():
+    x = spread(4, 6, seed=3).bfloat16().requires_grad_()
+    w = spread(3, 6, seed=4).bfloat16().requires_grad_()
+    b = spread(3, seed=5).bfloat16().requires_grad_()
+    y = LF.linear(x, w, b, mac=EXACT)
+    assert y.dtype == torch.float32
+    grad = spread(4, 3, seed=6)
+    y.backward(grad)
+    # the float32 products' results, rounded to bfloat16 (nearest) by autograd's cast
+    assert_same_bits(w.grad, lpsim.mac.matmul(grad.t(), x.detach().float(), EXACT).bfloat16())
+    assert_same_bits(x.grad, lpsim.mac.matmul(grad, w.detach().float(), EXACT).bfloat16())
+    ones = torch.ones(1, 4)
+    assert_same_bits(b.grad, lpsim.mac.matmul(ones, grad, EXACT)[0].bfloat16())
+
+
+def test_an_accumulator_wider_than_float32_gives_float64_results():
+    x, w = spread(2, 3, seed=7).requires_grad_(), spread(4, 3, seed=8).requires_grad_()
+    wide = MAC(accumulator=Float(11, 52))
+    y = LF.linear(x, w, mac=wide)
+    assert y.dtype == torch.float64
+    with pytest.raises(TypeError, match="float64"):
+        y.sum().backward()
+    y = LF.linear(x, w, mac=wide, input_grad_mac=MAC(), weight_grad_mac=MAC())
+    y.sum().backward()
+    assert x.grad.dtype == w.grad.dtype == torch.float32
+
+
 @pytest.mark.parametrize(
     "call, error, words",
     [

@@ -8,7 +8,10 @@ the products below, the three MACs and ``out_proj_macs`` for ``multi_head_attent
   torch's own float32 product);
 - ``input_grad_mac``, ``weight_grad_mac``: the arithmetic of the backward products that give the
   gradient of the input (dgrad) and of the weight (wgrad, and the bias gradient); None, the
-  default, is ``mac``;
+  default, is ``mac``. A backward product's result has the dtype ``lpsim.mac.matmul`` gives (see
+  below); where that is wider than the tensor whose gradient it is (a float32 accumulator for
+  bfloat16 or float16 inputs and parameters), autograd casts the gradient to that tensor's dtype
+  by round to nearest even: a second rounding, after the accumulator's (whatever the MAC's rule);
 - ``input_format``, ``weight_format``: None, a format, or a (format, rounding) pair: the operands
   are quantised before the product (a bare format by ``rounding``, "nearest" by default), with the
   straight-through gradient;
@@ -57,10 +60,20 @@ Random words: every stochastic product draws a seed from torch's default CPU gen
 ``torch.manual_seed`` makes a run reproducible); the matrices of a batch and the groups of a
 convolution use the offsets 0, 1, ... of that seed (lpsim.mac's words within each).
 
-The results have the dtype ``lpsim.mac.matmul`` gives (the operands' when the accumulator fits it,
-else float32). Without any non-native MAC and format the functions are torch's own, except
+The results have the dtype ``lpsim.mac.matmul`` gives: the operands' when the accumulator fits it,
+else float32 when the accumulator fits that, else float64. An accumulator wider than float32
+(Float(11, 52), say) gives float64 results, whose gradients no simulated backward product takes
+(float64 products would not be exact: TypeError); such a product needs native backward MACs
+(``input_grad_mac=weight_grad_mac=MAC()``), whose float64 gradients autograd casts to the
+operands' dtype. Without any non-native MAC and format the functions are torch's own, except
 ``multi_head_attention_forward``, which always computes torch's explicit path (its need_weights=True
 one) product by product: torch's result to rounding.
+
+Double backward (``create_graph=True``, then a second differentiation): a product under a
+non-native MAC has no derivative, so differentiating a gradient that a simulated backward product
+computed raises a RuntimeError that says so when the second backward pass reaches
+it, rather than giving zeros. With native backward MACs the backward products are torch's and
+double backward works, the simulated forward product differentiated by its backward products.
 """
 
 from __future__ import annotations
