@@ -86,7 +86,7 @@ def test_quantizer_module_exposes_its_options():
 
 # An error-only quantiser leaves its input's values unchanged. It returned a view of the input from
 # a custom autograd Function, on which torch refuses in-place ops ("Output 0 of _Quantize is a view
-# and is being modified inplace"): an inplace ReLU after it failed.
+# and is being modified inplace"): an inplace ReLU after it failed. It returns a copy now.
 
 
 def test_an_in_place_op_after_an_error_only_quantiser_keeps_the_error_rounding():
@@ -105,19 +105,31 @@ def test_an_in_place_op_after_an_error_only_quantiser_keeps_the_error_rounding()
     assert_same_bits(grads[1], expected)
 
 
-def test_an_error_only_quantiser_of_a_leaf_still_refuses_in_place_ops():
-    # The leaf's memory is protected as torch protects it: the result is a view, not a copy.
-    w = torch.randn(5, requires_grad=True)
-    y = quantizer(backward=E5M2)(w)
-    with pytest.raises(RuntimeError, match="view"):
-        y.relu_()
+def test_an_in_place_op_after_an_error_only_quantiser_changes_neither_its_input_nor_its_gradient():
+    # x + relu_(q(x)): x keeps its values in the sum, and its gradient is 1 + [x > 0].
+    w = torch.tensor([-1.0, 0.5, 2.0, -0.25], requires_grad=True)
+    x = w * 1.0
+    z = x + torch.relu_(quantizer(backward=(Fixed(8, 5), "nearest"))(x))
+    z.sum().backward()
+    assert_same_bits(z.detach(), w.detach() + torch.relu(w.detach()))
+    assert_same_bits(w.grad, 1.0 + (w.detach() > 0).float())
+    leaf = torch.randn(5, requires_grad=True)
+    before = leaf.detach().clone()
+    quantizer(backward=E5M2)(leaf).relu_()  # the copy, not the leaf
+    assert_same_bits(leaf.detach(), before)
 
 
-def test_a_modified_saved_output_raises_as_without_the_quantiser():
-    # Tanh saves its output; the error-only quantiser's result shares its memory and version.
-    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), Quantizer(backward=E5M2), nn.ReLU(True))
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        model(torch.randn(2, 4)).sum().backward()
+def test_a_saved_output_before_an_error_only_quantiser_is_left_intact():
+    # Tanh saves its output for its backward; the inplace ReLU after the quantiser changes the copy.
+    grads = []
+    for in_place in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(4, 4), nn.Tanh(), Quantizer(backward=E5M2), nn.ReLU(in_place)
+        )
+        model(torch.ones(2, 4)).sum().backward()
+        grads.append(model[0].weight.grad)
+    assert_same_bits(grads[1], grads[0])
 
 
 def _mlp(in_place: bool) -> nn.Module:
