@@ -45,6 +45,7 @@ from lpsim.scaled import Scaled
 __all__ = ["DelayedScaling", "DelayedScaler", "REDUCTIONS"]
 
 REDUCTIONS = ("max", "most_recent")
+_FLOAT32_STATE = ("amax_history", "scale", "scale_inverse")  # DelayedScaler's float32 buffers
 
 
 @dataclass(frozen=True, repr=False)
@@ -125,7 +126,9 @@ class _StraightThrough(torch.autograd.Function):
 class DelayedScaler(nn.Module):
     """The state of delayed scaling for one tensor, and the quantisation that uses it.
 
-    Buffers (float32, in the module's ``state_dict``; ``.to(device)`` moves them):
+    Buffers (float32, in the module's ``state_dict``; ``.to(device)`` moves them, and they stay
+    float32 when the module, or a model holding it, is converted to another dtype: ``.to(dtype)``,
+    ``.half()``, ``.bfloat16()``, ``.double()``):
         amax_history: the last ``history_length`` amaxes, newest first (zeros before any call).
         scale: what x is multiplied by before rounding (1 before the first recorded call).
         scale_inverse: 1 / scale, what the rounded elements are multiplied by.
@@ -192,6 +195,18 @@ class DelayedScaler(nn.Module):
         self.scale_inverse.copy_(torch.where(usable, 1 / scale, self.scale_inverse))
         self.scale.copy_(scale)
         self.calls.add_(1)
+
+    def _apply(self, fn, *args, **kwargs):
+        """nn.Module._apply (what .to(), .cuda(), .half(), ... call), with the floating-point
+        buffers kept float32: where ``fn`` gives one another dtype, the buffer becomes its
+        unconverted value on the device ``fn`` moved it to, so no value is ever rounded."""
+        kept = {name: self._buffers[name] for name in _FLOAT32_STATE}
+        super()._apply(fn, *args, **kwargs)
+        for name, before in kept.items():
+            after = self._buffers[name]
+            if after is not None and after.dtype != torch.float32:
+                self._buffers[name] = before.to(after.device)
+        return self
 
     def extra_repr(self) -> str:
         return repr(self.scaling)

@@ -278,7 +278,7 @@ def test_an_injected_linear_records_a_delayed_input_scale_once_per_forward():
     inject(layer, {nn.Linear: _layer(input=(delayed, "nearest"))})
     for _ in range(3):
         layer(torch.randn(16, 32)).sum().backward()
-    scaler = layer.lpsim_scalers.input
+    scaler = layer.lpsim_scalers.input["0"]
     assert int(scaler.calls) == 3
 
 

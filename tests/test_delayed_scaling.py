@@ -202,12 +202,266 @@ def test_inject_gives_every_quantised_tensor_its_own_scaler_and_remove_takes_the
     keys = set(model.state_dict())
     for layer in ("0", "2"):
         assert f"{layer}.parametrizations.weight.0.scaler.scale" in keys
-        assert f"{layer}.lpsim_scalers.output.amax_history" in keys
-        assert f"{layer}.lpsim_scalers.error.calls" in keys
-    assert float(model[0].lpsim_scalers.output.amax_history[0]) > 0
-    assert model[0].lpsim_scalers.output is not model[2].lpsim_scalers.output
+        assert f"{layer}.lpsim_scalers.output.0.amax_history" in keys
+        assert f"{layer}.lpsim_scalers.error.0.calls" in keys
+    assert float(model[0].lpsim_scalers.output["0"].amax_history[0]) > 0
+    assert model[0].lpsim_scalers.output["0"] is not model[2].lpsim_scalers.output["0"]
     remove(model)
     assert set(model.state_dict()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+
+
+def test_inject_records_no_amax_and_draws_nothing_so_the_first_pass_uses_scale_one():
+    layer = nn.Linear(4, 2)  # training mode: torch's check of a parametrisation would run it
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[1000.0, 0.3, -2.0, 5.0], [0.1, 0.2, 0.7, -9.0]]))
+        layer.bias.copy_(torch.tensor([-1000.0, 3.0]))
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    inject(
+        layer,
+        {
+            nn.Linear: LayerQuantization(
+                weight=DelayedScaling(E4M3), bias=DelayedScaling(E4M3), rounding="nearest"
+            )
+        },
+    )
+    for name in ("weight", "bias"):
+        scaler = layer.parametrizations[name][0].scaler
+        assert int(scaler.calls) == 0 and float(scaler.scale) == 1.0, name
+    element = DelayedScaling(E4M3).saturating_element()
+    y = layer(torch.eye(4))
+    expected = torch.eye(4) @ lpsim.quantize(weight, element).t() + lpsim.quantize(bias, element)
+    assert torch.equal(y, expected)
+    assert y[0, 0].item() == 0.0  # weight 1000 and bias -1000 both saturate: 448 - 448
+    fresh = nn.Linear(4, 2)  # its initialisation draws
+    state = torch.get_rng_state()
+    inject(fresh, {nn.Linear: LayerQuantization(weight=E5M2, bias=E5M2)})  # stochastic rules
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_inject_still_refuses_parameters_their_format_cannot_quantise_and_changes_nothing():
+    model = nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 2).half())
+    setting = LayerQuantization(weight=lpsim.Float(8, 7))  # bfloat16's range: no float16 holds it
+    with pytest.raises(
+        ValueError, match=r"Linear.weight cannot be quantised.*does not fit a float16"
+    ):
+        inject(model, {nn.Linear: setting})
+    assert not lpsim.nn.injected(model) and not hasattr(model[0], "parametrizations")
+    with pytest.raises(IndexError, match="BlockFloat.dim"):
+        inject(nn.Linear(4, 2), {nn.Linear: LayerQuantization(bias=lpsim.BlockFloat(8, dim=1))})
+    with pytest.raises(TypeError, match="float32, float64, bfloat16 or float16 tensor"):
+        layer = nn.Linear(4, 2)
+        layer.weight = nn.Parameter(torch.ones(2, 4, dtype=torch.int32), requires_grad=False)
+        inject(layer, {nn.Linear: LayerQuantization(weight=DelayedScaling(E4M3))})
+
+
+def _attention(scale: float) -> nn.MultiheadAttention:
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(8, 2, batch_first=True)
+    with torch.no_grad():
+        attention.in_proj_weight.mul_(scale)
+    return attention
+
+
+def test_a_weight_is_quantised_once_per_forward_though_multihead_attention_reads_it_three_times():
+    attention = _attention(2000.0)  # |w| up to ~1000: saturates at scale 1
+    reference = copy.deepcopy(attention)
+    inject(
+        attention,
+        {nn.MultiheadAttention: LayerQuantization(weight=(DelayedScaling(E4M3), "nearest"))},
+    )
+    scaler = attention.parametrizations.in_proj_weight[0].scaler
+    x = torch.randn(2, 3, 8)
+    y, _ = attention(x, x, x)
+    assert int(scaler.calls) == 1
+    with torch.no_grad():  # the first pass uses scale 1
+        reference.in_proj_weight.copy_(
+            lpsim.quantize(reference.in_proj_weight, DelayedScaling(E4M3).saturating_element())
+        )
+    assert torch.equal(y, reference(x, x, x)[0])
+    attention(x, x, x)[0].sum().backward()
+    assert int(scaler.calls) == 2
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    inject(
+        layer,
+        {
+            (nn.MultiheadAttention, nn.Linear): LayerQuantization(
+                weight=DelayedScaling(E4M3), bias=DelayedScaling(E4M3)
+            )
+        },
+    )
+    layer(x).sum().backward()
+    counts = {n: int(b) for n, b in layer.named_buffers() if n.endswith("calls")}
+    assert len(counts) == 8 and set(counts.values()) == {1}, counts
+
+
+def test_stochastic_weight_rounding_draws_once_per_forward_and_uses_that_draw():
+    attention = _attention(1.0)
+    reference = copy.deepcopy(attention)
+    inject(attention, {nn.MultiheadAttention: LayerQuantization(weight=E5M2)})  # stochastic
+    x = torch.randn(2, 3, 8)
+    torch.manual_seed(5)
+    y, _ = attention(x, x, x)
+    after_forward = torch.get_rng_state()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        reference.in_proj_weight.copy_(lpsim.quantize(reference.in_proj_weight, E5M2, "stochastic"))
+    assert torch.equal(torch.get_rng_state(), after_forward)  # one draw
+    assert torch.equal(y, reference(x, x, x)[0])
+    # each call of a module is a forward of its own: a layer called twice quantises twice
+    layer = inject(
+        nn.Linear(4, 4), {nn.Linear: LayerQuantization(weight=(DelayedScaling(E4M3), "nearest"))}
+    )
+    twice = nn.Sequential(layer, layer)
+    twice(torch.randn(2, 4))
+    assert int(layer.parametrizations.weight[0].scaler.calls) == 2
+
+
+def test_remove_gives_back_the_class_forward_and_a_copy_runs_its_own():
+    layer = nn.Linear(4, 4)
+    inject(layer, {nn.Linear: LayerQuantization(weight=(DelayedScaling(E4M3), "nearest"))})
+    twin = copy.deepcopy(layer)
+    twin(torch.randn(2, 4))
+    assert int(twin.parametrizations.weight[0].scaler.calls) == 1
+    assert int(layer.parametrizations.weight[0].scaler.calls) == 0
+    remove(layer)
+    assert "forward" not in vars(layer) and not hasattr(layer, "parametrizations")
+
+
+class _Add(nn.Module):
+    def forward(self, a, b):
+        return a + b
+
+
+class _Pair(nn.Module):
+    def forward(self, x):
+        return x * 1000.0, x
+
+
+def test_every_input_and_output_of_a_module_has_its_own_scaler():
+    add = inject(_Add(), {_Add: LayerQuantization(input=(DelayedScaling(E4M3), "nearest"))})
+    thousand = torch.tensor([1000.0])
+    assert add(thousand, thousand).item() == 896.0  # both saturate to 448 at scale 1
+    second = DelayedScaling(E4M3).scaler()
+    second(thousand)
+    # a keyword argument has a scaler of its own, named after it: fresh, so b saturates again
+    assert torch.equal(add(thousand, b=thousand), second(thousand) + 448.0)
+    assert sorted(add.state_dict()) == [
+        f"lpsim_scalers.input.{place}.{key}"
+        for place in ("0", "1", "b")
+        for key in ("amax_history", "calls", "scale", "scale_inverse")
+    ]
+    assert (
+        int(add.lpsim_scalers.input["0"].calls) == 2
+        and int(add.lpsim_scalers.input["b"].calls) == 1
+    )
+    twin = copy.deepcopy(add)  # its own scalers, not the original's
+    twin(thousand, thousand)
+    assert int(twin.lpsim_scalers.input["0"].calls) == 3
+    assert int(add.lpsim_scalers.input["0"].calls) == 2
+    pair = inject(
+        _Pair(),
+        {
+            _Pair: LayerQuantization(
+                output=DelayedScaling(E4M3), error=DelayedScaling(E5M2), rounding="nearest"
+            )
+        },
+    )
+    x = torch.tensor([0.5, -0.25], requires_grad=True)
+    big, small = pair(x)
+    (big * 1000.0 + small).sum().backward()
+    outputs, errors = pair.lpsim_scalers.output, pair.lpsim_scalers.error
+    assert [float(outputs[p].amax_history[0]) for p in "01"] == [500.0, 0.5]
+    assert [float(errors[p].amax_history[0]) for p in "01"] == [1000.0, 1.0]
+
+
+def test_multihead_attention_quantises_query_key_value_and_its_two_outputs_apart():
+    attention = nn.MultiheadAttention(4, 1, batch_first=True)
+    delayed = (DelayedScaling(E4M3, history_length=1, reduction="most_recent"), "nearest")
+    inject(attention, {nn.MultiheadAttention: LayerQuantization(input=delayed, output=delayed)})
+    seen = []
+    attention.register_forward_pre_hook(lambda m, args: seen.append(args))  # after the quantiser
+    x = torch.full((1, 2, 4), 1000.0)
+    out, weights = attention(x, x, x)
+    assert all(torch.all(t == 448.0) for t in seen[0])
+    inputs, outputs = attention.lpsim_scalers.input, attention.lpsim_scalers.output
+    assert all(int(inputs[p].calls) == 1 for p in "012")
+    assert float(outputs["1"].amax_history[0]) <= 1.0 < float(outputs["0"].amax_history[0])
+
+
+def test_a_state_dict_makes_the_scalers_it_holds_and_loads_one_from_before_they_were_per_tensor():
+    def make():
+        setting = LayerQuantization(
+            input=DelayedScaling(E4M3), output=DelayedScaling(E4M3), rounding="nearest"
+        )
+        return inject(_Add(), {_Add: setting})
+
+    trained = make()
+    for i in range(3):
+        trained(_heavy(8, i), _heavy(8, 10 + i) * 100)
+    fresh = make()
+    assert not fresh.state_dict()  # no tensor quantised yet
+    fresh.load_state_dict(trained.state_dict())
+    a, b = _heavy(8, 20), _heavy(8, 21)
+    assert torch.equal(fresh(a, b), trained(a, b))
+    again = make()
+    again(a, b)
+    again.load_state_dict(make().state_dict())  # strict: back to no scaler at all
+    assert not again.state_dict()
+    old = {
+        f"lpsim_scalers.input.{k}": v
+        for k, v in trained.lpsim_scalers.input["0"].state_dict().items()
+    }
+    old.update(
+        {
+            f"lpsim_scalers.output.{k}": v
+            for k, v in trained.lpsim_scalers.output["0"].state_dict().items()
+        }
+    )
+    earlier = make()
+    earlier.load_state_dict(old)
+    for role in ("input", "output"):
+        got = getattr(earlier.lpsim_scalers, role)["0"].state_dict()
+        for key, value in getattr(trained.lpsim_scalers, role)["0"].state_dict().items():
+            assert torch.equal(got[key], value), (role, key)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_dtype_conversions_leave_the_scalers_float32(dtype):
+    q = Quantizer(forward=(DelayedScaling(E4M3, history_length=4), "nearest"))
+    q(torch.tensor([3.0]))
+    before = {k: v.clone() for k, v in q.state_dict().items()}
+    q.to(dtype)
+    for key, value in q.state_dict().items():
+        assert value.dtype == before[key].dtype and torch.equal(value, before[key]), key
+    q.half().double().bfloat16()
+    assert q.forward_scaler.scale.dtype == torch.float32
+    x = _heavy(1000, 3).to(dtype)
+    reference = DelayedScaling(E4M3, history_length=4).scaler()
+    reference(torch.tensor([3.0]))
+    assert torch.equal(q(x), reference(x))
+    q(torch.tensor([1e5]))  # in a float16 history: inf
+    assert float(q.forward_scaler.amax_history[0]) == 1e5
+    layer = inject(
+        nn.Linear(4, 4),
+        {nn.Linear: LayerQuantization(weight=DelayedScaling(E4M3), output=DelayedScaling(E4M3))},
+    )
+    layer.to(dtype)
+    layer(torch.randn(2, 4, dtype=dtype))
+    assert {b.dtype for n, b in layer.named_buffers() if not n.endswith("calls")} == {torch.float32}
+
+
+def test_report_with_an_example_leaves_the_scalers_as_they_were():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    inject(
+        model,
+        {nn.Linear: LayerQuantization(weight=DelayedScaling(E4M3), output=DelayedScaling(E4M3))},
+        unmatched="ignore",
+    )
+    before = copy.deepcopy(model.state_dict())
+    lpsim.nn.report(model, example=torch.randn(3, 4))
+    after = model.state_dict()
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
 def test_optimlp_keeps_one_scaler_per_parameter_and_tensor_in_its_state_dict():

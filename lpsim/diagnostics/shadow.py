@@ -49,8 +49,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lpsim import _observation
-from lpsim.nn.inject import injected, own_parametrized_classes, remove
+from lpsim.nn.inject import injected, own_parametrized_classes, remove, unobserved_pass
 from lpsim.nn.quantizer import Quantizer
 
 __all__ = ["Shadow", "ShadowReport", "ModuleDivergence"]
@@ -603,29 +602,20 @@ class Shadow:
             raise TypeError(f"dropout must be a bool, got {dropout!r}")
         self._synchronize()
         generator_devices = _cuda_devices(self._model, arguments)
-        saved_buffers = [
-            (b, b.clone()) for model in (self._model, self._reference) for b in model.buffers()
-        ]
         dropout_context = _DropoutOff() if dropout else _DropoutOff(self._model, self._reference)
         # compare()'s passes are not the run's: an attached Recorder does not see their roundings
-        # (and gets its observer back, at the step it was at, however the passes end).
-        observer = _observation.current
-        _observation.current = None
-        try:
-            with dropout_context:
-                simulated = _run(self._model, arguments, self._names, loss_fn, generator_devices)
-                reference = _run(
-                    self._reference,
-                    _cast_floating(arguments, self._dtype),
-                    self._names,
-                    loss_fn,
-                    generator_devices,
-                )
-        finally:
-            _observation.current = observer
-            with torch.no_grad():
-                for buffer, saved in saved_buffers:
-                    buffer.copy_(saved)
+        # (and gets its observer back, at the step it was at, however the passes end), the
+        # buffers they write are restored bit for bit and the scalers of tensors first seen here
+        # dropped.
+        with unobserved_pass(self._model, self._reference), dropout_context:
+            simulated = _run(self._model, arguments, self._names, loss_fn, generator_devices)
+            reference = _run(
+                self._reference,
+                _cast_floating(arguments, self._dtype),
+                self._names,
+                loss_fn,
+                generator_devices,
+            )
         return _report(simulated, reference)
 
     def _synchronize(self) -> None:

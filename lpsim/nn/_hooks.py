@@ -45,6 +45,25 @@ def map_tensors(value, fn: Callable[[torch.Tensor], torch.Tensor]):
     return value
 
 
+def map_placed_tensors(value, fn: Callable[[torch.Tensor, str], torch.Tensor], place=None):
+    """map_tensors, with ``fn(x, place)`` told where x lies in ``value``: "0" for value itself,
+    "i" for item i of a tuple or list, the key for an entry of a dict ("." in it made "_"), the
+    levels below the first joined by "-" ("0-1": item 1 of item 0)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value, place or "0") if value.is_floating_point() else value
+    here = (lambda key: str(key)) if place is None else (lambda key: f"{place}-{key}")
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # named tuple
+        return type(value)(*(map_placed_tensors(v, fn, here(i)) for i, v in enumerate(value)))
+    if isinstance(value, (tuple, list)):
+        return type(value)(map_placed_tensors(v, fn, here(i)) for i, v in enumerate(value))
+    if isinstance(value, dict):
+        return {
+            k: map_placed_tensors(v, fn, here(str(k).replace(".", "_") or "_"))
+            for k, v in value.items()
+        }
+    return value
+
+
 def guard_hooks_under_compile() -> None:
     """Make torch.compile guard on module hooks. By default dynamo skips those guards, so a graph
     compiled for a module class without hooks is reused for an injected module of the same class,

@@ -27,6 +27,9 @@ a fallback, and a model whose leaves all have entries of their own leaves it not
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import threading
 import types
 import warnings
 from collections.abc import Mapping
@@ -38,13 +41,16 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lpsim import _observation
-from lpsim.delayed_scaling import DelayedScaler
+from lpsim._checks import check_container
+from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
+from lpsim.functional import quantize_op_arguments
 from lpsim.mac import MAC
 from lpsim.nn import functional as _functional
-from lpsim.nn._hooks import guard_hooks_under_compile, map_tensors
+from lpsim.nn._hooks import guard_hooks_under_compile, map_placed_tensors, map_tensors
 from lpsim.nn.functional import OperandSpecs
 from lpsim.nn.quantizer import (
     QuantSpec,
+    ScalerCall,
     Spec,
     as_spec,
     bind,
@@ -85,12 +91,16 @@ class LayerQuantization:
     Args:
         weight: the module's own parameters whose names end in "weight" (weight, in_proj_weight,
             ...), fake-quantised in every forward pass by a parametrisation (straight-through
-            gradient); one that already has torch parametrisations (weight_norm, orthogonal,
-            ...) is quantised after them, and remove() leaves them.
+            gradient): once per call of the module's forward, at the first read (a forward that
+            reads a weight several times gets one quantisation), and at each read outside it. One
+            that already has torch parametrisations (weight_norm, orthogonal, ...) is quantised
+            after them, and remove() leaves them.
         bias: the module's own parameters whose names end in "bias", likewise.
         input: the floating-point tensors passed to forward (positional and keyword), forward only.
         output: the floating-point tensors forward returns (nested tuples, lists and dicts too).
         error: the gradient flowing back into those outputs (the layer's error), in backward.
+            With a DelayedScaling, each input, output and error tensor has a DelayedScaler of
+            its own, named after its place (see _TensorScalers).
         rounding: the rule for fields given as bare formats (default "stochastic").
         eval_rounding: the rule that replaces stochastic rules while the module is in eval mode
             ("nearest" by default: evaluation is deterministic and draws no random numbers, so
@@ -190,22 +200,196 @@ class LayerQuantization:
 
 
 class _Scalers(nn.Module):
-    """The DelayedScalers of a module's input, output and error quantisers (submodules named
-    after them), so that their state is in the model's state_dict and follows .to()."""
+    """The DelayedScalers of a module's input, output and error quantisers: a _TensorScalers per
+    role (submodules "input", "output", "error"), so that their state is in the model's
+    state_dict and follows .to()."""
+
+
+_SCALER_STATE = ("amax_history", "scale", "scale_inverse", "calls")  # a DelayedScaler's buffers
+
+
+class _TensorScalers(nn.Module):
+    """The DelayedScalers of one role (input, output or error) of an injected module: one per
+    tensor, a submodule named after the tensor's place (lpsim.nn._hooks.map_placed_tensors: "0",
+    "1", ... for the positional arguments and the outputs, the keyword for a keyword argument;
+    the error's scaler has its output's name), created at the tensor's first quantisation on the
+    tensor's device.
+
+    load_state_dict creates the scalers that a state_dict holds (on the device the module was
+    last moved to) and, when strict, drops those it does not hold (tensors it never quantised). A
+    state_dict from before the scalers were per tensor holds the role's one scaler (keys
+    ``...lpsim_scalers.input.amax_history``): it is loaded as the first tensor's ("0")."""
+
+    def __init__(self, scaling: DelayedScaling, device: torch.device):
+        super().__init__()
+        self._scaling = scaling
+        self._device = torch.device(device)
+
+    def scaler(self, place: str, device: torch.device) -> DelayedScaler:
+        """The scaler of the tensor at ``place``, made on ``device`` where there is none."""
+        name = self._name(place)
+        found = self._modules.get(name)
+        if found is None:
+            found = self._scaling.scaler().to(device)
+            found.train(self.training)
+            self.add_module(name, found)
+        return found
+
+    def __getitem__(self, place: str) -> DelayedScaler:
+        """The scaler of the tensor at ``place`` ("0", "query", ...).
+
+        Raises:
+            KeyError: no tensor at ``place`` has been quantised yet.
+        """
+        found = self._modules.get(self._name(place))
+        if found is None:
+            raise KeyError(
+                f"no scaler for {place!r}: the tensors quantised so far: {list(self._modules)}"
+            )
+        return found
+
+    def _name(self, place: str) -> str:
+        """place, with "_" appended while it names another attribute of the module."""
+        while place not in self._modules and hasattr(self, place):
+            place += "_"
+        return place
+
+    def _apply(self, fn, *args, **kwargs):
+        super()._apply(fn, *args, **kwargs)
+        self._device = fn(torch.empty(0, device=self._device)).device  # where .to() moved it
+        return self
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, *rest):
+        for key in _SCALER_STATE:  # the role's one scaler of earlier state_dicts: the first's
+            if prefix + key in state_dict and prefix + "0." + key not in state_dict:
+                state_dict[prefix + "0." + key] = state_dict.pop(prefix + key)
+        places = {
+            key[len(prefix) :].split(".", 1)[0]
+            for key in state_dict
+            if key.startswith(prefix) and "." in key[len(prefix) :]
+        }
+        for place in places:
+            if place not in self._modules:
+                found = self._scaling.scaler().to(self._device)
+                found.train(self.training)
+                self.add_module(place, found)
+        if strict:
+            for place in [p for p in self._modules if p not in places]:
+                del self._modules[place]
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, *rest)
+
+    def extra_repr(self) -> str:
+        return repr(self._scaling)
+
+
+class _RoleQuantiser:
+    """How one role (input, output or error) of an injected module quantises each of its tensors:
+    ``quantiser(place, x, training)`` is the QuantSpec or ScalerCall that quantises the tensor x
+    at ``place`` (``spec`` in training mode, ``eval_spec`` in eval mode; with a DelayedScaling,
+    through the scaler of that place, recording in training mode only)."""
+
+    def __init__(self, spec: QuantSpec, eval_rule: Rounding | None, scalers: _TensorScalers | None):
+        self.spec, self.eval_spec, self.scalers = spec, spec.for_eval(eval_rule), scalers
+
+    def __call__(self, place: str, x: torch.Tensor, training: bool) -> QuantSpec | ScalerCall:
+        spec = self.spec if training else self.eval_spec
+        if self.scalers is None:
+            return spec
+        return ScalerCall(self.scalers.scaler(place, x.device), spec.rounding, training)
+
+
+class _InputQuantiser:
+    """The forward pre-hook (with kwargs) that quantises a module's floating-point inputs, each
+    by its place's quantiser, reporting each rounding to the current observer as "input". An
+    object rather than a closure, so that copy.deepcopy of the model gives the copy's hook the
+    copy's scalers."""
+
+    def __init__(self, role: _RoleQuantiser):
+        self.role = role
+
+    def quantise(self, module: nn.Module, value):
+        """``value`` (a tensor, or the positional arguments, or the keyword arguments) with its
+        floating-point tensors quantised."""
+        training = module.training
+        observer = _observation.current
+
+        def one(tensor: torch.Tensor, place: str) -> torch.Tensor:
+            quantiser = self.role(place, tensor, training)
+            rounded = quantiser(tensor)
+            if observer is not None:
+                observer.observe(module, "input", tensor, rounded, quantiser, training)
+            return rounded
+
+        return map_placed_tensors(value, one)
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        return self.quantise(module, args), self.quantise(module, kwargs)
+
+
+class _OutputQuantiser:
+    """The forward hook that quantises a module's floating-point outputs (``output``) and the
+    gradients flowing back into them (``error``), each by its place's quantisers, reported to the
+    current observer as "output" and "error". An object, as _InputQuantiser."""
+
+    def __init__(self, output: _RoleQuantiser | None, error: _RoleQuantiser | None):
+        self.output, self.error = output, error
+
+    def __call__(self, module: nn.Module, args: tuple, value):
+        training = module.training
+        observed = (module, training) if _observation.current is not None else None
+
+        def one(tensor: torch.Tensor, place: str) -> torch.Tensor:
+            forward = None if self.output is None else self.output(place, tensor, training)
+            backward = None if self.error is None else self.error(place, tensor, training)
+            return quantizing_function(forward, backward)(tensor, observed)
+
+        return map_placed_tensors(value, one)
+
+
+# The weight scopes of the module forwards running now in this thread, innermost last: each maps a
+# _FakeQuantize to the tensor it gave in that scope (see _open_weight_scope).
+_THREAD = threading.local()
+
+
+def _weight_scopes() -> list[dict]:
+    scopes = getattr(_THREAD, "scopes", None)
+    if scopes is None:
+        scopes = _THREAD.scopes = []
+    return scopes
 
 
 class _FakeQuantize(nn.Module):
     """Parametrisation: the parameter as seen by forward is its quantised value (``spec`` in
     training mode, ``eval_spec`` in eval mode; with a DelayedScaling, through ``scaler``, its
-    submodule). ``site`` is (the module owning the parameter, "weight" or "bias"), under which the
-    rounding is reported to the current observer (lpsim._observation)."""
+    submodule, made on ``device``). ``site`` is (the module owning the parameter, "weight" or
+    "bias"), under which the rounding is reported to the current observer (lpsim._observation).
 
-    def __init__(self, spec: QuantSpec, eval_rule: Rounding | None, site: tuple):
+    Inside a weight scope (the forward of a module holding parametrised tensors, or reading them:
+    see _open_weight_scope) the parameter is quantised at its first read and later reads in the
+    same scope get that tensor, so that a forward reading a weight several times (torch's
+    MultiheadAttention reads in_proj_weight three times) quantises it once: one amax recorded,
+    one seed drawn. Outside every scope each read quantises."""
+
+    def __init__(
+        self, spec: QuantSpec, eval_rule: Rounding | None, site: tuple, device: torch.device
+    ):
         super().__init__()
         self.spec, self.eval_spec, self.scaler = bind(spec, eval_rule)
+        if self.scaler is not None:
+            self.scaler.to(device)
         self.site = site  # a tuple, so the owner is not registered as a submodule
 
     def forward(self, value: torch.Tensor) -> torch.Tensor:
+        scopes = _weight_scopes()
+        if not scopes:
+            return self._quantise(value)
+        cache = scopes[-1]
+        rounded = cache.get(self)
+        if rounded is None:
+            rounded = cache[self] = self._quantise(value)
+        return rounded
+
+    def _quantise(self, value: torch.Tensor) -> torch.Tensor:
         quantise = self.spec if self.training else self.eval_spec
         rounded = quantise(value)
         observer = _observation.current
@@ -284,6 +468,46 @@ def _remove_quantiser(module: nn.Module, pname: str) -> None:
         return
     last = max(i for i, p in enumerate(parametrizations) if isinstance(p, _FakeQuantize))
     del parametrizations[last]
+
+
+_WEIGHT_SCOPE = "_lpsim_weight_scope"  # attribute: the instance forward a weight scope wraps
+
+
+def _weight_scoped_forward(self: nn.Module, *args, **kwargs):
+    """The forward of a module given a weight scope: the forward it wrapped, in a scope of its
+    own (see _FakeQuantize)."""
+    inner = getattr(self, _WEIGHT_SCOPE)
+    scopes = _weight_scopes()
+    scopes.append({})
+    try:
+        if inner is None:
+            return type(self).forward(self, *args, **kwargs)
+        return inner(*args, **kwargs)
+    finally:
+        scopes.pop()
+
+
+def _open_weight_scope(module: nn.Module) -> None:
+    """Run each call of ``module``'s forward in a weight scope of its own: the parametrised
+    tensors read during the call are quantised once each, at their first read. The forward it
+    wraps is the module's instance attribute (the simulated forward of a module given MACs), or
+    its class's."""
+    if _WEIGHT_SCOPE in module.__dict__:
+        return
+    module.__dict__[_WEIGHT_SCOPE] = module.__dict__.get("forward")
+    # A bound method, so that copy.deepcopy of the model binds the copy's own forward.
+    module.forward = types.MethodType(_weight_scoped_forward, module)
+
+
+def _close_weight_scope(module: nn.Module) -> None:
+    """Undo _open_weight_scope: the module's forward is the one it wrapped again."""
+    if _WEIGHT_SCOPE not in module.__dict__:
+        return
+    inner = module.__dict__.pop(_WEIGHT_SCOPE)
+    if inner is None:
+        del module.forward
+    else:
+        module.forward = inner
 
 
 # The modules whose products lpsim.nn.functional computes under MACs, and modules with products it
@@ -586,18 +810,77 @@ def _unguard_fast_paths(model: nn.Module) -> None:
             module.use_nested_tensor = guard["use_nested_tensor"]
 
 
-def _observed_input(quantise, observer, module: nn.Module):
-    """``quantise``, reporting each input it rounds to ``observer`` as the module's "input"."""
+def _device_of(module: nn.Module, model: nn.Module) -> torch.device:
+    """Where the scalers of ``module``'s inputs, outputs and errors are made when a state_dict
+    loads them before any forward pass: the device of its first parameter or buffer, else the
+    model's, else the CPU (``.to()`` moves them later, as it moves the module)."""
+    for holder in (module, model):
+        tensor = next(itertools.chain(holder.parameters(), holder.buffers()), None)
+        if tensor is not None:
+            return tensor.device
+    return torch.device("cpu")
 
-    def quantise_and_report(x: torch.Tensor) -> torch.Tensor:
-        rounded = quantise(x)
-        observer.observe(module, "input", x, rounded, quantise, module.training)
-        return rounded
 
-    return quantise_and_report
+def _is_delayed(spec: QuantSpec | None) -> bool:
+    return spec is not None and isinstance(spec.format, DelayedScaling)
 
 
-def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str | None) -> dict:
+def _value_to_quantise(module: nn.Module, pname: str) -> torch.Tensor:
+    """What inject's fake-quantiser of ``module``'s parameter ``pname`` will quantise: the
+    Parameter, or for one already parametrised (weight_norm, ...) the value of its
+    parametrisations, computed without gradients (a user's parametrisation quantises nothing)."""
+    parameter = module._parameters.get(pname)
+    if parameter is not None:
+        return parameter
+    with torch.no_grad():
+        return getattr(module, pname)
+
+
+def _check_module(module: nn.Module, settings: LayerQuantization) -> None:
+    """Raise what injecting ``settings`` into ``module`` would raise, changing nothing (inject
+    checks every module before it changes any). The parameters are checked as quantising them
+    would check them (their dtype, a format that does not fit it, a BlockFloat dim they lack),
+    quantising nothing: injecting draws no random word and records no amax.
+
+    Raises:
+        TypeError, ValueError, IndexError: as lpsim.quantize for a parameter; Operands on a module
+            that is not a Linear; a module with an attribute named lpsim_scalers.
+    """
+    if settings.operands() is not None and not isinstance(module, nn.Linear):
+        raise ValueError(
+            "inject(): LayerQuantization.input_grad_operands and weight_grad_operands apply to "
+            f"Linear layers, but an entry that sets them selects {type(module).__name__}; "
+            "select the Linear layers for them"
+        )
+    for kind in ("weight", "bias"):
+        spec = settings.spec(kind)
+        if spec is None:
+            continue
+        for pname in _parameter_names(module, kind):
+            value = _value_to_quantise(module, pname)
+            try:
+                if _is_delayed(spec):
+                    check_container(value)
+                else:
+                    quantize_op_arguments(value, spec.format, spec.rounding, None, None, 0)
+            except (TypeError, ValueError, IndexError) as error:
+                if type(error) not in (TypeError, ValueError, IndexError):
+                    raise
+                kind_name = parametrize.type_before_parametrizations(module).__name__
+                raise type(error)(
+                    f"inject(): {kind_name}.{pname} cannot be quantised by {spec}: {error}"
+                ) from error
+    if any(_is_delayed(settings.spec(f)) for f in ("input", "output", "error")) and hasattr(
+        module, _SCALERS
+    ):
+        raise ValueError(f"inject(): {type(module).__name__} already has an attribute {_SCALERS!r}")
+
+
+def _inject_module(
+    module: nn.Module, settings: LayerQuantization, bypassed: str | None, device: torch.device
+) -> dict:
+    """Inject ``settings`` into ``module`` (checked by _check_module) and return what was done;
+    ``device`` is where its input, output and error scalers are made before any forward pass."""
     done = {
         "type": parametrize.type_before_parametrizations(module).__name__,
         "weight": [],
@@ -614,12 +897,6 @@ def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str
     macs = settings.macs()
     operands = settings.operands()
     if operands is not None:
-        if not isinstance(module, nn.Linear):
-            raise ValueError(
-                "inject(): LayerQuantization.input_grad_operands and weight_grad_operands apply to "
-                f"Linear layers, but an entry that sets them selects {type(module).__name__}; "
-                "select the Linear layers for them"
-            )
         done["operands"] = operands
         done["eval_operands"] = settings.operands(for_eval=True)
         macs = macs if macs is not None else (_functional.NATIVE,) * 3
@@ -639,53 +916,42 @@ def _inject_module(module: nn.Module, settings: LayerQuantization, bypassed: str
         if spec is None:
             continue
         for pname in _parameter_names(module, kind):
-            quantise = _FakeQuantize(spec, eval_rule, (module, kind))
-            parametrize.register_parametrization(module, pname, quantise)
+            where = _value_to_quantise(module, pname).device
+            quantise = _FakeQuantize(spec, eval_rule, (module, kind), where)
+            # unsafe: torch would check the parametrisation by running it once, which would
+            # record an amax (the first forward pass must use scale 1) and draw a seed;
+            # _check_module has checked what quantising the parameter checks.
+            parametrize.register_parametrization(module, pname, quantise, unsafe=True)
             done[kind].append((pname, spec))
     scalers = _Scalers()
-    input_spec = settings.spec("input")
+
+    def role(field: str) -> _RoleQuantiser | None:
+        spec = settings.spec(field)
+        if spec is None:
+            return None
+        if _is_delayed(spec):
+            setattr(scalers, field, _TensorScalers(spec.format, device))
+        return _RoleQuantiser(spec, eval_rule, getattr(scalers, field, None))
+
+    input_role = role("input")
     done["input_quantiser"] = None
-    if input_spec is not None:
-        input_train, input_eval, scalers.input = bind(input_spec, eval_rule)
-
-        def quantise_input(mod, x):
-            quantise = input_train if mod.training else input_eval
-            observer = _observation.current
-            if observer is not None:
-                quantise = _observed_input(quantise, observer, mod)
-            return map_tensors(x, quantise)
-
-        def quantize_inputs(mod, args, kwargs):
-            return quantise_input(mod, args), quantise_input(mod, kwargs)
-
+    if input_role is not None:
+        quantise_inputs = _InputQuantiser(input_role)
         if "operands" in done:  # the simulated forward quantises the input itself
-            done["input_quantiser"] = quantise_input
+            done["input_quantiser"] = quantise_inputs.quantise
         else:
             done["hooks"].append(
-                module.register_forward_pre_hook(quantize_inputs, with_kwargs=True)
+                module.register_forward_pre_hook(quantise_inputs, with_kwargs=True)
             )
-        done["input"] = input_spec
-    output_spec, error_spec = settings.spec("output"), settings.spec("error")
-    if output_spec is not None or error_spec is not None:
-        output_train, output_eval, scalers.output = bind(output_spec, eval_rule)
-        error_train, error_eval, scalers.error = bind(error_spec, eval_rule)
-        train_apply = quantizing_function(output_train, error_train)
-        eval_apply = quantizing_function(output_eval, error_eval)
-
-        def quantize_outputs(mod, args, output):
-            apply = train_apply if mod.training else eval_apply
-            if _observation.current is not None:
-                observed = (mod, mod.training)
-                return map_tensors(output, lambda x: apply(x, observed))
-            return map_tensors(output, apply)
-
-        done["hooks"].append(module.register_forward_hook(quantize_outputs))
-        done["output"], done["error"] = output_spec, error_spec
+        done["input"] = input_role.spec
+    output_role, error_role = role("output"), role("error")
+    if output_role is not None or error_role is not None:
+        done["hooks"].append(
+            module.register_forward_hook(_OutputQuantiser(output_role, error_role))
+        )
+        done["output"] = None if output_role is None else output_role.spec
+        done["error"] = None if error_role is None else error_role.spec
     if any(True for _ in scalers.children()):
-        if hasattr(module, _SCALERS):
-            raise ValueError(
-                f"inject(): {type(module).__name__} already has an attribute {_SCALERS!r}"
-            )
         module.add_module(_SCALERS, scalers)
         done["scalers"] = True
     return done
@@ -759,13 +1025,18 @@ def inject(
         _check_unmatched(counts, unmatched)
         guard_hooks_under_compile()
         bypassed = _bypassed(model)
+        for _, module, settings in plan:  # every module checked before any is changed
+            if settings is not None:
+                _check_module(module, settings)
         simulating = False
         for name, module, settings in plan:
             if settings is None:
                 continue
             reason = bypassed[name][1] if name in bypassed else None
-            setattr(module, _STATE, _inject_module(module, settings, reason))
+            done = _inject_module(module, settings, reason, _device_of(module, model))
+            setattr(module, _STATE, done)
             simulating = simulating or settings.macs() is not None
+        _open_weight_scopes(model, bypassed)
         never_run = []
         for name, (parent, reason) in bypassed.items():
             done = getattr(model.get_submodule(name), _STATE, None)
@@ -793,7 +1064,7 @@ def inject(
                 stacklevel=2,
             )
     except BaseException:
-        snapshot.restore()
+        snapshot.restore()  # the earlier injection's quantisers, weight scopes and scalers too
         raise
     if verbose:
         print(report(model))
@@ -804,8 +1075,8 @@ class _Snapshot:
     """The structure of every module of a model (its class and its attributes, the dicts and sets
     among them, which hold its parameters, buffers, submodules and hooks, by content) as it is now,
     for restore() to put back exactly: inject() takes one so that the model is unchanged when it
-    raises, an earlier injection included (the same Parameter objects, hooks, quantisers and
-    scalers)."""
+    raises, an earlier injection included (the same Parameter objects, hooks, quantisers,
+    scalers and weight scopes, which are instance attributes)."""
 
     def __init__(self, model: nn.Module):
         self.saved = []
@@ -833,6 +1104,24 @@ class _Snapshot:
                 container.update(items)
 
 
+def _parametrises(module: nn.Module) -> bool:
+    """Whether inject gave ``module`` parametrised weights or biases."""
+    done = getattr(module, _STATE, None)
+    return done is not None and bool(done["weight"] or done["bias"])
+
+
+def _open_weight_scopes(model: nn.Module, bypassed: dict) -> None:
+    """A weight scope (_open_weight_scope) for every module holding parametrised tensors, and for
+    every module whose forward reads those of a child whose forward it never calls
+    (nn.MultiheadAttention reads out_proj's weight and bias)."""
+    for module in model.modules():
+        if _parametrises(module):
+            _open_weight_scope(module)
+    for name, (parent, _) in bypassed.items():
+        if _parametrises(model.get_submodule(name)):
+            _open_weight_scope(parent)
+
+
 def _restore_parameter_order(module: nn.Module, order: list[str]) -> None:
     params = module._parameters
     ordered = {k: params[k] for k in order if k in params}
@@ -850,6 +1139,8 @@ def remove(model: nn.Module) -> nn.Module:
     injected again) without harm to the original: each module whose parametrisations change gets
     a class of its own first (see own_parametrized_classes). Returns the model."""
     _unguard_fast_paths(model)
+    for module in model.modules():
+        _close_weight_scope(module)
     for module in model.modules():
         done = getattr(module, _STATE, None)
         if done is None:
@@ -898,36 +1189,29 @@ def _plain_name(name: str) -> str:
     return name.replace(".parametrizations.", ".").replace(".original", "")
 
 
-def _modules_that_run(model: nn.Module, example) -> set[int]:
-    """ids of the modules whose forward runs on ``example`` (a tensor or a tuple of arguments).
-    The pass changes nothing: it runs without gradients, inside a fork of torch's generators (the
-    CPU one and those of the CUDA devices the model and the example are on), so it leaves the
-    random streams of training where they were, with no observer (a Recorder records nothing),
-    and every buffer it writes (BatchNorm's running statistics, the DelayedScalers' histories
-    and scales) is put back as it was, the same tensor holding the same bits."""
-    ran: set[int] = set()
-    args = example if isinstance(example, tuple) else (example,)
-    tensors = [*model.parameters(), *model.buffers()]
-    map_tensors(args, lambda t: tensors.append(t) or t)
-    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+@contextlib.contextmanager
+def unobserved_pass(*models: nn.Module):
+    """A context in which passes through ``models`` leave them as they were: no observer is
+    current (an attached lpsim.diagnostics.Recorder records none of their roundings, and gets its
+    observer back however the context ends), every buffer they write (BatchNorm's running
+    statistics, the DelayedScalers' histories and scales) is put back afterwards, the same tensor
+    holding the same bits, and the input, output and error scalers created meanwhile (those of
+    tensors first quantised inside) are dropped. report(example=...) runs its pass in one, and
+    lpsim.diagnostics.Shadow.compare its two."""
+    modules = [module for model in models for module in model.modules()]
     buffers = [
         (module._buffers, name, buffer, buffer.clone())
-        for module in model.modules()
+        for module in modules
         for name, buffer in module._buffers.items()
         if buffer is not None
     ]
+    scalers = [(s, set(s._modules)) for s in modules if isinstance(s, _TensorScalers)]
     observer = _observation.current
-    handles = [
-        m.register_forward_pre_hook(lambda mod, args: ran.add(id(mod))) for m in model.modules()
-    ]
+    _observation.current = None
     try:
-        _observation.current = None
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            model(*args)
+        yield
     finally:
         _observation.current = observer
-        for h in handles:
-            h.remove()
         with torch.no_grad():
             for owner, name, buffer, saved in buffers:
                 owner[name] = buffer
@@ -935,6 +1219,31 @@ def _modules_that_run(model: nn.Module, example) -> set[int]:
                     buffer.copy_(saved)
                 else:
                     buffer.set_(saved)
+        for found, places in scalers:
+            for place in [p for p in found._modules if p not in places]:
+                del found._modules[place]
+
+
+def _modules_that_run(model: nn.Module, example) -> set[int]:
+    """ids of the modules whose forward runs on ``example`` (a tensor or a tuple of arguments).
+    The pass changes nothing: it runs without gradients, inside a fork of torch's generators (the
+    CPU one and those of the CUDA devices the model and the example are on), so it leaves the
+    random streams of training where they were, and in an unobserved_pass (a Recorder records
+    nothing; every buffer it writes is put back as it was, the scalers it creates dropped)."""
+    ran: set[int] = set()
+    args = example if isinstance(example, tuple) else (example,)
+    tensors = [*model.parameters(), *model.buffers()]
+    map_tensors(args, lambda t: tensors.append(t) or t)
+    devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+    handles = [
+        m.register_forward_pre_hook(lambda mod, args: ran.add(id(mod))) for m in model.modules()
+    ]
+    try:
+        with unobserved_pass(model), torch.no_grad(), torch.random.fork_rng(devices=devices):
+            model(*args)
+    finally:
+        for h in handles:
+            h.remove()
     return ran
 
 
@@ -985,8 +1294,8 @@ def report(
     parent bypasses (always), and, given ``example`` (a tensor or a tuple of positional arguments),
     on modules whose forward does not run on it. The example pass runs without gradients, in a
     fork of torch's generators and unobserved, and the buffers it writes (BatchNorm's running
-    statistics, the DelayedScalers' state) are restored afterwards, so it changes nothing; each
-    such quantiser also gives a warning.
+    statistics, the DelayedScalers' state) are restored afterwards and the scalers it creates
+    dropped, so it changes nothing; each such quantiser also gives a warning.
     """
     ran = _modules_that_run(model, example) if example is not None else None
     specs = lambda entries: ", ".join(sorted({str(s) for _, s in entries})) or "-"  # noqa: E731
@@ -994,7 +1303,9 @@ def report(
     quantised = full = 0
     parametrizing = _parametrization_modules(model)
     for name, module in model.named_modules():
-        if id(module) in parametrizing or isinstance(module, (_Scalers, DelayedScaler)):
+        if id(module) in parametrizing or isinstance(
+            module, (_Scalers, _TensorScalers, DelayedScaler)
+        ):
             continue
         done = getattr(module, _STATE, None)
         if done is not None and _active(done):

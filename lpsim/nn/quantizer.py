@@ -4,7 +4,8 @@ pass, each with its own format and rounding rule.
 A *spec* says how to quantise: a format (Float, Fixed, P3109, BlockFloat, Scaled) or a
 DelayedScaling, or a (format, rounding) pair whose rounding overrides the default. None means
 "leave as is". A DelayedScaling keeps state per tensor: the Quantizer module and inject() give each
-quantised tensor its own DelayedScaler (see ``bind``), which is in the model's state_dict.
+quantised tensor its own DelayedScaler (see ``bind``; inject's inputs, outputs and errors have one
+per tensor and place, made at its first quantisation), which is in the model's state_dict.
 """
 
 from __future__ import annotations
