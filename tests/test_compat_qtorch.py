@@ -63,6 +63,21 @@ def test_block_dim_minus_one_is_the_whole_tensor():
     )
 
 
+def test_block_quantize_counts_other_negative_dims_from_the_end_as_qtorch_does():
+    x = torch.randn(3, 5, 7)
+    for dim in (-2, -3):
+        assert_same_bits(
+            q.block_quantize(x, 6, dim, "nearest"), q.block_quantize(x, 6, dim + 3, "nearest")
+        )
+    with pytest.raises(ValueError, match="BlockFloatingPoint.dim"):
+        q.BlockFloatingPoint(6, -2)
+    _, quant, _, _ = _qtorch()
+    # Values, not bits: QPyTorch gives +0 where a negative value rounds to zero (documented).
+    assert torch.equal(
+        q.block_quantize(x, 6, -2, "nearest"), quant.block_quantize(x, 6, -2, "nearest")
+    )
+
+
 def test_fixed_point_matches_lpsim_fixed():
     x = torch.randn(300) * 4
     assert_same_bits(

@@ -138,7 +138,11 @@ def test_step_returns_the_optimizers_result_and_forwards_the_closure():
         (E4M3_SATURATING, [447.0, -447.0, 0.0, 1e-30], [448.0, -448.0, 1e6, math.inf, math.nan]),
         (E4M3, [447.0, -447.0], [448.0, -math.inf, math.nan]),
         (Fixed(8, 4), [7.875, -7.9], [7.9375, -8.0, math.nan]),
-        (Fixed(8, 4, signed=False), [0.0, -5.0, 15.9], [15.9375, 100.0]),
+        (
+            Fixed(8, 4, signed=False),
+            [0.0, -5.0, 15.9, -15.9375, -100.0],
+            [15.9375, 100.0, math.nan],
+        ),
     ],
     ids=["e4m3fn-saturating", "e4m3fn", "fixed-signed", "fixed-unsigned"],
 )

@@ -88,12 +88,13 @@ def _check_scale_number(
 
 def _overflow_bounds(spec) -> tuple[float | None, float]:
     """(low, high) such that an error e overflows ``spec``'s format when e >= high or e <= low
-    (low None: no lower bound, only |e| >= high counts, as for Float)."""
+    (low None: |e| >= high counts, as for Float; an unsigned Fixed has low -inf: only e >= high
+    counts, a negative error being clipped to 0, not overflowing)."""
     fmt = spec.format if isinstance(spec, QuantSpec) else spec
     if isinstance(fmt, Float):
         return None, fmt.max
     if isinstance(fmt, Fixed) and fmt.clamp:
-        return (fmt.min if fmt.min < 0 else None), fmt.max
+        return (fmt.min if fmt.min < 0 else -math.inf), fmt.max
     raise ValueError(
         "watch needs a format with a largest value that errors can overflow: a Float or a Fixed "
         f"with clamp=True, got {fmt!r} (a BlockFloat scales each block to its own largest value, a "

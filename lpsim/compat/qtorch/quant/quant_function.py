@@ -64,7 +64,11 @@ def block_quantize(
     *,
     seed: int | None = None,
 ) -> torch.Tensor:
-    """x rounded into BlockFloatingPoint(wl, dim): dim=-1 is one block for the whole tensor."""
+    """x rounded into BlockFloatingPoint(wl, dim): dim=-1 is one block for the whole tensor.
+    Other negative dims count from the last dimension, as QPyTorch's function takes them
+    (dim=-2 of a 2-D tensor is dim 0); BlockFloatingPoint itself refuses them, as QPyTorch's."""
+    if isinstance(x, torch.Tensor) and isinstance(dim, int) and -x.dim() <= dim < -1:
+        dim += x.dim()
     return functional.quantize(x, BlockFloatingPoint(wl, dim).format, rounding, seed=seed)
 
 
