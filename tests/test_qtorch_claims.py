@@ -54,6 +54,17 @@ def test_qtorch_fixed_point_ties_to_even_on_cpu_and_block_ties_toward_plus_inf()
     assert compat.block_quantize(block, 4, -1, "nearest").tolist() == [4.0, 0.0, 2.0, -0.0, -2.0]
 
 
+def test_qtorch_stochastic_fixed_point_moves_odd_codes_on_the_grid_and_lpsim_does_not():
+    # 1001/256 in FixedPoint(16, 8): x 2^fl = 1001 is odd. When 1001 + r rounds to 1001 or 1002 in
+    # float32 (r within 2^-15, half of float32's spacing there, of 0 or 1), subtracting 0.5 makes a
+    # tie, which nearbyint rounds to the even neighbour: about 2^-14 of the draws (64 of 2^20)
+    # move a step.
+    x = torch.full((1 << 20,), 1001 / 256)
+    moved = int((qq.fixed_point_quantize(x, 16, 8, rounding="stochastic") != x).sum())
+    assert 16 < moved < 256
+    assert_same_bits(compat.fixed_point_quantize(x, 16, 8, rounding="stochastic"), x)
+
+
 def test_qtorch_stochastic_rounding_ignores_torch_manual_seed():
     x = torch.full((64,), 1.1)
     torch.manual_seed(0)
