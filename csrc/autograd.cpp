@@ -66,8 +66,37 @@ struct StraightThroughOp {
   const char* name;
   size_t inputs;  // the leading arguments that receive the gradient
 };
-constexpr StraightThroughOp kStraightThroughOps[] = {
-    {"quantize_grid", 1}, {"quantize_block", 1}, {"quantize_scaled", 1}, {"sr_add", 2}};
+constexpr StraightThroughOp kStraightThroughOps[] = {{"quantize_grid", 1},
+                                                      {"quantize_block", 1},
+                                                      {"quantize_scaled", 1},
+                                                      {"sr_add", 2},
+                                                      {"to_container", 1}};
+
+// The ops with no derivative, and what each tells a backward pass that reaches its result.
+struct UndifferentiableOp {
+  const char* name;
+  const char* reason;
+};
+constexpr UndifferentiableOp kUndifferentiableOps[] = {
+    {"mac_matmul",
+     "a product under a non-native MAC (lpsim.mac.matmul) has no derivative: "
+     "lpsim.nn.functional's products define their first derivatives as products under "
+     "input_grad_mac and weight_grad_mac, but those backward products cannot be differentiated "
+     "again, so double backward (create_graph=True, then a second differentiation) through them "
+     "is not supported; it is with native backward MACs (input_grad_mac=weight_grad_mac="
+     "lpsim.MAC()), whose backward products are torch's. Call lpsim.nn.functional.matmul, not "
+     "lpsim.mac.matmul, for a simulated product with gradients"},
+    {"sum_rounded",
+     "a sum under a rounded accumulator (lpsim.accumulate.sum, cumsum) has no derivative"},
+    {"dot_rounded",
+     "a product under a rounded accumulator (lpsim.accumulate.matvec, matmul) has no derivative; "
+     "lpsim.nn.functional's products (under an lpsim.MAC) have gradients"},
+    {"sr_addc", "lpsim.update.sr_addcmul and sr_addcdiv have no derivative"},
+    {"quantize_grid_statistics",
+     "lpsim.statistics.quantize_with_statistics has no derivative; lpsim.quantize has the "
+     "straight-through one"},
+    {"rounding_statistics", "rounding statistics have no derivative"},
+};
 
 constexpr const char* kWritingOps[] = {
     "quantize_grid_",      "quantize_grid_out",   "quantize_block_", "quantize_block_out",
@@ -118,16 +147,70 @@ void straight_through_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet 
   }
 }
 
-bool is_written(const c10::Argument& argument) {
-  const c10::AliasInfo* alias = argument.alias_info();
-  return alias != nullptr && alias->isWrite();
-}
-
 // The tensors an argument holds: itself, the tensors of a list, or none.
 std::vector<at::Tensor> tensors_of(const c10::IValue& value) {
   if (value.isTensor()) return {value.toTensor()};
   if (value.isTensorList()) return value.toTensorVector();
   return {};
+}
+
+// The backward of an op with no derivative: raises.
+struct Undifferentiable : public torch::autograd::Node {
+  Undifferentiable(std::string name, std::string reason)
+      : name_(std::move(name)), reason_(std::move(reason)) {}
+  torch::autograd::variable_list apply(torch::autograd::variable_list&&) override {
+    TORCH_CHECK(false, name_, ": ", reason_);
+    return {};
+  }
+  std::string name() const override { return name_ + "_backward"; }
+
+ private:
+  std::string name_;
+  std::string reason_;
+};
+
+// Without a kernel here, torch would give the inputs of these ops no gradient (None, or zeros when
+// summed with another path) and only warn: with grad mode on and a tensor argument that requires
+// grad, every floating-point result gets an Undifferentiable node with an edge to each such
+// argument, so that a backward pass that reaches the result raises instead.
+void undifferentiable_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                             torch::jit::Stack* stack) {
+  namespace ag = torch::autograd;
+  const size_t arguments = op.schema().arguments().size();
+  const size_t first = stack->size() - arguments;
+  std::vector<at::Tensor> inputs;
+  if (ag::GradMode::is_enabled()) {
+    for (size_t i = first; i < stack->size(); ++i) {
+      for (const at::Tensor& tensor : tensors_of((*stack)[i])) {
+        if (tensor.requires_grad()) inputs.push_back(tensor);
+      }
+    }
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+  }
+  if (inputs.empty()) return;
+  const size_t results = op.schema().returns().size();
+  std::vector<at::Tensor> differentiable;
+  for (size_t i = stack->size() - results; i < stack->size(); ++i) {
+    for (const at::Tensor& tensor : tensors_of((*stack)[i])) {
+      if (ag::isDifferentiableType(tensor.scalar_type())) differentiable.push_back(tensor);
+    }
+  }
+  if (differentiable.empty()) return;
+  std::string reason;
+  for (const UndifferentiableOp& entry : kUndifferentiableOps) {
+    if (op.schema().name() == std::string("lpsim::") + entry.name) reason = entry.reason;
+  }
+  NodePointer node = make_node<Undifferentiable>(op.schema().name(), reason);
+  node->set_next_edges(ag::collect_next_edges(inputs));
+  for (at::Tensor& tensor : differentiable) ag::set_history(tensor, node);
+}
+
+bool is_written(const c10::Argument& argument) {
+  const c10::AliasInfo* alias = argument.alias_info();
+  return alias != nullptr && alias->isWrite();
 }
 
 void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
@@ -204,6 +287,9 @@ TORCH_LIBRARY_IMPL(lpsim, Autograd, m) {
   }
   for (const char* name : kWritingOps) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&autograd_kernel>());
+  }
+  for (const UndifferentiableOp& op : kUndifferentiableOps) {
+    m.impl(op.name, torch::CppFunction::makeFromBoxedFunction<&undifferentiable_kernel>());
   }
 }
 

@@ -26,6 +26,10 @@ the position-keyed Philox stream of (seed, offset), and the rounding of its prod
 2 (r n + k) + 1. The results are returned in the input's dtype when ``acc`` fits it, else in
 float32 when ``acc`` fits float32, else in float64.
 
+The ops have no derivative: with grad mode on and an input that requires grad, a backward pass
+that reaches a result raises RuntimeError (lpsim.nn.functional's products, under an lpsim.MAC,
+have gradients).
+
 These ops are written for correctness, not speed: one CPU loop, about 30 ns per multiply-add on a
 2-core x86 machine. They run on CPU tensors only.
 """

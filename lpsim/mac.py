@@ -334,30 +334,6 @@ class MAC:
 
 ORDER_CODES = {order: code for code, order in enumerate(ORDERS)}  # the op's MacOrder values
 
-_NOT_DIFFERENTIABLE = (
-    "a product under a non-native MAC (lpsim.mac.matmul) has no derivative: lpsim.nn.functional's "
-    "products define their first derivatives as products under input_grad_mac and "
-    "weight_grad_mac, but those backward products cannot be differentiated again, so double "
-    "backward (create_graph=True, then a second differentiation) through them is not supported; "
-    "it is with native backward MACs (input_grad_mac=weight_grad_mac=lpsim.MAC()), whose "
-    "backward products are torch's. Call lpsim.nn.functional.matmul, not lpsim.mac.matmul, for a "
-    "simulated product with gradients"
-)
-
-
-class _NoDerivative(torch.autograd.Function):
-    """c, the product of a and b that lpsim::mac_matmul computed without autograd, as a function of
-    a and b whose backward raises _NOT_DIFFERENTIABLE (the op has no autograd kernel: torch would
-    give zero gradients with a warning)."""
-
-    @staticmethod
-    def forward(ctx, a, b, c):
-        return c.detach()  # not c, an input: torch makes an input returned as is a view
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError(_NOT_DIFFERENTIABLE)
-
 
 def matmul(
     a: torch.Tensor, b: torch.Tensor, mac: MAC, *, seed: int | None = None, offset: int = 0
@@ -393,10 +369,6 @@ def matmul(
     check_product_operands(a, b, ("a", "b"), "lpsim.mac.matmul", ("cpu", "cuda"))
     if mac.native:
         return torch.matmul(a, b)
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        with torch.no_grad():
-            c = matmul(a, b, mac, seed=seed, offset=offset)
-        return _NoDerivative.apply(a, b, c)
     for fmt in (mac.accumulator, mac.product, mac.chunk_accumulator):
         if fmt is not None:
             check_fits(fmt, torch.float64)

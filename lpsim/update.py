@@ -219,7 +219,8 @@ _ADDC_DOC = """{summary}
     precision, as torch does); the sum of a and the term is then exact and rounded once, as in
     sr_add. tensor1 and tensor2 are broadcast to a's shape. Other arguments, among them the
     default rounding "stochastic", and errors as for sr_add (TypeError also when value is not a
-    number). Not differentiable. The in-place form follows torch's in-place rules as sr_add_ does:
+    number). Not differentiable: with grad mode on and an argument that requires grad, a backward
+    pass that reaches the result raises RuntimeError. The in-place form follows torch's in-place rules as sr_add_ does:
     a non-leaf a keeps its history, and if tensor1 or tensor2 requires grad, a backward through a
     raises.
     """

@@ -221,3 +221,73 @@ def test_compiled_in_place_ops_refuse_a_leaf_and_bump_the_version():
     with torch.no_grad():
         assert_same_bits(compiled(a), want)
     assert a._version > 0
+
+
+def test_every_op_with_a_floating_point_argument_has_an_autograd_kernel():
+    """No lpsim op falls to torch's fallback for custom ops without an autograd kernel, which
+    gives the inputs no gradient and only warns."""
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("lpsim::")]
+    tensor_ops = [
+        n
+        for n in names
+        if any("Tensor" in str(a.type) for a in torch._C._get_schema(n, "").arguments)
+    ]
+    # ops whose tensor arguments are integer or bit tensors: nothing to differentiate
+    no_floating_point_arguments = {
+        "lpsim::random_words",
+        "lpsim::value_words",
+        "lpsim::_check_disjoint",
+        "lpsim::dyadic_add",
+        "lpsim::dyadic_div",
+        "lpsim::dyadic_mul",
+        "lpsim::dyadic_matmul",
+        "lpsim::dyadic_requantize",
+        "lpsim::dyadic_from_float",
+    }
+    missing = [
+        n
+        for n in tensor_ops
+        if n not in no_floating_point_arguments
+        and not torch._C._dispatch_has_kernel_for_dispatch_key(n, "Autograd")
+    ]
+    assert missing == []
+
+
+def _undifferentiable_results():
+    x = torch.tensor([1.5, 2.25, 3.0], requires_grad=True)
+    m = torch.tensor([[1.5, 2.25], [0.5, 3.0]], requires_grad=True)
+    acc = Float(5, 2)
+    return {
+        "accumulate.sum": lambda: lpsim.accumulate.sum(x, acc=acc),
+        "accumulate.cumsum": lambda: lpsim.accumulate.cumsum(x, 0, acc=acc),
+        "accumulate.matvec": lambda: lpsim.accumulate.matvec(m, x[:2], acc=acc),
+        "accumulate.matmul": lambda: lpsim.accumulate.matmul(m, m, acc=acc),
+        "mac.matmul": lambda: lpsim.mac.matmul(m, m, lpsim.MAC(accumulator=acc)),
+        "sr_addcmul": lambda: lpsim.sr_addcmul(x, x, x, fmt=acc, seed=0),
+        "sr_addcdiv": lambda: lpsim.sr_addcdiv(x, x, x, fmt=acc, seed=0),
+    }
+
+
+@pytest.mark.parametrize("name", _undifferentiable_results().keys())
+def test_backward_through_an_op_without_derivative_raises(name):
+    """Even summed with a differentiable path, whose gradient torch's fallback kept while it
+    silently dropped this one's."""
+    y = _undifferentiable_results()[name]()
+    assert y.requires_grad
+    with pytest.raises(RuntimeError, match="no derivative"):
+        (y.sum() + 0.0).backward()
+
+
+@pytest.mark.parametrize("name", _undifferentiable_results().keys())
+def test_ops_without_derivative_give_results_without_history_under_no_grad(name):
+    with torch.no_grad():
+        y = _undifferentiable_results()[name]()
+    assert not y.requires_grad and y.grad_fn is None
+
+
+def test_to_container_is_straight_through_in_its_input_dtype():
+    x = torch.tensor([1.0, 2.0**-1074, 3.5], dtype=torch.float64, requires_grad=True)
+    y = torch.ops.lpsim.to_container(x, torch.float32)
+    assert y.dtype == torch.float32
+    y.backward(torch.tensor([2.0, 3.0, 4.0]))
+    assert x.grad.dtype == torch.float64 and x.grad.tolist() == [2.0, 3.0, 4.0]
