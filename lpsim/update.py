@@ -220,9 +220,9 @@ _ADDC_DOC = """{summary}
     sr_add. tensor1 and tensor2 are broadcast to a's shape. Other arguments, among them the
     default rounding "stochastic", and errors as for sr_add (TypeError also when value is not a
     number). Not differentiable: with grad mode on and an argument that requires grad, a backward
-    pass that reaches the result raises RuntimeError. The in-place form follows torch's in-place rules as sr_add_ does:
-    a non-leaf a keeps its history, and if tensor1 or tensor2 requires grad, a backward through a
-    raises.
+    pass that reaches the result raises RuntimeError. The in-place form follows torch's in-place
+    rules as sr_add_ does: a non-leaf a keeps its history, and if tensor1 or tensor2 requires
+    grad, a backward through a raises.
     """
 
 
