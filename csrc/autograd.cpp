@@ -67,10 +67,10 @@ struct StraightThroughOp {
   size_t inputs;  // the leading arguments that receive the gradient
 };
 constexpr StraightThroughOp kStraightThroughOps[] = {{"quantize_grid", 1},
-                                                      {"quantize_block", 1},
-                                                      {"quantize_scaled", 1},
-                                                      {"sr_add", 2},
-                                                      {"to_container", 1}};
+                                                     {"quantize_block", 1},
+                                                     {"quantize_scaled", 1},
+                                                     {"sr_add", 2},
+                                                     {"to_container", 1}};
 
 // The ops with no derivative, and what each tells a backward pass that reaches its result.
 struct UndifferentiableOp {
