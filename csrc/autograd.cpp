@@ -7,6 +7,10 @@
 // gradient, in that argument's dtype; the other arguments have none. With grad mode on and one of
 // those inputs requiring grad, the result's grad_fn is a StraightThrough node with an edge to each.
 //
+// to_container is straight-through too. The ops without a derivative (kUndifferentiableOps:
+// mac_matmul, sum_rounded, dot_rounded, sr_addc and the statistics ops) give every floating-point
+// result a node that raises when a backward pass reaches it, with what to call instead.
+//
 // The ops that write into a tensor argument (Tensor(a!) or Tensor(a!)[] in their schemas): the
 // in-place quantize_grid_, quantize_block_, quantize_scaled_, sr_add_ and sr_addc_, the
 // multi-tensor quantize_grid_many_ and optimizer steps, and the out= ops quantize_grid_out,
