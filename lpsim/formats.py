@@ -871,6 +871,7 @@ PRESETS: dict[str, Float | P3109] = {
     "e4m3fn_saturating": Float(4, 3, special="fn", saturate=True),
     "e5m2fnuz": Float(5, 2, special="fnuz"),
     "e4m3fnuz": Float(4, 3, special="fnuz"),
+    "e4m3b11fnuz": Float(4, 3, bias=11, special="fnuz"),  # ml_dtypes' float8_e4m3b11fnuz
     # OCP microscaling element formats: no Inf, no NaN, saturating.
     "e3m2fn": Float(3, 2, special="none", saturate=True),
     "e2m3fn": Float(2, 3, special="none", saturate=True),

@@ -28,6 +28,7 @@ ML_DTYPES_CASTS = [
     ("e5m2", ml_dtypes.float8_e5m2),
     ("e4m3fnuz", ml_dtypes.float8_e4m3fnuz),
     ("e5m2fnuz", ml_dtypes.float8_e5m2fnuz),
+    ("e4m3b11fnuz", ml_dtypes.float8_e4m3b11fnuz),
     ("e2m3fn", ml_dtypes.float6_e2m3fn),
     ("e3m2fn", ml_dtypes.float6_e3m2fn),
     ("e2m1fn", ml_dtypes.float4_e2m1fn),
