@@ -134,6 +134,85 @@ def test_conv1d_matches_torch_on_exact_sums(geometry):
     assert_matches_torch(F.conv1d, LF.conv1d, tensors, **geometry)
 
 
+@pytest.mark.parametrize(
+    "op, simulated, x_shape, w_shape, geometry",
+    [
+        (F.conv2d, LF.conv2d, (6, 9, 8), (6, 3, 3, 2), dict(stride=2, padding=1, groups=2)),
+        (F.conv2d, LF.conv2d, (6, 9, 8), (6, 6, 3, 3), dict(padding="same", dilation=2)),
+        (F.conv1d, LF.conv1d, (4, 11), (6, 2, 3), dict(stride=2, padding=2, groups=2)),
+    ],
+    ids=["conv2d", "conv2d-same", "conv1d"],
+)
+def test_convolution_of_unbatched_input_matches_torch(op, simulated, x_shape, w_shape, geometry):
+    tensors = [ints(*x_shape, seed=14), ints(*w_shape, seed=15), ints(w_shape[0], seed=16)]
+    assert_matches_torch(op, simulated, tensors, **geometry)
+
+
+@pytest.mark.parametrize(
+    "geometry",
+    [
+        dict(stride=(2,), padding=(1,), dilation=(2,)),
+        dict(stride=[1], padding=[2], dilation=[1]),
+        dict(stride=torch.tensor(2), padding=1),
+    ],
+    ids=str,
+)
+def test_conv2d_takes_one_value_for_both_dimensions_as_torch(geometry):
+    tensors = [ints(2, 3, 9, 8, seed=17), ints(4, 3, 3, 3, seed=18)]
+    assert_matches_torch(F.conv2d, LF.conv2d, tensors, **geometry)
+
+
+def test_convolution_without_input_channels_sums_nothing():
+    x, w, b = torch.zeros(2, 0, 5, 4), torch.zeros(3, 0, 2, 2), torch.tensor([1.0, -2.0, 0.5])
+    y = LF.conv2d(x, w, b, padding=1, mac=FLOAT16)
+    assert_same_bits(y, b.reshape(1, 3, 1, 1).expand(2, 3, 6, 5))
+    assert_same_bits(LF.conv2d(x, w, mac=FLOAT16), torch.zeros(2, 3, 4, 3))
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: LF.conv2d(ints(1, 3, 5, 5), ints(0, 3, 3, 3), mac=EXACT), ValueError, "weight"),
+        (
+            lambda: LF.conv2d(ints(1, 3, 5, 5), ints(0, 1, 3, 3), groups=3, mac=EXACT),
+            ValueError,
+            "output channels",
+        ),
+        (lambda: LF.conv1d(ints(1, 3, 7), ints(0, 3, 3), mac=EXACT), ValueError, "weight"),
+        (lambda: LF.conv2d(ints(1, 3, 5, 5), ints(2, 3, 6, 6), mac=EXACT), ValueError, "kernel"),
+        (lambda: LF.conv2d(ints(3, 5), ints(2, 3, 3, 3), mac=EXACT), ValueError, "unbatched"),
+        (
+            lambda: LF.conv1d(ints(1, 3, 7), ints(2, 3, 3), stride=(1, 1), mac=EXACT),
+            TypeError,
+            "stride",
+        ),
+        (
+            lambda: LF.conv2d(ints(1, 3, 5, 5), ints(2, 3, 3, 3), padding=(1, 1, 1), mac=EXACT),
+            TypeError,
+            "padding",
+        ),
+        (
+            lambda: LF.conv2d(ints(1, 3, 5, 5), ints(2, 3, 3, 3), stride=2.0, mac=EXACT),
+            TypeError,
+            "stride",
+        ),
+    ],
+    ids=[
+        "no-output-channels",
+        "fewer-than-groups",
+        "conv1d-no-output-channels",
+        "kernel-too-big",
+        "2d-input",
+        "conv1d-pair",
+        "triple",
+        "float",
+    ],
+)
+def test_convolution_refuses_what_torch_refuses_naming_the_argument(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
 # ---- The order of the additions, as the module docstring states it, against the exact reference.
 
 

@@ -79,6 +79,7 @@ double backward works, the simulated forward product differentiated by its backw
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -640,18 +641,37 @@ class _Geometry(NamedTuple):
 
 
 def _pair(name: str, value, dims: int) -> tuple[int, ...]:
-    values = (value,) * dims if isinstance(value, int) else tuple(value)
-    if len(values) != dims or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in values
-    ):
-        raise TypeError(f"{name} must be an int or a tuple of {dims} ints, got {value!r}")
-    return values
+    """value as ``dims`` ints, as torch reads a convolution's stride, padding or dilation: an int
+    (or an integer 0-d tensor) for every dimension, or a sequence of one (repeated) or ``dims``.
+
+    Raises:
+        TypeError: value is neither (a bool, a float, a sequence of another length).
+    """
+
+    def integer(v):
+        if isinstance(v, bool) or isinstance(v, float):
+            return None
+        try:
+            return operator.index(v)
+        except TypeError:
+            return None
+
+    single = integer(value)
+    if single is not None:
+        return (single,) * dims
+    values = tuple(value) if isinstance(value, (tuple, list)) else ()
+    values = tuple(integer(v) for v in values)
+    if len(values) not in (1, dims) or any(v is None for v in values):
+        lengths = "1" if dims == 1 else f"1 or {dims}"
+        raise TypeError(f"{name} must be an int or a tuple of {lengths} ints, got {value!r}")
+    return values * dims if len(values) == 1 else values
 
 
 def _geometry(weight_shape, stride, padding, dilation, groups, dims: int) -> _Geometry:
     """The 2-D geometry of a conv1d (dims 1, as a 1 x L image) or conv2d call.
 
     Raises:
+        TypeError: stride, padding, dilation or groups is not an int (or tuple of ints).
         ValueError: a value is out of range (stride, dilation, groups < 1; padding < 0; "same" with
             a stride; an unknown padding string).
     """
@@ -659,8 +679,10 @@ def _geometry(weight_shape, stride, padding, dilation, groups, dims: int) -> _Ge
     dilation = _pair("dilation", dilation, dims)
     if min(stride) < 1 or min(dilation) < 1:
         raise ValueError(f"stride and dilation must be >= 1, got {stride} and {dilation}")
-    if not isinstance(groups, int) or groups < 1:
-        raise ValueError(f"groups must be an int >= 1, got {groups!r}")
+    if not isinstance(groups, int) or isinstance(groups, bool):
+        raise TypeError(f"groups must be an int, got {groups!r}")
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got {groups}")
     kernel = tuple(weight_shape[2:])
     if padding == "valid":
         pads = [(0, 0)] * dims
@@ -698,10 +720,18 @@ def _convolve(x, w, stride, dilation, mac: MAC, seed, offset):
     wo = _output_size(x.shape[3], 0, kw, stride[1], dilation[1])
     if mac.native:
         return F.conv2d(x, w, None, stride, 0, dilation)
-    columns = F.unfold(x, (kh, kw), dilation=dilation, stride=stride)  # (N, C kh kw, L)
-    columns = columns.transpose(0, 1).reshape(columns.shape[1], -1)
+    columns = _unfold(x, (kh, kw), dilation, stride, (ho, wo))  # (N, C kh kw, L)
+    columns = columns.transpose(0, 1).reshape(columns.shape[1], n * ho * wo)
     y = _product(w.reshape(o, -1), columns, mac, seed, offset)  # (O, N L)
     return y.reshape(o, n, ho, wo).transpose(0, 1)
+
+
+def _unfold(x, kernel, dilation, stride, output_size) -> torch.Tensor:
+    """F.unfold's columns (N, C kh kw, L) of x (N, C, H, W), also for C = 0 (no terms: F.unfold
+    refuses an input without channels)."""
+    if x.shape[1] == 0:
+        return x.new_zeros(x.shape[0], 0, output_size[0] * output_size[1])
+    return F.unfold(x, kernel, dilation=dilation, stride=stride)
 
 
 def _groups(t: torch.Tensor, groups: int, dim: int):
@@ -782,7 +812,8 @@ def _conv_weight_grad(x, grad, w_shape, geometry: _Geometry, mac: MAC):
     for g, (xg, gg) in enumerate(
         zip(_groups(padded, geometry.groups, 1), _groups(grad, geometry.groups, 1))
     ):
-        columns = F.unfold(xg, (kh, kw), dilation=geometry.dilation, stride=geometry.stride)
+        output_size = tuple(grad.shape[2:])
+        columns = _unfold(xg, (kh, kw), geometry.dilation, geometry.stride, output_size)
         rows = gg.transpose(0, 1).reshape(gg.shape[1], -1)  # (O, N L)
         columns = columns.transpose(1, 2).reshape(-1, columns.shape[1])  # (N L, C kh kw)
         parts.append(_product(rows, columns, mac, seed, g).reshape(gg.shape[1], -1, kh, kw))
@@ -812,13 +843,26 @@ class _Convolution(torch.autograd.Function):
 
 
 def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int):
-    if input.dim() != dims + 2 or weight.dim() != dims + 2:
+    """conv1d or conv2d (``dims``) of input, batched or not, checked and computed as torch does.
+
+    Raises:
+        ValueError: the shapes do not match torch's.
+    """
+    spatial = "L" if dims == 1 else "H, W"
+    if input.dim() not in (dims + 1, dims + 2) or weight.dim() != dims + 2:
         raise ValueError(
-            f"conv{dims}d takes input (N, C, {'L' if dims == 1 else 'H, W'}) and weight "
+            f"conv{dims}d takes input (N, C, {spatial}) or unbatched (C, {spatial}) and weight "
             f"(O, C / groups, {'k' if dims == 1 else 'kh, kw'}), got {tuple(input.shape)} and "
             f"{tuple(weight.shape)}"
         )
+    if input.dim() == dims + 1:  # unbatched: the batch of one it is, as torch computes it
+        return _conv(input.unsqueeze(0), weight, bias, geometry, how, dims).squeeze(0)
     groups = geometry.groups
+    if weight.shape[0] < groups:
+        raise ValueError(
+            f"conv{dims}d: weight must have at least groups ({groups}) output channels, got "
+            f"weight of shape {tuple(weight.shape)}"
+        )
     if input.shape[1] != weight.shape[1] * groups or weight.shape[0] % groups:
         raise ValueError(
             f"conv{dims}d: input channels ({input.shape[1]}) must be groups ({groups}) x the "
@@ -827,6 +871,15 @@ def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int):
         )
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    top, bottom, left, right = geometry.padding
+    pads = (top + bottom, left + right)[-dims:]
+    padded_size = tuple(n + p for n, p in zip(input.shape[2:], pads))
+    reach = tuple(d * (k - 1) + 1 for d, k in zip(geometry.dilation[-dims:], weight.shape[2:]))
+    if any(r > n for r, n in zip(reach, padded_size)):
+        raise ValueError(
+            f"conv{dims}d: the padded input's size {padded_size} is smaller than the dilated "
+            f"kernel's {reach}"
+        )
     x, w = _quantised_operands(input, weight, how)
     if dims == 1:
         x, w = x.unsqueeze(2), w.unsqueeze(2)
@@ -853,13 +906,16 @@ def conv2d(
     grad_format: Spec = None,
     rounding: Rounding | str = "nearest",
 ) -> torch.Tensor:
-    """torch.nn.functional.conv2d under the MACs: input (N, C, H, W), weight (O, C / groups, kh,
-    kw); padding an int, a pair, "valid" or "same" (stride 1), zeros.
+    """torch.nn.functional.conv2d under the MACs: input (N, C, H, W) or unbatched (C, H, W),
+    weight (O, C / groups, kh, kw), O >= groups; stride, padding and dilation each an int or a
+    tuple of one (for both dimensions) or two ints, padding also "valid" or "same" (stride 1),
+    zeros. Without input channels (C = 0) every sum is empty: +0, plus the bias.
 
     Raises:
-        TypeError: stride, padding or dilation is not an int or a pair of ints; otherwise as
-            matmul.
-        ValueError: the shapes do not match or a value is out of range.
+        TypeError: stride, padding or dilation is not an int or a tuple of one or two ints, or
+            groups is not an int; otherwise as matmul.
+        ValueError: the shapes do not match (as torch checks them: the dilated kernel larger than
+            the padded input, fewer output channels than groups) or a value is out of range.
     """
     how = arithmetic(
         mac, input_grad_mac, weight_grad_mac, input_format, weight_format, grad_format, rounding
@@ -887,11 +943,12 @@ def conv1d(
     grad_format: Spec = None,
     rounding: Rounding | str = "nearest",
 ) -> torch.Tensor:
-    """torch.nn.functional.conv1d under the MACs: input (N, C, L), weight (O, C / groups, k),
-    computed as conv2d of 1 x L images (the same terms in the same order).
+    """torch.nn.functional.conv1d under the MACs: input (N, C, L) or unbatched (C, L), weight
+    (O, C / groups, k); stride, padding and dilation each an int or a tuple of one int, padding
+    also "valid" or "same". Computed as conv2d of 1 x L images (the same terms in the same order).
 
     Raises:
-        As conv2d.
+        As conv2d (a tuple of two ints is refused).
     """
     how = arithmetic(
         mac, input_grad_mac, weight_grad_mac, input_format, weight_format, grad_format, rounding
