@@ -213,6 +213,35 @@ def test_convolution_refuses_what_torch_refuses_naming_the_argument(call, error,
         call()
 
 
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: LF.linear([[1.0]], ints(2, 1), mac=EXACT), "linear: input must be a tensor"),
+        (lambda: LF.linear(ints(2, 3).int(), ints(4, 3), mac=EXACT), "linear: input .*int32"),
+        (lambda: LF.linear(ints(2, 3), ints(4, 3), [1.0] * 4, mac=EXACT), "linear: bias"),
+        (lambda: LF.matmul(ints(2, 3), ints(3, 4).long(), mac=EXACT), "matmul: other .*int64"),
+        (lambda: LF.bmm(ints(1, 2, 3), (1, 2), mac=EXACT), "bmm: mat2 must be a tensor"),
+        (
+            lambda: LF.conv2d(ints(1, 2, 4, 4).int(), ints(2, 2, 3, 3).int(), mac=EXACT),
+            "conv2d: input .*int32",
+        ),
+        (lambda: LF.conv1d(ints(1, 2, 4), None, mac=EXACT), "conv1d: weight must be a tensor"),
+    ],
+    ids=[
+        "linear-list",
+        "linear-int",
+        "bias-list",
+        "matmul-long",
+        "bmm-tuple",
+        "conv2d-int",
+        "conv1d-none",
+    ],
+)
+def test_simulated_products_refuse_operands_that_are_not_float_tensors_naming_them(call, match):
+    with pytest.raises(TypeError, match=match):
+        call()
+
+
 # ---- The order of the additions, as the module docstring states it, against the exact reference.
 
 

@@ -379,6 +379,24 @@ class _BatchedProduct(torch.autograd.Function):
         return grad_a, grad_b, None, None, None
 
 
+def _check_tensors(where: str, bias=None, **operands) -> None:
+    """The operands of a simulated product, and its bias unless None, are floating-point tensors.
+
+    Raises:
+        TypeError: one is not a tensor, or not a floating-point one (the message names it).
+    """
+    for name, t in (*operands.items(), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(
+                f"{where}: {name} must be a floating-point tensor (float32, bfloat16 or float16 "
+                f"under a non-native MAC), got {t.dtype}"
+            )
+
+
 def _quantised_operands(a, b, how: Arithmetic):
     if how.input_spec is not None:
         a = how.input_spec(a)
@@ -483,6 +501,7 @@ def simulated_matmul(
     Raises:
         ValueError: the shapes do not match; otherwise as matmul.
     """
+    _check_tensors("matmul", input=a, other=b)
     if a.dim() == 0 or b.dim() == 0:
         raise ValueError("matmul: both operands need at least one dimension")
     raw_a, raw_b = unquantised
@@ -540,6 +559,7 @@ def bmm(
     Raises:
         ValueError: the operands are not 3-D or their shapes do not match; otherwise as matmul.
     """
+    _check_tensors("bmm", input=input, mat2=mat2)
     if input.dim() != 3 or mat2.dim() != 3 or input.shape[0] != mat2.shape[0]:
         raise ValueError(
             f"bmm takes input (B, M, K) and mat2 (B, K, N), got {tuple(input.shape)} and "
@@ -611,6 +631,7 @@ def simulated_linear(
     Raises:
         ValueError: the shapes do not match; otherwise as matmul.
     """
+    _check_tensors("linear", input=x, weight=w, bias=bias)
     if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
         raise ValueError(
             f"linear takes input (..., in_features) and weight (out_features, in_features), got "
@@ -922,6 +943,7 @@ def conv2d(
     )
     if how.native:
         return F.conv2d(input, weight, bias, stride, padding, dilation, groups)
+    _check_tensors("conv2d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 2)
     return _conv(input, weight, bias, geometry, how, 2)
 
@@ -955,6 +977,7 @@ def conv1d(
     )
     if how.native:
         return F.conv1d(input, weight, bias, stride, padding, dilation, groups)
+    _check_tensors("conv1d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 1)
     return _conv(input, weight, bias, geometry, how, 1)
 
