@@ -242,6 +242,32 @@ def test_simulated_products_refuse_operands_that_are_not_float_tensors_naming_th
         call()
 
 
+@pytest.mark.parametrize(
+    "op, simulated, dims", [(F.conv2d, LF.conv2d, 2), (F.conv1d, LF.conv1d, 1)]
+)
+def test_convolution_with_float64_results_takes_native_backward_products(op, simulated, dims):
+    # Float(11, 52) gives float64 results, whose gradients need native backward MACs: torch's
+    # products in float64, cast by autograd to the float32 operands' dtype (the module docstring).
+    # The convolution's native backward products refused the float64 gradient of float32 tensors.
+    x = ints(2, 4, *(7,) * dims, seed=19)
+    w, b = ints(6, 2, *(3,) * dims, seed=20), ints(6, seed=21)
+    wide, native = MAC(accumulator=Float(11, 52)), MAC()
+    g = dict(stride=2, padding=1, groups=2)
+    y_torch, grads_torch = torch_grads(op, (x, w, b), ints(2, 6, *(4,) * dims, seed=22), **g)
+    y_sim, grads_sim = simulated_grads(
+        simulated,
+        (x, w, b),
+        ints(2, 6, *(4,) * dims, seed=22).double(),
+        mac=wide,
+        input_grad_mac=native,
+        weight_grad_mac=native,
+        **g,
+    )
+    assert_same_bits(y_sim + 0.0, y_torch + 0.0, "result")
+    for name, got, want in zip("xwb", grads_sim, grads_torch):
+        assert_same_bits(got + 0.0, want.float() + 0.0, f"gradient of {name}")
+
+
 # ---- The order of the additions, as the module docstring states it, against the exact reference.
 
 

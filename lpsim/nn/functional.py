@@ -778,8 +778,9 @@ def _conv_input_grad(grad, w, input_size, geometry: _Geometry, mac: MAC):
     n, o, ho, wo = grad.shape
     (sh, sw), (dh, dw) = geometry.stride, geometry.dilation
     kh, kw = w.shape[2:]
-    if mac.native:
-        return _native_input_grad(grad, w, input_size, geometry)
+    if mac.native:  # in the wider dtype, as _product: a float64 gradient of float32 operands
+        dtype = torch.promote_types(grad.dtype, w.dtype)
+        return _native_input_grad(grad.to(dtype), w.to(dtype), input_size, geometry)
     dilated = grad.new_zeros(n, o, (ho - 1) * sh + 1, (wo - 1) * sw + 1)
     dilated[:, :, ::sh, ::sw] = grad
     top, bottom, left, right = geometry.padding
@@ -824,7 +825,9 @@ def _conv_weight_grad(x, grad, w_shape, geometry: _Geometry, mac: MAC):
     (N L, C kh kw), per group."""
     padded = _padded(x, geometry)
     kh, kw = w_shape[2:]
-    if mac.native:
+    if mac.native:  # in the wider dtype, as _product
+        dtype = torch.promote_types(padded.dtype, grad.dtype)
+        padded, grad = padded.to(dtype), grad.to(dtype)
         return torch.nn.grad.conv2d_weight(
             padded, w_shape, grad, geometry.stride, 0, geometry.dilation, geometry.groups
         )
