@@ -243,7 +243,9 @@ def test_simulated_products_refuse_operands_that_are_not_float_tensors_naming_th
 
 
 @pytest.mark.parametrize(
-    "op, simulated, dims", [(F.conv2d, LF.conv2d, 2), (F.conv1d, LF.conv1d, 1)]
+    "op, simulated, dims",
+    [(F.conv2d, LF.conv2d, 2), (F.conv1d, LF.conv1d, 1)],
+    ids=["conv2d", "conv1d"],
 )
 def test_convolution_with_float64_results_takes_native_backward_products(op, simulated, dims):
     # Float(11, 52) gives float64 results, whose gradients need native backward MACs: torch's
