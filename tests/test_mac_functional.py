@@ -162,11 +162,18 @@ def test_conv2d_takes_one_value_for_both_dimensions_as_torch(geometry):
     assert_matches_torch(F.conv2d, LF.conv2d, tensors, **geometry)
 
 
-def test_convolution_without_input_channels_sums_nothing():
-    x, w, b = torch.zeros(2, 0, 5, 4), torch.zeros(3, 0, 2, 2), torch.tensor([1.0, -2.0, 0.5])
-    y = LF.conv2d(x, w, b, padding=1, mac=FLOAT16)
-    assert_same_bits(y, b.reshape(1, 3, 1, 1).expand(2, 3, 6, 5))
-    assert_same_bits(LF.conv2d(x, w, mac=FLOAT16), torch.zeros(2, 3, 4, 3))
+@pytest.mark.parametrize("groups", [1, 3])
+def test_convolution_without_input_channels_sums_nothing(groups):
+    x = torch.zeros(2, 0, 5, 4, requires_grad=True)
+    w = torch.zeros(3, 0, 2, 2, requires_grad=True)
+    b = torch.tensor([1.0, -2.0, 0.5], requires_grad=True)
+    y = LF.conv2d(x, w, b, padding=1, groups=groups, mac=FLOAT16)
+    assert_same_bits(y.detach(), b.detach().reshape(1, 3, 1, 1).expand(2, 3, 6, 5))
+    y.backward(torch.ones_like(y))
+    assert_same_bits(x.grad, torch.zeros(2, 0, 5, 4))
+    assert_same_bits(w.grad, torch.zeros(3, 0, 2, 2))
+    assert_same_bits(b.grad, torch.full((3,), 60.0))  # 2 x 6 x 5 ones
+    assert_same_bits(LF.conv2d(x, w, groups=groups, mac=FLOAT16), torch.zeros(2, 3, 4, 3))
 
 
 @pytest.mark.parametrize(

@@ -743,7 +743,7 @@ def _convolve(x, w, stride, dilation, mac: MAC, seed, offset):
         return F.conv2d(x, w, None, stride, 0, dilation)
     columns = _unfold(x, (kh, kw), dilation, stride, (ho, wo))  # (N, C kh kw, L)
     columns = columns.transpose(0, 1).reshape(columns.shape[1], n * ho * wo)
-    y = _product(w.reshape(o, -1), columns, mac, seed, offset)  # (O, N L)
+    y = _product(w.reshape(o, w.shape[1] * kh * kw), columns, mac, seed, offset)  # (O, N L)
     return y.reshape(o, n, ho, wo).transpose(0, 1)
 
 
@@ -838,9 +838,12 @@ def _conv_weight_grad(x, grad, w_shape, geometry: _Geometry, mac: MAC):
     ):
         output_size = tuple(grad.shape[2:])
         columns = _unfold(xg, (kh, kw), geometry.dilation, geometry.stride, output_size)
-        rows = gg.transpose(0, 1).reshape(gg.shape[1], -1)  # (O, N L)
-        columns = columns.transpose(1, 2).reshape(-1, columns.shape[1])  # (N L, C kh kw)
-        parts.append(_product(rows, columns, mac, seed, g).reshape(gg.shape[1], -1, kh, kw))
+        n, terms, positions = columns.shape
+        rows = gg.transpose(0, 1).reshape(gg.shape[1], n * positions)  # (O, N L)
+        columns = columns.transpose(1, 2).reshape(n * positions, terms)  # (N L, C kh kw)
+        parts.append(
+            _product(rows, columns, mac, seed, g).reshape(gg.shape[1], xg.shape[1], kh, kw)
+        )
     return torch.cat(parts, 0)
 
 
