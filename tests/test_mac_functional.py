@@ -66,6 +66,16 @@ def test_linear_matches_torch_on_exact_sums(shape, bias):
     assert_matches_torch(F.linear, LF.linear, tensors)
 
 
+@pytest.mark.parametrize("shape", [(5, 7), (2, 3, 7), (7,)])
+def test_linear_of_a_one_dimensional_weight_matches_torch(shape):
+    # torch's weight (in_features,): one output feature, its dimension dropped; bias () with a
+    # 1-D input (torch refuses a bias with a 1-D weight and a batched input).
+    tensors = [ints(*shape, seed=23), ints(7, seed=24)]
+    assert_matches_torch(F.linear, LF.linear, tensors)
+    if len(shape) == 1:
+        assert_matches_torch(F.linear, LF.linear, tensors + [ints(seed=25)])
+
+
 @pytest.mark.parametrize(
     "a_shape, b_shape",
     [

@@ -596,7 +596,8 @@ def linear(
     weight_grad_operands: Operands | None = None,
 ) -> torch.Tensor:
     """torch.nn.functional.linear(input, weight, bias) under the MACs: input (..., in_features),
-    weight (out_features, in_features), bias (out_features) added as the module docstring states.
+    weight (out_features, in_features), bias (out_features) added as the module docstring states;
+    or, as in torch, weight (in_features) and bias () for the result (...).
 
     Raises:
         ValueError: the shapes do not match; otherwise as matmul.
@@ -626,12 +627,20 @@ def simulated_linear(
     unquantised: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
     """linear(x, w, bias) under ``how``, x and w already quantised by the caller (as for
-    simulated_matmul; ``unquantised`` is (input, weight) before quantisation).
+    simulated_matmul; ``unquantised`` is (input, weight) before quantisation). As in torch, a 1-D
+    weight (in_features) is one output feature whose dimension the result drops, with a 0-d bias.
 
     Raises:
         ValueError: the shapes do not match; otherwise as matmul.
     """
     _check_tensors("linear", input=x, weight=w, bias=bias)
+    if w.dim() == 1:
+        if bias is not None and bias.dim() != 0:
+            raise ValueError(f"bias of a 1-D weight must be 0-d, got shape {tuple(bias.shape)}")
+        raw_x, raw_w = unquantised
+        one = None if bias is None else bias.reshape(1)
+        matrix = (raw_x, raw_w.unsqueeze(0))
+        return simulated_linear(x, w.unsqueeze(0), one, how, matrix).squeeze(-1)
     if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
         raise ValueError(
             f"linear takes input (..., in_features) and weight (out_features, in_features), got "
