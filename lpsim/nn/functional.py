@@ -945,7 +945,8 @@ def conv2d(
     """torch.nn.functional.conv2d under the MACs: input (N, C, H, W) or unbatched (C, H, W),
     weight (O, C / groups, kh, kw), O >= groups; stride, padding and dilation each an int or a
     tuple of one (for both dimensions) or two ints, padding also "valid" or "same" (stride 1),
-    zeros. Without input channels (C = 0) every sum is empty: +0, plus the bias.
+    zeros. Without input channels (C = 0) every sum is empty: +0, plus the bias (O channels;
+    torch 2.14's own conv2d returns 0 channels there, also for the native MAC, which is torch's).
 
     Raises:
         TypeError: stride, padding or dilation is not an int or a tuple of one or two ints, or
