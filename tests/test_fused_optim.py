@@ -428,6 +428,43 @@ def test_optimlp_fused_must_be_a_bool():
         OptimLP(sgd, fused=1)
 
 
+NAN_CASES = {
+    "sgd": ("sgd", dict(lr=0.1)),
+    "sgd_momentum_wd": ("sgd", dict(lr=0.1, momentum=0.9, weight_decay=0.1)),
+    "sgd_nesterov": ("sgd", dict(lr=0.1, momentum=0.9, nesterov=True)),
+    "adam": ("adam", dict(lr=0.1, weight_decay=0.0)),
+    "adam_l2": ("adam", dict(lr=0.1, weight_decay=0.1)),
+    "adamw": ("adamw", dict(lr=0.1, weight_decay=0.1)),
+}
+
+
+@pytest.mark.parametrize("maximize", [False, True])
+@pytest.mark.parametrize("case", NAN_CASES.values(), ids=NAN_CASES.keys())
+def test_nan_signs_are_torchs_including_maximize(case, maximize):
+    # torch's maximize negates the gradient (torch.neg flips a NaN's sign bit too) and every later
+    # operation passes that NaN on. The fused step once lost the flip: the compiler folded the
+    # negation into the next fma (vfnmadd), which leaves a NaN operand's sign as it is. Every pair
+    # of weight and gradient from NaNs of both signs, infinities, zeros and finite values, over
+    # two steps, in a length with a tail after the vectorised loop; compared bit for bit (NaN
+    # signs included, which assert_same_bits does not tell apart).
+    kind, hyper = case
+    nan, inf = float("nan"), float("inf")
+    values = [nan, -nan, inf, -inf, 0.0, -0.0, 1.5, -2.0]
+    weights = torch.tensor([w for w in values for _ in values] + [1.0, nan, 2.0])
+    grads = torch.tensor([g for _ in values for g in values] + [nan, -nan, nan])
+    want, got = torch.nn.Parameter(weights.clone()), torch.nn.Parameter(weights.clone())
+    reference = _torch_optimizer(kind, [want], dict(hyper, maximize=maximize))
+    fused = _fused_optimizer(kind, [got], dict(hyper, maximize=maximize), {})
+    for _ in range(2):
+        want.grad, got.grad = grads.clone(), grads.clone()
+        reference.step()
+        fused.step()
+    pairs = [(got.detach(), want.detach(), "weight")]
+    pairs += [(fused.state[got][k], v, k) for k, v in reference.state[want].items() if k != "step"]
+    for a, b, name in pairs:
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), name
+
+
 def test_torch_lerp_gives_its_tail_the_other_zero_sign():
     # Why OptimLP leaves Adam with betas[0] = 0 to torch: exp_avg.lerp_(grad, 1) on the CPU gives
     # a zero grad's sign to the elements of its vectorised loop and the opposite one to the last

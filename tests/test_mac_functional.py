@@ -66,6 +66,16 @@ def test_linear_matches_torch_on_exact_sums(shape, bias):
     assert_matches_torch(F.linear, LF.linear, tensors)
 
 
+@pytest.mark.parametrize("shape", [(5, 7), (2, 3, 7), (7,)])
+def test_linear_of_a_one_dimensional_weight_matches_torch(shape):
+    # torch's weight (in_features,): one output feature, its dimension dropped; bias () with a
+    # 1-D input (torch refuses a bias with a 1-D weight and a batched input).
+    tensors = [ints(*shape, seed=23), ints(7, seed=24)]
+    assert_matches_torch(F.linear, LF.linear, tensors)
+    if len(shape) == 1:
+        assert_matches_torch(F.linear, LF.linear, tensors + [ints(seed=25)])
+
+
 @pytest.mark.parametrize(
     "a_shape, b_shape",
     [
@@ -132,6 +142,149 @@ def test_conv1d_matches_torch_on_exact_sums(geometry):
         ints(6, seed=13),
     ]
     assert_matches_torch(F.conv1d, LF.conv1d, tensors, **geometry)
+
+
+@pytest.mark.parametrize(
+    "op, simulated, x_shape, w_shape, geometry",
+    [
+        (F.conv2d, LF.conv2d, (6, 9, 8), (6, 3, 3, 2), dict(stride=2, padding=1, groups=2)),
+        (F.conv2d, LF.conv2d, (6, 9, 8), (6, 6, 3, 3), dict(padding="same", dilation=2)),
+        (F.conv1d, LF.conv1d, (4, 11), (6, 2, 3), dict(stride=2, padding=2, groups=2)),
+    ],
+    ids=["conv2d", "conv2d-same", "conv1d"],
+)
+def test_convolution_of_unbatched_input_matches_torch(op, simulated, x_shape, w_shape, geometry):
+    tensors = [ints(*x_shape, seed=14), ints(*w_shape, seed=15), ints(w_shape[0], seed=16)]
+    assert_matches_torch(op, simulated, tensors, **geometry)
+
+
+@pytest.mark.parametrize(
+    "geometry",
+    [
+        dict(stride=(2,), padding=(1,), dilation=(2,)),
+        dict(stride=[1], padding=[2], dilation=[1]),
+        dict(stride=torch.tensor(2), padding=1),
+    ],
+    ids=str,
+)
+def test_conv2d_takes_one_value_for_both_dimensions_as_torch(geometry):
+    tensors = [ints(2, 3, 9, 8, seed=17), ints(4, 3, 3, 3, seed=18)]
+    assert_matches_torch(F.conv2d, LF.conv2d, tensors, **geometry)
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_convolution_without_input_channels_sums_nothing(groups):
+    x = torch.zeros(2, 0, 5, 4, requires_grad=True)
+    w = torch.zeros(3, 0, 2, 2, requires_grad=True)
+    b = torch.tensor([1.0, -2.0, 0.5], requires_grad=True)
+    y = LF.conv2d(x, w, b, padding=1, groups=groups, mac=FLOAT16)
+    assert_same_bits(y.detach(), b.detach().reshape(1, 3, 1, 1).expand(2, 3, 6, 5))
+    y.backward(torch.ones_like(y))
+    assert_same_bits(x.grad, torch.zeros(2, 0, 5, 4))
+    assert_same_bits(w.grad, torch.zeros(3, 0, 2, 2))
+    assert_same_bits(b.grad, torch.full((3,), 60.0))  # 2 x 6 x 5 ones
+    assert_same_bits(LF.conv2d(x, w, groups=groups, mac=FLOAT16), torch.zeros(2, 3, 4, 3))
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda: LF.conv2d(ints(1, 3, 5, 5), ints(0, 3, 3, 3), mac=EXACT), ValueError, "weight"),
+        (
+            lambda: LF.conv2d(ints(1, 3, 5, 5), ints(0, 1, 3, 3), groups=3, mac=EXACT),
+            ValueError,
+            "output channels",
+        ),
+        (lambda: LF.conv1d(ints(1, 3, 7), ints(0, 3, 3), mac=EXACT), ValueError, "weight"),
+        (lambda: LF.conv2d(ints(1, 3, 5, 5), ints(2, 3, 6, 6), mac=EXACT), ValueError, "kernel"),
+        (lambda: LF.conv2d(ints(3, 5), ints(2, 3, 3, 3), mac=EXACT), ValueError, "unbatched"),
+        (
+            lambda: LF.conv1d(ints(1, 3, 7), ints(2, 3, 3), stride=(1, 1), mac=EXACT),
+            TypeError,
+            "stride",
+        ),
+        (
+            lambda: LF.conv2d(ints(1, 3, 5, 5), ints(2, 3, 3, 3), padding=(1, 1, 1), mac=EXACT),
+            TypeError,
+            "padding",
+        ),
+        (
+            lambda: LF.conv2d(ints(1, 3, 5, 5), ints(2, 3, 3, 3), stride=2.0, mac=EXACT),
+            TypeError,
+            "stride",
+        ),
+    ],
+    ids=[
+        "no-output-channels",
+        "fewer-than-groups",
+        "conv1d-no-output-channels",
+        "kernel-too-big",
+        "2d-input",
+        "conv1d-pair",
+        "triple",
+        "float",
+    ],
+)
+def test_convolution_refuses_what_torch_refuses_naming_the_argument(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: LF.linear([[1.0]], ints(2, 1), mac=EXACT), "linear: input must be a tensor"),
+        (lambda: LF.linear(ints(2, 3).int(), ints(4, 3), mac=EXACT), "linear: input .*int32"),
+        (lambda: LF.linear(ints(2, 3), ints(4, 3), [1.0] * 4, mac=EXACT), "linear: bias"),
+        (lambda: LF.matmul(ints(2, 3), ints(3, 4).long(), mac=EXACT), "matmul: other .*int64"),
+        (lambda: LF.bmm(ints(1, 2, 3), (1, 2), mac=EXACT), "bmm: mat2 must be a tensor"),
+        (
+            lambda: LF.conv2d(ints(1, 2, 4, 4).int(), ints(2, 2, 3, 3).int(), mac=EXACT),
+            "conv2d: input .*int32",
+        ),
+        (lambda: LF.conv1d(ints(1, 2, 4), None, mac=EXACT), "conv1d: weight must be a tensor"),
+    ],
+    ids=[
+        "linear-list",
+        "linear-int",
+        "bias-list",
+        "matmul-long",
+        "bmm-tuple",
+        "conv2d-int",
+        "conv1d-none",
+    ],
+)
+def test_simulated_products_refuse_operands_that_are_not_float_tensors_naming_them(call, match):
+    with pytest.raises(TypeError, match=match):
+        call()
+
+
+@pytest.mark.parametrize(
+    "op, simulated, dims",
+    [(F.conv2d, LF.conv2d, 2), (F.conv1d, LF.conv1d, 1)],
+    ids=["conv2d", "conv1d"],
+)
+def test_convolution_with_float64_results_takes_native_backward_products(op, simulated, dims):
+    # Float(11, 52) gives float64 results, whose gradients need native backward MACs: torch's
+    # products in float64, cast by autograd to the float32 operands' dtype (the module docstring).
+    # The convolution's native backward products refused the float64 gradient of float32 tensors.
+    x = ints(2, 4, *(7,) * dims, seed=19)
+    w, b = ints(6, 2, *(3,) * dims, seed=20), ints(6, seed=21)
+    wide, native = MAC(accumulator=Float(11, 52)), MAC()
+    g = dict(stride=2, padding=1, groups=2)
+    y_torch, grads_torch = torch_grads(op, (x, w, b), ints(2, 6, *(4,) * dims, seed=22), **g)
+    y_sim, grads_sim = simulated_grads(
+        simulated,
+        (x, w, b),
+        ints(2, 6, *(4,) * dims, seed=22).double(),
+        mac=wide,
+        input_grad_mac=native,
+        weight_grad_mac=native,
+        **g,
+    )
+    assert_same_bits(y_sim + 0.0, y_torch + 0.0, "result")
+    for name, got, want in zip("xwb", grads_sim, grads_torch):
+        assert_same_bits(got + 0.0, want.float() + 0.0, f"gradient of {name}")
 
 
 # ---- The order of the additions, as the module docstring states it, against the exact reference.

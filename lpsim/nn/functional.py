@@ -79,6 +79,7 @@ double backward works, the simulated forward product differentiated by its backw
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -378,6 +379,24 @@ class _BatchedProduct(torch.autograd.Function):
         return grad_a, grad_b, None, None, None
 
 
+def _check_tensors(where: str, bias=None, **operands) -> None:
+    """The operands of a simulated product, and its bias unless None, are floating-point tensors.
+
+    Raises:
+        TypeError: one is not a tensor, or not a floating-point one (the message names it).
+    """
+    for name, t in (*operands.items(), ("bias", bias)):
+        if t is None and name == "bias":
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(
+                f"{where}: {name} must be a floating-point tensor (float32, bfloat16 or float16 "
+                f"under a non-native MAC), got {t.dtype}"
+            )
+
+
 def _quantised_operands(a, b, how: Arithmetic):
     if how.input_spec is not None:
         a = how.input_spec(a)
@@ -482,6 +501,7 @@ def simulated_matmul(
     Raises:
         ValueError: the shapes do not match; otherwise as matmul.
     """
+    _check_tensors("matmul", input=a, other=b)
     if a.dim() == 0 or b.dim() == 0:
         raise ValueError("matmul: both operands need at least one dimension")
     raw_a, raw_b = unquantised
@@ -539,6 +559,7 @@ def bmm(
     Raises:
         ValueError: the operands are not 3-D or their shapes do not match; otherwise as matmul.
     """
+    _check_tensors("bmm", input=input, mat2=mat2)
     if input.dim() != 3 or mat2.dim() != 3 or input.shape[0] != mat2.shape[0]:
         raise ValueError(
             f"bmm takes input (B, M, K) and mat2 (B, K, N), got {tuple(input.shape)} and "
@@ -575,7 +596,8 @@ def linear(
     weight_grad_operands: Operands | None = None,
 ) -> torch.Tensor:
     """torch.nn.functional.linear(input, weight, bias) under the MACs: input (..., in_features),
-    weight (out_features, in_features), bias (out_features) added as the module docstring states.
+    weight (out_features, in_features), bias (out_features) added as the module docstring states;
+    or, as in torch, weight (in_features) and bias () for the result (...).
 
     Raises:
         ValueError: the shapes do not match; otherwise as matmul.
@@ -605,11 +627,20 @@ def simulated_linear(
     unquantised: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
     """linear(x, w, bias) under ``how``, x and w already quantised by the caller (as for
-    simulated_matmul; ``unquantised`` is (input, weight) before quantisation).
+    simulated_matmul; ``unquantised`` is (input, weight) before quantisation). As in torch, a 1-D
+    weight (in_features) is one output feature whose dimension the result drops, with a 0-d bias.
 
     Raises:
         ValueError: the shapes do not match; otherwise as matmul.
     """
+    _check_tensors("linear", input=x, weight=w, bias=bias)
+    if w.dim() == 1:
+        if bias is not None and bias.dim() != 0:
+            raise ValueError(f"bias of a 1-D weight must be 0-d, got shape {tuple(bias.shape)}")
+        raw_x, raw_w = unquantised
+        one = None if bias is None else bias.reshape(1)
+        matrix = (raw_x, raw_w.unsqueeze(0))
+        return simulated_linear(x, w.unsqueeze(0), one, how, matrix).squeeze(-1)
     if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
         raise ValueError(
             f"linear takes input (..., in_features) and weight (out_features, in_features), got "
@@ -640,18 +671,37 @@ class _Geometry(NamedTuple):
 
 
 def _pair(name: str, value, dims: int) -> tuple[int, ...]:
-    values = (value,) * dims if isinstance(value, int) else tuple(value)
-    if len(values) != dims or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in values
-    ):
-        raise TypeError(f"{name} must be an int or a tuple of {dims} ints, got {value!r}")
-    return values
+    """value as ``dims`` ints, as torch reads a convolution's stride, padding or dilation: an int
+    (or an integer 0-d tensor) for every dimension, or a sequence of one (repeated) or ``dims``.
+
+    Raises:
+        TypeError: value is neither (a bool, a float, a sequence of another length).
+    """
+
+    def integer(v):
+        if isinstance(v, bool) or isinstance(v, float):
+            return None
+        try:
+            return operator.index(v)
+        except TypeError:
+            return None
+
+    single = integer(value)
+    if single is not None:
+        return (single,) * dims
+    values = tuple(value) if isinstance(value, (tuple, list)) else ()
+    values = tuple(integer(v) for v in values)
+    if len(values) not in (1, dims) or any(v is None for v in values):
+        lengths = "1" if dims == 1 else f"1 or {dims}"
+        raise TypeError(f"{name} must be an int or a tuple of {lengths} ints, got {value!r}")
+    return values * dims if len(values) == 1 else values
 
 
 def _geometry(weight_shape, stride, padding, dilation, groups, dims: int) -> _Geometry:
     """The 2-D geometry of a conv1d (dims 1, as a 1 x L image) or conv2d call.
 
     Raises:
+        TypeError: stride, padding, dilation or groups is not an int (or tuple of ints).
         ValueError: a value is out of range (stride, dilation, groups < 1; padding < 0; "same" with
             a stride; an unknown padding string).
     """
@@ -659,8 +709,10 @@ def _geometry(weight_shape, stride, padding, dilation, groups, dims: int) -> _Ge
     dilation = _pair("dilation", dilation, dims)
     if min(stride) < 1 or min(dilation) < 1:
         raise ValueError(f"stride and dilation must be >= 1, got {stride} and {dilation}")
-    if not isinstance(groups, int) or groups < 1:
-        raise ValueError(f"groups must be an int >= 1, got {groups!r}")
+    if not isinstance(groups, int) or isinstance(groups, bool):
+        raise TypeError(f"groups must be an int, got {groups!r}")
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got {groups}")
     kernel = tuple(weight_shape[2:])
     if padding == "valid":
         pads = [(0, 0)] * dims
@@ -698,10 +750,18 @@ def _convolve(x, w, stride, dilation, mac: MAC, seed, offset):
     wo = _output_size(x.shape[3], 0, kw, stride[1], dilation[1])
     if mac.native:
         return F.conv2d(x, w, None, stride, 0, dilation)
-    columns = F.unfold(x, (kh, kw), dilation=dilation, stride=stride)  # (N, C kh kw, L)
-    columns = columns.transpose(0, 1).reshape(columns.shape[1], -1)
-    y = _product(w.reshape(o, -1), columns, mac, seed, offset)  # (O, N L)
+    columns = _unfold(x, (kh, kw), dilation, stride, (ho, wo))  # (N, C kh kw, L)
+    columns = columns.transpose(0, 1).reshape(columns.shape[1], n * ho * wo)
+    y = _product(w.reshape(o, w.shape[1] * kh * kw), columns, mac, seed, offset)  # (O, N L)
     return y.reshape(o, n, ho, wo).transpose(0, 1)
+
+
+def _unfold(x, kernel, dilation, stride, output_size) -> torch.Tensor:
+    """F.unfold's columns (N, C kh kw, L) of x (N, C, H, W), also for C = 0 (no terms: F.unfold
+    refuses an input without channels)."""
+    if x.shape[1] == 0:
+        return x.new_zeros(x.shape[0], 0, output_size[0] * output_size[1])
+    return F.unfold(x, kernel, dilation=dilation, stride=stride)
 
 
 def _groups(t: torch.Tensor, groups: int, dim: int):
@@ -727,8 +787,9 @@ def _conv_input_grad(grad, w, input_size, geometry: _Geometry, mac: MAC):
     n, o, ho, wo = grad.shape
     (sh, sw), (dh, dw) = geometry.stride, geometry.dilation
     kh, kw = w.shape[2:]
-    if mac.native:
-        return _native_input_grad(grad, w, input_size, geometry)
+    if mac.native:  # in the wider dtype, as _product: a float64 gradient of float32 operands
+        dtype = torch.promote_types(grad.dtype, w.dtype)
+        return _native_input_grad(grad.to(dtype), w.to(dtype), input_size, geometry)
     dilated = grad.new_zeros(n, o, (ho - 1) * sh + 1, (wo - 1) * sw + 1)
     dilated[:, :, ::sh, ::sw] = grad
     top, bottom, left, right = geometry.padding
@@ -773,7 +834,9 @@ def _conv_weight_grad(x, grad, w_shape, geometry: _Geometry, mac: MAC):
     (N L, C kh kw), per group."""
     padded = _padded(x, geometry)
     kh, kw = w_shape[2:]
-    if mac.native:
+    if mac.native:  # in the wider dtype, as _product
+        dtype = torch.promote_types(padded.dtype, grad.dtype)
+        padded, grad = padded.to(dtype), grad.to(dtype)
         return torch.nn.grad.conv2d_weight(
             padded, w_shape, grad, geometry.stride, 0, geometry.dilation, geometry.groups
         )
@@ -782,10 +845,14 @@ def _conv_weight_grad(x, grad, w_shape, geometry: _Geometry, mac: MAC):
     for g, (xg, gg) in enumerate(
         zip(_groups(padded, geometry.groups, 1), _groups(grad, geometry.groups, 1))
     ):
-        columns = F.unfold(xg, (kh, kw), dilation=geometry.dilation, stride=geometry.stride)
-        rows = gg.transpose(0, 1).reshape(gg.shape[1], -1)  # (O, N L)
-        columns = columns.transpose(1, 2).reshape(-1, columns.shape[1])  # (N L, C kh kw)
-        parts.append(_product(rows, columns, mac, seed, g).reshape(gg.shape[1], -1, kh, kw))
+        output_size = tuple(grad.shape[2:])
+        columns = _unfold(xg, (kh, kw), geometry.dilation, geometry.stride, output_size)
+        n, terms, positions = columns.shape
+        rows = gg.transpose(0, 1).reshape(gg.shape[1], n * positions)  # (O, N L)
+        columns = columns.transpose(1, 2).reshape(n * positions, terms)  # (N L, C kh kw)
+        parts.append(
+            _product(rows, columns, mac, seed, g).reshape(gg.shape[1], xg.shape[1], kh, kw)
+        )
     return torch.cat(parts, 0)
 
 
@@ -812,13 +879,26 @@ class _Convolution(torch.autograd.Function):
 
 
 def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int):
-    if input.dim() != dims + 2 or weight.dim() != dims + 2:
+    """conv1d or conv2d (``dims``) of input, batched or not, checked and computed as torch does.
+
+    Raises:
+        ValueError: the shapes do not match torch's.
+    """
+    spatial = "L" if dims == 1 else "H, W"
+    if input.dim() not in (dims + 1, dims + 2) or weight.dim() != dims + 2:
         raise ValueError(
-            f"conv{dims}d takes input (N, C, {'L' if dims == 1 else 'H, W'}) and weight "
+            f"conv{dims}d takes input (N, C, {spatial}) or unbatched (C, {spatial}) and weight "
             f"(O, C / groups, {'k' if dims == 1 else 'kh, kw'}), got {tuple(input.shape)} and "
             f"{tuple(weight.shape)}"
         )
+    if input.dim() == dims + 1:  # unbatched: the batch of one it is, as torch computes it
+        return _conv(input.unsqueeze(0), weight, bias, geometry, how, dims).squeeze(0)
     groups = geometry.groups
+    if weight.shape[0] < groups:
+        raise ValueError(
+            f"conv{dims}d: weight must have at least groups ({groups}) output channels, got "
+            f"weight of shape {tuple(weight.shape)}"
+        )
     if input.shape[1] != weight.shape[1] * groups or weight.shape[0] % groups:
         raise ValueError(
             f"conv{dims}d: input channels ({input.shape[1]}) must be groups ({groups}) x the "
@@ -827,6 +907,15 @@ def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int):
         )
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    top, bottom, left, right = geometry.padding
+    pads = (top + bottom, left + right)[-dims:]
+    padded_size = tuple(n + p for n, p in zip(input.shape[2:], pads))
+    reach = tuple(d * (k - 1) + 1 for d, k in zip(geometry.dilation[-dims:], weight.shape[2:]))
+    if any(r > n for r, n in zip(reach, padded_size)):
+        raise ValueError(
+            f"conv{dims}d: the padded input's size {padded_size} is smaller than the dilated "
+            f"kernel's {reach}"
+        )
     x, w = _quantised_operands(input, weight, how)
     if dims == 1:
         x, w = x.unsqueeze(2), w.unsqueeze(2)
@@ -853,19 +942,24 @@ def conv2d(
     grad_format: Spec = None,
     rounding: Rounding | str = "nearest",
 ) -> torch.Tensor:
-    """torch.nn.functional.conv2d under the MACs: input (N, C, H, W), weight (O, C / groups, kh,
-    kw); padding an int, a pair, "valid" or "same" (stride 1), zeros.
+    """torch.nn.functional.conv2d under the MACs: input (N, C, H, W) or unbatched (C, H, W),
+    weight (O, C / groups, kh, kw), O >= groups; stride, padding and dilation each an int or a
+    tuple of one (for both dimensions) or two ints, padding also "valid" or "same" (stride 1),
+    zeros. Without input channels (C = 0) every sum is empty: +0, plus the bias (O channels;
+    torch 2.14's own conv2d returns 0 channels there, also for the native MAC, which is torch's).
 
     Raises:
-        TypeError: stride, padding or dilation is not an int or a pair of ints; otherwise as
-            matmul.
-        ValueError: the shapes do not match or a value is out of range.
+        TypeError: stride, padding or dilation is not an int or a tuple of one or two ints, or
+            groups is not an int; otherwise as matmul.
+        ValueError: the shapes do not match (as torch checks them: the dilated kernel larger than
+            the padded input, fewer output channels than groups) or a value is out of range.
     """
     how = arithmetic(
         mac, input_grad_mac, weight_grad_mac, input_format, weight_format, grad_format, rounding
     )
     if how.native:
         return F.conv2d(input, weight, bias, stride, padding, dilation, groups)
+    _check_tensors("conv2d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 2)
     return _conv(input, weight, bias, geometry, how, 2)
 
@@ -887,17 +981,19 @@ def conv1d(
     grad_format: Spec = None,
     rounding: Rounding | str = "nearest",
 ) -> torch.Tensor:
-    """torch.nn.functional.conv1d under the MACs: input (N, C, L), weight (O, C / groups, k),
-    computed as conv2d of 1 x L images (the same terms in the same order).
+    """torch.nn.functional.conv1d under the MACs: input (N, C, L) or unbatched (C, L), weight
+    (O, C / groups, k); stride, padding and dilation each an int or a tuple of one int, padding
+    also "valid" or "same". Computed as conv2d of 1 x L images (the same terms in the same order).
 
     Raises:
-        As conv2d.
+        As conv2d (a tuple of two ints is refused).
     """
     how = arithmetic(
         mac, input_grad_mac, weight_grad_mac, input_format, weight_format, grad_format, rounding
     )
     if how.native:
         return F.conv1d(input, weight, bias, stride, padding, dilation, groups)
+    _check_tensors("conv1d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 1)
     return _conv(input, weight, bias, geometry, how, 1)
 

@@ -119,6 +119,11 @@ LPSIM_FN float fma_rn(float a, float b, float c) {
   return std::fma(a, b, c);
 #endif
 }
+// -a, IEEE 754's negate: the sign bit flipped, a NaN's included (torch.neg flips it too). Written
+// on the bits, because the compiler folds a negated operand into the operation that follows it
+// (fma(-a, b, c) becomes vfnmadd, a - b of -a into a negated sum), and those leave a NaN's sign as
+// it was.
+LPSIM_FN float neg(float a) { return real_of(bits_of_real(a) ^ 0x80000000u); }
 // The square root, correctly rounded (torch's CUDA sqrt; on the CPU torch may call MKL's, which is
 // not always correctly rounded: see optim_step.h).
 LPSIM_FN float sqrt_rn(float a) {
