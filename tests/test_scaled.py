@@ -677,3 +677,25 @@ def test_tensor_scale_at_the_limits_of_its_arithmetic_decodes_exactly():
         assert torch.equal(lpsim.quantize(zeros, fmt), zeros)
         x = torch.tensor([6.0, 3.0, -1.5, 0.5, 0.0, 0.0, 0.0, 1.0], dtype=dtype) * 2.0**20
         assert torch.equal(lpsim.quantize(x, fmt), x)
+
+
+def test_decoded_values_beyond_the_dtype_are_inf_as_documented():
+    # docs/formats.md: a block's elements may decode to a power of two the dtype cannot hold.
+    big = torch.tensor([3.3e38, -3.3e38, 1.0])
+    ceil = dataclasses.replace(preset("mxfp4_e2m1"), scale_rule="ceil")
+    assert torch.equal(lpsim.quantize(big, ceil), torch.tensor([math.inf, -math.inf, 0.0]))
+    assert torch.equal(
+        lpsim.quantize(big.double(), ceil),
+        torch.tensor([2.0**128, -(2.0**128), 0.0], dtype=torch.float64),
+    )
+    half = torch.tensor([65000.0, 1.0], dtype=torch.float16)
+    assert torch.equal(
+        lpsim.quantize(half, ceil), torch.tensor([math.inf, 0.0], dtype=torch.float16)
+    )
+    mxint8 = preset("mxint8")
+    x = torch.tensor([-3.39e38, 3.39e38])
+    assert torch.equal(lpsim.quantize(x, mxint8), torch.tensor([-math.inf, 127 / 64 * 2.0**127]))
+    half = torch.tensor([-65504.0, 65504.0], dtype=torch.float16)
+    assert torch.equal(
+        lpsim.quantize(half, mxint8), torch.tensor([-math.inf, 65024.0], dtype=torch.float16)
+    )
