@@ -204,12 +204,15 @@ class Scaled:
         axis: the dimension blocks run along, torch's convention (negative counts from the end).
         scale_rule: "floor", "ceil", "even" or "rceil" for PowerOfTwo scales (default "floor"),
             "amax" for Float scales (the default and only rule there). See the module docstring.
-        tensor_scale: a second, per-tensor float32 scale (NVFP4); Float scales only.
+        tensor_scale: a second, per-tensor float32 scale (NVFP4); Float scales only, with
+            scale max * elem_max below 2**128 and the scale's smallest normal at most 2, so that
+            t and 1 / t are finite float32 numbers.
 
     Raises:
         TypeError: a field has the wrong type.
         ValueError: a field is out of range or the combination is not meaningful (a power-of-two
-            rule with a Float scale and vice versa, tiles with an axis other than -1).
+            rule with a Float scale and vice versa, tiles with an axis other than -1, a tensor
+            scale whose float32 arithmetic would overflow).
     """
 
     element: Float | Fixed
@@ -248,6 +251,25 @@ class Scaled:
             raise ValueError(f"Scaled.scale {self.scale!r} does not fit float32's range")
         if not self.element.max > 0:
             raise ValueError(f"Scaled.element {self.element!r} has no positive value")
+        if self.tensor_scale:
+            self._check_tensor_scale()
+
+    def _check_tensor_scale(self) -> None:
+        """The tensor scale's float32 arithmetic must stay finite: scale max * elem_max (the
+        divisor of t) below 2**128, and t's floor 2**-126 / (the scale's smallest normal) at least
+        2**-127, so that 1 / t is finite."""
+        top = self.scale.max * self.element.max
+        if not top < 2.0**128:
+            raise ValueError(
+                f"Scaled.tensor_scale needs scale max * element max below 2**128 (a finite "
+                f"float32), got {self.scale.max!r} * {self.element.max!r} = {top!r}"
+            )
+        if self.scale.emin > 1:
+            raise ValueError(
+                f"Scaled.tensor_scale needs a scale whose smallest normal is at most 2 (emin <= 1, "
+                f"so that 1 / t stays finite in float32), got {self.scale!r} with smallest normal "
+                f"2**{self.scale.emin}"
+            )
 
     __repr__ = short_repr
 

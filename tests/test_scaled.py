@@ -646,3 +646,56 @@ def test_bad_arguments_raise():
         preset("mxfp9")
     with pytest.raises(ValueError, match=r"PowerOfTwo.exp must be in \[1, 8\]"):
         PowerOfTwo(9)
+
+
+@pytest.mark.parametrize(
+    "scale, message",
+    [
+        # scale max * elem_max = 1.875 * 2**126 * 448 overflows float32: t was taken as its
+        # floor and 3e38 decoded to 420.
+        (Float(7, 3, bias=0), r"scale max \* element max below 2\*\*128"),
+        # smallest scale 2**11: t's floor 2**-137 has no finite float32 reciprocal, and an
+        # all-zero float32 tensor decoded to NaN (to 0 in float64).
+        (Float(4, 3, bias=-10), r"smallest normal is at most 2 \(emin <= 1"),
+        # smallest scale 2**101: t's floor 2**-227 is below float32's range.
+        (Float(4, 3, bias=-100), r"smallest normal is at most 2 \(emin <= 1"),
+    ],
+)
+def test_tensor_scale_whose_float32_arithmetic_overflows_is_refused(scale, message):
+    element = Float(4, 3, special="fn", saturate=True)
+    Scaled(element, scale, 16)  # one level is fine
+    with pytest.raises(ValueError, match=message):
+        Scaled(element, scale, 16, tensor_scale=True)
+
+
+def test_tensor_scale_at_the_limits_of_its_arithmetic_decodes_exactly():
+    element = Float(2, 1, special="none", saturate=True)
+    # The smallest scale 2 (emin 1): t's floor 2**-127 still has a finite reciprocal.
+    fmt = Scaled(element, Float(4, 3, bias=0), 4, tensor_scale=True)
+    for dtype in (torch.float32, torch.float64):
+        zeros = torch.zeros(8, dtype=dtype)
+        assert torch.equal(lpsim.quantize(zeros, fmt), zeros)
+        x = torch.tensor([6.0, 3.0, -1.5, 0.5, 0.0, 0.0, 0.0, 1.0], dtype=dtype) * 2.0**20
+        assert torch.equal(lpsim.quantize(x, fmt), x)
+
+
+def test_decoded_values_beyond_the_dtype_are_inf_as_documented():
+    # docs/formats.md: a block's elements may decode to a power of two the dtype cannot hold.
+    big = torch.tensor([3.3e38, -3.3e38, 1.0])
+    ceil = dataclasses.replace(preset("mxfp4_e2m1"), scale_rule="ceil")
+    assert torch.equal(lpsim.quantize(big, ceil), torch.tensor([math.inf, -math.inf, 0.0]))
+    assert torch.equal(
+        lpsim.quantize(big.double(), ceil),
+        torch.tensor([2.0**128, -(2.0**128), 0.0], dtype=torch.float64),
+    )
+    half = torch.tensor([65000.0, 1.0], dtype=torch.float16)
+    assert torch.equal(
+        lpsim.quantize(half, ceil), torch.tensor([math.inf, 0.0], dtype=torch.float16)
+    )
+    mxint8 = preset("mxint8")
+    x = torch.tensor([-3.39e38, 3.39e38])
+    assert torch.equal(lpsim.quantize(x, mxint8), torch.tensor([-math.inf, 127 / 64 * 2.0**127]))
+    half = torch.tensor([-65504.0, 65504.0], dtype=torch.float16)
+    assert torch.equal(
+        lpsim.quantize(half, mxint8), torch.tensor([-math.inf, 65024.0], dtype=torch.float16)
+    )
