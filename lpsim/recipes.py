@@ -238,9 +238,13 @@ BFLOAT16 = Recipe(
     momentum=(Float(8, 7), "nearest"),
 )
 
-# After Sun et al., "Hybrid 8-bit floating point training and inference for deep neural networks"
-# (NeurIPS 2019) as in QPyTorch's IBM8 example: 8-bit e5m2 data with round-to-nearest, a 16-bit
-# e6m9 accumulator and momentum with stochastic rounding, and loss scaling.
+# After Wang et al., "Training Deep Neural Networks with 8-bit Floating Point Numbers" (NeurIPS
+# 2018) as in QPyTorch's IBM8 example: 8-bit e5m2 data with round-to-nearest, a 16-bit e6m9
+# accumulator and momentum with stochastic rounding, and loss scaling. As in that example, the
+# products are summed in full precision: the paper's FP16 chunk-based accumulation inside every
+# GEMM is not simulated (a MAC with a chunked e6m9 accumulator would). Where experiments/cifar10's
+# ibm8 (QPyTorch's PreResNet20LP) rounds the network's input and logits into e6m9, this recipe
+# keeps the first and last weight layers in full precision (keep_edges).
 _E5M2 = Float(5, 2, saturate=True)
 IBM8 = Recipe(
     "ibm8",
@@ -296,6 +300,12 @@ def _channels(name: str) -> Scaled:
 # channels (axis 1, the products' reduction dimension; Recipe.along moves them), and
 # full-precision master weights, biases, gradients and optimizer state, as MX and NVFP4 training
 # keep them.
+# Each operand is quantised once, its blocks along the forward product's reduction axis, and the
+# backward products reuse those quantised tensors (the weight gradient multiplies the quantised
+# error and input): there the weight's, input's and error's blocks do not run along the backward
+# products' reduction axes, where MX and NVFP4 hardware needs them and the published recipes
+# quantise each backward operand afresh (lpsim.nn.functional.Operands does; experiments/gpt's
+# mxfp4 and nvfp4 recipes use it).
 # MXFP8 after the OCP MX paper (Rouhani et al., "Microscaling Data Formats for Deep Learning",
 # 2023): E4M3 forward, E5M2 errors, round to nearest.
 MXFP8 = Recipe(
@@ -311,7 +321,11 @@ MXFP8 = Recipe(
 # the backward pass's operands stochastically so that its products are unbiased). The errors take
 # round-up scales ("rceil"): with OCP's floor scale a block's largest elements reach nearly 8
 # times the scale, above E2M1's largest value 6, and stochastic rounding saturates them, a bias
-# toward zero (Tseng et al. multiply by 3/4 before quantising instead).
+# toward zero (Tseng et al. multiply by 3/4 before quantising instead). Not Tseng et al.'s recipe:
+# they keep the forward products in higher precision (BF16) and use MXFP4 in the backward
+# products only, quantise every backward operand (weights and inputs too) stochastically, and
+# apply a random Hadamard transform to the weight gradient's operands; here the forward operands
+# are MXFP4 rounded to nearest, only the errors are stochastic, and nothing is transformed.
 MXFP4 = Recipe(
     "mxfp4",
     weight=(_channels("mxfp4_e2m1"), "nearest"),
@@ -327,7 +341,9 @@ MXFP4 = Recipe(
 # the weight-gradient product's operands, quantised along the tokens; here weights use the same
 # 1x16 blocks along the input channels as the rest, and the weight gradient takes the operands
 # the error and the input were quantised into, with no transform: lpsim.nn.functional.Operands
-# places both on Linear layers (experiments/gpt's nvfp4 recipe), not yet on convolutions.
+# places both on Linear layers (experiments/gpt's nvfp4 recipe), not yet on convolutions. NVIDIA
+# also keeps a share of the linear layers (some of the last blocks) in BF16; here only the first
+# and last weight layers stay in full precision (keep_edges).
 NVFP4 = Recipe(
     "nvfp4",
     weight=(_channels("nvfp4"), "nearest"),

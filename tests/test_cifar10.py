@@ -653,3 +653,33 @@ def test_training_benchmark_times_every_recipe_against_float32(capsys):
     with pytest.raises(SystemExit):
         bench_training.main(["--recipes", "fp8"])
     assert "unknown recipe 'fp8'" in capsys.readouterr().err
+
+
+def test_ibm8_and_swalp_deviations_name_what_their_papers_do_differently():
+    """The ibm8 recipe sums products in float32 (QPyTorch's example does too), where Wang et al.
+    accumulate in FP16 chunks; the swalp recipe follows QPyTorch's example, whose placement,
+    blocks and initialisation differ from the SWALP authors' code. Both say so."""
+    ibm8 = " ".join(recipes.IBM8.deviations)
+    assert "chunk-based accumulation" in ibm8 and "Wang et al." in ibm8
+    assert recipes.IBM8.quantization.loss_scale == 1000.0
+    swalp = " ".join(recipes.SWALP.deviations)
+    assert "stevenygd/SWALP" in swalp and "after every ReLU" in swalp
+    assert recipes.SWALP.placement is recipes.after_weight_layers_but_last
+    assert dict(recipes.SWALP.model_options)["conv_init"] == "fan_in"
+    assert recipes.SWALP.quantization.activation == (BlockFloat(8, dim=0), "stochastic")
+
+
+def test_block8_follows_qpytorchs_block_baseline_script():
+    """block8's source is the script QPyTorch ships (sample_scripts/block_baseline.sh: VGG16LP,
+    200 epochs, lr 0.05, wd 5e-4, 8-bit block floating point per tensor, stochastic)."""
+    r = recipes.BLOCK8
+    assert r.source == "examples/lp_train/sample_scripts/block_baseline.sh"
+    assert (r.model, r.epochs, r.lr, r.weight_decay, r.batch_size) == (
+        "vgg16",
+        200,
+        0.05,
+        5e-4,
+        128,
+    )
+    for category in ("weight", "activation", "error", "grad", "momentum"):
+        assert getattr(r.quantization, category) == (BlockFloat(8), "stochastic")

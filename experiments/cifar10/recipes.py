@@ -393,7 +393,7 @@ FP16 = CifarRecipe(
         "fp16", weight=_HALF, activation=_HALF, error=_HALF, grad=_HALF, momentum=_HALF
     ),
     placement=after_relus,
-    source="examples/half_baseline/half_stochastic.sh",
+    source="examples/half_baseline/half_stochastic.sh (in QPyTorch's tree before February 2019)",
     deviations=(
         "e5m10 is IEEE half precision (max 65504, overflow to Inf, ties to even); QPyTorch's "
         "e5m10 treats the top exponent as finite and saturates.",
@@ -410,7 +410,7 @@ BLOCK8 = CifarRecipe(
     lr=0.05,
     quantization=LPSIM_BLOCK8,
     placement=after_relus,
-    source="examples/lp_train/block_baseline/block_stochastic.sh",
+    source="examples/lp_train/sample_scripts/block_baseline.sh",
     deviations=(_INITIAL_WEIGHTS,),
 )
 
@@ -458,6 +458,16 @@ SWALP = CifarRecipe(
         _INITIAL_WEIGHTS,
         "Batch-norm statistics of the averaged model are recomputed on the training "
         "data (a no-op for this VGG16, which has none).",
+        "The SWALP paper's own code (github.com/stevenygd/SWALP, exp/block_vgg_swa.sh) differs "
+        "from the QPyTorch example followed here, and so from this recipe: it quantises "
+        "activations and errors after every ReLU (VGG16LP) with one exponent per tensor (its "
+        "BlockQuantizer ignores the small-block option), where the example quantises the "
+        "outputs of the convolution and linear layers with one exponent per row; it gives "
+        "each bias one exponent, where dim 0 gives every bias element its own; it initialises "
+        "convolutions from N(0, 2/(9*out_channels)), the example from torch's fan-in He "
+        "normal; it starts averaging one epoch earlier (after epoch swa_start - 1, whose rate "
+        "is the last of the decay) and keeps an 8-bit block accumulator, the same format as "
+        "its weights. The paper's CIFAR10 numbers (7.61 SGD-LP, 6.70 SWALP) come from that code.",
     ),
 )
 
@@ -475,6 +485,13 @@ IBM8 = CifarRecipe(
         "exponent as finite (max 114688).",
         _SCHEDULE_TIMING,
         _INITIAL_WEIGHTS,
+        "Products are summed in float32, as in QPyTorch's example (its README says so): Wang et "
+        "al. (NeurIPS 2018) accumulate the FP8 products of every GEMM in FP16 (1,6,9) with "
+        "chunk-based accumulation, which is not simulated (lpsim.MAC can express a chunked "
+        "e6m9 accumulator).",
+        "The model and hyperparameters (PreResNet20, lr 0.05, 200 epochs, loss scale 1000) are "
+        "the QPyTorch example's, which says they differ from the paper's, for want of a "
+        "reference implementation.",
     ),
 )
 
