@@ -404,3 +404,24 @@ def test_settings_round_trip_through_the_checkpoint():
     settings = train.Settings(recipe="fp32", world_size=1, corpus="x", **train.DEFAULTS)
     assert train.Settings(**dataclasses.asdict(settings)) == settings
     assert settings.warmup == 250 and train.command_line(settings) == "--recipe all"
+
+
+def test_recipes_named_after_publications_state_their_deviations():
+    """mxfp4 quantises the forward products Tseng et al. keep in BF16, nvfp4 the layers NVIDIA
+    keeps in BF16, fp8-hopper-promoted uses per-tensor E4M3/E5M2 operands rather than DeepSeek-V3's
+    1x128/128x128 E4M3 tiles; each recipe's deviations say so, and the code does what they say."""
+    from lpsim.scaled import preset
+
+    mxfp4 = " ".join(recipes.RECIPES["mxfp4"].deviations)
+    assert "keep the forward products in higher precision (BF16)" in mxfp4
+    assert recipes.MXFP4_LINEAR.input == (preset("mxfp4_e2m1"), "nearest")
+    nvfp4 = " ".join(recipes.RECIPES["nvfp4"].deviations)
+    assert "BF16" in nvfp4 and "every Linear but the head" in nvfp4
+    promoted = recipes.RECIPES["fp8-hopper-promoted"]
+    assert "1x128" in " ".join(promoted.deviations)
+    model = GPT(GPTConfig(vocab_size=8, context=4, width=8, layers=1, heads=1))
+    linear = next(v for k, v in promoted.layers(model).items() if k != recipes.HEAD and v)
+    assert linear.input == (preset("fp8_e4m3_tensor"), "nearest")
+    assert linear.error == (preset("fp8_e5m2_tensor"), "nearest")
+    assert "reduction axis" in " ".join(recipes.RECIPES["mxfp8"].deviations)
+    assert recipes.RECIPES["fp32"].deviations == ()

@@ -67,6 +67,13 @@ of scaled formats run along the last axis, the Linear products' reduction axis f
   take part in the truncated products. The products run on the CPU only (lpsim.mac's
   tensor-core loop): these recipes need --device cpu.
 
+Each recipe's ``deviations`` says where it departs from the published recipe it is named after:
+mxfp8 reuses the forward's quantised operands in the backward products; mxfp4 quantises the
+forward products too, which Tseng et al. keep in BF16; nvfp4 quantises the layers NVIDIA keeps in
+BF16; fp8-hopper-promoted takes only DeepSeek-V3's accumulation, not its 1x128 and 128x128 E4M3
+quantisation; and those three quantise attention's products, which Tseng et al., NVIDIA and
+DeepSeek-V3 keep in BF16.
+
 Attention (``functions``; fp32 and the bf16 recipes have none): every FP8 and scaled recipe rounds
 the operands of both attention products into its forward element format and the errors flowing
 into them into its error format (the FP4 recipes: the stochastically rounded error format of their
@@ -183,6 +190,7 @@ class GPTRecipe:
             stored in by lpsim.optim.AdamW, with ``weight_rounding``.
         weight_rounding: "nearest" or "stochastic", for weight_format.
         cpu_only: its products run under lpsim.mac, which computes on the CPU only.
+        deviations: where it departs from the published recipe it is named after, and why.
     """
 
     name: str
@@ -192,6 +200,7 @@ class GPTRecipe:
     weight_format: Float | None = None
     weight_rounding: str = "nearest"
     cpu_only: bool = False
+    deviations: tuple[str, ...] = ()
 
     def build(
         self,
@@ -241,13 +250,53 @@ _FP8_FUNCTIONS = attention_functions(_E4M3_TENSOR, _E5M2_TENSOR)
 _FP8_DELAYED_FUNCTIONS = attention_functions(_E4M3_DELAYED, _E5M2_DELAYED)
 
 
-def _scaled(recipe: Recipe, summary: str) -> GPTRecipe:
+def _attention_quantised(who: str) -> str:
+    return (
+        f"The two attention products take quantised operands here; {who} quantise the Linear "
+        "layers' products and keep attention's in BF16."
+    )
+
+
+_WGRAD_REUSES_OPERANDS = (
+    "Each operand is quantised once, with blocks along the forward product's reduction axis, and "
+    "the backward products reuse it: the weight's blocks run along in_features where the input "
+    "gradient reduces over out_features, and the error's and input's along the channels where "
+    "the weight gradient reduces over the tokens. MX hardware takes blocks along each product's "
+    "reduction axis, and MX training quantises the backward operands afresh along it."
+)
+_MXFP8_DEVIATIONS = (_WGRAD_REUSES_OPERANDS,)
+_MXFP4_DEVIATIONS = (
+    "Tseng et al. use MXFP4 in the backward products only and keep the forward products in "
+    "higher precision (BF16); here the forward inputs and weights are MXFP4 too, rounded to "
+    "nearest.",
+    "Stochastically rounded operands take round-up scales (rceil) where Tseng et al. multiply "
+    "by 3/4 before quantising (both keep stochastic rounding from saturating).",
+    "The Hadamard transform's signs are fixed (seed 0) for every layer and step.",
+    _attention_quantised("Tseng et al."),
+)
+_NVFP4_DEVIATIONS = (
+    "NVIDIA keeps a share of the linear layers (some of the last blocks) in BF16; here every "
+    "Linear but the head is NVFP4.",
+    "The Hadamard transform's signs are fixed (seed 0) for every layer and step.",
+    _attention_quantised("NVIDIA"),
+)
+_DEEPSEEK_DEVIATIONS = (
+    "Only DeepSeek-V3's accumulation (promotion into float32 every 128 products) is simulated: "
+    "its quantisation (E4M3 for every operand, errors included, in 1x128 tiles for "
+    "activations and errors and 128x128 blocks for weights) is not; the operands are "
+    "fp8-current's (per-tensor scales, E5M2 errors).",
+    _attention_quantised("DeepSeek-V3"),
+)
+
+
+def _scaled(recipe: Recipe, summary: str, deviations: tuple[str, ...] = ()) -> GPTRecipe:
     along = recipe.along(-1)
     return GPTRecipe(
         recipe.name,
         summary,
         layers=linear_layers(along),
         functions=attention_functions(along.activation, along.error),
+        deviations=deviations,
     )
 
 
@@ -270,7 +319,9 @@ NVFP4_LINEAR = LayerQuantization(
 )
 
 
-def _fp4(name: str, linear: LayerQuantization, summary: str) -> GPTRecipe:
+def _fp4(
+    name: str, linear: LayerQuantization, summary: str, deviations: tuple[str, ...]
+) -> GPTRecipe:
     """An FP4 recipe: ``linear`` on every Linear but the head; attention's operands in its input
     format and errors in its input-gradient product's error format."""
     return GPTRecipe(
@@ -278,6 +329,7 @@ def _fp4(name: str, linear: LayerQuantization, summary: str) -> GPTRecipe:
         summary,
         layers=lambda model: {HEAD: None, nn.Linear: linear},
         functions=attention_functions(linear.input, linear.input_grad_operands.error),
+        deviations=deviations,
     )
 
 
@@ -289,7 +341,7 @@ def scaled_operands_mac(name: str) -> MAC:
     return replace(mac, tensor_core=replace(mac.tensor_core, operands=None))
 
 
-def _hopper(name: str, mac_name: str, summary: str) -> GPTRecipe:
+def _hopper(name: str, mac_name: str, summary: str, deviations: tuple[str, ...] = ()) -> GPTRecipe:
     mac = scaled_operands_mac(mac_name)
     return GPTRecipe(
         name,
@@ -297,6 +349,7 @@ def _hopper(name: str, mac_name: str, summary: str) -> GPTRecipe:
         layers=linear_layers(replace(_FP8_CURRENT, name=name, mac=mac)),
         functions=attention_functions(_E4M3_TENSOR, _E5M2_TENSOR, mac),
         cpu_only=True,
+        deviations=deviations,
     )
 
 
@@ -333,18 +386,24 @@ RECIPES: dict[str, GPTRecipe] = {
             layers=linear_layers(_FP8_DELAYED),
             functions=_FP8_DELAYED_FUNCTIONS,
         ),
-        _scaled(MXFP8, "MXFP8: E4M3 forward, E5M2 errors, E8M0 scale per 32; head float32"),
+        _scaled(
+            MXFP8,
+            "MXFP8: E4M3 forward, E5M2 errors, E8M0 scale per 32; head float32",
+            _MXFP8_DEVIATIONS,
+        ),
         _fp4(
             "mxfp4",
             MXFP4_LINEAR,
             "MXFP4: E2M1 per 32 (E8M0 scales); backward operands stochastic, Hadamard on the "
             "weight gradient's; head float32",
+            _MXFP4_DEVIATIONS,
         ),
         _fp4(
             "nvfp4",
             NVFP4_LINEAR,
             "NVFP4: E2M1, E4M3 scale per 16 and a tensor scale, 16x16 weight tiles; errors "
             "stochastic, Hadamard on the weight gradient's operands; head float32",
+            _NVFP4_DEVIATIONS,
         ),
         _hopper(
             "fp8-hopper",
@@ -355,6 +414,7 @@ RECIPES: dict[str, GPTRecipe] = {
             "fp8-hopper-promoted",
             "DeepSeek-V3",
             "fp8-current, every product on H100's FP8 tensor core, promoted to float32 every 128",
+            _DEEPSEEK_DEVIATIONS,
         ),
     )
 }
