@@ -127,6 +127,25 @@ def _operand(a: torch.Tensor, b, name: str) -> torch.Tensor:
     return b
 
 
+def _read_before_write(a: torch.Tensor, operand: torch.Tensor) -> torch.Tensor:
+    """operand as an in-place update of a may read it: a copy where it shares memory with a without
+    being a itself (b = a[:-1] for the update of a[1:]). The kernel reads each element of the
+    operand after it has written the elements before it, so such an operand would be read partly
+    updated; with the copy the update uses the values before it, as a = sr_add(a, b) does. An
+    operand that is a (the same elements in the same order) is read element by element before each
+    is written and needs no copy. While torch.compile traces, functionalization makes the copies."""
+    if torch.compiler.is_compiling() or operand.numel() == 0:
+        return operand
+    itself = (
+        operand.data_ptr() == a.data_ptr()
+        and operand.dtype == a.dtype
+        and operand.stride() == a.stride()
+    )
+    if not itself and torch._C._overlaps(a, operand):
+        return operand.clone()
+    return operand
+
+
 def sr_add(
     a: torch.Tensor,
     b: torch.Tensor | float,
@@ -189,9 +208,12 @@ def sr_add_(
     RuntimeError. A non-leaf a keeps its history (the gradient through it is the identity, as for
     sr_add). No gradient reaches b: if b requires grad, a backward through a raises ("derivative
     for lpsim::sr_add_ is not implemented"); use sr_add to differentiate with respect to b.
+
+    b may share memory with a (``sr_add_(x[1:], x[:-1])``): the sum uses b's values before the
+    update, as ``x[1:] = sr_add(x[1:], x[:-1])`` does.
     """
     args = _update_args(a, fmt, rounding, rbits, seed, offset, randomness)
-    call("sr_add_", a, _operand(a, b, "b"), *args)
+    call("sr_add_", a, _read_before_write(a, _operand(a, b, "b")), *args)
     return a
 
 
@@ -207,6 +229,7 @@ def _addc(
         wide = torch.float64 if torch.float64 in (t1.dtype, t2.dtype) else torch.float32
         t1, t2 = t1.to(wide), t2.to(wide)
     if inplace:
+        t1, t2 = _read_before_write(a, t1), _read_before_write(a, t2)
         call("sr_addc_", a, t1, t2, float(value), divide, *args)
         return a
     return call("sr_addc", a, t1, t2, float(value), divide, *args)
@@ -222,7 +245,8 @@ _ADDC_DOC = """{summary}
     number). Not differentiable: with grad mode on and an argument that requires grad, a backward
     pass that reaches the result raises RuntimeError. The in-place form follows torch's in-place
     rules as sr_add_ does: a non-leaf a keeps its history, and if tensor1 or tensor2 requires
-    grad, a backward through a raises.
+    grad, a backward through a raises. tensor1 and tensor2 may share memory with a: the in-place
+    form uses their values before the update.
     """
 
 
