@@ -142,6 +142,32 @@ def test_low_precision_states_are_stored_in_their_format():
     assert_same_bits(buf, lpsim.quantize(buf, Float(4, 3)), "momentum in e4m3")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_state_format_only_float64_holds_is_rounded_and_stored_in_float64(dtype):
+    # Float(11, 10) has float64's exponent range: the optimizer accepts it for the states of
+    # float32 and bfloat16 weights, and must round and keep them in float64.
+    fmt = Float(11, 10)
+    grad = torch.tensor([1e-3, -0.7, 3.3, 1e-30, 0.0, 5e-41])
+    w = torch.zeros(6, dtype=dtype, requires_grad=True)
+    sgd = lpsim.optim.SGD([w], lr=0.5, momentum=0.9, state_format=fmt, rounding="nearest")
+    w.grad = grad.to(dtype)
+    sgd.step()
+    buf = sgd.state[w]["momentum_buffer"]
+    want = lpsim.quantize(grad.to(dtype).double(), fmt, "nearest")
+    assert buf.dtype == torch.float64
+    assert torch.equal(buf, want)
+    assert torch.equal(
+        w.detach(), lpsim.sr_add(torch.zeros(6, dtype=dtype), want * -0.5, None, "nearest")
+    )
+    v = torch.zeros(6, dtype=dtype, requires_grad=True)
+    adam = lpsim.optim.AdamW([v], lr=1e-3, state_format=fmt, rounding="nearest")
+    v.grad = grad.to(dtype)
+    adam.step()
+    m = adam.state[v]["exp_avg"]
+    assert m.dtype == torch.float64
+    assert torch.equal(m, lpsim.quantize((grad.to(dtype).float() * (1 - 0.9)).double(), fmt))
+
+
 def test_same_seed_gives_the_same_run_and_state_dict_resumes_it():
     def run(steps, resume_from=None):
         w = torch.zeros(8, dtype=torch.bfloat16, requires_grad=True)

@@ -129,18 +129,21 @@ class _LowPrecision(Optimizer):
     ) -> torch.Tensor:
         """Keep ``value`` (work precision) as state[key], rounded into state_format if given, in
         the narrowest of the parameter's dtype, float32 and float64 that holds that format.
-        Returns the stored value in the work precision."""
+        Returns the stored value in the work precision, or in float64 for a format only float64
+        holds (which is then also where the value is rounded)."""
         fmt = group["state_format"]
         if fmt is None:
             state[key] = value
             return value
-        stored = quantize(value, fmt, group["rounding"], **self._random(group, state, kind))
         for dtype in (like.dtype, torch.float32, torch.float64):
             try:
                 check_fits(fmt, dtype)
                 break
             except ValueError:
                 continue
+        if dtype == torch.float64:  # a format only float64 holds: round in it (value is exact)
+            value = value.to(dtype)
+        stored = quantize(value, fmt, group["rounding"], **self._random(group, state, kind))
         state[key] = stored.to(dtype)
         return stored
 
