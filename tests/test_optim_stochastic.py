@@ -237,3 +237,44 @@ def test_value_keyed_optimizer_updates_are_reproducible():
 def test_bad_options_raise_errors_that_name_them(call, error, words):
     with pytest.raises(error, match=re.escape(words)):
         call(torch.zeros(3, dtype=torch.bfloat16, requires_grad=True))
+
+
+@pytest.mark.parametrize(
+    "option,value,error,words",
+    [
+        ("rounding", "nearst", ValueError, "rounding must be one of"),
+        ("rbits", 99, ValueError, "rbits must be in [1, 32], got 99"),
+        ("kahan", "yes", TypeError, "kahan must be a bool"),
+        ("seed", -5, ValueError, "seed must be an int in [0, 2**64)"),
+        ("randomness", "hash", ValueError, "randomness must be one of"),
+        ("lr", -0.1, ValueError, "lr must be in"),
+        ("state_format", "e4m3", TypeError, "state_format must be a Float, Fixed or P3109"),
+    ],
+)
+@pytest.mark.parametrize(
+    "optimizer", [lpsim.optim.SGD, lpsim.optim.AdamW], ids=lambda c: c.__name__
+)
+def test_bad_options_of_a_parameter_group_raise_errors_that_name_them(
+    optimizer, option, value, error, words
+):
+    w = torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(error, match=re.escape(words)):
+        optimizer([{"params": [w], option: value}], seed=0)
+    opt = optimizer([torch.zeros(2, requires_grad=True)], seed=0)
+    with pytest.raises(error, match=re.escape(words)):
+        opt.add_param_group({"params": [w], option: value})
+    assert len(opt.param_groups) == 1
+
+
+def test_a_parameter_group_may_override_the_seed_and_the_rounding():
+    w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+    opt = lpsim.optim.SGD(
+        [{"params": [w]}, {"params": [v], "seed": 5, "rounding": "nearest"}], lr=1.0, seed=3
+    )
+    w.grad = v.grad = torch.full((4,), -1e-3, dtype=torch.bfloat16)
+    opt.step()
+    assert torch.equal(v.detach(), torch.ones(4, dtype=torch.bfloat16))  # nearest: lost
+    update = -w.grad.float()  # lr 1: the step is -grad, computed in float32
+    want = lpsim.sr_add(torch.ones(4, dtype=torch.bfloat16), update, seed=3, offset=1 << 32)
+    assert torch.equal(w.detach(), want)

@@ -53,27 +53,40 @@ class _LowPrecision(Optimizer):
     when they join the optimizer, the rounded weight update and the rounded state updates."""
 
     def __init__(self, params, defaults: dict, seed: int | None, randomness: str):
-        check_element_format("weight_format", defaults["weight_format"])
-        check_element_format("state_format", defaults["state_format"])
-        rule = Rounding.parse(defaults["rounding"])
-        check_rbits(defaults["rbits"], rule)
-        if not isinstance(defaults["kahan"], bool):
-            raise TypeError(f"kahan must be a bool, got {type(defaults['kahan']).__name__}")
-        if randomness not in RANDOMNESS:
-            raise ValueError(f"randomness must be one of {RANDOMNESS}, got {randomness!r}")
-        if seed is None:
-            seed = int(draw_seed())
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
-            raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
         defaults = dict(defaults, seed=seed, randomness=randomness)
+        self._check_options(defaults)
         self._count = 0  # parameters seen so far: each one's number for its random streams
         super().__init__(params, defaults)
+
+    def _check_options(self, group: dict) -> None:
+        """The options of the optimizer, or of a parameter group (which may override any of them).
+
+        Raises:
+            TypeError / ValueError: an option has the wrong type or range (the message names it).
+        """
+        check_element_format("weight_format", group["weight_format"])
+        check_element_format("state_format", group["state_format"])
+        rule = Rounding.parse(group["rounding"])
+        check_rbits(group["rbits"], rule)
+        if not isinstance(group["kahan"], bool):
+            raise TypeError(f"kahan must be a bool, got {type(group['kahan']).__name__}")
+        randomness = group["randomness"]
+        if not isinstance(randomness, str) or randomness not in RANDOMNESS:
+            raise ValueError(f"randomness must be one of {RANDOMNESS}, got {randomness!r}")
+        if group["seed"] is None:
+            group["seed"] = int(draw_seed())
+        seed = group["seed"]
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        check_element_format("weight_format", group["weight_format"])
-        check_element_format("state_format", group["state_format"])
+        try:
+            self._check_options(group)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
         with torch.no_grad():
             for p in group["params"]:
                 if p.dtype not in CONTAINER_DTYPES:
@@ -224,15 +237,6 @@ class SGD(_LowPrecision):
         seed: int | None = None,
         randomness: str = "position",
     ):
-        for name, value in (
-            ("lr", lr),
-            ("momentum", momentum),
-            ("dampening", dampening),
-            ("weight_decay", weight_decay),
-        ):
-            check_number(name, value)
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("nesterov needs momentum > 0 and dampening = 0")
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -246,6 +250,13 @@ class SGD(_LowPrecision):
             kahan=kahan,
         )
         super().__init__(params, defaults, seed, randomness)
+
+    def _check_options(self, group: dict) -> None:
+        for name in ("lr", "momentum", "dampening", "weight_decay"):
+            check_number(name, group[name])
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError("nesterov needs momentum > 0 and dampening = 0")
+        super()._check_options(group)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -300,9 +311,6 @@ class AdamW(_LowPrecision):
         seed: int | None = None,
         randomness: str = "position",
     ):
-        check_number("lr", lr)
-        check_number("eps", eps)
-        check_number("weight_decay", weight_decay)
         check_betas(betas)
         defaults = dict(
             lr=lr,
@@ -316,6 +324,12 @@ class AdamW(_LowPrecision):
             kahan=kahan,
         )
         super().__init__(params, defaults, seed, randomness)
+
+    def _check_options(self, group: dict) -> None:
+        for name in ("lr", "eps", "weight_decay"):
+            check_number(name, group[name])
+        group["betas"] = check_betas(group["betas"])
+        super()._check_options(group)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
