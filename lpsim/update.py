@@ -106,11 +106,26 @@ def _update_args(a, fmt, rounding, rbits, seed, offset, randomness) -> tuple:
     return (*sum_grid(fmt, a.dtype), int(rule), *random, check_randomness(randomness))
 
 
+def _float64(number: int | float, name: str) -> float:
+    """A Python number as the float64 the ops take.
+
+    Raises:
+        ValueError: an int beyond the float64 range.
+    """
+    try:
+        return float(number)
+    except OverflowError:
+        raise ValueError(
+            f"{name} must be within the float64 range (magnitude below 2**1024), got an int of "
+            f"{abs(number).bit_length()} bits"
+        ) from None
+
+
 def _operand(a: torch.Tensor, b, name: str) -> torch.Tensor:
     """b as the update ops take it: a tensor of a's shape and device whose dtype is a's, float32 or
     float64 (other dtypes are converted, exactly, to float32; a Python number becomes float64)."""
     if isinstance(b, (int, float)) and not isinstance(b, bool):
-        b = torch.tensor(float(b), dtype=torch.float64, device=a.device)
+        b = torch.tensor(_float64(b, name), dtype=torch.float64, device=a.device)
     check_container(b, name)
     if b.device != a.device:
         raise ValueError(f"{name} must be on a's device ({a.device}), got {b.device}")
@@ -230,9 +245,9 @@ def _addc(
         t1, t2 = t1.to(wide), t2.to(wide)
     if inplace:
         t1, t2 = _read_before_write(a, t1), _read_before_write(a, t2)
-        call("sr_addc_", a, t1, t2, float(value), divide, *args)
+        call("sr_addc_", a, t1, t2, _float64(value, "value"), divide, *args)
         return a
-    return call("sr_addc", a, t1, t2, float(value), divide, *args)
+    return call("sr_addc", a, t1, t2, _float64(value, "value"), divide, *args)
 
 
 _ADDC_DOC = """{summary}

@@ -501,6 +501,17 @@ def test_sr_add_gradient_is_the_identity_for_both_operands():
         (lambda a: lpsim.sr_add(a, 1.0, rbits=0), ValueError, "rbits must be in [1, 32]"),
         (lambda a: lpsim.sr_add(a, 1.0, seed=-1), ValueError, "seed must be in [0, 2**64)"),
         (lambda a: lpsim.sr_addcmul_(a, a, a, value="x"), TypeError, "value must be a number"),
+        (lambda a: lpsim.sr_add(a, 2**1100), ValueError, "b must be within the float64 range"),
+        (
+            lambda a: lpsim.sr_addcdiv(a, a, a, value=-(2**1024)),
+            ValueError,
+            "value must be within the float64 range",
+        ),
+        (
+            lambda a: lpsim.sr_addcmul(a, 3**700, a),
+            ValueError,
+            "tensor1 must be within the float64 range",
+        ),
         (lambda a: StochasticAdder(torch.int32), TypeError, "dtype must be"),
     ],
 )
