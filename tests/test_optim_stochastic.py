@@ -278,3 +278,26 @@ def test_a_parameter_group_may_override_the_seed_and_the_rounding():
     update = -w.grad.float()  # lr 1: the step is -grad, computed in float32
     want = lpsim.sr_add(torch.ones(4, dtype=torch.bfloat16), update, seed=3, offset=1 << 32)
     assert torch.equal(w.detach(), want)
+
+
+@pytest.mark.parametrize(
+    "optimizer", [lpsim.optim.SGD, lpsim.optim.AdamW], ids=lambda c: c.__name__
+)
+def test_value_keyed_steps_with_low_precision_states_are_invariant_under_permutation(optimizer):
+    # The states are rounded stochastically into e5m2 with value-keyed words too: permuting the
+    # elements of the weight and of every gradient permutes the weights after three steps.
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(1000, generator=g).bfloat16()
+    grads = [torch.randn(1000, generator=g).bfloat16() for _ in range(3)]
+    perm = torch.randperm(1000, generator=g)
+    options = {"lr": 0.1, "momentum": 0.9} if optimizer is lpsim.optim.SGD else {"lr": 0.01}
+
+    def run(order):
+        w = w0[order].clone().requires_grad_()
+        opt = optimizer([w], seed=3, randomness="value", state_format=Float(5, 2), **options)
+        for grad in grads:
+            w.grad = grad[order].clone()
+            opt.step()
+        return w.detach()
+
+    assert torch.equal(run(torch.arange(1000))[perm], run(perm))

@@ -19,7 +19,9 @@ stores them in a low-precision format too, each new value computed in float32 an
 into it by ``rounding``. The random words of step t of parameter number i come from the stream
 offset (t << 32) + 4 i + k (k = 0 for the weight, 1 and 2 for the states; distinct for up to 2^30
 parameters) under the optimizer's seed, so a run is reproducible from its seed and a resumed run
-(load_state_dict) continues it.
+(load_state_dict) continues it. With ``randomness="value"`` the states' words are value-keyed as
+the weights' are (by the new value and a zero of its sign), so the whole step is invariant under
+any permutation or partition of a parameter's elements.
 """
 
 from __future__ import annotations
@@ -156,7 +158,15 @@ class _LowPrecision(Optimizer):
                 continue
         if dtype == torch.float64:  # a format only float64 holds: round in it (value is exact)
             value = value.to(dtype)
-        stored = quantize(value, fmt, group["rounding"], **self._random(group, state, kind))
+        random = self._random(group, state, kind)
+        if group["randomness"] == "value":
+            # Value-keyed words, as for the weights: quantize draws position-keyed ones, so the
+            # state is rounded as the exact sum of a zero (of value's sign) and value, which is
+            # value rounded once.
+            zero = torch.zeros_like(value).copysign_(value)
+            stored = sr_add(zero, value, fmt, group["rounding"], randomness="value", **random)
+        else:
+            stored = quantize(value, fmt, group["rounding"], **random)
         state[key] = stored.to(dtype)
         return stored
 
