@@ -149,16 +149,14 @@ def _read_before_write(a: torch.Tensor, operand: torch.Tensor) -> torch.Tensor:
     updated; with the copy the update uses the values before it, as a = sr_add(a, b) does. An
     operand that is a (the same elements in the same order) is read element by element before each
     is written and needs no copy. While torch.compile traces, functionalization makes the copies."""
-    if torch.compiler.is_compiling() or operand.numel() == 0:
+    if torch.compiler.is_compiling() or operand.numel() == 0 or not torch._C._overlaps(a, operand):
         return operand
-    itself = (
-        operand.data_ptr() == a.data_ptr()
+    itself = (  # overlapping tensors share a storage: the same start and strides make them one
+        operand.storage_offset() == a.storage_offset()
         and operand.dtype == a.dtype
         and operand.stride() == a.stride()
     )
-    if not itself and torch._C._overlaps(a, operand):
-        return operand.clone()
-    return operand
+    return operand if itself else operand.clone()
 
 
 def sr_add(
