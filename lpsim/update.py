@@ -223,7 +223,9 @@ def sr_add_(
     for lpsim::sr_add_ is not implemented"); use sr_add to differentiate with respect to b.
 
     b may share memory with a (``sr_add_(x[1:], x[:-1])``): the sum uses b's values before the
-    update, as ``x[1:] = sr_add(x[1:], x[:-1])`` does.
+    update, as ``x[1:] = sr_add(x[1:], x[:-1])`` does. Not yet under torch.compile's Inductor
+    backend, which reads such an operand partly updated (even after an explicit clone, which it
+    removes): there, compute the update out of place with sr_add.
     """
     args = _update_args(a, fmt, rounding, rbits, seed, offset, randomness)
     call("sr_add_", a, _read_before_write(a, _operand(a, b, "b")), *args)
