@@ -73,8 +73,10 @@ def quantize_many_(
         tensors: a list or tuple of float32, float64, bfloat16 or float16 tensors on one device;
             dtypes, shapes and strides may differ, tensors may be empty, the list may be empty.
             Each tensor's dtype is its container: the format must fit it. The tensors must not
-            overlap in memory (the same tensor twice, or two views of one storage that share
-            elements): they are rounded concurrently.
+            overlap in memory: they are rounded concurrently. Each one's memory is taken as the
+            bytes from its first to past its last element, so the same tensor twice, two views
+            that share elements, and also interleaved views such as x[::2] and x[1::2] are
+            refused (round those in separate calls).
         fmt: a Float, Fixed, P3109, BlockFloat or Scaled format. Float, Fixed and P3109 formats
             round every tensor in one compiled call; BlockFloat and Scaled formats are a loop of
             ``quantize_`` over the tensors, with the same seed and offsets.

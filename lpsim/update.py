@@ -106,11 +106,26 @@ def _update_args(a, fmt, rounding, rbits, seed, offset, randomness) -> tuple:
     return (*sum_grid(fmt, a.dtype), int(rule), *random, check_randomness(randomness))
 
 
+def _float64(number: int | float, name: str) -> float:
+    """A Python number as the float64 the ops take.
+
+    Raises:
+        ValueError: an int beyond the float64 range.
+    """
+    try:
+        return float(number)
+    except OverflowError:
+        raise ValueError(
+            f"{name} must be within the float64 range (magnitude below 2**1024), got an int of "
+            f"{abs(number).bit_length()} bits"
+        ) from None
+
+
 def _operand(a: torch.Tensor, b, name: str) -> torch.Tensor:
     """b as the update ops take it: a tensor of a's shape and device whose dtype is a's, float32 or
     float64 (other dtypes are converted, exactly, to float32; a Python number becomes float64)."""
     if isinstance(b, (int, float)) and not isinstance(b, bool):
-        b = torch.tensor(float(b), dtype=torch.float64, device=a.device)
+        b = torch.tensor(_float64(b, name), dtype=torch.float64, device=a.device)
     check_container(b, name)
     if b.device != a.device:
         raise ValueError(f"{name} must be on a's device ({a.device}), got {b.device}")
@@ -125,6 +140,23 @@ def _operand(a: torch.Tensor, b, name: str) -> torch.Tensor:
                 f"{tuple(a.shape)}"
             ) from None
     return b
+
+
+def _read_before_write(a: torch.Tensor, operand: torch.Tensor) -> torch.Tensor:
+    """operand as an in-place update of a may read it: a copy where it shares memory with a without
+    being a itself (b = a[:-1] for the update of a[1:]). The kernel reads each element of the
+    operand after it has written the elements before it, so such an operand would be read partly
+    updated; with the copy the update uses the values before it, as a = sr_add(a, b) does. An
+    operand that is a (the same elements in the same order) is read element by element before each
+    is written and needs no copy. While torch.compile traces, functionalization makes the copies."""
+    if torch.compiler.is_compiling() or operand.numel() == 0 or not torch._C._overlaps(a, operand):
+        return operand
+    itself = (  # overlapping tensors share a storage: the same start and strides make them one
+        operand.storage_offset() == a.storage_offset()
+        and operand.dtype == a.dtype
+        and operand.stride() == a.stride()
+    )
+    return operand if itself else operand.clone()
 
 
 def sr_add(
@@ -189,9 +221,14 @@ def sr_add_(
     RuntimeError. A non-leaf a keeps its history (the gradient through it is the identity, as for
     sr_add). No gradient reaches b: if b requires grad, a backward through a raises ("derivative
     for lpsim::sr_add_ is not implemented"); use sr_add to differentiate with respect to b.
+
+    b may share memory with a (``sr_add_(x[1:], x[:-1])``): the sum uses b's values before the
+    update, as ``x[1:] = sr_add(x[1:], x[:-1])`` does. Not yet under torch.compile's Inductor
+    backend, which reads such an operand partly updated (even after an explicit clone, which it
+    removes): there, compute the update out of place with sr_add.
     """
     args = _update_args(a, fmt, rounding, rbits, seed, offset, randomness)
-    call("sr_add_", a, _operand(a, b, "b"), *args)
+    call("sr_add_", a, _read_before_write(a, _operand(a, b, "b")), *args)
     return a
 
 
@@ -207,9 +244,10 @@ def _addc(
         wide = torch.float64 if torch.float64 in (t1.dtype, t2.dtype) else torch.float32
         t1, t2 = t1.to(wide), t2.to(wide)
     if inplace:
-        call("sr_addc_", a, t1, t2, float(value), divide, *args)
+        t1, t2 = _read_before_write(a, t1), _read_before_write(a, t2)
+        call("sr_addc_", a, t1, t2, _float64(value, "value"), divide, *args)
         return a
-    return call("sr_addc", a, t1, t2, float(value), divide, *args)
+    return call("sr_addc", a, t1, t2, _float64(value, "value"), divide, *args)
 
 
 _ADDC_DOC = """{summary}
@@ -222,7 +260,8 @@ _ADDC_DOC = """{summary}
     number). Not differentiable: with grad mode on and an argument that requires grad, a backward
     pass that reaches the result raises RuntimeError. The in-place form follows torch's in-place
     rules as sr_add_ does: a non-leaf a keeps its history, and if tensor1 or tensor2 requires
-    grad, a backward through a raises.
+    grad, a backward through a raises. tensor1 and tensor2 may share memory with a: the in-place
+    form uses their values before the update.
     """
 
 

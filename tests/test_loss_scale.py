@@ -392,6 +392,9 @@ def test_state_dict_round_trip():
             r"max_scale must be in \[min_scale, inf\) = \[4.0, inf\), got 2.0",
         ),
         ({"power_of_two": 1}, TypeError, "power_of_two must be a bool"),
+        ({"init_scale": 2**2000}, ValueError, r"init_scale must be in .* got inf"),
+        ({"max_scale": 2**1024}, ValueError, r"max_scale must be in \[min_scale, inf\) = "),
+        ({"min_scale": -(2**1100)}, ValueError, r"min_scale must be in \(0.0, inf\)"),
     ],
 )
 def test_arguments_are_validated_naming_the_parameter(kwargs, error, message):

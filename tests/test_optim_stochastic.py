@@ -142,6 +142,32 @@ def test_low_precision_states_are_stored_in_their_format():
     assert_same_bits(buf, lpsim.quantize(buf, Float(4, 3)), "momentum in e4m3")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_state_format_only_float64_holds_is_rounded_and_stored_in_float64(dtype):
+    # Float(11, 10) has float64's exponent range: the optimizer accepts it for the states of
+    # float32 and bfloat16 weights, and must round and keep them in float64.
+    fmt = Float(11, 10)
+    grad = torch.tensor([1e-3, -0.7, 3.3, 1e-30, 0.0, 5e-41])
+    w = torch.zeros(6, dtype=dtype, requires_grad=True)
+    sgd = lpsim.optim.SGD([w], lr=0.5, momentum=0.9, state_format=fmt, rounding="nearest")
+    w.grad = grad.to(dtype)
+    sgd.step()
+    buf = sgd.state[w]["momentum_buffer"]
+    want = lpsim.quantize(grad.to(dtype).double(), fmt, "nearest")
+    assert buf.dtype == torch.float64
+    assert torch.equal(buf, want)
+    assert torch.equal(
+        w.detach(), lpsim.sr_add(torch.zeros(6, dtype=dtype), want * -0.5, None, "nearest")
+    )
+    v = torch.zeros(6, dtype=dtype, requires_grad=True)
+    adam = lpsim.optim.AdamW([v], lr=1e-3, state_format=fmt, rounding="nearest")
+    v.grad = grad.to(dtype)
+    adam.step()
+    m = adam.state[v]["exp_avg"]
+    assert m.dtype == torch.float64
+    assert torch.equal(m, lpsim.quantize((grad.to(dtype).float() * (1 - 0.9)).double(), fmt))
+
+
 def test_same_seed_gives_the_same_run_and_state_dict_resumes_it():
     def run(steps, resume_from=None):
         w = torch.zeros(8, dtype=torch.bfloat16, requires_grad=True)
@@ -211,3 +237,67 @@ def test_value_keyed_optimizer_updates_are_reproducible():
 def test_bad_options_raise_errors_that_name_them(call, error, words):
     with pytest.raises(error, match=re.escape(words)):
         call(torch.zeros(3, dtype=torch.bfloat16, requires_grad=True))
+
+
+@pytest.mark.parametrize(
+    "option,value,error,words",
+    [
+        ("rounding", "nearst", ValueError, "rounding must be one of"),
+        ("rbits", 99, ValueError, "rbits must be in [1, 32], got 99"),
+        ("kahan", "yes", TypeError, "kahan must be a bool"),
+        ("seed", -5, ValueError, "seed must be an int in [0, 2**64)"),
+        ("randomness", "hash", ValueError, "randomness must be one of"),
+        ("lr", -0.1, ValueError, "lr must be in"),
+        ("state_format", "e4m3", TypeError, "state_format must be a Float, Fixed or P3109"),
+    ],
+)
+@pytest.mark.parametrize(
+    "optimizer", [lpsim.optim.SGD, lpsim.optim.AdamW], ids=lambda c: c.__name__
+)
+def test_bad_options_of_a_parameter_group_raise_errors_that_name_them(
+    optimizer, option, value, error, words
+):
+    w = torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(error, match=re.escape(words)):
+        optimizer([{"params": [w], option: value}], seed=0)
+    opt = optimizer([torch.zeros(2, requires_grad=True)], seed=0)
+    with pytest.raises(error, match=re.escape(words)):
+        opt.add_param_group({"params": [w], option: value})
+    assert len(opt.param_groups) == 1
+
+
+def test_a_parameter_group_may_override_the_seed_and_the_rounding():
+    w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+    opt = lpsim.optim.SGD(
+        [{"params": [w]}, {"params": [v], "seed": 5, "rounding": "nearest"}], lr=1.0, seed=3
+    )
+    w.grad = v.grad = torch.full((4,), -1e-3, dtype=torch.bfloat16)
+    opt.step()
+    assert torch.equal(v.detach(), torch.ones(4, dtype=torch.bfloat16))  # nearest: lost
+    update = -w.grad.float()  # lr 1: the step is -grad, computed in float32
+    want = lpsim.sr_add(torch.ones(4, dtype=torch.bfloat16), update, seed=3, offset=1 << 32)
+    assert torch.equal(w.detach(), want)
+
+
+@pytest.mark.parametrize(
+    "optimizer", [lpsim.optim.SGD, lpsim.optim.AdamW], ids=lambda c: c.__name__
+)
+def test_value_keyed_steps_with_low_precision_states_are_invariant_under_permutation(optimizer):
+    # The states are rounded stochastically into e5m2 with value-keyed words too: permuting the
+    # elements of the weight and of every gradient permutes the weights after three steps.
+    g = torch.Generator().manual_seed(0)
+    w0 = torch.randn(1000, generator=g).bfloat16()
+    grads = [torch.randn(1000, generator=g).bfloat16() for _ in range(3)]
+    perm = torch.randperm(1000, generator=g)
+    options = {"lr": 0.1, "momentum": 0.9} if optimizer is lpsim.optim.SGD else {"lr": 0.01}
+
+    def run(order):
+        w = w0[order].clone().requires_grad_()
+        opt = optimizer([w], seed=3, randomness="value", state_format=Float(5, 2), **options)
+        for grad in grads:
+            w.grad = grad[order].clone()
+            opt.step()
+        return w.detach()
+
+    assert torch.equal(run(torch.arange(1000))[perm], run(perm))

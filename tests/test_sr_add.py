@@ -395,6 +395,42 @@ def test_non_contiguous_and_broadcast_operands():
     assert_same_bits(inplace, want, "in place on a view")
 
 
+@pytest.mark.parametrize("shift", [1, -1, 7])
+def test_in_place_update_of_an_operand_that_overlaps_it_uses_the_values_before_it(shift):
+    # x[1:] += x[:-1]: the kernel writes element i before it reads element i + 1 of the operand,
+    # so an operand that shares memory with a must be read as it was before the update.
+    torch.manual_seed(4)
+    n = 5000
+    x = torch.randn(n + abs(shift))
+    head, tail = x[:n], x[abs(shift) :]
+    a, b = (tail, head) if shift > 0 else (head, tail)
+    a_before, b_before = a.clone(), b.clone()
+    fmt = Float(5, 2)
+    for rule in ("nearest", "stochastic"):
+        want = lpsim.sr_add(a_before, b_before, fmt, rule, seed=1)
+        y = x.clone()
+        ya, yb = (y[abs(shift) :], y[:n]) if shift > 0 else (y[:n], y[abs(shift) :])
+        lpsim.sr_add_(ya, yb, fmt, rule, seed=1)
+        assert torch.equal(ya, want), f"sr_add_ {rule}"
+        want = lpsim.sr_addcmul(a_before, b_before, b_before, 0.5, fmt, rule, seed=1)
+        y = x.clone()
+        ya, yb = (y[abs(shift) :], y[:n]) if shift > 0 else (y[:n], y[abs(shift) :])
+        lpsim.sr_addcmul_(ya, yb, yb, 0.5, fmt, rule, seed=1)
+        assert torch.equal(ya, want), f"sr_addcmul_ {rule}"
+        want = lpsim.sr_addcdiv(a_before, b_before, a_before, 0.5, fmt, rule, seed=1)
+        y = x.clone()
+        ya, yb = (y[abs(shift) :], y[:n]) if shift > 0 else (y[:n], y[abs(shift) :])
+        lpsim.sr_addcdiv_(ya, yb, ya, 0.5, fmt, rule, seed=1)
+        assert torch.equal(ya, want), f"sr_addcdiv_ {rule}"
+
+
+def test_in_place_update_with_a_itself_as_operand_adds_each_element_to_itself():
+    for x in (torch.randn(3000), torch.randn(60, 50).t()):
+        want = lpsim.sr_add(x.clone(), x.clone(), Float(5, 2), "nearest")
+        lpsim.sr_add_(x, x, Float(5, 2), "nearest")
+        assert torch.equal(x, want)
+
+
 @pytest.mark.parametrize("divide", [False, True])
 @pytest.mark.parametrize(
     "a_dtype,t_dtype",
@@ -465,6 +501,17 @@ def test_sr_add_gradient_is_the_identity_for_both_operands():
         (lambda a: lpsim.sr_add(a, 1.0, rbits=0), ValueError, "rbits must be in [1, 32]"),
         (lambda a: lpsim.sr_add(a, 1.0, seed=-1), ValueError, "seed must be in [0, 2**64)"),
         (lambda a: lpsim.sr_addcmul_(a, a, a, value="x"), TypeError, "value must be a number"),
+        (lambda a: lpsim.sr_add(a, 2**1100), ValueError, "b must be within the float64 range"),
+        (
+            lambda a: lpsim.sr_addcdiv(a, a, a, value=-(2**1024)),
+            ValueError,
+            "value must be within the float64 range",
+        ),
+        (
+            lambda a: lpsim.sr_addcmul(a, 3**700, a),
+            ValueError,
+            "tensor1 must be within the float64 range",
+        ),
         (lambda a: StochasticAdder(torch.int32), TypeError, "dtype must be"),
     ],
 )

@@ -70,7 +70,10 @@ def _check_scale_number(
     (``bounds``: the names of the limits, such as "[min_scale, max_scale]")."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond the float range
+        value = math.inf if value > 0 else -math.inf
     above = value > low if open_low else value >= low
     below = value < high if open_high else value <= high
     if not (above and below):

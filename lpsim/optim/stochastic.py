@@ -19,7 +19,9 @@ stores them in a low-precision format too, each new value computed in float32 an
 into it by ``rounding``. The random words of step t of parameter number i come from the stream
 offset (t << 32) + 4 i + k (k = 0 for the weight, 1 and 2 for the states; distinct for up to 2^30
 parameters) under the optimizer's seed, so a run is reproducible from its seed and a resumed run
-(load_state_dict) continues it.
+(load_state_dict) continues it. With ``randomness="value"`` the states' words are value-keyed as
+the weights' are (by the new value and a zero of its sign), so the whole step is invariant under
+any permutation or partition of a parameter's elements.
 """
 
 from __future__ import annotations
@@ -53,27 +55,40 @@ class _LowPrecision(Optimizer):
     when they join the optimizer, the rounded weight update and the rounded state updates."""
 
     def __init__(self, params, defaults: dict, seed: int | None, randomness: str):
-        check_element_format("weight_format", defaults["weight_format"])
-        check_element_format("state_format", defaults["state_format"])
-        rule = Rounding.parse(defaults["rounding"])
-        check_rbits(defaults["rbits"], rule)
-        if not isinstance(defaults["kahan"], bool):
-            raise TypeError(f"kahan must be a bool, got {type(defaults['kahan']).__name__}")
-        if randomness not in RANDOMNESS:
-            raise ValueError(f"randomness must be one of {RANDOMNESS}, got {randomness!r}")
-        if seed is None:
-            seed = int(draw_seed())
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
-            raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
         defaults = dict(defaults, seed=seed, randomness=randomness)
+        self._check_options(defaults)
         self._count = 0  # parameters seen so far: each one's number for its random streams
         super().__init__(params, defaults)
+
+    def _check_options(self, group: dict) -> None:
+        """The options of the optimizer, or of a parameter group (which may override any of them).
+
+        Raises:
+            TypeError / ValueError: an option has the wrong type or range (the message names it).
+        """
+        check_element_format("weight_format", group["weight_format"])
+        check_element_format("state_format", group["state_format"])
+        rule = Rounding.parse(group["rounding"])
+        check_rbits(group["rbits"], rule)
+        if not isinstance(group["kahan"], bool):
+            raise TypeError(f"kahan must be a bool, got {type(group['kahan']).__name__}")
+        randomness = group["randomness"]
+        if not isinstance(randomness, str) or randomness not in RANDOMNESS:
+            raise ValueError(f"randomness must be one of {RANDOMNESS}, got {randomness!r}")
+        if group["seed"] is None:
+            group["seed"] = int(draw_seed())
+        seed = group["seed"]
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+            raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        check_element_format("weight_format", group["weight_format"])
-        check_element_format("state_format", group["state_format"])
+        try:
+            self._check_options(group)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
         with torch.no_grad():
             for p in group["params"]:
                 if p.dtype not in CONTAINER_DTYPES:
@@ -129,18 +144,29 @@ class _LowPrecision(Optimizer):
     ) -> torch.Tensor:
         """Keep ``value`` (work precision) as state[key], rounded into state_format if given, in
         the narrowest of the parameter's dtype, float32 and float64 that holds that format.
-        Returns the stored value in the work precision."""
+        Returns the stored value in the work precision, or in float64 for a format only float64
+        holds (which is then also where the value is rounded)."""
         fmt = group["state_format"]
         if fmt is None:
             state[key] = value
             return value
-        stored = quantize(value, fmt, group["rounding"], **self._random(group, state, kind))
         for dtype in (like.dtype, torch.float32, torch.float64):
             try:
                 check_fits(fmt, dtype)
                 break
             except ValueError:
                 continue
+        if dtype == torch.float64:  # a format only float64 holds: round in it (value is exact)
+            value = value.to(dtype)
+        random = self._random(group, state, kind)
+        if group["randomness"] == "value":
+            # Value-keyed words, as for the weights: quantize draws position-keyed ones, so the
+            # state is rounded as the exact sum of a zero (of value's sign) and value, which is
+            # value rounded once.
+            zero = torch.zeros_like(value).copysign_(value)
+            stored = sr_add(zero, value, fmt, group["rounding"], randomness="value", **random)
+        else:
+            stored = quantize(value, fmt, group["rounding"], **random)
         state[key] = stored.to(dtype)
         return stored
 
@@ -221,15 +247,6 @@ class SGD(_LowPrecision):
         seed: int | None = None,
         randomness: str = "position",
     ):
-        for name, value in (
-            ("lr", lr),
-            ("momentum", momentum),
-            ("dampening", dampening),
-            ("weight_decay", weight_decay),
-        ):
-            check_number(name, value)
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("nesterov needs momentum > 0 and dampening = 0")
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -243,6 +260,13 @@ class SGD(_LowPrecision):
             kahan=kahan,
         )
         super().__init__(params, defaults, seed, randomness)
+
+    def _check_options(self, group: dict) -> None:
+        for name in ("lr", "momentum", "dampening", "weight_decay"):
+            check_number(name, group[name])
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError("nesterov needs momentum > 0 and dampening = 0")
+        super()._check_options(group)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -297,9 +321,6 @@ class AdamW(_LowPrecision):
         seed: int | None = None,
         randomness: str = "position",
     ):
-        check_number("lr", lr)
-        check_number("eps", eps)
-        check_number("weight_decay", weight_decay)
         check_betas(betas)
         defaults = dict(
             lr=lr,
@@ -313,6 +334,12 @@ class AdamW(_LowPrecision):
             kahan=kahan,
         )
         super().__init__(params, defaults, seed, randomness)
+
+    def _check_options(self, group: dict) -> None:
+        for name in ("lr", "eps", "weight_decay"):
+            check_number(name, group[name])
+        group["betas"] = check_betas(group["betas"])
+        super()._check_options(group)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
