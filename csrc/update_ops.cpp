@@ -8,6 +8,7 @@
 //
 // The ops take a's dtype as the container and draw position- or value-keyed words (randomness 0
 // or 1). lpsim/update.py validates formats; the checks here guard against direct calls.
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -93,11 +94,24 @@ Update make_update(const at::Tensor& a, const at::Tensor& operand, const char* n
 // A device's kernels: run an update whose tensors live on that device.
 using UpdateKernel = void (*)(const at::Tensor& a, const Update& update);
 
+// An operand of an update written into `buffer`, as the kernel reads it: contiguous, and a copy
+// where it shares memory with the buffer without being it (b = a[:-1] in the update of a[1:]): the
+// kernel writes each element after reading the operand's element of the same index only, so such
+// an operand would be read partly updated. With the copy the update uses the values before it, as
+// a = sr_add(a, b) does. An operand that is the buffer itself needs no copy.
+at::Tensor read_before_write(const at::Tensor& operand, const at::Tensor& buffer) {
+  const at::Tensor contiguous = operand.contiguous();
+  const at::MemOverlapStatus overlap = at::get_overlap_status(buffer, contiguous);
+  const bool shared =
+      overlap == at::MemOverlapStatus::Partial || overlap == at::MemOverlapStatus::TooHard;
+  return shared ? contiguous.clone() : contiguous;
+}
+
 // dst = a + b rounded (dst may be a): contiguous copies where needed, then the kernel.
 template <UpdateKernel kernel>
 void add_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& dst, Update u) {
-  const at::Tensor x = a.contiguous(), bc = b.contiguous();
   Destination out(dst);
+  const at::Tensor x = a.contiguous(), bc = read_before_write(b, out.buffer);
   u.x = x.const_data_ptr();
   u.y = out.buffer.data_ptr();
   u.n = x.numel();
@@ -114,8 +128,9 @@ void addc_into(const at::Tensor& a, const at::Tensor& t1, const at::Tensor& t2, 
   TORCH_CHECK_TYPE(t1.scalar_type() == t2.scalar_type(),
                    "lpsim: tensor1 and tensor2 must have one dtype, got ", t1.scalar_type(),
                    " and ", t2.scalar_type());
-  const at::Tensor x = a.contiguous(), c1 = t1.contiguous(), c2 = t2.contiguous();
   Destination out(dst);
+  const at::Tensor x = a.contiguous(), c1 = read_before_write(t1, out.buffer),
+                   c2 = read_before_write(t2, out.buffer);
   u.x = x.const_data_ptr();
   u.y = out.buffer.data_ptr();
   u.n = x.numel();

@@ -142,23 +142,6 @@ def _operand(a: torch.Tensor, b, name: str) -> torch.Tensor:
     return b
 
 
-def _read_before_write(a: torch.Tensor, operand: torch.Tensor) -> torch.Tensor:
-    """operand as an in-place update of a may read it: a copy where it shares memory with a without
-    being a itself (b = a[:-1] for the update of a[1:]). The kernel reads each element of the
-    operand after it has written the elements before it, so such an operand would be read partly
-    updated; with the copy the update uses the values before it, as a = sr_add(a, b) does. An
-    operand that is a (the same elements in the same order) is read element by element before each
-    is written and needs no copy. While torch.compile traces, functionalization makes the copies."""
-    if torch.compiler.is_compiling() or operand.numel() == 0 or not torch._C._overlaps(a, operand):
-        return operand
-    itself = (  # overlapping tensors share a storage: the same start and strides make them one
-        operand.storage_offset() == a.storage_offset()
-        and operand.dtype == a.dtype
-        and operand.stride() == a.stride()
-    )
-    return operand if itself else operand.clone()
-
-
 def sr_add(
     a: torch.Tensor,
     b: torch.Tensor | float,
@@ -223,12 +206,11 @@ def sr_add_(
     for lpsim::sr_add_ is not implemented"); use sr_add to differentiate with respect to b.
 
     b may share memory with a (``sr_add_(x[1:], x[:-1])``): the sum uses b's values before the
-    update, as ``x[1:] = sr_add(x[1:], x[:-1])`` does. Not yet under torch.compile's Inductor
-    backend, which reads such an operand partly updated (even after an explicit clone, which it
-    removes): there, compute the update out of place with sr_add.
+    update, as ``x[1:] = sr_add(x[1:], x[:-1])`` does (the op reads such an operand from a copy),
+    in eager mode and under torch.compile alike.
     """
     args = _update_args(a, fmt, rounding, rbits, seed, offset, randomness)
-    call("sr_add_", a, _read_before_write(a, _operand(a, b, "b")), *args)
+    call("sr_add_", a, _operand(a, b, "b"), *args)
     return a
 
 
@@ -244,7 +226,6 @@ def _addc(
         wide = torch.float64 if torch.float64 in (t1.dtype, t2.dtype) else torch.float32
         t1, t2 = t1.to(wide), t2.to(wide)
     if inplace:
-        t1, t2 = _read_before_write(a, t1), _read_before_write(a, t2)
         call("sr_addc_", a, t1, t2, _float64(value, "value"), divide, *args)
         return a
     return call("sr_addc", a, t1, t2, _float64(value, "value"), divide, *args)

@@ -55,7 +55,7 @@ struct SgdScalars {
 // buffer, replaced by its new value; `fresh`: the buffer does not exist yet (torch's first step
 // takes the direction itself).
 LPSIM_FN float sgd_element(float w, float g, float& buf, bool fresh, const SgdScalars& s) {
-  float d = s.maximize ? neg(g) : g;  // grad = -grad (torch.neg)
+  float d = s.maximize ? neg(g) : g;                         // grad = -grad (torch.neg)
   if (s.has_weight_decay) d = fma_rn(w, s.weight_decay, d);  // grad.add(param, alpha=weight_decay)
   if (s.has_momentum) {
     // buf.mul_(momentum).add_(grad, alpha=1 - dampening)
@@ -82,7 +82,7 @@ struct AdamScalars {
 // First half of a step: the moments m and v replaced by their new values; returns the weight the
 // update applies to (w, decayed by AdamW's factor).
 LPSIM_FN float adam_moments(float w, float g, float& m, float& v, const AdamScalars& s) {
-  float d = s.maximize ? neg(g) : g;  // grad = -grad (torch.neg)
+  float d = s.maximize ? neg(g) : g;                      // grad = -grad (torch.neg)
   if (s.decoupled_decay) w = mul_rn(w, s.decay);          // param.mul_(1 - lr * weight_decay)
   if (s.coupled_decay) d = fma_rn(w, s.weight_decay, d);  // grad.add(param, alpha=weight_decay)
   // exp_avg.lerp_(grad, 1 - beta1)
