@@ -573,3 +573,17 @@ def test_nested_contexts_quantise_a_call_once_by_the_innermost_that_selects_it(m
             softmax = torch.softmax(a, -1)  # not the inner's: the outer decides it
     assert_same_bits(got, want)
     assert_same_bits(softmax, lpsim.quantize(torch.softmax(a, -1), E5M2, "nearest"))
+
+
+def test_a_call_outside_the_models_modules_keeps_one_site_when_the_context_is_entered_per_step():
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    functions = quantize_functions(nn.Identity(), {"matmul": nearest(input=DELAYED)})
+    for _ in range(3):
+        with functions:
+            a @ b
+    assert list(functions.scalers.keys()) == ["0::matmul:0:input"]
+    assert int(functions.scalers["0::matmul:0:input"].calls) == 3
+    with functions:  # the documented pitfall: a loop inside one entry
+        for _ in range(2):
+            a @ b
+    assert sorted(functions.scalers.keys()) == ["0::matmul:0:input", "0::matmul:1:input"]

@@ -66,7 +66,10 @@ draw their seeds from torch's default generator, as lpsim.quantize does.
 
 A DelayedScaling format keeps one amax history per call site: the entry, the innermost running
 module, the op, the field, and the call's rank among that op's calls in the module's current
-forward (the second softmax of a block is another site than the first). The scalers (lpsim's
+forward (the second softmax of a block is another site than the first). A call made outside the
+model's modules is ranked among such calls since the context was entered: enter the context once
+per step, as above, for it to keep one site; in a loop inside one ``with`` it gets a new site, and
+a fresh history, at every step. The scalers (lpsim's
 DelayedScaler) are created at a site's first call, on its tensor's device, and live in the
 context's ``scalers`` (an nn.ModuleDict); ``state_dict()`` and ``load_state_dict()`` save and
 restore them (loading creates the scalers it names), so that a resumed run continues their
