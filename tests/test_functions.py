@@ -587,3 +587,13 @@ def test_a_call_outside_the_models_modules_keeps_one_site_when_the_context_is_en
         for _ in range(2):
             a @ b
     assert sorted(functions.scalers.keys()) == ["0::matmul:0:input", "0::matmul:1:input"]
+
+
+def test_attention_refuses_an_integer_mask_as_torch_does():
+    q, k, v = (torch.randn(1, 2, 3, 4) for _ in range(3))
+    mask = torch.ones(3, 3, dtype=torch.int64)
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # torch's own
+    with quantize_functions(nn.Identity(), {"attention.softmax": nearest(output=E4M3)}):
+        with pytest.raises(TypeError, match="attn_mask must be bool"):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # not added as 1s

@@ -538,9 +538,18 @@ def scaled_dot_product_attention(
     Raises:
         ValueError: is_causal together with attn_mask (as torch), or enable_gqa with head counts
             that do not divide.
+        TypeError: attn_mask is neither bool nor floating-point (torch refuses it too; added, an
+            integer mask would shift the scores).
     """
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: is_causal and attn_mask are exclusive")
+    if attn_mask is not None and not (
+        attn_mask.dtype == torch.bool or attn_mask.is_floating_point()
+    ):
+        raise TypeError(
+            f"scaled_dot_product_attention: attn_mask must be bool (False: masked) or "
+            f"floating-point (added to the scores), got {attn_mask.dtype}"
+        )
     if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
         heads, kv_heads = query.shape[-3], key.shape[-3]
         if heads % kv_heads:
