@@ -509,3 +509,91 @@ def test_a_matmul_with_out_is_refused_when_simulated():
     with quantize_functions(nn.Identity(), {"matmul": nearest(output=E4M3)}):
         with pytest.raises(ValueError, match="two operands only"):
             torch.matmul(a, b, out=out)
+
+
+@pytest.mark.parametrize(
+    "call, shapes",
+    [
+        (torch.mm, [(2, 3, 4), (2, 4, 5)]),
+        (torch.mm, [(4,), (4, 5)]),
+        (torch.Tensor.mm, [(3, 4), (4,)]),
+        (torch.bmm, [(2, 3, 4), (1, 4, 5)]),
+        (torch.bmm, [(3, 4), (4, 5)]),
+        (torch.Tensor.bmm, [(2, 3, 4), (4, 5)]),
+    ],
+)
+def test_simulated_mm_and_bmm_refuse_the_shapes_torch_refuses(call, shapes):
+    a, b = (torch.randn(*shape) for shape in shapes)
+    with pytest.raises(RuntimeError):
+        call(a, b)  # torch's own
+    with quantize_functions(nn.Identity(), {"matmul": nearest(input=E4M3)}):
+        with pytest.raises(ValueError, match="mm takes"):
+            call(a, b)  # not a broadcast matmul
+
+
+def test_softmax_with_its_input_as_keyword_is_simulated():
+    x = torch.randn(3, 5)
+    want = lpsim.quantize(torch.softmax(lpsim.quantize(x, E4M3), -1), E5M2)
+    with quantize_functions(nn.Identity(), {"softmax": nearest(input=E4M3, output=E5M2)}):
+        got = torch.softmax(input=x, dim=-1)
+    assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_attention_rows_no_key_takes_part_in_give_zeros_and_zero_gradients_as_torch(mask_dtype):
+    q, k, v = (torch.randn(1, 2, 3, 4, requires_grad=True) for _ in range(3))
+    mask = torch.ones(3, 3, dtype=torch.bool)
+    mask[1] = False  # query 1 sees no key
+    if mask_dtype != torch.bool:
+        mask = torch.zeros(3, 3).masked_fill(~mask, float("-inf"))
+    config = {"attention.softmax": nearest(output=E4M3)}
+    with quantize_functions(nn.Identity(), config):
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    y.sum().backward()
+    assert_same_bits(y[:, :, 1], torch.zeros(1, 2, 4))
+    assert_same_bits(q.grad[:, :, 1], torch.zeros(1, 2, 4))
+    assert not any(t.grad.isnan().any() for t in (q, k, v))
+    torch_y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert_same_bits(torch_y[:, :, 1], torch.zeros(1, 2, 4))  # what torch gives
+
+
+@pytest.mark.parametrize("mac", [None, BF16_MAC])
+def test_nested_contexts_quantise_a_call_once_by_the_innermost_that_selects_it(mac):
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    outer = {
+        "matmul": nearest(input=E5M2, output=lpsim.Fixed(4, 1)),
+        "softmax": nearest(output=E5M2),
+    }
+    inner = {"matmul": nearest(input=E4M3, mac=mac)}
+    with quantize_functions(nn.Identity(), inner):
+        want = a @ b
+    with quantize_functions(nn.Identity(), outer):
+        with quantize_functions(nn.Identity(), inner):
+            got = a @ b
+            softmax = torch.softmax(a, -1)  # not the inner's: the outer decides it
+    assert_same_bits(got, want)
+    assert_same_bits(softmax, lpsim.quantize(torch.softmax(a, -1), E5M2, "nearest"))
+
+
+def test_a_call_outside_the_models_modules_keeps_one_site_when_the_context_is_entered_per_step():
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    functions = quantize_functions(nn.Identity(), {"matmul": nearest(input=DELAYED)})
+    for _ in range(3):
+        with functions:
+            a @ b
+    assert list(functions.scalers.keys()) == ["0::matmul:0:input"]
+    assert int(functions.scalers["0::matmul:0:input"].calls) == 3
+    with functions:  # the documented pitfall: a loop inside one entry
+        for _ in range(2):
+            a @ b
+    assert sorted(functions.scalers.keys()) == ["0::matmul:0:input", "0::matmul:1:input"]
+
+
+def test_attention_refuses_an_integer_mask_as_torch_does():
+    q, k, v = (torch.randn(1, 2, 3, 4) for _ in range(3))
+    mask = torch.ones(3, 3, dtype=torch.int64)
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # torch's own
+    with quantize_functions(nn.Identity(), {"attention.softmax": nearest(output=E4M3)}):
+        with pytest.raises(TypeError, match="attn_mask must be bool"):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # not added as 1s

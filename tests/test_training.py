@@ -1,6 +1,7 @@
 """Training in simulated low precision: quantizer(), Quantizer, OptimLP and model injection."""
 
 import copy
+import io
 
 import pytest
 import torch
@@ -589,3 +590,28 @@ def test_compiling_an_injected_model_never_reuses_a_graph_compiled_without_its_q
         timeout=600,
     )
     assert out.stdout.split() == ["True", "True"], out.stdout + out.stderr
+
+
+def test_a_deep_copied_quantizer_records_into_its_own_delayed_scaler():
+    original = Quantizer(forward=(DelayedScaling(Float(4, 3), history_length=4), "nearest"))
+    copied = copy.deepcopy(original)
+    x = torch.randn(16) * 100
+    copied(x)
+    assert int(copied.forward_scaler.calls) == 1
+    assert torch.equal(copied.forward_scaler.amax_history[0], x.abs().max())
+    assert int(original.forward_scaler.calls) == 0  # the original's history is untouched
+    assert torch.equal(original.forward_scaler.amax_history, torch.zeros(4))
+
+
+def test_a_quantizer_pickles_and_the_loaded_one_rounds_the_same_bits():
+    module = nn.Sequential(
+        Quantizer(forward=(DelayedScaling(Float(4, 3)), "nearest"), backward=Float(5, 2)),
+        Quantizer(forward=(Fixed(8, 4), "nearest"), clamp_grad_zero=True),
+    )
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(32) * 20
+    assert torch.equal(loaded(x), module(x))
+    assert loaded[0]._apply_train.forward.scaler is loaded[0].forward_scaler

@@ -48,9 +48,11 @@ fused kernel):
   s = q k^T (the scores product: input q, weight k^T, K = head_dim), then s * scale (scale
   defaults to 1 / sqrt(head_dim)), in the scores' dtype, as the FP8 attention kernels apply it
   after their product; the causal mask (positions j > i get -inf) and attn_mask (a bool mask's
-  False as -inf, else added); softmax over the keys in the scores' dtype; dropout with
-  ``dropout_p`` (torch's F.dropout: other random draws than torch's fused kernels); the context
-  product p v (K = the keys). With enable_gqa the key and value heads are repeated as torch's.
+  False as -inf, else added); softmax over the keys in the scores' dtype (a row of scores
+  that are all -inf, a query no key takes part in, gives weights 0 with zero gradients, as
+  torch's kernels give, not softmax's NaN); dropout with ``dropout_p`` (torch's F.dropout:
+  other random draws than torch's fused kernels); the context product p v (K = the keys). With
+  enable_gqa the key and value heads are repeated as torch's.
 - ``F.multi_head_attention_forward`` (nn.MultiheadAttention, nn.TransformerEncoderLayer and
   nn.TransformerDecoderLayer call it): lpsim.nn.functional.multi_head_attention_forward, whose
   in and out projections are ``"linear"`` calls and whose attention steps are the three above
@@ -64,11 +66,20 @@ draw their seeds from torch's default generator, as lpsim.quantize does.
 
 A DelayedScaling format keeps one amax history per call site: the entry, the innermost running
 module, the op, the field, and the call's rank among that op's calls in the module's current
-forward (the second softmax of a block is another site than the first). The scalers (lpsim's
+forward (the second softmax of a block is another site than the first). A call made outside the
+model's modules is ranked among such calls since the context was entered: enter the context once
+per step, as above, for it to keep one site; in a loop inside one ``with`` it gets a new site, and
+a fresh history, at every step. The scalers (lpsim's
 DelayedScaler) are created at a site's first call, on its tensor's device, and live in the
 context's ``scalers`` (an nn.ModuleDict); ``state_dict()`` and ``load_state_dict()`` save and
 restore them (loading creates the scalers it names), so that a resumed run continues their
 histories. In eval mode they quantise without recording.
+
+mm and bmm keep their shape rules (two matrices; two 3-D tensors of one batch size): other
+shapes are refused with a ValueError, not computed as a broadcasting matmul. Where two contexts
+are active, a call is decided by the innermost one that selects it, once: the calls its
+simulation makes (the product of its quantised operands, attention's steps) are not seen by the
+contexts further out.
 
 Not simulated: calls with ``out=`` (refused), other functions (einsum, baddbmm; convolutions
 through inject).
@@ -76,8 +87,10 @@ through inject).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
 
 import torch
@@ -137,6 +150,36 @@ _MATMUL_FUNCTIONS = (
     torch.Tensor.__matmul__,
 )
 _SOFTMAX_FUNCTIONS = (torch.softmax, F.softmax, torch.Tensor.softmax)
+# The context whose simulation of a call is running: the calls its implementation makes (the
+# product of quantised operands, a softmax, attention's steps) are its own, and another
+# quantize_functions context further out on torch's mode stack lets them pass.
+_CLAIMED: contextvars.ContextVar[FunctionQuantization | None] = contextvars.ContextVar(
+    "lpsim_claimed_by", default=None
+)
+_MM_FUNCTIONS = (torch.mm, torch.Tensor.mm)
+_BMM_FUNCTIONS = (torch.bmm, torch.Tensor.bmm)
+
+
+def _check_shapes(func, a, b) -> None:
+    """mm's and bmm's own shape rules, which torch.matmul (the simulated product) does not
+    enforce: mm takes two matrices, bmm two 3-D tensors with the same batch size (no
+    broadcasting, no vectors).
+
+    Raises:
+        ValueError: the operands break the rule of ``func``.
+    """
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return
+    if func in _MM_FUNCTIONS and (a.dim() != 2 or b.dim() != 2):
+        raise ValueError(
+            f"quantize_functions: mm takes two matrices (M, K) and (K, N), got "
+            f"{tuple(a.shape)} and {tuple(b.shape)}"
+        )
+    if func in _BMM_FUNCTIONS and (a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0]):
+        raise ValueError(
+            f"quantize_functions: bmm takes (B, M, K) and (B, K, N) with one batch size B, got "
+            f"{tuple(a.shape)} and {tuple(b.shape)}"
+        )
 
 
 class _Arithmetic(NamedTuple):
@@ -362,6 +405,9 @@ class FunctionQuantization(TorchFunctionMode):
     # -- the ops -------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        claimed = _CLAIMED.get()
+        if claimed is not None and claimed is not self:  # inside another context's simulation
+            return func(*args, **kwargs)
         if func in _MATMUL_FUNCTIONS:
             return self._matmul(func, args, kwargs)
         if func is F.linear:
@@ -384,12 +430,13 @@ class FunctionQuantization(TorchFunctionMode):
         how = _functional.Arithmetic(
             *(macs or (_functional.NATIVE,) * 3), None, None, None, *(operands or (None, None))
         )
-        if how.native:
-            y = F.linear(a, b, bias) if linear else torch.matmul(a, b)
-        elif linear:
-            y = _functional.simulated_linear(a, b, bias, how, unquantised)
-        else:  # the backward products' Operands quantise the unquantised operands
-            y = _functional.simulated_matmul(a, b, how, unquantised)
+        with self._claimed():
+            if how.native:
+                y = F.linear(a, b, bias) if linear else torch.matmul(a, b)
+            elif linear:
+                y = _functional.simulated_linear(a, b, bias, how, unquantised)
+            else:  # the backward products' Operands quantise the unquantised operands
+                y = _functional.simulated_matmul(a, b, how, unquantised)
         return self._result(y, decision)
 
     def _matmul(self, func, args, kwargs):
@@ -401,6 +448,7 @@ class FunctionQuantization(TorchFunctionMode):
                 f"quantize_functions: {func.__name__} is simulated with its two operands only, "
                 f"got {len(args)} positional arguments and keywords {sorted(kwargs)}"
             )
+        _check_shapes(func, *args)
         return self._product(decision, *args)
 
     def _linear(self, args, kwargs):
@@ -416,8 +464,14 @@ class FunctionQuantization(TorchFunctionMode):
         decision = self.decide(op)
         if decision is None:
             return func(*args, **kwargs)
-        x = self._quantise(decision, "input", args[0])
-        return self._result(func(x, *args[1:], **kwargs), decision)
+        if args:
+            x, args = self._quantise(decision, "input", args[0]), args[1:]
+        else:  # torch.softmax(input=x, dim=d)
+            kwargs = dict(kwargs)
+            x = self._quantise(decision, "input", kwargs.pop("input"))
+        with self._claimed():
+            y = func(x, *args, **kwargs)
+        return self._result(y, decision)
 
     def product(self, op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a @ b with the operands, the result and the products as the config prescribes for
@@ -431,13 +485,24 @@ class FunctionQuantization(TorchFunctionMode):
     def _scaled_dot_product_attention(self, func, args, kwargs):
         if not self._simulates_attention(_ATTENTION):
             return func(*args, **kwargs)
-        return scaled_dot_product_attention(self, *args, **kwargs)
+        with self._claimed():
+            return scaled_dot_product_attention(self, *args, **kwargs)
 
     def _multi_head_attention(self, func, args, kwargs):
         if not self._simulates_attention((*_ATTENTION, "linear")):
             return func(*args, **kwargs)
-        with self._reentered():
+        with self._claimed(), self._reentered():
             return _functional.multi_head_attention_forward(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _claimed(self) -> Iterator[None]:
+        """The calls made inside are this context's implementation of a call it simulates:
+        another quantize_functions context further out lets them pass (see _CLAIMED)."""
+        token = _CLAIMED.set(self)
+        try:
+            yield
+        finally:
+            _CLAIMED.reset(token)
 
     def _reentered(self):
         """This mode pushed again (inside __torch_function__ torch pops it), so that the calls of
@@ -473,9 +538,18 @@ def scaled_dot_product_attention(
     Raises:
         ValueError: is_causal together with attn_mask (as torch), or enable_gqa with head counts
             that do not divide.
+        TypeError: attn_mask is neither bool nor floating-point (torch refuses it too; added, an
+            integer mask would shift the scores).
     """
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: is_causal and attn_mask are exclusive")
+    if attn_mask is not None and not (
+        attn_mask.dtype == torch.bool or attn_mask.is_floating_point()
+    ):
+        raise TypeError(
+            f"scaled_dot_product_attention: attn_mask must be bool (False: masked) or "
+            f"floating-point (added to the scores), got {attn_mask.dtype}"
+        )
     if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
         heads, kv_heads = query.shape[-3], key.shape[-3]
         if heads % kv_heads:
@@ -497,7 +571,12 @@ def scaled_dot_product_attention(
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask
+    # Rows no key takes part in: weights 0 (torch's, not softmax's NaN), and zero gradients (their
+    # softmax reads zeros, so that its backward multiplies no NaN).
+    masked = (scores == float("-inf")).all(dim=-1, keepdim=True)
+    scores = scores.masked_fill(masked, 0.0)
     weights = mode.softmax("attention.softmax", torch.softmax, (scores,), {"dim": -1})
+    weights = weights.masked_fill(masked, 0.0)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     return mode.product("attention.context", weights, value)

@@ -337,10 +337,23 @@ def quantizing_function(forward, backward, clamp_grad_zero=False, backward_hooks
             )
         unclipped(forward.format)
 
-    def apply(x: torch.Tensor, observed: tuple | None = None) -> torch.Tensor:
-        return _Quantize.apply(x, forward, backward, clamp_grad_zero, hooks, observed)
+    return _QuantizingFunction(forward, backward, clamp_grad_zero, hooks)
 
-    return apply
+
+class _QuantizingFunction(NamedTuple):
+    """The function quantizing_function returns. An object, not a closure, so that a module
+    holding it can be deep-copied (the copy's function then uses the copy's DelayedScaler, not
+    the original's) and pickled (torch.save of a whole model)."""
+
+    forward: QuantSpec | ScalerCall | None
+    backward: QuantSpec | ScalerCall | None
+    clamp_grad_zero: bool
+    hooks: tuple
+
+    def __call__(self, x: torch.Tensor, observed: tuple | None = None) -> torch.Tensor:
+        return _Quantize.apply(
+            x, self.forward, self.backward, self.clamp_grad_zero, self.hooks, observed
+        )
 
 
 class Quantizer(nn.Module):
