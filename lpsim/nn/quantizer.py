@@ -340,10 +340,11 @@ def quantizing_function(forward, backward, clamp_grad_zero=False, backward_hooks
     return _QuantizingFunction(forward, backward, clamp_grad_zero, hooks)
 
 
-class _QuantizingFunction(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class _QuantizingFunction:
     """The function quantizing_function returns. An object, not a closure, so that a module
     holding it can be deep-copied (the copy's function then uses the copy's DelayedScaler, not
-    the original's) and pickled (torch.save of a whole model)."""
+    the original's) and pickled (torch.save of a whole model); not a tuple, which specs are."""
 
     forward: QuantSpec | ScalerCall | None
     backward: QuantSpec | ScalerCall | None
