@@ -615,3 +615,29 @@ def test_a_quantizer_pickles_and_the_loaded_one_rounds_the_same_bits():
     x = torch.randn(32) * 20
     assert torch.equal(loaded(x), module(x))
     assert loaded[0]._apply_train.forward.scaler is loaded[0].forward_scaler
+
+
+@pytest.mark.parametrize("acc", [None, Float(8, 20)], ids=["no_acc", "acc"])
+def test_a_closure_s_gradients_are_scaled_and_rounded_before_the_update(acc):
+    """step(closure): the closure computes the gradients, so grad_scaling and ``grad`` apply to
+    them (they applied to the gradients before the closure ran, which it then replaced)."""
+    w = nn.Parameter(torch.ones(4))
+    stale = torch.full((4,), 100.0)
+    opt = OptimLP(
+        torch.optim.SGD([w], lr=1.0),
+        grad=(Fixed(8, 2), "nearest"),
+        grad_scaling=0.5,
+        acc=acc,
+        rounding="nearest",
+    )
+
+    def closure():
+        opt.zero_grad()
+        loss = (w * torch.tensor([0.2, 0.6, 3.0, -1.0])).sum()
+        loss.backward()
+        return loss
+
+    w.grad = stale.clone()  # left from before: the closure replaces it
+    opt.step(closure)
+    # gradients 0.1, 0.3, 1.5, -0.5 after scaling, rounded to multiples of 0.25 (ties to even)
+    assert w.detach().tolist() == [1.0, 0.75, -0.5, 1.5]

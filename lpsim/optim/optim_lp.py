@@ -255,9 +255,11 @@ class OptimLP(Optimizer):
     are are rounded in a copy in the accumulator's dtype (within the weight batch) and then
     written into the parameter.
 
-    With ``acc`` and a closure, the closure is evaluated at the accumulators' values (the
-    parameters hold them during the wrapped step); that needs accumulators of the parameters'
-    dtype.
+    With a closure, step 1 applies to the gradients the closure computes: it follows each
+    evaluation of the closure inside the wrapped optimizer's step (the gradients present before
+    step() are left alone, as the closure replaces or adds to them). With ``acc`` and a closure,
+    the closure is evaluated at the accumulators' values (the parameters hold them during the
+    wrapped step); that needs accumulators of the parameters' dtype.
 
     Fused step. Around a torch.optim.SGD, Adam or AdamW, step() does not call the wrapped optimizer
     where lpsim's fused step (that of lpsim.optim.FusedSGD and FusedAdam) gives the same bits: one
@@ -592,7 +594,10 @@ class OptimLP(Optimizer):
                 "OptimLP.step(closure) needs accumulators of the parameters' dtype: "
                 "some are wider than their parameters (see acc)"
             )
-        self._quantize_grads()
+        if closure is None:
+            self._quantize_grads()
+        else:  # the closure computes the gradients: step 1 follows each of its evaluations
+            closure = self._then_quantize_grads(closure)
         swapped = self._swap_in(for_step=True)
         try:
             loss = self.optimizer.step(closure)
@@ -601,6 +606,16 @@ class OptimLP(Optimizer):
         self._quantize_state()
         self._round_weights()
         return loss
+
+    def _then_quantize_grads(self, closure: Callable[[], float]) -> Callable[[], float]:
+        """closure, then step 1 (grad_scaling and ``grad``) on the gradients it computed."""
+
+        def evaluate():
+            loss = closure()
+            self._quantize_grads()
+            return loss
+
+        return evaluate
 
     def _fused_step_applies(self) -> bool:
         """Whether lpsim's fused step (FusedSGD's and FusedAdam's op) gives this step's bits: the
