@@ -352,6 +352,28 @@ def test_stagnation_matches_a_hand_count_on_a_tiny_example(kind, want):
     assert record.stagnation.fraction == want.lost / want.updated
 
 
+def test_a_sparse_gradient_moves_the_elements_where_its_dense_value_is_nonzero():
+    # nn.Embedding(sparse=True) gives sparse gradients, which torch's SGD takes. Row 1 moves by
+    # (-1, -1): 1 -> 0 is kept, 2**25 - 1 rounds back to 2**25 in float32 (spacing 4), so one of
+    # its two updates is lost. Row 2 is indexed twice with opposite gradients: its dense gradient
+    # is zero, no update. (The recorder raised NotImplementedError from the step hook, so the
+    # step did not run.)
+    embedding = nn.Embedding(4, 2, sparse=True)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.tensor([[0.5, 0.5], [1.0, 2.0**25], [3.0, 3.0], [0.0, 0.0]]))
+    optimizer = torch.optim.SGD(embedding.parameters(), lr=1.0)
+    embedding.weight.grad = torch.sparse_coo_tensor(
+        torch.tensor([[1, 2, 2]]),
+        torch.tensor([[1.0, 1.0], [3.0, 0.0], [-3.0, 0.0]]),
+        (4, 2),
+        check_invariants=True,
+    )
+    with Recorder(embedding, optimizer) as recorder:
+        optimizer.step()
+    assert recorder.stagnation_records == [(0, "weight", Stagnation(8, 2, 1))]
+    assert embedding.weight[1].tolist() == [0.0, 2.0**25]
+
+
 # Detaching
 
 

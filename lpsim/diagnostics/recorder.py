@@ -128,7 +128,7 @@ class Stagnation:
             weight, or with an accumulator (``acc``) the accumulator: the update moves it, and
             the weight follows it rounded. With any other optimizer (FusedSGD, FusedAdam,
             torch's), whose updates are not seen: elements with a nonzero gradient before the
-            step.
+            step (for a sparse gradient, a nonzero dense value).
         lost: of the updated elements, those the step left where they were (OptimLP: those its
             rounding returned to the old weight, or to the old accumulator; otherwise those whose
             weight after the step equals the weight before it).
@@ -379,7 +379,10 @@ class Recorder:
                     before = _BeforeStep(None, p.detach().clone(), "weight")
                     self._before_step[id(p)] = before
             elif p.grad is not None:
-                self._before_step[id(p)] = _BeforeStep(p.grad != 0, p.detach().clone(), "")
+                # A sparse gradient (nn.Embedding(sparse=True)) moves the elements where its dense
+                # value, its repeated indices added up, is nonzero.
+                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                self._before_step[id(p)] = _BeforeStep(grad != 0, p.detach().clone(), "")
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
         for p in _parameters(optimizer):
