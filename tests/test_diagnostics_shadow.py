@@ -17,7 +17,7 @@ from lpsim import Fixed, Float
 from lpsim.delayed_scaling import DelayedScaling
 from lpsim.diagnostics.shadow import Shadow, ShadowReport
 from lpsim.nn import LayerQuantization, Quantizer, inject, remove
-from lpsim.optim import OptimLP
+from lpsim.optim import DynamicLossScaler, OptimLP
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -263,6 +263,40 @@ def test_compare_between_training_steps_changes_no_training_run():
 
     for plain, shadowed in zip(train(False), train(True)):
         assert torch.equal(plain, shadowed)
+
+
+@pytest.mark.parametrize("watched", ["model", "quantizer"])
+def test_errors_of_compare_that_overflow_make_no_dynamic_loss_scaler_skip_a_step(watched):
+    # Errors of 2**20 overflow Float(4, 3) (largest 240). compare() with such a loss is no step of
+    # the run: the next step, whose errors are clean, is taken. (The scaler recorded compare()'s
+    # overflow and skipped that step, halving its scale.)
+    e4m3 = Float(4, 3)
+    scaler = DynamicLossScaler(init_scale=1.0)
+    torch.manual_seed(0)
+    if watched == "model":
+        model = inject(mlp(), {nn.Linear: LayerQuantization(error=(e4m3, "nearest"))})
+        scaler.watch_model(model)
+    else:
+        hook = scaler.watch(e4m3)
+        quantizer = Quantizer(backward=(e4m3, "nearest"), backward_hooks=[hook])
+        model = nn.Sequential(nn.Linear(4, 3), quantizer, nn.Linear(3, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = batch()
+
+    def huge_loss(output):
+        return output.sum() * 2.0**20
+
+    def one_step(loss_fn):
+        optimizer.zero_grad()
+        scaler.scale(loss_fn(model(x))).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    Shadow(model).compare(x, huge_loss)
+    one_step(squared_loss)
+    assert (scaler.skipped_steps, scaler.get_scale()) == (0, 1.0)
+    one_step(huge_loss)  # the same errors in a step of the run do overflow
+    assert (scaler.skipped_steps, scaler.get_scale()) == (1, 0.5)
 
 
 def test_dropout_is_identity_by_default_and_its_masks_match_without_stochastic_rounding():

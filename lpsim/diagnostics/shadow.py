@@ -513,8 +513,9 @@ class Shadow:
     The reference is made once, by deep copy; after changing the model's structure (injecting
     quantisers into it does not count, its parameters keep their names), make a new Shadow.
     Forward hooks, pre-hooks and parametrisations of the model other than lpsim's quantisers are
-    copied with it and run in both models (a DynamicLossScaler that watches the model records
-    compare()'s errors as it does a training step's).
+    copied with it and run in both models; a DynamicLossScaler that watches the model (or whose
+    watch() is a Quantizer's backward hook) records no overflow of compare()'s errors, so that
+    compare() cannot make the next training step skip.
 
     Raises:
         TypeError: model is not an nn.Module, or dtype is not a floating-point torch.dtype.
