@@ -285,6 +285,27 @@ def test_a_quantizer_module_records_its_output_and_error_under_its_name():
     assert_same_statistics(got["1", "output"], want, "output")
 
 
+def test_quantize_functions_and_the_quantizer_function_are_not_recorded():
+    # As the recorder's docstring says: they round, but no record is made of them.
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 3)
+            self.rounding = lpsim.nn.quantizer(FLOAT, FLOAT, "nearest", "nearest")
+
+        def forward(self, x):
+            return self.rounding(torch.softmax(self.linear(x), -1))
+
+    model = Model()
+    config = {"softmax": LayerQuantization(output=FLOAT, rounding="nearest")}
+    with Recorder(model) as recorder:
+        with lpsim.nn.quantize_functions(model, config):
+            output = model(torch.randn(2, 3))
+        output.sum().backward()
+    assert recorder.records == []
+    assert torch.equal(output, lpsim.quantize(output.detach(), FLOAT, "nearest"))
+
+
 def test_delayed_scaling_roundings_are_recorded():
     e4m3 = Float(4, 3, special="fn")
     model = inject(nn.Linear(4, 4), {nn.Linear: LayerQuantization(output=DelayedScaling(e4m3))})

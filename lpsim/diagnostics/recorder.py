@@ -33,6 +33,11 @@ sums of the squared rounding errors and squared values, from which the SQNR in d
 roundings of one step, module and category add up into one record (the several outputs of a
 module, the state tensors of a parameter, the forward passes of gradient accumulation).
 
+Not recorded: the roundings of lpsim.nn.quantize_functions contexts (matmul, linear, softmax and
+attention called as functions), of the lpsim.nn.quantizer() function (it belongs to no module; the
+Quantizer module's are recorded) and of the operands of products under MACs (lpsim.nn.functional's
+Operands): a model that rounds only there has no records.
+
 FusedSGD and FusedAdam round inside one compiled pass, so only their stagnation is recorded.
 Roundings by functions that are not formats (OptimLP accepts any function tensor -> tensor) have
 no format to count against and are not recorded (their stagnation is).
