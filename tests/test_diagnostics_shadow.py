@@ -328,6 +328,51 @@ def test_in_place_activations_leave_the_layer_errors_intact():
     )
 
 
+class ShortcutBlock(nn.Module):
+    """h = linear(x); out = (shortcut(h) + body(h), pair(h)), pair returning (y, 2 * y) for
+    y = h + 1: h is read by the shortcut (which returns it), the body and the pair, and the pair's
+    second output is computed from its first."""
+
+    class Pair(nn.Module):
+        def forward(self, h):
+            y = h + 1
+            return y, 2 * y
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.shortcut = nn.Identity()
+        self.body = nn.Linear(3, 3)
+        self.pair = self.Pair()
+
+    def forward(self, x):
+        h = self.linear(x)
+        return self.shortcut(h) + self.body(h), self.pair(h)
+
+
+def test_the_error_of_a_module_is_the_gradient_reaching_its_outputs_from_outside():
+    # loss = <g0, shortcut(h) + body(h)> + <g1, y> + <g2, 2y>: the gradient flowing into the
+    # shortcut's output is g0, into the pair's outputs g1 and g2 (exactly). The shortcut's error
+    # was the gradient of h, g0 + body's W^T g0 + g1 + 2 g2; the pair's first, g1 + 2 g2.
+    torch.manual_seed(0)
+    model = ShortcutBlock()
+    g0, g1, g2 = torch.randn(3, 2, 3)
+
+    def loss_fn(output):
+        total, (y, twice) = output
+        return (total * g0).sum() + (y * g1).sum() + (twice * g2).sum()
+
+    report = Shadow(model).compare(torch.randn(2, 3), loss_fn)
+
+    def norm(*tensors):
+        return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
+
+    assert row(report, "shortcut").reference_error_norm == norm(g0)
+    assert row(report, "body").reference_error_norm == norm(g0)
+    assert row(report, "pair").reference_error_norm == norm(g1, g2)
+    assert all(r.error_divergence == 0.0 for r in report.modules)
+
+
 def test_a_module_called_twice_has_a_row_per_call():
     torch.manual_seed(0)
     shared = nn.Linear(4, 4)
