@@ -395,6 +395,33 @@ def test_a_sparse_gradient_moves_the_elements_where_its_dense_value_is_nonzero()
     assert embedding.weight[1].tolist() == [0.0, 2.0**25]
 
 
+@pytest.mark.parametrize("keyword", [False, True])
+def test_with_a_closure_stagnation_counts_the_gradient_the_closure_computes(keyword):
+    # step(closure): the gradient is the closure's, computed inside the step. Step 0 moves
+    # elements 0 and 1 by -1 (2**25 - 1 rounds back to 2**25 in float32: lost), step 1 element 2.
+    # (The recorder read the gradient before the closure ran: nothing at step 0, as there was no
+    # gradient yet, and step 0's gradient at step 1, (4, 2, 2).)
+    weight = nn.Parameter(torch.tensor([1.0, 2.0**25, 3.0, 4.0]))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    losses = []
+    with Recorder(optimizer=optimizer) as recorder:
+        for gradient in torch.tensor([[1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]):
+
+            def closure(gradient=gradient):
+                optimizer.zero_grad()
+                loss = (weight * gradient).sum()
+                loss.backward()
+                return loss.detach()
+
+            losses.append(optimizer.step(closure=closure) if keyword else optimizer.step(closure))
+    assert recorder.stagnation_records == [
+        (0, "group0.param0", Stagnation(4, 2, 1)),
+        (1, "group0.param0", Stagnation(4, 1, 0)),
+    ]
+    assert [float(loss) for loss in losses] == [2.0**25, 3.0]  # the closure's own losses
+    assert weight.tolist() == [0.0, 2.0**25, 2.0, 4.0]
+
+
 # Detaching
 
 
