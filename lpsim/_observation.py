@@ -26,3 +26,8 @@ The call sites and their categories:
 from __future__ import annotations
 
 current = None  # the observer of every rounding, or None
+
+# How many passes that are not part of the run are under way now (lpsim.nn.inject.unobserved_pass:
+# Shadow.compare's two, report(example=...)'s): while it is nonzero, a DynamicLossScaler's watches
+# record no overflow, so that such a pass cannot make the run's next step skip.
+hidden = 0

@@ -285,6 +285,27 @@ def test_a_quantizer_module_records_its_output_and_error_under_its_name():
     assert_same_statistics(got["1", "output"], want, "output")
 
 
+def test_quantize_functions_and_the_quantizer_function_are_not_recorded():
+    # As the recorder's docstring says: they round, but no record is made of them.
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 3)
+            self.rounding = lpsim.nn.quantizer(FLOAT, FLOAT, "nearest", "nearest")
+
+        def forward(self, x):
+            return self.rounding(torch.softmax(self.linear(x), -1))
+
+    model = Model()
+    config = {"softmax": LayerQuantization(output=FLOAT, rounding="nearest")}
+    with Recorder(model) as recorder:
+        with lpsim.nn.quantize_functions(model, config):
+            output = model(torch.randn(2, 3))
+        output.sum().backward()
+    assert recorder.records == []
+    assert torch.equal(output, lpsim.quantize(output.detach(), FLOAT, "nearest"))
+
+
 def test_delayed_scaling_roundings_are_recorded():
     e4m3 = Float(4, 3, special="fn")
     model = inject(nn.Linear(4, 4), {nn.Linear: LayerQuantization(output=DelayedScaling(e4m3))})
@@ -350,6 +371,55 @@ def test_stagnation_matches_a_hand_count_on_a_tiny_example(kind, want):
     (record,) = recorder.stagnation_records
     assert record == (0, "group0.param0", want)
     assert record.stagnation.fraction == want.lost / want.updated
+
+
+def test_a_sparse_gradient_moves_the_elements_where_its_dense_value_is_nonzero():
+    # nn.Embedding(sparse=True) gives sparse gradients, which torch's SGD takes. Row 1 moves by
+    # (-1, -1): 1 -> 0 is kept, 2**25 - 1 rounds back to 2**25 in float32 (spacing 4), so one of
+    # its two updates is lost. Row 2 is indexed twice with opposite gradients: its dense gradient
+    # is zero, no update. (The recorder raised NotImplementedError from the step hook, so the
+    # step did not run.)
+    embedding = nn.Embedding(4, 2, sparse=True)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.tensor([[0.5, 0.5], [1.0, 2.0**25], [3.0, 3.0], [0.0, 0.0]]))
+    optimizer = torch.optim.SGD(embedding.parameters(), lr=1.0)
+    embedding.weight.grad = torch.sparse_coo_tensor(
+        torch.tensor([[1, 2, 2]]),
+        torch.tensor([[1.0, 1.0], [3.0, 0.0], [-3.0, 0.0]]),
+        (4, 2),
+        check_invariants=True,
+    )
+    with Recorder(embedding, optimizer) as recorder:
+        optimizer.step()
+    assert recorder.stagnation_records == [(0, "weight", Stagnation(8, 2, 1))]
+    assert embedding.weight[1].tolist() == [0.0, 2.0**25]
+
+
+@pytest.mark.parametrize("keyword", [False, True])
+def test_with_a_closure_stagnation_counts_the_gradient_the_closure_computes(keyword):
+    # step(closure): the gradient is the closure's, computed inside the step. Step 0 moves
+    # elements 0 and 1 by -1 (2**25 - 1 rounds back to 2**25 in float32: lost), step 1 element 2.
+    # (The recorder read the gradient before the closure ran: nothing at step 0, as there was no
+    # gradient yet, and step 0's gradient at step 1, (4, 2, 2).)
+    weight = nn.Parameter(torch.tensor([1.0, 2.0**25, 3.0, 4.0]))
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    losses = []
+    with Recorder(optimizer=optimizer) as recorder:
+        for gradient in torch.tensor([[1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]):
+
+            def closure(gradient=gradient):
+                optimizer.zero_grad()
+                loss = (weight * gradient).sum()
+                loss.backward()
+                return loss.detach()
+
+            losses.append(optimizer.step(closure=closure) if keyword else optimizer.step(closure))
+    assert recorder.stagnation_records == [
+        (0, "group0.param0", Stagnation(4, 2, 1)),
+        (1, "group0.param0", Stagnation(4, 1, 0)),
+    ]
+    assert [float(loss) for loss in losses] == [2.0**25, 3.0]  # the closure's own losses
+    assert weight.tolist() == [0.0, 2.0**25, 2.0, 4.0]
 
 
 # Detaching

@@ -17,7 +17,7 @@ from lpsim import Fixed, Float
 from lpsim.delayed_scaling import DelayedScaling
 from lpsim.diagnostics.shadow import Shadow, ShadowReport
 from lpsim.nn import LayerQuantization, Quantizer, inject, remove
-from lpsim.optim import OptimLP
+from lpsim.optim import DynamicLossScaler, OptimLP
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -265,6 +265,40 @@ def test_compare_between_training_steps_changes_no_training_run():
         assert torch.equal(plain, shadowed)
 
 
+@pytest.mark.parametrize("watched", ["model", "quantizer"])
+def test_errors_of_compare_that_overflow_make_no_dynamic_loss_scaler_skip_a_step(watched):
+    # Errors of 2**20 overflow Float(4, 3) (largest 240). compare() with such a loss is no step of
+    # the run: the next step, whose errors are clean, is taken. (The scaler recorded compare()'s
+    # overflow and skipped that step, halving its scale.)
+    e4m3 = Float(4, 3)
+    scaler = DynamicLossScaler(init_scale=1.0)
+    torch.manual_seed(0)
+    if watched == "model":
+        model = inject(mlp(), {nn.Linear: LayerQuantization(error=(e4m3, "nearest"))})
+        scaler.watch_model(model)
+    else:
+        hook = scaler.watch(e4m3)
+        quantizer = Quantizer(backward=(e4m3, "nearest"), backward_hooks=[hook])
+        model = nn.Sequential(nn.Linear(4, 3), quantizer, nn.Linear(3, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = batch()
+
+    def huge_loss(output):
+        return output.sum() * 2.0**20
+
+    def one_step(loss_fn):
+        optimizer.zero_grad()
+        scaler.scale(loss_fn(model(x))).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    Shadow(model).compare(x, huge_loss)
+    one_step(squared_loss)
+    assert (scaler.skipped_steps, scaler.get_scale()) == (0, 1.0)
+    one_step(huge_loss)  # the same errors in a step of the run do overflow
+    assert (scaler.skipped_steps, scaler.get_scale()) == (1, 0.5)
+
+
 def test_dropout_is_identity_by_default_and_its_masks_match_without_stochastic_rounding():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.5), nn.Linear(16, 3))
@@ -292,6 +326,51 @@ def test_in_place_activations_leave_the_layer_errors_intact():
     assert row(report, "0").reference_error_norm == pytest.approx(
         float(hidden.grad.double().norm()), rel=1e-6
     )
+
+
+class ShortcutBlock(nn.Module):
+    """h = linear(x); out = (shortcut(h) + body(h), pair(h)), pair returning (y, 2 * y) for
+    y = h + 1: h is read by the shortcut (which returns it), the body and the pair, and the pair's
+    second output is computed from its first."""
+
+    class Pair(nn.Module):
+        def forward(self, h):
+            y = h + 1
+            return y, 2 * y
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.shortcut = nn.Identity()
+        self.body = nn.Linear(3, 3)
+        self.pair = self.Pair()
+
+    def forward(self, x):
+        h = self.linear(x)
+        return self.shortcut(h) + self.body(h), self.pair(h)
+
+
+def test_the_error_of_a_module_is_the_gradient_reaching_its_outputs_from_outside():
+    # loss = <g0, shortcut(h) + body(h)> + <g1, y> + <g2, 2y>: the gradient flowing into the
+    # shortcut's output is g0, into the pair's outputs g1 and g2 (exactly). The shortcut's error
+    # was the gradient of h, g0 + body's W^T g0 + g1 + 2 g2; the pair's first, g1 + 2 g2.
+    torch.manual_seed(0)
+    model = ShortcutBlock()
+    g0, g1, g2 = torch.randn(3, 2, 3)
+
+    def loss_fn(output):
+        total, (y, twice) = output
+        return (total * g0).sum() + (y * g1).sum() + (twice * g2).sum()
+
+    report = Shadow(model).compare(torch.randn(2, 3), loss_fn)
+
+    def norm(*tensors):
+        return math.sqrt(sum(float(t.double().square().sum()) for t in tensors))
+
+    assert row(report, "shortcut").reference_error_norm == norm(g0)
+    assert row(report, "body").reference_error_norm == norm(g0)
+    assert row(report, "pair").reference_error_norm == norm(g1, g2)
+    assert all(r.error_divergence == 0.0 for r in report.modules)
 
 
 def test_a_module_called_twice_has_a_row_per_call():

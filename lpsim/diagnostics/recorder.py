@@ -33,6 +33,11 @@ sums of the squared rounding errors and squared values, from which the SQNR in d
 roundings of one step, module and category add up into one record (the several outputs of a
 module, the state tensors of a parameter, the forward passes of gradient accumulation).
 
+Not recorded: the roundings of lpsim.nn.quantize_functions contexts (matmul, linear, softmax and
+attention called as functions), of the lpsim.nn.quantizer() function (it belongs to no module; the
+Quantizer module's are recorded) and of the operands of products under MACs (lpsim.nn.functional's
+Operands): a model that rounds only there has no records.
+
 FusedSGD and FusedAdam round inside one compiled pass, so only their stagnation is recorded.
 Roundings by functions that are not formats (OptimLP accepts any function tensor -> tensor) have
 no format to count against and are not recorded (their stagnation is).
@@ -128,7 +133,8 @@ class Stagnation:
             weight, or with an accumulator (``acc``) the accumulator: the update moves it, and
             the weight follows it rounded. With any other optimizer (FusedSGD, FusedAdam,
             torch's), whose updates are not seen: elements with a nonzero gradient before the
-            step.
+            step, or the gradient its closure computed, for step(closure) (for a sparse
+            gradient, a nonzero dense value).
         lost: of the updated elements, those the step left where they were (OptimLP: those its
             rounding returned to the old weight, or to the old accumulator; otherwise those whose
             weight after the step equals the weight before it).
@@ -357,10 +363,14 @@ class Recorder:
 
     # Stagnation through the optimizer's step hooks
 
-    def _before_optimizer_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
+    def _before_optimizer_step(
+        self, optimizer: Optimizer, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict] | None:
         self._before_step.clear()
         if not self._recorded() or "stagnation" not in self.categories:
-            return
+            return None
+        # args: the optimizer, then step's own arguments (torch's step hooks).
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
         for p in _parameters(optimizer):
             if id(p) not in self._names:
                 continue
@@ -378,13 +388,30 @@ class Recorder:
                 elif settings.weight is not None:
                     before = _BeforeStep(None, p.detach().clone(), "weight")
                     self._before_step[id(p)] = before
-            elif p.grad is not None:
-                self._before_step[id(p)] = _BeforeStep(p.grad != 0, p.detach().clone(), "")
+            elif p.grad is not None or closure is not None:
+                self._before_step[id(p)] = _BeforeStep(_nonzero(p.grad), p.detach().clone(), "")
+        if closure is None or not any(b.category == "" for b in self._before_step.values()):
+            return None
+        # The closure computes the step's gradient (after zero_grad): the moving elements are
+        # those of the gradient it leaves (its last call's, where the optimizer calls it several
+        # times). It is called as given, and returns what it returns.
+
+        def closure_then_gradients():
+            loss = closure()
+            for p in _parameters(optimizer):
+                before = self._before_step.get(id(p))
+                if before is not None and before.category == "":
+                    self._before_step[id(p)] = before._replace(moving=_nonzero(p.grad))
+            return loss
+
+        if len(args) > 1:
+            return (args[0], closure_then_gradients, *args[2:]), kwargs
+        return args, {**kwargs, "closure": closure_then_gradients}
 
     def _after_optimizer_step(self, optimizer: Optimizer, args: tuple, kwargs: dict) -> None:
         for p in _parameters(optimizer):
             found = self._before_step.get(id(p))
-            if found is not None and found.moving is not None:
+            if found is not None and found.category == "" and found.moving is not None:
                 moving = found.moving
                 lost = moving & (p.detach() == found.previous)
                 stagnation = Stagnation(p.numel(), int(moving.sum()), int(lost.sum()))
@@ -663,13 +690,23 @@ def _format_of(quantiser):
 
 class _BeforeStep(NamedTuple):
     """A parameter before an optimizer step. Optimizers whose roundings are not seen: the
-    elements with a nonzero gradient (``moving``) and the weight (``previous``). OptimLP: moving is
-    None, previous is the value its update moves (the accumulator with one, else the weight), and
+    elements with a nonzero gradient (``moving``; None while a closure has yet to compute it), the
+    weight (``previous``) and the category "". OptimLP: moving is None, previous is the value its
+    update moves (the accumulator with one, else the weight), and
     ``category`` the observed rounding of its new value ("accumulator" or "weight")."""
 
     moving: torch.Tensor | None
     previous: torch.Tensor
     category: str
+
+
+def _nonzero(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask of a gradient's nonzero elements (None for no gradient). A sparse gradient
+    (nn.Embedding(sparse=True)) moves the elements where its dense value, its repeated indices
+    added up, is nonzero."""
+    if grad is None:
+        return None
+    return (grad.to_dense() if grad.is_sparse else grad) != 0
 
 
 def _lost_updates(before: _BeforeStep, x: torch.Tensor, rounded: torch.Tensor) -> Stagnation:

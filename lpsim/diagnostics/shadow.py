@@ -22,7 +22,9 @@ For each module call, in the order the calls finish (forward order), the report 
   forward hook, so after the module's own output quantiser (what the next layer receives);
 - the error divergence ||e_sim - e_ref|| / ||e_ref||: e is the gradient of the loss with respect
   to the module's output before its output quantiser, so after its error quantiser (what the
-  module's backward receives).
+  module's backward receives): the gradient that reaches the output from outside the module, not
+  that of other readers of the same tensor (a module that returns its input, nn.Identity on a
+  residual connection, has the error of its own output only).
 
 Norms are Euclidean over every floating-point tensor of the output (tuples, lists and dicts
 included), computed in float64. A zero reference norm gives 0 where the simulated tensor is zero
@@ -244,16 +246,22 @@ def _same_mapping(value: dict, items: dict) -> dict:
 
 
 def _clone_tensors_needing_grad(value):
-    """value with every tensor that requires a gradient cloned (the same values), so that an
-    in-place operation after the module changes the clone and leaves the module's own output,
-    whose gradient compare() asks for, as the module returned it."""
+    """value with every tensor that requires a gradient cloned (the same values)."""
     return _map_tensors(value, lambda t: t.clone() if t.requires_grad else t)
 
 
 class _Recorder:
     """Forward hooks on the named modules of one model that record, per call, the output before
     the other forward hooks (whose gradient is the module's error) and after them (the module's
-    activation, detached and copied)."""
+    activation, detached and copied).
+
+    The error is the gradient of a clone of each output that needs one, the *port*, which only
+    the tensor handed on (a clone of the port) reads: so it holds the gradient that flows into
+    the output from outside the module alone. The module's own tensor may also be read elsewhere:
+    inside the module (an output computed from another, (y, relu(y))), or, where the module
+    returns a tensor it was given (nn.Identity, dropout as identity), by the other readers of its
+    input (a residual connection); the gradients of those readers are not the module's error. And
+    an in-place operation after the module changes the tensor handed on, not the port."""
 
     def __init__(self, model: nn.Module, names: list[str], track_errors: bool):
         self.order: list[tuple[str, int]] = []
@@ -282,8 +290,9 @@ class _Recorder:
             self.types[key] = parametrize.type_before_parametrizations(module).__name__
             if not self.track_errors:
                 return None
-            self.raw_outputs[key] = _floating_tensors(output)
-            return _clone_tensors_needing_grad(output)
+            ports = _clone_tensors_needing_grad(output)
+            self.raw_outputs[key] = _floating_tensors(ports)
+            return _clone_tensors_needing_grad(ports)
 
         return hook
 
@@ -513,8 +522,9 @@ class Shadow:
     The reference is made once, by deep copy; after changing the model's structure (injecting
     quantisers into it does not count, its parameters keep their names), make a new Shadow.
     Forward hooks, pre-hooks and parametrisations of the model other than lpsim's quantisers are
-    copied with it and run in both models (a DynamicLossScaler that watches the model records
-    compare()'s errors as it does a training step's).
+    copied with it and run in both models; a DynamicLossScaler that watches the model (or whose
+    watch() is a Quantizer's backward hook) records no overflow of compare()'s errors, so that
+    compare() cannot make the next training step skip.
 
     Raises:
         TypeError: model is not an nn.Module, or dtype is not a floating-point torch.dtype.

@@ -1196,7 +1196,9 @@ def unobserved_pass(*models: nn.Module):
     observer back however the context ends), every buffer they write (BatchNorm's running
     statistics, the DelayedScalers' histories and scales) is put back afterwards, the same tensor
     holding the same bits, and the input, output and error scalers created meanwhile (those of
-    tensors first quantised inside) are dropped. report(example=...) runs its pass in one, and
+    tensors first quantised inside) are dropped. A DynamicLossScaler's watches record no overflow
+    of the errors computed inside (lpsim._observation.hidden), so that the run's next step does
+    not skip for them. report(example=...) runs its pass in one, and
     lpsim.diagnostics.Shadow.compare its two."""
     modules = [module for model in models for module in model.modules()]
     buffers = [
@@ -1208,10 +1210,12 @@ def unobserved_pass(*models: nn.Module):
     scalers = [(s, set(s._modules)) for s in modules if isinstance(s, _TensorScalers)]
     observer = _observation.current
     _observation.current = None
+    _observation.hidden += 1
     try:
         yield
     finally:
         _observation.current = observer
+        _observation.hidden -= 1
         with torch.no_grad():
             for owner, name, buffer, saved in buffers:
                 owner[name] = buffer
