@@ -343,3 +343,34 @@ def test_report_with_an_example_changes_no_state_and_draws_nothing():
     for name, m in model.named_modules():
         if isinstance(m, DelayedScaler):
             assert_same_state(m.state_dict(), scalers[name])
+
+
+# Recurrent layers name their weights weight_ih_l0, weight_hh_l0, ... and biases bias_ih_l0, ...
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.LSTM(3, 4, num_layers=2, bidirectional=True, proj_size=2),
+        nn.GRU(3, 4),
+        nn.RNN(3, 4, batch_first=True),
+    ],
+)
+def test_a_recurrent_layers_weights_and_biases_are_quantised(layer):
+    torch.manual_seed(0)
+    originals = dict(layer.named_parameters())
+    reference = copy.deepcopy(layer)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            parameter.copy_(lpsim.quantize(parameter, E4M1, "nearest"))
+    x = torch.randn(5, 2, 3)
+    before = layer(x)[0]
+    inject(layer, {nn.RNNBase: LayerQuantization(weight=E4M1, bias=E4M1, rounding="nearest")})
+    assert {id(p) for p in quantized_parameters(layer)} == {id(p) for p in originals.values()}
+    got = layer(x)[0]
+    assert_same_bits(got, reference(x)[0])
+    got.sum().backward()
+    assert all(p.grad is not None for p in originals.values())
+    remove(layer)
+    assert dict(layer.named_parameters()) == originals
+    assert_same_bits(layer(x)[0], before)

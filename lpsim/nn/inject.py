@@ -90,12 +90,15 @@ class LayerQuantization:
 
     Args:
         weight: the module's own parameters whose names end in "weight" (weight, in_proj_weight,
-            ...), fake-quantised in every forward pass by a parametrisation (straight-through
-            gradient): once per call of the module's forward, at the first read (a forward that
-            reads a weight several times gets one quantisation), and at each read outside it. One
-            that already has torch parametrisations (weight_norm, orthogonal, ...) is quantised
-            after them, and remove() leaves them.
-        bias: the module's own parameters whose names end in "bias", likewise.
+            ...), and in a recurrent layer (nn.RNN, nn.LSTM, nn.GRU) those whose names start with
+            "weight_" (weight_ih_l0, weight_hh_l0, ...), fake-quantised in every forward pass by
+            a parametrisation (straight-through gradient): once per call of the module's forward,
+            at the first read (a forward that reads a weight several times gets one
+            quantisation), and at each read outside it. One that already has torch
+            parametrisations (weight_norm, orthogonal, ...) is quantised after them, and remove()
+            leaves them.
+        bias: the module's own parameters whose names end in "bias" (in a recurrent layer, start
+            with "bias_": bias_ih_l0, ...), likewise.
         input: the floating-point tensors passed to forward (positional and keyword), forward only.
         output: the floating-point tensors forward returns (nested tuples, lists and dicts too).
         error: the gradient flowing back into those outputs (the layer's error), in backward.
@@ -717,16 +720,25 @@ def _check_unmatched(counts: dict, unmatched: str) -> None:
         raise ValueError(message)
 
 
-def _parameter_names(module: nn.Module, suffix: str) -> list[str]:
-    """The names ending in ``suffix`` of the module's own parameters, those already parametrised
-    (weight_norm, orthogonal, ...) included: inject's fake-quantiser goes after their
+def _is_named(module: nn.Module, name: str, kind: str) -> bool:
+    """Whether the parameter ``name`` of ``module`` is one of its ``kind`` ("weight" or "bias")
+    parameters: its name ends in ``kind``, or, in a recurrent layer (nn.RNN, nn.LSTM, nn.GRU),
+    starts with ``kind + "_"`` (weight_ih_l0, bias_hh_l1_reverse, ...)."""
+    if name.endswith(kind):
+        return True
+    return isinstance(module, nn.RNNBase) and name.startswith(kind + "_")
+
+
+def _parameter_names(module: nn.Module, kind: str) -> list[str]:
+    """The names of the module's own ``kind`` parameters (see _is_named), those already
+    parametrised (weight_norm, orthogonal, ...) included: inject's fake-quantiser goes after their
     parametrisations."""
-    names = [n for n, _ in module.named_parameters(recurse=False) if n.endswith(suffix)]
+    names = [n for n, _ in module.named_parameters(recurse=False) if _is_named(module, n, kind)]
     if parametrize.is_parametrized(module):
         names += [
             n
             for n, parametrization in module.parametrizations.items()
-            if n.endswith(suffix) and n not in names and _originals(parametrization)
+            if _is_named(module, n, kind) and n not in names and _originals(parametrization)
         ]
     return names
 
