@@ -3,6 +3,7 @@ copies of injected models, tied parameters, a failing inject(), weights already 
 (weight_norm, orthogonal), the calls torch's own layers accept, and report()'s example pass. Each
 test reproduces a way in which these once broke or silently differed from their documentation."""
 
+import collections
 import copy
 import re
 import warnings
@@ -374,3 +375,34 @@ def test_a_recurrent_layers_weights_and_biases_are_quantised(layer):
     remove(layer)
     assert dict(layer.named_parameters()) == originals
     assert_same_bits(layer(x)[0], before)
+
+
+# Outputs and inputs held in dict subclasses keep their type
+
+
+class _Output(collections.OrderedDict):
+    """A mapping with attribute access, as HuggingFace's ModelOutput."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class _ReturnsMapping(nn.Module):
+    def forward(self, inputs):
+        return _Output(logits=inputs["x"] * 1.1, mask=inputs["x"] > 0)
+
+
+def test_dict_subclasses_in_inputs_and_outputs_keep_their_type_and_are_quantised():
+    module = inject(
+        _ReturnsMapping(),
+        {_ReturnsMapping: LayerQuantization(input=E4M1, output=E4M1, rounding="nearest")},
+    )
+    x = torch.randn(6)
+    got = module(collections.OrderedDict(x=x))
+    assert type(got) is _Output and list(got) == ["logits", "mask"]
+    q = lambda t: lpsim.quantize(t, E4M1, "nearest")  # noqa: E731
+    assert_same_bits(got.logits, q(q(x) * 1.1))
+    assert torch.equal(got.mask, q(x) > 0)

@@ -100,7 +100,8 @@ class LayerQuantization:
         bias: the module's own parameters whose names end in "bias" (in a recurrent layer, start
             with "bias_": bias_ih_l0, ...), likewise.
         input: the floating-point tensors passed to forward (positional and keyword), forward only.
-        output: the floating-point tensors forward returns (nested tuples, lists and dicts too).
+        output: the floating-point tensors forward returns (nested tuples, lists and dicts too,
+            each rebuilt with its own type: a named tuple, an OrderedDict, a ModelOutput).
         error: the gradient flowing back into those outputs (the layer's error), in backward.
             With a DelayedScaling, each input, output and error tensor has a DelayedScaler of
             its own, named after its place (see _TensorScalers).
