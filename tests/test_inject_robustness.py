@@ -406,3 +406,21 @@ def test_dict_subclasses_in_inputs_and_outputs_keep_their_type_and_are_quantised
     q = lambda t: lpsim.quantize(t, E4M1, "nearest")  # noqa: E731
     assert_same_bits(got.logits, q(q(x) * 1.1))
     assert torch.equal(got.mask, q(x) > 0)
+
+
+# A module shared between two parents has two names
+
+
+def test_a_shared_module_is_selected_by_either_of_its_names():
+    torch.manual_seed(0)
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(collections.OrderedDict(first=shared, second=shared))
+    x = torch.randn(2, 3)
+    q = lambda t: lpsim.quantize(t, E4M1, "nearest")  # noqa: E731
+    once = lambda t: q(t) @ q(shared.weight.detach()).t() + shared.bias.detach()  # noqa: E731
+    want = once(once(x))
+    inject(model, {"second": LayerQuantization(input=E4M1, weight=E4M1, rounding="nearest")})
+    assert [name for name, _, _ in injected(model)] == ["first"]
+    assert_same_bits(model(x), want)
+    with pytest.raises(ValueError, match="'second': matches 1 module.*decided by an earlier entry"):
+        inject(model, {"first": None, "second": LayerQuantization(weight=E4M1)})

@@ -13,7 +13,8 @@
     lpsim.nn.remove(model)                  # back to the original model exactly
 
 Selectors are module types (subclasses match), glob patterns on qualified module names
-("features.*", "classifier.2"; the model itself is named ""), callables (name, module) -> bool, or
+("features.*", "classifier.2"; the model itself is named ""; a module shared between two parents
+is matched under each of its names), callables (name, module) -> bool (called with each name), or
 tuples of these (any matches). Every module of the model, the model itself included, is decided by
 the first matching entry in the mapping's order; its value is a LayerQuantization, or None to leave
 the module as it is. The entry keyed "default" applies to leaf modules (modules without children)
@@ -664,11 +665,16 @@ def _simulated_attention_forward(
 
 def _plan(model: nn.Module, config) -> tuple[list, dict]:
     """[(name, module, settings)] for the modules some entry decides, and for every selector the
-    number of modules it decided and the number it matched."""
+    number of modules it decided and the number it matched. A module registered under several
+    names (shared between two parents) is one module, named by its first name, which an entry
+    matches when it matches any of its names."""
     decided = {key: 0 for key in config}
     matched = {key: 0 for key in config}
     plan = []
     parametrizing = _parametrization_modules(model)  # a user's weight_norm and the like
+    names: dict[int, list[str]] = {}  # every qualified name of a module registered twice
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
     for name, module in model.named_modules():
         if id(module) in parametrizing:
             continue
@@ -676,7 +682,7 @@ def _plan(model: nn.Module, config) -> tuple[list, dict]:
         for selector in config:
             if selector == DEFAULT:
                 continue
-            if matches(selector, name, module):
+            if any(matches(selector, n, module) for n in names[id(module)]):
                 matched[selector] += 1
                 if chosen is None:
                     chosen = selector
