@@ -424,3 +424,28 @@ def test_a_shared_module_is_selected_by_either_of_its_names():
     assert_same_bits(model(x), want)
     with pytest.raises(ValueError, match="'second': matches 1 module.*decided by an earlier entry"):
         inject(model, {"first": None, "second": LayerQuantization(weight=E4M1)})
+
+
+# A first pass under torch.inference_mode
+
+
+def test_scalers_first_made_under_inference_mode_train_as_those_made_under_no_grad():
+    config = {
+        nn.Linear: LayerQuantization(
+            input=(DELAYED, "nearest"), output=(DELAYED, "nearest"), error=(DELAYED, "nearest")
+        )
+    }
+    models = []
+    for context in (torch.inference_mode, torch.no_grad):
+        torch.manual_seed(0)
+        model = inject(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), config)
+        torch.manual_seed(1)
+        with context():
+            model.eval()(torch.randn(3, 4))
+            model.train()(torch.randn(3, 4))
+        model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+        models.append(model)
+    inferred, plain = models
+    assert_same_state(inferred.state_dict(), plain.state_dict())
+    for got, want in zip(inferred.parameters(), plain.parameters()):
+        assert_same_bits(got.grad, want.grad)

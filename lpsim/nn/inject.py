@@ -231,11 +231,14 @@ class _TensorScalers(nn.Module):
         self._device = torch.device(device)
 
     def scaler(self, place: str, device: torch.device) -> DelayedScaler:
-        """The scaler of the tensor at ``place``, made on ``device`` where there is none."""
+        """The scaler of the tensor at ``place``, made on ``device`` where there is none (with
+        ordinary tensors as its state even inside torch.inference_mode, whose tensors could not
+        be updated by the training passes after it)."""
         name = self._name(place)
         found = self._modules.get(name)
         if found is None:
-            found = self._scaling.scaler().to(device)
+            with torch.inference_mode(False):
+                found = self._scaling.scaler().to(device)
             found.train(self.training)
             self.add_module(name, found)
         return found
@@ -275,7 +278,8 @@ class _TensorScalers(nn.Module):
         }
         for place in places:
             if place not in self._modules:
-                found = self._scaling.scaler().to(self._device)
+                with torch.inference_mode(False):  # state a training pass can update
+                    found = self._scaling.scaler().to(self._device)
                 found.train(self.training)
                 self.add_module(place, found)
         if strict:
