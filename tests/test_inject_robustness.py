@@ -449,3 +449,50 @@ def test_scalers_first_made_under_inference_mode_train_as_those_made_under_no_gr
     assert_same_state(inferred.state_dict(), plain.state_dict())
     for got, want in zip(inferred.parameters(), plain.parameters()):
         assert_same_bits(got.grad, want.grad)
+
+
+# A forward that reads its weight first without gradients
+
+
+class _PeakNormalised(nn.Linear):
+    def forward(self, x):
+        with torch.no_grad():
+            peak = self.weight.abs().amax()
+        return nn.functional.linear(x, self.weight / peak, self.bias)
+
+
+def test_a_weight_read_first_under_no_grad_still_gets_its_gradient():
+    torch.manual_seed(0)
+    layer = _PeakNormalised(3, 2)
+    reference = copy.deepcopy(layer)
+    with torch.no_grad():
+        reference.weight.copy_(lpsim.quantize(reference.weight, E4M1, "nearest"))
+    inject(layer, {_PeakNormalised: LayerQuantization(weight=(E4M1, "nearest"))})
+    x = torch.randn(4, 3)
+    got, want = layer(x), reference(x)
+    assert_same_bits(got, want)
+    got.sum().backward(), want.sum().backward()
+    assert_same_bits(layer.parametrizations.weight.original.grad, reference.weight.grad)
+    assert_same_bits(layer.bias.grad, reference.bias.grad)
+    with torch.no_grad():
+        assert not layer(x).requires_grad
+
+
+# lpsim's own state in the model
+
+
+def test_the_delayed_scaler_of_a_quantizer_in_the_model_is_never_selected():
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), lpsim.nn.Quantizer(DELAYED, None, "nearest"))
+
+    model, twin = make(), make()
+    inject(model, {nn.Linear: None, "default": LayerQuantization(input=(E4M1, "nearest"))})
+    assert [name for name, _, _ in injected(model)] == ["1"]
+    assert re.search(r"^1\s+Quantizer\s", report(model), re.M)
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        assert_same_bits(model(x), twin[1](lpsim.quantize(twin[0](x), E4M1, "nearest")))
+    assert_same_state(model.state_dict(), twin.state_dict())
+    inject(model, {nn.Module: LayerQuantization(output=E4M1)})
+    assert [name for name, _, _ in injected(model)] == ["", "0", "1"]

@@ -18,7 +18,8 @@ is matched under each of its names), callables (name, module) -> bool (called wi
 tuples of these (any matches). Every module of the model, the model itself included, is decided by
 the first matching entry in the mapping's order; its value is a LayerQuantization, or None to leave
 the module as it is. The entry keyed "default" applies to leaf modules (modules without children)
-that no other entry matched.
+that no other entry matched. lpsim's own state (the DelayedScaler of an lpsim.nn.Quantizer in the
+model) is no module to select and makes no module a container.
 
 A selector that decides no module (it matches nothing, or only modules an earlier entry already
 decided) is almost always a mistake (a misspelled name, a layer the model does not have), so it is
@@ -377,7 +378,9 @@ class _FakeQuantize(nn.Module):
     see _open_weight_scope) the parameter is quantised at its first read and later reads in the
     same scope get that tensor, so that a forward reading a weight several times (torch's
     MultiheadAttention reads in_proj_weight three times) quantises it once: one amax recorded,
-    one seed drawn. Outside every scope each read quantises."""
+    one seed drawn. A read without gradients (torch.no_grad) gets it detached; a later read with
+    them gets it with its gradient, whichever came first. Outside every scope each read
+    quantises."""
 
     def __init__(
         self, spec: QuantSpec, eval_rule: Rounding | None, site: tuple, device: torch.device
@@ -395,8 +398,19 @@ class _FakeQuantize(nn.Module):
         cache = scopes[-1]
         rounded = cache.get(self)
         if rounded is None:
-            rounded = cache[self] = self._quantise(value)
-        return rounded
+            if (
+                value.requires_grad
+                and not torch.is_grad_enabled()
+                and not torch.is_inference_mode_enabled()
+            ):
+                # A first read without gradients (torch.no_grad inside forward): quantised with
+                # them, so that a later read in the scope, which gets this tensor, has a gradient.
+                with torch.enable_grad():
+                    rounded = self._quantise(value)
+            else:
+                rounded = self._quantise(value)
+            cache[self] = rounded
+        return rounded if torch.is_grad_enabled() else rounded.detach()
 
     def _quantise(self, value: torch.Tensor) -> torch.Tensor:
         quantise = self.spec if self.training else self.eval_spec
@@ -460,11 +474,18 @@ def _parametrization_modules(model: nn.Module) -> set[int]:
     return found
 
 
+def _is_state(module: nn.Module) -> bool:
+    """Whether ``module`` is a DelayedScaler, or inject's holder of them: state, not a layer
+    (the DelayedScaler of an lpsim.nn.Quantizer in the model, say)."""
+    return isinstance(module, (_Scalers, _TensorScalers, DelayedScaler))
+
+
 def _is_leaf(module: nn.Module) -> bool:
-    """Whether ``module`` has no children but its parametrisations (a weight_norm Linear is a leaf
-    module, as the Linear was)."""
+    """Whether ``module`` has no children but its parametrisations and DelayedScalers (a
+    weight_norm Linear is a leaf module, as the Linear was, and so is an lpsim.nn.Quantizer with
+    a DelayedScaling, as one with a Float is)."""
     parametrizations = module.parametrizations if parametrize.is_parametrized(module) else None
-    return all(child is parametrizations for child in module.children())
+    return all(child is parametrizations or _is_state(child) for child in module.children())
 
 
 def _remove_quantiser(module: nn.Module, pname: str) -> None:
@@ -680,7 +701,7 @@ def _plan(model: nn.Module, config) -> tuple[list, dict]:
     for name, module in model.named_modules(remove_duplicate=False):
         names.setdefault(id(module), []).append(name)
     for name, module in model.named_modules():
-        if id(module) in parametrizing:
+        if id(module) in parametrizing or _is_state(module):
             continue
         chosen = None
         for selector in config:
@@ -1326,9 +1347,7 @@ def report(
     quantised = full = 0
     parametrizing = _parametrization_modules(model)
     for name, module in model.named_modules():
-        if id(module) in parametrizing or isinstance(
-            module, (_Scalers, _TensorScalers, DelayedScaler)
-        ):
+        if id(module) in parametrizing or _is_state(module):
             continue
         done = getattr(module, _STATE, None)
         if done is not None and _active(done):
