@@ -5,6 +5,7 @@ test reproduces a way in which these once broke or silently differed from their 
 
 import collections
 import copy
+import io
 import re
 import warnings
 
@@ -496,3 +497,27 @@ def test_the_delayed_scaler_of_a_quantizer_in_the_model_is_never_selected():
     assert_same_state(model.state_dict(), twin.state_dict())
     inject(model, {nn.Module: LayerQuantization(output=E4M1)})
     assert [name for name, _, _ in injected(model)] == ["", "0", "1"]
+
+
+# torch.save of a whole model
+
+
+def test_a_model_with_macs_saved_whole_loads_as_an_independent_equal_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 2, batch_first=True))
+    inject(model, {(nn.Linear, nn.MultiheadAttention): _MAC}, unmatched="ignore")
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(2, 3, 4)
+    for a, b in ((model, loaded), (loaded, model)):
+        torch.manual_seed(1)
+        want = a[1](*(a[0](x),) * 3)[0]
+        torch.manual_seed(1)
+        assert_same_bits(b[1](*(b[0](x),) * 3)[0], want)
+    with torch.no_grad():
+        model[0].weight.zero_()
+    assert loaded[0](x).abs().sum() > 0  # the copy's forward reads the copy's weight
+    remove(loaded)
+    assert type(loaded[0]) is nn.Linear and "forward" not in vars(loaded[0])

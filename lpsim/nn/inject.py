@@ -30,9 +30,9 @@ a fallback, and a model whose leaves all have entries of their own leaves it not
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
-import types
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -500,6 +500,13 @@ def _remove_quantiser(module: nn.Module, pname: str) -> None:
     del parametrizations[last]
 
 
+def _bound(function, module: nn.Module) -> functools.partial:
+    """``function`` bound to ``module``, to be its forward: a partial rather than a bound method,
+    so that copy.deepcopy of the model binds the copy's own forward and pickling the model
+    (torch.save of a whole model) finds the function by its name."""
+    return functools.partial(function, module)
+
+
 _WEIGHT_SCOPE = "_lpsim_weight_scope"  # attribute: the instance forward a weight scope wraps
 
 
@@ -525,8 +532,7 @@ def _open_weight_scope(module: nn.Module) -> None:
     if _WEIGHT_SCOPE in module.__dict__:
         return
     module.__dict__[_WEIGHT_SCOPE] = module.__dict__.get("forward")
-    # A bound method, so that copy.deepcopy of the model binds the copy's own forward.
-    module.forward = types.MethodType(_weight_scoped_forward, module)
+    module.forward = _bound(_weight_scoped_forward, module)
 
 
 def _close_weight_scope(module: nn.Module) -> None:
@@ -952,8 +958,7 @@ def _inject_module(
             if isinstance(module, nn.MultiheadAttention)
             else _simulated_forward
         )
-        # A bound method, so that copy.deepcopy of the model binds the copy's own forward.
-        module.forward = types.MethodType(forward, module)
+        module.forward = _bound(forward, module)
     _own_parametrized_class(module)  # registering may add a property to a shared class
     for kind in ("weight", "bias"):
         spec = settings.spec(kind)
