@@ -521,3 +521,16 @@ def test_a_model_with_macs_saved_whole_loads_as_an_independent_equal_model():
     assert loaded[0](x).abs().sum() > 0  # the copy's forward reads the copy's weight
     remove(loaded)
     assert type(loaded[0]) is nn.Linear and "forward" not in vars(loaded[0])
+
+
+# Injecting into torch.compile's wrapper
+
+
+def test_a_name_missing_from_a_compiled_model_is_explained_by_the_wrapper():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    compiled = torch.compile(model)  # (never called: nothing is compiled)
+    with pytest.raises(ValueError, match=r"'0': matches no module.*torch\.compile's wrapper"):
+        inject(compiled, {"0": LayerQuantization(weight=E4M1)})
+    assert not injected(model)
+    with pytest.raises(ValueError, match="'nothing': matches no module of the model$"):
+        inject(model, {"1": LayerQuantization(weight=E4M1), "nothing": None})

@@ -736,7 +736,7 @@ def _selector_name(selector) -> str:
     return getattr(selector, "__name__", repr(selector))
 
 
-def _check_unmatched(counts: dict, unmatched: str) -> None:
+def _check_unmatched(counts: dict, unmatched: str, model: nn.Module) -> None:
     problems = []
     for selector, (decided, matched) in counts.items():
         if decided or selector == DEFAULT:  # "default" is a fallback: finding nothing left is fine
@@ -752,6 +752,12 @@ def _check_unmatched(counts: dict, unmatched: str) -> None:
         "inject(): config entries that decide no module (pass unmatched='warn' or 'ignore' "
         "to allow this): " + "; ".join(problems)
     )
+    if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
+        message += (
+            "; the model is torch.compile's wrapper, in which the model's modules are named "
+            "'_orig_mod.<name>': inject into the model before compiling it (or select "
+            "'_orig_mod.<name>')"
+        )
     if unmatched == "warn":
         warnings.warn(message, stacklevel=3)
     else:
@@ -1071,7 +1077,7 @@ def inject(
     try:
         remove(model)  # an earlier injection would otherwise be matched as part of the model
         plan, counts = _plan(model, config)
-        _check_unmatched(counts, unmatched)
+        _check_unmatched(counts, unmatched, model)
         guard_hooks_under_compile()
         bypassed = _bypassed(model)
         for _, module, settings in plan:  # every module checked before any is changed
