@@ -534,3 +534,20 @@ def test_a_name_missing_from_a_compiled_model_is_explained_by_the_wrapper():
     assert not injected(model)
     with pytest.raises(ValueError, match="'nothing': matches no module of the model$"):
         inject(model, {"1": LayerQuantization(weight=E4M1), "nothing": None})
+
+
+# A predicate that fails
+
+
+def test_an_exception_in_a_predicate_names_the_selector_and_the_module():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    def wide(name, module):
+        return module.in_features > 3
+
+    with pytest.raises(AttributeError, match="in_features") as raised:
+        inject(model, {wide: LayerQuantization(weight=E4M1)})
+    assert raised.value.__notes__ == [
+        "inject(): raised by the selector wide on the module '' (Sequential)"
+    ]
+    assert not injected(model)

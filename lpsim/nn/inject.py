@@ -713,7 +713,15 @@ def _plan(model: nn.Module, config) -> tuple[list, dict]:
         for selector in config:
             if selector == DEFAULT:
                 continue
-            if any(matches(selector, n, module) for n in names[id(module)]):
+            try:
+                found = any(matches(selector, n, module) for n in names[id(module)])
+            except Exception as error:  # a predicate that fails on some module
+                error.add_note(
+                    f"inject(): raised by the selector {_selector_name(selector)} on the module "
+                    f"{name!r} ({type(module).__name__})"
+                )
+                raise
+            if found:
                 matched[selector] += 1
                 if chosen is None:
                     chosen = selector
