@@ -551,3 +551,19 @@ def test_an_exception_in_a_predicate_names_the_selector_and_the_module():
         "inject(): raised by the selector wide on the module '' (Sequential)"
     ]
     assert not injected(model)
+
+
+def test_an_injected_recurrent_layer_copies_and_moves_without_quantising():
+    torch.manual_seed(0)
+    layer = nn.LSTM(3, 4, num_layers=2)
+    inject(layer, {nn.LSTM: LayerQuantization(weight=DELAYED, bias=E4M1, rounding="nearest")})
+    x = torch.randn(5, 2, 3)
+    layer(x)[0].sum().backward()
+    state = copy.deepcopy(layer.state_dict())
+    rng = torch.get_rng_state()
+    layer.to(torch.float32)
+    clone = copy.deepcopy(layer)
+    assert torch.equal(torch.get_rng_state(), rng)  # no seed drawn by .to() or deepcopy
+    assert_same_state(layer.state_dict(), state)  # no amax recorded
+    assert_same_state(clone.state_dict(), state)
+    assert_same_bits(clone(x)[0], layer(x)[0])

@@ -34,6 +34,7 @@ import functools
 import itertools
 import threading
 import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -522,6 +523,56 @@ def _weight_scoped_forward(self: nn.Module, *args, **kwargs):
         return inner(*args, **kwargs)
     finally:
         scopes.pop()
+        if _RNN_FLAT_WEIGHTS in self.__dict__:
+            _rest_flat_weights(self)
+
+
+# An injected recurrent layer's instance attribute replacing torch's method that fills its
+# _flat_weights, the list its forward computes with (see _rnn_init_flat_weights).
+_RNN_FLAT_WEIGHTS = "_init_flat_weights"
+
+
+def _rnn_init_flat_weights(module: nn.RNNBase) -> None:
+    """_init_flat_weights of an injected recurrent layer. torch calls it in forward, where it
+    fills _flat_weights with the weights as forward sees them (quantised, once per call: the
+    forward runs in a weight scope), and in .to(), .float(), ..., where torch's would quantise
+    every weight (drawing random numbers, recording amaxes) and keep non-leaf tensors that
+    copy.deepcopy refuses: there, as after each forward, _flat_weights holds the tensors the
+    weights are computed from (see _rest_flat_weights)."""
+    if _weight_scopes():
+        type(module)._init_flat_weights(module)
+    else:
+        _rest_flat_weights(module)
+
+
+def _rest_flat_weights(module: nn.RNNBase) -> None:
+    """Fill an injected recurrent layer's _flat_weights, between forward passes, with its
+    parametrised weights' originals (None for one parametrised from several tensors), its other
+    weights as they are: leaf tensors, so that copy.deepcopy of the model works. Its next forward
+    sees them changed and reads the quantised weights afresh."""
+    flat = []
+    for name in module._flat_weights_names:
+        if parametrize.is_parametrized(module, name):
+            parametrization = module.parametrizations[name]
+            flat.append(parametrization.original if parametrization.is_tensor else None)
+        else:
+            flat.append(getattr(module, name, None))
+    module.__dict__["_flat_weights"] = flat
+    module.__dict__["_flat_weight_refs"] = [None if w is None else weakref.ref(w) for w in flat]
+
+
+def _keep_flat_weights_at_rest(module: nn.Module) -> None:
+    """Give an injected recurrent layer with quantised weights _rnn_init_flat_weights."""
+    if isinstance(module, nn.RNNBase) and _parametrises(module):
+        module.__dict__[_RNN_FLAT_WEIGHTS] = _bound(_rnn_init_flat_weights, module)
+        _rest_flat_weights(module)
+
+
+def _release_flat_weights(module: nn.Module) -> None:
+    """Undo _keep_flat_weights_at_rest (after the quantisers are removed): torch's method again,
+    and _flat_weights filled by it."""
+    if module.__dict__.pop(_RNN_FLAT_WEIGHTS, None) is not None:
+        module._init_flat_weights()
 
 
 def _open_weight_scope(module: nn.Module) -> None:
@@ -1100,6 +1151,8 @@ def inject(
             setattr(module, _STATE, done)
             simulating = simulating or settings.macs() is not None
         _open_weight_scopes(model, bypassed)
+        for module in model.modules():
+            _keep_flat_weights_at_rest(module)
         never_run = []
         for name, (parent, reason) in bypassed.items():
             done = getattr(model.get_submodule(name), _STATE, None)
@@ -1217,6 +1270,7 @@ def remove(model: nn.Module) -> nn.Module:
         for pname, _ in done["weight"] + done["bias"]:
             _remove_quantiser(module, pname)
         _restore_parameter_order(module, done["parameter_order"])
+        _release_flat_weights(module)
         if done.get("scalers"):
             delattr(module, _SCALERS)
         delattr(module, _STATE)
