@@ -567,3 +567,11 @@ def test_an_injected_recurrent_layer_copies_and_moves_without_quantising():
     assert_same_state(layer.state_dict(), state)  # no amax recorded
     assert_same_state(clone.state_dict(), state)
     assert_same_bits(clone(x)[0], layer(x)[0])
+
+
+def test_the_magnitude_and_direction_of_a_weight_normed_recurrent_weight_are_not_its_weights():
+    layer = torch.nn.utils.weight_norm(nn.GRU(3, 4), name="weight_ih_l0")  # weight_ih_l0_g, _v
+    inject(layer, {nn.GRU: LayerQuantization(weight=E4M1)})
+    assert [id(p) for p in quantized_parameters(layer)] == [
+        id(layer.parametrizations.weight_hh_l0.original)
+    ]

@@ -829,7 +829,11 @@ def _is_named(module: nn.Module, name: str, kind: str) -> bool:
     starts with ``kind + "_"`` (weight_ih_l0, bias_hh_l1_reverse, ...)."""
     if name.endswith(kind):
         return True
-    return isinstance(module, nn.RNNBase) and name.startswith(kind + "_")
+    return (
+        isinstance(module, nn.RNNBase)
+        and name in module._flat_weights_names  # not weight_norm's weight_ih_l0_g, say
+        and name.startswith(kind + "_")
+    )
 
 
 def _parameter_names(module: nn.Module, kind: str) -> list[str]:
