@@ -3,7 +3,9 @@ copies of injected models, tied parameters, a failing inject(), weights already 
 (weight_norm, orthogonal), the calls torch's own layers accept, and report()'s example pass. Each
 test reproduces a way in which these once broke or silently differed from their documentation."""
 
+import collections
 import copy
+import io
 import re
 import warnings
 
@@ -343,3 +345,233 @@ def test_report_with_an_example_changes_no_state_and_draws_nothing():
     for name, m in model.named_modules():
         if isinstance(m, DelayedScaler):
             assert_same_state(m.state_dict(), scalers[name])
+
+
+# Recurrent layers name their weights weight_ih_l0, weight_hh_l0, ... and biases bias_ih_l0, ...
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.LSTM(3, 4, num_layers=2, bidirectional=True, proj_size=2),
+        nn.GRU(3, 4),
+        nn.RNN(3, 4, batch_first=True),
+    ],
+)
+def test_a_recurrent_layers_weights_and_biases_are_quantised(layer):
+    torch.manual_seed(0)
+    originals = dict(layer.named_parameters())
+    reference = copy.deepcopy(layer)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            parameter.copy_(lpsim.quantize(parameter, E4M1, "nearest"))
+    x = torch.randn(5, 2, 3)
+    before = layer(x)[0]
+    inject(layer, {nn.RNNBase: LayerQuantization(weight=E4M1, bias=E4M1, rounding="nearest")})
+    assert {id(p) for p in quantized_parameters(layer)} == {id(p) for p in originals.values()}
+    got = layer(x)[0]
+    assert_same_bits(got, reference(x)[0])
+    got.sum().backward()
+    assert all(p.grad is not None for p in originals.values())
+    remove(layer)
+    assert dict(layer.named_parameters()) == originals
+    assert_same_bits(layer(x)[0], before)
+
+
+# Outputs and inputs held in dict subclasses keep their type
+
+
+class _Output(collections.OrderedDict):
+    """A mapping with attribute access, as HuggingFace's ModelOutput."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class _ReturnsMapping(nn.Module):
+    def forward(self, inputs):
+        return _Output(logits=inputs["x"] * 1.1, mask=inputs["x"] > 0)
+
+
+def test_dict_subclasses_in_inputs_and_outputs_keep_their_type_and_are_quantised():
+    module = inject(
+        _ReturnsMapping(),
+        {_ReturnsMapping: LayerQuantization(input=E4M1, output=E4M1, rounding="nearest")},
+    )
+    x = torch.randn(6)
+    got = module(collections.OrderedDict(x=x))
+    assert type(got) is _Output and list(got) == ["logits", "mask"]
+    q = lambda t: lpsim.quantize(t, E4M1, "nearest")  # noqa: E731
+    assert_same_bits(got.logits, q(q(x) * 1.1))
+    assert torch.equal(got.mask, q(x) > 0)
+
+
+# A module shared between two parents has two names
+
+
+def test_a_shared_module_is_selected_by_either_of_its_names():
+    torch.manual_seed(0)
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(collections.OrderedDict(first=shared, second=shared))
+    x = torch.randn(2, 3)
+    q = lambda t: lpsim.quantize(t, E4M1, "nearest")  # noqa: E731
+    once = lambda t: q(t) @ q(shared.weight.detach()).t() + shared.bias.detach()  # noqa: E731
+    want = once(once(x))
+    inject(model, {"second": LayerQuantization(input=E4M1, weight=E4M1, rounding="nearest")})
+    assert [name for name, _, _ in injected(model)] == ["first"]
+    assert_same_bits(model(x), want)
+    with pytest.raises(ValueError, match="'second': matches 1 module.*decided by an earlier entry"):
+        inject(model, {"first": None, "second": LayerQuantization(weight=E4M1)})
+
+
+# A first pass under torch.inference_mode
+
+
+def test_scalers_first_made_under_inference_mode_train_as_those_made_under_no_grad():
+    config = {
+        nn.Linear: LayerQuantization(
+            input=(DELAYED, "nearest"), output=(DELAYED, "nearest"), error=(DELAYED, "nearest")
+        )
+    }
+    models = []
+    for context in (torch.inference_mode, torch.no_grad):
+        torch.manual_seed(0)
+        model = inject(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), config)
+        torch.manual_seed(1)
+        with context():
+            model.eval()(torch.randn(3, 4))
+            model.train()(torch.randn(3, 4))
+        model(torch.randn(3, 4, requires_grad=True)).sum().backward()
+        models.append(model)
+    inferred, plain = models
+    assert_same_state(inferred.state_dict(), plain.state_dict())
+    for got, want in zip(inferred.parameters(), plain.parameters()):
+        assert_same_bits(got.grad, want.grad)
+
+
+# A forward that reads its weight first without gradients
+
+
+class _PeakNormalised(nn.Linear):
+    def forward(self, x):
+        with torch.no_grad():
+            peak = self.weight.abs().amax()
+        return nn.functional.linear(x, self.weight / peak, self.bias)
+
+
+def test_a_weight_read_first_under_no_grad_still_gets_its_gradient():
+    torch.manual_seed(0)
+    layer = _PeakNormalised(3, 2)
+    reference = copy.deepcopy(layer)
+    with torch.no_grad():
+        reference.weight.copy_(lpsim.quantize(reference.weight, E4M1, "nearest"))
+    inject(layer, {_PeakNormalised: LayerQuantization(weight=(E4M1, "nearest"))})
+    x = torch.randn(4, 3)
+    got, want = layer(x), reference(x)
+    assert_same_bits(got, want)
+    got.sum().backward(), want.sum().backward()
+    assert_same_bits(layer.parametrizations.weight.original.grad, reference.weight.grad)
+    assert_same_bits(layer.bias.grad, reference.bias.grad)
+    with torch.no_grad():
+        assert not layer(x).requires_grad
+
+
+# lpsim's own state in the model
+
+
+def test_the_delayed_scaler_of_a_quantizer_in_the_model_is_never_selected():
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), lpsim.nn.Quantizer(DELAYED, None, "nearest"))
+
+    model, twin = make(), make()
+    inject(model, {nn.Linear: None, "default": LayerQuantization(input=(E4M1, "nearest"))})
+    assert [name for name, _, _ in injected(model)] == ["1"]
+    assert re.search(r"^1\s+Quantizer\s", report(model), re.M)
+    x = torch.randn(3, 4)
+    for _ in range(2):
+        assert_same_bits(model(x), twin[1](lpsim.quantize(twin[0](x), E4M1, "nearest")))
+    assert_same_state(model.state_dict(), twin.state_dict())
+    inject(model, {nn.Module: LayerQuantization(output=E4M1)})
+    assert [name for name, _, _ in injected(model)] == ["", "0", "1"]
+
+
+# torch.save of a whole model
+
+
+def test_a_model_with_macs_saved_whole_loads_as_an_independent_equal_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 2, batch_first=True))
+    inject(model, {(nn.Linear, nn.MultiheadAttention): _MAC}, unmatched="ignore")
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(2, 3, 4)
+    for a, b in ((model, loaded), (loaded, model)):
+        torch.manual_seed(1)
+        want = a[1](*(a[0](x),) * 3)[0]
+        torch.manual_seed(1)
+        assert_same_bits(b[1](*(b[0](x),) * 3)[0], want)
+    with torch.no_grad():
+        model[0].weight.zero_()
+    assert loaded[0](x).abs().sum() > 0  # the copy's forward reads the copy's weight
+    remove(loaded)
+    assert type(loaded[0]) is nn.Linear and "forward" not in vars(loaded[0])
+
+
+# Injecting into torch.compile's wrapper
+
+
+def test_a_name_missing_from_a_compiled_model_is_explained_by_the_wrapper():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    compiled = torch.compile(model)  # (never called: nothing is compiled)
+    with pytest.raises(ValueError, match=r"'0': matches no module.*torch\.compile's wrapper"):
+        inject(compiled, {"0": LayerQuantization(weight=E4M1)})
+    assert not injected(model)
+    with pytest.raises(ValueError, match="'nothing': matches no module of the model$"):
+        inject(model, {"1": LayerQuantization(weight=E4M1), "nothing": None})
+
+
+# A predicate that fails
+
+
+def test_an_exception_in_a_predicate_names_the_selector_and_the_module():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    def wide(name, module):
+        return module.in_features > 3
+
+    with pytest.raises(AttributeError, match="in_features") as raised:
+        inject(model, {wide: LayerQuantization(weight=E4M1)})
+    assert raised.value.__notes__ == [
+        "inject(): raised by the selector wide on the module '' (Sequential)"
+    ]
+    assert not injected(model)
+
+
+def test_an_injected_recurrent_layer_copies_and_moves_without_quantising():
+    torch.manual_seed(0)
+    layer = nn.LSTM(3, 4, num_layers=2)
+    inject(layer, {nn.LSTM: LayerQuantization(weight=DELAYED, bias=E4M1, rounding="nearest")})
+    x = torch.randn(5, 2, 3)
+    layer(x)[0].sum().backward()
+    state = copy.deepcopy(layer.state_dict())
+    rng = torch.get_rng_state()
+    layer.to(torch.float32)
+    clone = copy.deepcopy(layer)
+    assert torch.equal(torch.get_rng_state(), rng)  # no seed drawn by .to() or deepcopy
+    assert_same_state(layer.state_dict(), state)  # no amax recorded
+    assert_same_state(clone.state_dict(), state)
+    assert_same_bits(clone(x)[0], layer(x)[0])
+
+
+def test_the_magnitude_and_direction_of_a_weight_normed_recurrent_weight_are_not_its_weights():
+    layer = torch.nn.utils.weight_norm(nn.GRU(3, 4), name="weight_ih_l0")  # weight_ih_l0_g, _v
+    inject(layer, {nn.GRU: LayerQuantization(weight=E4M1)})
+    assert [id(p) for p in quantized_parameters(layer)] == [
+        id(layer.parametrizations.weight_hh_l0.original)
+    ]

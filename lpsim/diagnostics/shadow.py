@@ -51,6 +51,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from lpsim.nn._hooks import same_mapping
 from lpsim.nn.inject import injected, own_parametrized_classes, remove, unobserved_pass
 from lpsim.nn.quantizer import Quantizer
 
@@ -225,24 +226,8 @@ def _map_tensors(value, fn: Callable[[torch.Tensor], torch.Tensor]):
         items = {k: _map_tensors(v, fn) for k, v in value.items()}
         if all(items[k] is v for k, v in value.items()):
             return value
-        return _same_mapping(value, items)
+        return same_mapping(value, items)
     return value
-
-
-def _same_mapping(value: dict, items: dict) -> dict:
-    """A mapping of value's type holding ``items`` (value's keys, in its order). A dict subclass
-    is copied (copy.copy keeps its class, its attributes and a defaultdict's factory) and its
-    items are set through its own __setitem__ (ModelOutput's also sets the attribute); a subclass
-    that refuses either is made from the items by its constructor."""
-    if type(value) is dict:
-        return items
-    try:
-        rebuilt = copy.copy(value)
-        for k, v in items.items():
-            rebuilt[k] = v
-    except Exception:  # a mapping that cannot be copied or refuses item assignment
-        return type(value)(items)
-    return rebuilt
 
 
 def _clone_tensors_needing_grad(value):

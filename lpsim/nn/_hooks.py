@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 from collections.abc import Callable, Iterator
 
 import torch
@@ -33,7 +34,8 @@ def named_function(name: str) -> Iterator[None]:
 
 
 def map_tensors(value, fn: Callable[[torch.Tensor], torch.Tensor]):
-    """value with fn applied to every floating-point tensor inside tuples, lists and dicts."""
+    """value with fn applied to every floating-point tensor inside tuples, lists and dicts, each
+    container of the type it had (see same_mapping)."""
     if isinstance(value, torch.Tensor):
         return fn(value) if value.is_floating_point() else value
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # named tuple
@@ -41,7 +43,7 @@ def map_tensors(value, fn: Callable[[torch.Tensor], torch.Tensor]):
     if isinstance(value, (tuple, list)):
         return type(value)(map_tensors(v, fn) for v in value)
     if isinstance(value, dict):
-        return {k: map_tensors(v, fn) for k, v in value.items()}
+        return same_mapping(value, {k: map_tensors(v, fn) for k, v in value.items()})
     return value
 
 
@@ -57,11 +59,30 @@ def map_placed_tensors(value, fn: Callable[[torch.Tensor, str], torch.Tensor], p
     if isinstance(value, (tuple, list)):
         return type(value)(map_placed_tensors(v, fn, here(i)) for i, v in enumerate(value))
     if isinstance(value, dict):
-        return {
+        items = {
             k: map_placed_tensors(v, fn, here(str(k).replace(".", "_") or "_"))
             for k, v in value.items()
         }
+        return same_mapping(value, items)
     return value
+
+
+def same_mapping(value: dict, items: dict) -> dict:
+    """A mapping of value's type holding ``items`` (value's keys, in its order), so that the code
+    reading it still finds its fields (an OrderedDict, a defaultdict, HuggingFace's ModelOutput
+    with its attribute access). A dict subclass is copied (copy.copy keeps its class, its
+    attributes and a defaultdict's factory) and its items are set through its own __setitem__
+    (ModelOutput's also sets the attribute); a subclass that refuses either is made from the items
+    by its constructor."""
+    if type(value) is dict:
+        return items
+    try:
+        rebuilt = copy.copy(value)
+        for k, v in items.items():
+            rebuilt[k] = v
+    except Exception:  # a mapping that cannot be copied or refuses item assignment
+        return type(value)(items)
+    return rebuilt
 
 
 def guard_hooks_under_compile() -> None:

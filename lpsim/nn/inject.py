@@ -13,11 +13,13 @@
     lpsim.nn.remove(model)                  # back to the original model exactly
 
 Selectors are module types (subclasses match), glob patterns on qualified module names
-("features.*", "classifier.2"; the model itself is named ""), callables (name, module) -> bool, or
+("features.*", "classifier.2"; the model itself is named ""; a module shared between two parents
+is matched under each of its names), callables (name, module) -> bool (called with each name), or
 tuples of these (any matches). Every module of the model, the model itself included, is decided by
 the first matching entry in the mapping's order; its value is a LayerQuantization, or None to leave
 the module as it is. The entry keyed "default" applies to leaf modules (modules without children)
-that no other entry matched.
+that no other entry matched. lpsim's own state (the DelayedScaler of an lpsim.nn.Quantizer in the
+model) is no module to select and makes no module a container.
 
 A selector that decides no module (it matches nothing, or only modules an earlier entry already
 decided) is almost always a mistake (a misspelled name, a layer the model does not have), so it is
@@ -28,10 +30,11 @@ a fallback, and a model whose leaves all have entries of their own leaves it not
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
-import types
 import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -90,14 +93,18 @@ class LayerQuantization:
 
     Args:
         weight: the module's own parameters whose names end in "weight" (weight, in_proj_weight,
-            ...), fake-quantised in every forward pass by a parametrisation (straight-through
-            gradient): once per call of the module's forward, at the first read (a forward that
-            reads a weight several times gets one quantisation), and at each read outside it. One
-            that already has torch parametrisations (weight_norm, orthogonal, ...) is quantised
-            after them, and remove() leaves them.
-        bias: the module's own parameters whose names end in "bias", likewise.
+            ...), and in a recurrent layer (nn.RNN, nn.LSTM, nn.GRU) those whose names start with
+            "weight_" (weight_ih_l0, weight_hh_l0, ...), fake-quantised in every forward pass by
+            a parametrisation (straight-through gradient): once per call of the module's forward,
+            at the first read (a forward that reads a weight several times gets one
+            quantisation), and at each read outside it. One that already has torch
+            parametrisations (weight_norm, orthogonal, ...) is quantised after them, and remove()
+            leaves them.
+        bias: the module's own parameters whose names end in "bias" (in a recurrent layer, start
+            with "bias_": bias_ih_l0, ...), likewise.
         input: the floating-point tensors passed to forward (positional and keyword), forward only.
-        output: the floating-point tensors forward returns (nested tuples, lists and dicts too).
+        output: the floating-point tensors forward returns (nested tuples, lists and dicts too,
+            each rebuilt with its own type: a named tuple, an OrderedDict, a ModelOutput).
         error: the gradient flowing back into those outputs (the layer's error), in backward.
             With a DelayedScaling, each input, output and error tensor has a DelayedScaler of
             its own, named after its place (see _TensorScalers).
@@ -226,11 +233,14 @@ class _TensorScalers(nn.Module):
         self._device = torch.device(device)
 
     def scaler(self, place: str, device: torch.device) -> DelayedScaler:
-        """The scaler of the tensor at ``place``, made on ``device`` where there is none."""
+        """The scaler of the tensor at ``place``, made on ``device`` where there is none (with
+        ordinary tensors as its state even inside torch.inference_mode, whose tensors could not
+        be updated by the training passes after it)."""
         name = self._name(place)
         found = self._modules.get(name)
         if found is None:
-            found = self._scaling.scaler().to(device)
+            with torch.inference_mode(False):
+                found = self._scaling.scaler().to(device)
             found.train(self.training)
             self.add_module(name, found)
         return found
@@ -270,7 +280,8 @@ class _TensorScalers(nn.Module):
         }
         for place in places:
             if place not in self._modules:
-                found = self._scaling.scaler().to(self._device)
+                with torch.inference_mode(False):  # state a training pass can update
+                    found = self._scaling.scaler().to(self._device)
                 found.train(self.training)
                 self.add_module(place, found)
         if strict:
@@ -368,7 +379,9 @@ class _FakeQuantize(nn.Module):
     see _open_weight_scope) the parameter is quantised at its first read and later reads in the
     same scope get that tensor, so that a forward reading a weight several times (torch's
     MultiheadAttention reads in_proj_weight three times) quantises it once: one amax recorded,
-    one seed drawn. Outside every scope each read quantises."""
+    one seed drawn. A read without gradients (torch.no_grad) gets it detached; a later read with
+    them gets it with its gradient, whichever came first. Outside every scope each read
+    quantises."""
 
     def __init__(
         self, spec: QuantSpec, eval_rule: Rounding | None, site: tuple, device: torch.device
@@ -386,8 +399,19 @@ class _FakeQuantize(nn.Module):
         cache = scopes[-1]
         rounded = cache.get(self)
         if rounded is None:
-            rounded = cache[self] = self._quantise(value)
-        return rounded
+            if (
+                value.requires_grad
+                and not torch.is_grad_enabled()
+                and not torch.is_inference_mode_enabled()
+            ):
+                # A first read without gradients (torch.no_grad inside forward): quantised with
+                # them, so that a later read in the scope, which gets this tensor, has a gradient.
+                with torch.enable_grad():
+                    rounded = self._quantise(value)
+            else:
+                rounded = self._quantise(value)
+            cache[self] = rounded
+        return rounded if torch.is_grad_enabled() else rounded.detach()
 
     def _quantise(self, value: torch.Tensor) -> torch.Tensor:
         quantise = self.spec if self.training else self.eval_spec
@@ -451,11 +475,18 @@ def _parametrization_modules(model: nn.Module) -> set[int]:
     return found
 
 
+def _is_state(module: nn.Module) -> bool:
+    """Whether ``module`` is a DelayedScaler, or inject's holder of them: state, not a layer
+    (the DelayedScaler of an lpsim.nn.Quantizer in the model, say)."""
+    return isinstance(module, (_Scalers, _TensorScalers, DelayedScaler))
+
+
 def _is_leaf(module: nn.Module) -> bool:
-    """Whether ``module`` has no children but its parametrisations (a weight_norm Linear is a leaf
-    module, as the Linear was)."""
+    """Whether ``module`` has no children but its parametrisations and DelayedScalers (a
+    weight_norm Linear is a leaf module, as the Linear was, and so is an lpsim.nn.Quantizer with
+    a DelayedScaling, as one with a Float is)."""
     parametrizations = module.parametrizations if parametrize.is_parametrized(module) else None
-    return all(child is parametrizations for child in module.children())
+    return all(child is parametrizations or _is_state(child) for child in module.children())
 
 
 def _remove_quantiser(module: nn.Module, pname: str) -> None:
@@ -468,6 +499,13 @@ def _remove_quantiser(module: nn.Module, pname: str) -> None:
         return
     last = max(i for i, p in enumerate(parametrizations) if isinstance(p, _FakeQuantize))
     del parametrizations[last]
+
+
+def _bound(function, module: nn.Module) -> functools.partial:
+    """``function`` bound to ``module``, to be its forward: a partial rather than a bound method,
+    so that copy.deepcopy of the model binds the copy's own forward and pickling the model
+    (torch.save of a whole model) finds the function by its name."""
+    return functools.partial(function, module)
 
 
 _WEIGHT_SCOPE = "_lpsim_weight_scope"  # attribute: the instance forward a weight scope wraps
@@ -485,6 +523,56 @@ def _weight_scoped_forward(self: nn.Module, *args, **kwargs):
         return inner(*args, **kwargs)
     finally:
         scopes.pop()
+        if _RNN_FLAT_WEIGHTS in self.__dict__:
+            _rest_flat_weights(self)
+
+
+# An injected recurrent layer's instance attribute replacing torch's method that fills its
+# _flat_weights, the list its forward computes with (see _rnn_init_flat_weights).
+_RNN_FLAT_WEIGHTS = "_init_flat_weights"
+
+
+def _rnn_init_flat_weights(module: nn.RNNBase) -> None:
+    """_init_flat_weights of an injected recurrent layer. torch calls it in forward, where it
+    fills _flat_weights with the weights as forward sees them (quantised, once per call: the
+    forward runs in a weight scope), and in .to(), .float(), ..., where torch's would quantise
+    every weight (drawing random numbers, recording amaxes) and keep non-leaf tensors that
+    copy.deepcopy refuses: there, as after each forward, _flat_weights holds the tensors the
+    weights are computed from (see _rest_flat_weights)."""
+    if _weight_scopes():
+        type(module)._init_flat_weights(module)
+    else:
+        _rest_flat_weights(module)
+
+
+def _rest_flat_weights(module: nn.RNNBase) -> None:
+    """Fill an injected recurrent layer's _flat_weights, between forward passes, with its
+    parametrised weights' originals (None for one parametrised from several tensors), its other
+    weights as they are: leaf tensors, so that copy.deepcopy of the model works. Its next forward
+    sees them changed and reads the quantised weights afresh."""
+    flat = []
+    for name in module._flat_weights_names:
+        if parametrize.is_parametrized(module, name):
+            parametrization = module.parametrizations[name]
+            flat.append(parametrization.original if parametrization.is_tensor else None)
+        else:
+            flat.append(getattr(module, name, None))
+    module.__dict__["_flat_weights"] = flat
+    module.__dict__["_flat_weight_refs"] = [None if w is None else weakref.ref(w) for w in flat]
+
+
+def _keep_flat_weights_at_rest(module: nn.Module) -> None:
+    """Give an injected recurrent layer with quantised weights _rnn_init_flat_weights."""
+    if isinstance(module, nn.RNNBase) and _parametrises(module):
+        module.__dict__[_RNN_FLAT_WEIGHTS] = _bound(_rnn_init_flat_weights, module)
+        _rest_flat_weights(module)
+
+
+def _release_flat_weights(module: nn.Module) -> None:
+    """Undo _keep_flat_weights_at_rest (after the quantisers are removed): torch's method again,
+    and _flat_weights filled by it."""
+    if module.__dict__.pop(_RNN_FLAT_WEIGHTS, None) is not None:
+        module._init_flat_weights()
 
 
 def _open_weight_scope(module: nn.Module) -> None:
@@ -495,8 +583,7 @@ def _open_weight_scope(module: nn.Module) -> None:
     if _WEIGHT_SCOPE in module.__dict__:
         return
     module.__dict__[_WEIGHT_SCOPE] = module.__dict__.get("forward")
-    # A bound method, so that copy.deepcopy of the model binds the copy's own forward.
-    module.forward = types.MethodType(_weight_scoped_forward, module)
+    module.forward = _bound(_weight_scoped_forward, module)
 
 
 def _close_weight_scope(module: nn.Module) -> None:
@@ -660,19 +747,32 @@ def _simulated_attention_forward(
 
 def _plan(model: nn.Module, config) -> tuple[list, dict]:
     """[(name, module, settings)] for the modules some entry decides, and for every selector the
-    number of modules it decided and the number it matched."""
+    number of modules it decided and the number it matched. A module registered under several
+    names (shared between two parents) is one module, named by its first name, which an entry
+    matches when it matches any of its names."""
     decided = {key: 0 for key in config}
     matched = {key: 0 for key in config}
     plan = []
     parametrizing = _parametrization_modules(model)  # a user's weight_norm and the like
+    names: dict[int, list[str]] = {}  # every qualified name of a module registered twice
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
     for name, module in model.named_modules():
-        if id(module) in parametrizing:
+        if id(module) in parametrizing or _is_state(module):
             continue
         chosen = None
         for selector in config:
             if selector == DEFAULT:
                 continue
-            if matches(selector, name, module):
+            try:
+                found = any(matches(selector, n, module) for n in names[id(module)])
+            except Exception as error:  # a predicate that fails on some module
+                error.add_note(
+                    f"inject(): raised by the selector {_selector_name(selector)} on the module "
+                    f"{name!r} ({type(module).__name__})"
+                )
+                raise
+            if found:
                 matched[selector] += 1
                 if chosen is None:
                     chosen = selector
@@ -695,7 +795,7 @@ def _selector_name(selector) -> str:
     return getattr(selector, "__name__", repr(selector))
 
 
-def _check_unmatched(counts: dict, unmatched: str) -> None:
+def _check_unmatched(counts: dict, unmatched: str, model: nn.Module) -> None:
     problems = []
     for selector, (decided, matched) in counts.items():
         if decided or selector == DEFAULT:  # "default" is a fallback: finding nothing left is fine
@@ -711,22 +811,41 @@ def _check_unmatched(counts: dict, unmatched: str) -> None:
         "inject(): config entries that decide no module (pass unmatched='warn' or 'ignore' "
         "to allow this): " + "; ".join(problems)
     )
+    if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
+        message += (
+            "; the model is torch.compile's wrapper, in which the model's modules are named "
+            "'_orig_mod.<name>': inject into the model before compiling it (or select "
+            "'_orig_mod.<name>')"
+        )
     if unmatched == "warn":
         warnings.warn(message, stacklevel=3)
     else:
         raise ValueError(message)
 
 
-def _parameter_names(module: nn.Module, suffix: str) -> list[str]:
-    """The names ending in ``suffix`` of the module's own parameters, those already parametrised
-    (weight_norm, orthogonal, ...) included: inject's fake-quantiser goes after their
+def _is_named(module: nn.Module, name: str, kind: str) -> bool:
+    """Whether the parameter ``name`` of ``module`` is one of its ``kind`` ("weight" or "bias")
+    parameters: its name ends in ``kind``, or, in a recurrent layer (nn.RNN, nn.LSTM, nn.GRU),
+    starts with ``kind + "_"`` (weight_ih_l0, bias_hh_l1_reverse, ...)."""
+    if name.endswith(kind):
+        return True
+    return (
+        isinstance(module, nn.RNNBase)
+        and name in module._flat_weights_names  # not weight_norm's weight_ih_l0_g, say
+        and name.startswith(kind + "_")
+    )
+
+
+def _parameter_names(module: nn.Module, kind: str) -> list[str]:
+    """The names of the module's own ``kind`` parameters (see _is_named), those already
+    parametrised (weight_norm, orthogonal, ...) included: inject's fake-quantiser goes after their
     parametrisations."""
-    names = [n for n, _ in module.named_parameters(recurse=False) if n.endswith(suffix)]
+    names = [n for n, _ in module.named_parameters(recurse=False) if _is_named(module, n, kind)]
     if parametrize.is_parametrized(module):
         names += [
             n
             for n, parametrization in module.parametrizations.items()
-            if n.endswith(suffix) and n not in names and _originals(parametrization)
+            if _is_named(module, n, kind) and n not in names and _originals(parametrization)
         ]
     return names
 
@@ -908,8 +1027,7 @@ def _inject_module(
             if isinstance(module, nn.MultiheadAttention)
             else _simulated_forward
         )
-        # A bound method, so that copy.deepcopy of the model binds the copy's own forward.
-        module.forward = types.MethodType(forward, module)
+        module.forward = _bound(forward, module)
     _own_parametrized_class(module)  # registering may add a property to a shared class
     for kind in ("weight", "bias"):
         spec = settings.spec(kind)
@@ -1022,7 +1140,7 @@ def inject(
     try:
         remove(model)  # an earlier injection would otherwise be matched as part of the model
         plan, counts = _plan(model, config)
-        _check_unmatched(counts, unmatched)
+        _check_unmatched(counts, unmatched, model)
         guard_hooks_under_compile()
         bypassed = _bypassed(model)
         for _, module, settings in plan:  # every module checked before any is changed
@@ -1037,6 +1155,8 @@ def inject(
             setattr(module, _STATE, done)
             simulating = simulating or settings.macs() is not None
         _open_weight_scopes(model, bypassed)
+        for module in model.modules():
+            _keep_flat_weights_at_rest(module)
         never_run = []
         for name, (parent, reason) in bypassed.items():
             done = getattr(model.get_submodule(name), _STATE, None)
@@ -1154,6 +1274,7 @@ def remove(model: nn.Module) -> nn.Module:
         for pname, _ in done["weight"] + done["bias"]:
             _remove_quantiser(module, pname)
         _restore_parameter_order(module, done["parameter_order"])
+        _release_flat_weights(module)
         if done.get("scalers"):
             delattr(module, _SCALERS)
         delattr(module, _STATE)
@@ -1307,9 +1428,7 @@ def report(
     quantised = full = 0
     parametrizing = _parametrization_modules(model)
     for name, module in model.named_modules():
-        if id(module) in parametrizing or isinstance(
-            module, (_Scalers, _TensorScalers, DelayedScaler)
-        ):
+        if id(module) in parametrizing or _is_state(module):
             continue
         done = getattr(module, _STATE, None)
         if done is not None and _active(done):
