@@ -526,3 +526,30 @@ def test_stateless_uses_are_refused_with_the_reason():
         DelayedScaler(E4M3)
     with pytest.raises(ValueError, match="clamp_grad_zero needs a forward format that clips"):
         Quantizer(forward=scaling, clamp_grad_zero=True)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_activation_checkpointing_of_a_delayed_scaled_model_is_refused_not_recomputed(reentrant):
+    """The recomputation would record a second amax and quantise with the updated scale: other
+    activations and gradients than the forward's. It raises instead."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    inject(model, {nn.Linear: LayerQuantization(input=DelayedScaling(lpsim.Float(4, 3)))})
+    x = torch.randn(3, 4, requires_grad=True)
+    y = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=reentrant)
+    with pytest.raises(RuntimeError, match="activation checkpointing"):
+        y.sum().backward()
+
+
+def test_an_optimizer_step_inside_the_backward_pass_still_scales_its_tensors():
+    """The optimizer-in-backward pattern (a step from a post-accumulate-grad hook) is no
+    recomputation: OptimLP's delayed-scaled tensors are quantised there as anywhere."""
+    w = nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    opt = OptimLP(torch.optim.SGD([w], lr=0.5), weight=DelayedScaling(lpsim.Float(4, 3)))
+    w.register_post_accumulate_grad_hook(lambda p: opt.step())
+    (w * w).sum().backward()
+    twin = nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
+    reference = OptimLP(torch.optim.SGD([twin], lr=0.5), weight=DelayedScaling(lpsim.Float(4, 3)))
+    (twin * twin).sum().backward()
+    reference.step()
+    assert torch.equal(w.detach(), twin.detach())

@@ -113,13 +113,37 @@ def as_spec(value: Spec, rounding: Rounding | str, name: str) -> QuantSpec | Non
 
 
 class ScalerCall(NamedTuple):
-    """A DelayedScaler applied with a rule: ``scaler(x, rounding, record=record)``."""
+    """A DelayedScaler applied with a rule: ``scaler(x, rounding, record=record)``.
+    ``forward_tensor``: whether x is a tensor of a forward pass (not an error, nor an optimizer's
+    tensor).
+
+    Raises:
+        RuntimeError: a recording call for a forward tensor runs inside a backward pass. That is
+            a forward recomputed by activation checkpointing (torch.utils.checkpoint), which
+            would record the tensor's amax a second time and quantise with the scale the first
+            pass left: other activations and gradients than the forward's.
+    """
 
     scaler: DelayedScaler
     rounding: Rounding
     record: bool
+    forward_tensor: bool = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        recomputed = (
+            self.record
+            and self.forward_tensor
+            and not torch.compiler.is_compiling()
+            and torch._C._current_graph_task_id() != -1  # a backward pass is running
+        )
+        if recomputed:
+            raise RuntimeError(
+                "DelayedScaling under activation checkpointing (a forward recomputed during the "
+                "backward pass) is not supported: the recomputation would record every amax "
+                "again and quantise with the scales the first pass left, giving other "
+                "activations and gradients than the forward's; checkpoint no module whose "
+                "tensors DelayedScaling quantises"
+            )
         return self.scaler(x, self.rounding, record=self.record)
 
     def __str__(self) -> str:
@@ -264,7 +288,10 @@ class _Quantize(torch.autograd.Function):
         for hook in ctx.hooks:
             grad = hook(grad)
         if ctx.backward_spec is not None:
-            rounded = ctx.backward_spec(grad)
+            spec = ctx.backward_spec
+            if isinstance(spec, ScalerCall):
+                spec = spec._replace(forward_tensor=False)
+            rounded = spec(grad)
             if ctx.observed is not None:
                 _report(ctx.observed, "error", grad, rounded, ctx.backward_spec)
             grad = rounded

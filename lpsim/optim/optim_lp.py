@@ -461,7 +461,7 @@ class OptimLP(Optimizer):
         scaler = scalers.get(name)
         if scaler is None:
             scaler = scalers[name] = quant.format.scaler().to(t.device)
-        return ScalerCall(scaler, quant.rounding, True)
+        return ScalerCall(scaler, quant.rounding, True, forward_tensor=False)
 
     def parameter_settings(self, p: torch.Tensor) -> ParameterQuantization | None:
         """What the optimizer rounds for parameter ``p`` (None: nothing, full precision).
