@@ -597,3 +597,17 @@ def test_attention_refuses_an_integer_mask_as_torch_does():
     with quantize_functions(nn.Identity(), {"attention.softmax": nearest(output=E4M3)}):
         with pytest.raises(TypeError, match="attn_mask must be bool"):
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # not added as 1s
+
+
+def test_a_site_first_met_under_inference_mode_trains_afterwards():
+    """Its scaler holds ordinary tensors: made as inference tensors, the next training pass could
+    not update them ('Inplace update to inference tensor outside InferenceMode')."""
+    model = nn.Linear(4, 4)
+    config = {"matmul": LayerQuantization(input=DelayedScaling(lpsim.Float(4, 3)))}
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    functions = lpsim.nn.quantize_functions(model, config)
+    with torch.inference_mode(), functions:
+        a @ b
+    with functions:
+        y = a @ b
+    assert torch.isfinite(y).all()

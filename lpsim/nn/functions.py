@@ -378,7 +378,8 @@ class FunctionQuantization(TorchFunctionMode):
             spec = self.entries[index].train.specs.get(field)
             if spec is None or not isinstance(spec.format, DelayedScaling):
                 raise KeyError(f"quantize_functions: no DelayedScaling {field} at {key!r}")
-            self.scalers[key] = spec.format.scaler().to(device)
+            with torch.inference_mode(False):  # state a training pass can update
+                self.scalers[key] = spec.format.scaler().to(device)
         return self.scalers[key]
 
     def _result(self, y: torch.Tensor, decision: _Decision) -> torch.Tensor:
