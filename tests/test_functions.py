@@ -611,3 +611,24 @@ def test_a_site_first_met_under_inference_mode_trains_afterwards():
     with functions:
         y = a @ b
     assert torch.isfinite(y).all()
+
+
+def test_a_shared_module_is_selected_by_either_of_its_names():
+    """nn.Module.named_modules names a module registered twice once, by its first name; a
+    pattern on the second name selected nothing, silently."""
+
+    class Square(nn.Module):
+        def forward(self, a):
+            return a @ a
+
+    shared = Square()
+    model = nn.Sequential()
+    model.add_module("first", shared)
+    model.add_module("second", shared)
+    x = torch.full((2, 2), 0.3)
+    fmt = Float(5, 2)
+    config = {("matmul", "second"): LayerQuantization(output=(fmt, "nearest"))}
+    with lpsim.nn.quantize_functions(model, config):
+        y = model(x)
+    once = lpsim.quantize(x @ x, fmt, "nearest")
+    assert torch.equal(y, lpsim.quantize(once @ once, fmt, "nearest"))

@@ -19,7 +19,8 @@ the calls its config selects and runs their products under MACs:
 Keys are an op name, or a pair (op name, module selector). The selectors are inject's (module
 types, glob patterns on qualified names relative to ``model``, callables (name, module) -> bool,
 tuples of these); a pair applies to calls made while a module it selects is running (the module
-itself or any module inside it). Each call is decided by the first entry, in the mapping's order,
+itself or any module inside it; a module registered under several names, shared by two parents,
+is selected by any of them, as in inject). Each call is decided by the first entry, in the mapping's order,
 whose op and selector match it; a call no entry matches is torch's own. Values are
 ``LayerQuantization``; a field an op does not take is an error.
 
@@ -277,6 +278,7 @@ class FunctionQuantization(TorchFunctionMode):
         self._running: list[tuple[str, nn.Module, dict]] = []  # name, module, calls per op
         self._outside: dict[str, int] = {}  # calls per op made outside the model's modules
         self._hooks: list = []
+        self._names: dict[int, list[str]] = {}
         self._active = False
 
     # -- entering and leaving --------------------------------------------------------------
@@ -285,6 +287,9 @@ class FunctionQuantization(TorchFunctionMode):
             raise RuntimeError("quantize_functions: this context is already active")
         self._active = True
         self._outside.clear()
+        self._names = {}  # every qualified name of each module (a shared one has several)
+        for name, module in self.model.named_modules(remove_duplicate=False):
+            self._names.setdefault(id(module), []).append(name)
         for name, module in self.model.named_modules():
             self._hooks.append(module.register_forward_pre_hook(self._entering(name)))
             self._hooks.append(module.register_forward_hook(self._leaving, always_call=True))
@@ -321,7 +326,9 @@ class FunctionQuantization(TorchFunctionMode):
             if entry.op != op:
                 continue
             if entry.selector is None or any(
-                matches(entry.selector, name, module) for name, module, _ in self._running
+                matches(entry.selector, alias, module)
+                for _, module, _ in self._running
+                for alias in self._names[id(module)]
             ):
                 return index
         return None
