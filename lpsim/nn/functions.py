@@ -20,9 +20,9 @@ Keys are an op name, or a pair (op name, module selector). The selectors are inj
 types, glob patterns on qualified names relative to ``model``, callables (name, module) -> bool,
 tuples of these); a pair applies to calls made while a module it selects is running (the module
 itself or any module inside it; a module registered under several names, shared by two parents,
-is selected by any of them, as in inject). Each call is decided by the first entry, in the mapping's order,
-whose op and selector match it; a call no entry matches is torch's own. Values are
-``LayerQuantization``; a field an op does not take is an error.
+is selected by any of them, as in inject). Each call is decided by the first entry, in the
+mapping's order, whose op and selector match it; a call no entry matches is torch's own. Values
+are ``LayerQuantization``; a field an op does not take is an error.
 
 The ops and what LayerQuantization's fields mean for them:
 
