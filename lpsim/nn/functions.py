@@ -106,7 +106,7 @@ from lpsim.nn import functional as _functional
 from lpsim.nn.functional import OperandSpecs
 from lpsim.nn.inject import LayerQuantization, simulates_products
 from lpsim.nn.quantizer import QuantSpec, ScalerCall, parse_eval_rounding, quantizing_function
-from lpsim.nn.selectors import check_selector, matches
+from lpsim.nn.selectors import check_selector, matches, module_names
 
 __all__ = ["quantize_functions", "FunctionQuantization", "OPS"]
 
@@ -278,7 +278,7 @@ class FunctionQuantization(TorchFunctionMode):
         self._running: list[tuple[str, nn.Module, dict]] = []  # name, module, calls per op
         self._outside: dict[str, int] = {}  # calls per op made outside the model's modules
         self._hooks: list = []
-        self._names: dict[int, list[str]] = {}
+        self._names: dict[int, list[str]] = {}  # all names of each module (module_names)
         self._active = False
 
     # -- entering and leaving --------------------------------------------------------------
@@ -287,9 +287,7 @@ class FunctionQuantization(TorchFunctionMode):
             raise RuntimeError("quantize_functions: this context is already active")
         self._active = True
         self._outside.clear()
-        self._names = {}  # every qualified name of each module (a shared one has several)
-        for name, module in self.model.named_modules(remove_duplicate=False):
-            self._names.setdefault(id(module), []).append(name)
+        self._names = module_names(self.model)
         for name, module in self.model.named_modules():
             self._hooks.append(module.register_forward_pre_hook(self._entering(name)))
             self._hooks.append(module.register_forward_hook(self._leaving, always_call=True))

@@ -60,7 +60,7 @@ from lpsim.nn.quantizer import (
     parse_eval_rounding,
     quantizing_function,
 )
-from lpsim.nn.selectors import check_selector, matches
+from lpsim.nn.selectors import check_selector, matches, module_names
 from lpsim.rounding import Rounding
 
 __all__ = [
@@ -754,9 +754,7 @@ def _plan(model: nn.Module, config) -> tuple[list, dict]:
     matched = {key: 0 for key in config}
     plan = []
     parametrizing = _parametrization_modules(model)  # a user's weight_norm and the like
-    names: dict[int, list[str]] = {}  # every qualified name of a module registered twice
-    for name, module in model.named_modules(remove_duplicate=False):
-        names.setdefault(id(module), []).append(name)
+    names = module_names(model)
     for name, module in model.named_modules():
         if id(module) in parametrizing or _is_state(module):
             continue

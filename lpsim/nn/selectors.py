@@ -8,7 +8,7 @@ import fnmatch
 
 from torch import nn
 
-__all__ = ["check_selector", "matches"]
+__all__ = ["check_selector", "matches", "module_names"]
 
 
 def check_selector(selector) -> None:
@@ -39,3 +39,13 @@ def matches(selector, name: str, module: nn.Module) -> bool:
     if isinstance(selector, str):
         return fnmatch.fnmatchcase(name, selector)
     return bool(selector(name, module))
+
+
+def module_names(model: nn.Module) -> dict[int, list[str]]:
+    """Every qualified name of each module of ``model``, by id: a module registered under several
+    names (shared by two parents) has them all, which a selector matches when it matches any of
+    them (nn.Module.named_modules names it once, by its first name)."""
+    names: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
+    return names
