@@ -103,9 +103,13 @@ class DelayedScaling:
         top = torch.tensor(self.element.max, dtype=dtype)
         return top * torch.tensor(math.pow(2.0, -self.margin), dtype=dtype)
 
-    def scaler(self) -> DelayedScaler:
-        """A new scaler (fresh state: empty history, scale 1) for one tensor."""
-        return DelayedScaler(self)
+    def scaler(self, device: torch.device | str | None = None) -> DelayedScaler:
+        """A new scaler (fresh state: empty history, scale 1) for one tensor, its state on
+        ``device`` (None: the CPU). The state is made of ordinary tensors even inside
+        torch.inference_mode, whose tensors the training passes after it could not update."""
+        with torch.inference_mode(False):
+            scaler = DelayedScaler(self)
+            return scaler if device is None else scaler.to(device)
 
 
 class _StraightThrough(torch.autograd.Function):

@@ -383,8 +383,7 @@ class FunctionQuantization(TorchFunctionMode):
             spec = self.entries[index].train.specs.get(field)
             if spec is None or not isinstance(spec.format, DelayedScaling):
                 raise KeyError(f"quantize_functions: no DelayedScaling {field} at {key!r}")
-            with torch.inference_mode(False):  # state a training pass can update
-                self.scalers[key] = spec.format.scaler().to(device)
+            self.scalers[key] = spec.format.scaler(device)
         return self.scalers[key]
 
     def _result(self, y: torch.Tensor, decision: _Decision) -> torch.Tensor:

@@ -233,14 +233,11 @@ class _TensorScalers(nn.Module):
         self._device = torch.device(device)
 
     def scaler(self, place: str, device: torch.device) -> DelayedScaler:
-        """The scaler of the tensor at ``place``, made on ``device`` where there is none (with
-        ordinary tensors as its state even inside torch.inference_mode, whose tensors could not
-        be updated by the training passes after it)."""
+        """The scaler of the tensor at ``place``, made on ``device`` where there is none."""
         name = self._name(place)
         found = self._modules.get(name)
         if found is None:
-            with torch.inference_mode(False):
-                found = self._scaling.scaler().to(device)
+            found = self._scaling.scaler(device)
             found.train(self.training)
             self.add_module(name, found)
         return found
@@ -280,8 +277,7 @@ class _TensorScalers(nn.Module):
         }
         for place in places:
             if place not in self._modules:
-                with torch.inference_mode(False):  # state a training pass can update
-                    found = self._scaling.scaler().to(self._device)
+                found = self._scaling.scaler(self._device)
                 found.train(self.training)
                 self.add_module(place, found)
         if strict:

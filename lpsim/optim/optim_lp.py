@@ -460,7 +460,7 @@ class OptimLP(Optimizer):
         scalers = self.scalers.setdefault(p, {})
         scaler = scalers.get(name)
         if scaler is None:
-            scaler = scalers[name] = quant.format.scaler().to(t.device)
+            scaler = scalers[name] = quant.format.scaler(t.device)
         return ScalerCall(scaler, quant.rounding, True, forward_tensor=False)
 
     def parameter_settings(self, p: torch.Tensor) -> ParameterQuantization | None:
@@ -769,7 +769,7 @@ class OptimLP(Optimizer):
                         f"state_dict holds a delayed-scaling state {name!r} for a parameter whose "
                         f"{category} has no DelayedScaling"
                     )
-                scaler = quant.format.scaler().to(p.device)
+                scaler = quant.format.scaler(p.device)
                 scaler.load_state_dict(state)
                 self.scalers.setdefault(p, {})[name] = scaler
 
