@@ -98,6 +98,8 @@ def _reduce(x, dim, cumulative, acc, rounding, rbits, seed, offset):
         d = _dim_of(dim, x)
         shape = shape or (1,)
         outer, n, inner = math.prod(shape[:d]), shape[d], math.prod(shape[d + 1 :])
+        if inner == 0:  # no results: an empty dimension after dim (the op counts inner >= 1)
+            outer, inner = 0, 1
     grid = sum_grid(acc, fitting_container(acc, x.dtype))
     y = call("sum_rounded", x.contiguous(), outer, n, inner, cumulative, *grid, *args)
     return y, acc

@@ -161,6 +161,16 @@ def test_shapes_and_keepdim_follow_torch():
     assert lpsim.accumulate.matmul(torch.rand(3, 0), torch.rand(0, 2)).eq(0).all()
 
 
+@pytest.mark.parametrize("shape", [(2, 0), (4, 0, 1), (1, 2, 0), (3, 0, 2), (0, 3)])
+def test_sum_and_cumsum_beside_an_empty_dimension_give_torchs_empty_or_zero_results(shape):
+    x = torch.zeros(shape)
+    for dim in range(-len(shape), len(shape)):
+        for keepdim in (False, True):
+            want = torch.sum(x, dim, keepdim=keepdim)
+            assert_same_bits(lpsim.accumulate.sum(x, dim, keepdim=keepdim, acc=Float(5, 10)), want)
+        assert_same_bits(lpsim.accumulate.cumsum(x, dim, acc=Float(5, 10)), torch.cumsum(x, dim))
+
+
 def test_stochastic_accumulation_is_reproducible_for_any_thread_count():
     torch.manual_seed(3)
     a = torch.rand(37, 500).half()
