@@ -24,7 +24,8 @@ float16, whose products float64 holds exactly) and rounded into ``mul`` when it 
 k-th rounding of the r-th result (results numbered in row-major order) draws word 2 (r n + k) of
 the position-keyed Philox stream of (seed, offset), and the rounding of its product word
 2 (r n + k) + 1. The results are returned in the input's dtype when ``acc`` fits it, else in
-float32 when ``acc`` fits float32, else in float64.
+float32 when ``acc`` fits float32, else in float64; always in float64 for a Fixed ``acc`` without
+clamp, whose sums may leave its range on a grid that no narrower tensor holds.
 
 The ops have no derivative: with grad mode on and an input that requires grad, a backward pass
 that reaches a result raises RuntimeError (lpsim.nn.functional's products, under an lpsim.MAC,
@@ -47,7 +48,7 @@ from lpsim._checks import (
     random_args,
 )
 from lpsim._ops import call
-from lpsim.formats import Fixed, Float, check_fits, fitting_container
+from lpsim.formats import Fixed, Float, check_fits, sum_container
 from lpsim.rounding import Rounding
 from lpsim.update import own_format, sum_grid
 
@@ -100,7 +101,7 @@ def _reduce(x, dim, cumulative, acc, rounding, rbits, seed, offset):
         outer, n, inner = math.prod(shape[:d]), shape[d], math.prod(shape[d + 1 :])
         if inner == 0:  # no results: an empty dimension after dim (the op counts inner >= 1)
             outer, inner = 0, 1
-    grid = sum_grid(acc, fitting_container(acc, x.dtype))
+    grid = sum_grid(acc, sum_container(acc, x.dtype))
     y = call("sum_rounded", x.contiguous(), outer, n, inner, cumulative, *grid, *args)
     return y, acc
 
@@ -137,7 +138,7 @@ def sum(
         IndexError: dim does not exist in x.
     """
     y, acc = _reduce(x, dim, False, acc, rounding, rbits, seed, offset)
-    out = call("to_container", y, fitting_container(acc, x.dtype))
+    out = call("to_container", y, sum_container(acc, x.dtype))
     if dim is None:
         return out.reshape(())
     if x.dim() == 0:
@@ -163,7 +164,7 @@ def cumsum(
     sum of sum(x, dim) (same order, same roundings, same random words). Arguments (default rounding
     "nearest") and errors as for sum. Returns a tensor of x's shape."""
     y, acc = _reduce(x, dim, True, acc, rounding, rbits, seed, offset)
-    return call("to_container", y, fitting_container(acc, x.dtype)).reshape(x.shape)
+    return call("to_container", y, sum_container(acc, x.dtype)).reshape(x.shape)
 
 
 def _dot(a, b_rows, x_dtype, acc, mul, rounding, rbits, seed, offset):
@@ -171,7 +172,7 @@ def _dot(a, b_rows, x_dtype, acc, mul, rounding, rbits, seed, offset):
     acc = _check_format(acc, "acc", x_dtype)
     mul = _check_format(mul, "mul", None)
     args = _random_args(rounding, rbits, seed, offset)
-    out_dtype = fitting_container(acc, x_dtype)
+    out_dtype = sum_container(acc, x_dtype)
     acc_grid = sum_grid(acc, out_dtype)
     # Products are rounded in float64, the container they are exact in.
     mul_grid = sum_grid(mul, torch.float64) if mul is not None else acc_grid  # unused without mul

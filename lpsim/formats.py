@@ -830,6 +830,15 @@ def fitting_container(fmt: Format, dtype: torch.dtype) -> torch.dtype:
     return torch.float64
 
 
+def sum_container(fmt: Format, dtype: torch.dtype) -> torch.dtype:
+    """The container of sums rounded into ``fmt`` from terms of ``dtype``: fitting_container, but
+    float64 for a Fixed without clamp, whose grid continues beyond its range (2048 + 1 in
+    Fixed(9, 3, clamp=False) is 2049, which a float16 or bfloat16 tensor cannot hold)."""
+    if isinstance(fmt, Fixed) and not fmt.clamp:
+        return torch.float64
+    return fitting_container(fmt, dtype)
+
+
 def check_fits(fmt: Format, dtype: torch.dtype) -> None:
     """Raise unless every value of ``fmt`` is representable in a tensor of ``dtype``.
 

@@ -87,7 +87,7 @@ from lpsim._checks import check_choice, check_element_format, check_int
 from lpsim._checks import random_args as _random_args
 from lpsim._ops import call
 from lpsim.accumulate import check_product_operands
-from lpsim.formats import Fixed, Float, check_fits, fitting_container
+from lpsim.formats import Fixed, Float, check_fits, sum_container
 from lpsim.rounding import Rounding, check_rbits
 from lpsim.update import own_format, sum_grid
 
@@ -352,7 +352,8 @@ def matmul(
     Returns:
         c of shape (M, N): in a's dtype when the accumulator fits it, else in float32 when the
         accumulator fits that (bfloat16 or float16 operands, a float32 accumulator), else in
-        float64 (an accumulator wider than float32, Float(11, 52) say).
+        float64 (an accumulator wider than float32, Float(11, 52) say, or a Fixed without clamp,
+        whose sums may leave its range on a grid that no narrower tensor holds).
 
     Not differentiable under a non-native MAC: with grad mode on and an operand that requires
     grad, c carries a node that raises RuntimeError when a backward pass reaches it (rather than
@@ -372,7 +373,7 @@ def matmul(
     for fmt in (mac.accumulator, mac.product, mac.chunk_accumulator):
         if fmt is not None:
             check_fits(fmt, torch.float64)
-    out_dtype = fitting_container(mac.accumulator, a.dtype)
+    out_dtype = sum_container(mac.accumulator, a.dtype)
     acc = sum_grid(mac.accumulator, out_dtype)
     inner = sum_grid(mac.chunk_accumulator or mac.accumulator, torch.float64)
     product = sum_grid(mac.product, torch.float64) if mac.product is not None else acc

@@ -171,6 +171,17 @@ def test_sum_and_cumsum_beside_an_empty_dimension_give_torchs_empty_or_zero_resu
         assert_same_bits(lpsim.accumulate.cumsum(x, dim, acc=Float(5, 10)), torch.cumsum(x, dim))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_an_unclamped_fixed_accumulator_keeps_its_grid_beyond_the_inputs_dtype(dtype):
+    # Fixed(9, 3, clamp=False) holds every multiple of 1/8: 2048 + 1 and 2^15 + 2^15 + 1/8 exactly.
+    fmt = Fixed(9, 3, clamp=False)
+    x = torch.tensor([[2048.0, 1.0, 0.0], [2.0**15, 2.0**15, 2.0**-3]], dtype=dtype)
+    want = torch.tensor([2049.0, 2.0**16 + 2.0**-3], dtype=torch.float64)
+    assert_same_bits(lpsim.accumulate.sum(x, 1, acc=fmt), want)
+    assert_same_bits(lpsim.accumulate.cumsum(x, 1, acc=fmt)[:, -1], want)
+    assert_same_bits(lpsim.accumulate.matvec(x, torch.ones(3, dtype=dtype), acc=fmt), want)
+
+
 def test_stochastic_accumulation_is_reproducible_for_any_thread_count():
     torch.manual_seed(3)
     a = torch.rand(37, 500).half()

@@ -361,6 +361,19 @@ def test_kernel_results_take_the_accumulators_container():
     assert lpsim.mac.matmul(a, b, MAC(accumulator=Float(9, 30))).dtype == torch.float64
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_an_unclamped_fixed_accumulator_keeps_its_grid_beyond_the_operands_dtype(dtype):
+    # Fixed(9, 3, clamp=False) holds every multiple of 1/8: 2048 + 1 and 2^15 + 2^15 + 1/8 exactly.
+    a = torch.tensor([[2048.0, 1.0, 0.0], [2.0**15, 2.0**15, 2.0**-3]], dtype=dtype)
+    b = torch.tensor([[1.0], [1.0], [1.0]], dtype=dtype)
+    for mac in (
+        MAC(accumulator=Fixed(9, 3, clamp=False)),
+        MAC(accumulator=Fixed(9, 3, clamp=False), order="pairwise"),
+    ):
+        want = torch.tensor([[2049.0], [2.0**16 + 2.0**-3]], dtype=torch.float64)
+        assert_same_bits(lpsim.mac.matmul(a, b, mac), want)
+
+
 @pytest.mark.parametrize(
     "a, b, mac, error, words",
     [
