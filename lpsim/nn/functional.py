@@ -62,12 +62,12 @@ convolution use the offsets 0, 1, ... of that seed (lpsim.mac's words within eac
 
 The results have the dtype ``lpsim.mac.matmul`` gives: the operands' when the accumulator fits it,
 else float32 when the accumulator fits that, else float64. An accumulator wider than float32
-(Float(11, 52), say) gives float64 results, whose gradients no simulated backward product takes
-(float64 products would not be exact: TypeError); such a product needs native backward MACs
-(``input_grad_mac=weight_grad_mac=MAC()``), whose float64 gradients autograd casts to the
-operands' dtype. Without any non-native MAC and format the functions are torch's own, except
-``multi_head_attention_forward``, which always computes torch's explicit path (its need_weights=True
-one) product by product: torch's result to rounding.
+(Float(11, 52), say, or a Fixed without clamp) gives float64 results, whose gradients no
+simulated backward product takes (float64 products would not be exact: TypeError); such a product
+needs native backward MACs (``input_grad_mac=weight_grad_mac=MAC()``), whose float64 gradients
+autograd casts to the operands' dtype. Without any non-native MAC and format the functions are
+torch's own, except ``multi_head_attention_forward``, which always computes torch's explicit path
+(its need_weights=True one) product by product: torch's result to rounding.
 
 Double backward (``create_graph=True``, then a second differentiation): a product under a
 non-native MAC has no derivative, so differentiating a gradient that a simulated backward product
@@ -320,8 +320,9 @@ def _product(a: torch.Tensor, b: torch.Tensor, mac: MAC, seed: int | None, offse
     if dtype == torch.float64:
         raise TypeError(
             "a product under a non-native MAC takes float32, bfloat16 or float16 operands (float64 "
-            "products would not be exact), got float64: an accumulator wider than float32 gives "
-            "float64 results, whose gradients no simulated backward product can take"
+            "products would not be exact), got float64: an accumulator wider than float32 (or a "
+            "Fixed without clamp) gives float64 results, whose gradients no simulated backward "
+            "product can take"
         )
     return _mac.matmul(a, b, mac, seed=seed, offset=offset)
 
