@@ -581,12 +581,36 @@ def test_a_call_outside_the_models_modules_keeps_one_site_when_the_context_is_en
     for _ in range(3):
         with functions:
             a @ b
-    assert list(functions.scalers.keys()) == ["0::matmul:0:input"]
-    assert int(functions.scalers["0::matmul:0:input"].calls) == 3
+    assert list(functions.scalers.keys()) == ["0:<outside>:matmul:0:input"]
+    assert int(functions.scalers["0:<outside>:matmul:0:input"].calls) == 3
     with functions:  # the documented pitfall: a loop inside one entry
         for _ in range(2):
             a @ b
-    assert sorted(functions.scalers.keys()) == ["0::matmul:0:input", "0::matmul:1:input"]
+    assert sorted(functions.scalers.keys()) == [
+        "0:<outside>:matmul:0:input",
+        "0:<outside>:matmul:1:input",
+    ]
+
+
+def test_a_call_outside_the_model_keeps_its_own_history_apart_from_the_models_forward():
+    """The model's own forward (module name "") and the caller outside it each have a site
+    "matmul, rank 0": one shared history let the outside tensor's amax set the model's scale."""
+    torch.manual_seed(16)
+    model = Products()
+    functions = quantize_functions(model, {"matmul": nearest(input=DELAYED)})
+    scalers = [DELAYED.scaler(), DELAYED.scaler()]
+    for _ in range(3):
+        x = torch.randn(3, 5, 8)
+        with functions:
+            got = model(x)
+            (1000 * got) @ torch.ones(5, 2)  # the loss's product, outside the model
+        assert_same_bits(got, by_hand(model, x, scalers))
+    assert sorted(functions.scalers.keys()) == [
+        "0::matmul:0:input",
+        "0::matmul:1:input",
+        "0:<outside>:matmul:0:input",
+    ]
+    assert int(functions.scalers["0:<outside>:matmul:0:input"].calls) == 3
 
 
 def test_attention_refuses_an_integer_mask_as_torch_does():

@@ -68,13 +68,13 @@ draw their seeds from torch's default generator, as lpsim.quantize does.
 A DelayedScaling format keeps one amax history per call site: the entry, the innermost running
 module, the op, the field, and the call's rank among that op's calls in the module's current
 forward (the second softmax of a block is another site than the first). A call made outside the
-model's modules is ranked among such calls since the context was entered: enter the context once
-per step, as above, for it to keep one site; in a loop inside one ``with`` it gets a new site, and
-a fresh history, at every step. The scalers (lpsim's
-DelayedScaler) are created at a site's first call, on its tensor's device, and live in the
-context's ``scalers`` (an nn.ModuleDict); ``state_dict()`` and ``load_state_dict()`` save and
-restore them (loading creates the scalers it names), so that a resumed run continues their
-histories. In eval mode they quantise without recording.
+model's modules has sites of its own, apart from the calls of the model's own forward, and is
+ranked among such calls since the context was entered: enter the context once per step, as above,
+for it to keep one site; in a loop inside one ``with`` it gets a new site, and a fresh history, at
+every step. The scalers (lpsim's DelayedScaler) are created at a site's first call, on its tensor's
+device, and live in the context's ``scalers`` (an nn.ModuleDict); ``state_dict()`` and
+``load_state_dict()`` save and restore them (loading creates the scalers it names), so that a
+resumed run continues their histories. In eval mode they quantise without recording.
 
 mm and bmm keep their shape rules (two matrices; two 3-D tensors of one batch size): other
 shapes are refused with a ValueError, not computed as a broadcasting matmul. Where two contexts
@@ -157,6 +157,9 @@ _SOFTMAX_FUNCTIONS = (torch.softmax, F.softmax, torch.Tensor.softmax)
 _CLAIMED: contextvars.ContextVar[FunctionQuantization | None] = contextvars.ContextVar(
     "lpsim_claimed_by", default=None
 )
+# The module part of the sites of calls made outside the model's modules (the model's own calls
+# have the name ""; attribute names hold no "<").
+_OUTSIDE = "<outside>"
 _MM_FUNCTIONS = (torch.mm, torch.Tensor.mm)
 _BMM_FUNCTIONS = (torch.bmm, torch.Tensor.bmm)
 
@@ -347,12 +350,15 @@ class FunctionQuantization(TorchFunctionMode):
         index = self._entry_index(op)
         if index is None:
             return None
-        name, module, calls = self._running[-1] if self._running else ("", None, self._outside)
-        training = module.training if module is not None else self.model.training
+        if self._running:
+            name, module, calls = self._running[-1]
+            where, training = name.replace(".", "/"), module.training
+        else:  # not the model's own calls, whose module name "" is the model's
+            where, training, calls = _OUTSIDE, self.model.training, self._outside
         rank = calls.get(op, 0)
         calls[op] = rank + 1
         entry = self.entries[index]
-        site = f"{index}:{name.replace('.', '/')}:{op.replace('.', '/')}:{rank}"
+        site = f"{index}:{where}:{op.replace('.', '/')}:{rank}"
         return _Decision(index, entry.train if training else entry.eval, site, training)
 
     def _quantiser(self, decision: _Decision, field: str, device: torch.device):
