@@ -12,6 +12,7 @@ module, precedence of inject's MACs, eval rounding, seeds and errors."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ import lpsim.nn.functional as LF
 from lpsim import MAC, Float
 from lpsim.delayed_scaling import DelayedScaling
 from lpsim.nn import LayerQuantization, inject, quantize_functions
+from lpsim.scaled import preset
 
 E4M3 = Float(4, 3)
 E5M2 = Float(5, 2)
@@ -243,6 +245,26 @@ def test_scaled_dot_product_attention_scores_and_context_are_on_the_grid():
     products = recorder.named("matmul")
     assert len(products) == 2
     assert on_grid(products[1][0], E5M2)  # the context's first operand: the probabilities
+
+
+def test_attention_operands_with_axis_minus_2_are_scaled_along_the_reduction():
+    """k^T and v are the second operands (K, N): an MX format with axis=-2 has blocks along
+    head_dim for k and along the keys for v (the last block of 37 keys holds 5), as k and v
+    quantised along their own reduction axes; q and p take axis -1."""
+    torch.manual_seed(17)
+    mx = preset("mxfp8_e4m3")
+    along_k = dataclasses.replace(mx, axis=-2)
+    q, k, v = torch.randn(2, 3, 5, 64), torch.randn(2, 3, 37, 64), torch.randn(2, 3, 37, 64)
+    k, v = k * torch.exp(3 * torch.randn(2, 3, 37, 1)), v * torch.exp(3 * torch.randn(2, 3, 1, 64))
+    product = nearest(input=mx, weight=along_k)
+    config = {"attention.scores": product, "attention.context": product}
+    with quantize_functions(nn.Identity(), config):
+        got = F.scaled_dot_product_attention(q, k, v)
+    k_blocks = lpsim.quantize(k, mx, "nearest").transpose(-2, -1)  # along head_dim
+    v_blocks = lpsim.quantize(v.transpose(-2, -1), mx, "nearest").transpose(-2, -1)  # the keys
+    scores = (lpsim.quantize(q, mx, "nearest") @ k_blocks) * 0.125
+    weights = torch.softmax(scores, dim=-1)
+    assert_same_bits(got, lpsim.quantize(weights, mx, "nearest") @ v_blocks)
 
 
 @pytest.mark.parametrize("need_weights", [True, False])

@@ -34,13 +34,20 @@ The ops and what LayerQuantization's fields mean for them:
   (its docstring states the terms and their order); ``input_grad_operands`` and
   ``weight_grad_operands`` the operands of those two backward products (an
   lpsim.nn.functional.Operands: quantised afresh from the unquantised operands and error).
+  Each format applies to its tensor as the call passes it: the first operand is (M, K), the second
+  (K, N), so a scaled format whose blocks run along the reduction axis K, as MX and block-scaled
+  FP8 hardware scales them, has axis=-1 on the first operand and axis=-2 on the second (with -1,
+  its blocks run along N); the error (M, N) has N, the input gradient's reduction, last.
 - ``"linear"``: ``torch.nn.functional.linear`` (nn.Linear's forward): the fields of ``"matmul"``
-  plus ``bias``; the bias is added as lpsim.nn.functional.linear adds it.
+  plus ``bias``; the bias is added as lpsim.nn.functional.linear adds it. The weight is
+  (out_features, in_features): axis=-1 runs along the reduction.
 - ``"softmax"``: ``torch.softmax``, ``torch.nn.functional.softmax``, ``Tensor.softmax``:
   ``input``, ``output``, ``error``.
 - ``"attention.scores"``, ``"attention.softmax"``, ``"attention.context"``: the three steps of
   attention (the scores q k^T, their softmax, the context p v), as ``"matmul"`` and ``"softmax"``
   take them; where no entry names them, the ``"matmul"`` and ``"softmax"`` entries decide them.
+  The second operands are k^T (head_dim, keys) and v (keys, head_dim): axis=-2 runs along the
+  reduction in both.
 
 Attention is computed step by step where an entry decides one of its steps (else it is torch's
 fused kernel):
