@@ -534,6 +534,26 @@ def test_a_matmul_with_out_is_refused_when_simulated():
 
 
 @pytest.mark.parametrize(
+    "call, keywords",
+    [
+        (torch.matmul, ("input", "other")),
+        (torch.mm, ("input", "mat2")),
+        (torch.Tensor.matmul, ("other",)),
+        (torch.Tensor.mm, ("mat2",)),
+    ],
+)
+def test_a_matmul_with_operands_given_by_keyword_is_simulated(call, keywords):
+    """torch.matmul(input=a, other=b) is torch's valid call; it was refused as if it had out=."""
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    operands = dict(zip(keywords, (a, b)[-len(keywords) :]))
+    positional = (a,) if len(keywords) == 1 else ()
+    with quantize_functions(nn.Identity(), {"matmul": nearest(input=E4M3, output=E4M3)}):
+        got = call(*positional, **operands)
+    expected = lpsim.quantize(lpsim.quantize(a, E4M3, "nearest") @ b, E4M3, "nearest")
+    assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize(
     "call, shapes",
     [
         (torch.mm, [(2, 3, 4), (2, 4, 5)]),

@@ -461,13 +461,17 @@ class FunctionQuantization(TorchFunctionMode):
         decision = self.decide(_hooks.function_name() or "matmul")
         if decision is None:
             return func(*args, **kwargs)
-        if len(args) != 2 or kwargs:
+        second = "mat2" if func in (*_MM_FUNCTIONS, *_BMM_FUNCTIONS) else "other"
+        rest = dict(kwargs)  # operands given by torch's names (input: a method's self)
+        names = ("input", second)[len(args) :]
+        operands = (*args, *(rest.pop(name) for name in names if name in rest))
+        if len(operands) != 2 or rest:
             raise ValueError(
                 f"quantize_functions: {func.__name__} is simulated with its two operands only, "
                 f"got {len(args)} positional arguments and keywords {sorted(kwargs)}"
             )
-        _check_shapes(func, *args)
-        return self._product(decision, *args)
+        _check_shapes(func, *operands)
+        return self._product(decision, *operands)
 
     def _linear(self, args, kwargs):
         decision = self.decide("linear")
