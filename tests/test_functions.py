@@ -135,6 +135,24 @@ def test_stepwise_attention_is_torchs_to_float64_rounding_forward_and_backward(o
         torch.testing.assert_close(g, e, rtol=1e-11, atol=1e-11)
 
 
+def test_grouped_query_attention_quantises_each_key_and_value_head_once():
+    """With enable_gqa a key head serves 3 query heads: stochastic rounding rounds it once, as the
+    one tensor it is, not each of 3 repeated copies its own way."""
+    torch.manual_seed(18)
+    q, k, v = torch.randn(2, 6, 5, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
+    product = LayerQuantization(input=E4M3, weight=E4M3, output=E4M3, rounding="stochastic")
+    config = {"attention.scores": product, "attention.context": product}
+    torch.manual_seed(19)
+    with quantize_functions(nn.Identity(), config):
+        got = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.manual_seed(19)  # the same draws, in the steps' order: operands, then the result
+    rounded = lambda t: lpsim.quantize(t, E4M3, "stochastic")  # noqa: E731
+    q, k_t = rounded(q), rounded(k.transpose(-2, -1)).repeat_interleave(3, dim=1)
+    weights = torch.softmax(rounded(q @ k_t) * 0.25, dim=-1)
+    weights, v = rounded(weights), rounded(v).repeat_interleave(3, dim=1)
+    assert_same_bits(got, rounded(weights @ v))
+
+
 def test_multihead_attention_under_empty_settings_is_torchs_to_float64_rounding():
     torch.manual_seed(2)
     mha = nn.MultiheadAttention(16, 4, batch_first=True).double()

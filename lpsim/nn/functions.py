@@ -60,7 +60,10 @@ fused kernel):
   that are all -inf, a query no key takes part in, gives weights 0 with zero gradients, as
   torch's kernels give, not softmax's NaN); dropout with ``dropout_p`` (torch's F.dropout:
   other random draws than torch's fused kernels); the context product p v (K = the keys). With
-  enable_gqa the key and value heads are repeated as torch's.
+  enable_gqa each key and value head serves its group of query heads as in torch, quantised
+  once: the products broadcast it over the group (torch repeats it; a stochastic rule would
+  round each copy its own way), their operands and results having the heads split into (key
+  heads, group) and k and v a group axis of size 1 (a format's negative axis is unchanged).
 - ``F.multi_head_attention_forward`` (nn.MultiheadAttention, nn.TransformerEncoderLayer and
   nn.TransformerDecoderLayer call it): lpsim.nn.functional.multi_head_attention_forward, whose
   in and out projections are ``"linear"`` calls and whose attention steps are the three above
@@ -572,6 +575,7 @@ def scaled_dot_product_attention(
             f"scaled_dot_product_attention: attn_mask must be bool (False: masked) or "
             f"floating-point (added to the scores), got {attn_mask.dtype}"
         )
+    groups = None  # with GQA, (key heads, query heads per key head)
     if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
         heads, kv_heads = query.shape[-3], key.shape[-3]
         if heads % kv_heads:
@@ -579,10 +583,14 @@ def scaled_dot_product_attention(
                 f"scaled_dot_product_attention: enable_gqa needs the query heads ({heads}) to be "
                 f"a multiple of the key heads ({kv_heads})"
             )
-        key = key.repeat_interleave(heads // kv_heads, dim=-3)
-        value = value.repeat_interleave(heads // kv_heads, dim=-3)
+        # Each key and value head, quantised once, broadcast over its group of query heads (head
+        # h takes key head h // group, as torch's repeat_interleave gives it).
+        groups = (kv_heads, heads // kv_heads)
+        key, value = key.unsqueeze(-3), value.unsqueeze(-3)
+    grouped = (lambda t: t) if groups is None else (lambda t: t.unflatten(-3, groups))
+    merged = (lambda t: t) if groups is None else (lambda t: t.flatten(-4, -3))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = mode.product("attention.scores", query, key.transpose(-2, -1))
+    scores = merged(mode.product("attention.scores", grouped(query), key.transpose(-2, -1)))
     scores = scores * scale
     target, source = query.shape[-2], key.shape[-2]
     if is_causal:
@@ -601,7 +609,7 @@ def scaled_dot_product_attention(
     weights = weights.masked_fill(masked, 0.0)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    return mode.product("attention.context", weights, value)
+    return merged(mode.product("attention.context", grouped(weights), value))
 
 
 def quantize_functions(
