@@ -12,6 +12,7 @@ module, precedence of inject's MACs, eval rounding, seeds and errors."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ import lpsim.nn.functional as LF
 from lpsim import MAC, Float
 from lpsim.delayed_scaling import DelayedScaling
 from lpsim.nn import LayerQuantization, inject, quantize_functions
+from lpsim.scaled import preset
 
 E4M3 = Float(4, 3)
 E5M2 = Float(5, 2)
@@ -131,6 +133,24 @@ def test_stepwise_attention_is_torchs_to_float64_rounding_forward_and_backward(o
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     for g, e in zip(got_grads, grads):
         torch.testing.assert_close(g, e, rtol=1e-11, atol=1e-11)
+
+
+def test_grouped_query_attention_quantises_each_key_and_value_head_once():
+    """With enable_gqa a key head serves 3 query heads: stochastic rounding rounds it once, as the
+    one tensor it is, not each of 3 repeated copies its own way."""
+    torch.manual_seed(18)
+    q, k, v = torch.randn(2, 6, 5, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
+    product = LayerQuantization(input=E4M3, weight=E4M3, output=E4M3, rounding="stochastic")
+    config = {"attention.scores": product, "attention.context": product}
+    torch.manual_seed(19)
+    with quantize_functions(nn.Identity(), config):
+        got = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    torch.manual_seed(19)  # the same draws, in the steps' order: operands, then the result
+    rounded = lambda t: lpsim.quantize(t, E4M3, "stochastic")  # noqa: E731
+    q, k_t = rounded(q), rounded(k.transpose(-2, -1)).repeat_interleave(3, dim=1)
+    weights = torch.softmax(rounded(q @ k_t) * 0.25, dim=-1)
+    weights, v = rounded(weights), rounded(v).repeat_interleave(3, dim=1)
+    assert_same_bits(got, rounded(weights @ v))
 
 
 def test_multihead_attention_under_empty_settings_is_torchs_to_float64_rounding():
@@ -243,6 +263,26 @@ def test_scaled_dot_product_attention_scores_and_context_are_on_the_grid():
     products = recorder.named("matmul")
     assert len(products) == 2
     assert on_grid(products[1][0], E5M2)  # the context's first operand: the probabilities
+
+
+def test_attention_operands_with_axis_minus_2_are_scaled_along_the_reduction():
+    """k^T and v are the second operands (K, N): an MX format with axis=-2 has blocks along
+    head_dim for k and along the keys for v (the last block of 37 keys holds 5), as k and v
+    quantised along their own reduction axes; q and p take axis -1."""
+    torch.manual_seed(17)
+    mx = preset("mxfp8_e4m3")
+    along_k = dataclasses.replace(mx, axis=-2)
+    q, k, v = torch.randn(2, 3, 5, 64), torch.randn(2, 3, 37, 64), torch.randn(2, 3, 37, 64)
+    k, v = k * torch.exp(3 * torch.randn(2, 3, 37, 1)), v * torch.exp(3 * torch.randn(2, 3, 1, 64))
+    product = nearest(input=mx, weight=along_k)
+    config = {"attention.scores": product, "attention.context": product}
+    with quantize_functions(nn.Identity(), config):
+        got = F.scaled_dot_product_attention(q, k, v)
+    k_blocks = lpsim.quantize(k, mx, "nearest").transpose(-2, -1)  # along head_dim
+    v_blocks = lpsim.quantize(v.transpose(-2, -1), mx, "nearest").transpose(-2, -1)  # the keys
+    scores = (lpsim.quantize(q, mx, "nearest") @ k_blocks) * 0.125
+    weights = torch.softmax(scores, dim=-1)
+    assert_same_bits(got, lpsim.quantize(weights, mx, "nearest") @ v_blocks)
 
 
 @pytest.mark.parametrize("need_weights", [True, False])
@@ -512,6 +552,26 @@ def test_a_matmul_with_out_is_refused_when_simulated():
 
 
 @pytest.mark.parametrize(
+    "call, keywords",
+    [
+        (torch.matmul, ("input", "other")),
+        (torch.mm, ("input", "mat2")),
+        (torch.Tensor.matmul, ("other",)),
+        (torch.Tensor.mm, ("mat2",)),
+    ],
+)
+def test_a_matmul_with_operands_given_by_keyword_is_simulated(call, keywords):
+    """torch.matmul(input=a, other=b) is torch's valid call; it was refused as if it had out=."""
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    operands = dict(zip(keywords, (a, b)[-len(keywords) :]))
+    positional = (a,) if len(keywords) == 1 else ()
+    with quantize_functions(nn.Identity(), {"matmul": nearest(input=E4M3, output=E4M3)}):
+        got = call(*positional, **operands)
+    expected = lpsim.quantize(lpsim.quantize(a, E4M3, "nearest") @ b, E4M3, "nearest")
+    assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize(
     "call, shapes",
     [
         (torch.mm, [(2, 3, 4), (2, 4, 5)]),
@@ -581,12 +641,36 @@ def test_a_call_outside_the_models_modules_keeps_one_site_when_the_context_is_en
     for _ in range(3):
         with functions:
             a @ b
-    assert list(functions.scalers.keys()) == ["0::matmul:0:input"]
-    assert int(functions.scalers["0::matmul:0:input"].calls) == 3
+    assert list(functions.scalers.keys()) == ["0:<outside>:matmul:0:input"]
+    assert int(functions.scalers["0:<outside>:matmul:0:input"].calls) == 3
     with functions:  # the documented pitfall: a loop inside one entry
         for _ in range(2):
             a @ b
-    assert sorted(functions.scalers.keys()) == ["0::matmul:0:input", "0::matmul:1:input"]
+    assert sorted(functions.scalers.keys()) == [
+        "0:<outside>:matmul:0:input",
+        "0:<outside>:matmul:1:input",
+    ]
+
+
+def test_a_call_outside_the_model_keeps_its_own_history_apart_from_the_models_forward():
+    """The model's own forward (module name "") and the caller outside it each have a site
+    "matmul, rank 0": one shared history let the outside tensor's amax set the model's scale."""
+    torch.manual_seed(16)
+    model = Products()
+    functions = quantize_functions(model, {"matmul": nearest(input=DELAYED)})
+    scalers = [DELAYED.scaler(), DELAYED.scaler()]
+    for _ in range(3):
+        x = torch.randn(3, 5, 8)
+        with functions:
+            got = model(x)
+            (1000 * got) @ torch.ones(5, 2)  # the loss's product, outside the model
+        assert_same_bits(got, by_hand(model, x, scalers))
+    assert sorted(functions.scalers.keys()) == [
+        "0::matmul:0:input",
+        "0::matmul:1:input",
+        "0:<outside>:matmul:0:input",
+    ]
+    assert int(functions.scalers["0:<outside>:matmul:0:input"].calls) == 3
 
 
 def test_attention_refuses_an_integer_mask_as_torch_does():

@@ -34,13 +34,20 @@ The ops and what LayerQuantization's fields mean for them:
   (its docstring states the terms and their order); ``input_grad_operands`` and
   ``weight_grad_operands`` the operands of those two backward products (an
   lpsim.nn.functional.Operands: quantised afresh from the unquantised operands and error).
+  Each format applies to its tensor as the call passes it: the first operand is (M, K), the second
+  (K, N), so a scaled format whose blocks run along the reduction axis K, as MX and block-scaled
+  FP8 hardware scales them, has axis=-1 on the first operand and axis=-2 on the second (with -1,
+  its blocks run along N); the error (M, N) has N, the input gradient's reduction, last.
 - ``"linear"``: ``torch.nn.functional.linear`` (nn.Linear's forward): the fields of ``"matmul"``
-  plus ``bias``; the bias is added as lpsim.nn.functional.linear adds it.
+  plus ``bias``; the bias is added as lpsim.nn.functional.linear adds it. The weight is
+  (out_features, in_features): axis=-1 runs along the reduction.
 - ``"softmax"``: ``torch.softmax``, ``torch.nn.functional.softmax``, ``Tensor.softmax``:
   ``input``, ``output``, ``error``.
 - ``"attention.scores"``, ``"attention.softmax"``, ``"attention.context"``: the three steps of
   attention (the scores q k^T, their softmax, the context p v), as ``"matmul"`` and ``"softmax"``
   take them; where no entry names them, the ``"matmul"`` and ``"softmax"`` entries decide them.
+  The second operands are k^T (head_dim, keys) and v (keys, head_dim): axis=-2 runs along the
+  reduction in both.
 
 Attention is computed step by step where an entry decides one of its steps (else it is torch's
 fused kernel):
@@ -53,7 +60,10 @@ fused kernel):
   that are all -inf, a query no key takes part in, gives weights 0 with zero gradients, as
   torch's kernels give, not softmax's NaN); dropout with ``dropout_p`` (torch's F.dropout:
   other random draws than torch's fused kernels); the context product p v (K = the keys). With
-  enable_gqa the key and value heads are repeated as torch's.
+  enable_gqa each key and value head serves its group of query heads as in torch, quantised
+  once: the products broadcast it over the group (torch repeats it; a stochastic rule would
+  round each copy its own way), their operands and results having the heads split into (key
+  heads, group) and k and v a group axis of size 1 (a format's negative axis is unchanged).
 - ``F.multi_head_attention_forward`` (nn.MultiheadAttention, nn.TransformerEncoderLayer and
   nn.TransformerDecoderLayer call it): lpsim.nn.functional.multi_head_attention_forward, whose
   in and out projections are ``"linear"`` calls and whose attention steps are the three above
@@ -68,13 +78,13 @@ draw their seeds from torch's default generator, as lpsim.quantize does.
 A DelayedScaling format keeps one amax history per call site: the entry, the innermost running
 module, the op, the field, and the call's rank among that op's calls in the module's current
 forward (the second softmax of a block is another site than the first). A call made outside the
-model's modules is ranked among such calls since the context was entered: enter the context once
-per step, as above, for it to keep one site; in a loop inside one ``with`` it gets a new site, and
-a fresh history, at every step. The scalers (lpsim's
-DelayedScaler) are created at a site's first call, on its tensor's device, and live in the
-context's ``scalers`` (an nn.ModuleDict); ``state_dict()`` and ``load_state_dict()`` save and
-restore them (loading creates the scalers it names), so that a resumed run continues their
-histories. In eval mode they quantise without recording.
+model's modules has sites of its own, apart from the calls of the model's own forward, and is
+ranked among such calls since the context was entered: enter the context once per step, as above,
+for it to keep one site; in a loop inside one ``with`` it gets a new site, and a fresh history, at
+every step. The scalers (lpsim's DelayedScaler) are created at a site's first call, on its tensor's
+device, and live in the context's ``scalers`` (an nn.ModuleDict); ``state_dict()`` and
+``load_state_dict()`` save and restore them (loading creates the scalers it names), so that a
+resumed run continues their histories. In eval mode they quantise without recording.
 
 mm and bmm keep their shape rules (two matrices; two 3-D tensors of one batch size): other
 shapes are refused with a ValueError, not computed as a broadcasting matmul. Where two contexts
@@ -157,6 +167,9 @@ _SOFTMAX_FUNCTIONS = (torch.softmax, F.softmax, torch.Tensor.softmax)
 _CLAIMED: contextvars.ContextVar[FunctionQuantization | None] = contextvars.ContextVar(
     "lpsim_claimed_by", default=None
 )
+# The module part of the sites of calls made outside the model's modules (the model's own calls
+# have the name ""; attribute names hold no "<").
+_OUTSIDE = "<outside>"
 _MM_FUNCTIONS = (torch.mm, torch.Tensor.mm)
 _BMM_FUNCTIONS = (torch.bmm, torch.Tensor.bmm)
 
@@ -347,12 +360,15 @@ class FunctionQuantization(TorchFunctionMode):
         index = self._entry_index(op)
         if index is None:
             return None
-        name, module, calls = self._running[-1] if self._running else ("", None, self._outside)
-        training = module.training if module is not None else self.model.training
+        if self._running:
+            name, module, calls = self._running[-1]
+            where, training = name.replace(".", "/"), module.training
+        else:  # not the model's own calls, whose module name "" is the model's
+            where, training, calls = _OUTSIDE, self.model.training, self._outside
         rank = calls.get(op, 0)
         calls[op] = rank + 1
         entry = self.entries[index]
-        site = f"{index}:{name.replace('.', '/')}:{op.replace('.', '/')}:{rank}"
+        site = f"{index}:{where}:{op.replace('.', '/')}:{rank}"
         return _Decision(index, entry.train if training else entry.eval, site, training)
 
     def _quantiser(self, decision: _Decision, field: str, device: torch.device):
@@ -448,13 +464,17 @@ class FunctionQuantization(TorchFunctionMode):
         decision = self.decide(_hooks.function_name() or "matmul")
         if decision is None:
             return func(*args, **kwargs)
-        if len(args) != 2 or kwargs:
+        second = "mat2" if func in (*_MM_FUNCTIONS, *_BMM_FUNCTIONS) else "other"
+        rest = dict(kwargs)  # operands given by torch's names (input: a method's self)
+        names = ("input", second)[len(args) :]
+        operands = (*args, *(rest.pop(name) for name in names if name in rest))
+        if len(operands) != 2 or rest:
             raise ValueError(
                 f"quantize_functions: {func.__name__} is simulated with its two operands only, "
                 f"got {len(args)} positional arguments and keywords {sorted(kwargs)}"
             )
-        _check_shapes(func, *args)
-        return self._product(decision, *args)
+        _check_shapes(func, *operands)
+        return self._product(decision, *operands)
 
     def _linear(self, args, kwargs):
         decision = self.decide("linear")
@@ -555,6 +575,7 @@ def scaled_dot_product_attention(
             f"scaled_dot_product_attention: attn_mask must be bool (False: masked) or "
             f"floating-point (added to the scores), got {attn_mask.dtype}"
         )
+    groups = None  # with GQA, (key heads, query heads per key head)
     if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
         heads, kv_heads = query.shape[-3], key.shape[-3]
         if heads % kv_heads:
@@ -562,10 +583,14 @@ def scaled_dot_product_attention(
                 f"scaled_dot_product_attention: enable_gqa needs the query heads ({heads}) to be "
                 f"a multiple of the key heads ({kv_heads})"
             )
-        key = key.repeat_interleave(heads // kv_heads, dim=-3)
-        value = value.repeat_interleave(heads // kv_heads, dim=-3)
+        # Each key and value head, quantised once, broadcast over its group of query heads (head
+        # h takes key head h // group, as torch's repeat_interleave gives it).
+        groups = (kv_heads, heads // kv_heads)
+        key, value = key.unsqueeze(-3), value.unsqueeze(-3)
+    grouped = (lambda t: t) if groups is None else (lambda t: t.unflatten(-3, groups))
+    merged = (lambda t: t) if groups is None else (lambda t: t.flatten(-4, -3))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = mode.product("attention.scores", query, key.transpose(-2, -1))
+    scores = merged(mode.product("attention.scores", grouped(query), key.transpose(-2, -1)))
     scores = scores * scale
     target, source = query.shape[-2], key.shape[-2]
     if is_causal:
@@ -584,7 +609,7 @@ def scaled_dot_product_attention(
     weights = weights.masked_fill(masked, 0.0)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    return mode.product("attention.context", weights, value)
+    return merged(mode.product("attention.context", grouped(weights), value))
 
 
 def quantize_functions(
