@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -716,3 +717,50 @@ def test_a_shared_module_is_selected_by_either_of_its_names():
         y = model(x)
     once = lpsim.quantize(x @ x, fmt, "nearest")
     assert torch.equal(y, lpsim.quantize(once @ once, fmt, "nearest"))
+
+
+MASKING_FORMATS = [
+    Float(2, 1, special="none", saturate=True),  # no Inf: -inf would saturate to -6
+    Float(4, 3, special="fn"),  # no Inf: -inf would be NaN
+    preset("mxfp8_e4m3"),  # an amax of inf would make the block's scale NaN
+]
+
+
+@pytest.mark.parametrize("fmt", MASKING_FORMATS, ids=["fp4", "e4m3fn", "mxfp8"])
+def test_masked_scores_stay_masked_under_a_softmax_input_format(fmt):
+    torch.manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 4, 32) for _ in range(3))
+    config = {"attention.softmax": nearest(input=fmt)}
+    with quantize_functions(nn.Identity(), config):
+        got = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        later = v.clone()
+        later[..., 1:, :] += 100.0  # what query 0 must not see
+        query_0 = F.scaled_dot_product_attention(q, k, later, is_causal=True)[..., 0, :]
+    assert_same_bits(query_0, got[..., 0, :])
+    # The scores that take part are rounded as a tensor whose masked positions are zeros.
+    allowed = torch.ones(4, 4, dtype=torch.bool).tril()
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(32))
+    rounded = lpsim.quantize(scores.masked_fill(~allowed, 0.0), fmt)
+    expected = torch.softmax(rounded.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+    assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize("fmt", MASKING_FORMATS, ids=["fp4", "e4m3fn", "mxfp8"])
+def test_a_causal_float_mask_of_multihead_attention_stays_a_mask_under_a_softmax_format(fmt):
+    torch.manual_seed(12)
+    mha = nn.MultiheadAttention(32, 2, batch_first=True)
+    x = torch.randn(2, 5, 32)
+    mask = nn.Transformer.generate_square_subsequent_mask(5)  # float, -inf above the diagonal
+    later = x.clone()
+    later[:, 1:] += 10.0  # the keys and values query 0 must not see
+    with quantize_functions(mha, {"attention.softmax": nearest(input=fmt)}):
+        got, _ = mha(x, x, x, attn_mask=mask)
+        query_0, _ = mha(x, later, later, attn_mask=mask)
+    assert not got.isnan().any()
+    assert_same_bits(query_0[:, 0], got[:, 0])
+
+
+def test_a_state_dict_key_that_names_no_entry_raises_key_error():
+    functions = quantize_functions(nn.Identity(), {"softmax": nearest(input=E4M3)})
+    with pytest.raises(KeyError, match="no entry"):
+        functions.load_state_dict({"x:softmax:0:input": {"scale": torch.tensor(1.0)}})

@@ -42,7 +42,10 @@ The ops and what LayerQuantization's fields mean for them:
   plus ``bias``; the bias is added as lpsim.nn.functional.linear adds it. The weight is
   (out_features, in_features): axis=-1 runs along the reduction.
 - ``"softmax"``: ``torch.softmax``, ``torch.nn.functional.softmax``, ``Tensor.softmax``:
-  ``input``, ``output``, ``error``.
+  ``input``, ``output``, ``error``. A -inf input is a masked position, which takes no part in the
+  softmax: it stays -inf, and the input format rounds the other entries as if it were a zero (no
+  amax, block scale or random word sees it), so that a format without Inf neither makes a mask
+  leak (saturated to its largest negative value) nor turns it into NaN.
 - ``"attention.scores"``, ``"attention.softmax"``, ``"attention.context"``: the three steps of
   attention (the scores q k^T, their softmax, the context p v), as ``"matmul"`` and ``"softmax"``
   take them; where no entry names them, the ``"matmul"`` and ``"softmax"`` entries decide them.
@@ -395,8 +398,10 @@ class FunctionQuantization(TorchFunctionMode):
             KeyError: the key names no DelayedScaling field of the config.
         """
         if key not in self.scalers:
-            index, field = int(key.split(":")[0]), key.split(":")[-1]
-            spec = self.entries[index].train.specs.get(field)
+            index, field = key.split(":")[0], key.split(":")[-1]
+            if not index.isdigit() or int(index) >= len(self.entries):
+                raise KeyError(f"quantize_functions: no entry {index!r} in the key {key!r}")
+            spec = self.entries[int(index)].train.specs.get(field)
             if spec is None or not isinstance(spec.format, DelayedScaling):
                 raise KeyError(f"quantize_functions: no DelayedScaling {field} at {key!r}")
             self.scalers[key] = spec.format.scaler(device)
@@ -490,13 +495,29 @@ class FunctionQuantization(TorchFunctionMode):
         if decision is None:
             return func(*args, **kwargs)
         if args:
-            x, args = self._quantise(decision, "input", args[0]), args[1:]
+            x, args = self._softmax_input(decision, args[0]), args[1:]
         else:  # torch.softmax(input=x, dim=d)
             kwargs = dict(kwargs)
-            x = self._quantise(decision, "input", kwargs.pop("input"))
+            x = self._softmax_input(decision, kwargs.pop("input"))
         with self._claimed():
             y = func(x, *args, **kwargs)
         return self._result(y, decision)
+
+    def _softmax_input(self, decision: _Decision, x):
+        """A softmax's input quantised by the call's input format, its -inf entries (masked
+        positions, which take no part in the softmax) kept -inf and left out of the rounding: a
+        format without Inf would make them finite (a causal mask would leak) or NaN, and their
+        magnitude would make a scaled format's scale NaN. They are rounded as zeros, which no
+        amax, block scale or random word notices, and then set back to -inf."""
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return x
+        if decision.how.specs.get("input") is None:
+            return x
+        masked = x == float("-inf")
+        if not masked.any():
+            return self._quantise(decision, "input", x)
+        kept = self._quantise(decision, "input", x.masked_fill(masked, 0.0))
+        return kept.masked_fill(masked, float("-inf"))
 
     def product(self, op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a @ b with the operands, the result and the products as the config prescribes for
