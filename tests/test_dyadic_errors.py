@@ -2,6 +2,7 @@
 and the docstring examples of the package run as written."""
 
 import doctest
+import math
 
 import pytest
 import torch
@@ -195,6 +196,12 @@ M = DyadicTensor(torch.ones(2, 3, dtype=torch.int32), 0)
             ValueError,
             r"output and target must be \(N, C\) of one shape",
         ),
+        (
+            lambda: dyadic.scale_for(torch.tensor([1.0, math.nan]), 8),
+            ValueError,
+            r"x must be finite, found NaN or Inf",
+        ),
+        (lambda: dyadic.scale_for([1.0], 8), TypeError, r"x must be a torch.Tensor, got list"),
         (lambda: SGD([1], lr_shift=1), TypeError, r"parameters must be lpsim.dyadic.nn.Parameter"),
         (lambda: SGD([], lr_shift=63), ValueError, r"lr_shift must be in \[0, 62\], got 63"),
         (

@@ -328,6 +328,23 @@ def test_from_float_chooses_the_scale_from_the_largest_magnitude():
     assert per_channel.scale.tolist() == [8 - 2 + 3, 8 - 2 - 3]  # max 0.2: e = -3; max 8: e = 3
 
 
+def test_scale_for_counts_a_negative_axis_from_the_end():
+    x = torch.tensor([[0.1, 8.0, -3.0], [-0.2, 1.0, 0.0]])
+    # A channel whose largest magnitude is f 2**e with f in [0.5, 1) gets scale 8 - 1 - e.
+    columns = [8 - 1 - math.frexp(max(abs(v) for v in col))[1] for col in x.t().tolist()]
+    rows = [8 - 1 - math.frexp(max(abs(v) for v in row))[1] for row in x.tolist()]
+    assert dyadic.scale_for(x, 8, axis=-1).tolist() == columns == [9, 3, 5]
+    assert dyadic.scale_for(x, 8, axis=-2).tolist() == rows == [3, 6]
+    assert dyadic.from_float(x, 8, axis=-1).value.scale.tolist() == columns
+
+
+def test_scale_for_gives_an_empty_channel_the_scale_of_an_all_zero_one():
+    assert dyadic.scale_for(torch.zeros(3, 0), 8, axis=0).tolist() == [7, 7, 7]
+    assert dyadic.scale_for(torch.zeros(3, 1), 8, axis=0).tolist() == [7, 7, 7]
+    out = dyadic.from_float(torch.zeros(3, 0), 8, axis=0).value
+    assert out.scale.tolist() == [7, 7, 7] and out.shape == (3, 0)
+
+
 def test_to_float_is_exact_for_representable_values():
     v = torch.tensor([3, -5, 2**31 - 1, -(2**31)], dtype=torch.int32)
     x = DyadicTensor(v, 33)

@@ -36,7 +36,14 @@ from typing import NamedTuple
 
 import torch
 
-from lpsim._checks import check_choice, check_int, check_offset, check_rule, seed_argument
+from lpsim._checks import (
+    check_choice,
+    check_int,
+    check_offset,
+    check_rule,
+    check_tensor,
+    seed_argument,
+)
 from lpsim._ops import call
 from lpsim.dyadic.tensor import DyadicTensor, normalize_axis, normalize_scale
 from lpsim.rounding import Rounding, check_rbits
@@ -181,15 +188,28 @@ def scale_for(
     With floor(log2 max|x|) = e this is bits - 2 - e (signed) or bits - 1 - e (unsigned), so
     max|x| * 2**scale lies in [2**(bits-2), 2**(bits-1)) (signed): only rounding up can reach
     Qmax + 1 and clip, by at most one unit. An all-zero tensor (or channel) gets the scale of a
-    largest magnitude in [0.5, 1). Returns an int, or with ``axis`` an int64 tensor per channel.
+    largest magnitude in [0.5, 1). Returns an int, or with ``axis`` (negative counts from the
+    end) an int64 tensor per channel.
+
+    Raises:
+        TypeError: x is not a tensor; an argument has the wrong type.
+        ValueError: x has NaN or Inf, or bits is out of range.
+        IndexError: ``axis`` does not exist in x.
     """
+    check_tensor(x)
     integer_range(bits, signed)
     magnitude = x.detach().abs().to(torch.float64)
     if axis is None:
         peak = magnitude.max() if magnitude.numel() else torch.zeros((), dtype=torch.float64)
     else:
+        axis = normalize_axis(axis, x.dim())
         others = [d for d in range(x.dim()) if d != axis]
-        peak = magnitude.amax(dim=others) if others else magnitude
+        if not magnitude.numel():  # empty channels are all-zero ones
+            peak = magnitude.new_zeros(x.shape[axis])
+        else:
+            peak = magnitude.amax(dim=others) if others else magnitude
+    if not bool(torch.isfinite(peak).all()):
+        raise ValueError("x must be finite, found NaN or Inf")
     _, exponent = torch.frexp(peak)  # peak = f * 2**exponent, f in [0.5, 1): e = exponent - 1
     scale = bits - 1 - exponent.to(torch.int64) + (0 if signed else 1)
     return int(scale) if axis is None else scale
