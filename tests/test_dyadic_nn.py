@@ -203,6 +203,21 @@ def test_sequential_names_parameters_by_position():
     ]
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_sequential_refuses_a_module_it_would_hold_twice(nested):
+    # A shared layer keeps only its last input: the backward pass of its first place would use
+    # the input of its second, and the gradients would be those of another network.
+    layer = inn.Linear(2, 2)
+    with pytest.raises(ValueError, match="Sequential takes each module once"):
+        if nested:
+            inn.Sequential(layer, inn.ReLU(), inn.Sequential(inn.ReLU(), layer))
+        else:
+            inn.Sequential(layer, inn.ReLU(), layer)
+    relu = inn.ReLU()
+    with pytest.raises(ValueError, match="Sequential takes each module once"):
+        inn.Sequential(inn.Linear(2, 2), relu, inn.Linear(2, 2), relu)
+
+
 # ---- overflow -----------------------------------------------------------------------------------
 
 

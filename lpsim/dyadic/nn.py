@@ -337,13 +337,39 @@ class ReLU(Module):
         return grad.masked_zero(~self._positive)
 
 
+def _held(modules) -> list[Module]:
+    """The modules and, inside the Sequentials among them, theirs."""
+    held = []
+    for m in modules:
+        held.append(m)
+        if isinstance(m, Sequential):
+            held.extend(_held(m.modules))
+    return held
+
+
 class Sequential(Module):
-    """Modules applied in order; backward runs them in reverse."""
+    """Modules applied in order; backward runs them in reverse.
+
+    Each module may appear once (nested Sequentials included): a module keeps what its last
+    forward() needs for backward(), so one in two places would compute the gradients of its first
+    place from the input of its second.
+
+    Raises:
+        TypeError: a module is not an lpsim.dyadic.nn Module.
+        ValueError: a module appears more than once.
+    """
 
     def __init__(self, *modules: Module):
-        for index, m in enumerate(modules):
+        for m in modules:
             if not isinstance(m, Module):
                 raise TypeError(f"Sequential takes lpsim.dyadic.nn modules, got {type(m).__name__}")
+        held = _held(modules)
+        if len({id(m) for m in held}) != len(held):
+            raise ValueError(
+                "Sequential takes each module once (each keeps the input of its last forward() "
+                "for backward()): make a new module for each place"
+            )
+        for index, m in enumerate(modules):
             for p in m.parameters():  # qualified names: "0.weight", "2.bias", ...
                 p.name = f"{index}.{p.name}"
         self.modules = list(modules)
