@@ -105,7 +105,8 @@ class Saturated(NamedTuple):
 # ---- arguments ----------------------------------------------------------------------------------
 
 
-def _check_dyadic(name: str, x) -> DyadicTensor:
+def check_dyadic(name: str, x) -> DyadicTensor:
+    """x, or a TypeError naming it ``name`` unless it is a DyadicTensor."""
     if not isinstance(x, DyadicTensor):
         raise TypeError(f"{name} must be a DyadicTensor, got {type(x).__name__}")
     return x
@@ -280,7 +281,9 @@ def from_float(
 def _target_shifts(x: DyadicTensor, scale, axis: int | None):
     """(shift per class, the classes' axis, target scale, the target's axis) of requantising x to
     ``scale``. A per-tensor target of a per-channel x has shifts per channel of x."""
-    if isinstance(scale, int) and not isinstance(scale, bool):
+    if not isinstance(scale, (list, tuple, torch.Tensor)) or (
+        isinstance(scale, torch.Tensor) and scale.dim() == 0
+    ):  # one scale: an int, checked
         target, _ = normalize_scale(scale, x.shape, None)
         return x.scale - target, x.axis, target, None
     axis = x.axis if axis is None else axis
@@ -328,7 +331,7 @@ def requantize(
     Raises:
         TypeError, ValueError: an argument has the wrong type or is out of range.
     """
-    _check_dyadic("x", x)
+    check_dyadic("x", x)
     bounds = integer_range(bits, signed)
     storage = _storage(bounds, dtype)
     shifts, shift_axis, target, target_axis = _target_shifts(x, scale, axis)
@@ -351,7 +354,7 @@ def fit_shift(x: DyadicTensor, bits: int, signed: bool = True) -> int:
 
     This is the dynamic shift the integer layers use: requantize(x, x.scale - k, bits).
     """
-    _check_dyadic("x", x)
+    check_dyadic("x", x)
     integer_range(bits, signed)
     if x.mantissa.numel() == 0:
         return 0
@@ -378,8 +381,8 @@ class _Pair(NamedTuple):
 
 
 def _pair(a: DyadicTensor, b: DyadicTensor) -> _Pair:
-    _check_dyadic("a", a)
-    _check_dyadic("b", b)
+    check_dyadic("a", a)
+    check_dyadic("b", b)
     va, vb = a.mantissa, b.mantissa
     if va.dtype != vb.dtype:
         va, vb = va.to(torch.int64), vb.to(torch.int64)
@@ -620,8 +623,8 @@ def saturating_matmul(a: DyadicTensor, b: DyadicTensor, *, accumulator_bits: int
         ValueError: the shapes or the operands' per-channel axes do not allow the product, or
             accumulator_bits is outside [2, 64].
     """
-    _check_dyadic("a", a)
-    _check_dyadic("b", b)
+    check_dyadic("a", a)
+    check_dyadic("b", b)
     if a.mantissa.dim() != 2 or b.mantissa.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(
             f"matmul needs (N, K) and (K, M) tensors, got {tuple(a.shape)} and {tuple(b.shape)}"
@@ -677,7 +680,7 @@ def saturating_sum(x: DyadicTensor, dim: int, *, accumulator_bits: int = 32) -> 
         TypeError: x is not a DyadicTensor, or dim or accumulator_bits is not an int.
         ValueError: x is not 2-D, or dim or accumulator_bits is out of range.
     """
-    _check_dyadic("x", x)
+    check_dyadic("x", x)
     if x.mantissa.dim() != 2:
         raise ValueError(f"sum needs a 2-D tensor, got {x.mantissa.dim()} dimensions")
     check_int("dim", dim, -2, 1)

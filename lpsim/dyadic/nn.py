@@ -277,8 +277,7 @@ class Linear(Module):
         return out, shift
 
     def forward(self, x: DyadicTensor) -> DyadicTensor:
-        if not isinstance(x, DyadicTensor):
-            raise TypeError(f"x must be a DyadicTensor, got {type(x).__name__}")
+        F.check_dyadic("x", x)
         if x.per_channel or x.mantissa.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(
                 f"x must be (N, {self.in_features}) with one scale, got "
@@ -304,6 +303,7 @@ class Linear(Module):
     def backward(self, grad: DyadicTensor) -> DyadicTensor:
         if self._input is None:
             raise RuntimeError("backward() needs a forward() first")
+        F.check_dyadic("grad", grad)
         if grad.shape != self._clipped.shape or grad.per_channel:
             raise ValueError(
                 f"grad must have the output's shape {tuple(self._clipped.shape)} and one scale"
@@ -327,6 +327,7 @@ class ReLU(Module):
         self._positive: torch.Tensor | None = None
 
     def forward(self, x: DyadicTensor) -> DyadicTensor:
+        F.check_dyadic("x", x)
         if self.training:
             self._positive = x.mantissa > 0
         return x.with_mantissa(x.mantissa.clamp_min(0))
@@ -334,6 +335,12 @@ class ReLU(Module):
     def backward(self, grad: DyadicTensor) -> DyadicTensor:
         if self._positive is None:
             raise RuntimeError("backward() needs a forward() first")
+        F.check_dyadic("grad", grad)
+        if grad.shape != self._positive.shape:
+            raise ValueError(
+                f"grad must have the output's shape {tuple(self._positive.shape)}, got "
+                f"{tuple(grad.shape)}"
+            )
         return grad.masked_zero(~self._positive)
 
 
@@ -440,6 +447,8 @@ def mse_loss(
         ValueError: output and target differ in shape, are not (N, C) with one scale, or N = 0.
         OverflowError: the target or the error does not fit the accumulator at the output's scale.
     """
+    F.check_dyadic("output", output)
+    F.check_dyadic("target", target)
     if output.shape != target.shape or output.mantissa.dim() != 2:
         raise ValueError(
             f"output and target must be (N, C) of one shape, got {tuple(output.shape)}"

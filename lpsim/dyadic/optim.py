@@ -122,6 +122,11 @@ class SGD:
             if p.grad is None:
                 continue
             w = p.value
+            if not isinstance(p.grad, DyadicTensor):
+                raise TypeError(
+                    f"the gradient of {p.name!r} must be a DyadicTensor, got "
+                    f"{type(p.grad).__name__}"
+                )
             if p.grad.shape != w.shape:
                 raise ValueError(
                     f"the gradient of {p.name!r} has shape {tuple(p.grad.shape)}, its value "
