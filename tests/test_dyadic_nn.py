@@ -401,6 +401,15 @@ def test_mse_loss_is_exact_where_the_sum_of_squares_passes_int64():
     assert loss == float(Fraction((2**40 + 2**31 - 1) ** 2, 2))
 
 
+def test_mse_loss_beyond_the_float64_range_reads_as_inf():
+    # An error of 1 at scale -600 is 2**600: the loss 2**1200 / 2 rounds to inf in float64.
+    y = DyadicTensor(torch.tensor([[1, 2]], dtype=torch.int32), -600)
+    t = DyadicTensor(torch.tensor([[0, 2]], dtype=torch.int32), -600)
+    out = inn.mse_loss(y, t, rounding="nearest")
+    assert out.loss == math.inf and out.grad.mantissa.tolist() == [[1, 0]]
+    assert out.grad.scale == -600
+
+
 def test_mse_loss_refuses_an_empty_batch():
     empty = DyadicTensor(torch.zeros(0, 3, dtype=torch.int32), 0)
     with pytest.raises(ValueError, match="N >= 1"):

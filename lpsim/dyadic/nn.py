@@ -440,8 +440,8 @@ def mse_loss(
     the batch size N is free when N is a power of two (the scale grows by log2 N); otherwise
     e / N = div(e, N, p) with p = N.bit_length(), rounded. The gradient is then requantised to
     ``error_bits`` with the shift fit_shift() gives. The loss itself is computed exactly from the
-    integers and only then converted to a float. Every rounding uses ``rounding`` ("stochastic" by
-    default, "nearest" or "down").
+    integers and only then converted to a float (inf beyond float64's range). Every rounding
+    uses ``rounding`` ("stochastic" by default, "nearest" or "down").
 
     Raises:
         ValueError: output and target differ in shape, are not (N, C) with one scale, or N = 0.
@@ -471,7 +471,10 @@ def mse_loss(
     F.check_overflow(count, "mse_loss y - t", bounds, can_saturate=False)
     n = output.shape[0]
     total = _sum_of_squares(error.mantissa)
-    loss = math.ldexp(total / (2 * n), -2 * error.scale)
+    try:
+        loss = math.ldexp(total / (2 * n), -2 * error.scale)
+    except OverflowError:  # beyond float64's range: read as inf, as a rounding to float64 gives
+        loss = math.inf
     if n & (n - 1) == 0:
         grad = error.ldexp(-(n.bit_length() - 1))
     else:
