@@ -497,6 +497,25 @@ def test_sgd_keeps_its_counts_by_the_parameters_current_names():
     assert set(opt.stats) == {"0.weight", "0.bias"}
 
 
+def test_sgd_refuses_a_parameter_wider_than_its_int32_arithmetic():
+    # A 48-bit parameter's momentum and updates would be clipped to int32 without a report.
+    wide = inn.Parameter("w", DyadicTensor(torch.zeros(1, dtype=torch.int64), 0), 48)
+    with pytest.raises(ValueError, match=r"the bits of parameter 'w' must be in \[2, 32\]"):
+        SGD([wide], lr_shift=0)
+
+
+def test_sgd_momentum_of_an_int64_parameter_is_int32_and_its_overflow_is_reported():
+    # M = G, then M = G - round(G / 2) + G = 3 * 2**30 + ... > 2**31 - 1: an int32 overflow, not an
+    # update silently clipped to 2**31 - 1.
+    p = inn.Parameter("w", DyadicTensor(torch.zeros(1, dtype=torch.int64), 0), 32)
+    opt = SGD([p], lr_shift=0, momentum_shift=1, grad_bits=32, rounding="nearest")
+    p.grad = DyadicTensor(torch.tensor([2**31 - 1], dtype=torch.int64), 0)
+    opt.step()
+    assert opt.momentum[0].dtype == torch.int32 and p.value.mantissa.tolist() == [-(2**31) + 1]
+    with pytest.raises(OverflowError, match="SGD momentum: 1 result"):
+        opt.step()
+
+
 def test_sgd_refuses_a_gradient_of_another_shape():
     w = inn.Parameter("w", DyadicTensor(_int([1, 2, 3]), 4), bits=16)
     w.grad = DyadicTensor(torch.ones(2, 3, dtype=torch.int32), 4)
