@@ -2,6 +2,7 @@
 and the docstring examples of the package run as written."""
 
 import doctest
+import math
 
 import pytest
 import torch
@@ -17,6 +18,16 @@ from lpsim.dyadic.optim import SGD
 V = torch.tensor([1, 2, 3], dtype=torch.int32)
 X = DyadicTensor(V, 0)
 M = DyadicTensor(torch.ones(2, 3, dtype=torch.int32), 0)
+
+
+def _after_forward(module):
+    module(M)
+    return module
+
+
+def _step_with_grad(grad):
+    p = inn.Parameter("w", X, 8, grad=grad)
+    SGD([p], lr_shift=1).step()
 
 
 @pytest.mark.parametrize(
@@ -194,6 +205,27 @@ M = DyadicTensor(torch.ones(2, 3, dtype=torch.int32), 0)
             lambda: inn.mse_loss(M, M.t()),
             ValueError,
             r"output and target must be \(N, C\) of one shape",
+        ),
+        (
+            lambda: dyadic.scale_for(torch.tensor([1.0, math.nan]), 8),
+            ValueError,
+            r"x must be finite, found NaN or Inf",
+        ),
+        (lambda: dyadic.scale_for([1.0], 8), TypeError, r"x must be a torch.Tensor, got list"),
+        (lambda: dyadic.requantize(M, 1.0, 8), TypeError, r"scale must be an int, got float"),
+        (lambda: _after_forward(inn.Linear(3, 2)).backward(5), TypeError, r"grad must be a Dy"),
+        (lambda: inn.ReLU()(M.mantissa), TypeError, r"x must be a DyadicTensor, got Tensor"),
+        (
+            lambda: _after_forward(inn.ReLU()).backward(M.t()),
+            ValueError,
+            r"grad must have the output's shape \(2, 3\), got \(3, 2\)",
+        ),
+        (lambda: inn.mse_loss(M.mantissa, M), TypeError, r"output must be a DyadicTensor"),
+        (lambda: inn.mse_loss(M, M.mantissa), TypeError, r"target must be a DyadicTensor"),
+        (
+            lambda: _step_with_grad(torch.ones(3)),
+            TypeError,
+            r"the gradient of 'w' must be a DyadicTensor, got Tensor",
         ),
         (lambda: SGD([1], lr_shift=1), TypeError, r"parameters must be lpsim.dyadic.nn.Parameter"),
         (lambda: SGD([], lr_shift=63), ValueError, r"lr_shift must be in \[0, 62\], got 63"),

@@ -6,6 +6,7 @@ inputs drawn by hypothesis over the full int32/int64 range, every rounding rule,
 the random word, and per-tensor and per-channel scales.
 """
 
+import math
 import warnings
 from fractions import Fraction
 
@@ -327,12 +328,86 @@ def test_from_float_chooses_the_scale_from_the_largest_magnitude():
     assert per_channel.scale.tolist() == [8 - 2 + 3, 8 - 2 - 3]  # max 0.2: e = -3; max 8: e = 3
 
 
+def test_scale_for_counts_a_negative_axis_from_the_end():
+    x = torch.tensor([[0.1, 8.0, -3.0], [-0.2, 1.0, 0.0]])
+    # A channel whose largest magnitude is f 2**e with f in [0.5, 1) gets scale 8 - 1 - e.
+    columns = [8 - 1 - math.frexp(max(abs(v) for v in col))[1] for col in x.t().tolist()]
+    rows = [8 - 1 - math.frexp(max(abs(v) for v in row))[1] for row in x.tolist()]
+    assert dyadic.scale_for(x, 8, axis=-1).tolist() == columns == [9, 3, 5]
+    assert dyadic.scale_for(x, 8, axis=-2).tolist() == rows == [3, 6]
+    assert dyadic.from_float(x, 8, axis=-1).value.scale.tolist() == columns
+
+
+def test_scale_for_gives_an_empty_channel_the_scale_of_an_all_zero_one():
+    assert dyadic.scale_for(torch.zeros(3, 0), 8, axis=0).tolist() == [7, 7, 7]
+    assert dyadic.scale_for(torch.zeros(3, 1), 8, axis=0).tolist() == [7, 7, 7]
+    out = dyadic.from_float(torch.zeros(3, 0), 8, axis=0).value
+    assert out.scale.tolist() == [7, 7, 7] and out.shape == (3, 0)
+
+
 def test_to_float_is_exact_for_representable_values():
     v = torch.tensor([3, -5, 2**31 - 1, -(2**31)], dtype=torch.int32)
     x = DyadicTensor(v, 33)
     assert x.to_float(torch.float64).tolist() == [float(Fraction(k, 2**33)) for k in v.tolist()]
     per_channel = DyadicTensor(torch.tensor([[1, 1], [3, 3]], dtype=torch.int32), [1, -2], axis=1)
     assert per_channel.to_float().tolist() == [[0.5, 4.0], [1.5, 12.0]]
+
+
+def _nearest_even_in(value: Fraction, precision: int, emin: int, largest: Fraction) -> float:
+    """value rounded once to nearest, ties to even, into a binary format of ``precision``
+    significant bits, smallest normal exponent emin and largest finite value ``largest``."""
+    magnitude = abs(value)
+    if magnitude == 0:
+        return 0.0
+    exponent = max(magnitude.numerator.bit_length() - magnitude.denominator.bit_length(), emin)
+    while Fraction(2) ** (exponent + 1) <= magnitude:
+        exponent += 1
+    while exponent > emin and Fraction(2) ** exponent > magnitude:
+        exponent -= 1
+    quantum = Fraction(2) ** (exponent - precision + 1)
+    rounded = ref.round_rational(magnitude / quantum, Rounding.nearest) * quantum
+    result = math.inf if rounded > largest else float(rounded)
+    return -result if value < 0 else result
+
+
+HALF_FORMATS = {  # precision, emin, largest finite value
+    torch.float16: (11, -14, Fraction(65504)),
+    torch.bfloat16: (8, -126, Fraction(2**8 - 1, 2**7) * Fraction(2) ** 127),
+}
+
+
+@st.composite
+def near_ties(draw):
+    """Integers exact in float64, each within 1 of a half-way case of a short significand:
+    (2 t + 1) 2**j + d with t of 1 to 12 bits and d in {-1, 0, 1}."""
+    t = draw(st.integers(1, 2**12 - 1))
+    j = draw(st.integers(0, 53 - (2 * t + 1).bit_length()))
+    sign = draw(st.sampled_from([-1, 1]))
+    return sign * (((2 * t + 1) << j) + draw(st.sampled_from([-1, 0, 1])))
+
+
+@given(
+    v=st.lists(
+        st.one_of(st.integers(-(2**53) + 1, 2**53 - 1), near_ties()), min_size=1, max_size=16
+    ),
+    scale=st.integers(-40, 200),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+)
+def test_to_float_rounds_once_to_nearest_into_float16_and_bfloat16(v, scale, dtype):
+    # The values are exact in float64; a cast from there rounds twice (through float32).
+    got = DyadicTensor(torch.tensor(v, dtype=torch.int64), scale).to_float(dtype)
+    expected = [
+        _nearest_even_in(Fraction(k) / Fraction(2) ** scale, *HALF_FORMATS[dtype]) for k in v
+    ]
+    assert got.double().tolist() == expected
+
+
+def test_to_float_rounds_just_above_a_half_way_case_up_in_float16_and_bfloat16():
+    # 1 + 2**-11 + 2**-40 is just above half-way between float16's 1 and 1 + 2**-10; float32
+    # rounds it to the tie 1 + 2**-11, which float16 then rounds to even, 1 (and so for bfloat16).
+    x = DyadicTensor(torch.tensor([2**40 + 2**29 + 1, 2**40 + 2**32 + 1]), 40)
+    assert x.to_float(torch.float16)[0].item() == 1 + 2**-10
+    assert x.to_float(torch.bfloat16)[1].item() == 1 + 2**-7
 
 
 def test_reference_rounding_rules_on_hand_values():

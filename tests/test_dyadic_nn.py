@@ -203,6 +203,21 @@ def test_sequential_names_parameters_by_position():
     ]
 
 
+@pytest.mark.parametrize("nested", [False, True])
+def test_sequential_refuses_a_module_it_would_hold_twice(nested):
+    # A shared layer keeps only its last input: the backward pass of its first place would use
+    # the input of its second, and the gradients would be those of another network.
+    layer = inn.Linear(2, 2)
+    with pytest.raises(ValueError, match="Sequential takes each module once"):
+        if nested:
+            inn.Sequential(layer, inn.ReLU(), inn.Sequential(inn.ReLU(), layer))
+        else:
+            inn.Sequential(layer, inn.ReLU(), layer)
+    relu = inn.ReLU()
+    with pytest.raises(ValueError, match="Sequential takes each module once"):
+        inn.Sequential(inn.Linear(2, 2), relu, inn.Linear(2, 2), relu)
+
+
 # ---- overflow -----------------------------------------------------------------------------------
 
 
@@ -386,6 +401,15 @@ def test_mse_loss_is_exact_where_the_sum_of_squares_passes_int64():
     assert loss == float(Fraction((2**40 + 2**31 - 1) ** 2, 2))
 
 
+def test_mse_loss_beyond_the_float64_range_reads_as_inf():
+    # An error of 1 at scale -600 is 2**600: the loss 2**1200 / 2 rounds to inf in float64.
+    y = DyadicTensor(torch.tensor([[1, 2]], dtype=torch.int32), -600)
+    t = DyadicTensor(torch.tensor([[0, 2]], dtype=torch.int32), -600)
+    out = inn.mse_loss(y, t, rounding="nearest")
+    assert out.loss == math.inf and out.grad.mantissa.tolist() == [[1, 0]]
+    assert out.grad.scale == -600
+
+
 def test_mse_loss_refuses_an_empty_batch():
     empty = DyadicTensor(torch.zeros(0, 3, dtype=torch.int32), 0)
     with pytest.raises(ValueError, match="N >= 1"):
@@ -471,6 +495,25 @@ def test_sgd_keeps_its_counts_by_the_parameters_current_names():
     first.weight.grad = first.weight.value.with_mantissa(torch.ones(2, 2, dtype=torch.int32))
     opt.step()
     assert set(opt.stats) == {"0.weight", "0.bias"}
+
+
+def test_sgd_refuses_a_parameter_wider_than_its_int32_arithmetic():
+    # A 48-bit parameter's momentum and updates would be clipped to int32 without a report.
+    wide = inn.Parameter("w", DyadicTensor(torch.zeros(1, dtype=torch.int64), 0), 48)
+    with pytest.raises(ValueError, match=r"the bits of parameter 'w' must be in \[2, 32\]"):
+        SGD([wide], lr_shift=0)
+
+
+def test_sgd_momentum_of_an_int64_parameter_is_int32_and_its_overflow_is_reported():
+    # M = G, then M = G - round(G / 2) + G = 3 * 2**30 + ... > 2**31 - 1: an int32 overflow, not an
+    # update silently clipped to 2**31 - 1.
+    p = inn.Parameter("w", DyadicTensor(torch.zeros(1, dtype=torch.int64), 0), 32)
+    opt = SGD([p], lr_shift=0, momentum_shift=1, grad_bits=32, rounding="nearest")
+    p.grad = DyadicTensor(torch.tensor([2**31 - 1], dtype=torch.int64), 0)
+    opt.step()
+    assert opt.momentum[0].dtype == torch.int32 and p.value.mantissa.tolist() == [-(2**31) + 1]
+    with pytest.raises(OverflowError, match="SGD momentum: 1 result"):
+        opt.step()
 
 
 def test_sgd_refuses_a_gradient_of_another_shape():

@@ -36,7 +36,14 @@ from typing import NamedTuple
 
 import torch
 
-from lpsim._checks import check_choice, check_int, check_offset, check_rule, seed_argument
+from lpsim._checks import (
+    check_choice,
+    check_int,
+    check_offset,
+    check_rule,
+    check_tensor,
+    seed_argument,
+)
 from lpsim._ops import call
 from lpsim.dyadic.tensor import DyadicTensor, normalize_axis, normalize_scale
 from lpsim.rounding import Rounding, check_rbits
@@ -98,7 +105,8 @@ class Saturated(NamedTuple):
 # ---- arguments ----------------------------------------------------------------------------------
 
 
-def _check_dyadic(name: str, x) -> DyadicTensor:
+def check_dyadic(name: str, x) -> DyadicTensor:
+    """x, or a TypeError naming it ``name`` unless it is a DyadicTensor."""
     if not isinstance(x, DyadicTensor):
         raise TypeError(f"{name} must be a DyadicTensor, got {type(x).__name__}")
     return x
@@ -181,15 +189,28 @@ def scale_for(
     With floor(log2 max|x|) = e this is bits - 2 - e (signed) or bits - 1 - e (unsigned), so
     max|x| * 2**scale lies in [2**(bits-2), 2**(bits-1)) (signed): only rounding up can reach
     Qmax + 1 and clip, by at most one unit. An all-zero tensor (or channel) gets the scale of a
-    largest magnitude in [0.5, 1). Returns an int, or with ``axis`` an int64 tensor per channel.
+    largest magnitude in [0.5, 1). Returns an int, or with ``axis`` (negative counts from the
+    end) an int64 tensor per channel.
+
+    Raises:
+        TypeError: x is not a tensor; an argument has the wrong type.
+        ValueError: x has NaN or Inf, or bits is out of range.
+        IndexError: ``axis`` does not exist in x.
     """
+    check_tensor(x)
     integer_range(bits, signed)
     magnitude = x.detach().abs().to(torch.float64)
     if axis is None:
         peak = magnitude.max() if magnitude.numel() else torch.zeros((), dtype=torch.float64)
     else:
+        axis = normalize_axis(axis, x.dim())
         others = [d for d in range(x.dim()) if d != axis]
-        peak = magnitude.amax(dim=others) if others else magnitude
+        if not magnitude.numel():  # empty channels are all-zero ones
+            peak = magnitude.new_zeros(x.shape[axis])
+        else:
+            peak = magnitude.amax(dim=others) if others else magnitude
+    if not bool(torch.isfinite(peak).all()):
+        raise ValueError("x must be finite, found NaN or Inf")
     _, exponent = torch.frexp(peak)  # peak = f * 2**exponent, f in [0.5, 1): e = exponent - 1
     scale = bits - 1 - exponent.to(torch.int64) + (0 if signed else 1)
     return int(scale) if axis is None else scale
@@ -260,7 +281,9 @@ def from_float(
 def _target_shifts(x: DyadicTensor, scale, axis: int | None):
     """(shift per class, the classes' axis, target scale, the target's axis) of requantising x to
     ``scale``. A per-tensor target of a per-channel x has shifts per channel of x."""
-    if isinstance(scale, int) and not isinstance(scale, bool):
+    if not isinstance(scale, (list, tuple, torch.Tensor)) or (
+        isinstance(scale, torch.Tensor) and scale.dim() == 0
+    ):  # one scale: an int, checked
         target, _ = normalize_scale(scale, x.shape, None)
         return x.scale - target, x.axis, target, None
     axis = x.axis if axis is None else axis
@@ -308,7 +331,7 @@ def requantize(
     Raises:
         TypeError, ValueError: an argument has the wrong type or is out of range.
     """
-    _check_dyadic("x", x)
+    check_dyadic("x", x)
     bounds = integer_range(bits, signed)
     storage = _storage(bounds, dtype)
     shifts, shift_axis, target, target_axis = _target_shifts(x, scale, axis)
@@ -331,7 +354,7 @@ def fit_shift(x: DyadicTensor, bits: int, signed: bool = True) -> int:
 
     This is the dynamic shift the integer layers use: requantize(x, x.scale - k, bits).
     """
-    _check_dyadic("x", x)
+    check_dyadic("x", x)
     integer_range(bits, signed)
     if x.mantissa.numel() == 0:
         return 0
@@ -358,8 +381,8 @@ class _Pair(NamedTuple):
 
 
 def _pair(a: DyadicTensor, b: DyadicTensor) -> _Pair:
-    _check_dyadic("a", a)
-    _check_dyadic("b", b)
+    check_dyadic("a", a)
+    check_dyadic("b", b)
     va, vb = a.mantissa, b.mantissa
     if va.dtype != vb.dtype:
         va, vb = va.to(torch.int64), vb.to(torch.int64)
@@ -600,8 +623,8 @@ def saturating_matmul(a: DyadicTensor, b: DyadicTensor, *, accumulator_bits: int
         ValueError: the shapes or the operands' per-channel axes do not allow the product, or
             accumulator_bits is outside [2, 64].
     """
-    _check_dyadic("a", a)
-    _check_dyadic("b", b)
+    check_dyadic("a", a)
+    check_dyadic("b", b)
     if a.mantissa.dim() != 2 or b.mantissa.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(
             f"matmul needs (N, K) and (K, M) tensors, got {tuple(a.shape)} and {tuple(b.shape)}"
@@ -657,7 +680,7 @@ def saturating_sum(x: DyadicTensor, dim: int, *, accumulator_bits: int = 32) -> 
         TypeError: x is not a DyadicTensor, or dim or accumulator_bits is not an int.
         ValueError: x is not 2-D, or dim or accumulator_bits is out of range.
     """
-    _check_dyadic("x", x)
+    check_dyadic("x", x)
     if x.mantissa.dim() != 2:
         raise ValueError(f"sum needs a 2-D tensor, got {x.mantissa.dim()} dimensions")
     check_int("dim", dim, -2, 1)

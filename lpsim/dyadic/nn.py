@@ -277,8 +277,7 @@ class Linear(Module):
         return out, shift
 
     def forward(self, x: DyadicTensor) -> DyadicTensor:
-        if not isinstance(x, DyadicTensor):
-            raise TypeError(f"x must be a DyadicTensor, got {type(x).__name__}")
+        F.check_dyadic("x", x)
         if x.per_channel or x.mantissa.dim() != 2 or x.shape[1] != self.in_features:
             raise ValueError(
                 f"x must be (N, {self.in_features}) with one scale, got "
@@ -304,6 +303,7 @@ class Linear(Module):
     def backward(self, grad: DyadicTensor) -> DyadicTensor:
         if self._input is None:
             raise RuntimeError("backward() needs a forward() first")
+        F.check_dyadic("grad", grad)
         if grad.shape != self._clipped.shape or grad.per_channel:
             raise ValueError(
                 f"grad must have the output's shape {tuple(self._clipped.shape)} and one scale"
@@ -327,6 +327,7 @@ class ReLU(Module):
         self._positive: torch.Tensor | None = None
 
     def forward(self, x: DyadicTensor) -> DyadicTensor:
+        F.check_dyadic("x", x)
         if self.training:
             self._positive = x.mantissa > 0
         return x.with_mantissa(x.mantissa.clamp_min(0))
@@ -334,16 +335,48 @@ class ReLU(Module):
     def backward(self, grad: DyadicTensor) -> DyadicTensor:
         if self._positive is None:
             raise RuntimeError("backward() needs a forward() first")
+        F.check_dyadic("grad", grad)
+        if grad.shape != self._positive.shape:
+            raise ValueError(
+                f"grad must have the output's shape {tuple(self._positive.shape)}, got "
+                f"{tuple(grad.shape)}"
+            )
         return grad.masked_zero(~self._positive)
 
 
+def _held(modules) -> list[Module]:
+    """The modules and, inside the Sequentials among them, theirs."""
+    held = []
+    for m in modules:
+        held.append(m)
+        if isinstance(m, Sequential):
+            held.extend(_held(m.modules))
+    return held
+
+
 class Sequential(Module):
-    """Modules applied in order; backward runs them in reverse."""
+    """Modules applied in order; backward runs them in reverse.
+
+    Each module may appear once (nested Sequentials included): a module keeps what its last
+    forward() needs for backward(), so one in two places would compute the gradients of its first
+    place from the input of its second.
+
+    Raises:
+        TypeError: a module is not an lpsim.dyadic.nn Module.
+        ValueError: a module appears more than once.
+    """
 
     def __init__(self, *modules: Module):
-        for index, m in enumerate(modules):
+        for m in modules:
             if not isinstance(m, Module):
                 raise TypeError(f"Sequential takes lpsim.dyadic.nn modules, got {type(m).__name__}")
+        held = _held(modules)
+        if len({id(m) for m in held}) != len(held):
+            raise ValueError(
+                "Sequential takes each module once (each keeps the input of its last forward() "
+                "for backward()): make a new module for each place"
+            )
+        for index, m in enumerate(modules):
             for p in m.parameters():  # qualified names: "0.weight", "2.bias", ...
                 p.name = f"{index}.{p.name}"
         self.modules = list(modules)
@@ -407,13 +440,15 @@ def mse_loss(
     the batch size N is free when N is a power of two (the scale grows by log2 N); otherwise
     e / N = div(e, N, p) with p = N.bit_length(), rounded. The gradient is then requantised to
     ``error_bits`` with the shift fit_shift() gives. The loss itself is computed exactly from the
-    integers and only then converted to a float. Every rounding uses ``rounding`` ("stochastic" by
-    default, "nearest" or "down").
+    integers and only then converted to a float (inf beyond float64's range). Every rounding
+    uses ``rounding`` ("stochastic" by default, "nearest" or "down").
 
     Raises:
         ValueError: output and target differ in shape, are not (N, C) with one scale, or N = 0.
         OverflowError: the target or the error does not fit the accumulator at the output's scale.
     """
+    F.check_dyadic("output", output)
+    F.check_dyadic("target", target)
     if output.shape != target.shape or output.mantissa.dim() != 2:
         raise ValueError(
             f"output and target must be (N, C) of one shape, got {tuple(output.shape)}"
@@ -436,7 +471,10 @@ def mse_loss(
     F.check_overflow(count, "mse_loss y - t", bounds, can_saturate=False)
     n = output.shape[0]
     total = _sum_of_squares(error.mantissa)
-    loss = math.ldexp(total / (2 * n), -2 * error.scale)
+    try:
+        loss = math.ldexp(total / (2 * n), -2 * error.scale)
+    except OverflowError:  # beyond float64's range: read as inf, as a rounding to float64 gives
+        loss = math.inf
     if n & (n - 1) == 0:
         grad = error.ldexp(-(n.bit_length() - 1))
     else:

@@ -42,7 +42,7 @@ class SGD:
     """Integer SGD (see the module docstring).
 
     Args:
-        parameters: lpsim.dyadic.nn Parameters (e.g. model.parameters()).
+        parameters: lpsim.dyadic.nn Parameters (e.g. model.parameters()) of 2 to 32 bits.
         lr_shift: the learning rate is 2**-lr_shift, 0 to 62.
         momentum_shift: the momentum is 1 - 2**-momentum_shift, 0 (none) to 30.
         grad_bits: gradients are clipped to a signed grad_bits-bit integer at the weight's scale,
@@ -69,6 +69,11 @@ class SGD:
             if not isinstance(p, Parameter):
                 raise TypeError(
                     f"parameters must be lpsim.dyadic.nn.Parameter, got {type(p).__name__}"
+                )
+            if not isinstance(p.bits, int) or isinstance(p.bits, bool) or not 2 <= p.bits <= 32:
+                raise ValueError(
+                    f"the bits of parameter {p.name!r} must be in [2, 32] (SGD's momentum and "
+                    f"updates are int32), got {p.bits!r}"
                 )
         self.lr_shift = check_int("lr_shift", lr_shift, 0, 62)
         self.momentum_shift = check_int("momentum_shift", momentum_shift, 0, 30)
@@ -122,6 +127,11 @@ class SGD:
             if p.grad is None:
                 continue
             w = p.value
+            if not isinstance(p.grad, DyadicTensor):
+                raise TypeError(
+                    f"the gradient of {p.name!r} must be a DyadicTensor, got "
+                    f"{type(p.grad).__name__}"
+                )
             if p.grad.shape != w.shape:
                 raise ValueError(
                     f"the gradient of {p.name!r} has shape {tuple(p.grad.shape)}, its value "
@@ -132,7 +142,7 @@ class SGD:
             counts.gradient += grad.clip_count
             m = self.momentum[index]
             if m is None:
-                m = w.with_mantissa(torch.zeros_like(w.mantissa))
+                m = w.with_mantissa(torch.zeros_like(w.mantissa, dtype=torch.int32))
             decay = self._round(m.ldexp(-self.momentum_shift), w.scale).value
             m = self._checked("momentum decay", self._add(m, decay, subtract=True))
             m = self._checked("momentum", self._add(m, grad.value, subtract=False))

@@ -140,12 +140,24 @@ class DyadicTensor:
         dyadic operation goes through floating point).
 
         The product is formed in float64, exactly when the mantissa has at most 53 significant
-        bits and |scale| <= 1000, and then rounded once to nearest (ties to even) into ``dtype``.
+        bits and |scale| <= 1000, and then rounded once to nearest (ties to even) into ``dtype``
+        (into float16 and bfloat16 through float32 rounded to odd, which keeps that one rounding:
+        a direct cast rounds twice).
         """
         if dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be a floating dtype, got {dtype}")
         power = torch.pow(2.0, -self.scales().to(torch.float64))
-        return (self.mantissa.to(torch.float64) * power).to(dtype)
+        values = self.mantissa.to(torch.float64) * power
+        if dtype in (torch.float16, torch.bfloat16):
+            # Rounded to odd: float32's nearest, one step toward zero where that is above the
+            # magnitude (the int32 view of a float counts its magnitude's steps), then the last
+            # bit set where inexact. float32 has more than two bits beyond either format's.
+            single = values.to(torch.float32)
+            above = single.abs().to(torch.float64) > values.abs()
+            inexact = single.to(torch.float64) != values
+            steps = single.view(torch.int32) - above.to(torch.int32)
+            values = (steps | inexact.to(torch.int32)).view(torch.float32)
+        return values.to(dtype)
 
     # ---- exact rescaling and views ------------------------------------------------------------
 
