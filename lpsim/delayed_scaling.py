@@ -17,13 +17,15 @@ operation at a time:
 2. When recording (the default in training mode): amax = max |x| is pushed onto the history (the
    oldest entry drops out), and the scale is recomputed from the history:
    a = the largest entry ("max", NaN entries ignored) or the newest ("most_recent");
-   if a is finite and positive, scale = (elem_max * 2^-margin) / a and scale_inverse = 1 / scale,
+   if a is finite and positive, scale = (elem_max * 2^-margin) / a, at most float32's largest
+   finite number (an amax so small that the quotient overflows), and scale_inverse = 1 / scale,
    else both stay as they were.
 
 So the scale a call uses comes from the calls before it: the first call uses scale 1. This is
 Transformer Engine's amax_and_scale_update (history rolled, max or most-recent reduction,
 ``fp8_max * 2^-margin / amax``, the scale kept for a zero or non-finite amax, NaN ignored by the
-max reduction as CUDA's fmaxf ignores it), with one update per call: Transformer Engine updates
+max reduction as CUDA's fmaxf ignores it; an infinite quotient becomes float32's largest finite
+number, as in its compute_scale_from_amax), with one update per call: Transformer Engine updates
 once per training step, which is the same when each tensor is quantised once per step. A tensor
 quantised several times per step (gradient accumulation) records each call.
 """
@@ -195,7 +197,11 @@ class DelayedScaler(nn.Module):
         else:
             reduced = history[0]
         usable = torch.isfinite(reduced) & (reduced > 0)
-        scale = torch.where(usable, self.scaling.scaled_max() / reduced, self.scale)
+        # An amax below elem_max / 2**128 overflows the quotient; an infinite scale would turn
+        # zeros into NaN (0 * Inf) and every other element into 0 (scale_inverse 0).
+        largest = torch.finfo(torch.float32).max
+        quotient = (self.scaling.scaled_max() / reduced).clamp(max=largest)
+        scale = torch.where(usable, quotient, self.scale)
         self.scale_inverse.copy_(torch.where(usable, 1 / scale, self.scale_inverse))
         self.scale.copy_(scale)
         self.calls.add_(1)

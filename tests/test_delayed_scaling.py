@@ -99,6 +99,25 @@ def test_infinite_and_nan_amaxes_keep_the_scale_as_transformer_engine_does():
         assert float(state.scale) == 224.0
 
 
+def test_an_amax_too_small_for_a_finite_scale_gives_float32_max_and_keeps_zeros_zero():
+    # 448 / 1e-40 overflows float32: the scale is float32's largest finite number, not Inf (whose
+    # next call turned 0 into NaN and every other element into 0).
+    largest = torch.finfo(torch.float32).max
+    for dtype in (torch.float32, torch.float64):
+        state = DelayedScaling(E4M3, history_length=2).scaler()
+        state(torch.tensor([1e-40, 0.0], dtype=dtype))
+        assert state.scale.item() == largest
+        assert torch.equal(state.scale_inverse, 1 / torch.tensor(largest))
+        x = torch.tensor([1e-40, 0.0, -0.0, -3e-40], dtype=dtype)
+        y = state(x)
+        saturating = lpsim.Float(4, 3, special="fn", saturate=True)
+        elements = lpsim.quantize(x * torch.tensor(largest, dtype=dtype), saturating)
+        expected = elements * state.scale_inverse.to(dtype)
+        bits = torch.int64 if dtype == torch.float64 else torch.int32
+        assert torch.equal(y.view(bits), expected.view(bits))
+        assert not y.isnan().any() and y[0] > 0 and y[3] < 0
+
+
 def test_first_call_uses_scale_one_and_each_call_the_scale_of_the_calls_before():
     state = DelayedScaling(E4M3, history_length=8).scaler()
     assert state(torch.tensor([1000.0])).item() == 448.0  # scale 1: saturates
