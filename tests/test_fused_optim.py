@@ -185,6 +185,40 @@ def test_state_dict_round_trip_resumes_bit_exact(kind):
         assert_same_bits(a.detach(), b.detach())
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_non_contiguous_parameters_and_gradients_step_as_optimlp(kind):
+    """A transposed and a strided parameter, their gradients in their own layout (as autograd
+    makes them) and torch's states in it too: the same bits as OptimLP's batches."""
+    hyper = SGD_CASES["momentum_wd"] if kind == "sgd" else ADAM_CASES["adamw"][1]
+    formats = FORMATS["bf16_acc"]
+
+    def run(make):
+        g = torch.Generator().manual_seed(0)
+        params = [
+            torch.nn.Parameter(torch.randn(20, 30, generator=g).t()),
+            torch.nn.Parameter(torch.randn(40, generator=g)[::2]),
+        ]
+        torch.manual_seed(5)
+        opt = make(params)
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=g))
+            opt.step()
+        return params, opt
+
+    with _unfused():
+        want, reference = run(lambda ps: OptimLP(_torch_optimizer(kind, ps, hyper), **formats))
+    got, fused = run(lambda ps: _fused_optimizer(kind, ps, hyper, formats))
+    assert not got[0].is_contiguous() and not got[0].grad.is_contiguous()
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
+        assert_same_bits(a.grad, b.grad, f"gradient {i}")
+        for key, value in reference.state[b].items():
+            if key != "step":
+                assert_same_bits(fused.state[a][key], value, f"{key} {i}")
+        assert_same_bits(fused.state[a]["accumulator"], reference.accumulators[b])
+
+
 def test_result_does_not_depend_on_the_thread_count():
     results = []
     threads = torch.get_num_threads()

@@ -280,12 +280,13 @@ def run_step(
         roundings.append(int(spec.rounding) if spec is not None else -1)
         rbits.append(32)
         seed_list.append(seeds.get((category, spec), _NO_SEED))
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its contiguous copy)
     ops.optim_step_(
-        params,
-        grads,
-        states1,
-        states2,
-        accs,
+        _contiguous(params, staged),
+        _contiguous(grads, staged),
+        _contiguous(states1, staged),
+        _contiguous(states2, staged),
+        _contiguous(accs, staged),
         *grids,
         roundings,
         rbits,
@@ -295,6 +296,8 @@ def run_step(
         scalars,
         per_parameter,
     )
+    for t, copy in staged:
+        t.copy_(copy)
     if "state" in deferred:
         for p in params:
             kept = state.get(p, {})
@@ -304,6 +307,21 @@ def run_step(
     if "weight" in deferred:
         for p in params:
             _round_deferred(p, deferred["weight"], seeds, "weight", offsets[p][4])
+
+
+def _contiguous(tensors: list[torch.Tensor], staged: list) -> list[torch.Tensor]:
+    """tensors, each non-contiguous one (a transposed parameter, its gradient and the states
+    torch makes in its layout) replaced by a contiguous copy, noted in ``staged`` to be written
+    back after the op. The copy keeps the row-major order of the elements, which is the order
+    their random words follow, so the bits are those of the tensor itself."""
+    out = []
+    for t in tensors:
+        if not t.is_contiguous():
+            copy = t.contiguous()
+            staged.append((t, copy))
+            t = copy
+        out.append(t)
+    return out
 
 
 def _round_deferred(t: torch.Tensor, spec: QuantSpec, seeds: dict, category: str, offset: int):
