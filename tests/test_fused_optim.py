@@ -258,6 +258,30 @@ def test_bad_arguments_name_the_parameter_and_range():
         FusedSGD(p, lr=0.1, grad_format=Float(9, 23))
 
 
+@pytest.mark.parametrize(
+    "make, group, error, message",
+    [
+        (FusedSGD, {"lr": -1}, ValueError, r"lr must be in \[0.0, inf\], got -1"),
+        (FusedSGD, {"momentum": "0.9"}, TypeError, "momentum must be a number, got str"),
+        (FusedSGD, {"nesterov": True}, ValueError, "nesterov needs momentum > 0"),
+        (FusedAdam, {"betas": (1.5, 0.9)}, ValueError, r"betas\[0\] must be in \[0.0, 1.0\]"),
+        (FusedAdam, {"amsgrad": True}, ValueError, "amsgrad must be False"),
+        (FusedAdam, {"decoupled": 1}, TypeError, "decoupled must be a bool"),
+    ],
+)
+def test_a_parameter_group_s_options_are_checked_as_the_constructor_s(make, group, error, message):
+    """An option set in a parameter group, at construction or by add_param_group, is refused as
+    the same constructor argument is (it was taken silently: amsgrad ignored, a negative lr or a
+    beta of 1.5 used); a refused group is not kept."""
+    p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(error, match=message):
+        make([{"params": [p], **group}], lr=0.1)
+    opt = make([p], lr=0.1)
+    with pytest.raises(error, match=message):
+        opt.add_param_group({"params": [q], **group})
+    assert len(opt.param_groups) == 1
+
+
 # ---- OptimLP around torch.optim.SGD takes the fused step where it gives the same bits
 
 

@@ -81,12 +81,27 @@ class _Fused(Optimizer):
         for name, value in formats.items():
             defaults[name] = _spec(value, rounding, name)
         defaults["rounding"] = rounding
+        self._check_options(defaults)
         self.grad_scaling = float(grad_scaling)
         super().__init__(params, defaults)
+
+    def _check_options(self, group: dict) -> None:
+        """The optimizer's options, of its defaults or of a parameter group (which may set any of
+        them).
+
+        Raises:
+            TypeError / ValueError: an option has the wrong type or range (the message names it).
+        """
+        raise NotImplementedError
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        try:
+            self._check_options(group)
+        except (TypeError, ValueError):
+            self.param_groups.pop()
+            raise
         for category in _CATEGORIES:
             name = f"{category}_format"
             group[name] = spec = _spec(group[name], group["rounding"], name)
@@ -467,18 +482,6 @@ class FusedSGD(_Fused):
         grad_scaling: float = 1.0,
         rounding: Rounding | str = "stochastic",
     ):
-        for name, value in (
-            ("lr", lr),
-            ("momentum", momentum),
-            ("dampening", dampening),
-            ("weight_decay", weight_decay),
-        ):
-            check_number(name, value)
-        for name, value in (("nesterov", nesterov), ("maximize", maximize)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("nesterov needs momentum > 0 and dampening = 0")
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -494,6 +497,15 @@ class FusedSGD(_Fused):
             weight_format=weight_format,
         )
         super().__init__(params, defaults, formats, grad_scaling, rounding)
+
+    def _check_options(self, group: dict) -> None:
+        for name in ("lr", "momentum", "dampening", "weight_decay"):
+            check_number(name, group[name])
+        for name in ("nesterov", "maximize"):
+            if not isinstance(group[name], bool):
+                raise TypeError(f"{name} must be a bool, got {type(group[name]).__name__}")
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError("nesterov needs momentum > 0 and dampening = 0")
 
 
 class FusedAdam(_Fused):
@@ -537,21 +549,13 @@ class FusedAdam(_Fused):
         grad_scaling: float = 1.0,
         rounding: Rounding | str = "stochastic",
     ):
-        check_number("lr", lr)
-        check_number("eps", eps)
-        check_number("weight_decay", weight_decay)
-        if amsgrad is not False:
-            raise ValueError(f"amsgrad must be False: {type(self).__name__} has no amsgrad")
-        for name, value in (("decoupled", decoupled), ("maximize", maximize)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-        check_betas(betas)
         defaults = dict(
             lr=lr,
-            betas=tuple(betas),
+            betas=betas,
             eps=eps,
             weight_decay=weight_decay,
             decoupled=decoupled,
+            amsgrad=amsgrad,
             maximize=maximize,
         )
         formats = dict(
@@ -561,3 +565,13 @@ class FusedAdam(_Fused):
             weight_format=weight_format,
         )
         super().__init__(params, defaults, formats, grad_scaling, rounding)
+
+    def _check_options(self, group: dict) -> None:
+        for name in ("lr", "eps", "weight_decay"):
+            check_number(name, group[name])
+        group["betas"] = check_betas(group["betas"])
+        if group["amsgrad"] is not False:
+            raise ValueError(f"amsgrad must be False: {type(self).__name__} has no amsgrad")
+        for name in ("decoupled", "maximize"):
+            if not isinstance(group[name], bool):
+                raise TypeError(f"{name} must be a bool, got {type(group[name]).__name__}")
