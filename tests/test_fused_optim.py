@@ -282,6 +282,17 @@ def test_a_parameter_group_s_options_are_checked_as_the_constructor_s(make, grou
     assert len(opt.param_groups) == 1
 
 
+@pytest.mark.parametrize("make", [FusedSGD, FusedAdam])
+def test_a_group_refused_for_its_parameters_is_not_kept_and_the_optimizer_still_steps(make):
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = make([p], lr=0.1, acc_format=Float(8, 10))
+    with pytest.raises(TypeError, match="takes float32 parameters; parameter 0 of group 1"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3).double())]})
+    assert len(opt.param_groups) == 1
+    p.grad = torch.ones(3)
+    opt.step()  # raised: the op met the refused group's float64 parameter
+
+
 # ---- OptimLP around torch.optim.SGD takes the fused step where it gives the same bits
 
 

@@ -98,10 +98,20 @@ class _Fused(Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
-            self._check_options(group)
-        except (TypeError, ValueError):
-            self.param_groups.pop()
+            self._check_group(group, len(self.param_groups) - 1)
+        except (TypeError, ValueError, NotImplementedError):
+            self.param_groups.pop()  # a refused group is not kept: the optimizer stays usable
             raise
+        with torch.no_grad():
+            acc = group["acc_format"]
+            for p in group["params"]:
+                if acc is not None:  # as OptimLP: the accumulator starts as the rounded weight
+                    self.state[p]["accumulator"] = quantize(p.detach().clone(), *acc)
+
+    def _check_group(self, group: dict, index: int) -> None:
+        """A parameter group's options and formats (made QuantSpecs) and its parameters' dtypes
+        and devices, with the errors add_param_group raises."""
+        self._check_options(group)
         for category in _CATEGORIES:
             name = f"{category}_format"
             group[name] = spec = _spec(group[name], group["rounding"], name)
@@ -110,22 +120,18 @@ class _Fused(Optimizer):
                     spec.format.grid_arguments(torch.float32)
                 except ValueError as error:
                     raise ValueError(f"{name}: {error}") from None
-        with torch.no_grad():
-            for i, p in enumerate(group["params"]):
-                if p.dtype != torch.float32:
-                    raise TypeError(
-                        f"{type(self).__name__} takes float32 parameters; parameter {i} of group "
-                        f"{len(self.param_groups) - 1} is {p.dtype}"
-                    )
-                devices = _kernel_devices()
-                if p.device.type not in devices:
-                    raise NotImplementedError(
-                        f"lpsim::optim_step_ has no kernel for {p.device.type} parameters "
-                        f"({type(self).__name__} runs on {' and '.join(devices)} tensors)"
-                    )
-                acc = group["acc_format"]
-                if acc is not None:  # as OptimLP: the accumulator starts as the rounded weight
-                    self.state[p]["accumulator"] = quantize(p.detach().clone(), *acc)
+        for i, p in enumerate(group["params"]):
+            if p.dtype != torch.float32:
+                raise TypeError(
+                    f"{type(self).__name__} takes float32 parameters; parameter {i} of group "
+                    f"{index} is {p.dtype}"
+                )
+            devices = _kernel_devices()
+            if p.device.type not in devices:
+                raise NotImplementedError(
+                    f"lpsim::optim_step_ has no kernel for {p.device.type} parameters "
+                    f"({type(self).__name__} runs on {' and '.join(devices)} tensors)"
+                )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
