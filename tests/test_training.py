@@ -316,6 +316,21 @@ def test_sparse_gradients_and_momentum_have_their_summed_values_rounded():
         )
 
 
+def test_a_group_whose_format_does_not_fit_is_refused_and_not_kept():
+    """weight=Float(8, 9) does not fit a float16 parameter: add_param_group raises and the wrapped
+    optimizer does not keep the group (it stepped the parameter in full precision)."""
+    p = nn.Parameter(torch.randn(3))
+    opt = OptimLP(torch.optim.SGD([p], lr=0.1), weight=Float(8, 9))
+    half = nn.Parameter(torch.randn(3).half())
+    with pytest.raises(ValueError, match="OptimLP weight: .*does not fit a float16 tensor"):
+        opt.add_param_group({"params": [half]})
+    assert len(opt.optimizer.param_groups) == len(opt.param_groups) == 1
+    before = half.detach().clone()
+    p.grad, half.grad = torch.ones(3), torch.ones(3).half()
+    opt.step()
+    assert_same_bits(half.detach(), before)
+
+
 def test_accumulators_hold_the_high_precision_weights():
     model, data, target = _problem()
     acc_fmt, weight_fmt = Float(6, 9), E5M2

@@ -698,10 +698,20 @@ class OptimLP(Optimizer):
             return  # one of the wrapped optimizer's own groups, offered by Optimizer.__init__
         self.optimizer.add_param_group(param_group)
         self._share_with_optimizer()
+        added = []
         if self._chosen is not None:  # a new group's parameters take the defaults or its own key
             for p in self.optimizer.param_groups[-1]["params"]:
-                self._chosen.setdefault(id(p), True)
-        self._configure()
+                if id(p) not in self._chosen:
+                    self._chosen[id(p)] = True
+                    added.append(id(p))
+        try:
+            self._configure()
+        except (TypeError, ValueError):
+            # A refused group is not kept: its parameters would train in full precision.
+            self.optimizer.param_groups.pop()
+            for key in added:
+                del self._chosen[key]
+            raise
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state_dict, the accumulators in parameter order (None for
