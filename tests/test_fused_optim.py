@@ -185,6 +185,40 @@ def test_state_dict_round_trip_resumes_bit_exact(kind):
         assert_same_bits(a.detach(), b.detach())
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_non_contiguous_parameters_and_gradients_step_as_optimlp(kind):
+    """A transposed and a strided parameter, their gradients in their own layout (as autograd
+    makes them) and torch's states in it too: the same bits as OptimLP's batches."""
+    hyper = SGD_CASES["momentum_wd"] if kind == "sgd" else ADAM_CASES["adamw"][1]
+    formats = FORMATS["bf16_acc"]
+
+    def run(make):
+        g = torch.Generator().manual_seed(0)
+        params = [
+            torch.nn.Parameter(torch.randn(20, 30, generator=g).t()),
+            torch.nn.Parameter(torch.randn(40, generator=g)[::2]),
+        ]
+        torch.manual_seed(5)
+        opt = make(params)
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.empty_like(p).copy_(torch.randn(p.shape, generator=g))
+            opt.step()
+        return params, opt
+
+    with _unfused():
+        want, reference = run(lambda ps: OptimLP(_torch_optimizer(kind, ps, hyper), **formats))
+    got, fused = run(lambda ps: _fused_optimizer(kind, ps, hyper, formats))
+    assert not got[0].is_contiguous() and not got[0].grad.is_contiguous()
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
+        assert_same_bits(a.grad, b.grad, f"gradient {i}")
+        for key, value in reference.state[b].items():
+            if key != "step":
+                assert_same_bits(fused.state[a][key], value, f"{key} {i}")
+        assert_same_bits(fused.state[a]["accumulator"], reference.accumulators[b])
+
+
 def test_result_does_not_depend_on_the_thread_count():
     results = []
     threads = torch.get_num_threads()
@@ -222,6 +256,41 @@ def test_bad_arguments_name_the_parameter_and_range():
         FusedSGD([torch.nn.Parameter(torch.randn(3).double())], lr=0.1)
     with pytest.raises(ValueError, match="grad_format: .*does not fit a float32"):
         FusedSGD(p, lr=0.1, grad_format=Float(9, 23))
+
+
+@pytest.mark.parametrize(
+    "make, group, error, message",
+    [
+        (FusedSGD, {"lr": -1}, ValueError, r"lr must be in \[0.0, inf\], got -1"),
+        (FusedSGD, {"momentum": "0.9"}, TypeError, "momentum must be a number, got str"),
+        (FusedSGD, {"nesterov": True}, ValueError, "nesterov needs momentum > 0"),
+        (FusedAdam, {"betas": (1.5, 0.9)}, ValueError, r"betas\[0\] must be in \[0.0, 1.0\]"),
+        (FusedAdam, {"amsgrad": True}, ValueError, "amsgrad must be False"),
+        (FusedAdam, {"decoupled": 1}, TypeError, "decoupled must be a bool"),
+    ],
+)
+def test_a_parameter_group_s_options_are_checked_as_the_constructor_s(make, group, error, message):
+    """An option set in a parameter group, at construction or by add_param_group, is refused as
+    the same constructor argument is (it was taken silently: amsgrad ignored, a negative lr or a
+    beta of 1.5 used); a refused group is not kept."""
+    p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(error, match=message):
+        make([{"params": [p], **group}], lr=0.1)
+    opt = make([p], lr=0.1)
+    with pytest.raises(error, match=message):
+        opt.add_param_group({"params": [q], **group})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("make", [FusedSGD, FusedAdam])
+def test_a_group_refused_for_its_parameters_is_not_kept_and_the_optimizer_still_steps(make):
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = make([p], lr=0.1, acc_format=Float(8, 10))
+    with pytest.raises(TypeError, match="takes float32 parameters; parameter 0 of group 1"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3).double())]})
+    assert len(opt.param_groups) == 1
+    p.grad = torch.ones(3)
+    opt.step()  # raised: the op met the refused group's float64 parameter
 
 
 # ---- OptimLP around torch.optim.SGD takes the fused step where it gives the same bits

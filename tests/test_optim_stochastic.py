@@ -266,6 +266,25 @@ def test_bad_options_of_a_parameter_group_raise_errors_that_name_them(
     assert len(opt.param_groups) == 1
 
 
+@pytest.mark.parametrize(
+    "optimizer", [lpsim.optim.SGD, lpsim.optim.AdamW], ids=lambda c: c.__name__
+)
+def test_a_group_refused_for_one_parameter_is_not_kept_and_changes_no_parameter(optimizer):
+    """The second parameter is float16, which Float(8, 9) does not fit: the group is refused and
+    the first parameter, which it fits, is neither rounded into it nor numbered."""
+    opt = optimizer([torch.zeros(2, requires_grad=True)], seed=0)
+    fits = torch.tensor([0.1, 1 / 3], requires_grad=True)
+    before = fits.detach().clone()
+    unfit = torch.zeros(2, dtype=torch.float16, requires_grad=True)
+    with pytest.raises(ValueError, match="does not fit a float16 tensor"):
+        opt.add_param_group({"params": [fits, unfit], "weight_format": Float(8, 9)})
+    assert len(opt.param_groups) == 1
+    assert_same_bits(fits.detach(), before)
+    fresh = torch.zeros(2, requires_grad=True)
+    opt.add_param_group({"params": [fresh]})
+    assert opt.state[fresh]["index"] == 1  # numbered as if the refused group had not been offered
+
+
 def test_a_parameter_group_may_override_the_seed_and_the_rounding():
     w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
     v = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)

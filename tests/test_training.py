@@ -274,6 +274,63 @@ def test_gradients_are_scaled_then_quantised_and_none_gradients_skipped():
     assert frozen.grad is None and torch.equal(frozen.detach(), torch.ones(3))
 
 
+def test_sparse_gradients_and_momentum_have_their_summed_values_rounded():
+    """nn.Embedding(sparse=True): the gradient (index 2 twice: entries to sum) and SGD's sparse
+    momentum buffer are rounded as torch's SGD plus explicit quantize calls on their coalesced
+    values."""
+    grad, momentum, weight = (Float(5, 2), "nearest"), (Float(5, 3), "nearest"), Float(6, 4)
+    torch.manual_seed(0)
+    ref, emb = nn.Embedding(10, 4, sparse=True), nn.Embedding(10, 4, sparse=True)
+    emb.load_state_dict(ref.state_dict())
+    base = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = OptimLP(
+        torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9),
+        weight=(weight, "nearest"),
+        grad=grad,
+        momentum=momentum,
+        grad_scaling=0.5,
+    )
+
+    def rounded(t, spec):
+        t = t.coalesce()
+        return torch.sparse_coo_tensor(t.indices(), lpsim.quantize(t.values(), *spec), t.shape)
+
+    for index in (torch.tensor([1, 2, 2, 7]), torch.tensor([2, 3, 3])):
+        base.zero_grad()
+        (ref(index) * torch.arange(4.0)).sum().backward()
+        ref.weight.grad = rounded(ref.weight.grad * 0.5, grad)
+        base.step()
+        state = base.state[ref.weight]
+        state["momentum_buffer"] = rounded(state["momentum_buffer"], momentum).coalesce()
+        with torch.no_grad():
+            ref.weight.copy_(lpsim.quantize(ref.weight, weight, "nearest"))
+
+        opt.zero_grad()
+        (emb(index) * torch.arange(4.0)).sum().backward()
+        opt.step()
+        assert_same_bits(emb.weight.grad.to_dense(), ref.weight.grad.to_dense())
+        assert_same_bits(emb.weight.detach(), ref.weight.detach())
+        assert_same_bits(
+            opt.state[emb.weight]["momentum_buffer"].to_dense(),
+            state["momentum_buffer"].to_dense(),
+        )
+
+
+def test_a_group_whose_format_does_not_fit_is_refused_and_not_kept():
+    """weight=Float(8, 9) does not fit a float16 parameter: add_param_group raises and the wrapped
+    optimizer does not keep the group (it stepped the parameter in full precision)."""
+    p = nn.Parameter(torch.randn(3))
+    opt = OptimLP(torch.optim.SGD([p], lr=0.1), weight=Float(8, 9))
+    half = nn.Parameter(torch.randn(3).half())
+    with pytest.raises(ValueError, match="OptimLP weight: .*does not fit a float16 tensor"):
+        opt.add_param_group({"params": [half]})
+    assert len(opt.optimizer.param_groups) == len(opt.param_groups) == 1
+    before = half.detach().clone()
+    p.grad, half.grad = torch.ones(3), torch.ones(3).half()
+    opt.step()
+    assert_same_bits(half.detach(), before)
+
+
 def test_accumulators_hold_the_high_precision_weights():
     model, data, target = _problem()
     acc_fmt, weight_fmt = Float(6, 9), E5M2

@@ -81,12 +81,37 @@ class _Fused(Optimizer):
         for name, value in formats.items():
             defaults[name] = _spec(value, rounding, name)
         defaults["rounding"] = rounding
+        self._check_options(defaults)
         self.grad_scaling = float(grad_scaling)
         super().__init__(params, defaults)
+
+    def _check_options(self, group: dict) -> None:
+        """The optimizer's options, of its defaults or of a parameter group (which may set any of
+        them).
+
+        Raises:
+            TypeError / ValueError: an option has the wrong type or range (the message names it).
+        """
+        raise NotImplementedError
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        try:
+            self._check_group(group, len(self.param_groups) - 1)
+        except (TypeError, ValueError, NotImplementedError):
+            self.param_groups.pop()  # a refused group is not kept: the optimizer stays usable
+            raise
+        with torch.no_grad():
+            acc = group["acc_format"]
+            for p in group["params"]:
+                if acc is not None:  # as OptimLP: the accumulator starts as the rounded weight
+                    self.state[p]["accumulator"] = quantize(p.detach().clone(), *acc)
+
+    def _check_group(self, group: dict, index: int) -> None:
+        """A parameter group's options and formats (made QuantSpecs) and its parameters' dtypes
+        and devices, with the errors add_param_group raises."""
+        self._check_options(group)
         for category in _CATEGORIES:
             name = f"{category}_format"
             group[name] = spec = _spec(group[name], group["rounding"], name)
@@ -95,22 +120,18 @@ class _Fused(Optimizer):
                     spec.format.grid_arguments(torch.float32)
                 except ValueError as error:
                     raise ValueError(f"{name}: {error}") from None
-        with torch.no_grad():
-            for i, p in enumerate(group["params"]):
-                if p.dtype != torch.float32:
-                    raise TypeError(
-                        f"{type(self).__name__} takes float32 parameters; parameter {i} of group "
-                        f"{len(self.param_groups) - 1} is {p.dtype}"
-                    )
-                devices = _kernel_devices()
-                if p.device.type not in devices:
-                    raise NotImplementedError(
-                        f"lpsim::optim_step_ has no kernel for {p.device.type} parameters "
-                        f"({type(self).__name__} runs on {' and '.join(devices)} tensors)"
-                    )
-                acc = group["acc_format"]
-                if acc is not None:  # as OptimLP: the accumulator starts as the rounded weight
-                    self.state[p]["accumulator"] = quantize(p.detach().clone(), *acc)
+        for i, p in enumerate(group["params"]):
+            if p.dtype != torch.float32:
+                raise TypeError(
+                    f"{type(self).__name__} takes float32 parameters; parameter {i} of group "
+                    f"{index} is {p.dtype}"
+                )
+            devices = _kernel_devices()
+            if p.device.type not in devices:
+                raise NotImplementedError(
+                    f"lpsim::optim_step_ has no kernel for {p.device.type} parameters "
+                    f"({type(self).__name__} runs on {' and '.join(devices)} tensors)"
+                )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -280,12 +301,13 @@ def run_step(
         roundings.append(int(spec.rounding) if spec is not None else -1)
         rbits.append(32)
         seed_list.append(seeds.get((category, spec), _NO_SEED))
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its contiguous copy)
     ops.optim_step_(
-        params,
-        grads,
-        states1,
-        states2,
-        accs,
+        _contiguous(params, staged),
+        _contiguous(grads, staged),
+        _contiguous(states1, staged),
+        _contiguous(states2, staged),
+        _contiguous(accs, staged),
         *grids,
         roundings,
         rbits,
@@ -295,6 +317,8 @@ def run_step(
         scalars,
         per_parameter,
     )
+    for t, copy in staged:
+        t.copy_(copy)
     if "state" in deferred:
         for p in params:
             kept = state.get(p, {})
@@ -304,6 +328,21 @@ def run_step(
     if "weight" in deferred:
         for p in params:
             _round_deferred(p, deferred["weight"], seeds, "weight", offsets[p][4])
+
+
+def _contiguous(tensors: list[torch.Tensor], staged: list) -> list[torch.Tensor]:
+    """tensors, each non-contiguous one (a transposed parameter, its gradient and the states
+    torch makes in its layout) replaced by a contiguous copy, noted in ``staged`` to be written
+    back after the op. The copy keeps the row-major order of the elements, which is the order
+    their random words follow, so the bits are those of the tensor itself."""
+    out = []
+    for t in tensors:
+        if not t.is_contiguous():
+            copy = t.contiguous()
+            staged.append((t, copy))
+            t = copy
+        out.append(t)
+    return out
 
 
 def _round_deferred(t: torch.Tensor, spec: QuantSpec, seeds: dict, category: str, offset: int):
@@ -449,18 +488,6 @@ class FusedSGD(_Fused):
         grad_scaling: float = 1.0,
         rounding: Rounding | str = "stochastic",
     ):
-        for name, value in (
-            ("lr", lr),
-            ("momentum", momentum),
-            ("dampening", dampening),
-            ("weight_decay", weight_decay),
-        ):
-            check_number(name, value)
-        for name, value in (("nesterov", nesterov), ("maximize", maximize)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("nesterov needs momentum > 0 and dampening = 0")
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -476,6 +503,15 @@ class FusedSGD(_Fused):
             weight_format=weight_format,
         )
         super().__init__(params, defaults, formats, grad_scaling, rounding)
+
+    def _check_options(self, group: dict) -> None:
+        for name in ("lr", "momentum", "dampening", "weight_decay"):
+            check_number(name, group[name])
+        for name in ("nesterov", "maximize"):
+            if not isinstance(group[name], bool):
+                raise TypeError(f"{name} must be a bool, got {type(group[name]).__name__}")
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError("nesterov needs momentum > 0 and dampening = 0")
 
 
 class FusedAdam(_Fused):
@@ -519,21 +555,13 @@ class FusedAdam(_Fused):
         grad_scaling: float = 1.0,
         rounding: Rounding | str = "stochastic",
     ):
-        check_number("lr", lr)
-        check_number("eps", eps)
-        check_number("weight_decay", weight_decay)
-        if amsgrad is not False:
-            raise ValueError(f"amsgrad must be False: {type(self).__name__} has no amsgrad")
-        for name, value in (("decoupled", decoupled), ("maximize", maximize)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-        check_betas(betas)
         defaults = dict(
             lr=lr,
-            betas=tuple(betas),
+            betas=betas,
             eps=eps,
             weight_decay=weight_decay,
             decoupled=decoupled,
+            amsgrad=amsgrad,
             maximize=maximize,
         )
         formats = dict(
@@ -543,3 +571,13 @@ class FusedAdam(_Fused):
             weight_format=weight_format,
         )
         super().__init__(params, defaults, formats, grad_scaling, rounding)
+
+    def _check_options(self, group: dict) -> None:
+        for name in ("lr", "eps", "weight_decay"):
+            check_number(name, group[name])
+        group["betas"] = check_betas(group["betas"])
+        if group["amsgrad"] is not False:
+            raise ValueError(f"amsgrad must be False: {type(self).__name__} has no amsgrad")
+        for name in ("decoupled", "maximize"):
+            if not isinstance(group[name], bool):
+                raise TypeError(f"{name} must be a bool, got {type(group[name]).__name__}")

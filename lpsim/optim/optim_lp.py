@@ -181,6 +181,13 @@ def _state_tensor(key: str, value, param: torch.Tensor) -> bool:
     )
 
 
+def _stored_values(t: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds t's values, to round in place: t itself, or for a coalesced sparse
+    tensor (a gradient of nn.Embedding(sparse=True), SGD's momentum buffer of one) its values,
+    one per stored entry."""
+    return t.values() if t.is_sparse else t
+
+
 def _fusable_tensor(t: torch.Tensor) -> bool:
     return (
         t.dtype == torch.float32
@@ -209,14 +216,16 @@ class OptimLP(Optimizer):
     """Wrap ``optimizer`` (any torch.optim optimizer) so that one step is, for every parameter:
 
     1. gradient: multiplied by ``grad_scaling`` (every parameter's, so that a loss scale is undone
-       everywhere), then quantised by ``grad`` (parameters whose .grad is None are skipped);
+       everywhere), then quantised by ``grad`` (parameters whose .grad is None are skipped; a
+       sparse gradient, as nn.Embedding(sparse=True) gives, is coalesced and its values, one per
+       stored entry, are quantised);
     2. with ``acc``: the parameter's high-precision accumulator (a copy of the weight in a
        container wide enough for ``acc``, float32 unless ``acc`` needs float64, itself rounded
        into ``acc``) takes the weight's place for the update;
     3. ``optimizer.step(closure)``;
     4. every floating-point tensor in the optimizer's state for the parameter (momentum_buffer,
        exp_avg, exp_avg_sq, max_exp_avg_sq, ...; not the 0-d ``step`` counters) quantised by
-       ``momentum``;
+       ``momentum`` (a sparse one, as gradients are);
     5. with ``acc``: the accumulator rounded into ``acc`` and the weight set to it rounded by
        ``weight``; without: the weight rounded by ``weight``.
 
@@ -487,7 +496,10 @@ class OptimLP(Optimizer):
                 p.grad.mul_(self.grad_scaling)
             s = self.settings.get(p)
             if s is not None and s.grad is not None:
-                batch.add(self._quantizer(p, "grad", s.grad, p.grad), p.grad, p, "grad")
+                if p.grad.is_sparse:
+                    p.grad = p.grad.coalesce()
+                grad = _stored_values(p.grad)
+                batch.add(self._quantizer(p, "grad", s.grad, grad), grad, p, "grad")
         batch.run()
 
     @torch.no_grad()
@@ -496,8 +508,12 @@ class OptimLP(Optimizer):
         for p, s in self._rounded_params():
             if s.momentum is None:
                 continue
-            for key, value in self.optimizer.state.get(p, {}).items():
+            state = self.optimizer.state.get(p, {})
+            for key, value in state.items():
                 if _state_tensor(key, value, p):
+                    if value.is_sparse:
+                        state[key] = value = value.coalesce()
+                    value = _stored_values(value)
                     quant = self._quantizer(p, f"momentum.{key}", s.momentum, value)
                     batch.add(quant, value, p, "momentum")
         batch.run()
@@ -682,10 +698,20 @@ class OptimLP(Optimizer):
             return  # one of the wrapped optimizer's own groups, offered by Optimizer.__init__
         self.optimizer.add_param_group(param_group)
         self._share_with_optimizer()
+        added = []
         if self._chosen is not None:  # a new group's parameters take the defaults or its own key
             for p in self.optimizer.param_groups[-1]["params"]:
-                self._chosen.setdefault(id(p), True)
-        self._configure()
+                if id(p) not in self._chosen:
+                    self._chosen[id(p)] = True
+                    added.append(id(p))
+        try:
+            self._configure()
+        except (TypeError, ValueError):
+            # A refused group is not kept: its parameters would train in full precision.
+            self.optimizer.param_groups.pop()
+            for key in added:
+                del self._chosen[key]
+            raise
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state_dict, the accumulators in parameter order (None for

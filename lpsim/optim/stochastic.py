@@ -86,21 +86,22 @@ class _LowPrecision(Optimizer):
         group = self.param_groups[-1]
         try:
             self._check_options(group)
-        except (TypeError, ValueError):
-            self.param_groups.pop()
-            raise
-        with torch.no_grad():
             for p in group["params"]:
                 if p.dtype not in CONTAINER_DTYPES:
                     raise TypeError(
                         f"parameters must be float32, float64, bfloat16 or float16 "
                         f"tensors, got {p.dtype}"
                     )
-                fmt = self._weight_format(group, p)
-                check_fits(fmt, p.dtype)
+                check_fits(self._weight_format(group, p), p.dtype)
                 if group["state_format"] is not None:
                     check_fits(group["state_format"], torch.float64)
-                quantize_(p, fmt, "nearest")  # the weights must be values of their format
+        except (TypeError, ValueError):
+            self.param_groups.pop()  # a refused group is not kept, nor any parameter of it changed
+            raise
+        with torch.no_grad():
+            for p in group["params"]:
+                # The weights must be values of their format.
+                quantize_(p, self._weight_format(group, p), "nearest")
                 self.state[p]["index"] = self._count
                 self._count += 1
 
