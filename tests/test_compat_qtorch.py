@@ -915,3 +915,20 @@ def test_sequential_lower_wraps_a_leaf_inside_a_shared_module_once():
     assert lowered.first is lowered.second
     wrapper = lowered.first[0]
     assert type(wrapper[0]) is torch.nn.Linear and isinstance(wrapper[1], q.Quantizer)
+
+
+def test_quantize_functions_pass_the_gradient_straight_through_where_qtorch_detaches():
+    # QPyTorch's float_quantize, fixed_point_quantize and block_quantize return a tensor without
+    # history; lpsim's pass the gradient through unchanged, as lpsim.quantize does.
+    qq = _qq()
+    x = torch.randn(6, requires_grad=True)
+    upstream = torch.randn(6)
+    for name, args in [("float_quantize", (5, 2)), ("fixed_point_quantize", (8, 4))]:
+        assert not getattr(qq, name)(x, *args, rounding="nearest").requires_grad
+        x.grad = None
+        getattr(q, name)(x, *args, rounding="nearest").backward(upstream)
+        assert_same_bits(x.grad, upstream)
+    assert not qq.block_quantize(x, 6, rounding="nearest").requires_grad
+    x.grad = None
+    q.block_quantize(x, 6, rounding="nearest").backward(upstream)
+    assert_same_bits(x.grad, upstream)
