@@ -932,3 +932,10 @@ def test_quantize_functions_pass_the_gradient_straight_through_where_qtorch_deta
     x.grad = None
     q.block_quantize(x, 6, rounding="nearest").backward(upstream)
     assert_same_bits(x.grad, upstream)
+
+
+def test_optim_lp_refuses_a_number_format_naming_the_argument():
+    model = torch.nn.Linear(2, 2)
+    for name in ("weight_quant", "grad_quant", "momentum_quant", "acc_quant"):
+        with pytest.raises(TypeError, match=f"^{name} must be a function"):
+            q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), **{name: q.FixedPoint(8, 4)})
