@@ -939,3 +939,19 @@ def test_optim_lp_refuses_a_number_format_naming_the_argument():
     for name in ("weight_quant", "grad_quant", "momentum_quant", "acc_quant"):
         with pytest.raises(TypeError, match=f"^{name} must be a function"):
             q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), **{name: q.FixedPoint(8, 4)})
+
+
+@pytest.mark.parametrize(
+    "number,name,value",
+    [
+        (q.FloatingPoint(5, 2), "man", 3),
+        (q.FixedPoint(8, 4), "fl", 6),
+        (q.BlockFloatingPoint(8), "dim", 0),
+    ],
+)
+def test_numbers_refuse_changes_their_format_would_not_follow(number, name, value):
+    before = number.format
+    with pytest.raises(AttributeError, match=f"cannot be changed \\(setting '{name}'\\)"):
+        setattr(number, name, value)
+    assert number.format == before and getattr(number, name) != value
+    assert copy.deepcopy(number) == number
