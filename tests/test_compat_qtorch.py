@@ -859,3 +859,99 @@ def test_qtorch_optim_lp_load_state_dict_detaches_its_parameter_groups():
     ours = q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     ours.load_state_dict(saved)
     assert ours.optim.param_groups[0]["lr"] == 0.02 and ours.param_groups is ours.optim.param_groups
+
+
+class _SharedLeaf(torch.nn.Module):
+    """One Linear registered under two names, called through each."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 4)
+        self.second = self.first
+
+    def forward(self, x):
+        return self.second(torch.tanh(self.first(x)))
+
+
+def test_sequential_lower_wraps_every_name_of_a_shared_leaf_as_qtorch_does():
+    qtorch, _, _, auto_low = _qtorch()
+    torch.manual_seed(0)
+    model, x = _SharedLeaf(), torch.randn(3, 4)
+    theirs = auto_low.sequential_lower(model, ["linear"], qtorch.FixedPoint(8, 4), None, "nearest")
+    ours = q.sequential_lower(model, ["linear"], q.FixedPoint(8, 4), None, "nearest")
+    assert isinstance(ours.second, torch.nn.Sequential) and isinstance(ours.second[1], q.Quantizer)
+    assert ours.first[0] is ours.second[0]  # still one Linear, shared
+    assert_same_bits(ours(x), theirs(x))
+
+
+@pytest.mark.parametrize(
+    "container",
+    [lambda *m: torch.nn.Sequential(*m), lambda *m: torch.nn.ModuleList(m)],
+    ids=["Sequential", "ModuleList"],
+)
+def test_sequential_lower_wraps_every_entry_of_a_container_holding_a_leaf_twice(container):
+    # QPyTorch indexes the container by its distinct children: here it wraps entry 0 and
+    # entry 1 (the Linear again) and leaves the ReLU at entry 2 without a quantiser.
+    linear = torch.nn.Linear(4, 4)
+    model = container(linear, linear, torch.nn.ReLU())
+    lowered = q.sequential_lower(model, ["linear", "activation"], q.FixedPoint(8, 4))
+    for entry in lowered:
+        assert isinstance(entry, torch.nn.Sequential) and isinstance(entry[1], q.Quantizer)
+    assert lowered[0][0] is lowered[1][0]
+
+
+class _SharedBlock(torch.nn.Module):
+    """One block (holding a Linear) registered under two names."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Sequential(torch.nn.Linear(4, 4))
+        self.second = self.first
+
+
+def test_sequential_lower_wraps_a_leaf_inside_a_shared_module_once():
+    # QPyTorch visits the shared block once per name and wraps its Linear twice.
+    lowered = q.sequential_lower(_SharedBlock(), ["linear"], q.FixedPoint(8, 4))
+    assert lowered.first is lowered.second
+    wrapper = lowered.first[0]
+    assert type(wrapper[0]) is torch.nn.Linear and isinstance(wrapper[1], q.Quantizer)
+
+
+def test_quantize_functions_pass_the_gradient_straight_through_where_qtorch_detaches():
+    # QPyTorch's float_quantize, fixed_point_quantize and block_quantize return a tensor without
+    # history; lpsim's pass the gradient through unchanged, as lpsim.quantize does.
+    qq = _qq()
+    x = torch.randn(6, requires_grad=True)
+    upstream = torch.randn(6)
+    for name, args in [("float_quantize", (5, 2)), ("fixed_point_quantize", (8, 4))]:
+        assert not getattr(qq, name)(x, *args, rounding="nearest").requires_grad
+        x.grad = None
+        getattr(q, name)(x, *args, rounding="nearest").backward(upstream)
+        assert_same_bits(x.grad, upstream)
+    assert not qq.block_quantize(x, 6, rounding="nearest").requires_grad
+    x.grad = None
+    q.block_quantize(x, 6, rounding="nearest").backward(upstream)
+    assert_same_bits(x.grad, upstream)
+
+
+def test_optim_lp_refuses_a_number_format_naming_the_argument():
+    model = torch.nn.Linear(2, 2)
+    for name in ("weight_quant", "grad_quant", "momentum_quant", "acc_quant"):
+        with pytest.raises(TypeError, match=f"^{name} must be a function"):
+            q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), **{name: q.FixedPoint(8, 4)})
+
+
+@pytest.mark.parametrize(
+    "number,name,value",
+    [
+        (q.FloatingPoint(5, 2), "man", 3),
+        (q.FixedPoint(8, 4), "fl", 6),
+        (q.BlockFloatingPoint(8), "dim", 0),
+    ],
+)
+def test_numbers_refuse_changes_their_format_would_not_follow(number, name, value):
+    before = number.format
+    with pytest.raises(AttributeError, match=f"cannot be changed \\(setting '{name}'\\)"):
+        setattr(number, name, value)
+    assert number.format == before and getattr(number, name) != value
+    assert copy.deepcopy(number) == number

@@ -13,9 +13,19 @@ __all__ = ["Number", "FixedPoint", "BlockFloatingPoint", "FloatingPoint"]
 
 class Number:
     """A QPyTorch number format; ``.format`` is the equivalent lpsim format. Two numbers are equal
-    when their lpsim formats are."""
+    when their lpsim formats are.
+
+    A number cannot be changed once made (``number.fl = 6`` raises AttributeError): its lpsim
+    format, and every quantizer made from it, would not follow. Make a new one instead."""
 
     format: Float | Fixed | BlockFloat
+
+    def __setattr__(self, name: str, value) -> None:
+        if "format" in self.__dict__:
+            raise AttributeError(
+                f"{self!r} cannot be changed (setting {name!r}); make a new {type(self).__name__}"
+            )
+        super().__setattr__(name, value)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Number) and self.format == other.format

@@ -199,18 +199,29 @@ def sequential_lower(
     layer_types' classes is replaced by nn.Sequential(module, Quantizer(...)), one Quantizer shared
     by all. A model that is itself such a module becomes nn.Sequential(model copy, Quantizer).
 
+    A module registered under several names (twice in a Sequential, or shared by two parents) is
+    replaced under each by the same wrapper, so its output is quantised once wherever it is
+    called. QPyTorch skips entries of a container holding a module twice and wraps a leaf of a
+    shared parent once per name of the parent.
+
     Raises:
         ValueError: layer_types names an unknown layer type.
         TypeError: a number is not a qtorch Number.
     """
     classes = _layer_classes(layer_types)
     quant = Quantizer(forward_number, backward_number, forward_rounding, backward_rounding)
-
-    def wrapped(module: nn.Module) -> nn.Module:
-        if any(True for _ in module.children()):
-            for name, child in module.named_children():
-                setattr(module, name, wrapped(child))
-            return module
-        return nn.Sequential(module, quant) if type(module) in classes else module
-
-    return wrapped(copy.deepcopy(model))
+    model = copy.deepcopy(model)
+    leaves = [
+        (name, module)
+        for name, module in model.named_modules(remove_duplicate=False)
+        if type(module) in classes and not any(True for _ in module.children())
+    ]
+    wrappers: dict[int, nn.Module] = {}
+    for name, leaf in leaves:
+        if id(leaf) not in wrappers:
+            wrappers[id(leaf)] = nn.Sequential(leaf, quant)
+        if not name:  # the model itself
+            return wrappers[id(leaf)]
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, wrappers[id(leaf)])
+    return model

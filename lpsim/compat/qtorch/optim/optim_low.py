@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from lpsim import optim as lpoptim
+from lpsim.compat.qtorch.number import Number
 from lpsim.optim.optim_lp import QuantFunction
 
 __all__ = ["OptimLP"]
@@ -29,6 +30,10 @@ class OptimLP(lpoptim.OptimLP):
     wrapped optimizer's, so the momentum buffers are in it) plus the accumulators under
     "weight_acc", which QPyTorch's load_state_dict ignores. load_state_dict() takes that, a
     QPyTorch OptimLP's state_dict, a torch optimizer's, or lpsim.optim.OptimLP's.
+
+    Raises:
+        TypeError: a *_quant argument is a qtorch number format (FloatingPoint, ...), which
+            QPyTorch does not take either: pass a function such as quantizer(number, ...).
     """
 
     def __init__(
@@ -40,6 +45,18 @@ class OptimLP(lpoptim.OptimLP):
         momentum_quant: QuantFunction | None = None,
         acc_quant: QuantFunction | None = None,
     ):
+        quants = {
+            "weight_quant": weight_quant,
+            "grad_quant": grad_quant,
+            "momentum_quant": momentum_quant,
+            "acc_quant": acc_quant,
+        }
+        for name, value in quants.items():
+            if isinstance(value, Number):
+                raise TypeError(
+                    f"{name} must be a function tensor -> tensor (such as quantizer(number)), an "
+                    f"lpsim format or None; got the qtorch number {value!r}"
+                )
         super().__init__(
             optim,
             weight=weight_quant,

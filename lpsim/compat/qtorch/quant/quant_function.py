@@ -2,7 +2,9 @@
 
 Rounding is what QPyTorch documents ("nearest" ties to even, "stochastic" is the default), with
 lpsim's generator for the random numbers: pass ``seed=`` or use ``torch.manual_seed``. Every rule
-of lpsim.Rounding is accepted besides "nearest" and "stochastic".
+of lpsim.Rounding is accepted besides "nearest" and "stochastic". float_quantize,
+fixed_point_quantize and block_quantize pass the gradient straight through (unchanged), as
+lpsim.quantize does; QPyTorch's return a tensor without history.
 
 QPyTorch's compiled-kernel modules ``quant_cpu`` and ``quant_cuda`` do not exist here;
 get_module() returns an object with their functions, computed by lpsim's kernels.
