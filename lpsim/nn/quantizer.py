@@ -130,13 +130,7 @@ class ScalerCall(NamedTuple):
     forward_tensor: bool = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        recomputed = (
-            self.record
-            and self.forward_tensor
-            and not torch.compiler.is_compiling()
-            and torch._C._current_graph_task_id() != -1  # a backward pass is running
-        )
-        if recomputed:
+        if self.record and self.forward_tensor and _observation.recomputing():
             raise RuntimeError(
                 "DelayedScaling under activation checkpointing (a forward recomputed during the "
                 "backward pass) is not supported: the recomputation would record every amax "
