@@ -172,18 +172,27 @@ def test_conv2d_takes_one_value_for_both_dimensions_as_torch(geometry):
     assert_matches_torch(F.conv2d, LF.conv2d, tensors, **geometry)
 
 
-@pytest.mark.parametrize("groups", [1, 3])
-def test_convolution_without_input_channels_sums_nothing(groups):
-    x = torch.zeros(2, 0, 5, 4, requires_grad=True)
-    w = torch.zeros(3, 0, 2, 2, requires_grad=True)
-    b = torch.tensor([1.0, -2.0, 0.5], requires_grad=True)
-    y = LF.conv2d(x, w, b, padding=1, groups=groups, mac=FLOAT16)
-    assert_same_bits(y.detach(), b.detach().reshape(1, 3, 1, 1).expand(2, 3, 6, 5))
-    y.backward(torch.ones_like(y))
-    assert_same_bits(x.grad, torch.zeros(2, 0, 5, 4))
-    assert_same_bits(w.grad, torch.zeros(3, 0, 2, 2))
-    assert_same_bits(b.grad, torch.full((3,), 60.0))  # 2 x 6 x 5 ones
-    assert_same_bits(LF.conv2d(x, w, groups=groups, mac=FLOAT16), torch.zeros(2, 3, 4, 3))
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    "op, simulated, x_shape, w_shape, geometry",
+    [
+        (F.conv2d, LF.conv2d, (2, 0, 5, 4), (3, 0, 2, 2), dict(padding=1)),
+        (F.conv2d, LF.conv2d, (2, 0, 5, 4), (3, 0, 2, 2), dict(padding=1, groups=3)),
+        (F.conv2d, LF.conv2d, (0, 5, 4), (3, 0, 3, 2), dict(stride=2)),
+        (F.conv1d, LF.conv1d, (2, 0, 7), (4, 0, 3), dict(padding="same", groups=2)),
+        (F.conv1d, LF.conv1d, (0, 7), (4, 0, 3), dict(dilation=2)),
+    ],
+    ids=["conv2d", "conv2d-groups", "conv2d-unbatched", "conv1d-same-groups", "conv1d-unbatched"],
+)
+def test_convolution_without_input_channels_gives_torchs_empty_result_and_gradients(
+    op, simulated, x_shape, w_shape, geometry, bias
+):
+    """torch's conv1d and conv2d give no output channels when the input has none (the bias
+    included, whose gradient is zero); so do the simulated ones."""
+    tensors = [torch.zeros(x_shape), torch.zeros(w_shape)]
+    if bias:
+        tensors.append(torch.tensor([1.0, -2.0, 0.5, 3.0])[: w_shape[0]])
+    assert_matches_torch(op, simulated, tensors, **geometry)
 
 
 @pytest.mark.parametrize(

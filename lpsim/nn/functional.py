@@ -920,6 +920,8 @@ def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int):
     if dims == 1:
         x, w = x.unsqueeze(2), w.unsqueeze(2)
     y = _add_bias(_Convolution.apply(x, w, geometry, how), bias, 1, how)
+    if input.shape[1] == 0:  # torch's result: no output channels (the bias's gradient zero)
+        y = y[:, :0]
     if dims == 1:
         y = y.squeeze(2)
     return _with_grad_format(y, how)
@@ -945,8 +947,8 @@ def conv2d(
     """torch.nn.functional.conv2d under the MACs: input (N, C, H, W) or unbatched (C, H, W),
     weight (O, C / groups, kh, kw), O >= groups; stride, padding and dilation each an int or a
     tuple of one (for both dimensions) or two ints, padding also "valid" or "same" (stride 1),
-    zeros. Without input channels (C = 0) every sum is empty: +0, plus the bias (O channels;
-    torch 2.14's own conv2d returns 0 channels there, also for the native MAC, which is torch's).
+    zeros. Without input channels (C = 0) the result has no channels either, (N, 0, Ho, Wo), as
+    torch's conv2d gives it (the bias's gradient is then zero).
 
     Raises:
         TypeError: stride, padding or dilation is not an int or a tuple of one or two ints, or
@@ -983,7 +985,8 @@ def conv1d(
 ) -> torch.Tensor:
     """torch.nn.functional.conv1d under the MACs: input (N, C, L) or unbatched (C, L), weight
     (O, C / groups, k); stride, padding and dilation each an int or a tuple of one int, padding
-    also "valid" or "same". Computed as conv2d of 1 x L images (the same terms in the same order).
+    also "valid" or "same". Computed as conv2d of 1 x L images (the same terms in the same order);
+    without input channels, no output channels either, as torch's conv1d.
 
     Raises:
         As conv2d (a tuple of two ints is refused).
