@@ -77,6 +77,58 @@ def test_linear_of_a_one_dimensional_weight_matches_torch(shape):
 
 
 @pytest.mark.parametrize(
+    "x_shape, w_shape, b_shape",
+    [
+        ((5, 7), (4, 7), (1, 4)),
+        ((5, 7), (4, 7), (5, 4)),
+        ((5, 7), (4, 7), (5, 1)),
+        ((5, 7), (4, 7), (1, 1)),
+        ((5, 7), (4, 7), (1,)),
+        ((5, 7), (4, 7), ()),
+        ((2, 3, 7), (4, 7), (1, 4)),
+        ((2, 3, 7), (4, 7), (3, 4)),
+        ((2, 3, 7), (4, 7), (2, 1, 4)),
+        ((2, 3, 7), (4, 7), (1, 3, 4)),
+        ((2, 3, 7), (4, 7), (2, 3, 1)),
+        ((2, 3, 7), (4, 7), (2, 3, 4)),
+        ((2, 3, 7), (7,), (1, 1)),
+        ((7,), (4, 7), (1,)),
+    ],
+    ids=str,
+)
+def test_linear_bias_that_broadcasts_to_the_result_is_added_as_torch(x_shape, w_shape, b_shape):
+    """torch's linear adds any bias that broadcasts to the result's shape (without changing it);
+    its gradient sums the output gradient over the broadcast dimensions."""
+    tensors = [ints(*x_shape, seed=26), ints(*w_shape, seed=27), ints(*b_shape, seed=28)]
+    assert_matches_torch(F.linear, LF.linear, tensors)
+
+
+@pytest.mark.parametrize(
+    "x_shape, w_shape, b_shape",
+    [
+        ((2, 3, 7), (4, 7), (5,)),
+        ((2, 3, 7), (4, 7), (4, 1)),
+        ((2, 3, 7), (4, 7), (3, 2, 3, 4)),
+        ((2, 3, 7), (4, 7), (1, 2, 3, 4)),
+        ((7,), (4, 7), (3, 4)),
+        ((7,), (7,), (1,)),
+        ((2, 3, 7), (7,), (2, 3, 1)),
+    ],
+    ids=str,
+)
+def test_linear_refuses_a_bias_that_does_not_broadcast_to_the_result_as_torch(
+    x_shape, w_shape, b_shape
+):
+    """A bias that does not broadcast to the result, or would make it larger, is refused (as
+    torch's linear refuses it), naming the bias and the result's shape."""
+    x, w, b = ints(*x_shape), ints(*w_shape), ints(*b_shape)
+    with pytest.raises(RuntimeError):
+        F.linear(x.clone().requires_grad_(), w, b)
+    with pytest.raises(ValueError, match="bias"):
+        LF.linear(x, w, b, mac=EXACT)
+
+
+@pytest.mark.parametrize(
     "a_shape, b_shape",
     [
         ((3, 5), (5, 4)),
