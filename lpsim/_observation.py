@@ -21,9 +21,16 @@ The call sites and their categories:
 - lpsim.nn.Quantizer: "output" (forward) and "error" (backward);
 - lpsim.optim.OptimLP: "grad", "momentum" (every rounded state tensor), "accumulator" and
   "weight" (the weight rounding that ends a step).
+
+A module's forward that runs while a backward pass is running is a forward recomputed by
+activation checkpointing (torch.utils.checkpoint); ``recomputing()`` tells. The call sites report
+its roundings as any others; the Recorder does not record them again, and a DelayedScaler refuses
+them (lpsim.nn.quantizer.ScalerCall).
 """
 
 from __future__ import annotations
+
+import torch
 
 current = None  # the observer of every rounding, or None
 
@@ -31,3 +38,12 @@ current = None  # the observer of every rounding, or None
 # Shadow.compare's two, report(example=...)'s): while it is nonzero, a DynamicLossScaler's watches
 # record no overflow, so that such a pass cannot make the run's next step skip.
 hidden = 0
+
+
+def recomputing() -> bool:
+    """Whether a forward tensor quantised now belongs to a forward recomputed by activation
+    checkpointing: whether a backward pass is running (the forward of a checkpointed module runs
+    again inside it). Always False while torch.compile traces. Only forward tensors (a module's
+    inputs, outputs and parametrised tensors) are asked about: an optimizer stepping in a
+    post-accumulate-grad hook also runs inside a backward pass, and is no recomputation."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1

@@ -109,7 +109,10 @@ def quantize(
         seed: 0 <= seed < 2**64, for the stochastic rules. None: drawn from torch's default CPU
             generator.
         offset: 0 <= offset < 2**64: the random stream under the seed.
-        out: a tensor of x's shape and dtype to write into; returned.
+        out: a tensor of x's shape and dtype to write into; returned. It may be x itself (x is
+            then rounded in place, as by quantize_), but not a tensor that shares only part of
+            x's memory (RuntimeError, as torch's out= functions: clone x first). sr_add_, whose
+            operand b is read from a copy when it overlaps a, differs here.
 
     Returns:
         A new contiguous tensor (or ``out``). The gradient with respect to x is the identity
@@ -122,7 +125,8 @@ def quantize(
             argument has the wrong type.
         ValueError: the format does not fit x's dtype, or an argument is out of range.
         IndexError: a BlockFloat dim does not exist in x.
-        RuntimeError: ``out`` is given and x or out requires grad, outside torch.no_grad().
+        RuntimeError: ``out`` is given and x or out requires grad, outside torch.no_grad(); or
+            ``out`` shares part, not all, of x's memory.
     """
     if torch.compiler.is_compiling():  # the fusable form, where there is one (lpsim.fusable)
         fused = compiled_quantize(x, fmt, rounding, rbits=rbits, seed=seed, offset=offset, out=out)

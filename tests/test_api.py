@@ -76,6 +76,19 @@ def test_out_receives_the_result(fmt):
     assert_same_bits(strided_out, want)
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=repr)
+def test_out_may_be_x_itself_but_not_a_partial_overlap_of_it(fmt):
+    """As documented: out=x rounds x in place (as quantize_); an out that shares only some of x's
+    memory is refused, as torch's out= functions refuse it (clone x first)."""
+    x = torch.randn(7, 10) * 5
+    want = lpsim.quantize(x, fmt, "stochastic", seed=2)
+    assert lpsim.quantize(x, fmt, "stochastic", seed=2, out=x) is x
+    assert_same_bits(x, want)
+    buffer = torch.randn(71) * 5
+    with pytest.raises(RuntimeError, match="single memory location"):
+        lpsim.quantize(buffer[1:].view(7, 10), fmt, out=buffer[:70].view(7, 10))
+
+
 def test_negative_block_dims_are_refused_as_ambiguous():
     for d in (-1, -2):
         with pytest.raises(ValueError, match="negative dims are ambiguous"):

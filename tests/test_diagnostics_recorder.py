@@ -150,6 +150,45 @@ def test_the_recorders_totals_equal_a_python_recount_of_the_models_roundings():
     assert_same_statistics(sum(got.values(), RoundingStatistics()), total, "total")
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_checkpointed_forward_is_recorded_once_as_a_python_recount_of_one_forward(reentrant):
+    """Activation checkpointing runs the forward again during the backward pass; the recorder
+    records the forward once: its totals equal a recount of one forward and backward without
+    checkpointing."""
+    formats = {
+        "0": {"weight": FIXED, "input": FIXED, "output": FIXED, "error": FLOAT},
+        "3": {"weight": FLOAT, "bias": FIXED, "input": None, "output": FLOAT, "error": FIXED},
+    }
+    x = 3 * torch.randn(4, 1, 5, 5, generator=torch.Generator().manual_seed(1))
+    plain = recount_model()
+    captured = []
+    capture_roundings(plain, formats, captured, [0])
+    for name, fmt in formats.items():
+        module = plain.get_submodule(name)
+        for kind in ("weight", "bias"):
+            if kind in fmt:
+                value = module.parametrizations[kind].original.detach().clone()
+                captured.append((0, name, kind, value, fmt[kind]))
+    plain(x).square().sum().backward()
+    expected = {}
+    for at, name, category, value, fmt in captured:
+        rounded = lpsim.quantize(value, fmt, "nearest")
+        add_to(expected, (at, name, category), python_recount(value, rounded, fmt))
+
+    model = recount_model()
+    with Recorder(model) as recorder:
+        y = torch.utils.checkpoint.checkpoint(
+            model, x.clone().requires_grad_(), use_reentrant=reentrant
+        )
+        y.square().sum().backward()
+    got = {(r.step, r.module, r.category): r.statistics for r in recorder.records}
+    assert sorted(got) == sorted(expected)
+    for key, statistics in expected.items():
+        assert_same_statistics(got[key], statistics, key)
+    for a, b in zip(plain.parameters(), model.parameters()):
+        assert_same_bits(b.grad, a.grad)
+
+
 class CapturingSGD(torch.optim.SGD):
     """SGD that keeps the parameters and momentum buffers after each of its steps: what OptimLP
     then rounds into the accumulators and the momentum format."""

@@ -575,3 +575,57 @@ def test_the_magnitude_and_direction_of_a_weight_normed_recurrent_weight_are_not
     assert [id(p) for p in quantized_parameters(layer)] == [
         id(layer.parametrizations.weight_hh_l0.original)
     ]
+
+
+def injected_linear() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    inject(
+        model,
+        {nn.Linear: LayerQuantization(weight=Float(3, 2), bias=Float(3, 2), rounding="nearest")},
+    )
+    return model
+
+
+def test_functional_call_with_the_models_parameter_names_quantises_the_given_parameters():
+    """torch.func.functional_call with the names of model.named_parameters() (the parametrised
+    ".original" tensors) quantises the given tensors as the model's own, and its gradients are
+    those of the model holding them."""
+    model = injected_linear()
+    x = torch.randn(2, 4)
+    names = [name for name, _ in model.named_parameters()]
+    assert names == ["0.parametrizations.weight.original", "0.parametrizations.bias.original"]
+    own = {name: p.detach().clone() for name, p in model.named_parameters()}
+    given = {name: 1.7 * p for name, p in own.items()}
+
+    def loss(parameters):
+        return torch.func.functional_call(model, parameters, (x,)).square().sum()
+
+    grads = torch.func.grad(loss)(given)
+    twin = injected_linear()
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            p.copy_(given[name])
+    assert_same_bits(loss(given).detach(), twin(x).square().sum().detach())
+    twin(x).square().sum().backward()
+    for name, p in twin.named_parameters():
+        assert_same_bits(grads[name], p.grad, name)
+    rounded = lpsim.quantize(given["0.parametrizations.weight.original"], Float(3, 2))
+    assert_same_bits(twin[0].weight.detach(), rounded)
+    for name, p in model.named_parameters():  # the model's own parameters are left alone
+        assert_same_bits(p.detach(), own[name], name)
+
+
+def test_replacing_a_quantised_parameter_by_its_plain_name_is_refused_with_the_name_to_use():
+    """functional_call with the plain name ("0.weight") of a parametrised parameter, or assigning
+    module.weight, would have to write the new value into the parameter in place, out of the
+    gradient's reach; it is refused with an error that names the name to use."""
+    model = injected_linear()
+    before = [p.detach().clone() for p in model.parameters()]
+    message = r"parametrizations\.weight\.original"
+    with pytest.raises(NotImplementedError, match=message):
+        torch.func.functional_call(model, {"0.weight": torch.ones(3, 4)}, (torch.randn(2, 4),))
+    with pytest.raises(NotImplementedError, match=message):
+        model[0].weight = torch.ones(3, 4)
+    for got, want in zip(model.parameters(), before):
+        assert_same_bits(got.detach(), want)

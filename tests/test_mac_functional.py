@@ -77,6 +77,58 @@ def test_linear_of_a_one_dimensional_weight_matches_torch(shape):
 
 
 @pytest.mark.parametrize(
+    "x_shape, w_shape, b_shape",
+    [
+        ((5, 7), (4, 7), (1, 4)),
+        ((5, 7), (4, 7), (5, 4)),
+        ((5, 7), (4, 7), (5, 1)),
+        ((5, 7), (4, 7), (1, 1)),
+        ((5, 7), (4, 7), (1,)),
+        ((5, 7), (4, 7), ()),
+        ((2, 3, 7), (4, 7), (1, 4)),
+        ((2, 3, 7), (4, 7), (3, 4)),
+        ((2, 3, 7), (4, 7), (2, 1, 4)),
+        ((2, 3, 7), (4, 7), (1, 3, 4)),
+        ((2, 3, 7), (4, 7), (2, 3, 1)),
+        ((2, 3, 7), (4, 7), (2, 3, 4)),
+        ((2, 3, 7), (7,), (1, 1)),
+        ((7,), (4, 7), (1,)),
+    ],
+    ids=str,
+)
+def test_linear_bias_that_broadcasts_to_the_result_is_added_as_torch(x_shape, w_shape, b_shape):
+    """torch's linear adds any bias that broadcasts to the result's shape (without changing it);
+    its gradient sums the output gradient over the broadcast dimensions."""
+    tensors = [ints(*x_shape, seed=26), ints(*w_shape, seed=27), ints(*b_shape, seed=28)]
+    assert_matches_torch(F.linear, LF.linear, tensors)
+
+
+@pytest.mark.parametrize(
+    "x_shape, w_shape, b_shape",
+    [
+        ((2, 3, 7), (4, 7), (5,)),
+        ((2, 3, 7), (4, 7), (4, 1)),
+        ((2, 3, 7), (4, 7), (3, 2, 3, 4)),
+        ((2, 3, 7), (4, 7), (1, 2, 3, 4)),
+        ((7,), (4, 7), (3, 4)),
+        ((7,), (7,), (1,)),
+        ((2, 3, 7), (7,), (2, 3, 1)),
+    ],
+    ids=str,
+)
+def test_linear_refuses_a_bias_that_does_not_broadcast_to_the_result_as_torch(
+    x_shape, w_shape, b_shape
+):
+    """A bias that does not broadcast to the result, or would make it larger, is refused (as
+    torch's linear refuses it), naming the bias and the result's shape."""
+    x, w, b = ints(*x_shape), ints(*w_shape), ints(*b_shape)
+    with pytest.raises(RuntimeError):
+        F.linear(x.clone().requires_grad_(), w, b)
+    with pytest.raises(ValueError, match="bias"):
+        LF.linear(x, w, b, mac=EXACT)
+
+
+@pytest.mark.parametrize(
     "a_shape, b_shape",
     [
         ((3, 5), (5, 4)),
@@ -172,18 +224,27 @@ def test_conv2d_takes_one_value_for_both_dimensions_as_torch(geometry):
     assert_matches_torch(F.conv2d, LF.conv2d, tensors, **geometry)
 
 
-@pytest.mark.parametrize("groups", [1, 3])
-def test_convolution_without_input_channels_sums_nothing(groups):
-    x = torch.zeros(2, 0, 5, 4, requires_grad=True)
-    w = torch.zeros(3, 0, 2, 2, requires_grad=True)
-    b = torch.tensor([1.0, -2.0, 0.5], requires_grad=True)
-    y = LF.conv2d(x, w, b, padding=1, groups=groups, mac=FLOAT16)
-    assert_same_bits(y.detach(), b.detach().reshape(1, 3, 1, 1).expand(2, 3, 6, 5))
-    y.backward(torch.ones_like(y))
-    assert_same_bits(x.grad, torch.zeros(2, 0, 5, 4))
-    assert_same_bits(w.grad, torch.zeros(3, 0, 2, 2))
-    assert_same_bits(b.grad, torch.full((3,), 60.0))  # 2 x 6 x 5 ones
-    assert_same_bits(LF.conv2d(x, w, groups=groups, mac=FLOAT16), torch.zeros(2, 3, 4, 3))
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    "op, simulated, x_shape, w_shape, geometry",
+    [
+        (F.conv2d, LF.conv2d, (2, 0, 5, 4), (3, 0, 2, 2), dict(padding=1)),
+        (F.conv2d, LF.conv2d, (2, 0, 5, 4), (3, 0, 2, 2), dict(padding=1, groups=3)),
+        (F.conv2d, LF.conv2d, (0, 5, 4), (3, 0, 3, 2), dict(stride=2)),
+        (F.conv1d, LF.conv1d, (2, 0, 7), (4, 0, 3), dict(padding="same", groups=2)),
+        (F.conv1d, LF.conv1d, (0, 7), (4, 0, 3), dict(dilation=2)),
+    ],
+    ids=["conv2d", "conv2d-groups", "conv2d-unbatched", "conv1d-same-groups", "conv1d-unbatched"],
+)
+def test_convolution_without_input_channels_gives_torchs_empty_result_and_gradients(
+    op, simulated, x_shape, w_shape, geometry, bias
+):
+    """torch's conv1d and conv2d give no output channels when the input has none (the bias
+    included, whose gradient is zero); so do the simulated ones."""
+    tensors = [torch.zeros(x_shape), torch.zeros(w_shape)]
+    if bias:
+        tensors.append(torch.tensor([1.0, -2.0, 0.5, 3.0])[: w_shape[0]])
+    assert_matches_torch(op, simulated, tensors, **geometry)
 
 
 @pytest.mark.parametrize(

@@ -353,3 +353,49 @@ def test_every_container_that_holds_the_format_gives_the_same_values(dtype):
                 assert_same_bits(lpsim.quantize(x, fmt, rule), want, f"{fmt!r} {rule.name}")
             checked += 1
     assert checked >= 60
+
+
+CLIPPING = [(fmt, s) for fmt in FORMATS if fmt.precision > 1 for s in ("SatFinite", "SatPropagate")]
+
+
+@pytest.mark.parametrize("rule", list(GFLOAT_RULES))
+@pytest.mark.parametrize(
+    "fmt, saturation", CLIPPING, ids=[f"{fmt.name}-{s}" for fmt, s in CLIPPING]
+)
+def test_clamp_grad_zero_masks_where_gfloats_unclipped_rounding_leaves_the_range(
+    fmt, saturation, rule
+):
+    """A saturating P3109 format clips: quantizer(clamp_grad_zero=True) gives P3109's values
+    (gfloat), and zeroes the gradient exactly where the rounding at the format's precision with
+    one more exponent bit (gfloat, the same bias) lies outside [min, max], except for the Inf
+    inputs that SatPropagate keeps."""
+    fmt = _with(fmt, saturation)
+    x = _inputs(fmt).clone().requires_grad_()
+    y = lpsim.nn.quantizer(forward=(fmt, rule), clamp_grad_zero=True)(x)
+    assert_same_bits(y.detach(), _expected(fmt, rule))
+    y.backward(torch.ones_like(y))
+    info = _info(fmt)
+    wider = dataclasses.replace(
+        info, k=info.k + (1 if fmt.signed else 2), is_signed=True, domain=Domain.Extended
+    )
+    values = x.detach().double().numpy()
+    unclipped = round_ndarray(wider, values, GFLOAT_RULES[rule], False)
+    with np.errstate(invalid="ignore"):
+        outside = (unclipped > fmt.max) | (unclipped < fmt.min)
+    kept = np.isinf(values) & (saturation == "SatPropagate") & fmt.has_inf
+    kept &= (values > 0) | fmt.signed
+    want = torch.from_numpy(np.where(outside & ~kept, 0.0, 1.0)).float()
+    assert_same_bits(x.grad, want)
+
+
+@pytest.mark.parametrize(
+    "fmt, message",
+    [
+        (P3109(8, 3, saturation="SatNone"), "clips"),
+        (P3109(8, 1, saturation="SatFinite"), "precision 1"),
+    ],
+    ids=["SatNone", "precision-1"],
+)
+def test_clamp_grad_zero_refuses_p3109_formats_it_cannot_mask_saying_why(fmt, message):
+    with pytest.raises(ValueError, match=message):
+        lpsim.nn.quantizer(forward=fmt, clamp_grad_zero=True)

@@ -648,6 +648,31 @@ def test_bad_arguments_raise():
         PowerOfTwo(9)
 
 
+@pytest.mark.parametrize("variant", ["quantize", "quantize_", "out"])
+@pytest.mark.parametrize("axis", [3, -3])
+def test_a_bad_axis_raises_the_eager_error_on_meta_tensors_and_under_compile(axis, variant):
+    """The fake kernels (meta tensors, torch.compile's tracing) check the axis as the compiled
+    kernel does, with its message."""
+    fmt = Scaled(Float(2, 1, special="none"), axis=axis)
+
+    def run(x):
+        if variant == "quantize":
+            return lpsim.quantize(x, fmt)
+        if variant == "quantize_":
+            return lpsim.quantize_(x.clone(), fmt)
+        return lpsim.quantize(x, fmt, out=torch.empty_like(x))
+
+    with pytest.raises(IndexError) as eager:
+        run(torch.ones(2, 2))
+    assert f"got {axis}" in str(eager.value)
+    with pytest.raises(IndexError) as meta:
+        run(torch.ones(2, 2, device="meta"))
+    assert str(meta.value) == str(eager.value)
+    compiled = torch.compile(run, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=re.escape(str(eager.value))):
+        compiled(torch.ones(2, 2))
+
+
 @pytest.mark.parametrize(
     "scale, message",
     [

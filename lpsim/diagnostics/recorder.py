@@ -18,7 +18,9 @@ What is recorded while the recorder is attached:
   parametrisations, in every forward pass), "input", "output" or "error" (the gradient flowing
   back into the module's outputs); in every lpsim.nn.Quantizer module, "output" (its forward
   rounding) and "error" (its backward rounding). Only roundings in training mode, unless
-  ``record_eval=True``. Modules outside the recorder's model are not recorded.
+  ``record_eval=True``. Modules outside the recorder's model are not recorded. A forward that
+  activation checkpointing (torch.utils.checkpoint) recomputes during the backward pass is not
+  recorded again: the counts are those of one forward.
 - an OptimLP's roundings: under the parameter's qualified name in the model ("0.weight"; without
   a model, "group0.param0" for parameter 0 of group 0) and the category "grad", "momentum" (every
   rounded state tensor: momentum_buffer, exp_avg, ...), "accumulator" or "weight" (the weight
@@ -341,6 +343,8 @@ class Recorder:
         the model or a parameter), under ``category``."""
         if not training and not self.record_eval:
             return
+        if isinstance(owner, nn.Module) and category != "error" and _observation.recomputing():
+            return  # a forward recomputed by activation checkpointing, recorded the first time
         name = self._names.get(id(owner))
         if name is None:
             return

@@ -53,8 +53,9 @@ Which terms each result sums, in which order (k below is a MAC's term index):
   product's terms and order.
 - ``bias`` is added after the sum, as one more rounded addition in the forward MAC's
   accumulator (result = round(s + bias) by its rule; torch's float32 addition for the native
-  MAC); its gradient sums the output gradient over every position, in the order of the weight
-  gradient, under ``weight_grad_mac``.
+  MAC); its gradient sums the output gradient over every position along which the bias is
+  broadcast (every position but the channel or feature for a 1-D bias), in the order of the
+  weight gradient, under ``weight_grad_mac``.
 
 Random words: every stochastic product draws a seed from torch's default CPU generator (so
 ``torch.manual_seed`` makes a run reproducible); the matrices of a batch and the groups of a
@@ -414,37 +415,49 @@ def _with_grad_format(y: torch.Tensor, how: Arithmetic) -> torch.Tensor:
 
 
 class _AddBias(torch.autograd.Function):
-    """y + bias along ``dim``, rounded once into the forward MAC's accumulator; the bias gradient
-    sums the output gradient over every other position (batch-major) under weight_grad."""
+    """y + bias (a tensor that broadcasts to y's shape without changing it), rounded once into the
+    forward MAC's accumulator; the bias gradient sums the output gradient over the dimensions along
+    which the bias is broadcast (their positions in row-major order: batch-major) under
+    weight_grad."""
 
     @staticmethod
-    def forward(ctx, y, bias, dim: int, how: Arithmetic):
-        ctx.dim, ctx.how = dim, how
-        ctx.bias_dtype = bias.dtype
-        shape = [1] * y.dim()
-        shape[dim] = -1
-        b = bias.reshape(shape)
+    def forward(ctx, y, bias, how: Arithmetic):
+        ctx.how, ctx.bias_shape = how, bias.shape
         if how.forward.native:
-            return y + b
+            return y + bias
         mac = how.forward
         rbits = mac.rbits if mac.rounding.is_stochastic else None
-        # b in its own dtype: sr_add rounds the exact y + b once (b.to(y.dtype) rounded it first).
-        return sr_add(y, b, mac.accumulator, mac.rounding, rbits=rbits)
+        # bias in its own dtype: sr_add rounds the exact y + bias once (bias.to(y.dtype) rounded
+        # it first).
+        return sr_add(y, bias, mac.accumulator, mac.rounding, rbits=rbits)
 
     @staticmethod
     def backward(ctx, grad):
         how = ctx.how
         grad_bias = None
         if ctx.needs_input_grad[1]:
-            rows = grad.movedim(ctx.dim, -1)
-            rows = rows.reshape(math.prod(rows.shape[:-1]), rows.shape[-1])
+            shape = (1,) * (grad.dim() - len(ctx.bias_shape)) + tuple(ctx.bias_shape)
+            summed = [d for d, n in enumerate(shape) if n == 1]
+            kept = [d for d, n in enumerate(shape) if n != 1]
+            rows = grad.permute(summed + kept)
+            rows = rows.reshape(
+                math.prod(rows.shape[: len(summed)]), math.prod(rows.shape[len(summed) :])
+            )
             ones = torch.ones(1, rows.shape[0], dtype=rows.dtype)
             grad_bias = _product(ones, rows, how.weight_grad, _seed(how.weight_grad), 0)[0]
-        return grad, grad_bias, None, None
+            grad_bias = grad_bias.reshape(ctx.bias_shape)
+        return grad, grad_bias, None
 
 
-def _add_bias(y, bias, dim: int, how: Arithmetic):
-    return y if bias is None else _AddBias.apply(y, bias, dim, how)
+def _add_bias(y, bias, how: Arithmetic):
+    return y if bias is None else _AddBias.apply(y, bias, how)
+
+
+def _broadcasts_to(shape: tuple[int, ...], result: tuple[int, ...]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to ``result`` without changing it."""
+    if len(shape) > len(result):
+        return False
+    return all(n in (1, r) for n, r in zip(reversed(shape), reversed(result)))
 
 
 def matmul(
@@ -597,8 +610,12 @@ def linear(
     weight_grad_operands: Operands | None = None,
 ) -> torch.Tensor:
     """torch.nn.functional.linear(input, weight, bias) under the MACs: input (..., in_features),
-    weight (out_features, in_features), bias (out_features) added as the module docstring states;
-    or, as in torch, weight (in_features) and bias () for the result (...).
+    weight (out_features, in_features) for the result (..., out_features), or, as in torch, weight
+    (in_features) for the result (...). The bias, added as the module docstring states, is any
+    tensor that broadcasts to the result's shape without changing it: (out_features), (), (1,
+    out_features), (..., 1), ... (torch's linear adds it so; its fused path for a contiguous input
+    also refuses some of these, a (rows, 1) bias for a 3-D input or any bias for a 2-D input with a
+    1-D weight, which it takes for another layout of the same input).
 
     Raises:
         ValueError: the shapes do not match; otherwise as matmul.
@@ -629,27 +646,27 @@ def simulated_linear(
 ) -> torch.Tensor:
     """linear(x, w, bias) under ``how``, x and w already quantised by the caller (as for
     simulated_matmul; ``unquantised`` is (input, weight) before quantisation). As in torch, a 1-D
-    weight (in_features) is one output feature whose dimension the result drops, with a 0-d bias.
+    weight (in_features) is one output feature whose dimension the result drops, and the bias is
+    any tensor that broadcasts to the result's shape without changing it.
 
     Raises:
         ValueError: the shapes do not match; otherwise as matmul.
     """
     _check_tensors("linear", input=x, weight=w, bias=bias)
-    if w.dim() == 1:
-        if bias is not None and bias.dim() != 0:
-            raise ValueError(f"bias of a 1-D weight must be 0-d, got shape {tuple(bias.shape)}")
-        raw_x, raw_w = unquantised
-        one = None if bias is None else bias.reshape(1)
-        matrix = (raw_x, raw_w.unsqueeze(0))
-        return simulated_linear(x, w.unsqueeze(0), one, how, matrix).squeeze(-1)
-    if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
+    if w.dim() not in (1, 2) or x.dim() < 1 or x.shape[-1] != w.shape[-1]:
         raise ValueError(
-            f"linear takes input (..., in_features) and weight (out_features, in_features), got "
-            f"{tuple(x.shape)} and {tuple(w.shape)}"
+            f"linear takes input (..., in_features) and weight (out_features, in_features) or "
+            f"(in_features), got {tuple(x.shape)} and {tuple(w.shape)}"
         )
-    if bias is not None and bias.shape != (w.shape[0],):
-        raise ValueError(f"bias must have shape ({w.shape[0]},), got {tuple(bias.shape)}")
     raw_x, raw_w = unquantised
+    shape = (*x.shape[:-1], *w.shape[:-1])
+    if bias is not None and not _broadcasts_to(tuple(bias.shape), shape):
+        raise ValueError(
+            f"linear: bias of shape {tuple(bias.shape)} does not broadcast to the result's shape "
+            f"{shape} (as torch's linear, which adds it to the result in place)"
+        )
+    if w.dim() == 1:  # one output feature
+        w, raw_w = w.unsqueeze(0), raw_w.unsqueeze(0)
     rows = math.prod(x.shape[:-1])  # (not -1: in_features may be 0)
     y = _BatchedProduct.apply(
         x.reshape(1, rows, x.shape[-1]),
@@ -658,7 +675,7 @@ def simulated_linear(
         raw_w.t().unsqueeze(0),
         how,
     )[0]
-    y = _add_bias(y, bias, 1, how).reshape(*x.shape[:-1], w.shape[0])
+    y = _add_bias(y.reshape(shape), bias, how)
     return _with_grad_format(y, how)
 
 
@@ -920,7 +937,10 @@ def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int):
     x, w = _quantised_operands(input, weight, how)
     if dims == 1:
         x, w = x.unsqueeze(2), w.unsqueeze(2)
-    y = _add_bias(_Convolution.apply(x, w, geometry, how), bias, 1, how)
+    y = _Convolution.apply(x, w, geometry, how)
+    y = _add_bias(y, None if bias is None else bias.reshape(-1, 1, 1), how)
+    if input.shape[1] == 0:  # torch's result: no output channels (the bias's gradient zero)
+        y = y[:, :0]
     if dims == 1:
         y = y.squeeze(2)
     return _with_grad_format(y, how)
@@ -946,8 +966,8 @@ def conv2d(
     """torch.nn.functional.conv2d under the MACs: input (N, C, H, W) or unbatched (C, H, W),
     weight (O, C / groups, kh, kw), O >= groups; stride, padding and dilation each an int or a
     tuple of one (for both dimensions) or two ints, padding also "valid" or "same" (stride 1),
-    zeros. Without input channels (C = 0) every sum is empty: +0, plus the bias (O channels;
-    torch 2.14's own conv2d returns 0 channels there, also for the native MAC, which is torch's).
+    zeros. Without input channels (C = 0) the result has no channels either, (N, 0, Ho, Wo), as
+    torch's conv2d gives it (the bias's gradient is then zero).
 
     Raises:
         TypeError: stride, padding or dilation is not an int or a tuple of one or two ints, or
@@ -984,7 +1004,8 @@ def conv1d(
 ) -> torch.Tensor:
     """torch.nn.functional.conv1d under the MACs: input (N, C, L) or unbatched (C, L), weight
     (O, C / groups, k); stride, padding and dilation each an int or a tuple of one int, padding
-    also "valid" or "same". Computed as conv2d of 1 x L images (the same terms in the same order).
+    also "valid" or "same". Computed as conv2d of 1 x L images (the same terms in the same order);
+    without input channels, no output channels either, as torch's conv1d.
 
     Raises:
         As conv2d (a tuple of two ints is refused).

@@ -369,7 +369,8 @@ class _FakeQuantize(nn.Module):
     """Parametrisation: the parameter as seen by forward is its quantised value (``spec`` in
     training mode, ``eval_spec`` in eval mode; with a DelayedScaling, through ``scaler``, its
     submodule, made on ``device``). ``site`` is (the module owning the parameter, "weight" or
-    "bias"), under which the rounding is reported to the current observer (lpsim._observation).
+    "bias"), under which the rounding is reported to the current observer (lpsim._observation);
+    ``name`` is the parameter's name in that module.
 
     Inside a weight scope (the forward of a module holding parametrised tensors, or reading them:
     see _open_weight_scope) the parameter is quantised at its first read and later reads in the
@@ -380,13 +381,37 @@ class _FakeQuantize(nn.Module):
     quantises."""
 
     def __init__(
-        self, spec: QuantSpec, eval_rule: Rounding | None, site: tuple, device: torch.device
+        self,
+        spec: QuantSpec,
+        eval_rule: Rounding | None,
+        site: tuple,
+        device: torch.device,
+        name: str,
     ):
         super().__init__()
         self.spec, self.eval_spec, self.scaler = bind(spec, eval_rule)
         if self.scaler is not None:
             self.scaler.to(device)
         self.site = site  # a tuple, so the owner is not registered as a submodule
+        self.name = name
+
+    def right_inverse(self, value: torch.Tensor) -> torch.Tensor:
+        """Refuses: a quantised parameter replaced by its plain name (``module.weight = t``,
+        torch.func.functional_call(model, {"0.weight": t}, ...)) would be written into the
+        unquantised tensor in place, out of the gradient's reach, and functional_call would put
+        back the quantised value in its place. (torch takes the NotImplementedError raised while
+        it registers the parametrisation as "no inverse": the parameter is kept as it is.)
+
+        Raises:
+            NotImplementedError: always, naming the tensor to replace instead.
+        """
+        raise NotImplementedError(
+            f"{self.name!r} is quantised by lpsim.nn.inject (a parametrisation) and cannot be "
+            f"replaced by its plain name: replace its unquantised value, the parameter "
+            f"'parametrizations.{self.name}.original' of the module (under that name in "
+            "model.named_parameters() and torch.func.functional_call, or in place with "
+            "copy_ under torch.no_grad())"
+        )
 
     def forward(self, value: torch.Tensor) -> torch.Tensor:
         scopes = _weight_scopes()
@@ -1029,7 +1054,7 @@ def _inject_module(
             continue
         for pname in _parameter_names(module, kind):
             where = _value_to_quantise(module, pname).device
-            quantise = _FakeQuantize(spec, eval_rule, (module, kind), where)
+            quantise = _FakeQuantize(spec, eval_rule, (module, kind), where, pname)
             # unsafe: torch would check the parametrisation by running it once, which would
             # record an amax (the first forward pass must use scale 1) and draw a seed;
             # _check_module has checked what quantising the parameter checks.

@@ -19,7 +19,15 @@ from torch import nn
 
 from lpsim import _observation
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
-from lpsim.formats import GRID_FORMATS, BlockFloat, Fixed, Float, Format, fitting_container
+from lpsim.formats import (
+    GRID_FORMATS,
+    P3109,
+    BlockFloat,
+    Fixed,
+    Float,
+    Format,
+    fitting_container,
+)
 from lpsim.functional import quantize
 from lpsim.rounding import Rounding
 from lpsim.scaled import Scaled
@@ -130,13 +138,7 @@ class ScalerCall(NamedTuple):
     forward_tensor: bool = True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        recomputed = (
-            self.record
-            and self.forward_tensor
-            and not torch.compiler.is_compiling()
-            and torch._C._current_graph_task_id() != -1  # a backward pass is running
-        )
-        if recomputed:
+        if self.record and self.forward_tensor and _observation.recomputing():
             raise RuntimeError(
                 "DelayedScaling under activation checkpointing (a forward recomputed during the "
                 "backward pass) is not supported: the recomputation would record every amax "
@@ -172,36 +174,55 @@ def bind(spec: QuantSpec | None, eval_rounding: Rounding | None):
 
 def clip_range(fmt: Format) -> tuple[float, float]:
     """The interval outside which quantising into fmt clips: [min, max] of a clamping Fixed
-    format, [-max, max] of a saturating Float.
+    format, [-max, max] of a saturating Float, [min, max] of a P3109 format under SatFinite or
+    SatPropagate (min is 0 in an unsigned format).
 
     Raises:
-        ValueError: the format does not clip (Fixed without clamp, non-saturating Float,
-            BlockFloat).
+        ValueError: the format does not clip (Fixed without clamp, non-saturating Float, P3109
+            under SatNone, BlockFloat).
     """
     if isinstance(fmt, Fixed) and fmt.clamp:
         return fmt.min, fmt.max
     if isinstance(fmt, Float) and fmt.saturate:
         return -fmt.max, fmt.max
+    if isinstance(fmt, P3109) and fmt.saturation != "SatNone":
+        return fmt.min, fmt.max
     raise ValueError(
-        "clamp_grad_zero needs a forward format that clips: a Fixed format with clamp=True or a "
-        f"Float with saturate=True, got {fmt!r}"
+        "clamp_grad_zero needs a forward format that clips: a Fixed format with clamp=True, a "
+        "Float with saturate=True or a P3109 with saturation SatFinite or SatPropagate, got "
+        f"{fmt!r}"
     )
 
 
-def unclipped(fmt: Fixed | Float) -> Fixed | Float:
+def unclipped(fmt: Fixed | Float | P3109) -> Fixed | Float:
     """A format that rounds every value exactly as ``fmt`` does, but does not clip in the binade
     above fmt's range: fmt without clamp (Fixed), or fmt with one more exponent bit, the same bias
-    and IEEE Inf (Float). Rounding into it and then clipping gives what rounding into fmt gives.
+    and IEEE Inf (Float; for a P3109 format, the Float of its precision, exponent field and bias,
+    signed, with one more exponent bit). Rounding into it and then clipping gives what rounding
+    into fmt gives.
 
     Raises:
-        ValueError: fmt does not clip (see clip_range), or it is a Float whose widened exponent
-            fits no container (more than 9 exponent bits with the default bias).
+        ValueError: fmt does not clip (see clip_range), it is a Float whose widened exponent fits
+            no container (more than 9 exponent bits with the default bias), or a P3109 format of
+            precision 1 (its ties go to the even exponent code, a Float's to the larger value).
     """
     clip_range(fmt)
     if isinstance(fmt, Fixed):
         return dataclasses.replace(fmt, clamp=False)
+    if isinstance(fmt, P3109):
+        if fmt.precision == 1:
+            raise ValueError(
+                f"clamp_grad_zero: {fmt!r} has precision 1, whose ties round to the even exponent "
+                "code; no wider format of lpsim rounds alike, so where rounding clips cannot be "
+                "seen"
+            )
+        # The exponent field: bits - precision, and the sign bit's place in unsigned formats.
+        exp, man = fmt.bits - fmt.precision + (0 if fmt.signed else 1), fmt.precision - 1
+        subnormals = True
+    else:
+        exp, man, subnormals = fmt.exp, fmt.man, fmt.subnormals
     try:
-        return Float(fmt.exp + 1, fmt.man, bias=fmt.bias, subnormals=fmt.subnormals)
+        return Float(exp + 1, man, bias=fmt.bias, subnormals=subnormals)
     except ValueError:
         raise ValueError(
             f"clamp_grad_zero: {fmt!r} leaves no room above its range in a float64 container, so "
@@ -210,7 +231,7 @@ def unclipped(fmt: Fixed | Float) -> Fixed | Float:
 
 
 def quantize_with_clip_mask(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(spec(x), clipped): x rounded by spec into a clamping Fixed or saturating Float format, and
+    """(spec(x), clipped): x rounded by spec into a clipping format (see clip_range), and
     the boolean mask of the elements whose rounded value lay outside the format's range and was
     clipped to its limit.
 
@@ -219,8 +240,10 @@ def quantize_with_clip_mask(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Ten
     rounded once, into unclipped(spec.format) in a container that holds it, and then clipped, so
     the result is bit for bit spec(x) for every rule, and a stochastic rule's mask comes from the
     same random decisions as its values (the same draw from torch's generator as spec(x) makes).
-    NaN is never clipped, nor is +/-Inf in a format that keeps it (a saturating IEEE Float); in
-    other formats +/-Inf is clipped to the limits.
+    NaN is never clipped, nor is +/-Inf in a format that keeps it (a saturating IEEE Float; a
+    P3109 format with Inf under SatPropagate, -Inf only if signed); in other formats +/-Inf is
+    clipped to the limits. A negative value in an unsigned P3109 format is clipped to 0 unless it
+    rounds to zero.
 
     Raises:
         ValueError: as unclipped().
@@ -230,10 +253,13 @@ def quantize_with_clip_mask(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Ten
     low, high = clip_range(fmt)
     rounded = quantize(x.detach().to(fitting_container(wide, x.dtype)), wide, spec.rounding)
     clipped = (rounded > high) | (rounded < low)
+    infinite = rounded.isinf() & ~x.isfinite()  # an Inf input
     if isinstance(fmt, Float) and fmt.has_inf:
-        clipped &= ~rounded.isinf() | x.isfinite()
+        clipped &= ~infinite
+    if isinstance(fmt, P3109) and fmt.has_inf and fmt.saturation == "SatPropagate":
+        clipped &= ~(infinite & ((rounded > 0) | fmt.signed))  # -Inf only in signed formats
     out = torch.where(clipped, rounded.clamp(low, high), rounded)
-    if isinstance(fmt, Float) and not fmt.has_negative_zero:
+    if isinstance(fmt, (Float, P3109)) and not fmt.has_negative_zero:
         out = torch.where(out == 0, 0.0, out)
     return out.to(x.dtype), clipped
 
@@ -318,7 +344,8 @@ def quantizer(
         forward_rounding, backward_rounding: rules for specs given as bare formats (default
             "stochastic" for both).
         clamp_grad_zero: zero the gradient where the forward pass clipped: where the rounded
-            value lay outside the range of a clamping Fixed format or a saturating Float (decided
+            value lay outside the range of a clamping Fixed format, a saturating Float or a P3109
+            format under SatFinite or SatPropagate (precision 2 or more; decided
             on the rounded value, with the forward pass's own random decisions; see
             quantize_with_clip_mask): the straight-through estimator with a clip mask.
         backward_hooks: functions applied in order to the gradient before its quantisation (for
