@@ -16,13 +16,14 @@ from support import assert_same_bits
 from torch import nn
 
 import lpsim
-from lpsim import Fixed, Float, _observation
+from lpsim import P3109, BlockFloat, Fixed, Float, _observation
 from lpsim.delayed_scaling import DelayedScaling
 from lpsim.demo import small_cnn
 from lpsim.diagnostics import recorder as recorder_module
 from lpsim.diagnostics.recorder import CSV_COLUMNS, Recorder, Stagnation
 from lpsim.nn import LayerQuantization, Quantizer, inject
 from lpsim.optim import FusedSGD, OptimLP
+from lpsim.scaled import preset
 from lpsim.statistics import RoundingStatistics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,8 +38,12 @@ def python_recount(x: torch.Tensor, rounded: torch.Tensor, fmt) -> RoundingStati
     """The statistics of a rounding, counted element by element in Python."""
     if isinstance(fmt, Fixed):
         low, high, smallest_normal = fmt.min, fmt.max, 0.0
-    else:
+    elif isinstance(fmt, P3109):
+        low, high, smallest_normal = fmt.min, fmt.max, fmt.smallest_normal
+    elif isinstance(fmt, Float):
         low, high, smallest_normal = -fmt.max, fmt.max, fmt.smallest_normal
+    else:  # block and tensor scales: only non-finite results overflow, no subnormals
+        low, high, smallest_normal = -math.inf, math.inf, 0.0
     counts = dict(elements=0, nonfinite=0, overflow=0, underflow=0, subnormal=0, unchanged=0)
     errors, values = [], []
     pairs = zip(x.double().flatten().tolist(), rounded.double().flatten().tolist())
@@ -47,8 +52,9 @@ def python_recount(x: torch.Tensor, rounded: torch.Tensor, fmt) -> RoundingStati
         if not math.isfinite(a):
             counts["nonfinite"] += 1
             continue
-        counts["overflow"] += a < low or a > high or not math.isfinite(b)
-        counts["underflow"] += a != 0 and b == 0
+        outside = a < low or a > high
+        counts["overflow"] += outside or not math.isfinite(b)
+        counts["underflow"] += a != 0 and not outside and b == 0
         counts["subnormal"] += math.isfinite(b) and b != 0 and abs(b) < smallest_normal
         counts["unchanged"] += a == b
         if math.isfinite(b):
@@ -187,6 +193,92 @@ def test_a_checkpointed_forward_is_recorded_once_as_a_python_recount_of_one_forw
         assert_same_statistics(got[key], statistics, key)
     for a, b in zip(plain.parameters(), model.parameters()):
         assert_same_bits(b.grad, a.grad)
+
+
+def capture_rounded_pairs(model: nn.Module, captured: list, step: list) -> None:
+    """Hooks of the test's own that save each rounding of the injected Linear layers as the pair
+    (value before, value the run went on with): inputs and outputs between a hook that runs
+    before inject's and one after, errors from tensor hooks on both sides of the output's
+    quantiser, weights from the forward hook of their parametrisation."""
+    for name, module in model.named_children():
+        if not isinstance(module, nn.Linear):
+            continue
+        raw = {}
+
+        def before_input(m, args, raw=raw):
+            raw["input"] = args[0].detach().clone()
+
+        def after_input(m, args, name=name, raw=raw):
+            captured.append((step[0], name, "input", raw.pop("input"), args[0].detach().clone()))
+
+        def before_output(m, args, output, raw=raw):
+            raw["output"] = output
+
+        def after_output(m, args, output, name=name, raw=raw):
+            unrounded, at, errors = raw.pop("output"), step[0], {}
+            pair = (unrounded.detach().clone(), output.detach().clone())
+            captured.append((at, name, "output", *pair))
+            output.register_hook(lambda g: errors.setdefault("before", g.clone()))
+            unrounded.register_hook(
+                lambda g: captured.append((at, name, "error", errors["before"], g.clone()))
+            )
+
+        def weight(m, args, rounded, name=name):
+            pair = (args[0].detach().clone(), rounded.detach().clone())
+            captured.append((step[0], name, "weight", *pair))
+
+        module.register_forward_pre_hook(before_input, prepend=True)
+        module.register_forward_pre_hook(after_input)
+        module.register_forward_hook(before_output, prepend=True)
+        module.register_forward_hook(after_output)
+        module.parametrizations["weight"][0].register_forward_hook(weight)
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        preset("mxfp8_e4m3"),
+        preset("mxfp4_e2m1"),
+        preset("mxint8"),
+        preset("nvfp4"),
+        preset("fp8_e4m3_tensor"),
+        preset("fp8_e5m2_row"),
+        P3109(8, 3),
+        P3109(8, 4, domain="finite", saturation="SatFinite"),
+        P3109(6, 2, signed=False, saturation="SatPropagate"),
+        BlockFloat(6, block_size=8),
+        BlockFloat(8, dim=0),
+        DelayedScaling(Float(4, 3, special="fn")),
+    ],
+    ids=str,
+)
+def test_the_recorders_totals_are_those_of_the_stochastic_roundings_that_happened(fmt):
+    """Scaled, P3109, BlockFloat and DelayedScaling formats under stochastic rounding, with Inf,
+    NaN, huge and tiny inputs: each record is the Python recount of the values before and after
+    the rounding the run went on with (the same random words)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    inject(model, {nn.Linear: LayerQuantization(weight=fmt, input=fmt, output=fmt, error=fmt)})
+    captured, step = [], [0]
+    capture_rounded_pairs(model, captured, step)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+    with Recorder(model, sgd) as recorder:
+        for scale in (3.0, 300.0):
+            x = scale * torch.randn(16, 64)
+            x[0, :8] = torch.tensor([math.inf, -math.inf, math.nan, 1e30, 1e-30, -1e-30, 0, -0.0])
+            sgd.zero_grad()
+            (model(x) * torch.linspace(-scale, scale, 32)).sum().backward()
+            sgd.step()
+            step[0] += 1
+    expected = {}
+    for at, name, category, x, rounded in captured:
+        add_to(expected, (at, name, category), python_recount(x, rounded, fmt))
+    got = {(r.step, r.module, r.category): r.statistics for r in recorder.records}
+    assert sorted(got) == sorted(expected)
+    for key, statistics in expected.items():
+        assert_same_statistics(got[key], statistics, key)
+    total = sum(expected.values(), RoundingStatistics())
+    assert total.nonfinite and total.unchanged < total.elements
 
 
 class CapturingSGD(torch.optim.SGD):

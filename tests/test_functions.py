@@ -179,8 +179,20 @@ def test_multihead_attention_under_empty_settings_is_torchs_to_float64_rounding(
         lambda a, b: a.bmm(b),
         lambda a, b: torch.mm(a[0], b[0]),
         lambda a, b: a[0].mm(b[0]),
+        lambda a, b: torch.linalg.matmul(a, b),
+        lambda a, b: b.__rmatmul__(a),
     ],
-    ids=["operator", "matmul", "method", "bmm", "bmm-method", "mm", "mm-method"],
+    ids=[
+        "operator",
+        "matmul",
+        "method",
+        "bmm",
+        "bmm-method",
+        "mm",
+        "mm-method",
+        "linalg-matmul",
+        "rmatmul",
+    ],
 )
 def test_matmul_quantises_operands_result_and_sums_under_the_mac(call):
     torch.manual_seed(3)
@@ -232,7 +244,12 @@ def test_softmax_input_output_and_error_formats():
     torch.manual_seed(5)
     x = torch.randn(4, 9, requires_grad=True) * 3
     settings = nearest(input=E4M3, output=BF16, error=E5M2)
-    for call in (lambda t: torch.softmax(t, -1), lambda t: F.softmax(t, dim=-1)):
+    calls = (
+        lambda t: torch.softmax(t, -1),
+        lambda t: F.softmax(t, dim=-1),
+        lambda t: torch.special.softmax(t, -1),
+    )
+    for call in calls:
         with quantize_functions(nn.Identity(), {"softmax": settings}):
             got = call(x)
         (grad,) = torch.autograd.grad(got, x, torch.linspace(-1, 1, 36).reshape(4, 9))
@@ -598,6 +615,48 @@ def test_softmax_with_its_input_as_keyword_is_simulated():
     with quantize_functions(nn.Identity(), {"softmax": nearest(input=E4M3, output=E5M2)}):
         got = torch.softmax(input=x, dim=-1)
     assert_same_bits(got, want)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda t: torch.softmax(t, -1, dtype=torch.float32),
+        lambda t: F.softmax(t, dim=-1, dtype=torch.float32),
+        lambda t: F.softmax(t, -1, 3, torch.float32),
+        lambda t: t.softmax(-1, torch.float32),
+        lambda t: torch.special.softmax(t, -1, dtype=torch.float32),
+    ],
+    ids=["torch", "functional", "functional-positional", "method", "special"],
+)
+def test_softmax_with_dtype_rounds_its_input_in_that_dtype_as_torch_casts_it_first(call):
+    """A float16 input to softmax(dtype=float32) with a bfloat16-range input format: the format
+    rounds the input cast to float32 (float16 cannot hold it), and the result is float32."""
+    x = torch.randn(3, 7, dtype=torch.float16) * 4
+    with quantize_functions(nn.Identity(), {"softmax": nearest(input=BF16, output=E5M2)}):
+        got = call(x)
+    expected = lpsim.quantize(torch.softmax(lpsim.quantize(x.float(), BF16), -1), E5M2)
+    assert got.dtype == torch.float32
+    assert_same_bits(got, expected)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda a, b, c: torch.einsum("ij,jk->ik", a, b),
+        lambda a, b, c: torch.addmm(c, a, b),
+        lambda a, b, c: torch.baddbmm(c[None], a[None], b[None]),
+        lambda a, b, c: torch.log_softmax(a, -1),
+        lambda a, b, c: F.log_softmax(a, dim=-1),
+    ],
+    ids=["einsum", "addmm", "baddbmm", "log_softmax", "functional-log_softmax"],
+)
+def test_functions_the_docs_do_not_list_are_torchs_own_bit_for_bit(call):
+    a, b, c = torch.randn(3, 4) * 3, torch.randn(4, 5), torch.randn(3, 5)
+    settings = nearest(input=E4M3, weight=E4M3, output=E4M3)
+    config = {"matmul": settings, "linear": settings, "softmax": nearest(input=E4M3)}
+    with quantize_functions(nn.Identity(), config):
+        got = call(a, b, c)
+    assert_same_bits(got, call(a, b, c))
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])

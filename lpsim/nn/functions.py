@@ -26,14 +26,16 @@ are ``LayerQuantization``; a field an op does not take is an error.
 
 The ops and what LayerQuantization's fields mean for them:
 
-- ``"matmul"``: ``torch.matmul``, ``torch.mm``, ``torch.bmm``, their Tensor methods and the ``@``
-  operator. ``input`` and ``weight`` are the first and second operands' formats (quantised before
-  the product, straight-through gradient), ``output`` the result's, ``error`` the gradient
-  arriving at the result; ``mac``, ``input_grad_mac`` and ``weight_grad_mac`` the forward product
-  and the gradients of the first and second operands, as lpsim.nn.functional.matmul computes them
-  (its docstring states the terms and their order); ``input_grad_operands`` and
-  ``weight_grad_operands`` the operands of those two backward products (an
-  lpsim.nn.functional.Operands: quantised afresh from the unquantised operands and error).
+- ``"matmul"``: ``torch.matmul`` and its alias ``torch.linalg.matmul``, ``torch.mm``,
+  ``torch.bmm``, their Tensor methods and the ``@`` operator (``__matmul__``, and
+  ``b.__rmatmul__(a)``, which is a @ b). ``input`` and ``weight`` are the first and second
+  operands' formats (quantised before the product, straight-through gradient), ``output`` the
+  result's, ``error`` the gradient arriving at the result; ``mac``, ``input_grad_mac`` and
+  ``weight_grad_mac`` the forward product and the gradients of the first and second operands, as
+  lpsim.nn.functional.matmul computes them (its docstring states the terms and their order);
+  ``input_grad_operands`` and ``weight_grad_operands`` the operands of those two backward
+  products (an lpsim.nn.functional.Operands: quantised afresh from the unquantised operands and
+  error).
   Each format applies to its tensor as the call passes it: the first operand is (M, K), the second
   (K, N), so a scaled format whose blocks run along the reduction axis K, as MX and block-scaled
   FP8 hardware scales them, has axis=-1 on the first operand and axis=-2 on the second (with -1,
@@ -41,11 +43,14 @@ The ops and what LayerQuantization's fields mean for them:
 - ``"linear"``: ``torch.nn.functional.linear`` (nn.Linear's forward): the fields of ``"matmul"``
   plus ``bias``; the bias is added as lpsim.nn.functional.linear adds it. The weight is
   (out_features, in_features): axis=-1 runs along the reduction.
-- ``"softmax"``: ``torch.softmax``, ``torch.nn.functional.softmax``, ``Tensor.softmax``:
-  ``input``, ``output``, ``error``. A -inf input is a masked position, which takes no part in the
-  softmax: it stays -inf, and the input format rounds the other entries as if it were a zero (no
-  amax, block scale or random word sees it), so that a format without Inf neither makes a mask
-  leak (saturated to its largest negative value) nor turns it into NaN.
+- ``"softmax"``: ``torch.softmax``, ``torch.nn.functional.softmax`` (nn.Softmax's forward),
+  ``Tensor.softmax`` and ``torch.special.softmax``: ``input``, ``output``, ``error``. With
+  ``dtype=``, the input is cast to dtype, as torch casts it before the softmax, and then rounded
+  by the input format (in the dtype the softmax computes in); the result has dtype. A -inf input
+  is a masked position, which takes no part in the softmax: it stays -inf, and the input format
+  rounds the other entries as if it were a zero (no amax, block scale or random word sees it), so
+  that a format without Inf neither makes a mask leak (saturated to its largest negative value)
+  nor turns it into NaN.
 - ``"attention.scores"``, ``"attention.softmax"``, ``"attention.context"``: the three steps of
   attention (the scores q k^T, their softmax, the context p v), as ``"matmul"`` and ``"softmax"``
   take them; where no entry names them, the ``"matmul"`` and ``"softmax"`` entries decide them.
@@ -95,8 +100,9 @@ are active, a call is decided by the innermost one that selects it, once: the ca
 simulation makes (the product of its quantised operands, attention's steps) are not seen by the
 contexts further out.
 
-Not simulated: calls with ``out=`` (refused), other functions (einsum, baddbmm; convolutions
-through inject).
+Not simulated: calls with ``out=`` (refused). Every other function is torch's own, unquantised,
+even where it computes the same products: einsum, addmm, addbmm, baddbmm, mv, dot, inner,
+tensordot, linalg.multi_dot; log_softmax and softmin; convolutions (through inject).
 """
 
 from __future__ import annotations
@@ -162,8 +168,12 @@ _MATMUL_FUNCTIONS = (
     torch.Tensor.mm,
     torch.Tensor.bmm,
     torch.Tensor.__matmul__,
+    torch.Tensor.__rmatmul__,
+    torch.linalg.matmul,
 )
-_SOFTMAX_FUNCTIONS = (torch.softmax, F.softmax, torch.Tensor.softmax)
+_SOFTMAX_FUNCTIONS = (torch.softmax, F.softmax, torch.Tensor.softmax, torch.special.softmax)
+# Where each softmax function takes ``dtype`` positionally (the others: (input, dim, dtype)).
+_SOFTMAX_DTYPE_POSITION = {F.softmax: 3}
 # The context whose simulation of a call is running: the calls its implementation makes (the
 # product of quantised operands, a softmax, attention's steps) are its own, and another
 # quantize_functions context further out on torch's mode stack lets them pass.
@@ -478,6 +488,8 @@ class FunctionQuantization(TorchFunctionMode):
                 f"quantize_functions: {func.__name__} is simulated with its two operands only, "
                 f"got {len(args)} positional arguments and keywords {sorted(kwargs)}"
             )
+        if func is torch.Tensor.__rmatmul__:  # self.__rmatmul__(other) is other @ self
+            operands = operands[::-1]
         _check_shapes(func, *operands)
         return self._product(decision, *operands)
 
@@ -490,15 +502,22 @@ class FunctionQuantization(TorchFunctionMode):
 
     def softmax(self, op: str, func: Callable, args: tuple, kwargs: dict) -> torch.Tensor:
         """func(*args, **kwargs), a softmax, with its input and result as the config prescribes
-        for ``op`` ("softmax" or "attention.softmax")."""
+        for ``op`` ("softmax" or "attention.softmax"). With ``dtype``, the input is cast to it
+        before its rounding, as torch casts it before the softmax: the input format rounds in the
+        dtype the softmax computes in."""
         decision = self.decide(op)
         if decision is None:
             return func(*args, **kwargs)
+        position = _SOFTMAX_DTYPE_POSITION.get(func, 2)
+        dtype = kwargs.get("dtype", args[position] if len(args) > position else None)
         if args:
-            x, args = self._softmax_input(decision, args[0]), args[1:]
+            x, args = args[0], args[1:]
         else:  # torch.softmax(input=x, dim=d)
             kwargs = dict(kwargs)
-            x = self._softmax_input(decision, kwargs.pop("input"))
+            x = kwargs.pop("input")
+        if dtype is not None and isinstance(x, torch.Tensor):
+            x = x.to(dtype)
+        x = self._softmax_input(decision, x)
         with self._claimed():
             y = func(x, *args, **kwargs)
         return self._result(y, decision)
