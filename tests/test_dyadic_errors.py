@@ -46,6 +46,16 @@ def _step_with_grad(grad):
         ),
         (lambda: DyadicTensor(V, 1.5), TypeError, r"scale must be an int, got float"),
         (
+            lambda: dyadic.from_float(torch.ones(3), 8, [1, 2, 3]),
+            TypeError,
+            r"scale must be an int, got list: a per-channel scale needs axis=",
+        ),
+        (
+            lambda: DyadicTensor(V, torch.tensor([1, 2, 3])),
+            TypeError,
+            r"scale must be an int, got Tensor: a per-channel scale needs axis=",
+        ),
+        (
             lambda: DyadicTensor(V, [1, 2], axis=0),
             ValueError,
             r"a per-channel scale along axis 0 needs 3 entries, got 2",

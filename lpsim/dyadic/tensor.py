@@ -61,6 +61,11 @@ def normalize_scale(scale, shape: torch.Size, axis: int | None) -> tuple:
             and not scale.dtype.is_floating_point
         ):
             scale = int(scale)
+        if isinstance(scale, (Sequence, torch.Tensor)) and not isinstance(scale, str):
+            raise TypeError(
+                f"scale must be an int, got {type(scale).__name__}: a per-channel scale needs "
+                "axis= (the dimension it runs along)"
+            )
         return _check_scale_value(scale), None
     axis = normalize_axis(axis, len(shape))
     s = torch.as_tensor(scale)
