@@ -115,6 +115,16 @@ def _step_with_grad(grad):
             r"a per-channel target scale needs axis=",
         ),
         (
+            lambda: dyadic.requantize(X, 3, 8, axis=7),
+            ValueError,
+            r"axis= goes with a per-channel target scale; got axis=7 with one scale \(3\)",
+        ),
+        (
+            lambda: dyadic.requantize(X, 3, 8, axis=0),
+            ValueError,
+            r"axis= goes with a per-channel target scale; got axis=0",
+        ),
+        (
             lambda: dyadic.requantize(
                 DyadicTensor(torch.ones(2, 2, dtype=torch.int32), [0, 0], 0), [0, 0], 8, axis=1
             ),
