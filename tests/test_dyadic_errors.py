@@ -236,6 +236,26 @@ def _step_with_grad(grad):
         (lambda: _after_forward(inn.Linear(3, 2)).backward(5), TypeError, r"grad must be a Dy"),
         (lambda: inn.ReLU()(M.mantissa), TypeError, r"x must be a DyadicTensor, got Tensor"),
         (
+            lambda: inn.Linear(2, 2, weight=torch.full((2, 2), math.nan)),
+            ValueError,
+            r"weight must be finite, found 4 NaN or Inf",
+        ),
+        (
+            lambda: inn.Linear(2, 2, bias_value=torch.tensor([0.5, math.inf])),
+            ValueError,
+            r"bias_value must be finite, found 1 NaN or Inf",
+        ),
+        (
+            lambda: inn.Linear(2, 2, weight=torch.ones(2, 2, dtype=torch.int32)),
+            TypeError,
+            r"weight must be a floating tensor, got torch.int32",
+        ),
+        (
+            lambda: inn.Linear(2, 2, weight=[[1.0, 0.0], [0.0, 1.0]]),
+            TypeError,
+            r"weight must be a torch.Tensor, got list",
+        ),
+        (
             lambda: _after_forward(inn.ReLU()).backward(M.t()),
             ValueError,
             r"grad must have the output's shape \(2, 3\), got \(3, 2\)",

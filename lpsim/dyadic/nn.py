@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from lpsim._checks import check_choice, check_int, check_rule
+from lpsim._checks import check_choice, check_int, check_rule, check_tensor
 from lpsim.dyadic import functional as F
 from lpsim.dyadic.tensor import DyadicTensor
 
@@ -149,13 +149,26 @@ def _accumulated(result: F.Saturated, accumulator_bits: int) -> F.Saturated:
     return F.Saturated(clipped.value, count + clipped.clip_count)
 
 
+def _check_initial(name: str, value, shape: tuple[int, ...]) -> None:
+    """Raises unless ``value`` is a finite float tensor of ``shape`` (the message calls it
+    ``name``)."""
+    check_tensor(value, name)
+    if not value.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating tensor, got {value.dtype}")
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
+    if not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).sum())
+        raise ValueError(f"{name} must be finite, found {bad} NaN or Inf")
+
+
 class Linear(Module):
     """y = x W^T + b in integers (see the module docstring for every scale).
 
     Args:
         in_features, out_features: the sizes.
         bias: whether the layer has a bias.
-        weight, bias_value: initial float values ((out, in) and (out,)); default uniform on
+        weight, bias_value: initial finite float values ((out, in) and (out,)); default uniform on
             [-1/sqrt(in), 1/sqrt(in)] from torch's default generator, as torch.nn.Linear.
         weight_bits: width of the weight and bias integers (signed), 2 to 32.
         headroom: bits of growth the parameters' fixed scale leaves above the initial largest
@@ -168,7 +181,8 @@ class Linear(Module):
         overflow: "raise" (default) or "saturate" for accumulator overflows (counted in stats).
 
     Raises:
-        TypeError, ValueError: an argument has the wrong type or is out of range.
+        TypeError, ValueError: an argument has the wrong type or is out of range (a weight or
+            bias_value of another shape, or with NaN or Inf, is named).
     """
 
     def __init__(
@@ -210,20 +224,14 @@ class Linear(Module):
         w = weight
         if w is None:
             w = torch.empty(out_features, in_features).uniform_(-bound, bound)
-        if tuple(w.shape) != (out_features, in_features):
-            raise ValueError(
-                f"weight must have shape ({out_features}, {in_features}), got {tuple(w.shape)}"
-            )
+        _check_initial("weight", w, (out_features, in_features))
         initial = [w.detach()]
         b = None
         if bias:
             b = bias_value
             if b is None:
                 b = torch.empty(out_features).uniform_(-bound, bound)
-            if tuple(b.shape) != (out_features,):
-                raise ValueError(
-                    f"bias_value must have shape ({out_features},), got {tuple(b.shape)}"
-                )
+            _check_initial("bias_value", b, (out_features,))
             initial.append(b.detach())
         # The largest magnitude of weight and bias together (an all-zero bias does not count).
         largest = torch.cat([t.reshape(-1) for t in initial])
