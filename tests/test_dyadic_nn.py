@@ -203,6 +203,23 @@ def test_sequential_names_parameters_by_position():
     ]
 
 
+def _named_as_torch(torch_model: torch.nn.Module) -> list[str]:
+    return [name for name, _ in torch_model.named_parameters()]
+
+
+def test_sequential_names_parameters_as_torch_nn_sequential_does_however_often_wrapped():
+    layers = [inn.Linear(2, 2), inn.ReLU(), inn.Linear(2, 2, bias=False)]
+    twins = [torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2, bias=False)]
+    inn.Sequential(*layers)
+    model = inn.Sequential(*layers)  # the same modules again: named by their places here
+    assert [p.name for p in model.parameters()] == _named_as_torch(torch.nn.Sequential(*twins))
+    assert [n for n, _ in model.named_parameters()] == ["0.weight", "0.bias", "2.weight"]
+    outer = inn.Sequential(inn.Linear(2, 2), model)
+    torch_outer = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(*twins))
+    assert [p.name for p in outer.parameters()] == _named_as_torch(torch_outer)
+    assert _named_as_torch(torch_outer)[2:] == ["1.0.weight", "1.0.bias", "1.2.weight"]
+
+
 @pytest.mark.parametrize("nested", [False, True])
 def test_sequential_refuses_a_module_it_would_hold_twice(nested):
     # A shared layer keeps only its last input: the backward pass of its first place would use

@@ -126,6 +126,12 @@ class Module(abc.ABC):
     def parameters(self) -> list[Parameter]:
         return []
 
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        """(name, parameter) pairs of parameters(): each named by the attribute that holds it
+        ("weight", "bias"), as torch.nn.Module names them, else by its own ``name``."""
+        attributes = {id(v): k for k, v in vars(self).items() if isinstance(v, Parameter)}
+        return [(attributes.get(id(p), p.name), p) for p in self.parameters()]
+
     def __call__(self, x: DyadicTensor) -> DyadicTensor:
         return self.forward(x)
 
@@ -369,6 +375,12 @@ class Sequential(Module):
     forward() needs for backward(), so one in two places would compute the gradients of its first
     place from the input of its second.
 
+    A Sequential names its parameters by position, as torch.nn.Sequential's named_parameters():
+    it sets each Parameter.name to its name in this Sequential ("0.weight", "1.0.bias" in a
+    nested one), the names lpsim.dyadic.optim.SGD keeps its counts by. The names come from the
+    structure, not from earlier names: modules put into another Sequential are named by their
+    place in that one, the Sequential built last.
+
     Raises:
         TypeError: a module is not an lpsim.dyadic.nn Module.
         ValueError: a module appears more than once.
@@ -384,10 +396,9 @@ class Sequential(Module):
                 "Sequential takes each module once (each keeps the input of its last forward() "
                 "for backward()): make a new module for each place"
             )
-        for index, m in enumerate(modules):
-            for p in m.parameters():  # qualified names: "0.weight", "2.bias", ...
-                p.name = f"{index}.{p.name}"
         self.modules = list(modules)
+        for name, p in self.named_parameters():
+            p.name = name
 
     def train(self, mode: bool = True) -> Sequential:
         self.training = mode
@@ -407,6 +418,15 @@ class Sequential(Module):
 
     def parameters(self) -> list[Parameter]:
         return [p for m in self.modules for p in m.parameters()]
+
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        """Each parameter named by its module's position and its own name in that module:
+        "0.weight", "2.bias", and "1.0.weight" inside a nested Sequential at position 1."""
+        return [
+            (f"{i}.{name}", p)
+            for i, m in enumerate(self.modules)
+            for name, p in m.named_parameters()
+        ]
 
     def stats(self) -> dict[int, LayerStats]:
         """The LayerStats of every module that keeps them, by position."""
