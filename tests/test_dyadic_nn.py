@@ -220,6 +220,15 @@ def test_sequential_names_parameters_as_torch_nn_sequential_does_however_often_w
     assert _named_as_torch(torch_outer)[2:] == ["1.0.weight", "1.0.bias", "1.2.weight"]
 
 
+def test_nested_sequential_reports_its_layers_stats_by_their_parameters_prefix():
+    first, inner, last = inn.Linear(2, 2), inn.Linear(2, 2), inn.Linear(2, 2)
+    model = inn.Sequential(first, inn.ReLU(), inn.Sequential(inner, inn.ReLU(), last))
+    stats = model.stats()
+    assert list(stats) == ["0", "2.0", "2.2"]
+    assert all(s is m.stats for s, m in zip(stats.values(), (first, inner, last)))
+    assert inner.weight.name == "2.0.weight" and last.bias.name == "2.2.bias"
+
+
 @pytest.mark.parametrize("nested", [False, True])
 def test_sequential_refuses_a_module_it_would_hold_twice(nested):
     # A shared layer keeps only its last input: the backward pass of its first place would use

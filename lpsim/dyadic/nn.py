@@ -428,9 +428,16 @@ class Sequential(Module):
             for name, p in m.named_parameters()
         ]
 
-    def stats(self) -> dict[int, LayerStats]:
-        """The LayerStats of every module that keeps them, by position."""
-        return {i: m.stats for i, m in enumerate(self.modules) if hasattr(m, "stats")}
+    def stats(self) -> dict[str, LayerStats]:
+        """The LayerStats of every layer that keeps them, named by position as the parameters
+        are: "0", "2", and "1.0" for the first layer of a nested Sequential at position 1."""
+        found = {}
+        for i, m in enumerate(self.modules):
+            if isinstance(m, Sequential):
+                found.update({f"{i}.{name}": s for name, s in m.stats().items()})
+            elif isinstance(getattr(m, "stats", None), LayerStats):
+                found[str(i)] = m.stats
+        return found
 
 
 class LossOutput(NamedTuple):
