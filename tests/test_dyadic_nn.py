@@ -187,8 +187,27 @@ def test_eval_mode_rounds_to_nearest_and_records_nothing():
     one, two = model(x), model(x)
     assert torch.equal(one.mantissa, two.mantissa)
     assert all(not s.forward_shifts for s in model.stats().values())
-    with pytest.raises(RuntimeError, match="backward\\(\\) needs a forward\\(\\) first"):
+    with pytest.raises(RuntimeError, match="backward\\(\\) runs in training mode only"):
         model.backward(one)
+
+
+@pytest.mark.parametrize("layer", [inn.Linear, inn.ReLU])
+def test_backward_after_an_eval_forward_refuses_to_differentiate_the_earlier_training_input(layer):
+    # An eval() forward keeps nothing: a backward then would use the input of the training forward
+    # before it (x, not the last input -x) and record statistics; it raises, in eval mode and
+    # after train() until a training forward.
+    module = layer(4, 3) if layer is inn.Linear else layer()
+    x = dyadic.from_float(torch.linspace(-2, 2, 8).reshape(2, 4), 8).value
+    out = module(x)
+    module.eval()
+    module(x.with_mantissa(-x.mantissa))
+    with pytest.raises(RuntimeError, match="backward\\(\\) runs in training mode only"):
+        module.backward(out)
+    module.train()
+    with pytest.raises(RuntimeError, match="backward\\(\\) needs a forward\\(\\) first"):
+        module.backward(out)
+    if layer is inn.Linear:
+        assert module.stats.backward_shifts == [] and module.weight.grad is None
 
 
 def test_sequential_names_parameters_by_position():

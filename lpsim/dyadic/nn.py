@@ -102,8 +102,10 @@ class Module(abc.ABC):
     """A layer with an integer forward and backward pass.
 
     ``training`` (default True) is switched by train() and eval(): in evaluation mode a forward
-    pass rounds to nearest, records no statistics and keeps nothing for backward (overflows are
-    still reported as the overflow policy says).
+    pass rounds to nearest, records no statistics and keeps nothing for backward, and drops what
+    an earlier training forward kept (overflows are still reported as the overflow policy says).
+    backward() runs in training mode only, after a training forward(): in evaluation mode it
+    raises RuntimeError (it would otherwise differentiate an earlier input, not the last one).
     """
 
     training: bool = True
@@ -125,6 +127,16 @@ class Module(abc.ABC):
 
     def parameters(self) -> list[Parameter]:
         return []
+
+    def _check_backward(self, kept) -> None:
+        """Raises RuntimeError unless a training forward() kept ``kept`` for backward()."""
+        if not self.training:
+            raise RuntimeError(
+                "backward() runs in training mode only: an eval() forward keeps nothing for it "
+                "(call train(), then forward())"
+            )
+        if kept is None:
+            raise RuntimeError("backward() needs a forward() first")
 
     def named_parameters(self) -> list[tuple[str, Parameter]]:
         """(name, parameter) pairs of parameters(): each named by the attribute that holds it
@@ -312,11 +324,12 @@ class Linear(Module):
             self.stats.forward_shifts.append(shift)
             self.stats.forward_clamps += int(clipped.sum())
             self._input, self._clipped = x, clipped
+        else:
+            self._input = self._clipped = None
         return y
 
     def backward(self, grad: DyadicTensor) -> DyadicTensor:
-        if self._input is None:
-            raise RuntimeError("backward() needs a forward() first")
+        self._check_backward(self._input)
         F.check_dyadic("grad", grad)
         if grad.shape != self._clipped.shape or grad.per_channel:
             raise ValueError(
@@ -342,13 +355,11 @@ class ReLU(Module):
 
     def forward(self, x: DyadicTensor) -> DyadicTensor:
         F.check_dyadic("x", x)
-        if self.training:
-            self._positive = x.mantissa > 0
+        self._positive = x.mantissa > 0 if self.training else None
         return x.with_mantissa(x.mantissa.clamp_min(0))
 
     def backward(self, grad: DyadicTensor) -> DyadicTensor:
-        if self._positive is None:
-            raise RuntimeError("backward() needs a forward() first")
+        self._check_backward(self._positive)
         F.check_dyadic("grad", grad)
         if grad.shape != self._positive.shape:
             raise ValueError(
