@@ -46,6 +46,16 @@ def _step_with_grad(grad):
         ),
         (lambda: DyadicTensor(V, 1.5), TypeError, r"scale must be an int, got float"),
         (
+            lambda: dyadic.from_float(torch.ones(3), 8, [1, 2, 3]),
+            TypeError,
+            r"scale must be an int, got list: a per-channel scale needs axis=",
+        ),
+        (
+            lambda: DyadicTensor(V, torch.tensor([1, 2, 3])),
+            TypeError,
+            r"scale must be an int, got Tensor: a per-channel scale needs axis=",
+        ),
+        (
             lambda: DyadicTensor(V, [1, 2], axis=0),
             ValueError,
             r"a per-channel scale along axis 0 needs 3 entries, got 2",
@@ -103,6 +113,16 @@ def _step_with_grad(grad):
             lambda: dyadic.requantize(X, [0, 1, 2], 8),
             ValueError,
             r"a per-channel target scale needs axis=",
+        ),
+        (
+            lambda: dyadic.requantize(X, 3, 8, axis=7),
+            ValueError,
+            r"axis= goes with a per-channel target scale; got axis=7 with one scale \(3\)",
+        ),
+        (
+            lambda: dyadic.requantize(X, 3, 8, axis=0),
+            ValueError,
+            r"axis= goes with a per-channel target scale; got axis=0",
         ),
         (
             lambda: dyadic.requantize(
@@ -215,6 +235,26 @@ def _step_with_grad(grad):
         (lambda: dyadic.requantize(M, 1.0, 8), TypeError, r"scale must be an int, got float"),
         (lambda: _after_forward(inn.Linear(3, 2)).backward(5), TypeError, r"grad must be a Dy"),
         (lambda: inn.ReLU()(M.mantissa), TypeError, r"x must be a DyadicTensor, got Tensor"),
+        (
+            lambda: inn.Linear(2, 2, weight=torch.full((2, 2), math.nan)),
+            ValueError,
+            r"weight must be finite, found 4 NaN or Inf",
+        ),
+        (
+            lambda: inn.Linear(2, 2, bias_value=torch.tensor([0.5, math.inf])),
+            ValueError,
+            r"bias_value must be finite, found 1 NaN or Inf",
+        ),
+        (
+            lambda: inn.Linear(2, 2, weight=torch.ones(2, 2, dtype=torch.int32)),
+            TypeError,
+            r"weight must be a floating tensor, got torch.int32",
+        ),
+        (
+            lambda: inn.Linear(2, 2, weight=[[1.0, 0.0], [0.0, 1.0]]),
+            TypeError,
+            r"weight must be a torch.Tensor, got list",
+        ),
         (
             lambda: _after_forward(inn.ReLU()).backward(M.t()),
             ValueError,

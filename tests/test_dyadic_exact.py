@@ -370,9 +370,11 @@ def _nearest_even_in(value: Fraction, precision: int, emin: int, largest: Fracti
     return -result if value < 0 else result
 
 
-HALF_FORMATS = {  # precision, emin, largest finite value
+FLOAT_FORMATS = {  # precision, emin, largest finite value
     torch.float16: (11, -14, Fraction(65504)),
     torch.bfloat16: (8, -126, Fraction(2**8 - 1, 2**7) * Fraction(2) ** 127),
+    torch.float32: (24, -126, Fraction(2**24 - 1, 2**23) * Fraction(2) ** 127),
+    torch.float64: (53, -1022, Fraction(2**53 - 1, 2**52) * Fraction(2) ** 1023),
 }
 
 
@@ -397,9 +399,60 @@ def test_to_float_rounds_once_to_nearest_into_float16_and_bfloat16(v, scale, dty
     # The values are exact in float64; a cast from there rounds twice (through float32).
     got = DyadicTensor(torch.tensor(v, dtype=torch.int64), scale).to_float(dtype)
     expected = [
-        _nearest_even_in(Fraction(k) / Fraction(2) ** scale, *HALF_FORMATS[dtype]) for k in v
+        _nearest_even_in(Fraction(k) / Fraction(2) ** scale, *FLOAT_FORMATS[dtype]) for k in v
     ]
     assert got.double().tolist() == expected
+
+
+@st.composite
+def scales_near_the_edges_of(draw, dtype):
+    """Scales that put an int32/int64 mantissa near 1, near the subnormals or below them, or near
+    the overflow threshold of ``dtype``; or anywhere in [-5000, 5000]."""
+    precision, emin, largest = FLOAT_FORMATS[dtype]
+    emax = largest.numerator.bit_length() - largest.denominator.bit_length()
+    anchor = draw(st.sampled_from([0, -emin, -emin + precision, -emax]))
+    near = st.integers(anchor - 70, anchor + 70)
+    return draw(st.one_of(near, st.integers(-5000, 5000)))
+
+
+@given(data=st.data(), dtype=st.sampled_from(list(FLOAT_FORMATS)))
+def test_to_float_rounds_every_value_once_to_nearest_even(data, dtype):
+    # Subnormal results, mantissas wider than the format's significand (int64 into float64 or
+    # float32), overflow to inf and underflow to -0.0: one rounding of the exact value, compared
+    # bit for bit with the rational rounded by hand.
+    v = data.draw(mantissas())
+    scale = data.draw(scales_near_the_edges_of(dtype))
+    got = DyadicTensor(v, scale).to_float(dtype).double()
+    expected = [
+        _nearest_even_in(Fraction(k) / Fraction(2) ** scale, *FLOAT_FORMATS[dtype])
+        for k in v.tolist()
+    ]
+    expected = torch.tensor(expected, dtype=torch.float64)
+    assert torch.equal(got.view(torch.int64), expected.view(torch.int64))
+
+
+def test_to_float_rounds_a_subnormal_and_a_wide_mantissa_once():
+    # 3 * 2**-1075 is 1.5 of float64's smallest subnormal, a tie: to even, 2 * 2**-1074 (it was
+    # 0). 2**60 + 2**36 + 1 is just above half-way between two float32 numbers (their step is
+    # 2**37): up, where int64 -> float64 -> float32 rounds to the tie and then to even, down.
+    tiny = DyadicTensor(torch.tensor([3, -3, 1]), 1075).to_float(torch.float64)
+    assert tiny.tolist() == [2.0**-1073, -(2.0**-1073), 0.0]
+    wide = DyadicTensor(torch.tensor([2**60 + 2**36 + 1]), 0).to_float(torch.float32)
+    assert wide.item() == 2**60 + 2**37
+    extreme = DyadicTensor(torch.tensor([5, -5]), 2**30).to_float(torch.float64)
+    assert (
+        extreme.view(torch.int64).tolist()
+        == torch.tensor([0.0, -0.0]).double().view(torch.int64).tolist()
+    )
+    assert DyadicTensor(torch.tensor([5, -5]), -(2**30)).to_float().tolist() == [
+        math.inf,
+        -math.inf,
+    ]
+    per_channel = DyadicTensor(torch.tensor([[3, 3], [1, 1]]), [1075, 1074], axis=1)
+    assert per_channel.to_float(torch.float64).tolist() == [
+        [2.0**-1073, 3 * 2.0**-1074],
+        [0.0, 2.0**-1074],
+    ]
 
 
 def test_to_float_rounds_just_above_a_half_way_case_up_in_float16_and_bfloat16():

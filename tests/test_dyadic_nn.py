@@ -187,8 +187,27 @@ def test_eval_mode_rounds_to_nearest_and_records_nothing():
     one, two = model(x), model(x)
     assert torch.equal(one.mantissa, two.mantissa)
     assert all(not s.forward_shifts for s in model.stats().values())
-    with pytest.raises(RuntimeError, match="backward\\(\\) needs a forward\\(\\) first"):
+    with pytest.raises(RuntimeError, match="backward\\(\\) runs in training mode only"):
         model.backward(one)
+
+
+@pytest.mark.parametrize("layer", [inn.Linear, inn.ReLU])
+def test_backward_after_an_eval_forward_refuses_to_differentiate_the_earlier_training_input(layer):
+    # An eval() forward keeps nothing: a backward then would use the input of the training forward
+    # before it (x, not the last input -x) and record statistics; it raises, in eval mode and
+    # after train() until a training forward.
+    module = layer(4, 3) if layer is inn.Linear else layer()
+    x = dyadic.from_float(torch.linspace(-2, 2, 8).reshape(2, 4), 8).value
+    out = module(x)
+    module.eval()
+    module(x.with_mantissa(-x.mantissa))
+    with pytest.raises(RuntimeError, match="backward\\(\\) runs in training mode only"):
+        module.backward(out)
+    module.train()
+    with pytest.raises(RuntimeError, match="backward\\(\\) needs a forward\\(\\) first"):
+        module.backward(out)
+    if layer is inn.Linear:
+        assert module.stats.backward_shifts == [] and module.weight.grad is None
 
 
 def test_sequential_names_parameters_by_position():
@@ -201,6 +220,32 @@ def test_sequential_names_parameters_by_position():
         "4.weight",
         "4.bias",
     ]
+
+
+def _named_as_torch(torch_model: torch.nn.Module) -> list[str]:
+    return [name for name, _ in torch_model.named_parameters()]
+
+
+def test_sequential_names_parameters_as_torch_nn_sequential_does_however_often_wrapped():
+    layers = [inn.Linear(2, 2), inn.ReLU(), inn.Linear(2, 2, bias=False)]
+    twins = [torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2, bias=False)]
+    inn.Sequential(*layers)
+    model = inn.Sequential(*layers)  # the same modules again: named by their places here
+    assert [p.name for p in model.parameters()] == _named_as_torch(torch.nn.Sequential(*twins))
+    assert [n for n, _ in model.named_parameters()] == ["0.weight", "0.bias", "2.weight"]
+    outer = inn.Sequential(inn.Linear(2, 2), model)
+    torch_outer = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Sequential(*twins))
+    assert [p.name for p in outer.parameters()] == _named_as_torch(torch_outer)
+    assert _named_as_torch(torch_outer)[2:] == ["1.0.weight", "1.0.bias", "1.2.weight"]
+
+
+def test_nested_sequential_reports_its_layers_stats_by_their_parameters_prefix():
+    first, inner, last = inn.Linear(2, 2), inn.Linear(2, 2), inn.Linear(2, 2)
+    model = inn.Sequential(first, inn.ReLU(), inn.Sequential(inner, inn.ReLU(), last))
+    stats = model.stats()
+    assert list(stats) == ["0", "2.0", "2.2"]
+    assert all(s is m.stats for s, m in zip(stats.values(), (first, inner, last)))
+    assert inner.weight.name == "2.0.weight" and last.bias.name == "2.2.bias"
 
 
 @pytest.mark.parametrize("nested", [False, True])

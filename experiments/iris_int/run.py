@@ -35,7 +35,7 @@ from lpsim.dyadic import nn as inn
 from lpsim.dyadic.optim import SGD as IntegerSGD
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-LAYERS = (0, 2, 4)  # positions of the Linear layers in the Sequential
+LAYERS = ("0", "2", "4")  # positions of the Linear layers in the Sequential (stats() keys)
 
 
 @dataclass(frozen=True)

@@ -284,6 +284,11 @@ def _target_shifts(x: DyadicTensor, scale, axis: int | None):
     if not isinstance(scale, (list, tuple, torch.Tensor)) or (
         isinstance(scale, torch.Tensor) and scale.dim() == 0
     ):  # one scale: an int, checked
+        if axis is not None:
+            raise ValueError(
+                f"axis= goes with a per-channel target scale; got axis={axis!r} with one scale "
+                f"({scale!r}): leave axis=None"
+            )
         target, _ = normalize_scale(scale, x.shape, None)
         return x.scale - target, x.axis, target, None
     axis = x.axis if axis is None else axis
@@ -319,7 +324,8 @@ def requantize(
         scale: the target scale t: an int, or per channel along ``axis`` (default x.axis).
         bits, signed: the target integer, see integer_range.
         rounding: "stochastic" (default), "nearest" (ties to even) or "down" (floor).
-        axis: the dimension of a per-channel target when x has a per-tensor scale.
+        axis: the dimension of a per-channel target when x has a per-tensor scale (a
+            ValueError with a target of one scale, which has no axis).
         dtype: the result's mantissa dtype; default int32 when [Qmin, Qmax] fits it, else int64.
         rbits: random bits per decision, 1 to 32 (stochastic only; default 32).
         seed: 0 <= seed < 2**64 (stochastic only); None draws one from torch's default generator.

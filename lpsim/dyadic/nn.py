@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from lpsim._checks import check_choice, check_int, check_rule
+from lpsim._checks import check_choice, check_int, check_rule, check_tensor
 from lpsim.dyadic import functional as F
 from lpsim.dyadic.tensor import DyadicTensor
 
@@ -102,8 +102,10 @@ class Module(abc.ABC):
     """A layer with an integer forward and backward pass.
 
     ``training`` (default True) is switched by train() and eval(): in evaluation mode a forward
-    pass rounds to nearest, records no statistics and keeps nothing for backward (overflows are
-    still reported as the overflow policy says).
+    pass rounds to nearest, records no statistics and keeps nothing for backward, and drops what
+    an earlier training forward kept (overflows are still reported as the overflow policy says).
+    backward() runs in training mode only, after a training forward(): in evaluation mode it
+    raises RuntimeError (it would otherwise differentiate an earlier input, not the last one).
     """
 
     training: bool = True
@@ -125,6 +127,22 @@ class Module(abc.ABC):
 
     def parameters(self) -> list[Parameter]:
         return []
+
+    def _check_backward(self, kept) -> None:
+        """Raises RuntimeError unless a training forward() kept ``kept`` for backward()."""
+        if not self.training:
+            raise RuntimeError(
+                "backward() runs in training mode only: an eval() forward keeps nothing for it "
+                "(call train(), then forward())"
+            )
+        if kept is None:
+            raise RuntimeError("backward() needs a forward() first")
+
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        """(name, parameter) pairs of parameters(): each named by the attribute that holds it
+        ("weight", "bias"), as torch.nn.Module names them, else by its own ``name``."""
+        attributes = {id(v): k for k, v in vars(self).items() if isinstance(v, Parameter)}
+        return [(attributes.get(id(p), p.name), p) for p in self.parameters()]
 
     def __call__(self, x: DyadicTensor) -> DyadicTensor:
         return self.forward(x)
@@ -149,13 +167,26 @@ def _accumulated(result: F.Saturated, accumulator_bits: int) -> F.Saturated:
     return F.Saturated(clipped.value, count + clipped.clip_count)
 
 
+def _check_initial(name: str, value, shape: tuple[int, ...]) -> None:
+    """Raises unless ``value`` is a finite float tensor of ``shape`` (the message calls it
+    ``name``)."""
+    check_tensor(value, name)
+    if not value.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating tensor, got {value.dtype}")
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
+    if not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).sum())
+        raise ValueError(f"{name} must be finite, found {bad} NaN or Inf")
+
+
 class Linear(Module):
     """y = x W^T + b in integers (see the module docstring for every scale).
 
     Args:
         in_features, out_features: the sizes.
         bias: whether the layer has a bias.
-        weight, bias_value: initial float values ((out, in) and (out,)); default uniform on
+        weight, bias_value: initial finite float values ((out, in) and (out,)); default uniform on
             [-1/sqrt(in), 1/sqrt(in)] from torch's default generator, as torch.nn.Linear.
         weight_bits: width of the weight and bias integers (signed), 2 to 32.
         headroom: bits of growth the parameters' fixed scale leaves above the initial largest
@@ -168,7 +199,8 @@ class Linear(Module):
         overflow: "raise" (default) or "saturate" for accumulator overflows (counted in stats).
 
     Raises:
-        TypeError, ValueError: an argument has the wrong type or is out of range.
+        TypeError, ValueError: an argument has the wrong type or is out of range (a weight or
+            bias_value of another shape, or with NaN or Inf, is named).
     """
 
     def __init__(
@@ -210,20 +242,14 @@ class Linear(Module):
         w = weight
         if w is None:
             w = torch.empty(out_features, in_features).uniform_(-bound, bound)
-        if tuple(w.shape) != (out_features, in_features):
-            raise ValueError(
-                f"weight must have shape ({out_features}, {in_features}), got {tuple(w.shape)}"
-            )
+        _check_initial("weight", w, (out_features, in_features))
         initial = [w.detach()]
         b = None
         if bias:
             b = bias_value
             if b is None:
                 b = torch.empty(out_features).uniform_(-bound, bound)
-            if tuple(b.shape) != (out_features,):
-                raise ValueError(
-                    f"bias_value must have shape ({out_features},), got {tuple(b.shape)}"
-                )
+            _check_initial("bias_value", b, (out_features,))
             initial.append(b.detach())
         # The largest magnitude of weight and bias together (an all-zero bias does not count).
         largest = torch.cat([t.reshape(-1) for t in initial])
@@ -298,11 +324,12 @@ class Linear(Module):
             self.stats.forward_shifts.append(shift)
             self.stats.forward_clamps += int(clipped.sum())
             self._input, self._clipped = x, clipped
+        else:
+            self._input = self._clipped = None
         return y
 
     def backward(self, grad: DyadicTensor) -> DyadicTensor:
-        if self._input is None:
-            raise RuntimeError("backward() needs a forward() first")
+        self._check_backward(self._input)
         F.check_dyadic("grad", grad)
         if grad.shape != self._clipped.shape or grad.per_channel:
             raise ValueError(
@@ -328,13 +355,11 @@ class ReLU(Module):
 
     def forward(self, x: DyadicTensor) -> DyadicTensor:
         F.check_dyadic("x", x)
-        if self.training:
-            self._positive = x.mantissa > 0
+        self._positive = x.mantissa > 0 if self.training else None
         return x.with_mantissa(x.mantissa.clamp_min(0))
 
     def backward(self, grad: DyadicTensor) -> DyadicTensor:
-        if self._positive is None:
-            raise RuntimeError("backward() needs a forward() first")
+        self._check_backward(self._positive)
         F.check_dyadic("grad", grad)
         if grad.shape != self._positive.shape:
             raise ValueError(
@@ -361,6 +386,12 @@ class Sequential(Module):
     forward() needs for backward(), so one in two places would compute the gradients of its first
     place from the input of its second.
 
+    A Sequential names its parameters by position, as torch.nn.Sequential's named_parameters():
+    it sets each Parameter.name to its name in this Sequential ("0.weight", "1.0.bias" in a
+    nested one), the names lpsim.dyadic.optim.SGD keeps its counts by. The names come from the
+    structure, not from earlier names: modules put into another Sequential are named by their
+    place in that one, the Sequential built last.
+
     Raises:
         TypeError: a module is not an lpsim.dyadic.nn Module.
         ValueError: a module appears more than once.
@@ -376,10 +407,9 @@ class Sequential(Module):
                 "Sequential takes each module once (each keeps the input of its last forward() "
                 "for backward()): make a new module for each place"
             )
-        for index, m in enumerate(modules):
-            for p in m.parameters():  # qualified names: "0.weight", "2.bias", ...
-                p.name = f"{index}.{p.name}"
         self.modules = list(modules)
+        for name, p in self.named_parameters():
+            p.name = name
 
     def train(self, mode: bool = True) -> Sequential:
         self.training = mode
@@ -400,9 +430,25 @@ class Sequential(Module):
     def parameters(self) -> list[Parameter]:
         return [p for m in self.modules for p in m.parameters()]
 
-    def stats(self) -> dict[int, LayerStats]:
-        """The LayerStats of every module that keeps them, by position."""
-        return {i: m.stats for i, m in enumerate(self.modules) if hasattr(m, "stats")}
+    def named_parameters(self) -> list[tuple[str, Parameter]]:
+        """Each parameter named by its module's position and its own name in that module:
+        "0.weight", "2.bias", and "1.0.weight" inside a nested Sequential at position 1."""
+        return [
+            (f"{i}.{name}", p)
+            for i, m in enumerate(self.modules)
+            for name, p in m.named_parameters()
+        ]
+
+    def stats(self) -> dict[str, LayerStats]:
+        """The LayerStats of every layer that keeps them, named by position as the parameters
+        are: "0", "2", and "1.0" for the first layer of a nested Sequential at position 1."""
+        found = {}
+        for i, m in enumerate(self.modules):
+            if isinstance(m, Sequential):
+                found.update({f"{i}.{name}": s for name, s in m.stats().items()})
+            elif isinstance(getattr(m, "stats", None), LayerStats):
+                found[str(i)] = m.stats
+        return found
 
 
 class LossOutput(NamedTuple):

