@@ -71,6 +71,15 @@ def assert_same_statistics(got: RoundingStatistics, want: RoundingStatistics, wh
     assert got.squared_value == pytest.approx(want.squared_value, rel=1e-12, abs=0), where
 
 
+def assert_same_records(recorder: Recorder, expected: dict) -> dict:
+    """The recorder's records, by (step, module, category), checked to be ``expected``'s."""
+    got = {(r.step, r.module, r.category): r.statistics for r in recorder.records}
+    assert sorted(got) == sorted(expected)
+    for key, statistics in expected.items():
+        assert_same_statistics(got[key], statistics, key)
+    return got
+
+
 def add_to(totals: dict, key, statistics: RoundingStatistics) -> None:
     totals[key] = totals.get(key, RoundingStatistics()) + statistics
 
@@ -147,10 +156,7 @@ def test_the_recorders_totals_equal_a_python_recount_of_the_models_roundings():
     for at, name, category, x, fmt in captured:
         rounded = lpsim.quantize(x, fmt, "nearest")
         add_to(expected, (at, name, category), python_recount(x, rounded, fmt))
-    got = {(r.step, r.module, r.category): r.statistics for r in recorder.records}
-    assert sorted(got) == sorted(expected)
-    for key, statistics in expected.items():
-        assert_same_statistics(got[key], statistics, key)
+    got = assert_same_records(recorder, expected)
     total = sum(expected.values(), RoundingStatistics())
     assert total.overflow and total.underflow and total.subnormal  # every count is exercised
     assert_same_statistics(sum(got.values(), RoundingStatistics()), total, "total")
@@ -187,10 +193,7 @@ def test_a_checkpointed_forward_is_recorded_once_as_a_python_recount_of_one_forw
             model, x.clone().requires_grad_(), use_reentrant=reentrant
         )
         y.square().sum().backward()
-    got = {(r.step, r.module, r.category): r.statistics for r in recorder.records}
-    assert sorted(got) == sorted(expected)
-    for key, statistics in expected.items():
-        assert_same_statistics(got[key], statistics, key)
+    assert_same_records(recorder, expected)
     for a, b in zip(plain.parameters(), model.parameters()):
         assert_same_bits(b.grad, a.grad)
 
@@ -273,10 +276,7 @@ def test_the_recorders_totals_are_those_of_the_stochastic_roundings_that_happene
     expected = {}
     for at, name, category, x, rounded in captured:
         add_to(expected, (at, name, category), python_recount(x, rounded, fmt))
-    got = {(r.step, r.module, r.category): r.statistics for r in recorder.records}
-    assert sorted(got) == sorted(expected)
-    for key, statistics in expected.items():
-        assert_same_statistics(got[key], statistics, key)
+    assert_same_records(recorder, expected)
     total = sum(expected.values(), RoundingStatistics())
     assert total.nonfinite and total.unchanged < total.elements
 
@@ -331,10 +331,7 @@ def test_the_recorders_totals_equal_a_python_recount_of_the_optimizers_roundings
                 lost = updated & (rounded_acc == starts[p])
                 stagnation[step, name] = Stagnation(p.numel(), int(updated.sum()), int(lost.sum()))
     assert recorder.current_step == 3  # the optimizer's steps moved the recorder on
-    got = {(r.step, r.module, r.category): r.statistics for r in recorder.records}
-    assert sorted(got) == sorted(expected)
-    for key, statistics in expected.items():
-        assert_same_statistics(got[key], statistics, key)
+    assert_same_records(recorder, expected)
     assert {(r.step, r.parameter): r.stagnation for r in recorder.stagnation_records} == stagnation
 
 
