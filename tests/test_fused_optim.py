@@ -589,3 +589,18 @@ def test_adam_step_count_has_torchs_dtype_on_both_paths():
     assert calls == [1]
     assert want.dtype == torch.float64
     assert_same_bits(got, want, "step")
+
+
+@pytest.mark.parametrize("make", [FusedSGD, FusedAdam])
+def test_fused_optimizers_refuse_an_unclamped_fixed_accumulator(make):
+    # Its sums continue past its range, where a float32 accumulator drops updates (OptimLP keeps
+    # float64 accumulators for it); unclamped Fixed formats elsewhere round float32 tensors fine.
+    p = [torch.nn.Parameter(torch.randn(3))]
+    with pytest.raises(ValueError, match="acc_format: the sums of Fixed.*need a float64"):
+        make(p, lr=0.1, acc_format=Fixed(16, 12, clamp=False))
+    opt = make(p, lr=0.1, grad_format=Fixed(16, 12, clamp=False), acc_format=Fixed(16, 12))
+    with pytest.raises(ValueError, match="acc_format: the sums of Fixed.*need a float64"):
+        opt.add_param_group(
+            {"params": [torch.nn.Parameter(torch.randn(2))], "acc_format": Fixed(8, 4, clamp=False)}
+        )
+    assert len(opt.param_groups) == 1

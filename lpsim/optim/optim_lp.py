@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 
 from lpsim import _observation
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
-from lpsim.formats import GRID_FORMATS, BlockFloat, check_fits, fitting_container
+from lpsim.formats import GRID_FORMATS, BlockFloat, check_fits, sum_container
 from lpsim.functional import quantize
 from lpsim.multi_tensor import quantize_many_
 from lpsim.nn.quantizer import QuantSpec, ScalerCall, Spec, as_spec
@@ -207,9 +207,10 @@ def _fusable_spec(quant, category: str) -> bool:
 
 def _accumulator_dtype(acc: QuantFunction, dtype: torch.dtype) -> torch.dtype:
     """The container of a parameter's accumulator: the parameter's own dtype when it is float32 or
-    float64 and holds the format, else float32 when that holds it, else float64."""
+    float64 and holds the format, else float32 when that holds it, else float64; float64 for a
+    Fixed without clamp, whose sums continue beyond its range (sum_container)."""
     own = dtype if dtype in _WIDE else torch.float32
-    return fitting_container(acc.format, own) if isinstance(acc, QuantSpec) else own
+    return sum_container(acc.format, own) if isinstance(acc, QuantSpec) else own
 
 
 class OptimLP(Optimizer):
@@ -220,8 +221,8 @@ class OptimLP(Optimizer):
        sparse gradient, as nn.Embedding(sparse=True) gives, is coalesced and its values, one per
        stored entry, are quantised);
     2. with ``acc``: the parameter's high-precision accumulator (a copy of the weight in a
-       container wide enough for ``acc``, float32 unless ``acc`` needs float64, itself rounded
-       into ``acc``) takes the weight's place for the update;
+       container wide enough for ``acc``, float32 unless ``acc`` needs float64, as a Fixed
+       without clamp does, itself rounded into ``acc``) takes the weight's place for the update;
     3. ``optimizer.step(closure)``;
     4. every floating-point tensor in the optimizer's state for the parameter (momentum_buffer,
        exp_avg, exp_avg_sq, max_exp_avg_sq, ...; not the 0-d ``step`` counters) quantised by
