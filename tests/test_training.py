@@ -413,7 +413,7 @@ def test_optim_lp_accepts_functions_like_qtorch():
     opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), weight=weight_quant)
     _train(model, opt, data, target, steps=1)
     assert len(calls) == 4
-    with pytest.raises(ValueError, match="grad_scaling must be a positive number"):
+    with pytest.raises(ValueError, match="grad_scaling must be a positive finite number"):
         OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), grad_scaling=0)
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         OptimLP(model, weight=E5M2)
@@ -716,3 +716,10 @@ def test_unclamped_fixed_accumulator_keeps_updates_beyond_float32_precision(dtyp
     expected = Fraction(8192) - 3 * Fraction(1, 2**12)  # on the grid: every rule keeps it
     assert [Fraction(v) for v in opt.accumulators[p].tolist()] == [expected] * 4
     assert_same_bits(p.detach(), opt.accumulators[p].to(dtype))
+
+
+def test_optim_lp_refuses_a_grad_scaling_that_is_not_positive_and_finite():
+    model = nn.Linear(2, 2)
+    for value in (float("inf"), float("-inf"), float("nan"), 0, -1.0, "2"):
+        with pytest.raises(ValueError, match="grad_scaling must be a positive finite number"):
+            OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), grad_scaling=value)

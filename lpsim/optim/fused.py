@@ -37,7 +37,13 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
-from lpsim._checks import check_betas, check_element_format, check_number, draw_seed
+from lpsim._checks import (
+    check_betas,
+    check_element_format,
+    check_number,
+    check_positive_finite,
+    draw_seed,
+)
 from lpsim._ops import cuda_built, ops
 from lpsim.formats import BlockFloat, Float, sum_container
 from lpsim.functional import quantize, quantize_
@@ -71,18 +77,12 @@ class _Fused(Optimizer):
     _RULE: StepRule  # the step arithmetic
 
     def __init__(self, params, defaults: dict, formats: dict, grad_scaling: float, rounding):
-        if (
-            not isinstance(grad_scaling, (int, float))
-            or isinstance(grad_scaling, bool)
-            or not grad_scaling > 0
-        ):
-            raise ValueError(f"grad_scaling must be a positive number, got {grad_scaling!r}")
         Rounding.parse(rounding)
         for name, value in formats.items():
             defaults[name] = _spec(value, rounding, name)
         defaults["rounding"] = rounding
         self._check_options(defaults)
-        self.grad_scaling = float(grad_scaling)
+        self.grad_scaling = check_positive_finite("grad_scaling", grad_scaling)
         super().__init__(params, defaults)
 
     def _check_options(self, group: dict) -> None:
@@ -464,7 +464,8 @@ class FusedSGD(_Fused):
             ``weight``, ``grad``, ``momentum`` (the momentum buffer) and ``acc`` (a float32 copy
             of the weight that the update applies to; the weight is then the accumulator rounded
             by ``weight_format``; a Fixed without clamp, whose sums need float64, is refused).
-        grad_scaling: > 0, every gradient is multiplied by it first (a loss scale undone).
+        grad_scaling: a finite number > 0; every gradient is multiplied by it first (a loss
+            scale undone).
         rounding: the rule of bare formats, default "stochastic".
 
     Raises:

@@ -10,6 +10,7 @@ import torch.optim.optimizer as torch_optimizer
 from torch.optim import Optimizer
 
 from lpsim import _observation
+from lpsim._checks import check_positive_finite
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.formats import GRID_FORMATS, BlockFloat, check_fits, sum_container
 from lpsim.functional import quantize
@@ -295,9 +296,9 @@ class OptimLP(Optimizer):
     Raises:
         TypeError: optimizer is not a torch optimizer, a spec is malformed (the message names
             the argument), or fused is not a bool.
-        ValueError: grad_scaling is not positive; a format does not fit the tensor it rounds (the
-            message names the argument, the parameter and the dtype); ``parameters`` holds a
-            tensor the optimizer does not.
+        ValueError: grad_scaling is not a finite number > 0; a format does not fit the tensor it
+            rounds (the message names the argument, the parameter and the dtype); ``parameters``
+            holds a tensor the optimizer does not.
     """
 
     def __init__(
@@ -319,18 +320,12 @@ class OptimLP(Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        if (
-            not isinstance(grad_scaling, (int, float))
-            or isinstance(grad_scaling, bool)
-            or not grad_scaling > 0
-        ):
-            raise ValueError(f"grad_scaling must be a positive number, got {grad_scaling!r}")
         if not isinstance(fused, bool):
             raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
         self.optimizer = optimizer
         self.fused = fused
         self.default_quantization = ParameterQuantization(weight, grad, momentum, acc, rounding)
-        self.grad_scaling = float(grad_scaling)
+        self.grad_scaling = check_positive_finite("grad_scaling", grad_scaling)
         self._chosen = self._parse_parameters(parameters)
         self.settings: dict[torch.Tensor, ParameterQuantization | None] = {}
         self.accumulators: dict[torch.Tensor, torch.Tensor] = {}
