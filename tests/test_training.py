@@ -723,3 +723,11 @@ def test_optim_lp_refuses_a_grad_scaling_that_is_not_positive_and_finite():
     for value in (float("inf"), float("-inf"), float("nan"), 0, -1.0, "2"):
         with pytest.raises(ValueError, match="grad_scaling must be a positive finite number"):
             OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), grad_scaling=value)
+
+
+def test_optim_lp_bad_spec_error_names_every_accepted_kind():
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="weight must be None, .*pair or a function tensor"):
+        OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), weight=object())
+    with pytest.raises(TypeError, match="acc must be None, .*pair or a function tensor"):
+        lpsim.optim.ParameterQuantization(acc=3)

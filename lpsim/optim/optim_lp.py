@@ -31,7 +31,7 @@ def _as_function(value, rounding, name: str) -> QuantFunction | None:
     """A spec (format or (format, rounding)) or any tensor -> tensor function, as a function."""
     if callable(value) and not isinstance(value, tuple):  # a function, or a QuantSpec
         return value
-    return as_spec(value, rounding, name)
+    return as_spec(value, rounding, name, functions=True)
 
 
 @dataclass(frozen=True)
