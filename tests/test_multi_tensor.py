@@ -166,6 +166,16 @@ def test_errors_name_the_tensor():
 @pytest.mark.parametrize(
     "fmt", [Float(4, 3), BlockFloat(8), lpsim.scaled.preset("mxfp8_e4m3")], ids=repr
 )
+def test_sparse_tensors_are_refused_naming_the_tensor(fmt):
+    sparse = [torch.randn(4).to_sparse(), torch.randn(2, 3).to_sparse_csr()]
+    for t in sparse:
+        with pytest.raises(TypeError, match=r"tensors\[1\] is a sparse_.* tensor; .* strided"):
+            quantize_many_([torch.randn(3), t], fmt, "stochastic", seed=1)
+
+
+@pytest.mark.parametrize(
+    "fmt", [Float(4, 3), BlockFloat(8), lpsim.scaled.preset("mxfp8_e4m3")], ids=repr
+)
 def test_tensors_that_share_memory_are_refused(fmt):
     # Once accepted: an element of two tensors was rounded twice (by two streams), or raced.
     buf = torch.randn(96)
