@@ -125,6 +125,17 @@ def check_number(name: str, value, low: float = 0.0, high: float = math.inf) -> 
     return value
 
 
+def check_positive_finite(name: str, value) -> float:
+    """value as a float, checked to be a finite number > 0 (an int or float, not a bool).
+
+    Raises:
+        ValueError: value is not such a number (inf, nan, 0, negative or not a number).
+    """
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
 def check_betas(betas) -> tuple[float, float]:
     """Adam's (beta1, beta2), checked: a pair of numbers, each in [0, 1).
 

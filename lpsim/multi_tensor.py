@@ -36,6 +36,11 @@ def _checked_tensors(tensors) -> list[torch.Tensor]:
     tensors = list(tensors)
     for i, t in enumerate(tensors):
         check_container(t, f"tensors[{i}]")
+        if t.layout != torch.strided:
+            raise TypeError(
+                f"tensors[{i}] is a {str(t.layout).replace('torch.', '')} tensor; quantize_many_ "
+                "rounds strided tensors (round a sparse tensor's values())"
+            )
         if t.device != tensors[0].device:
             raise ValueError(
                 f"tensors[{i}] is on {t.device} and tensors[0] on {tensors[0].device}: "
@@ -70,7 +75,8 @@ def quantize_many_(
     offset=offset + i)`` would round it (see the module documentation for the random streams).
 
     Args:
-        tensors: a list or tuple of float32, float64, bfloat16 or float16 tensors on one device;
+        tensors: a list or tuple of float32, float64, bfloat16 or float16 strided (not sparse)
+            tensors on one device;
             dtypes, shapes and strides may differ, tensors may be empty, the list may be empty.
             Each tensor's dtype is its container: the format must fit it. The tensors must not
             overlap in memory: they are rounded concurrently. Each one's memory is taken as the
@@ -91,9 +97,9 @@ def quantize_many_(
     outside torch.no_grad() a leaf that requires grad, or a view of one, is refused.
 
     Raises:
-        TypeError: tensors is not a list or tuple, or tensors[i] is not a tensor of a supported
-            dtype (the message names tensors[i]); fmt is not a format; an argument has the wrong
-            type.
+        TypeError: tensors is not a list or tuple, or tensors[i] is not a strided tensor of a
+            supported dtype (the message names tensors[i]); fmt is not a format; an argument has
+            the wrong type.
         ValueError: the format does not fit tensors[i]'s dtype (the message names tensors[i]), the
             tensors are on different devices, two of them overlap in memory (the message names
             both), or an argument is out of range.

@@ -955,3 +955,10 @@ def test_numbers_refuse_changes_their_format_would_not_follow(number, name, valu
         setattr(number, name, value)
     assert number.format == before and getattr(number, name) != value
     assert copy.deepcopy(number) == number
+
+
+def test_optim_lp_refuses_a_grad_scaling_that_is_not_positive_and_finite():
+    model = torch.nn.Linear(2, 2)
+    for value in (math.inf, math.nan, 0.0, -1.0):
+        with pytest.raises(ValueError, match="grad_scaling must be a positive finite number"):
+            q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), grad_scaling=value)

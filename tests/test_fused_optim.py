@@ -244,7 +244,7 @@ def test_bad_arguments_name_the_parameter_and_range():
         FusedSGD(p, lr=0.1, nesterov=True)
     with pytest.raises(TypeError, match="maximize must be a bool"):
         FusedSGD(p, lr=0.1, maximize=1)
-    with pytest.raises(ValueError, match="grad_scaling must be a positive number"):
+    with pytest.raises(ValueError, match="grad_scaling must be a positive finite number"):
         FusedSGD(p, lr=0.1, grad_scaling=0)
     with pytest.raises(ValueError, match=r"betas\[1\] must be in \[0, 1\), got 1.0"):
         FusedAdam(p, betas=(0.9, 1.0))
@@ -589,3 +589,26 @@ def test_adam_step_count_has_torchs_dtype_on_both_paths():
     assert calls == [1]
     assert want.dtype == torch.float64
     assert_same_bits(got, want, "step")
+
+
+@pytest.mark.parametrize("make", [FusedSGD, FusedAdam])
+def test_fused_optimizers_refuse_an_unclamped_fixed_accumulator(make):
+    # Its sums continue past its range, where a float32 accumulator drops updates (OptimLP keeps
+    # float64 accumulators for it); unclamped Fixed formats elsewhere round float32 tensors fine.
+    p = [torch.nn.Parameter(torch.randn(3))]
+    with pytest.raises(ValueError, match="acc_format: the sums of Fixed.*need a float64"):
+        make(p, lr=0.1, acc_format=Fixed(16, 12, clamp=False))
+    opt = make(p, lr=0.1, grad_format=Fixed(16, 12, clamp=False), acc_format=Fixed(16, 12))
+    with pytest.raises(ValueError, match="acc_format: the sums of Fixed.*need a float64"):
+        opt.add_param_group(
+            {"params": [torch.nn.Parameter(torch.randn(2))], "acc_format": Fixed(8, 4, clamp=False)}
+        )
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("make", [FusedSGD, FusedAdam])
+def test_fused_optimizers_refuse_a_grad_scaling_that_is_not_positive_and_finite(make):
+    p = [torch.nn.Parameter(torch.randn(3))]
+    for value in (float("inf"), float("-inf"), float("nan"), 0, -2.0):
+        with pytest.raises(ValueError, match="grad_scaling must be a positive finite number"):
+            make(p, lr=0.1, grad_scaling=value)

@@ -166,6 +166,16 @@ def test_errors_name_the_tensor():
 @pytest.mark.parametrize(
     "fmt", [Float(4, 3), BlockFloat(8), lpsim.scaled.preset("mxfp8_e4m3")], ids=repr
 )
+def test_sparse_tensors_are_refused_naming_the_tensor(fmt):
+    sparse = [torch.randn(4).to_sparse(), torch.randn(2, 3).to_sparse_csr()]
+    for t in sparse:
+        with pytest.raises(TypeError, match=r"tensors\[1\] is a sparse_.* tensor; .* strided"):
+            quantize_many_([torch.randn(3), t], fmt, "stochastic", seed=1)
+
+
+@pytest.mark.parametrize(
+    "fmt", [Float(4, 3), BlockFloat(8), lpsim.scaled.preset("mxfp8_e4m3")], ids=repr
+)
 def test_tensors_that_share_memory_are_refused(fmt):
     # Once accepted: an element of two tensors was rounded twice (by two streams), or raced.
     buf = torch.randn(96)
@@ -208,3 +218,58 @@ def test_property_equals_one_by_one(shapes, dtypes, rounding, seed, offset, tran
     quantize_many_(tensors, fmt, rounding, seed=seed, offset=offset)
     for got, expected in zip(tensors, want):
         assert_same_bits(got, expected)
+
+
+_FAMILIES = [
+    Float(5, 2),
+    Float(3, 1, subnormals=False),
+    lpsim.preset("e4m3fn"),
+    lpsim.preset("e5m2fnuz"),
+    Fixed(8, 4),
+    Fixed(8, 4, clamp=False),
+    Fixed(6, 2, signed=False),
+    Fixed(7, 3, symmetric=True),
+    BlockFloat(8),
+    BlockFloat(6, dim=0),
+    BlockFloat(5, block_size=4),
+    lpsim.P3109(8, 3),
+    lpsim.P3109(6, 2, signed=False, domain="finite", saturation="SatFinite"),
+    lpsim.scaled.preset("mxfp8_e4m3"),
+    lpsim.scaled.preset("mxfp4_e2m1"),
+    lpsim.scaled.preset("nvfp4"),
+    lpsim.scaled.preset("fp8_e5m2_row"),
+]
+_SPECIALS = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1e-30, 3e4])
+
+
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 9), max_size=3), max_size=5),
+    dtypes=st.lists(_DTYPES, min_size=5, max_size=5),
+    fmt=st.sampled_from(_FAMILIES),
+    rounding=st.sampled_from(RULES),
+    rbits=st.integers(1, 32),
+    seed=st.integers(0, 2**64 - 1),
+    offset=st.integers(0, 2**64 - 6),
+    view=st.sampled_from(["contiguous", "transposed", "strided"]),
+)
+def test_property_every_format_family_and_rbits_equals_one_by_one(
+    shapes, dtypes, fmt, rounding, rbits, seed, offset, view
+):
+    g = torch.Generator().manual_seed(seed % 2**32)
+    tensors = []
+    for shape, dtype in zip(shapes, dtypes):
+        t = torch.randn(shape, generator=g) * 2.0 ** torch.randint(-12, 12, (), generator=g)
+        if t.numel():
+            picks = torch.randint(0, len(_SPECIALS), (t.numel() // 4,), generator=g)
+            t.view(-1)[: picks.numel()] = _SPECIALS[picks]
+        t = t.to(dtype)
+        if view == "transposed" and t.dim() >= 2:
+            t = t.transpose(0, -1)
+        elif view == "strided" and t.dim() >= 1:
+            t = t[::2]
+        tensors.append(t)
+    rbits = rbits if Rounding.parse(rounding).is_stochastic else None
+    want = _one_by_one(tensors, fmt, rounding, offset=offset, seed=seed, rbits=rbits)
+    quantize_many_(tensors, fmt, rounding, seed=seed, offset=offset, rbits=rbits)
+    for i, (got, expected) in enumerate(zip(tensors, want)):
+        assert_same_bits(got, expected, f"tensors[{i}]")

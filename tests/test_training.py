@@ -2,6 +2,7 @@
 
 import copy
 import io
+from fractions import Fraction
 
 import pytest
 import torch
@@ -412,7 +413,7 @@ def test_optim_lp_accepts_functions_like_qtorch():
     opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), weight=weight_quant)
     _train(model, opt, data, target, steps=1)
     assert len(calls) == 4
-    with pytest.raises(ValueError, match="grad_scaling must be a positive number"):
+    with pytest.raises(ValueError, match="grad_scaling must be a positive finite number"):
         OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), grad_scaling=0)
     with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
         OptimLP(model, weight=E5M2)
@@ -698,3 +699,35 @@ def test_a_closure_s_gradients_are_scaled_and_rounded_before_the_update(acc):
     opt.step(closure)
     # gradients 0.1, 0.3, 1.5, -0.5 after scaling, rounded to multiples of 0.25 (ties to even)
     assert w.detach().tolist() == [1.0, 0.75, -0.5, 1.5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_unclamped_fixed_accumulator_keeps_updates_beyond_float32_precision(dtype, rounding):
+    # Fixed(16, 12, clamp=False) continues past its range at spacing 2**-12; at 8192 a float32
+    # holds only multiples of 2**-11, so each update of -2**-12 needs a float64 accumulator.
+    acc = Fixed(16, 12, clamp=False)
+    p = nn.Parameter(torch.full((4,), 8192.0, dtype=dtype))
+    opt = OptimLP(torch.optim.SGD([p], lr=1.0), acc=(acc, rounding))
+    assert opt.accumulators[p].dtype == torch.float64
+    for _ in range(3):
+        p.grad = torch.full_like(p, 2.0**-12)
+        opt.step()
+    expected = Fraction(8192) - 3 * Fraction(1, 2**12)  # on the grid: every rule keeps it
+    assert [Fraction(v) for v in opt.accumulators[p].tolist()] == [expected] * 4
+    assert_same_bits(p.detach(), opt.accumulators[p].to(dtype))
+
+
+def test_optim_lp_refuses_a_grad_scaling_that_is_not_positive_and_finite():
+    model = nn.Linear(2, 2)
+    for value in (float("inf"), float("-inf"), float("nan"), 0, -1.0, "2"):
+        with pytest.raises(ValueError, match="grad_scaling must be a positive finite number"):
+            OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), grad_scaling=value)
+
+
+def test_optim_lp_bad_spec_error_names_every_accepted_kind():
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="weight must be None, .*pair or a function tensor"):
+        OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), weight=object())
+    with pytest.raises(TypeError, match="acc must be None, .*pair or a function tensor"):
+        lpsim.optim.ParameterQuantization(acc=3)

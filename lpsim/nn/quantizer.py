@@ -98,13 +98,16 @@ def parse_eval_rounding(value: Rounding | str | None) -> Rounding | None:
     return rule
 
 
-def as_spec(value: Spec, rounding: Rounding | str, name: str) -> QuantSpec | None:
+def as_spec(
+    value: Spec, rounding: Rounding | str, name: str, *, functions: bool = False
+) -> QuantSpec | None:
     """The QuantSpec that ``value`` describes (None for None), ``rounding`` applying when value is
-    a bare format.
+    a bare format. ``functions``: whether the caller also takes a function tensor -> tensor (which
+    it handles itself); the error then lists it.
 
     Raises:
         TypeError: value is neither None, a format, nor a (format, rounding) pair; the message
-            names the argument.
+            names the argument and every accepted kind.
     """
     if value is None:
         return None
@@ -114,10 +117,9 @@ def as_spec(value: Spec, rounding: Rounding | str, name: str) -> QuantSpec | Non
         return QuantSpec(value, Rounding.parse(rounding))
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], _SPEC_FORMATS):
         return QuantSpec(value[0], Rounding.parse(value[1]))
-    raise TypeError(
-        f"{name} must be None, a Float, Fixed, P3109, BlockFloat, Scaled or DelayedScaling, or a "
-        f"(format, rounding) pair; got {value!r}"
-    )
+    kinds = ["None", "a Float, Fixed, P3109, BlockFloat, Scaled or DelayedScaling format"]
+    kinds += ["a (format, rounding) pair"] + (["a function tensor -> tensor"] if functions else [])
+    raise TypeError(f"{name} must be {', '.join(kinds[:-1])} or {kinds[-1]}; got {value!r}")
 
 
 class ScalerCall(NamedTuple):

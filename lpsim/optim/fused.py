@@ -37,9 +37,15 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
-from lpsim._checks import check_betas, check_element_format, check_number, draw_seed
+from lpsim._checks import (
+    check_betas,
+    check_element_format,
+    check_number,
+    check_positive_finite,
+    draw_seed,
+)
 from lpsim._ops import cuda_built, ops
-from lpsim.formats import BlockFloat, Float
+from lpsim.formats import BlockFloat, Float, sum_container
 from lpsim.functional import quantize, quantize_
 from lpsim.nn.quantizer import QuantSpec, Spec, as_spec
 from lpsim.rounding import Rounding
@@ -71,18 +77,12 @@ class _Fused(Optimizer):
     _RULE: StepRule  # the step arithmetic
 
     def __init__(self, params, defaults: dict, formats: dict, grad_scaling: float, rounding):
-        if (
-            not isinstance(grad_scaling, (int, float))
-            or isinstance(grad_scaling, bool)
-            or not grad_scaling > 0
-        ):
-            raise ValueError(f"grad_scaling must be a positive number, got {grad_scaling!r}")
         Rounding.parse(rounding)
         for name, value in formats.items():
             defaults[name] = _spec(value, rounding, name)
         defaults["rounding"] = rounding
         self._check_options(defaults)
-        self.grad_scaling = float(grad_scaling)
+        self.grad_scaling = check_positive_finite("grad_scaling", grad_scaling)
         super().__init__(params, defaults)
 
     def _check_options(self, group: dict) -> None:
@@ -120,6 +120,12 @@ class _Fused(Optimizer):
                     spec.format.grid_arguments(torch.float32)
                 except ValueError as error:
                     raise ValueError(f"{name}: {error}") from None
+                if category == "acc" and sum_container(spec.format, torch.float32) != torch.float32:
+                    raise ValueError(
+                        f"{name}: the sums of {spec.format!r} need a float64 accumulator (a Fixed "
+                        "without clamp continues beyond its range), and the fused step keeps "
+                        "float32 ones; use clamp=True, or OptimLP, which keeps float64 ones"
+                    )
         for i, p in enumerate(group["params"]):
             if p.dtype != torch.float32:
                 raise TypeError(
@@ -457,14 +463,16 @@ class FusedSGD(_Fused):
             Fixed format (rounded by ``rounding``) or a (format, rounding) pair: OptimLP's
             ``weight``, ``grad``, ``momentum`` (the momentum buffer) and ``acc`` (a float32 copy
             of the weight that the update applies to; the weight is then the accumulator rounded
-            by ``weight_format``).
-        grad_scaling: > 0, every gradient is multiplied by it first (a loss scale undone).
+            by ``weight_format``; a Fixed without clamp, whose sums need float64, is refused).
+        grad_scaling: a finite number > 0; every gradient is multiplied by it first (a loss
+            scale undone).
         rounding: the rule of bare formats, default "stochastic".
 
     Raises:
         TypeError: a parameter is not float32, a format is not a Float, Fixed or pair, or an
             option has the wrong type.
-        ValueError: an option is out of range (the message names it and the range).
+        ValueError: an option is out of range (the message names it and the range), or
+            acc_format is a Fixed without clamp.
         NotImplementedError: a parameter is neither on the CPU nor, where lpsim is built with
             its CUDA kernels, on a CUDA device.
     """

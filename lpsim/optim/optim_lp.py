@@ -10,8 +10,9 @@ import torch.optim.optimizer as torch_optimizer
 from torch.optim import Optimizer
 
 from lpsim import _observation
+from lpsim._checks import check_positive_finite
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
-from lpsim.formats import GRID_FORMATS, BlockFloat, check_fits, fitting_container
+from lpsim.formats import GRID_FORMATS, BlockFloat, check_fits, sum_container
 from lpsim.functional import quantize
 from lpsim.multi_tensor import quantize_many_
 from lpsim.nn.quantizer import QuantSpec, ScalerCall, Spec, as_spec
@@ -30,7 +31,7 @@ def _as_function(value, rounding, name: str) -> QuantFunction | None:
     """A spec (format or (format, rounding)) or any tensor -> tensor function, as a function."""
     if callable(value) and not isinstance(value, tuple):  # a function, or a QuantSpec
         return value
-    return as_spec(value, rounding, name)
+    return as_spec(value, rounding, name, functions=True)
 
 
 @dataclass(frozen=True)
@@ -207,9 +208,10 @@ def _fusable_spec(quant, category: str) -> bool:
 
 def _accumulator_dtype(acc: QuantFunction, dtype: torch.dtype) -> torch.dtype:
     """The container of a parameter's accumulator: the parameter's own dtype when it is float32 or
-    float64 and holds the format, else float32 when that holds it, else float64."""
+    float64 and holds the format, else float32 when that holds it, else float64; float64 for a
+    Fixed without clamp, whose sums continue beyond its range (sum_container)."""
     own = dtype if dtype in _WIDE else torch.float32
-    return fitting_container(acc.format, own) if isinstance(acc, QuantSpec) else own
+    return sum_container(acc.format, own) if isinstance(acc, QuantSpec) else own
 
 
 class OptimLP(Optimizer):
@@ -220,8 +222,8 @@ class OptimLP(Optimizer):
        sparse gradient, as nn.Embedding(sparse=True) gives, is coalesced and its values, one per
        stored entry, are quantised);
     2. with ``acc``: the parameter's high-precision accumulator (a copy of the weight in a
-       container wide enough for ``acc``, float32 unless ``acc`` needs float64, itself rounded
-       into ``acc``) takes the weight's place for the update;
+       container wide enough for ``acc``, float32 unless ``acc`` needs float64, as a Fixed
+       without clamp does, itself rounded into ``acc``) takes the weight's place for the update;
     3. ``optimizer.step(closure)``;
     4. every floating-point tensor in the optimizer's state for the parameter (momentum_buffer,
        exp_avg, exp_avg_sq, max_exp_avg_sq, ...; not the 0-d ``step`` counters) quantised by
@@ -294,9 +296,9 @@ class OptimLP(Optimizer):
     Raises:
         TypeError: optimizer is not a torch optimizer, a spec is malformed (the message names
             the argument), or fused is not a bool.
-        ValueError: grad_scaling is not positive; a format does not fit the tensor it rounds (the
-            message names the argument, the parameter and the dtype); ``parameters`` holds a
-            tensor the optimizer does not.
+        ValueError: grad_scaling is not a finite number > 0; a format does not fit the tensor it
+            rounds (the message names the argument, the parameter and the dtype); ``parameters``
+            holds a tensor the optimizer does not.
     """
 
     def __init__(
@@ -318,18 +320,12 @@ class OptimLP(Optimizer):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        if (
-            not isinstance(grad_scaling, (int, float))
-            or isinstance(grad_scaling, bool)
-            or not grad_scaling > 0
-        ):
-            raise ValueError(f"grad_scaling must be a positive number, got {grad_scaling!r}")
         if not isinstance(fused, bool):
             raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
         self.optimizer = optimizer
         self.fused = fused
         self.default_quantization = ParameterQuantization(weight, grad, momentum, acc, rounding)
-        self.grad_scaling = float(grad_scaling)
+        self.grad_scaling = check_positive_finite("grad_scaling", grad_scaling)
         self._chosen = self._parse_parameters(parameters)
         self.settings: dict[torch.Tensor, ParameterQuantization | None] = {}
         self.accumulators: dict[torch.Tensor, torch.Tensor] = {}
