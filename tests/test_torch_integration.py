@@ -329,3 +329,28 @@ def test_per_sample_gradients_through_a_quantizer_equal_the_per_sample_loop(clam
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)) * 4
     want = torch.stack([_backward_gradient(loss, sample) for sample in x])
     assert_same_bits(torch.func.vmap(torch.func.grad(loss))(x), want)
+
+
+# Forward-mode AD: quantize passes a tangent unchanged, as its reverse-mode gradient.
+
+_FORWARD_FORMATS = {
+    "Float": Float(4, 3),
+    "Fixed": Fixed(6, 3),
+    "BlockFloat": BlockFloat(6, 0),
+    "Scaled": lpsim.scaled.preset("mxfp8_e4m3"),
+}
+
+
+@pytest.mark.parametrize("fmt", _FORWARD_FORMATS.values(), ids=_FORWARD_FORMATS.keys())
+def test_jvp_and_jacfwd_of_quantize_are_straight_through(fmt):
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    tangent = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+
+    def f(x):
+        return lpsim.quantize(x, fmt, "stochastic", seed=4) * 3.0
+
+    value, derivative = torch.func.jvp(f, (x,), (tangent,))
+    assert_same_bits(value, f(x))
+    assert_same_bits(derivative, tangent * 3.0)
+    jacobian = torch.func.jacfwd(f)(x)
+    assert_same_bits(jacobian, torch.eye(12).reshape(3, 4, 3, 4) * 3.0)
