@@ -18,6 +18,7 @@ into the kernel that produces x; eager calls run the C++ kernel.
 from __future__ import annotations
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 from lpsim._checks import check_container, check_tensor, random_args
 from lpsim._ops import call
@@ -116,9 +117,11 @@ def quantize(
 
     Returns:
         A new contiguous tensor (or ``out``). The gradient with respect to x is the identity
-        (straight-through); with ``out`` the call is not differentiable: as torch's out=
-        functions, it refuses x or out that requires grad while grad mode is on. Writing into
-        ``out`` bumps its version counter, as torch's in-place ops do.
+        (straight-through), in reverse mode and in forward mode (a dual tensor's tangent, under
+        torch.autograd.forward_ad, torch.func.jvp or jacfwd, passes unchanged); with ``out`` the
+        call is not differentiable: as torch's out= functions, it refuses x or out that requires
+        grad while grad mode is on. Writing into ``out`` bumps its version counter, as torch's
+        in-place ops do.
 
     Raises:
         TypeError: x is not a floating tensor of a supported dtype, fmt is not a format, or an
@@ -128,6 +131,12 @@ def quantize(
         RuntimeError: ``out`` is given and x or out requires grad, outside torch.no_grad(); or
             ``out`` shares part, not all, of x's memory.
     """
+    # Inside a dual level (forward-mode AD): the ops' C++ autograd kernels give no tangent.
+    if forward_ad._current_level >= 0 and out is None:
+        primal, tangent = forward_ad.unpack_dual(x)
+        if tangent is not None:  # straight-through: the tangent passes unchanged
+            rounded = quantize(primal, fmt, rounding, rbits=rbits, seed=seed, offset=offset)
+            return forward_ad.make_dual(rounded, tangent)
     if torch.compiler.is_compiling():  # the fusable form, where there is one (lpsim.fusable)
         fused = compiled_quantize(x, fmt, rounding, rbits=rbits, seed=seed, offset=offset, out=out)
         if fused is not None:

@@ -291,3 +291,66 @@ def test_to_container_is_straight_through_in_its_input_dtype():
     assert y.dtype == torch.float32
     y.backward(torch.tensor([2.0, 3.0, 4.0]))
     assert x.grad.dtype == torch.float64 and x.grad.tolist() == [2.0, 3.0, 4.0]
+
+
+# torch.func transforms through a Quantizer: its gradient is the one backward() computes.
+
+
+def _quantizer_loss(clamp_grad_zero):
+    q = lpsim.nn.Quantizer(
+        forward=Fixed(6, 3),
+        backward=Float(5, 2),
+        forward_rounding="nearest",
+        backward_rounding="nearest",
+        clamp_grad_zero=clamp_grad_zero,
+    )
+    weights = torch.arange(6.0) * 1.1 + 0.1
+    return lambda x: (q(x) * weights).sum()
+
+
+def _backward_gradient(loss, x):
+    x = x.clone().requires_grad_()
+    loss(x).backward()
+    return x.grad
+
+
+@pytest.mark.parametrize("clamp_grad_zero", [False, True])
+def test_func_grad_and_jacrev_through_a_quantizer_equal_backward(clamp_grad_zero):
+    loss = _quantizer_loss(clamp_grad_zero)
+    x = torch.tensor([0.3, -1.7, 2.2, 9.0, -3.1, 0.06])  # 9.0 clips in Fixed(6, 3)
+    want = _backward_gradient(loss, x)
+    assert_same_bits(torch.func.grad(loss)(x), want)
+    assert_same_bits(torch.func.jacrev(loss)(x), want)
+
+
+@pytest.mark.parametrize("clamp_grad_zero", [False, True])
+def test_per_sample_gradients_through_a_quantizer_equal_the_per_sample_loop(clamp_grad_zero):
+    loss = _quantizer_loss(clamp_grad_zero)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)) * 4
+    want = torch.stack([_backward_gradient(loss, sample) for sample in x])
+    assert_same_bits(torch.func.vmap(torch.func.grad(loss))(x), want)
+
+
+# Forward-mode AD: quantize passes a tangent unchanged, as its reverse-mode gradient.
+
+_FORWARD_FORMATS = {
+    "Float": Float(4, 3),
+    "Fixed": Fixed(6, 3),
+    "BlockFloat": BlockFloat(6, 0),
+    "Scaled": lpsim.scaled.preset("mxfp8_e4m3"),
+}
+
+
+@pytest.mark.parametrize("fmt", _FORWARD_FORMATS.values(), ids=_FORWARD_FORMATS.keys())
+def test_jvp_and_jacfwd_of_quantize_are_straight_through(fmt):
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    tangent = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+
+    def f(x):
+        return lpsim.quantize(x, fmt, "stochastic", seed=4) * 3.0
+
+    value, derivative = torch.func.jvp(f, (x,), (tangent,))
+    assert_same_bits(value, f(x))
+    assert_same_bits(derivative, tangent * 3.0)
+    jacobian = torch.func.jacfwd(f)(x)
+    assert_same_bits(jacobian, torch.eye(12).reshape(3, 4, 3, 4) * 3.0)

@@ -292,27 +292,36 @@ class _Quantize(torch.autograd.Function):
     (where the rounded value lay outside the format's range). ``observed`` is None, or the pair
     (module, training mode) under which both roundings are reported to the current observer (as
     "output" and "error"; see lpsim._observation). Without forward_spec, y is a copy of x, which
-    in-place ops may modify (see _unchanged)."""
+    in-place ops may modify (see _unchanged).
+
+    forward returns (y, clipped): the clip mask (None without clamp_grad_zero) is an output that
+    setup_context saves, so that the Function works under torch.func's transforms (grad, jacrev,
+    vmap), which need forward and setup_context apart."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x, forward_spec, backward_spec, clamp_grad_zero, hooks, observed):
-        ctx.backward_spec = backward_spec
-        ctx.hooks = hooks
-        ctx.masked = clamp_grad_zero
-        ctx.observed = observed
+    def forward(x, forward_spec, backward_spec, clamp_grad_zero, hooks, observed):
         if clamp_grad_zero:
             out, clipped = quantize_with_clip_mask(x, forward_spec)
-            ctx.save_for_backward(clipped)
         elif forward_spec is None:
-            return _unchanged(x)
+            return _unchanged(x), None
         else:
-            out = forward_spec(x)
+            out, clipped = forward_spec(x), None
         if observed is not None:
             _report(observed, "output", x, out, forward_spec)
-        return out
+        return out, clipped
 
     @staticmethod
-    def backward(ctx, grad):
+    def setup_context(ctx, inputs, output):
+        _, _, ctx.backward_spec, ctx.masked, ctx.hooks, ctx.observed = inputs
+        clipped = output[1]
+        if clipped is not None:
+            ctx.mark_non_differentiable(clipped)
+            ctx.save_for_backward(clipped)
+
+    @staticmethod
+    def backward(ctx, grad, _):
         for hook in ctx.hooks:
             grad = hook(grad)
         if ctx.backward_spec is not None:
@@ -410,7 +419,7 @@ class _QuantizingFunction:
     def __call__(self, x: torch.Tensor, observed: tuple | None = None) -> torch.Tensor:
         return _Quantize.apply(
             x, self.forward, self.backward, self.clamp_grad_zero, self.hooks, observed
-        )
+        )[0]
 
 
 class Quantizer(nn.Module):
