@@ -489,6 +489,15 @@ def test_stochastic_adder_add_is_mode_2_and_add_biased_is_unbiased():
     assert adder.calls == 5
 
 
+def test_stochastic_adder_of_float64_adds_narrower_operands_exactly():
+    adder = StochasticAdder(torch.float64, seed=0)
+    a = torch.tensor([1.0, -3.0, 2.0**-20], dtype=torch.bfloat16)
+    b = torch.tensor([2.0**-30, 2.0**100, -(2.0**-149)])
+    want = a.double() + b.double()  # exact in float64: returned unchanged
+    assert_same_bits(adder.add_biased(a, b), want, "add_biased")
+    assert_same_bits(adder.add(b, a), want, "add")
+
+
 def test_sr_add_gradient_is_the_identity_for_both_operands():
     a = torch.randn(5, requires_grad=True)
     b = torch.randn(5, dtype=torch.float64, requires_grad=True)

@@ -70,12 +70,8 @@ class StochasticAdder:
         if a.dtype != self.dtype:
             # Neither operand has the adder's dtype: add in a container that holds both operands
             # and the format, then convert (exactly: the result lies in the format).
-            wide = (
-                torch.float64
-                if torch.float64 in (a.dtype, getattr(b, "dtype", None))
-                else torch.float32
-            )
-            a = a.to(wide)
+            dtypes = (a.dtype, getattr(b, "dtype", None), self.dtype)
+            a = a.to(torch.float64 if torch.float64 in dtypes else torch.float32)
         offset = self.calls
         self.calls += 1
         out = sr_add(
