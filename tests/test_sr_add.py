@@ -548,6 +548,9 @@ def test_sr_add_gradient_is_the_identity_for_both_operands():
             "tensor1 must be within the float64 range",
         ),
         (lambda a: StochasticAdder(torch.int32), TypeError, "dtype must be"),
+        (lambda a: lpsim.sr_add(a.to_sparse(), 1.0), TypeError, "a is a sparse_coo tensor"),
+        (lambda a: lpsim.sr_add_(a, a.to_sparse()), TypeError, "b is a sparse_coo tensor"),
+        (lambda a: lpsim.sr_addcdiv(a, a, a.to_sparse()), TypeError, "tensor2 is a sparse_coo"),
     ],
 )
 def test_bad_arguments_raise_errors_that_name_them(call, error, words):
