@@ -41,6 +41,7 @@ from lpsim._checks import (
     check_container,
     check_element_format,
     check_randomness,
+    check_strided,
     random_args,
 )
 from lpsim._ops import call
@@ -93,6 +94,7 @@ def sum_grid(fmt: Float | Fixed, dtype: torch.dtype) -> GridSpec:
 def _update_args(a, fmt, rounding, rbits, seed, offset, randomness) -> tuple:
     """The op arguments after the operands: grid, rule, random spec and randomness code."""
     check_container(a, "a")
+    check_strided(a, "a", "the sr_add family")
     if fmt is None:
         fmt = own_format(a.dtype)
     if isinstance(fmt, BlockFloat):
@@ -127,6 +129,7 @@ def _operand(a: torch.Tensor, b, name: str) -> torch.Tensor:
     if isinstance(b, (int, float)) and not isinstance(b, bool):
         b = torch.tensor(_float64(b, name), dtype=torch.float64, device=a.device)
     check_container(b, name)
+    check_strided(b, name, "the sr_add family")
     if b.device != a.device:
         raise ValueError(f"{name} must be on a's device ({a.device}), got {b.device}")
     if b.dtype not in (a.dtype, torch.float32, torch.float64):
@@ -176,7 +179,8 @@ def sr_add(
     both operands.
 
     Raises:
-        TypeError: an operand is not a tensor of a supported dtype, or fmt is not a Float or Fixed.
+        TypeError: an operand is not a strided (dense) tensor of a supported dtype, or fmt is not a
+            Float, Fixed or P3109 format.
         ValueError: the format does not fit a's dtype, b cannot be broadcast, or an argument is out
             of range.
     """

@@ -489,6 +489,28 @@ def test_stochastic_adder_add_is_mode_2_and_add_biased_is_unbiased():
     assert adder.calls == 5
 
 
+def test_stochastic_adder_of_float64_adds_narrower_operands_exactly():
+    adder = StochasticAdder(torch.float64, seed=0)
+    a = torch.tensor([1.0, -3.0, 2.0**-20], dtype=torch.bfloat16)
+    b = torch.tensor([2.0**-30, 2.0**100, -(2.0**-149)])
+    want = a.double() + b.double()  # exact in float64: returned unchanged
+    assert_same_bits(adder.add_biased(a, b), want, "add_biased")
+    assert_same_bits(adder.add(b, a), want, "add")
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_stochastic_adder_broadcasts_its_operands_as_torch_addition(swap):
+    adder = StochasticAdder(torch.bfloat16, seed=0)
+    column = torch.tensor([[1.0], [2.0]], dtype=torch.bfloat16)
+    row = torch.tensor([0.5, 0.25, -1.0])  # float32: the container is the bfloat16 operand
+    a, b = (row, column) if swap else (column, row)
+    want = torch.add(a, b).bfloat16()  # every sum is exact in bfloat16
+    assert_same_bits(adder.add_biased(a, b), want, "add_biased")
+    assert_same_bits(adder.add(a, b), want, "add")
+    with pytest.raises(ValueError, match="cannot be broadcast together"):
+        adder.add(torch.ones(2, dtype=torch.bfloat16), torch.ones(3))
+
+
 def test_sr_add_gradient_is_the_identity_for_both_operands():
     a = torch.randn(5, requires_grad=True)
     b = torch.randn(5, dtype=torch.float64, requires_grad=True)
@@ -526,6 +548,9 @@ def test_sr_add_gradient_is_the_identity_for_both_operands():
             "tensor1 must be within the float64 range",
         ),
         (lambda a: StochasticAdder(torch.int32), TypeError, "dtype must be"),
+        (lambda a: lpsim.sr_add(a.to_sparse(), 1.0), TypeError, "a is a sparse_coo tensor"),
+        (lambda a: lpsim.sr_add_(a, a.to_sparse()), TypeError, "b is a sparse_coo tensor"),
+        (lambda a: lpsim.sr_addcdiv(a, a, a.to_sparse()), TypeError, "tensor2 is a sparse_coo"),
     ],
 )
 def test_bad_arguments_raise_errors_that_name_them(call, error, words):

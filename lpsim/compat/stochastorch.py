@@ -33,6 +33,9 @@ class StochasticAdder:
     two neighbours of a + b, which differs from a + b by up to half a spacing. Use ``add_biased``
     to accumulate small updates.
 
+    a and b are tensors of any supported dtype (b may also be a Python number) and broadcast
+    together as in torch's addition; the result has the broadcast shape.
+
     Every call draws fresh random words: the adder keeps a seed (given, or drawn from torch's
     default CPU generator when the adder is made) and counts its calls as the offset.
 
@@ -65,17 +68,23 @@ class StochasticAdder:
 
     def _add(self, a: torch.Tensor, b: torch.Tensor | float, rounding: str) -> torch.Tensor:
         check_container(a, "a")
+        if isinstance(b, torch.Tensor):
+            check_container(b, "b")
+            try:
+                shape = torch.broadcast_shapes(a.shape, b.shape)
+            except RuntimeError:
+                raise ValueError(
+                    f"a of shape {tuple(a.shape)} and b of shape {tuple(b.shape)} cannot be "
+                    "broadcast together"
+                ) from None
+            a, b = a.expand(shape), b.expand(shape)
         if a.dtype != self.dtype and isinstance(b, torch.Tensor) and b.dtype == self.dtype:
             a, b = b, a  # addition commutes; the container is the operand of the adder's dtype
         if a.dtype != self.dtype:
             # Neither operand has the adder's dtype: add in a container that holds both operands
             # and the format, then convert (exactly: the result lies in the format).
-            wide = (
-                torch.float64
-                if torch.float64 in (a.dtype, getattr(b, "dtype", None))
-                else torch.float32
-            )
-            a = a.to(wide)
+            dtypes = (a.dtype, getattr(b, "dtype", None), self.dtype)
+            a = a.to(torch.float64 if torch.float64 in dtypes else torch.float32)
         offset = self.calls
         self.calls += 1
         out = sr_add(
