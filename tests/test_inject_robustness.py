@@ -14,7 +14,7 @@ import torch
 from support import assert_same_bits
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.nn.utils.parametrizations import orthogonal, weight_norm
+from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
 
 import lpsim
 from lpsim import Float
@@ -259,6 +259,21 @@ def test_backward_operands_take_the_parametrised_weight_before_quantisation(wrap
     assert all(p.grad is not None for p in layer.parameters())
     remove(layer)
     assert len(layer.parametrizations.weight) == 1
+
+
+def test_injecting_leaves_a_spectral_norms_power_iteration_where_it_was():
+    torch.manual_seed(0)
+    layer = spectral_norm(nn.Linear(4, 3))
+    plain = copy.deepcopy(layer)
+    inject(layer, {nn.Linear: LayerQuantization(weight=(E4M1, "nearest"))})
+    for (name, got), want in zip(layer.named_buffers(), plain.buffers()):
+        assert_same_bits(got, want, name)  # _u and _v: no power iteration ran
+    x = torch.randn(2, 4)
+    got = layer(x)  # the first pass's one power iteration, as in the plain layer
+    want = x @ lpsim.quantize(plain.weight, E4M1, "nearest").t() + plain.bias
+    assert_same_bits(got, want)
+    for (name, got), want in zip(layer.named_buffers(), plain.buffers()):
+        assert_same_bits(got, want, name)
 
 
 def test_the_default_entry_leaves_a_users_parametrisation_alone():

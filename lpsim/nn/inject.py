@@ -966,11 +966,13 @@ def _is_delayed(spec: QuantSpec | None) -> bool:
 def _value_to_quantise(module: nn.Module, pname: str) -> torch.Tensor:
     """What inject's fake-quantiser of ``module``'s parameter ``pname`` will quantise: the
     Parameter, or for one already parametrised (weight_norm, ...) the value of its
-    parametrisations, computed without gradients (a user's parametrisation quantises nothing)."""
+    parametrisations, computed without gradients and in an unobserved_pass, so that a
+    parametrisation with state (spectral_norm's power iteration, which updates its buffers _u and
+    _v at every read in training mode) is left as it was."""
     parameter = module._parameters.get(pname)
     if parameter is not None:
         return parameter
-    with torch.no_grad():
+    with unobserved_pass(module), torch.no_grad():
         return getattr(module, pname)
 
 
