@@ -276,6 +276,27 @@ def test_injecting_leaves_a_spectral_norms_power_iteration_where_it_was():
         assert_same_bits(got, want, name)
 
 
+@pytest.mark.parametrize(
+    "hook, replacement",
+    [
+        (nn.utils.weight_norm, "torch.nn.utils.parametrizations.weight_norm"),
+        (nn.utils.spectral_norm, "torch.nn.utils.parametrizations.spectral_norm"),
+    ],
+)
+def test_a_weight_computed_by_a_forward_pre_hook_is_refused_with_the_parametrisation_to_use(
+    hook, replacement
+):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch deprecates the hook versions
+        layer = hook(nn.Linear(4, 3))
+    before = structure(layer)
+    with pytest.raises(NotImplementedError, match=rf"Linear\.weight .*{re.escape(replacement)}"):
+        inject(layer, {nn.Linear: LayerQuantization(weight=E5M2)})
+    assert structure(layer) == before
+    inject(layer, {nn.Linear: LayerQuantization(bias=(E4M1, "nearest"))})  # its bias is a Parameter
+    assert quantized_parameters(layer) == [layer.parametrizations.bias.original]
+
+
 def test_the_default_entry_leaves_a_users_parametrisation_alone():
     model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.ReLU())
     inject(model, {"default": LayerQuantization(output=E5M2)})

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from lpsim import _observation
 from lpsim._checks import check_container
@@ -99,7 +101,8 @@ class LayerQuantization:
             at the first read (a forward that reads a weight several times gets one
             quantisation), and at each read outside it. One that already has torch
             parametrisations (weight_norm, orthogonal, ...) is quantised after them, and remove()
-            leaves them.
+            leaves them; inject refuses (NotImplementedError) one computed by a forward pre-hook
+            of the older torch.nn.utils.weight_norm or spectral_norm.
         bias: the module's own parameters whose names end in "bias" (in a recurrent layer, start
             with "bias_": bias_ih_l0, ...), likewise.
         input: the floating-point tensors passed to forward (positional and keyword), forward only.
@@ -976,6 +979,37 @@ def _value_to_quantise(module: nn.Module, pname: str) -> torch.Tensor:
         return getattr(module, pname)
 
 
+# torch's forward pre-hooks that compute a module's tensor (their ``name``) from parameters under
+# other names, and the parametrisation that replaces each.
+_COMPUTING_HOOKS = {
+    WeightNorm: ("torch.nn.utils.weight_norm", "torch.nn.utils.parametrizations.weight_norm"),
+    SpectralNorm: (
+        "torch.nn.utils.spectral_norm",
+        "torch.nn.utils.parametrizations.spectral_norm",
+    ),
+}
+
+
+def _check_no_hook_computes(module: nn.Module, kind: str) -> None:
+    """Refuse a ``kind`` ("weight" or "bias") tensor of ``module`` that a forward pre-hook of
+    torch.nn.utils.weight_norm or spectral_norm computes: it is no parameter (the parameters are
+    weight_g and weight_v, or weight_orig), so a weight setting would quantise nothing.
+
+    Raises:
+        NotImplementedError: naming the tensor and the parametrisation to use instead, whose
+            result inject quantises.
+    """
+    for hook in module._forward_pre_hooks.values():
+        found = _COMPUTING_HOOKS.get(type(hook))
+        if found is not None and _is_named(module, hook.name, kind):
+            applied, replacement = found
+            raise NotImplementedError(
+                f"inject(): {type(module).__name__}.{hook.name} is computed by the forward "
+                f"pre-hook of {applied}, which inject cannot quantise; apply {replacement} "
+                "instead: inject quantises its result"
+            )
+
+
 def _check_module(module: nn.Module, settings: LayerQuantization) -> None:
     """Raise what injecting ``settings`` into ``module`` would raise, changing nothing (inject
     checks every module before it changes any). The parameters are checked as quantising them
@@ -985,6 +1019,8 @@ def _check_module(module: nn.Module, settings: LayerQuantization) -> None:
     Raises:
         TypeError, ValueError, IndexError: as lpsim.quantize for a parameter; Operands on a module
             that is not a Linear; a module with an attribute named lpsim_scalers.
+        NotImplementedError: a weight or bias to quantise is computed by a forward pre-hook (see
+            _check_no_hook_computes).
     """
     if settings.operands() is not None and not isinstance(module, nn.Linear):
         raise ValueError(
@@ -996,6 +1032,7 @@ def _check_module(module: nn.Module, settings: LayerQuantization) -> None:
         spec = settings.spec(kind)
         if spec is None:
             continue
+        _check_no_hook_computes(module, kind)
         for pname in _parameter_names(module, kind):
             value = _value_to_quantise(module, pname)
             try:
