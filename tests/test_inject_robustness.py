@@ -607,10 +607,10 @@ def test_an_injected_recurrent_layer_copies_and_moves_without_quantising():
 
 def test_the_magnitude_and_direction_of_a_weight_normed_recurrent_weight_are_not_its_weights():
     layer = torch.nn.utils.weight_norm(nn.GRU(3, 4), name="weight_ih_l0")  # weight_ih_l0_g, _v
-    inject(layer, {nn.GRU: LayerQuantization(weight=E4M1)})
-    assert [id(p) for p in quantized_parameters(layer)] == [
-        id(layer.parametrizations.weight_hh_l0.original)
-    ]
+    with pytest.raises(NotImplementedError, match=r"GRU\.weight_ih_l0 is computed by"):
+        inject(layer, {nn.GRU: LayerQuantization(weight=E4M1)})  # the hook's weight, refused
+    inject(layer, {nn.GRU: LayerQuantization(bias=E4M1)})
+    assert not any(name.startswith("weight") for name in layer.parametrizations)
 
 
 def injected_linear() -> nn.Sequential:
