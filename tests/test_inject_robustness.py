@@ -665,3 +665,42 @@ def test_replacing_a_quantised_parameter_by_its_plain_name_is_refused_with_the_n
         model[0].weight = torch.ones(3, 4)
     for got, want in zip(model.parameters(), before):
         assert_same_bits(got.detach(), want)
+
+
+# An Embedding with max_norm renormalises the rows it reads in place
+
+
+@pytest.mark.parametrize(
+    "layer, args",
+    [
+        (nn.Embedding(6, 4, max_norm=1.0), (torch.tensor([[0, 1], [1, 4]]),)),
+        (
+            nn.EmbeddingBag(6, 4, max_norm=1.5, norm_type=1.0, mode="mean"),
+            (torch.tensor([0, 1, 1, 4, 5]), torch.tensor([0, 2])),
+        ),
+    ],
+)
+def test_an_embedding_with_max_norm_renormalises_its_parameter_and_looks_up_quantised_rows(
+    layer, args
+):
+    with torch.no_grad():
+        layer.weight.mul_(3)
+    plain = copy.deepcopy(layer)
+    inject(layer, {type(layer): LayerQuantization(weight=(E4M1, "nearest"))})
+    parameter = layer.parametrizations.weight.original
+    for _ in range(2):
+        got = layer(*args)
+        with torch.no_grad():  # the plain layer's renormalisation of its Parameter
+            torch.nn.functional.embedding(
+                args[0], plain.weight, max_norm=plain.max_norm, norm_type=plain.norm_type
+            )
+        assert_same_bits(parameter, plain.weight)
+        rows = lpsim.quantize(plain.weight, E4M1, "nearest")
+        if isinstance(layer, nn.EmbeddingBag):
+            want = torch.nn.functional.embedding_bag(args[0], rows, args[1], mode="mean")
+        else:
+            want = torch.nn.functional.embedding(args[0], rows)
+            assert_same_bits(got, lpsim.quantize(got, E4M1, "nearest"))  # rows on the grid
+        assert_same_bits(got, want)
+    remove(layer)
+    assert "forward" not in vars(layer) and layer.max_norm == plain.max_norm

@@ -102,7 +102,9 @@ class LayerQuantization:
             quantisation), and at each read outside it. One that already has torch
             parametrisations (weight_norm, orthogonal, ...) is quantised after them, and remove()
             leaves them; inject refuses (NotImplementedError) one computed by a forward pre-hook
-            of the older torch.nn.utils.weight_norm or spectral_norm.
+            of the older torch.nn.utils.weight_norm or spectral_norm. An Embedding or
+            EmbeddingBag with max_norm renormalises its Parameter's rows in place, as torch's
+            does, and looks them up quantised.
         bias: the module's own parameters whose names end in "bias" (in a recurrent layer, start
             with "bias_": bias_ih_l0, ...), likewise.
         input: the floating-point tensors passed to forward (positional and keyword), forward only.
@@ -685,6 +687,39 @@ def _simulated_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:  #
     )
 
 
+def _renorms_its_weight(module: nn.Module) -> bool:
+    """Whether ``module`` is an Embedding or EmbeddingBag with ``max_norm`` whose weight Parameter
+    inject's fake-quantiser alone parametrises (see _renorming_embedding_forward)."""
+    return (
+        isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+        and module.max_norm is not None
+        and parametrize.is_parametrized(module, "weight")
+        and len(module.parametrizations.weight) == 1
+        and isinstance(module.parametrizations.weight[0], _FakeQuantize)
+    )
+
+
+def _renorming_embedding_forward(self: nn.Module, input: torch.Tensor, *args, **kwargs):  # noqa: A002
+    """The forward of an injected Embedding or EmbeddingBag with ``max_norm`` and a quantised
+    weight. torch's forward renormalises, in place, the rows of the weight it reads that the input
+    indexes: the Parameter, in the plain layer. Here it reads the quantised weight, a new tensor,
+    so the Parameter would never be renormalised and the rows looked up would be renormalised
+    quantised values, off the format's grid. This renormalises the Parameter's rows as torch does
+    (torch.embedding_renorm_, without gradients), then runs the class's forward without
+    ``max_norm``, so that the rows looked up are the quantised renormalised rows."""
+    max_norm = self.max_norm
+    if max_norm is None:
+        return type(self).forward(self, input, *args, **kwargs)
+    with torch.no_grad():
+        original = self.parametrizations.weight.original
+        torch.embedding_renorm_(original, input.reshape(-1), max_norm, self.norm_type)
+    self.max_norm = None
+    try:
+        return type(self).forward(self, input, *args, **kwargs)
+    finally:
+        self.max_norm = max_norm
+
+
 def _unquantised_weight(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     """The module's weight before inject's fake-quantiser, the last of its parametrisations: its
     original, or the value of the parametrisations it had before inject (weight_norm, ...);
@@ -1099,6 +1134,9 @@ def _inject_module(
             # _check_module has checked what quantising the parameter checks.
             parametrize.register_parametrization(module, pname, quantise, unsafe=True)
             done[kind].append((pname, spec))
+    if _renorms_its_weight(module):
+        done["renorm"] = True
+        module.forward = _bound(_renorming_embedding_forward, module)
     scalers = _Scalers()
 
     def role(field: str) -> _RoleQuantiser | None:
@@ -1325,7 +1363,7 @@ def remove(model: nn.Module) -> nn.Module:
             continue
         for handle in done["hooks"]:
             handle.remove()
-        if "macs" in done:
+        if "macs" in done or "renorm" in done:
             del module.forward  # the class's forward again
         if done["weight"] or done["bias"]:
             _own_parametrized_class(module)  # the class may be shared with a deep copy
