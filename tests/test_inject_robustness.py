@@ -14,7 +14,7 @@ import torch
 from support import assert_same_bits
 from torch import nn
 from torch.nn.utils import parametrize
-from torch.nn.utils.parametrizations import orthogonal, weight_norm
+from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
 
 import lpsim
 from lpsim import Float
@@ -259,6 +259,42 @@ def test_backward_operands_take_the_parametrised_weight_before_quantisation(wrap
     assert all(p.grad is not None for p in layer.parameters())
     remove(layer)
     assert len(layer.parametrizations.weight) == 1
+
+
+def test_injecting_leaves_a_spectral_norms_power_iteration_where_it_was():
+    torch.manual_seed(0)
+    layer = spectral_norm(nn.Linear(4, 3))
+    plain = copy.deepcopy(layer)
+    inject(layer, {nn.Linear: LayerQuantization(weight=(E4M1, "nearest"))})
+    for (name, got), want in zip(layer.named_buffers(), plain.buffers()):
+        assert_same_bits(got, want, name)  # _u and _v: no power iteration ran
+    x = torch.randn(2, 4)
+    got = layer(x)  # the first pass's one power iteration, as in the plain layer
+    want = x @ lpsim.quantize(plain.weight, E4M1, "nearest").t() + plain.bias
+    assert_same_bits(got, want)
+    for (name, got), want in zip(layer.named_buffers(), plain.buffers()):
+        assert_same_bits(got, want, name)
+
+
+@pytest.mark.parametrize(
+    "hook, replacement",
+    [
+        (nn.utils.weight_norm, "torch.nn.utils.parametrizations.weight_norm"),
+        (nn.utils.spectral_norm, "torch.nn.utils.parametrizations.spectral_norm"),
+    ],
+)
+def test_a_weight_computed_by_a_forward_pre_hook_is_refused_with_the_parametrisation_to_use(
+    hook, replacement
+):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch deprecates the hook versions
+        layer = hook(nn.Linear(4, 3))
+    before = structure(layer)
+    with pytest.raises(NotImplementedError, match=rf"Linear\.weight .*{re.escape(replacement)}"):
+        inject(layer, {nn.Linear: LayerQuantization(weight=E5M2)})
+    assert structure(layer) == before
+    inject(layer, {nn.Linear: LayerQuantization(bias=(E4M1, "nearest"))})  # its bias is a Parameter
+    assert quantized_parameters(layer) == [layer.parametrizations.bias.original]
 
 
 def test_the_default_entry_leaves_a_users_parametrisation_alone():
@@ -571,10 +607,10 @@ def test_an_injected_recurrent_layer_copies_and_moves_without_quantising():
 
 def test_the_magnitude_and_direction_of_a_weight_normed_recurrent_weight_are_not_its_weights():
     layer = torch.nn.utils.weight_norm(nn.GRU(3, 4), name="weight_ih_l0")  # weight_ih_l0_g, _v
-    inject(layer, {nn.GRU: LayerQuantization(weight=E4M1)})
-    assert [id(p) for p in quantized_parameters(layer)] == [
-        id(layer.parametrizations.weight_hh_l0.original)
-    ]
+    with pytest.raises(NotImplementedError, match=r"GRU\.weight_ih_l0 is computed by"):
+        inject(layer, {nn.GRU: LayerQuantization(weight=E4M1)})  # the hook's weight, refused
+    inject(layer, {nn.GRU: LayerQuantization(bias=E4M1)})
+    assert not any(name.startswith("weight") for name in layer.parametrizations)
 
 
 def injected_linear() -> nn.Sequential:
@@ -629,3 +665,42 @@ def test_replacing_a_quantised_parameter_by_its_plain_name_is_refused_with_the_n
         model[0].weight = torch.ones(3, 4)
     for got, want in zip(model.parameters(), before):
         assert_same_bits(got.detach(), want)
+
+
+# An Embedding with max_norm renormalises the rows it reads in place
+
+
+@pytest.mark.parametrize(
+    "layer, args",
+    [
+        (nn.Embedding(6, 4, max_norm=1.0), (torch.tensor([[0, 1], [1, 4]]),)),
+        (
+            nn.EmbeddingBag(6, 4, max_norm=1.5, norm_type=1.0, mode="mean"),
+            (torch.tensor([0, 1, 1, 4, 5]), torch.tensor([0, 2])),
+        ),
+    ],
+)
+def test_an_embedding_with_max_norm_renormalises_its_parameter_and_looks_up_quantised_rows(
+    layer, args
+):
+    with torch.no_grad():
+        layer.weight.mul_(3)
+    plain = copy.deepcopy(layer)
+    inject(layer, {type(layer): LayerQuantization(weight=(E4M1, "nearest"))})
+    parameter = layer.parametrizations.weight.original
+    for _ in range(2):
+        got = layer(*args)
+        with torch.no_grad():  # the plain layer's renormalisation of its Parameter
+            torch.nn.functional.embedding(
+                args[0], plain.weight, max_norm=plain.max_norm, norm_type=plain.norm_type
+            )
+        assert_same_bits(parameter, plain.weight)
+        rows = lpsim.quantize(plain.weight, E4M1, "nearest")
+        if isinstance(layer, nn.EmbeddingBag):
+            want = torch.nn.functional.embedding_bag(args[0], rows, args[1], mode="mean")
+        else:
+            want = torch.nn.functional.embedding(args[0], rows)
+            assert_same_bits(got, lpsim.quantize(got, E4M1, "nearest"))  # rows on the grid
+        assert_same_bits(got, want)
+    remove(layer)
+    assert "forward" not in vars(layer) and layer.max_norm == plain.max_norm

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from lpsim import _observation
 from lpsim._checks import check_container
@@ -99,7 +101,10 @@ class LayerQuantization:
             at the first read (a forward that reads a weight several times gets one
             quantisation), and at each read outside it. One that already has torch
             parametrisations (weight_norm, orthogonal, ...) is quantised after them, and remove()
-            leaves them.
+            leaves them; inject refuses (NotImplementedError) one computed by a forward pre-hook
+            of the older torch.nn.utils.weight_norm or spectral_norm. An Embedding or
+            EmbeddingBag with max_norm renormalises its Parameter's rows in place, as torch's
+            does, and looks them up quantised.
         bias: the module's own parameters whose names end in "bias" (in a recurrent layer, start
             with "bias_": bias_ih_l0, ...), likewise.
         input: the floating-point tensors passed to forward (positional and keyword), forward only.
@@ -682,6 +687,39 @@ def _simulated_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:  #
     )
 
 
+def _renorms_its_weight(module: nn.Module) -> bool:
+    """Whether ``module`` is an Embedding or EmbeddingBag with ``max_norm`` whose weight Parameter
+    inject's fake-quantiser alone parametrises (see _renorming_embedding_forward)."""
+    return (
+        isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+        and module.max_norm is not None
+        and parametrize.is_parametrized(module, "weight")
+        and len(module.parametrizations.weight) == 1
+        and isinstance(module.parametrizations.weight[0], _FakeQuantize)
+    )
+
+
+def _renorming_embedding_forward(self: nn.Module, input: torch.Tensor, *args, **kwargs):  # noqa: A002
+    """The forward of an injected Embedding or EmbeddingBag with ``max_norm`` and a quantised
+    weight. torch's forward renormalises, in place, the rows of the weight it reads that the input
+    indexes: the Parameter, in the plain layer. Here it reads the quantised weight, a new tensor,
+    so the Parameter would never be renormalised and the rows looked up would be renormalised
+    quantised values, off the format's grid. This renormalises the Parameter's rows as torch does
+    (torch.embedding_renorm_, without gradients), then runs the class's forward without
+    ``max_norm``, so that the rows looked up are the quantised renormalised rows."""
+    max_norm = self.max_norm
+    if max_norm is None:
+        return type(self).forward(self, input, *args, **kwargs)
+    with torch.no_grad():
+        original = self.parametrizations.weight.original
+        torch.embedding_renorm_(original, input.reshape(-1), max_norm, self.norm_type)
+    self.max_norm = None
+    try:
+        return type(self).forward(self, input, *args, **kwargs)
+    finally:
+        self.max_norm = max_norm
+
+
 def _unquantised_weight(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
     """The module's weight before inject's fake-quantiser, the last of its parametrisations: its
     original, or the value of the parametrisations it had before inject (weight_norm, ...);
@@ -966,12 +1004,45 @@ def _is_delayed(spec: QuantSpec | None) -> bool:
 def _value_to_quantise(module: nn.Module, pname: str) -> torch.Tensor:
     """What inject's fake-quantiser of ``module``'s parameter ``pname`` will quantise: the
     Parameter, or for one already parametrised (weight_norm, ...) the value of its
-    parametrisations, computed without gradients (a user's parametrisation quantises nothing)."""
+    parametrisations, computed without gradients and in an unobserved_pass, so that a
+    parametrisation with state (spectral_norm's power iteration, which updates its buffers _u and
+    _v at every read in training mode) is left as it was."""
     parameter = module._parameters.get(pname)
     if parameter is not None:
         return parameter
-    with torch.no_grad():
+    with unobserved_pass(module), torch.no_grad():
         return getattr(module, pname)
+
+
+# torch's forward pre-hooks that compute a module's tensor (their ``name``) from parameters under
+# other names, and the parametrisation that replaces each.
+_COMPUTING_HOOKS = {
+    WeightNorm: ("torch.nn.utils.weight_norm", "torch.nn.utils.parametrizations.weight_norm"),
+    SpectralNorm: (
+        "torch.nn.utils.spectral_norm",
+        "torch.nn.utils.parametrizations.spectral_norm",
+    ),
+}
+
+
+def _check_no_hook_computes(module: nn.Module, kind: str) -> None:
+    """Refuse a ``kind`` ("weight" or "bias") tensor of ``module`` that a forward pre-hook of
+    torch.nn.utils.weight_norm or spectral_norm computes: it is no parameter (the parameters are
+    weight_g and weight_v, or weight_orig), so a weight setting would quantise nothing.
+
+    Raises:
+        NotImplementedError: naming the tensor and the parametrisation to use instead, whose
+            result inject quantises.
+    """
+    for hook in module._forward_pre_hooks.values():
+        found = _COMPUTING_HOOKS.get(type(hook))
+        if found is not None and _is_named(module, hook.name, kind):
+            applied, replacement = found
+            raise NotImplementedError(
+                f"inject(): {type(module).__name__}.{hook.name} is computed by the forward "
+                f"pre-hook of {applied}, which inject cannot quantise; apply {replacement} "
+                "instead: inject quantises its result"
+            )
 
 
 def _check_module(module: nn.Module, settings: LayerQuantization) -> None:
@@ -983,6 +1054,8 @@ def _check_module(module: nn.Module, settings: LayerQuantization) -> None:
     Raises:
         TypeError, ValueError, IndexError: as lpsim.quantize for a parameter; Operands on a module
             that is not a Linear; a module with an attribute named lpsim_scalers.
+        NotImplementedError: a weight or bias to quantise is computed by a forward pre-hook (see
+            _check_no_hook_computes).
     """
     if settings.operands() is not None and not isinstance(module, nn.Linear):
         raise ValueError(
@@ -994,6 +1067,7 @@ def _check_module(module: nn.Module, settings: LayerQuantization) -> None:
         spec = settings.spec(kind)
         if spec is None:
             continue
+        _check_no_hook_computes(module, kind)
         for pname in _parameter_names(module, kind):
             value = _value_to_quantise(module, pname)
             try:
@@ -1060,6 +1134,9 @@ def _inject_module(
             # _check_module has checked what quantising the parameter checks.
             parametrize.register_parametrization(module, pname, quantise, unsafe=True)
             done[kind].append((pname, spec))
+    if _renorms_its_weight(module):
+        done["renorm"] = True
+        module.forward = _bound(_renorming_embedding_forward, module)
     scalers = _Scalers()
 
     def role(field: str) -> _RoleQuantiser | None:
@@ -1286,7 +1363,7 @@ def remove(model: nn.Module) -> nn.Module:
             continue
         for handle in done["hooks"]:
             handle.remove()
-        if "macs" in done:
+        if "macs" in done or "renorm" in done:
             del module.forward  # the class's forward again
         if done["weight"] or done["bias"]:
             _own_parametrized_class(module)  # the class may be shared with a deep copy
