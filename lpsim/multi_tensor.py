@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lpsim._checks import MAX_SEED, check_container, draw_seed, random_args
+from lpsim._checks import MAX_SEED, check_container, check_strided, draw_seed, random_args
 from lpsim._ops import call
 from lpsim.formats import GRID_FORMATS, BlockFloat, Format
 from lpsim.functional import quantize_
@@ -36,11 +36,7 @@ def _checked_tensors(tensors) -> list[torch.Tensor]:
     tensors = list(tensors)
     for i, t in enumerate(tensors):
         check_container(t, f"tensors[{i}]")
-        if t.layout != torch.strided:
-            raise TypeError(
-                f"tensors[{i}] is a {str(t.layout).replace('torch.', '')} tensor; quantize_many_ "
-                "rounds strided tensors (round a sparse tensor's values())"
-            )
+        check_strided(t, f"tensors[{i}]", "quantize_many_")
         if t.device != tensors[0].device:
             raise ValueError(
                 f"tensors[{i}] is on {t.device} and tensors[0] on {tensors[0].device}: "
