@@ -88,6 +88,16 @@ def check_tensor(x, name: str = "x") -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
 
 
+def check_strided(x: torch.Tensor, name: str, function: str) -> None:
+    """Raises TypeError unless x is a strided (dense) tensor: the compiled ops read storage, which
+    sparse layouts do not have (the message names x as ``name`` and the caller as ``function``)."""
+    if x.layout != torch.strided:
+        raise TypeError(
+            f"{name} is a {str(x.layout).replace('torch.', '')} tensor; {function} takes strided "
+            "tensors (a sparse tensor's values() is one)"
+        )
+
+
 def check_container(x, name: str = "x", allowed: Sequence[torch.dtype] = CONTAINER_DTYPES) -> None:
     """Raises TypeError unless x is a tensor of one of the ``allowed`` floating dtypes."""
     check_tensor(x, name)

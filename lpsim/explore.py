@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lpsim.formats import P3109, PRESETS, BlockFloat, Fixed, Float
+from lpsim.formats import MAX_VALUES_BITS, P3109, PRESETS, BlockFloat, Fixed, Float
 from lpsim.scaled import SCALED_PRESETS, PowerOfTwo, Scaled
 
 __all__ = ["FormatInfo", "finfo", "parse_format", "main"]
@@ -208,10 +208,19 @@ def relative_spacing(
     fmt: Float | Fixed | P3109 | BlockFloat | Scaled,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(v, (next value - v) / v) for every positive value v of fmt but the largest (for a Scaled
-    format, its element's values: the relative spacing is the same in every block)."""
-    values = (fmt.element if isinstance(fmt, Scaled) else fmt).values()
+    format, its element's values: the relative spacing is the same in every block).
+
+    Raises:
+        ValueError: the values listed have more than MAX_VALUES_BITS (16) bits.
+    """
+    values = _listed(fmt).values()
     positive = values[values > 0]
     return positive[:-1], (positive[1:] - positive[:-1]) / positive[:-1]
+
+
+def _listed(fmt: Float | Fixed | P3109 | BlockFloat | Scaled) -> Float | Fixed | P3109 | BlockFloat:
+    """The format whose values relative_spacing lists: a Scaled format's element, else fmt."""
+    return fmt.element if isinstance(fmt, Scaled) else fmt
 
 
 def plot(names: list[str], formats: list, path: str) -> None:
@@ -248,9 +257,20 @@ def main(argv: list[str] | None = None) -> None:
         formats = [parse_format(text) for text in args.formats]
     except ValueError as error:
         parser.error(str(error))
+    wide = [
+        n for n, f in zip(args.formats, formats, strict=True) if _listed(f).bits > MAX_VALUES_BITS
+    ]
+    if args.plot and wide:
+        parser.error(
+            f"--plot lists every value of a format, so it draws formats of at most "
+            f"{MAX_VALUES_BITS} bits (per element for scaled formats); too wide: {', '.join(wide)}"
+        )
     print(table(args.formats, [finfo(f) for f in formats]))
     if args.plot:
-        plot(args.formats, formats, args.plot)
+        try:
+            plot(args.formats, formats, args.plot)
+        except OSError as error:
+            parser.error(f"cannot write the plot to {args.plot!r}: {error.strerror}")
         print(f"wrote {args.plot}")
 
 

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lpsim._checks import check_tensor
+from lpsim._checks import check_strided, check_tensor
 from lpsim._ops import call
 from lpsim.delayed_scaling import DelayedScaling
 from lpsim.formats import GRID_FORMATS, P3109, BlockFloat, Fixed, Float, Format
@@ -155,6 +155,8 @@ def statistics_bounds(fmt: Format | Scaled) -> tuple[float, float, float]:
 def _check_pair(x: torch.Tensor, rounded: torch.Tensor) -> None:
     if not isinstance(x, torch.Tensor) or not isinstance(rounded, torch.Tensor):
         raise TypeError("x and rounded must be tensors")
+    check_strided(x, "x", "rounding_statistics")
+    check_strided(rounded, "rounded", "rounding_statistics")
     if x.shape != rounded.shape:
         raise ValueError(
             f"rounded must have x's shape {tuple(x.shape)}, got {tuple(rounded.shape)}"
@@ -180,7 +182,7 @@ def rounding_statistics(
         fmt: the format x was rounded into (it sets the overflow and subnormal bounds).
 
     Raises:
-        TypeError: x or rounded is not a floating tensor, or fmt is not a format.
+        TypeError: x or rounded is not a floating strided tensor, or fmt is not a format.
         ValueError: their shapes or devices differ.
     """
     _check_pair(x, rounded)
@@ -212,8 +214,12 @@ def quantize_with_statistics(
     and draw for draw what quantize() returns with the same arguments (see lpsim.quantize for
     them and the errors raised), and the statistics of the rounding. Not differentiable: the
     result does not require grad.
+
+    Raises:
+        TypeError: x is a sparse tensor (round its values()), or as quantize raises.
     """
     check_tensor(x)
+    check_strided(x, "x", "quantize_with_statistics")
     x = x.detach()
     bounds = statistics_bounds(fmt)
     if isinstance(fmt, GRID_FORMATS):

@@ -16,6 +16,7 @@ import torch
 import lpsim
 from lpsim import P3109, BlockFloat, Fixed, Float
 from lpsim.explore import finfo, main, parse_format, table
+from lpsim.scaled import SCALED_PRESETS
 from lpsim.scaled import preset as scaled_preset
 
 TORCH_TWINS = {
@@ -200,6 +201,32 @@ def test_command_prints_the_facts_side_by_side_and_plots(tmp_path, capsys):
     assert lines[1].split() == ["bits", "8", "8", "4"]
     assert lines[2].split()[:3] == ["max", "448", "7.9375"]
     assert path.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("name", ["float32", "tf32", "Fixed(20, 4)"])
+def test_command_refuses_to_plot_formats_too_wide_to_list_before_printing(name, tmp_path, capsys):
+    path = tmp_path / "spacing.png"
+    with pytest.raises(SystemExit):
+        main(["e4m3fn", name, "--plot", str(path)])
+    captured = capsys.readouterr()
+    assert "at most 16 bits" in captured.err and name in captured.err
+    assert captured.out == ""
+    assert not path.exists()
+
+
+def test_command_plots_every_preset_of_at_most_16_bits(tmp_path, capsys):
+    names = [n for n, f in lpsim.PRESETS.items() if f.bits <= 16] + list(SCALED_PRESETS)
+    for start in range(0, len(names), 8):  # a legend of at most 8 lines fits the figure
+        path = tmp_path / f"spacing{start}.png"
+        main([*names[start : start + 8], "--plot", str(path)])
+        assert capsys.readouterr().out.splitlines()[-1] == f"wrote {path}"
+        assert path.stat().st_size > 10_000
+
+
+def test_command_reports_a_plot_path_it_cannot_write(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["e4m3fn", "--plot", str(tmp_path / "missing" / "spacing.png")])
+    assert "cannot write the plot to" in capsys.readouterr().err
 
 
 def test_command_refuses_unknown_names():

@@ -288,6 +288,19 @@ def test_quantize_with_statistics_is_not_differentiable():
 # ---- Bad input
 
 
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+def test_sparse_tensors_are_refused_naming_the_argument(layout):
+    dense = torch.randn(2, 3)
+    sparse = dense.to_sparse() if layout == "sparse_coo" else dense.to_sparse_csr()
+    for fmt in (Float(5, 2), BlockFloat(5)):
+        with pytest.raises(TypeError, match=rf"x is a {layout} tensor; rounding_statistics"):
+            rounding_statistics(sparse, dense, fmt)
+        with pytest.raises(TypeError, match=rf"rounded is a {layout} tensor; rounding_statistics"):
+            rounding_statistics(dense, sparse, fmt)
+        with pytest.raises(TypeError, match=rf"x is a {layout} tensor; quantize_with_statistics"):
+            quantize_with_statistics(sparse, fmt)
+
+
 def test_bad_arguments_raise_errors_naming_them():
     x = torch.randn(4)
     with pytest.raises(ValueError, match="rounded must have x's shape"):
