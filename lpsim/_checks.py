@@ -107,16 +107,6 @@ def check_container(x, name: str = "x", allowed: Sequence[torch.dtype] = CONTAIN
         raise TypeError(f"{name} must be a {names} tensor, got {x.dtype}")
 
 
-def check_strided(x: torch.Tensor, name: str, op: str) -> None:
-    """Raises TypeError unless x is a strided (dense) tensor: the ops read its memory directly.
-    ``op`` names the function in the message."""
-    if x.layout != torch.strided:
-        raise TypeError(
-            f"{name} is a {str(x.layout).replace('torch.', '')} tensor; {op} takes strided "
-            "tensors (pass a sparse tensor's values())"
-        )
-
-
 def check_int(name: str, value, low: int, high: int) -> int:
     """value, checked to be an int (not a bool) in [low, high].
 
