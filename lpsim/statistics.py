@@ -68,7 +68,8 @@ _CONTAINERS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 @dataclass(frozen=True)
 class RoundingStatistics:
     """What one or more roundings did (see the module docstring for each field's definition).
-    Statistics of several roundings add up with ``+``."""
+    Statistics of several roundings add up with ``+``, and with ``sum()`` (whose start, 0, counts
+    as no rounding)."""
 
     elements: int = 0
     nonfinite: int = 0
@@ -85,6 +86,11 @@ class RoundingStatistics:
         return RoundingStatistics(
             *(a + b for a, b in zip(self.as_tuple(), other.as_tuple(), strict=True))
         )
+
+    def __radd__(self, other: int) -> RoundingStatistics:
+        if isinstance(other, int) and not isinstance(other, bool) and other == 0:
+            return self  # sum()'s start
+        return NotImplemented
 
     def as_tuple(self) -> tuple:
         return (

@@ -145,6 +145,14 @@ def test_statistics_add_up_and_derive_sqnr():
     assert RoundingStatistics(1, 0, 0, 0, 0, 1, 0.0, 4.0).sqnr_db == math.inf
 
 
+def test_statistics_add_up_with_sum_from_its_start_of_zero():
+    a = RoundingStatistics(4, 0, 1, 0, 0, 1, 1.0, 100.0)
+    b = RoundingStatistics(2, 1, 0, 1, 1, 0, 0.0, 0.0)
+    assert sum([a, b]) == a + b
+    with pytest.raises(TypeError):
+        1 + a
+
+
 # ---- The kernel against the definition
 
 
