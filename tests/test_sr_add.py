@@ -489,6 +489,14 @@ def test_stochastic_adder_add_is_mode_2_and_add_biased_is_unbiased():
     assert adder.calls == 5
 
 
+def test_a_stochastic_adder_call_that_raises_leaves_the_next_calls_words_as_they_were():
+    a, b = torch.ones(64, dtype=torch.bfloat16), torch.full((64,), 2.0**-10)
+    untouched, failed = (StochasticAdder(torch.bfloat16, seed=4) for _ in range(2))
+    with pytest.raises(ValueError, match="b"):  # raised by sr_add: beyond float64's range
+        failed.add_biased(a, 10**400)
+    assert_same_bits(failed.add_biased(a, b), untouched.add_biased(a, b))
+
+
 def test_stochastic_adder_of_float64_adds_narrower_operands_exactly():
     adder = StochasticAdder(torch.float64, seed=0)
     a = torch.tensor([1.0, -3.0, 2.0**-20], dtype=torch.bfloat16)

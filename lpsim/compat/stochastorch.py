@@ -85,11 +85,16 @@ class StochasticAdder:
             # and the format, then convert (exactly: the result lies in the format).
             dtypes = (a.dtype, getattr(b, "dtype", None), self.dtype)
             a = a.to(torch.float64 if torch.float64 in dtypes else torch.float32)
-        offset = self.calls
-        self.calls += 1
         out = sr_add(
-            a, b, self.format, rounding, seed=self.seed, offset=offset, randomness=self.randomness
+            a,
+            b,
+            self.format,
+            rounding,
+            seed=self.seed,
+            offset=self.calls,
+            randomness=self.randomness,
         )
+        self.calls += 1  # a call that raised drew no words: the next one takes its offset
         return out.to(self.dtype)
 
     def add(self, a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
