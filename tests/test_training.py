@@ -13,7 +13,16 @@ from torch import nn
 import lpsim
 from lpsim import BlockFloat, Fixed, Float
 from lpsim.delayed_scaling import DelayedScaling
-from lpsim.nn import LayerQuantization, Quantizer, inject, injected, quantizer, remove, report
+from lpsim.nn import (
+    LayerQuantization,
+    Quantizer,
+    QuantSpec,
+    inject,
+    injected,
+    quantizer,
+    remove,
+    report,
+)
 from lpsim.optim import OptimLP
 
 E5M2 = Float(5, 2)
@@ -214,6 +223,18 @@ def test_malformed_specs_raise_naming_the_argument():
         quantizer(backward=(E5M2,))
     with pytest.raises(ValueError, match="rounding must be one of"):
         quantizer(forward=(E5M2, "roundish"))
+
+
+def test_a_quantspec_made_with_a_rules_name_quantises_as_with_the_rule():
+    x = torch.randn(4, 4)
+    by_name = LayerQuantization(weight=QuantSpec(E5M2, "up"), input=QuantSpec(E5M2, "down"))
+    by_rule = LayerQuantization(weight=(E5M2, "up"), input=(E5M2, "down"))
+    models = []
+    for settings in (by_name, by_rule):
+        torch.manual_seed(0)
+        model = inject(nn.Linear(4, 4), {nn.Linear: settings})
+        models.append(model)
+    assert_same_bits(models[0](x), models[1](x))
 
 
 # OptimLP

@@ -111,8 +111,12 @@ def as_spec(
     """
     if value is None:
         return None
-    if isinstance(value, QuantSpec):
-        return value
+    if isinstance(value, QuantSpec):  # a QuantSpec made with a rule's name holds a str
+        return (
+            value
+            if isinstance(value.rounding, Rounding)
+            else value._replace(rounding=Rounding.parse(value.rounding))
+        )
     if isinstance(value, _SPEC_FORMATS):
         return QuantSpec(value, Rounding.parse(rounding))
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], _SPEC_FORMATS):
