@@ -122,6 +122,18 @@ def test_stochastic_equal_with_rbits_moves_only_what_truncation_leaves_inexact()
     assert abs((moved == 1.25).double().mean().item() - 0.5) <= 4 * math.sqrt(0.25 / N)
 
 
+def test_stochastic_equal_with_rbits_32_is_the_default_and_moves_every_inexact_value():
+    fmt = Float(5, 2)
+    tiny = 1.0 + 2**-40  # below 2^-32 of a spacing: zero after truncation to 31 or 32 bits
+    default = _draws(tiny, fmt, "stochastic_equal", seed=5)
+    assert_same_bits(_draws(tiny, fmt, "stochastic_equal", seed=5, rbits=32), default)
+    assert (default == 1.25).any()
+    assert torch.equal(
+        _draws(tiny, fmt, "stochastic_equal", seed=5, rbits=31),
+        torch.full((N,), 1.0, dtype=torch.float64),
+    )
+
+
 @pytest.mark.parametrize(
     "fmt", [Float(5, 2), Float(4, 3, special="fnuz"), Fixed(6, 3), BlockFloat(5)], ids=repr
 )
