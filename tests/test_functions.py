@@ -441,6 +441,17 @@ def test_compiled_model_gives_the_eager_bits():
         assert_same_bits(compiled(x), eager)
 
 
+def test_a_masked_softmax_input_format_compiled_gives_the_eager_bits():
+    torch.manual_seed(14)
+    model, x = Attention(width=16, heads=1), torch.randn(1, 4, 16)
+    config = {"attention.softmax": nearest(input=Float(4, 3, special="fn"))}
+    with quantize_functions(model, config):
+        eager = model(x)
+    compiled = torch.compile(model, backend="aot_eager")
+    with quantize_functions(model, config):
+        assert_same_bits(compiled(x), eager)
+
+
 def test_hooks_are_removed_on_exit_and_the_context_is_not_reentrant():
     model = Products()
     functions = quantize_functions(model, {"matmul": nearest(output=E4M3)})

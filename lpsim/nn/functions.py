@@ -532,9 +532,7 @@ class FunctionQuantization(TorchFunctionMode):
             return x
         if decision.how.specs.get("input") is None:
             return x
-        masked = x == float("-inf")
-        if not masked.any():
-            return self._quantise(decision, "input", x)
+        masked = x == float("-inf")  # no data-dependent branch, which torch.compile would break at
         kept = self._quantise(decision, "input", x.masked_fill(masked, 0.0))
         return kept.masked_fill(masked, float("-inf"))
 
