@@ -6,6 +6,8 @@
 // respect to each of the op's first `inputs` arguments (x; sr_add's a and b) is the incoming
 // gradient, in that argument's dtype; the other arguments have none. With grad mode on and one of
 // those inputs requiring grad, the result's grad_fn is a StraightThrough node with an edge to each.
+// In forward mode (dual tensors, torch.func.jvp, jacfwd, hessian) the result's tangent is the sum
+// of those inputs' tangents.
 //
 // to_container is straight-through too. The ops without a derivative (kUndifferentiableOps:
 // mac_matmul, sum_rounded, dot_rounded, sr_addc and the statistics ops) give every floating-point
@@ -32,7 +34,8 @@
 //                    quantize's). If another input requires grad (sr_add_'s b), whose gradient the
 //                    in-place ops do not compute, the written tensor's history becomes a
 //                    NotImplemented node, so that backward raises instead of dropping that
-//                    gradient.
+//                    gradient. In forward mode a written tensor keeps its tangent; a tangent on
+//                    any other argument, or on an out= op's, is refused (check_forward_ad).
 //   ADInplaceOrView  After the kernel ran, bumps the version counter of every written tensor, in
 //                    no_grad too (as torch does), so that a backward that saved it raises "one of
 //                    the variables needed for gradient computation has been modified by an inplace
@@ -41,6 +44,7 @@
 // tests/test_torch_integration.py checks that every lpsim op with a Tensor(a!) argument has both
 // kernels: a new mutable op must be added to kWritingOps.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/add.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>
 #include <torch/library.h>
 
@@ -138,9 +142,23 @@ void straight_through_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet 
     requires_grad = requires_grad || differentiable.back().requires_grad();
   }
   requires_grad = requires_grad && ag::GradMode::is_enabled();
+  // Forward mode (torch.autograd.forward_ad, torch.func.jvp, jacfwd, hessian): the result's
+  // tangent is the sum of the inputs' tangents, the derivative of the straight-through op.
+  // Level 0 is the current level (torch.func maps its own levels onto it, as for torch's ops).
+  at::Tensor tangent;
+  for (const at::Tensor& t : differentiable) {
+    const at::Tensor& t_tangent = t._fw_grad(/*level=*/0);
+    if (t_tangent.defined()) tangent = tangent.defined() ? at::add(tangent, t_tangent) : t_tangent;
+  }
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+  }
+  if (tangent.defined()) {
+    const at::Tensor& result = stack->back().toTensor();
+    // A broadcast operand's tangent (sr_add's b) is broadcast as the operand was.
+    result._set_fw_grad(tangent.to(result.scalar_type()).expand(result.sizes()), /*level=*/0,
+                        /*is_inplace_op=*/false);
   }
   if (requires_grad) {
     std::vector<at::ScalarType> dtypes;
@@ -173,15 +191,32 @@ struct Undifferentiable : public torch::autograd::Node {
   std::string reason_;
 };
 
+// What a backward or forward pass that reaches the result of an op with no derivative is told.
+std::string reason_of(const c10::OperatorHandle& op) {
+  for (const UndifferentiableOp& entry : kUndifferentiableOps) {
+    if (op.schema().name() == std::string("lpsim::") + entry.name) return entry.reason;
+  }
+  return "it has no derivative";
+}
+
 // Without a kernel here, torch would give the inputs of these ops no gradient (None, or zeros when
 // summed with another path) and only warn: with grad mode on and a tensor argument that requires
 // grad, every floating-point result gets an Undifferentiable node with an edge to each such
-// argument, so that a backward pass that reaches the result raises instead.
+// argument, so that a backward pass that reaches the result raises instead. In forward mode the
+// result would get no tangent, a silent zero derivative: an input with a tangent is refused with
+// torch's NotImplementedError for ops without a forward derivative.
 void undifferentiable_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                              torch::jit::Stack* stack) {
   namespace ag = torch::autograd;
   const size_t arguments = op.schema().arguments().size();
   const size_t first = stack->size() - arguments;
+  for (size_t i = first; i < stack->size(); ++i) {
+    for (const at::Tensor& tensor : tensors_of((*stack)[i])) {
+      TORCH_CHECK_NOT_IMPLEMENTED(!tensor._fw_grad(/*level=*/0).defined(),
+                                  "Trying to use forward AD with ", op.schema().name(),
+                                  " that does not support it: ", reason_of(op));
+    }
+  }
   std::vector<at::Tensor> inputs;
   if (ag::GradMode::is_enabled()) {
     for (size_t i = first; i < stack->size(); ++i) {
@@ -203,11 +238,7 @@ void undifferentiable_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet 
     }
   }
   if (differentiable.empty()) return;
-  std::string reason;
-  for (const UndifferentiableOp& entry : kUndifferentiableOps) {
-    if (op.schema().name() == std::string("lpsim::") + entry.name) reason = entry.reason;
-  }
-  NodePointer node = make_node<Undifferentiable>(op.schema().name(), reason);
+  NodePointer node = make_node<Undifferentiable>(op.schema().name(), reason_of(op));
   node->set_next_edges(ag::collect_next_edges(inputs));
   for (at::Tensor& tensor : differentiable) ag::set_history(tensor, node);
 }
@@ -217,11 +248,36 @@ bool is_written(const c10::Argument& argument) {
   return alias != nullptr && alias->isWrite();
 }
 
+// Forward mode through a writing op: a written tensor keeps its tangent (the identity, as in
+// reverse mode), which is the derivative for the in-place roundings; the tangent of any other
+// input would be dropped, so it is refused, as is any tangent given to an out= op (torch's rule:
+// out= functions do not support forward AD).
+void check_forward_ad(const c10::OperatorHandle& op, const torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  const size_t first = stack->size() - arguments.size();
+  bool out_op = false;
+  for (const c10::Argument& argument : arguments) {
+    out_op = out_op || (is_written(argument) && argument.kwarg_only());
+  }
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const bool writes = is_written(arguments[i]);
+    for (const at::Tensor& tensor : tensors_of((*stack)[first + i])) {
+      if (!tensor._fw_grad(/*level=*/0).defined()) continue;
+      TORCH_CHECK_NOT_IMPLEMENTED(!out_op, "Trying to use forward AD with ", op.schema().name(),
+                                  " that does not support it because it is an out= function");
+      TORCH_CHECK_NOT_IMPLEMENTED(writes, "Trying to use forward AD with ", op.schema().name(),
+                                  " that does not support it: the tangent of its argument ",
+                                  arguments[i].name(), " would be dropped");
+    }
+  }
+}
+
 void autograd_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                      torch::jit::Stack* stack) {
   namespace ag = torch::autograd;
   NodePointer not_implemented;
   std::vector<at::Tensor> written;
+  check_forward_ad(op, stack);
   if (ag::GradMode::is_enabled()) {
     const auto& arguments = op.schema().arguments();
     const size_t first = stack->size() - arguments.size();

@@ -29,6 +29,14 @@ def draw_seed() -> torch.Tensor:
     return torch.randint(2**63 - 1, ())
 
 
+def draws_seed_in_python() -> bool:
+    """Whether a stochastic rule without a seed draws it here (draw_seed) rather than in the op:
+    while torch.compile traces, so that the graph holds the draw as a random op of its own, and
+    under torch.func's transforms, so that the draw is subject to vmap's ``randomness``: "error"
+    (vmap's default) raises, "same" gives every sample the same seed, "different" a seed each."""
+    return torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None
+
+
 def seed_argument(seed: int | None, rounding: Rounding) -> int | torch.Tensor | None:
     """The seed as the compiled ops take it (through lpsim._ops.call): the 64 seed bits as a
     signed int64 value, or None.
@@ -36,15 +44,15 @@ def seed_argument(seed: int | None, rounding: Rounding) -> int | torch.Tensor | 
     None stands for "no random words" for rules that draw none (which then consume nothing from
     torch's generator, and ignore a seed given, once checked), and for "draw one" for a stochastic
     rule without a seed: the op draws it from torch's default CPU generator, as draw_seed() would,
-    without a tensor per call. While torch.compile traces, the draw is draw_seed() here instead, so
-    that the graph holds it as a random op of its own.
+    without a tensor per call. While torch.compile traces and under torch.func's transforms, the
+    draw is draw_seed() here instead (draws_seed_in_python).
 
     Raises:
         TypeError: seed is not an int or None.
         ValueError: seed is outside [0, 2**64).
     """
     if seed is None:
-        return draw_seed() if rounding.is_stochastic and torch.compiler.is_compiling() else None
+        return draw_seed() if rounding.is_stochastic and draws_seed_in_python() else None
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
     if not 0 <= seed < MAX_SEED:

@@ -1,15 +1,15 @@
 """The format explorer: ``finfo(fmt)``, torch.finfo's facts for every format family, and a command
 that prints them side by side and plots relative spacing over the range.
 
-    python -m lpsim.explore NAME_OR_FORMAT... [--plot PATH]
+    python -m lpsim.formats NAME_OR_FORMAT... [--plot PATH]
 
 A NAME is a preset of ``lpsim.PRESETS`` (e4m3fn, bfloat16, binary8p3se, ...) or of
 ``lpsim.scaled.SCALED_PRESETS`` (mxfp8_e4m3, nvfp4, ...); a FORMAT is a constructor call of the
 format classes, such as ``"Float(4, 3, special='fn')"`` or ``"Fixed(8, 4)"`` (evaluated with those
 classes and nothing else in scope).
 
-``python -m lpsim.explore`` rather than ``python -m lpsim.formats``: lpsim imports lpsim.formats
-on start, and running an imported module as a script makes Python warn that it runs twice.
+``python -m lpsim.explore`` runs the same command. lpsim.formats is a package so that running it
+(its __main__ module) does not execute the already imported lpsim.formats a second time.
 """
 
 from __future__ import annotations

@@ -18,9 +18,8 @@ into the kernel that produces x; eager calls run the C++ kernel.
 from __future__ import annotations
 
 import torch
-import torch.autograd.forward_ad as forward_ad
 
-from lpsim._checks import check_container, check_tensor, random_args
+from lpsim._checks import check_container, check_tensor, draws_seed_in_python, random_args
 from lpsim._ops import call
 from lpsim.formats import GRID_FORMATS, BlockFloat, Format, check_fits
 from lpsim.fusable import compiled_quantize, compiled_quantize_
@@ -55,8 +54,8 @@ def quantize_op_arguments(x, fmt, rounding, rbits, seed, offset):
             default = _DEFAULT_RANDOM.get(rounding) if type(rounding) in (str, Rounding) else None
             if default is not None and offset == 0:
                 random, stochastic = default
-                # While torch.compile traces, seed_argument draws the seed as a graph op.
-                if not (stochastic and torch.compiler.is_compiling()):
+                # While torch.compile traces, and under torch.func, seed_argument draws the seed.
+                if not (stochastic and draws_seed_in_python()):
                     return "quantize_grid", grid + random
     check_tensor(x)
     if isinstance(fmt, GRID_FORMATS):
@@ -118,9 +117,10 @@ def quantize(
     Returns:
         A new contiguous tensor (or ``out``). The gradient with respect to x is the identity
         (straight-through), in reverse mode and in forward mode (a dual tensor's tangent, under
-        torch.autograd.forward_ad, torch.func.jvp or jacfwd, passes unchanged); with ``out`` the
-        call is not differentiable: as torch's out= functions, it refuses x or out that requires
-        grad while grad mode is on. Writing into ``out`` bumps its version counter, as torch's
+        torch.autograd.forward_ad, torch.func.jvp, jacfwd or hessian, passes unchanged), to
+        any order; with ``out`` the call is not differentiable: as torch's out= functions, it
+        refuses x or out that requires grad while grad mode is on, and a dual x or out
+        (NotImplementedError). Writing into ``out`` bumps its version counter, as torch's
         in-place ops do.
 
     Raises:
@@ -131,12 +131,6 @@ def quantize(
         RuntimeError: ``out`` is given and x or out requires grad, outside torch.no_grad(); or
             ``out`` shares part, not all, of x's memory.
     """
-    # Inside a dual level (forward-mode AD): the ops' C++ autograd kernels give no tangent.
-    if forward_ad._current_level >= 0 and out is None:
-        primal, tangent = forward_ad.unpack_dual(x)
-        if tangent is not None:  # straight-through: the tangent passes unchanged
-            rounded = quantize(primal, fmt, rounding, rbits=rbits, seed=seed, offset=offset)
-            return forward_ad.make_dual(rounded, tangent)
     if torch.compiler.is_compiling():  # the fusable form, where there is one (lpsim.fusable)
         fused = compiled_quantize(x, fmt, rounding, rbits=rbits, seed=seed, offset=offset, out=out)
         if fused is not None:

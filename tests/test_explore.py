@@ -234,11 +234,13 @@ def test_command_refuses_unknown_names():
         main(["e9m9"])
 
 
-def test_module_runs_once_without_warnings():
+@pytest.mark.parametrize("module", ["lpsim.formats", "lpsim.explore"])
+def test_module_runs_once_without_warnings(module):
     result = subprocess.run(
-        [sys.executable, "-W", "error", "-m", "lpsim.explore", "bfloat16"],
+        [sys.executable, "-W", "error", "-m", module, "bfloat16", "e4m3fn"],
         capture_output=True,
         text=True,
         check=True,
     )
-    assert result.stdout.splitlines()[1].split() == ["bits", "16"]
+    assert result.stderr == ""
+    assert result.stdout.splitlines()[1].split() == ["bits", "16", "8"]

@@ -1,5 +1,5 @@
 """One stochastic-rounding decision across lpsim (csrc/include/lpsim/stochastic.h), and one
-declaration of the grid's fields (csrc/include/lpsim/grid_spec.h and lpsim/formats.py's GridSpec).
+declaration of the grid's fields (csrc/include/lpsim/grid_spec.h and lpsim.formats' GridSpec).
 
 Element i of a dyadic op and element i of lpsim.quantize draw the same Philox word under the same
 (seed, offset), and both cores decide "up" as floor(frac * 2**rbits) + U >= 2**rbits with U the top

@@ -354,3 +354,106 @@ def test_jvp_and_jacfwd_of_quantize_are_straight_through(fmt):
     assert_same_bits(derivative, tangent * 3.0)
     jacobian = torch.func.jacfwd(f)(x)
     assert_same_bits(jacobian, torch.eye(12).reshape(3, 4, 3, 4) * 3.0)
+
+
+@pytest.mark.parametrize("fmt", _FORWARD_FORMATS.values(), ids=_FORWARD_FORMATS.keys())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_hessian_through_quantize_is_the_straight_through_one(fmt, dtype):
+    # f(x) = sum(3 q(x)^2): with dq/dx = 1 the gradient is 6 q(x) and the Hessian 6 I. The second
+    # differentiation is forward mode over the first's backward (torch.func.hessian is
+    # jacfwd(jacrev)), so it needs quantize's tangent: without it the Hessian is silently zero.
+    x = torch.randn(2, 5, dtype=dtype, generator=torch.Generator().manual_seed(0))
+
+    def f(x):
+        return (3.0 * lpsim.quantize(x, fmt, "nearest") ** 2).sum()
+
+    assert_same_bits(torch.func.hessian(f)(x), 6.0 * torch.eye(10, dtype=dtype).reshape(2, 5, 2, 5))
+
+
+def test_tangent_of_sr_add_is_the_sum_of_the_operands_tangents():
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 4, generator=generator), torch.randn(4, generator=generator)
+    ta, tb = torch.randn(3, 4, generator=generator), torch.randn(4, generator=generator)
+
+    def f(a, b):
+        return lpsim.sr_add(a, b, Float(5, 2), seed=3)
+
+    value, tangent = torch.func.jvp(f, (a, b), (ta, tb))
+    assert_same_bits(value, f(a, b))
+    assert_same_bits(tangent, ta + tb)
+    # Only the broadcast operand b has a tangent: the result's is b's, broadcast to a's shape.
+    _, tangent = torch.func.jvp(lambda b: f(a, b), (b,), (tb,))
+    assert_same_bits(tangent, tb.expand(3, 4))
+
+
+def test_forward_mode_through_an_in_place_rounding_keeps_the_tangent():
+    x = torch.randn(6, generator=torch.Generator().manual_seed(0))
+    tangent = torch.randn(6, generator=torch.Generator().manual_seed(1))
+    value, derivative = torch.func.jvp(
+        lambda x: lpsim.quantize_(x * 2.0, Float(4, 3)), (x,), (tangent,)
+    )
+    assert_same_bits(value, lpsim.quantize(x * 2.0, Float(4, 3)))
+    assert_same_bits(derivative, tangent * 2.0)
+
+
+_NO_FORWARD_DERIVATIVE = {
+    "accumulate.sum": lambda x: lpsim.accumulate.sum(x, acc=Float(5, 2)),
+    "mac.matmul": lambda x: lpsim.mac.matmul(x, x.T.contiguous(), lpsim.MAC(Float(5, 2))),
+    "sr_addcmul": lambda x: lpsim.sr_addcmul(x, x, x, fmt=Float(5, 2), seed=1),
+    "quantize out=": lambda x: lpsim.quantize(x, Float(4, 3), out=torch.empty_like(x)),
+    "sr_add_ b": lambda x: lpsim.sr_add_(torch.zeros(3, 4), x, Float(5, 2), seed=1),
+}
+
+
+@pytest.mark.parametrize("f", _NO_FORWARD_DERIVATIVE.values(), ids=_NO_FORWARD_DERIVATIVE.keys())
+def test_forward_mode_through_an_op_without_that_derivative_raises(f):
+    # Torch's rule for its own ops: NotImplementedError, not a result without a tangent (a
+    # silently zero derivative).
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(NotImplementedError, match="forward AD"):
+        torch.func.jvp(f, (x,), (torch.ones(3, 4),))
+
+
+@pytest.mark.parametrize("clamp_grad_zero", [False, True])
+def test_jvp_through_a_quantizer_is_its_straight_through_derivative(clamp_grad_zero):
+    loss = _quantizer_loss(clamp_grad_zero)
+    x = torch.tensor([0.3, -1.7, 2.2, 9.0, -3.1, 0.06])  # 9.0 clips in Fixed(6, 3)
+    tangent = torch.tensor([1.0, 2.0, -1.0, 4.0, 0.5, -3.0])
+    value, derivative = torch.func.jvp(loss, (x,), (tangent,))
+    assert_same_bits(value, loss(x))
+    # loss(x) = sum(q(x) * weights): its tangent is sum(t * weights), t zero where x clipped if
+    # clamp_grad_zero; unlike the gradient, the tangent is not rounded by the backward format.
+    passed = tangent.masked_fill(x.abs() > 4, 0.0) if clamp_grad_zero else tangent
+    assert_same_bits(derivative, (passed * (torch.arange(6.0) * 1.1 + 0.1)).sum())
+
+
+def test_stochastic_rounding_under_vmap_follows_its_randomness_flag():
+    # A seed that lpsim draws (seed=None) is drawn as torch's random ops are under vmap: an error
+    # in vmap's default mode, one seed for every sample with "same", a seed each with
+    # "different", both from torch's generator as torch.randint draws them there.
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(0))
+
+    def f(row):
+        return lpsim.quantize(row, Float(3, 2), "stochastic")
+
+    with pytest.raises(RuntimeError, match="randomness"):
+        torch.vmap(f)(x)
+    torch.manual_seed(5)
+    seed = int(torch.randint(2**63 - 1, ()))
+    torch.manual_seed(5)
+    same = torch.vmap(f, randomness="same")(x)
+    assert_same_bits(
+        same, torch.stack([lpsim.quantize(r, Float(3, 2), "stochastic", seed=seed) for r in x])
+    )
+    torch.manual_seed(5)
+    seeds = torch.randint(2**63 - 1, (4,)).tolist()
+    torch.manual_seed(5)
+    different = torch.vmap(f, randomness="different")(x)
+    want = torch.stack(
+        [
+            lpsim.quantize(r, Float(3, 2), "stochastic", seed=s)
+            for r, s in zip(x, seeds, strict=True)
+        ]
+    )
+    assert_same_bits(different, want)
+    assert len(set(seeds)) == 4

@@ -323,6 +323,7 @@ class _Quantize(torch.autograd.Function):
         if clipped is not None:
             ctx.mark_non_differentiable(clipped)
             ctx.save_for_backward(clipped)
+            ctx.save_for_forward(clipped)
 
     @staticmethod
     def backward(ctx, grad, _):
@@ -340,6 +341,17 @@ class _Quantize(torch.autograd.Function):
             (mask,) = ctx.saved_tensors
             grad = grad.masked_fill(mask, 0.0)
         return grad, None, None, None, None, None
+
+    @staticmethod
+    def jvp(ctx, tangent, *_):
+        """Forward mode (torch.func.jvp, jacfwd, forward_ad): the tangent passes, zero where the
+        forward clipped, as the gradient does in reverse mode. The backward spec and hooks act on
+        the errors of a backward pass, which forward mode has none of: tangents are not rounded.
+        """
+        if ctx.masked:
+            (mask,) = ctx.saved_tensors
+            tangent = tangent.masked_fill(mask, 0.0)
+        return tangent, None
 
 
 def quantizer(
