@@ -5,6 +5,7 @@ test reproduces a way in which these once broke or silently differed from their 
 
 import collections
 import copy
+import dataclasses
 import io
 import re
 import warnings
@@ -443,6 +444,45 @@ def test_dict_subclasses_in_inputs_and_outputs_keep_their_type_and_are_quantised
     q = lambda t: lpsim.quantize(t, E4M1, "nearest")  # noqa: E731
     assert_same_bits(got.logits, q(q(x) * 1.1))
     assert torch.equal(got.mask, q(x) > 0)
+
+
+# Dataclass instances in inputs and outputs are followed like the other containers
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prediction:
+    logits: torch.Tensor
+    mask: torch.Tensor
+    count: int = 3
+    scores: tuple = ()
+
+
+class _ReturnsDataclass(nn.Module):
+    def forward(self, batch):
+        return _Prediction(batch.logits * 1.1, batch.logits > 0, scores=(batch.logits * 2.0,))
+
+
+def test_dataclass_inputs_and_outputs_keep_their_type_and_are_quantised_both_ways():
+    # The tensors a dataclass holds are the layer's inputs and outputs as a tuple's are: rounded
+    # forward, their errors rounded backward. They were passed unrounded, silently.
+    module = inject(
+        _ReturnsDataclass(),
+        {
+            _ReturnsDataclass: LayerQuantization(
+                input=E4M1, output=E4M1, error=E4M1, rounding="nearest"
+            )
+        },
+    )
+    x = torch.randn(6, requires_grad=True)
+    got = module(_Prediction(x, x > 0))
+    assert type(got) is _Prediction and got.count == 3
+    q = lambda t: lpsim.quantize(t, E4M1, "nearest")  # noqa: E731
+    assert_same_bits(got.logits, q(q(x.detach()) * 1.1))
+    assert_same_bits(got.scores[0], q(q(x.detach()) * 2.0))
+    assert torch.equal(got.mask, q(x.detach()) > 0)
+    upstream = torch.linspace(-1.3, 2.9, 6)
+    got.logits.backward(upstream)
+    assert_same_bits(x.grad, q(upstream) * 1.1)  # the error rounded, the input straight-through
 
 
 # A module shared between two parents has two names

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lpsim.nn._hooks import same_mapping
+from lpsim.nn._hooks import floating_tensors, map_tensors
 from lpsim.nn.inject import injected, own_parametrized_classes, remove, unobserved_pass
 from lpsim.nn.quantizer import Quantizer
 
@@ -195,44 +195,9 @@ def _aligned(cells: tuple[str, ...], widths: list[int]) -> str:
     return "  ".join(left + right).rstrip()
 
 
-def _floating_tensors(value) -> list[torch.Tensor]:
-    """The floating-point tensors inside value (a tensor, or tuples, lists and dicts of them), in
-    a fixed order."""
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _floating_tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _floating_tensors(item)]
-    return []
-
-
-def _map_tensors(value, fn: Callable[[torch.Tensor], torch.Tensor]):
-    """value with fn applied to every tensor inside it (tuples, lists and dicts followed), each
-    container rebuilt with its own type: a named tuple, a torch.return_types structure, an
-    OrderedDict, a dict subclass with attribute access (HuggingFace's ModelOutput) stay what they
-    are, so that the code that reads them still finds their fields. A container none of whose
-    tensors fn changed is returned itself."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        items = [_map_tensors(v, fn) for v in value]
-        if all(new is old for new, old in zip(items, value)):
-            return value
-        if isinstance(value, tuple) and hasattr(value, "_fields"):  # named tuple
-            return type(value)(*items)
-        return type(value)(items)
-    if isinstance(value, dict):
-        items = {k: _map_tensors(v, fn) for k, v in value.items()}
-        if all(items[k] is v for k, v in value.items()):
-            return value
-        return same_mapping(value, items)
-    return value
-
-
 def _clone_tensors_needing_grad(value):
     """value with every tensor that requires a gradient cloned (the same values)."""
-    return _map_tensors(value, lambda t: t.clone() if t.requires_grad else t)
+    return map_tensors(value, lambda t: t.clone() if t.requires_grad else t)
 
 
 class _Recorder:
@@ -276,7 +241,7 @@ class _Recorder:
             if not self.track_errors:
                 return None
             ports = _clone_tensors_needing_grad(output)
-            self.raw_outputs[key] = _floating_tensors(ports)
+            self.raw_outputs[key] = floating_tensors(ports)
             return _clone_tensors_needing_grad(ports)
 
         return hook
@@ -284,7 +249,7 @@ class _Recorder:
     def _after_other_hooks(self, name: str):
         def hook(module, args, output):
             key = (name, self._calls[name])
-            self.activations[key] = [t.detach().clone() for t in _floating_tensors(output)]
+            self.activations[key] = [t.detach().clone() for t in floating_tensors(output)]
 
         return hook
 
@@ -467,11 +432,11 @@ def _as_arguments(inputs) -> tuple:
 def _cast_floating(value, dtype: torch.dtype):
     """value with every floating-point tensor inside it converted to dtype, its containers of
     their own types."""
-    return _map_tensors(value, lambda t: t.to(dtype) if t.is_floating_point() else t)
+    return map_tensors(value, lambda t: t.to(dtype))
 
 
 def _cuda_devices(model: nn.Module, inputs: tuple) -> list[int]:
-    tensors = [*model.parameters(), *model.buffers(), *_floating_tensors(inputs)]
+    tensors = [*model.parameters(), *model.buffers(), *floating_tensors(inputs)]
     return sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
 
 

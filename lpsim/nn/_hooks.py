@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 
 import torch
@@ -34,37 +35,62 @@ def named_function(name: str) -> Iterator[None]:
 
 
 def map_tensors(value, fn: Callable[[torch.Tensor], torch.Tensor]):
-    """value with fn applied to every floating-point tensor inside tuples, lists and dicts, each
-    container of the type it had (see same_mapping)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value) if value.is_floating_point() else value
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # named tuple
-        return type(value)(*(map_tensors(v, fn) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(map_tensors(v, fn) for v in value)
-    if isinstance(value, dict):
-        return same_mapping(value, {k: map_tensors(v, fn) for k, v in value.items()})
-    return value
+    """value with fn applied to every floating-point tensor inside it (see map_placed_tensors)."""
+    return map_placed_tensors(value, lambda x, place: fn(x))
 
 
 def map_placed_tensors(value, fn: Callable[[torch.Tensor, str], torch.Tensor], place=None):
-    """map_tensors, with ``fn(x, place)`` told where x lies in ``value``: "0" for value itself,
-    "i" for item i of a tuple or list, the key for an entry of a dict ("." in it made "_"), the
-    levels below the first joined by "-" ("0-1": item 1 of item 0)."""
+    """value with ``fn(x, place)`` applied to every floating-point tensor x inside tuples, lists,
+    dicts and dataclass instances, each container rebuilt as the type it had (a named tuple, an
+    OrderedDict, a dict subclass with attribute access such as HuggingFace's ModelOutput: see
+    same_mapping; a dataclass: see same_fields), so that the code reading it still finds its
+    fields. A container none of whose tensors fn changed is returned itself.
+
+    ``place`` tells fn where x lies in ``value``: "0" for value itself, "i" for item i of a tuple
+    or list, the key for an entry of a dict and the field's name for a dataclass's ("." in it made
+    "_"), the levels below the first joined by "-" ("0-1": item 1 of item 0)."""
     if isinstance(value, torch.Tensor):
         return fn(value, place or "0") if value.is_floating_point() else value
     here = (lambda key: str(key)) if place is None else (lambda key: f"{place}-{key}")
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # named tuple
-        return type(value)(*(map_placed_tensors(v, fn, here(i)) for i, v in enumerate(value)))
     if isinstance(value, (tuple, list)):
-        return type(value)(map_placed_tensors(v, fn, here(i)) for i, v in enumerate(value))
+        items = [map_placed_tensors(v, fn, here(i)) for i, v in enumerate(value)]
+        if all(new is old for new, old in zip(items, value)):
+            return value
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # named tuple
+            return type(value)(*items)
+        return type(value)(items)
     if isinstance(value, dict):
         items = {
             k: map_placed_tensors(v, fn, here(str(k).replace(".", "_") or "_"))
             for k, v in value.items()
         }
+        if all(items[k] is v for k, v in value.items()):
+            return value
         return same_mapping(value, items)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        old = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        items = {k: map_placed_tensors(v, fn, here(k)) for k, v in old.items()}
+        if all(items[k] is v for k, v in old.items()):
+            return value
+        return same_fields(value, items)
     return value
+
+
+def floating_tensors(value) -> list[torch.Tensor]:
+    """The floating-point tensors inside value, in map_placed_tensors' order."""
+    found: list[torch.Tensor] = []
+    map_tensors(value, lambda x: found.append(x) or x)
+    return found
+
+
+def same_fields(value, items: dict):
+    """A copy of the dataclass instance ``value`` with the fields in ``items`` set (also for a
+    frozen dataclass; __init__ and __post_init__ are not run again), so that it keeps its class,
+    its other fields and attributes."""
+    rebuilt = copy.copy(value)
+    for k, v in items.items():
+        object.__setattr__(rebuilt, k, v)
+    return rebuilt
 
 
 def same_mapping(value: dict, items: dict) -> dict:
