@@ -118,6 +118,22 @@ def test_an_amax_too_small_for_a_finite_scale_gives_float32_max_and_keeps_zeros_
         assert not y.isnan().any() and y[0] > 0 and y[3] < 0
 
 
+def test_finite_values_whose_scaled_product_overflows_float32_saturate_as_transformer_engine():
+    # After an amax of 1e-36 the scale is float32's largest finite number, and x * scale overflows
+    # float32 for |x| >= 1. Transformer Engine's cast to FP8 saturates (satfinite) what the
+    # product overflows to; an E5M2 element with Inf codes once kept it as Inf, so a finite input
+    # decoded to Inf.
+    for element in (E4M3, E5M2):
+        state = DelayedScaling(element, history_length=2).scaler()
+        state(torch.tensor([1e-36]))
+        scale, scale_inverse = state.scale.numpy(), state.scale_inverse.numpy()
+        x = torch.tensor([1.0, -2.0, 3e38, -3e38, 1e-36, 0.0])
+        with np.errstate(over="ignore"):
+            expected = _expected(x, element, scale, scale_inverse)
+        assert np.isfinite(expected).all()
+        assert _same_bits(state(x), expected), element
+
+
 def test_first_call_uses_scale_one_and_each_call_the_scale_of_the_calls_before():
     state = DelayedScaling(E4M3, history_length=8).scaler()
     assert state(torch.tensor([1000.0])).item() == 448.0  # scale 1: saturates
