@@ -17,8 +17,9 @@ operation at a time:
    element * scale_inverse, in x's dtype (rounded to nearest where x is bfloat16 or float16).
    A finite x thus never gives Inf; an infinite x gives what the element format makes of Inf
    (see Float's ``saturate``). The gradient passes straight through.
-2. When recording (the default in training mode): amax = max |x| is pushed onto the history (the
-   oldest entry drops out), and the scale is recomputed from the history:
+2. When recording (the default in training mode): amax = max |x| over x's elements that are not
+   NaN (0 if there are none), as Transformer Engine's fmaxf from 0 takes it, is pushed onto the
+   history (the oldest entry drops out), and the scale is recomputed from the history:
    a = the largest entry ("max", NaN entries ignored) or the newest ("most_recent");
    if a is finite and positive, scale = (elem_max * 2^-margin) / a, at most float32's largest
    finite number (an amax so small that the quotient overflows), and scale_inverse = 1 / scale,
@@ -194,7 +195,9 @@ class DelayedScaler(nn.Module):
             elements = quantize(scaled, self._element, rounding, rbits=rbits, seed=seed)
             value = (elements * self.scale_inverse.to(work)).to(x.dtype)
             if self.training if record is None else record:
-                self._record(wide.abs().amax() if wide.numel() else wide.new_zeros(()))
+                # fmaxf from 0, as Transformer Engine takes a tensor's amax: NaN is skipped.
+                magnitudes = wide.abs().masked_fill(wide.isnan(), 0.0)
+                self._record(magnitudes.amax() if wide.numel() else wide.new_zeros(()))
         return _StraightThrough.apply(x, value)
 
     def _record(self, amax: torch.Tensor) -> None:

@@ -95,7 +95,7 @@ def test_infinite_and_nan_amaxes_keep_the_scale_as_transformer_engine_does():
             state(x)
             model.record(float(x.abs().max()))
             assert float(state.scale) == float(model.scale), (reduction, x)
-        # max ignores NaN and keeps the Inf for the history's length; most_recent sees the NaN
+        # max keeps the Inf for the history's length; most_recent sees the NaN-only tensor's amax, 0
         assert float(state.scale) == 224.0
 
 
@@ -132,6 +132,24 @@ def test_finite_values_whose_scaled_product_overflows_float32_saturate_as_transf
             expected = _expected(x, element, scale, scale_inverse)
         assert np.isfinite(expected).all()
         assert _same_bits(state(x), expected), element
+
+
+def test_nan_elements_are_left_out_of_the_amax_as_transformer_engine_amax_does():
+    # Transformer Engine takes a tensor's amax with fmaxf from 0, which skips NaN: [2, NaN, -3]
+    # has amax 3 and a NaN-only tensor amax 0. The whole amax was once NaN, so most_recent kept
+    # the old scale and max counted the tensor as 0.
+    for reduction in ("max", "most_recent"):
+        state = DelayedScaling(E4M3, history_length=3, reduction=reduction).scaler()
+        model = _TransformerEngineModel(448.0, 3, reduction, 0)
+        for x in (torch.tensor([2.0, math.nan, -3.0]), torch.tensor([math.nan]), torch.ones(2)):
+            state(x)
+            amax = np.float32(0.0)
+            for v in x.abs().numpy():
+                amax = np.fmax(amax, v)
+            model.record(float(amax))
+            assert _same_bits(state.amax_history, model.history), (reduction, x)
+            assert float(state.scale) == float(model.scale), (reduction, x)
+    assert state.amax_history.tolist()[:2] == [1.0, 0.0]
 
 
 def test_first_call_uses_scale_one_and_each_call_the_scale_of_the_calls_before():
