@@ -17,7 +17,11 @@ forward and rounded after every step), activations (every layer's outputs), erro
 gradients flowing back into those outputs), gradients, and the optimizer's state, with an optional
 high-precision weight accumulator. The optimizer rounds exactly the parameters the model
 fake-quantises (lpsim.nn.quantized_parameters), so `lpsim.nn.report(model, optimizer)` shows both
-agree.
+agree. The scaled recipes (MXFP8, MXFP4, NVFP4: placement "operands", round_weights False)
+quantise less: only the operands of the inner weight layers' products (their weights and inputs
+in forward, the errors into their outputs in backward); biases, normalisation layers, other
+layers' outputs, gradients and the optimizer's state stay in full precision, and the optimizer
+rounds no weight.
 
 Reproductions of other code bases place the quantisers themselves and round every parameter, as
 QPyTorch's examples do:
