@@ -11,11 +11,15 @@ buffers are in its owner's ``state_dict``.
 One call ``scaler(x, rounding)`` does, in float32 arithmetic (float64 for a float64 x), one IEEE
 operation at a time:
 
-1. y = x * scale; element = y rounded onto the saturating element format by ``rounding``;
-   the result is element * scale_inverse, in x's dtype (rounded to nearest where x is bfloat16 or
-   float16). The gradient passes straight through.
-2. When recording (the default in training mode): amax = max |x| is pushed onto the history (the
-   oldest entry drops out), and the scale is recomputed from the history:
+1. y = x * scale, at most the arithmetic's largest finite number in magnitude for a finite x
+   (a product that overflows saturates, as Transformer Engine's satfinite cast saturates it);
+   element = y rounded onto the saturating element format by ``rounding``; the result is
+   element * scale_inverse, in x's dtype (rounded to nearest where x is bfloat16 or float16).
+   A finite x thus never gives Inf; an infinite x gives what the element format makes of Inf
+   (see Float's ``saturate``). The gradient passes straight through.
+2. When recording (the default in training mode): amax = max |x| over x's elements that are not
+   NaN (0 if there are none), as Transformer Engine's fmaxf from 0 takes it, is pushed onto the
+   history (the oldest entry drops out), and the scale is recomputed from the history:
    a = the largest entry ("max", NaN entries ignored) or the newest ("most_recent");
    if a is finite and positive, scale = (elem_max * 2^-margin) / a, at most float32's largest
    finite number (an amax so small that the quotient overflows), and scale_inverse = 1 / scale,
@@ -182,11 +186,18 @@ class DelayedScaler(nn.Module):
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         with torch.no_grad():
             wide = x.detach().to(work)
-            scale = self.scale.to(work)
-            elements = quantize(wide * scale, self._element, rounding, rbits=rbits, seed=seed)
+            # A finite x whose product overflows the arithmetic saturates as its exact product
+            # would (Transformer Engine's satfinite cast); an infinite x is left to the element
+            # format.
+            largest = torch.finfo(work).max
+            scaled = (wide * self.scale.to(work)).clamp(-largest, largest)
+            scaled = torch.where(wide.isinf(), wide, scaled)
+            elements = quantize(scaled, self._element, rounding, rbits=rbits, seed=seed)
             value = (elements * self.scale_inverse.to(work)).to(x.dtype)
             if self.training if record is None else record:
-                self._record(wide.abs().amax() if wide.numel() else wide.new_zeros(()))
+                # fmaxf from 0, as Transformer Engine takes a tensor's amax: NaN is skipped.
+                magnitudes = wide.abs().masked_fill(wide.isnan(), 0.0)
+                self._record(magnitudes.amax() if wide.numel() else wide.new_zeros(()))
         return _StraightThrough.apply(x, value)
 
     def _record(self, amax: torch.Tensor) -> None:

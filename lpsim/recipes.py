@@ -17,7 +17,11 @@ forward and rounded after every step), activations (every layer's outputs), erro
 gradients flowing back into those outputs), gradients, and the optimizer's state, with an optional
 high-precision weight accumulator. The optimizer rounds exactly the parameters the model
 fake-quantises (lpsim.nn.quantized_parameters), so `lpsim.nn.report(model, optimizer)` shows both
-agree.
+agree. The scaled recipes (MXFP8, MXFP4, NVFP4: placement "operands", round_weights False)
+quantise less: only the operands of the inner weight layers' products (their weights and inputs
+in forward, the errors into their outputs in backward); biases, normalisation layers, other
+layers' outputs, gradients and the optimizer's state stay in full precision, and the optimizer
+rounds no weight.
 
 Reproductions of other code bases place the quantisers themselves and round every parameter, as
 QPyTorch's examples do:
@@ -63,7 +67,9 @@ WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.MultiheadAttenti
 def attention_out_projections(model: nn.Module) -> dict[str, str]:
     """The out projections of the model's MultiheadAttention modules, by name, each with its
     attention's name: Linear modules whose forward the attention never calls (it reads their
-    parameters), so their inputs, outputs and errors are the attention's."""
+    parameters), so their input, output and error quantisers never run: the out projection's
+    output and error are the attention's, and its input, the attention's context, is never
+    quantised."""
     return {
         f"{name}.out_proj" if name else "out_proj": name
         for name, m in model.named_modules()
@@ -102,8 +108,14 @@ class Recipe:
             None: torch's own): every Linear, Conv1d, Conv2d and MultiheadAttention it reaches
             (all of them unless ``keep_edges``) sums its products as the MAC prescribes
             (lpsim.nn.functional). A MultiheadAttention's in projection (its own parameters, no
-            Linear) is rounded like the weight layers' weights and biases, and its out projection
-            by the attention's quantisers, which hold its input, output and error.
+            Linear) is rounded like the weight layers' weights and biases, and so is its out
+            projection's weight (and bias), whose output and error are the attention's. What
+            lies inside the attention is not quantised under either placement: the in
+            projection's outputs (q, k, v) and their errors, the operands of its two products, and
+            the out projection's input (the context). So under "operands" the in projection
+            multiplies a quantised input and weight, the out projection a full-precision context
+            and a quantised weight, and their backward products take the quantised error of the
+            attention's output but full-precision errors of q, k and v.
     """
 
     name: str

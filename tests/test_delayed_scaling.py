@@ -95,7 +95,7 @@ def test_infinite_and_nan_amaxes_keep_the_scale_as_transformer_engine_does():
             state(x)
             model.record(float(x.abs().max()))
             assert float(state.scale) == float(model.scale), (reduction, x)
-        # max ignores NaN and keeps the Inf for the history's length; most_recent sees the NaN
+        # max keeps the Inf for the history's length; most_recent sees the NaN-only tensor's amax, 0
         assert float(state.scale) == 224.0
 
 
@@ -116,6 +116,40 @@ def test_an_amax_too_small_for_a_finite_scale_gives_float32_max_and_keeps_zeros_
         bits = torch.int64 if dtype == torch.float64 else torch.int32
         assert torch.equal(y.view(bits), expected.view(bits))
         assert not y.isnan().any() and y[0] > 0 and y[3] < 0
+
+
+def test_finite_values_whose_scaled_product_overflows_float32_saturate_as_transformer_engine():
+    # After an amax of 1e-36 the scale is float32's largest finite number, and x * scale overflows
+    # float32 for |x| >= 1. Transformer Engine's cast to FP8 saturates (satfinite) what the
+    # product overflows to; an E5M2 element with Inf codes once kept it as Inf, so a finite input
+    # decoded to Inf.
+    for element in (E4M3, E5M2):
+        state = DelayedScaling(element, history_length=2).scaler()
+        state(torch.tensor([1e-36]))
+        scale, scale_inverse = state.scale.numpy(), state.scale_inverse.numpy()
+        x = torch.tensor([1.0, -2.0, 3e38, -3e38, 1e-36, 0.0])
+        with np.errstate(over="ignore"):
+            expected = _expected(x, element, scale, scale_inverse)
+        assert np.isfinite(expected).all()
+        assert _same_bits(state(x), expected), element
+
+
+def test_nan_elements_are_left_out_of_the_amax_as_transformer_engine_amax_does():
+    # Transformer Engine takes a tensor's amax with fmaxf from 0, which skips NaN: [2, NaN, -3]
+    # has amax 3 and a NaN-only tensor amax 0. The whole amax was once NaN, so most_recent kept
+    # the old scale and max counted the tensor as 0.
+    for reduction in ("max", "most_recent"):
+        state = DelayedScaling(E4M3, history_length=3, reduction=reduction).scaler()
+        model = _TransformerEngineModel(448.0, 3, reduction, 0)
+        for x in (torch.tensor([2.0, math.nan, -3.0]), torch.tensor([math.nan]), torch.ones(2)):
+            state(x)
+            amax = np.float32(0.0)
+            for v in x.abs().numpy():
+                amax = np.fmax(amax, v)
+            model.record(float(amax))
+            assert _same_bits(state.amax_history, model.history), (reduction, x)
+            assert float(state.scale) == float(model.scale), (reduction, x)
+    assert state.amax_history.tolist()[:2] == [1.0, 0.0]
 
 
 def test_first_call_uses_scale_one_and_each_call_the_scale_of_the_calls_before():

@@ -105,6 +105,46 @@ def test_scaled_recipes_quantise_the_operands_of_the_inner_weight_layers_only(re
     assert any(not torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=False))
 
 
+class _AttentionBetweenLinears(nn.Module):
+    def __init__(self, width: int = 64):
+        super().__init__()
+        self.first = nn.Linear(width, width)
+        self.attention = nn.MultiheadAttention(width, 4)
+        self.last = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.first(x)
+        return self.last(self.attention(h, h, h, need_weights=False)[0])
+
+
+def test_a_multihead_attention_under_a_scaled_recipe_leaves_its_context_in_full_precision():
+    # As Recipe's docstring says: the attention's inputs and its in and out projections' weights
+    # are quantised, the out projection's input (the context) is not. torch's own attention with
+    # those operands quantised gives the recipe's output bit for bit.
+    torch.manual_seed(0)
+    model = _AttentionBetweenLinears()
+    plain = _AttentionBetweenLinears()
+    plain.load_state_dict(model.state_dict())
+    recipe = recipes.MXFP8.along(-1)
+    model, _ = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = _heavy(8, 2, 64)
+    fmt, rule = recipe.activation
+    with torch.no_grad():
+        attention = plain.attention
+        h = lpsim.quantize(plain.first(x), fmt, rule)
+        context_out = nn.functional.multi_head_attention_forward(
+            *(h, h, h, 64, 4),
+            lpsim.quantize(attention.in_proj_weight, fmt, rule),
+            attention.in_proj_bias,
+            *(None, None, False, 0.0),
+            lpsim.quantize(attention.out_proj.weight, fmt, rule),
+            attention.out_proj.bias,
+            training=False,
+            need_weights=False,
+        )[0]
+        assert torch.equal(model(x), plain.last(context_out))
+
+
 @pytest.mark.parametrize("recipe", [recipes.MXFP4])
 def test_stochastically_rounded_recipe_errors_are_unbiased_at_the_block_maximum(recipe):
     # Each row one block of 32 (axis 1) whose largest element, 7.5, lies above 6 times a floor
