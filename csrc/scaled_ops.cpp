@@ -40,8 +40,26 @@ namespace {
 
 // ---- Checks
 
+// The checks of (block, axis) that need only x's number of dimensions (a 0-d tensor counts as
+// 1-D): shared by scaled_layout and the Meta kernels that torch.compile traces with.
+void check_scaled_block(int64_t dims, at::IntArrayRef block, std::optional<int64_t> axis) {
+  for (const int64_t b : block) TORCH_CHECK(b >= 1, "lpsim: block sizes must be >= 1, got ", b);
+  if (!axis.has_value()) {
+    TORCH_CHECK(block.empty() || block.size() == 2,
+                "lpsim: block without an axis must be [] or [rows, cols], got ", block.size(),
+                " sizes");
+    return;
+  }
+  const int64_t nd = std::max<int64_t>(dims, 1);
+  TORCH_CHECK_INDEX(*axis >= -nd && *axis < nd, "lpsim: axis must be in [", -nd, ", ", nd - 1,
+                    "] for a tensor of ", dims, " dimensions, got ", *axis);
+  TORCH_CHECK(block.size() <= 1, "lpsim: block with an axis must be [] or [n], got ", block.size(),
+              " sizes");
+}
+
 ScaledLayout scaled_layout(const at::Tensor& x, at::IntArrayRef block,
                            std::optional<int64_t> axis) {
+  check_scaled_block(x.dim(), block, axis);
   std::vector<int64_t> dims = x.sizes().vec();
   if (dims.empty()) dims.push_back(1);
   const auto product = [&](size_t begin, size_t end) {
@@ -49,21 +67,14 @@ ScaledLayout scaled_layout(const at::Tensor& x, at::IntArrayRef block,
     for (size_t d = begin; d < end; ++d) p *= dims[d];
     return p;
   };
-  for (const int64_t b : block) TORCH_CHECK(b >= 1, "lpsim: block sizes must be >= 1, got ", b);
   const int64_t n = x.numel();
   if (!axis.has_value()) {
     if (block.empty()) return ScaledLayout{1, 1, n, 1, 1, std::max<int64_t>(n, 1)};
-    TORCH_CHECK(block.size() == 2, "lpsim: block without an axis must be [] or [rows, cols], got ",
-                block.size(), " sizes");
     if (dims.size() == 1) dims.insert(dims.begin(), 1);
     const size_t nd = dims.size();
     return ScaledLayout{product(0, nd - 2), dims[nd - 2], dims[nd - 1], 1, block[0], block[1]};
   }
   const int64_t nd = static_cast<int64_t>(dims.size());
-  TORCH_CHECK_INDEX(*axis >= -nd && *axis < nd, "lpsim: axis must be in [", -nd, ", ", nd - 1,
-                    "] for a tensor of ", x.dim(), " dimensions, got ", *axis);
-  TORCH_CHECK(block.size() <= 1, "lpsim: block with an axis must be [] or [n], got ", block.size(),
-              " sizes");
   const size_t d = static_cast<size_t>(*axis < 0 ? *axis + nd : *axis);
   const int64_t length = dims[d];
   const int64_t tile = block.empty() ? std::max<int64_t>(length, 1) : block[0];
@@ -147,6 +158,24 @@ void register_scaled_ops(torch::Library& m) {
   m.impl("quantize_scaled", quantize_scaled_op<kernel>);
   m.impl("quantize_scaled_", quantize_scaled_inplace_op<kernel>);
   m.impl("quantize_scaled_out", quantize_scaled_out_op<kernel>);
+}
+
+// ---- Meta: what torch.compile traces with (shapes only, so no check that reads x's sizes or the
+// seed's value): the result's shape and dtype, and the (block, axis) checks, so that a compiled
+// call raises what the eager one raises.
+
+at::Tensor quantize_scaled_meta(const at::Tensor& x, LPSIM_QUANTIZE_SCALED_ARGS) {
+  check_scaled_block(x.dim(), block, axis);
+  return at::empty_like(x, at::MemoryFormat::Contiguous);
+}
+
+void quantize_scaled_inplace_meta(const at::Tensor& x, LPSIM_QUANTIZE_SCALED_ARGS) {
+  check_scaled_block(x.dim(), block, axis);
+}
+
+void quantize_scaled_out_meta(const at::Tensor& x, LPSIM_QUANTIZE_SCALED_ARGS,
+                              const at::Tensor& out) {
+  check_scaled_block(x.dim(), block, axis);
 }
 
 // ---- CPU
@@ -261,6 +290,12 @@ TORCH_LIBRARY_FRAGMENT(lpsim, m) {
 }
 
 TORCH_LIBRARY_IMPL(lpsim, CPU, m) { register_scaled_ops<scaled_cpu>(m); }
+
+TORCH_LIBRARY_IMPL(lpsim, Meta, m) {
+  m.impl("quantize_scaled", quantize_scaled_meta);
+  m.impl("quantize_scaled_", quantize_scaled_inplace_meta);
+  m.impl("quantize_scaled_out", quantize_scaled_out_meta);
+}
 
 #if defined(LPSIM_WITH_CUDA)
 TORCH_LIBRARY_IMPL(lpsim, CUDA, m) { register_scaled_ops<scaled_cuda>(m); }

@@ -111,50 +111,8 @@ for _name in ("quantize_grid", "quantize_block"):
     torch.library.register_fake(f"lpsim::{_name}_out")(_out_fake)
 
 
-def _check_scaled_layout(name: str, x, args: tuple, kwargs: dict) -> None:
-    """The checks of the quantize_scaled ops' (block, axis) that their compiled kernels make
-    (csrc/scaled_ops.cpp, scaled_layout), with the same exceptions and messages.
-
-    Raises:
-        RuntimeError: a block size below 1, or a block of the wrong length for the axis.
-        IndexError: the axis is outside [-dims, dims - 1] (a 0-d tensor counts as 1-D).
-    """
-    names = [a.name for a in _OPS[name].overload._schema.arguments[1:]]
-    bound = {**dict(zip(names, args)), **kwargs}
-    block, axis = bound["block"], bound["axis"]
-    for size in block:
-        if size < 1:
-            raise RuntimeError(f"lpsim: block sizes must be >= 1, got {size}")
-    if axis is None:
-        if block and len(block) != 2:
-            raise RuntimeError(
-                f"lpsim: block without an axis must be [] or [rows, cols], got {len(block)} sizes"
-            )
-        return
-    dims = max(x.dim(), 1)
-    if not -dims <= axis < dims:
-        raise IndexError(
-            f"lpsim: axis must be in [{-dims}, {dims - 1}] for a tensor of {x.dim()} dimensions, "
-            f"got {axis}"
-        )
-    if len(block) > 1:
-        raise RuntimeError(f"lpsim: block with an axis must be [] or [n], got {len(block)} sizes")
-
-
-@torch.library.register_fake("lpsim::quantize_scaled")
-def _quantize_scaled_fake(x, *args, **kwargs):
-    _check_scaled_layout("quantize_scaled", x, args, kwargs)
-    return _new_tensor_fake(x)
-
-
-@torch.library.register_fake("lpsim::quantize_scaled_")
-def _quantize_scaled_in_place_fake(x, *args, **kwargs):
-    _check_scaled_layout("quantize_scaled_", x, args, kwargs)
-
-
-@torch.library.register_fake("lpsim::quantize_scaled_out")
-def _quantize_scaled_out_fake(x, *args, out, **kwargs):
-    _check_scaled_layout("quantize_scaled_out", x, args, kwargs)
+# quantize_scaled, quantize_scaled_ and quantize_scaled_out have C++ Meta kernels instead
+# (csrc/scaled_ops.cpp), which make the compiled kernels' checks of (block, axis).
 
 
 @torch.library.register_fake("lpsim::to_container")

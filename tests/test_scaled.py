@@ -724,3 +724,12 @@ def test_decoded_values_beyond_the_dtype_are_inf_as_documented():
     assert torch.equal(
         lpsim.quantize(half, mxint8), torch.tensor([-math.inf, 65024.0], dtype=torch.float16)
     )
+
+
+def test_scaled_quantize_compiles_with_dynamic_shapes_to_the_eager_bits():
+    # torch.compile traces quantize_scaled with its Meta kernel, on symbolic shapes here.
+    fmt = preset("mxfp8_e4m3")
+    compiled = torch.compile(lambda x: lpsim.quantize(x, fmt), backend="aot_eager", dynamic=True)
+    for shape in [(3, 64), (5, 96), (2, 7, 32)]:
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape)))
+        assert_same_bits(compiled(x), lpsim.quantize(x, fmt))
