@@ -216,6 +216,21 @@ class _OnGrid:
         return None if stored is None else stored.get(dtype)
 
 
+def _floating_misfit(trailing: int, what: str, emax: int, emin: int, c: Container) -> str | None:
+    """Why a floating-point format with ``trailing`` significand bits after the leading one (named
+    ``what`` in the message) and exponents emin..emax does not fit container c, or None."""
+    if trailing > c.man:
+        return f"it has {trailing} {what}, the container {c.man}"
+    if emax > c.emax:
+        return f"its largest exponent is {emax}, the container's {c.emax}"
+    if emin - trailing < c.qmin:
+        return (
+            f"its finest spacing is 2**{emin - trailing}, the container's smallest subnormal "
+            f"2**{c.qmin}"
+        )
+    return None
+
+
 @dataclass(frozen=True, repr=False)
 class Float(_OnGrid):
     """A binary floating-point format with ``exp`` exponent bits and ``man`` fraction bits.
@@ -379,16 +394,7 @@ class Float(_OnGrid):
     # Fit to a container and the grid the kernels round onto.
 
     def _misfit(self, c: Container) -> str | None:
-        if self.man > c.man:
-            return f"it has {self.man} fraction bits, the container {c.man}"
-        if self.emax > c.emax:
-            return f"its largest exponent is {self.emax}, the container's {c.emax}"
-        if self.emin - self.man < c.qmin:
-            return (
-                f"its finest spacing is 2**{self.emin - self.man}, the container's "
-                f"smallest subnormal 2**{c.qmin}"
-            )
-        return None
+        return _floating_misfit(self.man, "fraction bits", self.emax, self.emin, c)
 
     def _build_grid(self) -> GridSpec:
         return GridSpec(
@@ -706,16 +712,8 @@ class P3109(_OnGrid):
     # Fit to a container and the grid the kernels round onto.
 
     def _misfit(self, c: Container) -> str | None:
-        if self._trailing > c.man:
-            return f"it has {self._trailing} trailing significand bits, the container {c.man}"
-        if self.emax > c.emax:
-            return f"its largest exponent is {self.emax}, the container's {c.emax}"
-        if self.emin - self._trailing < c.qmin:
-            return (
-                f"its finest spacing is 2**{self.emin - self._trailing}, the container's "
-                f"smallest subnormal 2**{c.qmin}"
-            )
-        return None
+        trailing = self._trailing
+        return _floating_misfit(trailing, "trailing significand bits", self.emax, self.emin, c)
 
     def _build_grid(self) -> GridSpec:
         # SatFinite clamps Inf too: the grid has no Inf. Unsigned (neg_limit 0): no -Inf either.
