@@ -760,6 +760,33 @@ def test_qtorch_fixed_nearest_moves_large_values_that_are_on_the_grid():
     assert torch.equal(q.fixed_point_quantize(x, 8, 2, False, rounding="nearest"), x)
 
 
+def _float32_around(centre: float, ulps: int) -> torch.Tensor:
+    """Every float32 within ``ulps`` steps of ``centre`` (a float32), both signs."""
+    bits = torch.tensor([centre], dtype=torch.float32).view(torch.int32)
+    around = (bits + torch.arange(-ulps, ulps + 1, dtype=torch.int32)).view(torch.float32)
+    return torch.cat([around, -around])
+
+
+@pytest.mark.parametrize("wl,fl", [(8, 8), (8, 0), (16, 4), (6, -2)])
+def test_qtorch_fixed_nearest_rounds_the_value_just_above_half_a_spacing_to_zero(wl, fl):
+    # QPyTorch computes nearbyint(x 2^fl + 0.5 - 0.5) in float32. Below 2^23 the sum is exact
+    # except at x 2^fl = 0.5 + 2^-24 (the float32 just above 0.5): 1 + 2^-24 rounds to 1, and
+    # nearbyint(0.5) gives 0 instead of 1. lpsim rounds every value correctly (to nearest, ties to
+    # even: the exact model is torch.round of the float64 product, which holds it exactly).
+    qq = _qq()
+    scale = 2.0**-fl
+    x = torch.cat(
+        [_float32_around(c * scale, 1 << 12) for c in (0.5, 1.5, 2.5, 3.5, 7.5, 15.5, 1023.5)]
+    )
+    exact = (torch.round(x.double() * 2.0**fl) * scale).float()
+    assert_same_bits(q.fixed_point_quantize(x, wl, fl, False, rounding="nearest"), exact)
+    theirs = qq.fixed_point_quantize(x, wl, fl, False, rounding="nearest")
+    differ = theirs != exact
+    just_above_half = scale / 2 * (1 + 2.0**-23)
+    assert x[differ].tolist() == [just_above_half]
+    assert theirs[differ].tolist() == [0.0] and exact[differ].tolist() == [scale]
+
+
 @pytest.mark.parametrize(
     "value,qtorch_p,p", [(2.0**21 + 0.25, 0.125, 0.25), (2.0**22 + 0.5, 0.25, 0.5)]
 )
