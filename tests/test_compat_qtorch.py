@@ -989,3 +989,26 @@ def test_optim_lp_refuses_a_grad_scaling_that_is_not_positive_and_finite():
     for value in (math.inf, math.nan, 0.0, -1.0):
         with pytest.raises(ValueError, match="grad_scaling must be a positive finite number"):
             q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), grad_scaling=value)
+
+
+def test_numbers_compare_by_value_where_qtorchs_compare_by_identity():
+    qtorch = _qtorch()[0]
+    assert qtorch.FloatingPoint(5, 2) != qtorch.FloatingPoint(5, 2)
+    assert q.FloatingPoint(5, 2) == q.FloatingPoint(5, 2)
+    assert hash(q.FixedPoint(8, 4)) == hash(q.FixedPoint(8, 4))
+    assert q.FixedPoint(8, 4) != q.FixedPoint(8, 4, symmetric=True)
+
+
+def test_a_word_length_of_one_is_refused_where_qtorch_accepts_it():
+    qq = _qq()
+    x = torch.tensor([-1.2, -0.3, 0.2, 0.9])
+    assert set(qq.fixed_point_quantize(x, 1, 0, rounding="nearest").tolist()) <= {-1.0, 0.0}
+    qq.block_quantize(x, 1, -1, "nearest")  # accepted
+    for call in (
+        lambda: q.fixed_point_quantize(x, 1, 0, rounding="nearest"),
+        lambda: q.block_quantize(x, 1, -1, "nearest"),
+        lambda: q.FixedPoint(1, 0),
+        lambda: q.BlockFloatingPoint(1),
+    ):
+        with pytest.raises(ValueError, match=r"wl must be in \[2, "):
+            call()
