@@ -1012,3 +1012,57 @@ def test_a_word_length_of_one_is_refused_where_qtorch_accepts_it():
     ):
         with pytest.raises(ValueError, match=r"wl must be in \[2, "):
             call()
+
+
+@pytest.mark.parametrize(
+    "make,momentum",
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3), (8, 6)),
+        (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True), (10, 8)),
+        (lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2), None),
+    ],
+    ids=["sgd", "nesterov", "adam"],
+)
+def test_optim_lp_trains_bit_for_bit_as_qtorchs_with_fixed_point_nearest(make, momentum):
+    # The same model, data and fixed-point quantisers (round to nearest, ties to even in both
+    # libraries): weights, optimizer state and accumulators after five steps are QPyTorch's. The
+    # weights start on the accumulator's grid (QPyTorch copies them unrounded).
+    _, quant, optim, _ = _qtorch()
+    results = []
+    for fixed, optim_lp in (
+        (quant.fixed_point_quantize, optim.OptimLP),
+        (q.fixed_point_quantize, q.OptimLP),
+    ):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.round(p * 2.0**12) / 2.0**12)
+
+        def fixed_quant(wl, fl, fixed=fixed):
+            return lambda t: fixed(t, wl, fl, rounding="nearest")
+
+        optimizer = optim_lp(
+            make(model.parameters()),
+            weight_quant=fixed_quant(8, 5),
+            grad_scaling=4.0,
+            grad_quant=fixed_quant(10, 8),
+            momentum_quant=None if momentum is None else fixed_quant(*momentum),
+            acc_quant=fixed_quant(16, 12),
+        )
+        data = torch.Generator().manual_seed(5)
+        for _ in range(5):
+            x, y = torch.randn(32, 8, generator=data), torch.randint(0, 3, (32,), generator=data)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        params = list(model.parameters())
+        state = [optimizer.optim.state[p] for p in params]
+        results.append((params, state, [optimizer.weight_acc[p] for p in params]))
+    (theirs, their_state, their_acc), (ours, our_state, our_acc) = results
+    for i in range(len(ours)):
+        assert_same_bits(ours[i], theirs[i])
+        assert_same_bits(our_acc[i], their_acc[i])
+        assert set(our_state[i]) == set(their_state[i])
+        for key, value in their_state[i].items():
+            assert_same_bits(our_state[i][key], value)
