@@ -1066,3 +1066,60 @@ def test_optim_lp_trains_bit_for_bit_as_qtorchs_with_fixed_point_nearest(make, m
         assert set(our_state[i]) == set(their_state[i])
         for key, value in their_state[i].items():
             assert_same_bits(our_state[i][key], value)
+
+
+def _float32_samples(n: int, seed: int) -> torch.Tensor:
+    """Random float32 bit patterns (every class: zeros, subnormals, normals, Inf, NaN) and values
+    of moderate magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(2**31), 2**31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+    spread = torch.randn(n, generator=g) * torch.exp2(torch.randint(-30, 30, (n,), generator=g))
+    special = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1.5, -2.5, 3.4e38, 1e-45])
+    return torch.cat([bits.view(torch.float32), spread, special])
+
+
+def _with_zero_signs(r: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.where(r == 0, torch.copysign(torch.zeros_like(r), x), r)
+
+
+def _float_model(x: torch.Tensor, exp: int, man: int) -> torch.Tensor:
+    """FloatingPoint(exp, man) as documented: bias 2^(exp-1) - 1, subnormals, the top exponent
+    code finite and overflow saturating (exp < 8), IEEE float32's range for exp = 8, round to
+    nearest with ties to even, NaN kept, the sign of zero kept."""
+    x64 = x.double()
+    finite = x64.isfinite()
+    emin = 2 - 2 ** (exp - 1)
+    _, e = torch.frexp(torch.where(finite & (x64 != 0), x64, torch.ones_like(x64)))
+    q = torch.exp2((e - 1).clamp(min=emin).double() - man)
+    r = torch.round(torch.where(finite, x64, torch.zeros_like(x64)) / q) * q
+    top = 2 ** (exp - 1) if exp < 8 else 127
+    largest = 2.0**top * (2 - 2.0**-man)
+    beyond = torch.copysign(torch.full_like(r, largest if exp < 8 else math.inf), x64)
+    r = torch.where(r.abs() > largest, beyond, r)
+    r = torch.where(x64.isinf(), beyond, r)
+    r = torch.where(x64.isnan(), x64, r)
+    return _with_zero_signs(r, x64).float()
+
+
+def test_float_quantize_nearest_is_the_documented_rounding_for_every_exp_and_man():
+    x = _float32_samples(6000, 0)
+    for exp in range(1, 9):
+        for man in range(0, 24):
+            got = q.float_quantize(x, exp, man, "nearest")
+            assert_same_bits(got, _float_model(x, exp, man), f"FloatingPoint({exp}, {man})")
+
+
+@pytest.mark.parametrize("clamp", [True, False])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_fixed_point_quantize_nearest_is_the_documented_rounding(clamp, symmetric):
+    # FixedPoint(wl, fl): k 2^-fl for the nearest integer k (ties to even), clamped into
+    # [-2^(wl-1) (+1 if symmetric), 2^(wl-1) - 1] with clamp; NaN kept, the sign of zero kept.
+    x = _float32_samples(6000, 1)
+    for wl, fl in [(2, 1), (4, 3), (8, 4), (8, 0), (8, -3), (6, 9), (16, 8), (24, 10)]:
+        x64 = x.double()
+        k = torch.round(x64 * 2.0**fl)
+        if clamp:
+            k = k.clamp(-(2.0 ** (wl - 1)) + symmetric, 2.0 ** (wl - 1) - 1)
+        want = _with_zero_signs(k * 2.0**-fl, x64).float()
+        got = q.fixed_point_quantize(x, wl, fl, clamp, symmetric, "nearest")
+        assert_same_bits(got, want, f"FixedPoint({wl}, {fl}, {clamp}, {symmetric})")
