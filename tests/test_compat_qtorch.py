@@ -1123,3 +1123,32 @@ def test_fixed_point_quantize_nearest_is_the_documented_rounding(clamp, symmetri
         want = _with_zero_signs(k * 2.0**-fl, x64).float()
         got = q.fixed_point_quantize(x, wl, fl, clamp, symmetric, "nearest")
         assert_same_bits(got, want, f"FixedPoint({wl}, {fl}, {clamp}, {symmetric})")
+
+
+@pytest.mark.parametrize("kind", ["float", "fixed", "block"])
+def test_stochastic_rounding_uses_the_two_neighbours_with_unbiased_probabilities(kind):
+    # Each value is rounded 4000 times: only its two neighbours on the format's grid occur, and
+    # the number of upward roundings is within 5 standard deviations of 4000 p, p the exact
+    # distance to the lower neighbour over the spacing.
+    draws = 4000
+    values = torch.tensor([1.1, -0.3, 0.07, 2.9, -1.45, 1.03])
+    if kind == "float":  # FloatingPoint(5, 2): spacing 2^(e-2) in the binade [2^e, 2^(e+1))
+        spacing = torch.exp2(torch.floor(torch.log2(values.abs())) - 2)
+        rounded = q.float_quantize(values.repeat_interleave(draws), 5, 2, seed=11)
+    elif kind == "fixed":  # FixedPoint(8, 4): spacing 2^-4
+        spacing = torch.full_like(values, 2.0**-4)
+        rounded = q.fixed_point_quantize(values.repeat_interleave(draws), 8, 4, seed=11)
+    else:  # BlockFloatingPoint(4, dim=0), each row [1.5, value/2]: spacing 2^(0 - (4 - 2))
+        values = values / 2  # below 1.5, which sets the block's exponent
+        spacing = torch.full_like(values, 2.0**-2)
+        rows = torch.stack(
+            [torch.full((values.numel() * draws,), 1.5), values.repeat_interleave(draws)], 1
+        )
+        rounded = q.block_quantize(rows, 4, 0, seed=11)[:, 1].contiguous()
+    rounded = rounded.view(values.numel(), draws).double()
+    for value, step, got in zip(values.double(), spacing.double(), rounded):
+        below = torch.floor(value / step) * step
+        assert set(got.unique().tolist()) <= {below.item(), (below + step).item()}, value
+        p = ((value - below) / step).item()
+        up = int((got > below).sum())
+        assert abs(up - draws * p) <= 5 * math.sqrt(draws * p * (1 - p)) + 1, (value, up, p)
