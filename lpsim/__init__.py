@@ -3,8 +3,10 @@
 Tensors stay in an ordinary float container (float32, float64, bfloat16 or float16) and fused
 kernels round every element into a target format (Float, Fixed, BlockFloat, Scaled) under a chosen
 rule. ``quantize(x, fmt, rounding)`` is the API; the QPyTorch names ``float_quantize``,
-``fixed_point_quantize`` and ``block_quantize`` behave exactly as in QPyTorch (its number ranges,
-stochastic rounding by default, ``dim=-1`` for one block over the whole tensor).
+``fixed_point_quantize`` and ``block_quantize`` are those of ``lpsim.compat.qtorch``: QPyTorch's
+signatures, number ranges and defaults (stochastic rounding, ``dim=-1`` for one block over the
+whole tensor), with the rounding QPyTorch documents; docs/migrating-from-qtorch.md lists where
+QPyTorch's own kernels give other numbers (float ties, NaN, some subnormals and large values).
 
 One word names each feature: ``lpsim.quantize`` rounds a tensor into a format, ``lpsim.update``
 holds ``sr_add`` and its fused forms (sums rounded once), ``lpsim.accumulate`` the sums and products

@@ -760,6 +760,33 @@ def test_qtorch_fixed_nearest_moves_large_values_that_are_on_the_grid():
     assert torch.equal(q.fixed_point_quantize(x, 8, 2, False, rounding="nearest"), x)
 
 
+def _float32_around(centre: float, ulps: int) -> torch.Tensor:
+    """Every float32 within ``ulps`` steps of ``centre`` (a float32), both signs."""
+    bits = torch.tensor([centre], dtype=torch.float32).view(torch.int32)
+    around = (bits + torch.arange(-ulps, ulps + 1, dtype=torch.int32)).view(torch.float32)
+    return torch.cat([around, -around])
+
+
+@pytest.mark.parametrize("wl,fl", [(8, 8), (8, 0), (16, 4), (6, -2)])
+def test_qtorch_fixed_nearest_rounds_the_value_just_above_half_a_spacing_to_zero(wl, fl):
+    # QPyTorch computes nearbyint(x 2^fl + 0.5 - 0.5) in float32. Below 2^23 the sum is exact
+    # except at x 2^fl = 0.5 + 2^-24 (the float32 just above 0.5): 1 + 2^-24 rounds to 1, and
+    # nearbyint(0.5) gives 0 instead of 1. lpsim rounds every value correctly (to nearest, ties to
+    # even: the exact model is torch.round of the float64 product, which holds it exactly).
+    qq = _qq()
+    scale = 2.0**-fl
+    x = torch.cat(
+        [_float32_around(c * scale, 1 << 12) for c in (0.5, 1.5, 2.5, 3.5, 7.5, 15.5, 1023.5)]
+    )
+    exact = (torch.round(x.double() * 2.0**fl) * scale).float()
+    assert_same_bits(q.fixed_point_quantize(x, wl, fl, False, rounding="nearest"), exact)
+    theirs = qq.fixed_point_quantize(x, wl, fl, False, rounding="nearest")
+    differ = theirs != exact
+    just_above_half = scale / 2 * (1 + 2.0**-23)
+    assert x[differ].tolist() == [just_above_half]
+    assert theirs[differ].tolist() == [0.0] and exact[differ].tolist() == [scale]
+
+
 @pytest.mark.parametrize(
     "value,qtorch_p,p", [(2.0**21 + 0.25, 0.125, 0.25), (2.0**22 + 0.5, 0.25, 0.5)]
 )
@@ -962,3 +989,166 @@ def test_optim_lp_refuses_a_grad_scaling_that_is_not_positive_and_finite():
     for value in (math.inf, math.nan, 0.0, -1.0):
         with pytest.raises(ValueError, match="grad_scaling must be a positive finite number"):
             q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), grad_scaling=value)
+
+
+def test_numbers_compare_by_value_where_qtorchs_compare_by_identity():
+    qtorch = _qtorch()[0]
+    assert qtorch.FloatingPoint(5, 2) != qtorch.FloatingPoint(5, 2)
+    assert q.FloatingPoint(5, 2) == q.FloatingPoint(5, 2)
+    assert hash(q.FixedPoint(8, 4)) == hash(q.FixedPoint(8, 4))
+    assert q.FixedPoint(8, 4) != q.FixedPoint(8, 4, symmetric=True)
+
+
+def test_a_word_length_of_one_is_refused_where_qtorch_accepts_it():
+    qq = _qq()
+    x = torch.tensor([-1.2, -0.3, 0.2, 0.9])
+    assert set(qq.fixed_point_quantize(x, 1, 0, rounding="nearest").tolist()) <= {-1.0, 0.0}
+    qq.block_quantize(x, 1, -1, "nearest")  # accepted
+    for call in (
+        lambda: q.fixed_point_quantize(x, 1, 0, rounding="nearest"),
+        lambda: q.block_quantize(x, 1, -1, "nearest"),
+        lambda: q.FixedPoint(1, 0),
+        lambda: q.BlockFloatingPoint(1),
+    ):
+        with pytest.raises(ValueError, match=r"wl must be in \[2, "):
+            call()
+
+
+@pytest.mark.parametrize(
+    "make,momentum",
+    [
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-3), (8, 6)),
+        (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True), (10, 8)),
+        (lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=1e-2), None),
+    ],
+    ids=["sgd", "nesterov", "adam"],
+)
+def test_optim_lp_trains_bit_for_bit_as_qtorchs_with_fixed_point_nearest(make, momentum):
+    # The same model, data and fixed-point quantisers (round to nearest, ties to even in both
+    # libraries): weights, optimizer state and accumulators after five steps are QPyTorch's. The
+    # weights start on the accumulator's grid (QPyTorch copies them unrounded).
+    _, quant, optim, _ = _qtorch()
+    results = []
+    for fixed, optim_lp in (
+        (quant.fixed_point_quantize, optim.OptimLP),
+        (q.fixed_point_quantize, q.OptimLP),
+    ):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.round(p * 2.0**12) / 2.0**12)
+
+        def fixed_quant(wl, fl, fixed=fixed):
+            return lambda t: fixed(t, wl, fl, rounding="nearest")
+
+        optimizer = optim_lp(
+            make(model.parameters()),
+            weight_quant=fixed_quant(8, 5),
+            grad_scaling=4.0,
+            grad_quant=fixed_quant(10, 8),
+            momentum_quant=None if momentum is None else fixed_quant(*momentum),
+            acc_quant=fixed_quant(16, 12),
+        )
+        data = torch.Generator().manual_seed(5)
+        for _ in range(5):
+            x, y = torch.randn(32, 8, generator=data), torch.randint(0, 3, (32,), generator=data)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        params = list(model.parameters())
+        state = [optimizer.optim.state[p] for p in params]
+        results.append((params, state, [optimizer.weight_acc[p] for p in params]))
+    (theirs, their_state, their_acc), (ours, our_state, our_acc) = results
+    for i in range(len(ours)):
+        assert_same_bits(ours[i], theirs[i])
+        assert_same_bits(our_acc[i], their_acc[i])
+        assert set(our_state[i]) == set(their_state[i])
+        for key, value in their_state[i].items():
+            assert_same_bits(our_state[i][key], value)
+
+
+def _float32_samples(n: int, seed: int) -> torch.Tensor:
+    """Random float32 bit patterns (every class: zeros, subnormals, normals, Inf, NaN) and values
+    of moderate magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    bits = torch.randint(-(2**31), 2**31, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+    spread = torch.randn(n, generator=g) * torch.exp2(torch.randint(-30, 30, (n,), generator=g))
+    special = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1.5, -2.5, 3.4e38, 1e-45])
+    return torch.cat([bits.view(torch.float32), spread, special])
+
+
+def _with_zero_signs(r: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.where(r == 0, torch.copysign(torch.zeros_like(r), x), r)
+
+
+def _float_model(x: torch.Tensor, exp: int, man: int) -> torch.Tensor:
+    """FloatingPoint(exp, man) as documented: bias 2^(exp-1) - 1, subnormals, the top exponent
+    code finite and overflow saturating (exp < 8), IEEE float32's range for exp = 8, round to
+    nearest with ties to even, NaN kept, the sign of zero kept."""
+    x64 = x.double()
+    finite = x64.isfinite()
+    emin = 2 - 2 ** (exp - 1)
+    _, e = torch.frexp(torch.where(finite & (x64 != 0), x64, torch.ones_like(x64)))
+    q = torch.exp2((e - 1).clamp(min=emin).double() - man)
+    r = torch.round(torch.where(finite, x64, torch.zeros_like(x64)) / q) * q
+    top = 2 ** (exp - 1) if exp < 8 else 127
+    largest = 2.0**top * (2 - 2.0**-man)
+    beyond = torch.copysign(torch.full_like(r, largest if exp < 8 else math.inf), x64)
+    r = torch.where(r.abs() > largest, beyond, r)
+    r = torch.where(x64.isinf(), beyond, r)
+    r = torch.where(x64.isnan(), x64, r)
+    return _with_zero_signs(r, x64).float()
+
+
+def test_float_quantize_nearest_is_the_documented_rounding_for_every_exp_and_man():
+    x = _float32_samples(6000, 0)
+    for exp in range(1, 9):
+        for man in range(0, 24):
+            got = q.float_quantize(x, exp, man, "nearest")
+            assert_same_bits(got, _float_model(x, exp, man), f"FloatingPoint({exp}, {man})")
+
+
+@pytest.mark.parametrize("clamp", [True, False])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_fixed_point_quantize_nearest_is_the_documented_rounding(clamp, symmetric):
+    # FixedPoint(wl, fl): k 2^-fl for the nearest integer k (ties to even), clamped into
+    # [-2^(wl-1) (+1 if symmetric), 2^(wl-1) - 1] with clamp; NaN kept, the sign of zero kept.
+    x = _float32_samples(6000, 1)
+    for wl, fl in [(2, 1), (4, 3), (8, 4), (8, 0), (8, -3), (6, 9), (16, 8), (24, 10)]:
+        x64 = x.double()
+        k = torch.round(x64 * 2.0**fl)
+        if clamp:
+            k = k.clamp(-(2.0 ** (wl - 1)) + symmetric, 2.0 ** (wl - 1) - 1)
+        want = _with_zero_signs(k * 2.0**-fl, x64).float()
+        got = q.fixed_point_quantize(x, wl, fl, clamp, symmetric, "nearest")
+        assert_same_bits(got, want, f"FixedPoint({wl}, {fl}, {clamp}, {symmetric})")
+
+
+@pytest.mark.parametrize("kind", ["float", "fixed", "block"])
+def test_stochastic_rounding_uses_the_two_neighbours_with_unbiased_probabilities(kind):
+    # Each value is rounded 4000 times: only its two neighbours on the format's grid occur, and
+    # the number of upward roundings is within 5 standard deviations of 4000 p, p the exact
+    # distance to the lower neighbour over the spacing.
+    draws = 4000
+    values = torch.tensor([1.1, -0.3, 0.07, 2.9, -1.45, 1.03])
+    if kind == "float":  # FloatingPoint(5, 2): spacing 2^(e-2) in the binade [2^e, 2^(e+1))
+        spacing = torch.exp2(torch.floor(torch.log2(values.abs())) - 2)
+        rounded = q.float_quantize(values.repeat_interleave(draws), 5, 2, seed=11)
+    elif kind == "fixed":  # FixedPoint(8, 4): spacing 2^-4
+        spacing = torch.full_like(values, 2.0**-4)
+        rounded = q.fixed_point_quantize(values.repeat_interleave(draws), 8, 4, seed=11)
+    else:  # BlockFloatingPoint(4, dim=0), each row [1.5, value/2]: spacing 2^(0 - (4 - 2))
+        values = values / 2  # below 1.5, which sets the block's exponent
+        spacing = torch.full_like(values, 2.0**-2)
+        rows = torch.stack(
+            [torch.full((values.numel() * draws,), 1.5), values.repeat_interleave(draws)], 1
+        )
+        rounded = q.block_quantize(rows, 4, 0, seed=11)[:, 1].contiguous()
+    rounded = rounded.view(values.numel(), draws).double()
+    for value, step, got in zip(values.double(), spacing.double(), rounded):
+        below = torch.floor(value / step) * step
+        assert set(got.unique().tolist()) <= {below.item(), (below + step).item()}, value
+        p = ((value - below) / step).item()
+        up = int((got > below).sum())
+        assert abs(up - draws * p) <= 5 * math.sqrt(draws * p * (1 - p)) + 1, (value, up, p)

@@ -132,3 +132,13 @@ def test_top_level_qtorch_names_give_qtorch_numbers():
     assert_same_bits(
         lpsim.block_quantize(blocks, 4, -1, "nearest"), qq.block_quantize(blocks, 4, -1, "nearest")
     )
+
+
+def test_qtorch_exponent_8_turns_some_nan_payloads_into_zeros_and_infs_and_lpsim_keeps_nan():
+    # NaNs with the bits 0x7FC00000 (torch's), 0x7FFFFFFF, 0xFFFFFFFF (-1) and 0x7F800001.
+    bits = torch.tensor([0x7FC00000, 0x7FFFFFFF, -1, 0x7F800001], dtype=torch.int32)
+    x = bits.view(torch.float32)
+    theirs = qq.float_quantize(x, 8, 7, "nearest")
+    assert math.isnan(theirs[0].item())
+    assert_same_bits(theirs[1:], torch.tensor([-0.0, 0.0, math.inf]))
+    assert bool(compat.float_quantize(x, 8, 7, "nearest").isnan().all())

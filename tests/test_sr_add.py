@@ -10,6 +10,7 @@ test_stochastic.py; with fixed seeds they are deterministic.
 from __future__ import annotations
 
 import doctest
+import inspect
 import math
 import re
 from fractions import Fraction
@@ -489,6 +490,37 @@ def test_stochastic_adder_add_is_mode_2_and_add_biased_is_unbiased():
     assert adder.calls == 5
 
 
+def test_stochastic_adder_takes_stochastorchs_arguments_positionally_and_by_name():
+    # StochasTorch: StochasticAdder(float_type, seed=None), both positional or keyword.
+    parameters = inspect.signature(StochasticAdder).parameters
+    positional = [p for p in parameters.values() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert [(p.name, p.default) for p in positional] == [
+        ("float_type", inspect.Parameter.empty),
+        ("seed", None),
+    ]
+    a = torch.ones(256, dtype=torch.bfloat16)
+    b = torch.full((256,), 2.0**-10)
+    want = StochasticAdder(torch.bfloat16, seed=5).add_biased(a, b)
+    for adder in (
+        StochasticAdder(torch.bfloat16, 5),
+        StochasticAdder(float_type=torch.bfloat16, seed=5),
+    ):
+        assert adder.dtype == adder.float_type == torch.bfloat16
+        assert_same_bits(adder.add_biased(a, b), want)
+
+
+def test_stochastic_adder_returns_exact_sums_unchanged():
+    # StochasTorch's add moves an exact sum one step down half the time, and its add_biased does
+    # so for equal operands; here every exact sum (x + x, and sums that fit bfloat16) stays.
+    adder = StochasticAdder(torch.bfloat16, seed=0)
+    x = torch.linspace(1, 2, 257, dtype=torch.bfloat16)
+    y = torch.linspace(0.5, 0.75, 257, dtype=torch.bfloat16)
+    exact = (x.double() + y.double()).bfloat16().double() == x.double() + y.double()
+    for add in (adder.add, adder.add_biased):
+        assert_same_bits(add(x, x), (x.double() * 2).bfloat16())
+        assert_same_bits(add(x, y)[exact], (x + y)[exact])
+
+
 def test_a_stochastic_adder_call_that_raises_leaves_the_next_calls_words_as_they_were():
     a, b = torch.ones(64, dtype=torch.bfloat16), torch.full((64,), 2.0**-10)
     untouched, failed = (StochasticAdder(torch.bfloat16, seed=4) for _ in range(2))
@@ -555,7 +587,7 @@ def test_sr_add_gradient_is_the_identity_for_both_operands():
             ValueError,
             "tensor1 must be within the float64 range",
         ),
-        (lambda a: StochasticAdder(torch.int32), TypeError, "dtype must be"),
+        (lambda a: StochasticAdder(torch.int32), TypeError, "float_type must be"),
         (lambda a: lpsim.sr_add(a.to_sparse(), 1.0), TypeError, "a is a sparse_coo tensor"),
         (lambda a: lpsim.sr_add_(a, a.to_sparse()), TypeError, "b is a sparse_coo tensor"),
         (lambda a: lpsim.sr_addcdiv(a, a, a.to_sparse()), TypeError, "tensor2 is a sparse_coo"),

@@ -1,7 +1,11 @@
-"""StochasTorch's names on lpsim's kernels: ``StochasticAdder(dtype).add(a, b)``.
+"""StochasTorch's names on lpsim's kernels: ``StochasticAdder(float_type, seed=None).add(a, b)``.
 
-StochasTorch offers stochastic addition into one dtype through an adder object; this module gives
-the same object over ``lpsim.sr_add``, so that a StochasTorch user changes one import:
+StochasTorch's first interface offers stochastic addition into one dtype through an adder object,
+``StochasticAdder(float_type, seed=None)`` with ``add`` and ``add_biased``; this module gives the
+same object, with the same signature, over ``lpsim.sr_add``, so that a StochasTorch user changes one
+import. StochasTorch's later module functions ``add(x, y, is_biased)``, ``add_highprecision`` and
+``addcdiv`` are not provided; they correspond to ``lpsim.sr_add`` and ``lpsim.sr_addcdiv`` with
+rounding="stochastic" (is_biased=True) or "stochastic_equal" (is_biased=False):
 
     >>> import torch
     >>> from lpsim.compat.stochastorch import StochasticAdder
@@ -39,22 +43,31 @@ class StochasticAdder:
     Every call draws fresh random words: the adder keeps a seed (given, or drawn from torch's
     default CPU generator when the adder is made) and counts its calls as the offset.
 
+    Where StochasTorch differs: it takes only operands of the adder's dtype (RuntimeError
+    otherwise); its random choice is a hash of the operands' values, so the same operands always
+    round the same way; and its ``add`` moves an exact sum one step toward -Inf with probability
+    1/2 (its ``add_biased`` does so when both operands are equal), where here every exact sum is
+    returned unchanged.
+
     Args:
-        dtype: torch.float32, float64, bfloat16 or float16: results are rounded into this dtype's
-            format and returned in it.
-        seed: 0 <= seed < 2**64, or None.
+        float_type: torch.float32, float64, bfloat16 or float16: results are rounded into this
+            dtype's format and returned in it (also the attribute ``dtype``).
+        seed: 0 <= seed < 2**64, or None (StochasTorch also takes negative seeds).
         randomness: "position" or "value" (see lpsim.sr_add).
 
     Raises:
-        TypeError: dtype is not a supported floating dtype, or seed is not an int or None.
+        TypeError: float_type is not a supported floating dtype, or seed is not an int or None.
         ValueError: seed or randomness is out of range.
     """
 
     def __init__(
-        self, dtype: torch.dtype, *, seed: int | None = None, randomness: str = "position"
+        self, float_type: torch.dtype, seed: int | None = None, *, randomness: str = "position"
     ) -> None:
-        self.format = own_format(dtype)
-        self.dtype = dtype
+        try:
+            self.format = own_format(float_type)
+        except TypeError as error:
+            raise TypeError(str(error).replace("dtype", "float_type", 1)) from None
+        self.dtype = self.float_type = float_type
         check_randomness(randomness)
         self.randomness = randomness
         if seed is None:
