@@ -153,6 +153,23 @@ def test_quantizer_modules_become_identity_in_the_reference():
     assert report.first_divergent(0.0).module == "1"
 
 
+def test_a_quantizer_registered_under_two_names_is_identity_under_both_in_the_reference():
+    torch.manual_seed(0)
+    shared = Quantizer(forward=COARSE, forward_rounding="nearest")
+    first, second = nn.Linear(4, 4), nn.Linear(4, 2)
+    model = nn.Sequential(first, shared, nn.Sequential(second, shared))
+    x = batch(8)
+    report = Shadow(model).compare(x)
+
+    w0, b0, w1, b1 = (p.detach() for p in (first.weight, first.bias, second.weight, second.bias))
+    reference = (x @ w0.T + b0) @ w1.T + b1  # the float32 model: no rounding at all
+    simulated = lpsim.quantize(lpsim.quantize(x @ w0.T + b0, *COARSE) @ w1.T + b1, *COARSE)
+    expected = float((simulated - reference).double().norm() / reference.double().norm())
+    assert [r.label for r in report.modules] == ["0", "1", "2.0", "1 #2", "2", "(model)"]
+    assert row(report, "1", 2).activation_divergence == pytest.approx(expected, rel=1e-5)
+    assert row(report, "").activation_divergence == pytest.approx(expected, rel=1e-5)
+
+
 def test_the_reference_takes_the_stored_weights_at_every_compare():
     model = inject(mlp(), {"2": LayerQuantization(weight=COARSE)})
     stored = model[2].parametrizations.weight.original

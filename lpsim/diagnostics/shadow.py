@@ -392,13 +392,16 @@ def _stored_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _replace_quantizers(model: nn.Module) -> nn.Module:
     """model with every lpsim.nn.Quantizer module replaced by nn.Identity (in place; the model
-    itself, if a Quantizer, by a new nn.Identity, returned)."""
+    itself, if a Quantizer, by a new nn.Identity, returned). A Quantizer registered under several
+    names is replaced under each of them by one Identity, shared as the Quantizer was."""
     if isinstance(model, Quantizer):
         return nn.Identity()
-    for name, module in list(model.named_modules()):
+    identities: dict[int, nn.Identity] = {}
+    for name, module in list(model.named_modules(remove_duplicate=False)):
         if name and isinstance(module, Quantizer):
             parent_name, _, child_name = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child_name, nn.Identity())
+            identity = identities.setdefault(id(module), nn.Identity())
+            setattr(model.get_submodule(parent_name), child_name, identity)
     return model
 
 
