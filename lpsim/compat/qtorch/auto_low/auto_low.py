@@ -150,6 +150,16 @@ def _quantize_output(module: nn.Module, args, output):
     return output
 
 
+def remove_lowering(model: nn.Module) -> nn.Module:
+    """In place, every quantiser that lower() put on a module of ``model`` (the model included)
+    removed: the lowered modules' hooks then pass their outputs on unchanged. Returns the model.
+    lpsim.diagnostics.Shadow's float32 reference is made with it."""
+    for module in model.modules():
+        if _LOWERED in module.__dict__:
+            module.__dict__[_LOWERED] = []
+    return model
+
+
 def lower(
     model: nn.Module,
     layer_types: Iterable[str] = (),
