@@ -17,10 +17,11 @@ What is recorded while the recorder is attached:
   qualified name ("(model)" for the model itself) and the category "weight", "bias" (the
   parametrisations, in every forward pass), "input", "output" or "error" (the gradient flowing
   back into the module's outputs); in every lpsim.nn.Quantizer module, "output" (its forward
-  rounding) and "error" (its backward rounding). Only roundings in training mode, unless
-  ``record_eval=True``. Modules outside the recorder's model are not recorded. A forward that
-  activation checkpointing (torch.utils.checkpoint) recomputes during the backward pass is not
-  recorded again: the counts are those of one forward.
+  rounding) and "error" (its backward rounding), and likewise the quantisers that
+  lpsim.compat.qtorch's lower() puts on a module's outputs, under that module's name. Only
+  roundings in training mode, unless ``record_eval=True``. Modules outside the recorder's model
+  are not recorded. A forward that activation checkpointing (torch.utils.checkpoint) recomputes
+  during the backward pass is not recorded again: the counts are those of one forward.
 - an OptimLP's roundings: under the parameter's qualified name in the model ("0.weight"; without
   a model, "group0.param0" for parameter 0 of group 0) and the category "grad", "momentum" (every
   rounded state tensor: momentum_buffer, exp_avg, ...), "accumulator" or "weight" (the weight

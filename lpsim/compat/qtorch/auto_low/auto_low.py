@@ -8,6 +8,7 @@ count), as in QPyTorch.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterable
 
 from torch import nn
@@ -144,9 +145,10 @@ def _layer_classes(layer_types) -> tuple[type, ...]:
 
 
 def _quantize_output(module: nn.Module, args, output):
-    """Forward hook of a lowered module: its outputs through its quantisers, in lower() order."""
+    """Forward hook of a lowered module: its outputs through its quantisers, in lower() order,
+    their roundings reported to an attached lpsim.diagnostics.Recorder as the module's."""
     for quant in module.__dict__[_LOWERED]:
-        output = map_tensors(output, quant)
+        output = map_tensors(output, functools.partial(quant.apply_for, module))
     return output
 
 
