@@ -34,7 +34,11 @@ A record holds a RoundingStatistics (lpsim.statistics): counts of elements, and 
 overflowing, underflowing (nonzero to zero), subnormal and unchanged elements, and the float64
 sums of the squared rounding errors and squared values, from which the SQNR in dB follows. The
 roundings of one step, module and category add up into one record (the several outputs of a
-module, the state tensors of a parameter, the forward passes of gradient accumulation).
+module, the state tensors of a parameter, the forward passes of gradient accumulation, the calls
+of a module called several times). A module registered under several names (one module shared by
+two places of the model, such as the one Quantizer of lpsim.compat.qtorch's sequential_lower())
+has one name, the first that model.named_modules() gives it: its roundings in every place add up
+there.
 
 Not recorded: the roundings of lpsim.nn.quantize_functions contexts (matmul, linear, softmax and
 attention called as functions), of the lpsim.nn.quantizer() function (it belongs to no module; the
