@@ -17,6 +17,8 @@ from torch import nn
 
 import lpsim
 from lpsim import P3109, BlockFloat, Fixed, Float, _observation
+from lpsim.compat.qtorch import FloatingPoint
+from lpsim.compat.qtorch.auto_low import lower
 from lpsim.delayed_scaling import DelayedScaling
 from lpsim.demo import small_cnn
 from lpsim.diagnostics import recorder as recorder_module
@@ -411,6 +413,29 @@ def test_a_quantizer_module_records_its_output_and_error_under_its_name():
     output = model[0](x).detach()
     want = python_recount(output, lpsim.quantize(output, FLOAT, "nearest"), FLOAT)
     assert_same_statistics(got["1", "output"], want, "output")
+
+
+def test_the_quantisers_of_qtorch_lower_are_recorded_under_the_lowered_modules():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3))
+    e3m2 = FloatingPoint(exp=3, man=2)  # Float(3, 2) without Inf and NaN, saturating
+    fmt = Float(3, 2, special="none", saturate=True)
+    lower(model, ["linear"], e3m2, e3m2, "nearest", "nearest")
+    x, dy = torch.randn(5, 3), 4 * torch.randn(5, 3)
+    with Recorder(model) as recorder:
+        model(x).backward(dy)
+    got = recorder.summary()
+    assert set(got) == {(name, c) for name in ("0", "2") for c in ("output", "error")}
+    with torch.no_grad():
+        first = model[0].weight @ x.T  # recomputed without the quantisers
+        out0 = (first.T + model[0].bias).detach()
+        in2 = torch.tanh(lpsim.quantize(out0, fmt, "nearest"))
+        out2 = in2 @ model[2].weight.T + model[2].bias
+    want = python_recount(out0, lpsim.quantize(out0, fmt, "nearest"), fmt)
+    assert_same_statistics(got["0", "output"], want, "0 output")
+    want = python_recount(out2, lpsim.quantize(out2, fmt, "nearest"), fmt)
+    assert_same_statistics(got["2", "output"], want, "2 output")
+    assert_same_statistics(got["2", "error"], python_recount(dy, lpsim.quantize(dy, fmt), fmt), "")
 
 
 def test_quantize_functions_and_the_quantizer_function_are_not_recorded():

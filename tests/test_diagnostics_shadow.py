@@ -14,6 +14,8 @@ from torch import nn
 
 import lpsim
 from lpsim import Fixed, Float
+from lpsim.compat.qtorch import FloatingPoint
+from lpsim.compat.qtorch.auto_low import lower
 from lpsim.delayed_scaling import DelayedScaling
 from lpsim.diagnostics.shadow import Shadow, ShadowReport
 from lpsim.nn import LayerQuantization, Quantizer, inject, remove
@@ -24,6 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FLOAT32 = Float(8, 23)  # every float32 value, so rounding into it changes nothing
 COARSE = (Float(3, 1), "nearest")
 FIXED8 = (Fixed(8, 4), "nearest")  # spacing 2^-4: errors below 2^-5 round to zero
+E3M1 = FloatingPoint(exp=3, man=1)
 
 
 def mlp(*, inplace: bool = False) -> nn.Sequential:
@@ -151,6 +154,50 @@ def test_quantizer_modules_become_identity_in_the_reference():
     report = shadow.compare(batch())
     assert row(report, "0").activation_divergence == 0.0
     assert report.first_divergent(0.0).module == "1"
+
+
+def test_a_quantizer_registered_under_two_names_is_identity_under_both_in_the_reference():
+    torch.manual_seed(0)
+    shared = Quantizer(forward=COARSE, forward_rounding="nearest")
+    first, second = nn.Linear(4, 4), nn.Linear(4, 2)
+    model = nn.Sequential(first, shared, nn.Sequential(second, shared))
+    x = batch(8)
+    report = Shadow(model).compare(x)
+
+    w0, b0, w1, b1 = (p.detach() for p in (first.weight, first.bias, second.weight, second.bias))
+    reference = (x @ w0.T + b0) @ w1.T + b1  # the float32 model: no rounding at all
+    simulated = lpsim.quantize(lpsim.quantize(x @ w0.T + b0, *COARSE) @ w1.T + b1, *COARSE)
+    expected = float((simulated - reference).double().norm() / reference.double().norm())
+    assert [r.label for r in report.modules] == ["0", "1", "2.0", "1 #2", "2", "(model)"]
+    assert row(report, "1", 2).activation_divergence == pytest.approx(expected, rel=1e-5)
+    assert row(report, "").activation_divergence == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_quantisers_of_qtorch_lower_are_removed_from_the_reference():
+    torch.manual_seed(0)
+    first, second = nn.Linear(4, 5), nn.Linear(5, 2)
+    model = lower(nn.Sequential(first, second), ["linear"], E3M1, E3M1, "nearest", "nearest")
+    x = batch(8)
+    report = Shadow(model).compare(x, squared_loss)
+
+    w0, b0, w1, b1 = (p.detach() for p in (first.weight, first.bias, second.weight, second.bias))
+    e3m1 = Float(3, 1, special="none", saturate=True)  # qtorch's FloatingPoint(exp=3, man=1)
+    reference_0 = x @ w0.T + b0
+    simulated_0 = lpsim.quantize(reference_0, e3m1, "nearest")
+    reference_1 = reference_0 @ w1.T + b1
+    simulated_1 = lpsim.quantize(simulated_0 @ w1.T + b1, e3m1, "nearest")
+
+    def relative(simulated, reference):
+        return float((simulated - reference).double().norm() / reference.double().norm())
+
+    assert row(report, "0").activation_divergence == pytest.approx(
+        relative(simulated_0, reference_0), rel=1e-5
+    )
+    assert row(report, "1").activation_divergence == pytest.approx(
+        relative(simulated_1, reference_1), rel=1e-5
+    )
+    assert report.reference_loss == pytest.approx(float(reference_1.square().sum()), rel=1e-6)
+    assert report.simulated_loss == pytest.approx(float(simulated_1.square().sum()), rel=1e-6)
 
 
 def test_the_reference_takes_the_stored_weights_at_every_compare():

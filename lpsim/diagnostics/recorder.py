@@ -17,10 +17,11 @@ What is recorded while the recorder is attached:
   qualified name ("(model)" for the model itself) and the category "weight", "bias" (the
   parametrisations, in every forward pass), "input", "output" or "error" (the gradient flowing
   back into the module's outputs); in every lpsim.nn.Quantizer module, "output" (its forward
-  rounding) and "error" (its backward rounding). Only roundings in training mode, unless
-  ``record_eval=True``. Modules outside the recorder's model are not recorded. A forward that
-  activation checkpointing (torch.utils.checkpoint) recomputes during the backward pass is not
-  recorded again: the counts are those of one forward.
+  rounding) and "error" (its backward rounding), and likewise the quantisers that
+  lpsim.compat.qtorch's lower() puts on a module's outputs, under that module's name. Only
+  roundings in training mode, unless ``record_eval=True``. Modules outside the recorder's model
+  are not recorded. A forward that activation checkpointing (torch.utils.checkpoint) recomputes
+  during the backward pass is not recorded again: the counts are those of one forward.
 - an OptimLP's roundings: under the parameter's qualified name in the model ("0.weight"; without
   a model, "group0.param0" for parameter 0 of group 0) and the category "grad", "momentum" (every
   rounded state tensor: momentum_buffer, exp_avg, ...), "accumulator" or "weight" (the weight
@@ -33,7 +34,11 @@ A record holds a RoundingStatistics (lpsim.statistics): counts of elements, and 
 overflowing, underflowing (nonzero to zero), subnormal and unchanged elements, and the float64
 sums of the squared rounding errors and squared values, from which the SQNR in dB follows. The
 roundings of one step, module and category add up into one record (the several outputs of a
-module, the state tensors of a parameter, the forward passes of gradient accumulation).
+module, the state tensors of a parameter, the forward passes of gradient accumulation, the calls
+of a module called several times). A module registered under several names (one module shared by
+two places of the model, such as the one Quantizer of lpsim.compat.qtorch's sequential_lower())
+has one name, the first that model.named_modules() gives it: its roundings in every place add up
+there.
 
 Not recorded: the roundings of lpsim.nn.quantize_functions contexts (matmul, linear, softmax and
 attention called as functions), of the lpsim.nn.quantizer() function (it belongs to no module; the

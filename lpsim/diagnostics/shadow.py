@@ -8,9 +8,10 @@ first layer where a low-precision run departs from full precision.
     report.first_divergent(0.1)                  # the first layer whose activations diverge
     report.first_divergent(0.1, kind="error")    # the first, going backward, whose errors do
 
-The *reference* is a deep copy of the model with every quantiser of lpsim.nn.inject removed and
-every lpsim.nn.Quantizer module replaced by nn.Identity, its floating-point parameters and buffers
-in float32. Before every comparison it takes the simulated model's stored parameter values (for a
+The *reference* is a deep copy of the model with every quantiser of lpsim.nn.inject and of
+lpsim.compat.qtorch's lower() removed and every lpsim.nn.Quantizer module (under each name it is
+registered under) replaced by nn.Identity, its floating-point parameters and buffers in float32.
+Before every comparison it takes the simulated model's stored parameter values (for a
 fake-quantised weight, the unrounded parameter that the parametrisation rounds in each forward
 pass, with OptimLP the values the optimizer rounded) and its buffers: "the float32 model on the
 same weights", so each comparison measures one step's divergence, not drift accumulated over
@@ -51,6 +52,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from lpsim.compat.qtorch.auto_low.auto_low import remove_lowering
 from lpsim.nn._hooks import floating_tensors, map_tensors
 from lpsim.nn.inject import injected, own_parametrized_classes, remove, unobserved_pass
 from lpsim.nn.quantizer import Quantizer
@@ -392,13 +394,16 @@ def _stored_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _replace_quantizers(model: nn.Module) -> nn.Module:
     """model with every lpsim.nn.Quantizer module replaced by nn.Identity (in place; the model
-    itself, if a Quantizer, by a new nn.Identity, returned)."""
+    itself, if a Quantizer, by a new nn.Identity, returned). A Quantizer registered under several
+    names is replaced under each of them by one Identity, shared as the Quantizer was."""
     if isinstance(model, Quantizer):
         return nn.Identity()
-    for name, module in list(model.named_modules()):
+    identities: dict[int, nn.Identity] = {}
+    for name, module in list(model.named_modules(remove_duplicate=False)):
         if name and isinstance(module, Quantizer):
             parent_name, _, child_name = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), child_name, nn.Identity())
+            identity = identities.setdefault(id(module), nn.Identity())
+            setattr(model.get_submodule(parent_name), child_name, identity)
     return model
 
 
@@ -464,7 +469,8 @@ class Shadow:
 
     Args:
         model: the simulated model: any nn.Module, injected by lpsim.nn.inject, holding
-            lpsim.nn.Quantizer modules, or both. Shadow never changes it.
+            lpsim.nn.Quantizer modules, lowered by lpsim.compat.qtorch's lower() or
+            sequential_lower(), or any of these together. Shadow never changes it.
         dtype: the floating-point dtype of the reference (torch.float32 by default); its
             floating-point parameters and buffers, and the floating-point inputs it receives,
             are converted to it.
@@ -488,7 +494,8 @@ class Shadow:
         self._model = model
         self._dtype = dtype
         reference = copy.deepcopy(model)
-        reference = _replace_quantizers(remove(own_parametrized_classes(reference)))
+        reference = remove_lowering(remove(own_parametrized_classes(reference)))
+        reference = _replace_quantizers(reference)
         reference.to(dtype)
         for p in reference.parameters():
             p.grad = None

@@ -484,10 +484,17 @@ class Quantizer(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.apply_for(self, x)
+
+    def apply_for(self, owner: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """forward(x), its roundings reported to an attached Recorder as those of ``owner``, in
+        owner's training mode (forward reports them as the Quantizer's own). For a Quantizer that
+        is no submodule of the model it serves, such as those lpsim.compat.qtorch's lower() puts
+        on a module's output."""
         apply = self._apply_train if self.training else self._apply_eval
         if _observation.current is None:
             return apply(x)
-        return apply(x, (self, self.training))
+        return apply(x, (owner, owner.training))
 
     def extra_repr(self) -> str:
         parts = [

@@ -8,6 +8,7 @@ count), as in QPyTorch.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Iterable
 
 from torch import nn
@@ -144,10 +145,21 @@ def _layer_classes(layer_types) -> tuple[type, ...]:
 
 
 def _quantize_output(module: nn.Module, args, output):
-    """Forward hook of a lowered module: its outputs through its quantisers, in lower() order."""
+    """Forward hook of a lowered module: its outputs through its quantisers, in lower() order,
+    their roundings reported to an attached lpsim.diagnostics.Recorder as the module's."""
     for quant in module.__dict__[_LOWERED]:
-        output = map_tensors(output, quant)
+        output = map_tensors(output, functools.partial(quant.apply_for, module))
     return output
+
+
+def remove_lowering(model: nn.Module) -> nn.Module:
+    """In place, every quantiser that lower() put on a module of ``model`` (the model included)
+    removed: the lowered modules' hooks then pass their outputs on unchanged. Returns the model.
+    lpsim.diagnostics.Shadow's float32 reference is made with it."""
+    for module in model.modules():
+        if _LOWERED in module.__dict__:
+            module.__dict__[_LOWERED] = []
+    return model
 
 
 def lower(
