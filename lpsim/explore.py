@@ -246,10 +246,10 @@ def plot(names: list[str], formats: list, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m lpsim.explore", description=__doc__.splitlines()[0]
-    )
+def main(argv: list[str] | None = None, prog: str = "python -m lpsim.explore") -> None:
+    """The command: a table of the formats named in argv (sys.argv[1:] by default), and with
+    --plot their relative spacing. ``prog`` is the command's name in its usage messages."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("formats", nargs="+", metavar="NAME_OR_FORMAT")
     parser.add_argument("--plot", metavar="PATH", help="write the relative-spacing plot here")
     args = parser.parse_args(argv)

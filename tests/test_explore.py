@@ -244,3 +244,5 @@ def test_module_runs_once_without_warnings(module):
     )
     assert result.stderr == ""
     assert result.stdout.splitlines()[1].split() == ["bits", "16", "8"]
+    usage = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True)
+    assert usage.returncode == 2 and usage.stderr.startswith(f"usage: python -m {module} ")

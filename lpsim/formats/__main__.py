@@ -3,4 +3,4 @@ lpsim.explore), under the name of the module that defines the formats."""
 
 from lpsim.explore import main
 
-main()
+main(prog="python -m lpsim.formats")
