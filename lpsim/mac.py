@@ -37,8 +37,8 @@ once, by ``rounding``, onto the named format's grid):
   accumulator: y = round(t_k - c), u = round(s + y), c = round(round(u - s) - y), s = u.
 - ``rounding``, ``rbits``: the rule of every rounding, and the random bits of a stochastic rule.
 
-``matmul(a, b, mac)`` computes a product under a MAC (CPU; exact products need float32, bfloat16
-or float16 operands):
+``matmul(a, b, mac)`` computes a product under a MAC (CPU or CUDA; exact products need float32,
+bfloat16 or float16 operands):
 
     >>> import torch
     >>> ones = torch.ones(1, 4096)
