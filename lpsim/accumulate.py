@@ -163,6 +163,8 @@ def cumsum(
     """The partial sums of x along ``dim``, each rounded into ``acc``: element k is the k-th partial
     sum of sum(x, dim) (same order, same roundings, same random words). Arguments (default rounding
     "nearest") and errors as for sum. Returns a tensor of x's shape."""
+    _check_input(x, "x")
+    _dim_of(dim, x)  # required: None (sum's every element) is not a dimension here
     y, acc = _reduce(x, dim, True, acc, rounding, rbits, seed, offset)
     return call("to_container", y, sum_container(acc, x.dtype)).reshape(x.shape)
 
@@ -219,10 +221,12 @@ def matvec(
         ValueError: the shapes do not match, an operand is not on the CPU, or an argument is out of
             range.
     """
+    check_tensor(a, "a")
     check_tensor(x, "x")
-    if x.dim() != 1:
+    if x.dim() != 1 or a.dim() != 2 or a.shape[1] != x.shape[0]:
         raise ValueError(
-            f"matvec takes a of shape (m, n) and x of shape (n,), got x of shape {tuple(x.shape)}"
+            f"matvec takes a of shape (m, n) and x of shape (n,), got {tuple(a.shape)} and "
+            f"{tuple(x.shape)}"
         )
     # The product with one column numbers its results as matvec does: r = i.
     return _product(

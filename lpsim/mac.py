@@ -37,8 +37,8 @@ once, by ``rounding``, onto the named format's grid):
   accumulator: y = round(t_k - c), u = round(s + y), c = round(round(u - s) - y), s = u.
 - ``rounding``, ``rbits``: the rule of every rounding, and the random bits of a stochastic rule.
 
-``matmul(a, b, mac)`` computes a product under a MAC (CPU; exact products need float32, bfloat16
-or float16 operands):
+``matmul(a, b, mac)`` computes a product under a MAC (CPU or CUDA; exact products need float32,
+bfloat16 or float16 operands):
 
     >>> import torch
     >>> ones = torch.ones(1, 4096)
@@ -83,7 +83,7 @@ from typing import Literal
 
 import torch
 
-from lpsim._checks import check_choice, check_element_format, check_int
+from lpsim._checks import check_choice, check_element_format, check_int, draw_seed
 from lpsim._checks import random_args as _random_args
 from lpsim._ops import call
 from lpsim.accumulate import check_product_operands
@@ -377,7 +377,12 @@ def matmul(
     acc = sum_grid(mac.accumulator, out_dtype)
     inner = sum_grid(mac.chunk_accumulator or mac.accumulator, torch.float64)
     product = sum_grid(mac.product, torch.float64) if mac.product is not None else acc
-    _, *random = _random_args(mac.drawing_rule, mac.rbits, seed, offset)
+    _, rbits, seed_bits, offset_bits = _random_args(mac.drawing_rule, mac.rbits, seed, offset)
+    if seed_bits is None and mac.drawing_rule.is_stochastic and not mac.rounding.is_stochastic:
+        # The op draws a missing seed for its rule argument, the MAC's rounding, only: a stochastic
+        # tensor-core normalisation under a deterministic rounding has its seed drawn here (the
+        # same draw from torch's default generator), else every call would use seed 0.
+        seed_bits = draw_seed()
     core = mac.tensor_core
     y = call(
         "mac_matmul",
@@ -396,7 +401,9 @@ def matmul(
         *inner,
         *acc,
         int(mac.rounding),
-        *random,
+        rbits,
+        seed_bits,
+        offset_bits,
     )
     return call("to_container", y, out_dtype)
 

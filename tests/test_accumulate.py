@@ -236,6 +236,12 @@ def test_stochastic_accumulation_is_reproducible_for_any_thread_count():
             ValueError,
             "rbits must be in [1, 32]",
         ),
+        (lambda: lpsim.accumulate.cumsum(torch.ones(2, 3), None), TypeError, "dim must be an int"),
+        (
+            lambda: lpsim.accumulate.matvec(torch.ones(2, 3), torch.ones(4)),
+            ValueError,
+            "matvec takes a of shape (m, n) and x of shape (n,), got (2, 3) and (4,)",
+        ),
     ],
 )
 def test_bad_arguments_raise_errors_that_name_them(call, error, words):

@@ -188,3 +188,26 @@ def test_functional_linear_and_conv2d_forward_and_backward_equal_the_cpu():
         results.append([t.detach() for t in (y, xd.grad, wd.grad, vd.grad)])
     for cpu, cuda in zip(*results):
         assert_same(cuda, cpu)
+
+
+def test_functional_biases_and_their_gradients_equal_the_cpu():
+    # The bias gradient is a product of the output gradient (on its device) and ones, which must be
+    # on the same device.
+    F = lpsim.nn.functional
+    mac = MAC(FLOAT16)
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(2, 3, 6, 6, generator=gen)
+    w = torch.randn(4, 3, 3, 3, generator=gen)
+    c = torch.randn(4, generator=gen)
+    v = torch.randn(5, 4 * 4 * 4, generator=gen)
+    d = torch.randn(5, generator=gen)
+    results = []
+    for device in ("cpu", "cuda"):
+        leaves = [t.to(device).detach().requires_grad_() for t in (x, w, c, v, d)]
+        xd, wd, cd, vd, dd = leaves
+        h = F.conv2d(xd, wd, cd, mac=mac)
+        y = F.linear(h.flatten(1), vd, dd, mac=mac)
+        y.square().sum().backward()
+        results.append([y.detach()] + [t.grad for t in leaves])
+    for cpu, cuda in zip(*results):
+        assert_same(cuda, cpu)

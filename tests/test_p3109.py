@@ -399,3 +399,14 @@ def test_clamp_grad_zero_masks_where_gfloats_unclipped_rounding_leaves_the_range
 def test_clamp_grad_zero_refuses_p3109_formats_it_cannot_mask_saying_why(fmt, message):
     with pytest.raises(ValueError, match=message):
         lpsim.nn.quantizer(forward=fmt, clamp_grad_zero=True)
+
+
+def test_unsigned_satnone_sends_negative_values_to_zero_only_for_the_rules_toward_zero():
+    # -1 lies below lo = 0 of an unsigned format: toward_zero, odd (which keeps the neighbour
+    # nearer zero on overflow) and up round it toward zero, to 0; the other rules give NaN.
+    fmt = P3109(8, 3, signed=False)
+    x = torch.tensor([-1.0])
+    for rule in ("toward_zero", "odd", "up"):
+        assert lpsim.quantize(x, fmt, rule).tolist() == [0.0], rule
+    for rule in ("nearest", "nearest_away", "away", "down"):
+        assert lpsim.quantize(x, fmt, rule).isnan().all(), rule

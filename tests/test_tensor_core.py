@@ -378,3 +378,20 @@ def test_stochastic_normalisation_takes_rbits_and_unknown_presets_are_listed():
     assert MAC(accumulator=FLOAT32, rbits=4, tensor_core=TensorCore(4, 23, None, "stochastic"))
     with pytest.raises(ValueError, match="H100/bf16"):
         lpsim.mac.preset("H100/fp64")
+
+
+def test_a_stochastic_normalisation_without_a_seed_draws_one_from_torchs_generator():
+    # seed=None draws the seed from torch's default CPU generator also when only the tensor core's
+    # normalisation is stochastic (the MAC's own rounding nearest): the same bits as the seed that
+    # torch.randint draws after the same manual_seed, and other bits at the next call.
+    core = TensorCore(4, 30, None, "stochastic")
+    mac = MAC(accumulator=Float(8, 3), tensor_core=core)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 16, generator=g), torch.randn(16, 4, generator=g)
+    torch.manual_seed(5)
+    drawn = int(torch.randint(2**63 - 1, ()))
+    torch.manual_seed(5)
+    first = lpsim.mac.matmul(a, b, mac)
+    second = lpsim.mac.matmul(a, b, mac)
+    assert_same_bits(first, lpsim.mac.matmul(a, b, mac, seed=drawn))
+    assert not torch.equal(first, second)

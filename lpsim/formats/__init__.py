@@ -551,8 +551,8 @@ class P3109(_OnGrid):
       +/-Inf inputs stay infinite where the format has them, and become NaN otherwise.
 
     So in an unsigned format a negative x that rounds to zero gives +0, and one that does not
-    gives 0 under SatFinite and SatPropagate, and under SatNone 0 for toward_zero and up, NaN for
-    the other rules; -Inf gives 0, or NaN under SatNone. NaN stays NaN. This is the formal
+    gives 0 under SatFinite and SatPropagate, and under SatNone 0 for toward_zero, odd and up, NaN
+    for the other rules; -Inf gives 0, or NaN under SatNone. NaN stays NaN. This is the formal
     specification's wSaturate (imandra-ai/ieee-p3109, July 2026) and the v4.0 report's table,
     except that v4.0 sends SatNone results outside a finite format's range to lo or max where the
     formal specification (and gfloat's ``sat=False``) gives NaN, as here; v3.0 defines only

@@ -443,7 +443,7 @@ class _AddBias(torch.autograd.Function):
             rows = rows.reshape(
                 math.prod(rows.shape[: len(summed)]), math.prod(rows.shape[len(summed) :])
             )
-            ones = torch.ones(1, rows.shape[0], dtype=rows.dtype)
+            ones = torch.ones(1, rows.shape[0], dtype=rows.dtype, device=rows.device)
             grad_bias = _product(ones, rows, how.weight_grad, _seed(how.weight_grad), 0)[0]
             grad_bias = grad_bias.reshape(ctx.bias_shape)
         return grad, grad_bias, None
