@@ -181,7 +181,11 @@ MacArguments mac_arguments(LPSIM_MAC_PARAMS) {
     args.product = sum_grid_spec(Dtype::float64, GridSpec{LPSIM_GRID_VALUES(product_)});
   }
   args.rule = rounding_of(rounding);
-  args.random = random_spec(args.rule, rbits, seed, offset);
+  // The rule that draws random words, and a missing seed: a stochastic tensor-core normalisation
+  // if there is one, else the rounding (lpsim.MAC.drawing_rule).
+  const TensorCoreSpec& core = args.shape.tensor_core;
+  const bool core_draws = core.group != 0 && is_stochastic(core.normalise);
+  args.random = random_spec(core_draws ? core.normalise : args.rule, rbits, seed, offset);
   return args;
 }
 

@@ -83,7 +83,7 @@ from typing import Literal
 
 import torch
 
-from lpsim._checks import check_choice, check_element_format, check_int, draw_seed
+from lpsim._checks import check_choice, check_element_format, check_int
 from lpsim._checks import random_args as _random_args
 from lpsim._ops import call
 from lpsim.accumulate import check_product_operands
@@ -378,11 +378,6 @@ def matmul(
     inner = sum_grid(mac.chunk_accumulator or mac.accumulator, torch.float64)
     product = sum_grid(mac.product, torch.float64) if mac.product is not None else acc
     _, rbits, seed_bits, offset_bits = _random_args(mac.drawing_rule, mac.rbits, seed, offset)
-    if seed_bits is None and mac.drawing_rule.is_stochastic and not mac.rounding.is_stochastic:
-        # The op draws a missing seed for its rule argument, the MAC's rounding, only: a stochastic
-        # tensor-core normalisation under a deterministic rounding has its seed drawn here (the
-        # same draw from torch's default generator), else every call would use seed 0.
-        seed_bits = draw_seed()
     core = mac.tensor_core
     y = call(
         "mac_matmul",
