@@ -320,3 +320,51 @@ def test_value_keyed_steps_with_low_precision_states_are_invariant_under_permuta
         return w.detach()
 
     assert torch.equal(run(torch.arange(1000))[perm], run(perm))
+
+
+def _steps_of_both(make_ours, make_theirs, steps=4, n=4000):
+    """Weights and states of lpsim's and torch's optimizer after the same float32 gradients (of
+    magnitudes 1e-4 to 1, so that updates and weights overlap in bits)."""
+    torch.manual_seed(5)
+    w0 = torch.randn(n)
+    ours, theirs = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    opt_ours, opt_theirs = make_ours([ours]), make_theirs([theirs])
+    for _ in range(steps):
+        g = torch.randn(n) * 10.0 ** torch.randint(-4, 1, (n,)).float()
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        opt_ours.step()
+        opt_theirs.step()
+    return (ours, opt_ours.state[ours]), (theirs, opt_theirs.state[theirs])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(momentum=0.9),
+        dict(momentum=0.9, nesterov=True, weight_decay=1e-2),
+        dict(momentum=0.5, dampening=0.3, weight_decay=1e-3),
+    ],
+)
+def test_sgd_with_nearest_on_float32_weights_is_torch_sgd_bit_for_bit(options):
+    # torch's p.add_(d_p, alpha=-lr) rounds p - lr * d_p once: the update must be that product,
+    # not its float32 rounding.
+    (ours, state), (theirs, their_state) = _steps_of_both(
+        lambda p: lpsim.optim.SGD(p, lr=0.1, rounding="nearest", **options),
+        lambda p: torch.optim.SGD(p, lr=0.1, foreach=False, **options),
+    )
+    assert_same_bits(ours.detach(), theirs.detach())
+    if "momentum" in options:
+        assert_same_bits(state["momentum_buffer"], their_state["momentum_buffer"])
+
+
+def test_adamw_with_nearest_on_float32_weights_is_torch_adamw_bit_for_bit():
+    # Without weight decay torch's AdamW rounds once per weight, as lpsim does: the moments
+    # (lerp_, mul_ and addcmul_) and the term (-step_size * m) / denom must be torch's.
+    (ours, state), (theirs, their_state) = _steps_of_both(
+        lambda p: lpsim.optim.AdamW(p, lr=0.01, weight_decay=0.0, rounding="nearest"),
+        lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.0, foreach=False),
+    )
+    assert_same_bits(ours.detach(), theirs.detach())
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert_same_bits(state[key], their_state[key])
