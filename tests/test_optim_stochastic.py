@@ -368,3 +368,29 @@ def test_adamw_with_nearest_on_float32_weights_is_torch_adamw_bit_for_bit():
     assert_same_bits(ours.detach(), theirs.detach())
     for key in ("exp_avg", "exp_avg_sq"):
         assert_same_bits(state[key], their_state[key])
+
+
+@pytest.mark.parametrize("option", ["maximize", "amsgrad", "foreach", "fused"])
+@pytest.mark.parametrize(
+    "optimizer", [lpsim.optim.SGD, lpsim.optim.AdamW], ids=lambda c: c.__name__
+)
+def test_a_group_asking_for_a_torch_option_not_implemented_is_refused_not_ignored(
+    optimizer, option
+):
+    # A parameter group may carry any key: {"maximize": True} used to be stepped as a minimization.
+    w = torch.ones(4, requires_grad=True)
+    with pytest.raises(ValueError, match=f"{option} must be False or None"):
+        optimizer([{"params": [w], option: True}], seed=0)
+    opt = optimizer([torch.zeros(2, requires_grad=True)], seed=0)
+    with pytest.raises(ValueError, match=f"{option} must be False or None"):
+        opt.add_param_group({"params": [w], option: True})
+    assert len(opt.param_groups) == 1
+    # The values torch gives by default are accepted, and then the step is torch's.
+    theirs = torch.ones(4, requires_grad=True)
+    ours_opt = optimizer([{"params": [w], option: False}], lr=0.1, seed=0, rounding="nearest")
+    torch_opt = getattr(torch.optim, optimizer.__name__)([theirs], lr=0.1, foreach=False)
+    w.grad, theirs.grad = torch.ones(4), torch.ones(4)
+    ours_opt.step()
+    torch_opt.step()
+    if optimizer is lpsim.optim.SGD:
+        assert_same_bits(w.detach(), theirs.detach())

@@ -57,6 +57,10 @@ __all__ = ["SGD", "AdamW"]
 
 _WEIGHT, _FIRST_STATE, _SECOND_STATE = 0, 1, 2  # the k of a random stream's offset
 
+# torch.optim options these optimizers do not implement: a parameter group may carry any key, so
+# without a check a group asking for one of them would be stepped as if it had not.
+_UNSUPPORTED = ("maximize", "amsgrad", "foreach", "fused", "capturable", "differentiable")
+
 
 class _LowPrecision(Optimizer):
     """What SGD and AdamW share: checking the options, rounding the parameters into their format
@@ -74,6 +78,12 @@ class _LowPrecision(Optimizer):
         Raises:
             TypeError / ValueError: an option has the wrong type or range (the message names it).
         """
+        for name in _UNSUPPORTED:
+            if group.get(name) not in (None, False):
+                raise ValueError(
+                    f"{name} must be False or None: {type(self).__name__} does not implement "
+                    f"torch.optim's {name}, got {group[name]!r}"
+                )
         check_element_format("weight_format", group["weight_format"])
         check_element_format("state_format", group["state_format"])
         rule = Rounding.parse(group["rounding"])
