@@ -320,3 +320,77 @@ def test_value_keyed_steps_with_low_precision_states_are_invariant_under_permuta
         return w.detach()
 
     assert torch.equal(run(torch.arange(1000))[perm], run(perm))
+
+
+def _steps_of_both(make_ours, make_theirs, steps=4, n=4000):
+    """Weights and states of lpsim's and torch's optimizer after the same float32 gradients (of
+    magnitudes 1e-4 to 1, so that updates and weights overlap in bits)."""
+    torch.manual_seed(5)
+    w0 = torch.randn(n)
+    ours, theirs = w0.clone().requires_grad_(), w0.clone().requires_grad_()
+    opt_ours, opt_theirs = make_ours([ours]), make_theirs([theirs])
+    for _ in range(steps):
+        g = torch.randn(n) * 10.0 ** torch.randint(-4, 1, (n,)).float()
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        opt_ours.step()
+        opt_theirs.step()
+    return (ours, opt_ours.state[ours]), (theirs, opt_theirs.state[theirs])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(momentum=0.9),
+        dict(momentum=0.9, nesterov=True, weight_decay=1e-2),
+        dict(momentum=0.5, dampening=0.3, weight_decay=1e-3),
+    ],
+)
+def test_sgd_with_nearest_on_float32_weights_is_torch_sgd_bit_for_bit(options):
+    # torch's p.add_(d_p, alpha=-lr) rounds p - lr * d_p once: the update must be that product,
+    # not its float32 rounding.
+    (ours, state), (theirs, their_state) = _steps_of_both(
+        lambda p: lpsim.optim.SGD(p, lr=0.1, rounding="nearest", **options),
+        lambda p: torch.optim.SGD(p, lr=0.1, foreach=False, **options),
+    )
+    assert_same_bits(ours.detach(), theirs.detach())
+    if "momentum" in options:
+        assert_same_bits(state["momentum_buffer"], their_state["momentum_buffer"])
+
+
+def test_adamw_with_nearest_on_float32_weights_is_torch_adamw_bit_for_bit():
+    # Without weight decay torch's AdamW rounds once per weight, as lpsim does: the moments
+    # (lerp_, mul_ and addcmul_) and the term (-step_size * m) / denom must be torch's.
+    (ours, state), (theirs, their_state) = _steps_of_both(
+        lambda p: lpsim.optim.AdamW(p, lr=0.01, weight_decay=0.0, rounding="nearest"),
+        lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.0, foreach=False),
+    )
+    assert_same_bits(ours.detach(), theirs.detach())
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert_same_bits(state[key], their_state[key])
+
+
+@pytest.mark.parametrize("option", ["maximize", "amsgrad", "foreach", "fused"])
+@pytest.mark.parametrize(
+    "optimizer", [lpsim.optim.SGD, lpsim.optim.AdamW], ids=lambda c: c.__name__
+)
+def test_a_group_asking_for_a_torch_option_not_implemented_is_refused_not_ignored(
+    optimizer, option
+):
+    # A parameter group may carry any key: {"maximize": True} used to be stepped as a minimization.
+    w = torch.ones(4, requires_grad=True)
+    with pytest.raises(ValueError, match=f"{option} must be False or None"):
+        optimizer([{"params": [w], option: True}], seed=0)
+    opt = optimizer([torch.zeros(2, requires_grad=True)], seed=0)
+    with pytest.raises(ValueError, match=f"{option} must be False or None"):
+        opt.add_param_group({"params": [w], option: True})
+    assert len(opt.param_groups) == 1
+    # The values torch gives by default are accepted, and then the step is torch's.
+    theirs = torch.ones(4, requires_grad=True)
+    ours_opt = optimizer([{"params": [w], option: False}], lr=0.1, seed=0, rounding="nearest")
+    torch_opt = getattr(torch.optim, optimizer.__name__)([theirs], lr=0.1, foreach=False)
+    w.grad, theirs.grad = torch.ones(4), torch.ones(4)
+    ours_opt.step()
+    torch_opt.step()
+    if optimizer is lpsim.optim.SGD:
+        assert_same_bits(w.detach(), theirs.detach())

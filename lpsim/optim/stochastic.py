@@ -1,9 +1,17 @@
 """SGD and AdamW for weights stored in low precision, updated by stochastic rounding.
 
 The weights themselves are the only copy: a bfloat16 tensor, or a float32 tensor restricted to any
-Float (or Fixed) format. Each step computes the update u in float32 (float64 for float64
-parameters) and sets the weight to the exact sum w + u rounded once into the weight format
-(lpsim.sr_add). With round to nearest an update smaller than half a spacing of w is lost, and
+Float (or Fixed) format. Each step computes the update u with torch.optim's own float32
+operations (float64 for float64 parameters): the gradient, weight decay, momentum buffers and Adam
+moments exactly as torch's single-tensor (foreach=False) SGD and AdamW compute them, and the term
+torch adds to the weight (lr * d_p for SGD, step_size * m / denom for AdamW) as torch forms it:
+SGD's alpha * d_p, which torch's ``add_(d_p, alpha=-lr)`` fuses into one rounding, is taken
+exactly (in float64, where the product of two float32 values is exact; for float64 parameters it
+is rounded to float64). The weight is then set to the exact sum w + u rounded once into the
+weight format (lpsim.sr_add), so with ``rounding="nearest"`` and float32 weights in their own
+format a step of SGD, or of AdamW without weight decay, is torch's bit for bit.
+
+With round to nearest an update smaller than half a spacing of w is lost, and
 training stagnates; with ``rounding="stochastic"`` it moves w to the next value with probability
 |u| / spacing, so E[w_new] = w + u and the weights follow the float32 trajectory in expectation,
 without the memory of a float32 master copy.
@@ -49,6 +57,10 @@ __all__ = ["SGD", "AdamW"]
 
 _WEIGHT, _FIRST_STATE, _SECOND_STATE = 0, 1, 2  # the k of a random stream's offset
 
+# torch.optim options these optimizers do not implement: a parameter group may carry any key, so
+# without a check a group asking for one of them would be stepped as if it had not.
+_UNSUPPORTED = ("maximize", "amsgrad", "foreach", "fused", "capturable", "differentiable")
+
 
 class _LowPrecision(Optimizer):
     """What SGD and AdamW share: checking the options, rounding the parameters into their format
@@ -66,6 +78,12 @@ class _LowPrecision(Optimizer):
         Raises:
             TypeError / ValueError: an option has the wrong type or range (the message names it).
         """
+        for name in _UNSUPPORTED:
+            if group.get(name) not in (None, False):
+                raise ValueError(
+                    f"{name} must be False or None: {type(self).__name__} does not implement "
+                    f"torch.optim's {name}, got {group[name]!r}"
+                )
         check_element_format("weight_format", group["weight_format"])
         check_element_format("state_format", group["state_format"])
         rule = Rounding.parse(group["rounding"])
@@ -207,6 +225,14 @@ class _LowPrecision(Optimizer):
         return loss, work
 
 
+def _scaled(t: torch.Tensor, alpha: float) -> torch.Tensor:
+    """alpha * t as torch's ``w.add_(t, alpha=alpha)`` adds it (one rounding of the whole sum):
+    alpha rounded to t's dtype, the product exact in float64 for a float32 t (and rounded to
+    float64 for a float64 t), ready for the exact sum of sr_add."""
+    factor = torch.tensor(alpha, dtype=t.dtype).item()
+    return t.to(torch.float64, copy=True).mul_(factor)
+
+
 class SGD(_LowPrecision):
     """Stochastic gradient descent (momentum, Nesterov, weight decay; torch.optim.SGD's rules) on
     weights stored in low precision and updated by rounding the exact sum w + u once.
@@ -286,7 +312,7 @@ class SGD(_LowPrecision):
                 )
                 buf = self._store(group, state, "momentum_buffer", new, _FIRST_STATE, p)
                 d_p = d_p.add_(buf, alpha=momentum) if group["nesterov"] else buf
-            self._update(group, p, state, d_p.mul(-group["lr"]))
+            self._update(group, p, state, _scaled(d_p, -group["lr"]))
         return loss
 
 
@@ -349,29 +375,24 @@ class AdamW(_LowPrecision):
         for group, p, state, grad in work:
             beta1, beta2 = group["betas"]
             t = state["step"]
-            m = state.get("exp_avg")
-            v = state.get("exp_avg_sq")
-            m = (
-                grad * (1 - beta1)
-                if m is None
-                else m.to(grad.dtype).mul_(beta1).add_(grad, alpha=1 - beta1)
-            )
-            v = (
-                grad * grad * (1 - beta2)
-                if v is None
-                else v.to(grad.dtype).mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            )
+            # torch's arithmetic: the moments start at zero and take lerp_ and mul_/addcmul_.
+            m, v = state.get("exp_avg"), state.get("exp_avg_sq")
+            m = torch.zeros_like(grad) if m is None else m.to(grad.dtype)
+            v = torch.zeros_like(grad) if v is None else v.to(grad.dtype)
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             m = self._store(group, state, "exp_avg", m, _FIRST_STATE, p)
             v = self._store(group, state, "exp_avg_sq", v, _SECOND_STATE, p)
             step_size = group["lr"] / (1 - beta1**t)
             denom = v.sqrt().div_(math.sqrt(1 - beta2**t)).add_(group["eps"])
             decay = group["lr"] * group["weight_decay"]
             if decay == 0 and not group["kahan"]:
+                # torch's addcdiv_ forms the term as (value * m) / denom.
                 sr_addcdiv_(
                     p,
-                    m,
+                    m.mul(-step_size),
                     denom,
-                    -step_size,
+                    1.0,
                     self._weight_format(group, p),
                     group["rounding"],
                     randomness=group["randomness"],
