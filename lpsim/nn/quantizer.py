@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from torch import nn
 
 from lpsim import _observation
@@ -342,6 +343,12 @@ class _Quantize(torch.autograd.Function):
             grad = grad.masked_fill(mask, 0.0)
         return grad, None, None, None, None, None
 
+
+class _QuantizeWithTangent(_Quantize):
+    """_Quantize with forward mode, used where forward mode can be active (a dual level of
+    torch.autograd.forward_ad, or any torch.func transform): dynamo refuses to trace an
+    autograd.Function that defines jvp, so a compiled model uses _Quantize itself."""
+
     @staticmethod
     def jvp(ctx, tangent, *_):
         """Forward mode (torch.func.jvp, jacfwd, forward_ad): the tangent passes, zero where the
@@ -433,9 +440,18 @@ class _QuantizingFunction:
     hooks: tuple
 
     def __call__(self, x: torch.Tensor, observed: tuple | None = None) -> torch.Tensor:
-        return _Quantize.apply(
+        function = _QuantizeWithTangent if _forward_mode_possible() else _Quantize
+        return function.apply(
             x, self.forward, self.backward, self.clamp_grad_zero, self.hooks, observed
         )[0]
+
+
+def _forward_mode_possible() -> bool:
+    """Whether a tangent may reach a quantiser: inside a forward_ad dual level or a torch.func
+    transform (torch.func.jvp, jacfwd, hessian), outside torch.compile's tracing."""
+    if torch.compiler.is_compiling():
+        return False
+    return forward_ad._current_level >= 0 or torch._C._functorch.maybe_current_level() is not None
 
 
 class Quantizer(nn.Module):
