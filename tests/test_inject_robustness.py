@@ -744,3 +744,46 @@ def test_an_embedding_with_max_norm_renormalises_its_parameter_and_looks_up_quan
         assert_same_bits(got, want)
     remove(layer)
     assert "forward" not in vars(layer) and layer.max_norm == plain.max_norm
+
+
+def _wrap_forward(module: nn.Module) -> nn.Module:
+    """Give ``module`` an instance forward wrapping its own (as accelerate's hooks do)."""
+    inner = module.forward
+    module.forward = lambda *args: 2 * inner(*args)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("make", "settings", "example"),
+    [
+        (lambda: nn.Linear(4, 3), _MAC, lambda: torch.randn(2, 4)),
+        (
+            lambda: nn.Linear(4, 3),
+            LayerQuantization(input_grad_operands=Operands(error=E5M2)),
+            lambda: torch.randn(2, 4),
+        ),
+        (
+            lambda: nn.Embedding(6, 3, max_norm=1.0),
+            LayerQuantization(weight=(E5M2, "nearest")),
+            lambda: torch.tensor([1, 2]),
+        ),
+    ],
+)
+def test_an_instance_forward_is_never_silently_dropped_or_deleted(make, settings, example):
+    """A module with a forward of its own (an instance attribute wrapping the class's, as
+    accelerate's hooks set) that inject would replace by its simulated or renormalising forward
+    is refused before the model changes: that wrapper once stopped running while injected, and
+    remove() deleted it."""
+    torch.manual_seed(0)
+    module = _wrap_forward(make())
+    wrapper = module.forward
+    x = example()
+    want = module(x)
+    with pytest.raises(NotImplementedError, match="forward of its own"):
+        inject(module, {type(module): settings})
+    assert module.forward is wrapper and not hasattr(module, "_lpsim_injection")
+    assert_same_bits(module(x), want)
+    # a weight setting wraps the instance forward in a weight scope, and remove() gives it back
+    inject(module, {type(module): LayerQuantization(bias=E5M2)}, unmatched="ignore")
+    remove(module)
+    assert module.forward is wrapper

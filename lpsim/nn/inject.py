@@ -1045,6 +1045,30 @@ def _check_no_hook_computes(module: nn.Module, kind: str) -> None:
             )
 
 
+def _simulates_products(module: nn.Module, settings: LayerQuantization) -> bool:
+    """Whether injecting ``settings`` gives ``module`` MACs (a simulated forward): it is a Linear,
+    Conv1d, Conv2d or MultiheadAttention, and its settings have MACs or backward Operands."""
+    has_macs = settings.macs() is not None or settings.operands() is not None
+    return has_macs and isinstance(module, _SIMULATED_PRODUCTS)
+
+
+def _replaces_forward(module: nn.Module, settings: LayerQuantization) -> str | None:
+    """What of injecting ``settings`` makes inject set ``module.forward`` to a forward of its own
+    (named, for an error message), or None: MACs (_simulated_forward), or a quantised weight of
+    an Embedding or EmbeddingBag with max_norm whose weight has no parametrisation yet
+    (_renorming_embedding_forward). The weight scope wraps any forward and replaces none."""
+    if _simulates_products(module, settings):
+        return "MACs (mac, input_grad_mac, weight_grad_mac, backward Operands)"
+    if (
+        isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+        and module.max_norm is not None
+        and settings.spec("weight") is not None
+        and not parametrize.is_parametrized(module, "weight")
+    ):
+        return "quantised weight (an Embedding with max_norm renormalises it in its own forward)"
+    return None
+
+
 def _check_module(module: nn.Module, settings: LayerQuantization) -> None:
     """Raise what injecting ``settings`` into ``module`` would raise, changing nothing (inject
     checks every module before it changes any). The parameters are checked as quantising them
@@ -1055,8 +1079,17 @@ def _check_module(module: nn.Module, settings: LayerQuantization) -> None:
         TypeError, ValueError, IndexError: as lpsim.quantize for a parameter; Operands on a module
             that is not a Linear; a module with an attribute named lpsim_scalers.
         NotImplementedError: a weight or bias to quantise is computed by a forward pre-hook (see
-            _check_no_hook_computes).
+            _check_no_hook_computes); the module has a forward of its own (an instance attribute)
+            that inject would replace (see _replaces_forward).
     """
+    replacing = _replaces_forward(module, settings)
+    if replacing is not None and "forward" in module.__dict__:
+        raise NotImplementedError(
+            f"inject(): {type(module).__name__} has a forward of its own (an instance attribute "
+            "'forward': a wrapper set by a library or a script), which inject would replace to "
+            f"run its {replacing} and remove() would delete: take the wrapper off before "
+            f"injecting (and put it back after remove()), or give this module no {replacing}"
+        )
     if settings.operands() is not None and not isinstance(module, nn.Linear):
         raise ValueError(
             "inject(): LayerQuantization.input_grad_operands and weight_grad_operands apply to "
@@ -1112,7 +1145,7 @@ def _inject_module(
         done["operands"] = operands
         done["eval_operands"] = settings.operands(for_eval=True)
         macs = macs if macs is not None else (_functional.NATIVE,) * 3
-    if macs is not None and isinstance(module, _SIMULATED_PRODUCTS):
+    if _simulates_products(module, settings):
         done["macs"] = macs
         done["eval_macs"] = tuple(m.for_eval(eval_rule) for m in macs)
         forward = (
