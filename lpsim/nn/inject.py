@@ -1167,6 +1167,8 @@ def _inject_module(
             # _check_module has checked what quantising the parameter checks.
             parametrize.register_parametrization(module, pname, quantise, unsafe=True)
             done[kind].append((pname, spec))
+    if done["weight"] or done["bias"]:
+        done["load_hook"] = module.register_load_state_dict_pre_hook(_load_plain_keys)
     if _renorms_its_weight(module):
         done["renorm"] = True
         module.forward = _bound(_renorming_embedding_forward, module)
@@ -1202,6 +1204,25 @@ def _inject_module(
         module.add_module(_SCALERS, scalers)
         done["scalers"] = True
     return done
+
+
+def _load_plain_keys(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    """load_state_dict pre-hook of a module whose parameters inject parametrised: a parameter
+    that inject's fake-quantiser alone parametrises loads from a state_dict saved without the
+    injection (a float32 checkpoint, under its plain name ``prefix + "weight"``) as from one saved
+    with it (``prefix + "parametrizations.weight.original"``), so that such a checkpoint loads
+    into the injected model (strict=False would otherwise load none of these parameters, and
+    strict=True refuse them). The key saved with the injection is taken where both are."""
+    done = getattr(module, _STATE, None)
+    if done is None:
+        return
+    for pname, _ in done["weight"] + done["bias"]:
+        parametrizations = module.parametrizations[pname]
+        if len(parametrizations) != 1 or not parametrizations.is_tensor:
+            continue  # parametrised before inject: its checkpoints have the parametrised keys
+        plain, original = prefix + pname, f"{prefix}parametrizations.{pname}.original"
+        if plain in state_dict and original not in state_dict:
+            state_dict[original] = state_dict.pop(plain)
 
 
 def _active(done: dict) -> bool:
@@ -1404,6 +1425,8 @@ def remove(model: nn.Module) -> nn.Module:
             _remove_quantiser(module, pname)
         _restore_parameter_order(module, done["parameter_order"])
         _release_flat_weights(module)
+        if "load_hook" in done:
+            done["load_hook"].remove()
         if done.get("scalers"):
             delattr(module, _SCALERS)
         delattr(module, _STATE)
