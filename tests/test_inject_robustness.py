@@ -744,3 +744,86 @@ def test_an_embedding_with_max_norm_renormalises_its_parameter_and_looks_up_quan
         assert_same_bits(got, want)
     remove(layer)
     assert "forward" not in vars(layer) and layer.max_norm == plain.max_norm
+
+
+def _wrap_forward(module: nn.Module) -> nn.Module:
+    """Give ``module`` an instance forward wrapping its own (as accelerate's hooks do)."""
+    inner = module.forward
+    module.forward = lambda *args: 2 * inner(*args)
+    return module
+
+
+@pytest.mark.parametrize(
+    ("make", "settings", "example"),
+    [
+        (lambda: nn.Linear(4, 3), _MAC, lambda: torch.randn(2, 4)),
+        (
+            lambda: nn.Linear(4, 3),
+            LayerQuantization(input_grad_operands=Operands(error=E5M2)),
+            lambda: torch.randn(2, 4),
+        ),
+        (
+            lambda: nn.Embedding(6, 3, max_norm=1.0),
+            LayerQuantization(weight=(E5M2, "nearest")),
+            lambda: torch.tensor([1, 2]),
+        ),
+    ],
+)
+def test_an_instance_forward_is_never_silently_dropped_or_deleted(make, settings, example):
+    """A module with a forward of its own (an instance attribute wrapping the class's, as
+    accelerate's hooks set) that inject would replace by its simulated or renormalising forward
+    is refused before the model changes: that wrapper once stopped running while injected, and
+    remove() deleted it."""
+    torch.manual_seed(0)
+    module = _wrap_forward(make())
+    wrapper = module.forward
+    x = example()
+    want = module(x)
+    with pytest.raises(NotImplementedError, match="forward of its own"):
+        inject(module, {type(module): settings})
+    assert module.forward is wrapper and not hasattr(module, "_lpsim_injection")
+    assert_same_bits(module(x), want)
+    # a weight setting wraps the instance forward in a weight scope, and remove() gives it back
+    inject(module, {type(module): LayerQuantization(bias=E5M2)}, unmatched="ignore")
+    remove(module)
+    assert module.forward is wrapper
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.body = nn.Sequential(nn.Linear(6, 6), nn.LSTM(6, 6))
+        self.out = nn.Linear(6, 10, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, i):
+        return self.out(self.body[1](self.body[0](self.emb(i)))[0])
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_checkpoint_saved_without_injection_loads_into_the_injected_model(strict):
+    """A float32 checkpoint (plain keys, "out.weight") loads into the injected model: every
+    parameter takes the checkpoint's value, a tied one stays tied, and the model computes what
+    torch computes with the checkpoint's parameters quantised. strict=False once loaded none of
+    the quantised parameters (reporting their keys as missing), and strict=True refused them."""
+    torch.manual_seed(0)
+    source = _TiedLM()
+    checkpoint = source.state_dict()
+    torch.manual_seed(1)
+    model = _TiedLM()
+    inject(model, {(nn.Embedding, nn.Linear, nn.LSTM): LayerQuantization(weight=E5M2, bias=E5M2)})
+    result = model.load_state_dict(checkpoint, strict=strict)
+    assert not result.missing_keys and not result.unexpected_keys
+    for got, want in zip(model.parameters(), source.parameters(), strict=True):
+        assert_same_bits(got, want)
+    assert model.emb.parametrizations.weight.original is model.out.parametrizations.weight.original
+    oracle = copy.deepcopy(source)
+    with torch.no_grad():
+        for p in oracle.parameters():
+            p.copy_(lpsim.quantize(p, E5M2, "nearest"))
+    i = torch.tensor([[1, 2, 3]])
+    assert_same_bits(model.eval()(i), oracle.eval()(i))
+    remove(model)
+    assert not model.body[0]._load_state_dict_pre_hooks
+    assert_same_state(model.state_dict(), checkpoint)

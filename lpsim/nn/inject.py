@@ -1045,6 +1045,30 @@ def _check_no_hook_computes(module: nn.Module, kind: str) -> None:
             )
 
 
+def _simulates_products(module: nn.Module, settings: LayerQuantization) -> bool:
+    """Whether injecting ``settings`` gives ``module`` MACs (a simulated forward): it is a Linear,
+    Conv1d, Conv2d or MultiheadAttention, and its settings have MACs or backward Operands."""
+    has_macs = settings.macs() is not None or settings.operands() is not None
+    return has_macs and isinstance(module, _SIMULATED_PRODUCTS)
+
+
+def _replaces_forward(module: nn.Module, settings: LayerQuantization) -> str | None:
+    """What of injecting ``settings`` makes inject set ``module.forward`` to a forward of its own
+    (named, for an error message), or None: MACs (_simulated_forward), or a quantised weight of
+    an Embedding or EmbeddingBag with max_norm whose weight has no parametrisation yet
+    (_renorming_embedding_forward). The weight scope wraps any forward and replaces none."""
+    if _simulates_products(module, settings):
+        return "MACs (mac, input_grad_mac, weight_grad_mac, backward Operands)"
+    if (
+        isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+        and module.max_norm is not None
+        and settings.spec("weight") is not None
+        and not parametrize.is_parametrized(module, "weight")
+    ):
+        return "quantised weight (an Embedding with max_norm renormalises it in its own forward)"
+    return None
+
+
 def _check_module(module: nn.Module, settings: LayerQuantization) -> None:
     """Raise what injecting ``settings`` into ``module`` would raise, changing nothing (inject
     checks every module before it changes any). The parameters are checked as quantising them
@@ -1055,8 +1079,17 @@ def _check_module(module: nn.Module, settings: LayerQuantization) -> None:
         TypeError, ValueError, IndexError: as lpsim.quantize for a parameter; Operands on a module
             that is not a Linear; a module with an attribute named lpsim_scalers.
         NotImplementedError: a weight or bias to quantise is computed by a forward pre-hook (see
-            _check_no_hook_computes).
+            _check_no_hook_computes); the module has a forward of its own (an instance attribute)
+            that inject would replace (see _replaces_forward).
     """
+    replacing = _replaces_forward(module, settings)
+    if replacing is not None and "forward" in module.__dict__:
+        raise NotImplementedError(
+            f"inject(): {type(module).__name__} has a forward of its own (an instance attribute "
+            "'forward': a wrapper set by a library or a script), which inject would replace to "
+            f"run its {replacing} and remove() would delete: take the wrapper off before "
+            f"injecting (and put it back after remove()), or give this module no {replacing}"
+        )
     if settings.operands() is not None and not isinstance(module, nn.Linear):
         raise ValueError(
             "inject(): LayerQuantization.input_grad_operands and weight_grad_operands apply to "
@@ -1112,7 +1145,7 @@ def _inject_module(
         done["operands"] = operands
         done["eval_operands"] = settings.operands(for_eval=True)
         macs = macs if macs is not None else (_functional.NATIVE,) * 3
-    if macs is not None and isinstance(module, _SIMULATED_PRODUCTS):
+    if _simulates_products(module, settings):
         done["macs"] = macs
         done["eval_macs"] = tuple(m.for_eval(eval_rule) for m in macs)
         forward = (
@@ -1134,6 +1167,8 @@ def _inject_module(
             # _check_module has checked what quantising the parameter checks.
             parametrize.register_parametrization(module, pname, quantise, unsafe=True)
             done[kind].append((pname, spec))
+    if done["weight"] or done["bias"]:
+        done["load_hook"] = module.register_load_state_dict_pre_hook(_load_plain_keys)
     if _renorms_its_weight(module):
         done["renorm"] = True
         module.forward = _bound(_renorming_embedding_forward, module)
@@ -1169,6 +1204,25 @@ def _inject_module(
         module.add_module(_SCALERS, scalers)
         done["scalers"] = True
     return done
+
+
+def _load_plain_keys(module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    """load_state_dict pre-hook of a module whose parameters inject parametrised: a parameter
+    that inject's fake-quantiser alone parametrises loads from a state_dict saved without the
+    injection (a float32 checkpoint, under its plain name ``prefix + "weight"``) as from one saved
+    with it (``prefix + "parametrizations.weight.original"``), so that such a checkpoint loads
+    into the injected model (strict=False would otherwise load none of these parameters, and
+    strict=True refuse them). The key saved with the injection is taken where both are."""
+    done = getattr(module, _STATE, None)
+    if done is None:
+        return
+    for pname, _ in done["weight"] + done["bias"]:
+        parametrizations = module.parametrizations[pname]
+        if len(parametrizations) != 1 or not parametrizations.is_tensor:
+            continue  # parametrised before inject: its checkpoints have the parametrised keys
+        plain, original = prefix + pname, f"{prefix}parametrizations.{pname}.original"
+        if plain in state_dict and original not in state_dict:
+            state_dict[original] = state_dict.pop(plain)
 
 
 def _active(done: dict) -> bool:
@@ -1371,6 +1425,8 @@ def remove(model: nn.Module) -> nn.Module:
             _remove_quantiser(module, pname)
         _restore_parameter_order(module, done["parameter_order"])
         _release_flat_weights(module)
+        if "load_hook" in done:
+            done["load_hook"].remove()
         if done.get("scalers"):
             delattr(module, _SCALERS)
         delattr(module, _STATE)
