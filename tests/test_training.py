@@ -752,3 +752,24 @@ def test_optim_lp_bad_spec_error_names_every_accepted_kind():
         OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), weight=object())
     with pytest.raises(TypeError, match="acc must be None, .*pair or a function tensor"):
         lpsim.optim.ParameterQuantization(acc=3)
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("forward_spec", (Float(3, 1), "nearest")),
+        ("backward_spec", None),
+        ("clamp_grad_zero", True),
+        ("backward_hooks", ()),
+        ("eval_rounding", "down"),
+    ],
+)
+def test_assigning_a_quantizer_setting_raises_instead_of_being_ignored(name, value):
+    """The Quantizer builds its quantising functions when it is made: an assigned setting would
+    change the attribute but not the rounding (silently, eager and compiled alike). Assigning is
+    refused, and the module keeps rounding as made: e5m2 nearest, torch's float8_e5m2 cast."""
+    q = Quantizer(forward=(Float(5, 2), "nearest"), backward=(Float(5, 2), "nearest"))
+    x = torch.randn(64) * 100
+    with pytest.raises(AttributeError, match=f"Quantizer.{name} is fixed"):
+        setattr(q, name, value)
+    assert_same_bits(q(x), x.to(torch.float8_e5m2).float())
