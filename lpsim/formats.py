@@ -145,6 +145,13 @@ def _stored_grid_arguments(fmt, dtype: torch.dtype) -> tuple:
     return arguments
 
 
+@torch.compiler.assume_constant_result
+def _constant_grid_arguments(fmt, dtype: torch.dtype) -> tuple:
+    """_stored_grid_arguments(fmt, dtype), which dynamo computes at trace time (guarding on fmt's
+    identity) and holds as a constant."""
+    return _stored_grid_arguments(fmt, dtype)
+
+
 def check_int_field(owner: str, name: str, value, low: int, high: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{owner}.{name} must be an int, got {type(value).__name__}")
@@ -204,9 +211,19 @@ class _OnGrid:
     def grid_arguments(self, dtype: torch.dtype) -> tuple:
         """grid() as the ops' argument tuple for a tensor of ``dtype``.
 
+        While torch.compile traces, the arguments of a format whose grid is stored (every format
+        made outside the trace) are computed at trace time and enter the graph as constants (see
+        lpsim.fusable.format_constants): read through the format's attributes under
+        torch.compile(dynamic=True), their floats were symbolic, which dynamo could not pass into
+        the ops called inside an autograd.Function (a stochastic quantiser of lpsim.nn in a model
+        compiled before any eager call raised an internal dynamo error).
+
         Raises:
             ValueError: the format does not fit ``dtype`` (see check_fits).
         """
+        if torch.compiler.is_compiling() and self.__dict__.get("_grid") is not None:
+            check_fits(self, dtype)
+            return _constant_grid_arguments(self, dtype)
         return _stored_grid_arguments(self, dtype)
 
     def stored_grid_arguments(self, dtype: torch.dtype) -> tuple | None:
