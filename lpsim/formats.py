@@ -122,7 +122,19 @@ def stored_grid(fmt) -> GridSpec:
         if not torch.compiler.is_compiling():
             _GRIDS.setdefault(fmt, grid)
             object.__setattr__(fmt, "_grid", grid)  # frozen: set once, never changed
+            # The first equal format made: what torch.compile's trace-time constants are keyed by
+            # (dynamo guards on its identity, so equal formats share a compiled graph).
+            object.__setattr__(fmt, "_first", _FIRST.setdefault(fmt, fmt))
     return grid
+
+
+_FIRST: dict = {}
+
+
+def first_equal(fmt):
+    """The first format made equal to fmt (fmt itself if none was), for a format whose grid is
+    stored; None for one made while torch.compile traces."""
+    return fmt.__dict__.get("_first")
 
 
 def _stored_grid_arguments(fmt, dtype: torch.dtype) -> tuple:
@@ -148,7 +160,7 @@ def _stored_grid_arguments(fmt, dtype: torch.dtype) -> tuple:
 @torch.compiler.assume_constant_result
 def _constant_grid_arguments(fmt, dtype: torch.dtype) -> tuple:
     """_stored_grid_arguments(fmt, dtype), which dynamo computes at trace time (guarding on fmt's
-    identity) and holds as a constant."""
+    identity: fmt is first_equal's, shared by equal formats) and holds as a constant."""
     return _stored_grid_arguments(fmt, dtype)
 
 
@@ -221,9 +233,10 @@ class _OnGrid:
         Raises:
             ValueError: the format does not fit ``dtype`` (see check_fits).
         """
-        if torch.compiler.is_compiling() and self.__dict__.get("_grid") is not None:
+        first = first_equal(self) if torch.compiler.is_compiling() else None
+        if first is not None:
             check_fits(self, dtype)
-            return _constant_grid_arguments(self, dtype)
+            return _constant_grid_arguments(first, dtype)
         return _stored_grid_arguments(self, dtype)
 
     def stored_grid_arguments(self, dtype: torch.dtype) -> tuple | None:

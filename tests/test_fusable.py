@@ -596,3 +596,20 @@ def test_inductor_compiled_quantize_follows_every_format_rule_and_seed_it_is_giv
 
 
 _GLOBAL_FORMAT = Float(5, 2)
+
+
+@pytest.mark.parametrize("rule", ["nearest", "stochastic"])
+def test_equal_formats_made_apart_share_one_compiled_graph(rule):
+    """A compiled function given a new but equal format at every call (Float(5, 2) written at the
+    call site) compiles once: the trace-time constants are keyed by the first equal format, whose
+    identity dynamo guards on (not the identity of each new object, which recompiled every call),
+    and each call gives the eager bits."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.randn(64, generator=torch.Generator().manual_seed(2)) * 10
+    f = torch.compile(lambda x, fmt: lpsim.quantize(x, fmt, rule, seed=4), backend="aot_eager")
+    for _ in range(3):
+        assert_same_bits(f(x, Float(5, 2)), lpsim.quantize(x, Float(5, 2), rule, seed=4))
+    assert counters["stats"]["unique_graphs"] == 1
