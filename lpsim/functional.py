@@ -8,7 +8,10 @@ Randomness. The stochastic rules draw one 32-bit word per element from Philox4x3
 (seed, offset) and the element's position in x (row-major, whatever x's strides), so the result
 does not depend on the thread count, the memory layout or the device. Without ``seed``, a seed is
 drawn from torch's default CPU generator, so ``torch.manual_seed`` makes runs reproducible.
-``offset`` selects a disjoint stream under the same seed.
+``offset`` selects a disjoint stream under the same seed. Under torch.compile with Inductor that
+draw is a random op of the graph, generated Inductor's way: reproducible under
+``torch.manual_seed``, but other seeds than eager's unless
+``torch._inductor.config.fallback_random`` is set (an explicit ``seed`` rounds alike in both).
 
 Under torch.compile, Float, Fixed and P3109 formats with a deterministic rule are rounded by
 lpsim.fusable's torch-op form of the same rounding (bit for bit the kernel's), which Inductor fuses

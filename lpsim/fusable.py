@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from lpsim._checks import check_container, check_offset
-from lpsim.formats import CONTAINERS, GRID_FORMATS, GridSpec
+from lpsim.formats import CONTAINERS, GRID_FORMATS, GridSpec, first_equal
 from lpsim.rounding import Rounding, check_rbits
 
 __all__ = ["quantize_grid_torch", "compiled_quantize", "compiled_quantize_", "FUSABLE_RULES"]
@@ -108,8 +108,9 @@ def format_constants(fmt, dtype: torch.dtype) -> _Constants:
     any trace), and the constants of such a format are computed by dynamo at trace time
     (_stored_format_constants). A format made inside a traced function has no stored grid, and
     its grid's fields are constants of that trace."""
-    if fmt.__dict__.get("_grid") is not None:
-        return _stored_format_constants(fmt, dtype)
+    first = first_equal(fmt)
+    if first is not None:  # the first equal format: equal formats share the compiled graph
+        return _stored_format_constants(first, dtype)
     return _constants(fmt.grid(), dtype)
 
 

@@ -545,3 +545,71 @@ def test_models_injected_with_different_formats_compile_one_after_another():
     for fmt in ("Float(5, 2)", "Fixed(8, 4)"):  # a format made inside the traced function
         made_inside = torch.compile(eval(f"lambda x: lpsim.quantize(x, {fmt})"), fullgraph=True)
         assert_same_bits(made_inside(x), lpsim.quantize(x, eval(fmt)), fmt)
+
+
+# ---- Inductor (the default backend) and dynamo's guards
+
+
+def test_inductor_compiled_quantize_follows_every_format_rule_and_seed_it_is_given():
+    """One Inductor-compiled function takes the format, the rule, the seed, the offset and rbits
+    as arguments, or reads the format from a global: each new configuration recompiles (or takes
+    a graph made for it) and gives its own bits, never the cached graph of the one before.
+    Deterministic cases against torch's casts and round-half-even; stochastic ones against the
+    eager call with the same seed, on a non-contiguous input with specials."""
+    torch._dynamo.reset()
+    x = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-40, 448.0, 500.0, 3.3e38])
+    x = torch.cat([x, torch.randn(55, generator=torch.Generator().manual_seed(5)) * 30])
+    x = x.reshape(8, 8).t()
+    e4m3 = lpsim.preset("e4m3fn_saturating")  # torch's float8_e4m3fn cast
+    f = torch.compile(
+        lambda x, fmt, rule, seed, offset, rbits: lpsim.quantize(
+            x, fmt, rule, seed=seed, offset=offset, rbits=rbits
+        )
+    )
+    fixed = torch.round(x * 16).clamp(-128, 127) / 16
+    for fmt, rule, want in [
+        (Float(5, 2), "nearest", x.to(torch.float8_e5m2).float()),
+        (e4m3, "nearest", x.to(torch.float8_e4m3fn).float()),
+        (Fixed(8, 4), "nearest", torch.where(x.isnan(), x, fixed)),
+        (Float(8, 7), Rounding.nearest, x.to(torch.bfloat16).float()),
+    ]:
+        assert_same_bits(f(x, fmt, rule, None, 0, None), want, f"{fmt!r} {rule}")
+    draws = []
+    for fmt, rule, seed, offset, rbits in [
+        (Float(5, 2), "stochastic", 1, 0, None),
+        (Float(5, 2), "stochastic", 2, 0, None),
+        (Float(5, 2), "stochastic", 2, 7, None),
+        (Float(5, 2), "stochastic", 2, 7, 3),
+        (e4m3, "stochastic_equal", 2, 7, None),
+    ]:
+        got = f(x, fmt, rule, seed, offset, rbits)
+        want = lpsim.quantize(x, fmt, rule, seed=seed, offset=offset, rbits=rbits)
+        assert_same_bits(got, want, f"{fmt!r} {rule} seed={seed} offset={offset} rbits={rbits}")
+        draws.append(got)
+    assert all(not torch.equal(a, b) for a, b in zip(draws, draws[1:]))  # each call drew anew
+
+    global _GLOBAL_FORMAT
+    g = torch.compile(lambda x: lpsim.quantize(x, _GLOBAL_FORMAT, "nearest"))
+    for fmt, dtype in [(Float(5, 2), torch.float8_e5m2), (e4m3, torch.float8_e4m3fn)]:
+        _GLOBAL_FORMAT = fmt
+        assert_same_bits(g(x), x.to(dtype).float(), f"global {fmt!r}")
+
+
+_GLOBAL_FORMAT = Float(5, 2)
+
+
+@pytest.mark.parametrize("rule", ["nearest", "stochastic"])
+def test_equal_formats_made_apart_share_one_compiled_graph(rule):
+    """A compiled function given a new but equal format at every call (Float(5, 2) written at the
+    call site) compiles once: the trace-time constants are keyed by the first equal format, whose
+    identity dynamo guards on (not the identity of each new object, which recompiled every call),
+    and each call gives the eager bits."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    x = torch.randn(64, generator=torch.Generator().manual_seed(2)) * 10
+    f = torch.compile(lambda x, fmt: lpsim.quantize(x, fmt, rule, seed=4), backend="aot_eager")
+    for _ in range(3):
+        assert_same_bits(f(x, Float(5, 2)), lpsim.quantize(x, Float(5, 2), rule, seed=4))
+    assert counters["stats"]["unique_graphs"] == 1

@@ -752,3 +752,85 @@ def test_optim_lp_bad_spec_error_names_every_accepted_kind():
         OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), weight=object())
     with pytest.raises(TypeError, match="acc must be None, .*pair or a function tensor"):
         lpsim.optim.ParameterQuantization(acc=3)
+
+
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("forward_spec", (Float(3, 1), "nearest")),
+        ("backward_spec", None),
+        ("clamp_grad_zero", True),
+        ("backward_hooks", ()),
+        ("eval_rounding", "down"),
+    ],
+)
+def test_assigning_a_quantizer_setting_raises_instead_of_being_ignored(name, value):
+    """The Quantizer builds its quantising functions when it is made: an assigned setting would
+    change the attribute but not the rounding (silently, eager and compiled alike). Assigning is
+    refused, and the module keeps rounding as made: e5m2 nearest, torch's float8_e5m2 cast."""
+    q = Quantizer(forward=(Float(5, 2), "nearest"), backward=(Float(5, 2), "nearest"))
+    x = torch.randn(64) * 100
+    with pytest.raises(AttributeError, match=f"Quantizer.{name} is fixed"):
+        setattr(q, name, value)
+    assert_same_bits(q(x), x.to(torch.float8_e5m2).float())
+
+
+def _inductor_training_run(recipe, optimizer: str, compiled: bool, batches: list[int]):
+    """Weights after one step per batch size: an MLP with the recipe injected, the forward (and
+    so AOTAutograd's backward) compiled by Inductor when ``compiled``, the loss and the optimizer
+    step eager. No bias and a weighted-sum loss: every float32 op outside lpsim is then exact in
+    both (Inductor sums and softmaxes in another order than eager)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(6, 8, bias=False),
+        nn.ReLU(),
+        nn.Linear(8, 8, bias=False),
+        nn.ReLU(),
+        nn.Linear(8, 8, bias=False),
+        nn.ReLU(),
+        nn.Linear(8, 3, bias=False),
+    )
+    if optimizer == "OptimLP(SGD)":
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, opt = recipe.apply(model, sgd)
+    else:
+        inject(model, recipe.layers(model), unmatched="ignore")
+        opt = lpsim.optim.FusedAdam(
+            model.parameters(), lr=0.01, weight_format=BF16, grad_format=E5M2,
+            state_format=Float(6, 9),
+        )  # fmt: skip
+    forward = torch.compile(model, dynamic=len(set(batches)) > 1) if compiled else model
+    torch.manual_seed(1)
+    for batch in batches:
+        x, weights = torch.randn(batch, 6), torch.randn(batch, 3)
+        opt.zero_grad()
+        ((forward(x) * weights).sum() * recipe.loss_scale).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "recipe,optimizer,batches",
+    [
+        (lpsim.recipes.FIXED8, "OptimLP(SGD)", [5, 6, 7]),
+        (lpsim.recipes.IBM8, "FusedAdam", [5, 5, 5]),
+    ],
+    ids=["fixed8-OptimLP-dynamic", "ibm8-FusedAdam"],
+)
+def test_inductor_compiled_training_steps_give_the_eager_weights(recipe, optimizer, batches):
+    """Three training steps with the model compiled by Inductor (the default backend) give the
+    weights of the eager steps bit for bit: stochastic outputs and errors (fixed8: their seeds
+    drawn inside the compiled forward and backward graphs, random ops generated as eager's with
+    fallback_random, as docs/training.md says), stochastic optimizer state, and batch sizes that
+    change under dynamic=True."""
+    torch._dynamo.reset()
+    config = torch._inductor.config
+    previous = config.fallback_random
+    config.fallback_random = True
+    try:
+        got = _inductor_training_run(recipe, optimizer, True, batches)
+    finally:
+        config.fallback_random = previous
+    want = _inductor_training_run(recipe, optimizer, False, batches)
+    for g, w in zip(got, want):
+        assert_same_bits(g, w)

@@ -122,7 +122,19 @@ def stored_grid(fmt) -> GridSpec:
         if not torch.compiler.is_compiling():
             _GRIDS.setdefault(fmt, grid)
             object.__setattr__(fmt, "_grid", grid)  # frozen: set once, never changed
+            # The first equal format made: what torch.compile's trace-time constants are keyed by
+            # (dynamo guards on its identity, so equal formats share a compiled graph).
+            object.__setattr__(fmt, "_first", _FIRST.setdefault(fmt, fmt))
     return grid
+
+
+_FIRST: dict = {}
+
+
+def first_equal(fmt):
+    """The first format made equal to fmt (fmt itself if none was), for a format whose grid is
+    stored; None for one made while torch.compile traces."""
+    return fmt.__dict__.get("_first")
 
 
 def _stored_grid_arguments(fmt, dtype: torch.dtype) -> tuple:
@@ -143,6 +155,13 @@ def _stored_grid_arguments(fmt, dtype: torch.dtype) -> tuple:
     if not torch.compiler.is_compiling() and "_grid_arguments" not in fmt.__dict__:
         object.__setattr__(fmt, "_grid_arguments", stored)  # frozen: a cache, not a field
     return arguments
+
+
+@torch.compiler.assume_constant_result
+def _constant_grid_arguments(fmt, dtype: torch.dtype) -> tuple:
+    """_stored_grid_arguments(fmt, dtype), which dynamo computes at trace time (guarding on fmt's
+    identity: fmt is first_equal's, shared by equal formats) and holds as a constant."""
+    return _stored_grid_arguments(fmt, dtype)
 
 
 def check_int_field(owner: str, name: str, value, low: int, high: int) -> None:
@@ -204,9 +223,20 @@ class _OnGrid:
     def grid_arguments(self, dtype: torch.dtype) -> tuple:
         """grid() as the ops' argument tuple for a tensor of ``dtype``.
 
+        While torch.compile traces, the arguments of a format whose grid is stored (every format
+        made outside the trace) are computed at trace time and enter the graph as constants (see
+        lpsim.fusable.format_constants): read through the format's attributes under
+        torch.compile(dynamic=True), their floats were symbolic, which dynamo could not pass into
+        the ops called inside an autograd.Function (a stochastic quantiser of lpsim.nn in a model
+        compiled before any eager call raised an internal dynamo error).
+
         Raises:
             ValueError: the format does not fit ``dtype`` (see check_fits).
         """
+        first = first_equal(self) if torch.compiler.is_compiling() else None
+        if first is not None:
+            check_fits(self, dtype)
+            return _constant_grid_arguments(first, dtype)
         return _stored_grid_arguments(self, dtype)
 
     def stored_grid_arguments(self, dtype: torch.dtype) -> tuple | None:

@@ -454,6 +454,23 @@ def _forward_mode_possible() -> bool:
     return forward_ad._current_level >= 0 or torch._C._functorch.maybe_current_level() is not None
 
 
+def _setting(name: str) -> property:
+    """A read-only attribute of Quantizer, held in ``_<name>``. Assigning it raises: the
+    module's quantising functions were built from it and would not change."""
+
+    def read(self):
+        return self.__dict__["_" + name]
+
+    def refuse(self, value):
+        raise AttributeError(
+            f"Quantizer.{name} is fixed when the Quantizer is made (its quantising functions and "
+            f"DelayedScalers are built from it); make a new Quantizer(...) with the {name} "
+            "wanted"
+        )
+
+    return property(read, refuse)
+
+
 class Quantizer(nn.Module):
     """A module wrapping quantizer(): quantises activations forward and errors backward.
 
@@ -468,6 +485,11 @@ class Quantizer(nn.Module):
 
     While a lpsim.diagnostics.recorder.Recorder observes its model, the module's forward
     rounding is recorded as its "output" and its backward rounding as its "error".
+
+    The settings are read-only attributes (``forward_spec``, ``backward_spec``,
+    ``clamp_grad_zero``, ``backward_hooks``, ``eval_rounding``): the quantising functions and the
+    DelayedScalers are built from them when the module is made, so assigning one raises
+    AttributeError instead of leaving the module rounding as before; make a new Quantizer.
     """
 
     def __init__(
@@ -481,11 +503,12 @@ class Quantizer(nn.Module):
         eval_rounding: Rounding | str | None = "nearest",
     ):
         super().__init__()
-        self.forward_spec = as_spec(forward, forward_rounding, "forward")
-        self.backward_spec = as_spec(backward, backward_rounding, "backward")
-        self.clamp_grad_zero = clamp_grad_zero
-        self.backward_hooks = tuple(backward_hooks)
-        self.eval_rounding = parse_eval_rounding(eval_rounding)
+        settings = self.__dict__
+        settings["_forward_spec"] = as_spec(forward, forward_rounding, "forward")
+        settings["_backward_spec"] = as_spec(backward, backward_rounding, "backward")
+        settings["_clamp_grad_zero"] = clamp_grad_zero
+        settings["_backward_hooks"] = tuple(backward_hooks)
+        settings["_eval_rounding"] = parse_eval_rounding(eval_rounding)
         forward_train, forward_eval, self.forward_scaler = bind(
             self.forward_spec, self.eval_rounding
         )
@@ -498,6 +521,12 @@ class Quantizer(nn.Module):
         self._apply_eval = quantizing_function(
             forward_eval, backward_eval, clamp_grad_zero, self.backward_hooks
         )
+
+    forward_spec = _setting("forward_spec")
+    backward_spec = _setting("backward_spec")
+    clamp_grad_zero = _setting("clamp_grad_zero")
+    backward_hooks = _setting("backward_hooks")
+    eval_rounding = _setting("eval_rounding")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.apply_for(self, x)
