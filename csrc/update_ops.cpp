@@ -2,7 +2,7 @@
 // around the CPU loops (cpu/update.h) and the CUDA launchers (cuda/update.h).
 //
 //   sr_add, sr_add_        a + b computed exactly, rounded once onto a Float or Fixed grid
-//   sr_addc, sr_addc_      a + value * (t1 * t2) or a + value * (t1 / t2), the term computed in
+//   sr_addc, sr_addc_      a + (value * t1) * t2 or a + (value * t1) / t2, the term computed in
 //                          float32 (float64 if an operand is float64), the sum exact, rounded once
 //   value_words            test hook: the value-keyed random words
 //
@@ -57,7 +57,7 @@ Dtype operand_of(const at::Tensor& a, const at::Tensor& b, const char* name) {
 }
 
 // One update y[i] = round(x[i] + term(i)), i < n, over contiguous arrays on one device: the term is
-// b[i] (sr_add) or value * (t1[i] * t2[i]), value * (t1[i] / t2[i]) with `divide` (sr_addc).
+// b[i] (sr_add) or (value * t1[i]) * t2[i], (value * t1[i]) / t2[i] with `divide` (sr_addc).
 struct Update {
   Dtype a;        // container of x and y
   Dtype operand;  // container of b, or of t1 and t2
@@ -120,7 +120,7 @@ void add_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& dst, U
   out.finish();
 }
 
-// dst = a + value * (t1 op t2) rounded (dst may be a).
+// dst = a + (value * t1) op t2 rounded (dst may be a).
 template <UpdateKernel kernel>
 void addc_into(const at::Tensor& a, const at::Tensor& t1, const at::Tensor& t2, double value,
                bool divide, const at::Tensor& dst, Update u) {

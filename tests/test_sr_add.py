@@ -614,3 +614,18 @@ def test_the_op_rejects_grids_without_explicit_precision():
 def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_addcdiv_with_nearest_into_a_own_dtype_is_torch_addcdiv(dtype):
+    # The term is (value * t1) / t2, each operation rounded, as torch forms it; the exact sum with
+    # a rounded once to nearest is then torch's rounded addition.
+    generator = torch.Generator().manual_seed(4)
+    a, t1 = (torch.randn(20000, generator=generator, dtype=dtype) for _ in range(2))
+    t2 = torch.rand(20000, generator=generator, dtype=dtype) + 0.01
+    for value in (1.0, -1.7e-3, 0.3):
+        got = lpsim.sr_addcdiv(a, t1, t2, value, rounding="nearest")
+        assert_same_bits(got, torch.addcdiv(a, t1, t2, value=value), f"value {value}")
+        inplace = a.clone()
+        lpsim.sr_addcdiv_(inplace, t1, t2, value, rounding="nearest")
+        assert_same_bits(inplace, a.clone().addcdiv_(t1, t2, value=value), f"value {value}")

@@ -17,7 +17,7 @@ void add_rounded(Dtype a, Dtype b, Rounding rounding, Randomness randomness, con
                  const RandomSpec& random);
 
 // y[i] = x[i] + t[i] computed exactly and rounded once onto `grid`, where the term
-// t[i] = value * (t1[i] * t2[i]) (divide: value * (t1[i] / t2[i])) is computed as lpsim/update.h's
+// t[i] = (value * t1[i]) * t2[i] (divide: (value * t1[i]) / t2[i]) is computed as lpsim/update.h's
 // AddcOperands says. t1 and t2 have dtype `t`, which is `a`, float32 or float64.
 void addc_rounded(Dtype a, Dtype t, bool divide, double value, Rounding rounding,
                   Randomness randomness, const void* x, const void* t1, const void* t2, void* y,

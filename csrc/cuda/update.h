@@ -19,7 +19,7 @@ void add_rounded(Dtype a, Dtype b, Rounding rounding, Randomness randomness, con
                  const void* bv, void* y, int64_t n, const GridSpec& grid, const RandomSpec& random,
                  cudaStream_t stream);
 
-// y = x + value * (t1 op t2), as cpu::addc_rounded over [0, n).
+// y = x + (value * t1) op t2, as cpu::addc_rounded over [0, n).
 void addc_rounded(Dtype a, Dtype t, bool divide, double value, Rounding rounding,
                   Randomness randomness, const void* x, const void* t1, const void* t2, void* y,
                   int64_t n, const GridSpec& grid, const RandomSpec& random, cudaStream_t stream);

@@ -387,12 +387,12 @@ class AdamW(_LowPrecision):
             denom = v.sqrt().div_(math.sqrt(1 - beta2**t)).add_(group["eps"])
             decay = group["lr"] * group["weight_decay"]
             if decay == 0 and not group["kahan"]:
-                # torch's addcdiv_ forms the term as (value * m) / denom.
+                # The term (value * m) / denom, as torch's addcdiv_ forms it.
                 sr_addcdiv_(
                     p,
-                    m.mul(-step_size),
+                    m,
                     denom,
-                    1.0,
+                    -step_size,
                     self._weight_format(group, p),
                     group["rounding"],
                     randomness=group["randomness"],

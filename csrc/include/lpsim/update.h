@@ -43,10 +43,11 @@ struct AddOperands {
   }
 };
 
-// Operands of sr_addc: x[i] and the term value * (t1[i] * t2[i]), or value * (t1[i] / t2[i]) with
+// Operands of sr_addc: x[i] and the term (value * t1[i]) * t2[i], or (value * t1[i]) / t2[i] with
 // `divide`, as words of K = TermContainer<A, TC>. The term is computed in K's precision, each
-// operation rounded to nearest (as torch's addcmul / addcdiv in that precision); only the sum with
-// x is exact.
+// operation rounded to nearest, in torch's order (torch's addcdiv in that precision gives this
+// term; its CPU addcmul fuses the last multiplication with the addition); only the sum with x is
+// exact.
 template <class A, class TC, class K>
 struct AddcOperands {
   using T = RealOf<K>;
@@ -58,7 +59,8 @@ struct AddcOperands {
   LPSIM_FN void operator()(uint64_t i, typename K::word& ua, typename K::word& ub) const {
     const T p = real_of(convert_exact<K, TC>(static_cast<typename TC::word>(t1[i])));
     const T q = real_of(convert_exact<K, TC>(static_cast<typename TC::word>(t2[i])));
-    ub = bits_of_real(divide ? mul_rn(value, div_rn(p, q)) : mul_rn(value, mul_rn(p, q)));
+    const T scaled = mul_rn(value, p);
+    ub = bits_of_real(divide ? div_rn(scaled, q) : mul_rn(scaled, q));
     ua = convert_exact<K, A>(static_cast<typename A::word>(x[i]));
   }
 };
