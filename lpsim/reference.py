@@ -414,12 +414,16 @@ def sr_add(
 def addc_term(
     a_dtype: torch.dtype, t1: torch.Tensor, t2: torch.Tensor, value: float, divide: bool
 ) -> torch.Tensor:
-    """The term (value * t1) * t2 (or (value * t1) / t2) of sr_addcmul / sr_addcdiv: computed in
-    float64 when a or the tensors are float64, else float32, each operation rounded to nearest."""
+    """The term (value * t1) * t2 (or (value * t1) / t2) of sr_addcmul / sr_addcdiv, in torch's
+    order: computed in float64 when a or the tensors are float64, else float32, each operation
+    rounded to nearest, except addcmul's last product in float32, which is exact (returned in
+    float64)."""
     wide = torch.float64 if torch.float64 in (a_dtype, t1.dtype, t2.dtype) else torch.float32
     v = torch.tensor(value, dtype=torch.float64).to(wide)
     p, q = t1.to(wide), t2.to(wide)
-    return (v * p) / q if divide else (v * p) * q
+    if divide:
+        return (v * p) / q
+    return (v * p).double() * q.double()  # exact for float32 factors, rounded for float64 ones
 
 
 def container_grid(fmt: Float | Fixed, dtype: torch.dtype) -> RefGrid:

@@ -238,18 +238,20 @@ def _addc(
 _ADDC_DOC = """{summary}
 
     The term (value * tensor1) {op} tensor2 is computed in float32, or in float64 when a or the
-    tensors are float64, each operation rounded to nearest, in torch's order (value is first rounded
-    to that precision, as torch does); the sum of a and the term is then exact and rounded once, as
-    in sr_add. With rounding "nearest" into a's own dtype, sr_addcdiv is torch's CPU addcdiv bit for
-    bit (on every device: torch's CUDA kernels group the ops otherwise); torch's CPU addcmul fuses
-    its last multiplication with the addition (one rounding of the product and the sum), so
-    sr_addcmul differs from it where rounding the product matters. tensor1 and tensor2 are broadcast
-    to a's shape. Other arguments, among them the default rounding "stochastic", and errors as for
-    sr_add (TypeError also when value is not a number). Not differentiable: with grad mode on and an
-    argument that requires grad, a backward pass that reaches the result raises RuntimeError. The
-    in-place form follows torch's in-place rules as sr_add_ does: a non-leaf a keeps its history,
-    and if tensor1 or tensor2 requires grad, a backward through a raises. tensor1 and tensor2 may
-    share memory with a: the in-place form uses their values before the update.
+    tensors are float64, in torch's order, each operation rounded to nearest except as follows
+    (value is first rounded to that precision, as torch does); the sum of a and the term is then
+    exact and rounded once, as in sr_add. With rounding "nearest" into a's own dtype, sr_addcdiv is
+    torch's CPU addcdiv bit for bit (on every device: torch's CUDA kernels group the ops otherwise);
+    torch's CPU addcmul fuses its last multiplication with the addition, and so does sr_addcmul:
+    that product is exact (held in float64), so that with "nearest" into float32 sr_addcmul is
+    torch's CPU addcmul bit for bit (in float64 it is rounded to nearest, as no wider container
+    holds it). tensor1 and tensor2 are broadcast to a's shape. Other arguments, among them the
+    default rounding "stochastic", and errors as for sr_add (TypeError also when value is not a
+    number). Not differentiable: with grad mode on and an argument that requires grad, a backward
+    pass that reaches the result raises RuntimeError. The in-place form follows torch's in-place
+    rules as sr_add_ does: a non-leaf a keeps its history, and if tensor1 or tensor2 requires grad,
+    a backward through a raises. tensor1 and tensor2 may share memory with a: the in-place form uses
+    their values before the update.
     """
 
 

@@ -616,6 +616,19 @@ def test_docstring_examples_run(module):
     assert result.failed == 0
 
 
+def test_addcmul_with_nearest_into_float32_is_torch_addcmul():
+    # torch's CPU addcmul is fma(value * t1, t2, a): the product exact, one rounding with the sum,
+    # which the exact sum of a and the exact term rounded once to nearest is.
+    generator = torch.Generator().manual_seed(5)
+    a, t1, t2 = (torch.randn(20000, generator=generator) for _ in range(3))
+    for value in (1.0, -1.7e-3, 0.3):
+        got = lpsim.sr_addcmul(a, t1, t2, value, rounding="nearest")
+        assert_same_bits(got, torch.addcmul(a, t1, t2, value=value), f"value {value}")
+        inplace = a.clone()
+        lpsim.sr_addcmul_(inplace, t1, t2, value, rounding="nearest")
+        assert_same_bits(inplace, a.clone().addcmul_(t1, t2, value=value), f"value {value}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_addcdiv_with_nearest_into_a_own_dtype_is_torch_addcdiv(dtype):
     # The term is (value * t1) / t2, each operation rounded, as torch forms it; the exact sum with

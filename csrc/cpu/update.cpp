@@ -127,13 +127,19 @@ void addc_rounded(Dtype a, Dtype t, bool divide, double value, Rounding rounding
     using A = decltype(ca);
     with_operand<A>(t, [&](auto ct) {
       using TC = decltype(ct);
-      using K = TermContainer<A, TC>;
-      using Load = AddcOperands<A, TC, K>;
-      const Load load{static_cast<const typename A::storage*>(x),
-                      static_cast<const typename TC::storage*>(t1),
-                      static_cast<const typename TC::storage*>(t2),
-                      static_cast<typename Load::T>(value), divide};
-      update_span<A, K>(load, rounding, randomness, y, begin, end, grid, random);
+      const auto run = [&](auto divides) {
+        using Load = AddcOperands<A, TC, decltype(divides)::value>;
+        const Load load{static_cast<const typename A::storage*>(x),
+                        static_cast<const typename TC::storage*>(t1),
+                        static_cast<const typename TC::storage*>(t2),
+                        static_cast<typename Load::T>(value)};
+        update_span<A, typename Load::K>(load, rounding, randomness, y, begin, end, grid, random);
+      };
+      if (divide) {
+        run(std::true_type{});
+      } else {
+        run(std::false_type{});
+      }
     });
   });
 }

@@ -83,13 +83,18 @@ void addc_rounded_for(Dtype t, bool divide, double value, Rounding rounding, Ran
                       const GridSpec& grid, const RandomSpec& random, cudaStream_t stream) {
   with_operand<A>(t, [&](auto ct) {
     using TC = decltype(ct);
-    using K = TermContainer<A, TC>;
-    using Operands = AddcOperands<A, TC, K>;
-    const Operands operands{static_cast<const typename A::storage*>(x),
-                            static_cast<const typename TC::storage*>(t1),
-                            static_cast<const typename TC::storage*>(t2),
-                            static_cast<typename Operands::T>(value), divide};
-    launch<A, K>(operands, rounding, randomness, y, n, grid, random, stream);
+    const auto run = [&](auto divides) {
+      using Operands = AddcOperands<A, TC, decltype(divides)::value>;
+      const Operands operands{
+          static_cast<const typename A::storage*>(x), static_cast<const typename TC::storage*>(t1),
+          static_cast<const typename TC::storage*>(t2), static_cast<typename Operands::T>(value)};
+      launch<A, typename Operands::K>(operands, rounding, randomness, y, n, grid, random, stream);
+    };
+    if (divide) {
+      run(std::true_type{});
+    } else {
+      run(std::false_type{});
+    }
   });
 }
 

@@ -26,11 +26,18 @@ using SumContainer =
     std::conditional_t<std::is_same_v<A, B>, A,
                        std::conditional_t<kEitherIs64<A, B>, Float64Container, Float32Container>>;
 
-// The container of an addcmul / addcdiv term of t1 and t2 (container T) added to an A value, and of
-// the sum: float64 if A or T is float64, else float32 (torch's addcmul in float32 for the 16-bit
-// types).
+// The precision an addcmul / addcdiv term of t1 and t2 (container T) added to an A value is
+// computed in, as torch computes it: float64 if A or T is float64, else float32 (torch's addcmul
+// and addcdiv compute the 16-bit types in float32).
 template <class A, class T>
-using TermContainer = std::conditional_t<kEitherIs64<A, T>, Float64Container, Float32Container>;
+using TermPrecision = std::conditional_t<kEitherIs64<A, T>, Float64Container, Float32Container>;
+
+// The container of the term and of the exact sum: the term's precision, except for an addcmul term
+// computed in float32, whose last product is held exactly in float64 (the product of two float32
+// values fits float64's significand), as torch's fused multiply-add holds it.
+template <class A, class T, bool kDivide>
+using TermContainer =
+    std::conditional_t<kDivide || kEitherIs64<A, T>, TermPrecision<A, T>, Float64Container>;
 
 // Operands of sr_add: x[i] and b[i] as words of K = SumContainer<A, B>.
 template <class A, class B, class K>
@@ -44,23 +51,31 @@ struct AddOperands {
 };
 
 // Operands of sr_addc: x[i] and the term (value * t1[i]) * t2[i], or (value * t1[i]) / t2[i] with
-// `divide`, as words of K = TermContainer<A, TC>. The term is computed in K's precision, each
-// operation rounded to nearest, in torch's order (torch's addcdiv in that precision gives this
-// term; its CPU addcmul fuses the last multiplication with the addition); only the sum with x is
-// exact.
-template <class A, class TC, class K>
+// kDivide, as words of K = TermContainer<A, TC, kDivide>, in torch's order: value * t1[i] is
+// rounded to nearest in the term's precision P, then divided by t2[i] (rounded to nearest in P, as
+// torch's addcdiv), or multiplied by it exactly (torch's CPU addcmul fuses this product with the
+// addition; in float64 the product is rounded to nearest, as no wider container holds it). The sum
+// with x is exact and rounded once by the caller.
+template <class A, class TC, bool kDivide>
 struct AddcOperands {
-  using T = RealOf<K>;
+  using P = TermPrecision<A, TC>;
+  using K = TermContainer<A, TC, kDivide>;
+  using T = RealOf<P>;
   const typename A::storage* x;
   const typename TC::storage* t1;
   const typename TC::storage* t2;
   T value;
-  bool divide;
   LPSIM_FN void operator()(uint64_t i, typename K::word& ua, typename K::word& ub) const {
-    const T p = real_of(convert_exact<K, TC>(static_cast<typename TC::word>(t1[i])));
-    const T q = real_of(convert_exact<K, TC>(static_cast<typename TC::word>(t2[i])));
+    const T p = real_of(convert_exact<P, TC>(static_cast<typename TC::word>(t1[i])));
+    const T q = real_of(convert_exact<P, TC>(static_cast<typename TC::word>(t2[i])));
     const T scaled = mul_rn(value, p);
-    ub = bits_of_real(divide ? div_rn(scaled, q) : mul_rn(scaled, q));
+    if constexpr (kDivide) {
+      ub = bits_of_real(div_rn(scaled, q));
+    } else if constexpr (std::is_same_v<K, P>) {
+      ub = bits_of_real(mul_rn(scaled, q));
+    } else {
+      ub = bits_of_real(mul_rn(static_cast<double>(scaled), static_cast<double>(q)));  // exact
+    }
     ua = convert_exact<K, A>(static_cast<typename A::word>(x[i]));
   }
 };
