@@ -519,6 +519,47 @@ def test_summary_reports_no_fake_unverified_or_unfinished_run_as_a_result(tiny_c
     assert (tmp_path / "results" / "t.md").read_text() == text + "\n"
 
 
+def test_summary_reports_a_run_only_in_its_recipes_own_configuration_as_a_result(tmp_path):
+    # Finished runs on the verified release (what train.py writes: a checkpoint's config and a
+    # log with one row per epoch); only the one with the recipe's own settings is a result.
+    def write_run(name: str, **changes) -> None:
+        recipe = recipes.RECIPES["swalp"]
+        config = {
+            "recipe": recipe.name,
+            "epochs": recipe.epochs,
+            "schedule_epochs": recipe.epochs,
+            "batch_size": recipe.batch_size,
+            "lr": recipe.lr,
+            "seed": 0,
+            "swa_start": 200,  # 2/3 of 300 epochs, as examples/SWALP/example.sh
+            "width": 1.0,
+            "world_size": 1,
+            "data": "cifar10",
+        }
+        config.update(changes)
+        folder = tmp_path / name
+        folder.mkdir()
+        torch.save({"config": config}, folder / train.CHECKPOINT)
+        rows = [{c: "" for c in train.COLUMNS} | {"epoch": e + 1} for e in range(config["epochs"])]
+        with open(folder / train.LOG, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=train.COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+
+    write_run("published")
+    write_run("short", epochs=3, schedule_epochs=3, swa_start=2)
+    write_run("extended", epochs=310)
+    write_run("other_lr", lr=0.1)
+    write_run("other_batch", batch_size=256)
+    write_run("other_swa_start", swa_start=150)
+    write_run("narrow", width=0.5)
+    rows = {r["run"]: r for r in summarize.collect(tmp_path)}
+    assert rows["published"]["status"] == "result"
+    assert [r for r in rows if rows[r]["status"] == "result"] == ["published"]
+    assert "epochs 3 (recipe: 300)" in rows["short"]["status"]
+    assert "lr 0.1 (recipe: 0.05)" in rows["other_lr"]["status"]
+
+
 # What the command line promises
 
 
