@@ -519,6 +519,25 @@ def test_summary_reports_no_fake_unverified_or_unfinished_run_as_a_result(tiny_c
     assert (tmp_path / "results" / "t.md").read_text() == text + "\n"
 
 
+@pytest.mark.parametrize("name", ["fp16", "block8", "swalp"])
+def test_evaluation_rounds_stochastically_as_the_examples_quantisers_do(name):
+    # QPyTorch's quantiser modules round as in training whatever the module's mode, so its
+    # examples' test errors are measured with stochastic activations (and SWALP's SGD-LP model).
+    recipe = recipes.RECIPES[name]
+    torch.manual_seed(0)
+    model = build_model(recipe.model, width=0.0625, **dict(recipe.model_options))
+    model, _ = recipe.prepare(model, recipe.lr)
+    model.eval()
+    x = torch.randn(4, 3, 32, 32)
+    logits = {}
+    with torch.no_grad():
+        for seed in (1, 1, 2):
+            torch.manual_seed(seed)
+            logits.setdefault(seed, []).append(model(x))
+    assert torch.equal(logits[1][0], logits[1][1])
+    assert not torch.equal(logits[1][0], logits[2][0])
+
+
 def test_summary_reports_a_run_only_in_its_recipes_own_configuration_as_a_result(tmp_path):
     # Finished runs on the verified release (what train.py writes: a checkpoint's config and a
     # log with one row per epoch); only the one with the recipe's own settings is a result.
