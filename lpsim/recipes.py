@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 from torch.optim import Optimizer
 
+from lpsim._checks import check_positive_finite
 from lpsim.formats import BlockFloat, Fixed, Float
 from lpsim.mac import MAC
 from lpsim.nn.inject import LayerQuantization, inject, quantized_parameters
@@ -93,7 +94,8 @@ class Recipe:
         name: short label.
         weight, activation, error, grad, momentum, acc: what each category is rounded into.
         loss_scale: multiply the loss by this before backward; the optimizer divides gradients by
-            it (OptimLP's grad_scaling) before quantising them.
+            it (OptimLP's grad_scaling) before quantising them, also in a recipe that quantises
+            nothing. A positive finite number (ValueError otherwise).
         keep_edges: keep the first and last weight layers in full precision.
         placement: where the model's quantisers go. "outputs" (the default, QPyTorch's
             practice): weights and biases of every layer (normalisation layers included) and
@@ -132,6 +134,7 @@ class Recipe:
     mac: MAC | None = None
 
     def __post_init__(self) -> None:
+        check_positive_finite("Recipe.loss_scale", self.loss_scale)
         if self.placement not in _PLACEMENTS:
             raise ValueError(
                 f"Recipe.placement must be one of {_PLACEMENTS}, got {self.placement!r}"
@@ -139,6 +142,7 @@ class Recipe:
 
     @property
     def quantises(self) -> bool:
+        """Whether the recipe rounds anything (a format in some category, or a MAC)."""
         return any(
             getattr(self, f) is not None
             for f in ("weight", "activation", "error", "grad", "momentum", "acc", "mac")
@@ -194,7 +198,9 @@ class Recipe:
     ) -> tuple[nn.Module, Optimizer]:
         """Inject the recipe into ``model`` (in place) and wrap ``optimizer`` in OptimLP with the
         recipe's weight, grad, momentum and acc and gradients divided by its loss scale; returns
-        (model, wrapped optimizer). A recipe that quantises nothing returns both unchanged.
+        (model, wrapped optimizer). A recipe that quantises nothing and scales no loss (scale 1)
+        returns both unchanged; one that only scales the loss returns the model unchanged and the
+        optimizer wrapped, dividing the gradients by the scale.
 
         Args:
             model: the model to quantise.
@@ -216,7 +222,11 @@ class Recipe:
         if parameters not in _PARAMETERS:
             raise ValueError(f"parameters must be 'quantized' or 'all', got {parameters!r}")
         if not self.quantises:
-            return model, optimizer
+            if self.loss_scale == 1.0:
+                return model, optimizer
+            # Nothing to round, but the caller multiplies the loss by loss_scale: the optimizer
+            # must still divide the gradients by it.
+            return model, OptimLP(optimizer, grad_scaling=1.0 / self.loss_scale)
         if layers is None:
             # The configuration is built for this model: an entry may decide nothing (a model
             # with two weight layers has no other to quantise), which is not a mistake here.

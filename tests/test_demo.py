@@ -1,5 +1,6 @@
 """The main job and the recipes run end to end."""
 
+import pytest
 import torch
 
 import lpsim
@@ -28,3 +29,32 @@ def test_fp32_recipe_changes_nothing():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     assert recipes.FP32.apply(model, opt) == (model, opt)
     assert not lpsim.nn.injected(model)
+
+
+def test_a_recipe_that_only_scales_the_loss_divides_the_gradients_by_it():
+    # The documented loop multiplies the loss by recipe.loss_scale; with nothing to round, the
+    # optimizer must still divide the gradients by it: the step equals plain SGD on the loss.
+    recipe = recipes.Recipe("scaled", loss_scale=256.0)
+    torch.manual_seed(0)
+    model = demo.small_cnn()
+    reference = demo.small_cnn()
+    reference.load_state_dict(model.state_dict())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    model, optimizer = recipe.apply(model, optimizer)
+    plain = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    x, y = torch.rand(8, 1, 8, 8), torch.arange(8)
+    for _ in range(2):
+        optimizer.zero_grad()
+        (torch.nn.functional.cross_entropy(model(x), y) * recipe.loss_scale).backward()
+        optimizer.step()
+        plain.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x), y).backward()
+        plain.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("scale", [0.0, -256.0, float("inf"), float("nan")])
+def test_a_recipe_refuses_a_loss_scale_that_is_not_positive_and_finite(scale):
+    with pytest.raises(ValueError, match="loss_scale"):
+        recipes.Recipe("bad", loss_scale=scale)
