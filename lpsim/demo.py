@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
         "whose cores are busy with other work",
     )
     args = parser.parse_args(argv)
+    if args.epochs < 1:
+        parser.error(f"--epochs must be a positive integer, got {args.epochs}")
     if args.threads is not None:
         if args.threads < 1:
             parser.error(f"--threads must be a positive integer, got {args.threads}")

@@ -58,3 +58,10 @@ def test_a_recipe_that_only_scales_the_loss_divides_the_gradients_by_it():
 def test_a_recipe_refuses_a_loss_scale_that_is_not_positive_and_finite(scale):
     with pytest.raises(ValueError, match="loss_scale"):
         recipes.Recipe("bad", loss_scale=scale)
+
+
+@pytest.mark.parametrize("epochs", ["0", "-3"])
+def test_demo_refuses_a_number_of_epochs_below_one(epochs, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--epochs", epochs, "--recipes", "fp32", "--out", str(tmp_path)])
+    assert "--epochs must be a positive integer" in capsys.readouterr().err
