@@ -198,9 +198,10 @@ class Recipe:
     ) -> tuple[nn.Module, Optimizer]:
         """Inject the recipe into ``model`` (in place) and wrap ``optimizer`` in OptimLP with the
         recipe's weight, grad, momentum and acc and gradients divided by its loss scale; returns
-        (model, wrapped optimizer). A recipe that quantises nothing and scales no loss (scale 1)
-        returns both unchanged; one that only scales the loss returns the model unchanged and the
-        optimizer wrapped, dividing the gradients by the scale.
+        (model, wrapped optimizer). Without ``layers``, a recipe that quantises nothing and scales
+        no loss (scale 1) returns both unchanged, and one that only scales the loss returns the
+        model unchanged and the optimizer wrapped, dividing the gradients by the scale; given
+        ``layers`` are injected whatever the recipe.
 
         Args:
             model: the model to quantise.
@@ -221,7 +222,7 @@ class Recipe:
         """
         if parameters not in _PARAMETERS:
             raise ValueError(f"parameters must be 'quantized' or 'all', got {parameters!r}")
-        if not self.quantises:
+        if not self.quantises and layers is None:
             if self.loss_scale == 1.0:
                 return model, optimizer
             # Nothing to round, but the caller multiplies the loss by loss_scale: the optimizer

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import lpsim
-from lpsim import demo, recipes
+from lpsim import Float, demo, recipes
+from lpsim.nn import LayerQuantization
 
 
 def test_demo_trains_every_recipe_and_writes_its_outputs(tmp_path, capsys):
@@ -65,3 +66,20 @@ def test_demo_refuses_a_number_of_epochs_below_one(epochs, tmp_path, capsys):
     with pytest.raises(SystemExit):
         demo.main(["--epochs", epochs, "--recipes", "fp32", "--out", str(tmp_path)])
     assert "--epochs must be a positive integer" in capsys.readouterr().err
+
+
+def test_a_recipe_that_quantises_nothing_still_injects_the_layers_it_is_given():
+    # FP32 with a caller's placement: the ReLU outputs are rounded into e5m2 as configured
+    # (torch's float8_e5m2 cast, round to nearest even, is the oracle), not silently dropped.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(16, 4)
+    with torch.no_grad():
+        expected = model[2](model[1](model[0](x)).to(torch.float8_e5m2).float())
+    config = {torch.nn.ReLU: LayerQuantization(output=(Float(5, 2), "nearest"))}
+    model, _ = recipes.FP32.apply(model, torch.optim.SGD(model.parameters(), lr=0.1), layers=config)
+    with torch.no_grad():
+        assert torch.equal(model(x), expected)
+    with pytest.raises(ValueError):  # an entry that decides no module is refused, as documented
+        fresh = torch.nn.Linear(2, 2)
+        recipes.FP32.apply(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), layers=config)
