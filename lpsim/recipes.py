@@ -10,18 +10,18 @@ A Recipe applies to any model and optimizer:
     optimizer.step()
 
 Every recipe keeps the model's first and last weight layers (the first and last Conv, Linear or
-MultiheadAttention modules) in full precision, the usual practice: their parameters, gradients,
-optimizer state, outputs and errors are never rounded. It quantises the rest: weights and biases
-(of every other layer, normalisation layers and attention projections included: fake-quantised in
-forward and rounded after every step), activations (every layer's outputs), errors (the
-gradients flowing back into those outputs), gradients, and the optimizer's state, with an optional
-high-precision weight accumulator. The optimizer rounds exactly the parameters the model
-fake-quantises (lpsim.nn.quantized_parameters), so `lpsim.nn.report(model, optimizer)` shows both
-agree. The scaled recipes (MXFP8, MXFP4, NVFP4: placement "operands", round_weights False)
-quantise less: only the operands of the inner weight layers' products (their weights and inputs
-in forward, the errors into their outputs in backward); biases, normalisation layers, other
-layers' outputs, gradients and the optimizer's state stay in full precision, and the optimizer
-rounds no weight.
+MultiheadAttention modules in registration order, see edge_layers) in full precision, the usual
+practice: their parameters, gradients, optimizer state, outputs and errors are never rounded. It
+quantises the rest: weights and biases (of every other layer, normalisation layers and attention
+projections included: fake-quantised in forward and rounded after every step), activations (every
+layer's outputs), errors (the gradients flowing back into those outputs), gradients, and the
+optimizer's state, with an optional high-precision weight accumulator. The optimizer rounds exactly
+the parameters the model fake-quantises (lpsim.nn.quantized_parameters), so `lpsim.nn.report(model,
+optimizer)` shows both agree. The scaled recipes (MXFP8, MXFP4, NVFP4: placement "operands",
+round_weights False) quantise less: only the operands of the inner weight layers' products (their
+weights and inputs in forward, the errors into their outputs in backward); biases, normalisation
+layers, other layers' outputs, gradients and the optimizer's state stay in full precision, and the
+optimizer rounds no weight.
 
 Reproductions of other code bases place the quantisers themselves and round every parameter, as
 QPyTorch's examples do:
@@ -80,7 +80,11 @@ def attention_out_projections(model: nn.Module) -> dict[str, str]:
 
 def edge_layers(model: nn.Module) -> list[str]:
     """Names of the first and last weight layers (Conv/Linear/MultiheadAttention, an attention's
-    out projection counting as part of it) of the model."""
+    out projection counting as part of it) of the model, in the order ``model.named_modules()``
+    gives them: the order the modules were registered, which is the order of the forward pass in
+    nn.Sequential models and most CNNs, but not in a model that registers, say, its head before
+    its stem. Such a model needs its own ``layers=`` configuration for Recipe.apply, its edge
+    layers set to None."""
     inner = attention_out_projections(model)
     names = [n for n, m in model.named_modules() if isinstance(m, WEIGHT_LAYERS) and n not in inner]
     return sorted({names[0], names[-1]}) if names else []
