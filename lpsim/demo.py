@@ -1,14 +1,16 @@
 """lpsim's main job: train a small CNN on handwritten digits in full precision and in simulated
 low-precision recipes, and compare.
 
-    python -m lpsim.demo [--epochs 30] [--out out] [--recipes fp32,bfloat16,ibm8,block8,fixed8]
+    python -m lpsim.demo [--epochs 30] [--out out] [--recipes fp32,bfloat16,ibm8,...]
+        [--seed 0] [--threads N]
 
 The data are the 1797 8x8 digit images bundled with scikit-learn (no download), split 80/20 with a
 fixed seed. Every recipe starts from the same initial weights and sees the same batches; see
 lpsim.recipes for what each quantises. By default all of lpsim.recipes.RECIPES run: float32,
-bfloat16, IBM8, 8-bit block float, 8-bit fixed point, and fixed8-unscaled, the counter-example
-whose fixed-point errors, without the loss scale, fall below the format's spacing. Prints the test
-accuracy and wall time of every recipe and writes the accuracy curves to
+bfloat16, IBM8, 8-bit block float, 8-bit fixed point, fixed8-unscaled (the counter-example whose
+fixed-point errors, without the loss scale, fall below the format's spacing), MXFP8, MXFP4 and
+NVFP4. Prints the test accuracy and wall time (training and the per-epoch evaluation) of every
+recipe and writes the accuracy curves to
 <out>/digits_accuracy.png and the table to <out>/digits_results.md.
 
 When fixed8 and fixed8-unscaled both run, the demo ends with the reason one fails and the other
@@ -205,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
         "whose cores are busy with other work",
     )
     args = parser.parse_args(argv)
+    if args.epochs < 1:
+        parser.error(f"--epochs must be a positive integer, got {args.epochs}")
     if args.threads is not None:
         if args.threads < 1:
             parser.error(f"--threads must be a positive integer, got {args.threads}")

@@ -10,18 +10,18 @@ A Recipe applies to any model and optimizer:
     optimizer.step()
 
 Every recipe keeps the model's first and last weight layers (the first and last Conv, Linear or
-MultiheadAttention modules) in full precision, the usual practice: their parameters, gradients,
-optimizer state, outputs and errors are never rounded. It quantises the rest: weights and biases
-(of every other layer, normalisation layers and attention projections included: fake-quantised in
-forward and rounded after every step), activations (every layer's outputs), errors (the
-gradients flowing back into those outputs), gradients, and the optimizer's state, with an optional
-high-precision weight accumulator. The optimizer rounds exactly the parameters the model
-fake-quantises (lpsim.nn.quantized_parameters), so `lpsim.nn.report(model, optimizer)` shows both
-agree. The scaled recipes (MXFP8, MXFP4, NVFP4: placement "operands", round_weights False)
-quantise less: only the operands of the inner weight layers' products (their weights and inputs
-in forward, the errors into their outputs in backward); biases, normalisation layers, other
-layers' outputs, gradients and the optimizer's state stay in full precision, and the optimizer
-rounds no weight.
+MultiheadAttention modules in registration order, see edge_layers) in full precision, the usual
+practice: their parameters, gradients, optimizer state, outputs and errors are never rounded. It
+quantises the rest: weights and biases (of every other layer, normalisation layers and attention
+projections included: fake-quantised in forward and rounded after every step), activations (every
+layer's outputs), errors (the gradients flowing back into those outputs), gradients, and the
+optimizer's state, with an optional high-precision weight accumulator. The optimizer rounds exactly
+the parameters the model fake-quantises (lpsim.nn.quantized_parameters), so `lpsim.nn.report(model,
+optimizer)` shows both agree. The scaled recipes (MXFP8, MXFP4, NVFP4: placement "operands",
+round_weights False) quantise less: only the operands of the inner weight layers' products (their
+weights and inputs in forward, the errors into their outputs in backward); biases, normalisation
+layers, other layers' outputs, gradients and the optimizer's state stay in full precision, and the
+optimizer rounds no weight.
 
 Reproductions of other code bases place the quantisers themselves and round every parameter, as
 QPyTorch's examples do:
@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 from torch.optim import Optimizer
 
+from lpsim._checks import check_positive_finite
 from lpsim.formats import BlockFloat, Fixed, Float
 from lpsim.mac import MAC
 from lpsim.nn.inject import LayerQuantization, inject, quantized_parameters
@@ -79,7 +80,11 @@ def attention_out_projections(model: nn.Module) -> dict[str, str]:
 
 def edge_layers(model: nn.Module) -> list[str]:
     """Names of the first and last weight layers (Conv/Linear/MultiheadAttention, an attention's
-    out projection counting as part of it) of the model."""
+    out projection counting as part of it) of the model, in the order ``model.named_modules()``
+    gives them: the order the modules were registered, which is the order of the forward pass in
+    nn.Sequential models and most CNNs, but not in a model that registers, say, its head before
+    its stem. Such a model needs its own ``layers=`` configuration for Recipe.apply, its edge
+    layers set to None."""
     inner = attention_out_projections(model)
     names = [n for n, m in model.named_modules() if isinstance(m, WEIGHT_LAYERS) and n not in inner]
     return sorted({names[0], names[-1]}) if names else []
@@ -93,7 +98,8 @@ class Recipe:
         name: short label.
         weight, activation, error, grad, momentum, acc: what each category is rounded into.
         loss_scale: multiply the loss by this before backward; the optimizer divides gradients by
-            it (OptimLP's grad_scaling) before quantising them.
+            it (OptimLP's grad_scaling) before quantising them, also in a recipe that quantises
+            nothing. A positive finite number (ValueError otherwise).
         keep_edges: keep the first and last weight layers in full precision.
         placement: where the model's quantisers go. "outputs" (the default, QPyTorch's
             practice): weights and biases of every layer (normalisation layers included) and
@@ -132,6 +138,7 @@ class Recipe:
     mac: MAC | None = None
 
     def __post_init__(self) -> None:
+        check_positive_finite("Recipe.loss_scale", self.loss_scale)
         if self.placement not in _PLACEMENTS:
             raise ValueError(
                 f"Recipe.placement must be one of {_PLACEMENTS}, got {self.placement!r}"
@@ -139,6 +146,7 @@ class Recipe:
 
     @property
     def quantises(self) -> bool:
+        """Whether the recipe rounds anything (a format in some category, or a MAC)."""
         return any(
             getattr(self, f) is not None
             for f in ("weight", "activation", "error", "grad", "momentum", "acc", "mac")
@@ -194,7 +202,10 @@ class Recipe:
     ) -> tuple[nn.Module, Optimizer]:
         """Inject the recipe into ``model`` (in place) and wrap ``optimizer`` in OptimLP with the
         recipe's weight, grad, momentum and acc and gradients divided by its loss scale; returns
-        (model, wrapped optimizer). A recipe that quantises nothing returns both unchanged.
+        (model, wrapped optimizer). Without ``layers``, a recipe that quantises nothing and scales
+        no loss (scale 1) returns both unchanged, and one that only scales the loss returns the
+        model unchanged and the optimizer wrapped, dividing the gradients by the scale; given
+        ``layers`` are injected whatever the recipe.
 
         Args:
             model: the model to quantise.
@@ -215,8 +226,12 @@ class Recipe:
         """
         if parameters not in _PARAMETERS:
             raise ValueError(f"parameters must be 'quantized' or 'all', got {parameters!r}")
-        if not self.quantises:
-            return model, optimizer
+        if not self.quantises and layers is None:
+            if self.loss_scale == 1.0:
+                return model, optimizer
+            # Nothing to round, but the caller multiplies the loss by loss_scale: the optimizer
+            # must still divide the gradients by it.
+            return model, OptimLP(optimizer, grad_scaling=1.0 / self.loss_scale)
         if layers is None:
             # The configuration is built for this model: an entry may decide nothing (a model
             # with two weight layers has no other to quantise), which is not a mistake here.

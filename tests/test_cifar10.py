@@ -519,6 +519,66 @@ def test_summary_reports_no_fake_unverified_or_unfinished_run_as_a_result(tiny_c
     assert (tmp_path / "results" / "t.md").read_text() == text + "\n"
 
 
+@pytest.mark.parametrize("name", ["fp16", "block8", "swalp"])
+def test_evaluation_rounds_stochastically_as_the_examples_quantisers_do(name):
+    # QPyTorch's quantiser modules round as in training whatever the module's mode, so its
+    # examples' test errors are measured with stochastic activations (and SWALP's SGD-LP model).
+    recipe = recipes.RECIPES[name]
+    torch.manual_seed(0)
+    model = build_model(recipe.model, width=0.0625, **dict(recipe.model_options))
+    model, _ = recipe.prepare(model, recipe.lr)
+    model.eval()
+    x = torch.randn(4, 3, 32, 32)
+    logits = {}
+    with torch.no_grad():
+        for seed in (1, 1, 2):
+            torch.manual_seed(seed)
+            logits.setdefault(seed, []).append(model(x))
+    assert torch.equal(logits[1][0], logits[1][1])
+    assert not torch.equal(logits[1][0], logits[2][0])
+
+
+def test_summary_reports_a_run_only_in_its_recipes_own_configuration_as_a_result(tmp_path):
+    # Finished runs on the verified release (what train.py writes: a checkpoint's config and a
+    # log with one row per epoch); only the one with the recipe's own settings is a result.
+    def write_run(name: str, **changes) -> None:
+        recipe = recipes.RECIPES["swalp"]
+        config = {
+            "recipe": recipe.name,
+            "epochs": recipe.epochs,
+            "schedule_epochs": recipe.epochs,
+            "batch_size": recipe.batch_size,
+            "lr": recipe.lr,
+            "seed": 0,
+            "swa_start": 200,  # 2/3 of 300 epochs, as examples/SWALP/example.sh
+            "width": 1.0,
+            "world_size": 1,
+            "data": "cifar10",
+        }
+        config.update(changes)
+        folder = tmp_path / name
+        folder.mkdir()
+        torch.save({"config": config}, folder / train.CHECKPOINT)
+        rows = [{c: "" for c in train.COLUMNS} | {"epoch": e + 1} for e in range(config["epochs"])]
+        with open(folder / train.LOG, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=train.COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+
+    write_run("published")
+    write_run("short", epochs=3, schedule_epochs=3, swa_start=2)
+    write_run("extended", epochs=310)
+    write_run("other_lr", lr=0.1)
+    write_run("other_batch", batch_size=256)
+    write_run("other_swa_start", swa_start=150)
+    write_run("narrow", width=0.5)
+    rows = {r["run"]: r for r in summarize.collect(tmp_path)}
+    assert rows["published"]["status"] == "result"
+    assert [r for r in rows if rows[r]["status"] == "result"] == ["published"]
+    assert "epochs 3 (recipe: 300)" in rows["short"]["status"]
+    assert "lr 0.1 (recipe: 0.05)" in rows["other_lr"]["status"]
+
+
 # What the command line promises
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -116,6 +116,13 @@ def ibm8_placement(model: nn.Module, q: Recipe) -> dict:
 # The recipe
 
 
+def _as_in_training(value):
+    """An inject() entry whose stochastic rules stay stochastic in eval mode."""
+    if isinstance(value, LayerQuantization):
+        return replace(value, eval_rounding=None)
+    return value
+
+
 @dataclass(frozen=True)
 class CifarRecipe:
     """A CIFAR10 training recipe.
@@ -197,8 +204,10 @@ class CifarRecipe:
         """Apply the recipe to ``model`` (already on its device): build SGD, then let the lpsim
         Recipe inject the quantisers where ``placement`` says and wrap SGD in OptimLP rounding
         every parameter (as QPyTorch's examples do), and round the initial weights as OptimLP
-        rounds them after every step (from the accumulator when there is one). Returns
-        (model, optimizer)."""
+        rounds them after every step (from the accumulator when there is one). The model's
+        quantisers round in eval mode as in training, stochastic ones stochastically, as
+        QPyTorch's quantisers do when its examples evaluate (lpsim's default in eval mode is
+        round-to-nearest). Returns (model, optimizer)."""
         self.check_lr(lr)
         optimizer = torch.optim.SGD(
             model.parameters(), lr=lr, momentum=self.momentum, weight_decay=self.weight_decay
@@ -206,9 +215,8 @@ class CifarRecipe:
         q = self.quantization
         if q is None:
             return model, optimizer
-        model, optimizer = q.apply(
-            model, optimizer, layers=self.placement(model, q), parameters="all"
-        )
+        layers = {key: _as_in_training(value) for key, value in self.placement(model, q).items()}
+        model, optimizer = q.apply(model, optimizer, layers=layers, parameters="all")
         optimizer.round_weights()
         return model, optimizer
 

@@ -4,9 +4,11 @@
 
 Reads RUNS/<name>/checkpoint.pt (for the settings) and RUNS/<name>/log.csv of every run below
 RUNS and prints one row per run: recipe, data, epochs done of those planned, the last epoch's test
-error and, for SWALP, the averaged model's. Only finished runs on the verified CIFAR10 release are
-marked as results for the README's lpsim column; runs on fake data, on unverified data or not yet
-finished are listed with the reason they are not.
+error and, for SWALP, the averaged model's. Only finished runs of a recipe's own configuration
+(its epochs, batch size, learning rate and averaging start, the published network's width) on the
+verified CIFAR10 release are marked as results for the README's lpsim column; runs on fake data, on
+unverified data, not yet finished, or with other settings (a shorter schedule, another learning
+rate, epochs added by --resume) are listed with the reason they are not.
 """
 
 from __future__ import annotations
@@ -17,9 +19,32 @@ import pathlib
 
 import torch
 
+from experiments.cifar10.recipes import RECIPES
 from experiments.cifar10.train import CHECKPOINT, LOG
 
-__all__ = ["collect", "markdown", "main"]
+__all__ = ["departures", "collect", "markdown", "main"]
+
+
+def departures(config: dict) -> list[str]:
+    """The settings of a run (its checkpoint's config) that differ from its recipe's own, as
+    "name value (recipe: value)"; empty for a run of the recipe as published."""
+    recipe = RECIPES.get(config["recipe"])
+    if recipe is None:
+        return [f"recipe {config['recipe']} (unknown)"]
+    schedule = config.get("schedule_epochs", config["epochs"])
+    own = {
+        "epochs": (config["epochs"], recipe.epochs),
+        "schedule epochs": (schedule, recipe.epochs),
+        "batch size": (config["batch_size"], recipe.batch_size),
+        "lr": (config["lr"], recipe.lr),
+        "swa start": (config["swa_start"], recipe.default_swa_start(recipe.epochs)),
+        "width": (config["width"], 1.0),
+    }
+    return [
+        f"{name} {mine} (recipe: {theirs})"
+        for name, (mine, theirs) in own.items()
+        if mine != theirs
+    ]
 
 
 def collect(runs: pathlib.Path) -> list[dict]:
@@ -37,8 +62,8 @@ def collect(runs: pathlib.Path) -> list[dict]:
             status = f"not a result: data {config['data']}"
         elif done < planned:
             status = "not a result: unfinished"
-        elif config["width"] != 1.0:
-            status = f"not a result: width {config['width']}"
+        elif departures(config):
+            status = "not a result: " + ", ".join(departures(config))
         else:
             status = "result"
         rows.append(
