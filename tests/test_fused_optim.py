@@ -282,6 +282,42 @@ def test_a_parameter_group_s_options_are_checked_as_the_constructor_s(make, grou
     assert len(opt.param_groups) == 1
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_a_group_s_rounding_applies_to_the_formats_it_inherits(kind):
+    """A parameter group that sets only "rounding" rounds the default (bare) formats by its own
+    rule, as OptimLP with those formats paired with that rule does (the group's rule was ignored:
+    the defaults were paired with the constructor's rule before the groups were made)."""
+    hyper = dict(lr=0.05, momentum=0.9) if kind == "sgd" else dict(lr=1e-2, weight_decay=1e-2)
+    bare = dict(weight=Float(5, 2), grad=Float(4, 3), momentum=Float(6, 5), acc=Float(8, 12))
+    nearest = ParameterQuantization(**{k: (f, "nearest") for k, f in bare.items()})
+
+    def reference(ps):
+        groups = [{"params": ps[:3], "quantization": nearest}, {"params": ps[3:]}]
+        return OptimLP(_torch_optimizer(kind, groups, hyper), **bare, rounding="stochastic")
+
+    def fused_optimizer(ps):
+        groups = [{"params": ps[:3], "rounding": "nearest"}, {"params": ps[3:]}]
+        return _fused_optimizer(kind, groups, hyper, bare, rounding="stochastic")
+
+    with _unfused():
+        want, reference_opt = _run(reference, steps=5)
+    got, fused_opt = _run(fused_optimizer, steps=5)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
+        assert_same_bits(fused_opt.state[a]["accumulator"], reference_opt.accumulators[b])
+
+
+@pytest.mark.parametrize("make", [FusedSGD, FusedAdam])
+def test_a_group_s_rounding_is_checked(make):
+    p = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        make([{"params": [p], "rounding": "bogus"}], lr=0.1, weight_format=Float(5, 2))
+    opt = make([p], lr=0.1)
+    with pytest.raises(TypeError, match="rounding must be a str or lpsim.Rounding"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "rounding": 1})
+    assert len(opt.param_groups) == 1
+
+
 @pytest.mark.parametrize("make", [FusedSGD, FusedAdam])
 def test_a_group_refused_for_its_parameters_is_not_kept_and_the_optimizer_still_steps(make):
     p = torch.nn.Parameter(torch.randn(3))

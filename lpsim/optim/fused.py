@@ -79,7 +79,10 @@ class _Fused(Optimizer):
     def __init__(self, params, defaults: dict, formats: dict, grad_scaling: float, rounding):
         Rounding.parse(rounding)
         for name, value in formats.items():
-            defaults[name] = _spec(value, rounding, name)
+            _spec(value, rounding, name)  # checked here; made a QuantSpec per group
+            # Kept as given: a bare format takes the rule of each group that inherits it, so a
+            # group that sets only "rounding" rounds the default formats by its own rule.
+            defaults[name] = value
         defaults["rounding"] = rounding
         self._check_options(defaults)
         self.grad_scaling = check_positive_finite("grad_scaling", grad_scaling)
@@ -112,6 +115,7 @@ class _Fused(Optimizer):
         """A parameter group's options and formats (made QuantSpecs) and its parameters' dtypes
         and devices, with the errors add_param_group raises."""
         self._check_options(group)
+        Rounding.parse(group["rounding"])
         for category in _CATEGORIES:
             name = f"{category}_format"
             group[name] = spec = _spec(group[name], group["rounding"], name)
@@ -466,7 +470,8 @@ class FusedSGD(_Fused):
             by ``weight_format``; a Fixed without clamp, whose sums need float64, is refused).
         grad_scaling: a finite number > 0; every gradient is multiplied by it first (a loss
             scale undone).
-        rounding: the rule of bare formats, default "stochastic".
+        rounding: the rule of bare formats, default "stochastic"; a group's own rule applies to the
+            bare formats it sets and to those it inherits from these arguments.
 
     Raises:
         TypeError: a parameter is not float32, a format is not a Float, Fixed or pair, or an
