@@ -23,7 +23,7 @@ import torch
 from lpsim._checks import MAX_SEED, check_container, check_strided, draw_seed, random_args
 from lpsim._ops import call
 from lpsim.formats import GRID_FORMATS, BlockFloat, Format
-from lpsim.functional import quantize_
+from lpsim.functional import quantize_, quantize_op_arguments
 from lpsim.rounding import Rounding
 from lpsim.scaled import Scaled
 
@@ -43,6 +43,18 @@ def _checked_tensors(tensors) -> list[torch.Tensor]:
                 "all must be on one device"
             )
     return tensors
+
+
+def _check_in_place(t: torch.Tensor, i: int) -> None:
+    """Refuse, as torch refuses an in-place op on it, a leaf that requires grad or a view of one,
+    outside torch.no_grad()."""
+    if torch.is_grad_enabled() and t.requires_grad:
+        base = t if t._base is None else t._base
+        if base.is_leaf:
+            raise RuntimeError(
+                f"tensors[{i}] is a leaf Variable that requires grad (or a view of one); it "
+                "cannot be rounded in place outside torch.no_grad()"
+            )
 
 
 def _grid_arguments(fmt: Format, tensors: list[torch.Tensor]) -> tuple:
@@ -116,6 +128,15 @@ def quantize_many_(
             call("_check_disjoint", checked)
         if rule.is_stochastic and seed is None:
             seed = int(draw_seed())
+        # Every tensor checked before any is rounded, as the one compiled call of the grid
+        # formats checks them: an error leaves all the tensors unchanged and names tensors[i].
+        for i, t in enumerate(checked):
+            try:
+                quantize_op_arguments(t, fmt, rule, rbits, seed, offset + i)
+            except (ValueError, IndexError) as error:
+                raise type(error)(f"tensors[{i}]: {error}") from None
+            if not torch.compiler.is_compiling():
+                _check_in_place(t, i)
         for i, t in enumerate(checked):
             quantize_(t, fmt, rule, rbits=rbits, seed=seed, offset=offset + i)
         return tensors
