@@ -143,6 +143,33 @@ class _Fused(Optimizer):
                     f"({type(self).__name__} runs on {' and '.join(devices)} tensors)"
                 )
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state_dict of this optimizer, or of the torch optimizer it fuses (SGD, Adam or
+        AdamW), as OptimLP loads one: options and formats a saved group lacks take this
+        optimizer's constructor values, and a parameter of a group with ``acc_format`` whose
+        state holds no accumulator starts one from its current weight.
+
+        Raises:
+            TypeError / ValueError / NotImplementedError: a loaded group's option or format is
+                refused, as add_param_group refuses it (the optimizer keeps its state).
+        """
+        kept = self.state_dict()
+        super().load_state_dict(state_dict)
+        try:
+            for index, group in enumerate(self.param_groups):
+                for key, value in self.defaults.items():
+                    group.setdefault(key, value)
+                self._check_group(group, index)
+        except (TypeError, ValueError, NotImplementedError):
+            super().load_state_dict(kept)
+            raise
+        with torch.no_grad():
+            for group in self.param_groups:
+                if group["acc_format"] is not None:
+                    for p in group["params"]:
+                        if "accumulator" not in self.state[p]:
+                            self.state[p]["accumulator"] = p.detach().clone()
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step of every parameter (see the module documentation). Returns the closure's
@@ -151,10 +178,17 @@ class _Fused(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
+        for index, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                if group["acc_format"] is not None and "accumulator" not in self.state[p]:
+                    # Else the step would update the weight itself, as without acc_format.
+                    raise ValueError(
+                        f"parameter {i} of group {index} has no accumulator: acc_format was set "
+                        "on its group after the group was added (set it in the constructor or "
+                        "in add_param_group)"
+                    )
         specs = {
             p: tuple(group[f"{c}_format"] for c in _CATEGORIES)
             for group in self.param_groups
