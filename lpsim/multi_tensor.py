@@ -37,6 +37,12 @@ def _checked_tensors(tensors) -> list[torch.Tensor]:
     for i, t in enumerate(tensors):
         check_container(t, f"tensors[{i}]")
         check_strided(t, f"tensors[{i}]", "quantize_many_")
+        if t.numel() > 1 and any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride())):
+            # Checked here, before any tensor is rounded (the op met it after rounding others).
+            raise RuntimeError(
+                f"tensors[{i}] has elements that share one memory location (a stride of 0, as "
+                "expand() gives): it cannot be rounded in place; clone() it first"
+            )
         if t.device != tensors[0].device:
             raise ValueError(
                 f"tensors[{i}] is on {t.device} and tensors[0] on {tensors[0].device}: "
@@ -112,7 +118,8 @@ def quantize_many_(
             tensors are on different devices, two of them overlap in memory (the message names
             both), or an argument is out of range.
         IndexError: a BlockFloat dim does not exist in a tensor.
-        RuntimeError: a tensor is a leaf that requires grad (or a view of one) in grad mode.
+        RuntimeError: a tensor is a leaf that requires grad (or a view of one) in grad mode, or
+            has elements that share one memory location (an expanded tensor).
     """
     checked = _checked_tensors(tensors)
     rule, op_rbits, seed_argument, stream = random_args(rounding, rbits, seed, offset)

@@ -142,13 +142,20 @@ def test_block_float_is_a_loop_of_quantize(rounding):
 )
 def test_a_refused_tensor_leaves_every_tensor_unchanged_and_is_named(fmt, narrow):
     """A tensor the call refuses (its dtype does not hold the format, a BlockFloat dim it lacks, a
-    leaf that requires grad) is refused before any tensor is written, and the message names it, for
-    the block and scaled formats (a loop of quantize_) as for the grid formats (one call). The
-    loop rounded the tensors before the refused one and raised quantize_'s message."""
+    leaf that requires grad, an expanded tensor) is refused before any tensor is written, and the
+    message names it, for the block and scaled formats (a loop of quantize_) as for the grid
+    formats (one call). The loop rounded the tensors before the refused one and raised quantize_'s
+    message; an expanded tensor was met by every path only after the others were rounded."""
     leaf = torch.randn(4, 4, requires_grad=True)
     cases = [
         (ValueError, r"tensors\[2\]: .*does not fit a float16", torch.randn(4, 4).half(), narrow),
         (RuntimeError, "leaf Variable that requires grad", leaf, fmt),
+        (
+            RuntimeError,
+            r"tensors\[2\] has elements that share",
+            torch.randn(1, 4).expand(4, 4),
+            fmt,
+        ),
     ]
     if isinstance(fmt, BlockFloat):
         cases.append((IndexError, r"tensors\[2\]: BlockFloat.dim", torch.randn(4), fmt))
