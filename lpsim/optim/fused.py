@@ -21,12 +21,15 @@ where torch is built with it), since it is not always correctly rounded.
 
 CUDA. Where lpsim is built with its CUDA kernels, CUDA parameters take a kernel over the same core
 with the same random words, in the arithmetic of torch's CUDA kernels (lpsim/optim_step.h: Adam's
-last addition and square root differ from the CPU's), which is OptimLP's around torch's optimizer
-with foreach=False on that device (tests/test_fused_optim_cuda.py, run by ``make gpu-check``).
+last addition and square root differ from the CPU's), meant to be OptimLP's around torch's
+optimizer with foreach=False on that device (tests/test_fused_optim_cuda.py, run by ``make
+gpu-check``). That holds for FusedSGD; FusedAdam's parameters have been seen to differ from torch's
+by one unit in the last place in a few elements (docs/training.md), so FusedAdam is not yet
+bit-exact on CUDA.
 
 Limits: float32 parameters only (other dtypes raise TypeError), CPU and CUDA devices only (others
-raise NotImplementedError), element formats (Float, Fixed) only, Adam without amsgrad, no closure
-re-evaluation at accumulator values (the closure runs first, as torch's optimizers run it).
+raise NotImplementedError), element formats (Float, Fixed, P3109) only, Adam without amsgrad, no
+closure re-evaluation at accumulator values (the closure runs first, as torch's optimizers run it).
 """
 
 from __future__ import annotations
@@ -497,8 +500,8 @@ class FusedSGD(_Fused):
         lr, momentum, dampening, weight_decay: as torch.optim.SGD, all >= 0.
         nesterov: Nesterov momentum (needs momentum > 0 and dampening = 0).
         maximize: maximise the objective.
-        weight_format, grad_format, state_format, acc_format: None (not rounded), a Float or
-            Fixed format (rounded by ``rounding``) or a (format, rounding) pair: OptimLP's
+        weight_format, grad_format, state_format, acc_format: None (not rounded), a Float,
+            Fixed or P3109 format (rounded by ``rounding``) or a (format, rounding) pair: OptimLP's
             ``weight``, ``grad``, ``momentum`` (the momentum buffer) and ``acc`` (a float32 copy
             of the weight that the update applies to; the weight is then the accumulator rounded
             by ``weight_format``; a Fixed without clamp, whose sums need float64, is refused).
@@ -508,7 +511,7 @@ class FusedSGD(_Fused):
             bare formats it sets and to those it inherits from these arguments.
 
     Raises:
-        TypeError: a parameter is not float32, a format is not a Float, Fixed or pair, or an
+        TypeError: a parameter is not float32, a format is not a Float, Fixed, P3109 or pair, or an
             option has the wrong type.
         ValueError: an option is out of range (the message names it and the range), or
             acc_format is a Fixed without clamp.
