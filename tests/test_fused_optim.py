@@ -215,7 +215,13 @@ def test_a_torch_optimizer_s_state_dict_loads_as_optimlp_loads_it(kind):
         want, reference = resumed(
             lambda ps: OptimLP(_torch_optimizer(kind, ps, {**hyper, "lr": 0.5}), **formats)
         )
-    got, fused_opt = resumed(lambda ps: _fused_optimizer(kind, ps, {**hyper, "lr": 0.5}, formats))
+    if kind == "sgd":
+        got, fused_opt = resumed(lambda ps: FusedSGD(ps, lr=0.5, **_fused_kwargs(formats)))
+    else:  # the saved decoupled_weight_decay, not the constructor's decoupled, applies
+        got, fused_opt = resumed(
+            lambda ps: FusedAdam(ps, lr=0.5, decoupled=kind == "adam", **_fused_kwargs(formats))
+        )
+        assert fused_opt.param_groups[0]["decoupled"] == (kind == "adamw")
     assert fused_opt.param_groups[0]["lr"] == hyper["lr"]  # the saved option, as torch loads it
     for i, (a, b) in enumerate(zip(got, want)):
         assert_same_bits(a.detach(), b.detach(), f"parameter {i}")

@@ -148,9 +148,10 @@ class _Fused(Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state_dict of this optimizer, or of the torch optimizer it fuses (SGD, Adam or
-        AdamW), as OptimLP loads one: options and formats a saved group lacks take this
-        optimizer's constructor values, and a parameter of a group with ``acc_format`` whose
-        state holds no accumulator starts one from its current weight.
+        AdamW), as OptimLP loads one: the saved options apply (AdamW's decoupled_weight_decay as
+        ``decoupled``), options and formats a saved group lacks take this optimizer's constructor
+        values, and a parameter of a group with ``acc_format`` whose state holds no accumulator
+        starts one from its current weight.
 
         Raises:
             TypeError / ValueError / NotImplementedError: a loaded group's option or format is
@@ -160,6 +161,7 @@ class _Fused(Optimizer):
         super().load_state_dict(state_dict)
         try:
             for index, group in enumerate(self.param_groups):
+                self._options_of_torch_group(group)
                 for key, value in self.defaults.items():
                     group.setdefault(key, value)
                 self._check_group(group, index)
@@ -172,6 +174,10 @@ class _Fused(Optimizer):
                     for p in group["params"]:
                         if "accumulator" not in self.state[p]:
                             self.state[p]["accumulator"] = p.detach().clone()
+
+    def _options_of_torch_group(self, group: dict) -> None:
+        """Set, in a loaded group, the options that the torch optimizer's group holds under other
+        names (none here)."""
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -621,6 +627,11 @@ class FusedAdam(_Fused):
             weight_format=weight_format,
         )
         super().__init__(params, defaults, formats, grad_scaling, rounding)
+
+    def _options_of_torch_group(self, group: dict) -> None:
+        # torch.optim.AdamW's groups (and Adam's, since torch 2.6) say decoupled_weight_decay.
+        if "decoupled" not in group and "decoupled_weight_decay" in group:
+            group["decoupled"] = bool(group["decoupled_weight_decay"])
 
     def _check_options(self, group: dict) -> None:
         for name in ("lr", "eps", "weight_decay"):
