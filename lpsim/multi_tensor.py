@@ -23,7 +23,7 @@ import torch
 from lpsim._checks import MAX_SEED, check_container, check_strided, draw_seed, random_args
 from lpsim._ops import call
 from lpsim.formats import GRID_FORMATS, BlockFloat, Format
-from lpsim.functional import quantize_
+from lpsim.functional import quantize_, quantize_op_arguments
 from lpsim.rounding import Rounding
 from lpsim.scaled import Scaled
 
@@ -37,12 +37,30 @@ def _checked_tensors(tensors) -> list[torch.Tensor]:
     for i, t in enumerate(tensors):
         check_container(t, f"tensors[{i}]")
         check_strided(t, f"tensors[{i}]", "quantize_many_")
+        if t.numel() > 1 and any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride())):
+            # Checked here, before any tensor is rounded (the op met it after rounding others).
+            raise RuntimeError(
+                f"tensors[{i}] has elements that share one memory location (a stride of 0, as "
+                "expand() gives): it cannot be rounded in place; clone() it first"
+            )
         if t.device != tensors[0].device:
             raise ValueError(
                 f"tensors[{i}] is on {t.device} and tensors[0] on {tensors[0].device}: "
                 "all must be on one device"
             )
     return tensors
+
+
+def _check_in_place(t: torch.Tensor, i: int) -> None:
+    """Refuse, as torch refuses an in-place op on it, a leaf that requires grad or a view of one,
+    outside torch.no_grad()."""
+    if torch.is_grad_enabled() and t.requires_grad:
+        base = t if t._base is None else t._base
+        if base.is_leaf:
+            raise RuntimeError(
+                f"tensors[{i}] is a leaf Variable that requires grad (or a view of one); it "
+                "cannot be rounded in place outside torch.no_grad()"
+            )
 
 
 def _grid_arguments(fmt: Format, tensors: list[torch.Tensor]) -> tuple:
@@ -100,7 +118,8 @@ def quantize_many_(
             tensors are on different devices, two of them overlap in memory (the message names
             both), or an argument is out of range.
         IndexError: a BlockFloat dim does not exist in a tensor.
-        RuntimeError: a tensor is a leaf that requires grad (or a view of one) in grad mode.
+        RuntimeError: a tensor is a leaf that requires grad (or a view of one) in grad mode, or
+            has elements that share one memory location (an expanded tensor).
     """
     checked = _checked_tensors(tensors)
     rule, op_rbits, seed_argument, stream = random_args(rounding, rbits, seed, offset)
@@ -116,6 +135,15 @@ def quantize_many_(
             call("_check_disjoint", checked)
         if rule.is_stochastic and seed is None:
             seed = int(draw_seed())
+        # Every tensor checked before any is rounded, as the one compiled call of the grid
+        # formats checks them: an error leaves all the tensors unchanged and names tensors[i].
+        for i, t in enumerate(checked):
+            try:
+                quantize_op_arguments(t, fmt, rule, rbits, seed, offset + i)
+            except (ValueError, IndexError) as error:
+                raise type(error)(f"tensors[{i}]: {error}") from None
+            if not torch.compiler.is_compiling():
+                _check_in_place(t, i)
         for i, t in enumerate(checked):
             quantize_(t, fmt, rule, rbits=rbits, seed=seed, offset=offset + i)
         return tensors

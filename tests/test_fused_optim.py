@@ -6,6 +6,7 @@ same bits, and its own batches elsewhere."""
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -185,6 +186,65 @@ def test_state_dict_round_trip_resumes_bit_exact(kind):
         assert_same_bits(a.detach(), b.detach())
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
+def test_a_torch_optimizer_s_state_dict_loads_as_optimlp_loads_it(kind):
+    """A state_dict of the torch optimizer a fused one fuses resumes as OptimLP around that torch
+    optimizer resumes it: its options, the formats of the constructor, accumulators that start
+    from the current weights. (The loaded groups lacked the formats: the first step raised
+    KeyError, and a group with acc_format but no accumulators updated the weights directly.)"""
+    hyper = SGD_CASES["momentum_wd"] if kind == "sgd" else dict(lr=1e-2, weight_decay=1e-2)
+    formats = FORMATS["bf16_acc"]
+    trained = _params()
+    plain = _torch_optimizer(kind, trained, hyper)
+    for step in range(3):
+        _set_grads(step, trained)
+        plain.step()
+    saved = plain.state_dict()
+
+    def resumed(make):
+        params = [torch.nn.Parameter(p.detach().clone()) for p in trained]
+        torch.manual_seed(5)
+        opt = make(params)
+        opt.load_state_dict(copy.deepcopy(saved))  # torch keeps the tensors it is given
+        for step in range(3, 7):
+            _set_grads(step, params, skip=1 if step == 4 else None)
+            opt.step()
+        return params, opt
+
+    with _unfused():
+        want, reference = resumed(
+            lambda ps: OptimLP(_torch_optimizer(kind, ps, {**hyper, "lr": 0.5}), **formats)
+        )
+    if kind == "sgd":
+        got, fused_opt = resumed(lambda ps: FusedSGD(ps, lr=0.5, **_fused_kwargs(formats)))
+    else:  # the saved decoupled_weight_decay, not the constructor's decoupled, applies
+        got, fused_opt = resumed(
+            lambda ps: FusedAdam(ps, lr=0.5, decoupled=kind == "adam", **_fused_kwargs(formats))
+        )
+        assert fused_opt.param_groups[0]["decoupled"] == (kind == "adamw")
+    assert fused_opt.param_groups[0]["lr"] == hyper["lr"]  # the saved option, as torch loads it
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
+        assert_same_bits(fused_opt.state[a]["accumulator"], reference.accumulators[b], f"acc {i}")
+        for key in FusedSGD._RULE.states + FusedAdam._RULE.states:
+            if key in reference.state[b]:
+                assert_same_bits(fused_opt.state[a][key], reference.state[b][key], f"{key} {i}")
+
+
+@pytest.mark.parametrize("make", [FusedSGD, FusedAdam])
+def test_acc_format_set_on_a_group_after_it_was_added_is_refused(make):
+    """A group given acc_format after it was added has no accumulators: its step would update the
+    weights themselves, as without acc_format (it did, silently)."""
+    p = torch.nn.Parameter(torch.randn(3))
+    opt = make([p], lr=0.1)
+    opt.param_groups[0]["acc_format"] = lpsim.nn.QuantSpec(Float(8, 10), lpsim.Rounding.nearest)
+    p.grad = torch.ones(3)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="parameter 0 of group 0 has no accumulator"):
+        opt.step()
+    assert_same_bits(p.detach(), before)
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_non_contiguous_parameters_and_gradients_step_as_optimlp(kind):
     """A transposed and a strided parameter, their gradients in their own layout (as autograd
@@ -279,6 +339,42 @@ def test_a_parameter_group_s_options_are_checked_as_the_constructor_s(make, grou
     opt = make([p], lr=0.1)
     with pytest.raises(error, match=message):
         opt.add_param_group({"params": [q], **group})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_a_group_s_rounding_applies_to_the_formats_it_inherits(kind):
+    """A parameter group that sets only "rounding" rounds the default (bare) formats by its own
+    rule, as OptimLP with those formats paired with that rule does (the group's rule was ignored:
+    the defaults were paired with the constructor's rule before the groups were made)."""
+    hyper = dict(lr=0.05, momentum=0.9) if kind == "sgd" else dict(lr=1e-2, weight_decay=1e-2)
+    bare = dict(weight=Float(5, 2), grad=Float(4, 3), momentum=Float(6, 5), acc=Float(8, 12))
+    nearest = ParameterQuantization(**{k: (f, "nearest") for k, f in bare.items()})
+
+    def reference(ps):
+        groups = [{"params": ps[:3], "quantization": nearest}, {"params": ps[3:]}]
+        return OptimLP(_torch_optimizer(kind, groups, hyper), **bare, rounding="stochastic")
+
+    def fused_optimizer(ps):
+        groups = [{"params": ps[:3], "rounding": "nearest"}, {"params": ps[3:]}]
+        return _fused_optimizer(kind, groups, hyper, bare, rounding="stochastic")
+
+    with _unfused():
+        want, reference_opt = _run(reference, steps=5)
+    got, fused_opt = _run(fused_optimizer, steps=5)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
+        assert_same_bits(fused_opt.state[a]["accumulator"], reference_opt.accumulators[b])
+
+
+@pytest.mark.parametrize("make", [FusedSGD, FusedAdam])
+def test_a_group_s_rounding_is_checked(make):
+    p = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="rounding must be one of"):
+        make([{"params": [p], "rounding": "bogus"}], lr=0.1, weight_format=Float(5, 2))
+    opt = make([p], lr=0.1)
+    with pytest.raises(TypeError, match="rounding must be a str or lpsim.Rounding"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "rounding": 1})
     assert len(opt.param_groups) == 1
 
 

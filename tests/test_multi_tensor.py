@@ -131,6 +131,43 @@ def test_block_float_is_a_loop_of_quantize(rounding):
         assert_same_bits(got, expected)
 
 
+@pytest.mark.parametrize(
+    "fmt, narrow",
+    [
+        (Float(5, 2), Float(8, 7)),
+        (BlockFloat(8, dim=1), BlockFloat(24, dim=1)),
+        (lpsim.scaled.preset("mxfp8_e4m3"), lpsim.Scaled(Float(8, 7), block=4)),
+    ],
+    ids=["float", "block_float", "scaled"],
+)
+def test_a_refused_tensor_leaves_every_tensor_unchanged_and_is_named(fmt, narrow):
+    """A tensor the call refuses (its dtype does not hold the format, a BlockFloat dim it lacks, a
+    leaf that requires grad, an expanded tensor) is refused before any tensor is written, and the
+    message names it, for the block and scaled formats (a loop of quantize_) as for the grid
+    formats (one call). The loop rounded the tensors before the refused one and raised quantize_'s
+    message; an expanded tensor was met by every path only after the others were rounded."""
+    leaf = torch.randn(4, 4, requires_grad=True)
+    cases = [
+        (ValueError, r"tensors\[2\]: .*does not fit a float16", torch.randn(4, 4).half(), narrow),
+        (RuntimeError, "leaf Variable that requires grad", leaf, fmt),
+        (
+            RuntimeError,
+            r"tensors\[2\] has elements that share",
+            torch.randn(1, 4).expand(4, 4),
+            fmt,
+        ),
+    ]
+    if isinstance(fmt, BlockFloat):
+        cases.append((IndexError, r"tensors\[2\]: BlockFloat.dim", torch.randn(4), fmt))
+    for error, message, bad, f in cases:
+        tensors = [torch.randn(4, 4) * 3, torch.randn(3, 8).double(), bad]
+        before = [t.detach().clone() for t in tensors]
+        with pytest.raises(error, match=message):
+            quantize_many_(tensors, f, "stochastic", seed=1)
+        for t, b in zip(tensors, before):
+            assert_same_bits(t.detach(), b)
+
+
 def test_version_counters_are_bumped():
     tensors = [torch.randn(3), torch.randn(4)]
     before = [t._version for t in tensors]

@@ -21,12 +21,15 @@ where torch is built with it), since it is not always correctly rounded.
 
 CUDA. Where lpsim is built with its CUDA kernels, CUDA parameters take a kernel over the same core
 with the same random words, in the arithmetic of torch's CUDA kernels (lpsim/optim_step.h: Adam's
-last addition and square root differ from the CPU's), which is OptimLP's around torch's optimizer
-with foreach=False on that device (tests/test_fused_optim_cuda.py, run by ``make gpu-check``).
+last addition and square root differ from the CPU's), meant to be OptimLP's around torch's
+optimizer with foreach=False on that device (tests/test_fused_optim_cuda.py, run by ``make
+gpu-check``). That holds for FusedSGD; FusedAdam's parameters have been seen to differ from torch's
+by one unit in the last place in a few elements (docs/training.md), so FusedAdam is not yet
+bit-exact on CUDA.
 
 Limits: float32 parameters only (other dtypes raise TypeError), CPU and CUDA devices only (others
-raise NotImplementedError), element formats (Float, Fixed) only, Adam without amsgrad, no closure
-re-evaluation at accumulator values (the closure runs first, as torch's optimizers run it).
+raise NotImplementedError), element formats (Float, Fixed, P3109) only, Adam without amsgrad, no
+closure re-evaluation at accumulator values (the closure runs first, as torch's optimizers run it).
 """
 
 from __future__ import annotations
@@ -79,7 +82,10 @@ class _Fused(Optimizer):
     def __init__(self, params, defaults: dict, formats: dict, grad_scaling: float, rounding):
         Rounding.parse(rounding)
         for name, value in formats.items():
-            defaults[name] = _spec(value, rounding, name)
+            _spec(value, rounding, name)  # checked here; made a QuantSpec per group
+            # Kept as given: a bare format takes the rule of each group that inherits it, so a
+            # group that sets only "rounding" rounds the default formats by its own rule.
+            defaults[name] = value
         defaults["rounding"] = rounding
         self._check_options(defaults)
         self.grad_scaling = check_positive_finite("grad_scaling", grad_scaling)
@@ -112,6 +118,7 @@ class _Fused(Optimizer):
         """A parameter group's options and formats (made QuantSpecs) and its parameters' dtypes
         and devices, with the errors add_param_group raises."""
         self._check_options(group)
+        Rounding.parse(group["rounding"])
         for category in _CATEGORIES:
             name = f"{category}_format"
             group[name] = spec = _spec(group[name], group["rounding"], name)
@@ -139,6 +146,39 @@ class _Fused(Optimizer):
                     f"({type(self).__name__} runs on {' and '.join(devices)} tensors)"
                 )
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state_dict of this optimizer, or of the torch optimizer it fuses (SGD, Adam or
+        AdamW), as OptimLP loads one: the saved options apply (AdamW's decoupled_weight_decay as
+        ``decoupled``), options and formats a saved group lacks take this optimizer's constructor
+        values, and a parameter of a group with ``acc_format`` whose state holds no accumulator
+        starts one from its current weight.
+
+        Raises:
+            TypeError / ValueError / NotImplementedError: a loaded group's option or format is
+                refused, as add_param_group refuses it (the optimizer keeps its state).
+        """
+        kept = self.state_dict()
+        super().load_state_dict(state_dict)
+        try:
+            for index, group in enumerate(self.param_groups):
+                self._options_of_torch_group(group)
+                for key, value in self.defaults.items():
+                    group.setdefault(key, value)
+                self._check_group(group, index)
+        except (TypeError, ValueError, NotImplementedError):
+            super().load_state_dict(kept)
+            raise
+        with torch.no_grad():
+            for group in self.param_groups:
+                if group["acc_format"] is not None:
+                    for p in group["params"]:
+                        if "accumulator" not in self.state[p]:
+                            self.state[p]["accumulator"] = p.detach().clone()
+
+    def _options_of_torch_group(self, group: dict) -> None:
+        """Set, in a loaded group, the options that the torch optimizer's group holds under other
+        names (none here)."""
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step of every parameter (see the module documentation). Returns the closure's
@@ -147,10 +187,17 @@ class _Fused(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
+        for index, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                if group["acc_format"] is not None and "accumulator" not in self.state[p]:
+                    # Else the step would update the weight itself, as without acc_format.
+                    raise ValueError(
+                        f"parameter {i} of group {index} has no accumulator: acc_format was set "
+                        "on its group after the group was added (set it in the constructor or "
+                        "in add_param_group)"
+                    )
         specs = {
             p: tuple(group[f"{c}_format"] for c in _CATEGORIES)
             for group in self.param_groups
@@ -459,17 +506,18 @@ class FusedSGD(_Fused):
         lr, momentum, dampening, weight_decay: as torch.optim.SGD, all >= 0.
         nesterov: Nesterov momentum (needs momentum > 0 and dampening = 0).
         maximize: maximise the objective.
-        weight_format, grad_format, state_format, acc_format: None (not rounded), a Float or
-            Fixed format (rounded by ``rounding``) or a (format, rounding) pair: OptimLP's
+        weight_format, grad_format, state_format, acc_format: None (not rounded), a Float,
+            Fixed or P3109 format (rounded by ``rounding``) or a (format, rounding) pair: OptimLP's
             ``weight``, ``grad``, ``momentum`` (the momentum buffer) and ``acc`` (a float32 copy
             of the weight that the update applies to; the weight is then the accumulator rounded
             by ``weight_format``; a Fixed without clamp, whose sums need float64, is refused).
         grad_scaling: a finite number > 0; every gradient is multiplied by it first (a loss
             scale undone).
-        rounding: the rule of bare formats, default "stochastic".
+        rounding: the rule of bare formats, default "stochastic"; a group's own rule applies to the
+            bare formats it sets and to those it inherits from these arguments.
 
     Raises:
-        TypeError: a parameter is not float32, a format is not a Float, Fixed or pair, or an
+        TypeError: a parameter is not float32, a format is not a Float, Fixed, P3109 or pair, or an
             option has the wrong type.
         ValueError: an option is out of range (the message names it and the range), or
             acc_format is a Fixed without clamp.
@@ -579,6 +627,11 @@ class FusedAdam(_Fused):
             weight_format=weight_format,
         )
         super().__init__(params, defaults, formats, grad_scaling, rounding)
+
+    def _options_of_torch_group(self, group: dict) -> None:
+        # torch.optim.AdamW's groups (and Adam's, since torch 2.6) say decoupled_weight_decay.
+        if "decoupled" not in group and "decoupled_weight_decay" in group:
+            group["decoupled"] = bool(group["decoupled_weight_decay"])
 
     def _check_options(self, group: dict) -> None:
         for name in ("lr", "eps", "weight_decay"):
