@@ -566,3 +566,17 @@ def test_sgd_refuses_a_gradient_of_another_shape():
     w.grad = DyadicTensor(torch.ones(2, 3, dtype=torch.int32), 4)
     with pytest.raises(ValueError, match=r"gradient of 'w' has shape \(2, 3\), its value \(3,\)"):
         SGD([w], lr_shift=0).step()
+
+
+def test_mse_loss_checks_an_int64_output_against_the_accumulator_without_wrapping_it():
+    # y = 2**32 + 1 does not fit the 32-bit accumulator: y - t = 2**32 must be reported, not
+    # wrapped to int32 (where y reads as 1 and the error as 0).
+    y = DyadicTensor(torch.tensor([[2**32 + 1]], dtype=torch.int64), 0)
+    t = DyadicTensor(_int([[1]]), 0)
+    with pytest.raises(OverflowError, match=r"y - t: 1 result\(s\) outside"):
+        inn.mse_loss(y, t, rounding="nearest")
+    # Within the range the int64 output keeps its value: e = 2**31 - 2 exactly.
+    y = DyadicTensor(torch.tensor([[2**31 - 1]], dtype=torch.int64), 0)
+    out = inn.mse_loss(y, t, rounding="nearest", error_bits=32)
+    assert out.loss == float(Fraction((2**31 - 2) ** 2, 2))
+    assert out.grad.mantissa.tolist() == [[2**31 - 2]] and out.grad.scale == 0

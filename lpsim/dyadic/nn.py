@@ -510,9 +510,10 @@ def mse_loss(
     F.check_overflow(
         moved.clip_count, "mse_loss target at the output's scale", bounds, can_saturate=False
     )
-    widened = DyadicTensor(output.mantissa.to(moved.value.dtype), output.scale)
+    # saturating_sub widens the narrower mantissa to int64: converting an int64 output down to
+    # the target's int32 would wrap it before the range check.
     error, count = _accumulated(
-        F.saturating_sub(widened, moved.value, rounding=rounding), accumulator_bits
+        F.saturating_sub(output, moved.value, rounding=rounding), accumulator_bits
     )
     F.check_overflow(count, "mse_loss y - t", bounds, can_saturate=False)
     n = output.shape[0]
