@@ -580,3 +580,19 @@ def test_mse_loss_checks_an_int64_output_against_the_accumulator_without_wrappin
     out = inn.mse_loss(y, t, rounding="nearest", error_bits=32)
     assert out.loss == float(Fraction((2**31 - 2) ** 2, 2))
     assert out.grad.mantissa.tolist() == [[2**31 - 2]] and out.grad.scale == 0
+
+
+@pytest.mark.parametrize("overflow", ["raise", "saturate"])
+def test_sgd_clips_a_weight_whose_update_leaves_int32_and_counts_it(overflow):
+    # W - R(M 2**-lr_shift) = (2**31 - 1) + 10 is exact before the clip to W's 32 bits: the
+    # weight clips to Qmax and counts as a weight clip; nothing overflows (no error, no warning).
+    w = inn.Parameter("w", DyadicTensor(_int([2**31 - 1, 5, -(2**15)]), 0), bits=32)
+    w.grad = DyadicTensor(_int([-10, 1, 2**31 - 1]), 0)
+    opt = SGD([w], lr_shift=0, grad_bits=32, rounding="nearest", overflow=overflow)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    exact = [2**31 - 1 + 10, 5 - 1, -(2**15) - (2**31 - 1)]
+    lo, hi = -(2**31), 2**31 - 1
+    assert w.value.mantissa.tolist() == [min(max(v, lo), hi) for v in exact]
+    assert opt.stats["w"].weight == 2 and opt.stats["w"].gradient == 0

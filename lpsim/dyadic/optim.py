@@ -116,9 +116,9 @@ class SGD:
         combine = F.saturating_sub if subtract else F.saturating_add
         return combine(a, b, rounding=self.rounding)  # same scale: exact
 
-    def _checked(self, what: str, result: tuple[DyadicTensor, int]) -> DyadicTensor:
+    def _checked(self, what: str, result: tuple[DyadicTensor, int], bits: int = 32) -> DyadicTensor:
         value, count = result
-        F.check_overflow(count, f"SGD {what}", F.integer_range(32), self.overflow)
+        F.check_overflow(count, f"SGD {what}", F.integer_range(bits), self.overflow)
         return value
 
     def step(self) -> None:
@@ -148,7 +148,10 @@ class SGD:
             m = self._checked("momentum", self._add(m, grad.value, subtract=False))
             self.momentum[index] = m
             update = self._round(m.ldexp(-self.lr_shift), w.scale).value
-            moved = self._checked("update", self._add(w, update, subtract=True))
+            # W - update in int64, exact for int32 operands: the clip to W's bits below is the
+            # one range check the rule has (and counts), also for 32-bit weights.
+            wide = w.with_mantissa(w.mantissa.to(torch.int64))
+            moved = self._checked("update", self._add(wide, update, subtract=True), 64)
             new = self._round(moved, w.scale, p.bits)
             counts.weight += new.clip_count
             p.value = new.value
