@@ -596,3 +596,13 @@ def test_sgd_clips_a_weight_whose_update_leaves_int32_and_counts_it(overflow):
     lo, hi = -(2**31), 2**31 - 1
     assert w.value.mantissa.tolist() == [min(max(v, lo), hi) for v in exact]
     assert opt.stats["w"].weight == 2 and opt.stats["w"].gradient == 0
+
+
+def test_mse_loss_rounds_a_subnormal_loss_once():
+    # e = 2147482799 at scale 545: L = e**2 / 2 * 2**-1090 is subnormal in float64. Rounding
+    # e**2 / 2 to 53 bits first and then to the subnormal grid rounds twice and misses by a unit.
+    e = 2147482799
+    y = DyadicTensor(torch.tensor([[e]], dtype=torch.int64), 545)
+    t = DyadicTensor(torch.zeros(1, 1, dtype=torch.int64), 545)
+    loss = inn.mse_loss(y, t, rounding="nearest", accumulator_bits=64).loss
+    assert loss == float(Fraction(e * e, 2) / 2**1090)

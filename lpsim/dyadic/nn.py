@@ -471,6 +471,27 @@ def _sum_of_squares(m: torch.Tensor) -> int:
     return sum(v * v for v in m.reshape(-1).tolist())
 
 
+def _ratio_to_float(numerator: int, denominator: int, exponent: int) -> float:
+    """numerator / denominator * 2**exponent (numerator >= 0, denominator > 0) rounded once to
+    the nearest float64, ties to even: subnormal results included (a division then an ldexp
+    would round twice there), inf beyond float64's range."""
+    if numerator == 0:
+        return 0.0
+    magnitude = numerator.bit_length() - denominator.bit_length() + exponent  # log2, +/- 1
+    if magnitude > 1026:
+        return math.inf
+    if magnitude < -1077:  # below a quarter of the smallest subnormal: rounds to 0
+        return 0.0
+    if exponent >= 0:
+        numerator <<= exponent
+    else:
+        denominator <<= -exponent
+    try:
+        return numerator / denominator  # Python's integer division rounds once, correctly
+    except OverflowError:  # beyond float64's range: read as inf, as a rounding to float64 gives
+        return math.inf
+
+
 def mse_loss(
     output: DyadicTensor,
     target: DyadicTensor,
@@ -486,8 +507,9 @@ def mse_loss(
     the batch size N is free when N is a power of two (the scale grows by log2 N); otherwise
     e / N = div(e, N, p) with p = N.bit_length(), rounded. The gradient is then requantised to
     ``error_bits`` with the shift fit_shift() gives. The loss itself is computed exactly from the
-    integers and only then converted to a float (inf beyond float64's range). Every rounding
-    uses ``rounding`` ("stochastic" by default, "nearest" or "down").
+    integers and only then rounded once to the nearest float64 (subnormals included, inf beyond
+    float64's range). Every other rounding uses ``rounding`` ("stochastic" by default,
+    "nearest" or "down").
 
     Raises:
         ValueError: output and target differ in shape, are not (N, C) with one scale, or N = 0.
@@ -518,10 +540,7 @@ def mse_loss(
     F.check_overflow(count, "mse_loss y - t", bounds, can_saturate=False)
     n = output.shape[0]
     total = _sum_of_squares(error.mantissa)
-    try:
-        loss = math.ldexp(total / (2 * n), -2 * error.scale)
-    except OverflowError:  # beyond float64's range: read as inf, as a rounding to float64 gives
-        loss = math.inf
+    loss = _ratio_to_float(total, 2 * n, -2 * error.scale)
     if n & (n - 1) == 0:
         grad = error.ldexp(-(n.bit_length() - 1))
     else:
