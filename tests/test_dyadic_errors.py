@@ -332,3 +332,13 @@ def test_a_bad_rounding_name_lists_only_the_rules_dyadic_accepts(call, rule):
         "rounding must be one of 'nearest', 'down', 'stochastic' for "
         f"dyadic operations; got {got!r}"
     )
+
+
+@pytest.mark.parametrize("bad", [-(2**63), -(2**31), 2**31, 2**63 - 1])
+def test_a_per_channel_scale_out_of_range_is_refused_at_either_end(bad):
+    # -2**63 has no int64 magnitude (abs wraps to itself): it must be refused like any scale
+    # outside [-2**30, 2**30], not kept to read 2**(2**63) as 0.
+    with pytest.raises(ValueError, match=rf"scale must be in \[-2\*\*30, 2\*\*30\], got {bad}$"):
+        DyadicTensor(torch.ones(2, dtype=torch.int32), torch.tensor([bad, 0]), axis=0)
+    with pytest.raises(ValueError, match=rf"scale must be in \[-2\*\*30, 2\*\*30\], got {bad}$"):
+        dyadic.from_float(torch.ones(2), 8, torch.tensor([0, bad]), axis=0)

@@ -77,8 +77,9 @@ def normalize_scale(scale, shape: torch.Size, axis: int | None) -> tuple:
         raise ValueError(
             f"a per-channel scale along axis {axis} needs {shape[axis]} entries, got {s.numel()}"
         )
-    if s.numel() and int(s.abs().max()) > MAX_SCALE:
-        raise ValueError(f"scale must be in [-2**30, 2**30], got {int(s.abs().max())}")
+    if s.numel():  # min and max, not abs(): abs(-2**63) wraps to -2**63 in int64
+        for bound in (int(s.min()), int(s.max())):
+            _check_scale_value(bound)
     return s, axis
 
 
