@@ -342,3 +342,40 @@ def test_a_per_channel_scale_out_of_range_is_refused_at_either_end(bad):
         DyadicTensor(torch.ones(2, dtype=torch.int32), torch.tensor([bad, 0]), axis=0)
     with pytest.raises(ValueError, match=rf"scale must be in \[-2\*\*30, 2\*\*30\], got {bad}$"):
         dyadic.from_float(torch.ones(2), 8, torch.tensor([0, bad]), axis=0)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "pattern"),
+    [
+        (
+            lambda: dyadic.from_float(torch.tensor([1.0, 0.0, 2.5]).to_sparse(), 8, 2),
+            TypeError,
+            r"^x is a sparse_coo tensor; lpsim.dyadic.from_float takes dense \(strided\) tensors$",
+        ),
+        (
+            lambda: dyadic.from_float(torch.ones(3, device="meta"), 8),
+            ValueError,
+            r"^x must be a CPU tensor \(lpsim.dyadic.from_float runs on the CPU\), got one on meta",
+        ),
+        (
+            lambda: DyadicTensor(torch.tensor([1, 0], dtype=torch.int32).to_sparse(), 0),
+            TypeError,
+            r"^mantissa is a sparse_coo tensor; DyadicTensor takes dense \(strided\) tensors$",
+        ),
+        (
+            lambda: inn.Linear(3, 1, weight=torch.ones(1, 3).to_sparse()),
+            TypeError,
+            r"^weight is a sparse_coo tensor; lpsim.dyadic.nn.Linear takes dense \(strided\)",
+        ),
+        (
+            lambda: inn.Linear(3, 1, bias_value=torch.ones(1, device="meta")),
+            ValueError,
+            r"^bias_value must be a CPU tensor \(lpsim.dyadic.nn.Linear runs on the CPU\)",
+        ),
+    ],
+)
+def test_a_sparse_or_non_cpu_tensor_is_refused_by_name(call, error, pattern):
+    # The integer kernels read dense CPU storage: other tensors are refused up front, by the
+    # parameter's name, not by an error from inside torch (or a sparse mantissa kept as a value).
+    with pytest.raises(error, match=pattern):
+        call()

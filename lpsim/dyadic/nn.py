@@ -36,7 +36,7 @@ import torch
 
 from lpsim._checks import check_choice, check_int, check_rule, check_tensor
 from lpsim.dyadic import functional as F
-from lpsim.dyadic.tensor import DyadicTensor
+from lpsim.dyadic.tensor import DyadicTensor, check_cpu_dense
 
 __all__ = [
     "Parameter",
@@ -168,11 +168,12 @@ def _accumulated(result: F.Saturated, accumulator_bits: int) -> F.Saturated:
 
 
 def _check_initial(name: str, value, shape: tuple[int, ...]) -> None:
-    """Raises unless ``value`` is a finite float tensor of ``shape`` (the message calls it
-    ``name``)."""
+    """Raises unless ``value`` is a finite dense CPU float tensor of ``shape`` (the message calls
+    it ``name``)."""
     check_tensor(value, name)
     if not value.dtype.is_floating_point:
         raise TypeError(f"{name} must be a floating tensor, got {value.dtype}")
+    check_cpu_dense(value, name, "lpsim.dyadic.nn.Linear")
     if tuple(value.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
     if not bool(torch.isfinite(value).all()):

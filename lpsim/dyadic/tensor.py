@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["DyadicTensor", "MAX_SCALE", "normalize_axis", "normalize_scale"]
+__all__ = ["DyadicTensor", "MAX_SCALE", "check_cpu_dense", "normalize_axis", "normalize_scale"]
 
 MAX_SCALE = 2**30  # |scale| bound: far beyond any useful grid, small enough for every shift count
 
@@ -39,6 +39,19 @@ def _check_scale_value(s: int) -> int:
     if not -MAX_SCALE <= s <= MAX_SCALE:
         raise ValueError(f"scale must be in [-2**30, 2**30], got {s}")
     return s
+
+
+def check_cpu_dense(x: torch.Tensor, name: str, function: str) -> None:
+    """Raises unless x is a dense CPU tensor, the only kind the integer kernels read: TypeError for
+    a sparse layout, ValueError for another device (the messages call x ``name`` and the caller
+    ``function``)."""
+    if x.layout != torch.strided:
+        layout = str(x.layout).replace("torch.", "")
+        raise TypeError(f"{name} is a {layout} tensor; {function} takes dense (strided) tensors")
+    if x.device.type != "cpu":
+        raise ValueError(
+            f"{name} must be a CPU tensor ({function} runs on the CPU), got one on {x.device}"
+        )
 
 
 def normalize_axis(axis: int, ndim: int) -> int:
@@ -87,16 +100,17 @@ class DyadicTensor:
     """Values mantissa * 2**-scale, the scale per tensor or per channel.
 
     Args:
-        mantissa: an int32 or int64 CPU tensor, any shape (kept as given, not copied).
+        mantissa: an int32 or int64 dense CPU tensor, any shape (kept as given, not copied).
         scale: an int (one scale for the tensor), or with ``axis`` a 1-D int64 tensor or sequence
             of ints, one per index along ``axis``. Every scale lies in [-2**30, 2**30].
         axis: the dimension a per-channel scale runs along (negative counts from the end); None
             for a per-tensor scale.
 
     Raises:
-        TypeError: the mantissa is not an int32/int64 tensor, or a scale is not an integer.
-        ValueError: a scale is out of range, or a per-channel scale's length differs from the
-            size of ``axis``.
+        TypeError: the mantissa is not an int32/int64 tensor or is sparse, or a scale is not an
+            integer.
+        ValueError: the mantissa is not on the CPU, a scale is out of range, or a per-channel
+            scale's length differs from the size of ``axis``.
         IndexError: ``axis`` does not exist in the mantissa.
     """
 
@@ -112,8 +126,7 @@ class DyadicTensor:
             raise TypeError(f"mantissa must be a torch.Tensor, got {type(mantissa).__name__}")
         if mantissa.dtype not in _MANTISSA_DTYPES:
             raise TypeError(f"mantissa must be an int32 or int64 tensor, got {mantissa.dtype}")
-        if mantissa.device.type != "cpu":
-            raise ValueError(f"mantissa must be a CPU tensor, got one on {mantissa.device}")
+        check_cpu_dense(mantissa, "mantissa", "DyadicTensor")
         self.mantissa = mantissa
         self.scale, self.axis = normalize_scale(scale, mantissa.shape, axis)
 
