@@ -606,3 +606,21 @@ def test_mse_loss_rounds_a_subnormal_loss_once():
     t = DyadicTensor(torch.zeros(1, 1, dtype=torch.int64), 545)
     loss = inn.mse_loss(y, t, rounding="nearest", accumulator_bits=64).loss
     assert loss == float(Fraction(e * e, 2) / 2**1090)
+
+
+def test_sgd_updates_a_per_channel_parameter_from_a_per_tensor_gradient_as_torch_sgd():
+    # Rows at scales 10 and 4; the gradient has one scale (as Linear's are) and lands on each
+    # row's grid exactly, so nearest rounding must reproduce torch.optim.SGD's float updates.
+    w = inn.Parameter("w", DyadicTensor(_int([[100, -100], [7, 9]]), [10, 4], axis=0), bits=16)
+    opt = SGD([w], lr_shift=2, momentum_shift=1, rounding="nearest")
+    reference = w.value.to_float().requires_grad_()
+    torch_opt = torch.optim.SGD([reference], lr=0.25, momentum=0.5)
+    grad = DyadicTensor(_int([[64, -32], [1024, -2048]]), 10)
+    for _ in range(3):
+        w.grad = grad
+        opt.step()
+        reference.grad = grad.to_float()
+        torch_opt.step()
+        assert w.value.to_float().tolist() == reference.detach().tolist()
+    assert w.value.scale.tolist() == [10, 4] and w.value.axis == 0
+    assert w.value.mantissa.tolist() == [[100 - 68, -100 + 34], [7 - 17, 9 + 34]]
