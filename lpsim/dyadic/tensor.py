@@ -85,7 +85,9 @@ def normalize_scale(scale, shape: torch.Size, axis: int | None) -> tuple:
     s = torch.as_tensor(scale)
     if s.dtype.is_floating_point or s.dtype == torch.bool or s.dtype.is_complex:
         raise TypeError(f"a per-channel scale must hold integers, got {s.dtype}")
-    s = s.to(torch.int64).reshape(-1)
+    # A copy: the scales are part of the value, and a caller's tensor changed in place later
+    # would change them (past the range check below).
+    s = s.to(torch.int64).reshape(-1).clone()
     if s.numel() != shape[axis]:
         raise ValueError(
             f"a per-channel scale along axis {axis} needs {shape[axis]} entries, got {s.numel()}"
@@ -102,7 +104,7 @@ class DyadicTensor:
     Args:
         mantissa: an int32 or int64 dense CPU tensor, any shape (kept as given, not copied).
         scale: an int (one scale for the tensor), or with ``axis`` a 1-D int64 tensor or sequence
-            of ints, one per index along ``axis``. Every scale lies in [-2**30, 2**30].
+            of ints, one per index along ``axis`` (copied). Every scale lies in [-2**30, 2**30].
         axis: the dimension a per-channel scale runs along (negative counts from the end); None
             for a per-tensor scale.
 
