@@ -379,3 +379,12 @@ def test_a_sparse_or_non_cpu_tensor_is_refused_by_name(call, error, pattern):
     # parameter's name, not by an error from inside torch (or a sparse mantissa kept as a value).
     with pytest.raises(error, match=pattern):
         call()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.complex64])
+def test_a_one_element_scale_tensor_must_hold_an_integer(dtype):
+    # As scale=True and scale=1.0 are refused, so are 0-d bool, float and complex tensors (a bool
+    # one was read as the scale 1, a float one was refused as if it were per channel).
+    with pytest.raises(TypeError, match=rf"^scale must be an int, got a {dtype} tensor$"):
+        DyadicTensor(torch.ones(2, dtype=torch.int32), torch.tensor(1, dtype=dtype))
+    assert DyadicTensor(torch.ones(2, dtype=torch.int32), torch.tensor(3)).scale == 3

@@ -69,11 +69,9 @@ def normalize_scale(scale, shape: torch.Size, axis: int | None) -> tuple:
     """(scale, axis) checked for a mantissa of ``shape``: an int and None, or a 1-D int64 tensor
     with one entry per index along the non-negative ``axis``."""
     if axis is None:
-        if (
-            isinstance(scale, torch.Tensor)
-            and scale.dim() == 0
-            and not scale.dtype.is_floating_point
-        ):
+        if isinstance(scale, torch.Tensor) and scale.dim() == 0:
+            if scale.dtype.is_floating_point or scale.dtype.is_complex or scale.dtype == torch.bool:
+                raise TypeError(f"scale must be an int, got a {scale.dtype} tensor")
             scale = int(scale)
         if isinstance(scale, (Sequence, torch.Tensor)) and not isinstance(scale, str):
             raise TypeError(
