@@ -388,3 +388,23 @@ def test_a_one_element_scale_tensor_must_hold_an_integer(dtype):
     with pytest.raises(TypeError, match=rf"^scale must be an int, got a {dtype} tensor$"):
         DyadicTensor(torch.ones(2, dtype=torch.int32), torch.tensor(1, dtype=dtype))
     assert DyadicTensor(torch.ones(2, dtype=torch.int32), torch.tensor(3)).scale == 3
+
+
+@pytest.mark.parametrize(
+    ("scale", "error", "pattern"),
+    [
+        ([True, 2], TypeError, r"^a per-channel scale must hold integers, got bool$"),
+        ([1.0, 2], TypeError, r"^a per-channel scale must hold integers, got float$"),
+        ([None, 2], TypeError, r"^a per-channel scale must hold integers, got NoneType$"),
+        (
+            [2**63, 1],
+            ValueError,
+            r"^scale must be in \[-2\*\*30, 2\*\*30\], got 9223372036854775808$",
+        ),
+    ],
+)
+def test_each_entry_of_a_per_channel_scale_list_is_checked(scale, error, pattern):
+    # A list's entries are scales: True is refused as scale=True is (not read as 1), and an entry
+    # beyond int64 is out of range (not an error from converting the list to a tensor).
+    with pytest.raises(error, match=pattern):
+        DyadicTensor(torch.ones(2, dtype=torch.int32), scale, axis=0)

@@ -22,6 +22,7 @@ arguments.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -80,6 +81,15 @@ def normalize_scale(scale, shape: torch.Size, axis: int | None) -> tuple:
             )
         return _check_scale_value(scale), None
     axis = normalize_axis(axis, len(shape))
+    if isinstance(scale, Sequence) and not isinstance(scale, str):
+        # Each entry as a scale of its own: True is not 1, and 2**63 is out of range (not an
+        # error from the conversion to a tensor).
+        for entry in scale:
+            if isinstance(entry, bool) or not isinstance(entry, numbers.Integral):
+                raise TypeError(
+                    f"a per-channel scale must hold integers, got {type(entry).__name__}"
+                )
+            _check_scale_value(int(entry))
     s = torch.as_tensor(scale)
     if s.dtype.is_floating_point or s.dtype == torch.bool or s.dtype.is_complex:
         raise TypeError(f"a per-channel scale must hold integers, got {s.dtype}")
