@@ -332,3 +332,79 @@ def test_a_bad_rounding_name_lists_only_the_rules_dyadic_accepts(call, rule):
         "rounding must be one of 'nearest', 'down', 'stochastic' for "
         f"dyadic operations; got {got!r}"
     )
+
+
+@pytest.mark.parametrize("bad", [-(2**63), -(2**31), 2**31, 2**63 - 1])
+def test_a_per_channel_scale_out_of_range_is_refused_at_either_end(bad):
+    # -2**63 has no int64 magnitude (abs wraps to itself): it must be refused like any scale
+    # outside [-2**30, 2**30], not kept to read 2**(2**63) as 0.
+    with pytest.raises(ValueError, match=rf"scale must be in \[-2\*\*30, 2\*\*30\], got {bad}$"):
+        DyadicTensor(torch.ones(2, dtype=torch.int32), torch.tensor([bad, 0]), axis=0)
+    with pytest.raises(ValueError, match=rf"scale must be in \[-2\*\*30, 2\*\*30\], got {bad}$"):
+        dyadic.from_float(torch.ones(2), 8, torch.tensor([0, bad]), axis=0)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "pattern"),
+    [
+        (
+            lambda: dyadic.from_float(torch.tensor([1.0, 0.0, 2.5]).to_sparse(), 8, 2),
+            TypeError,
+            r"^x is a sparse_coo tensor; lpsim.dyadic.from_float takes dense \(strided\) tensors$",
+        ),
+        (
+            lambda: dyadic.from_float(torch.ones(3, device="meta"), 8),
+            ValueError,
+            r"^x must be a CPU tensor \(lpsim.dyadic.from_float runs on the CPU\), got one on meta",
+        ),
+        (
+            lambda: DyadicTensor(torch.tensor([1, 0], dtype=torch.int32).to_sparse(), 0),
+            TypeError,
+            r"^mantissa is a sparse_coo tensor; DyadicTensor takes dense \(strided\) tensors$",
+        ),
+        (
+            lambda: inn.Linear(3, 1, weight=torch.ones(1, 3).to_sparse()),
+            TypeError,
+            r"^weight is a sparse_coo tensor; lpsim.dyadic.nn.Linear takes dense \(strided\)",
+        ),
+        (
+            lambda: inn.Linear(3, 1, bias_value=torch.ones(1, device="meta")),
+            ValueError,
+            r"^bias_value must be a CPU tensor \(lpsim.dyadic.nn.Linear runs on the CPU\)",
+        ),
+    ],
+)
+def test_a_sparse_or_non_cpu_tensor_is_refused_by_name(call, error, pattern):
+    # The integer kernels read dense CPU storage: other tensors are refused up front, by the
+    # parameter's name, not by an error from inside torch (or a sparse mantissa kept as a value).
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.complex64])
+def test_a_one_element_scale_tensor_must_hold_an_integer(dtype):
+    # As scale=True and scale=1.0 are refused, so are 0-d bool, float and complex tensors (a bool
+    # one was read as the scale 1, a float one was refused as if it were per channel).
+    with pytest.raises(TypeError, match=rf"^scale must be an int, got a {dtype} tensor$"):
+        DyadicTensor(torch.ones(2, dtype=torch.int32), torch.tensor(1, dtype=dtype))
+    assert DyadicTensor(torch.ones(2, dtype=torch.int32), torch.tensor(3)).scale == 3
+
+
+@pytest.mark.parametrize(
+    ("scale", "error", "pattern"),
+    [
+        ([True, 2], TypeError, r"^a per-channel scale must hold integers, got bool$"),
+        ([1.0, 2], TypeError, r"^a per-channel scale must hold integers, got float$"),
+        ([None, 2], TypeError, r"^a per-channel scale must hold integers, got NoneType$"),
+        (
+            [2**63, 1],
+            ValueError,
+            r"^scale must be in \[-2\*\*30, 2\*\*30\], got 9223372036854775808$",
+        ),
+    ],
+)
+def test_each_entry_of_a_per_channel_scale_list_is_checked(scale, error, pattern):
+    # A list's entries are scales: True is refused as scale=True is (not read as 1), and an entry
+    # beyond int64 is out of range (not an error from converting the list to a tensor).
+    with pytest.raises(error, match=pattern):
+        DyadicTensor(torch.ones(2, dtype=torch.int32), scale, axis=0)

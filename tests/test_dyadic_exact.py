@@ -490,3 +490,14 @@ def test_requantize_agrees_with_lpsim_fixed_point_quantize(v, scale, target, bit
     values = DyadicTensor(v, scale).to_float(torch.float64)
     fixed = lpsim.quantize(values, lpsim.Fixed(bits, target, signed=signed), rule)
     assert out.to_float(torch.float64).tolist() == fixed.tolist()
+
+
+def test_a_per_channel_scale_is_a_copy_of_the_callers_tensor():
+    # The scales are part of the value: changing the caller's tensor afterwards changes neither
+    # the DyadicTensor nor what from_float returned (and cannot bypass the scale range check).
+    scales = torch.tensor([1, 2], dtype=torch.int64)
+    x = DyadicTensor(torch.tensor([[4], [4]], dtype=torch.int32), scales, axis=0)
+    y = dyadic.from_float(torch.tensor([[1.0], [1.0]]), 8, scales, axis=0).value
+    scales += 2**40
+    assert x.scale.tolist() == [1, 2] and x.to_float().tolist() == [[2.0], [1.0]]
+    assert y.scale.tolist() == [1, 2] and y.mantissa.tolist() == [[2], [4]]

@@ -566,3 +566,61 @@ def test_sgd_refuses_a_gradient_of_another_shape():
     w.grad = DyadicTensor(torch.ones(2, 3, dtype=torch.int32), 4)
     with pytest.raises(ValueError, match=r"gradient of 'w' has shape \(2, 3\), its value \(3,\)"):
         SGD([w], lr_shift=0).step()
+
+
+def test_mse_loss_checks_an_int64_output_against_the_accumulator_without_wrapping_it():
+    # y = 2**32 + 1 does not fit the 32-bit accumulator: y - t = 2**32 must be reported, not
+    # wrapped to int32 (where y reads as 1 and the error as 0).
+    y = DyadicTensor(torch.tensor([[2**32 + 1]], dtype=torch.int64), 0)
+    t = DyadicTensor(_int([[1]]), 0)
+    with pytest.raises(OverflowError, match=r"y - t: 1 result\(s\) outside"):
+        inn.mse_loss(y, t, rounding="nearest")
+    # Within the range the int64 output keeps its value: e = 2**31 - 2 exactly.
+    y = DyadicTensor(torch.tensor([[2**31 - 1]], dtype=torch.int64), 0)
+    out = inn.mse_loss(y, t, rounding="nearest", error_bits=32)
+    assert out.loss == float(Fraction((2**31 - 2) ** 2, 2))
+    assert out.grad.mantissa.tolist() == [[2**31 - 2]] and out.grad.scale == 0
+
+
+@pytest.mark.parametrize("overflow", ["raise", "saturate"])
+def test_sgd_clips_a_weight_whose_update_leaves_int32_and_counts_it(overflow):
+    # W - R(M 2**-lr_shift) = (2**31 - 1) + 10 is exact before the clip to W's 32 bits: the
+    # weight clips to Qmax and counts as a weight clip; nothing overflows (no error, no warning).
+    w = inn.Parameter("w", DyadicTensor(_int([2**31 - 1, 5, -(2**15)]), 0), bits=32)
+    w.grad = DyadicTensor(_int([-10, 1, 2**31 - 1]), 0)
+    opt = SGD([w], lr_shift=0, grad_bits=32, rounding="nearest", overflow=overflow)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    exact = [2**31 - 1 + 10, 5 - 1, -(2**15) - (2**31 - 1)]
+    lo, hi = -(2**31), 2**31 - 1
+    assert w.value.mantissa.tolist() == [min(max(v, lo), hi) for v in exact]
+    assert opt.stats["w"].weight == 2 and opt.stats["w"].gradient == 0
+
+
+def test_mse_loss_rounds_a_subnormal_loss_once():
+    # e = 2147482799 at scale 545: L = e**2 / 2 * 2**-1090 is subnormal in float64. Rounding
+    # e**2 / 2 to 53 bits first and then to the subnormal grid rounds twice and misses by a unit.
+    e = 2147482799
+    y = DyadicTensor(torch.tensor([[e]], dtype=torch.int64), 545)
+    t = DyadicTensor(torch.zeros(1, 1, dtype=torch.int64), 545)
+    loss = inn.mse_loss(y, t, rounding="nearest", accumulator_bits=64).loss
+    assert loss == float(Fraction(e * e, 2) / 2**1090)
+
+
+def test_sgd_updates_a_per_channel_parameter_from_a_per_tensor_gradient_as_torch_sgd():
+    # Rows at scales 10 and 4; the gradient has one scale (as Linear's are) and lands on each
+    # row's grid exactly, so nearest rounding must reproduce torch.optim.SGD's float updates.
+    w = inn.Parameter("w", DyadicTensor(_int([[100, -100], [7, 9]]), [10, 4], axis=0), bits=16)
+    opt = SGD([w], lr_shift=2, momentum_shift=1, rounding="nearest")
+    reference = w.value.to_float().requires_grad_()
+    torch_opt = torch.optim.SGD([reference], lr=0.25, momentum=0.5)
+    grad = DyadicTensor(_int([[64, -32], [1024, -2048]]), 10)
+    for _ in range(3):
+        w.grad = grad
+        opt.step()
+        reference.grad = grad.to_float()
+        torch_opt.step()
+        assert w.value.to_float().tolist() == reference.detach().tolist()
+    assert w.value.scale.tolist() == [10, 4] and w.value.axis == 0
+    assert w.value.mantissa.tolist() == [[100 - 68, -100 + 34], [7 - 17, 9 + 34]]

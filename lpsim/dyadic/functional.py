@@ -45,7 +45,7 @@ from lpsim._checks import (
     seed_argument,
 )
 from lpsim._ops import call
-from lpsim.dyadic.tensor import DyadicTensor, normalize_axis, normalize_scale
+from lpsim.dyadic.tensor import DyadicTensor, check_cpu_dense, normalize_axis, normalize_scale
 from lpsim.rounding import Rounding, check_rbits
 
 __all__ = [
@@ -247,13 +247,14 @@ def from_float(
         Requantized(value, clipped).
 
     Raises:
-        TypeError: x is not a float tensor; an argument has the wrong type.
-        ValueError: x has NaN or Inf, or an argument is out of range.
+        TypeError: x is not a float tensor or is sparse; an argument has the wrong type.
+        ValueError: x is not on the CPU or has NaN or Inf, or an argument is out of range.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if not x.dtype.is_floating_point:
         raise TypeError(f"x must be a floating tensor, got {x.dtype}")
+    check_cpu_dense(x, "x", "lpsim.dyadic.from_float")
     if x.dtype in (torch.float16, torch.bfloat16):
         x = x.float()
     bounds = integer_range(bits, signed)

@@ -36,7 +36,7 @@ import torch
 
 from lpsim._checks import check_choice, check_int, check_rule, check_tensor
 from lpsim.dyadic import functional as F
-from lpsim.dyadic.tensor import DyadicTensor
+from lpsim.dyadic.tensor import DyadicTensor, check_cpu_dense
 
 __all__ = [
     "Parameter",
@@ -168,11 +168,12 @@ def _accumulated(result: F.Saturated, accumulator_bits: int) -> F.Saturated:
 
 
 def _check_initial(name: str, value, shape: tuple[int, ...]) -> None:
-    """Raises unless ``value`` is a finite float tensor of ``shape`` (the message calls it
-    ``name``)."""
+    """Raises unless ``value`` is a finite dense CPU float tensor of ``shape`` (the message calls
+    it ``name``)."""
     check_tensor(value, name)
     if not value.dtype.is_floating_point:
         raise TypeError(f"{name} must be a floating tensor, got {value.dtype}")
+    check_cpu_dense(value, name, "lpsim.dyadic.nn.Linear")
     if tuple(value.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
     if not bool(torch.isfinite(value).all()):
@@ -471,6 +472,27 @@ def _sum_of_squares(m: torch.Tensor) -> int:
     return sum(v * v for v in m.reshape(-1).tolist())
 
 
+def _ratio_to_float(numerator: int, denominator: int, exponent: int) -> float:
+    """numerator / denominator * 2**exponent (numerator >= 0, denominator > 0) rounded once to
+    the nearest float64, ties to even: subnormal results included (a division then an ldexp
+    would round twice there), inf beyond float64's range."""
+    if numerator == 0:
+        return 0.0
+    magnitude = numerator.bit_length() - denominator.bit_length() + exponent  # log2, +/- 1
+    if magnitude > 1026:
+        return math.inf
+    if magnitude < -1077:  # below a quarter of the smallest subnormal: rounds to 0
+        return 0.0
+    if exponent >= 0:
+        numerator <<= exponent
+    else:
+        denominator <<= -exponent
+    try:
+        return numerator / denominator  # Python's integer division rounds once, correctly
+    except OverflowError:  # beyond float64's range: read as inf, as a rounding to float64 gives
+        return math.inf
+
+
 def mse_loss(
     output: DyadicTensor,
     target: DyadicTensor,
@@ -486,8 +508,9 @@ def mse_loss(
     the batch size N is free when N is a power of two (the scale grows by log2 N); otherwise
     e / N = div(e, N, p) with p = N.bit_length(), rounded. The gradient is then requantised to
     ``error_bits`` with the shift fit_shift() gives. The loss itself is computed exactly from the
-    integers and only then converted to a float (inf beyond float64's range). Every rounding
-    uses ``rounding`` ("stochastic" by default, "nearest" or "down").
+    integers and only then rounded once to the nearest float64 (subnormals included, inf beyond
+    float64's range). Every other rounding uses ``rounding`` ("stochastic" by default,
+    "nearest" or "down").
 
     Raises:
         ValueError: output and target differ in shape, are not (N, C) with one scale, or N = 0.
@@ -510,17 +533,15 @@ def mse_loss(
     F.check_overflow(
         moved.clip_count, "mse_loss target at the output's scale", bounds, can_saturate=False
     )
-    widened = DyadicTensor(output.mantissa.to(moved.value.dtype), output.scale)
+    # saturating_sub widens the narrower mantissa to int64: converting an int64 output down to
+    # the target's int32 would wrap it before the range check.
     error, count = _accumulated(
-        F.saturating_sub(widened, moved.value, rounding=rounding), accumulator_bits
+        F.saturating_sub(output, moved.value, rounding=rounding), accumulator_bits
     )
     F.check_overflow(count, "mse_loss y - t", bounds, can_saturate=False)
     n = output.shape[0]
     total = _sum_of_squares(error.mantissa)
-    try:
-        loss = math.ldexp(total / (2 * n), -2 * error.scale)
-    except OverflowError:  # beyond float64's range: read as inf, as a rounding to float64 gives
-        loss = math.inf
+    loss = _ratio_to_float(total, 2 * n, -2 * error.scale)
     if n & (n - 1) == 0:
         grad = error.ldexp(-(n.bit_length() - 1))
     else:

@@ -11,7 +11,8 @@ Multiplying by 2**-k is free (the scale grows by k), so each shift costs one rou
 result returns to the grid of W. The momentum follows torch.optim.SGD (dampening 0): M = beta M + g,
 W = W - lr M, with beta = 1 - 2**-momentum_shift (momentum_shift=0: no momentum) and
 lr = 2**-lr_shift. Gradient clipping is elementwise, to a signed grad_bits-bit integer at W's
-scale: g in [-2**(grad_bits-1), 2**(grad_bits-1) - 1] 2**-s_W.
+scale: g in [-2**(grad_bits-1), 2**(grad_bits-1) - 1] 2**-s_W. A parameter with per-channel scales
+is updated on each channel's grid, from a gradient of one scale or of the same per-channel axis.
 """
 
 from __future__ import annotations
@@ -109,16 +110,18 @@ class SGD:
         for counts in self._counts:
             counts.gradient = counts.weight = 0
 
-    def _round(self, x: DyadicTensor, scale: int, bits: int = 32) -> F.Requantized:
-        return F.requantize(x, scale, bits, rounding=self.rounding)
+    def _round(self, x: DyadicTensor, grid: DyadicTensor, bits: int = 32) -> F.Requantized:
+        """x requantised onto the scales of ``grid`` (the weight): per channel along the weight's
+        axis when it has one, whether x has one scale or the same per-channel axis."""
+        return F.requantize(x, grid.scale, bits, rounding=self.rounding, axis=grid.axis)
 
     def _add(self, a: DyadicTensor, b: DyadicTensor, subtract: bool) -> F.Saturated:
         combine = F.saturating_sub if subtract else F.saturating_add
         return combine(a, b, rounding=self.rounding)  # same scale: exact
 
-    def _checked(self, what: str, result: tuple[DyadicTensor, int]) -> DyadicTensor:
+    def _checked(self, what: str, result: tuple[DyadicTensor, int], bits: int = 32) -> DyadicTensor:
         value, count = result
-        F.check_overflow(count, f"SGD {what}", F.integer_range(32), self.overflow)
+        F.check_overflow(count, f"SGD {what}", F.integer_range(bits), self.overflow)
         return value
 
     def step(self) -> None:
@@ -137,18 +140,21 @@ class SGD:
                     f"the gradient of {p.name!r} has shape {tuple(p.grad.shape)}, its value "
                     f"{tuple(w.shape)}"
                 )
-            grad = self._round(p.grad, w.scale, self.grad_bits)
+            grad = self._round(p.grad, w, self.grad_bits)
             counts = self._counts[index]
             counts.gradient += grad.clip_count
             m = self.momentum[index]
             if m is None:
                 m = w.with_mantissa(torch.zeros_like(w.mantissa, dtype=torch.int32))
-            decay = self._round(m.ldexp(-self.momentum_shift), w.scale).value
+            decay = self._round(m.ldexp(-self.momentum_shift), w).value
             m = self._checked("momentum decay", self._add(m, decay, subtract=True))
             m = self._checked("momentum", self._add(m, grad.value, subtract=False))
             self.momentum[index] = m
-            update = self._round(m.ldexp(-self.lr_shift), w.scale).value
-            moved = self._checked("update", self._add(w, update, subtract=True))
-            new = self._round(moved, w.scale, p.bits)
+            update = self._round(m.ldexp(-self.lr_shift), w).value
+            # W - update in int64, exact for int32 operands: the clip to W's bits below is the
+            # one range check the rule has (and counts), also for 32-bit weights.
+            wide = w.with_mantissa(w.mantissa.to(torch.int64))
+            moved = self._checked("update", self._add(wide, update, subtract=True), 64)
+            new = self._round(moved, w, p.bits)
             counts.weight += new.clip_count
             p.value = new.value

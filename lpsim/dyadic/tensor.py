@@ -22,11 +22,12 @@ arguments.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["DyadicTensor", "MAX_SCALE", "normalize_axis", "normalize_scale"]
+__all__ = ["DyadicTensor", "MAX_SCALE", "check_cpu_dense", "normalize_axis", "normalize_scale"]
 
 MAX_SCALE = 2**30  # |scale| bound: far beyond any useful grid, small enough for every shift count
 
@@ -39,6 +40,19 @@ def _check_scale_value(s: int) -> int:
     if not -MAX_SCALE <= s <= MAX_SCALE:
         raise ValueError(f"scale must be in [-2**30, 2**30], got {s}")
     return s
+
+
+def check_cpu_dense(x: torch.Tensor, name: str, function: str) -> None:
+    """Raises unless x is a dense CPU tensor, the only kind the integer kernels read: TypeError for
+    a sparse layout, ValueError for another device (the messages call x ``name`` and the caller
+    ``function``)."""
+    if x.layout != torch.strided:
+        layout = str(x.layout).replace("torch.", "")
+        raise TypeError(f"{name} is a {layout} tensor; {function} takes dense (strided) tensors")
+    if x.device.type != "cpu":
+        raise ValueError(
+            f"{name} must be a CPU tensor ({function} runs on the CPU), got one on {x.device}"
+        )
 
 
 def normalize_axis(axis: int, ndim: int) -> int:
@@ -56,11 +70,9 @@ def normalize_scale(scale, shape: torch.Size, axis: int | None) -> tuple:
     """(scale, axis) checked for a mantissa of ``shape``: an int and None, or a 1-D int64 tensor
     with one entry per index along the non-negative ``axis``."""
     if axis is None:
-        if (
-            isinstance(scale, torch.Tensor)
-            and scale.dim() == 0
-            and not scale.dtype.is_floating_point
-        ):
+        if isinstance(scale, torch.Tensor) and scale.dim() == 0:
+            if scale.dtype.is_floating_point or scale.dtype.is_complex or scale.dtype == torch.bool:
+                raise TypeError(f"scale must be an int, got a {scale.dtype} tensor")
             scale = int(scale)
         if isinstance(scale, (Sequence, torch.Tensor)) and not isinstance(scale, str):
             raise TypeError(
@@ -69,16 +81,28 @@ def normalize_scale(scale, shape: torch.Size, axis: int | None) -> tuple:
             )
         return _check_scale_value(scale), None
     axis = normalize_axis(axis, len(shape))
+    if isinstance(scale, Sequence) and not isinstance(scale, str):
+        # Each entry as a scale of its own: True is not 1, and 2**63 is out of range (not an
+        # error from the conversion to a tensor).
+        for entry in scale:
+            if isinstance(entry, bool) or not isinstance(entry, numbers.Integral):
+                raise TypeError(
+                    f"a per-channel scale must hold integers, got {type(entry).__name__}"
+                )
+            _check_scale_value(int(entry))
     s = torch.as_tensor(scale)
     if s.dtype.is_floating_point or s.dtype == torch.bool or s.dtype.is_complex:
         raise TypeError(f"a per-channel scale must hold integers, got {s.dtype}")
-    s = s.to(torch.int64).reshape(-1)
+    # A copy: the scales are part of the value, and a caller's tensor changed in place later
+    # would change them (past the range check below).
+    s = s.to(torch.int64).reshape(-1).clone()
     if s.numel() != shape[axis]:
         raise ValueError(
             f"a per-channel scale along axis {axis} needs {shape[axis]} entries, got {s.numel()}"
         )
-    if s.numel() and int(s.abs().max()) > MAX_SCALE:
-        raise ValueError(f"scale must be in [-2**30, 2**30], got {int(s.abs().max())}")
+    if s.numel():  # min and max, not abs(): abs(-2**63) wraps to -2**63 in int64
+        for bound in (int(s.min()), int(s.max())):
+            _check_scale_value(bound)
     return s, axis
 
 
@@ -86,16 +110,17 @@ class DyadicTensor:
     """Values mantissa * 2**-scale, the scale per tensor or per channel.
 
     Args:
-        mantissa: an int32 or int64 CPU tensor, any shape (kept as given, not copied).
+        mantissa: an int32 or int64 dense CPU tensor, any shape (kept as given, not copied).
         scale: an int (one scale for the tensor), or with ``axis`` a 1-D int64 tensor or sequence
-            of ints, one per index along ``axis``. Every scale lies in [-2**30, 2**30].
+            of ints, one per index along ``axis`` (copied). Every scale lies in [-2**30, 2**30].
         axis: the dimension a per-channel scale runs along (negative counts from the end); None
             for a per-tensor scale.
 
     Raises:
-        TypeError: the mantissa is not an int32/int64 tensor, or a scale is not an integer.
-        ValueError: a scale is out of range, or a per-channel scale's length differs from the
-            size of ``axis``.
+        TypeError: the mantissa is not an int32/int64 tensor or is sparse, or a scale is not an
+            integer.
+        ValueError: the mantissa is not on the CPU, a scale is out of range, or a per-channel
+            scale's length differs from the size of ``axis``.
         IndexError: ``axis`` does not exist in the mantissa.
     """
 
@@ -111,8 +136,7 @@ class DyadicTensor:
             raise TypeError(f"mantissa must be a torch.Tensor, got {type(mantissa).__name__}")
         if mantissa.dtype not in _MANTISSA_DTYPES:
             raise TypeError(f"mantissa must be an int32 or int64 tensor, got {mantissa.dtype}")
-        if mantissa.device.type != "cpu":
-            raise ValueError(f"mantissa must be a CPU tensor, got one on {mantissa.device}")
+        check_cpu_dense(mantissa, "mantissa", "DyadicTensor")
         self.mantissa = mantissa
         self.scale, self.axis = normalize_scale(scale, mantissa.shape, axis)
 
