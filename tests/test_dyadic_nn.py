@@ -402,17 +402,22 @@ def test_integer_sgd_with_momentum_equals_torch_sgd_on_exact_values():
     # lr 2**-2, momentum 1 - 2**-1 = 0.5; every intermediate is exact, so nearest rounding must
     # reproduce torch.optim.SGD's float updates exactly.
     w = inn.Parameter("w", DyadicTensor(_int([100, -100]), 10), bits=16)
+    _three_steps_as_torch_sgd(w, DyadicTensor(_int([64, -32]), 10))
+    assert w.value.mantissa.tolist() == [100 - 16 - 24 - 28, -100 + 8 + 12 + 14]
+
+
+def _three_steps_as_torch_sgd(w, grad):
+    """Three steps of lpsim.dyadic's SGD (lr 2**-2, momentum 1 - 2**-1, nearest) on w with the
+    gradient grad, each checked against torch.optim.SGD's float step from w's initial values."""
     opt = SGD([w], lr_shift=2, momentum_shift=1, rounding="nearest")
-    reference = torch.tensor([100.0, -100.0]).div(1024).requires_grad_()
+    reference = w.value.to_float().requires_grad_()
     torch_opt = torch.optim.SGD([reference], lr=0.25, momentum=0.5)
-    grad = DyadicTensor(_int([64, -32]), 10)
     for _ in range(3):
         w.grad = grad
         opt.step()
         reference.grad = grad.to_float()
         torch_opt.step()
         assert w.value.to_float().tolist() == reference.detach().tolist()
-    assert w.value.mantissa.tolist() == [100 - 16 - 24 - 28, -100 + 8 + 12 + 14]
 
 
 def test_sgd_rounds_a_gradient_from_another_scale_onto_the_weight_grid_unbiased():
@@ -612,15 +617,6 @@ def test_sgd_updates_a_per_channel_parameter_from_a_per_tensor_gradient_as_torch
     # Rows at scales 10 and 4; the gradient has one scale (as Linear's are) and lands on each
     # row's grid exactly, so nearest rounding must reproduce torch.optim.SGD's float updates.
     w = inn.Parameter("w", DyadicTensor(_int([[100, -100], [7, 9]]), [10, 4], axis=0), bits=16)
-    opt = SGD([w], lr_shift=2, momentum_shift=1, rounding="nearest")
-    reference = w.value.to_float().requires_grad_()
-    torch_opt = torch.optim.SGD([reference], lr=0.25, momentum=0.5)
-    grad = DyadicTensor(_int([[64, -32], [1024, -2048]]), 10)
-    for _ in range(3):
-        w.grad = grad
-        opt.step()
-        reference.grad = grad.to_float()
-        torch_opt.step()
-        assert w.value.to_float().tolist() == reference.detach().tolist()
+    _three_steps_as_torch_sgd(w, DyadicTensor(_int([[64, -32], [1024, -2048]]), 10))
     assert w.value.scale.tolist() == [10, 4] and w.value.axis == 0
     assert w.value.mantissa.tolist() == [[100 - 68, -100 + 34], [7 - 17, 9 + 34]]
