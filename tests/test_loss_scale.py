@@ -129,6 +129,26 @@ def test_step_returns_the_optimizers_result_and_forwards_the_closure():
     assert scaler.step(opt, closure=lambda: 1.5) == 1.5
 
 
+@pytest.mark.parametrize("wrap", [False, True], ids=["torch", "optim_lp"])
+def test_a_closure_that_recomputes_scaled_gradients_raises_before_the_step(wrap):
+    model, data, target = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if wrap:
+        opt = OptimLP(opt, grad=(Float(5, 2), "nearest"))
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def closure():
+        opt.zero_grad()
+        loss = F.cross_entropy(model(data), target)
+        scaler.scale(loss).backward()  # gradients 2**10 times those of the loss
+        return loss
+
+    with pytest.raises(RuntimeError, match="closure"):
+        scaler.step(opt, closure)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+
+
 # The saturation of a watched format
 
 

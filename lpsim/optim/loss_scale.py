@@ -119,6 +119,38 @@ def _tensors(value):
             yield from _tensors(v)
 
 
+def _gradient_versions(optimizer: Optimizer) -> list:
+    """Each gradient of optimizer's parameters, with its version counter (None: no gradient)."""
+    return [
+        None if p.grad is None else (p.grad, p.grad._version)
+        for group in optimizer.param_groups
+        for p in group["params"]
+    ]
+
+
+def _unchanged_gradients(optimizer: Optimizer, closure: Callable[[], object]):
+    """closure, raising RuntimeError when it returns if it replaced or modified a gradient of
+    optimizer's parameters (a backward pass of the scaled loss)."""
+    before = _gradient_versions(optimizer)
+
+    def checked():
+        result = closure()
+        after = _gradient_versions(optimizer)
+        if len(after) != len(before) or any(
+            (a is None) != (b is None) or (a is not None and (a[0] is not b[0] or a[1] != b[1]))
+            for a, b in zip(after, before)
+        ):
+            raise RuntimeError(
+                "the closure passed to DynamicLossScaler.step() changed the gradients of the "
+                "optimizer's parameters: gradients computed inside it are those of the scaled "
+                "loss and are neither unscaled nor checked for overflow; run the backward pass "
+                "before step() and pass a closure that only returns the loss"
+            )
+        return result
+
+    return checked
+
+
 class _Handles:
     """The hooks watch_model() registered; remove() takes them out."""
 
@@ -424,13 +456,19 @@ class DynamicLossScaler:
         docstring); otherwise skip it. Reads the overflow flags once (one synchronisation per
         device).
 
-        The closure is passed on unchanged; gradients it recomputes are not unscaled.
+        The closure is passed on, to be called by the optimizer, and must not change the
+        gradients of the optimizer's parameters (return a loss already computed, for example): the
+        gradients of a backward pass run inside it would be those of the scaled loss, S times too
+        large, and computed after the overflow check. A closure that changes them raises
+        RuntimeError when it returns, before the optimizer uses them (torch's optimizers and
+        OptimLP call the closure before changing anything); compute the gradients before step().
 
         Returns:
             What optimizer.step returns, or None when the step is skipped.
 
         Raises:
-            RuntimeError: step() was already called for this optimizer since the last update().
+            RuntimeError: step() was already called for this optimizer since the last update(),
+                or the closure changed a gradient of the optimizer's parameters.
         """
         state = self._state(optimizer)
         if state["stepped"]:
@@ -446,7 +484,9 @@ class DynamicLossScaler:
         if overflow:
             self.skipped_steps += 1
             return None
-        return optimizer.step() if closure is None else optimizer.step(closure)
+        if closure is None:
+            return optimizer.step()
+        return optimizer.step(_unchanged_gradients(optimizer, closure))
 
     def update(self) -> None:
         """Adapt the scale after this iteration's steps: back off if any overflowed, grow after
