@@ -101,7 +101,8 @@ def _overflow_bounds(spec) -> tuple[float | None, float]:
         return (fmt.min if fmt.min < 0 else -math.inf), fmt.max
     raise ValueError(
         "watch needs a format with a largest value that errors can overflow: a Float or a Fixed "
-        f"with clamp=True, got {fmt!r} (a BlockFloat scales each block to its own largest value, a "
+        f"with clamp=True, got {fmt!r} (a BlockFloat or Scaled format scales each block, and a "
+        "DelayedScaling each tensor, to a range of its own, which a loss scale does not move; a "
         "Fixed without clamp keeps its spacing beyond its range)"
     )
 
@@ -345,7 +346,8 @@ class DynamicLossScaler:
 
         Raises:
             TypeError: spec is not a format or a (format, rounding) pair.
-            ValueError: the format cannot overflow (BlockFloat, Fixed without clamp).
+            ValueError: the format has no fixed largest value that a loss scale can push errors
+                past (BlockFloat, Scaled, DelayedScaling, Fixed without clamp).
         """
         low, high = _overflow_bounds(as_spec(spec, "nearest", "spec"))
 
@@ -365,7 +367,9 @@ class DynamicLossScaler:
         """Watch every error quantiser that lpsim.nn.inject placed in ``model`` (modules injected
         with LayerQuantization(error=...), as the recipes do): the errors flowing back into each
         such module's outputs are checked against the module's error format, as by watch().
-        Formats that cannot overflow (BlockFloat, Fixed without clamp) are not watched. Inject
+        Formats without a fixed largest value (BlockFloat, Scaled, DelayedScaling, Fixed without
+        clamp) are not watched: they scale each block or tensor to its own range, which the loss
+        scale does not move (a DelayedScaling element still saturates on an amax spike). Inject
         first; after injecting other formats, remove the handle and watch the model again.
 
         Returns:
