@@ -149,6 +149,23 @@ def test_a_closure_that_recomputes_scaled_gradients_raises_before_the_step(wrap)
     assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
 
 
+def test_an_overflow_found_by_unscale_backs_off_as_torch_grad_scaler_does():
+    # unscale_ of one optimizer finds Inf; only the other optimizer steps: torch's GradScaler
+    # still backs off, the overflow being in the iteration.
+    p, q = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    first, second = torch.optim.SGD([p], lr=1.0), torch.optim.SGD([q], lr=1.0)
+    ours = DynamicLossScaler(init_scale=8.0)
+    oracle = torch.amp.GradScaler("cpu", init_scale=8.0)
+    oracle.scale(torch.ones(()))
+    for scaler in (ours, oracle):
+        p.grad, q.grad = torch.tensor([math.inf, 1.0]), torch.ones(2)
+        scaler.unscale_(first)
+        scaler.step(second)
+        scaler.update()
+    assert ours.get_scale() == oracle.get_scale() == 4.0
+    assert ours.clean_steps == 0
+
+
 # The saturation of a watched format
 
 

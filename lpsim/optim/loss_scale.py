@@ -174,8 +174,10 @@ class DynamicLossScaler:
     ``optimizer.step()``, or skips the step when the backward pass overflowed; ``update()`` then
     adapts S:
 
-    - after an overflow in the iteration (any of its steps): S <- S * backoff_factor, and the
-      count of clean steps restarts;
+    - after an overflow in the iteration (in any of its steps, or in the gradients that
+      ``unscale_`` found non-finite for an optimizer whose step() was then not called, as
+      torch.amp.GradScaler counts them): S <- S * backoff_factor, and the count of clean steps
+      restarts;
     - after ``growth_interval`` consecutive iterations without overflow: S <- S * growth_factor;
 
     S is clamped to [min_scale, max_scale] each time.
@@ -501,7 +503,10 @@ class DynamicLossScaler:
         """
         if not any(s["stepped"] for s in self._optimizers.values()):
             raise RuntimeError("update() needs a step() since the last update()")
-        if any(s["skipped"] for s in self._optimizers.values()):
+        states = self._optimizers.values()
+        if any(s["skipped"] for s in states) or any(
+            bool(flag) for s in states if not s["stepped"] for flag in s["overflow"]
+        ):
             self._scale = max(self._scale * self.backoff_factor, self.min_scale)
             self.clean_steps = 0
         else:
