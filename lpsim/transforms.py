@@ -153,10 +153,13 @@ class RandomHadamard:
             A new tensor of x's shape, dtype and device. It is computed in float64 for a float64 x
             and in float32 otherwise, and rounded once to x's dtype. Up to size MATMUL_MAX_SIZE
             each group is multiplied by the matrix (a float32 product on CUDA follows torch's
-            matmul precision setting, TF32 if allowed); above it, a Walsh-Hadamard butterfly
-            (size * log2(size) additions per group) does the same. The transform is linear and
-            differentiable: the gradient with respect to x is ``inverse`` of the output's. Under
-            torch.compile(fullgraph=True) the signs and the matrix are constants of the graph.
+            matmul precision setting, TF32 if allowed), whose rounding may depend on the number of
+            groups in x (the library picks its kernel by shape); above it, a Walsh-Hadamard
+            butterfly (size * log2(size) additions per group) does the same. The transform is
+            linear and differentiable: the gradient with respect to x is ``inverse`` of the
+            output's. Under torch.compile(fullgraph=True) the signs and the matrix are constants of
+            the graph. An output can reach sqrt(size) times its group's largest magnitude, and one
+            beyond x's dtype's range (float16's 65504, say) rounds to infinity.
 
         Raises:
             TypeError: x is not a tensor of a supported dtype.

@@ -238,6 +238,12 @@ def test_low_precision_tensors_are_computed_in_float32_and_rounded_once(dtype, s
     assert torch.equal(t.inverse(x), t.inverse(x.float()).to(dtype))
 
 
+def test_a_float16_output_beyond_its_range_is_infinity_as_documented():
+    # 16 elements of 30000 (no signs): one output of 4 * 30000 = 120000 > 65504, and 15 zeros.
+    y = RandomHadamard(16, seed=None).apply(torch.full((16,), 30000.0, dtype=torch.float16))
+    assert torch.equal(y, torch.tensor([math.inf] + [0.0] * 15, dtype=torch.float16))
+
+
 def test_float32_and_float64_keep_their_dtype():
     for dtype in (torch.float32, torch.float64):
         x = _randn(2, 32, dtype=dtype)
