@@ -3,7 +3,8 @@
 //
 //   sr_add, sr_add_        a + b computed exactly, rounded once onto a Float or Fixed grid
 //   sr_addc, sr_addc_      a + (value * t1) * t2 or a + (value * t1) / t2, the term computed in
-//                          float32 (float64 if an operand is float64), the sum exact, rounded once
+//                          float32 (float64 if an operand is float64; addcmul's last product
+//                          exact), the sum exact, rounded once (lpsim/update.h's AddcOperands)
 //   value_words            test hook: the value-keyed random words
 //
 // The ops take a's dtype as the container and draw position- or value-keyed words (randomness 0
