@@ -78,13 +78,16 @@ class FormatInfo:
         return math.log2(m_max / m_min) + (e_max - e_min)
 
 
-def finfo(fmt: Float | Fixed | P3109 | BlockFloat | Scaled) -> FormatInfo:
-    """The facts of ``fmt``: a Float, Fixed, P3109, BlockFloat or Scaled format.
+def finfo(fmt: Float | Fixed | P3109 | BlockFloat | Scaled | PowerOfTwo) -> FormatInfo:
+    """The facts of ``fmt``: a Float, Fixed, P3109, BlockFloat or Scaled format, or a PowerOfTwo
+    scale format.
 
     BlockFloat facts are those of one block whose shared exponent is 0 (every block is these
     values times a power of two). Scaled facts span every block scale: max is the largest element
     times the largest scale, smallest_subnormal the smallest positive element times the smallest
-    scale (the tensor scale taken as 1), eps the element's.
+    scale (the tensor scale taken as 1), eps the element's. A PowerOfTwo (E8M0 and its kin) holds
+    the powers 2**emin to 2**emax and nothing else (no zero, no sign): min, smallest_normal and
+    smallest_subnormal are all 2**emin and eps is 1, as torch.finfo(torch.float8_e8m0fnu) has them.
 
     Raises:
         TypeError: fmt is not one of these formats.
@@ -110,6 +113,9 @@ def finfo(fmt: Float | Fixed | P3109 | BlockFloat | Scaled) -> FormatInfo:
             fmt.eps,
             "one block, shared exponent 0",
         )
+    if isinstance(fmt, PowerOfTwo):
+        least = fmt.smallest_normal
+        return FormatInfo(fmt, fmt.bits, fmt.max, least, least, least, 1.0, "powers of two only")
     if isinstance(fmt, Scaled):
         element = finfo(fmt.element)
         scale = fmt.scale
@@ -127,7 +133,8 @@ def finfo(fmt: Float | Fixed | P3109 | BlockFloat | Scaled) -> FormatInfo:
             note,
         )
     raise TypeError(
-        f"fmt must be a Float, Fixed, P3109, BlockFloat or Scaled format, got {type(fmt).__name__}"
+        "fmt must be a Float, Fixed, P3109, BlockFloat, Scaled or PowerOfTwo format, got "
+        f"{type(fmt).__name__}"
     )
 
 
@@ -141,7 +148,7 @@ _CONSTRUCTORS = {
 }
 
 
-def parse_format(text: str) -> Float | Fixed | P3109 | BlockFloat | Scaled:
+def parse_format(text: str) -> Float | Fixed | P3109 | BlockFloat | Scaled | PowerOfTwo:
     """The format a command-line argument names: a preset name, or a constructor call of the
     format classes.
 
@@ -157,7 +164,7 @@ def parse_format(text: str) -> Float | Fixed | P3109 | BlockFloat | Scaled:
             fmt = eval(text, {"__builtins__": {}}, dict(_CONSTRUCTORS))  # noqa: S307
         except Exception as error:  # a malformed call: report it as the argument's problem
             raise ValueError(f"cannot make a format of {text!r}: {error}") from None
-        if isinstance(fmt, tuple(_CONSTRUCTORS.values())) and not isinstance(fmt, PowerOfTwo):
+        if isinstance(fmt, tuple(_CONSTRUCTORS.values())):
             return fmt
         raise ValueError(f"{text!r} is not a format")
     raise ValueError(
@@ -205,7 +212,7 @@ def table(names: list[str], infos: list[FormatInfo]) -> str:
 
 
 def relative_spacing(
-    fmt: Float | Fixed | P3109 | BlockFloat | Scaled,
+    fmt: Float | Fixed | P3109 | BlockFloat | Scaled | PowerOfTwo,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(v, (next value - v) / v) for every positive value v of fmt but the largest (for a Scaled
     format, its element's values: the relative spacing is the same in every block).
@@ -213,6 +220,10 @@ def relative_spacing(
     Raises:
         ValueError: the values listed have more than MAX_VALUES_BITS (16) bits.
     """
+    if isinstance(fmt, PowerOfTwo):  # 2**emin, ..., 2**emax: each value doubles the one before
+        powers = [math.ldexp(1.0, k) for k in range(fmt.emin, fmt.emax)]
+        v = torch.tensor(powers, dtype=torch.float64)
+        return v, torch.ones_like(v)
     values = _listed(fmt).values()
     positive = values[values > 0]
     return positive[:-1], (positive[1:] - positive[:-1]) / positive[:-1]

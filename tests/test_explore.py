@@ -15,8 +15,8 @@ import torch
 
 import lpsim
 from lpsim import P3109, BlockFloat, Fixed, Float
-from lpsim.explore import finfo, main, parse_format, table
-from lpsim.scaled import SCALED_PRESETS
+from lpsim.explore import finfo, main, parse_format, relative_spacing, table
+from lpsim.scaled import SCALED_PRESETS, PowerOfTwo
 from lpsim.scaled import preset as scaled_preset
 
 TORCH_TWINS = {
@@ -177,7 +177,7 @@ def test_the_table_prints_powers_of_two_only_where_they_are_exact():
 
 
 def test_non_formats_are_refused():
-    with pytest.raises(TypeError, match="fmt must be a Float, Fixed, P3109, BlockFloat or Scaled"):
+    with pytest.raises(TypeError, match="fmt must be a Float, Fixed, P3109, BlockFloat, Scaled or"):
         finfo("e4m3")
 
 
@@ -246,3 +246,31 @@ def test_module_runs_once_without_warnings(module):
     assert result.stdout.splitlines()[1].split() == ["bits", "16", "8"]
     usage = subprocess.run([sys.executable, "-m", module], capture_output=True, text=True)
     assert usage.returncode == 2 and usage.stderr.startswith(f"usage: python -m {module} ")
+
+
+def test_power_of_two_scale_facts_are_torch_and_ml_dtypes_e8m0():
+    # E8M0 holds 2**-127 .. 2**127 and nothing else: no zero, no sign, a doubling per step.
+    info = finfo(PowerOfTwo(8))
+    theirs = torch.finfo(torch.float8_e8m0fnu)
+    ml = ml_dtypes.finfo(ml_dtypes.float8_e8m0fnu)
+    assert (info.bits, info.max, info.min, info.tiny, info.eps) == (
+        theirs.bits,
+        theirs.max,
+        theirs.min,
+        theirs.tiny,
+        theirs.eps,
+    )
+    assert (info.smallest_subnormal, info.resolution) == (float(ml.smallest_subnormal), 1.0)
+    assert info.binades == 254
+    small = finfo(PowerOfTwo(4, bias=3))  # 2**-3 .. 2**11 (code 15 is NaN)
+    assert (small.min, small.max, small.eps) == (2.0**-3, 2.0**11, 1.0)
+    v, spacing = relative_spacing(PowerOfTwo(4, bias=3))
+    assert v.tolist() == [2.0**k for k in range(-3, 11)] and bool((spacing == 1).all())
+
+
+def test_command_prints_and_plots_a_power_of_two_scale(tmp_path, capsys):
+    path = tmp_path / "spacing.png"
+    main(["e4m3fn", "PowerOfTwo(8)", "--plot", str(path)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["bits", "8", "8"]
+    assert path.stat().st_size > 0
