@@ -23,7 +23,7 @@ import torch
 from lpsim._checks import MAX_SEED, check_container, check_strided, draw_seed, random_args
 from lpsim._ops import call
 from lpsim.formats import GRID_FORMATS, BlockFloat, Format
-from lpsim.functional import quantize_, quantize_op_arguments
+from lpsim.functional import quantize_op_arguments
 from lpsim.rounding import Rounding
 from lpsim.scaled import Scaled
 
@@ -129,7 +129,7 @@ def quantize_many_(
             f"got offset {offset} for {len(checked)} tensors"
         )
     if isinstance(fmt, (BlockFloat, Scaled)):
-        # One loop of quantize_ under one seed: the one given, or one drawn here for all. The
+        # One loop of quantize_'s op under one seed: the one given, or one drawn here for all. The
         # tensors must not overlap there either (the op's check, on real tensors).
         if not torch.compiler.is_compiling():
             call("_check_disjoint", checked)
@@ -137,15 +137,18 @@ def quantize_many_(
             seed = int(draw_seed())
         # Every tensor checked before any is rounded, as the one compiled call of the grid
         # formats checks them: an error leaves all the tensors unchanged and names tensors[i].
+        # The op arguments computed by the checks are those quantize_ would compute (these
+        # formats have no fusable form), so each tensor's op is called with them.
+        calls = []
         for i, t in enumerate(checked):
             try:
-                quantize_op_arguments(t, fmt, rule, rbits, seed, offset + i)
+                calls.append(quantize_op_arguments(t, fmt, rule, rbits, seed, offset + i))
             except (ValueError, IndexError) as error:
                 raise type(error)(f"tensors[{i}]: {error}") from None
             if not torch.compiler.is_compiling():
                 _check_in_place(t, i)
-        for i, t in enumerate(checked):
-            quantize_(t, fmt, rule, rbits=rbits, seed=seed, offset=offset + i)
+        for t, (name, args) in zip(checked, calls, strict=True):
+            call(name + "_", t, *args)
         return tensors
     if not isinstance(fmt, GRID_FORMATS):
         raise TypeError(
