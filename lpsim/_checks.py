@@ -29,12 +29,17 @@ def draw_seed() -> torch.Tensor:
     return torch.randint(2**63 - 1, ())
 
 
+def under_torch_func() -> bool:
+    """Whether a torch.func transform (grad, vmap, jvp, jacfwd, hessian, ...) is active."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
 def draws_seed_in_python() -> bool:
     """Whether a stochastic rule without a seed draws it here (draw_seed) rather than in the op:
     while torch.compile traces, so that the graph holds the draw as a random op of its own, and
     under torch.func's transforms, so that the draw is subject to vmap's ``randomness``: "error"
     (vmap's default) raises, "same" gives every sample the same seed, "different" a seed each."""
-    return torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None
+    return torch.compiler.is_compiling() or under_torch_func()
 
 
 def seed_argument(seed: int | None, rounding: Rounding) -> int | torch.Tensor | None:

@@ -19,6 +19,7 @@ import torch.autograd.forward_ad as forward_ad
 from torch import nn
 
 from lpsim import _observation
+from lpsim._checks import under_torch_func
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.formats import (
     GRID_FORMATS,
@@ -451,7 +452,7 @@ def _forward_mode_possible() -> bool:
     transform (torch.func.jvp, jacfwd, hessian), outside torch.compile's tracing."""
     if torch.compiler.is_compiling():
         return False
-    return forward_ad._current_level >= 0 or torch._C._functorch.maybe_current_level() is not None
+    return forward_ad._current_level >= 0 or under_torch_func()
 
 
 def _setting(name: str) -> property:
