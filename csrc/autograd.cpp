@@ -210,19 +210,14 @@ void undifferentiable_kernel(const c10::OperatorHandle& op, c10::DispatchKeySet 
   namespace ag = torch::autograd;
   const size_t arguments = op.schema().arguments().size();
   const size_t first = stack->size() - arguments;
+  const bool grad_mode = ag::GradMode::is_enabled();
+  std::vector<at::Tensor> inputs;
   for (size_t i = first; i < stack->size(); ++i) {
     for (const at::Tensor& tensor : tensors_of((*stack)[i])) {
       TORCH_CHECK_NOT_IMPLEMENTED(!tensor._fw_grad(/*level=*/0).defined(),
                                   "Trying to use forward AD with ", op.schema().name(),
                                   " that does not support it: ", reason_of(op));
-    }
-  }
-  std::vector<at::Tensor> inputs;
-  if (ag::GradMode::is_enabled()) {
-    for (size_t i = first; i < stack->size(); ++i) {
-      for (const at::Tensor& tensor : tensors_of((*stack)[i])) {
-        if (tensor.requires_grad()) inputs.push_back(tensor);
-      }
+      if (grad_mode && tensor.requires_grad()) inputs.push_back(tensor);
     }
   }
   {
