@@ -1,15 +1,7 @@
 // The quantize_scaled ops (Scaled formats, lpsim/scaled.py): schemas, argument checks, and the
 // torch glue around the CPU loops (cpu/scaled.h) and the CUDA launchers (cuda/scaled.h).
-// Functional, in place (`_`) and with an output tensor (`_out`), as the other quantize ops.
-//
-// Arguments: the saturating element grid (element_*), the scale format's grid (scale_*: a
-// PowerOfTwo's exponent range, or a Float scale's grid), the scale rule's code (ScaleRule), whether
-// there is a tensor scale, the element's emax, precision and largest value, and which elements
-// share a scale as (block, axis):
-//   block [n], axis d      blocks of n consecutive elements along dim d
-//   block [], axis d       the whole dim d
-//   block [r, c], no axis  tiles of r x c over the last two dims (a 1-D tensor is one row)
-//   block [], no axis      the whole tensor
+// Functional, in place (`_`) and with an output tensor (`_out`), as the other quantize ops; their
+// arguments are the scaled format's (scaled_op.h) and the rule's.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -25,6 +17,7 @@
 #include "cpu/loops.h"
 #include "cpu/scaled.h"
 #include "parallel.h"
+#include "scaled_op.h"
 
 #if defined(LPSIM_WITH_CUDA)
 #include <ATen/ops/zeros.h>
@@ -36,12 +29,9 @@
 #endif
 
 namespace lpsim {
-namespace {
 
 // ---- Checks
 
-// The checks of (block, axis) that need only x's number of dimensions (a 0-d tensor counts as
-// 1-D): shared by scaled_layout and the Meta kernels that torch.compile traces with.
 void check_scaled_block(int64_t dims, at::IntArrayRef block, std::optional<int64_t> axis) {
   for (const int64_t b : block) TORCH_CHECK(b >= 1, "lpsim: block sizes must be >= 1, got ", b);
   if (!axis.has_value()) {
@@ -81,7 +71,7 @@ ScaledLayout scaled_layout(const at::Tensor& x, at::IntArrayRef block,
   return ScaledLayout{product(0, d), 1, length, product(d + 1, dims.size()), 1, tile};
 }
 
-Dtype arithmetic_of(Dtype dtype) {
+static Dtype arithmetic_of(Dtype dtype) {
   return dtype == Dtype::float64 ? Dtype::float64 : Dtype::float32;
 }
 
@@ -116,22 +106,65 @@ ScaledSpec scaled_spec(const at::Tensor& x, const GridSpec& element, const GridS
   return s;
 }
 
+// ---- The CPU scan of the scales
+
+// A group's elements are scanned for their largest magnitudes and rounded in one task while they
+// stay in cache: at most this many elements (a task takes a slice of the inner indices to stay
+// below it). Groups with more positions than this are scanned in chunks first, then rounded.
+constexpr int64_t kFusedElements = 1 << 15;
+
+void set_tensor_scale_cpu(Dtype dtype, const void* x, int64_t n, ScaledSpec& spec) {
+  // The maximum is exact and order-free: any split of the work gives the same tensor scale.
+  std::vector<uint64_t> partial(static_cast<size_t>(at::get_num_threads()), 0);
+  lpsim::parallel_for(0, n, cpu::kGrain, [&](int64_t begin, int64_t end) {
+    cpu::max_abs_bits(dtype, x, begin, end, &partial[at::get_thread_num()]);
+  });
+  cpu::set_tensor_scale(dtype, spec, *std::max_element(partial.begin(), partial.end()));
+}
+
+int64_t scan_chunk(const ScaledLayout& layout) {
+  return std::max<int64_t>(1, kFusedElements / layout.inner);
+}
+
+std::vector<BlockScale> block_scales_cpu(Dtype dtype, const void* x, const ScaledLayout& layout,
+                                         const ScaledSpec& spec) {
+  const int64_t chunk = scan_chunk(layout);
+  const int64_t groups = layout.groups(), inner = layout.inner;
+  const int64_t positions =
+      std::min(layout.tile_rows, layout.rows) * std::min(layout.tile_cols, layout.cols);
+  const int64_t chunks = (positions + chunk - 1) / chunk;
+  std::vector<uint64_t> partial(static_cast<size_t>(groups * chunks * inner), 0);
+  lpsim::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t g = task / chunks, p0 = task % chunks * chunk;
+      cpu::scaled_max_abs(dtype, x, layout, g, p0, p0 + chunk, 0, inner,
+                          partial.data() + task * inner);
+    }
+  });
+  std::vector<uint64_t> amax(static_cast<size_t>(groups * inner), 0);
+  for (int64_t task = 0; task < groups * chunks; ++task) {
+    uint64_t* group_max = amax.data() + task / chunks * inner;
+    for (int64_t i = 0; i < inner; ++i) {
+      group_max[i] = std::max(group_max[i], partial[task * inner + i]);
+    }
+  }
+  std::vector<BlockScale> scales(static_cast<size_t>(groups * inner));
+  cpu::block_scales(dtype, spec, amax.data(), groups * inner, scales.data());
+  return scales;
+}
+
+namespace {
+
 // ---- The three variants around a device's kernel
 
 using ScaledKernel = void (*)(const at::Tensor& x, const at::Tensor& dst, ScaledSpec spec,
                               const ScaledLayout& layout, Rounding rounding,
                               const RandomSpec& random);
 
-#define LPSIM_QUANTIZE_SCALED_ARGS                                                              \
-  LPSIM_GRID_PARAMS(element_)                                                                   \
-  LPSIM_GRID_PARAMS(scale_)                                                                     \
-  int64_t scale_rule, bool tensor_scale, int64_t element_emax, int64_t element_precision,       \
-      double element_max, at::IntArrayRef block, std::optional<int64_t> axis, int64_t rounding, \
-      int64_t rbits, const Seed &seed, int64_t offset
-#define LPSIM_QUANTIZE_SCALED_CALL                                                           \
-  scaled_spec(x, GridSpec{LPSIM_GRID_VALUES(element_)}, GridSpec{LPSIM_GRID_VALUES(scale_)}, \
-              scale_rule, tensor_scale, element_emax, element_precision, element_max),       \
-      scaled_layout(x, block, axis), rounding_of(rounding),                                  \
+#define LPSIM_QUANTIZE_SCALED_ARGS \
+  LPSIM_SCALED_FORMAT_PARAMS int64_t rounding, int64_t rbits, const Seed &seed, int64_t offset
+#define LPSIM_QUANTIZE_SCALED_CALL                                                \
+  LPSIM_SCALED_FORMAT_SPEC, scaled_layout(x, block, axis), rounding_of(rounding), \
       random_spec(rounding_of(rounding), rbits, seed, offset)
 
 template <ScaledKernel kernel>
@@ -180,11 +213,6 @@ void quantize_scaled_out_meta(const at::Tensor& x, LPSIM_QUANTIZE_SCALED_ARGS,
 
 // ---- CPU
 
-// A group's elements are scanned for their largest magnitudes and rounded in one task while they
-// stay in cache: at most this many elements (a task takes a slice of the inner indices to stay
-// below it). Groups with more positions than this are scanned in chunks first, then rounded.
-constexpr int64_t kFusedElements = 1 << 15;
-
 void scaled_cpu(const at::Tensor& x, const at::Tensor& dst, ScaledSpec spec,
                 const ScaledLayout& layout, Rounding rounding, const RandomSpec& random) {
   const Dtype dtype = container_of(x);
@@ -196,14 +224,7 @@ void scaled_cpu(const at::Tensor& x, const at::Tensor& dst, ScaledSpec spec,
   const void* xp = src.data_ptr();
   void* yp = out.buffer.data_ptr();
 
-  if (spec.two_level) {
-    // The maximum is exact and order-free: any split of the work gives the same tensor scale.
-    std::vector<uint64_t> partial(static_cast<size_t>(at::get_num_threads()), 0);
-    lpsim::parallel_for(0, n, cpu::kGrain, [&](int64_t begin, int64_t end) {
-      cpu::max_abs_bits(dtype, xp, begin, end, &partial[at::get_thread_num()]);
-    });
-    cpu::set_tensor_scale(dtype, spec, *std::max_element(partial.begin(), partial.end()));
-  }
+  if (spec.two_level) set_tensor_scale_cpu(dtype, xp, n, spec);
 
   const int64_t groups = layout.groups(), inner = layout.inner;
   const int64_t positions =
@@ -223,25 +244,9 @@ void scaled_cpu(const at::Tensor& x, const at::Tensor& dst, ScaledSpec spec,
   }
 
   // Large groups: chunks of positions, scanned in parallel, then rounded in parallel.
-  const int64_t chunk = std::max<int64_t>(1, kFusedElements / inner);
+  const int64_t chunk = scan_chunk(layout);
   const int64_t chunks = (positions + chunk - 1) / chunk;
-  std::vector<uint64_t> partial(static_cast<size_t>(groups * chunks * inner), 0);
-  lpsim::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / chunks, p0 = task % chunks * chunk;
-      cpu::scaled_max_abs(dtype, xp, layout, g, p0, p0 + chunk, 0, inner,
-                          partial.data() + task * inner);
-    }
-  });
-  std::vector<uint64_t> amax(static_cast<size_t>(groups * inner), 0);
-  for (int64_t task = 0; task < groups * chunks; ++task) {
-    uint64_t* group_max = amax.data() + task / chunks * inner;
-    for (int64_t i = 0; i < inner; ++i) {
-      group_max[i] = std::max(group_max[i], partial[task * inner + i]);
-    }
-  }
-  std::vector<BlockScale> scales(static_cast<size_t>(groups * inner));
-  cpu::block_scales(dtype, spec, amax.data(), groups * inner, scales.data());
+  const std::vector<BlockScale> scales = block_scales_cpu(dtype, xp, layout, spec);
   const cpu::ScaledTasks tasks{inner, 1, chunk, chunks};
   lpsim::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     cpu::scaled_quantize(dtype, rounding, xp, yp, layout, tasks, begin, end, spec, random,
@@ -279,10 +284,7 @@ void scaled_cuda(const at::Tensor& x, const at::Tensor& dst, ScaledSpec spec,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(lpsim, m) {
-  const std::string args = grid_schema("element_") + ", " + grid_schema("scale_") +
-                           ", int scale_rule, bool tensor_scale, int element_emax, "
-                           "int element_precision, float element_max, int[] block, int? axis, " +
-                           kRandomSchema;
+  const std::string args = scaled_format_schema() + ", " + kRandomSchema;
   const auto def = [&m](const std::string& schema) { m.def(schema.c_str()); };
   def("quantize_scaled(Tensor x, " + args + ") -> Tensor");
   def("quantize_scaled_(Tensor(a!) x, " + args + ") -> ()");

@@ -4,6 +4,9 @@
 //   rounding_statistics(x, rounded, low, high, smallest_normal) -> (counts, sums)
 //   quantize_grid_statistics(x, <grid>, <rule and random>, low, high, smallest_normal)
 //       -> (y, counts, sums): quantize_grid's y, and the statistics of the rounding
+//   scaled_rounding_statistics(x, rounded, <scaled format>, element_smallest_normal)
+//       -> (counts, sums): x rounded into a scaled format (scaled_op.h), each element counted
+//       within its block's bounds (lpsim/scaled_statistics.h), the scales found from x again
 //
 // counts: int64 [elements, nonfinite, overflow, underflow, subnormal, unchanged]; sums: float64
 // [squared_error, squared_value] (lpsim/rounding_statistics.h defines them and fixes the order of
@@ -13,6 +16,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <lpsim/rounding_statistics.h>
+#include <lpsim/scaled.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -21,14 +25,18 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu/scaled.h"
 #include "cpu/statistics.h"
 #include "dispatch.h"
 #include "parallel.h"
+#include "scaled_op.h"
 
 #if defined(LPSIM_WITH_CUDA)
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "cuda/scaled.h"
 #include "cuda/statistics.h"
 #endif
 
@@ -52,6 +60,12 @@ void check_rounded(const at::Tensor& x, const at::Tensor& rounded) {
               x.scalar_type(), ", got ", rounded.scalar_type());
   TORCH_CHECK(x.device() == rounded.device(), "lpsim: rounded must be on x's device ", x.device(),
               ", got ", rounded.device());
+}
+
+void check_element_smallest_normal(double element_smallest_normal) {
+  TORCH_CHECK(element_smallest_normal >= 0 && element_smallest_normal < INFINITY,
+              "lpsim: element_smallest_normal must be >= 0 and finite, got ",
+              element_smallest_normal);
 }
 
 int64_t chunk_count(int64_t n) { return (n + kStatisticsChunk - 1) / kStatisticsChunk; }
@@ -101,6 +115,30 @@ RoundedCounts quantize_grid_statistics_cpu(const at::Tensor& x,
   });
   const auto [counts, sums] = as_tensors(combine_chunks(parts.data(), chunks));
   return {y, counts, sums};
+}
+
+Counts scaled_statistics_cpu(const at::Tensor& x, const at::Tensor& rounded,
+                             LPSIM_SCALED_FORMAT_PARAMS double element_smallest_normal) {
+  check_rounded(x, rounded);
+  ScaledSpec spec = LPSIM_SCALED_FORMAT_SPEC;
+  const ScaledLayout layout = scaled_layout(x, block, axis);
+  check_element_smallest_normal(element_smallest_normal);
+  const Dtype dtype = container_of(x);
+  const at::Tensor xs = x.contiguous(), ys = rounded.contiguous();
+  const int64_t n = xs.numel(), chunks = chunk_count(n);
+  if (n == 0) return as_tensors(ChunkStatistics{});
+  const IeeeSubnormals mode;  // the scales and the bounds, computed on this thread
+  if (spec.two_level) set_tensor_scale_cpu(dtype, xs.const_data_ptr(), n, spec);
+  const std::vector<BlockScale> scales = block_scales_cpu(dtype, xs.const_data_ptr(), layout, spec);
+  std::vector<StatisticsBounds> bounds(scales.size());
+  cpu::block_statistics_bounds(dtype, spec, scales.data(), static_cast<int64_t>(scales.size()),
+                               element_smallest_normal, bounds.data());
+  std::vector<ChunkStatistics> parts(static_cast<size_t>(chunks));
+  lpsim::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    cpu::scaled_rounding_statistics(dtype, xs.const_data_ptr(), ys.const_data_ptr(), begin, end, n,
+                                    layout, bounds.data(), parts.data());
+  });
+  return as_tensors(combine_chunks(parts.data(), chunks));
 }
 
 // ---- CUDA: the kernels run on x's device, on its current stream; the chunks' statistics are
@@ -169,6 +207,37 @@ RoundedCounts quantize_grid_statistics_cuda(const at::Tensor& x,
       });
   return {y, counts, sums};
 }
+
+// The blocks' scales and bounds (gpu::scaled_block_bounds), then the statistics of each element
+// within its block's (gpu::scaled_rounding_statistics).
+Counts scaled_statistics_cuda(const at::Tensor& x, const at::Tensor& rounded,
+                              LPSIM_SCALED_FORMAT_PARAMS double element_smallest_normal) {
+  check_rounded(x, rounded);
+  const ScaledSpec spec = LPSIM_SCALED_FORMAT_SPEC;
+  const ScaledLayout layout = scaled_layout(x, block, axis);
+  check_element_smallest_normal(element_smallest_normal);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xs = x.contiguous(), ys = rounded.contiguous();
+  const int64_t n = xs.numel();
+  if (n == 0) return as_tensors(ChunkStatistics{});
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  // Scratch: each block's largest magnitude bits and, last, the tensor's; the blocks' scales; their
+  // bounds.
+  const int64_t blocks = layout.blocks();
+  const at::Tensor amax = at::zeros({blocks + 1}, xs.options().dtype(at::kLong));
+  const at::Tensor scales =
+      at::empty({blocks * static_cast<int64_t>(sizeof(BlockScale))}, xs.options().dtype(at::kByte));
+  const at::Tensor bounds = at::empty({blocks * static_cast<int64_t>(sizeof(StatisticsBounds))},
+                                      xs.options().dtype(at::kByte));
+  return chunk_statistics_cuda(xs, n, stream, [&](auto container, ChunkStatistics* parts) {
+    using C = decltype(container);
+    auto* block_bounds = static_cast<StatisticsBounds*>(bounds.data_ptr());
+    gpu::scaled_block_bounds<C>(xs.const_data_ptr(), n, layout, spec, amax.data_ptr(),
+                                scales.data_ptr(), element_smallest_normal, block_bounds, stream);
+    gpu::scaled_rounding_statistics<C>(xs.const_data_ptr(), ys.const_data_ptr(), n, layout,
+                                       block_bounds, parts, stream);
+  });
+}
 #endif
 
 }  // namespace
@@ -180,17 +249,22 @@ TORCH_LIBRARY_FRAGMENT(lpsim, m) {
   m.def(("quantize_grid_statistics(Tensor x, " + grid_schema() + ", " + kRandomSchema + ", " +
          bounds + ") -> (Tensor, Tensor, Tensor)")
             .c_str());
+  m.def(("scaled_rounding_statistics(Tensor x, Tensor rounded, " + scaled_format_schema() +
+         ", float element_smallest_normal) -> (Tensor, Tensor)")
+            .c_str());
 }
 
 TORCH_LIBRARY_IMPL(lpsim, CPU, m) {
   m.impl("rounding_statistics", statistics_cpu);
   m.impl("quantize_grid_statistics", quantize_grid_statistics_cpu);
+  m.impl("scaled_rounding_statistics", scaled_statistics_cpu);
 }
 
 #if defined(LPSIM_WITH_CUDA)
 TORCH_LIBRARY_IMPL(lpsim, CUDA, m) {
   m.impl("rounding_statistics", statistics_cuda);
   m.impl("quantize_grid_statistics", quantize_grid_statistics_cuda);
+  m.impl("scaled_rounding_statistics", scaled_statistics_cuda);
 }
 #endif
 

@@ -51,7 +51,7 @@ from lpsim.scaled import Scaled
 __all__ = ["DelayedScaling", "DelayedScaler", "REDUCTIONS"]
 
 REDUCTIONS = ("max", "most_recent")
-_FLOAT32_STATE = ("amax_history", "scale", "scale_inverse")  # DelayedScaler's float32 buffers
+_FLOAT32_STATE = ("amax_history", "scale", "scale_inverse", "call_scale_inverse")  # float32 buffers
 
 
 @dataclass(frozen=True, repr=False)
@@ -143,6 +143,10 @@ class DelayedScaler(nn.Module):
         scale: what x is multiplied by before rounding (1 before the first recorded call).
         scale_inverse: 1 / scale, what the rounded elements are multiplied by.
         calls: how many calls have been recorded (a 0-d int64).
+
+    And one that is not in the ``state_dict``:
+        call_scale_inverse: the scale_inverse the latest call used (before it recorded), whose
+            range ``statistics_bounds`` gives.
     """
 
     def __init__(self, scaling: DelayedScaling):
@@ -155,6 +159,7 @@ class DelayedScaler(nn.Module):
         self.register_buffer("scale", torch.ones(()))
         self.register_buffer("scale_inverse", torch.ones(()))
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("call_scale_inverse", torch.ones(()), persistent=False)
 
     def forward(
         self,
@@ -194,11 +199,29 @@ class DelayedScaler(nn.Module):
             scaled = torch.where(wide.isinf(), wide, scaled)
             elements = quantize(scaled, self._element, rounding, rbits=rbits, seed=seed)
             value = (elements * self.scale_inverse.to(work)).to(x.dtype)
+            self.call_scale_inverse.copy_(self.scale_inverse)
             if self.training if record is None else record:
                 # fmaxf from 0, as Transformer Engine takes a tensor's amax: NaN is skipped.
                 magnitudes = wide.abs().masked_fill(wide.isnan(), 0.0)
                 self._record(magnitudes.amax() if wide.numel() else wide.new_zeros(()))
         return _StraightThrough.apply(x, value)
+
+    def statistics_bounds(self, dtype: torch.dtype) -> tuple[float, float, float]:
+        """(low, high, smallest_normal) of the latest call's rounding of a ``dtype`` tensor, for
+        lpsim.statistics: what the element format's most negative and largest values, and its
+        smallest normal value (0 for a Fixed element), decode to with that call's scale, times
+        ``call_scale_inverse`` in the call's arithmetic and rounded into ``dtype`` as the call
+        decodes its elements. A finite x outside [low, high] saturated."""
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        element = self.scaling.element
+        if isinstance(element, Float):
+            limits = (-element.max, element.max, element.smallest_normal)
+        else:
+            limits = (element.min, element.max, 0.0)
+        factor = self.call_scale_inverse.to(work)
+        decoded = torch.tensor(limits, dtype=work, device=factor.device) * factor
+        low, high, smallest_normal = decoded.to(dtype).tolist()
+        return low, high, smallest_normal
 
     def _record(self, amax: torch.Tensor) -> None:
         history = self.amax_history

@@ -16,19 +16,30 @@ one fused pass over both (a compiled kernel on CPU and CUDA):
 
 Which of the categories a format family has (the bounds of ``statistics_bounds``):
 
-==============  ============================  ==========================
-family          overflow                      subnormal
-==============  ============================  ==========================
-Float, P3109    outside [min, max]            below smallest_normal
-Fixed           outside [min, max]            none (no subnormals)
-BlockFloat      non-finite results only       none (per block)
-Scaled          non-finite results only       none (per block)
-DelayedScaling  non-finite results only       none (per tensor)
-==============  ============================  ==========================
+==============  ==================================  ===================================
+family          overflow                            subnormal
+==============  ==================================  ===================================
+Float, P3109    outside [min, max]                  below smallest_normal
+Fixed           outside [min, max]                  none (no subnormals)
+Scaled          outside its block's range           below its block's smallest normal
+BlockFloat      non-finite results only             none (per block)
+DelayedScaling  non-finite results only             none (per tensor)
+DelayedScaler   outside its latest call's range     below that call's smallest normal
+==============  ==================================  ===================================
 
-BlockFloat, Scaled and DelayedScaling ranges depend on the scale of each block (or of the
-tensor), which the rounded tensor alone does not show; their underflow, unchanged and error sums
-are exact as for the other families.
+A Scaled block's range is that of its decoded values: from what the element format's most
+negative value decodes to (times the block's scale, and the tensor scale where there is one, in
+the format's arithmetic, then rounded into x's dtype, as quantize decodes it) to what its largest
+decodes to; a finite x outside it saturated to that limit, an MX element beyond the scale that its
+block's largest magnitude gave it included. Its smallest normal is what the element format's
+smallest normal value decodes to (none for Fixed elements). The scales are those quantize finds
+from x, so the statistics are those of a rounding of x itself; a block with a NaN or an Inf
+decodes to NaN, an overflow of each of its finite elements. BlockFloat and DelayedScaling ranges
+depend on a scale that the rounded tensor does not show (the shared exponent; the scale of the
+scaler's state before its call); their underflow, unchanged and error sums are exact as for the
+other families. Pass the ``DelayedScaler`` whose call rounded x instead of its DelayedScaling
+(as the Recorder does) for that call's range, ``DelayedScaler.statistics_bounds``: the element
+format's limits and smallest normal value decoded with the scale the call used.
 
 Counts are exact. The sums are float64, added in a fixed order (chunks of 16,384 elements, each
 summed in 256 lanes that are then added pairwise, chunks added in order), so the statistics are
@@ -46,9 +57,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lpsim._checks import check_strided, check_tensor
+from lpsim._checks import check_container, check_strided, check_tensor
 from lpsim._ops import call
-from lpsim.delayed_scaling import DelayedScaling
+from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.formats import GRID_FORMATS, P3109, BlockFloat, Fixed, Float, Format
 from lpsim.functional import quantize, quantize_op_arguments
 from lpsim.rounding import Rounding
@@ -137,12 +148,13 @@ class RoundingStatistics:
         return math.sqrt(self.squared_error / self.squared_value)
 
 
-def statistics_bounds(fmt: Format | Scaled) -> tuple[float, float, float]:
+def statistics_bounds(fmt: Format) -> tuple[float, float, float]:
     """(low, high, smallest_normal) of ``fmt`` for the counts: finite values outside [low, high]
     overflow, nonzero rounded values below smallest_normal in magnitude are subnormal (0: none).
 
     Raises:
-        TypeError: fmt is not a Float, Fixed, P3109, BlockFloat, Scaled or DelayedScaling format.
+        TypeError: fmt is not a Float, Fixed, P3109, BlockFloat or DelayedScaling format (a
+            Scaled format's bounds are each block's, which only x gives).
     """
     if isinstance(fmt, Float):
         return -fmt.max, fmt.max, fmt.smallest_normal
@@ -150,8 +162,13 @@ def statistics_bounds(fmt: Format | Scaled) -> tuple[float, float, float]:
         return fmt.min, fmt.max, fmt.smallest_normal
     if isinstance(fmt, Fixed):
         return fmt.min, fmt.max, 0.0
-    if isinstance(fmt, (BlockFloat, Scaled, DelayedScaling)):
+    if isinstance(fmt, (BlockFloat, DelayedScaling)):
         return -math.inf, math.inf, 0.0
+    if isinstance(fmt, Scaled):
+        raise TypeError(
+            "a Scaled format's bounds are those of each block (see lpsim.statistics); "
+            "rounding_statistics finds them"
+        )
     raise TypeError(
         "fmt must be a Float, Fixed, P3109, BlockFloat, Scaled or DelayedScaling format, got "
         f"{type(fmt).__name__}"
@@ -178,28 +195,61 @@ def _check_pair(x: torch.Tensor, rounded: torch.Tensor) -> None:
 
 
 def rounding_statistics(
-    x: torch.Tensor, rounded: torch.Tensor, fmt: Format | Scaled
+    x: torch.Tensor, rounded: torch.Tensor, fmt: Format | Scaled | DelayedScaler
 ) -> RoundingStatistics:
     """The statistics of rounding ``x`` to ``rounded`` in ``fmt`` (see the module docstring).
 
     Args:
-        x: the tensor before rounding, any floating dtype, shape and strides.
-        rounded: its rounded value, of x's shape and device (any floating dtype).
-        fmt: the format x was rounded into (it sets the overflow and subnormal bounds).
+        x: the tensor before rounding, any floating dtype, shape and strides (for a Scaled
+            format, a dtype quantize takes: float32, float64, bfloat16 or float16).
+        rounded: its rounded value, of x's shape and device (any floating dtype; for a Scaled
+            format, values that x's dtype holds).
+        fmt: the format x was rounded into (it sets the overflow and subnormal bounds), or the
+            DelayedScaler whose latest call rounded it.
 
     Raises:
-        TypeError: x or rounded is not a floating strided tensor, or fmt is not a format.
-        ValueError: their shapes or devices differ.
+        TypeError: x or rounded is not a floating strided tensor, fmt is not a format, or fmt is
+            Scaled and x's dtype is not one quantize takes.
+        ValueError: their shapes or devices differ; fmt is Scaled and rounded holds a value that
+            x's dtype does not, or the format does not fit x's dtype.
     """
     _check_pair(x, rounded)
-    low, high, smallest_normal = statistics_bounds(fmt)
-    return _statistics(x.detach(), rounded.detach(), low, high, smallest_normal)
+    x, rounded = x.detach(), rounded.detach()
+    if isinstance(fmt, Scaled):
+        return _scaled_statistics(x, rounded, fmt)
+    if isinstance(fmt, DelayedScaler):
+        return _statistics(x, rounded, *fmt.statistics_bounds(x.dtype))
+    return _statistics(x, rounded, *statistics_bounds(fmt))
 
 
 def _statistics(x, rounded, low, high, smallest_normal) -> RoundingStatistics:
     if x.dtype != rounded.dtype or x.dtype not in _CONTAINERS:
         x, rounded = x.to(torch.float64), rounded.to(torch.float64)
     counts, sums = call("rounding_statistics", x, rounded, low, high, smallest_normal)
+    return _from_op(counts, sums)
+
+
+def _scaled_statistics(x, rounded, fmt: Scaled) -> RoundingStatistics:
+    """Each element counted within its block's bounds, the blocks' scales found from x as quantize
+    finds them: x must be a tensor quantize takes (its dtype sets the format's arithmetic)."""
+    check_container(x)
+    if rounded.dtype != x.dtype:  # the values of a rounding of x are values of x's dtype
+        narrowed = rounded.to(x.dtype)
+        back = narrowed.to(rounded.dtype)
+        if not bool(((back == rounded) | (back.isnan() & rounded.isnan())).all()):
+            raise ValueError(
+                f"rounded must hold values of x's dtype {x.dtype} for a Scaled format (its "
+                "rounding of x does)"
+            )
+        rounded = narrowed
+    element_smallest_normal = statistics_bounds(fmt.element)[2]
+    counts, sums = call(
+        "scaled_rounding_statistics",
+        x,
+        rounded,
+        *fmt.op_arguments(x.dtype),
+        element_smallest_normal,
+    )
     return _from_op(counts, sums)
 
 
@@ -227,11 +277,11 @@ def quantize_with_statistics(
     check_tensor(x)
     check_strided(x, "x", "quantize_with_statistics")
     x = x.detach()
-    bounds = statistics_bounds(fmt)
     if isinstance(fmt, GRID_FORMATS):
         name, args = quantize_op_arguments(x, fmt, rounding, rbits, seed, offset)
         assert name == "quantize_grid"
+        bounds = statistics_bounds(fmt)
         rounded, counts, sums = call("quantize_grid_statistics", x, *args, *bounds)
         return rounded, _from_op(counts, sums)
     rounded = quantize(x, fmt, rounding, rbits=rbits, seed=seed, offset=offset)
-    return rounded, _statistics(x, rounded, *bounds)
+    return rounded, rounding_statistics(x, rounded, fmt)

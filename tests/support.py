@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 
+import ml_dtypes
+import numpy as np
 import torch
 
 _INT_VIEW = {
@@ -152,3 +154,58 @@ def run_two_gloo_processes(module: str, args: list[str]) -> str:
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
+
+
+def scaled_bounds_model(x: torch.Tensor, fmt) -> list[tuple[float, float, float]]:
+    """(low, high, smallest_normal) of each element of x (row-major) rounded into the Scaled
+    ``fmt``, whose blocks run along the last axis (blocks of n, whole rows, or the whole tensor)
+    with a power-of-two scale under the "floor" rule, or a float32 or E4M3 scale under "amax":
+    from lpsim.scaled's documented encoding, each block's scale from its largest magnitude, and
+    its range the decoded values of the element format's limits (and its smallest normal value),
+    in float32 arithmetic (float64 for float64 x), rounded into x's dtype."""
+    from lpsim import Float  # noqa: PLC0415
+
+    assert fmt.axis == -1 and not isinstance(fmt.block, tuple)
+    assert fmt.scale_rule in ("floor", "amax")
+    work = np.float64 if x.dtype == torch.float64 else np.float32
+    values = x.double().reshape(-1).numpy()
+    if fmt.block == "tensor" or x.dim() == 0 or not len(values):
+        rows = values.reshape(1, -1)
+    else:
+        rows = values.reshape(-1, x.shape[-1])
+    length = rows.shape[1] if fmt.block in (None, "tensor") else fmt.block
+    element = fmt.element
+    low_element = element.max if isinstance(element, Float) else -element.min
+    smallest_normal = element.smallest_normal if isinstance(element, Float) else 0.0
+    tensor_finite = bool(np.isfinite(values).all())
+    t = work(1)
+    if fmt.tensor_scale and tensor_finite and len(values):
+        top = work(fmt.scale.max) * work(element.max)
+        t = max(work(np.abs(values).max()) / top, work(2.0**-126 / fmt.scale.smallest_normal))
+
+    def into_x(v) -> float:
+        return torch.tensor(float(v), dtype=torch.float64).to(x.dtype).item()
+
+    bounds = []
+    for row in rows:
+        for start in range(0, len(row), max(length, 1)):
+            block = row[start : start + length]
+            if not np.isfinite(block).all() or (fmt.tensor_scale and not tensor_finite):
+                bounds += [(-math.inf, math.inf, 0.0)] * len(block)
+                continue
+            amax = float(np.abs(block).max())
+            if fmt.scale_rule == "floor":
+                e = math.frexp(amax)[1] - 1 - fmt.element_emax if amax else fmt.scale.emin
+                factor = work(2.0 ** min(max(e, fmt.scale.emin), fmt.scale.emax))
+            else:
+                d = (work(amax) / work(element.max)) / t
+                d = min(max(d, work(fmt.scale.smallest_normal)), work(fmt.scale.max))
+                if fmt.scale == Float(8, 23):  # float32 scales: d itself
+                    scale = d
+                else:
+                    assert fmt.scale == Float(4, 3, special="fn", saturate=True)
+                    scale = np.float32(d).astype(ml_dtypes.float8_e4m3fn).astype(work)
+                factor = t * scale
+            decode = [into_x(work(q) * factor) for q in (low_element, element.max, smallest_normal)]
+            bounds += [(-decode[0], decode[1], decode[2])] * len(block)
+    return bounds

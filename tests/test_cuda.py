@@ -400,3 +400,21 @@ def test_rounding_statistics_match_cpu_bit_for_bit(name, dtype, n):
             rounded_cuda.cpu().view(INT_VIEW[dtype]), rounded_cpu.view(INT_VIEW[dtype])
         )
         assert stats_cuda == stats_cpu
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(SCALED))
+def test_scaled_rounding_statistics_match_cpu_bit_for_bit(name, dtype):
+    """Each element counted within its block's range: the CUDA kernels' scales and bounds, and the
+    statistics loop over blocks of every layout, give the CPU's counts and sums."""
+    from lpsim.statistics import rounding_statistics  # noqa: PLC0415
+
+    fmt = SCALED[name]
+    if not fits(fmt.element, dtype):
+        pytest.skip(f"{name}'s elements do not fit {dtype}")
+    for shape in [(3, 16384 + 96), (257, 64), (40, 48)]:
+        if not scaled_applies(fmt, shape):
+            continue
+        x = sample(shape, dtype, seed=shape[0])
+        y = lpsim.quantize(x, fmt, "nearest")
+        assert rounding_statistics(x.cuda(), y.cuda(), fmt) == rounding_statistics(x, y, fmt)

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from support import assert_same_bits
+from support import assert_same_bits, scaled_bounds_model
 from torch import nn
 
 import lpsim
@@ -25,7 +25,7 @@ from lpsim.diagnostics import recorder as recorder_module
 from lpsim.diagnostics.recorder import CSV_COLUMNS, Recorder, Stagnation
 from lpsim.nn import LayerQuantization, Quantizer, inject
 from lpsim.optim import FusedSGD, OptimLP
-from lpsim.scaled import preset
+from lpsim.scaled import Scaled, preset
 from lpsim.statistics import RoundingStatistics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,20 +36,31 @@ RAW_FIELDS = tuple(f.name for f in dataclasses.fields(RoundingStatistics))
 COUNTS = slice(0, 6)  # elements, nonfinite, overflow, underflow, subnormal, unchanged
 
 
-def python_recount(x: torch.Tensor, rounded: torch.Tensor, fmt) -> RoundingStatistics:
-    """The statistics of a rounding, counted element by element in Python."""
+def format_bounds(fmt) -> tuple[float, float, float]:
+    """(low, high, smallest_normal) of a format with one range."""
     if isinstance(fmt, Fixed):
-        low, high, smallest_normal = fmt.min, fmt.max, 0.0
-    elif isinstance(fmt, P3109):
-        low, high, smallest_normal = fmt.min, fmt.max, fmt.smallest_normal
-    elif isinstance(fmt, Float):
-        low, high, smallest_normal = -fmt.max, fmt.max, fmt.smallest_normal
-    else:  # block and tensor scales: only non-finite results overflow, no subnormals
-        low, high, smallest_normal = -math.inf, math.inf, 0.0
+        return fmt.min, fmt.max, 0.0
+    if isinstance(fmt, P3109):
+        return fmt.min, fmt.max, fmt.smallest_normal
+    if isinstance(fmt, Float):
+        return -fmt.max, fmt.max, fmt.smallest_normal
+    return -math.inf, math.inf, 0.0  # BlockFloat: only non-finite results overflow
+
+
+def python_recount(
+    x: torch.Tensor, rounded: torch.Tensor, fmt, bounds: tuple | None = None
+) -> RoundingStatistics:
+    """The statistics of a rounding, counted element by element in Python (within ``bounds``,
+    where given)."""
+    if bounds is None:
+        bounds = format_bounds(fmt)
+    # a Scaled format: each element within its block's range
+    per_element = scaled_bounds_model(x, fmt) if isinstance(fmt, Scaled) else None
     counts = dict(elements=0, nonfinite=0, overflow=0, underflow=0, subnormal=0, unchanged=0)
     errors, values = [], []
     pairs = zip(x.double().flatten().tolist(), rounded.double().flatten().tolist())
-    for a, b in pairs:
+    for k, (a, b) in enumerate(pairs):
+        low, high, smallest_normal = bounds if per_element is None else per_element[k]
         counts["elements"] += 1
         if not math.isfinite(a):
             counts["nonfinite"] += 1
@@ -276,11 +287,37 @@ def test_the_recorders_totals_are_those_of_the_stochastic_roundings_that_happene
             sgd.step()
             step[0] += 1
     expected = {}
+    scales = {}  # a DelayedScaling quantiser's scale, by (module, category)
     for at, name, category, x, rounded in captured:
-        add_to(expected, (at, name, category), python_recount(x, rounded, fmt))
+        bounds = None
+        if isinstance(fmt, DelayedScaling):
+            bounds = delayed_scaling_bounds(fmt, x, scales.setdefault((name, category), []))
+        add_to(expected, (at, name, category), python_recount(x, rounded, fmt, bounds))
     assert_same_records(recorder, expected)
     total = sum(expected.values(), RoundingStatistics())
     assert total.nonfinite and total.unchanged < total.elements
+    assert total.overflow > 0 or isinstance(fmt, BlockFloat)  # its range is not counted
+
+
+def delayed_scaling_bounds(scaling: DelayedScaling, x: torch.Tensor, amaxes: list) -> tuple:
+    """(low, high, smallest_normal) of a DelayedScaling quantiser's call on x, whose earlier calls
+    had the float32 amaxes ``amaxes`` (x's is appended), from lpsim.delayed_scaling's documented
+    update: scale 1 until a finite positive reduced amax (the largest, NaN ignored) gives
+    elem_max / amax (at most float32's max), scale_inverse 1 / scale; the element's limits and
+    smallest normal value times scale_inverse in float32, rounded into x's dtype."""
+    one = torch.tensor(1.0)
+    scale = one
+    history = [a for a in amaxes if not math.isnan(a)]
+    if history and math.isfinite(max(history)) and max(history) > 0:
+        largest = torch.tensor(torch.finfo(torch.float32).max)
+        scale = torch.minimum(torch.tensor(scaling.element.max) / max(history), largest)
+    inverse = one / scale
+    element = scaling.element
+    limits = torch.tensor([-element.max, element.max, element.smallest_normal]) * inverse
+    magnitudes = x.detach().float().abs()
+    magnitudes = magnitudes[~magnitudes.isnan()]
+    amaxes.append(float(magnitudes.max()) if magnitudes.numel() else 0.0)
+    return tuple(limits.to(x.dtype).tolist())
 
 
 class CapturingSGD(torch.optim.SGD):
@@ -459,13 +496,17 @@ def test_quantize_functions_and_the_quantizer_function_are_not_recorded():
     assert torch.equal(output, lpsim.quantize(output.detach(), FLOAT, "nearest"))
 
 
-def test_delayed_scaling_roundings_are_recorded():
+def test_delayed_scaling_roundings_count_what_the_calls_scale_saturated():
     e4m3 = Float(4, 3, special="fn")
     model = inject(nn.Linear(4, 4), {nn.Linear: LayerQuantization(output=DelayedScaling(e4m3))})
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0)) * 1000
     with Recorder(model) as recorder:
-        model(torch.randn(3, 4) * 1000).sum().backward()
+        model(x).sum().backward()
     (statistics,) = recorder.summary().values()
-    assert statistics.elements == 12 and statistics.overflow == 0  # a scale hides its range
+    # the first call's scale is 1: the outputs beyond E4M3's 448 saturated
+    unrounded = nn.functional.linear(x, model.weight, model.bias).detach()
+    assert statistics.elements == 12
+    assert statistics.overflow == int((unrounded.abs() > 448).sum()) > 0
 
 
 def test_every_records_only_every_kth_step():

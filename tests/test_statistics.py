@@ -13,11 +13,12 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from support import DTYPES, assert_same_bits
+from support import DTYPES, assert_same_bits, scaled_bounds_model
 
 import lpsim
 from lpsim import P3109, BlockFloat, Fixed, Float
-from lpsim.scaled import preset
+from lpsim.delayed_scaling import DelayedScaling
+from lpsim.scaled import Scaled, preset
 from lpsim.statistics import (
     RoundingStatistics,
     quantize_with_statistics,
@@ -37,10 +38,14 @@ def counts(s: RoundingStatistics) -> tuple:
 def recount(x: torch.Tensor, y: torch.Tensor, fmt) -> RoundingStatistics:
     """The statistics from their definitions, element by element in Python, sums exact
     (Fraction) and then rounded once."""
-    low, high, smallest_normal = statistics_bounds(fmt)
+    if isinstance(fmt, Scaled):
+        bounds = scaled_bounds_model(x, fmt)
+    else:
+        bounds = [statistics_bounds(fmt)] * x.numel()
     n = [0] * 6
     squared_error = squared_value = Fraction(0)
-    for a, b in zip(x.double().flatten().tolist(), y.double().flatten().tolist(), strict=True):
+    xs, ys = x.double().flatten().tolist(), y.double().flatten().tolist()
+    for a, b, (low, high, smallest_normal) in zip(xs, ys, bounds, strict=True):
         n[0] += 1
         if not math.isfinite(a):
             n[1] += 1
@@ -126,12 +131,57 @@ def test_block_float_counts_underflow_inside_a_block():
     assert counts(s) == (5, 1, 0, 2, 0, 2)
 
 
-def test_scaled_counts_underflow_of_small_elements_in_large_blocks():
-    fmt = preset("mxfp4_e2m1")
+def test_scaled_counts_underflow_and_subnormal_elements_in_large_blocks():
+    fmt = preset("mxfp4_e2m1")  # E2M1: smallest normal 1, subnormal 0.5
     x = torch.zeros(32)
-    x[0], x[1], x[2] = 6.0, 1e-3, 1.0
+    x[0], x[1], x[2], x[3] = 6.0, 1e-3, 1.0, 0.5  # amax 6: scale 2^0
     s = rounding_statistics(x, lpsim.quantize(x, fmt), fmt)
-    assert counts(s) == (32, 0, 0, 1, 0, 31)
+    assert counts(s) == (32, 0, 0, 1, 1, 31)
+    # a block whose largest magnitude is 96 (scale 2^4): 16 and 8 decode from E2M1's smallest
+    # normal 1 and subnormal 0.5
+    x[0], x[2], x[3] = 96.0, 16.0, 8.0
+    s = rounding_statistics(x, lpsim.quantize(x, fmt), fmt)
+    assert counts(s) == (32, 0, 0, 1, 1, 31)
+
+
+def test_mx_counts_elements_beyond_the_floor_scale_as_overflow():
+    # OCP's floor rule: amax 1.9 gives 2^(0 - 8) for E4M3 (emax 8), so 1.9 / 2^-8 = 486.4 lies
+    # beyond E4M3's 448 and saturates to 448 * 2^-8 = 1.75, the block's range
+    fmt = preset("mxfp8_e4m3")
+    x = torch.zeros(64)
+    x[:4] = torch.tensor([1.9, -1.8, 1.75, 1.7])
+    x[32:34] = torch.tensor([3.9, 3.5])  # another block: scale 2^-7, range 3.5
+    y = lpsim.quantize(x, fmt)
+    assert y[:4].tolist() == [1.75, -1.75, 1.75, 1.75]
+    assert y[32:34].tolist() == [3.5, 3.5]
+    s = rounding_statistics(x, y, fmt)
+    # 1.9, -1.8 and 3.9 overflowed; 1.75 and 3.5 are the limits themselves, and 1.7 rounded up to
+    # 1.75 inside the range
+    assert counts(s) == (64, 0, 3, 0, 0, 60)
+
+
+def test_nvfp4_counts_elements_whose_block_scale_rounded_down_as_overflow():
+    fmt = preset("nvfp4")  # E2M1 elements, E4M3 scale per 16, float32 tensor scale
+    x = torch.zeros(32)
+    x[0] = 6.0 * 448  # the tensor scale t = amax / (448 * 6) = 1
+    # the second block's amax 102 asks for a scale 102 / 6 = 17, a tie that E4M3 rounds to the
+    # even 16: 102 / 16 = 6.375 saturates to E2M1's 6, which decodes to 96
+    x[16:18] = torch.tensor([102.0, 101.9])
+    y = lpsim.quantize(x, fmt)
+    assert y[16:18].tolist() == [96.0, 96.0]
+    s = rounding_statistics(x, y, fmt)
+    assert s.overflow == 2
+    assert counts(s) == counts(recount(x, y, fmt))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scaled_blocks_with_nan_count_their_finite_elements_as_overflow(dtype):
+    fmt = preset("mxfp8_e4m3")
+    x = torch.ones(64, dtype=dtype)
+    x[3] = math.nan
+    y = lpsim.quantize(x, fmt)
+    s = rounding_statistics(x, y, fmt)
+    assert counts(s) == (64, 1, 31, 0, 0, 32)
 
 
 def test_statistics_add_up_and_derive_sqnr():
@@ -264,6 +314,138 @@ def test_strided_and_mixed_dtype_inputs_give_the_contiguous_statistics():
     assert rounding_statistics(x, y, fmt) == want
     # rounded in another dtype: both compared in float64, exactly
     assert rounding_statistics(x, y.double(), fmt) == want
+
+
+# ---- Scaled formats: every element within its block's range
+
+
+ROW_BLOCK_PRESETS = [
+    "mxfp8_e4m3",
+    "mxfp8_e5m2",
+    "mxfp6_e3m2",
+    "mxfp6_e2m3",
+    "mxfp4_e2m1",
+    "mxint8",
+    "nvfp4",
+    "fp8_e4m3_1x128",
+]
+
+
+@given(
+    name=st.sampled_from(ROW_BLOCK_PRESETS),
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(0, 700),
+    seed=st.integers(0, 2**16),
+    spread=st.integers(0, 30),
+    rule=st.sampled_from(["nearest", "toward_zero", "up", "stochastic"]),
+)
+def test_scaled_counts_equal_a_model_of_the_block_ranges(name, dtype, n, seed, spread, rule):
+    fmt = preset(name)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=gen, dtype=torch.float64)
+    x = x * torch.exp2(torch.randint(-spread, spread + 1, (n,), generator=gen).double())
+    special = torch.randint(0, 200, (n,), generator=gen)
+    x = torch.where(special == 0, math.nan, torch.where(special == 1, 0.0, x)).to(dtype)
+    try:
+        y = lpsim.quantize(x, fmt, rule, seed=seed)
+    except ValueError:  # the format does not fit this container
+        return
+    got = rounding_statistics(x, y, fmt)
+    want = recount(x, y, fmt)
+    assert counts(got) == counts(want)
+    assert_sums_close(got, want, n)
+
+
+def test_mx_blocks_of_normal_data_saturate_often():
+    # the model test above is meaningful: a quarter or so of the blocks of Gaussian data have a
+    # largest magnitude whose significand exceeds E4M3's 1.75 (log2(2 / 1.75) = 0.19 of a binade
+    # and more), so it saturates
+    x = torch.randn(32 * 1000, generator=torch.Generator().manual_seed(0))
+    fmt = preset("mxfp8_e4m3")
+    s = rounding_statistics(x, lpsim.quantize(x, fmt), fmt)
+    assert 150 < s.overflow < 450
+    assert counts(s) == counts(recount(x, lpsim.quantize(x, fmt), fmt))
+
+
+def test_scaled_layouts_count_as_their_blocks_laid_out_in_rows():
+    """Blocks along another axis, tiles, whole rows and the whole tensor count each element
+    within its own block: the counts of the same blocks laid out as consecutive rows."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 48, generator=gen) * torch.exp2(
+        torch.randint(-8, 9, (64, 48), generator=gen)
+    )
+    element = Float(4, 3, special="fn", saturate=True)
+    e8m0 = preset("mxfp8_e4m3").scale
+    cases = [
+        (Scaled(element, e8m0, 16, axis=0), x.t().reshape(-1, 16)),
+        (
+            Scaled(element, e8m0, (16, 8)),
+            x.reshape(4, 16, 6, 8).permute(0, 2, 1, 3).reshape(-1, 128),
+        ),
+        (Scaled(element, e8m0, None), x),
+        (Scaled(element, e8m0, "tensor"), x.reshape(1, -1)),
+        (preset("fp8_e4m3_128x128"), x.reshape(1, -1)),
+    ]
+    overflow = 0
+    for fmt, rows in cases:
+        as_rows = Scaled(fmt.element, fmt.scale, rows.shape[1], scale_rule=fmt.scale_rule)
+        got = rounding_statistics(x, lpsim.quantize(x, fmt), fmt)
+        want = rounding_statistics(rows, lpsim.quantize(rows, as_rows), as_rows)
+        assert counts(got) == counts(want), fmt
+        overflow += got.overflow
+    assert overflow > 0
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_scaled_statistics_are_the_same_for_any_thread_count(threads):
+    x = wide_values(5 * CHUNK + 99, torch.float32, 8).reshape(-1, 7)
+    before = torch.get_num_threads()
+    for fmt in (preset("mxfp4_e2m1"), preset("nvfp4"), Scaled(Float(2, 1), block=None, axis=0)):
+        y = lpsim.quantize(x, fmt)
+        try:
+            torch.set_num_threads(1)
+            reference = rounding_statistics(x, y, fmt)
+            torch.set_num_threads(threads)
+            assert rounding_statistics(x, y, fmt) == reference
+            assert quantize_with_statistics(x, fmt)[1] == reference
+        finally:
+            torch.set_num_threads(before)
+
+
+def test_scaled_statistics_refuse_a_rounded_value_that_xs_dtype_does_not_hold():
+    fmt = preset("mxfp8_e4m3")
+    x = torch.ones(32)
+    y = lpsim.quantize(x, fmt)
+    assert rounding_statistics(x, y.double(), fmt) == rounding_statistics(x, y, fmt)
+    with pytest.raises(ValueError, match="rounded must hold values of x's dtype"):
+        rounding_statistics(x, y.double() + 2.0**-40, fmt)
+    with pytest.raises(TypeError, match="x must be a"):
+        rounding_statistics(x.to(torch.float8_e4m3fn), y, fmt)
+    with pytest.raises(TypeError, match="Scaled format's bounds"):
+        statistics_bounds(fmt)
+
+
+# ---- DelayedScaler: the range of the scale its latest call used
+
+
+def test_a_delayed_scalers_call_counts_values_beyond_its_scales_range_as_overflow():
+    scaler = DelayedScaling(Float(4, 3, special="fn")).scaler()
+    scaler(torch.tensor([1.0, -0.5]))  # scale 1 for this call; then amax 1 gives scale 448
+    inverse = torch.tensor(1.0) / 448  # the float32 scale_inverse of the next call
+    x = torch.tensor([2.0, -1.5, 1.0, 3 * 2.0**-9 / 448, 2.0**-11 / 448, 0.0])
+    y = scaler(x)
+    # x * 448: 896 and -672 saturate to +-448, decoding to +-448 * inverse; 3 * 2^-9 is an E4M3
+    # subnormal (below 2^-6); 2^-11 lies below half the smallest subnormal and becomes 0
+    high = float(448 * inverse)
+    assert y[:3].tolist() == [high, -high, high]
+    assert y[3].item() == float(3 * 2.0**-9 * inverse) and y[4].item() == 0.0
+    s = rounding_statistics(x, y, scaler)
+    assert counts(s) == (6, 0, 2, 1, 1, 1 + int(high == 1.0))
+    assert scaler.statistics_bounds(torch.float32) == (-high, high, float(2.0**-6 * inverse))
+    # the scaling alone does not know the scale: only non-finite results would overflow
+    assert rounding_statistics(x, y, scaler.scaling).overflow == 0
+    # the bounds are the latest call's: its record moved the scale (amax 2: 224), not them
+    assert float(scaler.scale) == 224 and float(scaler.call_scale_inverse) == float(inverse)
 
 
 # ---- quantize_with_statistics

@@ -25,6 +25,7 @@
 #include <lpsim/philox.h>
 #include <lpsim/round.h>
 #include <lpsim/scaled.h>
+#include <lpsim/scaled_statistics.h>
 
 #include <algorithm>
 #include <cstring>
@@ -639,6 +640,18 @@ void block_scales(Dtype dtype, const ScaledSpec& spec, const uint64_t* amax, int
     if (spec.rule == ScaleRule::amax) make_grid(spec.scale, scale_grid);  // validated by the op
     for (int64_t k = 0; k < count; ++k) {
       scales[k] = block_scale<C>(static_cast<typename C::word>(amax[k]), spec, scale_grid);
+    }
+  });
+}
+
+void block_statistics_bounds(Dtype dtype, const ScaledSpec& spec, const BlockScale* scales,
+                             int64_t count, double element_smallest_normal,
+                             StatisticsBounds* bounds) {
+  with_container(dtype, [&](auto container) {
+    using C = decltype(container);
+    const ElementGrids<C> grids = element_grids<C>(spec);
+    for (int64_t k = 0; k < count; ++k) {
+      bounds[k] = block_statistics_bounds<C>(scales[k], spec, grids, element_smallest_normal);
     }
   });
 }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <lpsim/grid_spec.h>
+#include <lpsim/rounding_statistics.h>
 #include <lpsim/scaled.h>
 #include <lpsim/types.h>
 
@@ -42,5 +43,11 @@ void set_tensor_scale(Dtype dtype, ScaledSpec& spec, uint64_t amax);
 // scales[k] = the scale of a block whose largest magnitude bits are amax[k], for k in [0, count).
 void block_scales(Dtype dtype, const ScaledSpec& spec, const uint64_t* amax, int64_t count,
                   BlockScale* scales);
+
+// bounds[k] = the statistics bounds of a block with scale scales[k] (lpsim/scaled_statistics.h),
+// for k in [0, count).
+void block_statistics_bounds(Dtype dtype, const ScaledSpec& spec, const BlockScale* scales,
+                             int64_t count, double element_smallest_normal,
+                             StatisticsBounds* bounds);
 
 }  // namespace lpsim::cpu

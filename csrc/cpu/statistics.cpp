@@ -36,6 +36,30 @@ void rounding_statistics(Dtype dtype, const void* x, const void* y, int64_t chun
   });
 }
 
+// A run of elements in one block at a time (BlockCursor), its bounds rounded outward to the
+// comparisons' type (real_bounds).
+LPSIM_MULTIVERSION
+void scaled_rounding_statistics(Dtype dtype, const void* x, const void* y, int64_t chunk_begin,
+                                int64_t chunk_end, int64_t n, const ScaledLayout& layout,
+                                const StatisticsBounds* block_bounds, ChunkStatistics* chunks) {
+  with_container(dtype, [&](auto container) LPSIM_LAMBDA_INLINE {
+    using C = decltype(container);
+    using S = typename C::storage;
+    for (int64_t c = chunk_begin; c < chunk_end; ++c) {
+      const int64_t first = c * kStatisticsChunk;
+      BlockCursor cursor(layout, first);
+      chunks[c] = chunk_statistics_in_runs<C>(
+          static_cast<const S*>(x) + first, static_cast<const S*>(y) + first,
+          std::min(kStatisticsChunk, n - first), [&](int64_t& length) {
+            length = std::min(length, cursor.run());
+            const auto b = real_bounds<StatisticsReal<C>>(block_bounds[cursor.block()]);
+            cursor.advance(length);
+            return b;
+          });
+    }
+  });
+}
+
 LPSIM_MULTIVERSION
 void quantize_grid_statistics(Dtype dtype, Rounding rounding, const void* x, void* y,
                               int64_t chunk_begin, int64_t chunk_end, int64_t n,

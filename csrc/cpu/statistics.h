@@ -6,31 +6,41 @@
 
 #include <lpsim/grid_spec.h>
 #include <lpsim/rounding_statistics.h>
+#include <lpsim/scaled.h>
 #include <lpsim/types.h>
 
 #include <cstdint>
 
 namespace lpsim::cpu {
 
-// The statistics of x[0, n) rounded to y[0, n), n <= kStatisticsChunk: one chunk. Lane l is vector
-// slot l of the inner loop, which GCC vectorises (4 lanes per AVX2 register).
-template <class C>
-LPSIM_INLINE ChunkStatistics chunk_statistics(const typename C::storage* x,
-                                              const typename C::storage* y, int64_t n,
-                                              const StatisticsBounds& bounds) {
+// The statistics of x[0, n) rounded to y[0, n), n <= kStatisticsChunk: one chunk, whose elements
+// are counted within bounds that hold for runs of consecutive elements: next_run(length), called
+// for the elements in turn with length the number left in the row, returns the RealBounds<Real>
+// of the next `length` elements, having shortened `length` to those that share them (the values
+// are compared as Reals). Lane l is vector slot l of the inner loop, which GCC vectorises (4 lanes
+// per AVX2 register).
+template <class C, class NextRun>
+LPSIM_INLINE ChunkStatistics chunk_statistics_in_runs(const typename C::storage* x,
+                                                      const typename C::storage* y, int64_t n,
+                                                      NextRun&& next_run) {
   double squared_error[kStatisticsLanes] = {};
   double squared_value[kStatisticsLanes] = {};
   StatisticsCounts counts{};
-  const RealBounds<StatisticsReal<C>> b = real_bounds<StatisticsReal<C>>(bounds);
   for (int64_t row = 0; row * kStatisticsLanes < n; ++row) {
     const int64_t first = row * kStatisticsLanes;
     const int lanes = static_cast<int>(n - first < kStatisticsLanes ? n - first : kStatisticsLanes);
-    for (int l = 0; l < lanes; ++l) {
-      const ElementStatistics s =
-          element_statistics(value_of<C>(x[first + l]), value_of<C>(y[first + l]), b);
-      add_counts(counts, s);
-      squared_error[l] = add_rn(squared_error[l], s.squared_error);
-      squared_value[l] = add_rn(squared_value[l], s.squared_value);
+    for (int begin = 0; begin < lanes;) {
+      int64_t length = lanes - begin;
+      const auto b = next_run(length);
+      const int end = begin + static_cast<int>(length);
+      for (int l = begin; l < end; ++l) {
+        const ElementStatistics s =
+            element_statistics(value_of<C>(x[first + l]), value_of<C>(y[first + l]), b);
+        add_counts(counts, s);
+        squared_error[l] = add_rn(squared_error[l], s.squared_error);
+        squared_value[l] = add_rn(squared_value[l], s.squared_value);
+      }
+      begin = end;
     }
   }
   ChunkStatistics chunk;
@@ -45,6 +55,16 @@ LPSIM_INLINE ChunkStatistics chunk_statistics(const typename C::storage* x,
   return chunk;
 }
 
+// The statistics of one chunk (as chunk_statistics_in_runs) with the same bounds for every
+// element: one run per row.
+template <class C>
+LPSIM_INLINE ChunkStatistics chunk_statistics(const typename C::storage* x,
+                                              const typename C::storage* y, int64_t n,
+                                              const StatisticsBounds& bounds) {
+  const RealBounds<StatisticsReal<C>> b = real_bounds<StatisticsReal<C>>(bounds);
+  return chunk_statistics_in_runs<C>(x, y, n, [&b](int64_t&) { return b; });
+}
+
 // chunks[c] = the statistics of chunk c of x (n elements) rounded to y, for c in
 // [chunk_begin, chunk_end).
 void rounding_statistics(Dtype dtype, const void* x, const void* y, int64_t chunk_begin,
@@ -57,5 +77,11 @@ void quantize_grid_statistics(Dtype dtype, Rounding rounding, const void* x, voi
                               int64_t chunk_begin, int64_t chunk_end, int64_t n,
                               const GridSpec& grid, const RandomSpec& random,
                               const StatisticsBounds& bounds, ChunkStatistics* chunks);
+
+// As rounding_statistics, for x rounded into a scaled format: element i is counted within the
+// bounds of its block, block_bounds[block_of(layout, i)] (lpsim/scaled_statistics.h).
+void scaled_rounding_statistics(Dtype dtype, const void* x, const void* y, int64_t chunk_begin,
+                                int64_t chunk_end, int64_t n, const ScaledLayout& layout,
+                                const StatisticsBounds* block_bounds, ChunkStatistics* chunks);
 
 }  // namespace lpsim::cpu

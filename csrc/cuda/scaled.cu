@@ -6,6 +6,7 @@
 #include <lpsim/philox.h>
 #include <lpsim/round.h>
 #include <lpsim/scaled.h>
+#include <lpsim/scaled_statistics.h>
 
 #include "cuda/device.cuh"
 #include "cuda/scaled.h"
@@ -136,6 +137,16 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <class C>
+__global__ void __launch_bounds__(kThreads)
+    bounds_kernel(const BlockScale* scales, int64_t blocks, ScaledSpec spec, ElementGrids<C> grids,
+                  double element_smallest_normal, StatisticsBounds* bounds) {
+  for (int64_t k = blockIdx.x * int64_t(kThreads) + threadIdx.x; k < blocks;
+       k += int64_t(gridDim.x) * kThreads) {
+    bounds[k] = block_statistics_bounds<C>(scales[k], spec, grids, element_smallest_normal);
+  }
+}
+
 // Whether small_blocks_kernel serves the layout: blocks of a power of two up to a warp along the
 // last axis (one row of tiles, no inner indices), the rows' length a multiple of it.
 bool small_blocks_serve(const ScaledLayout& l) {
@@ -195,6 +206,28 @@ void quantize_scaled(Rounding rounding, const void* x, void* y, int64_t n,
   });
 }
 
+template <class C>
+void scaled_block_bounds(const void* x, int64_t n, const ScaledLayout& layout,
+                         const ScaledSpec& spec, void* amax, void* scales,
+                         double element_smallest_normal, StatisticsBounds* bounds,
+                         cudaStream_t stream) {
+  using S = typename C::storage;
+  auto* words = static_cast<uint64_t*>(amax);
+  auto* block_scales = static_cast<BlockScale*>(scales);
+  Grid<ScaledArithmetic<C>> scale_grid{};
+  if (spec.rule == ScaleRule::amax) make_grid(spec.scale, scale_grid);  // validated by the op
+  const int64_t blocks = layout.blocks();
+  max_abs_kernel<C><<<blocks_for(n), kThreads, 0, stream>>>(static_cast<const S*>(x), n, layout,
+                                                            spec.two_level, words);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  scales_kernel<C>
+      <<<blocks_for(blocks), kThreads, 0, stream>>>(words, layout, spec, scale_grid, block_scales);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  bounds_kernel<C><<<blocks_for(blocks), kThreads, 0, stream>>>(
+      block_scales, blocks, spec, element_grids<C>(spec), element_smallest_normal, bounds);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template void quantize_scaled<Float32Container>(Rounding, const void*, void*, int64_t,
                                                 const ScaledLayout&, const ScaledSpec&, void*,
                                                 void*, const RandomSpec&, cudaStream_t);
@@ -207,5 +240,15 @@ template void quantize_scaled<BFloat16Container>(Rounding, const void*, void*, i
 template void quantize_scaled<Float16Container>(Rounding, const void*, void*, int64_t,
                                                 const ScaledLayout&, const ScaledSpec&, void*,
                                                 void*, const RandomSpec&, cudaStream_t);
+
+#define LPSIM_SCALED_BLOCK_BOUNDS_(C)                                                              \
+  template void scaled_block_bounds<C>(const void*, int64_t, const ScaledLayout&,                  \
+                                       const ScaledSpec&, void*, void*, double, StatisticsBounds*, \
+                                       cudaStream_t);
+LPSIM_SCALED_BLOCK_BOUNDS_(Float32Container)
+LPSIM_SCALED_BLOCK_BOUNDS_(Float64Container)
+LPSIM_SCALED_BLOCK_BOUNDS_(BFloat16Container)
+LPSIM_SCALED_BLOCK_BOUNDS_(Float16Container)
+#undef LPSIM_SCALED_BLOCK_BOUNDS_
 
 }  // namespace lpsim::gpu

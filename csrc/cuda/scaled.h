@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 #include <lpsim/grid_spec.h>
 #include <lpsim/rounding.h>
+#include <lpsim/rounding_statistics.h>
 #include <lpsim/scaled.h>
 
 #include <cstdint>
@@ -18,5 +19,15 @@ template <class C>
 void quantize_scaled(Rounding rounding, const void* x, void* y, int64_t n,
                      const ScaledLayout& layout, const ScaledSpec& spec, void* amax, void* scales,
                      const RandomSpec& random, cudaStream_t stream);
+
+// The statistics bounds of every block of the n > 0 elements of a contiguous tensor
+// (lpsim/scaled_statistics.h) into bounds[0, layout.blocks()): the kernels of quantize_scaled that
+// find the blocks' scales, then one that decodes their limits. amax and scales as for
+// quantize_scaled.
+template <class C>
+void scaled_block_bounds(const void* x, int64_t n, const ScaledLayout& layout,
+                         const ScaledSpec& spec, void* amax, void* scales,
+                         double element_smallest_normal, StatisticsBounds* bounds,
+                         cudaStream_t stream);
 
 }  // namespace lpsim::gpu

@@ -61,10 +61,28 @@ __device__ __forceinline__ ChunkStatistics finished_chunk(const SharedChunk& sha
   return chunk;
 }
 
-template <class C>
+// The bounds of every element: one RealBounds for all.
+template <class Real>
+struct SameBounds {
+  RealBounds<Real> bounds;
+  __device__ __forceinline__ RealBounds<Real> operator()(int64_t) const { return bounds; }
+};
+
+// The bounds of element i: its scaled block's, compared in double (in which they are exact).
+struct ScaledBlockBounds {
+  ScaledLayout layout;
+  const StatisticsBounds* block_bounds;
+  __device__ __forceinline__ RealBounds<double> operator()(int64_t i) const {
+    const StatisticsBounds b = block_bounds[block_of(layout, i)];
+    return RealBounds<double>{b.low, b.high, b.smallest_normal};
+  }
+};
+
+// A chunk per thread block, a lane per thread; element i counted within bounds_at(i).
+template <class C, class BoundsAt>
 __global__ void __launch_bounds__(kThreads)
     statistics_kernel(const typename C::storage* x, const typename C::storage* y, int64_t n,
-                      RealBounds<StatisticsReal<C>> bounds, ChunkStatistics* chunks) {
+                      BoundsAt bounds_at, ChunkStatistics* chunks) {
   __shared__ SharedChunk shared;
   const int lane = threadIdx.x;
   const int64_t chunk_count = (n + kStatisticsChunk - 1) / kStatisticsChunk;
@@ -77,7 +95,9 @@ __global__ void __launch_bounds__(kThreads)
     for (int row = 0; row < kStatisticsRows; ++row) {
       const int64_t i = first + int64_t{row} * kStatisticsLanes + lane;
       if (i >= n) break;
-      const ElementStatistics s = element_statistics(value_of<C>(x[i]), value_of<C>(y[i]), bounds);
+      const auto b = bounds_at(i);
+      using Real = decltype(b.low);
+      const ElementStatistics s = element_statistics<Real>(value_of<C>(x[i]), value_of<C>(y[i]), b);
       add_counts(counts, s);
       error = add_rn(error, s.squared_error);
       value = add_rn(value, s.squared_value);
@@ -172,8 +192,20 @@ void rounding_statistics(const void* x, const void* y, int64_t n, const Statisti
   using S = typename C::storage;
   const int64_t chunk_count = (n + kStatisticsChunk - 1) / kStatisticsChunk;
   statistics_kernel<C><<<grid_blocks(chunk_count), kThreads, 0, stream>>>(
-      static_cast<const S*>(x), static_cast<const S*>(y), n, real_bounds<StatisticsReal<C>>(bounds),
-      chunks);
+      static_cast<const S*>(x), static_cast<const S*>(y), n,
+      SameBounds<StatisticsReal<C>>{real_bounds<StatisticsReal<C>>(bounds)}, chunks);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class C>
+void scaled_rounding_statistics(const void* x, const void* y, int64_t n, const ScaledLayout& layout,
+                                const StatisticsBounds* block_bounds, ChunkStatistics* chunks,
+                                cudaStream_t stream) {
+  using S = typename C::storage;
+  const int64_t chunk_count = (n + kStatisticsChunk - 1) / kStatisticsChunk;
+  statistics_kernel<C><<<grid_blocks(chunk_count), kThreads, 0, stream>>>(
+      static_cast<const S*>(x), static_cast<const S*>(y), n,
+      ScaledBlockBounds{layout, block_bounds}, chunks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -204,7 +236,10 @@ void quantize_grid_statistics(Rounding rounding, const void* x, void* y, int64_t
                                        ChunkStatistics*, cudaStream_t);                            \
   template void quantize_grid_statistics<C>(                                                       \
       Rounding, const void*, void*, int64_t, const GridSpec&, const RandomSpec&,                   \
-      const StatisticsBounds&, ChunkStatistics*, cudaStream_t);
+      const StatisticsBounds&, ChunkStatistics*, cudaStream_t);                                    \
+  template void scaled_rounding_statistics<C>(const void*, const void*, int64_t,                   \
+                                              const ScaledLayout&, const StatisticsBounds*,        \
+                                              ChunkStatistics*, cudaStream_t);
 
 LPSIM_STATISTICS_LAUNCHERS(Float32Container)
 LPSIM_STATISTICS_LAUNCHERS(Float64Container)

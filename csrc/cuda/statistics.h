@@ -7,6 +7,7 @@
 #include <lpsim/grid_spec.h>
 #include <lpsim/rounding.h>
 #include <lpsim/rounding_statistics.h>
+#include <lpsim/scaled.h>
 
 #include <cstdint>
 
@@ -27,5 +28,12 @@ void quantize_grid_statistics(Rounding rounding, const void* x, void* y, int64_t
                               const GridSpec& spec, const RandomSpec& random,
                               const StatisticsBounds& bounds, ChunkStatistics* chunks,
                               cudaStream_t stream);
+
+// As rounding_statistics, for x rounded into a scaled format: element i counted within the bounds
+// of its block, block_bounds[block_of(layout, i)] (device memory; gpu::scaled_block_bounds).
+template <class C>
+void scaled_rounding_statistics(const void* x, const void* y, int64_t n, const ScaledLayout& layout,
+                                const StatisticsBounds* block_bounds, ChunkStatistics* chunks,
+                                cudaStream_t stream);
 
 }  // namespace lpsim::gpu

@@ -688,12 +688,13 @@ def _parameters(optimizer: Optimizer):
 
 
 def _format_of(quantiser):
-    """The format a quantiser rounds into (a DelayedScaling for a scaler's call), or None for a
-    function that is not a spec."""
+    """The format a quantiser rounds into (for a scaler's call, the DelayedScaler, whose latest
+    call's scale sets the range: see lpsim.statistics), or None for a function that is not a
+    spec."""
     if isinstance(quantiser, QuantSpec):
         return quantiser.format
     if isinstance(quantiser, ScalerCall):
-        return quantiser.scaler.scaling
+        return quantiser.scaler
     return None
 
 

@@ -94,6 +94,66 @@ LPSIM_HOST_DEVICE inline int64_t block_of(const ScaledLayout& l, int64_t i) {
   return g * l.inner + in;
 }
 
+// block_of for consecutive elements, without its divisions for each one (host loops): block() is
+// block_of(l, i) for the element i the cursor stands at; run() elements from it on lie in that
+// block consecutively (more may follow further on), and advance(k), k <= run(), moves the cursor to
+// element i + k.
+class BlockCursor {
+ public:
+  BlockCursor(const ScaledLayout& l, int64_t i)
+      : l_(l), down_(l.tiles_down()), across_(l.tiles_across()) {
+    in_ = i % l.inner;
+    c_ = (i / l.inner) % l.cols;
+    r_ = (i / (l.inner * l.cols)) % l.rows;
+    o_ = i / (l.inner * l.cols * l.rows);
+    tc_ = c_ / l.tile_cols;
+    tr_ = r_ / l.tile_rows;
+    c_in_tile_ = c_ % l.tile_cols;
+    r_in_tile_ = r_ % l.tile_rows;
+  }
+
+  int64_t block() const { return ((o_ * down_ + tr_) * across_ + tc_) * l_.inner + in_; }
+
+  // With inner indices, the next element lies in another block; otherwise the rest of the tile's
+  // row does not.
+  int64_t run() const {
+    if (l_.inner > 1) return 1;
+    const int64_t in_tile = l_.tile_cols - c_in_tile_, in_row = l_.cols - c_;
+    return in_tile < in_row ? in_tile : in_row;
+  }
+
+  void advance(int64_t k) {
+    if (k < run()) {  // inner == 1, within the tile's row
+      c_ += k;
+      c_in_tile_ += k;
+      return;
+    }
+    // To the start of the next run: the next inner index, tile or row.
+    if (l_.inner > 1 && ++in_ < l_.inner) return;
+    in_ = 0;
+    c_ += l_.inner > 1 ? 1 : k;
+    if (c_ < l_.cols) {
+      c_in_tile_ = (c_in_tile_ + (l_.inner > 1 ? 1 : k)) % l_.tile_cols;
+      tc_ += c_in_tile_ == 0 ? 1 : 0;
+      return;
+    }
+    c_ = c_in_tile_ = tc_ = 0;
+    if (++r_ < l_.rows) {
+      if (++r_in_tile_ == l_.tile_rows) r_in_tile_ = 0, ++tr_;
+      return;
+    }
+    r_ = r_in_tile_ = tr_ = 0;
+    ++o_;
+  }
+
+ private:
+  ScaledLayout l_;
+  int64_t down_, across_;
+  int64_t o_, r_, c_, in_;         // the element's indices in [outer][rows][cols][inner]
+  int64_t tr_, tc_;                // its tile row and column
+  int64_t r_in_tile_, c_in_tile_;  // its row and column within the tile
+};
+
 // ---- Scales
 
 // What every block of one scaled format shares, as the op passes it (lpsim/scaled.py computes the
@@ -404,6 +464,17 @@ LPSIM_FN typename C::word shifted_arithmetic_element(typename C::word u,
   return from_arithmetic<C>(round_to_grid<Rounding::nearest, K>(v, own, 0, 0));
 }
 
+// The value element q (a value of the element grid) of a block with scale 2^e decodes to: q * 2^e
+// in the arithmetic, rounded onto C's own grid (`own`, in the arithmetic's container).
+template <class C>
+LPSIM_FN typename ScaledArithmetic<C>::word decoded_pow2_element(
+    RealOf<ScaledArithmetic<C>> q, int32_t e, const Grid<ScaledArithmetic<C>>& own) {
+  using K = ScaledArithmetic<C>;
+  typename K::word out = bits_of_real(mul_rn(q, pow2_real(e, RealOf<K>())));
+  if constexpr (!std::is_same_v<K, C>) out = round_to_grid<Rounding::nearest, K>(out, own, 0, 0);
+  return out;
+}
+
 // The value element q of a block with a Float scale decodes to: q * decode in the arithmetic,
 // rounded onto C's own grid (`own`, in the arithmetic's container).
 template <class C>
@@ -466,11 +537,7 @@ LPSIM_FN typename C::word scaled_element(typename C::word u, const BlockScale& b
     const double y = mul_rn(real_of(convert_exact<F64, C>(u)), pow2_double(-b.exponent));
     const T q =
         static_cast<T>(real_of(round_to_grid<R, F64>(bits_of_real(y), g.element, random, mask)));
-    typename K::word out = bits_of_real(mul_rn(q, pow2_real(b.exponent, T())));
-    if constexpr (!std::is_same_v<K, C>) {
-      out = round_to_grid<Rounding::nearest, K>(out, g.own, 0, 0);
-    }
-    return convert_exact<C, K>(out);
+    return convert_exact<C, K>(decoded_pow2_element<C>(q, b.exponent, g.own));
   } else {
     return float_scaled_element<R, C>(u, static_cast<T>(b.reciprocal), static_cast<T>(b.decode),
                                       g.arithmetic, g.own, random, mask);
