@@ -507,6 +507,62 @@ def test_grad_format_rounds_the_error_before_both_backward_products():
     assert_same_bits(w.grad, lpsim.mac.matmul(gq.t(), x.detach(), EXACT))
 
 
+# (name, lpsim's op, torch's op, shapes of input, weight and bias)
+_TORCH_OPS = [
+    ("linear", LF.linear, F.linear, (2, 3, 40), (5, 40), (5,)),
+    (
+        "matmul",
+        lambda x, w, b, **k: LF.matmul(x, w, **k),
+        lambda x, w, b: x @ w,
+        (6, 40),
+        (40, 5),
+        None,
+    ),
+    ("conv2d", LF.conv2d, F.conv2d, (2, 6, 5, 5), (4, 6, 3, 3), (4,)),
+    ("conv1d", LF.conv1d, F.conv1d, (2, 6, 9), (4, 6, 3), (4,)),
+]
+_NATIVE_FORMATS = [
+    dict(input_format=Float(4, 3)),
+    dict(weight_format=(Float(5, 2), "toward_zero")),
+    dict(grad_format=Float(5, 2)),
+    dict(
+        input_format=Float(4, 3), weight_format=Float(4, 3), grad_format=Float(5, 2), rounding="up"
+    ),
+]
+
+
+@pytest.mark.parametrize("formats", _NATIVE_FORMATS, ids=lambda f: "-".join(sorted(f)))
+@pytest.mark.parametrize("case", _TORCH_OPS, ids=lambda c: c[0])
+def test_formats_under_native_macs_are_torchs_op_of_the_quantised_operands(case, formats):
+    """With the native MACs the result is torch's op of the quantised operands, and the
+    gradients torch's of the quantised error (straight through the operands' quantisation):
+    a grad_format alone leaves the forward torch's, bit for bit."""
+    _, simulated, torch_op, x_shape, w_shape, b_shape = case
+    rule = formats.get("rounding", "nearest")
+
+    def quantised(t, field):
+        spec = formats.get(field)
+        fmt, rounding = spec if isinstance(spec, tuple) else (spec, rule)
+        return t if fmt is None else lpsim.quantize(t, fmt, rounding)
+
+    torch.manual_seed(0)
+    x, w = torch.randn(x_shape), torch.randn(w_shape)
+    b = None if b_shape is None else torch.randn(b_shape)
+    leaves = [t if t is None else t.clone().requires_grad_() for t in (x, w, b)]
+    y = simulated(*leaves, **formats)
+    xq = quantised(x, "input_format").requires_grad_()
+    wq = quantised(w, "weight_format").requires_grad_()
+    bq = None if b is None else b.clone().requires_grad_()
+    want = torch_op(xq, wq, bq)
+    assert_same_bits(y.detach(), want.detach(), "result")
+    grad = torch.randn(want.shape)
+    y.backward(grad)
+    want.backward(quantised(grad, "grad_format"))
+    for name, got, expected in zip("xwb", leaves, (xq, wq, bq)):
+        if got is not None:
+            assert_same_bits(got.grad, expected.grad, f"gradient of {name}")
+
+
 def test_stochastic_products_are_reproducible_under_manual_seed():
     x, w = spread(4, 40, seed=39), spread(3, 40, seed=40)
     torch.manual_seed(5)

@@ -66,9 +66,12 @@ else float32 when the accumulator fits that, else float64. An accumulator wider 
 (Float(11, 52), say, or a Fixed without clamp) gives float64 results, whose gradients no
 simulated backward product takes (float64 products would not be exact: TypeError); such a product
 needs native backward MACs (``input_grad_mac=weight_grad_mac=MAC()``), whose float64 gradients
-autograd casts to the operands' dtype. Without any non-native MAC and format the functions are
-torch's own, except ``multi_head_attention_forward``, which always computes torch's explicit path
-(its need_weights=True one) product by product: torch's result to rounding.
+autograd casts to the operands' dtype. Where all three MACs are native (and no Operands are
+given) the functions are torch's own ops (torch.matmul, F.linear, F.conv1d, F.conv2d) applied to
+the operands as the formats quantise them, their gradients torch's of the error as grad_format
+quantises it: without formats, torch's op itself. ``multi_head_attention_forward`` is the
+exception: it always computes torch's explicit path (its need_weights=True one) product by
+product: torch's result to rounding.
 
 Double backward (``create_graph=True``, then a second differentiation): a product under a
 non-native MAC has no derivative, so differentiating a gradient that a simulated backward product
@@ -240,17 +243,26 @@ class Arithmetic(NamedTuple):
     weight_grad_operands: OperandSpecs | None = None
 
     @property
-    def native(self) -> bool:
-        """Whether every product is torch's own and no operand is quantised."""
+    def native_products(self) -> bool:
+        """Whether every product, forward and backward, is torch's own (its operands, quantised
+        or not, are the forward's): the function is then torch's own op on the quantised
+        operands, its gradients torch's of the quantised error."""
         return (
             self.forward.native
             and self.input_grad.native
             and self.weight_grad.native
+            and self.input_grad_operands is None
+            and self.weight_grad_operands is None
+        )
+
+    @property
+    def native(self) -> bool:
+        """Whether every product is torch's own and no operand is quantised."""
+        return (
+            self.native_products
             and self.input_spec is None
             and self.weight_spec is None
             and self.grad_spec is None
-            and self.input_grad_operands is None
-            and self.weight_grad_operands is None
         )
 
 
@@ -414,6 +426,14 @@ def _with_grad_format(y: torch.Tensor, how: Arithmetic) -> torch.Tensor:
     return quantizing_function(None, how.grad_spec)(y)
 
 
+def _torch_op(op, input: torch.Tensor, weight: torch.Tensor, how: Arithmetic, *args):
+    """op(input, weight, *args), torch's own, of the operands quantised by how's formats, its
+    error quantised by grad_spec: a function whose products are all native (see
+    Arithmetic.native_products)."""
+    x, w = _quantised_operands(input, weight, how)
+    return _with_grad_format(op(x, w, *args), how)
+
+
 class _AddBias(torch.autograd.Function):
     """y + bias (a tensor that broadcasts to y's shape without changing it), rounded once into the
     forward MAC's accumulator; the bias gradient sums the output gradient over the dimensions along
@@ -495,8 +515,8 @@ def matmul(
         input_grad_operands=input_grad_operands,
         weight_grad_operands=weight_grad_operands,
     )
-    if how.native:
-        return torch.matmul(input, other)
+    if how.native_products:
+        return _torch_op(torch.matmul, input, other, how)
     a, b = _quantised_operands(input, other, how)
     return simulated_matmul(a, b, how, (input, other))
 
@@ -631,8 +651,8 @@ def linear(
         input_grad_operands=input_grad_operands,
         weight_grad_operands=weight_grad_operands,
     )
-    if how.native:
-        return F.linear(input, weight, bias)
+    if how.native_products:
+        return _torch_op(F.linear, input, weight, how, bias)
     x, w = _quantised_operands(input, weight, how)
     return simulated_linear(x, w, bias, how, (input, weight))
 
@@ -978,8 +998,8 @@ def conv2d(
     how = arithmetic(
         mac, input_grad_mac, weight_grad_mac, input_format, weight_format, grad_format, rounding
     )
-    if how.native:
-        return F.conv2d(input, weight, bias, stride, padding, dilation, groups)
+    if how.native_products:
+        return _torch_op(F.conv2d, input, weight, how, bias, stride, padding, dilation, groups)
     _check_tensors("conv2d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 2)
     return _conv(input, weight, bias, geometry, how, 2)
@@ -1013,8 +1033,8 @@ def conv1d(
     how = arithmetic(
         mac, input_grad_mac, weight_grad_mac, input_format, weight_format, grad_format, rounding
     )
-    if how.native:
-        return F.conv1d(input, weight, bias, stride, padding, dilation, groups)
+    if how.native_products:
+        return _torch_op(F.conv1d, input, weight, how, bias, stride, padding, dilation, groups)
     _check_tensors("conv1d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 1)
     return _conv(input, weight, bias, geometry, how, 1)
