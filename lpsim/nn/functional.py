@@ -1205,16 +1205,30 @@ def _merged_mask(attn_mask, key_padding_mask, bsz: int, num_heads: int, src_len:
     return padding if attn_mask is None else attn_mask + padding
 
 
-def _attention(q, k, v, mask, dropout_p: float, how: Arithmetic):
+def softmax_zeroing_masked_rows(scores: torch.Tensor, softmax) -> torch.Tensor:
+    """softmax(scores) over the last axis, where a row of scores that are all -inf (a query no key
+    takes part in) gets weights 0 and zero gradients, as torch's scaled_dot_product_attention
+    gives them, not softmax's NaN: such a row is given to ``softmax`` (a function of the scores)
+    as zeros, so that its backward multiplies no NaN, and its weights are then set to 0."""
+    masked = (scores == float("-inf")).all(dim=-1, keepdim=True)
+    return softmax(scores.masked_fill(masked, 0.0)).masked_fill(masked, 0.0)
+
+
+def _attention(q, k, v, mask, dropout_p: float, how: Arithmetic, zero_masked_rows: bool = False):
     """The context softmax(q k^T / sqrt(head_dim) + mask) v of each matrix of the batch and the
-    attention weights; q is scaled (rounded in its dtype) before its product, as torch does."""
+    attention weights; q is scaled (rounded in its dtype) before its product, as torch does.
+    ``zero_masked_rows``: a query whose scores are all -inf gets weights 0, as in torch's
+    scaled_dot_product_attention (see softmax_zeroing_masked_rows), rather than NaN."""
     scaled = q * math.sqrt(1.0 / float(q.shape[-1]))
     with _hooks.named_function("attention.scores"):
         scores = bmm(scaled, k.transpose(1, 2), **_keywords(how))
     if mask is not None:
         scores = scores + mask
     with _hooks.named_function("attention.softmax"):
-        weights = F.softmax(scores, dim=-1)
+        if zero_masked_rows:
+            weights = softmax_zeroing_masked_rows(scores, lambda s: F.softmax(s, dim=-1))
+        else:
+            weights = F.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     with _hooks.named_function("attention.context"):
@@ -1303,10 +1317,13 @@ def multi_head_attention_forward(
     say) gets the sum of its gradients from autograd, in torch's arithmetic.
 
     is_causal is torch's hint: attn_mask, which it requires, is the causal mask and is used as
-    given. need_weights only decides whether the weights (after dropout, averaged over heads with
-    average_attn_weights) are returned: the computation is always the explicit one (torch's
-    need_weights=False path is its fused scaled_dot_product_attention, not simulated here). With
-    the native MACs every product is torch's and the result equals torch's to rounding.
+    given. need_weights decides whether the weights (after dropout, averaged over heads with
+    average_attn_weights) are returned; the computation is always the explicit one (torch's
+    need_weights=False path is its fused scaled_dot_product_attention, not simulated here),
+    except that with need_weights=False a query whose keys are all masked gets weights 0 (its
+    context 0, its gradients zero), as that path of torch's gives it, where the explicit one
+    (need_weights=True) gives NaN. With the native MACs every product is torch's and the result
+    equals torch's to rounding.
 
     Random words: each linear draws its own seed, each bmm one seed with matrix b at offset b.
 
@@ -1350,7 +1367,10 @@ def multi_head_attention_forward(
     q = _heads(q, batch_heads, head_dim)
     src_len = k.shape[1]
     mask = _merged_mask(attn_mask, key_padding_mask, bsz, num_heads, src_len)
-    context, attention = _attention(q, k, v, mask, dropout_p if training else 0.0, how)
+    dropout_p = dropout_p if training else 0.0
+    # torch's need_weights=False path is its scaled_dot_product_attention, whose rows of scores
+    # all -inf give weights 0; its explicit path gives softmax's NaN.
+    context, attention = _attention(q, k, v, mask, dropout_p, how, not need_weights)
     context = context.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
     output = linear(context, out_proj_weight, out_proj_bias, **_keywords(out_how))
     output = output.reshape(tgt_len, bsz, output.shape[-1])

@@ -639,12 +639,10 @@ def scaled_dot_product_attention(
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask
-    # Rows no key takes part in: weights 0 (torch's, not softmax's NaN), and zero gradients (their
-    # softmax reads zeros, so that its backward multiplies no NaN).
-    masked = (scores == float("-inf")).all(dim=-1, keepdim=True)
-    scores = scores.masked_fill(masked, 0.0)
-    weights = mode.softmax("attention.softmax", torch.softmax, (scores,), {"dim": -1})
-    weights = weights.masked_fill(masked, 0.0)
+    # Rows no key takes part in: weights 0 (torch's, not softmax's NaN), and zero gradients.
+    weights = _functional.softmax_zeroing_masked_rows(
+        scores, lambda s: mode.softmax("attention.softmax", torch.softmax, (s,), {"dim": -1})
+    )
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     return merged(mode.product("attention.context", grouped(weights), value))
