@@ -610,6 +610,28 @@ def test_native_forward_with_simulated_backward():
     assert_same_bits(x.grad, lpsim.mac.matmul(grad, w.detach(), FLOAT16))
 
 
+@pytest.mark.parametrize(
+    "op, simulated, a_shape, b_shape",
+    [
+        (torch.matmul, LF.matmul, (5, 11), (11, 7)),
+        (torch.matmul, LF.matmul, (16, 5), (5, 1)),
+        (torch.matmul, LF.matmul, (2, 8, 5), (5, 1)),
+        (torch.matmul, LF.matmul, (1, 5, 11), (1, 11, 7)),
+        (torch.matmul, LF.matmul, (3, 5, 11), (3, 11, 7)),
+        (F.linear, LF.linear, (5, 11), (7, 11)),
+        (F.linear, LF.linear, (2, 8, 5), (1, 5)),
+    ],
+)
+def test_a_native_forward_mac_is_torchs_product_whatever_the_backward_macs(
+    op, simulated, a_shape, b_shape
+):
+    """The forward product under MAC() is torch's own op, bit for bit, also when only the
+    backward products are simulated (torch multiplies matrices by mm, batches by bmm)."""
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(a_shape, generator=g), torch.randn(b_shape, generator=g)
+    assert_same_bits(simulated(a, b, input_grad_mac=FLOAT16, weight_grad_mac=FLOAT16), op(a, b))
+
+
 # Double backward. (name, lpsim's op, torch's op, shapes of input, weight, bias)
 _TWICE = [
     ("linear", LF.linear, F.linear, (4, 5), (3, 5), (3,)),

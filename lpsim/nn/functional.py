@@ -341,10 +341,14 @@ def _product(a: torch.Tensor, b: torch.Tensor, mac: MAC, seed: int | None, offse
 
 
 def _batched(a: torch.Tensor, b: torch.Tensor, mac: MAC) -> torch.Tensor:
-    """a[i] @ b[i] for every matrix of the (B, M, K) and (B, K, N) batches, matrix i at offset i."""
+    """a @ b for one product of the matrices (M, K) and (K, N), at offset 0, or a[i] @ b[i] for
+    every matrix of the (B, M, K) and (B, K, N) batches, matrix i at offset i. Under the native
+    MAC, torch.matmul: mm for the matrices, as torch multiplies them, bmm for the batches."""
     if mac.native:
         return torch.matmul(*(t.to(torch.promote_types(a.dtype, b.dtype)) for t in (a, b)))
     seed = _seed(mac)
+    if a.dim() == 2:
+        return _product(a, b, mac, seed, 0)
     if a.shape[0] == 0:  # no matrices: the results' dtype from an empty product
         empty = _product(a.new_zeros((0, a.shape[2])), b.new_zeros((b.shape[1], 0)), mac, seed, 0)
         return empty.new_empty((0, a.shape[1], b.shape[2]))
@@ -354,7 +358,9 @@ def _batched(a: torch.Tensor, b: torch.Tensor, mac: MAC) -> torch.Tensor:
 class _BatchedProduct(torch.autograd.Function):
     """c[i] = a[i] @ b[i] under the forward MAC; dA[i] = g[i] b[i]^T under input_grad and
     dB[i] = a[i]^T g[i] under weight_grad, their operands formed by the Arithmetic's Operands
-    where it has them (from ``raw_a`` and ``raw_b``, the tensors a and b were quantised from)."""
+    where it has them (from ``raw_a`` and ``raw_b``, the tensors a and b were quantised from).
+    a and b are batches (B, M, K) and (B, K, N), or the matrices (M, K) and (K, N) of one product
+    (see _batched)."""
 
     @staticmethod
     def forward(ctx, a, b, raw_a, raw_b, how: Arithmetic):
@@ -376,20 +382,20 @@ class _BatchedProduct(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             ops = how.input_grad_operands
             if ops is None:
-                grad_a = _batched(grad, b.transpose(1, 2), how.input_grad)
+                grad_a = _batched(grad, b.transpose(-2, -1), how.input_grad)
             else:  # the operands with the reduction axis (N) last: E (M x N), B (K x N)
                 error = ops.operand(grad, ops.error)
                 weight = ops.operand(b if ops.other is None else raw_b, ops.other)
-                grad_a = _batched(error, weight.transpose(1, 2), how.input_grad)
+                grad_a = _batched(error, weight.transpose(-2, -1), how.input_grad)
         if ctx.needs_input_grad[1]:
             ops = how.weight_grad_operands
             if ops is None:
-                grad_b = _batched(a.transpose(1, 2), grad, how.weight_grad)
+                grad_b = _batched(a.transpose(-2, -1), grad, how.weight_grad)
             else:  # the operands with the reduction axis (M) last: A^T (K x M), E^T (N x M)
                 source = a if ops.other is None else raw_a
-                inputs = ops.operand(source.transpose(1, 2), ops.other)
-                error = ops.operand(grad.transpose(1, 2), ops.error)
-                grad_b = _batched(inputs, error.transpose(1, 2), how.weight_grad)
+                inputs = ops.operand(source.transpose(-2, -1), ops.other)
+                error = ops.operand(grad.transpose(-2, -1), ops.error)
+                grad_b = _batched(inputs, error.transpose(-2, -1), how.weight_grad)
         return grad_a, grad_b, None, None, None
 
 
@@ -552,11 +558,7 @@ def simulated_matmul(
     if b.dim() == 2:  # fold the input's leading dimensions into the rows, as torch does
         rows = math.prod(a.shape[:-1])  # (not -1: K may be 0)
         c = _BatchedProduct.apply(
-            a.reshape(1, rows, a.shape[-1]),
-            b.unsqueeze(0),
-            raw_a.reshape(1, rows, a.shape[-1]),
-            raw_b.unsqueeze(0),
-            how,
+            a.reshape(rows, a.shape[-1]), b, raw_a.reshape(rows, a.shape[-1]), raw_b, how
         )
         c = c.reshape(*a.shape[:-1], b.shape[-1])
     else:
@@ -689,12 +691,8 @@ def simulated_linear(
         w, raw_w = w.unsqueeze(0), raw_w.unsqueeze(0)
     rows = math.prod(x.shape[:-1])  # (not -1: in_features may be 0)
     y = _BatchedProduct.apply(
-        x.reshape(1, rows, x.shape[-1]),
-        w.t().unsqueeze(0),
-        raw_x.reshape(1, rows, x.shape[-1]),
-        raw_w.t().unsqueeze(0),
-        how,
-    )[0]
+        x.reshape(rows, x.shape[-1]), w.t(), raw_x.reshape(rows, x.shape[-1]), raw_w.t(), how
+    )
     y = _add_bias(y.reshape(shape), bias, how)
     return _with_grad_format(y, how)
 
