@@ -632,6 +632,26 @@ def test_a_native_forward_mac_is_torchs_product_whatever_the_backward_macs(
     assert_same_bits(simulated(a, b, input_grad_mac=FLOAT16, weight_grad_mac=FLOAT16), op(a, b))
 
 
+@pytest.mark.parametrize(
+    "op, simulated, x_shape, w_shape, geometry",
+    [
+        (F.conv2d, LF.conv2d, (2, 2, 9, 8), (3, 2, 2, 2), dict(padding=2)),
+        (F.conv2d, LF.conv2d, (2, 8, 9, 8), (8, 2, 3, 3), dict(padding=1, groups=4)),
+        (F.conv1d, LF.conv1d, (2, 2, 13), (3, 2, 2), dict(padding=2)),
+        (F.conv1d, LF.conv1d, (8, 13), (8, 2, 3), dict(stride=2, groups=4)),
+    ],
+)
+def test_a_native_forward_mac_is_torchs_convolution_whatever_the_backward_macs(
+    op, simulated, x_shape, w_shape, geometry
+):
+    """The forward convolution under MAC() is torch's own, bit for bit, also when only the
+    backward products are simulated (not the groups apart, nor the input padded apart)."""
+    g = torch.Generator().manual_seed(8)
+    x, w = torch.randn(x_shape, generator=g), torch.randn(w_shape, generator=g)
+    got = simulated(x, w, input_grad_mac=FLOAT16, weight_grad_mac=FLOAT16, **geometry)
+    assert_same_bits(got, op(x, w, **geometry))
+
+
 # Double backward. (name, lpsim's op, torch's op, shapes of input, weight, bias)
 _TWICE = [
     ("linear", LF.linear, F.linear, (4, 5), (3, 5), (3,)),

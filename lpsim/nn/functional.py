@@ -784,8 +784,6 @@ def _convolve(x, w, stride, dilation, mac: MAC, seed, offset):
     kh, kw = w.shape[2:]
     ho = _output_size(x.shape[2], 0, kh, stride[0], dilation[0])
     wo = _output_size(x.shape[3], 0, kw, stride[1], dilation[1])
-    if mac.native:
-        return F.conv2d(x, w, None, stride, 0, dilation)
     columns = _unfold(x, (kh, kw), dilation, stride, (ho, wo))  # (N, C kh kw, L)
     columns = columns.transpose(0, 1).reshape(columns.shape[1], n * ho * wo)
     y = _product(w.reshape(o, w.shape[1] * kh * kw), columns, mac, seed, offset)  # (O, N L)
@@ -897,9 +895,13 @@ class _Convolution(torch.autograd.Function):
     input_grad and weight_grad (see the module docstring for the terms and their order)."""
 
     @staticmethod
-    def forward(ctx, x, w, geometry: _Geometry, how: Arithmetic):
+    def forward(ctx, x, w, geometry: _Geometry, how: Arithmetic, torch_conv):
         ctx.save_for_backward(x, w)
         ctx.geometry, ctx.how = geometry, how
+        # Under the native MAC, torch's own convolution with the caller's arguments: the same
+        # bits (but not without input channels, where torch gives no output channels: see _conv).
+        if how.forward.native and x.shape[1] > 0:
+            return torch_conv(x, w)
         return _conv_forward(x, w, geometry, how.forward)
 
     @staticmethod
@@ -911,11 +913,13 @@ class _Convolution(torch.autograd.Function):
             grad_x = _conv_input_grad(grad, w, x.shape, geometry, how.input_grad)
         if ctx.needs_input_grad[1]:
             grad_w = _conv_weight_grad(x, grad, w.shape, geometry, how.weight_grad)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
-def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int):
+def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int, torch_conv):
     """conv1d or conv2d (``dims``) of input, batched or not, checked and computed as torch does.
+    ``torch_conv``: torch's convolution (x, w) -> result, without bias, of the 4-D operands (for
+    conv1d, 1 x L images), the forward product under the native MAC.
 
     Raises:
         ValueError: the shapes do not match torch's.
@@ -928,7 +932,7 @@ def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int):
             f"{tuple(weight.shape)}"
         )
     if input.dim() == dims + 1:  # unbatched: the batch of one it is, as torch computes it
-        return _conv(input.unsqueeze(0), weight, bias, geometry, how, dims).squeeze(0)
+        return _conv(input.unsqueeze(0), weight, bias, geometry, how, dims, torch_conv).squeeze(0)
     groups = geometry.groups
     if weight.shape[0] < groups:
         raise ValueError(
@@ -955,7 +959,7 @@ def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int):
     x, w = _quantised_operands(input, weight, how)
     if dims == 1:
         x, w = x.unsqueeze(2), w.unsqueeze(2)
-    y = _Convolution.apply(x, w, geometry, how)
+    y = _Convolution.apply(x, w, geometry, how, torch_conv)
     y = _add_bias(y, None if bias is None else bias.reshape(-1, 1, 1), how)
     if input.shape[1] == 0:  # torch's result: no output channels (the bias's gradient zero)
         y = y[:, :0]
@@ -1000,7 +1004,11 @@ def conv2d(
         return _torch_op(F.conv2d, input, weight, how, bias, stride, padding, dilation, groups)
     _check_tensors("conv2d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 2)
-    return _conv(input, weight, bias, geometry, how, 2)
+
+    def torch_conv(x, w):
+        return F.conv2d(x, w, None, stride, padding, dilation, groups)
+
+    return _conv(input, weight, bias, geometry, how, 2, torch_conv)
 
 
 def conv1d(
@@ -1035,7 +1043,12 @@ def conv1d(
         return _torch_op(F.conv1d, input, weight, how, bias, stride, padding, dilation, groups)
     _check_tensors("conv1d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 1)
-    return _conv(input, weight, bias, geometry, how, 1)
+
+    def torch_conv(x, w):  # of the 1 x L images
+        y = F.conv1d(x.squeeze(2), w.squeeze(2), None, stride, padding, dilation, groups)
+        return y.unsqueeze(2)
+
+    return _conv(input, weight, bias, geometry, how, 1, torch_conv)
 
 
 def _keywords(how: Arithmetic) -> dict:
