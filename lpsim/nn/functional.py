@@ -637,7 +637,8 @@ def linear(
     tensor that broadcasts to the result's shape without changing it: (out_features), (), (1,
     out_features), (..., 1), ... (torch's linear adds it so; its fused path for a contiguous input
     also refuses some of these, a (rows, 1) bias for a 3-D input or any bias for a 2-D input with a
-    1-D weight, which it takes for another layout of the same input).
+    1-D weight, which it takes for another layout of the same input). Where all three MACs are
+    native, the result is torch's linear itself, which takes the biases torch's takes.
 
     Raises:
         ValueError: the shapes do not match; otherwise as matmul.
