@@ -100,6 +100,12 @@ are active, a call is decided by the innermost one that selects it, once: the ca
 simulation makes (the product of its quantised operands, attention's steps) are not seen by the
 contexts further out.
 
+Activation checkpointing (torch.utils.checkpoint, reentrant or not) recomputes a forward during
+the backward pass, where no TorchFunctionMode is active, this context's included (inside its
+``with`` or not): the recomputed calls are torch's own, unquantised, and the gradients are those
+of the unquantised recomputation, not of the quantised forward. Checkpoint no function or module
+whose calls a context quantises.
+
 Not simulated: calls with ``out=`` (refused). Every other function is torch's own, unquantised,
 even where it computes the same products: einsum, addmm, addbmm, baddbmm, mv, dot, inner,
 tensordot, linalg.multi_dot; log_softmax and softmin; convolutions (through inject).
