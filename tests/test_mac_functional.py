@@ -9,6 +9,9 @@ reference (lpsim.reference.mac_dot): this checks the order of the additions."""
 
 from __future__ import annotations
 
+import itertools
+from fractions import Fraction
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -420,6 +423,80 @@ def test_conv2d_weight_gradient_sums_batch_then_position():
             for v in range(4)
         ]
         assert grad_w[o, c, i, j].item() == reference_sum(terms, FLOAT16)
+
+
+def _round_binary16(x: Fraction) -> Fraction:
+    """x rounded to nearest even onto float16's grid (an exact model, no overflow here)."""
+    if x == 0:
+        return Fraction(0)
+    exponent = -14  # float16's smallest normal exponent: subnormals share its ulp
+    while abs(x) >= Fraction(2) ** (exponent + 1):
+        exponent += 1
+    ulp = Fraction(2) ** (exponent - 10)
+    return round(x / ulp) * ulp  # Python's round of a Fraction: to nearest even
+
+
+def _sequential_binary16(terms) -> Fraction:
+    total = None
+    for t in terms:
+        total = _round_binary16(t if total is None else total + t)
+    return Fraction(0) if total is None else total
+
+
+def test_convolution_and_its_gradients_sum_as_a_fraction_model_of_the_docstring():
+    """conv2d under a float16 accumulator, with stride, padding, dilation, groups and a bias,
+    against a plain model of the module docstring in exact rational arithmetic: the forward sums
+    (input channel, kernel row, kernel column), padding zeros included, then adds the bias in one
+    more rounding; the input gradient sums (output channel, flipped kernel row, flipped kernel
+    column) of the zero-dilated, padded error, its zeros included; the weight and bias gradients
+    sum (batch, output position)."""
+    n, c, h, w, o, groups, kh, kw = 2, 4, 5, 6, 4, 2, 3, 2
+    (sh, sw), (ph, pw), (dh, dw) = (2, 1), (1, 2), (1, 2)
+    x = spread(n, c, h, w, seed=70).requires_grad_()
+    k = spread(o, c // groups, kh, kw, seed=71).requires_grad_()
+    b = spread(o, seed=72).requires_grad_()
+    y = LF.conv2d(x, k, b, (sh, sw), (ph, pw), (dh, dw), groups, mac=FLOAT16)
+    grad = spread(*y.shape, seed=73)
+    y.backward(grad)
+    fr = lambda t: Fraction(t.item())  # noqa: E731
+    xp, kd, bd = F.pad(x.detach(), (pw, pw, ph, ph)), k.detach(), b.detach()
+    cg, og = c // groups, o // groups
+    ho, wo = y.shape[2:]
+    for i, j, r, q in itertools.product(range(n), range(o), range(ho), range(wo)):
+        g = j // og
+        terms = [
+            fr(kd[j, ci, u, v]) * fr(xp[i, g * cg + ci, r * sh + u * dh, q * sw + v * dw])
+            for ci in range(cg)
+            for u in range(kh)
+            for v in range(kw)
+        ]
+        want = _round_binary16(_sequential_binary16(terms) + fr(bd[j]))
+        assert fr(y[i, j, r, q]) == want, (i, j, r, q)
+    for i, ch, r, q in itertools.product(range(n), range(c), range(h), range(w)):
+        g, ci = ch // cg, ch % cg
+        terms = []
+        for j, u, v in itertools.product(range(g * og, (g + 1) * og), range(kh), range(kw)):
+            row, col = r + ph - (kh - 1 - u) * dh, q + pw - (kw - 1 - v) * dw
+            hit = row % sh == 0 and col % sw == 0 and 0 <= row // sh < ho and 0 <= col // sw < wo
+            if hit:
+                terms.append(
+                    fr(kd[j, ci, kh - 1 - u, kw - 1 - v]) * fr(grad[i, j, row // sh, col // sw])
+                )
+            else:
+                terms.append(Fraction(0))
+        assert fr(x.grad[i, ch, r, q]) == _sequential_binary16(terms), (i, ch, r, q)
+    for j, ci, u, v in itertools.product(range(o), range(cg), range(kh), range(kw)):
+        g = j // og
+        terms = [
+            fr(grad[i, j, r, q]) * fr(xp[i, g * cg + ci, r * sh + u * dh, q * sw + v * dw])
+            for i in range(n)
+            for r in range(ho)
+            for q in range(wo)
+        ]
+        assert fr(k.grad[j, ci, u, v]) == _sequential_binary16(terms), (j, ci, u, v)
+    for j in range(o):
+        terms = [fr(grad[i, j, r, q]) for i in range(n) for r in range(ho) for q in range(wo)]
+        assert fr(b.grad[j]) == _sequential_binary16(terms), j
 
 
 def test_linear_folds_leading_dimensions_into_the_weight_gradient_sum():
