@@ -640,6 +640,24 @@ def test_formats_under_native_macs_are_torchs_op_of_the_quantised_operands(case,
             assert_same_bits(got.grad, expected.grad, f"gradient of {name}")
 
 
+@pytest.mark.parametrize("mac", [MAC(), EXACT], ids=["native", "exact"])
+@pytest.mark.parametrize(
+    "op, simulated, x_shape, w_shape",
+    [(F.conv2d, LF.conv2d, (4, 4, 4), (2, 4, 1, 1)), (F.conv1d, LF.conv1d, (4, 4), (2, 4, 1))],
+)
+def test_an_unbatched_convolution_input_is_quantised_as_the_batch_of_one_under_any_mac(
+    mac, op, simulated, x_shape, w_shape
+):
+    """An unbatched input's format sees it as the batch of one it is computed as, (1, C, ...):
+    axis=1 runs along the channels, under the native MAC as under a simulated one."""
+    scale = torch.tensor([1.0, 8.0, 64.0, 512.0])[: x_shape[-1]]
+    x = ints(*x_shape, seed=74, low=-8, high=9) * scale
+    w = ints(*w_shape, seed=75)
+    fmt = lpsim.Scaled(Float(2, 1), block=4, axis=1)
+    want = op(lpsim.quantize(x.unsqueeze(0), fmt), w)[0]
+    assert_same_bits(simulated(x, w, mac=mac, input_format=fmt), want)
+
+
 def test_stochastic_products_are_reproducible_under_manual_seed():
     x, w = spread(4, 40, seed=39), spread(3, 40, seed=40)
     torch.manual_seed(5)

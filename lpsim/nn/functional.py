@@ -969,6 +969,15 @@ def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int, 
     return _with_grad_format(y, how)
 
 
+def _torch_convolution(op, input, weight, bias, how: Arithmetic, *geometry):
+    """op (F.conv1d or F.conv2d) of the quantised operands (_torch_op), an unbatched input
+    quantised, and its error, as the batch of one it is, as under a simulated MAC (_conv)."""
+    if isinstance(input, torch.Tensor) and input.dim() == weight.dim() - 1:
+        y = _torch_convolution(op, input.unsqueeze(0), weight, bias, how, *geometry)
+        return y.squeeze(0)
+    return _torch_op(op, input, weight, how, bias, *geometry)
+
+
 def conv2d(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -1002,7 +1011,9 @@ def conv2d(
         mac, input_grad_mac, weight_grad_mac, input_format, weight_format, grad_format, rounding
     )
     if how.native_products:
-        return _torch_op(F.conv2d, input, weight, how, bias, stride, padding, dilation, groups)
+        return _torch_convolution(
+            F.conv2d, input, weight, bias, how, stride, padding, dilation, groups
+        )
     _check_tensors("conv2d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 2)
 
@@ -1041,7 +1052,9 @@ def conv1d(
         mac, input_grad_mac, weight_grad_mac, input_format, weight_format, grad_format, rounding
     )
     if how.native_products:
-        return _torch_op(F.conv1d, input, weight, how, bias, stride, padding, dilation, groups)
+        return _torch_convolution(
+            F.conv1d, input, weight, bias, how, stride, padding, dilation, groups
+        )
     _check_tensors("conv1d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 1)
 
