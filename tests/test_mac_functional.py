@@ -645,17 +645,25 @@ def test_formats_under_native_macs_are_torchs_op_of_the_quantised_operands(case,
     "op, simulated, x_shape, w_shape",
     [(F.conv2d, LF.conv2d, (4, 4, 4), (2, 4, 1, 1)), (F.conv1d, LF.conv1d, (4, 4), (2, 4, 1))],
 )
-def test_an_unbatched_convolution_input_is_quantised_as_the_batch_of_one_under_any_mac(
+def test_an_unbatched_convolution_input_is_quantised_as_given_under_any_mac(
     mac, op, simulated, x_shape, w_shape
 ):
-    """An unbatched input's format sees it as the batch of one it is computed as, (1, C, ...):
-    axis=1 runs along the channels, under the native MAC as under a simulated one."""
+    """An unbatched input's format quantises the tensor passed, (C, ...), as inject's input
+    format does: axis=1 runs along its second axis under the native MAC as under a simulated
+    one; so does the error's format (the result's gradient, unbatched)."""
     scale = torch.tensor([1.0, 8.0, 64.0, 512.0])[: x_shape[-1]]
-    x = ints(*x_shape, seed=74, low=-8, high=9) * scale
+    x = (ints(*x_shape, seed=74, low=-8, high=9) * scale).requires_grad_()
     w = ints(*w_shape, seed=75)
     fmt = lpsim.Scaled(Float(2, 1), block=4, axis=1)
-    want = op(lpsim.quantize(x.unsqueeze(0), fmt), w)[0]
-    assert_same_bits(simulated(x, w, mac=mac, input_format=fmt), want)
+    xq = lpsim.quantize(x.detach(), fmt).requires_grad_()
+    want = op(xq, w)
+    got = simulated(x, w, mac=mac, input_format=fmt, grad_format=fmt)
+    assert_same_bits(got.detach(), want.detach())
+    grad = ints(*want.shape, seed=76, low=-8, high=9) * scale[: want.shape[-1]]
+    got.backward(grad)
+    want.backward(lpsim.quantize(grad, fmt))
+    # (+0: a MAC's sum of zeros that starts with -0 is -0, BLAS's +0)
+    assert_same_bits(x.grad + 0.0, xq.grad + 0.0)
 
 
 def test_stochastic_products_are_reproducible_under_manual_seed():

@@ -918,7 +918,9 @@ class _Convolution(torch.autograd.Function):
 
 
 def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int, torch_conv):
-    """conv1d or conv2d (``dims``) of input, batched or not, checked and computed as torch does.
+    """conv1d or conv2d (``dims``) of input, batched or not, checked and computed as torch does:
+    an unbatched input as the batch of one it is, its operands and error quantised as given (as
+    under the native MACs, where the function is torch's op of the quantised operands).
     ``torch_conv``: torch's convolution (x, w) -> result, without bias, of the 4-D operands (for
     conv1d, 1 x L images), the forward product under the native MAC.
 
@@ -932,8 +934,29 @@ def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int, 
             f"(O, C / groups, {'k' if dims == 1 else 'kh, kw'}), got {tuple(input.shape)} and "
             f"{tuple(weight.shape)}"
         )
-    if input.dim() == dims + 1:  # unbatched: the batch of one it is, as torch computes it
-        return _conv(input.unsqueeze(0), weight, bias, geometry, how, dims, torch_conv).squeeze(0)
+    unbatched = input.dim() == dims + 1
+    _check_conv_shapes(input.unsqueeze(0) if unbatched else input, weight, bias, geometry, dims)
+    x, w = _quantised_operands(input, weight, how)
+    if unbatched:
+        x = x.unsqueeze(0)
+    channels = x.shape[1]
+    if dims == 1:
+        x, w = x.unsqueeze(2), w.unsqueeze(2)
+    y = _Convolution.apply(x, w, geometry, how, torch_conv)
+    y = _add_bias(y, None if bias is None else bias.reshape(-1, 1, 1), how)
+    if channels == 0:  # torch's result: no output channels (the bias's gradient zero)
+        y = y[:, :0]
+    if dims == 1:
+        y = y.squeeze(2)
+    return _with_grad_format(y.squeeze(0) if unbatched else y, how)
+
+
+def _check_conv_shapes(input, weight, bias, geometry: _Geometry, dims: int) -> None:
+    """The shapes of a batched convolution's operands, as torch checks them.
+
+    Raises:
+        ValueError: they do not match (see conv2d).
+    """
     groups = geometry.groups
     if weight.shape[0] < groups:
         raise ValueError(
@@ -957,25 +980,6 @@ def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int, 
             f"conv{dims}d: the padded input's size {padded_size} is smaller than the dilated "
             f"kernel's {reach}"
         )
-    x, w = _quantised_operands(input, weight, how)
-    if dims == 1:
-        x, w = x.unsqueeze(2), w.unsqueeze(2)
-    y = _Convolution.apply(x, w, geometry, how, torch_conv)
-    y = _add_bias(y, None if bias is None else bias.reshape(-1, 1, 1), how)
-    if input.shape[1] == 0:  # torch's result: no output channels (the bias's gradient zero)
-        y = y[:, :0]
-    if dims == 1:
-        y = y.squeeze(2)
-    return _with_grad_format(y, how)
-
-
-def _torch_convolution(op, input, weight, bias, how: Arithmetic, *geometry):
-    """op (F.conv1d or F.conv2d) of the quantised operands (_torch_op), an unbatched input
-    quantised, and its error, as the batch of one it is, as under a simulated MAC (_conv)."""
-    if isinstance(input, torch.Tensor) and input.dim() == weight.dim() - 1:
-        y = _torch_convolution(op, input.unsqueeze(0), weight, bias, how, *geometry)
-        return y.squeeze(0)
-    return _torch_op(op, input, weight, how, bias, *geometry)
 
 
 def conv2d(
@@ -999,7 +1003,9 @@ def conv2d(
     weight (O, C / groups, kh, kw), O >= groups; stride, padding and dilation each an int or a
     tuple of one (for both dimensions) or two ints, padding also "valid" or "same" (stride 1),
     zeros. Without input channels (C = 0) the result has no channels either, (N, 0, Ho, Wo), as
-    torch's conv2d gives it (the bias's gradient is then zero).
+    torch's conv2d gives it (the bias's gradient is then zero). An unbatched input is computed as
+    the batch of one it is; input_format quantises it, and grad_format the error of the unbatched
+    result, as given (an axis counts from the tensor passed, as in inject's input format).
 
     Raises:
         TypeError: stride, padding or dilation is not an int or a tuple of one or two ints, or
@@ -1011,9 +1017,7 @@ def conv2d(
         mac, input_grad_mac, weight_grad_mac, input_format, weight_format, grad_format, rounding
     )
     if how.native_products:
-        return _torch_convolution(
-            F.conv2d, input, weight, bias, how, stride, padding, dilation, groups
-        )
+        return _torch_op(F.conv2d, input, weight, how, bias, stride, padding, dilation, groups)
     _check_tensors("conv2d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 2)
 
@@ -1052,9 +1056,7 @@ def conv1d(
         mac, input_grad_mac, weight_grad_mac, input_format, weight_format, grad_format, rounding
     )
     if how.native_products:
-        return _torch_convolution(
-            F.conv1d, input, weight, bias, how, stride, padding, dilation, groups
-        )
+        return _torch_op(F.conv1d, input, weight, how, bias, stride, padding, dilation, groups)
     _check_tensors("conv1d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 1)
 
