@@ -77,6 +77,10 @@ CASES = [
     {"dropout": 0.3},
     {"dropout": 0.3, "need_weights": False, "batch_first": True, "key_padding_mask": "bool"},
     {"dropout": 0.3, "eval": True},
+    # A query no key takes part in: torch's need_weights=False path (scaled_dot_product_attention)
+    # gives it weights 0 and zero gradients.
+    {"need_weights": False, "key_padding_mask": "bool, a sequence all padding"},
+    {"need_weights": False, "attn_mask": "2-D bool, a row all masked", "inputs": "cross"},
 ]
 
 
@@ -134,6 +138,9 @@ def make_inputs(case: dict) -> tuple[list[torch.Tensor], dict]:
         if padding == "bool":
             mask = torch.zeros(n, src, dtype=torch.bool)
             mask[0, -2:] = True  # the first sequence's last two positions are padding
+        elif padding == "bool, a sequence all padding":
+            mask = torch.zeros(n, src, dtype=torch.bool)
+            mask[0] = True
         else:
             mask = torch.randn(n, src, generator=g, dtype=torch.float64)
         keywords["key_padding_mask"] = mask.reshape(shape)
@@ -144,9 +151,11 @@ def make_inputs(case: dict) -> tuple[list[torch.Tensor], dict]:
         )
     elif attention is not None:
         shape = (tgt, src) if attention.startswith("2-D") else (n * HEADS, tgt, src)
-        if attention.endswith("bool"):
+        if "bool" in attention:
             mask = torch.rand(shape, generator=g) > 0.6
             mask[..., 0] = False  # no row masked entirely
+            if attention.endswith("all masked"):
+                mask[..., 1, :] = True
         else:
             mask = torch.randn(shape, generator=g, dtype=torch.float64)
         keywords["attn_mask"] = mask

@@ -9,6 +9,9 @@ reference (lpsim.reference.mac_dot): this checks the order of the additions."""
 
 from __future__ import annotations
 
+import itertools
+from fractions import Fraction
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -422,6 +425,80 @@ def test_conv2d_weight_gradient_sums_batch_then_position():
         assert grad_w[o, c, i, j].item() == reference_sum(terms, FLOAT16)
 
 
+def _round_binary16(x: Fraction) -> Fraction:
+    """x rounded to nearest even onto float16's grid (an exact model, no overflow here)."""
+    if x == 0:
+        return Fraction(0)
+    exponent = -14  # float16's smallest normal exponent: subnormals share its ulp
+    while abs(x) >= Fraction(2) ** (exponent + 1):
+        exponent += 1
+    ulp = Fraction(2) ** (exponent - 10)
+    return round(x / ulp) * ulp  # Python's round of a Fraction: to nearest even
+
+
+def _sequential_binary16(terms) -> Fraction:
+    total = None
+    for t in terms:
+        total = _round_binary16(t if total is None else total + t)
+    return Fraction(0) if total is None else total
+
+
+def test_convolution_and_its_gradients_sum_as_a_fraction_model_of_the_docstring():
+    """conv2d under a float16 accumulator, with stride, padding, dilation, groups and a bias,
+    against a plain model of the module docstring in exact rational arithmetic: the forward sums
+    (input channel, kernel row, kernel column), padding zeros included, then adds the bias in one
+    more rounding; the input gradient sums (output channel, flipped kernel row, flipped kernel
+    column) of the zero-dilated, padded error, its zeros included; the weight and bias gradients
+    sum (batch, output position)."""
+    n, c, h, w, o, groups, kh, kw = 2, 4, 5, 6, 4, 2, 3, 2
+    (sh, sw), (ph, pw), (dh, dw) = (2, 1), (1, 2), (1, 2)
+    x = spread(n, c, h, w, seed=70).requires_grad_()
+    k = spread(o, c // groups, kh, kw, seed=71).requires_grad_()
+    b = spread(o, seed=72).requires_grad_()
+    y = LF.conv2d(x, k, b, (sh, sw), (ph, pw), (dh, dw), groups, mac=FLOAT16)
+    grad = spread(*y.shape, seed=73)
+    y.backward(grad)
+    fr = lambda t: Fraction(t.item())  # noqa: E731
+    xp, kd, bd = F.pad(x.detach(), (pw, pw, ph, ph)), k.detach(), b.detach()
+    cg, og = c // groups, o // groups
+    ho, wo = y.shape[2:]
+    for i, j, r, q in itertools.product(range(n), range(o), range(ho), range(wo)):
+        g = j // og
+        terms = [
+            fr(kd[j, ci, u, v]) * fr(xp[i, g * cg + ci, r * sh + u * dh, q * sw + v * dw])
+            for ci in range(cg)
+            for u in range(kh)
+            for v in range(kw)
+        ]
+        want = _round_binary16(_sequential_binary16(terms) + fr(bd[j]))
+        assert fr(y[i, j, r, q]) == want, (i, j, r, q)
+    for i, ch, r, q in itertools.product(range(n), range(c), range(h), range(w)):
+        g, ci = ch // cg, ch % cg
+        terms = []
+        for j, u, v in itertools.product(range(g * og, (g + 1) * og), range(kh), range(kw)):
+            row, col = r + ph - (kh - 1 - u) * dh, q + pw - (kw - 1 - v) * dw
+            hit = row % sh == 0 and col % sw == 0 and 0 <= row // sh < ho and 0 <= col // sw < wo
+            if hit:
+                terms.append(
+                    fr(kd[j, ci, kh - 1 - u, kw - 1 - v]) * fr(grad[i, j, row // sh, col // sw])
+                )
+            else:
+                terms.append(Fraction(0))
+        assert fr(x.grad[i, ch, r, q]) == _sequential_binary16(terms), (i, ch, r, q)
+    for j, ci, u, v in itertools.product(range(o), range(cg), range(kh), range(kw)):
+        g = j // og
+        terms = [
+            fr(grad[i, j, r, q]) * fr(xp[i, g * cg + ci, r * sh + u * dh, q * sw + v * dw])
+            for i in range(n)
+            for r in range(ho)
+            for q in range(wo)
+        ]
+        assert fr(k.grad[j, ci, u, v]) == _sequential_binary16(terms), (j, ci, u, v)
+    for j in range(o):
+        terms = [fr(grad[i, j, r, q]) for i in range(n) for r in range(ho) for q in range(wo)]
+        assert fr(b.grad[j]) == _sequential_binary16(terms), j
+
+
 def test_linear_folds_leading_dimensions_into_the_weight_gradient_sum():
     x, w = spread(2, 3, 8, seed=28), spread(4, 8, seed=29)
     grad = spread(2, 3, 4, seed=30)
@@ -507,6 +584,88 @@ def test_grad_format_rounds_the_error_before_both_backward_products():
     assert_same_bits(w.grad, lpsim.mac.matmul(gq.t(), x.detach(), EXACT))
 
 
+# (name, lpsim's op, torch's op, shapes of input, weight and bias)
+_TORCH_OPS = [
+    ("linear", LF.linear, F.linear, (2, 3, 40), (5, 40), (5,)),
+    (
+        "matmul",
+        lambda x, w, b, **k: LF.matmul(x, w, **k),
+        lambda x, w, b: x @ w,
+        (6, 40),
+        (40, 5),
+        None,
+    ),
+    ("conv2d", LF.conv2d, F.conv2d, (2, 6, 5, 5), (4, 6, 3, 3), (4,)),
+    ("conv1d", LF.conv1d, F.conv1d, (2, 6, 9), (4, 6, 3), (4,)),
+]
+_NATIVE_FORMATS = [
+    dict(input_format=Float(4, 3)),
+    dict(weight_format=(Float(5, 2), "toward_zero")),
+    dict(grad_format=Float(5, 2)),
+    dict(
+        input_format=Float(4, 3), weight_format=Float(4, 3), grad_format=Float(5, 2), rounding="up"
+    ),
+]
+
+
+@pytest.mark.parametrize("formats", _NATIVE_FORMATS, ids=lambda f: "-".join(sorted(f)))
+@pytest.mark.parametrize("case", _TORCH_OPS, ids=lambda c: c[0])
+def test_formats_under_native_macs_are_torchs_op_of_the_quantised_operands(case, formats):
+    """With the native MACs the result is torch's op of the quantised operands, and the
+    gradients torch's of the quantised error (straight through the operands' quantisation):
+    a grad_format alone leaves the forward torch's, bit for bit."""
+    _, simulated, torch_op, x_shape, w_shape, b_shape = case
+    rule = formats.get("rounding", "nearest")
+
+    def quantised(t, field):
+        spec = formats.get(field)
+        fmt, rounding = spec if isinstance(spec, tuple) else (spec, rule)
+        return t if fmt is None else lpsim.quantize(t, fmt, rounding)
+
+    torch.manual_seed(0)
+    x, w = torch.randn(x_shape), torch.randn(w_shape)
+    b = None if b_shape is None else torch.randn(b_shape)
+    leaves = [t if t is None else t.clone().requires_grad_() for t in (x, w, b)]
+    y = simulated(*leaves, **formats)
+    xq = quantised(x, "input_format").requires_grad_()
+    wq = quantised(w, "weight_format").requires_grad_()
+    bq = None if b is None else b.clone().requires_grad_()
+    want = torch_op(xq, wq, bq)
+    assert_same_bits(y.detach(), want.detach(), "result")
+    grad = torch.randn(want.shape)
+    y.backward(grad)
+    want.backward(quantised(grad, "grad_format"))
+    for name, got, expected in zip("xwb", leaves, (xq, wq, bq)):
+        if got is not None:
+            assert_same_bits(got.grad, expected.grad, f"gradient of {name}")
+
+
+@pytest.mark.parametrize("mac", [MAC(), EXACT], ids=["native", "exact"])
+@pytest.mark.parametrize(
+    "op, simulated, x_shape, w_shape",
+    [(F.conv2d, LF.conv2d, (4, 4, 4), (2, 4, 1, 1)), (F.conv1d, LF.conv1d, (4, 4), (2, 4, 1))],
+)
+def test_an_unbatched_convolution_input_is_quantised_as_given_under_any_mac(
+    mac, op, simulated, x_shape, w_shape
+):
+    """An unbatched input's format quantises the tensor passed, (C, ...), as inject's input
+    format does: axis=1 runs along its second axis under the native MAC as under a simulated
+    one; so does the error's format (the result's gradient, unbatched)."""
+    scale = torch.tensor([1.0, 8.0, 64.0, 512.0])[: x_shape[-1]]
+    x = (ints(*x_shape, seed=74, low=-8, high=9) * scale).requires_grad_()
+    w = ints(*w_shape, seed=75)
+    fmt = lpsim.Scaled(Float(2, 1), block=4, axis=1)
+    xq = lpsim.quantize(x.detach(), fmt).requires_grad_()
+    want = op(xq, w)
+    got = simulated(x, w, mac=mac, input_format=fmt, grad_format=fmt)
+    assert_same_bits(got.detach(), want.detach())
+    grad = ints(*want.shape, seed=76, low=-8, high=9) * scale[: want.shape[-1]]
+    got.backward(grad)
+    want.backward(lpsim.quantize(grad, fmt))
+    # (+0: a MAC's sum of zeros that starts with -0 is -0, BLAS's +0)
+    assert_same_bits(x.grad + 0.0, xq.grad + 0.0)
+
+
 def test_stochastic_products_are_reproducible_under_manual_seed():
     x, w = spread(4, 40, seed=39), spread(3, 40, seed=40)
     torch.manual_seed(5)
@@ -552,6 +711,48 @@ def test_native_forward_with_simulated_backward():
     grad = spread(3, 2, seed=45)
     y.backward(grad)
     assert_same_bits(x.grad, lpsim.mac.matmul(grad, w.detach(), FLOAT16))
+
+
+@pytest.mark.parametrize(
+    "op, simulated, a_shape, b_shape",
+    [
+        (torch.matmul, LF.matmul, (5, 11), (11, 7)),
+        (torch.matmul, LF.matmul, (16, 5), (5, 1)),
+        (torch.matmul, LF.matmul, (2, 8, 5), (5, 1)),
+        (torch.matmul, LF.matmul, (1, 5, 11), (1, 11, 7)),
+        (torch.matmul, LF.matmul, (3, 5, 11), (3, 11, 7)),
+        (F.linear, LF.linear, (5, 11), (7, 11)),
+        (F.linear, LF.linear, (2, 8, 5), (1, 5)),
+    ],
+)
+def test_a_native_forward_mac_is_torchs_product_whatever_the_backward_macs(
+    op, simulated, a_shape, b_shape
+):
+    """The forward product under MAC() is torch's own op, bit for bit, also when only the
+    backward products are simulated (torch multiplies matrices by mm, batches by bmm)."""
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(a_shape, generator=g), torch.randn(b_shape, generator=g)
+    assert_same_bits(simulated(a, b, input_grad_mac=FLOAT16, weight_grad_mac=FLOAT16), op(a, b))
+
+
+@pytest.mark.parametrize(
+    "op, simulated, x_shape, w_shape, geometry",
+    [
+        (F.conv2d, LF.conv2d, (2, 2, 9, 8), (3, 2, 2, 2), dict(padding=2)),
+        (F.conv2d, LF.conv2d, (2, 8, 9, 8), (8, 2, 3, 3), dict(padding=1, groups=4)),
+        (F.conv1d, LF.conv1d, (2, 2, 13), (3, 2, 2), dict(padding=2)),
+        (F.conv1d, LF.conv1d, (8, 13), (8, 2, 3), dict(stride=2, groups=4)),
+    ],
+)
+def test_a_native_forward_mac_is_torchs_convolution_whatever_the_backward_macs(
+    op, simulated, x_shape, w_shape, geometry
+):
+    """The forward convolution under MAC() is torch's own, bit for bit, also when only the
+    backward products are simulated (not the groups apart, nor the input padded apart)."""
+    g = torch.Generator().manual_seed(8)
+    x, w = torch.randn(x_shape, generator=g), torch.randn(w_shape, generator=g)
+    got = simulated(x, w, input_grad_mac=FLOAT16, weight_grad_mac=FLOAT16, **geometry)
+    assert_same_bits(got, op(x, w, **geometry))
 
 
 # Double backward. (name, lpsim's op, torch's op, shapes of input, weight, bias)

@@ -66,9 +66,12 @@ else float32 when the accumulator fits that, else float64. An accumulator wider 
 (Float(11, 52), say, or a Fixed without clamp) gives float64 results, whose gradients no
 simulated backward product takes (float64 products would not be exact: TypeError); such a product
 needs native backward MACs (``input_grad_mac=weight_grad_mac=MAC()``), whose float64 gradients
-autograd casts to the operands' dtype. Without any non-native MAC and format the functions are
-torch's own, except ``multi_head_attention_forward``, which always computes torch's explicit path
-(its need_weights=True one) product by product: torch's result to rounding.
+autograd casts to the operands' dtype. Where all three MACs are native (and no Operands are
+given) the functions are torch's own ops (torch.matmul, F.linear, F.conv1d, F.conv2d) applied to
+the operands as the formats quantise them, their gradients torch's of the error as grad_format
+quantises it: without formats, torch's op itself. ``multi_head_attention_forward`` is the
+exception: it always computes torch's explicit path (its need_weights=True one) product by
+product: torch's result to rounding.
 
 Double backward (``create_graph=True``, then a second differentiation): a product under a
 non-native MAC has no derivative, so differentiating a gradient that a simulated backward product
@@ -240,17 +243,26 @@ class Arithmetic(NamedTuple):
     weight_grad_operands: OperandSpecs | None = None
 
     @property
-    def native(self) -> bool:
-        """Whether every product is torch's own and no operand is quantised."""
+    def native_products(self) -> bool:
+        """Whether every product, forward and backward, is torch's own (its operands, quantised
+        or not, are the forward's): the function is then torch's own op on the quantised
+        operands, its gradients torch's of the quantised error."""
         return (
             self.forward.native
             and self.input_grad.native
             and self.weight_grad.native
+            and self.input_grad_operands is None
+            and self.weight_grad_operands is None
+        )
+
+    @property
+    def native(self) -> bool:
+        """Whether every product is torch's own and no operand is quantised."""
+        return (
+            self.native_products
             and self.input_spec is None
             and self.weight_spec is None
             and self.grad_spec is None
-            and self.input_grad_operands is None
-            and self.weight_grad_operands is None
         )
 
 
@@ -329,10 +341,14 @@ def _product(a: torch.Tensor, b: torch.Tensor, mac: MAC, seed: int | None, offse
 
 
 def _batched(a: torch.Tensor, b: torch.Tensor, mac: MAC) -> torch.Tensor:
-    """a[i] @ b[i] for every matrix of the (B, M, K) and (B, K, N) batches, matrix i at offset i."""
+    """a @ b for one product of the matrices (M, K) and (K, N), at offset 0, or a[i] @ b[i] for
+    every matrix of the (B, M, K) and (B, K, N) batches, matrix i at offset i. Under the native
+    MAC, torch.matmul: mm for the matrices, as torch multiplies them, bmm for the batches."""
     if mac.native:
         return torch.matmul(*(t.to(torch.promote_types(a.dtype, b.dtype)) for t in (a, b)))
     seed = _seed(mac)
+    if a.dim() == 2:
+        return _product(a, b, mac, seed, 0)
     if a.shape[0] == 0:  # no matrices: the results' dtype from an empty product
         empty = _product(a.new_zeros((0, a.shape[2])), b.new_zeros((b.shape[1], 0)), mac, seed, 0)
         return empty.new_empty((0, a.shape[1], b.shape[2]))
@@ -342,7 +358,9 @@ def _batched(a: torch.Tensor, b: torch.Tensor, mac: MAC) -> torch.Tensor:
 class _BatchedProduct(torch.autograd.Function):
     """c[i] = a[i] @ b[i] under the forward MAC; dA[i] = g[i] b[i]^T under input_grad and
     dB[i] = a[i]^T g[i] under weight_grad, their operands formed by the Arithmetic's Operands
-    where it has them (from ``raw_a`` and ``raw_b``, the tensors a and b were quantised from)."""
+    where it has them (from ``raw_a`` and ``raw_b``, the tensors a and b were quantised from).
+    a and b are batches (B, M, K) and (B, K, N), or the matrices (M, K) and (K, N) of one product
+    (see _batched)."""
 
     @staticmethod
     def forward(ctx, a, b, raw_a, raw_b, how: Arithmetic):
@@ -364,20 +382,20 @@ class _BatchedProduct(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             ops = how.input_grad_operands
             if ops is None:
-                grad_a = _batched(grad, b.transpose(1, 2), how.input_grad)
+                grad_a = _batched(grad, b.transpose(-2, -1), how.input_grad)
             else:  # the operands with the reduction axis (N) last: E (M x N), B (K x N)
                 error = ops.operand(grad, ops.error)
                 weight = ops.operand(b if ops.other is None else raw_b, ops.other)
-                grad_a = _batched(error, weight.transpose(1, 2), how.input_grad)
+                grad_a = _batched(error, weight.transpose(-2, -1), how.input_grad)
         if ctx.needs_input_grad[1]:
             ops = how.weight_grad_operands
             if ops is None:
-                grad_b = _batched(a.transpose(1, 2), grad, how.weight_grad)
+                grad_b = _batched(a.transpose(-2, -1), grad, how.weight_grad)
             else:  # the operands with the reduction axis (M) last: A^T (K x M), E^T (N x M)
                 source = a if ops.other is None else raw_a
-                inputs = ops.operand(source.transpose(1, 2), ops.other)
-                error = ops.operand(grad.transpose(1, 2), ops.error)
-                grad_b = _batched(inputs, error.transpose(1, 2), how.weight_grad)
+                inputs = ops.operand(source.transpose(-2, -1), ops.other)
+                error = ops.operand(grad.transpose(-2, -1), ops.error)
+                grad_b = _batched(inputs, error.transpose(-2, -1), how.weight_grad)
         return grad_a, grad_b, None, None, None
 
 
@@ -412,6 +430,14 @@ def _with_grad_format(y: torch.Tensor, how: Arithmetic) -> torch.Tensor:
     if how.grad_spec is None:
         return y
     return quantizing_function(None, how.grad_spec)(y)
+
+
+def _torch_op(op, input: torch.Tensor, weight: torch.Tensor, how: Arithmetic, *args):
+    """op(input, weight, *args), torch's own, of the operands quantised by how's formats, its
+    error quantised by grad_spec: a function whose products are all native (see
+    Arithmetic.native_products)."""
+    x, w = _quantised_operands(input, weight, how)
+    return _with_grad_format(op(x, w, *args), how)
 
 
 class _AddBias(torch.autograd.Function):
@@ -495,8 +521,8 @@ def matmul(
         input_grad_operands=input_grad_operands,
         weight_grad_operands=weight_grad_operands,
     )
-    if how.native:
-        return torch.matmul(input, other)
+    if how.native_products:
+        return _torch_op(torch.matmul, input, other, how)
     a, b = _quantised_operands(input, other, how)
     return simulated_matmul(a, b, how, (input, other))
 
@@ -532,11 +558,7 @@ def simulated_matmul(
     if b.dim() == 2:  # fold the input's leading dimensions into the rows, as torch does
         rows = math.prod(a.shape[:-1])  # (not -1: K may be 0)
         c = _BatchedProduct.apply(
-            a.reshape(1, rows, a.shape[-1]),
-            b.unsqueeze(0),
-            raw_a.reshape(1, rows, a.shape[-1]),
-            raw_b.unsqueeze(0),
-            how,
+            a.reshape(rows, a.shape[-1]), b, raw_a.reshape(rows, a.shape[-1]), raw_b, how
         )
         c = c.reshape(*a.shape[:-1], b.shape[-1])
     else:
@@ -615,7 +637,8 @@ def linear(
     tensor that broadcasts to the result's shape without changing it: (out_features), (), (1,
     out_features), (..., 1), ... (torch's linear adds it so; its fused path for a contiguous input
     also refuses some of these, a (rows, 1) bias for a 3-D input or any bias for a 2-D input with a
-    1-D weight, which it takes for another layout of the same input).
+    1-D weight, which it takes for another layout of the same input). Where all three MACs are
+    native, the result is torch's linear itself, which takes the biases torch's takes.
 
     Raises:
         ValueError: the shapes do not match; otherwise as matmul.
@@ -631,8 +654,8 @@ def linear(
         input_grad_operands=input_grad_operands,
         weight_grad_operands=weight_grad_operands,
     )
-    if how.native:
-        return F.linear(input, weight, bias)
+    if how.native_products:
+        return _torch_op(F.linear, input, weight, how, bias)
     x, w = _quantised_operands(input, weight, how)
     return simulated_linear(x, w, bias, how, (input, weight))
 
@@ -669,12 +692,8 @@ def simulated_linear(
         w, raw_w = w.unsqueeze(0), raw_w.unsqueeze(0)
     rows = math.prod(x.shape[:-1])  # (not -1: in_features may be 0)
     y = _BatchedProduct.apply(
-        x.reshape(1, rows, x.shape[-1]),
-        w.t().unsqueeze(0),
-        raw_x.reshape(1, rows, x.shape[-1]),
-        raw_w.t().unsqueeze(0),
-        how,
-    )[0]
+        x.reshape(rows, x.shape[-1]), w.t(), raw_x.reshape(rows, x.shape[-1]), raw_w.t(), how
+    )
     y = _add_bias(y.reshape(shape), bias, how)
     return _with_grad_format(y, how)
 
@@ -766,8 +785,6 @@ def _convolve(x, w, stride, dilation, mac: MAC, seed, offset):
     kh, kw = w.shape[2:]
     ho = _output_size(x.shape[2], 0, kh, stride[0], dilation[0])
     wo = _output_size(x.shape[3], 0, kw, stride[1], dilation[1])
-    if mac.native:
-        return F.conv2d(x, w, None, stride, 0, dilation)
     columns = _unfold(x, (kh, kw), dilation, stride, (ho, wo))  # (N, C kh kw, L)
     columns = columns.transpose(0, 1).reshape(columns.shape[1], n * ho * wo)
     y = _product(w.reshape(o, w.shape[1] * kh * kw), columns, mac, seed, offset)  # (O, N L)
@@ -879,9 +896,13 @@ class _Convolution(torch.autograd.Function):
     input_grad and weight_grad (see the module docstring for the terms and their order)."""
 
     @staticmethod
-    def forward(ctx, x, w, geometry: _Geometry, how: Arithmetic):
+    def forward(ctx, x, w, geometry: _Geometry, how: Arithmetic, torch_conv):
         ctx.save_for_backward(x, w)
         ctx.geometry, ctx.how = geometry, how
+        # Under the native MAC, torch's own convolution with the caller's arguments: the same
+        # bits (but not without input channels, where torch gives no output channels: see _conv).
+        if how.forward.native and x.shape[1] > 0:
+            return torch_conv(x, w)
         return _conv_forward(x, w, geometry, how.forward)
 
     @staticmethod
@@ -893,11 +914,15 @@ class _Convolution(torch.autograd.Function):
             grad_x = _conv_input_grad(grad, w, x.shape, geometry, how.input_grad)
         if ctx.needs_input_grad[1]:
             grad_w = _conv_weight_grad(x, grad, w.shape, geometry, how.weight_grad)
-        return grad_x, grad_w, None, None
+        return grad_x, grad_w, None, None, None
 
 
-def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int):
-    """conv1d or conv2d (``dims``) of input, batched or not, checked and computed as torch does.
+def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int, torch_conv):
+    """conv1d or conv2d (``dims``) of input, batched or not, checked and computed as torch does:
+    an unbatched input as the batch of one it is, its operands and error quantised as given (as
+    under the native MACs, where the function is torch's op of the quantised operands).
+    ``torch_conv``: torch's convolution (x, w) -> result, without bias, of the 4-D operands (for
+    conv1d, 1 x L images), the forward product under the native MAC.
 
     Raises:
         ValueError: the shapes do not match torch's.
@@ -909,8 +934,29 @@ def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int):
             f"(O, C / groups, {'k' if dims == 1 else 'kh, kw'}), got {tuple(input.shape)} and "
             f"{tuple(weight.shape)}"
         )
-    if input.dim() == dims + 1:  # unbatched: the batch of one it is, as torch computes it
-        return _conv(input.unsqueeze(0), weight, bias, geometry, how, dims).squeeze(0)
+    unbatched = input.dim() == dims + 1
+    _check_conv_shapes(input.unsqueeze(0) if unbatched else input, weight, bias, geometry, dims)
+    x, w = _quantised_operands(input, weight, how)
+    if unbatched:
+        x = x.unsqueeze(0)
+    channels = x.shape[1]
+    if dims == 1:
+        x, w = x.unsqueeze(2), w.unsqueeze(2)
+    y = _Convolution.apply(x, w, geometry, how, torch_conv)
+    y = _add_bias(y, None if bias is None else bias.reshape(-1, 1, 1), how)
+    if channels == 0:  # torch's result: no output channels (the bias's gradient zero)
+        y = y[:, :0]
+    if dims == 1:
+        y = y.squeeze(2)
+    return _with_grad_format(y.squeeze(0) if unbatched else y, how)
+
+
+def _check_conv_shapes(input, weight, bias, geometry: _Geometry, dims: int) -> None:
+    """The shapes of a batched convolution's operands, as torch checks them.
+
+    Raises:
+        ValueError: they do not match (see conv2d).
+    """
     groups = geometry.groups
     if weight.shape[0] < groups:
         raise ValueError(
@@ -934,16 +980,6 @@ def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int):
             f"conv{dims}d: the padded input's size {padded_size} is smaller than the dilated "
             f"kernel's {reach}"
         )
-    x, w = _quantised_operands(input, weight, how)
-    if dims == 1:
-        x, w = x.unsqueeze(2), w.unsqueeze(2)
-    y = _Convolution.apply(x, w, geometry, how)
-    y = _add_bias(y, None if bias is None else bias.reshape(-1, 1, 1), how)
-    if input.shape[1] == 0:  # torch's result: no output channels (the bias's gradient zero)
-        y = y[:, :0]
-    if dims == 1:
-        y = y.squeeze(2)
-    return _with_grad_format(y, how)
 
 
 def conv2d(
@@ -967,7 +1003,9 @@ def conv2d(
     weight (O, C / groups, kh, kw), O >= groups; stride, padding and dilation each an int or a
     tuple of one (for both dimensions) or two ints, padding also "valid" or "same" (stride 1),
     zeros. Without input channels (C = 0) the result has no channels either, (N, 0, Ho, Wo), as
-    torch's conv2d gives it (the bias's gradient is then zero).
+    torch's conv2d gives it (the bias's gradient is then zero). An unbatched input is computed as
+    the batch of one it is; input_format quantises it, and grad_format the error of the unbatched
+    result, as given (an axis counts from the tensor passed, as in inject's input format).
 
     Raises:
         TypeError: stride, padding or dilation is not an int or a tuple of one or two ints, or
@@ -978,11 +1016,15 @@ def conv2d(
     how = arithmetic(
         mac, input_grad_mac, weight_grad_mac, input_format, weight_format, grad_format, rounding
     )
-    if how.native:
-        return F.conv2d(input, weight, bias, stride, padding, dilation, groups)
+    if how.native_products:
+        return _torch_op(F.conv2d, input, weight, how, bias, stride, padding, dilation, groups)
     _check_tensors("conv2d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 2)
-    return _conv(input, weight, bias, geometry, how, 2)
+
+    def torch_conv(x, w):
+        return F.conv2d(x, w, None, stride, padding, dilation, groups)
+
+    return _conv(input, weight, bias, geometry, how, 2, torch_conv)
 
 
 def conv1d(
@@ -1013,11 +1055,16 @@ def conv1d(
     how = arithmetic(
         mac, input_grad_mac, weight_grad_mac, input_format, weight_format, grad_format, rounding
     )
-    if how.native:
-        return F.conv1d(input, weight, bias, stride, padding, dilation, groups)
+    if how.native_products:
+        return _torch_op(F.conv1d, input, weight, how, bias, stride, padding, dilation, groups)
     _check_tensors("conv1d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 1)
-    return _conv(input, weight, bias, geometry, how, 1)
+
+    def torch_conv(x, w):  # of the 1 x L images
+        y = F.conv1d(x.squeeze(2), w.squeeze(2), None, stride, padding, dilation, groups)
+        return y.unsqueeze(2)
+
+    return _conv(input, weight, bias, geometry, how, 1, torch_conv)
 
 
 def _keywords(how: Arithmetic) -> dict:
@@ -1185,16 +1232,30 @@ def _merged_mask(attn_mask, key_padding_mask, bsz: int, num_heads: int, src_len:
     return padding if attn_mask is None else attn_mask + padding
 
 
-def _attention(q, k, v, mask, dropout_p: float, how: Arithmetic):
+def softmax_zeroing_masked_rows(scores: torch.Tensor, softmax) -> torch.Tensor:
+    """softmax(scores) over the last axis, where a row of scores that are all -inf (a query no key
+    takes part in) gets weights 0 and zero gradients, as torch's scaled_dot_product_attention
+    gives them, not softmax's NaN: such a row is given to ``softmax`` (a function of the scores)
+    as zeros, so that its backward multiplies no NaN, and its weights are then set to 0."""
+    masked = (scores == float("-inf")).all(dim=-1, keepdim=True)
+    return softmax(scores.masked_fill(masked, 0.0)).masked_fill(masked, 0.0)
+
+
+def _attention(q, k, v, mask, dropout_p: float, how: Arithmetic, zero_masked_rows: bool = False):
     """The context softmax(q k^T / sqrt(head_dim) + mask) v of each matrix of the batch and the
-    attention weights; q is scaled (rounded in its dtype) before its product, as torch does."""
+    attention weights; q is scaled (rounded in its dtype) before its product, as torch does.
+    ``zero_masked_rows``: a query whose scores are all -inf gets weights 0, as in torch's
+    scaled_dot_product_attention (see softmax_zeroing_masked_rows), rather than NaN."""
     scaled = q * math.sqrt(1.0 / float(q.shape[-1]))
     with _hooks.named_function("attention.scores"):
         scores = bmm(scaled, k.transpose(1, 2), **_keywords(how))
     if mask is not None:
         scores = scores + mask
     with _hooks.named_function("attention.softmax"):
-        weights = F.softmax(scores, dim=-1)
+        if zero_masked_rows:
+            weights = softmax_zeroing_masked_rows(scores, lambda s: F.softmax(s, dim=-1))
+        else:
+            weights = F.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     with _hooks.named_function("attention.context"):
@@ -1283,10 +1344,13 @@ def multi_head_attention_forward(
     say) gets the sum of its gradients from autograd, in torch's arithmetic.
 
     is_causal is torch's hint: attn_mask, which it requires, is the causal mask and is used as
-    given. need_weights only decides whether the weights (after dropout, averaged over heads with
-    average_attn_weights) are returned: the computation is always the explicit one (torch's
-    need_weights=False path is its fused scaled_dot_product_attention, not simulated here). With
-    the native MACs every product is torch's and the result equals torch's to rounding.
+    given. need_weights decides whether the weights (after dropout, averaged over heads with
+    average_attn_weights) are returned; the computation is always the explicit one (torch's
+    need_weights=False path is its fused scaled_dot_product_attention, not simulated here),
+    except that with need_weights=False a query whose keys are all masked gets weights 0 (its
+    context 0, its gradients zero), as that path of torch's gives it, where the explicit one
+    (need_weights=True) gives NaN. With the native MACs every product is torch's and the result
+    equals torch's to rounding.
 
     Random words: each linear draws its own seed, each bmm one seed with matrix b at offset b.
 
@@ -1330,7 +1394,10 @@ def multi_head_attention_forward(
     q = _heads(q, batch_heads, head_dim)
     src_len = k.shape[1]
     mask = _merged_mask(attn_mask, key_padding_mask, bsz, num_heads, src_len)
-    context, attention = _attention(q, k, v, mask, dropout_p if training else 0.0, how)
+    dropout_p = dropout_p if training else 0.0
+    # torch's need_weights=False path is its scaled_dot_product_attention, whose rows of scores
+    # all -inf give weights 0; its explicit path gives softmax's NaN.
+    context, attention = _attention(q, k, v, mask, dropout_p, how, not need_weights)
     context = context.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
     output = linear(context, out_proj_weight, out_proj_bias, **_keywords(out_how))
     output = output.reshape(tgt_len, bsz, output.shape[-1])

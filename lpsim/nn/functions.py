@@ -100,6 +100,12 @@ are active, a call is decided by the innermost one that selects it, once: the ca
 simulation makes (the product of its quantised operands, attention's steps) are not seen by the
 contexts further out.
 
+Activation checkpointing (torch.utils.checkpoint, reentrant or not) recomputes a forward during
+the backward pass, where no TorchFunctionMode is active, this context's included (inside its
+``with`` or not): the recomputed calls are torch's own, unquantised, and the gradients are those
+of the unquantised recomputation, not of the quantised forward. Checkpoint no function or module
+whose calls a context quantises.
+
 Not simulated: calls with ``out=`` (refused). Every other function is torch's own, unquantised,
 even where it computes the same products: einsum, addmm, addbmm, baddbmm, mv, dot, inner,
 tensordot, linalg.multi_dot; log_softmax and softmin; convolutions (through inject).
@@ -639,12 +645,10 @@ def scaled_dot_product_attention(
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
             scores = scores + attn_mask
-    # Rows no key takes part in: weights 0 (torch's, not softmax's NaN), and zero gradients (their
-    # softmax reads zeros, so that its backward multiplies no NaN).
-    masked = (scores == float("-inf")).all(dim=-1, keepdim=True)
-    scores = scores.masked_fill(masked, 0.0)
-    weights = mode.softmax("attention.softmax", torch.softmax, (scores,), {"dim": -1})
-    weights = weights.masked_fill(masked, 0.0)
+    # Rows no key takes part in: weights 0 (torch's, not softmax's NaN), and zero gradients.
+    weights = _functional.softmax_zeroing_masked_rows(
+        scores, lambda s: mode.softmax("attention.softmax", torch.softmax, (s,), {"dim": -1})
+    )
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
     return merged(mode.product("attention.context", grouped(weights), value))
