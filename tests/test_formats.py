@@ -265,3 +265,21 @@ def test_eps_and_the_range_facts_equal_an_enumeration_of_every_code_of_every_sma
         assert info.binades == pytest.approx(math.log2(positive[-1] / positive[0]), abs=1e-12)
         checked += 1
     assert checked > 2000 and subnormal_one > 100 and no_next > 100
+
+
+def test_has_nan_has_inf_and_has_negative_zero_follow_the_codes_of_every_small_float():
+    """Each flag says whether some code decodes to it, by the definition of the special values:
+    "ieee" NaNs have the top exponent and a nonzero fraction, so a format without fraction bits
+    (Float(3, 0)) has Inf but no NaN; "fn" has the all-ones NaN; "fnuz" the negative-zero NaN."""
+    for fmt in _small_floats():
+        top, ones = 2**fmt.exp - 1, 2**fmt.man - 1
+        codes = [(s, e, m) for s in (0, 1) for e in range(top + 1) for m in range(ones + 1)]
+        nan = inf = negative_zero = False
+        for s, e, m in codes:
+            if fmt.special == "ieee" and e == top:
+                nan, inf = nan or m != 0, inf or m == 0
+            elif fmt.special == "fn" and e == top and m == ones:
+                nan = True
+            elif (s, e, m) == (1, 0, 0):
+                nan, negative_zero = fmt.special == "fnuz" or nan, fmt.special != "fnuz"
+        assert (fmt.has_nan, fmt.has_inf, fmt.has_negative_zero) == (nan, inf, negative_zero), fmt

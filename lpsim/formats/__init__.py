@@ -391,7 +391,9 @@ class Float(_OnGrid):
 
     @property
     def has_nan(self) -> bool:
-        return self.special != "none"
+        """Whether a code decodes to NaN: not in "none" formats, nor in "ieee" ones without
+        fraction bits (their top exponent code holds only +/-Inf)."""
+        return self.special != "none" and not (self.special == "ieee" and self.man == 0)
 
     @property
     def has_negative_zero(self) -> bool:
