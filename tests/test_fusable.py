@@ -296,6 +296,10 @@ def test_compiled_quantize_declines_what_it_cannot_fuse():
         lambda f: f(torch.arange(4), Float(5, 2)),
         lambda f: f(torch.randn(4), Float(5, 2), "nearest", rbits=8),
         lambda f: f(torch.randn(4), Float(5, 2), "nearest", offset=-1),
+        lambda f: f(torch.randn(4), Float(5, 2), "nearest", seed=-1),
+        lambda f: f(torch.randn(4), Float(5, 2), "up", seed=2**64),
+        lambda f: f(torch.randn(4), Fixed(8, 4), "nearest", seed=1.5),
+        lambda f: f(torch.randn(4), Float(5, 2), "odd", seed=True),
     ],
 )
 def test_compiled_quantize_raises_what_quantize_raises(call):
