@@ -220,7 +220,9 @@ def _quantize_bits(x: torch.Tensor, k: _Constants, rule: Rounding) -> torch.Tens
     layout = _LAYOUTS[x.dtype]
     man = k.man
 
-    u = x.view(layout.storage)
+    # A view with torch's negative bit (z.conj().imag) stores its values negated: its bits are
+    # read from the values (torch refuses view(dtype) of it).
+    u = x.resolve_neg().view(layout.storage)
     if layout.work != layout.storage:
         u = u.to(layout.work)  # sign-extended: the result converts back exactly
     negative = u < 0

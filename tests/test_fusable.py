@@ -311,6 +311,24 @@ def test_compiled_quantize_raises_what_quantize_raises(call):
         call(compiled_quantize_)
 
 
+def test_a_view_with_the_negative_bit_rounds_as_its_values_do():
+    """z.conj().imag holds z's imaginary parts negated (torch's negative bit, not in its storage):
+    the fusable form rounds its values, as torch's float8_e5m2 cast does, out of place and in
+    place (the integer view of such a tensor once raised, so torch.compile failed where eager
+    calls worked)."""
+    z = torch.complex(torch.randn(300), torch.randn(300) * 1000)
+    want = z.conj().imag.to(torch.float8_e5m2).float()
+    assert torch.equal(
+        quantize_grid_torch(z.conj().imag, Float(5, 2).grid(), Rounding.nearest), want
+    )
+    assert torch.equal(compiled_quantize(z.conj().imag, Float(5, 2)), want)
+    view = z.conj().imag
+    assert compiled_quantize_(view, Float(5, 2)) is view
+    assert torch.equal(view, want) and torch.equal(z.imag, -want)
+    compiled = torch.compile(lambda t: lpsim.quantize(t.conj().imag, Float(5, 2)), backend="eager")
+    assert torch.equal(compiled(z), want)
+
+
 def test_compiled_quantize_gradient_is_straight_through():
     x = torch.tensor([0.3, -0.0, -1e-9, 1e6, -math.inf, math.nan], requires_grad=True)
     y = compiled_quantize(x, Float(4, 3, special="fn"), "nearest")
