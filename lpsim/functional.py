@@ -142,6 +142,13 @@ def quantize(
     if out is None:
         return call(name, x, *args)
     check_tensor(out, "out")
+    if out.is_neg():
+        # A view whose values torch stores negated (its negative bit: z.conj().imag of a complex
+        # z). torch's fallback for such views cannot run an out= op that returns nothing: it
+        # corrupted memory. Round into a resolved copy of out, then copy that into out.
+        resolved = out.resolve_neg()
+        call(name + "_out", x, *args, resolved)
+        return out.copy_(resolved)
     call(name + "_out", x, *args, out)
     return out
 

@@ -26,9 +26,9 @@ from typing import NamedTuple
 
 import torch
 
-from lpsim._checks import check_container, check_offset
+from lpsim._checks import check_container, random_args
 from lpsim.formats import CONTAINERS, GRID_FORMATS, GridSpec, first_equal
-from lpsim.rounding import Rounding, check_rbits
+from lpsim.rounding import Rounding
 
 __all__ = ["quantize_grid_torch", "compiled_quantize", "compiled_quantize_", "FUSABLE_RULES"]
 
@@ -220,7 +220,9 @@ def _quantize_bits(x: torch.Tensor, k: _Constants, rule: Rounding) -> torch.Tens
     layout = _LAYOUTS[x.dtype]
     man = k.man
 
-    u = x.view(layout.storage)
+    # A view with torch's negative bit (z.conj().imag) stores its values negated: its bits are
+    # read from the values (torch refuses view(dtype) of it).
+    u = x.resolve_neg().view(layout.storage)
     if layout.work != layout.storage:
         u = u.to(layout.work)  # sign-extended: the result converts back exactly
     negative = u < 0
@@ -351,7 +353,7 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None, None
 
 
-def _fusable_format(x, fmt, rounding, rbits, offset) -> tuple[object, Rounding] | None:
+def _fusable_format(x, fmt, rounding, rbits, seed, offset) -> tuple[object, Rounding] | None:
     """(fmt, rule) when the fusable form applies to these quantize() arguments, else None. Checks
     the arguments as quantize() does, so both paths raise the same errors."""
     rule = Rounding.parse(rounding)
@@ -359,8 +361,9 @@ def _fusable_format(x, fmt, rounding, rbits, offset) -> tuple[object, Rounding] 
         return None
     check_container(x)
     fmt.grid_arguments(x.dtype)  # raises ValueError when the format does not fit x's dtype
-    check_rbits(rbits, rule)  # raises ValueError for rbits with a deterministic rule
-    check_offset(offset)
+    # rbits (refused for a deterministic rule), seed (checked, then unused) and offset, as the
+    # custom op's caller checks them
+    random_args(rule, rbits, seed, offset)
     return fmt, rule
 
 
@@ -379,15 +382,15 @@ def compiled_quantize(
     For a Float, Fixed or P3109 ``fmt`` and a deterministic rule (FUSABLE_RULES), without
     ``out``: a new tensor of x's dtype, shape and layout holding x rounded into fmt, bit for bit
     the custom op's result, with the straight-through gradient (the gradient passes unchanged).
-    Otherwise None: the caller uses the custom op. ``seed`` is ignored as the custom op ignores it
-    for these rules.
+    Otherwise None: the caller uses the custom op. ``seed`` is checked, then ignored, as the custom
+    op's caller treats it for these rules.
 
     Raises:
         TypeError, ValueError: as lpsim.quantize for the same arguments.
     """
     if out is not None:
         return None
-    found = _fusable_format(x, fmt, rounding, rbits, offset)
+    found = _fusable_format(x, fmt, rounding, rbits, seed, offset)
     if found is None:
         return None
     if torch.is_grad_enabled() and x.requires_grad:
@@ -414,7 +417,7 @@ def compiled_quantize_(
     Raises:
         TypeError, ValueError: as lpsim.quantize_ for the same arguments.
     """
-    found = _fusable_format(x, fmt, rounding, rbits, offset)
+    found = _fusable_format(x, fmt, rounding, rbits, seed, offset)
     if found is None:
         return None
     if torch.is_grad_enabled() and x.requires_grad:

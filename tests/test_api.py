@@ -89,6 +89,33 @@ def test_out_may_be_x_itself_but_not_a_partial_overlap_of_it(fmt):
         lpsim.quantize(buffer[1:].view(7, 10), fmt, out=buffer[:70].view(7, 10))
 
 
+def test_out_with_the_negative_bit_receives_the_result():
+    """z.conj().imag is a view of z's storage whose values torch reads negated (its negative bit).
+    As out= (also as x and out at once) it receives the rounded values, as torch's out= ops write
+    into it; it once corrupted the heap (torch's fallback for such views cannot run an out= op that
+    returns nothing), so the calls run in a child process."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import torch, lpsim
+        torch.manual_seed(0)
+        x = torch.randn(64) * 300
+        want = x.to(torch.float8_e5m2).float()
+        z = torch.complex(torch.randn(64), torch.randn(64))
+        out = z.conj().imag
+        assert lpsim.quantize(x, lpsim.Float(5, 2), out=out) is out
+        assert torch.equal(out, want) and torch.equal(z.imag, -want)
+        z = torch.complex(torch.randn(64), x.neg())
+        y = z.conj().imag
+        assert lpsim.quantize(y, lpsim.Float(5, 2), out=y) is y
+        assert torch.equal(y, want) and torch.equal(z.imag, -want)
+        print("ok")
+    """
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout == "ok\n", done.stdout + done.stderr[-2000:]
+
+
 def test_negative_block_dims_are_refused_as_ambiguous():
     for d in (-1, -2):
         with pytest.raises(ValueError, match="negative dims are ambiguous"):

@@ -8,6 +8,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from gfloat import round_float
+from gfloat.types import Domain, FormatInfo, RoundMode
 
 import lpsim
 from lpsim import BlockFloat, Fixed, Float
@@ -265,3 +267,101 @@ def test_eps_and_the_range_facts_equal_an_enumeration_of_every_code_of_every_sma
         assert info.binades == pytest.approx(math.log2(positive[-1] / positive[0]), abs=1e-12)
         checked += 1
     assert checked > 2000 and subnormal_one > 100 and no_next > 100
+
+
+def test_has_nan_has_inf_and_has_negative_zero_follow_the_codes_of_every_small_float():
+    """Each flag says whether some code decodes to it, by the definition of the special values:
+    "ieee" NaNs have the top exponent and a nonzero fraction, so a format without fraction bits
+    (Float(3, 0)) has Inf but no NaN; "fn" has the all-ones NaN; "fnuz" the negative-zero NaN."""
+    for fmt in _small_floats():
+        top, ones = 2**fmt.exp - 1, 2**fmt.man - 1
+        codes = [(s, e, m) for s in (0, 1) for e in range(top + 1) for m in range(ones + 1)]
+        nan = inf = negative_zero = False
+        for s, e, m in codes:
+            if fmt.special == "ieee" and e == top:
+                nan, inf = nan or m != 0, inf or m == 0
+            elif fmt.special == "fn" and e == top and m == ones:
+                nan = True
+            elif (s, e, m) == (1, 0, 0):
+                nan, negative_zero = fmt.special == "fnuz" or nan, fmt.special != "fnuz"
+        assert (fmt.has_nan, fmt.has_inf, fmt.has_negative_zero) == (nan, inf, negative_zero), fmt
+
+
+def _gfloat_info(fmt: Float) -> FormatInfo:
+    """gfloat's description of a Float with subnormals: its codes, special values and bias."""
+    high_nans = {"ieee": 2**fmt.man - 1, "fn": 1, "fnuz": 0, "none": 0}[fmt.special]
+    return FormatInfo(
+        repr(fmt),
+        fmt.bits,
+        fmt.man + 1,
+        bias=fmt.bias,
+        is_signed=True,
+        domain=Domain.Extended if fmt.special == "ieee" else Domain.Finite,
+        has_nz=fmt.special != "fnuz",
+        num_high_nans=high_nans,
+        has_subnormals=True,
+        is_twos_complement=False,
+    )
+
+
+GFLOAT_MODES = {
+    "nearest": RoundMode.TiesToEven,
+    "nearest_away": RoundMode.TiesToAway,
+    "toward_zero": RoundMode.TowardZero,
+    "up": RoundMode.TowardPositive,
+    "down": RoundMode.TowardNegative,
+    "stochastic": RoundMode.StochasticFastest,  # P(up) = floor(frac 2**k) / 2**k, as documented
+}
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        Float(4, 3, bias=11),
+        Float(4, 3, bias=-3, special="fn", saturate=True),
+        Float(3, 2, bias=9, special="fnuz"),
+        Float(5, 2, bias=1, special="none"),
+        Float(2, 0, bias=-5),
+        Float(1, 4, special="none", saturate=True),  # every value subnormal but the top binade
+        Float(3, 0, bias=6, special="fn"),
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_floats_with_shifted_biases_and_specials_round_as_gfloat_rounds_them(fmt, dtype):
+    """Bit for bit against gfloat's round_float, for every rule gfloat has (StochasticFastest with
+    the element's top rbits bits of its Philox word as srbits), over every value, the points a
+    quarter, a half and three quarters between neighbours, the overflow region, +/-0 and +/-Inf.
+    saturate is gfloat's sat for finite inputs; an Inf input stays Inf where the format has Inf
+    (gfloat's sat=True would clamp it). gfloat refuses an overflow without sat in a format with no
+    NaN ("none"): lpsim's NaN. Without fraction bits the ties of nearest differ as documented
+    (docs/rounding.md), and are left out."""
+    info = _gfloat_info(fmt)
+    positive = [v for v in fmt.values().tolist() if v > 0]
+    steps = [b - a for a, b in zip(positive, positive[1:])] + [positive[-1] * 2.0**-fmt.man]
+    xs = [0.0]
+    for v, step in zip(positive, steps):
+        xs += [v, v + step / 4, v + step / 2, v + 3 * step / 4]
+    xs += [positive[0] / 4, positive[-1] * 4, math.inf]
+    xs = [sign * v for v in xs for sign in (1.0, -1.0)]
+    x = torch.tensor(xs, dtype=dtype)
+    assert x.double().tolist() == xs
+    for rule, mode in GFLOAT_MODES.items():
+        if rule == "nearest" and fmt.man == 0:
+            continue  # ties: IEEE 754's larger magnitude, gfloat's even exponent code (rounding.md)
+        rbits = 5 if rule == "stochastic" else None
+        got = lpsim.quantize(x, fmt, rule, seed=77, rbits=rbits).tolist()
+        for i, (value, result) in enumerate(zip(xs, got)):
+            sat = fmt.saturate and not (math.isinf(value) and fmt.has_inf)
+            srbits = lpsim.reference.random_word(77, 0, i) >> 27
+            try:
+                want = round_float(info, value, mode, sat, srbits, 5)
+            except ValueError:
+                want = math.nan
+            if math.isnan(want) or math.isnan(result):
+                assert math.isnan(want) and math.isnan(result), (rule, value)
+            else:
+                assert (result, math.copysign(1, result)) == (want, math.copysign(1, want)), (
+                    rule,
+                    value,
+                )

@@ -296,6 +296,10 @@ def test_compiled_quantize_declines_what_it_cannot_fuse():
         lambda f: f(torch.arange(4), Float(5, 2)),
         lambda f: f(torch.randn(4), Float(5, 2), "nearest", rbits=8),
         lambda f: f(torch.randn(4), Float(5, 2), "nearest", offset=-1),
+        lambda f: f(torch.randn(4), Float(5, 2), "nearest", seed=-1),
+        lambda f: f(torch.randn(4), Float(5, 2), "up", seed=2**64),
+        lambda f: f(torch.randn(4), Fixed(8, 4), "nearest", seed=1.5),
+        lambda f: f(torch.randn(4), Float(5, 2), "odd", seed=True),
     ],
 )
 def test_compiled_quantize_raises_what_quantize_raises(call):
@@ -305,6 +309,24 @@ def test_compiled_quantize_raises_what_quantize_raises(call):
         call(compiled_quantize)
     with pytest.raises(expected.type, match=re.escape(str(expected.value)[:40])):
         call(compiled_quantize_)
+
+
+def test_a_view_with_the_negative_bit_rounds_as_its_values_do():
+    """z.conj().imag holds z's imaginary parts negated (torch's negative bit, not in its storage):
+    the fusable form rounds its values, as torch's float8_e5m2 cast does, out of place and in
+    place (the integer view of such a tensor once raised, so torch.compile failed where eager
+    calls worked)."""
+    z = torch.complex(torch.randn(300), torch.randn(300) * 1000)
+    want = z.conj().imag.to(torch.float8_e5m2).float()
+    assert torch.equal(
+        quantize_grid_torch(z.conj().imag, Float(5, 2).grid(), Rounding.nearest), want
+    )
+    assert torch.equal(compiled_quantize(z.conj().imag, Float(5, 2)), want)
+    view = z.conj().imag
+    assert compiled_quantize_(view, Float(5, 2)) is view
+    assert torch.equal(view, want) and torch.equal(z.imag, -want)
+    compiled = torch.compile(lambda t: lpsim.quantize(t.conj().imag, Float(5, 2)), backend="eager")
+    assert torch.equal(compiled(z), want)
 
 
 def test_compiled_quantize_gradient_is_straight_through():

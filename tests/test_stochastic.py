@@ -8,6 +8,7 @@ deterministic; the bound makes it meaningful rather than lucky.
 """
 
 import math
+import random
 from fractions import Fraction
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from support import assert_same_bits
 
 import lpsim
-from lpsim import BlockFloat, Fixed, Float
+from lpsim import P3109, BlockFloat, Fixed, Float, reference
 
 N = 1 << 16
 
@@ -222,3 +223,46 @@ def test_expected_value_is_exact_for_rational_fractions():
     p = Fraction(5, 8)
     sigma = 0.25 * math.sqrt(float(p * (1 - p)) / draws.numel())
     assert abs(draws.mean().item() - x) <= 4 * sigma
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        Float(4, 3, bias=3),
+        Float(4, 2, bias=-2, special="none"),
+        Float(5, 2, subnormals=False),  # [0, smallest normal] is one step
+        Float(3, 0, special="fnuz"),
+        P3109(6, 3, signed=False),
+        P3109(7, 1, domain="finite"),
+        Fixed(7, 3),
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("rbits", [1, 3, 8, 31, 32])
+def test_each_draw_rounds_up_exactly_when_its_top_rbits_reach_the_truncated_fraction(fmt, rbits):
+    """Exact, draw by draw: x = a + frac (b - a) between neighbouring values a < b (of values())
+    rounds away from zero, to b, exactly when floor(frac 2**k) + (word >> (32 - k)) >= 2**k for
+    k = rbits, word being the element's Philox word (reference.random_word, which
+    tests/test_philox.py holds to Random123's known answers); so over the words the probability
+    is floor(frac 2**k) / 2**k, frac truncated to k bits. frac has 40 random bits, more than a
+    word, in a float64 tensor; negative x mirror positive ones."""
+    rng = random.Random(rbits)
+    positive = [Fraction(v) for v in fmt.values().tolist() if v >= 0]
+    xs, expected, ups = [], [], 0
+    for a, b in zip(positive, positive[1:]):
+        for _ in range(4):
+            frac = Fraction(rng.getrandbits(40) | 1, 2**40)
+            xs.append(float(a + frac * (b - a)))
+            truncated = math.floor(frac * 2**rbits)
+            word = reference.random_word(2024, 0, len(xs) - 1)
+            up = truncated + (word >> (32 - rbits)) >= 2**rbits
+            ups += up
+            sign = -1 if lpsim.finfo(fmt).min < 0 and len(xs) % 2 else 1
+            xs[-1] *= sign
+            rounded = sign * float(b if up else a)
+            expected.append(rounded if rounded or getattr(fmt, "has_negative_zero", True) else 0.0)
+    assert Fraction(xs[-1]) * sign == a + frac * (b - a)  # the inputs are exact in float64
+    x = torch.tensor(xs, dtype=torch.float64)
+    got = lpsim.quantize(x, fmt, "stochastic", seed=2024, rbits=rbits)
+    assert_same_bits(got, torch.tensor(expected, dtype=torch.float64), f"{fmt!r}, rbits={rbits}")
+    assert 0 < ups < len(xs)

@@ -391,7 +391,9 @@ class Float(_OnGrid):
 
     @property
     def has_nan(self) -> bool:
-        return self.special != "none"
+        """Whether a code decodes to NaN: not in "none" formats, nor in "ieee" ones without
+        fraction bits (their top exponent code holds only +/-Inf)."""
+        return self.special != "none" and not (self.special == "ieee" and self.man == 0)
 
     @property
     def has_negative_zero(self) -> bool:
@@ -446,7 +448,9 @@ class Fixed(_OnGrid):
     """A fixed-point format: values k * 2**-fl for integers k of ``wl`` bits.
 
     Args:
-        wl: word length in bits, the sign bit included: 2 to 64 signed, 1 to 64 unsigned.
+        wl: word length in bits, the sign bit included: 2 to 64 signed, 1 to 64 unsigned, as far
+            as the container's significand holds the integers (at most 54 signed, 53 unsigned,
+            in float64; 25 and 24 in float32).
         fl: fractional bits; the spacing is 2**-fl. May be negative (spacing above 1).
         signed: two's complement k in [-2**(wl-1), 2**(wl-1) - 1]; unsigned: k in [0, 2**wl - 1].
         clamp: values outside the range saturate to it (and +/-Inf become the limits). Without
