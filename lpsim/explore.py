@@ -44,7 +44,8 @@ class FormatInfo:
             subnormal spacing; where no value follows 1 (1 lies outside the positive range, or
             is max) it is the spacing above 1 in a binade of normal values, 2**-man, which is
             what numpy's and torch's finfo call eps (see Float.eps).
-        resolution: 10**-floor(-log10(eps)), the decimal resolution as numpy and torch define it.
+        resolution: 10**-int(-log10(eps)), the decimal resolution as numpy and torch define it
+            (int truncates toward zero: 1 for an eps between 1 and 10).
         binades: log2(max / smallest_subnormal), the positive range in powers of two (computed
             from the exponents and significands apart, so it stays finite where the quotient
             would overflow a float64).
@@ -66,7 +67,7 @@ class FormatInfo:
 
     @property
     def resolution(self) -> float:
-        return 10.0 ** -math.floor(-math.log10(self.eps))
+        return 10.0 ** -int(-math.log10(self.eps))
 
     @property
     def binades(self) -> float:

@@ -274,3 +274,12 @@ def test_command_prints_and_plots_a_power_of_two_scale(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split() == ["bits", "8", "8"]
     assert path.stat().st_size > 0
+
+
+@pytest.mark.parametrize("fmt", [lpsim.Fixed(8, -3), lpsim.Fixed(6, -6), lpsim.Fixed(8, 0)])
+def test_resolution_of_coarse_formats_follows_numpys_definition(fmt):
+    """numpy.finfo: precision = int(-log10(eps)), truncated toward zero, resolution =
+    10**-precision: for eps = 8 (Fixed(8, -3)) that is 1, where a floor would give 10."""
+    info = finfo(fmt)
+    assert info.resolution == 10.0 ** -int(-np.log10(info.eps))
+    assert finfo(lpsim.Fixed(8, -3)).resolution == 1.0
