@@ -566,6 +566,16 @@ def test_malformed_configs_raise_errors_that_name_the_problem(config, error, mat
         quantize_functions(nn.Identity(), config)
 
 
+def test_a_selector_that_matches_no_module_is_refused():
+    """A misspelt name, or a two-op key read as (op, module name), would quantise nothing."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Softmax(-1))
+    for key in [("linear", "softmax"), ("matmul", "2"), ("linear", nn.Conv2d)]:
+        with pytest.raises(ValueError, match="selects no module of the model"):
+            quantize_functions(model, {key: LayerQuantization()})
+    for key in [("linear", "0"), ("linear", "1"), ("softmax", ""), ("linear", nn.Softmax)]:
+        quantize_functions(model, {key: LayerQuantization()})  # the model itself is "", too
+
+
 def test_a_model_and_a_mapping_are_required():
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         quantize_functions(lambda x: x, {})

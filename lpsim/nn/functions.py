@@ -20,7 +20,8 @@ Keys are an op name, or a pair (op name, module selector). The selectors are inj
 types, glob patterns on qualified names relative to ``model``, callables (name, module) -> bool,
 tuples of these); a pair applies to calls made while a module it selects is running (the module
 itself or any module inside it; a module registered under several names, shared by two parents,
-is selected by any of them, as in inject). Each call is decided by the first entry, in the
+is selected by any of them, as in inject). A selector that matches no module of the model is an
+error, as in inject. Each call is decided by the first entry, in the
 mapping's order, whose op and selector match it; a call no entry matches is torch's own. Values
 are ``LayerQuantization``; a field an op does not take is an error.
 
@@ -663,10 +664,21 @@ def quantize_functions(
     Raises:
         TypeError: model is not an nn.Module, a key or value is malformed, or a format is a
             DelayedScaling.
-        ValueError: an unknown op, or a field its op does not take.
+        ValueError: an unknown op, a field its op does not take, or a selector that matches no
+            module of the model (a misspelt name would otherwise quantise nothing, silently).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize_functions: model must be an nn.Module, got {type(model)}")
     if not isinstance(config, Mapping):
         raise TypeError(f"quantize_functions: config must be a mapping, got {type(config)}")
-    return FunctionQuantization(model, [_entry(k, v) for k, v in config.items()])
+    entries = [_entry(k, v) for k, v in config.items()]
+    modules = list(model.named_modules(remove_duplicate=False))
+    for key, entry in zip(config, entries, strict=True):
+        if entry.selector is not None and not any(
+            matches(entry.selector, name, module) for name, module in modules
+        ):
+            raise ValueError(
+                f"quantize_functions: the key {key!r} selects no module of the model (its "
+                "selector matches none of model.named_modules())"
+            )
+    return FunctionQuantization(model, entries)
