@@ -42,7 +42,7 @@ TORCH_DTYPES = {
 @pytest.mark.parametrize("name", ML_DTYPES)
 def test_preset_facts_match_ml_dtypes_finfo(name):
     fmt, info = preset(name), ml_dtypes.finfo(ML_DTYPES[name])
-    assert fmt.max == float(info.max)
+    assert fmt.max == float(info.max) and fmt.min == float(info.min)
     assert fmt.smallest_normal == float(info.smallest_normal)
     assert fmt.smallest_subnormal == float(info.smallest_subnormal)
     assert fmt.eps == float(info.eps)
@@ -52,7 +52,7 @@ def test_preset_facts_match_ml_dtypes_finfo(name):
 @pytest.mark.parametrize("name", TORCH_DTYPES)
 def test_preset_facts_match_torch_finfo(name):
     fmt, info = preset(name), torch.finfo(TORCH_DTYPES[name])
-    assert fmt.max == info.max
+    assert fmt.max == info.max and fmt.min == info.min
     assert fmt.smallest_normal == info.smallest_normal
     assert fmt.bits == info.bits
     # torch 2.14 reports eps = 0.125 for float8_e5m2fnuz, although the format has two fraction
@@ -365,3 +365,9 @@ def test_floats_with_shifted_biases_and_specials_round_as_gfloat_rounds_them(fmt
                     rule,
                     value,
                 )
+
+
+def test_block_float_min_is_the_negated_max_of_its_sign_magnitude_elements():
+    for wl in (2, 4, 8):
+        fmt = BlockFloat(wl)
+        assert fmt.min == -fmt.max == float(fmt.values()[0])

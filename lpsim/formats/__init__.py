@@ -350,6 +350,11 @@ class Float(_OnGrid):
         return float(self._max_fraction)
 
     @property
+    def min(self) -> float:
+        """The most negative finite value, -max (torch.finfo's min)."""
+        return -self.max
+
+    @property
     def _max_fraction(self) -> Fraction:
         # In "fn" formats the all-ones fraction of the top binade is NaN.
         top_fraction = 2**self.man - (1 if self.special == "fn" and self.man > 0 else 0) - 1
@@ -832,6 +837,11 @@ class BlockFloat:
     def max(self) -> float:
         """The largest element at shared exponent 0: 2 - 2**-(wl-2)."""
         return math.ldexp(float(2 ** (self.wl - 1) - 1), 2 - self.wl)
+
+    @property
+    def min(self) -> float:
+        """The most negative element at shared exponent 0, -max (sign-magnitude)."""
+        return -self.max
 
     def values(self) -> torch.Tensor:
         """The element values at shared exponent 0, ascending (formats of <= 16 bits)."""
