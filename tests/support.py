@@ -200,8 +200,8 @@ def scaled_bounds_model(x: torch.Tensor, fmt) -> list[tuple[float, float, float]
             else:
                 d = (work(amax) / work(element.max)) / t
                 d = min(max(d, work(fmt.scale.smallest_normal)), work(fmt.scale.max))
-                if fmt.scale == Float(8, 23):  # float32 scales: d itself
-                    scale = d
+                if fmt.scale == Float(8, 23):  # float32 scales: d rounded to float32
+                    scale = work(np.float32(d))
                 else:
                     assert fmt.scale == Float(4, 3, special="fn", saturate=True)
                     scale = np.float32(d).astype(ml_dtypes.float8_e4m3fn).astype(work)
