@@ -123,7 +123,8 @@ def sum(
     Args:
         x: a float32, float64, bfloat16 or float16 CPU tensor.
         dim: the dimension to sum over; None: every element.
-        keepdim: keep the summed dimension with size 1 (with dim given).
+        keepdim: keep the summed dimension with size 1 (every dimension for dim None), as
+            torch.sum does.
         acc: a Float or Fixed accumulation format; None: x's own format (a bfloat16 tensor is
             summed in bfloat16).
         rounding, rbits, seed, offset: as for lpsim.quantize; the default rule is "nearest".
@@ -139,8 +140,8 @@ def sum(
     """
     y, acc = _reduce(x, dim, False, acc, rounding, rbits, seed, offset)
     out = call("to_container", y, sum_container(acc, x.dtype))
-    if dim is None:
-        return out.reshape(())
+    if dim is None:  # as torch.sum(x, None, keepdim): every dimension summed
+        return out.reshape((1,) * x.dim() if keepdim else ())
     if x.dim() == 0:
         return out.reshape(())
     d = _dim_of(dim, x)
