@@ -115,7 +115,8 @@ def quantize(
         out: a tensor of x's shape and dtype to write into; returned. It may be x itself (x is
             then rounded in place, as by quantize_), but not a tensor that shares only part of
             x's memory (RuntimeError, as torch's out= functions: clone x first). sr_add_, whose
-            operand b is read from a copy when it overlaps a, differs here.
+            operand b is read from a copy when it overlaps a, differs here. A view with torch's
+            negative bit (z.conj().imag) reads the rounded values, as with torch's out=.
 
     Returns:
         A new contiguous tensor (or ``out``). The gradient with respect to x is the identity
@@ -142,6 +143,15 @@ def quantize(
     if out is None:
         return call(name, x, *args)
     check_tensor(out, "out")
+    if out.is_neg():
+        # A negative view (torch._neg_view, z.conj().imag): torch's fallback for such views
+        # cannot run the out= ops, which return nothing (it fails an internal assert). Round into
+        # the same memory without the negative bit, which the op checks as it checks out, and
+        # negate that memory: out then reads the rounded values, bit for bit.
+        memory = torch._neg_view(out)
+        call(name + "_out", x, *args, memory)
+        memory.neg_()
+        return out
     call(name + "_out", x, *args, out)
     return out
 

@@ -89,6 +89,26 @@ def test_out_may_be_x_itself_but_not_a_partial_overlap_of_it(fmt):
         lpsim.quantize(buffer[1:].view(7, 10), fmt, out=buffer[:70].view(7, 10))
 
 
+@pytest.mark.parametrize("fmt", [*FORMATS, lpsim.scaled.preset("mxfp4_e2m1")], ids=repr)
+@pytest.mark.parametrize("rule", ["nearest", "up", "down", "stochastic"])
+def test_out_with_the_negative_bit_reads_the_rounded_values(fmt, rule):
+    # z.conj().imag is a view of z's imaginary parts with torch's negative bit set: writing y into
+    # it stores -y, and reading it gives y back, as torch.neg(x, out=z.conj().imag) does.
+    x = torch.randn(7, 32) * 5
+    want = lpsim.quantize(x, fmt, rule, seed=4)
+    z = torch.zeros(7, 32, dtype=torch.complex64)
+    out = z.conj().imag
+    assert out.is_neg()
+    assert lpsim.quantize(x, fmt, rule, seed=4, out=out) is out
+    assert_same_bits(out, want, "out")
+    assert_same_bits(z.imag, -want, "the memory out views")
+    assert_same_bits(z.real, torch.zeros(7, 32), "the real parts")
+    # out=x itself, x a negative view: x reads its rounded values (those of -x's memory).
+    own = torch.complex(x, x).conj().imag
+    lpsim.quantize(own, fmt, rule, seed=4, out=own)
+    assert_same_bits(own, lpsim.quantize(-x, fmt, rule, seed=4), "out is x")
+
+
 def test_negative_block_dims_are_refused_as_ambiguous():
     for d in (-1, -2):
         with pytest.raises(ValueError, match="negative dims are ambiguous"):
