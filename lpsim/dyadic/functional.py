@@ -235,7 +235,8 @@ def from_float(
     the significand with the integer rounding: no floating-point arithmetic.
 
     Args:
-        x: a finite float tensor (float16 and bfloat16 are widened exactly to float32).
+        x: a finite float tensor (float16, bfloat16 and the float8 dtypes are widened exactly
+            to float32).
         bits: the integer width, sign included (see integer_range).
         scale: an int, a per-channel sequence/tensor along ``axis``, or None: scale_for(x, ...).
         signed: two's complement [-2**(bits-1), 2**(bits-1) - 1], else [0, 2**bits - 1].
@@ -255,8 +256,8 @@ def from_float(
     if not x.dtype.is_floating_point:
         raise TypeError(f"x must be a floating tensor, got {x.dtype}")
     check_cpu_dense(x, "x", "lpsim.dyadic.from_float")
-    if x.dtype in (torch.float16, torch.bfloat16):
-        x = x.float()
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()  # float16, bfloat16 and the float8 dtypes: every value exactly
     bounds = integer_range(bits, signed)
     storage = _storage(bounds, dtype)
     if axis is not None:
