@@ -193,13 +193,16 @@ def scale_for(
     end) an int64 tensor per channel.
 
     Raises:
-        TypeError: x is not a tensor; an argument has the wrong type.
+        TypeError: x is not a real floating or integer tensor (complex, bool); an argument has
+            the wrong type.
         ValueError: x has NaN or Inf, or bits is out of range.
         IndexError: ``axis`` does not exist in x.
     """
     check_tensor(x)
+    if x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"x must be a real floating or integer tensor, got {x.dtype}")
     integer_range(bits, signed)
-    magnitude = x.detach().abs().to(torch.float64)
+    magnitude = x.detach().to(torch.float64).abs()  # float64 holds float8_e8m0fnu too
     if axis is None:
         peak = magnitude.max() if magnitude.numel() else torch.zeros((), dtype=torch.float64)
     else:
