@@ -192,7 +192,16 @@ def _step_with_grad(grad):
         ),
         (lambda: dyadic.fit_shift(V, 8), TypeError, r"x must be a DyadicTensor"),
         (lambda: X.ldexp(1.0), TypeError, r"exponent must be an int"),
-        (lambda: X.to_float(torch.int32), TypeError, r"dtype must be a floating dtype"),
+        (
+            lambda: X.to_float(torch.int32),
+            TypeError,
+            r"dtype must be torch.float32, float64, float16 or bfloat16, got torch.int32",
+        ),
+        (
+            lambda: X.to_float(torch.float8_e4m3fn),
+            TypeError,
+            r"dtype must be torch.float32, float64, float16 or bfloat16, got torch.float8_e4m3fn",
+        ),
         (
             lambda: inn.Linear(4, 3, weight_bits=40),
             ValueError,
