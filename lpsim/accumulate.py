@@ -42,6 +42,7 @@ import math
 import torch
 
 from lpsim._checks import (
+    check_bool,
     check_container,
     check_element_format,
     check_tensor,
@@ -134,10 +135,12 @@ def sum(
         is +0.
 
     Raises:
-        TypeError: x is not a tensor of a supported dtype, or acc is not a Float or Fixed format.
+        TypeError: x is not a tensor of a supported dtype, acc is not a Float or Fixed format, or
+            keepdim is not a bool.
         ValueError: x is not on the CPU, or an argument is out of range.
         IndexError: dim does not exist in x.
     """
+    check_bool("keepdim", keepdim)
     y, acc = _reduce(x, dim, False, acc, rounding, rbits, seed, offset)
     out = call("to_container", y, sum_container(acc, x.dtype))
     if dim is None:  # as torch.sum(x, None, keepdim): every dimension summed
