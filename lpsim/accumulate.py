@@ -45,6 +45,7 @@ from lpsim._checks import (
     check_bool,
     check_container,
     check_element_format,
+    check_strided,
     check_tensor,
     random_args,
 )
@@ -60,6 +61,7 @@ PRODUCT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # products exac
 
 def _check_input(x, name: str) -> None:
     check_container(x, name)
+    check_strided(x, name, "lpsim.accumulate")
     if x.device.type != "cpu":
         raise ValueError(f"lpsim.accumulate runs on CPU tensors only; {name} is on {x.device}")
 
@@ -221,12 +223,13 @@ def matvec(
 
     Raises:
         TypeError: an operand has an unsupported dtype (float64 products would not be exact) or
-            the operands' dtypes differ; a format is not a Float or Fixed.
+            a sparse layout, or the operands' dtypes differ; a format is not a Float or Fixed.
         ValueError: the shapes do not match, an operand is not on the CPU, or an argument is out of
             range.
     """
-    check_tensor(a, "a")
-    check_tensor(x, "x")
+    for name, operand in (("a", a), ("x", x)):
+        check_tensor(operand, name)
+        check_strided(operand, name, "lpsim.accumulate")
     if x.dim() != 1 or a.dim() != 2 or a.shape[1] != x.shape[0]:
         raise ValueError(
             f"matvec takes a of shape (m, n) and x of shape (n,), got {tuple(a.shape)} and "
@@ -257,6 +260,9 @@ def matmul(
 
 def _product(a, b, names, acc, mul, rounding, rbits, seed, offset):
     """matmul's checks (naming the operands `names` in messages), then _dot."""
+    for name, operand in zip(names, (a, b)):
+        check_tensor(operand, name)
+        check_strided(operand, name, "lpsim.accumulate")
     check_product_operands(a, b, names, "lpsim.accumulate")
     return _dot(a, b.t(), a.dtype, acc, mul, rounding, rbits, seed, offset)
 
