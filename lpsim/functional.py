@@ -132,8 +132,9 @@ def quantize(
             argument has the wrong type.
         ValueError: the format does not fit x's dtype, or an argument is out of range.
         IndexError: a BlockFloat dim does not exist in x.
-        RuntimeError: ``out`` is given and x or out requires grad, outside torch.no_grad(); or
-            ``out`` shares part, not all, of x's memory.
+        RuntimeError: ``out`` is given and x or out requires grad, outside torch.no_grad();
+            ``out`` has another shape, dtype or device than x, or shares part, not all, of x's
+            memory.
     """
     if torch.compiler.is_compiling():  # the fusable form, where there is one (lpsim.fusable)
         fused = compiled_quantize(x, fmt, rounding, rbits=rbits, seed=seed, offset=offset, out=out)
@@ -143,6 +144,10 @@ def quantize(
     if out is None:
         return call(name, x, *args)
     check_tensor(out, "out")
+    if out.device != x.device:
+        # The compiled kernels check it too, but a meta tensor among x and out dispatches to the
+        # shape-only kernel, which would leave out unwritten.
+        raise RuntimeError(f"out must be on the device of x, {x.device}, got {out.device}")
     if out.is_neg():
         # A negative view (torch._neg_view, z.conj().imag): torch's fallback for such views
         # cannot run the out= ops, which return nothing (it fails an internal assert). Round into

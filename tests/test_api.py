@@ -90,6 +90,20 @@ def test_out_may_be_x_itself_but_not_a_partial_overlap_of_it(fmt):
 
 
 @pytest.mark.parametrize("fmt", [*FORMATS, lpsim.scaled.preset("mxfp4_e2m1")], ids=repr)
+def test_out_on_another_device_than_x_is_refused(fmt):
+    # As torch.neg(x, out=...) refuses it. With a meta tensor on either side the call returned
+    # out unwritten: a CPU out kept whatever it held.
+    cpu = torch.randn(4, 32)
+    for x, out in ((cpu, torch.empty(4, 32, device="meta")), (cpu.to("meta"), torch.zeros(4, 32))):
+        with pytest.raises(RuntimeError):
+            torch.neg(x, out=out)
+        with pytest.raises(RuntimeError, match=r"out must be on the device of x, meta|got meta"):
+            lpsim.quantize(x, fmt, out=out)
+        if out.device.type == "cpu":
+            assert torch.equal(out, torch.zeros(4, 32))
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, lpsim.scaled.preset("mxfp4_e2m1")], ids=repr)
 @pytest.mark.parametrize("rule", ["nearest", "up", "down", "stochastic"])
 def test_out_with_the_negative_bit_reads_the_rounded_values(fmt, rule):
     # z.conj().imag is a view of z's imaginary parts with torch's negative bit set: writing y into
