@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from lpsim._checks import check_container, check_tensor, draws_seed_in_python, random_args
-from lpsim._ops import call
+from lpsim._ops import call, call_in_place
 from lpsim.formats import GRID_FORMATS, BlockFloat, Format, check_fits
 from lpsim.fusable import compiled_quantize, compiled_quantize_
 from lpsim.rounding import MAX_RBITS, Rounding
@@ -148,7 +148,7 @@ def quantize(
         # The compiled kernels check it too, but a meta tensor among x and out dispatches to the
         # shape-only kernel, which would leave out unwritten.
         raise RuntimeError(f"out must be on the device of x, {x.device}, got {out.device}")
-    if out.is_neg():
+    if not torch.compiler.is_compiling() and out.is_neg():
         # A negative view (torch._neg_view, z.conj().imag): torch's fallback for such views
         # cannot run the out= ops, which return nothing (it fails an internal assert). Round into
         # the same memory without the negative bit, which the op checks as it checks out, and
@@ -183,5 +183,5 @@ def quantize_(
         if compiled_quantize_(x, fmt, rounding, rbits=rbits, seed=seed, offset=offset) is not None:
             return x
     name, args = quantize_op_arguments(x, fmt, rounding, rbits, seed, offset)
-    call(name + "_", x, *args)
+    call_in_place(name + "_", x, *args)
     return x

@@ -44,7 +44,7 @@ from lpsim._checks import (
     check_strided,
     random_args,
 )
-from lpsim._ops import call
+from lpsim._ops import call, call_in_place
 from lpsim.formats import CONTAINERS, BlockFloat, Fixed, Float, GridSpec, check_fits
 from lpsim.rounding import Rounding
 
@@ -217,7 +217,7 @@ def sr_add_(
     in eager mode and under torch.compile alike.
     """
     args = _update_args(a, fmt, rounding, rbits, seed, offset, randomness)
-    call("sr_add_", a, _operand(a, b, "b"), *args)
+    call_in_place("sr_add_", a, _operand(a, b, "b"), *args)
     return a
 
 
@@ -245,7 +245,7 @@ def _addc(
     t1 = _operand(a, tensor1, "tensor1", dtype)
     t2 = _operand(a, tensor2, "tensor2", dtype)
     if inplace:
-        call("sr_addc_", a, t1, t2, _float64(value, "value"), divide, *args)
+        call_in_place("sr_addc_", a, t1, t2, _float64(value, "value"), divide, *args)
         return a
     return call("sr_addc", a, t1, t2, _float64(value, "value"), divide, *args)
 

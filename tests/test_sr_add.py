@@ -666,3 +666,30 @@ def test_addc_zero_dim_and_number_operands_follow_torchs_type_promotion(op, dtyp
             b = a.clone()
             inplace(b, *args, 0.3, rounding="nearest")
             assert_same_bits(b, want, f"{t2!r} {dtype} in place")
+
+
+def test_in_place_updates_of_a_negative_view_write_the_results_through_it():
+    # z.conj().imag views z's imaginary parts with torch's negative bit. The in-place updates leave
+    # it holding the out-of-place results for its values (and z.imag their negatives), b read
+    # before the update when it is the view itself. Calls alternate deterministic and stochastic
+    # rules: torch's fallback for such views corrupted the heap on lpsim's in-place ops.
+    generator = torch.Generator().manual_seed(8)
+    a, b = (torch.randn(6, 40, generator=generator) for _ in range(2))
+    t2 = torch.rand(6, 40, generator=generator) + 0.5
+    ops = [
+        (lpsim.sr_add_, lpsim.sr_add, (b,)),
+        (lpsim.sr_addcmul_, lpsim.sr_addcmul, (b, t2, 0.3)),
+        (lpsim.sr_addcdiv_, lpsim.sr_addcdiv, (b, t2, -0.7)),
+    ]
+    for i, rule in enumerate(["nearest", "stochastic", "up", "stochastic_equal", "down"] * 2):
+        for inplace, fused, operands in ops:
+            z = torch.complex(torch.zeros(6, 40), -a)
+            view = z.conj().imag
+            assert inplace(view, *operands, Float(5, 4), rule, seed=i) is view
+            want = fused(a, *operands, Float(5, 4), rule, seed=i)
+            assert_same_bits(view, want, f"{fused.__name__} {rule}")
+            assert_same_bits(z.imag, -want, f"{fused.__name__} {rule}: the memory")
+        z = torch.complex(torch.zeros(6, 40), -a)
+        view = z.conj().imag
+        lpsim.sr_add_(view, view, Float(5, 4), rule, seed=i)
+        assert_same_bits(view, lpsim.sr_add(a, a, Float(5, 4), rule, seed=i), f"b is a {rule}")
