@@ -134,6 +134,17 @@ def check_int(name: str, value, low: int, high: int) -> int:
     return value
 
 
+def check_bool(name: str, value) -> bool:
+    """value, checked to be a bool (as torch's argument parser checks one: not an int, not None).
+
+    Raises:
+        TypeError: value is not a bool.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def check_number(name: str, value, low: float = 0.0, high: float = math.inf) -> float:
     """value, checked to be a real number (an int or float, not a bool) in [low, high].
 

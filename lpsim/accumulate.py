@@ -42,8 +42,10 @@ import math
 import torch
 
 from lpsim._checks import (
+    check_bool,
     check_container,
     check_element_format,
+    check_strided,
     check_tensor,
     random_args,
 )
@@ -59,6 +61,7 @@ PRODUCT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # products exac
 
 def _check_input(x, name: str) -> None:
     check_container(x, name)
+    check_strided(x, name, "lpsim.accumulate")
     if x.device.type != "cpu":
         raise ValueError(f"lpsim.accumulate runs on CPU tensors only; {name} is on {x.device}")
 
@@ -123,7 +126,8 @@ def sum(
     Args:
         x: a float32, float64, bfloat16 or float16 CPU tensor.
         dim: the dimension to sum over; None: every element.
-        keepdim: keep the summed dimension with size 1 (with dim given).
+        keepdim: keep the summed dimension with size 1 (every dimension for dim None), as
+            torch.sum does.
         acc: a Float or Fixed accumulation format; None: x's own format (a bfloat16 tensor is
             summed in bfloat16).
         rounding, rbits, seed, offset: as for lpsim.quantize; the default rule is "nearest".
@@ -133,14 +137,16 @@ def sum(
         is +0.
 
     Raises:
-        TypeError: x is not a tensor of a supported dtype, or acc is not a Float or Fixed format.
+        TypeError: x is not a tensor of a supported dtype, acc is not a Float or Fixed format, or
+            keepdim is not a bool.
         ValueError: x is not on the CPU, or an argument is out of range.
         IndexError: dim does not exist in x.
     """
+    check_bool("keepdim", keepdim)
     y, acc = _reduce(x, dim, False, acc, rounding, rbits, seed, offset)
     out = call("to_container", y, sum_container(acc, x.dtype))
-    if dim is None:
-        return out.reshape(())
+    if dim is None:  # as torch.sum(x, None, keepdim): every dimension summed
+        return out.reshape((1,) * x.dim() if keepdim else ())
     if x.dim() == 0:
         return out.reshape(())
     d = _dim_of(dim, x)
@@ -217,12 +223,13 @@ def matvec(
 
     Raises:
         TypeError: an operand has an unsupported dtype (float64 products would not be exact) or
-            the operands' dtypes differ; a format is not a Float or Fixed.
+            a sparse layout, or the operands' dtypes differ; a format is not a Float or Fixed.
         ValueError: the shapes do not match, an operand is not on the CPU, or an argument is out of
             range.
     """
-    check_tensor(a, "a")
-    check_tensor(x, "x")
+    for name, operand in (("a", a), ("x", x)):
+        check_tensor(operand, name)
+        check_strided(operand, name, "lpsim.accumulate")
     if x.dim() != 1 or a.dim() != 2 or a.shape[1] != x.shape[0]:
         raise ValueError(
             f"matvec takes a of shape (m, n) and x of shape (n,), got {tuple(a.shape)} and "
@@ -253,6 +260,9 @@ def matmul(
 
 def _product(a, b, names, acc, mul, rounding, rbits, seed, offset):
     """matmul's checks (naming the operands `names` in messages), then _dot."""
+    for name, operand in zip(names, (a, b)):
+        check_tensor(operand, name)
+        check_strided(operand, name, "lpsim.accumulate")
     check_product_operands(a, b, names, "lpsim.accumulate")
     return _dot(a, b.t(), a.dtype, acc, mul, rounding, rbits, seed, offset)
 

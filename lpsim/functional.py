@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from lpsim._checks import check_container, check_tensor, draws_seed_in_python, random_args
-from lpsim._ops import call
+from lpsim._ops import call, call_in_place
 from lpsim.formats import GRID_FORMATS, BlockFloat, Format, check_fits
 from lpsim.fusable import compiled_quantize, compiled_quantize_
 from lpsim.rounding import MAX_RBITS, Rounding
@@ -115,7 +115,8 @@ def quantize(
         out: a tensor of x's shape and dtype to write into; returned. It may be x itself (x is
             then rounded in place, as by quantize_), but not a tensor that shares only part of
             x's memory (RuntimeError, as torch's out= functions: clone x first). sr_add_, whose
-            operand b is read from a copy when it overlaps a, differs here.
+            operand b is read from a copy when it overlaps a, differs here. A view with torch's
+            negative bit (z.conj().imag) reads the rounded values, as with torch's out=.
 
     Returns:
         A new contiguous tensor (or ``out``). The gradient with respect to x is the identity
@@ -131,8 +132,9 @@ def quantize(
             argument has the wrong type.
         ValueError: the format does not fit x's dtype, or an argument is out of range.
         IndexError: a BlockFloat dim does not exist in x.
-        RuntimeError: ``out`` is given and x or out requires grad, outside torch.no_grad(); or
-            ``out`` shares part, not all, of x's memory.
+        RuntimeError: ``out`` is given and x or out requires grad, outside torch.no_grad();
+            ``out`` has another shape, dtype or device than x, or shares part, not all, of x's
+            memory.
     """
     if torch.compiler.is_compiling():  # the fusable form, where there is one (lpsim.fusable)
         fused = compiled_quantize(x, fmt, rounding, rbits=rbits, seed=seed, offset=offset, out=out)
@@ -142,10 +144,15 @@ def quantize(
     if out is None:
         return call(name, x, *args)
     check_tensor(out, "out")
-    if out.is_neg():
+    if out.device != x.device:
+        # The compiled kernels check it too, but a meta tensor among x and out dispatches to the
+        # shape-only kernel, which would leave out unwritten.
+        raise RuntimeError(f"out must be on the device of x, {x.device}, got {out.device}")
+    if not torch.compiler.is_compiling() and out.is_neg():
         # A view whose values torch stores negated (its negative bit: z.conj().imag of a complex
         # z). torch's fallback for such views cannot run an out= op that returns nothing: it
-        # corrupted memory. Round into a resolved copy of out, then copy that into out.
+        # corrupted memory. Round into a resolved copy of out, then copy that into out, as
+        # call_in_place does for the in-place ops.
         resolved = out.resolve_neg()
         call(name + "_out", x, *args, resolved)
         return out.copy_(resolved)
@@ -175,5 +182,5 @@ def quantize_(
         if compiled_quantize_(x, fmt, rounding, rbits=rbits, seed=seed, offset=offset) is not None:
             return x
     name, args = quantize_op_arguments(x, fmt, rounding, rbits, seed, offset)
-    call(name + "_", x, *args)
+    call_in_place(name + "_", x, *args)
     return x

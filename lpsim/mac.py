@@ -83,7 +83,7 @@ from typing import Literal
 
 import torch
 
-from lpsim._checks import check_choice, check_element_format, check_int
+from lpsim._checks import check_choice, check_element_format, check_int, check_strided
 from lpsim._checks import random_args as _random_args
 from lpsim._ops import call
 from lpsim.accumulate import check_product_operands
@@ -361,8 +361,8 @@ def matmul(
     gradients.
 
     Raises:
-        TypeError: an operand has an unsupported dtype (float64 products would not be exact), the
-            dtypes differ, or mac is not a MAC.
+        TypeError: an operand has an unsupported dtype (float64 products would not be exact) or,
+            under a non-native MAC, a sparse layout; the dtypes differ, or mac is not a MAC.
         ValueError: the shapes do not match, or the operands are not on one CPU or CUDA device.
     """
     if not isinstance(mac, MAC):
@@ -370,6 +370,8 @@ def matmul(
     check_product_operands(a, b, ("a", "b"), "lpsim.mac.matmul", ("cpu", "cuda"))
     if mac.native:
         return torch.matmul(a, b)
+    for name, operand in (("a", a), ("b", b)):
+        check_strided(operand, name, "lpsim.mac.matmul under a non-native MAC")
     for fmt in (mac.accumulator, mac.product, mac.chunk_accumulator):
         if fmt is not None:
             check_fits(fmt, torch.float64)

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from lpsim._checks import MAX_SEED, check_container, check_strided, draw_seed, random_args
-from lpsim._ops import call
+from lpsim._ops import call, call_in_place
 from lpsim.formats import GRID_FORMATS, BlockFloat, Format
 from lpsim.functional import quantize_op_arguments
 from lpsim.rounding import Rounding
@@ -148,7 +148,7 @@ def quantize_many_(
             if not torch.compiler.is_compiling():
                 _check_in_place(t, i)
         for t, (name, args) in zip(checked, calls, strict=True):
-            call(name + "_", t, *args)
+            call_in_place(name + "_", t, *args)
         return tensors
     if not isinstance(fmt, GRID_FORMATS):
         raise TypeError(

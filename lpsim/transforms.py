@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lpsim._checks import CONTAINER_DTYPES, MAX_SEED, check_container
+from lpsim._checks import CONTAINER_DTYPES, MAX_SEED, check_container, check_strided
 
 __all__ = ["RandomHadamard", "MAX_SIZE", "MATMUL_MAX_SIZE"]
 
@@ -162,7 +162,7 @@ class RandomHadamard:
             beyond x's dtype's range (float16's 65504, say) rounds to infinity.
 
         Raises:
-            TypeError: x is not a tensor of a supported dtype.
+            TypeError: x is not a strided (dense) tensor of a supported dtype.
             IndexError: ``axis`` is not a dimension of x (or x is 0-dimensional).
             ValueError: the length of ``axis`` is not a multiple of ``size``.
         """
@@ -176,6 +176,7 @@ class RandomHadamard:
 
     def _transform(self, x: torch.Tensor, inverse: bool) -> torch.Tensor:
         check_container(x)
+        check_strided(x, "x", "RandomHadamard")
         if x.dim() == 0:
             raise IndexError("RandomHadamard transforms tensors of at least one dimension, x has 0")
         if not -x.dim() <= self.axis < x.dim():

@@ -44,7 +44,7 @@ from lpsim._checks import (
     check_strided,
     random_args,
 )
-from lpsim._ops import call
+from lpsim._ops import call, call_in_place
 from lpsim.formats import CONTAINERS, BlockFloat, Fixed, Float, GridSpec, check_fits
 from lpsim.rounding import Rounding
 
@@ -123,16 +123,19 @@ def _float64(number: int | float, name: str) -> float:
         ) from None
 
 
-def _operand(a: torch.Tensor, b, name: str) -> torch.Tensor:
-    """b as the update ops take it: a tensor of a's shape and device whose dtype is a's, float32 or
-    float64 (other dtypes are converted, exactly, to float32; a Python number becomes float64)."""
+def _operand(a: torch.Tensor, b, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """b as the update ops take it: a tensor of a's shape and device whose dtype is ``dtype``, or
+    when None a's, float32 or float64 (other dtypes are converted, exactly, to float32; a Python
+    number becomes float64)."""
     if isinstance(b, (int, float)) and not isinstance(b, bool):
         b = torch.tensor(_float64(b, name), dtype=torch.float64, device=a.device)
     check_container(b, name)
     check_strided(b, name, "the sr_add family")
     if b.device != a.device:
         raise ValueError(f"{name} must be on a's device ({a.device}), got {b.device}")
-    if b.dtype not in (a.dtype, torch.float32, torch.float64):
+    if dtype is not None:
+        b = b.to(dtype)
+    elif b.dtype not in (a.dtype, torch.float32, torch.float64):
         b = b.float()
     if b.shape != a.shape:
         try:
@@ -214,8 +217,22 @@ def sr_add_(
     in eager mode and under torch.compile alike.
     """
     args = _update_args(a, fmt, rounding, rbits, seed, offset, randomness)
-    call("sr_add_", a, _operand(a, b, "b"), *args)
+    call_in_place("sr_add_", a, _operand(a, b, "b"), *args)
     return a
+
+
+def _term_dtype(a: torch.Tensor, tensor1, tensor2) -> torch.dtype:
+    """The dtype torch's type promotion gives the operands of torch.addcmul(a, tensor1, tensor2):
+    the promotion of the dtypes of the tensors with dimensions, or of the 0-d tensors when all are
+    0-d. A Python number, as torch's wrapped numbers, never decides it (a is a floating tensor).
+    For operands that pass _operand's checks it is a's dtype, float32 or float64 (bfloat16 and
+    float16 promote to float32)."""
+    tensors = [t for t in (a, tensor1, tensor2) if isinstance(t, torch.Tensor)]
+    deciding = [t for t in tensors if t.dim() > 0] or tensors
+    dtype = deciding[0].dtype
+    for t in deciding[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
 
 
 def _addc(
@@ -224,24 +241,27 @@ def _addc(
     args = _update_args(a, fmt, rounding, rbits, seed, offset, randomness)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"value must be a number, got {type(value).__name__}")
-    t1 = _operand(a, tensor1, "tensor1")
-    t2 = _operand(a, tensor2, "tensor2")
-    if t1.dtype != t2.dtype:  # one dtype for both: the wider
-        wide = torch.float64 if torch.float64 in (t1.dtype, t2.dtype) else torch.float32
-        t1, t2 = t1.to(wide), t2.to(wide)
+    dtype = _term_dtype(a, tensor1, tensor2)
+    t1 = _operand(a, tensor1, "tensor1", dtype)
+    t2 = _operand(a, tensor2, "tensor2", dtype)
     if inplace:
-        call("sr_addc_", a, t1, t2, _float64(value, "value"), divide, *args)
+        call_in_place("sr_addc_", a, t1, t2, _float64(value, "value"), divide, *args)
         return a
     return call("sr_addc", a, t1, t2, _float64(value, "value"), divide, *args)
 
 
 _ADDC_DOC = """{summary}
 
-    The term (value * tensor1) {op} tensor2 is computed in float32, or in float64 when a or the
-    tensors are float64, in torch's order, each operation rounded to nearest except as follows
+    tensor1 and tensor2 are first converted to the dtype torch's type promotion gives a, tensor1
+    and tensor2 (torch.addcmul's: the tensors with dimensions decide it, 0-d tensors only when all
+    are 0-d, Python numbers never), which rounds a 0-d or number operand to that precision as torch
+    does. The term (value * tensor1) {op} tensor2 is then computed in float64 when that dtype is
+    float64, else in float32, in torch's order, each operation rounded to nearest except as follows
     (value is first rounded to that precision, as torch does); the sum of a and the term is then
-    exact and rounded once, as in sr_add. With rounding "nearest" into a's own dtype, sr_addcdiv is
-    torch's CPU addcdiv bit for bit (on every device: torch's CUDA kernels group the ops otherwise);
+    exact and rounded once, as in sr_add. With rounding "nearest" into a's own dtype, float32 or
+    float64, sr_addcdiv is torch's CPU addcdiv bit for bit, on every device (torch's CUDA kernels
+    group the ops otherwise; a bfloat16 or float16 sum torch rounds twice: to float32, then to a's
+    dtype);
     torch's CPU addcmul fuses its last multiplication with the addition, and so does sr_addcmul:
     that product is exact (held in float64), so that with "nearest" into float32 sr_addcmul is
     torch's CPU addcmul bit for bit (in float64 it is rounded to nearest, as no wider container

@@ -161,6 +161,26 @@ def test_shapes_and_keepdim_follow_torch():
     assert lpsim.accumulate.matmul(torch.rand(3, 0), torch.rand(0, 2)).eq(0).all()
 
 
+def test_keepdim_without_dim_keeps_every_dimension_as_torch_sum():
+    # Small integers: every order of summation gives the same exact sum.
+    tensors = (torch.arange(24.0).reshape(2, 3, 4), torch.arange(5.0), torch.tensor(0.5))
+    for x in (*tensors, torch.empty(2, 0)):
+        for keepdim in (False, True):
+            want = torch.sum(x, None, keepdim=keepdim)
+            got = lpsim.accumulate.sum(x, keepdim=keepdim, acc=Float(8, 23))
+            assert_same_bits(got, want, f"{tuple(x.shape)} keepdim={keepdim}")
+
+
+@pytest.mark.parametrize("keepdim", [1, 0, None, "no"])
+def test_keepdim_must_be_a_bool_as_torch_sum_requires(keepdim):
+    # torch.sum refuses an int, None or a str for keepdim; a truthy "no" kept the dimension.
+    x = torch.ones(2, 3)
+    with pytest.raises(TypeError, match="must be bool"):
+        torch.sum(x, 0, keepdim=keepdim)
+    with pytest.raises(TypeError, match=f"keepdim must be a bool, got {type(keepdim).__name__}"):
+        lpsim.accumulate.sum(x, 0, keepdim=keepdim)
+
+
 @pytest.mark.parametrize("shape", [(2, 0), (4, 0, 1), (1, 2, 0), (3, 0, 2), (0, 3)])
 def test_sum_and_cumsum_beside_an_empty_dimension_give_torchs_empty_or_zero_results(shape):
     x = torch.zeros(shape)

@@ -116,6 +116,64 @@ def test_out_with_the_negative_bit_receives_the_result():
     assert done.stdout == "ok\n", done.stdout + done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("fmt", [*FORMATS, lpsim.scaled.preset("mxfp4_e2m1")], ids=repr)
+def test_out_on_another_device_than_x_is_refused(fmt):
+    # As torch.neg(x, out=...) refuses it. With a meta tensor on either side the call returned
+    # out unwritten: a CPU out kept whatever it held.
+    cpu = torch.randn(4, 32)
+    for x, out in ((cpu, torch.empty(4, 32, device="meta")), (cpu.to("meta"), torch.zeros(4, 32))):
+        with pytest.raises(RuntimeError):
+            torch.neg(x, out=out)
+        with pytest.raises(RuntimeError, match=r"out must be on the device of x, meta|got meta"):
+            lpsim.quantize(x, fmt, out=out)
+        if out.device.type == "cpu":
+            assert torch.equal(out, torch.zeros(4, 32))
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, lpsim.scaled.preset("mxfp4_e2m1")], ids=repr)
+@pytest.mark.parametrize("rule", ["nearest", "up", "down", "stochastic"])
+def test_out_with_the_negative_bit_reads_the_rounded_values(fmt, rule):
+    # z.conj().imag is a view of z's imaginary parts with torch's negative bit set: writing y into
+    # it stores -y, and reading it gives y back, as torch.neg(x, out=z.conj().imag) does.
+    x = torch.randn(7, 32) * 5
+    want = lpsim.quantize(x, fmt, rule, seed=4)
+    z = torch.zeros(7, 32, dtype=torch.complex64)
+    out = z.conj().imag
+    assert out.is_neg()
+    assert lpsim.quantize(x, fmt, rule, seed=4, out=out) is out
+    assert_same_bits(out, want, "out")
+    assert_same_bits(z.imag, -want, "the memory out views")
+    assert_same_bits(z.real, torch.zeros(7, 32), "the real parts")
+    # out=x itself, x a negative view: x reads its rounded values (those of -x's memory).
+    own = torch.complex(x, x).conj().imag
+    lpsim.quantize(own, fmt, rule, seed=4, out=own)
+    assert_same_bits(own, lpsim.quantize(-x, fmt, rule, seed=4), "out is x")
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, lpsim.scaled.preset("mxfp4_e2m1")], ids=repr)
+def test_in_place_rounding_of_a_negative_view_writes_the_rounded_values_through_it(fmt):
+    # z.conj().imag views z's imaginary parts with torch's negative bit: rounding it in place
+    # leaves it holding quantize() of its values, and z.imag their negatives. Calls alternate
+    # deterministic and stochastic rules: torch's fallback for such views corrupted the heap on
+    # lpsim's in-place ops (the process aborted within a few calls).
+    x = torch.randn(7, 32) * 5
+    for i, rule in enumerate(["nearest", "stochastic", "up", "stochastic", "down"] * 2):
+        seed = i if rule == "stochastic" else None
+        z = torch.complex(torch.zeros(7, 32), -x)
+        view = z.conj().imag
+        assert view.is_neg()
+        assert lpsim.quantize_(view, fmt, rule, seed=seed) is view
+        want = lpsim.quantize(x, fmt, rule, seed=seed)
+        assert_same_bits(view, want, rule)
+        assert_same_bits(z.imag, -want, f"{rule}: the memory")
+    # Through a non-leaf, the gradient stays the identity; a view of a leaf is refused.
+    leaf = torch.randn(7, 32, requires_grad=True)
+    y = torch.complex(torch.zeros(7, 32), leaf * 2)
+    lpsim.quantize_(y.conj().imag, fmt)
+    y.imag.sum().backward()
+    assert torch.equal(leaf.grad, torch.full((7, 32), 2.0))
+
+
 def test_negative_block_dims_are_refused_as_ambiguous():
     for d in (-1, -2):
         with pytest.raises(ValueError, match="negative dims are ambiguous"):

@@ -192,7 +192,16 @@ def _step_with_grad(grad):
         ),
         (lambda: dyadic.fit_shift(V, 8), TypeError, r"x must be a DyadicTensor"),
         (lambda: X.ldexp(1.0), TypeError, r"exponent must be an int"),
-        (lambda: X.to_float(torch.int32), TypeError, r"dtype must be a floating dtype"),
+        (
+            lambda: X.to_float(torch.int32),
+            TypeError,
+            r"dtype must be torch.float32, float64, float16 or bfloat16, got torch.int32",
+        ),
+        (
+            lambda: X.to_float(torch.float8_e4m3fn),
+            TypeError,
+            r"dtype must be torch.float32, float64, float16 or bfloat16, got torch.float8_e4m3fn",
+        ),
         (
             lambda: inn.Linear(4, 3, weight_bits=40),
             ValueError,
@@ -232,6 +241,16 @@ def _step_with_grad(grad):
             r"x must be finite, found NaN or Inf",
         ),
         (lambda: dyadic.scale_for([1.0], 8), TypeError, r"x must be a torch.Tensor, got list"),
+        (
+            lambda: dyadic.scale_for(torch.tensor([3.0 + 4.0j]), 8),
+            TypeError,
+            r"x must be a real floating or integer tensor, got torch.complex64",
+        ),
+        (
+            lambda: dyadic.scale_for(torch.tensor([True]), 8),
+            TypeError,
+            r"x must be a real floating or integer tensor, got torch.bool",
+        ),
         (lambda: dyadic.requantize(M, 1.0, 8), TypeError, r"scale must be an int, got float"),
         (lambda: _after_forward(inn.Linear(3, 2)).backward(5), TypeError, r"grad must be a Dy"),
         (lambda: inn.ReLU()(M.mantissa), TypeError, r"x must be a DyadicTensor, got Tensor"),

@@ -319,6 +319,33 @@ def test_from_float_matches_exact_rationals(x, scale, bits, signed, rule, seed, 
         assert out.clipped[i].item() == (not lo <= exact <= hi)
 
 
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e8m0fnu],
+    ids=str,
+)
+@pytest.mark.parametrize("rule", ["nearest", "stochastic"])
+def test_from_float_takes_every_narrow_float_dtype_at_its_exact_values(dtype, rule):
+    # The values of every code of the dtype (its finite ones), as Python floats: exact.
+    if dtype == torch.float8_e8m0fnu:
+        values = [2.0**e for e in range(-12, 13)]
+    else:
+        codes = torch.arange(-300, 300, 0.37).to(dtype).float().unique()
+        values = [v for v in codes.tolist() if math.isfinite(v)]
+    t = torch.tensor(values, dtype=torch.float64).to(dtype)
+    assert t.tolist() == values
+    peak = max(abs(v) for v in values)
+    scale = 16 - 2 - (math.frexp(peak)[1] - 1)  # the documented scale_for(x, 16)
+    out = dyadic.from_float(t, 16, rounding=rule, seed=3)
+    assert out.value.scale == scale
+    r = Rounding[rule]
+    for i, value in enumerate(values):
+        exact = ref.round_rational(
+            Fraction(value) * Fraction(2) ** scale, r, ref.word_of(r, 3, 0, i)
+        )
+        assert out.value.mantissa[i].item() == min(max(exact, -(2**15)), 2**15 - 1), value
+
+
 def test_from_float_chooses_the_scale_from_the_largest_magnitude():
     # max |x| = 2.5 -> floor(log2) = 1 -> scale 8 - 2 - 1 = 5 (signed), 6 (unsigned): 2.5 * 32 = 80.
     x = torch.tensor([0.3, -1.7, 2.5])

@@ -620,3 +620,21 @@ def test_sgd_updates_a_per_channel_parameter_from_a_per_tensor_gradient_as_torch
     _three_steps_as_torch_sgd(w, DyadicTensor(_int([[64, -32], [1024, -2048]]), 10))
     assert w.value.scale.tolist() == [10, 4] and w.value.axis == 0
     assert w.value.mantissa.tolist() == [[100 - 68, -100 + 34], [7 - 17, 9 + 34]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16], ids=str)
+def test_linear_takes_initial_values_of_any_float_dtype_exactly(dtype):
+    # weight and bias_value are any finite float tensors: the parameters are their exact values at
+    # scale scale_for(weight and bias, 16) - headroom, rounded to nearest (ties to even).
+    generator = torch.Generator().manual_seed(6)
+    w = torch.randn(3, 4, generator=generator).to(dtype)
+    b = torch.randn(3, generator=generator).to(dtype)
+    layer = inn.Linear(4, 3, weight=w, bias_value=b, weight_bits=16, headroom=2)
+    values = w.float().flatten().tolist() + b.float().tolist()
+    scale = 16 - 2 - (math.frexp(max(abs(v) for v in values))[1] - 1) - 2
+    mantissas = [round(Fraction(v) * 2**scale) for v in values]  # round() ties to even
+    assert layer.weight.value.scale == layer.bias.value.scale == scale
+    got = layer.weight.value.mantissa.flatten().tolist() + layer.bias.value.mantissa.tolist()
+    assert got == mantissas
+    with pytest.raises(ValueError, match="weight must be finite, found 12 NaN or Inf"):
+        inn.Linear(4, 3, weight=torch.full((3, 4), math.nan).to(dtype))

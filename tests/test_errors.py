@@ -150,6 +150,38 @@ X = torch.randn(4, 3)
             TypeError,
             r"clamping_grad_zero must be a bool, got str",
         ),
+        # Sparse operands: the message names the operand (it was "unsupported memory format
+        # option Contiguous" or "reshape is not implemented for sparse tensors").
+        (
+            lambda: lpsim.accumulate.sum(X.to_sparse()),
+            TypeError,
+            r"^x is a sparse_coo tensor; lpsim.accumulate takes strided tensors",
+        ),
+        (
+            lambda: lpsim.accumulate.cumsum(X.to_sparse(), 0),
+            TypeError,
+            r"^x is a sparse_coo tensor; lpsim.accumulate takes strided tensors",
+        ),
+        (
+            lambda: lpsim.accumulate.matvec(X, torch.ones(3).to_sparse()),
+            TypeError,
+            r"^x is a sparse_coo tensor; lpsim.accumulate takes strided tensors",
+        ),
+        (
+            lambda: lpsim.accumulate.matmul(X, X.t().to_sparse()),
+            TypeError,
+            r"^b is a sparse_coo tensor; lpsim.accumulate takes strided tensors",
+        ),
+        (
+            lambda: lpsim.mac.matmul(X.to_sparse(), X.t(), lpsim.MAC(accumulator=Float(5, 10))),
+            TypeError,
+            r"^a is a sparse_coo tensor; lpsim.mac.matmul under a non-native MAC takes strided",
+        ),
+        (
+            lambda: lpsim.RandomHadamard(2, axis=0).apply(X.to_sparse()),
+            TypeError,
+            r"^x is a sparse_coo tensor; RandomHadamard takes strided tensors",
+        ),
     ],
 )
 def test_bad_input_raises_a_clear_error(call, error, pattern):

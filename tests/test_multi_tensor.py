@@ -310,3 +310,22 @@ def test_property_every_format_family_and_rbits_equals_one_by_one(
     quantize_many_(tensors, fmt, rounding, seed=seed, offset=offset, rbits=rbits)
     for i, (got, expected) in enumerate(zip(tensors, want)):
         assert_same_bits(got, expected, f"tensors[{i}]")
+
+
+@pytest.mark.parametrize(
+    "fmt", [BlockFloat(4), BlockFloat(4, 0), lpsim.scaled.preset("mxfp4_e2m1")], ids=repr
+)
+def test_block_formats_round_a_negative_view_in_place_as_quantize_does(fmt):
+    # z.conj().imag views z's imaginary parts with torch's negative bit: after quantize_many_ it
+    # holds quantize() of its values and z.imag their negatives. Calls alternate deterministic
+    # and stochastic rules: torch's fallback for such views corrupted the heap on the in-place op.
+    x = torch.randn(6, 32) * 5
+    for i, rule in enumerate(["nearest", "stochastic", "up", "stochastic"] * 2):
+        z = torch.complex(torch.zeros(6, 32), -x)
+        view = z.conj().imag
+        other = x.clone()
+        quantize_many_([other, view], fmt, rule, seed=i, offset=3)
+        want = lpsim.quantize(x, fmt, rule, seed=i, offset=4)
+        assert_same_bits(view, want, rule)
+        assert_same_bits(z.imag, -want, f"{rule}: the memory")
+        assert_same_bits(other, lpsim.quantize(x, fmt, rule, seed=i, offset=3), rule)

@@ -636,3 +636,60 @@ def test_addcmul_and_addcdiv_with_nearest_into_a_own_dtype_are_torchs(op, dtype)
         getattr(lpsim, f"sr_{op}_")(inplace, t1, t2, value, rounding="nearest")
         want = getattr(a.clone(), f"{op}_")(t1, t2, value=value)
         assert_same_bits(inplace, want, f"value {value} in place")
+
+
+@pytest.mark.parametrize("op", ["addcmul", "addcdiv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_addc_zero_dim_and_number_operands_follow_torchs_type_promotion(op, dtype):
+    # torch.addcmul(a, t1, t2) with a 0-d t2 converts it to the dtype of the tensors with
+    # dimensions (a 0-d float64 tensor does not make the term float64), and a Python number is a
+    # wrapped number, which never decides the dtype: torch.result_type(a, t2) is that dtype. In
+    # float32 the oracle is torch's addcmul and addcdiv themselves; in bfloat16 and float16
+    # (where torch rounds its float32 sum a second time) it is the operand converted by torch and
+    # given with a's shape.
+    generator = torch.Generator().manual_seed(5)
+    a, t1 = (torch.randn(4000, generator=generator).to(dtype) for _ in range(2))
+    fused, inplace = getattr(lpsim, f"sr_{op}"), getattr(lpsim, f"sr_{op}_")
+    for t2 in (0.7, 1 + 2**-30, torch.tensor(0.7, dtype=torch.float64), torch.tensor(1 + 2**-30)):
+        as_tensor = t2 if isinstance(t2, torch.Tensor) else torch.tensor(t2, dtype=torch.float64)
+        promoted = as_tensor.to(torch.result_type(a, t2)).expand(a.shape).contiguous()
+        for first in (True, False):
+            args = (t1, t2) if first else (t2, t1)
+            if dtype == torch.float32:
+                want_args = (t1, as_tensor) if first else (as_tensor, t1)
+                want = getattr(torch, op)(a, *want_args, value=0.3)
+            else:
+                want_args = (t1, promoted) if first else (promoted, t1)
+                want = fused(a, *want_args, 0.3, rounding="nearest")
+            got = fused(a, *args, 0.3, rounding="nearest")
+            assert_same_bits(got, want, f"{t2!r} {dtype}")
+            b = a.clone()
+            inplace(b, *args, 0.3, rounding="nearest")
+            assert_same_bits(b, want, f"{t2!r} {dtype} in place")
+
+
+def test_in_place_updates_of_a_negative_view_write_the_results_through_it():
+    # z.conj().imag views z's imaginary parts with torch's negative bit. The in-place updates leave
+    # it holding the out-of-place results for its values (and z.imag their negatives), b read
+    # before the update when it is the view itself. Calls alternate deterministic and stochastic
+    # rules: torch's fallback for such views corrupted the heap on lpsim's in-place ops.
+    generator = torch.Generator().manual_seed(8)
+    a, b = (torch.randn(6, 40, generator=generator) for _ in range(2))
+    t2 = torch.rand(6, 40, generator=generator) + 0.5
+    ops = [
+        (lpsim.sr_add_, lpsim.sr_add, (b,)),
+        (lpsim.sr_addcmul_, lpsim.sr_addcmul, (b, t2, 0.3)),
+        (lpsim.sr_addcdiv_, lpsim.sr_addcdiv, (b, t2, -0.7)),
+    ]
+    for i, rule in enumerate(["nearest", "stochastic", "up", "stochastic_equal", "down"] * 2):
+        for inplace, fused, operands in ops:
+            z = torch.complex(torch.zeros(6, 40), -a)
+            view = z.conj().imag
+            assert inplace(view, *operands, Float(5, 4), rule, seed=i) is view
+            want = fused(a, *operands, Float(5, 4), rule, seed=i)
+            assert_same_bits(view, want, f"{fused.__name__} {rule}")
+            assert_same_bits(z.imag, -want, f"{fused.__name__} {rule}: the memory")
+        z = torch.complex(torch.zeros(6, 40), -a)
+        view = z.conj().imag
+        lpsim.sr_add_(view, view, Float(5, 4), rule, seed=i)
+        assert_same_bits(view, lpsim.sr_add(a, a, Float(5, 4), rule, seed=i), f"b is a {rule}")

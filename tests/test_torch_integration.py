@@ -457,3 +457,25 @@ def test_stochastic_rounding_under_vmap_follows_its_randomness_flag():
     )
     assert_same_bits(different, want)
     assert len(set(seeds)) == 4
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda row: lpsim.quantize_(row, Float(5, 2)),
+        lambda row: lpsim.quantize_many_([row], Float(5, 2)),
+        lambda row: lpsim.quantize_(row, BlockFloat(4)),
+        lambda row: lpsim.sr_add_(row, 1.0, Float(5, 2), "nearest"),
+        lambda row: lpsim.sr_addcmul_(row, row, row, 0.5, Float(5, 2), "nearest"),
+        lambda row: lpsim.quantize(row * 2, Float(5, 2), out=row),
+    ],
+    ids=["quantize_", "quantize_many_", "quantize_ BlockFloat", "sr_add_", "sr_addcmul_", "out="],
+)
+def test_ops_that_write_into_an_argument_are_refused_under_vmap(write):
+    # As docs/training.md states: vmap's fallback runs the out-of-place ops once per sample but
+    # takes no op that writes into an argument; the rows are left as they were.
+    x = torch.randn(3, 8)
+    before = x.clone()
+    with pytest.raises(RuntimeError, match="Batching rule not implemented"):
+        torch.vmap(write)(x)
+    assert torch.equal(x, before)

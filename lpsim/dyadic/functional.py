@@ -193,13 +193,16 @@ def scale_for(
     end) an int64 tensor per channel.
 
     Raises:
-        TypeError: x is not a tensor; an argument has the wrong type.
+        TypeError: x is not a real floating or integer tensor (complex, bool); an argument has
+            the wrong type.
         ValueError: x has NaN or Inf, or bits is out of range.
         IndexError: ``axis`` does not exist in x.
     """
     check_tensor(x)
+    if x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"x must be a real floating or integer tensor, got {x.dtype}")
     integer_range(bits, signed)
-    magnitude = x.detach().abs().to(torch.float64)
+    magnitude = x.detach().to(torch.float64).abs()  # float64 holds float8_e8m0fnu too
     if axis is None:
         peak = magnitude.max() if magnitude.numel() else torch.zeros((), dtype=torch.float64)
     else:
@@ -235,7 +238,8 @@ def from_float(
     the significand with the integer rounding: no floating-point arithmetic.
 
     Args:
-        x: a finite float tensor (float16 and bfloat16 are widened exactly to float32).
+        x: a finite float tensor (float16, bfloat16 and the float8 dtypes are widened exactly
+            to float32).
         bits: the integer width, sign included (see integer_range).
         scale: an int, a per-channel sequence/tensor along ``axis``, or None: scale_for(x, ...).
         signed: two's complement [-2**(bits-1), 2**(bits-1) - 1], else [0, 2**bits - 1].
@@ -255,8 +259,8 @@ def from_float(
     if not x.dtype.is_floating_point:
         raise TypeError(f"x must be a floating tensor, got {x.dtype}")
     check_cpu_dense(x, "x", "lpsim.dyadic.from_float")
-    if x.dtype in (torch.float16, torch.bfloat16):
-        x = x.float()
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()  # float16, bfloat16 and the float8 dtypes: every value exactly
     bounds = integer_range(bits, signed)
     storage = _storage(bounds, dtype)
     if axis is not None:

@@ -176,9 +176,9 @@ def _check_initial(name: str, value, shape: tuple[int, ...]) -> None:
     check_cpu_dense(value, name, "lpsim.dyadic.nn.Linear")
     if tuple(value.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
-    if not bool(torch.isfinite(value).all()):
-        bad = int((~torch.isfinite(value)).sum())
-        raise ValueError(f"{name} must be finite, found {bad} NaN or Inf")
+    finite = torch.isfinite(value.detach().to(torch.float64))  # float8 values too, exactly
+    if not bool(finite.all()):
+        raise ValueError(f"{name} must be finite, found {int((~finite).sum())} NaN or Inf")
 
 
 class Linear(Module):
@@ -253,7 +253,7 @@ class Linear(Module):
             _check_initial("bias_value", b, (out_features,))
             initial.append(b.detach())
         # The largest magnitude of weight and bias together (an all-zero bias does not count).
-        largest = torch.cat([t.reshape(-1) for t in initial])
+        largest = torch.cat([t.reshape(-1).to(torch.float64) for t in initial])  # exact
         scale = F.scale_for(largest, weight_bits) - headroom
         self.weight = Parameter(
             "weight", F.from_float(w.detach(), weight_bits, scale).value, weight_bits

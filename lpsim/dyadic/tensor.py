@@ -176,7 +176,9 @@ class DyadicTensor:
         precision at the value's exponent), so the float arithmetic that follows is exact.
         """
         if dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-            raise TypeError(f"dtype must be a floating dtype, got {dtype}")
+            raise TypeError(
+                f"dtype must be torch.float32, float64, float16 or bfloat16, got {dtype}"
+            )
         if dtype in (torch.float32, torch.float64) and self._exact_in_float64():
             # The products are exact normal float64 numbers and the cast rounds them once: the
             # same results as below, about 20 times faster (2**22 elements, one core).
