@@ -159,6 +159,10 @@ class _Fused(Optimizer):
         """
         kept = self.state_dict()
         super().load_state_dict(state_dict)
+        # torch's loading (Optimizer.__setstate__) adds a "differentiable" option to the defaults,
+        # which these optimizers do not have: kept, it would enter the loaded groups and every
+        # group added later, and a resumed run's state_dict would differ from the run's.
+        self.defaults.pop("differentiable", None)
         try:
             for index, group in enumerate(self.param_groups):
                 self._options_of_torch_group(group)
