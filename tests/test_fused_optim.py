@@ -214,6 +214,19 @@ def test_a_resumed_optimizer_s_state_dict_and_later_groups_are_the_uninterrupted
 
     straight, resumed = run(), run(stop_at=4)
     assert resumed["param_groups"] == straight["param_groups"]
+    # A refused state_dict leaves the optimizer as it was, its later groups included.
+    params = _params()
+    opt = _fused_optimizer(kind, params, hyper, formats)
+    refused = copy.deepcopy(opt.state_dict())
+    refused["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="lr"):
+        opt.load_state_dict(refused)
+    opt.add_param_group({"params": [extra]})
+    assert (
+        opt.param_groups[-1].keys()
+        == opt.param_groups[0].keys()
+        == straight["param_groups"][0].keys()
+    )
     assert resumed["state"].keys() == straight["state"].keys()
     for index, state in straight["state"].items():
         assert resumed["state"][index].keys() == state.keys()

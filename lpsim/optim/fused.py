@@ -159,10 +159,6 @@ class _Fused(Optimizer):
         """
         kept = self.state_dict()
         super().load_state_dict(state_dict)
-        # torch's loading (Optimizer.__setstate__) adds a "differentiable" option to the defaults,
-        # which these optimizers do not have: kept, it would enter the loaded groups and every
-        # group added later, and a resumed run's state_dict would differ from the run's.
-        self.defaults.pop("differentiable", None)
         try:
             for index, group in enumerate(self.param_groups):
                 self._options_of_torch_group(group)
@@ -178,6 +174,14 @@ class _Fused(Optimizer):
                     for p in group["params"]:
                         if "accumulator" not in self.state[p]:
                             self.state[p]["accumulator"] = p.detach().clone()
+
+    def __setstate__(self, state: dict) -> None:
+        """torch's Optimizer.__setstate__ (which load_state_dict and unpickling call), without the
+        "differentiable" option it adds to the defaults: these optimizers do not have it, and
+        load_state_dict would put it into the loaded groups and add_param_group into every group
+        added later, so that a resumed run's state_dict would differ from the run's."""
+        super().__setstate__(state)
+        self.defaults.pop("differentiable", None)
 
     def _options_of_torch_group(self, group: dict) -> None:
         """Set, in a loaded group, the options that the torch optimizer's group holds under other
