@@ -1,5 +1,6 @@
 """Training in simulated low precision: quantizer(), Quantizer, OptimLP and model injection."""
 
+import contextlib
 import copy
 import io
 from fractions import Fraction
@@ -977,3 +978,79 @@ def test_a_whole_run_gives_the_same_bits_for_any_thread_count():
         torch.set_num_threads(threads)
     _assert_same_state(states[1], states[0], "2 threads")
     _assert_same_state(states[2], states[0], "3 threads")
+
+
+def test_deterministic_quantisers_leave_torchs_generator_as_plain_torch_leaves_it():
+    """A model and optimizer whose every rounding is deterministic (element, block and MX
+    formats, MACs, quantize_functions, OptimLP's fused step and its batches, FusedSGD,
+    lpsim.optim.SGD) draw
+    nothing from torch's default generator: after two training steps and an evaluation its
+    state is that of the same script in plain torch, so dropout masks and the data order are
+    unchanged by the simulation."""
+    mx = lpsim.scaled.preset("mxfp8_e4m3")
+
+    def run(simulate, fused=True):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 32), nn.Linear(32, 4)
+        )
+        context = contextlib.nullcontext()
+        if simulate == "torch":
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        else:
+            inject(
+                model,
+                {
+                    "0": LayerQuantization(
+                        weight=E5M2, output=BlockFloat(8), error=E5M2, rounding="nearest"
+                    ),
+                    "3": LayerQuantization(
+                        input=mx, weight=mx, mac=lpsim.MAC(accumulator=BF16), rounding="nearest"
+                    ),
+                },
+            )
+            context = lpsim.nn.quantize_functions(
+                model, {"linear": LayerQuantization(output=(E5M2, "nearest"))}
+            )
+            sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            if simulate == "OptimLP":
+                opt = OptimLP(
+                    sgd,
+                    weight=E5M2,
+                    grad=BlockFloat(8),
+                    momentum=BF16,
+                    acc=Float(6, 9),
+                    rounding="nearest",
+                    fused=fused,
+                )
+            elif simulate == "SGD":  # weights stored in E5M2, no master copy
+                opt = lpsim.optim.SGD(
+                    model.parameters(), lr=0.1, momentum=0.9, weight_format=E5M2,
+                    rounding="nearest",
+                )  # fmt: skip
+            else:
+                opt = lpsim.optim.FusedSGD(
+                    model.parameters(), lr=0.1, momentum=0.9, weight_format=E5M2,
+                    grad_format=E5M2, rounding="nearest",
+                )  # fmt: skip
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x, y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+            opt.zero_grad()
+            with context:
+                loss = (model(x) - y).square().mean()
+            loss.backward()
+            opt.step()
+        model.eval()
+        with context:
+            model(x)
+        return torch.get_rng_state()
+
+    plain = run("torch")
+    for simulate, fused in [
+        ("OptimLP", True),
+        ("OptimLP", False),
+        ("FusedSGD", True),
+        ("SGD", True),
+    ]:
+        assert torch.equal(run(simulate, fused), plain), (simulate, fused)
