@@ -449,3 +449,27 @@ def test_a_group_switched_to_stochastic_rounding_draws_its_seed_once_and_keeps_i
     update = -w.grad.float()  # lr 1: the step is -grad, computed in float32
     want = lpsim.sr_add(torch.ones(4, dtype=torch.bfloat16), update, seed=drawn, offset=1 << 32)
     assert_same_bits(w.detach(), want)
+
+
+@pytest.mark.parametrize(
+    "optimizer", [lpsim.optim.SGD, lpsim.optim.AdamW], ids=lambda c: c.__name__
+)
+def test_a_resumed_optimizer_adds_groups_with_the_options_of_the_uninterrupted_one(optimizer):
+    """torch's loading adds a "differentiable" option to the defaults, which add_param_group then
+    copied into every group added after a resume: the resumed run's state_dict differed from the
+    uninterrupted run's."""
+
+    def run(resume):
+        w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+        opt = optimizer([w], lr=0.1, seed=3)
+        w.grad = torch.full((4,), 1e-3, dtype=torch.bfloat16)
+        opt.step()
+        if resume:
+            saved = opt.state_dict()
+            w = w.detach().clone().requires_grad_()
+            opt = optimizer([w], lr=0.1, seed=3)
+            opt.load_state_dict(saved)
+        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)], "lr": 0.5})
+        return opt.state_dict()["param_groups"]
+
+    assert run(resume=True) == run(resume=False)

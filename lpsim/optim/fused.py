@@ -38,7 +38,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-from torch.optim import Optimizer
 
 from lpsim._checks import (
     check_betas,
@@ -51,6 +50,7 @@ from lpsim._ops import cuda_built, ops
 from lpsim.formats import BlockFloat, Float, sum_container
 from lpsim.functional import quantize, quantize_
 from lpsim.nn.quantizer import QuantSpec, Spec, as_spec
+from lpsim.optim._own_options import OwnOptions
 from lpsim.rounding import Rounding
 
 __all__ = ["FusedSGD", "FusedAdam"]
@@ -73,7 +73,7 @@ def _spec(value, rounding, name: str) -> QuantSpec | None:
     return spec
 
 
-class _Fused(Optimizer):
+class _Fused(OwnOptions):
     """What FusedSGD and FusedAdam share: the formats, the accumulators, the seeds and offsets of
     OptimLP's batches, and the call of the compiled step."""
 
@@ -174,14 +174,6 @@ class _Fused(Optimizer):
                     for p in group["params"]:
                         if "accumulator" not in self.state[p]:
                             self.state[p]["accumulator"] = p.detach().clone()
-
-    def __setstate__(self, state: dict) -> None:
-        """torch's Optimizer.__setstate__ (which load_state_dict and unpickling call), without the
-        "differentiable" option it adds to the defaults: these optimizers do not have it, and
-        load_state_dict would put it into the loaded groups and add_param_group into every group
-        added later, so that a resumed run's state_dict would differ from the run's."""
-        super().__setstate__(state)
-        self.defaults.pop("differentiable", None)
 
     def _options_of_torch_group(self, group: dict) -> None:
         """Set, in a loaded group, the options that the torch optimizer's group holds under other

@@ -38,7 +38,6 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
-from torch.optim import Optimizer
 
 from lpsim._checks import (
     CONTAINER_DTYPES,
@@ -50,6 +49,7 @@ from lpsim._checks import (
 )
 from lpsim.formats import Fixed, Float, check_fits
 from lpsim.functional import quantize, quantize_
+from lpsim.optim._own_options import OwnOptions
 from lpsim.rounding import Rounding, check_rbits
 from lpsim.update import own_format, sr_add, sr_add_, sr_addcdiv_
 
@@ -62,7 +62,7 @@ _WEIGHT, _FIRST_STATE, _SECOND_STATE = 0, 1, 2  # the k of a random stream's off
 _UNSUPPORTED = ("maximize", "amsgrad", "foreach", "fused", "capturable", "differentiable")
 
 
-class _LowPrecision(Optimizer):
+class _LowPrecision(OwnOptions):
     """What SGD and AdamW share: checking the options, rounding the parameters into their format
     when they join the optimizer, the rounded weight update and the rounded state updates."""
 
