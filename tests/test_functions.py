@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -524,6 +525,28 @@ def test_delayed_scaling_state_dict_resumes_the_histories():
     assert "1::softmax:0:error" in first.scalers  # the error's history, recorded in backward
     with pytest.raises(KeyError, match="no DelayedScaling"):
         resumed.load_state_dict({"0::matmul:0:output": saved["0::matmul:0:input"]})
+
+
+def test_loading_makes_the_scalers_on_the_model_s_device_not_the_checkpoint_s():
+    """A checkpoint read onto the CPU (map_location="cpu", as the trainers read theirs) must
+    resume a run whose model lives elsewhere: the scalers loading makes are on the model's
+    device, where its calls quantise (they were made on the checkpoint's, and the first call on
+    a GPU then raised). The meta device stands in for a second device here."""
+    torch.manual_seed(15)
+    model, config = Products(), {"matmul": nearest(input=DELAYED)}
+    first = quantize_functions(model, config)
+    with first:
+        model(torch.randn(3, 5, 8)).sum().backward()
+    saved = copy.deepcopy(first.state_dict())
+    assert {state["scale"].device.type for state in saved.values()} == {"cpu"}
+    elsewhere = Products().to("meta")
+    resumed = quantize_functions(elsewhere, config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: copying into a meta tensor is a no-op
+        resumed.load_state_dict(saved)
+    assert resumed.scalers.keys() == first.scalers.keys()
+    for scaler in resumed.scalers.values():
+        assert {t.device.type for t in scaler.state_dict().values()} == {"meta"}
 
 
 def test_delayed_scaling_of_attention_steps_has_a_site_per_step():

@@ -186,6 +186,54 @@ def test_state_dict_round_trip_resumes_bit_exact(kind):
         assert_same_bits(a.detach(), b.detach())
 
 
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_a_resumed_optimizer_s_state_dict_and_later_groups_are_the_uninterrupted_one_s(kind):
+    """Stopped after 4 of 8 steps, saved, loaded into a new optimizer and run on, the optimizer
+    holds what the uninterrupted one holds: the same options in every group (torch's loading
+    used to add a "differentiable" option, to the loaded groups and to every group added
+    later), and states with the same keys and bits."""
+    hyper = SGD_CASES["momentum_wd"] if kind == "sgd" else ADAM_CASES["adam_l2"][1]
+    formats = FORMATS["bf16_acc"]
+    extra = torch.nn.Parameter(torch.ones(3))
+
+    def run(stop_at=None):
+        params = _params()
+        torch.manual_seed(5)
+        opt = _fused_optimizer(kind, params, hyper, formats)
+        for step in range(8):
+            if step == stop_at:
+                saved, rng = copy.deepcopy(opt.state_dict()), torch.get_rng_state()
+                params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+                opt = _fused_optimizer(kind, params, hyper, formats)
+                opt.load_state_dict(saved)
+                torch.set_rng_state(rng)
+            _set_grads(step, params)
+            opt.step()
+        opt.add_param_group({"params": [extra]})
+        return opt.state_dict()
+
+    straight, resumed = run(), run(stop_at=4)
+    assert resumed["param_groups"] == straight["param_groups"]
+    # A refused state_dict leaves the optimizer as it was, its later groups included.
+    params = _params()
+    opt = _fused_optimizer(kind, params, hyper, formats)
+    refused = copy.deepcopy(opt.state_dict())
+    refused["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="lr"):
+        opt.load_state_dict(refused)
+    opt.add_param_group({"params": [extra]})
+    assert (
+        opt.param_groups[-1].keys()
+        == opt.param_groups[0].keys()
+        == straight["param_groups"][0].keys()
+    )
+    assert resumed["state"].keys() == straight["state"].keys()
+    for index, state in straight["state"].items():
+        assert resumed["state"][index].keys() == state.keys()
+        for key, value in state.items():
+            assert_same_bits(resumed["state"][index][key], value)
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adam", "adamw"])
 def test_a_torch_optimizer_s_state_dict_loads_as_optimlp_loads_it(kind):
     """A state_dict of the torch optimizer a fused one fuses resumes as OptimLP around that torch

@@ -394,3 +394,82 @@ def test_a_group_asking_for_a_torch_option_not_implemented_is_refused_not_ignore
     torch_opt.step()
     if optimizer is lpsim.optim.SGD:
         assert_same_bits(w.detach(), theirs.detach())
+
+
+@pytest.mark.parametrize(
+    "ours,theirs",
+    [
+        (
+            lambda p: lpsim.optim.SGD(p, lr=0.1, momentum=0.9, rounding="nearest"),
+            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=False),
+        ),
+        (
+            lambda p: lpsim.optim.AdamW(p, lr=0.01, weight_decay=0.0, rounding="nearest"),
+            lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.0, foreach=False),
+        ),
+    ],
+    ids=["SGD", "AdamW"],
+)
+def test_round_to_nearest_leaves_torchs_generator_to_the_script_as_torchs_optimizer_does(
+    ours, theirs
+):
+    """With a deterministic rule nothing needs a seed: making the optimizer and stepping it draw
+    nothing from torch's default generator, so the dropout masks and the data order a script
+    draws after it are those of the same script with torch's optimizer (which steps float32
+    weights to the same bits)."""
+
+    def run(make):
+        torch.manual_seed(11)
+        w = torch.randn(64, requires_grad=True)
+        opt = make([w])
+        for _ in range(3):
+            mask = torch.rand(64) > 0.2  # what a dropout layer or a data loader draws
+            w.grad = torch.randn(64) * mask
+            opt.step()
+        return w.detach(), torch.get_rng_state()
+
+    w_ours, generator_ours = run(ours)
+    w_theirs, generator_theirs = run(theirs)
+    assert torch.equal(generator_ours, generator_theirs)
+    assert_same_bits(w_ours, w_theirs)
+
+
+def test_a_group_switched_to_stochastic_rounding_draws_its_seed_once_and_keeps_it():
+    w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+    opt = lpsim.optim.SGD([w], lr=1.0, rounding="nearest")
+    assert opt.param_groups[0]["seed"] is None
+    opt.param_groups[0]["rounding"] = "stochastic"
+    torch.manual_seed(2)
+    drawn = int(torch.randint(2**63 - 1, ()))  # the seed the step draws, as lpsim.quantize would
+    torch.manual_seed(2)
+    w.grad = torch.full((4,), -1e-3, dtype=torch.bfloat16)
+    opt.step()
+    assert opt.param_groups[0]["seed"] == drawn
+    assert opt.state_dict()["param_groups"][0]["seed"] == drawn
+    update = -w.grad.float()  # lr 1: the step is -grad, computed in float32
+    want = lpsim.sr_add(torch.ones(4, dtype=torch.bfloat16), update, seed=drawn, offset=1 << 32)
+    assert_same_bits(w.detach(), want)
+
+
+@pytest.mark.parametrize(
+    "optimizer", [lpsim.optim.SGD, lpsim.optim.AdamW], ids=lambda c: c.__name__
+)
+def test_a_resumed_optimizer_adds_groups_with_the_options_of_the_uninterrupted_one(optimizer):
+    """torch's loading adds a "differentiable" option to the defaults, which add_param_group then
+    copied into every group added after a resume: the resumed run's state_dict differed from the
+    uninterrupted run's."""
+
+    def run(resume):
+        w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+        opt = optimizer([w], lr=0.1, seed=3)
+        w.grad = torch.full((4,), 1e-3, dtype=torch.bfloat16)
+        opt.step()
+        if resume:
+            saved = opt.state_dict()
+            w = w.detach().clone().requires_grad_()
+            opt = optimizer([w], lr=0.1, seed=3)
+            opt.load_state_dict(saved)
+        opt.add_param_group({"params": [torch.zeros(2, requires_grad=True)], "lr": 0.5})
+        return opt.state_dict()["param_groups"]
+
+    assert run(resume=True) == run(resume=False)

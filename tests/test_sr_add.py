@@ -529,6 +529,42 @@ def test_a_stochastic_adder_call_that_raises_leaves_the_next_calls_words_as_they
     assert_same_bits(failed.add_biased(a, b), untouched.add_biased(a, b))
 
 
+def test_a_stochastic_adder_resumed_from_its_state_dict_continues_the_uninterrupted_run():
+    """Ten stochastic weight updates, uninterrupted, and stopped after four: a new adder given the
+    saved state_dict (and made after torch's generator moved on) draws the words the first adder
+    would have drawn; without it the resumed adder repeats the words of the first calls."""
+    g = torch.Generator().manual_seed(8)
+    updates = [torch.randn(512, generator=g) * 2.0**-9 for _ in range(10)]
+
+    def train(adder, w, steps):
+        for u in steps:
+            w = adder.add_biased(w, u)
+        return w
+
+    w0 = torch.ones(512, dtype=torch.bfloat16)
+    torch.manual_seed(1)
+    straight = train(StochasticAdder(torch.bfloat16), w0, updates)
+    torch.manual_seed(1)
+    first = StochasticAdder(torch.bfloat16)
+    w = train(first, w0, updates[:4])
+    saved = first.state_dict()
+    assert saved == {"seed": first.seed, "calls": 4}
+    torch.manual_seed(2)
+    resumed = StochasticAdder(torch.bfloat16)
+    resumed.load_state_dict(saved)
+    assert_same_bits(train(resumed, w, updates[4:]), straight)
+    # The oracle of the streams: call k of an adder is sr_add at offset k under its seed.
+    want = lpsim.sr_add(w, updates[4], None, "stochastic", seed=saved["seed"], offset=4)
+    resumed.load_state_dict(saved)
+    assert_same_bits(resumed.add_biased(w, updates[4]), want)
+    with pytest.raises(ValueError, match=re.escape("state_dict['calls'] must be in [0,")):
+        resumed.load_state_dict({"seed": 0, "calls": -1})
+    with pytest.raises(ValueError, match=re.escape("state_dict['seed']: seed must be in [0,")):
+        resumed.load_state_dict({"seed": 2**64, "calls": 0})
+    with pytest.raises(KeyError, match="calls"):
+        resumed.load_state_dict({"seed": 0})
+
+
 def test_stochastic_adder_of_float64_adds_narrower_operands_exactly():
     adder = StochasticAdder(torch.float64, seed=0)
     a = torch.tensor([1.0, -3.0, 2.0**-20], dtype=torch.bfloat16)

@@ -1,5 +1,6 @@
 """Training in simulated low precision: quantizer(), Quantizer, OptimLP and model injection."""
 
+import contextlib
 import copy
 import io
 from fractions import Fraction
@@ -834,3 +835,222 @@ def test_inductor_compiled_training_steps_give_the_eager_weights(recipe, optimiz
     want = _inductor_training_run(recipe, optimizer, False, batches)
     for g, w in zip(got, want):
         assert_same_bits(g, w)
+
+
+# A whole low-precision training run: dropout, stochastic rounding of weights, activations and
+# errors (element, block and MX formats), delayed scaling in the model and in the optimizer, an
+# FP32 master copy rounded stochastically, a dynamic loss scale that skips steps, gradient
+# accumulation over two micro-batches and an LR schedule. Its layers are wide enough (more than
+# 16384 elements) for lpsim's kernels to split them between threads.
+_E4M3 = Float(4, 3, special="fn")
+
+
+def _whole_run():
+    model = nn.Sequential(
+        nn.Linear(32, 256),
+        nn.ReLU(),
+        nn.Dropout(0.2),
+        nn.Linear(256, 128),
+        nn.ReLU(),
+        nn.Linear(128, 4),
+    )
+    delayed = DelayedScaling(_E4M3, history_length=3)
+    saturating = Float(5, 2, saturate=True)
+    inject(
+        model,
+        {
+            "0": LayerQuantization(weight=BlockFloat(8), output=lpsim.scaled.preset("mxfp8_e4m3")),
+            "3": LayerQuantization(
+                weight=delayed, input=delayed, output=E5M2, error=(saturating, "stochastic")
+            ),
+        },
+    )
+    opt = OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        weight=(E5M2, "stochastic"),
+        grad=(DelayedScaling(_E4M3), "stochastic"),
+        momentum=(BlockFloat(12), "stochastic"),
+        acc=(Float(6, 9), "stochastic"),
+    )
+    scaler = lpsim.optim.DynamicLossScaler(init_scale=2.0**24, growth_interval=1)
+    scaler.watch_model(model)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, scaler, schedule
+
+
+def _whole_run_step(objects, step):
+    model, opt, scaler, schedule = objects
+    g = torch.Generator().manual_seed(step)  # the data: the same batches in every run
+    opt.zero_grad()
+    for _ in range(2):  # gradient accumulation
+        x, y = torch.randn(48, 32, generator=g), torch.randn(48, 4, generator=g)
+        scaler.scale((model(x) - y).square().mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    schedule.step()
+
+
+def _whole_run_state(objects):
+    model, opt, scaler, schedule = objects
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "scaler": scaler.state_dict(),
+        "schedule": schedule.state_dict(),
+    }
+
+
+def _assert_same_state(a, b, where=""):
+    assert type(a) is type(b), where
+    if isinstance(a, torch.Tensor) and a.is_floating_point():
+        assert_same_bits(a, b, where)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_same_state(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same_state(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+# The loss scale skips a step, after which torch's LR scheduler warns that it steps first.
+_SKIPPED_STEP = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
+
+
+@_SKIPPED_STEP
+@pytest.mark.parametrize("stop", [1, 2])
+def test_a_whole_run_stopped_saved_and_resumed_in_new_objects_is_the_uninterrupted_run(stop):
+    """Everything the docs say to save (the state_dicts of the model, the optimizer, the loss
+    scaler and the schedule, and torch's generator state) written with torch.save; the run
+    resumed in objects made afresh (after another seed, so nothing but the checkpoint carries
+    over) ends with the uninterrupted run's weights, accumulators, optimizer state, delayed
+    scalers, loss scale and schedule, bit for bit. The loss scale skips steps 0, 2 and 4, so the
+    run stops once after a skipped step and once after a step taken."""
+    torch.manual_seed(0)
+    objects = _whole_run()
+    for step in range(5):
+        _whole_run_step(objects, step)
+    straight = _whole_run_state(objects)
+    assert objects[2].skipped_steps == 3
+
+    torch.manual_seed(0)
+    objects = _whole_run()
+    for step in range(stop):
+        _whole_run_step(objects, step)
+    checkpoint = io.BytesIO()
+    torch.save({**_whole_run_state(objects), "rng": torch.get_rng_state()}, checkpoint)
+    del objects
+    checkpoint.seek(0)
+    saved = torch.load(checkpoint, weights_only=False)
+    torch.manual_seed(99)
+    objects = _whole_run()
+    model, opt, scaler, schedule = objects
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    scaler.load_state_dict(saved["scaler"])
+    schedule.load_state_dict(saved["schedule"])
+    torch.set_rng_state(saved["rng"])
+    for step in range(stop, 5):
+        _whole_run_step(objects, step)
+    _assert_same_state(_whole_run_state(objects), straight)
+
+
+@_SKIPPED_STEP
+def test_a_whole_run_gives_the_same_bits_for_any_thread_count():
+    """Three steps of the run above on 1, 2 and 3 threads (torch's own float32 operations of this
+    MLP do not depend on the thread count, so any difference would be lpsim's)."""
+    threads = torch.get_num_threads()
+    states = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            torch.manual_seed(0)
+            objects = _whole_run()
+            for step in range(3):
+                _whole_run_step(objects, step)
+            states.append(_whole_run_state(objects))
+    finally:
+        torch.set_num_threads(threads)
+    _assert_same_state(states[1], states[0], "2 threads")
+    _assert_same_state(states[2], states[0], "3 threads")
+
+
+def test_deterministic_quantisers_leave_torchs_generator_as_plain_torch_leaves_it():
+    """A model and optimizer whose every rounding is deterministic (element, block and MX
+    formats, MACs, quantize_functions, OptimLP's fused step and its batches, FusedSGD,
+    lpsim.optim.SGD) draw
+    nothing from torch's default generator: after two training steps and an evaluation its
+    state is that of the same script in plain torch, so dropout masks and the data order are
+    unchanged by the simulation."""
+    mx = lpsim.scaled.preset("mxfp8_e4m3")
+
+    def run(simulate, fused=True):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(32, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 32), nn.Linear(32, 4)
+        )
+        context = contextlib.nullcontext()
+        if simulate == "torch":
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        else:
+            inject(
+                model,
+                {
+                    "0": LayerQuantization(
+                        weight=E5M2, output=BlockFloat(8), error=E5M2, rounding="nearest"
+                    ),
+                    "3": LayerQuantization(
+                        input=mx, weight=mx, mac=lpsim.MAC(accumulator=BF16), rounding="nearest"
+                    ),
+                },
+            )
+            context = lpsim.nn.quantize_functions(
+                model, {"linear": LayerQuantization(output=(E5M2, "nearest"))}
+            )
+            sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            if simulate == "OptimLP":
+                opt = OptimLP(
+                    sgd,
+                    weight=E5M2,
+                    grad=BlockFloat(8),
+                    momentum=BF16,
+                    acc=Float(6, 9),
+                    rounding="nearest",
+                    fused=fused,
+                )
+            elif simulate == "SGD":  # weights stored in E5M2, no master copy
+                opt = lpsim.optim.SGD(
+                    model.parameters(), lr=0.1, momentum=0.9, weight_format=E5M2,
+                    rounding="nearest",
+                )  # fmt: skip
+            else:
+                opt = lpsim.optim.FusedSGD(
+                    model.parameters(), lr=0.1, momentum=0.9, weight_format=E5M2,
+                    grad_format=E5M2, rounding="nearest",
+                )  # fmt: skip
+        g = torch.Generator().manual_seed(1)
+        for _ in range(2):
+            x, y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+            opt.zero_grad()
+            with context:
+                loss = (model(x) - y).square().mean()
+            loss.backward()
+            opt.step()
+        model.eval()
+        with context:
+            model(x)
+        return torch.get_rng_state()
+
+    plain = run("torch")
+    for simulate, fused in [
+        ("OptimLP", True),
+        ("OptimLP", False),
+        ("FusedSGD", True),
+        ("SGD", True),
+    ]:
+        assert torch.equal(run(simulate, fused), plain), (simulate, fused)

@@ -19,7 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from lpsim._checks import check_container, check_randomness, draw_seed, seed_argument
+from lpsim._checks import (
+    check_container,
+    check_int,
+    check_randomness,
+    draw_seed,
+    seed_argument,
+)
 from lpsim.rounding import Rounding
 from lpsim.update import own_format, sr_add
 
@@ -41,7 +47,11 @@ class StochasticAdder:
     together as in torch's addition; the result has the broadcast shape.
 
     Every call draws fresh random words: the adder keeps a seed (given, or drawn from torch's
-    default CPU generator when the adder is made) and counts its calls as the offset.
+    default CPU generator when the adder is made) and counts its calls as the offset. Both are
+    state of the run: ``state_dict()`` returns them and ``load_state_dict()`` restores them, so a
+    run resumed from a checkpoint continues the random streams of the run it continues (a new
+    adder with the same seed starts again from offset 0, and would repeat the words of the first
+    calls).
 
     Where StochasTorch differs: it takes only operands of the adder's dtype (RuntimeError
     otherwise); its random choice is a hash of the operands' values, so the same operands always
@@ -78,6 +88,32 @@ class StochasticAdder:
 
     def __repr__(self) -> str:
         return f"StochasticAdder({self.dtype}, seed={self.seed}, randomness={self.randomness!r})"
+
+    def state_dict(self) -> dict:
+        """The seed and the number of calls made (the next call's offset), as Python ints."""
+        return {"seed": self.seed, "calls": self.calls}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore what state_dict() returned: the next call draws the words that the saved
+        adder's next call would have drawn.
+
+        Raises:
+            KeyError: an entry is missing.
+            TypeError, ValueError: the seed is not an int in [0, 2**64), or calls not an int in
+                [0, 2**64).
+        """
+        missing = [key for key in ("seed", "calls") if key not in state_dict]
+        if missing:
+            raise KeyError(f"state_dict lacks {', '.join(missing)}")
+        seed, calls = state_dict["seed"], state_dict["calls"]
+        if seed is None:
+            raise TypeError("state_dict['seed'] must be an int in [0, 2**64), got None")
+        try:
+            seed_argument(seed, Rounding.stochastic)  # validates
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"state_dict['seed']: {error}") from None
+        self.seed = seed
+        self.calls = check_int("state_dict['calls']", calls, 0, 2**64 - 1)
 
     def _add(self, a: torch.Tensor, b: torch.Tensor | float, rounding: str) -> torch.Tensor:
         check_container(a, "a")

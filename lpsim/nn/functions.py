@@ -92,8 +92,9 @@ ranked among such calls since the context was entered: enter the context once pe
 for it to keep one site; in a loop inside one ``with`` it gets a new site, and a fresh history, at
 every step. The scalers (lpsim's DelayedScaler) are created at a site's first call, on its tensor's
 device, and live in the context's ``scalers`` (an nn.ModuleDict); ``state_dict()`` and
-``load_state_dict()`` save and restore them (loading creates the scalers it names), so that a
-resumed run continues their histories. In eval mode they quantise without recording.
+``load_state_dict()`` save and restore them (loading creates the scalers it names, on the
+model's device), so that a resumed run continues their histories. In eval mode they quantise
+without recording.
 
 mm and bmm keep their shape rules (two matrices; two 3-D tensors of one batch size): other
 shapes are refused with a ValueError, not computed as a broadcasting matmul. Where two contexts
@@ -437,13 +438,18 @@ class FunctionQuantization(TorchFunctionMode):
         return {key: scaler.state_dict() for key, scaler in self.scalers.items()}
 
     def load_state_dict(self, state: Mapping[str, dict]) -> None:
-        """Restore the scalers ``state`` names (creating them).
+        """Restore the scalers ``state`` names, creating the missing ones on the model's device
+        (that of its first parameter or buffer; the saved state's for a model without any), where
+        its calls will quantise: a checkpoint loaded onto the CPU (``map_location="cpu"``) resumes
+        a run on a GPU. An existing scaler keeps its device.
 
         Raises:
             KeyError: a site that names no DelayedScaling field of this config.
         """
+        tensors = (*self.model.parameters(), *self.model.buffers())
         for key, scaler_state in state.items():
-            self._scaler(key, scaler_state["scale"].device).load_state_dict(scaler_state)
+            device = tensors[0].device if tensors else scaler_state["scale"].device
+            self._scaler(key, device).load_state_dict(scaler_state)
 
     # -- the ops -------------------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):

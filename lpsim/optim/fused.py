@@ -38,7 +38,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-from torch.optim import Optimizer
 
 from lpsim._checks import (
     check_betas,
@@ -51,6 +50,7 @@ from lpsim._ops import cuda_built, ops
 from lpsim.formats import BlockFloat, Float, sum_container
 from lpsim.functional import quantize, quantize_
 from lpsim.nn.quantizer import QuantSpec, Spec, as_spec
+from lpsim.optim._own_options import OwnOptions
 from lpsim.rounding import Rounding
 
 __all__ = ["FusedSGD", "FusedAdam"]
@@ -73,7 +73,7 @@ def _spec(value, rounding, name: str) -> QuantSpec | None:
     return spec
 
 
-class _Fused(Optimizer):
+class _Fused(OwnOptions):
     """What FusedSGD and FusedAdam share: the formats, the accumulators, the seeds and offsets of
     OptimLP's batches, and the call of the compiled step."""
 

@@ -38,7 +38,6 @@ import math
 from collections.abc import Callable, Iterable
 
 import torch
-from torch.optim import Optimizer
 
 from lpsim._checks import (
     CONTAINER_DTYPES,
@@ -50,6 +49,7 @@ from lpsim._checks import (
 )
 from lpsim.formats import Fixed, Float, check_fits
 from lpsim.functional import quantize, quantize_
+from lpsim.optim._own_options import OwnOptions
 from lpsim.rounding import Rounding, check_rbits
 from lpsim.update import own_format, sr_add, sr_add_, sr_addcdiv_
 
@@ -62,7 +62,7 @@ _WEIGHT, _FIRST_STATE, _SECOND_STATE = 0, 1, 2  # the k of a random stream's off
 _UNSUPPORTED = ("maximize", "amsgrad", "foreach", "fused", "capturable", "differentiable")
 
 
-class _LowPrecision(Optimizer):
+class _LowPrecision(OwnOptions):
     """What SGD and AdamW share: checking the options, rounding the parameters into their format
     when they join the optimizer, the rounded weight update and the rounded state updates."""
 
@@ -93,10 +93,12 @@ class _LowPrecision(Optimizer):
         randomness = group["randomness"]
         if not isinstance(randomness, str) or randomness not in RANDOMNESS:
             raise ValueError(f"randomness must be one of {RANDOMNESS}, got {randomness!r}")
-        if group["seed"] is None:
+        if group["seed"] is None and rule.is_stochastic:
             group["seed"] = int(draw_seed())
         seed = group["seed"]
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64:
+        if seed is not None and (
+            not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64
+        ):
             raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
 
     def add_param_group(self, param_group: dict) -> None:
@@ -156,6 +158,10 @@ class _LowPrecision(Optimizer):
         return (state["step"] << 32) + 4 * state["index"] + kind
 
     def _random(self, group: dict, state: dict, kind: int) -> dict:
+        if group["seed"] is None and Rounding.parse(group["rounding"]).is_stochastic:
+            # A group made with a deterministic rule, whose rule was changed since: its seed is
+            # drawn once, as the constructor draws it, and kept (and saved) with the group.
+            group["seed"] = int(draw_seed())
         return dict(rbits=group["rbits"], seed=group["seed"], offset=self._offset(state, kind))
 
     def _store(
@@ -249,7 +255,10 @@ class SGD(_LowPrecision):
         rbits: random bits per stochastic decision (1 to 32).
         state_format: None (float32 momentum buffers) or a Float or Fixed format to store them in.
         kahan: Kahan-compensated updates (see the module documentation).
-        seed: 0 <= seed < 2**64; None: drawn from torch's default CPU generator.
+        seed: 0 <= seed < 2**64; None: drawn from torch's default CPU generator when the rule
+            is stochastic (a group with a deterministic rule draws nothing, so that the
+            optimizer, as torch's own, leaves the generator to dropout and data order; its seed
+            stays None until a stochastic rule first needs one).
         randomness: "position" or "value" (see lpsim.sr_add).
 
     Raises:
