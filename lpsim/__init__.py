@@ -20,6 +20,8 @@ accumulator, order of the additions), ``lpsim.dyadic`` integer-native arithmetic
     tensor([  1.0000,   1.0000,   1.2500, 320.0000])
 """
 
+import torch
+
 from lpsim import (
     accumulate,
     compat,
@@ -37,10 +39,12 @@ from lpsim import (
 )
 from lpsim._ops import cpu_generator, cuda_built
 from lpsim.compat.qtorch import block_quantize, fixed_point_quantize, float_quantize
+from lpsim.delayed_scaling import DelayedScaling
 from lpsim.formats import P3109, PRESETS, BlockFloat, Fixed, Float, preset
 from lpsim.functional import quantize, quantize_
 from lpsim.mac import MAC
 from lpsim.multi_tensor import quantize_many_
+from lpsim.nn.quantizer import QuantSpec
 from lpsim.rounding import Rounding
 from lpsim.scaled import PowerOfTwo, Scaled
 from lpsim.transforms import RandomHadamard
@@ -54,6 +58,13 @@ from lpsim.update import (
 )
 
 __version__ = "0.1.0"
+
+# Optimizers' param_groups (FusedSGD, FusedAdam, lpsim.optim.SGD and AdamW) hold formats and the
+# rules that round into them: plain data (a format pickles as its fields), which torch.load's
+# default weights_only unpickler may then build.
+torch.serialization.add_safe_globals(
+    [Float, Fixed, P3109, BlockFloat, PowerOfTwo, Scaled, DelayedScaling, QuantSpec, Rounding]
+)
 
 # Reachable as lpsim.demo, lpsim.explore and lpsim.finfo without importing them with the package
 # (so that `python -m lpsim.demo` and `python -m lpsim.explore` run them once).

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from lpsim._checks import check_container, check_number
-from lpsim.formats import Fixed, Float, check_int_field, short_repr
+from lpsim.formats import Fixed, Float, check_int_field, field_state, short_repr
 from lpsim.functional import quantize
 from lpsim.rounding import Rounding
 from lpsim.scaled import Scaled
@@ -94,6 +94,7 @@ class DelayedScaling:
             raise ValueError(f"DelayedScaling.element {self.element!r} has no positive value")
 
     __repr__ = short_repr
+    __getstate__ = field_state
 
     def saturating_element(self) -> Float | Fixed:
         """The element format as it is rounded: saturating."""

@@ -70,6 +70,7 @@ from lpsim.formats import (
     check_bool_field,
     check_fits,
     check_int_field,
+    field_state,
     short_repr,
     stored_grid,
 )
@@ -121,6 +122,7 @@ class PowerOfTwo:
         return 2 ** (self.exp - 1) - 1
 
     __repr__ = short_repr
+    __getstate__ = field_state
 
     @property
     def bits(self) -> int:
@@ -272,6 +274,7 @@ class Scaled:
             )
 
     __repr__ = short_repr
+    __getstate__ = field_state
 
     # Facts, with numpy.finfo's names where they apply.
 

@@ -371,3 +371,32 @@ def test_block_float_min_is_the_negated_max_of_its_sign_magnitude_elements():
     for wl in (2, 4, 8):
         fmt = BlockFloat(wl)
         assert fmt.min == -fmt.max == float(fmt.values()[0])
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        Float(5, 2),
+        Fixed(8, 4),
+        lpsim.P3109(8, 3),
+        BlockFloat(8, block_size=4),
+        lpsim.scaled.preset("mxfp8_e4m3"),
+        lpsim.scaled.preset("nvfp4"),
+    ],
+    ids=repr,
+)
+def test_a_format_pickles_as_its_fields_and_rounds_the_same_unpickled(fmt):
+    import io
+    import pickle
+
+    x = torch.randn(64) * 10
+    want = lpsim.quantize(x, fmt)  # stores the grid and the op arguments on fmt
+    data = pickle.dumps(fmt)
+    assert b"GridSpec" not in data
+    again = pickle.loads(data)
+    assert again == fmt and again.__dict__.keys() <= fmt.__dict__.keys()
+    assert torch.equal(lpsim.quantize(x, again), want)
+    buffer = io.BytesIO()
+    torch.save(fmt, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer) == fmt  # weights_only, torch.load's default

@@ -756,3 +756,43 @@ def test_fused_optimizers_refuse_a_grad_scaling_that_is_not_positive_and_finite(
     for value in (float("inf"), float("-inf"), float("nan"), 0, -2.0):
         with pytest.raises(ValueError, match="grad_scaling must be a positive finite number"):
             make(p, lr=0.1, grad_scaling=value)
+
+
+# ---- Checkpoints load with torch.load's defaults
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p, fmt: FusedSGD(p, lr=0.1, momentum=0.9, weight_format=fmt, acc_format=Float(8, 7)),
+        lambda p, fmt: FusedAdam(p, lr=0.1, weight_format=fmt, state_format=Float(8, 7)),
+        lambda p, fmt: lpsim.optim.SGD(p, lr=0.1, weight_format=fmt, rounding="stochastic"),
+        lambda p, fmt: lpsim.optim.AdamW(p, lr=0.1, weight_format=fmt, rounding="stochastic"),
+    ],
+    ids=["FusedSGD", "FusedAdam", "SGD", "AdamW"],
+)
+@pytest.mark.parametrize(
+    "fmt", [Float(5, 2), Fixed(8, 4), lpsim.P3109(8, 3)], ids=["float", "fixed", "p3109"]
+)
+def test_an_optimizers_checkpoint_loads_with_torch_loads_weights_only_default(make, fmt, tmp_path):
+    """The groups hold formats and rounding rules: torch.load (weights_only by default) builds
+    them, and a fresh optimizer that loads the checkpoint steps as the saved one does."""
+    lpsim.quantize(torch.ones(3), fmt)  # a format that has stored its grid pickles its fields only
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = make(model.parameters(), fmt)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp_path / "c")
+    loaded = torch.load(tmp_path / "c")
+    assert loaded["optimizer"]["param_groups"] == optimizer.state_dict()["param_groups"]
+    resumed = copy.deepcopy(model)
+    again = make(resumed.parameters(), fmt)
+    again.load_state_dict(loaded["optimizer"])
+    for m, o in ((model, optimizer), (resumed, again)):
+        o.zero_grad()
+        torch.manual_seed(1)
+        m(torch.randn(2, 4)).sum().backward()
+        o.step()
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert_same_bits(a, b)

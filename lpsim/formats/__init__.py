@@ -194,6 +194,14 @@ def short_repr(obj) -> str:
     return f"{type(obj).__name__}({', '.join(parts)})"
 
 
+def field_state(obj) -> dict:
+    """A format's state for pickle (torch.save, copy): its fields. The caches stored on it (its
+    grid, its ops' arguments) are left out and rebuilt on use, so that a checkpoint holds the
+    fields only, which torch.load's default weights_only unpickler builds a format from (lpsim
+    registers its formats as safe globals)."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
 def _default_of(obj, f):
     if f.name == "bias":
         return obj.default_bias
@@ -323,6 +331,7 @@ class Float(_OnGrid):
         return 2 ** (self.exp - 1) - (0 if self.special == "fnuz" else 1)
 
     __repr__ = short_repr
+    __getstate__ = field_state
 
     # Facts about the encoding, with numpy.finfo's names.
 
@@ -486,6 +495,7 @@ class Fixed(_OnGrid):
         self._finish()
 
     __repr__ = short_repr
+    __getstate__ = field_state
 
     @property
     def bits(self) -> int:
@@ -653,6 +663,7 @@ class P3109(_OnGrid):
         self._finish()
 
     __repr__ = short_repr
+    __getstate__ = field_state
 
     @property
     def name(self) -> str:
@@ -815,6 +826,7 @@ class BlockFloat:
                 raise ValueError("BlockFloat takes dim or block_size, not both")
 
     __repr__ = short_repr
+    __getstate__ = field_state
 
     @property
     def bits(self) -> int:
