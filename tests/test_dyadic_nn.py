@@ -638,3 +638,55 @@ def test_linear_takes_initial_values_of_any_float_dtype_exactly(dtype):
     assert got == mantissas
     with pytest.raises(ValueError, match="weight must be finite, found 12 NaN or Inf"):
         inn.Linear(4, 3, weight=torch.full((3, 4), math.nan).to(dtype))
+
+
+def test_integer_sgd_resumed_from_its_state_dict_continues_bit_for_bit(tmp_path):
+    """Momentum and stochastic roundings: six steps in one run equal three, a checkpoint (the
+    values, the optimizer's state_dict and torch's generator state, through torch.save and
+    torch.load's defaults) and three more with a fresh parameter and optimizer."""
+
+    def gradient(step: int) -> DyadicTensor:
+        g = torch.Generator().manual_seed(step)
+        return DyadicTensor(torch.randint(-5000, 5000, (2, 8), generator=g, dtype=torch.int32), 17)
+
+    def parameter(axis_scales) -> inn.Parameter:
+        return inn.Parameter(
+            "w", DyadicTensor(_int([list(range(-4, 4)), list(range(8))]), axis_scales, 0), bits=12
+        )
+
+    def optimizer(w):
+        return SGD([w], lr_shift=1, momentum_shift=2, grad_bits=10, rounding="stochastic")
+
+    torch.manual_seed(0)
+    w = parameter([10, 11])
+    opt = optimizer(w)
+    for step in range(6):
+        w.grad = gradient(step)
+        opt.step()
+    uninterrupted = w.value.mantissa.clone()
+
+    torch.manual_seed(0)
+    w = parameter([10, 11])
+    opt = optimizer(w)
+    for step in range(3):
+        w.grad = gradient(step)
+        opt.step()
+    checkpoint = {
+        "value": (w.value.mantissa, w.value.scale, w.value.axis),
+        "optimizer": opt.state_dict(),
+        "rng": torch.get_rng_state(),
+    }
+    torch.save(checkpoint, tmp_path / "c")
+    torch.manual_seed(123)  # a fresh process's generator
+    loaded = torch.load(tmp_path / "c")
+    w = inn.Parameter("w", DyadicTensor(*loaded["value"]), bits=12)
+    opt = optimizer(w)
+    opt.load_state_dict(loaded["optimizer"])
+    torch.set_rng_state(loaded["rng"])
+    for step in range(3, 6):
+        w.grad = gradient(step)
+        opt.step()
+    assert torch.equal(w.value.mantissa, uninterrupted)
+    assert opt.momentum[0] is not None
+    with pytest.raises(ValueError, match="momentum buffers"):
+        SGD([], lr_shift=1).load_state_dict(loaded["optimizer"])

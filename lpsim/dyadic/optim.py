@@ -110,6 +110,54 @@ class SGD:
         for counts in self._counts:
             counts.gradient = counts.weight = 0
 
+    def state_dict(self) -> dict:
+        """What a resumed run needs besides the parameters' values and torch's generator state
+        (the stochastic roundings draw from it): each parameter's momentum buffer, in order (None
+        before its first step, else its int32 "mantissa", "scale" and "axis"), and the clamp
+        counts. The buffers are copies."""
+        momentum = []
+        for m in self.momentum:
+            if m is None:
+                momentum.append(None)
+            else:
+                scale = m.scale.clone() if isinstance(m.scale, torch.Tensor) else m.scale
+                momentum.append({"mantissa": m.mantissa.clone(), "scale": scale, "axis": m.axis})
+        counts = [{"gradient": c.gradient, "weight": c.weight} for c in self._counts]
+        return {"momentum": momentum, "stats": counts}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what state_dict() saved, for the same parameters in the same order.
+
+        Raises:
+            ValueError: the state is not one of this optimizer's (another number of parameters,
+                a buffer of another shape or not int32).
+            TypeError: it is not a state_dict() mapping.
+        """
+        if not isinstance(state, dict) or set(state) != {"momentum", "stats"}:
+            raise TypeError("state must be a mapping with the keys 'momentum' and 'stats'")
+        momentum, stats = state["momentum"], state["stats"]
+        if len(momentum) != len(self.parameters) or len(stats) != len(self.parameters):
+            raise ValueError(
+                f"state holds {len(momentum)} momentum buffers and {len(stats)} counts; the "
+                f"optimizer has {len(self.parameters)} parameters"
+            )
+        buffers = []
+        for p, m in zip(self.parameters, momentum, strict=True):
+            if m is None:
+                buffers.append(None)
+                continue
+            mantissa = m["mantissa"]
+            if mantissa.dtype != torch.int32 or mantissa.shape != p.value.shape:
+                raise ValueError(
+                    f"the momentum buffer of {p.name!r} must be an int32 tensor of shape "
+                    f"{tuple(p.value.shape)}, got {mantissa.dtype} {tuple(mantissa.shape)}"
+                )
+            scale = m["scale"]
+            scale = scale.clone() if isinstance(scale, torch.Tensor) else scale
+            buffers.append(DyadicTensor(mantissa.clone(), scale, m["axis"]))
+        self.momentum = buffers
+        self._counts = [ClampCounts(int(c["gradient"]), int(c["weight"])) for c in stats]
+
     def _round(self, x: DyadicTensor, grid: DyadicTensor, bits: int = 32) -> F.Requantized:
         """x requantised onto the scales of ``grid`` (the weight): per channel along the weight's
         axis when it has one, whether x has one scale or the same per-channel axis."""
