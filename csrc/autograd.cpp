@@ -104,6 +104,7 @@ constexpr UndifferentiableOp kUndifferentiableOps[] = {
      "lpsim.statistics.quantize_with_statistics has no derivative; lpsim.quantize has the "
      "straight-through one"},
     {"rounding_statistics", "rounding statistics have no derivative"},
+    {"scaled_rounding_statistics", "rounding statistics have no derivative"},
 };
 
 constexpr const char* kWritingOps[] = {
