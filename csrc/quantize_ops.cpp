@@ -289,6 +289,11 @@ void block_cuda(const at::Tensor& x, const at::Tensor& dst, int32_t wl, const Bl
 
 }  // namespace
 
+// The ops that write into an argument (here and in the other op files) return nothing, not the
+// written tensor as torch's own in-place and out= ops do: torch.compile functionalizes a custom
+// op only when its outputs carry no alias annotation ("-> Tensor(a!)" fails there). torch's
+// fallbacks for views with the negative bit and for vmap, which expect the written tensor back,
+// are met in Python instead (lpsim._ops.call_in_place, lpsim.functional.quantize's out=).
 TORCH_LIBRARY(lpsim, m) {
   const std::string grid = grid_schema() + ", " + kRandomSchema;
   const std::string block = std::string("int wl, int? dim, int? block_size, ") + kRandomSchema;
