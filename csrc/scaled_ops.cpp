@@ -133,19 +133,26 @@ std::vector<BlockScale> block_scales_cpu(Dtype dtype, const void* x, const Scale
   const int64_t positions =
       std::min(layout.tile_rows, layout.rows) * std::min(layout.tile_cols, layout.cols);
   const int64_t chunks = (positions + chunk - 1) / chunk;
-  std::vector<uint64_t> partial(static_cast<size_t>(groups * chunks * inner), 0);
-  lpsim::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t g = task / chunks, p0 = task % chunks * chunk;
-      cpu::scaled_max_abs(dtype, x, layout, g, p0, p0 + chunk, 0, inner,
-                          partial.data() + task * inner);
-    }
-  });
   std::vector<uint64_t> amax(static_cast<size_t>(groups * inner), 0);
-  for (int64_t task = 0; task < groups * chunks; ++task) {
-    uint64_t* group_max = amax.data() + task / chunks * inner;
-    for (int64_t i = 0; i < inner; ++i) {
-      group_max[i] = std::max(group_max[i], partial[task * inner + i]);
+  if (chunks == 1) {  // whole groups per task, many at a time where they are small
+    const int64_t grain = std::max<int64_t>(1, cpu::kGrain / (positions * inner));
+    lpsim::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+      cpu::scaled_groups_max_abs(dtype, x, layout, begin, end, amax.data());
+    });
+  } else {  // chunks of a group's positions, whose maxima are then combined
+    std::vector<uint64_t> partial(static_cast<size_t>(groups * chunks * inner), 0);
+    lpsim::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t g = task / chunks, p0 = task % chunks * chunk;
+        cpu::scaled_max_abs(dtype, x, layout, g, p0, p0 + chunk, 0, inner,
+                            partial.data() + task * inner);
+      }
+    });
+    for (int64_t task = 0; task < groups * chunks; ++task) {
+      uint64_t* group_max = amax.data() + task / chunks * inner;
+      for (int64_t i = 0; i < inner; ++i) {
+        group_max[i] = std::max(group_max[i], partial[task * inner + i]);
+      }
     }
   }
   std::vector<BlockScale> scales(static_cast<size_t>(groups * inner));

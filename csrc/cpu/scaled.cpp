@@ -587,6 +587,14 @@ LPSIM_INLINE void max_abs_impl(const void* x, const ScaledLayout& l, int64_t g, 
   using W = typename C::word;
   const auto* xs = static_cast<const typename C::storage*>(x);
   const int64_t width = i1 - i0;
+  if (width == 1) {  // one block: a reduction in a register, which vectorises
+    W m = static_cast<W>(amax[0]);
+    for_each_run(l, group_tile(l, g), p0, p1, i0, i1,
+                 [&](int64_t first, int64_t n)
+                     LPSIM_LAMBDA_INLINE { m = max_abs_of<C>(xs, first, n, m); });
+    amax[0] = m;
+    return;
+  }
   std::vector<W> m(amax, amax + width);
   for_each_run(l, group_tile(l, g), p0, p1, i0, i1,
                [&](int64_t first, int64_t n)
@@ -612,6 +620,19 @@ void scaled_max_abs(Dtype dtype, const void* x, const ScaledLayout& layout, int6
                     int64_t p1, int64_t i0, int64_t i1, uint64_t* amax) {
   with_container(dtype, [&](auto container) LPSIM_LAMBDA_INLINE {
     max_abs_impl<decltype(container)>(x, layout, g, p0, p1, i0, i1, amax);
+  });
+}
+
+LPSIM_MULTIVERSION
+void scaled_groups_max_abs(Dtype dtype, const void* x, const ScaledLayout& layout, int64_t g0,
+                           int64_t g1, uint64_t* amax) {
+  const int64_t positions =
+      std::min(layout.tile_rows, layout.rows) * std::min(layout.tile_cols, layout.cols);
+  with_container(dtype, [&](auto container) LPSIM_LAMBDA_INLINE {
+    for (int64_t g = g0; g < g1; ++g) {
+      max_abs_impl<decltype(container)>(x, layout, g, 0, positions, 0, layout.inner,
+                                        amax + g * layout.inner);
+    }
   });
 }
 

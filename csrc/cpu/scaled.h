@@ -34,6 +34,11 @@ void scaled_quantize(Dtype dtype, Rounding rounding, const void* x, void* y,
 void scaled_max_abs(Dtype dtype, const void* x, const ScaledLayout& layout, int64_t g, int64_t p0,
                     int64_t p1, int64_t i0, int64_t i1, uint64_t* amax);
 
+// Running maximum of the magnitude bits of the elements of groups [g0, g1), for all their inner
+// indices: group g's into amax[g * inner, (g + 1) * inner).
+void scaled_groups_max_abs(Dtype dtype, const void* x, const ScaledLayout& layout, int64_t g0,
+                           int64_t g1, uint64_t* amax);
+
 // Running maximum of the magnitude bits of x[begin, end), into *amax (the tensor scale's amax).
 void max_abs_bits(Dtype dtype, const void* x, int64_t begin, int64_t end, uint64_t* amax);
 
