@@ -657,20 +657,20 @@ def test_integer_sgd_resumed_from_its_state_dict_continues_bit_for_bit(tmp_path)
     def optimizer(w):
         return SGD([w], lr_shift=1, momentum_shift=2, grad_bits=10, rounding="stochastic")
 
+    def run(w, opt, steps) -> None:
+        for step in steps:
+            w.grad = gradient(step)
+            opt.step()
+
     torch.manual_seed(0)
     w = parameter([10, 11])
-    opt = optimizer(w)
-    for step in range(6):
-        w.grad = gradient(step)
-        opt.step()
+    run(w, optimizer(w), range(6))
     uninterrupted = w.value.mantissa.clone()
 
     torch.manual_seed(0)
     w = parameter([10, 11])
     opt = optimizer(w)
-    for step in range(3):
-        w.grad = gradient(step)
-        opt.step()
+    run(w, opt, range(3))
     checkpoint = {
         "value": (w.value.mantissa, w.value.scale, w.value.axis),
         "optimizer": opt.state_dict(),
@@ -683,9 +683,7 @@ def test_integer_sgd_resumed_from_its_state_dict_continues_bit_for_bit(tmp_path)
     opt = optimizer(w)
     opt.load_state_dict(loaded["optimizer"])
     torch.set_rng_state(loaded["rng"])
-    for step in range(3, 6):
-        w.grad = gradient(step)
-        opt.step()
+    run(w, opt, range(3, 6))
     assert torch.equal(w.value.mantissa, uninterrupted)
     assert opt.momentum[0] is not None
     with pytest.raises(ValueError, match="momentum buffers"):
