@@ -2,6 +2,7 @@
 weights identical: every rank draws the same random words from the same seeds."""
 
 import contextlib
+import io
 import os
 import socket
 
@@ -9,11 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from support import tensors_equal
 from torch import nn
 
 import lpsim
 from lpsim import Float
-from lpsim.nn import LayerQuantization, inject
+from lpsim.delayed_scaling import DelayedScaling
+from lpsim.nn import LayerQuantization, Quantizer, inject
 from lpsim.optim import SGD, AdamW, DynamicLossScaler, FusedAdam, FusedSGD, OptimLP
 
 
@@ -82,15 +85,26 @@ def test_ddp_ranks_keep_identical_quantised_weights():
             raise
 
 
+def _put(results, rank: int, value) -> None:
+    """value (tensors in nested containers) on the queue as bytes: a tensor sent as itself is
+    shared through a file that may vanish when its process ends, before it is read."""
+    saved = io.BytesIO()
+    torch.save(value, saved)
+    results.put((rank, saved.getvalue()))
+
+
 def _spawn_two(worker, *args):
-    """worker(rank, 2, port, results, *args) in 2 gloo processes; what each rank puts on
-    results, by rank (each rank puts one (rank, value) pair)."""
+    """worker(rank, 2, port, results, *args) in 2 gloo processes; what each rank sends with
+    _put(results, rank, value), by rank."""
     context = mp.get_context("spawn")
     results = context.Queue()
     workers = mp.start_processes(
         worker, args=(2, _free_port(), results, *args), nprocs=2, start_method="spawn", join=False
     )
-    got = dict(results.get(timeout=300) for _ in range(2))
+    got = {}
+    for _ in range(2):
+        rank, saved = results.get(timeout=300)
+        got[rank] = torch.load(io.BytesIO(saved), weights_only=True)
     try:
         while not workers.join():
             pass
@@ -166,7 +180,7 @@ def _scaled_training_worker(rank: int, world: int, port: int, results, kinds) ->
                 scaler.update()
             state = [model.state_dict(), opt.state_dict(), scaler.state_dict()]
             got[kind] = (_flat_state(state), scaler.skipped_steps, torch.rand(()))
-        results.put((rank, got))
+        _put(results, rank, got)
     finally:
         dist.barrier()
         dist.destroy_process_group()
@@ -192,3 +206,87 @@ def test_loss_scaler_refuses_a_bad_reduce_overflow_or_process_group():
         DynamicLossScaler(reduce_overflow=1)
     with pytest.raises(TypeError, match="process_group must be a torch.distributed ProcessGroup"):
         DynamicLossScaler(process_group="world")
+
+
+def _delayed_scaling_worker(rank: int, world: int, port: int, results) -> None:
+    """Each rank quantises its own tensors with DelayedScaling: a Quantizer alone (reduced and
+    not), and an injected model under DDP whose input, output and error scalers are made after it
+    was wrapped (so DDP never broadcasts them). Puts (rank, results)."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        e4m3, e5m2 = Float(4, 3, special="fn"), Float(5, 2)
+        data = torch.Generator().manual_seed(100 + rank)
+        reduced = Quantizer(forward=(DelayedScaling(e4m3, history_length=4), "nearest"))
+        alone = Quantizer(forward=(DelayedScaling(e4m3, reduce_amax=False), "nearest"))
+        local_amaxes, outputs = [], []
+        for step in range(6):
+            x = torch.randn(5, 7, generator=data) * 2.0 ** (4 * rank - step)
+            local_amaxes.append(x.abs().amax())
+            outputs.append(reduced(x))
+            alone(x)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+        scaling = DelayedScaling(e4m3, history_length=8)
+        spec = LayerQuantization(
+            input=scaling, output=scaling, error=DelayedScaling(e5m2), rounding="stochastic"
+        )
+        inject(model, {nn.Linear: spec})
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for _ in range(3):
+            x = torch.randn(8, 6, generator=data) * (1 + 7 * rank)
+            y = torch.randint(0, 3, (8,), generator=data)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        scalers = {k: v for k, v in model.state_dict().items() if "lpsim_scalers" in k}
+        _put(
+            results,
+            rank,
+            {
+                "local_amaxes": torch.stack(local_amaxes),
+                "reduced": reduced.forward_scaler.state_dict(),
+                "outputs": outputs,
+                "alone": alone.forward_scaler.state_dict(),
+                "model_scalers": scalers,
+                "weights": _flat_state(model.state_dict()),
+            },
+        )
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def test_ddp_delayed_scaling_scales_from_the_amax_of_all_ranks():
+    """As Transformer Engine's DelayedScaling(reduce_amax=True): every rank's history holds the
+    largest amax of all ranks, and its scale is e4m3's 448 over the history's largest entry, in
+    float32; the ranks' scalers (inputs, outputs and errors of a DDP model too) and weights stay
+    identical. With reduce_amax=False each rank keeps its own amaxes."""
+    got = _spawn_two(_delayed_scaling_worker)
+    amaxes = torch.maximum(got[0]["local_amaxes"], got[1]["local_amaxes"]).float()
+    history = amaxes.flip(0)[:4]  # newest first, the last 4 of 6
+    want_scale = torch.tensor(448.0) / history.max()
+    for rank in (0, 1):
+        state = got[rank]["reduced"]
+        assert torch.equal(state["amax_history"], history), rank
+        assert torch.equal(state["scale"], want_scale), rank
+        assert torch.equal(state["scale_inverse"], 1 / want_scale), rank
+        own = got[rank]["local_amaxes"].float()
+        assert torch.equal(got[rank]["alone"]["amax_history"][:6], own.flip(0)), rank
+    for out0, out1 in zip(got[0]["outputs"], got[1]["outputs"]):
+        assert not torch.equal(out0, out1)  # each rank its own tensors, with the same scales
+    assert not torch.equal(got[0]["alone"]["scale"], got[1]["alone"]["scale"])
+    scalers0, scalers1 = got[0]["model_scalers"], got[1]["model_scalers"]
+    assert any(".error." in k for k in scalers0) and any(".input." in k for k in scalers0)
+    assert tensors_equal(scalers0, scalers1)
+    assert torch.equal(got[0]["weights"], got[1]["weights"])
+
+
+def test_delayed_scaling_refuses_a_bad_reduce_amax_or_amax_group():
+    e4m3 = Float(4, 3, special="fn")
+    with pytest.raises(TypeError, match="DelayedScaling.reduce_amax must be a bool"):
+        DelayedScaling(e4m3, reduce_amax="yes")
+    with pytest.raises(TypeError, match="DelayedScaling.amax_group must be a torch.distributed"):
+        DelayedScaling(e4m3, amax_group=0)
