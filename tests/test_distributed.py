@@ -16,6 +16,7 @@ from torch import nn
 import lpsim
 from lpsim import Float
 from lpsim.delayed_scaling import DelayedScaling
+from lpsim.diagnostics.recorder import Recorder
 from lpsim.nn import LayerQuantization, Quantizer, inject
 from lpsim.optim import SGD, AdamW, DynamicLossScaler, FusedAdam, FusedSGD, OptimLP
 
@@ -148,8 +149,8 @@ def _scaled_training_worker(rank: int, world: int, port: int, results, kinds) ->
     """Per optimizer kind: 4 iterations of 2 micro-batches (the first under no_sync), stochastic
     rounding of weights, inputs, outputs and errors, each rank its own batches, a
     DynamicLossScaler watching a saturating error format whose errors overflow on rank 1 only in
-    iteration 1. Puts (rank, {kind: (all the state as float64, the skipped steps, a draw of the
-    random stream afterwards)})."""
+    iteration 1. Sends {kind: (all the state as float64, the skipped steps, a draw of the random
+    stream afterwards)} with _put."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -211,7 +212,8 @@ def test_loss_scaler_refuses_a_bad_reduce_overflow_or_process_group():
 def _delayed_scaling_worker(rank: int, world: int, port: int, results) -> None:
     """Each rank quantises its own tensors with DelayedScaling: a Quantizer alone (reduced and
     not), and an injected model under DDP whose input, output and error scalers are made after it
-    was wrapped (so DDP never broadcasts them). Puts (rank, results)."""
+    was wrapped (so DDP never broadcasts them), with a Recorder attached on rank 0 only. Sends
+    the results with _put."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -235,6 +237,7 @@ def _delayed_scaling_worker(rank: int, world: int, port: int, results) -> None:
         inject(model, {nn.Linear: spec})
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        recorder = Recorder(model, opt).attach() if rank == 0 else None  # one rank only
         for _ in range(3):
             x = torch.randn(8, 6, generator=data) * (1 + 7 * rank)
             y = torch.randint(0, 3, (8,), generator=data)
@@ -242,6 +245,9 @@ def _delayed_scaling_worker(rank: int, world: int, port: int, results) -> None:
             nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
         scalers = {k: v for k, v in model.state_dict().items() if "lpsim_scalers" in k}
+        if recorder is not None:
+            recorder.detach()
+        recorded = [] if recorder is None else sorted({r[1:3] for r in recorder.records})
         _put(
             results,
             rank,
@@ -252,6 +258,7 @@ def _delayed_scaling_worker(rank: int, world: int, port: int, results) -> None:
                 "alone": alone.forward_scaler.state_dict(),
                 "model_scalers": scalers,
                 "weights": _flat_state(model.state_dict()),
+                "recorded": recorded,
             },
         )
     finally:
@@ -263,7 +270,8 @@ def test_ddp_delayed_scaling_scales_from_the_amax_of_all_ranks():
     """As Transformer Engine's DelayedScaling(reduce_amax=True): every rank's history holds the
     largest amax of all ranks, and its scale is e4m3's 448 over the history's largest entry, in
     float32; the ranks' scalers (inputs, outputs and errors of a DDP model too) and weights stay
-    identical. With reduce_amax=False each rank keeps its own amaxes."""
+    identical, a Recorder attached on rank 0 only recording there alone and changing nothing.
+    With reduce_amax=False each rank keeps its own amaxes."""
     got = _spawn_two(_delayed_scaling_worker)
     amaxes = torch.maximum(got[0]["local_amaxes"], got[1]["local_amaxes"]).float()
     history = amaxes.flip(0)[:4]  # newest first, the last 4 of 6
@@ -281,7 +289,8 @@ def test_ddp_delayed_scaling_scales_from_the_amax_of_all_ranks():
     scalers0, scalers1 = got[0]["model_scalers"], got[1]["model_scalers"]
     assert any(".error." in k for k in scalers0) and any(".input." in k for k in scalers0)
     assert tensors_equal(scalers0, scalers1)
-    assert torch.equal(got[0]["weights"], got[1]["weights"])
+    assert torch.equal(got[0]["weights"], got[1]["weights"])  # rank 0's Recorder changed nothing
+    assert ("0", "error") in got[0]["recorded"] and got[1]["recorded"] == []
 
 
 def test_delayed_scaling_refuses_a_bad_reduce_amax_or_amax_group():
