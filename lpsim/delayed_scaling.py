@@ -43,7 +43,9 @@ recorded amax is all-reduced (MAX) over the group, one collective per recording 
 amax's device: NCCL needs the scaler's state on the GPU), which every rank of the group must make
 for the same tensors in the same order (it waits for the others), as the ranks of
 DistributedDataParallel do. The histories and scales of the ranks are then identical. With
-``reduce_amax=False``, or without torch.distributed, each rank records its own amaxes.
+``reduce_amax=False``, or without torch.distributed, each rank records its own amaxes, and so do
+the passes that are not part of the run (lpsim.diagnostics.Shadow.compare, lpsim.nn.report's
+example pass, which put every history back afterwards), which one rank may run alone.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lpsim import _observation
 from lpsim._checks import check_container, check_number
 from lpsim.formats import Fixed, Float, check_int_field, short_repr
 from lpsim.functional import quantize
@@ -260,6 +263,8 @@ class DelayedScaler(nn.Module):
         nothing is reduced."""
         scaling = self.scaling
         if not (scaling.reduce_amax and dist.is_available() and dist.is_initialized()):
+            return amax
+        if _observation.hidden:  # a pass outside the run, perhaps on this rank alone
             return amax
         if dist.get_world_size(scaling.amax_group) == 1:
             return amax

@@ -2,6 +2,7 @@
 weights identical: every rank draws the same random words from the same seeds."""
 
 import contextlib
+import datetime
 import io
 import os
 import socket
@@ -17,7 +18,7 @@ import lpsim
 from lpsim import Float
 from lpsim.delayed_scaling import DelayedScaling
 from lpsim.diagnostics.recorder import Recorder
-from lpsim.nn import LayerQuantization, Quantizer, inject
+from lpsim.nn import LayerQuantization, Quantizer, inject, report
 from lpsim.optim import SGD, AdamW, DynamicLossScaler, FusedAdam, FusedSGD, OptimLP
 
 
@@ -212,11 +213,13 @@ def test_loss_scaler_refuses_a_bad_reduce_overflow_or_process_group():
 def _delayed_scaling_worker(rank: int, world: int, port: int, results) -> None:
     """Each rank quantises its own tensors with DelayedScaling: a Quantizer alone (reduced and
     not), and an injected model under DDP whose input, output and error scalers are made after it
-    was wrapped (so DDP never broadcasts them), with a Recorder attached on rank 0 only. Sends
-    the results with _put."""
+    was wrapped (so DDP never broadcasts them), with a Recorder attached on rank 0 only and an
+    example pass of lpsim.nn.report on rank 0 only. Sends the results with _put."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A collective that one rank makes alone fails after the timeout instead of hanging.
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     try:
         e4m3, e5m2 = Float(4, 3, special="fn"), Float(5, 2)
         data = torch.Generator().manual_seed(100 + rank)
@@ -238,7 +241,9 @@ def _delayed_scaling_worker(rank: int, world: int, port: int, results) -> None:
         ddp = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
         recorder = Recorder(model, opt).attach() if rank == 0 else None  # one rank only
-        for _ in range(3):
+        for step in range(3):
+            if (step, rank) == (1, 0):  # an example pass outside the run, on one rank only
+                report(model, example=torch.randn(2, 6))
             x = torch.randn(8, 6, generator=data) * (1 + 7 * rank)
             y = torch.randint(0, 3, (8,), generator=data)
             opt.zero_grad()
@@ -270,8 +275,9 @@ def test_ddp_delayed_scaling_scales_from_the_amax_of_all_ranks():
     """As Transformer Engine's DelayedScaling(reduce_amax=True): every rank's history holds the
     largest amax of all ranks, and its scale is e4m3's 448 over the history's largest entry, in
     float32; the ranks' scalers (inputs, outputs and errors of a DDP model too) and weights stay
-    identical, a Recorder attached on rank 0 only recording there alone and changing nothing.
-    With reduce_amax=False each rank keeps its own amaxes."""
+    identical, a Recorder attached on rank 0 only recording there alone and changing nothing, and
+    an example pass of report() on rank 0 alone (outside the run) reducing nothing. With
+    reduce_amax=False each rank keeps its own amaxes."""
     got = _spawn_two(_delayed_scaling_worker)
     amaxes = torch.maximum(got[0]["local_amaxes"], got[1]["local_amaxes"]).float()
     history = amaxes.flip(0)[:4]  # newest first, the last 4 of 6
