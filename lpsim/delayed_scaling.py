@@ -129,6 +129,11 @@ class DelayedScaling:
 
     __repr__ = short_repr
 
+    def __deepcopy__(self, memo: dict) -> DelayedScaling:
+        """The description itself: it is immutable, and its amax_group (a process group) cannot
+        be copied, so a model holding scalers that reduce over one can be (copy.deepcopy)."""
+        return self
+
     def saturating_element(self) -> Float | Fixed:
         """The element format as it is rounded: saturating."""
         return Scaled(self.element, Float(8, 23), "tensor").saturating_element()
