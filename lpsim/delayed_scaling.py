@@ -2,7 +2,8 @@
 (amax) of the tensor's earlier quantisations, as Transformer Engine's ``DelayedScaling`` recipe
 computes it.
 
-``DelayedScaling(element, history_length=1024, reduction="max", margin=0)`` describes the scaling;
+``DelayedScaling(element, history_length=1024, reduction="max", margin=0, reduce_amax=True,
+amax_group=None)`` describes the scaling;
 it goes wherever a format goes in ``lpsim.nn.Quantizer``, ``lpsim.nn.inject``'s
 ``LayerQuantization`` and ``lpsim.optim.OptimLP``, each of which gives every tensor it quantises
 its own ``DelayedScaler``: the state (the amax history and the scale), an ``nn.Module`` whose
@@ -19,7 +20,8 @@ operation at a time:
    (see Float's ``saturate``). The gradient passes straight through.
 2. When recording (the default in training mode): amax = max |x| over x's elements that are not
    NaN (0 if there are none), as Transformer Engine's fmaxf from 0 takes it, is pushed onto the
-   history (the oldest entry drops out), and the scale is recomputed from the history:
+   history (the oldest entry drops out; under torch.distributed, the ranks' largest amax: see
+   below), and the scale is recomputed from the history:
    a = the largest entry ("max", NaN entries ignored) or the newest ("most_recent");
    if a is finite and positive, scale = (elem_max * 2^-margin) / a, at most float32's largest
    finite number (an amax so small that the quotient overflows), and scale_inverse = 1 / scale,
@@ -32,6 +34,18 @@ max reduction as CUDA's fmaxf ignores it; an infinite quotient becomes float32's
 number, as in its compute_scale_from_amax), with one update per call: Transformer Engine updates
 once per training step, which is the same when each tensor is quantised once per step. A tensor
 quantised several times per step (gradient accumulation) records each call.
+
+Distributed training: Transformer Engine all-reduces the amaxes (MAX) over the data-parallel group
+before they enter the histories (its recipe's ``reduce_amax=True``), so every rank scales with the
+same global amax. So does a scaler here, while torch.distributed is initialised with more than one
+rank in ``amax_group`` (None: the default group) and ``reduce_amax`` is True (the default): each
+recorded amax is all-reduced (MAX) over the group, one collective per recording call (on the
+amax's device: NCCL needs the scaler's state on the GPU), which every rank of the group must make
+for the same tensors in the same order (it waits for the others), as the ranks of
+DistributedDataParallel do. The histories and scales of the ranks are then identical. With
+``reduce_amax=False``, or without torch.distributed, each rank records its own amaxes, and so do
+the passes that are not part of the run (lpsim.diagnostics.Shadow.compare, lpsim.nn.report's
+example pass, which put every history back afterwards), which one rank may run alone.
 """
 
 from __future__ import annotations
@@ -40,8 +54,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from lpsim import _observation
 from lpsim._checks import check_container, check_number
 from lpsim.formats import Fixed, Float, check_int_field, field_state, short_repr
 from lpsim.functional import quantize
@@ -67,6 +83,11 @@ class DelayedScaling:
             (Transformer Engine's amax_compute_algo).
         margin: the scale leaves 2**margin of headroom above the reduced amax, a number in
             [0, 64] (default 0).
+        reduce_amax: all-reduce (MAX) each recorded amax over ``amax_group`` while
+            torch.distributed is initialised (see the module docstring); a bool, default True
+            (Transformer Engine's reduce_amax).
+        amax_group: the ranks whose amaxes are reduced, a torch.distributed ProcessGroup (the
+            data-parallel group, Transformer Engine's fp8_group); None: the default group.
 
     Raises:
         TypeError: a field has the wrong type.
@@ -77,6 +98,8 @@ class DelayedScaling:
     history_length: int = field(default=1024, kw_only=True)
     reduction: str = field(default="max", kw_only=True)
     margin: float = field(default=0, kw_only=True)
+    reduce_amax: bool = field(default=True, kw_only=True)
+    amax_group: dist.ProcessGroup | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.element, (Float, Fixed)):
@@ -90,11 +113,27 @@ class DelayedScaling:
                 f"DelayedScaling.reduction must be one of {REDUCTIONS}, got {self.reduction!r}"
             )
         check_number("DelayedScaling.margin", self.margin, 0.0, 64.0)
+        if not isinstance(self.reduce_amax, bool):
+            raise TypeError(
+                f"DelayedScaling.reduce_amax must be a bool, got {type(self.reduce_amax).__name__}"
+            )
+        if self.amax_group is not None and not (
+            dist.is_available() and isinstance(self.amax_group, dist.ProcessGroup)
+        ):
+            raise TypeError(
+                "DelayedScaling.amax_group must be a torch.distributed ProcessGroup or None (the "
+                f"default group), got {type(self.amax_group).__name__}"
+            )
         if not self.element.max > 0:
             raise ValueError(f"DelayedScaling.element {self.element!r} has no positive value")
 
     __repr__ = short_repr
     __getstate__ = field_state
+
+    def __deepcopy__(self, memo: dict) -> DelayedScaling:
+        """The description itself: it is immutable, and its amax_group (a process group) cannot
+        be copied, so a model holding scalers that reduce over one can be (copy.deepcopy)."""
+        return self
 
     def saturating_element(self) -> Float | Fixed:
         """The element format as it is rounded: saturating."""
@@ -204,7 +243,8 @@ class DelayedScaler(nn.Module):
             if self.training if record is None else record:
                 # fmaxf from 0, as Transformer Engine takes a tensor's amax: NaN is skipped.
                 magnitudes = wide.abs().masked_fill(wide.isnan(), 0.0)
-                self._record(magnitudes.amax() if wide.numel() else wide.new_zeros(()))
+                amax = magnitudes.amax() if wide.numel() else wide.new_zeros(())
+                self._record(self._across_ranks(amax.float()))
         return _StraightThrough.apply(x, value)
 
     def statistics_bounds(self, dtype: torch.dtype) -> tuple[float, float, float]:
@@ -223,6 +263,20 @@ class DelayedScaler(nn.Module):
         decoded = torch.tensor(limits, dtype=work, device=factor.device) * factor
         low, high, smallest_normal = decoded.to(dtype).tolist()
         return low, high, smallest_normal
+
+    def _across_ranks(self, amax: torch.Tensor) -> torch.Tensor:
+        """The largest of the ranks' amaxes (see the module docstring), or amax itself where
+        nothing is reduced."""
+        scaling = self.scaling
+        if not (scaling.reduce_amax and dist.is_available() and dist.is_initialized()):
+            return amax
+        if _observation.hidden:  # a pass outside the run, perhaps on this rank alone
+            return amax
+        if dist.get_world_size(scaling.amax_group) == 1:
+            return amax
+        amax = amax.reshape(1).clone()
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=scaling.amax_group)
+        return amax[0]
 
     def _record(self, amax: torch.Tensor) -> None:
         history = self.amax_history

@@ -1,18 +1,27 @@
 """Quantised training under DistributedDataParallel (2 processes, gloo, CPU) keeps the ranks'
 weights identical: every rank draws the same random words from the same seeds."""
 
+import contextlib
+import copy
+import datetime
+import io
 import os
 import socket
+import traceback
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from support import tensors_equal
 from torch import nn
 
 import lpsim
 from lpsim import Float
-from lpsim.nn import LayerQuantization, inject
-from lpsim.optim import OptimLP
+from lpsim.delayed_scaling import DelayedScaling
+from lpsim.diagnostics.recorder import Recorder
+from lpsim.nn import LayerQuantization, Quantizer, inject, report
+from lpsim.optim import SGD, AdamW, DynamicLossScaler, FusedAdam, FusedSGD, OptimLP
 
 
 def _free_port() -> int:
@@ -78,3 +87,230 @@ def test_ddp_ranks_keep_identical_quantised_weights():
         # were sent. Any other failure of a worker is a failure of the test.
         if error.signal_name != "SIGABRT":
             raise
+
+
+def _gloo_process(rank: int, world: int, port: int, results, work, args) -> None:
+    """One rank: work(rank, *args) in a gloo process group, its value sent to the parent as bytes
+    (a tensor sent as itself is shared through a file that may vanish when its process ends,
+    before it is read); a failure is sent as its traceback at once, without waiting for the
+    other rank (which the parent then ends)."""
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=60)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    try:
+        saved = io.BytesIO()
+        torch.save(work(rank, *args), saved)
+    except BaseException:
+        results.put((rank, None, traceback.format_exc()))
+        raise
+    results.put((rank, saved.getvalue(), ""))
+    dist.barrier()  # see _worker
+    dist.destroy_process_group()
+
+
+def _spawn_two(work, *args):
+    """work(rank, *args) in 2 gloo processes; their values by rank.
+
+    Raises:
+        AssertionError: a rank failed (its traceback is the message).
+    """
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    workers = mp.start_processes(
+        _gloo_process,
+        args=(2, _free_port(), results, work, args),
+        nprocs=2,
+        start_method="spawn",
+        join=False,
+    )
+    got = {}
+    for _ in range(2):
+        rank, saved, failure = results.get(timeout=300)
+        if saved is None:
+            for process in workers.processes:
+                process.kill()
+            raise AssertionError(f"rank {rank} failed:\n{failure}")
+        got[rank] = torch.load(io.BytesIO(saved), weights_only=True)
+    try:
+        while not workers.join():
+            pass
+    except mp.ProcessExitedException as error:
+        if error.signal_name != "SIGABRT":  # see test_ddp_ranks_keep_identical_quantised_weights
+            raise
+    return got
+
+
+def _flat_state(state) -> torch.Tensor:
+    """Every number in a (nested) state_dict, as float64, in a fixed order."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().double().flatten()
+    if isinstance(state, dict):
+        parts = [_flat_state(state[k]) for k in sorted(state, key=str)]
+    elif isinstance(state, (list, tuple)):
+        parts = [_flat_state(v) for v in state]
+    elif isinstance(state, (int, float)) and not isinstance(state, bool):
+        parts = [torch.tensor([float(state)], dtype=torch.float64)]
+    else:
+        parts = []
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+
+def _make_optimizer(kind: str, params, e5m2, bf16):
+    if kind == "OptimLP":
+        sgd = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        return OptimLP(sgd, weight=e5m2, grad=e5m2, momentum=bf16, acc=Float(6, 9))
+    if kind == "FusedSGD":
+        return FusedSGD(
+            params, lr=0.05, momentum=0.9, weight_format=e5m2, grad_format=e5m2, state_format=bf16
+        )
+    if kind == "FusedAdam":
+        return FusedAdam(params, lr=0.01, weight_format=e5m2, grad_format=e5m2, state_format=bf16)
+    if kind == "SGD":
+        return SGD(params, lr=0.05, momentum=0.9, weight_format=e5m2, state_format=bf16)
+    return AdamW(params, lr=0.01, weight_format=e5m2, state_format=bf16)
+
+
+def _scaled_training(rank: int, kinds) -> dict:
+    """Per optimizer kind: 4 iterations of 2 micro-batches (the first under no_sync), stochastic
+    rounding of weights, inputs, outputs and errors, each rank its own batches, a
+    DynamicLossScaler watching a saturating error format whose errors overflow on rank 1 only in
+    iteration 1. Returns {kind: (all the state as float64, the skipped steps, a draw of the random
+    stream afterwards)}."""
+    got = {}
+    for kind in kinds:
+        torch.manual_seed(0)
+        e5m2, bf16 = Float(5, 2), Float(8, 7)
+        saturating = Float(5, 2, saturate=True)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+        spec = LayerQuantization(weight=e5m2, input=bf16, output=bf16, error=saturating)
+        inject(model, {nn.Linear: spec})
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = _make_optimizer(kind, ddp.parameters(), e5m2, bf16)
+        scaler = DynamicLossScaler(init_scale=2.0**8, growth_interval=2)
+        scaler.watch_model(model)
+        data = torch.Generator().manual_seed(100 + rank)
+        for step in range(4):
+            opt.zero_grad()
+            for micro in range(2):
+                x = torch.randn(8, 6, generator=data)
+                y = torch.randint(0, 3, (8,), generator=data)
+                boost = 2.0**16 if (step, rank) == (1, 1) else 1.0  # e5m2's max is 57344
+                with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                    loss = nn.functional.cross_entropy(ddp(x), y) * boost
+                    scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        state = [model.state_dict(), opt.state_dict(), scaler.state_dict()]
+        got[kind] = (_flat_state(state), scaler.skipped_steps, torch.rand(()))
+    return got
+
+
+def test_ddp_loss_scaler_overflow_on_one_rank_skips_the_step_on_every_rank():
+    """A watched (saturating) error format overflows on rank 1 only: every rank skips that step
+    and backs off, as torch.amp.GradScaler's ranks all skip when one rank's gradient is not finite
+    (the all-reduce spreads it), and the weights, optimizer states, scaler states and random
+    streams stay identical, for every optimizer, with no_sync accumulation and stochastic
+    rounding everywhere."""
+    kinds = ("OptimLP", "FusedSGD", "FusedAdam", "SGD", "AdamW")
+    got = _spawn_two(_scaled_training, kinds)
+    for kind in kinds:
+        (state0, skipped0, draw0), (state1, skipped1, draw1) = got[0][kind], got[1][kind]
+        assert skipped0 == skipped1 == 1, kind
+        assert torch.equal(state0, state1), kind
+        assert torch.equal(draw0, draw1), kind
+
+
+def test_loss_scaler_refuses_a_bad_reduce_overflow_or_process_group():
+    with pytest.raises(TypeError, match="reduce_overflow must be a bool"):
+        DynamicLossScaler(reduce_overflow=1)
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed ProcessGroup"):
+        DynamicLossScaler(process_group="world")
+
+
+def _delayed_scaling(rank: int) -> dict:
+    """Each rank quantises its own tensors with DelayedScaling: a Quantizer alone (reduced and
+    not), and an injected model under DDP whose input, output and error scalers are made after it
+    was wrapped (so DDP never broadcasts them), with a Recorder attached on rank 0 only and an
+    example pass of lpsim.nn.report on rank 0 only."""
+    e4m3, e5m2 = Float(4, 3, special="fn"), Float(5, 2)
+    data = torch.Generator().manual_seed(100 + rank)
+    both = dist.new_group([0, 1])
+    reduced = Quantizer(
+        forward=(DelayedScaling(e4m3, history_length=4, amax_group=both), "nearest")
+    )
+    reduced = copy.deepcopy(reduced)  # the copy reduces over the same group
+    alone = Quantizer(forward=(DelayedScaling(e4m3, reduce_amax=False), "nearest"))
+    local_amaxes, outputs = [], []
+    for step in range(6):
+        x = torch.randn(5, 7, generator=data) * 2.0 ** (4 * rank - step)
+        local_amaxes.append(x.abs().amax())
+        outputs.append(reduced(x))
+        alone(x)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    scaling = DelayedScaling(e4m3, history_length=8)
+    spec = LayerQuantization(
+        input=scaling, output=scaling, error=DelayedScaling(e5m2), rounding="stochastic"
+    )
+    inject(model, {nn.Linear: spec})
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    recorder = Recorder(model, opt).attach() if rank == 0 else None  # one rank only
+    for step in range(3):
+        if (step, rank) == (1, 0):  # an example pass outside the run, on one rank only
+            report(model, example=torch.randn(2, 6))
+        x = torch.randn(8, 6, generator=data) * (1 + 7 * rank)
+        y = torch.randint(0, 3, (8,), generator=data)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    scalers = {k: v for k, v in model.state_dict().items() if "lpsim_scalers" in k}
+    if recorder is not None:
+        recorder.detach()
+    recorded = [] if recorder is None else sorted({r[1:3] for r in recorder.records})
+    return {
+        "local_amaxes": torch.stack(local_amaxes),
+        "reduced": reduced.forward_scaler.state_dict(),
+        "outputs": outputs,
+        "alone": alone.forward_scaler.state_dict(),
+        "model_scalers": scalers,
+        "weights": _flat_state(model.state_dict()),
+        "recorded": recorded,
+    }
+
+
+def test_ddp_delayed_scaling_scales_from_the_amax_of_all_ranks():
+    """As Transformer Engine's DelayedScaling(reduce_amax=True): every rank's history holds the
+    largest amax of all ranks, and its scale is e4m3's 448 over the history's largest entry, in
+    float32; the ranks' scalers (inputs, outputs and errors of a DDP model too) and weights stay
+    identical, a Recorder attached on rank 0 only recording there alone and changing nothing, and
+    an example pass of report() on rank 0 alone (outside the run) reducing nothing. With
+    reduce_amax=False each rank keeps its own amaxes."""
+    got = _spawn_two(_delayed_scaling)
+    amaxes = torch.maximum(got[0]["local_amaxes"], got[1]["local_amaxes"]).float()
+    history = amaxes.flip(0)[:4]  # newest first, the last 4 of 6
+    want_scale = torch.tensor(448.0) / history.max()
+    for rank in (0, 1):
+        state = got[rank]["reduced"]
+        assert torch.equal(state["amax_history"], history), rank
+        assert torch.equal(state["scale"], want_scale), rank
+        assert torch.equal(state["scale_inverse"], 1 / want_scale), rank
+        own = got[rank]["local_amaxes"].float()
+        assert torch.equal(got[rank]["alone"]["amax_history"][:6], own.flip(0)), rank
+    for out0, out1 in zip(got[0]["outputs"], got[1]["outputs"]):
+        assert not torch.equal(out0, out1)  # each rank its own tensors, with the same scales
+    assert not torch.equal(got[0]["alone"]["scale"], got[1]["alone"]["scale"])
+    scalers0, scalers1 = got[0]["model_scalers"], got[1]["model_scalers"]
+    assert any(".error." in k for k in scalers0) and any(".input." in k for k in scalers0)
+    assert tensors_equal(scalers0, scalers1)
+    assert torch.equal(got[0]["weights"], got[1]["weights"])  # rank 0's Recorder changed nothing
+    assert ("0", "error") in got[0]["recorded"] and got[1]["recorded"] == []
+
+
+def test_delayed_scaling_refuses_a_bad_reduce_amax_or_amax_group():
+    e4m3 = Float(4, 3, special="fn")
+    with pytest.raises(TypeError, match="DelayedScaling.reduce_amax must be a bool"):
+        DelayedScaling(e4m3, reduce_amax="yes")
+    with pytest.raises(TypeError, match="DelayedScaling.amax_group must be a torch.distributed"):
+        DelayedScaling(e4m3, amax_group=0)

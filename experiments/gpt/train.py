@@ -38,9 +38,9 @@ Under torchrun each process trains with DistributedDataParallel (NCCL on GPUs, g
 its share of every global batch (--batch-size is the global batch: every process draws the same
 windows and keeps its rows) and evaluates its share of the validation windows; stochastic
 rounding draws the same seeds on every process, and the weights are checked to be identical on
-all ranks after every evaluation. Delayed scalers record each process's own amaxes (Transformer
-Engine reduces them over processes), and a resumed multi-process run restarts every rank's
-scalers from rank 0's.
+all ranks after every evaluation. Delayed scalers all-reduce (MAX) each amax over the processes
+before recording it, as Transformer Engine does, so every rank holds the same histories and
+scales; a resumed multi-process run restarts every rank's scalers from rank 0's, which are theirs.
 """
 
 from __future__ import annotations

@@ -60,6 +60,15 @@ makes the recorder lpsim._observation's current observer and registers two step 
 optimizer; detach() undoes both, and nothing else is changed, so the model and the optimizer are
 exactly as before. Recording draws no random numbers and writes no tensor of the run: a run with
 a recorder attached is bit for bit the run without.
+
+Distributed training (torch.distributed, DistributedDataParallel): a recorder records the
+roundings of its own process only, and nothing is reduced across ranks. The model's inputs,
+outputs and errors are those of the rank's own batches and differ between ranks; the weights and
+the optimizer's roundings (of the all-reduced gradients) are the same on every rank. Gather the
+records yourself where needed (torch.distributed.all_gather_object of ``records``). As recording
+changes nothing of the run, a recorder attached on one rank only (rank 0, say) leaves the ranks'
+weights identical. Given the DistributedDataParallel wrapper, a recorder names the modules as the
+wrapper does ("module.0"); given the wrapped model, as the model does ("0").
 """
 
 from __future__ import annotations

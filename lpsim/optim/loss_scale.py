@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
@@ -202,6 +203,19 @@ class DynamicLossScaler:
     are not attributed to one optimizer: with several optimizers, every step of that iteration
     is skipped.
 
+    Distributed training: every rank of a DistributedDataParallel model steps with the same
+    all-reduced gradients, so every rank must take the same decision, or the ranks' weights part
+    silently. A non-finite gradient is seen by all (the all-reduce spreads it, which is all that
+    torch.amp.GradScaler relies on), but a watched overflow is found in a rank's own errors, before
+    the all-reduce, and a saturating format leaves no trace of it in the reduced gradients. So
+    with ``reduce_overflow=True`` (the default), while torch.distributed is initialised,
+    step() all-reduces its decision (MAX: an overflow on any rank skips the step on every rank)
+    over ``process_group`` (None: the default group), as torch's ShardedGradScaler reduces its
+    found-inf flag: one collective per step(), which every rank of the group must call in the
+    same order (it waits for the others). update() counts the non-finite gradients of an
+    optimizer that was unscaled but not stepped on its own rank (DDP's gradients agree). With
+    ``reduce_overflow=False`` each rank decides alone (independent runs sharing a process group).
+
     Powers of two: with ``power_of_two=True`` (the default) init_scale, growth_factor,
     backoff_factor, min_scale and max_scale must be powers of two, so S always is one, and
     multiplying the loss by S and dividing the gradients by it are exact in any binary floating
@@ -223,6 +237,10 @@ class DynamicLossScaler:
         min_scale, max_scale: the range of S, 0 < min_scale <= max_scale < inf (by default
             2**-64 and 2**64, powers of two that float32 and bfloat16 hold).
         power_of_two: require the five numbers above to be powers of two (see above).
+        reduce_overflow: take step()'s skip decision over all ranks of ``process_group`` while
+            torch.distributed is initialised (see above); a bool.
+        process_group: the ranks whose decisions agree (a torch.distributed ProcessGroup, that of
+            DistributedDataParallel's all-reduce); None: the default group.
 
     ``get_scale()`` returns S (a float).
 
@@ -247,7 +265,20 @@ class DynamicLossScaler:
         max_scale: float = 2.0**64,
         *,
         power_of_two: bool = True,
+        reduce_overflow: bool = True,
+        process_group: dist.ProcessGroup | None = None,
     ):
+        if not isinstance(reduce_overflow, bool):
+            raise TypeError(f"reduce_overflow must be a bool, got {type(reduce_overflow).__name__}")
+        if process_group is not None and not (
+            dist.is_available() and isinstance(process_group, dist.ProcessGroup)
+        ):
+            raise TypeError(
+                "process_group must be a torch.distributed ProcessGroup or None (the default "
+                f"group), got {type(process_group).__name__}"
+            )
+        self.reduce_overflow = reduce_overflow
+        self.process_group = process_group
         self._configure(
             init_scale,
             growth_factor,
@@ -484,7 +515,7 @@ class DynamicLossScaler:
         if not state["unscaled"]:
             self.unscale_(optimizer)
         flags = state["overflow"] + list(self._watched.values())
-        overflow = any(bool(flag) for flag in flags)
+        overflow = self._across_ranks(any(bool(flag) for flag in flags), flags, optimizer)
         state["stepped"], state["skipped"] = True, overflow
         self.found_overflow = overflow
         if overflow:
@@ -493,6 +524,20 @@ class DynamicLossScaler:
         if closure is None:
             return optimizer.step()
         return optimizer.step(_unchanged_gradients(optimizer, closure))
+
+    def _across_ranks(self, overflow: bool, flags: list, optimizer: Optimizer) -> bool:
+        """overflow on any rank of the process group (see the class docstring), or this rank's
+        own when there is nothing to reduce over. The flag travels on the device of the gradients
+        (that of the first flag, or of the first parameter): NCCL reduces CUDA tensors only."""
+        if not (self.reduce_overflow and dist.is_available() and dist.is_initialized()):
+            return overflow
+        if dist.get_world_size(self.process_group) == 1:
+            return overflow
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        device = flags[0].device if flags else params[0].device if params else "cpu"
+        flag = torch.tensor(float(overflow), device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        return bool(flag)
 
     def update(self) -> None:
         """Adapt the scale after this iteration's steps: back off if any overflowed, grow after
