@@ -142,3 +142,32 @@ def test_qtorch_exponent_8_turns_some_nan_payloads_into_zeros_and_infs_and_lpsim
     assert math.isnan(theirs[0].item())
     assert_same_bits(theirs[1:], torch.tensor([-0.0, 0.0, math.inf]))
     assert bool(compat.float_quantize(x, 8, 7, "nearest").isnan().all())
+
+
+def test_qtorch_fixed_point_turns_tiny_negatives_into_positive_zeros_and_lpsim_keeps_the_sign():
+    # QPyTorch's "nearest" computes nearbyint(x 2^fl + 0.5 - 0.5) in float32: the added 0.5
+    # absorbs a negative x 2^fl of magnitude at most 2^-26, and the rounded sum is +0. A slightly
+    # larger magnitude survives the addition and rounds to -0.0.
+    for fl in (1, 4, 8):
+        x = torch.tensor([-(2.0 ** (-26 - fl)), -(2.0 ** (-25 - fl)), -0.1 * 2.0**-fl])
+        theirs = qq.fixed_point_quantize(x, 8, fl, rounding="nearest")
+        assert theirs.eq(0).all()
+        assert torch.signbit(theirs).tolist() == [False, True, True]
+        ours = compat.fixed_point_quantize(x, 8, fl, rounding="nearest")
+        assert_same_bits(ours, torch.full_like(x, -0.0))
+
+
+def test_qtorch_unclamped_fixed_point_overflows_to_inf_past_float32_and_lpsim_keeps_x():
+    # x 2^fl beyond float32's largest value is Inf in QPyTorch's float32 arithmetic: the finite
+    # inputs below, all on the grid of FixedPoint(8, 28, clamp=False), come back as +/-Inf.
+    x = torch.tensor([3.4e38, 2.0**100, -(2.0**100), 1.0])
+    theirs = qq.fixed_point_quantize(x, 8, 28, clamp=False, rounding="nearest")
+    assert theirs.tolist() == [math.inf, math.inf, -math.inf, 1.0]
+    assert_same_bits(compat.fixed_point_quantize(x, 8, 28, clamp=False, rounding="nearest"), x)
+    # With fl >= 128 even 1.0 overflows; clamp=True clamps the Inf to the format's limit.
+    theirs = qq.fixed_point_quantize(x[3:], 8, 130, clamp=False, rounding="nearest")
+    assert theirs.tolist() == [math.inf]
+    assert_same_bits(
+        compat.fixed_point_quantize(x, 8, 28, clamp=True, rounding="nearest"),
+        qq.fixed_point_quantize(x, 8, 28, clamp=True, rounding="nearest"),
+    )
