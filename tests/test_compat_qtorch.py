@@ -1152,3 +1152,16 @@ def test_stochastic_rounding_uses_the_two_neighbours_with_unbiased_probabilities
         p = ((value - below) / step).item()
         up = int((got > below).sum())
         assert abs(up - draws * p) <= 5 * math.sqrt(draws * p * (1 - p)) + 1, (value, up, p)
+
+
+@pytest.mark.parametrize(
+    "number",
+    [q.FixedPoint(8, 2, clamp=False), q.FloatingPoint(8, 7), q.BlockFloatingPoint(8)],
+    ids=repr,
+)
+def test_clamping_grad_zero_refusal_names_the_parameter_and_the_number(number):
+    # QPyTorch refuses these too (AssertionError or ValueError); the message names the compat
+    # layer's own parameter (clamping_grad_zero) and the QPyTorch number as the caller wrote it.
+    with pytest.raises(ValueError, match="clamping_grad_zero needs a forward_number") as error:
+        q.quantizer(number, None, "nearest", "nearest", clamping_grad_zero=True)
+    assert repr(number) in str(error.value)

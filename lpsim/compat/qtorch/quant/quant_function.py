@@ -25,7 +25,7 @@ from lpsim.compat.qtorch.number import (
     Number,
     lpsim_format,
 )
-from lpsim.nn.quantizer import QuantSpec, quantize_with_clip_mask
+from lpsim.nn.quantizer import QuantSpec, clip_range, quantize_with_clip_mask
 from lpsim.rounding import Rounding
 
 __all__ = ["fixed_point_quantize", "block_quantize", "float_quantize", "quantizer"]
@@ -97,18 +97,30 @@ def quantizer(
     Raises:
         TypeError: a number is not a qtorch Number; clamping_grad_zero is not a bool; a backward
             hook is not callable.
-        ValueError: clamping_grad_zero with a forward_number that does not clip.
+        ValueError: clamping_grad_zero with a forward_number that does not clip (a FixedPoint
+            without clamp, a FloatingPoint with exp=8, a BlockFloatingPoint).
     """
     if not isinstance(clamping_grad_zero, bool):
         raise TypeError(
             f"clamping_grad_zero must be a bool, got {type(clamping_grad_zero).__name__}"
         )
+    forward_format = lpsim_format(forward_number)
+    clamp_grad_zero = clamping_grad_zero and forward_number is not None
+    if clamp_grad_zero:
+        try:
+            clip_range(forward_format)
+        except ValueError:
+            raise ValueError(
+                "clamping_grad_zero needs a forward_number that clips: a FixedPoint with "
+                f"clamp=True or a FloatingPoint with exp < 8 (which saturates), got "
+                f"{forward_number!r}"
+            ) from None
     return lpnn.quantizer(
-        lpsim_format(forward_number),
+        forward_format,
         lpsim_format(backward_number),
         forward_rounding,
         backward_rounding,
-        clamp_grad_zero=clamping_grad_zero and forward_number is not None,
+        clamp_grad_zero=clamp_grad_zero,
         backward_hooks=backward_hooks,
     )
 
