@@ -1165,3 +1165,23 @@ def test_clamping_grad_zero_refusal_names_the_parameter_and_the_number(number):
     with pytest.raises(ValueError, match="clamping_grad_zero needs a forward_number") as error:
         q.quantizer(number, None, "nearest", "nearest", clamping_grad_zero=True)
     assert repr(number) in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "make,argument",
+    [
+        (lambda r: q.quantizer(None, q.FixedPoint(8, 2), r, "nearest"), "forward_rounding"),
+        (lambda r: q.quantizer(q.FixedPoint(8, 2), None, "nearest", r), "backward_rounding"),
+        (lambda r: q.Quantizer(q.FixedPoint(8, 2), None, r), "forward_rounding"),
+        (
+            lambda r: q.auto_low.lower(torch.nn.Linear(2, 2), ["linear"], None, None, "nearest", r),
+            "backward_rounding",
+        ),
+    ],
+    ids=["quantizer forward, no number", "quantizer backward", "Quantizer", "lower"],
+)
+def test_a_misspelt_rounding_is_refused_by_its_argument_name(make, argument):
+    # QPyTorch asserts both rules are valid whether or not a number uses them; the message names
+    # the argument, not lpsim's generic "rounding".
+    with pytest.raises(ValueError, match=f"^{argument} must be one of"):
+        make("nearst")

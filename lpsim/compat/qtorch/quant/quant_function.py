@@ -74,6 +74,19 @@ def block_quantize(
     return functional.quantize(x, BlockFloatingPoint(wl, dim).format, rounding, seed=seed)
 
 
+def rounding_argument(value: Rounding | str, name: str) -> Rounding:
+    """The rule that the argument ``name`` (forward_rounding, ...) names, checked whether or not a
+    number uses it, as QPyTorch checks both rules.
+
+    Raises:
+        TypeError, ValueError: value names no rule; the message names the argument.
+    """
+    try:
+        return Rounding.parse(value)
+    except (TypeError, ValueError) as error:
+        raise type(error)(str(error).replace("rounding", name, 1)) from None
+
+
 def quantizer(
     forward_number: Number | None = None,
     backward_number: Number | None = None,
@@ -96,7 +109,9 @@ def quantizer(
 
     Raises:
         TypeError: a number is not a qtorch Number; clamping_grad_zero is not a bool; a backward
-            hook is not callable.
+            hook is not callable; a rounding is not a str or Rounding.
+        ValueError: forward_rounding or backward_rounding names no rule (checked also where its
+            number is None, as in QPyTorch).
         ValueError: clamping_grad_zero with a forward_number that does not clip (a FixedPoint
             without clamp, a FloatingPoint with exp=8, a BlockFloatingPoint).
     """
@@ -104,6 +119,8 @@ def quantizer(
         raise TypeError(
             f"clamping_grad_zero must be a bool, got {type(clamping_grad_zero).__name__}"
         )
+    forward_rounding = rounding_argument(forward_rounding, "forward_rounding")
+    backward_rounding = rounding_argument(backward_rounding, "backward_rounding")
     forward_format = lpsim_format(forward_number)
     clamp_grad_zero = clamping_grad_zero and forward_number is not None
     if clamp_grad_zero:
