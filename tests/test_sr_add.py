@@ -729,3 +729,29 @@ def test_in_place_updates_of_a_negative_view_write_the_results_through_it():
         view = z.conj().imag
         lpsim.sr_add_(view, view, Float(5, 4), rule, seed=i)
         assert_same_bits(view, lpsim.sr_add(a, a, Float(5, 4), rule, seed=i), f"b is a {rule}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stochastic_adder_rounds_subnormals_overflow_and_specials_as_ieee_addition(dtype):
+    # A plain model of StochasTorch's documented semantics: the exact sum rounds to one of its two
+    # neighbours in the dtype, up with probability (distance from the lower one) / spacing, where
+    # the neighbour above the largest finite value is Inf; IEEE addition's special cases stand.
+    info = torch.finfo(dtype)
+    adder = StochasticAdder(dtype, seed=11)
+    tiny = info.smallest_normal * info.eps  # the smallest subnormal
+    low = torch.full((N,), tiny, dtype=dtype)
+    up = adder.add_biased(low, tiny / 4).double()  # a quarter of the subnormal spacing
+    assert set(up.unique().tolist()) <= {tiny, 2 * tiny}
+    _assert_mean(up, tiny * 1.25, tiny, 2 * tiny, 0.25)
+    top_spacing = info.max * info.eps / (2 - info.eps)  # the spacing below max: 2^emax eps
+    top = torch.full((N,), info.max, dtype=dtype)
+    over = adder.add_biased(top, top_spacing / 2)
+    assert set(over.double().unique().tolist()) == {info.max, math.inf}
+    assert abs(over.isinf().double().mean().item() - 0.5) <= 4 * math.sqrt(0.25 / N)
+    a = torch.tensor([math.nan, math.inf, math.inf, -0.0, 1.0, -1.0], dtype=dtype)
+    b = torch.tensor([1.0, 1.0, -math.inf, -0.0, -1.0, 1.0], dtype=dtype)
+    want = torch.tensor([math.nan, math.inf, math.nan, -0.0, 0.0, 0.0], dtype=dtype)
+    for add in (adder.add, adder.add_biased):
+        got = add(a, b)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert_same_bits(got[~want.isnan()], want[~want.isnan()])
