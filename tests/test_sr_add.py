@@ -755,3 +755,24 @@ def test_stochastic_adder_rounds_subnormals_overflow_and_specials_as_ieee_additi
         got = add(a, b)
         assert torch.equal(got.isnan(), want.isnan())
         assert_same_bits(got[~want.isnan()], want[~want.isnan()])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_stochastic_adder_by_value_rounds_a_plus_b_as_b_plus_a(dtype):
+    # StochasTorch's random choice hashes the XOR of the two operands, so add(x, y) and add(y, x)
+    # round alike; the adder's randomness="value" keys by the operands' values and must too (and
+    # "position" does, as the position is the same).
+    g = torch.Generator().manual_seed(1)
+    x = torch.rand(4096, generator=g).to(dtype)
+    y = (torch.rand(4096, generator=g) * 2.0**-6).to(dtype)
+    x[:4] = torch.tensor([math.nan, 0.0, -0.0, -0.0])
+    y[:4] = torch.tensor([1.0, -0.0, 0.0, -0.0])
+    for randomness in ("value", "position"):
+        for name in ("add", "add_biased"):
+            adders = [StochasticAdder(dtype, seed=9, randomness=randomness) for _ in range(2)]
+            xy = getattr(adders[0], name)(x, y)
+            yx = getattr(adders[1], name)(y, x)
+            assert_same_bits(xy, yx)
+            assert math.isnan(xy[0].item())
+            assert_same_bits(xy[1:4], torch.tensor([0.0, 0.0, -0.0], dtype=dtype))
+            assert bool(((xy[4:] - (x[4:].double() + y[4:].double())).abs() > 0).any())

@@ -63,7 +63,8 @@ class StochasticAdder:
         float_type: torch.float32, float64, bfloat16 or float16: results are rounded into this
             dtype's format and returned in it (also the attribute ``dtype``).
         seed: 0 <= seed < 2**64, or None (StochasTorch also takes negative seeds).
-        randomness: "position" or "value" (see lpsim.sr_add).
+        randomness: "position" or "value" (see lpsim.sr_add). Under both, add(a, b) and
+            add(b, a) round alike.
 
     Raises:
         TypeError: float_type is not a supported floating dtype, or seed is not an int or None.
@@ -134,6 +135,13 @@ class StochasticAdder:
             # and the format, then convert (exactly: the result lies in the format).
             dtypes = (a.dtype, getattr(b, "dtype", None), self.dtype)
             a = a.to(torch.float64 if torch.float64 in dtypes else torch.float32)
+        if self.randomness == "value" and isinstance(b, torch.Tensor) and b.dtype == a.dtype:
+            # sr_add keys a word by the ordered pair (a, b); putting the smaller value first makes
+            # add(a, b) and add(b, a) draw the same word, as StochasTorch's symmetric hash does.
+            # Pairs that do not compare (equal values, +0 and -0, NaN) keep their order: their
+            # sums are exact or NaN, so no word is used. (torch.minimum would lose a zero's sign.)
+            swap = a > b
+            a, b = torch.where(swap, b, a), torch.where(swap, a, b)
         out = sr_add(
             a,
             b,
