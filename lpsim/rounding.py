@@ -53,8 +53,9 @@ class Rounding(enum.IntEnum):
         return self in _STOCHASTIC
 
     @classmethod
-    def parse(cls, value: Rounding | str) -> Rounding:
+    def parse(cls, value: Rounding | str, name: str = "rounding") -> Rounding:
         """The rule named by ``value``: a Rounding, or its name as a string ("nearest", ...).
+        ``name``: the argument's name in the messages.
 
         Raises:
             TypeError: ``value`` is neither a Rounding nor a string.
@@ -66,9 +67,9 @@ class Rounding(enum.IntEnum):
             rule = _BY_NAME.get(value)  # a dict look-up: cls[value] costs ~1 us a call
             if rule is None:
                 names = ", ".join(repr(r.name) for r in cls)
-                raise ValueError(f"rounding must be one of {names}; got {value!r}")
+                raise ValueError(f"{name} must be one of {names}; got {value!r}")
             return rule
-        raise TypeError(f"rounding must be a str or lpsim.Rounding, got {type(value).__name__}")
+        raise TypeError(f"{name} must be a str or lpsim.Rounding, got {type(value).__name__}")
 
 
 _BY_NAME = dict(Rounding.__members__)

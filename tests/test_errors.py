@@ -46,6 +46,22 @@ X = torch.randn(4, 3)
             r"rounding must be one of 'nearest', .*'stochastic_equal'; got 'round'",
         ),
         (lambda: lpsim.quantize(X, Float(5, 2), 3), TypeError, r"rounding must be a str"),
+        # a Quantizer's rules are checked also where no format uses them, under their own names
+        (
+            lambda: lpsim.nn.Quantizer(None, None, "foo"),
+            ValueError,
+            r"forward_rounding must be one of 'nearest'.*got 'foo'",
+        ),
+        (
+            lambda: lpsim.nn.quantizer(None, Float(5, 2), "nearst"),
+            ValueError,
+            r"forward_rounding must be one of .*got 'nearst'",
+        ),
+        (
+            lambda: lpsim.nn.Quantizer(Float(5, 2), None, "nearest", 3),
+            TypeError,
+            r"backward_rounding must be a str",
+        ),
         (
             lambda: lpsim.quantize(X, Float(5, 2), "stochastic", rbits=0),
             ValueError,

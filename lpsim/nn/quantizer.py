@@ -395,6 +395,8 @@ def quantizer(
             callable.
         ValueError: clamp_grad_zero without a clipping forward format.
     """
+    forward_rounding = Rounding.parse(forward_rounding, "forward_rounding")  # also without a format
+    backward_rounding = Rounding.parse(backward_rounding, "backward_rounding")
     forward_spec = as_spec(forward, forward_rounding, "forward")
     backward_spec = as_spec(backward, backward_rounding, "backward")
     for name, spec in (("forward", forward_spec), ("backward", backward_spec)):
@@ -505,6 +507,8 @@ class Quantizer(nn.Module):
     ):
         super().__init__()
         settings = self.__dict__
+        forward_rounding = Rounding.parse(forward_rounding, "forward_rounding")  # also unused
+        backward_rounding = Rounding.parse(backward_rounding, "backward_rounding")
         settings["_forward_spec"] = as_spec(forward, forward_rounding, "forward")
         settings["_backward_spec"] = as_spec(backward, backward_rounding, "backward")
         settings["_clamp_grad_zero"] = clamp_grad_zero

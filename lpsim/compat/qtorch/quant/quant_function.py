@@ -74,19 +74,6 @@ def block_quantize(
     return functional.quantize(x, BlockFloatingPoint(wl, dim).format, rounding, seed=seed)
 
 
-def rounding_argument(value: Rounding | str, name: str) -> Rounding:
-    """The rule that the argument ``name`` (forward_rounding, ...) names, checked whether or not a
-    number uses it, as QPyTorch checks both rules.
-
-    Raises:
-        TypeError, ValueError: value names no rule; the message names the argument.
-    """
-    try:
-        return Rounding.parse(value)
-    except (TypeError, ValueError) as error:
-        raise type(error)(str(error).replace("rounding", name, 1)) from None
-
-
 def quantizer(
     forward_number: Number | None = None,
     backward_number: Number | None = None,
@@ -119,8 +106,6 @@ def quantizer(
         raise TypeError(
             f"clamping_grad_zero must be a bool, got {type(clamping_grad_zero).__name__}"
         )
-    forward_rounding = rounding_argument(forward_rounding, "forward_rounding")
-    backward_rounding = rounding_argument(backward_rounding, "backward_rounding")
     forward_format = lpsim_format(forward_number)
     clamp_grad_zero = clamping_grad_zero and forward_number is not None
     if clamp_grad_zero:

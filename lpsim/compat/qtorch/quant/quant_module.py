@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from lpsim import nn as lpnn
 from lpsim.compat.qtorch.number import Number, lpsim_format
-from lpsim.compat.qtorch.quant.quant_function import rounding_argument
 from lpsim.rounding import Rounding
 
 __all__ = ["Quantizer"]
@@ -30,8 +29,8 @@ class Quantizer(lpnn.Quantizer):
         super().__init__(
             lpsim_format(forward_number),
             lpsim_format(backward_number),
-            rounding_argument(forward_rounding, "forward_rounding"),
-            rounding_argument(backward_rounding, "backward_rounding"),
+            forward_rounding,
+            backward_rounding,
             eval_rounding=eval_rounding,
         )
 
