@@ -425,3 +425,44 @@ def test_recipes_named_after_publications_state_their_deviations():
     assert linear.error == (preset("fp8_e5m2_tensor"), "nearest")
     assert "reduction axis" in " ".join(recipes.RECIPES["mxfp8"].deviations)
     assert recipes.RECIPES["fp32"].deviations == ()
+
+
+# Diagnostics on the GPT
+
+
+def test_shadow_reference_inside_the_attention_context_is_torchs_float32_gpt(corpus):
+    """Shadow.compare called inside the recipe's quantize_functions context (so that the
+    simulated model's attention products are quantised) runs the reference with every call
+    torch's own: its loss and gradients are the plain GPT's on the same weights, bit for bit,
+    and the context's delayed scalers are left as they were."""
+    torch.manual_seed(0)
+    plain = tiny_model(corpus)
+    model, _, _ = recipes.RECIPES["fp8-delayed"].build(
+        GPT(plain.config), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99), seed=0
+    )
+    model.load_state_dict(plain.state_dict(), strict=False)
+    context, mode = train.functions_context(model, recipes.RECIPES["fp8-delayed"])
+    inputs, targets = corpus.training_batch(0, 4, 16, seed=0)
+
+    def loss_fn(logits):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    with context():  # one training step: the attention sites get their scalers
+        loss_fn(model(inputs)).backward()
+    scalers = {k: v.clone() for k, v in mode.scalers.state_dict().items()}
+    shadow = lpsim.diagnostics.Shadow(model)
+    with context():
+        report = shadow.compare(inputs, loss_fn)
+    after = mode.scalers.state_dict()
+    assert after.keys() == scalers.keys()
+    assert all(torch.equal(after[k], v) for k, v in scalers.items())
+    assert report.reference_loss == loss_fn(plain(inputs)).item()
+    with context():
+        simulated = loss_fn(model(inputs)).item()
+    assert report.simulated_loss == simulated != report.reference_loss
+    block = plain.blocks[0]
+    with torch.no_grad():
+        x = plain.token_embedding(inputs) + plain.position_embedding(torch.arange(16))
+        attention = block.attention(block.attention_norm(x)).double()
+    row = next(r for r in report.modules if r.module == "blocks.0.attention.output")
+    assert row.reference_activation_norm == math.sqrt(float(attention.square().sum()))
