@@ -292,6 +292,22 @@ def test_learning_rate_warms_up_then_follows_a_cosine_to_a_tenth():
     assert factors[52] == pytest.approx(0.55)  # halfway through the cosine
 
 
+def test_the_last_step_after_the_warmup_takes_a_tenth_of_the_peak_rate():
+    """The schedule as the trainer's docstring states it, for every run length up to 60 steps:
+    a warmup of ceil(5% of the steps) steps at (step + 1) / warmup, then a half cosine whose
+    last step is at 10% of the peak (two steps: warmup 1, and the second step, the cosine's
+    only one, at 10%)."""
+    for steps in range(1, 61):
+        warmup = max(1, math.ceil(steps * 5 / 100))
+        assert train.Settings("fp32", steps, 1, 1, 1, 1, 1, 1.0, 0, 1, 1, 1, "").warmup == warmup
+        factors = [train.lr_factor(s, steps, warmup) for s in range(steps)]
+        assert factors[:warmup] == [(s + 1) / warmup for s in range(warmup)]
+        if steps > warmup:
+            assert factors[warmup] == 1.0 or steps == warmup + 1
+            assert factors[-1] == pytest.approx(train.FINAL_LR_FACTOR, abs=1e-15), steps
+    assert train.lr_factor(1, 2, 1) == train.FINAL_LR_FACTOR
+
+
 # The trainer
 
 
