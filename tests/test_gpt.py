@@ -482,3 +482,30 @@ def test_shadow_reference_inside_the_attention_context_is_torchs_float32_gpt(cor
         attention = block.attention(block.attention_norm(x)).double()
     row = next(r for r in report.modules if r.module == "blocks.0.attention.output")
     assert row.reference_activation_norm == math.sqrt(float(attention.square().sum()))
+
+
+def test_a_shadow_made_inside_the_attention_context_leaves_the_context_as_it_was(corpus):
+    """A Shadow made while the context is active deep-copies the model with the context's hooks
+    on its modules: the copies must not enter the context's running stack (the next forward of
+    a config with a module selector failed with a KeyError, and calls were sited at the
+    reference's modules)."""
+    torch.manual_seed(0)
+    plain = tiny_model(corpus)
+    model = GPT(plain.config)
+    model.load_state_dict(plain.state_dict())
+    e4m3 = (Float(4, 3), "nearest")
+    config = {("attention.scores", "blocks.*"): lpsim.nn.LayerQuantization(input=e4m3, weight=e4m3)}
+    inputs, targets = corpus.training_batch(0, 4, 16, seed=0)
+
+    def loss_fn(logits):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    functions = lpsim.nn.quantize_functions(model, config)
+    with functions:
+        expected = model(inputs)
+    with functions:
+        report = lpsim.diagnostics.Shadow(model).compare(inputs, loss_fn)
+        after = model(inputs)
+    assert torch.equal(after, expected) and report.simulated_loss == loss_fn(expected).item()
+    assert report.reference_loss == loss_fn(plain(inputs)).item()
+    assert not torch.equal(expected, plain(inputs))  # the context quantises

@@ -302,6 +302,25 @@ def _entry(key, settings) -> _Entry:
     )
 
 
+def _inert(*args) -> None:
+    """What a context's hook is in a deep copy of its model."""
+
+
+class _Hook:
+    """A hook of a context on its model's modules. A deep copy of the model made while the
+    context is active (lpsim.diagnostics.Shadow's reference, an EMA copy) gets an inert hook: its
+    modules are not the context's model's, and running them must not enter its running stack."""
+
+    def __init__(self, function: Callable):
+        self.function = function
+
+    def __call__(self, *args):
+        return self.function(*args)
+
+    def __deepcopy__(self, memo) -> Callable:
+        return _inert
+
+
 class FunctionQuantization(TorchFunctionMode):
     """The context ``quantize_functions`` returns (see the module docstring). It can be entered
     any number of times, one at a time; each entry registers forward hooks on the model's modules
@@ -326,8 +345,9 @@ class FunctionQuantization(TorchFunctionMode):
         self._outside.clear()
         self._names = module_names(self.model)
         for name, module in self.model.named_modules():
-            self._hooks.append(module.register_forward_pre_hook(self._entering(name)))
-            self._hooks.append(module.register_forward_hook(self._leaving, always_call=True))
+            entering, leaving = _Hook(self._entering(name)), _Hook(self._leaving)
+            self._hooks.append(module.register_forward_pre_hook(entering))
+            self._hooks.append(module.register_forward_hook(leaving, always_call=True))
         entered = super().__enter__()
         _ACTIVE.append(self)
         return entered
