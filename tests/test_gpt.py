@@ -509,3 +509,86 @@ def test_a_shadow_made_inside_the_attention_context_leaves_the_context_as_it_was
     assert torch.equal(after, expected) and report.simulated_loss == loss_fn(expected).item()
     assert report.reference_loss == loss_fn(plain(inputs)).item()
     assert not torch.equal(expected, plain(inputs))  # the context quantises
+
+
+# The trainer against quantisers placed by hand
+
+
+class _QuantiseError(torch.autograd.Function):
+    """The identity forward; the gradient rounded by lpsim.quantize(grad, *spec) backward."""
+
+    @staticmethod
+    def forward(ctx, x, spec):
+        ctx.spec = spec
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return lpsim.quantize(grad, *ctx.spec), None
+
+
+def _hand_placed_forward(model, tokens, forward, second, error):
+    """The GPT's forward with the quantisers the FP8 and scaled recipes' docs place, by hand:
+    every Linear but the head takes ``forward`` inputs and weights and ``error`` errors; the
+    scores product q k^T and the context product p v take q, p in ``forward``, k^T, v in
+    ``second`` (the blocks along their reduction), errors in ``error``; float32 products,
+    scale after the scores product, causal mask, float32 softmax."""
+
+    def q(x, spec):  # straight-through rounding
+        return x + (lpsim.quantize(x.detach(), *spec) - x).detach()
+
+    def linear(layer, x):
+        y = F.linear(q(x, forward), q(layer.weight, forward), layer.bias)
+        return _QuantiseError.apply(y, error)
+
+    length = tokens.shape[1]
+    x = model.token_embedding(tokens) + model.position_embedding(torch.arange(length))
+    mask = torch.ones(length, length, dtype=torch.bool).triu(1)
+    for block in model.blocks:
+        attention = block.attention
+        h = block.attention_norm(x)
+        batch, _, width = h.shape
+        shape = (batch, length, attention.heads, width // attention.heads)
+        qs, ks, vs = (
+            t.reshape(shape).transpose(1, 2) for t in linear(attention.qkv, h).split(width, 2)
+        )
+        scores = _QuantiseError.apply(q(qs, forward) @ q(ks.transpose(-2, -1), second), error)
+        scores = (scores * (1 / math.sqrt(width // attention.heads))).masked_fill(mask, -math.inf)
+        p = torch.softmax(scores, -1)
+        context = _QuantiseError.apply(q(p, forward) @ q(vs, second), error)
+        x = x + linear(attention.output, context.transpose(1, 2).reshape(batch, length, width))
+        x = x + linear(block.mlp.output, F.gelu(linear(block.mlp.hidden, block.mlp_norm(x))))
+    return model.head(model.final_norm(x))
+
+
+@pytest.mark.parametrize("name", ["fp8-current", "mxfp8"])
+def test_trainer_runs_are_the_hand_placed_recipes_bit_for_bit(name, tmp_path, corpus):
+    """What the results table's losses come from: the trainer's run (clipping, schedule,
+    evaluations between the steps) ends on the weights of a loop written from the docs, with
+    the quantisers placed by hand, torch's AdamW, clip_grad_norm_ and the documented schedule."""
+    train.main(["--recipe", name, *TINY, "--out-dir", str(tmp_path)])
+    saved = torch.load(tmp_path / train.CHECKPOINT, weights_only=True)["model"]
+    e4m3, e5m2 = ("mxfp8_e4m3", "mxfp8_e5m2") if name == "mxfp8" else ("fp8_e4m3", "fp8_e5m2")
+    if name != "mxfp8":
+        e4m3, e5m2 = e4m3 + "_tensor", e5m2 + "_tensor"
+    forward, error = (preset(e4m3), "nearest"), (preset(e5m2), "nearest")
+    second = (dataclasses.replace(preset(e4m3), axis=-2), "nearest") if name == "mxfp8" else forward
+    torch.manual_seed(0)
+    model = tiny_model(corpus)
+    optimizer = torch.optim.AdamW(recipes.parameter_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.99))
+    steps, warmup = 6, 1  # ceil(5% of 6)
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            progress = min(1.0, (step - warmup) / (steps - 1 - warmup))
+            cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+            group["lr"] = 1e-3 * ((step + 1) / warmup if step < warmup else cosine)
+        inputs, targets = corpus.training_batch(step, 4, 16, 0)
+        logits = _hand_placed_forward(model, inputs, forward, second, error)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    for key, value in model.state_dict().items():
+        original = key.replace("weight", "parametrizations.weight.original")
+        assert torch.equal(saved[original if original in saved else key], value), key
