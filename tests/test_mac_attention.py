@@ -60,6 +60,11 @@ CASES = [
     {"attn_mask": "3-D float", "key_padding_mask": "float", "inputs": "cross"},
     {"attn_mask": "causal", "is_causal": True},
     {"attn_mask": "causal", "is_causal": True, "need_weights": False},
+    # torch takes the hint itself there: attn_mask dropped, the keys j > i masked among all the
+    # keys, bias_k's and add_zero_attn's included (the padded mask would show them to every query).
+    {"attn_mask": "causal", "is_causal": True, "need_weights": False, "add_bias_kv": True},
+    {"attn_mask": "causal", "is_causal": True, "need_weights": False, "add_zero_attn": True},
+    {"attn_mask": "causal", "is_causal": True, "add_bias_kv": True, "key_padding_mask": "bool"},
     {"need_weights": False},
     {"need_weights": False, "attn_mask": "2-D float", "key_padding_mask": "float"},
     {"average_attn_weights": False},

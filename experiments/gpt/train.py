@@ -214,10 +214,12 @@ class Settings:
 
 def lr_factor(step: int, steps: int, warmup: int) -> float:
     """The learning rate of (0-based) ``step`` as a fraction of the peak: (step + 1) / warmup
-    during the warmup, then a half cosine from 1 down to FINAL_LR_FACTOR at the last step."""
+    during the warmup, then a half cosine from 1 down to FINAL_LR_FACTOR at the last step (a
+    cosine of one step, the last, is at FINAL_LR_FACTOR)."""
     if step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, steps - 1 - warmup))
+    span = steps - 1 - warmup  # the steps after the cosine's first, which has progress 0
+    progress = 1.0 if span <= 0 else min(1.0, (step - warmup) / span)
     return FINAL_LR_FACTOR + (1 - FINAL_LR_FACTOR) * 0.5 * (1 + math.cos(math.pi * progress))
 
 

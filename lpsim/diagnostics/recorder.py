@@ -45,7 +45,9 @@ attention called as functions), of the lpsim.nn.quantizer() function (it belongs
 Quantizer module's are recorded) and of the operands of products under MACs (lpsim.nn.functional's
 Operands): a model that rounds only there has no records.
 
-FusedSGD and FusedAdam round inside one compiled pass, so only their stagnation is recorded.
+FusedSGD and FusedAdam round inside one compiled pass, and lpsim.optim.SGD and AdamW (weights
+stored in low precision, updated by lpsim.sr_add and sr_addcdiv_ in one rounding) inside one
+op, so only their stagnation is recorded: they give no "weight" record.
 Roundings by functions that are not formats (OptimLP accepts any function tensor -> tensor) have
 no format to count against and are not recorded (their stagnation is).
 
@@ -148,9 +150,9 @@ class Stagnation:
             before its rounding differs from the value before the step. That value is the
             weight, or with an accumulator (``acc``) the accumulator: the update moves it, and
             the weight follows it rounded. With any other optimizer (FusedSGD, FusedAdam,
-            torch's), whose updates are not seen: elements with a nonzero gradient before the
-            step, or the gradient its closure computed, for step(closure) (for a sparse
-            gradient, a nonzero dense value).
+            lpsim.optim.SGD and AdamW, torch's), whose updates are not seen: elements with a
+            nonzero gradient before the step, or the gradient its closure computed, for
+            step(closure) (for a sparse gradient, a nonzero dense value).
         lost: of the updated elements, those the step left where they were (OptimLP: those its
             rounding returned to the old weight, or to the old accumulator; otherwise those whose
             weight after the step equals the weight before it).

@@ -39,6 +39,13 @@ with torch.autograd.grad, which accumulates nothing), its buffers (restored bit 
 BatchNorm running statistics, DelayedScaler histories), the modules' training flags, and the state
 of torch's generators are as before the call. Its passes are not part of the run: a
 lpsim.diagnostics.Recorder attached meanwhile records none of them.
+
+Products called as functions (attention's inside F.scaled_dot_product_attention, a matmul):
+call compare() inside the lpsim.nn.quantize_functions context that the training runs in. The
+simulated model's calls are then quantised as the context says and the reference's are torch's
+own (every active context lets them pass, although a context also quantises calls made outside
+its model's modules), and the context's delayed scalers are left as they were (histories and
+scales bit for bit; no scaler kept for a site first met in compare()).
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from torch.nn.utils import parametrize
 
 from lpsim.compat.qtorch.auto_low.auto_low import remove_lowering
 from lpsim.nn._hooks import floating_tensors, map_tensors
+from lpsim.nn.functions import passing_calls, scalers_kept
 from lpsim.nn.inject import injected, own_parametrized_classes, remove, unobserved_pass
 from lpsim.nn.quantizer import Quantizer
 
@@ -574,15 +582,18 @@ class Shadow:
         # (and gets its observer back, at the step it was at, however the passes end), the
         # buffers they write are restored bit for bit and the scalers of tensors first seen here
         # dropped.
-        with unobserved_pass(self._model, self._reference), dropout_context:
+        # The reference computes every call as torch's own: active quantize_functions contexts
+        # (which quantise calls made outside their model's modules too) let its calls pass.
+        with unobserved_pass(self._model, self._reference), scalers_kept(), dropout_context:
             simulated = _run(self._model, arguments, self._names, loss_fn, generator_devices)
-            reference = _run(
-                self._reference,
-                _cast_floating(arguments, self._dtype),
-                self._names,
-                loss_fn,
-                generator_devices,
-            )
+            with passing_calls():
+                reference = _run(
+                    self._reference,
+                    _cast_floating(arguments, self._dtype),
+                    self._names,
+                    loss_fn,
+                    generator_devices,
+                )
         return _report(simulated, reference)
 
     def _synchronize(self) -> None:

@@ -1344,7 +1344,11 @@ def multi_head_attention_forward(
     say) gets the sum of its gradients from autograd, in torch's arithmetic.
 
     is_causal is torch's hint: attn_mask, which it requires, is the causal mask and is used as
-    given. need_weights decides whether the weights (after dropout, averaged over heads with
+    given, except where torch takes the hint itself (need_weights=False and no
+    key_padding_mask): there, as in torch, attn_mask is dropped and the keys j > i are masked
+    among all the keys, bias_k's and add_zero_attn's positions included (which a query i < S
+    then does not see, where the given mask, padded, would let every query see them).
+    need_weights decides whether the weights (after dropout, averaged over heads with
     average_attn_weights) are returned; the computation is always the explicit one (torch's
     need_weights=False path is its fused scaled_dot_product_attention, not simulated here),
     except that with need_weights=False a query whose keys are all masked gets weights 0 (its
@@ -1380,8 +1384,12 @@ def multi_head_attention_forward(
     if is_causal and attn_mask is None:
         raise ValueError("is_causal needs attn_mask (the causal mask), as in torch")
     head_dim, batch_heads = embed_dim // num_heads, bsz * num_heads
+    # torch takes the hint itself where it computes no weights and has no padding mask: it drops
+    # attn_mask and its scaled_dot_product_attention masks the keys j > i among the final keys
+    # (bias_k's and add_zero_attn's positions included).
+    causal = is_causal and key_padding_mask is None and not need_weights
     key_padding_mask = _additive_mask(key_padding_mask, "key_padding_mask", query.dtype)
-    attn_mask = _additive_mask(attn_mask, "attn_mask", query.dtype)
+    attn_mask = None if causal else _additive_mask(attn_mask, "attn_mask", query.dtype)
     attn_mask = _three_dimensional_mask(attn_mask, batch_heads, tgt_len, src_len)
     separate = (q_proj_weight, k_proj_weight, v_proj_weight)
     q, k, v = _in_projections(
@@ -1393,6 +1401,10 @@ def multi_head_attention_forward(
     )
     q = _heads(q, batch_heads, head_dim)
     src_len = k.shape[1]
+    if causal:
+        future = torch.ones(tgt_len, src_len, dtype=torch.bool, device=q.device).triu(1)
+        attn_mask = torch.zeros(1, tgt_len, src_len, dtype=q.dtype, device=q.device)
+        attn_mask = attn_mask.masked_fill(future, float("-inf"))
     mask = _merged_mask(attn_mask, key_padding_mask, bsz, num_heads, src_len)
     dropout_p = dropout_p if training else 0.0
     # torch's need_weights=False path is its scaled_dot_product_attention, whose rows of scores

@@ -184,10 +184,13 @@ _SOFTMAX_FUNCTIONS = (torch.softmax, F.softmax, torch.Tensor.softmax, torch.spec
 _SOFTMAX_DTYPE_POSITION = {F.softmax: 3}
 # The context whose simulation of a call is running: the calls its implementation makes (the
 # product of quantised operands, a softmax, attention's steps) are its own, and another
-# quantize_functions context further out on torch's mode stack lets them pass.
-_CLAIMED: contextvars.ContextVar[FunctionQuantization | None] = contextvars.ContextVar(
+# quantize_functions context further out on torch's mode stack lets them pass. passing_calls()
+# sets it to itself, which no context is: every context lets every call pass.
+_CLAIMED: contextvars.ContextVar[object | None] = contextvars.ContextVar(
     "lpsim_claimed_by", default=None
 )
+# The contexts entered and not yet left, innermost last.
+_ACTIVE: list[FunctionQuantization] = []
 # The module part of the sites of calls made outside the model's modules (the model's own calls
 # have the name ""; attribute names hold no "<").
 _OUTSIDE = "<outside>"
@@ -299,6 +302,25 @@ def _entry(key, settings) -> _Entry:
     )
 
 
+def _inert(*args) -> None:
+    """What a context's hook is in a deep copy of its model."""
+
+
+class _Hook:
+    """A hook of a context on its model's modules. A deep copy of the model made while the
+    context is active (lpsim.diagnostics.Shadow's reference, an EMA copy) gets an inert hook: its
+    modules are not the context's model's, and running them must not enter its running stack."""
+
+    def __init__(self, function: Callable):
+        self.function = function
+
+    def __call__(self, *args):
+        return self.function(*args)
+
+    def __deepcopy__(self, memo) -> Callable:
+        return _inert
+
+
 class FunctionQuantization(TorchFunctionMode):
     """The context ``quantize_functions`` returns (see the module docstring). It can be entered
     any number of times, one at a time; each entry registers forward hooks on the model's modules
@@ -323,14 +345,19 @@ class FunctionQuantization(TorchFunctionMode):
         self._outside.clear()
         self._names = module_names(self.model)
         for name, module in self.model.named_modules():
-            self._hooks.append(module.register_forward_pre_hook(self._entering(name)))
-            self._hooks.append(module.register_forward_hook(self._leaving, always_call=True))
-        return super().__enter__()
+            entering, leaving = _Hook(self._entering(name)), _Hook(self._leaving)
+            self._hooks.append(module.register_forward_pre_hook(entering))
+            self._hooks.append(module.register_forward_hook(leaving, always_call=True))
+        entered = super().__enter__()
+        _ACTIVE.append(self)
+        return entered
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
             for handle in self._hooks:
                 handle.remove()
             self._hooks.clear()
@@ -584,6 +611,43 @@ class FunctionQuantization(TorchFunctionMode):
         """This mode pushed again (inside __torch_function__ torch pops it), so that the calls of
         a Python decomposition reach it; the hooks stay as they are."""
         return _Pushed(self)
+
+
+@contextlib.contextmanager
+def scalers_kept() -> Iterator[None]:
+    """A context after which the delayed scalers of every active quantize_functions context are
+    as they were: their buffers (histories, scales) restored bit for bit, the same tensors, and
+    the scalers of sites first met inside dropped. lpsim.diagnostics.Shadow.compare runs its
+    passes in one: they are not part of the run."""
+    saved = [(context, dict(context.scalers.items())) for context in _ACTIVE]
+    buffers = [
+        (scaler._buffers, name, buffer, buffer.clone())
+        for _, scalers in saved
+        for scaler in scalers.values()
+        for name, buffer in scaler._buffers.items()
+        if buffer is not None
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for owner, name, buffer, copy in buffers:
+                owner[name] = buffer
+                buffer.copy_(copy)
+        for context, scalers in saved:
+            for key in [k for k in context.scalers if k not in scalers]:
+                del context.scalers[key]
+
+
+@contextlib.contextmanager
+def passing_calls() -> Iterator[None]:
+    """A context in which every active quantize_functions context lets every call pass as torch's
+    own, unquantised: lpsim.diagnostics.Shadow runs its float32 reference in one."""
+    token = _CLAIMED.set(passing_calls)
+    try:
+        yield
+    finally:
+        _CLAIMED.reset(token)
 
 
 class _Pushed:
