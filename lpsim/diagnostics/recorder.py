@@ -62,7 +62,10 @@ exactly as before. Recording draws no random numbers and writes no tensor of the
 a recorder attached is bit for bit the run without.
 
 torch.compile: a compiled model gives the records it gives in eager mode, bit for bit, and its
-outputs stay those of the run without a recorder; but each rounding's statistics are taken outside
+run stays the run without a recorder, except with stochastic rounding under Inductor: the graphs
+broken apart draw other random numbers than the whole graphs, so the run with a recorder attached
+differs from the run without unless ``torch._inductor.config.fallback_random = True`` (which also
+makes both equal eager runs, docs/training.md). Each rounding's statistics are taken outside
 the compiled graphs, which break there (the steps run slower, and a model compiled with
 ``fullgraph=True`` raises dynamo's Unsupported error while a recorder observes it: record without
 fullgraph). The guards of the broken graphs do not see the recorder, so detach() drops
