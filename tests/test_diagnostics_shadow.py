@@ -631,3 +631,21 @@ def test_a_compiled_model_is_compared_as_the_model_it_wraps():
     assert all(row.error_divergence is not None for row in report.modules)
     assert report.modules[-1].reference_activation_norm == expected_out.norm().item()
     assert report.reference_loss == loss_fn(expected_out.float()).item()
+
+
+def test_a_module_compiled_inside_the_model_has_its_eager_errors():
+    """A submodule replaced by its torch.compile wrapper runs eagerly in compare(): its row has
+    the error divergence of the uncompiled model's, not none."""
+    import dataclasses
+
+    torch.manual_seed(1)
+    x = torch.randn(8, 4)
+    config = {"": LayerQuantization(weight=COARSE, output=COARSE, error=COARSE)}
+    eager = Shadow(inject(mlp(), config)).compare(x, squared_loss)
+    model = inject(mlp(), config)
+    model[2] = torch.compile(model[2], backend="aot_eager")
+    report = Shadow(model).compare(x, squared_loss)
+    inner = next(row for row in report.modules if row.module == "2._orig_mod")
+    want = next(row for row in eager.modules if row.module == "2")
+    assert inner.error_divergence is not None
+    assert dataclasses.replace(inner, module="2") == want

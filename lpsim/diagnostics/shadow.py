@@ -475,7 +475,7 @@ class Shadow:
             model eagerly, uncompiled: the reports name the modules as the model does ("0", not
             "_orig_mod.0") and equal those of the model before compiling (the errors of the
             modules' outputs, gradients of tensors inside the compiled graph, cannot be taken
-            from it).
+            from it); modules compiled inside the model also run eagerly in compare().
         dtype: the floating-point dtype of the reference (torch.float32 by default); its
             floating-point parameters and buffers, and the floating-point inputs it receives,
             are converted to it.
@@ -583,8 +583,13 @@ class Shadow:
         # compare()'s passes are not the run's: an attached Recorder does not see their roundings
         # (and gets its observer back, at the step it was at, however the passes end), the
         # buffers they write are restored bit for bit and the scalers of tensors first seen here
-        # dropped.
-        with unobserved_pass(self._simulated, self._reference), dropout_context:
+        # dropped. Modules compiled by torch.compile inside the model run eagerly (the errors,
+        # gradients of their modules' outputs, cannot be taken inside a compiled graph).
+        with (
+            unobserved_pass(self._simulated, self._reference),
+            dropout_context,
+            torch.compiler.set_stance("force_eager"),
+        ):
             simulated = _run(self._simulated, arguments, self._names, loss_fn, generator_devices)
             reference = _run(
                 self._reference,
