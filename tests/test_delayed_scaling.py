@@ -606,3 +606,39 @@ def test_an_optimizer_step_inside_the_backward_pass_still_scales_its_tensors():
     (twin * twin).sum().backward()
     reference.step()
     assert torch.equal(w.detach(), twin.detach())
+
+
+def test_compiled_steps_leave_the_scalers_where_eager_steps_do():
+    """After the same steps compiled (aot_eager) and eager, with an eval pass and its recompile
+    between them, every amax history, scale and call count is equal, and the eval pass records
+    nothing. The error scalers are made by one eager step before compiling."""
+    scaling = (DelayedScaling(lpsim.Float(4, 3, saturate=True), history_length=4), "nearest")
+
+    def make():
+        torch.manual_seed(0)
+        config = {
+            "0": LayerQuantization(weight=scaling, input=scaling, output=scaling, error=scaling),
+            "2": LayerQuantization(error=scaling),
+        }
+        return inject(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)), config)
+
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randn(5, 4, generator=generator) * 4**i for i in range(4)]
+    eager, model = make(), make()
+    compiled = torch.compile(model, backend="aot_eager")
+    for i, x in enumerate(batches):
+        for owner, run in ((eager, eager), (model, model if i == 0 else compiled)):
+            (run(x) ** 2).mean().backward()
+            if i == 2:
+                before = copy.deepcopy(owner.state_dict())
+                owner.eval()
+                with torch.no_grad():
+                    run(x * 100)
+                owner.train()
+                after = owner.state_dict()
+                assert all(torch.equal(before[k], after[k]) for k in before)
+    want, got = eager.state_dict(), model.state_dict()
+    assert want.keys() == got.keys() and any("error" in k for k in want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(eager.parameters(), model.parameters()))

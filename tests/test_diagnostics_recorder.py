@@ -873,3 +873,54 @@ def test_bad_keys_and_a_second_recorder_are_refused():
         with pytest.raises(RuntimeError, match="another Recorder"):
             Recorder(nn.Linear(1, 1)).attach()
     assert not recorder.attached and _observation.current is None
+
+
+def test_detaching_from_a_compiled_model_restores_its_graphs_and_records_equal_eager():
+    """A recorder observing a torch.compile'd model records what it records in eager mode, and
+    the model's outputs stay eager's; once detached, the model runs its forward and backward
+    graphs again (the recorder's graph breaks are gone), also after attaching again."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    runs = [0]
+
+    def counting(gm, example_inputs):
+        run_graph = make_boxed_func(gm.forward)
+
+        def run(args):
+            runs[0] += 1
+            return run_graph(args)
+
+        run._boxed_call = True
+        return run
+
+    def make():
+        torch.manual_seed(0)
+        spec = (FLOAT, "nearest")
+        return inject(
+            nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)),
+            {"0": LayerQuantization(weight=spec, input=spec, output=spec, error=spec)},
+        )
+
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1)) * 3
+    eager, model = make(), make()
+    compiled = torch.compile(
+        model, backend=aot_autograd(fw_compiler=counting, bw_compiler=counting)
+    )
+
+    def step(run_model):
+        runs[0] = 0
+        out = run_model(x)
+        out.sum().backward()
+        return out.detach(), runs[0]
+
+    _, graphs = step(compiled)
+    assert graphs == 2  # one forward and one backward graph
+    for _ in range(2):
+        with Recorder(eager) as expected:
+            want, _ = step(eager)
+        with Recorder(model) as recorder:
+            got, _ = step(compiled)
+        assert torch.equal(got, want)
+        assert recorder.records == expected.records and len(recorder.records) == 4
+        assert step(compiled)[1] == graphs

@@ -606,3 +606,46 @@ def test_outputs_and_inputs_keep_their_container_types(dtype):
         assert row(report, "").activation_divergence > 0
     assert row(report, "pair_out").error_divergence > 0
     assert row(report, "dict_out").error_divergence > 0
+
+
+def test_a_compiled_model_is_compared_as_the_model_it_wraps():
+    """Shadow of torch.compile's wrapper: the rows, errors included, equal those of the model
+    before compiling, under the model's own names, and the reference is the float32 model."""
+    torch.manual_seed(1)
+    x = torch.randn(8, 4)
+
+    def loss_fn(out):
+        return (out * out).mean()
+
+    plain = mlp()
+    expected_out = plain(x).detach().double()
+    config = {"": LayerQuantization(weight=COARSE, output=COARSE, error=COARSE)}
+    eager = Shadow(inject(mlp(), config)).compare(x, loss_fn)
+    model = inject(mlp(), config)
+    compiled = torch.compile(model, backend="aot_eager")
+    shadow = Shadow(compiled)
+    assert shadow.model is compiled
+    report = shadow.compare(x, loss_fn)
+    assert [row.label for row in report.modules] == ["0", "1", "2", "3", "4", "(model)"]
+    assert report == eager
+    assert all(row.error_divergence is not None for row in report.modules)
+    assert report.modules[-1].reference_activation_norm == expected_out.norm().item()
+    assert report.reference_loss == loss_fn(expected_out.float()).item()
+
+
+def test_a_module_compiled_inside_the_model_has_its_eager_errors():
+    """A submodule replaced by its torch.compile wrapper runs eagerly in compare(): its row has
+    the error divergence of the uncompiled model's, not none."""
+    import dataclasses
+
+    torch.manual_seed(1)
+    x = torch.randn(8, 4)
+    config = {"": LayerQuantization(weight=COARSE, output=COARSE, error=COARSE)}
+    eager = Shadow(inject(mlp(), config)).compare(x, squared_loss)
+    model = inject(mlp(), config)
+    model[2] = torch.compile(model[2], backend="aot_eager")
+    report = Shadow(model).compare(x, squared_loss)
+    inner = next(row for row in report.modules if row.module == "2._orig_mod")
+    want = next(row for row in eager.modules if row.module == "2")
+    assert inner.error_divergence is not None
+    assert dataclasses.replace(inner, module="2") == want

@@ -527,3 +527,45 @@ def test_saturation_is_invisible_without_watch():
     scaler = DynamicLossScaler(init_scale=2.0**30, growth_interval=20)
     _, last, accuracy = _train_digits(0, E4M3_SATURATING, scaler, watch=True)
     assert scaler.skipped_steps > 5 and last < 0.1 and accuracy > 0.9
+
+
+def test_a_compiled_model_skips_backs_off_and_grows_as_the_eager_model():
+    """A scaler watching a torch.compile'd model (aot_eager; watched after the model was compiled
+    and called) skips the same steps, backs off and grows as with the eager model, and the
+    weights end equal."""
+    from lpsim.nn import LayerQuantization, inject
+
+    spec = (Float(3, 2), "nearest")  # largest 14: a scale of 2**8 overflows the errors
+
+    def make():
+        torch.manual_seed(0)
+        config = {
+            "0": LayerQuantization(weight=spec, output=spec, error=spec),
+            "2": LayerQuantization(output=spec, error=spec),
+        }
+        return inject(nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 3)), config)
+
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+
+    def train(run, model):
+        optimizer = torch.optim.SGD(model.parameters(), 0.01)
+        scaler = DynamicLossScaler(init_scale=2.0**6, growth_interval=2)
+        scaler.watch_model(model)
+        history = []
+        for _ in range(8):
+            optimizer.zero_grad()
+            scaler.scale((run(x) ** 2).mean()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            history.append((scaler.get_scale(), scaler.found_overflow, scaler.skipped_steps))
+        return history
+
+    eager, model = make(), make()
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(x).sum().backward()
+    model.zero_grad()
+    want = train(eager, eager)
+    assert train(compiled, model) == want
+    assert 0 < want[-1][2] < 8 and want[-1][0] > 2.0**6  # skipped some steps, grew in others
+    for p, q in zip(eager.parameters(), model.parameters()):
+        assert_same_bits(q, p)

@@ -63,6 +63,19 @@ optimizer; detach() undoes both, and nothing else is changed, so the model and t
 exactly as before. Recording draws no random numbers and writes no tensor of the run: a run with
 a recorder attached is bit for bit the run without.
 
+torch.compile: a compiled model gives the records it gives in eager mode, bit for bit, and its
+run stays the run without a recorder, except with stochastic rounding under Inductor: the graphs
+broken apart draw other random numbers than the whole graphs, so the run with a recorder attached
+differs from the run without unless ``torch._inductor.config.fallback_random = True`` (which also
+makes both equal eager runs, docs/training.md). Each rounding's statistics are taken outside
+the compiled graphs, which break there (the steps run slower, and a model compiled with
+``fullgraph=True`` raises dynamo's Unsupported error while a recorder observes it: record without
+fullgraph). The guards of the broken graphs do not see the recorder, so detach() drops
+torch.compile's caches (torch.compiler.reset()) where graphs were compiled while it was attached:
+the model then compiles once more into its unbroken graphs. With ``every=k`` the steps between
+recorded ones run the broken graphs too. Given torch.compile's wrapper, a recorder names the
+modules as the wrapper does ("_orig_mod.0"); given the model, as the model does ("0").
+
 Distributed training (torch.distributed, DistributedDataParallel): a recorder records the
 roundings of its own process only, and nothing is reduced across ranks. The model's inputs,
 outputs and errors are those of the rank's own batches and differ between ranks; the weights and
@@ -79,6 +92,7 @@ import csv
 import json
 import math
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -187,6 +201,12 @@ class Stagnation:
         }
 
 
+def _compiled_graphs() -> int:
+    """How many graphs torch.compile has compiled in this process so far."""
+    dynamo_utils = sys.modules.get("torch._dynamo.utils")  # not loaded: nothing compiled yet
+    return 0 if dynamo_utils is None else dynamo_utils.counters["stats"]["unique_graphs"]
+
+
 class Record(NamedTuple):
     """The statistics of the roundings of one category in one module (or parameter) in one
     step."""
@@ -258,6 +278,7 @@ class Recorder:
         self._stagnation: dict[tuple[int, str], Stagnation] = {}
         self._names: dict[int, str] = {}  # id of a module or parameter -> its name
         self._hooks: list = []
+        self._graphs_at_attach = 0
         # id(parameter) -> (its weight before the step, the mask of its nonzero gradient or None)
         self._before_step: dict[int, _BeforeStep] = {}
         # Stagnation in OptimLP is seen in the rounding of the value its update moves (the
@@ -291,6 +312,7 @@ class Recorder:
                 self.optimizer.register_step_post_hook(self._after_optimizer_step),
             ]
         _attached = self
+        self._graphs_at_attach = _compiled_graphs()
         self._observe_if_recorded()
         return self
 
@@ -306,6 +328,12 @@ class Recorder:
         self._before_step.clear()
         _observation.current = None
         _attached = None
+        if _compiled_graphs() != self._graphs_at_attach:
+            # torch.compile traced the model while this recorder observed: the statistics break
+            # its graphs, and the guards of the broken graphs do not see the observer, so they
+            # would keep serving the model after detaching. Dropping them lets it compile again
+            # without the breaks.
+            torch.compiler.reset()
 
     def __enter__(self) -> Recorder:
         return self.attach()

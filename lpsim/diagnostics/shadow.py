@@ -60,7 +60,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lpsim.compat.qtorch.auto_low.auto_low import remove_lowering
-from lpsim.nn._hooks import floating_tensors, map_tensors
+from lpsim.nn._hooks import compiled_model, floating_tensors, map_tensors
 from lpsim.nn.functions import passing_calls, scalers_kept
 from lpsim.nn.inject import injected, own_parametrized_classes, remove, unobserved_pass
 from lpsim.nn.quantizer import Quantizer
@@ -478,7 +478,12 @@ class Shadow:
     Args:
         model: the simulated model: any nn.Module, injected by lpsim.nn.inject, holding
             lpsim.nn.Quantizer modules, lowered by lpsim.compat.qtorch's lower() or
-            sequential_lower(), or any of these together. Shadow never changes it.
+            sequential_lower(), or any of these together. Shadow never changes it. Given
+            torch.compile's wrapper, Shadow takes the model it wraps and compare() runs that
+            model eagerly, uncompiled: the reports name the modules as the model does ("0", not
+            "_orig_mod.0") and equal those of the model before compiling (the errors of the
+            modules' outputs, gradients of tensors inside the compiled graph, cannot be taken
+            from it); modules compiled inside the model also run eagerly in compare().
         dtype: the floating-point dtype of the reference (torch.float32 by default); its
             floating-point parameters and buffers, and the floating-point inputs it receives,
             are converted to it.
@@ -500,8 +505,11 @@ class Shadow:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
         self._model = model
+        # torch.compile's wrapper: both passes run the model it wraps, eagerly (see the class
+        # docstring).
+        self._simulated = compiled_model(model) or model
         self._dtype = dtype
-        reference = copy.deepcopy(model)
+        reference = copy.deepcopy(self._simulated)
         reference = remove_lowering(remove(own_parametrized_classes(reference)))
         reference = _replace_quantizers(reference)
         reference.to(dtype)
@@ -576,16 +584,24 @@ class Shadow:
         if not isinstance(dropout, bool):
             raise TypeError(f"dropout must be a bool, got {dropout!r}")
         self._synchronize()
-        generator_devices = _cuda_devices(self._model, arguments)
-        dropout_context = _DropoutOff() if dropout else _DropoutOff(self._model, self._reference)
+        generator_devices = _cuda_devices(self._simulated, arguments)
+        dropout_context = (
+            _DropoutOff() if dropout else _DropoutOff(self._simulated, self._reference)
+        )
         # compare()'s passes are not the run's: an attached Recorder does not see their roundings
         # (and gets its observer back, at the step it was at, however the passes end), the
         # buffers they write are restored bit for bit and the scalers of tensors first seen here
-        # dropped.
-        # The reference computes every call as torch's own: active quantize_functions contexts
-        # (which quantise calls made outside their model's modules too) let its calls pass.
-        with unobserved_pass(self._model, self._reference), scalers_kept(), dropout_context:
-            simulated = _run(self._model, arguments, self._names, loss_fn, generator_devices)
+        # dropped. Modules compiled by torch.compile inside the model run eagerly (the errors,
+        # gradients of their modules' outputs, cannot be taken inside a compiled graph). The
+        # reference computes every call as torch's own: active quantize_functions contexts (which
+        # quantise calls made outside their model's modules too) let its calls pass.
+        with (
+            unobserved_pass(self._simulated, self._reference),
+            scalers_kept(),
+            dropout_context,
+            torch.compiler.set_stance("force_eager"),
+        ):
+            simulated = _run(self._simulated, arguments, self._names, loss_fn, generator_devices)
             with passing_calls():
                 reference = _run(
                     self._reference,
@@ -599,7 +615,7 @@ class Shadow:
     def _synchronize(self) -> None:
         """Copy the simulated model's parameters, buffers and training flags into the
         reference."""
-        stored = _stored_tensors(self._model)
+        stored = _stored_tensors(self._simulated)
         with torch.no_grad():
             for kind, named in (
                 ("parameter", self._reference.named_parameters(remove_duplicate=False)),
@@ -612,7 +628,7 @@ class Shadow:
                             "changed since the Shadow was made: make a new one"
                         )
                     tensor.copy_(stored[name])
-        modules = dict(self._model.named_modules(remove_duplicate=False))
+        modules = dict(self._simulated.named_modules(remove_duplicate=False))
         for name, module in self._reference.named_modules(remove_duplicate=False):
             if name in modules:
                 module.training = modules[name].training

@@ -34,6 +34,15 @@ def named_function(name: str) -> Iterator[None]:
         _FUNCTION_NAME.reset(token)
 
 
+def compiled_model(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The model that ``model`` wraps if it is torch.compile's wrapper (whose modules are named
+    "_orig_mod.<name>"), the innermost where compiled wrappers are nested; None otherwise."""
+    wrapped = None
+    while isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        model = wrapped = model._orig_mod
+    return wrapped
+
+
 def map_tensors(value, fn: Callable[[torch.Tensor], torch.Tensor]):
     """value with fn applied to every floating-point tensor inside it (see map_placed_tensors)."""
     return map_placed_tensors(value, lambda x, place: fn(x))

@@ -51,7 +51,12 @@ from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.functional import quantize_op_arguments
 from lpsim.mac import MAC
 from lpsim.nn import functional as _functional
-from lpsim.nn._hooks import guard_hooks_under_compile, map_placed_tensors, map_tensors
+from lpsim.nn._hooks import (
+    compiled_model,
+    guard_hooks_under_compile,
+    map_placed_tensors,
+    map_tensors,
+)
 from lpsim.nn.functional import OperandSpecs
 from lpsim.nn.quantizer import (
     QuantSpec,
@@ -868,7 +873,7 @@ def _check_unmatched(counts: dict, unmatched: str, model: nn.Module) -> None:
         "inject(): config entries that decide no module (pass unmatched='warn' or 'ignore' "
         "to allow this): " + "; ".join(problems)
     )
-    if isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
+    if compiled_model(model) is not None:
         message += (
             "; the model is torch.compile's wrapper, in which the model's modules are named "
             "'_orig_mod.<name>': inject into the model before compiling it (or select "
