@@ -61,23 +61,27 @@ def call(name: str, *args):
     return _through_torch_ops(op, args)
 
 
-def call_in_place(name: str, x: torch.Tensor, *args) -> None:
-    """call(name, x, *args) for an op that writes into its first argument x (quantize_grid_,
-    sr_add_, ...).
+def call_in_place(name: str, *args, written: int = 0) -> None:
+    """call(name, *args) for an op that writes into the tensor args[written]: x of the in-place
+    ops (quantize_grid_, sr_add_, ...), out of the out= ops (written=-1).
 
-    An x with torch's negative bit (torch._neg_view, z.conj().imag) is rounded through a copy of
-    its values without the bit, which is then copied into x: torch's fallback for such views
-    expects an in-place op to return x, and with lpsim's ops, which return nothing, it corrupted
-    the heap. The copy keeps every rule of the op on x: its values and random draws, its version
-    counter, the refusal of a leaf that requires grad and, through a non-leaf, its gradient.
-    Not while torch.compile traces, which cannot branch on the bit: there the traced op fails on
-    such a view with an error (no corruption)."""
-    if not torch.compiler.is_compiling() and x.is_neg():
-        plain = x.resolve_neg()
-        call(name, plain, *args)
-        x.copy_(plain)
+    A written tensor with torch's negative bit (torch._neg_view, z.conj().imag) is rounded
+    through a copy of its values without the bit, which is then copied into it: torch's fallback
+    for such views expects an op that writes into a tensor to return it, and with lpsim's ops,
+    which return nothing, it corrupted the heap. The copy keeps every rule of the op on the
+    tensor: its values and random draws, its version counter, the refusal of a leaf that
+    requires grad and, through a non-leaf, its gradient. Not while torch.compile traces, which
+    cannot branch on the bit: there the traced op fails on such a view with an error (no
+    corruption)."""
+    target = args[written]
+    if not torch.compiler.is_compiling() and target.is_neg():
+        plain = target.resolve_neg()
+        args = list(args)
+        args[written] = plain
+        call(name, *args)
+        target.copy_(plain)
         return
-    call(name, x, *args)
+    call(name, *args)
 
 
 def call_directly(name: str, *args):

@@ -148,15 +148,7 @@ def quantize(
         # The compiled kernels check it too, but a meta tensor among x and out dispatches to the
         # shape-only kernel, which would leave out unwritten.
         raise RuntimeError(f"out must be on the device of x, {x.device}, got {out.device}")
-    if not torch.compiler.is_compiling() and out.is_neg():
-        # A view whose values torch stores negated (its negative bit: z.conj().imag of a complex
-        # z). torch's fallback for such views cannot run an out= op that returns nothing: it
-        # corrupted memory. Round into a resolved copy of out, then copy that into out, as
-        # call_in_place does for the in-place ops.
-        resolved = out.resolve_neg()
-        call(name + "_out", x, *args, resolved)
-        return out.copy_(resolved)
-    call(name + "_out", x, *args, out)
+    call_in_place(name + "_out", x, *args, out, written=-1)  # (an out with the negative bit)
     return out
 
 
