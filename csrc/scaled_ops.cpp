@@ -130,8 +130,7 @@ std::vector<BlockScale> block_scales_cpu(Dtype dtype, const void* x, const Scale
                                          const ScaledSpec& spec) {
   const int64_t chunk = scan_chunk(layout);
   const int64_t groups = layout.groups(), inner = layout.inner;
-  const int64_t positions =
-      std::min(layout.tile_rows, layout.rows) * std::min(layout.tile_cols, layout.cols);
+  const int64_t positions = layout.positions();
   const int64_t chunks = (positions + chunk - 1) / chunk;
   std::vector<uint64_t> amax(static_cast<size_t>(groups * inner), 0);
   if (chunks == 1) {  // whole groups per task, many at a time where they are small
@@ -234,8 +233,7 @@ void scaled_cpu(const at::Tensor& x, const at::Tensor& dst, ScaledSpec spec,
   if (spec.two_level) set_tensor_scale_cpu(dtype, xp, n, spec);
 
   const int64_t groups = layout.groups(), inner = layout.inner;
-  const int64_t positions =
-      std::min(layout.tile_rows, layout.rows) * std::min(layout.tile_cols, layout.cols);
+  const int64_t positions = layout.positions();
 
   if (positions <= kFusedElements) {
     // Tasks of one group and a slice of `width` inner indices, scanned and rounded in cache.

@@ -626,8 +626,7 @@ void scaled_max_abs(Dtype dtype, const void* x, const ScaledLayout& layout, int6
 LPSIM_MULTIVERSION
 void scaled_groups_max_abs(Dtype dtype, const void* x, const ScaledLayout& layout, int64_t g0,
                            int64_t g1, uint64_t* amax) {
-  const int64_t positions =
-      std::min(layout.tile_rows, layout.rows) * std::min(layout.tile_cols, layout.cols);
+  const int64_t positions = layout.positions();
   with_container(dtype, [&](auto container) LPSIM_LAMBDA_INLINE {
     for (int64_t g = g0; g < g1; ++g) {
       max_abs_impl<decltype(container)>(x, layout, g, 0, positions, 0, layout.inner,

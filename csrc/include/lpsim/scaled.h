@@ -58,6 +58,10 @@ struct ScaledLayout {
   LPSIM_HOST_DEVICE int64_t tiles_across() const { return (cols + tile_cols - 1) / tile_cols; }
   LPSIM_HOST_DEVICE int64_t groups() const { return outer * tiles_down() * tiles_across(); }
   LPSIM_HOST_DEVICE int64_t blocks() const { return groups() * inner; }
+  // The positions (rows x columns) of a full tile, as many as any tile has.
+  LPSIM_HOST_DEVICE int64_t positions() const {
+    return (tile_rows < rows ? tile_rows : rows) * (tile_cols < cols ? tile_cols : cols);
+  }
 };
 
 // The tile of group g: its first element and its height and width (the last tiles may be smaller).
