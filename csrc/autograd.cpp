@@ -105,6 +105,7 @@ constexpr UndifferentiableOp kUndifferentiableOps[] = {
      "straight-through one"},
     {"rounding_statistics", "rounding statistics have no derivative"},
     {"scaled_rounding_statistics", "rounding statistics have no derivative"},
+    {"block_rounding_statistics", "rounding statistics have no derivative"},
 };
 
 constexpr const char* kWritingOps[] = {

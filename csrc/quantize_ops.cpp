@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "block_float_op.h"
 #include "checks.h"
 #include "cpu/loops.h"
 #include "cpu/quantize.h"
@@ -54,30 +55,6 @@ void check_block(const at::Tensor& x, int64_t wl, std::optional<int64_t> dim,
   if (block_size.has_value()) {
     TORCH_CHECK(*block_size >= 1, "lpsim: block_size must be >= 1, got ", *block_size);
   }
-}
-
-// Which elements of a (contiguous) tensor share an exponent in a BlockFloat format.
-struct BlockLayout {
-  bool by_size;        // blocks of block_size consecutive elements along rows of row_len
-  int64_t row_len;     // by_size: the size of the last dimension
-  int64_t block_size;  // by_size
-  int64_t classes;     // otherwise: element i takes exponent number (i / inner) % classes
-  int64_t inner;       //   (one class: the whole tensor; one per index along dim)
-};
-
-// The layout of BlockFloat(wl, dim, block_size) in x, after checking the arguments.
-BlockLayout block_layout(const at::Tensor& x, int64_t wl, std::optional<int64_t> dim,
-                         std::optional<int64_t> block_size) {
-  check_block(x, wl, dim, block_size);
-  BlockLayout layout{block_size.has_value(), 1, block_size.value_or(1), 1, x.numel()};
-  if (layout.by_size) {
-    layout.row_len = x.dim() == 0 ? 1 : x.size(-1);
-  } else if (dim.has_value() && x.dim() > 0) {
-    layout.classes = x.size(*dim);
-    layout.inner = 1;
-    for (int64_t d = *dim + 1; d < x.dim(); ++d) layout.inner *= x.size(d);
-  }
-  return layout;
 }
 
 // ---- The three variants of each op around a device's kernel
@@ -174,33 +151,17 @@ void block_cpu(const at::Tensor& x, const at::Tensor& dst, int32_t wl, const Blo
   if (n == 0) return out.finish();
 
   if (layout.by_size) {
-    const int64_t rows = n / layout.row_len;
-    const int64_t blocks = rows * ((layout.row_len + layout.block_size - 1) / layout.block_size);
     const int64_t grain = std::max<int64_t>(1, cpu::kGrain / layout.block_size);
-    lpsim::parallel_for(0, blocks, grain, [&](int64_t b, int64_t e) {
+    lpsim::parallel_for(0, layout.blocks(n), grain, [&](int64_t b, int64_t e) {
       cpu::quantize_blocks(dtype, rounding, xp, yp, b, e, layout.row_len, layout.block_size, wl,
                            random);
     });
     return out.finish();
   }
 
-  // Each task keeps its own running maxima; max is exact and order-free, so any split gives the
-  // same result.
-  const int64_t classes = layout.classes, inner = layout.inner;
-  const int64_t threads = at::get_num_threads();
-  std::vector<uint64_t> partial(static_cast<size_t>(threads * classes), 0);
+  const std::vector<uint64_t> class_max = block_max_abs_cpu(dtype, xp, n, layout);
   lpsim::parallel_for(0, n, cpu::kGrain, [&](int64_t begin, int64_t end) {
-    uint64_t* mine = partial.data() + at::get_thread_num() * classes;
-    cpu::max_abs_classes(dtype, xp, begin, end, inner, classes, mine);
-  });
-  std::vector<uint64_t> class_max(static_cast<size_t>(classes), 0);
-  for (int64_t t = 0; t < threads; ++t) {
-    for (int64_t c = 0; c < classes; ++c) {
-      class_max[c] = std::max(class_max[c], partial[t * classes + c]);
-    }
-  }
-  lpsim::parallel_for(0, n, cpu::kGrain, [&](int64_t begin, int64_t end) {
-    cpu::quantize_block_classes(dtype, rounding, xp, yp, begin, end, inner, classes,
+    cpu::quantize_block_classes(dtype, rounding, xp, yp, begin, end, layout.inner, layout.classes,
                                 class_max.data(), wl, random);
   });
   out.finish();
@@ -288,6 +249,55 @@ void block_cuda(const at::Tensor& x, const at::Tensor& dst, int32_t wl, const Bl
 #endif
 
 }  // namespace
+
+BlockLayout block_layout(const at::Tensor& x, int64_t wl, std::optional<int64_t> dim,
+                         std::optional<int64_t> block_size) {
+  check_block(x, wl, dim, block_size);
+  BlockLayout layout{block_size.has_value(), 1, block_size.value_or(1), 1, x.numel()};
+  if (layout.by_size) {
+    layout.row_len = x.dim() == 0 ? 1 : x.size(-1);
+  } else if (dim.has_value() && x.dim() > 0) {
+    layout.classes = x.size(*dim);
+    layout.inner = 1;
+    for (int64_t d = *dim + 1; d < x.dim(); ++d) layout.inner *= x.size(d);
+  }
+  return layout;
+}
+
+ScaledLayout block_tiles(const BlockLayout& layout, int64_t n) {
+  if (layout.by_size)
+    return ScaledLayout{1, n / layout.row_len, layout.row_len, 1, 1, layout.block_size};
+  const int64_t cols = layout.classes * layout.inner, rows = n / cols;
+  return ScaledLayout{1, rows, cols, 1, rows, layout.inner};
+}
+
+std::vector<uint64_t> block_max_abs_cpu(Dtype dtype, const void* x, int64_t n,
+                                        const BlockLayout& layout) {
+  if (layout.by_size) {
+    std::vector<uint64_t> block_max(static_cast<size_t>(layout.blocks(n)), 0);
+    const int64_t grain = std::max<int64_t>(1, cpu::kGrain / layout.block_size);
+    lpsim::parallel_for(0, layout.blocks(n), grain, [&](int64_t b, int64_t e) {
+      cpu::blocks_max_abs(dtype, x, b, e, layout.row_len, layout.block_size, block_max.data());
+    });
+    return block_max;
+  }
+  // Each task keeps its own running maxima; max is exact and order-free, so any split gives the
+  // same result.
+  const int64_t classes = layout.classes, inner = layout.inner;
+  const int64_t threads = at::get_num_threads();
+  std::vector<uint64_t> partial(static_cast<size_t>(threads * classes), 0);
+  lpsim::parallel_for(0, n, cpu::kGrain, [&](int64_t begin, int64_t end) {
+    uint64_t* mine = partial.data() + at::get_thread_num() * classes;
+    cpu::max_abs_classes(dtype, x, begin, end, inner, classes, mine);
+  });
+  std::vector<uint64_t> class_max(static_cast<size_t>(classes), 0);
+  for (int64_t t = 0; t < threads; ++t) {
+    for (int64_t c = 0; c < classes; ++c) {
+      class_max[c] = std::max(class_max[c], partial[t * classes + c]);
+    }
+  }
+  return class_max;
+}
 
 // The ops that write into an argument (here and in the other op files) return nothing, not the
 // written tensor as torch's own in-place and out= ops do: torch.compile functionalizes a custom

@@ -7,6 +7,9 @@
 //   scaled_rounding_statistics(x, rounded, <scaled format>, element_smallest_normal)
 //       -> (counts, sums): x rounded into a scaled format (scaled_op.h), each element counted
 //       within its block's bounds (lpsim/scaled_statistics.h), the scales found from x again
+//   block_rounding_statistics(x, rounded, wl, dim, block_size) -> (counts, sums): x rounded into
+//       BlockFloat(wl, dim, block_size) (block_float_op.h), each element counted within its
+//       block's bounds (lpsim/block_statistics.h), the exponents found from x again
 //
 // counts: int64 [elements, nonfinite, overflow, underflow, subnormal, unchanged]; sums: float64
 // [squared_error, squared_value] (lpsim/rounding_statistics.h defines them and fixes the order of
@@ -20,10 +23,12 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "block_float_op.h"
 #include "checks.h"
 #include "cpu/scaled.h"
 #include "cpu/statistics.h"
@@ -36,6 +41,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "cuda/quantize.h"
 #include "cuda/scaled.h"
 #include "cuda/statistics.h"
 #endif
@@ -135,8 +141,29 @@ Counts scaled_statistics_cpu(const at::Tensor& x, const at::Tensor& rounded,
                                element_smallest_normal, bounds.data());
   std::vector<ChunkStatistics> parts(static_cast<size_t>(chunks));
   lpsim::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    cpu::scaled_rounding_statistics(dtype, xs.const_data_ptr(), ys.const_data_ptr(), begin, end, n,
-                                    layout, bounds.data(), parts.data());
+    cpu::rounding_statistics_by_block(dtype, xs.const_data_ptr(), ys.const_data_ptr(), begin, end,
+                                      n, layout, bounds.data(), parts.data());
+  });
+  return as_tensors(combine_chunks(parts.data(), chunks));
+}
+
+Counts block_statistics_cpu(const at::Tensor& x, const at::Tensor& rounded, int64_t wl,
+                            std::optional<int64_t> dim, std::optional<int64_t> block_size) {
+  check_rounded(x, rounded);
+  const BlockLayout layout = block_layout(x, wl, dim, block_size);
+  const Dtype dtype = container_of(x);
+  const at::Tensor xs = x.contiguous(), ys = rounded.contiguous();
+  const int64_t n = xs.numel(), chunks = chunk_count(n);
+  if (n == 0) return as_tensors(ChunkStatistics{});
+  const std::vector<uint64_t> block_max = block_max_abs_cpu(dtype, xs.const_data_ptr(), n, layout);
+  std::vector<StatisticsBounds> bounds(block_max.size());
+  cpu::block_float_statistics_bounds(dtype, block_max.data(), static_cast<int64_t>(bounds.size()),
+                                     static_cast<int32_t>(wl), bounds.data());
+  const ScaledLayout tiles = block_tiles(layout, n);
+  std::vector<ChunkStatistics> parts(static_cast<size_t>(chunks));
+  lpsim::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    cpu::rounding_statistics_by_block(dtype, xs.const_data_ptr(), ys.const_data_ptr(), begin, end,
+                                      n, tiles, bounds.data(), parts.data());
   });
   return as_tensors(combine_chunks(parts.data(), chunks));
 }
@@ -234,8 +261,38 @@ Counts scaled_statistics_cuda(const at::Tensor& x, const at::Tensor& rounded,
     auto* block_bounds = static_cast<StatisticsBounds*>(bounds.data_ptr());
     gpu::scaled_block_bounds<C>(xs.const_data_ptr(), n, layout, spec, amax.data_ptr(),
                                 scales.data_ptr(), element_smallest_normal, block_bounds, stream);
-    gpu::scaled_rounding_statistics<C>(xs.const_data_ptr(), ys.const_data_ptr(), n, layout,
-                                       block_bounds, parts, stream);
+    gpu::rounding_statistics_by_block<C>(xs.const_data_ptr(), ys.const_data_ptr(), n, layout,
+                                         block_bounds, parts, stream);
+  });
+}
+
+// The blocks' largest magnitudes (gpu::block_max_abs, as the quantize_block ops find them) and
+// bounds, then the statistics of each element within its block's.
+Counts block_statistics_cuda(const at::Tensor& x, const at::Tensor& rounded, int64_t wl,
+                             std::optional<int64_t> dim, std::optional<int64_t> block_size) {
+  check_rounded(x, rounded);
+  const BlockLayout layout = block_layout(x, wl, dim, block_size);
+  const Dtype dtype = container_of(x);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const at::Tensor xs = x.contiguous(), ys = rounded.contiguous();
+  const int64_t n = xs.numel();
+  if (n == 0) return as_tensors(ChunkStatistics{});
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  // Scratch: each block's largest finite magnitude in the container's word type; their bounds.
+  const int64_t blocks = layout.blocks(n);
+  const at::Tensor block_max =
+      at::zeros({blocks}, xs.options().dtype(dtype == Dtype::float64 ? at::kLong : at::kInt));
+  const at::Tensor bounds = at::empty({blocks * static_cast<int64_t>(sizeof(StatisticsBounds))},
+                                      xs.options().dtype(at::kByte));
+  const ScaledLayout tiles = block_tiles(layout, n);
+  return chunk_statistics_cuda(xs, n, stream, [&](auto container, ChunkStatistics* parts) {
+    using C = decltype(container);
+    auto* block_bounds = static_cast<StatisticsBounds*>(bounds.data_ptr());
+    gpu::block_max_abs<C>(xs.const_data_ptr(), n, layout, block_max.data_ptr(), stream);
+    gpu::block_float_statistics_bounds<C>(block_max.const_data_ptr(), blocks,
+                                          static_cast<int32_t>(wl), block_bounds, stream);
+    gpu::rounding_statistics_by_block<C>(xs.const_data_ptr(), ys.const_data_ptr(), n, tiles,
+                                         block_bounds, parts, stream);
   });
 }
 #endif
@@ -252,12 +309,16 @@ TORCH_LIBRARY_FRAGMENT(lpsim, m) {
   m.def(("scaled_rounding_statistics(Tensor x, Tensor rounded, " + scaled_format_schema() +
          ", float element_smallest_normal) -> (Tensor, Tensor)")
             .c_str());
+  m.def(
+      "block_rounding_statistics(Tensor x, Tensor rounded, int wl, int? dim, int? block_size) -> "
+      "(Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(lpsim, CPU, m) {
   m.impl("rounding_statistics", statistics_cpu);
   m.impl("quantize_grid_statistics", quantize_grid_statistics_cpu);
   m.impl("scaled_rounding_statistics", scaled_statistics_cpu);
+  m.impl("block_rounding_statistics", block_statistics_cpu);
 }
 
 #if defined(LPSIM_WITH_CUDA)
@@ -265,6 +326,7 @@ TORCH_LIBRARY_IMPL(lpsim, CUDA, m) {
   m.impl("rounding_statistics", statistics_cuda);
   m.impl("quantize_grid_statistics", quantize_grid_statistics_cuda);
   m.impl("scaled_rounding_statistics", scaled_statistics_cuda);
+  m.impl("block_rounding_statistics", block_statistics_cuda);
 }
 #endif
 

@@ -153,6 +153,11 @@ def _scaled_rounding_statistics_fake(x, rounded, *args):
     return _rounding_statistics_fake(x, rounded, 0.0, 0.0, 0.0)
 
 
+@torch.library.register_fake("lpsim::block_rounding_statistics")
+def _block_rounding_statistics_fake(x, rounded, *args):
+    return _rounding_statistics_fake(x, rounded, 0.0, 0.0, 0.0)
+
+
 @torch.library.register_fake("lpsim::quantize_grid_statistics")
 def _quantize_grid_statistics_fake(x, *args):
     return _new_tensor_fake(x), *_rounding_statistics_fake(x, x, 0.0, 0.0, 0.0)

@@ -22,7 +22,7 @@ family          overflow                            subnormal
 Float, P3109    outside [min, max]                  below smallest_normal
 Fixed           outside [min, max]                  none (no subnormals)
 Scaled          outside its block's range           below its block's smallest normal
-BlockFloat      non-finite results only             none (per block)
+BlockFloat      outside its block's range           none
 DelayedScaling  non-finite results only             none (per tensor)
 DelayedScaler   outside its latest call's range     below that call's smallest normal
 ==============  ==================================  ===================================
@@ -34,12 +34,19 @@ decodes to; a finite x outside it saturated to that limit, an MX element beyond 
 block's largest magnitude gave it included. Its smallest normal is what the element format's
 smallest normal value decodes to (none for Fixed elements). The scales are those quantize finds
 from x, so the statistics are those of a rounding of x itself; a block with a NaN or an Inf
-decodes to NaN, an overflow of each of its finite elements. BlockFloat and DelayedScaling ranges
-depend on a scale that the rounded tensor does not show (the shared exponent; the scale of the
-scaler's state before its call); their underflow, unchanged and error sums are exact as for the
-other families. Pass the ``DelayedScaler`` whose call rounded x instead of its DelayedScaling
-(as the Recorder does) for that call's range, ``DelayedScaler.statistics_bounds``: the element
-format's limits and smallest normal value decoded with the scale the call used.
+decodes to NaN, an overflow of each of its finite elements.
+
+A BlockFloat block's range is [-limit, limit], limit = (2**(wl-1) - 1) * 2**(e - (wl-2)) the
+largest magnitude of its grid, e the exponent that quantize finds from the block's largest finite
+magnitude in x (raised where quantize raises it, so that the spacing stays representable in x's
+dtype); a finite x beyond it saturated to +/-limit. NaN and Inf take no part in the exponent.
+
+A DelayedScaling range depends on a scale that the rounded tensor does not show (the scale of the
+scaler's state before its call): with the DelayedScaling alone, only non-finite results count as
+overflow, and its underflow, unchanged and error sums are exact as for the other families. Pass
+the ``DelayedScaler`` whose call rounded x instead (as the Recorder does) for that call's range,
+``DelayedScaler.statistics_bounds``: the element format's limits and smallest normal value
+decoded with the scale the call used.
 
 Counts are exact. The sums are float64, added in a fixed order (chunks of 16,384 elements, each
 summed in 256 lanes that are then added pairwise, chunks added in order), so the statistics are
@@ -153,8 +160,8 @@ def statistics_bounds(fmt: Format) -> tuple[float, float, float]:
     overflow, nonzero rounded values below smallest_normal in magnitude are subnormal (0: none).
 
     Raises:
-        TypeError: fmt is not a Float, Fixed, P3109, BlockFloat or DelayedScaling format (a
-            Scaled format's bounds are each block's, which only x gives).
+        TypeError: fmt is not a Float, Fixed, P3109 or DelayedScaling format (a Scaled or a
+            BlockFloat format's bounds are each block's, which only x gives).
     """
     if isinstance(fmt, Float):
         return -fmt.max, fmt.max, fmt.smallest_normal
@@ -162,12 +169,12 @@ def statistics_bounds(fmt: Format) -> tuple[float, float, float]:
         return fmt.min, fmt.max, fmt.smallest_normal
     if isinstance(fmt, Fixed):
         return fmt.min, fmt.max, 0.0
-    if isinstance(fmt, (BlockFloat, DelayedScaling)):
+    if isinstance(fmt, DelayedScaling):
         return -math.inf, math.inf, 0.0
-    if isinstance(fmt, Scaled):
+    if isinstance(fmt, (Scaled, BlockFloat)):
         raise TypeError(
-            "a Scaled format's bounds are those of each block (see lpsim.statistics); "
-            "rounding_statistics finds them"
+            f"a {type(fmt).__name__} format's bounds are those of each block (see "
+            "lpsim.statistics); rounding_statistics finds them"
         )
     raise TypeError(
         "fmt must be a Float, Fixed, P3109, BlockFloat, Scaled or DelayedScaling format, got "
@@ -200,23 +207,27 @@ def rounding_statistics(
     """The statistics of rounding ``x`` to ``rounded`` in ``fmt`` (see the module docstring).
 
     Args:
-        x: the tensor before rounding, any floating dtype, shape and strides (for a Scaled
-            format, a dtype quantize takes: float32, float64, bfloat16 or float16).
-        rounded: its rounded value, of x's shape and device (any floating dtype; for a Scaled
-            format, values that x's dtype holds).
+        x: the tensor before rounding, any floating dtype, shape and strides (for a Scaled or
+            BlockFloat format, a dtype quantize takes for it: float32, float64, bfloat16 or
+            float16, wide enough for a BlockFloat's wl).
+        rounded: its rounded value, of x's shape and device (any floating dtype; for a Scaled or
+            BlockFloat format, values that x's dtype holds).
         fmt: the format x was rounded into (it sets the overflow and subnormal bounds), or the
             DelayedScaler whose latest call rounded it.
 
     Raises:
         TypeError: x or rounded is not a floating strided tensor, fmt is not a format, or fmt is
-            Scaled and x's dtype is not one quantize takes.
-        ValueError: their shapes or devices differ; fmt is Scaled and rounded holds a value that
-            x's dtype does not, or the format does not fit x's dtype.
+            Scaled or BlockFloat and x's dtype is not one quantize takes.
+        ValueError: their shapes or devices differ; fmt is Scaled or BlockFloat and rounded holds
+            a value that x's dtype does not, or the format does not fit x's dtype.
+        IndexError: fmt is a BlockFloat whose dim x does not have.
     """
     _check_pair(x, rounded)
     x, rounded = x.detach(), rounded.detach()
     if isinstance(fmt, Scaled):
         return _scaled_statistics(x, rounded, fmt)
+    if isinstance(fmt, BlockFloat):
+        return _block_statistics(x, rounded, fmt)
     if isinstance(fmt, DelayedScaler):
         return _statistics(x, rounded, *fmt.statistics_bounds(x.dtype))
     return _statistics(x, rounded, *statistics_bounds(fmt))
@@ -233,15 +244,7 @@ def _scaled_statistics(x, rounded, fmt: Scaled) -> RoundingStatistics:
     """Each element counted within its block's bounds, the blocks' scales found from x as quantize
     finds them: x must be a tensor quantize takes (its dtype sets the format's arithmetic)."""
     check_container(x)
-    if rounded.dtype != x.dtype:  # the values of a rounding of x are values of x's dtype
-        narrowed = rounded.to(x.dtype)
-        back = narrowed.to(rounded.dtype)
-        if not bool(((back == rounded) | (back.isnan() & rounded.isnan())).all()):
-            raise ValueError(
-                f"rounded must hold values of x's dtype {x.dtype} for a Scaled format (its "
-                "rounding of x does)"
-            )
-        rounded = narrowed
+    rounded = _in_dtype_of(x, rounded, fmt)
     element_smallest_normal = statistics_bounds(fmt.element)[2]
     counts, sums = call(
         "scaled_rounding_statistics",
@@ -251,6 +254,30 @@ def _scaled_statistics(x, rounded, fmt: Scaled) -> RoundingStatistics:
         element_smallest_normal,
     )
     return _from_op(counts, sums)
+
+
+def _block_statistics(x, rounded, fmt: BlockFloat) -> RoundingStatistics:
+    """Each element counted within its block's range, the blocks' exponents found from x as
+    quantize finds them (and with its checks of x against fmt)."""
+    _, (wl, dim, block_size, *_) = quantize_op_arguments(x, fmt, "nearest", None, None, 0)
+    rounded = _in_dtype_of(x, rounded, fmt)
+    counts, sums = call("block_rounding_statistics", x, rounded, wl, dim, block_size)
+    return _from_op(counts, sums)
+
+
+def _in_dtype_of(x, rounded, fmt) -> torch.Tensor:
+    """rounded in x's dtype, for the block formats' ops: the values of a rounding of x are values
+    of x's dtype, and a rounded tensor holding others is refused."""
+    if rounded.dtype == x.dtype:
+        return rounded
+    narrowed = rounded.to(x.dtype)
+    back = narrowed.to(rounded.dtype)
+    if not bool(((back == rounded) | (back.isnan() & rounded.isnan())).all()):
+        raise ValueError(
+            f"rounded must hold values of x's dtype {x.dtype} for a {type(fmt).__name__} "
+            "format (its rounding of x does)"
+        )
+    return narrowed
 
 
 def _from_op(counts: torch.Tensor, sums: torch.Tensor) -> RoundingStatistics:

@@ -209,3 +209,46 @@ def scaled_bounds_model(x: torch.Tensor, fmt) -> list[tuple[float, float, float]
             decode = [into_x(work(q) * factor) for q in (low_element, element.max, smallest_normal)]
             bounds += [(-decode[0], decode[1], decode[2])] * len(block)
     return bounds
+
+
+def block_float_bounds_model(x: torch.Tensor, fmt) -> list[tuple[float, float, float]]:
+    """(low, high, smallest_normal) of each element of x (row-major) rounded into the BlockFloat
+    ``fmt``, from its documented encoding: a block (the whole tensor, an index along dim, or
+    block_size consecutive elements along the last dimension) has the exponent e of its largest
+    finite magnitude, floor(log2), raised so that the spacing 2^(e - (wl-2)) is no finer than
+    x's dtype's smallest subnormal; its range is +/-(2^(wl-1) - 1) times that spacing."""
+    smallest_subnormal_exponent = {
+        torch.float32: -149,
+        torch.float64: -1074,
+        torch.bfloat16: -133,
+        torch.float16: -24,
+    }[x.dtype]
+    values = x.double()
+    if x.dim() == 0:
+        values = values.reshape(1)
+    if values.numel() == 0:
+        return []
+    index = torch.arange(values.numel()).reshape(values.shape)
+    if fmt.block_size is not None:
+        rows, n = values.reshape(-1, values.shape[-1]), fmt.block_size
+        groups = [
+            row[start : start + n]
+            for row in index.reshape(rows.shape)
+            for start in range(0, rows.shape[1], n)
+        ]
+    elif fmt.dim is not None:
+        groups = list(index.movedim(fmt.dim, 0).reshape(values.shape[fmt.dim], -1))
+    else:
+        groups = [index.reshape(-1)]
+    flat = values.reshape(-1).tolist()
+    bounds: list = [None] * len(flat)
+    for group in groups:
+        members = group.tolist()
+        finite = [abs(flat[i]) for i in members if math.isfinite(flat[i])]
+        largest = max(finite, default=0.0)
+        e = math.frexp(largest)[1] - 1 if largest else -math.inf
+        q = max(e - (fmt.wl - 2), smallest_subnormal_exponent)
+        limit = (2 ** (fmt.wl - 1) - 1) * 2.0**q
+        for i in members:
+            bounds[i] = (-limit, limit, 0.0)
+    return bounds

@@ -403,6 +403,24 @@ def test_rounding_statistics_match_cpu_bit_for_bit(name, dtype, n):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", [name for name in FORMATS if name.startswith("block-")])
+def test_block_rounding_statistics_match_cpu_bit_for_bit(name, dtype):
+    """Each element counted within its block's range: the CUDA kernels' block maxima and bounds,
+    and the statistics loop over the blocks as tiles, give the CPU's counts and sums."""
+    from lpsim.statistics import rounding_statistics  # noqa: PLC0415
+
+    fmt = FORMATS[name]
+    if not fits(fmt, dtype):
+        pytest.skip("the format does not fit this container")
+    for shape in [*SHAPES, (3, 16384 + 96)]:
+        if not applies(fmt, shape):
+            continue
+        x = sample(shape, dtype, seed=shape[0])
+        y = lpsim.quantize(x, fmt, "nearest")
+        assert rounding_statistics(x.cuda(), y.cuda(), fmt) == rounding_statistics(x, y, fmt)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", sorted(SCALED))
 def test_scaled_rounding_statistics_match_cpu_bit_for_bit(name, dtype):
     """Each element counted within its block's range: the CUDA kernels' scales and bounds, and the

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from support import DTYPES, assert_same_bits, scaled_bounds_model
+from support import DTYPES, assert_same_bits, block_float_bounds_model, scaled_bounds_model
 
 import lpsim
 from lpsim import P3109, BlockFloat, Fixed, Float
@@ -40,6 +40,8 @@ def recount(x: torch.Tensor, y: torch.Tensor, fmt) -> RoundingStatistics:
     (Fraction) and then rounded once."""
     if isinstance(fmt, Scaled):
         bounds = scaled_bounds_model(x, fmt)
+    elif isinstance(fmt, BlockFloat):
+        bounds = block_float_bounds_model(x, fmt)
     else:
         bounds = [statistics_bounds(fmt)] * x.numel()
     n = [0] * 6
@@ -131,6 +133,62 @@ def test_block_float_counts_underflow_inside_a_block():
     assert counts(s) == (5, 1, 0, 2, 0, 2)
 
 
+def test_block_float_counts_elements_beyond_their_blocks_limit_as_overflow():
+    fmt = BlockFloat(4)  # largest magnitude 7.9: exponent 2, spacing 2^(2-2) = 1, limit 7
+    s = stats_of([7.9, -7.6, 7.0, 6.6, 0.2], fmt)
+    # 7.9 and -7.6 lie beyond +-7 and saturate to it; 7 is the limit itself; 6.6 rounds up to 7
+    # inside the range; 0.2 underflows
+    assert counts(s) == (5, 0, 2, 1, 0, 1)
+
+
+@pytest.mark.parametrize("rule", ["nearest", "toward_zero", "up", "stochastic"])
+def test_block_float_limits_are_each_blocks_own(rule):
+    fmt = BlockFloat(4, block_size=2)
+    # block 1: limit 7; block 2: largest 0.24 has exponent -3, spacing 2^-5, limit 7/32 = 0.21875
+    x = torch.tensor([[7.9, 1.0, 0.24, 0.2], [-0.95, 0.25, math.inf, 3.9]])
+    # row 2: largest 0.95 gives spacing 2^-3 and limit 0.875; Inf takes no part in the exponent
+    # of its block, whose largest finite 3.9 gives spacing 2^-1 and limit 3.5
+    y = lpsim.quantize(x, fmt, rule, seed=1)
+    s = rounding_statistics(x, y, fmt)
+    assert s.overflow == 4  # 7.9, 0.24, -0.95 and 3.9
+    assert counts(s) == counts(recount(x, y, fmt))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        BlockFloat(4),
+        BlockFloat(3, dim=0),
+        BlockFloat(5, dim=1),
+        BlockFloat(4, block_size=3),
+        BlockFloat(6, block_size=64),
+    ],
+    ids=repr,
+)
+def test_block_float_statistics_count_each_element_within_its_blocks_range(fmt, dtype):
+    x = wide_values(3 * 5500, dtype, 17).reshape(3, 5500)  # two chunks
+    x[:, 7] = 0.0  # some blocks with zeros, NaN and Inf only
+    x[:, :3] = torch.tensor([math.nan, math.inf, 0.0], dtype=dtype)
+    if isinstance(fmt.dim, int):
+        x = x[:, :40]  # dim=1: a class per column, each element counted
+    assert_statistics_of_rounding_equal_recount(x, fmt, "nearest")
+
+
+def test_block_float_statistics_refuse_what_quantize_refuses():
+    x = torch.ones(4, 3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="wl"):
+        rounding_statistics(x, x, BlockFloat(12))  # wider than bfloat16's 8-bit significand
+    with pytest.raises(IndexError, match="BlockFloat.dim"):
+        rounding_statistics(x, x, BlockFloat(5, dim=2))
+    with pytest.raises(TypeError, match="x must be a"):
+        rounding_statistics(x.to(torch.float8_e4m3fn), x, BlockFloat(5))
+    with pytest.raises(ValueError, match="rounded must hold values of x's dtype"):
+        rounding_statistics(x, x.double() + 2.0**-40, BlockFloat(5))
+    with pytest.raises(TypeError, match="BlockFloat format's bounds"):
+        statistics_bounds(BlockFloat(5))
+
+
 def test_scaled_counts_underflow_and_subnormal_elements_in_large_blocks():
     fmt = preset("mxfp4_e2m1")  # E2M1: smallest normal 1, subnormal 0.5
     x = torch.zeros(32)
@@ -216,6 +274,8 @@ FAMILIES = [
     Fixed(8, 4),
     Fixed(10, 2, clamp=False),
     BlockFloat(5, block_size=8),
+    BlockFloat(4),
+    BlockFloat(6, dim=0),
     preset("mxfp8_e4m3"),
     preset("nvfp4"),
 ]

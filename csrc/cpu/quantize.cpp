@@ -73,6 +73,25 @@ LPSIM_INLINE void max_abs_impl(const void* x, int64_t begin, int64_t end, int64_
   }
 }
 
+// Block b of blocks of block_size consecutive elements along rows of row_len (numbered row-major,
+// the last block of a row may be shorter): the elements [start, stop).
+struct RowBlock {
+  int64_t start, stop;
+  RowBlock(int64_t b, int64_t row_len, int64_t block_size) {
+    const int64_t per_row = (row_len + block_size - 1) / block_size;
+    const int64_t row = b / per_row;
+    start = row * row_len + (b % per_row) * block_size;
+    stop = std::min(start + block_size, (row + 1) * row_len);
+  }
+};
+
+template <class C>
+LPSIM_INLINE typename C::word block_max_abs(const typename C::storage* xs, const RowBlock& block) {
+  typename C::word m = 0;
+  for (int64_t i = block.start; i < block.stop; ++i) m = finite_max_abs<C>(m, xs[i]);
+  return m;
+}
+
 template <class C>
 LPSIM_INLINE void blocks_impl(Rounding rounding, const void* x, void* y, int64_t block_begin,
                               int64_t block_end, int64_t row_len, int64_t block_size, int32_t wl,
@@ -80,20 +99,24 @@ LPSIM_INLINE void blocks_impl(Rounding rounding, const void* x, void* y, int64_t
   using W = typename C::word;
   const typename C::storage* xs = in<C>(x);
   const uint32_t mask = random_mask(random.rbits);
-  const int64_t per_row = (row_len + block_size - 1) / block_size;
   WordCache cache(make_philox_key(random.seed, random.offset));
   with_rounding(rounding, [&](auto tag) LPSIM_LAMBDA_INLINE {
     constexpr Rounding R = decltype(tag)::value;
     for (int64_t b = block_begin; b < block_end; ++b) {
-      const int64_t row = b / per_row;
-      const int64_t start = row * row_len + (b % per_row) * block_size;
-      const int64_t stop = std::min(start + block_size, (row + 1) * row_len);
-      W m = 0;
-      for (int64_t i = start; i < stop; ++i) m = finite_max_abs<C>(m, xs[i]);
-      round_span<C, R>(xs + start, out<C>(y) + start, start, stop - start, block_grid<C>(m, wl),
-                       mask, cache);
+      const RowBlock block(b, row_len, block_size);
+      const W m = block_max_abs<C>(xs, block);
+      round_span<C, R>(xs + block.start, out<C>(y) + block.start, block.start,
+                       block.stop - block.start, block_grid<C>(m, wl), mask, cache);
     }
   });
+}
+
+template <class C>
+LPSIM_INLINE void blocks_max_abs_impl(const void* x, int64_t block_begin, int64_t block_end,
+                                      int64_t row_len, int64_t block_size, uint64_t* block_max) {
+  for (int64_t b = block_begin; b < block_end; ++b) {
+    block_max[b] = block_max_abs<C>(in<C>(x), RowBlock(b, row_len, block_size));
+  }
 }
 
 }  // namespace
@@ -142,6 +165,15 @@ void quantize_blocks(Dtype dtype, Rounding rounding, const void* x, void* y, int
   with_container(dtype, [&](auto container) LPSIM_LAMBDA_INLINE {
     using C = decltype(container);
     blocks_impl<C>(rounding, x, y, block_begin, block_end, row_len, block_size, wl, random);
+  });
+}
+
+LPSIM_MULTIVERSION
+void blocks_max_abs(Dtype dtype, const void* x, int64_t block_begin, int64_t block_end,
+                    int64_t row_len, int64_t block_size, uint64_t* block_max) {
+  with_container(dtype, [&](auto container) LPSIM_LAMBDA_INLINE {
+    blocks_max_abs_impl<decltype(container)>(x, block_begin, block_end, row_len, block_size,
+                                             block_max);
   });
 }
 

@@ -42,4 +42,9 @@ void quantize_blocks(Dtype dtype, Rounding rounding, const void* x, void* y, int
                      int64_t block_end, int64_t row_len, int64_t block_size, int32_t wl,
                      const RandomSpec& random);
 
+// The largest finite magnitude (container bits) of each of the blocks [block_begin, block_end) of
+// quantize_blocks' layout: block b's into block_max[b].
+void blocks_max_abs(Dtype dtype, const void* x, int64_t block_begin, int64_t block_end,
+                    int64_t row_len, int64_t block_size, uint64_t* block_max);
+
 }  // namespace lpsim::cpu

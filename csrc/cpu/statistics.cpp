@@ -9,6 +9,7 @@
 
 #include "cpu/statistics.h"
 
+#include <lpsim/block_statistics.h>
 #include <lpsim/philox.h>
 #include <lpsim/round.h>
 
@@ -39,9 +40,9 @@ void rounding_statistics(Dtype dtype, const void* x, const void* y, int64_t chun
 // A run of elements in one block at a time (BlockCursor), its bounds rounded outward to the
 // comparisons' type (real_bounds).
 LPSIM_MULTIVERSION
-void scaled_rounding_statistics(Dtype dtype, const void* x, const void* y, int64_t chunk_begin,
-                                int64_t chunk_end, int64_t n, const ScaledLayout& layout,
-                                const StatisticsBounds* block_bounds, ChunkStatistics* chunks) {
+void rounding_statistics_by_block(Dtype dtype, const void* x, const void* y, int64_t chunk_begin,
+                                  int64_t chunk_end, int64_t n, const ScaledLayout& layout,
+                                  const StatisticsBounds* block_bounds, ChunkStatistics* chunks) {
   with_container(dtype, [&](auto container) LPSIM_LAMBDA_INLINE {
     using C = decltype(container);
     using S = typename C::storage;
@@ -56,6 +57,17 @@ void scaled_rounding_statistics(Dtype dtype, const void* x, const void* y, int64
             cursor.advance(length);
             return b;
           });
+    }
+  });
+}
+
+void block_float_statistics_bounds(Dtype dtype, const uint64_t* max_abs, int64_t count, int32_t wl,
+                                   StatisticsBounds* bounds) {
+  with_container(dtype, [&](auto container) {
+    using C = decltype(container);
+    for (int64_t k = 0; k < count; ++k) {
+      bounds[k] =
+          lpsim::block_float_statistics_bounds<C>(static_cast<typename C::word>(max_abs[k]), wl);
     }
   });
 }

@@ -78,10 +78,16 @@ void quantize_grid_statistics(Dtype dtype, Rounding rounding, const void* x, voi
                               const GridSpec& grid, const RandomSpec& random,
                               const StatisticsBounds& bounds, ChunkStatistics* chunks);
 
-// As rounding_statistics, for x rounded into a scaled format: element i is counted within the
-// bounds of its block, block_bounds[block_of(layout, i)] (lpsim/scaled_statistics.h).
-void scaled_rounding_statistics(Dtype dtype, const void* x, const void* y, int64_t chunk_begin,
-                                int64_t chunk_end, int64_t n, const ScaledLayout& layout,
-                                const StatisticsBounds* block_bounds, ChunkStatistics* chunks);
+// As rounding_statistics, element i counted within the bounds of its block,
+// block_bounds[block_of(layout, i)]: the blocks of a scaled format (lpsim/scaled_statistics.h) or
+// of a BlockFloat (lpsim/block_statistics.h, its blocks as tiles).
+void rounding_statistics_by_block(Dtype dtype, const void* x, const void* y, int64_t chunk_begin,
+                                  int64_t chunk_end, int64_t n, const ScaledLayout& layout,
+                                  const StatisticsBounds* block_bounds, ChunkStatistics* chunks);
+
+// bounds[k] = the statistics bounds of a BlockFloat(wl) block whose largest finite magnitude has
+// the container bits max_abs[k] (lpsim/block_statistics.h), for k in [0, count).
+void block_float_statistics_bounds(Dtype dtype, const uint64_t* max_abs, int64_t count, int32_t wl,
+                                   StatisticsBounds* bounds);
 
 }  // namespace lpsim::cpu

@@ -357,6 +357,33 @@ void quantize_grid_many(Rounding rounding, const ManyTensor* tensors, int64_t co
   });
 }
 
+// The largest finite magnitudes of the classes (quantize_block_classes' layout) into class_max.
+template <class C>
+void launch_max_abs_classes(const void* x, uint64_t size, int64_t inner, int64_t classes,
+                            typename C::word* class_max, cudaStream_t stream) {
+  const Pieces pieces = Pieces::along(static_cast<uint64_t>(inner), static_cast<uint64_t>(classes));
+  if (classes == 1 || inner >= kLongPiece) {
+    launch_max_abs_pieces<C>(x, pieces, size / static_cast<uint64_t>(inner), class_max, stream);
+    return;
+  }
+  const uint64_t period = static_cast<uint64_t>(classes * inner);
+  const uint64_t width = period * ((kThreads + period - 1) / period);
+  const uint64_t rows = (size + width - 1) / width;
+  // Columns across, rows down; each thread should reduce a few rows at least.
+  constexpr uint64_t kMinRowsPerThread = 8;
+  const unsigned across = blocks_for(width);
+  const uint64_t down_cap = max_blocks() / across;
+  uint64_t down = (rows + kMinRowsPerThread - 1) / kMinRowsPerThread;
+  if (down > down_cap) down = down_cap;
+  if (down > 65535) down = 65535;
+  if (down < 1) down = 1;
+  const dim3 blocks(across, static_cast<unsigned>(down));
+  max_abs_columns_kernel<C>
+      <<<blocks, kThreads, 0, stream>>>(in<C>(x), size, width, static_cast<uint64_t>(inner),
+                                        static_cast<uint64_t>(classes), class_max);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <class C>
 void quantize_block_classes(Rounding rounding, const void* x, void* y, int64_t n, int64_t inner,
                             int64_t classes, void* class_max, int32_t wl, const RandomSpec& random,
@@ -364,27 +391,8 @@ void quantize_block_classes(Rounding rounding, const void* x, void* y, int64_t n
   using W = typename C::word;
   W* maxima = static_cast<W*>(class_max);
   const uint64_t size = static_cast<uint64_t>(n);
+  launch_max_abs_classes<C>(x, size, inner, classes, maxima, stream);
   const Pieces pieces = Pieces::along(static_cast<uint64_t>(inner), static_cast<uint64_t>(classes));
-  if (classes == 1 || inner >= kLongPiece) {
-    launch_max_abs_pieces<C>(x, pieces, size / static_cast<uint64_t>(inner), maxima, stream);
-  } else {
-    const uint64_t period = static_cast<uint64_t>(classes * inner);
-    const uint64_t width = period * ((kThreads + period - 1) / period);
-    const uint64_t rows = (size + width - 1) / width;
-    // Columns across, rows down; each thread should reduce a few rows at least.
-    constexpr uint64_t kMinRowsPerThread = 8;
-    const unsigned across = blocks_for(width);
-    const uint64_t down_cap = max_blocks() / across;
-    uint64_t down = (rows + kMinRowsPerThread - 1) / kMinRowsPerThread;
-    if (down > down_cap) down = down_cap;
-    if (down > 65535) down = 65535;
-    if (down < 1) down = 1;
-    const dim3 blocks(across, static_cast<unsigned>(down));
-    max_abs_columns_kernel<C>
-        <<<blocks, kThreads, 0, stream>>>(in<C>(x), size, width, static_cast<uint64_t>(inner),
-                                          static_cast<uint64_t>(classes), maxima);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
   launch_round<C>(rounding, x, y, size, PieceGrid<C>{pieces, maxima, wl}, random, stream);
 }
 
@@ -416,6 +424,21 @@ void quantize_blocks(Rounding rounding, const void* x, void* y, int64_t n, int64
   launch_round<C>(rounding, x, y, size, PieceGrid<C>{blocks, maxima, wl}, random, stream);
 }
 
+template <class C>
+void block_max_abs(const void* x, int64_t n, const BlockLayout& layout, void* block_max,
+                   cudaStream_t stream) {
+  using W = typename C::word;
+  W* maxima = static_cast<W*>(block_max);
+  const uint64_t size = static_cast<uint64_t>(n);
+  if (!layout.by_size) {
+    launch_max_abs_classes<C>(x, size, layout.inner, layout.classes, maxima, stream);
+    return;
+  }
+  const Pieces blocks = Pieces::blocks(size, static_cast<uint64_t>(layout.row_len),
+                                       static_cast<uint64_t>(layout.block_size));
+  launch_max_abs_pieces<C>(x, blocks, static_cast<uint64_t>(layout.blocks(n)), maxima, stream);
+}
+
 // The launchers of quantize.h for container C (one .cu file per container).
 #define LPSIM_GPU_INSTANTIATE(C)                                                                   \
   template void quantize_grid<C>(Rounding, const void*, void*, int64_t, const GridSpec&,           \
@@ -425,6 +448,7 @@ void quantize_blocks(Rounding rounding, const void* x, void* y, int64_t n, int64
   template void quantize_block_classes<C>(Rounding, const void*, void*, int64_t, int64_t, int64_t, \
                                           void*, int32_t, const RandomSpec&, cudaStream_t);        \
   template void quantize_blocks<C>(Rounding, const void*, void*, int64_t, int64_t, int64_t, void*, \
-                                   int32_t, const RandomSpec&, cudaStream_t);
+                                   int32_t, const RandomSpec&, cudaStream_t);                      \
+  template void block_max_abs<C>(const void*, int64_t, const BlockLayout&, void*, cudaStream_t);
 
 }  // namespace lpsim::gpu

@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "block_layout.h"
+
 namespace lpsim::gpu {
 
 // Blocks of at most this many elements are found and rounded by one kernel that holds a tile of
@@ -46,6 +48,12 @@ template <class C>
 void quantize_blocks(Rounding rounding, const void* x, void* y, int64_t n, int64_t row_len,
                      int64_t block_size, void* block_max, int32_t wl, const RandomSpec& random,
                      cudaStream_t stream);
+
+// The largest finite magnitude of each of the layout's blocks of the n > 0 elements of x, into
+// block_max: layout.blocks(n) zeroed words of the container's word type, in block order.
+template <class C>
+void block_max_abs(const void* x, int64_t n, const BlockLayout& layout, void* block_max,
+                   cudaStream_t stream);
 
 // One tensor of quantize_grid_many: n > 0 contiguous elements rounded in place, drawing their
 // random words from the stream `offset` under the call's seed.

@@ -2,6 +2,7 @@
 // thread block, a lane per thread; quantize_grid_statistics rounds and counts in one pass, a chunk
 // per quarter of a block. Both add the lanes' sums pairwise in shared memory in the order the CPU
 // loop adds them.
+#include <lpsim/block_statistics.h>
 #include <lpsim/grid_spec.h>
 #include <lpsim/philox.h>
 #include <lpsim/round.h>
@@ -68,8 +69,8 @@ struct SameBounds {
   __device__ __forceinline__ RealBounds<Real> operator()(int64_t) const { return bounds; }
 };
 
-// The bounds of element i: its scaled block's, compared in double (in which they are exact).
-struct ScaledBlockBounds {
+// The bounds of element i: its block's, compared in double (in which they are exact).
+struct BoundsByBlock {
   ScaledLayout layout;
   const StatisticsBounds* block_bounds;
   __device__ __forceinline__ RealBounds<double> operator()(int64_t i) const {
@@ -184,6 +185,17 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// One thread per BlockFloat block: its bounds from its largest finite magnitude.
+template <class C>
+__global__ void __launch_bounds__(kThreads)
+    block_float_bounds_kernel(const typename C::word* max_abs, int64_t count, int32_t wl,
+                              StatisticsBounds* bounds) {
+  for (int64_t k = blockIdx.x * int64_t(kThreads) + threadIdx.x; k < count;
+       k += int64_t(gridDim.x) * kThreads) {
+    bounds[k] = lpsim::block_float_statistics_bounds<C>(max_abs[k], wl);
+  }
+}
+
 }  // namespace
 
 template <class C>
@@ -198,14 +210,22 @@ void rounding_statistics(const void* x, const void* y, int64_t n, const Statisti
 }
 
 template <class C>
-void scaled_rounding_statistics(const void* x, const void* y, int64_t n, const ScaledLayout& layout,
-                                const StatisticsBounds* block_bounds, ChunkStatistics* chunks,
-                                cudaStream_t stream) {
+void rounding_statistics_by_block(const void* x, const void* y, int64_t n,
+                                  const ScaledLayout& layout, const StatisticsBounds* block_bounds,
+                                  ChunkStatistics* chunks, cudaStream_t stream) {
   using S = typename C::storage;
   const int64_t chunk_count = (n + kStatisticsChunk - 1) / kStatisticsChunk;
   statistics_kernel<C><<<grid_blocks(chunk_count), kThreads, 0, stream>>>(
-      static_cast<const S*>(x), static_cast<const S*>(y), n,
-      ScaledBlockBounds{layout, block_bounds}, chunks);
+      static_cast<const S*>(x), static_cast<const S*>(y), n, BoundsByBlock{layout, block_bounds},
+      chunks);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <class C>
+void block_float_statistics_bounds(const void* max_abs, int64_t count, int32_t wl,
+                                   StatisticsBounds* bounds, cudaStream_t stream) {
+  block_float_bounds_kernel<C><<<blocks_for(count), kThreads, 0, stream>>>(
+      static_cast<const typename C::word*>(max_abs), count, wl, bounds);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -237,9 +257,11 @@ void quantize_grid_statistics(Rounding rounding, const void* x, void* y, int64_t
   template void quantize_grid_statistics<C>(                                                       \
       Rounding, const void*, void*, int64_t, const GridSpec&, const RandomSpec&,                   \
       const StatisticsBounds&, ChunkStatistics*, cudaStream_t);                                    \
-  template void scaled_rounding_statistics<C>(const void*, const void*, int64_t,                   \
-                                              const ScaledLayout&, const StatisticsBounds*,        \
-                                              ChunkStatistics*, cudaStream_t);
+  template void rounding_statistics_by_block<C>(const void*, const void*, int64_t,                 \
+                                                const ScaledLayout&, const StatisticsBounds*,      \
+                                                ChunkStatistics*, cudaStream_t);                   \
+  template void block_float_statistics_bounds<C>(const void*, int64_t, int32_t, StatisticsBounds*, \
+                                                 cudaStream_t);
 
 LPSIM_STATISTICS_LAUNCHERS(Float32Container)
 LPSIM_STATISTICS_LAUNCHERS(Float64Container)

@@ -29,11 +29,20 @@ void quantize_grid_statistics(Rounding rounding, const void* x, void* y, int64_t
                               const StatisticsBounds& bounds, ChunkStatistics* chunks,
                               cudaStream_t stream);
 
-// As rounding_statistics, for x rounded into a scaled format: element i counted within the bounds
-// of its block, block_bounds[block_of(layout, i)] (device memory; gpu::scaled_block_bounds).
+// As rounding_statistics, element i counted within the bounds of its block,
+// block_bounds[block_of(layout, i)] (device memory): the blocks of a scaled format
+// (gpu::scaled_block_bounds) or of a BlockFloat (block_float_statistics_bounds, its blocks as
+// tiles).
 template <class C>
-void scaled_rounding_statistics(const void* x, const void* y, int64_t n, const ScaledLayout& layout,
-                                const StatisticsBounds* block_bounds, ChunkStatistics* chunks,
-                                cudaStream_t stream);
+void rounding_statistics_by_block(const void* x, const void* y, int64_t n,
+                                  const ScaledLayout& layout, const StatisticsBounds* block_bounds,
+                                  ChunkStatistics* chunks, cudaStream_t stream);
+
+// bounds[k] (device memory) = the statistics bounds of a BlockFloat(wl) block whose largest finite
+// magnitude has the container bits max_abs[k] (device words of C's word type; gpu::block_max_abs),
+// for k in [0, count).
+template <class C>
+void block_float_statistics_bounds(const void* max_abs, int64_t count, int32_t wl,
+                                   StatisticsBounds* bounds, cudaStream_t stream);
 
 }  // namespace lpsim::gpu
