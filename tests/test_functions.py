@@ -739,6 +739,36 @@ def test_nested_contexts_quantise_a_call_once_by_the_innermost_that_selects_it(m
     assert_same_bits(softmax, lpsim.quantize(torch.softmax(a, -1), E5M2, "nearest"))
 
 
+@pytest.mark.parametrize(
+    ("outer", "inner"),
+    [
+        # the inner simulates the attention's scores; the projections are the outer's
+        ({"linear": nearest(input=E5M2, output=E4M3)}, {"attention.scores": nearest(input=E4M3)}),
+        # the inner simulates the projections; the attention steps are the outer's
+        (
+            {"attention.softmax": nearest(output=E4M3), "matmul": nearest(input=E5M2)},
+            {"linear": nearest(weight=E4M3)},
+        ),
+    ],
+    ids=["outer-projections", "outer-steps"],
+)
+def test_a_call_the_inner_context_does_not_select_inside_its_simulation_is_the_outers(outer, inner):
+    """Nested contexts act as one with the inner's entries first: the calls an inner context's
+    simulation of an enclosing call (attention) makes, and that it does not select, are decided
+    by the context further out, as that context would decide them on its own."""
+    torch.manual_seed(3)
+    model = nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 5, 8)
+    with quantize_functions(model, {**inner, **outer}):
+        want, _ = model(x, x, x, need_weights=False)
+    with quantize_functions(model, outer), quantize_functions(model, inner):
+        got, _ = model(x, x, x, need_weights=False)
+    assert_same_bits(got, want)
+    with quantize_functions(model, inner):
+        inner_only, _ = model(x, x, x, need_weights=False)
+    assert not torch.equal(got, inner_only)  # the outer's entries took part
+
+
 def test_a_call_outside_the_models_modules_keeps_one_site_when_the_context_is_entered_per_step():
     a, b = torch.randn(3, 4), torch.randn(4, 5)
     functions = quantize_functions(nn.Identity(), {"matmul": nearest(input=DELAYED)})

@@ -99,8 +99,11 @@ without recording.
 mm and bmm keep their shape rules (two matrices; two 3-D tensors of one batch size): other
 shapes are refused with a ValueError, not computed as a broadcasting matmul. Where two contexts
 are active, a call is decided by the innermost one that selects it, once: the calls its
-simulation makes (the product of its quantised operands, attention's steps) are not seen by the
-contexts further out.
+simulation makes (the product of its quantised operands, the attention steps it selects) are not
+seen by the contexts further out, and the calls it does not select, an attention's projections or
+steps inside its simulation of that attention included, are decided by the contexts further out as
+the model's own calls. Nested contexts thus act as one whose entries are the inner's, then the
+outer's.
 
 Activation checkpointing (torch.utils.checkpoint, reentrant or not) recomputes a forward during
 the backward pass, where no TorchFunctionMode is active, this context's included (inside its
@@ -516,9 +519,10 @@ class FunctionQuantization(TorchFunctionMode):
         return self._result(y, decision)
 
     def _matmul(self, func, args, kwargs):
-        decision = self.decide(_hooks.function_name() or "matmul")
+        op = _hooks.function_name() or "matmul"
+        decision = self.decide(op)
         if decision is None:
-            return func(*args, **kwargs)
+            return self._passed_on(op, func, args, kwargs)
         second = "mat2" if func in (*_MM_FUNCTIONS, *_BMM_FUNCTIONS) else "other"
         rest = dict(kwargs)  # operands given by torch's names (input: a method's self)
         names = ("input", second)[len(args) :]
@@ -536,7 +540,7 @@ class FunctionQuantization(TorchFunctionMode):
     def _linear(self, args, kwargs):
         decision = self.decide("linear")
         if decision is None:
-            return F.linear(*args, **kwargs)
+            return self._passed_on("linear", F.linear, args, kwargs)
         bound = dict(zip(("input", "weight", "bias"), args), **kwargs)
         return self._product(decision, bound["input"], bound["weight"], bound.get("bias"), True)
 
@@ -547,7 +551,7 @@ class FunctionQuantization(TorchFunctionMode):
         dtype the softmax computes in."""
         decision = self.decide(op)
         if decision is None:
-            return func(*args, **kwargs)
+            return self._passed_on(op, func, args, kwargs)
         position = _SOFTMAX_DTYPE_POSITION.get(func, 2)
         dtype = kwargs.get("dtype", args[position] if len(args) > position else None)
         if args:
@@ -580,22 +584,37 @@ class FunctionQuantization(TorchFunctionMode):
         """a @ b with the operands, the result and the products as the config prescribes for
         ``op``."""
         decision = self.decide(op)
-        return torch.matmul(a, b) if decision is None else self._product(decision, a, b)
+        if decision is None:
+            return self._passed_on(op, torch.matmul, (a, b), {})
+        return self._product(decision, a, b)
 
     def _simulates_attention(self, ops) -> bool:
         return any(self._entry_index(op) is not None for op in ops)
 
     def _scaled_dot_product_attention(self, func, args, kwargs):
         if not self._simulates_attention(_ATTENTION):
-            return func(*args, **kwargs)
+            return self._passed_on(None, func, args, kwargs)
         with self._claimed():
             return scaled_dot_product_attention(self, *args, **kwargs)
 
     def _multi_head_attention(self, func, args, kwargs):
         if not self._simulates_attention((*_ATTENTION, "linear")):
-            return func(*args, **kwargs)
+            return self._passed_on(None, func, args, kwargs)
         with self._claimed(), self._reentered():
             return _functional.multi_head_attention_forward(*args, **kwargs)
+
+    def _passed_on(self, op: str | None, func: Callable, args: tuple, kwargs: dict):
+        """func(*args, **kwargs), a call this context does not select (of ``op``, None: an
+        enclosing call), made as the model made it: a context further out decides it as if this
+        one were not entered, even inside this context's simulation of an enclosing call, whose
+        own calls that context lets pass. Nested contexts thus act as one whose entries are the
+        inner's, then the outer's."""
+        token = _CLAIMED.set(None)
+        try:
+            with _hooks.named_function(op) if op is not None else contextlib.nullcontext():
+                return func(*args, **kwargs)
+        finally:
+            _CLAIMED.reset(token)
 
     @contextlib.contextmanager
     def _claimed(self) -> Iterator[None]:
