@@ -608,10 +608,12 @@ def test_an_optimizer_step_inside_the_backward_pass_still_scales_its_tensors():
     assert torch.equal(w.detach(), twin.detach())
 
 
-def test_compiled_steps_leave_the_scalers_where_eager_steps_do():
+@pytest.mark.parametrize("eager_steps", [0, 1], ids=["compiled-from-the-start", "one-eager-step"])
+def test_compiled_steps_leave_the_scalers_where_eager_steps_do(eager_steps):
     """After the same steps compiled (aot_eager) and eager, with an eval pass and its recompile
     between them, every amax history, scale and call count is equal, and the eval pass records
-    nothing. The error scalers are made by one eager step before compiling."""
+    nothing: whether the scalers (the errors' included, which the backward pass updates) are
+    made by an eager step or inside the compiled model's first call."""
     scaling = (DelayedScaling(lpsim.Float(4, 3, saturate=True), history_length=4), "nearest")
 
     def make():
@@ -627,7 +629,7 @@ def test_compiled_steps_leave_the_scalers_where_eager_steps_do():
     eager, model = make(), make()
     compiled = torch.compile(model, backend="aot_eager")
     for i, x in enumerate(batches):
-        for owner, run in ((eager, eager), (model, model if i == 0 else compiled)):
+        for owner, run in ((eager, eager), (model, model if i < eager_steps else compiled)):
             (run(x) ** 2).mean().backward()
             if i == 2:
                 before = copy.deepcopy(owner.state_dict())

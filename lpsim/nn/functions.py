@@ -94,7 +94,11 @@ every step. The scalers (lpsim's DelayedScaler) are created at a site's first ca
 device, and live in the context's ``scalers`` (an nn.ModuleDict); ``state_dict()`` and
 ``load_state_dict()`` save and restore them (loading creates the scalers it names, on the
 model's device), so that a resumed run continues their histories. In eval mode they quantise
-without recording.
+without recording. Under torch.compile, the scaler of an error must exist before the compiled
+model's first call, as the backward pass updates it and a compiled graph cannot update state made
+inside its own forward (torch.compile fails there, in aot_autograd's partitioner): run one step
+eagerly, or load a state_dict, first. (inject() makes its scalers outside the traced graph, and
+needs neither.)
 
 mm and bmm keep their shape rules (two matrices; two 3-D tensors of one batch size): other
 shapes are refused with a ValueError, not computed as a broadcasting matmul. Where two contexts

@@ -246,10 +246,17 @@ class _TensorScalers(nn.Module):
         """The scaler of the tensor at ``place``, made on ``device`` where there is none."""
         name = self._name(place)
         found = self._modules.get(name)
-        if found is None:
-            found = self._scaling.scaler(device)
-            found.train(self.training)
-            self.add_module(name, found)
+        return found if found is not None else self._made(name, device)
+
+    @torch.compiler.disable
+    def _made(self, name: str, device: torch.device) -> DelayedScaler:
+        """A new scaler, added as submodule ``name``. Made outside any graph torch.compile
+        traces (a break in it): its state is then the module's, which a compiled graph takes as
+        an input and may update in its backward pass (an error's scaler), where state made
+        inside the traced forward could not be."""
+        found = self._scaling.scaler(device)
+        found.train(self.training)
+        self.add_module(name, found)
         return found
 
     def __getitem__(self, place: str) -> DelayedScaler:
