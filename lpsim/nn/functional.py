@@ -432,7 +432,7 @@ def _autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     autocast dtype by an autograd cast (its gradient returns in its own dtype); otherwise the
     tensors as they are. The native MACs' torch ops cast so themselves."""
     device = next(t.device.type for t in tensors if t is not None)
-    if not torch.is_autocast_enabled(device):
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
         return tensors
     dtype = torch.get_autocast_dtype(device)
     return tuple(
