@@ -355,6 +355,10 @@ def matmul(
         float64 (an accumulator wider than float32, Float(11, 52) say, or a Fixed without clamp,
         whose sums may leave its range on a grid that no narrower tensor holds).
 
+    Under torch.autocast the native MAC is torch.matmul as autocast runs it (its operands cast to
+    the autocast dtype); a non-native MAC takes a and b as given. lpsim.nn.functional's products
+    cast their operands as autocast does before their products.
+
     Not differentiable under a non-native MAC: with grad mode on and an operand that requires
     grad, c carries a node that raises RuntimeError when a backward pass reaches it (rather than
     torch's zero gradient with a warning). lpsim.nn.functional.matmul is the product with

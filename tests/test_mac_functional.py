@@ -867,6 +867,43 @@ def test_an_accumulator_wider_than_float32_gives_float64_results():
     assert x.grad.dtype == w.grad.dtype == torch.float32
 
 
+AUTOCAST_PRODUCTS = [
+    (F.linear, LF.linear, [(4, 8), (3, 8), (3,)], {}),
+    (torch.matmul, LF.matmul, [(2, 4, 8), (8, 3)], {}),
+    (torch.bmm, LF.bmm, [(2, 4, 8), (2, 8, 3)], {}),
+    (F.conv2d, LF.conv2d, [(2, 4, 5, 5), (6, 2, 3, 3), (6,)], dict(padding=1, groups=2)),
+    (F.conv1d, LF.conv1d, [(2, 3, 7), (4, 3, 2)], dict(stride=2)),
+]
+
+
+@pytest.mark.parametrize("op, simulated, shapes, kwargs", AUTOCAST_PRODUCTS)
+def test_under_autocast_the_simulated_products_take_the_operands_autocast_gives_torchs_op(
+    op, simulated, shapes, kwargs
+):
+    # torch.autocast casts the operands (and bias) of linear, matmul, bmm and the convolutions to
+    # its dtype; the native MAC is torch's op, which autocast casts. A simulated product takes the
+    # same operands: bfloat16 values, whose products and sums a float64 accumulator holds exactly.
+    g = torch.Generator().manual_seed(len(shapes))
+    tensors = [torch.randn(s, generator=g).requires_grad_() for s in shapes]
+    wide = MAC(accumulator=Float(11, 52))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        native = op(*tensors, **kwargs)
+        y = simulated(*tensors, mac=wide, input_grad_mac=MAC(), weight_grad_mac=MAC(), **kwargs)
+        narrow = simulated(*tensors, mac=MAC(accumulator=Float(8, 7)), **kwargs)
+    assert native.dtype == narrow.dtype == torch.bfloat16  # the operands' dtype holds bfloat16
+    exact = op(*[t.detach().bfloat16().double() for t in tensors], **kwargs)
+    assert_same_bits(y.detach(), exact)
+    # The gradients come from products of the saved bfloat16 operands (native backward MACs:
+    # torch's, in float64) and flow through autocast's casts, as under torch's op: rounded to the
+    # bfloat16 of the cast tensor, then returned to the float32 leaf.
+    y.sum().backward()
+    leaves = [t.detach().bfloat16().double().requires_grad_() for t in tensors]
+    op(*leaves, **kwargs).sum().backward()
+    for t, leaf in zip(tensors, leaves):
+        assert t.grad.dtype == torch.float32
+        assert_same_bits(t.grad, leaf.grad.bfloat16().float())
+
+
 @pytest.mark.parametrize(
     "call, error, words",
     [

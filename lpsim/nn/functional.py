@@ -73,6 +73,14 @@ quantises it: without formats, torch's op itself. ``multi_head_attention_forward
 exception: it always computes torch's explicit path (its need_weights=True one) product by
 product: torch's result to rounding.
 
+Under ``torch.autocast`` the simulated products take the operands autocast gives torch's own op
+(linear, matmul, bmm, conv1d and conv2d are among its lower-precision ops), as the native MACs'
+torch ops do: the operands and the bias, once the formats have quantised them, are cast to the
+autocast dtype (every floating-point tensor but a float64 one) by a cast that autograd
+differentiates, so the gradients reach the leaves through it, as under torch's op. The result
+has the dtype above for those operands (bfloat16 under a bfloat16 autocast and a ``Float(8, 7)``
+accumulator, float32 under a float32 accumulator).
+
 Double backward (``create_graph=True``, then a second differentiation): a product under a
 non-native MAC has no derivative, so differentiating a gradient that a simulated backward product
 computed raises a RuntimeError that says so when the second backward pass reaches
@@ -417,6 +425,22 @@ def _check_tensors(where: str, bias=None, **operands) -> None:
             )
 
 
+def _autocast(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The operands (and bias) of a simulated product as torch.autocast gives them to its own op
+    (linear, matmul, bmm, conv1d and conv2d are among its lower-precision ops): where autocast is
+    enabled for their device type, every floating-point tensor but a float64 one cast to the
+    autocast dtype by an autograd cast (its gradient returns in its own dtype); otherwise the
+    tensors as they are. The native MACs' torch ops cast so themselves."""
+    device = next(t.device.type for t in tensors if t is not None)
+    if not torch.amp.is_autocast_available(device) or not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(
+        t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+        for t in tensors
+    )
+
+
 def _quantised_operands(a, b, how: Arithmetic):
     if how.input_spec is not None:
         a = how.input_spec(a)
@@ -542,6 +566,7 @@ def simulated_matmul(
         ValueError: the shapes do not match; otherwise as matmul.
     """
     _check_tensors("matmul", input=a, other=b)
+    a, b = _autocast(a, b)
     if a.dim() == 0 or b.dim() == 0:
         raise ValueError("matmul: both operands need at least one dimension")
     raw_a, raw_b = unquantised
@@ -676,6 +701,7 @@ def simulated_linear(
         ValueError: the shapes do not match; otherwise as matmul.
     """
     _check_tensors("linear", input=x, weight=w, bias=bias)
+    x, w, bias = _autocast(x, w, bias)
     if w.dim() not in (1, 2) or x.dim() < 1 or x.shape[-1] != w.shape[-1]:
         raise ValueError(
             f"linear takes input (..., in_features) and weight (out_features, in_features) or "
@@ -937,6 +963,7 @@ def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int, 
     unbatched = input.dim() == dims + 1
     _check_conv_shapes(input.unsqueeze(0) if unbatched else input, weight, bias, geometry, dims)
     x, w = _quantised_operands(input, weight, how)
+    x, w, bias = _autocast(x, w, bias)
     if unbatched:
         x = x.unsqueeze(0)
     channels = x.shape[1]
