@@ -703,6 +703,21 @@ def test_functions_the_docs_do_not_list_are_torchs_own_bit_for_bit(call):
     assert_same_bits(got, call(a, b, c))
 
 
+@pytest.mark.parametrize("mac", [None, BF16_MAC])
+def test_integer_products_are_torchs_own_and_take_no_site(mac):
+    """An integer product has nothing to simulate: torch computes it exactly, under any MAC, and
+    it does not shift the ranks of the float products' sites."""
+    a, b = torch.randint(-9, 9, (3, 4)), torch.randint(-9, 9, (4, 2))
+    x = torch.randn(3, 4)
+    functions = quantize_functions(nn.Identity(), {"matmul": nearest(input=DELAYED, mac=mac)})
+    with functions:
+        products = [torch.matmul(a, b), a @ b, a.mm(b), torch.bmm(a[None], b[None])[0]]
+        x @ x.t()
+    for product in products:
+        assert product.dtype == torch.int64 and torch.equal(product, a @ b)
+    assert list(functions.scalers.keys()) == ["0:<outside>:matmul:0:input"]
+
+
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
 def test_attention_rows_no_key_takes_part_in_give_zeros_and_zero_gradients_as_torch(mask_dtype):
     q, k, v = (torch.randn(1, 2, 3, 4, requires_grad=True) for _ in range(3))

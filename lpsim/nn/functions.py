@@ -101,7 +101,11 @@ eagerly, or load a state_dict, first. (inject() makes its scalers outside the tr
 needs neither.)
 
 mm and bmm keep their shape rules (two matrices; two 3-D tensors of one batch size): other
-shapes are refused with a ValueError, not computed as a broadcasting matmul. Where two contexts
+shapes are refused with a ValueError, not computed as a broadcasting matmul. Products of integer
+(or bool) tensors are torch's own, exact, and not counted as calls of a site. Under the ``@``
+operator, a TypeError the simulation raises (a float64 operand under a non-native MAC, say)
+reaches the caller as Python's "unsupported operand type(s) for @", since torch turns it into
+NotImplemented; ``torch.matmul`` shows its message. Where two contexts
 are active, a call is decided by the innermost one that selects it, once: the calls its
 simulation makes (the product of its quantised operands, the attention steps it selects) are not
 seen by the contexts further out, and the calls it does not select, an attention's projections or
@@ -524,6 +528,8 @@ class FunctionQuantization(TorchFunctionMode):
 
     def _matmul(self, func, args, kwargs):
         op = _hooks.function_name() or "matmul"
+        if any(_integer(t) for t in (*args, *kwargs.values())):  # exact in torch: not simulated
+            return self._passed_on(op, func, args, kwargs)
         decision = self.decide(op)
         if decision is None:
             return self._passed_on(op, func, args, kwargs)
@@ -634,6 +640,11 @@ class FunctionQuantization(TorchFunctionMode):
         """This mode pushed again (inside __torch_function__ torch pops it), so that the calls of
         a Python decomposition reach it; the hooks stay as they are."""
         return _Pushed(self)
+
+
+def _integer(value) -> bool:
+    """Whether value is a tensor of integers (or bools), whose products torch computes exactly."""
+    return isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex())
 
 
 @contextlib.contextmanager
