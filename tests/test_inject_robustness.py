@@ -827,3 +827,25 @@ def test_a_checkpoint_saved_without_injection_loads_into_the_injected_model(stri
     remove(model)
     assert not model.body[0]._load_state_dict_pre_hooks
     assert_same_state(model.state_dict(), checkpoint)
+
+
+class _Spectrum(nn.Module):
+    """A module whose output is complex (an FFT), as in spectral models."""
+
+    def forward(self, x):
+        return torch.fft.fft(x)
+
+
+@pytest.mark.parametrize("role", ["input", "output", "error"])
+def test_a_complex_tensor_of_a_quantised_role_is_refused_not_passed_unquantised(role):
+    """lpsim's formats round real tensors: a complex input, output or error of a module that a
+    config quantises raises, naming the module, the role and the place, instead of going through
+    unrounded while report() lists the module as quantised."""
+    model = nn.Sequential(nn.Identity(), _Spectrum())
+    inject(model, {_Spectrum: LayerQuantization(**{role: lpsim.Float(5, 2)})})
+    x = torch.randn(4, dtype=torch.complex64) if role == "input" else torch.randn(4)
+    with pytest.raises(TypeError, match=rf"the {role} at '0' of a _Spectrum is a torch.complex64"):
+        model(x)
+    unquantised = nn.Sequential(nn.Identity(), _Spectrum())
+    inject(unquantised, {nn.Identity: LayerQuantization(output=lpsim.Float(5, 2))})
+    assert unquantised(torch.randn(4)).dtype == torch.complex64  # a role no config sets

@@ -48,7 +48,12 @@ def map_tensors(value, fn: Callable[[torch.Tensor], torch.Tensor]):
     return map_placed_tensors(value, lambda x, place: fn(x))
 
 
-def map_placed_tensors(value, fn: Callable[[torch.Tensor, str], torch.Tensor], place=None):
+def map_placed_tensors(
+    value,
+    fn: Callable[[torch.Tensor, str], torch.Tensor],
+    place=None,
+    on_complex: Callable[[torch.Tensor, str], None] | None = None,
+):
     """value with ``fn(x, place)`` applied to every floating-point tensor x inside tuples, lists,
     dicts and dataclass instances, each container rebuilt as the type it had (a named tuple, an
     OrderedDict, a dict subclass with attribute access such as HuggingFace's ModelOutput: see
@@ -57,12 +62,17 @@ def map_placed_tensors(value, fn: Callable[[torch.Tensor, str], torch.Tensor], p
 
     ``place`` tells fn where x lies in ``value``: "0" for value itself, "i" for item i of a tuple
     or list, the key for an entry of a dict and the field's name for a dataclass's ("." in it made
-    "_"), the levels below the first joined by "-" ("0-1": item 1 of item 0)."""
+    "_"), the levels below the first joined by "-" ("0-1": item 1 of item 0).
+
+    ``on_complex(x, place)``, where given, is called for every complex tensor (which fn does not
+    take), to refuse it."""
     if isinstance(value, torch.Tensor):
+        if on_complex is not None and value.is_complex():
+            on_complex(value, place or "0")
         return fn(value, place or "0") if value.is_floating_point() else value
     here = (lambda key: str(key)) if place is None else (lambda key: f"{place}-{key}")
     if isinstance(value, (tuple, list)):
-        items = [map_placed_tensors(v, fn, here(i)) for i, v in enumerate(value)]
+        items = [map_placed_tensors(v, fn, here(i), on_complex) for i, v in enumerate(value)]
         if all(new is old for new, old in zip(items, value)):
             return value
         if isinstance(value, tuple) and hasattr(value, "_fields"):  # named tuple
@@ -70,7 +80,7 @@ def map_placed_tensors(value, fn: Callable[[torch.Tensor, str], torch.Tensor], p
         return type(value)(items)
     if isinstance(value, dict):
         items = {
-            k: map_placed_tensors(v, fn, here(str(k).replace(".", "_") or "_"))
+            k: map_placed_tensors(v, fn, here(str(k).replace(".", "_") or "_"), on_complex)
             for k, v in value.items()
         }
         if all(items[k] is v for k, v in value.items()):
@@ -78,7 +88,7 @@ def map_placed_tensors(value, fn: Callable[[torch.Tensor, str], torch.Tensor], p
         return same_mapping(value, items)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         old = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        items = {k: map_placed_tensors(v, fn, here(k)) for k, v in old.items()}
+        items = {k: map_placed_tensors(v, fn, here(k), on_complex) for k, v in old.items()}
         if all(items[k] is v for k, v in old.items()):
             return value
         return same_fields(value, items)

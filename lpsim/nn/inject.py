@@ -117,7 +117,9 @@ class LayerQuantization:
             each rebuilt with its own type: a named tuple, an OrderedDict, a ModelOutput).
         error: the gradient flowing back into those outputs (the layer's error), in backward.
             With a DelayedScaling, each input, output and error tensor has a DelayedScaler of
-            its own, named after its place (see _TensorScalers).
+            its own, named after its place (see _TensorScalers). Integer and bool tensors pass
+            as they are; a complex tensor where input, output or error is set raises a
+            TypeError in the forward pass (lpsim's formats round real tensors).
         rounding: the rule for fields given as bare formats (default "stochastic").
         eval_rounding: the rule that replaces stochastic rules while the module is in eval mode
             ("nearest" by default: evaluation is deterministic and draws no random numbers, so
@@ -344,10 +346,24 @@ class _InputQuantiser:
                 observer.observe(module, "input", tensor, rounded, quantiser, training)
             return rounded
 
-        return map_placed_tensors(value, one)
+        return map_placed_tensors(value, one, on_complex=_complex_refused(module, "input"))
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         return self.quantise(module, args), self.quantise(module, kwargs)
+
+
+def _complex_refused(module: nn.Module, role: str):
+    """The on_complex of map_placed_tensors for a module's quantised ``role``: a complex tensor
+    (which lpsim's formats do not round) there raises, rather than passing unquantised."""
+
+    def refuse(tensor: torch.Tensor, place: str) -> None:
+        raise TypeError(
+            f"inject: the {role} at {place!r} of a {type(module).__name__} is a {tensor.dtype} "
+            "tensor, which lpsim's formats do not round (quantise torch.view_as_real of it "
+            "inside the module, or select the module out)"
+        )
+
+    return refuse
 
 
 class _OutputQuantiser:
@@ -367,7 +383,8 @@ class _OutputQuantiser:
             backward = None if self.error is None else self.error(place, tensor, training)
             return quantizing_function(forward, backward)(tensor, observed)
 
-        return map_placed_tensors(value, one)
+        role = "output" if self.output is not None else "error"
+        return map_placed_tensors(value, one, on_complex=_complex_refused(module, role))
 
 
 # The weight scopes of the module forwards running now in this thread, innermost last: each maps a
