@@ -341,9 +341,10 @@ def _product(a: torch.Tensor, b: torch.Tensor, mac: MAC, seed: int | None, offse
     if dtype == torch.float64:
         raise TypeError(
             "a product under a non-native MAC takes float32, bfloat16 or float16 operands (float64 "
-            "products would not be exact), got float64: an accumulator wider than float32 (or a "
-            "Fixed without clamp) gives float64 results, whose gradients no simulated backward "
-            "product can take"
+            "products would not be exact), got float64: a float64 model's tensor, or the result "
+            "of an earlier product (or its gradient) under an accumulator wider than float32 (or "
+            "a Fixed without clamp); give the products that take it native MACs, or an "
+            "accumulator that float32 holds"
         )
     return _mac.matmul(a, b, mac, seed=seed, offset=offset)
 
