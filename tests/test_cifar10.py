@@ -434,6 +434,11 @@ def test_resume_refuses_another_runs_checkpoint(tiny_cifar10, tmp_path):
             ["--recipe", "fp16", "--fake-data", "8", "--swa-start", "3"],
             "recipe fp16 does not average weights",
         ),
+        (["--recipe", "fp32", "--fake-data", "8", "--seed", "-1"], "--seed: must be an integer"),
+        (
+            ["--recipe", "fp32", "--fake-data", "8", "--seed", str(2**70)],
+            f"--seed: must be an integer from 0 to 2**32 - 1 = {2**32 - 1}, got {2**70}",
+        ),
         (["--recipe", "fp32", "--fake-data", "8", "--device", "tpu"], "--device"),
         (["--recipe", "fp32", "--fake-data", "8", "--resume"], "--resume: no checkpoint at"),
     ],

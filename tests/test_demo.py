@@ -68,6 +68,13 @@ def test_demo_refuses_a_number_of_epochs_below_one(epochs, tmp_path, capsys):
     assert "--epochs must be a positive integer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("seed", ["-1", str(2**32), str(2**70)])
+def test_demo_refuses_a_seed_outside_its_range(seed, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--epochs", "1", "--recipes", "fp32", "--seed", seed, "--out", str(tmp_path)])
+    assert f"--seed must be an integer from 0 to 2**32 - 1, got {seed}" in capsys.readouterr().err
+
+
 def test_a_recipe_that_quantises_nothing_still_injects_the_layers_it_is_given():
     # FP32 with a caller's placement: the ReLU outputs are rounded into e5m2 as configured
     # (torch's float8_e5m2 cast, round to nearest even, is the oracle), not silently dropped.
