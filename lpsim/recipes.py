@@ -209,15 +209,19 @@ class Recipe:
 
         Args:
             model: the model to quantise.
-            optimizer: a torch.optim optimizer over the model's parameters.
+            optimizer: a torch.optim optimizer over the model's parameters, all of them or some
+                (the others frozen: forward still quantises them where the recipe says). A
+                parameter group added later (``add_param_group``) takes the recipe's formats
+                unless it sets ``"quantization": None``: give that key to the groups of
+                parameters the model keeps in full precision (the first and last layers').
             layers: the inject() configuration to use instead of ``self.layers(model)``: where
                 the quantisers go (QPyTorch's examples place them after chosen layers). Every
                 entry must decide a module (inject's unmatched="error"); the recipe's own
                 configuration may leave an entry unused.
-            parameters: which parameters the optimizer rounds: "quantized" (default) those the
-                model fake-quantises (lpsim.nn.quantized_parameters), so that forward and the
-                optimizer agree; "all" every parameter of the optimizer, as QPyTorch's OptimLP
-                does.
+            parameters: which parameters the optimizer rounds: "quantized" (default) those of
+                its parameters that the model fake-quantises (lpsim.nn.quantized_parameters), so
+                that forward and the optimizer agree; "all" every parameter of the optimizer, as
+                QPyTorch's OptimLP does.
 
         Raises:
             ValueError: parameters is neither "quantized" nor "all", or an entry of ``layers``
@@ -238,7 +242,13 @@ class Recipe:
             inject(model, self.layers(model), unmatched="ignore")
         else:
             inject(model, layers)
-        chosen = quantized_parameters(model) if parameters == "quantized" else None
+        chosen = None
+        if parameters == "quantized":
+            # Of the parameters forward fake-quantises, those the optimizer trains: a model whose
+            # optimizer holds only some of its parameters (others frozen, as in fine-tuning) still
+            # sees the frozen ones quantised in forward, and the optimizer has none of them.
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            chosen = [p for p in quantized_parameters(model) if id(p) in held]
         wrapped = OptimLP(
             optimizer,
             weight=self.weight if self.round_weights else None,

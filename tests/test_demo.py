@@ -90,3 +90,45 @@ def test_a_recipe_that_quantises_nothing_still_injects_the_layers_it_is_given():
     with pytest.raises(ValueError):  # an entry that decides no module is refused, as documented
         fresh = torch.nn.Linear(2, 2)
         recipes.FP32.apply(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), layers=config)
+
+
+def test_a_recipe_applies_to_an_optimizer_over_part_of_the_model():
+    # Fine-tuning: the optimizer holds the last two layers only. Forward still fake-quantises the
+    # frozen inner layer; the optimizer rounds the trainable inner layer after its step (by
+    # torch's float8_e5m2 cast, round to nearest even; IBM8's e5m2 saturates, and these values
+    # are far below its largest), and leaves the last layer in full precision.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8),
+        torch.nn.ReLU(),
+        torch.nn.Linear(8, 8),
+        torch.nn.ReLU(),
+        torch.nn.Linear(8, 8),
+        torch.nn.ReLU(),
+        torch.nn.Linear(8, 2),
+    )
+    frozen = model[2].weight.detach().clone()
+    trainable = list(model[4].parameters()) + list(model[6].parameters())
+    sgd = torch.optim.SGD(trainable, lr=0.1)
+    model, opt = recipes.IBM8.apply(model, sgd)
+    e5m2 = lambda t: t.to(torch.float8_e5m2).float()  # noqa: E731
+    x = torch.randn(16, 4)
+    with torch.no_grad():
+        h = e5m2(model[1](model[0](x)))
+        expected = torch.nn.functional.linear(h, e5m2(frozen), e5m2(model[2].bias))
+        assert torch.equal(model[2](h), e5m2(expected))
+    (model(x).square().mean() * recipes.IBM8.loss_scale).backward()
+    last = model[6].weight.detach().clone()
+    opt.step()
+    assert torch.equal(model[2].weight, e5m2(frozen))  # the frozen layer is seen quantised
+    for p in model[4].parameters():
+        assert torch.equal(p.detach(), e5m2(p.detach()))
+    assert opt.parameter_settings(model[6].weight) is None
+    assert not torch.equal(model[6].weight.detach(), last)
+    # Unfreezing later: a group takes the recipe's formats unless it says "quantization": None,
+    # as the groups of the layers forward keeps in full precision must.
+    opt.add_param_group({"params": list(model[2].parameters())})
+    opt.add_param_group({"params": list(model[0].parameters()), "quantization": None})
+    settings = opt.parameter_settings(model[2].parametrizations.weight.original)
+    assert settings.weight.format == recipes.IBM8.weight[0]
+    assert opt.parameter_settings(model[0].weight) is None
