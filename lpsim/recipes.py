@@ -9,6 +9,11 @@ A Recipe applies to any model and optimizer:
     (loss * recipe.loss_scale).backward()     # OptimLP divides the gradients by it again
     optimizer.step()
 
+Between backward() and step() the gradients are still loss_scale times the loss's: clip them at
+max_norm * recipe.loss_scale (clip_grad_norm_ then scales them by the factor that max_norm gives
+the unscaled gradients, up to rounding), not at max_norm, which would clip loss_scale times too
+late.
+
 Every recipe keeps the model's first and last weight layers (the first and last Conv, Linear or
 MultiheadAttention modules in registration order, see edge_layers) in full precision, the usual
 practice: their parameters, gradients, optimizer state, outputs and errors are never rounded. It
