@@ -16,11 +16,13 @@ late.
 
 Every recipe keeps the model's first and last weight layers (the first and last Conv, Linear or
 MultiheadAttention modules in registration order, see edge_layers) in full precision, the usual
-practice: their parameters, gradients, optimizer state, outputs and errors are never rounded. It
-quantises the rest: weights and biases (of every other layer, normalisation layers and attention
-projections included: fake-quantised in forward and rounded after every step), activations (every
-layer's outputs), errors (the gradients flowing back into those outputs), gradients, and the
-optimizer's state, with an optional high-precision weight accumulator. The optimizer rounds exactly
+practice: their parameters, gradients, optimizer state, outputs and errors are never rounded (a
+parameter they share with another module, as an embedding tied to the output layer, is not
+quantised there either; that module's outputs and errors are). It quantises the rest: weights
+and biases (of every other layer, normalisation layers and attention projections included:
+fake-quantised in forward and rounded after every step), activations (every layer's outputs),
+errors (the gradients flowing back into those outputs), gradients, and the optimizer's state, with
+an optional high-precision weight accumulator. The optimizer rounds exactly
 the parameters the model fake-quantises (lpsim.nn.quantized_parameters), so `lpsim.nn.report(model,
 optimizer)` shows both agree. The scaled recipes (MXFP8, MXFP4, NVFP4: placement "operands",
 round_weights False) quantise less: only the operands of the inner weight layers' products (their
@@ -93,6 +95,25 @@ def edge_layers(model: nn.Module) -> list[str]:
     inner = attention_out_projections(model)
     names = [n for n, m in model.named_modules() if isinstance(m, WEIGHT_LAYERS) and n not in inner]
     return sorted({names[0], names[-1]}) if names else []
+
+
+def _sharing_kept_parameters(model: nn.Module, kept: list[str]) -> dict:
+    """{name: (module, kinds)} for every module but the ``kept`` ones that has a parameter of
+    its own which a kept module also has (tied weights): kinds names what LayerQuantization
+    would quantise it as, "weight" or "bias" (see LayerQuantization)."""
+    held = {id(p) for name in kept for p in model.get_submodule(name).parameters()}
+    found = {}
+    for name, module in model.named_modules():
+        if not held or name in kept:
+            continue
+        kinds = set()
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in held:
+                bias = pname.endswith("bias") or pname.startswith("bias_")
+                kinds.add("bias" if bias else "weight")
+        if kinds:
+            found[name] = (module, sorted(kinds))
+    return found
 
 
 @dataclass(frozen=True)
@@ -174,8 +195,12 @@ class Recipe:
         return replace(self, **{f: moved(getattr(self, f)) for f in fields})
 
     def layers(self, model: nn.Module) -> dict:
-        """The inject() configuration of this recipe for model."""
+        """The inject() configuration of this recipe for model. A parameter of a kept edge layer
+        that another module shares (an embedding tied to the output layer, say) stays in full
+        precision there too: that module's weight (or bias) is not quantised, its other
+        quantisers are as the recipe says."""
         config = {name: None for name in edge_layers(model)} if self.keep_edges else {}
+        shared = _sharing_kept_parameters(model, list(config))
         # A MultiheadAttention's out projection: its weight (and bias) rounded as the layers'
         # below, its input, output and error left to the attention's own quantisers; in full
         # precision where the attention is.
@@ -185,16 +210,21 @@ class Recipe:
         for name, attention in attention_out_projections(model).items():
             config[name] = None if config.get(attention, True) is None else projection
         if self.placement == "operands":
-            config[WEIGHT_LAYERS] = LayerQuantization(
+            weight_layer = LayerQuantization(
                 weight=self.weight, input=self.activation, error=self.error, mac=self.mac
             )
-            config["default"] = None
-            return config
-        layer = LayerQuantization(
-            weight=self.weight, bias=self.weight, output=self.activation, error=self.error
-        )
-        config[WEIGHT_LAYERS] = replace(layer, mac=self.mac)
-        config["default"] = layer
+            other = None
+        else:
+            other = LayerQuantization(
+                weight=self.weight, bias=self.weight, output=self.activation, error=self.error
+            )
+            weight_layer = replace(other, mac=self.mac)
+        for name, (module, kinds) in shared.items():
+            entry = weight_layer if isinstance(module, WEIGHT_LAYERS) else other
+            if entry is not None and name not in config:
+                config[name] = replace(entry, **dict.fromkeys(kinds))
+        config[WEIGHT_LAYERS] = weight_layer
+        config["default"] = other
         return config
 
     def apply(
