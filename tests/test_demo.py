@@ -132,3 +132,15 @@ def test_a_recipe_applies_to_an_optimizer_over_part_of_the_model():
     settings = opt.parameter_settings(model[2].parametrizations.weight.original)
     assert settings.weight.format == recipes.IBM8.weight[0]
     assert opt.parameter_settings(model[0].weight) is None
+
+
+def test_readme_quotes_the_demo_results_file_with_every_recipe():
+    # The README's demo table is docs/results/digits_results.md, as one run of the demo wrote it:
+    # every recipe of the demo, and every wall time from that run.
+    import pathlib  # noqa: PLC0415
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    rows = (root / "docs" / "results" / "digits_results.md").read_text().strip().splitlines()
+    assert rows[0].startswith("| recipe | test accuracy after 30 epochs |")
+    assert [r.split("|")[1].strip() for r in rows[2:]] == list(recipes.RECIPES)
+    assert "\n".join(rows) in (root / "README.md").read_text()
