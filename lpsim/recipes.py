@@ -49,7 +49,7 @@ from torch.optim import Optimizer
 from lpsim._checks import check_positive_finite
 from lpsim.formats import BlockFloat, Fixed, Float
 from lpsim.mac import MAC
-from lpsim.nn.inject import LayerQuantization, inject, quantized_parameters
+from lpsim.nn.inject import LayerQuantization, inject, injected, quantized_parameters, remove
 from lpsim.nn.quantizer import Spec
 from lpsim.optim.optim_lp import OptimLP
 from lpsim.scaled import Scaled, preset
@@ -261,7 +261,9 @@ class Recipe:
         Raises:
             ValueError: parameters is neither "quantized" nor "all", or an entry of ``layers``
                 decides no module.
-            TypeError, ValueError: as inject() and OptimLP for malformed settings.
+            TypeError, ValueError: as inject() and OptimLP for malformed settings (a format that
+                does not fit a tensor's dtype, say); a model that carried no quantisers is
+                then left as it was (one injected before keeps the recipe's quantisers).
         """
         if parameters not in _PARAMETERS:
             raise ValueError(f"parameters must be 'quantized' or 'all', got {parameters!r}")
@@ -271,6 +273,7 @@ class Recipe:
             # Nothing to round, but the caller multiplies the loss by loss_scale: the optimizer
             # must still divide the gradients by it.
             return model, OptimLP(optimizer, grad_scaling=1.0 / self.loss_scale)
+        fresh = not injected(model)  # then remove() puts it back as it is, should OptimLP refuse
         if layers is None:
             # The configuration is built for this model: an entry may decide nothing (a model
             # with two weight layers has no other to quantise), which is not a mistake here.
@@ -284,15 +287,20 @@ class Recipe:
             # sees the frozen ones quantised in forward, and the optimizer has none of them.
             held = {id(p) for group in optimizer.param_groups for p in group["params"]}
             chosen = [p for p in quantized_parameters(model) if id(p) in held]
-        wrapped = OptimLP(
-            optimizer,
-            weight=self.weight if self.round_weights else None,
-            grad=self.grad,
-            momentum=self.momentum,
-            acc=self.acc,
-            grad_scaling=1.0 / self.loss_scale,
-            parameters=chosen,
-        )
+        try:
+            wrapped = OptimLP(
+                optimizer,
+                weight=self.weight if self.round_weights else None,
+                grad=self.grad,
+                momentum=self.momentum,
+                acc=self.acc,
+                grad_scaling=1.0 / self.loss_scale,
+                parameters=chosen,
+            )
+        except BaseException:
+            if fresh:  # no half-applied recipe: the model loses the quantisers too
+                remove(model)
+            raise
         return model, wrapped
 
 

@@ -144,3 +144,24 @@ def test_readme_quotes_the_demo_results_file_with_every_recipe():
     assert rows[0].startswith("| recipe | test accuracy after 30 epochs |")
     assert [r.split("|")[1].strip() for r in rows[2:]] == list(recipes.RECIPES)
     assert "\n".join(rows) in (root / "README.md").read_text()
+
+
+def test_a_recipe_refused_by_the_optimizer_leaves_the_model_as_it_was():
+    # A float16 model: inject() accepts the e5m2 quantisers, OptimLP refuses bfloat16 momentum in
+    # float16 state. The model must come back without quantisers, computing what it computed.
+    import copy  # noqa: PLC0415
+
+    from lpsim.nn import injected  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(8, 2)).half()
+    original = copy.deepcopy(model)
+    e5m2 = (Float(5, 2), "nearest")
+    recipe = recipes.Recipe("bad", weight=e5m2, activation=e5m2, momentum=(Float(8, 7), "nearest"))
+    with pytest.raises(ValueError, match="momentum"):
+        recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert not list(injected(model))
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in original.named_parameters()]
+    x = torch.randn(3, 4).half()
+    assert torch.equal(model(x), original(x))
