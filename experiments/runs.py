@@ -20,6 +20,7 @@ from torch import nn
 __all__ = [
     "positive_int",
     "positive_float",
+    "seed_int",
     "choose_device",
     "all_reduce_sum",
     "weights_digest",
@@ -44,6 +45,19 @@ def positive_float(text: str) -> float:
     value = float(text)
     if not (value > 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+MAX_SEED = 2**32 - 1  # the largest --seed: torch's generators and the seeds derived from it fit
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a seed, an integer from 0 to MAX_SEED."""
+    value = int(text)
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer from 0 to 2**32 - 1 = {MAX_SEED}, got {text}"
+        )
     return value
 
 

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("out"))
     parser.add_argument("--recipes", type=str, default=",".join(RECIPES))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="0 to 2**32 - 1 (default: 0)")
     parser.add_argument(
         "--threads",
         type=int,
@@ -209,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.epochs < 1:
         parser.error(f"--epochs must be a positive integer, got {args.epochs}")
+    if not 0 <= args.seed < 2**32:
+        parser.error(f"--seed must be an integer from 0 to 2**32 - 1, got {args.seed}")
     if args.threads is not None:
         if args.threads < 1:
             parser.error(f"--threads must be a positive integer, got {args.threads}")

@@ -9,13 +9,20 @@ A Recipe applies to any model and optimizer:
     (loss * recipe.loss_scale).backward()     # OptimLP divides the gradients by it again
     optimizer.step()
 
+Between backward() and step() the gradients are still loss_scale times the loss's: clip them at
+max_norm * recipe.loss_scale (clip_grad_norm_ then scales them by the factor that max_norm gives
+the unscaled gradients, up to rounding), not at max_norm, which would clip loss_scale times too
+late.
+
 Every recipe keeps the model's first and last weight layers (the first and last Conv, Linear or
 MultiheadAttention modules in registration order, see edge_layers) in full precision, the usual
-practice: their parameters, gradients, optimizer state, outputs and errors are never rounded. It
-quantises the rest: weights and biases (of every other layer, normalisation layers and attention
-projections included: fake-quantised in forward and rounded after every step), activations (every
-layer's outputs), errors (the gradients flowing back into those outputs), gradients, and the
-optimizer's state, with an optional high-precision weight accumulator. The optimizer rounds exactly
+practice: their parameters, gradients, optimizer state, outputs and errors are never rounded (a
+parameter they share with another module, as an embedding tied to the output layer, is not
+quantised there either; that module's outputs and errors are). It quantises the rest: weights
+and biases (of every other layer, normalisation layers and attention projections included:
+fake-quantised in forward and rounded after every step), activations (every layer's outputs),
+errors (the gradients flowing back into those outputs), gradients, and the optimizer's state, with
+an optional high-precision weight accumulator. The optimizer rounds exactly
 the parameters the model fake-quantises (lpsim.nn.quantized_parameters), so `lpsim.nn.report(model,
 optimizer)` shows both agree. The scaled recipes (MXFP8, MXFP4, NVFP4: placement "operands",
 round_weights False) quantise less: only the operands of the inner weight layers' products (their
@@ -42,7 +49,7 @@ from torch.optim import Optimizer
 from lpsim._checks import check_positive_finite
 from lpsim.formats import BlockFloat, Fixed, Float
 from lpsim.mac import MAC
-from lpsim.nn.inject import LayerQuantization, inject, quantized_parameters
+from lpsim.nn.inject import LayerQuantization, inject, injected, quantized_parameters, remove
 from lpsim.nn.quantizer import Spec
 from lpsim.optim.optim_lp import OptimLP
 from lpsim.scaled import Scaled, preset
@@ -88,6 +95,25 @@ def edge_layers(model: nn.Module) -> list[str]:
     inner = attention_out_projections(model)
     names = [n for n, m in model.named_modules() if isinstance(m, WEIGHT_LAYERS) and n not in inner]
     return sorted({names[0], names[-1]}) if names else []
+
+
+def _sharing_kept_parameters(model: nn.Module, kept: list[str]) -> dict:
+    """{name: (module, kinds)} for every module but the ``kept`` ones that has a parameter of
+    its own which a kept module also has (tied weights): kinds names what LayerQuantization
+    would quantise it as, "weight" or "bias" (see LayerQuantization)."""
+    held = {id(p) for name in kept for p in model.get_submodule(name).parameters()}
+    found = {}
+    for name, module in model.named_modules():
+        if not held or name in kept:
+            continue
+        kinds = set()
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in held:
+                bias = pname.endswith("bias") or pname.startswith("bias_")
+                kinds.add("bias" if bias else "weight")
+        if kinds:
+            found[name] = (module, sorted(kinds))
+    return found
 
 
 @dataclass(frozen=True)
@@ -169,8 +195,12 @@ class Recipe:
         return replace(self, **{f: moved(getattr(self, f)) for f in fields})
 
     def layers(self, model: nn.Module) -> dict:
-        """The inject() configuration of this recipe for model."""
+        """The inject() configuration of this recipe for model. A parameter of a kept edge layer
+        that another module shares (an embedding tied to the output layer, say) stays in full
+        precision there too: that module's weight (or bias) is not quantised, its other
+        quantisers are as the recipe says."""
         config = {name: None for name in edge_layers(model)} if self.keep_edges else {}
+        shared = _sharing_kept_parameters(model, list(config))
         # A MultiheadAttention's out projection: its weight (and bias) rounded as the layers'
         # below, its input, output and error left to the attention's own quantisers; in full
         # precision where the attention is.
@@ -180,16 +210,21 @@ class Recipe:
         for name, attention in attention_out_projections(model).items():
             config[name] = None if config.get(attention, True) is None else projection
         if self.placement == "operands":
-            config[WEIGHT_LAYERS] = LayerQuantization(
+            weight_layer = LayerQuantization(
                 weight=self.weight, input=self.activation, error=self.error, mac=self.mac
             )
-            config["default"] = None
-            return config
-        layer = LayerQuantization(
-            weight=self.weight, bias=self.weight, output=self.activation, error=self.error
-        )
-        config[WEIGHT_LAYERS] = replace(layer, mac=self.mac)
-        config["default"] = layer
+            other = None
+        else:
+            other = LayerQuantization(
+                weight=self.weight, bias=self.weight, output=self.activation, error=self.error
+            )
+            weight_layer = replace(other, mac=self.mac)
+        for name, (module, kinds) in shared.items():
+            entry = weight_layer if isinstance(module, WEIGHT_LAYERS) else other
+            if entry is not None and name not in config:
+                config[name] = replace(entry, **dict.fromkeys(kinds))
+        config[WEIGHT_LAYERS] = weight_layer
+        config["default"] = other
         return config
 
     def apply(
@@ -209,20 +244,26 @@ class Recipe:
 
         Args:
             model: the model to quantise.
-            optimizer: a torch.optim optimizer over the model's parameters.
+            optimizer: a torch.optim optimizer over the model's parameters, all of them or some
+                (the others frozen: forward still quantises them where the recipe says). A
+                parameter group added later (``add_param_group``) takes the recipe's formats
+                unless it sets ``"quantization": None``: give that key to the groups of
+                parameters the model keeps in full precision (the first and last layers').
             layers: the inject() configuration to use instead of ``self.layers(model)``: where
                 the quantisers go (QPyTorch's examples place them after chosen layers). Every
                 entry must decide a module (inject's unmatched="error"); the recipe's own
                 configuration may leave an entry unused.
-            parameters: which parameters the optimizer rounds: "quantized" (default) those the
-                model fake-quantises (lpsim.nn.quantized_parameters), so that forward and the
-                optimizer agree; "all" every parameter of the optimizer, as QPyTorch's OptimLP
-                does.
+            parameters: which parameters the optimizer rounds: "quantized" (default) those of
+                its parameters that the model fake-quantises (lpsim.nn.quantized_parameters), so
+                that forward and the optimizer agree; "all" every parameter of the optimizer, as
+                QPyTorch's OptimLP does.
 
         Raises:
             ValueError: parameters is neither "quantized" nor "all", or an entry of ``layers``
                 decides no module.
-            TypeError, ValueError: as inject() and OptimLP for malformed settings.
+            TypeError, ValueError: as inject() and OptimLP for malformed settings (a format that
+                does not fit a tensor's dtype, say); a model that carried no quantisers is
+                then left as it was (one injected before keeps the recipe's quantisers).
         """
         if parameters not in _PARAMETERS:
             raise ValueError(f"parameters must be 'quantized' or 'all', got {parameters!r}")
@@ -232,22 +273,34 @@ class Recipe:
             # Nothing to round, but the caller multiplies the loss by loss_scale: the optimizer
             # must still divide the gradients by it.
             return model, OptimLP(optimizer, grad_scaling=1.0 / self.loss_scale)
+        fresh = not injected(model)  # then remove() puts it back as it is, should OptimLP refuse
         if layers is None:
             # The configuration is built for this model: an entry may decide nothing (a model
             # with two weight layers has no other to quantise), which is not a mistake here.
             inject(model, self.layers(model), unmatched="ignore")
         else:
             inject(model, layers)
-        chosen = quantized_parameters(model) if parameters == "quantized" else None
-        wrapped = OptimLP(
-            optimizer,
-            weight=self.weight if self.round_weights else None,
-            grad=self.grad,
-            momentum=self.momentum,
-            acc=self.acc,
-            grad_scaling=1.0 / self.loss_scale,
-            parameters=chosen,
-        )
+        chosen = None
+        if parameters == "quantized":
+            # Of the parameters forward fake-quantises, those the optimizer trains: a model whose
+            # optimizer holds only some of its parameters (others frozen, as in fine-tuning) still
+            # sees the frozen ones quantised in forward, and the optimizer has none of them.
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            chosen = [p for p in quantized_parameters(model) if id(p) in held]
+        try:
+            wrapped = OptimLP(
+                optimizer,
+                weight=self.weight if self.round_weights else None,
+                grad=self.grad,
+                momentum=self.momentum,
+                acc=self.acc,
+                grad_scaling=1.0 / self.loss_scale,
+                parameters=chosen,
+            )
+        except BaseException:
+            if fresh:  # no half-applied recipe: the model loses the quantisers too
+                remove(model)
+            raise
         return model, wrapped
 
 

@@ -434,6 +434,11 @@ def test_resume_refuses_another_runs_checkpoint(tiny_cifar10, tmp_path):
             ["--recipe", "fp16", "--fake-data", "8", "--swa-start", "3"],
             "recipe fp16 does not average weights",
         ),
+        (["--recipe", "fp32", "--fake-data", "8", "--seed", "-1"], "--seed: must be an integer"),
+        (
+            ["--recipe", "fp32", "--fake-data", "8", "--seed", str(2**70)],
+            f"--seed: must be an integer from 0 to 2**32 - 1 = {2**32 - 1}, got {2**70}",
+        ),
         (["--recipe", "fp32", "--fake-data", "8", "--device", "tpu"], "--device"),
         (["--recipe", "fp32", "--fake-data", "8", "--resume"], "--resume: no checkpoint at"),
     ],
@@ -743,3 +748,14 @@ def test_block8_follows_qpytorchs_block_baseline_script():
     )
     for category in ("weight", "activation", "error", "grad", "momentum"):
         assert getattr(r.quantization, category) == (BlockFloat(8), "stochastic")
+
+
+def test_wage_inputs_span_minus_one_to_one_and_the_deviation_says_so():
+    """WAGE's images enter in [-1, 1] (WAGE's TensorFlow code: X / 127.5 - 1), where QPyTorch's
+    examples/WAGE feeds ToTensor's [0, 1]; the recipe lists that among its deviations."""
+    images = torch.arange(256, dtype=torch.uint8).repeat(3, 1).view(1, 3, 16, 16)
+    x = train.to_inputs(recipes.WAGE, images)
+    assert torch.equal(x, images.float() / 255 * 2 - 1)  # 2x - 1 of the [0, 1] image
+    assert (x.min().item(), x.max().item()) == (-1.0, 1.0)
+    wage = " ".join(recipes.WAGE.deviations)
+    assert "[-1, 1]" in wage and "[0, 1]" in wage and "X / 127.5 - 1" in wage

@@ -68,6 +68,13 @@ def test_demo_refuses_a_number_of_epochs_below_one(epochs, tmp_path, capsys):
     assert "--epochs must be a positive integer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("seed", ["-1", str(2**32), str(2**70)])
+def test_demo_refuses_a_seed_outside_its_range(seed, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        demo.main(["--epochs", "1", "--recipes", "fp32", "--seed", seed, "--out", str(tmp_path)])
+    assert f"--seed must be an integer from 0 to 2**32 - 1, got {seed}" in capsys.readouterr().err
+
+
 def test_a_recipe_that_quantises_nothing_still_injects_the_layers_it_is_given():
     # FP32 with a caller's placement: the ReLU outputs are rounded into e5m2 as configured
     # (torch's float8_e5m2 cast, round to nearest even, is the oracle), not silently dropped.
@@ -83,3 +90,78 @@ def test_a_recipe_that_quantises_nothing_still_injects_the_layers_it_is_given():
     with pytest.raises(ValueError):  # an entry that decides no module is refused, as documented
         fresh = torch.nn.Linear(2, 2)
         recipes.FP32.apply(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), layers=config)
+
+
+def test_a_recipe_applies_to_an_optimizer_over_part_of_the_model():
+    # Fine-tuning: the optimizer holds the last two layers only. Forward still fake-quantises the
+    # frozen inner layer; the optimizer rounds the trainable inner layer after its step (by
+    # torch's float8_e5m2 cast, round to nearest even; IBM8's e5m2 saturates, and these values
+    # are far below its largest), and leaves the last layer in full precision.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8),
+        torch.nn.ReLU(),
+        torch.nn.Linear(8, 8),
+        torch.nn.ReLU(),
+        torch.nn.Linear(8, 8),
+        torch.nn.ReLU(),
+        torch.nn.Linear(8, 2),
+    )
+    frozen = model[2].weight.detach().clone()
+    trainable = list(model[4].parameters()) + list(model[6].parameters())
+    sgd = torch.optim.SGD(trainable, lr=0.1)
+    model, opt = recipes.IBM8.apply(model, sgd)
+    e5m2 = lambda t: t.to(torch.float8_e5m2).float()  # noqa: E731
+    x = torch.randn(16, 4)
+    with torch.no_grad():
+        h = e5m2(model[1](model[0](x)))
+        expected = torch.nn.functional.linear(h, e5m2(frozen), e5m2(model[2].bias))
+        assert torch.equal(model[2](h), e5m2(expected))
+    (model(x).square().mean() * recipes.IBM8.loss_scale).backward()
+    last = model[6].weight.detach().clone()
+    opt.step()
+    assert torch.equal(model[2].weight, e5m2(frozen))  # the frozen layer is seen quantised
+    for p in model[4].parameters():
+        assert torch.equal(p.detach(), e5m2(p.detach()))
+    assert opt.parameter_settings(model[6].weight) is None
+    assert not torch.equal(model[6].weight.detach(), last)
+    # Unfreezing later: a group takes the recipe's formats unless it says "quantization": None,
+    # as the groups of the layers forward keeps in full precision must.
+    opt.add_param_group({"params": list(model[2].parameters())})
+    opt.add_param_group({"params": list(model[0].parameters()), "quantization": None})
+    settings = opt.parameter_settings(model[2].parametrizations.weight.original)
+    assert settings.weight.format == recipes.IBM8.weight[0]
+    assert opt.parameter_settings(model[0].weight) is None
+
+
+def test_readme_quotes_the_demo_results_file_with_every_recipe():
+    # The README's demo table is docs/results/digits_results.md, as one run of the demo wrote it:
+    # every recipe of the demo, and every wall time from that run.
+    import pathlib  # noqa: PLC0415
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    rows = (root / "docs" / "results" / "digits_results.md").read_text().strip().splitlines()
+    assert rows[0].startswith("| recipe | test accuracy after 30 epochs |")
+    assert [r.split("|")[1].strip() for r in rows[2:]] == list(recipes.RECIPES)
+    assert "\n".join(rows) in (root / "README.md").read_text()
+
+
+def test_a_recipe_refused_by_the_optimizer_leaves_the_model_as_it_was():
+    # A float16 model: inject() accepts the e5m2 quantisers, OptimLP refuses bfloat16 momentum in
+    # float16 state. The model must come back without quantisers, computing what it computed.
+    import copy  # noqa: PLC0415
+
+    from lpsim.nn import injected  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers, torch.nn.Linear(8, 2)).half()
+    original = copy.deepcopy(model)
+    e5m2 = (Float(5, 2), "nearest")
+    recipe = recipes.Recipe("bad", weight=e5m2, activation=e5m2, momentum=(Float(8, 7), "nearest"))
+    with pytest.raises(ValueError, match="momentum"):
+        recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert not list(injected(model))
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in original.named_parameters()]
+    x = torch.randn(3, 4).half()
+    assert torch.equal(model(x), original(x))

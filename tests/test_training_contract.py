@@ -98,6 +98,44 @@ def test_recipe_keeps_edge_layers_in_full_precision_in_the_optimizer():
     assert on_grid(opt.state[middle.weight]["momentum_buffer"], E6M9)
 
 
+class TiedLM(nn.Module):
+    """An embedding whose table is the output layer's weight (tied), two linear layers between."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.first = nn.Linear(8, 8)
+        self.middle = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        h = torch.relu(self.first(self.embed(tokens)))
+        return self.head(torch.relu(self.middle(h)))
+
+
+def test_a_recipe_keeps_an_edge_layers_weight_in_full_precision_where_it_is_tied():
+    # The last layer's weight is the embedding's table: a kept edge layer's parameter is never
+    # rounded, neither by the embedding's forward nor by the optimizer; the embedding's output
+    # is still rounded (torch's float8_e5m2 cast, round to nearest even, is the oracle: the
+    # values lie far inside IBM8's saturating e5m2).
+    torch.manual_seed(0)
+    model = TiedLM()
+    table = model.embed.weight.detach().clone()
+    model, opt = lpsim.recipes.IBM8.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert model.head.weight is model.embed.weight
+    tokens = torch.randint(0, 16, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(model.embed(tokens), table[tokens].to(torch.float8_e5m2).float())
+    (model(tokens).square().mean() * lpsim.recipes.IBM8.loss_scale).backward()
+    grad = model.embed.weight.grad.clone()
+    opt.step()
+    expected = table.add(grad * (1.0 / lpsim.recipes.IBM8.loss_scale), alpha=-0.1)
+    assert torch.equal(model.head.weight.detach(), expected)
+    assert opt.parameter_settings(model.head.weight) is None
+    assert opt.parameter_settings(model.middle.parametrizations.weight.original) is not None
+
+
 def test_optimizer_rounds_exactly_the_parameters_inject_quantises():
     model = mlp()
     inject(model, {"4": None, nn.Linear: LayerQuantization(weight=E5M2, output=E5M2, error=E5M2)})

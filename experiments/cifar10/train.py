@@ -46,6 +46,7 @@ from experiments.runs import (
     positive_int,
     rank_digests,
     rng_state,
+    seed_int,
     set_rng_state,
     write_atomically,
     write_csv,
@@ -118,7 +119,7 @@ def parser() -> argparse.ArgumentParser:
         help="first epoch (from 0) averaged, for recipes with weight averaging: "
         "1 to epochs - 1 (default: 2/3 of the epochs, kept in that range)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0, help="0 to 2**32 - 1 (default: 0)")
     p.add_argument(
         "--device",
         default="auto",
