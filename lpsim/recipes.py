@@ -14,8 +14,9 @@ max_norm * recipe.loss_scale (clip_grad_norm_ then scales them by the factor tha
 the unscaled gradients, up to rounding), not at max_norm, which would clip loss_scale times too
 late.
 
-Every recipe keeps the model's first and last weight layers (the first and last Conv, Linear or
-MultiheadAttention modules in registration order, see edge_layers) in full precision, the usual
+Every recipe keeps the model's first and last weight layers (the first and last Conv,
+ConvTranspose, Linear, Bilinear, MultiheadAttention or recurrent modules in registration order,
+see edge_layers) in full precision, the usual
 practice: their parameters, gradients, optimizer state, outputs and errors are never rounded (a
 parameter they share with another module, as an embedding tied to the output layer, is not
 quantised there either; that module's outputs and errors are). It quantises the rest: weights
@@ -70,6 +71,17 @@ __all__ = [
 ]
 
 WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.MultiheadAttention)
+# The layers that can be a model's first or last weight layer: the weight layers above and the
+# others with weights of their own that the recipes give no entry (a decoder's last transposed
+# convolution, a recurrent first layer).
+_EDGE_CANDIDATES = (
+    *WEIGHT_LAYERS,
+    nn.ConvTranspose1d,
+    nn.ConvTranspose2d,
+    nn.ConvTranspose3d,
+    nn.Bilinear,
+    nn.RNNBase,
+)
 
 
 def attention_out_projections(model: nn.Module) -> dict[str, str]:
@@ -86,14 +98,17 @@ def attention_out_projections(model: nn.Module) -> dict[str, str]:
 
 
 def edge_layers(model: nn.Module) -> list[str]:
-    """Names of the first and last weight layers (Conv/Linear/MultiheadAttention, an attention's
-    out projection counting as part of it) of the model, in the order ``model.named_modules()``
+    """Names of the first and last weight layers (Conv, ConvTranspose, Linear, Bilinear,
+    MultiheadAttention, RNN/LSTM/GRU; an attention's out projection counting as part of it) of
+    the model, in the order ``model.named_modules()``
     gives them: the order the modules were registered, which is the order of the forward pass in
     nn.Sequential models and most CNNs, but not in a model that registers, say, its head before
     its stem. Such a model needs its own ``layers=`` configuration for Recipe.apply, its edge
     layers set to None."""
     inner = attention_out_projections(model)
-    names = [n for n, m in model.named_modules() if isinstance(m, WEIGHT_LAYERS) and n not in inner]
+    names = [
+        n for n, m in model.named_modules() if isinstance(m, _EDGE_CANDIDATES) and n not in inner
+    ]
     return sorted({names[0], names[-1]}) if names else []
 
 

@@ -98,6 +98,28 @@ def test_recipe_keeps_edge_layers_in_full_precision_in_the_optimizer():
     assert on_grid(opt.state[middle.weight]["momentum_buffer"], E6M9)
 
 
+@pytest.mark.parametrize(
+    ("model", "edges"),
+    [
+        # a decoder that ends in a transposed convolution: its output layer is the last
+        (
+            nn.Sequential(
+                nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.ConvTranspose2d(4, 1, 5)
+            ),
+            ["0", "3"],
+        ),
+        # a recurrent first layer (its output is a tuple; the head reads its last state)
+        (nn.Sequential(nn.GRU(4, 6, batch_first=True), nn.Identity()), ["0"]),
+    ],
+    ids=["conv-transpose-last", "recurrent-first"],
+)
+def test_edge_layers_count_every_layer_with_weights_of_its_own(model, edges):
+    """The first and last weight layers kept in full precision are the model's own first and last
+    layers with weights, a transposed convolution or a recurrent layer among them: before, a
+    decoder's last ConvTranspose2d was quantised and an inner Conv2d kept in its place."""
+    assert lpsim.recipes.edge_layers(model) == edges
+
+
 class TiedLM(nn.Module):
     """An embedding whose table is the output layer's weight (tied), two linear layers between."""
 
