@@ -14,6 +14,7 @@ import pytest
 import torch
 from support import assert_same_bits, scaled_bounds_model
 from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
 
 import lpsim
 from lpsim import P3109, BlockFloat, Fixed, Float, _observation
@@ -437,6 +438,37 @@ def test_an_injected_cnn_and_optim_lp_record_every_category():
     assert parameters == {"0.weight", "0.bias", "3.weight", "3.bias", "7.weight", "7.bias"}
     text = recorder.table()
     assert "SQNR dB" in text and "stagnation %" in text and "3.weight" in text
+
+
+def test_the_tensors_weight_norm_computes_a_weight_from_are_recorded_apart():
+    """weight_norm's g and v are two parameters ("original0", "original1"); their roundings and
+    stagnation are recorded under names of their own, each with that parameter's elements (they
+    were added up under one name, "0.weight": 3 + 12 elements for a weight of 12)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(4, 3)), nn.ReLU(), nn.Linear(3, 2))
+    inject(model, {nn.Linear: LayerQuantization(weight=FLOAT, rounding="nearest")})
+    optimizer = OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.1), weight=FLOAT, grad=FLOAT, rounding="nearest"
+    )
+    with Recorder(model, optimizer) as recorder:
+        optimizer.zero_grad()
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+    numel = {
+        "0.parametrizations.weight.original0": 3,  # g, one norm per output row
+        "0.parametrizations.weight.original1": 12,  # v
+        "0.bias": 3,
+        "2.weight": 6,  # inject's quantiser alone: the name without its indirection
+        "2.bias": 2,
+    }
+    by_category = {"grad": {}, "weight": {}}
+    for (name, category), statistics in recorder.summary().items():
+        by_category[category][name] = statistics.elements
+    # "weight": the optimizer's roundings of the parameters, and inject's of the weights that
+    # forward sees, under the modules' names
+    assert by_category["grad"] == numel
+    assert by_category["weight"] == {**numel, "0": 12, "2": 6}
+    assert {name: s.elements for (name,), s in recorder.stagnation_summary().items()} == numel
 
 
 def test_a_quantizer_module_records_its_output_and_error_under_its_name():

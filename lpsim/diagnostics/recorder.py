@@ -22,7 +22,10 @@ What is recorded while the recorder is attached:
   roundings in training mode, unless ``record_eval=True``. Modules outside the recorder's model
   are not recorded. A forward that activation checkpointing (torch.utils.checkpoint) recomputes
   during the backward pass is not recorded again: the counts are those of one forward.
-- an OptimLP's roundings: under the parameter's qualified name in the model ("0.weight"; without
+- an OptimLP's roundings: under the parameter's qualified name in the model ("0.weight" for the
+  parameter inject's quantiser rounds; the full name of each of several tensors that a weight is
+  computed from, "0.parametrizations.weight.original0" and "...original1" under weight_norm, as
+  lpsim.nn.inject.parameter_name gives them; without
   a model, "group0.param0" for parameter 0 of group 0) and the category "grad", "momentum" (every
   rounded state tensor: momentum_buffer, exp_avg, ...), "accumulator" or "weight" (the weight
   rounding that ends a step). Parameters outside the recorder's model and optimizer are not
@@ -102,6 +105,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lpsim import _observation
+from lpsim.nn.inject import parameter_name
 from lpsim.nn.quantizer import QuantSpec, ScalerCall
 from lpsim.optim.optim_lp import OptimLP
 from lpsim.statistics import RoundingStatistics, rounding_statistics
@@ -364,7 +368,7 @@ class Recorder:
             for name, module in self.model.named_modules():
                 names[id(module)] = name or "(model)"
             for name, p in self.model.named_parameters():
-                names[id(p)] = _plain_parameter_name(name)
+                names[id(p)] = parameter_name(name)
         return names
 
     # The observer (called by the quantising call sites, see lpsim._observation)
@@ -710,15 +714,6 @@ def _checked_keys(by, allowed: tuple[str, ...], name: str) -> tuple[str, ...]:
     if len(set(keys)) != len(keys):
         raise ValueError(f"{name} names a key twice: {keys}")
     return keys
-
-
-def _plain_parameter_name(name: str) -> str:
-    """A parameter's qualified name without a parametrisation's indirection:
-    "0.parametrizations.weight.original" -> "0.weight"."""
-    parts = name.split(".")
-    if len(parts) >= 3 and parts[-3] == "parametrizations" and parts[-1].startswith("original"):
-        parts = parts[:-3] + [parts[-2]]
-    return ".".join(parts)
 
 
 def _parameters(optimizer: Optimizer):
