@@ -83,3 +83,25 @@ def test_a_recipe_that_quantises_nothing_still_injects_the_layers_it_is_given():
     with pytest.raises(ValueError):  # an entry that decides no module is refused, as documented
         fresh = torch.nn.Linear(2, 2)
         recipes.FP32.apply(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), layers=config)
+
+
+def test_the_diagnosis_names_each_layer_and_its_class_as_the_model_does():
+    """Rows are in the model's order, numbered modules first, whatever the names (a model that is
+    itself injected, "(model)", raised TypeError sorting against "0"), each labelled with the
+    class the model was built of (Linear, not the ParametrizedLinear of a quantised weight)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    model.add_module("head", torch.nn.Linear(3, 2))
+    fixed = lpsim.Fixed(6, 3)
+    lpsim.nn.inject(
+        model,
+        {
+            torch.nn.Linear: LayerQuantization(weight=fixed, error=fixed, rounding="nearest"),
+            torch.nn.Sequential: LayerQuantization(error=lpsim.Float(5, 2), rounding="nearest"),
+        },
+    )
+    with lpsim.diagnostics.Recorder(model, categories="error") as recorder:
+        model(torch.randn(8, 4)).square().sum().backward()
+    rows = demo.diagnosis({"run": recorder}).splitlines()[2:]
+    labels = [row.split(" | ")[0].removeprefix("| ") for row in rows]
+    assert labels == ["0 (Linear)", "2 (Linear)", "(model) (Sequential)", "head (Linear)"]
