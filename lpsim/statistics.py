@@ -70,7 +70,11 @@ __all__ = [
     "rounding_statistics",
     "quantize_with_statistics",
     "statistics_bounds",
+    "FRACTIONS",
 ]
+
+# The counts of finite elements, which RoundingStatistics.fraction gives as shares of them.
+FRACTIONS = ("overflow", "underflow", "subnormal", "unchanged")
 
 # The containers the kernels read; other floating dtypes are compared in float64 (exactly).
 _CONTAINERS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -125,7 +129,14 @@ class RoundingStatistics:
         return self.elements - self.nonfinite
 
     def fraction(self, name: str) -> float:
-        """A count as a fraction of the finite elements (nan when there are none)."""
+        """The count ``name`` (one of FRACTIONS: the counts of finite elements) as a fraction of
+        the finite elements (nan when there are none).
+
+        Raises:
+            ValueError: name is not one of FRACTIONS.
+        """
+        if name not in FRACTIONS:
+            raise ValueError(f"name must be one of {FRACTIONS}, got {name!r}")
         count = getattr(self, name)
         return count / self.finite if self.finite else math.nan
 

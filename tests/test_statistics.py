@@ -20,6 +20,7 @@ from lpsim import P3109, BlockFloat, Fixed, Float
 from lpsim.delayed_scaling import DelayedScaling
 from lpsim.scaled import Scaled, preset
 from lpsim.statistics import (
+    FRACTIONS,
     RoundingStatistics,
     quantize_with_statistics,
     rounding_statistics,
@@ -193,6 +194,16 @@ def test_statistics_add_up_and_derive_sqnr():
     assert total.fraction("overflow") == 0.2
     assert RoundingStatistics().sqnr_db != RoundingStatistics().sqnr_db  # nan without a signal
     assert RoundingStatistics(1, 0, 0, 0, 0, 1, 0.0, 4.0).sqnr_db == math.inf
+
+
+def test_fraction_takes_the_counts_of_finite_elements_only():
+    s = RoundingStatistics(4, 0, 1, 0, 0, 1, 1.0, 100.0)
+    assert [s.fraction(name) for name in FRACTIONS] == [0.25, 0.0, 0.0, 0.25]
+    # Other fields are no counts of finite elements: their quotient by the finite count is no
+    # share (sqnr_db / 4, elements / 4 = 1.0 were returned as if they were).
+    for name in ("sqnr_db", "squared_error", "elements", "nonfinite", "finite", "overflows"):
+        with pytest.raises(ValueError, match="name must be one of"):
+            s.fraction(name)
 
 
 def test_statistics_add_up_with_sum_from_its_start_of_zero():

@@ -108,7 +108,7 @@ from lpsim import _observation
 from lpsim.nn.inject import parameter_name
 from lpsim.nn.quantizer import QuantSpec, ScalerCall
 from lpsim.optim.optim_lp import OptimLP
-from lpsim.statistics import RoundingStatistics, rounding_statistics
+from lpsim.statistics import FRACTIONS, RoundingStatistics, rounding_statistics
 
 __all__ = [
     "Recorder",
@@ -152,7 +152,6 @@ CSV_COLUMNS = (
     "lost",
     "stagnation",
 )
-_TABLE_FRACTIONS = ("overflow", "underflow", "subnormal", "unchanged")
 _TENSORBOARD_FRACTIONS = ("overflow", "underflow", "subnormal")
 
 _attached = None  # the Recorder attached now (one at a time), or None
@@ -518,14 +517,14 @@ class Recorder:
             ValueError: as summary().
         """
         keys = _checked_keys(by, SUMMARY_KEYS, "by")
-        header = (*keys, "elements", *(f"{name} %" for name in _TABLE_FRACTIONS), "SQNR dB")
+        header = (*keys, "elements", *(f"{name} %" for name in FRACTIONS), "SQNR dB")
         rows = [header]
         for key, statistics in self.summary(keys).items():
             rows.append(
                 (
                     *map(str, key),
                     str(statistics.elements),
-                    *(_percent(statistics.fraction(name)) for name in _TABLE_FRACTIONS),
+                    *(_percent(statistics.fraction(name)) for name in FRACTIONS),
                     _decibels(statistics.sqnr_db),
                 )
             )
