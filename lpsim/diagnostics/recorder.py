@@ -509,9 +509,9 @@ class Recorder:
     def table(self, by: Iterable[str] | str = ("module", "category")) -> str:
         """A plain-text table of ``summary(by)``: elements, the overflow, underflow, subnormal and
         unchanged elements in percent of the finite ones, and the SQNR in dB ("inf": exact;
-        "-": no signal). Then, where stagnation was recorded, a table of it per parameter (and
-        step, when by holds "step"): updated and lost elements, and the lost ones in percent of
-        the updated ones.
+        "-": no signal, or sums beyond float64's range: see RoundingStatistics.sqnr_db). Then,
+        where stagnation was recorded, a table of it per parameter (and step, when by holds
+        "step"): updated and lost elements, and the lost ones in percent of the updated ones.
 
         Raises:
             ValueError: as summary().
