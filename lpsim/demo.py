@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from lpsim.diagnostics import Recorder
+from lpsim.diagnostics.recorder import percent_text
 from lpsim.recipes import RECIPES, Recipe
 
 NAME_WIDTH = max(len(name) for name in RECIPES)  # recipe names line up in the printed lines
@@ -153,7 +154,7 @@ def diagnosis(recorders: dict[str, Recorder]) -> str:
 
 
 def _percent(fraction: float) -> str:
-    return f"{100 * fraction:.1f}%"
+    return f"{percent_text(fraction, 1)}%"
 
 
 def _db(value: float) -> str:

@@ -956,3 +956,24 @@ def test_detaching_from_a_compiled_model_restores_its_graphs_and_records_equal_e
         assert torch.equal(got, want)
         assert recorder.records == expected.records and len(recorder.records) == 4
         assert step(compiled)[1] == graphs
+
+
+def test_tables_print_a_share_as_0_or_100_only_where_it_is():
+    """One element of 200,000 changed and one error of 200,000 kept: 99.9995% unchanged and
+    errors to zero, which two (or one) decimals would print as 100.00 (100.0%), a rounding that
+    was exact or flushed everything."""
+    n = 200_000
+    model = nn.Sequential(Quantizer(FLOAT, FIXED, "nearest", "nearest"))
+    x = torch.ones(n)
+    x[0] = 1.1  # the one element Float(3, 2) changes
+    gradient = torch.full((n,), 0.01)  # below half of Fixed(6, 3)'s spacing: to zero
+    gradient[0] = 1.0  # the one error kept
+    with Recorder(model) as recorder:
+        model(x.requires_grad_()).backward(gradient)
+    output, error = recorder.summary()[("0", "output")], recorder.summary()[("0", "error")]
+    assert (output.unchanged, error.underflow) == (n - 1, n - 1)
+    row = {line.split()[1]: line.split() for line in recorder.table().splitlines()[2:]}
+    cells = [row["output"][6], row["error"][4]]  # unchanged %, underflow %
+    layer = lpsim.demo.diagnosis({"run": recorder}).splitlines()[2].split(" | ")
+    cells.append(layer[1].removesuffix("%"))  # errors to zero
+    assert cells == ["99.999"] * 3  # 99.9995 in float64 is 99.99949999...

@@ -524,7 +524,7 @@ class Recorder:
                 (
                     *map(str, key),
                     str(statistics.elements),
-                    *(_percent(statistics.fraction(name)) for name in FRACTIONS),
+                    *(percent_text(statistics.fraction(name)) for name in FRACTIONS),
                     _decibels(statistics.sqnr_db),
                 )
             )
@@ -537,7 +537,12 @@ class Recorder:
             rows = [(*stagnation_keys, "updated", "lost", "stagnation %")]
             for key, value in stagnation.items():
                 rows.append(
-                    (*map(str, key), str(value.updated), str(value.lost), _percent(value.fraction))
+                    (
+                        *map(str, key),
+                        str(value.updated),
+                        str(value.lost),
+                        percent_text(value.fraction),
+                    )
                 )
             lines += [""] + _aligned(rows, len(stagnation_keys))
         return "\n".join(lines)
@@ -769,11 +774,23 @@ def _metric(statistics: RoundingStatistics, metric: str) -> float:
     return 100 * statistics.fraction(metric)
 
 
-def _percent(fraction: float) -> str:
+def percent_text(fraction: float, decimals: int = 2) -> str:
+    """100 * fraction with ``decimals`` decimals, as the tables print a share ("-" for nan), never
+    0 or 100 unless it is: a share that would print as 0 is written as 1.0e-03 (say), and one
+    that would print as 100 gets the decimals that tell it from 100 (99.9995 for one element in
+    200,000 left out)."""
     if math.isnan(fraction):
         return "-"
     percent = 100 * fraction
-    return f"{percent:.2f}" if percent == 0 or percent >= 0.01 else f"{percent:.1e}"
+    text = f"{percent:.{decimals}f}"
+    if percent in (0, 100):
+        return text
+    if float(text) == 0:
+        return f"{percent:.1e}"
+    while float(text) == 100 and decimals < 17:
+        decimals += 1
+        text = f"{percent:.{decimals}f}"
+    return text
 
 
 def _decibels(value: float) -> str:
