@@ -27,8 +27,10 @@ import time
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from lpsim.diagnostics import Recorder
+from lpsim.diagnostics.recorder import percent_text
 from lpsim.recipes import RECIPES, Recipe
 
 NAME_WIDTH = max(len(name) for name in RECIPES)  # recipe names line up in the printed lines
@@ -129,8 +131,11 @@ def diagnosis(recorders: dict[str, Recorder]) -> str:
     left out."""
     names = list(recorders)
     errors = {n: r.summary(by=("module", "category")) for n, r in recorders.items()}
+    # The names and classes the recorders give the modules: "(model)" for the model itself, and a
+    # layer's class as the model was built (Conv2d, not the ParametrizedConv2d that inject's
+    # weight quantiser makes of it).
     types = {
-        name: type(module).__name__
+        name or "(model)": parametrize.type_before_parametrizations(module).__name__
         for r in recorders.values()
         for name, module in r.model.named_modules()
     }
@@ -149,7 +154,7 @@ def diagnosis(recorders: dict[str, Recorder]) -> str:
 
 
 def _percent(fraction: float) -> str:
-    return f"{100 * fraction:.1f}%"
+    return f"{percent_text(fraction, 1)}%"
 
 
 def _db(value: float) -> str:
@@ -157,7 +162,9 @@ def _db(value: float) -> str:
 
 
 def _layer_order(name: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else p for p in name.split("."))
+    """A module name's sort key: numbered parts ("0", "12") in numeric order, before named parts
+    ("fc", "(model)"), which sort as text."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))
 
 
 def plot(curves: dict[str, list[float]], path: pathlib.Path) -> None:

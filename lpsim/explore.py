@@ -92,6 +92,8 @@ def finfo(fmt: Float | Fixed | P3109 | BlockFloat | Scaled | PowerOfTwo) -> Form
 
     Raises:
         TypeError: fmt is not one of these formats.
+        ValueError: a Scaled format's fact lies beyond float64's range (a Float(11, ...) element
+            times E8M0's largest scale 2**127 overflows it).
     """
     if isinstance(fmt, Float):
         return FormatInfo(
@@ -123,16 +125,20 @@ def finfo(fmt: Float | Fixed | P3109 | BlockFloat | Scaled | PowerOfTwo) -> Form
         smallest_scale = scale.smallest_normal  # scales are clamped to the normal range
         largest_scale = scale.max
         note = "over every block scale" + (", tensor scale 1" if fmt.tensor_scale else "")
-        return FormatInfo(
-            fmt,
-            fmt.bits,
-            element.max * largest_scale,
-            element.min * largest_scale,
-            element.smallest_normal * smallest_scale,
-            element.smallest_subnormal * smallest_scale,
-            element.eps,
-            note,
-        )
+        facts = {
+            "max": (element.max, largest_scale),
+            "min": (element.min, largest_scale),
+            "smallest_normal": (element.smallest_normal, smallest_scale),
+            "smallest_subnormal": (element.smallest_subnormal, smallest_scale),
+        }
+        products = {name: a * b for name, (a, b) in facts.items()}
+        for name, (a, b) in facts.items():
+            if not math.isfinite(products[name]) or (products[name] == 0) != (a == 0):
+                raise ValueError(
+                    f"finfo: {fmt!r} has {name} {_number(a)} x {_number(b)}, beyond the range "
+                    "of a float64 (the facts are Python floats)"
+                )
+        return FormatInfo(fmt, fmt.bits, *products.values(), element.eps, note)
     raise TypeError(
         "fmt must be a Float, Fixed, P3109, BlockFloat, Scaled or PowerOfTwo format, got "
         f"{type(fmt).__name__}"
@@ -277,7 +283,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m lpsim.explore") -
             f"--plot lists every value of a format, so it draws formats of at most "
             f"{MAX_VALUES_BITS} bits (per element for scaled formats); too wide: {', '.join(wide)}"
         )
-    print(table(args.formats, [finfo(f) for f in formats]))
+    try:
+        infos = [finfo(f) for f in formats]
+    except ValueError as error:
+        parser.error(str(error))
+    print(table(args.formats, infos))
     if args.plot:
         try:
             plot(args.formats, formats, args.plot)

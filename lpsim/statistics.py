@@ -12,7 +12,10 @@ one fused pass over both (a compiled kernel on CPU and CUDA):
 - ``unchanged``: finite elements equal to their rounded value (-0 equals +0);
 - ``squared_error`` and ``squared_value``: the sums of (rounded - x)**2 and of x**2 in float64
   over the elements where both x and the rounded value are finite, so that SQNR and the relative
-  error follow.
+  error follow. In float64 tensors the squares can leave float64's range: a square above about
+  1.8e308 (|x| above 1.3e154) makes its sum inf, and sqnr_db and relative_error nan (unknown);
+  a square below 4.9e-324 (a value or an error below about 2.2e-162 in magnitude) adds 0, so
+  that a tensor of such values shows no signal (nan) and such errors count for nothing.
 
 Which of the categories a format family has (the bounds of ``statistics_bounds``):
 
@@ -60,6 +63,7 @@ statistics of each chunk are taken inside the rounding kernel while the chunk is
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -77,7 +81,11 @@ __all__ = [
     "rounding_statistics",
     "quantize_with_statistics",
     "statistics_bounds",
+    "FRACTIONS",
 ]
+
+# The counts of finite elements, which RoundingStatistics.fraction gives as shares of them.
+FRACTIONS = ("overflow", "underflow", "subnormal", "unchanged")
 
 # The containers the kernels read; other floating dtypes are compared in float64 (exactly).
 _CONTAINERS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -132,27 +140,51 @@ class RoundingStatistics:
         return self.elements - self.nonfinite
 
     def fraction(self, name: str) -> float:
-        """A count as a fraction of the finite elements (nan when there are none)."""
+        """The count ``name`` (one of FRACTIONS: the counts of finite elements) as a fraction of
+        the finite elements (nan when there are none).
+
+        Raises:
+            ValueError: name is not one of FRACTIONS.
+        """
+        if name not in FRACTIONS:
+            raise ValueError(f"name must be one of {FRACTIONS}, got {name!r}")
         count = getattr(self, name)
         return count / self.finite if self.finite else math.nan
 
     @property
     def sqnr_db(self) -> float:
         """Signal-to-quantisation-noise ratio in dB, 10 log10(squared_value / squared_error):
-        inf for an exact rounding, nan when there is no signal."""
-        if self.squared_value == 0:
+        inf for an exact rounding, nan when there is no signal or a sum overflowed float64 (the
+        ratio is then unknown). A quotient beyond float64's range (a float64 tensor holding
+        2**500 exactly and a rounded 1e-150) is taken as a difference of logarithms."""
+        value, error = self.squared_value, self.squared_error
+        if value == 0 or math.isinf(value) or math.isinf(error):
             return math.nan
-        if self.squared_error == 0:
+        if error == 0:
             return math.inf
-        return 10 * math.log10(self.squared_value / self.squared_error)
+        return 10 * _log10_quotient(value, error)
 
     @property
     def relative_error(self) -> float:
         """sqrt(squared_error / squared_value), the relative error in the 2-norm (nan when there
-        is no signal)."""
-        if self.squared_value == 0:
+        is no signal or a sum overflowed float64; a quotient below float64's normal range is
+        taken as a quotient of square roots, not flushed to 0)."""
+        value, error = self.squared_value, self.squared_error
+        if value == 0 or math.isinf(value) or math.isinf(error):
             return math.nan
-        return math.sqrt(self.squared_error / self.squared_value)
+        quotient = error / value
+        if error == 0 or quotient >= sys.float_info.min:
+            return math.sqrt(quotient)
+        return math.sqrt(error) / math.sqrt(value)
+
+
+def _log10_quotient(a: float, b: float) -> float:
+    """log10(a / b) for positive finite a and b: of the quotient where it is a normal float64,
+    else the difference of the logarithms (the quotient overflows or loses its digits)."""
+    quotient = a / b
+    if sys.float_info.min <= quotient <= sys.float_info.max:
+        return math.log10(quotient)
+    return math.log10(a) - math.log10(b)
 
 
 def statistics_bounds(fmt: Format) -> tuple[float, float, float]:

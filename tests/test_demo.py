@@ -165,3 +165,25 @@ def test_a_recipe_refused_by_the_optimizer_leaves_the_model_as_it_was():
     assert [n for n, _ in model.named_parameters()] == [n for n, _ in original.named_parameters()]
     x = torch.randn(3, 4).half()
     assert torch.equal(model(x), original(x))
+
+
+def test_the_diagnosis_names_each_layer_and_its_class_as_the_model_does():
+    """Rows are in the model's order, numbered modules first, whatever the names (a model that is
+    itself injected, "(model)", raised TypeError sorting against "0"), each labelled with the
+    class the model was built of (Linear, not the ParametrizedLinear of a quantised weight)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    model.add_module("head", torch.nn.Linear(3, 2))
+    fixed = lpsim.Fixed(6, 3)
+    lpsim.nn.inject(
+        model,
+        {
+            torch.nn.Linear: LayerQuantization(weight=fixed, error=fixed, rounding="nearest"),
+            torch.nn.Sequential: LayerQuantization(error=lpsim.Float(5, 2), rounding="nearest"),
+        },
+    )
+    with lpsim.diagnostics.Recorder(model, categories="error") as recorder:
+        model(torch.randn(8, 4)).square().sum().backward()
+    rows = demo.diagnosis({"run": recorder}).splitlines()[2:]
+    labels = [row.split(" | ")[0].removeprefix("| ") for row in rows]
+    assert labels == ["0 (Linear)", "2 (Linear)", "(model) (Sequential)", "head (Linear)"]

@@ -14,6 +14,7 @@ import pytest
 import torch
 from support import assert_same_bits, block_float_bounds_model, scaled_bounds_model
 from torch import nn
+from torch.nn.utils.parametrizations import weight_norm
 
 import lpsim
 from lpsim import P3109, BlockFloat, Fixed, Float, _observation
@@ -441,6 +442,37 @@ def test_an_injected_cnn_and_optim_lp_record_every_category():
     assert parameters == {"0.weight", "0.bias", "3.weight", "3.bias", "7.weight", "7.bias"}
     text = recorder.table()
     assert "SQNR dB" in text and "stagnation %" in text and "3.weight" in text
+
+
+def test_the_tensors_weight_norm_computes_a_weight_from_are_recorded_apart():
+    """weight_norm's g and v are two parameters ("original0", "original1"); their roundings and
+    stagnation are recorded under names of their own, each with that parameter's elements (they
+    were added up under one name, "0.weight": 3 + 12 elements for a weight of 12)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(weight_norm(nn.Linear(4, 3)), nn.ReLU(), nn.Linear(3, 2))
+    inject(model, {nn.Linear: LayerQuantization(weight=FLOAT, rounding="nearest")})
+    optimizer = OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.1), weight=FLOAT, grad=FLOAT, rounding="nearest"
+    )
+    with Recorder(model, optimizer) as recorder:
+        optimizer.zero_grad()
+        model(torch.randn(5, 4)).sum().backward()
+        optimizer.step()
+    numel = {
+        "0.parametrizations.weight.original0": 3,  # g, one norm per output row
+        "0.parametrizations.weight.original1": 12,  # v
+        "0.bias": 3,
+        "2.weight": 6,  # inject's quantiser alone: the name without its indirection
+        "2.bias": 2,
+    }
+    by_category = {"grad": {}, "weight": {}}
+    for (name, category), statistics in recorder.summary().items():
+        by_category[category][name] = statistics.elements
+    # "weight": the optimizer's roundings of the parameters, and inject's of the weights that
+    # forward sees, under the modules' names
+    assert by_category["grad"] == numel
+    assert by_category["weight"] == {**numel, "0": 12, "2": 6}
+    assert {name: s.elements for (name,), s in recorder.stagnation_summary().items()} == numel
 
 
 def test_a_quantizer_module_records_its_output_and_error_under_its_name():
@@ -928,3 +960,24 @@ def test_detaching_from_a_compiled_model_restores_its_graphs_and_records_equal_e
         assert torch.equal(got, want)
         assert recorder.records == expected.records and len(recorder.records) == 4
         assert step(compiled)[1] == graphs
+
+
+def test_tables_print_a_share_as_0_or_100_only_where_it_is():
+    """One element of 200,000 changed and one error of 200,000 kept: 99.9995% unchanged and
+    errors to zero, which two (or one) decimals would print as 100.00 (100.0%), a rounding that
+    was exact or flushed everything."""
+    n = 200_000
+    model = nn.Sequential(Quantizer(FLOAT, FIXED, "nearest", "nearest"))
+    x = torch.ones(n)
+    x[0] = 1.1  # the one element Float(3, 2) changes
+    gradient = torch.full((n,), 0.01)  # below half of Fixed(6, 3)'s spacing: to zero
+    gradient[0] = 1.0  # the one error kept
+    with Recorder(model) as recorder:
+        model(x.requires_grad_()).backward(gradient)
+    output, error = recorder.summary()[("0", "output")], recorder.summary()[("0", "error")]
+    assert (output.unchanged, error.underflow) == (n - 1, n - 1)
+    row = {line.split()[1]: line.split() for line in recorder.table().splitlines()[2:]}
+    cells = [row["output"][6], row["error"][4]]  # unchanged %, underflow %
+    layer = lpsim.demo.diagnosis({"run": recorder}).splitlines()[2].split(" | ")
+    cells.append(layer[1].removesuffix("%"))  # errors to zero
+    assert cells == ["99.999"] * 3  # 99.9995 in float64 is 99.99949999...

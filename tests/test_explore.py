@@ -16,7 +16,7 @@ import torch
 import lpsim
 from lpsim import P3109, BlockFloat, Fixed, Float
 from lpsim.explore import finfo, main, parse_format, relative_spacing, table
-from lpsim.scaled import SCALED_PRESETS, PowerOfTwo
+from lpsim.scaled import SCALED_PRESETS, PowerOfTwo, Scaled
 from lpsim.scaled import preset as scaled_preset
 
 TORCH_TWINS = {
@@ -141,6 +141,21 @@ def test_block_and_scaled_facts_are_relative_to_their_scales():
     nv = finfo(scaled_preset("nvfp4"))
     assert (nv.max, nv.smallest_subnormal) == (6 * 448, 0.5 * 2.0**-6)
     assert "tensor scale 1" in nv.note
+
+
+def test_scaled_facts_beyond_float64_are_refused_not_given_as_inf_and_0(capsys):
+    """Float(11, 10) elements times E8M0's scales: max is about 2**1151 and the smallest
+    subnormal 2**-1159, which no float64 holds. finfo gave max inf and smallest_subnormal 0 (and
+    binades raised ZeroDivisionError); it refuses with a ValueError naming the fact, and the
+    command with a usage error. Facts within float64 are the exact products."""
+    wide = Scaled(Float(11, 10))
+    with pytest.raises(ValueError, match=r"has max .* beyond the range of a float64"):
+        finfo(wide)
+    with pytest.raises(SystemExit):
+        main(["Scaled(Float(11, 10))"])
+    assert "beyond the range of a float64" in capsys.readouterr().err
+    info = finfo(Scaled(Float(10, 3)))  # max (15/8) 2**511 2**127, subnormal 2**-513 2**-127
+    assert info.max == math.ldexp(15 / 8, 638) and info.smallest_subnormal == 2.0**-640
 
 
 def test_binades_are_the_log_of_the_positive_range():

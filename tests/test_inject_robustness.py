@@ -107,6 +107,26 @@ def test_shadow_gives_its_reference_classes_of_its_own():
     remove(model)
 
 
+def test_the_report_names_the_optimizers_parameters_as_the_model_does():
+    """The optimizer table names a parameter without inject's indirection ("weight" for a model
+    that is itself a Linear, not "parametrizations.weight") and each tensor weight_norm computes
+    a weight from by its name in the model (not "0.weight0", which names nothing)."""
+    model = inject(nn.Linear(3, 2), {nn.Linear: LayerQuantization(weight=E5M2)})
+    optimizer = lpsim.optim.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), grad=E5M2)
+    rows = report(model, optimizer).split("optimizer (OptimLP) rounds:\n")[1].splitlines()[2:]
+    assert [row.split()[0] for row in rows] == ["bias", "weight"]
+    model = nn.Sequential(weight_norm(nn.Linear(4, 3)), nn.Linear(3, 2))
+    inject(model, {nn.Linear: LayerQuantization(weight=E5M2)})
+    optimizer = lpsim.optim.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), grad=E5M2)
+    rows = report(model, optimizer).split("optimizer (OptimLP) rounds:\n")[1].splitlines()[2:]
+    names = [name for name, _ in model.named_parameters()]
+    assert names[1:3] == [
+        "0.parametrizations.weight.original0",
+        "0.parametrizations.weight.original1",
+    ]
+    assert [row.split()[0] for row in rows] == [*names[:3], "1.bias", "1.weight"]
+
+
 # Tied parameters
 
 

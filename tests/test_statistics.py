@@ -20,6 +20,7 @@ from lpsim import P3109, BlockFloat, Fixed, Float
 from lpsim.delayed_scaling import DelayedScaling
 from lpsim.scaled import Scaled, preset
 from lpsim.statistics import (
+    FRACTIONS,
     RoundingStatistics,
     quantize_with_statistics,
     rounding_statistics,
@@ -251,6 +252,43 @@ def test_statistics_add_up_and_derive_sqnr():
     assert total.fraction("overflow") == 0.2
     assert RoundingStatistics().sqnr_db != RoundingStatistics().sqnr_db  # nan without a signal
     assert RoundingStatistics(1, 0, 0, 0, 0, 1, 0.0, 4.0).sqnr_db == math.inf
+
+
+def test_fraction_takes_the_counts_of_finite_elements_only():
+    s = RoundingStatistics(4, 0, 1, 0, 0, 1, 1.0, 100.0)
+    assert [s.fraction(name) for name in FRACTIONS] == [0.25, 0.0, 0.0, 0.25]
+    # Other fields are no counts of finite elements: their quotient by the finite count is no
+    # share (sqnr_db / 4, elements / 4 = 1.0 were returned as if they were).
+    for name in ("sqnr_db", "squared_error", "elements", "nonfinite", "finite", "overflows"):
+        with pytest.raises(ValueError, match="name must be one of"):
+            s.fraction(name)
+
+
+def exact_log10(q: Fraction) -> float:
+    return math.log10(q.numerator) - math.log10(q.denominator)
+
+
+def test_sqnr_and_relative_error_of_float64_sums_whose_quotient_leaves_float64():
+    """A float64 tensor holding 2^500 exactly and a rounded 1.1e-150: the sums are finite, their
+    quotient is not (about 1e608). The SQNR is finite (6082 dB), not the inf of an exact rounding,
+    and the relative error is not 0."""
+    x = torch.tensor([2.0**500, 1.1e-150], dtype=torch.float64)
+    rounded, s = quantize_with_statistics(x, Float(11, 10))
+    assert s.unchanged == 1 and math.isfinite(s.squared_error) and s.squared_error > 0
+    error = sum((Fraction(b) - Fraction(a)) ** 2 for a, b in zip(x.tolist(), rounded.tolist()))
+    value = sum(Fraction(a) ** 2 for a in x.tolist())
+    assert s.sqnr_db == pytest.approx(10 * exact_log10(value / error), rel=1e-12)
+    assert math.log10(s.relative_error) == pytest.approx(exact_log10(error / value) / 2, rel=1e-12)
+
+
+def test_sqnr_and_relative_error_are_unknown_where_a_sum_overflowed():
+    """2^600 squared overflows float64: squared_value is inf, and the ratio of a finite error to it
+    is unknown; it was reported as inf dB and a relative error of 0, an exact rounding."""
+    x = torch.tensor([2.0**600, 1.1], dtype=torch.float64)
+    _, s = quantize_with_statistics(x, Float(11, 10))
+    assert s.squared_value == math.inf and 0 < s.squared_error < math.inf and s.unchanged == 1
+    assert math.isnan(s.sqnr_db) and math.isnan(s.relative_error)
+    assert math.isnan(RoundingStatistics(1, 0, 0, 0, 0, 0, math.inf, 1.0).sqnr_db)
 
 
 def test_statistics_add_up_with_sum_from_its_start_of_zero():

@@ -22,7 +22,10 @@ What is recorded while the recorder is attached:
   roundings in training mode, unless ``record_eval=True``. Modules outside the recorder's model
   are not recorded. A forward that activation checkpointing (torch.utils.checkpoint) recomputes
   during the backward pass is not recorded again: the counts are those of one forward.
-- an OptimLP's roundings: under the parameter's qualified name in the model ("0.weight"; without
+- an OptimLP's roundings: under the parameter's qualified name in the model ("0.weight" for the
+  parameter inject's quantiser rounds; the full name of each of several tensors that a weight is
+  computed from, "0.parametrizations.weight.original0" and "...original1" under weight_norm, as
+  lpsim.nn.inject.parameter_name gives them; without
   a model, "group0.param0" for parameter 0 of group 0) and the category "grad", "momentum" (every
   rounded state tensor: momentum_buffer, exp_avg, ...), "accumulator" or "weight" (the weight
   rounding that ends a step). Parameters outside the recorder's model and optimizer are not
@@ -102,9 +105,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lpsim import _observation
+from lpsim.nn.inject import parameter_name
 from lpsim.nn.quantizer import QuantSpec, ScalerCall
 from lpsim.optim.optim_lp import OptimLP
-from lpsim.statistics import RoundingStatistics, rounding_statistics
+from lpsim.statistics import FRACTIONS, RoundingStatistics, rounding_statistics
 
 __all__ = [
     "Recorder",
@@ -148,7 +152,6 @@ CSV_COLUMNS = (
     "lost",
     "stagnation",
 )
-_TABLE_FRACTIONS = ("overflow", "underflow", "subnormal", "unchanged")
 _TENSORBOARD_FRACTIONS = ("overflow", "underflow", "subnormal")
 
 _attached = None  # the Recorder attached now (one at a time), or None
@@ -364,7 +367,7 @@ class Recorder:
             for name, module in self.model.named_modules():
                 names[id(module)] = name or "(model)"
             for name, p in self.model.named_parameters():
-                names[id(p)] = _plain_parameter_name(name)
+                names[id(p)] = parameter_name(name)
         return names
 
     # The observer (called by the quantising call sites, see lpsim._observation)
@@ -506,22 +509,22 @@ class Recorder:
     def table(self, by: Iterable[str] | str = ("module", "category")) -> str:
         """A plain-text table of ``summary(by)``: elements, the overflow, underflow, subnormal and
         unchanged elements in percent of the finite ones, and the SQNR in dB ("inf": exact;
-        "-": no signal). Then, where stagnation was recorded, a table of it per parameter (and
-        step, when by holds "step"): updated and lost elements, and the lost ones in percent of
-        the updated ones.
+        "-": no signal, or sums beyond float64's range: see RoundingStatistics.sqnr_db). Then,
+        where stagnation was recorded, a table of it per parameter (and step, when by holds
+        "step"): updated and lost elements, and the lost ones in percent of the updated ones.
 
         Raises:
             ValueError: as summary().
         """
         keys = _checked_keys(by, SUMMARY_KEYS, "by")
-        header = (*keys, "elements", *(f"{name} %" for name in _TABLE_FRACTIONS), "SQNR dB")
+        header = (*keys, "elements", *(f"{name} %" for name in FRACTIONS), "SQNR dB")
         rows = [header]
         for key, statistics in self.summary(keys).items():
             rows.append(
                 (
                     *map(str, key),
                     str(statistics.elements),
-                    *(_percent(statistics.fraction(name)) for name in _TABLE_FRACTIONS),
+                    *(percent_text(statistics.fraction(name)) for name in FRACTIONS),
                     _decibels(statistics.sqnr_db),
                 )
             )
@@ -534,7 +537,12 @@ class Recorder:
             rows = [(*stagnation_keys, "updated", "lost", "stagnation %")]
             for key, value in stagnation.items():
                 rows.append(
-                    (*map(str, key), str(value.updated), str(value.lost), _percent(value.fraction))
+                    (
+                        *map(str, key),
+                        str(value.updated),
+                        str(value.lost),
+                        percent_text(value.fraction),
+                    )
                 )
             lines += [""] + _aligned(rows, len(stagnation_keys))
         return "\n".join(lines)
@@ -712,15 +720,6 @@ def _checked_keys(by, allowed: tuple[str, ...], name: str) -> tuple[str, ...]:
     return keys
 
 
-def _plain_parameter_name(name: str) -> str:
-    """A parameter's qualified name without a parametrisation's indirection:
-    "0.parametrizations.weight.original" -> "0.weight"."""
-    parts = name.split(".")
-    if len(parts) >= 3 and parts[-3] == "parametrizations" and parts[-1].startswith("original"):
-        parts = parts[:-3] + [parts[-2]]
-    return ".".join(parts)
-
-
 def _parameters(optimizer: Optimizer):
     for group in optimizer.param_groups:
         yield from group["params"]
@@ -775,11 +774,23 @@ def _metric(statistics: RoundingStatistics, metric: str) -> float:
     return 100 * statistics.fraction(metric)
 
 
-def _percent(fraction: float) -> str:
+def percent_text(fraction: float, decimals: int = 2) -> str:
+    """100 * fraction with ``decimals`` decimals, as the tables print a share ("-" for nan), never
+    0 or 100 unless it is: a share that would print as 0 is written as 1.0e-03 (say), and one
+    that would print as 100 gets the decimals that tell it from 100 (99.9995 for one element in
+    200,000 left out)."""
     if math.isnan(fraction):
         return "-"
     percent = 100 * fraction
-    return f"{percent:.2f}" if percent == 0 or percent >= 0.01 else f"{percent:.1e}"
+    text = f"{percent:.{decimals}f}"
+    if percent in (0, 100):
+        return text
+    if float(text) == 0:
+        return f"{percent:.1e}"
+    while float(text) == 100 and decimals < 17:
+        decimals += 1
+        text = f"{percent:.{decimals}f}"
+    return text
 
 
 def _decibels(value: float) -> str:

@@ -1486,9 +1486,18 @@ def quantized_parameters(model: nn.Module) -> list[nn.Parameter]:
     return list(found.values())
 
 
-def _plain_name(name: str) -> str:
-    """A parameter's name without the parametrisation's indirection."""
-    return name.replace(".parametrizations.", ".").replace(".original", "")
+def parameter_name(name: str) -> str:
+    """The name reports give the parameter that ``model.named_parameters()`` calls ``name``: the
+    name without a parametrisation's indirection where the parametrised tensor is computed from
+    that one parameter ("0.parametrizations.weight.original" and, for the model itself,
+    "parametrizations.weight.original": "0.weight" and "weight"), and ``name`` itself where it is
+    computed from several ("0.parametrizations.weight.original0" and "...original1", weight_norm's
+    g and v, each a parameter of its own: both called "0.weight" would add up the statistics of
+    two tensors under one name)."""
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[-3] == "parametrizations" and parts[-1] == "original":
+        parts = parts[:-3] + [parts[-2]]
+    return ".".join(parts)
 
 
 @contextlib.contextmanager
@@ -1659,7 +1668,7 @@ def _optimizer_table(model: nn.Module, optimizer) -> list[str]:
     settings_of = getattr(optimizer, "parameter_settings", None)
     if settings_of is None:
         return [f"optimizer: {type(optimizer).__name__} rounds nothing (not an OptimLP)"]
-    names = {id(p): _plain_name(n) for n, p in model.named_parameters()}
+    names = {id(p): parameter_name(n) for n, p in model.named_parameters()}
     rows = [("parameter", "weight", "grad", "momentum", "acc")]
     for group in optimizer.param_groups:
         for p in group["params"]:
