@@ -505,6 +505,43 @@ def test_transformer_encoder_injection_quantises_attention_weights():
     assert_same_bits(model(x), before)
 
 
+def test_self_attention_input_is_rounded_once_as_a_hand_placed_quantize_of_it():
+    # torchvision's ViT calls self_attention(x, x, x): one input, which a stochastic rule must
+    # round once (as lpsim.quantize placed by hand before the attention), not once per argument.
+    torch.manual_seed(0)
+    model = torchvision.models.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32
+    )
+    reference = copy.deepcopy(model)
+    fmt = Float(4, 3)
+    inject(model, {nn.MultiheadAttention: LayerQuantization(input=fmt, rounding="stochastic")})
+    seen = []
+    model.encoder.layers[0].self_attention.register_forward_pre_hook(
+        lambda m, args: seen.append(args)  # after the quantiser
+    )
+
+    def by_hand(module, args):
+        rounded = lpsim.quantize(args[0], fmt, "stochastic")
+        return tuple(rounded if a is args[0] else a for a in args)
+
+    reference.encoder.layers[0].self_attention.register_forward_pre_hook(by_hand)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    outputs, grads = [], []
+    for net in (model, reference):
+        torch.manual_seed(2)
+        y = net(x)
+        y.square().sum().backward()
+        outputs.append(y)
+        grads.append([p.grad for p in net.parameters()])
+        outputs.append(torch.rand(4))  # where torch's generator is left
+    query, key, value = seen[0]
+    assert query is key is value
+    for a, b in zip(outputs[:2], outputs[2:]):
+        assert_same_bits(a, b)
+    for a, b in zip(*grads):
+        assert_same_bits(a, b)
+
+
 class _Custom(nn.Module):
     def __init__(self):
         super().__init__()

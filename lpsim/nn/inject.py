@@ -113,6 +113,8 @@ class LayerQuantization:
         bias: the module's own parameters whose names end in "bias" (in a recurrent layer, start
             with "bias_": bias_ih_l0, ...), likewise.
         input: the floating-point tensors passed to forward (positional and keyword), forward only.
+            A tensor passed at several places (self-attention's ``attention(x, x, x)``) is
+            quantised once, at its first place, and every place gets that one result.
         output: the floating-point tensors forward returns (nested tuples, lists and dicts too,
             each rebuilt with its own type: a named tuple, an OrderedDict, a ModelOutput).
         error: the gradient flowing back into those outputs (the layer's error), in backward.
@@ -331,23 +333,34 @@ class _InputQuantiser:
     def __init__(self, role: _RoleQuantiser):
         self.role = role
 
-    def quantise(self, module: nn.Module, value):
+    def quantise(self, module: nn.Module, value, done: dict | None = None):
         """``value`` (a tensor, or the positional arguments, or the keyword arguments) with its
-        floating-point tensors quantised."""
+        floating-point tensors quantised. A tensor found at several places (the same object:
+        self-attention's query, key and value) is quantised once, by its first place's
+        quantiser, and every place gets that one result, so that a stochastic rule rounds it
+        once and the module still sees one tensor (torch's MultiheadAttention checks ``query is
+        key``). ``done`` maps id(tensor) to (tensor, result) for the tensors already quantised in
+        this call (the positional arguments', for the keyword arguments)."""
         training = module.training
         observer = _observation.current
+        done = {} if done is None else done
 
         def one(tensor: torch.Tensor, place: str) -> torch.Tensor:
+            found = done.get(id(tensor))
+            if found is not None and found[0] is tensor:
+                return found[1]
             quantiser = self.role(place, tensor, training)
             rounded = quantiser(tensor)
             if observer is not None:
                 observer.observe(module, "input", tensor, rounded, quantiser, training)
+            done[id(tensor)] = (tensor, rounded)
             return rounded
 
         return map_placed_tensors(value, one)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
-        return self.quantise(module, args), self.quantise(module, kwargs)
+        done: dict = {}
+        return self.quantise(module, args, done), self.quantise(module, kwargs, done)
 
 
 class _OutputQuantiser:
