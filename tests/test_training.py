@@ -542,6 +542,63 @@ def test_self_attention_input_is_rounded_once_as_a_hand_placed_quantize_of_it():
         assert_same_bits(a, b)
 
 
+def test_attention_masks_are_not_quantised_as_inputs():
+    # A float causal mask holds -inf, which E4M3 lacks: quantised as an input it became NaN.
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(32, 2, batch_first=True)
+    reference = copy.deepcopy(attention)
+    mx = (lpsim.scaled.preset("mxfp8_e4m3"), "nearest")
+    inject(attention, {nn.MultiheadAttention: LayerQuantization(input=mx)})
+    x, memory = torch.randn(2, 6, 32), torch.randn(2, 6, 32)
+    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    padding = torch.zeros(2, 6)
+    padding[0, 4:] = -torch.inf
+    bias = torch.randn(6, 6, generator=torch.Generator().manual_seed(1)) / 3
+    xq, mq = lpsim.quantize(x, *mx), lpsim.quantize(memory, *mx)
+    for mask in (causal, bias):
+        got = attention(x, memory, memory, padding, True, mask)
+        want = reference(xq, mq, mq, padding, True, mask)
+        assert not got[0].isnan().any()
+        assert_same_bits(got[0], want[0])
+        assert_same_bits(got[1], want[1])
+        got = attention(x, x, x, key_padding_mask=padding, attn_mask=mask, need_weights=False)
+        want = reference(xq, xq, xq, key_padding_mask=padding, attn_mask=mask, need_weights=False)
+        assert_same_bits(got[0], want[0])
+
+
+def test_mxfp8_recipe_on_a_masked_transformer_quantises_no_mask():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    model = nn.Sequential(nn.Linear(32, 32), nn.TransformerEncoder(layer, 2), nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    recipe = lpsim.recipes.MXFP8.along(-1)
+    recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    near = (torch.arange(6)[:, None] - torch.arange(6)).abs() <= 2  # local attention
+    mask = torch.zeros(6, 6).masked_fill(~near, -torch.inf)
+    x = torch.randn(2, 6, 32)
+
+    def weights(module):  # the recipe's weight quantisers, placed by hand
+        with torch.no_grad():
+            for name, p in module.named_parameters(recurse=False):
+                if name.endswith("weight"):
+                    p.copy_(lpsim.quantize(p, *recipe.weight))
+
+    for block in reference[1].layers:
+        for module in (block.self_attn, block.self_attn.out_proj, block.linear1, block.linear2):
+            weights(module)
+        block.self_attn.register_forward_pre_hook(
+            lambda m, args: (lpsim.quantize(args[0], *recipe.activation),) * 3
+        )
+        for linear in (block.linear1, block.linear2):
+            linear.register_forward_pre_hook(
+                lambda m, args: (lpsim.quantize(args[0], *recipe.activation),)
+            )
+    encoder = lambda net, v: net[2](net[1](net[0](v), mask=mask))  # noqa: E731
+    got, want = encoder(model, x), encoder(reference, x)
+    assert not got.isnan().any()
+    assert_same_bits(got, want)
+
+
 class _Custom(nn.Module):
     def __init__(self):
         super().__init__()
