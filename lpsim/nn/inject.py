@@ -362,6 +362,8 @@ class _InputQuantiser:
     positions, from _mask_positions; keywords by _is_mask_name), float attention masks with -inf or
     additive biases, pass as they are."""
 
+    masks: frozenset[str] = frozenset()  # also for a hook pickled before masks were kept
+
     def __init__(self, role: _RoleQuantiser, masks: frozenset[int] = frozenset()):
         self.role = role
         self.masks = frozenset(str(i) for i in masks)
