@@ -157,9 +157,11 @@ class RandomHadamard:
             groups in x (the library picks its kernel by shape); above it, a Walsh-Hadamard
             butterfly (size * log2(size) additions per group) does the same. The transform is
             linear and differentiable: the gradient with respect to x is ``inverse`` of the
-            output's. Under torch.compile(fullgraph=True) the signs and the matrix are constants of
-            the graph. An output can reach sqrt(size) times its group's largest magnitude, and one
-            beyond x's dtype's range (float16's 65504, say) rounds to infinity.
+            output's, bit for bit (and the gradient of ``inverse`` is ``apply`` of it), computed by
+            a custom autograd function, which supports no forward-mode AD. Under
+            torch.compile(fullgraph=True) the signs and the matrix are constants of the graph.
+            An output can reach sqrt(size) times its group's largest magnitude, and one beyond
+            x's dtype's range (float16's 65504, say) rounds to infinity.
 
         Raises:
             TypeError: x is not a strided (dense) tensor of a supported dtype.
@@ -175,6 +177,10 @@ class RandomHadamard:
         return self._transform(x, inverse=True)
 
     def _transform(self, x: torch.Tensor, inverse: bool) -> torch.Tensor:
+        self._check(x)
+        return _Rotation.apply(x, self, inverse)
+
+    def _check(self, x: torch.Tensor) -> None:
         check_container(x)
         check_strided(x, "x", "RandomHadamard")
         if x.dim() == 0:
@@ -190,6 +196,10 @@ class RandomHadamard:
                 f"the length of axis {self.axis} of x, {length}, must be a multiple of "
                 f"RandomHadamard.size, {self.size}"
             )
+
+    def _compute(self, x: torch.Tensor, inverse: bool) -> torch.Tensor:
+        """apply (inverse: inverse) of a checked x."""
+        length = x.shape[self.axis]
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         moved = x.movedim(self.axis, -1)
         groups = moved.to(work).reshape(*moved.shape[:-1], length // self.size, self.size)
@@ -206,6 +216,27 @@ class RandomHadamard:
             else:  # R @ g = H @ (s * g) / sqrt(size)
                 result = _walsh_hadamard(groups * s) * scale
         return result.reshape(moved.shape).movedim(-1, self.axis).to(x.dtype)
+
+
+class _Rotation(torch.autograd.Function):
+    """A transform's apply or inverse, whose gradient is, bit for bit, the other one of the
+    incoming gradient (torch's gradient of the product by the matrix, or of the butterfly, rounds
+    otherwise, and depends on the layout the gradient arrives in). torch.compile does not trace a
+    custom jvp, so it has none: forward-mode AD (torch.func.jvp) raises."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, transform: RandomHadamard, inverse: bool) -> torch.Tensor:
+        return transform._compute(x, inverse)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _, ctx.transform, ctx.inverse = inputs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _Rotation.apply(grad, ctx.transform, not ctx.inverse), None, None
 
 
 def _check_dtype(dtype) -> None:

@@ -325,3 +325,39 @@ def test_operands_on_a_linear_whose_parent_bypasses_its_forward_are_reported_as_
         inject(attention, {"out_proj": _layer()})
     with pytest.warns(UserWarning, match="backward operands never run"):
         assert "backward operands never run" in report(attention)
+
+
+def test_an_injected_model_with_hadamard_operands_trains_under_torch_compile_as_in_eager():
+    # Two SGD steps of stochastic, transformed backward operands: aot_eager traces the transform
+    # (a custom autograd function) and draws the same seeds as eager.
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16))
+        setting = LayerQuantization(
+            weight=MXFP4,
+            input=MXFP4,
+            rounding="nearest",
+            weight_grad_operands=Operands(
+                error=(MXFP4, "stochastic"), input=(MXFP4, "stochastic"), transform=HADAMARD
+            ),
+            input_grad_operands=Operands(
+                error=(MXFP4, "stochastic"), weight=MXFP4, transform=RandomHadamard(16, seed=4)
+            ),
+        )
+        inject(model, {nn.Linear: setting})
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        net = torch.compile(model, backend="aot_eager") if compiled else model
+        generator = torch.Generator().manual_seed(1)
+        torch.manual_seed(7)
+        losses = []
+        for _ in range(2):
+            loss = net(torch.randn(4, 8, 32, generator=generator)).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        return losses, [p.detach() for p in model.parameters()]
+
+    eager, compiled = run(False), run(True)
+    for a, b in zip(eager[0] + eager[1], compiled[0] + compiled[1]):
+        assert_same_bits(a, b)

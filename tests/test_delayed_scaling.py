@@ -393,11 +393,11 @@ class _Pair(nn.Module):
 def test_every_input_and_output_of_a_module_has_its_own_scaler():
     add = inject(_Add(), {_Add: LayerQuantization(input=(DelayedScaling(E4M3), "nearest"))})
     thousand = torch.tensor([1000.0])
-    assert add(thousand, thousand).item() == 896.0  # both saturate to 448 at scale 1
+    assert add(thousand, thousand.clone()).item() == 896.0  # both saturate to 448 at scale 1
     second = DelayedScaling(E4M3).scaler()
     second(thousand)
     # a keyword argument has a scaler of its own, named after it: fresh, so b saturates again
-    assert torch.equal(add(thousand, b=thousand), second(thousand) + 448.0)
+    assert torch.equal(add(thousand, b=thousand.clone()), second(thousand) + 448.0)
     assert sorted(add.state_dict()) == [
         f"lpsim_scalers.input.{place}.{key}"
         for place in ("0", "1", "b")
@@ -408,7 +408,7 @@ def test_every_input_and_output_of_a_module_has_its_own_scaler():
         and int(add.lpsim_scalers.input["b"].calls) == 1
     )
     twin = copy.deepcopy(add)  # its own scalers, not the original's
-    twin(thousand, thousand)
+    twin(thousand, thousand.clone())
     assert int(twin.lpsim_scalers.input["0"].calls) == 3
     assert int(add.lpsim_scalers.input["0"].calls) == 2
     pair = inject(
@@ -434,11 +434,27 @@ def test_multihead_attention_quantises_query_key_value_and_its_two_outputs_apart
     seen = []
     attention.register_forward_pre_hook(lambda m, args: seen.append(args))  # after the quantiser
     x = torch.full((1, 2, 4), 1000.0)
-    out, weights = attention(x, x, x)
+    out, weights = attention(x, x.clone(), x.clone())
     assert all(torch.all(t == 448.0) for t in seen[0])
     inputs, outputs = attention.lpsim_scalers.input, attention.lpsim_scalers.output
     assert all(int(inputs[p].calls) == 1 for p in "012")
     assert float(outputs["1"].amax_history[0]) <= 1.0 < float(outputs["0"].amax_history[0])
+
+
+def test_self_attention_quantises_its_one_input_once_by_the_first_places_scaler():
+    attention = nn.MultiheadAttention(4, 1, batch_first=True)
+    delayed = (DelayedScaling(E4M3, history_length=1, reduction="most_recent"), "nearest")
+    inject(attention, {nn.MultiheadAttention: LayerQuantization(input=delayed)})
+    seen = []
+    attention.register_forward_pre_hook(lambda m, args: seen.append(args))  # after the quantiser
+    x = torch.full((1, 2, 4), 1000.0)
+    attention(x, x, x)
+    query, key, value = seen[0]
+    assert query is key is value and torch.all(query == 448.0)
+    assert list(attention.lpsim_scalers.input._modules) == ["0"]
+    assert int(attention.lpsim_scalers.input["0"].calls) == 1
+    attention(query=x, key=x, value=x)  # by keyword: the first keyword's place
+    assert list(attention.lpsim_scalers.input._modules) == ["0", "query"]
 
 
 def test_a_state_dict_makes_the_scalers_it_holds_and_loads_one_from_before_they_were_per_tensor():

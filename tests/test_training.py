@@ -505,6 +505,100 @@ def test_transformer_encoder_injection_quantises_attention_weights():
     assert_same_bits(model(x), before)
 
 
+def test_self_attention_input_is_rounded_once_as_a_hand_placed_quantize_of_it():
+    # torchvision's ViT calls self_attention(x, x, x): one input, which a stochastic rule must
+    # round once (as lpsim.quantize placed by hand before the attention), not once per argument.
+    torch.manual_seed(0)
+    model = torchvision.models.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=1, num_heads=2, hidden_dim=16, mlp_dim=32
+    )
+    reference = copy.deepcopy(model)
+    fmt = Float(4, 3)
+    inject(model, {nn.MultiheadAttention: LayerQuantization(input=fmt, rounding="stochastic")})
+    seen = []
+    model.encoder.layers[0].self_attention.register_forward_pre_hook(
+        lambda m, args: seen.append(args)  # after the quantiser
+    )
+
+    def by_hand(module, args):
+        rounded = lpsim.quantize(args[0], fmt, "stochastic")
+        return tuple(rounded if a is args[0] else a for a in args)
+
+    reference.encoder.layers[0].self_attention.register_forward_pre_hook(by_hand)
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    outputs, grads = [], []
+    for net in (model, reference):
+        torch.manual_seed(2)
+        y = net(x)
+        y.square().sum().backward()
+        outputs.append(y)
+        grads.append([p.grad for p in net.parameters()])
+        outputs.append(torch.rand(4))  # where torch's generator is left
+    query, key, value = seen[0]
+    assert query is key is value
+    for a, b in zip(outputs[:2], outputs[2:]):
+        assert_same_bits(a, b)
+    for a, b in zip(*grads):
+        assert_same_bits(a, b)
+
+
+def test_attention_masks_are_not_quantised_as_inputs():
+    # A float causal mask holds -inf, which E4M3 lacks: quantised as an input it became NaN.
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(32, 2, batch_first=True)
+    reference = copy.deepcopy(attention)
+    mx = (lpsim.scaled.preset("mxfp8_e4m3"), "nearest")
+    inject(attention, {nn.MultiheadAttention: LayerQuantization(input=mx)})
+    x, memory = torch.randn(2, 6, 32), torch.randn(2, 6, 32)
+    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    padding = torch.zeros(2, 6)
+    padding[0, 4:] = -torch.inf
+    bias = torch.randn(6, 6, generator=torch.Generator().manual_seed(1)) / 3
+    xq, mq = lpsim.quantize(x, *mx), lpsim.quantize(memory, *mx)
+    for mask in (causal, bias):
+        got = attention(x, memory, memory, padding, True, mask)
+        want = reference(xq, mq, mq, padding, True, mask)
+        assert not got[0].isnan().any()
+        assert_same_bits(got[0], want[0])
+        assert_same_bits(got[1], want[1])
+        got = attention(x, x, x, key_padding_mask=padding, attn_mask=mask, need_weights=False)
+        want = reference(xq, xq, xq, key_padding_mask=padding, attn_mask=mask, need_weights=False)
+        assert_same_bits(got[0], want[0])
+
+
+def test_mxfp8_recipe_on_a_masked_transformer_quantises_no_mask():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    model = nn.Sequential(nn.Linear(32, 32), nn.TransformerEncoder(layer, 2), nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    recipe = lpsim.recipes.MXFP8.along(-1)
+    recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    near = (torch.arange(6)[:, None] - torch.arange(6)).abs() <= 2  # local attention
+    mask = torch.zeros(6, 6).masked_fill(~near, -torch.inf)
+    x = torch.randn(2, 6, 32)
+
+    def weights(module):  # the recipe's weight quantisers, placed by hand
+        with torch.no_grad():
+            for name, p in module.named_parameters(recurse=False):
+                if name.endswith("weight"):
+                    p.copy_(lpsim.quantize(p, *recipe.weight))
+
+    for block in reference[1].layers:
+        for module in (block.self_attn, block.self_attn.out_proj, block.linear1, block.linear2):
+            weights(module)
+        block.self_attn.register_forward_pre_hook(
+            lambda m, args: (lpsim.quantize(args[0], *recipe.activation),) * 3
+        )
+        for linear in (block.linear1, block.linear2):
+            linear.register_forward_pre_hook(
+                lambda m, args: (lpsim.quantize(args[0], *recipe.activation),)
+            )
+    encoder = lambda net, v: net[2](net[1](net[0](v), mask=mask))  # noqa: E731
+    got, want = encoder(model, x), encoder(reference, x)
+    assert not got.isnan().any()
+    assert_same_bits(got, want)
+
+
 class _Custom(nn.Module):
     def __init__(self):
         super().__init__()

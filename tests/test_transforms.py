@@ -275,6 +275,31 @@ def test_gradient_of_apply_is_inverse_of_the_output_gradient(size):
     assert (x.grad - t.apply(upstream)).abs().max() <= 1e-14
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("size", [16, 512, 2048])
+def test_gradient_of_apply_is_inverse_of_the_output_gradient_bit_for_bit(size, dtype):
+    # torch's gradient of the butterfly (above MATMUL_MAX_SIZE) rounded otherwise than inverse,
+    # and of the product by the matrix too, for a gradient whose layout is not x's (axis 0).
+    t = RandomHadamard(size, axis=0, seed=6)
+    for rows in (size, 3 * size):
+        x = _randn(rows, 5, seed=rows).to(dtype).requires_grad_()
+        upstream = _randn(rows, 5, seed=rows + 1).to(dtype)
+        t.apply(x).backward(upstream)
+        assert torch.equal(x.grad, t.inverse(upstream))
+        x.grad = None
+        t.inverse(x).backward(upstream)
+        assert torch.equal(x.grad, t.apply(upstream))
+
+
+def test_vmap_and_second_gradients_and_forward_mode_refused_clearly():
+    t = RandomHadamard(16, seed=2)
+    x = _randn(5, 32)
+    assert torch.equal(torch.func.vmap(t.apply)(x), t.apply(x))
+    assert torch.autograd.gradgradcheck(t.apply, (x.clone().requires_grad_(),))
+    with pytest.raises(NotImplementedError, match="jvp"):
+        torch.func.jvp(t.apply, (x,), (x,))
+
+
 @pytest.mark.parametrize("size", [4, 512])
 def test_gradcheck(size):
     t = RandomHadamard(size, seed=8)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import itertools
 import threading
 import warnings
@@ -113,6 +114,12 @@ class LayerQuantization:
         bias: the module's own parameters whose names end in "bias" (in a recurrent layer, start
             with "bias_": bias_ih_l0, ...), likewise.
         input: the floating-point tensors passed to forward (positional and keyword), forward only.
+            A tensor passed at several places (self-attention's ``attention(x, x, x)``) is
+            quantised once, at its first place, and every place gets that one result. Masks are
+            no inputs: an argument of a forward parameter whose name ends in "mask"
+            (MultiheadAttention's attn_mask and key_padding_mask, a TransformerEncoderLayer's
+            src_mask, HuggingFace's attention_mask), a float mask with -inf or an additive bias,
+            passes as it is.
         output: the floating-point tensors forward returns (nested tuples, lists and dicts too,
             each rebuilt with its own type: a named tuple, an OrderedDict, a ModelOutput).
         error: the gradient flowing back into those outputs (the layer's error), in backward.
@@ -324,32 +331,80 @@ class _RoleQuantiser:
         return ScalerCall(self.scalers.scaler(place, x.device), spec.rounding, training)
 
 
+def _is_mask_name(name: str) -> bool:
+    """Whether a forward parameter named ``name`` takes a mask rather than data: its name ends in
+    "mask" (MultiheadAttention's attn_mask and key_padding_mask, a TransformerEncoderLayer's
+    src_mask, HuggingFace's attention_mask)."""
+    return name.endswith("mask")
+
+
+def _mask_positions(module: nn.Module) -> frozenset[int]:
+    """The positions of the parameters of ``module``'s forward (its class's, self not counted)
+    that take masks (see _is_mask_name), up to the first that is not positional."""
+    try:
+        parameters = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):  # a forward without a signature inspect can read
+        return frozenset()
+    found = set()
+    for i, parameter in enumerate(parameters):
+        if parameter.kind not in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            break
+        if _is_mask_name(parameter.name):
+            found.add(i)
+    return frozenset(found)
+
+
 class _InputQuantiser:
     """The forward pre-hook (with kwargs) that quantises a module's floating-point inputs, each
     by its place's quantiser, reporting each rounding to the current observer as "input". An
     object rather than a closure, so that copy.deepcopy of the model gives the copy's hook the
-    copy's scalers."""
+    copy's scalers.
 
-    def __init__(self, role: _RoleQuantiser):
+    Masks are no inputs: the arguments of forward's parameters named like masks (``masks``, their
+    positions, from _mask_positions; keywords by _is_mask_name), float attention masks with -inf or
+    additive biases, pass as they are."""
+
+    masks: frozenset[str] = frozenset()  # also for a hook pickled before masks were kept
+
+    def __init__(self, role: _RoleQuantiser, masks: frozenset[int] = frozenset()):
         self.role = role
+        self.masks = frozenset(str(i) for i in masks)
 
-    def quantise(self, module: nn.Module, value):
+    def quantise(self, module: nn.Module, value, done: dict | None = None, skip=frozenset()):
         """``value`` (a tensor, or the positional arguments, or the keyword arguments) with its
-        floating-point tensors quantised."""
+        floating-point tensors quantised, but those under the places in ``skip`` (the masks).
+        A tensor found at several places (the same object: self-attention's query, key and
+        value) is quantised once, by its first place's quantiser, and every place gets that one
+        result, so that a stochastic rule rounds it once and the module still sees one tensor
+        (torch's MultiheadAttention checks ``query is key``). ``done`` maps id(tensor) to
+        (tensor, result) for the tensors already quantised in this call (the positional
+        arguments', for the keyword arguments)."""
         training = module.training
         observer = _observation.current
+        done = {} if done is None else done
 
         def one(tensor: torch.Tensor, place: str) -> torch.Tensor:
+            if place.split("-", 1)[0] in skip:
+                return tensor
+            found = done.get(id(tensor))
+            if found is not None and found[0] is tensor:
+                return found[1]
             quantiser = self.role(place, tensor, training)
             rounded = quantiser(tensor)
             if observer is not None:
                 observer.observe(module, "input", tensor, rounded, quantiser, training)
+            done[id(tensor)] = (tensor, rounded)
             return rounded
 
         return map_placed_tensors(value, one, on_complex=_complex_refused(module, "input"))
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
-        return self.quantise(module, args), self.quantise(module, kwargs)
+        done: dict = {}
+        masked = {key for key in kwargs if _is_mask_name(key)}
+        return (
+            self.quantise(module, args, done, self.masks),
+            self.quantise(module, kwargs, done, masked),
+        )
 
 
 def _complex_refused(module: nn.Module, role: str):
@@ -1214,7 +1269,7 @@ def _inject_module(
     input_role = role("input")
     done["input_quantiser"] = None
     if input_role is not None:
-        quantise_inputs = _InputQuantiser(input_role)
+        quantise_inputs = _InputQuantiser(input_role, _mask_positions(module))
         if "operands" in done:  # the simulated forward quantises the input itself
             done["input_quantiser"] = quantise_inputs.quantise
         else:
