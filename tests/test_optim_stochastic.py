@@ -370,6 +370,31 @@ def test_adamw_with_nearest_on_float32_weights_is_torch_adamw_bit_for_bit():
         assert_same_bits(state[key], their_state[key])
 
 
+@pytest.mark.parametrize("step", [1269, 2581])
+def test_adamw_forms_the_bias_correction_of_the_second_moment_as_torch_does(step):
+    # torch divides sqrt(v) by (1 - beta2**t) ** 0.5, a pow in double, which differs from
+    # math.sqrt(1 - beta2**t) in the last bit at these steps (beta2 = 0.999): for float64 weights
+    # at zero the new weights are the terms themselves, so the division must be torch's.
+    torch.manual_seed(0)
+    n = 256
+    m, v = torch.randn(n, dtype=torch.float64), torch.rand(n, dtype=torch.float64) + 0.5
+    grad = torch.randn(n, dtype=torch.float64)
+    ours = torch.zeros(n, dtype=torch.float64, requires_grad=True)
+    theirs = torch.zeros(n, dtype=torch.float64, requires_grad=True)
+    opt = lpsim.optim.AdamW([ours], lr=1e-3, weight_decay=0.0, rounding="nearest")
+    their_opt = torch.optim.AdamW([theirs], lr=1e-3, weight_decay=0.0, foreach=False)
+    opt.state[ours].update(step=step, exp_avg=m.clone(), exp_avg_sq=v.clone())
+    their_opt.state[theirs] = {
+        "step": torch.tensor(float(step)),
+        "exp_avg": m.clone(),
+        "exp_avg_sq": v.clone(),
+    }
+    ours.grad, theirs.grad = grad.clone(), grad.clone()
+    opt.step()
+    their_opt.step()
+    assert_same_bits(ours.detach(), theirs.detach())
+
+
 @pytest.mark.parametrize("option", ["maximize", "amsgrad", "foreach", "fused"])
 @pytest.mark.parametrize(
     "optimizer", [lpsim.optim.SGD, lpsim.optim.AdamW], ids=lambda c: c.__name__

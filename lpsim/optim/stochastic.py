@@ -34,7 +34,6 @@ any permutation or partition of a parameter's elements.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -393,7 +392,8 @@ class AdamW(_LowPrecision):
             m = self._store(group, state, "exp_avg", m, _FIRST_STATE, p)
             v = self._store(group, state, "exp_avg_sq", v, _SECOND_STATE, p)
             step_size = group["lr"] / (1 - beta1**t)
-            denom = v.sqrt().div_(math.sqrt(1 - beta2**t)).add_(group["eps"])
+            # torch's bias_correction2 ** 0.5 (a pow, which is not math.sqrt in every last bit).
+            denom = v.sqrt().div_((1 - beta2**t) ** 0.5).add_(group["eps"])
             decay = group["lr"] * group["weight_decay"]
             if decay == 0 and not group["kahan"]:
                 # The term (value * m) / denom, as torch's addcdiv_ forms it.
