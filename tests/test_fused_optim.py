@@ -796,3 +796,27 @@ def test_an_optimizers_checkpoint_loads_with_torch_loads_weights_only_default(ma
         o.step()
     for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
         assert_same_bits(a, b)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: OptimLP(torch.optim.SGD(ps, lr=0.1), weight=Float(5, 2), grad_scaling=0.5),
+        lambda ps: OptimLP(torch.optim.SGD(ps, lr=0.1), grad_scaling=0.5, fused=False),
+        lambda ps: FusedSGD(ps, lr=0.1, weight_format=Float(5, 2)),
+        lambda ps: FusedAdam(ps, lr=0.1, weight_format=Float(5, 2)),
+    ],
+    ids=["optim_lp", "optim_lp_batches", "fused_sgd", "fused_adam"],
+)
+def test_a_parameter_listed_twice_is_refused_not_updated_or_scaled_twice(make):
+    # torch only warns about a duplicate in a group and steps it once per listing; the fused
+    # step then wrote the parameter from two places of one pass, and OptimLP's batches scaled its
+    # gradient twice (or refused the overlap only once the step had begun).
+    w = torch.nn.Parameter(torch.randn(4))
+    with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match="twice"):
+        make([w, w])
+    opt = make([w])
+    v = torch.nn.Parameter(torch.randn(3))
+    with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match="twice"):
+        opt.add_param_group({"params": [v, v]})
+    assert len(opt.param_groups) == 1

@@ -134,6 +134,11 @@ class _Fused(OwnOptions):
                         "float32 ones; use clamp=True, or OptimLP, which keeps float64 ones"
                     )
         for i, p in enumerate(group["params"]):
+            if any(q is p for q in group["params"][:i]):
+                raise ValueError(
+                    f"parameter {i} of group {index} is listed twice in it (pass each parameter "
+                    "once: the fused step would update it twice in one pass)"
+                )
             if p.dtype != torch.float32:
                 raise TypeError(
                     f"{type(self).__name__} takes float32 parameters; parameter {i} of group "
@@ -520,7 +525,7 @@ class FusedSGD(_Fused):
         TypeError: a parameter is not float32, a format is not a Float, Fixed, P3109 or pair, or an
             option has the wrong type.
         ValueError: an option is out of range (the message names it and the range), or
-            acc_format is a Fixed without clamp.
+            acc_format is a Fixed without clamp, or a parameter is listed twice in a group.
         NotImplementedError: a parameter is neither on the CPU nor, where lpsim is built with
             its CUDA kernels, on a CUDA device.
     """

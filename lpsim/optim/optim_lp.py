@@ -298,7 +298,7 @@ class OptimLP(Optimizer):
             the argument), or fused is not a bool.
         ValueError: grad_scaling is not a finite number > 0; a format does not fit the tensor it
             rounds (the message names the argument, the parameter and the dtype); ``parameters``
-            holds a tensor the optimizer does not.
+            holds a tensor the optimizer does not; a parameter is listed twice.
     """
 
     def __init__(
@@ -404,6 +404,12 @@ class OptimLP(Optimizer):
         for g, group in enumerate(self.param_groups):
             group_settings = self._settings_of_group(group)
             for i, p in enumerate(group["params"]):
+                if p in settings:
+                    raise ValueError(
+                        f"parameter {i} of group {g} is listed twice: torch's optimizer steps it "
+                        "once per listing, while OptimLP rounds each parameter once per phase "
+                        "(pass each parameter once)"
+                    )
                 if self._chosen is None:
                     s = group_settings
                 else:
