@@ -68,6 +68,11 @@ class ParameterQuantization:
         )
 
 
+# A parameter group's "quantization" is saved in OptimLP's state_dict: plain data (formats, rules),
+# which torch.load's default weights_only unpickler may then build, as it builds the formats.
+torch.serialization.add_safe_globals([ParameterQuantization])
+
+
 class _Batch:
     """Tensors to round in place, one quantize_many_ call per spec (format and rule) when run, in
     the order the specs first appear; tensor i of a spec's call uses the stream offset i. Functions
