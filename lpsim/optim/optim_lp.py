@@ -252,6 +252,10 @@ class OptimLP(Optimizer):
       ``parameters=`` says otherwise: ``SGD([{"params": body}, {"params": edges,
       "quantization": None}], lr=0.1)``.
 
+    ``parameters=`` speaks of the parameters the optimizer holds when it is made: a group added
+    later by add_param_group sets its parameters' settings as above (its ``"quantization"``, else
+    the defaults), with or without ``parameters=``.
+
     A parameter's accumulator may be wider than the parameter itself (a bfloat16 model with an
     e6m9 accumulator in float32): the wrapped optimizer then updates the accumulator directly, and
     its state buffers live in the accumulator's dtype. Quantisation happens in place, so
