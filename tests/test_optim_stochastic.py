@@ -422,6 +422,28 @@ def test_a_group_asking_for_a_torch_option_not_implemented_is_refused_not_ignore
 
 
 @pytest.mark.parametrize(
+    "optimizer,option",
+    [
+        (lambda p: lpsim.optim.SGD(p, lr=0.1, seed=0), "maximize"),
+        (lambda p: lpsim.optim.AdamW(p, lr=0.1, seed=0), "maximize"),
+        (lambda p: lpsim.optim.AdamW(p, lr=0.1, seed=0), "amsgrad"),
+        (lambda p: lpsim.optim.FusedAdam(p, lr=0.1), "amsgrad"),
+    ],
+    ids=["SGD-maximize", "AdamW-maximize", "AdamW-amsgrad", "FusedAdam-amsgrad"],
+)
+def test_a_torch_option_set_on_a_group_after_it_was_made_is_refused_by_the_step(optimizer, option):
+    # torch's own optimizers read their options at every step, so a group may be switched to
+    # maximisation (or amsgrad) between steps; these optimizers stepped on without it.
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = optimizer([w])
+    opt.param_groups[0][option] = True
+    w.grad = torch.ones(4)
+    with pytest.raises(ValueError, match=f"{option} must be False"):
+        opt.step()
+    assert_same_bits(w.detach(), torch.ones(4))
+
+
+@pytest.mark.parametrize(
     "ours,theirs",
     [
         (

@@ -100,6 +100,13 @@ class _Fused(OwnOptions):
         """
         raise NotImplementedError
 
+    def _refuse_unsupported(self, group: dict) -> None:
+        """Refuse a group asking for a torch option the step does not implement (none here).
+
+        Raises:
+            ValueError: the option is set (the message names it).
+        """
+
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -188,6 +195,8 @@ class _Fused(OwnOptions):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step of every parameter (see the module documentation). Returns the closure's
         loss."""
+        for group in self.param_groups:
+            self._refuse_unsupported(group)  # also set since the group was made
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -633,6 +642,10 @@ class FusedAdam(_Fused):
         )
         super().__init__(params, defaults, formats, grad_scaling, rounding)
 
+    def _refuse_unsupported(self, group: dict) -> None:
+        if group["amsgrad"] is not False:
+            raise ValueError(f"amsgrad must be False: {type(self).__name__} has no amsgrad")
+
     def _options_of_torch_group(self, group: dict) -> None:
         # torch.optim.AdamW's groups (and Adam's, since torch 2.6) say decoupled_weight_decay.
         if "decoupled" not in group and "decoupled_weight_decay" in group:
@@ -642,8 +655,7 @@ class FusedAdam(_Fused):
         for name in ("lr", "eps", "weight_decay"):
             check_number(name, group[name])
         group["betas"] = check_betas(group["betas"])
-        if group["amsgrad"] is not False:
-            raise ValueError(f"amsgrad must be False: {type(self).__name__} has no amsgrad")
+        self._refuse_unsupported(group)
         for name in ("decoupled", "maximize"):
             if not isinstance(group[name], bool):
                 raise TypeError(f"{name} must be a bool, got {type(group[name]).__name__}")

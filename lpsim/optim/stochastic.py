@@ -77,12 +77,7 @@ class _LowPrecision(OwnOptions):
         Raises:
             TypeError / ValueError: an option has the wrong type or range (the message names it).
         """
-        for name in _UNSUPPORTED:
-            if group.get(name) not in (None, False):
-                raise ValueError(
-                    f"{name} must be False or None: {type(self).__name__} does not implement "
-                    f"torch.optim's {name}, got {group[name]!r}"
-                )
+        self._refuse_unsupported(group)
         check_element_format("weight_format", group["weight_format"])
         check_element_format("state_format", group["state_format"])
         rule = Rounding.parse(group["rounding"])
@@ -99,6 +94,20 @@ class _LowPrecision(OwnOptions):
             not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64
         ):
             raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
+
+    def _refuse_unsupported(self, group: dict) -> None:
+        """Refuse a group asking for a torch.optim option these optimizers do not implement (set
+        when the group was made, or later: a step checks again).
+
+        Raises:
+            ValueError: the option is set (the message names it).
+        """
+        for name in _UNSUPPORTED:
+            if group.get(name) not in (None, False):
+                raise ValueError(
+                    f"{name} must be False or None: {type(self).__name__} does not implement "
+                    f"torch.optim's {name}, got {group[name]!r}"
+                )
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -213,6 +222,8 @@ class _LowPrecision(OwnOptions):
     def _steps(self, closure):
         """Evaluate the closure; then (group, p, state, grad in work precision) for every
         parameter with a gradient, its step count advanced."""
+        for group in self.param_groups:
+            self._refuse_unsupported(group)
         loss = None
         if closure is not None:
             with torch.enable_grad():
