@@ -163,7 +163,8 @@ class _Fused(OwnOptions):
         AdamW), as OptimLP loads one: the saved options apply (AdamW's decoupled_weight_decay as
         ``decoupled``), options and formats a saved group lacks take this optimizer's constructor
         values, and a parameter of a group with ``acc_format`` whose state holds no accumulator
-        starts one from its current weight.
+        starts one from its current weight. The saved groups' options and formats replace this
+        optimizer's; ``grad_scaling``, which the state_dict does not hold, stays this optimizer's.
 
         Raises:
             TypeError / ValueError / NotImplementedError: a loaded group's option or format is

@@ -744,6 +744,11 @@ class OptimLP(Optimizer):
         """Load a state_dict of OptimLP, or of a plain torch optimizer of the wrapped type (then
         the accumulators start from the current weights).
 
+        As torch's load_state_dict, the saved parameter groups replace the wrapped optimizer's:
+        their options (lr, momentum, ...) and their ``"quantization"`` come from the state_dict.
+        What this OptimLP was made with stays its own: the default formats, ``parameters=``,
+        ``grad_scaling`` and ``fused`` (none of them is in the state_dict).
+
         Raises:
             ValueError: the state_dict is neither, or lacks accumulators these parameters need.
         """
