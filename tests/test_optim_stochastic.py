@@ -520,3 +520,37 @@ def test_a_resumed_optimizer_adds_groups_with_the_options_of_the_uninterrupted_o
         return opt.state_dict()["param_groups"]
 
     assert run(resume=True) == run(resume=False)
+
+
+@pytest.mark.parametrize(
+    "optimizer", [lpsim.optim.SGD, lpsim.optim.AdamW], ids=lambda c: c.__name__
+)
+def test_a_group_added_after_a_resume_draws_the_seed_of_the_uninterrupted_run(optimizer):
+    # Without seed=, a group added later took the seed the constructor drew: a resumed optimizer,
+    # made while the generator was elsewhere, gave it another seed than the uninterrupted run's,
+    # and its weights were rounded by other random words.
+    def run(resume):
+        torch.manual_seed(0)
+        w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+        opt = optimizer([w], lr=0.1)
+        w.grad = torch.full((4,), 1e-3, dtype=torch.bfloat16)
+        opt.step()
+        if resume:
+            saved, generator = opt.state_dict(), torch.get_rng_state()
+            torch.manual_seed(123)  # the resumed script's own start
+            w = w.detach().clone().requires_grad_()
+            opt = optimizer([w], lr=0.1)
+            opt.load_state_dict(saved)
+            torch.set_rng_state(generator)
+        v = torch.ones(64, dtype=torch.bfloat16, requires_grad=True)
+        opt.add_param_group({"params": [v]})
+        for _ in range(5):
+            w.grad = torch.full((4,), 1e-3, dtype=torch.bfloat16)
+            v.grad = torch.full((64,), 1e-3, dtype=torch.bfloat16)
+            opt.step()
+        return [w.detach(), v.detach()], [group["seed"] for group in opt.param_groups]
+
+    (tensors, seeds), (resumed, resumed_seeds) = run(False), run(True)
+    assert resumed_seeds == seeds
+    for a, b in zip(tensors, resumed, strict=True):
+        assert_same_bits(a, b)

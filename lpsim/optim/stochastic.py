@@ -67,9 +67,13 @@ class _LowPrecision(OwnOptions):
 
     def __init__(self, params, defaults: dict, seed: int | None, randomness: str):
         defaults = dict(defaults, seed=seed, randomness=randomness)
-        self._check_options(defaults)
+        self._check_options(defaults)  # draws the seed of the groups given here, if needed
         self._count = 0  # parameters seen so far: each one's number for its random streams
         super().__init__(params, defaults)
+        # A group added later without a seed draws its own when it is added, as the first groups
+        # drew theirs when they were made: a resumed optimizer, whose constructor drew another
+        # seed than the interrupted one's, then adds the groups of the uninterrupted run.
+        self.defaults["seed"] = seed
 
     def _check_options(self, group: dict) -> None:
         """The options of the optimizer, or of a parameter group (which may override any of them).
@@ -266,7 +270,9 @@ class SGD(_LowPrecision):
         state_format: None (float32 momentum buffers) or a Float or Fixed format to store them in.
         kahan: Kahan-compensated updates (see the module documentation).
         seed: 0 <= seed < 2**64; None: drawn from torch's default CPU generator when the rule
-            is stochastic (a group with a deterministic rule draws nothing, so that the
+            is stochastic, once for the groups given here and once for each group added later
+            without a seed, when it is added (a group with a deterministic rule draws nothing, so
+            that the
             optimizer, as torch's own, leaves the generator to dropout and data order; its seed
             stays None until a stochastic rule first needs one).
         randomness: "position" or "value" (see lpsim.sr_add).
