@@ -10,7 +10,7 @@ import torch.optim.optimizer as torch_optimizer
 from torch.optim import Optimizer
 
 from lpsim import _observation
-from lpsim._checks import check_positive_finite
+from lpsim._checks import check_positive_finite, draw_seed
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.formats import GRID_FORMATS, BlockFloat, check_fits, sum_container
 from lpsim.functional import quantize
@@ -104,9 +104,26 @@ class _Batch:
 
     def run(self) -> None:
         for spec, tensors in self.groups.items():
-            quantize_many_(tensors, spec.format, spec.rounding)
+            _quantize_batch(tensors, spec)
         for parameter, category, before, t, quant in self.observed:
             self.observer.observe(parameter, category, before, t, quant, True)
+
+
+def _quantize_batch(tensors: list[torch.Tensor], spec: QuantSpec) -> None:
+    """quantize_many_(tensors, spec) for tensors on one device or several (a model split across
+    devices): one seed for the batch, tensor i at the stream offset i, each run of consecutive
+    tensors on one device rounded by one call."""
+    device = tensors[0].device
+    if all(t.device == device for t in tensors):
+        quantize_many_(tensors, spec.format, spec.rounding)
+        return
+    seed = int(draw_seed()) if spec.rounding.is_stochastic else None  # the one call's draw
+    start = 0
+    for end in range(1, len(tensors) + 1):
+        if end == len(tensors) or tensors[end].device != tensors[start].device:
+            run = tensors[start:end]
+            quantize_many_(run, spec.format, spec.rounding, seed=seed, offset=start)
+            start = end
 
 
 def _rounded(quant: QuantFunction, t: torch.Tensor) -> torch.Tensor:
@@ -270,10 +287,12 @@ class OptimLP(Optimizer):
     parameter's state tensors in the order of its state dict), the specs in the order they first
     appear. A stochastic spec's call draws one seed from torch's default CPU generator and gives
     the i-th tensor of its batch (from 0) the stream offset i under that seed, so a run is
-    reproducible from ``torch.manual_seed``. Functions that are not specs are called one tensor at
-    a time, as their tensors are met. Weights of parameters whose accumulator is wider than they
-    are are rounded in a copy in the accumulator's dtype (within the weight batch) and then
-    written into the parameter.
+    reproducible from ``torch.manual_seed``. A batch whose tensors are on several devices (a
+    model split across them) is rounded by one call per run of consecutive tensors on one
+    device, with the batch's one seed and the same offsets. Functions that are not specs are
+    called one tensor at a time, as their tensors are met. Weights of parameters whose
+    accumulator is wider than they are are rounded in a copy in the accumulator's dtype (within
+    the weight batch) and then written into the parameter.
 
     With a closure, step 1 applies to the gradients the closure computes: it follows each
     evaluation of the closure inside the wrapped optimizer's step (the gradients present before
