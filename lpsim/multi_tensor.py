@@ -158,6 +158,8 @@ def quantize_many_(
     if checked:
         grid = _grid_arguments(fmt, checked)
         call("quantize_grid_many_", checked, *grid, int(rule), op_rbits, seed_argument, stream)
+    elif rule.is_stochastic and seed is None and seed_argument is None:
+        draw_seed()  # the call's one seed, which the op would draw, as for the formats above
     return tensors
 
 

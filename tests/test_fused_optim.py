@@ -796,3 +796,57 @@ def test_an_optimizers_checkpoint_loads_with_torch_loads_weights_only_default(ma
         o.step()
     for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
         assert_same_bits(a, b)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: OptimLP(torch.optim.SGD(ps, lr=0.1), weight=Float(5, 2), grad_scaling=0.5),
+        lambda ps: OptimLP(torch.optim.SGD(ps, lr=0.1), grad_scaling=0.5, fused=False),
+        lambda ps: FusedSGD(ps, lr=0.1, weight_format=Float(5, 2)),
+        lambda ps: FusedAdam(ps, lr=0.1, weight_format=Float(5, 2)),
+    ],
+    ids=["optim_lp", "optim_lp_batches", "fused_sgd", "fused_adam"],
+)
+def test_a_parameter_listed_twice_is_refused_not_updated_or_scaled_twice(make):
+    # torch only warns about a duplicate in a group and steps it once per listing; the fused
+    # step then wrote the parameter from two places of one pass, and OptimLP's batches scaled its
+    # gradient twice (or refused the overlap only once the step had begun).
+    w = torch.nn.Parameter(torch.randn(4))
+    with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match="twice"):
+        make([w, w])
+    opt = make([w])
+    v = torch.nn.Parameter(torch.randn(3))
+    with pytest.warns(UserWarning, match="duplicate"), pytest.raises(ValueError, match="twice"):
+        opt.add_param_group({"params": [v, v]})
+    assert len(opt.param_groups) == 1
+
+
+def test_an_optim_lp_checkpoint_with_group_settings_loads_with_torch_loads_default(tmp_path):
+    """A group's "quantization" (a ParameterQuantization of formats and rules) is in the
+    checkpoint: torch.load (weights_only by default) builds it, and the resumed optimizer steps
+    as the saved one does."""
+
+    def make(model):
+        weight, bias = model.weight, model.bias
+        groups = [{"params": [weight], "quantization": ParameterQuantization(weight=Float(5, 2))}]
+        inner = torch.optim.SGD([*groups, {"params": [bias]}], lr=0.1, momentum=0.9)
+        return OptimLP(inner, grad=(Float(4, 3), "nearest"))
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = make(model)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    torch.save(optimizer.state_dict(), tmp_path / "c")
+    resumed = copy.deepcopy(model)
+    again = make(resumed)
+    again.load_state_dict(torch.load(tmp_path / "c"))
+    assert again.parameter_settings(resumed.weight) == ParameterQuantization(weight=Float(5, 2))
+    for m, o in ((model, optimizer), (resumed, again)):
+        o.zero_grad()
+        torch.manual_seed(1)
+        m(torch.randn(2, 4)).sum().backward()
+        o.step()
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert_same_bits(a, b)

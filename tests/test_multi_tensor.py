@@ -98,6 +98,22 @@ def test_deterministic_rules_draw_no_seed():
     assert torch.randint(1000, ()) == after
 
 
+@pytest.mark.parametrize("fmt", [Float(5, 2), Fixed(8, 4), BlockFloat(8)], ids=repr)
+def test_an_unseeded_stochastic_call_draws_its_one_seed_even_for_an_empty_list(fmt):
+    # "One seed drawn for the whole call": an empty list consumes it as a list of one empty
+    # tensor does, and as quantize_ of an empty tensor does, whatever the format.
+    states = []
+    for call in (
+        lambda: quantize_many_([], fmt, "stochastic"),
+        lambda: quantize_many_([torch.empty(0)], fmt, "stochastic"),
+        lambda: quantize_(torch.empty(0), fmt, "stochastic"),
+    ):
+        torch.manual_seed(4)
+        call()
+        states.append(torch.get_rng_state())
+    assert all(torch.equal(state, states[-1]) for state in states)
+
+
 def test_empty_list_and_empty_tensors():
     assert quantize_many_([], Float(5, 2), "stochastic", seed=1) == []
     empty = [torch.empty(0), torch.empty(3, 0, dtype=torch.float64)]

@@ -370,6 +370,31 @@ def test_adamw_with_nearest_on_float32_weights_is_torch_adamw_bit_for_bit():
         assert_same_bits(state[key], their_state[key])
 
 
+@pytest.mark.parametrize("step", [1269, 2581])
+def test_adamw_forms_the_bias_correction_of_the_second_moment_as_torch_does(step):
+    # torch divides sqrt(v) by (1 - beta2**t) ** 0.5, a pow in double, which differs from
+    # math.sqrt(1 - beta2**t) in the last bit at these steps (beta2 = 0.999): for float64 weights
+    # at zero the new weights are the terms themselves, so the division must be torch's.
+    torch.manual_seed(0)
+    n = 256
+    m, v = torch.randn(n, dtype=torch.float64), torch.rand(n, dtype=torch.float64) + 0.5
+    grad = torch.randn(n, dtype=torch.float64)
+    ours = torch.zeros(n, dtype=torch.float64, requires_grad=True)
+    theirs = torch.zeros(n, dtype=torch.float64, requires_grad=True)
+    opt = lpsim.optim.AdamW([ours], lr=1e-3, weight_decay=0.0, rounding="nearest")
+    their_opt = torch.optim.AdamW([theirs], lr=1e-3, weight_decay=0.0, foreach=False)
+    opt.state[ours].update(step=step, exp_avg=m.clone(), exp_avg_sq=v.clone())
+    their_opt.state[theirs] = {
+        "step": torch.tensor(float(step)),
+        "exp_avg": m.clone(),
+        "exp_avg_sq": v.clone(),
+    }
+    ours.grad, theirs.grad = grad.clone(), grad.clone()
+    opt.step()
+    their_opt.step()
+    assert_same_bits(ours.detach(), theirs.detach())
+
+
 @pytest.mark.parametrize("option", ["maximize", "amsgrad", "foreach", "fused"])
 @pytest.mark.parametrize(
     "optimizer", [lpsim.optim.SGD, lpsim.optim.AdamW], ids=lambda c: c.__name__
@@ -394,6 +419,28 @@ def test_a_group_asking_for_a_torch_option_not_implemented_is_refused_not_ignore
     torch_opt.step()
     if optimizer is lpsim.optim.SGD:
         assert_same_bits(w.detach(), theirs.detach())
+
+
+@pytest.mark.parametrize(
+    "optimizer,option",
+    [
+        (lambda p: lpsim.optim.SGD(p, lr=0.1, seed=0), "maximize"),
+        (lambda p: lpsim.optim.AdamW(p, lr=0.1, seed=0), "maximize"),
+        (lambda p: lpsim.optim.AdamW(p, lr=0.1, seed=0), "amsgrad"),
+        (lambda p: lpsim.optim.FusedAdam(p, lr=0.1), "amsgrad"),
+    ],
+    ids=["SGD-maximize", "AdamW-maximize", "AdamW-amsgrad", "FusedAdam-amsgrad"],
+)
+def test_a_torch_option_set_on_a_group_after_it_was_made_is_refused_by_the_step(optimizer, option):
+    # torch's own optimizers read their options at every step, so a group may be switched to
+    # maximisation (or amsgrad) between steps; these optimizers stepped on without it.
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = optimizer([w])
+    opt.param_groups[0][option] = True
+    w.grad = torch.ones(4)
+    with pytest.raises(ValueError, match=f"{option} must be False"):
+        opt.step()
+    assert_same_bits(w.detach(), torch.ones(4))
 
 
 @pytest.mark.parametrize(
@@ -473,3 +520,37 @@ def test_a_resumed_optimizer_adds_groups_with_the_options_of_the_uninterrupted_o
         return opt.state_dict()["param_groups"]
 
     assert run(resume=True) == run(resume=False)
+
+
+@pytest.mark.parametrize(
+    "optimizer", [lpsim.optim.SGD, lpsim.optim.AdamW], ids=lambda c: c.__name__
+)
+def test_a_group_added_after_a_resume_draws_the_seed_of_the_uninterrupted_run(optimizer):
+    # Without seed=, a group added later took the seed the constructor drew: a resumed optimizer,
+    # made while the generator was elsewhere, gave it another seed than the uninterrupted run's,
+    # and its weights were rounded by other random words.
+    def run(resume):
+        torch.manual_seed(0)
+        w = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+        opt = optimizer([w], lr=0.1)
+        w.grad = torch.full((4,), 1e-3, dtype=torch.bfloat16)
+        opt.step()
+        if resume:
+            saved, generator = opt.state_dict(), torch.get_rng_state()
+            torch.manual_seed(123)  # the resumed script's own start
+            w = w.detach().clone().requires_grad_()
+            opt = optimizer([w], lr=0.1)
+            opt.load_state_dict(saved)
+            torch.set_rng_state(generator)
+        v = torch.ones(64, dtype=torch.bfloat16, requires_grad=True)
+        opt.add_param_group({"params": [v]})
+        for _ in range(5):
+            w.grad = torch.full((4,), 1e-3, dtype=torch.bfloat16)
+            v.grad = torch.full((64,), 1e-3, dtype=torch.bfloat16)
+            opt.step()
+        return [w.detach(), v.detach()], [group["seed"] for group in opt.param_groups]
+
+    (tensors, seeds), (resumed, resumed_seeds) = run(False), run(True)
+    assert resumed_seeds == seeds
+    for a, b in zip(tensors, resumed, strict=True):
+        assert_same_bits(a, b)

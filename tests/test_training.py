@@ -1148,3 +1148,41 @@ def test_deterministic_quantisers_leave_torchs_generator_as_plain_torch_leaves_i
         ("SGD", True),
     ]:
         assert torch.equal(run(simulate, fused), plain), (simulate, fused)
+
+
+def test_optim_lp_rounds_parameters_on_several_devices_with_the_streams_of_one_batch():
+    """A model split across devices: each phase's batch keeps one seed and gives tensor i the
+    stream offset i, whatever device each tensor is on (its quantize_many_ call refused tensors
+    on two devices). The meta device stands in for a second device."""
+    fmt = Float(5, 2)
+    torch.manual_seed(0)
+    on_meta = [nn.Parameter(torch.randn(n, device="meta")) for n in (3, 2)]
+    on_cpu = [nn.Parameter(torch.randn(n)) for n in (5, 4)]
+    params = [on_meta[0], on_cpu[0], on_meta[1], on_cpu[1]]  # the CPU tensors are 1 and 3
+    start = [p.detach().clone() for p in on_cpu]
+    grads = [torch.randn(5), torch.randn(4)]
+    opt = OptimLP(torch.optim.SGD(params, lr=0.1), weight=fmt, grad=fmt)
+    for p in on_meta:
+        p.grad = torch.ones_like(p)
+    for p, g in zip(on_cpu, grads, strict=True):
+        p.grad = g.clone()
+    torch.manual_seed(7)
+    opt.step()
+    after = torch.get_rng_state()
+    # The documented model: one seed per phase, offsets 1 and 3, torch's own SGD step between.
+    torch.manual_seed(7)
+    seed = int(torch.randint(2**63 - 1, ()))
+    rounded = [
+        lpsim.quantize(g, fmt, "stochastic", seed=seed, offset=i) for g, i in zip(grads, (1, 3))
+    ]
+    model = [nn.Parameter(w.clone()) for w in start]
+    for p, g in zip(model, rounded, strict=True):
+        p.grad = g
+    torch.optim.SGD(model, lr=0.1, foreach=False).step()
+    seed = int(torch.randint(2**63 - 1, ()))
+    for p, q, g, i in zip(on_cpu, model, rounded, (1, 3), strict=True):
+        assert_same_bits(p.grad, g)
+        assert_same_bits(
+            p.detach(), lpsim.quantize(q.detach(), fmt, "stochastic", seed=seed, offset=i)
+        )
+    assert torch.equal(torch.get_rng_state(), after)  # one draw per phase, as on one device

@@ -100,6 +100,13 @@ class _Fused(OwnOptions):
         """
         raise NotImplementedError
 
+    def _refuse_unsupported(self, group: dict) -> None:
+        """Refuse a group asking for a torch option the step does not implement (none here).
+
+        Raises:
+            ValueError: the option is set (the message names it).
+        """
+
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -134,6 +141,11 @@ class _Fused(OwnOptions):
                         "float32 ones; use clamp=True, or OptimLP, which keeps float64 ones"
                     )
         for i, p in enumerate(group["params"]):
+            if any(q is p for q in group["params"][:i]):
+                raise ValueError(
+                    f"parameter {i} of group {index} is listed twice in it (pass each parameter "
+                    "once: the fused step would update it twice in one pass)"
+                )
             if p.dtype != torch.float32:
                 raise TypeError(
                     f"{type(self).__name__} takes float32 parameters; parameter {i} of group "
@@ -151,7 +163,8 @@ class _Fused(OwnOptions):
         AdamW), as OptimLP loads one: the saved options apply (AdamW's decoupled_weight_decay as
         ``decoupled``), options and formats a saved group lacks take this optimizer's constructor
         values, and a parameter of a group with ``acc_format`` whose state holds no accumulator
-        starts one from its current weight.
+        starts one from its current weight. The saved groups' options and formats replace this
+        optimizer's; ``grad_scaling``, which the state_dict does not hold, stays this optimizer's.
 
         Raises:
             TypeError / ValueError / NotImplementedError: a loaded group's option or format is
@@ -183,6 +196,8 @@ class _Fused(OwnOptions):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step of every parameter (see the module documentation). Returns the closure's
         loss."""
+        for group in self.param_groups:
+            self._refuse_unsupported(group)  # also set since the group was made
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -520,7 +535,7 @@ class FusedSGD(_Fused):
         TypeError: a parameter is not float32, a format is not a Float, Fixed, P3109 or pair, or an
             option has the wrong type.
         ValueError: an option is out of range (the message names it and the range), or
-            acc_format is a Fixed without clamp.
+            acc_format is a Fixed without clamp, or a parameter is listed twice in a group.
         NotImplementedError: a parameter is neither on the CPU nor, where lpsim is built with
             its CUDA kernels, on a CUDA device.
     """
@@ -628,6 +643,10 @@ class FusedAdam(_Fused):
         )
         super().__init__(params, defaults, formats, grad_scaling, rounding)
 
+    def _refuse_unsupported(self, group: dict) -> None:
+        if group["amsgrad"] is not False:
+            raise ValueError(f"amsgrad must be False: {type(self).__name__} has no amsgrad")
+
     def _options_of_torch_group(self, group: dict) -> None:
         # torch.optim.AdamW's groups (and Adam's, since torch 2.6) say decoupled_weight_decay.
         if "decoupled" not in group and "decoupled_weight_decay" in group:
@@ -637,8 +656,7 @@ class FusedAdam(_Fused):
         for name in ("lr", "eps", "weight_decay"):
             check_number(name, group[name])
         group["betas"] = check_betas(group["betas"])
-        if group["amsgrad"] is not False:
-            raise ValueError(f"amsgrad must be False: {type(self).__name__} has no amsgrad")
+        self._refuse_unsupported(group)
         for name in ("decoupled", "maximize"):
             if not isinstance(group[name], bool):
                 raise TypeError(f"{name} must be a bool, got {type(group[name]).__name__}")

@@ -30,7 +30,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lpsim import _observation
-from lpsim.formats import Fixed, Float
+from lpsim.formats import P3109, Fixed, Float
 from lpsim.nn.inject import injected
 from lpsim.nn.quantizer import QuantSpec, Spec, as_spec
 
@@ -93,18 +93,21 @@ def _check_scale_number(
 
 def _overflow_bounds(spec) -> tuple[float | None, float]:
     """(low, high) such that an error e overflows ``spec``'s format when e >= high or e <= low
-    (low None: |e| >= high counts, as for Float; an unsigned Fixed has low -inf: only e >= high
-    counts, a negative error being clipped to 0, not overflowing)."""
+    (low None: |e| >= high counts, as for Float and a signed P3109; an unsigned Fixed or P3109
+    has low -inf: only e >= high counts, a negative error being clipped to 0 or made NaN, which
+    the check of non-finite gradients sees, not overflowing)."""
     fmt = spec.format if isinstance(spec, QuantSpec) else spec
     if isinstance(fmt, Float):
         return None, fmt.max
+    if isinstance(fmt, P3109):  # every saturation mode: SatNone overflows, the others saturate
+        return (None if fmt.signed else -math.inf), fmt.max
     if isinstance(fmt, Fixed) and fmt.clamp:
         return (fmt.min if fmt.min < 0 else -math.inf), fmt.max
     raise ValueError(
-        "watch needs a format with a largest value that errors can overflow: a Float or a Fixed "
-        f"with clamp=True, got {fmt!r} (a BlockFloat or Scaled format scales each block, and a "
-        "DelayedScaling each tensor, to a range of its own, which a loss scale does not move; a "
-        "Fixed without clamp keeps its spacing beyond its range)"
+        "watch needs a format with a largest value that errors can overflow: a Float, a P3109 or "
+        f"a Fixed with clamp=True, got {fmt!r} (a BlockFloat or Scaled format scales each block, "
+        "and a DelayedScaling each tensor, to a range of its own, which a loss scale does not "
+        "move; a Fixed without clamp keeps its spacing beyond its range)"
     )
 
 
@@ -192,11 +195,12 @@ class DynamicLossScaler:
     2. an error at or beyond the largest magnitude of a *watched* format: before a quantiser
        rounds the errors into a format, a hook from ``watch(format)`` (or ``watch_model(model)``)
        records overflow when any element e is non-finite or has |e| >= max (for a clamping
-       signed Fixed, e >= max or e <= min; for an unsigned one, e >= max). This is how a
-       *saturating* format (Float with saturate=True, clamping Fixed) is seen: it clamps the
-       error to +/-max instead of producing Inf, and the clamped gradient stays finite but
-       wrong. The bound is inclusive because an error equal to max cannot be told apart from one
-       that an earlier quantiser clamped; a legitimate error exactly at max costs one halving.
+       signed Fixed, e >= max or e <= min; for an unsigned Fixed or P3109, e >= max). This is how
+       a *saturating* format (Float with saturate=True, clamping Fixed, P3109 with SatFinite or
+       SatPropagate) is seen: it clamps the error to +/-max instead of producing Inf, and the
+       clamped gradient stays finite but wrong. The bound is inclusive because an error equal to
+       max cannot be told apart from one that an earlier quantiser clamped; a legitimate error
+       exactly at max costs one halving.
 
     A step with either kind of overflow is skipped: optimizer.step() is not called, so
     parameters, optimizer state (and OptimLP's accumulators) stay as they were. Watched overflows
@@ -375,7 +379,7 @@ class DynamicLossScaler:
         (lpsim.diagnostics.Shadow.compare) are not checked.
 
         Args:
-            spec: a Float, a clamping Fixed, or a (format, rounding) pair.
+            spec: a Float, a P3109, a clamping Fixed, or a (format, rounding) pair.
 
         Raises:
             TypeError: spec is not a format or a (format, rounding) pair.
@@ -430,7 +434,7 @@ class DynamicLossScaler:
         if not handles:
             raise ValueError(
                 "watch_model found no error quantiser that can overflow in the model: inject it "
-                "first with LayerQuantization(error=...) in a Float or clamping Fixed format"
+                "first with LayerQuantization(error=...) in a Float, P3109 or clamping Fixed format"
             )
         return _Handles(handles)
 

@@ -10,7 +10,7 @@ import torch.optim.optimizer as torch_optimizer
 from torch.optim import Optimizer
 
 from lpsim import _observation
-from lpsim._checks import check_positive_finite
+from lpsim._checks import check_positive_finite, draw_seed
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.formats import GRID_FORMATS, BlockFloat, check_fits, sum_container
 from lpsim.functional import quantize
@@ -68,6 +68,11 @@ class ParameterQuantization:
         )
 
 
+# A parameter group's "quantization" is saved in OptimLP's state_dict: plain data (formats, rules),
+# which torch.load's default weights_only unpickler may then build, as it builds the formats.
+torch.serialization.add_safe_globals([ParameterQuantization])
+
+
 class _Batch:
     """Tensors to round in place, one quantize_many_ call per spec (format and rule) when run, in
     the order the specs first appear; tensor i of a spec's call uses the stream offset i. Functions
@@ -99,9 +104,26 @@ class _Batch:
 
     def run(self) -> None:
         for spec, tensors in self.groups.items():
-            quantize_many_(tensors, spec.format, spec.rounding)
+            _quantize_batch(tensors, spec)
         for parameter, category, before, t, quant in self.observed:
             self.observer.observe(parameter, category, before, t, quant, True)
+
+
+def _quantize_batch(tensors: list[torch.Tensor], spec: QuantSpec) -> None:
+    """quantize_many_(tensors, spec) for tensors on one device or several (a model split across
+    devices): one seed for the batch, tensor i at the stream offset i, each run of consecutive
+    tensors on one device rounded by one call."""
+    device = tensors[0].device
+    if all(t.device == device for t in tensors):
+        quantize_many_(tensors, spec.format, spec.rounding)
+        return
+    seed = int(draw_seed()) if spec.rounding.is_stochastic else None  # the one call's draw
+    start = 0
+    for end in range(1, len(tensors) + 1):
+        if end == len(tensors) or tensors[end].device != tensors[start].device:
+            run = tensors[start:end]
+            quantize_many_(run, spec.format, spec.rounding, seed=seed, offset=start)
+            start = end
 
 
 def _rounded(quant: QuantFunction, t: torch.Tensor) -> torch.Tensor:
@@ -247,6 +269,10 @@ class OptimLP(Optimizer):
       ``parameters=`` says otherwise: ``SGD([{"params": body}, {"params": edges,
       "quantization": None}], lr=0.1)``.
 
+    ``parameters=`` speaks of the parameters the optimizer holds when it is made: a group added
+    later by add_param_group sets its parameters' settings as above (its ``"quantization"``, else
+    the defaults), with or without ``parameters=``.
+
     A parameter's accumulator may be wider than the parameter itself (a bfloat16 model with an
     e6m9 accumulator in float32): the wrapped optimizer then updates the accumulator directly, and
     its state buffers live in the accumulator's dtype. Quantisation happens in place, so
@@ -261,10 +287,12 @@ class OptimLP(Optimizer):
     parameter's state tensors in the order of its state dict), the specs in the order they first
     appear. A stochastic spec's call draws one seed from torch's default CPU generator and gives
     the i-th tensor of its batch (from 0) the stream offset i under that seed, so a run is
-    reproducible from ``torch.manual_seed``. Functions that are not specs are called one tensor at
-    a time, as their tensors are met. Weights of parameters whose accumulator is wider than they
-    are are rounded in a copy in the accumulator's dtype (within the weight batch) and then
-    written into the parameter.
+    reproducible from ``torch.manual_seed``. A batch whose tensors are on several devices (a
+    model split across them) is rounded by one call per run of consecutive tensors on one
+    device, with the batch's one seed and the same offsets. Functions that are not specs are
+    called one tensor at a time, as their tensors are met. Weights of parameters whose
+    accumulator is wider than they are are rounded in a copy in the accumulator's dtype (within
+    the weight batch) and then written into the parameter.
 
     With a closure, step 1 applies to the gradients the closure computes: it follows each
     evaluation of the closure inside the wrapped optimizer's step (the gradients present before
@@ -298,7 +326,7 @@ class OptimLP(Optimizer):
             the argument), or fused is not a bool.
         ValueError: grad_scaling is not a finite number > 0; a format does not fit the tensor it
             rounds (the message names the argument, the parameter and the dtype); ``parameters``
-            holds a tensor the optimizer does not.
+            holds a tensor the optimizer does not; a parameter is listed twice.
     """
 
     def __init__(
@@ -404,6 +432,12 @@ class OptimLP(Optimizer):
         for g, group in enumerate(self.param_groups):
             group_settings = self._settings_of_group(group)
             for i, p in enumerate(group["params"]):
+                if p in settings:
+                    raise ValueError(
+                        f"parameter {i} of group {g} is listed twice: torch's optimizer steps it "
+                        "once per listing, while OptimLP rounds each parameter once per phase "
+                        "(pass each parameter once)"
+                    )
                 if self._chosen is None:
                     s = group_settings
                 else:
@@ -728,6 +762,11 @@ class OptimLP(Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state_dict of OptimLP, or of a plain torch optimizer of the wrapped type (then
         the accumulators start from the current weights).
+
+        As torch's load_state_dict, the saved parameter groups replace the wrapped optimizer's:
+        their options (lr, momentum, ...) and their ``"quantization"`` come from the state_dict.
+        What this OptimLP was made with stays its own: the default formats, ``parameters=``,
+        ``grad_scaling`` and ``fused`` (none of them is in the state_dict).
 
         Raises:
             ValueError: the state_dict is neither, or lacks accumulators these parameters need.

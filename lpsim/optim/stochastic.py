@@ -34,7 +34,6 @@ any permutation or partition of a parameter's elements.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -68,9 +67,13 @@ class _LowPrecision(OwnOptions):
 
     def __init__(self, params, defaults: dict, seed: int | None, randomness: str):
         defaults = dict(defaults, seed=seed, randomness=randomness)
-        self._check_options(defaults)
+        self._check_options(defaults)  # draws the seed of the groups given here, if needed
         self._count = 0  # parameters seen so far: each one's number for its random streams
         super().__init__(params, defaults)
+        # A group added later without a seed draws its own when it is added, as the first groups
+        # drew theirs when they were made: a resumed optimizer, whose constructor drew another
+        # seed than the interrupted one's, then adds the groups of the uninterrupted run.
+        self.defaults["seed"] = seed
 
     def _check_options(self, group: dict) -> None:
         """The options of the optimizer, or of a parameter group (which may override any of them).
@@ -78,12 +81,7 @@ class _LowPrecision(OwnOptions):
         Raises:
             TypeError / ValueError: an option has the wrong type or range (the message names it).
         """
-        for name in _UNSUPPORTED:
-            if group.get(name) not in (None, False):
-                raise ValueError(
-                    f"{name} must be False or None: {type(self).__name__} does not implement "
-                    f"torch.optim's {name}, got {group[name]!r}"
-                )
+        self._refuse_unsupported(group)
         check_element_format("weight_format", group["weight_format"])
         check_element_format("state_format", group["state_format"])
         rule = Rounding.parse(group["rounding"])
@@ -100,6 +98,20 @@ class _LowPrecision(OwnOptions):
             not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**64
         ):
             raise ValueError(f"seed must be an int in [0, 2**64) or None, got {seed!r}")
+
+    def _refuse_unsupported(self, group: dict) -> None:
+        """Refuse a group asking for a torch.optim option these optimizers do not implement (set
+        when the group was made, or later: a step checks again).
+
+        Raises:
+            ValueError: the option is set (the message names it).
+        """
+        for name in _UNSUPPORTED:
+            if group.get(name) not in (None, False):
+                raise ValueError(
+                    f"{name} must be False or None: {type(self).__name__} does not implement "
+                    f"torch.optim's {name}, got {group[name]!r}"
+                )
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -214,6 +226,8 @@ class _LowPrecision(OwnOptions):
     def _steps(self, closure):
         """Evaluate the closure; then (group, p, state, grad in work precision) for every
         parameter with a gradient, its step count advanced."""
+        for group in self.param_groups:
+            self._refuse_unsupported(group)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -256,7 +270,9 @@ class SGD(_LowPrecision):
         state_format: None (float32 momentum buffers) or a Float or Fixed format to store them in.
         kahan: Kahan-compensated updates (see the module documentation).
         seed: 0 <= seed < 2**64; None: drawn from torch's default CPU generator when the rule
-            is stochastic (a group with a deterministic rule draws nothing, so that the
+            is stochastic, once for the groups given here and once for each group added later
+            without a seed, when it is added (a group with a deterministic rule draws nothing, so
+            that the
             optimizer, as torch's own, leaves the generator to dropout and data order; its seed
             stays None until a stochastic rule first needs one).
         randomness: "position" or "value" (see lpsim.sr_add).
@@ -393,7 +409,8 @@ class AdamW(_LowPrecision):
             m = self._store(group, state, "exp_avg", m, _FIRST_STATE, p)
             v = self._store(group, state, "exp_avg_sq", v, _SECOND_STATE, p)
             step_size = group["lr"] / (1 - beta1**t)
-            denom = v.sqrt().div_(math.sqrt(1 - beta2**t)).add_(group["eps"])
+            # torch's bias_correction2 ** 0.5 (a pow, which is not math.sqrt in every last bit).
+            denom = v.sqrt().div_((1 - beta2**t) ** 0.5).add_(group["eps"])
             decay = group["lr"] * group["weight_decay"]
             if decay == 0 and not group["kahan"]:
                 # The term (value * m) / denom, as torch's addcdiv_ forms it.
