@@ -67,7 +67,8 @@ from lpsim.scaled import Scaled
 __all__ = ["DelayedScaling", "DelayedScaler", "REDUCTIONS"]
 
 REDUCTIONS = ("max", "most_recent")
-_FLOAT32_STATE = ("amax_history", "scale", "scale_inverse", "call_scale_inverse")  # float32 buffers
+# The float32 buffers.
+_FLOAT32_STATE = ("amax_history", "scale", "scale_inverse", "call_scale", "call_scale_inverse")
 
 
 @dataclass(frozen=True, repr=False)
@@ -173,6 +174,21 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
+def _largest_unsaturated(start: torch.Tensor, limit: float, scale: torch.Tensor) -> float:
+    """The largest value of start's dtype, at least ``start`` (a 0-d tensor >= 0), whose product
+    with ``scale`` (a 0-d tensor in the call's arithmetic), rounded there as a call rounds it, is
+    at most the element value ``limit`` >= 0. The products grow with the value, and start (a
+    decoded limit) lies within a few roundings of the answer: a few steps."""
+    up = torch.tensor(math.inf, dtype=start.dtype)
+    bound = torch.tensor(limit, dtype=scale.dtype)
+    x = start
+    while True:
+        step = torch.nextafter(x, up)
+        if not bool(step.isfinite()) or bool(step.to(scale.dtype) * scale > bound):
+            return float(x)
+        x = step
+
+
 class DelayedScaler(nn.Module):
     """The state of delayed scaling for one tensor, and the quantisation that uses it.
 
@@ -185,8 +201,8 @@ class DelayedScaler(nn.Module):
         calls: how many calls have been recorded (a 0-d int64).
 
     And one that is not in the ``state_dict``:
-        call_scale_inverse: the scale_inverse the latest call used (before it recorded), whose
-            range ``statistics_bounds`` gives.
+        call_scale, call_scale_inverse: the scale and scale_inverse the latest call used (before
+            it recorded), whose range ``statistics_bounds`` gives.
     """
 
     def __init__(self, scaling: DelayedScaling):
@@ -199,6 +215,7 @@ class DelayedScaler(nn.Module):
         self.register_buffer("scale", torch.ones(()))
         self.register_buffer("scale_inverse", torch.ones(()))
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("call_scale", torch.ones(()), persistent=False)
         self.register_buffer("call_scale_inverse", torch.ones(()), persistent=False)
 
     def forward(
@@ -239,6 +256,7 @@ class DelayedScaler(nn.Module):
             scaled = torch.where(wide.isinf(), wide, scaled)
             elements = quantize(scaled, self._element, rounding, rbits=rbits, seed=seed)
             value = (elements * self.scale_inverse.to(work)).to(x.dtype)
+            self.call_scale.copy_(self.scale)
             self.call_scale_inverse.copy_(self.scale_inverse)
             if self.training if record is None else record:
                 # fmaxf from 0, as Transformer Engine takes a tensor's amax: NaN is skipped.
@@ -252,17 +270,22 @@ class DelayedScaler(nn.Module):
         lpsim.statistics: what the element format's most negative and largest values, and its
         smallest normal value (0 for a Fixed element), decode to with that call's scale, times
         ``call_scale_inverse`` in the call's arithmetic and rounded into ``dtype`` as the call
-        decodes its elements. A finite x outside [low, high] saturated."""
+        decodes its elements; and beyond them, the largest values that the call's scale did not
+        take past the element format's limits (x * call_scale, rounded in the arithmetic, within
+        them), since 1 / scale_inverse is not exactly the scale. A finite x outside [low, high]
+        saturated."""
         work = torch.float64 if dtype == torch.float64 else torch.float32
         element = self.scaling.element
         if isinstance(element, Float):
             limits = (-element.max, element.max, element.smallest_normal)
         else:
             limits = (element.min, element.max, 0.0)
-        factor = self.call_scale_inverse.to(work)
-        decoded = torch.tensor(limits, dtype=work, device=factor.device) * factor
-        low, high, smallest_normal = decoded.to(dtype).tolist()
-        return low, high, smallest_normal
+        factor = self.call_scale_inverse.cpu().to(work)
+        decoded = (torch.tensor(limits, dtype=work) * factor).to(dtype)
+        scale = self.call_scale.cpu().to(work)
+        high = _largest_unsaturated(decoded[1], limits[1], scale)
+        low = -_largest_unsaturated(-decoded[0], -limits[0], scale)
+        return low, high, float(decoded[2])
 
     def _across_ranks(self, amax: torch.Tensor) -> torch.Tensor:
         """The largest of the ranks' amaxes (see the module docstring), or amax itself where

@@ -34,10 +34,14 @@ A Scaled block's range is that of its decoded values: from what the element form
 negative value decodes to (times the block's scale, and the tensor scale where there is one, in
 the format's arithmetic, then rounded into x's dtype, as quantize decodes it) to what its largest
 decodes to; a finite x outside it saturated to that limit, an MX element beyond the scale that its
-block's largest magnitude gave it included. Its smallest normal is what the element format's
-smallest normal value decodes to (none for Fixed elements). The scales are those quantize finds
-from x, so the statistics are those of a rounding of x itself; a block with a NaN or an Inf
-decodes to NaN, an overflow of each of its finite elements.
+block's largest magnitude gave it included. With a Float scale (the "amax" rule) the encoder
+multiplies x by the scale's reciprocal, which is not exactly the inverse of the decode factor, so
+the range reaches on to the largest x whose product (rounded as the encoder rounds it) is within
+the element format's limits: x counts as overflow only where the encoder took it past them. Its
+smallest normal is what the element format's smallest normal value decodes to (none for Fixed
+elements). The scales are those quantize finds from x, so the statistics are those of a rounding
+of x itself; a block with a NaN or an Inf decodes to NaN, an overflow of each of its finite
+elements.
 
 A BlockFloat block's range is [-limit, limit], limit = (2**(wl-1) - 1) * 2**(e - (wl-2)) the
 largest magnitude of its grid, e the exponent that quantize finds from the block's largest finite
@@ -49,7 +53,8 @@ scaler's state before its call): with the DelayedScaling alone, only non-finite 
 overflow, and its underflow, unchanged and error sums are exact as for the other families. Pass
 the ``DelayedScaler`` whose call rounded x instead (as the Recorder does) for that call's range,
 ``DelayedScaler.statistics_bounds``: the element format's limits and smallest normal value
-decoded with the scale the call used.
+decoded with the scale the call used, the limits reaching on, as above, to the largest x that the
+call's scale kept within the element's limits.
 
 Counts are exact. The sums are float64, added in a fixed order (chunks of 16,384 elements, each
 summed in 256 lanes that are then added pairwise, chunks added in order), so the statistics are

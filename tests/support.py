@@ -162,7 +162,9 @@ def scaled_bounds_model(x: torch.Tensor, fmt) -> list[tuple[float, float, float]
     with a power-of-two scale under the "floor" rule, or a float32 or E4M3 scale under "amax":
     from lpsim.scaled's documented encoding, each block's scale from its largest magnitude, and
     its range the decoded values of the element format's limits (and its smallest normal value),
-    in float32 arithmetic (float64 for float64 x), rounded into x's dtype."""
+    in float32 arithmetic (float64 for float64 x), rounded into x's dtype; with a Float scale,
+    extended to the largest x of x's dtype whose product with the encoder's reciprocal (1 / t,
+    then divided by the scale) is still within the element's limits (nothing saturated)."""
     from lpsim import Float  # noqa: PLC0415
 
     assert fmt.axis == -1 and not isinstance(fmt.block, tuple)
@@ -186,6 +188,16 @@ def scaled_bounds_model(x: torch.Tensor, fmt) -> list[tuple[float, float, float]
     def into_x(v) -> float:
         return torch.tensor(float(v), dtype=torch.float64).to(x.dtype).item()
 
+    def largest_within(start: float, limit: float, reciprocal) -> float:
+        """The largest value of x's dtype from start up whose product with reciprocal (in the
+        arithmetic) is at most limit."""
+        v, up = torch.tensor(start, dtype=x.dtype), torch.tensor(math.inf, dtype=x.dtype)
+        while True:
+            step = torch.nextafter(v, up)
+            if not math.isfinite(float(step)) or work(float(step)) * reciprocal > work(limit):
+                return float(v)
+            v = step
+
     bounds = []
     for row in rows:
         for start in range(0, len(row), max(length, 1)):
@@ -207,6 +219,10 @@ def scaled_bounds_model(x: torch.Tensor, fmt) -> list[tuple[float, float, float]
                     scale = np.float32(d).astype(ml_dtypes.float8_e4m3fn).astype(work)
                 factor = t * scale
             decode = [into_x(work(q) * factor) for q in (low_element, element.max, smallest_normal)]
+            if fmt.scale_rule == "amax":
+                reciprocal = (work(1) / t) / scale
+                decode[0] = largest_within(decode[0], low_element, reciprocal)
+                decode[1] = largest_within(decode[1], element.max, reciprocal)
             bounds += [(-decode[0], decode[1], decode[2])] * len(block)
     return bounds
 

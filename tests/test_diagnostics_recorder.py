@@ -309,7 +309,9 @@ def delayed_scaling_bounds(scaling: DelayedScaling, x: torch.Tensor, amaxes: lis
     had the float32 amaxes ``amaxes`` (x's is appended), from lpsim.delayed_scaling's documented
     update: scale 1 until a finite positive reduced amax (the largest, NaN ignored) gives
     elem_max / amax (at most float32's max), scale_inverse 1 / scale; the element's limits and
-    smallest normal value times scale_inverse in float32, rounded into x's dtype."""
+    smallest normal value times scale_inverse in float32, rounded into x's dtype, the limits
+    extended to the largest values of x's dtype whose product with the scale in float32 stays
+    within the element's limits (which nothing saturated)."""
     one = torch.tensor(1.0)
     scale = one
     history = [a for a in amaxes if not math.isnan(a)]
@@ -319,10 +321,20 @@ def delayed_scaling_bounds(scaling: DelayedScaling, x: torch.Tensor, amaxes: lis
     inverse = one / scale
     element = scaling.element
     limits = torch.tensor([-element.max, element.max, element.smallest_normal]) * inverse
+    low, high, smallest_normal = limits.to(x.dtype).tolist()
     magnitudes = x.detach().float().abs()
     magnitudes = magnitudes[~magnitudes.isnan()]
     amaxes.append(float(magnitudes.max()) if magnitudes.numel() else 0.0)
-    return tuple(limits.to(x.dtype).tolist())
+
+    def within(start: float) -> float:
+        v, up = torch.tensor(start, dtype=x.dtype), torch.tensor(math.inf, dtype=x.dtype)
+        while True:
+            step = torch.nextafter(v, up)
+            if not math.isfinite(float(step)) or float(step.float() * scale) > element.max:
+                return float(v)
+            v = step
+
+    return -within(-low), within(high), smallest_normal
 
 
 class CapturingSGD(torch.optim.SGD):

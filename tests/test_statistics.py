@@ -531,16 +531,43 @@ def test_a_delayed_scalers_call_counts_values_beyond_its_scales_range_as_overflo
     y = scaler(x)
     # x * 448: 896 and -672 saturate to +-448, decoding to +-448 * inverse; 3 * 2^-9 is an E4M3
     # subnormal (below 2^-6); 2^-11 lies below half the smallest subnormal and becomes 0
-    high = float(448 * inverse)
-    assert y[:3].tolist() == [high, -high, high]
+    decoded = float(448 * inverse)
+    assert y[:3].tolist() == [decoded, -decoded, decoded]
     assert y[3].item() == float(3 * 2.0**-9 * inverse) and y[4].item() == 0.0
     s = rounding_statistics(x, y, scaler)
-    assert counts(s) == (6, 0, 2, 1, 1, 1 + int(high == 1.0))
-    assert scaler.statistics_bounds(torch.float32) == (-high, high, float(2.0**-6 * inverse))
+    assert counts(s) == (6, 0, 2, 1, 1, 1 + int(decoded == 1.0))
+    # the range reaches 1, whose product with the scale 448 is E4M3's limit itself (the next
+    # float32 up scales past it): 1 did not saturate, whatever 448 * inverse decodes to
+    assert scaler.statistics_bounds(torch.float32) == (-1.0, 1.0, float(2.0**-6 * inverse))
     # the scaling alone does not know the scale: only non-finite results would overflow
     assert rounding_statistics(x, y, scaler.scaling).overflow == 0
     # the bounds are the latest call's: its record moved the scale (amax 2: 224), not them
     assert float(scaler.scale) == 224 and float(scaler.call_scale_inverse) == float(inverse)
+
+
+def test_a_delayed_scalers_call_counts_no_overflow_where_x_times_its_scale_is_the_limit():
+    """500 * (448 / 500) is 448 in float32: the element limit itself, no saturation, though 500
+    lies above 448 times the call's scale_inverse (1 / scale rounded) in float32."""
+    scaler = DelayedScaling(Float(4, 3, special="fn"), history_length=1).scaler()
+    scaler(torch.tensor([500.0, 1.0, 448.0]))  # the next call's scale: 448 / 500
+    scale = torch.tensor(448.0) / 500.0
+    assert float(torch.tensor(500.0) * scale) == 448.0  # the premise, in float32
+    assert 500.0 > float(448.0 * (torch.tensor(1.0) / scale))
+    x = torch.tensor([600.0, 1.0, 500.0])
+    s = rounding_statistics(x, scaler(x), scaler)
+    assert s.overflow == 1  # 600 only
+
+
+def test_a_float_scale_counts_no_overflow_where_x_times_its_reciprocal_is_the_limit():
+    """fp8_e4m3_tensor's float32 scale s = amax / 448 and reciprocal r = 1 / s: x * r rounds to
+    448 exactly (no saturation), though x lies above what 448 decodes to (448 * s)."""
+    fmt = preset("fp8_e4m3_tensor")
+    x = torch.tensor([1.8623102903366089, 0.5])
+    scale = np.float32(x[0].item()) / np.float32(448)
+    assert np.float32(x[0].item()) * (np.float32(1) / scale) == 448  # the premise
+    y = lpsim.quantize(x, fmt)
+    assert y[0].item() < x[0].item()  # 448 decodes below x
+    assert rounding_statistics(x, y, fmt).overflow == 0
 
 
 # ---- quantize_with_statistics

@@ -4,6 +4,10 @@
 // a nonzero decoded value below what the element format's smallest normal value decodes to, in
 // magnitude, is subnormal. Each value is decoded as scaled_element decodes an element (lpsim/
 // scaled.h): times the block's scale in the arithmetic, then rounded into the container.
+//
+// With a Float scale the encoder multiplies by the scale's reciprocal, which is not exactly the
+// inverse of the decode factor: an x a little beyond the decoded limit may still scale to at most
+// the element's limit, and then nothing saturated. The range then extends to the largest such x.
 #pragma once
 
 #include <cmath>
@@ -25,6 +29,33 @@ LPSIM_FN double decoded_value(double q, const BlockScale& b, const ScaledSpec& s
   return real_of(decoded_pow2_element<C>(element, b.exponent, g.own));
 }
 
+// The largest value of container C, at least `start` (the bits of a nonnegative value of C),
+// whose product with `reciprocal`, rounded in the arithmetic as the encoder rounds it
+// (float_scaled_element), is at most the element value m >= 0. The products grow with x, and the
+// decoded limit they start from lies within a few roundings of the answer: a few steps.
+template <class C>
+LPSIM_FN typename C::word largest_unsaturated(typename C::word start, double m,
+                                              RealOf<ScaledArithmetic<C>> reciprocal) {
+  using T = RealOf<ScaledArithmetic<C>>;
+  typename C::word v = start;
+  while (v + 1 < C::inf_bits &&
+         mul_rn(real_of(to_arithmetic<C>(v + 1)), reciprocal) <= static_cast<T>(m)) {
+    ++v;
+  }
+  return v;
+}
+
+// The decoded limit of element value m >= 0 in a block with a Float scale, extended to the
+// largest x that the encoder did not saturate (see above), as a double.
+template <class C>
+LPSIM_FN double float_scale_limit(double m, const BlockScale& b, const ElementGrids<C>& g) {
+  using T = RealOf<ScaledArithmetic<C>>;
+  const auto decoded = decoded_element<C>(static_cast<T>(m), static_cast<T>(b.decode), g.own);
+  const typename C::word v =
+      largest_unsaturated<C>(from_arithmetic<C>(decoded), m, static_cast<T>(b.reciprocal));
+  return real_of(to_arithmetic<C>(v));
+}
+
 // The bounds of a block with scale b. element_smallest_normal: the element format's smallest
 // normal value (0: it has no subnormals). A block that holds a NaN or an Inf decodes every element
 // to NaN, which the counts take as an overflow of each finite x: no other bound applies.
@@ -35,6 +66,10 @@ LPSIM_FN StatisticsBounds block_statistics_bounds(const BlockScale& b, const Sca
   if (!b.finite) return StatisticsBounds{-INFINITY, INFINITY, 0.0};
   const double smallest_normal =
       element_smallest_normal > 0 ? decoded_value<C>(element_smallest_normal, b, s, g) : 0.0;
+  if (s.rule == ScaleRule::amax) {
+    return StatisticsBounds{-float_scale_limit<C>(s.element.neg_limit, b, g),
+                            float_scale_limit<C>(s.element.pos_limit, b, g), smallest_normal};
+  }
   return StatisticsBounds{-decoded_value<C>(s.element.neg_limit, b, s, g),
                           decoded_value<C>(s.element.pos_limit, b, s, g), smallest_normal};
 }
