@@ -181,6 +181,17 @@ def _shifts(shift) -> list[int]:
 # ---- conversions --------------------------------------------------------------------------------
 
 
+def _channel_reduce(values: torch.Tensor, axis: int | None, reduce) -> torch.Tensor:
+    """``reduce`` (torch.amax or torch.amin) of values over everything (a 0-d tensor) or over all
+    dimensions but ``axis`` (one entry per channel); empty tensors and channels give 0."""
+    if axis is None:
+        return reduce(values) if values.numel() else values.new_zeros(())
+    if not values.numel():
+        return values.new_zeros(values.shape[axis])
+    others = [d for d in range(values.dim()) if d != axis]
+    return reduce(values, dim=others) if others else values
+
+
 def scale_for(
     x: torch.Tensor, bits: int, signed: bool = True, axis: int | None = None
 ) -> int | torch.Tensor:
@@ -202,19 +213,27 @@ def scale_for(
     if x.is_complex() or x.dtype == torch.bool:
         raise TypeError(f"x must be a real floating or integer tensor, got {x.dtype}")
     integer_range(bits, signed)
-    magnitude = x.detach().to(torch.float64).abs()  # float64 holds float8_e8m0fnu too
-    if axis is None:
-        peak = magnitude.max() if magnitude.numel() else torch.zeros((), dtype=torch.float64)
-    else:
+    if axis is not None:
         axis = normalize_axis(axis, x.dim())
-        others = [d for d in range(x.dim()) if d != axis]
-        if not magnitude.numel():  # empty channels are all-zero ones
-            peak = magnitude.new_zeros(x.shape[axis])
-        else:
-            peak = magnitude.amax(dim=others) if others else magnitude
-    if not bool(torch.isfinite(peak).all()):
-        raise ValueError("x must be finite, found NaN or Inf")
-    _, exponent = torch.frexp(peak)  # peak = f * 2**exponent, f in [0.5, 1): e = exponent - 1
+    x = x.detach()
+    if x.dtype.is_floating_point:
+        # float64 holds every value of every float dtype (float8_e8m0fnu too) exactly.
+        peak = _channel_reduce(x.to(torch.float64).abs(), axis, torch.amax)
+        if not bool(torch.isfinite(peak).all()):
+            raise ValueError("x must be finite, found NaN or Inf")
+        _, exponent = torch.frexp(peak)  # peak = f * 2**exponent, f in [0.5, 1): e = exponent - 1
+    else:
+        # Integers are read exactly: float64 rounds those above 2**53, and rounding up to a power
+        # of two would make the scale one too coarse. The exponent is the bit length of the
+        # largest magnitude; a uint64 is read as int64, where values from 2**63 are negative.
+        wide = x.view(torch.int64) if x.dtype == torch.uint64 else x.to(torch.int64)
+        top = _channel_reduce(wide, axis, torch.amax)
+        bottom = _channel_reduce(wide, axis, torch.amin)
+        lengths = [
+            64 if x.dtype == torch.uint64 and b < 0 else max(t, -b).bit_length()
+            for t, b in zip(top.reshape(-1).tolist(), bottom.reshape(-1).tolist())
+        ]
+        exponent = torch.tensor(lengths, dtype=torch.int64).reshape(top.shape)
     scale = bits - 1 - exponent.to(torch.int64) + (0 if signed else 1)
     return int(scale) if axis is None else scale
 
