@@ -398,6 +398,27 @@ def test_mse_loss_divides_by_a_batch_that_is_not_a_power_of_two():
     assert power_of_two.grad.scale == 3  # N = 2: dividing is a scale change
 
 
+@pytest.mark.parametrize("top", [2**31 - 1, -(2**31)])
+def test_mse_loss_gradient_of_an_error_at_the_accumulators_edge_is_computed_not_refused(top):
+    # N = 3, e = y - t in range of the 32-bit accumulator; e / N is smaller than e, but the
+    # documented div(e, N, p = 2) forms e * 4 / 3, one bit wider than int32.
+    y = DyadicTensor(_int([[top], [0], [0]]), 0)
+    t = DyadicTensor(_int([[0], [0], [0]]), 0)
+    out = inn.mse_loss(y, t, rounding="nearest", error_bits=8)
+    quotient = Fraction(top * 4, 3)  # at scale 2
+    q, frac = math.floor(quotient), quotient - math.floor(quotient)
+    q += frac > Fraction(1, 2) or (frac == Fraction(1, 2) and q % 2 == 1)
+    magnitude = max(q, -q - 1)
+    shift = max(0, magnitude.bit_length() - 7)  # fit_shift to 8 bits
+    scaled = Fraction(q, 2**shift)
+    r, frac = math.floor(scaled), scaled - math.floor(scaled)
+    r += frac > Fraction(1, 2) or (frac == Fraction(1, 2) and r % 2 == 1)
+    r = min(max(r, -128), 127)
+    assert out.shift == shift and out.grad.scale == 2 - shift
+    assert out.grad.mantissa.tolist() == [[r], [0], [0]]
+    assert out.loss == float(Fraction(top * top, 6))
+
+
 def test_integer_sgd_with_momentum_equals_torch_sgd_on_exact_values():
     # lr 2**-2, momentum 1 - 2**-1 = 0.5; every intermediate is exact, so nearest rounding must
     # reproduce torch.optim.SGD's float updates exactly.

@@ -506,11 +506,11 @@ def mse_loss(
     In integers: the target is requantised to the output's scale s_y (a left shift, exact, when
     it is coarser, as a one-hot target at scale 0 is), e = y - t is exact at s_y, and dividing by
     the batch size N is free when N is a power of two (the scale grows by log2 N); otherwise
-    e / N = div(e, N, p) with p = N.bit_length(), rounded. The gradient is then requantised to
-    ``error_bits`` with the shift fit_shift() gives. The loss itself is computed exactly from the
-    integers and only then rounded once to the nearest float64 (subnormals included, inf beyond
-    float64's range). Every other rounding uses ``rounding`` ("stochastic" by default,
-    "nearest" or "down").
+    e / N = div(e, N, p) with p = N.bit_length(), rounded (on int64 mantissas: e 2**p / N is up
+    to one bit wider than e). The gradient is then requantised to ``error_bits`` with the shift
+    fit_shift() gives. The loss itself is computed exactly from the integers and only then
+    rounded once to the nearest float64 (subnormals included, inf beyond float64's range). Every
+    other rounding uses ``rounding`` ("stochastic" by default, "nearest" or "down").
 
     Raises:
         ValueError: output and target differ in shape, are not (N, C) with one scale, or N = 0.
@@ -545,9 +545,13 @@ def mse_loss(
     if n & (n - 1) == 0:
         grad = error.ldexp(-(n.bit_length() - 1))
     else:
+        # e 2**p / N with 2**p / N in (1, 2) needs one bit more than the error: in int64, which
+        # holds it for every accumulator of up to 63 bits (an int32 error near its range would
+        # overflow int32 although e / N is smaller than e).
+        wide = error.with_mantissa(error.mantissa.to(torch.int64))
         grad = F.div(
-            error,
-            DyadicTensor(torch.tensor(n, dtype=error.dtype)),
+            wide,
+            DyadicTensor(torch.tensor(n, dtype=torch.int64)),
             n.bit_length(),
             rounding=rounding,
         )
