@@ -661,6 +661,35 @@ def test_linear_takes_initial_values_of_any_float_dtype_exactly(dtype):
         inn.Linear(4, 3, weight=torch.full((3, 4), math.nan).to(dtype))
 
 
+def test_sgd_refuses_a_momentum_buffer_off_the_parameters_grid():
+    # The rule keeps M at the weight's scale s_W. A state_dict() saved for a parameter at another
+    # scale must not be carried on a grid of its own (here M would stay at scale 3 for ever).
+    w = inn.Parameter("w", DyadicTensor(_int([100, -100]), 10), bits=16)
+    opt = SGD([w], lr_shift=2, momentum_shift=1, rounding="nearest")
+    other = {
+        "momentum": [{"mantissa": _int([7, 9]), "scale": 3, "axis": None}],
+        "stats": [{"gradient": 0, "weight": 0}],
+    }
+    opt.load_state_dict(other)
+    w.grad = DyadicTensor(_int([0, 0]), 10)
+    with pytest.raises(
+        ValueError, match=r"momentum buffer of 'w' is at scale 3, the parameter at 10"
+    ):
+        opt.step()
+    assert w.value.mantissa.tolist() == [100, -100]
+    per_channel = dict(other, momentum=[{"mantissa": _int([7, 9]), "scale": [10, 10], "axis": 0}])
+    opt.load_state_dict(per_channel)
+    with pytest.raises(ValueError, match=r"at scale \[10, 10\] along axis 0, the parameter at 10"):
+        opt.step()
+    # A buffer on the grid continues as torch.optim.SGD from that momentum: M = 0.5 M + 0,
+    # W = W - M / 4, exact here.
+    on_grid = dict(other, momentum=[{"mantissa": _int([8, -16]), "scale": 10, "axis": None}])
+    opt.load_state_dict(on_grid)
+    opt.step()
+    assert opt.momentum[0].mantissa.tolist() == [4, -8]
+    assert w.value.mantissa.tolist() == [100 - 1, -100 + 2]
+
+
 def test_integer_sgd_resumed_from_its_state_dict_continues_bit_for_bit(tmp_path):
     """Momentum and stochastic roundings: six steps in one run equal three, a checkpoint (the
     values, the optimizer's state_dict and torch's generator state, through torch.save and
