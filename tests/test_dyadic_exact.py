@@ -401,6 +401,29 @@ def test_scale_for_puts_the_largest_integer_magnitude_in_the_top_bit_beyond_2_to
     assert per_row == expected
 
 
+def test_a_per_channel_axis_of_size_0_takes_an_empty_scale_list():
+    # Zero channels have zero scales: [] (as a list, a tuple or a tensor) is the one valid scale,
+    # and every operation returns the empty result at it, as for any other empty tensor.
+    empty = torch.zeros(0, 3, dtype=torch.int32)
+    for scale in ([], (), torch.tensor([], dtype=torch.int64)):
+        x = DyadicTensor(empty, scale, axis=0)
+        assert x.scale.dtype == torch.int64 and x.scale.tolist() == [] and x.axis == 0
+    x = DyadicTensor(empty, [], axis=0)
+    results = [
+        dyadic.from_float(torch.zeros(0, 3), 8, [], axis=0).value,
+        dyadic.from_float(torch.zeros(0, 3), 8, axis=0).value,
+        dyadic.requantize(DyadicTensor(empty, 2), [], 8, axis=0).value,
+        dyadic.requantize(x, [], 8, rounding="nearest").value,
+        dyadic.add(x, x),
+        dyadic.sub(x, DyadicTensor(torch.zeros(3, dtype=torch.int32), 4)),
+        dyadic.align(x, DyadicTensor(torch.zeros(1, 3, dtype=torch.int32), 4))[1],
+    ]
+    for r in results:
+        assert r.shape == (0, 3) and r.axis == 0 and r.scale.tolist() == []
+        assert torch.equal(r.to_float(), torch.zeros(0, 3))
+    assert dyadic.requantize(x, 5, 8).value.scale == 5
+
+
 def test_to_float_is_exact_for_representable_values():
     v = torch.tensor([3, -5, 2**31 - 1, -(2**31)], dtype=torch.int32)
     x = DyadicTensor(v, 33)

@@ -174,8 +174,9 @@ def _inner(shape: torch.Size, axis: int | None) -> int:
 
 
 def _shifts(shift) -> list[int]:
-    """Per-class shifts as the kernels take them: [k] for an int, k.tolist() for a tensor."""
-    return shift.tolist() if isinstance(shift, torch.Tensor) else [shift]
+    """Per-class shifts as the kernels take them: [k] for an int, k.tolist() for a tensor. No
+    channels (a per-channel axis of size 0, so no elements) is one class no element reads."""
+    return (shift.tolist() or [0]) if isinstance(shift, torch.Tensor) else [shift]
 
 
 # ---- conversions --------------------------------------------------------------------------------

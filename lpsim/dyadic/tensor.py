@@ -90,7 +90,10 @@ def normalize_scale(scale, shape: torch.Size, axis: int | None) -> tuple:
                     f"a per-channel scale must hold integers, got {type(entry).__name__}"
                 )
             _check_scale_value(int(entry))
-    s = torch.as_tensor(scale)
+        # int64 explicitly: an empty sequence (a dimension of size 0) would become float32.
+        s = torch.tensor([int(entry) for entry in scale], dtype=torch.int64)
+    else:
+        s = torch.as_tensor(scale)
     if s.dtype.is_floating_point or s.dtype == torch.bool or s.dtype.is_complex:
         raise TypeError(f"a per-channel scale must hold integers, got {s.dtype}")
     # A copy: the scales are part of the value, and a caller's tensor changed in place later
