@@ -171,7 +171,7 @@ def _step_with_grad(grad):
         (
             lambda: dyadic.matmul(M, M.t(), accumulator_bits=65),
             ValueError,
-            r"bits must be in \[2, 64\], got 65",
+            r"^accumulator_bits must be in \[2, 64\], got 65",
         ),
         (lambda: dyadic.sum(M, 2), ValueError, r"dim must be in \[-2, 1\], got 2"),
         (lambda: dyadic.sum(X, 0), ValueError, r"sum needs a 2-D tensor, got 1 dimensions"),
@@ -303,6 +303,26 @@ def _step_with_grad(grad):
 def test_bad_input_raises_a_clear_error(call, error, pattern):
     with pytest.raises(error, match=pattern):
         call()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda bits: dyadic.matmul(M, M.t(), accumulator_bits=bits),
+        lambda bits: dyadic.saturating_matmul(M, M.t(), accumulator_bits=bits),
+        lambda bits: dyadic.sum(M, 0, accumulator_bits=bits),
+        lambda bits: dyadic.saturating_sum(M, 1, accumulator_bits=bits),
+        lambda bits: inn.mse_loss(M, M, accumulator_bits=bits),
+    ],
+)
+def test_an_accumulator_width_out_of_range_is_named_accumulator_bits(call):
+    for bits in (1, 65):
+        with pytest.raises(
+            ValueError, match=rf"^accumulator_bits must be in \[2, 64\], got {bits}"
+        ):
+            call(bits)
+    with pytest.raises(TypeError, match=r"^accumulator_bits must be an int, got str"):
+        call("32")
 
 
 def test_kernels_reject_bad_arguments_from_direct_calls():

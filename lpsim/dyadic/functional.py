@@ -154,6 +154,11 @@ def integer_range(bits: int, signed: bool = True) -> tuple[int, int]:
     return 0, 2**b - 1
 
 
+def accumulator_range(accumulator_bits: int) -> tuple[int, int]:
+    """integer_range of a signed accumulator, with errors that name ``accumulator_bits``."""
+    return integer_range(check_int("accumulator_bits", accumulator_bits, 2, 64))
+
+
 def _storage(bounds: tuple[int, int], dtype: torch.dtype | None) -> torch.dtype:
     """The mantissa dtype for values in bounds: int32 when they fit, unless dtype says int64."""
     fits32 = _INT32[0] <= bounds[0] and bounds[1] <= _INT32[1]
@@ -670,7 +675,7 @@ def saturating_matmul(a: DyadicTensor, b: DyadicTensor, *, accumulator_bits: int
             "matmul: per-channel scales on both operands would need a scale per "
             "element of the result"
         )
-    bounds = integer_range(accumulator_bits, True)
+    bounds = accumulator_range(accumulator_bits)
     dtype = torch.promote_types(a.dtype, b.dtype)
     out, count = call("dyadic_matmul", a.mantissa.to(dtype), b.mantissa.to(dtype), *bounds)
     if a.axis is not None:
@@ -699,7 +704,7 @@ def matmul(
     """
     check_choice("overflow", overflow, OVERFLOW_POLICIES)
     result, count = saturating_matmul(a, b, accumulator_bits=accumulator_bits)
-    check_overflow(count, "lpsim.dyadic.matmul", integer_range(accumulator_bits), overflow)
+    check_overflow(count, "lpsim.dyadic.matmul", accumulator_range(accumulator_bits), overflow)
     return result
 
 
@@ -747,5 +752,5 @@ def sum(
     """
     check_choice("overflow", overflow, OVERFLOW_POLICIES)
     result, count = saturating_sum(x, dim, accumulator_bits=accumulator_bits)
-    check_overflow(count, "lpsim.dyadic.sum", integer_range(accumulator_bits), overflow)
+    check_overflow(count, "lpsim.dyadic.sum", accumulator_range(accumulator_bits), overflow)
     return result

@@ -528,7 +528,7 @@ def mse_loss(
     if output.per_channel or target.per_channel:
         raise ValueError("mse_loss needs per-tensor scales")
     check_int("error_bits", error_bits, 2, 32)
-    bounds = F.integer_range(accumulator_bits)
+    bounds = F.accumulator_range(accumulator_bits)
     moved = F.requantize(target, output.scale, accumulator_bits, rounding=rounding)
     F.check_overflow(
         moved.clip_count, "mse_loss target at the output's scale", bounds, can_saturate=False
