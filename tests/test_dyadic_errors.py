@@ -208,6 +208,11 @@ def _step_with_grad(grad):
             r"weight_bits must be in \[2, 32\], got 40",
         ),
         (
+            lambda: inn.Linear(2, 2, bias=False, bias_value=torch.tensor([5.0, 5.0])),
+            ValueError,
+            r"bias_value is the initial bias of a layer with bias=True; got one with bias=False",
+        ),
+        (
             lambda: inn.Linear(4, 3, accumulator_bits=1),
             ValueError,
             r"accumulator_bits must be in \[2, 64\], got 1",

@@ -201,7 +201,8 @@ class Linear(Module):
 
     Raises:
         TypeError, ValueError: an argument has the wrong type or is out of range (a weight or
-            bias_value of another shape, or with NaN or Inf, is named).
+            bias_value of another shape, or with NaN or Inf, is named; a bias_value with
+            bias=False is refused).
     """
 
     def __init__(
@@ -231,6 +232,10 @@ class Linear(Module):
         check_int("accumulator_bits", accumulator_bits, 2, 64)
         check_rule(rounding, F.ROUNDINGS, "dyadic operations")
         check_choice("overflow", overflow, F.OVERFLOW_POLICIES)
+        if not bias and bias_value is not None:
+            raise ValueError(
+                "bias_value is the initial bias of a layer with bias=True; got one with bias=False"
+            )
         self.in_features, self.out_features = in_features, out_features
         self.activation_bits, self.error_bits = activation_bits, error_bits
         self.accumulator_bits = accumulator_bits
