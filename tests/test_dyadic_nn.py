@@ -419,6 +419,14 @@ def test_mse_loss_gradient_of_an_error_at_the_accumulators_edge_is_computed_not_
     assert out.loss == float(Fraction(top * top, 6))
 
 
+def test_mse_loss_names_a_quotient_beyond_int64_under_a_64_bit_accumulator():
+    # e = 2**63 - 1 fits the 64-bit accumulator; e * 4 / 3 (p = bits(3) = 2) does not fit int64.
+    y = DyadicTensor(_int([[2**63 - 1], [0], [0]], torch.int64), 0)
+    t = DyadicTensor(_int([[0], [0], [0]], torch.int64), 0)
+    with pytest.raises(OverflowError, match=r"^mse_loss \(y - t\) / N: e 2\*\*2 / 3 .* at most 63"):
+        inn.mse_loss(y, t, accumulator_bits=64, rounding="nearest")
+
+
 def test_integer_sgd_with_momentum_equals_torch_sgd_on_exact_values():
     # lr 2**-2, momentum 1 - 2**-1 = 0.5; every intermediate is exact, so nearest rounding must
     # reproduce torch.optim.SGD's float updates exactly.

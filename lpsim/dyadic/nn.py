@@ -519,7 +519,8 @@ def mse_loss(
 
     Raises:
         ValueError: output and target differ in shape, are not (N, C) with one scale, or N = 0.
-        OverflowError: the target or the error does not fit the accumulator at the output's scale.
+        OverflowError: the target or the error does not fit the accumulator at the output's scale,
+            or (accumulator_bits=64 only) e 2**p / N does not fit int64.
     """
     F.check_dyadic("output", output)
     F.check_dyadic("target", target)
@@ -554,12 +555,19 @@ def mse_loss(
         # holds it for every accumulator of up to 63 bits (an int32 error near its range would
         # overflow int32 although e / N is smaller than e).
         wide = error.with_mantissa(error.mantissa.to(torch.int64))
-        grad = F.div(
-            wide,
-            DyadicTensor(torch.tensor(n, dtype=torch.int64)),
-            n.bit_length(),
-            rounding=rounding,
-        )
+        try:
+            grad = F.div(
+                wide,
+                DyadicTensor(torch.tensor(n, dtype=torch.int64)),
+                n.bit_length(),
+                rounding=rounding,
+            )
+        except OverflowError:  # only a 64-bit accumulator's error can need a 65th bit
+            raise OverflowError(
+                f"mse_loss (y - t) / N: e 2**{n.bit_length()} / {n} of an error near the 64-bit "
+                "accumulator's range does not fit int64 (accumulator_bits of at most 63 leave "
+                "room for it)"
+            ) from None
     shift = F.fit_shift(grad, error_bits)
     grad = F.requantize(grad, grad.scale - shift, error_bits, rounding=rounding).value
     return LossOutput(loss, grad, shift)
