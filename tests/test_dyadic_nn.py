@@ -681,13 +681,15 @@ def test_sgd_refuses_a_momentum_buffer_off_the_parameters_grid():
     opt.load_state_dict(other)
     w.grad = DyadicTensor(_int([0, 0]), 10)
     with pytest.raises(
-        ValueError, match=r"momentum buffer of 'w' is at scale 3, the parameter at 10"
+        ValueError, match=r"momentum buffer of 'w' is \(2,\) at scale 3, the parameter \(2,\) at 10"
     ):
         opt.step()
     assert w.value.mantissa.tolist() == [100, -100]
     per_channel = dict(other, momentum=[{"mantissa": _int([7, 9]), "scale": [10, 10], "axis": 0}])
     opt.load_state_dict(per_channel)
-    with pytest.raises(ValueError, match=r"at scale \[10, 10\] along axis 0, the parameter at 10"):
+    with pytest.raises(
+        ValueError, match=r"at scale \[10, 10\] along axis 0, the parameter \(2,\) at 10"
+    ):
         opt.step()
     # A buffer on the grid continues as torch.optim.SGD from that momentum: M = 0.5 M + 0,
     # W = W - M / 4, exact here.
@@ -696,6 +698,22 @@ def test_sgd_refuses_a_momentum_buffer_off_the_parameters_grid():
     opt.step()
     assert opt.momentum[0].mantissa.tolist() == [4, -8]
     assert w.value.mantissa.tolist() == [100 - 1, -100 + 2]
+
+
+def test_sgd_refuses_a_momentum_buffer_of_another_shape_than_its_parameter():
+    # A value replaced by one of another shape: the old buffer must not broadcast into the new
+    # parameter (here (3,) would spread over every row of (2, 3)).
+    w = inn.Parameter("w", DyadicTensor(_int([100, -100, 4]), 10), bits=16)
+    opt = SGD([w], lr_shift=2, momentum_shift=1, rounding="nearest")
+    w.grad = DyadicTensor(_int([64, 64, 64]), 10)
+    opt.step()
+    w.value = DyadicTensor(torch.zeros(2, 3, dtype=torch.int32), 10)
+    w.grad = DyadicTensor(torch.zeros(2, 3, dtype=torch.int32), 10)
+    with pytest.raises(
+        ValueError, match=r"'w' is \(3,\) at scale 10, the parameter \(2, 3\) at 10"
+    ):
+        opt.step()
+    assert w.value.mantissa.tolist() == [[0, 0, 0], [0, 0, 0]]
 
 
 def test_integer_sgd_resumed_from_its_state_dict_continues_bit_for_bit(tmp_path):

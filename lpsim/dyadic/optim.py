@@ -192,8 +192,8 @@ class SGD:
 
         Raises:
             TypeError, ValueError: a gradient is not a DyadicTensor of the parameter's shape, or
-                a momentum buffer is not at the parameter's scales (one loaded with
-                load_state_dict() from a parameter at other scales).
+                a momentum buffer is not of the parameter's shape and at its scales (one
+                loaded from a parameter at other scales, or a value replaced by another).
             OverflowError: the momentum buffer overflows int32 under overflow="raise".
         """
         for index, p in enumerate(self.parameters):
@@ -216,12 +216,13 @@ class SGD:
             m = self.momentum[index]
             if m is None:
                 m = w.with_mantissa(torch.zeros_like(w.mantissa, dtype=torch.int32))
-            elif not _same_scales(m, w):
+            elif m.shape != w.shape or not _same_scales(m, w):
                 raise ValueError(
-                    f"the momentum buffer of {p.name!r} is at scale {_scale_text(m)}, the "
-                    f"parameter at {_scale_text(w)}: the rule keeps the buffer on the "
-                    "parameter's grid (a state_dict() from a parameter at another scale, or a "
-                    "value replaced by one at another scale)"
+                    f"the momentum buffer of {p.name!r} is {tuple(m.shape)} at scale "
+                    f"{_scale_text(m)}, the parameter {tuple(w.shape)} at {_scale_text(w)}: the "
+                    "rule keeps the buffer on the parameter's grid, element for element (a "
+                    "state_dict() from a parameter at another scale, or a value replaced by one "
+                    "of another shape or scale)"
                 )
             decay = self._round(m.ldexp(-self.momentum_shift), w).value
             m = self._checked("momentum decay", self._add(m, decay, subtract=True))
