@@ -330,6 +330,27 @@ def test_an_accumulator_width_out_of_range_is_named_accumulator_bits(call):
         call("32")
 
 
+def test_ldexp_past_the_scale_range_names_exponent_and_its_range():
+    per_tensor = DyadicTensor(V, 3)
+    per_channel = DyadicTensor(V, [3, -5, 0], axis=0)
+    assert per_tensor.ldexp(2**30 + 3).scale == -(2**30)
+    assert per_channel.ldexp(-(2**30) + 3).scale.tolist() == [2**30, 2**30 - 8, 2**30 - 3]
+    cases = [
+        (
+            per_tensor,
+            2**30 + 4,
+            r"exponent 1073741828 moves the scale 3 out of \[-2\*\*30, 2\*\*30\]",
+        ),
+        (per_tensor, -(2**30) + 2, r"exponent must be in \[-1073741821, 1073741827\]"),
+        (per_channel, 2**30 - 4, r"moves the scale \[3, -5, 0\] out of"),
+        (per_channel, 2**100, r"exponent must be in \[-1073741821, 1073741819\]"),  # no wrap
+        (per_channel, -(2**64), r"exponent must be in \[-1073741821, 1073741819\]"),
+    ]
+    for x, exponent, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            x.ldexp(exponent)
+
+
 def test_kernels_reject_bad_arguments_from_direct_calls():
     ops = torch.ops.lpsim
     seed = torch.tensor(0)

@@ -230,10 +230,31 @@ class DyadicTensor:
     # ---- exact rescaling and views ------------------------------------------------------------
 
     def ldexp(self, exponent: int) -> DyadicTensor:
-        """These values times 2**exponent: the same mantissa at scale - exponent (exact, free)."""
+        """These values times 2**exponent: the same mantissa at scale - exponent (exact, free).
+
+        Raises:
+            TypeError: exponent is not an int.
+            ValueError: a scale - exponent would leave [-2**30, 2**30] (the message gives the
+                exponents that keep every scale in it).
+        """
         if not isinstance(exponent, int) or isinstance(exponent, bool):
             raise TypeError(f"exponent must be an int, got {type(exponent).__name__}")
+        if self.axis is None:
+            low = high = self.scale
+        elif self.scale.numel():
+            low, high = int(self.scale.min()), int(self.scale.max())
+        else:
+            low = high = 0
+        # Checked on Python ints: a per-channel scale tensor minus a huge exponent would wrap.
+        if not (-MAX_SCALE <= low - exponent and high - exponent <= MAX_SCALE):
+            raise ValueError(
+                f"exponent {exponent} moves the scale {self._scale_text()} out of "
+                f"[-2**30, 2**30]: exponent must be in [{high - MAX_SCALE}, {low + MAX_SCALE}]"
+            )
         return DyadicTensor(self.mantissa, self.scale - exponent, self.axis)
+
+    def _scale_text(self) -> str:
+        return str(self.scale) if self.axis is None else str(self.scale.tolist())
 
     def with_mantissa(self, mantissa: torch.Tensor) -> DyadicTensor:
         """A tensor of the same scales with another mantissa of the same shape."""
