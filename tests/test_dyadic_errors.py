@@ -351,6 +351,25 @@ def test_ldexp_past_the_scale_range_names_exponent_and_its_range():
             x.ldexp(exponent)
 
 
+def test_a_result_scale_past_the_range_names_the_operation_and_its_formula():
+    top = DyadicTensor(V, 2**30)
+    one = DyadicTensor(torch.ones(1, 1, dtype=torch.int32), 2**30)
+    cases = [
+        (lambda: dyadic.mul(top, top), r"^lpsim\.dyadic\.mul: the result's scale s_a \+ s_b - "),
+        (lambda: dyadic.div(top, DyadicTensor(V, -(2**30)), 0), r"^lpsim\.dyadic\.div: the "),
+        (
+            lambda: dyadic.matmul(one, DyadicTensor(torch.ones(1, 1, dtype=torch.int32), [1], 1)),
+            r"^lpsim\.dyadic\.matmul: the result's scale s_a \+ s_b = \[1073741825\] is outside",
+        ),
+    ]
+    for call, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            call()
+    # At the ends of the range itself the results are exact: 1 * 1 at scale 2**30.
+    edge = dyadic.mul(top, DyadicTensor(V, 0), 0)
+    assert edge.scale == 2**30 and edge.mantissa.tolist() == [1, 4, 9]
+
+
 def test_kernels_reject_bad_arguments_from_direct_calls():
     ops = torch.ops.lpsim
     seed = torch.tensor(0)

@@ -45,7 +45,13 @@ from lpsim._checks import (
     seed_argument,
 )
 from lpsim._ops import call
-from lpsim.dyadic.tensor import DyadicTensor, check_cpu_dense, normalize_axis, normalize_scale
+from lpsim.dyadic.tensor import (
+    MAX_SCALE,
+    DyadicTensor,
+    check_cpu_dense,
+    normalize_axis,
+    normalize_scale,
+)
 from lpsim.rounding import Rounding, check_rbits
 
 __all__ = [
@@ -500,6 +506,23 @@ def saturating_sub(
     return _add(a, b, True, rounding, rbits, seed, offset)
 
 
+def _result_scale(function: str, formula: str, scale):
+    """The scale (an int or a per-channel tensor) of a result, checked before the kernel runs: a
+    ValueError naming ``function`` and ``formula`` where it leaves [-2**30, 2**30]."""
+    if isinstance(scale, torch.Tensor):
+        if not scale.numel():
+            return scale
+        low, high = int(scale.min()), int(scale.max())
+    else:
+        low = high = scale
+    if not (-MAX_SCALE <= low and high <= MAX_SCALE):
+        value = scale if not isinstance(scale, torch.Tensor) else scale.tolist()
+        raise ValueError(
+            f"{function}: the result's scale {formula} = {value} is outside [-2**30, 2**30]"
+        )
+    return scale
+
+
 def _bounds_of(dtype: torch.dtype) -> tuple[int, int]:
     info = torch.iinfo(dtype)
     return info.min, info.max
@@ -609,9 +632,10 @@ def mul(
     check_choice("overflow", overflow, OVERFLOW_POLICIES)
     check_int("shift", shift, 0, 2**30)
     p = _pair(a, b)
+    scale = _result_scale("lpsim.dyadic.mul", "s_a + s_b - shift", p.scale_a + p.scale_b - shift)
     out, count = call("dyadic_mul", p.a, p.b, shift, *_random_args(rounding, rbits, seed, offset))
     check_overflow(int(count), "lpsim.dyadic.mul", _bounds_of(out.dtype), overflow)
-    return DyadicTensor(out, p.scale_a + p.scale_b - shift, p.axis)
+    return DyadicTensor(out, scale, p.axis)
 
 
 def div(
@@ -642,9 +666,10 @@ def div(
     zeros = int((p.b == 0).sum())
     if zeros:
         raise ZeroDivisionError(f"lpsim.dyadic.div: b is 0 in {zeros} element(s)")
+    scale = _result_scale("lpsim.dyadic.div", "s_a - s_b + shift", p.scale_a - p.scale_b + shift)
     out, count = call("dyadic_div", p.a, p.b, shift, *_random_args(rounding, rbits, seed, offset))
     check_overflow(int(count), "lpsim.dyadic.div", _bounds_of(out.dtype), overflow)
-    return DyadicTensor(out, p.scale_a - p.scale_b + shift, p.axis)
+    return DyadicTensor(out, scale, p.axis)
 
 
 # ---- products -----------------------------------------------------------------------------------
@@ -676,13 +701,11 @@ def saturating_matmul(a: DyadicTensor, b: DyadicTensor, *, accumulator_bits: int
             "element of the result"
         )
     bounds = accumulator_range(accumulator_bits)
+    scale = _result_scale("lpsim.dyadic.matmul", "s_a + s_b", a.scale + b.scale)
     dtype = torch.promote_types(a.dtype, b.dtype)
     out, count = call("dyadic_matmul", a.mantissa.to(dtype), b.mantissa.to(dtype), *bounds)
-    if a.axis is not None:
-        return Saturated(DyadicTensor(out, a.scale + b.scale, 0), int(count))
-    if b.axis is not None:
-        return Saturated(DyadicTensor(out, a.scale + b.scale, 1), int(count))
-    return Saturated(DyadicTensor(out, a.scale + b.scale), int(count))
+    axis = 0 if a.axis is not None else 1 if b.axis is not None else None
+    return Saturated(DyadicTensor(out, scale, axis), int(count))
 
 
 def matmul(
