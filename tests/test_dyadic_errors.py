@@ -171,7 +171,7 @@ def _step_with_grad(grad):
         (
             lambda: dyadic.matmul(M, M.t(), accumulator_bits=65),
             ValueError,
-            r"bits must be in \[2, 64\], got 65",
+            r"^accumulator_bits must be in \[2, 64\], got 65",
         ),
         (lambda: dyadic.sum(M, 2), ValueError, r"dim must be in \[-2, 1\], got 2"),
         (lambda: dyadic.sum(X, 0), ValueError, r"sum needs a 2-D tensor, got 1 dimensions"),
@@ -206,6 +206,11 @@ def _step_with_grad(grad):
             lambda: inn.Linear(4, 3, weight_bits=40),
             ValueError,
             r"weight_bits must be in \[2, 32\], got 40",
+        ),
+        (
+            lambda: inn.Linear(2, 2, bias=False, bias_value=torch.tensor([5.0, 5.0])),
+            ValueError,
+            r"bias_value is the initial bias of a layer with bias=True; got one with bias=False",
         ),
         (
             lambda: inn.Linear(4, 3, accumulator_bits=1),
@@ -303,6 +308,66 @@ def _step_with_grad(grad):
 def test_bad_input_raises_a_clear_error(call, error, pattern):
     with pytest.raises(error, match=pattern):
         call()
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda bits: dyadic.matmul(M, M.t(), accumulator_bits=bits),
+        lambda bits: dyadic.saturating_matmul(M, M.t(), accumulator_bits=bits),
+        lambda bits: dyadic.sum(M, 0, accumulator_bits=bits),
+        lambda bits: dyadic.saturating_sum(M, 1, accumulator_bits=bits),
+        lambda bits: inn.mse_loss(M, M, accumulator_bits=bits),
+    ],
+)
+def test_an_accumulator_width_out_of_range_is_named_accumulator_bits(call):
+    for bits in (1, 65):
+        with pytest.raises(
+            ValueError, match=rf"^accumulator_bits must be in \[2, 64\], got {bits}"
+        ):
+            call(bits)
+    with pytest.raises(TypeError, match=r"^accumulator_bits must be an int, got str"):
+        call("32")
+
+
+def test_ldexp_past_the_scale_range_names_exponent_and_its_range():
+    per_tensor = DyadicTensor(V, 3)
+    per_channel = DyadicTensor(V, [3, -5, 0], axis=0)
+    assert per_tensor.ldexp(2**30 + 3).scale == -(2**30)
+    assert per_channel.ldexp(-(2**30) + 3).scale.tolist() == [2**30, 2**30 - 8, 2**30 - 3]
+    cases = [
+        (
+            per_tensor,
+            2**30 + 4,
+            r"exponent 1073741828 moves the scale 3 out of \[-2\*\*30, 2\*\*30\]",
+        ),
+        (per_tensor, -(2**30) + 2, r"exponent must be in \[-1073741821, 1073741827\]"),
+        (per_channel, 2**30 - 4, r"moves the scale \[3, -5, 0\] out of"),
+        (per_channel, 2**100, r"exponent must be in \[-1073741821, 1073741819\]"),  # no wrap
+        (per_channel, -(2**64), r"exponent must be in \[-1073741821, 1073741819\]"),
+    ]
+    for x, exponent, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            x.ldexp(exponent)
+
+
+def test_a_result_scale_past_the_range_names_the_operation_and_its_formula():
+    top = DyadicTensor(V, 2**30)
+    one = DyadicTensor(torch.ones(1, 1, dtype=torch.int32), 2**30)
+    cases = [
+        (lambda: dyadic.mul(top, top), r"^lpsim\.dyadic\.mul: the result's scale s_a \+ s_b - "),
+        (lambda: dyadic.div(top, DyadicTensor(V, -(2**30)), 0), r"^lpsim\.dyadic\.div: the "),
+        (
+            lambda: dyadic.matmul(one, DyadicTensor(torch.ones(1, 1, dtype=torch.int32), [1], 1)),
+            r"^lpsim\.dyadic\.matmul: the result's scale s_a \+ s_b = \[1073741825\] is outside",
+        ),
+    ]
+    for call, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            call()
+    # At the ends of the range itself the results are exact: 1 * 1 at scale 2**30.
+    edge = dyadic.mul(top, DyadicTensor(V, 0), 0)
+    assert edge.scale == 2**30 and edge.mantissa.tolist() == [1, 4, 9]
 
 
 def test_kernels_reject_bad_arguments_from_direct_calls():

@@ -372,6 +372,58 @@ def test_scale_for_gives_an_empty_channel_the_scale_of_an_all_zero_one():
     assert out.scale.tolist() == [7, 7, 7] and out.shape == (3, 0)
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_scale_for_puts_the_largest_integer_magnitude_in_the_top_bit_beyond_2_to_53(signed):
+    # Integers above 2**53 round in float64, up to the next power of two for 2**54 - 1: the scale
+    # must come from the exact magnitude. Documented: max|x| 2**scale in [2**(b-2), 2**(b-1))
+    # signed, [2**(b-1), 2**b) unsigned.
+    bits = 8
+    low, high = (2 ** (bits - 2), 2 ** (bits - 1)) if signed else (2 ** (bits - 1), 2**bits)
+    cases = [
+        (torch.int64, [2**54 - 1, 3]),
+        (torch.int64, [-(2**54 - 1), 0]),
+        (torch.int64, [2**63 - 1]),
+        (torch.int64, [-(2**63)]),
+        (torch.int64, [2**53 + 1, -5]),
+        (torch.int32, [2**31 - 1, -7]),
+        (torch.uint64, [2**64 - 1, 1]),
+        (torch.uint64, [2**63 - 1]),
+    ]
+    for dtype, values in cases:
+        if not signed and any(v < 0 for v in values):
+            continue
+        peak = max(abs(v) for v in values)
+        scale = dyadic.scale_for(torch.tensor(values, dtype=dtype), bits, signed)
+        assert low <= Fraction(peak) * Fraction(2) ** scale < high, (dtype, values, scale)
+    rows = torch.tensor([[2**54 - 1, 1], [-(2**62 - 1), 2**40]], dtype=torch.int64)
+    per_row = dyadic.scale_for(rows, bits, signed, axis=0).tolist()
+    expected = [bits - 2 - 53, bits - 2 - 61] if signed else [bits - 1 - 53, bits - 1 - 61]
+    assert per_row == expected
+
+
+def test_a_per_channel_axis_of_size_0_takes_an_empty_scale_list():
+    # Zero channels have zero scales: [] (as a list, a tuple or a tensor) is the one valid scale,
+    # and every operation returns the empty result at it, as for any other empty tensor.
+    empty = torch.zeros(0, 3, dtype=torch.int32)
+    for scale in ([], (), torch.tensor([], dtype=torch.int64)):
+        x = DyadicTensor(empty, scale, axis=0)
+        assert x.scale.dtype == torch.int64 and x.scale.tolist() == [] and x.axis == 0
+    x = DyadicTensor(empty, [], axis=0)
+    results = [
+        dyadic.from_float(torch.zeros(0, 3), 8, [], axis=0).value,
+        dyadic.from_float(torch.zeros(0, 3), 8, axis=0).value,
+        dyadic.requantize(DyadicTensor(empty, 2), [], 8, axis=0).value,
+        dyadic.requantize(x, [], 8, rounding="nearest").value,
+        dyadic.add(x, x),
+        dyadic.sub(x, DyadicTensor(torch.zeros(3, dtype=torch.int32), 4)),
+        dyadic.align(x, DyadicTensor(torch.zeros(1, 3, dtype=torch.int32), 4))[1],
+    ]
+    for r in results:
+        assert r.shape == (0, 3) and r.axis == 0 and r.scale.tolist() == []
+        assert torch.equal(r.to_float(), torch.zeros(0, 3))
+    assert dyadic.requantize(x, 5, 8).value.scale == 5
+
+
 def test_to_float_is_exact_for_representable_values():
     v = torch.tensor([3, -5, 2**31 - 1, -(2**31)], dtype=torch.int32)
     x = DyadicTensor(v, 33)

@@ -398,6 +398,35 @@ def test_mse_loss_divides_by_a_batch_that_is_not_a_power_of_two():
     assert power_of_two.grad.scale == 3  # N = 2: dividing is a scale change
 
 
+@pytest.mark.parametrize("top", [2**31 - 1, -(2**31)])
+def test_mse_loss_gradient_of_an_error_at_the_accumulators_edge_is_computed_not_refused(top):
+    # N = 3, e = y - t in range of the 32-bit accumulator; e / N is smaller than e, but the
+    # documented div(e, N, p = 2) forms e * 4 / 3, one bit wider than int32.
+    y = DyadicTensor(_int([[top], [0], [0]]), 0)
+    t = DyadicTensor(_int([[0], [0], [0]]), 0)
+    out = inn.mse_loss(y, t, rounding="nearest", error_bits=8)
+    quotient = Fraction(top * 4, 3)  # at scale 2
+    q, frac = math.floor(quotient), quotient - math.floor(quotient)
+    q += frac > Fraction(1, 2) or (frac == Fraction(1, 2) and q % 2 == 1)
+    magnitude = max(q, -q - 1)
+    shift = max(0, magnitude.bit_length() - 7)  # fit_shift to 8 bits
+    scaled = Fraction(q, 2**shift)
+    r, frac = math.floor(scaled), scaled - math.floor(scaled)
+    r += frac > Fraction(1, 2) or (frac == Fraction(1, 2) and r % 2 == 1)
+    r = min(max(r, -128), 127)
+    assert out.shift == shift and out.grad.scale == 2 - shift
+    assert out.grad.mantissa.tolist() == [[r], [0], [0]]
+    assert out.loss == float(Fraction(top * top, 6))
+
+
+def test_mse_loss_names_a_quotient_beyond_int64_under_a_64_bit_accumulator():
+    # e = 2**63 - 1 fits the 64-bit accumulator; e * 4 / 3 (p = bits(3) = 2) does not fit int64.
+    y = DyadicTensor(_int([[2**63 - 1], [0], [0]], torch.int64), 0)
+    t = DyadicTensor(_int([[0], [0], [0]], torch.int64), 0)
+    with pytest.raises(OverflowError, match=r"^mse_loss \(y - t\) / N: e 2\*\*2 / 3 .* at most 63"):
+        inn.mse_loss(y, t, accumulator_bits=64, rounding="nearest")
+
+
 def test_integer_sgd_with_momentum_equals_torch_sgd_on_exact_values():
     # lr 2**-2, momentum 1 - 2**-1 = 0.5; every intermediate is exact, so nearest rounding must
     # reproduce torch.optim.SGD's float updates exactly.
@@ -638,6 +667,53 @@ def test_linear_takes_initial_values_of_any_float_dtype_exactly(dtype):
     assert got == mantissas
     with pytest.raises(ValueError, match="weight must be finite, found 12 NaN or Inf"):
         inn.Linear(4, 3, weight=torch.full((3, 4), math.nan).to(dtype))
+
+
+def test_sgd_refuses_a_momentum_buffer_off_the_parameters_grid():
+    # The rule keeps M at the weight's scale s_W. A state_dict() saved for a parameter at another
+    # scale must not be carried on a grid of its own (here M would stay at scale 3 for ever).
+    w = inn.Parameter("w", DyadicTensor(_int([100, -100]), 10), bits=16)
+    opt = SGD([w], lr_shift=2, momentum_shift=1, rounding="nearest")
+    other = {
+        "momentum": [{"mantissa": _int([7, 9]), "scale": 3, "axis": None}],
+        "stats": [{"gradient": 0, "weight": 0}],
+    }
+    opt.load_state_dict(other)
+    w.grad = DyadicTensor(_int([0, 0]), 10)
+    with pytest.raises(
+        ValueError, match=r"momentum buffer of 'w' is \(2,\) at scale 3, the parameter \(2,\) at 10"
+    ):
+        opt.step()
+    assert w.value.mantissa.tolist() == [100, -100]
+    per_channel = dict(other, momentum=[{"mantissa": _int([7, 9]), "scale": [10, 10], "axis": 0}])
+    opt.load_state_dict(per_channel)
+    with pytest.raises(
+        ValueError, match=r"at scale \[10, 10\] along axis 0, the parameter \(2,\) at 10"
+    ):
+        opt.step()
+    # A buffer on the grid continues as torch.optim.SGD from that momentum: M = 0.5 M + 0,
+    # W = W - M / 4, exact here.
+    on_grid = dict(other, momentum=[{"mantissa": _int([8, -16]), "scale": 10, "axis": None}])
+    opt.load_state_dict(on_grid)
+    opt.step()
+    assert opt.momentum[0].mantissa.tolist() == [4, -8]
+    assert w.value.mantissa.tolist() == [100 - 1, -100 + 2]
+
+
+def test_sgd_refuses_a_momentum_buffer_of_another_shape_than_its_parameter():
+    # A value replaced by one of another shape: the old buffer must not broadcast into the new
+    # parameter (here (3,) would spread over every row of (2, 3)).
+    w = inn.Parameter("w", DyadicTensor(_int([100, -100, 4]), 10), bits=16)
+    opt = SGD([w], lr_shift=2, momentum_shift=1, rounding="nearest")
+    w.grad = DyadicTensor(_int([64, 64, 64]), 10)
+    opt.step()
+    w.value = DyadicTensor(torch.zeros(2, 3, dtype=torch.int32), 10)
+    w.grad = DyadicTensor(torch.zeros(2, 3, dtype=torch.int32), 10)
+    with pytest.raises(
+        ValueError, match=r"'w' is \(3,\) at scale 10, the parameter \(2, 3\) at 10"
+    ):
+        opt.step()
+    assert w.value.mantissa.tolist() == [[0, 0, 0], [0, 0, 0]]
 
 
 def test_integer_sgd_resumed_from_its_state_dict_continues_bit_for_bit(tmp_path):

@@ -45,7 +45,13 @@ from lpsim._checks import (
     seed_argument,
 )
 from lpsim._ops import call
-from lpsim.dyadic.tensor import DyadicTensor, check_cpu_dense, normalize_axis, normalize_scale
+from lpsim.dyadic.tensor import (
+    MAX_SCALE,
+    DyadicTensor,
+    check_cpu_dense,
+    normalize_axis,
+    normalize_scale,
+)
 from lpsim.rounding import Rounding, check_rbits
 
 __all__ = [
@@ -154,6 +160,11 @@ def integer_range(bits: int, signed: bool = True) -> tuple[int, int]:
     return 0, 2**b - 1
 
 
+def accumulator_range(accumulator_bits: int) -> tuple[int, int]:
+    """integer_range of a signed accumulator, with errors that name ``accumulator_bits``."""
+    return integer_range(check_int("accumulator_bits", accumulator_bits, 2, 64))
+
+
 def _storage(bounds: tuple[int, int], dtype: torch.dtype | None) -> torch.dtype:
     """The mantissa dtype for values in bounds: int32 when they fit, unless dtype says int64."""
     fits32 = _INT32[0] <= bounds[0] and bounds[1] <= _INT32[1]
@@ -174,11 +185,23 @@ def _inner(shape: torch.Size, axis: int | None) -> int:
 
 
 def _shifts(shift) -> list[int]:
-    """Per-class shifts as the kernels take them: [k] for an int, k.tolist() for a tensor."""
-    return shift.tolist() if isinstance(shift, torch.Tensor) else [shift]
+    """Per-class shifts as the kernels take them: [k] for an int, k.tolist() for a tensor. No
+    channels (a per-channel axis of size 0, so no elements) is one class no element reads."""
+    return (shift.tolist() or [0]) if isinstance(shift, torch.Tensor) else [shift]
 
 
 # ---- conversions --------------------------------------------------------------------------------
+
+
+def _channel_reduce(values: torch.Tensor, axis: int | None, reduce) -> torch.Tensor:
+    """``reduce`` (torch.amax or torch.amin) of values over everything (a 0-d tensor) or over all
+    dimensions but ``axis`` (one entry per channel); empty tensors and channels give 0."""
+    if axis is None:
+        return reduce(values) if values.numel() else values.new_zeros(())
+    if not values.numel():
+        return values.new_zeros(values.shape[axis])
+    others = [d for d in range(values.dim()) if d != axis]
+    return reduce(values, dim=others) if others else values
 
 
 def scale_for(
@@ -202,19 +225,27 @@ def scale_for(
     if x.is_complex() or x.dtype == torch.bool:
         raise TypeError(f"x must be a real floating or integer tensor, got {x.dtype}")
     integer_range(bits, signed)
-    magnitude = x.detach().to(torch.float64).abs()  # float64 holds float8_e8m0fnu too
-    if axis is None:
-        peak = magnitude.max() if magnitude.numel() else torch.zeros((), dtype=torch.float64)
-    else:
+    if axis is not None:
         axis = normalize_axis(axis, x.dim())
-        others = [d for d in range(x.dim()) if d != axis]
-        if not magnitude.numel():  # empty channels are all-zero ones
-            peak = magnitude.new_zeros(x.shape[axis])
-        else:
-            peak = magnitude.amax(dim=others) if others else magnitude
-    if not bool(torch.isfinite(peak).all()):
-        raise ValueError("x must be finite, found NaN or Inf")
-    _, exponent = torch.frexp(peak)  # peak = f * 2**exponent, f in [0.5, 1): e = exponent - 1
+    x = x.detach()
+    if x.dtype.is_floating_point:
+        # float64 holds every value of every float dtype (float8_e8m0fnu too) exactly.
+        peak = _channel_reduce(x.to(torch.float64).abs(), axis, torch.amax)
+        if not bool(torch.isfinite(peak).all()):
+            raise ValueError("x must be finite, found NaN or Inf")
+        _, exponent = torch.frexp(peak)  # peak = f * 2**exponent, f in [0.5, 1): e = exponent - 1
+    else:
+        # Integers are read exactly: float64 rounds those above 2**53, and rounding up to a power
+        # of two would make the scale one too coarse. The exponent is the bit length of the
+        # largest magnitude; a uint64 is read as int64, where values from 2**63 are negative.
+        wide = x.view(torch.int64) if x.dtype == torch.uint64 else x.to(torch.int64)
+        top = _channel_reduce(wide, axis, torch.amax)
+        bottom = _channel_reduce(wide, axis, torch.amin)
+        lengths = [
+            64 if x.dtype == torch.uint64 and b < 0 else max(t, -b).bit_length()
+            for t, b in zip(top.reshape(-1).tolist(), bottom.reshape(-1).tolist())
+        ]
+        exponent = torch.tensor(lengths, dtype=torch.int64).reshape(top.shape)
     scale = bits - 1 - exponent.to(torch.int64) + (0 if signed else 1)
     return int(scale) if axis is None else scale
 
@@ -475,6 +506,23 @@ def saturating_sub(
     return _add(a, b, True, rounding, rbits, seed, offset)
 
 
+def _result_scale(function: str, formula: str, scale):
+    """The scale (an int or a per-channel tensor) of a result, checked before the kernel runs: a
+    ValueError naming ``function`` and ``formula`` where it leaves [-2**30, 2**30]."""
+    if isinstance(scale, torch.Tensor):
+        if not scale.numel():
+            return scale
+        low, high = int(scale.min()), int(scale.max())
+    else:
+        low = high = scale
+    if not (-MAX_SCALE <= low and high <= MAX_SCALE):
+        value = scale if not isinstance(scale, torch.Tensor) else scale.tolist()
+        raise ValueError(
+            f"{function}: the result's scale {formula} = {value} is outside [-2**30, 2**30]"
+        )
+    return scale
+
+
 def _bounds_of(dtype: torch.dtype) -> tuple[int, int]:
     info = torch.iinfo(dtype)
     return info.min, info.max
@@ -584,9 +632,10 @@ def mul(
     check_choice("overflow", overflow, OVERFLOW_POLICIES)
     check_int("shift", shift, 0, 2**30)
     p = _pair(a, b)
+    scale = _result_scale("lpsim.dyadic.mul", "s_a + s_b - shift", p.scale_a + p.scale_b - shift)
     out, count = call("dyadic_mul", p.a, p.b, shift, *_random_args(rounding, rbits, seed, offset))
     check_overflow(int(count), "lpsim.dyadic.mul", _bounds_of(out.dtype), overflow)
-    return DyadicTensor(out, p.scale_a + p.scale_b - shift, p.axis)
+    return DyadicTensor(out, scale, p.axis)
 
 
 def div(
@@ -617,9 +666,10 @@ def div(
     zeros = int((p.b == 0).sum())
     if zeros:
         raise ZeroDivisionError(f"lpsim.dyadic.div: b is 0 in {zeros} element(s)")
+    scale = _result_scale("lpsim.dyadic.div", "s_a - s_b + shift", p.scale_a - p.scale_b + shift)
     out, count = call("dyadic_div", p.a, p.b, shift, *_random_args(rounding, rbits, seed, offset))
     check_overflow(int(count), "lpsim.dyadic.div", _bounds_of(out.dtype), overflow)
-    return DyadicTensor(out, p.scale_a - p.scale_b + shift, p.axis)
+    return DyadicTensor(out, scale, p.axis)
 
 
 # ---- products -----------------------------------------------------------------------------------
@@ -650,14 +700,12 @@ def saturating_matmul(a: DyadicTensor, b: DyadicTensor, *, accumulator_bits: int
             "matmul: per-channel scales on both operands would need a scale per "
             "element of the result"
         )
-    bounds = integer_range(accumulator_bits, True)
+    bounds = accumulator_range(accumulator_bits)
+    scale = _result_scale("lpsim.dyadic.matmul", "s_a + s_b", a.scale + b.scale)
     dtype = torch.promote_types(a.dtype, b.dtype)
     out, count = call("dyadic_matmul", a.mantissa.to(dtype), b.mantissa.to(dtype), *bounds)
-    if a.axis is not None:
-        return Saturated(DyadicTensor(out, a.scale + b.scale, 0), int(count))
-    if b.axis is not None:
-        return Saturated(DyadicTensor(out, a.scale + b.scale, 1), int(count))
-    return Saturated(DyadicTensor(out, a.scale + b.scale), int(count))
+    axis = 0 if a.axis is not None else 1 if b.axis is not None else None
+    return Saturated(DyadicTensor(out, scale, axis), int(count))
 
 
 def matmul(
@@ -679,7 +727,7 @@ def matmul(
     """
     check_choice("overflow", overflow, OVERFLOW_POLICIES)
     result, count = saturating_matmul(a, b, accumulator_bits=accumulator_bits)
-    check_overflow(count, "lpsim.dyadic.matmul", integer_range(accumulator_bits), overflow)
+    check_overflow(count, "lpsim.dyadic.matmul", accumulator_range(accumulator_bits), overflow)
     return result
 
 
@@ -727,5 +775,5 @@ def sum(
     """
     check_choice("overflow", overflow, OVERFLOW_POLICIES)
     result, count = saturating_sum(x, dim, accumulator_bits=accumulator_bits)
-    check_overflow(count, "lpsim.dyadic.sum", integer_range(accumulator_bits), overflow)
+    check_overflow(count, "lpsim.dyadic.sum", accumulator_range(accumulator_bits), overflow)
     return result

@@ -201,7 +201,8 @@ class Linear(Module):
 
     Raises:
         TypeError, ValueError: an argument has the wrong type or is out of range (a weight or
-            bias_value of another shape, or with NaN or Inf, is named).
+            bias_value of another shape, or with NaN or Inf, is named; a bias_value with
+            bias=False is refused).
     """
 
     def __init__(
@@ -231,6 +232,10 @@ class Linear(Module):
         check_int("accumulator_bits", accumulator_bits, 2, 64)
         check_rule(rounding, F.ROUNDINGS, "dyadic operations")
         check_choice("overflow", overflow, F.OVERFLOW_POLICIES)
+        if not bias and bias_value is not None:
+            raise ValueError(
+                "bias_value is the initial bias of a layer with bias=True; got one with bias=False"
+            )
         self.in_features, self.out_features = in_features, out_features
         self.activation_bits, self.error_bits = activation_bits, error_bits
         self.accumulator_bits = accumulator_bits
@@ -506,15 +511,16 @@ def mse_loss(
     In integers: the target is requantised to the output's scale s_y (a left shift, exact, when
     it is coarser, as a one-hot target at scale 0 is), e = y - t is exact at s_y, and dividing by
     the batch size N is free when N is a power of two (the scale grows by log2 N); otherwise
-    e / N = div(e, N, p) with p = N.bit_length(), rounded. The gradient is then requantised to
-    ``error_bits`` with the shift fit_shift() gives. The loss itself is computed exactly from the
-    integers and only then rounded once to the nearest float64 (subnormals included, inf beyond
-    float64's range). Every other rounding uses ``rounding`` ("stochastic" by default,
-    "nearest" or "down").
+    e / N = div(e, N, p) with p = N.bit_length(), rounded (on int64 mantissas: e 2**p / N is up
+    to one bit wider than e). The gradient is then requantised to ``error_bits`` with the shift
+    fit_shift() gives. The loss itself is computed exactly from the integers and only then
+    rounded once to the nearest float64 (subnormals included, inf beyond float64's range). Every
+    other rounding uses ``rounding`` ("stochastic" by default, "nearest" or "down").
 
     Raises:
         ValueError: output and target differ in shape, are not (N, C) with one scale, or N = 0.
-        OverflowError: the target or the error does not fit the accumulator at the output's scale.
+        OverflowError: the target or the error does not fit the accumulator at the output's scale,
+            or (accumulator_bits=64 only) e 2**p / N does not fit int64.
     """
     F.check_dyadic("output", output)
     F.check_dyadic("target", target)
@@ -528,7 +534,7 @@ def mse_loss(
     if output.per_channel or target.per_channel:
         raise ValueError("mse_loss needs per-tensor scales")
     check_int("error_bits", error_bits, 2, 32)
-    bounds = F.integer_range(accumulator_bits)
+    bounds = F.accumulator_range(accumulator_bits)
     moved = F.requantize(target, output.scale, accumulator_bits, rounding=rounding)
     F.check_overflow(
         moved.clip_count, "mse_loss target at the output's scale", bounds, can_saturate=False
@@ -545,12 +551,23 @@ def mse_loss(
     if n & (n - 1) == 0:
         grad = error.ldexp(-(n.bit_length() - 1))
     else:
-        grad = F.div(
-            error,
-            DyadicTensor(torch.tensor(n, dtype=error.dtype)),
-            n.bit_length(),
-            rounding=rounding,
-        )
+        # e 2**p / N with 2**p / N in (1, 2) needs one bit more than the error: in int64, which
+        # holds it for every accumulator of up to 63 bits (an int32 error near its range would
+        # overflow int32 although e / N is smaller than e).
+        wide = error.with_mantissa(error.mantissa.to(torch.int64))
+        try:
+            grad = F.div(
+                wide,
+                DyadicTensor(torch.tensor(n, dtype=torch.int64)),
+                n.bit_length(),
+                rounding=rounding,
+            )
+        except OverflowError:  # only a 64-bit accumulator's error can need a 65th bit
+            raise OverflowError(
+                f"mse_loss (y - t) / N: e 2**{n.bit_length()} / {n} of an error near the 64-bit "
+                "accumulator's range does not fit int64 (accumulator_bits of at most 63 leave "
+                "room for it)"
+            ) from None
     shift = F.fit_shift(grad, error_bits)
     grad = F.requantize(grad, grad.scale - shift, error_bits, rounding=rounding).value
     return LossOutput(loss, grad, shift)

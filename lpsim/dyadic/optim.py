@@ -30,6 +30,21 @@ from lpsim.dyadic.tensor import DyadicTensor
 __all__ = ["SGD", "ClampCounts"]
 
 
+def _same_scales(a: DyadicTensor, b: DyadicTensor) -> bool:
+    """Whether a and b have the same scales along the same axis (or both one scale)."""
+    if a.axis != b.axis:
+        return False
+    if a.axis is None:
+        return a.scale == b.scale
+    return torch.equal(a.scale, b.scale)
+
+
+def _scale_text(x: DyadicTensor) -> str:
+    if x.axis is None:
+        return str(x.scale)
+    return f"{x.scale.tolist()} along axis {x.axis}"
+
+
 @dataclass
 class ClampCounts:
     """Elements clipped by the optimizer since the last reset: gradients (gradient clipping) and
@@ -173,7 +188,14 @@ class SGD:
         return value
 
     def step(self) -> None:
-        """Update every parameter that has a gradient."""
+        """Update every parameter that has a gradient.
+
+        Raises:
+            TypeError, ValueError: a gradient is not a DyadicTensor of the parameter's shape, or
+                a momentum buffer is not of the parameter's shape and at its scales (one
+                loaded from a parameter at other scales, or a value replaced by another).
+            OverflowError: the momentum buffer overflows int32 under overflow="raise".
+        """
         for index, p in enumerate(self.parameters):
             if p.grad is None:
                 continue
@@ -194,6 +216,14 @@ class SGD:
             m = self.momentum[index]
             if m is None:
                 m = w.with_mantissa(torch.zeros_like(w.mantissa, dtype=torch.int32))
+            elif m.shape != w.shape or not _same_scales(m, w):
+                raise ValueError(
+                    f"the momentum buffer of {p.name!r} is {tuple(m.shape)} at scale "
+                    f"{_scale_text(m)}, the parameter {tuple(w.shape)} at {_scale_text(w)}: the "
+                    "rule keeps the buffer on the parameter's grid, element for element (a "
+                    "state_dict() from a parameter at another scale, or a value replaced by one "
+                    "of another shape or scale)"
+                )
             decay = self._round(m.ldexp(-self.momentum_shift), w).value
             m = self._checked("momentum decay", self._add(m, decay, subtract=True))
             m = self._checked("momentum", self._add(m, grad.value, subtract=False))

@@ -90,7 +90,10 @@ def normalize_scale(scale, shape: torch.Size, axis: int | None) -> tuple:
                     f"a per-channel scale must hold integers, got {type(entry).__name__}"
                 )
             _check_scale_value(int(entry))
-    s = torch.as_tensor(scale)
+        # int64 explicitly: an empty sequence (a dimension of size 0) would become float32.
+        s = torch.tensor([int(entry) for entry in scale], dtype=torch.int64)
+    else:
+        s = torch.as_tensor(scale)
     if s.dtype.is_floating_point or s.dtype == torch.bool or s.dtype.is_complex:
         raise TypeError(f"a per-channel scale must hold integers, got {s.dtype}")
     # A copy: the scales are part of the value, and a caller's tensor changed in place later
@@ -227,10 +230,31 @@ class DyadicTensor:
     # ---- exact rescaling and views ------------------------------------------------------------
 
     def ldexp(self, exponent: int) -> DyadicTensor:
-        """These values times 2**exponent: the same mantissa at scale - exponent (exact, free)."""
+        """These values times 2**exponent: the same mantissa at scale - exponent (exact, free).
+
+        Raises:
+            TypeError: exponent is not an int.
+            ValueError: a scale - exponent would leave [-2**30, 2**30] (the message gives the
+                exponents that keep every scale in it).
+        """
         if not isinstance(exponent, int) or isinstance(exponent, bool):
             raise TypeError(f"exponent must be an int, got {type(exponent).__name__}")
+        if self.axis is None:
+            low = high = self.scale
+        elif self.scale.numel():
+            low, high = int(self.scale.min()), int(self.scale.max())
+        else:
+            low = high = 0
+        # Checked on Python ints: a per-channel scale tensor minus a huge exponent would wrap.
+        if not (-MAX_SCALE <= low - exponent and high - exponent <= MAX_SCALE):
+            raise ValueError(
+                f"exponent {exponent} moves the scale {self._scale_text()} out of "
+                f"[-2**30, 2**30]: exponent must be in [{high - MAX_SCALE}, {low + MAX_SCALE}]"
+            )
         return DyadicTensor(self.mantissa, self.scale - exponent, self.axis)
+
+    def _scale_text(self) -> str:
+        return str(self.scale) if self.axis is None else str(self.scale.tolist())
 
     def with_mantissa(self, mantissa: torch.Tensor) -> DyadicTensor:
         """A tensor of the same scales with another mantissa of the same shape."""
