@@ -869,3 +869,21 @@ def test_a_complex_tensor_of_a_quantised_role_is_refused_not_passed_unquantised(
     unquantised = nn.Sequential(nn.Identity(), _Spectrum())
     inject(unquantised, {nn.Identity: LayerQuantization(output=lpsim.Float(5, 2))})
     assert unquantised(torch.randn(4)).dtype == torch.complex64  # a role no config sets
+
+
+def test_an_attentions_key_and_value_biases_are_quantised_as_its_biases():
+    """add_bias_kv's bias_k and bias_v are biases of the attention: bias= rounds them as it rounds
+    in_proj_bias, as a hand-made attention with rounded parameters computes (report() listed a
+    bias format for them while they stayed in full precision)."""
+    torch.manual_seed(5)
+    attention = nn.MultiheadAttention(8, 2, add_bias_kv=True, batch_first=True)
+    by_hand = copy.deepcopy(attention)
+    fmt = Float(4, 3)
+    with torch.no_grad():
+        for name in ("in_proj_bias", "bias_k", "bias_v"):
+            getattr(by_hand, name).copy_(lpsim.quantize(getattr(by_hand, name), fmt, "nearest"))
+    inject(attention, {nn.MultiheadAttention: LayerQuantization(bias=(fmt, "nearest"))})
+    x = torch.randn(2, 5, 8)
+    got, _ = attention(x, x, x, need_weights=False)
+    want, _ = by_hand(x, x, x, need_weights=False)
+    assert_same_bits(got, want)

@@ -112,7 +112,8 @@ class LayerQuantization:
             EmbeddingBag with max_norm renormalises its Parameter's rows in place, as torch's
             does, and looks them up quantised.
         bias: the module's own parameters whose names end in "bias" (in a recurrent layer, start
-            with "bias_": bias_ih_l0, ...), likewise.
+            with "bias_": bias_ih_l0, ...; in a MultiheadAttention, bias_k and bias_v too),
+            likewise.
         input: the floating-point tensors passed to forward (positional and keyword), forward only.
             A tensor passed at several places (self-attention's ``attention(x, x, x)``) is
             quantised once, at its first place, and every place gets that one result. Masks are
@@ -967,9 +968,12 @@ def _check_unmatched(counts: dict, unmatched: str, model: nn.Module) -> None:
 def _is_named(module: nn.Module, name: str, kind: str) -> bool:
     """Whether the parameter ``name`` of ``module`` is one of its ``kind`` ("weight" or "bias")
     parameters: its name ends in ``kind``, or, in a recurrent layer (nn.RNN, nn.LSTM, nn.GRU),
-    starts with ``kind + "_"`` (weight_ih_l0, bias_hh_l1_reverse, ...)."""
+    starts with ``kind + "_"`` (weight_ih_l0, bias_hh_l1_reverse, ...); a MultiheadAttention's
+    bias_k and bias_v (add_bias_kv) are biases."""
     if name.endswith(kind):
         return True
+    if isinstance(module, nn.MultiheadAttention) and kind == "bias":
+        return name in ("bias_k", "bias_v")
     return (
         isinstance(module, nn.RNNBase)
         and name in module._flat_weights_names  # not weight_norm's weight_ih_l0_g, say
