@@ -443,6 +443,16 @@ def test_a_torch_option_set_on_a_group_after_it_was_made_is_refused_by_the_step(
     assert_same_bits(w.detach(), torch.ones(4))
 
 
+def test_adamw_refuses_a_tensor_lr_set_after_the_group_was_made_naming_lr():
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = lpsim.optim.AdamW([w], lr=0.1)
+    opt.param_groups[0]["lr"] = torch.tensor(0.05)  # as a scheduler with a tensor lr sets it
+    w.grad = torch.ones(4)
+    with pytest.raises(TypeError, match="lr must be a number, got Tensor"):
+        opt.step()
+    assert_same_bits(w.detach(), torch.ones(4))
+
+
 @pytest.mark.parametrize(
     "ours,theirs",
     [

@@ -393,6 +393,12 @@ class AdamW(_LowPrecision):
         group["betas"] = check_betas(group["betas"])
         super()._check_options(group)
 
+    def _refuse_unsupported(self, group: dict) -> None:
+        super()._refuse_unsupported(group)
+        # torch's AdamW takes a tensor lr (a scheduler may set one after the group was made),
+        # which makes its step size float32; this one's is float64 and takes a number.
+        check_number("lr", group["lr"])
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One update of every parameter that has a gradient. Returns the closure's loss."""
