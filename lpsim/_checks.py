@@ -103,12 +103,16 @@ def check_tensor(x, name: str = "x") -> None:
 
 def check_strided(x: torch.Tensor, name: str, function: str) -> None:
     """Raises TypeError unless x is a strided (dense) tensor: the compiled ops read storage, which
-    sparse layouts do not have (the message names x as ``name`` and the caller as ``function``)."""
-    if x.layout != torch.strided:
-        raise TypeError(
-            f"{name} is a {str(x.layout).replace('torch.', '')} tensor; {function} takes strided "
-            "tensors (a sparse tensor's values() is one)"
-        )
+    sparse, nested and MKL-DNN tensors do not lay out as one strided array (the message names x as
+    ``name`` and the caller as ``function``, and the way to the tensors it takes)."""
+    if x.is_nested:  # a nested tensor may have torch.strided as its layout
+        kind, way = "nested", "unbind() gives its tensors"
+    elif x.layout != torch.strided:
+        kind = str(x.layout).replace("torch.", "").lstrip("_")
+        way = "a sparse tensor's values() is one" if "sparse" in kind else "to_dense() gives one"
+    else:
+        return
+    raise TypeError(f"{name} is a {kind} tensor; {function} takes strided tensors ({way})")
 
 
 def check_container(x, name: str = "x", allowed: Sequence[torch.dtype] = CONTAINER_DTYPES) -> None:

@@ -22,7 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from lpsim._checks import check_container, check_tensor, draws_seed_in_python, random_args
+from lpsim._checks import (
+    check_container,
+    check_strided,
+    check_tensor,
+    draws_seed_in_python,
+    random_args,
+)
 from lpsim._ops import call, call_in_place
 from lpsim.formats import GRID_FORMATS, BlockFloat, Format, check_fits
 from lpsim.fusable import compiled_quantize, compiled_quantize_
@@ -53,7 +59,14 @@ def quantize_op_arguments(x, fmt, rounding, rbits, seed, offset):
     lpsim._ops.call)."""
     if isinstance(x, torch.Tensor) and isinstance(fmt, GRID_FORMATS):
         grid = fmt.stored_grid_arguments(x.dtype)  # stored only for dtypes that passed the checks
-        if grid is not None and rbits is None and seed is None and type(offset) is int:
+        if (
+            grid is not None
+            and rbits is None
+            and seed is None
+            and type(offset) is int
+            and x.layout is torch.strided  # others are refused below (check_strided)
+            and not x.is_nested
+        ):
             default = _DEFAULT_RANDOM.get(rounding) if type(rounding) in (str, Rounding) else None
             if default is not None and offset == 0:
                 random, stochastic = default
@@ -61,6 +74,7 @@ def quantize_op_arguments(x, fmt, rounding, rbits, seed, offset):
                 if not (stochastic and draws_seed_in_python()):
                     return "quantize_grid", grid + random
     check_tensor(x)
+    check_strided(x, "x", "quantize")
     if isinstance(fmt, GRID_FORMATS):
         check_container(x)
         grid = fmt.grid_arguments(x.dtype)
@@ -128,8 +142,9 @@ def quantize(
         in-place ops do.
 
     Raises:
-        TypeError: x is not a floating tensor of a supported dtype, fmt is not a format, or an
-            argument has the wrong type.
+        TypeError: x is not a strided floating tensor of a supported dtype (a sparse, nested
+            or MKL-DNN tensor is refused), fmt is not a format, or an argument has the wrong
+            type.
         ValueError: the format does not fit x's dtype, or an argument is out of range.
         IndexError: a BlockFloat dim does not exist in x.
         RuntimeError: ``out`` is given and x or out requires grad, outside torch.no_grad();
@@ -144,6 +159,7 @@ def quantize(
     if out is None:
         return call(name, x, *args)
     check_tensor(out, "out")
+    check_strided(out, "out", "quantize")
     if out.device != x.device:
         # The compiled kernels check it too, but a meta tensor among x and out dispatches to the
         # shape-only kernel, which would leave out unwritten.

@@ -83,7 +83,13 @@ from typing import Literal
 
 import torch
 
-from lpsim._checks import check_choice, check_element_format, check_int, check_strided
+from lpsim._checks import (
+    check_choice,
+    check_element_format,
+    check_int,
+    check_strided,
+    check_tensor,
+)
 from lpsim._checks import random_args as _random_args
 from lpsim._ops import call
 from lpsim.accumulate import check_product_operands
@@ -366,16 +372,19 @@ def matmul(
 
     Raises:
         TypeError: an operand has an unsupported dtype (float64 products would not be exact) or,
-            under a non-native MAC, a sparse layout; the dtypes differ, or mac is not a MAC.
+            under a non-native MAC, a sparse, nested or MKL-DNN layout; the dtypes differ, or mac
+            is not a MAC.
         ValueError: the shapes do not match, or the operands are not on one CPU or CUDA device.
     """
     if not isinstance(mac, MAC):
         raise TypeError(f"mac must be a MAC, got {type(mac).__name__}")
+    if not mac.native:  # before the shapes: a nested tensor has none
+        for name, operand in (("a", a), ("b", b)):
+            check_tensor(operand, name)
+            check_strided(operand, name, "lpsim.mac.matmul under a non-native MAC")
     check_product_operands(a, b, ("a", "b"), "lpsim.mac.matmul", ("cpu", "cuda"))
     if mac.native:
         return torch.matmul(a, b)
-    for name, operand in (("a", a), ("b", b)):
-        check_strided(operand, name, "lpsim.mac.matmul under a non-native MAC")
     for fmt in (mac.accumulator, mac.product, mac.chunk_accumulator):
         if fmt is not None:
             check_fits(fmt, torch.float64)

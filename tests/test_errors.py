@@ -260,3 +260,46 @@ def test_import_without_the_built_extension_names_the_build_command():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "pip install --no-build-isolation -e ." in out.stdout, out.stdout + out.stderr
+
+
+def _nested():
+    return torch.nested.nested_tensor([torch.ones(32), torch.ones(32)], layout=torch.jagged)
+
+
+@pytest.mark.parametrize(
+    "call,pattern",
+    [
+        # These reached the compiled ops, whose dispatcher raised "Could not run
+        # 'lpsim::quantize_grid' with arguments from the 'SparseCsrCPU' backend" (or
+        # 'NestedTensorCPU', 'MkldnnCPU'), or torch's "Internal error: NestedTensorImpl doesn't
+        # support sizes", naming no argument.
+        (lambda: lpsim.quantize(X.to_sparse_csr(), Float(5, 2)), r"^x is a sparse_csr tensor"),
+        (lambda: lpsim.quantize(X.to_sparse(), Float(5, 2)), r"^x is a sparse_coo tensor"),
+        (lambda: lpsim.quantize_(X.to_sparse(), BlockFloat(8)), r"^x is a sparse_coo tensor"),
+        (lambda: lpsim.quantize(X.to_mkldnn(), Float(5, 2)), r"^x is a mkldnn tensor; .*to_dense"),
+        (lambda: lpsim.quantize(_nested(), Float(5, 2)), r"^x is a nested tensor; .*unbind"),
+        (
+            lambda: lpsim.quantize(_nested(), lpsim.scaled.preset("mxfp8_e4m3"), "stochastic"),
+            r"^x is a nested tensor",
+        ),
+        (
+            lambda: lpsim.quantize(X, Float(5, 2), out=X.clone().to_sparse()),
+            r"^out is a sparse_coo tensor",
+        ),
+        (lambda: lpsim.sr_add(torch.ones(2, 32), _nested()), r"^b is a nested tensor"),
+        (lambda: lpsim.quantize_many_([_nested()], Float(5, 2)), r"^tensors\[0\] is a nested"),
+        (lambda: lpsim.accumulate.sum(_nested()), r"^x is a nested tensor"),
+        (
+            lambda: lpsim.mac.matmul(_nested(), torch.ones(32, 3), lpsim.MAC(Float(5, 10))),
+            r"^a is a nested tensor",
+        ),
+        (
+            lambda: lpsim.statistics.quantize_with_statistics(_nested(), Float(5, 2)),
+            r"^x is a nested tensor",
+        ),
+    ],
+)
+def test_non_strided_tensors_are_refused_by_name_everywhere(call, pattern):
+    with pytest.raises(TypeError, match=pattern):
+        call()
+
