@@ -145,6 +145,14 @@ def _to_container_fake(x, dtype):
 
 @torch.library.register_fake("lpsim::rounding_statistics")
 def _rounding_statistics_fake(x, rounded, low, high, smallest_normal):
+    # The statistics ops count values into CPU tensors, whatever x's device. A meta x (the fake
+    # kernels serve the meta device too) holds none to count: returning the uninitialised
+    # tensors below would read as counts.
+    if x.device.type == "meta":
+        raise ValueError(
+            "x is a meta tensor, which holds no values: rounding statistics count the values of a "
+            "tensor on a CPU or CUDA device"
+        )
     return torch.empty(6, dtype=torch.int64), torch.empty(2, dtype=torch.float64)
 
 

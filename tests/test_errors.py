@@ -303,3 +303,17 @@ def test_non_strided_tensors_are_refused_by_name_everywhere(call, pattern):
     with pytest.raises(TypeError, match=pattern):
         call()
 
+
+@pytest.mark.parametrize(
+    "fmt",
+    [Float(5, 2), BlockFloat(8), lpsim.scaled.preset("mxfp8_e4m3")],
+    ids=["float", "block", "scaled"],
+)
+def test_statistics_of_a_meta_tensor_are_refused(fmt):
+    # A meta tensor holds no values, and the statistics ops' shape-only kernels returned
+    # uninitialised counts (elements=94178366295808, ...) as if they had been counted.
+    x = torch.ones(4, 32, device="meta")
+    with pytest.raises(ValueError, match="x is a meta tensor, which holds no values"):
+        lpsim.statistics.quantize_with_statistics(x, fmt)
+    with pytest.raises(ValueError, match="x is a meta tensor, which holds no values"):
+        lpsim.statistics.rounding_statistics(x, x, fmt)
