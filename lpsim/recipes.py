@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 from torch.optim import Optimizer
 
-from lpsim._checks import check_positive_finite
+from lpsim._checks import check_bool, check_positive_finite
 from lpsim.formats import BlockFloat, Fixed, Float
 from lpsim.mac import MAC
 from lpsim.nn.inject import LayerQuantization, inject, injected, quantized_parameters, remove
@@ -141,7 +141,8 @@ class Recipe:
         loss_scale: multiply the loss by this before backward; the optimizer divides gradients by
             it (OptimLP's grad_scaling) before quantising them, also in a recipe that quantises
             nothing. A positive finite number (ValueError otherwise).
-        keep_edges: keep the first and last weight layers in full precision.
+        keep_edges: keep the first and last weight layers in full precision (a bool; TypeError
+            otherwise, as for round_weights).
         placement: where the model's quantisers go. "outputs" (the default, QPyTorch's
             practice): weights and biases of every layer (normalisation layers included) and
             every layer's outputs (``activation``) and errors. "operands" (FP8 and MX training):
@@ -179,7 +180,16 @@ class Recipe:
     mac: MAC | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"Recipe.name must be a str, got {type(self.name).__name__}")
         check_positive_finite("Recipe.loss_scale", self.loss_scale)
+        # A truthy string meant as "off" ("no", "False") would keep the edges or round weights.
+        check_bool("Recipe.keep_edges", self.keep_edges)
+        check_bool("Recipe.round_weights", self.round_weights)
+        if self.mac is not None and not isinstance(self.mac, MAC):
+            raise TypeError(
+                f"Recipe.mac must be a lpsim.MAC or None, got {type(self.mac).__name__}"
+            )
         if self.placement not in _PLACEMENTS:
             raise ValueError(
                 f"Recipe.placement must be one of {_PLACEMENTS}, got {self.placement!r}"

@@ -317,3 +317,19 @@ def test_statistics_of_a_meta_tensor_are_refused(fmt):
         lpsim.statistics.quantize_with_statistics(x, fmt)
     with pytest.raises(ValueError, match="x is a meta tensor, which holds no values"):
         lpsim.statistics.rounding_statistics(x, x, fmt)
+
+
+@pytest.mark.parametrize(
+    "fields,error,pattern",
+    [
+        # "no" is truthy: the edge layers stayed in full precision, the weights were rounded.
+        ({"keep_edges": "no"}, TypeError, r"Recipe.keep_edges must be a bool, got str"),
+        ({"round_weights": "False"}, TypeError, r"Recipe.round_weights must be a bool, got str"),
+        ({"keep_edges": 0}, TypeError, r"Recipe.keep_edges must be a bool, got int"),
+        ({"mac": "fp16"}, TypeError, r"Recipe.mac must be a lpsim.MAC or None, got str"),
+        ({"name": 5}, TypeError, r"Recipe.name must be a str, got int"),
+    ],
+)
+def test_recipe_fields_of_the_wrong_type_are_refused_when_made(fields, error, pattern):
+    with pytest.raises(error, match=pattern):
+        lpsim.recipes.Recipe(**{"name": "r", "weight": Float(5, 2), **fields})
