@@ -160,8 +160,11 @@ def parse_format(text: str) -> Float | Fixed | P3109 | BlockFloat | Scaled | Pow
     format classes.
 
     Raises:
+        TypeError: text is not a str.
         ValueError: neither; the message lists where names come from.
     """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a str, got {type(text).__name__}")
     if text in PRESETS:
         return PRESETS[text]
     if text in SCALED_PRESETS:

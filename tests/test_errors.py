@@ -333,3 +333,41 @@ def test_statistics_of_a_meta_tensor_are_refused(fmt):
 def test_recipe_fields_of_the_wrong_type_are_refused_when_made(fields, error, pattern):
     with pytest.raises(error, match=pattern):
         lpsim.recipes.Recipe(**{"name": "r", "weight": Float(5, 2), **fields})
+
+
+@pytest.mark.parametrize(
+    "call,error,pattern",
+    [
+        # "no" is truthy: it printed the report
+        (
+            lambda: lpsim.nn.inject(torch.nn.Linear(2, 2), {}, unmatched="ignore", verbose="no"),
+            TypeError,
+            r"^verbose must be a bool, got str",
+        ),
+        # AttributeError: 'int' object has no attribute 'modules' (or 'named_modules')
+        (lambda: lpsim.nn.remove(5), TypeError, r"^model must be an nn.Module, got int"),
+        (lambda: lpsim.nn.report("model"), TypeError, r"^model must be an nn.Module, got str"),
+        (lambda: lpsim.nn.injected(None), TypeError, r"^model must be an nn.Module, got NoneType"),
+        (
+            lambda: lpsim.nn.quantized_parameters([]),
+            TypeError,
+            r"^model must be an nn.Module, got list",
+        ),
+        # TypeError: 'int' object is not iterable
+        (
+            lambda: lpsim.nn.Quantizer(Float(5, 2), backward_hooks=5),
+            TypeError,
+            r"^backward_hooks must be an iterable of functions tensor -> tensor, got int",
+        ),
+        (
+            lambda: lpsim.nn.quantizer(Float(5, 2), backward_hooks=abs),
+            TypeError,
+            r"^backward_hooks must be an iterable of functions tensor -> tensor, got builtin",
+        ),
+        # TypeError: argument of type 'NoneType' is not iterable
+        (lambda: lpsim.explore.parse_format(None), TypeError, r"^text must be a str, got NoneType"),
+    ],
+)
+def test_model_and_setting_arguments_are_named_when_of_the_wrong_type(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()

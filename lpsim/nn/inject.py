@@ -47,7 +47,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from lpsim import _observation
-from lpsim._checks import check_container
+from lpsim._checks import check_bool, check_container
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.functional import quantize_op_arguments
 from lpsim.mac import MAC
@@ -1319,6 +1319,12 @@ def _active(done: dict) -> bool:
     return bool(done["weight"] or done["bias"] or done["hooks"] or "macs" in done)
 
 
+def _check_model(model) -> None:
+    """Raises TypeError unless model is an nn.Module (inject, remove, injected, report)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+
+
 def inject(
     model: nn.Module,
     config: Mapping[object, LayerQuantization | None],
@@ -1359,8 +1365,8 @@ def inject(
             injection included: whatever raises, every module's class, parameters, submodules,
             hooks and attributes are put back as they were).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    _check_model(model)
+    check_bool("verbose", verbose)
     if not hasattr(config, "items"):
         raise TypeError(
             f"config must be a mapping from selectors to settings, got {type(config).__name__}"
@@ -1496,6 +1502,7 @@ def remove(model: nn.Module) -> nn.Module:
     parameters had before inject stay. A copy.deepcopy of an injected model may be removed (or
     injected again) without harm to the original: each module whose parametrisations change gets
     a class of its own first (see own_parametrized_classes). Returns the model."""
+    _check_model(model)
     _unguard_fast_paths(model)
     for module in model.modules():
         _close_weight_scope(module)
@@ -1524,6 +1531,7 @@ def remove(model: nn.Module) -> nn.Module:
 def injected(model: nn.Module) -> list[tuple[str, nn.Module, dict]]:
     """(name, module, what was injected) for every module inject() placed a quantiser in, in
     model order."""
+    _check_model(model)
     return [
         (n, m, getattr(m, _STATE))
         for n, m in model.named_modules()
@@ -1671,6 +1679,7 @@ def report(
     statistics, the DelayedScalers' state) are restored afterwards and the scalers it creates
     dropped, so it changes nothing; each such quantiser also gives a warning.
     """
+    _check_model(model)
     ran = _modules_that_run(model, example) if example is not None else None
     specs = lambda entries: ", ".join(sorted({str(s) for _, s in entries})) or "-"  # noqa: E731
     rows = [("module", "type", "weight", "bias", "input", "output", "error", "products", "note")]

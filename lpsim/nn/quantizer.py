@@ -408,6 +408,25 @@ def quantizer(
     return quantizing_function(forward_spec, backward_spec, clamp_grad_zero, backward_hooks)
 
 
+def checked_hooks(backward_hooks) -> tuple:
+    """backward_hooks as a tuple of callables.
+
+    Raises:
+        TypeError: backward_hooks is not an iterable, or one of its items is not callable.
+    """
+    try:
+        hooks = tuple(backward_hooks)
+    except TypeError:
+        raise TypeError(
+            "backward_hooks must be an iterable of functions tensor -> tensor, got "
+            f"{type(backward_hooks).__name__}"
+        ) from None
+    for i, hook in enumerate(hooks):
+        if not callable(hook):
+            raise TypeError(f"backward_hooks[{i}] must be callable, got {type(hook).__name__}")
+    return hooks
+
+
 def quantizing_function(forward, backward, clamp_grad_zero=False, backward_hooks=()):
     """quantizer() for functions already made: ``forward`` and ``backward`` are None, a
     QuantSpec or a ScalerCall (clamp_grad_zero needs a QuantSpec forward). The function returned
@@ -415,10 +434,7 @@ def quantizing_function(forward, backward, clamp_grad_zero=False, backward_hooks
     under which its roundings are reported to the current observer (lpsim._observation)."""
     if not isinstance(clamp_grad_zero, bool):
         raise TypeError(f"clamp_grad_zero must be a bool, got {type(clamp_grad_zero).__name__}")
-    hooks = tuple(backward_hooks)
-    for i, hook in enumerate(hooks):
-        if not callable(hook):
-            raise TypeError(f"backward_hooks[{i}] must be callable, got {type(hook).__name__}")
+    hooks = checked_hooks(backward_hooks)
     if clamp_grad_zero:
         if forward is None:
             raise ValueError("clamp_grad_zero needs a forward format")
@@ -512,7 +528,7 @@ class Quantizer(nn.Module):
         settings["_forward_spec"] = as_spec(forward, forward_rounding, "forward")
         settings["_backward_spec"] = as_spec(backward, backward_rounding, "backward")
         settings["_clamp_grad_zero"] = clamp_grad_zero
-        settings["_backward_hooks"] = tuple(backward_hooks)
+        settings["_backward_hooks"] = checked_hooks(backward_hooks)
         settings["_eval_rounding"] = parse_eval_rounding(eval_rounding)
         forward_train, forward_eval, self.forward_scaler = bind(
             self.forward_spec, self.eval_rounding
