@@ -371,3 +371,13 @@ def test_recipe_fields_of_the_wrong_type_are_refused_when_made(fields, error, pa
 def test_model_and_setting_arguments_are_named_when_of_the_wrong_type(call, error, pattern):
     with pytest.raises(error, match=pattern):
         call()
+
+
+def test_optimlp_names_the_parameter_whose_dtype_it_cannot_round():
+    # The message was container_of's "x must be a float32, ... tensor, got torch.complex64",
+    # naming an x the caller never gave.
+    model = torch.nn.Linear(2, 2).to(torch.complex64)
+    with pytest.raises(
+        TypeError, match=r"^OptimLP weight: parameter 0 of group 0: the parameter is complex64"
+    ):
+        lpsim.optim.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), weight=Float(5, 10))

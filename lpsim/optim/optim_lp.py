@@ -10,7 +10,7 @@ import torch.optim.optimizer as torch_optimizer
 from torch.optim import Optimizer
 
 from lpsim import _observation
-from lpsim._checks import check_positive_finite, draw_seed
+from lpsim._checks import CONTAINER_DTYPES, check_positive_finite, draw_seed
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.formats import GRID_FORMATS, BlockFloat, check_fits, sum_container
 from lpsim.functional import quantize
@@ -479,6 +479,11 @@ class OptimLP(Optimizer):
             if not isinstance(quant, QuantSpec):
                 continue
             for dtype in sorted(dtypes, key=str):
+                if dtype not in CONTAINER_DTYPES:  # container_of's message would name an "x"
+                    raise TypeError(
+                        f"OptimLP {name}: {where}: {what} is {str(dtype).replace('torch.', '')}; "
+                        "lpsim rounds float32, float64, bfloat16 and float16 tensors only"
+                    )
                 try:
                     check_fits(quant.format, dtype)
                     if isinstance(quant.format, (BlockFloat, Scaled)):
