@@ -373,8 +373,10 @@ def matmul(
     Raises:
         TypeError: an operand has an unsupported dtype (float64 products would not be exact) or,
             under a non-native MAC, a sparse, nested or MKL-DNN layout; the dtypes differ, or mac
-            is not a MAC.
-        ValueError: the shapes do not match, or the operands are not on one CPU or CUDA device.
+            is not a MAC; seed or offset is not an int.
+        ValueError: the shapes do not match, or the operands are not on one CPU or CUDA device;
+            seed or offset is outside [0, 2**64) (under every MAC, the native one included,
+            although a MAC that draws no random words ignores them).
     """
     if not isinstance(mac, MAC):
         raise TypeError(f"mac must be a MAC, got {type(mac).__name__}")
@@ -383,6 +385,9 @@ def matmul(
             check_tensor(operand, name)
             check_strided(operand, name, "lpsim.mac.matmul under a non-native MAC")
     check_product_operands(a, b, ("a", "b"), "lpsim.mac.matmul", ("cpu", "cuda"))
+    # Checked under every MAC: one that draws no random words ignores seed and offset, but not
+    # malformed ones (as quantize).
+    _, rbits, seed_bits, offset_bits = _random_args(mac.drawing_rule, mac.rbits, seed, offset)
     if mac.native:
         return torch.matmul(a, b)
     for fmt in (mac.accumulator, mac.product, mac.chunk_accumulator):
@@ -392,7 +397,6 @@ def matmul(
     acc = sum_grid(mac.accumulator, out_dtype)
     inner = sum_grid(mac.chunk_accumulator or mac.accumulator, torch.float64)
     product = sum_grid(mac.product, torch.float64) if mac.product is not None else acc
-    _, rbits, seed_bits, offset_bits = _random_args(mac.drawing_rule, mac.rbits, seed, offset)
     core = mac.tensor_core
     y = call(
         "mac_matmul",

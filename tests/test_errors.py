@@ -381,3 +381,22 @@ def test_optimlp_names_the_parameter_whose_dtype_it_cannot_round():
         TypeError, match=r"^OptimLP weight: parameter 0 of group 0: the parameter is complex64"
     ):
         lpsim.optim.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), weight=Float(5, 10))
+
+
+@pytest.mark.parametrize("mac", [lpsim.MAC(), lpsim.MAC(Float(5, 10))], ids=["native", "nearest"])
+@pytest.mark.parametrize(
+    "arguments,error,pattern",
+    [
+        ({"seed": -1}, ValueError, r"seed must be in \[0, 2\*\*64\), got -1"),
+        ({"seed": 2**64}, ValueError, r"seed must be in \[0, 2\*\*64\)"),
+        ({"seed": "1"}, TypeError, r"seed must be an int or None, got str"),
+        ({"offset": -1}, ValueError, r"offset must be in \[0, 2\*\*64\), got -1"),
+        ({"offset": 1.0}, TypeError, r"offset must be an int, got float"),
+    ],
+)
+def test_mac_matmul_checks_seed_and_offset_under_every_mac(mac, arguments, error, pattern):
+    # The native MAC returned torch.matmul before the checks: any seed and offset passed.
+    a, b = torch.ones(2, 3), torch.ones(3, 2)
+    with pytest.raises(error, match=pattern):
+        lpsim.mac.matmul(a, b, mac, **arguments)
+    assert torch.equal(lpsim.mac.matmul(a, b, mac, seed=2**64 - 1, offset=2**64 - 1), a @ b)
