@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lpsim import _observation
-from lpsim._checks import check_container, check_number
+from lpsim._checks import check_bool, check_container, check_number, check_strided
 from lpsim.formats import Fixed, Float, check_int_field, field_state, short_repr
 from lpsim.functional import quantize
 from lpsim.rounding import Rounding
@@ -237,9 +237,13 @@ class DelayedScaler(nn.Module):
             record: whether this call updates the state (None: ``self.training``).
 
         Raises:
-            TypeError, ValueError: as lpsim.quantize; x on another device than the buffers.
+            TypeError, ValueError: as lpsim.quantize; x on another device than the buffers;
+                record is neither None nor a bool.
         """
         check_container(x)
+        check_strided(x, "x", "DelayedScaler")
+        if record is not None:  # a truthy "no" would record
+            check_bool("record", record)
         if x.device != self.scale.device:
             raise ValueError(
                 f"x is on {x.device} but the scaler's state is on {self.scale.device}; move the "

@@ -400,3 +400,15 @@ def test_mac_matmul_checks_seed_and_offset_under_every_mac(mac, arguments, error
     with pytest.raises(error, match=pattern):
         lpsim.mac.matmul(a, b, mac, **arguments)
     assert torch.equal(lpsim.mac.matmul(a, b, mac, seed=2**64 - 1, offset=2**64 - 1), a @ b)
+
+
+def test_delayed_scaler_refuses_a_record_that_is_not_a_bool_and_a_sparse_x():
+    scaler = lpsim.DelayedScaling(lpsim.preset("e4m3fn"), history_length=4).scaler()
+    scaler.eval()
+    with pytest.raises(TypeError, match=r"^record must be a bool, got str"):
+        scaler(torch.full((3,), 100.0), record="no")  # truthy: it entered the history
+    assert torch.equal(scaler.amax_history, torch.zeros(4))
+    assert torch.equal(scaler.scale, torch.tensor(1.0))
+    # NotImplementedError: Could not run 'aten::clamp' with arguments from the 'SparseCPU' backend
+    with pytest.raises(TypeError, match=r"^x is a sparse_coo tensor; DelayedScaler takes strided"):
+        scaler(torch.ones(3).to_sparse())
