@@ -412,3 +412,14 @@ def test_delayed_scaler_refuses_a_record_that_is_not_a_bool_and_a_sparse_x():
     # NotImplementedError: Could not run 'aten::clamp' with arguments from the 'SparseCPU' backend
     with pytest.raises(TypeError, match=r"^x is a sparse_coo tensor; DelayedScaler takes strided"):
         scaler(torch.ones(3).to_sparse())
+
+
+def test_dyadic_modules_take_a_bool_training_mode():
+    # torch.nn.Module.train refuses a mode that is not a bool; the dyadic modules stored any:
+    # train("no") is truthy and switched on stochastic requantisation and the overflow counts.
+    layers = [lpsim.dyadic.nn.Linear(2, 2), lpsim.dyadic.nn.ReLU()]
+    for module in (*layers, lpsim.dyadic.nn.Sequential(*layers)):
+        module.eval()
+        with pytest.raises(TypeError, match=r"^mode must be a bool, got str"):
+            module.train("no")
+        assert module.training is False

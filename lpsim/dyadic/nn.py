@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from lpsim._checks import check_choice, check_int, check_rule, check_tensor
+from lpsim._checks import check_bool, check_choice, check_int, check_rule, check_tensor
 from lpsim.dyadic import functional as F
 from lpsim.dyadic.tensor import DyadicTensor, check_cpu_dense
 
@@ -111,7 +111,9 @@ class Module(abc.ABC):
     training: bool = True
 
     def train(self, mode: bool = True) -> Module:
-        self.training = mode
+        """Training (stochastic requantisation, gradients kept) or evaluation mode; mode must be
+        a bool, as torch.nn.Module.train requires (TypeError otherwise)."""
+        self.training = check_bool("mode", mode)
         return self
 
     def eval(self) -> Module:
@@ -418,7 +420,7 @@ class Sequential(Module):
             p.name = name
 
     def train(self, mode: bool = True) -> Sequential:
-        self.training = mode
+        super().train(mode)
         for m in self.modules:
             m.train(mode)
         return self
