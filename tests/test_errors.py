@@ -423,3 +423,48 @@ def test_dyadic_modules_take_a_bool_training_mode():
         with pytest.raises(TypeError, match=r"^mode must be a bool, got str"):
             module.train("no")
         assert module.training is False
+
+
+@pytest.mark.parametrize(
+    "call,error,pattern",
+    [
+        # "no" is truthy: the layer got a bias
+        (lambda: lpsim.dyadic.nn.Linear(2, 2, bias="no"), TypeError, r"^bias must be a bool"),
+        # the message spoke of a scale ("scale must be in [-2**30, 2**30], got -1180...")
+        # only in the first forward pass
+        (
+            lambda: lpsim.dyadic.nn.Linear(2, 2, forward_shift=2**70),
+            ValueError,
+            r"^forward_shift must be None \(dynamic\) or an int in \[0, 2\*\*31\]",
+        ),
+        (
+            lambda: lpsim.dyadic.nn.Linear(2, 2, backward_shift=1.0),
+            TypeError,
+            r"^backward_shift must be None \(dynamic\) or an int, got float",
+        ),
+        # AttributeError: 'int' object has no attribute 'modules'
+        (
+            lambda: lpsim.compat.qtorch.lower(
+                5, ["linear"], lpsim.compat.qtorch.FloatingPoint(5, 2)
+            ),
+            TypeError,
+            r"^model must be an nn.Module, got int",
+        ),
+        (
+            lambda: lpsim.compat.qtorch.sequential_lower("m", ["linear"]),
+            TypeError,
+            r"^model must be an nn.Module, got str",
+        ),
+        # registered the package in sys.modules under the key 5 or ""
+        (lambda: lpsim.compat.qtorch.install(5), TypeError, r"^name must be a str, got int"),
+        (lambda: lpsim.compat.qtorch.install(""), ValueError, r"^name must be a module name"),
+        (lambda: lpsim.compat.qtorch.install("q torch"), ValueError, r"^name must be a module"),
+    ],
+)
+def test_dyadic_layer_and_qtorch_arguments_are_checked_where_given(call, error, pattern):
+    import sys
+
+    modules = dict(sys.modules)
+    with pytest.raises(error, match=pattern):
+        call()
+    assert sys.modules.keys() == modules.keys()

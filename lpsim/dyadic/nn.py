@@ -153,8 +153,10 @@ class Module(abc.ABC):
 def _check_shift(name: str, shift: int | None) -> int | None:
     if shift is None:
         return None
-    if not isinstance(shift, int) or isinstance(shift, bool) or shift < 0:
-        raise ValueError(f"{name} must be None (dynamic) or an int >= 0, got {shift!r}")
+    if not isinstance(shift, int) or isinstance(shift, bool):
+        raise TypeError(f"{name} must be None (dynamic) or an int, got {type(shift).__name__}")
+    if not 0 <= shift <= 2**31:  # a larger shift moves every scale out of [-2**30, 2**30]
+        raise ValueError(f"{name} must be None (dynamic) or an int in [0, 2**31], got {shift}")
     return shift
 
 
@@ -188,7 +190,7 @@ class Linear(Module):
 
     Args:
         in_features, out_features: the sizes.
-        bias: whether the layer has a bias.
+        bias: whether the layer has a bias (a bool; TypeError otherwise).
         weight, bias_value: initial finite float values ((out, in) and (out,)); default uniform on
             [-1/sqrt(in), 1/sqrt(in)] from torch's default generator, as torch.nn.Linear.
         weight_bits: width of the weight and bias integers (signed), 2 to 32.
@@ -197,7 +199,8 @@ class Linear(Module):
         activation_bits: width of the output y (signed), 2 to 32.
         error_bits: width of the gradient dx passed back (signed), 2 to 32.
         accumulator_bits: width of the accumulator of every matrix product, 2 to 64.
-        forward_shift, backward_shift: fixed shifts k_f, k_b, or None to fit them to the data.
+        forward_shift, backward_shift: fixed shifts k_f, k_b in [0, 2**31], or None to fit them to
+            the data.
         rounding: of every requantisation: "stochastic" (default), "nearest" or "down".
         overflow: "raise" (default) or "saturate" for accumulator overflows (counted in stats).
 
@@ -232,6 +235,7 @@ class Linear(Module):
         check_int("activation_bits", activation_bits, 2, 32)
         check_int("error_bits", error_bits, 2, 32)
         check_int("accumulator_bits", accumulator_bits, 2, 64)
+        check_bool("bias", bias)  # a truthy "no" would give the layer a bias
         check_rule(rounding, F.ROUNDINGS, "dyadic operations")
         check_choice("overflow", overflow, F.OVERFLOW_POLICIES)
         if not bias and bias_value is not None:

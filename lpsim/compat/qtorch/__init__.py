@@ -76,9 +76,14 @@ def install(name: str = "qtorch") -> None:
         import lpsim.compat.qtorch; lpsim.compat.qtorch.install()
 
     Raises:
+        TypeError, ValueError: name is not a str, or not a module name (dotted identifiers).
         RuntimeError: another module is already imported under ``name`` (QPyTorch itself, say):
             objects taken from it would stay QPyTorch's.
     """
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    if not all(part.isidentifier() for part in name.split(".")):
+        raise ValueError(f"name must be a module name such as 'qtorch', got {name!r}")
     package = sys.modules[__name__]
     present = sys.modules.get(name)
     if present is not None and present is not package:

@@ -162,6 +162,11 @@ def remove_lowering(model: nn.Module) -> nn.Module:
     return model
 
 
+def _check_model(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+
+
 def lower(
     model: nn.Module,
     layer_types: Iterable[str] = (),
@@ -184,8 +189,9 @@ def lower(
 
     Raises:
         ValueError: layer_types names an unknown layer type.
-        TypeError: a number is not a qtorch Number.
+        TypeError: a number is not a qtorch Number, or model is not an nn.Module.
     """
+    _check_model(model)
     classes = _layer_classes(layer_types)
     quant = Quantizer(forward_number, backward_number, forward_rounding, backward_rounding)
     matched = [m for m in model.modules() if type(m) in classes]
@@ -218,8 +224,9 @@ def sequential_lower(
 
     Raises:
         ValueError: layer_types names an unknown layer type.
-        TypeError: a number is not a qtorch Number.
+        TypeError: a number is not a qtorch Number, or model is not an nn.Module.
     """
+    _check_model(model)
     classes = _layer_classes(layer_types)
     quant = Quantizer(forward_number, backward_number, forward_rounding, backward_rounding)
     model = copy.deepcopy(model)
