@@ -220,7 +220,7 @@ def _step_with_grad(grad):
         (
             lambda: inn.Linear(4, 3, forward_shift=-1),
             ValueError,
-            r"forward_shift must be None \(dynamic\) or an int >= 0, got -1",
+            r"forward_shift must be None \(dynamic\) or an int in \[0, 2\*\*31\], got -1",
         ),
         (lambda: inn.Linear(4, 3, rounding="up"), ValueError, r"rounding must be one of"),
         (
