@@ -468,3 +468,40 @@ def test_dyadic_layer_and_qtorch_arguments_are_checked_where_given(call, error, 
     with pytest.raises(error, match=pattern):
         call()
     assert sys.modules.keys() == modules.keys()
+
+
+_MAC = lpsim.MAC(Float(5, 10))
+
+
+@pytest.mark.parametrize(
+    "call,error,pattern",
+    [
+        # RuntimeError: reshape is not implemented for sparse tensors
+        (
+            lambda: lpsim.nn.functional.linear(X.to_sparse(), torch.ones(2, 3), mac=_MAC),
+            TypeError,
+            r"^linear: input is a sparse_coo tensor; a product under a non-native MAC takes",
+        ),
+        (
+            lambda: lpsim.nn.functional.matmul(X, torch.ones(3, 2).to_sparse(), mac=_MAC),
+            TypeError,
+            r"^matmul: other is a sparse_coo tensor",
+        ),
+        # accepted silently where no format used the rule
+        (
+            lambda: lpsim.nn.functional.linear(X, torch.ones(2, 3), rounding="nearst"),
+            ValueError,
+            r"^rounding must be one of .*got 'nearst'",
+        ),
+    ],
+)
+def test_functional_products_check_their_operands_and_rule(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()
+
+
+def test_functional_products_under_the_native_mac_take_sparse_operands_as_torch():
+    w = torch.ones(2, 3)
+    assert torch.equal(
+        lpsim.nn.functional.linear(X.to_sparse(), w), torch.nn.functional.linear(X.to_sparse(), w)
+    )

@@ -99,7 +99,7 @@ import torch
 import torch.nn.functional as F
 
 from lpsim import mac as _mac
-from lpsim._checks import draw_seed
+from lpsim._checks import check_strided, draw_seed
 from lpsim.delayed_scaling import DelayedScaling
 from lpsim.mac import MAC
 from lpsim.nn import _hooks
@@ -292,8 +292,10 @@ def arithmetic(
         TypeError: a MAC argument is not a MAC, an operands argument not an Operands, or a format
             argument is malformed.
         ValueError: grad_format and an Operands.error are both given, or an Operands sets the
-            field of an operand its product does not take.
+            field of an operand its product does not take; rounding is no rule (also where no
+            format uses it, as a Quantizer's rules).
     """
+    rounding = Rounding.parse(rounding, "rounding")
     for name, value in (
         ("mac", mac),
         ("input_grad_mac", input_grad_mac),
@@ -409,16 +411,19 @@ class _BatchedProduct(torch.autograd.Function):
 
 
 def _check_tensors(where: str, bias=None, **operands) -> None:
-    """The operands of a simulated product, and its bias unless None, are floating-point tensors.
+    """The operands of a simulated product, and its bias unless None, are strided floating-point
+    tensors.
 
     Raises:
-        TypeError: one is not a tensor, or not a floating-point one (the message names it).
+        TypeError: one is not a tensor, not a strided one (sparse, nested) or not a floating-point
+            one (the message names it).
     """
     for name, t in (*operands.items(), ("bias", bias)):
         if t is None and name == "bias":
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{where}: {name} must be a tensor, got {type(t).__name__}")
+        check_strided(t, f"{where}: {name}", "a product under a non-native MAC")
         if not t.is_floating_point():
             raise TypeError(
                 f"{where}: {name} must be a floating-point tensor (float32, bfloat16 or float16 "
