@@ -48,6 +48,8 @@ def _checked_tensors(tensors) -> list[torch.Tensor]:
                 f"tensors[{i}] is on {t.device} and tensors[0] on {tensors[0].device}: "
                 "all must be on one device"
             )
+        if not torch.compiler.is_compiling():
+            _check_in_place(t, i)
     return tensors
 
 
@@ -145,8 +147,6 @@ def quantize_many_(
                 calls.append(quantize_op_arguments(t, fmt, rule, rbits, seed, offset + i))
             except (ValueError, IndexError) as error:
                 raise type(error)(f"tensors[{i}]: {error}") from None
-            if not torch.compiler.is_compiling():
-                _check_in_place(t, i)
         for t, (name, args) in zip(checked, calls, strict=True):
             call_in_place(name + "_", t, *args)
         return tensors

@@ -505,3 +505,14 @@ def test_functional_products_under_the_native_mac_take_sparse_operands_as_torch(
     assert torch.equal(
         lpsim.nn.functional.linear(X.to_sparse(), w), torch.nn.functional.linear(X.to_sparse(), w)
     )
+
+
+@pytest.mark.parametrize("fmt", [Float(5, 2), BlockFloat(8)], ids=["grid", "block"])
+def test_quantize_many_names_the_leaf_that_requires_grad_for_every_format(fmt):
+    # Float, Fixed and P3109 formats raised torch's "a leaf Variable that requires grad is being
+    # used in an in-place operation.", which names no tensor of the list.
+    a, leaf = torch.randn(5), torch.randn(3, requires_grad=True)
+    before = a.clone()
+    with pytest.raises(RuntimeError, match=r"^tensors\[1\] is a leaf Variable that requires grad"):
+        lpsim.quantize_many_([a, leaf], fmt)
+    assert torch.equal(a, before)
