@@ -516,3 +516,74 @@ def test_quantize_many_names_the_leaf_that_requires_grad_for_every_format(fmt):
     with pytest.raises(RuntimeError, match=r"^tensors\[1\] is a leaf Variable that requires grad"):
         lpsim.quantize_many_([a, leaf], fmt)
     assert torch.equal(a, before)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: lpsim.optim.FusedSGD(ps, lr=0.1, momentum=0.9, weight_format=Float(5, 10)),
+        lambda ps: lpsim.optim.FusedAdam(ps, lr=0.1, weight_format=Float(5, 10)),
+        lambda ps: lpsim.optim.SGD(ps, lr=0.1, momentum=0.9, weight_format=Float(5, 10)),
+        lambda ps: lpsim.optim.AdamW(ps, lr=0.1, weight_format=Float(5, 10)),
+    ],
+    ids=["FusedSGD", "FusedAdam", "SGD", "AdamW"],
+)
+@pytest.mark.parametrize(
+    "key,value,error,pattern",
+    [
+        # stepped on: a negative lr ascended, a NaN one wrote NaN into every weight
+        ("lr", -1.0, ValueError, r"^lr must be in \[0.0, inf\], got -1.0"),
+        ("lr", float("nan"), ValueError, r"^lr must be in \[0.0, inf\], got nan"),
+        ("weight_decay", "x", TypeError, r"^weight_decay must be a number, got str"),
+        # FusedSGD and FusedAdam: AttributeError: 'str' object has no attribute 'rounding'
+        ("weight_format", "e5m2", TypeError, r"^weight_format must be"),
+        # the fused optimizers never read it again, and stepped on
+        ("rounding", "nearst", ValueError, r"^rounding must be one of .*got 'nearst'"),
+    ],
+)
+def test_optimizers_check_a_group_option_set_after_the_group_was_made(
+    make, key, value, error, pattern
+):
+    # torch's optimizers read a group's options at every step; these check them there as their
+    # constructors do, before any parameter is written.
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(lpsim.quantize(torch.randn(4), Float(5, 10)))
+    opt = make([w])
+    before = w.detach().clone()
+    opt.param_groups[0][key] = value
+    w.grad = torch.ones(4)
+    with pytest.raises(error, match=pattern):
+        opt.step()
+    assert torch.equal(w.detach(), before)
+
+
+@pytest.mark.parametrize(
+    "make,key",
+    [
+        (lambda ps: lpsim.optim.SGD(ps, lr=0.1, momentum=0.9), "nesterov"),
+        (lambda ps: lpsim.optim.SGD(ps, lr=0.1), "kahan"),
+        (lambda ps: lpsim.optim.AdamW(ps, lr=0.1), "kahan"),
+        (lambda ps: lpsim.optim.FusedSGD(ps, lr=0.1, momentum=0.9), "nesterov"),
+    ],
+)
+def test_optimizers_refuse_a_truthy_string_flag_set_on_a_group(make, key):
+    # "no" is truthy: SGD stepped with Nesterov momentum or Kahan compensation
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = make([w])
+    opt.param_groups[0][key] = "no"
+    w.grad = torch.ones(4)
+    with pytest.raises(TypeError, match=rf"^{key} must be a bool, got str"):
+        opt.step()
+    assert torch.equal(w.detach(), torch.ones(4))
+
+
+def test_a_fused_optimizer_takes_a_format_set_on_a_group_under_the_groups_rule():
+    # The fused step raised AttributeError: 'Float' object has no attribute 'rounding'.
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(8))
+    opt = lpsim.optim.FusedSGD([w], lr=0.1, rounding="nearest")
+    opt.param_groups[0]["weight_format"] = Float(5, 2)
+    w.grad = torch.ones(8)
+    want = lpsim.quantize(w.detach() - 0.1, Float(5, 2), "nearest")
+    opt.step()
+    assert torch.equal(w.detach(), want)

@@ -196,8 +196,17 @@ class _Fused(OwnOptions):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step of every parameter (see the module documentation). Returns the closure's
         loss."""
-        for group in self.param_groups:
-            self._refuse_unsupported(group)  # also set since the group was made
+        for index, group in enumerate(self.param_groups):
+            # torch's optimizers read a group's options at every step: one set since the group
+            # was made is checked as the constructor checks it, and a format set since (not yet
+            # made a QuantSpec) is made one under the group's rule, with add_param_group's checks.
+            self._check_options(group)
+            Rounding.parse(group["rounding"])
+            if any(
+                not (group[f"{c}_format"] is None or isinstance(group[f"{c}_format"], QuantSpec))
+                for c in _CATEGORIES
+            ):
+                self._check_group(group, index)
         loss = None
         if closure is not None:
             with torch.enable_grad():

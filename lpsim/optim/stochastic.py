@@ -42,6 +42,7 @@ from lpsim._checks import (
     CONTAINER_DTYPES,
     RANDOMNESS,
     check_betas,
+    check_bool,
     check_element_format,
     check_number,
     draw_seed,
@@ -227,7 +228,9 @@ class _LowPrecision(OwnOptions):
         """Evaluate the closure; then (group, p, state, grad in work precision) for every
         parameter with a gradient, its step count advanced."""
         for group in self.param_groups:
-            self._refuse_unsupported(group)
+            # torch's optimizers read a group's options at every step: one set since the group
+            # was made (kahan="no", say, which is truthy) is checked as the constructor checks it.
+            self._check_options(group)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -316,6 +319,7 @@ class SGD(_LowPrecision):
     def _check_options(self, group: dict) -> None:
         for name in ("lr", "momentum", "dampening", "weight_decay"):
             check_number(name, group[name])
+        check_bool("nesterov", group["nesterov"])
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("nesterov needs momentum > 0 and dampening = 0")
         super()._check_options(group)
@@ -388,16 +392,12 @@ class AdamW(_LowPrecision):
         super().__init__(params, defaults, seed, randomness)
 
     def _check_options(self, group: dict) -> None:
+        # torch's AdamW takes a tensor lr (a scheduler may set one after the group was made),
+        # which makes its step size float32; this one's is float64 and takes a number.
         for name in ("lr", "eps", "weight_decay"):
             check_number(name, group[name])
         group["betas"] = check_betas(group["betas"])
         super()._check_options(group)
-
-    def _refuse_unsupported(self, group: dict) -> None:
-        super()._refuse_unsupported(group)
-        # torch's AdamW takes a tensor lr (a scheduler may set one after the group was made),
-        # which makes its step size float32; this one's is float64 and takes a number.
-        check_number("lr", group["lr"])
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
