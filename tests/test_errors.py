@@ -587,3 +587,25 @@ def test_a_fused_optimizer_takes_a_format_set_on_a_group_under_the_groups_rule()
     want = lpsim.quantize(w.detach() - 0.1, Float(5, 2), "nearest")
     opt.step()
     assert torch.equal(w.detach(), want)
+
+
+@pytest.mark.parametrize(
+    "make", [lpsim.optim.FusedSGD, lpsim.optim.FusedAdam], ids=lambda c: c.__name__
+)
+def test_a_rule_set_on_a_fused_optimizers_group_applies_at_the_next_step(make):
+    # The formats were made (format, rule) pairs when the group was made, so a rule set on the
+    # group later was never used: the step went on rounding stochastically, silently.
+    torch.manual_seed(0)
+    w0 = torch.randn(256).to(torch.float8_e5m2).float()
+    w = torch.nn.Parameter(w0.clone())
+    kwargs = {"weight_decay": 0.0} if make is lpsim.optim.FusedAdam else {}
+    opt = make([w], lr=0.5, weight_format=Float(5, 2), rounding="stochastic", **kwargs)
+    opt.param_groups[0]["rounding"] = "nearest"
+    w.grad = torch.randn(256).to(torch.float8_e5m2).float()
+    reference = make([torch.nn.Parameter(w0.clone())], lr=0.5, **kwargs)  # no formats
+    reference.param_groups[0]["params"][0].grad = w.grad.clone()
+    reference.step()
+    unrounded = reference.param_groups[0]["params"][0].detach()
+    opt.step()
+    # torch's float8_e5m2 cast rounds to nearest, ties to even
+    assert torch.equal(w.detach(), unrounded.to(torch.float8_e5m2).float())

@@ -56,6 +56,7 @@ from lpsim.rounding import Rounding
 __all__ = ["FusedSGD", "FusedAdam"]
 
 _CATEGORIES = ("grad", "state", "acc", "weight")  # the op's rounding categories, in its order
+_ACC = _CATEGORIES.index("acc")
 _UNROUNDED = Float(8, 23)  # the grid passed for a category that is not rounded (rule -1)
 _NO_SEED = torch.zeros((), dtype=torch.int64)
 
@@ -116,19 +117,28 @@ class _Fused(OwnOptions):
             self.param_groups.pop()  # a refused group is not kept: the optimizer stays usable
             raise
         with torch.no_grad():
-            acc = group["acc_format"]
+            acc = self._group_specs(group)[_ACC]
             for p in group["params"]:
                 if acc is not None:  # as OptimLP: the accumulator starts as the rounded weight
                     self.state[p]["accumulator"] = quantize(p.detach().clone(), *acc)
 
-    def _check_group(self, group: dict, index: int) -> None:
-        """A parameter group's options and formats (made QuantSpecs) and its parameters' dtypes
-        and devices, with the errors add_param_group raises."""
+    def _group_specs(self, group: dict) -> tuple[QuantSpec | None, ...]:
+        """The QuantSpec (or None) of each category of _CATEGORIES in a parameter group, made
+        from its formats as they are now: a bare format takes the group's rule as it is now, so
+        that a rule or a format set on the group since it was made applies, as torch's
+        optimizers read a group's options at every step.
+
+        Raises:
+            TypeError / ValueError: an option, the rule or a format is refused (the message names
+                it).
+        """
         self._check_options(group)
         Rounding.parse(group["rounding"])
+        specs = []
         for category in _CATEGORIES:
             name = f"{category}_format"
-            group[name] = spec = _spec(group[name], group["rounding"], name)
+            spec = _spec(group[name], group["rounding"], name)
+            specs.append(spec)
             if spec is not None:
                 try:
                     spec.format.grid_arguments(torch.float32)
@@ -140,6 +150,12 @@ class _Fused(OwnOptions):
                         "without clamp continues beyond its range), and the fused step keeps "
                         "float32 ones; use clamp=True, or OptimLP, which keeps float64 ones"
                     )
+        return tuple(specs)
+
+    def _check_group(self, group: dict, index: int) -> None:
+        """A parameter group's options and formats and its parameters' dtypes and devices, with
+        the errors add_param_group raises."""
+        self._group_specs(group)
         for i, p in enumerate(group["params"]):
             if any(q is p for q in group["params"][:i]):
                 raise ValueError(
@@ -196,26 +212,18 @@ class _Fused(OwnOptions):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step of every parameter (see the module documentation). Returns the closure's
         loss."""
-        for index, group in enumerate(self.param_groups):
-            # torch's optimizers read a group's options at every step: one set since the group
-            # was made is checked as the constructor checks it, and a format set since (not yet
-            # made a QuantSpec) is made one under the group's rule, with add_param_group's checks.
-            self._check_options(group)
-            Rounding.parse(group["rounding"])
-            if any(
-                not (group[f"{c}_format"] is None or isinstance(group[f"{c}_format"], QuantSpec))
-                for c in _CATEGORIES
-            ):
-                self._check_group(group, index)
+        # torch's optimizers read a group's options at every step: each is checked again, and the
+        # formats are rounded by the group's rule as it is now (before the closure runs).
+        group_specs = [self._group_specs(group) for group in self.param_groups]
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for index, group in enumerate(self.param_groups):
+        for index, (group, group_spec) in enumerate(zip(self.param_groups, group_specs)):
             for i, p in enumerate(group["params"]):
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                if group["acc_format"] is not None and "accumulator" not in self.state[p]:
+                if group_spec[_ACC] is not None and "accumulator" not in self.state[p]:
                     # Else the step would update the weight itself, as without acc_format.
                     raise ValueError(
                         f"parameter {i} of group {index} has no accumulator: acc_format was set "
@@ -223,8 +231,8 @@ class _Fused(OwnOptions):
                         "in add_param_group)"
                     )
         specs = {
-            p: tuple(group[f"{c}_format"] for c in _CATEGORIES)
-            for group in self.param_groups
+            p: group_spec
+            for group, group_spec in zip(self.param_groups, group_specs)
             for p in group["params"]
         }
         fused_step(self.param_groups, specs, self.state, self._RULE, self.grad_scaling)
