@@ -546,7 +546,9 @@ class FusedSGD(_Fused):
         grad_scaling: a finite number > 0; every gradient is multiplied by it first (a loss
             scale undone).
         rounding: the rule of bare formats, default "stochastic"; a group's own rule applies to the
-            bare formats it sets and to those it inherits from these arguments.
+            bare formats it sets and to those it inherits from these arguments. As torch's
+            optimizers, a step reads every group's options as they are then: a rule or format
+            set on a group since it was made applies from the next step (and is checked there).
 
     Raises:
         TypeError: a parameter is not float32, a format is not a Float, Fixed, P3109 or pair, or an
