@@ -609,3 +609,20 @@ def test_a_rule_set_on_a_fused_optimizers_group_applies_at_the_next_step(make):
     opt.step()
     # torch's float8_e5m2 cast rounds to nearest, ties to even
     assert torch.equal(w.detach(), unrounded.to(torch.float8_e5m2).float())
+
+
+@pytest.mark.parametrize("write", ["to_csv", "to_json"])
+def test_recorder_writers_refuse_a_file_descriptor_as_path(write, tmp_path):
+    # open() takes an int as a file descriptor: the writer wrote its records into whatever file
+    # the descriptor was open on, and closed it.
+    import os
+
+    recorder = lpsim.diagnostics.Recorder(torch.nn.Linear(2, 2))
+    target = tmp_path / "other.txt"
+    with open(target, "w") as other:
+        other.write("kept\n")
+        other.flush()
+        with pytest.raises(TypeError, match=r"^path must be a str or os.PathLike, got int"):
+            getattr(recorder, write)(other.fileno())
+        os.fstat(other.fileno())  # still open
+    assert target.read_text() == "kept\n"

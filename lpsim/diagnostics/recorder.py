@@ -552,7 +552,13 @@ class Recorder:
         (the RoundingStatistics fields, sqnr_db and relative_error), then one row per stagnation
         record (category "stagnation", the parameter in the module column; elements, updated,
         lost, and the fraction in the stagnation column). Cells that do not apply are empty;
-        floats are written exactly (Python's repr: "inf" and "nan" included)."""
+        floats are written exactly (Python's repr: "inf" and "nan" included).
+
+        Raises:
+            TypeError: path is not a str or os.PathLike (an int would be taken by open() as a
+                file descriptor, written into and closed).
+        """
+        _check_path(path)
         with open(path, "w", newline="") as file:
             writer = csv.DictWriter(file, CSV_COLUMNS, restval="")
             writer.writeheader()
@@ -584,7 +590,12 @@ class Recorder:
         "category", the RoundingStatistics fields, "sqnr_db", "relative_error"}, ...],
         "stagnation": [{"step", "parameter", "elements", "updated", "lost", "fraction"}, ...]}.
         Non-finite numbers (an exact rounding's infinite SQNR, say) are written as null, so
-        that the file is standard JSON."""
+        that the file is standard JSON.
+
+        Raises:
+            TypeError: path is not a str or os.PathLike (as to_csv).
+        """
+        _check_path(path)
         data = {
             "every": self.every,
             "records": [
@@ -620,9 +631,11 @@ class Recorder:
         infinite SQNR) are left blank. Needs matplotlib; does not touch pyplot's state.
 
         Raises:
+            TypeError: path is not a str or os.PathLike (as to_csv).
             ValueError: metric or category is unknown, or nothing of category was recorded.
             ImportError: matplotlib is not installed.
         """
+        _check_path(path)
         if metric not in PLOT_METRICS:
             raise ValueError(f"metric must be one of {PLOT_METRICS}, got {metric!r}")
         if category is not None and category not in CATEGORIES[:-1]:
@@ -694,6 +707,13 @@ def _totals(records, keys: tuple[str, ...], field: str, zero):
         key = tuple(getattr(record, k) for k in keys)
         totals[key] = totals.get(key, zero) + getattr(record, field)
     return totals
+
+
+def _check_path(path) -> None:
+    """Raises TypeError unless path is a file name (str, bytes or os.PathLike): open() takes an
+    int as a file descriptor, which the writers would write into and close."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
 
 
 def _checked_categories(categories) -> tuple[str, ...]:
