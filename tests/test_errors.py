@@ -626,3 +626,36 @@ def test_recorder_writers_refuse_a_file_descriptor_as_path(write, tmp_path):
             getattr(recorder, write)(other.fileno())
         os.fstat(other.fileno())  # still open
     assert target.read_text() == "kept\n"
+
+
+@pytest.mark.parametrize(
+    "call,error,pattern",
+    [
+        # accepted silently where no bare format used the rule
+        (
+            lambda: lpsim.optim.ParameterQuantization(rounding="nearst"),
+            ValueError,
+            r"^rounding must be one of .*got 'nearst'",
+        ),
+        (
+            lambda: lpsim.optim.OptimLP(
+                torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), rounding="nearst"
+            ),
+            ValueError,
+            r"^rounding must be one of .*got 'nearst'",
+        ),
+        # TypeError: 'int' object is not iterable
+        (
+            lambda: lpsim.optim.OptimLP(
+                torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+                weight=Float(5, 2),
+                parameters=5,
+            ),
+            TypeError,
+            r"^parameters must be None, an iterable of tensors or a mapping .*got int",
+        ),
+    ],
+)
+def test_optimlp_checks_its_rule_and_parameters_by_name(call, error, pattern):
+    with pytest.raises(error, match=pattern):
+        call()

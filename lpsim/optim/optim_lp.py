@@ -54,6 +54,8 @@ class ParameterQuantization:
     rounding: Rounding | str = field(default="stochastic")
 
     def __post_init__(self) -> None:
+        # Checked also where no field is a bare format, as a Quantizer's rules are.
+        Rounding.parse(self.rounding, "rounding")
         for name in _CATEGORIES:  # formats and pairs become QuantSpecs; malformed ones raise
             object.__setattr__(self, name, _as_function(getattr(self, name), self.rounding, name))
 
@@ -399,6 +401,11 @@ class OptimLP(Optimizer):
                     )
                 chosen[id(p)] = settings
             return chosen
+        if not isinstance(parameters, Iterable):
+            raise TypeError(
+                "parameters must be None, an iterable of tensors or a mapping from tensors to "
+                f"ParameterQuantization or None, got {type(parameters).__name__}"
+            )
         chosen = {}
         for p in parameters:
             if not isinstance(p, torch.Tensor):
