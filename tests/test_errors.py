@@ -659,3 +659,24 @@ def test_recorder_writers_refuse_a_file_descriptor_as_path(write, tmp_path):
 def test_optimlp_checks_its_rule_and_parameters_by_name(call, error, pattern):
     with pytest.raises(error, match=pattern):
         call()
+
+
+def test_optimlp_reads_a_groups_quantization_set_after_the_group_was_made():
+    # The settings were worked out once, when the groups were made: a "quantization" set on a
+    # group later was never used (the weights stayed in float32), and a malformed one passed.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = lpsim.optim.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.param_groups[0]["quantization"] = lpsim.optim.ParameterQuantization(
+        weight=Float(2, 1), rounding="nearest"
+    )
+    model(torch.randn(3, 4)).sum().backward()
+    unrounded = [p.detach() - 0.1 * p.grad for p in model.parameters()]
+    opt.step()
+    for p, want in zip(model.parameters(), unrounded):
+        # Float(2, 1): the values 0, +-0.5 (subnormal), +-1, +-1.5, +-2, +-3, Inf; nearest-even
+        assert torch.equal(p.detach(), lpsim.quantize(want, Float(2, 1), "nearest"))
+        assert set(p.detach().abs().unique().tolist()) <= {0.0, 0.5, 1.0, 1.5, 2.0, 3.0}
+    opt.param_groups[0]["quantization"] = "x"
+    with pytest.raises(TypeError, match=r"^a parameter group's 'quantization' must be"):
+        opt.step()

@@ -269,7 +269,8 @@ class OptimLP(Optimizer):
     - a parameter group of the wrapped optimizer with the key ``"quantization"``
       (a ParameterQuantization, or None for full precision) sets its parameters' settings, unless
       ``parameters=`` says otherwise: ``SGD([{"params": body}, {"params": edges,
-      "quantization": None}], lr=0.1)``.
+      "quantization": None}], lr=0.1)``. As torch's optimizers read a group's options, a step
+      reads it as it is then: one set, replaced or removed since applies from that step.
 
     ``parameters=`` speaks of the parameters the optimizer holds when it is made: a group added
     later by add_param_group sets its parameters' settings as above (its ``"quantization"``, else
@@ -432,6 +433,20 @@ class OptimLP(Optimizer):
             )
         return settings
 
+    def _group_keys(self) -> list:
+        """Each parameter group's "quantization" as it is now (the group itself where it has
+        none), to compare by identity with those the settings were worked out from."""
+        return [group.get(_GROUP_KEY, group) for group in self.param_groups]
+
+    def _configure_changed_groups(self) -> None:
+        """Work out the settings again where a group's "quantization" was set, replaced or removed
+        since (torch's optimizers read a group's options at every step), with the checks the
+        constructor makes."""
+        keys = self._group_keys()
+        configured = getattr(self, "_groups_configured", ())
+        if len(keys) != len(configured) or any(a is not b for a, b in zip(keys, configured)):
+            self._configure()
+
     def _configure(self) -> None:
         """Work out every parameter's settings, check that their formats fit, and create the
         missing accumulators."""
@@ -454,6 +469,7 @@ class OptimLP(Optimizer):
                     self._check_fits(s, p, f"parameter {i} of group {g}")
                 settings[p] = s
         self.settings = settings
+        self._groups_configured = self._group_keys()
         with torch.no_grad():
             for p, s in settings.items():
                 if s is not None and s.acc is not None and p not in self.accumulators:
@@ -644,6 +660,7 @@ class OptimLP(Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step of the wrapped optimizer with the quantisation above; returns its loss."""
+        self._configure_changed_groups()
         if closure is None and self._fused_step_applies():
             self._fused_step()
             return None
