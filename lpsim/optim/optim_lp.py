@@ -654,8 +654,10 @@ class OptimLP(Optimizer):
 
         Parameters in full precision are unchanged, and so is every accumulator: an accumulator
         rounded into ``acc`` when the optimizer was made keeps that value. Random streams as in
-        step()'s weight phase: one quantize_many_ call per ``weight`` spec.
+        step()'s weight phase: one quantize_many_ call per ``weight`` spec. Reads the groups'
+        ``"quantization"`` as they are now, as step() does.
         """
+        self._configure_changed_groups()
         self._set_weights()
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
