@@ -37,6 +37,8 @@ from lpsim.scaled import Scaled
 
 __all__ = ["quantize", "quantize_"]
 
+_STRIDED = torch.strided  # a module global: the fast path below reads it on every call
+
 
 def _block_dim(fmt: BlockFloat, x: torch.Tensor) -> int | None:
     if fmt.dim is None:
@@ -64,7 +66,7 @@ def quantize_op_arguments(x, fmt, rounding, rbits, seed, offset):
             and rbits is None
             and seed is None
             and type(offset) is int
-            and x.layout is torch.strided  # others are refused below (check_strided)
+            and x.layout is _STRIDED  # others are refused below (check_strided)
             and not x.is_nested
         ):
             default = _DEFAULT_RANDOM.get(rounding) if type(rounding) in (str, Rounding) else None
