@@ -97,6 +97,11 @@ def attention_out_projections(model: nn.Module) -> dict[str, str]:
     }
 
 
+def _check_model(model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+
+
 def edge_layers(model: nn.Module) -> list[str]:
     """Names of the first and last weight layers (Conv, ConvTranspose, Linear, Bilinear,
     MultiheadAttention, RNN/LSTM/GRU; an attention's out projection counting as part of it) of
@@ -104,7 +109,12 @@ def edge_layers(model: nn.Module) -> list[str]:
     gives them: the order the modules were registered, which is the order of the forward pass in
     nn.Sequential models and most CNNs, but not in a model that registers, say, its head before
     its stem. Such a model needs its own ``layers=`` configuration for Recipe.apply, its edge
-    layers set to None."""
+    layers set to None.
+
+    Raises:
+        TypeError: model is not an nn.Module.
+    """
+    _check_model(model)
     inner = attention_out_projections(model)
     names = [
         n for n, m in model.named_modules() if isinstance(m, _EDGE_CANDIDATES) and n not in inner
@@ -223,7 +233,8 @@ class Recipe:
         """The inject() configuration of this recipe for model. A parameter of a kept edge layer
         that another module shares (an embedding tied to the output layer, say) stays in full
         precision there too: that module's weight (or bias) is not quantised, its other
-        quantisers are as the recipe says."""
+        quantisers are as the recipe says. TypeError when model is not an nn.Module."""
+        _check_model(model)
         config = {name: None for name in edge_layers(model)} if self.keep_edges else {}
         shared = _sharing_kept_parameters(model, list(config))
         # A MultiheadAttention's out projection: its weight (and bias) rounded as the layers'
@@ -284,12 +295,19 @@ class Recipe:
                 QPyTorch's OptimLP does.
 
         Raises:
+            TypeError: model is not an nn.Module or optimizer not a torch optimizer (the model is
+                left as it was).
             ValueError: parameters is neither "quantized" nor "all", or an entry of ``layers``
                 decides no module.
             TypeError, ValueError: as inject() and OptimLP for malformed settings (a format that
                 does not fit a tensor's dtype, say); a model that carried no quantisers is
                 then left as it was (one injected before keeps the recipe's quantisers).
         """
+        _check_model(model)
+        if not isinstance(optimizer, Optimizer):  # before inject: no half-applied recipe
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
         if parameters not in _PARAMETERS:
             raise ValueError(f"parameters must be 'quantized' or 'all', got {parameters!r}")
         if not self.quantises and layers is None:

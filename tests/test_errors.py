@@ -680,3 +680,15 @@ def test_optimlp_reads_a_groups_quantization_set_after_the_group_was_made():
     opt.param_groups[0]["quantization"] = "x"
     with pytest.raises(TypeError, match=r"^a parameter group's 'quantization' must be"):
         opt.step()
+
+
+def test_recipe_apply_refuses_a_non_optimizer_before_injecting_the_model():
+    # AttributeError: 'int' object has no attribute 'param_groups', raised after inject: the
+    # model was left with the recipe's quantisers.
+    model = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(3)))
+    with pytest.raises(TypeError, match=r"^optimizer must be a torch.optim.Optimizer, got int"):
+        lpsim.recipes.IBM8.apply(model, 5)
+    assert lpsim.nn.injected(model) == []
+    for call in (lambda: lpsim.recipes.edge_layers(5), lambda: lpsim.recipes.IBM8.layers(5)):
+        with pytest.raises(TypeError, match=r"^model must be an nn.Module, got int"):
+            call()
