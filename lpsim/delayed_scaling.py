@@ -176,17 +176,30 @@ class _StraightThrough(torch.autograd.Function):
 
 def _largest_unsaturated(start: torch.Tensor, limit: float, scale: torch.Tensor) -> float:
     """The largest value of start's dtype, at least ``start`` (a 0-d tensor >= 0), whose product
-    with ``scale`` (a 0-d tensor in the call's arithmetic), rounded there as a call rounds it, is
-    at most the element value ``limit`` >= 0. The products grow with the value, and start (a
-    decoded limit) lies within a few roundings of the answer: a few steps."""
+    with ``scale`` (a 0-d tensor > 0 in the call's arithmetic), rounded there as a call rounds it,
+    is at most the element value ``limit`` >= 0. The products grow with the value, and
+    limit / scale, rounded into start's dtype, lies within a step or two of the answer: the search
+    starts there, not at start, which in float64 can lie 2**28 steps below it (scale_inverse is
+    float32's 1 / scale, a float32 rounding away from float64's)."""
     up = torch.tensor(math.inf, dtype=start.dtype)
+    down = torch.tensor(-math.inf, dtype=start.dtype)
     bound = torch.tensor(limit, dtype=scale.dtype)
-    x = start
+    largest = torch.finfo(start.dtype).max
+
+    def within(value: torch.Tensor) -> bool:
+        return bool(value.isfinite()) and not bool(value.to(scale.dtype) * scale > bound)
+
+    divisor = float(scale)  # 0 where elem_max * 2**-margin / amax underflowed float32
+    guess = largest if divisor == 0 else min(limit / divisor, largest)
+    x = torch.tensor(guess, dtype=torch.float64).to(start.dtype)
+    while x > 0 and not within(x):
+        x = torch.nextafter(x, down)
     while True:
         step = torch.nextafter(x, up)
-        if not bool(step.isfinite()) or bool(step.to(scale.dtype) * scale > bound):
-            return float(x)
+        if not within(step):
+            break
         x = step
+    return float(torch.maximum(x, start))
 
 
 class DelayedScaler(nn.Module):
