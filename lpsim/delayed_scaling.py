@@ -24,14 +24,17 @@ operation at a time:
    below), and the scale is recomputed from the history:
    a = the largest entry ("max", NaN entries ignored) or the newest ("most_recent");
    if a is finite and positive, scale = (elem_max * 2^-margin) / a, at most float32's largest
-   finite number (an amax so small that the quotient overflows), and scale_inverse = 1 / scale,
-   else both stay as they were.
+   finite number (an amax so small that the quotient overflows) and at least 2^-128 + 2^-149,
+   the smallest float32 number whose reciprocal is finite (a margin that takes the quotient of a
+   large amax below it), and scale_inverse = 1 / scale, else both stay as they were.
 
 So the scale a call uses comes from the calls before it: the first call uses scale 1. This is
 Transformer Engine's amax_and_scale_update (history rolled, max or most-recent reduction,
 ``fp8_max * 2^-margin / amax``, the scale kept for a zero or non-finite amax, NaN ignored by the
 max reduction as CUDA's fmaxf ignores it; an infinite quotient becomes float32's largest finite
-number, as in its compute_scale_from_amax), with one update per call: Transformer Engine updates
+number, as in its compute_scale_from_amax; Transformer Engine has no lower bound, and a scale
+below 2^-128 gives it an infinite scale_inverse, which decodes a finite tensor to Inf and its
+zeros to NaN), with one update per call: Transformer Engine updates
 once per training step, which is the same when each tensor is quantised once per step. A tensor
 quantised several times per step (gradient accumulation) records each call.
 
@@ -68,6 +71,8 @@ __all__ = ["DelayedScaling", "DelayedScaler", "REDUCTIONS"]
 
 REDUCTIONS = ("max", "most_recent")
 # The float32 buffers.
+# The smallest float32 number whose reciprocal is finite in float32: 2**-128 + 2**-149.
+_SMALLEST_INVERTIBLE = math.ldexp(1.0, -128) + math.ldexp(1.0, -149)
 _FLOAT32_STATE = ("amax_history", "scale", "scale_inverse", "call_scale", "call_scale_inverse")
 
 
@@ -176,17 +181,30 @@ class _StraightThrough(torch.autograd.Function):
 
 def _largest_unsaturated(start: torch.Tensor, limit: float, scale: torch.Tensor) -> float:
     """The largest value of start's dtype, at least ``start`` (a 0-d tensor >= 0), whose product
-    with ``scale`` (a 0-d tensor in the call's arithmetic), rounded there as a call rounds it, is
-    at most the element value ``limit`` >= 0. The products grow with the value, and start (a
-    decoded limit) lies within a few roundings of the answer: a few steps."""
+    with ``scale`` (a 0-d tensor > 0 in the call's arithmetic), rounded there as a call rounds it,
+    is at most the element value ``limit`` >= 0. The products grow with the value, and
+    limit / scale, rounded into start's dtype, lies within a step or two of the answer: the search
+    starts there, not at start, which in float64 can lie 2**28 steps below it (scale_inverse is
+    float32's 1 / scale, a float32 rounding away from float64's)."""
     up = torch.tensor(math.inf, dtype=start.dtype)
+    down = torch.tensor(-math.inf, dtype=start.dtype)
     bound = torch.tensor(limit, dtype=scale.dtype)
-    x = start
+    largest = torch.finfo(start.dtype).max
+
+    def within(value: torch.Tensor) -> bool:
+        return bool(value.isfinite()) and not bool(value.to(scale.dtype) * scale > bound)
+
+    divisor = float(scale)  # 0 where elem_max * 2**-margin / amax underflowed float32
+    guess = largest if divisor == 0 else min(limit / divisor, largest)
+    x = torch.tensor(guess, dtype=torch.float64).to(start.dtype)
+    while x > 0 and not within(x):
+        x = torch.nextafter(x, down)
     while True:
         step = torch.nextafter(x, up)
-        if not bool(step.isfinite()) or bool(step.to(scale.dtype) * scale > bound):
-            return float(x)
+        if not within(step):
+            break
         x = step
+    return float(torch.maximum(x, start))
 
 
 class DelayedScaler(nn.Module):
@@ -314,9 +332,11 @@ class DelayedScaler(nn.Module):
             reduced = history[0]
         usable = torch.isfinite(reduced) & (reduced > 0)
         # An amax below elem_max / 2**128 overflows the quotient; an infinite scale would turn
-        # zeros into NaN (0 * Inf) and every other element into 0 (scale_inverse 0).
+        # zeros into NaN (0 * Inf) and every other element into 0 (scale_inverse 0). A quotient
+        # at or below 2**-128 (a margin on a large amax) would give an infinite scale_inverse,
+        # and the same NaN and Inf in the decoded values.
         largest = torch.finfo(torch.float32).max
-        quotient = (self.scaling.scaled_max() / reduced).clamp(max=largest)
+        quotient = (self.scaling.scaled_max() / reduced).clamp(_SMALLEST_INVERTIBLE, largest)
         scale = torch.where(usable, quotient, self.scale)
         self.scale_inverse.copy_(torch.where(usable, 1 / scale, self.scale_inverse))
         self.scale.copy_(scale)

@@ -118,6 +118,27 @@ def test_an_amax_too_small_for_a_finite_scale_gives_float32_max_and_keeps_zeros_
         assert not y.isnan().any() and y[0] > 0 and y[3] < 0
 
 
+def test_a_margin_on_a_huge_amax_keeps_scale_inverse_finite_and_finite_values_finite():
+    """448 * 2**-10 / 3e38 lies below 2**-128, where float32's reciprocal is Inf: the scale is
+    raised to 2**-128 + 2**-149, the smallest float32 with a finite reciprocal, and the next call
+    decodes every element (E4M3 via ml_dtypes) by that finite reciprocal. Before, scale_inverse
+    was Inf: 3e38 decoded to Inf and 1.0 and 0.0 to NaN."""
+    scaler = DelayedScaling(E4M3, margin=10).scaler()
+    x = torch.tensor([3e38, 1.0, 0.0, -2e38, 1e38])
+    scaler(x)
+    smallest = np.float32(2.0**-128 + 2.0**-149)
+    assert np.float32(448 * 2.0**-10) / np.float32(3e38) < smallest  # the premise
+    assert np.isinf(np.float32(1) / np.float32(2.0**-128))
+    assert scaler.scale.item() == smallest
+    inverse = np.float32(1) / smallest
+    assert scaler.scale_inverse.item() == inverse and np.isfinite(inverse)
+    y = scaler(x)
+    products = x.numpy() * smallest
+    elements = products.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    assert torch.equal(y, torch.from_numpy(elements * inverse))
+    assert bool(y.isfinite().all())
+
+
 def test_finite_values_whose_scaled_product_overflows_float32_saturate_as_transformer_engine():
     # After an amax of 1e-36 the scale is float32's largest finite number, and x * scale overflows
     # float32 for |x| >= 1. Transformer Engine's cast to FP8 saturates (satfinite) what the

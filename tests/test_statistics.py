@@ -6,6 +6,7 @@ same bits for any thread count, and quantize_with_statistics against quantize.""
 from __future__ import annotations
 
 import math
+import signal
 from fractions import Fraction
 
 import numpy as np
@@ -556,6 +557,39 @@ def test_a_delayed_scalers_call_counts_no_overflow_where_x_times_its_scale_is_th
     x = torch.tensor([600.0, 1.0, 500.0])
     s = rounding_statistics(x, scaler(x), scaler)
     assert s.overflow == 1  # 600 only
+
+
+def test_a_delayed_scalers_float64_call_counts_overflow_where_its_product_passes_the_limit():
+    """A float64 call multiplies by the float32 scale 448 / 3 in float64, and decodes with the
+    float32 scale_inverse, which lies 2**28 float64 steps from 1 / scale: the range reaches from
+    3 * 448 * scale_inverse to the largest float64 x with x * scale <= 448 (numpy's float64
+    product). Before, the bound was searched one float64 step at a time from the decoded limit, a
+    search of hundreds of millions of steps that did not return."""
+    scaler = DelayedScaling(Float(4, 3, special="fn")).scaler()
+    scaler(torch.tensor([3.0, -1.0], dtype=torch.float64))  # the next call's scale: 448 / 3
+    scale = np.float64(np.float32(448) / np.float32(3))
+    limit = 448 / scale  # within a float64 rounding of the last unsaturated x
+    near = [float(np.nextafter(limit, sign * np.inf)) for sign in (-1, 1)]
+    x = torch.tensor([*near, limit, -limit, 3.0, 3.1, -4.0, 1.0], dtype=torch.float64)
+    y = scaler(x)
+    signal.signal(signal.SIGALRM, _took_too_long)
+    signal.setitimer(signal.ITIMER_REAL, 60.0)
+    try:
+        s = rounding_statistics(x, y, scaler)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0.0)
+    decoded = 448 * np.float64(scaler.call_scale_inverse.item())
+    beyond = [abs(v) > decoded and abs(v) * scale > 448 for v in x.tolist()]
+    assert s.overflow == sum(beyond)
+    # 3 is the call's amax (3 * scale is 448), 3.1 and -4 saturate, and the bound lies between
+    # the two float64 numbers next to 448 / scale
+    assert beyond[:2] == [False, True] and beyond[4:] == [False, True, True, False]
+    high = scaler.statistics_bounds(torch.float64)[1]
+    assert high * scale <= 448 < float(np.nextafter(high, np.inf)) * scale
+
+
+def _took_too_long(signum, frame):
+    raise TimeoutError("rounding_statistics took over a minute for two float64 elements")
 
 
 def test_a_float_scale_counts_no_overflow_where_x_times_its_reciprocal_is_the_limit():
