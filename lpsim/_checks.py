@@ -21,9 +21,19 @@ RANDOMNESS = ("position", "value")  # the randomness codes 0 and 1 of the compil
 MAX_SEED = 2**64  # seeds and offsets are 64-bit words: 0 <= seed, offset < MAX_SEED
 
 
-def draw_seed() -> torch.Tensor:
+def draw_seed(like: torch.Tensor | None = None) -> torch.Tensor:
     """A seed drawn from torch's default CPU generator: 63 random bits in a 0-d int64 tensor. The
-    compiled ops draw the same value themselves when given no seed (csrc/checks.cpp)."""
+    compiled ops draw the same value themselves when given no seed (csrc/checks.cpp).
+
+    ``like``: the tensor the seed will round. While torch.compile traces, the draw is made from
+    it (the same value), so that it happens where that tensor exists: a draw that depends on
+    nothing is free to move, and AOTAutograd's partitioner moves one made in a backward pass
+    (an error format's) into the forward graph when random ops are impure
+    (torch._inductor.config.fallback_random = True), so that an injected model's draws came in
+    another order than in eager mode (every seed after it changed)."""
+    if like is not None and torch.compiler.is_compiling():
+        anchor = like.new_zeros((), dtype=torch.int64, device="cpu")
+        return torch.randint_like(anchor, 2**63 - 1)
     # randint(high, size) draws what randint(0, high, size, dtype=torch.int64) draws (int64 is
     # randint's default dtype), ~1 us sooner: fewer arguments to parse.
     return torch.randint(2**63 - 1, ())
@@ -42,7 +52,9 @@ def draws_seed_in_python() -> bool:
     return torch.compiler.is_compiling() or under_torch_func()
 
 
-def seed_argument(seed: int | None, rounding: Rounding) -> int | torch.Tensor | None:
+def seed_argument(
+    seed: int | None, rounding: Rounding, like: torch.Tensor | None = None
+) -> int | torch.Tensor | None:
     """The seed as the compiled ops take it (through lpsim._ops.call): the 64 seed bits as a
     signed int64 value, or None.
 
@@ -57,7 +69,8 @@ def seed_argument(seed: int | None, rounding: Rounding) -> int | torch.Tensor | 
         ValueError: seed is outside [0, 2**64).
     """
     if seed is None:
-        return draw_seed() if rounding.is_stochastic and draws_seed_in_python() else None
+        drawn = rounding.is_stochastic and draws_seed_in_python()
+        return draw_seed(like) if drawn else None
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
     if not 0 <= seed < MAX_SEED:
@@ -83,16 +96,20 @@ def check_offset(offset: int) -> int:
 
 
 def random_args(
-    rounding: Rounding | str, rbits: int | None, seed: int | None, offset: int
+    rounding: Rounding | str,
+    rbits: int | None,
+    seed: int | None,
+    offset: int,
+    like: torch.Tensor | None = None,
 ) -> tuple[Rounding, int, int | torch.Tensor | None, int]:
     """(rule, rbits, seed, offset) checked, in the order the compiled ops take them (the seed as
-    seed_argument gives it).
+    seed_argument gives it; ``like``: the tensor it rounds, see draw_seed).
 
     Raises:
         TypeError, ValueError: as Rounding.parse, check_rbits, seed_argument and check_offset.
     """
     rule = Rounding.parse(rounding)
-    return rule, check_rbits(rbits, rule), seed_argument(seed, rule), check_offset(offset)
+    return rule, check_rbits(rbits, rule), seed_argument(seed, rule, like), check_offset(offset)
 
 
 def check_tensor(x, name: str = "x") -> None:

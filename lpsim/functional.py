@@ -80,12 +80,12 @@ def quantize_op_arguments(x, fmt, rounding, rbits, seed, offset):
     if isinstance(fmt, GRID_FORMATS):
         check_container(x)
         grid = fmt.grid_arguments(x.dtype)
-        rule, *random = random_args(rounding, rbits, seed, offset)
+        rule, *random = random_args(rounding, rbits, seed, offset, x)
         return "quantize_grid", (*grid, int(rule), *random)
     if isinstance(fmt, Scaled):
         check_container(x)
         arguments = fmt.op_arguments(x.dtype)
-        rule, *random = random_args(rounding, rbits, seed, offset)
+        rule, *random = random_args(rounding, rbits, seed, offset, x)
         return "quantize_scaled", (*arguments, int(rule), *random)
     if not isinstance(fmt, BlockFloat):
         raise TypeError(
@@ -94,7 +94,7 @@ def quantize_op_arguments(x, fmt, rounding, rbits, seed, offset):
         )
     check_container(x)
     check_fits(fmt, x.dtype)
-    rule, *random = random_args(rounding, rbits, seed, offset)
+    rule, *random = random_args(rounding, rbits, seed, offset, x)
     return "quantize_block", (fmt.wl, _block_dim(fmt, x), fmt.block_size, int(rule), *random)
 
 

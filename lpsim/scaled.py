@@ -255,6 +255,10 @@ class Scaled:
             raise ValueError(f"Scaled.element {self.element!r} has no positive value")
         if self.tensor_scale:
             self._check_tensor_scale()
+        if not torch.compiler.is_compiling():
+            # The first equal Scaled made: what torch.compile's trace-time op arguments are keyed
+            # by (see op_arguments).
+            object.__setattr__(self, "_first", _FIRST.setdefault(self, self))
 
     def _check_tensor_scale(self) -> None:
         """The tensor scale's float32 arithmetic must stay finite: scale max * elem_max (the
@@ -355,9 +359,23 @@ class Scaled:
         """The compiled quantize_scaled op's arguments between x and the rounding rule, for a
         tensor of ``dtype`` (computed once per dtype).
 
+        While torch.compile traces, the arguments of a Scaled made outside the trace are
+        computed at trace time and enter the graph as constants, keyed by the first equal Scaled
+        (whose identity dynamo guards on): read through the fields, a field that changed between
+        two traces of one function (mxfp8_e4m3, then mxfp6_e3m2) was a symbolic value, which the
+        Fractions of the element's max could not take (dynamo refused the second call).
+
         Raises:
             ValueError: the element format does not fit ``dtype``.
         """
+        first = self.__dict__.get("_first") if torch.compiler.is_compiling() else None
+        if first is not None:
+            check_fits(self.element, dtype)
+            return _constant_op_arguments(first, dtype)
+        return self._computed_op_arguments(dtype)
+
+    def _computed_op_arguments(self, dtype: torch.dtype) -> tuple:
+        """op_arguments(dtype), computed once per dtype (stored outside torch.compile's traces)."""
         stored = self.__dict__.get("_op_arguments")
         if stored is None:
             stored = {}
@@ -393,6 +411,15 @@ class Scaled:
         if isinstance(self.block, tuple):
             return list(self.block), None
         return [self.block], self.axis
+
+
+_FIRST: dict = {}
+
+
+@torch.compiler.assume_constant_result
+def _constant_op_arguments(fmt: Scaled, dtype: torch.dtype) -> tuple:
+    """fmt.op_arguments(dtype), which dynamo computes at trace time and holds as a constant."""
+    return fmt._computed_op_arguments(dtype)
 
 
 def _mx(element: Float | Fixed) -> Scaled:

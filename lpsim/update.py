@@ -104,7 +104,7 @@ def _update_args(a, fmt, rounding, rbits, seed, offset, randomness) -> tuple:
         )
     check_element_format("fmt", fmt)
     check_fits(fmt, a.dtype)
-    rule, *random = random_args(rounding, rbits, seed, offset)
+    rule, *random = random_args(rounding, rbits, seed, offset, a)
     return (*sum_grid(fmt, a.dtype), int(rule), *random, check_randomness(randomness))
 
 

@@ -620,6 +620,20 @@ def test_inductor_compiled_quantize_follows_every_format_rule_and_seed_it_is_giv
 _GLOBAL_FORMAT = Float(5, 2)
 
 
+def test_one_fullgraph_function_takes_fixed_formats_that_differ_in_one_field():
+    """Fixed(8, 4), then Fixed(8, 3) and Fixed(10, 3) as arguments of one function compiled with
+    fullgraph=True: each recompiles and rounds to nearest even on its grid (torch.round, then the
+    clamp). Before, dynamo's second trace read the changed field as a symbolic int and check_fits'
+    Fractions made it refuse the call."""
+    torch._dynamo.reset()
+    x = torch.randn(64, generator=torch.Generator().manual_seed(3)) * 40
+    compiled = torch.compile(lambda x, fmt: lpsim.quantize(x, fmt), backend="eager", fullgraph=True)
+    for wl, fl in [(8, 4), (8, 3), (10, 3), (8, 4)]:
+        top = 2 ** (wl - 1)
+        want = torch.round(x * 2**fl).clamp(-top, top - 1) / 2**fl
+        assert_same_bits(compiled(x, Fixed(wl, fl)), want, f"Fixed({wl}, {fl})")
+
+
 @pytest.mark.parametrize("rule", ["nearest", "stochastic"])
 def test_equal_formats_made_apart_share_one_compiled_graph(rule):
     """A compiled function given a new but equal format at every call (Float(5, 2) written at the

@@ -185,6 +185,25 @@ def test_mx_presets_match_gfloat_quantize_block(name, rounding):
     assert_same_bits(ours, torch.from_numpy(theirs))
 
 
+def test_one_compiled_function_takes_mx_presets_one_after_another():
+    """A function compiled with fullgraph=True and given mxfp8_e4m3, then mxfp6_e3m2, mxfp4_e2m1
+    and mxint8 as an argument recompiles for each and rounds as gfloat does. Before, dynamo's
+    second trace read the fields that had changed as symbolic values, and the element's max
+    (computed with Fractions) made it refuse the call."""
+    torch._dynamo.reset()
+    x = heavy_tailed(4, 64, seed=9).double()
+    compiled = torch.compile(lambda x, fmt: lpsim.quantize(x, fmt), backend="eager", fullgraph=True)
+    for name in ("mxfp8_e4m3", "mxfp6_e3m2", "mxfp4_e2m1", "mxint8", "mxfp8_e4m3"):
+        blocks = x.reshape(-1, 32).numpy()
+        theirs = [
+            gfloat.quantize_block(GFLOAT_MX[name], b, gfloat.compute_scale_amax) for b in blocks
+        ]
+        ours = compiled(x, preset(name))
+        if name == "mxint8":
+            ours = ours + 0.0  # two's complement has no -0
+        assert_same_bits(ours, torch.from_numpy(np.stack(theirs)).reshape(x.shape))
+
+
 def test_e8m0_range_is_ml_dtypes_float8_e8m0fnu():
     info = ml_dtypes.finfo(ml_dtypes.float8_e8m0fnu)
     e8m0 = PowerOfTwo(8)

@@ -931,6 +931,40 @@ def test_inductor_compiled_training_steps_give_the_eager_weights(recipe, optimiz
         assert_same_bits(g, w)
 
 
+def test_compiled_stochastic_errors_draw_their_seeds_in_the_backward_pass_as_in_eager():
+    """With fallback_random (as docs/training.md prescribes for the eager bits), an injected model
+    whose stochastic MACs break the compiled graph at each layer, and whose errors are rounded
+    stochastically, gives the eager output and gradients bit for bit, and its forward pass
+    leaves torch's generator where the eager forward pass leaves it. Before, AOTAutograd's
+    partitioner moved each error's seed draw (a random op that depended on nothing) from the
+    backward graph into its layer's forward graph, so the seeds came in another order."""
+
+    def run(compiled: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        mac = lpsim.MAC(accumulator=Float(8, 7), rounding="stochastic")
+        spec = LayerQuantization(error=(Float(5, 2), "stochastic"), mac=mac, rounding="nearest")
+        inject(model, {nn.Linear: spec})
+        x = torch.randn(2, 8, requires_grad=True)
+        forward = torch.compile(model, backend="aot_eager") if compiled else model
+        torch.manual_seed(5)
+        y = forward(x)
+        after_forward = torch.get_rng_state()
+        y.pow(2).sum().backward()
+        return [y.detach(), x.grad, *(p.grad for p in model.parameters()), after_forward]
+
+    config = torch._inductor.config
+    previous = config.fallback_random
+    config.fallback_random = True
+    try:
+        got = run(compiled=True)
+    finally:
+        config.fallback_random = previous
+    for g, w in zip(got, run(compiled=False), strict=True):
+        assert torch.equal(g, w)
+
+
 # A whole low-precision training run: dropout, stochastic rounding of weights, activations and
 # errors (element, block and MX formats), delayed scaling in the model and in the optimizer, an
 # FP32 master copy rounded stochastically, a dynamic loss scale that skips steps, gradient

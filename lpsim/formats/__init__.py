@@ -900,12 +900,31 @@ def check_fits(fmt: Format, dtype: torch.dtype) -> None:
         TypeError: ``dtype`` is not a supported container.
         ValueError: the format does not fit; the message says why and what to use instead.
     """
-    c = container_of(dtype)
+    container_of(dtype)  # raises TypeError for a dtype that is not a container
+    first = first_equal(fmt) if torch.compiler.is_compiling() else None
+    problem = _constant_misfit(first, dtype) if first is not None else _misfit_message(fmt, dtype)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _misfit_message(fmt: Format, dtype: torch.dtype) -> str | None:
+    """check_fits' message for fmt and a container dtype, or None when fmt fits."""
+    c = CONTAINERS[dtype]
     problem = fmt._misfit(c)
-    if problem:
-        wider = [d.name for d in CONTAINERS.values() if fmt._misfit(d) is None]
-        hint = f"; use a {' or '.join(wider)} tensor" if wider else ""
-        raise ValueError(f"{fmt!r} does not fit a {c.name} tensor: {problem}{hint}")
+    if not problem:
+        return None
+    wider = [d.name for d in CONTAINERS.values() if fmt._misfit(d) is None]
+    hint = f"; use a {' or '.join(wider)} tensor" if wider else ""
+    return f"{fmt!r} does not fit a {c.name} tensor: {problem}{hint}"
+
+
+@torch.compiler.assume_constant_result
+def _constant_misfit(fmt: Format, dtype: torch.dtype) -> str | None:
+    """_misfit_message(fmt, dtype), computed by dynamo at trace time (fmt is first_equal's, whose
+    identity dynamo guards on). Read through the format's attributes, a field that changed
+    between two traces of one function (Fixed(8, 4), then Fixed(8, 3)) is a symbolic int, which
+    the Fractions of _misfit cannot take (dynamo refused the second call)."""
+    return _misfit_message(fmt, dtype)
 
 
 def _check_enumerable(fmt) -> None:
