@@ -36,7 +36,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lpsim._checks import CONTAINER_DTYPES, MAX_SEED, check_container, check_strided
+from lpsim._checks import (
+    CONTAINER_DTYPES,
+    MAX_SEED,
+    check_container,
+    check_strided,
+    signature_kept,
+)
 
 __all__ = ["RandomHadamard", "MAX_SIZE", "MATMUL_MAX_SIZE"]
 
@@ -218,6 +224,7 @@ class RandomHadamard:
         return result.reshape(moved.shape).movedim(-1, self.axis).to(x.dtype)
 
 
+@signature_kept
 class _Rotation(torch.autograd.Function):
     """A transform's apply or inverse, whose gradient is, bit for bit, the other one of the
     incoming gradient (torch's gradient of the product by the matrix, or of the butterfly, rounds

@@ -19,7 +19,7 @@ import torch.autograd.forward_ad as forward_ad
 from torch import nn
 
 from lpsim import _observation
-from lpsim._checks import under_torch_func
+from lpsim._checks import signature_kept, under_torch_func
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.formats import (
     GRID_FORMATS,
@@ -293,6 +293,7 @@ def _unchanged(x: torch.Tensor) -> torch.Tensor:
     return x.clone()
 
 
+@signature_kept
 class _Quantize(torch.autograd.Function):
     """y = forward_spec(x); dL/dx = backward_spec(hooks(dL/dy)), zero where the forward clipped
     (where the rounded value lay outside the format's range). ``observed`` is None, or the pair
