@@ -459,7 +459,21 @@ class _QuantizingFunction:
     clamp_grad_zero: bool
     hooks: tuple
 
+    @property
+    def _forward_only(self) -> bool:
+        """Whether the function is a plain format's rounding, its gradient passed unchanged."""
+        return (
+            isinstance(self.forward, QuantSpec)
+            and self.backward is None
+            and not self.clamp_grad_zero
+            and not self.hooks
+        )
+
     def __call__(self, x: torch.Tensor, observed: tuple | None = None) -> torch.Tensor:
+        if self._forward_only and observed is None:
+            # quantize's own straight-through gradient (and tangent) is _Quantize's here, the
+            # same bits without a Python autograd.Function (tens of us per call).
+            return self.forward(x)
         function = _QuantizeWithTangent if _forward_mode_possible() else _Quantize
         return function.apply(
             x, self.forward, self.backward, self.clamp_grad_zero, self.hooks, observed
