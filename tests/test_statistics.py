@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import signal
+import subprocess
+import sys
 from fractions import Fraction
 
 import numpy as np
@@ -586,6 +588,28 @@ def test_a_delayed_scalers_float64_call_counts_overflow_where_its_product_passes
     assert beyond[:2] == [False, True] and beyond[4:] == [False, True, True, False]
     high = scaler.statistics_bounds(torch.float64)[1]
     assert high * scale <= 448 < float(np.nextafter(high, np.inf)) * scale
+
+
+def test_a_float_scale_whose_reciprocal_underflows_counts_in_a_few_steps():
+    """Fixed(4, 30) elements (largest 7 * 2**-30) under float32 scales and a tensor scale: the
+    block holding 3e38 gets a reciprocal 1 / t / s that underflows float32 to 0, so the encoder
+    keeps every x within the element's range. The bounds search starts from m / reciprocal;
+    from the decoded limit it stepped through every float32 above it (2**31 steps a block). Run
+    in a subprocess with a time limit: a loop in the kernel does not return to Python."""
+    code = (
+        "import torch, lpsim\n"
+        "from lpsim.scaled import Scaled\n"
+        "from lpsim.statistics import rounding_statistics\n"
+        "fmt = Scaled(lpsim.Fixed(4, 30), scale=lpsim.Float(8, 23), block=16, "
+        "scale_rule='amax', tensor_scale=True)\n"
+        "x = torch.tensor([3e38] + [1.0] * 15 + [2.0] * 16)\n"
+        "s = rounding_statistics(x, lpsim.quantize(x, fmt), fmt)\n"
+        "print(s.elements, s.nonfinite)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["32", "0"]
 
 
 def _took_too_long(signum, frame):

@@ -29,20 +29,35 @@ LPSIM_FN double decoded_value(double q, const BlockScale& b, const ScaledSpec& s
   return real_of(decoded_pow2_element<C>(element, b.exponent, g.own));
 }
 
+// Whether the encoder keeps the container-C value with bits v (nonnegative) within the element
+// value m: its product with `reciprocal`, rounded in the arithmetic as float_scaled_element
+// rounds it, is at most m.
+template <class C>
+LPSIM_FN bool within_element(typename C::word v, double m, RealOf<ScaledArithmetic<C>> reciprocal) {
+  using T = RealOf<ScaledArithmetic<C>>;
+  return mul_rn(real_of(to_arithmetic<C>(v)), reciprocal) <= static_cast<T>(m);
+}
+
 // The largest value of container C, at least `start` (the bits of a nonnegative value of C),
-// whose product with `reciprocal`, rounded in the arithmetic as the encoder rounds it
-// (float_scaled_element), is at most the element value m >= 0. The products grow with x, and the
-// decoded limit they start from lies within a few roundings of the answer: a few steps.
+// that the encoder keeps within the element value m >= 0 (within_element). The products grow
+// with the value, so the search starts from m / reciprocal (in double, rounded into C), which
+// lies within a step or two of the answer however coarse the reciprocal (a subnormal one), and
+// steps from there; a zero reciprocal keeps every value within m.
 template <class C>
 LPSIM_FN typename C::word largest_unsaturated(typename C::word start, double m,
-                                              RealOf<ScaledArithmetic<C>> reciprocal) {
-  using T = RealOf<ScaledArithmetic<C>>;
-  typename C::word v = start;
-  while (v + 1 < C::inf_bits &&
-         mul_rn(real_of(to_arithmetic<C>(v + 1)), reciprocal) <= static_cast<T>(m)) {
-    ++v;
-  }
-  return v;
+                                              RealOf<ScaledArithmetic<C>> reciprocal,
+                                              const Grid<ScaledArithmetic<C>>& own) {
+  using K = ScaledArithmetic<C>;
+  using T = RealOf<K>;
+  using W = typename C::word;
+  const double quotient = reciprocal > 0 ? m / static_cast<double>(reciprocal) : INFINITY;
+  const T guess = static_cast<T>(quotient);  // +Inf beyond the arithmetic's range
+  const auto rounded = round_to_grid<Rounding::nearest, K>(bits_of_real(guess), own, 0, 0);
+  W v = from_arithmetic<C>(rounded);  // C's inf_bits beyond C's range
+  if (v >= C::inf_bits) v = C::inf_bits - 1;
+  while (v > start && !within_element<C>(v, m, reciprocal)) --v;
+  while (v + 1 < C::inf_bits && within_element<C>(v + 1, m, reciprocal)) ++v;
+  return v > start ? v : start;
 }
 
 // The decoded limit of element value m >= 0 in a block with a Float scale, extended to the
@@ -52,7 +67,7 @@ LPSIM_FN double float_scale_limit(double m, const BlockScale& b, const ElementGr
   using T = RealOf<ScaledArithmetic<C>>;
   const auto decoded = decoded_element<C>(static_cast<T>(m), static_cast<T>(b.decode), g.own);
   const typename C::word v =
-      largest_unsaturated<C>(from_arithmetic<C>(decoded), m, static_cast<T>(b.reciprocal));
+      largest_unsaturated<C>(from_arithmetic<C>(decoded), m, static_cast<T>(b.reciprocal), g.own);
   return real_of(to_arithmetic<C>(v));
 }
 
