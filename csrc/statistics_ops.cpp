@@ -123,22 +123,12 @@ RoundedCounts quantize_grid_statistics_cpu(const at::Tensor& x,
   return {y, counts, sums};
 }
 
-Counts scaled_statistics_cpu(const at::Tensor& x, const at::Tensor& rounded,
-                             LPSIM_SCALED_FORMAT_PARAMS double element_smallest_normal) {
-  check_rounded(x, rounded);
-  ScaledSpec spec = LPSIM_SCALED_FORMAT_SPEC;
-  const ScaledLayout layout = scaled_layout(x, block, axis);
-  check_element_smallest_normal(element_smallest_normal);
-  const Dtype dtype = container_of(x);
-  const at::Tensor xs = x.contiguous(), ys = rounded.contiguous();
+// The statistics of the contiguous xs rounded to ys, element i counted within
+// bounds[block_of(layout, i)]: the blocks' chunks in parallel, combined in chunk order.
+Counts statistics_by_block_cpu(Dtype dtype, const at::Tensor& xs, const at::Tensor& ys,
+                               const ScaledLayout& layout,
+                               const std::vector<StatisticsBounds>& bounds) {
   const int64_t n = xs.numel(), chunks = chunk_count(n);
-  if (n == 0) return as_tensors(ChunkStatistics{});
-  const IeeeSubnormals mode;  // the scales and the bounds, computed on this thread
-  if (spec.two_level) set_tensor_scale_cpu(dtype, xs.const_data_ptr(), n, spec);
-  const std::vector<BlockScale> scales = block_scales_cpu(dtype, xs.const_data_ptr(), layout, spec);
-  std::vector<StatisticsBounds> bounds(scales.size());
-  cpu::block_statistics_bounds(dtype, spec, scales.data(), static_cast<int64_t>(scales.size()),
-                               element_smallest_normal, bounds.data());
   std::vector<ChunkStatistics> parts(static_cast<size_t>(chunks));
   lpsim::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     cpu::rounding_statistics_by_block(dtype, xs.const_data_ptr(), ys.const_data_ptr(), begin, end,
@@ -147,25 +137,38 @@ Counts scaled_statistics_cpu(const at::Tensor& x, const at::Tensor& rounded,
   return as_tensors(combine_chunks(parts.data(), chunks));
 }
 
+Counts scaled_statistics_cpu(const at::Tensor& x, const at::Tensor& rounded,
+                             LPSIM_SCALED_FORMAT_PARAMS double element_smallest_normal) {
+  check_rounded(x, rounded);
+  ScaledSpec spec = LPSIM_SCALED_FORMAT_SPEC;
+  const ScaledLayout layout = scaled_layout(x, block, axis);
+  check_element_smallest_normal(element_smallest_normal);
+  const Dtype dtype = container_of(x);
+  const at::Tensor xs = x.contiguous(), ys = rounded.contiguous();
+  const int64_t n = xs.numel();
+  if (n == 0) return as_tensors(ChunkStatistics{});
+  const IeeeSubnormals mode;  // the scales and the bounds, computed on this thread
+  if (spec.two_level) set_tensor_scale_cpu(dtype, xs.const_data_ptr(), n, spec);
+  const std::vector<BlockScale> scales = block_scales_cpu(dtype, xs.const_data_ptr(), layout, spec);
+  std::vector<StatisticsBounds> bounds(scales.size());
+  cpu::block_statistics_bounds(dtype, spec, scales.data(), static_cast<int64_t>(scales.size()),
+                               element_smallest_normal, bounds.data());
+  return statistics_by_block_cpu(dtype, xs, ys, layout, bounds);
+}
+
 Counts block_statistics_cpu(const at::Tensor& x, const at::Tensor& rounded, int64_t wl,
                             std::optional<int64_t> dim, std::optional<int64_t> block_size) {
   check_rounded(x, rounded);
   const BlockLayout layout = block_layout(x, wl, dim, block_size);
   const Dtype dtype = container_of(x);
   const at::Tensor xs = x.contiguous(), ys = rounded.contiguous();
-  const int64_t n = xs.numel(), chunks = chunk_count(n);
+  const int64_t n = xs.numel();
   if (n == 0) return as_tensors(ChunkStatistics{});
   const std::vector<uint64_t> block_max = block_max_abs_cpu(dtype, xs.const_data_ptr(), n, layout);
   std::vector<StatisticsBounds> bounds(block_max.size());
   cpu::block_float_statistics_bounds(dtype, block_max.data(), static_cast<int64_t>(bounds.size()),
                                      static_cast<int32_t>(wl), bounds.data());
-  const ScaledLayout tiles = block_tiles(layout, n);
-  std::vector<ChunkStatistics> parts(static_cast<size_t>(chunks));
-  lpsim::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-    cpu::rounding_statistics_by_block(dtype, xs.const_data_ptr(), ys.const_data_ptr(), begin, end,
-                                      n, tiles, bounds.data(), parts.data());
-  });
-  return as_tensors(combine_chunks(parts.data(), chunks));
+  return statistics_by_block_cpu(dtype, xs, ys, block_tiles(layout, n), bounds);
 }
 
 // ---- CUDA: the kernels run on x's device, on its current stream; the chunks' statistics are
