@@ -49,8 +49,9 @@ tensors), each operation rounded to nearest even as torchao and the hardware rec
     element = round(x * r),   value = element * s      (two levels: element * (t * s))
 
 The tensor scale is t = amax(tensor) / (scale max * elem_max), at least 2**-126 / (the scale's
-smallest normal), so that 1 / (t * s) is finite for every scale s. A block (or, for t, a tensor)
-that holds a NaN or an Inf decodes to NaN throughout: the OCP spec's NaN scale.
+smallest normal), so that 1 / (t * s) is finite for every scale s; a two-level format's elements
+reach at least 2 (elem_max >= 2), so that t * s, about amax / elem_max, is finite. A block (or,
+for t, a tensor) that holds a NaN or an Inf decodes to NaN throughout: the OCP spec's NaN scale.
 
 Values are computed in float32 for float32, bfloat16 and float16 tensors and rounded to nearest
 into the tensor's dtype at the end; in float64 for float64 tensors.
@@ -207,8 +208,8 @@ class Scaled:
         scale_rule: "floor", "ceil", "even" or "rceil" for PowerOfTwo scales (default "floor"),
             "amax" for Float scales (the default and only rule there). See the module docstring.
         tensor_scale: a second, per-tensor float32 scale (NVFP4); Float scales only, with
-            scale max * elem_max below 2**128 and the scale's smallest normal at most 2, so that
-            t and 1 / t are finite float32 numbers.
+            scale max * elem_max below 2**128, the scale's smallest normal at most 2 and elem_max
+            at least 2, so that t, 1 / t and every block's t * s are finite float32 numbers.
 
     Raises:
         TypeError: a field has the wrong type.
@@ -262,8 +263,9 @@ class Scaled:
 
     def _check_tensor_scale(self) -> None:
         """The tensor scale's float32 arithmetic must stay finite: scale max * elem_max (the
-        divisor of t) below 2**128, and t's floor 2**-126 / (the scale's smallest normal) at least
-        2**-127, so that 1 / t is finite."""
+        divisor of t) below 2**128, t's floor 2**-126 / (the scale's smallest normal) at least
+        2**-127, so that 1 / t is finite, and elem_max at least 2, so that a block's decode factor
+        t * s (about amax / elem_max) is finite."""
         top = self.scale.max * self.element.max
         if not top < 2.0**128:
             raise ValueError(
@@ -275,6 +277,17 @@ class Scaled:
                 f"Scaled.tensor_scale needs a scale whose smallest normal is at most 2 (emin <= 1, "
                 f"so that 1 / t stays finite in float32), got {self.scale!r} with smallest normal "
                 f"2**{self.scale.emin}"
+            )
+        if not self.element.max >= 2:
+            # A block's decode factor t * s is about amax / elem_max, and its encoder's
+            # reciprocal (1 / t) / s about elem_max / amax: below 2 the first overflows the
+            # arithmetic for a tensor near its largest value (and the product 0 * Inf of a
+            # zero element gives NaN), far below it the second underflows to 0.
+            raise ValueError(
+                f"Scaled.tensor_scale needs an element max of at least 2 (so that the decode "
+                f"factor t * s, about amax / elem_max, stays finite in float32 for every "
+                f"tensor), got {self.element!r} with max {self.element.max!r}; an element format "
+                f"with its values scaled by a power of two holds the same values"
             )
 
     __repr__ = short_repr

@@ -712,6 +712,28 @@ def test_tensor_scale_whose_float32_arithmetic_overflows_is_refused(scale, messa
         Scaled(element, scale, 16, tensor_scale=True)
 
 
+@pytest.mark.parametrize("element", [Fixed(4, 30), Fixed(8, 6), Float(2, 1, bias=3)])
+def test_tensor_scale_with_elements_below_2_is_refused(element):
+    # A block's decode factor t * s is about amax / elem_max: with elem_max below 2 it overflowed
+    # float32 for a tensor near float32's max, and a finite block decoded to Inf and its zero
+    # elements to NaN (0 * Inf).
+    assert element.max < 2
+    scale = Float(4, 3, special="fn")
+    Scaled(element, scale, 16)  # one level is fine
+    with pytest.raises(ValueError, match=r"element max of at least 2"):
+        Scaled(element, scale, 16, tensor_scale=True)
+
+
+def test_tensor_scale_near_float32_max_decodes_finite_values():
+    # Elements up to 3 (the smallest maximum a two-level format allows is 2), scales up to about
+    # 2**126: t * s stays finite for a block holding 3e38, and every value is finite.
+    fmt = Scaled(Fixed(3, 0), Float(8, 3, bias=129), 16, tensor_scale=True)
+    x = torch.tensor([3e38, -2.9e38] + [0.0] * 14 + [1.0, 2.0] * 8)
+    q = lpsim.quantize(x, fmt)
+    assert torch.isfinite(q).all()
+    assert torch.equal(q, reference.quantize(x, fmt))
+
+
 def test_tensor_scale_at_the_limits_of_its_arithmetic_decodes_exactly():
     element = Float(2, 1, special="none", saturate=True)
     # The smallest scale 2 (emin 1): t's floor 2**-127 still has a finite reciprocal.

@@ -590,26 +590,28 @@ def test_a_delayed_scalers_float64_call_counts_overflow_where_its_product_passes
     assert high * scale <= 448 < float(np.nextafter(high, np.inf)) * scale
 
 
-def test_a_float_scale_whose_reciprocal_underflows_counts_in_a_few_steps():
-    """Fixed(4, 30) elements (largest 7 * 2**-30) under float32 scales and a tensor scale: the
-    block holding 3e38 gets a reciprocal 1 / t / s that underflows float32 to 0, so the encoder
-    keeps every x within the element's range. The bounds search starts from m / reciprocal;
-    from the decoded limit it stepped through every float32 above it (2**31 steps a block). Run
-    in a subprocess with a time limit: a loop in the kernel does not return to Python."""
+def test_a_float_scale_whose_reciprocal_is_subnormal_counts_in_a_few_steps():
+    """Fixed(4, 30) elements (largest 7 * 2**-30) under float32 scales: the block holding 3e38
+    takes the largest scale, float32's max, whose reciprocal 2**-128 is subnormal (the coarsest
+    reciprocal a Scaled format reaches: two-level formats need elem_max >= 2). The bounds search
+    starts from m / reciprocal; from the decoded limit it stepped through float32 numbers one at
+    a time. Run in a subprocess with a time limit: a loop in the kernel does not return to
+    Python."""
     code = (
         "import torch, lpsim\n"
         "from lpsim.scaled import Scaled\n"
         "from lpsim.statistics import rounding_statistics\n"
         "fmt = Scaled(lpsim.Fixed(4, 30), scale=lpsim.Float(8, 23), block=16, "
-        "scale_rule='amax', tensor_scale=True)\n"
+        "scale_rule='amax')\n"
         "x = torch.tensor([3e38] + [1.0] * 15 + [2.0] * 16)\n"
         "s = rounding_statistics(x, lpsim.quantize(x, fmt), fmt)\n"
-        "print(s.elements, s.nonfinite)\n"
+        "print(s.elements, s.nonfinite, s.overflow)\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
-    assert done.stdout.split() == ["32", "0"]
+    # 3e38 saturates to 7 * 2**-30 * float32's max
+    assert done.stdout.split() == ["32", "0", "1"]
 
 
 def _took_too_long(signum, frame):
