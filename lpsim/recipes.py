@@ -71,6 +71,9 @@ __all__ = [
 ]
 
 WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.MultiheadAttention)
+# The weight layers whose inputs take their features last, (..., features): their products reduce
+# over axis -1 (the others, convolutions, over the channels, axis 1).
+_FEATURES_LAST = (nn.Linear, nn.MultiheadAttention)
 # The layers that can be a model's first or last weight layer: the weight layers above and the
 # others with weights of their own that the recipes give no entry (a decoder's last transposed
 # convolution, a recurrent first layer).
@@ -162,6 +165,14 @@ class Recipe:
         round_weights: whether the optimizer rounds the weights after every step (by ``weight``).
             False keeps full-precision master weights in the parameters, which the model sees
             quantised by ``weight`` in every forward pass only, as FP8 and MX training do.
+        blocks_along_reduction: whether every Scaled format of a weight layer's quantisers
+            (weight, bias, input, output, error) takes its blocks along that layer's reduction
+            axis instead of its own ``axis``: 1 for convolutions ((batch, channel, ...) inputs,
+            (out, in, ...) weights), -1 for Linear layers and MultiheadAttention (inputs
+            (..., features) of any rank, (out, in) weights). The scaled recipes (MXFP8, MXFP4,
+            NVFP4) set it, so that a Linear layer's 3-D (batch, token, channel) input is blocked
+            along its channels, not its tokens; ``along`` clears it. A depthwise convolution's
+            weight (channels, 1, ...) has blocks of one element along axis 1.
         mac: the arithmetic of the weight layers' products, forward and backward (an lpsim.MAC;
             None: torch's own): every Linear, Conv1d, Conv2d and MultiheadAttention it reaches
             (all of them unless ``keep_edges``) sums its products as the MAC prescribes
@@ -187,6 +198,7 @@ class Recipe:
     keep_edges: bool = True
     placement: str = "outputs"
     round_weights: bool = True
+    blocks_along_reduction: bool = False
     mac: MAC | None = None
 
     def __post_init__(self) -> None:
@@ -196,6 +208,7 @@ class Recipe:
         # A truthy string meant as "off" ("no", "False") would keep the edges or round weights.
         check_bool("Recipe.keep_edges", self.keep_edges)
         check_bool("Recipe.round_weights", self.round_weights)
+        check_bool("Recipe.blocks_along_reduction", self.blocks_along_reduction)
         if self.mac is not None and not isinstance(self.mac, MAC):
             raise TypeError(
                 f"Recipe.mac must be a lpsim.MAC or None, got {type(self.mac).__name__}"
@@ -214,20 +227,12 @@ class Recipe:
         )
 
     def along(self, axis: int) -> Recipe:
-        """This recipe with every Scaled format's blocks along ``axis`` instead: the scaled
-        recipes block along axis 1, the channels of (batch, channel, ...) tensors and the inputs
-        of (out, in, ...) weights; sequence models with (batch, token, channel) activations want
-        -1."""
-
-        def moved(spec):
-            if isinstance(spec, Scaled):
-                return replace(spec, axis=axis)
-            if isinstance(spec, tuple) and spec and isinstance(spec[0], Scaled):
-                return (replace(spec[0], axis=axis), *spec[1:])
-            return spec
-
+        """This recipe with every Scaled format's blocks along ``axis`` in every layer (and
+        ``blocks_along_reduction`` off): the scaled recipes otherwise block each weight layer's
+        operands along its reduction axis (1 for convolutions, -1 for Linear layers)."""
         fields = ("weight", "activation", "error", "grad", "momentum", "acc")
-        return replace(self, **{f: moved(getattr(self, f)) for f in fields})
+        moved = {f: _blocks_along(getattr(self, f), axis) for f in fields}
+        return replace(self, **moved, blocks_along_reduction=False)
 
     def layers(self, model: nn.Module) -> dict:
         """The inject() configuration of this recipe for model. A parameter of a kept edge layer
@@ -255,10 +260,24 @@ class Recipe:
                 weight=self.weight, bias=self.weight, output=self.activation, error=self.error
             )
             weight_layer = replace(other, mac=self.mac)
+        # Linear layers and attentions take their features last: their entry, where the blocks
+        # follow each layer's reduction axis.
+        features_last = weight_layer
+        if self.blocks_along_reduction:
+            features_last = _layer_blocks_along(weight_layer, -1)
+            weight_layer = _layer_blocks_along(weight_layer, 1)
         for name, (module, kinds) in shared.items():
-            entry = weight_layer if isinstance(module, WEIGHT_LAYERS) else other
+            entry = (
+                features_last
+                if isinstance(module, _FEATURES_LAST)
+                else weight_layer
+                if isinstance(module, WEIGHT_LAYERS)
+                else other
+            )
             if entry is not None and name not in config:
                 config[name] = replace(entry, **dict.fromkeys(kinds))
+        if features_last != weight_layer:
+            config[_FEATURES_LAST] = features_last
         config[WEIGHT_LAYERS] = weight_layer
         config["default"] = other
         return config
@@ -347,6 +366,21 @@ class Recipe:
         return model, wrapped
 
 
+def _blocks_along(spec, axis: int):
+    """A spec (None, a format, or (format, rounding)) with a Scaled format's blocks along axis."""
+    if isinstance(spec, Scaled):
+        return replace(spec, axis=axis)
+    if isinstance(spec, tuple) and spec and isinstance(spec[0], Scaled):
+        return (replace(spec[0], axis=axis), *spec[1:])
+    return spec
+
+
+def _layer_blocks_along(entry: LayerQuantization, axis: int) -> LayerQuantization:
+    """A weight layer's entry with its Scaled formats' blocks along axis."""
+    fields = ("weight", "bias", "input", "output", "error")
+    return replace(entry, **{f: _blocks_along(getattr(entry, f), axis) for f in fields})
+
+
 _PARAMETERS = ("quantized", "all")  # what Recipe.apply's optimizer rounds
 _PLACEMENTS = ("outputs", "operands")  # where Recipe.layers puts the model's quantisers
 
@@ -419,8 +453,9 @@ def _channels(name: str) -> Scaled:
 
 
 # Scaled formats on the operands of every product (weights and inputs of the weight layers in
-# every forward pass, the errors into their outputs in every backward pass), blocks along the
-# channels (axis 1, the products' reduction dimension; Recipe.along moves them), and
+# every forward pass, the errors into their outputs in every backward pass), blocks along each
+# product's reduction axis (blocks_along_reduction: the channels, axis 1, of a convolution's
+# operands, the features, axis -1, of a Linear layer's; Recipe.along fixes one axis), and
 # full-precision master weights, biases, gradients and optimizer state, as MX and NVFP4 training
 # keep them.
 # Each operand is quantised once, its blocks along the forward product's reduction axis, and the
@@ -438,6 +473,7 @@ MXFP8 = Recipe(
     error=(_channels("mxfp8_e5m2"), "nearest"),
     placement="operands",
     round_weights=False,
+    blocks_along_reduction=True,
 )
 
 # MXFP4 with stochastically rounded errors (Tseng et al., "Training LLMs with MXFP4", 2025, round
@@ -456,6 +492,7 @@ MXFP4 = Recipe(
     error=(replace(_channels("mxfp4_e2m1"), scale_rule="rceil"), "stochastic"),
     placement="operands",
     round_weights=False,
+    blocks_along_reduction=True,
 )
 
 # NVFP4 after NVIDIA's recipe ("Pretraining Large Language Models with NVFP4", 2025): E2M1 with
@@ -474,6 +511,7 @@ NVFP4 = Recipe(
     error=(_channels("nvfp4"), "stochastic"),
     placement="operands",
     round_weights=False,
+    blocks_along_reduction=True,
 )
 
 RECIPES = {

@@ -93,7 +93,10 @@ def test_scaled_recipes_quantise_the_operands_of_the_inner_weight_layers_only(re
     assert first not in done and last not in done and done
     for d in done.values():
         assert d["type"] in ("Conv2d", "Linear") and not d["bias"] and d["output"] is None
-        assert d["input"].format.axis == 1 and d["error"].format.axis == 1
+        # blocks along the reduction axis: the channels of a Conv2d's input, the features (last
+        # axis) of a Linear's
+        axis = 1 if d["type"] == "Conv2d" else -1
+        assert d["input"].format.axis == axis and d["error"].format.axis == axis
     x, y = torch.randn(8, 1, 8, 8), torch.randint(10, (8,))
     nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
@@ -145,6 +148,75 @@ def test_a_multihead_attention_under_a_scaled_recipe_leaves_its_context_in_full_
         assert torch.equal(model(x), plain.last(context_out))
 
 
+class _ConvThenTokens(nn.Module):
+    """A convolution over (batch, channel, length), then Linear layers over (batch, token,
+    channel): the convolution reduces over axis 1, the Linear layers over axis -1."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.stem = nn.Conv1d(width, width, 3, padding=1)
+        self.conv = nn.Conv1d(width, width, 3, padding=1)
+        self.mixer = nn.Linear(width, width)
+        self.head = nn.Linear(width, width)
+
+    def forward(self, x):
+        h = self.conv(self.stem(x)).transpose(1, 2)
+        return self.head(self.mixer(h))
+
+
+def test_scaled_recipes_block_each_weight_layer_along_its_reduction_axis():
+    # A Linear layer's (batch, token, channel) input and weight are blocked along the channels
+    # (axis -1), a convolution's along axis 1, in one model, without Recipe.along: bit for bit
+    # against lpsim.quantize placed by hand with those axes.
+    torch.manual_seed(0)
+    model, plain = _ConvThenTokens(), _ConvThenTokens()
+    plain.load_state_dict(model.state_dict())
+    recipe = recipes.MXFP8
+    model, _ = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    fmt, rule = recipe.activation
+    assert fmt.axis == 1
+
+    def q(t, axis):
+        return lpsim.quantize(t, replace(fmt, axis=axis), rule)
+
+    x = _heavy(2, 32, 40)  # 40 tokens; 32 channels: one block per token
+    with torch.no_grad():
+        h = plain.stem(x)
+        h = nn.functional.conv1d(q(h, 1), q(plain.conv.weight, 1), plain.conv.bias, padding=1)
+        h = h.transpose(1, 2)
+        h = nn.functional.linear(q(h, -1), q(plain.mixer.weight, -1), plain.mixer.bias)
+        assert torch.equal(model(x), plain.head(h))
+        # Blocks along the tokens (axis 1 of the Linear's input) give other values.
+        wrong = nn.functional.linear(q(h, 1), q(plain.head.weight, -1), plain.head.bias)
+        assert not torch.equal(wrong, nn.functional.linear(q(h, -1), plain.head.weight))
+
+
+def test_scaled_recipes_quantise_a_linear_layers_errors_along_its_output_features():
+    # The error into a Linear layer's (batch, token, out) output is blocked along out (axis -1),
+    # the reduction of the input-gradient product: its gradient equals the float product with the
+    # error quantised by hand along -1.
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32))
+    plain = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32))
+    plain.load_state_dict(layers.state_dict())
+    recipe = replace(recipes.MXFP8, error=(recipes.MXFP8.error[0], "nearest"))
+    model, _ = recipe.apply(layers, torch.optim.SGD(layers.parameters(), lr=0.1))
+    fmt, rule = recipe.activation
+    efmt, erule = recipe.error
+    x = _heavy(2, 40, 32).requires_grad_(True)
+    upstream = _heavy(2, 40, 32)
+    out = model(x)
+    (out * upstream).sum().backward()
+    with torch.no_grad():
+        h0 = plain[0](x)
+        hq = lpsim.quantize(h0, replace(fmt, axis=-1), rule)
+        # error into the middle layer's output: upstream times the last layer's weight
+        e2 = upstream @ plain[2].weight
+        eq = lpsim.quantize(e2, replace(efmt, axis=-1), erule)
+        grad_w = eq.reshape(-1, 32).T @ hq.reshape(-1, 32)
+        assert torch.equal(model[1].parametrizations.weight.original.grad, grad_w)
+
+
 @pytest.mark.parametrize("recipe", [recipes.MXFP4])
 def test_stochastically_rounded_recipe_errors_are_unbiased_at_the_block_maximum(recipe):
     # Each row one block of 32 (axis 1) whose largest element, 7.5, lies above 6 times a floor
@@ -161,6 +233,7 @@ def test_stochastically_rounded_recipe_errors_are_unbiased_at_the_block_maximum(
 
 def test_recipe_along_moves_every_scaled_block_axis():
     moved = recipes.NVFP4.along(-1)
+    assert recipes.NVFP4.blocks_along_reduction and not moved.blocks_along_reduction
     for name in ("weight", "activation", "error"):
         assert getattr(moved, name)[0].axis == -1
         assert getattr(moved, name)[0] == replace(getattr(recipes.NVFP4, name)[0], axis=-1)
