@@ -170,7 +170,8 @@ void block_cpu(const at::Tensor& x, const at::Tensor& dst, int32_t wl, const Blo
 // Test hook: the random words of elements [start, start + count) under (seed, offset). `kernels`
 // chooses between the generator the CPU loops use (whole groups, vectorised where the CPU can,
 // through cpu::WordCache) and the core's per-element definition random_word(); both must agree
-// with each other and with lpsim.reference.
+// with each other and with lpsim.reference. With `kernels`, every other generator the CPU runs
+// (AVX2 where AVX-512VL is chosen, the scalar loop) must give the same words of each group.
 at::Tensor random_words_cpu(const at::Tensor& seed, int64_t offset, int64_t start, int64_t count,
                             bool kernels) {
   TORCH_CHECK(start >= 0 && count >= 0, "lpsim: start and count must be >= 0");
@@ -181,6 +182,11 @@ at::Tensor random_words_cpu(const at::Tensor& seed, int64_t offset, int64_t star
   cpu::WordCache cache(key);
   for (int64_t i = 0; i < count; ++i) {
     const int64_t index = start + i;
+    if (kernels && (i == 0 || index % kGroupSize == 0)) {
+      const uint64_t group = static_cast<uint64_t>(index / kGroupSize);
+      TORCH_CHECK(cpu::philox_generators_agree(group, key),
+                  "lpsim: the CPU's random-word generators disagree on group ", group);
+    }
     w[i] = kernels ? cache(index) : random_word(static_cast<uint64_t>(index), key);
   }
   return words;

@@ -108,8 +108,8 @@ def cuda_built() -> bool:
 
 
 def cpu_generator() -> str:
-    """Which implementation of the random-word generator the CPU kernels use: "avx2" or "scalar"
-    (both give the same words)."""
+    """Which implementation of the random-word generator the CPU kernels use: "avx512vl",
+    "avx2" or "scalar" (all give the same words)."""
     return str(_C.cpu_generator())
 
 

@@ -45,8 +45,13 @@ constexpr int64_t kGrain = 64 * kGroupSize;
 // (philox.cpp).
 void philox_group(uint64_t group, const PhiloxKey& key, uint32_t* words);
 
-// Name of the generator philox_group uses on this CPU ("avx2" or "scalar"), for benchmarks.
+// Name of the generator philox_group uses on this CPU ("avx512vl", "avx2" or "scalar"), for
+// benchmarks.
 const char* philox_group_isa();
+
+// Whether every generator this CPU runs gives the words of group `group` that philox_group gives
+// (the test hook random_words checks the generators the CPU does not choose with it).
+bool philox_generators_agree(uint64_t group, const PhiloxKey& key);
 
 // The position-keyed words of one (seed, offset) for any sequence of element indices: the words
 // of a group are generated together (all four words of every Philox call are used, which is what
