@@ -749,8 +749,8 @@ def scaled_dot_product_attention(
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
-        else:  # as torch's scores.add_(attn_mask): a float32 mask added, rounded to the scores'
-            scores = (scores + attn_mask).to(scores.dtype)
+        else:
+            scores = _functional.masked_scores(scores, attn_mask)
     # Rows no key takes part in: weights 0 (torch's, not softmax's NaN), and zero gradients.
     weights = _functional.softmax_zeroing_masked_rows(
         scores, lambda s: mode.softmax("attention.softmax", torch.softmax, (s,), {"dim": -1})
