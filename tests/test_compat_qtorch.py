@@ -1185,3 +1185,22 @@ def test_a_misspelt_rounding_is_refused_by_its_argument_name(make, argument):
     # the argument, not lpsim's generic "rounding".
     with pytest.raises(ValueError, match=f"^{argument} must be one of"):
         make("nearst")
+
+
+def test_a_lowered_transformer_encoder_computes_without_gradients_as_with_them():
+    """Given a key padding mask in eval mode without gradients, torch's TransformerEncoder hands
+    its layers nested tensors unless its use_nested_tensor is False; lowered layers (their Linear
+    and LayerNorm outputs quantised) then raised a TypeError. They get the padded tensors they get
+    with gradients, and the same bits, padded positions included."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2)
+    e4m3, e5m2 = q.FloatingPoint(exp=4, man=3), q.FloatingPoint(exp=5, man=2)
+    q.lower(model, ["linear", "normalization"], e4m3, e5m2, "nearest", "nearest")
+    model.eval()
+    x = torch.randn(2, 5, 8)
+    padding = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    with_grad = model(x, src_key_padding_mask=padding).detach()
+    with torch.no_grad():
+        assert_same_bits(model(x, src_key_padding_mask=padding), with_grad)
+    assert torch.equal(lpsim.quantize(with_grad, lpsim.Float(4, 3)), with_grad)  # norm's output

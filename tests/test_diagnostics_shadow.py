@@ -649,3 +649,33 @@ def test_a_module_compiled_inside_the_model_has_its_eager_errors():
     want = next(row for row in eager.modules if row.module == "2")
     assert inner.error_divergence is not None
     assert dataclasses.replace(inner, module="2") == want
+
+
+@pytest.mark.parametrize("injected_into", ["linear inputs", "weights only"])
+def test_a_transformer_encoder_with_a_padding_mask_in_eval_is_compared_position_by_position(
+    injected_into,
+):
+    """Forward only in eval mode with a key padding mask, a TransformerEncoder may hand its layers
+    nested tensors and pad its result with zeros; inject keeps an encoder whose layers hold hooks
+    dense. compare() runs both models dense: every row is measured (no nested tensor to take a
+    norm of) and an exact format diverges nowhere, the padded positions included."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2)
+    plain = copy.deepcopy(model)
+    settings = (
+        LayerQuantization(input=FLOAT32)
+        if injected_into == "linear inputs"
+        else LayerQuantization(weight=FLOAT32)
+    )
+    inject(model, {nn.Linear: settings}, unmatched="ignore")
+    model.eval()
+    x = torch.randn(2, 5, 8)
+    padding = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    report = Shadow(model).compare((x, None, padding))
+    assert len(report.modules) == 19
+    assert all(r.activation_divergence == 0.0 for r in report.modules)
+    expected = plain.train()(x, src_key_padding_mask=padding)  # dropout 0: the dense path
+    assert row(report, "").reference_activation_norm == pytest.approx(
+        float(expected.double().norm()), rel=1e-6
+    )

@@ -832,6 +832,29 @@ def test_attention_refuses_an_integer_mask_as_torch_does():
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # not added as 1s
 
 
+def test_attention_takes_the_mask_dtypes_torch_takes_and_refuses_the_others():
+    """torch takes a bool mask, a float32 one or one of the query's dtype. A float32 mask on
+    bfloat16 scores is added as torch's in-place add_ adds it (in float32, rounded once to
+    bfloat16): the steps stay bfloat16, as the docs state; a float16 mask on float32 queries is
+    refused, as torch refuses it, not added."""
+    torch.manual_seed(20)
+    q, k, v = (torch.randn(2, 2, 5, 8).bfloat16() for _ in range(3))
+    mask = torch.randn(5, 5)
+    with quantize_functions(nn.Identity(), {"attention.scores": LayerQuantization()}):
+        got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    scores = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(8))  # the documented steps, by hand
+    scores = scores.clone().add_(mask)  # torch's in-place addition of the float32 mask
+    expected = torch.softmax(scores, dim=-1) @ v
+    assert expected.dtype == torch.bfloat16
+    assert_same_bits(got, expected)
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    with pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask.half())  # torch's own
+    with quantize_functions(nn.Identity(), {"attention.scores": LayerQuantization()}):
+        with pytest.raises(TypeError, match="attn_mask must be bool .*float32 or the query"):
+            F.scaled_dot_product_attention(q32, k32, v32, attn_mask=mask.half())
+
+
 def test_a_site_first_met_under_inference_mode_trains_afterwards():
     """Its scaler holds ordinary tensors: made as inference tensors, the next training pass could
     not update them ('Inplace update to inference tensor outside InferenceMode')."""

@@ -610,3 +610,31 @@ def test_remove_gives_torch_its_fast_paths_back():
     assert model.use_nested_tensor and not model.layers[1]._forward_pre_hooks
     with torch.no_grad():
         assert_same_bits(model(x, src_key_padding_mask=PADDING), before)
+
+
+def test_a_float32_mask_on_bfloat16_attention_is_added_in_the_scores_dtype_as_torch_adds_it():
+    """torch's attention (need_weights=False, its scaled_dot_product_attention) takes a bfloat16
+    MultiheadAttention with a float32 mask, such as nn.Transformer.generate_square_subsequent_mask
+    gives: the mask is added to the bfloat16 scores in place, rounded once to bfloat16. The
+    simulated module does the same (it raised a dtype error), bit for bit the documented steps
+    written by hand, and to bfloat16 rounding torch's result."""
+    torch.manual_seed(40)
+    attention = nn.MultiheadAttention(8, 2, batch_first=True).bfloat16()
+    simulated = copy.deepcopy(attention)
+    lpsim.nn.inject(simulated, {nn.MultiheadAttention: LayerQuantization(mac=NATIVE)})
+    x = torch.randn(2, 5, 8).bfloat16()
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+    assert mask.dtype == torch.float32
+    got = simulated(x, x, x, attn_mask=mask, need_weights=False)[0]
+    # The steps of multi_head_attention_forward's docstring, in bfloat16.
+    q, k, v = F.linear(x, attention.in_proj_weight, attention.in_proj_bias).chunk(3, dim=-1)
+    heads = lambda t: t.reshape(2, 5, 2, 4).transpose(1, 2).reshape(4, 5, 4)  # noqa: E731
+    q, k, v = heads(q), heads(k), heads(v)
+    scores = torch.bmm(q * math.sqrt(1 / 4), k.transpose(1, 2)).add_(mask)
+    context = torch.bmm(torch.softmax(scores, dim=-1), v)
+    context = context.reshape(2, 2, 5, 4).transpose(1, 2).reshape(2, 5, 8)
+    expected = F.linear(context, attention.out_proj.weight, attention.out_proj.bias)
+    assert got.dtype == torch.bfloat16
+    assert_same_bits(got, expected)
+    torch_result = attention(x, x, x, attn_mask=mask, need_weights=False)[0]
+    torch.testing.assert_close(got.float(), torch_result.float(), atol=0.05, rtol=0.05)

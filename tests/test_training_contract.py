@@ -511,3 +511,17 @@ def test_package_ships_py_typed():
     assert importlib.resources.files("lpsim").joinpath("py.typed").is_file()
     pyproject = (pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     assert 'lpsim = ["py.typed"]' in pyproject
+
+
+def test_report_flags_a_decided_container_whose_entry_quantises_nothing():
+    """weight= takes a module's own parameters: a TransformerEncoderLayer has none (its weights
+    are its children's), so the entry quantises nothing; report() lists the layer as such rather
+    than leaving it out of the table."""
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), 1)
+    inject(model, {nn.TransformerEncoderLayer: LayerQuantization(weight=E5M2, bias=E5M2)})
+    text = report(model)
+    assert re.search(
+        r"^layers\.0\s+TransformerEncoderLayer .*full precision \(nothing to quantise\)", text, re.M
+    )
+    assert "0 modules quantised, 10 in full precision" in text
+    assert "0 of 600 parameter elements fake-quantised (0.0%)" in text

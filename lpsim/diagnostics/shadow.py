@@ -46,6 +46,11 @@ simulated model's calls are then quantised as the context says and the reference
 own (every active context lets them pass, although a context also quantises calls made outside
 its model's modules), and the context's delayed scalers are left as they were (histories and
 scales bit for bit; no scaler kept for a site first met in compare()).
+
+nn.TransformerEncoder: both passes run with its ``use_nested_tensor`` False, so that given a key
+padding mask in eval mode without gradients neither model hands its layers nested tensors, and
+both compute every position (torch's nested path pads its result with zeros, which an injected
+encoder, kept dense by inject, does not).
 """
 
 from __future__ import annotations
@@ -472,6 +477,31 @@ class _DropoutOff:
             m.training = flag
 
 
+class _DenseTransformers:
+    """Context: the nn.TransformerEncoders of the given models with ``use_nested_tensor`` False,
+    restored on exit. Given a key padding mask in eval mode without gradients, an encoder whose
+    use_nested_tensor is True hands its layers a nested tensor (no per-module norms can be taken
+    of it) and pads its result with zeros where an encoder without (an injected one: inject sets
+    it False) computes every position; both models run dense, the same path."""
+
+    def __init__(self, *models: nn.Module):
+        self.modules = [
+            m for model in models for m in model.modules() if isinstance(m, nn.TransformerEncoder)
+        ]
+
+    def __enter__(self):
+        self.flags = [m.__dict__.get("use_nested_tensor") for m in self.modules]
+        for m in self.modules:
+            m.use_nested_tensor = False
+
+    def __exit__(self, *exception):
+        for m, flag in zip(self.modules, self.flags):
+            if flag is None:
+                m.__dict__.pop("use_nested_tensor", None)
+            else:
+                m.use_nested_tensor = flag
+
+
 class Shadow:
     """A float32 shadow of a simulated model (see the module docstring).
 
@@ -599,6 +629,7 @@ class Shadow:
             unobserved_pass(self._simulated, self._reference),
             scalers_kept(),
             dropout_context,
+            _DenseTransformers(self._simulated, self._reference),
             torch.compiler.set_stance("force_eager"),
         ):
             simulated = _run(self._simulated, arguments, self._names, loss_fn, generator_devices)

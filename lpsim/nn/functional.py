@@ -1265,6 +1265,14 @@ def _merged_mask(attn_mask, key_padding_mask, bsz: int, num_heads: int, src_len:
     return padding if attn_mask is None else attn_mask + padding
 
 
+def masked_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """scores + mask (a floating-point mask) in the scores' dtype, as torch's attention adds it
+    (its in-place ``scores.add_(mask)``): computed in the wider of the two dtypes and rounded once
+    to the scores', so that a float32 mask (nn.Transformer.generate_square_subsequent_mask's)
+    leaves bfloat16 or float16 scores, and the steps after them, in their dtype."""
+    return (scores + mask).to(scores.dtype)
+
+
 def softmax_zeroing_masked_rows(scores: torch.Tensor, softmax) -> torch.Tensor:
     """softmax(scores) over the last axis, where a row of scores that are all -inf (a query no key
     takes part in) gets weights 0 and zero gradients, as torch's scaled_dot_product_attention
@@ -1283,7 +1291,7 @@ def _attention(q, k, v, mask, dropout_p: float, how: Arithmetic, zero_masked_row
     with _hooks.named_function("attention.scores"):
         scores = bmm(scaled, k.transpose(1, 2), **_keywords(how))
     if mask is not None:
-        scores = scores + mask
+        scores = masked_scores(scores, mask)
     with _hooks.named_function("attention.softmax"):
         if zero_masked_rows:
             weights = softmax_zeroing_masked_rows(scores, lambda s: F.softmax(s, dim=-1))
@@ -1360,7 +1368,9 @@ def multi_head_attention_forward(
     - scores: s[b, i, j] = sum over d of q'[b, i, d] k[b, j, d], K = head_dim, where
       q' = q * sqrt(1 / head_dim) is rounded to q's dtype before the product (torch scales q, not
       the scores). The mask (attn_mask plus key_padding_mask, bool masks as -inf) is then added
-      in torch's arithmetic, in the scores' dtype, not in the accumulator.
+      in torch's arithmetic, in the scores' dtype, not in the accumulator (a float32 mask on
+      bfloat16 or float16 scores as torch's in-place addition adds it: the sum rounded once to
+      the scores' dtype).
     - attention weights: torch's softmax over j in the scores' dtype (float32 for float32
       operands, whatever the MAC), then, with dropout_p > 0 in training, torch's F.dropout (the
       same random draws as torch's).

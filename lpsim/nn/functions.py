@@ -65,7 +65,9 @@ fused kernel):
   s = q k^T (the scores product: input q, weight k^T, K = head_dim), then s * scale (scale
   defaults to 1 / sqrt(head_dim)), in the scores' dtype, as the FP8 attention kernels apply it
   after their product; the causal mask (positions j > i get -inf) and attn_mask (a bool mask's
-  False as -inf, else added); softmax over the keys in the scores' dtype (a row of scores
+  False as -inf, else added: bool, float32 or the query's dtype, as torch takes it; a float32
+  mask is added to lower-precision scores as torch's in-place addition adds it, the sum rounded
+  once to the scores' dtype); softmax over the keys in the scores' dtype (a row of scores
   that are all -inf, a query no key takes part in, gives weights 0 with zero gradients, as
   torch's kernels give, not softmax's NaN); dropout with ``dropout_p`` (torch's F.dropout:
   other random draws than torch's fused kernels); the context product p v (K = the keys). With
@@ -712,17 +714,16 @@ def scaled_dot_product_attention(
     Raises:
         ValueError: is_causal together with attn_mask (as torch), or enable_gqa with head counts
             that do not divide.
-        TypeError: attn_mask is neither bool nor floating-point (torch refuses it too; added, an
-            integer mask would shift the scores).
+        TypeError: attn_mask is neither bool, float32 nor the query's dtype (torch refuses it
+            too; added, an integer mask would shift the scores).
     """
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: is_causal and attn_mask are exclusive")
-    if attn_mask is not None and not (
-        attn_mask.dtype == torch.bool or attn_mask.is_floating_point()
-    ):
+    if attn_mask is not None and attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
         raise TypeError(
-            f"scaled_dot_product_attention: attn_mask must be bool (False: masked) or "
-            f"floating-point (added to the scores), got {attn_mask.dtype}"
+            f"scaled_dot_product_attention: attn_mask must be bool (False: masked), float32 or "
+            f"the query's dtype {query.dtype} (added to the scores), as torch requires; got "
+            f"{attn_mask.dtype}"
         )
     groups = None  # with GQA, (key heads, query heads per key head)
     if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
@@ -749,7 +750,7 @@ def scaled_dot_product_attention(
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, float("-inf"))
         else:
-            scores = scores + attn_mask
+            scores = _functional.masked_scores(scores, attn_mask)
     # Rows no key takes part in: weights 0 (torch's, not softmax's NaN), and zero gradients.
     weights = _functional.softmax_zeroing_masked_rows(
         scores, lambda s: mode.softmax("attention.softmax", torch.softmax, (s,), {"dim": -1})

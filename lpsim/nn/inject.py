@@ -1668,8 +1668,10 @@ def report(
     """What really runs in low precision in ``model``: a table with one row per module that holds a
     quantiser or simulated products (a ``products`` column, shown when some module has MACs, gives
     them) and per module left in full
-    precision (leaf modules and modules with parameters of
-    their own), then the share of parameter elements fake-quantised, and, with an OptimLP
+    precision (leaf modules, modules with parameters of
+    their own, and modules an entry decided in which it quantises nothing, flagged "nothing to
+    quantise": weight= and bias= take a module's own parameters, and an nn.TransformerEncoderLayer
+    has none), then the share of parameter elements fake-quantised, and, with an OptimLP
     ``optimizer``, what the optimizer rounds for each parameter.
 
     The ``note`` column flags configured quantisers that never run: on modules whose forward their
@@ -1711,7 +1713,11 @@ def report(
                     note,
                 )
             )
-        elif _is_leaf(module) or any(True for _ in module.parameters(recurse=False)):
+        elif (
+            done is not None
+            or _is_leaf(module)
+            or any(True for _ in module.parameters(recurse=False))
+        ):
             full += 1
             note = "full precision" if done is None else "full precision (nothing to quantise)"
             kind = parametrize.type_before_parametrizations(module).__name__

@@ -187,6 +187,12 @@ def lower(
     model can be deep-copied, and every floating-point tensor of a tuple, list or dict output is
     quantised. A module that occurs several times in the model is lowered once.
 
+    An nn.TransformerEncoder whose layers hold a lowered module gets ``use_nested_tensor =
+    False``: given a key padding mask in eval mode without gradients it would hand its layers
+    nested tensors, which lpsim's quantisers do not take, where with gradients they get padded
+    tensors (torch's fused layer is off already: it checks for forward hooks). remove_lowering()
+    leaves it so.
+
     Raises:
         ValueError: layer_types names an unknown layer type.
         TypeError: a number is not a qtorch Number, or model is not an nn.Module.
@@ -202,6 +208,11 @@ def lower(
             module.__dict__[_LOWERED] = []
             module.register_forward_hook(_quantize_output, prepend=True)
         module.__dict__[_LOWERED].append(quant)
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoder) and any(
+            _LOWERED in m.__dict__ for m in module.layers.modules()
+        ):
+            module.use_nested_tensor = False
     return model
 
 
