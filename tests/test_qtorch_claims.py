@@ -78,6 +78,21 @@ def test_qtorch_stochastic_rounding_ignores_torch_manual_seed():
     assert torch.equal(c, compat.float_quantize(x, 5, 2))
 
 
+def test_qtorch_stochastic_fixed_point_draws_from_torchs_generator_and_float_and_block_do_not():
+    # QPyTorch's CPU fixed-point kernels take torch.rand_like; its float and block kernels take a
+    # std::mt19937 seeded from std::random_device.
+    x = torch.full((64,), 1.1)
+    for call, reproduced in (
+        (lambda: qq.fixed_point_quantize(x, 8, 2, rounding="stochastic"), True),
+        (lambda: qq.float_quantize(x, 5, 2, "stochastic"), False),
+        (lambda: qq.block_quantize(x, 4, -1, "stochastic"), False),
+    ):
+        torch.manual_seed(0)
+        a = call()
+        torch.manual_seed(0)
+        assert torch.equal(a, call()) == reproduced
+
+
 def _no_ties(x: torch.Tensor, spacing_of) -> torch.Tensor:
     """x without the elements that lie exactly halfway between two neighbours."""
     q = spacing_of(x)
