@@ -291,6 +291,20 @@ def test_lower_quantises_a_top_level_module_as_qtorch_does():
     assert not torch.equal(ours(x), model(x))
 
 
+def test_lowered_forward_called_directly_is_quantised_by_qtorch_only_as_documented():
+    # docs/migrating-from-qtorch.md: QPyTorch replaces module.forward, so a direct forward() call
+    # quantises; lpsim's quantiser is a forward hook, which only module(x) runs.
+    qtorch, _, _, auto_low = _qtorch()
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(4, 4), torch.randn(3, 4)
+    theirs = copy.deepcopy(model)
+    auto_low.lower(theirs, ["linear"], qtorch.FixedPoint(8, 4), None, "nearest")
+    ours = q.lower(copy.deepcopy(model), ["linear"], q.FixedPoint(8, 4), None, "nearest")
+    assert_same_bits(theirs.forward(x), theirs(x))
+    assert_same_bits(ours(x), theirs(x))
+    assert_same_bits(ours.forward(x), model(x))
+
+
 def test_sequential_lower_wraps_a_top_level_module_as_qtorch_does():
     qtorch, _, _, auto_low = _qtorch()
     torch.manual_seed(0)
