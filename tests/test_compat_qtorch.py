@@ -982,6 +982,19 @@ def test_optim_lp_refuses_a_number_format_naming_the_argument():
             q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), **{name: q.FixedPoint(8, 4)})
 
 
+def test_optim_lp_refusals_name_the_qtorch_argument():
+    # A value that is neither a function, an lpsim format nor None, and an lpsim format that does
+    # not fit the float32 parameter: the message names OptimLP's own argument (weight_quant, ...),
+    # not lpsim.optim.OptimLP's (weight, ...).
+    model = torch.nn.Linear(2, 2)
+    for name in ("weight_quant", "grad_quant", "momentum_quant", "acc_quant"):
+        with pytest.raises(TypeError, match=f"^{name} must be None, a Float"):
+            q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), **{name: 3})
+    for name in ("weight_quant", "grad_quant"):
+        with pytest.raises(ValueError, match=f"^OptimLP {name}: Float"):
+            q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), **{name: lpsim.Float(11, 52)})
+
+
 @pytest.mark.parametrize(
     "number,name,value",
     [

@@ -13,6 +13,17 @@ __all__ = ["OptimLP"]
 _WEIGHT_ACC = "weight_acc"  # the state_dict key of the accumulators (QPyTorch saves none)
 
 
+def _with_qtorch_name(error: Exception) -> Exception:
+    """error with lpsim.optim.OptimLP's argument name (weight, grad, momentum, acc) at the start of
+    its message replaced by this class's (weight_quant, ...)."""
+    message = str(error)
+    for name in ("weight", "grad", "momentum", "acc"):
+        for prefix in (f"{name} ", f"OptimLP {name}:"):
+            if message.startswith(prefix):
+                return type(error)(message.replace(name, f"{name}_quant", 1))
+    return error
+
+
 class OptimLP(lpoptim.OptimLP):
     """QPyTorch's OptimLP(optim, weight_quant, grad_scaling, grad_quant, momentum_quant,
     acc_quant): the *_quant arguments are functions tensor -> tensor (a quantizer(), a lambda
@@ -33,7 +44,10 @@ class OptimLP(lpoptim.OptimLP):
 
     Raises:
         TypeError: a *_quant argument is a qtorch number format (FloatingPoint, ...), which
-            QPyTorch does not take either: pass a function such as quantizer(number, ...).
+            QPyTorch does not take either: pass a function such as quantizer(number, ...); or it
+            is neither a function, an lpsim format nor None (the message names the argument).
+        ValueError: an lpsim format given as a *_quant argument does not fit the tensors it rounds
+            (the message names the argument), or grad_scaling is not a finite number > 0.
     """
 
     def __init__(
@@ -57,14 +71,17 @@ class OptimLP(lpoptim.OptimLP):
                     f"{name} must be a function tensor -> tensor (such as quantizer(number)), an "
                     f"lpsim format or None; got the qtorch number {value!r}"
                 )
-        super().__init__(
-            optim,
-            weight=weight_quant,
-            grad=grad_quant,
-            momentum=momentum_quant,
-            acc=acc_quant,
-            grad_scaling=grad_scaling,
-        )
+        try:
+            super().__init__(
+                optim,
+                weight=weight_quant,
+                grad=grad_quant,
+                momentum=momentum_quant,
+                acc=acc_quant,
+                grad_scaling=grad_scaling,
+            )
+        except (TypeError, ValueError) as error:
+            raise _with_qtorch_name(error) from None
 
     @property
     def optim(self) -> torch.optim.Optimizer:
