@@ -348,6 +348,35 @@ def test_lower_calls_stack_as_in_qtorch(calls):
         assert_same_bits(ours, theirs)
 
 
+def test_qtorch_lowers_a_module_once_per_parent_holding_it_and_lpsim_once(monkeypatch):
+    # docs/migrating-from-qtorch.md: QPyTorch's lower() walks the model with Module.apply, which
+    # visits a module once per parent (a parent lists a child once however often it holds it), so
+    # a module held twice by one Sequential is wrapped once and one shared by two parents twice.
+    qtorch, quant, _, auto_low = _qtorch()
+    runs = []
+    forward = quant.Quantizer.forward
+    monkeypatch.setattr(
+        quant.Quantizer, "forward", lambda self, x: runs.append(1) or forward(self, x)
+    )
+
+    def one_parent(lin):
+        return torch.nn.Sequential(lin, lin)
+
+    def two_parents(lin):
+        return torch.nn.Sequential(torch.nn.Sequential(lin), torch.nn.Sequential(lin))
+
+    x = torch.randn(3, 2)
+    for make, qtorch_wrappers in ((one_parent, 1), (two_parents, 2)):
+        lin = torch.nn.Linear(2, 2)
+        auto_low.lower(make(lin), ["linear"], qtorch.FixedPoint(8, 4), None, "nearest")
+        runs.clear()
+        lin(x)
+        assert len(runs) == qtorch_wrappers
+        lin = torch.nn.Linear(2, 2)
+        q.lower(make(lin), ["linear"], q.FixedPoint(8, 4), None, "nearest")
+        assert len(lin._forward_hooks) == 1
+
+
 def test_lower_that_matches_nothing_changes_nothing():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     q.lower(model, ["conv", "pool"], q.FixedPoint(8, 4))
