@@ -784,6 +784,44 @@ def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
         assert_same_bits(resumed_optimizer.weight_acc[r], optimizer.weight_acc[p])
 
 
+def test_checkpoint_round_trip_keeps_delayed_scaling_histories(tmp_path):
+    # An lpsim DelayedScaling as weight_quant keeps an amax history per parameter: the checkpoint
+    # holds it, so a resumed run continues bit for bit (without it the scales start afresh).
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 3)
+        weight = lpsim.DelayedScaling(lpsim.Float(4, 3, special="fn"), history_length=4)
+        optimizer = q.OptimLP(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            weight_quant=(weight, "nearest"),
+        )
+        return model, optimizer
+
+    def train(model, optimizer, steps, data):
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(torch.randn(8, 6, generator=data) * 3).square().mean().backward()
+            optimizer.step()
+
+    model, optimizer = make()
+    train(model, optimizer, 6, torch.Generator().manual_seed(1))
+    data = torch.Generator().manual_seed(1)
+    first, first_optimizer = make()
+    train(first, first_optimizer, 3, data)
+    torch.save(
+        {"model": first.state_dict(), "optimizer": first_optimizer.state_dict()},
+        tmp_path / "checkpoint.pt",
+    )
+    saved = torch.load(tmp_path / "checkpoint.pt")
+    assert set(saved["optimizer"]) == {"state", "param_groups", "weight_acc", "scalers"}
+    resumed, resumed_optimizer = make()
+    resumed.load_state_dict(saved["model"])
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    train(resumed, resumed_optimizer, 3, data)
+    for p, r in zip(model.parameters(), resumed.parameters()):
+        assert_same_bits(r, p)
+
+
 # docs/migrating-from-qtorch.md's account of QPyTorch's numbers: QPyTorch's result observed, and
 # lpsim's correctly rounded one.
 
