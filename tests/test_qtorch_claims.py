@@ -172,6 +172,24 @@ def test_qtorch_fixed_point_turns_tiny_negatives_into_positive_zeros_and_lpsim_k
         assert_same_bits(ours, torch.full_like(x, -0.0))
 
 
+def test_qtorch_stochastic_fixed_point_turns_negatives_and_negative_zero_into_positive_zeros():
+    # QPyTorch's "stochastic" computes nearbyint(-0.3 + r - 0.5) for -0.3 in FixedPoint(8, 0):
+    # -1 for r < 0.3, -0.0 for 0.3 <= r < 0.8, and +0 for r >= 0.8 (2 draws in 10). lpsim's
+    # zeros keep the sign.
+    n = 1 << 16
+    x = torch.full((n,), -0.3)
+    theirs = qq.fixed_point_quantize(x, 8, 0, rounding="stochastic")
+    positive = int(((theirs == 0) & ~torch.signbit(theirs)).sum())
+    assert abs(positive - n * 0.2) <= 5 * math.sqrt(n * 0.2 * 0.8)
+    ours = compat.fixed_point_quantize(x, 8, 0, rounding="stochastic", seed=0)
+    assert int((ours == 0).sum()) > 0 and bool(torch.signbit(ours[ours == 0]).all())
+    # -0.0 itself: nearbyint(r - 0.5) is +0 for r >= 0.5, half the draws.
+    theirs = qq.fixed_point_quantize(torch.full((n,), -0.0), 8, 2, rounding="stochastic")
+    assert abs(int((~torch.signbit(theirs)).sum()) - n / 2) <= 5 * math.sqrt(n / 4)
+    ours = compat.fixed_point_quantize(torch.full((n,), -0.0), 8, 2, rounding="stochastic")
+    assert_same_bits(ours, torch.full((n,), -0.0))
+
+
 def test_qtorch_unclamped_fixed_point_overflows_to_inf_past_float32_and_lpsim_keeps_x():
     # x 2^fl beyond float32's largest value is Inf in QPyTorch's float32 arithmetic: the finite
     # inputs below, all on the grid of FixedPoint(8, 28, clamp=False), come back as +/-Inf.
