@@ -1162,6 +1162,68 @@ def test_optim_lp_trains_bit_for_bit_as_qtorchs_with_fixed_point_nearest(make, m
             assert_same_bits(our_state[i][key], value)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5, weight_decay=1e-3),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True, maximize=True),
+    ],
+    ids=["sgd-dampening", "adamw", "adam-foreach-maximize"],
+)
+def test_optim_lp_trains_as_qtorchs_with_groups_and_a_parameter_without_gradient(make):
+    # Two parameter groups with their own learning rates and a layer that never receives a
+    # gradient (QPyTorch still rounds its accumulator and weight every step): after twelve steps
+    # with every quantiser set (fixed point, round to nearest), weights, optimizer state and
+    # accumulators have QPyTorch's values (QPyTorch's fixed point turns -0.0 into +0).
+    _, quant, optim, _ = _qtorch()
+    results = []
+    for fixed, optim_lp in (
+        (quant.fixed_point_quantize, optim.OptimLP),
+        (q.fixed_point_quantize, q.OptimLP),
+    ):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3), torch.nn.Linear(3, 2)
+        )
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.round(p * 2.0**12) / 2.0**12)
+        groups = [
+            {"params": list(model[0].parameters()), "lr": 0.03},
+            {"params": list(model[2].parameters()) + list(model[3].parameters())},
+        ]
+
+        def fixed_quant(wl, fl, fixed=fixed):
+            return lambda t: fixed(t, wl, fl, rounding="nearest")
+
+        optimizer = optim_lp(
+            make(groups),
+            weight_quant=fixed_quant(8, 5),
+            grad_scaling=2.0,
+            grad_quant=fixed_quant(10, 8),
+            momentum_quant=fixed_quant(12, 10),
+            acc_quant=fixed_quant(16, 12),
+        )
+        data = torch.Generator().manual_seed(5)
+        for _ in range(12):
+            x, y = torch.randn(16, 6, generator=data), torch.randint(0, 3, (16,), generator=data)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model[:3](x), y).backward()
+            optimizer.step()
+        params = list(model.parameters())
+        assert all(p.grad is None for p in model[3].parameters())
+        state = [optimizer.optim.state[p] for p in params]
+        results.append((params, state, [optimizer.weight_acc[p] for p in params]))
+    (theirs, their_state, their_acc), (ours, our_state, our_acc) = results
+    for i in range(len(ours)):
+        assert torch.equal(ours[i], theirs[i]), i
+        assert torch.equal(our_acc[i], their_acc[i]), i
+        assert set(our_state[i]) == set(their_state[i])
+        for key, value in their_state[i].items():
+            assert torch.equal(our_state[i][key], value), (i, key)
+
+
 def _float32_samples(n: int, seed: int) -> torch.Tensor:
     """Random float32 bit patterns (every class: zeros, subnormals, normals, Inf, NaN) and values
     of moderate magnitude."""
