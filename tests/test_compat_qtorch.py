@@ -291,6 +291,20 @@ def test_lower_quantises_a_top_level_module_as_qtorch_does():
     assert not torch.equal(ours(x), model(x))
 
 
+def test_lowered_forward_called_directly_is_quantised_by_qtorch_only_as_documented():
+    # docs/migrating-from-qtorch.md: QPyTorch replaces module.forward, so a direct forward() call
+    # quantises; lpsim's quantiser is a forward hook, which only module(x) runs.
+    qtorch, _, _, auto_low = _qtorch()
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(4, 4), torch.randn(3, 4)
+    theirs = copy.deepcopy(model)
+    auto_low.lower(theirs, ["linear"], qtorch.FixedPoint(8, 4), None, "nearest")
+    ours = q.lower(copy.deepcopy(model), ["linear"], q.FixedPoint(8, 4), None, "nearest")
+    assert_same_bits(theirs.forward(x), theirs(x))
+    assert_same_bits(ours(x), theirs(x))
+    assert_same_bits(ours.forward(x), model(x))
+
+
 def test_sequential_lower_wraps_a_top_level_module_as_qtorch_does():
     qtorch, _, _, auto_low = _qtorch()
     torch.manual_seed(0)
@@ -332,6 +346,35 @@ def test_lower_calls_stack_as_in_qtorch(calls):
         results.append((y, xi.grad, lowered[0].weight.grad))
     for ours, theirs in zip(results[1], results[0]):
         assert_same_bits(ours, theirs)
+
+
+def test_qtorch_lowers_a_module_once_per_parent_holding_it_and_lpsim_once(monkeypatch):
+    # docs/migrating-from-qtorch.md: QPyTorch's lower() walks the model with Module.apply, which
+    # visits a module once per parent (a parent lists a child once however often it holds it), so
+    # a module held twice by one Sequential is wrapped once and one shared by two parents twice.
+    qtorch, quant, _, auto_low = _qtorch()
+    runs = []
+    forward = quant.Quantizer.forward
+    monkeypatch.setattr(
+        quant.Quantizer, "forward", lambda self, x: runs.append(1) or forward(self, x)
+    )
+
+    def one_parent(lin):
+        return torch.nn.Sequential(lin, lin)
+
+    def two_parents(lin):
+        return torch.nn.Sequential(torch.nn.Sequential(lin), torch.nn.Sequential(lin))
+
+    x = torch.randn(3, 2)
+    for make, qtorch_wrappers in ((one_parent, 1), (two_parents, 2)):
+        lin = torch.nn.Linear(2, 2)
+        auto_low.lower(make(lin), ["linear"], qtorch.FixedPoint(8, 4), None, "nearest")
+        runs.clear()
+        lin(x)
+        assert len(runs) == qtorch_wrappers
+        lin = torch.nn.Linear(2, 2)
+        q.lower(make(lin), ["linear"], q.FixedPoint(8, 4), None, "nearest")
+        assert len(lin._forward_hooks) == 1
 
 
 def test_lower_that_matches_nothing_changes_nothing():
@@ -741,6 +784,44 @@ def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
         assert_same_bits(resumed_optimizer.weight_acc[r], optimizer.weight_acc[p])
 
 
+def test_checkpoint_round_trip_keeps_delayed_scaling_histories(tmp_path):
+    # An lpsim DelayedScaling as weight_quant keeps an amax history per parameter: the checkpoint
+    # holds it, so a resumed run continues bit for bit (without it the scales start afresh).
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 3)
+        weight = lpsim.DelayedScaling(lpsim.Float(4, 3, special="fn"), history_length=4)
+        optimizer = q.OptimLP(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            weight_quant=(weight, "nearest"),
+        )
+        return model, optimizer
+
+    def train(model, optimizer, steps, data):
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(torch.randn(8, 6, generator=data) * 3).square().mean().backward()
+            optimizer.step()
+
+    model, optimizer = make()
+    train(model, optimizer, 6, torch.Generator().manual_seed(1))
+    data = torch.Generator().manual_seed(1)
+    first, first_optimizer = make()
+    train(first, first_optimizer, 3, data)
+    torch.save(
+        {"model": first.state_dict(), "optimizer": first_optimizer.state_dict()},
+        tmp_path / "checkpoint.pt",
+    )
+    saved = torch.load(tmp_path / "checkpoint.pt")
+    assert set(saved["optimizer"]) == {"state", "param_groups", "weight_acc", "scalers"}
+    resumed, resumed_optimizer = make()
+    resumed.load_state_dict(saved["model"])
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    train(resumed, resumed_optimizer, 3, data)
+    for p, r in zip(model.parameters(), resumed.parameters()):
+        assert_same_bits(r, p)
+
+
 # docs/migrating-from-qtorch.md's account of QPyTorch's numbers: QPyTorch's result observed, and
 # lpsim's correctly rounded one.
 
@@ -968,6 +1049,19 @@ def test_optim_lp_refuses_a_number_format_naming_the_argument():
             q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), **{name: q.FixedPoint(8, 4)})
 
 
+def test_optim_lp_refusals_name_the_qtorch_argument():
+    # A value that is neither a function, an lpsim format nor None, and an lpsim format that does
+    # not fit the float32 parameter: the message names OptimLP's own argument (weight_quant, ...),
+    # not lpsim.optim.OptimLP's (weight, ...).
+    model = torch.nn.Linear(2, 2)
+    for name in ("weight_quant", "grad_quant", "momentum_quant", "acc_quant"):
+        with pytest.raises(TypeError, match=f"^{name} must be None, a Float"):
+            q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), **{name: 3})
+    for name in ("weight_quant", "grad_quant"):
+        with pytest.raises(ValueError, match=f"^OptimLP {name}: Float"):
+            q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), **{name: lpsim.Float(11, 52)})
+
+
 @pytest.mark.parametrize(
     "number,name,value",
     [
@@ -1066,6 +1160,68 @@ def test_optim_lp_trains_bit_for_bit_as_qtorchs_with_fixed_point_nearest(make, m
         assert set(our_state[i]) == set(their_state[i])
         for key, value in their_state[i].items():
             assert_same_bits(our_state[i][key], value)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5, weight_decay=1e-3),
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True, maximize=True),
+    ],
+    ids=["sgd-dampening", "adamw", "adam-foreach-maximize"],
+)
+def test_optim_lp_trains_as_qtorchs_with_groups_and_a_parameter_without_gradient(make):
+    # Two parameter groups with their own learning rates and a layer that never receives a
+    # gradient (QPyTorch still rounds its accumulator and weight every step): after twelve steps
+    # with every quantiser set (fixed point, round to nearest), weights, optimizer state and
+    # accumulators have QPyTorch's values (QPyTorch's fixed point turns -0.0 into +0).
+    _, quant, optim, _ = _qtorch()
+    results = []
+    for fixed, optim_lp in (
+        (quant.fixed_point_quantize, optim.OptimLP),
+        (q.fixed_point_quantize, q.OptimLP),
+    ):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3), torch.nn.Linear(3, 2)
+        )
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.round(p * 2.0**12) / 2.0**12)
+        groups = [
+            {"params": list(model[0].parameters()), "lr": 0.03},
+            {"params": list(model[2].parameters()) + list(model[3].parameters())},
+        ]
+
+        def fixed_quant(wl, fl, fixed=fixed):
+            return lambda t: fixed(t, wl, fl, rounding="nearest")
+
+        optimizer = optim_lp(
+            make(groups),
+            weight_quant=fixed_quant(8, 5),
+            grad_scaling=2.0,
+            grad_quant=fixed_quant(10, 8),
+            momentum_quant=fixed_quant(12, 10),
+            acc_quant=fixed_quant(16, 12),
+        )
+        data = torch.Generator().manual_seed(5)
+        for _ in range(12):
+            x, y = torch.randn(16, 6, generator=data), torch.randint(0, 3, (16,), generator=data)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model[:3](x), y).backward()
+            optimizer.step()
+        params = list(model.parameters())
+        assert all(p.grad is None for p in model[3].parameters())
+        state = [optimizer.optim.state[p] for p in params]
+        results.append((params, state, [optimizer.weight_acc[p] for p in params]))
+    (theirs, their_state, their_acc), (ours, our_state, our_acc) = results
+    for i in range(len(ours)):
+        assert torch.equal(ours[i], theirs[i]), i
+        assert torch.equal(our_acc[i], their_acc[i]), i
+        assert set(our_state[i]) == set(their_state[i])
+        for key, value in their_state[i].items():
+            assert torch.equal(our_state[i][key], value), (i, key)
 
 
 def _float32_samples(n: int, seed: int) -> torch.Tensor:

@@ -78,6 +78,21 @@ def test_qtorch_stochastic_rounding_ignores_torch_manual_seed():
     assert torch.equal(c, compat.float_quantize(x, 5, 2))
 
 
+def test_qtorch_stochastic_fixed_point_draws_from_torchs_generator_and_float_and_block_do_not():
+    # QPyTorch's CPU fixed-point kernels take torch.rand_like; its float and block kernels take a
+    # std::mt19937 seeded from std::random_device.
+    x = torch.full((64,), 1.1)
+    for call, reproduced in (
+        (lambda: qq.fixed_point_quantize(x, 8, 2, rounding="stochastic"), True),
+        (lambda: qq.float_quantize(x, 5, 2, "stochastic"), False),
+        (lambda: qq.block_quantize(x, 4, -1, "stochastic"), False),
+    ):
+        torch.manual_seed(0)
+        a = call()
+        torch.manual_seed(0)
+        assert torch.equal(a, call()) == reproduced
+
+
 def _no_ties(x: torch.Tensor, spacing_of) -> torch.Tensor:
     """x without the elements that lie exactly halfway between two neighbours."""
     q = spacing_of(x)
@@ -155,6 +170,24 @@ def test_qtorch_fixed_point_turns_tiny_negatives_into_positive_zeros_and_lpsim_k
         assert torch.signbit(theirs).tolist() == [False, True, True]
         ours = compat.fixed_point_quantize(x, 8, fl, rounding="nearest")
         assert_same_bits(ours, torch.full_like(x, -0.0))
+
+
+def test_qtorch_stochastic_fixed_point_turns_negatives_and_negative_zero_into_positive_zeros():
+    # QPyTorch's "stochastic" computes nearbyint(-0.3 + r - 0.5) for -0.3 in FixedPoint(8, 0):
+    # -1 for r < 0.3, -0.0 for 0.3 <= r < 0.8, and +0 for r >= 0.8 (2 draws in 10). lpsim's
+    # zeros keep the sign.
+    n = 1 << 16
+    x = torch.full((n,), -0.3)
+    theirs = qq.fixed_point_quantize(x, 8, 0, rounding="stochastic")
+    positive = int(((theirs == 0) & ~torch.signbit(theirs)).sum())
+    assert abs(positive - n * 0.2) <= 5 * math.sqrt(n * 0.2 * 0.8)
+    ours = compat.fixed_point_quantize(x, 8, 0, rounding="stochastic", seed=0)
+    assert int((ours == 0).sum()) > 0 and bool(torch.signbit(ours[ours == 0]).all())
+    # -0.0 itself: nearbyint(r - 0.5) is +0 for r >= 0.5, half the draws.
+    theirs = qq.fixed_point_quantize(torch.full((n,), -0.0), 8, 2, rounding="stochastic")
+    assert abs(int((~torch.signbit(theirs)).sum()) - n / 2) <= 5 * math.sqrt(n / 4)
+    ours = compat.fixed_point_quantize(torch.full((n,), -0.0), 8, 2, rounding="stochastic")
+    assert_same_bits(ours, torch.full((n,), -0.0))
 
 
 def test_qtorch_unclamped_fixed_point_overflows_to_inf_past_float32_and_lpsim_keeps_x():

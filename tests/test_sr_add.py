@@ -776,3 +776,43 @@ def test_stochastic_adder_by_value_rounds_a_plus_b_as_b_plus_a(dtype):
             assert math.isnan(xy[0].item())
             assert_same_bits(xy[1:4], torch.tensor([0.0, 0.0, -0.0], dtype=dtype))
             assert bool(((xy[4:] - (x[4:].double() + y[4:].double())).abs() > 0).any())
+
+
+@pytest.mark.parametrize(
+    "dtype,dtype_a,dtype_b",
+    [
+        (torch.bfloat16, torch.float32, torch.float64),
+        (torch.bfloat16, torch.float16, torch.float32),
+        (torch.float16, torch.float32, torch.bfloat16),
+        (torch.float32, torch.bfloat16, torch.float64),
+        (torch.float32, torch.float16, torch.bfloat16),
+    ],
+)
+def test_stochastic_adder_by_value_rounds_a_plus_b_as_b_plus_a_when_neither_has_its_dtype(
+    dtype, dtype_a, dtype_b
+):
+    # The adder's docstring: under both randomness settings add(a, b) and add(b, a) round alike,
+    # also for operands of other dtypes (the sum is rounded into the adder's dtype). Each result
+    # is one of the two neighbours of the exact sum in that dtype.
+    g = torch.Generator().manual_seed(2)
+    x = torch.rand(4096, generator=g).to(dtype_a)
+    y = torch.rand(4096, generator=g) * torch.exp2(-torch.randint(6, 30, (4096,), generator=g))
+    y = y.to(dtype_b)
+    exact = x.double() + y.double()
+    below = exact.to(dtype).double()
+    below = torch.where(
+        below > exact,
+        torch.nextafter(below.to(dtype), below.new_tensor(0.0).to(dtype)).double(),
+        below,
+    )
+    above = torch.nextafter(below.to(dtype), below.new_tensor(math.inf).to(dtype)).double()
+    above = torch.where(below == exact, below, above)
+    for randomness in ("value", "position"):
+        for name in ("add", "add_biased"):
+            adders = [StochasticAdder(dtype, seed=9, randomness=randomness) for _ in range(2)]
+            xy = getattr(adders[0], name)(x, y)
+            yx = getattr(adders[1], name)(y, x)
+            assert xy.dtype == dtype
+            assert_same_bits(xy, yx, f"{randomness} {name}")
+            assert bool(((xy.double() == below) | (xy.double() == above)).all())
+            assert bool((xy.double() != exact).any())

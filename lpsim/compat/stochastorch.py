@@ -132,9 +132,14 @@ class StochasticAdder:
             a, b = b, a  # addition commutes; the container is the operand of the adder's dtype
         if a.dtype != self.dtype:
             # Neither operand has the adder's dtype: add in a container that holds both operands
-            # and the format, then convert (exactly: the result lies in the format).
+            # and the format, then convert (exactly: the result lies in the format). Both operands
+            # move to it, so that add(a, b) and add(b, a) give sr_add the same pair of dtypes
+            # (under randomness="value" the word is keyed by the operands as sr_add receives them).
             dtypes = (a.dtype, getattr(b, "dtype", None), self.dtype)
-            a = a.to(torch.float64 if torch.float64 in dtypes else torch.float32)
+            container = torch.float64 if torch.float64 in dtypes else torch.float32
+            a = a.to(container)
+            if isinstance(b, torch.Tensor):
+                b = b.to(container)
         if self.randomness == "value" and isinstance(b, torch.Tensor) and b.dtype == a.dtype:
             # sr_add keys a word by the ordered pair (a, b); putting the smaller value first makes
             # add(a, b) and add(b, a) draw the same word, as StochasTorch's symmetric hash does.

@@ -185,7 +185,9 @@ def lower(
 
     The quantisers run in a forward hook (QPyTorch replaces ``module.forward``), so a lowered
     model can be deep-copied, and every floating-point tensor of a tuple, list or dict output is
-    quantised. A module that occurs several times in the model is lowered once.
+    quantised. A module that occurs several times in the model is lowered once. Only calls of the
+    module (``module(x)``) run the hook: code that calls ``module.forward(x)`` directly gets the
+    output unquantised, where QPyTorch's replaced forward quantises it.
 
     An nn.TransformerEncoder whose layers hold a lowered module gets ``use_nested_tensor =
     False``: given a key padding mask in eval mode without gradients it would hand its layers

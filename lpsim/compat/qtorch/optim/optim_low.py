@@ -11,6 +11,18 @@ from lpsim.optim.optim_lp import QuantFunction
 __all__ = ["OptimLP"]
 
 _WEIGHT_ACC = "weight_acc"  # the state_dict key of the accumulators (QPyTorch saves none)
+_SCALERS = "scalers"  # the key of the delayed-scaling states, when some parameter has one
+
+
+def _with_qtorch_name(error: Exception) -> Exception:
+    """error with lpsim.optim.OptimLP's argument name (weight, grad, momentum, acc) at the start of
+    its message replaced by this class's (weight_quant, ...)."""
+    message = str(error)
+    for name in ("weight", "grad", "momentum", "acc"):
+        for prefix in (f"{name} ", f"OptimLP {name}:"):
+            if message.startswith(prefix):
+                return type(error)(message.replace(name, f"{name}_quant", 1))
+    return error
 
 
 class OptimLP(lpoptim.OptimLP):
@@ -28,12 +40,16 @@ class OptimLP(lpoptim.OptimLP):
 
     state_dict() has QPyTorch's layout (a torch optimizer's "state" and "param_groups", here the
     wrapped optimizer's, so the momentum buffers are in it) plus the accumulators under
-    "weight_acc", which QPyTorch's load_state_dict ignores. load_state_dict() takes that, a
+    "weight_acc" (and, where a *_quant argument is an lpsim DelayedScaling, the scalers' states
+    under "scalers"), which QPyTorch's load_state_dict ignores. load_state_dict() takes that, a
     QPyTorch OptimLP's state_dict, a torch optimizer's, or lpsim.optim.OptimLP's.
 
     Raises:
         TypeError: a *_quant argument is a qtorch number format (FloatingPoint, ...), which
-            QPyTorch does not take either: pass a function such as quantizer(number, ...).
+            QPyTorch does not take either: pass a function such as quantizer(number, ...); or it
+            is neither a function, an lpsim format nor None (the message names the argument).
+        ValueError: an lpsim format given as a *_quant argument does not fit the tensors it rounds
+            (the message names the argument), or grad_scaling is not a finite number > 0.
     """
 
     def __init__(
@@ -57,14 +73,17 @@ class OptimLP(lpoptim.OptimLP):
                     f"{name} must be a function tensor -> tensor (such as quantizer(number)), an "
                     f"lpsim format or None; got the qtorch number {value!r}"
                 )
-        super().__init__(
-            optim,
-            weight=weight_quant,
-            grad=grad_quant,
-            momentum=momentum_quant,
-            acc=acc_quant,
-            grad_scaling=grad_scaling,
-        )
+        try:
+            super().__init__(
+                optim,
+                weight=weight_quant,
+                grad=grad_quant,
+                momentum=momentum_quant,
+                acc=acc_quant,
+                grad_scaling=grad_scaling,
+            )
+        except (TypeError, ValueError) as error:
+            raise _with_qtorch_name(error) from None
 
     @property
     def optim(self) -> torch.optim.Optimizer:
@@ -104,9 +123,14 @@ class OptimLP(lpoptim.OptimLP):
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state_dict ("state", "param_groups": QPyTorch's layout), and
-        under "weight_acc" the accumulators in parameter order (None for parameters without one)."""
+        under "weight_acc" the accumulators in parameter order (None for parameters without one).
+        Where a *_quant argument is an lpsim DelayedScaling, the scalers' states are under
+        "scalers" as in lpsim.optim.OptimLP.state_dict()."""
         saved = super().state_dict()
-        return {**saved["optimizer"], _WEIGHT_ACC: saved["accumulators"]}
+        out = {**saved["optimizer"], _WEIGHT_ACC: saved["accumulators"]}
+        if any(saved["scalers"]):
+            out[_SCALERS] = saved["scalers"]
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state_dict of this class, of QPyTorch's OptimLP (its "state" is empty: QPyTorch
@@ -119,11 +143,14 @@ class OptimLP(lpoptim.OptimLP):
             ValueError: it is none of these, or holds accumulators for some parameters that need
                 one but not for others.
         """
-        if isinstance(state_dict, dict) and _WEIGHT_ACC in state_dict:
-            inner = {k: v for k, v in state_dict.items() if k != _WEIGHT_ACC}
-            saved = state_dict[_WEIGHT_ACC]
-            if saved is None or all(acc is None for acc in saved):
-                state_dict = inner
-            else:
-                state_dict = {"optimizer": inner, "accumulators": saved}
+        if isinstance(state_dict, dict) and (_WEIGHT_ACC in state_dict or _SCALERS in state_dict):
+            inner = {k: v for k, v in state_dict.items() if k not in (_WEIGHT_ACC, _SCALERS)}
+            saved = state_dict.get(_WEIGHT_ACC)
+            if saved is not None and all(acc is None for acc in saved):
+                saved = None
+            state_dict = {
+                "optimizer": inner,
+                "accumulators": saved,
+                "scalers": state_dict.get(_SCALERS),
+            }
         super().load_state_dict(state_dict)
