@@ -676,6 +676,31 @@ def test_addcmul_and_addcdiv_with_nearest_into_a_own_dtype_are_torchs(op, dtype)
 
 @pytest.mark.parametrize("op", ["addcmul", "addcdiv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_addc_value_beyond_float32s_range_is_refused_where_torch_refuses_it(op, dtype):
+    # torch converts value to float32, its opmath type for these dtypes, and refuses a finite
+    # value beyond float32's range rather than make the factor infinite; lpsim's term is the same
+    # float32 computation, so it refuses the same values, and takes those torch takes as torch does.
+    a, t1 = torch.full((3,), 1.0, dtype=dtype), torch.full((3,), 0.0, dtype=dtype)
+    t2 = torch.full((3,), 2.0, dtype=dtype)
+    largest = torch.finfo(torch.float32).max
+    for value in (math.nextafter(largest, math.inf), -1e39, 1e300):
+        with pytest.raises(RuntimeError, match="without overflow"):
+            getattr(torch, op)(a, t1, t2, value=value)
+        for fused in (getattr(lpsim, f"sr_{op}"), getattr(lpsim, f"sr_{op}_")):
+            with pytest.raises(ValueError, match="value must be within float32's range"):
+                fused(a.clone(), t1, t2, value, rounding="nearest")
+    for value in (largest, -largest, math.inf, 1e-50):
+        want = getattr(torch, op)(a.float(), t1.float(), t2.float(), value=value)
+        got = getattr(lpsim, f"sr_{op}")(a, t1, t2, value, rounding="nearest")
+        assert_same_bits(got.float(), want, f"value {value!r}")
+    # A float64 term takes any float64 value (torch too): 1e300 * 0 is 0.
+    a64, t64 = a.double(), t1.double()
+    got = getattr(lpsim, f"sr_{op}")(a64, t64, t2.double(), 1e300, rounding="nearest")
+    assert_same_bits(got, getattr(torch, op)(a64, t64, t2.double(), value=1e300), "float64")
+
+
+@pytest.mark.parametrize("op", ["addcmul", "addcdiv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_addc_zero_dim_and_number_operands_follow_torchs_type_promotion(op, dtype):
     # torch.addcmul(a, t1, t2) with a 0-d t2 converts it to the dtype of the tensors with
     # dimensions (a 0-d float64 tensor does not make the term float64), and a Python number is a
