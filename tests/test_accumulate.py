@@ -202,6 +202,33 @@ def test_an_unclamped_fixed_accumulator_keeps_its_grid_beyond_the_inputs_dtype(d
     assert_same_bits(lpsim.accumulate.matvec(x, torch.ones(3, dtype=dtype), acc=fmt), want)
 
 
+@pytest.mark.parametrize("rule", ["stochastic", "stochastic_equal"])
+def test_rounding_k_of_result_r_draws_word_2_rn_plus_k_of_quantizes_stream(rule):
+    # The documented numbering, k and r from 0: the rounding that gives s_k of result r draws word
+    # 2 (r n + k) of the position-keyed stream, the rounding of its product word 2 (r n + k) + 1.
+    # lpsim.quantize's element p draws word p of the same stream, so an element holding t_0 at
+    # position 2 r n (or the product a[i, 0] b[0, j] at position 2 r n + 1) rounds as s_0 does.
+    generator = torch.Generator().manual_seed(8)
+    m, n, p = 6, 5, 7
+    x = torch.randn(m, p, n, generator=generator)  # sums along dim 2: result r = i p + j
+    first = lpsim.accumulate.cumsum(x, 2, acc=Float(5, 2), rounding=rule, seed=9, offset=4)
+    r = torch.arange(m * p)
+    stream = torch.zeros(2 * m * p * n)
+    stream[2 * r * n] = x[:, :, 0].flatten()
+    words = lpsim.quantize(stream, Float(5, 2), rule, seed=9, offset=4)
+    assert_same_bits(first[:, :, 0].flatten(), words[2 * r * n])
+    # A product rounded into mul, with one term per result (n = 1: words 2 r and 2 r + 1) and an
+    # accumulator that holds the rounded product exactly.
+    a, b = torch.randn(m, 1, generator=generator), torch.randn(1, p, generator=generator)
+    ab = lpsim.accumulate.matmul(
+        a, b, acc=Float(8, 23), mul=Float(4, 1), rounding=rule, seed=9, offset=4
+    )
+    products = torch.zeros(2 * m * p, dtype=torch.float64)
+    products[2 * r + 1] = (a.double() * b.double()).flatten()  # exact in float64
+    words = lpsim.quantize(products, Float(4, 1), rule, seed=9, offset=4)
+    assert_same_bits(ab.flatten(), words[2 * r + 1].float())
+
+
 def test_stochastic_accumulation_is_reproducible_for_any_thread_count():
     torch.manual_seed(3)
     a = torch.rand(37, 500).half()
