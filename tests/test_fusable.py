@@ -491,6 +491,29 @@ def test_compiled_lpsim_quantize_keeps_the_custom_op_for_stochastic_rules_and_bl
     assert_same_bits(got, lpsim.quantize(x, fmt, rule, seed=7))
 
 
+@pytest.mark.parametrize(
+    "fmt,ops",
+    [
+        (lpsim.P3109(8, 1), 0),  # precision 1: ties by the exponent code's parity
+        (lpsim.P3109(6, 3, signed=False, domain="finite", saturation="SatPropagate"), 0),
+        (lpsim.scaled.SCALED_PRESETS["mxfp8_e4m3"], 1),
+    ],
+    ids=repr,
+)
+def test_compiled_lpsim_quantize_fuses_p3109_formats_and_keeps_the_op_for_scaled_ones(fmt, ops):
+    # The documented split: P3109 formats are grid formats and take the fusable form (no lpsim op
+    # in the graph), Scaled formats keep their custom op; both give eager's bits.
+    torch._dynamo.reset()
+    graphs = _Graphs()
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(6)) * 16
+    x[:4] = torch.tensor([0.0, -0.0, math.inf, math.nan])
+    got = torch.compile(
+        lambda x: lpsim.quantize(x, fmt, "nearest"), fullgraph=True, backend=graphs.backend
+    )(x)
+    assert len(graphs.lpsim_ops()) == ops
+    assert_same_bits(got, lpsim.quantize(x, fmt, "nearest"))
+
+
 # ---- An injected model
 
 
