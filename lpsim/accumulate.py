@@ -4,12 +4,13 @@ Each op evaluates its sums by recursive summation in a fixed, documented order a
 partial sum into the accumulation format ``acc``, so that the rounding errors of low-precision
 accumulators (and their growth with the length of the sum) can be measured:
 
-    s_1 = round(t_1),   s_k = round(s_(k-1) + t_k)   for k = 2, ..., n,
+    s_0 = round(t_0),   s_k = round(s_(k-1) + t_k)   for k = 1, ..., n - 1,
 
 where each sum s_(k-1) + t_k is computed exactly before it is rounded, and the terms t_k are taken
-in increasing index order. For sum and cumsum the terms are the elements; for matvec and matmul
-they are the products a[i, k] * b[k, j], formed exactly (the operands are float32, bfloat16 or
-float16, whose products float64 holds exactly) and rounded into ``mul`` when it is given.
+in increasing index order (k is the index along the summed dimension, from 0). For sum and
+cumsum the terms are the elements; for matvec and matmul they are the products a[i, k] * b[k, j],
+formed exactly (the operands are float32, bfloat16 or float16, whose products float64 holds
+exactly) and rounded into ``mul`` when it is given.
 
     >>> import torch, lpsim
     >>> x = torch.full((1000,), 1e-3)                                   # the sum is 1.00000005
@@ -21,8 +22,9 @@ float16, whose products float64 holds exactly) and rounded into ``mul`` when it 
     0.9609375
 
 ``rounding`` applies to every rounding (``"nearest"`` by default); with a stochastic rule the
-k-th rounding of the r-th result (results numbered in row-major order) draws word 2 (r n + k) of
-the position-keyed Philox stream of (seed, offset), and the rounding of its product word
+rounding that gives s_k of result r (results numbered from 0 in row-major order; k from 0, so
+the first term's rounding, s_0 = round(t_0), is k = 0) draws word 2 (r n + k) of the
+position-keyed Philox stream of (seed, offset), and the rounding of its product t_k word
 2 (r n + k) + 1. The results are returned in the input's dtype when ``acc`` fits it, else in
 float32 when ``acc`` fits float32, else in float64; always in float64 for a Fixed ``acc`` without
 clamp, whose sums may leave its range on a grid that no narrower tensor holds.
@@ -166,9 +168,9 @@ def cumsum(
     seed: int | None = None,
     offset: int = 0,
 ) -> torch.Tensor:
-    """The partial sums of x along ``dim``, each rounded into ``acc``: element k is the k-th partial
-    sum of sum(x, dim) (same order, same roundings, same random words). Arguments (default rounding
-    "nearest") and errors as for sum. Returns a tensor of x's shape."""
+    """The partial sums of x along ``dim``, each rounded into ``acc``: element k along dim is the
+    partial sum s_k of sum(x, dim) (same order, same roundings, same random words). Arguments
+    (default rounding "nearest") and errors as for sum. Returns a tensor of x's shape."""
     _check_input(x, "x")
     _dim_of(dim, x)  # required: None (sum's every element) is not a dimension here
     y, acc = _reduce(x, dim, True, acc, rounding, rbits, seed, offset)

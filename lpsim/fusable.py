@@ -10,8 +10,9 @@ costs no extra pass over memory; the custom op is opaque to Inductor and always 
 
 ``compiled_quantize`` is what ``lpsim.quantize`` calls while torch.compile traces it: the fusable
 form with the straight-through gradient for Float, Fixed and P3109 formats under deterministic
-rules, and None otherwise (stochastic rules and BlockFloat keep the custom op: the Philox stream and
-the per-block maximum have no fusable form here). Eager calls keep the C++ kernel.
+rules, and None otherwise (stochastic rules, BlockFloat and Scaled formats keep the custom op: the
+Philox stream, the per-block maximum and the scales have no fusable form here). Eager calls keep
+the C++ kernel.
 
 Integer work types: int32 for float32, int64 for float64, and int32 for bfloat16 and float16 (their
 int16 views are sign-extended first, so every intermediate value fits and the result converts

@@ -107,7 +107,10 @@ def quantize_many_(
         seed: 0 <= seed < 2**64, for the stochastic rules. None: one seed drawn from torch's
             default CPU generator for the whole call (none for the deterministic rules).
         offset: the stream of tensor 0; tensor i uses ``offset + i``. 0 <= offset and
-            offset + len(tensors) - 1 < 2**64.
+            offset + len(tensors) - 1 < 2**64. Calls under one seed share no stream only if
+            their ranges [offset, offset + len(tensors)) do not meet: advance offset by
+            len(tensors) from call to call (with offset = step, tensor i + 1 of one step would
+            draw the words of tensor i of the next, position for position).
 
     Under autograd it behaves as ``quantize_``: every tensor's version counter is bumped, and
     outside torch.no_grad() a leaf that requires grad, or a view of one, is refused.

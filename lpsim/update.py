@@ -33,6 +33,7 @@ trade-offs.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -244,30 +245,53 @@ def _addc(
     dtype = _term_dtype(a, tensor1, tensor2)
     t1 = _operand(a, tensor1, "tensor1", dtype)
     t2 = _operand(a, tensor2, "tensor2", dtype)
+    value = _term_value(value, dtype)
     if inplace:
-        call_in_place("sr_addc_", a, t1, t2, _float64(value, "value"), divide, *args)
+        call_in_place("sr_addc_", a, t1, t2, value, divide, *args)
         return a
-    return call("sr_addc", a, t1, t2, _float64(value, "value"), divide, *args)
+    return call("sr_addc", a, t1, t2, value, divide, *args)
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _term_value(value: int | float, dtype: torch.dtype) -> float:
+    """value as the float64 the addc ops take, checked as torch.addcmul checks it: a term computed
+    in float32 (dtype other than float64) refuses a finite value beyond float32's range, which
+    would become an infinite factor.
+
+    Raises:
+        ValueError: such a value, or an int beyond the float64 range.
+    """
+    number = _float64(value, "value")
+    if dtype != torch.float64 and math.isfinite(number) and abs(number) > _FLOAT32_MAX:
+        raise ValueError(
+            f"value must be within float32's range (magnitude at most {_FLOAT32_MAX!r}) when the "
+            f"term is computed in float32, as torch.addcmul and torch.addcdiv require; "
+            f"got {value!r}"
+        )
+    return number
 
 
 _ADDC_DOC = """{summary}
 
-    tensor1 and tensor2 are first converted to the dtype torch's type promotion gives a, tensor1
-    and tensor2 (torch.addcmul's: the tensors with dimensions decide it, 0-d tensors only when all
-    are 0-d, Python numbers never), which rounds a 0-d or number operand to that precision as torch
+    tensor1 and tensor2 are first converted to the dtype torch's type promotion gives a, tensor1 and
+    tensor2 (torch.addcmul's: the tensors with dimensions decide it, 0-d tensors only when all are
+    0-d, Python numbers never), which rounds a 0-d or number operand to that precision as torch
     does. The term (value * tensor1) {op} tensor2 is then computed in float64 when that dtype is
     float64, else in float32, in torch's order, each operation rounded to nearest except as follows
-    (value is first rounded to that precision, as torch does); the sum of a and the term is then
-    exact and rounded once, as in sr_add. With rounding "nearest" into a's own dtype, float32 or
-    float64, sr_addcdiv is torch's CPU addcdiv bit for bit, on every device (torch's CUDA kernels
-    group the ops otherwise; a bfloat16 or float16 sum torch rounds twice: to float32, then to a's
-    dtype);
-    torch's CPU addcmul fuses its last multiplication with the addition, and so does sr_addcmul:
-    that product is exact (held in float64), so that with "nearest" into float32 sr_addcmul is
-    torch's CPU addcmul bit for bit (in float64 it is rounded to nearest, as no wider container
-    holds it). tensor1 and tensor2 are broadcast to a's shape. Other arguments, among them the
-    default rounding "stochastic", and errors as for sr_add (TypeError also when value is not a
-    number). Not differentiable: with grad mode on and an argument that requires grad, a backward
+    (value is first rounded to that precision, as torch does; a finite value beyond float32's range,
+    which would become an infinite factor there, raises ValueError, as torch refuses it); the sum of
+    a and the term is then exact and rounded once, as in sr_add. With rounding "nearest" into a's
+    own dtype, float32 or float64, sr_addcdiv is torch's CPU addcdiv bit for bit, on every device
+    (torch's CUDA kernels group the ops otherwise; a bfloat16 or float16 sum torch rounds twice: to
+    float32, then to a's dtype); torch's CPU addcmul fuses its last multiplication with the
+    addition, and so does sr_addcmul: that product is exact (held in float64), so that with
+    "nearest" into float32 sr_addcmul is torch's CPU addcmul bit for bit (in float64 it is rounded
+    to nearest, as no wider container holds it). tensor1 and tensor2 are broadcast to a's shape.
+    Other arguments, among them the default rounding "stochastic", and errors as for sr_add
+    (TypeError also when value is not a number, ValueError when it is beyond float32's range as
+    above). Not differentiable: with grad mode on and an argument that requires grad, a backward
     pass that reaches the result raises RuntimeError. The in-place form follows torch's in-place
     rules as sr_add_ does: a non-leaf a keeps its history, and if tensor1 or tensor2 requires grad,
     a backward through a raises. tensor1 and tensor2 may share memory with a: the in-place form uses

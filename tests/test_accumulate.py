@@ -4,8 +4,11 @@ statistics."""
 
 from __future__ import annotations
 
+import functools
 import math
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -45,6 +48,55 @@ def test_sum_with_float32_accumulator_and_nearest_is_the_sequential_float32_sum(
     got = lpsim.accumulate.sum(rows, 1)
     assert_same_bits(got, torch.stack([_sequential_float32_sum(r) for r in rows]), "dim=1")
     assert_same_bits(lpsim.accumulate.cumsum(rows, 1)[:, -1], got, "cumsum ends at the sum")
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str
+)
+def test_own_format_sums_and_products_are_numpys_sequential_arithmetic_in_that_dtype(dtype):
+    # numpy (ml_dtypes for bfloat16) adds and multiplies in the dtype itself, each operation
+    # correctly rounded (float16 and bfloat16 go through float32, whose double rounding is
+    # innocuous at twice their precision plus two). Sums in the dtype's own format, and products
+    # rounded into it before they are added, are then the loop s = t_0; s = s + t_k. Inf and NaN
+    # terms propagate as numpy's.
+    np_dtype = {
+        torch.float16: np.float16,
+        torch.bfloat16: ml_dtypes.bfloat16,
+        torch.float32: np.float32,
+        torch.float64: np.float64,
+    }[dtype]
+    g = torch.Generator().manual_seed(7)
+    scale = torch.exp2(torch.randint(-10, 10, (6, 120), generator=g).double())
+    x = (torch.randn(6, 120, generator=g, dtype=torch.float64) * scale).to(dtype)
+    x[1, 4], x[2, 9], x[3, 0], x[3, 100] = math.nan, math.inf, -math.inf, math.inf
+    xn = x.double().numpy().astype(np_dtype)
+    own = lpsim.update.own_format(dtype)
+    with np.errstate(all="ignore"):
+        sums = [functools.reduce(lambda s, t: np_dtype(s + t), row) for row in xn]
+        assert_same_bits(
+            lpsim.accumulate.sum(x, 1),
+            torch.tensor([float(v) for v in sums], dtype=torch.float64).to(dtype),
+            "sum",
+        )
+        if dtype == torch.float64:
+            return  # lpsim.accumulate forms products of 32- and 16-bit operands only
+        a, b = x[:, :40], x[:, 40:80].t().contiguous()
+        an, bn = xn[:, :40], xn[:, 40:80].T
+        want = [
+            [
+                float(
+                    functools.reduce(
+                        lambda s, k: np_dtype(s + np_dtype(an[i, k] * bn[k, j])),
+                        range(1, 40),
+                        np_dtype(an[i, 0] * bn[0, j]),
+                    )
+                )
+                for j in range(6)
+            ]
+            for i in range(6)
+        ]
+        got = lpsim.accumulate.matmul(a, b, acc=own, mul=own)
+        assert_same_bits(got, torch.tensor(want, dtype=torch.float64).to(dtype), "matmul")
 
 
 def test_bfloat16_nearest_accumulation_stagnates_and_stochastic_does_not():
@@ -200,6 +252,33 @@ def test_an_unclamped_fixed_accumulator_keeps_its_grid_beyond_the_inputs_dtype(d
     assert_same_bits(lpsim.accumulate.sum(x, 1, acc=fmt), want)
     assert_same_bits(lpsim.accumulate.cumsum(x, 1, acc=fmt)[:, -1], want)
     assert_same_bits(lpsim.accumulate.matvec(x, torch.ones(3, dtype=dtype), acc=fmt), want)
+
+
+@pytest.mark.parametrize("rule", ["stochastic", "stochastic_equal"])
+def test_rounding_k_of_result_r_draws_word_2_rn_plus_k_of_quantizes_stream(rule):
+    # The documented numbering, k and r from 0: the rounding that gives s_k of result r draws word
+    # 2 (r n + k) of the position-keyed stream, the rounding of its product word 2 (r n + k) + 1.
+    # lpsim.quantize's element p draws word p of the same stream, so an element holding t_0 at
+    # position 2 r n (or the product a[i, 0] b[0, j] at position 2 r n + 1) rounds as s_0 does.
+    generator = torch.Generator().manual_seed(8)
+    m, n, p = 6, 5, 7
+    x = torch.randn(m, p, n, generator=generator)  # sums along dim 2: result r = i p + j
+    first = lpsim.accumulate.cumsum(x, 2, acc=Float(5, 2), rounding=rule, seed=9, offset=4)
+    r = torch.arange(m * p)
+    stream = torch.zeros(2 * m * p * n)
+    stream[2 * r * n] = x[:, :, 0].flatten()
+    words = lpsim.quantize(stream, Float(5, 2), rule, seed=9, offset=4)
+    assert_same_bits(first[:, :, 0].flatten(), words[2 * r * n])
+    # A product rounded into mul, with one term per result (n = 1: words 2 r and 2 r + 1) and an
+    # accumulator that holds the rounded product exactly.
+    a, b = torch.randn(m, 1, generator=generator), torch.randn(1, p, generator=generator)
+    ab = lpsim.accumulate.matmul(
+        a, b, acc=Float(8, 23), mul=Float(4, 1), rounding=rule, seed=9, offset=4
+    )
+    products = torch.zeros(2 * m * p, dtype=torch.float64)
+    products[2 * r + 1] = (a.double() * b.double()).flatten()  # exact in float64
+    words = lpsim.quantize(products, Float(4, 1), rule, seed=9, offset=4)
+    assert_same_bits(ab.flatten(), words[2 * r + 1].float())
 
 
 def test_stochastic_accumulation_is_reproducible_for_any_thread_count():

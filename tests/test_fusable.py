@@ -491,6 +491,55 @@ def test_compiled_lpsim_quantize_keeps_the_custom_op_for_stochastic_rules_and_bl
     assert_same_bits(got, lpsim.quantize(x, fmt, rule, seed=7))
 
 
+@pytest.mark.parametrize(
+    "fmt,ops",
+    [
+        (lpsim.P3109(8, 1), 0),  # precision 1: ties by the exponent code's parity
+        (lpsim.P3109(6, 3, signed=False, domain="finite", saturation="SatPropagate"), 0),
+        (lpsim.scaled.SCALED_PRESETS["mxfp8_e4m3"], 1),
+    ],
+    ids=repr,
+)
+def test_compiled_lpsim_quantize_fuses_p3109_formats_and_keeps_the_op_for_scaled_ones(fmt, ops):
+    # The documented split: P3109 formats are grid formats and take the fusable form (no lpsim op
+    # in the graph), Scaled formats keep their custom op; both give eager's bits.
+    torch._dynamo.reset()
+    graphs = _Graphs()
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(6)) * 16
+    x[:4] = torch.tensor([0.0, -0.0, math.inf, math.nan])
+    got = torch.compile(
+        lambda x: lpsim.quantize(x, fmt, "nearest"), fullgraph=True, backend=graphs.backend
+    )(x)
+    assert len(graphs.lpsim_ops()) == ops
+    assert_same_bits(got, lpsim.quantize(x, fmt, "nearest"))
+
+
+def test_eager_lpsim_quantize_keeps_the_compiled_kernel():
+    # Outside torch.compile the fusable form is not used: quantize and quantize_ call the C++ op
+    # once each, and no elementwise torch op (the fusable form's shifts and wheres) runs.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(64)
+    for fmt in (Float(5, 2), Fixed(8, 3), lpsim.P3109(8, 1)):
+        for rule in FUSABLE_RULES:
+            with Record() as record:
+                lpsim.quantize(x, fmt, rule)
+                lpsim.quantize_(x.clone(), fmt, rule)
+            assert [op for op in record.ops if not op.startswith("aten.clone")] == [
+                "lpsim.quantize_grid.default",
+                "lpsim.quantize_grid_.default",
+            ], (fmt, rule)
+
+
 # ---- An injected model
 
 

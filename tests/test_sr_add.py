@@ -676,6 +676,31 @@ def test_addcmul_and_addcdiv_with_nearest_into_a_own_dtype_are_torchs(op, dtype)
 
 @pytest.mark.parametrize("op", ["addcmul", "addcdiv"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_addc_value_beyond_float32s_range_is_refused_where_torch_refuses_it(op, dtype):
+    # torch converts value to float32, its opmath type for these dtypes, and refuses a finite
+    # value beyond float32's range rather than make the factor infinite; lpsim's term is the same
+    # float32 computation, so it refuses the same values, and takes those torch takes as torch does.
+    a, t1 = torch.full((3,), 1.0, dtype=dtype), torch.full((3,), 0.0, dtype=dtype)
+    t2 = torch.full((3,), 2.0, dtype=dtype)
+    largest = torch.finfo(torch.float32).max
+    for value in (math.nextafter(largest, math.inf), -1e39, 1e300):
+        with pytest.raises(RuntimeError, match="without overflow"):
+            getattr(torch, op)(a, t1, t2, value=value)
+        for fused in (getattr(lpsim, f"sr_{op}"), getattr(lpsim, f"sr_{op}_")):
+            with pytest.raises(ValueError, match="value must be within float32's range"):
+                fused(a.clone(), t1, t2, value, rounding="nearest")
+    for value in (largest, -largest, math.inf, 1e-50):
+        want = getattr(torch, op)(a.float(), t1.float(), t2.float(), value=value)
+        got = getattr(lpsim, f"sr_{op}")(a, t1, t2, value, rounding="nearest")
+        assert_same_bits(got.float(), want, f"value {value!r}")
+    # A float64 term takes any float64 value (torch too): 1e300 * 0 is 0.
+    a64, t64 = a.double(), t1.double()
+    got = getattr(lpsim, f"sr_{op}")(a64, t64, t2.double(), 1e300, rounding="nearest")
+    assert_same_bits(got, getattr(torch, op)(a64, t64, t2.double(), value=1e300), "float64")
+
+
+@pytest.mark.parametrize("op", ["addcmul", "addcdiv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_addc_zero_dim_and_number_operands_follow_torchs_type_promotion(op, dtype):
     # torch.addcmul(a, t1, t2) with a 0-d t2 converts it to the dtype of the tensors with
     # dimensions (a 0-d float64 tensor does not make the term float64), and a Python number is a
@@ -816,3 +841,152 @@ def test_stochastic_adder_by_value_rounds_a_plus_b_as_b_plus_a_when_neither_has_
             assert_same_bits(xy, yx, f"{randomness} {name}")
             assert bool(((xy.double() == below) | (xy.double() == above)).all())
             assert bool((xy.double() != exact).any())
+
+
+# ---- An oracle written from the documentation alone (docs/rounding.md, lpsim.formats), sharing
+# nothing with lpsim.reference: the grid of a Float or a clamping Fixed format, each deterministic
+# rule on a magnitude, the overflow policy, and IEEE 754's signs of zero sums.
+
+_TOWARD_ZERO_ON_OVERFLOW = {"toward_zero", "odd"}
+
+
+def _floor_log2(m: Fraction) -> int:
+    e = m.numerator.bit_length() - m.denominator.bit_length()
+    while Fraction(2) ** e > m:
+        e -= 1
+    while Fraction(2) ** (e + 1) <= m:
+        e += 1
+    return e
+
+
+def _doc_round(v, negative_zero: bool, fmt, rule: str) -> float:
+    """v (a Fraction, or a float Inf or NaN; a zero v is -0 when negative_zero) rounded into fmt
+    by a deterministic rule, as the docs describe it: the neighbours below and above |v| on the
+    grid, the rule's choice (ties to the neighbour whose last digit is 0; man=0 significands are
+    all odd, zero is even), then a result beyond the limit overflows (the limit for saturating
+    formats, clamping Fixed formats and the rules rounding toward zero there; else Inf, or NaN
+    without Inf)."""
+    no_negative_zero = (fmt.special == "fnuz") if isinstance(fmt, Float) else not fmt.signed
+    if isinstance(v, float):  # Inf or NaN
+        if math.isnan(v) or (isinstance(fmt, Float) and fmt.has_inf):
+            return v
+        if isinstance(fmt, Fixed) or fmt.saturate:
+            return fmt.min if v < 0 else fmt.max
+        return math.nan
+    if v == 0:
+        return -0.0 if negative_zero and not no_negative_zero else 0.0
+    negative, m = v < 0, abs(v)
+    if isinstance(fmt, Float):
+        small = m < Fraction(2) ** fmt.emin
+        if small and not fmt.subnormals:
+            lo, hi, lo_odd = Fraction(0), Fraction(2) ** fmt.emin, False
+        else:
+            q = Fraction(2) ** ((fmt.emin if small else _floor_log2(m)) - fmt.man)
+            lo = m // q * q
+            hi, lo_odd = lo + q, lo > 0 and (fmt.man == 0 or (lo / q) % 2 == 1)
+        limit = Fraction(fmt.max)
+    else:
+        q = Fraction(2) ** -fmt.fl
+        lo = m // q * q
+        hi, lo_odd = lo + q, (lo / q) % 2 == 1
+        limit = -Fraction(fmt.min) if negative else Fraction(fmt.max)
+    mid = (lo + hi) / 2
+    choice = {
+        "nearest": lo if m < mid or (m == mid and not lo_odd) else hi,
+        "nearest_away": lo if m < mid else hi,
+        "nearest_zero": lo if m <= mid else hi,
+        "toward_zero": lo,
+        "away": hi,
+        "up": lo if negative else hi,
+        "down": hi if negative else lo,
+        "odd": lo if lo_odd else hi,
+    }
+    r = m if m == lo else choice[rule]
+    if r > limit:
+        toward_zero = rule in _TOWARD_ZERO_ON_OVERFLOW or rule == ("up" if negative else "down")
+        if isinstance(fmt, Fixed) or fmt.saturate or toward_zero:
+            r = limit
+        elif fmt.has_inf:
+            return -math.inf if negative else math.inf
+        else:
+            return math.nan
+    if r == 0:
+        return -0.0 if negative and not no_negative_zero else 0.0
+    return float(-r if negative else r)
+
+
+def _ieee_sum(a: float, b, rule: str):
+    """(a + b exactly, whether a zero sum is -0), for a float a and a float or Fraction b."""
+    b_float = float(b) if isinstance(b, Fraction) else b
+    if not (math.isfinite(a) and math.isfinite(b_float)):
+        if math.isnan(a) or math.isnan(b_float) or (a == -b_float and math.isinf(a)):
+            return math.nan, False
+        return (a if math.isinf(a) else b_float), False
+    s = Fraction(a) + Fraction(b)
+    if s != 0:
+        return s, False
+    if a == 0 and b == 0:
+        a_negative = math.copysign(1, a) < 0
+        b_negative = math.copysign(1, b_float) < 0 if isinstance(b, float) else False
+        if a_negative == b_negative:
+            return s, a_negative
+    return s, rule == "down"
+
+
+_DOC_FORMATS = [
+    Float(5, 2),
+    Float(4, 3, special="fn"),
+    Float(4, 3, special="fn", saturate=True),
+    Float(5, 2, special="fnuz"),
+    Float(3, 2, subnormals=False),
+    Float(3, 0),
+    Float(2, 0, special="none", subnormals=False),
+    Float(1, 2, special="none"),
+    Float(3, 1, bias=-2),
+    Float(8, 7),
+    Float(5, 10, saturate=True),
+    Fixed(6, 3),
+    Fixed(5, 2, symmetric=True),
+    Fixed(6, 4, signed=False),
+    Fixed(8, -2),
+]
+_DETERMINISTIC = [r.name for r in Rounding if not r.is_stochastic]
+
+
+@st.composite
+def _doc_cases(draw):
+    a_dtype = draw(st.sampled_from(DTYPES))
+    fmt = draw(st.sampled_from([f for f in _DOC_FORMATS if _fits(f, a_dtype)]))
+    low = math.log2(fmt.smallest_subnormal) - 3
+    high = math.log2(fmt.max) + 2
+
+    def values(n):
+        specials = [0.0, -0.0, math.inf, -math.inf, math.nan, fmt.max, -fmt.max]
+        return [
+            draw(st.sampled_from(specials))
+            if draw(st.integers(0, 9)) == 0
+            else draw(st.sampled_from([-1.0, 1.0])) * 2.0 ** draw(st.floats(low, high))
+            for _ in range(n)
+        ]
+
+    b_dtype = draw(st.sampled_from(sorted({a_dtype, torch.float32, torch.float64}, key=str)))
+    a = torch.tensor(values(16), dtype=torch.float64).to(a_dtype)
+    b = torch.tensor(values(16), dtype=torch.float64).to(b_dtype)
+    return a, b, fmt, draw(st.sampled_from(_DETERMINISTIC))
+
+
+@given(_doc_cases())
+def test_sr_add_and_addcdiv_equal_a_fraction_model_written_from_the_docs(case):
+    a, b, fmt, rule = case
+    a_values, b_values = a.double().tolist(), b.double().tolist()
+    want = [_doc_round(*_ieee_sum(x, y, rule), fmt, rule) for x, y in zip(a_values, b_values)]
+    want = torch.tensor(want, dtype=torch.float64).to(a.dtype)
+    assert_same_bits(lpsim.sr_add(a, b, fmt, rule), want, f"sr_add {fmt!r} {rule}")
+    # addcdiv with value 1 and tensor2 = 1: the term is tensor1 rounded to the term's dtype (a and
+    # tensor1 promoted; float32 unless float64), then the exact sum rounded once.
+    term_dtype = torch.promote_types(a.dtype, b.dtype)
+    term = b.to(torch.float64 if term_dtype == torch.float64 else torch.float32).double().tolist()
+    want = [_doc_round(*_ieee_sum(x, t, rule), fmt, rule) for x, t in zip(a_values, term)]
+    want = torch.tensor(want, dtype=torch.float64).to(a.dtype)
+    got = lpsim.sr_addcdiv(a, b, torch.ones_like(b), 1.0, fmt, rule)
+    assert_same_bits(got, want, f"sr_addcdiv {fmt!r} {rule}")
