@@ -435,6 +435,36 @@ def test_a_recurrent_layers_weights_and_biases_are_quantised(layer):
     assert_same_bits(layer(x)[0], before)
 
 
+@pytest.mark.parametrize("cell", [nn.LSTMCell(3, 4), nn.GRUCell(3, 4), nn.RNNCell(3, 4)])
+def test_a_recurrent_cells_weights_and_biases_are_quantised(cell):
+    # A cell's parameters are weight_ih, weight_hh, bias_ih and bias_hh: before, neither a weight
+    # nor a bias setting quantised any of them, silently (report: "nothing to quantise").
+    torch.manual_seed(0)
+    originals = dict(cell.named_parameters())
+    reference = copy.deepcopy(cell)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            parameter.copy_(lpsim.quantize(parameter, E4M1, "nearest"))
+    x = torch.randn(2, 3)
+
+    def states(module):  # an LSTMCell returns (h, c), the others h
+        out = module(x)
+        return out if isinstance(out, tuple) else (out,)
+
+    before = states(cell)
+    inject(cell, {nn.RNNCellBase: LayerQuantization(weight=E4M1, bias=E4M1, rounding="nearest")})
+    assert {id(p) for p in quantized_parameters(cell)} == {id(p) for p in originals.values()}
+    got = states(cell)
+    for g, want in zip(got, states(reference), strict=True):
+        assert_same_bits(g, want)
+    sum(g.sum() for g in got).backward()
+    assert all(p.grad is not None for p in originals.values())
+    remove(cell)
+    assert dict(cell.named_parameters()) == originals
+    for g, want in zip(states(cell), before, strict=True):
+        assert_same_bits(g, want)
+
+
 # Outputs and inputs held in dict subclasses keep their type
 
 

@@ -101,10 +101,11 @@ class LayerQuantization:
 
     Args:
         weight: the module's own parameters whose names end in "weight" (weight, in_proj_weight,
-            ...), and in a recurrent layer (nn.RNN, nn.LSTM, nn.GRU) those whose names start with
-            "weight_" (weight_ih_l0, weight_hh_l0, ...), fake-quantised in every forward pass by
-            a parametrisation (straight-through gradient): once per call of the module's forward,
-            at the first read (a forward that reads a weight several times gets one
+            ...), in a recurrent layer (nn.RNN, nn.LSTM, nn.GRU) those whose names start with
+            "weight_" (weight_ih_l0, weight_hh_l0, ...), and in a recurrent cell (nn.RNNCell,
+            nn.LSTMCell, nn.GRUCell) weight_ih and weight_hh, fake-quantised in every forward
+            pass by a parametrisation (straight-through gradient): once per call of the module's
+            forward, at the first read (a forward that reads a weight several times gets one
             quantisation), and at each read outside it. One that already has torch
             parametrisations (weight_norm, orthogonal, ...) is quantised after them, and remove()
             leaves them; inject refuses (NotImplementedError) one computed by a forward pre-hook
@@ -112,8 +113,8 @@ class LayerQuantization:
             EmbeddingBag with max_norm renormalises its Parameter's rows in place, as torch's
             does, and looks them up quantised.
         bias: the module's own parameters whose names end in "bias" (in a recurrent layer, start
-            with "bias_": bias_ih_l0, ...; in a MultiheadAttention, bias_k and bias_v too),
-            likewise.
+            with "bias_": bias_ih_l0, ...; in a recurrent cell, bias_ih and bias_hh; in a
+            MultiheadAttention, bias_k and bias_v too), likewise.
         input: the floating-point tensors passed to forward (positional and keyword), forward only.
             A tensor passed at several places (self-attention's ``attention(x, x, x)``) is
             quantised once, at its first place, and every place gets that one result. Masks are
@@ -138,7 +139,8 @@ class LayerQuantization:
             lpsim.nn.functional. A MultiheadAttention's out projection uses the MACs of its
             ``out_proj`` when out_proj is itself injected with MACs, else its own. Other modules
             ignore it, and inject warns when a model given MACs has modules whose products lpsim
-            does not simulate (Conv3d, transposed convolutions, Bilinear, recurrent layers).
+            does not simulate (Conv3d, transposed convolutions, Bilinear, recurrent layers and
+            cells).
         input_grad_mac, weight_grad_mac: the arithmetic of the backward products (the input's and
             the weight's gradients, the bias gradient with the weight's); None: ``mac``'s.
         input_grad_operands, weight_grad_operands: lpsim.nn.functional.Operands (None: none): the
@@ -718,6 +720,7 @@ _UNSIMULATED_PRODUCTS = (
     nn.ConvTranspose3d,
     nn.Bilinear,
     nn.RNNBase,
+    nn.RNNCellBase,
 )
 
 
@@ -965,15 +968,23 @@ def _check_unmatched(counts: dict, unmatched: str, model: nn.Module) -> None:
         raise ValueError(message)
 
 
+# The parameters of a recurrent cell (nn.RNNCell, nn.LSTMCell, nn.GRUCell), whose names neither
+# end in "weight" or "bias" nor are among a recurrent layer's _flat_weights_names.
+_CELL_PARAMETERS = {"weight": ("weight_ih", "weight_hh"), "bias": ("bias_ih", "bias_hh")}
+
+
 def _is_named(module: nn.Module, name: str, kind: str) -> bool:
     """Whether the parameter ``name`` of ``module`` is one of its ``kind`` ("weight" or "bias")
     parameters: its name ends in ``kind``, or, in a recurrent layer (nn.RNN, nn.LSTM, nn.GRU),
-    starts with ``kind + "_"`` (weight_ih_l0, bias_hh_l1_reverse, ...); a MultiheadAttention's
-    bias_k and bias_v (add_bias_kv) are biases."""
+    starts with ``kind + "_"`` (weight_ih_l0, bias_hh_l1_reverse, ...), or, in a recurrent cell
+    (nn.RNNCell, nn.LSTMCell, nn.GRUCell), is ``kind + "_ih"`` or ``kind + "_hh"``; a
+    MultiheadAttention's bias_k and bias_v (add_bias_kv) are biases."""
     if name.endswith(kind):
         return True
     if isinstance(module, nn.MultiheadAttention) and kind == "bias":
         return name in ("bias_k", "bias_v")
+    if isinstance(module, nn.RNNCellBase):
+        return name in _CELL_PARAMETERS[kind]  # not weight_norm's weight_ih_g, say
     return (
         isinstance(module, nn.RNNBase)
         and name in module._flat_weights_names  # not weight_norm's weight_ih_l0_g, say
