@@ -879,6 +879,44 @@ def test_a_checkpoint_saved_without_injection_loads_into_the_injected_model(stri
     assert_same_state(model.state_dict(), checkpoint)
 
 
+def _delayed_mlp() -> nn.Module:
+    """An MLP whose first layer's weight, input and output DelayedScaling quantises, after two
+    training passes (its scalers hold histories)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    plain = copy.deepcopy(model)
+    inject(model, {"0": LayerQuantization(weight=DELAYED, input=DELAYED, output=DELAYED)})
+    for i in range(2):
+        model(torch.randn(3, 4) * 10**i).sum().backward()
+    return model, plain
+
+
+def test_a_strict_float32_checkpoint_loads_with_fresh_delayed_scalers():
+    """A float32 checkpoint holds no DelayedScaler state: strict=True once refused it for a
+    DelayedScaling weight (its scaler's keys missing). Loaded strictly, every scaler starts as
+    inject made it: the weight's with an empty history and scale 1, the input's and output's
+    made afresh at their next quantisation, as in a model injected and then loaded."""
+    model, plain = _delayed_mlp()
+    checkpoint = plain.state_dict()
+    result = model.load_state_dict(checkpoint)
+    assert not result.missing_keys and not result.unexpected_keys
+    fresh = inject(copy.deepcopy(plain), {"0": LayerQuantization(weight=DELAYED)})
+    assert_same_state(model.state_dict(), fresh.state_dict())
+
+
+def test_a_non_strict_load_leaves_the_delayed_scalers_it_does_not_hold_as_they_were():
+    """strict=False leaves what a state_dict does not hold as it is (torch's missing keys): the
+    input and output scalers were once dropped all the same, silently restarting their histories
+    with scale 1, and the weight's scaler kept. Now every scaler keeps its state, and its keys
+    are reported missing."""
+    model, plain = _delayed_mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items() if "scaler" in k}
+    result = model.load_state_dict(plain.state_dict(), strict=False)
+    assert sorted(result.missing_keys) == sorted(before) and not result.unexpected_keys
+    after = model.state_dict()
+    assert_same_state({k: after[k] for k in before}, before)
+
+
 class _Spectrum(nn.Module):
     """A module whose output is complex (an FFT), as in spectral models."""
 

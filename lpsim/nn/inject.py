@@ -33,6 +33,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import sys
 import threading
 import warnings
 import weakref
@@ -237,6 +238,21 @@ class _Scalers(nn.Module):
 _SCALER_STATE = ("amax_history", "scale", "scale_inverse", "calls")  # a DelayedScaler's buffers
 
 
+def _loading_strictly() -> bool:
+    """The ``strict`` argument of the innermost nn.Module.load_state_dict call running now (True
+    where none is found). torch passes strict=True to every module's _load_from_state_dict and
+    load_state_dict pre-hook, whatever the caller's, and applies the caller's to the missing and
+    unexpected keys only at the end; a module that drops or resets state the state_dict does not
+    hold must know the caller's, so that strict=False leaves that state as it is."""
+    load_state_dict = nn.Module.load_state_dict.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is load_state_dict:
+            return bool(frame.f_locals.get("strict", True))
+        frame = frame.f_back
+    return True
+
+
 class _TensorScalers(nn.Module):
     """The DelayedScalers of one role (input, output or error) of an injected module: one per
     tensor, a submodule named after the tensor's place (lpsim.nn._hooks.map_placed_tensors: "0",
@@ -245,7 +261,8 @@ class _TensorScalers(nn.Module):
     tensor's device.
 
     load_state_dict creates the scalers that a state_dict holds (on the device the module was
-    last moved to) and, when strict, drops those it does not hold (tensors it never quantised). A
+    last moved to) and, when strict, drops those it does not hold (tensors it never quantised);
+    strict=False leaves them as they are (see _loading_strictly). A
     state_dict from before the scalers were per tensor holds the role's one scaler (keys
     ``...lpsim_scalers.input.amax_history``): it is loaded as the first tensor's ("0")."""
 
@@ -309,7 +326,7 @@ class _TensorScalers(nn.Module):
                 found = self._scaling.scaler(self._device)
                 found.train(self.training)
                 self.add_module(place, found)
-        if strict:
+        if _loading_strictly():  # strict=False keeps the scalers it does not hold, as they are
             for place in [p for p in self._modules if p not in places]:
                 del self._modules[place]
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, *rest)
@@ -1311,7 +1328,12 @@ def _load_plain_keys(module: nn.Module, state_dict: dict, prefix: str, *_) -> No
     injection (a float32 checkpoint, under its plain name ``prefix + "weight"``) as from one saved
     with it (``prefix + "parametrizations.weight.original"``), so that such a checkpoint loads
     into the injected model (strict=False would otherwise load none of these parameters, and
-    strict=True refuse them). The key saved with the injection is taken where both are."""
+    strict=True refuse them). The key saved with the injection is taken where both are.
+
+    Such a checkpoint holds no state of a DelayedScaling weight's scaler: strict loads it as the
+    scaler's state when inject made it (empty history, scale 1), as a strict load drops the input,
+    output and error scalers a state_dict does not hold; strict=False leaves it as it is, as
+    torch leaves every missing key."""
     done = getattr(module, _STATE, None)
     if done is None:
         return
@@ -1322,6 +1344,12 @@ def _load_plain_keys(module: nn.Module, state_dict: dict, prefix: str, *_) -> No
         plain, original = prefix + pname, f"{prefix}parametrizations.{pname}.original"
         if plain in state_dict and original not in state_dict:
             state_dict[original] = state_dict.pop(plain)
+            scaler = parametrizations[0].scaler
+            if scaler is not None and _loading_strictly():
+                where = f"{prefix}parametrizations.{pname}.0.scaler."
+                fresh = DelayedScaler(scaler.scaling).state_dict()
+                for key, value in fresh.items():
+                    state_dict.setdefault(where + key, value)
 
 
 def _active(done: dict) -> bool:
