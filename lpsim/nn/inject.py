@@ -107,7 +107,9 @@ class LayerQuantization:
             nn.LSTMCell, nn.GRUCell) weight_ih and weight_hh, fake-quantised in every forward
             pass by a parametrisation (straight-through gradient): once per call of the module's
             forward, at the first read (a forward that reads a weight several times gets one
-            quantisation), and at each read outside it. One that already has torch
+            quantisation), and at each read outside it. Each read gives a new tensor: an in-place
+            write to it (reset_parameters(), nn.init) is lost; write to
+            ``parametrizations.<name>.original``. One that already has torch
             parametrisations (weight_norm, orthogonal, ...) is quantised after them, and remove()
             leaves them; inject refuses (NotImplementedError) one computed by a forward pre-hook
             of the older torch.nn.utils.weight_norm or spectral_norm. An Embedding or
