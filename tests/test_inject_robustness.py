@@ -318,6 +318,26 @@ def test_a_weight_computed_by_a_forward_pre_hook_is_refused_with_the_parametrisa
     assert quantized_parameters(layer) == [layer.parametrizations.bias.original]
 
 
+@pytest.mark.parametrize("kind", ["weight", "bias"])
+def test_a_pruned_tensor_is_refused_rather_than_left_in_full_precision(kind):
+    """torch.nn.utils.prune replaces the Parameter by weight_orig and a mask, and computes weight
+    in a forward pre-hook: weight= once quantised nothing (report: "nothing to quantise"), and the
+    layer computed with the pruned weight in full precision."""
+    layer = nn.Linear(4, 3)
+    nn.utils.prune.l1_unstructured(layer, kind, amount=0.5)
+    before = structure(layer)
+    with pytest.raises(NotImplementedError, match=rf"Linear\.{kind} .*prune\.remove"):
+        inject(layer, {nn.Linear: LayerQuantization(weight=E5M2, bias=E5M2)})
+    assert structure(layer) == before
+    nn.utils.prune.remove(layer, kind)  # the pruning made permanent: a Parameter again
+    inject(layer, {nn.Linear: LayerQuantization(weight=(E4M1, "nearest"))})
+    x = torch.randn(2, 4)
+    want = nn.functional.linear(
+        x, lpsim.quantize(layer.parametrizations.weight.original, E4M1, "nearest"), layer.bias
+    )
+    assert_same_bits(layer(x), want)
+
+
 def test_the_default_entry_leaves_a_users_parametrisation_alone():
     model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.ReLU())
     inject(model, {"default": LayerQuantization(output=E5M2)})

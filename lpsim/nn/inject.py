@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize
+from torch.nn.utils import parametrize, prune
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
@@ -112,7 +112,8 @@ class LayerQuantization:
             ``parametrizations.<name>.original``. One that already has torch
             parametrisations (weight_norm, orthogonal, ...) is quantised after them, and remove()
             leaves them; inject refuses (NotImplementedError) one computed by a forward pre-hook
-            of the older torch.nn.utils.weight_norm or spectral_norm. An Embedding or
+            of the older torch.nn.utils.weight_norm or spectral_norm, or of
+            torch.nn.utils.prune. An Embedding or
             EmbeddingBag with max_norm renormalises its Parameter's rows in place, as torch's
             does, and looks them up quantised.
         bias: the module's own parameters whose names end in "bias" (in a recurrent layer, start
@@ -1132,35 +1133,49 @@ def _value_to_quantise(module: nn.Module, pname: str) -> torch.Tensor:
         return getattr(module, pname)
 
 
-# torch's forward pre-hooks that compute a module's tensor (their ``name``) from parameters under
-# other names, and the parametrisation that replaces each.
-_COMPUTING_HOOKS = {
-    WeightNorm: ("torch.nn.utils.weight_norm", "torch.nn.utils.parametrizations.weight_norm"),
-    SpectralNorm: (
-        "torch.nn.utils.spectral_norm",
-        "torch.nn.utils.parametrizations.spectral_norm",
+# torch's forward pre-hooks that compute a module's tensor from parameters under other names (the
+# hook's class, the attribute naming the tensor), what applies each, and what to do instead.
+_COMPUTING_HOOKS = (
+    (
+        WeightNorm,
+        "name",
+        "torch.nn.utils.weight_norm",
+        "apply torch.nn.utils.parametrizations.weight_norm instead: inject quantises its result",
     ),
-}
+    (
+        SpectralNorm,
+        "name",
+        "torch.nn.utils.spectral_norm",
+        "apply torch.nn.utils.parametrizations.spectral_norm instead: inject quantises its result",
+    ),
+    (
+        prune.BasePruningMethod,
+        "_tensor_name",
+        "torch.nn.utils.prune",
+        "make the pruning permanent first (torch.nn.utils.prune.remove), or apply the mask by a "
+        "parametrisation (torch.nn.utils.parametrize.register_parametrization): inject quantises "
+        "its result",
+    ),
+)
 
 
 def _check_no_hook_computes(module: nn.Module, kind: str) -> None:
     """Refuse a ``kind`` ("weight" or "bias") tensor of ``module`` that a forward pre-hook of
-    torch.nn.utils.weight_norm or spectral_norm computes: it is no parameter (the parameters are
-    weight_g and weight_v, or weight_orig), so a weight setting would quantise nothing.
+    torch.nn.utils.weight_norm, spectral_norm or prune computes: it is no parameter (the
+    parameters are weight_g and weight_v, or weight_orig), so a weight setting would quantise
+    nothing.
 
     Raises:
-        NotImplementedError: naming the tensor and the parametrisation to use instead, whose
-            result inject quantises.
+        NotImplementedError: naming the tensor, what computes it and what to do instead.
     """
     for hook in module._forward_pre_hooks.values():
-        found = _COMPUTING_HOOKS.get(type(hook))
-        if found is not None and _is_named(module, hook.name, kind):
-            applied, replacement = found
-            raise NotImplementedError(
-                f"inject(): {type(module).__name__}.{hook.name} is computed by the forward "
-                f"pre-hook of {applied}, which inject cannot quantise; apply {replacement} "
-                "instead: inject quantises its result"
-            )
+        for hook_type, attribute, applied, advice in _COMPUTING_HOOKS:
+            name = getattr(hook, attribute, None) if isinstance(hook, hook_type) else None
+            if name is not None and _is_named(module, name, kind):
+                raise NotImplementedError(
+                    f"inject(): {type(module).__name__}.{name} is computed by the forward "
+                    f"pre-hook of {applied}, which inject cannot quantise; {advice}"
+                )
 
 
 def _simulates_products(module: nn.Module, settings: LayerQuantization) -> bool:
