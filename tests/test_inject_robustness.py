@@ -485,6 +485,40 @@ def test_a_recurrent_cells_weights_and_biases_are_quantised(cell):
         assert_same_bits(g, want)
 
 
+class _ReturnsTwice(nn.Module):
+    """Returns one tensor at two places, as a last hidden state that is also the last of the
+    hidden states."""
+
+    def forward(self, x):
+        y = x * 3.0
+        return {"last": y, "all": (x, y)}
+
+
+def test_a_tensor_returned_at_several_places_is_one_output_quantised_once():
+    """Each place was rounded on its own: a stochastic rule gave the one tensor two different
+    values, and its error was the sum of two separately rounded gradients. Now it is quantised
+    once, as a hand-placed quantizer on it: one stochastic rounding, every place getting that
+    tensor, and its error the sum of the places' gradients, rounded once."""
+    torch.manual_seed(0)
+    x = torch.randn(64, requires_grad=True)
+    g_last, g_all, g_x = (torch.randn(64) * 1e-3 for _ in range(3))
+    module = inject(_ReturnsTwice(), {"": LayerQuantization(output=E4M1, error=(E5M2, "nearest"))})
+    torch.manual_seed(1)
+    got = module(x)
+    assert got["last"] is got["all"][1]
+    (got["last"] * g_last + got["all"][1] * g_all + got["all"][0] * g_x).sum().backward()
+
+    oracle_x = x.detach().clone().requires_grad_()
+    quantise = lpsim.nn.quantizer(forward=E4M1, backward=(E5M2, "nearest"))
+    torch.manual_seed(1)
+    y = quantise(oracle_x * 3.0)  # the dict's first place
+    x_out = quantise(oracle_x)
+    (y * (g_last + g_all) + x_out * g_x).sum().backward()
+    assert_same_bits(got["last"], y)
+    assert_same_bits(got["all"][0], x_out)
+    assert_same_bits(x.grad, oracle_x.grad)
+
+
 # Outputs and inputs held in dict subclasses keep their type
 
 

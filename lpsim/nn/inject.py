@@ -127,8 +127,10 @@ class LayerQuantization:
             src_mask, HuggingFace's attention_mask), a float mask with -inf or an additive bias,
             passes as it is.
         output: the floating-point tensors forward returns (nested tuples, lists and dicts too,
-            each rebuilt with its own type: a named tuple, an OrderedDict, a ModelOutput).
-        error: the gradient flowing back into those outputs (the layer's error), in backward.
+            each rebuilt with its own type: a named tuple, an OrderedDict, a ModelOutput). A
+            tensor returned at several places is quantised once, every place getting that result.
+        error: the gradient flowing back into those outputs (the layer's error), in backward;
+            that of a tensor returned at several places, the sum of their gradients, once.
             With a DelayedScaling, each input, output and error tensor has a DelayedScaler of
             its own, named after its place (see _TensorScalers). Integer and bool tensors pass
             as they are; a complex tensor where input, output or error is set raises a
@@ -447,7 +449,13 @@ def _complex_refused(module: nn.Module, role: str):
 class _OutputQuantiser:
     """The forward hook that quantises a module's floating-point outputs (``output``) and the
     gradients flowing back into them (``error``), each by its place's quantisers, reported to the
-    current observer as "output" and "error". An object, as _InputQuantiser."""
+    current observer as "output" and "error". An object, as _InputQuantiser.
+
+    A tensor returned at several places (the same object: a last hidden state that is also the
+    last of the hidden states) is one output, as a tensor passed at several places is one input:
+    quantised once, by its first place's quantisers, every place getting that one result, so that
+    a stochastic rule rounds it once, and its error, the sum of the gradients of every place, is
+    quantised once."""
 
     def __init__(self, output: _RoleQuantiser | None, error: _RoleQuantiser | None):
         self.output, self.error = output, error
@@ -455,11 +463,17 @@ class _OutputQuantiser:
     def __call__(self, module: nn.Module, args: tuple, value):
         training = module.training
         observed = (module, training) if _observation.current is not None else None
+        done: dict = {}  # id(tensor): (tensor, result) for the tensors quantised in this call
 
         def one(tensor: torch.Tensor, place: str) -> torch.Tensor:
+            found = done.get(id(tensor))
+            if found is not None and found[0] is tensor:
+                return found[1]
             forward = None if self.output is None else self.output(place, tensor, training)
             backward = None if self.error is None else self.error(place, tensor, training)
-            return quantizing_function(forward, backward)(tensor, observed)
+            result = quantizing_function(forward, backward)(tensor, observed)
+            done[id(tensor)] = (tensor, result)
+            return result
 
         role = "output" if self.output is not None else "error"
         return map_placed_tensors(value, one, on_complex=_complex_refused(module, role))
