@@ -1378,7 +1378,7 @@ def _load_plain_keys(module: nn.Module, state_dict: dict, prefix: str, *_) -> No
             scaler = parametrizations[0].scaler
             if scaler is not None and _loading_strictly():
                 where = f"{prefix}parametrizations.{pname}.0.scaler."
-                fresh = DelayedScaler(scaler.scaling).state_dict()
+                fresh = scaler.scaling.scaler(scaler.scale.device).state_dict()
                 for key, value in fresh.items():
                     state_dict.setdefault(where + key, value)
 
