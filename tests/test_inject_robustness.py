@@ -338,6 +338,23 @@ def test_a_pruned_tensor_is_refused_rather_than_left_in_full_precision(kind):
     assert_same_bits(layer(x), want)
 
 
+def test_a_lazy_modules_uninitialised_weight_is_refused_naming_it():
+    """A lazy module's parameters have no shape before its first pass: inject raised torch's
+    "Can't access the shape of an uninitialized parameter", naming neither the module nor what to
+    do. It now names the parameter and says to run the model first, after which the weight is
+    quantised."""
+    model = nn.Sequential(nn.LazyLinear(3))
+    before = structure(model)
+    with pytest.raises(ValueError, match=r"LazyLinear\.weight is not initialised.*run the model"):
+        inject(model, {nn.Linear: LayerQuantization(weight=(E4M1, "nearest"))})
+    assert structure(model) == before
+    x = torch.randn(2, 4)
+    model(x)
+    inject(model, {nn.Linear: LayerQuantization(weight=(E4M1, "nearest"))})
+    weight = lpsim.quantize(model[0].parametrizations.weight.original, E4M1, "nearest")
+    assert_same_bits(model(x), nn.functional.linear(x, weight, model[0].bias))
+
+
 def test_the_default_entry_leaves_a_users_parametrisation_alone():
     model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.ReLU())
     inject(model, {"default": LayerQuantization(output=E5M2)})

@@ -1224,7 +1224,8 @@ def _check_module(module: nn.Module, settings: LayerQuantization) -> None:
 
     Raises:
         TypeError, ValueError, IndexError: as lpsim.quantize for a parameter; Operands on a module
-            that is not a Linear; a module with an attribute named lpsim_scalers.
+            that is not a Linear; a module with an attribute named lpsim_scalers; a parameter to
+            quantise of a lazy module that has not run yet (ValueError).
         NotImplementedError: a weight or bias to quantise is computed by a forward pre-hook (see
             _check_no_hook_computes); the module has a forward of its own (an instance attribute)
             that inject would replace (see _replaces_forward).
@@ -1250,6 +1251,12 @@ def _check_module(module: nn.Module, settings: LayerQuantization) -> None:
         _check_no_hook_computes(module, kind)
         for pname in _parameter_names(module, kind):
             value = _value_to_quantise(module, pname)
+            if isinstance(value, nn.parameter.UninitializedParameter):
+                raise ValueError(
+                    f"inject(): {type(module).__name__}.{pname} is not initialised yet (a lazy "
+                    "module infers its shape at its first forward pass): run the model once "
+                    "before inject()"
+                )
             try:
                 if _is_delayed(spec):
                     check_container(value)
