@@ -76,7 +76,7 @@ WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.MultiheadAttenti
 _FEATURES_LAST = (nn.Linear, nn.MultiheadAttention)
 # The layers that can be a model's first or last weight layer: the weight layers above and the
 # others with weights of their own that the recipes give no entry (a decoder's last transposed
-# convolution, a recurrent first layer).
+# convolution, a recurrent first layer or cell).
 _EDGE_CANDIDATES = (
     *WEIGHT_LAYERS,
     nn.ConvTranspose1d,
@@ -84,6 +84,7 @@ _EDGE_CANDIDATES = (
     nn.ConvTranspose3d,
     nn.Bilinear,
     nn.RNNBase,
+    nn.RNNCellBase,
 )
 
 
@@ -107,10 +108,10 @@ def _check_model(model) -> None:
 
 def edge_layers(model: nn.Module) -> list[str]:
     """Names of the first and last weight layers (Conv, ConvTranspose, Linear, Bilinear,
-    MultiheadAttention, RNN/LSTM/GRU; an attention's out projection counting as part of it) of
-    the model, in the order ``model.named_modules()``
-    gives them: the order the modules were registered, which is the order of the forward pass in
-    nn.Sequential models and most CNNs, but not in a model that registers, say, its head before
+    MultiheadAttention, RNN/LSTM/GRU and their cells; an attention's out projection counting as
+    part of it) of the model, in the order ``model.named_modules()`` gives them: the order the
+    modules were registered, which is the order of the forward pass in nn.Sequential models and
+    most CNNs, but not in a model that registers, say, its head before
     its stem. Such a model needs its own ``layers=`` configuration for Recipe.apply, its edge
     layers set to None.
 

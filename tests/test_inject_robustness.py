@@ -318,6 +318,43 @@ def test_a_weight_computed_by_a_forward_pre_hook_is_refused_with_the_parametrisa
     assert quantized_parameters(layer) == [layer.parametrizations.bias.original]
 
 
+@pytest.mark.parametrize("kind", ["weight", "bias"])
+def test_a_pruned_tensor_is_refused_rather_than_left_in_full_precision(kind):
+    """torch.nn.utils.prune replaces the Parameter by weight_orig and a mask, and computes weight
+    in a forward pre-hook: weight= once quantised nothing (report: "nothing to quantise"), and the
+    layer computed with the pruned weight in full precision."""
+    layer = nn.Linear(4, 3)
+    nn.utils.prune.l1_unstructured(layer, kind, amount=0.5)
+    before = structure(layer)
+    with pytest.raises(NotImplementedError, match=rf"Linear\.{kind} .*prune\.remove"):
+        inject(layer, {nn.Linear: LayerQuantization(weight=E5M2, bias=E5M2)})
+    assert structure(layer) == before
+    nn.utils.prune.remove(layer, kind)  # the pruning made permanent: a Parameter again
+    inject(layer, {nn.Linear: LayerQuantization(weight=(E4M1, "nearest"))})
+    x = torch.randn(2, 4)
+    want = nn.functional.linear(
+        x, lpsim.quantize(layer.parametrizations.weight.original, E4M1, "nearest"), layer.bias
+    )
+    assert_same_bits(layer(x), want)
+
+
+def test_a_lazy_modules_uninitialised_weight_is_refused_naming_it():
+    """A lazy module's parameters have no shape before its first pass: inject raised torch's
+    "Can't access the shape of an uninitialized parameter", naming neither the module nor what to
+    do. It now names the parameter and says to run the model first, after which the weight is
+    quantised."""
+    model = nn.Sequential(nn.LazyLinear(3))
+    before = structure(model)
+    with pytest.raises(ValueError, match=r"LazyLinear\.weight is not initialised.*run the model"):
+        inject(model, {nn.Linear: LayerQuantization(weight=(E4M1, "nearest"))})
+    assert structure(model) == before
+    x = torch.randn(2, 4)
+    model(x)
+    inject(model, {nn.Linear: LayerQuantization(weight=(E4M1, "nearest"))})
+    weight = lpsim.quantize(model[0].parametrizations.weight.original, E4M1, "nearest")
+    assert_same_bits(model(x), nn.functional.linear(x, weight, model[0].bias))
+
+
 def test_the_default_entry_leaves_a_users_parametrisation_alone():
     model = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.ReLU())
     inject(model, {"default": LayerQuantization(output=E5M2)})
@@ -433,6 +470,70 @@ def test_a_recurrent_layers_weights_and_biases_are_quantised(layer):
     remove(layer)
     assert dict(layer.named_parameters()) == originals
     assert_same_bits(layer(x)[0], before)
+
+
+@pytest.mark.parametrize("cell", [nn.LSTMCell(3, 4), nn.GRUCell(3, 4), nn.RNNCell(3, 4)])
+def test_a_recurrent_cells_weights_and_biases_are_quantised(cell):
+    # A cell's parameters are weight_ih, weight_hh, bias_ih and bias_hh: before, neither a weight
+    # nor a bias setting quantised any of them, silently (report: "nothing to quantise").
+    torch.manual_seed(0)
+    originals = dict(cell.named_parameters())
+    reference = copy.deepcopy(cell)
+    with torch.no_grad():
+        for parameter in reference.parameters():
+            parameter.copy_(lpsim.quantize(parameter, E4M1, "nearest"))
+    x = torch.randn(2, 3)
+
+    def states(module):  # an LSTMCell returns (h, c), the others h
+        out = module(x)
+        return out if isinstance(out, tuple) else (out,)
+
+    before = states(cell)
+    inject(cell, {nn.RNNCellBase: LayerQuantization(weight=E4M1, bias=E4M1, rounding="nearest")})
+    assert {id(p) for p in quantized_parameters(cell)} == {id(p) for p in originals.values()}
+    got = states(cell)
+    for g, want in zip(got, states(reference), strict=True):
+        assert_same_bits(g, want)
+    sum(g.sum() for g in got).backward()
+    assert all(p.grad is not None for p in originals.values())
+    remove(cell)
+    assert dict(cell.named_parameters()) == originals
+    for g, want in zip(states(cell), before, strict=True):
+        assert_same_bits(g, want)
+
+
+class _ReturnsTwice(nn.Module):
+    """Returns one tensor at two places, as a last hidden state that is also the last of the
+    hidden states."""
+
+    def forward(self, x):
+        y = x * 3.0
+        return {"last": y, "all": (x, y)}
+
+
+def test_a_tensor_returned_at_several_places_is_one_output_quantised_once():
+    """Each place was rounded on its own: a stochastic rule gave the one tensor two different
+    values, and its error was the sum of two separately rounded gradients. Now it is quantised
+    once, as a hand-placed quantizer on it: one stochastic rounding, every place getting that
+    tensor, and its error the sum of the places' gradients, rounded once."""
+    torch.manual_seed(0)
+    x = torch.randn(64, requires_grad=True)
+    g_last, g_all, g_x = (torch.randn(64) * 1e-3 for _ in range(3))
+    module = inject(_ReturnsTwice(), {"": LayerQuantization(output=E4M1, error=(E5M2, "nearest"))})
+    torch.manual_seed(1)
+    got = module(x)
+    assert got["last"] is got["all"][1]
+    (got["last"] * g_last + got["all"][1] * g_all + got["all"][0] * g_x).sum().backward()
+
+    oracle_x = x.detach().clone().requires_grad_()
+    quantise = lpsim.nn.quantizer(forward=E4M1, backward=(E5M2, "nearest"))
+    torch.manual_seed(1)
+    y = quantise(oracle_x * 3.0)  # the dict's first place
+    x_out = quantise(oracle_x)
+    (y * (g_last + g_all) + x_out * g_x).sum().backward()
+    assert_same_bits(got["last"], y)
+    assert_same_bits(got["all"][0], x_out)
+    assert_same_bits(x.grad, oracle_x.grad)
 
 
 # Outputs and inputs held in dict subclasses keep their type
@@ -847,6 +948,44 @@ def test_a_checkpoint_saved_without_injection_loads_into_the_injected_model(stri
     remove(model)
     assert not model.body[0]._load_state_dict_pre_hooks
     assert_same_state(model.state_dict(), checkpoint)
+
+
+def _delayed_mlp() -> nn.Module:
+    """An MLP whose first layer's weight, input and output DelayedScaling quantises, after two
+    training passes (its scalers hold histories)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    plain = copy.deepcopy(model)
+    inject(model, {"0": LayerQuantization(weight=DELAYED, input=DELAYED, output=DELAYED)})
+    for i in range(2):
+        model(torch.randn(3, 4) * 10**i).sum().backward()
+    return model, plain
+
+
+def test_a_strict_float32_checkpoint_loads_with_fresh_delayed_scalers():
+    """A float32 checkpoint holds no DelayedScaler state: strict=True once refused it for a
+    DelayedScaling weight (its scaler's keys missing). Loaded strictly, every scaler starts as
+    inject made it: the weight's with an empty history and scale 1, the input's and output's
+    made afresh at their next quantisation, as in a model injected and then loaded."""
+    model, plain = _delayed_mlp()
+    checkpoint = plain.state_dict()
+    result = model.load_state_dict(checkpoint)
+    assert not result.missing_keys and not result.unexpected_keys
+    fresh = inject(copy.deepcopy(plain), {"0": LayerQuantization(weight=DELAYED)})
+    assert_same_state(model.state_dict(), fresh.state_dict())
+
+
+def test_a_non_strict_load_leaves_the_delayed_scalers_it_does_not_hold_as_they_were():
+    """strict=False leaves what a state_dict does not hold as it is (torch's missing keys): the
+    input and output scalers were once dropped all the same, silently restarting their histories
+    with scale 1, and the weight's scaler kept. Now every scaler keeps its state, and its keys
+    are reported missing."""
+    model, plain = _delayed_mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items() if "scaler" in k}
+    result = model.load_state_dict(plain.state_dict(), strict=False)
+    assert sorted(result.missing_keys) == sorted(before) and not result.unexpected_keys
+    after = model.state_dict()
+    assert_same_state({k: after[k] for k in before}, before)
 
 
 class _Spectrum(nn.Module):

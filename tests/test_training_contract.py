@@ -110,8 +110,10 @@ def test_recipe_keeps_edge_layers_in_full_precision_in_the_optimizer():
         ),
         # a recurrent first layer (its output is a tuple; the head reads its last state)
         (nn.Sequential(nn.GRU(4, 6, batch_first=True), nn.Identity()), ["0"]),
+        # a recurrent cell first: its weights weight_ih and weight_hh are its own
+        (nn.Sequential(nn.GRUCell(4, 6), nn.Linear(6, 2)), ["0", "1"]),
     ],
-    ids=["conv-transpose-last", "recurrent-first"],
+    ids=["conv-transpose-last", "recurrent-first", "recurrent-cell-first"],
 )
 def test_edge_layers_count_every_layer_with_weights_of_its_own(model, edges):
     """The first and last weight layers kept in full precision are the model's own first and last

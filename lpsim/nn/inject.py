@@ -33,6 +33,7 @@ import contextlib
 import functools
 import inspect
 import itertools
+import sys
 import threading
 import warnings
 import weakref
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize
+from torch.nn.utils import parametrize, prune
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
@@ -101,19 +102,23 @@ class LayerQuantization:
 
     Args:
         weight: the module's own parameters whose names end in "weight" (weight, in_proj_weight,
-            ...), and in a recurrent layer (nn.RNN, nn.LSTM, nn.GRU) those whose names start with
-            "weight_" (weight_ih_l0, weight_hh_l0, ...), fake-quantised in every forward pass by
-            a parametrisation (straight-through gradient): once per call of the module's forward,
-            at the first read (a forward that reads a weight several times gets one
-            quantisation), and at each read outside it. One that already has torch
+            ...), in a recurrent layer (nn.RNN, nn.LSTM, nn.GRU) those whose names start with
+            "weight_" (weight_ih_l0, weight_hh_l0, ...), and in a recurrent cell (nn.RNNCell,
+            nn.LSTMCell, nn.GRUCell) weight_ih and weight_hh, fake-quantised in every forward
+            pass by a parametrisation (straight-through gradient): once per call of the module's
+            forward, at the first read (a forward that reads a weight several times gets one
+            quantisation), and at each read outside it. Each read gives a new tensor: an in-place
+            write to it (reset_parameters(), nn.init) is lost; write to
+            ``parametrizations.<name>.original``. One that already has torch
             parametrisations (weight_norm, orthogonal, ...) is quantised after them, and remove()
             leaves them; inject refuses (NotImplementedError) one computed by a forward pre-hook
-            of the older torch.nn.utils.weight_norm or spectral_norm. An Embedding or
+            of the older torch.nn.utils.weight_norm or spectral_norm, or of
+            torch.nn.utils.prune. An Embedding or
             EmbeddingBag with max_norm renormalises its Parameter's rows in place, as torch's
             does, and looks them up quantised.
         bias: the module's own parameters whose names end in "bias" (in a recurrent layer, start
-            with "bias_": bias_ih_l0, ...; in a MultiheadAttention, bias_k and bias_v too),
-            likewise.
+            with "bias_": bias_ih_l0, ...; in a recurrent cell, bias_ih and bias_hh; in a
+            MultiheadAttention, bias_k and bias_v too), likewise.
         input: the floating-point tensors passed to forward (positional and keyword), forward only.
             A tensor passed at several places (self-attention's ``attention(x, x, x)``) is
             quantised once, at its first place, and every place gets that one result. Masks are
@@ -122,8 +127,10 @@ class LayerQuantization:
             src_mask, HuggingFace's attention_mask), a float mask with -inf or an additive bias,
             passes as it is.
         output: the floating-point tensors forward returns (nested tuples, lists and dicts too,
-            each rebuilt with its own type: a named tuple, an OrderedDict, a ModelOutput).
-        error: the gradient flowing back into those outputs (the layer's error), in backward.
+            each rebuilt with its own type: a named tuple, an OrderedDict, a ModelOutput). A
+            tensor returned at several places is quantised once, every place getting that result.
+        error: the gradient flowing back into those outputs (the layer's error), in backward;
+            that of a tensor returned at several places, the sum of their gradients, once.
             With a DelayedScaling, each input, output and error tensor has a DelayedScaler of
             its own, named after its place (see _TensorScalers). Integer and bool tensors pass
             as they are; a complex tensor where input, output or error is set raises a
@@ -138,7 +145,8 @@ class LayerQuantization:
             lpsim.nn.functional. A MultiheadAttention's out projection uses the MACs of its
             ``out_proj`` when out_proj is itself injected with MACs, else its own. Other modules
             ignore it, and inject warns when a model given MACs has modules whose products lpsim
-            does not simulate (Conv3d, transposed convolutions, Bilinear, recurrent layers).
+            does not simulate (Conv3d, transposed convolutions, Bilinear, recurrent layers and
+            cells).
         input_grad_mac, weight_grad_mac: the arithmetic of the backward products (the input's and
             the weight's gradients, the bias gradient with the weight's); None: ``mac``'s.
         input_grad_operands, weight_grad_operands: lpsim.nn.functional.Operands (None: none): the
@@ -235,6 +243,21 @@ class _Scalers(nn.Module):
 _SCALER_STATE = ("amax_history", "scale", "scale_inverse", "calls")  # a DelayedScaler's buffers
 
 
+def _loading_strictly() -> bool:
+    """The ``strict`` argument of the innermost nn.Module.load_state_dict call running now (True
+    where none is found). torch passes strict=True to every module's _load_from_state_dict and
+    load_state_dict pre-hook, whatever the caller's, and applies the caller's to the missing and
+    unexpected keys only at the end; a module that drops or resets state the state_dict does not
+    hold must know the caller's, so that strict=False leaves that state as it is."""
+    load_state_dict = nn.Module.load_state_dict.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is load_state_dict:
+            return bool(frame.f_locals.get("strict", True))
+        frame = frame.f_back
+    return True
+
+
 class _TensorScalers(nn.Module):
     """The DelayedScalers of one role (input, output or error) of an injected module: one per
     tensor, a submodule named after the tensor's place (lpsim.nn._hooks.map_placed_tensors: "0",
@@ -243,7 +266,8 @@ class _TensorScalers(nn.Module):
     tensor's device.
 
     load_state_dict creates the scalers that a state_dict holds (on the device the module was
-    last moved to) and, when strict, drops those it does not hold (tensors it never quantised). A
+    last moved to) and, when strict, drops those it does not hold (tensors it never quantised);
+    strict=False leaves them as they are (see _loading_strictly). A
     state_dict from before the scalers were per tensor holds the role's one scaler (keys
     ``...lpsim_scalers.input.amax_history``): it is loaded as the first tensor's ("0")."""
 
@@ -307,7 +331,7 @@ class _TensorScalers(nn.Module):
                 found = self._scaling.scaler(self._device)
                 found.train(self.training)
                 self.add_module(place, found)
-        if strict:
+        if _loading_strictly():  # strict=False keeps the scalers it does not hold, as they are
             for place in [p for p in self._modules if p not in places]:
                 del self._modules[place]
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, *rest)
@@ -425,7 +449,13 @@ def _complex_refused(module: nn.Module, role: str):
 class _OutputQuantiser:
     """The forward hook that quantises a module's floating-point outputs (``output``) and the
     gradients flowing back into them (``error``), each by its place's quantisers, reported to the
-    current observer as "output" and "error". An object, as _InputQuantiser."""
+    current observer as "output" and "error". An object, as _InputQuantiser.
+
+    A tensor returned at several places (the same object: a last hidden state that is also the
+    last of the hidden states) is one output, as a tensor passed at several places is one input:
+    quantised once, by its first place's quantisers, every place getting that one result, so that
+    a stochastic rule rounds it once, and its error, the sum of the gradients of every place, is
+    quantised once."""
 
     def __init__(self, output: _RoleQuantiser | None, error: _RoleQuantiser | None):
         self.output, self.error = output, error
@@ -433,11 +463,17 @@ class _OutputQuantiser:
     def __call__(self, module: nn.Module, args: tuple, value):
         training = module.training
         observed = (module, training) if _observation.current is not None else None
+        done: dict = {}  # id(tensor): (tensor, result) for the tensors quantised in this call
 
         def one(tensor: torch.Tensor, place: str) -> torch.Tensor:
+            found = done.get(id(tensor))
+            if found is not None and found[0] is tensor:
+                return found[1]
             forward = None if self.output is None else self.output(place, tensor, training)
             backward = None if self.error is None else self.error(place, tensor, training)
-            return quantizing_function(forward, backward)(tensor, observed)
+            result = quantizing_function(forward, backward)(tensor, observed)
+            done[id(tensor)] = (tensor, result)
+            return result
 
         role = "output" if self.output is not None else "error"
         return map_placed_tensors(value, one, on_complex=_complex_refused(module, role))
@@ -718,6 +754,7 @@ _UNSIMULATED_PRODUCTS = (
     nn.ConvTranspose3d,
     nn.Bilinear,
     nn.RNNBase,
+    nn.RNNCellBase,
 )
 
 
@@ -965,15 +1002,23 @@ def _check_unmatched(counts: dict, unmatched: str, model: nn.Module) -> None:
         raise ValueError(message)
 
 
+# The parameters of a recurrent cell (nn.RNNCell, nn.LSTMCell, nn.GRUCell), whose names neither
+# end in "weight" or "bias" nor are among a recurrent layer's _flat_weights_names.
+_CELL_PARAMETERS = {"weight": ("weight_ih", "weight_hh"), "bias": ("bias_ih", "bias_hh")}
+
+
 def _is_named(module: nn.Module, name: str, kind: str) -> bool:
     """Whether the parameter ``name`` of ``module`` is one of its ``kind`` ("weight" or "bias")
     parameters: its name ends in ``kind``, or, in a recurrent layer (nn.RNN, nn.LSTM, nn.GRU),
-    starts with ``kind + "_"`` (weight_ih_l0, bias_hh_l1_reverse, ...); a MultiheadAttention's
-    bias_k and bias_v (add_bias_kv) are biases."""
+    starts with ``kind + "_"`` (weight_ih_l0, bias_hh_l1_reverse, ...), or, in a recurrent cell
+    (nn.RNNCell, nn.LSTMCell, nn.GRUCell), is ``kind + "_ih"`` or ``kind + "_hh"``; a
+    MultiheadAttention's bias_k and bias_v (add_bias_kv) are biases."""
     if name.endswith(kind):
         return True
     if isinstance(module, nn.MultiheadAttention) and kind == "bias":
         return name in ("bias_k", "bias_v")
+    if isinstance(module, nn.RNNCellBase):
+        return name in _CELL_PARAMETERS[kind]  # not weight_norm's weight_ih_g, say
     return (
         isinstance(module, nn.RNNBase)
         and name in module._flat_weights_names  # not weight_norm's weight_ih_l0_g, say
@@ -1102,35 +1147,49 @@ def _value_to_quantise(module: nn.Module, pname: str) -> torch.Tensor:
         return getattr(module, pname)
 
 
-# torch's forward pre-hooks that compute a module's tensor (their ``name``) from parameters under
-# other names, and the parametrisation that replaces each.
-_COMPUTING_HOOKS = {
-    WeightNorm: ("torch.nn.utils.weight_norm", "torch.nn.utils.parametrizations.weight_norm"),
-    SpectralNorm: (
-        "torch.nn.utils.spectral_norm",
-        "torch.nn.utils.parametrizations.spectral_norm",
+# torch's forward pre-hooks that compute a module's tensor from parameters under other names (the
+# hook's class, the attribute naming the tensor), what applies each, and what to do instead.
+_COMPUTING_HOOKS = (
+    (
+        WeightNorm,
+        "name",
+        "torch.nn.utils.weight_norm",
+        "apply torch.nn.utils.parametrizations.weight_norm instead: inject quantises its result",
     ),
-}
+    (
+        SpectralNorm,
+        "name",
+        "torch.nn.utils.spectral_norm",
+        "apply torch.nn.utils.parametrizations.spectral_norm instead: inject quantises its result",
+    ),
+    (
+        prune.BasePruningMethod,
+        "_tensor_name",
+        "torch.nn.utils.prune",
+        "make the pruning permanent first (torch.nn.utils.prune.remove), or apply the mask by a "
+        "parametrisation (torch.nn.utils.parametrize.register_parametrization): inject quantises "
+        "its result",
+    ),
+)
 
 
 def _check_no_hook_computes(module: nn.Module, kind: str) -> None:
     """Refuse a ``kind`` ("weight" or "bias") tensor of ``module`` that a forward pre-hook of
-    torch.nn.utils.weight_norm or spectral_norm computes: it is no parameter (the parameters are
-    weight_g and weight_v, or weight_orig), so a weight setting would quantise nothing.
+    torch.nn.utils.weight_norm, spectral_norm or prune computes: it is no parameter (the
+    parameters are weight_g and weight_v, or weight_orig), so a weight setting would quantise
+    nothing.
 
     Raises:
-        NotImplementedError: naming the tensor and the parametrisation to use instead, whose
-            result inject quantises.
+        NotImplementedError: naming the tensor, what computes it and what to do instead.
     """
     for hook in module._forward_pre_hooks.values():
-        found = _COMPUTING_HOOKS.get(type(hook))
-        if found is not None and _is_named(module, hook.name, kind):
-            applied, replacement = found
-            raise NotImplementedError(
-                f"inject(): {type(module).__name__}.{hook.name} is computed by the forward "
-                f"pre-hook of {applied}, which inject cannot quantise; apply {replacement} "
-                "instead: inject quantises its result"
-            )
+        for hook_type, attribute, applied, advice in _COMPUTING_HOOKS:
+            name = getattr(hook, attribute, None) if isinstance(hook, hook_type) else None
+            if name is not None and _is_named(module, name, kind):
+                raise NotImplementedError(
+                    f"inject(): {type(module).__name__}.{name} is computed by the forward "
+                    f"pre-hook of {applied}, which inject cannot quantise; {advice}"
+                )
 
 
 def _simulates_products(module: nn.Module, settings: LayerQuantization) -> bool:
@@ -1165,7 +1224,8 @@ def _check_module(module: nn.Module, settings: LayerQuantization) -> None:
 
     Raises:
         TypeError, ValueError, IndexError: as lpsim.quantize for a parameter; Operands on a module
-            that is not a Linear; a module with an attribute named lpsim_scalers.
+            that is not a Linear; a module with an attribute named lpsim_scalers; a parameter to
+            quantise of a lazy module that has not run yet (ValueError).
         NotImplementedError: a weight or bias to quantise is computed by a forward pre-hook (see
             _check_no_hook_computes); the module has a forward of its own (an instance attribute)
             that inject would replace (see _replaces_forward).
@@ -1191,6 +1251,12 @@ def _check_module(module: nn.Module, settings: LayerQuantization) -> None:
         _check_no_hook_computes(module, kind)
         for pname in _parameter_names(module, kind):
             value = _value_to_quantise(module, pname)
+            if isinstance(value, nn.parameter.UninitializedParameter):
+                raise ValueError(
+                    f"inject(): {type(module).__name__}.{pname} is not initialised yet (a lazy "
+                    "module infers its shape at its first forward pass): run the model once "
+                    "before inject()"
+                )
             try:
                 if _is_delayed(spec):
                     check_container(value)
@@ -1300,7 +1366,12 @@ def _load_plain_keys(module: nn.Module, state_dict: dict, prefix: str, *_) -> No
     injection (a float32 checkpoint, under its plain name ``prefix + "weight"``) as from one saved
     with it (``prefix + "parametrizations.weight.original"``), so that such a checkpoint loads
     into the injected model (strict=False would otherwise load none of these parameters, and
-    strict=True refuse them). The key saved with the injection is taken where both are."""
+    strict=True refuse them). The key saved with the injection is taken where both are.
+
+    Such a checkpoint holds no state of a DelayedScaling weight's scaler: strict loads it as the
+    scaler's state when inject made it (empty history, scale 1), as a strict load drops the input,
+    output and error scalers a state_dict does not hold; strict=False leaves it as it is, as
+    torch leaves every missing key."""
     done = getattr(module, _STATE, None)
     if done is None:
         return
@@ -1311,6 +1382,12 @@ def _load_plain_keys(module: nn.Module, state_dict: dict, prefix: str, *_) -> No
         plain, original = prefix + pname, f"{prefix}parametrizations.{pname}.original"
         if plain in state_dict and original not in state_dict:
             state_dict[original] = state_dict.pop(plain)
+            scaler = parametrizations[0].scaler
+            if scaler is not None and _loading_strictly():
+                where = f"{prefix}parametrizations.{pname}.0.scaler."
+                fresh = scaler.scaling.scaler(scaler.scale.device).state_dict()
+                for key, value in fresh.items():
+                    state_dict.setdefault(where + key, value)
 
 
 def _active(done: dict) -> bool:
