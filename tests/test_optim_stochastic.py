@@ -564,3 +564,25 @@ def test_a_group_added_after_a_resume_draws_the_seed_of_the_uninterrupted_run(op
     assert resumed_seeds == seeds
     for a, b in zip(tensors, resumed, strict=True):
         assert_same_bits(a, b)
+
+
+@pytest.mark.parametrize("make", [lpsim.optim.SGD, lpsim.optim.AdamW], ids=["SGD", "AdamW"])
+def test_an_lr_beyond_the_work_precision_is_refused_as_torch_refuses_it(make):
+    # torch's SGD raises for lr = 1e39 on float32 parameters ("cannot be converted to type float
+    # without overflow"); the float32 factor -lr was -Inf here and every weight became -Inf.
+    w = torch.nn.Parameter(torch.ones(4))
+    w.grad = torch.ones(4)
+    reference = torch.nn.Parameter(torch.ones(4))
+    reference.grad = torch.ones(4)
+    with pytest.raises(RuntimeError, match="overflow"):
+        torch.optim.SGD([reference], lr=1e39).step()
+    opt = make([w], lr=1e39)
+    with pytest.raises(ValueError, match=r"lr must be at most 3\.40\d+e\+38 for torch.float32"):
+        opt.step()
+    assert_same_bits(w.detach(), torch.ones(4))
+    assert opt.state[w].get("step", 0) == 0
+    # float64 parameters take it (their work precision holds 1e39)
+    v = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+    v.grad = torch.ones(4, dtype=torch.float64)
+    make([v], lr=1e39).step()
+    assert torch.isfinite(v).all()

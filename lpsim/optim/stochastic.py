@@ -34,6 +34,7 @@ any permutation or partition of a parameter's elements.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -235,17 +236,28 @@ class _LowPrecision(OwnOptions):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        stepped = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        for group, p in stepped:  # every refusal before any state changes
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            _check_factor("lr", group["lr"], self._work_dtype(p))
         work = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                state = self.state[p]
-                state["step"] = state.get("step", 0) + 1
-                work.append((group, p, state, p.grad.to(self._work_dtype(p), copy=True)))
+        for group, p in stepped:
+            state = self.state[p]
+            state["step"] = state.get("step", 0) + 1
+            work.append((group, p, state, p.grad.to(self._work_dtype(p), copy=True)))
         return loss, work
+
+
+def _check_factor(name: str, value: float, dtype: torch.dtype) -> None:
+    """A finite option that the step multiplies by in ``dtype`` (the work precision) must be
+    finite there: torch's add_ and addcdiv_ refuse a factor that overflows their dtype, which
+    here would be an infinite factor and Inf or NaN weights."""
+    if math.isfinite(value) and math.isinf(torch.tensor(value, dtype=dtype).item()):
+        raise ValueError(
+            f"{name} must be at most {torch.finfo(dtype).max!r} for {dtype} work precision (the "
+            f"largest factor torch's optimizers take), got {value!r}"
+        )
 
 
 def _scaled(t: torch.Tensor, alpha: float) -> torch.Tensor:
