@@ -1360,3 +1360,11 @@ def test_a_lowered_transformer_encoder_computes_without_gradients_as_with_them()
     with torch.no_grad():
         assert_same_bits(model(x, src_key_padding_mask=padding), with_grad)
     assert torch.equal(lpsim.quantize(with_grad, lpsim.Float(4, 3)), with_grad)  # norm's output
+
+
+def test_a_floating_point_of_eleven_exponent_bits_is_refused_when_made():
+    # With its top exponent code finite, exp=11 reaches 2**1024, which no container holds: the
+    # number was made and every use then failed for want of a container.
+    q.FloatingPoint(10, 52)  # the widest that fits float64
+    with pytest.raises(ValueError, match="FloatingPoint exp must be 1 to 10"):
+        q.FloatingPoint(11, 52)
