@@ -314,3 +314,49 @@ def test_delayed_scaling_refuses_a_bad_reduce_amax_or_amax_group():
         DelayedScaling(e4m3, reduce_amax="yes")
     with pytest.raises(TypeError, match="DelayedScaling.amax_group must be a torch.distributed"):
         DelayedScaling(e4m3, amax_group=0)
+
+
+def _injected_after_wrapping(rank: int) -> dict:
+    """The same training of a 4-layer model, each rank its own batches, with the quantisers
+    placed three ways: inject() before DistributedDataParallel wraps the model; inject() into the
+    model after it was wrapped (find_unused_parameters=True); and a recipe applied to the wrapper
+    itself (find_unused_parameters=False). Returns the parameters of each, by name."""
+    e5m2, bf16 = Float(5, 2), Float(8, 7)
+    spec = LayerQuantization(weight=e5m2, bias=bf16, output=bf16, error=e5m2)
+    got = {}
+    for way in ("before", "after", "recipe"):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8)
+        )
+        model.append(nn.ReLU()).append(nn.Linear(8, 3))
+        if way == "before":
+            inject(model, {nn.Linear: spec})
+        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=way == "after")
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        if way == "after":
+            inject(model, {nn.Linear: spec})
+        elif way == "recipe":
+            _, opt = lpsim.recipes.BFLOAT16.apply(ddp, opt)
+        data = torch.Generator().manual_seed(100 + rank)
+        for _ in range(3):
+            x = torch.randn(8, 6, generator=data)
+            y = torch.randint(0, 3, (8,), generator=data)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        got[way] = {n.replace("module.", ""): p.detach() for n, p in ddp.named_parameters()}
+    return got
+
+
+def test_ddp_model_injected_after_wrapping_reduces_its_gradients():
+    """inject() (and Recipe.apply) into a model already wrapped by DistributedDataParallel keeps
+    DDP's gradient all-reduce: torch's parametrisation used to set each quantised parameter to
+    itself, which gives it a new gradient accumulator, so DDP's hooks (registered on the old one)
+    never ran: a torch error without find_unused_parameters and, with it, unreduced gradients
+    and ranks whose weights parted. Now the ranks stay identical, and injecting after wrapping
+    trains as injecting before it, bit for bit."""
+    got = _spawn_two(_injected_after_wrapping)
+    for way in ("before", "after", "recipe"):
+        assert tensors_equal(got[0][way], got[1][way]), way
+    assert tensors_equal(got[0]["after"], got[0]["before"])
