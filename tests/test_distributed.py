@@ -360,3 +360,48 @@ def test_ddp_model_injected_after_wrapping_reduces_its_gradients():
     for way in ("before", "after", "recipe"):
         assert tensors_equal(got[0][way], got[1][way]), way
     assert tensors_equal(got[0]["after"], got[0]["before"])
+
+
+def _bfloat16_with_float32_accumulators(rank: int) -> dict:
+    """A bfloat16 model under DDP, trained by OptimLP around torch's SGD with float32
+    accumulators (wider than the parameters), each rank its own batches; after the second step
+    the optimizer reloads its own state_dict. Returns each step's gradients and the parameters,
+    accumulators and momentum buffers at the end."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)).bfloat16()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    sgd = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    opt = OptimLP(sgd, weight=Float(8, 7), acc=Float(8, 23), rounding="stochastic")
+    data = torch.Generator().manual_seed(100 + rank)
+    grads = []
+    for step in range(4):
+        x = torch.randn(8, 6, generator=data).bfloat16()
+        y = torch.randint(0, 3, (8,), generator=data)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x).float(), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        if step == 1:
+            opt.load_state_dict(opt.state_dict())
+    return {
+        "grads": grads,
+        "weights": [p.detach() for p in model.parameters()],
+        "accumulators": [opt.accumulators[p] for p in model.parameters()],
+        "momentum": [opt.state[p]["momentum_buffer"] for p in model.parameters()],
+    }
+
+
+def test_ddp_reduces_gradients_of_parameters_with_wider_accumulators():
+    """OptimLP with accumulators wider than their parameters (bfloat16 weights, float32
+    accumulators) under DDP: every step's gradients are all-reduced, so they and the weights,
+    accumulators and (float32) momentum buffers stay identical across ranks. OptimLP used to give
+    each parameter its accumulator as data for the wrapped step (p.data = acc, another dtype),
+    which gave the parameter a new gradient accumulator node: DDP's all-reduce hooks never ran
+    after the first step, and each rank silently trained on its own gradients."""
+    got = _spawn_two(_bfloat16_with_float32_accumulators)
+    for step, (g0, g1) in enumerate(zip(got[0]["grads"], got[1]["grads"])):
+        assert tensors_equal(g0, g1), step
+    for key in ("weights", "accumulators", "momentum"):
+        assert tensors_equal(got[0][key], got[1][key]), key
+    assert all(m.dtype == torch.float32 for m in got[0]["momentum"])
+    assert all(w.dtype == torch.bfloat16 for w in got[0]["weights"])
