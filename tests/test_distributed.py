@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from support import tensors_equal
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import lpsim
 from lpsim import Float
@@ -405,3 +406,161 @@ def test_ddp_reduces_gradients_of_parameters_with_wider_accumulators():
         assert tensors_equal(got[0][key], got[1][key]), key
     assert all(m.dtype == torch.float32 for m in got[0]["momentum"])
     assert all(w.dtype == torch.bfloat16 for w in got[0]["weights"])
+
+
+def _zero_sharded(rank: int) -> dict:
+    """Each optimizer under DDP, plain and inside torch's ZeroRedundancyOptimizer, 3 steps with
+    each rank's own batches, the parameters rounded into e5m2 before the optimizer is built.
+    Round to nearest everywhere (and OptimLP with a DelayedScaling weight format, reduce_amax
+    False), and lpsim.optim.SGD with stochastic rounding. Returns, per (kind, sharded), the
+    parameters (with the delayed-scaling histories) and a draw of torch's generator."""
+    e5m2, bf16 = Float(5, 2), Float(8, 7)
+    delayed = DelayedScaling(Float(4, 3, special="fn"), history_length=4, reduce_amax=False)
+    near = {"rounding": "nearest"}
+    kinds = {
+        "SGD": (SGD, dict(lr=0.05, momentum=0.9, weight_format=e5m2, state_format=bf16, **near)),
+        "AdamW": (AdamW, dict(lr=0.01, weight_format=e5m2, state_format=bf16, **near)),
+        "FusedSGD": (
+            FusedSGD,
+            dict(lr=0.05, momentum=0.9, weight_format=e5m2, grad_format=e5m2, **near),
+        ),
+        "FusedAdam": (FusedAdam, dict(lr=0.01, weight_format=e5m2, state_format=bf16, **near)),
+        "OptimLP": (
+            lambda params: OptimLP(
+                torch.optim.SGD(params, lr=0.05, momentum=0.9),
+                weight=e5m2,
+                grad=e5m2,
+                momentum=bf16,
+                acc=Float(6, 9),
+                rounding="nearest",
+            ),
+            {},
+        ),
+        "OptimLP-delayed": (
+            lambda params: OptimLP(torch.optim.SGD(params, lr=0.05), weight=(delayed, "nearest")),
+            {},
+        ),
+        "SGD-stochastic": (SGD, dict(lr=0.05, momentum=0.9, weight_format=e5m2)),
+    }
+    got = {}
+    for kind, (make, options) in kinds.items():
+        for sharded in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16))
+            model.append(nn.ReLU()).append(nn.Linear(16, 3))
+            with torch.no_grad():
+                for p in model.parameters():
+                    lpsim.quantize_(p, e5m2, "nearest")
+            ddp = nn.parallel.DistributedDataParallel(model)
+            if sharded:
+                opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=make, **options)
+                local = opt.optim
+            else:
+                opt = local = make(ddp.parameters(), **options)
+            data = torch.Generator().manual_seed(100 + rank)
+            for _ in range(3):
+                x = torch.randn(8, 6, generator=data)
+                y = torch.randint(0, 3, (8,), generator=data)
+                opt.zero_grad()
+                nn.functional.cross_entropy(ddp(x), y).backward()
+                opt.step()
+            histories = {
+                i: local.scalers[p]["weight"].amax_history
+                for i, p in enumerate(model.parameters())
+                if kind == "OptimLP-delayed" and p in local.scalers
+            }
+            params = [p.detach() for p in model.parameters()]
+            got[kind, sharded] = (params, histories, torch.rand(()))
+    return got
+
+
+def test_zero_redundancy_optimizer_shards_round_as_documented():
+    """docs/training.md on torch's ZeroRedundancyOptimizer: with deterministic rules and the
+    parameters rounded first, every lpsim optimizer gives the unsharded optimizer's bits, OptimLP's
+    DelayedScaling with reduce_amax=False the unsharded amax histories (each parameter's on the
+    rank that rounds it), and the ranks' weights stay identical; lpsim.optim.SGD with stochastic
+    rounding keeps them identical and the ranks' generators together."""
+    got = _spawn_two(_zero_sharded)
+    kinds = {kind for kind, _ in got[0]}
+    for kind in kinds:
+        for sharded in (False, True):
+            params0, _, draw0 = got[0][kind, sharded]
+            params1, _, draw1 = got[1][kind, sharded]
+            assert tensors_equal(params0, params1), (kind, sharded)
+            assert torch.equal(draw0, draw1), (kind, sharded)
+        if kind != "SGD-stochastic":
+            assert tensors_equal(got[0][kind, True][0], got[0][kind, False][0]), kind
+    plain = got[0]["OptimLP-delayed", False][1]
+    sharded = {**got[0]["OptimLP-delayed", True][1], **got[1]["OptimLP-delayed", True][1]}
+    assert len(plain) == 6 and tensors_equal(sharded, plain)
+
+
+def _zero_resumed(rank: int) -> dict:
+    """Each optimizer with stochastic rounding inside ZeroRedundancyOptimizer under DDP: 4 steps
+    in one go, and 2 steps, a checkpoint (model, consolidated optimizer state, generator) made on
+    rank 0 and loaded by both ranks into new objects, then 2 more. Returns both runs' parameters,
+    by kind."""
+    e5m2, bf16 = Float(5, 2), Float(8, 7)
+    kinds = {
+        "SGD": (SGD, dict(lr=0.05, momentum=0.9, weight_format=e5m2, state_format=bf16)),
+        "AdamW": (AdamW, dict(lr=0.01, weight_format=e5m2, state_format=bf16)),
+        "FusedSGD": (FusedSGD, dict(lr=0.05, momentum=0.9, weight_format=e5m2, grad_format=e5m2)),
+        "FusedAdam": (FusedAdam, dict(lr=0.01, weight_format=e5m2, state_format=bf16)),
+    }
+
+    def build(kind):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16))
+        model.append(nn.ReLU()).append(nn.Linear(16, 3))
+        with torch.no_grad():
+            for p in model.parameters():
+                lpsim.quantize_(p, e5m2, "nearest")
+        ddp = nn.parallel.DistributedDataParallel(model)
+        make, options = kinds[kind]
+        return model, ddp, ZeroRedundancyOptimizer(ddp.parameters(), make, **options)
+
+    def train(ddp, opt, steps):
+        for step in steps:
+            data = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randn(8, 6, generator=data)
+            y = torch.randint(0, 3, (8,), generator=data)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+
+    got = {}
+    for kind in kinds:
+        model, ddp, opt = build(kind)
+        train(ddp, opt, range(4))
+        whole = [p.detach() for p in model.parameters()]
+        model, ddp, opt = build(kind)
+        train(ddp, opt, range(2))
+        opt.consolidate_state_dict(to=0)
+        saved = [None]
+        if rank == 0:
+            state = {"model": model.state_dict(), "opt": opt.state_dict()}
+            buffer = io.BytesIO()
+            torch.save({**state, "generator": torch.get_rng_state()}, buffer)
+            saved = [buffer.getvalue()]
+        dist.broadcast_object_list(saved, src=0)
+        checkpoint = torch.load(io.BytesIO(saved[0]), weights_only=True)
+        torch.manual_seed(1 + rank)  # the new objects draw from another stream
+        model, ddp, opt = build(kind)
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["opt"])
+        torch.set_rng_state(checkpoint["generator"])
+        train(ddp, opt, range(2, 4))
+        got[kind] = (whole, [p.detach() for p in model.parameters()])
+    return got
+
+
+def test_zero_redundancy_optimizer_resumes_from_rank_0_checkpoint():
+    """A ZeroRedundancyOptimizer run of SGD, AdamW, FusedSGD or FusedAdam with stochastic rounding,
+    checkpointed on rank 0 (its consolidated state) and resumed on both ranks, continues bit for
+    bit as the uninterrupted run, on every rank."""
+    got = _spawn_two(_zero_resumed)
+    for kind in got[0]:
+        for rank in (0, 1):
+            whole, resumed = got[rank][kind]
+            assert tensors_equal(resumed, whole), (kind, rank)
+        assert tensors_equal(got[0][kind][0], got[1][kind][0]), kind
