@@ -564,3 +564,92 @@ def test_zero_redundancy_optimizer_resumes_from_rank_0_checkpoint():
             whole, resumed = got[rank][kind]
             assert tensors_equal(resumed, whole), (kind, rank)
         assert tensors_equal(got[0][kind][0], got[1][kind][0]), kind
+
+
+def _resumed_from_rank_0(rank: int, kinds, path: str) -> dict:
+    """Per optimizer kind, under DDP with stochastic rounding of weights, outputs and errors,
+    DelayedScaling inputs and a DynamicLossScaler (an overflow on rank 1 only in step 3): 5 steps
+    in one go, and 2 steps, a checkpoint of rank 0 (model, optimizer, scaler, torch's generator)
+    loaded by both ranks into new objects, then 3 more. Returns both runs' states."""
+    e5m2, bf16 = Float(5, 2), Float(8, 7)
+    e4m3 = Float(4, 3, special="fn")
+
+    def build(kind):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+        spec = LayerQuantization(
+            weight=e5m2,
+            input=DelayedScaling(e4m3, history_length=4),
+            output=bf16,
+            error=Float(5, 2, saturate=True),
+            rounding="stochastic",
+        )
+        inject(model, {nn.Linear: spec})
+        ddp = nn.parallel.DistributedDataParallel(model)
+        if kind == "OptimLP":
+            sgd = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+            opt = OptimLP(sgd, weight=e5m2, grad=e5m2, momentum=bf16, acc=Float(6, 9))
+        elif kind == "FusedAdam":
+            opt = FusedAdam(
+                ddp.parameters(), lr=0.01, weight_format=e5m2, state_format=bf16, acc_format=bf16
+            )
+        else:
+            opt = AdamW(ddp.parameters(), lr=0.01, weight_format=e5m2, state_format=bf16)
+        scaler = DynamicLossScaler(init_scale=2.0**8, growth_interval=2)
+        scaler.watch_model(model)
+        return model, ddp, opt, scaler
+
+    def train(ddp, opt, scaler, steps):
+        for step in steps:
+            data = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randn(8, 6, generator=data)
+            y = torch.randint(0, 3, (8,), generator=data)
+            opt.zero_grad()
+            boost = 2.0**16 if (step, rank) == (3, 1) else 1.0
+            scaler.scale(nn.functional.cross_entropy(ddp(x), y) * boost).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    def everything(model, opt, scaler):
+        state = [model.state_dict(), opt.state_dict(), scaler.state_dict()]
+        return _flat_state(state), scaler.skipped_steps, torch.rand(())
+
+    got = {}
+    for kind in kinds:
+        model, ddp, opt, scaler = build(kind)
+        train(ddp, opt, scaler, range(5))
+        whole = everything(model, opt, scaler)
+        model, ddp, opt, scaler = build(kind)
+        train(ddp, opt, scaler, range(2))
+        checkpoint = os.path.join(path, f"{kind}.pt")
+        if rank == 0:
+            state = {"model": model.state_dict(), "opt": opt.state_dict()}
+            state.update(scaler=scaler.state_dict(), generator=torch.get_rng_state())
+            torch.save(state, checkpoint)
+        dist.barrier()
+        torch.manual_seed(1 + rank)  # the new objects draw from another stream
+        model, ddp, opt, scaler = build(kind)
+        saved = torch.load(checkpoint, weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        scaler.load_state_dict(saved["scaler"])
+        torch.set_rng_state(saved["generator"])
+        train(ddp, opt, scaler, range(2, 5))
+        got[kind] = (whole, everything(model, opt, scaler))
+    return got
+
+
+def test_ddp_run_resumed_from_rank_0_checkpoint_continues_bit_for_bit(tmp_path):
+    """A DDP run with stochastic rounding everywhere, delayed scaling (its scalers made after DDP
+    wrapped the model, and loaded from the checkpoint) and dynamic loss scaling, saved on rank 0
+    and loaded on both ranks, continues as the uninterrupted run: model, optimizer and scaler
+    states, skipped steps and the random stream, bit for bit on every rank."""
+    kinds = ("OptimLP", "FusedAdam", "AdamW")
+    got = _spawn_two(_resumed_from_rank_0, kinds, str(tmp_path))
+    for kind in kinds:
+        for rank in (0, 1):
+            (state, skipped, draw), (state_r, skipped_r, draw_r) = got[rank][kind]
+            assert torch.equal(state_r, state), (kind, rank)
+            assert skipped == skipped_r == 1, (kind, rank)
+            assert torch.equal(draw_r, draw), (kind, rank)
+        assert torch.equal(got[0][kind][0][0], got[1][kind][0][0]), kind
