@@ -4,6 +4,7 @@ weights identical: every rank draws the same random words from the same seeds.""
 import contextlib
 import copy
 import datetime
+import functools
 import io
 import os
 import socket
@@ -21,6 +22,7 @@ import lpsim
 from lpsim import Float
 from lpsim.delayed_scaling import DelayedScaling
 from lpsim.diagnostics.recorder import Recorder
+from lpsim.diagnostics.shadow import Shadow
 from lpsim.nn import LayerQuantization, Quantizer, inject, report
 from lpsim.optim import SGD, AdamW, DynamicLossScaler, FusedAdam, FusedSGD, OptimLP
 
@@ -653,3 +655,51 @@ def test_ddp_run_resumed_from_rank_0_checkpoint_continues_bit_for_bit(tmp_path):
             assert skipped == skipped_r == 1, (kind, rank)
             assert torch.equal(draw_r, draw), (kind, rank)
         assert torch.equal(got[0][kind][0][0], got[1][kind][0][0]), kind
+
+
+def _shadowed_on_rank_0(rank: int) -> dict:
+    """Training under DDP (stochastic rounding, DelayedScaling inputs, BatchNorm), with and
+    without a Shadow of the wrapped model compared on rank 0 alone before step 1. Returns the
+    state at the end of each run and rank 0's report."""
+    e5m2, bf16 = Float(5, 2), Float(8, 7)
+    got = {}
+    for shadowed in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+        spec = LayerQuantization(
+            weight=e5m2,
+            input=DelayedScaling(Float(4, 3, special="fn")),
+            output=bf16,
+            error=e5m2,
+            rounding="stochastic",
+        )
+        inject(model, {nn.Linear: spec})
+        ddp = nn.parallel.DistributedDataParallel(model)
+        sgd = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        opt = OptimLP(sgd, weight=e5m2, grad=e5m2, momentum=bf16)
+        data = torch.Generator().manual_seed(100 + rank)
+        report = None
+        for step in range(3):
+            x = torch.randn(8, 6, generator=data)
+            y = torch.randint(0, 3, (8,), generator=data)
+            if shadowed and step == 1 and rank == 0:
+                loss = functools.partial(nn.functional.cross_entropy, target=y)
+                report = Shadow(model).compare(x, loss_fn=loss).table()
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        state = [model.state_dict(), opt.state_dict()]
+        got[shadowed] = (_flat_state(state), torch.rand(()), report)
+    return got
+
+
+def test_shadow_compare_on_one_rank_leaves_the_ddp_run_unchanged():
+    """Shadow.compare of the model inside DDP, on rank 0 alone, changes nothing of the run (its
+    passes reduce no amax and make no collective): each rank's state (weights, BatchNorm
+    statistics, delayed-scaling histories, optimizer) and random stream equal the run without
+    it."""
+    got = _spawn_two(_shadowed_on_rank_0)
+    assert "Linear" in got[0][True][2] and got[1][True][2] is None
+    for rank in (0, 1):
+        assert torch.equal(got[rank][True][0], got[rank][False][0]), rank
+        assert torch.equal(got[rank][True][1], got[rank][False][1]), rank
