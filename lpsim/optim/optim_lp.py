@@ -278,8 +278,12 @@ class OptimLP(Optimizer):
 
     A parameter's accumulator may be wider than the parameter itself (a bfloat16 model with an
     e6m9 accumulator in float32): the wrapped optimizer then updates the accumulator directly, and
-    its state buffers live in the accumulator's dtype. Quantisation happens in place, so
-    parameters keep their storage (DDP and other wrappers hold on to them). Parameter groups and
+    its state buffers live in the accumulator's dtype. During its step (and load_state_dict) a
+    tensor on the accumulator's storage, holding the gradient in its dtype, stands in for the
+    parameter in its parameter groups and as its state's key (step hooks on it see the stand-in);
+    the parameter itself, its dtype and its gradient accumulator node, on which
+    DistributedDataParallel's all-reduce hooks sit, are left alone. Quantisation happens in place,
+    so parameters keep their storage (DDP and other wrappers hold on to them). Parameter groups and
     state are the wrapped optimizer's own, so LR schedulers, zero_grad and add_param_group act on
     it; state_dict() includes the accumulators, and load_state_dict() also takes a plain torch
     optimizer's state_dict (the accumulators then start from the current weights).
