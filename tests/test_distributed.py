@@ -4,6 +4,7 @@ weights identical: every rank draws the same random words from the same seeds.""
 import contextlib
 import copy
 import datetime
+import functools
 import io
 import os
 import socket
@@ -15,11 +16,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from support import tensors_equal
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import lpsim
 from lpsim import Float
 from lpsim.delayed_scaling import DelayedScaling
 from lpsim.diagnostics.recorder import Recorder
+from lpsim.diagnostics.shadow import Shadow
 from lpsim.nn import LayerQuantization, Quantizer, inject, report
 from lpsim.optim import SGD, AdamW, DynamicLossScaler, FusedAdam, FusedSGD, OptimLP
 
@@ -314,3 +317,389 @@ def test_delayed_scaling_refuses_a_bad_reduce_amax_or_amax_group():
         DelayedScaling(e4m3, reduce_amax="yes")
     with pytest.raises(TypeError, match="DelayedScaling.amax_group must be a torch.distributed"):
         DelayedScaling(e4m3, amax_group=0)
+
+
+def _injected_after_wrapping(rank: int) -> dict:
+    """The same training of a 4-layer model, each rank its own batches, with the quantisers
+    placed three ways: inject() before DistributedDataParallel wraps the model; inject() into the
+    model after it was wrapped (find_unused_parameters=True); and a recipe applied to the wrapper
+    itself (find_unused_parameters=False). Returns the parameters of each, by name."""
+    e5m2, bf16 = Float(5, 2), Float(8, 7)
+    spec = LayerQuantization(weight=e5m2, bias=bf16, output=bf16, error=e5m2)
+    got = {}
+    for way in ("before", "after", "recipe"):
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8)
+        )
+        model.append(nn.ReLU()).append(nn.Linear(8, 3))
+        if way == "before":
+            inject(model, {nn.Linear: spec})
+        ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=way == "after")
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        if way == "after":
+            inject(model, {nn.Linear: spec})
+        elif way == "recipe":
+            _, opt = lpsim.recipes.BFLOAT16.apply(ddp, opt)
+        data = torch.Generator().manual_seed(100 + rank)
+        for _ in range(3):
+            x = torch.randn(8, 6, generator=data)
+            y = torch.randint(0, 3, (8,), generator=data)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        got[way] = {n.replace("module.", ""): p.detach() for n, p in ddp.named_parameters()}
+    return got
+
+
+def test_ddp_model_injected_after_wrapping_reduces_its_gradients():
+    """inject() (and Recipe.apply) into a model already wrapped by DistributedDataParallel keeps
+    DDP's gradient all-reduce: torch's parametrisation used to set each quantised parameter to
+    itself, which gives it a new gradient accumulator, so DDP's hooks (registered on the old one)
+    never ran: a torch error without find_unused_parameters and, with it, unreduced gradients
+    and ranks whose weights parted. Now the ranks stay identical, and injecting after wrapping
+    trains as injecting before it, bit for bit."""
+    got = _spawn_two(_injected_after_wrapping)
+    for way in ("before", "after", "recipe"):
+        assert tensors_equal(got[0][way], got[1][way]), way
+    assert tensors_equal(got[0]["after"], got[0]["before"])
+
+
+def _bfloat16_with_float32_accumulators(rank: int) -> dict:
+    """A bfloat16 model under DDP, trained by OptimLP around torch's SGD with float32
+    accumulators (wider than the parameters), each rank its own batches; after the second step
+    the optimizer reloads its own state_dict. Returns each step's gradients and the parameters,
+    accumulators and momentum buffers at the end."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3)).bfloat16()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    sgd = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    opt = OptimLP(sgd, weight=Float(8, 7), acc=Float(8, 23), rounding="stochastic")
+    data = torch.Generator().manual_seed(100 + rank)
+    grads = []
+    for step in range(4):
+        x = torch.randn(8, 6, generator=data).bfloat16()
+        y = torch.randint(0, 3, (8,), generator=data)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x).float(), y).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        if step == 1:
+            opt.load_state_dict(opt.state_dict())
+    return {
+        "grads": grads,
+        "weights": [p.detach() for p in model.parameters()],
+        "accumulators": [opt.accumulators[p] for p in model.parameters()],
+        "momentum": [opt.state[p]["momentum_buffer"] for p in model.parameters()],
+    }
+
+
+def test_ddp_reduces_gradients_of_parameters_with_wider_accumulators():
+    """OptimLP with accumulators wider than their parameters (bfloat16 weights, float32
+    accumulators) under DDP: every step's gradients are all-reduced, so they and the weights,
+    accumulators and (float32) momentum buffers stay identical across ranks. OptimLP used to give
+    each parameter its accumulator as data for the wrapped step (p.data = acc, another dtype),
+    which gave the parameter a new gradient accumulator node: DDP's all-reduce hooks never ran
+    after the first step, and each rank silently trained on its own gradients."""
+    got = _spawn_two(_bfloat16_with_float32_accumulators)
+    for step, (g0, g1) in enumerate(zip(got[0]["grads"], got[1]["grads"])):
+        assert tensors_equal(g0, g1), step
+    for key in ("weights", "accumulators", "momentum"):
+        assert tensors_equal(got[0][key], got[1][key]), key
+    assert all(m.dtype == torch.float32 for m in got[0]["momentum"])
+    assert all(w.dtype == torch.bfloat16 for w in got[0]["weights"])
+
+
+def _zero_sharded(rank: int) -> dict:
+    """Each optimizer under DDP, plain and inside torch's ZeroRedundancyOptimizer, 3 steps with
+    each rank's own batches, the parameters rounded into e5m2 before the optimizer is built.
+    Round to nearest everywhere (and OptimLP with a DelayedScaling weight format, reduce_amax
+    False), and lpsim.optim.SGD with stochastic rounding. Returns, per (kind, sharded), the
+    parameters (with the delayed-scaling histories) and a draw of torch's generator."""
+    e5m2, bf16 = Float(5, 2), Float(8, 7)
+    delayed = DelayedScaling(Float(4, 3, special="fn"), history_length=4, reduce_amax=False)
+    near = {"rounding": "nearest"}
+    kinds = {
+        "SGD": (SGD, dict(lr=0.05, momentum=0.9, weight_format=e5m2, state_format=bf16, **near)),
+        "AdamW": (AdamW, dict(lr=0.01, weight_format=e5m2, state_format=bf16, **near)),
+        "FusedSGD": (
+            FusedSGD,
+            dict(lr=0.05, momentum=0.9, weight_format=e5m2, grad_format=e5m2, **near),
+        ),
+        "FusedAdam": (FusedAdam, dict(lr=0.01, weight_format=e5m2, state_format=bf16, **near)),
+        "OptimLP": (
+            lambda params: OptimLP(
+                torch.optim.SGD(params, lr=0.05, momentum=0.9),
+                weight=e5m2,
+                grad=e5m2,
+                momentum=bf16,
+                acc=Float(6, 9),
+                rounding="nearest",
+            ),
+            {},
+        ),
+        "OptimLP-delayed": (
+            lambda params: OptimLP(torch.optim.SGD(params, lr=0.05), weight=(delayed, "nearest")),
+            {},
+        ),
+        "SGD-stochastic": (SGD, dict(lr=0.05, momentum=0.9, weight_format=e5m2)),
+    }
+    got = {}
+    for kind, (make, options) in kinds.items():
+        for sharded in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16))
+            model.append(nn.ReLU()).append(nn.Linear(16, 3))
+            with torch.no_grad():
+                for p in model.parameters():
+                    lpsim.quantize_(p, e5m2, "nearest")
+            ddp = nn.parallel.DistributedDataParallel(model)
+            if sharded:
+                opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=make, **options)
+                local = opt.optim
+            else:
+                opt = local = make(ddp.parameters(), **options)
+            data = torch.Generator().manual_seed(100 + rank)
+            for _ in range(3):
+                x = torch.randn(8, 6, generator=data)
+                y = torch.randint(0, 3, (8,), generator=data)
+                opt.zero_grad()
+                nn.functional.cross_entropy(ddp(x), y).backward()
+                opt.step()
+            histories = {
+                i: local.scalers[p]["weight"].amax_history
+                for i, p in enumerate(model.parameters())
+                if kind == "OptimLP-delayed" and p in local.scalers
+            }
+            params = [p.detach() for p in model.parameters()]
+            got[kind, sharded] = (params, histories, torch.rand(()))
+    return got
+
+
+def test_zero_redundancy_optimizer_shards_round_as_documented():
+    """docs/training.md on torch's ZeroRedundancyOptimizer: with deterministic rules and the
+    parameters rounded first, every lpsim optimizer gives the unsharded optimizer's bits, OptimLP's
+    DelayedScaling with reduce_amax=False the unsharded amax histories (each parameter's on the
+    rank that rounds it), and the ranks' weights stay identical; lpsim.optim.SGD with stochastic
+    rounding keeps them identical and the ranks' generators together."""
+    got = _spawn_two(_zero_sharded)
+    kinds = {kind for kind, _ in got[0]}
+    for kind in kinds:
+        for sharded in (False, True):
+            params0, _, draw0 = got[0][kind, sharded]
+            params1, _, draw1 = got[1][kind, sharded]
+            assert tensors_equal(params0, params1), (kind, sharded)
+            assert torch.equal(draw0, draw1), (kind, sharded)
+        if kind != "SGD-stochastic":
+            assert tensors_equal(got[0][kind, True][0], got[0][kind, False][0]), kind
+    plain = got[0]["OptimLP-delayed", False][1]
+    sharded = {**got[0]["OptimLP-delayed", True][1], **got[1]["OptimLP-delayed", True][1]}
+    assert len(plain) == 6 and tensors_equal(sharded, plain)
+
+
+def _zero_resumed(rank: int) -> dict:
+    """Each optimizer with stochastic rounding inside ZeroRedundancyOptimizer under DDP: 4 steps
+    in one go, and 2 steps, a checkpoint (model, consolidated optimizer state, generator) made on
+    rank 0 and loaded by both ranks into new objects, then 2 more. Returns both runs' parameters,
+    by kind."""
+    e5m2, bf16 = Float(5, 2), Float(8, 7)
+    kinds = {
+        "SGD": (SGD, dict(lr=0.05, momentum=0.9, weight_format=e5m2, state_format=bf16)),
+        "AdamW": (AdamW, dict(lr=0.01, weight_format=e5m2, state_format=bf16)),
+        "FusedSGD": (FusedSGD, dict(lr=0.05, momentum=0.9, weight_format=e5m2, grad_format=e5m2)),
+        "FusedAdam": (FusedAdam, dict(lr=0.01, weight_format=e5m2, state_format=bf16)),
+    }
+
+    def build(kind):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16))
+        model.append(nn.ReLU()).append(nn.Linear(16, 3))
+        with torch.no_grad():
+            for p in model.parameters():
+                lpsim.quantize_(p, e5m2, "nearest")
+        ddp = nn.parallel.DistributedDataParallel(model)
+        make, options = kinds[kind]
+        return model, ddp, ZeroRedundancyOptimizer(ddp.parameters(), make, **options)
+
+    def train(ddp, opt, steps):
+        for step in steps:
+            data = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randn(8, 6, generator=data)
+            y = torch.randint(0, 3, (8,), generator=data)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+
+    got = {}
+    for kind in kinds:
+        model, ddp, opt = build(kind)
+        train(ddp, opt, range(4))
+        whole = [p.detach() for p in model.parameters()]
+        model, ddp, opt = build(kind)
+        train(ddp, opt, range(2))
+        opt.consolidate_state_dict(to=0)
+        saved = [None]
+        if rank == 0:
+            state = {"model": model.state_dict(), "opt": opt.state_dict()}
+            buffer = io.BytesIO()
+            torch.save({**state, "generator": torch.get_rng_state()}, buffer)
+            saved = [buffer.getvalue()]
+        dist.broadcast_object_list(saved, src=0)
+        checkpoint = torch.load(io.BytesIO(saved[0]), weights_only=True)
+        torch.manual_seed(1 + rank)  # the new objects draw from another stream
+        model, ddp, opt = build(kind)
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["opt"])
+        torch.set_rng_state(checkpoint["generator"])
+        train(ddp, opt, range(2, 4))
+        got[kind] = (whole, [p.detach() for p in model.parameters()])
+    return got
+
+
+def test_zero_redundancy_optimizer_resumes_from_rank_0_checkpoint():
+    """A ZeroRedundancyOptimizer run of SGD, AdamW, FusedSGD or FusedAdam with stochastic rounding,
+    checkpointed on rank 0 (its consolidated state) and resumed on both ranks, continues bit for
+    bit as the uninterrupted run, on every rank."""
+    got = _spawn_two(_zero_resumed)
+    for kind in got[0]:
+        for rank in (0, 1):
+            whole, resumed = got[rank][kind]
+            assert tensors_equal(resumed, whole), (kind, rank)
+        assert tensors_equal(got[0][kind][0], got[1][kind][0]), kind
+
+
+def _resumed_from_rank_0(rank: int, kinds, path: str) -> dict:
+    """Per optimizer kind, under DDP with stochastic rounding of weights, outputs and errors,
+    DelayedScaling inputs and a DynamicLossScaler (an overflow on rank 1 only in step 3): 5 steps
+    in one go, and 2 steps, a checkpoint of rank 0 (model, optimizer, scaler, torch's generator)
+    loaded by both ranks into new objects, then 3 more. Returns both runs' states."""
+    e5m2, bf16 = Float(5, 2), Float(8, 7)
+    e4m3 = Float(4, 3, special="fn")
+
+    def build(kind):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+        spec = LayerQuantization(
+            weight=e5m2,
+            input=DelayedScaling(e4m3, history_length=4),
+            output=bf16,
+            error=Float(5, 2, saturate=True),
+            rounding="stochastic",
+        )
+        inject(model, {nn.Linear: spec})
+        ddp = nn.parallel.DistributedDataParallel(model)
+        if kind == "OptimLP":
+            sgd = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+            opt = OptimLP(sgd, weight=e5m2, grad=e5m2, momentum=bf16, acc=Float(6, 9))
+        elif kind == "FusedAdam":
+            opt = FusedAdam(
+                ddp.parameters(), lr=0.01, weight_format=e5m2, state_format=bf16, acc_format=bf16
+            )
+        else:
+            opt = AdamW(ddp.parameters(), lr=0.01, weight_format=e5m2, state_format=bf16)
+        scaler = DynamicLossScaler(init_scale=2.0**8, growth_interval=2)
+        scaler.watch_model(model)
+        return model, ddp, opt, scaler
+
+    def train(ddp, opt, scaler, steps):
+        for step in steps:
+            data = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randn(8, 6, generator=data)
+            y = torch.randint(0, 3, (8,), generator=data)
+            opt.zero_grad()
+            boost = 2.0**16 if (step, rank) == (3, 1) else 1.0
+            scaler.scale(nn.functional.cross_entropy(ddp(x), y) * boost).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    def everything(model, opt, scaler):
+        state = [model.state_dict(), opt.state_dict(), scaler.state_dict()]
+        return _flat_state(state), scaler.skipped_steps, torch.rand(())
+
+    got = {}
+    for kind in kinds:
+        model, ddp, opt, scaler = build(kind)
+        train(ddp, opt, scaler, range(5))
+        whole = everything(model, opt, scaler)
+        model, ddp, opt, scaler = build(kind)
+        train(ddp, opt, scaler, range(2))
+        checkpoint = os.path.join(path, f"{kind}.pt")
+        if rank == 0:
+            state = {"model": model.state_dict(), "opt": opt.state_dict()}
+            state.update(scaler=scaler.state_dict(), generator=torch.get_rng_state())
+            torch.save(state, checkpoint)
+        dist.barrier()
+        torch.manual_seed(1 + rank)  # the new objects draw from another stream
+        model, ddp, opt, scaler = build(kind)
+        saved = torch.load(checkpoint, weights_only=True)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+        scaler.load_state_dict(saved["scaler"])
+        torch.set_rng_state(saved["generator"])
+        train(ddp, opt, scaler, range(2, 5))
+        got[kind] = (whole, everything(model, opt, scaler))
+    return got
+
+
+def test_ddp_run_resumed_from_rank_0_checkpoint_continues_bit_for_bit(tmp_path):
+    """A DDP run with stochastic rounding everywhere, delayed scaling (its scalers made after DDP
+    wrapped the model, and loaded from the checkpoint) and dynamic loss scaling, saved on rank 0
+    and loaded on both ranks, continues as the uninterrupted run: model, optimizer and scaler
+    states, skipped steps and the random stream, bit for bit on every rank."""
+    kinds = ("OptimLP", "FusedAdam", "AdamW")
+    got = _spawn_two(_resumed_from_rank_0, kinds, str(tmp_path))
+    for kind in kinds:
+        for rank in (0, 1):
+            (state, skipped, draw), (state_r, skipped_r, draw_r) = got[rank][kind]
+            assert torch.equal(state_r, state), (kind, rank)
+            assert skipped == skipped_r == 1, (kind, rank)
+            assert torch.equal(draw_r, draw), (kind, rank)
+        assert torch.equal(got[0][kind][0][0], got[1][kind][0][0]), kind
+
+
+def _shadowed_on_rank_0(rank: int) -> dict:
+    """Training under DDP (stochastic rounding, DelayedScaling inputs, BatchNorm), with and
+    without a Shadow of the wrapped model compared on rank 0 alone before step 1. Returns the
+    state at the end of each run and rank 0's report."""
+    e5m2, bf16 = Float(5, 2), Float(8, 7)
+    got = {}
+    for shadowed in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+        spec = LayerQuantization(
+            weight=e5m2,
+            input=DelayedScaling(Float(4, 3, special="fn")),
+            output=bf16,
+            error=e5m2,
+            rounding="stochastic",
+        )
+        inject(model, {nn.Linear: spec})
+        ddp = nn.parallel.DistributedDataParallel(model)
+        sgd = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        opt = OptimLP(sgd, weight=e5m2, grad=e5m2, momentum=bf16)
+        data = torch.Generator().manual_seed(100 + rank)
+        report = None
+        for step in range(3):
+            x = torch.randn(8, 6, generator=data)
+            y = torch.randint(0, 3, (8,), generator=data)
+            if shadowed and step == 1 and rank == 0:
+                loss = functools.partial(nn.functional.cross_entropy, target=y)
+                report = Shadow(model).compare(x, loss_fn=loss).table()
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        state = [model.state_dict(), opt.state_dict()]
+        got[shadowed] = (_flat_state(state), torch.rand(()), report)
+    return got
+
+
+def test_shadow_compare_on_one_rank_leaves_the_ddp_run_unchanged():
+    """Shadow.compare of the model inside DDP, on rank 0 alone, changes nothing of the run (its
+    passes reduce no amax and make no collective): each rank's state (weights, BatchNorm
+    statistics, delayed-scaling histories, optimizer) and random stream equal the run without
+    it."""
+    got = _spawn_two(_shadowed_on_rank_0)
+    assert "Linear" in got[0][True][2] and got[1][True][2] is None
+    for rank in (0, 1):
+        assert torch.equal(got[rank][True][0], got[rank][False][0]), rank
+        assert torch.equal(got[rank][True][1], got[rank][False][1]), rank

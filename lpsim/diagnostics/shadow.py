@@ -40,6 +40,13 @@ BatchNorm running statistics, DelayedScaler histories), the modules' training fl
 of torch's generators are as before the call. Its passes are not part of the run: a
 lpsim.diagnostics.Recorder attached meanwhile records none of them.
 
+Distributed training (DistributedDataParallel): give Shadow the model inside the wrapper
+(``ddp.module``). compare() leaves the run as it was on every rank, and its passes make no
+collective of lpsim's (delayed scaling reduces no amax in them), so one rank may compare alone;
+through the wrapper, its simulated passes run DDP's forward, whose broadcast of the buffers every
+rank must join: compare() on one rank alone then waits for the others until the process group
+times out.
+
 Products called as functions (attention's inside F.scaled_dot_product_attention, a matmul):
 call compare() inside the lpsim.nn.quantize_functions context that the training runs in. The
 simulated model's calls are then quantised as the context says and the reference's are torch's

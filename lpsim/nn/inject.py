@@ -648,6 +648,37 @@ def _remove_quantiser(module: nn.Module, pname: str) -> None:
     del parametrizations[last]
 
 
+_parametrize_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _parameter_kept_whole():
+    """Register a parametrisation without torch's ``original.set_(original)``.
+
+    _FakeQuantize has no inverse, so torch keeps the parameter as it is and then sets it to itself
+    (parametrize._maybe_set), which changes no value but gives the leaf a new gradient accumulator
+    node. Hooks registered on the old node then never run: DistributedDataParallel's gradient
+    all-reduce of a model wrapped before inject() (a torch error "Expected to have finished
+    reduction" without find_unused_parameters; with it, silently unreduced gradients, and the
+    ranks' weights part). Setting a tensor to itself is skipped here; everything else is torch's.
+    """
+    maybe_set = getattr(parametrize, "_maybe_set", None)
+    if maybe_set is None:  # a torch that sets the tensor another way: nothing to skip
+        yield
+        return
+
+    def set_unless_same(dest: torch.Tensor, src: torch.Tensor) -> None:
+        if dest is not src:
+            maybe_set(dest, src)
+
+    with _parametrize_lock:
+        parametrize._maybe_set = set_unless_same
+        try:
+            yield
+        finally:
+            parametrize._maybe_set = maybe_set
+
+
 def _bound(function, module: nn.Module) -> functools.partial:
     """``function`` bound to ``module``, to be its forward: a partial rather than a bound method,
     so that copy.deepcopy of the model binds the copy's own forward and pickling the model
@@ -1319,7 +1350,8 @@ def _inject_module(
             # unsafe: torch would check the parametrisation by running it once, which would
             # record an amax (the first forward pass must use scale 1) and draw a seed;
             # _check_module has checked what quantising the parameter checks.
-            parametrize.register_parametrization(module, pname, quantise, unsafe=True)
+            with _parameter_kept_whole():
+                parametrize.register_parametrization(module, pname, quantise, unsafe=True)
             done[kind].append((pname, spec))
     if done["weight"] or done["bias"]:
         done["load_hook"] = module.register_load_state_dict_pre_hook(_load_plain_keys)

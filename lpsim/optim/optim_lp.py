@@ -278,8 +278,12 @@ class OptimLP(Optimizer):
 
     A parameter's accumulator may be wider than the parameter itself (a bfloat16 model with an
     e6m9 accumulator in float32): the wrapped optimizer then updates the accumulator directly, and
-    its state buffers live in the accumulator's dtype. Quantisation happens in place, so
-    parameters keep their storage (DDP and other wrappers hold on to them). Parameter groups and
+    its state buffers live in the accumulator's dtype. During its step (and load_state_dict) a
+    tensor on the accumulator's storage, holding the gradient in its dtype, stands in for the
+    parameter in its parameter groups and as its state's key (step hooks on it see the stand-in);
+    the parameter itself, its dtype and its gradient accumulator node, on which
+    DistributedDataParallel's all-reduce hooks sit, are left alone. Quantisation happens in place,
+    so parameters keep their storage (DDP and other wrappers hold on to them). Parameter groups and
     state are the wrapped optimizer's own, so LR schedulers, zero_grad and add_param_group act on
     it; state_dict() includes the accumulators, and load_state_dict() also takes a plain torch
     optimizer's state_dict (the accumulators then start from the current weights).
@@ -581,12 +585,17 @@ class OptimLP(Optimizer):
         return [p for p, acc in self.accumulators.items() if acc.dtype != p.dtype]
 
     @torch.no_grad()
-    def _swap_in(self, for_step: bool) -> list:
-        """Let the parameters hold their accumulators: where an accumulator is wider than its
-        parameter, the accumulator itself becomes the parameter's data (and, for a step, the
-        gradient is given in its dtype); for a step, other parameters receive a copy of theirs.
-        Returns what _swap_out needs."""
-        swapped = []
+    def _swap_in(self, for_step: bool) -> dict:
+        """Let the accumulators take their parameters' place in the wrapped optimizer. Where an
+        accumulator has its parameter's dtype, for a step, the parameter receives a copy of it.
+        Where it is wider, a tensor on the accumulator's storage stands in for the parameter in the
+        wrapped optimizer's groups and state (for a step, holding the gradient in its dtype), so
+        that the optimizer updates the accumulator and keeps its state in its dtype. The parameter
+        itself is left alone: giving it the accumulator as its data (``p.data = acc``, another
+        dtype) would give it a new gradient accumulator node, and hooks on the old one, such as
+        DistributedDataParallel's gradient all-reduce, would never run again. Returns what
+        _swap_out needs."""
+        stand_ins = {}
         for p, s in self._rounded_params():
             if s.acc is None:
                 continue
@@ -595,20 +604,34 @@ class OptimLP(Optimizer):
                 if for_step:
                     p.copy_(acc)
                 continue
-            grad = p.grad
-            swapped.append((p, p.data, grad))
-            p.grad = None
-            p.data = acc
-            if for_step and grad is not None:
-                p.grad = grad.to(acc.dtype)
-        return swapped
+            stand_in = acc.detach()  # the accumulator's storage, in a tensor of its own
+            if for_step and p.grad is not None:
+                stand_in.grad = p.grad.to(acc.dtype)
+            stand_ins[id(p)] = (p, stand_in)
+        self._replace_in_optimizer(stand_ins)
+        return stand_ins
 
-    @staticmethod
-    def _swap_out(swapped: list) -> None:
-        for p, data, grad in swapped:
-            p.grad = None
-            p.data = data
-            p.grad = grad
+    def _swap_out(self, stand_ins: dict) -> None:
+        """Put the parameters back where _swap_in put their stand-ins."""
+        self._replace_in_optimizer(
+            {id(stand_in): (stand_in, p) for p, stand_in in stand_ins.values()}
+        )
+
+    def _replace_in_optimizer(self, replacements: dict) -> None:
+        """Each tensor ``old`` of ``replacements`` ({id(old): (old, new)}) replaced by ``new`` in
+        the wrapped optimizer's parameter groups (in place: an optimizer such as LBFGS keeps the
+        list) and as the key of its state (those it holds now: load_state_dict replaces both)."""
+        if not replacements:
+            return
+        for group in self.optimizer.param_groups:
+            params = group["params"]
+            for i, q in enumerate(params):
+                if id(q) in replacements:
+                    params[i] = replacements[id(q)][1]
+        state = self.optimizer.state
+        for old, new in replacements.values():
+            if old in state:
+                state[new] = state.pop(old)
 
     @torch.no_grad()
     def _round_weights(self) -> None:
@@ -675,11 +698,11 @@ class OptimLP(Optimizer):
             self._quantize_grads()
         else:  # the closure computes the gradients: step 1 follows each of its evaluations
             closure = self._then_quantize_grads(closure)
-        swapped = self._swap_in(for_step=True)
+        stand_ins = self._swap_in(for_step=True)
         try:
             loss = self.optimizer.step(closure)
         finally:
-            self._swap_out(swapped)
+            self._swap_out(stand_ins)
         self._quantize_state()
         self._round_weights()
         return loss
@@ -838,11 +861,11 @@ class OptimLP(Optimizer):
                     acc.copy_(saved[i])
         # Torch casts state buffers to their parameter's dtype: show it the accumulators' dtype
         # where they are wider, so that their buffers keep it.
-        swapped = self._swap_in(for_step=False)
+        stand_ins = self._swap_in(for_step=False)
         try:
             self.optimizer.load_state_dict(inner)
         finally:
-            self._swap_out(swapped)
+            self._swap_out(stand_ins)
         self._share_with_optimizer()
         self._configure()
 
