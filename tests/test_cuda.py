@@ -290,6 +290,45 @@ def test_second_device(name):
     assert_same(y, lpsim.quantize(x, fmt, "stochastic", seed=9))
 
 
+# ---- quantize_many_: one launch per 48 tensors of one dtype (gpu::quantize_grid_many)
+
+
+def many_tensors(device: str, seed: int = 0) -> list[torch.Tensor]:
+    """130 tensors, 86 of them float32 (more than one launch holds, empty ones aside), the others
+    float64, bfloat16 and float16; sizes across random-word groups (256 elements), empty and 0-dim
+    tensors, and non-contiguous views (a transpose, a strided slice) made on the device itself."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors = []
+    for i in range(130):
+        dtype = DTYPES[1 + (i // 3) % 3] if i % 3 == 0 else torch.float32
+        n = (0, 1, 7, 255, 256, 257, 1000, 4099)[i % 8]
+        x = sample((n,), dtype, seed=int(torch.randint(1 << 30, (), generator=gen)))
+        if i % 11 == 5:  # a transpose: dense, not contiguous
+            x = sample((9, 31), dtype, seed=i).to(device).t()
+        elif i % 11 == 7:  # a strided slice of a larger tensor
+            x = sample((12, 40), dtype, seed=i).to(device)[1::2, ::3]
+        elif i == 129:
+            x = torch.tensor(2.75, dtype=dtype)
+        tensors.append(x.to(device))
+    return tensors
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [Rounding.nearest, Rounding.odd, Rounding.stochastic, Rounding.stochastic_equal],
+    ids=lambda r: r.name,
+)
+@pytest.mark.parametrize("name", ["e5m2", "fixed(8,4)"])
+def test_quantize_many_matches_cpu(name, rule):
+    fmt = FORMATS[name]
+    on_cpu, on_cuda = many_tensors("cpu"), many_tensors("cuda")
+    assert any(not t.is_contiguous() for t in on_cuda)
+    lpsim.quantize_many_(on_cpu, fmt, rule, seed=31, offset=5)
+    lpsim.quantize_many_(on_cuda, fmt, rule, seed=31, offset=5)
+    for got, want in zip(on_cuda, on_cpu):
+        assert_same(got, want)
+
+
 # Scaled formats: every preset, with its blocks along other axes, as tiles and per tensor.
 SCALED = {
     **SCALED_PRESETS,
