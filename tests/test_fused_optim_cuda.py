@@ -30,17 +30,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run_on(device: str, make, steps: int = STEPS, skip_at: int | None = None):
-    """The parameters and optimizer after `steps` steps on `device` (the tests' gradients, the
-    second parameter's left out at step skip_at)."""
-    params = [torch.nn.Parameter(p.detach().to(device)) for p in _params()]
+def _run_on(device: str | list[str], make, steps: int = STEPS, skip_at: int | None = None):
+    """The parameters and optimizer after `steps` steps on `device` (a list: parameter i on
+    device[i % len(device)]; the tests' gradients, the second parameter's left out at step
+    skip_at)."""
+    devices = [device] if isinstance(device, str) else device
+    params = [
+        torch.nn.Parameter(p.detach().to(devices[i % len(devices)]))
+        for i, p in enumerate(_params())
+    ]
     torch.manual_seed(5)
     opt = make(params)
     for step in range(steps):
         g = torch.Generator().manual_seed(100 + step)
         for i, p in enumerate(params):
             grad = torch.randn(p.shape, generator=g) * 0.1
-            p.grad = None if (i == 1 and step == skip_at) else grad.to(device)
+            p.grad = None if (i == 1 and step == skip_at) else grad.to(p.device)
         opt.step()
     return params, opt
 
@@ -103,6 +108,25 @@ def test_fused_sgd_on_cuda_equals_the_cpu_kernel(formats):
     got, fused = _run_on("cuda", made)
     want, reference = _run_on("cpu", made)
     _assert_same(got, fused, want, reference)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_fused_steps_of_a_group_split_between_the_cpu_and_cuda(kind):
+    # A model split across devices: one group, parameters alternately on the CPU and the GPU. The
+    # op takes one device's tensors; each device's parameters get that device's kernel, with the
+    # streams they have in the whole group.
+    hyper = SGD_CASES["momentum_wd"] if kind == "sgd" else ADAM_CASES["adam_l2"][1]
+    made = lambda ps: _fused_optimizer(kind, ps, hyper, FORMATS["bf16_acc"])  # noqa: E731
+    got, fused = _run_on(["cpu", "cuda"], made, skip_at=3)
+    assert {p.device.type for p in got} == {"cpu", "cuda"}
+    for device in ("cpu", "cuda"):
+        want, reference = _run_on(device, made, skip_at=3)
+        on_device = [(a, b) for a, b in zip(got, want) if a.device.type == device]
+        for a, b in on_device:
+            assert_same_bits(a.detach().cpu(), b.detach().cpu(), device)
+            for key in FusedSGD._RULE.states + FusedAdam._RULE.states:
+                if key in reference.state[b]:
+                    assert_same_bits(fused.state[a][key].cpu(), reference.state[b][key].cpu())
 
 
 @pytest.mark.parametrize("case", list(SGD_CASES))

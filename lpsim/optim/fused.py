@@ -262,8 +262,10 @@ def fused_step(
 ) -> None:
     """One fused step of every parameter of ``param_groups``: the states of those with a gradient
     created (rule.init_state), OptimLP's random streams planned (plan_streams), and one op call
-    (run_step) per group and setting ``specs[p]``, parameters in order. ``state``: the optimizer's
-    state per parameter; ``accumulators``: as run_step."""
+    (run_step) per group, setting ``specs[p]`` and device, parameters in order. ``state``: the
+    optimizer's state per parameter; ``accumulators``: as run_step. A group may hold parameters on
+    several devices (a model split across them), as OptimLP's may: the op takes the tensors of
+    one device, and each parameter's streams are its own, so the split changes no bits."""
     params = [p for group in param_groups for p in group["params"]]
     for group in param_groups:
         for p in group["params"]:
@@ -271,11 +273,11 @@ def fused_step(
                 rule.init_state(group, p, state[p])
     offsets, seeds = plan_streams(params, specs, state, rule.states)
     for group in param_groups:
-        runs: dict[tuple, list[torch.Tensor]] = {}  # the group's parameters by setting
+        runs: dict[tuple, list[torch.Tensor]] = {}  # the group's parameters by setting, device
         for p in group["params"]:
-            runs.setdefault(specs[p], []).append(p)
+            runs.setdefault((specs[p], p.device), []).append(p)
         scalars = rule.scalars(group) + [grad_scaling]
-        for run_specs, run in runs.items():
+        for (run_specs, _), run in runs.items():
             per_parameter = [x for p in run for x in rule.per_parameter(group, p, state[p])]
             run_step(
                 run,
