@@ -35,7 +35,12 @@ CUDA_HOME = _find_cuda_home()
 WITH_CUDA = _want_cuda(CUDA_HOME)
 if WITH_CUDA:
     os.environ["CUDA_HOME"] = CUDA_HOME
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    import torch  # noqa: E402
+
+    if not torch.cuda.is_available():
+        # No GPU to build for: the A100 and H100 generations. With GPUs, torch builds for the
+        # architectures of those it sees.
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
 
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
