@@ -752,6 +752,29 @@ def test_checkpoints_load_into_qtorch(tmp_path):
         )
 
 
+def _resumed_and_uninterrupted(make, train, steps, tmp_path, seed, saved_keys):
+    """(uninterrupted, resumed): two (model, optimizer) pairs from make(), one trained 2 steps
+    times ``steps`` straight through, the other ``steps``, checkpointed (its optimizer's state
+    dict must hold exactly ``saved_keys``), loaded into a fresh pair and trained ``steps`` more on
+    the same data."""
+    model, optimizer = make()
+    train(model, optimizer, 2 * steps, torch.Generator().manual_seed(seed))
+    data = torch.Generator().manual_seed(seed)
+    first, first_optimizer = make()
+    train(first, first_optimizer, steps, data)
+    torch.save(
+        {"model": first.state_dict(), "optimizer": first_optimizer.state_dict()},
+        tmp_path / "checkpoint.pt",
+    )
+    saved = torch.load(tmp_path / "checkpoint.pt")
+    assert set(saved["optimizer"]) == saved_keys
+    resumed, resumed_optimizer = make()
+    resumed.load_state_dict(saved["model"])
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    train(resumed, resumed_optimizer, steps, data)
+    return (model, optimizer), (resumed, resumed_optimizer)
+
+
 def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
     def make():
         torch.manual_seed(0)
@@ -764,21 +787,9 @@ def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
         )
         return model, optimizer
 
-    model, optimizer = make()
-    _train_steps(model, optimizer, 4, torch.Generator().manual_seed(0))
-    data = torch.Generator().manual_seed(0)
-    first, first_optimizer = make()
-    _train_steps(first, first_optimizer, 2, data)
-    torch.save(
-        {"model": first.state_dict(), "optimizer": first_optimizer.state_dict()},
-        tmp_path / "checkpoint.pt",
+    (model, optimizer), (resumed, resumed_optimizer) = _resumed_and_uninterrupted(
+        make, _train_steps, 2, tmp_path, 0, {"state", "param_groups", "weight_acc"}
     )
-    saved = torch.load(tmp_path / "checkpoint.pt")
-    assert set(saved["optimizer"]) == {"state", "param_groups", "weight_acc"}
-    resumed, resumed_optimizer = make()
-    resumed.load_state_dict(saved["model"])
-    resumed_optimizer.load_state_dict(saved["optimizer"])
-    _train_steps(resumed, resumed_optimizer, 2, data)
     for p, r in zip(model.parameters(), resumed.parameters()):
         assert_same_bits(r, p)
         assert_same_bits(resumed_optimizer.weight_acc[r], optimizer.weight_acc[p])
@@ -803,21 +814,8 @@ def test_checkpoint_round_trip_keeps_delayed_scaling_histories(tmp_path):
             model(torch.randn(8, 6, generator=data) * 3).square().mean().backward()
             optimizer.step()
 
-    model, optimizer = make()
-    train(model, optimizer, 6, torch.Generator().manual_seed(1))
-    data = torch.Generator().manual_seed(1)
-    first, first_optimizer = make()
-    train(first, first_optimizer, 3, data)
-    torch.save(
-        {"model": first.state_dict(), "optimizer": first_optimizer.state_dict()},
-        tmp_path / "checkpoint.pt",
-    )
-    saved = torch.load(tmp_path / "checkpoint.pt")
-    assert set(saved["optimizer"]) == {"state", "param_groups", "weight_acc", "scalers"}
-    resumed, resumed_optimizer = make()
-    resumed.load_state_dict(saved["model"])
-    resumed_optimizer.load_state_dict(saved["optimizer"])
-    train(resumed, resumed_optimizer, 3, data)
+    keys = {"state", "param_groups", "weight_acc", "scalers"}
+    (model, _), (resumed, _) = _resumed_and_uninterrupted(make, train, 3, tmp_path, 1, keys)
     for p, r in zip(model.parameters(), resumed.parameters()):
         assert_same_bits(r, p)
 
