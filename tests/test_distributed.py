@@ -27,6 +27,17 @@ from lpsim.nn import LayerQuantization, Quantizer, inject, report
 from lpsim.optim import SGD, AdamW, DynamicLossScaler, FusedAdam, FusedSGD, OptimLP
 
 
+def _train_on_rank_batches(ddp, opt, rank, steps=3, shape=(8, 6), classes=3):
+    """``steps`` SGD steps of a classifier under DDP, each rank on its own random batches."""
+    data = torch.Generator().manual_seed(100 + rank)
+    for _ in range(steps):
+        x = torch.randn(*shape, generator=data)
+        y = torch.randint(0, classes, (shape[0],), generator=data)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -49,13 +60,7 @@ def _worker(rank: int, world: int, port: int, results) -> None:
             momentum=bf16,
             acc=Float(6, 9),
         )
-        data = torch.Generator().manual_seed(100 + rank)  # each rank its own batches
-        for _ in range(5):
-            x = torch.randn(16, 10, generator=data)
-            y = torch.randint(0, 4, (16,), generator=data)
-            opt.zero_grad()
-            nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
+        _train_on_rank_batches(ddp, opt, rank, steps=5, shape=(16, 10), classes=4)
         flat = torch.cat([p.detach().flatten() for p in model.parameters()])
         gathered = [torch.empty_like(flat) for _ in range(world)]
         dist.all_gather(gathered, flat)
@@ -341,13 +346,7 @@ def _injected_after_wrapping(rank: int) -> dict:
             inject(model, {nn.Linear: spec})
         elif way == "recipe":
             _, opt = lpsim.recipes.BFLOAT16.apply(ddp, opt)
-        data = torch.Generator().manual_seed(100 + rank)
-        for _ in range(3):
-            x = torch.randn(8, 6, generator=data)
-            y = torch.randint(0, 3, (8,), generator=data)
-            opt.zero_grad()
-            nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
+        _train_on_rank_batches(ddp, opt, rank)
         got[way] = {n.replace("module.", ""): p.detach() for n, p in ddp.named_parameters()}
     return got
 
@@ -459,13 +458,7 @@ def _zero_sharded(rank: int) -> dict:
                 local = opt.optim
             else:
                 opt = local = make(ddp.parameters(), **options)
-            data = torch.Generator().manual_seed(100 + rank)
-            for _ in range(3):
-                x = torch.randn(8, 6, generator=data)
-                y = torch.randint(0, 3, (8,), generator=data)
-                opt.zero_grad()
-                nn.functional.cross_entropy(ddp(x), y).backward()
-                opt.step()
+            _train_on_rank_batches(ddp, opt, rank)
             histories = {
                 i: local.scalers[p]["weight"].amax_history
                 for i, p in enumerate(model.parameters())
