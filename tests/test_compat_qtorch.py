@@ -280,13 +280,20 @@ def test_clip_mask_keeps_the_gradient_of_inf_in_a_format_that_keeps_inf():
     assert x.grad.tolist()[:3] == [1.0, 1.0, 0.0] and x.grad[4].item() == 1.0
 
 
-def test_lower_quantises_a_top_level_module_as_qtorch_does():
+def _linear_lowered_by_both():
+    """(model, x, ours, theirs): a Linear layer, an input, and copies lowered with FixedPoint(8, 4)
+    outputs by lpsim's lower() and by QPyTorch's."""
     qtorch, _, _, auto_low = _qtorch()
     torch.manual_seed(0)
     model, x = torch.nn.Linear(4, 4), torch.randn(3, 4)
     theirs = copy.deepcopy(model)
     auto_low.lower(theirs, ["linear"], qtorch.FixedPoint(8, 4), None, "nearest")
     ours = q.lower(copy.deepcopy(model), ["linear"], q.FixedPoint(8, 4), None, "nearest")
+    return model, x, ours, theirs
+
+
+def test_lower_quantises_a_top_level_module_as_qtorch_does():
+    model, x, ours, theirs = _linear_lowered_by_both()
     assert_same_bits(ours(x), theirs(x))
     assert not torch.equal(ours(x), model(x))
 
@@ -294,12 +301,7 @@ def test_lower_quantises_a_top_level_module_as_qtorch_does():
 def test_lowered_forward_called_directly_is_quantised_by_qtorch_only_as_documented():
     # docs/migrating-from-qtorch.md: QPyTorch replaces module.forward, so a direct forward() call
     # quantises; lpsim's quantiser is a forward hook, which only module(x) runs.
-    qtorch, _, _, auto_low = _qtorch()
-    torch.manual_seed(0)
-    model, x = torch.nn.Linear(4, 4), torch.randn(3, 4)
-    theirs = copy.deepcopy(model)
-    auto_low.lower(theirs, ["linear"], qtorch.FixedPoint(8, 4), None, "nearest")
-    ours = q.lower(copy.deepcopy(model), ["linear"], q.FixedPoint(8, 4), None, "nearest")
+    model, x, ours, theirs = _linear_lowered_by_both()
     assert_same_bits(theirs.forward(x), theirs(x))
     assert_same_bits(ours(x), theirs(x))
     assert_same_bits(ours.forward(x), model(x))

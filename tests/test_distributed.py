@@ -27,6 +27,17 @@ from lpsim.nn import LayerQuantization, Quantizer, inject, report
 from lpsim.optim import SGD, AdamW, DynamicLossScaler, FusedAdam, FusedSGD, OptimLP
 
 
+def _classifier_on_grid(fmt):
+    """A small classifier (seed 0) whose parameters are rounded to nearest into fmt."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16))
+    model.append(nn.ReLU()).append(nn.Linear(16, 3))
+    with torch.no_grad():
+        for p in model.parameters():
+            lpsim.quantize_(p, fmt, "nearest")
+    return model
+
+
 def _train_on_rank_batches(ddp, opt, rank, steps=3, shape=(8, 6), classes=3):
     """``steps`` SGD steps of a classifier under DDP, each rank on its own random batches."""
     data = torch.Generator().manual_seed(100 + rank)
@@ -446,12 +457,7 @@ def _zero_sharded(rank: int) -> dict:
     got = {}
     for kind, (make, options) in kinds.items():
         for sharded in (False, True):
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16))
-            model.append(nn.ReLU()).append(nn.Linear(16, 3))
-            with torch.no_grad():
-                for p in model.parameters():
-                    lpsim.quantize_(p, e5m2, "nearest")
+            model = _classifier_on_grid(e5m2)
             ddp = nn.parallel.DistributedDataParallel(model)
             if sharded:
                 opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=make, **options)
@@ -504,12 +510,7 @@ def _zero_resumed(rank: int) -> dict:
     }
 
     def build(kind):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 16))
-        model.append(nn.ReLU()).append(nn.Linear(16, 3))
-        with torch.no_grad():
-            for p in model.parameters():
-                lpsim.quantize_(p, e5m2, "nearest")
+        model = _classifier_on_grid(e5m2)
         ddp = nn.parallel.DistributedDataParallel(model)
         make, options = kinds[kind]
         return model, ddp, ZeroRedundancyOptimizer(ddp.parameters(), make, **options)
