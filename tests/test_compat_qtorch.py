@@ -1368,3 +1368,14 @@ def test_a_floating_point_of_eleven_exponent_bits_is_refused_when_made():
     q.FloatingPoint(10, 52)  # the widest that fits float64
     with pytest.raises(ValueError, match="FloatingPoint exp must be 1 to 10"):
         q.FloatingPoint(11, 52)
+
+
+def test_optim_lp_names_the_qtorch_argument_holding_a_misspelt_rule():
+    # A (format, rounding) pair with a rule no one knows: the message named only "rounding".
+    model = torch.nn.Linear(2, 2)
+    for name in ("weight_quant", "grad_quant", "momentum_quant", "acc_quant"):
+        with pytest.raises(ValueError, match=f"^{name} rounding must be one of .*got 'bogus'"):
+            q.OptimLP(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                **{name: (lpsim.Float(5, 2), "bogus")},
+            )

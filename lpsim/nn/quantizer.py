@@ -117,12 +117,13 @@ def as_spec(
         return (
             value
             if isinstance(value.rounding, Rounding)
-            else value._replace(rounding=Rounding.parse(value.rounding))
+            else value._replace(rounding=Rounding.parse(value.rounding, f"{name} rounding"))
         )
     if isinstance(value, _SPEC_FORMATS):
         return QuantSpec(value, Rounding.parse(rounding))
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], _SPEC_FORMATS):
-        return QuantSpec(value[0], Rounding.parse(value[1]))
+        # a malformed rule is named by the argument that holds it ("momentum rounding")
+        return QuantSpec(value[0], Rounding.parse(value[1], f"{name} rounding"))
     kinds = ["None", "a Float, Fixed, P3109, BlockFloat, Scaled or DelayedScaling format"]
     kinds += ["a (format, rounding) pair"] + (["a function tensor -> tensor"] if functions else [])
     raise TypeError(f"{name} must be {', '.join(kinds[:-1])} or {kinds[-1]}; got {value!r}")
