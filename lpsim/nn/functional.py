@@ -162,6 +162,10 @@ class Operands:
             R is orthogonal). The reduction length must be a multiple of its size. An operand
             left None is still transformed.
 
+    For ``matmul`` of batched operands, an operand that the product broadcasts over the batch (a
+    (K, N) or (1, K, N) weight by a (B, M, K) input, say) is quantised once, as the tensor it is,
+    and every matrix of the batch takes that one rounding, as the forward's formats quantise it.
+
     Formats are stateless: a DelayedScaling keeps one history per tensor and is refused.
 
     Raises:
@@ -366,15 +370,26 @@ def _batched(a: torch.Tensor, b: torch.Tensor, mac: MAC) -> torch.Tensor:
     return torch.stack([_product(a[i], b[i], mac, seed, i) for i in range(a.shape[0])])
 
 
+def _in_batch(t: torch.Tensor, batch: tuple[int, ...] | None) -> torch.Tensor:
+    """t (..., R, C), whose leading dimensions broadcast to ``batch``, as the (prod(batch), R, C)
+    batch of its copies; t itself for None (one product of matrices)."""
+    if batch is None:
+        return t
+    return t.expand(*batch, *t.shape[-2:]).reshape(math.prod(batch), *t.shape[-2:])
+
+
 class _BatchedProduct(torch.autograd.Function):
     """c[i] = a[i] @ b[i] under the forward MAC; dA[i] = g[i] b[i]^T under input_grad and
     dB[i] = a[i]^T g[i] under weight_grad, their operands formed by the Arithmetic's Operands
     where it has them (from ``raw_a`` and ``raw_b``, the tensors a and b were quantised from).
     a and b are batches (B, M, K) and (B, K, N), or the matrices (M, K) and (K, N) of one product
-    (see _batched)."""
+    (see _batched). ``batch``: the batch shape that raw_a and raw_b broadcast to (a and b are
+    them broadcast and flattened), None for one product of matrices. A raw operand is quantised
+    once, as the tensor it is, and then broadcast: every matrix of the batch that shares it takes
+    the same rounding (a stochastic rule would round each copy its own way)."""
 
     @staticmethod
-    def forward(ctx, a, b, raw_a, raw_b, how: Arithmetic):
+    def forward(ctx, a, b, raw_a, raw_b, how: Arithmetic, batch: tuple[int, ...] | None = None):
         wgrad, dgrad = how.weight_grad_operands, how.input_grad_operands
         ctx.save_for_backward(
             a,
@@ -382,7 +397,7 @@ class _BatchedProduct(torch.autograd.Function):
             raw_a if wgrad is not None and wgrad.other is not None else None,
             raw_b if dgrad is not None and dgrad.other is not None else None,
         )
-        ctx.how = how
+        ctx.how, ctx.batch = how, batch
         return _batched(a, b, how.forward)
 
     @staticmethod
@@ -396,18 +411,23 @@ class _BatchedProduct(torch.autograd.Function):
                 grad_a = _batched(grad, b.transpose(-2, -1), how.input_grad)
             else:  # the operands with the reduction axis (N) last: E (M x N), B (K x N)
                 error = ops.operand(grad, ops.error)
-                weight = ops.operand(b if ops.other is None else raw_b, ops.other)
+                if ops.other is None:
+                    weight = ops.operand(b, None)
+                else:
+                    weight = _in_batch(ops.operand(raw_b, ops.other), ctx.batch)
                 grad_a = _batched(error, weight.transpose(-2, -1), how.input_grad)
         if ctx.needs_input_grad[1]:
             ops = how.weight_grad_operands
             if ops is None:
                 grad_b = _batched(a.transpose(-2, -1), grad, how.weight_grad)
             else:  # the operands with the reduction axis (M) last: A^T (K x M), E^T (N x M)
-                source = a if ops.other is None else raw_a
-                inputs = ops.operand(source.transpose(-2, -1), ops.other)
+                if ops.other is None:
+                    inputs = ops.operand(a.transpose(-2, -1), None)
+                else:
+                    inputs = _in_batch(ops.operand(raw_a.transpose(-2, -1), ops.other), ctx.batch)
                 error = ops.operand(grad.transpose(-2, -1), ops.error)
                 grad_b = _batched(inputs, error.transpose(-2, -1), how.weight_grad)
-        return grad_a, grad_b, None, None, None
+        return grad_a, grad_b, None, None, None, None
 
 
 def _check_tensors(where: str, bias=None, **operands) -> None:
@@ -594,11 +614,10 @@ def simulated_matmul(
         c = c.reshape(*a.shape[:-1], b.shape[-1])
     else:
         batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-
-        def batched(t: torch.Tensor) -> torch.Tensor:
-            return t.expand(*batch, *t.shape[-2:]).reshape(math.prod(batch), *t.shape[-2:])
-
-        c = _BatchedProduct.apply(batched(a), batched(b), batched(raw_a), batched(raw_b), how)
+        # The raw operands stay as given: the backward products quantise each once (_in_batch).
+        c = _BatchedProduct.apply(
+            _in_batch(a, batch), _in_batch(b, batch), raw_a, raw_b, how, tuple(batch)
+        )
         c = c.reshape(*batch, a.shape[-2], b.shape[-1])
     if vector_a:
         c = c.squeeze(-2)
