@@ -718,6 +718,22 @@ def test_integer_products_are_torchs_own_and_take_no_site(mac):
     assert list(functions.scalers.keys()) == ["0:<outside>:matmul:0:input"]
 
 
+@pytest.mark.parametrize("mac", [None, BF16_MAC])
+def test_integer_linear_calls_are_torchs_own_and_take_no_site(mac):
+    """As integer matmuls: F.linear of integer tensors is torch's exact product under any
+    settings (no output format, MAC or error applied), and the float call after it keeps rank 0."""
+    a, w, bias = torch.randint(-9, 9, (3, 4)), torch.randint(-9, 9, (2, 4)), torch.arange(2)
+    x = torch.randn(3, 4)
+    settings = nearest(input=DELAYED, output=E4M3, error=E5M2, mac=mac)
+    functions = quantize_functions(nn.Identity(), {"linear": settings})
+    with functions:
+        products = [F.linear(a, w), F.linear(a, w, bias), F.linear(input=a, weight=w)]
+        F.linear(x, x)
+    for product, want in zip(products, [a @ w.t(), a @ w.t() + bias, a @ w.t()]):
+        assert product.dtype == torch.int64 and torch.equal(product, want)
+    assert list(functions.scalers.keys()) == ["0:<outside>:linear:0:input"]
+
+
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
 def test_attention_rows_no_key_takes_part_in_give_zeros_and_zero_gradients_as_torch(mask_dtype):
     q, k, v = (torch.randn(1, 2, 3, 4, requires_grad=True) for _ in range(3))
