@@ -52,8 +52,12 @@ Which terms each result sums, in which order (k below is a MAC's term index):
   under its own if given; the softmax and the dropout are torch's. Its docstring states each
   product's terms and order.
 - ``bias`` is added after the sum, as one more rounded addition in the forward MAC's
-  accumulator (result = round(s + bias) by its rule; torch's float32 addition for the native
-  MAC); its gradient sums the output gradient over every position along which the bias is
+  accumulator (result = round(s + bias) by its rule). Under the native forward MAC a bias of at
+  most one dimension (nn.Linear's, a convolution's) is added by torch's op itself, F.linear or
+  the convolution with its bias, so that the forward result is torch's op bit for bit whatever
+  the backward products (torch adds a bfloat16 or float16 bias in its float32 arithmetic and
+  rounds once); another bias is added to the result by torch's addition in the result's dtype.
+  Its gradient sums the output gradient over every position along which the bias is
   broadcast (every position but the channel or feature for a 1-D bias), in the order of the
   weight gradient, under ``weight_grad_mac``.
 
@@ -389,7 +393,17 @@ class _BatchedProduct(torch.autograd.Function):
     the same rounding (a stochastic rule would round each copy its own way)."""
 
     @staticmethod
-    def forward(ctx, a, b, raw_a, raw_b, how: Arithmetic, batch: tuple[int, ...] | None = None):
+    def forward(
+        ctx,
+        a,
+        b,
+        raw_a,
+        raw_b,
+        how: Arithmetic,
+        batch: tuple[int, ...] | None = None,
+        bias: torch.Tensor | None = None,
+        native=None,
+    ):
         wgrad, dgrad = how.weight_grad_operands, how.input_grad_operands
         ctx.save_for_backward(
             a,
@@ -398,6 +412,9 @@ class _BatchedProduct(torch.autograd.Function):
             raw_b if dgrad is not None and dgrad.other is not None else None,
         )
         ctx.how, ctx.batch = how, batch
+        ctx.bias_shape = None if bias is None else bias.shape
+        if native is not None:  # torch's op of the caller's tensors, the bias included (_fused)
+            return native()
         return _batched(a, b, how.forward)
 
     @staticmethod
@@ -427,7 +444,10 @@ class _BatchedProduct(torch.autograd.Function):
                     inputs = _in_batch(ops.operand(raw_a.transpose(-2, -1), ops.other), ctx.batch)
                 error = ops.operand(grad.transpose(-2, -1), ops.error)
                 grad_b = _batched(inputs, error.transpose(-2, -1), how.weight_grad)
-        return grad_a, grad_b, None, None, None, None
+        grad_bias = None
+        if ctx.bias_shape is not None and ctx.needs_input_grad[6]:
+            grad_bias = _bias_gradient(grad, ctx.bias_shape, how.weight_grad)
+        return grad_a, grad_b, None, None, None, None, grad_bias, None
 
 
 def _check_tensors(where: str, bias=None, **operands) -> None:
@@ -490,11 +510,23 @@ def _torch_op(op, input: torch.Tensor, weight: torch.Tensor, how: Arithmetic, *a
     return _with_grad_format(op(x, w, *args), how)
 
 
+def _bias_gradient(grad: torch.Tensor, bias_shape, mac: MAC) -> torch.Tensor:
+    """The gradient of a bias of ``bias_shape`` broadcast to grad's shape: grad summed over the
+    dimensions along which the bias is broadcast (their positions in row-major order:
+    batch-major), one product under ``mac``."""
+    shape = (1,) * (grad.dim() - len(bias_shape)) + tuple(bias_shape)
+    summed = [d for d, n in enumerate(shape) if n == 1]
+    kept = [d for d, n in enumerate(shape) if n != 1]
+    rows = grad.permute(summed + kept)
+    rows = rows.reshape(math.prod(rows.shape[: len(summed)]), math.prod(rows.shape[len(summed) :]))
+    ones = torch.ones(1, rows.shape[0], dtype=rows.dtype, device=rows.device)
+    return _product(ones, rows, mac, _seed(mac), 0)[0].reshape(bias_shape)
+
+
 class _AddBias(torch.autograd.Function):
     """y + bias (a tensor that broadcasts to y's shape without changing it), rounded once into the
-    forward MAC's accumulator; the bias gradient sums the output gradient over the dimensions along
-    which the bias is broadcast (their positions in row-major order: batch-major) under
-    weight_grad."""
+    forward MAC's accumulator; the bias gradient is _bias_gradient under weight_grad. (Under the
+    native forward MAC a 1-D bias is added by torch's op itself, with the product: see _fused.)"""
 
     @staticmethod
     def forward(ctx, y, bias, how: Arithmetic):
@@ -509,20 +541,19 @@ class _AddBias(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        how = ctx.how
         grad_bias = None
         if ctx.needs_input_grad[1]:
-            shape = (1,) * (grad.dim() - len(ctx.bias_shape)) + tuple(ctx.bias_shape)
-            summed = [d for d, n in enumerate(shape) if n == 1]
-            kept = [d for d, n in enumerate(shape) if n != 1]
-            rows = grad.permute(summed + kept)
-            rows = rows.reshape(
-                math.prod(rows.shape[: len(summed)]), math.prod(rows.shape[len(summed) :])
-            )
-            ones = torch.ones(1, rows.shape[0], dtype=rows.dtype, device=rows.device)
-            grad_bias = _product(ones, rows, how.weight_grad, _seed(how.weight_grad), 0)[0]
-            grad_bias = grad_bias.reshape(ctx.bias_shape)
+            grad_bias = _bias_gradient(grad, ctx.bias_shape, ctx.how.weight_grad)
         return grad, grad_bias, None
+
+
+def _fused(bias: torch.Tensor | None, how: Arithmetic) -> bool:
+    """Whether torch's own op adds ``bias`` with the product: under the native forward MAC, a bias
+    of at most one dimension (nn.Linear's, a convolution's), which every path of torch's linear
+    and convolutions takes. The forward result is then torch's op, bit for bit (its bias added
+    in the product's float32 arithmetic and rounded once with it, for bfloat16 and float16
+    operands), whatever the backward products."""
+    return bias is not None and how.forward.native and bias.dim() <= 1
 
 
 def _add_bias(y, bias, how: Arithmetic):
@@ -739,13 +770,28 @@ def simulated_linear(
             f"linear: bias of shape {tuple(bias.shape)} does not broadcast to the result's shape "
             f"{shape} (as torch's linear, which adds it to the result in place)"
         )
+    fused = _fused(bias, how) and w.dim() == 2
+    given = (x, w, bias)
     if w.dim() == 1:  # one output feature
         w, raw_w = w.unsqueeze(0), raw_w.unsqueeze(0)
     rows = math.prod(x.shape[:-1])  # (not -1: in_features may be 0)
+
+    def native() -> torch.Tensor:  # torch's linear, its bias added with the product
+        return F.linear(*given).reshape(rows, w.shape[0])
+
     y = _BatchedProduct.apply(
-        x.reshape(rows, x.shape[-1]), w.t(), raw_x.reshape(rows, x.shape[-1]), raw_w.t(), how
+        x.reshape(rows, x.shape[-1]),
+        w.t(),
+        raw_x.reshape(rows, x.shape[-1]),
+        raw_w.t(),
+        how,
+        None,
+        bias if fused else None,
+        native if fused else None,
     )
-    y = _add_bias(y.reshape(shape), bias, how)
+    y = y.reshape(shape)
+    if not fused:
+        y = _add_bias(y, bias, how)
     return _with_grad_format(y, how)
 
 
@@ -947,33 +993,37 @@ class _Convolution(torch.autograd.Function):
     input_grad and weight_grad (see the module docstring for the terms and their order)."""
 
     @staticmethod
-    def forward(ctx, x, w, geometry: _Geometry, how: Arithmetic, torch_conv):
+    def forward(ctx, x, w, geometry: _Geometry, how: Arithmetic, torch_conv, bias=None):
         ctx.save_for_backward(x, w)
         ctx.geometry, ctx.how = geometry, how
+        ctx.has_bias = bias is not None
         # Under the native MAC, torch's own convolution with the caller's arguments: the same
         # bits (but not without input channels, where torch gives no output channels: see _conv).
+        # ``bias``: a bias torch's convolution adds (see _fused), given only under the native MAC.
         if how.forward.native and x.shape[1] > 0:
-            return torch_conv(x, w)
+            return torch_conv(x, w, bias)
         return _conv_forward(x, w, geometry, how.forward)
 
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
         how, geometry = ctx.how, ctx.geometry
-        grad_x = grad_w = None
+        grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = _conv_input_grad(grad, w, x.shape, geometry, how.input_grad)
         if ctx.needs_input_grad[1]:
             grad_w = _conv_weight_grad(x, grad, w.shape, geometry, how.weight_grad)
-        return grad_x, grad_w, None, None, None
+        if ctx.has_bias and ctx.needs_input_grad[5]:
+            grad_bias = _bias_gradient(grad, (w.shape[0], 1, 1), how.weight_grad).reshape(-1)
+        return grad_x, grad_w, None, None, None, grad_bias
 
 
 def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int, torch_conv):
     """conv1d or conv2d (``dims``) of input, batched or not, checked and computed as torch does:
     an unbatched input as the batch of one it is, its operands and error quantised as given (as
     under the native MACs, where the function is torch's op of the quantised operands).
-    ``torch_conv``: torch's convolution (x, w) -> result, without bias, of the 4-D operands (for
-    conv1d, 1 x L images), the forward product under the native MAC.
+    ``torch_conv``: torch's convolution (x, w, bias) -> result of the 4-D operands (for conv1d,
+    1 x L images), the forward product under the native MAC (bias None, or added by it: _fused).
 
     Raises:
         ValueError: the shapes do not match torch's.
@@ -994,8 +1044,10 @@ def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int, 
     channels = x.shape[1]
     if dims == 1:
         x, w = x.unsqueeze(2), w.unsqueeze(2)
-    y = _Convolution.apply(x, w, geometry, how, torch_conv)
-    y = _add_bias(y, None if bias is None else bias.reshape(-1, 1, 1), how)
+    fused = _fused(bias, how) and channels > 0
+    y = _Convolution.apply(x, w, geometry, how, torch_conv, bias if fused else None)
+    if not fused:
+        y = _add_bias(y, None if bias is None else bias.reshape(-1, 1, 1), how)
     if channels == 0:  # torch's result: no output channels (the bias's gradient zero)
         y = y[:, :0]
     if dims == 1:
@@ -1073,8 +1125,8 @@ def conv2d(
     _check_tensors("conv2d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 2)
 
-    def torch_conv(x, w):
-        return F.conv2d(x, w, None, stride, padding, dilation, groups)
+    def torch_conv(x, w, bias):
+        return F.conv2d(x, w, bias, stride, padding, dilation, groups)
 
     return _conv(input, weight, bias, geometry, how, 2, torch_conv)
 
@@ -1112,8 +1164,8 @@ def conv1d(
     _check_tensors("conv1d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 1)
 
-    def torch_conv(x, w):  # of the 1 x L images
-        y = F.conv1d(x.squeeze(2), w.squeeze(2), None, stride, padding, dilation, groups)
+    def torch_conv(x, w, bias):  # of the 1 x L images
+        y = F.conv1d(x.squeeze(2), w.squeeze(2), bias, stride, padding, dilation, groups)
         return y.unsqueeze(2)
 
     return _conv(input, weight, bias, geometry, how, 1, torch_conv)
