@@ -703,6 +703,28 @@ def test_functions_the_docs_do_not_list_are_torchs_own_bit_for_bit(call):
     assert_same_bits(got, call(a, b, c))
 
 
+@pytest.mark.parametrize("size", [16, 512], ids=["matrix", "butterfly"])
+def test_a_random_hadamard_transform_in_the_context_is_not_a_simulated_product(size):
+    """RandomHadamard.apply multiplies each group by its matrix (up to size 256): its own
+    arithmetic, which a "matmul" entry rounded as a model's product (its operands, its result on
+    E4M3's grid). The transform is the same inside the context as outside, and near the float64
+    product by R."""
+    transform = lpsim.RandomHadamard(size, seed=3)
+    x = torch.randn(4, 2 * size)
+    want = transform.apply(x)
+    exact = (x.double().reshape(4, 2, size) @ transform.matrix(torch.float64).T).reshape(4, -1)
+    torch.testing.assert_close(want.double(), exact, rtol=1e-5, atol=1e-5)
+    functions = quantize_functions(
+        nn.Identity(), {"matmul": nearest(input=E4M3, weight=E4M3, output=E4M3, mac=FP16_MAC)}
+    )
+    with functions:
+        got, back = transform.apply(x), transform.inverse(want)
+        quantised = x @ x.t()  # the context's own products are still simulated
+    assert_same_bits(got, want, "apply")
+    assert_same_bits(back, transform.inverse(want), "inverse")
+    assert on_grid(quantised, E4M3)
+
+
 @pytest.mark.parametrize("mac", [None, BF16_MAC])
 def test_integer_products_are_torchs_own_and_take_no_site(mac):
     """An integer product has nothing to simulate: torch computes it exactly, under any MAC, and

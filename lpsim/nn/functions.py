@@ -123,7 +123,9 @@ whose calls a context quantises.
 
 Not simulated: calls with ``out=`` (refused). Every other function is torch's own, unquantised,
 even where it computes the same products: einsum, addmm, addbmm, baddbmm, mv, dot, inner,
-tensordot, linalg.multi_dot; log_softmax and softmin; convolutions (through inject).
+tensordot, linalg.multi_dot; log_softmax and softmin; convolutions (through inject). The matrix
+product of lpsim.RandomHadamard's apply and inverse is the transform's own arithmetic, which no
+context sees.
 """
 
 from __future__ import annotations
