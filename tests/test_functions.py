@@ -725,6 +725,36 @@ def test_a_random_hadamard_transform_in_the_context_is_not_a_simulated_product(s
     assert on_grid(quantised, E4M3)
 
 
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x, w, b: LF.linear(x, w, b, input_grad_mac=FP16_MAC),
+        lambda x, w, b: LF.linear(x, w, weight_grad_mac=FP16_MAC),
+        lambda x, w, b: LF.linear(x, w, b, input_grad_operands=LF.Operands(error=E5M2)),
+        lambda x, w, b: LF.matmul(x, w.t(), weight_grad_operands=LF.Operands(input=E5M2)),
+        lambda x, w, b: LF.bmm(x[None], w.t()[None], input_grad_mac=FP16_MAC),
+        lambda x, w, b: LF.conv1d(x[None], w[:, :4, None], b, input_grad_mac=FP16_MAC),
+    ],
+    ids=["linear-bias", "linear", "linear-operands", "matmul-operands", "bmm", "conv1d"],
+)
+def test_a_simulated_functional_products_own_torch_calls_are_not_the_contexts(call):
+    """lpsim.nn.functional computes the forward product of a function whose backward products
+    are simulated by torch's op (native forward MAC): its own arithmetic, which a context's
+    "linear" and "matmul" entries rounded as a model's call (the forward only: the backward
+    products are outside the context), silently. The result is the same inside as outside, and
+    the context still decides the model's own calls and functions whose products are all torch's
+    (torch's op itself)."""
+    g = torch.Generator().manual_seed(4)
+    x, w, b = (torch.randn(*s, generator=g) for s in ((4, 16), (8, 16), (8,)))
+    want = call(x, w, b)
+    settings = nearest(output=Float(2, 1))
+    with quantize_functions(nn.Identity(), {"linear": settings, "matmul": settings}):
+        got = call(x, w, b)
+        native = LF.linear(x, w, b)  # torch's F.linear itself: the context's call
+    assert_same_bits(got, want)
+    assert on_grid(native, Float(2, 1))
+
+
 @pytest.mark.parametrize("mac", [None, BF16_MAC])
 def test_integer_products_are_torchs_own_and_take_no_site(mac):
     """An integer product has nothing to simulate: torch computes it exactly, under any MAC, and

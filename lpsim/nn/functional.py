@@ -85,6 +85,11 @@ differentiates, so the gradients reach the leaves through it, as under torch's o
 has the dtype above for those operands (bfloat16 under a bfloat16 autocast and a ``Float(8, 7)``
 accumulator, float32 under a float32 accumulator).
 
+Under lpsim.nn.quantize_functions: a function whose products are all native (and takes no
+Operands) is torch's op, which a context decides as it decides the model's own calls; any other
+is lpsim's own product, whose torch calls (its forward product under the native forward MAC
+among them) no context sees.
+
 Double backward (``create_graph=True``, then a second differentiation): a product under a
 non-native MAC has no derivative, so differentiating a gradient that a simulated backward product
 computed raises a RuntimeError that says so when the second backward pass reaches
@@ -374,6 +379,15 @@ def _batched(a: torch.Tensor, b: torch.Tensor, mac: MAC) -> torch.Tensor:
     return torch.stack([_product(a[i], b[i], mac, seed, i) for i in range(a.shape[0])])
 
 
+def _own_arithmetic():
+    """A context for the forward product of a simulated function (one whose products are not all
+    native): its torch calls (torch.matmul, F.linear, a convolution under the native forward MAC)
+    are its own arithmetic, not a model's, and no TorchFunctionMode sees them: a
+    lpsim.nn.quantize_functions context would otherwise round the forward product of, say,
+    linear(x, w, input_grad_mac=...) as a model's matmul, its backward products not."""
+    return torch._C.DisableTorchFunction()
+
+
 def _in_batch(t: torch.Tensor, batch: tuple[int, ...] | None) -> torch.Tensor:
     """t (..., R, C), whose leading dimensions broadcast to ``batch``, as the (prod(batch), R, C)
     batch of its copies; t itself for None (one product of matrices)."""
@@ -413,9 +427,10 @@ class _BatchedProduct(torch.autograd.Function):
         )
         ctx.how, ctx.batch = how, batch
         ctx.bias_shape = None if bias is None else bias.shape
-        if native is not None:  # torch's op of the caller's tensors, the bias included (_fused)
-            return native()
-        return _batched(a, b, how.forward)
+        with _own_arithmetic():
+            if native is not None:  # torch's op of the caller's tensors, the bias included
+                return native()
+            return _batched(a, b, how.forward)
 
     @staticmethod
     def backward(ctx, grad):
@@ -1000,9 +1015,10 @@ class _Convolution(torch.autograd.Function):
         # Under the native MAC, torch's own convolution with the caller's arguments: the same
         # bits (but not without input channels, where torch gives no output channels: see _conv).
         # ``bias``: a bias torch's convolution adds (see _fused), given only under the native MAC.
-        if how.forward.native and x.shape[1] > 0:
-            return torch_conv(x, w, bias)
-        return _conv_forward(x, w, geometry, how.forward)
+        with _own_arithmetic():
+            if how.forward.native and x.shape[1] > 0:
+                return torch_conv(x, w, bias)
+            return _conv_forward(x, w, geometry, how.forward)
 
     @staticmethod
     def backward(ctx, grad):

@@ -125,7 +125,8 @@ Not simulated: calls with ``out=`` (refused). Every other function is torch's ow
 even where it computes the same products: einsum, addmm, addbmm, baddbmm, mv, dot, inner,
 tensordot, linalg.multi_dot; log_softmax and softmin; convolutions (through inject). The matrix
 product of lpsim.RandomHadamard's apply and inverse is the transform's own arithmetic, which no
-context sees.
+context sees, as are the products of an lpsim.nn.functional function whose products are not all
+native (one whose are is torch's op, decided as the model's call).
 """
 
 from __future__ import annotations
