@@ -805,6 +805,19 @@ def test_a_native_forward_mac_adds_the_bias_as_torchs_op_whatever_the_backward_p
         assert_same_bits(bias.grad[j], want_j, f"bias gradient {j}")
 
 
+def test_a_bias_of_another_dtype_under_a_native_forward_mac_is_added_to_the_product():
+    """torch's linear and convolutions refuse a float32 bias on bfloat16 operands; lpsim adds it
+    to the product by torch's addition (in float32), also where it has torch's op add the bias."""
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(4, 8, generator=g).bfloat16()
+    w = torch.randn(3, 8, generator=g).bfloat16()
+    b = torch.randn(3, generator=g)
+    got = LF.linear(x, w, b, input_grad_mac=FLOAT16)
+    assert_same_bits(got, torch.matmul(x, w.t()) + b)
+    got = LF.conv1d(x[None], w[:, :4, None], b, input_grad_mac=FLOAT16)
+    assert_same_bits(got, F.conv1d(x[None], w[:, :4, None]) + b[:, None])
+
+
 # Double backward. (name, lpsim's op, torch's op, shapes of input, weight, bias)
 _TWICE = [
     ("linear", LF.linear, F.linear, (4, 5), (3, 5), (3,)),

@@ -53,13 +53,13 @@ Which terms each result sums, in which order (k below is a MAC's term index):
   product's terms and order.
 - ``bias`` is added after the sum, as one more rounded addition in the forward MAC's
   accumulator (result = round(s + bias) by its rule). Under the native forward MAC a bias of at
-  most one dimension (nn.Linear's, a convolution's) is added by torch's op itself, F.linear or
-  the convolution with its bias, so that the forward result is torch's op bit for bit whatever
-  the backward products (torch adds a bfloat16 or float16 bias in its float32 arithmetic and
-  rounds once); another bias is added to the result by torch's addition in the result's dtype.
-  Its gradient sums the output gradient over every position along which the bias is
-  broadcast (every position but the channel or feature for a 1-D bias), in the order of the
-  weight gradient, under ``weight_grad_mac``.
+  most one dimension (nn.Linear's, a convolution's) and of the operands' dtype is added by
+  torch's op itself, F.linear or the convolution with its bias, so that the forward result is
+  torch's op bit for bit whatever the backward products (torch adds a bfloat16 or float16 bias
+  in its float32 arithmetic and rounds once); another bias is added to the result by torch's
+  addition (in the wider dtype). Its gradient sums the output gradient over every position
+  along which the bias is broadcast (every position but the channel or feature for a 1-D
+  bias), in the order of the weight gradient, under ``weight_grad_mac``.
 
 Random words: every stochastic product draws a seed from torch's default CPU generator (so
 ``torch.manual_seed`` makes a run reproducible); the matrices of a batch and the groups of a
@@ -562,13 +562,19 @@ class _AddBias(torch.autograd.Function):
         return grad, grad_bias, None
 
 
-def _fused(bias: torch.Tensor | None, how: Arithmetic) -> bool:
-    """Whether torch's own op adds ``bias`` with the product: under the native forward MAC, a bias
-    of at most one dimension (nn.Linear's, a convolution's), which every path of torch's linear
-    and convolutions takes. The forward result is then torch's op, bit for bit (its bias added
-    in the product's float32 arithmetic and rounded once with it, for bfloat16 and float16
-    operands), whatever the backward products."""
-    return bias is not None and how.forward.native and bias.dim() <= 1
+def _fused(bias: torch.Tensor | None, how: Arithmetic, *operands: torch.Tensor) -> bool:
+    """Whether torch's own op adds ``bias`` with the product of ``operands``: under the native
+    forward MAC, a bias of at most one dimension (nn.Linear's, a convolution's) and of the
+    operands' dtype, which every path of torch's linear and convolutions takes. The forward
+    result is then torch's op, bit for bit (its bias added in the product's float32 arithmetic
+    and rounded once with it, for bfloat16 and float16 operands), whatever the backward products.
+    (Operands or a bias of other dtypes, which torch's ops refuse, are brought to the wider.)"""
+    return (
+        bias is not None
+        and how.forward.native
+        and bias.dim() <= 1
+        and all(t.dtype == bias.dtype for t in operands)
+    )
 
 
 def _add_bias(y, bias, how: Arithmetic):
@@ -785,7 +791,7 @@ def simulated_linear(
             f"linear: bias of shape {tuple(bias.shape)} does not broadcast to the result's shape "
             f"{shape} (as torch's linear, which adds it to the result in place)"
         )
-    fused = _fused(bias, how) and w.dim() == 2
+    fused = _fused(bias, how, x, w) and w.dim() == 2
     given = (x, w, bias)
     if w.dim() == 1:  # one output feature
         w, raw_w = w.unsqueeze(0), raw_w.unsqueeze(0)
@@ -1060,7 +1066,7 @@ def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int, 
     channels = x.shape[1]
     if dims == 1:
         x, w = x.unsqueeze(2), w.unsqueeze(2)
-    fused = _fused(bias, how) and channels > 0
+    fused = _fused(bias, how, x, w) and channels > 0
     y = _Convolution.apply(x, w, geometry, how, torch_conv, bias if fused else None)
     if not fused:
         y = _add_bias(y, None if bias is None else bias.reshape(-1, 1, 1), how)
