@@ -161,10 +161,13 @@ class RandomHadamard:
             each group is multiplied by the matrix (a float32 product on CUDA follows torch's
             matmul precision setting, TF32 if allowed), whose rounding may depend on the number of
             groups in x (the library picks its kernel by shape); above it, a Walsh-Hadamard
-            butterfly (size * log2(size) additions per group) does the same. The transform is
-            linear and differentiable: the gradient with respect to x is ``inverse`` of the
-            output's, bit for bit (and the gradient of ``inverse`` is ``apply`` of it), computed by
-            a custom autograd function, which supports no forward-mode AD. Under
+            butterfly (size * log2(size) additions per group) does the same. The product is the
+            transform's own: no TorchFunctionMode sees it, so the result is the same inside an
+            lpsim.nn.quantize_functions context, whose "matmul" entries would round its
+            operands. The transform is linear and differentiable: the gradient with respect to x
+            is ``inverse`` of the output's, bit for bit (and the gradient of ``inverse`` is
+            ``apply`` of it), computed by a custom autograd function, which supports no
+            forward-mode AD. Under
             torch.compile(fullgraph=True) the signs and the matrix are constants of the graph.
             An output can reach sqrt(size) times its group's largest magnitude, and one beyond
             x's dtype's range (float16's 65504, say) rounds to infinity.
@@ -212,8 +215,11 @@ class RandomHadamard:
         groups = groups.contiguous()  # one layout for every x's strides: the same bits
         if self.size <= MATMUL_MAX_SIZE:
             r = self._matrix.to(dtype=work, device=x.device)
-            # A group is a row here: R @ g is g @ R.T, and R.T @ g is g @ R.
-            result = groups @ (r if inverse else r.T)
+            # A group is a row here: R @ g is g @ R.T, and R.T @ g is g @ R. The product is the
+            # transform's own arithmetic, not a model's: no TorchFunctionMode sees it (a
+            # lpsim.nn.quantize_functions context would round its operands as a model's matmul).
+            with torch._C.DisableTorchFunction():
+                result = torch.matmul(groups, r if inverse else r.T)
         else:
             s = self._signs.to(dtype=work, device=x.device)
             scale = _scale(self.size)

@@ -361,3 +361,41 @@ def test_an_injected_model_with_hadamard_operands_trains_under_torch_compile_as_
     eager, compiled = run(False), run(True)
     for a, b in zip(eager[0] + eager[1], compiled[0] + compiled[1]):
         assert_same_bits(a, b)
+
+
+@pytest.mark.parametrize(
+    "a_shape, b_shape",
+    [((3, 8, 16), (1, 16, 8)), ((2, 3, 8, 16), (3, 16, 8)), ((8, 16), (3, 16, 8))],
+    ids=["b-broadcast", "b-broadcast-4d", "a-broadcast"],
+)
+def test_an_operand_broadcast_over_the_batch_is_quantised_once_for_every_matrix(a_shape, b_shape):
+    """A stochastic rule rounds the broadcast operand once, as the forward's formats do: every
+    matrix of the batch takes the same rounding, that of lpsim.quantize of the tensor given. The
+    expected gradients are torch's of a product by that one rounding (the operands on Float(3, 1)'s
+    grid: every sum exact in float64)."""
+    fmt = (Float(3, 1), "stochastic")
+    a, b = leaves(a_shape, b_shape)
+    shape = torch.broadcast_shapes(a_shape[:-2], b_shape[:-2]) + (a_shape[-2], b_shape[-1])
+    grad = q(torch.randn(shape, dtype=torch.float64), Float(3, 1))
+
+    def torch_grad(first, second, leaf_index):
+        tensors = [
+            t.detach().clone().requires_grad_(i == leaf_index)
+            for i, t in enumerate((first, second))
+        ]
+        torch.matmul(*tensors).backward(grad)
+        return tensors[leaf_index].grad
+
+    torch.manual_seed(5)
+    LF.matmul(a, b, input_grad_operands=Operands(weight=fmt)).backward(grad)
+    torch.manual_seed(5)
+    weight = q(b.detach(), *fmt)  # (..., K, N): the reduction N last, quantised once
+    assert_same_bits(a.grad, torch_grad(a, weight, 0), "first operand's gradient")
+    torch.manual_seed(6)
+    b.grad = None
+    LF.matmul(a, b, weight_grad_operands=Operands(input=fmt)).backward(grad)
+    torch.manual_seed(6)
+    inputs = q(a.detach().transpose(-2, -1), *fmt)  # (..., K, M): the reduction M last
+    assert_same_bits(
+        b.grad, torch_grad(inputs.transpose(-2, -1), b, 1), "second operand's gradient"
+    )

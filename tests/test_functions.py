@@ -703,6 +703,58 @@ def test_functions_the_docs_do_not_list_are_torchs_own_bit_for_bit(call):
     assert_same_bits(got, call(a, b, c))
 
 
+@pytest.mark.parametrize("size", [16, 512], ids=["matrix", "butterfly"])
+def test_a_random_hadamard_transform_in_the_context_is_not_a_simulated_product(size):
+    """RandomHadamard.apply multiplies each group by its matrix (up to size 256): its own
+    arithmetic, which a "matmul" entry rounded as a model's product (its operands, its result on
+    E4M3's grid). The transform is the same inside the context as outside, and near the float64
+    product by R."""
+    transform = lpsim.RandomHadamard(size, seed=3)
+    x = torch.randn(4, 2 * size)
+    want = transform.apply(x)
+    exact = (x.double().reshape(4, 2, size) @ transform.matrix(torch.float64).T).reshape(4, -1)
+    torch.testing.assert_close(want.double(), exact, rtol=1e-5, atol=1e-5)
+    functions = quantize_functions(
+        nn.Identity(), {"matmul": nearest(input=E4M3, weight=E4M3, output=E4M3, mac=FP16_MAC)}
+    )
+    with functions:
+        got, back = transform.apply(x), transform.inverse(want)
+        quantised = x @ x.t()  # the context's own products are still simulated
+    assert_same_bits(got, want, "apply")
+    assert_same_bits(back, transform.inverse(want), "inverse")
+    assert on_grid(quantised, E4M3)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x, w, b: LF.linear(x, w, b, input_grad_mac=FP16_MAC),
+        lambda x, w, b: LF.linear(x, w, weight_grad_mac=FP16_MAC),
+        lambda x, w, b: LF.linear(x, w, b, input_grad_operands=LF.Operands(error=E5M2)),
+        lambda x, w, b: LF.matmul(x, w.t(), weight_grad_operands=LF.Operands(input=E5M2)),
+        lambda x, w, b: LF.bmm(x[None], w.t()[None], input_grad_mac=FP16_MAC),
+        lambda x, w, b: LF.conv1d(x[None], w[:, :4, None], b, input_grad_mac=FP16_MAC),
+    ],
+    ids=["linear-bias", "linear", "linear-operands", "matmul-operands", "bmm", "conv1d"],
+)
+def test_a_simulated_functional_products_own_torch_calls_are_not_the_contexts(call):
+    """lpsim.nn.functional computes the forward product of a function whose backward products
+    are simulated by torch's op (native forward MAC): its own arithmetic, which a context's
+    "linear" and "matmul" entries rounded as a model's call (the forward only: the backward
+    products are outside the context), silently. The result is the same inside as outside, and
+    the context still decides the model's own calls and functions whose products are all torch's
+    (torch's op itself)."""
+    g = torch.Generator().manual_seed(4)
+    x, w, b = (torch.randn(*s, generator=g) for s in ((4, 16), (8, 16), (8,)))
+    want = call(x, w, b)
+    settings = nearest(output=Float(2, 1))
+    with quantize_functions(nn.Identity(), {"linear": settings, "matmul": settings}):
+        got = call(x, w, b)
+        native = LF.linear(x, w, b)  # torch's F.linear itself: the context's call
+    assert_same_bits(got, want)
+    assert on_grid(native, Float(2, 1))
+
+
 @pytest.mark.parametrize("mac", [None, BF16_MAC])
 def test_integer_products_are_torchs_own_and_take_no_site(mac):
     """An integer product has nothing to simulate: torch computes it exactly, under any MAC, and
@@ -716,6 +768,22 @@ def test_integer_products_are_torchs_own_and_take_no_site(mac):
     for product in products:
         assert product.dtype == torch.int64 and torch.equal(product, a @ b)
     assert list(functions.scalers.keys()) == ["0:<outside>:matmul:0:input"]
+
+
+@pytest.mark.parametrize("mac", [None, BF16_MAC])
+def test_integer_linear_calls_are_torchs_own_and_take_no_site(mac):
+    """As integer matmuls: F.linear of integer tensors is torch's exact product under any
+    settings (no output format, MAC or error applied), and the float call after it keeps rank 0."""
+    a, w, bias = torch.randint(-9, 9, (3, 4)), torch.randint(-9, 9, (2, 4)), torch.arange(2)
+    x = torch.randn(3, 4)
+    settings = nearest(input=DELAYED, output=E4M3, error=E5M2, mac=mac)
+    functions = quantize_functions(nn.Identity(), {"linear": settings})
+    with functions:
+        products = [F.linear(a, w), F.linear(a, w, bias), F.linear(input=a, weight=w)]
+        F.linear(x, x)
+    for product, want in zip(products, [a @ w.t(), a @ w.t() + bias, a @ w.t()]):
+        assert product.dtype == torch.int64 and torch.equal(product, want)
+    assert list(functions.scalers.keys()) == ["0:<outside>:linear:0:input"]
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])

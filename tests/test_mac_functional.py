@@ -755,6 +755,69 @@ def test_a_native_forward_mac_is_torchs_convolution_whatever_the_backward_macs(
     assert_same_bits(got, op(x, w, **geometry))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    "op, simulated, x_shape, w_shape, geometry",
+    [
+        (F.linear, LF.linear, (2, 16, 64), (32, 64), {}),
+        (F.linear, LF.linear, (16, 64), (32, 64), {}),
+        (F.conv2d, LF.conv2d, (2, 8, 9, 9), (6, 8, 3, 3), dict(padding=1)),
+        (F.conv2d, LF.conv2d, (8, 9, 9), (6, 4, 3, 3), dict(stride=2, groups=2)),
+        (F.conv1d, LF.conv1d, (2, 8, 13), (6, 8, 3), dict(padding="same")),
+    ],
+    ids=["linear-3d", "linear-2d", "conv2d", "conv2d-unbatched-groups", "conv1d"],
+)
+def test_a_native_forward_mac_adds_the_bias_as_torchs_op_whatever_the_backward_products(
+    op, simulated, x_shape, w_shape, geometry, dtype
+):
+    """Under MAC() the forward result is torch's op with its bias, bit for bit, also where only
+    the backward products are simulated or take Operands: torch adds a bfloat16 or float16 bias
+    in its float32 arithmetic and rounds once (a second rounding, bias added to the rounded
+    product, moved results by an ulp). The bias gradient still sums the error over (batch,
+    position) under weight_grad_mac: here a float16 sum, checked against an exact model (then
+    rounded to the bias's dtype, as autograd casts it)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(x_shape, generator=g).to(dtype)
+    w = torch.randn(w_shape, generator=g).to(dtype)
+    b = (torch.randn(w_shape[0], generator=g) * 10).to(dtype)
+    want = op(x, w, b, **geometry)
+    keywords = [dict(input_grad_mac=FLOAT16, weight_grad_mac=FLOAT16)]
+    if op is F.linear:
+        keywords.append(dict(input_grad_operands=LF.Operands(error=Float(5, 2))))
+    for keyword in keywords:
+        bias = b.clone().requires_grad_()
+        got = simulated(x, w, bias, **geometry, **keyword)
+        assert_same_bits(got, want, str(keyword))
+    grad = spread(*want.shape, seed=74).to(dtype)
+    got.backward(grad)  # the last: the native weight-gradient MAC, torch's sum
+    bias = b.clone().requires_grad_()
+    simulated(x, w, bias, **geometry, weight_grad_mac=FLOAT16).backward(grad)
+    if op is F.linear:  # (position, feature): the positions in order
+        errors = grad.reshape(-1, w_shape[0]).t()
+    else:  # (batch, channel, position): per channel, batch then position
+        batched = grad if grad.dim() == len(w_shape) else grad.unsqueeze(0)
+        errors = batched.transpose(0, 1).reshape(w_shape[0], -1)
+    for j in range(w_shape[0]):
+        total = _sequential_binary16([Fraction(v.item()) for v in errors[j]])
+        # The float16 sum comes out in float32 for bfloat16 (float16 does not fit it), and
+        # autograd rounds it to the bias's dtype.
+        want_j = torch.tensor(float(total), dtype=torch.float64).to(dtype)
+        assert_same_bits(bias.grad[j], want_j, f"bias gradient {j}")
+
+
+def test_a_bias_of_another_dtype_under_a_native_forward_mac_is_added_to_the_product():
+    """torch's linear and convolutions refuse a float32 bias on bfloat16 operands; lpsim adds it
+    to the product by torch's addition (in float32), also where it has torch's op add the bias."""
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(4, 8, generator=g).bfloat16()
+    w = torch.randn(3, 8, generator=g).bfloat16()
+    b = torch.randn(3, generator=g)
+    got = LF.linear(x, w, b, input_grad_mac=FLOAT16)
+    assert_same_bits(got, torch.matmul(x, w.t()) + b)
+    got = LF.conv1d(x[None], w[:, :4, None], b, input_grad_mac=FLOAT16)
+    assert_same_bits(got, F.conv1d(x[None], w[:, :4, None]) + b[:, None])
+
+
 # Double backward. (name, lpsim's op, torch's op, shapes of input, weight, bias)
 _TWICE = [
     ("linear", LF.linear, F.linear, (4, 5), (3, 5), (3,)),

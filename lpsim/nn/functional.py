@@ -52,10 +52,14 @@ Which terms each result sums, in which order (k below is a MAC's term index):
   under its own if given; the softmax and the dropout are torch's. Its docstring states each
   product's terms and order.
 - ``bias`` is added after the sum, as one more rounded addition in the forward MAC's
-  accumulator (result = round(s + bias) by its rule; torch's float32 addition for the native
-  MAC); its gradient sums the output gradient over every position along which the bias is
-  broadcast (every position but the channel or feature for a 1-D bias), in the order of the
-  weight gradient, under ``weight_grad_mac``.
+  accumulator (result = round(s + bias) by its rule). Under the native forward MAC a bias of at
+  most one dimension (nn.Linear's, a convolution's) and of the operands' dtype is added by
+  torch's op itself, F.linear or the convolution with its bias, so that the forward result is
+  torch's op bit for bit whatever the backward products (torch adds a bfloat16 or float16 bias
+  in its float32 arithmetic and rounds once); another bias is added to the result by torch's
+  addition (in the wider dtype). Its gradient sums the output gradient over every position
+  along which the bias is broadcast (every position but the channel or feature for a 1-D
+  bias), in the order of the weight gradient, under ``weight_grad_mac``.
 
 Random words: every stochastic product draws a seed from torch's default CPU generator (so
 ``torch.manual_seed`` makes a run reproducible); the matrices of a batch and the groups of a
@@ -80,6 +84,11 @@ autocast dtype (every floating-point tensor but a float64 one) by a cast that au
 differentiates, so the gradients reach the leaves through it, as under torch's op. The result
 has the dtype above for those operands (bfloat16 under a bfloat16 autocast and a ``Float(8, 7)``
 accumulator, float32 under a float32 accumulator).
+
+Under lpsim.nn.quantize_functions: a function whose products are all native (and takes no
+Operands) is torch's op, which a context decides as it decides the model's own calls; any other
+is lpsim's own product, whose torch calls (its forward product under the native forward MAC
+among them) no context sees.
 
 Double backward (``create_graph=True``, then a second differentiation): a product under a
 non-native MAC has no derivative, so differentiating a gradient that a simulated backward product
@@ -161,6 +170,10 @@ class Operands:
             reduction axis before they are quantised (the product is unchanged up to rounding:
             R is orthogonal). The reduction length must be a multiple of its size. An operand
             left None is still transformed.
+
+    For ``matmul`` of batched operands, an operand that the product broadcasts over the batch (a
+    (K, N) or (1, K, N) weight by a (B, M, K) input, say) is quantised once, as the tensor it is,
+    and every matrix of the batch takes that one rounding, as the forward's formats quantise it.
 
     Formats are stateless: a DelayedScaling keeps one history per tensor and is refused.
 
@@ -366,15 +379,45 @@ def _batched(a: torch.Tensor, b: torch.Tensor, mac: MAC) -> torch.Tensor:
     return torch.stack([_product(a[i], b[i], mac, seed, i) for i in range(a.shape[0])])
 
 
+def _own_arithmetic():
+    """A context for the forward product of a simulated function (one whose products are not all
+    native): its torch calls (torch.matmul, F.linear, a convolution under the native forward MAC)
+    are its own arithmetic, not a model's, and no TorchFunctionMode sees them: a
+    lpsim.nn.quantize_functions context would otherwise round the forward product of, say,
+    linear(x, w, input_grad_mac=...) as a model's matmul, its backward products not."""
+    return torch._C.DisableTorchFunction()
+
+
+def _in_batch(t: torch.Tensor, batch: tuple[int, ...] | None) -> torch.Tensor:
+    """t (..., R, C), whose leading dimensions broadcast to ``batch``, as the (prod(batch), R, C)
+    batch of its copies; t itself for None (one product of matrices)."""
+    if batch is None:
+        return t
+    return t.expand(*batch, *t.shape[-2:]).reshape(math.prod(batch), *t.shape[-2:])
+
+
 class _BatchedProduct(torch.autograd.Function):
     """c[i] = a[i] @ b[i] under the forward MAC; dA[i] = g[i] b[i]^T under input_grad and
     dB[i] = a[i]^T g[i] under weight_grad, their operands formed by the Arithmetic's Operands
     where it has them (from ``raw_a`` and ``raw_b``, the tensors a and b were quantised from).
     a and b are batches (B, M, K) and (B, K, N), or the matrices (M, K) and (K, N) of one product
-    (see _batched)."""
+    (see _batched). ``batch``: the batch shape that raw_a and raw_b broadcast to (a and b are
+    them broadcast and flattened), None for one product of matrices. A raw operand is quantised
+    once, as the tensor it is, and then broadcast: every matrix of the batch that shares it takes
+    the same rounding (a stochastic rule would round each copy its own way)."""
 
     @staticmethod
-    def forward(ctx, a, b, raw_a, raw_b, how: Arithmetic):
+    def forward(
+        ctx,
+        a,
+        b,
+        raw_a,
+        raw_b,
+        how: Arithmetic,
+        batch: tuple[int, ...] | None = None,
+        bias: torch.Tensor | None = None,
+        native=None,
+    ):
         wgrad, dgrad = how.weight_grad_operands, how.input_grad_operands
         ctx.save_for_backward(
             a,
@@ -382,8 +425,12 @@ class _BatchedProduct(torch.autograd.Function):
             raw_a if wgrad is not None and wgrad.other is not None else None,
             raw_b if dgrad is not None and dgrad.other is not None else None,
         )
-        ctx.how = how
-        return _batched(a, b, how.forward)
+        ctx.how, ctx.batch = how, batch
+        ctx.bias_shape = None if bias is None else bias.shape
+        with _own_arithmetic():
+            if native is not None:  # torch's op of the caller's tensors, the bias included
+                return native()
+            return _batched(a, b, how.forward)
 
     @staticmethod
     def backward(ctx, grad):
@@ -396,18 +443,26 @@ class _BatchedProduct(torch.autograd.Function):
                 grad_a = _batched(grad, b.transpose(-2, -1), how.input_grad)
             else:  # the operands with the reduction axis (N) last: E (M x N), B (K x N)
                 error = ops.operand(grad, ops.error)
-                weight = ops.operand(b if ops.other is None else raw_b, ops.other)
+                if ops.other is None:
+                    weight = ops.operand(b, None)
+                else:
+                    weight = _in_batch(ops.operand(raw_b, ops.other), ctx.batch)
                 grad_a = _batched(error, weight.transpose(-2, -1), how.input_grad)
         if ctx.needs_input_grad[1]:
             ops = how.weight_grad_operands
             if ops is None:
                 grad_b = _batched(a.transpose(-2, -1), grad, how.weight_grad)
             else:  # the operands with the reduction axis (M) last: A^T (K x M), E^T (N x M)
-                source = a if ops.other is None else raw_a
-                inputs = ops.operand(source.transpose(-2, -1), ops.other)
+                if ops.other is None:
+                    inputs = ops.operand(a.transpose(-2, -1), None)
+                else:
+                    inputs = _in_batch(ops.operand(raw_a.transpose(-2, -1), ops.other), ctx.batch)
                 error = ops.operand(grad.transpose(-2, -1), ops.error)
                 grad_b = _batched(inputs, error.transpose(-2, -1), how.weight_grad)
-        return grad_a, grad_b, None, None, None
+        grad_bias = None
+        if ctx.bias_shape is not None and ctx.needs_input_grad[6]:
+            grad_bias = _bias_gradient(grad, ctx.bias_shape, how.weight_grad)
+        return grad_a, grad_b, None, None, None, None, grad_bias, None
 
 
 def _check_tensors(where: str, bias=None, **operands) -> None:
@@ -470,11 +525,23 @@ def _torch_op(op, input: torch.Tensor, weight: torch.Tensor, how: Arithmetic, *a
     return _with_grad_format(op(x, w, *args), how)
 
 
+def _bias_gradient(grad: torch.Tensor, bias_shape, mac: MAC) -> torch.Tensor:
+    """The gradient of a bias of ``bias_shape`` broadcast to grad's shape: grad summed over the
+    dimensions along which the bias is broadcast (their positions in row-major order:
+    batch-major), one product under ``mac``."""
+    shape = (1,) * (grad.dim() - len(bias_shape)) + tuple(bias_shape)
+    summed = [d for d, n in enumerate(shape) if n == 1]
+    kept = [d for d, n in enumerate(shape) if n != 1]
+    rows = grad.permute(summed + kept)
+    rows = rows.reshape(math.prod(rows.shape[: len(summed)]), math.prod(rows.shape[len(summed) :]))
+    ones = torch.ones(1, rows.shape[0], dtype=rows.dtype, device=rows.device)
+    return _product(ones, rows, mac, _seed(mac), 0)[0].reshape(bias_shape)
+
+
 class _AddBias(torch.autograd.Function):
     """y + bias (a tensor that broadcasts to y's shape without changing it), rounded once into the
-    forward MAC's accumulator; the bias gradient sums the output gradient over the dimensions along
-    which the bias is broadcast (their positions in row-major order: batch-major) under
-    weight_grad."""
+    forward MAC's accumulator; the bias gradient is _bias_gradient under weight_grad. (Under the
+    native forward MAC a 1-D bias is added by torch's op itself, with the product: see _fused.)"""
 
     @staticmethod
     def forward(ctx, y, bias, how: Arithmetic):
@@ -489,20 +556,25 @@ class _AddBias(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        how = ctx.how
         grad_bias = None
         if ctx.needs_input_grad[1]:
-            shape = (1,) * (grad.dim() - len(ctx.bias_shape)) + tuple(ctx.bias_shape)
-            summed = [d for d, n in enumerate(shape) if n == 1]
-            kept = [d for d, n in enumerate(shape) if n != 1]
-            rows = grad.permute(summed + kept)
-            rows = rows.reshape(
-                math.prod(rows.shape[: len(summed)]), math.prod(rows.shape[len(summed) :])
-            )
-            ones = torch.ones(1, rows.shape[0], dtype=rows.dtype, device=rows.device)
-            grad_bias = _product(ones, rows, how.weight_grad, _seed(how.weight_grad), 0)[0]
-            grad_bias = grad_bias.reshape(ctx.bias_shape)
+            grad_bias = _bias_gradient(grad, ctx.bias_shape, ctx.how.weight_grad)
         return grad, grad_bias, None
+
+
+def _fused(bias: torch.Tensor | None, how: Arithmetic, *operands: torch.Tensor) -> bool:
+    """Whether torch's own op adds ``bias`` with the product of ``operands``: under the native
+    forward MAC, a bias of at most one dimension (nn.Linear's, a convolution's) and of the
+    operands' dtype, which every path of torch's linear and convolutions takes. The forward
+    result is then torch's op, bit for bit (its bias added in the product's float32 arithmetic
+    and rounded once with it, for bfloat16 and float16 operands), whatever the backward products.
+    (Operands or a bias of other dtypes, which torch's ops refuse, are brought to the wider.)"""
+    return (
+        bias is not None
+        and how.forward.native
+        and bias.dim() <= 1
+        and all(t.dtype == bias.dtype for t in operands)
+    )
 
 
 def _add_bias(y, bias, how: Arithmetic):
@@ -594,11 +666,10 @@ def simulated_matmul(
         c = c.reshape(*a.shape[:-1], b.shape[-1])
     else:
         batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-
-        def batched(t: torch.Tensor) -> torch.Tensor:
-            return t.expand(*batch, *t.shape[-2:]).reshape(math.prod(batch), *t.shape[-2:])
-
-        c = _BatchedProduct.apply(batched(a), batched(b), batched(raw_a), batched(raw_b), how)
+        # The raw operands stay as given: the backward products quantise each once (_in_batch).
+        c = _BatchedProduct.apply(
+            _in_batch(a, batch), _in_batch(b, batch), raw_a, raw_b, how, tuple(batch)
+        )
         c = c.reshape(*batch, a.shape[-2], b.shape[-1])
     if vector_a:
         c = c.squeeze(-2)
@@ -720,13 +791,28 @@ def simulated_linear(
             f"linear: bias of shape {tuple(bias.shape)} does not broadcast to the result's shape "
             f"{shape} (as torch's linear, which adds it to the result in place)"
         )
+    fused = _fused(bias, how, x, w) and w.dim() == 2
+    given = (x, w, bias)
     if w.dim() == 1:  # one output feature
         w, raw_w = w.unsqueeze(0), raw_w.unsqueeze(0)
     rows = math.prod(x.shape[:-1])  # (not -1: in_features may be 0)
+
+    def native() -> torch.Tensor:  # torch's linear, its bias added with the product
+        return F.linear(*given).reshape(rows, w.shape[0])
+
     y = _BatchedProduct.apply(
-        x.reshape(rows, x.shape[-1]), w.t(), raw_x.reshape(rows, x.shape[-1]), raw_w.t(), how
+        x.reshape(rows, x.shape[-1]),
+        w.t(),
+        raw_x.reshape(rows, x.shape[-1]),
+        raw_w.t(),
+        how,
+        None,
+        bias if fused else None,
+        native if fused else None,
     )
-    y = _add_bias(y.reshape(shape), bias, how)
+    y = y.reshape(shape)
+    if not fused:
+        y = _add_bias(y, bias, how)
     return _with_grad_format(y, how)
 
 
@@ -928,33 +1014,38 @@ class _Convolution(torch.autograd.Function):
     input_grad and weight_grad (see the module docstring for the terms and their order)."""
 
     @staticmethod
-    def forward(ctx, x, w, geometry: _Geometry, how: Arithmetic, torch_conv):
+    def forward(ctx, x, w, geometry: _Geometry, how: Arithmetic, torch_conv, bias=None):
         ctx.save_for_backward(x, w)
         ctx.geometry, ctx.how = geometry, how
+        ctx.has_bias = bias is not None
         # Under the native MAC, torch's own convolution with the caller's arguments: the same
         # bits (but not without input channels, where torch gives no output channels: see _conv).
-        if how.forward.native and x.shape[1] > 0:
-            return torch_conv(x, w)
-        return _conv_forward(x, w, geometry, how.forward)
+        # ``bias``: a bias torch's convolution adds (see _fused), given only under the native MAC.
+        with _own_arithmetic():
+            if how.forward.native and x.shape[1] > 0:
+                return torch_conv(x, w, bias)
+            return _conv_forward(x, w, geometry, how.forward)
 
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
         how, geometry = ctx.how, ctx.geometry
-        grad_x = grad_w = None
+        grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_x = _conv_input_grad(grad, w, x.shape, geometry, how.input_grad)
         if ctx.needs_input_grad[1]:
             grad_w = _conv_weight_grad(x, grad, w.shape, geometry, how.weight_grad)
-        return grad_x, grad_w, None, None, None
+        if ctx.has_bias and ctx.needs_input_grad[5]:
+            grad_bias = _bias_gradient(grad, (w.shape[0], 1, 1), how.weight_grad).reshape(-1)
+        return grad_x, grad_w, None, None, None, grad_bias
 
 
 def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int, torch_conv):
     """conv1d or conv2d (``dims``) of input, batched or not, checked and computed as torch does:
     an unbatched input as the batch of one it is, its operands and error quantised as given (as
     under the native MACs, where the function is torch's op of the quantised operands).
-    ``torch_conv``: torch's convolution (x, w) -> result, without bias, of the 4-D operands (for
-    conv1d, 1 x L images), the forward product under the native MAC.
+    ``torch_conv``: torch's convolution (x, w, bias) -> result of the 4-D operands (for conv1d,
+    1 x L images), the forward product under the native MAC (bias None, or added by it: _fused).
 
     Raises:
         ValueError: the shapes do not match torch's.
@@ -975,8 +1066,10 @@ def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int, 
     channels = x.shape[1]
     if dims == 1:
         x, w = x.unsqueeze(2), w.unsqueeze(2)
-    y = _Convolution.apply(x, w, geometry, how, torch_conv)
-    y = _add_bias(y, None if bias is None else bias.reshape(-1, 1, 1), how)
+    fused = _fused(bias, how, x, w) and channels > 0
+    y = _Convolution.apply(x, w, geometry, how, torch_conv, bias if fused else None)
+    if not fused:
+        y = _add_bias(y, None if bias is None else bias.reshape(-1, 1, 1), how)
     if channels == 0:  # torch's result: no output channels (the bias's gradient zero)
         y = y[:, :0]
     if dims == 1:
@@ -1054,8 +1147,8 @@ def conv2d(
     _check_tensors("conv2d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 2)
 
-    def torch_conv(x, w):
-        return F.conv2d(x, w, None, stride, padding, dilation, groups)
+    def torch_conv(x, w, bias):
+        return F.conv2d(x, w, bias, stride, padding, dilation, groups)
 
     return _conv(input, weight, bias, geometry, how, 2, torch_conv)
 
@@ -1093,8 +1186,8 @@ def conv1d(
     _check_tensors("conv1d", input=input, weight=weight, bias=bias)
     geometry = _geometry(weight.shape, stride, padding, dilation, groups, 1)
 
-    def torch_conv(x, w):  # of the 1 x L images
-        y = F.conv1d(x.squeeze(2), w.squeeze(2), None, stride, padding, dilation, groups)
+    def torch_conv(x, w, bias):  # of the 1 x L images
+        y = F.conv1d(x.squeeze(2), w.squeeze(2), bias, stride, padding, dilation, groups)
         return y.unsqueeze(2)
 
     return _conv(input, weight, bias, geometry, how, 1, torch_conv)

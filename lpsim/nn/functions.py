@@ -123,7 +123,10 @@ whose calls a context quantises.
 
 Not simulated: calls with ``out=`` (refused). Every other function is torch's own, unquantised,
 even where it computes the same products: einsum, addmm, addbmm, baddbmm, mv, dot, inner,
-tensordot, linalg.multi_dot; log_softmax and softmin; convolutions (through inject).
+tensordot, linalg.multi_dot; log_softmax and softmin; convolutions (through inject). The matrix
+product of lpsim.RandomHadamard's apply and inverse is the transform's own arithmetic, which no
+context sees, as are the products of an lpsim.nn.functional function whose products are not all
+native (one whose are is torch's op, decided as the model's call).
 """
 
 from __future__ import annotations
@@ -528,11 +531,16 @@ class FunctionQuantization(TorchFunctionMode):
                 y = _functional.simulated_matmul(a, b, how, unquantised)
         return self._result(y, decision)
 
+    def _product_decision(self, op: str, args: tuple, kwargs: dict) -> _Decision | None:
+        """decide(op) for a product call; None, torch's own and not counted as a call of a site,
+        where an operand is an integer (or bool) tensor: torch computes it exactly."""
+        if any(_integer(t) for t in (*args, *kwargs.values())):
+            return None
+        return self.decide(op)
+
     def _matmul(self, func, args, kwargs):
         op = _hooks.function_name() or "matmul"
-        if any(_integer(t) for t in (*args, *kwargs.values())):  # exact in torch: not simulated
-            return self._passed_on(op, func, args, kwargs)
-        decision = self.decide(op)
+        decision = self._product_decision(op, args, kwargs)
         if decision is None:
             return self._passed_on(op, func, args, kwargs)
         second = "mat2" if func in (*_MM_FUNCTIONS, *_BMM_FUNCTIONS) else "other"
@@ -550,7 +558,7 @@ class FunctionQuantization(TorchFunctionMode):
         return self._product(decision, *operands)
 
     def _linear(self, args, kwargs):
-        decision = self.decide("linear")
+        decision = self._product_decision("linear", args, kwargs)
         if decision is None:
             return self._passed_on("linear", F.linear, args, kwargs)
         bound = dict(zip(("input", "weight", "bias"), args), **kwargs)
