@@ -71,9 +71,16 @@ __all__ = [
 ]
 
 WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.MultiheadAttention)
-# The weight layers whose inputs take their features last, (..., features): their products reduce
-# over axis -1 (the others, convolutions, over the channels, axis 1).
-_FEATURES_LAST = (nn.Linear, nn.MultiheadAttention)
+# Each weight layer's reduction axis (Recipe.blocks_along_reduction), counted from the end so that
+# unbatched inputs have it too: the features of a Linear layer's and an attention's (..., features)
+# inputs and errors and (out, in) weights; the channels of a convolution's (batch, channel,
+# *spatial) inputs and errors and the input channels of its (out, in, *kernel) weight.
+_REDUCTION_AXES = (
+    ((nn.Linear, nn.MultiheadAttention), -1),
+    (nn.Conv1d, -2),
+    (nn.Conv2d, -3),
+    (nn.Conv3d, -4),
+)
 # The layers that can be a model's first or last weight layer: the weight layers above and the
 # others with weights of their own that the recipes give no entry (a decoder's last transposed
 # convolution, a recurrent first layer or cell).
@@ -168,12 +175,14 @@ class Recipe:
             quantised by ``weight`` in every forward pass only, as FP8 and MX training do.
         blocks_along_reduction: whether every Scaled format of a weight layer's quantisers
             (weight, bias, input, output, error) takes its blocks along that layer's reduction
-            axis instead of its own ``axis``: 1 for convolutions ((batch, channel, ...) inputs,
-            (out, in, ...) weights), -1 for Linear layers and MultiheadAttention (inputs
-            (..., features) of any rank, (out, in) weights). The scaled recipes (MXFP8, MXFP4,
-            NVFP4) set it, so that a Linear layer's 3-D (batch, token, channel) input is blocked
-            along its channels, not its tokens; ``along`` clears it. A depthwise convolution's
-            weight (channels, 1, ...) has blocks of one element along axis 1.
+            axis instead of its own ``axis``: the channels of a convolution's (batch, channel,
+            *spatial) inputs and errors and (out, in, *kernel) weights, counted from the end
+            (-2, -3 and -4 for Conv1d, Conv2d and Conv3d, so that unbatched inputs have it too);
+            -1 for Linear layers and MultiheadAttention (inputs (..., features) of any rank,
+            (out, in) weights). The scaled recipes (MXFP8, MXFP4, NVFP4) set it, so that a
+            Linear layer's 3-D (batch, token, channel) input is blocked along its channels, not
+            its tokens; ``along`` clears it. A depthwise convolution's weight (channels, 1, ...)
+            has blocks of one element.
         mac: the arithmetic of the weight layers' products, forward and backward (an lpsim.MAC;
             None: torch's own): every Linear, Conv1d, Conv2d and MultiheadAttention it reaches
             (all of them unless ``keep_edges``) sums its products as the MAC prescribes
@@ -261,25 +270,23 @@ class Recipe:
                 weight=self.weight, bias=self.weight, output=self.activation, error=self.error
             )
             weight_layer = replace(other, mac=self.mac)
-        # Linear layers and attentions take their features last: their entry, where the blocks
-        # follow each layer's reduction axis.
-        features_last = weight_layer
-        if self.blocks_along_reduction:
-            features_last = _layer_blocks_along(weight_layer, -1)
-            weight_layer = _layer_blocks_along(weight_layer, 1)
+        weight_layers = {WEIGHT_LAYERS: weight_layer}
+        if self.blocks_along_reduction:  # an entry per kind of weight layer the model has
+            weight_layers = {
+                types: _layer_blocks_along(weight_layer, axis)
+                for types, axis in _REDUCTION_AXES
+                if any(isinstance(m, types) for m in model.modules())
+            }
+
+        def entry_of(module: nn.Module) -> LayerQuantization | None:
+            found = (e for types, e in weight_layers.items() if isinstance(module, types))
+            return next(found, other)
+
         for name, (module, kinds) in shared.items():
-            entry = (
-                features_last
-                if isinstance(module, _FEATURES_LAST)
-                else weight_layer
-                if isinstance(module, WEIGHT_LAYERS)
-                else other
-            )
+            entry = entry_of(module)
             if entry is not None and name not in config:
                 config[name] = replace(entry, **dict.fromkeys(kinds))
-        if features_last != weight_layer:
-            config[_FEATURES_LAST] = features_last
-        config[WEIGHT_LAYERS] = weight_layer
+        config.update(weight_layers)
         config["default"] = other
         return config
 

@@ -93,9 +93,9 @@ def test_scaled_recipes_quantise_the_operands_of_the_inner_weight_layers_only(re
     assert first not in done and last not in done and done
     for d in done.values():
         assert d["type"] in ("Conv2d", "Linear") and not d["bias"] and d["output"] is None
-        # blocks along the reduction axis: the channels of a Conv2d's input, the features (last
-        # axis) of a Linear's
-        axis = 1 if d["type"] == "Conv2d" else -1
+        # blocks along the reduction axis: the channels of a Conv2d's input (axis -3), the
+        # features (last axis) of a Linear's
+        axis = -3 if d["type"] == "Conv2d" else -1
         assert d["input"].format.axis == axis and d["error"].format.axis == axis
     x, y = torch.randn(8, 1, 8, 8), torch.randint(10, (8,))
     nn.functional.cross_entropy(model(x), y).backward()
@@ -189,6 +189,24 @@ def test_scaled_recipes_block_each_weight_layer_along_its_reduction_axis():
         # Blocks along the tokens (axis 1 of the Linear's input) give other values.
         wrong = nn.functional.linear(q(h, 1), q(plain.head.weight, -1), plain.head.bias)
         assert not torch.equal(wrong, nn.functional.linear(q(h, -1), plain.head.weight))
+
+
+def test_scaled_recipes_block_an_unbatched_convolutions_input_along_its_channels():
+    # nn.Conv1d takes unbatched (channel, length) inputs: the channels are axis -2 (0 here), not
+    # axis 1 (the length).
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Conv1d(32, 32, 3, padding=1) for _ in range(3)))
+    plain = nn.Sequential(*(nn.Conv1d(32, 32, 3, padding=1) for _ in range(3)))
+    plain.load_state_dict(model.state_dict())
+    recipe = recipes.MXFP8
+    model, _ = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    fmt, rule = recipe.activation
+    x = _heavy(32, 40)
+    with torch.no_grad():
+        h = lpsim.quantize(plain[0](x), replace(fmt, axis=0), rule)
+        w = lpsim.quantize(plain[1].weight, replace(fmt, axis=1), rule)
+        h = nn.functional.conv1d(h, w, plain[1].bias, padding=1)
+        assert torch.equal(model(x), plain[2](h))
 
 
 def test_scaled_recipes_quantise_a_linear_layers_errors_along_its_output_features():
