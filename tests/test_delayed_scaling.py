@@ -645,6 +645,46 @@ def test_an_optimizer_step_inside_the_backward_pass_still_scales_its_tensors():
     assert torch.equal(w.detach(), twin.detach())
 
 
+class _Nested(nn.Module):
+    """Returns one tensor at two places of a nested output, and another beside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y, (y * 2, y)
+
+
+@pytest.mark.parametrize("role", ["output", "error"])
+def test_a_compiled_module_with_nested_outputs_makes_its_scalers_and_gives_the_eager_bits(role):
+    """The first compiled call makes the scalers outside the graph (a graph break inside the
+    quantisation of a nested output). That call, and the next, give the eager outputs, gradients
+    and scaler states (it raised an internal dynamo error while building the quantising
+    function of a DelayedScaler)."""
+    scaling = (DelayedScaling(E4M3, history_length=3), "nearest")
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), _Nested())
+        return inject(model, {_Nested: LayerQuantization(**{role: scaling})})
+
+    eager, model = make(), make()
+    compiled = torch.compile(model, backend="aot_eager")
+    for i in range(2):
+        x = torch.randn(5, 3, generator=torch.Generator().manual_seed(i)) * 4**i
+        want, got = eager(x), compiled(x)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1][0], want[1][0])
+        assert got[1][1] is got[0]  # one tensor, quantised once
+        (want[0].sum() + 3 * want[1][0].sum()).backward()
+        (got[0].sum() + 3 * got[1][0].sum()).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(eager.parameters(), model.parameters()))
+    want, got = eager.state_dict(), model.state_dict()
+    assert want.keys() == got.keys() and any(role in k for k in want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize("eager_steps", [0, 1], ids=["compiled-from-the-start", "one-eager-step"])
 def test_compiled_steps_leave_the_scalers_where_eager_steps_do(eager_steps):
     """After the same steps compiled (aot_eager) and eager, with an eval pass and its recompile

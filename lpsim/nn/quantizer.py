@@ -448,11 +448,15 @@ def quantizing_function(forward, backward, clamp_grad_zero=False, backward_hooks
     return _QuantizingFunction(forward, backward, clamp_grad_zero, hooks)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _QuantizingFunction:
     """The function quantizing_function returns. An object, not a closure, so that a module
     holding it can be deep-copied (the copy's function then uses the copy's DelayedScaler, not
-    the original's) and pickled (torch.save of a whole model); not a tuple, which specs are."""
+    the original's) and pickled (torch.save of a whole model); not a tuple, which specs are.
+    Compared and hashed by identity (eq=False): a field-wise __hash__ is what dynamo calls on the
+    object while its __init__ is still setting the fields, where a frame that builds one with a
+    DelayedScaler's ScalerCall is compiled on its own (after a graph break inside a nested
+    output's quantisation), and it raised an internal dynamo error there."""
 
     forward: QuantSpec | ScalerCall | None
     backward: QuantSpec | ScalerCall | None
