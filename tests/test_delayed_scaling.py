@@ -685,6 +685,33 @@ def test_a_compiled_module_with_nested_outputs_makes_its_scalers_and_gives_the_e
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_exporting_before_the_scalers_exist_is_refused_and_after_one_pass_records_as_eager():
+    """torch.export of an injected model whose scalers are not made yet raised nothing, and the
+    exported program quantised every call with the trace's scale (1), recording nothing, where
+    the model rescales after each call. It is refused now, naming the remedy; after one forward
+    pass the exported program's outputs and scaler states follow the eager model's, call by
+    call."""
+    scaling = (DelayedScaling(E4M3, history_length=2), "nearest")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    inject(model, {nn.Linear: LayerQuantization(input=scaling, output=scaling, error=scaling)})
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match="Run the model once"):
+        torch.export.export(model, (x,))
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    model(x * 5)
+    eager = copy.deepcopy(model)
+    exported = torch.export.export(model, (x,)).module()
+    for scale in (1.0, 300.0, 0.01):
+        assert torch.equal(exported(x * scale), eager(x * scale))
+    want, got = eager.state_dict(), exported.state_dict()
+    assert any("lpsim_scalers.input" in k for k in want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
 @pytest.mark.parametrize("eager_steps", [0, 1], ids=["compiled-from-the-start", "one-eager-step"])
 def test_compiled_steps_leave_the_scalers_where_eager_steps_do(eager_steps):
     """After the same steps compiled (aot_eager) and eager, with an eval pass and its recompile
