@@ -158,7 +158,21 @@ class DelayedScaling:
     def scaler(self, device: torch.device | str | None = None) -> DelayedScaler:
         """A new scaler (fresh state: empty history, scale 1) for one tensor, its state on
         ``device`` (None: the CPU). The state is made of ordinary tensors even inside
-        torch.inference_mode, whose tensors the training passes after it could not update."""
+        torch.inference_mode, whose tensors the training passes after it could not update.
+
+        Raises:
+            RuntimeError: called while torch.export traces (a model's first pass through a
+                DelayedScaling quantiser makes its scaler): a scaler made there is no state of the
+                exported program, whose calls would then quantise with the trace's scale and never
+                record. Run the model once (a forward pass makes every scaler of its quantisers)
+                before exporting it."""
+        if torch.compiler.is_exporting():
+            raise RuntimeError(
+                "a DelayedScaler is being made while torch.export traces the model: it would be "
+                "no state of the exported program, which would quantise with the trace's scale "
+                "and record nothing. Run the model once (a forward pass) before exporting it, so "
+                "that every scaler exists"
+            )
         with torch.inference_mode(False):
             scaler = DelayedScaler(self)
             return scaler if device is None else scaler.to(device)

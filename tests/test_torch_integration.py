@@ -61,6 +61,69 @@ def test_compiled_function_backward_is_straight_through():
     assert torch.equal(x.grad, torch.full_like(x, 3.0))
 
 
+def test_a_quantizer_module_keeps_nn_modules_backward_hooks_and_compiles_to_the_eager_bits():
+    """A Quantizer held its backward_hooks tuple where nn.Module keeps its dict of full backward
+    hooks: register_full_backward_hook on it raised, and dynamo failed on every compiled model
+    holding one. Now the module's hooks are its own, and a compiled model gives the
+    eager outputs, torch's float8_e5m2 casts, and the eager gradients: the Quantizer's backward
+    hook (times 4), then torch's float8_e4m3fn cast of the gradient."""
+    from lpsim.nn import Quantizer
+
+    e4m3 = lpsim.preset("e4m3fn_saturating")  # torch's float8_e4m3fn cast
+
+    def make():
+        torch.manual_seed(0)
+        q = Quantizer(Float(5, 2), e4m3, "nearest", "nearest", backward_hooks=[lambda g: g * 4])
+        return torch.nn.Sequential(torch.nn.Linear(6, 5), q)
+
+    eager, model = make(), make()
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)) * 8
+    g = torch.randn(4, 5, generator=torch.Generator().manual_seed(2)) * 100
+    y = eager(x)
+    assert_same_bits(y, eager[0](x).detach().to(torch.float8_e5m2).float())
+    got = compiled(x)
+    assert_same_bits(got, y)
+    y.backward(g)
+    got.backward(g)
+    want_bias_grad = (g * 4).to(torch.float8_e4m3fn).float().sum(0)
+    assert torch.equal(eager[0].bias.grad, want_bias_grad)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(eager.parameters(), model.parameters()))
+
+    seen = []
+    eager[1].register_full_backward_hook(lambda module, grad_in, grad_out: seen.append(grad_out))
+    eager(x).backward(g)
+    assert len(seen) == 1 and torch.equal(seen[0][0], g)
+
+
+@pytest.mark.parametrize(
+    "error", [Float(5, 2), BlockFloat(5, block_size=4)], ids=["Float", "BlockFloat"]
+)
+def test_stochastic_error_quantisers_compile_with_fullgraph_to_the_eager_gradients(error):
+    """An injected model whose errors are rounded stochastically compiles with fullgraph=True, as
+    docs/training.md states (the per-call checks read the gradient's layout in the backward pass,
+    which dynamo refuses there), and its gradients are the eager ones under the same seed."""
+    from lpsim.nn import LayerQuantization, inject
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)
+        )
+        config = LayerQuantization(output=(Float(5, 2), "stochastic"), error=(error, "stochastic"))
+        return inject(model, {torch.nn.Linear: config})
+
+    eager, model = make(), make()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(2)
+    eager(x).square().sum().backward()
+    torch.manual_seed(2)
+    compiled(x).square().sum().backward()
+    for p, q in zip(eager.parameters(), model.parameters(), strict=True):
+        assert_same_bits(q.grad, p.grad)
+
+
 def test_compiled_unseeded_stochastic_rounding_traces():
     torch._dynamo.reset()
 

@@ -11,6 +11,7 @@ per tensor and place, made at its first quantisation), which is in the model's s
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -449,11 +450,15 @@ def quantizing_function(forward, backward, clamp_grad_zero=False, backward_hooks
     return _QuantizingFunction(forward, backward, clamp_grad_zero, hooks)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class _QuantizingFunction:
     """The function quantizing_function returns. An object, not a closure, so that a module
     holding it can be deep-copied (the copy's function then uses the copy's DelayedScaler, not
-    the original's) and pickled (torch.save of a whole model); not a tuple, which specs are."""
+    the original's) and pickled (torch.save of a whole model); not a tuple, which specs are.
+    Compared and hashed by identity (eq=False): a field-wise __hash__ is what dynamo calls on the
+    object while its __init__ is still setting the fields, where a frame that builds one with a
+    DelayedScaler's ScalerCall is compiled on its own (after a graph break inside a nested
+    output's quantisation), and it raised an internal dynamo error there."""
 
     forward: QuantSpec | ScalerCall | None
     backward: QuantSpec | ScalerCall | None
@@ -489,12 +494,20 @@ def _forward_mode_possible() -> bool:
     return forward_ad._current_level >= 0 or under_torch_func()
 
 
+# The settings of a Quantizer, each held in the instance's __dict__ under _SETTING_PREFIX + its
+# name. Not "_" + name: "_backward_hooks" is nn.Module's own dict of full backward hooks, which
+# the tuple of backward_hooks replaced (dynamo failed on every compiled model holding a
+# Quantizer, and register_full_backward_hook on one raised).
+_SETTINGS = ("forward_spec", "backward_spec", "clamp_grad_zero", "backward_hooks", "eval_rounding")
+_SETTING_PREFIX = "_lpsim_"
+
+
 def _setting(name: str) -> property:
-    """A read-only attribute of Quantizer, held in ``_<name>``. Assigning it raises: the
+    """A read-only attribute of Quantizer, held in ``_lpsim_<name>``. Assigning it raises: the
     module's quantising functions were built from it and would not change."""
 
     def read(self):
-        return self.__dict__["_" + name]
+        return self.__dict__[_SETTING_PREFIX + name]
 
     def refuse(self, value):
         raise AttributeError(
@@ -541,11 +554,13 @@ class Quantizer(nn.Module):
         settings = self.__dict__
         forward_rounding = Rounding.parse(forward_rounding, "forward_rounding")  # also unused
         backward_rounding = Rounding.parse(backward_rounding, "backward_rounding")
-        settings["_forward_spec"] = as_spec(forward, forward_rounding, "forward")
-        settings["_backward_spec"] = as_spec(backward, backward_rounding, "backward")
-        settings["_clamp_grad_zero"] = clamp_grad_zero
-        settings["_backward_hooks"] = checked_hooks(backward_hooks)
-        settings["_eval_rounding"] = parse_eval_rounding(eval_rounding)
+        settings[_SETTING_PREFIX + "forward_spec"] = as_spec(forward, forward_rounding, "forward")
+        settings[_SETTING_PREFIX + "backward_spec"] = as_spec(
+            backward, backward_rounding, "backward"
+        )
+        settings[_SETTING_PREFIX + "clamp_grad_zero"] = clamp_grad_zero
+        settings[_SETTING_PREFIX + "backward_hooks"] = checked_hooks(backward_hooks)
+        settings[_SETTING_PREFIX + "eval_rounding"] = parse_eval_rounding(eval_rounding)
         forward_train, forward_eval, self.forward_scaler = bind(
             self.forward_spec, self.eval_rounding
         )
@@ -564,6 +579,19 @@ class Quantizer(nn.Module):
     clamp_grad_zero = _setting("clamp_grad_zero")
     backward_hooks = _setting("backward_hooks")
     eval_rounding = _setting("eval_rounding")
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling (torch.load of a whole model). A Quantizer pickled when its settings were
+        held in "_<name>" gets them moved to their names now, and nn.Module's own dict of full
+        backward hooks, which its backward_hooks tuple had replaced, back."""
+        state = dict(state)
+        if not any(_SETTING_PREFIX + name in state for name in _SETTINGS):
+            for name in _SETTINGS:
+                if "_" + name in state:
+                    state[_SETTING_PREFIX + name] = state.pop("_" + name)
+            if not isinstance(state.get("_backward_hooks"), dict):
+                state["_backward_hooks"] = OrderedDict()
+        super().__setstate__(state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.apply_for(self, x)
