@@ -69,7 +69,6 @@ GPU_TEST_FILES = [
 ]
 DEVICE_TESTS = [
     "tests/test_transforms.py",
-    "tests/test_compat_qtorch.py",
     "tests/test_cifar10.py",
     "tests/test_op_devices.py",
     "tests/test_gpt.py",

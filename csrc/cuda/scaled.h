@@ -12,8 +12,10 @@
 
 namespace lpsim::gpu {
 
-// The n > 0 elements of a contiguous tensor rounded into a scaled format: three kernels, the
-// blocks' (and the tensor's) largest magnitudes, the blocks' scales, and the elements. amax:
+// The n > 0 elements of a contiguous tensor rounded into a scaled format: small blocks along the
+// last axis (MX, NVFP4) in one pass (small_blocks_kernel, scaled.cu), other layouts in three
+// kernels: the blocks' (and the tensor's) largest magnitudes, the blocks' scales, and the
+// elements. amax:
 // layout.blocks() + 1 zeroed 64-bit words; scales: room for layout.blocks() BlockScales.
 template <class C>
 void quantize_scaled(Rounding rounding, const void* x, void* y, int64_t n,
