@@ -135,10 +135,7 @@ def check_strided(x: torch.Tensor, name: str, function: str) -> None:
     ``name`` and the caller as ``function``, and the way to the tensors it takes)."""
     if x.is_nested:  # a nested tensor may have torch.strided as its layout
         kind, way = "nested", "unbind() gives its tensors"
-    elif not torch.compiler.is_compiling() and x.layout != torch.strided:
-        # Not while torch.compile traces: dynamo refuses to read a tensor's layout in the backward
-        # pass of an autograd.Function (a stochastic error quantiser under fullgraph=True), and
-        # the op's fake kernel and compiled kernel take strided tensors only.
+    elif x.layout != torch.strided:
         kind = str(x.layout).replace("torch.", "").lstrip("_")
         way = "a sparse tensor's values() is one" if "sparse" in kind else "to_dense() gives one"
     else:

@@ -66,15 +66,14 @@ def quantize_op_arguments(x, fmt, rounding, rbits, seed, offset):
             and rbits is None
             and seed is None
             and type(offset) is int
+            and x.layout is _STRIDED  # others are refused below (check_strided)
             and not x.is_nested
         ):
             default = _DEFAULT_RANDOM.get(rounding) if type(rounding) in (str, Rounding) else None
             if default is not None and offset == 0:
                 random, stochastic = default
                 # While torch.compile traces, and under torch.func, seed_argument draws the seed.
-                # The layout is read last: dynamo refuses to read it in an autograd.Function's
-                # backward pass (check_strided skips it while compiling).
-                if not (stochastic and draws_seed_in_python()) and x.layout is _STRIDED:
+                if not (stochastic and draws_seed_in_python()):
                     return "quantize_grid", grid + random
     check_tensor(x)
     check_strided(x, "x", "quantize")
