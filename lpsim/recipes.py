@@ -181,8 +181,9 @@ class Recipe:
             -1 for Linear layers and MultiheadAttention (inputs (..., features) of any rank,
             (out, in) weights). The scaled recipes (MXFP8, MXFP4, NVFP4) set it, so that a
             Linear layer's 3-D (batch, token, channel) input is blocked along its channels, not
-            its tokens; ``along`` clears it. A depthwise convolution's weight (channels, 1, ...)
-            has blocks of one element.
+            its tokens; ``along`` clears it. A bias (placement "outputs") is blocked along its
+            one axis. A depthwise convolution's weight (channels, 1, ...) has blocks of one
+            element.
         mac: the arithmetic of the weight layers' products, forward and backward (an lpsim.MAC;
             None: torch's own): every Linear, Conv1d, Conv2d and MultiheadAttention it reaches
             (all of them unless ``keep_edges``) sums its products as the MAC prescribes
@@ -239,7 +240,8 @@ class Recipe:
     def along(self, axis: int) -> Recipe:
         """This recipe with every Scaled format's blocks along ``axis`` in every layer (and
         ``blocks_along_reduction`` off): the scaled recipes otherwise block each weight layer's
-        operands along its reduction axis (1 for convolutions, -1 for Linear layers)."""
+        operands along its reduction axis (the channels for convolutions, -1 for Linear
+        layers)."""
         fields = ("weight", "activation", "error", "grad", "momentum", "acc")
         moved = {f: _blocks_along(getattr(self, f), axis) for f in fields}
         return replace(self, **moved, blocks_along_reduction=False)
@@ -384,9 +386,11 @@ def _blocks_along(spec, axis: int):
 
 
 def _layer_blocks_along(entry: LayerQuantization, axis: int) -> LayerQuantization:
-    """A weight layer's entry with its Scaled formats' blocks along axis."""
-    fields = ("weight", "bias", "input", "output", "error")
-    return replace(entry, **{f: _blocks_along(getattr(entry, f), axis) for f in fields})
+    """A weight layer's entry with its Scaled formats' blocks along axis (a bias's along its one
+    axis)."""
+    fields = ("weight", "input", "output", "error")
+    moved = {f: _blocks_along(getattr(entry, f), axis) for f in fields}
+    return replace(entry, **moved, bias=_blocks_along(entry.bias, -1))
 
 
 _PARAMETERS = ("quantized", "all")  # what Recipe.apply's optimizer rounds

@@ -285,3 +285,17 @@ def test_scaled_quantize_runs_under_torch_compile_fullgraph_bit_for_bit(name, ro
     assert torch.equal(x.grad, torch.full_like(x, 2.0))  # straight through, times 2
     z = _heavy(4, 64, seed=1)
     assert torch.equal(in_place(z.clone()), lpsim.quantize(z, fmt, rounding, seed=3))
+
+
+def test_a_scaled_recipe_placed_on_outputs_blocks_each_bias_along_its_one_axis():
+    # Under placement="outputs" the biases are quantised by the weight's format; a convolution's
+    # reduction axis (-3 for Conv2d) does not exist in its 1-D bias, which is blocked along its
+    # one axis instead.
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Conv2d(32, 32, 3, padding=1) for _ in range(3)))
+    biases = [layer.bias.detach().clone() for layer in model]
+    recipe = replace(recipes.MXFP8, placement="outputs")
+    model, _ = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    fmt, rule = recipe.weight
+    assert torch.equal(model[1].bias, lpsim.quantize(biases[1], replace(fmt, axis=-1), rule))
+    model(_heavy(2, 32, 4, 4)).sum().backward()
