@@ -143,6 +143,19 @@ def check_strided(x: torch.Tensor, name: str, function: str) -> None:
     raise TypeError(f"{name} is a {kind} tensor; {function} takes strided tensors ({way})")
 
 
+def check_factor(name: str, value: float, dtype: torch.dtype, where: str) -> None:
+    """Raises ValueError for a finite number ``value`` (the argument ``name``) beyond the range of
+    ``dtype``, in which an op multiplies by it (``where`` says which): torch refuses a scalar that
+    overflows its computation's dtype, and here it would become an infinite factor."""
+    limit = torch.finfo(dtype).max
+    if math.isfinite(value) and abs(value) > limit:
+        kind = str(dtype).replace("torch.", "")
+        raise ValueError(
+            f"{name} must be within {kind}'s range (magnitude at most {limit!r}) {where}; "
+            f"got {value!r}"
+        )
+
+
 def check_container(x, name: str = "x", allowed: Sequence[torch.dtype] = CONTAINER_DTYPES) -> None:
     """Raises TypeError unless x is a tensor of one of the ``allowed`` floating dtypes."""
     check_tensor(x, name)

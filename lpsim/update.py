@@ -33,7 +33,6 @@ trade-offs.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
@@ -41,6 +40,7 @@ from lpsim._checks import (
     RANDOMNESS,
     check_container,
     check_element_format,
+    check_factor,
     check_randomness,
     check_strided,
     random_args,
@@ -252,9 +252,6 @@ def _addc(
     return call("sr_addc", a, t1, t2, value, divide, *args)
 
 
-_FLOAT32_MAX = torch.finfo(torch.float32).max
-
-
 def _term_value(value: int | float, dtype: torch.dtype) -> float:
     """value as the float64 the addc ops take, checked as torch.addcmul checks it: a term computed
     in float32 (dtype other than float64) refuses a finite value beyond float32's range, which
@@ -264,12 +261,9 @@ def _term_value(value: int | float, dtype: torch.dtype) -> float:
         ValueError: such a value, or an int beyond the float64 range.
     """
     number = _float64(value, "value")
-    if dtype != torch.float64 and math.isfinite(number) and abs(number) > _FLOAT32_MAX:
-        raise ValueError(
-            f"value must be within float32's range (magnitude at most {_FLOAT32_MAX!r}) when the "
-            f"term is computed in float32, as torch.addcmul and torch.addcdiv require; "
-            f"got {value!r}"
-        )
+    if dtype != torch.float64:
+        where = "when the term is computed in float32, as torch.addcmul and torch.addcdiv require"
+        check_factor("value", number, torch.float32, where)
     return number
 
 

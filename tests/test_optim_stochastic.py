@@ -577,7 +577,8 @@ def test_an_lr_beyond_the_work_precision_is_refused_as_torch_refuses_it(make):
     with pytest.raises(RuntimeError, match="overflow"):
         torch.optim.SGD([reference], lr=1e39).step()
     opt = make([w], lr=1e39)
-    with pytest.raises(ValueError, match=r"lr must be at most 3\.40\d+e\+38 for torch.float32"):
+    refusal = r"lr must be within float32's range \(magnitude at most 3\.40\d+e\+38\)"
+    with pytest.raises(ValueError, match=refusal):
         opt.step()
     assert_same_bits(w.detach(), torch.ones(4))
     assert opt.state[w].get("step", 0) == 0

@@ -34,7 +34,6 @@ any permutation or partition of a parameter's elements.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -45,6 +44,7 @@ from lpsim._checks import (
     check_betas,
     check_bool,
     check_element_format,
+    check_factor,
     check_number,
     draw_seed,
 )
@@ -240,24 +240,14 @@ class _LowPrecision(OwnOptions):
         for group, p in stepped:  # every refusal before any state changes
             if p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            _check_factor("lr", group["lr"], self._work_dtype(p))
+            where = "for parameters of that work precision, as torch's optimizers require"
+            check_factor("lr", group["lr"], self._work_dtype(p), where)
         work = []
         for group, p in stepped:
             state = self.state[p]
             state["step"] = state.get("step", 0) + 1
             work.append((group, p, state, p.grad.to(self._work_dtype(p), copy=True)))
         return loss, work
-
-
-def _check_factor(name: str, value: float, dtype: torch.dtype) -> None:
-    """A finite option that the step multiplies by in ``dtype`` (the work precision) must be
-    finite there: torch's add_ and addcdiv_ refuse a factor that overflows their dtype, which
-    here would be an infinite factor and Inf or NaN weights."""
-    if math.isfinite(value) and math.isinf(torch.tensor(value, dtype=dtype).item()):
-        raise ValueError(
-            f"{name} must be at most {torch.finfo(dtype).max!r} for {dtype} work precision (the "
-            f"largest factor torch's optimizers take), got {value!r}"
-        )
 
 
 def _scaled(t: torch.Tensor, alpha: float) -> torch.Tensor:
