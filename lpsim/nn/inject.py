@@ -408,18 +408,17 @@ class _InputQuantiser:
         observer = _observation.current
         done = {} if done is None else done
 
-        def one(tensor: torch.Tensor, place: str) -> torch.Tensor:
-            if place.split("-", 1)[0] in skip:
-                return tensor
-            found = done.get(id(tensor))
-            if found is not None and found[0] is tensor:
-                return found[1]
+        def quantised(tensor: torch.Tensor, place: str) -> torch.Tensor:
             quantiser = self.role(place, tensor, training)
             rounded = quantiser(tensor)
             if observer is not None:
                 observer.observe(module, "input", tensor, rounded, quantiser, training)
-            done[id(tensor)] = (tensor, rounded)
             return rounded
+
+        def one(tensor: torch.Tensor, place: str) -> torch.Tensor:
+            if place.split("-", 1)[0] in skip:
+                return tensor
+            return _once(done, tensor, place, quantised)
 
         return map_placed_tensors(value, one, on_complex=_complex_refused(module, "input"))
 
@@ -430,6 +429,18 @@ class _InputQuantiser:
             self.quantise(module, args, done, self.masks),
             self.quantise(module, kwargs, done, masked),
         )
+
+
+def _once(done: dict, tensor: torch.Tensor, place: str, quantised) -> torch.Tensor:
+    """quantised(tensor, place), made once per tensor object in a call: ``done`` maps id(tensor)
+    to (tensor, result) for the tensors already quantised in it, and a tensor found at a later
+    place gets its first place's result."""
+    found = done.get(id(tensor))
+    if found is not None and found[0] is tensor:
+        return found[1]
+    result = quantised(tensor, place)
+    done[id(tensor)] = (tensor, result)
+    return result
 
 
 def _complex_refused(module: nn.Module, role: str):
@@ -463,17 +474,15 @@ class _OutputQuantiser:
     def __call__(self, module: nn.Module, args: tuple, value):
         training = module.training
         observed = (module, training) if _observation.current is not None else None
-        done: dict = {}  # id(tensor): (tensor, result) for the tensors quantised in this call
+        done: dict = {}  # the tensors quantised in this call (_once)
 
-        def one(tensor: torch.Tensor, place: str) -> torch.Tensor:
-            found = done.get(id(tensor))
-            if found is not None and found[0] is tensor:
-                return found[1]
+        def quantised(tensor: torch.Tensor, place: str) -> torch.Tensor:
             forward = None if self.output is None else self.output(place, tensor, training)
             backward = None if self.error is None else self.error(place, tensor, training)
-            result = quantizing_function(forward, backward)(tensor, observed)
-            done[id(tensor)] = (tensor, result)
-            return result
+            return quantizing_function(forward, backward)(tensor, observed)
+
+        def one(tensor: torch.Tensor, place: str) -> torch.Tensor:
+            return _once(done, tensor, place, quantised)
 
         role = "output" if self.output is not None else "error"
         return map_placed_tensors(value, one, on_complex=_complex_refused(module, role))
