@@ -1026,3 +1026,66 @@ def test_an_attentions_key_and_value_biases_are_quantised_as_its_biases():
     got, _ = attention(x, x, x, need_weights=False)
     want, _ = by_hand(x, x, x, need_weights=False)
     assert_same_bits(got, want)
+
+
+class _ResultRead(nn.Module):
+    """Linear then an in-place activation, whose result it reads (out = act(out))."""
+
+    def __init__(self, act: nn.Module):
+        super().__init__()
+        self.lin, self.act = nn.Linear(6, 5), act
+
+    def forward(self, x):
+        out = self.lin(x)
+        out = self.act(out)
+        return out
+
+
+class _ResultIgnored(_ResultRead):
+    """The same, calling the in-place activation for its effect on its input only."""
+
+    def forward(self, x):
+        out = self.lin(x)
+        self.act(out)
+        return out
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        LayerQuantization(input=E4M1, rounding="nearest"),
+        LayerQuantization(output=E4M1, rounding="nearest"),
+        LayerQuantization(error=E5M2, rounding="nearest"),
+        LayerQuantization(input=E4M1, output=E5M2, error=E4M1, rounding="nearest"),
+    ],
+    ids=["input", "output", "error", "all"],
+)
+@pytest.mark.parametrize(
+    "act",
+    [lambda: nn.ReLU(inplace=True), lambda: nn.LeakyReLU(0.25, inplace=True)],
+    ids=["relu", "leaky_relu"],
+)
+def test_an_injected_in_place_module_leaves_its_result_in_the_tensor_it_was_given(settings, act):
+    """torch's in-place modules leave their result in their input, and code may read it there
+    instead of the returned tensor; injected, the tensor given holds the quantised result, and
+    its value and gradient are those of the code that reads the result."""
+    torch.manual_seed(0)
+    read, ignored = _ResultRead(act()), _ResultIgnored(act())
+    ignored.load_state_dict(read.state_dict())
+    for model in (read, ignored):
+        inject(model, {type(model.act): settings})
+    x = torch.randn(7, 6)
+    want, got = read(x), ignored(x)
+    assert_same_bits(got, want)
+    # the oracle: the activation applied by hand to the quantised input, then quantised
+    spec = settings.spec("input")
+    y = read.lin(x).detach()
+    y = y if spec is None else lpsim.quantize(y, spec.format)
+    y = read.act(y.clone())
+    spec = settings.spec("output")
+    assert_same_bits(want.detach(), y if spec is None else lpsim.quantize(y, spec.format))
+    g = torch.randn(7, 5)
+    want.backward(g)
+    got.backward(g)
+    for a, b in zip(read.parameters(), ignored.parameters()):
+        assert_same_bits(b.grad, a.grad)

@@ -488,6 +488,42 @@ class _OutputQuantiser:
         return map_placed_tensors(value, one, on_complex=_complex_refused(module, role))
 
 
+class _InPlaceResult:
+    """The hooks that give an injected in-place module (``inplace=True``: nn.ReLU, nn.Dropout,
+    ...) torch's contract, that the tensor it is given holds its result afterwards, which code
+    that does not read the result (``self.relu(out); return out``) relies on.
+
+    The module runs on a new tensor: the input quantiser's result, or where it has none, a copy
+    that ``before`` (the first hook to run) hands it, since its in-place op may save its result
+    for its backward (nn.ReLU does), and that result must not change again. The output and error
+    quantisers give a new result too; ``after`` copies the result into the tensor the caller
+    gave and returns that tensor, as torch's in-place modules return their input. The gradient
+    flows through the copy to the quantisers' result, so the error quantiser rounds it as
+    before."""
+
+    def __init__(self, quantises_input: bool):
+        self.quantises_input = quantises_input
+        self.given: torch.Tensor | None = None
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict):
+        given = args[0] if args else kwargs.get("input")
+        if not isinstance(given, torch.Tensor) or not given.is_floating_point():
+            self.given = None
+            return None
+        self.given = given
+        if self.quantises_input:
+            return None
+        if args:
+            return (given.clone(), *args[1:]), kwargs
+        return args, {**kwargs, "input": given.clone()}
+
+    def after(self, module: nn.Module, args: tuple, result):
+        given, self.given = self.given, None
+        if given is None or result is given or not isinstance(result, torch.Tensor):
+            return result
+        return given.copy_(result)
+
+
 # The weight scopes of the module forwards running now in this thread, innermost last: each maps a
 # _FakeQuantize to the tensor it gave in that scope (see _open_weight_scope).
 _THREAD = threading.local()
@@ -1395,6 +1431,12 @@ def _inject_module(
         )
         done["output"] = None if output_role is None else output_role.spec
         done["error"] = None if error_role is None else error_role.spec
+    if done["hooks"] and getattr(module, "inplace", False) is True:
+        in_place = _InPlaceResult(quantises_input=input_role is not None)
+        done["hooks"] += [
+            module.register_forward_pre_hook(in_place.before, with_kwargs=True, prepend=True),
+            module.register_forward_hook(in_place.after),
+        ]
     if any(True for _ in scalers.children()):
         module.add_module(_SCALERS, scalers)
         done["scalers"] = True
