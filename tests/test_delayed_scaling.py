@@ -748,3 +748,35 @@ def test_compiled_steps_leave_the_scalers_where_eager_steps_do(eager_steps):
     for key in want:
         assert torch.equal(got[key], want[key]), key
     assert all(torch.equal(p.grad, q.grad) for p, q in zip(eager.parameters(), model.parameters()))
+
+
+class _Keyed(nn.Module):
+    """Returns a dict whose keys the old place names joined: "a.b" and "a_b", "c-1" and item 1
+    of "c", "" and "_", "training" and "training_"."""
+
+    def forward(self, x):
+        return {
+            "a.b": x * 1.0,
+            "a_b": x * 2.0,
+            "c-1": x * 4.0,
+            "c": (x * 8.0, x * 16.0),
+            "": x * 32.0,
+            "_": x * 64.0,
+            "training": x * 128.0,
+            "training_": x * 256.0,
+        }
+
+
+def test_every_output_of_a_dict_has_a_scaler_of_its_own():
+    """Each tensor a module returns in a dict records its own amax in a scaler of its own, whatever
+    its key: keys that the place names once made alike ("a.b" and "a_b") share no history."""
+    keyed = inject(
+        _Keyed(), {_Keyed: LayerQuantization(output=DelayedScaling(E4M3), rounding="nearest")}
+    )
+    out = keyed(torch.tensor([0.5, -1.0]))
+    scalers = list(keyed.lpsim_scalers.output.children())
+    assert len(scalers) == 9
+    amaxes = sorted(float(s.amax_history[0]) for s in scalers)
+    assert amaxes == [2.0**k for k in range(9)]
+    for key, want in [("a.b", 1.0), ("a_b", 2.0), ("c-1", 4.0), ("", 32.0), ("training_", 256.0)]:
+        assert float(out[key].abs().max()) == want, key

@@ -61,8 +61,9 @@ def map_placed_tensors(
     fields. A container none of whose tensors fn changed is returned itself.
 
     ``place`` tells fn where x lies in ``value``: "0" for value itself, "i" for item i of a tuple
-    or list, the key for an entry of a dict and the field's name for a dataclass's ("." in it made
-    "_"), the levels below the first joined by "-" ("0-1": item 1 of item 0).
+    or list, the key for an entry of a dict (see dict_key_place) and the field's name for a
+    dataclass's, the levels below the first joined by "-" ("0-1": item 1 of item 0). Distinct
+    places of one value have distinct names.
 
     ``on_complex(x, place)``, where given, is called for every complex tensor (which fn does not
     take), to refuse it."""
@@ -80,7 +81,7 @@ def map_placed_tensors(
         return type(value)(items)
     if isinstance(value, dict):
         items = {
-            k: map_placed_tensors(v, fn, here(str(k).replace(".", "_") or "_"), on_complex)
+            k: map_placed_tensors(v, fn, here(dict_key_place(k)), on_complex)
             for k, v in value.items()
         }
         if all(items[k] is v for k, v in value.items()):
@@ -93,6 +94,17 @@ def map_placed_tensors(
             return value
         return same_fields(value, items)
     return value
+
+
+def dict_key_place(key) -> str:
+    """The place name of a dict's entry: its key as a str, with "%", "." and "-" written "%25",
+    "%2E" and "%2D" (a module name, which a place becomes for a DelayedScaler, holds no ".", and
+    "-" joins the levels of a place), and "%" for the empty key; so distinct str keys ("a.b" and
+    "a_b", "a-1" and item 1 of "a") have distinct places."""
+    text = str(key)
+    if not text:
+        return "%"
+    return text.replace("%", "%25").replace(".", "%2E").replace("-", "%2D")
 
 
 def floating_tensors(value) -> list[torch.Tensor]:

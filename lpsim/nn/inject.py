@@ -307,9 +307,11 @@ class _TensorScalers(nn.Module):
         return found
 
     def _name(self, place: str) -> str:
-        """place, with "_" appended while it names another attribute of the module."""
-        while place not in self._modules and hasattr(self, place):
-            place += "_"
+        """The submodule name of the scaler at place: place, or "%" + place where place names
+        another attribute of the module ("training"); no place starts with "%" (see
+        lpsim.nn._hooks.dict_key_place), so no two places share a name."""
+        if place not in self._modules and hasattr(self, place):
+            return "%" + place
         return place
 
     def _apply(self, fn, *args, **kwargs):
