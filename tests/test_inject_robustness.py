@@ -1089,3 +1089,28 @@ def test_an_injected_in_place_module_leaves_its_result_in_the_tensor_it_was_give
     got.backward(g)
     for a, b in zip(read.parameters(), ignored.parameters()):
         assert_same_bits(b.grad, a.grad)
+
+
+class _Pool(nn.Module):
+    """A module of a user's with an ``inplace`` option of its own meaning, whose result has
+    another shape than its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.inplace = True
+
+    def forward(self, x):
+        return x.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("module", [nn.ReLU(inplace=False), _Pool()], ids=["relu", "user"])
+def test_a_module_that_is_not_working_in_place_leaves_its_input_alone(module):
+    """Only torch's in-place modules, while their inplace is True, have their result copied into
+    their input: a ReLU(inplace=False), or a module of a user's with an inplace attribute (whose
+    result would broadcast into its input), leaves the caller's tensor as it was."""
+    inject(module, {type(module): LayerQuantization(output=E4M1, rounding="nearest")})
+    x = torch.randn(4, 3)
+    before = x.clone()
+    y = module(x)
+    assert_same_bits(x, before)
+    assert y is not x

@@ -490,10 +490,22 @@ class _OutputQuantiser:
         return map_placed_tensors(value, one, on_complex=_complex_refused(module, role))
 
 
+# torch's modules that can work in place (``inplace=True``): nn.ReLU, nn.Dropout, ...; each
+# writes its result into its input, of the same shape and dtype.
+_IN_PLACE_MODULES = tuple(
+    cls
+    for cls in vars(nn).values()
+    if isinstance(cls, type)
+    and issubclass(cls, nn.Module)
+    and "inplace" in inspect.signature(cls.__init__).parameters
+)
+
+
 class _InPlaceResult:
-    """The hooks that give an injected in-place module (``inplace=True``: nn.ReLU, nn.Dropout,
-    ...) torch's contract, that the tensor it is given holds its result afterwards, which code
-    that does not read the result (``self.relu(out); return out``) relies on.
+    """The hooks that give an injected in-place module of torch's (_IN_PLACE_MODULES, when its
+    ``inplace`` is True at the call) torch's contract, that the tensor it is given holds its
+    result afterwards, which code that does not read the result (``self.relu(out); return out``)
+    relies on.
 
     The module runs on a new tensor: the input quantiser's result, or where it has none, a copy
     that ``before`` (the first hook to run) hands it, since its in-place op may save its result
@@ -509,7 +521,11 @@ class _InPlaceResult:
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict):
         given = args[0] if args else kwargs.get("input")
-        if not isinstance(given, torch.Tensor) or not given.is_floating_point():
+        if (
+            module.inplace is not True
+            or not isinstance(given, torch.Tensor)
+            or not given.is_floating_point()
+        ):
             self.given = None
             return None
         self.given = given
@@ -521,7 +537,13 @@ class _InPlaceResult:
 
     def after(self, module: nn.Module, args: tuple, result):
         given, self.given = self.given, None
-        if given is None or result is given or not isinstance(result, torch.Tensor):
+        if (
+            given is None
+            or result is given
+            or not isinstance(result, torch.Tensor)
+            or result.shape != given.shape
+            or result.dtype != given.dtype
+        ):
             return result
         return given.copy_(result)
 
@@ -1433,7 +1455,7 @@ def _inject_module(
         )
         done["output"] = None if output_role is None else output_role.spec
         done["error"] = None if error_role is None else error_role.spec
-    if done["hooks"] and getattr(module, "inplace", False) is True:
+    if done["hooks"] and isinstance(module, _IN_PLACE_MODULES):
         in_place = _InPlaceResult(quantises_input=input_role is not None)
         done["hooks"] += [
             module.register_forward_pre_hook(in_place.before, with_kwargs=True, prepend=True),
