@@ -513,11 +513,14 @@ class _InPlaceResult:
     quantisers give a new result too; ``after`` copies the result into the tensor the caller
     gave and returns that tensor, as torch's in-place modules return their input. The gradient
     flows through the copy to the quantisers' result, so the error quantiser rounds it as
-    before."""
+    before.
+
+    ``given`` holds the caller's tensor from ``before`` to ``after`` by the module's id: the
+    replicas nn.DataParallel runs in threads at once share their hooks."""
 
     def __init__(self, quantises_input: bool):
         self.quantises_input = quantises_input
-        self.given: torch.Tensor | None = None
+        self.given: dict[int, torch.Tensor] = {}
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict):
         given = args[0] if args else kwargs.get("input")
@@ -526,9 +529,9 @@ class _InPlaceResult:
             or not isinstance(given, torch.Tensor)
             or not given.is_floating_point()
         ):
-            self.given = None
+            self.given.pop(id(module), None)
             return None
-        self.given = given
+        self.given[id(module)] = given
         if self.quantises_input:
             return None
         if args:
@@ -536,7 +539,7 @@ class _InPlaceResult:
         return args, {**kwargs, "input": given.clone()}
 
     def after(self, module: nn.Module, args: tuple, result):
-        given, self.given = self.given, None
+        given = self.given.pop(id(module), None)
         if (
             given is None
             or result is given
