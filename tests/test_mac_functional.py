@@ -721,15 +721,24 @@ def test_native_forward_with_simulated_backward():
         (torch.matmul, LF.matmul, (2, 8, 5), (5, 1)),
         (torch.matmul, LF.matmul, (1, 5, 11), (1, 11, 7)),
         (torch.matmul, LF.matmul, (3, 5, 11), (3, 11, 7)),
+        (torch.matmul, LF.matmul, (300,), (300,)),
+        (torch.matmul, LF.matmul, (300,), (300, 7)),
+        (torch.matmul, LF.matmul, (2, 8, 300), (300,)),
+        (torch.matmul, LF.matmul, (300,), (3, 300, 7)),
+        (torch.matmul, LF.matmul, (2, 1, 3, 300), (5, 300, 6)),
         (F.linear, LF.linear, (5, 11), (7, 11)),
         (F.linear, LF.linear, (2, 8, 5), (1, 5)),
+        (F.linear, LF.linear, (300,), (300,)),
+        (F.linear, LF.linear, (2, 3, 300), (300,)),
     ],
 )
 def test_a_native_forward_mac_is_torchs_product_whatever_the_backward_macs(
     op, simulated, a_shape, b_shape
 ):
     """The forward product under MAC() is torch's own op, bit for bit, also when only the
-    backward products are simulated (torch multiplies matrices by mm, batches by bmm)."""
+    backward products are simulated: torch's op of the operands as given, whose kernel torch
+    picks by their shapes (dot for two vectors: the matrices (1, K) and (K, 1) that the product
+    folds them into would take mm, which sums in another order)."""
     g = torch.Generator().manual_seed(7)
     a, b = torch.randn(a_shape, generator=g), torch.randn(b_shape, generator=g)
     assert_same_bits(simulated(a, b, input_grad_mac=FLOAT16, weight_grad_mac=FLOAT16), op(a, b))
