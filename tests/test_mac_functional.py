@@ -1087,6 +1087,61 @@ def test_injected_layers_compute_the_functional_ops_forward_and_backward():
     assert_same_bits(linear.parametrizations.weight.original.grad, lwl.grad)
 
 
+class _DoubledLinear(torch.nn.Linear):
+    """A Linear whose class overrides forward (as LoRA layers and scaled heads do)."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class _StandardisedConv2d(torch.nn.Conv2d):
+    """A Conv2d whose forward standardises its weight first (timm's StdConv2d)."""
+
+    def forward(self, x):
+        w = self.weight
+        w = (w - w.mean(dim=(1, 2, 3), keepdim=True)) / (w.std(dim=(1, 2, 3), keepdim=True) + 1)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+def test_a_subclass_that_overrides_forward_runs_its_own_and_inject_warns_it_is_not_simulated():
+    # Such a subclass's forward was replaced by the simulated forward of its base class: the
+    # doubling and the standardisation vanished, silently. Its forward now runs as it is, in
+    # torch's arithmetic, and the warning names it, as it names a Conv3d; a Linear beside it
+    # that runs nn.Linear's forward is simulated.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        _StandardisedConv2d(2, 3, 3),
+        torch.nn.Flatten(),
+        _DoubledLinear(3 * 4 * 4, 5),
+        torch.nn.Linear(5, 4),
+        torch.nn.Unflatten(1, (4, 1, 1, 1)),
+        torch.nn.Conv3d(4, 2, 1),
+    )
+    with torch.no_grad():
+        model[3].bias.zero_()
+    x = spread(2, 2, 6, 6, seed=52)
+    hidden = model[:3](x)
+    config = {(torch.nn.Linear, torch.nn.Conv2d): lpsim.nn.LayerQuantization(mac=FLOAT16)}
+    with pytest.warns(UserWarning, match="torch's own arithmetic") as record:
+        lpsim.nn.inject(model, config)
+    message = str(record[0].message)
+    assert "'0' (_StandardisedConv2d)" in message and "'2' (_DoubledLinear)" in message
+    assert "'5' (Conv3d)" in message and "'3' " not in message
+    assert_same_bits(model[:3](x), hidden)
+    last = lpsim.mac.matmul(hidden.detach(), model[3].weight.detach().t(), FLOAT16)
+    assert_same_bits(model[:4](x), last)
+    assert_same_bits(model(x), model[5](model[4](last)))
+
+
+def test_backward_operands_refuse_a_linear_whose_class_overrides_forward():
+    operands = lpsim.nn.functional.Operands(error=Float(5, 2))
+    with pytest.raises(ValueError, match="overrides forward"):
+        lpsim.nn.inject(
+            torch.nn.Sequential(_DoubledLinear(3, 2)),
+            {"0": lpsim.nn.LayerQuantization(input_grad_operands=operands)},
+        )
+
+
 def test_remove_restores_the_class_forward():
     model = small_model()
     x = spread(2, 2, 6, 6, seed=51)
