@@ -443,19 +443,33 @@ def _sequential_binary16(terms) -> Fraction:
     return Fraction(0) if total is None else total
 
 
-def test_convolution_and_its_gradients_sum_as_a_fraction_model_of_the_docstring():
+def _chunked_binary16(terms, chunk: int) -> Fraction:
+    """lpsim.mac's chunked order in float16: each chunk of ``chunk`` terms summed sequentially,
+    each chunk's sum then added into the running sum, every addition rounded."""
+    total = None
+    for first in range(0, len(terms), chunk):
+        u = _sequential_binary16(terms[first : first + chunk])
+        total = u if total is None else _round_binary16(total + u)
+    return Fraction(0) if total is None else total
+
+
+@pytest.mark.parametrize("chunk", [None, 5], ids=["sequential", "chunks_of_5"])
+def test_convolution_and_its_gradients_sum_as_a_fraction_model_of_the_docstring(chunk):
     """conv2d under a float16 accumulator, with stride, padding, dilation, groups and a bias,
     against a plain model of the module docstring in exact rational arithmetic: the forward sums
     (input channel, kernel row, kernel column), padding zeros included, then adds the bias in one
     more rounding; the input gradient sums (output channel, flipped kernel row, flipped kernel
     column) of the zero-dilated, padded error, its zeros included; the weight and bias gradients
-    sum (batch, output position)."""
+    sum (batch, output position). In chunks (5 does not divide the 12 terms of the forward and
+    input-gradient sums) the zero terms count: they decide where each chunk ends."""
+    mac = FLOAT16 if chunk is None else MAC(accumulator=Float(5, 10), order="chunked", chunk=chunk)
+    summed = _sequential_binary16 if chunk is None else (lambda t: _chunked_binary16(t, chunk))
     n, c, h, w, o, groups, kh, kw = 2, 4, 5, 6, 4, 2, 3, 2
     (sh, sw), (ph, pw), (dh, dw) = (2, 1), (1, 2), (1, 2)
     x = spread(n, c, h, w, seed=70).requires_grad_()
     k = spread(o, c // groups, kh, kw, seed=71).requires_grad_()
     b = spread(o, seed=72).requires_grad_()
-    y = LF.conv2d(x, k, b, (sh, sw), (ph, pw), (dh, dw), groups, mac=FLOAT16)
+    y = LF.conv2d(x, k, b, (sh, sw), (ph, pw), (dh, dw), groups, mac=mac)
     grad = spread(*y.shape, seed=73)
     y.backward(grad)
     fr = lambda t: Fraction(t.item())  # noqa: E731
@@ -470,7 +484,7 @@ def test_convolution_and_its_gradients_sum_as_a_fraction_model_of_the_docstring(
             for u in range(kh)
             for v in range(kw)
         ]
-        want = _round_binary16(_sequential_binary16(terms) + fr(bd[j]))
+        want = _round_binary16(summed(terms) + fr(bd[j]))
         assert fr(y[i, j, r, q]) == want, (i, j, r, q)
     for i, ch, r, q in itertools.product(range(n), range(c), range(h), range(w)):
         g, ci = ch // cg, ch % cg
@@ -484,7 +498,7 @@ def test_convolution_and_its_gradients_sum_as_a_fraction_model_of_the_docstring(
                 )
             else:
                 terms.append(Fraction(0))
-        assert fr(x.grad[i, ch, r, q]) == _sequential_binary16(terms), (i, ch, r, q)
+        assert fr(x.grad[i, ch, r, q]) == summed(terms), (i, ch, r, q)
     for j, ci, u, v in itertools.product(range(o), range(cg), range(kh), range(kw)):
         g = j // og
         terms = [
@@ -493,10 +507,10 @@ def test_convolution_and_its_gradients_sum_as_a_fraction_model_of_the_docstring(
             for r in range(ho)
             for q in range(wo)
         ]
-        assert fr(k.grad[j, ci, u, v]) == _sequential_binary16(terms), (j, ci, u, v)
+        assert fr(k.grad[j, ci, u, v]) == summed(terms), (j, ci, u, v)
     for j in range(o):
         terms = [fr(grad[i, j, r, q]) for i in range(n) for r in range(ho) for q in range(wo)]
-        assert fr(b.grad[j]) == _sequential_binary16(terms), j
+        assert fr(b.grad[j]) == summed(terms), j
 
 
 def test_linear_folds_leading_dimensions_into_the_weight_gradient_sum():
