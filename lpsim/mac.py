@@ -168,7 +168,7 @@ class TensorCore:
             check_int(
                 "exponent_floor", self.exponent_floor, -MAX_EXPONENT_FLOOR, MAX_EXPONENT_FLOOR
             )
-        object.__setattr__(self, "normalise", Rounding.parse(self.normalise))
+        object.__setattr__(self, "normalise", Rounding.parse(self.normalise, "normalise"))
         if self.operands is not None:
             if not isinstance(self.operands, Float):
                 raise TypeError(

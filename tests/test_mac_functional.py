@@ -443,19 +443,33 @@ def _sequential_binary16(terms) -> Fraction:
     return Fraction(0) if total is None else total
 
 
-def test_convolution_and_its_gradients_sum_as_a_fraction_model_of_the_docstring():
+def _chunked_binary16(terms, chunk: int) -> Fraction:
+    """lpsim.mac's chunked order in float16: each chunk of ``chunk`` terms summed sequentially,
+    each chunk's sum then added into the running sum, every addition rounded."""
+    total = None
+    for first in range(0, len(terms), chunk):
+        u = _sequential_binary16(terms[first : first + chunk])
+        total = u if total is None else _round_binary16(total + u)
+    return Fraction(0) if total is None else total
+
+
+@pytest.mark.parametrize("chunk", [None, 5], ids=["sequential", "chunks_of_5"])
+def test_convolution_and_its_gradients_sum_as_a_fraction_model_of_the_docstring(chunk):
     """conv2d under a float16 accumulator, with stride, padding, dilation, groups and a bias,
     against a plain model of the module docstring in exact rational arithmetic: the forward sums
     (input channel, kernel row, kernel column), padding zeros included, then adds the bias in one
     more rounding; the input gradient sums (output channel, flipped kernel row, flipped kernel
     column) of the zero-dilated, padded error, its zeros included; the weight and bias gradients
-    sum (batch, output position)."""
+    sum (batch, output position). In chunks (5 does not divide the 12 terms of the forward and
+    input-gradient sums) the zero terms count: they decide where each chunk ends."""
+    mac = FLOAT16 if chunk is None else MAC(accumulator=Float(5, 10), order="chunked", chunk=chunk)
+    summed = _sequential_binary16 if chunk is None else (lambda t: _chunked_binary16(t, chunk))
     n, c, h, w, o, groups, kh, kw = 2, 4, 5, 6, 4, 2, 3, 2
     (sh, sw), (ph, pw), (dh, dw) = (2, 1), (1, 2), (1, 2)
     x = spread(n, c, h, w, seed=70).requires_grad_()
     k = spread(o, c // groups, kh, kw, seed=71).requires_grad_()
     b = spread(o, seed=72).requires_grad_()
-    y = LF.conv2d(x, k, b, (sh, sw), (ph, pw), (dh, dw), groups, mac=FLOAT16)
+    y = LF.conv2d(x, k, b, (sh, sw), (ph, pw), (dh, dw), groups, mac=mac)
     grad = spread(*y.shape, seed=73)
     y.backward(grad)
     fr = lambda t: Fraction(t.item())  # noqa: E731
@@ -470,7 +484,7 @@ def test_convolution_and_its_gradients_sum_as_a_fraction_model_of_the_docstring(
             for u in range(kh)
             for v in range(kw)
         ]
-        want = _round_binary16(_sequential_binary16(terms) + fr(bd[j]))
+        want = _round_binary16(summed(terms) + fr(bd[j]))
         assert fr(y[i, j, r, q]) == want, (i, j, r, q)
     for i, ch, r, q in itertools.product(range(n), range(c), range(h), range(w)):
         g, ci = ch // cg, ch % cg
@@ -484,7 +498,7 @@ def test_convolution_and_its_gradients_sum_as_a_fraction_model_of_the_docstring(
                 )
             else:
                 terms.append(Fraction(0))
-        assert fr(x.grad[i, ch, r, q]) == _sequential_binary16(terms), (i, ch, r, q)
+        assert fr(x.grad[i, ch, r, q]) == summed(terms), (i, ch, r, q)
     for j, ci, u, v in itertools.product(range(o), range(cg), range(kh), range(kw)):
         g = j // og
         terms = [
@@ -493,10 +507,10 @@ def test_convolution_and_its_gradients_sum_as_a_fraction_model_of_the_docstring(
             for r in range(ho)
             for q in range(wo)
         ]
-        assert fr(k.grad[j, ci, u, v]) == _sequential_binary16(terms), (j, ci, u, v)
+        assert fr(k.grad[j, ci, u, v]) == summed(terms), (j, ci, u, v)
     for j in range(o):
         terms = [fr(grad[i, j, r, q]) for i in range(n) for r in range(ho) for q in range(wo)]
-        assert fr(b.grad[j]) == _sequential_binary16(terms), j
+        assert fr(b.grad[j]) == summed(terms), j
 
 
 def test_linear_folds_leading_dimensions_into_the_weight_gradient_sum():
@@ -721,15 +735,24 @@ def test_native_forward_with_simulated_backward():
         (torch.matmul, LF.matmul, (2, 8, 5), (5, 1)),
         (torch.matmul, LF.matmul, (1, 5, 11), (1, 11, 7)),
         (torch.matmul, LF.matmul, (3, 5, 11), (3, 11, 7)),
+        (torch.matmul, LF.matmul, (300,), (300,)),
+        (torch.matmul, LF.matmul, (300,), (300, 7)),
+        (torch.matmul, LF.matmul, (2, 8, 300), (300,)),
+        (torch.matmul, LF.matmul, (300,), (3, 300, 7)),
+        (torch.matmul, LF.matmul, (2, 1, 3, 300), (5, 300, 6)),
         (F.linear, LF.linear, (5, 11), (7, 11)),
         (F.linear, LF.linear, (2, 8, 5), (1, 5)),
+        (F.linear, LF.linear, (300,), (300,)),
+        (F.linear, LF.linear, (2, 3, 300), (300,)),
     ],
 )
 def test_a_native_forward_mac_is_torchs_product_whatever_the_backward_macs(
     op, simulated, a_shape, b_shape
 ):
     """The forward product under MAC() is torch's own op, bit for bit, also when only the
-    backward products are simulated (torch multiplies matrices by mm, batches by bmm)."""
+    backward products are simulated: torch's op of the operands as given, whose kernel torch
+    picks by their shapes (dot for two vectors: the matrices (1, K) and (K, 1) that the product
+    folds them into would take mm, which sums in another order)."""
     g = torch.Generator().manual_seed(7)
     a, b = torch.randn(a_shape, generator=g), torch.randn(b_shape, generator=g)
     assert_same_bits(simulated(a, b, input_grad_mac=FLOAT16, weight_grad_mac=FLOAT16), op(a, b))
@@ -1076,6 +1099,61 @@ def test_injected_layers_compute_the_functional_ops_forward_and_backward():
         torch.ones_like(y)
     )
     assert_same_bits(linear.parametrizations.weight.original.grad, lwl.grad)
+
+
+class _DoubledLinear(torch.nn.Linear):
+    """A Linear whose class overrides forward (as LoRA layers and scaled heads do)."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class _StandardisedConv2d(torch.nn.Conv2d):
+    """A Conv2d whose forward standardises its weight first (timm's StdConv2d)."""
+
+    def forward(self, x):
+        w = self.weight
+        w = (w - w.mean(dim=(1, 2, 3), keepdim=True)) / (w.std(dim=(1, 2, 3), keepdim=True) + 1)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+def test_a_subclass_that_overrides_forward_runs_its_own_and_inject_warns_it_is_not_simulated():
+    # Such a subclass's forward was replaced by the simulated forward of its base class: the
+    # doubling and the standardisation vanished, silently. Its forward now runs as it is, in
+    # torch's arithmetic, and the warning names it, as it names a Conv3d; a Linear beside it
+    # that runs nn.Linear's forward is simulated.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        _StandardisedConv2d(2, 3, 3),
+        torch.nn.Flatten(),
+        _DoubledLinear(3 * 4 * 4, 5),
+        torch.nn.Linear(5, 4),
+        torch.nn.Unflatten(1, (4, 1, 1, 1)),
+        torch.nn.Conv3d(4, 2, 1),
+    )
+    with torch.no_grad():
+        model[3].bias.zero_()
+    x = spread(2, 2, 6, 6, seed=52)
+    hidden = model[:3](x)
+    config = {(torch.nn.Linear, torch.nn.Conv2d): lpsim.nn.LayerQuantization(mac=FLOAT16)}
+    with pytest.warns(UserWarning, match="torch's own arithmetic") as record:
+        lpsim.nn.inject(model, config)
+    message = str(record[0].message)
+    assert "'0' (_StandardisedConv2d)" in message and "'2' (_DoubledLinear)" in message
+    assert "'5' (Conv3d)" in message and "'3' " not in message
+    assert_same_bits(model[:3](x), hidden)
+    last = lpsim.mac.matmul(hidden.detach(), model[3].weight.detach().t(), FLOAT16)
+    assert_same_bits(model[:4](x), last)
+    assert_same_bits(model(x), model[5](model[4](last)))
+
+
+def test_backward_operands_refuse_a_linear_whose_class_overrides_forward():
+    operands = lpsim.nn.functional.Operands(error=Float(5, 2))
+    with pytest.raises(ValueError, match="overrides forward"):
+        lpsim.nn.inject(
+            torch.nn.Sequential(_DoubledLinear(3, 2)),
+            {"0": lpsim.nn.LayerQuantization(input_grad_operands=operands)},
+        )
 
 
 def test_remove_restores_the_class_forward():

@@ -51,6 +51,9 @@ Which terms each result sums, in which order (k below is a MAC's term index):
   softmax(scores) v, summed over the source positions) run under the MACs, the out projection
   under its own if given; the softmax and the dropout are torch's. Its docstring states each
   product's terms and order.
+- Under the native forward MAC the forward product is torch's own op (torch.matmul, F.linear,
+  the convolution) of the operands as given, whatever the backward products: the kernel torch
+  picks for their shapes (dot for two vectors), bit for bit.
 - ``bias`` is added after the sum, as one more rounded addition in the forward MAC's
   accumulator (result = round(s + bias) by its rule). Under the native forward MAC a bias of at
   most one dimension (nn.Linear's, a convolution's) and of the operands' dtype is added by
@@ -577,6 +580,20 @@ def _fused(bias: torch.Tensor | None, how: Arithmetic, *operands: torch.Tensor) 
     )
 
 
+def _native_product(op, given: tuple, how: Arithmetic, shape: tuple[int, ...]):
+    """Under the native forward MAC, the forward product as torch's own ``op`` (torch.matmul,
+    F.linear) of the caller's tensors computes it, reshaped to ``shape`` (the rows or the
+    matrices _BatchedProduct multiplies): torch chooses its kernel by the operands' shapes (dot
+    for two vectors, mv for a matrix by a vector), and the matrices they are folded into would
+    take another one (mm), whose sums differ in the last bits. The operands are brought to one
+    dtype (the wider) first, as _product does. None under a simulated forward MAC."""
+    if not how.forward.native:
+        return None
+    dtype = torch.promote_types(given[0].dtype, given[1].dtype)
+    operands = tuple(t.to(dtype) for t in given[:2])
+    return lambda: op(*operands, *given[2:]).reshape(shape)
+
+
 def _add_bias(y, bias, how: Arithmetic):
     return y if bias is None else _AddBias.apply(y, bias, how)
 
@@ -648,6 +665,7 @@ def simulated_matmul(
     if a.dim() == 0 or b.dim() == 0:
         raise ValueError("matmul: both operands need at least one dimension")
     raw_a, raw_b = unquantised
+    given = (a, b)
     vector_a, vector_b = a.dim() == 1, b.dim() == 1
     if vector_a:
         a, raw_a = a.unsqueeze(0), raw_a.unsqueeze(0)
@@ -661,14 +679,29 @@ def simulated_matmul(
     if b.dim() == 2:  # fold the input's leading dimensions into the rows, as torch does
         rows = math.prod(a.shape[:-1])  # (not -1: K may be 0)
         c = _BatchedProduct.apply(
-            a.reshape(rows, a.shape[-1]), b, raw_a.reshape(rows, a.shape[-1]), raw_b, how
+            a.reshape(rows, a.shape[-1]),
+            b,
+            raw_a.reshape(rows, a.shape[-1]),
+            raw_b,
+            how,
+            None,
+            None,
+            _native_product(torch.matmul, given, how, (rows, b.shape[-1])),
         )
         c = c.reshape(*a.shape[:-1], b.shape[-1])
     else:
         batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
         # The raw operands stay as given: the backward products quantise each once (_in_batch).
+        shape = (math.prod(batch), a.shape[-2], b.shape[-1])
         c = _BatchedProduct.apply(
-            _in_batch(a, batch), _in_batch(b, batch), raw_a, raw_b, how, tuple(batch)
+            _in_batch(a, batch),
+            _in_batch(b, batch),
+            raw_a,
+            raw_b,
+            how,
+            tuple(batch),
+            None,
+            _native_product(torch.matmul, given, how, shape),
         )
         c = c.reshape(*batch, a.shape[-2], b.shape[-1])
     if vector_a:
@@ -792,14 +825,11 @@ def simulated_linear(
             f"{shape} (as torch's linear, which adds it to the result in place)"
         )
     fused = _fused(bias, how, x, w) and w.dim() == 2
-    given = (x, w, bias)
+    # Under the native forward MAC, torch's linear of the caller's tensors, a fused bias included.
+    given = (x, w, bias) if fused else (x, w)
     if w.dim() == 1:  # one output feature
         w, raw_w = w.unsqueeze(0), raw_w.unsqueeze(0)
     rows = math.prod(x.shape[:-1])  # (not -1: in_features may be 0)
-
-    def native() -> torch.Tensor:  # torch's linear, its bias added with the product
-        return F.linear(*given).reshape(rows, w.shape[0])
-
     y = _BatchedProduct.apply(
         x.reshape(rows, x.shape[-1]),
         w.t(),
@@ -808,7 +838,7 @@ def simulated_linear(
         how,
         None,
         bias if fused else None,
-        native if fused else None,
+        _native_product(F.linear, given, how, (rows, w.shape[0])),
     )
     y = y.reshape(shape)
     if not fused:

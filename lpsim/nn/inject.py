@@ -146,14 +146,16 @@ class LayerQuantization:
             ``out_proj`` when out_proj is itself injected with MACs, else its own. Other modules
             ignore it, and inject warns when a model given MACs has modules whose products lpsim
             does not simulate (Conv3d, transposed convolutions, Bilinear, recurrent layers and
-            cells).
+            cells, and subclasses of the four above whose class overrides forward: their own
+            forward runs, as it is, in torch's arithmetic).
         input_grad_mac, weight_grad_mac: the arithmetic of the backward products (the input's and
             the weight's gradients, the bias gradient with the weight's); None: ``mac``'s.
         input_grad_operands, weight_grad_operands: lpsim.nn.functional.Operands (None: none): the
             formats, and a transform, of the two operands of each backward product of a Linear,
             quantised afresh from the unquantised input, weight and error along that product's
             reduction axis (bare formats use ``rounding``; eval mode applies eval_rounding).
-            Linear layers only; an Operands.error excludes ``error`` (both quantise the error).
+            Linear layers only (that run nn.Linear's forward); an Operands.error excludes
+            ``error`` (both quantise the error).
 
     While a lpsim.diagnostics.recorder.Recorder observes the model, every rounding is recorded
     under the module's qualified name and the field's name as its category.
@@ -861,6 +863,23 @@ _UNSIMULATED_PRODUCTS = (
 )
 
 
+def _simulable(module: nn.Module) -> bool:
+    """Whether lpsim.nn.functional can compute ``module``'s products: it is a Linear, Conv1d,
+    Conv2d or MultiheadAttention whose class runs that class's own forward. A subclass that
+    overrides forward computes something around or instead of torch's product (a standardised
+    weight, a padding of its own, a scaled result), which a simulated forward in its place would
+    silently drop: its products are torch's, as a Conv3d's."""
+    base = next((c for c in _SIMULATED_PRODUCTS if isinstance(module, c)), None)
+    return base is not None and type(module).forward is base.forward
+
+
+def _unsimulated(module: nn.Module) -> bool:
+    """Whether ``module`` computes products that lpsim does not simulate (see _simulable)."""
+    if isinstance(module, _UNSIMULATED_PRODUCTS):
+        return True
+    return isinstance(module, _SIMULATED_PRODUCTS) and not _simulable(module)
+
+
 def simulates_products(module: nn.Module) -> bool:
     """Whether inject gave ``module`` MACs: its products run under lpsim.nn.functional."""
     return "macs" in getattr(module, _STATE, {})
@@ -1297,9 +1316,10 @@ def _check_no_hook_computes(module: nn.Module, kind: str) -> None:
 
 def _simulates_products(module: nn.Module, settings: LayerQuantization) -> bool:
     """Whether injecting ``settings`` gives ``module`` MACs (a simulated forward): it is a Linear,
-    Conv1d, Conv2d or MultiheadAttention, and its settings have MACs or backward Operands."""
+    Conv1d, Conv2d or MultiheadAttention that runs its class's own forward (_simulable), and its
+    settings have MACs or backward Operands."""
     has_macs = settings.macs() is not None or settings.operands() is not None
-    return has_macs and isinstance(module, _SIMULATED_PRODUCTS)
+    return has_macs and _simulable(module)
 
 
 def _replaces_forward(module: nn.Module, settings: LayerQuantization) -> str | None:
@@ -1341,11 +1361,15 @@ def _check_module(module: nn.Module, settings: LayerQuantization) -> None:
             f"run its {replacing} and remove() would delete: take the wrapper off before "
             f"injecting (and put it back after remove()), or give this module no {replacing}"
         )
-    if settings.operands() is not None and not isinstance(module, nn.Linear):
+    if settings.operands() is not None and not (
+        isinstance(module, nn.Linear) and _simulable(module)
+    ):
+        overrides = isinstance(module, nn.Linear)
         raise ValueError(
             "inject(): LayerQuantization.input_grad_operands and weight_grad_operands apply to "
-            f"Linear layers, but an entry that sets them selects {type(module).__name__}; "
-            "select the Linear layers for them"
+            f"Linear layers, but an entry that sets them selects {type(module).__name__}"
+            + (", a Linear whose class overrides forward" if overrides else "")
+            + "; select the Linear layers (that run nn.Linear's forward) for them"
         )
     for kind in ("weight", "bias"):
         spec = settings.spec(kind)
@@ -1605,13 +1629,14 @@ def inject(
         unsimulated = [
             f"{name!r} ({type(module).__name__})"
             for name, module in model.named_modules()
-            if isinstance(module, _UNSIMULATED_PRODUCTS)
+            if _unsimulated(module)
         ]
         if simulating and unsimulated:
             warnings.warn(
                 "inject(): lpsim simulates the products of Linear, Conv1d, Conv2d and "
-                "MultiheadAttention only; these modules compute theirs in torch's own arithmetic: "
-                + ", ".join(unsimulated),
+                "MultiheadAttention only, and only where the class runs their own forward (a "
+                "subclass that overrides forward runs it as it is); these modules compute theirs "
+                "in torch's own arithmetic: " + ", ".join(unsimulated),
                 stacklevel=2,
             )
     except BaseException:
