@@ -94,6 +94,7 @@ from lpsim._checks import random_args as _random_args
 from lpsim._ops import call
 from lpsim.accumulate import check_product_operands
 from lpsim.formats import Fixed, Float, check_fits, sum_container
+from lpsim.functional import quantize
 from lpsim.rounding import Rounding, check_rbits
 from lpsim.update import own_format, sum_grid
 
@@ -147,8 +148,10 @@ class TensorCore:
         normalise: the rounding of a group's sum onto the accumulator (a rule or its name;
             "toward_zero" on the GPUs modelled, "nearest" for their float16 outputs).
         operands: the format of a and b, whose emin is the exponent of their subnormals (a Float
-            that float64 holds); None: the format of the tensors' dtype. The operands' values are
-            used as they are: a preset's docstring names the values it expects.
+            that float64 holds); None: the format of the tensors' dtype. Every finite value of
+            a and b must be a value of it (lpsim.mac.matmul refuses others: the hardware never
+            sees them); operands=None aligns each operand by its own exponent, for operands
+            that carry a scale.
 
     Raises:
         TypeError: a field has the wrong type.
@@ -375,6 +378,7 @@ def matmul(
             under a non-native MAC, a sparse, nested or MKL-DNN layout; the dtypes differ, or mac
             is not a MAC; seed or offset is not an int.
         ValueError: the shapes do not match, or the operands are not on one CPU or CUDA device;
+            a tensor core's ``operands`` format does not hold every finite value of a or b;
             seed or offset is outside [0, 2**64) (under every MAC, the native one included,
             although a MAC that draws no random words ignores them).
     """
@@ -393,11 +397,14 @@ def matmul(
     for fmt in (mac.accumulator, mac.product, mac.chunk_accumulator):
         if fmt is not None:
             check_fits(fmt, torch.float64)
+    core = mac.tensor_core
+    if core is not None and core.operands is not None:
+        for name, operand in (("a", a), ("b", b)):
+            _check_holds(operand, core.operands, name)
     out_dtype = sum_container(mac.accumulator, a.dtype)
     acc = sum_grid(mac.accumulator, out_dtype)
     inner = sum_grid(mac.chunk_accumulator or mac.accumulator, torch.float64)
     product = sum_grid(mac.product, torch.float64) if mac.product is not None else acc
-    core = mac.tensor_core
     y = call(
         "mac_matmul",
         a.contiguous(),
@@ -420,6 +427,20 @@ def matmul(
         offset_bits,
     )
     return call("to_container", y, out_dtype)
+
+
+def _check_holds(operand: torch.Tensor, fmt: Float, name: str) -> None:
+    """Refuse an operand of a tensor core whose finite values are not all values of its
+    ``operands`` format: the model aligns each operand by the format's exponents, and the
+    hardware it models never sees a wider value, so its result would be no GPU's."""
+    finite = operand[torch.isfinite(operand)].double()  # exact, and a container fmt fits
+    if not torch.equal(quantize(finite, fmt, "nearest"), finite):
+        raise ValueError(
+            f"lpsim.mac.matmul: {name} holds values that are not {fmt!r} values, the tensor "
+            f"core's operands: round them first (lpsim.quantize({name}, {fmt!r}), or an input, "
+            "weight or error format of that format), or give the TensorCore operands=None to "
+            "align each operand by its own exponent"
+        )
 
 
 # ---- Presets: the published models of NVIDIA's tensor cores (docs/accumulation.md cites each).

@@ -1233,11 +1233,14 @@ def test_eval_mode_replaces_a_stochastic_tensor_core_normalisation():
     stochastic = dataclasses.replace(
         h100, tensor_core=dataclasses.replace(h100.tensor_core, normalise="stochastic")
     )
+    fp16 = h100.tensor_core.operands  # the tensor core's operands: inputs and weights rounded
     model = torch.nn.Linear(40, 2)
-    lpsim.nn.inject(model, {"": lpsim.nn.LayerQuantization(mac=stochastic)})
+    settings = lpsim.nn.LayerQuantization(input=fp16, weight=fp16, mac=stochastic)
+    lpsim.nn.inject(model, {"": settings})
     model.eval()
     x = spread(3, 40, seed=62)
     nearest = dataclasses.replace(
         h100, tensor_core=dataclasses.replace(h100.tensor_core, normalise="nearest")
     )
-    assert_same_bits(model(x), LF.linear(x, model.weight, model.bias, mac=nearest))
+    want = LF.linear(lpsim.quantize(x, fp16), model.weight, model.bias, mac=nearest)
+    assert_same_bits(model(x), want)

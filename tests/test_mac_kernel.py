@@ -225,7 +225,7 @@ def test_lanes_match_the_core_on_random_float32_sums_of_every_magnitude(acc, rou
 
 
 def test_lanes_handle_every_mac_field_they_do_not_serve_by_the_scalar_loop():
-    a, b = operands(torch.float32, 6, 20, 19, 5)
+    operands_of_every_mac = a, b = operands(torch.float32, 6, 20, 19, 5)
     for mac in (
         MAC(accumulator=BFLOAT16, compensated=True),
         MAC(accumulator=BFLOAT16, order="pairwise"),
@@ -233,6 +233,8 @@ def test_lanes_handle_every_mac_field_they_do_not_serve_by_the_scalar_loop():
         lpsim.mac.preset("H100/bf16"),
         lpsim.mac.preset("DeepSeek-V3"),
     ):
+        if mac.tensor_core is not None:  # operands of the tensor core's format
+            a, b = (lpsim.quantize(x, mac.tensor_core.operands) for x in operands_of_every_mac)
         got, want = lanes_and_scalar(a, b, mac)
         assert_same_bits(got, want, repr(mac))
     assert dataclasses.replace(MAC(accumulator=BFLOAT16), rounding="up").rounding.name == "up"

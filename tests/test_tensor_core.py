@@ -10,6 +10,7 @@ import dataclasses
 import math
 import pathlib
 import random
+import re
 import struct
 from fractions import Fraction
 
@@ -321,11 +322,35 @@ def test_kernel_equals_the_reference_for_random_tensor_cores(
     assert_same_bits(got.double(), ref.mac_matmul(a, b, mac, seed=seed), repr(mac))
 
 
-def test_kernel_handles_inf_nan_and_overflow_like_the_reference():
-    a = torch.tensor([[math.inf, 1.0, 2.0, 3.0], [1.0, math.nan, 1.0, 1.0], [3e38, 3e38, 1.0, 1.0]])
+@pytest.mark.parametrize(
+    "name, big", [("A100/tf32", 2.0**127), ("V100/fp16/fp16", 60000.0), ("DeepSeek-V3", 448.0)]
+)
+def test_kernel_handles_inf_nan_and_overflow_like_the_reference(name, big):
+    """Operands of the preset's format (``big`` its largest values that the sums overflow, where
+    the chain can overflow) with an Inf and a NaN among them."""
+    a = torch.tensor([[math.inf, 1.0, 2.0, 3.0], [1.0, math.nan, 1.0, 1.0], [big, big, 1.0, 1.0]])
     b = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0]]).t()
-    for mac in (PRESETS["A100/tf32"], PRESETS["V100/fp16/fp16"], PRESETS["DeepSeek-V3"]):
-        assert_same_bits(lpsim.mac.matmul(a, b, mac).double(), ref.mac_matmul(a, b, mac), repr(mac))
+    mac = PRESETS[name]
+    assert_same_bits(lpsim.mac.matmul(a, b, mac).double(), ref.mac_matmul(a, b, mac), name)
+
+
+@pytest.mark.parametrize("name", ["A100/tf32", "H100/bf16", "H100/e4m3"])
+def test_a_tensor_core_refuses_operands_its_format_does_not_hold(name):
+    """A tensor core whose operands format is set models hardware that only ever sees values of
+    that format: a wider operand is refused, naming it and the format, rather than multiplied as
+    though the hardware had taken it; operands=None takes it."""
+    mac = PRESETS[name]
+    fmt = mac.tensor_core.operands
+    b = torch.ones(4, 3)
+    wide = torch.tensor([[1.0, 1.0 + 2.0**-20, math.inf, math.nan]])
+    with pytest.raises(ValueError, match=f"a holds values that are not {re.escape(repr(fmt))}"):
+        lpsim.mac.matmul(wide, b, mac)
+    with pytest.raises(ValueError, match="b holds values"):
+        lpsim.mac.matmul(b.t(), wide.t(), mac)
+    held = lpsim.quantize(wide, fmt, "nearest")
+    lpsim.mac.matmul(held, b, mac)
+    core = dataclasses.replace(mac.tensor_core, operands=None)
+    lpsim.mac.matmul(wide, b, dataclasses.replace(mac, tensor_core=core))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
