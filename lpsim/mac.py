@@ -514,7 +514,7 @@ def preset(name: str) -> MAC:
     The operands are passed as float32, bfloat16 or float16 tensors holding values of the named
     format: tf32 values are float32 values with 10 fraction bits, fp8 values (e4m3 as OCP's
     E4M3, e5m2) are carried in float32, bfloat16 or float16 tensors. Round them first, e.g. with
-    ``lpsim.quantize(x, lpsim.Float(8, 10))``.
+    ``lpsim.quantize(x, lpsim.Float(8, 10))``: lpsim.mac.matmul refuses other finite values.
 
     Raises:
         ValueError: no preset has that name (the message lists them).
