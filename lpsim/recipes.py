@@ -70,25 +70,36 @@ __all__ = [
     "edge_layers",
 ]
 
-WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.MultiheadAttention)
-# Each weight layer's reduction axis (Recipe.blocks_along_reduction), counted from the end so that
-# unbatched inputs have it too: the features of a Linear layer's and an attention's (..., features)
-# inputs and errors and (out, in) weights; the channels of a convolution's (batch, channel,
-# *spatial) inputs and errors and the input channels of its (out, in, *kernel) weight.
-_REDUCTION_AXES = (
-    ((nn.Linear, nn.MultiheadAttention), -1),
-    (nn.Conv1d, -2),
-    (nn.Conv2d, -3),
-    (nn.Conv3d, -4),
-)
-# The layers that can be a model's first or last weight layer: the weight layers above and the
-# others with weights of their own that the recipes give no entry (a decoder's last transposed
-# convolution, a recurrent first layer or cell).
-_EDGE_CANDIDATES = (
-    *WEIGHT_LAYERS,
+WEIGHT_LAYERS = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
     nn.ConvTranspose1d,
     nn.ConvTranspose2d,
     nn.ConvTranspose3d,
+    nn.Linear,
+    nn.MultiheadAttention,
+)
+# Each weight layer's reduction axes (Recipe.blocks_along_reduction), counted from the end so that
+# unbatched inputs have them too: (types, the axis of their inputs and errors, that of their
+# weight). The features of a Linear layer's and an attention's (..., features) inputs and errors
+# and (out, in) weights; the channels of a convolution's (batch, channel, *spatial) inputs and
+# errors and the input channels of its (out, in, *kernel) weight, which a transposed convolution
+# holds first, (in, out, *kernel).
+_REDUCTION_AXES = (
+    ((nn.Linear, nn.MultiheadAttention), -1, -1),
+    (nn.Conv1d, -2, -2),
+    (nn.Conv2d, -3, -3),
+    (nn.Conv3d, -4, -4),
+    (nn.ConvTranspose1d, -2, -3),
+    (nn.ConvTranspose2d, -3, -4),
+    (nn.ConvTranspose3d, -4, -5),
+)
+# The layers that can be a model's first or last weight layer: the weight layers above and the
+# others with weights of their own that the recipes give no entry of their own (a bilinear layer,
+# a recurrent first layer or cell).
+_EDGE_CANDIDATES = (
+    *WEIGHT_LAYERS,
     nn.Bilinear,
     nn.RNNBase,
     nn.RNNCellBase,
@@ -167,9 +178,11 @@ class Recipe:
         placement: where the model's quantisers go. "outputs" (the default, QPyTorch's
             practice): weights and biases of every layer (normalisation layers included) and
             every layer's outputs (``activation``) and errors. "operands" (FP8 and MX training):
-            only the operands of the weight layers' products: their weights, their inputs
-            (``activation``) and the errors flowing into their outputs; biases, normalisation
-            layers and everything else stay in full precision.
+            only the operands of the weight layers' products (Conv, ConvTranspose, Linear and
+            MultiheadAttention layers): their weights, their inputs (``activation``) and the
+            errors flowing into their outputs; biases, normalisation layers and everything else
+            stay in full precision, bilinear and recurrent layers (RNN, LSTM, GRU and their
+            cells) included.
         round_weights: whether the optimizer rounds the weights after every step (by ``weight``).
             False keeps full-precision master weights in the parameters, which the model sees
             quantised by ``weight`` in every forward pass only, as FP8 and MX training do.
@@ -178,8 +191,10 @@ class Recipe:
             axis instead of its own ``axis``: the channels of a convolution's (batch, channel,
             *spatial) inputs and errors and (out, in, *kernel) weights, counted from the end
             (-2, -3 and -4 for Conv1d, Conv2d and Conv3d, so that unbatched inputs have it too);
-            -1 for Linear layers and MultiheadAttention (inputs (..., features) of any rank,
-            (out, in) weights). The scaled recipes (MXFP8, MXFP4, NVFP4) set it, so that a
+            the same for a transposed convolution's inputs and errors, and the input channels
+            of its (in, out, *kernel) weight, its first axis (-3, -4 and -5 for ConvTranspose1d,
+            2d and 3d); -1 for Linear layers and MultiheadAttention (inputs (..., features) of
+            any rank, (out, in) weights). The scaled recipes (MXFP8, MXFP4, NVFP4) set it, so that a
             Linear layer's 3-D (batch, token, channel) input is blocked along its channels, not
             its tokens; ``along`` clears it. A bias (placement "outputs") is blocked along its
             one axis. A depthwise convolution's weight (channels, 1, ...) has blocks of one
@@ -275,8 +290,8 @@ class Recipe:
         weight_layers = {WEIGHT_LAYERS: weight_layer}
         if self.blocks_along_reduction:  # an entry per kind of weight layer the model has
             weight_layers = {
-                types: _layer_blocks_along(weight_layer, axis)
-                for types, axis in _REDUCTION_AXES
+                types: _layer_blocks_along(weight_layer, axis, weight_axis)
+                for types, axis, weight_axis in _REDUCTION_AXES
                 if any(isinstance(m, types) for m in model.modules())
             }
 
@@ -385,12 +400,12 @@ def _blocks_along(spec, axis: int):
     return spec
 
 
-def _layer_blocks_along(entry: LayerQuantization, axis: int) -> LayerQuantization:
-    """A weight layer's entry with its Scaled formats' blocks along axis (a bias's along its one
-    axis)."""
-    fields = ("weight", "input", "output", "error")
-    moved = {f: _blocks_along(getattr(entry, f), axis) for f in fields}
-    return replace(entry, **moved, bias=_blocks_along(entry.bias, -1))
+def _layer_blocks_along(entry: LayerQuantization, axis: int, weight_axis: int) -> LayerQuantization:
+    """A weight layer's entry with its Scaled formats' blocks along axis, its weight's along
+    weight_axis (a bias's along its one axis)."""
+    moved = {f: _blocks_along(getattr(entry, f), axis) for f in ("input", "output", "error")}
+    weight = _blocks_along(entry.weight, weight_axis)
+    return replace(entry, **moved, weight=weight, bias=_blocks_along(entry.bias, -1))
 
 
 _PARAMETERS = ("quantized", "all")  # what Recipe.apply's optimizer rounds

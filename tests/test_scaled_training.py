@@ -299,3 +299,50 @@ def test_a_scaled_recipe_placed_on_outputs_blocks_each_bias_along_its_one_axis()
     fmt, rule = recipe.weight
     assert torch.equal(model[1].bias, lpsim.quantize(biases[1], replace(fmt, axis=-1), rule))
     model(_heavy(2, 32, 4, 4)).sum().backward()
+
+
+class _Decoder(nn.Module):
+    """A convolution, two transposed convolutions and a convolution: the inner transposed
+    convolution is a weight layer of the scaled recipes."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.stem = nn.Conv2d(width, width, 3, padding=1)
+        self.up = nn.ConvTranspose2d(width, width, 2, stride=2)
+        self.head = nn.Conv2d(width, width, 1)
+
+    def forward(self, x):
+        return self.head(self.up(self.stem(x)))
+
+
+@pytest.mark.parametrize("recipe", [recipes.MXFP8, recipes.NVFP4])
+def test_scaled_recipes_quantise_an_inner_transposed_convolution_along_its_input_channels(recipe):
+    # A transposed convolution multiplies its (batch, in, *spatial) input by its (in, out,
+    # *kernel) weight, summing over in: both are blocked along in (axis -3 of the input, -4 of the
+    # weight), and the error into its (batch, out, *spatial) output along out (axis -3), the
+    # input-gradient product's reduction. Once, the recipes left it in full precision.
+    torch.manual_seed(0)
+    model, plain = _Decoder(), _Decoder()
+    plain.load_state_dict(model.state_dict())
+    recipe = replace(recipe, error=(recipe.error[0], "nearest"))
+    model, _ = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    (fmt, rule), (efmt, erule) = recipe.activation, recipe.error
+
+    def q(t, f, axis, r):
+        return lpsim.quantize(t, replace(f, axis=axis), r)
+
+    x = _heavy(2, 32, 3, 3)
+    upstream = _heavy(2, 32, 6, 6, seed=1)
+    (model(x) * upstream).sum().backward()
+    h = plain.stem(x).detach().requires_grad_()
+    weight = plain.up.weight.detach().requires_grad_()
+    w = q(weight, fmt, -4, rule)
+    y = nn.functional.conv_transpose2d(q(h, fmt, -3, rule), w, plain.up.bias, stride=2)
+    assert torch.equal(model.head(model.up(model.stem(x))), plain.head(y))
+    error = torch.autograd.grad((plain.head(y) * upstream).sum(), y)[0]
+    hq = q(h.detach(), fmt, -3, rule)
+    expected = torch.autograd.grad(
+        nn.functional.conv_transpose2d(hq, weight, stride=2), weight, q(error, efmt, -3, erule)
+    )[0]
+    # The straight-through weight gradient: the quantised error times the quantised input.
+    assert torch.equal(model.up.parametrizations.weight.original.grad, expected)
