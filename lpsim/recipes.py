@@ -52,7 +52,7 @@ from lpsim.formats import BlockFloat, Fixed, Float
 from lpsim.mac import MAC
 from lpsim.nn.inject import LayerQuantization, inject, injected, quantized_parameters, remove
 from lpsim.nn.quantizer import Spec
-from lpsim.optim.optim_lp import OptimLP
+from lpsim.optim.optim_lp import OptimLP, ParameterQuantization
 from lpsim.scaled import Scaled, preset
 
 __all__ = [
@@ -183,9 +183,12 @@ class Recipe:
             errors flowing into their outputs; biases, normalisation layers and everything else
             stay in full precision, bilinear and recurrent layers (RNN, LSTM, GRU and their
             cells) included.
-        round_weights: whether the optimizer rounds the weights after every step (by ``weight``).
-            False keeps full-precision master weights in the parameters, which the model sees
-            quantised by ``weight`` in every forward pass only, as FP8 and MX training do.
+        round_weights: whether the optimizer rounds the weights after every step (by ``weight``;
+            a Scaled ``weight`` with the blocks forward quantises each parameter in, along its
+            layer's reduction axis or a bias's one axis, so that the stored weights are what
+            forward multiplies). False keeps full-precision master weights in the parameters,
+            which the model sees quantised by ``weight`` in every forward pass only, as FP8 and
+            MX training do.
         blocks_along_reduction: whether every Scaled format of a weight layer's quantisers
             (weight, bias, input, output, error) takes its blocks along that layer's reduction
             axis instead of its own ``axis``: the channels of a convolution's (batch, channel,
@@ -374,6 +377,8 @@ class Recipe:
             # sees the frozen ones quantised in forward, and the optimizer has none of them.
             held = {id(p) for group in optimizer.param_groups for p in group["params"]}
             chosen = [p for p in quantized_parameters(model) if id(p) in held]
+            if self.round_weights:
+                chosen = self._weights_as_forward(model, chosen)
         try:
             wrapped = OptimLP(
                 optimizer,
@@ -389,6 +394,46 @@ class Recipe:
                 remove(model)
             raise
         return model, wrapped
+
+    def _weights_as_forward(self, model: nn.Module, chosen: list) -> list | dict:
+        """``chosen`` (the parameters the optimizer rounds), or where forward quantises one of
+        them with a Scaled ``weight`` whose blocks run along another axis than the recipe's
+        (blocks_along_reduction, a bias), OptimLP's mapping of each to its settings: ``weight``
+        with the blocks forward uses, so that the optimizer stores what forward multiplies."""
+        axes = _forward_block_axes(model)
+        own = _blocks_along(self.weight, 0)
+        if own is self.weight or not any(id(p) in axes for p in chosen):
+            return chosen  # not a Scaled weight, or no parameter blocked otherwise
+        axis = self.weight[0].axis if isinstance(self.weight, tuple) else self.weight.axis
+
+        def forward_axis(p) -> int | None:  # None: the recipe's own axis
+            found = axes.get(id(p))
+            same = found is None or (-p.dim() <= axis < p.dim() and axis % p.dim() == found)
+            return None if same else found
+
+        if all(forward_axis(p) is None for p in chosen):
+            return chosen
+        settings = {}
+        for p in chosen:
+            moved = forward_axis(p)
+            weight = self.weight if moved is None else _blocks_along(self.weight, moved)
+            settings[p] = ParameterQuantization(
+                weight=weight, grad=self.grad, momentum=self.momentum, acc=self.acc
+            )
+        return settings
+
+
+def _forward_block_axes(model: nn.Module) -> dict[int, int]:
+    """{id(parameter): axis} for every parameter that forward fake-quantises by itself (its
+    parametrisation computed from it alone) with a Scaled format: the axis of that format's
+    blocks, counted from 0."""
+    axes = {}
+    for _, module, done in injected(model):
+        for pname, spec in done["weight"] + done["bias"]:
+            original = getattr(module.parametrizations[pname], "original", None)
+            if isinstance(original, nn.Parameter) and isinstance(spec.format, Scaled):
+                axes.setdefault(id(original), spec.format.axis % max(original.dim(), 1))
+    return axes
 
 
 def _blocks_along(spec, axis: int):

@@ -346,3 +346,27 @@ def test_scaled_recipes_quantise_an_inner_transposed_convolution_along_its_input
     )[0]
     # The straight-through weight gradient: the quantised error times the quantised input.
     assert torch.equal(model.up.parametrizations.weight.original.grad, expected)
+
+
+@pytest.mark.parametrize("placement", ["operands", "outputs"])
+def test_a_scaled_recipe_that_rounds_weights_rounds_each_with_the_blocks_forward_uses(placement):
+    # With round_weights the optimizer rounds every parameter the model fake-quantises, with the
+    # blocks forward quantises it in (along the layer's reduction axis; a bias along its one
+    # axis), so that the stored weights are what forward multiplies. Once, the optimizer rounded
+    # them all along the recipe's own axis: a transposed convolution's (in, out, *kernel) weight
+    # along out, then forward along in, and a bias along axis 1, which it does not have.
+    torch.manual_seed(0)
+    model = _Decoder()
+    recipe = replace(recipes.MXFP8, round_weights=True, placement=placement)
+    model, opt = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    (model(_heavy(2, 32, 3, 3)) * _heavy(2, 32, 6, 6, seed=1)).sum().backward()
+    weight = model.up.parametrizations.weight.original
+    stepped = weight.detach() - 0.1 * weight.grad
+    opt.step()
+    fmt, rule = recipe.weight
+    assert torch.equal(weight, lpsim.quantize(stepped, replace(fmt, axis=-4), rule))
+    assert torch.equal(model.up.weight, weight)  # forward multiplies the stored weight
+    if placement == "outputs":
+        bias = model.up.parametrizations.bias.original
+        assert torch.equal(model.up.bias, bias)
+        assert torch.equal(bias, lpsim.quantize(bias.detach(), replace(fmt, axis=-1), rule))
