@@ -278,6 +278,8 @@ class Recipe:
         projection = LayerQuantization(
             weight=self.weight, bias=self.weight if self.placement == "outputs" else None
         )
+        if self.blocks_along_reduction:  # a Linear's (out, in) weight: along in
+            projection = _layer_blocks_along(projection, -1, -1)
         for name, attention in attention_out_projections(model).items():
             config[name] = None if config.get(attention, True) is None else projection
         if self.placement == "operands":

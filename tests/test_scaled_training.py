@@ -370,3 +370,29 @@ def test_a_scaled_recipe_that_rounds_weights_rounds_each_with_the_blocks_forward
         bias = model.up.parametrizations.bias.original
         assert torch.equal(model.up.bias, bias)
         assert torch.equal(bias, lpsim.quantize(bias.detach(), replace(fmt, axis=-1), rule))
+
+
+def test_blocks_along_reduction_blocks_an_attentions_out_projection_along_its_inputs():
+    # The out projection's (out, in) weight is a Linear weight: with blocks_along_reduction its
+    # blocks run along in (axis -1), as the in projection's do, whatever the recipe's own axis.
+    # Once, it kept the recipe's axis (0 here: blocks along the output features).
+    fmt = replace(preset("mxfp4_e2m1"), axis=0)
+    recipe = recipes.Recipe(
+        "rows",
+        weight=(fmt, "nearest"),
+        activation=(fmt, "nearest"),
+        placement="operands",
+        round_weights=False,
+        blocks_along_reduction=True,
+    )
+    model = _AttentionBetweenLinears()
+    attention = model.attention
+    with torch.no_grad():  # magnitudes that vary within rows and columns
+        attention.in_proj_weight.copy_(_heavy(192, 64, seed=2))
+        attention.out_proj.weight.copy_(_heavy(64, 64, seed=3))
+    weights = [w.detach().clone() for w in (attention.in_proj_weight, attention.out_proj.weight)]
+    model, _ = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for quantised, weight in zip([attention.in_proj_weight, attention.out_proj.weight], weights):
+        expected = lpsim.quantize(weight, replace(fmt, axis=-1), "nearest")
+        assert not torch.equal(expected, lpsim.quantize(weight, fmt, "nearest"))
+        assert torch.equal(quantised, expected)
