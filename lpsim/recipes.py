@@ -410,7 +410,8 @@ class Recipe:
 
         def forward_axis(p) -> int | None:  # None: the recipe's own axis
             found = axes.get(id(p))
-            same = found is None or (-p.dim() <= axis < p.dim() and axis % p.dim() == found)
+            dims = max(p.dim(), 1)
+            same = found is None or (-dims <= axis < dims and axis % dims == found % dims)
             return None if same else found
 
         if all(forward_axis(p) is None for p in chosen):
@@ -428,13 +429,13 @@ class Recipe:
 def _forward_block_axes(model: nn.Module) -> dict[int, int]:
     """{id(parameter): axis} for every parameter that forward fake-quantises by itself (its
     parametrisation computed from it alone) with a Scaled format: the axis of that format's
-    blocks, counted from 0."""
+    blocks."""
     axes = {}
     for _, module, done in injected(model):
         for pname, spec in done["weight"] + done["bias"]:
             original = getattr(module.parametrizations[pname], "original", None)
             if isinstance(original, nn.Parameter) and isinstance(spec.format, Scaled):
-                axes.setdefault(id(original), spec.format.axis % max(original.dim(), 1))
+                axes.setdefault(id(original), spec.format.axis)
     return axes
 
 
