@@ -407,11 +407,11 @@ class Recipe:
         them with a Scaled ``weight`` whose blocks run along another axis than the recipe's
         (blocks_along_reduction, a bias), OptimLP's mapping of each to its settings: ``weight``
         with the blocks forward uses, so that the optimizer stores what forward multiplies."""
+        fmt = self.weight[0] if isinstance(self.weight, tuple) and self.weight else self.weight
         axes = _forward_block_axes(model)
-        own = _blocks_along(self.weight, 0)
-        if own is self.weight or not any(id(p) in axes for p in chosen):
-            return chosen  # not a Scaled weight, or no parameter blocked otherwise
-        axis = self.weight[0].axis if isinstance(self.weight, tuple) else self.weight.axis
+        if not _has_block_axis(fmt) or not any(id(p) in axes for p in chosen):
+            return chosen  # no Scaled weight with blocks along an axis, or none blocked otherwise
+        axis = fmt.axis
 
         def forward_axis(p) -> int | None:  # None: the recipe's own axis
             found = axes.get(id(p))
@@ -439,9 +439,15 @@ def _forward_block_axes(model: nn.Module) -> dict[int, int]:
     for _, module, done in injected(model):
         for pname, spec in done["weight"] + done["bias"]:
             original = getattr(module.parametrizations[pname], "original", None)
-            if isinstance(original, nn.Parameter) and isinstance(spec.format, Scaled):
+            if isinstance(original, nn.Parameter) and _has_block_axis(spec.format):
                 axes.setdefault(id(original), spec.format.axis)
     return axes
+
+
+def _has_block_axis(fmt) -> bool:
+    """Whether fmt is a Scaled format whose blocks run along its ``axis`` (blocks of n, or the
+    whole axis; not tiles or the whole tensor)."""
+    return isinstance(fmt, Scaled) and (fmt.block is None or isinstance(fmt.block, int))
 
 
 def _blocks_along(spec, axis: int):

@@ -396,3 +396,18 @@ def test_blocks_along_reduction_blocks_an_attentions_out_projection_along_its_in
         expected = lpsim.quantize(weight, replace(fmt, axis=-1), "nearest")
         assert not torch.equal(expected, lpsim.quantize(weight, fmt, "nearest"))
         assert torch.equal(quantised, expected)
+
+
+def test_a_recipe_that_rounds_weights_in_tiles_rounds_them_in_the_same_tiles():
+    # Tiles and whole-tensor blocks have no axis to move: the optimizer rounds by the recipe's
+    # weight format as forward quantises by it.
+    fmt = replace(preset("fp8_e4m3_128x128"), block=(4, 4))
+    recipe = recipes.Recipe("tiles", weight=(fmt, "nearest"), placement="operands")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    model, opt = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model(_heavy(4, 8)).sum().backward()
+    opt.step()
+    weight = model[1].parametrizations.weight.original
+    assert torch.equal(weight, lpsim.quantize(weight.detach(), fmt, "nearest"))
+    assert torch.equal(model[1].weight, weight)
