@@ -327,6 +327,75 @@ def test_mx_elements_match_a_fraction_model_of_the_ocp_spec(case):
     assert_same_bits(lpsim.quantize(x.t().contiguous(), moved, rounding), expected.t())
 
 
+# Float scales (the "amax" rule), one float32 operation at a time as docs/formats.md gives them:
+# d = amax / elem_max (two levels: d = (amax / elem_max) / t), s = d clamped to [the scale's
+# smallest normal, its max] and rounded to the scale format, r = 1 / s (two levels: (1 / t) / s),
+# element = x * r rounded to nearest even onto the saturating element grid, value = element * s
+# (two levels: element * (t * s)), with t = amax(tensor) / (scale max * elem_max), at least
+# 2**-126 / (the scale's smallest normal).
+
+_SCALE_TYPES = {  # a Float scale format and the ml_dtypes type that rounds to it
+    "e4m3": (Float(4, 3, special="fn"), ml_dtypes.float8_e4m3fn),
+    "e5m2": (Float(5, 2), ml_dtypes.float8_e5m2),
+    "float32": (Float(8, 23), np.float32),
+}
+
+
+def _amax_model(x: np.ndarray, name: str, scale: str, block: int, tensor_scale: bool):
+    """x (float32, blocks of ``block`` along its last axis) quantised by the documented float32
+    arithmetic, to nearest."""
+    f32 = np.float32
+    grid = _grid(_ML_ELEMENTS[name])
+    elem_max = f32(float(grid[-1]))
+    fmt, rounds_to = _SCALE_TYPES[scale]
+    smallest, largest = f32(fmt.smallest_normal), f32(fmt.max)
+    if tensor_scale:
+        t = f32(f32(np.abs(x).max()) / f32(largest * elem_max))
+        t = max(t, f32(f32(2.0**-126) / smallest))
+    out = np.empty_like(x)
+    for i, row in enumerate(x):
+        for start in range(0, len(row), block):
+            values = row[start : start + block]
+            d = f32(f32(np.abs(values).max()) / elem_max)
+            d = f32(d / t) if tensor_scale else d
+            s = np.array([min(max(d, smallest), largest)], f32).astype(rounds_to).astype(f32)[0]
+            r = f32(f32(f32(1) / t) / s) if tensor_scale else f32(f32(1) / s)
+            decode = f32(t * s) if tensor_scale else s
+            for j, v in enumerate(values):
+                element = f32(float(_rounded(Fraction(float(f32(v * r))), grid, "nearest")))
+                value = f32(element * decode)
+                out[i, start + j] = math.copysign(0.0, v) if value == 0 else value
+    return out
+
+
+@pytest.mark.parametrize("tensor_scale", [False, True])
+@pytest.mark.parametrize("scale", list(_SCALE_TYPES))
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp6_e2m3", "mxfp4_e2m1"])
+def test_float_scales_match_a_float32_model_of_the_documented_arithmetic(name, scale, tensor_scale):
+    if tensor_scale and scale != "e4m3":
+        pytest.skip("a tensor scale over float32 or E5M2 block scales overflows float32")
+    g = torch.Generator().manual_seed(len(name) + len(scale))
+    x = torch.randn(6, 40, generator=g) * torch.exp2(torch.randint(-30, 30, (6, 1), generator=g))
+    x[1, :8] *= 2.0**-90  # block scales below the scale format's smallest normal
+    x[2, 8:16] *= 2.0**40  # and above its largest (without a tensor scale)
+    x[3, :16] = 0.0
+    element = preset(name).element
+    # Midpoints between elements under a scale that is not a power of two: x * r lies a rounding
+    # from the tie, which decides the element (x / s would decide otherwise in some).
+    values = element.values()
+    values = values[values >= 0].double()
+    midpoints = (values[:-1] + values[1:]) / 2
+    for row, factor in ((4, 1.3), (5, 1.7)):
+        top = np.float32(float(values[-1]) * factor)
+        block_scale = np.array([top / np.float32(values[-1])], np.float32)
+        block_scale = float(block_scale.astype(_SCALE_TYPES[scale][1]).astype(np.float32)[0])
+        picks = midpoints[torch.randint(len(midpoints), (39,), generator=g)]
+        x[row] = torch.cat([torch.tensor([float(top)]), picks * block_scale]).float()
+    fmt = Scaled(element, _SCALE_TYPES[scale][0], 8, tensor_scale=tensor_scale)
+    expected = _amax_model(x.numpy(), name, scale, 8, tensor_scale)
+    assert_same_bits(lpsim.quantize(x, fmt), torch.from_numpy(expected))
+
+
 def test_one_compiled_function_takes_mx_presets_one_after_another():
     """A function compiled with fullgraph=True and given mxfp8_e4m3, then mxfp6_e3m2, mxfp4_e2m1
     and mxint8 as an argument recompiles for each and rounds as gfloat does. Before, dynamo's
