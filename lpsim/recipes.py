@@ -408,9 +408,9 @@ class Recipe:
         (blocks_along_reduction, a bias), OptimLP's mapping of each to its settings: ``weight``
         with the blocks forward uses, so that the optimizer stores what forward multiplies."""
         fmt = self.weight[0] if isinstance(self.weight, tuple) and self.weight else self.weight
-        axes = _forward_block_axes(model)
-        if not _has_block_axis(fmt) or not any(id(p) in axes for p in chosen):
-            return chosen  # no Scaled weight with blocks along an axis, or none blocked otherwise
+        if not _has_block_axis(fmt):
+            return chosen  # no Scaled weight with blocks along an axis
+        axes = _forward_block_axes(model, fmt)
         axis = fmt.axis
 
         def forward_axis(p) -> int | None:  # None: the recipe's own axis
@@ -431,15 +431,15 @@ class Recipe:
         return settings
 
 
-def _forward_block_axes(model: nn.Module) -> dict[int, int]:
+def _forward_block_axes(model: nn.Module, fmt: Scaled) -> dict[int, int]:
     """{id(parameter): axis} for every parameter that forward fake-quantises by itself (its
-    parametrisation computed from it alone) with a Scaled format: the axis of that format's
-    blocks."""
+    parametrisation computed from it alone) with ``fmt`` along some axis: that axis."""
     axes = {}
     for _, module, done in injected(model):
         for pname, spec in done["weight"] + done["bias"]:
             original = getattr(module.parametrizations[pname], "original", None)
-            if isinstance(original, nn.Parameter) and _has_block_axis(spec.format):
+            same = _has_block_axis(spec.format) and replace(spec.format, axis=fmt.axis) == fmt
+            if isinstance(original, nn.Parameter) and same:
                 axes.setdefault(id(original), spec.format.axis)
     return axes
 

@@ -411,3 +411,17 @@ def test_a_recipe_that_rounds_weights_in_tiles_rounds_them_in_the_same_tiles():
     weight = model[1].parametrizations.weight.original
     assert torch.equal(weight, lpsim.quantize(weight.detach(), fmt, "nearest"))
     assert torch.equal(model[1].weight, weight)
+
+
+def test_weights_that_forward_quantises_in_another_format_keep_the_recipes_in_the_optimizer():
+    # Only a weight that forward quantises in the recipe's own format, its blocks along another
+    # axis, takes forward's blocks in the optimizer; given layers with other formats leave the
+    # optimizer the recipe's weight format as it is.
+    recipe = replace(recipes.MXFP8, round_weights=True)
+    other = (replace(preset("mxfp4_e2m1"), axis=0), "nearest")
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    layers = {nn.Linear: LayerQuantization(weight=other)}
+    model, opt = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1), layers=layers)
+    for layer in model:
+        setting = opt.parameter_settings(layer.parametrizations.weight.original).weight
+        assert (setting.format, setting.rounding.name) == recipe.weight
