@@ -372,8 +372,8 @@ def _amax_model(x: np.ndarray, name: str, scale: str, block: int, tensor_scale: 
 @pytest.mark.parametrize("scale", list(_SCALE_TYPES))
 @pytest.mark.parametrize("name", ["mxfp8_e4m3", "mxfp6_e2m3", "mxfp4_e2m1"])
 def test_float_scales_match_a_float32_model_of_the_documented_arithmetic(name, scale, tensor_scale):
-    if tensor_scale and scale != "e4m3":
-        pytest.skip("a tensor scale over float32 or E5M2 block scales overflows float32")
+    if tensor_scale and scale == "float32":
+        pytest.skip("a tensor scale over float32 block scales overflows float32 (refused)")
     g = torch.Generator().manual_seed(len(name) + len(scale))
     x = torch.randn(6, 40, generator=g) * torch.exp2(torch.randint(-30, 30, (6, 1), generator=g))
     x[1, :8] *= 2.0**-90  # block scales below the scale format's smallest normal
