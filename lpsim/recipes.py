@@ -52,7 +52,7 @@ from lpsim.formats import BlockFloat, Fixed, Float
 from lpsim.mac import MAC
 from lpsim.nn.inject import LayerQuantization, inject, injected, quantized_parameters, remove
 from lpsim.nn.quantizer import Spec
-from lpsim.optim.optim_lp import OptimLP
+from lpsim.optim.optim_lp import OptimLP, ParameterQuantization
 from lpsim.scaled import Scaled, preset
 
 __all__ = [
@@ -70,25 +70,36 @@ __all__ = [
     "edge_layers",
 ]
 
-WEIGHT_LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.MultiheadAttention)
-# Each weight layer's reduction axis (Recipe.blocks_along_reduction), counted from the end so that
-# unbatched inputs have it too: the features of a Linear layer's and an attention's (..., features)
-# inputs and errors and (out, in) weights; the channels of a convolution's (batch, channel,
-# *spatial) inputs and errors and the input channels of its (out, in, *kernel) weight.
-_REDUCTION_AXES = (
-    ((nn.Linear, nn.MultiheadAttention), -1),
-    (nn.Conv1d, -2),
-    (nn.Conv2d, -3),
-    (nn.Conv3d, -4),
-)
-# The layers that can be a model's first or last weight layer: the weight layers above and the
-# others with weights of their own that the recipes give no entry (a decoder's last transposed
-# convolution, a recurrent first layer or cell).
-_EDGE_CANDIDATES = (
-    *WEIGHT_LAYERS,
+WEIGHT_LAYERS = (
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
     nn.ConvTranspose1d,
     nn.ConvTranspose2d,
     nn.ConvTranspose3d,
+    nn.Linear,
+    nn.MultiheadAttention,
+)
+# Each weight layer's reduction axes (Recipe.blocks_along_reduction), counted from the end so that
+# unbatched inputs have them too: (types, the axis of their inputs and errors, that of their
+# weight). The features of a Linear layer's and an attention's (..., features) inputs and errors
+# and (out, in) weights; the channels of a convolution's (batch, channel, *spatial) inputs and
+# errors and the input channels of its (out, in, *kernel) weight, which a transposed convolution
+# holds first, (in, out, *kernel).
+_REDUCTION_AXES = (
+    ((nn.Linear, nn.MultiheadAttention), -1, -1),
+    (nn.Conv1d, -2, -2),
+    (nn.Conv2d, -3, -3),
+    (nn.Conv3d, -4, -4),
+    (nn.ConvTranspose1d, -2, -3),
+    (nn.ConvTranspose2d, -3, -4),
+    (nn.ConvTranspose3d, -4, -5),
+)
+# The layers that can be a model's first or last weight layer: the weight layers above and the
+# others with weights of their own that the recipes give no entry of their own (a bilinear layer,
+# a recurrent first layer or cell).
+_EDGE_CANDIDATES = (
+    *WEIGHT_LAYERS,
     nn.Bilinear,
     nn.RNNBase,
     nn.RNNCellBase,
@@ -167,23 +178,35 @@ class Recipe:
         placement: where the model's quantisers go. "outputs" (the default, QPyTorch's
             practice): weights and biases of every layer (normalisation layers included) and
             every layer's outputs (``activation``) and errors. "operands" (FP8 and MX training):
-            only the operands of the weight layers' products: their weights, their inputs
-            (``activation``) and the errors flowing into their outputs; biases, normalisation
-            layers and everything else stay in full precision.
-        round_weights: whether the optimizer rounds the weights after every step (by ``weight``).
-            False keeps full-precision master weights in the parameters, which the model sees
-            quantised by ``weight`` in every forward pass only, as FP8 and MX training do.
+            only the operands of the weight layers' products (Conv, ConvTranspose, Linear and
+            MultiheadAttention layers): their weights, their inputs (``activation``) and the
+            errors flowing into their outputs; biases, normalisation layers and everything else
+            stay in full precision, bilinear and recurrent layers (RNN, LSTM, GRU and their
+            cells) included.
+        round_weights: whether the optimizer rounds the weights after every step (by ``weight``;
+            a Scaled ``weight`` with the blocks forward quantises each parameter in, along its
+            layer's reduction axis or a bias's one axis, so that the stored weights are what
+            forward multiplies). False keeps full-precision master weights in the parameters,
+            which the model sees quantised by ``weight`` in every forward pass only, as FP8 and
+            MX training do.
         blocks_along_reduction: whether every Scaled format of a weight layer's quantisers
             (weight, bias, input, output, error) takes its blocks along that layer's reduction
             axis instead of its own ``axis``: the channels of a convolution's (batch, channel,
             *spatial) inputs and errors and (out, in, *kernel) weights, counted from the end
             (-2, -3 and -4 for Conv1d, Conv2d and Conv3d, so that unbatched inputs have it too);
-            -1 for Linear layers and MultiheadAttention (inputs (..., features) of any rank,
-            (out, in) weights). The scaled recipes (MXFP8, MXFP4, NVFP4) set it, so that a
+            the same for a transposed convolution's inputs and errors, and the input channels
+            of its (in, out, *kernel) weight, its first axis (-3, -4 and -5 for ConvTranspose1d,
+            2d and 3d); -1 for Linear layers and MultiheadAttention (inputs (..., features) of
+            any rank, (out, in) weights). The scaled recipes (MXFP8, MXFP4, NVFP4) set it, so that a
             Linear layer's 3-D (batch, token, channel) input is blocked along its channels, not
             its tokens; ``along`` clears it. A bias (placement "outputs") is blocked along its
             one axis. A depthwise convolution's weight (channels, 1, ...) has blocks of one
-            element.
+            element. In a grouped convolution (groups > 1) each group's product sums over its
+            own in / groups channels, but the blocks of a tensor's channels run on across the
+            groups: where in / groups is not a multiple of the block size, a block holds the
+            channels of two or more groups (in a depthwise convolution's input, of 32 groups
+            for MX) and takes one scale for them, where hardware would scale each group's
+            channels apart.
         mac: the arithmetic of the weight layers' products, forward and backward (an lpsim.MAC;
             None: torch's own): every Linear, Conv1d, Conv2d and MultiheadAttention it reaches
             (all of them unless ``keep_edges``) sums its products as the MAC prescribes
@@ -260,6 +283,8 @@ class Recipe:
         projection = LayerQuantization(
             weight=self.weight, bias=self.weight if self.placement == "outputs" else None
         )
+        if self.blocks_along_reduction:  # a Linear's (out, in) weight: along in
+            projection = _layer_blocks_along(projection, -1, -1)
         for name, attention in attention_out_projections(model).items():
             config[name] = None if config.get(attention, True) is None else projection
         if self.placement == "operands":
@@ -275,8 +300,8 @@ class Recipe:
         weight_layers = {WEIGHT_LAYERS: weight_layer}
         if self.blocks_along_reduction:  # an entry per kind of weight layer the model has
             weight_layers = {
-                types: _layer_blocks_along(weight_layer, axis)
-                for types, axis in _REDUCTION_AXES
+                types: _layer_blocks_along(weight_layer, axis, weight_axis)
+                for types, axis, weight_axis in _REDUCTION_AXES
                 if any(isinstance(m, types) for m in model.modules())
             }
 
@@ -359,6 +384,8 @@ class Recipe:
             # sees the frozen ones quantised in forward, and the optimizer has none of them.
             held = {id(p) for group in optimizer.param_groups for p in group["params"]}
             chosen = [p for p in quantized_parameters(model) if id(p) in held]
+            if self.round_weights:
+                chosen = self._weights_as_forward(model, chosen)
         try:
             wrapped = OptimLP(
                 optimizer,
@@ -375,6 +402,53 @@ class Recipe:
             raise
         return model, wrapped
 
+    def _weights_as_forward(self, model: nn.Module, chosen: list) -> list | dict:
+        """``chosen`` (the parameters the optimizer rounds), or where forward quantises one of
+        them with a Scaled ``weight`` whose blocks run along another axis than the recipe's
+        (blocks_along_reduction, a bias), OptimLP's mapping of each to its settings: ``weight``
+        with the blocks forward uses, so that the optimizer stores what forward multiplies."""
+        fmt = self.weight[0] if isinstance(self.weight, tuple) and self.weight else self.weight
+        if not _has_block_axis(fmt):
+            return chosen  # no Scaled weight with blocks along an axis
+        axes = _forward_block_axes(model, fmt)
+        axis = fmt.axis
+
+        def forward_axis(p) -> int | None:  # None: the recipe's own axis
+            found = axes.get(id(p))
+            dims = max(p.dim(), 1)
+            same = found is None or (-dims <= axis < dims and axis % dims == found % dims)
+            return None if same else found
+
+        if all(forward_axis(p) is None for p in chosen):
+            return chosen
+        settings = {}
+        for p in chosen:
+            moved = forward_axis(p)
+            weight = self.weight if moved is None else _blocks_along(self.weight, moved)
+            settings[p] = ParameterQuantization(
+                weight=weight, grad=self.grad, momentum=self.momentum, acc=self.acc
+            )
+        return settings
+
+
+def _forward_block_axes(model: nn.Module, fmt: Scaled) -> dict[int, int]:
+    """{id(parameter): axis} for every parameter that forward fake-quantises by itself (its
+    parametrisation computed from it alone) with ``fmt`` along some axis: that axis."""
+    axes = {}
+    for _, module, done in injected(model):
+        for pname, spec in done["weight"] + done["bias"]:
+            original = getattr(module.parametrizations[pname], "original", None)
+            same = _has_block_axis(spec.format) and replace(spec.format, axis=fmt.axis) == fmt
+            if isinstance(original, nn.Parameter) and same:
+                axes.setdefault(id(original), spec.format.axis)
+    return axes
+
+
+def _has_block_axis(fmt) -> bool:
+    """Whether fmt is a Scaled format whose blocks run along its ``axis`` (blocks of n, or the
+    whole axis; not tiles or the whole tensor)."""
+    return isinstance(fmt, Scaled) and (fmt.block is None or isinstance(fmt.block, int))
+
 
 def _blocks_along(spec, axis: int):
     """A spec (None, a format, or (format, rounding)) with a Scaled format's blocks along axis."""
@@ -385,12 +459,12 @@ def _blocks_along(spec, axis: int):
     return spec
 
 
-def _layer_blocks_along(entry: LayerQuantization, axis: int) -> LayerQuantization:
-    """A weight layer's entry with its Scaled formats' blocks along axis (a bias's along its one
-    axis)."""
-    fields = ("weight", "input", "output", "error")
-    moved = {f: _blocks_along(getattr(entry, f), axis) for f in fields}
-    return replace(entry, **moved, bias=_blocks_along(entry.bias, -1))
+def _layer_blocks_along(entry: LayerQuantization, axis: int, weight_axis: int) -> LayerQuantization:
+    """A weight layer's entry with its Scaled formats' blocks along axis, its weight's along
+    weight_axis (a bias's along its one axis)."""
+    moved = {f: _blocks_along(getattr(entry, f), axis) for f in ("input", "output", "error")}
+    weight = _blocks_along(entry.weight, weight_axis)
+    return replace(entry, **moved, weight=weight, bias=_blocks_along(entry.bias, -1))
 
 
 _PARAMETERS = ("quantized", "all")  # what Recipe.apply's optimizer rounds

@@ -299,3 +299,129 @@ def test_a_scaled_recipe_placed_on_outputs_blocks_each_bias_along_its_one_axis()
     fmt, rule = recipe.weight
     assert torch.equal(model[1].bias, lpsim.quantize(biases[1], replace(fmt, axis=-1), rule))
     model(_heavy(2, 32, 4, 4)).sum().backward()
+
+
+class _Decoder(nn.Module):
+    """A convolution, two transposed convolutions and a convolution: the inner transposed
+    convolution is a weight layer of the scaled recipes."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.stem = nn.Conv2d(width, width, 3, padding=1)
+        self.up = nn.ConvTranspose2d(width, width, 2, stride=2)
+        self.head = nn.Conv2d(width, width, 1)
+
+    def forward(self, x):
+        return self.head(self.up(self.stem(x)))
+
+
+@pytest.mark.parametrize("recipe", [recipes.MXFP8, recipes.NVFP4])
+def test_scaled_recipes_quantise_an_inner_transposed_convolution_along_its_input_channels(recipe):
+    # A transposed convolution multiplies its (batch, in, *spatial) input by its (in, out,
+    # *kernel) weight, summing over in: both are blocked along in (axis -3 of the input, -4 of the
+    # weight), and the error into its (batch, out, *spatial) output along out (axis -3), the
+    # input-gradient product's reduction. Once, the recipes left it in full precision.
+    torch.manual_seed(0)
+    model, plain = _Decoder(), _Decoder()
+    plain.load_state_dict(model.state_dict())
+    recipe = replace(recipe, error=(recipe.error[0], "nearest"))
+    model, _ = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    (fmt, rule), (efmt, erule) = recipe.activation, recipe.error
+
+    def q(t, f, axis, r):
+        return lpsim.quantize(t, replace(f, axis=axis), r)
+
+    x = _heavy(2, 32, 3, 3)
+    upstream = _heavy(2, 32, 6, 6, seed=1)
+    (model(x) * upstream).sum().backward()
+    h = plain.stem(x).detach().requires_grad_()
+    weight = plain.up.weight.detach().requires_grad_()
+    w = q(weight, fmt, -4, rule)
+    y = nn.functional.conv_transpose2d(q(h, fmt, -3, rule), w, plain.up.bias, stride=2)
+    assert torch.equal(model.head(model.up(model.stem(x))), plain.head(y))
+    error = torch.autograd.grad((plain.head(y) * upstream).sum(), y)[0]
+    hq = q(h.detach(), fmt, -3, rule)
+    expected = torch.autograd.grad(
+        nn.functional.conv_transpose2d(hq, weight, stride=2), weight, q(error, efmt, -3, erule)
+    )[0]
+    # The straight-through weight gradient: the quantised error times the quantised input.
+    assert torch.equal(model.up.parametrizations.weight.original.grad, expected)
+
+
+@pytest.mark.parametrize("placement", ["operands", "outputs"])
+def test_a_scaled_recipe_that_rounds_weights_rounds_each_with_the_blocks_forward_uses(placement):
+    # With round_weights the optimizer rounds every parameter the model fake-quantises, with the
+    # blocks forward quantises it in (along the layer's reduction axis; a bias along its one
+    # axis), so that the stored weights are what forward multiplies. Once, the optimizer rounded
+    # them all along the recipe's own axis: a transposed convolution's (in, out, *kernel) weight
+    # along out, then forward along in, and a bias along axis 1, which it does not have.
+    torch.manual_seed(0)
+    model = _Decoder()
+    recipe = replace(recipes.MXFP8, round_weights=True, placement=placement)
+    model, opt = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    (model(_heavy(2, 32, 3, 3)) * _heavy(2, 32, 6, 6, seed=1)).sum().backward()
+    weight = model.up.parametrizations.weight.original
+    stepped = weight.detach() - 0.1 * weight.grad
+    opt.step()
+    fmt, rule = recipe.weight
+    assert torch.equal(weight, lpsim.quantize(stepped, replace(fmt, axis=-4), rule))
+    assert torch.equal(model.up.weight, weight)  # forward multiplies the stored weight
+    if placement == "outputs":
+        bias = model.up.parametrizations.bias.original
+        assert torch.equal(model.up.bias, bias)
+        assert torch.equal(bias, lpsim.quantize(bias.detach(), replace(fmt, axis=-1), rule))
+
+
+def test_blocks_along_reduction_blocks_an_attentions_out_projection_along_its_inputs():
+    # The out projection's (out, in) weight is a Linear weight: with blocks_along_reduction its
+    # blocks run along in (axis -1), as the in projection's do, whatever the recipe's own axis.
+    # Once, it kept the recipe's axis (0 here: blocks along the output features).
+    fmt = replace(preset("mxfp4_e2m1"), axis=0)
+    recipe = recipes.Recipe(
+        "rows",
+        weight=(fmt, "nearest"),
+        activation=(fmt, "nearest"),
+        placement="operands",
+        round_weights=False,
+        blocks_along_reduction=True,
+    )
+    model = _AttentionBetweenLinears()
+    attention = model.attention
+    with torch.no_grad():  # magnitudes that vary within rows and columns
+        attention.in_proj_weight.copy_(_heavy(192, 64, seed=2))
+        attention.out_proj.weight.copy_(_heavy(64, 64, seed=3))
+    weights = [w.detach().clone() for w in (attention.in_proj_weight, attention.out_proj.weight)]
+    model, _ = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for quantised, weight in zip([attention.in_proj_weight, attention.out_proj.weight], weights):
+        expected = lpsim.quantize(weight, replace(fmt, axis=-1), "nearest")
+        assert not torch.equal(expected, lpsim.quantize(weight, fmt, "nearest"))
+        assert torch.equal(quantised, expected)
+
+
+def test_a_recipe_that_rounds_weights_in_tiles_rounds_them_in_the_same_tiles():
+    # Tiles and whole-tensor blocks have no axis to move: the optimizer rounds by the recipe's
+    # weight format as forward quantises by it.
+    fmt = replace(preset("fp8_e4m3_128x128"), block=(4, 4))
+    recipe = recipes.Recipe("tiles", weight=(fmt, "nearest"), placement="operands")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    model, opt = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model(_heavy(4, 8)).sum().backward()
+    opt.step()
+    weight = model[1].parametrizations.weight.original
+    assert torch.equal(weight, lpsim.quantize(weight.detach(), fmt, "nearest"))
+    assert torch.equal(model[1].weight, weight)
+
+
+def test_weights_that_forward_quantises_in_another_format_keep_the_recipes_in_the_optimizer():
+    # Only a weight that forward quantises in the recipe's own format, its blocks along another
+    # axis, takes forward's blocks in the optimizer; given layers with other formats leave the
+    # optimizer the recipe's weight format as it is.
+    recipe = replace(recipes.MXFP8, round_weights=True)
+    other = (replace(preset("mxfp4_e2m1"), axis=0), "nearest")
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    layers = {nn.Linear: LayerQuantization(weight=other)}
+    model, opt = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1), layers=layers)
+    for layer in model:
+        setting = opt.parameter_settings(layer.parametrizations.weight.original).weight
+        assert (setting.format, setting.rounding.name) == recipe.weight
