@@ -31,7 +31,10 @@ What is recorded while the recorder is attached:
   rounding that ends a step). Parameters outside the recorder's model and optimizer are not
   recorded.
 - stagnation: per parameter and step, how many elements the step should have moved and how many
-  of them it left where they were (Stagnation, below).
+  of them it left where they were (Stagnation, below): for an OptimLP, of the parameters whose
+  weight or accumulator it rounds (none of those it leaves in full precision: the recipes' first
+  and last layers, the master weights of the scaled recipes, round_weights=False); for any other
+  optimizer, of every parameter with a gradient.
 
 A record holds a RoundingStatistics (lpsim.statistics): counts of elements, and of nonfinite,
 overflowing, underflowing (nonzero to zero), subnormal and unchanged elements, and the float64
@@ -45,8 +48,10 @@ there.
 
 Not recorded: the roundings of lpsim.nn.quantize_functions contexts (matmul, linear, softmax and
 attention called as functions), of the lpsim.nn.quantizer() function (it belongs to no module; the
-Quantizer module's are recorded) and of the operands of products under MACs (lpsim.nn.functional's
-Operands): a model that rounds only there has no records.
+Quantizer module's are recorded), of the operands of products under MACs (lpsim.nn.functional's
+Operands), and those inside a MAC's products (LayerQuantization.mac, Recipe.mac: the rounded
+products and partial sums, forward and backward; a product's result is no rounding of one tensor):
+a model that rounds only there has no records.
 
 FusedSGD and FusedAdam round inside one compiled pass, and lpsim.optim.SGD and AdamW (weights
 stored in low precision, updated by lpsim.sr_add and sr_addcdiv_ in one rounding) inside one
