@@ -544,6 +544,121 @@ def test_quantize_functions_and_the_quantizer_function_are_not_recorded():
     assert torch.equal(output, lpsim.quantize(output.detach(), FLOAT, "nearest"))
 
 
+def scaled_recipe_model() -> nn.Sequential:
+    """Convolutions and Linear layers: the scaled recipes quantise the operands of the inner
+    three ("2", "5" and "7"), blocked along the channels (axis -3) and the features (-1)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 40),
+        nn.ReLU(),
+        nn.Linear(40, 32),
+        nn.ReLU(),
+        nn.Linear(32, 5),
+    )
+
+
+def capture_operand_roundings(model: nn.Module, names, captured: list, step: list) -> None:
+    """Hooks of the test's own that save, for each module in ``names``, every rounding of its
+    operands as the pair (value before, value the run went on with): the input between a pre-hook
+    that runs before inject's and one after, the error from tensor hooks on both sides of the
+    error quantiser (the output before and after inject's forward hook), the weight from its
+    parametrisation's forward hook."""
+    for name in names:
+        module, raw = model.get_submodule(name), {}
+
+        def before_input(m, args, raw=raw):
+            raw["input"] = args[0].detach().clone()
+
+        def after_input(m, args, name=name, raw=raw):
+            captured.append((step[0], name, "input", raw.pop("input"), args[0].detach().clone()))
+
+        def before_output(m, args, output, raw=raw):
+            raw["output"] = output
+
+        def after_output(m, args, output, name=name, raw=raw):
+            unrounded, at, errors = raw.pop("output"), step[0], {}
+            output.register_hook(lambda g: errors.setdefault("before", g.clone()))
+            unrounded.register_hook(
+                lambda g: captured.append((at, name, "error", errors.pop("before"), g.clone()))
+            )
+
+        def weight(m, args, rounded, name=name):
+            pair = (args[0].detach().clone(), rounded.detach().clone())
+            captured.append((step[0], name, "weight", *pair))
+
+        module.register_forward_pre_hook(before_input, prepend=True)
+        module.register_forward_pre_hook(after_input)
+        module.register_forward_hook(before_output, prepend=True)
+        module.register_forward_hook(after_output)
+        module.parametrizations["weight"][0].register_forward_hook(weight)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp4", "nvfp4"])
+def test_a_scaled_recipe_with_a_mac_records_a_python_recount_of_its_operands_roundings(name):
+    """lpsim.recipes' MXFP8, MXFP4 (stochastic "rceil" errors) and NVFP4 (stochastic errors) with
+    a stochastic float16 MAC in every product: each record is the Python recount of the values
+    before and after the rounding the run went on with, each element within its block's range,
+    the blocks along the channels of the convolution and the features of the Linear layers as
+    Recipe.blocks_along_reduction documents; and the recorded run is bit for bit the run
+    without a recorder."""
+    mac = lpsim.MAC(accumulator=Float(5, 10), rounding="stochastic")
+    recipe = dataclasses.replace(lpsim.recipes.RECIPES[name], mac=mac)
+    axes = {"2": -3, "5": -1, "7": -1}
+
+    def train(recorded: bool):
+        model = scaled_recipe_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, optimizer = recipe.apply(model, optimizer)
+        captured, step = [], [0]
+        if recorded:
+            capture_operand_roundings(model, axes, captured, step)
+        recorder = Recorder(model, optimizer).attach() if recorded else None
+        torch.manual_seed(1)
+        for scale in (1.0, 1e-6):
+            optimizer.zero_grad()
+            (model(torch.randn(4, 2, 4, 4)).square().sum() * scale).backward()
+            optimizer.step()
+            step[0] += 1
+        if recorder is not None:
+            recorder.detach()
+        return model, recorder, captured, torch.get_rng_state()
+
+    plain, _, _, plain_generator = train(False)
+    model, recorder, captured, generator = train(True)
+    specs = {"weight": recipe.weight, "input": recipe.activation, "error": recipe.error}
+    expected = {}
+    for at, module, category, x, rounded in captured:
+        fmt = dataclasses.replace(specs[category][0], axis=axes[module])
+        add_to(expected, (at, module, category), python_recount(x, rounded, fmt))
+    assert_same_records(recorder, expected)
+    total = sum(expected.values(), RoundingStatistics())
+    assert total.overflow and total.unchanged < total.elements
+    if name != "mxfp8":
+        assert total.underflow and total.subnormal
+    for (key, a), b in zip(plain.state_dict().items(), model.state_dict().values(), strict=True):
+        assert_same_bits(b, a, key)
+    assert torch.equal(generator, plain_generator)
+
+
+def test_the_roundings_inside_a_macs_products_are_not_recorded():
+    """As the recorder documents: a layer that rounds only in its MAC (a float16 accumulator with
+    two mantissa bits, whose sums differ from torch's) has no records."""
+    torch.manual_seed(0)
+    mac = lpsim.MAC(accumulator=Float(5, 2))
+    model = inject(nn.Linear(64, 8), {nn.Linear: LayerQuantization(mac=mac)})
+    x = torch.randn(4, 64)
+    with Recorder(model) as recorder:
+        output = model(x)
+        output.sum().backward()
+    assert not torch.equal(output, nn.functional.linear(x, model.weight, model.bias))
+    assert recorder.records == []
+
+
 def test_delayed_scaling_roundings_count_what_the_calls_scale_saturated():
     e4m3 = Float(4, 3, special="fn")
     model = inject(nn.Linear(4, 4), {nn.Linear: LayerQuantization(output=DelayedScaling(e4m3))})
