@@ -1024,6 +1024,31 @@ def test_bad_arguments_raise_errors_that_name_them(arguments, error, match):
         Recorder(**arguments)
 
 
+def test_the_optimizer_an_optim_lp_wraps_is_refused_naming_the_optim_lp():
+    """recipe.apply(model, sgd) wraps sgd in an OptimLP, whose step() runs sgd's step before its
+    state and weight roundings: hooks on sgd would end the recorder's step before them (their
+    records would land in the next step) and count stagnation on half-updated weights. The
+    recorder refuses sgd, at construction and, for an OptimLP made later, at attach()."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    early = Recorder(model, sgd)
+    model, optimizer = lpsim.recipes.IBM8.apply(model, sgd)
+    with pytest.raises(ValueError, match="optimizer: this SGD is wrapped by an OptimLP"):
+        Recorder(model, sgd)
+    with pytest.raises(ValueError, match="pass the OptimLP"):
+        early.attach()
+    assert not early.attached and _observation.current is None
+    assert not sgd._optimizer_step_pre_hooks and not sgd._optimizer_step_post_hooks
+    with Recorder(model, optimizer) as recorder:
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(torch.randn(16, 4)).square().mean().backward()
+            optimizer.step()
+    steps = {(r.step, r.category) for r in recorder.records if r.module == "2.weight"}
+    categories = ("grad", "momentum", "accumulator", "weight")
+    assert steps == {(step, category) for step in (0, 1) for category in categories}
+
+
 def test_bad_keys_and_a_second_recorder_are_refused():
     recorder = Recorder(nn.Linear(1, 1))
     with pytest.raises(ValueError, match="by must name some of"):

@@ -241,7 +241,8 @@ class Recorder:
         model: the model whose roundings are recorded (injected with lpsim.nn.inject, or holding
             lpsim.nn.Quantizer modules), or None.
         optimizer: the optimizer whose roundings (OptimLP) and stagnation (any optimizer) are
-            recorded, and whose step() ends each step; or None.
+            recorded, and whose step() ends each step; or None. The one whose step() the
+            training calls: an OptimLP, not the optimizer it wraps (which is refused).
         categories: the categories to record, a subset of CATEGORIES (one name or several;
             default all).
         every: record every ``every``-th step only (steps 0, every, 2 * every, ...).
@@ -250,7 +251,8 @@ class Recorder:
     Raises:
         TypeError: model is not an nn.Module, optimizer not a torch optimizer, or an argument
             has the wrong type (the message names it).
-        ValueError: neither a model nor an optimizer, an unknown category, or every < 1.
+        ValueError: neither a model nor an optimizer, an unknown category, every < 1, or an
+            OptimLP wraps optimizer (pass the OptimLP).
     """
 
     def __init__(
@@ -270,6 +272,7 @@ class Recorder:
             )
         if model is None and optimizer is None:
             raise ValueError("Recorder needs a model, an optimizer or both; got neither")
+        _check_not_wrapped(optimizer)
         if not isinstance(every, int) or isinstance(every, bool):
             raise TypeError(f"every must be an int, got {type(every).__name__}")
         if every < 1:
@@ -307,12 +310,14 @@ class Recorder:
 
         Raises:
             RuntimeError: this or another recorder is attached already.
+            ValueError: an OptimLP wraps the optimizer (made around it since the recorder was).
         """
         global _attached
         if _attached is self:
             raise RuntimeError("this Recorder is attached already")
         if _attached is not None:
             raise RuntimeError("another Recorder is attached: detach it first")
+        _check_not_wrapped(self.optimizer)
         self._names = self._collect_names()
         if self.optimizer is not None:
             self._hooks = [
@@ -743,6 +748,22 @@ def _checked_keys(by, allowed: tuple[str, ...], name: str) -> tuple[str, ...]:
     if len(set(keys)) != len(keys):
         raise ValueError(f"{name} names a key twice: {keys}")
     return keys
+
+
+def _check_not_wrapped(optimizer: Optimizer | None) -> None:
+    """Raises ValueError where an OptimLP wraps ``optimizer`` (recipe.apply(model, sgd) wraps
+    sgd): the wrapped optimizer's step runs inside the OptimLP's, before its state and weight
+    roundings, so its step hooks would end the recorder's step too early (those roundings would
+    count towards the next) and see the weights half-updated."""
+    if optimizer is None:
+        return
+    wrapper = OptimLP.wrapping(optimizer)
+    if wrapper is not None:
+        raise ValueError(
+            f"optimizer: this {type(optimizer).__name__} is wrapped by an OptimLP (recipe.apply "
+            "returns it): pass the OptimLP, whose step() you call, so that each step's roundings "
+            "and stagnation are recorded in that step"
+        )
 
 
 def _parameters(optimizer: Optimizer):
