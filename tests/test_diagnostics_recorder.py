@@ -1024,6 +1024,28 @@ def test_bad_arguments_raise_errors_that_name_them(arguments, error, match):
         Recorder(**arguments)
 
 
+def test_a_parameter_group_added_while_attached_is_recorded_from_its_first_step():
+    """A parameter of the optimizer is recorded (its roundings and stagnation) whenever it was
+    added: a group added by add_param_group after attach() is named as attach() names it."""
+    first, second = nn.Parameter(torch.full((4,), 1.0)), nn.Parameter(torch.full((4,), 1.0))
+    optimizer = OptimLP(torch.optim.SGD([first], lr=0.1), weight=(FIXED, "nearest"))
+    with Recorder(None, optimizer) as recorder:
+        optimizer.add_param_group({"params": [second]})
+        first.grad, second.grad = torch.full((4,), 0.25), torch.tensor([1.0, 0.25, 0.0, 0.25])
+        optimizer.step()
+    weights = {r.module: r.statistics for r in recorder.records}
+    assert sorted(weights) == ["group0.param0", "group1.param0"]
+    # 1 - 0.1 * (1, 0.25, 0, 0.25) = (0.9, 0.975, 1, 0.975) rounded to FIXED's eighths: 0.875,
+    # 1 (the update lost), 1 (no update: unchanged), 1 (lost)
+    assert weights["group1.param0"].unchanged == 1
+    assert second.tolist() == [0.875, 1.0, 1.0, 1.0]
+    stagnation = {r.parameter: r.stagnation for r in recorder.stagnation_records}
+    assert stagnation == {
+        "group0.param0": Stagnation(4, 4, 4),
+        "group1.param0": Stagnation(4, 3, 2),
+    }
+
+
 def test_the_optimizer_an_optim_lp_wraps_is_refused_naming_the_optim_lp():
     """recipe.apply(model, sgd) wraps sgd in an OptimLP, whose step() runs sgd's step before its
     state and weight roundings: hooks on sgd would end the recorder's step before them (their

@@ -59,6 +59,10 @@ op, so only their stagnation is recorded: they give no "weight" record.
 Roundings by functions that are not formats (OptimLP accepts any function tensor -> tensor) have
 no format to count against and are not recorded (their stagnation is).
 
+Names. attach() names the model's modules and parameters and the optimizer's parameters, and so
+does each recorded step of the optimizer, before it runs: a parameter group added meanwhile
+(add_param_group), or a module added to the model, is recorded from then on.
+
 Steps. The step counter starts at 0. The attached optimizer's step() ends a step (through a step
 hook), and so does Recorder.step(): call it yourself when the recorder has no optimizer. With
 ``every=k`` only the steps 0, k, 2k, ... are recorded; during the others nothing observes. A step
@@ -428,7 +432,12 @@ class Recorder:
         self, optimizer: Optimizer, args: tuple, kwargs: dict
     ) -> tuple[tuple, dict] | None:
         self._before_step.clear()
-        if not self._recorded() or "stagnation" not in self.categories:
+        if not self._recorded():
+            return None
+        # Parameter groups added since (add_param_group), modules and parameters added to the
+        # model: named as attach() names them, so that this step's roundings are recorded.
+        self._names = self._collect_names()
+        if "stagnation" not in self.categories:
             return None
         # args: the optimizer, then step's own arguments (torch's step hooks).
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
