@@ -61,7 +61,8 @@ no format to count against and are not recorded (their stagnation is).
 
 Names. attach() names the model's modules and parameters and the optimizer's parameters, and so
 does each recorded step of the optimizer, before it runs: a parameter group added meanwhile
-(add_param_group), or a module added to the model, is recorded from then on.
+(add_param_group) is recorded from that step on, a module added to the model (whose forward and
+backward passes came before that step) from the next one.
 
 Steps. The step counter starts at 0. The attached optimizer's step() ends a step (through a step
 hook), and so does Recorder.step(): call it yourself when the recorder has no optimizer. With
