@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pathlib
@@ -156,19 +157,61 @@ def run_two_gloo_processes(module: str, args: list[str]) -> str:
     return done.stdout
 
 
+def power_of_two_exponent(amax: float, fmt, work) -> int:
+    """The exponent e of the scale 2**e that lpsim.scaled's documented rules give a block whose
+    largest magnitude is ``amax`` (finite), clamped to the scale's exponent range; ``work`` is the
+    arithmetic (numpy float32, or float64 for float64 tensors) of the "rceil" division. emax is
+    floor(log2(elem_max)); an all-zero block has the smallest scale."""
+    element_max = fmt.element.max
+    emax = math.frexp(element_max)[1] - 1
+    if amax == 0:
+        return fmt.scale.emin
+
+    def ceil_log2(v: float) -> int:
+        significand, exponent = math.frexp(v)  # v = significand * 2**exponent, in [0.5, 1)
+        return exponent - 1 if significand == 0.5 else exponent
+
+    if fmt.scale_rule == "floor":
+        e = math.frexp(amax)[1] - 1 - emax
+    elif fmt.scale_rule == "ceil":
+        e = ceil_log2(amax) - emax
+    elif fmt.scale_rule == "even":
+        # amax rounded to the element's precision (fraction bits of its largest binade) with
+        # ties away from zero: a significand that rounds up to 2 moves into the next binade
+        element = fmt.element  # a Fixed element: fl fraction bits, emax more in the binade
+        bits = element.fl + emax if hasattr(element, "fl") else element.man
+        significand, exponent = math.frexp(amax)
+        rounded = math.floor(2 * significand * 2**bits + 0.5) / 2**bits
+        e = exponent - 1 + (rounded >= 2) - emax
+    else:
+        assert fmt.scale_rule == "rceil"
+        quotient = float(work(amax) / work(element_max))  # rounded in the arithmetic
+        e = ceil_log2(quotient) if quotient > 0 else fmt.scale.emin  # log2(0) = -inf
+    return min(max(e, fmt.scale.emin), fmt.scale.emax)
+
+
 def scaled_bounds_model(x: torch.Tensor, fmt) -> list[tuple[float, float, float]]:
     """(low, high, smallest_normal) of each element of x (row-major) rounded into the Scaled
-    ``fmt``, whose blocks run along the last axis (blocks of n, whole rows, or the whole tensor)
-    with a power-of-two scale under the "floor" rule, or a float32 or E4M3 scale under "amax":
-    from lpsim.scaled's documented encoding, each block's scale from its largest magnitude, and
-    its range the decoded values of the element format's limits (and its smallest normal value),
-    in float32 arithmetic (float64 for float64 x), rounded into x's dtype; with a Float scale,
-    extended to the largest x of x's dtype whose product with the encoder's reciprocal (1 / t,
-    then divided by the scale) is still within the element's limits (nothing saturated)."""
+    ``fmt``, whose blocks run along one axis (blocks of n, whole rows along ``axis``, or the whole
+    tensor) with a power-of-two scale under any of its rules, or a float32 or E4M3 scale under
+    "amax": from lpsim.scaled's documented encoding, each block's scale from its largest
+    magnitude, and its range the decoded values of the element format's limits (and its smallest
+    normal value), in float32 arithmetic (float64 for float64 x), rounded into x's dtype; with a
+    Float scale, extended to the largest x of x's dtype whose product with the encoder's
+    reciprocal (1 / t, then divided by the scale) is still within the element's limits (nothing
+    saturated)."""
     from lpsim import Float  # noqa: PLC0415
 
-    assert fmt.axis == -1 and not isinstance(fmt.block, tuple)
-    assert fmt.scale_rule in ("floor", "amax")
+    assert not isinstance(fmt.block, tuple)
+    if fmt.axis != -1 and fmt.block != "tensor" and x.dim() > 1:
+        # The blocks along axis are those along the last axis of x with axis moved there.
+        moved = x.movedim(fmt.axis, -1)
+        at_end = scaled_bounds_model(moved, dataclasses.replace(fmt, axis=-1))
+        order = torch.arange(x.numel()).reshape(x.shape).movedim(fmt.axis, -1).flatten()
+        bounds = [None] * x.numel()
+        for k, i in enumerate(order.tolist()):
+            bounds[i] = at_end[k]
+        return bounds
     work = np.float64 if x.dtype == torch.float64 else np.float32
     values = x.double().reshape(-1).numpy()
     if fmt.block == "tensor" or x.dim() == 0 or not len(values):
@@ -206,9 +249,8 @@ def scaled_bounds_model(x: torch.Tensor, fmt) -> list[tuple[float, float, float]
                 bounds += [(-math.inf, math.inf, 0.0)] * len(block)
                 continue
             amax = float(np.abs(block).max())
-            if fmt.scale_rule == "floor":
-                e = math.frexp(amax)[1] - 1 - fmt.element_emax if amax else fmt.scale.emin
-                factor = work(2.0 ** min(max(e, fmt.scale.emin), fmt.scale.emax))
+            if fmt.scale_rule != "amax":
+                factor = work(2.0 ** power_of_two_exponent(amax, fmt, work))
             else:
                 d = (work(amax) / work(element.max)) / t
                 d = min(max(d, work(fmt.scale.smallest_normal)), work(fmt.scale.max))

@@ -544,6 +544,121 @@ def test_quantize_functions_and_the_quantizer_function_are_not_recorded():
     assert torch.equal(output, lpsim.quantize(output.detach(), FLOAT, "nearest"))
 
 
+def scaled_recipe_model() -> nn.Sequential:
+    """Convolutions and Linear layers: the scaled recipes quantise the operands of the inner
+    three ("2", "5" and "7"), blocked along the channels (axis -3) and the features (-1)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 40),
+        nn.ReLU(),
+        nn.Linear(40, 32),
+        nn.ReLU(),
+        nn.Linear(32, 5),
+    )
+
+
+def capture_operand_roundings(model: nn.Module, names, captured: list, step: list) -> None:
+    """Hooks of the test's own that save, for each module in ``names``, every rounding of its
+    operands as the pair (value before, value the run went on with): the input between a pre-hook
+    that runs before inject's and one after, the error from tensor hooks on both sides of the
+    error quantiser (the output before and after inject's forward hook), the weight from its
+    parametrisation's forward hook."""
+    for name in names:
+        module, raw = model.get_submodule(name), {}
+
+        def before_input(m, args, raw=raw):
+            raw["input"] = args[0].detach().clone()
+
+        def after_input(m, args, name=name, raw=raw):
+            captured.append((step[0], name, "input", raw.pop("input"), args[0].detach().clone()))
+
+        def before_output(m, args, output, raw=raw):
+            raw["output"] = output
+
+        def after_output(m, args, output, name=name, raw=raw):
+            unrounded, at, errors = raw.pop("output"), step[0], {}
+            output.register_hook(lambda g: errors.setdefault("before", g.clone()))
+            unrounded.register_hook(
+                lambda g: captured.append((at, name, "error", errors.pop("before"), g.clone()))
+            )
+
+        def weight(m, args, rounded, name=name):
+            pair = (args[0].detach().clone(), rounded.detach().clone())
+            captured.append((step[0], name, "weight", *pair))
+
+        module.register_forward_pre_hook(before_input, prepend=True)
+        module.register_forward_pre_hook(after_input)
+        module.register_forward_hook(before_output, prepend=True)
+        module.register_forward_hook(after_output)
+        module.parametrizations["weight"][0].register_forward_hook(weight)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp4", "nvfp4"])
+def test_a_scaled_recipe_with_a_mac_records_a_python_recount_of_its_operands_roundings(name):
+    """lpsim.recipes' MXFP8, MXFP4 (stochastic "rceil" errors) and NVFP4 (stochastic errors) with
+    a stochastic float16 MAC in every product: each record is the Python recount of the values
+    before and after the rounding the run went on with, each element within its block's range,
+    the blocks along the channels of the convolution and the features of the Linear layers as
+    Recipe.blocks_along_reduction documents; and the recorded run is bit for bit the run
+    without a recorder."""
+    mac = lpsim.MAC(accumulator=Float(5, 10), rounding="stochastic")
+    recipe = dataclasses.replace(lpsim.recipes.RECIPES[name], mac=mac)
+    axes = {"2": -3, "5": -1, "7": -1}
+
+    def train(recorded: bool):
+        model = scaled_recipe_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, optimizer = recipe.apply(model, optimizer)
+        captured, step = [], [0]
+        if recorded:
+            capture_operand_roundings(model, axes, captured, step)
+        recorder = Recorder(model, optimizer).attach() if recorded else None
+        torch.manual_seed(1)
+        for scale in (1.0, 1e-6):
+            optimizer.zero_grad()
+            (model(torch.randn(4, 2, 4, 4)).square().sum() * scale).backward()
+            optimizer.step()
+            step[0] += 1
+        if recorder is not None:
+            recorder.detach()
+        return model, recorder, captured, torch.get_rng_state()
+
+    plain, _, _, plain_generator = train(False)
+    model, recorder, captured, generator = train(True)
+    specs = {"weight": recipe.weight, "input": recipe.activation, "error": recipe.error}
+    expected = {}
+    for at, module, category, x, rounded in captured:
+        fmt = dataclasses.replace(specs[category][0], axis=axes[module])
+        add_to(expected, (at, module, category), python_recount(x, rounded, fmt))
+    assert_same_records(recorder, expected)
+    total = sum(expected.values(), RoundingStatistics())
+    assert total.overflow and total.unchanged < total.elements
+    if name != "mxfp8":
+        assert total.underflow and total.subnormal
+    for (key, a), b in zip(plain.state_dict().items(), model.state_dict().values(), strict=True):
+        assert_same_bits(b, a, key)
+    assert torch.equal(generator, plain_generator)
+
+
+def test_the_roundings_inside_a_macs_products_are_not_recorded():
+    """As the recorder documents: a layer that rounds only in its MAC (a float16 accumulator with
+    two mantissa bits, whose sums differ from torch's) has no records."""
+    torch.manual_seed(0)
+    mac = lpsim.MAC(accumulator=Float(5, 2))
+    model = inject(nn.Linear(64, 8), {nn.Linear: LayerQuantization(mac=mac)})
+    x = torch.randn(4, 64)
+    with Recorder(model) as recorder:
+        output = model(x)
+        output.sum().backward()
+    assert not torch.equal(output, nn.functional.linear(x, model.weight, model.bias))
+    assert recorder.records == []
+
+
 def test_delayed_scaling_roundings_count_what_the_calls_scale_saturated():
     e4m3 = Float(4, 3, special="fn")
     model = inject(nn.Linear(4, 4), {nn.Linear: LayerQuantization(output=DelayedScaling(e4m3))})
@@ -907,6 +1022,53 @@ def test_tensorboard_scalars_go_to_any_writer_and_a_missing_package_is_explained
 def test_bad_arguments_raise_errors_that_name_them(arguments, error, match):
     with pytest.raises(error, match=match):
         Recorder(**arguments)
+
+
+def test_a_parameter_group_added_while_attached_is_recorded_from_its_first_step():
+    """A parameter of the optimizer is recorded (its roundings and stagnation) whenever it was
+    added: a group added by add_param_group after attach() is named as attach() names it."""
+    first, second = nn.Parameter(torch.full((4,), 1.0)), nn.Parameter(torch.full((4,), 1.0))
+    optimizer = OptimLP(torch.optim.SGD([first], lr=0.1), weight=(FIXED, "nearest"))
+    with Recorder(None, optimizer) as recorder:
+        optimizer.add_param_group({"params": [second]})
+        first.grad, second.grad = torch.full((4,), 0.25), torch.tensor([1.0, 0.25, 0.0, 0.25])
+        optimizer.step()
+    weights = {r.module: r.statistics for r in recorder.records}
+    assert sorted(weights) == ["group0.param0", "group1.param0"]
+    # 1 - 0.1 * (1, 0.25, 0, 0.25) = (0.9, 0.975, 1, 0.975) rounded to FIXED's eighths: 0.875,
+    # 1 (the update lost), 1 (no update: unchanged), 1 (lost)
+    assert weights["group1.param0"].unchanged == 1
+    assert second.tolist() == [0.875, 1.0, 1.0, 1.0]
+    stagnation = {r.parameter: r.stagnation for r in recorder.stagnation_records}
+    assert stagnation == {
+        "group0.param0": Stagnation(4, 4, 4),
+        "group1.param0": Stagnation(4, 3, 2),
+    }
+
+
+def test_the_optimizer_an_optim_lp_wraps_is_refused_naming_the_optim_lp():
+    """recipe.apply(model, sgd) wraps sgd in an OptimLP, whose step() runs sgd's step before its
+    state and weight roundings: hooks on sgd would end the recorder's step before them (their
+    records would land in the next step) and count stagnation on half-updated weights. The
+    recorder refuses sgd, at construction and, for an OptimLP made later, at attach()."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    early = Recorder(model, sgd)
+    model, optimizer = lpsim.recipes.IBM8.apply(model, sgd)
+    with pytest.raises(ValueError, match="optimizer: this SGD is wrapped by an OptimLP"):
+        Recorder(model, sgd)
+    with pytest.raises(ValueError, match="pass the OptimLP"):
+        early.attach()
+    assert not early.attached and _observation.current is None
+    assert not sgd._optimizer_step_pre_hooks and not sgd._optimizer_step_post_hooks
+    with Recorder(model, optimizer) as recorder:
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(torch.randn(16, 4)).square().mean().backward()
+            optimizer.step()
+    steps = {(r.step, r.category) for r in recorder.records if r.module == "2.weight"}
+    categories = ("grad", "momentum", "accumulator", "weight")
+    assert steps == {(step, category) for step in (0, 1) for category in categories}
 
 
 def test_bad_keys_and_a_second_recorder_are_refused():

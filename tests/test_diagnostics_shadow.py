@@ -4,6 +4,7 @@ simulated activations and errors from it, without changing the simulated model."
 import collections
 import copy
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -123,6 +124,94 @@ def test_the_report_equals_a_hand_computation_on_two_linear_layers():
     )
     assert report.reference_loss == pytest.approx(float(reference_1.square().sum()), rel=1e-6)
     assert report.simulated_loss == pytest.approx(float(simulated_1.square().sum()), rel=1e-6)
+
+
+def scaled_cnn() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, 5),
+    )
+
+
+def divergences_by_hand(model: nn.Module, x: torch.Tensor, loss_fn, names) -> dict:
+    """Per module name: (its output after every forward hook, the gradient of the loss with respect
+    to its output before the others), from hooks of the test's own: the first forward hook hands
+    on a clone of a clone of the output, and the gradient is that of the first clone."""
+    ports, outputs, handles = {}, {}, []
+    for name in names:
+        module = model.get_submodule(name)
+
+        def port(m, args, output, name=name):
+            ports[name] = output.clone()
+            return ports[name].clone()
+
+        def after(m, args, output, name=name):
+            outputs[name] = output.detach().clone()
+
+        handles += [module.register_forward_hook(port, prepend=True)]
+        handles += [module.register_forward_hook(after)]
+    loss = loss_fn(model(x))
+    errors = torch.autograd.grad(loss, [ports[name] for name in names])
+    for handle in handles:
+        handle.remove()
+    return {name: (outputs[name], error) for name, error in zip(names, errors)}
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "mxfp4", "nvfp4"])
+def test_a_scaled_recipe_with_a_mac_diverges_from_torchs_model_on_the_same_weights_by_hand(name):
+    """A scaled recipe with a stochastic float16 MAC in every product, after a training step: each
+    row's divergences are ||sim - ref|| / ||ref|| of the outputs and errors of the module, ref from
+    torch's own model (not injected) holding the simulated model's stored weights and BatchNorm
+    statistics, sim from a copy of the simulated model run from the same generator state; and
+    compare() leaves the model, its gradients and the generator as they were."""
+    mac = lpsim.MAC(accumulator=Float(5, 10), rounding="stochastic")
+    recipe = dataclasses.replace(lpsim.recipes.RECIPES[name], mac=mac)
+    model = scaled_cnn()
+    model, optimizer = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(8, 2, 4, 4, generator=torch.Generator().manual_seed(2))
+    target = torch.arange(8) % 5
+    model(x).square().sum().backward()
+    optimizer.step()
+
+    def loss_fn(out):
+        return nn.functional.cross_entropy(out, target) * 1024
+
+    before = snapshot(model)
+    report = Shadow(model).compare(x, loss_fn)
+    assert_unchanged(model, before)
+
+    names = [r.module for r in report.modules if r.module]
+    reference = scaled_cnn()
+    reference.load_state_dict(remove(copy.deepcopy(model)).state_dict())
+    simulated = copy.deepcopy(model)
+    torch.set_rng_state(before["rng"])
+    simulated_values = divergences_by_hand(simulated, x, loss_fn, names)
+    torch.set_rng_state(before["rng"])
+    reference_values = divergences_by_hand(reference, x, loss_fn, names)
+    torch.set_rng_state(before["rng"])
+
+    def relative(s, r):
+        return math.sqrt(float((s.double() - r.double()).square().sum())) / math.sqrt(
+            float(r.double().square().sum())
+        )
+
+    for r in report.modules:
+        if not r.module:
+            continue
+        (a_sim, e_sim), (a_ref, e_ref) = simulated_values[r.module], reference_values[r.module]
+        assert r.activation_divergence == relative(a_sim, a_ref), r.module
+        assert r.error_divergence == relative(e_sim, e_ref), r.module
+    assert all(r.activation_divergence > 0 for r in report.modules if r.module in ("3", "6"))
 
 
 def test_zero_reference_norms_give_zero_or_infinite_divergence():

@@ -21,7 +21,7 @@ from support import DTYPES, assert_same_bits, block_float_bounds_model, scaled_b
 import lpsim
 from lpsim import P3109, BlockFloat, Fixed, Float
 from lpsim.delayed_scaling import DelayedScaling
-from lpsim.scaled import Scaled, preset
+from lpsim.scaled import PowerOfTwo, Scaled, preset
 from lpsim.statistics import (
     FRACTIONS,
     RoundingStatistics,
@@ -452,6 +452,34 @@ def test_scaled_counts_equal_a_model_of_the_block_ranges(name, dtype, n, seed, s
     special = torch.randint(0, 200, (n,), generator=gen)
     x = torch.where(special == 0, math.nan, torch.where(special == 1, 0.0, x)).to(dtype)
     assert_statistics_of_rounding_equal_recount(x, fmt, rule)
+
+
+@pytest.mark.parametrize("rule", ["floor", "ceil", "even", "rceil"])
+def test_power_of_two_scale_rules_count_each_element_within_its_blocks_documented_range(rule):
+    """Every power-of-two scale rule, with scales whose exponent range clamps the blocks' scales
+    at both ends (2**-3 to 2**3, and 2**-149 to 2**105, float32's subnormal powers of two
+    included), blocks of 8 along the first axis of length 33 (a last block of one), all-zero and
+    NaN blocks, Float and (unsigned) Fixed elements: the counts are those of a model of
+    lpsim.scaled's documented rules (support.power_of_two_exponent), for every dtype."""
+    gen = torch.Generator().manual_seed(11)
+    magnitudes = torch.tensor([-145.0, -120.0, -30.0, -2.0, 5.0, 40.0])  # one per column
+    x = torch.randn(33, 6, generator=gen, dtype=torch.float64) * torch.exp2(magnitudes)
+    x = x * torch.exp2(torch.randint(-3, 4, (33, 6), generator=gen).double())
+    x[8:16, 2] = 0.0  # an all-zero block
+    x[3, 4] = math.nan  # a block with NaN: its finite elements overflow
+    elements = [
+        Float(4, 3, special="fn", saturate=True),
+        Float(2, 1, special="none", saturate=True),
+        Fixed(8, 6),
+        Fixed(4, 1, signed=False),
+    ]
+    scales = [PowerOfTwo(3), PowerOfTwo(8, bias=149), PowerOfTwo(8)]
+    for element in elements:
+        for scale in scales:
+            fmt = Scaled(element, scale, 8, axis=0, scale_rule=rule)
+            for dtype in DTYPES:
+                for rounding in ("nearest", "stochastic", "toward_zero"):
+                    assert_statistics_of_rounding_equal_recount(x.to(dtype), fmt, rounding)
 
 
 def test_mx_blocks_of_normal_data_saturate_often():

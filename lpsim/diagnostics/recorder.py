@@ -31,7 +31,10 @@ What is recorded while the recorder is attached:
   rounding that ends a step). Parameters outside the recorder's model and optimizer are not
   recorded.
 - stagnation: per parameter and step, how many elements the step should have moved and how many
-  of them it left where they were (Stagnation, below).
+  of them it left where they were (Stagnation, below): for an OptimLP, of the parameters whose
+  weight or accumulator it rounds (none of those it leaves in full precision: the recipes' first
+  and last layers, the master weights of the scaled recipes, round_weights=False); for any other
+  optimizer, of every parameter with a gradient.
 
 A record holds a RoundingStatistics (lpsim.statistics): counts of elements, and of nonfinite,
 overflowing, underflowing (nonzero to zero), subnormal and unchanged elements, and the float64
@@ -45,14 +48,21 @@ there.
 
 Not recorded: the roundings of lpsim.nn.quantize_functions contexts (matmul, linear, softmax and
 attention called as functions), of the lpsim.nn.quantizer() function (it belongs to no module; the
-Quantizer module's are recorded) and of the operands of products under MACs (lpsim.nn.functional's
-Operands): a model that rounds only there has no records.
+Quantizer module's are recorded), of the operands of products under MACs (lpsim.nn.functional's
+Operands), and those inside a MAC's products (LayerQuantization.mac, Recipe.mac: the rounded
+products and partial sums, forward and backward; a product's result is no rounding of one tensor):
+a model that rounds only there has no records.
 
 FusedSGD and FusedAdam round inside one compiled pass, and lpsim.optim.SGD and AdamW (weights
 stored in low precision, updated by lpsim.sr_add and sr_addcdiv_ in one rounding) inside one
 op, so only their stagnation is recorded: they give no "weight" record.
 Roundings by functions that are not formats (OptimLP accepts any function tensor -> tensor) have
 no format to count against and are not recorded (their stagnation is).
+
+Names. attach() names the model's modules and parameters and the optimizer's parameters, and so
+does each recorded step of the optimizer, before it runs: a parameter group added meanwhile
+(add_param_group) is recorded from that step on, a module added to the model (whose forward and
+backward passes came before that step) from the next one.
 
 Steps. The step counter starts at 0. The attached optimizer's step() ends a step (through a step
 hook), and so does Recorder.step(): call it yourself when the recorder has no optimizer. With
@@ -236,7 +246,8 @@ class Recorder:
         model: the model whose roundings are recorded (injected with lpsim.nn.inject, or holding
             lpsim.nn.Quantizer modules), or None.
         optimizer: the optimizer whose roundings (OptimLP) and stagnation (any optimizer) are
-            recorded, and whose step() ends each step; or None.
+            recorded, and whose step() ends each step; or None. The one whose step() the
+            training calls: an OptimLP, not the optimizer it wraps (which is refused).
         categories: the categories to record, a subset of CATEGORIES (one name or several;
             default all).
         every: record every ``every``-th step only (steps 0, every, 2 * every, ...).
@@ -245,7 +256,8 @@ class Recorder:
     Raises:
         TypeError: model is not an nn.Module, optimizer not a torch optimizer, or an argument
             has the wrong type (the message names it).
-        ValueError: neither a model nor an optimizer, an unknown category, or every < 1.
+        ValueError: neither a model nor an optimizer, an unknown category, every < 1, or an
+            OptimLP wraps optimizer (pass the OptimLP).
     """
 
     def __init__(
@@ -265,6 +277,7 @@ class Recorder:
             )
         if model is None and optimizer is None:
             raise ValueError("Recorder needs a model, an optimizer or both; got neither")
+        _check_not_wrapped(optimizer)
         if not isinstance(every, int) or isinstance(every, bool):
             raise TypeError(f"every must be an int, got {type(every).__name__}")
         if every < 1:
@@ -302,12 +315,14 @@ class Recorder:
 
         Raises:
             RuntimeError: this or another recorder is attached already.
+            ValueError: an OptimLP wraps the optimizer (made around it since the recorder was).
         """
         global _attached
         if _attached is self:
             raise RuntimeError("this Recorder is attached already")
         if _attached is not None:
             raise RuntimeError("another Recorder is attached: detach it first")
+        _check_not_wrapped(self.optimizer)
         self._names = self._collect_names()
         if self.optimizer is not None:
             self._hooks = [
@@ -418,7 +433,12 @@ class Recorder:
         self, optimizer: Optimizer, args: tuple, kwargs: dict
     ) -> tuple[tuple, dict] | None:
         self._before_step.clear()
-        if not self._recorded() or "stagnation" not in self.categories:
+        if not self._recorded():
+            return None
+        # Parameter groups added since (add_param_group), modules and parameters added to the
+        # model: named as attach() names them, so that this step's roundings are recorded.
+        self._names = self._collect_names()
+        if "stagnation" not in self.categories:
             return None
         # args: the optimizer, then step's own arguments (torch's step hooks).
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
@@ -738,6 +758,22 @@ def _checked_keys(by, allowed: tuple[str, ...], name: str) -> tuple[str, ...]:
     if len(set(keys)) != len(keys):
         raise ValueError(f"{name} names a key twice: {keys}")
     return keys
+
+
+def _check_not_wrapped(optimizer: Optimizer | None) -> None:
+    """Raises ValueError where an OptimLP wraps ``optimizer`` (recipe.apply(model, sgd) wraps
+    sgd): the wrapped optimizer's step runs inside the OptimLP's, before its state and weight
+    roundings, so its step hooks would end the recorder's step too early (those roundings would
+    count towards the next) and see the weights half-updated."""
+    if optimizer is None:
+        return
+    wrapper = OptimLP.wrapping(optimizer)
+    if wrapper is not None:
+        raise ValueError(
+            f"optimizer: this {type(optimizer).__name__} is wrapped by an OptimLP (recipe.apply "
+            "returns it): pass the OptimLP, whose step() you call, so that each step's roundings "
+            "and stagnation are recorded in that step"
+        )
 
 
 def _parameters(optimizer: Optimizer):

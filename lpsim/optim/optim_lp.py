@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ __all__ = ["OptimLP", "ParameterQuantization"]
 QuantFunction = Callable[[torch.Tensor], torch.Tensor]
 _GROUP_KEY = "quantization"  # a parameter group's own ParameterQuantization (or None)
 _CATEGORIES = ("weight", "grad", "momentum", "acc")
+# The OptimLP made around each optimizer (the latest), held weakly both ways (OptimLP.wrapping).
+_WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _as_function(value, rounding, name: str) -> QuantFunction | None:
@@ -379,6 +382,15 @@ class OptimLP(Optimizer):
                     f"parameters: {stray} tensor(s) are not parameters of the wrapped optimizer"
                 )
         self._configure()
+        _WRAPPERS[optimizer] = weakref.ref(self)
+
+    @staticmethod
+    def wrapping(optimizer: Optimizer) -> OptimLP | None:
+        """The OptimLP made around ``optimizer`` (the latest, while it exists), or None. Its
+        step() runs the optimizer's step between its roundings: a Recorder refuses the wrapped
+        optimizer, whose step hooks would run between them."""
+        found = _WRAPPERS.get(optimizer)
+        return None if found is None else found()
 
     # The defaults under QPyTorch's attribute names.
     weight_quant = property(lambda self: self.default_quantization.weight)
