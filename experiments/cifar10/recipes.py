@@ -439,9 +439,6 @@ WAGE = WageRecipe(
         "rounds them away from zero.",
         "The accumulator is clipped after each update instead of before the next one, and once "
         "at initialisation: the weights seen by every forward pass are the same.",
-        "Images enter in [-1, 1] (2x - 1), as WAGE's TensorFlow code maps them (X / 127.5 - 1); "
-        "QPyTorch's example feeds them in [0, 1] (ToTensor, no normalisation), so its 8-bit "
-        "input quantiser sees only the upper half of its range.",
     ),
 )
 
