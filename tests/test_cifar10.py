@@ -184,6 +184,23 @@ def test_recipes_quantise_what_the_qpytorch_examples_quantise():
     assert {r.model for r in recipes.RECIPES.values()} == {"vgg16", "vgg7", "preresnet20"}
 
 
+def test_ibm8_accumulators_start_from_the_unrounded_initial_weights():
+    """QPyTorch's OptimLP starts every accumulator as p.detach().clone(), unrounded: the first
+    update is added to the float32 initial weight and only then rounded into e6m9. After
+    prepare() the recipe's accumulators are those weights bit for bit, and the weights are
+    them rounded to nearest e5m2 (torch.float8_e5m2, the initial weights being far below its
+    largest value)."""
+    recipe = recipes.RECIPES["ibm8"]
+    torch.manual_seed(0)
+    net = build_model("preresnet20", width=0.25)
+    initial = [p.detach().clone() for p in net.parameters()]
+    _, optimizer = recipe.prepare(net, recipe.lr)
+    assert len(optimizer.accumulators) == len(initial)
+    for p, w0 in zip(net.parameters(), initial):
+        assert torch.equal(optimizer.accumulators[p], w0)
+        assert torch.equal(p.detach(), w0.to(torch.float8_e5m2).float())
+
+
 @pytest.mark.parametrize(
     "name, model, quantised, untouched",
     [
