@@ -643,6 +643,16 @@ def test_download_flag_makes_torchvision_fetch_into_the_data_dir(tmp_path, monke
     assert fetched == [data, data] and len(history) == 1  # the training and the test split
 
 
+def test_readme_names_the_download_option_where_it_says_where_cifar10_comes_from():
+    """The README's CIFAR10 section says where DATA comes from: with --download the trainer
+    fetches it (test_download_flag_makes_torchvision_fetch_into_the_data_dir), so the README
+    may not say that nothing is downloaded."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Reproducing CIFAR10") :]
+    section = section[: section.index("\n## ", 1)]
+    assert "`--download`" in section and "(nothing is downloaded)" not in section
+
+
 def test_download_applies_only_to_the_data_dir(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main(
