@@ -232,6 +232,16 @@ def test_schedules_follow_the_qpytorch_examples():
     assert lr == pytest.approx([0.05, 0.05, 0.0005, 0.01, 0.01])
 
 
+def test_swalp_averaging_rate_stays_the_examples_swa_lr_whatever_the_initial_rate():
+    """--lr scales the Wilson part of SWALP's schedule; the averaging phase trains at 0.01, the
+    example's separate --swa_lr, as experiments/README.md says."""
+    swalp = recipes.RECIPES["swalp"]
+    for lr in (0.05, 0.1, 0.025):
+        rates = [lr * swalp.lr_factor(e, 300, 200, lr) for e in (0, 150, 199, 200, 299)]
+        assert rates[:3] == pytest.approx([lr, lr * (1 - 0.99 * 0.25 / 0.4), lr * 0.01])
+        assert rates[3:] == pytest.approx([0.01, 0.01])
+
+
 # WAGE
 
 
