@@ -653,6 +653,16 @@ def test_download_flag_makes_torchvision_fetch_into_the_data_dir(tmp_path, monke
     assert fetched == [data, data] and len(history) == 1  # the training and the test split
 
 
+def test_unverified_data_applies_only_to_the_data_dir(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.main(
+            ["--recipe", "fp32", "--fake-data", "8", "--unverified-data", "--epochs", "1"]
+            + ["--width", "0.0625", "--no-progress", "--out-dir", str(tmp_path)]
+        )
+    assert "--unverified-data reads CIFAR10 from --data-dir" in capsys.readouterr().err
+    assert not (tmp_path / train.CHECKPOINT).exists()
+
+
 def test_readme_names_the_download_option_where_it_says_where_cifar10_comes_from():
     """The README's CIFAR10 section says where DATA comes from: with --download the trainer
     fetches it (test_download_flag_makes_torchvision_fetch_into_the_data_dir), so the README

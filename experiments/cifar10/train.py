@@ -173,6 +173,11 @@ class Run:
             p.error("give either --data-dir (CIFAR10) or --fake-data N")
         if args.download and args.data_dir is None:
             p.error("--download fetches CIFAR10 into --data-dir; it does not apply to --fake-data")
+        if args.unverified_data and args.data_dir is None:
+            p.error(
+                "--unverified-data reads CIFAR10 from --data-dir without its checksums; it does "
+                "not apply to --fake-data"
+            )
         self.recipe: CifarRecipe = RECIPES[args.recipe]
         self.args = args
         self.out_dir = args.out_dir or pathlib.Path("out") / "cifar10" / self.recipe.name
