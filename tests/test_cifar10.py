@@ -366,6 +366,26 @@ def test_weight_average_is_the_mean_and_batch_norm_is_recomputed():
         average.update(nn.Sequential(nn.Conv2d(3, 4, 1)))
 
 
+def test_weight_average_is_qpytorchs_moving_average_bit_for_bit():
+    """examples/SWALP's utils.moving_average, op for op in float32: param1 *= 1 - a, then
+    param1 += param2 * a with a = 1 / (n + 1)."""
+    torch.manual_seed(0)
+    net = nn.Linear(7, 5)
+    average = WeightAverage(nn.Linear(7, 5))
+    reference = [p.detach().clone() for p in average.model.parameters()]
+    for n in range(5):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.normal_()
+        average.update(net)
+        alpha = 1.0 / (n + 1)
+        for ref, p in zip(reference, net.parameters()):
+            ref *= 1.0 - alpha
+            ref += p.detach() * alpha
+        assert all(tensors_equal(a, b) for a, b in zip(average.model.parameters(), reference))
+    assert average.count == 5
+
+
 # End to end through the command line
 
 
