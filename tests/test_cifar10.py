@@ -165,6 +165,27 @@ def test_ranks_see_disjoint_shards_and_their_own_augmentation():
     assert sorted(sum(shards, [])) == list(range(n))
 
 
+def test_neighbouring_seeds_do_not_see_each_others_data_orders_an_epoch_apart():
+    """torch's DistributedSampler permutes epoch e with seed + e: given the run's seed directly,
+    seed s + 1 would train on seed s's orders one epoch later. The orders are DistributedSampler's
+    for the hashed order_seed, and those of neighbouring seeds are unrelated."""
+    from torch.utils.data import DistributedSampler
+
+    n = 64
+    split = cifar.Split(torch.zeros(n, 3, 32, 32, dtype=torch.uint8), torch.arange(n))
+
+    def order(seed, epoch):
+        batches = cifar.training_batches(split, n, seed=seed, epoch=epoch, rank=0, world_size=1)
+        return next(batches)[1].tolist()
+
+    for seed in range(4):
+        for epoch in range(3):
+            assert order(seed, epoch + 1) != order(seed + 1, epoch)
+        sampler = DistributedSampler(range(n), 1, 0, shuffle=True, seed=cifar.order_seed(seed))
+        sampler.set_epoch(2)
+        assert order(seed, 2) == list(sampler)
+
+
 # Recipe definitions
 
 
