@@ -477,6 +477,21 @@ def test_resume_refuses_another_runs_checkpoint(tiny_cifar10, tmp_path):
         train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume", "--seed", "1"))
 
 
+def test_resume_refuses_a_checkpoint_whose_data_orders_came_from_the_seed_itself(
+    tiny_cifar10, tmp_path
+):
+    """Checkpoints written before the orders took order_seed(seed) have no data_order: resuming
+    one would silently continue with other data orders, so it is refused."""
+    root, _ = tiny_cifar10
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--stop-after", "1"))
+    state = torch.load(tmp_path / train.CHECKPOINT, weights_only=True)
+    assert state["config"]["data_order"] == "order_seed"
+    del state["config"]["data_order"]
+    torch.save(state, tmp_path / train.CHECKPOINT)
+    with pytest.raises(SystemExit, match="'data_order': \\(None, 'order_seed'\\)"):
+        train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume"))
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

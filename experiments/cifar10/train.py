@@ -69,7 +69,20 @@ COLUMNS = (
 )
 # Settings that must be equal for --resume to continue the same run. The epochs may grow; the
 # length of the learning-rate schedule (schedule_epochs, the run's first --epochs) never changes.
-RUN_KEYS = ("recipe", "batch_size", "lr", "seed", "swa_start", "width", "world_size", "data")
+# data_order names how the epochs' orders follow from the seed (a checkpoint without it took them
+# from DistributedSampler seeded with the seed itself, and would continue with other orders).
+RUN_KEYS = (
+    "recipe",
+    "batch_size",
+    "lr",
+    "seed",
+    "swa_start",
+    "width",
+    "world_size",
+    "data",
+    "data_order",
+)
+DATA_ORDER = "order_seed"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -262,6 +275,7 @@ class Run:
             "width": args.width,
             "world_size": self.world_size,
             "data": self.data_name,
+            "data_order": DATA_ORDER,
         }
         if saved:
             different = {
