@@ -748,6 +748,21 @@ def test_resuming_a_finished_run_says_so_and_how_to_extend_it(tiny_cifar10, tmp_
         assert len(history) == 1 and len(read_log(tmp_path)) == 1
 
 
+def test_resuming_a_finished_run_restores_a_log_that_missed_its_last_epoch(tiny_cifar10, tmp_path):
+    """train.py writes the checkpoint, then the log: stopped between the two after the last
+    epoch, the log lacks that epoch and summarize would call the run unfinished. --resume on the
+    finished run writes the log again from the checkpoint's history."""
+    root, _ = tiny_cifar10
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2"))
+    complete = read_log(tmp_path)
+    lines = (tmp_path / train.LOG).read_text().splitlines(keepends=True)
+    (tmp_path / train.LOG).write_text("".join(lines[:-1]))  # the log as of epoch 1
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume"))
+    assert read_log(tmp_path) == complete
+    rows = {r["run"]: r for r in summarize.collect(tmp_path.parent)}
+    assert rows[tmp_path.name]["epochs"] == "2/2"
+
+
 @pytest.mark.parametrize("recipe, final_lr", [("fp32", 0.05 * 0.01), ("swalp", 0.01)])
 def test_resume_with_more_epochs_trains_them_at_the_rate_the_schedule_ended_on(
     recipe, final_lr, tiny_cifar10, tmp_path, capsys

@@ -594,6 +594,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if run.finished:
         last = run.saved["history"][-1]
         if run.main_process:
+            # The checkpoint is written before the log: an invocation stopped between the two
+            # after the last epoch left a log without that epoch, which no later epoch rewrites.
+            write_csv(run.out_dir / LOG, run.saved["history"], COLUMNS)
             print(
                 f"{run.checkpoint}: this run already finished its {run.epochs} "
                 f"epoch{'s' if run.epochs > 1 else ''} (last test error {last['test_error']}%); "
