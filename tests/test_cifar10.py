@@ -165,6 +165,27 @@ def test_ranks_see_disjoint_shards_and_their_own_augmentation():
     assert sorted(sum(shards, [])) == list(range(n))
 
 
+def test_neighbouring_seeds_do_not_see_each_others_data_orders_an_epoch_apart():
+    """torch's DistributedSampler permutes epoch e with seed + e: given the run's seed directly,
+    seed s + 1 would train on seed s's orders one epoch later. The orders are DistributedSampler's
+    for the hashed order_seed, and those of neighbouring seeds are unrelated."""
+    from torch.utils.data import DistributedSampler
+
+    n = 64
+    split = cifar.Split(torch.zeros(n, 3, 32, 32, dtype=torch.uint8), torch.arange(n))
+
+    def order(seed, epoch):
+        batches = cifar.training_batches(split, n, seed=seed, epoch=epoch, rank=0, world_size=1)
+        return next(batches)[1].tolist()
+
+    for seed in range(4):
+        for epoch in range(3):
+            assert order(seed, epoch + 1) != order(seed + 1, epoch)
+        sampler = DistributedSampler(range(n), 1, 0, shuffle=True, seed=cifar.order_seed(seed))
+        sampler.set_epoch(2)
+        assert order(seed, 2) == list(sampler)
+
+
 # Recipe definitions
 
 
@@ -182,6 +203,23 @@ def test_recipes_quantise_what_the_qpytorch_examples_quantise():
     swalp = recipes.RECIPES["swalp"]
     assert swalp.default_swa_start(swalp.epochs) == 200 and swalp.swa_lr == 0.01
     assert {r.model for r in recipes.RECIPES.values()} == {"vgg16", "vgg7", "preresnet20"}
+
+
+def test_ibm8_accumulators_start_from_the_unrounded_initial_weights():
+    """QPyTorch's OptimLP starts every accumulator as p.detach().clone(), unrounded: the first
+    update is added to the float32 initial weight and only then rounded into e6m9. After
+    prepare() the recipe's accumulators are those weights bit for bit, and the weights are
+    them rounded to nearest e5m2 (torch.float8_e5m2, the initial weights being far below its
+    largest value)."""
+    recipe = recipes.RECIPES["ibm8"]
+    torch.manual_seed(0)
+    net = build_model("preresnet20", width=0.25)
+    initial = [p.detach().clone() for p in net.parameters()]
+    _, optimizer = recipe.prepare(net, recipe.lr)
+    assert len(optimizer.accumulators) == len(initial)
+    for p, w0 in zip(net.parameters(), initial):
+        assert torch.equal(optimizer.accumulators[p], w0)
+        assert torch.equal(p.detach(), w0.to(torch.float8_e5m2).float())
 
 
 @pytest.mark.parametrize(
@@ -213,6 +251,16 @@ def test_schedules_follow_the_qpytorch_examples():
     assert lr == [8, 8, 1, 1, 0.125, 0.125]
     lr = [swalp.lr * swalp.lr_factor(e, 300, 200, swalp.lr) for e in (0, 100, 199, 200, 299)]
     assert lr == pytest.approx([0.05, 0.05, 0.0005, 0.01, 0.01])
+
+
+def test_swalp_averaging_rate_stays_the_examples_swa_lr_whatever_the_initial_rate():
+    """--lr scales the Wilson part of SWALP's schedule; the averaging phase trains at 0.01, the
+    example's separate --swa_lr, as experiments/README.md says."""
+    swalp = recipes.RECIPES["swalp"]
+    for lr in (0.05, 0.1, 0.025):
+        rates = [lr * swalp.lr_factor(e, 300, 200, lr) for e in (0, 150, 199, 200, 299)]
+        assert rates[:3] == pytest.approx([lr, lr * (1 - 0.99 * 0.25 / 0.4), lr * 0.01])
+        assert rates[3:] == pytest.approx([0.01, 0.01])
 
 
 # WAGE
@@ -339,6 +387,26 @@ def test_weight_average_is_the_mean_and_batch_norm_is_recomputed():
         average.update(nn.Sequential(nn.Conv2d(3, 4, 1)))
 
 
+def test_weight_average_is_qpytorchs_moving_average_bit_for_bit():
+    """examples/SWALP's utils.moving_average, op for op in float32: param1 *= 1 - a, then
+    param1 += param2 * a with a = 1 / (n + 1)."""
+    torch.manual_seed(0)
+    net = nn.Linear(7, 5)
+    average = WeightAverage(nn.Linear(7, 5))
+    reference = [p.detach().clone() for p in average.model.parameters()]
+    for n in range(5):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.normal_()
+        average.update(net)
+        alpha = 1.0 / (n + 1)
+        for ref, p in zip(reference, net.parameters()):
+            ref *= 1.0 - alpha
+            ref += p.detach() * alpha
+        assert all(tensors_equal(a, b) for a, b in zip(average.model.parameters(), reference))
+    assert average.count == 5
+
+
 # End to end through the command line
 
 
@@ -407,6 +475,21 @@ def test_resume_refuses_another_runs_checkpoint(tiny_cifar10, tmp_path):
     train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--stop-after", "1"))
     with pytest.raises(SystemExit, match="belongs to another run.*'seed': \\(0, 1\\)"):
         train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume", "--seed", "1"))
+
+
+def test_resume_refuses_a_checkpoint_whose_data_orders_came_from_the_seed_itself(
+    tiny_cifar10, tmp_path
+):
+    """Checkpoints written before the orders took order_seed(seed) have no data_order: resuming
+    one would silently continue with other data orders, so it is refused."""
+    root, _ = tiny_cifar10
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--stop-after", "1"))
+    state = torch.load(tmp_path / train.CHECKPOINT, weights_only=True)
+    assert state["config"]["data_order"] == "order_seed"
+    del state["config"]["data_order"]
+    torch.save(state, tmp_path / train.CHECKPOINT)
+    with pytest.raises(SystemExit, match="'data_order': \\(None, 'order_seed'\\)"):
+        train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume"))
 
 
 @pytest.mark.parametrize(
@@ -626,6 +709,26 @@ def test_download_flag_makes_torchvision_fetch_into_the_data_dir(tmp_path, monke
     assert fetched == [data, data] and len(history) == 1  # the training and the test split
 
 
+def test_unverified_data_applies_only_to_the_data_dir(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        train.main(
+            ["--recipe", "fp32", "--fake-data", "8", "--unverified-data", "--epochs", "1"]
+            + ["--width", "0.0625", "--no-progress", "--out-dir", str(tmp_path)]
+        )
+    assert "--unverified-data reads CIFAR10 from --data-dir" in capsys.readouterr().err
+    assert not (tmp_path / train.CHECKPOINT).exists()
+
+
+def test_readme_names_the_download_option_where_it_says_where_cifar10_comes_from():
+    """The README's CIFAR10 section says where DATA comes from: with --download the trainer
+    fetches it (test_download_flag_makes_torchvision_fetch_into_the_data_dir), so the README
+    may not say that nothing is downloaded."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Reproducing CIFAR10") :]
+    section = section[: section.index("\n## ", 1)]
+    assert "`--download`" in section and "(nothing is downloaded)" not in section
+
+
 def test_download_applies_only_to_the_data_dir(tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main(
@@ -643,6 +746,21 @@ def test_resuming_a_finished_run_says_so_and_how_to_extend_it(tiny_cifar10, tmp_
         out = capsys.readouterr().out
         assert "already finished its 1 epoch" in out and "--resume --epochs M with M > 1" in out
         assert len(history) == 1 and len(read_log(tmp_path)) == 1
+
+
+def test_resuming_a_finished_run_restores_a_log_that_missed_its_last_epoch(tiny_cifar10, tmp_path):
+    """train.py writes the checkpoint, then the log: stopped between the two after the last
+    epoch, the log lacks that epoch and summarize would call the run unfinished. --resume on the
+    finished run writes the log again from the checkpoint's history."""
+    root, _ = tiny_cifar10
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2"))
+    complete = read_log(tmp_path)
+    lines = (tmp_path / train.LOG).read_text().splitlines(keepends=True)
+    (tmp_path / train.LOG).write_text("".join(lines[:-1]))  # the log as of epoch 1
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume"))
+    assert read_log(tmp_path) == complete
+    rows = {r["run"]: r for r in summarize.collect(tmp_path.parent)}
+    assert rows[tmp_path.name]["epochs"] == "2/2"
 
 
 @pytest.mark.parametrize("recipe, final_lr", [("fp32", 0.05 * 0.01), ("swalp", 0.01)])
@@ -750,12 +868,13 @@ def test_block8_follows_qpytorchs_block_baseline_script():
         assert getattr(r.quantization, category) == (BlockFloat(8), "stochastic")
 
 
-def test_wage_inputs_span_minus_one_to_one_and_the_deviation_says_so():
-    """WAGE's images enter in [-1, 1] (WAGE's TensorFlow code: X / 127.5 - 1), where QPyTorch's
-    examples/WAGE feeds ToTensor's [0, 1]; the recipe lists that among its deviations."""
+def test_wage_inputs_are_mapped_to_minus_one_to_one_as_in_the_example():
+    """QPyTorch's examples/WAGE reads images with ToTensor ([0, 1]) and its training and test
+    loops (utils.train_epoch, utils.eval) map them with input_v * 2 - 1: the recipe's inputs are
+    that, bit for bit, and its deviations claim no difference there."""
     images = torch.arange(256, dtype=torch.uint8).repeat(3, 1).view(1, 3, 16, 16)
     x = train.to_inputs(recipes.WAGE, images)
-    assert torch.equal(x, images.float() / 255 * 2 - 1)  # 2x - 1 of the [0, 1] image
+    example = TF.to_tensor(images[0].permute(1, 2, 0).numpy())[None] * 2 - 1
+    assert torch.equal(x, example)
     assert (x.min().item(), x.max().item()) == (-1.0, 1.0)
-    wage = " ".join(recipes.WAGE.deviations)
-    assert "[-1, 1]" in wage and "[0, 1]" in wage and "X / 127.5 - 1" in wage
+    assert not any("[0, 1]" in d or "input" in d.lower() for d in recipes.WAGE.deviations)

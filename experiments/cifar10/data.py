@@ -4,8 +4,11 @@ torchvision.datasets.CIFAR10 reads the pickled batches once; the whole set (150 
 lives in one tensor on the training device, and batches are gathered from it by index. This keeps
 every random choice explicit:
 
-- the order of the training set in epoch e is DistributedSampler's permutation for (seed, e), cut
-  into one shard per process (so data order differs between ranks and needs no saved state);
+- the order of the training set in epoch e is DistributedSampler's permutation for
+  (order_seed(seed), e), cut into one shard per process (so data order differs between ranks and
+  needs no saved state). DistributedSampler permutes epoch e with the seed seed + e, so given the
+  run's seed itself, runs seeded s and s + 1 would see the same orders one epoch apart; the
+  hashed order_seed keeps the orders of different seeds unrelated;
 - the augmentation of epoch e on rank r draws from its own generator seeded from (seed, e, r),
   never from torch's default generator, whose stream is left to the model (dropout and the seeds
   of stochastic rounding, which must be identical on every rank);
@@ -33,6 +36,7 @@ __all__ = [
     "load_cifar10",
     "fake_cifar10",
     "epoch_generator",
+    "order_seed",
     "draw_crop_flip",
     "crop_flip",
     "random_crop_flip",
@@ -150,6 +154,13 @@ def epoch_generator(seed: int, epoch: int, rank: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
+def order_seed(seed: int) -> int:
+    """DistributedSampler's seed for the run seed ``seed``: 62 bits of a hash of it (the sampler
+    adds the epoch to it, which stays below 2**63)."""
+    digest = hashlib.sha256(f"cifar10-order/{seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
+
+
 def draw_crop_flip(n: int, generator: torch.Generator, padding: int = 4) -> torch.Tensor:
     """(n, 3) int64 on the CPU: per image the crop's top and left offsets, uniform in
     [0, 2 * padding], then 1 to flip (probability 1/2), drawn from ``generator`` in that order."""
@@ -188,13 +199,17 @@ def training_batches(
     split: Split, batch_size: int, *, seed: int, epoch: int, rank: int, world_size: int
 ):
     """The (uint8 images, labels) batches of one epoch for one rank: its shard of
-    DistributedSampler's order for (seed, epoch), in batches of ``batch_size`` (the last may be
-    smaller), every image crop-flip augmented with choices drawn for the whole shard at once from
-    epoch_generator(seed, epoch, rank). Every rank gets the same number of batches of the same
-    sizes (DistributedSampler pads by repeating a few images). Order and choices reach the device
-    in one transfer each per epoch."""
+    DistributedSampler's order for (order_seed(seed), epoch), in batches of ``batch_size`` (the
+    last may be smaller), every image crop-flip augmented with choices drawn for the whole shard
+    at once from epoch_generator(seed, epoch, rank). Every rank gets the same number of batches
+    of the same sizes (DistributedSampler pads by repeating a few images). Order and choices
+    reach the device in one transfer each per epoch."""
     sampler = DistributedSampler(
-        range(len(split)), num_replicas=world_size, rank=rank, shuffle=True, seed=seed
+        range(len(split)),
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=True,
+        seed=order_seed(seed),
     )
     sampler.set_epoch(epoch)
     device = split.labels.device

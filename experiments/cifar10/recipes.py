@@ -204,7 +204,9 @@ class CifarRecipe:
         """Apply the recipe to ``model`` (already on its device): build SGD, then let the lpsim
         Recipe inject the quantisers where ``placement`` says and wrap SGD in OptimLP rounding
         every parameter (as QPyTorch's examples do), and round the initial weights as OptimLP
-        rounds them after every step (from the accumulator when there is one). The model's
+        rounds them after every step (from the accumulator when there is one). Accumulators
+        (IBM8's) start from the unrounded initial weights, as QPyTorch's OptimLP starts them
+        (lpsim's OptimLP rounds them into ``acc`` when it is made). The model's
         quantisers round in eval mode as in training, stochastic ones stochastically, as
         QPyTorch's quantisers do when its examples evaluate (lpsim's default in eval mode is
         round-to-nearest). Returns (model, optimizer)."""
@@ -215,8 +217,12 @@ class CifarRecipe:
         q = self.quantization
         if q is None:
             return model, optimizer
+        initial = {p: p.detach().clone() for p in model.parameters()} if q.acc else {}
         layers = {key: _as_in_training(value) for key, value in self.placement(model, q).items()}
         model, optimizer = q.apply(model, optimizer, layers=layers, parameters="all")
+        with torch.no_grad():
+            for p, accumulator in optimizer.accumulators.items():
+                accumulator.copy_(initial[p])
         optimizer.round_weights()
         return model, optimizer
 
@@ -439,9 +445,6 @@ WAGE = WageRecipe(
         "rounds them away from zero.",
         "The accumulator is clipped after each update instead of before the next one, and once "
         "at initialisation: the weights seen by every forward pass are the same.",
-        "Images enter in [-1, 1] (2x - 1), as WAGE's TensorFlow code maps them (X / 127.5 - 1); "
-        "QPyTorch's example feeds them in [0, 1] (ToTensor, no normalisation), so its 8-bit "
-        "input quantiser sees only the upper half of its range.",
     ),
 )
 

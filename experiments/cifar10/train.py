@@ -69,7 +69,20 @@ COLUMNS = (
 )
 # Settings that must be equal for --resume to continue the same run. The epochs may grow; the
 # length of the learning-rate schedule (schedule_epochs, the run's first --epochs) never changes.
-RUN_KEYS = ("recipe", "batch_size", "lr", "seed", "swa_start", "width", "world_size", "data")
+# data_order names how the epochs' orders follow from the seed (a checkpoint without it took them
+# from DistributedSampler seeded with the seed itself, and would continue with other orders).
+RUN_KEYS = (
+    "recipe",
+    "batch_size",
+    "lr",
+    "seed",
+    "swa_start",
+    "width",
+    "world_size",
+    "data",
+    "data_order",
+)
+DATA_ORDER = "order_seed"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -173,6 +186,11 @@ class Run:
             p.error("give either --data-dir (CIFAR10) or --fake-data N")
         if args.download and args.data_dir is None:
             p.error("--download fetches CIFAR10 into --data-dir; it does not apply to --fake-data")
+        if args.unverified_data and args.data_dir is None:
+            p.error(
+                "--unverified-data reads CIFAR10 from --data-dir without its checksums; it does "
+                "not apply to --fake-data"
+            )
         self.recipe: CifarRecipe = RECIPES[args.recipe]
         self.args = args
         self.out_dir = args.out_dir or pathlib.Path("out") / "cifar10" / self.recipe.name
@@ -257,6 +275,7 @@ class Run:
             "width": args.width,
             "world_size": self.world_size,
             "data": self.data_name,
+            "data_order": DATA_ORDER,
         }
         if saved:
             different = {
@@ -575,6 +594,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if run.finished:
         last = run.saved["history"][-1]
         if run.main_process:
+            # The checkpoint is written before the log: an invocation stopped between the two
+            # after the last epoch left a log without that epoch, which no later epoch rewrites.
+            write_csv(run.out_dir / LOG, run.saved["history"], COLUMNS)
             print(
                 f"{run.checkpoint}: this run already finished its {run.epochs} "
                 f"epoch{'s' if run.epochs > 1 else ''} (last test error {last['test_error']}%); "
