@@ -190,8 +190,9 @@ def _is_number(value) -> bool:
 
 
 # The 0-d entries torch's optimizers keep per parameter as scalars of the algorithm (a step count,
-# ASGD's eta and mu, NAdam's product of momenta), not as buffers of the parameter's elements.
-_SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product"})
+# ASGD's eta and mu, NAdam's product of momenta, LBFGS's scale of the initial inverse Hessian,
+# kept with its first parameter), not as buffers of the parameter's elements.
+_SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product", "H_diag"})
 
 
 def _state_tensor(key: str, value, param: torch.Tensor) -> bool:
