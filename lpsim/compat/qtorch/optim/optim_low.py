@@ -6,7 +6,7 @@ import torch
 
 from lpsim import optim as lpoptim
 from lpsim.compat.qtorch.number import Number
-from lpsim.optim.optim_lp import QuantFunction
+from lpsim.optim.optim_lp import QuantFunction, _state_tensor
 
 __all__ = ["OptimLP"]
 
@@ -100,24 +100,20 @@ class OptimLP(lpoptim.OptimLP):
     @property
     def momentum_keys(self) -> list[str]:
         """The keys of the optimizer state that momentum_quant rounds: every floating-point state
-        tensor except the step counters. For SGD (momentum_buffer) and Adam or AdamW (exp_avg,
-        exp_avg_sq, and max_exp_avg_sq with amsgrad) the list is known before the first step, as
-        in QPyTorch; for other optimizers it lists the keys found in the state so far."""
+        buffer, those of 0-d parameters included, not the per-parameter scalars (step counters,
+        ASGD's eta and mu, NAdam's mu_product, LBFGS's H_diag; see lpsim.optim.OptimLP). For SGD
+        (momentum_buffer) and Adam or AdamW (exp_avg, exp_avg_sq, and max_exp_avg_sq with
+        amsgrad) the list is known before the first step, as in QPyTorch; for other optimizers it
+        lists the keys found in the state so far."""
         if isinstance(self.optimizer, torch.optim.SGD):
             return ["momentum_buffer"]
         if isinstance(self.optimizer, torch.optim.Adam):  # AdamW included
             amsgrad = any(group.get("amsgrad", False) for group in self.param_groups)
             return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
         keys: list[str] = []
-        for state in self.optimizer.state.values():
+        for p, state in self.optimizer.state.items():
             for key, value in state.items():
-                if (
-                    key != "step"
-                    and key not in keys
-                    and isinstance(value, torch.Tensor)
-                    and value.is_floating_point()
-                    and value.dim() > 0
-                ):
+                if key not in keys and _state_tensor(key, value, p):
                     keys.append(key)
         return keys
 
