@@ -142,7 +142,38 @@ class _LowPrecision(OwnOptions):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch.optim.Optimizer.load_state_dict, except that state tensors keep their dtypes
         (torch casts floating-point state to the parameter's dtype, which would round float32
-        moments of bfloat16 weights to bfloat16)."""
+        moments of bfloat16 weights to bfloat16).
+
+        It also takes a state_dict of the torch optimizer of the same name (torch.optim.SGD's or
+        AdamW's), to continue its run: the options and formats its groups lack take this
+        optimizer's constructor values (a group with a stochastic rule and no seed draws its own,
+        as a group added later does), its parameters are numbered in parameter order for their
+        random streams, and its step counts become the ints this optimizer keeps. The loaded
+        groups are checked as add_param_group checks a group.
+
+        Raises:
+            TypeError / ValueError: a loaded group's option is refused (the message names it); the
+                optimizer then keeps its state.
+        """
+        kept = self.state_dict()
+        self._load(state_dict)
+        try:
+            for group in self.param_groups:
+                for key, value in self.defaults.items():
+                    group.setdefault(key, value)
+                self._check_options(group)
+        except (TypeError, ValueError):
+            self._load(kept)
+            raise
+        params = [p for group in self.param_groups for p in group["params"]]
+        for number, p in enumerate(params):
+            state = self.state[p]
+            state.setdefault("index", number)
+            if isinstance(state.get("step"), torch.Tensor):  # torch's AdamW counts in a tensor
+                state["step"] = int(state["step"].item())
+
+    def _load(self, state_dict: dict) -> None:
+        """torch's load_state_dict, the state tensors in their saved dtypes."""
         saved = {
             index: {
                 key: value.clone()
@@ -399,6 +430,13 @@ class AdamW(_LowPrecision):
         for name in ("lr", "eps", "weight_decay"):
             check_number(name, group[name])
         group["betas"] = check_betas(group["betas"])
+        # torch.optim.Adam's groups (a loaded state_dict's) say decoupled_weight_decay=False: an
+        # L2 term in the gradient, which this AdamW does not implement.
+        if group.get("decoupled_weight_decay", True) is not True:
+            raise ValueError(
+                f"decoupled_weight_decay must be True: {type(self).__name__} decouples its weight "
+                f"decay, got {group['decoupled_weight_decay']!r}"
+            )
         super()._check_options(group)
 
     @torch.no_grad()
