@@ -640,3 +640,19 @@ def test_a_torch_adam_state_dict_with_coupled_weight_decay_is_refused_by_adamw()
     assert opt.state_dict()["param_groups"] == groups
     w.grad = torch.randn(3)
     opt.step()  # the optimizer still steps
+
+
+@pytest.mark.parametrize("make", [lpsim.optim.SGD, lpsim.optim.AdamW], ids=["SGD", "AdamW"])
+def test_a_weight_format_set_on_a_group_that_one_parameter_cannot_hold_changes_nothing(make):
+    # Set after the group was made, a format bfloat16 cannot hold was found only when that
+    # parameter's update was rounded: the float32 parameter before it had taken its step, every
+    # step count had advanced, and the error named no parameter.
+    fits = torch.nn.Parameter(torch.ones(3))
+    unfit = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt = make([fits, unfit], lr=0.5, rounding="nearest")
+    opt.param_groups[0]["weight_format"] = Float(8, 10)
+    fits.grad, unfit.grad = torch.ones(3), torch.ones(3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"weight_format \(parameter 1 of group 0\).*bfloat16"):
+        opt.step()
+    assert_same_bits(fits.detach(), torch.ones(3))
+    assert "step" not in opt.state[fits] and "step" not in opt.state[unfit]
