@@ -295,8 +295,8 @@ class _LowPrecision(OwnOptions):
             self._check_fits(group, p, where)
             if p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            where = "for parameters of that work precision, as torch's optimizers require"
-            check_factor("lr", group["lr"], self._work_dtype(p), where)
+            why = "for parameters of that work precision, as torch's optimizers require"
+            check_factor("lr", group["lr"], self._work_dtype(p), why)
         work = []
         for group, _, p in stepped:
             state = self.state[p]
