@@ -584,6 +584,16 @@ class OptimLP(Optimizer):
                 batch.add(self._quantizer(p, "grad", s.grad, grad), grad, p, "grad")
         batch.run()
 
+    def _rounded_state_keys(self) -> list[str]:
+        """The keys of the state entries the momentum phase rounds (of any parameter), in the
+        order they first appear in the wrapped optimizer's state."""
+        keys: list[str] = []
+        for p, state in self.optimizer.state.items():
+            for key, value in state.items():
+                if key not in keys and _state_tensor(key, value, p):
+                    keys.append(key)
+        return keys
+
     @torch.no_grad()
     def _quantize_state(self) -> None:
         batch = _Batch(_observation.current)

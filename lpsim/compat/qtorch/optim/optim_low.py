@@ -6,7 +6,7 @@ import torch
 
 from lpsim import optim as lpoptim
 from lpsim.compat.qtorch.number import Number
-from lpsim.optim.optim_lp import QuantFunction, _state_tensor
+from lpsim.optim.optim_lp import QuantFunction
 
 __all__ = ["OptimLP"]
 
@@ -110,12 +110,7 @@ class OptimLP(lpoptim.OptimLP):
         if isinstance(self.optimizer, torch.optim.Adam):  # AdamW included
             amsgrad = any(group.get("amsgrad", False) for group in self.param_groups)
             return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-        keys: list[str] = []
-        for p, state in self.optimizer.state.items():
-            for key, value in state.items():
-                if key not in keys and _state_tensor(key, value, p):
-                    keys.append(key)
-        return keys
+        return self._rounded_state_keys()
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state_dict ("state", "param_groups": QPyTorch's layout), and
