@@ -518,6 +518,21 @@ def test_momentum_keys_list_what_momentum_quant_rounds():
     assert rms.momentum_keys == ["square_avg", "momentum_buffer"]
 
 
+def test_momentum_keys_list_the_buffers_of_a_0d_parameter_that_momentum_quant_rounds():
+    # A 0-d parameter's buffers are 0-d too: they are rounded, but were left out of the list.
+    scale = torch.nn.Parameter(torch.tensor(1.0))
+    rms = q.OptimLP(
+        torch.optim.RMSprop([scale], momentum=0.9),
+        momentum_quant=lambda t: q.float_quantize(t, 5, 2, "nearest"),
+    )
+    scale.grad = torch.tensor(0.3)
+    rms.step()
+    assert rms.momentum_keys == ["square_avg", "momentum_buffer"]
+    for key in rms.momentum_keys:
+        value = rms.optim.state[scale][key]
+        assert_same_bits(value, lpsim.quantize(value, lpsim.Float(5, 2), "nearest"))
+
+
 def test_quantizer_module_has_its_quantize_function():
     module = q.Quantizer(q.FixedPoint(8, 4), None, "nearest")
     x = torch.randn(10)

@@ -850,3 +850,24 @@ def test_an_optim_lp_checkpoint_with_group_settings_loads_with_torch_loads_defau
     again.load_state_dict(torch.load(tmp_path / "c"))
     assert again.parameter_settings(resumed.weight) == ParameterQuantization(weight=Float(5, 2))
     assert_the_next_steps_agree((model, optimizer), (resumed, again))
+
+
+@pytest.mark.parametrize("make", [FusedSGD, FusedAdam], ids=["FusedSGD", "FusedAdam"])
+def test_a_group_asking_for_a_differentiable_step_is_refused_not_ignored(make):
+    # A group with differentiable=True (given, or loaded from a torch optimizer's state_dict)
+    # was stepped under torch.no_grad as if it had not asked.
+    w = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="differentiable must be False or None.*got True"):
+        make([{"params": [w], "differentiable": True}], lr=0.1)
+    opt = make([w], lr=0.1)
+    v = torch.nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="differentiable must be False or None"):
+        opt.add_param_group({"params": [v], "differentiable": True})
+    assert len(opt.param_groups) == 1
+    torch_optimizer = torch.optim.SGD if make is FusedSGD else torch.optim.AdamW
+    saved = torch_optimizer([torch.nn.Parameter(torch.ones(3))], differentiable=True).state_dict()
+    with pytest.raises(ValueError, match="differentiable must be False or None"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0].get("differentiable") in (None, False)
+    # foreach, fused and capturable choose how torch computes the same step: accepted
+    make([{"params": [torch.nn.Parameter(torch.ones(3))], "foreach": True}], lr=0.1)

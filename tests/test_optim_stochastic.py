@@ -587,3 +587,72 @@ def test_an_lr_beyond_the_work_precision_is_refused_as_torch_refuses_it(make):
     v.grad = torch.ones(4, dtype=torch.float64)
     make([v], lr=1e39).step()
     assert torch.isfinite(v).all()
+
+
+@pytest.mark.parametrize(
+    "torch_optimizer,options",
+    [
+        (torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+        (torch.optim.AdamW, dict(lr=0.01, weight_decay=0.0)),
+    ],
+    ids=["SGD", "AdamW"],
+)
+def test_a_torch_optimizers_state_dict_continues_its_run_bit_for_bit(torch_optimizer, options):
+    # Loaded, it replaced the groups with ones lacking weight_format, rounding, seed ..., and the
+    # parameters' states lacked their stream numbers: the first step raised KeyError, with the
+    # optimizer's own groups already gone.
+    def set_grads(step, params):
+        g = torch.Generator().manual_seed(step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]
+    reference = torch_optimizer(params, foreach=False, **options)
+    for step in range(3):
+        set_grads(step, params)
+        reference.step()
+    saved = reference.state_dict()
+    resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = getattr(lpsim.optim, torch_optimizer.__name__)(resumed, rounding="nearest", **options)
+    opt.load_state_dict(saved)
+    for step in range(3, 6):
+        set_grads(step, params)
+        reference.step()
+        set_grads(step, resumed)
+        opt.step()
+    for a, b in zip(resumed, params, strict=True):
+        assert_same_bits(a.detach(), b.detach())
+
+
+def test_a_torch_adam_state_dict_with_coupled_weight_decay_is_refused_by_adamw():
+    # torch.optim.Adam's L2 weight decay (decoupled_weight_decay=False) would have been taken
+    # for AdamW's decoupled one.
+    p = torch.nn.Parameter(torch.randn(3))
+    adam = torch.optim.Adam([p], weight_decay=0.1)
+    p.grad = torch.randn(3)
+    adam.step()
+    w = torch.nn.Parameter(torch.randn(3))
+    opt = lpsim.optim.AdamW([w], rounding="nearest")
+    groups = opt.state_dict()["param_groups"]
+    with pytest.raises(ValueError, match="decoupled_weight_decay must be True.*got False"):
+        opt.load_state_dict(adam.state_dict())
+    assert opt.state_dict()["param_groups"] == groups
+    w.grad = torch.randn(3)
+    opt.step()  # the optimizer still steps
+
+
+@pytest.mark.parametrize("make", [lpsim.optim.SGD, lpsim.optim.AdamW], ids=["SGD", "AdamW"])
+def test_a_weight_format_set_on_a_group_that_one_parameter_cannot_hold_changes_nothing(make):
+    # Set after the group was made, a format bfloat16 cannot hold was found only when that
+    # parameter's update was rounded: the float32 parameter before it had taken its step, every
+    # step count had advanced, and the error named no parameter.
+    fits = torch.nn.Parameter(torch.ones(3))
+    unfit = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt = make([fits, unfit], lr=0.5, rounding="nearest")
+    opt.param_groups[0]["weight_format"] = Float(8, 10)
+    fits.grad, unfit.grad = torch.ones(3), torch.ones(3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"weight_format \(parameter 1 of group 0\).*bfloat16"):
+        opt.step()
+    assert_same_bits(fits.detach(), torch.ones(3))
+    assert "step" not in opt.state[fits] and "step" not in opt.state[unfit]

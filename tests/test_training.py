@@ -817,6 +817,43 @@ def test_a_closure_s_gradients_are_scaled_and_rounded_before_the_update(acc):
     assert w.detach().tolist() == [1.0, 0.75, -0.5, 1.5]
 
 
+def test_lbfgs_with_a_0d_first_parameter_keeps_its_hessian_scale_unrounded():
+    """LBFGS keeps its state with its first parameter: the direction and the last gradient (of
+    all parameters) are buffers that ``momentum`` rounds, H_diag (the scale of its initial
+    inverse Hessian) a scalar of the algorithm. With a 0-d first parameter H_diag was rounded
+    too, as a 0-d buffer of a 0-d parameter, which changed the next directions."""
+    torch.manual_seed(0)
+    x, y = torch.randn(20, 4), torch.randn(20)
+    fmt = Float(3, 1)
+
+    def make():
+        return [nn.Parameter(torch.tensor(0.3)), nn.Parameter(torch.linspace(-1, 1, 4))]
+
+    ours, theirs = make(), make()
+    opt = OptimLP(torch.optim.LBFGS(ours, lr=0.5, max_iter=4), momentum=(fmt, "nearest"))
+    reference = torch.optim.LBFGS(theirs, lr=0.5, max_iter=4)
+
+    def closure(optimizer, params):
+        def evaluate():
+            optimizer.zero_grad()
+            loss = ((x @ params[1] + params[0] - y) ** 2).mean()
+            loss.backward()
+            return loss
+
+        return evaluate
+
+    for _ in range(3):
+        opt.step(closure(opt, ours))
+        reference.step(closure(reference, theirs))
+        state = reference.state[theirs[0]]
+        with torch.no_grad():  # the documented rounding: the buffers, not H_diag
+            for key in ("d", "prev_flat_grad"):
+                state[key].copy_(lpsim.quantize(state[key], fmt, "nearest"))
+        for a, b in zip(ours, theirs, strict=True):
+            assert_same_bits(a.detach(), b.detach())
+        assert_same_bits(opt.state[ours[0]]["H_diag"], state["H_diag"])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_unclamped_fixed_accumulator_keeps_updates_beyond_float32_precision(dtype, rounding):

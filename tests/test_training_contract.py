@@ -452,6 +452,29 @@ def test_state_made_at_construction_goes_to_the_accumulators_dtype():
         OptimLP(inner, momentum=(Fixed(16, 4), "nearest"))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_adagrad_around_a_wider_accumulator_is_adagrad_around_that_accumulator(dtype):
+    # Adagrad fills its sum at construction with initial_accumulator_value in the parameter's
+    # dtype; moved to a float32 accumulator it kept that rounding (bfloat16's 0.10009765625 for
+    # 0.1), so that the run differed from torch's Adagrad on a float32 master copy.
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(6, 3).to(dtype))
+    master = nn.Parameter(p.detach().float())
+    opt = OptimLP(
+        torch.optim.Adagrad([p], lr=0.1, initial_accumulator_value=0.1),
+        acc=(Float(8, 23), "nearest"),
+    )
+    reference = torch.optim.Adagrad([master], lr=0.1, initial_accumulator_value=0.1)
+    for _ in range(3):
+        grad = torch.randn(6, 3).to(dtype)
+        p.grad, master.grad = grad, grad.float()
+        opt.step()
+        reference.step()
+        assert_same_bits(opt.state[p]["sum"], reference.state[master]["sum"])
+        assert_same_bits(opt.accumulators[p], master.detach())
+        assert_same_bits(p.detach(), master.detach().to(dtype))
+
+
 def test_a_recipe_rounds_the_attention_projections_too():
     # MultiheadAttention keeps its in projection as its own parameters (no Linear): a recipe once
     # left them in full precision in the model and the optimizer, silently.

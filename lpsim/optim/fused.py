@@ -102,11 +102,19 @@ class _Fused(OwnOptions):
         raise NotImplementedError
 
     def _refuse_unsupported(self, group: dict) -> None:
-        """Refuse a group asking for a torch option the step does not implement (none here).
+        """Refuse a group asking for a torch option the step does not implement: differentiable
+        (torch's step then records itself for autograd; this one runs under torch.no_grad), which
+        a group may carry, as one loaded from a torch optimizer's state_dict does. (foreach,
+        fused and capturable choose how torch computes the same step, and are left alone.)
 
         Raises:
             ValueError: the option is set (the message names it).
         """
+        if group.get("differentiable") not in (None, False):
+            raise ValueError(
+                f"differentiable must be False or None: {type(self).__name__}'s step is not "
+                f"differentiable, got {group['differentiable']!r}"
+            )
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -604,6 +612,7 @@ class FusedSGD(_Fused):
                 raise TypeError(f"{name} must be a bool, got {type(group[name]).__name__}")
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("nesterov needs momentum > 0 and dampening = 0")
+        self._refuse_unsupported(group)
 
 
 class FusedAdam(_Fused):
@@ -665,6 +674,7 @@ class FusedAdam(_Fused):
         super().__init__(params, defaults, formats, grad_scaling, rounding)
 
     def _refuse_unsupported(self, group: dict) -> None:
+        super()._refuse_unsupported(group)
         if group["amsgrad"] is not False:
             raise ValueError(f"amsgrad must be False: {type(self).__name__} has no amsgrad")
 

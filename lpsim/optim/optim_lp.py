@@ -193,8 +193,9 @@ def _is_number(value) -> bool:
 
 
 # The 0-d entries torch's optimizers keep per parameter as scalars of the algorithm (a step count,
-# ASGD's eta and mu, NAdam's product of momenta), not as buffers of the parameter's elements.
-_SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product"})
+# ASGD's eta and mu, NAdam's product of momenta, LBFGS's scale of the initial inverse Hessian,
+# kept with its first parameter), not as buffers of the parameter's elements.
+_SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product", "H_diag"})
 
 
 def _state_tensor(key: str, value, param: torch.Tensor) -> bool:
@@ -231,6 +232,23 @@ def _fusable_spec(quant, category: str) -> bool:
     around the op)."""
     formats = GRID_FORMATS if category == "acc" else (*GRID_FORMATS, BlockFloat)
     return quant is None or (isinstance(quant, QuantSpec) and isinstance(quant.format, formats))
+
+
+def _in_dtype(optimizer: Optimizer, group: dict, state: dict, key: str, dtype: torch.dtype):
+    """state[key], a buffer the wrapped optimizer made in a parameter's dtype, in ``dtype`` (its
+    accumulator's): as the optimizer would have made it around the accumulator. Adagrad fills its
+    sum at construction with initial_accumulator_value rounded to the parameter's dtype (0.1 is
+    0.10009765625 in bfloat16); before its first step that sum is made again from the value
+    itself, so that it starts where an Adagrad around a float32 accumulator starts (float32's
+    0.1). Anything else is converted as it is."""
+    value = state[key]
+    if (
+        isinstance(optimizer, torch.optim.Adagrad)
+        and key == "sum"
+        and float(state.get("step", 0)) == 0
+    ):
+        return torch.full_like(value, group["initial_accumulator_value"], dtype=dtype)
+    return value.to(dtype)
 
 
 def _accumulator_dtype(acc: QuantFunction, dtype: torch.dtype) -> torch.dtype:
@@ -467,9 +485,11 @@ class OptimLP(Optimizer):
         """Work out every parameter's settings, check that their formats fit, and create the
         missing accumulators."""
         settings = {}
+        groups = {}  # each parameter's group
         for g, group in enumerate(self.param_groups):
             group_settings = self._settings_of_group(group)
             for i, p in enumerate(group["params"]):
+                groups[p] = group
                 if p in settings:
                     raise ValueError(
                         f"parameter {i} of group {g} is listed twice: torch's optimizer steps it "
@@ -498,7 +518,7 @@ class OptimLP(Optimizer):
                     state = self.optimizer.state.get(p, {})
                     for key, value in state.items():
                         if _state_tensor(key, value, p) and value.dtype != dtype:
-                            state[key] = value.to(dtype)
+                            state[key] = _in_dtype(self.optimizer, groups[p], state, key, dtype)
 
     def _check_fits(self, s: ParameterQuantization, p: torch.Tensor, where: str) -> None:
         """Refuse, naming the argument and the parameter, a format that does not fit the dtype of
@@ -575,6 +595,16 @@ class OptimLP(Optimizer):
                 grad = _stored_values(p.grad)
                 batch.add(self._quantizer(p, "grad", s.grad, grad), grad, p, "grad")
         batch.run()
+
+    def _rounded_state_keys(self) -> list[str]:
+        """The keys of the state entries the momentum phase rounds (of any parameter), in the
+        order they first appear in the wrapped optimizer's state."""
+        keys: list[str] = []
+        for p, state in self.optimizer.state.items():
+            for key, value in state.items():
+                if key not in keys and _state_tensor(key, value, p):
+                    keys.append(key)
+        return keys
 
     @torch.no_grad()
     def _quantize_state(self) -> None:

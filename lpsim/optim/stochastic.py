@@ -120,15 +120,9 @@ class _LowPrecision(OwnOptions):
         group = self.param_groups[-1]
         try:
             self._check_options(group)
-            for p in group["params"]:
-                if p.dtype not in CONTAINER_DTYPES:
-                    raise TypeError(
-                        f"parameters must be float32, float64, bfloat16 or float16 "
-                        f"tensors, got {p.dtype}"
-                    )
-                check_fits(self._weight_format(group, p), p.dtype)
-                if group["state_format"] is not None:
-                    check_fits(group["state_format"], torch.float64)
+            index = len(self.param_groups) - 1
+            for i, p in enumerate(group["params"]):
+                self._check_fits(group, p, f"parameter {i} of group {index}")
         except (TypeError, ValueError):
             self.param_groups.pop()  # a refused group is not kept, nor any parameter of it changed
             raise
@@ -142,7 +136,38 @@ class _LowPrecision(OwnOptions):
     def load_state_dict(self, state_dict: dict) -> None:
         """torch.optim.Optimizer.load_state_dict, except that state tensors keep their dtypes
         (torch casts floating-point state to the parameter's dtype, which would round float32
-        moments of bfloat16 weights to bfloat16)."""
+        moments of bfloat16 weights to bfloat16).
+
+        It also takes a state_dict of the torch optimizer of the same name (torch.optim.SGD's or
+        AdamW's), to continue its run: the options and formats its groups lack take this
+        optimizer's constructor values (a group with a stochastic rule and no seed draws its own,
+        as a group added later does), its parameters are numbered in parameter order for their
+        random streams, and its step counts become the ints this optimizer keeps. The loaded
+        groups are checked as add_param_group checks a group.
+
+        Raises:
+            TypeError / ValueError: a loaded group's option is refused (the message names it); the
+                optimizer then keeps its state.
+        """
+        kept = self.state_dict()
+        self._load(state_dict)
+        try:
+            for group in self.param_groups:
+                for key, value in self.defaults.items():
+                    group.setdefault(key, value)
+                self._check_options(group)
+        except (TypeError, ValueError):
+            self._load(kept)
+            raise
+        params = [p for group in self.param_groups for p in group["params"]]
+        for number, p in enumerate(params):
+            state = self.state[p]
+            state.setdefault("index", number)
+            if isinstance(state.get("step"), torch.Tensor):  # torch's AdamW counts in a tensor
+                state["step"] = int(state["step"].item())
+
+    def _load(self, state_dict: dict) -> None:
+        """torch's load_state_dict, the state tensors in their saved dtypes."""
         saved = {
             index: {
                 key: value.clone()
@@ -157,6 +182,30 @@ class _LowPrecision(OwnOptions):
             p = params[index]
             for key, value in tensors.items():
                 self.state[p][key] = value.to(p.device)
+
+    def _check_fits(self, group: dict, p: torch.Tensor, where: str) -> None:
+        """Parameter p of ``group`` (``where`` says which) has a supported dtype, which its
+        weight format fits, and float64 fits the group's state format: checked when the group
+        joins and again at every step, where the formats may have been set on the group since.
+
+        Raises:
+            TypeError: the parameter's dtype is not supported.
+            ValueError: a format does not fit (the message names it and the parameter).
+        """
+        if p.dtype not in CONTAINER_DTYPES:
+            raise TypeError(
+                f"parameters must be float32, float64, bfloat16 or float16 tensors, got {p.dtype}"
+            )
+        for name, fmt, dtype in (
+            ("weight_format", self._weight_format(group, p), p.dtype),
+            ("state_format", group["state_format"], torch.float64),
+        ):
+            if fmt is None:
+                continue
+            try:
+                check_fits(fmt, dtype)
+            except ValueError as error:
+                raise ValueError(f"{name} ({where}): {error}") from None
 
     @staticmethod
     def _weight_format(group: dict, p: torch.Tensor) -> Float | Fixed:
@@ -236,14 +285,20 @@ class _LowPrecision(OwnOptions):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        stepped = [(g, p) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        for group, p in stepped:  # every refusal before any state changes
+        stepped = []  # (group, where, p) for every parameter with a gradient
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None:
+                    stepped.append((group, f"parameter {i} of group {g}", p))
+        for group, where, p in stepped:  # every refusal before any state changes
+            # A format set on the group since it was made must fit too.
+            self._check_fits(group, p, where)
             if p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            where = "for parameters of that work precision, as torch's optimizers require"
-            check_factor("lr", group["lr"], self._work_dtype(p), where)
+            why = "for parameters of that work precision, as torch's optimizers require"
+            check_factor("lr", group["lr"], self._work_dtype(p), why)
         work = []
-        for group, p in stepped:
+        for group, _, p in stepped:
             state = self.state[p]
             state["step"] = state.get("step", 0) + 1
             work.append((group, p, state, p.grad.to(self._work_dtype(p), copy=True)))
@@ -399,6 +454,13 @@ class AdamW(_LowPrecision):
         for name in ("lr", "eps", "weight_decay"):
             check_number(name, group[name])
         group["betas"] = check_betas(group["betas"])
+        # torch.optim.Adam's groups (a loaded state_dict's) say decoupled_weight_decay=False: an
+        # L2 term in the gradient, which this AdamW does not implement.
+        if group.get("decoupled_weight_decay", True) is not True:
+            raise ValueError(
+                f"decoupled_weight_decay must be True: {type(self).__name__} decouples its weight "
+                f"decay, got {group['decoupled_weight_decay']!r}"
+            )
         super()._check_options(group)
 
     @torch.no_grad()

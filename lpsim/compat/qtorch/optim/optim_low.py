@@ -100,26 +100,17 @@ class OptimLP(lpoptim.OptimLP):
     @property
     def momentum_keys(self) -> list[str]:
         """The keys of the optimizer state that momentum_quant rounds: every floating-point state
-        tensor except the step counters. For SGD (momentum_buffer) and Adam or AdamW (exp_avg,
-        exp_avg_sq, and max_exp_avg_sq with amsgrad) the list is known before the first step, as
-        in QPyTorch; for other optimizers it lists the keys found in the state so far."""
+        buffer, those of 0-d parameters included, not the per-parameter scalars (step counters,
+        ASGD's eta and mu, NAdam's mu_product, LBFGS's H_diag; see lpsim.optim.OptimLP). For SGD
+        (momentum_buffer) and Adam or AdamW (exp_avg, exp_avg_sq, and max_exp_avg_sq with
+        amsgrad) the list is known before the first step, as in QPyTorch; for other optimizers it
+        lists the keys found in the state so far."""
         if isinstance(self.optimizer, torch.optim.SGD):
             return ["momentum_buffer"]
         if isinstance(self.optimizer, torch.optim.Adam):  # AdamW included
             amsgrad = any(group.get("amsgrad", False) for group in self.param_groups)
             return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
-        keys: list[str] = []
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if (
-                    key != "step"
-                    and key not in keys
-                    and isinstance(value, torch.Tensor)
-                    and value.is_floating_point()
-                    and value.dim() > 0
-                ):
-                    keys.append(key)
-        return keys
+        return self._rounded_state_keys()
 
     def state_dict(self) -> dict:
         """The wrapped optimizer's state_dict ("state", "param_groups": QPyTorch's layout), and
