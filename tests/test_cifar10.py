@@ -477,6 +477,16 @@ def test_resume_refuses_another_runs_checkpoint(tiny_cifar10, tmp_path):
         train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume", "--seed", "1"))
 
 
+def test_resume_refuses_to_switch_between_eager_and_compiled_training(tiny_cifar10, tmp_path):
+    """Inductor draws stochastic rounding's random numbers its own way: a run resumed compiled
+    after eager epochs would be neither run, so --compile is one of the settings a resume keeps
+    (refused before any compilation)."""
+    root, _ = tiny_cifar10
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--stop-after", "1"))
+    with pytest.raises(SystemExit, match="'compile': \\(False, True\\)"):
+        train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume", "--compile"))
+
+
 def test_resume_refuses_a_checkpoint_whose_data_orders_came_from_the_seed_itself(
     tiny_cifar10, tmp_path
 ):

@@ -71,6 +71,8 @@ COLUMNS = (
 # length of the learning-rate schedule (schedule_epochs, the run's first --epochs) never changes.
 # data_order names how the epochs' orders follow from the seed (a checkpoint without it took them
 # from DistributedSampler seeded with the seed itself, and would continue with other orders).
+# compile: Inductor draws the random numbers of stochastic rounding its own way, so a run resumed
+# compiled (or eager) after eager (or compiled) epochs would be neither run.
 RUN_KEYS = (
     "recipe",
     "batch_size",
@@ -81,6 +83,7 @@ RUN_KEYS = (
     "world_size",
     "data",
     "data_order",
+    "compile",
 )
 DATA_ORDER = "order_seed"
 
@@ -276,6 +279,7 @@ class Run:
             "world_size": self.world_size,
             "data": self.data_name,
             "data_order": DATA_ORDER,
+            "compile": args.compile,
         }
         if saved:
             different = {
