@@ -871,3 +871,27 @@ def test_a_group_asking_for_a_differentiable_step_is_refused_not_ignored(make):
     assert opt.param_groups[0].get("differentiable") in (None, False)
     # foreach, fused and capturable choose how torch computes the same step: accepted
     make([{"params": [torch.nn.Parameter(torch.ones(3))], "foreach": True}], lr=0.1)
+
+
+@pytest.mark.parametrize("kind", ["OptimLP", "FusedSGD"])
+def test_accumulators_loaded_from_a_torch_state_dict_start_as_the_weights_rounded_into_acc(kind):
+    """A plain torch SGD's state_dict holds no accumulators: they start from the current weights,
+    rounded into the accumulator's format as when the optimizer makes them (float8_e5m2's cast is
+    the oracle for Float(5, 2) to nearest)."""
+    p = torch.nn.Parameter(torch.tensor([1.1, -3.3, 1e-3, 700.0]))
+    saved = torch.optim.SGD([p], lr=0.1).state_dict()
+    e5m2 = (Float(5, 2), "nearest")
+    if kind == "OptimLP":
+        opt = OptimLP(torch.optim.SGD([p], lr=0.1), acc=e5m2)
+        with torch.no_grad():
+            p.add_(0.01)  # the weights change after the optimizer was made
+        opt.load_state_dict(saved)
+        acc = opt.accumulators[p]
+    else:
+        opt = lpsim.optim.FusedSGD([p], lr=0.1, acc_format=e5m2[0], rounding="nearest")
+        with torch.no_grad():
+            p.add_(0.01)
+        del opt.state[p]["accumulator"]  # as a state_dict without it leaves the state
+        opt.load_state_dict(saved)
+        acc = opt.state[p]["accumulator"]
+    assert torch.equal(acc, p.detach().to(torch.float8_e5m2).float())

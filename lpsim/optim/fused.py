@@ -207,10 +207,11 @@ class _Fused(OwnOptions):
             raise
         with torch.no_grad():
             for group in self.param_groups:
-                if group["acc_format"] is not None:
-                    for p in group["params"]:
-                        if "accumulator" not in self.state[p]:
-                            self.state[p]["accumulator"] = p.detach().clone()
+                acc = self._group_specs(group)[_ACC]
+                for p in group["params"]:
+                    if acc is not None and "accumulator" not in self.state[p]:
+                        # as add_param_group makes it: the weight rounded into acc_format
+                        self.state[p]["accumulator"] = quantize(p.detach().clone(), *acc)
 
     def _options_of_torch_group(self, group: dict) -> None:
         """Set, in a loaded group, the options that the torch optimizer's group holds under other

@@ -307,7 +307,8 @@ class OptimLP(Optimizer):
     so parameters keep their storage (DDP and other wrappers hold on to them). Parameter groups and
     state are the wrapped optimizer's own, so LR schedulers, zero_grad and add_param_group act on
     it; state_dict() includes the accumulators, and load_state_dict() also takes a plain torch
-    optimizer's state_dict (the accumulators then start from the current weights).
+    optimizer's state_dict (the accumulators then start from the current weights, rounded into
+    ``acc`` as when they are made).
 
     Random streams. Each rounding phase of a step (1: gradients; 4: optimizer state; 5:
     accumulators, then weights) rounds its tensors in batches: the tensors of one spec (format and
@@ -857,7 +858,7 @@ class OptimLP(Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state_dict of OptimLP, or of a plain torch optimizer of the wrapped type (then
-        the accumulators start from the current weights).
+        the accumulators start from the current weights, rounded into acc as when they are made).
 
         As torch's load_state_dict, the saved parameter groups replace the wrapped optimizer's:
         their options (lr, momentum, ...) and their ``"quantization"`` come from the state_dict.
@@ -895,8 +896,9 @@ class OptimLP(Optimizer):
                 if p not in self.accumulators:
                     continue
                 acc = self.accumulators[p]
-                if saved is None:
-                    acc.copy_(p)
+                if saved is None:  # as the constructor makes it: the weight rounded into acc
+                    quant = self._quantizer(p, "acc", self.settings[p].acc, acc)
+                    acc.copy_(_rounded(quant, p.detach().to(acc.dtype)))
                 elif saved[i] is None:
                     raise ValueError(f"state_dict holds no accumulator for parameter {i}")
                 else:
