@@ -199,14 +199,15 @@ class Recipe:
             2d and 3d); -1 for Linear layers and MultiheadAttention (inputs (..., features) of
             any rank, (out, in) weights). The scaled recipes (MXFP8, MXFP4, NVFP4) set it, so that a
             Linear layer's 3-D (batch, token, channel) input is blocked along its channels, not
-            its tokens; ``along`` clears it. A bias (placement "outputs") is blocked along its
-            one axis. A depthwise convolution's weight (channels, 1, ...) has blocks of one
-            element. In a grouped convolution (groups > 1) each group's product sums over its
-            own in / groups channels, but the blocks of a tensor's channels run on across the
-            groups: where in / groups is not a multiple of the block size, a block holds the
-            channels of two or more groups (in a depthwise convolution's input, of 32 groups
-            for MX) and takes one scale for them, where hardware would scale each group's
-            channels apart.
+            its tokens; ``along`` clears it. A bias (placement "outputs") is blocked along its one
+            axis, and so are the weight and bias of one axis of any other leaf layer (a norm
+            layer's, a PReLU's), whatever the recipe's axis. A depthwise convolution's weight
+            (channels, 1, ...) has blocks of one element. In a grouped convolution (groups > 1) each
+            group's product sums over its own in / groups channels, but the blocks of a tensor's
+            channels run on across the groups: where in / groups is not a multiple of the block
+            size, a block holds the channels of two or more groups (in a depthwise convolution's
+            input, of 32 groups for MX) and takes one scale for them, where hardware would scale
+            each group's channels apart.
         mac: the arithmetic of the weight layers' products, forward and backward (an lpsim.MAC;
             None: torch's own): every Linear, Conv1d, Conv2d and MultiheadAttention it reaches
             (all of them unless ``keep_edges``) sums its products as the MAC prescribes
@@ -314,6 +315,12 @@ class Recipe:
             if entry is not None and name not in config:
                 config[name] = replace(entry, **dict.fromkeys(kinds))
         config.update(weight_layers)
+        if other is not None:
+            one_axis = _leaves_with_one_axis_parameters(model, WEIGHT_LAYERS)
+            if one_axis:  # a norm's (channels,) weight and bias: blocked along their one axis
+                weight, bias = _blocks_along(other.weight, -1), _blocks_along(other.bias, -1)
+                if (weight, bias) != (other.weight, other.bias):
+                    config[_modules_selector(one_axis)] = replace(other, weight=weight, bias=bias)
         config["default"] = other
         return config
 
@@ -457,6 +464,31 @@ def _blocks_along(spec, axis: int):
     if isinstance(spec, tuple) and spec and isinstance(spec[0], Scaled):
         return (replace(spec[0], axis=axis), *spec[1:])
     return spec
+
+
+def _leaves_with_one_axis_parameters(model: nn.Module, skipped: tuple) -> set[int]:
+    """The ids of the leaf modules of ``model``, but those of the ``skipped`` types, with a weight
+    or bias of fewer than two dimensions (a norm layer's, a PReLU's)."""
+    return {
+        id(module)
+        for module in model.modules()
+        if not isinstance(module, skipped)
+        and next(module.children(), None) is None
+        and any(
+            p.dim() < 2
+            for name, p in module.named_parameters(recurse=False)
+            if name.endswith(("weight", "bias"))
+        )
+    }
+
+
+def _modules_selector(ids: set[int]):
+    """An inject() selector of the modules whose ids are in ``ids``."""
+
+    def parameters_with_one_axis(name: str, module: nn.Module) -> bool:
+        return id(module) in ids
+
+    return parameters_with_one_axis
 
 
 def _layer_blocks_along(entry: LayerQuantization, axis: int, weight_axis: int) -> LayerQuantization:

@@ -301,6 +301,28 @@ def test_a_scaled_recipe_placed_on_outputs_blocks_each_bias_along_its_one_axis()
     model(_heavy(2, 32, 4, 4)).sum().backward()
 
 
+@pytest.mark.parametrize("recipe", [recipes.MXFP8, recipes.MXFP8.along(1)], ids=["mxfp8", "along1"])
+def test_a_scaled_recipe_placed_on_outputs_blocks_one_axis_parameters_along_that_axis(recipe):
+    # Under placement="outputs" every other layer's weight and bias take the weight's format;
+    # a LayerNorm's, a BatchNorm's and a PReLU's are 1-D, without the recipe's axis 1: they are
+    # blocked along their one axis (before, the first forward pass raised an IndexError naming no
+    # layer), while the outputs keep the recipe's axis.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 64), nn.LayerNorm(64), nn.BatchNorm1d(64), nn.PReLU(64), nn.Linear(64, 64)
+    )
+    with torch.no_grad():
+        for layer in model[1:4]:
+            layer.weight.normal_()
+    originals = {i: model[i].weight.detach().clone() for i in (1, 2, 3)}
+    recipe = replace(recipe, placement="outputs")
+    model, _ = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    fmt, rule = recipe.weight
+    for i, weight in originals.items():
+        assert torch.equal(model[i].weight, lpsim.quantize(weight, replace(fmt, axis=-1), rule))
+    model(_heavy(8, 64)).sum().backward()
+
+
 class _Decoder(nn.Module):
     """A convolution, two transposed convolutions and a convolution: the inner transposed
     convolution is a weight layer of the scaled recipes."""
