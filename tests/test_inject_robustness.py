@@ -1114,3 +1114,42 @@ def test_a_module_that_is_not_working_in_place_leaves_its_input_alone(module):
     y = module(x)
     assert_same_bits(x, before)
     assert y is not x
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(input=E4M1), dict(output=E4M1), dict(error=E5M2), dict(input=E4M1, output=E4M1)],
+    ids=["input", "output", "error", "both"],
+)
+def test_an_in_place_module_given_a_new_tensor_by_a_users_pre_hook_leaves_the_callers_alone(
+    settings,
+):
+    """A forward pre-hook the user registered before inject() that hands an in-place module a
+    new tensor: torch's op then works in that tensor and leaves the caller's as it was. Injected,
+    the caller's tensor once received the result (inject's hook that keeps the tensor given ran
+    before the user's hooks); now the hook's tensor holds it, as in torch."""
+    handed = []
+
+    def doubled(module, args):
+        handed.append(args[0] * 2)
+        return (handed[-1],)
+
+    plain, model = nn.ReLU(inplace=True), nn.ReLU(inplace=True)
+    for m in (plain, model):
+        m.register_forward_pre_hook(doubled)
+    inject(model, {nn.ReLU: LayerQuantization(rounding="nearest", **settings)})
+    x = torch.randn(5, 4)
+    before = x.clone()
+    plain_x = x.clone()
+    want = plain(plain_x)
+    assert_same_bits(plain_x, before)  # the oracle: torch leaves the caller's tensor alone
+    got = model(x)
+    assert_same_bits(x, before)
+    # the value: the activation of the doubled input, each rounding where it is configured
+    y = before * 2
+    y = lpsim.quantize(y, E4M1) if "input" in settings else y
+    y = torch.relu(y)
+    y = lpsim.quantize(y, E4M1) if "output" in settings else y
+    assert_same_bits(got, y)
+    assert_same_bits(handed[-1], y)  # the tensor the module was given holds its result
+    assert_same_bits(want, torch.relu(before * 2))

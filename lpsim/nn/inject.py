@@ -510,8 +510,10 @@ class _InPlaceResult:
     relies on.
 
     The module runs on a new tensor: the input quantiser's result, or where it has none, a copy
-    that ``before`` (the first hook to run) hands it, since its in-place op may save its result
-    for its backward (nn.ReLU does), and that result must not change again. The output and error
+    that ``before`` (the first of inject's hooks to run; the pre-hooks the user registered before
+    inject run before it, and the tensor it keeps is the one they hand the module) hands it,
+    since its in-place op may save its result for its backward (nn.ReLU does), and that result
+    must not change again. The output and error
     quantisers give a new result too; ``after`` copies the result into the tensor the caller
     gave and returns that tensor, as torch's in-place modules return their input. The gradient
     flows through the copy to the quantisers' result, so the error quantiser rounds it as
@@ -1465,6 +1467,14 @@ def _inject_module(
         return _RoleQuantiser(spec, eval_rule, getattr(scalers, field, None))
 
     input_role = role("input")
+    output_role, error_role = role("output"), role("error")
+    in_place = None
+    if isinstance(module, _IN_PLACE_MODULES) and (input_role or output_role or error_role):
+        # The first of inject's pre-hooks, after those the user registered before inject: the
+        # tensor it keeps is the one the module's forward is given (a user's pre-hook may have
+        # replaced the caller's, which torch's in-place op then leaves alone).
+        in_place = _InPlaceResult(quantises_input=input_role is not None)
+        done["hooks"].append(module.register_forward_pre_hook(in_place.before, with_kwargs=True))
     done["input_quantiser"] = None
     if input_role is not None:
         quantise_inputs = _InputQuantiser(input_role, _mask_positions(module))
@@ -1475,19 +1485,14 @@ def _inject_module(
                 module.register_forward_pre_hook(quantise_inputs, with_kwargs=True)
             )
         done["input"] = input_role.spec
-    output_role, error_role = role("output"), role("error")
     if output_role is not None or error_role is not None:
         done["hooks"].append(
             module.register_forward_hook(_OutputQuantiser(output_role, error_role))
         )
         done["output"] = None if output_role is None else output_role.spec
         done["error"] = None if error_role is None else error_role.spec
-    if done["hooks"] and isinstance(module, _IN_PLACE_MODULES):
-        in_place = _InPlaceResult(quantises_input=input_role is not None)
-        done["hooks"] += [
-            module.register_forward_pre_hook(in_place.before, with_kwargs=True, prepend=True),
-            module.register_forward_hook(in_place.after),
-        ]
+    if in_place is not None:
+        done["hooks"].append(module.register_forward_hook(in_place.after))
     if any(True for _ in scalers.children()):
         module.add_module(_SCALERS, scalers)
         done["scalers"] = True
