@@ -14,6 +14,7 @@ import pytest
 import torch
 from support import assert_same_bits
 from torch import nn
+from torch.nn import functional as F
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
 
@@ -1153,3 +1154,57 @@ def test_an_in_place_module_given_a_new_tensor_by_a_users_pre_hook_leaves_the_ca
     assert_same_bits(got, y)
     assert_same_bits(handed[-1], y)  # the tensor the module was given holds its result
     assert_same_bits(want, torch.relu(before * 2))
+
+
+def test_users_hooks_see_what_the_documentation_says_and_remove_keeps_them_in_order():
+    """Forward pre-hooks and forward hooks registered before inject() see the unquantised input
+    and output, those registered after see the quantised ones; a full backward pre-hook and a
+    full backward hook see as grad_output the gradient into the quantised output before the
+    error quantiser rounds it (the pre-hook's result is what it rounds), and as grad_input the
+    input's gradient computed from the rounded error; remove() leaves the user's hooks, in their
+    order."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    seen = {}
+
+    def keep(name):
+        return lambda module, *tensors: seen.__setitem__(name, [t[0].clone() for t in tensors])
+
+    def tripled(module, grad_output):
+        seen["backward pre"] = [grad_output[0].clone()]
+        return (grad_output[0] * 3,)
+
+    layer.register_forward_pre_hook(keep("pre before"))
+    layer.register_forward_hook(lambda m, a, o: seen.__setitem__("hook before", [a[0], o.clone()]))
+    layer.register_full_backward_pre_hook(tripled)
+    layer.register_full_backward_hook(keep("backward"))
+    order = (list(layer._forward_pre_hooks), list(layer._forward_hooks))
+    inject(
+        layer,
+        {nn.Linear: LayerQuantization(input=E4M1, output=E4M1, error=E5M2, rounding="nearest")},
+    )
+    layer.register_forward_pre_hook(keep("pre after"))
+    layer.register_forward_hook(lambda m, a, o: seen.__setitem__("hook after", [a[0], o.clone()]))
+    order = (order[0] + [max(layer._forward_pre_hooks)], order[1] + [max(layer._forward_hooks)])
+    x = torch.randn(2, 4, requires_grad=True)
+    g = torch.randn(2, 3)
+    y = layer(x)
+    y.backward(g)
+    # the oracle: torch's Linear on the input rounded by hand
+    weight = layer.weight.detach()
+    xq = lpsim.quantize(x.detach(), E4M1)
+    out = F.linear(xq, weight, layer.bias.detach())
+    error = lpsim.quantize(g * 3, E5M2)
+    assert_same_bits(seen["pre before"][0], x.detach())
+    assert_same_bits(seen["hook before"][0], xq)
+    assert_same_bits(seen["hook before"][1], out)
+    assert_same_bits(seen["pre after"][0], xq)
+    assert_same_bits(seen["hook after"][1], lpsim.quantize(out, E4M1))
+    assert_same_bits(seen["backward pre"][0], g)
+    grad_input, grad_output = seen["backward"]
+    assert_same_bits(grad_output, g * 3)
+    assert_same_bits(grad_input, error @ weight)
+    assert_same_bits(x.grad, error @ weight)
+    remove(layer)
+    assert (list(layer._forward_pre_hooks), list(layer._forward_hooks)) == order
+    assert len(layer._backward_hooks) == len(layer._backward_pre_hooks) == 1
