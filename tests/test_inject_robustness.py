@@ -1208,3 +1208,54 @@ def test_users_hooks_see_what_the_documentation_says_and_remove_keeps_them_in_or
     remove(layer)
     assert (list(layer._forward_pre_hooks), list(layer._forward_hooks)) == order
     assert len(layer._backward_hooks) == len(layer._backward_pre_hooks) == 1
+
+
+def _rounded_in_layout(x: torch.Tensor, fmt) -> torch.Tensor:
+    """The oracle's rounding: lpsim.quantize (a contiguous result, straight-through) written into
+    a tensor of x's layout, as torch's elementwise ops lay out their results."""
+    return torch.empty_like(x).copy_(lpsim.quantize(x, fmt))
+
+
+@pytest.mark.parametrize("rounded", ["input", "output", "weight"])
+def test_quantised_tensors_keep_the_layout_of_the_tensors_they_replace(rounded):
+    """A channels_last model (weights and activations) stays channels_last where inject rounds
+    its tensors: each quantised input, output and weight has the strides of the tensor it
+    replaces, so the modules reading it (the convolution, the BatchNorm after it) compute what
+    they compute on the tensor rounded in place. lpsim.quantize gives a contiguous tensor, which
+    the injected model once passed on: its results lost the layout, and a BatchNorm reading them
+    summed in another order (other bits than the model with the roundings placed by hand)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Conv2d(8, 4, 1))
+    plain = plain.to(memory_format=torch.channels_last)
+    model = copy.deepcopy(plain)
+    settings = LayerQuantization(rounding="nearest", **{rounded: E4M1})
+    inject(model, {nn.Conv2d: settings})
+    x = torch.randn(4, 3, 9, 9).to(memory_format=torch.channels_last).requires_grad_(True)
+    x_plain = x.detach().clone().requires_grad_(True)
+    seen = []  # a pre-hook registered after inject sees what the convolution's forward sees
+    model[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].stride()))
+    got = model(x)
+    assert seen == [x.stride()]
+    assert model[0].weight.stride() == plain[0].weight.stride()
+    # the oracle: the plain model with the configured roundings placed by hand, in layout
+    h = x_plain
+    for conv in (plain[0], plain[2]):
+        if conv is plain[2]:
+            h = plain[1](h)
+        inp = _rounded_in_layout(h, E4M1) if rounded == "input" else h
+        w = _rounded_in_layout(conv.weight, E4M1) if rounded == "weight" else conv.weight
+        h = F.conv2d(inp, w, conv.bias)
+        h = _rounded_in_layout(h, E4M1) if rounded == "output" else h
+    want = h
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    assert want.is_contiguous(memory_format=torch.channels_last)
+    assert_same_bits(got, want)
+    g = torch.randn_like(want)
+    got.backward(g)
+    want.backward(g)
+    assert_same_bits(x.grad, x_plain.grad)
+    for name, p in plain.named_parameters():
+        q = dict(model.named_parameters()).get(name)
+        if q is None:  # a quantised weight: its Parameter is the parametrisation's original
+            q = model.get_submodule(name.rsplit(".", 1)[0]).parametrizations.weight.original
+        assert_same_bits(q.grad, p.grad, name)

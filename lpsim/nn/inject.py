@@ -414,7 +414,7 @@ class _InputQuantiser:
 
         def quantised(tensor: torch.Tensor, place: str) -> torch.Tensor:
             quantiser = self.role(place, tensor, training)
-            rounded = quantiser(tensor)
+            rounded = _in_layout_of(tensor, quantiser(tensor))
             if observer is not None:
                 observer.observe(module, "input", tensor, rounded, quantiser, training)
             return rounded
@@ -433,6 +433,19 @@ class _InputQuantiser:
             self.quantise(module, args, done, self.masks),
             self.quantise(module, kwargs, done, masked),
         )
+
+
+def _in_layout_of(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    """``rounded`` (x quantised: lpsim.quantize gives a contiguous tensor) in x's memory layout,
+    as torch's elementwise ops give their results: a channels_last activation or weight stays
+    channels_last, a transposed one transposed (x's strides where x is dense and does not
+    overlap itself, else torch.empty_like's choice), so that the modules reading the quantised
+    tensor compute as they would on x (a convolution picks its kernel by the layout of its input
+    and weight, a BatchNorm its order of summation), and code that checks the layout finds it.
+    Costs a copy where x is not contiguous; the gradient passes the copy unchanged."""
+    if x.is_contiguous() or x.layout != torch.strided or rounded.stride() == x.stride():
+        return rounded
+    return torch.empty_like(x).copy_(rounded)
 
 
 def _once(done: dict, tensor: torch.Tensor, place: str, quantised) -> torch.Tensor:
@@ -483,7 +496,7 @@ class _OutputQuantiser:
         def quantised(tensor: torch.Tensor, place: str) -> torch.Tensor:
             forward = None if self.output is None else self.output(place, tensor, training)
             backward = None if self.error is None else self.error(place, tensor, training)
-            return quantizing_function(forward, backward)(tensor, observed)
+            return _in_layout_of(tensor, quantizing_function(forward, backward)(tensor, observed))
 
         def one(tensor: torch.Tensor, place: str) -> torch.Tensor:
             return _once(done, tensor, place, quantised)
@@ -638,7 +651,7 @@ class _FakeQuantize(nn.Module):
 
     def _quantise(self, value: torch.Tensor) -> torch.Tensor:
         quantise = self.spec if self.training else self.eval_spec
-        rounded = quantise(value)
+        rounded = _in_layout_of(value, quantise(value))
         observer = _observation.current
         if observer is not None:
             owner, category = self.site
