@@ -1259,3 +1259,39 @@ def test_quantised_tensors_keep_the_layout_of_the_tensors_they_replace(rounded):
         if q is None:  # a quantised weight: its Parameter is the parametrisation's original
             q = model.get_submodule(name.rsplit(".", 1)[0]).parametrizations.weight.original
         assert_same_bits(q.grad, p.grad, name)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_checkpointed_injected_modules_give_the_gradients_of_the_run_without_checkpointing(
+    reentrant, rounding
+):
+    """torch.utils.checkpoint recomputes the injected modules' forward in the backward pass
+    (with torch's generator restored): the same tensors, so the output, every parameter's
+    gradient, the input's gradient and the generator's state afterwards are those of the run
+    without checkpointing, bit for bit."""
+
+    def make():
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 4))
+        settings = LayerQuantization(
+            weight=E4M1, bias=E4M1, input=E4M1, output=E4M1, error=E5M2, rounding=rounding
+        )
+        return inject(model, {nn.Linear: settings, nn.ReLU: settings})
+
+    runs = []
+    for checkpointed in (False, True):
+        model = make()
+        torch.manual_seed(5)
+        x = torch.randn(3, 8, requires_grad=True)
+        if checkpointed:
+            h = torch.utils.checkpoint.checkpoint(model[:3], x, use_reentrant=reentrant)
+            y = model[3](h)
+        else:
+            y = model(x)
+        y.square().sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        runs.append((torch.get_rng_state(), y.detach(), x.grad, *grads))
+    assert torch.equal(runs[0][0], runs[1][0])
+    for got, want in zip(runs[1][1:], runs[0][1:]):
+        assert_same_bits(got, want)
