@@ -581,11 +581,11 @@ def _weight_scopes() -> list[dict]:
 
 
 class _FakeQuantize(nn.Module):
-    """Parametrisation: the parameter as seen by forward is its quantised value (``spec`` in
-    training mode, ``eval_spec`` in eval mode; with a DelayedScaling, through ``scaler``, its
-    submodule, made on ``device``). ``site`` is (the module owning the parameter, "weight" or
-    "bias"), under which the rounding is reported to the current observer (lpsim._observation);
-    ``name`` is the parameter's name in that module.
+    """Parametrisation: the parameter as seen by forward is its quantised value (``spec`` while
+    the module owning it is in training mode, ``eval_spec`` in eval mode; with a DelayedScaling,
+    through ``scaler``, its submodule, made on ``device``). ``site`` is (the module owning the
+    parameter, "weight" or "bias"), under which the rounding is reported to the current observer
+    (lpsim._observation); ``name`` is the parameter's name in that module.
 
     Inside a weight scope (the forward of a module holding parametrised tensors, or reading them:
     see _open_weight_scope) the parameter is quantised at its first read and later reads in the
@@ -650,12 +650,16 @@ class _FakeQuantize(nn.Module):
         return rounded if torch.is_grad_enabled() else rounded.detach()
 
     def _quantise(self, value: torch.Tensor) -> torch.Tensor:
-        quantise = self.spec if self.training else self.eval_spec
+        # The mode of the module that owns the parameter, as its input and output quantisers
+        # take theirs: eval() sets this parametrisation's flag too, but code may set the module's
+        # ``training`` alone (as torch's modules read it).
+        owner, category = self.site
+        training = owner.training
+        quantise = self.spec if training else self.eval_spec
         rounded = _in_layout_of(value, quantise(value))
         observer = _observation.current
         if observer is not None:
-            owner, category = self.site
-            observer.observe(owner, category, value, rounded, quantise, self.training)
+            observer.observe(owner, category, value, rounded, quantise, training)
         return rounded
 
     def extra_repr(self) -> str:
