@@ -14,6 +14,7 @@ import pytest
 import torch
 from support import assert_same_bits
 from torch import nn
+from torch.nn import functional as F
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import orthogonal, spectral_norm, weight_norm
 
@@ -1114,3 +1115,183 @@ def test_a_module_that_is_not_working_in_place_leaves_its_input_alone(module):
     y = module(x)
     assert_same_bits(x, before)
     assert y is not x
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(input=E4M1), dict(output=E4M1), dict(error=E5M2), dict(input=E4M1, output=E4M1)],
+    ids=["input", "output", "error", "both"],
+)
+def test_an_in_place_module_given_a_new_tensor_by_a_users_pre_hook_leaves_the_callers_alone(
+    settings,
+):
+    """A forward pre-hook the user registered before inject() that hands an in-place module a
+    new tensor: torch's op then works in that tensor and leaves the caller's as it was. Injected,
+    the caller's tensor once received the result (inject's hook that keeps the tensor given ran
+    before the user's hooks); now the hook's tensor holds it, as in torch."""
+    handed = []
+
+    def doubled(module, args):
+        handed.append(args[0] * 2)
+        return (handed[-1],)
+
+    plain, model = nn.ReLU(inplace=True), nn.ReLU(inplace=True)
+    for m in (plain, model):
+        m.register_forward_pre_hook(doubled)
+    inject(model, {nn.ReLU: LayerQuantization(rounding="nearest", **settings)})
+    x = torch.randn(5, 4)
+    before = x.clone()
+    plain_x = x.clone()
+    want = plain(plain_x)
+    assert_same_bits(plain_x, before)  # the oracle: torch leaves the caller's tensor alone
+    got = model(x)
+    assert_same_bits(x, before)
+    # the value: the activation of the doubled input, each rounding where it is configured
+    y = before * 2
+    y = lpsim.quantize(y, E4M1) if "input" in settings else y
+    y = torch.relu(y)
+    y = lpsim.quantize(y, E4M1) if "output" in settings else y
+    assert_same_bits(got, y)
+    assert_same_bits(handed[-1], y)  # the tensor the module was given holds its result
+    assert_same_bits(want, torch.relu(before * 2))
+
+
+def test_users_hooks_see_what_the_documentation_says_and_remove_keeps_them_in_order():
+    """Forward pre-hooks and forward hooks registered before inject() see the unquantised input
+    and output, those registered after see the quantised ones; a full backward pre-hook and a
+    full backward hook see as grad_output the gradient into the quantised output before the
+    error quantiser rounds it (the pre-hook's result is what it rounds), and as grad_input the
+    input's gradient computed from the rounded error; remove() leaves the user's hooks, in their
+    order."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    seen = {}
+
+    def keep(name):
+        return lambda module, *tensors: seen.__setitem__(name, [t[0].clone() for t in tensors])
+
+    def tripled(module, grad_output):
+        seen["backward pre"] = [grad_output[0].clone()]
+        return (grad_output[0] * 3,)
+
+    layer.register_forward_pre_hook(keep("pre before"))
+    layer.register_forward_hook(lambda m, a, o: seen.__setitem__("hook before", [a[0], o.clone()]))
+    layer.register_full_backward_pre_hook(tripled)
+    layer.register_full_backward_hook(keep("backward"))
+    order = (list(layer._forward_pre_hooks), list(layer._forward_hooks))
+    inject(
+        layer,
+        {nn.Linear: LayerQuantization(input=E4M1, output=E4M1, error=E5M2, rounding="nearest")},
+    )
+    layer.register_forward_pre_hook(keep("pre after"))
+    layer.register_forward_hook(lambda m, a, o: seen.__setitem__("hook after", [a[0], o.clone()]))
+    order = (order[0] + [max(layer._forward_pre_hooks)], order[1] + [max(layer._forward_hooks)])
+    x = torch.randn(2, 4, requires_grad=True)
+    g = torch.randn(2, 3)
+    y = layer(x)
+    y.backward(g)
+    # the oracle: torch's Linear on the input rounded by hand
+    weight = layer.weight.detach()
+    xq = lpsim.quantize(x.detach(), E4M1)
+    out = F.linear(xq, weight, layer.bias.detach())
+    error = lpsim.quantize(g * 3, E5M2)
+    assert_same_bits(seen["pre before"][0], x.detach())
+    assert_same_bits(seen["hook before"][0], xq)
+    assert_same_bits(seen["hook before"][1], out)
+    assert_same_bits(seen["pre after"][0], xq)
+    assert_same_bits(seen["hook after"][1], lpsim.quantize(out, E4M1))
+    assert_same_bits(seen["backward pre"][0], g)
+    grad_input, grad_output = seen["backward"]
+    assert_same_bits(grad_output, g * 3)
+    assert_same_bits(grad_input, error @ weight)
+    assert_same_bits(x.grad, error @ weight)
+    remove(layer)
+    assert (list(layer._forward_pre_hooks), list(layer._forward_hooks)) == order
+    assert len(layer._backward_hooks) == len(layer._backward_pre_hooks) == 1
+
+
+def _rounded_in_layout(x: torch.Tensor, fmt) -> torch.Tensor:
+    """The oracle's rounding: lpsim.quantize (a contiguous result, straight-through) written into
+    a tensor of x's layout, as torch's elementwise ops lay out their results."""
+    return torch.empty_like(x).copy_(lpsim.quantize(x, fmt))
+
+
+@pytest.mark.parametrize("rounded", ["input", "output", "weight"])
+def test_quantised_tensors_keep_the_layout_of_the_tensors_they_replace(rounded):
+    """A channels_last model (weights and activations) stays channels_last where inject rounds
+    its tensors: each quantised input, output and weight has the strides of the tensor it
+    replaces, so the modules reading it (the convolution, the BatchNorm after it) compute what
+    they compute on the tensor rounded in place. lpsim.quantize gives a contiguous tensor, which
+    the injected model once passed on: its results lost the layout, and a BatchNorm reading them
+    summed in another order (other bits than the model with the roundings placed by hand)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Conv2d(8, 4, 1))
+    plain = plain.to(memory_format=torch.channels_last)
+    model = copy.deepcopy(plain)
+    settings = LayerQuantization(rounding="nearest", **{rounded: E4M1})
+    inject(model, {nn.Conv2d: settings})
+    x = torch.randn(4, 3, 9, 9).to(memory_format=torch.channels_last).requires_grad_(True)
+    x_plain = x.detach().clone().requires_grad_(True)
+    seen = []  # a pre-hook registered after inject sees what the convolution's forward sees
+    model[0].register_forward_pre_hook(lambda m, args: seen.append(args[0].stride()))
+    got = model(x)
+    assert seen == [x.stride()]
+    assert model[0].weight.stride() == plain[0].weight.stride()
+    # the oracle: the plain model with the configured roundings placed by hand, in layout
+    h = x_plain
+    for conv in (plain[0], plain[2]):
+        if conv is plain[2]:
+            h = plain[1](h)
+        inp = _rounded_in_layout(h, E4M1) if rounded == "input" else h
+        w = _rounded_in_layout(conv.weight, E4M1) if rounded == "weight" else conv.weight
+        h = F.conv2d(inp, w, conv.bias)
+        h = _rounded_in_layout(h, E4M1) if rounded == "output" else h
+    want = h
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    assert want.is_contiguous(memory_format=torch.channels_last)
+    assert_same_bits(got, want)
+    g = torch.randn_like(want)
+    got.backward(g)
+    want.backward(g)
+    assert_same_bits(x.grad, x_plain.grad)
+    for name, p in plain.named_parameters():
+        q = dict(model.named_parameters()).get(name)
+        if q is None:  # a quantised weight: its Parameter is the parametrisation's original
+            q = model.get_submodule(name.rsplit(".", 1)[0]).parametrizations.weight.original
+        assert_same_bits(q.grad, p.grad, name)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_checkpointed_injected_modules_give_the_gradients_of_the_run_without_checkpointing(
+    reentrant, rounding
+):
+    """torch.utils.checkpoint recomputes the injected modules' forward in the backward pass
+    (with torch's generator restored): the same tensors, so the output, every parameter's
+    gradient, the input's gradient and the generator's state afterwards are those of the run
+    without checkpointing, bit for bit."""
+
+    def make():
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 4))
+        settings = LayerQuantization(
+            weight=E4M1, bias=E4M1, input=E4M1, output=E4M1, error=E5M2, rounding=rounding
+        )
+        return inject(model, {nn.Linear: settings, nn.ReLU: settings})
+
+    runs = []
+    for checkpointed in (False, True):
+        model = make()
+        torch.manual_seed(5)
+        x = torch.randn(3, 8, requires_grad=True)
+        if checkpointed:
+            h = torch.utils.checkpoint.checkpoint(model[:3], x, use_reentrant=reentrant)
+            y = model[3](h)
+        else:
+            y = model(x)
+        y.square().sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        runs.append((torch.get_rng_state(), y.detach(), x.grad, *grads))
+    assert torch.equal(runs[0][0], runs[1][0])
+    for got, want in zip(runs[1][1:], runs[0][1:]):
+        assert_same_bits(got, want)

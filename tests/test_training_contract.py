@@ -346,6 +346,35 @@ def test_evaluation_with_stochastic_quantisers_is_deterministic_and_draws_nothin
         LayerQuantization(output=E5M2, eval_rounding="stochastic")
 
 
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_a_modules_weight_rounds_by_the_modules_own_mode_as_its_input_and_output(mode):
+    """A module's mode is its ``training`` flag, which torch's modules read and code may set on
+    the module alone (``layer.training = False``, not eval(), which also sets it on the
+    parametrisations): the weight's rule follows it as the input's and output's do (it once
+    followed the parametrisation's own flag, rounding the weight stochastically, drawing, in a
+    module in eval mode). The oracle: torch's linear on tensors rounded by hand."""
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 8)
+    inject(layer, {nn.Linear: LayerQuantization(weight=E5M2, input=E5M2, output=E5M2)})
+    x = torch.randn(4, 16)
+    weight, bias = layer.parametrizations.weight.original.detach(), layer.bias.detach()
+    layer.training = mode == "train"
+    for m in layer.modules():  # the parametrisation in the other mode
+        if m is not layer:
+            m.training = mode != "train"
+    rule = "stochastic" if mode == "train" else "nearest"
+    torch.manual_seed(3)
+    got = layer(x)
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    # the order of the draws: the input (a pre-hook), the weight (read in forward), the output
+    xq = lpsim.quantize(x, E5M2, rule)
+    wq = lpsim.quantize(weight, E5M2, rule)
+    want = lpsim.quantize(nn.functional.linear(xq, wq, bias), E5M2, rule)
+    assert_same_bits(got, want)
+    assert torch.equal(torch.get_rng_state(), after)
+
+
 def test_training_does_not_depend_on_how_often_one_evaluates():
     results = []
     for evaluations in (0, 3):

@@ -414,7 +414,7 @@ class _InputQuantiser:
 
         def quantised(tensor: torch.Tensor, place: str) -> torch.Tensor:
             quantiser = self.role(place, tensor, training)
-            rounded = quantiser(tensor)
+            rounded = _in_layout_of(tensor, quantiser(tensor))
             if observer is not None:
                 observer.observe(module, "input", tensor, rounded, quantiser, training)
             return rounded
@@ -433,6 +433,19 @@ class _InputQuantiser:
             self.quantise(module, args, done, self.masks),
             self.quantise(module, kwargs, done, masked),
         )
+
+
+def _in_layout_of(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    """``rounded`` (x quantised: lpsim.quantize gives a contiguous tensor) in x's memory layout,
+    as torch's elementwise ops give their results: a channels_last activation or weight stays
+    channels_last, a transposed one transposed (x's strides where x is dense and does not
+    overlap itself, else torch.empty_like's choice), so that the modules reading the quantised
+    tensor compute as they would on x (a convolution picks its kernel by the layout of its input
+    and weight, a BatchNorm its order of summation), and code that checks the layout finds it.
+    Costs a copy where x is not contiguous; the gradient passes the copy unchanged."""
+    if x.is_contiguous() or x.layout != torch.strided or rounded.stride() == x.stride():
+        return rounded
+    return torch.empty_like(x).copy_(rounded)
 
 
 def _once(done: dict, tensor: torch.Tensor, place: str, quantised) -> torch.Tensor:
@@ -483,7 +496,7 @@ class _OutputQuantiser:
         def quantised(tensor: torch.Tensor, place: str) -> torch.Tensor:
             forward = None if self.output is None else self.output(place, tensor, training)
             backward = None if self.error is None else self.error(place, tensor, training)
-            return quantizing_function(forward, backward)(tensor, observed)
+            return _in_layout_of(tensor, quantizing_function(forward, backward)(tensor, observed))
 
         def one(tensor: torch.Tensor, place: str) -> torch.Tensor:
             return _once(done, tensor, place, quantised)
@@ -510,8 +523,10 @@ class _InPlaceResult:
     relies on.
 
     The module runs on a new tensor: the input quantiser's result, or where it has none, a copy
-    that ``before`` (the first hook to run) hands it, since its in-place op may save its result
-    for its backward (nn.ReLU does), and that result must not change again. The output and error
+    that ``before`` (the first of inject's hooks to run; the pre-hooks the user registered before
+    inject run before it, and the tensor it keeps is the one they hand the module) hands it,
+    since its in-place op may save its result for its backward (nn.ReLU does), and that result
+    must not change again. The output and error
     quantisers give a new result too; ``after`` copies the result into the tensor the caller
     gave and returns that tensor, as torch's in-place modules return their input. The gradient
     flows through the copy to the quantisers' result, so the error quantiser rounds it as
@@ -566,11 +581,11 @@ def _weight_scopes() -> list[dict]:
 
 
 class _FakeQuantize(nn.Module):
-    """Parametrisation: the parameter as seen by forward is its quantised value (``spec`` in
-    training mode, ``eval_spec`` in eval mode; with a DelayedScaling, through ``scaler``, its
-    submodule, made on ``device``). ``site`` is (the module owning the parameter, "weight" or
-    "bias"), under which the rounding is reported to the current observer (lpsim._observation);
-    ``name`` is the parameter's name in that module.
+    """Parametrisation: the parameter as seen by forward is its quantised value (``spec`` while
+    the module owning it is in training mode, ``eval_spec`` in eval mode; with a DelayedScaling,
+    through ``scaler``, its submodule, made on ``device``). ``site`` is (the module owning the
+    parameter, "weight" or "bias"), under which the rounding is reported to the current observer
+    (lpsim._observation); ``name`` is the parameter's name in that module.
 
     Inside a weight scope (the forward of a module holding parametrised tensors, or reading them:
     see _open_weight_scope) the parameter is quantised at its first read and later reads in the
@@ -635,12 +650,16 @@ class _FakeQuantize(nn.Module):
         return rounded if torch.is_grad_enabled() else rounded.detach()
 
     def _quantise(self, value: torch.Tensor) -> torch.Tensor:
-        quantise = self.spec if self.training else self.eval_spec
-        rounded = quantise(value)
+        # The mode of the module that owns the parameter, as its input and output quantisers
+        # take theirs: eval() sets this parametrisation's flag too, but code may set the module's
+        # ``training`` alone (as torch's modules read it).
+        owner, category = self.site
+        training = owner.training
+        quantise = self.spec if training else self.eval_spec
+        rounded = _in_layout_of(value, quantise(value))
         observer = _observation.current
         if observer is not None:
-            owner, category = self.site
-            observer.observe(owner, category, value, rounded, quantise, self.training)
+            observer.observe(owner, category, value, rounded, quantise, training)
         return rounded
 
     def extra_repr(self) -> str:
@@ -1465,6 +1484,14 @@ def _inject_module(
         return _RoleQuantiser(spec, eval_rule, getattr(scalers, field, None))
 
     input_role = role("input")
+    output_role, error_role = role("output"), role("error")
+    in_place = None
+    if isinstance(module, _IN_PLACE_MODULES) and (input_role or output_role or error_role):
+        # The first of inject's pre-hooks, after those the user registered before inject: the
+        # tensor it keeps is the one the module's forward is given (a user's pre-hook may have
+        # replaced the caller's, which torch's in-place op then leaves alone).
+        in_place = _InPlaceResult(quantises_input=input_role is not None)
+        done["hooks"].append(module.register_forward_pre_hook(in_place.before, with_kwargs=True))
     done["input_quantiser"] = None
     if input_role is not None:
         quantise_inputs = _InputQuantiser(input_role, _mask_positions(module))
@@ -1475,19 +1502,14 @@ def _inject_module(
                 module.register_forward_pre_hook(quantise_inputs, with_kwargs=True)
             )
         done["input"] = input_role.spec
-    output_role, error_role = role("output"), role("error")
     if output_role is not None or error_role is not None:
         done["hooks"].append(
             module.register_forward_hook(_OutputQuantiser(output_role, error_role))
         )
         done["output"] = None if output_role is None else output_role.spec
         done["error"] = None if error_role is None else error_role.spec
-    if done["hooks"] and isinstance(module, _IN_PLACE_MODULES):
-        in_place = _InPlaceResult(quantises_input=input_role is not None)
-        done["hooks"] += [
-            module.register_forward_pre_hook(in_place.before, with_kwargs=True, prepend=True),
-            module.register_forward_hook(in_place.after),
-        ]
+    if in_place is not None:
+        done["hooks"].append(module.register_forward_hook(in_place.after))
     if any(True for _ in scalers.children()):
         module.add_module(_SCALERS, scalers)
         done["scalers"] = True
