@@ -522,15 +522,14 @@ class _InPlaceResult:
     result afterwards, which code that does not read the result (``self.relu(out); return out``)
     relies on.
 
-    The module runs on a new tensor: the input quantiser's result, or where it has none, a copy
-    that ``before`` (the first of inject's hooks to run; the pre-hooks the user registered before
-    inject run before it, and the tensor it keeps is the one they hand the module) hands it,
-    since its in-place op may save its result for its backward (nn.ReLU does), and that result
-    must not change again. The output and error
-    quantisers give a new result too; ``after`` copies the result into the tensor the caller
-    gave and returns that tensor, as torch's in-place modules return their input. The gradient
-    flows through the copy to the quantisers' result, so the error quantiser rounds it as
-    before.
+    The module runs on a new tensor: the input quantiser's result, or, where it has none, a copy
+    that ``before`` hands it, since its in-place op may save its result for its backward (nn.ReLU
+    does), and that result must not change again. ``before`` is the first of inject's pre-hooks
+    (those the user registered before inject run before it, and the tensor it keeps is the one
+    they hand the module). The output and error quantisers give a new result too; ``after``
+    copies the result into the tensor the module was given and returns that tensor, as torch's
+    in-place modules return their input. The gradient flows through the copy to the
+    quantisers' result, so the error quantiser rounds it as before.
 
     ``given`` holds the caller's tensor from ``before`` to ``after`` by the module's id: the
     replicas nn.DataParallel runs in threads at once share their hooks."""
