@@ -36,6 +36,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import lpsim  # noqa: E402
+from experiments.runs import positive_int  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -144,13 +145,34 @@ def table(results: dict, ns: list[int], seconds: float, args) -> str:
     return "\n".join(lines)
 
 
+def half_decade(text: str) -> float:
+    """argparse type: the largest n's exponent, a multiple of 1/2 from 1 (n runs over 10, 10**1.5,
+    10**2, ... up to 10**this)."""
+    value = float(text)
+    if not (math.isfinite(value) and value >= 1 and (2 * value).is_integer()):
+        raise argparse.ArgumentTypeError(f"must be a multiple of 0.5 from 1 on, got {text}")
+    return value
+
+
+def lengths(max_exponent: float) -> list[int]:
+    """n = 10**(1 + k/2) rounded, for k = 0, 1, ... up to 10**max_exponent."""
+    return [int(round(10 ** (1 + k / 2))) for k in range(int(2 * (max_exponent - 1)) + 1)]
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m experiments.error_growth", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--rows", type=int, default=100)
-    p.add_argument("--max-exponent", type=float, default=5.0, help="largest n is 10**this")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rows", type=positive_int, default=100, help="rows of A (default 100)")
+    p.add_argument(
+        "--max-exponent",
+        type=half_decade,
+        default=5.0,
+        help="largest n is 10**this, a multiple of 0.5 from 1 on (default 5)",
+    )
+    p.add_argument(
+        "--repeats", type=positive_int, default=3, help="independent (A, x) per n (default 3)"
+    )
     p.add_argument(
         "--out",
         type=pathlib.Path,
@@ -166,8 +188,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     start = time.time()
-    steps = int(round((args.max_exponent - 1) * 2))
-    ns = [int(round(10 ** (1 + k / 2))) for k in range(steps + 1)]
+    ns = lengths(args.max_exponent)
     results = {}
     for name, (fmt, dtype, _) in FORMATS.items():
         results[name] = {}

@@ -40,6 +40,7 @@ from sklearn.datasets import load_breast_cancer  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
 import lpsim  # noqa: E402
+from experiments.runs import positive_float, positive_int  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -246,9 +247,15 @@ def table(acc: dict, runs: dict, seconds: float, args) -> str:
     for name in ("nearest", "stochastic", "stochastic_equal", "kahan", "float32"):
         v = acc["final"][name]
         mean = v.mean().item()
-        std = v.std().item() if v.numel() > 1 and v.isfinite().all() else 0.0
+        # One copy has no spread; copies that overflowed have no finite one.
+        if v.numel() == 1:
+            std = "0"
+        elif v.isfinite().all():
+            std = f"{v.std().item():.3g}"
+        else:
+            std = f"n/a ({int((~v.isfinite()).sum())} of {v.numel()} copies not finite)"
         err = mean - acc["exact"]
-        lines.append(f"| {LABELS[name]} | {mean:.6g} | {std:.3g} | {err:+.3g} |")
+        lines.append(f"| {LABELS[name]} | {mean:.6g} | {std} | {err:+.3g} |")
     if acc["overflow"] is not None:
         lines += [
             "",
@@ -278,11 +285,22 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m experiments.stagnation", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--increments", type=int, default=100_000)
-    p.add_argument("--copies", type=int, default=256)
-    p.add_argument("--steps", type=int, default=10_000)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seeds", type=int, default=3, help="seeds of the stochastic rules")
+    p.add_argument(
+        "--increments", type=positive_int, default=100_000, help="increments added (default 10**5)"
+    )
+    p.add_argument(
+        "--copies",
+        type=positive_int,
+        default=256,
+        help="independent copies of the stochastic sums (default 256)",
+    )
+    p.add_argument(
+        "--steps", type=positive_int, default=10_000, help="training steps (default 10**4)"
+    )
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument(
+        "--seeds", type=positive_int, default=3, help="seeds of the stochastic rules (default 3)"
+    )
     p.add_argument(
         "--out",
         type=pathlib.Path,
