@@ -273,3 +273,10 @@ def test_iris_refuses_a_bad_option_naming_it(option, value, tmp_path, capsys):
         run.main([*IRIS_TINY, "--workers", "1", option, value, "--out", str(tmp_path)])
     assert option in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_scaled_sqnr_table_records_the_torch_that_trained_its_models(tmp_path):
+    options = ["--models", "digits", "--digits-epochs", "1", "--batch", "4"]
+    scaled_sqnr.main([*options, "--presets", "nvfp4", "--rules", "rceil", "--out", str(tmp_path)])
+    header = (tmp_path / "scaled_sqnr.md").read_text().split("\n\n")[1]
+    assert f"torch {torch.__version__})" in header
