@@ -16,7 +16,7 @@ standardised features and a bias; 70/30 stratified split), full-batch gradient d
 learning rate 1e-3 for 10**4 steps from zero weights. The forward and backward passes run in
 float32 from the stored weights; only the weight storage and update differ: float32
 (torch.optim.SGD) against bfloat16 weights updated by lpsim.optim.SGD with nearest, stochastic
-(three seeds), stochastic_equal and Kahan-compensated nearest.
+(three seeds), stochastic_equal (three seeds) and Kahan-compensated nearest.
 
     python -m experiments.stagnation    # writes docs/results/stagnation.{md,png}
     python -m experiments.stagnation --out DIR    # writes DIR/stagnation.{md,png} instead
