@@ -69,7 +69,12 @@ def backward_error(n: int, rows: int, fmt, dtype, rule: str, rbits, seed: int) -
     return ((approx - exact).abs() / exact).max().item()
 
 
-def plot(results: dict, ns: list[int], path: pathlib.Path) -> None:
+def panel_title(name: str, u: float, rows: int) -> str:
+    """The title of a format's panel: its unit roundoff and the shape of A."""
+    return f"{name} accumulation (u = 2^{int(math.log2(u))}), A x with A {rows} x n"
+
+
+def plot(results: dict, ns: list[int], rows: int, path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.2), sharey=True)
     colors = {
         "nearest": "tab:red",
@@ -107,7 +112,7 @@ def plot(results: dict, ns: list[int], path: pathlib.Path) -> None:
         ax.set_yscale("log")
         ax.set_ylim(1e-4, 3)
         ax.set_xlabel("n (length of each inner product)")
-        ax.set_title(f"{name} accumulation (u = 2^{int(math.log2(u))}), A x with A 100 x n")
+        ax.set_title(panel_title(name, u, rows))
         ax.grid(True, which="major", alpha=0.3)
     axes[0].set_ylabel("backward error max_i |yhat - y|_i / (|A||x|)_i")
     axes[1].legend(fontsize=8, loc="lower right")
@@ -207,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(results, ns, args.out / "error_growth.png")
+    plot(results, ns, args.rows, args.out / "error_growth.png")
     report = table(results, ns, time.time() - start, args)
     (args.out / "error_growth.md").write_text(report)
     print(report)

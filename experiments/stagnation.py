@@ -180,7 +180,12 @@ COLORS = {
 }
 
 
-def plot(acc: dict, runs: dict, path: pathlib.Path) -> None:
+def steps_label(lr: float) -> str:
+    """The training panels' x label, with the learning rate of the run."""
+    return f"gradient steps (lr {lr:g})"
+
+
+def plot(acc: dict, runs: dict, lr: float, path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     ax = axes[0]
     exact = [1.0 + k * acc["increment"] for k in acc["steps"]]
@@ -217,7 +222,7 @@ def plot(acc: dict, runs: dict, path: pathlib.Path) -> None:
                     alpha=1.0 if i == 0 else 0.4,
                     label=LABELS[method] if i == 0 else None,
                 )
-        ax.set_xlabel("gradient steps (lr 1e-3)")
+        ax.set_xlabel(steps_label(lr))
         ax.set_title(f"logistic regression, breast_cancer: {title}")
     axes[1].set_yscale("log")
     axes[1].set_ylabel("cross-entropy (train)")
@@ -335,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(acc, runs, args.out / "stagnation.png")
+    plot(acc, runs, args.lr, args.out / "stagnation.png")
     report = table(acc, runs, time.time() - start, args)
     (args.out / "stagnation.md").write_text(report)
     print(report)

@@ -280,3 +280,9 @@ def test_scaled_sqnr_table_records_the_torch_that_trained_its_models(tmp_path):
     scaled_sqnr.main([*options, "--presets", "nvfp4", "--rules", "rceil", "--out", str(tmp_path)])
     header = (tmp_path / "scaled_sqnr.md").read_text().split("\n\n")[1]
     assert f"torch {torch.__version__})" in header
+
+
+def test_plots_label_the_rows_and_learning_rate_of_the_run():
+    assert error_growth.panel_title("float16", 2.0**-11, 7).endswith("A x with A 7 x n")
+    assert stagnation.steps_label(0.01) == "gradient steps (lr 0.01)"
+    assert stagnation.steps_label(1e-3) == "gradient steps (lr 0.001)"
