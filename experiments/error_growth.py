@@ -36,6 +36,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import lpsim  # noqa: E402
+from experiments.runs import positive_int  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -68,7 +69,12 @@ def backward_error(n: int, rows: int, fmt, dtype, rule: str, rbits, seed: int) -
     return ((approx - exact).abs() / exact).max().item()
 
 
-def plot(results: dict, ns: list[int], path: pathlib.Path) -> None:
+def panel_title(name: str, u: float, rows: int) -> str:
+    """The title of a format's panel: its unit roundoff and the shape of A."""
+    return f"{name} accumulation (u = 2^{int(math.log2(u))}), A x with A {rows} x n"
+
+
+def plot(results: dict, ns: list[int], rows: int, path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.2), sharey=True)
     colors = {
         "nearest": "tab:red",
@@ -106,7 +112,7 @@ def plot(results: dict, ns: list[int], path: pathlib.Path) -> None:
         ax.set_yscale("log")
         ax.set_ylim(1e-4, 3)
         ax.set_xlabel("n (length of each inner product)")
-        ax.set_title(f"{name} accumulation (u = 2^{int(math.log2(u))}), A x with A 100 x n")
+        ax.set_title(panel_title(name, u, rows))
         ax.grid(True, which="major", alpha=0.3)
     axes[0].set_ylabel("backward error max_i |yhat - y|_i / (|A||x|)_i")
     axes[1].legend(fontsize=8, loc="lower right")
@@ -144,13 +150,34 @@ def table(results: dict, ns: list[int], seconds: float, args) -> str:
     return "\n".join(lines)
 
 
+def half_decade(text: str) -> float:
+    """argparse type: the largest n's exponent, a multiple of 1/2 from 1 (n runs over 10, 10**1.5,
+    10**2, ... up to 10**this)."""
+    value = float(text)
+    if not (math.isfinite(value) and value >= 1 and (2 * value).is_integer()):
+        raise argparse.ArgumentTypeError(f"must be a multiple of 0.5 from 1 on, got {text}")
+    return value
+
+
+def lengths(max_exponent: float) -> list[int]:
+    """n = 10**(1 + k/2) rounded, for k = 0, 1, ... up to 10**max_exponent."""
+    return [int(round(10 ** (1 + k / 2))) for k in range(int(2 * (max_exponent - 1)) + 1)]
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m experiments.error_growth", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--rows", type=int, default=100)
-    p.add_argument("--max-exponent", type=float, default=5.0, help="largest n is 10**this")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rows", type=positive_int, default=100, help="rows of A (default 100)")
+    p.add_argument(
+        "--max-exponent",
+        type=half_decade,
+        default=5.0,
+        help="largest n is 10**this, a multiple of 0.5 from 1 on (default 5)",
+    )
+    p.add_argument(
+        "--repeats", type=positive_int, default=3, help="independent (A, x) per n (default 3)"
+    )
     p.add_argument(
         "--out",
         type=pathlib.Path,
@@ -166,8 +193,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     start = time.time()
-    steps = int(round((args.max_exponent - 1) * 2))
-    ns = [int(round(10 ** (1 + k / 2))) for k in range(steps + 1)]
+    ns = lengths(args.max_exponent)
     results = {}
     for name, (fmt, dtype, _) in FORMATS.items():
         results[name] = {}
@@ -186,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
                 flush=True,
             )
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(results, ns, args.out / "error_growth.png")
+    plot(results, ns, args.rows, args.out / "error_growth.png")
     report = table(results, ns, time.time() - start, args)
     (args.out / "error_growth.md").write_text(report)
     print(report)

@@ -35,6 +35,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import lpsim  # noqa: E402
+from experiments.runs import positive_int  # noqa: E402
 from lpsim import MAC, Float  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -174,20 +175,32 @@ def write(results: dict, exponents: list[int], out: pathlib.Path, seconds: float
     figure.savefig(out / "mac_error.png", dpi=110)
 
 
+def even_exponent(text: str) -> int:
+    """argparse type: the largest K's exponent, an even integer from 6 to 20 (K runs over 2^6,
+    2^8, ... up to 2^this)."""
+    value = int(text)
+    if not (6 <= value <= 20 and value % 2 == 0):
+        raise argparse.ArgumentTypeError(f"must be an even integer from 6 to 20, got {text}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--out", type=pathlib.Path, default=RESULTS, help="where to write (default: docs/results)"
     )
-    p.add_argument("--max-exponent", type=int, default=16, help="largest K is 2^this (6 to 20)")
-    p.add_argument("--rows", type=int, default=16, help="dot products per K")
+    p.add_argument(
+        "--max-exponent",
+        type=even_exponent,
+        default=16,
+        help="largest K is 2^this, an even integer from 6 to 20 (K = 2^6, 2^8, ...; default 16)",
+    )
+    p.add_argument("--rows", type=positive_int, default=16, help="dot products per K (default 16)")
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    if not 6 <= args.max_exponent <= 20:
-        raise SystemExit("--max-exponent must be in [6, 20]")
     exponents = list(range(6, args.max_exponent + 1, 2))
     start = time.perf_counter()
     results = run(exponents, args.rows)

@@ -14,7 +14,7 @@ not stagnate (Connolly, Higham and Mary, SIAM J. Sci. Comput. 2021).
 Two tables: the test accuracy after each epoch, and, on the first batch from the initial weights,
 the relative error ||g_hat - g|| / ||g|| of every layer's weight gradient against float32's.
 
-    python -m experiments.mac_training           # writes docs/results/mac_training.{md,png}
+    python -m experiments.mac_training     # 10 epochs; writes docs/results/mac_training.{md,png}
     python -m experiments.mac_training --epochs 2 --configs fp32,bf16-nearest --out DIR
 """
 
@@ -27,6 +27,7 @@ import time
 import torch
 from torch import nn
 
+from experiments.runs import positive_int, seed_int
 from lpsim import MAC, Float
 from lpsim.demo import digits, plot, small_cnn, train
 from lpsim.recipes import Recipe
@@ -67,15 +68,21 @@ def first_batch_gradients(recipe: Recipe, data, seed: int = 0) -> dict[str, torc
     }
 
 
-def write(results: dict, errors: dict, epochs: int, out: pathlib.Path, seconds: float) -> None:
+def write(results: dict, errors: dict, args, seconds: float) -> None:
     names = list(results)
+    epochs, out, threads = args.epochs, args.out, torch.get_num_threads()
+    command = (
+        f"python -m experiments.mac_training --epochs {epochs} --seed {args.seed} "
+        f"--configs {','.join(names)} --threads {threads}"
+    )
     lines = [
         "# Training the demo CNN under low-precision accumulators",
         "",
-        f"Written by `python -m experiments.mac_training` ({seconds:.0f} s on this machine, "
-        f"{torch.get_num_threads()} threads). Every Conv2d and Linear product, forward and "
-        "backward, summed sequentially in the accumulator (exact products of float32 operands); "
-        "nothing else rounded. Same initial weights and batches for every configuration.",
+        f"Written by `{command}` ({seconds:.0f} s on this machine, "
+        f"{threads} thread{'s' if threads > 1 else ''}). Every Conv2d and Linear product, "
+        "forward and backward, summed sequentially in the accumulator (exact products of float32 "
+        "operands); nothing else rounded. Same initial weights and batches for every "
+        "configuration.",
         "",
         "![test accuracy per epoch](mac_training.png)",
         "",
@@ -112,29 +119,41 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", type=pathlib.Path, default=RESULTS, help="where to write (default: docs/results)"
     )
-    p.add_argument("--epochs", type=int, default=8, help="epochs per configuration")
+    p.add_argument(
+        "--epochs", type=positive_int, default=10, help="epochs per configuration (default 10)"
+    )
     p.add_argument(
         "--configs",
         default="fp32,bf16-nearest,bf16-stochastic,fp16-nearest,fp16-stochastic",
         help=f"comma-separated, from {', '.join(CONFIGS)}; fp32 is always run",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument(
+        "--seed", type=seed_int, default=0, help="data split, weights and batches (default 0)"
+    )
+    p.add_argument(
+        "--threads", type=positive_int, default=None, help="CPU threads (default: torch's)"
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    if args.epochs < 1:
-        raise SystemExit(f"--epochs must be a positive integer, got {args.epochs}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SystemExit(f"--threads must be a positive integer, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    p = parser()
+    args = p.parse_args(argv)
     names = ["fp32"] + [n for n in args.configs.split(",") if n != "fp32"]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
-        raise SystemExit(f"unknown configurations {unknown}; choose from {', '.join(CONFIGS)}")
+        p.error(f"--configs: unknown configurations {unknown}; choose from {', '.join(CONFIGS)}")
+    threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        run(args, names)
+    finally:
+        torch.set_num_threads(threads)  # a caller in the same process keeps its setting
+
+
+def run(args, names: list[str]) -> None:
+    """The experiment for parsed arguments: trains ``names``, writes the table and plot."""
     data = digits(args.seed)
     start = time.perf_counter()
     results, errors = {}, {}
@@ -144,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         curve, wall = results[name]
         print(f"{name:16s} test accuracy {100 * curve[-1]:5.1f}%  ({wall:.0f} s)", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    write(results, errors, args.epochs, args.out, time.perf_counter() - start)
+    write(results, errors, args, time.perf_counter() - start)
     print(f"wrote {args.out / 'mac_training.md'} and mac_training.png")
 
 

@@ -67,24 +67,25 @@ KIND_TITLES = {"weight": "weights", "activation": "activations", "gradient": "gr
 PLOT_LIMIT_DB = 65.0  # the SQNR panels' right edge: above bfloat16's 56 dB
 # What the default run's tables show (written from them; report() prints it for that run only).
 OBSERVATIONS = """
-Scale rules: with E4M3, E5M2 and E3M2 elements floor loses 0.2 to 1.8 dB to ceil and rceil
-(mxfp8_e4m3: 29.5-30.5 against 31.3-31.6 dB), since it lets blocks whose largest value lies above
-the element's top value saturate; with E2M3, E2M1 and integer elements ceil is the worst rule,
-leaving the top binade unused (mxint8 loses 5.0 to 6.1 dB, about one bit, mxfp4_e2m1 0.6 to 1.8
-dB). Even is the best rule for E2M1 and within 0.1 dB of the best for E2M3 and integers, but lies
-0.3 to 0.9 dB below ceil and rceil on E4M3, whose top binade ends at 448 = 1.75 * 2**8, so that
-blocks still clip; rceil is within 0.4 dB of the best rule for every element and tensor. NVFP4
-gains 1.6 to 3.8 dB over mxfp4_e2m1 with OCP's floor rule (1.4 to 3.2 dB over its best rule, even),
-most on gradients, and stays 9 to 11 dB below mxfp6_e2m3. The Hadamard transform moves weights by
-at most 0.5 dB (resnet18's near-Gaussian weights by less than 0.05 dB), mostly costs activations
-(down to -1.5 dB, +0.3 at best), and helps gradients under the MX presets (+0.5 to +2.9 dB for
-mxint8, whose elements have no exponent of their own; -0.2 to +1.4 dB for the others) but costs
-NVFP4's gradients 1.1 to 1.3 dB, as docs/transforms.md found on synthetic outliers. Unscaled e4m3fn
-matches the scaled FP8 formats on weights and activations (31.3 to 31.6 dB) but gets 1.1 and 2.3 dB
-on gradients, most of whose elements round to zero; one float32 scale per tensor brings them to
-31.6-32.3 dB, within 1.6 dB of per-row and 1x128 scales. E5M2 and E3M2 elements give the same SQNR
-to 0.1 dB: both have two fraction bits, and E3M2's narrower range only touches elements more than
-64 times smaller than their block's largest, which carry little of the energy.
+Scale rules: with E4M3 elements floor loses 0.2 to 1.6 dB to ceil and rceil (mxfp8_e4m3: 29.9-31.9
+against 31.5-32.1 dB), with E5M2 and E3M2 elements up to 0.3 dB, since it lets blocks whose largest
+value lies above the element's top value saturate; with E2M3, E2M1 and integer elements ceil is the
+worst rule, leaving the top binade unused (mxint8 loses 5.2 to 6.1 dB to floor, about one bit,
+mxfp6_e2m3 1.3 to 2.1 dB, mxfp4_e2m1 0.7 to 1.8 dB). Even is the best rule for E2M3, E2M1 and
+integers (to 0.05 dB), but lies 0.1 to 0.7 dB below ceil and rceil on E4M3, whose top binade ends at
+448 = 1.75 * 2**8, so that blocks still clip; rceil is within 0.6 dB of the best rule for every
+element and tensor. NVFP4 gains 1.7 to 3.6 dB over mxfp4_e2m1 with OCP's floor rule (1.4 to 2.9 dB
+over its best rule, even), most on gradients, and stays 9 to 10.6 dB below mxfp6_e2m3. The
+Hadamard transform moves weights by at most 0.5 dB (resnet18's near-Gaussian weights by less than
+0.05 dB), mostly costs activations (down to -1.5 dB, +0.1 at best), and helps gradients under the
+MX presets (+0.5 to +2.8 dB for mxint8, whose elements have no exponent of their own; -0.4 to +1.1
+dB for the others) but costs NVFP4's gradients 1.0 to 1.3 dB, as docs/transforms.md found on
+synthetic outliers. Unscaled e4m3fn matches the scaled FP8 formats on weights and activations
+(31.3 to 31.5 dB) but gets 1.2 and 2.3 dB on gradients, most of whose elements round to zero; one
+float32 scale per tensor brings them to 31.6-32.4 dB, within 1.6 dB of per-row and 1x128 scales.
+E5M2 and E3M2 elements give the same SQNR to 0.1 dB: both have two fraction bits, and E3M2's
+narrower range only touches elements more than 64 times smaller than their block's largest, which
+carry little of the energy.
 """
 # Elementwise formats without a scale, for comparison: what the shared scale buys.
 BASELINES = {
@@ -432,8 +433,10 @@ def report(
         "# SQNR of scaled formats on a trained model's weights, activations and gradients",
         "",
         f"Written by `python -m experiments.scaled_sqnr` ({seconds:.0f} s on this machine, "
-        f"{threads} thread{'s' if threads > 1 else ''}, seed {args.seed}). See "
-        "experiments/README.md for the command and its options.",
+        f"{threads} thread{'s' if threads > 1 else ''}, seed {args.seed}, torch "
+        f"{torch.__version__}). See experiments/README.md for the command and its options. The "
+        "models are trained by torch's float32 kernels, whose bits can differ between torch "
+        "builds and CPUs: another machine can train other models and give other tables.",
         "",
         "The quantisation error of every scaled preset of `lpsim.scaled` (and two unscaled "
         "formats for comparison) on the weights, activations and gradients of two small trained "

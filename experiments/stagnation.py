@@ -16,7 +16,7 @@ standardised features and a bias; 70/30 stratified split), full-batch gradient d
 learning rate 1e-3 for 10**4 steps from zero weights. The forward and backward passes run in
 float32 from the stored weights; only the weight storage and update differ: float32
 (torch.optim.SGD) against bfloat16 weights updated by lpsim.optim.SGD with nearest, stochastic
-(three seeds), stochastic_equal and Kahan-compensated nearest.
+(three seeds), stochastic_equal (three seeds) and Kahan-compensated nearest.
 
     python -m experiments.stagnation    # writes docs/results/stagnation.{md,png}
     python -m experiments.stagnation --out DIR    # writes DIR/stagnation.{md,png} instead
@@ -40,6 +40,7 @@ from sklearn.datasets import load_breast_cancer  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
 import lpsim  # noqa: E402
+from experiments.runs import positive_float, positive_int  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -179,7 +180,12 @@ COLORS = {
 }
 
 
-def plot(acc: dict, runs: dict, path: pathlib.Path) -> None:
+def steps_label(lr: float) -> str:
+    """The training panels' x label, with the learning rate of the run."""
+    return f"gradient steps (lr {lr:g})"
+
+
+def plot(acc: dict, runs: dict, lr: float, path: pathlib.Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     ax = axes[0]
     exact = [1.0 + k * acc["increment"] for k in acc["steps"]]
@@ -216,7 +222,7 @@ def plot(acc: dict, runs: dict, path: pathlib.Path) -> None:
                     alpha=1.0 if i == 0 else 0.4,
                     label=LABELS[method] if i == 0 else None,
                 )
-        ax.set_xlabel("gradient steps (lr 1e-3)")
+        ax.set_xlabel(steps_label(lr))
         ax.set_title(f"logistic regression, breast_cancer: {title}")
     axes[1].set_yscale("log")
     axes[1].set_ylabel("cross-entropy (train)")
@@ -246,9 +252,15 @@ def table(acc: dict, runs: dict, seconds: float, args) -> str:
     for name in ("nearest", "stochastic", "stochastic_equal", "kahan", "float32"):
         v = acc["final"][name]
         mean = v.mean().item()
-        std = v.std().item() if v.numel() > 1 and v.isfinite().all() else 0.0
+        # One copy has no spread; copies that overflowed have no finite one.
+        if v.numel() == 1:
+            std = "0"
+        elif v.isfinite().all():
+            std = f"{v.std().item():.3g}"
+        else:
+            std = f"n/a ({int((~v.isfinite()).sum())} of {v.numel()} copies not finite)"
         err = mean - acc["exact"]
-        lines.append(f"| {LABELS[name]} | {mean:.6g} | {std:.3g} | {err:+.3g} |")
+        lines.append(f"| {LABELS[name]} | {mean:.6g} | {std} | {err:+.3g} |")
     if acc["overflow"] is not None:
         lines += [
             "",
@@ -278,11 +290,22 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m experiments.stagnation", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--increments", type=int, default=100_000)
-    p.add_argument("--copies", type=int, default=256)
-    p.add_argument("--steps", type=int, default=10_000)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seeds", type=int, default=3, help="seeds of the stochastic rules")
+    p.add_argument(
+        "--increments", type=positive_int, default=100_000, help="increments added (default 10**5)"
+    )
+    p.add_argument(
+        "--copies",
+        type=positive_int,
+        default=256,
+        help="independent copies of the stochastic sums (default 256)",
+    )
+    p.add_argument(
+        "--steps", type=positive_int, default=10_000, help="training steps (default 10**4)"
+    )
+    p.add_argument("--lr", type=positive_float, default=1e-3, help="learning rate (default 1e-3)")
+    p.add_argument(
+        "--seeds", type=positive_int, default=3, help="seeds of the stochastic rules (default 3)"
+    )
     p.add_argument(
         "--out",
         type=pathlib.Path,
@@ -317,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     args.out.mkdir(parents=True, exist_ok=True)
-    plot(acc, runs, args.out / "stagnation.png")
+    plot(acc, runs, args.lr, args.out / "stagnation.png")
     report = table(acc, runs, time.time() - start, args)
     (args.out / "stagnation.md").write_text(report)
     print(report)

@@ -151,3 +151,138 @@ def test_scaled_sqnr_in_db_with_exact_and_signal_free_tensors():
     assert scaled_sqnr.sqnr_db(x, x + torch.tensor([0.05, 0.0])) == pytest.approx(40.0)
     assert scaled_sqnr.sqnr_db(x, x) == math.inf
     assert scaled_sqnr.sqnr_db(torch.zeros(2), torch.ones(2)) is None
+
+
+# ---- Options: every size and seed is checked, and refused with the option's name and range
+
+
+@pytest.mark.parametrize(
+    "experiment, option, value",
+    [
+        (error_growth, "--max-exponent", "1.7"),  # n runs over half decades: 10**1.7 is not one
+        (error_growth, "--max-exponent", "0.5"),
+        (error_growth, "--rows", "0"),
+        (error_growth, "--repeats", "0"),
+        (mac_error, "--max-exponent", "7"),  # K runs over even powers of two: 2**7 is not one
+        (mac_error, "--max-exponent", "22"),
+        (mac_error, "--rows", "0"),
+        (stagnation, "--steps", "0"),
+        (stagnation, "--lr", "-1"),
+        (stagnation, "--lr", "nan"),
+        (stagnation, "--copies", "0"),
+        (mac_training, "--epochs", "0"),
+        (mac_training, "--seed", "-1"),
+        (mac_training, "--configs", "bf16-nearest,fp8"),
+    ],
+)
+def test_experiment_refuses_a_bad_option_naming_it_and_its_range(
+    experiment, option, value, tmp_path, capsys
+):
+    with pytest.raises(SystemExit):
+        experiment.main([*TINY[experiment], option, value, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert option in err
+    assert not any(tmp_path.iterdir())
+
+
+def first_cells(markdown: str) -> list[str]:
+    """The first cell of every table row of ``markdown`` (header and rule rows included)."""
+    return [line.split("|")[1].strip() for line in markdown.splitlines() if line.startswith("|")]
+
+
+def test_error_growth_runs_n_over_half_decades_up_to_10_to_the_max_exponent(tmp_path):
+    args = ["--rows", "2", "--max-exponent", "2.5", "--repeats", "1", "--out", str(tmp_path)]
+    error_growth.main(args)
+    ns = [int(c) for c in first_cells((tmp_path / "error_growth.md").read_text()) if c.isdigit()]
+    assert ns == [round(10**e) for e in (1, 1.5, 2, 2.5)] * 2  # float16, then bfloat16
+
+
+def test_stagnation_gives_no_spread_for_copies_that_overflowed():
+    acc = {
+        "final": {
+            "nearest": torch.ones(3, dtype=torch.float64),
+            "stochastic": torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64),
+            "stochastic_equal": torch.tensor([1.0, math.inf, 3.0], dtype=torch.float64),
+            "kahan": torch.ones(1, dtype=torch.float64),
+            "float32": torch.ones(1, dtype=torch.float64),
+        },
+        "exact": 2.0,
+        "overflow": None,
+        "steps": [1],
+    }
+    args = stagnation.parser().parse_args([])
+    rows = {
+        line.split(" | ")[0][2:]: line.split(" | ")[2]
+        for line in stagnation.table(acc, {}, 0.0, args).splitlines()
+        if line.startswith("| ")
+    }
+    assert rows["stochastic (mode 1)"] == "1"  # the standard deviation of 1, 2, 3
+    assert rows["nearest"] == "0"
+    assert rows["stochastic_equal (mode 2)"] == "n/a (1 of 3 copies not finite)"
+
+
+def test_mac_training_committed_table_is_what_the_command_it_names_runs_by_default():
+    text = (RESULTS / "mac_training.md").read_text()
+    command = text.split("Written by `", 1)[1].split("`", 1)[0].split()
+    assert command[:3] == ["python", "-m", "experiments.mac_training"]
+    named = mac_training.parser().parse_args(command[3:])
+    assert f"## Test accuracy (%) after {named.epochs} epochs" in text
+    default = mac_training.parser().parse_args([])
+    assert (named.epochs, named.seed) == (default.epochs, default.seed)
+    assert named.configs == default.configs
+
+
+IRIS_TINY = ["--seeds", "1", "--epochs", "2", "--log-every", "1", "--no-ablations"]
+
+
+def test_iris_tables_name_the_widths_it_trained_and_the_command_that_repeats_it(tmp_path):
+    from experiments.iris_int import run
+
+    widths = ["--weight-bits", "12", "--activation-bits", "6", "--error-bits", "7"]
+    run.main([*IRIS_TINY, *widths, "--workers", "1", "--out", str(tmp_path)])
+    text = (tmp_path / "iris_int.md").read_text()
+    assert "| integer (12-bit weights), stochastic |" in text
+    assert "(16-bit weights)" not in text
+    assert "to 6-bit activations" in text and "the propagated error to 7 bits" in text
+    command = text.split("Written by `", 1)[1].split("`", 1)[0].split()
+    assert command[:3] == ["python", "-m", "experiments.iris_int.run"]
+    named = run.parser().parse_args(command[3:])
+    wanted = run.parser().parse_args([*IRIS_TINY, *widths])
+    for key in ("workers", "out"):  # neither changes the results
+        delattr(named, key)
+        delattr(wanted, key)
+    assert named == wanted
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--log-every", "0"),
+        ("--seeds", "0"),
+        ("--batch", "0"),
+        ("--min-delta", "1"),
+        ("--weight-bits", "40"),
+        ("--lr-shift", "-1"),
+        ("--split-seed", "-1"),
+    ],
+)
+def test_iris_refuses_a_bad_option_naming_it(option, value, tmp_path, capsys):
+    from experiments.iris_int import run
+
+    with pytest.raises(SystemExit):
+        run.main([*IRIS_TINY, "--workers", "1", option, value, "--out", str(tmp_path)])
+    assert option in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_scaled_sqnr_table_records_the_torch_that_trained_its_models(tmp_path):
+    options = ["--models", "digits", "--digits-epochs", "1", "--batch", "4"]
+    scaled_sqnr.main([*options, "--presets", "nvfp4", "--rules", "rceil", "--out", str(tmp_path)])
+    header = (tmp_path / "scaled_sqnr.md").read_text().split("\n\n")[1]
+    assert f"torch {torch.__version__})" in header
+
+
+def test_plots_label_the_rows_and_learning_rate_of_the_run():
+    assert error_growth.panel_title("float16", 2.0**-11, 7).endswith("A x with A 7 x n")
+    assert stagnation.steps_label(0.01) == "gradient steps (lr 0.01)"
+    assert stagnation.steps_label(1e-3) == "gradient steps (lr 0.001)"

@@ -29,6 +29,7 @@ import torch
 from sklearn.datasets import load_iris
 from sklearn.model_selection import train_test_split
 
+from experiments.runs import positive_int, seed_int
 from lpsim import dyadic
 from lpsim.dyadic import DyadicTensor
 from lpsim.dyadic import nn as inn
@@ -54,13 +55,18 @@ class Path:
 # arithmetic shift).
 PATHS = {
     "float32": Path("float32", colour="tab:blue"),
-    "integer": Path("integer (16-bit weights), stochastic", 0),
+    "integer": Path("integer ({weight_bits}-bit weights), stochastic", 0),
     "w8-stochastic": Path("integer, 8-bit weights, stochastic", 8, colour="tab:orange"),
     "w8-nearest": Path("integer, 8-bit weights, nearest", 8, "nearest", "tab:green"),
     "w8-down": Path("integer, 8-bit weights, down", 8, "down", "tab:gray"),
 }
 PUBLISHED = {"float32": "90% after 500 epochs", "integer": "95% after 239 epochs (early stopped)"}
 THRESHOLDS = (90.0, 95.0)  # test accuracies whose first epoch measures the speed of convergence
+
+
+def label(name: str, args) -> str:
+    """The path's label, with the integer path's weight width as --weight-bits sets it."""
+    return PATHS[name].label.format(weight_bits=args.weight_bits)
 
 
 # ---- data ---------------------------------------------------------------------------------
@@ -298,7 +304,7 @@ def summary_rows(results: dict[str, list[Run]], args) -> list[str]:
             else f"none within {args.epochs} (0/{len(runs)})"
         )
         rows.append(
-            f"| {PATHS[name].label} | {spread([r.accuracies[-1] for r in runs])} | {stop} | "
+            f"| {label(name, args)} | {spread([r.accuracies[-1] for r in runs])} | {stop} | "
             f"{spread([r.stopped_accuracy for r in runs])} | "
             f"{reached(runs, THRESHOLDS[0])} | {reached(runs, THRESHOLDS[1])} | "
             f"{PUBLISHED.get(name, '')} |"
@@ -310,7 +316,7 @@ def seed_rows(results: dict[str, list[Run]], seeds: list[int], args) -> list[str
     names = list(results)
     rows = [
         "| seed | "
-        + " | ".join(f"{PATHS[n].label}: acc at {args.epochs} / stop epoch" for n in names)
+        + " | ".join(f"{label(n, args)}: acc at {args.epochs} / stop epoch" for n in names)
         + " |",
         "|---:|" + "---:|" * len(names),
     ]
@@ -327,7 +333,7 @@ def loss_gap(run: Run, reference: Run) -> float:
     return max(abs(a - b) / b for a, b in zip(run.losses, reference.losses))
 
 
-def integer_rows(results: dict[str, list[Run]]) -> list[str]:
+def integer_rows(results: dict[str, list[Run]], args) -> list[str]:
     """Totals over every seed and epoch of each integer path's clamps and overflows, the range of
     its per-epoch mean shifts, and how far its loss strayed from float32's."""
     rows = [
@@ -350,7 +356,7 @@ def integer_rows(results: dict[str, list[Run]]) -> list[str]:
 
         gaps = sorted(loss_gap(r, f) for r, f in zip(runs, results["float32"]))
         rows.append(
-            f"| {PATHS[name].label} | {span('fwd')} | {span('bwd')} | {total('fclamp')} | "
+            f"| {label(name, args)} | {span('fwd')} | {span('bwd')} | {total('fclamp')} | "
             f"{total('bclamp')} | {sum(t['grad_clamps'] for t in traces)} | "
             f"{sum(t['weight_clamps'] for t in traces)} | {total('overflow')} | "
             f"{statistics.median(gaps):.1%}, {gaps[-1]:.1%} |"
@@ -380,7 +386,7 @@ def trace_rows(fl: Run, it: Run, every: int) -> list[str]:
     return rows
 
 
-def write_plot(results: dict[str, list[Run]], path: pathlib.Path) -> None:
+def write_plot(results: dict[str, list[Run]], args, path: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -393,7 +399,7 @@ def write_plot(results: dict[str, list[Run]], path: pathlib.Path) -> None:
             curves = torch.tensor([getattr(r, key) for r in runs])
             mean = curves.mean(0)
             epochs = torch.arange(1, curves.shape[1] + 1)
-            ax.plot(epochs, mean, color=colour, label=f"{PATHS[name].label} (mean of {len(runs)})")
+            ax.plot(epochs, mean, color=colour, label=f"{label(name, args)} (mean of {len(runs)})")
             ax.fill_between(
                 epochs, curves.min(0).values, curves.max(0).values, color=colour, alpha=0.15
             )
@@ -417,18 +423,11 @@ def write_plot(results: dict[str, list[Run]], path: pathlib.Path) -> None:
 
 
 def write_markdown(results, seeds, args, seconds: float, path: pathlib.Path) -> None:
-    command = (
-        "python -m experiments.iris_int.run --seeds "
-        + str(len(seeds))
-        + f" --epochs {args.epochs} --lr-shift {args.lr_shift} "
-        f"--momentum-shift {args.momentum_shift} --batch {args.batch}"
-    )
     lines = [
         "# Iris, float32 and integer-only training (lpsim.dyadic)",
         "",
-        f"Written by `{command}` ({seconds:.0f} s wall time on a 2-core CPU). The set-up and the "
-        "choices "
-        "behind it are in [docs/integer.md](../integer.md) and "
+        f"Written by `{command(args)}` ({seconds:.0f} s wall time on a 2-core CPU). The set-up "
+        "and the choices behind it are in [docs/integer.md](../integer.md) and "
         "[experiments/README.md](../../experiments/README.md).",
         "",
         f"4-8-8-3 MLP, ReLU, MSE loss (1/2N) sum (y - t)^2 on one-hot targets, batch {args.batch}, "
@@ -456,7 +455,7 @@ def write_markdown(results, seeds, args, seconds: float, path: pathlib.Path) -> 
         "Clamps and overflows: totals. Loss gap: the largest relative difference between the "
         "path's training loss and float32's over the epochs of one seed.",
         "",
-        *integer_rows(results),
+        *integer_rows(results, args),
         "",
         "## Per seed",
         "",
@@ -465,9 +464,9 @@ def write_markdown(results, seeds, args, seconds: float, path: pathlib.Path) -> 
         f"## Integer path, seed {seeds[0]}: shifts and clamps per epoch",
         "",
         "Shifts are the bits each requantisation dropped, averaged over the epoch's batches "
-        "(forward: the accumulator to 8-bit activations; backward: the propagated error to 8 "
-        "bits; loss-grad: the output error to 8 bits). Clamps are elements clipped in the "
-        "epoch.",
+        f"(forward: the accumulator to {args.activation_bits}-bit activations; backward: the "
+        f"propagated error to {args.error_bits} bits; loss-grad: the output error to "
+        f"{args.error_bits} bits). Clamps are elements clipped in the epoch.",
         "",
         *trace_rows(results["float32"][0], results["integer"][0], args.log_every),
         "",
@@ -475,35 +474,87 @@ def write_markdown(results, seeds, args, seconds: float, path: pathlib.Path) -> 
     path.write_text("\n".join(lines))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=10, help="number of seeds (0, 1, ...)")
-    parser.add_argument("--epochs", type=int, default=500)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--lr-shift", type=int, default=7)
-    parser.add_argument("--momentum-shift", type=int, default=1)
-    parser.add_argument("--activation-bits", type=int, default=8)
-    parser.add_argument("--error-bits", type=int, default=8)
-    parser.add_argument("--weight-bits", type=int, default=16)
-    parser.add_argument("--grad-bits", type=int, default=16)
-    parser.add_argument("--patience", type=int, default=50)
-    parser.add_argument("--min-delta", type=float, default=0.01)
-    parser.add_argument("--split-seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=25)
-    parser.add_argument(
+def fraction_below_one(text: str) -> float:
+    """argparse type: a number in [0, 1)."""
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.iris_int.run", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--seeds", type=positive_int, default=10, help="number of seeds (0, 1, ...)")
+    p.add_argument("--epochs", type=positive_int, default=500)
+    p.add_argument("--batch", type=positive_int, default=32)
+    p.add_argument("--lr-shift", type=int, default=7, help="learning rate 2**-this (0 to 62)")
+    p.add_argument("--momentum-shift", type=int, default=1, help="momentum 1 - 2**-this (0 to 30)")
+    p.add_argument("--activation-bits", type=int, default=8, help="2 to 32")
+    p.add_argument("--error-bits", type=int, default=8, help="2 to 32")
+    p.add_argument("--weight-bits", type=int, default=16, help="the integer path's, 2 to 32")
+    p.add_argument("--grad-bits", type=int, default=16, help="2 to 32")
+    p.add_argument(
+        "--patience", type=positive_int, default=50, help="early stopping's epochs (default 50)"
+    )
+    p.add_argument(
+        "--min-delta",
+        type=fraction_below_one,
+        default=0.01,
+        help="early stopping's relative improvement, in [0, 1) (default 0.01)",
+    )
+    p.add_argument("--split-seed", type=seed_int, default=0, help="0 to 2**32 - 1")
+    p.add_argument("--log-every", type=positive_int, default=25)
+    p.add_argument(
         "--ablations",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="also train with 8-bit weights and each rounding rule",
     )
-    parser.add_argument(
+    p.add_argument(
         "--workers",
-        type=int,
+        type=positive_int,
         default=min(2, os.cpu_count() or 1),
         help="seeds trained in parallel processes",
     )
-    parser.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "results")
-    args = parser.parse_args(argv)
+    p.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "results")
+    return p
+
+
+def command(args: argparse.Namespace) -> str:
+    """The command line that repeats the run's results: its set-up always, and every other
+    option that differs from its default (--workers and --out do not change the results)."""
+    defaults = vars(parser().parse_args([]))
+    shown = ("seeds", "epochs", "lr_shift", "momentum_shift", "batch")
+    words = ["python -m experiments.iris_int.run"]
+    for key, value in vars(args).items():
+        if key in ("workers", "out") or (key not in shown and value == defaults[key]):
+            continue
+        option = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            words.append(option if value else "--no-" + option[2:])
+        else:
+            words.append(f"{option} {value}")
+    return " ".join(words)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
+    args = p.parse_args(argv)
+    for option, low, high in (
+        ("lr_shift", 0, 62),
+        ("momentum_shift", 0, 30),
+        ("activation_bits", 2, 32),
+        ("error_bits", 2, 32),
+        ("weight_bits", 2, 32),
+        ("grad_bits", 2, 32),
+    ):
+        if not low <= getattr(args, option) <= high:
+            p.error(
+                f"--{option.replace('_', '-')} must be in [{low}, {high}], "
+                f"got {getattr(args, option)}"
+            )
 
     seeds = list(range(args.seeds))
     names = list(PATHS) if args.ablations else ["float32", "integer"]
@@ -531,7 +582,7 @@ def main(argv: list[str] | None = None) -> None:
     seconds = time.perf_counter() - start
     print("\n".join(summary_rows(results, args)))
     args.out.mkdir(parents=True, exist_ok=True)
-    write_plot(results, args.out / "iris_int.png")
+    write_plot(results, args, args.out / "iris_int.png")
     write_markdown(results, seeds, args, seconds, args.out / "iris_int.md")
     print(f"wrote {args.out / 'iris_int.md'} and {args.out / 'iris_int.png'}")
 
