@@ -519,7 +519,10 @@ BFLOAT16 = Recipe(
 # products are summed in full precision: the paper's FP16 chunk-based accumulation inside every
 # GEMM is not simulated (a MAC with a chunked e6m9 accumulator would). Where experiments/cifar10's
 # ibm8 (QPyTorch's PreResNet20LP) rounds the network's input and logits into e6m9, this recipe
-# keeps the first and last weight layers in full precision (keep_edges).
+# keeps the first and last weight layers in full precision (keep_edges). The formats are IEEE-like,
+# unlike QPyTorch's: round to nearest ties to even (QPyTorch's rounds ties away from zero), e5m2
+# saturates at 57344 (QPyTorch's top exponent is finite: 114688), and e6m9 overflows to Inf beyond
+# 2^31 (2 - 2^-9) (QPyTorch's saturates one binade higher).
 _E5M2 = Float(5, 2, saturate=True)
 IBM8 = Recipe(
     "ibm8",
