@@ -478,3 +478,26 @@ def test_fp8_tensor_scaling_takes_amax_over_max_where_transformer_engine_takes_i
     paragraph = text[text.index("The FP8 presets with float32 scales") :].split("\n\n")[0]
     assert "decode with 1 / S" in paragraph and "units in the last place" in paragraph
     assert "r = 1 / s and multiply, as Transformer Engine" not in " ".join(paragraph.split())
+
+
+def test_training_docs_recipe_table_gives_each_scaled_recipes_formats_and_rules():
+    """docs/training.md's recipe table names each scaled recipe's weight, activation and error
+    format (a scaled preset, "(rule)" where its scale rule is not the preset's) and rounding
+    rule: what the recipe holds, its blocks along the channels (axis 1)."""
+    from pathlib import Path
+
+    text = Path(__file__).parent.parent.joinpath("docs", "training.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[0].strip("`") in ("MXFP8", "MXFP4", "NVFP4"):
+            rows[cells[0].strip("`")] = cells[1:4]
+    assert set(rows) == {"MXFP8", "MXFP4", "NVFP4"}
+    for name, cells in rows.items():
+        recipe = getattr(recipes, name)
+        for cell, (fmt, rule) in zip(cells, (recipe.weight, recipe.activation, recipe.error)):
+            words = cell.split()
+            expected = replace(preset(words[0]), axis=1)
+            if len(words) == 3:
+                expected = replace(expected, scale_rule=words[1].strip("()"))
+            assert (fmt, rule) == (expected, words[-1]), (name, cell)
