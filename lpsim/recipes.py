@@ -186,7 +186,12 @@ class Recipe:
         round_weights: whether the optimizer rounds the weights after every step (by ``weight``;
             a Scaled ``weight`` with the blocks forward quantises each parameter in, along its
             layer's reduction axis or a bias's one axis, so that the stored weights are what
-            forward multiplies). False keeps full-precision master weights in the parameters,
+            forward multiplies; forward rounds them again, which leaves them unchanged where the
+            format's rounding of its own values is the identity, but not for a format with a
+            tensor scale (NVFP4's, recomputed from the stored weights' amax, which their rounding
+            moved: every element of the tensor can change) nor MXINT8 (a block whose largest
+            magnitude rounded to the element -2 takes twice the scale when rounded again).
+            False keeps full-precision master weights in the parameters,
             which the model sees quantised by ``weight`` in every forward pass only, as FP8 and
             MX training do.
         blocks_along_reduction: whether every Scaled format of a weight layer's quantisers

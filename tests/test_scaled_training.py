@@ -501,3 +501,37 @@ def test_training_docs_recipe_table_gives_each_scaled_recipes_formats_and_rules(
             if len(words) == 3:
                 expected = replace(expected, scale_rule=words[1].strip("()"))
             assert (fmt, rule) == (expected, words[-1]), (name, cell)
+
+
+def test_round_weights_docs_name_the_formats_whose_second_rounding_moves_stored_weights():
+    """With round_weights and an NVFP4 weight the optimizer stores the rounded weights, whose
+    amax (and so the tensor scale forward recomputes) the rounding moved: forward multiplies a
+    second rounding, different in many elements. MXINT8 likewise, where an element -2 doubles its
+    block's scale. Recipe's docstring and docs/training.md say so (the formats whose own values
+    come back unchanged keep stored and multiplied weights equal)."""
+    from pathlib import Path
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)
+    )
+    recipe = replace(recipes.NVFP4, round_weights=True)
+    model, optimizer = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(32, 64)
+    moved = 0
+    for _ in range(3):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        stored = model[2].parametrizations.weight.original
+        moved = max(moved, int((model[2].weight != stored).sum()))
+    assert moved > 0
+    block = torch.tensor([[-1.995] + [0.3] * 31])
+    once = lpsim.quantize(block, preset("mxint8"))
+    assert once[0, 0] == -2 and lpsim.quantize(once, preset("mxint8"))[0, 1] == 0.3125 != once[0, 1]
+    said = " ".join(recipes.Recipe.__doc__.split())
+    assert "tensor scale" in said and "MXINT8" in said
+    text = " ".join(
+        Path(__file__).parent.parent.joinpath("docs", "training.md").read_text().split()
+    )
+    assert "second rounding of the stored weights" in text
