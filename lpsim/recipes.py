@@ -190,7 +190,9 @@ class Recipe:
             format's rounding of its own values is the identity, but not for a format with a
             tensor scale (NVFP4's, recomputed from the stored weights' amax, which their rounding
             moved: every element of the tensor can change) nor MXINT8 (a block whose largest
-            magnitude rounded to the element -2 takes twice the scale when rounded again).
+            magnitude rounded to the element -2 takes twice the scale when rounded again), nor
+            a DelayedScaling (the optimizer's scaler and forward's keep amax histories of their
+            own, and so scales of their own).
             False keeps full-precision master weights in the parameters,
             which the model sees quantised by ``weight`` in every forward pass only, as FP8 and
             MX training do.

@@ -507,8 +507,9 @@ def test_round_weights_docs_name_the_formats_whose_second_rounding_moves_stored_
     """With round_weights and an NVFP4 weight the optimizer stores the rounded weights, whose
     amax (and so the tensor scale forward recomputes) the rounding moved: forward multiplies a
     second rounding, different in many elements. MXINT8 likewise, where an element -2 doubles its
-    block's scale. Recipe's docstring and docs/training.md say so (the formats whose own values
-    come back unchanged keep stored and multiplied weights equal)."""
+    block's scale, and a DelayedScaling, whose optimizer and forward scalers differ. Recipe's
+    docstring and docs/training.md say so (the formats whose own values come back unchanged keep
+    stored and multiplied weights equal)."""
     from pathlib import Path
 
     torch.manual_seed(0)
@@ -529,8 +530,22 @@ def test_round_weights_docs_name_the_formats_whose_second_rounding_moves_stored_
     block = torch.tensor([[-1.995] + [0.3] * 31])
     once = lpsim.quantize(block, preset("mxint8"))
     assert once[0, 0] == -2 and lpsim.quantize(once, preset("mxint8"))[0, 1] == 0.3125 != once[0, 1]
+    from lpsim.delayed_scaling import DelayedScaling
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)
+    )
+    delayed = (DelayedScaling(lpsim.Float(4, 3, special="fn")), "nearest")
+    recipe = recipes.Recipe("delayed", weight=delayed, placement="operands")
+    model, optimizer = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.randn(32, 64)).square().mean().backward()
+    optimizer.step()
+    model.eval()  # reading the weight records nothing
+    stored = model[2].parametrizations.weight.original
+    assert (model[2].weight != stored).any()
     said = " ".join(recipes.Recipe.__doc__.split())
-    assert "tensor scale" in said and "MXINT8" in said
+    assert "tensor scale" in said and "MXINT8" in said and "DelayedScaling" in said
     text = " ".join(
         Path(__file__).parent.parent.joinpath("docs", "training.md").read_text().split()
     )
