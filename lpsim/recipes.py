@@ -186,7 +186,14 @@ class Recipe:
         round_weights: whether the optimizer rounds the weights after every step (by ``weight``;
             a Scaled ``weight`` with the blocks forward quantises each parameter in, along its
             layer's reduction axis or a bias's one axis, so that the stored weights are what
-            forward multiplies). False keeps full-precision master weights in the parameters,
+            forward multiplies; forward rounds them again, which leaves them unchanged where the
+            format's rounding of its own values is the identity, but not for a format with a
+            tensor scale (NVFP4's, recomputed from the stored weights' amax, which their rounding
+            moved: every element of the tensor can change) nor MXINT8 (a block whose largest
+            magnitude rounded to the element -2 takes twice the scale when rounded again), nor
+            a DelayedScaling (the optimizer's scaler and forward's keep amax histories of their
+            own, and so scales of their own).
+            False keeps full-precision master weights in the parameters,
             which the model sees quantised by ``weight`` in every forward pass only, as FP8 and
             MX training do.
         blocks_along_reduction: whether every Scaled format of a weight layer's quantisers
@@ -519,7 +526,10 @@ BFLOAT16 = Recipe(
 # products are summed in full precision: the paper's FP16 chunk-based accumulation inside every
 # GEMM is not simulated (a MAC with a chunked e6m9 accumulator would). Where experiments/cifar10's
 # ibm8 (QPyTorch's PreResNet20LP) rounds the network's input and logits into e6m9, this recipe
-# keeps the first and last weight layers in full precision (keep_edges).
+# keeps the first and last weight layers in full precision (keep_edges). The formats are IEEE-like,
+# unlike QPyTorch's: round to nearest ties to even (QPyTorch's rounds ties away from zero), e5m2
+# saturates at 57344 (QPyTorch's top exponent is finite: 114688), and e6m9 overflows to Inf beyond
+# 2^31 (2 - 2^-9) (QPyTorch's saturates one binade higher).
 _E5M2 = Float(5, 2, saturate=True)
 IBM8 = Recipe(
     "ibm8",

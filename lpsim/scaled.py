@@ -41,7 +41,8 @@ An all-zero block has the smallest scale. Each element is x / 2**e rounded onto 
 by the rounding rule, exactly (one rounding), and decodes to that times 2**e.
 
 Float scales, ``"amax"`` (amax-to-max scaling), in float32 arithmetic (float64 for float64
-tensors), each operation rounded to nearest even as torchao and the hardware recipes compute it:
+tensors), each operation rounded to nearest even, as torchao's NVFP4 computes it (Transformer
+Engine's and DeepSeek-V3's FP8 scaling order the operations otherwise, docs/formats.md says how):
 
     d = amax / elem_max                     (two levels: d = (amax / elem_max) / t)
     s = d clamped to [the scale's smallest normal, its max], rounded to the scale format

@@ -888,3 +888,20 @@ def test_wage_inputs_are_mapped_to_minus_one_to_one_as_in_the_example():
     assert torch.equal(x, example)
     assert (x.min().item(), x.max().item()) == (-1.0, 1.0)
     assert not any("[0, 1]" in d or "input" in d.lower() for d in recipes.WAGE.deviations)
+
+
+def test_ibm8_deviations_name_its_tie_rule_and_e6m9_range_where_qpytorch_differs():
+    """QPyTorch's float quantiser rounds ties away from zero and keeps e6m9's top exponent finite,
+    saturating (docs/migrating-from-qtorch.md; tests/test_qtorch_claims.py checks QPyTorch
+    itself): 1.125 becomes 1.25 in its e5m2 and 5e9 stays finite in its e6m9. The ibm8 recipe's
+    formats give 1.0 and Inf, and its deviations say so."""
+    ibm8 = recipes.IBM8.quantization
+    e5m2, rule = ibm8.weight
+    assert rule == "nearest" and lpsim.quantize(torch.tensor([1.125]), e5m2, rule).item() == 1.0
+    e6m9, _ = ibm8.momentum
+    assert recipes.IBM8_EDGE == (e6m9, "nearest")
+    assert lpsim.quantize(torch.tensor([5e9]), e6m9, "nearest").item() == math.inf
+    assert lpsim.quantize(torch.tensor([2.0**31 * (2 - 2**-9)]), e6m9).item() < math.inf
+    said = " ".join(recipes.IBM8.deviations)
+    assert "ties to even" in said and "away from zero" in said
+    assert "overflows to Inf" in said and "saturates there" in said

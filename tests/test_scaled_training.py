@@ -447,3 +447,106 @@ def test_weights_that_forward_quantises_in_another_format_keep_the_recipes_in_th
     for layer in model:
         setting = opt.parameter_settings(layer.parametrizations.weight.original).weight
         assert (setting.format, setting.rounding.name) == recipe.weight
+
+
+def test_fp8_tensor_scaling_takes_amax_over_max_where_transformer_engine_takes_its_inverse():
+    """fp8_e4m3_tensor (the GPT's fp8-current operands) rounds x * (1 / s), s = amax / 448, and
+    decodes with s; Transformer Engine's current scaling rounds x * S, S = 448 / amax, and
+    decodes with 1 / S. Elements agree but for a rare few; for many amaxes most nonzero decoded
+    values differ by a float32 ulp or two, which docs/formats.md states instead of claiming
+    Transformer Engine's arithmetic."""
+    from pathlib import Path
+
+    def e4m3(y):  # torch's saturating cast, round to nearest even
+        return y.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+
+    x = _heavy(64, 64, seed=7)
+    x = x / x.abs().amax() * 10
+    x[0, 0] = -11.0  # an amax whose 1 / (448 / amax) is not amax / 448 in float32
+    amax = x.abs().amax()
+    s = amax / torch.tensor(448.0)
+    ours = lpsim.quantize(x, preset("fp8_e4m3_tensor"))
+    assert torch.equal(ours, e4m3(x * (1 / s)) * s)
+    big = torch.tensor(448.0) / amax
+    te = e4m3(x * big) * (1 / big)
+    assert torch.equal(e4m3(x * big), e4m3(x * (1 / s)))  # the elements here
+    up, down = torch.nextafter(ours, ours + 1), torch.nextafter(ours, ours - 1)
+    up, down = torch.nextafter(up, up + 1), torch.nextafter(down, down - 1)
+    assert ((down <= te) & (te <= up)).all()  # two float32 steps at most
+    assert (te != ours)[ours != 0].float().mean() > 0.5
+    text = Path(__file__).parent.parent.joinpath("docs", "formats.md").read_text()
+    paragraph = text[text.index("The FP8 presets with float32 scales") :].split("\n\n")[0]
+    assert "decode with 1 / S" in paragraph and "units in the last place" in paragraph
+    assert "r = 1 / s and multiply, as Transformer Engine" not in " ".join(paragraph.split())
+
+
+def test_training_docs_recipe_table_gives_each_scaled_recipes_formats_and_rules():
+    """docs/training.md's recipe table names each scaled recipe's weight, activation and error
+    format (a scaled preset, "(rule)" where its scale rule is not the preset's) and rounding
+    rule: what the recipe holds, its blocks along the channels (axis 1)."""
+    from pathlib import Path
+
+    text = Path(__file__).parent.parent.joinpath("docs", "training.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[0].strip("`") in ("MXFP8", "MXFP4", "NVFP4"):
+            rows[cells[0].strip("`")] = cells[1:4]
+    assert set(rows) == {"MXFP8", "MXFP4", "NVFP4"}
+    for name, cells in rows.items():
+        recipe = getattr(recipes, name)
+        for cell, (fmt, rule) in zip(cells, (recipe.weight, recipe.activation, recipe.error)):
+            words = cell.split()
+            expected = replace(preset(words[0]), axis=1)
+            if len(words) == 3:
+                expected = replace(expected, scale_rule=words[1].strip("()"))
+            assert (fmt, rule) == (expected, words[-1]), (name, cell)
+
+
+def test_round_weights_docs_name_the_formats_whose_second_rounding_moves_stored_weights():
+    """With round_weights and an NVFP4 weight the optimizer stores the rounded weights, whose
+    amax (and so the tensor scale forward recomputes) the rounding moved: forward multiplies a
+    second rounding, different in many elements. MXINT8 likewise, where an element -2 doubles its
+    block's scale, and a DelayedScaling, whose optimizer and forward scalers differ. Recipe's
+    docstring and docs/training.md say so (the formats whose own values come back unchanged keep
+    stored and multiplied weights equal)."""
+    from pathlib import Path
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)
+    )
+    recipe = replace(recipes.NVFP4, round_weights=True)
+    model, optimizer = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(32, 64)
+    moved = 0
+    for _ in range(3):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        stored = model[2].parametrizations.weight.original
+        moved = max(moved, int((model[2].weight != stored).sum()))
+    assert moved > 0
+    block = torch.tensor([[-1.995] + [0.3] * 31])
+    once = lpsim.quantize(block, preset("mxint8"))
+    assert once[0, 0] == -2 and lpsim.quantize(once, preset("mxint8"))[0, 1] == 0.3125 != once[0, 1]
+    from lpsim.delayed_scaling import DelayedScaling
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)
+    )
+    delayed = (DelayedScaling(lpsim.Float(4, 3, special="fn")), "nearest")
+    recipe = recipes.Recipe("delayed", weight=delayed, placement="operands")
+    model, optimizer = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.randn(32, 64)).square().mean().backward()
+    optimizer.step()
+    model.eval()  # reading the weight records nothing
+    stored = model[2].parametrizations.weight.original
+    assert (model[2].weight != stored).any()
+    said = " ".join(recipes.Recipe.__doc__.split())
+    assert "tensor scale" in said and "MXINT8" in said and "DelayedScaling" in said
+    text = " ".join(
+        Path(__file__).parent.parent.joinpath("docs", "training.md").read_text().split()
+    )
+    assert "second rounding of the stored weights" in text

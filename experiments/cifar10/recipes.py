@@ -497,6 +497,13 @@ IBM8 = CifarRecipe(
     deviations=(
         "e5m2 here is IEEE-like with saturation at 57344; QPyTorch's e5m2 treats the top "
         "exponent as finite (max 114688).",
+        "Round to nearest (e5m2 weights, activations, errors and gradients; e6m9 at the "
+        "network's input and logits) ties to even here; QPyTorch's float quantiser rounds ties "
+        "away from zero (it adds half a unit and truncates), so a value halfway between two "
+        "e5m2 numbers (1.125, say) rounds down to 1 here and up to 1.25 there.",
+        "e6m9 (momentum, accumulator, input and logits) is IEEE-like here: beyond its largest "
+        "value 2^31 (2 - 2^-9), about 4.29e9, it overflows to Inf; QPyTorch's e6m9 treats the "
+        "top exponent as finite (one more binade, to about 8.6e9) and saturates there.",
         _SCHEDULE_TIMING,
         _INITIAL_WEIGHTS,
         "Products are summed in float32, as in QPyTorch's example (its README says so): Wang et "
