@@ -343,6 +343,25 @@ def test_transformer_encoder_layer_runs_every_product_as_configured_in_eval_too(
         assert not torch.equal(out, plain)
 
 
+def test_a_key_selecting_multihead_attentions_out_proj_decides_its_out_projection():
+    """nn.MultiheadAttention passes out_proj's weight and bias to F.multi_head_attention_forward
+    instead of calling out_proj: its out projection is decided as a call made while out_proj runs,
+    at a site of its own; the in projection, made by the attention itself, is not selected."""
+    torch.manual_seed(21)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    attention = layer.self_attn
+    expected = lpsim.quantize(attention(x, x, x, need_weights=False)[0], E4M3)
+    with quantize_functions(attention, {("linear", "out_proj"): nearest(output=E4M3)}):
+        got = attention(x, x, x, need_weights=False)[0]
+    assert_same_bits(got, expected)
+    config = {("linear", "self_attn.out_proj"): nearest(output=DelayedScaling(E4M3))}
+    with quantize_functions(layer, config) as functions:
+        got = layer(x)
+    assert list(functions.scalers) == ["0:self_attn/out_proj:linear:0:output"]
+    assert not torch.equal(got, layer(x))
+
+
 # ---- Selection.
 
 

@@ -78,7 +78,9 @@ fused kernel):
 - ``F.multi_head_attention_forward`` (nn.MultiheadAttention, nn.TransformerEncoderLayer and
   nn.TransformerDecoderLayer call it): lpsim.nn.functional.multi_head_attention_forward, whose
   in and out projections are ``"linear"`` calls and whose attention steps are the three above
-  (q scaled by 1 / sqrt(head_dim) before the scores product, as torch does).
+  (q scaled by 1 / sqrt(head_dim) before the scores product, as torch does). The out projection
+  is made as if the attention's ``out_proj`` ran (nn.MultiheadAttention passes its weight and
+  bias instead of calling it): a key selecting out_proj decides it, at out_proj's sites.
 
 Calls made directly by a module that inject gave MACs (an injected Linear, Conv or
 MultiheadAttention) are left to inject. Rules: bare formats use the LayerQuantization's
@@ -395,14 +397,29 @@ class FunctionQuantization(TorchFunctionMode):
         """Whether the innermost running module is one whose products inject simulates."""
         return bool(self._running) and simulates_products(self._running[-1][1])
 
+    def _stack(self) -> list[tuple[str, nn.Module, dict]]:
+        """The running modules, innermost last. Inside the out projection of a simulated
+        multi-head attention, the attention's ``out_proj`` counts as running inside it, as if its
+        forward had been called (nn.MultiheadAttention passes its weight and bias to the function
+        instead): a key that selects it decides the projection, whose site is its own."""
+        child = _hooks.submodule_name()
+        if child is None or not self._running:
+            return self._running
+        name, module, _ = self._running[-1]
+        submodule = getattr(module, child, None)
+        if not isinstance(submodule, nn.Module) or id(submodule) not in self._names:
+            return self._running
+        return [*self._running, (f"{name}.{child}" if name else child, submodule, {})]
+
     def _selected(self, op: str) -> int | None:
         """The index of the first entry that decides a call of ``op`` made now."""
+        running = self._stack()
         for index, entry in enumerate(self.entries):
             if entry.op != op:
                 continue
             if entry.selector is None or any(
                 matches(entry.selector, alias, module)
-                for _, module, _ in self._running
+                for _, module, _ in running
                 for alias in self._names[id(module)]
             ):
                 return index
@@ -425,7 +442,7 @@ class FunctionQuantization(TorchFunctionMode):
         if index is None:
             return None
         if self._running:
-            name, module, calls = self._running[-1]
+            name, module, calls = self._stack()[-1]
             where, training = name.replace(".", "/"), module.training
         else:  # not the model's own calls, whose module name "" is the model's
             where, training, calls = _OUTSIDE, self.model.training, self._outside
@@ -618,7 +635,9 @@ class FunctionQuantization(TorchFunctionMode):
             return scaled_dot_product_attention(self, *args, **kwargs)
 
     def _multi_head_attention(self, func, args, kwargs):
-        if not self._simulates_attention((*_ATTENTION, "linear")):
+        with _hooks.submodule_call("out_proj"):
+            out_projection = self._entry_index("linear") is not None
+        if not (out_projection or self._simulates_attention((*_ATTENTION, "linear"))):
             return self._passed_on(None, func, args, kwargs)
         with self._claimed(), self._reentered():
             return _functional.multi_head_attention_forward(*args, **kwargs)
