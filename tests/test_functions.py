@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import threading
 import warnings
 
 import pytest
@@ -363,6 +364,38 @@ def test_a_key_selecting_multihead_attentions_out_proj_decides_its_out_projectio
 
 
 # ---- Selection.
+
+
+def test_a_module_running_in_another_thread_does_not_select_this_threads_calls():
+    """torch's function modes are per thread: a submodule run by another thread meanwhile is not
+    a running module of the calls made in the thread that entered the context."""
+    started, release = threading.Event(), threading.Event()
+
+    class Waiting(nn.Module):
+        def forward(self, x):
+            started.set()
+            release.wait(30)
+            return x
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.waiting = Waiting()
+
+        def forward(self, x):
+            return x @ x.T
+
+    model, x = Model(), torch.randn(4, 8)
+    with quantize_functions(model, {("matmul", "waiting"): nearest(output=E4M3)}):
+        other = threading.Thread(target=model.waiting, args=(x,))
+        other.start()
+        assert started.wait(30)
+        try:
+            got = model(x)
+        finally:
+            release.set()
+            other.join()
+    assert_same_bits(got, x @ x.T)
 
 
 def test_op_and_module_selectors_choose_the_first_matching_entry():

@@ -82,6 +82,10 @@ fused kernel):
   is made as if the attention's ``out_proj`` ran (nn.MultiheadAttention passes its weight and
   bias instead of calling it): a key selecting out_proj decides it, at out_proj's sites.
 
+torch's function modes are per thread: the calls made in another thread are torch's own, and
+the modules that thread runs are not running modules of the calls of the thread that entered
+the context.
+
 Calls made directly by a module that inject gave MACs (an injected Linear, Conv or
 MultiheadAttention) are left to inject. Rules: bare formats use the LayerQuantization's
 ``rounding``; while the innermost running module (or, outside the model's modules, the model) is
@@ -136,6 +140,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
 
@@ -354,12 +359,14 @@ class FunctionQuantization(TorchFunctionMode):
         self._hooks: list = []
         self._names: dict[int, list[str]] = {}  # all names of each module (module_names)
         self._active = False
+        self._thread: int | None = None  # the thread that entered the context
 
     # -- entering and leaving --------------------------------------------------------------
     def __enter__(self):
         if self._active:
             raise RuntimeError("quantize_functions: this context is already active")
         self._active = True
+        self._thread = threading.get_ident()
         self._outside.clear()
         self._names = module_names(self.model)
         for name, module in self.model.named_modules():
@@ -384,11 +391,21 @@ class FunctionQuantization(TorchFunctionMode):
 
     def _entering(self, name: str):
         def push(module, args):
-            self._running.append((name, module, {}))
+            if self._this_thread():
+                self._running.append((name, module, {}))
 
         return push
 
+    def _this_thread(self) -> bool:
+        """Whether a hook runs in the thread that entered the context: modules run by other
+        threads, where torch's function modes (this one) are not active and their calls are
+        torch's own, are not running modules of this thread's calls. (Under torch.compile, whose
+        tracing cannot call threading.get_ident, a hook is taken as this thread's.)"""
+        return torch.compiler.is_compiling() or threading.get_ident() == self._thread
+
     def _leaving(self, module, args, output):
+        if not self._this_thread():
+            return
         if self._running and self._running[-1][1] is module:
             self._running.pop()
 
