@@ -822,6 +822,21 @@ def test_integer_products_are_torchs_own_and_take_no_site(mac):
     assert list(functions.scalers.keys()) == ["0:<outside>:matmul:0:input"]
 
 
+@pytest.mark.parametrize("field", ["input", "weight", "bias", "output", "error"])
+def test_a_format_on_a_complex_operand_or_result_is_refused_not_skipped(field):
+    """lpsim's formats do not round complex tensors: a format that would apply to one is an error
+    naming the field, as inject's is, not a product left unrounded."""
+    a, w, b = (torch.randn(*s, dtype=torch.complex64) for s in ((3, 4), (2, 4), (2,)))
+    calls = {"linear": lambda: F.linear(a, w, b), "matmul": lambda: torch.matmul(a, w.T)}
+    for op, call in calls.items():
+        if op == "matmul" and field == "bias":
+            continue
+        refused = f"the {field} of a '{op}' call is a torch.complex64"
+        with quantize_functions(nn.Module(), {op: nearest(**{field: E4M3})}):
+            with pytest.raises(TypeError, match=refused):
+                call()
+
+
 @pytest.mark.parametrize("mac", [None, BF16_MAC])
 def test_integer_linear_calls_are_torchs_own_and_take_no_site(mac):
     """As integer matmuls: F.linear of integer tensors is torch's exact product under any

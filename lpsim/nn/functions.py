@@ -108,18 +108,18 @@ inside its own forward (torch.compile fails there, in aot_autograd's partitioner
 eagerly, or load a state_dict, first. (inject() makes its scalers outside the traced graph, and
 needs neither.)
 
-mm and bmm keep their shape rules (two matrices; two 3-D tensors of one batch size): other
-shapes are refused with a ValueError, not computed as a broadcasting matmul. Products of integer
-(or bool) tensors are torch's own, exact, and not counted as calls of a site. Under the ``@``
-operator, a TypeError the simulation raises (a float64 operand under a non-native MAC, say)
-reaches the caller as Python's "unsupported operand type(s) for @", since torch turns it into
-NotImplemented; ``torch.matmul`` shows its message. Where two contexts
-are active, a call is decided by the innermost one that selects it, once: the calls its
-simulation makes (the product of its quantised operands, the attention steps it selects) are not
-seen by the contexts further out, and the calls it does not select, an attention's projections or
-steps inside its simulation of that attention included, are decided by the contexts further out as
-the model's own calls. Nested contexts thus act as one whose entries are the inner's, then the
-outer's.
+mm and bmm keep their shape rules (two matrices; two 3-D tensors of one batch size): other shapes
+are refused with a ValueError, not computed as a broadcasting matmul. Products of integer (or bool)
+tensors are torch's own, exact, and not counted as calls of a site. A format that would apply to a
+complex operand or result is refused with a TypeError naming the field (lpsim's formats round no
+complex tensor). Under the ``@`` operator, a TypeError the simulation raises (a float64 operand
+under a non-native MAC, say) reaches the caller as Python's "unsupported operand type(s) for @",
+since torch turns it into NotImplemented; ``torch.matmul`` shows its message. Where two contexts
+are active, a call is decided by the innermost one that selects it, once: the calls its simulation
+makes (the product of its quantised operands, the attention steps it selects) are not seen by the
+contexts further out, and the calls it does not select, an attention's projections or steps inside
+its simulation of that attention included, are decided by the contexts further out as the model's
+own calls. Nested contexts thus act as one whose entries are the inner's, then the outer's.
 
 Activation checkpointing (torch.utils.checkpoint, reentrant or not) recomputes a forward during
 the backward pass, where no TorchFunctionMode is active, this context's included (inside its
@@ -469,21 +469,34 @@ class FunctionQuantization(TorchFunctionMode):
         site = f"{index}:{where}:{op.replace('.', '/')}:{rank}"
         return _Decision(index, entry.train if training else entry.eval, site, training)
 
-    def _quantiser(self, decision: _Decision, field: str, device: torch.device):
+    def _quantiser(self, decision: _Decision, field: str, x: torch.Tensor):
         """The QuantSpec, or for a DelayedScaling the ScalerCall of the call's site (its scaler
-        created on ``device``), that quantises ``field`` of the call (None: not quantised)."""
+        created on x's device), that quantises ``field`` of the call, the tensor x (None: not
+        quantised).
+
+        Raises:
+            TypeError: x is complex and the field has a format, which would round nothing.
+        """
         spec = decision.how.specs.get(field)
+        if spec is not None and x.is_complex():
+            op = self.entries[decision.index].op
+            raise TypeError(
+                f"quantize_functions: the {field} of a {op!r} call is a {x.dtype} tensor, which "
+                "lpsim's formats do not round (quantise torch.view_as_real of it inside the "
+                f"model instead, or give {field} no format)"
+            )
         if spec is None or not isinstance(spec.format, DelayedScaling):
             return spec
-        scaler = self._scaler(f"{decision.site}:{field}", device)
+        scaler = self._scaler(f"{decision.site}:{field}", x.device)
         return ScalerCall(scaler, spec.rounding, decision.training)
 
     def _quantise(self, decision: _Decision, field: str, x):
         """x quantised as ``field`` of the call prescribes (straight-through gradient); x itself
-        where it is not, or is not a floating-point tensor."""
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        where it is not, or is not a floating-point tensor (a complex one is refused: see
+        _quantiser)."""
+        if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
             return x
-        quantiser = self._quantiser(decision, field, x.device)
+        quantiser = self._quantiser(decision, field, x)
         return x if quantiser is None else quantizing_function(quantiser, None)(x)
 
     def _scaler(self, key: str, device: torch.device | None = None):
@@ -504,8 +517,8 @@ class FunctionQuantization(TorchFunctionMode):
 
     def _result(self, y: torch.Tensor, decision: _Decision) -> torch.Tensor:
         """y quantised by the output format, its gradient by the error format."""
-        output = self._quantiser(decision, "output", y.device)
-        error = self._quantiser(decision, "error", y.device)
+        output = self._quantiser(decision, "output", y)
+        error = self._quantiser(decision, "error", y)
         if output is None and error is None:
             return y
         return quantizing_function(output, error)(y)
