@@ -494,6 +494,17 @@ def test_compiled_model_gives_the_eager_bits():
         assert_same_bits(compiled(x), eager)
 
 
+def test_a_module_selector_compiled_gives_the_eager_bits():
+    torch.manual_seed(22)
+    model, x = Products(), torch.randn(3, 5, 8)
+    config = {("linear", "a"): nearest(output=E4M3), ("matmul", Products): nearest(output=E5M2)}
+    with quantize_functions(model, config):
+        eager = model(x)
+    compiled = torch.compile(model, backend="aot_eager")
+    with quantize_functions(model, config):
+        assert_same_bits(compiled(x), eager)
+
+
 def test_a_masked_softmax_input_format_compiled_gives_the_eager_bits():
     torch.manual_seed(14)
     model, x = Attention(width=16, heads=1), torch.randn(1, 4, 16)

@@ -357,7 +357,8 @@ class FunctionQuantization(TorchFunctionMode):
         self._running: list[tuple[str, nn.Module, dict]] = []  # name, module, calls per op
         self._outside: dict[str, int] = {}  # calls per op made outside the model's modules
         self._hooks: list = []
-        self._names: dict[int, list[str]] = {}  # all names of each module (module_names)
+        # Per entry, the modules its selector selects (None: any call), found on entering.
+        self._selects: list[tuple[nn.Module, ...] | None] = []
         self._active = False
         self._thread: int | None = None  # the thread that entered the context
 
@@ -368,7 +369,18 @@ class FunctionQuantization(TorchFunctionMode):
         self._active = True
         self._thread = threading.get_ident()
         self._outside.clear()
-        self._names = module_names(self.model)
+        names = module_names(self.model)
+        modules = {id(m): m for _, m in self.model.named_modules(remove_duplicate=False)}
+        self._selects = [
+            None
+            if entry.selector is None
+            else tuple(
+                modules[key]
+                for key, aliases in names.items()
+                if any(matches(entry.selector, alias, modules[key]) for alias in aliases)
+            )
+            for entry in self.entries
+        ]
         for name, module in self.model.named_modules():
             entering, leaving = _Hook(self._entering(name)), _Hook(self._leaving)
             self._hooks.append(module.register_forward_pre_hook(entering))
@@ -424,20 +436,20 @@ class FunctionQuantization(TorchFunctionMode):
             return self._running
         name, module, _ = self._running[-1]
         submodule = getattr(module, child, None)
-        if not isinstance(submodule, nn.Module) or id(submodule) not in self._names:
+        if not isinstance(submodule, nn.Module):
             return self._running
         return [*self._running, (f"{name}.{child}" if name else child, submodule, {})]
 
     def _selected(self, op: str) -> int | None:
-        """The index of the first entry that decides a call of ``op`` made now."""
+        """The index of the first entry that decides a call of ``op`` made now. (Modules are
+        compared by identity, not looked up by id(), which torch.compile cannot trace here.)"""
         running = self._stack()
         for index, entry in enumerate(self.entries):
             if entry.op != op:
                 continue
-            if entry.selector is None or any(
-                matches(entry.selector, alias, module)
-                for _, module, _ in running
-                for alias in self._names[id(module)]
+            selects = self._selects[index]
+            if selects is None or any(
+                module is selected for _, module, _ in running for selected in selects
             ):
                 return index
         return None
