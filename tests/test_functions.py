@@ -505,6 +505,19 @@ def test_a_module_selector_compiled_gives_the_eager_bits():
         assert_same_bits(compiled(x), eager)
 
 
+def test_torch_compiles_wrapper_stands_for_the_model_it_wraps():
+    """The wrapper's forward runs the wrapped model's modules, which the context hooks and
+    selectors name as in the model."""
+    torch.manual_seed(23)
+    model, x = Products(), torch.randn(3, 5, 8)
+    config = {("linear", "a"): nearest(output=E4M3), "matmul": nearest(output=E5M2)}
+    with quantize_functions(model, config):
+        eager = model(x)
+    compiled = torch.compile(model, backend="aot_eager")
+    with quantize_functions(compiled, config):
+        assert_same_bits(compiled(x), eager)
+
+
 def test_a_masked_softmax_input_format_compiled_gives_the_eager_bits():
     torch.manual_seed(14)
     model, x = Attention(width=16, heads=1), torch.randn(1, 4, 16)

@@ -833,7 +833,9 @@ def quantize_functions(
     model: nn.Module, config: Mapping[object, LayerQuantization]
 ) -> FunctionQuantization:
     """The context that quantises the functions ``config`` selects while ``model`` runs (see the
-    module docstring for keys, ops and fields).
+    module docstring for keys, ops and fields). torch.compile's wrapper of a model stands for the
+    model it wraps, whose modules its forward runs (selectors name them as in that model): the
+    context hooks those modules, which the compiled graph then traces.
 
     Raises:
         TypeError: model is not an nn.Module, a key or value is malformed, or a format is a
@@ -845,6 +847,7 @@ def quantize_functions(
         raise TypeError(f"quantize_functions: model must be an nn.Module, got {type(model)}")
     if not isinstance(config, Mapping):
         raise TypeError(f"quantize_functions: config must be a mapping, got {type(config)}")
+    model = _hooks.compiled_model(model) or model
     entries = [_entry(k, v) for k, v in config.items()]
     modules = list(model.named_modules(remove_duplicate=False))
     for key, entry in zip(config, entries, strict=True):
