@@ -398,6 +398,19 @@ def test_a_module_running_in_another_thread_does_not_select_this_threads_calls()
     assert_same_bits(got, x @ x.T)
 
 
+def test_the_calls_of_a_modules_forward_hooks_are_made_while_it_runs():
+    """A module runs from its first forward pre-hook to its last forward hook: a pair key
+    selecting it decides the calls of both (before, those of its pre-hooks were its parent's)."""
+    torch.manual_seed(24)
+    model, x, p = nn.Sequential(nn.Identity()), torch.randn(3, 8), torch.randn(8, 8)
+    model[0].register_forward_pre_hook(lambda module, args: (args[0] @ p,))
+    model[0].register_forward_hook(lambda module, args, out: out @ p)
+    with quantize_functions(model, {("matmul", "0"): nearest(output=E4M3)}):
+        got = model(x)
+    rounded = lpsim.quantize(x @ p, E4M3)
+    assert_same_bits(got, lpsim.quantize(rounded @ p, E4M3))
+
+
 def test_op_and_module_selectors_choose_the_first_matching_entry():
     torch.manual_seed(9)
     model, x = Products(), torch.randn(3, 5, 8)

@@ -19,8 +19,9 @@ the calls its config selects and runs their products under MACs:
 Keys are an op name, or a pair (op name, module selector). The selectors are inject's (module
 types, glob patterns on qualified names relative to ``model``, callables (name, module) -> bool,
 tuples of these); a pair applies to calls made while a module it selects is running (the module
-itself or any module inside it; a module registered under several names, shared by two parents,
-is selected by any of them, as in inject). A selector that matches no module of the model is an
+itself, its forward pre-hooks and forward hooks included, or any module inside it; a module
+registered under several names, shared by two parents, is selected by any of them, as in
+inject). A selector that matches no module of the model is an
 error, as in inject. Each call is decided by the first entry, in the
 mapping's order, whose op and selector match it; a call no entry matches is torch's own. Values
 are ``LayerQuantization``; a field an op does not take is an error.
@@ -383,7 +384,9 @@ class FunctionQuantization(TorchFunctionMode):
         ]
         for name, module in self.model.named_modules():
             entering, leaving = _Hook(self._entering(name)), _Hook(self._leaving)
-            self._hooks.append(module.register_forward_pre_hook(entering))
+            # The module runs from before its first forward pre-hook to after its last forward
+            # hook: the calls its hooks make are made while it runs.
+            self._hooks.append(module.register_forward_pre_hook(entering, prepend=True))
             self._hooks.append(module.register_forward_hook(leaving, always_call=True))
         entered = super().__enter__()
         _ACTIVE.append(self)
