@@ -156,6 +156,27 @@ def test_grouped_query_attention_quantises_each_key_and_value_head_once():
     assert_same_bits(got, rounded(weights @ v))
 
 
+def test_an_unselected_encoder_layer_in_eval_is_torchs_non_fused_path_bit_for_bit():
+    """Any active TorchFunctionMode turns torch's fused eval fast path off: inside the context an
+    encoder layer no entry selects gives the bits of torch's other path (seen under a mode that
+    selects nothing of torch's), as the docs say."""
+
+    class Inert(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(25)
+    model = nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), nn.Linear(16, 4))
+    model.eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        with Inert():
+            expected = model(x)
+        with quantize_functions(model, {("linear", "1"): LayerQuantization()}):
+            got = model(x)
+    assert_same_bits(got, expected)
+
+
 def test_multihead_attention_under_empty_settings_is_torchs_to_float64_rounding():
     torch.manual_seed(2)
     mha = nn.MultiheadAttention(16, 4, batch_first=True).double()

@@ -133,7 +133,11 @@ even where it computes the same products: einsum, addmm, addbmm, baddbmm, mv, do
 tensordot, linalg.multi_dot; log_softmax and softmin; convolutions (through inject). The matrix
 product of lpsim.RandomHadamard's apply and inverse is the transform's own arithmetic, which no
 context sees, as are the products of an lpsim.nn.functional function whose products are not all
-native (one whose are is torch's op, decided as the model's call).
+native (one whose are is torch's op, decided as the model's call). While a context is active,
+torch's own calls are those of its non-fused paths: nn.MultiheadAttention and
+nn.TransformerEncoderLayer in eval mode without gradients take their fused fast path only where no
+TorchFunctionMode is active (torch checks), so an attention no entry selects gives the bits of
+their other path, which may differ in the last place.
 """
 
 from __future__ import annotations
