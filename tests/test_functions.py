@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import threading
 import warnings
 
 import pytest
@@ -153,6 +154,27 @@ def test_grouped_query_attention_quantises_each_key_and_value_head_once():
     weights = torch.softmax(rounded(q @ k_t) * 0.25, dim=-1)
     weights, v = rounded(weights), rounded(v).repeat_interleave(3, dim=1)
     assert_same_bits(got, rounded(weights @ v))
+
+
+def test_an_unselected_encoder_layer_in_eval_is_torchs_non_fused_path_bit_for_bit():
+    """Any active TorchFunctionMode turns torch's fused eval fast path off: inside the context an
+    encoder layer no entry selects gives the bits of torch's other path (seen under a mode that
+    selects nothing of torch's), as the docs say."""
+
+    class Inert(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(25)
+    model = nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), nn.Linear(16, 4))
+    model.eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        with Inert():
+            expected = model(x)
+        with quantize_functions(model, {("linear", "1"): LayerQuantization()}):
+            got = model(x)
+    assert_same_bits(got, expected)
 
 
 def test_multihead_attention_under_empty_settings_is_torchs_to_float64_rounding():
@@ -343,7 +365,71 @@ def test_transformer_encoder_layer_runs_every_product_as_configured_in_eval_too(
         assert not torch.equal(out, plain)
 
 
+def test_a_key_selecting_multihead_attentions_out_proj_decides_its_out_projection():
+    """nn.MultiheadAttention passes out_proj's weight and bias to F.multi_head_attention_forward
+    instead of calling out_proj: its out projection is decided as a call made while out_proj runs,
+    at a site of its own; the in projection, made by the attention itself, is not selected."""
+    torch.manual_seed(21)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    attention = layer.self_attn
+    expected = lpsim.quantize(attention(x, x, x, need_weights=False)[0], E4M3)
+    with quantize_functions(attention, {("linear", "out_proj"): nearest(output=E4M3)}):
+        got = attention(x, x, x, need_weights=False)[0]
+    assert_same_bits(got, expected)
+    config = {("linear", "self_attn.out_proj"): nearest(output=DelayedScaling(E4M3))}
+    with quantize_functions(layer, config) as functions:
+        got = layer(x)
+    assert list(functions.scalers) == ["0:self_attn/out_proj:linear:0:output"]
+    assert not torch.equal(got, layer(x))
+
+
 # ---- Selection.
+
+
+def test_a_module_running_in_another_thread_does_not_select_this_threads_calls():
+    """torch's function modes are per thread: a submodule run by another thread meanwhile is not
+    a running module of the calls made in the thread that entered the context."""
+    started, release = threading.Event(), threading.Event()
+
+    class Waiting(nn.Module):
+        def forward(self, x):
+            started.set()
+            release.wait(30)
+            return x
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.waiting = Waiting()
+
+        def forward(self, x):
+            return x @ x.T
+
+    model, x = Model(), torch.randn(4, 8)
+    with quantize_functions(model, {("matmul", "waiting"): nearest(output=E4M3)}):
+        other = threading.Thread(target=model.waiting, args=(x,))
+        other.start()
+        assert started.wait(30)
+        try:
+            got = model(x)
+        finally:
+            release.set()
+            other.join()
+    assert_same_bits(got, x @ x.T)
+
+
+def test_the_calls_of_a_modules_forward_hooks_are_made_while_it_runs():
+    """A module runs from its first forward pre-hook to its last forward hook: a pair key
+    selecting it decides the calls of both (before, those of its pre-hooks were its parent's)."""
+    torch.manual_seed(24)
+    model, x, p = nn.Sequential(nn.Identity()), torch.randn(3, 8), torch.randn(8, 8)
+    model[0].register_forward_pre_hook(lambda module, args: (args[0] @ p,))
+    model[0].register_forward_hook(lambda module, args, out: out @ p)
+    with quantize_functions(model, {("matmul", "0"): nearest(output=E4M3)}):
+        got = model(x)
+    rounded = lpsim.quantize(x @ p, E4M3)
+    assert_same_bits(got, lpsim.quantize(rounded @ p, E4M3))
 
 
 def test_op_and_module_selectors_choose_the_first_matching_entry():
@@ -439,6 +525,30 @@ def test_compiled_model_gives_the_eager_bits():
         eager = model(x)
     compiled = torch.compile(model, backend="aot_eager")
     with quantize_functions(model, config):
+        assert_same_bits(compiled(x), eager)
+
+
+def test_a_module_selector_compiled_gives_the_eager_bits():
+    torch.manual_seed(22)
+    model, x = Products(), torch.randn(3, 5, 8)
+    config = {("linear", "a"): nearest(output=E4M3), ("matmul", Products): nearest(output=E5M2)}
+    with quantize_functions(model, config):
+        eager = model(x)
+    compiled = torch.compile(model, backend="aot_eager")
+    with quantize_functions(model, config):
+        assert_same_bits(compiled(x), eager)
+
+
+def test_torch_compiles_wrapper_stands_for_the_model_it_wraps():
+    """The wrapper's forward runs the wrapped model's modules, which the context hooks and
+    selectors name as in the model."""
+    torch.manual_seed(23)
+    model, x = Products(), torch.randn(3, 5, 8)
+    config = {("linear", "a"): nearest(output=E4M3), "matmul": nearest(output=E5M2)}
+    with quantize_functions(model, config):
+        eager = model(x)
+    compiled = torch.compile(model, backend="aot_eager")
+    with quantize_functions(compiled, config):
         assert_same_bits(compiled(x), eager)
 
 
@@ -768,6 +878,21 @@ def test_integer_products_are_torchs_own_and_take_no_site(mac):
     for product in products:
         assert product.dtype == torch.int64 and torch.equal(product, a @ b)
     assert list(functions.scalers.keys()) == ["0:<outside>:matmul:0:input"]
+
+
+@pytest.mark.parametrize("field", ["input", "weight", "bias", "output", "error"])
+def test_a_format_on_a_complex_operand_or_result_is_refused_not_skipped(field):
+    """lpsim's formats do not round complex tensors: a format that would apply to one is an error
+    naming the field, as inject's is, not a product left unrounded."""
+    a, w, b = (torch.randn(*s, dtype=torch.complex64) for s in ((3, 4), (2, 4), (2,)))
+    calls = {"linear": lambda: F.linear(a, w, b), "matmul": lambda: torch.matmul(a, w.T)}
+    for op, call in calls.items():
+        if op == "matmul" and field == "bias":
+            continue
+        refused = f"the {field} of a '{op}' call is a torch.complex64"
+        with quantize_functions(nn.Module(), {op: nearest(**{field: E4M3})}):
+            with pytest.raises(TypeError, match=refused):
+                call()
 
 
 @pytest.mark.parametrize("mac", [None, BF16_MAC])

@@ -19,6 +19,30 @@ _FUNCTION_NAME: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 )
 
 
+# The attribute name of the submodule that the calls made inside a ``submodule_call`` block are
+# made for (the out projection of lpsim.nn.functional's multi-head attention: "out_proj", a
+# submodule whose forward nn.MultiheadAttention bypasses, passing its weight and bias).
+_SUBMODULE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "lpsim_submodule", default=None
+)
+
+
+def submodule_name() -> str | None:
+    """The attribute name of the current ``submodule_call`` block, None outside one."""
+    return _SUBMODULE.get()
+
+
+@contextlib.contextmanager
+def submodule_call(name: str) -> Iterator[None]:
+    """Calls made inside are made for the running module's submodule ``name``, whose forward the
+    running module bypasses: lpsim.nn.quantize_functions decides them as if it ran."""
+    token = _SUBMODULE.set(name)
+    try:
+        yield
+    finally:
+        _SUBMODULE.reset(token)
+
+
 def function_name() -> str | None:
     """The name of the current ``named_function`` block, None outside one."""
     return _FUNCTION_NAME.get()

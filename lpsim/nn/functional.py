@@ -1577,7 +1577,8 @@ def multi_head_attention_forward(
     # all -inf give weights 0; its explicit path gives softmax's NaN.
     context, attention = _attention(q, k, v, mask, dropout_p, how, not need_weights)
     context = context.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
-    output = linear(context, out_proj_weight, out_proj_bias, **_keywords(out_how))
+    with _hooks.submodule_call("out_proj"):  # nn.MultiheadAttention's out_proj, bypassed
+        output = linear(context, out_proj_weight, out_proj_bias, **_keywords(out_how))
     output = output.reshape(tgt_len, bsz, output.shape[-1])
     if not batched:
         output = output.squeeze(1)

@@ -19,8 +19,9 @@ the calls its config selects and runs their products under MACs:
 Keys are an op name, or a pair (op name, module selector). The selectors are inject's (module
 types, glob patterns on qualified names relative to ``model``, callables (name, module) -> bool,
 tuples of these); a pair applies to calls made while a module it selects is running (the module
-itself or any module inside it; a module registered under several names, shared by two parents,
-is selected by any of them, as in inject). A selector that matches no module of the model is an
+itself, its forward pre-hooks and forward hooks included, or any module inside it; a module
+registered under several names, shared by two parents, is selected by any of them, as in
+inject). A selector that matches no module of the model is an
 error, as in inject. Each call is decided by the first entry, in the
 mapping's order, whose op and selector match it; a call no entry matches is torch's own. Values
 are ``LayerQuantization``; a field an op does not take is an error.
@@ -78,7 +79,13 @@ fused kernel):
 - ``F.multi_head_attention_forward`` (nn.MultiheadAttention, nn.TransformerEncoderLayer and
   nn.TransformerDecoderLayer call it): lpsim.nn.functional.multi_head_attention_forward, whose
   in and out projections are ``"linear"`` calls and whose attention steps are the three above
-  (q scaled by 1 / sqrt(head_dim) before the scores product, as torch does).
+  (q scaled by 1 / sqrt(head_dim) before the scores product, as torch does). The out projection
+  is made as if the attention's ``out_proj`` ran (nn.MultiheadAttention passes its weight and
+  bias instead of calling it): a key selecting out_proj decides it, at out_proj's sites.
+
+torch's function modes are per thread: the calls made in another thread are torch's own, and
+the modules that thread runs are not running modules of the calls of the thread that entered
+the context.
 
 Calls made directly by a module that inject gave MACs (an injected Linear, Conv or
 MultiheadAttention) are left to inject. Rules: bare formats use the LayerQuantization's
@@ -102,18 +109,18 @@ inside its own forward (torch.compile fails there, in aot_autograd's partitioner
 eagerly, or load a state_dict, first. (inject() makes its scalers outside the traced graph, and
 needs neither.)
 
-mm and bmm keep their shape rules (two matrices; two 3-D tensors of one batch size): other
-shapes are refused with a ValueError, not computed as a broadcasting matmul. Products of integer
-(or bool) tensors are torch's own, exact, and not counted as calls of a site. Under the ``@``
-operator, a TypeError the simulation raises (a float64 operand under a non-native MAC, say)
-reaches the caller as Python's "unsupported operand type(s) for @", since torch turns it into
-NotImplemented; ``torch.matmul`` shows its message. Where two contexts
-are active, a call is decided by the innermost one that selects it, once: the calls its
-simulation makes (the product of its quantised operands, the attention steps it selects) are not
-seen by the contexts further out, and the calls it does not select, an attention's projections or
-steps inside its simulation of that attention included, are decided by the contexts further out as
-the model's own calls. Nested contexts thus act as one whose entries are the inner's, then the
-outer's.
+mm and bmm keep their shape rules (two matrices; two 3-D tensors of one batch size): other shapes
+are refused with a ValueError, not computed as a broadcasting matmul. Products of integer (or bool)
+tensors are torch's own, exact, and not counted as calls of a site. A format that would apply to a
+complex operand or result is refused with a TypeError naming the field (lpsim's formats round no
+complex tensor). Under the ``@`` operator, a TypeError the simulation raises (a float64 operand
+under a non-native MAC, say) reaches the caller as Python's "unsupported operand type(s) for @",
+since torch turns it into NotImplemented; ``torch.matmul`` shows its message. Where two contexts
+are active, a call is decided by the innermost one that selects it, once: the calls its simulation
+makes (the product of its quantised operands, the attention steps it selects) are not seen by the
+contexts further out, and the calls it does not select, an attention's projections or steps inside
+its simulation of that attention included, are decided by the contexts further out as the model's
+own calls. Nested contexts thus act as one whose entries are the inner's, then the outer's.
 
 Activation checkpointing (torch.utils.checkpoint, reentrant or not) recomputes a forward during
 the backward pass, where no TorchFunctionMode is active, this context's included (inside its
@@ -126,7 +133,11 @@ even where it computes the same products: einsum, addmm, addbmm, baddbmm, mv, do
 tensordot, linalg.multi_dot; log_softmax and softmin; convolutions (through inject). The matrix
 product of lpsim.RandomHadamard's apply and inverse is the transform's own arithmetic, which no
 context sees, as are the products of an lpsim.nn.functional function whose products are not all
-native (one whose are is torch's op, decided as the model's call).
+native (one whose are is torch's op, decided as the model's call). While a context is active,
+torch's own calls are those of its non-fused paths: nn.MultiheadAttention and
+nn.TransformerEncoderLayer in eval mode without gradients take their fused fast path only where no
+TorchFunctionMode is active (torch checks), so an attention no entry selects gives the bits of
+their other path, which may differ in the last place.
 """
 
 from __future__ import annotations
@@ -134,6 +145,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
 
@@ -350,19 +362,35 @@ class FunctionQuantization(TorchFunctionMode):
         self._running: list[tuple[str, nn.Module, dict]] = []  # name, module, calls per op
         self._outside: dict[str, int] = {}  # calls per op made outside the model's modules
         self._hooks: list = []
-        self._names: dict[int, list[str]] = {}  # all names of each module (module_names)
+        # Per entry, the modules its selector selects (None: any call), found on entering.
+        self._selects: list[tuple[nn.Module, ...] | None] = []
         self._active = False
+        self._thread: int | None = None  # the thread that entered the context
 
     # -- entering and leaving --------------------------------------------------------------
     def __enter__(self):
         if self._active:
             raise RuntimeError("quantize_functions: this context is already active")
         self._active = True
+        self._thread = threading.get_ident()
         self._outside.clear()
-        self._names = module_names(self.model)
+        names = module_names(self.model)
+        modules = {id(m): m for _, m in self.model.named_modules(remove_duplicate=False)}
+        self._selects = [
+            None
+            if entry.selector is None
+            else tuple(
+                modules[key]
+                for key, aliases in names.items()
+                if any(matches(entry.selector, alias, modules[key]) for alias in aliases)
+            )
+            for entry in self.entries
+        ]
         for name, module in self.model.named_modules():
             entering, leaving = _Hook(self._entering(name)), _Hook(self._leaving)
-            self._hooks.append(module.register_forward_pre_hook(entering))
+            # The module runs from before its first forward pre-hook to after its last forward
+            # hook: the calls its hooks make are made while it runs.
+            self._hooks.append(module.register_forward_pre_hook(entering, prepend=True))
             self._hooks.append(module.register_forward_hook(leaving, always_call=True))
         entered = super().__enter__()
         _ACTIVE.append(self)
@@ -382,11 +410,21 @@ class FunctionQuantization(TorchFunctionMode):
 
     def _entering(self, name: str):
         def push(module, args):
-            self._running.append((name, module, {}))
+            if self._this_thread():
+                self._running.append((name, module, {}))
 
         return push
 
+    def _this_thread(self) -> bool:
+        """Whether a hook runs in the thread that entered the context: modules run by other
+        threads, where torch's function modes (this one) are not active and their calls are
+        torch's own, are not running modules of this thread's calls. (Under torch.compile, whose
+        tracing cannot call threading.get_ident, a hook is taken as this thread's.)"""
+        return torch.compiler.is_compiling() or threading.get_ident() == self._thread
+
     def _leaving(self, module, args, output):
+        if not self._this_thread():
+            return
         if self._running and self._running[-1][1] is module:
             self._running.pop()
 
@@ -395,15 +433,30 @@ class FunctionQuantization(TorchFunctionMode):
         """Whether the innermost running module is one whose products inject simulates."""
         return bool(self._running) and simulates_products(self._running[-1][1])
 
+    def _stack(self) -> list[tuple[str, nn.Module, dict]]:
+        """The running modules, innermost last. Inside the out projection of a simulated
+        multi-head attention, the attention's ``out_proj`` counts as running inside it, as if its
+        forward had been called (nn.MultiheadAttention passes its weight and bias to the function
+        instead): a key that selects it decides the projection, whose site is its own."""
+        child = _hooks.submodule_name()
+        if child is None or not self._running:
+            return self._running
+        name, module, _ = self._running[-1]
+        submodule = getattr(module, child, None)
+        if not isinstance(submodule, nn.Module):
+            return self._running
+        return [*self._running, (f"{name}.{child}" if name else child, submodule, {})]
+
     def _selected(self, op: str) -> int | None:
-        """The index of the first entry that decides a call of ``op`` made now."""
+        """The index of the first entry that decides a call of ``op`` made now. (Modules are
+        compared by identity, not looked up by id(), which torch.compile cannot trace here.)"""
+        running = self._stack()
         for index, entry in enumerate(self.entries):
             if entry.op != op:
                 continue
-            if entry.selector is None or any(
-                matches(entry.selector, alias, module)
-                for _, module, _ in self._running
-                for alias in self._names[id(module)]
+            selects = self._selects[index]
+            if selects is None or any(
+                module is selected for _, module, _ in running for selected in selects
             ):
                 return index
         return None
@@ -425,7 +478,7 @@ class FunctionQuantization(TorchFunctionMode):
         if index is None:
             return None
         if self._running:
-            name, module, calls = self._running[-1]
+            name, module, calls = self._stack()[-1]
             where, training = name.replace(".", "/"), module.training
         else:  # not the model's own calls, whose module name "" is the model's
             where, training, calls = _OUTSIDE, self.model.training, self._outside
@@ -435,21 +488,34 @@ class FunctionQuantization(TorchFunctionMode):
         site = f"{index}:{where}:{op.replace('.', '/')}:{rank}"
         return _Decision(index, entry.train if training else entry.eval, site, training)
 
-    def _quantiser(self, decision: _Decision, field: str, device: torch.device):
+    def _quantiser(self, decision: _Decision, field: str, x: torch.Tensor):
         """The QuantSpec, or for a DelayedScaling the ScalerCall of the call's site (its scaler
-        created on ``device``), that quantises ``field`` of the call (None: not quantised)."""
+        created on x's device), that quantises ``field`` of the call, the tensor x (None: not
+        quantised).
+
+        Raises:
+            TypeError: x is complex and the field has a format, which would round nothing.
+        """
         spec = decision.how.specs.get(field)
+        if spec is not None and x.is_complex():
+            op = self.entries[decision.index].op
+            raise TypeError(
+                f"quantize_functions: the {field} of a {op!r} call is a {x.dtype} tensor, which "
+                "lpsim's formats do not round (quantise torch.view_as_real of it inside the "
+                f"model instead, or give {field} no format)"
+            )
         if spec is None or not isinstance(spec.format, DelayedScaling):
             return spec
-        scaler = self._scaler(f"{decision.site}:{field}", device)
+        scaler = self._scaler(f"{decision.site}:{field}", x.device)
         return ScalerCall(scaler, spec.rounding, decision.training)
 
     def _quantise(self, decision: _Decision, field: str, x):
         """x quantised as ``field`` of the call prescribes (straight-through gradient); x itself
-        where it is not, or is not a floating-point tensor."""
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        where it is not, or is not a floating-point tensor (a complex one is refused: see
+        _quantiser)."""
+        if not isinstance(x, torch.Tensor) or not (x.is_floating_point() or x.is_complex()):
             return x
-        quantiser = self._quantiser(decision, field, x.device)
+        quantiser = self._quantiser(decision, field, x)
         return x if quantiser is None else quantizing_function(quantiser, None)(x)
 
     def _scaler(self, key: str, device: torch.device | None = None):
@@ -470,8 +536,8 @@ class FunctionQuantization(TorchFunctionMode):
 
     def _result(self, y: torch.Tensor, decision: _Decision) -> torch.Tensor:
         """y quantised by the output format, its gradient by the error format."""
-        output = self._quantiser(decision, "output", y.device)
-        error = self._quantiser(decision, "error", y.device)
+        output = self._quantiser(decision, "output", y)
+        error = self._quantiser(decision, "error", y)
         if output is None and error is None:
             return y
         return quantizing_function(output, error)(y)
@@ -618,7 +684,9 @@ class FunctionQuantization(TorchFunctionMode):
             return scaled_dot_product_attention(self, *args, **kwargs)
 
     def _multi_head_attention(self, func, args, kwargs):
-        if not self._simulates_attention((*_ATTENTION, "linear")):
+        with _hooks.submodule_call("out_proj"):
+            out_projection = self._entry_index("linear") is not None
+        if not (out_projection or self._simulates_attention((*_ATTENTION, "linear"))):
             return self._passed_on(None, func, args, kwargs)
         with self._claimed(), self._reentered():
             return _functional.multi_head_attention_forward(*args, **kwargs)
@@ -772,7 +840,9 @@ def quantize_functions(
     model: nn.Module, config: Mapping[object, LayerQuantization]
 ) -> FunctionQuantization:
     """The context that quantises the functions ``config`` selects while ``model`` runs (see the
-    module docstring for keys, ops and fields).
+    module docstring for keys, ops and fields). torch.compile's wrapper of a model stands for the
+    model it wraps, whose modules its forward runs (selectors name them as in that model): the
+    context hooks those modules, which the compiled graph then traces.
 
     Raises:
         TypeError: model is not an nn.Module, a key or value is malformed, or a format is a
@@ -784,6 +854,7 @@ def quantize_functions(
         raise TypeError(f"quantize_functions: model must be an nn.Module, got {type(model)}")
     if not isinstance(config, Mapping):
         raise TypeError(f"quantize_functions: config must be a mapping, got {type(config)}")
+    model = _hooks.compiled_model(model) or model
     entries = [_entry(k, v) for k, v in config.items()]
     modules = list(model.named_modules(remove_duplicate=False))
     for key, entry in zip(config, entries, strict=True):
