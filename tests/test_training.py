@@ -1002,6 +1002,48 @@ def test_compiled_stochastic_errors_draw_their_seeds_in_the_backward_pass_as_in_
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        LayerQuantization(error=(Float(5, 2), "stochastic")),
+        LayerQuantization(
+            input=E5M2, output=E5M2, error=E5M2, rounding="nearest",
+            mac=lpsim.MAC(accumulator=Float(8, 7)),
+        ),
+    ],
+    ids=["stochastic-error", "mac"],
+)  # fmt: skip
+def test_a_model_whose_graph_breaks_compiles_once_and_equals_eager_at_every_step(spec):
+    """A stochastic error quantiser and a product under a non-native MAC break the compiled graph
+    (docs/training.md), so dynamo compiles inject's hooks after the break as frames of their own,
+    given the activation. Calls with new activations of the same shape reuse those frames: no
+    recompilation after the first step (before, each call recompiled them, guarded on the
+    activation's address, until dynamo's recompile limit), and every step's output and
+    gradients are the eager model's, bit for bit (aot_eager)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    inject(model, {nn.Linear: spec})
+    plain = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="aot_eager")
+
+    def step(forward, module, i):
+        torch.manual_seed(i)
+        x = torch.randn(2, 4, requires_grad=True)
+        y = forward(x)
+        y.pow(2).sum().backward()
+        grads = [x.grad, *(p.grad for p in module.parameters())]
+        module.zero_grad(set_to_none=True)
+        return [y.detach(), *grads]
+
+    for i in range(4):
+        want = step(plain, plain, i)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = step(compiled, model, i)
+        for g, w in zip(got, want, strict=True):
+            assert_same_bits(g, w)
+
+
 # A whole low-precision training run: dropout, stochastic rounding of weights, activations and
 # errors (element, block and MX formats), delayed scaling in the model and in the optimizer, an
 # FP32 master copy rounded stochastically, a dynamic loss scale that skips steps, gradient
