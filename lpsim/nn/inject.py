@@ -537,23 +537,28 @@ class _InPlaceResult:
     flows through the copy to the quantisers' result, so the error quantiser rounds it as
     before.
 
-    ``given`` holds the caller's tensor from ``before`` to ``after`` by the module's id: the
-    replicas nn.DataParallel runs in threads at once share their hooks."""
+    The caller's tensor (or None, where the module does not work in place) goes from ``before``
+    to ``after`` on a stack of this thread's (_given_stack): every call pushes one and pops it,
+    and the calls of modules inside one another's forward nest, so ``after`` pops its own call's
+    tensor; the replicas nn.DataParallel runs in threads at once share their hooks. Not by
+    id(module): where the graph breaks (a stochastic error quantiser), dynamo compiles these
+    hooks as frames of their own, and id() guarded them on the module, once per in-place module
+    of the model, up to dynamo's recompile limit."""
 
     def __init__(self, quantises_input: bool):
         self.quantises_input = quantises_input
-        self.given: dict[int, torch.Tensor] = {}
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict):
         given = args[0] if args else kwargs.get("input")
+        stack = _given_stack()
         if (
             module.inplace is not True
             or not isinstance(given, torch.Tensor)
             or not given.is_floating_point()
         ):
-            self.given.pop(id(module), None)
+            stack.append(None)
             return None
-        self.given[id(module)] = given
+        stack.append(given)
         if self.quantises_input:
             return None
         if args:
@@ -561,7 +566,8 @@ class _InPlaceResult:
         return args, {**kwargs, "input": given.clone()}
 
     def after(self, module: nn.Module, args: tuple, result):
-        given = self.given.pop(id(module), None)
+        stack = _given_stack()
+        given = stack.pop() if stack else None
         if (
             given is None
             or result is given
@@ -576,6 +582,15 @@ class _InPlaceResult:
 # The weight scopes of the module forwards running now in this thread, innermost last: each maps a
 # _FakeQuantize to the tensor it gave in that scope (see _open_weight_scope).
 _THREAD = threading.local()
+
+
+def _given_stack() -> list:
+    """The tensors given to the in-place modules whose forwards run now in this thread,
+    innermost last (see _InPlaceResult)."""
+    stack = getattr(_THREAD, "given", None)
+    if stack is None:
+        stack = _THREAD.given = []
+    return stack
 
 
 def _weight_scopes() -> list[dict]:
