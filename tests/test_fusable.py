@@ -578,6 +578,48 @@ def test_injected_resnet18_training_step_compiles_without_a_graph_break():
         assert_same_bits(p.grad, grad, name)
 
 
+@pytest.mark.parametrize("copy_with", ["deepcopy", "torch.load"])
+def test_a_copied_injected_model_compiles_with_dynamic_shapes_as_the_original(copy_with):
+    """A model injected with two error formats, copied (copy.deepcopy, as for an EMA or a
+    reference model, or saved and loaded whole), compiled with dynamic=True and fullgraph=True:
+    its outputs and gradients equal the original's eager ones bit for bit over batch sizes that
+    change. Before, a copied format stored no grid until its first eager use, so dynamo read the
+    second format's limits as symbolic floats inside the error quantiser's autograd.Function
+    and the compilation failed with an internal error."""
+    import copy  # noqa: PLC0415
+    import io  # noqa: PLC0415
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4), torch.nn.ReLU()
+    )
+    spec = lpsim.nn.LayerQuantization
+    lpsim.nn.inject(
+        model,
+        {
+            torch.nn.Linear: spec(error=(Float(5, 2), "nearest")),
+            torch.nn.ReLU: spec(output=(Float(4, 1), "nearest"), error=(Float(4, 1), "nearest")),
+        },
+    )
+    if copy_with == "deepcopy":
+        copied = copy.deepcopy(model)
+    else:
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    compiled = torch.compile(copied, backend="aot_eager", dynamic=True, fullgraph=True)
+    for batch in (2, 3, 5):
+        x = torch.randn(batch, 4)
+        want, got = model(x), compiled(x)
+        want.pow(2).sum().backward()
+        got.pow(2).sum().backward()
+        assert_same_bits(got, want)
+        for p, q in zip(model.parameters(), copied.parameters(), strict=True):
+            assert_same_bits(q.grad, p.grad)
+
+
 def test_models_injected_with_different_formats_compile_one_after_another():
     """Two models of one class with other formats, compiled in one process: dynamo's second trace
     sees the grids' limits change between calls and would make them symbolic floats (lifted

@@ -1002,6 +1002,104 @@ def test_compiled_stochastic_errors_draw_their_seeds_in_the_backward_pass_as_in_
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        LayerQuantization(error=(Float(5, 2), "stochastic")),
+        LayerQuantization(
+            input=E5M2, output=E5M2, error=E5M2, rounding="nearest",
+            mac=lpsim.MAC(accumulator=Float(8, 7)),
+        ),
+    ],
+    ids=["stochastic-error", "mac"],
+)  # fmt: skip
+def test_a_model_whose_graph_breaks_compiles_once_and_equals_eager_at_every_step(spec):
+    """A stochastic error quantiser and a product under a non-native MAC break the compiled graph
+    (docs/training.md), so dynamo compiles inject's hooks after the break as frames of their own,
+    given the activation. Calls with new activations of the same shape reuse those frames: no
+    recompilation after the first step (before, each call recompiled them, guarded on the
+    activation's address, until dynamo's recompile limit), and every step's output and
+    gradients are the eager model's, bit for bit (aot_eager)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    inject(model, {nn.Linear: spec})
+    plain = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="aot_eager")
+
+    def step(forward, module, i):
+        torch.manual_seed(i)
+        x = torch.randn(2, 4, requires_grad=True)
+        y = forward(x)
+        y.pow(2).sum().backward()
+        grads = [x.grad, *(p.grad for p in module.parameters())]
+        module.zero_grad(set_to_none=True)
+        return [y.detach(), *grads]
+
+    for i in range(4):
+        want = step(plain, plain, i)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = step(compiled, model, i)
+        for g, w in zip(got, want, strict=True):
+            assert_same_bits(g, w)
+
+
+class _InPlaceBlocks(nn.Module):
+    """Linear layers, each followed by an in-place ReLU whose result is read from its input."""
+
+    def __init__(self, blocks: int):
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(4, 4) for _ in range(blocks))
+        self.relus = nn.ModuleList(nn.ReLU(inplace=True) for _ in range(blocks))
+
+    def forward(self, x):
+        for linear, relu in zip(self.linears, self.relus):
+            x = linear(x)
+            relu(x)
+        return x
+
+
+def test_in_place_modules_behind_graph_breaks_compile_once_for_all_and_equal_eager():
+    """In-place ReLUs whose stochastic error quantisers break the compiled graph: dynamo compiles
+    inject's hooks of each as frames of their own, and one compilation serves every ReLU of the
+    model (before, the hooks kept the caller's tensor by id(module), which guarded them on each
+    module: a recompilation per in-place module, up to dynamo's recompile limit). The outputs,
+    the tensors the ReLUs were given, and the gradients are the eager model's, bit for bit."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _InPlaceBlocks(3)
+    spec = LayerQuantization(output=E5M2, error=E5M2, rounding="stochastic")
+    inject(model, {nn.ReLU: spec})
+    plain = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="aot_eager")
+
+    def step(forward, module, i):
+        torch.manual_seed(i)
+        x = torch.randn(2, 4, requires_grad=True)
+        y = forward(x)
+        y.pow(2).sum().backward()
+        grads = [x.grad, *(p.grad for p in module.parameters())]
+        module.zero_grad(set_to_none=True)
+        return [y.detach(), *grads]
+
+    for i in range(2):
+        want = step(plain, plain, i)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = step(compiled, model, i)
+        for g, w in zip(got, want, strict=True):
+            assert_same_bits(g, w)
+    # the oracle of the values: each ReLU's result rounded to E5M2 (nearest in eval mode), in
+    # the tensor the ReLU was given
+    for module in (model, plain):
+        module.eval()
+    x = torch.randn(2, 4)
+    y = x
+    for linear in plain.linears:
+        y = lpsim.quantize(torch.relu(nn.functional.linear(y, linear.weight, linear.bias)), E5M2)
+    with torch.no_grad():
+        assert_same_bits(compiled(x), y)
+
+
 # A whole low-precision training run: dropout, stochastic rounding of weights, activations and
 # errors (element, block and MX formats), delayed scaling in the model and in the optimizer, an
 # FP32 master copy rounded stochastically, a dynamic loss scale that skips steps, gradient

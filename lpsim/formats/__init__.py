@@ -224,6 +224,16 @@ class _OnGrid:
             raise ValueError(f"{self!r} does not fit even a float64 container: {problem}")
         stored_grid(self)
 
+    def __setstate__(self, state: dict) -> None:
+        """A format made by unpickling (copy.deepcopy of a model, torch.load): its fields, and
+        its grid stored as _finish stores it, so that under torch.compile a copy's constants are
+        computed at trace time as the original's are (lpsim.fusable.format_constants). Before,
+        a copy stored nothing until its first eager use, and a deep-copied injected model with
+        two formats failed to compile under dynamic=True (dynamo made the second format's limits
+        symbolic inside the error quantiser's autograd.Function)."""
+        self.__dict__.update(state)
+        stored_grid(self)
+
     def grid(self) -> GridSpec:
         """The grid the compiled ops round onto (computed once per distinct format)."""
         return stored_grid(self)

@@ -399,7 +399,7 @@ class _InputQuantiser:
         self.role = role
         self.masks = frozenset(str(i) for i in masks)
 
-    def quantise(self, module: nn.Module, value, done: dict | None = None, skip=frozenset()):
+    def quantise(self, module: nn.Module, value, done: list | None = None, skip=frozenset()):
         """``value`` (a tensor, or the positional arguments, or the keyword arguments) with its
         floating-point tensors quantised, but those under the places in ``skip`` (the masks).
         A tensor found at several places (the same object: self-attention's query, key and
@@ -410,7 +410,7 @@ class _InputQuantiser:
         arguments', for the keyword arguments)."""
         training = module.training
         observer = _observation.current
-        done = {} if done is None else done
+        done = [] if done is None else done
 
         def quantised(tensor: torch.Tensor, place: str) -> torch.Tensor:
             quantiser = self.role(place, tensor, training)
@@ -427,7 +427,7 @@ class _InputQuantiser:
         return map_placed_tensors(value, one, on_complex=_complex_refused(module, "input"))
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
-        done: dict = {}
+        done: list = []
         masked = {key for key in kwargs if _is_mask_name(key)}
         return (
             self.quantise(module, args, done, self.masks),
@@ -448,15 +448,20 @@ def _in_layout_of(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x).copy_(rounded)
 
 
-def _once(done: dict, tensor: torch.Tensor, place: str, quantised) -> torch.Tensor:
-    """quantised(tensor, place), made once per tensor object in a call: ``done`` maps id(tensor)
-    to (tensor, result) for the tensors already quantised in it, and a tensor found at a later
-    place gets its first place's result."""
-    found = done.get(id(tensor))
-    if found is not None and found[0] is tensor:
-        return found[1]
+def _once(done: list, tensor: torch.Tensor, place: str, quantised) -> torch.Tensor:
+    """quantised(tensor, place), made once per tensor object in a call: ``done`` holds the
+    (tensor, result) pairs of the tensors already quantised in it, and a tensor found at a later
+    place gets its first place's result.
+
+    Found by ``is``, not by id(tensor): where a graph break (a MAC's product, a stochastic error
+    quantiser) makes dynamo compile a hook's frame on its own, id() of a tensor it is given
+    guards that frame on the tensor's address, and a new activation at every call recompiled it
+    at every call (until dynamo's recompile limit, then ran it eagerly)."""
+    for seen, result in done:
+        if seen is tensor:
+            return result
     result = quantised(tensor, place)
-    done[id(tensor)] = (tensor, result)
+    done.append((tensor, result))
     return result
 
 
@@ -491,7 +496,7 @@ class _OutputQuantiser:
     def __call__(self, module: nn.Module, args: tuple, value):
         training = module.training
         observed = (module, training) if _observation.current is not None else None
-        done: dict = {}  # the tensors quantised in this call (_once)
+        done: list = []  # the tensors quantised in this call (_once)
 
         def quantised(tensor: torch.Tensor, place: str) -> torch.Tensor:
             forward = None if self.output is None else self.output(place, tensor, training)
@@ -531,23 +536,28 @@ class _InPlaceResult:
     in-place modules return their input. The gradient flows through the copy to the
     quantisers' result, so the error quantiser rounds it as before.
 
-    ``given`` holds the caller's tensor from ``before`` to ``after`` by the module's id: the
-    replicas nn.DataParallel runs in threads at once share their hooks."""
+    The caller's tensor (or None, where the module does not work in place) goes from ``before``
+    to ``after`` on a stack of this thread's (_given_stack): every call pushes one and pops it,
+    and the calls of modules inside one another's forward nest, so ``after`` pops its own call's
+    tensor; the replicas nn.DataParallel runs in threads at once share their hooks. Not by
+    id(module): where the graph breaks (a stochastic error quantiser), dynamo compiles these
+    hooks as frames of their own, and id() guarded them on the module, once per in-place module
+    of the model, up to dynamo's recompile limit."""
 
     def __init__(self, quantises_input: bool):
         self.quantises_input = quantises_input
-        self.given: dict[int, torch.Tensor] = {}
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict):
         given = args[0] if args else kwargs.get("input")
+        stack = _given_stack()
         if (
             module.inplace is not True
             or not isinstance(given, torch.Tensor)
             or not given.is_floating_point()
         ):
-            self.given.pop(id(module), None)
+            stack.append(None)
             return None
-        self.given[id(module)] = given
+        stack.append(given)
         if self.quantises_input:
             return None
         if args:
@@ -555,7 +565,8 @@ class _InPlaceResult:
         return args, {**kwargs, "input": given.clone()}
 
     def after(self, module: nn.Module, args: tuple, result):
-        given = self.given.pop(id(module), None)
+        stack = _given_stack()
+        given = stack.pop() if stack else None
         if (
             given is None
             or result is given
@@ -570,6 +581,15 @@ class _InPlaceResult:
 # The weight scopes of the module forwards running now in this thread, innermost last: each maps a
 # _FakeQuantize to the tensor it gave in that scope (see _open_weight_scope).
 _THREAD = threading.local()
+
+
+def _given_stack() -> list:
+    """The tensors given to the in-place modules whose forwards run now in this thread,
+    innermost last (see _InPlaceResult)."""
+    stack = getattr(_THREAD, "given", None)
+    if stack is None:
+        stack = _THREAD.given = []
+    return stack
 
 
 def _weight_scopes() -> list[dict]:
