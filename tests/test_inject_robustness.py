@@ -1295,3 +1295,32 @@ def test_checkpointed_injected_modules_give_the_gradients_of_the_run_without_che
     assert torch.equal(runs[0][0], runs[1][0])
     for got, want in zip(runs[1][1:], runs[0][1:]):
         assert_same_bits(got, want)
+
+
+def test_an_in_place_module_whose_call_raises_holds_no_tensor_afterwards():
+    """An injected in-place module keeps the caller's tensor from its first hook to its last: a
+    call that raises in between (a pre-hook or forward failing, an out-of-memory retried by the
+    script) leaves no reference to it behind, and the next call leaves its result in its input."""
+    import gc
+    import weakref
+
+    relu = nn.ReLU(inplace=True)
+    inject(relu, {nn.ReLU: LayerQuantization(output=E4M1, rounding="nearest")})
+
+    def fail(module, args):
+        raise RuntimeError("failed")
+
+    handle = relu.register_forward_pre_hook(fail)
+    given = torch.randn(5)
+    alive = weakref.ref(given)
+    with pytest.raises(RuntimeError, match="failed"):
+        relu(given)
+    del given
+    gc.collect()
+    assert alive() is None
+    handle.remove()
+    x = torch.randn(6)
+    before = x.clone()
+    y = relu(x)
+    assert y is x
+    assert_same_bits(x, lpsim.quantize(torch.relu(before), E4M1, "nearest"))

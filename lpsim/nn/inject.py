@@ -1528,7 +1528,9 @@ def _inject_module(
         done["output"] = None if output_role is None else output_role.spec
         done["error"] = None if error_role is None else error_role.spec
     if in_place is not None:
-        done["hooks"].append(module.register_forward_hook(in_place.after))
+        # always_call: a forward that raises pops its entry too (else its tensor stayed on the
+        # stack, held for ever)
+        done["hooks"].append(module.register_forward_hook(in_place.after, always_call=True))
     if any(True for _ in scalers.children()):
         module.add_module(_SCALERS, scalers)
         done["scalers"] = True
