@@ -227,10 +227,9 @@ class _OnGrid:
     def __setstate__(self, state: dict) -> None:
         """A format made by unpickling (copy.deepcopy of a model, torch.load): its fields, and
         its grid stored as _finish stores it, so that under torch.compile a copy's constants are
-        computed at trace time as the original's are (lpsim.fusable.format_constants). Before,
-        a copy stored nothing until its first eager use, and a deep-copied injected model with
-        two formats failed to compile under dynamic=True (dynamo made the second format's limits
-        symbolic inside the error quantiser's autograd.Function)."""
+        computed at trace time as the original's are (lpsim.fusable.format_constants); a copy
+        that stored nothing until its first eager use would have dynamo make its limits symbolic
+        inside the error quantiser's autograd.Function, which fails under dynamic=True."""
         self.__dict__.update(state)
         stored_grid(self)
 
