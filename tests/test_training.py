@@ -1002,6 +1002,18 @@ def test_compiled_stochastic_errors_draw_their_seeds_in_the_backward_pass_as_in_
         assert torch.equal(g, w)
 
 
+def _step_of_seed(forward, module: nn.Module, i: int) -> list[torch.Tensor]:
+    """One step on a (2, 4) input drawn from seed i: forward's output, then the gradients of the
+    input and of module's parameters (cleared afterwards)."""
+    torch.manual_seed(i)
+    x = torch.randn(2, 4, requires_grad=True)
+    y = forward(x)
+    y.pow(2).sum().backward()
+    grads = [x.grad, *(p.grad for p in module.parameters())]
+    module.zero_grad(set_to_none=True)
+    return [y.detach(), *grads]
+
+
 @pytest.mark.parametrize(
     "spec",
     [
@@ -1027,19 +1039,10 @@ def test_a_model_whose_graph_breaks_compiles_once_and_equals_eager_at_every_step
     plain = copy.deepcopy(model)
     compiled = torch.compile(model, backend="aot_eager")
 
-    def step(forward, module, i):
-        torch.manual_seed(i)
-        x = torch.randn(2, 4, requires_grad=True)
-        y = forward(x)
-        y.pow(2).sum().backward()
-        grads = [x.grad, *(p.grad for p in module.parameters())]
-        module.zero_grad(set_to_none=True)
-        return [y.detach(), *grads]
-
     for i in range(4):
-        want = step(plain, plain, i)
+        want = _step_of_seed(plain, plain, i)
         with torch._dynamo.config.patch(error_on_recompile=i > 0):
-            got = step(compiled, model, i)
+            got = _step_of_seed(compiled, model, i)
         for g, w in zip(got, want, strict=True):
             assert_same_bits(g, w)
 
@@ -1073,19 +1076,10 @@ def test_in_place_modules_behind_graph_breaks_compile_once_for_all_and_equal_eag
     plain = copy.deepcopy(model)
     compiled = torch.compile(model, backend="aot_eager")
 
-    def step(forward, module, i):
-        torch.manual_seed(i)
-        x = torch.randn(2, 4, requires_grad=True)
-        y = forward(x)
-        y.pow(2).sum().backward()
-        grads = [x.grad, *(p.grad for p in module.parameters())]
-        module.zero_grad(set_to_none=True)
-        return [y.detach(), *grads]
-
     for i in range(2):
-        want = step(plain, plain, i)
+        want = _step_of_seed(plain, plain, i)
         with torch._dynamo.config.patch(error_on_recompile=True):
-            got = step(compiled, model, i)
+            got = _step_of_seed(compiled, model, i)
         for g, w in zip(got, want, strict=True):
             assert_same_bits(g, w)
     # the oracle of the values: each ReLU's result rounded to E5M2 (nearest in eval mode), in
