@@ -216,15 +216,15 @@ def test_a_checkpointed_forward_is_recorded_once_as_a_python_recount_of_one_forw
         assert_same_bits(b.grad, a.grad)
 
 
-def capture_rounded_pairs(model: nn.Module, captured: list, step: list) -> None:
-    """Hooks of the test's own that save each rounding of the injected Linear layers as the pair
-    (value before, value the run went on with): inputs and outputs between a hook that runs
-    before inject's and one after, errors from tensor hooks on both sides of the output's
-    quantiser, weights from the forward hook of their parametrisation."""
-    for name, module in model.named_children():
-        if not isinstance(module, nn.Linear):
-            continue
-        raw = {}
+def capture_rounded_pairs(
+    model: nn.Module, names, captured: list, step: list, outputs: bool = True
+) -> None:
+    """Hooks of the test's own that save each rounding of the modules in ``names`` as the pair
+    (value before, value the run went on with): inputs and (with ``outputs``) outputs between a
+    hook that runs before inject's and one after, errors from tensor hooks on both sides of the
+    output's quantiser, weights from the forward hook of their parametrisation."""
+    for name in names:
+        module, raw = model.get_submodule(name), {}
 
         def before_input(m, args, raw=raw):
             raw["input"] = args[0].detach().clone()
@@ -237,11 +237,12 @@ def capture_rounded_pairs(model: nn.Module, captured: list, step: list) -> None:
 
         def after_output(m, args, output, name=name, raw=raw):
             unrounded, at, errors = raw.pop("output"), step[0], {}
-            pair = (unrounded.detach().clone(), output.detach().clone())
-            captured.append((at, name, "output", *pair))
+            if outputs:
+                pair = (unrounded.detach().clone(), output.detach().clone())
+                captured.append((at, name, "output", *pair))
             output.register_hook(lambda g: errors.setdefault("before", g.clone()))
             unrounded.register_hook(
-                lambda g: captured.append((at, name, "error", errors["before"], g.clone()))
+                lambda g: captured.append((at, name, "error", errors.pop("before"), g.clone()))
             )
 
         def weight(m, args, rounded, name=name):
@@ -281,7 +282,8 @@ def test_the_recorders_totals_are_those_of_the_stochastic_roundings_that_happene
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
     inject(model, {nn.Linear: LayerQuantization(weight=fmt, input=fmt, output=fmt, error=fmt)})
     captured, step = [], [0]
-    capture_rounded_pairs(model, captured, step)
+    linears = [name for name, m in model.named_children() if isinstance(m, nn.Linear)]
+    capture_rounded_pairs(model, linears, captured, step)
     sgd = torch.optim.SGD(model.parameters(), lr=0.01)
     with Recorder(model, sgd) as recorder:
         for scale in (3.0, 300.0):
@@ -562,42 +564,6 @@ def scaled_recipe_model() -> nn.Sequential:
     )
 
 
-def capture_operand_roundings(model: nn.Module, names, captured: list, step: list) -> None:
-    """Hooks of the test's own that save, for each module in ``names``, every rounding of its
-    operands as the pair (value before, value the run went on with): the input between a pre-hook
-    that runs before inject's and one after, the error from tensor hooks on both sides of the
-    error quantiser (the output before and after inject's forward hook), the weight from its
-    parametrisation's forward hook."""
-    for name in names:
-        module, raw = model.get_submodule(name), {}
-
-        def before_input(m, args, raw=raw):
-            raw["input"] = args[0].detach().clone()
-
-        def after_input(m, args, name=name, raw=raw):
-            captured.append((step[0], name, "input", raw.pop("input"), args[0].detach().clone()))
-
-        def before_output(m, args, output, raw=raw):
-            raw["output"] = output
-
-        def after_output(m, args, output, name=name, raw=raw):
-            unrounded, at, errors = raw.pop("output"), step[0], {}
-            output.register_hook(lambda g: errors.setdefault("before", g.clone()))
-            unrounded.register_hook(
-                lambda g: captured.append((at, name, "error", errors.pop("before"), g.clone()))
-            )
-
-        def weight(m, args, rounded, name=name):
-            pair = (args[0].detach().clone(), rounded.detach().clone())
-            captured.append((step[0], name, "weight", *pair))
-
-        module.register_forward_pre_hook(before_input, prepend=True)
-        module.register_forward_pre_hook(after_input)
-        module.register_forward_hook(before_output, prepend=True)
-        module.register_forward_hook(after_output)
-        module.parametrizations["weight"][0].register_forward_hook(weight)
-
-
 @pytest.mark.parametrize("name", ["mxfp8", "mxfp4", "nvfp4"])
 def test_a_scaled_recipe_with_a_mac_records_a_python_recount_of_its_operands_roundings(name):
     """lpsim.recipes' MXFP8, MXFP4 (stochastic "rceil" errors) and NVFP4 (stochastic errors) with
@@ -616,7 +582,7 @@ def test_a_scaled_recipe_with_a_mac_records_a_python_recount_of_its_operands_rou
         model, optimizer = recipe.apply(model, optimizer)
         captured, step = [], [0]
         if recorded:
-            capture_operand_roundings(model, axes, captured, step)
+            capture_rounded_pairs(model, axes, captured, step, outputs=False)
         recorder = Recorder(model, optimizer).attach() if recorded else None
         torch.manual_seed(1)
         for scale in (1.0, 1e-6):
