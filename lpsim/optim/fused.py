@@ -124,11 +124,18 @@ class _Fused(OwnOptions):
         except (TypeError, ValueError, NotImplementedError):
             self.param_groups.pop()  # a refused group is not kept: the optimizer stays usable
             raise
-        with torch.no_grad():
-            acc = self._group_specs(group)[_ACC]
-            for p in group["params"]:
-                if acc is not None:  # as OptimLP: the accumulator starts as the rounded weight
-                    self.state[p]["accumulator"] = quantize(p.detach().clone(), *acc)
+        self._start_accumulators(group)
+
+    @torch.no_grad()
+    def _start_accumulators(self, group: dict) -> None:
+        """Give each parameter of ``group`` that has none an accumulator (where the group has an
+        acc_format): as OptimLP's, the weight rounded into acc_format."""
+        acc = self._group_specs(group)[_ACC]
+        if acc is None:
+            return
+        for p in group["params"]:
+            if "accumulator" not in self.state[p]:
+                self.state[p]["accumulator"] = quantize(p.detach().clone(), *acc)
 
     def _group_specs(self, group: dict) -> tuple[QuantSpec | None, ...]:
         """The QuantSpec (or None) of each category of _CATEGORIES in a parameter group, made
@@ -205,13 +212,8 @@ class _Fused(OwnOptions):
         except (TypeError, ValueError, NotImplementedError):
             super().load_state_dict(kept)
             raise
-        with torch.no_grad():
-            for group in self.param_groups:
-                acc = self._group_specs(group)[_ACC]
-                for p in group["params"]:
-                    if acc is not None and "accumulator" not in self.state[p]:
-                        # as add_param_group makes it: the weight rounded into acc_format
-                        self.state[p]["accumulator"] = quantize(p.detach().clone(), *acc)
+        for group in self.param_groups:
+            self._start_accumulators(group)
 
     def _options_of_torch_group(self, group: dict) -> None:
         """Set, in a loaded group, the options that the torch optimizer's group holds under other
