@@ -583,20 +583,23 @@ class _InPlaceResult:
 _THREAD = threading.local()
 
 
+def _thread_list(name: str) -> list:
+    """This thread's list ``name`` of _THREAD, made empty on first use."""
+    found = getattr(_THREAD, name, None)
+    if found is None:
+        found = []
+        setattr(_THREAD, name, found)
+    return found
+
+
 def _given_stack() -> list:
     """The tensors given to the in-place modules whose forwards run now in this thread,
     innermost last (see _InPlaceResult)."""
-    stack = getattr(_THREAD, "given", None)
-    if stack is None:
-        stack = _THREAD.given = []
-    return stack
+    return _thread_list("given")
 
 
 def _weight_scopes() -> list[dict]:
-    scopes = getattr(_THREAD, "scopes", None)
-    if scopes is None:
-        scopes = _THREAD.scopes = []
-    return scopes
+    return _thread_list("scopes")
 
 
 class _FakeQuantize(nn.Module):
