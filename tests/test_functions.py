@@ -709,6 +709,48 @@ def test_a_selector_that_matches_no_module_is_refused():
         quantize_functions(model, {key: LayerQuantization()})  # the model itself is "", too
 
 
+class _WeightsBorrowed(nn.Module):
+    """Uses its child's weights without calling it, as nn.MultiheadAttention does its out_proj."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return F.linear(x, self.inner.weight, self.inner.bias)
+
+
+def test_a_key_that_decides_no_call_warns_once_when_the_context_exits():
+    """A selector that matches a module which never runs (its parent borrows its weights) passes
+    the construction check and would quantise nothing, silently."""
+    model = _WeightsBorrowed()
+    settings = LayerQuantization(input=Float(5, 2), rounding="nearest")
+    functions = quantize_functions(model, {("linear", "inner"): settings, "linear": settings})
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            with functions:
+                y = model(x)
+    messages = [str(w.message) for w in caught]
+    assert messages == [
+        "quantize_functions: the key ('linear', 'inner') has decided no call: no 'linear' call "
+        "was made while a module its selector selects runs (outside modules inject gave MACs), "
+        "so it quantised nothing"
+    ]
+    assert caught[0].filename == __file__
+    expected = F.linear(lpsim.quantize(x, Float(5, 2)), model.inner.weight, model.inner.bias)
+    assert_same_bits(y, expected)  # the op key decided the call
+
+
+def test_a_context_left_by_an_exception_does_not_warn():
+    functions = quantize_functions(nn.Identity(), {"softmax": LayerQuantization()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(KeyError), functions:
+            raise KeyError("stop")
+
+
 def test_a_model_and_a_mapping_are_required():
     with pytest.raises(TypeError, match="model must be an nn.Module"):
         quantize_functions(lambda x: x, {})

@@ -22,7 +22,9 @@ tuples of these); a pair applies to calls made while a module it selects is runn
 itself, its forward pre-hooks and forward hooks included, or any module inside it; a module
 registered under several names, shared by two parents, is selected by any of them, as in
 inject). A selector that matches no module of the model is an
-error, as in inject. Each call is decided by the first entry, in the
+error, as in inject; a key that has decided no call when the context exits (its op never called
+while its modules ran: a module whose parent uses its weights without calling it, say) is
+warned of once (a UserWarning). Each call is decided by the first entry, in the
 mapping's order, whose op and selector match it; a call no entry matches is torch's own. Values
 are ``LayerQuantization``; a field an op does not take is an error.
 
@@ -146,6 +148,7 @@ import contextlib
 import contextvars
 import math
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
 
@@ -366,6 +369,11 @@ class FunctionQuantization(TorchFunctionMode):
         self._selects: list[tuple[nn.Module, ...] | None] = []
         self._active = False
         self._thread: int | None = None  # the thread that entered the context
+        # Per entry, whether it has decided a call since the context was made (stored, never
+        # read while a call is traced, so that torch.compile installs no guard on it), and
+        # whether a warning said that it had not.
+        self._decided = [False] * len(entries)
+        self._warned = [False] * len(entries)
 
     # -- entering and leaving --------------------------------------------------------------
     def __enter__(self):
@@ -407,6 +415,25 @@ class FunctionQuantization(TorchFunctionMode):
             self._hooks.clear()
             self._running.clear()
             self._active = False
+            if exc[0] is None:
+                self._warn_undecided()
+
+    def _warn_undecided(self) -> None:
+        """Warns, once per entry, of the entries that have decided no call since the context was
+        made: a key whose op its modules never call, or whose modules never run (a parent that
+        uses a child's weights without calling it, a module inject gave MACs), quantises nothing."""
+        for index, entry in enumerate(self.entries):
+            if self._decided[index] or self._warned[index]:
+                continue
+            self._warned[index] = True
+            key = entry.op if entry.selector is None else (entry.op, entry.selector)
+            where = "" if entry.selector is None else " while a module its selector selects runs"
+            warnings.warn(
+                f"quantize_functions: the key {key!r} has decided no call: no {entry.op!r} "
+                f"call was made{where} (outside modules inject gave MACs), so it quantised "
+                "nothing",
+                stacklevel=3,
+            )
 
     def _entering(self, name: str):
         def push(module, args):
@@ -477,6 +504,7 @@ class FunctionQuantization(TorchFunctionMode):
         index = self._entry_index(op)
         if index is None:
             return None
+        self._decided[index] = True
         if self._running:
             name, module, calls = self._stack()[-1]
             where, training = name.replace(".", "/"), module.training
