@@ -24,7 +24,7 @@ from lpsim.nn import (
     remove,
     report,
 )
-from lpsim.optim import OptimLP
+from lpsim.optim import OptimLP, ParameterQuantization
 
 E5M2 = Float(5, 2)
 BF16 = Float(8, 7)
@@ -818,10 +818,11 @@ def test_a_closure_s_gradients_are_scaled_and_rounded_before_the_update(acc):
 
 
 def test_lbfgs_with_a_0d_first_parameter_keeps_its_hessian_scale_unrounded():
-    """LBFGS keeps its state with its first parameter: the direction and the last gradient (of
-    all parameters) are buffers that ``momentum`` rounds, H_diag (the scale of its initial
-    inverse Hessian) a scalar of the algorithm. With a 0-d first parameter H_diag was rounded
-    too, as a 0-d buffer of a 0-d parameter, which changed the next directions."""
+    """LBFGS keeps its state with its first parameter: the direction, the last gradient and the
+    history of steps and gradient changes (of all parameters) are buffers that ``momentum``
+    rounds, H_diag (the scale of its initial inverse Hessian) a scalar of the algorithm. With a
+    0-d first parameter H_diag was rounded too, as a 0-d buffer of a 0-d parameter, which changed
+    the next directions."""
     torch.manual_seed(0)
     x, y = torch.randn(20, 4), torch.randn(20)
     fmt = Float(3, 1)
@@ -847,11 +848,67 @@ def test_lbfgs_with_a_0d_first_parameter_keeps_its_hessian_scale_unrounded():
         reference.step(closure(reference, theirs))
         state = reference.state[theirs[0]]
         with torch.no_grad():  # the documented rounding: the buffers, not H_diag
-            for key in ("d", "prev_flat_grad"):
-                state[key].copy_(lpsim.quantize(state[key], fmt, "nearest"))
+            for t in [state["d"], state["prev_flat_grad"], *state["old_dirs"], *state["old_stps"]]:
+                t.copy_(lpsim.quantize(t, fmt, "nearest"))
         for a, b in zip(ours, theirs, strict=True):
             assert_same_bits(a.detach(), b.detach())
         assert_same_bits(opt.state[ours[0]]["H_diag"], state["H_diag"])
+
+
+@pytest.mark.parametrize("first", ["rounded", "full precision"])
+def test_lbfgs_rounds_each_parameters_segment_of_its_vectors_by_that_parameters_settings(first):
+    """LBFGS's direction, last gradient and history are vectors over all its parameters' elements,
+    kept with its first parameter. Each parameter's segment is its own: a parameter in full
+    precision keeps its part unrounded, a rounded one has its part rounded, whichever parameter
+    comes first (the whole vectors followed the first parameter's settings: a full-precision
+    first parameter left every segment unrounded, a rounded one rounded the others' too)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 3), torch.randn(16, 2)
+    fmt = Float(4, 1)
+
+    def make():
+        return nn.Parameter(torch.randn(2, 3) * 0.5), nn.Parameter(torch.randn(2) * 0.5)
+
+    ours, theirs = make(), make()
+    with torch.no_grad():
+        for a, b in zip(ours, theirs, strict=True):
+            b.copy_(a)
+    order = [0, 1] if first == "rounded" else [1, 0]
+    settings = {ours[0]: ParameterQuantization(momentum=(fmt, "nearest")), ours[1]: None}
+    opt = OptimLP(
+        torch.optim.LBFGS([ours[i] for i in order], lr=0.5, max_iter=3, history_size=4),
+        parameters=settings,
+    )
+    reference = torch.optim.LBFGS([theirs[i] for i in order], lr=0.5, max_iter=3, history_size=4)
+
+    def closure(optimizer, params):
+        def evaluate():
+            optimizer.zero_grad()
+            loss = ((x @ params[0].T + params[1] - y) ** 2).mean()
+            loss.backward()
+            return loss
+
+        return evaluate
+
+    sizes = [theirs[i].numel() for i in order]
+    rounded = order.index(0)  # the segment of the rounded parameter
+    for _ in range(3):
+        opt.step(closure(opt, ours))
+        reference.step(closure(reference, theirs))
+        state = reference.state[theirs[order[0]]]
+        with torch.no_grad():
+            for t in [state["d"], state["prev_flat_grad"], *state["old_dirs"], *state["old_stps"]]:
+                segment = t.split(sizes)[rounded]
+                segment.copy_(lpsim.quantize(segment, fmt, "nearest"))
+        for a, b in zip(ours, theirs, strict=True):
+            assert_same_bits(a.detach(), b.detach())
+        ours_state = opt.state[ours[order[0]]]
+        for key in ("d", "prev_flat_grad"):
+            assert_same_bits(ours_state[key], state[key])
+        for key in ("old_dirs", "old_stps"):
+            assert len(ours_state[key]) == len(state[key]) > 0
+            for a, b in zip(ours_state[key], state[key], strict=True):
+                assert_same_bits(a, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)

@@ -198,6 +198,13 @@ def _is_number(value) -> bool:
 _SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product", "H_diag"})
 
 
+# LBFGS keeps its direction, its previous gradient and its history of steps and gradient changes
+# in its first parameter's state as vectors over the elements of all its parameters, in order
+# (flat buffers and lists of them); OptimLP rounds each parameter's segment by its own settings.
+_LBFGS_FLAT_STATE = ("d", "prev_flat_grad")
+_LBFGS_FLAT_HISTORY = ("old_dirs", "old_stps")
+
+
 def _state_tensor(key: str, value, param: torch.Tensor) -> bool:
     """Whether OptimLP's momentum phase rounds this entry of param's optimizer state: a
     floating-point buffer, not one of the scalars above. A 0-d entry is one only for a 0-d
@@ -610,18 +617,52 @@ class OptimLP(Optimizer):
     @torch.no_grad()
     def _quantize_state(self) -> None:
         batch = _Batch(_observation.current)
+        flat = self._lbfgs_flat_state()
         for p, s in self._rounded_params():
             if s.momentum is None:
                 continue
             state = self.optimizer.state.get(p, {})
             for key, value in state.items():
+                if any(value is buffer for _, buffer in flat):
+                    continue
                 if _state_tensor(key, value, p):
                     if value.is_sparse:
                         state[key] = value = value.coalesce()
                     value = _stored_values(value)
                     quant = self._quantizer(p, f"momentum.{key}", s.momentum, value)
                     batch.add(quant, value, p, "momentum")
+        self._add_flat_segments(batch, flat)
         batch.run()
+
+    def _lbfgs_flat_state(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, buffer) of LBFGS's vectors over all its parameters (see _LBFGS_FLAT_STATE);
+        empty for other optimizers."""
+        if not isinstance(self.optimizer, torch.optim.LBFGS):
+            return []
+        state = self.optimizer.state.get(self.optimizer.param_groups[0]["params"][0], {})
+        flat = [(key, state[key]) for key in _LBFGS_FLAT_STATE if key in state]
+        for key in _LBFGS_FLAT_HISTORY:
+            flat += [(f"{key}.{i}", t) for i, t in enumerate(state.get(key, []))]
+        return [(key, t) for key, t in flat if isinstance(t, torch.Tensor)]
+
+    def _add_flat_segments(self, batch: _Batch, flat: list[tuple[str, torch.Tensor]]) -> None:
+        """Each parameter's segment of LBFGS's vectors, shaped as the parameter, added to batch
+        for its own ``momentum`` (none: left as it is), as a buffer of that parameter would be."""
+        params = self.optimizer.param_groups[0]["params"] if flat else []
+        for name, buffer in flat:
+            sizes = [torch.view_as_real(p).numel() if p.is_complex() else p.numel() for p in params]
+            if buffer.dim() != 1 or buffer.numel() != sum(sizes):
+                raise RuntimeError(
+                    f"OptimLP: LBFGS's {name} holds {buffer.numel()} elements, not the "
+                    f"{sum(sizes)} of its parameters"
+                )
+            for p, segment in zip(params, buffer.split(sizes), strict=True):
+                s = self.settings.get(p)
+                if s is None or s.momentum is None:
+                    continue
+                segment = segment.view(torch.view_as_real(p).shape if p.is_complex() else p.shape)
+                quant = self._quantizer(p, f"momentum.{name}", s.momentum, segment)
+                batch.add(quant, segment, p, "momentum")
 
     def _widened(self) -> list[torch.Tensor]:
         """The parameters whose accumulator is wider than they are."""
