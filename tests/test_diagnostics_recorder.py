@@ -502,6 +502,25 @@ def test_a_quantizer_module_records_its_output_and_error_under_its_name():
     assert_same_statistics(got["1", "output"], want, "output")
 
 
+def test_a_module_added_while_attached_is_recorded_from_its_first_call():
+    """Without an optimizer no step names the model's modules again: a quantiser added to the
+    model after attach() went unrecorded for the rest of the run; with one, until its next step."""
+    model = nn.Sequential(nn.Linear(3, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(5, 3)
+    for attached_optimizer in (None, optimizer):
+        del model[1:]
+        with Recorder(model, attached_optimizer) as recorder:
+            model.append(Quantizer(FLOAT, FIXED, "nearest", "nearest"))
+            y = model(x)
+            y.backward(torch.randn(5, 3))
+        got = recorder.summary()
+        assert set(got) == {("1", "output"), ("1", "error")}
+        output = model[0](x).detach()
+        want = python_recount(output, lpsim.quantize(output, FLOAT, "nearest"), FLOAT)
+        assert_same_statistics(got["1", "output"], want, "output")
+
+
 def test_the_quantisers_of_qtorch_lower_are_recorded_under_the_lowered_modules():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3))

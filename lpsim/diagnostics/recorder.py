@@ -44,7 +44,8 @@ module, the state tensors of a parameter, the forward passes of gradient accumul
 of a module called several times). A module registered under several names (one module shared by
 two places of the model, such as the one Quantizer of lpsim.compat.qtorch's sequential_lower())
 has one name, the first that model.named_modules() gives it: its roundings in every place add up
-there.
+there. A module or parameter added to the model while the recorder is attached is named at its
+first rounding.
 
 Not recorded: the roundings of lpsim.nn.quantize_functions contexts (matmul, linear, softmax and
 attention called as functions), of the lpsim.nn.quantizer() function (it belongs to no module; the
@@ -106,6 +107,7 @@ import json
 import math
 import os
 import sys
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -293,6 +295,7 @@ class Recorder:
         self._statistics: dict[tuple[int, str, str], RoundingStatistics] = {}
         self._stagnation: dict[tuple[int, str], Stagnation] = {}
         self._names: dict[int, str] = {}  # id of a module or parameter -> its name
+        self._unnamed: dict[int, weakref.ref] = {}  # owners found to have no name, by id
         self._hooks: list = []
         self._graphs_at_attach = 0
         # id(parameter) -> (its weight before the step, the mask of its nonzero gradient or None)
@@ -385,6 +388,22 @@ class Recorder:
                 names[id(p)] = parameter_name(name)
         return names
 
+    def _name_of(self, owner: object) -> str | None:
+        """owner's name (None: not the model's or the optimizer's). An owner the last naming did
+        not name (a module or parameter added to the model since: without an optimizer, no step
+        names them) names the model's modules and parameters again, once per such owner."""
+        name = self._names.get(id(owner))
+        if name is not None:
+            return name
+        known = self._unnamed.get(id(owner))
+        if known is not None and known() is owner:
+            return None
+        self._names = self._collect_names()
+        name = self._names.get(id(owner))
+        if name is None:
+            self._unnamed[id(owner)] = weakref.ref(owner)
+        return name
+
     # The observer (called by the quantising call sites, see lpsim._observation)
 
     def wants(self, category: str) -> bool:
@@ -407,7 +426,7 @@ class Recorder:
             return
         if isinstance(owner, nn.Module) and category != "error" and _observation.recomputing():
             return  # a forward recomputed by activation checkpointing, recorded the first time
-        name = self._names.get(id(owner))
+        name = self._name_of(owner)
         if name is None:
             return
         before = self._before_step.get(id(owner))
