@@ -214,6 +214,30 @@ def test_convolution_of_unbatched_input_matches_torch(op, simulated, x_shape, w_
 
 
 @pytest.mark.parametrize(
+    "x_layout, w_layout",
+    [("contiguous", "channels_last"), ("channels_last", "contiguous"), ("channels_last",) * 2],
+)
+@pytest.mark.parametrize("x_shape", [(2, 3, 9, 8), (3, 9, 8)], ids=["batched", "unbatched"])
+def test_conv2d_gives_its_result_the_layout_torchs_conv2d_gives(x_shape, x_layout, w_layout):
+    """torch's conv2d gives a channels-last result where an operand is channels last, and the
+    layers after it keep that layout: BatchNorm's CPU kernels sum in another order in it, so a
+    contiguous result changed the bits of the next layer (against the native MAC's, torch's)."""
+    formats = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
+    x, w, b = ints(*x_shape, seed=20), ints(4, 3, 3, 3, seed=21), ints(4, seed=22)
+    if len(x_shape) == 4:
+        x = x.contiguous(memory_format=formats[x_layout])
+    w = w.contiguous(memory_format=formats[w_layout])
+    want = F.conv2d(x, w, b, padding=1)
+    accumulator = MAC(accumulator=Float(8, 7))
+    got = LF.conv2d(x, w, b, padding=1, mac=accumulator)
+    assert got.stride() == want.stride()
+    assert_same_bits(got, LF.conv2d(x.contiguous(), w.contiguous(), b, padding=1, mac=accumulator))
+    bn = torch.nn.BatchNorm2d(4)
+    if len(x_shape) == 4:
+        assert_same_bits(bn(got), bn(want))  # the products of small integers are exact
+
+
+@pytest.mark.parametrize(
     "geometry",
     [
         dict(stride=(2,), padding=(1,), dilation=(2,)),

@@ -1104,7 +1104,21 @@ def _conv(input, weight, bias, geometry: _Geometry, how: Arithmetic, dims: int, 
         y = y[:, :0]
     if dims == 1:
         y = y.squeeze(2)
+    elif _channels_last(input) or _channels_last(weight):  # torch's conv2d gives y that layout
+        y = y.contiguous(memory_format=torch.channels_last)
     return _with_grad_format(y.squeeze(0) if unbatched else y, how)
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    """Whether a tensor is 4-D and laid out channels last (and not also contiguous, as tensors with
+    one channel or one pixel are): then torch's conv2d gives its result, and the operations after
+    it (BatchNorm's CPU kernels among them, whose sums then run in another order) take, that
+    layout."""
+    return (
+        t.dim() == 4
+        and t.is_contiguous(memory_format=torch.channels_last)
+        and not t.is_contiguous()
+    )
 
 
 def _check_conv_shapes(input, weight, bias, geometry: _Geometry, dims: int) -> None:
