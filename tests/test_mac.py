@@ -15,6 +15,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from gfloat import RoundMode, round_float
+from gfloat.formats import format_info_p3109
+from gfloat.types import Domain, Signedness
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import assert_same_bits, assert_same_for_any_thread_count
@@ -236,10 +239,6 @@ def test_kahan_needs_a_signed_accumulator(saturation):
     a signed P3109 accumulator the compensated sum is gfloat's rounding of each of Kahan's steps
     (and near the exact sum where the recursive one stalls), and an unsigned accumulator, which
     would clip every negative c to 0 (or make it NaN under SatNone), is refused."""
-    from gfloat import RoundMode, round_float
-    from gfloat.formats import format_info_p3109
-    from gfloat.types import Domain, Signedness
-
     signed = lpsim.P3109(8, 4, saturation=saturation)
     info = format_info_p3109(8, 4, Signedness.Signed, Domain.Extended)
 

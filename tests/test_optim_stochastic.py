@@ -7,6 +7,9 @@ import re
 
 import pytest
 import torch
+from gfloat import RoundMode, round_float
+from gfloat.formats import format_info_p3109
+from gfloat.types import Domain, Signedness
 from support import assert_same_bits
 
 import lpsim
@@ -56,10 +59,6 @@ def test_sr_sgd_with_bfloat16_weights_reaches_the_float32_optimum_where_nearest_
 def _kahan_model(w: float, update: float, steps: int, fmt) -> float:
     """Kahan's summation of `steps` equal updates into w, every operation rounded to nearest into
     fmt by gfloat (the P3109 working group's reference code)."""
-    from gfloat import RoundMode, round_float
-    from gfloat.formats import format_info_p3109
-    from gfloat.types import Domain, Signedness
-
     info = format_info_p3109(fmt.bits, fmt.precision, Signedness.Signed, Domain.Extended)
 
     def rnd(v: float) -> float:
