@@ -130,8 +130,8 @@ def sum(
         dim: the dimension to sum over; None: every element.
         keepdim: keep the summed dimension with size 1 (every dimension for dim None), as
             torch.sum does.
-        acc: a Float or Fixed accumulation format; None: x's own format (a bfloat16 tensor is
-            summed in bfloat16).
+        acc: a Float, Fixed or P3109 accumulation format; None: x's own format (a bfloat16
+            tensor is summed in bfloat16).
         rounding, rbits, seed, offset: as for lpsim.quantize; the default rule is "nearest".
 
     Returns:
@@ -139,8 +139,8 @@ def sum(
         is +0.
 
     Raises:
-        TypeError: x is not a tensor of a supported dtype, acc is not a Float or Fixed format, or
-            keepdim is not a bool.
+        TypeError: x is not a tensor of a supported dtype, acc is not a Float, Fixed or P3109
+            format, or keepdim is not a bool.
         ValueError: x is not on the CPU, or an argument is out of range.
         IndexError: dim does not exist in x.
     """
@@ -225,7 +225,8 @@ def matvec(
 
     Raises:
         TypeError: an operand has an unsupported dtype (float64 products would not be exact) or
-            a sparse layout, or the operands' dtypes differ; a format is not a Float or Fixed.
+            a sparse layout, or the operands' dtypes differ; a format is not a Float, Fixed or
+            P3109.
         ValueError: the shapes do not match, an operand is not on the CPU, or an argument is out of
             range.
     """

@@ -34,7 +34,8 @@ once, by ``rounding``, onto the named format's grid):
     below n; a single term is itself (rounded when it is the whole sum).
 - ``compensated``: Kahan's compensated summation in the accumulator (sequential order only): a
   running compensation c carries the low part each addition lost, every operation rounded into the
-  accumulator: y = round(t_k - c), u = round(s + y), c = round(round(u - s) - y), s = u.
+  accumulator: y = round(t_k - c), u = round(s + y), c = round(round(u - s) - y), s = u. c takes
+  both signs, so the accumulator must be signed (an unsigned P3109 format is refused).
 - ``rounding``, ``rbits``: the rule of every rounding, and the random bits of a stochastic rule.
 
 ``matmul(a, b, mac)`` computes a product under a MAC (CPU or CUDA; exact products need float32,
@@ -93,7 +94,7 @@ from lpsim._checks import (
 from lpsim._checks import random_args as _random_args
 from lpsim._ops import call
 from lpsim.accumulate import check_product_operands
-from lpsim.formats import Fixed, Float, check_fits, sum_container
+from lpsim.formats import P3109, Fixed, Float, check_fits, sum_container
 from lpsim.functional import quantize
 from lpsim.rounding import Rounding, check_rbits
 from lpsim.update import own_format, sum_grid
@@ -198,7 +199,7 @@ class MAC:
         order: "sequential", "chunked" or "pairwise".
         chunk: the terms per chunk, in [1, 2^31 - 1]; required by, and only for, "chunked".
         chunk_accumulator: the format of a chunk's sum ("chunked" only); None: the accumulator.
-        compensated: Kahan's compensated summation ("sequential" only).
+        compensated: Kahan's compensated summation ("sequential" only; a signed accumulator).
         tensor_core: a TensorCore that adds the products in groups ("sequential" or "chunked",
             exact products, no Kahan); None: one product at a time.
 
@@ -244,6 +245,14 @@ class MAC:
             raise ValueError(
                 f'compensated (Kahan) summation applies to order="sequential" only, not '
                 f"{self.order!r}"
+            )
+        acc = self.accumulator
+        if self.compensated and isinstance(acc, P3109) and not acc.signed:
+            # c = (u - s) - y is negative about as often as positive, whatever the terms' signs:
+            # an unsigned accumulator would clip it to 0 (or make it NaN under SatNone).
+            raise ValueError(
+                "compensated (Kahan) summation keeps a signed compensation in the accumulator: "
+                f"the accumulator must be a signed format with compensated=True, got {acc!r}"
             )
         customised = (
             self.product is not None

@@ -100,8 +100,8 @@ def _update_args(a, fmt, rounding, rbits, seed, offset, randomness) -> tuple:
         fmt = own_format(a.dtype)
     if isinstance(fmt, BlockFloat):
         raise TypeError(
-            "fmt must be a Float or Fixed format: a BlockFloat grid depends on the whole block, "
-            "not on one sum"
+            "fmt must be a Float, Fixed or P3109 format: a BlockFloat grid depends on the whole "
+            "block, not on one sum"
         )
     check_element_format("fmt", fmt)
     check_fits(fmt, a.dtype)
@@ -166,8 +166,8 @@ def sr_add(
         a: a float32, float64, bfloat16 or float16 tensor: the container of the result.
         b: a tensor broadcastable to a's shape, of any of those dtypes, or a Python number (taken
             as a float64). The sum uses b's exact value, whatever its precision.
-        fmt: a Float or Fixed format that fits a's dtype; None: a's own format (bfloat16 for a
-            bfloat16 tensor), so that the result is what an addition in that format gives.
+        fmt: a Float, Fixed or P3109 format that fits a's dtype; None: a's own format (bfloat16
+            for a bfloat16 tensor), so that the result is what an addition in that format gives.
         rounding: any lpsim rule; default "stochastic" (mode 1, unbiased). "stochastic_equal" is
             mode 2 (probability 1/2). An exactly representable sum is returned unchanged by
             every rule.

@@ -15,6 +15,9 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from gfloat import RoundMode, round_float
+from gfloat.formats import format_info_p3109
+from gfloat.types import Domain, Signedness
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import assert_same_bits, assert_same_for_any_thread_count
@@ -228,6 +231,39 @@ def test_kahan_stays_near_the_exact_sums_where_recursion_drifts():
     kahan = drift(MAC(accumulator=BFLOAT16, compensated=True))
     assert kahan <= 1.5
     assert plain >= 5 * kahan
+
+
+@pytest.mark.parametrize("saturation", lpsim.formats.P3109_SATURATIONS)
+def test_kahan_needs_a_signed_accumulator(saturation):
+    """Kahan's compensation c = (u - s) - y takes both signs even when every term is positive: in
+    a signed P3109 accumulator the compensated sum is gfloat's rounding of each of Kahan's steps
+    (and near the exact sum where the recursive one stalls), and an unsigned accumulator, which
+    would clip every negative c to 0 (or make it NaN under SatNone), is refused."""
+    signed = lpsim.P3109(8, 4, saturation=saturation)
+    info = format_info_p3109(8, 4, Signedness.Signed, Domain.Extended)
+
+    def rnd(v: float) -> float:
+        return round_float(info, v, RoundMode.TiesToEven, True)
+
+    g = torch.Generator().manual_seed(3)
+    a = (torch.rand(1, 64, generator=g) + 0.5).to(torch.bfloat16).float()
+    b = (torch.rand(64, 1, generator=g) + 0.5).to(torch.bfloat16).float()
+    terms = [float(x) * float(y) for x, y in zip(a[0].tolist(), b[:, 0].tolist())]
+    s, c = rnd(terms[0]), 0.0
+    for t in terms[1:]:
+        y = rnd(t - c)
+        u = rnd(s + y)
+        c = rnd(rnd(u - s) - y)
+        s = u
+    kahan = lpsim.mac.matmul(a, b, MAC(accumulator=signed, compensated=True)).item()
+    plain = lpsim.mac.matmul(a, b, MAC(accumulator=signed)).item()
+    exact = float(sum(Fraction(t) for t in terms))
+    assert kahan == s
+    assert abs(kahan - exact) <= 2 < exact - plain  # the recursive sum stalls at 32
+    unsigned = lpsim.P3109(8, 4, signed=False, saturation=saturation)
+    with pytest.raises(ValueError, match="accumulator must be a signed format with compensated"):
+        MAC(accumulator=unsigned, compensated=True)
+    MAC(accumulator=unsigned)  # without compensation it is an accumulator
 
 
 # ---- Stochastic rounding.

@@ -7,6 +7,9 @@ import re
 
 import pytest
 import torch
+from gfloat import RoundMode, round_float
+from gfloat.formats import format_info_p3109
+from gfloat.types import Domain, Signedness
 from support import assert_same_bits
 
 import lpsim
@@ -51,6 +54,44 @@ def test_sr_sgd_with_bfloat16_weights_reaches_the_float32_optimum_where_nearest_
     assert stochastic < tolerance
     assert kahan < tolerance
     assert nearest > 10 * tolerance
+
+
+def _kahan_model(w: float, update: float, steps: int, fmt) -> float:
+    """Kahan's summation of `steps` equal updates into w, every operation rounded to nearest into
+    fmt by gfloat (the P3109 working group's reference code)."""
+    info = format_info_p3109(fmt.bits, fmt.precision, Signedness.Signed, Domain.Extended)
+
+    def rnd(v: float) -> float:
+        return round_float(info, v, RoundMode.TiesToEven, True)
+
+    c = 0.0
+    for _ in range(steps):
+        y = rnd(update + c)
+        new = rnd(w + y)
+        c = rnd(y - rnd(new - w))
+        w = new
+    return w
+
+
+@pytest.mark.parametrize("saturation", lpsim.formats.P3109_SATURATIONS)
+def test_kahan_compensation_needs_a_signed_weight_format(saturation):
+    """The compensation c and the corrected update y = u + c take both signs: in a signed P3109
+    weight format Kahan's sum descends as gfloat's model of it does, and an unsigned one, which
+    would clip every negative y and c to 0 (or make them NaN under SatNone), is refused."""
+    signed = lpsim.P3109(8, 4, saturation=saturation)
+    w = torch.full((4,), 4.0, requires_grad=True)
+    opt = lpsim.optim.SGD([w], lr=0.125, weight_format=signed, rounding="nearest", kahan=True)
+    for _ in range(10):
+        w.grad = torch.ones(4)
+        opt.step()
+    assert w.tolist() == [_kahan_model(4.0, -0.125, 10, signed)] * 4 == [4.0 - 10 * 0.125] * 4
+    unsigned = lpsim.P3109(8, 4, signed=False, saturation=saturation)
+    with pytest.raises(ValueError, match="weight_format must be a signed format with kahan=True"):
+        lpsim.optim.SGD([w], weight_format=unsigned, kahan=True)
+    opt = lpsim.optim.AdamW([w], weight_format=signed, kahan=True)
+    with pytest.raises(ValueError, match="weight_format must be a signed format with kahan=True"):
+        opt.add_param_group({"params": [torch.ones(2)], "weight_format": unsigned})
+    lpsim.optim.SGD([torch.ones(2)], weight_format=unsigned)  # without kahan it is a format
 
 
 def test_sr_adamw_with_bfloat16_weights_matches_float32_adamw_where_nearest_stalls():

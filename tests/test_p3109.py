@@ -243,6 +243,53 @@ def test_stochastic_rounding_lands_on_a_neighbouring_value(name):
     assert bool((y != v[above]).any() and (y != v[below]).any())  # both neighbours occur
 
 
+STOCHASTIC_CASES = [
+    (name, saturation)
+    for name in ["binary8p1se", "binary8p3sf", "binary8p4se", "binary8p5ue", "binary8p8uf"]
+    for saturation in ("SatFinite", "SatNone")
+]
+
+
+@pytest.mark.parametrize("rbits", [32, 3, 1])
+@pytest.mark.parametrize(
+    "name, saturation", STOCHASTIC_CASES, ids=[f"{n}-{s}" for n, s in STOCHASTIC_CASES]
+)
+def test_stochastic_rounding_is_gfloats_stochastic_a_with_the_words_top_bits(
+    name, saturation, rbits
+):
+    """``stochastic`` with rbits = k is P3109's StochasticA (gfloat's StochasticFastest) whose k
+    random bits are the top k bits of the element's Philox word, bit for bit: inside the range,
+    between max and the next value of the unbounded precision (where SatFinite clamps and SatNone
+    gives Inf, or NaN in a finite format), among the subnormals and for negative values."""
+    fmt = _with(preset(name), saturation)
+    generator = torch.Generator().manual_seed(rbits)
+    v = fmt.values()
+    positive = v[v > 0]
+    x = torch.cat(
+        [
+            positive * (1 + 0.3 * torch.rand(len(positive), generator=generator)),
+            fmt.max * (1 + 0.1 * torch.rand(64, generator=generator)),
+            fmt.smallest_subnormal * torch.rand(64, generator=generator),
+        ]
+    ).float()
+    if fmt.signed:
+        x = torch.cat([x, -x])
+    got = lpsim.quantize(x, fmt, "stochastic", rbits=rbits, seed=11, offset=2)
+    info = _info(fmt)
+    want = [
+        round_float(
+            info,
+            value,
+            RoundMode.StochasticFastest,
+            saturation == "SatFinite",
+            ref.random_word(11, 2, i) >> (32 - rbits),
+            rbits,
+        )
+        for i, value in enumerate(x.double().tolist())
+    ]
+    assert_same_bits(got, torch.tensor(want, dtype=torch.float32))
+
+
 def test_negative_values_in_an_unsigned_format_follow_the_saturation_mode():
     x = torch.tensor([-3.0, -1e-30, -0.0, -math.inf, 2.0, math.inf])
     unsigned = P3109(8, 3, signed=False)

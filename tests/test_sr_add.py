@@ -598,7 +598,7 @@ def test_sr_add_gradient_is_the_identity_for_both_operands():
 @pytest.mark.parametrize(
     "call,error,words",
     [
-        (lambda a: lpsim.sr_add(a, 1.0, lpsim.BlockFloat(8)), TypeError, "Float or Fixed"),
+        (lambda a: lpsim.sr_add(a, 1.0, lpsim.BlockFloat(8)), TypeError, "Float, Fixed or P3109"),
         (lambda a: lpsim.sr_add(a, 1.0, Float(8, 10)), ValueError, "does not fit a bfloat16"),
         (lambda a: lpsim.sr_add(a, torch.ones(3)), ValueError, "cannot be broadcast"),
         (lambda a: lpsim.sr_add(a, "x"), TypeError, "b must be a torch.Tensor"),

@@ -18,7 +18,8 @@ without the memory of a float32 master copy.
 
 ``kahan=True`` keeps instead a compensation buffer c in the weight format (the part of the updates
 not applied yet) and runs Kahan's compensated summation in that format: y = u + c, w_new = w + y,
-c = y - (w_new - w), each operation rounded to nearest, the second by ``rounding``. It costs a
+c = y - (w_new - w), each operation rounded to nearest, the second by ``rounding``. c and y are
+signed, so the weight format must be too (an unsigned P3109 format is refused). It costs a
 second low-precision tensor per parameter (as much memory as a float32 master copy of a bfloat16
 weight) and is the usual deterministic alternative.
 
@@ -48,7 +49,7 @@ from lpsim._checks import (
     check_number,
     draw_seed,
 )
-from lpsim.formats import Fixed, Float, check_fits
+from lpsim.formats import P3109, Fixed, Float, check_fits
 from lpsim.functional import quantize, quantize_
 from lpsim.optim._own_options import OwnOptions
 from lpsim.rounding import Rounding, check_rbits
@@ -90,6 +91,15 @@ class _LowPrecision(OwnOptions):
         check_rbits(group["rbits"], rule)
         if not isinstance(group["kahan"], bool):
             raise TypeError(f"kahan must be a bool, got {type(group['kahan']).__name__}")
+        weight_format = group["weight_format"]
+        if group["kahan"] and isinstance(weight_format, P3109) and not weight_format.signed:
+            # y = u + c and c = y - (w_new - w) are negative as often as positive: an unsigned
+            # format would send them to 0 (or NaN under SatNone), and the weights would never
+            # decrease.
+            raise ValueError(
+                "kahan=True keeps the compensation, a signed quantity, in the weight format: "
+                f"weight_format must be a signed format with kahan=True, got {weight_format!r}"
+            )
         randomness = group["randomness"]
         if not isinstance(randomness, str) or randomness not in RANDOMNESS:
             raise ValueError(f"randomness must be one of {RANDOMNESS}, got {randomness!r}")
@@ -322,12 +332,14 @@ class SGD(_LowPrecision):
             They are rounded into their weight format (to nearest) when they join the optimizer.
         lr, momentum, dampening, weight_decay, nesterov: as in torch.optim.SGD (all >= 0;
             nesterov needs momentum > 0 and dampening = 0).
-        weight_format: a Float or Fixed format that fits the parameters' dtype; None: the dtype's
-            own format (bfloat16 parameters hold bfloat16 values).
+        weight_format: a Float, Fixed or P3109 format (a signed one with kahan) that fits the
+            parameters' dtype; None: the dtype's own format (bfloat16 parameters hold bfloat16
+            values).
         rounding: the rule of the weight and state updates, default "stochastic" (unbiased);
             "nearest" is ordinary low-precision training, which stagnates.
         rbits: random bits per stochastic decision (1 to 32).
-        state_format: None (float32 momentum buffers) or a Float or Fixed format to store them in.
+        state_format: None (float32 momentum buffers) or a Float, Fixed or P3109 format to store
+            them in.
         kahan: Kahan-compensated updates (see the module documentation).
         seed: 0 <= seed < 2**64; None: drawn from torch's default CPU generator when the rule
             is stochastic, once for the groups given here and once for each group added later
