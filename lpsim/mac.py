@@ -35,7 +35,7 @@ once, by ``rounding``, onto the named format's grid):
 - ``compensated``: Kahan's compensated summation in the accumulator (sequential order only): a
   running compensation c carries the low part each addition lost, every operation rounded into the
   accumulator: y = round(t_k - c), u = round(s + y), c = round(round(u - s) - y), s = u. c takes
-  both signs, so the accumulator must be signed (an unsigned P3109 format is refused).
+  both signs, so the accumulator must be signed (an unsigned Fixed or P3109 format is refused).
 - ``rounding``, ``rbits``: the rule of every rounding, and the random bits of a stochastic rule.
 
 ``matmul(a, b, mac)`` computes a product under a MAC (CPU or CUDA; exact products need float32,
@@ -94,7 +94,7 @@ from lpsim._checks import (
 from lpsim._checks import random_args as _random_args
 from lpsim._ops import call
 from lpsim.accumulate import check_product_operands
-from lpsim.formats import P3109, Fixed, Float, check_fits, sum_container
+from lpsim.formats import Fixed, Float, check_fits, sum_container
 from lpsim.functional import quantize
 from lpsim.rounding import Rounding, check_rbits
 from lpsim.update import own_format, sum_grid
@@ -247,7 +247,7 @@ class MAC:
                 f"{self.order!r}"
             )
         acc = self.accumulator
-        if self.compensated and isinstance(acc, P3109) and not acc.signed:
+        if self.compensated and not getattr(acc, "signed", True):  # Fixed's and P3109's
             # c = (u - s) - y is negative about as often as positive, whatever the terms' signs:
             # an unsigned accumulator would clip it to 0 (or make it NaN under SatNone).
             raise ValueError(

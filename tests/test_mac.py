@@ -260,10 +260,15 @@ def test_kahan_needs_a_signed_accumulator(saturation):
     exact = float(sum(Fraction(t) for t in terms))
     assert kahan == s
     assert abs(kahan - exact) <= 2 < exact - plain  # the recursive sum stalls at 32
-    unsigned = lpsim.P3109(8, 4, signed=False, saturation=saturation)
-    with pytest.raises(ValueError, match="accumulator must be a signed format with compensated"):
-        MAC(accumulator=unsigned, compensated=True)
-    MAC(accumulator=unsigned)  # without compensation it is an accumulator
+    for unsigned in (
+        lpsim.P3109(8, 4, signed=False, saturation=saturation),
+        Fixed(8, 4, signed=False),
+    ):
+        with pytest.raises(
+            ValueError, match="accumulator must be a signed format with compensated"
+        ):
+            MAC(accumulator=unsigned, compensated=True)
+        MAC(accumulator=unsigned)  # without compensation it is an accumulator
 
 
 # ---- Stochastic rounding.

@@ -85,13 +85,16 @@ def test_kahan_compensation_needs_a_signed_weight_format(saturation):
         w.grad = torch.ones(4)
         opt.step()
     assert w.tolist() == [_kahan_model(4.0, -0.125, 10, signed)] * 4 == [4.0 - 10 * 0.125] * 4
-    unsigned = lpsim.P3109(8, 4, signed=False, saturation=saturation)
-    with pytest.raises(ValueError, match="weight_format must be a signed format with kahan=True"):
-        lpsim.optim.SGD([w], weight_format=unsigned, kahan=True)
-    opt = lpsim.optim.AdamW([w], weight_format=signed, kahan=True)
-    with pytest.raises(ValueError, match="weight_format must be a signed format with kahan=True"):
-        opt.add_param_group({"params": [torch.ones(2)], "weight_format": unsigned})
-    lpsim.optim.SGD([torch.ones(2)], weight_format=unsigned)  # without kahan it is a format
+    for unsigned in (
+        lpsim.P3109(8, 4, signed=False, saturation=saturation),
+        Fixed(8, 4, signed=False),
+    ):
+        with pytest.raises(ValueError, match="weight_format must be a signed format with kahan"):
+            lpsim.optim.SGD([w], weight_format=unsigned, kahan=True)
+        opt = lpsim.optim.AdamW([w], weight_format=signed, kahan=True)
+        with pytest.raises(ValueError, match="weight_format must be a signed format with kahan"):
+            opt.add_param_group({"params": [torch.ones(2)], "weight_format": unsigned})
+        lpsim.optim.SGD([torch.ones(2)], weight_format=unsigned)  # without kahan it is a format
 
 
 def test_sr_adamw_with_bfloat16_weights_matches_float32_adamw_where_nearest_stalls():

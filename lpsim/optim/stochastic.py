@@ -19,9 +19,9 @@ without the memory of a float32 master copy.
 ``kahan=True`` keeps instead a compensation buffer c in the weight format (the part of the updates
 not applied yet) and runs Kahan's compensated summation in that format: y = u + c, w_new = w + y,
 c = y - (w_new - w), each operation rounded to nearest, the second by ``rounding``. c and y are
-signed, so the weight format must be too (an unsigned P3109 format is refused). It costs a
-second low-precision tensor per parameter (as much memory as a float32 master copy of a bfloat16
-weight) and is the usual deterministic alternative.
+signed, so the weight format must be too (an unsigned Fixed or P3109 format is refused). It costs
+a second low-precision tensor per parameter (as much memory as a float32 master copy of a
+bfloat16 weight) and is the usual deterministic alternative.
 
 Optimizer states (momentum buffers, Adam moments) are float32 by default; ``state_format``
 stores them in a low-precision format too, each new value computed in float32 and rounded once
@@ -49,7 +49,7 @@ from lpsim._checks import (
     check_number,
     draw_seed,
 )
-from lpsim.formats import P3109, Fixed, Float, check_fits
+from lpsim.formats import Fixed, Float, check_fits
 from lpsim.functional import quantize, quantize_
 from lpsim.optim._own_options import OwnOptions
 from lpsim.rounding import Rounding, check_rbits
@@ -92,7 +92,7 @@ class _LowPrecision(OwnOptions):
         if not isinstance(group["kahan"], bool):
             raise TypeError(f"kahan must be a bool, got {type(group['kahan']).__name__}")
         weight_format = group["weight_format"]
-        if group["kahan"] and isinstance(weight_format, P3109) and not weight_format.signed:
+        if group["kahan"] and not getattr(weight_format, "signed", True):  # Fixed's and P3109's
             # y = u + c and c = y - (w_new - w) are negative as often as positive: an unsigned
             # format would send them to 0 (or NaN under SatNone), and the weights would never
             # decrease.
