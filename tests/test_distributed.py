@@ -697,3 +697,208 @@ def test_shadow_compare_on_one_rank_leaves_the_ddp_run_unchanged():
     for rank in (0, 1):
         assert torch.equal(got[rank][True][0], got[rank][False][0]), rank
         assert torch.equal(got[rank][True][1], got[rank][False][1]), rank
+
+
+class _Twins(nn.Module):
+    """Two parameters of 256 elements with the same values (and, under the loss below, the same
+    gradients); ZeroRedundancyOptimizer gives each rank one of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.full((256,), 1.25))
+        self.b = nn.Parameter(torch.full((256,), 1.25))
+
+    def loss(self) -> torch.Tensor:
+        c = torch.linspace(-1, 1, 256)
+        return (self.a * c).sum() + (self.b * c).sum()
+
+
+def _twin_steps(model: _Twins, opt, steps: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    for _ in range(steps):
+        opt.zero_grad()
+        model.loss().backward()
+        opt.step()
+    return model.a.detach().clone(), model.b.detach().clone()
+
+
+_TWIN_KINDS = {
+    "SGD": (SGD, dict(lr=0.01, weight_format=Float(5, 2))),
+    "AdamW": (AdamW, dict(lr=0.01, weight_format=Float(5, 2), weight_decay=0.0)),
+    "FusedSGD": (FusedSGD, dict(lr=0.01, weight_format=Float(5, 2), rounding="stochastic")),
+    "FusedAdam": (FusedAdam, dict(lr=0.01, weight_format=Float(5, 2), rounding="stochastic")),
+    "OptimLP": (
+        lambda params: OptimLP(
+            torch.optim.SGD(params, lr=0.01), weight=Float(5, 2), rounding="stochastic"
+        ),
+        {},
+    ),
+}
+
+
+def _zero_random_streams(rank: int) -> dict:
+    """Stochastic rounding of the twins by each optimizer, unsharded and inside
+    ZeroRedundancyOptimizer (each rank steps one twin); for SGD and AdamW, the sharded state
+    consolidated on rank 0 and loaded there into an unsharded optimizer, which steps on; and
+    torch's SGD's and AdamW's state_dicts loaded into ZeroRedundancyOptimizer around lpsim's (round
+    to nearest), against the unsharded lpsim optimizer loading the same."""
+    got = {}
+    for kind, (make, options) in _TWIN_KINDS.items():
+        for sharded in (False, True):
+            torch.manual_seed(0)
+            model = _Twins()
+            nn.parallel.DistributedDataParallel(model)  # broadcasts; the twins start equal
+            if sharded:
+                opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=make, **options)
+            else:
+                opt = make(model.parameters(), **options)
+            got["twins", kind, sharded] = _twin_steps(model, opt)
+            if sharded and kind in ("SGD", "AdamW"):
+                opt.consolidate_state_dict(to=0)
+                if rank == 0:
+                    resumed = make(model.parameters(), **options)
+                    resumed.load_state_dict(opt.state_dict())
+                    got["resumed", kind] = _twin_steps(model, resumed, steps=1)
+    e5m2 = Float(5, 2)
+    torch_kinds = {
+        "SGD": (torch.optim.SGD, SGD, dict(lr=0.05, momentum=0.9)),
+        "AdamW": (torch.optim.AdamW, AdamW, dict(lr=0.01)),
+    }
+    for kind, (torch_class, lpsim_class, options) in torch_kinds.items():
+        model = _classifier_on_grid(e5m2)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        _train_on_rank_batches(ddp, torch_class(ddp.parameters(), **options), rank, steps=1)
+        saved = copy.deepcopy(model.state_dict())
+        for sharded in (False, True):
+            model.load_state_dict(saved)
+            opt = torch_class(ddp.parameters(), **options)
+            _train_on_rank_batches(ddp, opt, rank, steps=1)
+            state = copy.deepcopy(opt.state_dict())
+            with torch.no_grad():  # on the grid before a shard joins (docs/training.md)
+                for p in model.parameters():
+                    lpsim.quantize_(p, e5m2, "nearest")
+            lp = dict(options, weight_format=e5m2, rounding="nearest")
+            if sharded:
+                opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=lpsim_class, **lp)
+            else:
+                opt = lpsim_class(ddp.parameters(), **lp)
+            opt.load_state_dict(state)
+            _train_on_rank_batches(ddp, opt, rank, steps=2)
+            got["from torch", kind, sharded] = [p.detach().clone() for p in model.parameters()]
+    # torch's Adam (L2 weight decay) continued by FusedAdam inside ZeroRedundancyOptimizer.
+    model = _classifier_on_grid(e5m2)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    adam = torch.optim.Adam(ddp.parameters(), lr=0.01, weight_decay=0.1)
+    _train_on_rank_batches(ddp, adam, rank, steps=1)
+    for decoupled in (True, False):
+        opt = ZeroRedundancyOptimizer(
+            ddp.parameters(), optimizer_class=FusedAdam, lr=0.01, decoupled=decoupled
+        )
+        opt.load_state_dict(copy.deepcopy(adam.state_dict()))
+        try:
+            _train_on_rank_batches(ddp, opt, rank, steps=1)
+            got["Adam into FusedAdam", decoupled] = "stepped"
+        except ValueError as error:
+            got["Adam into FusedAdam", decoupled] = str(error)
+    return got
+
+
+def test_zero_redundancy_optimizer_random_streams_as_documented():
+    """docs/training.md on ZeroRedundancyOptimizer with stochastic rounding: every optimizer's
+    shards on the two ranks round with the same random words (two parameters with the same values
+    and gradients, one per rank, stay equal, where the unsharded optimizer moves them apart).
+    SGD's and AdamW's consolidated state, loaded into an unsharded optimizer, numbers the
+    parameters apart again: its stream numbers repeated (each rank numbered its shard from 0),
+    and the loaded optimizer rounded the two parameters with the same words, silently. A torch
+    SGD's or AdamW's state_dict loaded into ZeroRedundancyOptimizer around lpsim's continues that
+    run as the unsharded lpsim optimizer does (round to nearest); it used to fail at the first
+    step, the states lacking the numbers (KeyError 'index') and AdamW's step being a tensor.
+    torch's Adam state_dict (L2 weight decay) loaded into ZeroRedundancyOptimizer around a
+    FusedAdam made with decoupled=True used to step as AdamW, silently; it now raises ValueError
+    naming both options, and with decoupled=False it steps."""
+    got = _spawn_two(_zero_random_streams)
+    for kind in _TWIN_KINDS:
+        a, b = got[0]["twins", kind, False]
+        assert not torch.equal(a, b) and not torch.equal(a, torch.full_like(a, 1.25)), kind
+        a, b = got[0]["twins", kind, True]
+        assert torch.equal(a, b), kind  # the same words on both ranks
+        assert tensors_equal(got[0]["twins", kind, True], got[1]["twins", kind, True]), kind
+    for kind in ("SGD", "AdamW"):
+        a, b = got[0]["resumed", kind]
+        assert not torch.equal(a, b), kind
+        for rank in (0, 1):
+            sharded = got[rank]["from torch", kind, True]
+            assert tensors_equal(sharded, got[rank]["from torch", kind, False]), (kind, rank)
+    for rank in (0, 1):
+        refused = got[rank]["Adam into FusedAdam", True]
+        assert "decoupled (True) and decoupled_weight_decay (False," in refused, rank
+        assert got[rank]["Adam into FusedAdam", False] == "stepped", rank
+
+
+def _zero_resumed_with_stochastic_accumulators(rank: int) -> dict:
+    """FusedSGD and FusedAdam with a stochastic acc_format inside ZeroRedundancyOptimizer (the
+    shards differ in size: 1 and 5 parameters): 4 steps in one go, and 2 steps, rank 0's
+    checkpoint loaded by both ranks, 2 more, once with rank 0's generator on both ranks and once
+    with each rank's own. Returns, per kind, the uninterrupted parameters and both resumed ones."""
+    e5m2, bf16 = Float(5, 2), Float(8, 7)
+    kinds = {
+        "FusedSGD": (FusedSGD, dict(lr=0.05, momentum=0.9, weight_format=e5m2)),
+        "FusedAdam": (FusedAdam, dict(lr=0.01, weight_format=e5m2, state_format=bf16)),
+    }
+
+    def build(kind):
+        model = _classifier_on_grid(e5m2)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        make, options = kinds[kind]
+        acc = dict(acc_format=Float(6, 9), rounding="stochastic")
+        return model, ddp, ZeroRedundancyOptimizer(ddp.parameters(), make, **options, **acc)
+
+    def train(ddp, opt, steps):
+        for step in steps:
+            data = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randn(8, 6, generator=data)
+            y = torch.randint(0, 3, (8,), generator=data)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+
+    got = {}
+    for kind in kinds:
+        model, ddp, opt = build(kind)
+        train(ddp, opt, range(4))
+        got[kind, "whole"] = [p.detach().clone() for p in model.parameters()]
+        model, ddp, opt = build(kind)
+        train(ddp, opt, range(2))
+        opt.consolidate_state_dict(to=0)
+        generators = [None, None]
+        dist.all_gather_object(generators, torch.get_rng_state())
+        saved = [None]
+        if rank == 0:
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+            saved = [buffer.getvalue()]
+        dist.broadcast_object_list(saved, src=0)
+        for generator in ("rank 0's", "own"):
+            checkpoint = torch.load(io.BytesIO(saved[0]), weights_only=True)
+            torch.manual_seed(1 + rank)
+            model, ddp, opt = build(kind)
+            model.load_state_dict(checkpoint["model"])
+            opt.load_state_dict(checkpoint["opt"])
+            torch.set_rng_state(generators[0 if generator == "rank 0's" else rank])
+            train(ddp, opt, range(2, 4))
+            got[kind, generator] = [p.detach().clone() for p in model.parameters()]
+    return got
+
+
+def test_zero_redundancy_optimizer_resumes_stochastic_accumulators_with_each_ranks_generator():
+    """docs/training.md: FusedSGD and FusedAdam draw one seed per accumulator they make with a
+    stochastic rule, so shards of different sizes leave the ranks' generators apart; a run
+    resumed with rank 0's generator on every rank then parts from the uninterrupted run (rank 1
+    draws other seeds than it drew there, and its shard reaches every rank), while each rank's own
+    generator continues it bit for bit."""
+    got = _spawn_two(_zero_resumed_with_stochastic_accumulators)
+    for kind in ("FusedSGD", "FusedAdam"):
+        for rank in (0, 1):
+            assert tensors_equal(got[rank][kind, "own"], got[rank][kind, "whole"]), (kind, rank)
+        assert tensors_equal(got[0][kind, "rank 0's"], got[1][kind, "rank 0's"]), kind
+        assert not tensors_equal(got[0][kind, "rank 0's"], got[0][kind, "whole"]), kind
+        assert tensors_equal(got[0][kind, "whole"], got[1][kind, "whole"]), kind
