@@ -10,6 +10,8 @@ import os
 import socket
 import traceback
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -902,3 +904,39 @@ def test_zero_redundancy_optimizer_resumes_stochastic_accumulators_with_each_ran
         assert tensors_equal(got[0][kind, "rank 0's"], got[1][kind, "rank 0's"]), kind
         assert not tensors_equal(got[0][kind, "rank 0's"], got[0][kind, "whole"]), kind
         assert tensors_equal(got[0][kind, "whole"], got[1][kind, "whole"]), kind
+
+
+def _e5m2_by_ml_dtypes(t: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(t.detach().numpy().astype(ml_dtypes.float8_e5m2).astype(np.float32))
+
+
+def _batchnorm_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def test_sync_batchnorm_conversion_before_inject_is_quantised_after_it_is_dropped():
+    """docs/training.md: inject() into a model converted by convert_sync_batchnorm quantises its
+    SyncBatchNorm (selected by nn.SyncBatchNorm; nn.BatchNorm1d selects nothing there), its
+    output rounded as ml_dtypes rounds it; converted after inject(), the SyncBatchNorm has none
+    of the BatchNorm's output quantiser, and a quantised weight makes torch raise TypeError.
+    (Without a process group SyncBatchNorm computes as BatchNorm.)"""
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    spec = LayerQuantization(output=Float(5, 2), rounding="nearest")
+    plain = nn.SyncBatchNorm.convert_sync_batchnorm(_batchnorm_model())
+    want = _e5m2_by_ml_dtypes(plain[:2](x))
+    converted = nn.SyncBatchNorm.convert_sync_batchnorm(_batchnorm_model())
+    with pytest.raises(ValueError, match="BatchNorm1d: matches no module"):
+        inject(copy.deepcopy(converted), {nn.BatchNorm1d: spec})
+    inject(converted, {nn.SyncBatchNorm: spec})
+    assert torch.equal(converted[:2](x), want)
+    after = _batchnorm_model()
+    inject(after, {nn.BatchNorm1d: spec})
+    after = nn.SyncBatchNorm.convert_sync_batchnorm(after)
+    assert isinstance(after[1], nn.SyncBatchNorm)
+    assert torch.equal(after[:2](x), plain[:2](x))  # unquantised: the quantiser was dropped
+    assert "full precision" in report(after).splitlines()[3]
+    weighted = _batchnorm_model()
+    inject(weighted, {nn.BatchNorm1d: LayerQuantization(weight=Float(5, 2))})
+    with pytest.raises(TypeError, match="cannot assign"):
+        nn.SyncBatchNorm.convert_sync_batchnorm(weighted)
