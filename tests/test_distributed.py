@@ -940,3 +940,157 @@ def test_sync_batchnorm_conversion_before_inject_is_quantised_after_it_is_droppe
     inject(weighted, {nn.BatchNorm1d: LayerQuantization(weight=Float(5, 2))})
     with pytest.raises(TypeError, match="cannot assign"):
         nn.SyncBatchNorm.convert_sync_batchnorm(weighted)
+
+
+class _InPlaceDictNet(nn.Module):
+    """A convolution, a BatchNorm and an in-place ReLU on channels_last inputs, with a dict of two
+    heads for output (a key with a "." in it), and optionally a layer the forward never uses."""
+
+    def __init__(self, unused: bool):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = nn.ReLU(inplace=True)
+        self.fc = nn.Linear(64, 3)
+        self.aux = nn.Linear(64, 2)
+        if unused:
+            self.unused = nn.Linear(2, 2)
+
+    def forward(self, x):
+        h = self.act(self.bn(self.conv(x))).flatten(1)
+        return {"logits": self.fc(h), "aux.x": self.aux(h)}
+
+
+def _oracle_model(kind: str, unused: bool = False):
+    """(model, optimizer, loss of (output, labels), batch of (step, rank, micro)) of each kind."""
+    e5m2, bf16 = Float(5, 2), Float(8, 7)
+    torch.manual_seed(0)
+    if kind == "in-place":
+        model = _InPlaceDictNet(unused)
+        spec = LayerQuantization(weight=e5m2, input=bf16, output=bf16, error=e5m2)
+        config = {
+            (nn.Conv2d, nn.Linear): spec,
+            nn.ReLU: LayerQuantization(output=e5m2),
+            nn.BatchNorm2d: LayerQuantization(weight=bf16, output=bf16, error=bf16),
+        }
+        inject(model, config, unmatched="ignore")
+        model = model.to(memory_format=torch.channels_last)
+        opt = FusedSGD(
+            model.parameters(), lr=0.05, momentum=0.9, weight_format=e5m2, grad_format=e5m2
+        )
+
+        def loss(out, y):
+            return nn.functional.cross_entropy(out["logits"], y) + out["aux.x"].pow(2).mean()
+
+        def batch(step, rank, micro):
+            data = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+            x = torch.randn(4, 3, 6, 6, generator=data).to(memory_format=torch.channels_last)
+            return x, torch.randint(0, 3, (4,), generator=data)
+
+        return model, opt, loss, batch
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(inplace=True))
+    model.extend([nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if kind == "MAC":
+        mac = lpsim.MAC(accumulator=Float(8, 10), product=bf16, rounding="stochastic")
+        inject(model, {nn.Linear: LayerQuantization(weight=e5m2, error=e5m2, mac=mac)})
+        opt = OptimLP(opt, weight=e5m2, rounding="stochastic")
+    else:
+        model, opt = getattr(lpsim.recipes, kind).apply(model, opt)
+
+    def batch(step, rank, micro):
+        data = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+        x = torch.randn(8, 8, generator=data) * (1 + 5 * rank)
+        return x, torch.randint(0, 3, (8,), generator=data)
+
+    return model, opt, nn.functional.cross_entropy, batch
+
+
+def _ddp_against_one_process(rank: int, runs) -> dict:
+    """Each run (kind, DDP options, micro-batches per step): 2 steps under DDP (all but the last
+    micro-batch under no_sync), each rank its own batches; and, on each rank alone, the same 2
+    steps computed by one process as DDP defines them: each rank's passes from the same
+    generator state and from rank 0's buffers (which DDP broadcasts before each forward pass),
+    the gradients summed over the micro-batches and averaged over the ranks (g0 / 2 + g1 / 2),
+    rank 0's buffers kept. Returns both states and an evaluation pass of each."""
+    got = {}
+    for name, (kind, options, micros) in runs.items():
+        unused = options.get("find_unused_parameters", False)
+        model, opt, loss_of, batch = _oracle_model(kind, unused)
+        ddp = nn.parallel.DistributedDataParallel(model, **options)
+        for step in range(2):
+            opt.zero_grad()
+            for micro in range(micros):
+                x, y = batch(step, rank, micro)
+                last = micro == micros - 1
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    loss_of(ddp(x), y).backward()
+            opt.step()
+        ddp.eval()
+        with torch.no_grad():
+            evaluated = ddp(batch(99, 0, 0)[0])
+        got[name, "ddp"] = (model.state_dict(), evaluated, torch.rand(()))
+
+        model, opt, loss_of, batch = _oracle_model(kind, unused)
+        params = list(model.parameters())
+        for step in range(2):
+            opt.zero_grad()
+            sums = [[None] * len(params) for _ in range(2)]
+            for micro in range(micros):
+                generator = torch.get_rng_state()
+                buffers = copy.deepcopy(list(model.buffers()))
+                kept = None
+                for r in (0, 1):
+                    torch.set_rng_state(generator)
+                    with torch.no_grad():
+                        for b, saved in zip(model.buffers(), buffers):
+                            b.copy_(saved)
+                    for p in params:
+                        p.grad = None
+                    x, y = batch(step, r, micro)
+                    loss_of(model(x), y).backward()
+                    for i, p in enumerate(params):
+                        if p.grad is not None:
+                            s = sums[r][i]
+                            sums[r][i] = p.grad.clone() if s is None else s + p.grad
+                    if r == 0:
+                        kept = copy.deepcopy(list(model.buffers()))
+                with torch.no_grad():
+                    for b, saved in zip(model.buffers(), kept):
+                        b.copy_(saved)
+            for p, g0, g1 in zip(params, *sums):
+                p.grad = None if g0 is None else g0 / 2 + g1 / 2
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            evaluated = model(batch(99, 0, 0)[0])
+        got[name, "one process"] = (model.state_dict(), evaluated, torch.rand(()))
+    return got
+
+
+def test_ddp_training_equals_one_process_averaging_the_ranks_gradients():
+    """Injected models under DDP give every rank the state one process computes from the same
+    batches, averaging the ranks' gradients as DDP does, bit for bit (weights, BatchNorm
+    statistics, optimizer-facing parameters, an eval pass and the random stream): in-place ReLUs
+    (their quantised results copied into the caller's tensor), channels_last activations, a dict
+    output whose key holds a ".", weights quantised in training and rounded to nearest in eval,
+    stochastic rounding everywhere, with find_unused_parameters and gradient_as_bucket_view under
+    no_sync accumulation, and with static_graph (which torch does not combine with no_sync);
+    and the MXFP8 and NVFP4 recipes and a stochastic non-native MAC."""
+    runs = {
+        "unused, bucket view, no_sync": (
+            "in-place",
+            dict(find_unused_parameters=True, gradient_as_bucket_view=True),
+            2,
+        ),
+        "static graph": ("in-place", dict(static_graph=True), 1),
+        "MXFP8": ("MXFP8", {}, 1),
+        "NVFP4": ("NVFP4", {}, 1),
+        "MAC": ("MAC", {}, 1),
+    }
+    got = _spawn_two(_ddp_against_one_process, runs)
+    for name in runs:
+        want = got[0][name, "one process"]
+        assert tensors_equal(got[1][name, "one process"], want), name
+        for rank in (0, 1):
+            assert tensors_equal(got[rank][name, "ddp"], want), (name, rank)
