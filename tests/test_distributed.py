@@ -1094,3 +1094,58 @@ def test_ddp_training_equals_one_process_averaging_the_ranks_gradients():
         assert tensors_equal(got[1][name, "one process"], want), name
         for rank in (0, 1):
             assert tensors_equal(got[rank][name, "ddp"], want), (name, rank)
+
+
+def _optimlp_around_zero(rank: int) -> dict:
+    """OptimLP around torch's SGD (momentum 0.9), plain and inside ZeroRedundancyOptimizer: with
+    weight, grad and an accumulator of the parameters' dtype (round to nearest), 3 steps each;
+    with a momentum format, a bfloat16 model with float32 accumulators and the BLOCK8 recipe,
+    what OptimLP (or Recipe.apply) raises around the sharded one."""
+    e5m2 = Float(5, 2)
+    got = {}
+    for sharded in (False, True):
+        model = _classifier_on_grid(e5m2)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        options = dict(lr=0.05, momentum=0.9)
+        if sharded:
+            inner = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, **options)
+        else:
+            inner = torch.optim.SGD(ddp.parameters(), **options)
+        opt = OptimLP(inner, weight=e5m2, grad=e5m2, acc=Float(6, 4), rounding="nearest")
+        _train_on_rank_batches(ddp, opt, rank)
+        got[sharded] = [p.detach().clone() for p in model.parameters()]
+    refused = {
+        "momentum": lambda model, zero: OptimLP(zero, weight=e5m2, momentum=Float(3, 1)),
+        "wide": lambda model, zero: OptimLP(zero, weight=e5m2, acc=Float(8, 23)),
+        "BLOCK8": lpsim.recipes.BLOCK8.apply,
+    }
+    for kind, make in refused.items():
+        model = _classifier_on_grid(e5m2)
+        if kind == "wide":
+            model = model.bfloat16()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+        try:
+            make(model, zero)
+            got[kind] = "accepted"
+        except ValueError as error:
+            got[kind] = str(error)
+        got[kind, "injected"] = any(True for _ in lpsim.nn.injected(model))
+    return got
+
+
+def test_optimlp_refuses_the_state_a_zero_redundancy_optimizer_keeps_out_of_its_reach():
+    """OptimLP around a ZeroRedundancyOptimizer (rather than inside it) rounds weights,
+    gradients and accumulators of the parameters' dtype as around the unsharded optimizer, bit
+    for bit; a momentum format or an accumulator wider than its parameter raises ValueError
+    naming it. Both used to be accepted and do nothing, silently: the shard's momentum buffers
+    live in the local optimizer, never rounded, and a wide accumulator's stand-in was never
+    stepped (the local optimizer updated the parameter, which the stale accumulator overwrote).
+    Recipe.apply raises likewise and leaves the model without quantisers."""
+    got = _spawn_two(_optimlp_around_zero)
+    for rank in (0, 1):
+        assert tensors_equal(got[rank][True], got[rank][False]), rank
+        assert "OptimLP momentum: cannot reach the optimizer state" in got[rank]["momentum"]
+        assert "OptimLP acc: cannot reach the wider accumulator" in got[rank]["wide"]
+        assert "ZeroRedundancyOptimizer" in got[rank]["BLOCK8"]
+        assert not got[rank]["BLOCK8", "injected"]
