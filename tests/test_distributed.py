@@ -10,6 +10,8 @@ import os
 import socket
 import traceback
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -697,3 +699,453 @@ def test_shadow_compare_on_one_rank_leaves_the_ddp_run_unchanged():
     for rank in (0, 1):
         assert torch.equal(got[rank][True][0], got[rank][False][0]), rank
         assert torch.equal(got[rank][True][1], got[rank][False][1]), rank
+
+
+class _Twins(nn.Module):
+    """Two parameters of 256 elements with the same values (and, under the loss below, the same
+    gradients); ZeroRedundancyOptimizer gives each rank one of them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.full((256,), 1.25))
+        self.b = nn.Parameter(torch.full((256,), 1.25))
+
+    def loss(self) -> torch.Tensor:
+        c = torch.linspace(-1, 1, 256)
+        return (self.a * c).sum() + (self.b * c).sum()
+
+
+def _twin_steps(model: _Twins, opt, steps: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    for _ in range(steps):
+        opt.zero_grad()
+        model.loss().backward()
+        opt.step()
+    return model.a.detach().clone(), model.b.detach().clone()
+
+
+_TWIN_KINDS = {
+    "SGD": (SGD, dict(lr=0.01, weight_format=Float(5, 2))),
+    "AdamW": (AdamW, dict(lr=0.01, weight_format=Float(5, 2), weight_decay=0.0)),
+    "FusedSGD": (FusedSGD, dict(lr=0.01, weight_format=Float(5, 2), rounding="stochastic")),
+    "FusedAdam": (FusedAdam, dict(lr=0.01, weight_format=Float(5, 2), rounding="stochastic")),
+    "OptimLP": (
+        lambda params: OptimLP(
+            torch.optim.SGD(params, lr=0.01), weight=Float(5, 2), rounding="stochastic"
+        ),
+        {},
+    ),
+}
+
+
+def _zero_random_streams(rank: int) -> dict:
+    """Stochastic rounding of the twins by each optimizer, unsharded and inside
+    ZeroRedundancyOptimizer (each rank steps one twin); for SGD and AdamW, the sharded state
+    consolidated on rank 0 and loaded there into an unsharded optimizer, which steps on; and
+    torch's SGD's and AdamW's state_dicts loaded into ZeroRedundancyOptimizer around lpsim's (round
+    to nearest), against the unsharded lpsim optimizer loading the same."""
+    got = {}
+    for kind, (make, options) in _TWIN_KINDS.items():
+        for sharded in (False, True):
+            torch.manual_seed(0)
+            model = _Twins()
+            nn.parallel.DistributedDataParallel(model)  # broadcasts; the twins start equal
+            if sharded:
+                opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=make, **options)
+            else:
+                opt = make(model.parameters(), **options)
+            got["twins", kind, sharded] = _twin_steps(model, opt)
+            if sharded and kind in ("SGD", "AdamW"):
+                opt.consolidate_state_dict(to=0)
+                if rank == 0:
+                    resumed = make(model.parameters(), **options)
+                    resumed.load_state_dict(opt.state_dict())
+                    got["resumed", kind] = _twin_steps(model, resumed, steps=1)
+    e5m2 = Float(5, 2)
+    torch_kinds = {
+        "SGD": (torch.optim.SGD, SGD, dict(lr=0.05, momentum=0.9)),
+        "AdamW": (torch.optim.AdamW, AdamW, dict(lr=0.01)),
+    }
+    for kind, (torch_class, lpsim_class, options) in torch_kinds.items():
+        model = _classifier_on_grid(e5m2)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        _train_on_rank_batches(ddp, torch_class(ddp.parameters(), **options), rank, steps=1)
+        saved = copy.deepcopy(model.state_dict())
+        for sharded in (False, True):
+            model.load_state_dict(saved)
+            opt = torch_class(ddp.parameters(), **options)
+            _train_on_rank_batches(ddp, opt, rank, steps=1)
+            state = copy.deepcopy(opt.state_dict())
+            with torch.no_grad():  # on the grid before a shard joins (docs/training.md)
+                for p in model.parameters():
+                    lpsim.quantize_(p, e5m2, "nearest")
+            lp = dict(options, weight_format=e5m2, rounding="nearest")
+            if sharded:
+                opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=lpsim_class, **lp)
+            else:
+                opt = lpsim_class(ddp.parameters(), **lp)
+            opt.load_state_dict(state)
+            _train_on_rank_batches(ddp, opt, rank, steps=2)
+            got["from torch", kind, sharded] = [p.detach().clone() for p in model.parameters()]
+    # torch's Adam (L2 weight decay) continued by FusedAdam inside ZeroRedundancyOptimizer.
+    model = _classifier_on_grid(e5m2)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    adam = torch.optim.Adam(ddp.parameters(), lr=0.01, weight_decay=0.1)
+    _train_on_rank_batches(ddp, adam, rank, steps=1)
+    for decoupled in (True, False):
+        opt = ZeroRedundancyOptimizer(
+            ddp.parameters(), optimizer_class=FusedAdam, lr=0.01, decoupled=decoupled
+        )
+        opt.load_state_dict(copy.deepcopy(adam.state_dict()))
+        try:
+            _train_on_rank_batches(ddp, opt, rank, steps=1)
+            got["Adam into FusedAdam", decoupled] = "stepped"
+        except ValueError as error:
+            got["Adam into FusedAdam", decoupled] = str(error)
+    return got
+
+
+def test_zero_redundancy_optimizer_random_streams_as_documented():
+    """docs/training.md on ZeroRedundancyOptimizer with stochastic rounding: every optimizer's
+    shards on the two ranks round with the same random words (two parameters with the same values
+    and gradients, one per rank, stay equal, where the unsharded optimizer moves them apart).
+    SGD's and AdamW's consolidated state, loaded into an unsharded optimizer, numbers the
+    parameters apart again: its stream numbers repeated (each rank numbered its shard from 0),
+    and the loaded optimizer rounded the two parameters with the same words, silently. A torch
+    SGD's or AdamW's state_dict loaded into ZeroRedundancyOptimizer around lpsim's continues that
+    run as the unsharded lpsim optimizer does (round to nearest); it used to fail at the first
+    step, the states lacking the numbers (KeyError 'index') and AdamW's step being a tensor.
+    torch's Adam state_dict (L2 weight decay) loaded into ZeroRedundancyOptimizer around a
+    FusedAdam made with decoupled=True used to step as AdamW, silently; it now raises ValueError
+    naming both options, and with decoupled=False it steps."""
+    got = _spawn_two(_zero_random_streams)
+    for kind in _TWIN_KINDS:
+        a, b = got[0]["twins", kind, False]
+        assert not torch.equal(a, b) and not torch.equal(a, torch.full_like(a, 1.25)), kind
+        a, b = got[0]["twins", kind, True]
+        assert torch.equal(a, b), kind  # the same words on both ranks
+        assert tensors_equal(got[0]["twins", kind, True], got[1]["twins", kind, True]), kind
+    for kind in ("SGD", "AdamW"):
+        a, b = got[0]["resumed", kind]
+        assert not torch.equal(a, b), kind
+        for rank in (0, 1):
+            sharded = got[rank]["from torch", kind, True]
+            assert tensors_equal(sharded, got[rank]["from torch", kind, False]), (kind, rank)
+    for rank in (0, 1):
+        refused = got[rank]["Adam into FusedAdam", True]
+        assert "decoupled (True) and decoupled_weight_decay (False," in refused, rank
+        assert got[rank]["Adam into FusedAdam", False] == "stepped", rank
+
+
+def _zero_resumed_with_stochastic_accumulators(rank: int) -> dict:
+    """FusedSGD and FusedAdam with a stochastic acc_format inside ZeroRedundancyOptimizer (the
+    shards differ in size: 1 and 5 parameters): 4 steps in one go, and 2 steps, rank 0's
+    checkpoint loaded by both ranks, 2 more, once with rank 0's generator on both ranks and once
+    with each rank's own. Returns, per kind, the uninterrupted parameters and both resumed ones."""
+    e5m2, bf16 = Float(5, 2), Float(8, 7)
+    kinds = {
+        "FusedSGD": (FusedSGD, dict(lr=0.05, momentum=0.9, weight_format=e5m2)),
+        "FusedAdam": (FusedAdam, dict(lr=0.01, weight_format=e5m2, state_format=bf16)),
+    }
+
+    def build(kind):
+        model = _classifier_on_grid(e5m2)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        make, options = kinds[kind]
+        acc = dict(acc_format=Float(6, 9), rounding="stochastic")
+        return model, ddp, ZeroRedundancyOptimizer(ddp.parameters(), make, **options, **acc)
+
+    def train(ddp, opt, steps):
+        for step in steps:
+            data = torch.Generator().manual_seed(100 * step + rank)
+            x = torch.randn(8, 6, generator=data)
+            y = torch.randint(0, 3, (8,), generator=data)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+
+    got = {}
+    for kind in kinds:
+        model, ddp, opt = build(kind)
+        train(ddp, opt, range(4))
+        got[kind, "whole"] = [p.detach().clone() for p in model.parameters()]
+        model, ddp, opt = build(kind)
+        train(ddp, opt, range(2))
+        opt.consolidate_state_dict(to=0)
+        generators = [None, None]
+        dist.all_gather_object(generators, torch.get_rng_state())
+        saved = [None]
+        if rank == 0:
+            buffer = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+            saved = [buffer.getvalue()]
+        dist.broadcast_object_list(saved, src=0)
+        for generator in ("rank 0's", "own"):
+            checkpoint = torch.load(io.BytesIO(saved[0]), weights_only=True)
+            torch.manual_seed(1 + rank)
+            model, ddp, opt = build(kind)
+            model.load_state_dict(checkpoint["model"])
+            opt.load_state_dict(checkpoint["opt"])
+            torch.set_rng_state(generators[0 if generator == "rank 0's" else rank])
+            train(ddp, opt, range(2, 4))
+            got[kind, generator] = [p.detach().clone() for p in model.parameters()]
+    return got
+
+
+def test_zero_redundancy_optimizer_resumes_stochastic_accumulators_with_each_ranks_generator():
+    """docs/training.md: FusedSGD and FusedAdam draw one seed per accumulator they make with a
+    stochastic rule, so shards of different sizes leave the ranks' generators apart; a run
+    resumed with rank 0's generator on every rank then parts from the uninterrupted run (rank 1
+    draws other seeds than it drew there, and its shard reaches every rank), while each rank's own
+    generator continues it bit for bit."""
+    got = _spawn_two(_zero_resumed_with_stochastic_accumulators)
+    for kind in ("FusedSGD", "FusedAdam"):
+        for rank in (0, 1):
+            assert tensors_equal(got[rank][kind, "own"], got[rank][kind, "whole"]), (kind, rank)
+        assert tensors_equal(got[0][kind, "rank 0's"], got[1][kind, "rank 0's"]), kind
+        assert not tensors_equal(got[0][kind, "rank 0's"], got[0][kind, "whole"]), kind
+        assert tensors_equal(got[0][kind, "whole"], got[1][kind, "whole"]), kind
+
+
+def _e5m2_by_ml_dtypes(t: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(t.detach().numpy().astype(ml_dtypes.float8_e5m2).astype(np.float32))
+
+
+def _batchnorm_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def test_sync_batchnorm_conversion_before_inject_is_quantised_after_it_is_dropped():
+    """docs/training.md: inject() into a model converted by convert_sync_batchnorm quantises its
+    SyncBatchNorm (selected by nn.SyncBatchNorm; nn.BatchNorm1d selects nothing there), its
+    output rounded as ml_dtypes rounds it; converted after inject(), the SyncBatchNorm has none
+    of the BatchNorm's output quantiser, and a quantised weight makes torch raise TypeError.
+    (Without a process group SyncBatchNorm computes as BatchNorm.)"""
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+    spec = LayerQuantization(output=Float(5, 2), rounding="nearest")
+    plain = nn.SyncBatchNorm.convert_sync_batchnorm(_batchnorm_model())
+    want = _e5m2_by_ml_dtypes(plain[:2](x))
+    converted = nn.SyncBatchNorm.convert_sync_batchnorm(_batchnorm_model())
+    with pytest.raises(ValueError, match="BatchNorm1d: matches no module"):
+        inject(copy.deepcopy(converted), {nn.BatchNorm1d: spec})
+    inject(converted, {nn.SyncBatchNorm: spec})
+    assert torch.equal(converted[:2](x), want)
+    after = _batchnorm_model()
+    inject(after, {nn.BatchNorm1d: spec})
+    after = nn.SyncBatchNorm.convert_sync_batchnorm(after)
+    assert isinstance(after[1], nn.SyncBatchNorm)
+    assert torch.equal(after[:2](x), plain[:2](x))  # unquantised: the quantiser was dropped
+    assert "full precision" in report(after).splitlines()[3]
+    weighted = _batchnorm_model()
+    inject(weighted, {nn.BatchNorm1d: LayerQuantization(weight=Float(5, 2))})
+    with pytest.raises(TypeError, match="cannot assign"):
+        nn.SyncBatchNorm.convert_sync_batchnorm(weighted)
+
+
+class _InPlaceDictNet(nn.Module):
+    """A convolution, a BatchNorm and an in-place ReLU on channels_last inputs, with a dict of two
+    heads for output (a key with a "." in it), and optionally a layer the forward never uses."""
+
+    def __init__(self, unused: bool):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.bn = nn.BatchNorm2d(4)
+        self.act = nn.ReLU(inplace=True)
+        self.fc = nn.Linear(64, 3)
+        self.aux = nn.Linear(64, 2)
+        if unused:
+            self.unused = nn.Linear(2, 2)
+
+    def forward(self, x):
+        h = self.act(self.bn(self.conv(x))).flatten(1)
+        return {"logits": self.fc(h), "aux.x": self.aux(h)}
+
+
+def _oracle_model(kind: str, unused: bool = False):
+    """(model, optimizer, loss of (output, labels), batch of (step, rank, micro)) of each kind."""
+    e5m2, bf16 = Float(5, 2), Float(8, 7)
+    torch.manual_seed(0)
+    if kind == "in-place":
+        model = _InPlaceDictNet(unused)
+        spec = LayerQuantization(weight=e5m2, input=bf16, output=bf16, error=e5m2)
+        config = {
+            (nn.Conv2d, nn.Linear): spec,
+            nn.ReLU: LayerQuantization(output=e5m2),
+            nn.BatchNorm2d: LayerQuantization(weight=bf16, output=bf16, error=bf16),
+        }
+        inject(model, config, unmatched="ignore")
+        model = model.to(memory_format=torch.channels_last)
+        opt = FusedSGD(
+            model.parameters(), lr=0.05, momentum=0.9, weight_format=e5m2, grad_format=e5m2
+        )
+
+        def loss(out, y):
+            return nn.functional.cross_entropy(out["logits"], y) + out["aux.x"].pow(2).mean()
+
+        def batch(step, rank, micro):
+            data = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+            x = torch.randn(4, 3, 6, 6, generator=data).to(memory_format=torch.channels_last)
+            return x, torch.randint(0, 3, (4,), generator=data)
+
+        return model, opt, loss, batch
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(inplace=True))
+    model.extend([nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 3)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if kind == "MAC":
+        mac = lpsim.MAC(accumulator=Float(8, 10), product=bf16, rounding="stochastic")
+        inject(model, {nn.Linear: LayerQuantization(weight=e5m2, error=e5m2, mac=mac)})
+        opt = OptimLP(opt, weight=e5m2, rounding="stochastic")
+    else:
+        model, opt = getattr(lpsim.recipes, kind).apply(model, opt)
+
+    def batch(step, rank, micro):
+        data = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+        x = torch.randn(8, 8, generator=data) * (1 + 5 * rank)
+        return x, torch.randint(0, 3, (8,), generator=data)
+
+    return model, opt, nn.functional.cross_entropy, batch
+
+
+def _ddp_against_one_process(rank: int, runs) -> dict:
+    """Each run (kind, DDP options, micro-batches per step): 2 steps under DDP (all but the last
+    micro-batch under no_sync), each rank its own batches; and, on each rank alone, the same 2
+    steps computed by one process as DDP defines them: each rank's passes from the same
+    generator state and from rank 0's buffers (which DDP broadcasts before each forward pass),
+    the gradients summed over the micro-batches and averaged over the ranks (g0 / 2 + g1 / 2),
+    rank 0's buffers kept. Returns both states and an evaluation pass of each."""
+    got = {}
+    for name, (kind, options, micros) in runs.items():
+        unused = options.get("find_unused_parameters", False)
+        model, opt, loss_of, batch = _oracle_model(kind, unused)
+        ddp = nn.parallel.DistributedDataParallel(model, **options)
+        for step in range(2):
+            opt.zero_grad()
+            for micro in range(micros):
+                x, y = batch(step, rank, micro)
+                last = micro == micros - 1
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    loss_of(ddp(x), y).backward()
+            opt.step()
+        ddp.eval()
+        with torch.no_grad():
+            evaluated = ddp(batch(99, 0, 0)[0])
+        got[name, "ddp"] = (model.state_dict(), evaluated, torch.rand(()))
+
+        model, opt, loss_of, batch = _oracle_model(kind, unused)
+        params = list(model.parameters())
+        for step in range(2):
+            opt.zero_grad()
+            sums = [[None] * len(params) for _ in range(2)]
+            for micro in range(micros):
+                generator = torch.get_rng_state()
+                buffers = copy.deepcopy(list(model.buffers()))
+                kept = None
+                for r in (0, 1):
+                    torch.set_rng_state(generator)
+                    with torch.no_grad():
+                        for b, saved in zip(model.buffers(), buffers):
+                            b.copy_(saved)
+                    for p in params:
+                        p.grad = None
+                    x, y = batch(step, r, micro)
+                    loss_of(model(x), y).backward()
+                    for i, p in enumerate(params):
+                        if p.grad is not None:
+                            s = sums[r][i]
+                            sums[r][i] = p.grad.clone() if s is None else s + p.grad
+                    if r == 0:
+                        kept = copy.deepcopy(list(model.buffers()))
+                with torch.no_grad():
+                    for b, saved in zip(model.buffers(), kept):
+                        b.copy_(saved)
+            for p, g0, g1 in zip(params, *sums):
+                p.grad = None if g0 is None else g0 / 2 + g1 / 2
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            evaluated = model(batch(99, 0, 0)[0])
+        got[name, "one process"] = (model.state_dict(), evaluated, torch.rand(()))
+    return got
+
+
+def test_ddp_training_equals_one_process_averaging_the_ranks_gradients():
+    """Injected models under DDP give every rank the state one process computes from the same
+    batches, averaging the ranks' gradients as DDP does, bit for bit (weights, BatchNorm
+    statistics, optimizer-facing parameters, an eval pass and the random stream): in-place ReLUs
+    (their quantised results copied into the caller's tensor), channels_last activations, a dict
+    output whose key holds a ".", weights quantised in training and rounded to nearest in eval,
+    stochastic rounding everywhere, with find_unused_parameters and gradient_as_bucket_view under
+    no_sync accumulation, and with static_graph (which torch does not combine with no_sync);
+    and the MXFP8 and NVFP4 recipes and a stochastic non-native MAC."""
+    runs = {
+        "unused, bucket view, no_sync": (
+            "in-place",
+            dict(find_unused_parameters=True, gradient_as_bucket_view=True),
+            2,
+        ),
+        "static graph": ("in-place", dict(static_graph=True), 1),
+        "MXFP8": ("MXFP8", {}, 1),
+        "NVFP4": ("NVFP4", {}, 1),
+        "MAC": ("MAC", {}, 1),
+    }
+    got = _spawn_two(_ddp_against_one_process, runs)
+    for name in runs:
+        want = got[0][name, "one process"]
+        assert tensors_equal(got[1][name, "one process"], want), name
+        for rank in (0, 1):
+            assert tensors_equal(got[rank][name, "ddp"], want), (name, rank)
+
+
+def _optimlp_around_zero(rank: int) -> dict:
+    """OptimLP around torch's SGD (momentum 0.9), plain and inside ZeroRedundancyOptimizer: with
+    weight, grad and an accumulator of the parameters' dtype (round to nearest), 3 steps each;
+    with a momentum format, a bfloat16 model with float32 accumulators and the BLOCK8 recipe,
+    what OptimLP (or Recipe.apply) raises around the sharded one."""
+    e5m2 = Float(5, 2)
+    got = {}
+    for sharded in (False, True):
+        model = _classifier_on_grid(e5m2)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        options = dict(lr=0.05, momentum=0.9)
+        if sharded:
+            inner = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, **options)
+        else:
+            inner = torch.optim.SGD(ddp.parameters(), **options)
+        opt = OptimLP(inner, weight=e5m2, grad=e5m2, acc=Float(6, 4), rounding="nearest")
+        _train_on_rank_batches(ddp, opt, rank)
+        got[sharded] = [p.detach().clone() for p in model.parameters()]
+    refused = {
+        "momentum": lambda model, zero: OptimLP(zero, weight=e5m2, momentum=Float(3, 1)),
+        "wide": lambda model, zero: OptimLP(zero, weight=e5m2, acc=Float(8, 23)),
+        "BLOCK8": lpsim.recipes.BLOCK8.apply,
+    }
+    for kind, make in refused.items():
+        model = _classifier_on_grid(e5m2)
+        if kind == "wide":
+            model = model.bfloat16()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.05, momentum=0.9)
+        try:
+            make(model, zero)
+            got[kind] = "accepted"
+        except ValueError as error:
+            got[kind] = str(error)
+        got[kind, "injected"] = any(True for _ in lpsim.nn.injected(model))
+    return got
+
+
+def test_optimlp_refuses_the_state_a_zero_redundancy_optimizer_keeps_out_of_its_reach():
+    """OptimLP around a ZeroRedundancyOptimizer (rather than inside it) rounds weights,
+    gradients and accumulators of the parameters' dtype as around the unsharded optimizer, bit
+    for bit; a momentum format or an accumulator wider than its parameter raises ValueError
+    naming it. Both used to be accepted and do nothing, silently: the shard's momentum buffers
+    live in the local optimizer, never rounded, and a wide accumulator's stand-in was never
+    stepped (the local optimizer updated the parameter, which the stale accumulator overwrote).
+    Recipe.apply raises likewise and leaves the model without quantisers."""
+    got = _spawn_two(_optimlp_around_zero)
+    for rank in (0, 1):
+        assert tensors_equal(got[rank][True], got[rank][False]), rank
+        assert "OptimLP momentum: cannot reach the optimizer state" in got[rank]["momentum"]
+        assert "OptimLP acc: cannot reach the wider accumulator" in got[rank]["wide"]
+        assert "ZeroRedundancyOptimizer" in got[rank]["BLOCK8"]
+        assert not got[rank]["BLOCK8", "injected"]

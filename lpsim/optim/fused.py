@@ -239,7 +239,9 @@ class _Fused(OwnOptions):
                     raise ValueError(
                         f"parameter {i} of group {index} has no accumulator: acc_format was set "
                         "on its group after the group was added (set it in the constructor or "
-                        "in add_param_group)"
+                        "in add_param_group), or its state was replaced by one without an "
+                        "accumulator (ZeroRedundancyOptimizer.load_state_dict sets the saved "
+                        "state, a torch optimizer's too, without this optimizer's load_state_dict)"
                     )
         specs = {
             p: group_spec
@@ -694,3 +696,21 @@ class FusedAdam(_Fused):
         for name in ("decoupled", "maximize"):
             if not isinstance(group[name], bool):
                 raise TypeError(f"{name} must be a bool, got {type(group[name]).__name__}")
+        # A torch Adam/AdamW group's option, set on this group since it was made: by
+        # ZeroRedundancyOptimizer.load_state_dict, which copies a saved group's options onto its
+        # local optimizer's groups without this optimizer's load_state_dict (that one reads it
+        # into decoupled). Stepping by decoupled alone would run the other algorithm than the
+        # saved run's, silently.
+        torch_decoupled = group.get("decoupled_weight_decay")
+        if (
+            torch_decoupled is not None
+            and bool(torch_decoupled) != group["decoupled"]
+            and group["weight_decay"] != 0
+        ):
+            raise ValueError(
+                f"decoupled ({group['decoupled']}) and decoupled_weight_decay "
+                f"({torch_decoupled!r}, a torch Adam/AdamW option set on the group since it was "
+                "made, as ZeroRedundancyOptimizer.load_state_dict sets a saved group's options) "
+                "disagree while weight_decay is nonzero: set decoupled to the saved run's, "
+                f"FusedAdam(..., decoupled={bool(torch_decoupled)})"
+            )

@@ -511,6 +511,7 @@ class OptimLP(Optimizer):
                     s = group_settings if s is True else s
                 if s is not None:
                     self._check_fits(s, p, f"parameter {i} of group {g}")
+                    self._check_reachable(s, p, f"parameter {i} of group {g}")
                 settings[p] = s
         self.settings = settings
         self._groups_configured = self._group_keys()
@@ -562,6 +563,33 @@ class OptimLP(Optimizer):
                         f"OptimLP {name}: {error} ({where}: {what} is "
                         f"{str(dtype).replace('torch.', '')}{shape})"
                     ) from None
+
+    def _check_reachable(self, s: ParameterQuantization, p: torch.Tensor, where: str) -> None:
+        """Refuse, naming the argument and the parameter, a momentum format or an accumulator
+        wider than the parameter around a torch.distributed ZeroRedundancyOptimizer. That one
+        steps each rank's shard with a local optimizer of its own, whose parameter groups and
+        state are not the wrapper's: OptimLP's momentum phase would find no state to round, and a
+        wide accumulator's stand-in in the wrapper's groups would never be stepped (the local
+        optimizer updates the parameter, which the stale accumulator then overwrites), silently.
+        Weights, gradients and accumulators of the parameter's dtype are rounded as without it.
+        """
+        if not torch.distributed.is_available():
+            return
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if not isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            return
+        wide = s.acc is not None and _accumulator_dtype(s.acc, p.dtype) != p.dtype
+        for name, refused in (("momentum", s.momentum is not None), ("acc", wide)):
+            if refused:
+                what = "optimizer state" if name == "momentum" else "wider accumulator"
+                raise ValueError(
+                    f"OptimLP {name}: cannot reach the {what} of a parameter of a "
+                    f"ZeroRedundancyOptimizer ({where}): its local optimizer keeps each shard's "
+                    "groups and state apart from the wrapper's. Put OptimLP inside it instead: "
+                    "ZeroRedundancyOptimizer(params, optimizer_class=lambda params, **options: "
+                    "OptimLP(torch.optim.SGD(params, **options), ...), ...)"
+                )
 
     def _quantizer(self, p: torch.Tensor, name: str, quant: QuantFunction, t: torch.Tensor):
         """What rounds tensor ``name`` of parameter p: ``quant`` itself, or for a DelayedScaling

@@ -153,7 +153,9 @@ class _LowPrecision(OwnOptions):
         optimizer's constructor values (a group with a stochastic rule and no seed draws its own,
         as a group added later does), its parameters are numbered in parameter order for their
         random streams, and its step counts become the ints this optimizer keeps. The loaded
-        groups are checked as add_param_group checks a group.
+        groups are checked as add_param_group checks a group. Saved stream numbers that repeat (a
+        ZeroRedundancyOptimizer's consolidated state_dict, whose ranks numbered their shards from
+        0 each) are replaced likewise, so that no two parameters share their random words.
 
         Raises:
             TypeError / ValueError: a loaded group's option is refused (the message names it); the
@@ -169,10 +171,28 @@ class _LowPrecision(OwnOptions):
         except (TypeError, ValueError):
             self._load(kept)
             raise
+        self._number_states()
+
+    def _number_states(self) -> None:
+        """Give the parameters' states distinct stream numbers and int step counts, where a
+        state was put in place without them: loaded from the torch optimizer's state_dict (no
+        numbers; AdamW's step count a tensor), set by ZeroRedundancyOptimizer.load_state_dict
+        (which sets each parameter's state of its local optimizer itself, without this
+        optimizer's load_state_dict), or loaded from a ZeroRedundancyOptimizer's consolidated
+        state_dict (each rank numbered its shard from 0, so the numbers repeat). Numbers that are
+        all there and distinct are kept, so that a resumed run continues its streams; otherwise
+        every parameter is numbered in parameter order, as load_state_dict numbers those of a
+        torch optimizer's state_dict (two parameters with one number would round with the same
+        random words at every step)."""
         params = [p for group in self.param_groups for p in group["params"]]
-        for number, p in enumerate(params):
-            state = self.state[p]
-            state.setdefault("index", number)
+        states = [self.state[p] for p in params]
+        numbers = [state.get("index") for state in states]
+        if None in numbers or len(set(numbers)) < len(numbers):
+            numbers = list(range(len(states)))
+            for number, state in zip(numbers, states):
+                state["index"] = number
+        self._count = max([self._count - 1, *numbers]) + 1  # a group added later: a new number
+        for state in states:
             if isinstance(state.get("step"), torch.Tensor):  # torch's AdamW counts in a tensor
                 state["step"] = int(state["step"].item())
 
@@ -307,6 +327,7 @@ class _LowPrecision(OwnOptions):
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             why = "for parameters of that work precision, as torch's optimizers require"
             check_factor("lr", group["lr"], self._work_dtype(p), why)
+        self._number_states()
         work = []
         for group, _, p in stepped:
             state = self.state[p]
