@@ -11,7 +11,9 @@ drawn from torch's default CPU generator, so ``torch.manual_seed`` makes runs re
 ``offset`` selects a disjoint stream under the same seed. Under torch.compile with Inductor that
 draw is a random op of the graph, generated Inductor's way: reproducible under
 ``torch.manual_seed``, but other seeds than eager's unless
-``torch._inductor.config.fallback_random`` is set (an explicit ``seed`` rounds alike in both).
+``torch._inductor.config.fallback_random`` is set (an explicit ``seed`` rounds alike in both);
+Inductor's CPU kernel keys that draw with 32 random bits, so compiled seeds take at most 2**32
+values (docs/rounding.md).
 
 Under torch.compile, Float, Fixed and P3109 formats with a deterministic rule are rounded by
 lpsim.fusable's torch-op form of the same rounding (bit for bit the kernel's), which Inductor fuses

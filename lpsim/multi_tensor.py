@@ -139,7 +139,10 @@ def quantize_many_(
         if not torch.compiler.is_compiling():
             call("_check_disjoint", checked)
         if rule.is_stochastic and seed is None:
-            seed = int(draw_seed())
+            # The call's one seed: the one random_args drew (while torch.compile traces), else
+            # drawn here as the op would draw it. Drawing a second one under torch.compile
+            # shifted every later draw where random ops are kept (fallback_random).
+            seed = int(draw_seed() if seed_argument is None else seed_argument)
         # Every tensor checked before any is rounded, as the one compiled call of the grid
         # formats checks them: an error leaves all the tensors unchanged and names tensors[i].
         # The op arguments computed by the checks are those quantize_ would compute (these

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from support import assert_same_bits
 
 import lpsim
-from lpsim import BlockFloat, Fixed, Float, Rounding, quantize_, quantize_many_
+from lpsim import BlockFloat, Fixed, Float, Rounding, quantize_, quantize_many_, reference
 
 RULES = [r.name for r in Rounding]
 FORMATS = {"e5m2": Float(5, 2), "e4m3fn": lpsim.preset("e4m3fn"), "fixed": Fixed(8, 4)}
@@ -112,6 +112,40 @@ def test_an_unseeded_stochastic_call_draws_its_one_seed_even_for_an_empty_list(f
         call()
         states.append(torch.get_rng_state())
     assert all(torch.equal(state, states[-1]) for state in states)
+
+
+@pytest.mark.parametrize(
+    "fmt", [BlockFloat(4), lpsim.scaled.preset("mxfp4_e2m1")], ids=["block_float", "scaled"]
+)
+def test_an_unseeded_call_under_torch_compile_draws_its_one_seed_as_in_eager_mode(fmt):
+    """Compiled with random ops kept as eager's (fallback_random, as docs/training.md prescribes
+    for the eager bits), a BlockFloat or Scaled call without a seed draws one seed from torch's
+    generator, as the eager call does: the tensors are rounded with the first draw after
+    torch.manual_seed (reference.quantize with that seed, tensor i at offset i), and the next
+    draw is the generator's second. A second draw under torch.compile rounded them with another
+    seed and shifted every later draw."""
+
+    def step(x):
+        tensors = [x.clone(), (2 * x).clone()]
+        quantize_many_(tensors, fmt, "stochastic")
+        return tensors, torch.randint(2**63 - 1, ())
+
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(5)
+    seed, following = int(torch.randint(2**63 - 1, ())), torch.randint(2**63 - 1, ())
+    config = torch._inductor.config
+    previous = config.fallback_random
+    config.fallback_random = True
+    try:
+        torch._dynamo.reset()
+        torch.manual_seed(5)
+        got, drawn_next = torch.compile(step, backend="aot_eager")(x)
+    finally:
+        config.fallback_random = previous
+        torch._dynamo.reset()
+    for i, (t, want) in enumerate(zip(got, [x, 2 * x])):
+        assert_same_bits(t, reference.quantize(want, fmt, "stochastic", seed=seed, offset=i))
+    assert drawn_next == following
 
 
 def test_empty_list_and_empty_tensors():

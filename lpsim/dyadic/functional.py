@@ -42,6 +42,7 @@ from lpsim._checks import (
     check_offset,
     check_rule,
     check_tensor,
+    draw_seed,
     seed_argument,
 )
 from lpsim._ops import call
@@ -539,7 +540,8 @@ def align(
 ) -> tuple[DyadicTensor, DyadicTensor]:
     """a and b, broadcast to one shape, both at the coarser scale min(s_a, s_b) (per channel):
     the finer operand's mantissa is shifted right by the difference with the rounding
-    ("stochastic" by default; rbits, seed and offset as for requantize).
+    ("stochastic" by default; rbits, seed and offset as for requantize). Without a seed, one is
+    drawn from torch's default generator for the call, and both operands' shifts use it.
 
     With the same seed and offset, add(a, b) is exactly the sum of the aligned mantissas.
 
@@ -549,7 +551,13 @@ def align(
     """
     p = _pair(a, b)
     scale = _coarser(p)
-    random = _random_args(rounding, rbits, seed, offset)
+    rule, bits, seed_arg, stream = _random_args(rounding, rbits, seed, offset)
+    if seed_arg is None and Rounding(rule).is_stochastic:
+        # One call, one seed, as for every other operation: both operands' shifts draw from it
+        # (each element uses one word: one operand is shifted per element). Each op drawing its
+        # own seed took two draws here, and one under torch.compile, which draws it in Python.
+        seed_arg = draw_seed()
+    random = (rule, bits, seed_arg, stream)
     bounds = _bounds_of(p.a.dtype)
     out = []
     for mantissa, own in ((p.a, p.scale_a), (p.b, p.scale_b)):
