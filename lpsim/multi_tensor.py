@@ -138,11 +138,13 @@ def quantize_many_(
         # tensors must not overlap there either (the op's check, on real tensors).
         if not torch.compiler.is_compiling():
             call("_check_disjoint", checked)
-        if rule.is_stochastic and seed is None:
-            # The call's one seed: the one random_args drew (while torch.compile traces), else
-            # drawn here as the op would draw it. Drawing a second one under torch.compile
-            # shifted every later draw where random ops are kept (fallback_random).
-            seed = int(draw_seed() if seed_argument is None else seed_argument)
+        # The call's one seed: the one given; else the one random_args drew while torch.compile
+        # traces (a tensor of the graph, passed on as it is: drawing a second one shifted every
+        # later draw where random ops are kept, and int() of it broke the graph, behind which
+        # torch returned an alias of a caller's tensor for the rounded one); else one drawn here.
+        traced = seed_argument if rule.is_stochastic and seed is None else None
+        if rule.is_stochastic and seed is None and traced is None:
+            seed = int(draw_seed())
         # Every tensor checked before any is rounded, as the one compiled call of the grid
         # formats checks them: an error leaves all the tensors unchanged and names tensors[i].
         # The op arguments computed by the checks are those quantize_ would compute (these
@@ -150,9 +152,14 @@ def quantize_many_(
         calls = []
         for i, t in enumerate(checked):
             try:
-                calls.append(quantize_op_arguments(t, fmt, rule, rbits, seed, offset + i))
+                name, args = quantize_op_arguments(
+                    t, fmt, rule, rbits, 0 if traced is not None else seed, offset + i
+                )
             except (ValueError, IndexError) as error:
                 raise type(error)(f"tensors[{i}]: {error}") from None
+            if traced is not None:  # the ops take (..., rule, rbits, seed, offset) last
+                args = (*args[:-2], traced, args[-1])
+            calls.append((name, args))
         for t, (name, args) in zip(checked, calls, strict=True):
             call_in_place(name + "_", t, *args)
         return tensors

@@ -148,6 +148,33 @@ def test_an_unseeded_call_under_torch_compile_draws_its_one_seed_as_in_eager_mod
     assert drawn_next == following
 
 
+@pytest.mark.parametrize(
+    "fmt", [BlockFloat(4), lpsim.scaled.preset("mxfp8_e4m3")], ids=["block_float", "scaled"]
+)
+def test_an_unseeded_call_compiled_by_inductor_leaves_the_callers_tensor_alone(fmt):
+    """The call rounds its own tensors, in one graph: int() of its traced seed broke the graph,
+    and behind the break torch's Inductor returned x itself for x * 1, so that x was rounded."""
+
+    def step(x):
+        tensors = [x * 1]
+        quantize_many_(tensors, fmt, "stochastic")
+        return tensors[0]
+
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    before = x.clone()
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(step, fullgraph=True)
+        torch.manual_seed(5)
+        got = compiled(x)
+    finally:
+        torch._dynamo.reset()
+    assert_same_bits(x, before)
+    neighbours = (reference.quantize(x, fmt, "down"), reference.quantize(x, fmt, "up"))
+    assert bool(((got == neighbours[0]) | (got == neighbours[1])).all())
+    assert not torch.equal(got, x)
+
+
 def test_empty_list_and_empty_tensors():
     assert quantize_many_([], Float(5, 2), "stochastic", seed=1) == []
     empty = [torch.empty(0), torch.empty(3, 0, dtype=torch.float64)]
