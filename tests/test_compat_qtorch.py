@@ -812,6 +812,40 @@ def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
         assert_same_bits(resumed_optimizer.weight_acc[r], optimizer.weight_acc[p])
 
 
+def test_lpsim_optim_lp_checkpoints_load_with_their_momentum_and_accumulators(tmp_path):
+    # lpsim.optim.OptimLP's state_dict (keys "optimizer", "accumulators", "scalers") is one of the
+    # layouts load_state_dict takes: the momentum buffers, accumulators and learning rate are the
+    # saved ones, and the next step is the one the saving optimizer takes. Before, its "scalers"
+    # key was taken for this class's layout and loading raised KeyError('param_groups').
+    def make(cls, **quants):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(5, 3)
+        return model, cls(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), **quants)
+
+    fixed = lambda wl, fl: lambda t: q.fixed_point_quantize(t, wl, fl, rounding="nearest")  # noqa: E731
+    model, saver = make(
+        lpsim.optim.OptimLP, weight=fixed(8, 5), momentum=fixed(12, 8), acc=fixed(16, 12)
+    )
+    _train_steps(model, saver, 2)
+    saver.param_groups[0]["lr"] = 0.02
+    torch.save(saver.state_dict(), tmp_path / "checkpoint.pt")
+    resumed, loader = make(
+        q.OptimLP, weight_quant=fixed(8, 5), momentum_quant=fixed(12, 8), acc_quant=fixed(16, 12)
+    )
+    resumed.load_state_dict(model.state_dict())
+    loader.load_state_dict(torch.load(tmp_path / "checkpoint.pt"))
+    assert loader.param_groups[0]["lr"] == 0.02
+    for p, r in zip(model.parameters(), resumed.parameters()):
+        assert_same_bits(
+            loader.optim.state[r]["momentum_buffer"], saver.state[p]["momentum_buffer"]
+        )
+        assert_same_bits(loader.weight_acc[r], saver.accumulators[p])
+    _train_steps(model, saver, 1, torch.Generator().manual_seed(1))
+    _train_steps(resumed, loader, 1, torch.Generator().manual_seed(1))
+    for p, r in zip(model.parameters(), resumed.parameters()):
+        assert_same_bits(r, p)
+
+
 def test_checkpoint_round_trip_keeps_delayed_scaling_histories(tmp_path):
     # An lpsim DelayedScaling as weight_quant keeps an amax history per parameter: the checkpoint
     # holds it, so a resumed run continues bit for bit (without it the scales start afresh).

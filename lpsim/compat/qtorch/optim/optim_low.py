@@ -134,7 +134,11 @@ class OptimLP(lpoptim.OptimLP):
             ValueError: it is none of these, or holds accumulators for some parameters that need
                 one but not for others.
         """
-        if isinstance(state_dict, dict) and (_WEIGHT_ACC in state_dict or _SCALERS in state_dict):
+        if (
+            isinstance(state_dict, dict)
+            and "param_groups" in state_dict  # this class's layout, not lpsim.optim.OptimLP's
+            and (_WEIGHT_ACC in state_dict or _SCALERS in state_dict)
+        ):
             inner = {k: v for k, v in state_dict.items() if k not in (_WEIGHT_ACC, _SCALERS)}
             saved = state_dict.get(_WEIGHT_ACC)
             if saved is not None and all(acc is None for acc in saved):
