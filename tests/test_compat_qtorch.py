@@ -846,6 +846,39 @@ def test_lpsim_optim_lp_checkpoints_load_with_their_momentum_and_accumulators(tm
         assert_same_bits(r, p)
 
 
+def test_checkpoints_load_into_lpsim_optim_lp_with_their_accumulators(tmp_path):
+    # This class's state_dict (torch's layout, the accumulators under "weight_acc") loads into
+    # lpsim.optim.OptimLP with its accumulators: they are the saved ones and the next step is the
+    # saving optimizer's. Before, lpsim.optim.OptimLP read it as a plain torch optimizer's and
+    # silently restarted the accumulators from the (coarser) weights.
+    fixed = lambda wl, fl: lambda t: q.fixed_point_quantize(t, wl, fl, rounding="nearest")  # noqa: E731
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    resumed = copy.deepcopy(model)
+    saver = q.OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        weight_quant=fixed(6, 3),
+        acc_quant=fixed(16, 12),
+    )
+    _train_steps(model, saver, 2)
+    torch.save(saver.state_dict(), tmp_path / "checkpoint.pt")
+    resumed.load_state_dict(model.state_dict())
+    loader = lpsim.optim.OptimLP(
+        torch.optim.SGD(resumed.parameters(), lr=0.05, momentum=0.9),
+        weight=fixed(6, 3),
+        acc=fixed(16, 12),
+    )
+    loader.load_state_dict(torch.load(tmp_path / "checkpoint.pt"))
+    for p, r in zip(model.parameters(), resumed.parameters()):
+        assert_same_bits(loader.accumulators[r], saver.weight_acc[p])
+        assert not torch.equal(loader.accumulators[r], r)  # the weights are coarser
+    _train_steps(model, saver, 1, torch.Generator().manual_seed(1))
+    _train_steps(resumed, loader, 1, torch.Generator().manual_seed(1))
+    for p, r in zip(model.parameters(), resumed.parameters()):
+        assert_same_bits(r, p)
+        assert_same_bits(loader.accumulators[r], saver.weight_acc[p])
+
+
 def test_checkpoint_round_trip_keeps_delayed_scaling_histories(tmp_path):
     # An lpsim DelayedScaling as weight_quant keeps an amax history per parameter: the checkpoint
     # holds it, so a resumed run continues bit for bit (without it the scales start afresh).

@@ -28,6 +28,9 @@ _GROUP_KEY = "quantization"  # a parameter group's own ParameterQuantization (or
 _CATEGORIES = ("weight", "grad", "momentum", "acc")
 # The OptimLP made around each optimizer (the latest), held weakly both ways (OptimLP.wrapping).
 _WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The keys that lpsim.compat.qtorch.OptimLP.state_dict() adds to the wrapped optimizer's
+# ("state", "param_groups"): the accumulators, and the delayed-scaling states.
+TORCH_LAYOUT_EXTRAS = ("weight_acc", "scalers")
 
 
 def _as_function(value, rounding, name: str) -> QuantFunction | None:
@@ -857,8 +860,11 @@ class OptimLP(Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state_dict of OptimLP, or of a plain torch optimizer of the wrapped type (then
-        the accumulators start from the current weights, rounded into acc as when they are made).
+        """Load a state_dict of OptimLP, of lpsim.compat.qtorch.OptimLP (a torch optimizer's with
+        the accumulators under "weight_acc" and the delayed-scaling states under "scalers"), or of
+        a plain torch optimizer of the wrapped type (then the accumulators start from the current
+        weights, rounded into acc as when they are made, as they do from a state_dict saved
+        without accumulators).
 
         As torch's load_state_dict, the saved parameter groups replace the wrapped optimizer's:
         their options (lr, momentum, ...) and their ``"quantization"`` come from the state_dict.
@@ -872,8 +878,15 @@ class OptimLP(Optimizer):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         if "optimizer" in state_dict:
             inner, saved = state_dict["optimizer"], state_dict.get("accumulators")
+            scalers = state_dict.get("scalers")
         elif "state" in state_dict and "param_groups" in state_dict:
-            inner, saved = state_dict, None  # a plain torch optimizer's
+            # A plain torch optimizer's, or lpsim.compat.qtorch.OptimLP's: torch's layout with the
+            # accumulators and delayed-scaling states under two more keys.
+            inner = {k: v for k, v in state_dict.items() if k not in TORCH_LAYOUT_EXTRAS}
+            saved = state_dict.get(TORCH_LAYOUT_EXTRAS[0])
+            if saved is not None and all(acc is None for acc in saved):
+                saved = None  # saved without accumulators: they start from the weights
+            scalers = state_dict.get(TORCH_LAYOUT_EXTRAS[1])
         else:
             raise ValueError(
                 "state_dict must be an OptimLP state_dict (keys 'optimizer', "
@@ -885,7 +898,6 @@ class OptimLP(Optimizer):
             raise ValueError(
                 f"state_dict holds {len(saved)} accumulators for {len(params)} parameters"
             )
-        scalers = state_dict.get("scalers") if "optimizer" in state_dict else None
         if scalers is not None and len(scalers) != len(params):
             raise ValueError(
                 f"state_dict holds scalers for {len(scalers)} of {len(params)} parameters"

@@ -6,12 +6,13 @@ import torch
 
 from lpsim import optim as lpoptim
 from lpsim.compat.qtorch.number import Number
-from lpsim.optim.optim_lp import QuantFunction
+from lpsim.optim.optim_lp import TORCH_LAYOUT_EXTRAS, QuantFunction
 
 __all__ = ["OptimLP"]
 
-_WEIGHT_ACC = "weight_acc"  # the state_dict key of the accumulators (QPyTorch saves none)
-_SCALERS = "scalers"  # the key of the delayed-scaling states, when some parameter has one
+# The state_dict keys of the accumulators (QPyTorch saves none) and of the delayed-scaling
+# states (when some parameter has one), which lpsim.optim.OptimLP.load_state_dict reads.
+_WEIGHT_ACC, _SCALERS = TORCH_LAYOUT_EXTRAS
 
 
 def _with_qtorch_name(error: Exception) -> Exception:
@@ -134,18 +135,4 @@ class OptimLP(lpoptim.OptimLP):
             ValueError: it is none of these, or holds accumulators for some parameters that need
                 one but not for others.
         """
-        if (
-            isinstance(state_dict, dict)
-            and "param_groups" in state_dict  # this class's layout, not lpsim.optim.OptimLP's
-            and (_WEIGHT_ACC in state_dict or _SCALERS in state_dict)
-        ):
-            inner = {k: v for k, v in state_dict.items() if k not in (_WEIGHT_ACC, _SCALERS)}
-            saved = state_dict.get(_WEIGHT_ACC)
-            if saved is not None and all(acc is None for acc in saved):
-                saved = None
-            state_dict = {
-                "optimizer": inner,
-                "accumulators": saved,
-                "scalers": state_dict.get(_SCALERS),
-            }
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict)  # which reads every one of these layouts
