@@ -1452,6 +1452,13 @@ def test_a_floating_point_of_eleven_exponent_bits_is_refused_when_made():
         q.FloatingPoint(11, 52)
 
 
+@pytest.mark.parametrize("exp", [0, -3, 12])
+def test_a_floating_point_exponent_out_of_range_is_refused_with_floating_points_range(exp):
+    # The message named lpsim's Float and its range, [1, 11], which FloatingPoint does not take.
+    with pytest.raises(ValueError, match=rf"^FloatingPoint exp must be 1 to 10, got {exp} "):
+        q.FloatingPoint(exp, 2)
+
+
 def test_optim_lp_names_the_qtorch_argument_holding_a_misspelt_rule():
     # A (format, rounding) pair with a rule no one knows: the message named only "rounding".
     model = torch.nn.Linear(2, 2)
