@@ -879,6 +879,35 @@ def test_checkpoints_load_into_lpsim_optim_lp_with_their_accumulators(tmp_path):
         assert_same_bits(loader.accumulators[r], saver.weight_acc[p])
 
 
+def test_a_checkpoint_saved_without_accumulators_starts_them_from_the_weights(tmp_path):
+    # "Accumulators a checkpoint does not hold start from the current weights": so they did from
+    # a torch optimizer's state_dict and from this class's saved without acc_quant, but
+    # lpsim.optim.OptimLP's saved without accumulators raised ValueError. Each layout now loads
+    # with the accumulators at the weights rounded into acc_quant (QPyTorch's rounding here).
+    _, quant, _, _ = _qtorch()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    acc_quant = lambda t: q.fixed_point_quantize(t, 16, 6, rounding="nearest")  # noqa: E731
+    savers = [
+        lpsim.optim.OptimLP(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)),
+        q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)),
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+    ]
+    for i, saver in enumerate(savers):
+        _train_steps(model, saver, 1)
+        torch.save(saver.state_dict(), tmp_path / f"checkpoint{i}.pt")
+    for i in range(len(savers)):
+        for loader in (
+            q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), acc_quant=acc_quant),
+            lpsim.optim.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), acc=acc_quant),
+        ):
+            loader.load_state_dict(torch.load(tmp_path / f"checkpoint{i}.pt"))
+            assert loader.param_groups[0]["lr"] == 0.05
+            for p in model.parameters():
+                want = quant.fixed_point_quantize(p.detach(), 16, 6, rounding="nearest")
+                assert_same_bits(loader.accumulators[p], want)
+
+
 def test_checkpoint_round_trip_keeps_delayed_scaling_histories(tmp_path):
     # An lpsim DelayedScaling as weight_quant keeps an amax history per parameter: the checkpoint
     # holds it, so a resumed run continues bit for bit (without it the scales start afresh).

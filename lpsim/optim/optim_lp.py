@@ -862,9 +862,9 @@ class OptimLP(Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state_dict of OptimLP, of lpsim.compat.qtorch.OptimLP (a torch optimizer's with
         the accumulators under "weight_acc" and the delayed-scaling states under "scalers"), or of
-        a plain torch optimizer of the wrapped type (then the accumulators start from the current
-        weights, rounded into acc as when they are made, as they do from a state_dict saved
-        without accumulators).
+        a plain torch optimizer of the wrapped type. Accumulators that a state_dict does not hold
+        (a torch optimizer's, or one saved by an OptimLP without accumulators) start from the
+        current weights, rounded into acc as when they are made.
 
         As torch's load_state_dict, the saved parameter groups replace the wrapped optimizer's:
         their options (lr, momentum, ...) and their ``"quantization"`` come from the state_dict.
@@ -872,7 +872,8 @@ class OptimLP(Optimizer):
         ``grad_scaling`` and ``fused`` (none of them is in the state_dict).
 
         Raises:
-            ValueError: the state_dict is neither, or lacks accumulators these parameters need.
+            ValueError: the state_dict is none of these, or holds accumulators for some
+                parameters but not for one that needs one.
         """
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
@@ -884,8 +885,6 @@ class OptimLP(Optimizer):
             # accumulators and delayed-scaling states under two more keys.
             inner = {k: v for k, v in state_dict.items() if k not in TORCH_LAYOUT_EXTRAS}
             saved = state_dict.get(TORCH_LAYOUT_EXTRAS[0])
-            if saved is not None and all(acc is None for acc in saved):
-                saved = None  # saved without accumulators: they start from the weights
             scalers = state_dict.get(TORCH_LAYOUT_EXTRAS[1])
         else:
             raise ValueError(
@@ -898,6 +897,8 @@ class OptimLP(Optimizer):
             raise ValueError(
                 f"state_dict holds {len(saved)} accumulators for {len(params)} parameters"
             )
+        if saved is not None and all(acc is None for acc in saved):
+            saved = None  # saved without accumulators: they start from the weights
         if scalers is not None and len(scalers) != len(params):
             raise ValueError(
                 f"state_dict holds scalers for {len(scalers)} of {len(params)} parameters"
