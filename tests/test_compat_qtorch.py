@@ -908,6 +908,67 @@ def test_a_checkpoint_saved_without_accumulators_starts_them_from_the_weights(tm
                 assert_same_bits(loader.accumulators[p], want)
 
 
+@pytest.mark.parametrize("how", ["attributes", "default_quantization"])
+def test_quantisers_assigned_between_steps_apply_from_the_next_step_as_in_qtorch(how):
+    # QPyTorch's OptimLP reads weight_quant, grad_quant and momentum_quant at every step, so a
+    # script may change them between steps (a precision schedule). Here assigning them raised
+    # AttributeError, and assigning default_quantization was silently ignored (the settings
+    # were worked out once). Now both apply from the next step: weights, gradients and momentum
+    # after every step have QPyTorch's values.
+    _, quant, optim, _ = _qtorch()
+    runs = []
+    for fixed_point_quantize, optim_lp in (
+        (quant.fixed_point_quantize, optim.OptimLP),
+        (q.fixed_point_quantize, q.OptimLP),
+    ):
+
+        def fixed(wl, fl, fixed_point_quantize=fixed_point_quantize):
+            return lambda t: fixed_point_quantize(t, wl, fl, rounding="nearest")
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        optimizer = optim_lp(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            weight_quant=fixed(12, 9),
+            grad_quant=fixed(12, 10),
+            momentum_quant=fixed(12, 10),
+        )
+        data, steps = torch.Generator().manual_seed(3), []
+        for step in range(5):
+            if step == 2:
+                new = {"weight": fixed(6, 3), "grad": fixed(8, 6), "momentum": None}
+                if how == "attributes" or optim_lp is optim.OptimLP:
+                    for name, value in new.items():
+                        setattr(optimizer, f"{name}_quant", value)
+                else:
+                    optimizer.default_quantization = dataclasses.replace(
+                        optimizer.default_quantization, **new
+                    )
+            x, y = torch.randn(16, 6, generator=data), torch.randint(0, 3, (16,), generator=data)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            steps.append(
+                [v.clone() for p in model.parameters() for v in (p.detach(), p.grad)]
+                + [optimizer.optim.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+            )
+        runs.append(steps)
+    theirs, ours = runs
+    for step, (mine, want) in enumerate(zip(ours, theirs)):
+        for i, (a, b) in enumerate(zip(mine, want)):
+            # Values (QPyTorch's fixed point turns -0.0 into +0, lpsim keeps the sign).
+            assert a.dtype == b.dtype and torch.equal(a, b), f"step {step}, tensor {i}"
+
+
+def test_a_quantiser_assigned_to_optim_lp_is_checked_under_its_attribute_name():
+    model = torch.nn.Linear(3, 2)
+    optimizer = q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="^weight_quant must be None, .* got FloatingPoint"):
+        optimizer.weight_quant = q.FloatingPoint(5, 2)
+    with pytest.raises(TypeError, match="^default_quantization must be a ParameterQuantization"):
+        optimizer.default_quantization = None
+
+
 def test_checkpoint_round_trip_keeps_delayed_scaling_histories(tmp_path):
     # An lpsim DelayedScaling as weight_quant keeps an amax history per parameter: the checkpoint
     # holds it, so a resumed run continues bit for bit (without it the scales start afresh).

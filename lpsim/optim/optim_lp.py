@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.optim.optimizer as torch_optimizer
@@ -262,6 +262,32 @@ def _accumulator_dtype(acc: QuantFunction, dtype: torch.dtype) -> torch.dtype:
     return sum_container(acc.format, own) if isinstance(acc, QuantSpec) else own
 
 
+def _default_field(name: str) -> property:
+    """OptimLP's default ``name`` (weight, grad, momentum, acc) under QPyTorch's attribute name
+    (``weight_quant``, ...). Assigning it (a spec, a function or None) replaces that field of
+    default_quantization from the next step, as QPyTorch's OptimLP reads its attributes at every
+    step."""
+
+    def read(self):
+        return getattr(self.default_quantization, name)
+
+    def write(self, value):
+        try:
+            self.default_quantization = replace(self.default_quantization, **{name: value})
+        except (TypeError, ValueError) as error:  # named as the attribute assigned
+            message = str(error)
+            if message.startswith(f"{name} "):
+                message = f"{name}_quant{message[len(name) :]}"
+            raise type(error)(message) from None
+
+    return property(
+        read,
+        write,
+        doc=f"The default {name} (a QuantSpec, a function or None); assigning it replaces "
+        "default_quantization's field from the next step.",
+    )
+
+
 class OptimLP(Optimizer):
     """Wrap ``optimizer`` (any torch.optim optimizer) so that one step is, for every parameter:
 
@@ -414,11 +440,24 @@ class OptimLP(Optimizer):
         found = _WRAPPERS.get(optimizer)
         return None if found is None else found()
 
-    # The defaults under QPyTorch's attribute names.
-    weight_quant = property(lambda self: self.default_quantization.weight)
-    grad_quant = property(lambda self: self.default_quantization.grad)
-    momentum_quant = property(lambda self: self.default_quantization.momentum)
-    acc_quant = property(lambda self: self.default_quantization.acc)
+    @property
+    def default_quantization(self) -> ParameterQuantization:
+        """What the parameters without settings of their own (a group's ``"quantization"``, an
+        entry of ``parameters=``) are rounded by: the constructor's weight, grad, momentum, acc
+        and rounding. A ParameterQuantization assigned to it applies from the next step, as a
+        group's ``"quantization"`` set between steps does."""
+        return self._default_quantization
+
+    @default_quantization.setter
+    def default_quantization(self, value: ParameterQuantization) -> None:
+        if not isinstance(value, ParameterQuantization):
+            raise TypeError(f"default_quantization must be a ParameterQuantization, got {value!r}")
+        self._default_quantization = value
+
+    weight_quant = _default_field("weight")
+    grad_quant = _default_field("grad")
+    momentum_quant = _default_field("momentum")
+    acc_quant = _default_field("acc")
 
     @staticmethod
     def _parse_parameters(parameters) -> dict | None:
@@ -472,14 +511,18 @@ class OptimLP(Optimizer):
         return settings
 
     def _group_keys(self) -> list:
-        """Each parameter group's "quantization" as it is now (the group itself where it has
-        none), to compare by identity with those the settings were worked out from."""
-        return [group.get(_GROUP_KEY, group) for group in self.param_groups]
+        """default_quantization and each parameter group's "quantization" as they are now (the
+        group itself where it has none), to compare by identity with those the settings were
+        worked out from."""
+        return [
+            self.default_quantization,
+            *(group.get(_GROUP_KEY, group) for group in self.param_groups),
+        ]
 
     def _configure_changed_groups(self) -> None:
-        """Work out the settings again where a group's "quantization" was set, replaced or removed
-        since (torch's optimizers read a group's options at every step), with the checks the
-        constructor makes."""
+        """Work out the settings again where default_quantization or a group's "quantization"
+        was set, replaced or removed since (torch's optimizers read a group's options at every
+        step), with the checks the constructor makes."""
         keys = self._group_keys()
         configured = getattr(self, "_groups_configured", ())
         if len(keys) != len(configured) or any(a is not b for a, b in zip(keys, configured)):

@@ -37,7 +37,8 @@ class OptimLP(lpoptim.OptimLP):
     floating-point state tensor (momentum_keys lists them), multiplies the gradients by
     grad_scaling also without grad_quant (QPyTorch then ignores grad_scaling), and rounds each
     accumulator into acc_quant when it is created (QPyTorch copies the weight unrounded).
-    See lpsim.optim.OptimLP for the rest.
+    As in QPyTorch, weight_quant, grad_quant, momentum_quant and acc_quant may be assigned
+    between steps: the next step uses them. See lpsim.optim.OptimLP for the rest.
 
     state_dict() has QPyTorch's layout (a torch optimizer's "state" and "param_groups", here the
     wrapped optimizer's, so the momentum buffers are in it) plus the accumulators under
