@@ -960,6 +960,25 @@ def test_quantisers_assigned_between_steps_apply_from_the_next_step_as_in_qtorch
             assert a.dtype == b.dtype and torch.equal(a, b), f"step {step}, tensor {i}"
 
 
+def test_parameter_settings_and_report_show_what_the_next_step_rounds():
+    # parameter_settings (which report() tabulates and a Recorder's stagnation check reads in
+    # its step pre-hook, before step() itself looks again) gave the settings worked out at the
+    # last step: a group's "quantization" or a quantiser assigned since did not show.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    first, second = model[0], model[1]
+    optimizer = q.OptimLP(
+        torch.optim.SGD([{"params": first.parameters()}, {"params": second.parameters()}], lr=0.1),
+        weight_quant=(lpsim.Fixed(16, 12), "nearest"),
+    )
+    coarse = (lpsim.Fixed(6, 3), "nearest")
+    optimizer.weight_quant = coarse
+    optimizer.param_groups[1]["quantization"] = None
+    assert optimizer.parameter_settings(first.weight).weight == (coarse[0], Rounding.nearest)
+    assert optimizer.parameter_settings(second.weight) is None
+    table = lpsim.nn.report(model, optimizer)
+    assert "Fixed(wl=16" not in table and "Fixed(wl=6, fl=3)" in table
+
+
 def test_a_quantiser_assigned_to_optim_lp_is_checked_under_its_attribute_name():
     model = torch.nn.Linear(3, 2)
     optimizer = q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1))

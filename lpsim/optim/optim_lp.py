@@ -614,11 +614,13 @@ class OptimLP(Optimizer):
         return ScalerCall(scaler, quant.rounding, True, forward_tensor=False)
 
     def parameter_settings(self, p: torch.Tensor) -> ParameterQuantization | None:
-        """What the optimizer rounds for parameter ``p`` (None: nothing, full precision).
+        """What the optimizer rounds for parameter ``p`` (None: nothing, full precision) at the
+        next step: with a group's ``"quantization"`` or default_quantization as they are now.
 
         Raises:
             KeyError: p is not a parameter of the optimizer.
         """
+        self._configure_changed_groups()
         return self.settings[p]
 
     def _rounded_params(self):
