@@ -604,12 +604,14 @@ class OptimLP(Optimizer):
 
     def _quantizer(self, p: torch.Tensor, name: str, quant: QuantFunction, t: torch.Tensor):
         """What rounds tensor ``name`` of parameter p: ``quant`` itself, or for a DelayedScaling
-        spec the call of that tensor's own scaler (made on t's device the first time)."""
+        spec the call of that tensor's own scaler (made on t's device the first time, and made
+        afresh where the tensor's DelayedScaling has changed since: a group's "quantization" or
+        default_quantization replaced between steps)."""
         if not (isinstance(quant, QuantSpec) and isinstance(quant.format, DelayedScaling)):
             return quant
         scalers = self.scalers.setdefault(p, {})
         scaler = scalers.get(name)
-        if scaler is None:
+        if scaler is None or scaler.scaling != quant.format:
             scaler = scalers[name] = quant.format.scaler(t.device)
         return ScalerCall(scaler, quant.rounding, True, forward_tensor=False)
 
