@@ -979,6 +979,24 @@ def test_parameter_settings_and_report_show_what_the_next_step_rounds():
     assert "Fixed(wl=16" not in table and "Fixed(wl=6, fl=3)" in table
 
 
+def test_an_acc_quant_assigned_that_its_accumulators_cannot_hold_is_refused_by_name():
+    # The accumulators keep the dtype they were made in (float32 for Fixed(16, 12)); a new
+    # acc_quant that needs float64 was checked against the dtype it would have been made in and
+    # failed later, inside the rounding, without naming the argument or the parameter.
+    model = torch.nn.Linear(5, 3)
+    optimizer = q.OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.1), acc_quant=lpsim.Fixed(16, 12)
+    )
+    _train_steps(model, optimizer, 1)
+    optimizer.acc_quant = lpsim.Fixed(40, 30)
+    with pytest.raises(
+        ValueError,
+        match=r"^OptimLP acc: .* does not fit a float32 tensor.*"
+        r"\(parameter 0 of group 0: its accumulator is float32\)$",
+    ):
+        _train_steps(model, optimizer, 1)
+
+
 def test_a_quantiser_assigned_to_optim_lp_is_checked_under_its_attribute_name():
     model = torch.nn.Linear(3, 2)
     optimizer = q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1))

@@ -570,9 +570,16 @@ class OptimLP(Optimizer):
     def _check_fits(self, s: ParameterQuantization, p: torch.Tensor, where: str) -> None:
         """Refuse, naming the argument and the parameter, a format that does not fit the dtype of
         a tensor it rounds (the optimizer state's: the accumulator's with one, to which
-        _configure moves the existing buffers, else the parameter's and the existing buffers')
-        or whose block dimension or axis the parameter's shape lacks."""
-        state_dtype = p.dtype if s.acc is None else _accumulator_dtype(s.acc, p.dtype)
+        _configure moves the existing buffers, else the parameter's and the existing buffers';
+        an accumulator made for an earlier acc keeps its dtype) or whose block dimension or axis
+        the parameter's shape lacks."""
+        acc = self.accumulators.get(p)
+        if s.acc is None:
+            state_dtype = p.dtype
+        elif acc is not None:  # made for an earlier acc: the new one must fit it too
+            state_dtype = acc.dtype
+        else:
+            state_dtype = _accumulator_dtype(s.acc, p.dtype)
         state = self.optimizer.state.get(p, {}) if s.acc is None else {}
         state_dtypes = {v.dtype for k, v in state.items() if _state_tensor(k, v, p)}
         for name, dtypes, what in (
