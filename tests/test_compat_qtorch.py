@@ -812,6 +812,200 @@ def test_checkpoint_round_trip_continues_bit_for_bit(tmp_path):
         assert_same_bits(resumed_optimizer.weight_acc[r], optimizer.weight_acc[p])
 
 
+def test_lpsim_optim_lp_checkpoints_load_with_their_momentum_and_accumulators(tmp_path):
+    # lpsim.optim.OptimLP's state_dict (keys "optimizer", "accumulators", "scalers") is one of the
+    # layouts load_state_dict takes: the momentum buffers, accumulators and learning rate are the
+    # saved ones, and the next step is the one the saving optimizer takes. Before, its "scalers"
+    # key was taken for this class's layout and loading raised KeyError('param_groups').
+    def make(cls, **quants):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(5, 3)
+        return model, cls(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), **quants)
+
+    fixed = lambda wl, fl: lambda t: q.fixed_point_quantize(t, wl, fl, rounding="nearest")  # noqa: E731
+    model, saver = make(
+        lpsim.optim.OptimLP, weight=fixed(8, 5), momentum=fixed(12, 8), acc=fixed(16, 12)
+    )
+    _train_steps(model, saver, 2)
+    saver.param_groups[0]["lr"] = 0.02
+    torch.save(saver.state_dict(), tmp_path / "checkpoint.pt")
+    resumed, loader = make(
+        q.OptimLP, weight_quant=fixed(8, 5), momentum_quant=fixed(12, 8), acc_quant=fixed(16, 12)
+    )
+    resumed.load_state_dict(model.state_dict())
+    loader.load_state_dict(torch.load(tmp_path / "checkpoint.pt"))
+    assert loader.param_groups[0]["lr"] == 0.02
+    for p, r in zip(model.parameters(), resumed.parameters()):
+        assert_same_bits(
+            loader.optim.state[r]["momentum_buffer"], saver.state[p]["momentum_buffer"]
+        )
+        assert_same_bits(loader.weight_acc[r], saver.accumulators[p])
+    _train_steps(model, saver, 1, torch.Generator().manual_seed(1))
+    _train_steps(resumed, loader, 1, torch.Generator().manual_seed(1))
+    for p, r in zip(model.parameters(), resumed.parameters()):
+        assert_same_bits(r, p)
+
+
+def test_checkpoints_load_into_lpsim_optim_lp_with_their_accumulators(tmp_path):
+    # This class's state_dict (torch's layout, the accumulators under "weight_acc") loads into
+    # lpsim.optim.OptimLP with its accumulators: they are the saved ones and the next step is the
+    # saving optimizer's. Before, lpsim.optim.OptimLP read it as a plain torch optimizer's and
+    # silently restarted the accumulators from the (coarser) weights.
+    fixed = lambda wl, fl: lambda t: q.fixed_point_quantize(t, wl, fl, rounding="nearest")  # noqa: E731
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    resumed = copy.deepcopy(model)
+    saver = q.OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+        weight_quant=fixed(6, 3),
+        acc_quant=fixed(16, 12),
+    )
+    _train_steps(model, saver, 2)
+    torch.save(saver.state_dict(), tmp_path / "checkpoint.pt")
+    resumed.load_state_dict(model.state_dict())
+    loader = lpsim.optim.OptimLP(
+        torch.optim.SGD(resumed.parameters(), lr=0.05, momentum=0.9),
+        weight=fixed(6, 3),
+        acc=fixed(16, 12),
+    )
+    loader.load_state_dict(torch.load(tmp_path / "checkpoint.pt"))
+    for p, r in zip(model.parameters(), resumed.parameters()):
+        assert_same_bits(loader.accumulators[r], saver.weight_acc[p])
+        assert not torch.equal(loader.accumulators[r], r)  # the weights are coarser
+    _train_steps(model, saver, 1, torch.Generator().manual_seed(1))
+    _train_steps(resumed, loader, 1, torch.Generator().manual_seed(1))
+    for p, r in zip(model.parameters(), resumed.parameters()):
+        assert_same_bits(r, p)
+        assert_same_bits(loader.accumulators[r], saver.weight_acc[p])
+
+
+def test_a_checkpoint_saved_without_accumulators_starts_them_from_the_weights(tmp_path):
+    # "Accumulators a checkpoint does not hold start from the current weights": so they did from
+    # a torch optimizer's state_dict and from this class's saved without acc_quant, but
+    # lpsim.optim.OptimLP's saved without accumulators raised ValueError. Each layout now loads
+    # with the accumulators at the weights rounded into acc_quant (QPyTorch's rounding here).
+    _, quant, _, _ = _qtorch()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    acc_quant = lambda t: q.fixed_point_quantize(t, 16, 6, rounding="nearest")  # noqa: E731
+    savers = [
+        lpsim.optim.OptimLP(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)),
+        q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)),
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+    ]
+    for i, saver in enumerate(savers):
+        _train_steps(model, saver, 1)
+        torch.save(saver.state_dict(), tmp_path / f"checkpoint{i}.pt")
+    for i in range(len(savers)):
+        for loader in (
+            q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), acc_quant=acc_quant),
+            lpsim.optim.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), acc=acc_quant),
+        ):
+            loader.load_state_dict(torch.load(tmp_path / f"checkpoint{i}.pt"))
+            assert loader.param_groups[0]["lr"] == 0.05
+            for p in model.parameters():
+                want = quant.fixed_point_quantize(p.detach(), 16, 6, rounding="nearest")
+                assert_same_bits(loader.accumulators[p], want)
+
+
+@pytest.mark.parametrize("how", ["attributes", "default_quantization"])
+def test_quantisers_assigned_between_steps_apply_from_the_next_step_as_in_qtorch(how):
+    # QPyTorch's OptimLP reads weight_quant, grad_quant and momentum_quant at every step, so a
+    # script may change them between steps (a precision schedule). Here assigning them raised
+    # AttributeError, and assigning default_quantization was silently ignored (the settings
+    # were worked out once). Now both apply from the next step: weights, gradients and momentum
+    # after every step have QPyTorch's values.
+    _, quant, optim, _ = _qtorch()
+    runs = []
+    for fixed_point_quantize, optim_lp in (
+        (quant.fixed_point_quantize, optim.OptimLP),
+        (q.fixed_point_quantize, q.OptimLP),
+    ):
+
+        def fixed(wl, fl, fixed_point_quantize=fixed_point_quantize):
+            return lambda t: fixed_point_quantize(t, wl, fl, rounding="nearest")
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+        optimizer = optim_lp(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            weight_quant=fixed(12, 9),
+            grad_quant=fixed(12, 10),
+            momentum_quant=fixed(12, 10),
+        )
+        data, steps = torch.Generator().manual_seed(3), []
+        for step in range(5):
+            if step == 2:
+                new = {"weight": fixed(6, 3), "grad": fixed(8, 6), "momentum": None}
+                if how == "attributes" or optim_lp is optim.OptimLP:
+                    for name, value in new.items():
+                        setattr(optimizer, f"{name}_quant", value)
+                else:
+                    optimizer.default_quantization = dataclasses.replace(
+                        optimizer.default_quantization, **new
+                    )
+            x, y = torch.randn(16, 6, generator=data), torch.randint(0, 3, (16,), generator=data)
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            steps.append(
+                [v.clone() for p in model.parameters() for v in (p.detach(), p.grad)]
+                + [optimizer.optim.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+            )
+        runs.append(steps)
+    theirs, ours = runs
+    for step, (mine, want) in enumerate(zip(ours, theirs)):
+        for i, (a, b) in enumerate(zip(mine, want)):
+            # Values (QPyTorch's fixed point turns -0.0 into +0, lpsim keeps the sign).
+            assert a.dtype == b.dtype and torch.equal(a, b), f"step {step}, tensor {i}"
+
+
+def test_parameter_settings_and_report_show_what_the_next_step_rounds():
+    # parameter_settings (which report() tabulates and a Recorder's stagnation check reads in
+    # its step pre-hook, before step() itself looks again) gave the settings worked out at the
+    # last step: a group's "quantization" or a quantiser assigned since did not show.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    first, second = model[0], model[1]
+    optimizer = q.OptimLP(
+        torch.optim.SGD([{"params": first.parameters()}, {"params": second.parameters()}], lr=0.1),
+        weight_quant=(lpsim.Fixed(16, 12), "nearest"),
+    )
+    coarse = (lpsim.Fixed(6, 3), "nearest")
+    optimizer.weight_quant = coarse
+    optimizer.param_groups[1]["quantization"] = None
+    assert optimizer.parameter_settings(first.weight).weight == (coarse[0], Rounding.nearest)
+    assert optimizer.parameter_settings(second.weight) is None
+    table = lpsim.nn.report(model, optimizer)
+    assert "Fixed(wl=16" not in table and "Fixed(wl=6, fl=3)" in table
+
+
+def test_an_acc_quant_assigned_that_its_accumulators_cannot_hold_is_refused_by_name():
+    # The accumulators keep the dtype they were made in (float32 for Fixed(16, 12)); a new
+    # acc_quant that needs float64 was checked against the dtype it would have been made in and
+    # failed later, inside the rounding, without naming the argument or the parameter.
+    model = torch.nn.Linear(5, 3)
+    optimizer = q.OptimLP(
+        torch.optim.SGD(model.parameters(), lr=0.1), acc_quant=lpsim.Fixed(16, 12)
+    )
+    _train_steps(model, optimizer, 1)
+    optimizer.acc_quant = lpsim.Fixed(40, 30)
+    with pytest.raises(
+        ValueError,
+        match=r"^OptimLP acc: .* does not fit a float32 tensor.*"
+        r"\(parameter 0 of group 0: its accumulator is float32\)$",
+    ):
+        _train_steps(model, optimizer, 1)
+
+
+def test_a_quantiser_assigned_to_optim_lp_is_checked_under_its_attribute_name():
+    model = torch.nn.Linear(3, 2)
+    optimizer = q.OptimLP(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="^weight_quant must be None, .* got FloatingPoint"):
+        optimizer.weight_quant = q.FloatingPoint(5, 2)
+    with pytest.raises(TypeError, match="^default_quantization must be a ParameterQuantization"):
+        optimizer.default_quantization = None
+
+
 def test_checkpoint_round_trip_keeps_delayed_scaling_histories(tmp_path):
     # An lpsim DelayedScaling as weight_quant keeps an amax history per parameter: the checkpoint
     # holds it, so a resumed run continues bit for bit (without it the scales start afresh).
@@ -1383,6 +1577,13 @@ def test_a_floating_point_of_eleven_exponent_bits_is_refused_when_made():
     q.FloatingPoint(10, 52)  # the widest that fits float64
     with pytest.raises(ValueError, match="FloatingPoint exp must be 1 to 10"):
         q.FloatingPoint(11, 52)
+
+
+@pytest.mark.parametrize("exp", [0, -3, 12])
+def test_a_floating_point_exponent_out_of_range_is_refused_with_floating_points_range(exp):
+    # The message named lpsim's Float and its range, [1, 11], which FloatingPoint does not take.
+    with pytest.raises(ValueError, match=rf"^FloatingPoint exp must be 1 to 10, got {exp} "):
+        q.FloatingPoint(exp, 2)
 
 
 def test_optim_lp_names_the_qtorch_argument_holding_a_misspelt_rule():

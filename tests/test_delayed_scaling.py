@@ -645,6 +645,37 @@ def test_an_optimizer_step_inside_the_backward_pass_still_scales_its_tensors():
     assert torch.equal(w.detach(), twin.detach())
 
 
+@pytest.mark.parametrize("how", ["group", "default_quantization"])
+def test_a_delayed_scaling_replaced_between_steps_rounds_into_its_own_format(how):
+    """A weight's DelayedScaling replaced between steps (a group's "quantization", or the
+    optimizer's default_quantization) rounds the next step into the new element format, with a
+    scaler of its own starting afresh (scale 1 at its first call). Before, the scaler of the old
+    DelayedScaling was kept and the weights stayed on the old e4m3 grid."""
+    from lpsim.optim import ParameterQuantization
+
+    w = nn.Parameter(torch.tensor([1.3, -0.77, 0.41, 2.9, -3.6]))
+    e4m3 = DelayedScaling(lpsim.Float(4, 3, special="fn"), history_length=4)
+    opt = OptimLP(torch.optim.SGD([w], lr=0.1), weight=(e4m3, "nearest"))
+    for _ in range(2):
+        opt.zero_grad()
+        (w * w.detach().cos()).sum().backward()
+        opt.step()
+    new = ParameterQuantization(
+        weight=(DelayedScaling(lpsim.Fixed(4, 1), history_length=4), "nearest")
+    )
+    if how == "group":
+        opt.param_groups[0]["quantization"] = new
+    else:
+        opt.default_quantization = new
+    opt.zero_grad()
+    (w * w.detach().cos()).sum().backward()
+    updated = w.detach().clone().add_(w.grad, alpha=-0.1)  # torch's SGD step, in float32
+    opt.step()
+    # Fixed(4, 1) with scale 1: the nearest multiple of 1/2 (ties to even) in [-4, 3.5].
+    want = (torch.round(updated.double() * 2) / 2).clamp(-4, 3.5).float()
+    assert torch.equal(w.detach(), want)
+
+
 class _Nested(nn.Module):
     """Returns one tensor at two places of a nested output, and another beside it."""
 

@@ -19,6 +19,10 @@ Each script runs in two configurations:
   mean training loss and the test loss are compared within a relative 5% (measured: at most
   1.3e-2, SWALP, whose mean training loss varies by 1.5% between QPyTorch runs).
 
+With QPyTorch's float and block "nearest" kernels replaced by the rounding its documentation
+states (ties to even), the float and block examples step bit for bit as under QPyTorch: every
+parameter, gradient, buffer, optimizer state and accumulator after every step.
+
 The augmentation of the examples (random crop and flip) is left out: it draws from torch's
 generator, which lpsim's stochastic rounding draws its seeds from too, so the two runs would
 train on different images.
@@ -120,9 +124,16 @@ def cifar(tmp_path_factory):
 # the data and the configuration, and returns the training loss of every batch and the test loss.
 
 
+# None, or an object whose start(optimizer) _train calls before the first step and whose
+# step(model, optimizer) it calls after every step (test_nearest_examples_step_as_qtorch_...).
+_STEP_OBSERVER = None
+
+
 def _train(model, criterion, optimizer, batches, loss_scale=1.0):
     """The examples' run_epoch in the training phase."""
     model.train()
+    if _STEP_OBSERVER is not None:
+        _STEP_OBSERVER.start(optimizer)
     losses = []
     for images, labels in batches:
         loss = criterion(model(images), labels)
@@ -130,6 +141,8 @@ def _train(model, criterion, optimizer, batches, loss_scale=1.0):
         optimizer.zero_grad()
         (loss * loss_scale).backward()
         optimizer.step()
+        if _STEP_OBSERVER is not None:
+            _STEP_OBSERVER.step(model, optimizer)
     return losses
 
 
@@ -538,3 +551,95 @@ def test_fixed_point_examples_with_nearest_rounding_are_bit_for_bit_qtorchs(exam
     # and clamping_grad_zero decides its mask on the rounded value in both.
     theirs = EXAMPLES[example](_real_qtorch(), cifar, "nearest")
     assert EXAMPLES[example](lpsim_qtorch, cifar, "nearest") == theirs
+
+
+# QPyTorch's float and block "nearest" kernels, as its documentation states them: round half to
+# even on the format's grid (the kernels themselves differ on ties, see the module docstring).
+
+
+def _float_nearest_even(a: torch.Tensor, man: int, exp: int) -> torch.Tensor:
+    """a rounded to nearest, ties to even, into FloatingPoint(exp, man): bias 2^(exp-1) - 1,
+    subnormals, the top exponent code finite and saturating below exp=8, float32's range at 8."""
+    x = a.double()
+    emin = 2 - 2 ** (exp - 1)
+    e = torch.clamp(torch.frexp(x)[1] - 1, min=emin)
+    scale = torch.exp2((man - e).double())
+    q = torch.round(x * scale) / scale  # exact: scaling by powers of two, float64's 53 bits
+    if exp < 8:
+        top = 2.0 ** (2**exp - 1 - (2 ** (exp - 1) - 1)) * (2 - 2.0**-man)
+        q = q.clamp(-top, top)
+    return q.float()
+
+
+def _block_nearest_even(a: torch.Tensor, wl: int, dim: int) -> torch.Tensor:
+    """a rounded to nearest, ties to even, into BlockFloatingPoint(wl, dim): per block the spacing
+    2^(E - (wl - 2)), E the exponent of the block's largest magnitude, values clipped to
+    +/-(2^(wl-1) - 1) spacings; dim=-1 is the whole tensor."""
+    x = a.double()
+    if dim == -1:
+        biggest = x.abs().max()
+    else:
+        others = [d for d in range(x.dim()) if d != dim]
+        biggest = x.abs().amax(dim=others, keepdim=True) if others else x.abs()
+    spacing = torch.exp2((torch.frexp(biggest)[1] - 1 - (wl - 2)).double())
+    limit = 2 ** (wl - 1) - 1
+    q = torch.round(x / spacing).clamp(-limit, limit) * spacing
+    return torch.where(biggest == 0, torch.zeros_like(q), q).float()
+
+
+class _Steps:
+    """After every step: each parameter, its (rounded) gradient, the model's buffers, the wrapped
+    optimizer's state and the accumulators, by name."""
+
+    def __init__(self):
+        self.steps = []
+
+    def start(self, optimizer):
+        # lpsim rounds each accumulator into acc_quant when it is made, QPyTorch copies the weight
+        # (docs/migrating-from-qtorch.md): start QPyTorch's from the same values.
+        if type(optimizer).__module__.startswith("qtorch") and hasattr(optimizer, "weight_acc"):
+            for acc in optimizer.weight_acc.values():
+                acc.copy_(optimizer.acc_quant(acc))
+
+    def step(self, model, optimizer):
+        params = dict(model.named_parameters())
+        accumulators = getattr(optimizer, "weight_acc", None) or {}
+        self.steps.append(
+            {
+                **{f"param {n}": p.detach().clone() for n, p in params.items()},
+                **{f"grad {n}": p.grad.clone() for n, p in params.items() if p.grad is not None},
+                **{f"buffer {n}": b.clone() for n, b in model.named_buffers()},
+                **{
+                    f"state {n} {key}": value.clone()
+                    for n, p in params.items()
+                    for key, value in optimizer.optim.state[p].items()
+                },
+                **{f"acc {n}": accumulators[p].clone() for n, p in params.items() if accumulators},
+            }
+        )
+
+
+@pytest.mark.parametrize("example", ["ibm8", "swalp", "block"])
+def test_nearest_examples_step_as_qtorch_with_its_documented_ties(example, cifar, monkeypatch):
+    # With QPyTorch's float and block "nearest" kernels replaced by the rounding its documentation
+    # states (ties to even), the float and block examples train bit for bit as under QPyTorch:
+    # after every step each parameter, gradient, batch-norm buffer, momentum buffer and
+    # accumulator is the same. What the losses compare only within 1e-2 is then the ties.
+    qtorch = _real_qtorch()
+    kernels = qtorch.quant.quant_function.get_module(torch.zeros(1))
+    monkeypatch.setattr(kernels, "float_quantize_nearest", _float_nearest_even)
+    monkeypatch.setattr(kernels, "block_quantize_nearest", _block_nearest_even)
+    runs = []
+    for package in (qtorch, lpsim_qtorch):
+        steps = _Steps()
+        monkeypatch.setattr(f"{__name__}._STEP_OBSERVER", steps)
+        losses = EXAMPLES[example](package, cifar, "nearest")
+        runs.append((losses, steps.steps))
+    (theirs, their_steps), (ours, our_steps) = runs
+    assert ours == theirs
+    assert len(our_steps) == len(their_steps) == TRAIN_BATCHES
+    for i, (mine, want) in enumerate(zip(our_steps, their_steps)):
+        assert mine.keys() == want.keys()
+        for name, value in want.items():
+            assert torch.equal(mine[name], value), f"step {i}: {name}"
+            assert mine[name].dtype == value.dtype, f"step {i}: {name}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.optim.optimizer as torch_optimizer
@@ -28,6 +28,9 @@ _GROUP_KEY = "quantization"  # a parameter group's own ParameterQuantization (or
 _CATEGORIES = ("weight", "grad", "momentum", "acc")
 # The OptimLP made around each optimizer (the latest), held weakly both ways (OptimLP.wrapping).
 _WRAPPERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The keys that lpsim.compat.qtorch.OptimLP.state_dict() adds to the wrapped optimizer's
+# ("state", "param_groups"): the accumulators, and the delayed-scaling states.
+TORCH_LAYOUT_EXTRAS = ("weight_acc", "scalers")
 
 
 def _as_function(value, rounding, name: str) -> QuantFunction | None:
@@ -266,6 +269,32 @@ def _accumulator_dtype(acc: QuantFunction, dtype: torch.dtype) -> torch.dtype:
     return sum_container(acc.format, own) if isinstance(acc, QuantSpec) else own
 
 
+def _default_field(name: str) -> property:
+    """OptimLP's default ``name`` (weight, grad, momentum, acc) under QPyTorch's attribute name
+    (``weight_quant``, ...). Assigning it (a spec, a function or None) replaces that field of
+    default_quantization from the next step, as QPyTorch's OptimLP reads its attributes at every
+    step."""
+
+    def read(self):
+        return getattr(self.default_quantization, name)
+
+    def write(self, value):
+        try:
+            self.default_quantization = replace(self.default_quantization, **{name: value})
+        except (TypeError, ValueError) as error:  # named as the attribute assigned
+            message = str(error)
+            if message.startswith(f"{name} "):
+                message = f"{name}_quant{message[len(name) :]}"
+            raise type(error)(message) from None
+
+    return property(
+        read,
+        write,
+        doc=f"The default {name} (a QuantSpec, a function or None); assigning it replaces "
+        "default_quantization's field from the next step.",
+    )
+
+
 class OptimLP(Optimizer):
     """Wrap ``optimizer`` (any torch.optim optimizer) so that one step is, for every parameter:
 
@@ -418,11 +447,24 @@ class OptimLP(Optimizer):
         found = _WRAPPERS.get(optimizer)
         return None if found is None else found()
 
-    # The defaults under QPyTorch's attribute names.
-    weight_quant = property(lambda self: self.default_quantization.weight)
-    grad_quant = property(lambda self: self.default_quantization.grad)
-    momentum_quant = property(lambda self: self.default_quantization.momentum)
-    acc_quant = property(lambda self: self.default_quantization.acc)
+    @property
+    def default_quantization(self) -> ParameterQuantization:
+        """What the parameters without settings of their own (a group's ``"quantization"``, an
+        entry of ``parameters=``) are rounded by: the constructor's weight, grad, momentum, acc
+        and rounding. A ParameterQuantization assigned to it applies from the next step, as a
+        group's ``"quantization"`` set between steps does."""
+        return self._default_quantization
+
+    @default_quantization.setter
+    def default_quantization(self, value: ParameterQuantization) -> None:
+        if not isinstance(value, ParameterQuantization):
+            raise TypeError(f"default_quantization must be a ParameterQuantization, got {value!r}")
+        self._default_quantization = value
+
+    weight_quant = _default_field("weight")
+    grad_quant = _default_field("grad")
+    momentum_quant = _default_field("momentum")
+    acc_quant = _default_field("acc")
 
     @staticmethod
     def _parse_parameters(parameters) -> dict | None:
@@ -476,14 +518,18 @@ class OptimLP(Optimizer):
         return settings
 
     def _group_keys(self) -> list:
-        """Each parameter group's "quantization" as it is now (the group itself where it has
-        none), to compare by identity with those the settings were worked out from."""
-        return [group.get(_GROUP_KEY, group) for group in self.param_groups]
+        """default_quantization and each parameter group's "quantization" as they are now (the
+        group itself where it has none), to compare by identity with those the settings were
+        worked out from."""
+        return [
+            self.default_quantization,
+            *(group.get(_GROUP_KEY, group) for group in self.param_groups),
+        ]
 
     def _configure_changed_groups(self) -> None:
-        """Work out the settings again where a group's "quantization" was set, replaced or removed
-        since (torch's optimizers read a group's options at every step), with the checks the
-        constructor makes."""
+        """Work out the settings again where default_quantization or a group's "quantization"
+        was set, replaced or removed since (torch's optimizers read a group's options at every
+        step), with the checks the constructor makes."""
         keys = self._group_keys()
         configured = getattr(self, "_groups_configured", ())
         if len(keys) != len(configured) or any(a is not b for a, b in zip(keys, configured)):
@@ -532,9 +578,16 @@ class OptimLP(Optimizer):
     def _check_fits(self, s: ParameterQuantization, p: torch.Tensor, where: str) -> None:
         """Refuse, naming the argument and the parameter, a format that does not fit the dtype of
         a tensor it rounds (the optimizer state's: the accumulator's with one, to which
-        _configure moves the existing buffers, else the parameter's and the existing buffers')
-        or whose block dimension or axis the parameter's shape lacks."""
-        state_dtype = p.dtype if s.acc is None else _accumulator_dtype(s.acc, p.dtype)
+        _configure moves the existing buffers, else the parameter's and the existing buffers';
+        an accumulator made for an earlier acc keeps its dtype) or whose block dimension or axis
+        the parameter's shape lacks."""
+        acc = self.accumulators.get(p)
+        if s.acc is None:
+            state_dtype = p.dtype
+        elif acc is not None:  # made for an earlier acc: the new one must fit it too
+            state_dtype = acc.dtype
+        else:
+            state_dtype = _accumulator_dtype(s.acc, p.dtype)
         state = self.optimizer.state.get(p, {}) if s.acc is None else {}
         state_dtypes = {v.dtype for k, v in state.items() if _state_tensor(k, v, p)}
         for name, dtypes, what in (
@@ -593,21 +646,25 @@ class OptimLP(Optimizer):
 
     def _quantizer(self, p: torch.Tensor, name: str, quant: QuantFunction, t: torch.Tensor):
         """What rounds tensor ``name`` of parameter p: ``quant`` itself, or for a DelayedScaling
-        spec the call of that tensor's own scaler (made on t's device the first time)."""
+        spec the call of that tensor's own scaler (made on t's device the first time, and made
+        afresh where the tensor's DelayedScaling has changed since: a group's "quantization" or
+        default_quantization replaced between steps)."""
         if not (isinstance(quant, QuantSpec) and isinstance(quant.format, DelayedScaling)):
             return quant
         scalers = self.scalers.setdefault(p, {})
         scaler = scalers.get(name)
-        if scaler is None:
+        if scaler is None or scaler.scaling != quant.format:
             scaler = scalers[name] = quant.format.scaler(t.device)
         return ScalerCall(scaler, quant.rounding, True, forward_tensor=False)
 
     def parameter_settings(self, p: torch.Tensor) -> ParameterQuantization | None:
-        """What the optimizer rounds for parameter ``p`` (None: nothing, full precision).
+        """What the optimizer rounds for parameter ``p`` (None: nothing, full precision) at the
+        next step: with a group's ``"quantization"`` or default_quantization as they are now.
 
         Raises:
             KeyError: p is not a parameter of the optimizer.
         """
+        self._configure_changed_groups()
         return self.settings[p]
 
     def _rounded_params(self):
@@ -926,8 +983,11 @@ class OptimLP(Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state_dict of OptimLP, or of a plain torch optimizer of the wrapped type (then
-        the accumulators start from the current weights, rounded into acc as when they are made).
+        """Load a state_dict of OptimLP, of lpsim.compat.qtorch.OptimLP (a torch optimizer's with
+        the accumulators under "weight_acc" and the delayed-scaling states under "scalers"), or of
+        a plain torch optimizer of the wrapped type. Accumulators that a state_dict does not hold
+        (a torch optimizer's, or one saved by an OptimLP without accumulators) start from the
+        current weights, rounded into acc as when they are made.
 
         As torch's load_state_dict, the saved parameter groups replace the wrapped optimizer's:
         their options (lr, momentum, ...) and their ``"quantization"`` come from the state_dict.
@@ -935,14 +995,20 @@ class OptimLP(Optimizer):
         ``grad_scaling`` and ``fused`` (none of them is in the state_dict).
 
         Raises:
-            ValueError: the state_dict is neither, or lacks accumulators these parameters need.
+            ValueError: the state_dict is none of these, or holds accumulators for some
+                parameters but not for one that needs one.
         """
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         if "optimizer" in state_dict:
             inner, saved = state_dict["optimizer"], state_dict.get("accumulators")
+            scalers = state_dict.get("scalers")
         elif "state" in state_dict and "param_groups" in state_dict:
-            inner, saved = state_dict, None  # a plain torch optimizer's
+            # A plain torch optimizer's, or lpsim.compat.qtorch.OptimLP's: torch's layout with the
+            # accumulators and delayed-scaling states under two more keys.
+            inner = {k: v for k, v in state_dict.items() if k not in TORCH_LAYOUT_EXTRAS}
+            saved = state_dict.get(TORCH_LAYOUT_EXTRAS[0])
+            scalers = state_dict.get(TORCH_LAYOUT_EXTRAS[1])
         else:
             raise ValueError(
                 "state_dict must be an OptimLP state_dict (keys 'optimizer', "
@@ -954,7 +1020,8 @@ class OptimLP(Optimizer):
             raise ValueError(
                 f"state_dict holds {len(saved)} accumulators for {len(params)} parameters"
             )
-        scalers = state_dict.get("scalers") if "optimizer" in state_dict else None
+        if saved is not None and all(acc is None for acc in saved):
+            saved = None  # saved without accumulators: they start from the weights
         if scalers is not None and len(scalers) != len(params):
             raise ValueError(
                 f"state_dict holds scalers for {len(scalers)} of {len(params)} parameters"

@@ -42,16 +42,16 @@ class FloatingPoint(Number):
     and Inf behave as in IEEE float32, so FloatingPoint(8, man) is the IEEE Float(8, man).
 
     Raises:
-        ValueError: exp or man out of range (exp 1 to 10 and man 0 to 52: lpsim's Float allows
-            exp up to 11, but with the top exponent code finite exp=11 reaches 2**1024, which no
+        ValueError: exp or man out of range: exp 1 to 10, man 0 to 52 (lpsim's Float allows exp
+            up to 11, but with the top exponent code finite exp=11 reaches 2**1024, which no
             container holds; QPyTorch allows exp 1 to 8 and man 1 to 23).
     """
 
     def __init__(self, exp: int, man: int):
-        if isinstance(exp, int) and not isinstance(exp, bool) and exp == 11:
+        if isinstance(exp, int) and not isinstance(exp, bool) and not 1 <= exp <= 10:
             raise ValueError(
-                "FloatingPoint exp must be 1 to 10: exp=11 with its top exponent code finite "
-                "reaches 2**1024, beyond float64, the widest container"
+                f"FloatingPoint exp must be 1 to 10, got {exp} (with its top exponent code "
+                "finite, exp=11 reaches 2**1024, beyond float64, the widest container)"
             )
         self.exp = exp
         self.man = man

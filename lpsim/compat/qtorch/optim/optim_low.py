@@ -6,12 +6,13 @@ import torch
 
 from lpsim import optim as lpoptim
 from lpsim.compat.qtorch.number import Number
-from lpsim.optim.optim_lp import QuantFunction
+from lpsim.optim.optim_lp import TORCH_LAYOUT_EXTRAS, QuantFunction
 
 __all__ = ["OptimLP"]
 
-_WEIGHT_ACC = "weight_acc"  # the state_dict key of the accumulators (QPyTorch saves none)
-_SCALERS = "scalers"  # the key of the delayed-scaling states, when some parameter has one
+# The state_dict keys of the accumulators (QPyTorch saves none) and of the delayed-scaling
+# states (when some parameter has one), which lpsim.optim.OptimLP.load_state_dict reads.
+_WEIGHT_ACC, _SCALERS = TORCH_LAYOUT_EXTRAS
 
 
 def _with_qtorch_name(error: Exception) -> Exception:
@@ -36,7 +37,8 @@ class OptimLP(lpoptim.OptimLP):
     floating-point state tensor (momentum_keys lists them), multiplies the gradients by
     grad_scaling also without grad_quant (QPyTorch then ignores grad_scaling), and rounds each
     accumulator into acc_quant when it is created (QPyTorch copies the weight unrounded).
-    See lpsim.optim.OptimLP for the rest.
+    As in QPyTorch, weight_quant, grad_quant, momentum_quant and acc_quant may be assigned
+    between steps: the next step uses them. See lpsim.optim.OptimLP for the rest.
 
     state_dict() has QPyTorch's layout (a torch optimizer's "state" and "param_groups", here the
     wrapped optimizer's, so the momentum buffers are in it) plus the accumulators under
@@ -134,14 +136,4 @@ class OptimLP(lpoptim.OptimLP):
             ValueError: it is none of these, or holds accumulators for some parameters that need
                 one but not for others.
         """
-        if isinstance(state_dict, dict) and (_WEIGHT_ACC in state_dict or _SCALERS in state_dict):
-            inner = {k: v for k, v in state_dict.items() if k not in (_WEIGHT_ACC, _SCALERS)}
-            saved = state_dict.get(_WEIGHT_ACC)
-            if saved is not None and all(acc is None for acc in saved):
-                saved = None
-            state_dict = {
-                "optimizer": inner,
-                "accumulators": saved,
-                "scalers": state_dict.get(_SCALERS),
-            }
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict)  # which reads every one of these layouts
