@@ -365,9 +365,11 @@ class SGD(_LowPrecision):
         seed: 0 <= seed < 2**64; None: drawn from torch's default CPU generator when the rule
             is stochastic, once for the groups given here and once for each group added later
             without a seed, when it is added (a group with a deterministic rule draws nothing, so
-            that the
-            optimizer, as torch's own, leaves the generator to dropout and data order; its seed
-            stays None until a stochastic rule first needs one).
+            that the optimizer, as torch's own, leaves the generator to dropout and data order;
+            its seed stays None until a stochastic rule first needs one). The streams are keyed by
+            the seed and the step count: a new optimizer made with the same seed, its state not
+            loaded, counts its steps from 1 again and repeats the first one's random words;
+            resume with load_state_dict, or give it another seed.
         randomness: "position" or "value" (see lpsim.sr_add).
 
     Raises:
