@@ -42,6 +42,7 @@ from lpsim._checks import (
     check_offset,
     check_rule,
     check_tensor,
+    draw_seed,
     seed_argument,
 )
 from lpsim._ops import call
@@ -541,7 +542,9 @@ def align(
     the finer operand's mantissa is shifted right by the difference with the rounding
     ("stochastic" by default; rbits, seed and offset as for requantize).
 
-    With the same seed and offset, add(a, b) is exactly the sum of the aligned mantissas.
+    With the same seed and offset, add(a, b) is exactly the sum of the aligned mantissas; without
+    a seed both operands use the one seed drawn from torch's default generator, as add() does, so
+    the same generator state gives the same equality.
 
     Raises:
         TypeError, ValueError: an operand is not a DyadicTensor, the per-channel axes differ, or a
@@ -549,6 +552,10 @@ def align(
     """
     p = _pair(a, b)
     scale = _coarser(p)
+    if seed is None and check_rule(rounding, ROUNDINGS, "dyadic operations").is_stochastic:
+        # One draw for both shifts: each kernel would draw its own seed (two draws, where add()
+        # makes one), and the operands would round with words of different streams.
+        seed = int(draw_seed())
     random = _random_args(rounding, rbits, seed, offset)
     bounds = _bounds_of(p.a.dtype)
     out = []
