@@ -565,6 +565,18 @@ def test_iris_experiment_runs_and_writes_its_table(tmp_path):
     assert (tmp_path / "iris_int.png").stat().st_size > 10_000
 
 
+def test_iris_8_bit_weights_are_on_a_grid_of_2_to_the_minus_6_in_every_layer_and_seed():
+    # docs/integer.md: the 8-bit-weight ablation's quantum is 2**-6 everywhere, so an update
+    # 2**-7 M moves a weight by half a quantum only when |M| reaches 64 quanta, 1 in value.
+    from experiments.iris_int import run
+
+    args = run.parser().parse_args([])
+    for seed in range(10):
+        model = run.integer_model(run.float_model(seed), args, run.PATHS["w8-nearest"])
+        assert {p.value.scale for p in model.parameters()} == {6}, seed
+        assert {p.bits for p in model.parameters()} == {8}
+
+
 def test_sgd_keeps_its_counts_by_the_parameters_current_names():
     first, second = inn.Linear(2, 2), inn.Linear(2, 2)
     with pytest.raises(ValueError, match="distinct names.*'weight' 2 times"):
