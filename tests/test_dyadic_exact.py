@@ -622,3 +622,22 @@ def test_align_without_a_seed_uses_one_draw_and_add_sums_its_operands(scales_a, 
             )
         ]
         assert aligned.mantissa.flatten().tolist() == expected
+
+
+@pytest.mark.parametrize("axis", [None, 0, 1])
+def test_from_float_chooses_the_scale_of_block_float_and_differs_only_at_qmin(axis):
+    # docs/integer.md: from_float with the scale from the largest magnitude makes BlockFloat(wl)'s
+    # choice (one shared exponent, the largest element in the top bit) on two's complement
+    # integers: the values agree except where the two's complement mantissa is -2**(wl-1), which
+    # sign and magnitude cannot hold (BlockFloat saturates to -(2**(wl-1) - 1) there).
+    generator = torch.Generator().manual_seed(8)
+    for wl in range(2, 14):
+        x = torch.randn(5, 6, generator=generator, dtype=torch.float64) * 2.0 ** (wl - 6)
+        # A negative largest magnitude just below a power of two: its mantissa rounds to Qmin.
+        x[wl % 5, wl % 6] = -(2 - 2.0**-wl) * 2.0 ** (wl - 3)
+        value = dyadic.from_float(x, wl, axis=axis).value
+        block = lpsim.quantize(x, lpsim.BlockFloat(wl, dim=axis), "nearest")
+        lowest = value.mantissa == -(2 ** (wl - 1))
+        at_lowest = value.with_mantissa(torch.where(lowest, value.mantissa + 1, value.mantissa))
+        assert torch.equal(at_lowest.to_float(torch.float64), block), wl
+        assert lowest[wl % 5, wl % 6]
