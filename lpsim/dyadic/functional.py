@@ -552,11 +552,12 @@ def align(
     """
     p = _pair(a, b)
     scale = _coarser(p)
-    if seed is None and check_rule(rounding, ROUNDINGS, "dyadic operations").is_stochastic:
+    rule, bits, seed, offset = _random_args(rounding, rbits, seed, offset)
+    if seed is None and Rounding(rule).is_stochastic:
         # One draw for both shifts: each kernel would draw its own seed (two draws, where add()
         # makes one), and the operands would round with words of different streams.
         seed = int(draw_seed())
-    random = _random_args(rounding, rbits, seed, offset)
+    random = (rule, bits, seed, offset)
     bounds = _bounds_of(p.a.dtype)
     out = []
     for mantissa, own in ((p.a, p.scale_a), (p.b, p.scale_b)):
