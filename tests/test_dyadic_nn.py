@@ -469,6 +469,17 @@ def test_mse_loss_error_is_checked_against_the_accumulator():
         inn.mse_loss(y, t, accumulator_bits=16, rounding="nearest")  # no overflow= to name
 
 
+def test_mse_loss_counts_each_error_outside_the_accumulator_once():
+    # An int64 output: y - t = 2**63 saturates int64 and lies outside the 32-bit accumulator;
+    # it is one result outside the range, as is 2**40, and 5 is inside (Python's integers).
+    y = DyadicTensor(torch.tensor([[2**63 - 1, 2**40, 5]], dtype=torch.int64), 0)
+    t = DyadicTensor(_int([[-1, 0, 0]]), 0)
+    errors = [a - b for a, b in zip(y.mantissa[0].tolist(), t.mantissa[0].tolist())]
+    outside = sum(not -(2**31) <= e < 2**31 for e in errors)
+    with pytest.raises(OverflowError, match=rf"y - t: {outside} result\(s\) outside"):
+        inn.mse_loss(y, t, rounding="nearest")
+
+
 def test_mse_loss_is_exact_where_the_sum_of_squares_passes_int64():
     # Four errors of -2**31: the sum of squares is 2**64, which int64 wraps to 0.
     y = DyadicTensor(torch.full((1, 4), -(2**31), dtype=torch.int64), 0)
