@@ -25,6 +25,11 @@ def _after_forward(module):
     return module
 
 
+def _columns(x: DyadicTensor) -> DyadicTensor:
+    """x's mantissa with one scale per column (axis 1)."""
+    return DyadicTensor(x.mantissa, list(range(x.shape[1])), 1)
+
+
 def _step_with_grad(grad):
     p = inn.Parameter("w", X, 8, grad=grad)
     SGD([p], lr_shift=1).step()
@@ -290,6 +295,29 @@ def _step_with_grad(grad):
             lambda: _step_with_grad(torch.ones(3)),
             TypeError,
             r"the gradient of 'w' must be a DyadicTensor, got Tensor",
+        ),
+        (
+            lambda: SGD([inn.Parameter("w", V, 8, grad=X)], lr_shift=1).step(),
+            TypeError,
+            r"^the value of 'w' must be a DyadicTensor, got Tensor$",
+        ),
+        (
+            lambda: SGD(
+                [inn.Parameter("w", DyadicTensor(M.mantissa, [0, 1], 0), 8, grad=_columns(M))],
+                lr_shift=1,
+            ).step(),
+            ValueError,
+            r"^the gradient of 'w' has its scales along axis 1, its value along axis 0",
+        ),
+        (
+            lambda: SGD([inn.Parameter("w", X, 8)], lr_shift=1).load_state_dict(
+                {
+                    "momentum": [{"mantissa": [1, 2, 3], "scale": 0, "axis": None}],
+                    "stats": [{"gradient": 0, "weight": 0}],
+                }
+            ),
+            ValueError,
+            r"^the momentum buffer of 'w' must be an int32 tensor of shape \(3,\), got list$",
         ),
         (lambda: SGD([1], lr_shift=1), TypeError, r"parameters must be lpsim.dyadic.nn.Parameter"),
         (lambda: SGD([], lr_shift=63), ValueError, r"lr_shift must be in \[0, 62\], got 63"),

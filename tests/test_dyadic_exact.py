@@ -19,6 +19,7 @@ import lpsim
 from lpsim import dyadic
 from lpsim.dyadic import DyadicOverflowWarning, DyadicTensor
 from lpsim.dyadic import reference as ref
+from lpsim.reference import random_word
 from lpsim.rounding import Rounding
 
 RULES = st.sampled_from(["nearest", "down", "stochastic"])
@@ -580,3 +581,63 @@ def test_a_per_channel_scale_is_a_copy_of_the_callers_tensor():
     scales += 2**40
     assert x.scale.tolist() == [1, 2] and x.to_float().tolist() == [[2.0], [1.0]]
     assert y.scale.tolist() == [1, 2] and y.mantissa.tolist() == [[2], [4]]
+
+
+def _stochastic_shift(v: int, k: int, word: int) -> int:
+    """SR(v, k) = floor(v / 2**k) + [(v mod 2**k) + U >= 2**k], U the top k bits of the element's
+    32-bit word (docs/integer.md, for 0 <= k <= 32)."""
+    return (v >> k) + ((v % 2**k) + (word >> (32 - k)) >= 2**k)
+
+
+@pytest.mark.parametrize(
+    "scales_a,scales_b,axis",
+    [(3, 11, None), (11, 3, None), ([2, 9], [9, 2], 0)],
+    ids=["b finer", "a finer", "each finer in one channel"],
+)
+def test_align_without_a_seed_uses_one_draw_and_add_sums_its_operands(scales_a, scales_b, axis):
+    # Without seed= an operation draws one seed from torch's default generator. align() shifts
+    # the finer operand of each element with that element's word of the one seed, as add() does:
+    # from the same generator state add(a, b) is the exact sum of align(a, b), and both leave the
+    # generator in the same state.
+    generator = torch.Generator().manual_seed(3)
+    a = torch.randint(-5000, 5000, (2, 40), generator=generator, dtype=torch.int32)
+    b = torch.randint(-5000, 5000, (2, 40), generator=generator, dtype=torch.int32)
+    x, y = DyadicTensor(a, scales_a, axis), DyadicTensor(b, scales_b, axis)
+    torch.manual_seed(11)
+    seed = int(torch.randint(2**63 - 1, ()))  # the draw of draw_seed: 63 random bits
+    torch.manual_seed(11)
+    u, v = dyadic.align(x, y)
+    after_align = torch.get_rng_state()
+    torch.manual_seed(11)
+    total = dyadic.add(x, y)
+    assert torch.equal(torch.get_rng_state(), after_align)
+    assert total.mantissa.tolist() == (u.mantissa + v.mantissa).tolist()
+    rows_a = [scales_a] * 2 if axis is None else scales_a
+    rows_b = [scales_b] * 2 if axis is None else scales_b
+    for mantissas_, rows, aligned in ((a, rows_a, u), (b, rows_b, v)):
+        expected = [
+            _stochastic_shift(value, rows[r] - min(rows_a[r], rows_b[r]), random_word(seed, 0, i))
+            for i, (r, value) in enumerate(
+                (r, value) for r in range(2) for value in mantissas_[r].tolist()
+            )
+        ]
+        assert aligned.mantissa.flatten().tolist() == expected
+
+
+@pytest.mark.parametrize("axis", [None, 0, 1])
+def test_from_float_chooses_the_scale_of_block_float_and_differs_only_at_qmin(axis):
+    # docs/integer.md: from_float with the scale from the largest magnitude makes BlockFloat(wl)'s
+    # choice (one shared exponent, the largest element in the top bit) on two's complement
+    # integers: the values agree except where the two's complement mantissa is -2**(wl-1), which
+    # sign and magnitude cannot hold (BlockFloat saturates to -(2**(wl-1) - 1) there).
+    generator = torch.Generator().manual_seed(8)
+    for wl in range(2, 14):
+        x = torch.randn(5, 6, generator=generator, dtype=torch.float64) * 2.0 ** (wl - 6)
+        # A negative largest magnitude just below a power of two: its mantissa rounds to Qmin.
+        x[wl % 5, wl % 6] = -(2 - 2.0**-wl) * 2.0 ** (wl - 3)
+        value = dyadic.from_float(x, wl, axis=axis).value
+        block = lpsim.quantize(x, lpsim.BlockFloat(wl, dim=axis), "nearest")
+        lowest = value.mantissa == -(2 ** (wl - 1))
+        at_lowest = value.with_mantissa(torch.where(lowest, value.mantissa + 1, value.mantissa))
+        assert torch.equal(at_lowest.to_float(torch.float64), block), wl
+        assert lowest[wl % 5, wl % 6]

@@ -469,6 +469,17 @@ def test_mse_loss_error_is_checked_against_the_accumulator():
         inn.mse_loss(y, t, accumulator_bits=16, rounding="nearest")  # no overflow= to name
 
 
+def test_mse_loss_counts_each_error_outside_the_accumulator_once():
+    # An int64 output: y - t = 2**63 saturates int64 and lies outside the 32-bit accumulator;
+    # it is one result outside the range, as is 2**40, and 5 is inside (Python's integers).
+    y = DyadicTensor(torch.tensor([[2**63 - 1, 2**40, 5]], dtype=torch.int64), 0)
+    t = DyadicTensor(_int([[-1, 0, 0]]), 0)
+    errors = [a - b for a, b in zip(y.mantissa[0].tolist(), t.mantissa[0].tolist())]
+    outside = sum(not -(2**31) <= e < 2**31 for e in errors)
+    with pytest.raises(OverflowError, match=rf"y - t: {outside} result\(s\) outside"):
+        inn.mse_loss(y, t, rounding="nearest")
+
+
 def test_mse_loss_is_exact_where_the_sum_of_squares_passes_int64():
     # Four errors of -2**31: the sum of squares is 2**64, which int64 wraps to 0.
     y = DyadicTensor(torch.full((1, 4), -(2**31), dtype=torch.int64), 0)
@@ -563,6 +574,18 @@ def test_iris_experiment_runs_and_writes_its_table(tmp_path):
     text = (tmp_path / "iris_int.md").read_text()
     assert "| integer (16-bit weights), stochastic |" in text and "| float32 |" in text
     assert (tmp_path / "iris_int.png").stat().st_size > 10_000
+
+
+def test_iris_8_bit_weights_are_on_a_grid_of_2_to_the_minus_6_in_every_layer_and_seed():
+    # docs/integer.md: the 8-bit-weight ablation's quantum is 2**-6 everywhere, so an update
+    # 2**-7 M moves a weight by half a quantum only when |M| reaches 64 quanta, 1 in value.
+    from experiments.iris_int import run
+
+    args = run.parser().parse_args([])
+    for seed in range(10):
+        model = run.integer_model(run.float_model(seed), args, run.PATHS["w8-nearest"])
+        assert {p.value.scale for p in model.parameters()} == {6}, seed
+        assert {p.bits for p in model.parameters()} == {8}
 
 
 def test_sgd_keeps_its_counts_by_the_parameters_current_names():
@@ -764,3 +787,183 @@ def test_integer_sgd_resumed_from_its_state_dict_continues_bit_for_bit(tmp_path)
     assert opt.momentum[0] is not None
     with pytest.raises(ValueError, match="momentum buffers"):
         SGD([], lr_shift=1).load_state_dict(loaded["optimizer"])
+
+
+# ---- a whole training step in Python integers ------------------------------------------------
+
+
+class _IntegerStep:
+    """Two training steps of Linear-ReLU-Linear, mse_loss and SGD in Python integers and
+    fractions, each shift and rounding as docs/integer.md states it. A stochastic rounding uses
+    the word i of a seed drawn from torch's generator, one seed per operation in the order the
+    layers run them (an exact addition or subtraction draws one too)."""
+
+    def __init__(self, rule: str):
+        self.rule = rule
+
+    def words(self, n: int) -> list[int]:
+        if self.rule != "stochastic":
+            return [0] * n
+        from lpsim.reference import random_word
+
+        seed = int(torch.randint(2**63 - 1, ()))
+        return [random_word(seed, 0, i) for i in range(n)]
+
+    def round(self, x: Fraction, word: int) -> int:
+        q = math.floor(x)
+        frac = x - q
+        if self.rule == "down":
+            return q
+        if self.rule == "nearest":
+            return q + (frac > Fraction(1, 2) or (frac == Fraction(1, 2) and q % 2 == 1))
+        return q + (math.floor(frac * 2**32) + word >= 2**32)
+
+    @staticmethod
+    def clip(values: list[int], bits: int) -> list[int]:
+        return [min(max(v, -(2 ** (bits - 1))), 2 ** (bits - 1) - 1) for v in values]
+
+    def requantize(self, values, scale, target, bits) -> tuple[list[int], list[bool]]:
+        rounded = [
+            self.round(Fraction(v) * Fraction(2) ** (target - scale), w)
+            for v, w in zip(values, self.words(len(values)))
+        ]
+        clipped = self.clip(rounded, bits)
+        return clipped, [r != c for r, c in zip(rounded, clipped)]
+
+    def exact(self) -> None:
+        self.words(0)  # an addition of operands at one scale: exact, one seed drawn all the same
+
+    @staticmethod
+    def fit_shift(values: list[int], bits: int) -> int:
+        k = 0
+        while not all(-(2 ** (bits - 1)) <= v >> k <= 2 ** (bits - 1) - 1 for v in values):
+            k += 1
+        return k
+
+    @staticmethod
+    def product(a, b):  # row-major lists: a is (n, k), b is (k, m)
+        return [[sum(x * y for x, y in zip(row, column)) for column in zip(*b)] for row in a]
+
+    def linear_forward(self, layer: dict, x, s_x):
+        n, out = len(x), len(layer["W"])
+        s = s_x + layer["s"]
+        acc = self.clip(sum(self.product(x, list(zip(*layer["W"]))), []), layer["acc"])
+        bias, _ = self.requantize(layer["b"], layer["s"], s, layer["acc"])
+        self.exact()
+        acc = self.clip([v + bias[i % out] for i, v in enumerate(acc)], layer["acc"])
+        k = layer["kf"] if layer["kf"] is not None else self.fit_shift(acc, layer["a"])
+        y, clipped = self.requantize(acc, s, s - k, layer["a"])
+        layer.update(x=x, s_x=s_x, clipped=clipped)
+        return [y[i * out : (i + 1) * out] for i in range(n)], s - k
+
+    def linear_backward(self, layer: dict, g, s_g):
+        out = len(layer["W"])
+        flat = [0 if c else v for v, c in zip(sum(g, []), layer["clipped"])]
+        g = [flat[i * out : (i + 1) * out] for i in range(len(g))]
+        layer["dW"] = self.clip(sum(self.product(list(zip(*g)), layer["x"]), []), layer["acc"])
+        layer["s_dW"] = s_g + layer["s_x"]
+        layer["db"], layer["s_db"] = self.clip([sum(c) for c in zip(*g)], layer["acc"]), s_g
+        dx = self.clip(sum(self.product(g, layer["W"]), []), layer["acc"])
+        s = s_g + layer["s"]
+        k = layer["kb"] if layer["kb"] is not None else self.fit_shift(dx, layer["e"])
+        dx, _ = self.requantize(dx, s, s - k, layer["e"])
+        cols = len(layer["W"][0])
+        return [dx[i * cols : (i + 1) * cols] for i in range(len(g))], s - k
+
+    def mse_loss(self, y, s_y, target, error_bits):
+        n = len(y)
+        t, _ = self.requantize(sum(target, []), 0, s_y, 32)
+        self.exact()
+        e = [a - b for a, b in zip(sum(y, []), t)]
+        loss = Fraction(sum(v * v for v in e), 2 * n) / Fraction(2) ** (2 * s_y)
+        if n & (n - 1) == 0:
+            g, s_g = e, s_y + n.bit_length() - 1
+        else:  # div(e, N, p) with p = bits(N)
+            p = n.bit_length()
+            g = [self.round(Fraction(v * 2**p, n), w) for v, w in zip(e, self.words(len(e)))]
+            s_g = s_y + p
+        k = self.fit_shift(g, error_bits)
+        g, _ = self.requantize(g, s_g, s_g - k, error_bits)
+        c = len(y[0])
+        return float(loss), [g[i * c : (i + 1) * c] for i in range(n)], s_g - k
+
+    def sgd(self, w, layer, grad, s_grad, m, lr_shift=2, momentum_shift=1, grad_bits=8):
+        s_w = layer["s"]
+        g, _ = self.requantize(grad, s_grad, s_w, grad_bits)
+        decay, _ = self.requantize(m, s_w + momentum_shift, s_w, 32)
+        self.exact()
+        m = self.clip([a - b for a, b in zip(m, decay)], 32)
+        self.exact()
+        m = self.clip([a + b for a, b in zip(m, g)], 32)
+        update, _ = self.requantize(m, s_w + lr_shift, s_w, 32)
+        self.exact()
+        w, _ = self.requantize([a - b for a, b in zip(w, update)], s_w, s_w, layer["bits"])
+        return w, m
+
+
+@pytest.mark.parametrize("rule", ["stochastic", "nearest", "down"])
+def test_two_training_steps_equal_python_integers_bit_for_bit(rule):
+    # Fixed and fitted shifts (the fixed forward shift clips), a 12-bit accumulator that
+    # saturates, a bias shifted right (an input at a negative scale), batches of 3 (the loss
+    # divides) and 4 (a shift), 8-bit gradient clipping and momentum: every mantissa, scale and
+    # the loss as the Python model has them.
+    torch.manual_seed(5)
+    options = dict(rounding=rule, overflow="saturate", accumulator_bits=12)
+    first = inn.Linear(3, 5, weight_bits=8, activation_bits=6, forward_shift=4, **options)
+    second = inn.Linear(
+        5, 2, weight_bits=10, activation_bits=8, error_bits=6, backward_shift=3, **options
+    )
+    model = inn.Sequential(first, inn.ReLU(), second)
+    opt = SGD(model.parameters(), lr_shift=2, momentum_shift=1, grad_bits=8, rounding=rule)
+    python = _IntegerStep(rule)
+    layers = [
+        {
+            "W": m.weight.value.mantissa.tolist(),
+            "b": m.bias.value.mantissa.tolist(),
+            "s": m.weight.value.scale,
+            "a": m.activation_bits,
+            "e": m.error_bits,
+            "acc": 12,
+            "kf": m.forward_shift,
+            "kb": m.backward_shift,
+            "bits": m.weight.bits,
+        }
+        for m in (first, second)
+    ]
+    momenta = None
+    data = torch.Generator().manual_seed(6)
+    for batch, scale in ((3, 4), (4, -2)):
+        x = dyadic.from_float(torch.randn(batch, 3, generator=data) * 8, 8, scale).value
+        labels = torch.randint(0, 2, (batch,), generator=data)
+        t = DyadicTensor(torch.nn.functional.one_hot(labels, 2).to(torch.int32), 0)
+        state = torch.get_rng_state()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DyadicOverflowWarning)
+            out = inn.mse_loss(model(x), t, rounding=rule, error_bits=6)
+            opt.zero_grad()
+            model.backward(out.grad)
+            opt.step()
+        torch.set_rng_state(state)  # the Python model draws the same seeds
+        h, s_h = python.linear_forward(layers[0], x.mantissa.tolist(), x.scale)
+        positive = [[v > 0 for v in row] for row in h]
+        h = [[max(v, 0) for v in row] for row in h]
+        y, s_y = python.linear_forward(layers[1], h, s_h)
+        loss, g, s_g = python.mse_loss(y, s_y, t.mantissa.tolist(), 6)
+        assert out.loss == loss
+        assert out.grad.mantissa.tolist() == g and out.grad.scale == s_g
+        g, s_g = python.linear_backward(layers[1], g, s_g)
+        g = [[v if p else 0 for v, p in zip(row, keep)] for row, keep in zip(g, positive)]
+        python.linear_backward(layers[0], g, s_g)
+        momenta = momenta or [[0] * (len(sum(lay["W"], [])) + len(lay["b"])) for lay in layers]
+        for lay, m in zip(layers, momenta):
+            cols = len(lay["W"][0])
+            weight, bias = m[: len(lay["dW"])], m[len(lay["dW"]) :]
+            w, weight = python.sgd(sum(lay["W"], []), lay, lay["dW"], lay["s_dW"], weight)
+            b, bias = python.sgd(lay["b"], lay, lay["db"], lay["s_db"], bias)
+            lay["W"] = [w[i * cols : (i + 1) * cols] for i in range(len(lay["W"]))]
+            lay["b"], m[:] = b, weight + bias
+        got = [p.value.mantissa.flatten().tolist() for p in model.parameters()]
+        assert got == [v for lay in layers for v in (sum(lay["W"], []), lay["b"])]
+    stats = model.stats()  # the run exercised every saturation and clip the model has
+    assert stats["0"].forward_clamps and stats["2"].backward_clamps
+    assert stats["0"].overflows and stats["2"].overflows and opt.stats["2.weight"].gradient

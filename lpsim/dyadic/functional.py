@@ -16,11 +16,20 @@ matmul(a, b)       exact sums of v_a v_b, checked against the           s_a + s_
 
 Rounding (``rounding=``): "stochastic" (default for the ops that round), "nearest" (ties to even)
 or "down" (floor, an arithmetic right shift). For negative mantissas every rule works on the
-floor: SR(v, k) = floor(v / 2**k) + [(v mod 2**k) > U] with v mod 2**k in [0, 2**k). The random
-U is the top k bits of the element's Philox word (see lpsim.functional for seeds and offsets), so
-the shift is exactly unbiased for k <= rbits (default 32); a larger shift first truncates the
-discarded bits to rbits bits, as lpsim's rbits does for the float formats. The element index is
-the row-major position in the result (after broadcasting).
+floor: SR(v, k) = floor(v / 2**k) + [(v mod 2**k) + U >= 2**k] with v mod 2**k in [0, 2**k).
+The random U is the top k bits of the element's Philox word (see lpsim.functional for seeds and
+offsets), so the shift is exactly unbiased for k <= rbits (default 32); a larger shift first
+truncates the discarded bits to rbits bits, as lpsim's rbits does for the float formats. The
+element index is the row-major position in the result (after broadcasting):
+
+    >>> import torch
+    >>> from lpsim import dyadic
+    >>> from lpsim.reference import random_word
+    >>> v = [-3, 5, 3, -6]
+    >>> x = dyadic.DyadicTensor(torch.tensor(v, dtype=torch.int32), 3)
+    >>> rounded = dyadic.requantize(x, 0, 8, seed=4).value.mantissa.tolist()
+    >>> rounded == [w // 8 + (w % 8 + (random_word(4, 0, i) >> 29) >= 8) for i, w in enumerate(v)]
+    True
 
 Overflow (``overflow=``): a result outside the mantissa's dtype (the accumulator's range for
 matmul) raises OverflowError by default; "saturate" clips it and warns with
@@ -540,10 +549,11 @@ def align(
 ) -> tuple[DyadicTensor, DyadicTensor]:
     """a and b, broadcast to one shape, both at the coarser scale min(s_a, s_b) (per channel):
     the finer operand's mantissa is shifted right by the difference with the rounding
-    ("stochastic" by default; rbits, seed and offset as for requantize). Without a seed, one is
-    drawn from torch's default generator for the call, and both operands' shifts use it.
+    ("stochastic" by default; rbits, seed and offset as for requantize).
 
-    With the same seed and offset, add(a, b) is exactly the sum of the aligned mantissas.
+    With the same seed and offset, add(a, b) is exactly the sum of the aligned mantissas; without
+    a seed both operands use the one seed drawn from torch's default generator, as add() does, so
+    the same generator state gives the same equality.
 
     Raises:
         TypeError, ValueError: an operand is not a DyadicTensor, the per-channel axes differ, or a

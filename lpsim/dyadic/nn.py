@@ -162,13 +162,15 @@ def _check_shift(name: str, shift: int | None) -> int | None:
 
 def _accumulated(result: F.Saturated, accumulator_bits: int) -> F.Saturated:
     """A sum saturated to its mantissa dtype, clipped further to the accumulator's range: the
-    result, and how many elements either saturated. (An accumulator narrower than the dtype never
-    saturates the dtype, so no element counts twice.)"""
+    result, and how many elements either saturated, each once. (The dtype is at least as wide as
+    the accumulator. An element saturated to a bound of a wider dtype lies beyond the
+    accumulator's range, so the clip counts it: then the clip's count is the whole count.)"""
     value, count = result
     clipped = F.requantize(
         value, value.scale, accumulator_bits, rounding="nearest", dtype=value.dtype
     )
-    return F.Saturated(clipped.value, count + clipped.clip_count)
+    narrower = accumulator_bits < torch.iinfo(value.dtype).bits
+    return F.Saturated(clipped.value, clipped.clip_count if narrower else count)
 
 
 def _check_initial(name: str, value, shape: tuple[int, ...]) -> None:

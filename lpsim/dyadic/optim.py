@@ -145,7 +145,7 @@ class SGD:
 
         Raises:
             ValueError: the state is not one of this optimizer's (another number of parameters,
-                a buffer of another shape or not int32).
+                a buffer that is not an int32 tensor of its parameter's shape).
             TypeError: it is not a state_dict() mapping.
         """
         if not isinstance(state, dict) or set(state) != {"momentum", "stats"}:
@@ -162,10 +162,19 @@ class SGD:
                 buffers.append(None)
                 continue
             mantissa = m["mantissa"]
-            if mantissa.dtype != torch.int32 or mantissa.shape != p.value.shape:
+            if (
+                not isinstance(mantissa, torch.Tensor)
+                or mantissa.dtype != torch.int32
+                or mantissa.shape != p.value.shape
+            ):
+                got = (
+                    f"{mantissa.dtype} {tuple(mantissa.shape)}"
+                    if isinstance(mantissa, torch.Tensor)
+                    else type(mantissa).__name__
+                )
                 raise ValueError(
                     f"the momentum buffer of {p.name!r} must be an int32 tensor of shape "
-                    f"{tuple(p.value.shape)}, got {mantissa.dtype} {tuple(mantissa.shape)}"
+                    f"{tuple(p.value.shape)}, got {got}"
                 )
             scale = m["scale"]
             scale = scale.clone() if isinstance(scale, torch.Tensor) else scale
@@ -191,15 +200,21 @@ class SGD:
         """Update every parameter that has a gradient.
 
         Raises:
-            TypeError, ValueError: a gradient is not a DyadicTensor of the parameter's shape, or
-                a momentum buffer is not of the parameter's shape and at its scales (one
-                loaded from a parameter at other scales, or a value replaced by another).
+            TypeError, ValueError: a value or gradient is not a DyadicTensor, a gradient is not
+                of its parameter's shape or has per-channel scales along another axis than its
+                parameter's, or a momentum buffer is not of the parameter's shape and at its
+                scales (one loaded from a parameter at other scales, or a value replaced by
+                another). Each message names the parameter.
             OverflowError: the momentum buffer overflows int32 under overflow="raise".
         """
         for index, p in enumerate(self.parameters):
             if p.grad is None:
                 continue
             w = p.value
+            if not isinstance(w, DyadicTensor):
+                raise TypeError(
+                    f"the value of {p.name!r} must be a DyadicTensor, got {type(w).__name__}"
+                )
             if not isinstance(p.grad, DyadicTensor):
                 raise TypeError(
                     f"the gradient of {p.name!r} must be a DyadicTensor, got "
@@ -209,6 +224,12 @@ class SGD:
                 raise ValueError(
                     f"the gradient of {p.name!r} has shape {tuple(p.grad.shape)}, its value "
                     f"{tuple(w.shape)}"
+                )
+            if None not in (p.grad.axis, w.axis) and p.grad.axis != w.axis:
+                raise ValueError(
+                    f"the gradient of {p.name!r} has its scales along axis {p.grad.axis}, its "
+                    f"value along axis {w.axis}: a per-channel gradient must run along the "
+                    "value's axis (or have one scale)"
                 )
             grad = self._round(p.grad, w, self.grad_bits)
             counts = self._counts[index]
