@@ -14,8 +14,8 @@ from fractions import Fraction
 import pytest
 import torch
 
-from lpsim import Rounding, dyadic
-from lpsim.dyadic import DyadicTensor, reference
+from lpsim import dyadic
+from lpsim.dyadic import DyadicTensor
 
 N = 1 << 16
 
@@ -130,32 +130,6 @@ def test_seed_from_torch_generator_is_reproducible():
     one = dyadic.requantize(x, 0, 16).value.mantissa
     torch.manual_seed(3)
     assert torch.equal(one, dyadic.requantize(x, 0, 16).value.mantissa)
-
-
-def test_align_without_a_seed_draws_one_seed_for_both_operands():
-    """align is one call: without a seed it draws one from torch's generator, as add does, and
-    shifts the finer operand of each channel with that seed's words (reference: the first draw
-    after torch.manual_seed, element i rounding with word i); the next draw is the generator's
-    second. Each operand's shift drew a seed of its own, so a call took two draws (and one under
-    torch.compile, which draws it in Python)."""
-    gen = torch.Generator().manual_seed(2)
-    a_m = torch.randint(-1000, 1000, (3, 40), generator=gen)
-    b_m = torch.randint(-1000, 1000, (3, 40), generator=gen)
-    shifts = {0: (5, 0), 1: (0, 3), 2: (2, 0)}  # per row: the finer operand and its shift
-    a = DyadicTensor(a_m, [5, 1, 6], axis=0)  # rows 0 and 2 finer than b's
-    b = DyadicTensor(b_m, [0, 4, 4], axis=0)  # row 1 finer than a's
-    torch.manual_seed(4)
-    seed, following = int(torch.randint(2**63 - 1, ())), torch.randint(2**63 - 1, ())
-    torch.manual_seed(4)
-    got_a, got_b = dyadic.align(a, b)
-    assert torch.randint(2**63 - 1, ()) == following
-    for mantissa, got, side in ((a_m, got_a, 0), (b_m, got_b, 1)):
-        want = []
-        for i, v in enumerate(mantissa.flatten().tolist()):
-            k = shifts[i // 40][side]
-            word = reference.word_of(Rounding.stochastic, seed, 0, i)
-            want.append(reference.round_rational(Fraction(v, 2**k), Rounding.stochastic, word))
-        assert got.mantissa.flatten().tolist() == want
 
 
 @pytest.mark.filterwarnings("ignore::lpsim.dyadic.DyadicOverflowWarning")
