@@ -399,6 +399,26 @@ def test_all_recipes_give_the_table_and_the_plot(tmp_path, capsys):
     assert without_times(again["fp32"]) == without_times(runs["fp32"])
 
 
+def test_recipe_all_resume_starts_the_missing_runs_with_the_saved_runs_settings(tmp_path, corpus):
+    """--recipe all --resume after an interrupted --recipe all: the runs without a checkpoint
+    train with the settings of those that have one (they started from DEFAULTS, 4 layers of
+    width 128 for 5000 steps, under a table labelled with the saved runs' settings), and
+    checkpoints of different settings, which one comparison cannot hold, are refused."""
+    first = ["--recipe", "fp32", *TINY, "--stop-after", "1"]
+    train.main([*first, "--out-dir", str(tmp_path / "fp32")])
+    saved = torch.load(tmp_path / "fp32" / train.CHECKPOINT, weights_only=True)["settings"]
+    p = train.parser()
+    args = p.parse_args(["--recipe", "all", "--resume", "--out-dir", str(tmp_path)])
+    runs = train.plan(train.Session(args, p, corpus))
+    assert list(runs) == list(recipes.RECIPES)
+    for name, run in runs.items():
+        assert dataclasses.asdict(run.settings) == {**saved, "recipe": name}, name
+    other = ["--recipe", "mxfp8", *TINY, "--steps", "5", "--stop-after", "1"]
+    train.main([*other, "--out-dir", str(tmp_path / "mxfp8")])
+    with pytest.raises(SystemExit, match="other settings.*'steps': \\(6, 5\\)"):
+        train.plan(train.Session(args, p, corpus))
+
+
 def test_recipe_listing_names_every_recipe(capsys):
     train.main(["--list-recipes"])
     listing = capsys.readouterr().out

@@ -32,7 +32,8 @@ checkpoint is written).
 ``--recipe all`` trains every recipe in turn, each in DIR/NAME (default out/gpt/NAME), then writes
 gpt.md (the table: final validation loss, gap to fp32, training tokens per second and simulation
 overhead) and gpt.png (every recipe's validation loss) in DIR (default docs/results). With
-``--resume`` it continues the runs that have a checkpoint and starts the others.
+``--resume`` it continues the runs that have a checkpoint and starts the others with their
+settings (the checkpoints must agree on them).
 
 Under torchrun each process trains with DistributedDataParallel (NCCL on GPUs, gloo on CPUs) on
 its share of every global batch (--batch-size is the global batch: every process draws the same
@@ -592,6 +593,34 @@ def write_comparison(session: Session, runs: dict, out_dir: pathlib.Path, settin
     session.say(f"wrote {out_dir / TABLE} and {out_dir / PLOT}")
 
 
+def inherit_saved_settings(session: Session, base: pathlib.Path) -> None:
+    """For ``--recipe all --resume``: the settings of the runs in ``base`` that have a checkpoint
+    (which must agree) become the requested settings of every run where not given, so that the
+    runs it starts train as the ones it continues and the comparison compares like with like
+    (without a checkpoint to take them from, a run started from DEFAULTS).
+
+    Raises:
+        SystemExit: the checkpoints' settings differ, apart from their recipe.
+    """
+    saved = {}
+    for name in RECIPES:
+        path = base / name / CHECKPOINT
+        if path.is_file():
+            settings = torch.load(path, map_location="cpu", weights_only=True)["settings"]
+            saved[path] = {k: v for k, v in settings.items() if k in SETTINGS}
+    if not saved:
+        return
+    (first_path, first), *others = saved.items()
+    for path, settings in others:
+        different = {k: (first[k], v) for k, v in settings.items() if first.get(k) != v}
+        if different:
+            raise SystemExit(
+                f"--resume: {first_path} and {path} belong to runs of other settings, which one "
+                f"comparison cannot hold; settings that differ: {different}"
+            )
+    session.requested = {**first, **session.requested}
+
+
 def plan(session: Session) -> dict[str, Run | None]:
     """The runs this invocation makes, by recipe name, every setting checked before anything
     trains (None: a recipe --recipe all skips on this device)."""
@@ -607,6 +636,8 @@ def plan(session: Session) -> dict[str, Run | None]:
                 f"checkpoints exist: {', '.join(existing)}; pass --resume to continue those "
                 "runs, or choose another --out-dir"
             )
+    else:
+        inherit_saved_settings(session, base)
     runs: dict[str, Run | None] = {}
     for name, recipe in RECIPES.items():
         skipped = recipe.cpu_only and session.device.type != "cpu"
