@@ -329,6 +329,25 @@ def test_resume_continues_bit_identically(name, tmp_path):
     assert (pieces / train.CURVES).is_file()
 
 
+def test_resume_takes_the_thread_count_from_the_checkpoint(tmp_path, capsys):
+    """A run started on one thread (--threads 1, as --short's) and resumed without --threads
+    trains on one thread again, bit for bit the run never interrupted (it took torch's default
+    thread count, on which torch's CPU kernels give other bits); another --threads is refused."""
+    straight, pieces = tmp_path / "straight", tmp_path / "pieces"
+    train.main(["--recipe", "fp32", *TINY, "--out-dir", str(straight)])
+    train.main(["--recipe", "fp32", *TINY, "--out-dir", str(pieces), "--stop-after", "2"])
+    torch.set_num_threads(2)  # torch's choice in the resuming process (the fixture restores it)
+    capsys.readouterr()
+    train.main(["--recipe", "fp32", "--out-dir", str(pieces), "--resume", "--no-progress"])
+    assert "(1 process on cpu, 1 thread)" in capsys.readouterr().out
+    a = torch.load(straight / train.CHECKPOINT, weights_only=True)
+    b = torch.load(pieces / train.CHECKPOINT, weights_only=True)
+    assert a["settings"]["threads"] == b["settings"]["threads"] == 1
+    assert tensors_equal(a["model"], b["model"]) and tensors_equal(a["optimizer"], b["optimizer"])
+    with pytest.raises(SystemExit, match="'threads': \\(1, 2\\)"):
+        train.main(["--recipe", "fp32", "--out-dir", str(pieces), "--resume", "--threads", "2"])
+
+
 def test_resume_refuses_other_settings_and_finished_runs_say_so(tmp_path, capsys):
     train.main(["--recipe", "fp32", *TINY, "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="belongs to another run.*'seed': \\(0, 1\\)"):

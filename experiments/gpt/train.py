@@ -25,8 +25,9 @@ Every evaluation (and step 0, before training) writes in DIR (default out/gpt/NA
 checkpoint.pt (model with its quantisers' state, optimizer, scheduler, torch's generator states,
 the delayed scalers of the attention quantisers, history, settings), log.csv (one row per
 evaluation) and curves.png. ``--resume`` continues from the checkpoint with the same bits as a run
-never interrupted (same device and thread count); settings not given are taken from the
-checkpoint, and given ones must equal it. ``--stop-after N`` ends an invocation after N steps (a
+never interrupted (on the same device); settings not given are taken from the checkpoint, the
+thread count included (--threads, torch's choice when the run started, or 1 with --short), and
+given ones must equal it. ``--stop-after N`` ends an invocation after N steps (a
 checkpoint is written).
 
 ``--recipe all`` trains every recipe in turn, each in DIR/NAME (default out/gpt/NAME), then writes
@@ -103,7 +104,9 @@ DEFAULTS = dict(
     eval_every=250,
     val_windows=256,
 )
-SETTINGS = tuple(DEFAULTS)  # the settings of a run (what --resume must find unchanged)
+# The settings of a run (what --resume must find unchanged): DEFAULTS' and the thread count, which
+# changes the bits of torch's CPU kernels (default: torch's choice when the run starts).
+SETTINGS = (*DEFAULTS, "threads")
 SHORT = dict(
     steps=300,
     batch_size=8,
@@ -181,7 +184,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threads",
         type=positive_int,
-        help="torch's CPU threads (default: torch's choice; 1 with --short)",
+        help="torch's CPU threads (default: torch's choice; 1 with --short; with --resume, the "
+        "checkpoint's)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -204,6 +208,7 @@ class Settings:
     val_windows: int
     world_size: int
     corpus: str  # Corpus.fingerprint
+    threads: int | None = None  # torch's CPU threads (None: not recorded, an older checkpoint)
 
     @property
     def warmup(self) -> int:
@@ -236,7 +241,7 @@ class Session:
         self.device = choose_device(args.device, p, self.world_size, self.local_rank)
         self.requested = {k: getattr(args, k) for k in SETTINGS if getattr(args, k) is not None}
         if args.short:
-            self.requested = {**SHORT, **self.requested}
+            self.requested = {**SHORT, "threads": SHORT_THREADS, **self.requested}
 
     @property
     def distributed(self) -> bool:
@@ -283,7 +288,10 @@ class Run:
         }
         if self.saved is not None:
             saved = self.saved["settings"]
-            different = {k: (saved[k], v) for k, v in wanted.items() if saved[k] != v}
+            # (A checkpoint older than a setting holds no value for it.)
+            different = {
+                k: (saved[k], v) for k, v in wanted.items() if k in saved and saved[k] != v
+            }
             if different:
                 raise SystemExit(
                     f"--resume: {self.checkpoint} belongs to another run; settings that differ "
@@ -291,7 +299,7 @@ class Run:
                 )
             self.settings = Settings(**saved)
         else:
-            self.settings = Settings(**{**DEFAULTS, **wanted})
+            self.settings = Settings(**{**DEFAULTS, "threads": torch.get_num_threads(), **wanted})
         s = self.settings
         if s.steps > MAX_STEP + 1:
             p.error(f"--steps must be at most {MAX_STEP + 1}, got {s.steps}")
@@ -406,6 +414,8 @@ def train(run: Run) -> list[dict]:
     """Train (or continue) one run; returns its history (one dict per log row)."""
     session, recipe, s = run.session, run.recipe, run.settings
     device, corpus = session.device, session.corpus
+    if s.threads is not None:
+        torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
     model = GPT(s.model_config(corpus.vocab_size)).to(device)
     model, optimizer, _ = recipe.build(
@@ -540,11 +550,11 @@ def command_line(settings: Settings) -> str:
     """The arguments of ``--recipe all`` that give these settings: --short where it applies, and
     every setting that differs from the configuration's own."""
     short = all(getattr(settings, k) == v for k, v in SHORT.items())
-    base = {**DEFAULTS, **SHORT} if short else DEFAULTS
+    base = {**DEFAULTS, **SHORT, "threads": SHORT_THREADS} if short else DEFAULTS
     words = ["--recipe", ALL] + (["--short"] if short else [])
     for key in SETTINGS:
         value = getattr(settings, key)
-        if value != base[key]:
+        if value is not None and value != base.get(key):
             words += [f"--{key.replace('_', '-')}", f"{value:g}" if key == "lr" else str(value)]
     return " ".join(words)
 
@@ -554,6 +564,7 @@ def write_comparison(session: Session, runs: dict, out_dir: pathlib.Path, settin
     summaries = {name: r.summary for name, r in RECIPES.items()}
     s = settings
     characters = s.steps * s.batch_size * s.context
+    threads = torch.get_num_threads() if s.threads is None else s.threads
     lines = [
         "# Character-level GPT under low-precision recipes",
         "",
@@ -567,8 +578,8 @@ def write_comparison(session: Session, runs: dict, out_dir: pathlib.Path, settin
         f"pydoc topics, fingerprint {s.corpus}), mean cross-entropy in nats per character.",
         "",
         f"Speed: training tokens per second on {session.device} ({session.world_size} "
-        f"process{'es' if session.distributed else ''}, {torch.get_num_threads()} "
-        f"thread{'s' if torch.get_num_threads() > 1 else ''} each), forward, backward and "
+        f"process{'es' if session.distributed else ''}, {threads} "
+        f"thread{'s' if threads > 1 else ''} each), forward, backward and "
         "optimizer step; overhead is fp32's tokens per second over the recipe's. Gap: the "
         "recipe's final validation loss minus fp32's.",
         "",
