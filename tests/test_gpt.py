@@ -377,6 +377,36 @@ def test_bad_arguments_name_the_parameter(argv, message, tmp_path, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_fp4_recipes_refuse_steps_whose_tokens_their_hadamard_transform_cannot_group(
+    tmp_path, capsys
+):
+    """The FP4 recipes' weight-gradient transform mixes groups of 16 tokens: a step of 7 tokens
+    is refused before anything trains, naming the settings (it failed in the first backward
+    pass, after step 0's checkpoint, with the transform's own message)."""
+    for name in ("mxfp4", "nvfp4"):
+        out = tmp_path / name
+        with pytest.raises(SystemExit):
+            train.main(
+                [
+                    "--recipe",
+                    name,
+                    *TINY,
+                    "--batch-size",
+                    "1",
+                    "--context",
+                    "7",
+                    "--out-dir",
+                    str(out),
+                ]
+            )
+        error = capsys.readouterr().err
+        assert "--batch-size 1 / 1 process(es) times --context 7, must be a multiple of 16" in error
+        assert not out.exists()
+    odd = ["--batch-size", "2", "--context", "8", "--steps", "1", "--eval-every", "1"]
+    history = train.main(["--recipe", "nvfp4", *TINY, *odd, "--out-dir", str(tmp_path / "16")])
+    assert [int(r["step"]) for r in history] == [0, 1]
+
+
 def test_batches_must_split_over_the_processes(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(SystemExit):

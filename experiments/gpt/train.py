@@ -315,6 +315,14 @@ class Run:
                 "processes"
             )
         self.local_batch = s.batch_size // session.world_size
+        transform = recipe.token_transform
+        if transform is not None and self.local_batch * s.context % transform.size:
+            p.error(
+                f"--recipe {recipe.name} transforms its weight gradients' operands in groups of "
+                f"{transform.size} tokens: the tokens of a step on one process, --batch-size "
+                f"{s.batch_size} / {session.world_size} process(es) times --context {s.context}, "
+                f"must be a multiple of {transform.size}"
+            )
 
     @property
     def finished(self) -> bool:
