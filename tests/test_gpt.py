@@ -661,3 +661,71 @@ def test_trainer_runs_are_the_hand_placed_recipes_bit_for_bit(name, tmp_path, co
     for key, value in model.state_dict().items():
         original = key.replace("weight", "parametrizations.weight.original")
         assert torch.equal(saved[original if original in saved else key], value), key
+
+
+def test_bf16_nearest_run_is_the_documented_arithmetic_bit_for_bit(tmp_path, corpus):
+    """What the table's bf16-nearest row comes from: the trainer's run ends on the weights of a
+    loop written from recipes.py's docstring: every parameter a bfloat16 value, every Linear
+    (the head too) with bfloat16 inputs, outputs and errors (round to nearest), attention and
+    the rest float32, torch's clipping and schedule, and AdamW's update (torch's moments and
+    terms, decay on the matrices) added exactly to the weight and rounded once to nearest
+    bfloat16 (gfloat's rounding of the float64 sum)."""
+    from gfloat import round_ndarray
+    from gfloat.formats import format_info_bfloat16
+
+    train.main(["--recipe", "bf16-nearest", *TINY, "--out-dir", str(tmp_path)])
+    saved = torch.load(tmp_path / train.CHECKPOINT, weights_only=True)["model"]
+
+    def bf16(x):
+        return x.to(torch.bfloat16).float()
+
+    def to_bf16(x64):  # float64 -> bfloat16 values, one rounding to nearest even
+        return torch.from_numpy(round_ndarray(format_info_bfloat16, x64.numpy())).float()
+
+    def linear(layer, x):
+        x = x + (bf16(x.detach()) - x).detach()
+        y = F.linear(x, layer.weight, layer.bias)
+        return _QuantiseError.apply(y + (bf16(y.detach()) - y).detach(), (Float(8, 7), "nearest"))
+
+    def forward(model, tokens):
+        length = tokens.shape[1]
+        x = model.token_embedding(tokens) + model.position_embedding(torch.arange(length))
+        for block in model.blocks:
+            attention, h = block.attention, block.attention_norm(x)
+            batch, _, width = h.shape
+            shape = (batch, length, attention.heads, width // attention.heads)
+            q, k, v = (
+                t.reshape(shape).transpose(1, 2) for t in linear(attention.qkv, h).split(width, 2)
+            )
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + linear(attention.output, y.transpose(1, 2).reshape(batch, length, width))
+            x = x + linear(block.mlp.output, F.gelu(linear(block.mlp.hidden, block.mlp_norm(x))))
+        return linear(model.head, model.final_norm(x))
+
+    torch.manual_seed(0)
+    model = tiny_model(corpus)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(bf16(p))
+    groups = recipes.parameter_groups(model, 0.1)
+    moments = {p: (torch.zeros_like(p), torch.zeros_like(p)) for p in model.parameters()}
+    steps, warmup = 6, 1
+    for step in range(steps):
+        lr = 1e-3 * train.lr_factor(step, steps, warmup)
+        inputs, targets = corpus.training_batch(step, 4, 16, 0)
+        loss = F.cross_entropy(forward(model, inputs).flatten(0, 1), targets.flatten())
+        model.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with torch.no_grad():
+            for group in groups:
+                for p in group["params"]:
+                    m, v = moments[p]
+                    m.lerp_(p.grad, 0.1)
+                    v.mul_(0.99).addcmul_(p.grad, p.grad, value=0.01)
+                    denom = v.sqrt().div_((1 - 0.99 ** (step + 1)) ** 0.5).add_(1e-8)
+                    decay = lr * group["weight_decay"]
+                    term = torch.addcdiv(p * -decay, m, denom, value=-lr / (1 - 0.9 ** (step + 1)))
+                    p.copy_(to_bf16(p.double() + term.double()))
+    for key, value in model.state_dict().items():
+        assert torch.equal(saved[key], value), key
