@@ -9,6 +9,7 @@ import math
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -584,49 +585,59 @@ def test_a_shadow_made_inside_the_attention_context_leaves_the_context_as_it_was
 
 
 class _QuantiseError(torch.autograd.Function):
-    """The identity forward; the gradient rounded by lpsim.quantize(grad, *spec) backward."""
+    """The identity forward; the gradient rounded by ``round(grad)`` backward."""
 
     @staticmethod
-    def forward(ctx, x, spec):
-        ctx.spec = spec
+    def forward(ctx, x, round):
+        ctx.round = round
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        return lpsim.quantize(grad, *ctx.spec), None
+        return ctx.round(grad), None
 
 
-def _hand_placed_forward(model, tokens, forward, second, error):
+def _hand_placed_forward(model, tokens, operand, error):
     """The GPT's forward with the quantisers the FP8 and scaled recipes' docs place, by hand:
-    every Linear but the head takes ``forward`` inputs and weights and ``error`` errors; the
-    scores product q k^T and the context product p v take q, p in ``forward``, k^T, v in
-    ``second`` (the blocks along their reduction), errors in ``error``; float32 products,
-    scale after the scores product, causal mask, float32 softmax."""
+    every Linear but the head rounds its input and weight by ``operand(x, site)`` and its error
+    by ``error(grad, site)``; the scores product q k^T and the context product p v round q, k^T,
+    p and v by ``operand`` and their errors by ``error``; float32 products, scale after the scores
+    product, causal mask, float32 softmax. ``site`` names the tensor ("blocks.0.mlp.hidden.input",
+    "blocks.0.attention.scores.weight", "blocks.0.attention.context.error", ...)."""
 
-    def q(x, spec):  # straight-through rounding
-        return x + (lpsim.quantize(x.detach(), *spec) - x).detach()
+    def q(x, site):  # straight-through rounding
+        return x + (operand(x.detach(), site) - x).detach()
 
-    def linear(layer, x):
-        y = F.linear(q(x, forward), q(layer.weight, forward), layer.bias)
-        return _QuantiseError.apply(y, error)
+    def e(y, site):
+        return _QuantiseError.apply(y, lambda grad: error(grad, site + ".error"))
+
+    def linear(name, layer, x):
+        y = F.linear(q(x, name + ".input"), q(layer.weight, name + ".weight"), layer.bias)
+        return e(y, name)
 
     length = tokens.shape[1]
     x = model.token_embedding(tokens) + model.position_embedding(torch.arange(length))
     mask = torch.ones(length, length, dtype=torch.bool).triu(1)
-    for block in model.blocks:
+    for i, block in enumerate(model.blocks):
+        at = f"blocks.{i}.attention"
         attention = block.attention
         h = block.attention_norm(x)
         batch, _, width = h.shape
         shape = (batch, length, attention.heads, width // attention.heads)
         qs, ks, vs = (
-            t.reshape(shape).transpose(1, 2) for t in linear(attention.qkv, h).split(width, 2)
+            t.reshape(shape).transpose(1, 2)
+            for t in linear(f"{at}.qkv", attention.qkv, h).split(width, 2)
         )
-        scores = _QuantiseError.apply(q(qs, forward) @ q(ks.transpose(-2, -1), second), error)
+        scores = q(qs, f"{at}.scores.input") @ q(ks.transpose(-2, -1), f"{at}.scores.weight")
+        scores = e(scores, f"{at}.scores")
         scores = (scores * (1 / math.sqrt(width // attention.heads))).masked_fill(mask, -math.inf)
         p = torch.softmax(scores, -1)
-        context = _QuantiseError.apply(q(p, forward) @ q(vs, second), error)
-        x = x + linear(attention.output, context.transpose(1, 2).reshape(batch, length, width))
-        x = x + linear(block.mlp.output, F.gelu(linear(block.mlp.hidden, block.mlp_norm(x))))
+        context = e(q(p, f"{at}.context.input") @ q(vs, f"{at}.context.weight"), f"{at}.context")
+        context = context.transpose(1, 2).reshape(batch, length, width)
+        x = x + linear(f"{at}.output", attention.output, context)
+        mlp = f"blocks.{i}.mlp"
+        hidden = F.gelu(linear(f"{mlp}.hidden", block.mlp.hidden, block.mlp_norm(x)))
+        x = x + linear(f"{mlp}.output", block.mlp.output, hidden)
     return model.head(model.final_norm(x))
 
 
@@ -642,6 +653,14 @@ def test_trainer_runs_are_the_hand_placed_recipes_bit_for_bit(name, tmp_path, co
         e4m3, e5m2 = e4m3 + "_tensor", e5m2 + "_tensor"
     forward, error = (preset(e4m3), "nearest"), (preset(e5m2), "nearest")
     second = (dataclasses.replace(preset(e4m3), axis=-2), "nearest") if name == "mxfp8" else forward
+
+    def operand(x, site):  # k^T and v: blocks along their axis -2, each product's reduction
+        weight = site.endswith(("scores.weight", "context.weight"))
+        return lpsim.quantize(x, *(second if weight else forward))
+
+    def rounded_error(grad, site):
+        return lpsim.quantize(grad, *error)
+
     torch.manual_seed(0)
     model = tiny_model(corpus)
     optimizer = torch.optim.AdamW(recipes.parameter_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.99))
@@ -652,7 +671,7 @@ def test_trainer_runs_are_the_hand_placed_recipes_bit_for_bit(name, tmp_path, co
             cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
             group["lr"] = 1e-3 * ((step + 1) / warmup if step < warmup else cosine)
         inputs, targets = corpus.training_batch(step, 4, 16, 0)
-        logits = _hand_placed_forward(model, inputs, forward, second, error)
+        logits = _hand_placed_forward(model, inputs, operand, rounded_error)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         optimizer.zero_grad()
         loss.backward()
@@ -685,7 +704,7 @@ def test_bf16_nearest_run_is_the_documented_arithmetic_bit_for_bit(tmp_path, cor
     def linear(layer, x):
         x = x + (bf16(x.detach()) - x).detach()
         y = F.linear(x, layer.weight, layer.bias)
-        return _QuantiseError.apply(y + (bf16(y.detach()) - y).detach(), (Float(8, 7), "nearest"))
+        return _QuantiseError.apply(y + (bf16(y.detach()) - y).detach(), bf16)
 
     def forward(model, tokens):
         length = tokens.shape[1]
@@ -729,3 +748,63 @@ def test_bf16_nearest_run_is_the_documented_arithmetic_bit_for_bit(tmp_path, cor
                     p.copy_(to_bf16(p.double() + term.double()))
     for key, value in model.state_dict().items():
         assert torch.equal(saved[key], value), key
+
+
+class _DelayedScalerModel:
+    """Delayed scaling as lpsim.delayed_scaling's docstring states it, written with ml_dtypes:
+    y = x * scale in float32, rounded to nearest even onto the saturating FP8 format, times
+    1 / scale; then amax = max |x| enters a history of 16 (oldest out) and scale = fp8 max /
+    the history's largest amax (scale 1 at the first call)."""
+
+    def __init__(self, dtype, largest: float):
+        self.dtype, self.largest = dtype, largest
+        self.history = torch.zeros(16)
+        self.scale = self.inverse = torch.tensor(1.0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = (x * self.scale).clamp(-self.largest, self.largest).numpy()
+        rounded = torch.from_numpy(y.astype(self.dtype).astype(np.float32)) * self.inverse
+        self.history = torch.cat([self.history[1:], x.abs().max().reshape(1)])
+        self.scale = torch.tensor(self.largest) / self.history.max()
+        self.inverse = 1 / self.scale
+        return rounded
+
+
+def test_fp8_delayed_run_is_delayed_scaling_placed_by_hand_bit_for_bit(tmp_path, corpus):
+    """What the table's fp8-delayed row comes from: the trainer's run (evaluations in eval mode
+    between the steps recording nothing) ends on the weights of a loop with one delayed scaler
+    per tensor, written from the docs (E4M3 Linear inputs and weights and attention's q, k^T, p,
+    v; E5M2 errors; history 16, max), torch's AdamW, clipping and schedule."""
+    import ml_dtypes
+
+    train.main(["--recipe", "fp8-delayed", *TINY, "--out-dir", str(tmp_path)])
+    saved = torch.load(tmp_path / train.CHECKPOINT, weights_only=True)["model"]
+    scalers = {}
+
+    def scaler(site, dtype, largest):
+        return scalers.setdefault(site, _DelayedScalerModel(dtype, largest))
+
+    def operand(x, site):
+        return scaler(site, ml_dtypes.float8_e4m3fn, 448.0)(x)
+
+    def rounded_error(grad, site):
+        return scaler(site, ml_dtypes.float8_e5m2, 57344.0)(grad)
+
+    torch.manual_seed(0)
+    model = tiny_model(corpus)
+    optimizer = torch.optim.AdamW(recipes.parameter_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.99))
+    steps, warmup = 6, 1
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-3 * train.lr_factor(step, steps, warmup)
+        inputs, targets = corpus.training_batch(step, 4, 16, 0)
+        logits = _hand_placed_forward(model, inputs, operand, rounded_error)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    assert len(scalers) == 4 * 3 + 2 * 3  # four Linear layers, two attention products
+    for key, value in model.state_dict().items():
+        original = key.replace("weight", "parametrizations.weight.original")
+        assert torch.equal(saved[original if original in saved else key], value), key
