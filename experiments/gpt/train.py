@@ -378,8 +378,10 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 @torch.no_grad()
 def evaluate(run: Run, model: nn.Module, context, windows) -> float:
     """Mean cross-entropy (nats per character) over the validation windows, each rank taking a
-    strided share; in eval mode (stochastic rules replaced by nearest) and inside a fork of
-    torch's generators, so evaluating never shifts the training stream."""
+    strided share, evaluated in chunks of run.local_batch windows (a per-tensor current scale is
+    taken over a chunk, so such recipes' losses depend on the batch and the process count); in
+    eval mode (stochastic rules replaced by nearest) and inside a fork of torch's generators, so
+    evaluating never shifts the training stream."""
     session = run.session
     inputs, targets = windows
     inputs = inputs[session.rank :: session.world_size].to(session.device)
