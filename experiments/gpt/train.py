@@ -193,7 +193,8 @@ def parser() -> argparse.ArgumentParser:
 
 @dataclass(frozen=True)
 class Settings:
-    """The settings of one run (see DEFAULTS and SHORT), the processes and the corpus."""
+    """The settings of one run (see DEFAULTS and SHORT), the processes, the corpus and the CPU
+    threads."""
 
     recipe: str
     steps: int
