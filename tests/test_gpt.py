@@ -486,6 +486,24 @@ def test_two_gloo_processes_keep_identical_weights(tmp_path):
     assert [int(r["step"]) for r in state["history"]] == [0, 3, 6]
 
 
+def test_two_processes_resumed_between_evaluations_log_the_ranks_mean_training_loss(tmp_path):
+    """A two-process run resumed from a checkpoint written between two evaluations (--stop-after)
+    logs the training loss of the uninterrupted run: the mean over both ranks' batches of the
+    steps before the checkpoint too (every rank restarted from rank 0's partial sum, so those
+    steps counted rank 0's batches only)."""
+    args = ["--recipe", "fp32", *TINY, "--device", "cpu"]
+    straight, pieces = tmp_path / "straight", tmp_path / "pieces"
+    run_two_gloo_processes("experiments.gpt.train", [*args, "--out-dir", str(straight)])
+    first = [*args, "--out-dir", str(pieces), "--stop-after", "2"]
+    run_two_gloo_processes("experiments.gpt.train", first)
+    resume = ["--recipe", "fp32", "--device", "cpu", "--no-progress", "--resume"]
+    run_two_gloo_processes("experiments.gpt.train", [*resume, "--out-dir", str(pieces)])
+    a = torch.load(straight / train.CHECKPOINT, weights_only=True)
+    b = torch.load(pieces / train.CHECKPOINT, weights_only=True)
+    assert tensors_equal(a["model"], b["model"])
+    assert without_times(a["history"]) == without_times(b["history"])
+
+
 def test_settings_round_trip_through_the_checkpoint():
     settings = train.Settings(recipe="fp32", world_size=1, corpus="x", **train.DEFAULTS)
     assert train.Settings(**dataclasses.asdict(settings)) == settings

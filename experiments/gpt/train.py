@@ -410,15 +410,23 @@ def _synchronize(device: torch.device) -> None:
 
 class Interval:
     """The training steps since the last log row: their summed loss (float64, this rank's batch
-    means), their count and the seconds they took."""
+    means), their count and the seconds they took (this rank's)."""
 
     def __init__(self, state: dict | None, device: torch.device):
         state = state or {"loss_sum": 0.0, "steps": 0, "seconds": 0.0}
         self.loss_sum = torch.tensor(state["loss_sum"], dtype=torch.float64, device=device)
         self.steps, self.seconds = state["steps"], state["seconds"]
 
-    def state(self) -> dict:
-        return {"loss_sum": float(self.loss_sum), "steps": self.steps, "seconds": self.seconds}
+    def state(self, session: Session) -> dict:
+        """What every rank resumes from (the checkpoint holds rank 0's): the loss sum as the mean
+        of the ranks' sums, so that after resuming the ranks' sums add up to those of a run never
+        interrupted. An all-reduce under torchrun: every rank calls it."""
+        (loss_sum,) = all_reduce_sum([self.loss_sum], session.device, session.distributed)
+        return {
+            "loss_sum": loss_sum / session.world_size,
+            "steps": self.steps,
+            "seconds": self.seconds,
+        }
 
 
 def train(run: Run) -> list[dict]:
@@ -478,6 +486,7 @@ def train(run: Run) -> list[dict]:
             )
             interval = Interval(None, device)
         digests = rank_digests(model, session.device, session.world_size)
+        interval_state = interval.state(session)
         if session.main_process:
             state = {
                 "settings": asdict(s),
@@ -488,7 +497,7 @@ def train(run: Run) -> list[dict]:
                 "rng": rng_state(device),
                 "functions": functions_state(mode),
                 "history": history,
-                "interval": interval.state(),
+                "interval": interval_state,
                 "rank_digests": digests,
             }
             write_atomically(run.checkpoint, lambda tmp: torch.save(state, tmp))
