@@ -9,6 +9,7 @@ import math
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -329,6 +330,25 @@ def test_resume_continues_bit_identically(name, tmp_path):
     assert (pieces / train.CURVES).is_file()
 
 
+def test_resume_takes_the_thread_count_from_the_checkpoint(tmp_path, capsys):
+    """A run started on one thread (--threads 1, as --short's) and resumed without --threads
+    trains on one thread again, bit for bit the run never interrupted (it took torch's default
+    thread count, on which torch's CPU kernels give other bits); another --threads is refused."""
+    straight, pieces = tmp_path / "straight", tmp_path / "pieces"
+    train.main(["--recipe", "fp32", *TINY, "--out-dir", str(straight)])
+    train.main(["--recipe", "fp32", *TINY, "--out-dir", str(pieces), "--stop-after", "2"])
+    torch.set_num_threads(2)  # torch's choice in the resuming process (the fixture restores it)
+    capsys.readouterr()
+    train.main(["--recipe", "fp32", "--out-dir", str(pieces), "--resume", "--no-progress"])
+    assert "(1 process on cpu, 1 thread)" in capsys.readouterr().out
+    a = torch.load(straight / train.CHECKPOINT, weights_only=True)
+    b = torch.load(pieces / train.CHECKPOINT, weights_only=True)
+    assert a["settings"]["threads"] == b["settings"]["threads"] == 1
+    assert tensors_equal(a["model"], b["model"]) and tensors_equal(a["optimizer"], b["optimizer"])
+    with pytest.raises(SystemExit, match="'threads': \\(1, 2\\)"):
+        train.main(["--recipe", "fp32", "--out-dir", str(pieces), "--resume", "--threads", "2"])
+
+
 def test_resume_refuses_other_settings_and_finished_runs_say_so(tmp_path, capsys):
     train.main(["--recipe", "fp32", *TINY, "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="belongs to another run.*'seed': \\(0, 1\\)"):
@@ -356,6 +376,36 @@ def test_bad_arguments_name_the_parameter(argv, message, tmp_path, capsys):
     with pytest.raises(SystemExit):
         train.main([*argv, "--out-dir", str(tmp_path)])
     assert message in capsys.readouterr().err
+
+
+def test_fp4_recipes_refuse_steps_whose_tokens_their_hadamard_transform_cannot_group(
+    tmp_path, capsys
+):
+    """The FP4 recipes' weight-gradient transform mixes groups of 16 tokens: a step of 7 tokens
+    is refused before anything trains, naming the settings (it failed in the first backward
+    pass, after step 0's checkpoint, with the transform's own message)."""
+    for name in ("mxfp4", "nvfp4"):
+        out = tmp_path / name
+        with pytest.raises(SystemExit):
+            train.main(
+                [
+                    "--recipe",
+                    name,
+                    *TINY,
+                    "--batch-size",
+                    "1",
+                    "--context",
+                    "7",
+                    "--out-dir",
+                    str(out),
+                ]
+            )
+        error = capsys.readouterr().err
+        assert "--batch-size 1 / 1 process(es) times --context 7, must be a multiple of 16" in error
+        assert not out.exists()
+    odd = ["--batch-size", "2", "--context", "8", "--steps", "1", "--eval-every", "1"]
+    history = train.main(["--recipe", "nvfp4", *TINY, *odd, "--out-dir", str(tmp_path / "16")])
+    assert [int(r["step"]) for r in history] == [0, 1]
 
 
 def test_batches_must_split_over_the_processes(tmp_path, capsys, monkeypatch):
@@ -399,6 +449,26 @@ def test_all_recipes_give_the_table_and_the_plot(tmp_path, capsys):
     assert without_times(again["fp32"]) == without_times(runs["fp32"])
 
 
+def test_recipe_all_resume_starts_the_missing_runs_with_the_saved_runs_settings(tmp_path, corpus):
+    """--recipe all --resume after an interrupted --recipe all: the runs without a checkpoint
+    train with the settings of those that have one (they started from DEFAULTS, 4 layers of
+    width 128 for 5000 steps, under a table labelled with the saved runs' settings), and
+    checkpoints of different settings, which one comparison cannot hold, are refused."""
+    first = ["--recipe", "fp32", *TINY, "--stop-after", "1"]
+    train.main([*first, "--out-dir", str(tmp_path / "fp32")])
+    saved = torch.load(tmp_path / "fp32" / train.CHECKPOINT, weights_only=True)["settings"]
+    p = train.parser()
+    args = p.parse_args(["--recipe", "all", "--resume", "--out-dir", str(tmp_path)])
+    runs = train.plan(train.Session(args, p, corpus))
+    assert list(runs) == list(recipes.RECIPES)
+    for name, run in runs.items():
+        assert dataclasses.asdict(run.settings) == {**saved, "recipe": name}, name
+    other = ["--recipe", "mxfp8", *TINY, "--steps", "5", "--stop-after", "1"]
+    train.main([*other, "--out-dir", str(tmp_path / "mxfp8")])
+    with pytest.raises(SystemExit, match="other settings.*'steps': \\(6, 5\\)"):
+        train.plan(train.Session(args, p, corpus))
+
+
 def test_recipe_listing_names_every_recipe(capsys):
     train.main(["--list-recipes"])
     listing = capsys.readouterr().out
@@ -414,6 +484,24 @@ def test_two_gloo_processes_keep_identical_weights(tmp_path):
     digests = state["rank_digests"]
     assert len(digests) == 2 and digests[0] == digests[1]
     assert [int(r["step"]) for r in state["history"]] == [0, 3, 6]
+
+
+def test_two_processes_resumed_between_evaluations_log_the_ranks_mean_training_loss(tmp_path):
+    """A two-process run resumed from a checkpoint written between two evaluations (--stop-after)
+    logs the training loss of the uninterrupted run: the mean over both ranks' batches of the
+    steps before the checkpoint too (every rank restarted from rank 0's partial sum, so those
+    steps counted rank 0's batches only)."""
+    args = ["--recipe", "fp32", *TINY, "--device", "cpu"]
+    straight, pieces = tmp_path / "straight", tmp_path / "pieces"
+    run_two_gloo_processes("experiments.gpt.train", [*args, "--out-dir", str(straight)])
+    first = [*args, "--out-dir", str(pieces), "--stop-after", "2"]
+    run_two_gloo_processes("experiments.gpt.train", first)
+    resume = ["--recipe", "fp32", "--device", "cpu", "--no-progress", "--resume"]
+    run_two_gloo_processes("experiments.gpt.train", [*resume, "--out-dir", str(pieces)])
+    a = torch.load(straight / train.CHECKPOINT, weights_only=True)
+    b = torch.load(pieces / train.CHECKPOINT, weights_only=True)
+    assert tensors_equal(a["model"], b["model"])
+    assert without_times(a["history"]) == without_times(b["history"])
 
 
 def test_settings_round_trip_through_the_checkpoint():
@@ -515,49 +603,59 @@ def test_a_shadow_made_inside_the_attention_context_leaves_the_context_as_it_was
 
 
 class _QuantiseError(torch.autograd.Function):
-    """The identity forward; the gradient rounded by lpsim.quantize(grad, *spec) backward."""
+    """The identity forward; the gradient rounded by ``round(grad)`` backward."""
 
     @staticmethod
-    def forward(ctx, x, spec):
-        ctx.spec = spec
+    def forward(ctx, x, round):
+        ctx.round = round
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        return lpsim.quantize(grad, *ctx.spec), None
+        return ctx.round(grad), None
 
 
-def _hand_placed_forward(model, tokens, forward, second, error):
+def _hand_placed_forward(model, tokens, operand, error):
     """The GPT's forward with the quantisers the FP8 and scaled recipes' docs place, by hand:
-    every Linear but the head takes ``forward`` inputs and weights and ``error`` errors; the
-    scores product q k^T and the context product p v take q, p in ``forward``, k^T, v in
-    ``second`` (the blocks along their reduction), errors in ``error``; float32 products,
-    scale after the scores product, causal mask, float32 softmax."""
+    every Linear but the head rounds its input and weight by ``operand(x, site)`` and its error
+    by ``error(grad, site)``; the scores product q k^T and the context product p v round q, k^T,
+    p and v by ``operand`` and their errors by ``error``; float32 products, scale after the scores
+    product, causal mask, float32 softmax. ``site`` names the tensor ("blocks.0.mlp.hidden.input",
+    "blocks.0.attention.scores.weight", "blocks.0.attention.context.error", ...)."""
 
-    def q(x, spec):  # straight-through rounding
-        return x + (lpsim.quantize(x.detach(), *spec) - x).detach()
+    def q(x, site):  # straight-through rounding
+        return x + (operand(x.detach(), site) - x).detach()
 
-    def linear(layer, x):
-        y = F.linear(q(x, forward), q(layer.weight, forward), layer.bias)
-        return _QuantiseError.apply(y, error)
+    def e(y, site):
+        return _QuantiseError.apply(y, lambda grad: error(grad, site + ".error"))
+
+    def linear(name, layer, x):
+        y = F.linear(q(x, name + ".input"), q(layer.weight, name + ".weight"), layer.bias)
+        return e(y, name)
 
     length = tokens.shape[1]
     x = model.token_embedding(tokens) + model.position_embedding(torch.arange(length))
     mask = torch.ones(length, length, dtype=torch.bool).triu(1)
-    for block in model.blocks:
+    for i, block in enumerate(model.blocks):
+        at = f"blocks.{i}.attention"
         attention = block.attention
         h = block.attention_norm(x)
         batch, _, width = h.shape
         shape = (batch, length, attention.heads, width // attention.heads)
         qs, ks, vs = (
-            t.reshape(shape).transpose(1, 2) for t in linear(attention.qkv, h).split(width, 2)
+            t.reshape(shape).transpose(1, 2)
+            for t in linear(f"{at}.qkv", attention.qkv, h).split(width, 2)
         )
-        scores = _QuantiseError.apply(q(qs, forward) @ q(ks.transpose(-2, -1), second), error)
+        scores = q(qs, f"{at}.scores.input") @ q(ks.transpose(-2, -1), f"{at}.scores.weight")
+        scores = e(scores, f"{at}.scores")
         scores = (scores * (1 / math.sqrt(width // attention.heads))).masked_fill(mask, -math.inf)
         p = torch.softmax(scores, -1)
-        context = _QuantiseError.apply(q(p, forward) @ q(vs, second), error)
-        x = x + linear(attention.output, context.transpose(1, 2).reshape(batch, length, width))
-        x = x + linear(block.mlp.output, F.gelu(linear(block.mlp.hidden, block.mlp_norm(x))))
+        context = e(q(p, f"{at}.context.input") @ q(vs, f"{at}.context.weight"), f"{at}.context")
+        context = context.transpose(1, 2).reshape(batch, length, width)
+        x = x + linear(f"{at}.output", attention.output, context)
+        mlp = f"blocks.{i}.mlp"
+        hidden = F.gelu(linear(f"{mlp}.hidden", block.mlp.hidden, block.mlp_norm(x)))
+        x = x + linear(f"{mlp}.output", block.mlp.output, hidden)
     return model.head(model.final_norm(x))
 
 
@@ -573,6 +671,14 @@ def test_trainer_runs_are_the_hand_placed_recipes_bit_for_bit(name, tmp_path, co
         e4m3, e5m2 = e4m3 + "_tensor", e5m2 + "_tensor"
     forward, error = (preset(e4m3), "nearest"), (preset(e5m2), "nearest")
     second = (dataclasses.replace(preset(e4m3), axis=-2), "nearest") if name == "mxfp8" else forward
+
+    def operand(x, site):  # k^T and v: blocks along their axis -2, each product's reduction
+        weight = site.endswith(("scores.weight", "context.weight"))
+        return lpsim.quantize(x, *(second if weight else forward))
+
+    def rounded_error(grad, site):
+        return lpsim.quantize(grad, *error)
+
     torch.manual_seed(0)
     model = tiny_model(corpus)
     optimizer = torch.optim.AdamW(recipes.parameter_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.99))
@@ -583,12 +689,140 @@ def test_trainer_runs_are_the_hand_placed_recipes_bit_for_bit(name, tmp_path, co
             cosine = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
             group["lr"] = 1e-3 * ((step + 1) / warmup if step < warmup else cosine)
         inputs, targets = corpus.training_batch(step, 4, 16, 0)
-        logits = _hand_placed_forward(model, inputs, forward, second, error)
+        logits = _hand_placed_forward(model, inputs, operand, rounded_error)
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         optimizer.zero_grad()
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+    for key, value in model.state_dict().items():
+        original = key.replace("weight", "parametrizations.weight.original")
+        assert torch.equal(saved[original if original in saved else key], value), key
+
+
+def test_bf16_nearest_run_is_the_documented_arithmetic_bit_for_bit(tmp_path, corpus):
+    """What the table's bf16-nearest row comes from: the trainer's run ends on the weights of a
+    loop written from recipes.py's docstring: every parameter a bfloat16 value, every Linear
+    (the head too) with bfloat16 inputs, outputs and errors (round to nearest), attention and
+    the rest float32, torch's clipping and schedule, and AdamW's update (torch's moments and
+    terms, decay on the matrices) added exactly to the weight and rounded once to nearest
+    bfloat16 (gfloat's rounding of the float64 sum)."""
+    from gfloat import round_ndarray
+    from gfloat.formats import format_info_bfloat16
+
+    train.main(["--recipe", "bf16-nearest", *TINY, "--out-dir", str(tmp_path)])
+    saved = torch.load(tmp_path / train.CHECKPOINT, weights_only=True)["model"]
+
+    def bf16(x):
+        return x.to(torch.bfloat16).float()
+
+    def to_bf16(x64):  # float64 -> bfloat16 values, one rounding to nearest even
+        return torch.from_numpy(round_ndarray(format_info_bfloat16, x64.numpy())).float()
+
+    def linear(layer, x):
+        x = x + (bf16(x.detach()) - x).detach()
+        y = F.linear(x, layer.weight, layer.bias)
+        return _QuantiseError.apply(y + (bf16(y.detach()) - y).detach(), bf16)
+
+    def forward(model, tokens):
+        length = tokens.shape[1]
+        x = model.token_embedding(tokens) + model.position_embedding(torch.arange(length))
+        for block in model.blocks:
+            attention, h = block.attention, block.attention_norm(x)
+            batch, _, width = h.shape
+            shape = (batch, length, attention.heads, width // attention.heads)
+            q, k, v = (
+                t.reshape(shape).transpose(1, 2) for t in linear(attention.qkv, h).split(width, 2)
+            )
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + linear(attention.output, y.transpose(1, 2).reshape(batch, length, width))
+            x = x + linear(block.mlp.output, F.gelu(linear(block.mlp.hidden, block.mlp_norm(x))))
+        return linear(model.head, model.final_norm(x))
+
+    torch.manual_seed(0)
+    model = tiny_model(corpus)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(bf16(p))
+    groups = recipes.parameter_groups(model, 0.1)
+    moments = {p: (torch.zeros_like(p), torch.zeros_like(p)) for p in model.parameters()}
+    steps, warmup = 6, 1
+    for step in range(steps):
+        lr = 1e-3 * train.lr_factor(step, steps, warmup)
+        inputs, targets = corpus.training_batch(step, 4, 16, 0)
+        loss = F.cross_entropy(forward(model, inputs).flatten(0, 1), targets.flatten())
+        model.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        with torch.no_grad():
+            for group in groups:
+                for p in group["params"]:
+                    m, v = moments[p]
+                    m.lerp_(p.grad, 0.1)
+                    v.mul_(0.99).addcmul_(p.grad, p.grad, value=0.01)
+                    denom = v.sqrt().div_((1 - 0.99 ** (step + 1)) ** 0.5).add_(1e-8)
+                    decay = lr * group["weight_decay"]
+                    term = torch.addcdiv(p * -decay, m, denom, value=-lr / (1 - 0.9 ** (step + 1)))
+                    p.copy_(to_bf16(p.double() + term.double()))
+    for key, value in model.state_dict().items():
+        assert torch.equal(saved[key], value), key
+
+
+class _DelayedScalerModel:
+    """Delayed scaling as lpsim.delayed_scaling's docstring states it, written with ml_dtypes:
+    y = x * scale in float32, rounded to nearest even onto the saturating FP8 format, times
+    1 / scale; then amax = max |x| enters a history of 16 (oldest out) and scale = fp8 max /
+    the history's largest amax (scale 1 at the first call)."""
+
+    def __init__(self, dtype, largest: float):
+        self.dtype, self.largest = dtype, largest
+        self.history = torch.zeros(16)
+        self.scale = self.inverse = torch.tensor(1.0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = (x * self.scale).clamp(-self.largest, self.largest).numpy()
+        rounded = torch.from_numpy(y.astype(self.dtype).astype(np.float32)) * self.inverse
+        self.history = torch.cat([self.history[1:], x.abs().max().reshape(1)])
+        self.scale = torch.tensor(self.largest) / self.history.max()
+        self.inverse = 1 / self.scale
+        return rounded
+
+
+def test_fp8_delayed_run_is_delayed_scaling_placed_by_hand_bit_for_bit(tmp_path, corpus):
+    """What the table's fp8-delayed row comes from: the trainer's run (evaluations in eval mode
+    between the steps recording nothing) ends on the weights of a loop with one delayed scaler
+    per tensor, written from the docs (E4M3 Linear inputs and weights and attention's q, k^T, p,
+    v; E5M2 errors; history 16, max), torch's AdamW, clipping and schedule."""
+    import ml_dtypes
+
+    train.main(["--recipe", "fp8-delayed", *TINY, "--out-dir", str(tmp_path)])
+    saved = torch.load(tmp_path / train.CHECKPOINT, weights_only=True)["model"]
+    scalers = {}
+
+    def scaler(site, dtype, largest):
+        return scalers.setdefault(site, _DelayedScalerModel(dtype, largest))
+
+    def operand(x, site):
+        return scaler(site, ml_dtypes.float8_e4m3fn, 448.0)(x)
+
+    def rounded_error(grad, site):
+        return scaler(site, ml_dtypes.float8_e5m2, 57344.0)(grad)
+
+    torch.manual_seed(0)
+    model = tiny_model(corpus)
+    optimizer = torch.optim.AdamW(recipes.parameter_groups(model, 0.1), lr=1e-3, betas=(0.9, 0.99))
+    steps, warmup = 6, 1
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-3 * train.lr_factor(step, steps, warmup)
+        inputs, targets = corpus.training_batch(step, 4, 16, 0)
+        logits = _hand_placed_forward(model, inputs, operand, rounded_error)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    assert len(scalers) == 4 * 3 + 2 * 3  # four Linear layers, two attention products
     for key, value in model.state_dict().items():
         original = key.replace("weight", "parametrizations.weight.original")
         assert torch.equal(saved[original if original in saved else key], value), key

@@ -190,6 +190,9 @@ class GPTRecipe:
             stored in by lpsim.optim.AdamW, with ``weight_rounding``.
         weight_rounding: "nearest" or "stochastic", for weight_format.
         cpu_only: its products run under lpsim.mac, which computes on the CPU only.
+        token_transform: the transform of the weight gradient's operands along the tokens (the
+            FP4 recipes' HADAMARD), whose groups the tokens of a step on one process must fill:
+            their count, batch x context, a multiple of its size; None: none.
         deviations: where it departs from the published recipe it is named after, and why.
     """
 
@@ -200,6 +203,7 @@ class GPTRecipe:
     weight_format: Float | None = None
     weight_rounding: str = "nearest"
     cpu_only: bool = False
+    token_transform: lpsim.RandomHadamard | None = None
     deviations: tuple[str, ...] = ()
 
     def build(
@@ -329,6 +333,7 @@ def _fp4(
         summary,
         layers=lambda model: {HEAD: None, nn.Linear: linear},
         functions=attention_functions(linear.input, linear.input_grad_operands.error),
+        token_transform=linear.weight_grad_operands.transform,
         deviations=deviations,
     )
 

@@ -25,14 +25,16 @@ Every evaluation (and step 0, before training) writes in DIR (default out/gpt/NA
 checkpoint.pt (model with its quantisers' state, optimizer, scheduler, torch's generator states,
 the delayed scalers of the attention quantisers, history, settings), log.csv (one row per
 evaluation) and curves.png. ``--resume`` continues from the checkpoint with the same bits as a run
-never interrupted (same device and thread count); settings not given are taken from the
-checkpoint, and given ones must equal it. ``--stop-after N`` ends an invocation after N steps (a
+never interrupted (on the same device); settings not given are taken from the checkpoint, the
+thread count included (--threads, torch's choice when the run started, or 1 with --short), and
+given ones must equal it. ``--stop-after N`` ends an invocation after N steps (a
 checkpoint is written).
 
 ``--recipe all`` trains every recipe in turn, each in DIR/NAME (default out/gpt/NAME), then writes
 gpt.md (the table: final validation loss, gap to fp32, training tokens per second and simulation
 overhead) and gpt.png (every recipe's validation loss) in DIR (default docs/results). With
-``--resume`` it continues the runs that have a checkpoint and starts the others.
+``--resume`` it continues the runs that have a checkpoint and starts the others with their
+settings (the checkpoints must agree on them).
 
 Under torchrun each process trains with DistributedDataParallel (NCCL on GPUs, gloo on CPUs) on
 its share of every global batch (--batch-size is the global batch: every process draws the same
@@ -102,7 +104,9 @@ DEFAULTS = dict(
     eval_every=250,
     val_windows=256,
 )
-SETTINGS = tuple(DEFAULTS)  # the settings of a run (what --resume must find unchanged)
+# The settings of a run (what --resume must find unchanged): DEFAULTS' and the thread count, which
+# changes the bits of torch's CPU kernels (default: torch's choice when the run starts).
+SETTINGS = (*DEFAULTS, "threads")
 SHORT = dict(
     steps=300,
     batch_size=8,
@@ -180,7 +184,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threads",
         type=positive_int,
-        help="torch's CPU threads (default: torch's choice; 1 with --short)",
+        help="torch's CPU threads (default: torch's choice; 1 with --short; with --resume, the "
+        "checkpoint's)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -188,7 +193,8 @@ def parser() -> argparse.ArgumentParser:
 
 @dataclass(frozen=True)
 class Settings:
-    """The settings of one run (see DEFAULTS and SHORT), the processes and the corpus."""
+    """The settings of one run (see DEFAULTS and SHORT), the processes, the corpus and the CPU
+    threads."""
 
     recipe: str
     steps: int
@@ -203,6 +209,7 @@ class Settings:
     val_windows: int
     world_size: int
     corpus: str  # Corpus.fingerprint
+    threads: int | None = None  # torch's CPU threads (None: not recorded, an older checkpoint)
 
     @property
     def warmup(self) -> int:
@@ -235,7 +242,7 @@ class Session:
         self.device = choose_device(args.device, p, self.world_size, self.local_rank)
         self.requested = {k: getattr(args, k) for k in SETTINGS if getattr(args, k) is not None}
         if args.short:
-            self.requested = {**SHORT, **self.requested}
+            self.requested = {**SHORT, "threads": SHORT_THREADS, **self.requested}
 
     @property
     def distributed(self) -> bool:
@@ -282,7 +289,10 @@ class Run:
         }
         if self.saved is not None:
             saved = self.saved["settings"]
-            different = {k: (saved[k], v) for k, v in wanted.items() if saved[k] != v}
+            # (A checkpoint older than a setting holds no value for it.)
+            different = {
+                k: (saved[k], v) for k, v in wanted.items() if k in saved and saved[k] != v
+            }
             if different:
                 raise SystemExit(
                     f"--resume: {self.checkpoint} belongs to another run; settings that differ "
@@ -290,7 +300,7 @@ class Run:
                 )
             self.settings = Settings(**saved)
         else:
-            self.settings = Settings(**{**DEFAULTS, **wanted})
+            self.settings = Settings(**{**DEFAULTS, "threads": torch.get_num_threads(), **wanted})
         s = self.settings
         if s.steps > MAX_STEP + 1:
             p.error(f"--steps must be at most {MAX_STEP + 1}, got {s.steps}")
@@ -306,6 +316,14 @@ class Run:
                 "processes"
             )
         self.local_batch = s.batch_size // session.world_size
+        transform = recipe.token_transform
+        if transform is not None and self.local_batch * s.context % transform.size:
+            p.error(
+                f"--recipe {recipe.name} transforms its weight gradients' operands in groups of "
+                f"{transform.size} tokens: the tokens of a step on one process, --batch-size "
+                f"{s.batch_size} / {session.world_size} process(es) times --context {s.context}, "
+                f"must be a multiple of {transform.size}"
+            )
 
     @property
     def finished(self) -> bool:
@@ -361,8 +379,10 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
 @torch.no_grad()
 def evaluate(run: Run, model: nn.Module, context, windows) -> float:
     """Mean cross-entropy (nats per character) over the validation windows, each rank taking a
-    strided share; in eval mode (stochastic rules replaced by nearest) and inside a fork of
-    torch's generators, so evaluating never shifts the training stream."""
+    strided share, evaluated in chunks of run.local_batch windows (a per-tensor current scale is
+    taken over a chunk, so such recipes' losses depend on the batch and the process count); in
+    eval mode (stochastic rules replaced by nearest) and inside a fork of torch's generators, so
+    evaluating never shifts the training stream."""
     session = run.session
     inputs, targets = windows
     inputs = inputs[session.rank :: session.world_size].to(session.device)
@@ -390,21 +410,31 @@ def _synchronize(device: torch.device) -> None:
 
 class Interval:
     """The training steps since the last log row: their summed loss (float64, this rank's batch
-    means), their count and the seconds they took."""
+    means), their count and the seconds they took (this rank's)."""
 
     def __init__(self, state: dict | None, device: torch.device):
         state = state or {"loss_sum": 0.0, "steps": 0, "seconds": 0.0}
         self.loss_sum = torch.tensor(state["loss_sum"], dtype=torch.float64, device=device)
         self.steps, self.seconds = state["steps"], state["seconds"]
 
-    def state(self) -> dict:
-        return {"loss_sum": float(self.loss_sum), "steps": self.steps, "seconds": self.seconds}
+    def state(self, session: Session) -> dict:
+        """What every rank resumes from (the checkpoint holds rank 0's): the loss sum as the mean
+        of the ranks' sums, so that after resuming the ranks' sums add up to those of a run never
+        interrupted. An all-reduce under torchrun: every rank calls it."""
+        (loss_sum,) = all_reduce_sum([self.loss_sum], session.device, session.distributed)
+        return {
+            "loss_sum": loss_sum / session.world_size,
+            "steps": self.steps,
+            "seconds": self.seconds,
+        }
 
 
 def train(run: Run) -> list[dict]:
     """Train (or continue) one run; returns its history (one dict per log row)."""
     session, recipe, s = run.session, run.recipe, run.settings
     device, corpus = session.device, session.corpus
+    if s.threads is not None:
+        torch.set_num_threads(s.threads)
     torch.manual_seed(s.seed)
     model = GPT(s.model_config(corpus.vocab_size)).to(device)
     model, optimizer, _ = recipe.build(
@@ -456,6 +486,7 @@ def train(run: Run) -> list[dict]:
             )
             interval = Interval(None, device)
         digests = rank_digests(model, session.device, session.world_size)
+        interval_state = interval.state(session)
         if session.main_process:
             state = {
                 "settings": asdict(s),
@@ -466,7 +497,7 @@ def train(run: Run) -> list[dict]:
                 "rng": rng_state(device),
                 "functions": functions_state(mode),
                 "history": history,
-                "interval": interval.state(),
+                "interval": interval_state,
                 "rank_digests": digests,
             }
             write_atomically(run.checkpoint, lambda tmp: torch.save(state, tmp))
@@ -539,11 +570,11 @@ def command_line(settings: Settings) -> str:
     """The arguments of ``--recipe all`` that give these settings: --short where it applies, and
     every setting that differs from the configuration's own."""
     short = all(getattr(settings, k) == v for k, v in SHORT.items())
-    base = {**DEFAULTS, **SHORT} if short else DEFAULTS
+    base = {**DEFAULTS, **SHORT, "threads": SHORT_THREADS} if short else DEFAULTS
     words = ["--recipe", ALL] + (["--short"] if short else [])
     for key in SETTINGS:
         value = getattr(settings, key)
-        if value != base[key]:
+        if value is not None and value != base.get(key):
             words += [f"--{key.replace('_', '-')}", f"{value:g}" if key == "lr" else str(value)]
     return " ".join(words)
 
@@ -553,6 +584,7 @@ def write_comparison(session: Session, runs: dict, out_dir: pathlib.Path, settin
     summaries = {name: r.summary for name, r in RECIPES.items()}
     s = settings
     characters = s.steps * s.batch_size * s.context
+    threads = torch.get_num_threads() if s.threads is None else s.threads
     lines = [
         "# Character-level GPT under low-precision recipes",
         "",
@@ -566,8 +598,8 @@ def write_comparison(session: Session, runs: dict, out_dir: pathlib.Path, settin
         f"pydoc topics, fingerprint {s.corpus}), mean cross-entropy in nats per character.",
         "",
         f"Speed: training tokens per second on {session.device} ({session.world_size} "
-        f"process{'es' if session.distributed else ''}, {torch.get_num_threads()} "
-        f"thread{'s' if torch.get_num_threads() > 1 else ''} each), forward, backward and "
+        f"process{'es' if session.distributed else ''}, {threads} "
+        f"thread{'s' if threads > 1 else ''} each), forward, backward and "
         "optimizer step; overhead is fp32's tokens per second over the recipe's. Gap: the "
         "recipe's final validation loss minus fp32's.",
         "",
@@ -592,6 +624,34 @@ def write_comparison(session: Session, runs: dict, out_dir: pathlib.Path, settin
     session.say(f"wrote {out_dir / TABLE} and {out_dir / PLOT}")
 
 
+def inherit_saved_settings(session: Session, base: pathlib.Path) -> None:
+    """For ``--recipe all --resume``: the settings of the runs in ``base`` that have a checkpoint
+    (which must agree) become the requested settings of every run where not given, so that the
+    runs it starts train as the ones it continues and the comparison compares like with like
+    (without a checkpoint to take them from, a run started from DEFAULTS).
+
+    Raises:
+        SystemExit: the checkpoints' settings differ, apart from their recipe.
+    """
+    saved = {}
+    for name in RECIPES:
+        path = base / name / CHECKPOINT
+        if path.is_file():
+            settings = torch.load(path, map_location="cpu", weights_only=True)["settings"]
+            saved[path] = {k: v for k, v in settings.items() if k in SETTINGS}
+    if not saved:
+        return
+    (first_path, first), *others = saved.items()
+    for path, settings in others:
+        different = {k: (first[k], v) for k, v in settings.items() if first.get(k) != v}
+        if different:
+            raise SystemExit(
+                f"--resume: {first_path} and {path} belong to runs of other settings, which one "
+                f"comparison cannot hold; settings that differ: {different}"
+            )
+    session.requested = {**first, **session.requested}
+
+
 def plan(session: Session) -> dict[str, Run | None]:
     """The runs this invocation makes, by recipe name, every setting checked before anything
     trains (None: a recipe --recipe all skips on this device)."""
@@ -607,6 +667,8 @@ def plan(session: Session) -> dict[str, Run | None]:
                 f"checkpoints exist: {', '.join(existing)}; pass --resume to continue those "
                 "runs, or choose another --out-dir"
             )
+    else:
+        inherit_saved_settings(session, base)
     runs: dict[str, Run | None] = {}
     for name, recipe in RECIPES.items():
         skipped = recipe.cpu_only and session.device.type != "cpu"
