@@ -12,7 +12,7 @@ to torch's SGD step, measured over the same stretch of time. The block formats (
 exponent per tensor, as the block8 recipe; block8-rows: one per row, as swalp) have no FusedSGD
 row: FusedSGD takes element formats only, and OptimLP's fused step rounds them around its pass.
 
---quick: a small model and few repeats, a smoke test.
+--quick: a small model and, unless --repeat is given, 2 repeats: a smoke test.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import statistics
 import time
 
 import torch
+from bench_options import at_least
 from torch import nn
 
 from lpsim import BlockFloat, Float
@@ -69,13 +70,13 @@ def _time(step) -> float:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--threads", type=at_least(1), default=1)
+    parser.add_argument("--repeat", type=at_least(1), default=None, help="default 7 (--quick: 2)")
     parser.add_argument("--format", choices=sorted(FORMATS), default="e5m10")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    repeat = 2 if args.quick else args.repeat
+    repeat = args.repeat if args.repeat is not None else 2 if args.quick else 7
     fmt = FORMATS[args.format]
     rows = []
     torch.manual_seed(0)

@@ -31,6 +31,7 @@ import time
 import warnings
 
 import torch
+from bench_options import at_least, counts, positive_float
 from torch import nn
 
 import lpsim
@@ -127,16 +128,20 @@ def measure(fn, references, repeat: int, batch_seconds: float) -> list[float]:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default=None, help="comma-separated element counts")
-    parser.add_argument("--repeat", type=int, default=None, help="batches per op (median)")
-    parser.add_argument("--batch-ms", type=float, default=None, help="length of one batch")
+    parser.add_argument("--sizes", type=counts, default=None, help="comma-separated element counts")
+    parser.add_argument("--repeat", type=at_least(1), default=None, help="batches per op (median)")
+    parser.add_argument("--batch-ms", type=positive_float, default=None, help="length of one batch")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, short, no qtorch")
     parser.add_argument("--no-qtorch", action="store_true", help="skip QPyTorch")
     args = parser.parse_args(argv)
-    default_sizes = "64,256" if args.quick else f"64,4096,{2**20}"
-    sizes = [int(s) for s in (args.sizes or default_sizes).split(",")]
-    repeat = args.repeat or (3 if args.quick else 15)
-    batch_seconds = (args.batch_ms or (1.0 if args.quick else 20.0)) / 1000
+    # --quick changes the defaults only: values given are kept.
+    if args.sizes is None:
+        args.sizes = [64, 256] if args.quick else [64, 4096, 2**20]
+    if args.repeat is None:
+        args.repeat = 3 if args.quick else 15
+    if args.batch_ms is None:
+        args.batch_ms = 1.0 if args.quick else 20.0
+    sizes, repeat, batch_seconds = args.sizes, args.repeat, args.batch_ms / 1000
     qq = None if args.quick or args.no_qtorch else load_qtorch()
     torch.set_num_threads(1)
     torch.manual_seed(0)

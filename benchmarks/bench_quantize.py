@@ -25,9 +25,13 @@ import statistics
 import time
 
 import torch
+from bench_options import at_least  # benchmarks/ is on sys.path as a script and in tests
 
 import lpsim
 from lpsim import BlockFloat, Fixed, Float
+
+# The "block 8 dim=0" rows view x as ROWS rows, so the sizes are multiples of it.
+ROWS = 4096
 
 
 def _seconds(fn) -> float:
@@ -93,8 +97,8 @@ def cpu_cases(qq):
         cases.append(
             (
                 f"block 8 dim=0 {rule}",
-                lambda x, r=rule: lpsim.quantize(x.view(4096, -1), BlockFloat(8, 0), r, seed=1),
-                (lambda x, r=rule: qq.block_quantize(x.view(4096, -1), wl=8, dim=0, rounding=r))
+                lambda x, r=rule: lpsim.quantize(x.view(ROWS, -1), BlockFloat(8, 0), r, seed=1),
+                (lambda x, r=rule: qq.block_quantize(x.view(ROWS, -1), wl=8, dim=0, rounding=r))
                 if qq
                 else None,
             )
@@ -181,9 +185,9 @@ def gpu_cases(qq):
             (
                 f"block 8 dim=0 {rule}",
                 lambda x, out, r=rule: lpsim.quantize(
-                    x.view(4096, -1), BlockFloat(8, 0), r, seed=1, out=out.view(4096, -1)
+                    x.view(ROWS, -1), BlockFloat(8, 0), r, seed=1, out=out.view(ROWS, -1)
                 ),
-                (lambda x, r=rule: qq.block_quantize(x.view(4096, -1), 8, 0, rounding=r))
+                (lambda x, r=rule: qq.block_quantize(x.view(ROWS, -1), 8, 0, rounding=r))
                 if qq
                 else None,
             )
@@ -220,16 +224,17 @@ def run_gpu(size: int, repeat: int) -> None:
         print(row)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=2**24)
-    parser.add_argument("--repeat", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--gpu-size", type=int, default=2**28)
-    parser.add_argument("--gpu-repeat", type=int, default=50)
+    size = at_least(ROWS, multiple_of=ROWS)
+    parser.add_argument("--size", type=size, default=2**24, help=f"a multiple of {ROWS}")
+    parser.add_argument("--repeat", type=at_least(1), default=15)
+    parser.add_argument("--threads", type=at_least(1), default=None, help="default: torch's")
+    parser.add_argument("--gpu-size", type=size, default=2**28, help=f"a multiple of {ROWS}")
+    parser.add_argument("--gpu-repeat", type=at_least(1), default=50)
     parser.add_argument("--no-cpu", action="store_true", help="run the GPU section only")
-    args = parser.parse_args()
-    if args.threads:
+    args = parser.parse_args(argv)
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     if not args.no_cpu:
         run_cpu(args.size, args.repeat)

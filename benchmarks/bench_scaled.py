@@ -22,6 +22,7 @@ import warnings
 from dataclasses import replace
 
 import torch
+from bench_options import at_least
 from bench_quantize import cuda_median_ms  # benchmarks/ is on sys.path as a script and in tests
 
 import lpsim
@@ -104,17 +105,22 @@ def run_gpu(size: int, repeat: int) -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=None, help="2**24 on the CPU, 2**28 on CUDA")
-    parser.add_argument("--repeat", type=int, default=None, help="9 on the CPU, 30 on CUDA")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--size", type=at_least(1), default=None, help="2**24 on the CPU, 2**28 on CUDA"
+    )
+    parser.add_argument("--repeat", type=at_least(1), default=None, help="9 on the CPU, 30 on CUDA")
+    parser.add_argument("--threads", type=at_least(1), default=torch.get_num_threads())
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args(argv)
-    if args.device == "cuda":
+    cuda = args.device == "cuda"
+    if args.size is None:
+        args.size = 2**28 if cuda else 2**24
+    if args.repeat is None:
+        args.repeat = 30 if cuda else 9
+    if cuda:
         if not (torch.cuda.is_available() and lpsim.cuda_built()):
             parser.error("--device cuda: no CUDA device, or lpsim built without its CUDA kernels")
-        return run_gpu(args.size or 2**28, args.repeat or 30)
-    args.size = args.size or 2**24
-    args.repeat = args.repeat or 9
+        return run_gpu(args.size, args.repeat)
     torch.set_num_threads(args.threads)
     cols = 1024 if args.size >= 1024 else 32
     x = torch.randn(max(1, args.size // cols), cols)

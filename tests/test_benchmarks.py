@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -94,3 +95,45 @@ def test_optimizer_benchmark_times_each_optimizer_against_torchs_sgd(capsys):
     assert all(r["ms"] > 0 for r in rows)
     assert [r["ratio"] for r in rows if r["optimizer"] == "torch.optim.SGD"] == [1.0, 1.0]
     assert "FusedSGD" in capsys.readouterr().out
+
+
+# Option values: a bad one is refused naming the option, never replaced by a default or ignored.
+REFUSED = [
+    ("bench_quantize", ["--size", "4096", "--repeat", "1", "--threads", "0"], "--threads"),
+    ("bench_quantize", ["--size", "1000", "--repeat", "1"], "--size"),
+    ("bench_overhead", ["--quick", "--sizes", "64", "--repeat", "0"], "--repeat"),
+    ("bench_overhead", ["--quick", "--sizes", "64", "--batch-ms", "0"], "--batch-ms"),
+    ("bench_scaled", ["--size", "64", "--repeat", "1", "--threads", "0"], "--threads"),
+    ("bench_mac", ["--quick", "--only", "no such row"], "--only"),
+    ("bench_mac", ["--quick", "--threads", "0"], "--threads"),
+    ("bench_mac", ["--quick", "--shapes", "64x64"], "--shapes"),
+    ("bench_optim", ["--quick", "--repeat", "0"], "--repeat"),
+    ("bench_fusable", ["--sizes", "256", "--repeat", "0"], "--repeat"),
+    ("bench_statistics", ["--quick", "--threads", "0"], "--threads"),
+    ("formats_survey", ["--size", "64", "--formats", "e5m2,no such format"], "--formats"),
+]
+
+
+@pytest.mark.parametrize(("name", "argv", "option"), REFUSED)
+def test_a_bad_option_value_is_refused_naming_the_option(capsys, name, argv, option):
+    with pytest.raises(SystemExit) as refused:
+        _run(name, argv)
+    assert refused.value.code == 2
+    assert option in capsys.readouterr().err
+
+
+def test_quick_mac_benchmark_keeps_the_shapes_and_repeat_given(capsys):
+    _, rows = _run(
+        "bench_mac", ["--quick", "--shapes", "8x8x8,4x8x16", "--repeat", "2", "--only", "native"]
+    )
+    assert [(r["mac"], r["shape"]) for r in rows] == [
+        ("native MAC() (torch.matmul)", "8x8x8"),
+        ("native MAC() (torch.matmul)", "4x8x16"),
+    ]
+    assert "median of 2" in capsys.readouterr().out
+
+
+def test_quick_statistics_benchmark_keeps_the_size_and_repeat_given(capsys):
+    _run("bench_statistics", ["--quick", "--size", "100", "--repeat", "2"])
+    out = capsys.readouterr().out
+    assert "100 float32 elements on cpu" in out and "medians of 2" in out
