@@ -137,3 +137,22 @@ def test_quick_statistics_benchmark_keeps_the_size_and_repeat_given(capsys):
     _run("bench_statistics", ["--quick", "--size", "100", "--repeat", "2"])
     out = capsys.readouterr().out
     assert "100 float32 elements on cpu" in out and "medians of 2" in out
+
+
+def test_overhead_benchmark_times_every_op_on_the_references_x_unchanged():
+    bench_overhead = _import("bench_overhead")
+    seen = []
+
+    class QTorch:  # records the tensor that QPyTorch's row is timed on
+        @staticmethod
+        def float_quantize(x, exp, man, rounding):
+            seen.append(x.clone())
+            return x
+
+    x = torch.randn(256, generator=torch.Generator().manual_seed(0))
+    before = x.clone()
+    found = bench_overhead.cases(x, QTorch)
+    for _, call in found:
+        call()
+    assert found[-1][0] == "qtorch float_quantize nearest" and len(seen) == 1
+    assert torch.equal(seen[0], before) and torch.equal(x, before)
