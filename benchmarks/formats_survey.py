@@ -13,6 +13,7 @@ quantises one float32 tensor of N(0, 1) samples and prints:
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> None:
         "--formats", type=str, default=None, help="comma-separated names (default: all)"
     )
     args = parser.parse_args(argv)
-    names = args.formats.split(",") if args.formats else None
+    # Commas inside <...> belong to a name ("fixed<8,5>").
+    names = re.split(r",(?![^<]*>)", args.formats) if args.formats else None
     known = {**PRESETS, **EXTRA_FORMATS}
     unknown = [name for name in names or () if name not in known]
     if unknown:

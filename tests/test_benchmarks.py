@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import lpsim
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -156,3 +158,12 @@ def test_overhead_benchmark_times_every_op_on_the_references_x_unchanged():
         call()
     assert found[-1][0] == "qtorch float_quantize nearest" and len(seen) == 1
     assert torch.equal(seen[0], before) and torch.equal(x, before)
+
+
+def test_formats_survey_selects_a_format_whose_name_holds_a_comma(capsys):
+    survey = _import("formats_survey")
+    survey.main(["--size", "64", "--formats", "e5m2,fixed<8,5>"])
+    lines = capsys.readouterr().out.splitlines()
+    rules = len(lpsim.Rounding)
+    assert sum(line.startswith("fixed<8,5> ") for line in lines) == rules
+    assert sum(line.startswith("e5m2 ") for line in lines) == rules
