@@ -149,18 +149,27 @@ def run_cpu(size: int, repeat: int) -> None:
 
 def cuda_median_ms(fn, repeat: int) -> float:
     """Median time of fn() in milliseconds, each run between two CUDA events, after warm-up."""
+    return cuda_alternating_medians_ms([fn], repeat)[0]
+
+
+def cuda_alternating_medians_ms(fns, repeat: int) -> list[float]:
+    """Median time of each of fns in milliseconds, the functions run in turn within each of
+    ``repeat`` rounds (so that drifts in the device's clocks or load reach all of them alike),
+    each run between two CUDA events, after three warm-up rounds."""
     for _ in range(3):
-        fn()
+        for fn in fns:
+            fn()
     torch.cuda.synchronize()
-    times = []
+    times = [[] for _ in fns]
     for _ in range(repeat):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+        for fn, timed in zip(fns, times):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            timed.append(start.elapsed_time(stop))
+    return [statistics.median(timed) for timed in times]
 
 
 def gpu_cases(qq):

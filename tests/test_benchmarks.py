@@ -167,3 +167,29 @@ def test_formats_survey_selects_a_format_whose_name_holds_a_comma(capsys):
     rules = len(lpsim.Rounding)
     assert sum(line.startswith("fixed<8,5> ") for line in lines) == rules
     assert sum(line.startswith("e5m2 ") for line in lines) == rules
+
+
+def test_statistics_benchmark_alternates_its_pairs_on_cuda_too(monkeypatch):
+    bench_statistics = _import("bench_statistics")
+
+    class Event:  # CUDA events without a device: every run takes 1 ms
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 1.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    times = bench_statistics.timed(
+        lambda: calls.append("fn"), lambda: calls.append("reference"), 4, "cuda"
+    )
+    assert times == (1.0, 1.0)
+    assert calls[-8:] == ["fn", "reference"] * 4
