@@ -45,6 +45,8 @@ import torchvision
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from bench_options import positive_float  # noqa: E402 - benchmarks/ is on sys.path
+
 from experiments.cifar10.models import build_model  # noqa: E402
 from experiments.cifar10.recipes import RECIPES as CIFAR_RECIPES  # noqa: E402
 from lpsim import Float, recipes  # noqa: E402
@@ -264,7 +266,7 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--width",
-        type=float,
+        type=positive_float,
         default=1.0,
         help="channel multiplier of vgg16 and vgg7 (1: the published networks)",
     )

@@ -113,6 +113,12 @@ REFUSED = [
     ("bench_fusable", ["--sizes", "256", "--repeat", "0"], "--repeat"),
     ("bench_statistics", ["--quick", "--threads", "0"], "--threads"),
     ("formats_survey", ["--size", "64", "--formats", "e5m2,no such format"], "--formats"),
+    (
+        "bench_training",
+        ["--width", "0", "--models", "vgg7", "--recipes", "wage", "--device", "cpu"]
+        + ["--batch-sizes", "1", "--repeat", "1", "--warmup", "1", "--no-compile"],
+        "--width",
+    ),
 ]
 
 
