@@ -29,6 +29,7 @@ import lpsim
 from lpsim.scaled import preset
 
 FORMATS = ("mxfp8_e4m3", "mxfp4_e2m1", "nvfp4")
+COLUMNS = 1024  # x has rows of COLUMNS elements (whole MX and NVFP4 blocks), so --size a multiple
 
 
 def _torchao(name: str):
@@ -80,8 +81,7 @@ def _alternating_medians(fns: dict, x: torch.Tensor, repeat: int) -> dict:
 
 def run_gpu(size: int, repeat: int) -> list[dict]:
     """The GPU section: each format and rule against a device copy, CUDA events, medians."""
-    cols = 1024
-    x = torch.randn(max(1, size // cols), cols, device="cuda")
+    x = torch.randn(size // COLUMNS, COLUMNS, device="cuda")
     out = torch.empty_like(x)
     bytes_moved = 2 * x.numel() * x.element_size()
     copy_ms = cuda_median_ms(lambda: out.copy_(x), repeat)
@@ -106,7 +106,10 @@ def run_gpu(size: int, repeat: int) -> list[dict]:
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--size", type=at_least(1), default=None, help="2**24 on the CPU, 2**28 on CUDA"
+        "--size",
+        type=at_least(COLUMNS, multiple_of=COLUMNS),
+        default=None,
+        help=f"a multiple of {COLUMNS}: 2**24 on the CPU, 2**28 on CUDA",
     )
     parser.add_argument("--repeat", type=at_least(1), default=None, help="9 on the CPU, 30 on CUDA")
     parser.add_argument("--threads", type=at_least(1), default=torch.get_num_threads())
@@ -122,8 +125,7 @@ def main(argv=None) -> list[dict]:
             parser.error("--device cuda: no CUDA device, or lpsim built without its CUDA kernels")
         return run_gpu(args.size, args.repeat)
     torch.set_num_threads(args.threads)
-    cols = 1024 if args.size >= 1024 else 32
-    x = torch.randn(max(1, args.size // cols), cols)
+    x = torch.randn(args.size // COLUMNS, COLUMNS)
     rows = []
     print(f"{x.numel()} float32 elements, {args.threads} threads, medians of {args.repeat} (ms)")
     print(f"{'format':<12} {'rule':<11} {'lpsim':>9} {'clone':>9} {'ratio':>7} {'torchao':>9}")
