@@ -14,12 +14,13 @@ A slow row would take minutes at the full shape, so each row first times its MAC
 a; when the full shape would exceed --budget seconds per call, the row is timed on the first M'
 rows of a instead (the "rows" column), with M' chosen to fit the budget, and fewer repetitions.
 Every result of a row costs the same (K multiply-adds), so GFLOP/s on M' rows is the full shape's
-to within the noise. --scalar-loop times every row with mac_matmul's lane loop switched off
-(csrc/cpu/mac_lanes.h; the private op lpsim::_mac_lanes), which is the kernel before the lanes.
---quick: a smoke test's defaults (shape 64x64x64, one repetition, --budget 0.5); --shapes,
---repeat and --budget given beside it are kept. --device cuda runs both sides on
-the current CUDA device (each call timed to a synchronisation), against torch.matmul float32 with
-TF32 off: its SIMT kernels, the reference the GPU target is stated against.
+to within the noise. --scalar-loop times every row with mac_matmul's lane loop and tensor-core
+loop switched off (csrc/cpu/mac_lanes.h, csrc/cpu/tensor_core_loop.h; the private op
+lpsim::_mac_lanes turns off both), which is the kernel before them. --quick: a smoke test's
+defaults (shape 64x64x64, one repetition, --budget 0.5); --shapes, --repeat and --budget given
+beside it are kept. --device cuda runs both sides on the current CUDA device (each call timed to
+a synchronisation), against torch.matmul float32 with TF32 off: its SIMT kernels, the reference
+the GPU target is stated against.
 """
 
 from __future__ import annotations

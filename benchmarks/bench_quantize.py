@@ -3,6 +3,8 @@
     python benchmarks/bench_quantize.py [--size 16777216] [--repeat 15] [--threads N]
                                         [--gpu-size 268435456] [--gpu-repeat 50] [--no-cpu]
 
+--size and --gpu-size are multiples of 4096: the "block 8 dim=0" rows view x as 4096 rows.
+
 CPU section: every op on a float32 tensor of --size elements, as the median time and its ratio to
 ``x.clone()`` (the memory-speed floor of an out-of-place op: one read, one allocation, one write).
 Each op is timed alternately with clone, so every ratio compares medians taken over the same
