@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_options import at_least  # noqa: E402
 from bench_quantize import cuda_alternating_medians_ms, median_ratio  # noqa: E402
 
+import lpsim  # noqa: E402
 from lpsim import Fixed, Float, quantize  # noqa: E402
 from lpsim.statistics import quantize_with_statistics, rounding_statistics  # noqa: E402
 
@@ -109,9 +110,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.repeat = 1 if args.quick else 7
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure")
-        return []
+    if args.device == "cuda" and not (torch.cuda.is_available() and lpsim.cuda_built()):
+        parser.error("--device cuda: no CUDA device, or lpsim built without its CUDA kernels")
     results = rows(args.size, args.repeat, args.device)
     print(
         f"rounding statistics, {args.size} float32 elements on {args.device}"

@@ -131,6 +131,17 @@ def test_a_bad_option_value_is_refused_naming_the_option(capsys, name, argv, opt
     assert option in capsys.readouterr().err
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available() and lpsim.cuda_built(), reason="refused only without CUDA"
+)
+@pytest.mark.parametrize("name", ["bench_statistics", "bench_scaled", "bench_mac"])
+def test_a_cuda_section_without_cuda_is_refused_not_skipped(capsys, name):
+    with pytest.raises(SystemExit) as refused:
+        _run(name, ["--device", "cuda", "--repeat", "1"])
+    assert refused.value.code == 2
+    assert "--device cuda" in capsys.readouterr().err
+
+
 def test_quick_mac_benchmark_keeps_the_shapes_and_repeat_given(capsys):
     _, rows = _run(
         "bench_mac", ["--quick", "--shapes", "8x8x8,4x8x16", "--repeat", "2", "--only", "native"]
