@@ -245,11 +245,14 @@ def main(argv=None) -> None:
     parser.add_argument("--gpu-repeat", type=at_least(1), default=50)
     parser.add_argument("--no-cpu", action="store_true", help="run the GPU section only")
     args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and lpsim.cuda_built()
+    if args.no_cpu and not cuda:
+        parser.error("--no-cpu: no CUDA device, or lpsim built without its CUDA kernels")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if not args.no_cpu:
         run_cpu(args.size, args.repeat)
-    if torch.cuda.is_available() and lpsim.cuda_built():
+    if cuda:
         print()
         run_gpu(args.gpu_size, args.gpu_repeat)
     else:

@@ -142,6 +142,16 @@ def test_a_cuda_section_without_cuda_is_refused_not_skipped(capsys, name):
     assert "--device cuda" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(
+    torch.cuda.is_available() and lpsim.cuda_built(), reason="refused only without CUDA"
+)
+def test_quantize_benchmark_refuses_no_cpu_without_cuda(capsys):
+    with pytest.raises(SystemExit) as refused:
+        _run("bench_quantize", ["--no-cpu", "--gpu-repeat", "1"])
+    assert refused.value.code == 2
+    assert "--no-cpu" in capsys.readouterr().err
+
+
 def test_quick_mac_benchmark_keeps_the_shapes_and_repeat_given(capsys):
     _, rows = _run(
         "bench_mac", ["--quick", "--shapes", "8x8x8,4x8x16", "--repeat", "2", "--only", "native"]
