@@ -221,3 +221,15 @@ def test_statistics_benchmark_alternates_its_pairs_on_cuda_too(monkeypatch):
     )
     assert times == (1.0, 1.0)
     assert calls[-8:] == ["fn", "reference"] * 4
+
+
+def test_training_benchmark_times_float32_and_the_recipe_on_the_same_inputs():
+    bench_training = _import("bench_training")
+    args = bench_training.parse(["--width", "0.125", "--no-compile", "--device", "cpu"])
+    args.batch_size, args.compiled = 2, False
+    cpu = torch.device("cpu")
+    for recipe in ("fp16", "wage"):
+        model = "vgg7" if recipe == "wage" else "vgg16"
+        base = bench_training.Step(model, recipe, args, cpu, float32=True)
+        step = bench_training.Step(model, recipe, args, cpu)
+        assert torch.equal(base.x, step.x) and torch.equal(base.y, step.y)
