@@ -92,9 +92,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         optimizers = _optimizers(params, fmt, rounding)
         times: dict[str, list[float]] = {name: [] for name in optimizers}
         for _ in range(repeat + 1):  # the first round warms up and is dropped
+            # One set of gradients per round, given to every optimizer: the rows compare steps on
+            # the same data.
+            grads = [torch.randn_like(p) * 1e-2 for p in params]
             for name, optimizer in optimizers.items():
-                for p in params:
-                    p.grad = torch.randn_like(p) * 1e-2
+                for p, grad in zip(params, grads):
+                    p.grad = grad.clone()
                 times[name].append(_time(optimizer.step))
         base = statistics.median(times["torch.optim.SGD"][1:])
         for name, measured in times.items():

@@ -233,3 +233,24 @@ def test_training_benchmark_times_float32_and_the_recipe_on_the_same_inputs():
         base = bench_training.Step(model, recipe, args, cpu, float32=True)
         step = bench_training.Step(model, recipe, args, cpu)
         assert torch.equal(base.x, step.x) and torch.equal(base.y, step.y)
+
+
+def test_optimizer_benchmark_gives_every_optimizer_of_a_round_the_same_gradients(monkeypatch):
+    bench_optim = _import("bench_optim")
+    seen = []
+    timed = bench_optim._time
+
+    def recording(step):
+        optimizer = step.__self__
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        seen.append([p.grad.clone() for p in params])
+        return timed(step)
+
+    monkeypatch.setattr(bench_optim, "_time", recording)
+    bench_optim.main(["--quick", "--repeat", "1"])
+    per_round = 4  # torch's SGD, OptimLP, OptimLP's batches, FusedSGD
+    assert len(seen) % per_round == 0 and len(seen) >= 2 * per_round
+    for start in range(0, len(seen), per_round):
+        first = seen[start]
+        for other in seen[start + 1 : start + per_round]:
+            assert all(torch.equal(a, b) for a, b in zip(first, other))
