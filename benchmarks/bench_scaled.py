@@ -2,7 +2,7 @@
 NVFP4 (nearest and stochastic) on float32 tensors, as a ratio to ``x.clone()`` measured alternately
 in the same run, and torchao's CPU cast of the same format beside it (quantise and dequantise, as
 lpsim's result is the dequantised value; timed after them, not alternated). Medians of --repeat
-runs, in milliseconds.
+runs, in milliseconds. x has rows of 1024 elements, so --size is a multiple of 1024.
 
     python benchmarks/bench_scaled.py [--size 16777216] [--repeat 9] [--threads 2]
     python benchmarks/bench_scaled.py --device cuda [--size 268435456] [--repeat 30]
