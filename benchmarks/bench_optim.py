@@ -2,7 +2,8 @@
 
     python benchmarks/bench_optim.py [--threads 1] [--repeat 7] [--format e5m10] [--quick]
 
-torchvision's resnet18 (11.2M parameters, 62 tensors, float32) with random gradients. Each step
+torchvision's resnet18 (11.2M parameters, 62 tensors, float32) with random gradients, each
+optimizer on a copy of the weights of its own, all given the same gradients in a round. Each step
 is timed alternately for torch.optim.SGD (momentum 0.9, weight decay 5e-4), OptimLP wrapping the
 same SGD with ``--format`` for the weight, gradient and momentum (which takes the fused step),
 the same with fused=False ("batches": three rounding passes over every parameter after torch's
@@ -47,19 +48,29 @@ def _model(quick: bool) -> nn.Module:
 
 
 def _optimizers(params, fmt: Float | BlockFloat, rounding: str) -> dict:
+    """Each optimizer, on a copy of ``params`` of its own: every one steps the same initial
+    weights, not the weights another one left."""
+
+    def own() -> list[torch.Tensor]:
+        return [p.detach().clone().requires_grad_() for p in params]
+
     formats = dict(weight=fmt, grad=fmt, momentum=fmt)
     optimizers = {
-        "torch.optim.SGD": torch.optim.SGD(params, **SGD),
-        "OptimLP(SGD)": OptimLP(torch.optim.SGD(params, **SGD), rounding=rounding, **formats),
+        "torch.optim.SGD": torch.optim.SGD(own(), **SGD),
+        "OptimLP(SGD)": OptimLP(torch.optim.SGD(own(), **SGD), rounding=rounding, **formats),
         "OptimLP(SGD) batches": OptimLP(
-            torch.optim.SGD(params, **SGD), rounding=rounding, **formats, fused=False
+            torch.optim.SGD(own(), **SGD), rounding=rounding, **formats, fused=False
         ),
     }
     if isinstance(fmt, Float):
         optimizers["FusedSGD"] = FusedSGD(
-            params, **SGD, weight_format=fmt, grad_format=fmt, state_format=fmt, rounding=rounding
+            own(), **SGD, weight_format=fmt, grad_format=fmt, state_format=fmt, rounding=rounding
         )
     return optimizers
+
+
+def _params(optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _time(step) -> float:
@@ -96,7 +107,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             # the same data.
             grads = [torch.randn_like(p) * 1e-2 for p in params]
             for name, optimizer in optimizers.items():
-                for p, grad in zip(params, grads):
+                for p, grad in zip(_params(optimizer), grads):
                     p.grad = grad.clone()
                 times[name].append(_time(optimizer.step))
         base = statistics.median(times["torch.optim.SGD"][1:])

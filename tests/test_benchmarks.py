@@ -235,15 +235,17 @@ def test_training_benchmark_times_float32_and_the_recipe_on_the_same_inputs():
         assert torch.equal(base.x, step.x) and torch.equal(base.y, step.y)
 
 
-def test_optimizer_benchmark_gives_every_optimizer_of_a_round_the_same_gradients(monkeypatch):
+def test_optimizer_benchmark_gives_each_optimizer_its_own_weights_and_the_same_gradients(
+    monkeypatch,
+):
     bench_optim = _import("bench_optim")
-    seen = []
+    seen = []  # (gradients, the parameters' ids) of every timed step
     timed = bench_optim._time
 
     def recording(step):
         optimizer = step.__self__
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        seen.append([p.grad.clone() for p in params])
+        seen.append(([p.grad.clone() for p in params], {id(p) for p in params}))
         return timed(step)
 
     monkeypatch.setattr(bench_optim, "_time", recording)
@@ -251,6 +253,9 @@ def test_optimizer_benchmark_gives_every_optimizer_of_a_round_the_same_gradients
     per_round = 4  # torch's SGD, OptimLP, OptimLP's batches, FusedSGD
     assert len(seen) % per_round == 0 and len(seen) >= 2 * per_round
     for start in range(0, len(seen), per_round):
-        first = seen[start]
-        for other in seen[start + 1 : start + per_round]:
-            assert all(torch.equal(a, b) for a, b in zip(first, other))
+        rounds = seen[start : start + per_round]
+        first = rounds[0][0]
+        for grads, _ in rounds[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(first, grads))
+        ids = [i for _, params in rounds for i in params]
+        assert len(ids) == len(set(ids))  # no tensor stepped by two optimizers
