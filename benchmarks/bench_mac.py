@@ -91,8 +91,10 @@ def operands_of(
 
 
 def selected(label: str, only: str) -> bool:
-    """Whether --only (comma-separated texts, "" for all) selects the row ``label``."""
-    return any(text in label for text in only.split(","))
+    """Whether --only (comma-separated texts, "" for all) selects the row ``label``; an empty item
+    (a trailing comma) selects nothing."""
+    texts = [text for text in only.split(",") if text]
+    return not texts or any(text in label for text in texts)
 
 
 def time_row(a, b, label: str, mac: MAC, repeat: int, budget: float) -> tuple[int, float]:

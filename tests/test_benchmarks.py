@@ -152,6 +152,11 @@ def test_quantize_benchmark_refuses_no_cpu_without_cuda(capsys):
     assert "--no-cpu" in capsys.readouterr().err
 
 
+def test_mac_benchmark_only_with_a_trailing_comma_selects_the_rows_named():
+    _, rows = _run("bench_mac", ["--quick", "--shapes", "8x8x8", "--only", "native,"])
+    assert [r["mac"] for r in rows] == ["native MAC() (torch.matmul)"]
+
+
 def test_quick_mac_benchmark_keeps_the_shapes_and_repeat_given(capsys):
     _, rows = _run(
         "bench_mac", ["--quick", "--shapes", "8x8x8,4x8x16", "--repeat", "2", "--only", "native"]
