@@ -14,6 +14,7 @@ import statistics
 import time
 
 import torch
+from bench_options import at_least, counts
 
 import lpsim
 from lpsim import Float
@@ -55,9 +56,9 @@ def _median_ms(fn, x, repeat: int) -> float:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default=f"{2**20},{2**24}")
-    parser.add_argument("--repeat", type=int, default=9)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sizes", type=counts, default=[2**20, 2**24])
+    parser.add_argument("--repeat", type=at_least(1), default=9)
+    parser.add_argument("--threads", type=at_least(1), default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     cases = [
@@ -68,7 +69,7 @@ def main(argv=None) -> list[dict]:
         ("custom op nearest, eager", eager),
     ]
     rows = []
-    for size in [int(s) for s in args.sizes.split(",")]:
+    for size in args.sizes:
         x = torch.randn(size, generator=torch.Generator().manual_seed(0))
         base = None
         for label, fn in cases:

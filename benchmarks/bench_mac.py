@@ -14,11 +14,13 @@ A slow row would take minutes at the full shape, so each row first times its MAC
 a; when the full shape would exceed --budget seconds per call, the row is timed on the first M'
 rows of a instead (the "rows" column), with M' chosen to fit the budget, and fewer repetitions.
 Every result of a row costs the same (K multiply-adds), so GFLOP/s on M' rows is the full shape's
-to within the noise. --scalar-loop times every row with mac_matmul's lane loop switched off
-(csrc/cpu/mac_lanes.h; the private op lpsim::_mac_lanes), which is the kernel before the lanes.
---quick runs a small shape with one repetition: a smoke test. --device cuda runs both sides on
-the current CUDA device (each call timed to a synchronisation), against torch.matmul float32 with
-TF32 off: its SIMT kernels, the reference the GPU target is stated against.
+to within the noise. --scalar-loop times every row with mac_matmul's lane loop and tensor-core
+loop switched off (csrc/cpu/mac_lanes.h, csrc/cpu/tensor_core_loop.h; the private op
+lpsim::_mac_lanes turns off both), which is the kernel before them. --quick: a smoke test's
+defaults (shape 64x64x64, one repetition, --budget 0.5); --shapes, --repeat and --budget given
+beside it are kept. --device cuda runs both sides on the current CUDA device (each call timed to
+a synchronisation), against torch.matmul float32 with TF32 off: its SIMT kernels, the reference
+the GPU target is stated against.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import statistics
 import time
 
 import torch
+from bench_options import at_least, positive_float, shapes
 
 import lpsim
 from lpsim import MAC, Float
@@ -75,14 +78,6 @@ def _median(fn, repeat: int, device: str = "cpu") -> float:
     return statistics.median(_seconds(fn, device) for _ in range(repeat))
 
 
-def parse_shapes(text: str) -> list[tuple[int, int, int]]:
-    shapes = []
-    for item in text.split(","):
-        m, n, k = (int(v) for v in item.lower().split("x"))
-        shapes.append((m, n, k))
-    return shapes
-
-
 def operands_of(
     label: str, mac: MAC, a: torch.Tensor, b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,6 +88,13 @@ def operands_of(
     if fmt is None:
         return a, b
     return lpsim.quantize(a, fmt), lpsim.quantize(b, fmt)
+
+
+def selected(label: str, only: str) -> bool:
+    """Whether --only (comma-separated texts, "" for all) selects the row ``label``; an empty item
+    (a trailing comma) selects nothing."""
+    texts = [text for text in only.split(",") if text]
+    return not texts or any(text in label for text in texts)
 
 
 def time_row(a, b, label: str, mac: MAC, repeat: int, budget: float) -> tuple[int, float]:
@@ -118,17 +120,34 @@ def time_row(a, b, label: str, mac: MAC, repeat: int, budget: float) -> tuple[in
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="512x512x512,2048x2048x256", help="MxNxK,...")
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--budget", type=float, default=8.0, help="seconds per timed call")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--quick", action="store_true", help="one small shape, one repetition")
+    parser.add_argument(
+        "--shapes", type=shapes, default=None, help="MxNxK,... (default 512x512x512,2048x2048x256)"
+    )
+    parser.add_argument("--repeat", type=at_least(1), default=None, help="default 5")
+    parser.add_argument(
+        "--budget", type=positive_float, default=None, help="seconds per timed call (default 8)"
+    )
+    parser.add_argument("--threads", type=at_least(1), default=None, help="default: torch's")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="defaults for a smoke test: shape 64x64x64, one repetition, budget 0.5",
+    )
     parser.add_argument(
         "--only", default="", help="the rows whose label contains one of these texts (a,b,...)"
     )
     parser.add_argument("--scalar-loop", action="store_true", help="the lane loop switched off")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args(argv)
+    # --quick changes the defaults only: values given are kept.
+    if args.shapes is None:
+        args.shapes = [(64, 64, 64)] if args.quick else [(512, 512, 512), (2048, 2048, 256)]
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 5
+    if args.budget is None:
+        args.budget = 0.5 if args.quick else 8.0
+    if not any(selected(label, args.only) for label in MACS):
+        parser.error(f"--only {args.only!r} matches no row; the rows: {', '.join(MACS)}")
     if args.device == "cuda" and not (torch.cuda.is_available() and lpsim.cuda_built()):
         parser.error("--device cuda: no CUDA device, or lpsim built without its CUDA kernels")
     lanes_before = torch.ops.lpsim._mac_lanes(not args.scalar_loop)
@@ -144,11 +163,9 @@ def _run(args) -> list[dict]:
     device = args.device
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False  # the float32 SIMT reference
-    shapes = parse_shapes("64x64x64" if args.quick else args.shapes)
-    repeat = 1 if args.quick else args.repeat
-    budget = 0.5 if args.quick else args.budget
+    repeat, budget = args.repeat, args.budget
     rows = []
-    for m, n, k in shapes:
+    for m, n, k in args.shapes:
         g = torch.Generator().manual_seed(0)
         a = torch.randn(m, k, generator=g).to(device)
         b = torch.randn(k, n, generator=g).to(device)
@@ -156,7 +173,7 @@ def _run(args) -> list[dict]:
         seconds = _median(lambda a=a, b=b: torch.matmul(a, b), max(repeat, 5), device)
         reference = 2 * m * n * k / seconds / 1e9
         for label, mac in MACS.items():
-            if not any(text in label for text in args.only.split(",")):
+            if not selected(label, args.only):
                 continue
             timed_rows, seconds = time_row(a, b, label, mac, repeat, budget)
             gflops = 2 * timed_rows * n * k / seconds / 1e9

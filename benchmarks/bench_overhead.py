@@ -31,6 +31,7 @@ import time
 import warnings
 
 import torch
+from bench_options import at_least, counts, positive_float
 from torch import nn
 
 import lpsim
@@ -53,9 +54,12 @@ def load_qtorch():
     return qq
 
 
-def cases(size: int, qq) -> list[tuple[str, object]]:
-    """(name, call taking no argument) for a float32 tensor of ``size`` elements."""
-    x = torch.randn(size)
+def cases(x: torch.Tensor, qq) -> list[tuple[str, object]]:
+    """(name, call taking no argument) on the float32 tensor x, the references' x, which no call
+    changes: quantize_ rounds a copy of it in place, so the calls timed after it (QPyTorch's)
+    see x's own values."""
+    size = x.numel()
+    inplace = x.clone()
     grad_x = x.clone().requires_grad_()
     grad = torch.randn(size)
     quantizer = Quantizer(forward=FORMAT, backward=FORMAT)
@@ -79,7 +83,7 @@ def cases(size: int, qq) -> list[tuple[str, object]]:
     found = [
         ("quantize nearest", lambda: lpsim.quantize(x, FORMAT, "nearest")),
         ("quantize stochastic", lambda: lpsim.quantize(x, FORMAT, "stochastic")),
-        ("quantize_ nearest", lambda: lpsim.quantize_(x, FORMAT, "nearest")),
+        ("quantize_ nearest", lambda: lpsim.quantize_(inplace, FORMAT, "nearest")),
         ("Quantizer forward+backward", quantizer_step),
         ("x * 1.0 forward+backward", multiply_step),
         ("sr_add_ bfloat16", lambda: lpsim.sr_add_(a, update)),
@@ -127,16 +131,20 @@ def measure(fn, references, repeat: int, batch_seconds: float) -> list[float]:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default=None, help="comma-separated element counts")
-    parser.add_argument("--repeat", type=int, default=None, help="batches per op (median)")
-    parser.add_argument("--batch-ms", type=float, default=None, help="length of one batch")
+    parser.add_argument("--sizes", type=counts, default=None, help="comma-separated element counts")
+    parser.add_argument("--repeat", type=at_least(1), default=None, help="batches per op (median)")
+    parser.add_argument("--batch-ms", type=positive_float, default=None, help="length of one batch")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, short, no qtorch")
     parser.add_argument("--no-qtorch", action="store_true", help="skip QPyTorch")
     args = parser.parse_args(argv)
-    default_sizes = "64,256" if args.quick else f"64,4096,{2**20}"
-    sizes = [int(s) for s in (args.sizes or default_sizes).split(",")]
-    repeat = args.repeat or (3 if args.quick else 15)
-    batch_seconds = (args.batch_ms or (1.0 if args.quick else 20.0)) / 1000
+    # --quick changes the defaults only: values given are kept.
+    if args.sizes is None:
+        args.sizes = [64, 256] if args.quick else [64, 4096, 2**20]
+    if args.repeat is None:
+        args.repeat = 3 if args.quick else 15
+    if args.batch_ms is None:
+        args.batch_ms = 1.0 if args.quick else 20.0
+    sizes, repeat, batch_seconds = args.sizes, args.repeat, args.batch_ms / 1000
     qq = None if args.quick or args.no_qtorch else load_qtorch()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -147,7 +155,7 @@ def main(argv=None) -> list[dict]:
         x = torch.randn(size)
         to_bf16, clone = (lambda x=x: x.to(torch.bfloat16)), (lambda x=x: x.clone())
         bf16_all, clone_all = [], []
-        for name, fn in cases(size, qq):
+        for name, fn in cases(x, qq):
             ours, bf16, copy = measure(fn, (to_bf16, clone), repeat, batch_seconds)
             bf16_all.append(bf16)
             clone_all.append(copy)

@@ -3,6 +3,8 @@
     python benchmarks/bench_quantize.py [--size 16777216] [--repeat 15] [--threads N]
                                         [--gpu-size 268435456] [--gpu-repeat 50] [--no-cpu]
 
+--size and --gpu-size are multiples of 4096: the "block 8 dim=0" rows view x as 4096 rows.
+
 CPU section: every op on a float32 tensor of --size elements, as the median time and its ratio to
 ``x.clone()`` (the memory-speed floor of an out-of-place op: one read, one allocation, one write).
 Each op is timed alternately with clone, so every ratio compares medians taken over the same
@@ -25,9 +27,13 @@ import statistics
 import time
 
 import torch
+from bench_options import at_least  # benchmarks/ is on sys.path as a script and in tests
 
 import lpsim
 from lpsim import BlockFloat, Fixed, Float
+
+# The "block 8 dim=0" rows view x as ROWS rows, so the sizes are multiples of it.
+ROWS = 4096
 
 
 def _seconds(fn) -> float:
@@ -93,8 +99,8 @@ def cpu_cases(qq):
         cases.append(
             (
                 f"block 8 dim=0 {rule}",
-                lambda x, r=rule: lpsim.quantize(x.view(4096, -1), BlockFloat(8, 0), r, seed=1),
-                (lambda x, r=rule: qq.block_quantize(x.view(4096, -1), wl=8, dim=0, rounding=r))
+                lambda x, r=rule: lpsim.quantize(x.view(ROWS, -1), BlockFloat(8, 0), r, seed=1),
+                (lambda x, r=rule: qq.block_quantize(x.view(ROWS, -1), wl=8, dim=0, rounding=r))
                 if qq
                 else None,
             )
@@ -145,18 +151,27 @@ def run_cpu(size: int, repeat: int) -> None:
 
 def cuda_median_ms(fn, repeat: int) -> float:
     """Median time of fn() in milliseconds, each run between two CUDA events, after warm-up."""
+    return cuda_alternating_medians_ms([fn], repeat)[0]
+
+
+def cuda_alternating_medians_ms(fns, repeat: int) -> list[float]:
+    """Median time of each of fns in milliseconds, the functions run in turn within each of
+    ``repeat`` rounds (so that drifts in the device's clocks or load reach all of them alike),
+    each run between two CUDA events, after three warm-up rounds."""
     for _ in range(3):
-        fn()
+        for fn in fns:
+            fn()
     torch.cuda.synchronize()
-    times = []
+    times = [[] for _ in fns]
     for _ in range(repeat):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+        for fn, timed in zip(fns, times):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            timed.append(start.elapsed_time(stop))
+    return [statistics.median(timed) for timed in times]
 
 
 def gpu_cases(qq):
@@ -181,9 +196,9 @@ def gpu_cases(qq):
             (
                 f"block 8 dim=0 {rule}",
                 lambda x, out, r=rule: lpsim.quantize(
-                    x.view(4096, -1), BlockFloat(8, 0), r, seed=1, out=out.view(4096, -1)
+                    x.view(ROWS, -1), BlockFloat(8, 0), r, seed=1, out=out.view(ROWS, -1)
                 ),
-                (lambda x, r=rule: qq.block_quantize(x.view(4096, -1), 8, 0, rounding=r))
+                (lambda x, r=rule: qq.block_quantize(x.view(ROWS, -1), 8, 0, rounding=r))
                 if qq
                 else None,
             )
@@ -220,20 +235,24 @@ def run_gpu(size: int, repeat: int) -> None:
         print(row)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=2**24)
-    parser.add_argument("--repeat", type=int, default=15)
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--gpu-size", type=int, default=2**28)
-    parser.add_argument("--gpu-repeat", type=int, default=50)
+    size = at_least(ROWS, multiple_of=ROWS)
+    parser.add_argument("--size", type=size, default=2**24, help=f"a multiple of {ROWS}")
+    parser.add_argument("--repeat", type=at_least(1), default=15)
+    parser.add_argument("--threads", type=at_least(1), default=None, help="default: torch's")
+    parser.add_argument("--gpu-size", type=size, default=2**28, help=f"a multiple of {ROWS}")
+    parser.add_argument("--gpu-repeat", type=at_least(1), default=50)
     parser.add_argument("--no-cpu", action="store_true", help="run the GPU section only")
-    args = parser.parse_args()
-    if args.threads:
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available() and lpsim.cuda_built()
+    if args.no_cpu and not cuda:
+        parser.error("--no-cpu: no CUDA device, or lpsim built without its CUDA kernels")
+    if args.threads is not None:
         torch.set_num_threads(args.threads)
     if not args.no_cpu:
         run_cpu(args.size, args.repeat)
-    if torch.cuda.is_available() and lpsim.cuda_built():
+    if cuda:
         print()
         run_gpu(args.gpu_size, args.gpu_repeat)
     else:

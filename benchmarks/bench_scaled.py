@@ -2,7 +2,7 @@
 NVFP4 (nearest and stochastic) on float32 tensors, as a ratio to ``x.clone()`` measured alternately
 in the same run, and torchao's CPU cast of the same format beside it (quantise and dequantise, as
 lpsim's result is the dequantised value; timed after them, not alternated). Medians of --repeat
-runs, in milliseconds.
+runs, in milliseconds. x has rows of 1024 elements, so --size is a multiple of 1024.
 
     python benchmarks/bench_scaled.py [--size 16777216] [--repeat 9] [--threads 2]
     python benchmarks/bench_scaled.py --device cuda [--size 268435456] [--repeat 30]
@@ -22,12 +22,14 @@ import warnings
 from dataclasses import replace
 
 import torch
+from bench_options import at_least
 from bench_quantize import cuda_median_ms  # benchmarks/ is on sys.path as a script and in tests
 
 import lpsim
 from lpsim.scaled import preset
 
 FORMATS = ("mxfp8_e4m3", "mxfp4_e2m1", "nvfp4")
+COLUMNS = 1024  # x has rows of COLUMNS elements (whole MX and NVFP4 blocks), so --size a multiple
 
 
 def _torchao(name: str):
@@ -79,8 +81,7 @@ def _alternating_medians(fns: dict, x: torch.Tensor, repeat: int) -> dict:
 
 def run_gpu(size: int, repeat: int) -> list[dict]:
     """The GPU section: each format and rule against a device copy, CUDA events, medians."""
-    cols = 1024
-    x = torch.randn(max(1, size // cols), cols, device="cuda")
+    x = torch.randn(size // COLUMNS, COLUMNS, device="cuda")
     out = torch.empty_like(x)
     bytes_moved = 2 * x.numel() * x.element_size()
     copy_ms = cuda_median_ms(lambda: out.copy_(x), repeat)
@@ -104,20 +105,27 @@ def run_gpu(size: int, repeat: int) -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=None, help="2**24 on the CPU, 2**28 on CUDA")
-    parser.add_argument("--repeat", type=int, default=None, help="9 on the CPU, 30 on CUDA")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--size",
+        type=at_least(COLUMNS, multiple_of=COLUMNS),
+        default=None,
+        help=f"a multiple of {COLUMNS}: 2**24 on the CPU, 2**28 on CUDA",
+    )
+    parser.add_argument("--repeat", type=at_least(1), default=None, help="9 on the CPU, 30 on CUDA")
+    parser.add_argument("--threads", type=at_least(1), default=torch.get_num_threads())
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args(argv)
-    if args.device == "cuda":
+    cuda = args.device == "cuda"
+    if args.size is None:
+        args.size = 2**28 if cuda else 2**24
+    if args.repeat is None:
+        args.repeat = 30 if cuda else 9
+    if cuda:
         if not (torch.cuda.is_available() and lpsim.cuda_built()):
             parser.error("--device cuda: no CUDA device, or lpsim built without its CUDA kernels")
-        return run_gpu(args.size or 2**28, args.repeat or 30)
-    args.size = args.size or 2**24
-    args.repeat = args.repeat or 9
+        return run_gpu(args.size, args.repeat)
     torch.set_num_threads(args.threads)
-    cols = 1024 if args.size >= 1024 else 32
-    x = torch.randn(max(1, args.size // cols), cols)
+    x = torch.randn(args.size // COLUMNS, COLUMNS)
     rows = []
     print(f"{x.numel()} float32 elements, {args.threads} threads, medians of {args.repeat} (ms)")
     print(f"{'format':<12} {'rule':<11} {'lpsim':>9} {'clone':>9} {'ratio':>7} {'torchao':>9}")

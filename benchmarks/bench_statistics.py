@@ -13,7 +13,8 @@ reference and as medians of --repeat runs:
 
 Formats: Float(5, 2) (e5m2), Float(4, 3) and Fixed(8, 4); rules nearest and stochastic. With
 --device cuda the times are CUDA-event medians (the statistics include the copy of the chunks'
-sums to the host). --quick runs a small size with few repeats: a smoke test.
+sums to the host). --quick: a smoke test's defaults (QUICK_SIZE elements, one repetition);
+--size and --repeat given beside it are kept.
 """
 
 from __future__ import annotations
@@ -27,19 +28,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_quantize import cuda_median_ms, median_ratio  # noqa: E402
+from bench_options import at_least  # noqa: E402
+from bench_quantize import cuda_alternating_medians_ms, median_ratio  # noqa: E402
 
+import lpsim  # noqa: E402
 from lpsim import Fixed, Float, quantize  # noqa: E402
 from lpsim.statistics import quantize_with_statistics, rounding_statistics  # noqa: E402
 
 FORMATS = {"e5m2": Float(5, 2), "e4m3": Float(4, 3), "fixed(8,4)": Fixed(8, 4)}
 RULES = ("nearest", "stochastic")
+QUICK_SIZE = 3 * 2**14 + 5  # three tasks of 16384 elements and a few more
 
 
 def timed(fn, reference, repeat: int, device: str) -> tuple[float, float]:
-    """(fn, reference) median times in milliseconds."""
+    """(fn, reference) median times in milliseconds, the two timed alternately."""
     if device == "cuda":
-        return cuda_median_ms(fn, repeat), cuda_median_ms(reference, repeat)
+        ours, ref = cuda_alternating_medians_ms([fn, reference], repeat)
+        return ours, ref
     ours, ref = median_ratio(fn, reference, repeat)
     return 1e3 * ours, 1e3 * ref
 
@@ -90,19 +95,23 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=2**24)
-    parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--size", type=at_least(1), default=None, help="default 2**24")
+    parser.add_argument("--repeat", type=at_least(1), default=None, help="default 7")
+    parser.add_argument("--threads", type=at_least(1), default=None, help="default: torch's")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"defaults {QUICK_SIZE} elements, one repetition"
+    )
     args = parser.parse_args(argv)
-    if args.quick:
-        args.size, args.repeat = min(args.size, 3 * 2**14 + 5), 1
+    # --quick changes the defaults only: values given are kept.
+    if args.size is None:
+        args.size = QUICK_SIZE if args.quick else 2**24
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 7
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: nothing to measure")
-        return []
+    if args.device == "cuda" and not (torch.cuda.is_available() and lpsim.cuda_built()):
+        parser.error("--device cuda: no CUDA device, or lpsim built without its CUDA kernels")
     results = rows(args.size, args.repeat, args.device)
     print(
         f"rounding statistics, {args.size} float32 elements on {args.device}"

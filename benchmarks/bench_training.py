@@ -45,6 +45,8 @@ import torchvision
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
+from bench_options import positive_float  # noqa: E402 - benchmarks/ is on sys.path
+
 from experiments.cifar10.models import build_model  # noqa: E402
 from experiments.cifar10.recipes import RECIPES as CIFAR_RECIPES  # noqa: E402
 from lpsim import Float, recipes  # noqa: E402
@@ -110,8 +112,12 @@ class Step:
             model, self.optimizer = self.recipe.prepare(model, self.recipe.lr)
         self.model = model
         self.net = torch.compile(model) if args.compiled else model
-        self.x = torch.randn(args.batch_size, 3, 32, 32, device=device)
-        self.y = torch.randint(0, 10, (args.batch_size,), device=device)
+        # The inputs come from a generator of their own: the recipe's set-up draws from torch's
+        # (stochastic roundings of the weights), and the float32 step and the recipe's step are
+        # to run on the same data.
+        data = torch.Generator().manual_seed(1)
+        self.x = torch.randn(args.batch_size, 3, 32, 32, generator=data).to(device)
+        self.y = torch.randint(0, 10, (args.batch_size,), generator=data).to(device)
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def __call__(self) -> tuple[float, float]:
@@ -264,7 +270,7 @@ def parse(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--width",
-        type=float,
+        type=positive_float,
         default=1.0,
         help="channel multiplier of vgg16 and vgg7 (1: the published networks)",
     )

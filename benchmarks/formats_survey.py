@@ -13,10 +13,12 @@ quantises one float32 tensor of N(0, 1) samples and prints:
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 
 import torch
+from bench_options import at_least
 
 import lpsim
 from lpsim import BlockFloat, Fixed, Rounding
@@ -68,10 +70,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description="Rounding error and speed of every format and rule."
     )
-    parser.add_argument("--size", type=int, default=1 << 20, help="elements (default 2**20)")
-    parser.add_argument("--formats", type=str, default=None, help="comma-separated names")
+    parser.add_argument(
+        "--size", type=at_least(1), default=1 << 20, help="elements (default 2**20)"
+    )
+    parser.add_argument(
+        "--formats", type=str, default=None, help="comma-separated names (default: all)"
+    )
     args = parser.parse_args(argv)
-    names = args.formats.split(",") if args.formats else None
+    # Commas inside <...> belong to a name ("fixed<8,5>").
+    names = re.split(r",(?![^<]*>)", args.formats) if args.formats else None
+    known = {**PRESETS, **EXTRA_FORMATS}
+    unknown = [name for name in names or () if name not in known]
+    if unknown:
+        parser.error(f"--formats: unknown {', '.join(unknown)}; the formats: {', '.join(known)}")
     print(
         f"lpsim {lpsim.__version__}: {args.size} standard-normal float32 values, "
         f"{torch.get_num_threads()} threads, CPU generator {lpsim.cpu_generator()}"
