@@ -60,7 +60,10 @@ def _nearest(name: str, fmt) -> object:
     quantization = dataclasses.replace(
         recipes.FP32, name=name, weight=spec, activation=spec, error=spec, grad=spec, momentum=spec
     )
-    return dataclasses.replace(CIFAR_RECIPES["fp16"], name=name, quantization=quantization)
+    summary = f"{fmt!r} weights, activations, errors, gradients and momentum; round to nearest"
+    return dataclasses.replace(
+        CIFAR_RECIPES["fp16"], name=name, quantization=quantization, summary=summary
+    )
 
 
 RECIPES = {
