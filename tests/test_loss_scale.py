@@ -595,3 +595,34 @@ def test_a_compiled_model_skips_backs_off_and_grows_as_the_eager_model():
     assert 0 < want[-1][2] < 8 and want[-1][0] > 2.0**6  # skipped some steps, grew in others
     for p, q in zip(eager.parameters(), model.parameters()):
         assert_same_bits(q, p)
+
+
+# OptimLP's grad_scaling
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: OptimLP(torch.optim.SGD(ps, lr=0.5)),
+        lambda ps: OptimLP(torch.optim.SGD(ps, lr=0.5), fused=False),
+        lambda ps: lpsim.optim.FusedSGD(ps, lr=0.5),
+    ],
+    ids=["OptimLP", "OptimLP-unfused", "FusedSGD"],
+)
+def test_grad_scaling_assigned_between_steps_is_checked_and_applies(make):
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(5))
+    ref = nn.Parameter(p.detach().clone())
+    opt = make([p])
+    plain = torch.optim.SGD([ref], lr=0.5)
+    for bad in (0.0, -0.25, math.nan, math.inf, True, "0.5"):
+        with pytest.raises(ValueError, match="grad_scaling must be a positive finite number"):
+            opt.grad_scaling = bad
+    assert opt.grad_scaling == 1.0
+    for scaling in (0.25, 1.0, 1 / 1024):
+        opt.grad_scaling = scaling
+        grad = torch.randn(5)
+        p.grad, ref.grad = grad.clone(), grad * scaling  # exact: a power of two
+        opt.step()
+        plain.step()
+        assert_same_bits(p.detach(), ref.detach())
