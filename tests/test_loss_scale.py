@@ -626,3 +626,38 @@ def test_grad_scaling_assigned_between_steps_is_checked_and_applies(make):
         opt.step()
         plain.step()
         assert_same_bits(p.detach(), ref.detach())
+
+
+def test_settings_assigned_between_iterations_are_checked_and_apply():
+    model, data, target = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=1)
+    bad = [
+        ("growth_factor", 3.0, "growth_factor must be a power of two"),
+        ("growth_factor", 0.5, r"growth_factor must be in \(1.0, inf\)"),
+        ("backoff_factor", 2.0, r"backoff_factor must be in \(0.0, 1.0\)"),
+        ("growth_interval", 0, "growth_interval must be >= 1"),
+        ("min_scale", 2.0**11, r"the current scale must be in \[min_scale, max_scale\]"),
+        ("max_scale", 2.0**9, r"max_scale must be in|the current scale must be in"),
+        ("min_scale", -1.0, r"min_scale must be in \(0.0, inf\)"),
+    ]
+    for name, value, message in bad:
+        with pytest.raises(ValueError, match=message):
+            setattr(scaler, name, value)
+    with pytest.raises(TypeError, match="power_of_two must be a bool"):
+        scaler.power_of_two = 1
+    with pytest.raises(TypeError, match="growth_interval must be an int"):
+        scaler.growth_interval = 1.5
+    unchanged = DynamicLossScaler(init_scale=2.0**10, growth_interval=1)
+    assert scaler.state_dict() == unchanged.state_dict()
+    # Valid settings apply from the next update(): the scale grows by 4 up to max_scale.
+    scaler.growth_factor = 4.0
+    scaler.max_scale = 2.0**15
+    scales = []
+    for _ in range(4):
+        _iteration(scaler, model, opt, data, target)
+        scales.append(scaler.get_scale())
+    assert scales == [2.0**12, 2.0**14, 2.0**15, 2.0**15]
+    scaler.power_of_two = False
+    scaler.backoff_factor = 0.75
+    assert scaler.backoff_factor == 0.75

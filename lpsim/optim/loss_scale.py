@@ -156,6 +156,20 @@ def _unchanged_gradients(optimizer: Optimizer, closure: Callable[[], object]):
     return checked
 
 
+def _setting(name: str) -> property:
+    """A setting of DynamicLossScaler (one of _CONFIG): assigning it validates it with the others
+    and the current scale, as the constructor does (a growth_factor that is not a power of two
+    with power_of_two=True, a max_scale below the scale, ... raise), and applies from the next
+    update()."""
+
+    def setter(self, value) -> None:
+        settings = {key: getattr(self, key) for key in _CONFIG}
+        settings[name] = value
+        self._configure(self._scale, *settings.values(), scale_name="the current scale")
+
+    return property(lambda self: getattr(self, "_" + name), setter)
+
+
 class _Handles:
     """The hooks watch_model() registered; remove() takes them out."""
 
@@ -246,7 +260,11 @@ class DynamicLossScaler:
         process_group: the ranks whose decisions agree (a torch.distributed ProcessGroup, that of
             DistributedDataParallel's all-reduce); None: the default group.
 
-    ``get_scale()`` returns S (a float).
+    ``get_scale()`` returns S (a float). The settings growth_factor, backoff_factor,
+    growth_interval, min_scale, max_scale and power_of_two are attributes that may be assigned
+    between iterations (as torch.amp.GradScaler's set_growth_factor, ...): each assignment is
+    validated with the other settings and the current S as the constructor validates them, and
+    applies from the next update().
 
     Attributes:
         found_overflow: whether the last step() found an overflow (and skipped the step).
@@ -341,12 +359,19 @@ class DynamicLossScaler:
             **exact,
         )
         self._scale = scale
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.growth_interval = growth_interval
-        self.min_scale = min_scale
-        self.max_scale = max_scale
-        self.power_of_two = power_of_two
+        self._growth_factor = growth_factor
+        self._backoff_factor = backoff_factor
+        self._growth_interval = growth_interval
+        self._min_scale = min_scale
+        self._max_scale = max_scale
+        self._power_of_two = power_of_two
+
+    growth_factor = _setting("growth_factor")
+    backoff_factor = _setting("backoff_factor")
+    growth_interval = _setting("growth_interval")
+    min_scale = _setting("min_scale")
+    max_scale = _setting("max_scale")
+    power_of_two = _setting("power_of_two")
 
     # The backward pass
 
