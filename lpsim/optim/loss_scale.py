@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.optim import Optimizer
 
 from lpsim import _observation
@@ -182,7 +183,51 @@ class _Handles:
         self.handles = []
 
 
-class DynamicLossScaler:
+class _ScalerJoinHook(JoinHook):
+    """What a rank that has run out of batches does for its DynamicLossScaler inside torch's
+    Join context (see DynamicLossScaler's docstring): it shadows the overflow all-reduces of each
+    step() of the ranks still training, and at the end takes the scaler's state from the last
+    rank to join."""
+
+    def __init__(self, scaler: DynamicLossScaler):
+        self.scaler = scaler
+
+    def main_hook(self) -> None:
+        scaler = self.scaler
+        if not scaler._reducing():
+            return
+        for _ in range(scaler._reductions_per_iteration):
+            flag = torch.zeros((), device=scaler.join_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=scaler.process_group)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        scaler = self.scaler
+        if not scaler._reducing():
+            return
+        group, device = scaler.process_group, scaler.join_device
+        rank = dist.get_rank(group)
+        source = torch.tensor(rank if is_last_joiner else -1, device=device)
+        dist.all_reduce(source, op=dist.ReduceOp.MAX, group=group)
+        # float64 holds the scale (a float) and the counters exactly
+        state = torch.tensor(
+            [
+                scaler._scale,
+                scaler.clean_steps,
+                scaler.skipped_steps,
+                scaler._reductions_per_iteration,
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
+        last = int(source) if group is None else dist.get_global_rank(group, int(source))
+        dist.broadcast(state, last, group=group)
+        scale, clean, skipped, reductions = state.tolist()
+        scaler._scale = scale
+        scaler.clean_steps, scaler.skipped_steps = int(clean), int(skipped)
+        scaler._reductions_per_iteration = int(reductions)
+
+
+class DynamicLossScaler(Joinable):
     """Dynamic loss scaling, as torch.amp.GradScaler, for gradients and errors in any simulated
     format (lpsim.nn quantisers, lpsim.nn.inject, OptimLP, the recipes, or no quantisation).
 
@@ -233,6 +278,14 @@ class DynamicLossScaler:
     same order (it waits for the others). update() counts the non-finite gradients of an
     optimizer that was unscaled but not stepped on its own rank (DDP's gradients agree). With
     ``reduce_overflow=False`` each rank decides alone (independent runs sharing a process group).
+    Uneven inputs: the scaler is a torch ``Joinable``; list it after the model,
+    ``with torch.distributed.algorithms.join.Join([ddp_model, scaler]):``, and a rank that has run
+    out of batches shadows the overflow all-reduces of each iteration of the ranks still training
+    (as many as its own last iteration made: one per step()), and when all have joined every rank
+    takes the scale and counters of the last rank to join, so the next epoch scales every rank's
+    loss alike. ``ddp_model.join()`` alone shadows DDP's collectives, not these: a rank still
+    training would pair its overflow all-reduce with a shadowed gradient all-reduce (gloo aborts
+    on the mismatch; other backends may hang). Listing the scaler first raises RuntimeError.
 
     Powers of two: with ``power_of_two=True`` (the default) init_scale, growth_factor,
     backoff_factor, min_scale and max_scale must be powers of two, so S always is one, and
@@ -299,8 +352,14 @@ class DynamicLossScaler:
                 "process_group must be a torch.distributed ProcessGroup or None (the default "
                 f"group), got {type(process_group).__name__}"
             )
+        super().__init__()  # Joinable: torch's Join context manager
         self.reduce_overflow = reduce_overflow
         self.process_group = process_group
+        self._reductions = 0  # overflow all-reduces since the last update()
+        self._reductions_per_iteration = (
+            1  # those of the last iteration: what a joined rank shadows
+        )
+        self._join_device = torch.device("cpu")  # that of the last overflow all-reduce
         self._configure(
             init_scale,
             growth_factor,
@@ -554,19 +613,50 @@ class DynamicLossScaler:
             return optimizer.step()
         return optimizer.step(_unchanged_gradients(optimizer, closure))
 
+    def _reducing(self) -> bool:
+        """Whether step() all-reduces its decision (see the class docstring)."""
+        return (
+            self.reduce_overflow
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size(self.process_group) > 1
+        )
+
     def _across_ranks(self, overflow: bool, flags: list, optimizer: Optimizer) -> bool:
         """overflow on any rank of the process group (see the class docstring), or this rank's
         own when there is nothing to reduce over. The flag travels on the device of the gradients
         (that of the first flag, or of the first parameter): NCCL reduces CUDA tensors only."""
-        if not (self.reduce_overflow and dist.is_available() and dist.is_initialized()):
+        if not self._reducing():
             return overflow
-        if dist.get_world_size(self.process_group) == 1:
-            return overflow
+        if self._join_config.enable and self._join_config.is_first_joinable:
+            raise RuntimeError(
+                "DynamicLossScaler must follow the model in Join([...]): list the "
+                "DistributedDataParallel model first, as Join([model, scaler])"
+            )
         params = [p for group in optimizer.param_groups for p in group["params"]]
         device = flags[0].device if flags else params[0].device if params else "cpu"
+        self._join_device = torch.device(device)
         flag = torch.tensor(float(overflow), device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        self._reductions += 1
         return bool(flag)
+
+    # torch.distributed.algorithms.join.Joinable
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        """The hook by which a rank that has run out of batches inside ``Join([model, scaler])``
+        shadows the overflow all-reduces of the ranks still training (see the class docstring)."""
+        return _ScalerJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the overflow all-reduces (that of the gradients of the last step())."""
+        return self._join_device
+
+    @property
+    def join_process_group(self):
+        """The process group of the overflow all-reduces (the default group for None)."""
+        return dist.group.WORLD if self.process_group is None else self.process_group
 
     def update(self) -> None:
         """Adapt the scale after this iteration's steps: back off if any overflowed, grow after
@@ -590,6 +680,9 @@ class DynamicLossScaler:
                 self.clean_steps = 0
         self._optimizers.clear()
         self._watched.clear()
+        if self._reductions:
+            self._reductions_per_iteration = self._reductions
+        self._reductions = 0
 
     # Checkpoints
 
