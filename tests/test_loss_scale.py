@@ -661,3 +661,33 @@ def test_settings_assigned_between_iterations_are_checked_and_apply():
     scaler.power_of_two = False
     scaler.backoff_factor = 0.75
     assert scaler.backoff_factor == 0.75
+
+
+@pytest.mark.parametrize("margin, saturates", [(0, True), (1, False)])
+def test_a_growth_of_the_scale_saturates_delayed_scaling_errors_without_margin(margin, saturates):
+    """The amax history of a DelayedScaling error format holds scaled errors: the iteration after
+    a growth brings errors growth_factor times beyond the history, which saturate unseen with
+    margin=0, and fit with margin=log2(growth_factor) (docs/training.md)."""
+    torch.manual_seed(0)
+    element = Float(4, 3, saturate=True)
+    fmt = lpsim.DelayedScaling(element, history_length=16, margin=margin)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    lpsim.nn.inject(model, {"2": lpsim.nn.LayerQuantization(error=fmt)})
+    errors = {}
+    model[3].register_full_backward_hook(lambda m, grad_in, grad_out: errors.update(e=grad_in[0]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = DynamicLossScaler(init_scale=2.0**4, growth_interval=1)
+    x = torch.randn(16, 4)
+    worst = []
+    for _ in range(4):
+        opt.zero_grad()
+        scaler.scale(model(x).square().mean()).backward()
+        exact = errors["e"].t() @ model[1](model[0](x)).detach()  # float32, errors unrounded
+        got = model[2].weight.grad
+        worst.append(((got - exact).abs().max() / exact.abs().max()).item())
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 2.0**8 and scaler.skipped_steps == 0
+    # iteration 0 has the first call's scale 1; each later one follows a growth
+    assert all((w > 0.25) == saturates for w in worst[1:]), worst
+    assert max(worst[1:]) < 0.05 or saturates

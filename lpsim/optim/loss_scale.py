@@ -490,8 +490,10 @@ class DynamicLossScaler(Joinable):
         such module's outputs are checked against the module's error format, as by watch().
         Formats without a fixed largest value (BlockFloat, Scaled, DelayedScaling, Fixed without
         clamp) are not watched: they scale each block or tensor to its own range, which the loss
-        scale does not move (a DelayedScaling element still saturates on an amax spike). Inject
-        first; after injecting other formats, remove the handle and watch the model again.
+        scale does not move (a DelayedScaling element still saturates on an amax spike, and a
+        growth of the loss scale is one: give its error format margin >= log2(growth_factor);
+        see docs/training.md). Inject first; after injecting other formats, remove the handle
+        and watch the model again.
 
         Returns:
             A handle whose remove() takes the hooks out again.
