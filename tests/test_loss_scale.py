@@ -20,6 +20,7 @@ from lpsim.optim.loss_scale import DynamicLossScaler
 
 E4M3 = lpsim.preset("e4m3fn")  # overflow becomes NaN
 E4M3_SATURATING = lpsim.preset("e4m3fn_saturating")  # overflow clamps to +/-448
+BF16 = Float(8, 7)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -691,3 +692,46 @@ def test_a_growth_of_the_scale_saturates_delayed_scaling_errors_without_margin(m
     # iteration 0 has the first call's scale 1; each later one follows a growth
     assert all((w > 0.25) == saturates for w in worst[1:]), worst
     assert max(worst[1:]) < 0.05 or saturates
+
+
+def test_watch_functions_sees_the_saturating_errors_of_quantize_functions():
+    """A saturating error format of a quantize_functions entry clamps the errors of a too large
+    scale to +/-448 and leaves the gradients finite: watch_functions sees it before the rounding
+    (as an error at or beyond 448), skips the step and backs off; without it, and after the
+    handle is removed, the step is taken."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    functions = lpsim.nn.quantize_functions(
+        model, {("linear", "2"): lpsim.nn.LayerQuantization(error=E4M3_SATURATING)}
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler(init_scale=2.0**20)
+    x = torch.randn(16, 4)
+
+    def iteration():
+        opt.zero_grad()
+        with functions:
+            loss = model(x).square().mean()
+        scaler.scale(loss).backward()
+        errors = 2 * model(x).detach() / x.shape[0] * scaler.get_scale()  # d(S * loss)/d output
+        result = scaler.step(opt)
+        scaler.update()
+        return errors.abs().max().item(), result
+
+    largest, _ = iteration()
+    assert largest >= 448 and scaler.skipped_steps == 0  # saturated, unseen
+    handle = scaler.watch_functions(functions)
+    before = _snapshot(model, opt)
+    largest, result = iteration()
+    assert largest >= 448 and result is None and scaler.found_overflow
+    assert scaler.skipped_steps == 1 and scaler.get_scale() == 2.0**19
+    _assert_unchanged(model, opt, before)
+    handle.remove()
+    iteration()
+    assert scaler.skipped_steps == 1
+    with pytest.raises(ValueError, match="watch_functions found no error format"):
+        scaler.watch_functions(
+            lpsim.nn.quantize_functions(model, {"linear": lpsim.nn.LayerQuantization(output=BF16)})
+        )
+    with pytest.raises(TypeError, match="functions must be what lpsim.nn.quantize_functions"):
+        scaler.watch_functions(model)

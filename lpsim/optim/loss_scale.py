@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 
 from lpsim import _observation
 from lpsim.formats import P3109, Fixed, Float
+from lpsim.nn.functions import FunctionQuantization
 from lpsim.nn.inject import injected
 from lpsim.nn.quantizer import QuantSpec, Spec, as_spec
 
@@ -169,6 +170,21 @@ def _setting(name: str) -> property:
         self._configure(self._scale, *settings.values(), scale_name="the current scale")
 
     return property(lambda self: getattr(self, "_" + name), setter)
+
+
+class _FunctionHook:
+    """A hook that watch_functions() gave an entry of a quantize_functions context."""
+
+    def __init__(self, functions, index: int, hook: Callable):
+        self.functions, self.index, self.hook = functions, index, hook
+
+    def remove(self) -> None:
+        hooks = self.functions._error_hooks
+        left = tuple(h for h in hooks.get(self.index, ()) if h is not self.hook)
+        if left:
+            hooks[self.index] = left
+        else:
+            hooks.pop(self.index, None)
 
 
 class _Handles:
@@ -521,6 +537,43 @@ class DynamicLossScaler(Joinable):
             raise ValueError(
                 "watch_model found no error quantiser that can overflow in the model: inject it "
                 "first with LayerQuantization(error=...) in a Float, P3109 or clamping Fixed format"
+            )
+        return _Handles(handles)
+
+    def watch_functions(self, functions: FunctionQuantization) -> _Handles:
+        """Watch the error quantisers of a ``lpsim.nn.quantize_functions`` context, as
+        watch_model() watches inject()'s: the gradient arriving at the result of each call that an
+        entry with an error format decides is checked against that format, as by watch(), before
+        it is rounded. Entries whose error format has no fixed largest value (BlockFloat, Scaled,
+        DelayedScaling, Fixed without clamp) are not watched.
+
+        Returns:
+            A handle whose remove() takes the hooks out again.
+
+        Raises:
+            TypeError: functions is not what quantize_functions returned.
+            ValueError: no entry has an error format that can overflow.
+        """
+        if not isinstance(functions, FunctionQuantization):
+            raise TypeError(
+                "functions must be what lpsim.nn.quantize_functions returned, got "
+                f"{type(functions).__name__}"
+            )
+        handles = []
+        for index, entry in enumerate(functions.entries):
+            spec = entry.train.specs.get("error")
+            if spec is None:
+                continue
+            try:
+                hook = self.watch(spec)
+            except ValueError:
+                continue
+            functions._error_hooks[index] = functions._error_hooks.get(index, ()) + (hook,)
+            handles.append(_FunctionHook(functions, index, hook))
+        if not handles:
+            raise ValueError(
+                "watch_functions found no error format that can overflow in the config: give an "
+                "entry LayerQuantization(error=...) in a Float, P3109 or clamping Fixed format"
             )
         return _Handles(handles)
 
