@@ -735,3 +735,22 @@ def test_watch_functions_sees_the_saturating_errors_of_quantize_functions():
         )
     with pytest.raises(TypeError, match="functions must be what lpsim.nn.quantize_functions"):
         scaler.watch_functions(model)
+
+
+@pytest.mark.parametrize("saturate", [True, False])
+def test_a_saturating_backward_mac_accumulator_is_not_seen_as_overflow(saturate):
+    """As docs/training.md says: the partial sums of a weight gradient rounded into a saturating
+    accumulator clamp at its largest value (57344 for e5m2) and the step is taken; a
+    non-saturating accumulator overflows to Inf and the step is skipped."""
+    torch.manual_seed(0)
+    accumulator = Float(5, 2, saturate=saturate)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    mac = lpsim.MAC(accumulator=accumulator)
+    lpsim.nn.inject(model, {"2": lpsim.nn.LayerQuantization(weight_grad_mac=mac)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = DynamicLossScaler(init_scale=2.0**18)
+    scaler.scale(model(torch.randn(16, 4) * 100).square().mean()).backward()
+    largest = model[2].weight.grad.abs().max().item()
+    assert largest == (57344.0 if saturate else math.inf)
+    scaler.step(opt)
+    assert scaler.found_overflow is not saturate

@@ -277,6 +277,11 @@ class DynamicLossScaler(Joinable):
        max cannot be told apart from one that an earlier quantiser clamped; a legitimate error
        exactly at max costs one halving.
 
+    Not seen: a saturating MAC accumulator in the backward products (inject's and
+    quantize_functions' mac, input_grad_mac, weight_grad_mac) clamps the partial sums of the
+    scaled gradients, which no check reaches; give them a non-saturating accumulator, whose
+    overflow is Inf.
+
     A step with either kind of overflow is skipped: optimizer.step() is not called, so
     parameters, optimizer state (and OptimLP's accumulators) stay as they were. Watched overflows
     are not attributed to one optimizer: with several optimizers, every step of that iteration
