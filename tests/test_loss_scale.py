@@ -754,3 +754,27 @@ def test_a_saturating_backward_mac_accumulator_is_not_seen_as_overflow(saturate)
     assert largest == (57344.0 if saturate else math.inf)
     scaler.step(opt)
     assert scaler.found_overflow is not saturate
+
+
+@pytest.mark.parametrize("unscaled", ["wrapper", "wrapped"])
+@pytest.mark.parametrize("stepped", ["wrapper", "wrapped"])
+def test_an_optim_lp_and_its_wrapped_optimizer_are_unscaled_once(unscaled, stepped):
+    """OptimLP shares its wrapped optimizer's parameter groups, hence their gradients: unscale_
+    of one and step() of the other divide the gradients by the scale once, as torch's SGD on the
+    unscaled loss's gradients (an exact power-of-two division), and a second unscale_ raises."""
+    model, data, target = _problem()
+    reference = copy.deepcopy(model)
+    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.1))
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    pick = {"wrapper": opt, "wrapped": opt.optimizer}
+    scaler.scale(F.cross_entropy(model(data), target)).backward()
+    scaler.unscale_(pick[unscaled])
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+        scaler.unscale_(pick["wrapped" if unscaled == "wrapper" else "wrapper"])
+    scaler.step(pick[stepped])
+    scaler.update()
+    F.cross_entropy(reference(data), target).backward()
+    plain.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert_same_bits(p.detach(), q.detach())

@@ -594,8 +594,11 @@ class DynamicLossScaler(Joinable):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
+        # Keyed by the parameter groups, which hold the gradients: an OptimLP shares its wrapped
+        # optimizer's, so unscaling one and stepping the other divides the gradients once.
         return self._optimizers.setdefault(
-            id(optimizer), {"unscaled": False, "stepped": False, "skipped": False, "overflow": []}
+            id(optimizer.param_groups),
+            {"unscaled": False, "stepped": False, "skipped": False, "overflow": []},
         )
 
     @torch.no_grad()
@@ -603,6 +606,8 @@ class DynamicLossScaler(Joinable):
         """Divide the gradients of ``optimizer``'s parameters by the scale, in place, and note
         (without synchronising) whether any is not finite. Call it at most once per iteration,
         before step(), where the true gradients are needed before the step (gradient clipping).
+        An OptimLP and the optimizer it wraps share their gradients and count as one optimizer
+        here and in step().
 
         Raises:
             RuntimeError: unscale_ was already called for this optimizer since the last update(),
