@@ -302,11 +302,12 @@ class DynamicLossScaler(Joinable):
     Uneven inputs: the scaler is a torch ``Joinable``; list it after the model,
     ``with torch.distributed.algorithms.join.Join([ddp_model, scaler]):``, and a rank that has run
     out of batches shadows the overflow all-reduces of each iteration of the ranks still training
-    (as many as its own last iteration made: one per step()), and when all have joined every rank
-    takes the scale and counters of the last rank to join, so the next epoch scales every rank's
-    loss alike. ``ddp_model.join()`` alone shadows DDP's collectives, not these: a rank still
-    training would pair its overflow all-reduce with a shadowed gradient all-reduce (gloo aborts
-    on the mismatch; other backends may hang). Listing the scaler first raises RuntimeError.
+    (as many as its own last iteration made, one per step(); one for a rank that never stepped),
+    and when all have joined every rank takes the scale and counters of the last rank to join, so
+    the next epoch scales every rank's loss alike. ``ddp_model.join()`` alone shadows DDP's
+    collectives, not these: a rank still training would pair its overflow all-reduce with a
+    shadowed gradient all-reduce (gloo aborts on the mismatch; other backends may hang). Listing
+    the scaler first raises RuntimeError.
 
     Powers of two: with ``power_of_two=True`` (the default) init_scale, growth_factor,
     backoff_factor, min_scale and max_scale must be powers of two, so S always is one, and
