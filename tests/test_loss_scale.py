@@ -778,3 +778,22 @@ def test_an_optim_lp_and_its_wrapped_optimizer_are_unscaled_once(unscaled, stepp
     plain.step()
     for p, q in zip(model.parameters(), reference.parameters()):
         assert_same_bits(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("fused", [lpsim.optim.FusedSGD, lpsim.optim.FusedAdam])
+def test_a_copied_fused_optimizer_keeps_its_grad_scaling(fused):
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(5))
+    opt = fused([p], lr=0.5, grad_scaling=0.25)
+    grad = torch.randn(5)
+    p.grad = grad.clone()
+    opt.step()
+    twin = nn.Parameter(p.detach().clone())
+    copied = copy.deepcopy(opt)
+    copied.param_groups[0]["params"] = [twin]
+    copied.state = {twin: copy.deepcopy(opt.state[p])}
+    assert copied.grad_scaling == 0.25
+    p.grad, twin.grad = grad.clone(), grad.clone()
+    opt.step()
+    copied.step()
+    assert_same_bits(twin.detach(), p.detach())
