@@ -215,6 +215,18 @@ def check_positive_finite(name: str, value) -> float:
     return float(value)
 
 
+def positive_finite_attribute(name: str, doc: str) -> property:
+    """A property ``name`` whose value is checked by check_positive_finite on every assignment,
+    the constructor's included (stored as ``_name``): a number assigned between steps is
+    validated as the constructor's argument is, and applies from the next step."""
+    private = "_" + name
+
+    def setter(self, value) -> None:
+        setattr(self, private, check_positive_finite(name, value))
+
+    return property(lambda self: getattr(self, private), setter, doc=doc)
+
+
 def check_betas(betas) -> tuple[float, float]:
     """Adam's (beta1, beta2), checked: a pair of numbers, each in [0, 1).
 

@@ -6,6 +6,7 @@ import copy
 import datetime
 import functools
 import io
+import math
 import os
 import socket
 import traceback
@@ -240,6 +241,65 @@ def test_ddp_loss_scaler_overflow_on_one_rank_skips_the_step_on_every_rank():
         assert skipped0 == skipped1 == 1, kind
         assert torch.equal(state0, state1), kind
         assert torch.equal(draw0, draw1), kind
+
+
+def _uneven_scaled_training(rank: int) -> dict:
+    """Two epochs under Join: rank 0 has 4 batches (the third's gradients not finite), rank 1 has
+    1. Once with Join([ddp, DynamicLossScaler]), once with Join([ddp]) and torch.amp.GradScaler
+    (whose non-finite gradients reach every rank through the all-reduce). Returns the scales
+    after each iteration, the skipped steps and the weights of each, and the scalers' last scale."""
+    from torch.distributed.algorithms.join import Join
+
+    got = {}
+    for kind in ("lpsim", "torch"):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        if kind == "lpsim":
+            scaler = DynamicLossScaler(init_scale=2.0**4, growth_interval=1)
+            joinables, scale = [ddp, scaler], scaler.get_scale
+        else:
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
+            joinables, scale = [ddp], scaler.get_scale
+        data = torch.Generator().manual_seed(100 + rank)
+        batches = [torch.randn(8, 4, generator=data) for _ in range((4, 1)[rank])]
+        if rank == 0:
+            batches[2][0, 0] = math.inf
+        scales, weights = [], []
+        for _ in range(2):
+            with Join(joinables):
+                for x in batches:
+                    opt.zero_grad()
+                    scaler.scale(ddp(x).square().mean()).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                    scales.append(scale())
+            weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+        skipped = scaler.skipped_steps if kind == "lpsim" else None
+        got[kind] = (scales, skipped, weights, scale())
+    return got
+
+
+def test_ddp_join_with_uneven_inputs_shadows_the_loss_scalers_overflow_all_reduce():
+    """Under Join([ddp, scaler]) a rank that has run out of batches shadows the overflow
+    all-reduce of every step() of the ranks still training (without it gloo aborts on the
+    mismatched collective), and takes the scaler's state from the last rank to join: both ranks
+    leave every epoch with the same scale and skipped steps, and the run equals one with
+    torch.amp.GradScaler, whose non-finite gradients the all-reduce spreads."""
+    got = _spawn_two(_uneven_scaled_training)
+    scales, skipped, weights, last = got[0]["lpsim"]
+    torch_scales, _, torch_weights, _ = got[0]["torch"]
+    # init 16, growth_interval 1: grow, grow, back off (the third batch), grow; then again
+    assert scales == [32.0, 64.0, 32.0, 64.0, 128.0, 256.0, 128.0, 256.0] == torch_scales
+    assert skipped == 2
+    assert torch.equal(weights[0], torch_weights[0])
+    scales1, skipped1, weights1, last1 = got[1]["lpsim"]
+    assert (last1, skipped1) == (last, skipped) == (256.0, 2)
+    assert torch.equal(weights1[0], weights[0]) and torch.equal(weights1[1], weights[1])
+    # torch's GradScaler on the joined rank keeps the scale of its own last step (32, not 64)
+    # into the second epoch, where the ranks' gradients then average two different scales
+    assert got[1]["torch"][0][0] == 32.0 and got[1]["torch"][3] != 256.0
 
 
 def test_loss_scaler_refuses_a_bad_reduce_overflow_or_process_group():

@@ -20,6 +20,7 @@ from lpsim.optim.loss_scale import DynamicLossScaler
 
 E4M3 = lpsim.preset("e4m3fn")  # overflow becomes NaN
 E4M3_SATURATING = lpsim.preset("e4m3fn_saturating")  # overflow clamps to +/-448
+BF16 = Float(8, 7)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -595,3 +596,204 @@ def test_a_compiled_model_skips_backs_off_and_grows_as_the_eager_model():
     assert 0 < want[-1][2] < 8 and want[-1][0] > 2.0**6  # skipped some steps, grew in others
     for p, q in zip(eager.parameters(), model.parameters()):
         assert_same_bits(q, p)
+
+
+# OptimLP's grad_scaling
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: OptimLP(torch.optim.SGD(ps, lr=0.5)),
+        lambda ps: OptimLP(torch.optim.SGD(ps, lr=0.5), fused=False),
+        lambda ps: lpsim.optim.FusedSGD(ps, lr=0.5),
+    ],
+    ids=["OptimLP", "OptimLP-unfused", "FusedSGD"],
+)
+def test_grad_scaling_assigned_between_steps_is_checked_and_applies(make):
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(5))
+    ref = nn.Parameter(p.detach().clone())
+    opt = make([p])
+    plain = torch.optim.SGD([ref], lr=0.5)
+    for bad in (0.0, -0.25, math.nan, math.inf, True, "0.5"):
+        with pytest.raises(ValueError, match="grad_scaling must be a positive finite number"):
+            opt.grad_scaling = bad
+    assert opt.grad_scaling == 1.0
+    for scaling in (0.25, 1.0, 1 / 1024):
+        opt.grad_scaling = scaling
+        grad = torch.randn(5)
+        p.grad, ref.grad = grad.clone(), grad * scaling  # exact: a power of two
+        opt.step()
+        plain.step()
+        assert_same_bits(p.detach(), ref.detach())
+
+
+def test_settings_assigned_between_iterations_are_checked_and_apply():
+    model, data, target = _problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=1)
+    bad = [
+        ("growth_factor", 3.0, "growth_factor must be a power of two"),
+        ("growth_factor", 0.5, r"growth_factor must be in \(1.0, inf\)"),
+        ("backoff_factor", 2.0, r"backoff_factor must be in \(0.0, 1.0\)"),
+        ("growth_interval", 0, "growth_interval must be >= 1"),
+        ("min_scale", 2.0**11, r"the current scale must be in \[min_scale, max_scale\]"),
+        ("max_scale", 2.0**9, r"max_scale must be in|the current scale must be in"),
+        ("min_scale", -1.0, r"min_scale must be in \(0.0, inf\)"),
+    ]
+    for name, value, message in bad:
+        with pytest.raises(ValueError, match=message):
+            setattr(scaler, name, value)
+    with pytest.raises(TypeError, match="power_of_two must be a bool"):
+        scaler.power_of_two = 1
+    with pytest.raises(TypeError, match="growth_interval must be an int"):
+        scaler.growth_interval = 1.5
+    unchanged = DynamicLossScaler(init_scale=2.0**10, growth_interval=1)
+    assert scaler.state_dict() == unchanged.state_dict()
+    # Valid settings apply from the next update(): the scale grows by 4 up to max_scale.
+    scaler.growth_factor = 4.0
+    scaler.max_scale = 2.0**15
+    scales = []
+    for _ in range(4):
+        _iteration(scaler, model, opt, data, target)
+        scales.append(scaler.get_scale())
+    assert scales == [2.0**12, 2.0**14, 2.0**15, 2.0**15]
+    scaler.power_of_two = False
+    scaler.backoff_factor = 0.75
+    assert scaler.backoff_factor == 0.75
+
+
+@pytest.mark.parametrize("margin, saturates", [(0, True), (1, False)])
+def test_a_growth_of_the_scale_saturates_delayed_scaling_errors_without_margin(margin, saturates):
+    """The amax history of a DelayedScaling error format holds scaled errors: the iteration after
+    a growth brings errors growth_factor times beyond the history, which saturate unseen with
+    margin=0, and fit with margin=log2(growth_factor) (docs/training.md)."""
+    torch.manual_seed(0)
+    element = Float(4, 3, saturate=True)
+    fmt = lpsim.DelayedScaling(element, history_length=16, margin=margin)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    lpsim.nn.inject(model, {"2": lpsim.nn.LayerQuantization(error=fmt)})
+    errors = {}
+    model[3].register_full_backward_hook(lambda m, grad_in, grad_out: errors.update(e=grad_in[0]))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = DynamicLossScaler(init_scale=2.0**4, growth_interval=1)
+    x = torch.randn(16, 4)
+    worst = []
+    for _ in range(4):
+        opt.zero_grad()
+        scaler.scale(model(x).square().mean()).backward()
+        exact = errors["e"].t() @ model[1](model[0](x)).detach()  # float32, errors unrounded
+        got = model[2].weight.grad
+        worst.append(((got - exact).abs().max() / exact.abs().max()).item())
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.get_scale() == 2.0**8 and scaler.skipped_steps == 0
+    # iteration 0 has the first call's scale 1; each later one follows a growth
+    assert all((w > 0.25) == saturates for w in worst[1:]), worst
+    assert max(worst[1:]) < 0.05 or saturates
+
+
+def test_watch_functions_sees_the_saturating_errors_of_quantize_functions():
+    """A saturating error format of a quantize_functions entry clamps the errors of a too large
+    scale to +/-448 and leaves the gradients finite: watch_functions sees it before the rounding
+    (as an error at or beyond 448), skips the step and backs off; without it, and after the
+    handle is removed, the step is taken."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    functions = lpsim.nn.quantize_functions(
+        model, {("linear", "2"): lpsim.nn.LayerQuantization(error=E4M3_SATURATING)}
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler(init_scale=2.0**20)
+    x = torch.randn(16, 4)
+
+    def iteration():
+        opt.zero_grad()
+        with functions:
+            loss = model(x).square().mean()
+        scaler.scale(loss).backward()
+        errors = 2 * model(x).detach() / x.shape[0] * scaler.get_scale()  # d(S * loss)/d output
+        result = scaler.step(opt)
+        scaler.update()
+        return errors.abs().max().item(), result
+
+    largest, _ = iteration()
+    assert largest >= 448 and scaler.skipped_steps == 0  # saturated, unseen
+    handle = scaler.watch_functions(functions)
+    before = _snapshot(model, opt)
+    largest, result = iteration()
+    assert largest >= 448 and result is None and scaler.found_overflow
+    assert scaler.skipped_steps == 1 and scaler.get_scale() == 2.0**19
+    _assert_unchanged(model, opt, before)
+    handle.remove()
+    iteration()
+    assert scaler.skipped_steps == 1
+    with pytest.raises(ValueError, match="watch_functions found no error format"):
+        scaler.watch_functions(
+            lpsim.nn.quantize_functions(model, {"linear": lpsim.nn.LayerQuantization(output=BF16)})
+        )
+    with pytest.raises(TypeError, match="functions must be what lpsim.nn.quantize_functions"):
+        scaler.watch_functions(model)
+
+
+@pytest.mark.parametrize("saturate", [True, False])
+def test_a_saturating_backward_mac_accumulator_is_not_seen_as_overflow(saturate):
+    """As docs/training.md says: the partial sums of a weight gradient rounded into a saturating
+    accumulator clamp at its largest value (57344 for e5m2) and the step is taken; a
+    non-saturating accumulator overflows to Inf and the step is skipped."""
+    torch.manual_seed(0)
+    accumulator = Float(5, 2, saturate=saturate)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    mac = lpsim.MAC(accumulator=accumulator)
+    lpsim.nn.inject(model, {"2": lpsim.nn.LayerQuantization(weight_grad_mac=mac)})
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = DynamicLossScaler(init_scale=2.0**18)
+    scaler.scale(model(torch.randn(16, 4) * 100).square().mean()).backward()
+    largest = model[2].weight.grad.abs().max().item()
+    assert largest == (57344.0 if saturate else math.inf)
+    scaler.step(opt)
+    assert scaler.found_overflow is not saturate
+
+
+@pytest.mark.parametrize("unscaled", ["wrapper", "wrapped"])
+@pytest.mark.parametrize("stepped", ["wrapper", "wrapped"])
+def test_an_optim_lp_and_its_wrapped_optimizer_are_unscaled_once(unscaled, stepped):
+    """OptimLP shares its wrapped optimizer's parameter groups, hence their gradients: unscale_
+    of one and step() of the other divide the gradients by the scale once, as torch's SGD on the
+    unscaled loss's gradients (an exact power-of-two division), and a second unscale_ raises."""
+    model, data, target = _problem()
+    reference = copy.deepcopy(model)
+    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.1))
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    pick = {"wrapper": opt, "wrapped": opt.optimizer}
+    scaler.scale(F.cross_entropy(model(data), target)).backward()
+    scaler.unscale_(pick[unscaled])
+    with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+        scaler.unscale_(pick["wrapped" if unscaled == "wrapper" else "wrapper"])
+    scaler.step(pick[stepped])
+    scaler.update()
+    F.cross_entropy(reference(data), target).backward()
+    plain.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert_same_bits(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("fused", [lpsim.optim.FusedSGD, lpsim.optim.FusedAdam])
+def test_a_copied_fused_optimizer_keeps_its_grad_scaling(fused):
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(5))
+    opt = fused([p], lr=0.5, grad_scaling=0.25)
+    grad = torch.randn(5)
+    p.grad = grad.clone()
+    opt.step()
+    twin = nn.Parameter(p.detach().clone())
+    copied = copy.deepcopy(opt)
+    copied.param_groups[0]["params"] = [twin]
+    copied.state = {twin: copy.deepcopy(opt.state[p])}
+    assert copied.grad_scaling == 0.25
+    p.grad, twin.grad = grad.clone(), grad.clone()
+    opt.step()
+    copied.step()
+    assert_same_bits(twin.detach(), p.detach())

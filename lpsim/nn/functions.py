@@ -374,6 +374,9 @@ class FunctionQuantization(TorchFunctionMode):
         # whether a warning said that it had not.
         self._decided = [False] * len(entries)
         self._warned = [False] * len(entries)
+        # Per entry index, the backward hooks its error quantiser applies to the gradient before
+        # rounding it (DynamicLossScaler.watch_functions).
+        self._error_hooks: dict[int, tuple[Callable, ...]] = {}
 
     # -- entering and leaving --------------------------------------------------------------
     def __enter__(self):
@@ -568,7 +571,8 @@ class FunctionQuantization(TorchFunctionMode):
         error = self._quantiser(decision, "error", y)
         if output is None and error is None:
             return y
-        return quantizing_function(output, error)(y)
+        hooks = self._error_hooks.get(decision.index, ()) if error is not None else ()
+        return quantizing_function(output, error, backward_hooks=hooks)(y)
 
     def state_dict(self) -> dict:
         """The DelayedScalers' states, by site."""

@@ -43,8 +43,8 @@ from lpsim._checks import (
     check_betas,
     check_element_format,
     check_number,
-    check_positive_finite,
     draw_seed,
+    positive_finite_attribute,
 )
 from lpsim._ops import cuda_built, ops
 from lpsim.formats import BlockFloat, Float, sum_container
@@ -80,6 +80,12 @@ class _Fused(OwnOptions):
 
     _RULE: StepRule  # the step arithmetic
 
+    grad_scaling = positive_finite_attribute(
+        "grad_scaling",
+        "Every gradient is multiplied by it first: a finite number > 0, checked when assigned; a "
+        "new value applies from the next step.",
+    )
+
     def __init__(self, params, defaults: dict, formats: dict, grad_scaling: float, rounding):
         Rounding.parse(rounding)
         for name, value in formats.items():
@@ -89,8 +95,13 @@ class _Fused(OwnOptions):
             defaults[name] = value
         defaults["rounding"] = rounding
         self._check_options(defaults)
-        self.grad_scaling = check_positive_finite("grad_scaling", grad_scaling)
+        self.grad_scaling = grad_scaling
         super().__init__(params, defaults)
+
+    def __getstate__(self) -> dict:
+        """torch's state (defaults, state, param_groups) and grad_scaling, which a copy
+        (copy.deepcopy, pickle, torch.save of the optimizer) would otherwise lose."""
+        return {**super().__getstate__(), "_grad_scaling": self._grad_scaling}
 
     def _check_options(self, group: dict) -> None:
         """The optimizer's options, of its defaults or of a parameter group (which may set any of

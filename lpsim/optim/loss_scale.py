@@ -27,10 +27,12 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.optim import Optimizer
 
 from lpsim import _observation
 from lpsim.formats import P3109, Fixed, Float
+from lpsim.nn.functions import FunctionQuantization
 from lpsim.nn.inject import injected
 from lpsim.nn.quantizer import QuantSpec, Spec, as_spec
 
@@ -156,6 +158,35 @@ def _unchanged_gradients(optimizer: Optimizer, closure: Callable[[], object]):
     return checked
 
 
+def _setting(name: str) -> property:
+    """A setting of DynamicLossScaler (one of _CONFIG): assigning it validates it with the others
+    and the current scale, as the constructor does (a growth_factor that is not a power of two
+    with power_of_two=True, a max_scale below the scale, ... raise), and applies from the next
+    update()."""
+
+    def setter(self, value) -> None:
+        settings = {key: getattr(self, key) for key in _CONFIG}
+        settings[name] = value
+        self._configure(self._scale, *settings.values(), scale_name="the current scale")
+
+    return property(lambda self: getattr(self, "_" + name), setter)
+
+
+class _FunctionHook:
+    """A hook that watch_functions() gave an entry of a quantize_functions context."""
+
+    def __init__(self, functions, index: int, hook: Callable):
+        self.functions, self.index, self.hook = functions, index, hook
+
+    def remove(self) -> None:
+        hooks = self.functions._error_hooks
+        left = tuple(h for h in hooks.get(self.index, ()) if h is not self.hook)
+        if left:
+            hooks[self.index] = left
+        else:
+            hooks.pop(self.index, None)
+
+
 class _Handles:
     """The hooks watch_model() registered; remove() takes them out."""
 
@@ -168,7 +199,51 @@ class _Handles:
         self.handles = []
 
 
-class DynamicLossScaler:
+class _ScalerJoinHook(JoinHook):
+    """What a rank that has run out of batches does for its DynamicLossScaler inside torch's
+    Join context (see DynamicLossScaler's docstring): it shadows the overflow all-reduces of each
+    step() of the ranks still training, and at the end takes the scaler's state from the last
+    rank to join."""
+
+    def __init__(self, scaler: DynamicLossScaler):
+        self.scaler = scaler
+
+    def main_hook(self) -> None:
+        scaler = self.scaler
+        if not scaler._reducing():
+            return
+        for _ in range(scaler._reductions_per_iteration):
+            flag = torch.zeros((), device=scaler.join_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=scaler.process_group)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        scaler = self.scaler
+        if not scaler._reducing():
+            return
+        group, device = scaler.process_group, scaler.join_device
+        rank = dist.get_rank(group)
+        source = torch.tensor(rank if is_last_joiner else -1, device=device)
+        dist.all_reduce(source, op=dist.ReduceOp.MAX, group=group)
+        # float64 holds the scale (a float) and the counters exactly
+        state = torch.tensor(
+            [
+                scaler._scale,
+                scaler.clean_steps,
+                scaler.skipped_steps,
+                scaler._reductions_per_iteration,
+            ],
+            dtype=torch.float64,
+            device=device,
+        )
+        last = int(source) if group is None else dist.get_global_rank(group, int(source))
+        dist.broadcast(state, last, group=group)
+        scale, clean, skipped, reductions = state.tolist()
+        scaler._scale = scale
+        scaler.clean_steps, scaler.skipped_steps = int(clean), int(skipped)
+        scaler._reductions_per_iteration = int(reductions)
+
+
+class DynamicLossScaler(Joinable):
     """Dynamic loss scaling, as torch.amp.GradScaler, for gradients and errors in any simulated
     format (lpsim.nn quantisers, lpsim.nn.inject, OptimLP, the recipes, or no quantisation).
 
@@ -202,6 +277,11 @@ class DynamicLossScaler:
        max cannot be told apart from one that an earlier quantiser clamped; a legitimate error
        exactly at max costs one halving.
 
+    Not seen: a saturating MAC accumulator in the backward products (inject's and
+    quantize_functions' mac, input_grad_mac, weight_grad_mac) clamps the partial sums of the
+    scaled gradients, which no check reaches; give them a non-saturating accumulator, whose
+    overflow is Inf.
+
     A step with either kind of overflow is skipped: optimizer.step() is not called, so
     parameters, optimizer state (and OptimLP's accumulators) stay as they were. Watched overflows
     are not attributed to one optimizer: with several optimizers, every step of that iteration
@@ -219,6 +299,15 @@ class DynamicLossScaler:
     same order (it waits for the others). update() counts the non-finite gradients of an
     optimizer that was unscaled but not stepped on its own rank (DDP's gradients agree). With
     ``reduce_overflow=False`` each rank decides alone (independent runs sharing a process group).
+    Uneven inputs: the scaler is a torch ``Joinable``; list it after the model,
+    ``with torch.distributed.algorithms.join.Join([ddp_model, scaler]):``, and a rank that has run
+    out of batches shadows the overflow all-reduces of each iteration of the ranks still training
+    (as many as its own last iteration made, one per step(); one for a rank that never stepped),
+    and when all have joined every rank takes the scale and counters of the last rank to join, so
+    the next epoch scales every rank's loss alike. ``ddp_model.join()`` alone shadows DDP's
+    collectives, not these: a rank still training would pair its overflow all-reduce with a
+    shadowed gradient all-reduce (gloo aborts on the mismatch; other backends may hang). Listing
+    the scaler first raises RuntimeError.
 
     Powers of two: with ``power_of_two=True`` (the default) init_scale, growth_factor,
     backoff_factor, min_scale and max_scale must be powers of two, so S always is one, and
@@ -246,7 +335,11 @@ class DynamicLossScaler:
         process_group: the ranks whose decisions agree (a torch.distributed ProcessGroup, that of
             DistributedDataParallel's all-reduce); None: the default group.
 
-    ``get_scale()`` returns S (a float).
+    ``get_scale()`` returns S (a float). The settings growth_factor, backoff_factor,
+    growth_interval, min_scale, max_scale and power_of_two are attributes that may be assigned
+    between iterations (as torch.amp.GradScaler's set_growth_factor, ...): each assignment is
+    validated with the other settings and the current S as the constructor validates them, and
+    applies from the next update().
 
     Attributes:
         found_overflow: whether the last step() found an overflow (and skipped the step).
@@ -281,8 +374,14 @@ class DynamicLossScaler:
                 "process_group must be a torch.distributed ProcessGroup or None (the default "
                 f"group), got {type(process_group).__name__}"
             )
+        super().__init__()  # Joinable: torch's Join context manager
         self.reduce_overflow = reduce_overflow
         self.process_group = process_group
+        self._reductions = 0  # overflow all-reduces since the last update()
+        self._reductions_per_iteration = (
+            1  # those of the last iteration: what a joined rank shadows
+        )
+        self._join_device = torch.device("cpu")  # that of the last overflow all-reduce
         self._configure(
             init_scale,
             growth_factor,
@@ -341,12 +440,19 @@ class DynamicLossScaler:
             **exact,
         )
         self._scale = scale
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.growth_interval = growth_interval
-        self.min_scale = min_scale
-        self.max_scale = max_scale
-        self.power_of_two = power_of_two
+        self._growth_factor = growth_factor
+        self._backoff_factor = backoff_factor
+        self._growth_interval = growth_interval
+        self._min_scale = min_scale
+        self._max_scale = max_scale
+        self._power_of_two = power_of_two
+
+    growth_factor = _setting("growth_factor")
+    backoff_factor = _setting("backoff_factor")
+    growth_interval = _setting("growth_interval")
+    min_scale = _setting("min_scale")
+    max_scale = _setting("max_scale")
+    power_of_two = _setting("power_of_two")
 
     # The backward pass
 
@@ -406,8 +512,10 @@ class DynamicLossScaler:
         such module's outputs are checked against the module's error format, as by watch().
         Formats without a fixed largest value (BlockFloat, Scaled, DelayedScaling, Fixed without
         clamp) are not watched: they scale each block or tensor to its own range, which the loss
-        scale does not move (a DelayedScaling element still saturates on an amax spike). Inject
-        first; after injecting other formats, remove the handle and watch the model again.
+        scale does not move (a DelayedScaling element still saturates on an amax spike, and a
+        growth of the loss scale is one: give its error format margin >= log2(growth_factor);
+        see docs/training.md). Inject first; after injecting other formats, remove the handle
+        and watch the model again.
 
         Returns:
             A handle whose remove() takes the hooks out again.
@@ -438,6 +546,43 @@ class DynamicLossScaler:
             )
         return _Handles(handles)
 
+    def watch_functions(self, functions: FunctionQuantization) -> _Handles:
+        """Watch the error quantisers of a ``lpsim.nn.quantize_functions`` context, as
+        watch_model() watches inject()'s: the gradient arriving at the result of each call that an
+        entry with an error format decides is checked against that format, as by watch(), before
+        it is rounded. Entries whose error format has no fixed largest value (BlockFloat, Scaled,
+        DelayedScaling, Fixed without clamp) are not watched.
+
+        Returns:
+            A handle whose remove() takes the hooks out again.
+
+        Raises:
+            TypeError: functions is not what quantize_functions returned.
+            ValueError: no entry has an error format that can overflow.
+        """
+        if not isinstance(functions, FunctionQuantization):
+            raise TypeError(
+                "functions must be what lpsim.nn.quantize_functions returned, got "
+                f"{type(functions).__name__}"
+            )
+        handles = []
+        for index, entry in enumerate(functions.entries):
+            spec = entry.train.specs.get("error")
+            if spec is None:
+                continue
+            try:
+                hook = self.watch(spec)
+            except ValueError:
+                continue
+            functions._error_hooks[index] = functions._error_hooks.get(index, ()) + (hook,)
+            handles.append(_FunctionHook(functions, index, hook))
+        if not handles:
+            raise ValueError(
+                "watch_functions found no error format that can overflow in the config: give an "
+                "entry LayerQuantization(error=...) in a Float, P3109 or clamping Fixed format"
+            )
+        return _Handles(handles)
+
     def _record(self, overflow: torch.Tensor) -> None:
         device = overflow.device
         seen = self._watched.get(device)
@@ -450,8 +595,11 @@ class DynamicLossScaler:
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
+        # Keyed by the parameter groups, which hold the gradients: an OptimLP shares its wrapped
+        # optimizer's, so unscaling one and stepping the other divides the gradients once.
         return self._optimizers.setdefault(
-            id(optimizer), {"unscaled": False, "stepped": False, "skipped": False, "overflow": []}
+            id(optimizer.param_groups),
+            {"unscaled": False, "stepped": False, "skipped": False, "overflow": []},
         )
 
     @torch.no_grad()
@@ -459,6 +607,8 @@ class DynamicLossScaler:
         """Divide the gradients of ``optimizer``'s parameters by the scale, in place, and note
         (without synchronising) whether any is not finite. Call it at most once per iteration,
         before step(), where the true gradients are needed before the step (gradient clipping).
+        An OptimLP and the optimizer it wraps share their gradients and count as one optimizer
+        here and in step().
 
         Raises:
             RuntimeError: unscale_ was already called for this optimizer since the last update(),
@@ -529,19 +679,50 @@ class DynamicLossScaler:
             return optimizer.step()
         return optimizer.step(_unchanged_gradients(optimizer, closure))
 
+    def _reducing(self) -> bool:
+        """Whether step() all-reduces its decision (see the class docstring)."""
+        return (
+            self.reduce_overflow
+            and dist.is_available()
+            and dist.is_initialized()
+            and dist.get_world_size(self.process_group) > 1
+        )
+
     def _across_ranks(self, overflow: bool, flags: list, optimizer: Optimizer) -> bool:
         """overflow on any rank of the process group (see the class docstring), or this rank's
         own when there is nothing to reduce over. The flag travels on the device of the gradients
         (that of the first flag, or of the first parameter): NCCL reduces CUDA tensors only."""
-        if not (self.reduce_overflow and dist.is_available() and dist.is_initialized()):
+        if not self._reducing():
             return overflow
-        if dist.get_world_size(self.process_group) == 1:
-            return overflow
+        if self._join_config.enable and self._join_config.is_first_joinable:
+            raise RuntimeError(
+                "DynamicLossScaler must follow the model in Join([...]): list the "
+                "DistributedDataParallel model first, as Join([model, scaler])"
+            )
         params = [p for group in optimizer.param_groups for p in group["params"]]
         device = flags[0].device if flags else params[0].device if params else "cpu"
+        self._join_device = torch.device(device)
         flag = torch.tensor(float(overflow), device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
+        self._reductions += 1
         return bool(flag)
+
+    # torch.distributed.algorithms.join.Joinable
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        """The hook by which a rank that has run out of batches inside ``Join([model, scaler])``
+        shadows the overflow all-reduces of the ranks still training (see the class docstring)."""
+        return _ScalerJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the overflow all-reduces (that of the gradients of the last step())."""
+        return self._join_device
+
+    @property
+    def join_process_group(self):
+        """The process group of the overflow all-reduces (the default group for None)."""
+        return dist.group.WORLD if self.process_group is None else self.process_group
 
     def update(self) -> None:
         """Adapt the scale after this iteration's steps: back off if any overflowed, grow after
@@ -565,6 +746,9 @@ class DynamicLossScaler:
                 self.clean_steps = 0
         self._optimizers.clear()
         self._watched.clear()
+        if self._reductions:
+            self._reductions_per_iteration = self._reductions
+        self._reductions = 0
 
     # Checkpoints
 

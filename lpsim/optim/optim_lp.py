@@ -11,7 +11,7 @@ import torch.optim.optimizer as torch_optimizer
 from torch.optim import Optimizer
 
 from lpsim import _observation
-from lpsim._checks import CONTAINER_DTYPES, check_positive_finite, draw_seed
+from lpsim._checks import CONTAINER_DTYPES, draw_seed, positive_finite_attribute
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.formats import GRID_FORMATS, BlockFloat, check_fits, sum_container
 from lpsim.functional import quantize
@@ -418,7 +418,7 @@ class OptimLP(Optimizer):
         self.optimizer = optimizer
         self.fused = fused
         self.default_quantization = ParameterQuantization(weight, grad, momentum, acc, rounding)
-        self.grad_scaling = check_positive_finite("grad_scaling", grad_scaling)
+        self.grad_scaling = grad_scaling
         self._chosen = self._parse_parameters(parameters)
         self.settings: dict[torch.Tensor, ParameterQuantization | None] = {}
         self.accumulators: dict[torch.Tensor, torch.Tensor] = {}
@@ -460,6 +460,12 @@ class OptimLP(Optimizer):
         if not isinstance(value, ParameterQuantization):
             raise TypeError(f"default_quantization must be a ParameterQuantization, got {value!r}")
         self._default_quantization = value
+
+    grad_scaling = positive_finite_attribute(
+        "grad_scaling",
+        "Every gradient is multiplied by it before it is rounded: a finite number > 0, checked "
+        "when assigned; a new value applies from the next step.",
+    )
 
     weight_quant = _default_field("weight")
     grad_quant = _default_field("grad")
