@@ -22,7 +22,7 @@ the simulated formats as the signal:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -524,14 +524,8 @@ class DynamicLossScaler(Joinable):
             ValueError: no module of the model has an error quantiser that can overflow.
         """
         handles = []
-        for _, module, done in injected(model):
-            spec = done.get("error")
-            if spec is None:
-                continue
-            try:
-                hook = self.watch(spec)
-            except ValueError:
-                continue
+        errors = ((module, done.get("error")) for _, module, done in injected(model))
+        for module, hook in self._overflow_hooks(errors):
 
             def observe(mod, args, output, hook=hook):
                 for t in _tensors(output):
@@ -545,6 +539,18 @@ class DynamicLossScaler(Joinable):
                 "first with LayerQuantization(error=...) in a Float, P3109 or clamping Fixed format"
             )
         return _Handles(handles)
+
+    def _overflow_hooks(self, errors) -> Iterator[tuple[object, Callable]]:
+        """(place, watch(spec)) for each (place, error spec) of ``errors`` whose format can
+        overflow (a spec that is None, or whose format has no fixed largest value, is passed)."""
+        for place, spec in errors:
+            if spec is None:
+                continue
+            try:
+                hook = self.watch(spec)
+            except ValueError:
+                continue
+            yield place, hook
 
     def watch_functions(self, functions: FunctionQuantization) -> _Handles:
         """Watch the error quantisers of a ``lpsim.nn.quantize_functions`` context, as
@@ -566,14 +572,8 @@ class DynamicLossScaler(Joinable):
                 f"{type(functions).__name__}"
             )
         handles = []
-        for index, entry in enumerate(functions.entries):
-            spec = entry.train.specs.get("error")
-            if spec is None:
-                continue
-            try:
-                hook = self.watch(spec)
-            except ValueError:
-                continue
+        errors = ((i, entry.train.specs.get("error")) for i, entry in enumerate(functions.entries))
+        for index, hook in self._overflow_hooks(errors):
             functions._error_hooks[index] = functions._error_hooks.get(index, ()) + (hook,)
             handles.append(_FunctionHook(functions, index, hook))
         if not handles:
