@@ -30,6 +30,17 @@ from lpsim.nn import LayerQuantization, Quantizer, inject, report
 from lpsim.optim import SGD, AdamW, DynamicLossScaler, FusedAdam, FusedSGD, OptimLP
 
 
+def _train_classifier(ddp, opt, steps, rank) -> None:
+    """Steps of _classifier_on_grid's model on rank's own batches (8 x 6 inputs, 3 classes)."""
+    for step in steps:
+        data = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(8, 6, generator=data)
+        y = torch.randint(0, 3, (8,), generator=data)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+
 def _classifier_on_grid(fmt):
     """A small classifier (seed 0) whose parameters are rounded to nearest into fmt."""
     torch.manual_seed(0)
@@ -577,22 +588,13 @@ def _zero_resumed(rank: int) -> dict:
         make, options = kinds[kind]
         return model, ddp, ZeroRedundancyOptimizer(ddp.parameters(), make, **options)
 
-    def train(ddp, opt, steps):
-        for step in steps:
-            data = torch.Generator().manual_seed(100 * step + rank)
-            x = torch.randn(8, 6, generator=data)
-            y = torch.randint(0, 3, (8,), generator=data)
-            opt.zero_grad()
-            nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-
     got = {}
     for kind in kinds:
         model, ddp, opt = build(kind)
-        train(ddp, opt, range(4))
+        _train_classifier(ddp, opt, range(4), rank)
         whole = [p.detach() for p in model.parameters()]
         model, ddp, opt = build(kind)
-        train(ddp, opt, range(2))
+        _train_classifier(ddp, opt, range(2), rank)
         opt.consolidate_state_dict(to=0)
         saved = [None]
         if rank == 0:
@@ -607,7 +609,7 @@ def _zero_resumed(rank: int) -> dict:
         model.load_state_dict(checkpoint["model"])
         opt.load_state_dict(checkpoint["opt"])
         torch.set_rng_state(checkpoint["generator"])
-        train(ddp, opt, range(2, 4))
+        _train_classifier(ddp, opt, range(2, 4), rank)
         got[kind] = (whole, [p.detach() for p in model.parameters()])
     return got
 
@@ -914,22 +916,13 @@ def _zero_resumed_with_stochastic_accumulators(rank: int) -> dict:
         acc = dict(acc_format=Float(6, 9), rounding="stochastic")
         return model, ddp, ZeroRedundancyOptimizer(ddp.parameters(), make, **options, **acc)
 
-    def train(ddp, opt, steps):
-        for step in steps:
-            data = torch.Generator().manual_seed(100 * step + rank)
-            x = torch.randn(8, 6, generator=data)
-            y = torch.randint(0, 3, (8,), generator=data)
-            opt.zero_grad()
-            nn.functional.cross_entropy(ddp(x), y).backward()
-            opt.step()
-
     got = {}
     for kind in kinds:
         model, ddp, opt = build(kind)
-        train(ddp, opt, range(4))
+        _train_classifier(ddp, opt, range(4), rank)
         got[kind, "whole"] = [p.detach().clone() for p in model.parameters()]
         model, ddp, opt = build(kind)
-        train(ddp, opt, range(2))
+        _train_classifier(ddp, opt, range(2), rank)
         opt.consolidate_state_dict(to=0)
         generators = [None, None]
         dist.all_gather_object(generators, torch.get_rng_state())
@@ -946,7 +939,7 @@ def _zero_resumed_with_stochastic_accumulators(rank: int) -> dict:
             model.load_state_dict(checkpoint["model"])
             opt.load_state_dict(checkpoint["opt"])
             torch.set_rng_state(generators[0 if generator == "rank 0's" else rank])
-            train(ddp, opt, range(2, 4))
+            _train_classifier(ddp, opt, range(2, 4), rank)
             got[kind, generator] = [p.detach().clone() for p in model.parameters()]
     return got
 
