@@ -3,6 +3,7 @@ simulated formats, unscales exactly, and rescues training whose e4m3 errors woul
 
 import copy
 import math
+import pickle
 from dataclasses import replace
 
 import pytest
@@ -797,3 +798,36 @@ def test_a_copied_fused_optimizer_keeps_its_grad_scaling(fused):
     opt.step()
     copied.step()
     assert_same_bits(twin.detach(), p.detach())
+
+
+@pytest.mark.parametrize(
+    "watched, how",
+    [("model", "deepcopy"), ("quantizer", "deepcopy"), ("quantizer", "pickle")],
+)
+def test_a_copied_watched_model_records_its_overflow_in_the_copied_scaler(watched, how):
+    # watch() and watch_model() returned closures over the scaler: a copy of the model (with its
+    # scaler, for an EMA model or a branch of the run) recorded its overflows in the original
+    # scaler, whose next clean step was then skipped, and the copy's scaler saw none.
+    saturating = (Float(5, 2, saturate=True), "nearest")  # overflow leaves no Inf behind
+    torch.manual_seed(0)
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    if watched == "model":
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        lpsim.nn.inject(model, {nn.Linear: lpsim.nn.LayerQuantization(error=saturating)})
+        scaler.watch_model(model)
+    else:
+        hook = scaler.watch(saturating)
+        quantizer = Quantizer(backward=saturating, backward_hooks=[hook])
+        model = nn.Sequential(nn.Linear(4, 4), quantizer, nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    objects = (model, scaler, optimizer)
+    copied = copy.deepcopy(objects) if how == "deepcopy" else pickle.loads(pickle.dumps(objects))
+    before = [p.detach().clone() for p in model.parameters()]
+    for (m, s, o), weight in ((copied, 1e3), (objects, 1.0)):  # errors of 2**10 * weight
+        o.zero_grad()
+        s.scale(m(torch.ones(3, 4)).sum() * weight).backward()
+        s.step(o)
+        s.update()
+    assert copied[1].skipped_steps == 1  # the copy saw its own overflow
+    assert scaler.skipped_steps == 0  # and the original none of it
+    assert not torch.equal(model[0].bias.detach(), before[1])  # the original stepped

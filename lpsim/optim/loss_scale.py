@@ -187,6 +187,39 @@ class _FunctionHook:
             hooks.pop(self.index, None)
 
 
+class _OverflowWatch:
+    """The hook DynamicLossScaler.watch() returns. An object, not a closure, so that a copy of a
+    model holding it (copy.deepcopy or pickle of the model and its scaler together: an EMA
+    model, a branch of a run) records the copy's overflows in the copy's scaler, not in the
+    original's, whose next step it would skip."""
+
+    def __init__(self, scaler: DynamicLossScaler, low, high):
+        self.scaler, self.low, self.high = scaler, low, high
+
+    def __call__(self, error: torch.Tensor) -> torch.Tensor:
+        if _observation.hidden:
+            return error
+        if self.low is None:
+            inside = error.abs() < self.high  # False for NaN
+        else:
+            inside = (error < self.high) & (error > self.low)
+        self.scaler._record(~inside.all())
+        return error
+
+
+class _ErrorWatch:
+    """The forward hook watch_model() puts on a module: the errors flowing back into its
+    outputs go through ``hook`` (an _OverflowWatch). An object, as _OverflowWatch is."""
+
+    def __init__(self, hook: _OverflowWatch):
+        self.hook = hook
+
+    def __call__(self, module: nn.Module, args, output) -> None:
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(self.hook)
+
+
 class _Handles:
     """The hooks watch_model() registered; remove() takes them out."""
 
@@ -492,19 +525,7 @@ class DynamicLossScaler(Joinable):
             ValueError: the format has no fixed largest value that a loss scale can push errors
                 past (BlockFloat, Scaled, DelayedScaling, Fixed without clamp).
         """
-        low, high = _overflow_bounds(as_spec(spec, "nearest", "spec"))
-
-        def record_overflow(error: torch.Tensor) -> torch.Tensor:
-            if _observation.hidden:
-                return error
-            if low is None:
-                inside = error.abs() < high  # False for NaN
-            else:
-                inside = (error < high) & (error > low)
-            self._record(~inside.all())
-            return error
-
-        return record_overflow
+        return _OverflowWatch(self, *_overflow_bounds(as_spec(spec, "nearest", "spec")))
 
     def watch_model(self, model: nn.Module) -> _Handles:
         """Watch every error quantiser that lpsim.nn.inject placed in ``model`` (modules injected
@@ -532,13 +553,7 @@ class DynamicLossScaler(Joinable):
                 hook = self.watch(spec)
             except ValueError:
                 continue
-
-            def observe(mod, args, output, hook=hook):
-                for t in _tensors(output):
-                    if t.requires_grad:
-                        t.register_hook(hook)
-
-            handles.append(module.register_forward_hook(observe))
+            handles.append(module.register_forward_hook(_ErrorWatch(hook)))
         if not handles:
             raise ValueError(
                 "watch_model found no error quantiser that can overflow in the model: inject it "
