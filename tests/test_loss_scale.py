@@ -831,3 +831,32 @@ def test_a_copied_watched_model_records_its_overflow_in_the_copied_scaler(watche
     assert copied[1].skipped_steps == 1  # the copy saw its own overflow
     assert scaler.skipped_steps == 0  # and the original none of it
     assert not torch.equal(model[0].bias.detach(), before[1])  # the original stepped
+
+
+def test_a_scaler_of_a_process_group_deep_copies_and_its_watched_model_has_a_shadow(tmp_path):
+    # A scaler deep-copied with the process group it reduces over raised (a ProcessGroup cannot
+    # be pickled), and with it Shadow(model) of a model the scaler watches, whose hooks hold it.
+    dist = torch.distributed
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        group = dist.new_group([0])
+        scaler = DynamicLossScaler(init_scale=2.0**10, process_group=group)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        lpsim.nn.inject(
+            model, {nn.Linear: lpsim.nn.LayerQuantization(error=(Float(5, 2), "nearest"))}
+        )
+        scaler.watch_model(model)
+        copied = copy.deepcopy(scaler)
+        assert copied.process_group is group
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler.scale(model(torch.ones(2, 4)).sum() * 1e3).backward()  # errors of 2**10 * 1e3
+        scaler.step(optimizer)
+        scaler.update()
+        assert (scaler.skipped_steps, copied.skipped_steps) == (1, 0)
+        assert copied.state_dict()["scale"] == 2.0**10
+        shadow = lpsim.diagnostics.Shadow(model)
+        shadow.compare(torch.ones(2, 4), lambda out: out.sum())
+    finally:
+        dist.destroy_process_group()

@@ -21,6 +21,7 @@ the simulated formats as the signal:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 
@@ -766,6 +767,17 @@ class DynamicLossScaler(Joinable):
         self._reductions = 0
 
     # Checkpoints
+
+    def __deepcopy__(self, memo: dict) -> DynamicLossScaler:
+        """A scaler with its own state and the original's process_group, which cannot be
+        copied (as DelayedScaling's amax_group): a model that a scaler watches, copied with it
+        or alone (lpsim.diagnostics.Shadow's reference, an EMA model), holds a copy of it."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in vars(self).items():
+            shared = name == "process_group"
+            copied.__dict__[name] = value if shared else copy.deepcopy(value, memo)
+        return copied
 
     def state_dict(self) -> dict:
         """The scale, the counters and the configuration, as plain Python numbers."""
