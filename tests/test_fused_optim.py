@@ -979,3 +979,38 @@ def test_a_copied_model_and_optimizer_step_as_the_original_and_apart_from_it(mak
     if isinstance(optimizer, OptimLP):
         assert OptimLP.wrapping(copied[1].optimizer) is copied[1]
         assert OptimLP.wrapping(optimizer.optimizer) is optimizer
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: OptimLP(torch.optim.SGD(m.parameters(), lr=0.1), weight=Float(5, 2)),
+        lambda m: FusedSGD(m.parameters(), lr=0.1, weight_format=Float(5, 2)),
+        lambda m: lpsim.optim.AdamW(m.parameters(), lr=0.1, weight_format=Float(5, 6)),
+    ],
+    ids=["optim_lp", "FusedSGD", "AdamW"],
+)
+def test_a_copy_of_an_optimizer_with_an_lr_scheduler_steps_the_copy_not_the_original(make):
+    # An LR scheduler sets the optimizer's step to a wrapper that steps the optimizer it was made
+    # for: a copy keeping that attribute stepped the original's parameters, and its own stayed.
+    def trained():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = make(model)
+        return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+
+    def steps(model, optimizer, scheduler) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(torch.randn(5, 4)).pow(2).sum().backward()
+            optimizer.step()
+            scheduler.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    original, untouched = trained(), trained()
+    copied = copy.deepcopy(original)
+    after_copy = steps(*copied)
+    for a, b, c in zip(steps(*original), after_copy, steps(*untouched), strict=True):
+        assert_same_bits(a, b)
+        assert_same_bits(a, c)

@@ -21,8 +21,16 @@ def pickled_state(optimizer: Optimizer) -> dict:
     """An lpsim optimizer's state for pickle (copy.copy, copy.deepcopy, pickle, torch.save of the
     optimizer): torch's (defaults, state, param_groups) and every attribute of the optimizer's own
     (grad_scaling, the stream counter, the wrapped optimizer, ...), which torch's
-    Optimizer.__getstate__ drops, so that a copy would lack them or step without them."""
-    own = {k: v for k, v in vars(optimizer).items() if k not in _torch_attributes()}
+    Optimizer.__getstate__ drops, so that a copy would lack them or step without them. Left out,
+    as torch leaves them out: its per-optimizer hooks, and methods set on the instance over the
+    class's (an LR scheduler's wrapper of step, which steps the optimizer it was made for: the
+    copy's step would step the original)."""
+    cls = type(optimizer)
+    own = {
+        k: v
+        for k, v in vars(optimizer).items()
+        if k not in _torch_attributes() and not hasattr(cls, k)
+    }
     return {**Optimizer.__getstate__(optimizer), **own}
 
 
