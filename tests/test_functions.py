@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import math
+import pickle
 import threading
 import warnings
 
@@ -1170,3 +1172,32 @@ def test_a_state_dict_key_that_names_no_entry_raises_key_error():
     functions = quantize_functions(nn.Identity(), {"softmax": nearest(input=E4M3)})
     with pytest.raises(KeyError, match="no entry"):
         functions.load_state_dict({"x:softmax:0:input": {"scale": torch.tensor(1.0)}})
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch_save"])
+def test_a_model_copied_inside_an_active_context_is_a_plain_model(how):
+    # Pickling a model while a context was active (torch.save of the whole model inside the
+    # training loop's context, a model sent to a worker process) failed on the context's hooks
+    # (a local function); a deep copy got inert hooks. Now every copy gets them: the copy's
+    # modules are not the context's model's, so its calls are torch's own.
+    torch.manual_seed(31)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Softmax(-1), nn.Linear(8, 4))
+    plain = copy.deepcopy(model)
+    x = torch.randn(3, 8)
+    config = {("linear", "0"): nearest(output=E4M3), ("softmax", "*"): nearest(output=E4M3)}
+    functions = quantize_functions(model, config)
+    with functions:
+        quantized = model(x)
+        if how == "deepcopy":
+            copied = copy.deepcopy(model)
+        elif how == "pickle":
+            copied = pickle.loads(pickle.dumps(model))
+        else:
+            buffer = io.BytesIO()
+            torch.save(model, buffer)
+            buffer.seek(0)
+            copied = torch.load(buffer, weights_only=False)
+        assert_same_bits(copied(x), plain(x))
+        assert_same_bits(model(x), quantized)
+    assert not torch.equal(quantized, plain(x))
+    assert_same_bits(copied(x), plain(x))

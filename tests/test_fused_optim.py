@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
+import pickle
 
 import pytest
 import torch
@@ -895,3 +897,120 @@ def test_accumulators_loaded_from_a_torch_state_dict_start_as_the_weights_rounde
         opt.load_state_dict(saved)
         acc = opt.state[p]["accumulator"]
     assert torch.equal(acc, p.detach().to(torch.float8_e5m2).float())
+
+
+def _copy_of(obj, how: str):
+    if how == "deepcopy":
+        return copy.deepcopy(obj)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(obj))
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def _steps(model, optimizer, steps: int = 3) -> list[torch.Tensor]:
+    """Steps on seeded batches; the parameters and every state tensor after them."""
+    torch.manual_seed(1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.randn(5, 4)).pow(2).sum().backward()
+        optimizer.step()
+    states = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return [t.detach().clone() for t in [*model.parameters(), *states]]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch_save"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: OptimLP(
+            torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+            weight=Float(5, 2),
+            grad=Float(5, 2),
+            acc=Float(8, 10),
+            grad_scaling=0.5,
+            parameters=[m.weight],
+        ),
+        lambda m: OptimLP(
+            torch.optim.Adam(m.parameters(), lr=0.1), momentum=Float(5, 2), fused=False
+        ),
+        lambda m: lpsim.compat.qtorch.OptimLP(
+            torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+            weight_quant=lpsim.compat.qtorch.quantizer(lpsim.compat.qtorch.FloatingPoint(5, 2)),
+            grad_scaling=0.5,
+        ),
+        lambda m: FusedSGD(m.parameters(), lr=0.1, momentum=0.9, weight_format=Float(5, 2)),
+        lambda m: FusedAdam(m.parameters(), lr=0.1, weight_format=Float(5, 2), grad_scaling=0.5),
+        lambda m: lpsim.optim.SGD(m.parameters(), lr=0.1, weight_format=Float(5, 6)),
+        lambda m: lpsim.optim.AdamW(m.parameters(), lr=0.1, weight_format=Float(5, 6)),
+    ],
+    ids=[
+        "optim_lp",
+        "optim_lp_batches",
+        "qtorch_optim_lp",
+        "FusedSGD",
+        "FusedAdam",
+        "SGD",
+        "AdamW",
+    ],
+)
+def test_a_copied_model_and_optimizer_step_as_the_original_and_apart_from_it(make, how):
+    # torch's Optimizer.__getstate__ keeps only defaults, state and param_groups: a copy of OptimLP
+    # lacked its wrapped optimizer and settings, one of lpsim.optim.SGD or AdamW its stream
+    # counter, and their steps failed.
+    def trained():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = make(model)
+        _steps(model, optimizer, 2)
+        return model, optimizer
+
+    model, optimizer = trained()
+    untouched = trained()
+    copied = _copy_of((model, optimizer), how)
+    after_copy = _steps(*copied)  # first, so that a shared tensor would change the original's
+    after = _steps(model, optimizer)
+    assert len(after) == len(after_copy)
+    for a, b, c in zip(after, after_copy, _steps(*untouched), strict=True):
+        assert_same_bits(a, b)
+        assert_same_bits(a, c)
+    if isinstance(optimizer, OptimLP):
+        assert OptimLP.wrapping(copied[1].optimizer) is copied[1]
+        assert OptimLP.wrapping(optimizer.optimizer) is optimizer
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda m: OptimLP(torch.optim.SGD(m.parameters(), lr=0.1), weight=Float(5, 2)),
+        lambda m: FusedSGD(m.parameters(), lr=0.1, weight_format=Float(5, 2)),
+        lambda m: lpsim.optim.AdamW(m.parameters(), lr=0.1, weight_format=Float(5, 6)),
+    ],
+    ids=["optim_lp", "FusedSGD", "AdamW"],
+)
+def test_a_copy_of_an_optimizer_with_an_lr_scheduler_steps_the_copy_not_the_original(make):
+    # An LR scheduler sets the optimizer's step to a wrapper that steps the optimizer it was made
+    # for: a copy keeping that attribute stepped the original's parameters, and its own stayed.
+    def trained():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        optimizer = make(model)
+        return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+
+    def steps(model, optimizer, scheduler) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(torch.randn(5, 4)).pow(2).sum().backward()
+            optimizer.step()
+            scheduler.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    original, untouched = trained(), trained()
+    copied = copy.deepcopy(original)
+    after_copy = steps(*copied)
+    for a, b, c in zip(steps(*original), after_copy, steps(*untouched), strict=True):
+        assert_same_bits(a, b)
+        assert_same_bits(a, c)

@@ -3,6 +3,7 @@ simulated formats, unscales exactly, and rescues training whose e4m3 errors woul
 
 import copy
 import math
+import pickle
 from dataclasses import replace
 
 import pytest
@@ -797,3 +798,65 @@ def test_a_copied_fused_optimizer_keeps_its_grad_scaling(fused):
     opt.step()
     copied.step()
     assert_same_bits(twin.detach(), p.detach())
+
+
+@pytest.mark.parametrize(
+    "watched, how",
+    [("model", "deepcopy"), ("quantizer", "deepcopy"), ("quantizer", "pickle")],
+)
+def test_a_copied_watched_model_records_its_overflow_in_the_copied_scaler(watched, how):
+    # watch() and watch_model() returned closures over the scaler: a copy of the model (with its
+    # scaler, for an EMA model or a branch of the run) recorded its overflows in the original
+    # scaler, whose next clean step was then skipped, and the copy's scaler saw none.
+    saturating = (Float(5, 2, saturate=True), "nearest")  # overflow leaves no Inf behind
+    torch.manual_seed(0)
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    if watched == "model":
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        lpsim.nn.inject(model, {nn.Linear: lpsim.nn.LayerQuantization(error=saturating)})
+        scaler.watch_model(model)
+    else:
+        hook = scaler.watch(saturating)
+        quantizer = Quantizer(backward=saturating, backward_hooks=[hook])
+        model = nn.Sequential(nn.Linear(4, 4), quantizer, nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    objects = (model, scaler, optimizer)
+    copied = copy.deepcopy(objects) if how == "deepcopy" else pickle.loads(pickle.dumps(objects))
+    before = [p.detach().clone() for p in model.parameters()]
+    for (m, s, o), weight in ((copied, 1e3), (objects, 1.0)):  # errors of 2**10 * weight
+        o.zero_grad()
+        s.scale(m(torch.ones(3, 4)).sum() * weight).backward()
+        s.step(o)
+        s.update()
+    assert copied[1].skipped_steps == 1  # the copy saw its own overflow
+    assert scaler.skipped_steps == 0  # and the original none of it
+    assert not torch.equal(model[0].bias.detach(), before[1])  # the original stepped
+
+
+def test_a_scaler_of_a_process_group_deep_copies_and_its_watched_model_has_a_shadow(tmp_path):
+    # A scaler deep-copied with the process group it reduces over raised (a ProcessGroup cannot
+    # be pickled), and with it Shadow(model) of a model the scaler watches, whose hooks hold it.
+    dist = torch.distributed
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        group = dist.new_group([0])
+        scaler = DynamicLossScaler(init_scale=2.0**10, process_group=group)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        lpsim.nn.inject(
+            model, {nn.Linear: lpsim.nn.LayerQuantization(error=(Float(5, 2), "nearest"))}
+        )
+        scaler.watch_model(model)
+        copied = copy.deepcopy(scaler)
+        assert copied.process_group is group
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler.scale(model(torch.ones(2, 4)).sum() * 1e3).backward()  # errors of 2**10 * 1e3
+        scaler.step(optimizer)
+        scaler.update()
+        assert (scaler.skipped_steps, copied.skipped_steps) == (1, 0)
+        assert copied.state_dict()["scale"] == 2.0**10
+        shadow = lpsim.diagnostics.Shadow(model)
+        shadow.compare(torch.ones(2, 4), lambda out: out.sum())
+    finally:
+        dist.destroy_process_group()

@@ -337,9 +337,15 @@ def _inert(*args) -> None:
     """What a context's hook is in a deep copy of its model."""
 
 
+def _inert_hook() -> Callable:
+    """What an unpickled _Hook is."""
+    return _inert
+
+
 class _Hook:
     """A hook of a context on its model's modules. A deep copy of the model made while the
-    context is active (lpsim.diagnostics.Shadow's reference, an EMA copy) gets an inert hook: its
+    context is active (lpsim.diagnostics.Shadow's reference, an EMA copy), and one pickled then
+    (torch.save of the whole model, a model sent to a worker process), gets an inert hook: its
     modules are not the context's model's, and running them must not enter its running stack."""
 
     def __init__(self, function: Callable):
@@ -350,6 +356,9 @@ class _Hook:
 
     def __deepcopy__(self, memo) -> Callable:
         return _inert
+
+    def __reduce__(self) -> tuple:
+        return _inert_hook, ()
 
 
 class FunctionQuantization(TorchFunctionMode):

@@ -98,11 +98,6 @@ class _Fused(OwnOptions):
         self.grad_scaling = grad_scaling
         super().__init__(params, defaults)
 
-    def __getstate__(self) -> dict:
-        """torch's state (defaults, state, param_groups) and grad_scaling, which a copy
-        (copy.deepcopy, pickle, torch.save of the optimizer) would otherwise lose."""
-        return {**super().__getstate__(), "_grad_scaling": self._grad_scaling}
-
     def _check_options(self, group: dict) -> None:
         """The optimizer's options, of its defaults or of a parameter group (which may set any of
         them).

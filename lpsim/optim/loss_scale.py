@@ -21,6 +21,7 @@ the simulated formats as the signal:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterator
 
@@ -185,6 +186,39 @@ class _FunctionHook:
             hooks[self.index] = left
         else:
             hooks.pop(self.index, None)
+
+
+class _OverflowWatch:
+    """The hook DynamicLossScaler.watch() returns. An object, not a closure, so that a copy of a
+    model holding it (copy.deepcopy or pickle of the model and its scaler together: an EMA
+    model, a branch of a run) records the copy's overflows in the copy's scaler, not in the
+    original's, whose next step it would skip."""
+
+    def __init__(self, scaler: DynamicLossScaler, low, high):
+        self.scaler, self.low, self.high = scaler, low, high
+
+    def __call__(self, error: torch.Tensor) -> torch.Tensor:
+        if _observation.hidden:
+            return error
+        if self.low is None:
+            inside = error.abs() < self.high  # False for NaN
+        else:
+            inside = (error < self.high) & (error > self.low)
+        self.scaler._record(~inside.all())
+        return error
+
+
+class _ErrorWatch:
+    """The forward hook watch_model() puts on a module: the errors flowing back into its
+    outputs go through ``hook`` (an _OverflowWatch). An object, as _OverflowWatch is."""
+
+    def __init__(self, hook: _OverflowWatch):
+        self.hook = hook
+
+    def __call__(self, module: nn.Module, args, output) -> None:
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(self.hook)
 
 
 class _Handles:
@@ -492,19 +526,7 @@ class DynamicLossScaler(Joinable):
             ValueError: the format has no fixed largest value that a loss scale can push errors
                 past (BlockFloat, Scaled, DelayedScaling, Fixed without clamp).
         """
-        low, high = _overflow_bounds(as_spec(spec, "nearest", "spec"))
-
-        def record_overflow(error: torch.Tensor) -> torch.Tensor:
-            if _observation.hidden:
-                return error
-            if low is None:
-                inside = error.abs() < high  # False for NaN
-            else:
-                inside = (error < high) & (error > low)
-            self._record(~inside.all())
-            return error
-
-        return record_overflow
+        return _OverflowWatch(self, *_overflow_bounds(as_spec(spec, "nearest", "spec")))
 
     def watch_model(self, model: nn.Module) -> _Handles:
         """Watch every error quantiser that lpsim.nn.inject placed in ``model`` (modules injected
@@ -526,13 +548,7 @@ class DynamicLossScaler(Joinable):
         handles = []
         errors = ((module, done.get("error")) for _, module, done in injected(model))
         for module, hook in self._overflow_hooks(errors):
-
-            def observe(mod, args, output, hook=hook):
-                for t in _tensors(output):
-                    if t.requires_grad:
-                        t.register_hook(hook)
-
-            handles.append(module.register_forward_hook(observe))
+            handles.append(module.register_forward_hook(_ErrorWatch(hook)))
         if not handles:
             raise ValueError(
                 "watch_model found no error quantiser that can overflow in the model: inject it "
@@ -751,6 +767,17 @@ class DynamicLossScaler(Joinable):
         self._reductions = 0
 
     # Checkpoints
+
+    def __deepcopy__(self, memo: dict) -> DynamicLossScaler:
+        """A scaler with its own state and the original's process_group, which cannot be
+        copied (as DelayedScaling's amax_group): a model that a scaler watches, copied with it
+        or alone (lpsim.diagnostics.Shadow's reference, an EMA model), holds a copy of it."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        for name, value in vars(self).items():
+            shared = name == "process_group"
+            copied.__dict__[name] = value if shared else copy.deepcopy(value, memo)
+        return copied
 
     def state_dict(self) -> dict:
         """The scale, the counters and the configuration, as plain Python numbers."""

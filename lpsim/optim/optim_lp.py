@@ -18,6 +18,7 @@ from lpsim.functional import quantize
 from lpsim.multi_tensor import quantize_many_
 from lpsim.nn.quantizer import QuantSpec, ScalerCall, Spec, as_spec
 from lpsim.optim import fused
+from lpsim.optim._own_options import pickled_state
 from lpsim.rounding import Rounding
 from lpsim.scaled import Scaled
 
@@ -438,6 +439,26 @@ class OptimLP(Optimizer):
                 )
         self._configure()
         _WRAPPERS[optimizer] = weakref.ref(self)
+
+    def __getstate__(self) -> dict:
+        """The state for pickle (copy.copy, copy.deepcopy, pickle, torch.save of the optimizer):
+        every attribute (pickled_state), ``parameters=`` as pairs (parameter, settings), since the
+        parameters of a copy are other tensors."""
+        state = pickled_state(self)
+        chosen = state["_chosen"]
+        if chosen is not None:
+            state["_chosen"] = [(p, chosen[id(p)]) for p in self._params() if id(p) in chosen]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (see __getstate__): ``parameters=`` of its own parameters, and the copy of the
+        wrapped optimizer answers OptimLP.wrapping with it."""
+        state = dict(state)
+        chosen = state["_chosen"]
+        if chosen is not None:
+            state["_chosen"] = {id(p): settings for p, settings in chosen}
+        super().__setstate__(state)
+        _WRAPPERS[self.optimizer] = weakref.ref(self)
 
     @staticmethod
     def wrapping(optimizer: Optimizer) -> OptimLP | None:
