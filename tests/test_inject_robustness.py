@@ -868,6 +868,41 @@ def test_an_embedding_with_max_norm_renormalises_its_parameter_and_looks_up_quan
     assert "forward" not in vars(layer) and layer.max_norm == plain.max_norm
 
 
+@pytest.mark.parametrize(
+    ("layer", "args"),
+    [
+        (nn.Embedding(6, 4, max_norm=0.5), (torch.tensor([[0, 1], [1, 3]]),)),
+        (nn.EmbeddingBag(6, 4, max_norm=0.5), (torch.tensor([0, 1, 1, 3]), torch.tensor([0, 2]))),
+    ],
+)
+def test_a_weight_normed_embedding_with_max_norm_looks_up_renormalised_rows_quantised(layer, args):
+    # A weight parametrised before inject (weight_norm) was quantised and then renormalised by
+    # torch's forward: the rows looked up were off the format's grid, silently.
+    torch.manual_seed(0)
+    weight_norm(layer, dim=0)
+    plain = copy.deepcopy(layer)
+    inject(layer, {type(layer): LayerQuantization(weight=(E4M1, "nearest"))})
+    for _ in range(2):
+        got = layer(*args)
+        rows = plain.weight  # the weight_norm value, renormalised where indexed, as torch does
+        with torch.no_grad():
+            torch.embedding_renorm_(rows, args[0].reshape(-1), 0.5, 2.0)
+        rows = lpsim.quantize(rows, E4M1, "nearest")
+        if isinstance(layer, nn.EmbeddingBag):
+            want = F.embedding_bag(args[0], rows, args[1], mode="mean")
+        else:
+            want = F.embedding(args[0], rows)
+            assert_same_bits(got, lpsim.quantize(got, E4M1, "nearest"))  # rows on the grid
+        assert_same_bits(got, want)
+        got.sum().backward()
+        want.sum().backward()
+        for name in ("original0", "original1"):
+            g = getattr(layer.parametrizations.weight, name).grad
+            assert_same_bits(g, getattr(plain.parametrizations.weight, name).grad)
+    remove(layer)
+    assert "forward" not in vars(layer) and layer.max_norm == plain.max_norm
+
+
 def _wrap_forward(module: nn.Module) -> nn.Module:
     """Give ``module`` an instance forward wrapping its own (as accelerate's hooks do)."""
     inner = module.forward

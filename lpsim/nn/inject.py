@@ -114,8 +114,9 @@ class LayerQuantization:
             leaves them; inject refuses (NotImplementedError) one computed by a forward pre-hook
             of the older torch.nn.utils.weight_norm or spectral_norm, or of
             torch.nn.utils.prune. An Embedding or
-            EmbeddingBag with max_norm renormalises its Parameter's rows in place, as torch's
-            does, and looks them up quantised.
+            EmbeddingBag with max_norm renormalises the rows of the weight it reads in place, as
+            torch's does (its Parameter's; the tensor its parametrisations compute where it has
+            some), before they are quantised, and looks them up quantised.
         bias: the module's own parameters whose names end in "bias" (in a recurrent layer, start
             with "bias_": bias_ih_l0, ...; in a recurrent cell, bias_ih and bias_hh; in a
             MultiheadAttention, bias_k and bias_v too), likewise.
@@ -615,7 +616,14 @@ class _FakeQuantize(nn.Module):
     MultiheadAttention reads in_proj_weight three times) quantises it once: one amax recorded,
     one seed drawn. A read without gradients (torch.no_grad) gets it detached; a later read with
     them gets it with its gradient, whichever came first. Outside every scope each read
-    quantises."""
+    quantises.
+
+    ``renorm``, set by _renorming_embedding_forward for the call of an Embedding or EmbeddingBag
+    with max_norm, is (indices, max_norm, norm_type): the rows of the value that the indices
+    name are renormalised in place (torch.embedding_renorm_, without gradients) before it is
+    quantised, as torch's forward renormalises the weight it reads."""
+
+    renorm: tuple | None = None  # also for a quantiser pickled before it had one
 
     def __init__(
         self,
@@ -677,6 +685,10 @@ class _FakeQuantize(nn.Module):
         # ``training`` alone (as torch's modules read it).
         owner, category = self.site
         training = owner.training
+        if self.renorm is not None:
+            indices, max_norm, norm_type = self.renorm
+            with torch.no_grad():
+                torch.embedding_renorm_(value, indices, max_norm, norm_type)
         quantise = self.spec if training else self.eval_spec
         rounded = _in_layout_of(value, quantise(value))
         observer = _observation.current
@@ -973,36 +985,38 @@ def _simulated_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:  #
 
 
 def _renorms_its_weight(module: nn.Module) -> bool:
-    """Whether ``module`` is an Embedding or EmbeddingBag with ``max_norm`` whose weight Parameter
-    inject's fake-quantiser alone parametrises (see _renorming_embedding_forward)."""
+    """Whether ``module`` is an Embedding or EmbeddingBag with ``max_norm`` whose weight inject's
+    fake-quantiser parametrises, the last of its parametrisations (see
+    _renorming_embedding_forward)."""
     return (
         isinstance(module, (nn.Embedding, nn.EmbeddingBag))
         and module.max_norm is not None
         and parametrize.is_parametrized(module, "weight")
-        and len(module.parametrizations.weight) == 1
-        and isinstance(module.parametrizations.weight[0], _FakeQuantize)
+        and isinstance(module.parametrizations.weight[-1], _FakeQuantize)
     )
 
 
 def _renorming_embedding_forward(self: nn.Module, input: torch.Tensor, *args, **kwargs):  # noqa: A002
     """The forward of an injected Embedding or EmbeddingBag with ``max_norm`` and a quantised
     weight. torch's forward renormalises, in place, the rows of the weight it reads that the input
-    indexes: the Parameter, in the plain layer. Here it reads the quantised weight, a new tensor,
-    so the Parameter would never be renormalised and the rows looked up would be renormalised
-    quantised values, off the format's grid. This renormalises the Parameter's rows as torch does
-    (torch.embedding_renorm_, without gradients), then runs the class's forward without
+    indexes: the Parameter in the plain layer, the tensor its parametrisations compute in a
+    parametrised one (weight_norm, ...). Here it would read the quantised weight, a new tensor,
+    so the rows looked up would be renormalised quantised values, off the format's grid (and the
+    Parameter never renormalised). This has inject's fake-quantiser renormalise the tensor it
+    quantises, as torch does (torch.embedding_renorm_, without gradients: the Parameter itself
+    where the fake-quantiser alone parametrises it), then runs the class's forward without
     ``max_norm``, so that the rows looked up are the quantised renormalised rows."""
     max_norm = self.max_norm
     if max_norm is None:
         return type(self).forward(self, input, *args, **kwargs)
-    with torch.no_grad():
-        original = self.parametrizations.weight.original
-        torch.embedding_renorm_(original, input.reshape(-1), max_norm, self.norm_type)
+    quantiser = self.parametrizations.weight[-1]
+    quantiser.renorm = (input.reshape(-1), max_norm, self.norm_type)
     self.max_norm = None
     try:
         return type(self).forward(self, input, *args, **kwargs)
     finally:
         self.max_norm = max_norm
+        quantiser.renorm = None
 
 
 def _unquantised_weight(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
@@ -1366,15 +1380,14 @@ def _simulates_products(module: nn.Module, settings: LayerQuantization) -> bool:
 def _replaces_forward(module: nn.Module, settings: LayerQuantization) -> str | None:
     """What of injecting ``settings`` makes inject set ``module.forward`` to a forward of its own
     (named, for an error message), or None: MACs (_simulated_forward), or a quantised weight of
-    an Embedding or EmbeddingBag with max_norm whose weight has no parametrisation yet
-    (_renorming_embedding_forward). The weight scope wraps any forward and replaces none."""
+    an Embedding or EmbeddingBag with max_norm (_renorming_embedding_forward). The weight scope
+    wraps any forward and replaces none."""
     if _simulates_products(module, settings):
         return "MACs (mac, input_grad_mac, weight_grad_mac, backward Operands)"
     if (
         isinstance(module, (nn.Embedding, nn.EmbeddingBag))
         and module.max_norm is not None
         and settings.spec("weight") is not None
-        and not parametrize.is_parametrized(module, "weight")
     ):
         return "quantised weight (an Embedding with max_norm renormalises it in its own forward)"
     return None
