@@ -677,6 +677,53 @@ def test_a_weight_read_first_under_no_grad_still_gets_its_gradient():
         assert not layer(x).requires_grad
 
 
+def test_a_weight_normed_weight_read_first_under_no_grad_still_gets_its_gradient():
+    # The first read's weight_norm value was computed without gradients and the tensor quantised
+    # from it kept for the call: g and v got no gradient, silently.
+    torch.manual_seed(0)
+    layer = weight_norm(_PeakNormalised(3, 2))
+    reference = copy.deepcopy(layer)
+    inject(layer, {_PeakNormalised: LayerQuantization(weight=(E4M1, "nearest"))})
+    x = torch.randn(4, 3)
+    got = layer(x)
+    w = reference.weight  # the plain layer's weight_norm value, quantised straight-through
+    w = w + (lpsim.quantize(w, E4M1, "nearest") - w).detach()
+    want = F.linear(x, w / w.detach().abs().max(), reference.bias)
+    assert_same_bits(got, want)
+    got.sum().backward(), want.sum().backward()
+    for name in ("original0", "original1"):
+        g = getattr(layer.parametrizations.weight, name).grad
+        assert g is not None
+        assert_same_bits(g, getattr(reference.parametrizations.weight, name).grad)
+
+
+def test_a_parametrisation_before_inject_is_computed_once_per_call_as_under_parametrize_cached():
+    # torch's MultiheadAttention reads in_proj_weight up to three times in training: spectral_norm
+    # stepped its power iteration at each read while the first read's weight was quantised and
+    # used, a weight matching neither the plain model's nor its own state.
+    torch.manual_seed(0)
+    attention = spectral_norm(nn.MultiheadAttention(8, 2), "in_proj_weight")
+    reference = copy.deepcopy(attention)
+    inject(attention, {nn.MultiheadAttention: LayerQuantization(weight=(E4M1, "nearest"))})
+
+    class RoundStraightThrough(nn.Module):
+        def forward(self, w):
+            return w + (lpsim.quantize(w, E4M1, "nearest") - w).detach()
+
+    parametrize.register_parametrization(
+        reference, "in_proj_weight", RoundStraightThrough(), unsafe=True
+    )
+    x = torch.randn(4, 2, 8)
+    for _ in range(3):
+        got = attention(x, x, x)[0]
+        with parametrize.cached():
+            want = reference(x, x, x)[0]
+        assert_same_bits(got, want)
+        power = [m.parametrizations.in_proj_weight[0] for m in (attention, reference)]
+        assert_same_bits(power[0]._u, power[1]._u)
+        assert_same_bits(power[0]._v, power[1]._v)
+
+
 # lpsim's own state in the model
 
 

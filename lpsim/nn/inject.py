@@ -110,10 +110,11 @@ class LayerQuantization:
             quantisation), and at each read outside it. Each read gives a new tensor: an in-place
             write to it (reset_parameters(), nn.init) is lost; write to
             ``parametrizations.<name>.original``. One that already has torch
-            parametrisations (weight_norm, orthogonal, ...) is quantised after them, and remove()
-            leaves them; inject refuses (NotImplementedError) one computed by a forward pre-hook
-            of the older torch.nn.utils.weight_norm or spectral_norm, or of
-            torch.nn.utils.prune. An Embedding or
+            parametrisations (weight_norm, orthogonal, ...) is quantised after them, which are
+            computed with it, once per call (spectral_norm's power iteration steps once per call,
+            as under torch's parametrize.cached()), and remove() leaves them; inject refuses
+            (NotImplementedError) one computed by a forward pre-hook of the older
+            torch.nn.utils.weight_norm or spectral_norm, or of torch.nn.utils.prune. An Embedding or
             EmbeddingBag with max_norm renormalises the rows of the weight it reads in place, as
             torch's does (its Parameter's; the tensor its parametrisations compute where it has
             some), before they are quantised, and looks them up quantised.
@@ -610,13 +611,8 @@ class _FakeQuantize(nn.Module):
     parameter, "weight" or "bias"), under which the rounding is reported to the current observer
     (lpsim._observation); ``name`` is the parameter's name in that module.
 
-    Inside a weight scope (the forward of a module holding parametrised tensors, or reading them:
-    see _open_weight_scope) the parameter is quantised at its first read and later reads in the
-    same scope get that tensor, so that a forward reading a weight several times (torch's
-    MultiheadAttention reads in_proj_weight three times) quantises it once: one amax recorded,
-    one seed drawn. A read without gradients (torch.no_grad) gets it detached; a later read with
-    them gets it with its gradient, whichever came first. Outside every scope each read
-    quantises.
+    Inside a weight scope the whole parametrised tensor is computed once (see
+    _scoped_parametrization): each read outside every scope quantises.
 
     ``renorm``, set by _renorming_embedding_forward for the call of an Embedding or EmbeddingBag
     with max_norm, is (indices, max_norm, norm_type): the rows of the value that the indices
@@ -659,25 +655,7 @@ class _FakeQuantize(nn.Module):
         )
 
     def forward(self, value: torch.Tensor) -> torch.Tensor:
-        scopes = _weight_scopes()
-        if not scopes:
-            return self._quantise(value)
-        cache = scopes[-1]
-        rounded = cache.get(self)
-        if rounded is None:
-            if (
-                value.requires_grad
-                and not torch.is_grad_enabled()
-                and not torch.is_inference_mode_enabled()
-            ):
-                # A first read without gradients (torch.no_grad inside forward): quantised with
-                # them, so that a later read in the scope, which gets this tensor, has a gradient.
-                with torch.enable_grad():
-                    rounded = self._quantise(value)
-            else:
-                rounded = self._quantise(value)
-            cache[self] = rounded
-        return rounded if torch.is_grad_enabled() else rounded.detach()
+        return self._quantise(value)
 
     def _quantise(self, value: torch.Tensor) -> torch.Tensor:
         # The mode of the module that owns the parameter, as its input and output quantisers
@@ -698,6 +676,43 @@ class _FakeQuantize(nn.Module):
 
     def extra_repr(self) -> str:
         return str(self.spec)
+
+
+def _scoped_parametrization(parametrizations: parametrize.ParametrizationList) -> torch.Tensor:
+    """The forward of a ParametrizationList whose last parametrisation is inject's _FakeQuantize
+    (an instance attribute, set by _inject_module): the parametrised tensor.
+
+    Inside a weight scope (the forward of a module holding parametrised tensors, or reading them:
+    see _open_weight_scope) the whole list is computed at the first read, the parametrisations
+    the tensor had before inject (weight_norm, spectral_norm, ...) included, and later reads in
+    the same scope get that tensor, so that a forward reading a weight several times (torch's
+    MultiheadAttention reads in_proj_weight up to three times) quantises it once, one amax
+    recorded, one seed drawn, and computes its parametrisations once (spectral_norm's power
+    iteration steps once per call, the weight it computes being the one quantised), as under
+    torch's parametrize.cached(). A read without gradients (torch.no_grad) gets it detached; a
+    later read with them gets it with its gradient, whichever came first. Outside every scope each
+    read computes it afresh."""
+    compute = type(parametrizations).forward
+    scopes = _weight_scopes()
+    if not scopes:
+        return compute(parametrizations)
+    cache = scopes[-1]
+    key = parametrizations[-1]
+    rounded = cache.get(key)
+    if rounded is None:
+        if (
+            not torch.is_grad_enabled()
+            and not torch.is_inference_mode_enabled()
+            and any(t.requires_grad for t in _original_tensors(parametrizations))
+        ):
+            # A first read without gradients (torch.no_grad inside forward): computed with
+            # them, so that a later read in the scope, which gets this tensor, has a gradient.
+            with torch.enable_grad():
+                rounded = compute(parametrizations)
+        else:
+            rounded = compute(parametrizations)
+        cache[key] = rounded
+    return rounded if torch.is_grad_enabled() else rounded.detach()
 
 
 def own_parametrized_classes(model: nn.Module) -> nn.Module:
@@ -773,6 +788,7 @@ def _remove_quantiser(module: nn.Module, pname: str) -> None:
         return
     last = max(i for i, p in enumerate(parametrizations) if isinstance(p, _FakeQuantize))
     del parametrizations[last]
+    parametrizations.__dict__.pop("forward", None)  # _scoped_parametrization
 
 
 _parametrize_lock = threading.Lock()
@@ -1502,6 +1518,8 @@ def _inject_module(
             # _check_module has checked what quantising the parameter checks.
             with _parameter_kept_whole():
                 parametrize.register_parametrization(module, pname, quantise, unsafe=True)
+            parametrizations = module.parametrizations[pname]
+            parametrizations.forward = _bound(_scoped_parametrization, parametrizations)
             done[kind].append((pname, spec))
     if done["weight"] or done["bias"]:
         done["load_hook"] = module.register_load_state_dict_pre_hook(_load_plain_keys)
