@@ -283,6 +283,26 @@ def test_backward_operands_take_the_parametrised_weight_before_quantisation(wrap
     assert len(layer.parametrizations.weight) == 1
 
 
+def test_backward_operands_take_the_spectral_normed_weight_of_the_calls_one_power_iteration():
+    # The backward operands computed the spectral_norm weight again: its power iteration stepped
+    # twice per call, and the error's product took another weight than the one forward quantised.
+    torch.manual_seed(0)
+    layer = spectral_norm(nn.Linear(4, 3))
+    plain = copy.deepcopy(layer)
+    settings = LayerQuantization(
+        weight=E4M1, rounding="nearest", input_grad_operands=Operands(weight=E5M2)
+    )
+    inject(layer, {nn.Linear: settings})
+    for _ in range(3):
+        x = torch.randn(2, 4, requires_grad=True)
+        layer(x).sum().backward()
+        weight = plain.weight.detach()  # the plain layer's one power iteration of this call
+        for got, want in zip(layer.buffers(), plain.buffers()):
+            assert_same_bits(got, want)
+        want = torch.ones(2, 3) @ lpsim.quantize(weight, E5M2, "nearest")
+        torch.testing.assert_close(x.grad, want, rtol=0, atol=0)
+
+
 def test_injecting_leaves_a_spectral_norms_power_iteration_where_it_was():
     torch.manual_seed(0)
     layer = spectral_norm(nn.Linear(4, 3))

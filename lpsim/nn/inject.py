@@ -655,6 +655,9 @@ class _FakeQuantize(nn.Module):
         )
 
     def forward(self, value: torch.Tensor) -> torch.Tensor:
+        scopes = _weight_scopes()
+        if scopes:  # the value before quantisation, for the backward Operands (_unquantised_weight)
+            scopes[-1][self, "unquantised"] = value
         return self._quantise(value)
 
     def _quantise(self, value: torch.Tensor) -> torch.Tensor:
@@ -1046,6 +1049,10 @@ def _unquantised_weight(module: nn.Module, weight: torch.Tensor) -> torch.Tensor
         return weight
     if len(parametrizations) == 1:
         return parametrizations.original
+    scopes = _weight_scopes()
+    found = scopes[-1].get((parametrizations[-1], "unquantised")) if scopes else None
+    if found is not None:  # computed by this call's read of the weight, once (a power iteration)
+        return found
     value = parametrizations[0](*_original_tensors(parametrizations))
     for i in range(1, len(parametrizations) - 1):
         value = parametrizations[i](value)
