@@ -1909,7 +1909,9 @@ def _modules_that_run(model: nn.Module, example) -> set[int]:
     random streams of training where they were, and in an unobserved_pass (a Recorder records
     nothing; every buffer it writes is put back as it was, the scalers it creates dropped)."""
     ran: set[int] = set()
-    args = example if isinstance(example, tuple) else (example,)
+    # A plain tuple holds the arguments; a tuple of another type (a PackedSequence, a named tuple)
+    # is one argument, as a tensor is.
+    args = example if type(example) is tuple else (example,)
     tensors = [*model.parameters(), *model.buffers()]
     map_tensors(args, lambda t: tensors.append(t) or t)
     devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
@@ -1971,7 +1973,8 @@ def report(
     ``optimizer``, what the optimizer rounds for each parameter.
 
     The ``note`` column flags configured quantisers that never run: on modules whose forward their
-    parent bypasses (always), and, given ``example`` (a tensor or a tuple of positional arguments),
+    parent bypasses (always), and, given ``example`` (a tensor or a plain tuple of positional
+    arguments; a tuple of another type, a PackedSequence or a named tuple, is one argument),
     on modules whose forward does not run on it. The example pass runs without gradients, in a
     fork of torch's generators and unobserved, and the buffers it writes (BatchNorm's running
     statistics, the DelayedScalers' state) are restored afterwards and the scalers it creates
