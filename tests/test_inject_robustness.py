@@ -283,6 +283,26 @@ def test_backward_operands_take_the_parametrised_weight_before_quantisation(wrap
     assert len(layer.parametrizations.weight) == 1
 
 
+def test_backward_operands_take_the_spectral_normed_weight_of_the_calls_one_power_iteration():
+    # The backward operands computed the spectral_norm weight again: its power iteration stepped
+    # twice per call, and the error's product took another weight than the one forward quantised.
+    torch.manual_seed(0)
+    layer = spectral_norm(nn.Linear(4, 3))
+    plain = copy.deepcopy(layer)
+    settings = LayerQuantization(
+        weight=E4M1, rounding="nearest", input_grad_operands=Operands(weight=E5M2)
+    )
+    inject(layer, {nn.Linear: settings})
+    for _ in range(3):
+        x = torch.randn(2, 4, requires_grad=True)
+        layer(x).sum().backward()
+        weight = plain.weight.detach()  # the plain layer's one power iteration of this call
+        for got, want in zip(layer.buffers(), plain.buffers()):
+            assert_same_bits(got, want)
+        want = torch.ones(2, 3) @ lpsim.quantize(weight, E5M2, "nearest")
+        torch.testing.assert_close(x.grad, want, rtol=0, atol=0)
+
+
 def test_injecting_leaves_a_spectral_norms_power_iteration_where_it_was():
     torch.manual_seed(0)
     layer = spectral_norm(nn.Linear(4, 3))
@@ -677,6 +697,53 @@ def test_a_weight_read_first_under_no_grad_still_gets_its_gradient():
         assert not layer(x).requires_grad
 
 
+def test_a_weight_normed_weight_read_first_under_no_grad_still_gets_its_gradient():
+    # The first read's weight_norm value was computed without gradients and the tensor quantised
+    # from it kept for the call: g and v got no gradient, silently.
+    torch.manual_seed(0)
+    layer = weight_norm(_PeakNormalised(3, 2))
+    reference = copy.deepcopy(layer)
+    inject(layer, {_PeakNormalised: LayerQuantization(weight=(E4M1, "nearest"))})
+    x = torch.randn(4, 3)
+    got = layer(x)
+    w = reference.weight  # the plain layer's weight_norm value, quantised straight-through
+    w = w + (lpsim.quantize(w, E4M1, "nearest") - w).detach()
+    want = F.linear(x, w / w.detach().abs().max(), reference.bias)
+    assert_same_bits(got, want)
+    got.sum().backward(), want.sum().backward()
+    for name in ("original0", "original1"):
+        g = getattr(layer.parametrizations.weight, name).grad
+        assert g is not None
+        assert_same_bits(g, getattr(reference.parametrizations.weight, name).grad)
+
+
+def test_a_parametrisation_before_inject_is_computed_once_per_call_as_under_parametrize_cached():
+    # torch's MultiheadAttention reads in_proj_weight up to three times in training: spectral_norm
+    # stepped its power iteration at each read while the first read's weight was quantised and
+    # used, a weight matching neither the plain model's nor its own state.
+    torch.manual_seed(0)
+    attention = spectral_norm(nn.MultiheadAttention(8, 2), "in_proj_weight")
+    reference = copy.deepcopy(attention)
+    inject(attention, {nn.MultiheadAttention: LayerQuantization(weight=(E4M1, "nearest"))})
+
+    class RoundStraightThrough(nn.Module):
+        def forward(self, w):
+            return w + (lpsim.quantize(w, E4M1, "nearest") - w).detach()
+
+    parametrize.register_parametrization(
+        reference, "in_proj_weight", RoundStraightThrough(), unsafe=True
+    )
+    x = torch.randn(4, 2, 8)
+    for _ in range(3):
+        got = attention(x, x, x)[0]
+        with parametrize.cached():
+            want = reference(x, x, x)[0]
+        assert_same_bits(got, want)
+        power = [m.parametrizations.in_proj_weight[0] for m in (attention, reference)]
+        assert_same_bits(power[0]._u, power[1]._u)
+        assert_same_bits(power[0]._v, power[1]._v)
+
+
 # lpsim's own state in the model
 
 
@@ -864,6 +931,41 @@ def test_an_embedding_with_max_norm_renormalises_its_parameter_and_looks_up_quan
             want = torch.nn.functional.embedding(args[0], rows)
             assert_same_bits(got, lpsim.quantize(got, E4M1, "nearest"))  # rows on the grid
         assert_same_bits(got, want)
+    remove(layer)
+    assert "forward" not in vars(layer) and layer.max_norm == plain.max_norm
+
+
+@pytest.mark.parametrize(
+    ("layer", "args"),
+    [
+        (nn.Embedding(6, 4, max_norm=0.5), (torch.tensor([[0, 1], [1, 3]]),)),
+        (nn.EmbeddingBag(6, 4, max_norm=0.5), (torch.tensor([0, 1, 1, 3]), torch.tensor([0, 2]))),
+    ],
+)
+def test_a_weight_normed_embedding_with_max_norm_looks_up_renormalised_rows_quantised(layer, args):
+    # A weight parametrised before inject (weight_norm) was quantised and then renormalised by
+    # torch's forward: the rows looked up were off the format's grid, silently.
+    torch.manual_seed(0)
+    weight_norm(layer, dim=0)
+    plain = copy.deepcopy(layer)
+    inject(layer, {type(layer): LayerQuantization(weight=(E4M1, "nearest"))})
+    for _ in range(2):
+        got = layer(*args)
+        rows = plain.weight  # the weight_norm value, renormalised where indexed, as torch does
+        with torch.no_grad():
+            torch.embedding_renorm_(rows, args[0].reshape(-1), 0.5, 2.0)
+        rows = lpsim.quantize(rows, E4M1, "nearest")
+        if isinstance(layer, nn.EmbeddingBag):
+            want = F.embedding_bag(args[0], rows, args[1], mode="mean")
+        else:
+            want = F.embedding(args[0], rows)
+            assert_same_bits(got, lpsim.quantize(got, E4M1, "nearest"))  # rows on the grid
+        assert_same_bits(got, want)
+        got.sum().backward()
+        want.sum().backward()
+        for name in ("original0", "original1"):
+            g = getattr(layer.parametrizations.weight, name).grad
+            assert_same_bits(g, getattr(plain.parametrizations.weight, name).grad)
     remove(layer)
     assert "forward" not in vars(layer) and layer.max_norm == plain.max_norm
 

@@ -298,6 +298,24 @@ def test_report_with_an_example_flags_modules_whose_forward_does_not_run():
     assert re.search(r"^used .*stochastic\s+-$", text, re.M)
 
 
+def test_report_takes_a_packed_sequence_example_as_one_argument():
+    # A PackedSequence (a tuple) was unpacked into four positional arguments of the model.
+    class Tagger(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn, self.unused = nn.GRU(3, 4), nn.Linear(4, 2)
+
+        def forward(self, packed):
+            return self.rnn(packed)[1]
+
+    model = Tagger()
+    inject(model, {(nn.GRU, nn.Linear): LayerQuantization(output=(E5M2, "nearest"))})
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(5, 3, 3), torch.tensor([5, 3, 2]))
+    with pytest.warns(UserWarning, match="unused: input/output/error never ran on the example"):
+        text = report(model, example=packed)
+    assert re.search(r"^rnn\s+GRU .*nearest\s+-$", text, re.M)  # it ran: no note
+
+
 # Item 6: remove() restores registration order
 
 

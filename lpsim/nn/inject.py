@@ -110,12 +110,14 @@ class LayerQuantization:
             quantisation), and at each read outside it. Each read gives a new tensor: an in-place
             write to it (reset_parameters(), nn.init) is lost; write to
             ``parametrizations.<name>.original``. One that already has torch
-            parametrisations (weight_norm, orthogonal, ...) is quantised after them, and remove()
-            leaves them; inject refuses (NotImplementedError) one computed by a forward pre-hook
-            of the older torch.nn.utils.weight_norm or spectral_norm, or of
-            torch.nn.utils.prune. An Embedding or
-            EmbeddingBag with max_norm renormalises its Parameter's rows in place, as torch's
-            does, and looks them up quantised.
+            parametrisations (weight_norm, orthogonal, ...) is quantised after them, which are
+            computed with it, once per call (spectral_norm's power iteration steps once per call,
+            as under torch's parametrize.cached()), and remove() leaves them; inject refuses
+            (NotImplementedError) one computed by a forward pre-hook of the older
+            torch.nn.utils.weight_norm or spectral_norm, or of torch.nn.utils.prune. An Embedding or
+            EmbeddingBag with max_norm renormalises the rows of the weight it reads in place, as
+            torch's does (its Parameter's; the tensor its parametrisations compute where it has
+            some), before they are quantised, and looks them up quantised.
         bias: the module's own parameters whose names end in "bias" (in a recurrent layer, start
             with "bias_": bias_ih_l0, ...; in a recurrent cell, bias_ih and bias_hh; in a
             MultiheadAttention, bias_k and bias_v too), likewise.
@@ -609,13 +611,15 @@ class _FakeQuantize(nn.Module):
     parameter, "weight" or "bias"), under which the rounding is reported to the current observer
     (lpsim._observation); ``name`` is the parameter's name in that module.
 
-    Inside a weight scope (the forward of a module holding parametrised tensors, or reading them:
-    see _open_weight_scope) the parameter is quantised at its first read and later reads in the
-    same scope get that tensor, so that a forward reading a weight several times (torch's
-    MultiheadAttention reads in_proj_weight three times) quantises it once: one amax recorded,
-    one seed drawn. A read without gradients (torch.no_grad) gets it detached; a later read with
-    them gets it with its gradient, whichever came first. Outside every scope each read
-    quantises."""
+    Inside a weight scope the whole parametrised tensor is computed once (see
+    _scoped_parametrization): each read outside every scope quantises.
+
+    ``renorm``, set by _renorming_embedding_forward for the call of an Embedding or EmbeddingBag
+    with max_norm, is (indices, max_norm, norm_type): the rows of the value that the indices
+    name are renormalised in place (torch.embedding_renorm_, without gradients) before it is
+    quantised, as torch's forward renormalises the weight it reads."""
+
+    renorm: tuple | None = None  # also for a quantiser pickled before it had one
 
     def __init__(
         self,
@@ -652,24 +656,9 @@ class _FakeQuantize(nn.Module):
 
     def forward(self, value: torch.Tensor) -> torch.Tensor:
         scopes = _weight_scopes()
-        if not scopes:
-            return self._quantise(value)
-        cache = scopes[-1]
-        rounded = cache.get(self)
-        if rounded is None:
-            if (
-                value.requires_grad
-                and not torch.is_grad_enabled()
-                and not torch.is_inference_mode_enabled()
-            ):
-                # A first read without gradients (torch.no_grad inside forward): quantised with
-                # them, so that a later read in the scope, which gets this tensor, has a gradient.
-                with torch.enable_grad():
-                    rounded = self._quantise(value)
-            else:
-                rounded = self._quantise(value)
-            cache[self] = rounded
-        return rounded if torch.is_grad_enabled() else rounded.detach()
+        if scopes:  # the value before quantisation, for the backward Operands (_unquantised_weight)
+            scopes[-1][self, "unquantised"] = value
+        return self._quantise(value)
 
     def _quantise(self, value: torch.Tensor) -> torch.Tensor:
         # The mode of the module that owns the parameter, as its input and output quantisers
@@ -677,6 +666,10 @@ class _FakeQuantize(nn.Module):
         # ``training`` alone (as torch's modules read it).
         owner, category = self.site
         training = owner.training
+        if self.renorm is not None:
+            indices, max_norm, norm_type = self.renorm
+            with torch.no_grad():
+                torch.embedding_renorm_(value, indices, max_norm, norm_type)
         quantise = self.spec if training else self.eval_spec
         rounded = _in_layout_of(value, quantise(value))
         observer = _observation.current
@@ -686,6 +679,43 @@ class _FakeQuantize(nn.Module):
 
     def extra_repr(self) -> str:
         return str(self.spec)
+
+
+def _scoped_parametrization(parametrizations: parametrize.ParametrizationList) -> torch.Tensor:
+    """The forward of a ParametrizationList whose last parametrisation is inject's _FakeQuantize
+    (an instance attribute, set by _inject_module): the parametrised tensor.
+
+    Inside a weight scope (the forward of a module holding parametrised tensors, or reading them:
+    see _open_weight_scope) the whole list is computed at the first read, the parametrisations
+    the tensor had before inject (weight_norm, spectral_norm, ...) included, and later reads in
+    the same scope get that tensor, so that a forward reading a weight several times (torch's
+    MultiheadAttention reads in_proj_weight up to three times) quantises it once, one amax
+    recorded, one seed drawn, and computes its parametrisations once (spectral_norm's power
+    iteration steps once per call, the weight it computes being the one quantised), as under
+    torch's parametrize.cached(). A read without gradients (torch.no_grad) gets it detached; a
+    later read with them gets it with its gradient, whichever came first. Outside every scope each
+    read computes it afresh."""
+    compute = type(parametrizations).forward
+    scopes = _weight_scopes()
+    if not scopes:
+        return compute(parametrizations)
+    cache = scopes[-1]
+    key = parametrizations[-1]
+    rounded = cache.get(key)
+    if rounded is None:
+        if (
+            not torch.is_grad_enabled()
+            and not torch.is_inference_mode_enabled()
+            and any(t.requires_grad for t in _original_tensors(parametrizations))
+        ):
+            # A first read without gradients (torch.no_grad inside forward): computed with
+            # them, so that a later read in the scope, which gets this tensor, has a gradient.
+            with torch.enable_grad():
+                rounded = compute(parametrizations)
+        else:
+            rounded = compute(parametrizations)
+        cache[key] = rounded
+    return rounded if torch.is_grad_enabled() else rounded.detach()
 
 
 def own_parametrized_classes(model: nn.Module) -> nn.Module:
@@ -761,6 +791,7 @@ def _remove_quantiser(module: nn.Module, pname: str) -> None:
         return
     last = max(i for i, p in enumerate(parametrizations) if isinstance(p, _FakeQuantize))
     del parametrizations[last]
+    parametrizations.__dict__.pop("forward", None)  # _scoped_parametrization
 
 
 _parametrize_lock = threading.Lock()
@@ -973,36 +1004,38 @@ def _simulated_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:  #
 
 
 def _renorms_its_weight(module: nn.Module) -> bool:
-    """Whether ``module`` is an Embedding or EmbeddingBag with ``max_norm`` whose weight Parameter
-    inject's fake-quantiser alone parametrises (see _renorming_embedding_forward)."""
+    """Whether ``module`` is an Embedding or EmbeddingBag with ``max_norm`` whose weight inject's
+    fake-quantiser parametrises, the last of its parametrisations (see
+    _renorming_embedding_forward)."""
     return (
         isinstance(module, (nn.Embedding, nn.EmbeddingBag))
         and module.max_norm is not None
         and parametrize.is_parametrized(module, "weight")
-        and len(module.parametrizations.weight) == 1
-        and isinstance(module.parametrizations.weight[0], _FakeQuantize)
+        and isinstance(module.parametrizations.weight[-1], _FakeQuantize)
     )
 
 
 def _renorming_embedding_forward(self: nn.Module, input: torch.Tensor, *args, **kwargs):  # noqa: A002
     """The forward of an injected Embedding or EmbeddingBag with ``max_norm`` and a quantised
     weight. torch's forward renormalises, in place, the rows of the weight it reads that the input
-    indexes: the Parameter, in the plain layer. Here it reads the quantised weight, a new tensor,
-    so the Parameter would never be renormalised and the rows looked up would be renormalised
-    quantised values, off the format's grid. This renormalises the Parameter's rows as torch does
-    (torch.embedding_renorm_, without gradients), then runs the class's forward without
+    indexes: the Parameter in the plain layer, the tensor its parametrisations compute in a
+    parametrised one (weight_norm, ...). Here it would read the quantised weight, a new tensor,
+    so the rows looked up would be renormalised quantised values, off the format's grid (and the
+    Parameter never renormalised). This has inject's fake-quantiser renormalise the tensor it
+    quantises, as torch does (torch.embedding_renorm_, without gradients: the Parameter itself
+    where the fake-quantiser alone parametrises it), then runs the class's forward without
     ``max_norm``, so that the rows looked up are the quantised renormalised rows."""
     max_norm = self.max_norm
     if max_norm is None:
         return type(self).forward(self, input, *args, **kwargs)
-    with torch.no_grad():
-        original = self.parametrizations.weight.original
-        torch.embedding_renorm_(original, input.reshape(-1), max_norm, self.norm_type)
+    quantiser = self.parametrizations.weight[-1]
+    quantiser.renorm = (input.reshape(-1), max_norm, self.norm_type)
     self.max_norm = None
     try:
         return type(self).forward(self, input, *args, **kwargs)
     finally:
         self.max_norm = max_norm
+        quantiser.renorm = None
 
 
 def _unquantised_weight(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
@@ -1016,6 +1049,10 @@ def _unquantised_weight(module: nn.Module, weight: torch.Tensor) -> torch.Tensor
         return weight
     if len(parametrizations) == 1:
         return parametrizations.original
+    scopes = _weight_scopes()
+    found = scopes[-1].get((parametrizations[-1], "unquantised")) if scopes else None
+    if found is not None:  # computed by this call's read of the weight, once (a power iteration)
+        return found
     value = parametrizations[0](*_original_tensors(parametrizations))
     for i in range(1, len(parametrizations) - 1):
         value = parametrizations[i](value)
@@ -1366,15 +1403,14 @@ def _simulates_products(module: nn.Module, settings: LayerQuantization) -> bool:
 def _replaces_forward(module: nn.Module, settings: LayerQuantization) -> str | None:
     """What of injecting ``settings`` makes inject set ``module.forward`` to a forward of its own
     (named, for an error message), or None: MACs (_simulated_forward), or a quantised weight of
-    an Embedding or EmbeddingBag with max_norm whose weight has no parametrisation yet
-    (_renorming_embedding_forward). The weight scope wraps any forward and replaces none."""
+    an Embedding or EmbeddingBag with max_norm (_renorming_embedding_forward). The weight scope
+    wraps any forward and replaces none."""
     if _simulates_products(module, settings):
         return "MACs (mac, input_grad_mac, weight_grad_mac, backward Operands)"
     if (
         isinstance(module, (nn.Embedding, nn.EmbeddingBag))
         and module.max_norm is not None
         and settings.spec("weight") is not None
-        and not parametrize.is_parametrized(module, "weight")
     ):
         return "quantised weight (an Embedding with max_norm renormalises it in its own forward)"
     return None
@@ -1489,6 +1525,8 @@ def _inject_module(
             # _check_module has checked what quantising the parameter checks.
             with _parameter_kept_whole():
                 parametrize.register_parametrization(module, pname, quantise, unsafe=True)
+            parametrizations = module.parametrizations[pname]
+            parametrizations.forward = _bound(_scoped_parametrization, parametrizations)
             done[kind].append((pname, spec))
     if done["weight"] or done["bias"]:
         done["load_hook"] = module.register_load_state_dict_pre_hook(_load_plain_keys)
@@ -1871,7 +1909,9 @@ def _modules_that_run(model: nn.Module, example) -> set[int]:
     random streams of training where they were, and in an unobserved_pass (a Recorder records
     nothing; every buffer it writes is put back as it was, the scalers it creates dropped)."""
     ran: set[int] = set()
-    args = example if isinstance(example, tuple) else (example,)
+    # A plain tuple holds the arguments; a tuple of another type (a PackedSequence, a named tuple)
+    # is one argument, as a tensor is.
+    args = example if type(example) is tuple else (example,)
     tensors = [*model.parameters(), *model.buffers()]
     map_tensors(args, lambda t: tensors.append(t) or t)
     devices = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
@@ -1933,7 +1973,8 @@ def report(
     ``optimizer``, what the optimizer rounds for each parameter.
 
     The ``note`` column flags configured quantisers that never run: on modules whose forward their
-    parent bypasses (always), and, given ``example`` (a tensor or a tuple of positional arguments),
+    parent bypasses (always), and, given ``example`` (a tensor or a plain tuple of positional
+    arguments; a tuple of another type, a PackedSequence or a named tuple, is one argument),
     on modules whose forward does not run on it. The example pass runs without gradients, in a
     fork of torch's generators and unobserved, and the buffers it writes (BatchNorm's running
     statistics, the DelayedScalers' state) are restored afterwards and the scalers it creates
