@@ -598,6 +598,10 @@ def _given_stack() -> list:
     return _thread_list("given")
 
 
+# A weight scope's key, not a parametrisation: whether grad mode was on when its call began.
+_GRAD_AT_START = "grad mode at the start of the call"
+
+
 def _weight_scopes() -> list[dict]:
     return _thread_list("scopes")
 
@@ -613,9 +617,9 @@ class _FakeQuantize(nn.Module):
     see _open_weight_scope) the parameter is quantised at its first read and later reads in the
     same scope get that tensor, so that a forward reading a weight several times (torch's
     MultiheadAttention reads in_proj_weight three times) quantises it once: one amax recorded,
-    one seed drawn. A read without gradients (torch.no_grad) gets it detached; a later read with
-    them gets it with its gradient, whichever came first. Outside every scope each read
-    quantises."""
+    one seed drawn. A read without gradients (torch.no_grad, or torch.inference_mode entered
+    inside the forward) gets it detached; a later read with them gets it with its gradient,
+    whichever came first. Outside every scope each read quantises."""
 
     def __init__(
         self,
@@ -660,11 +664,13 @@ class _FakeQuantize(nn.Module):
             if (
                 value.requires_grad
                 and not torch.is_grad_enabled()
-                and not torch.is_inference_mode_enabled()
+                and (cache[_GRAD_AT_START] or not torch.is_inference_mode_enabled())
             ):
-                # A first read without gradients (torch.no_grad inside forward): quantised with
-                # them, so that a later read in the scope, which gets this tensor, has a gradient.
-                with torch.enable_grad():
+                # A first read without gradients (torch.no_grad inside forward, or
+                # torch.inference_mode inside a forward with gradients): quantised with them, so
+                # that a later read in the scope, which gets this tensor, has a gradient (an
+                # inference tensor would have none, and could not be saved for backward).
+                with torch.inference_mode(False), torch.enable_grad():
                     rounded = self._quantise(value)
             else:
                 rounded = self._quantise(value)
@@ -809,7 +815,7 @@ def _weight_scoped_forward(self: nn.Module, *args, **kwargs):
     own (see _FakeQuantize)."""
     inner = getattr(self, _WEIGHT_SCOPE)
     scopes = _weight_scopes()
-    scopes.append({})
+    scopes.append({_GRAD_AT_START: torch.is_grad_enabled()})
     try:
         if inner is None:
             return type(self).forward(self, *args, **kwargs)
