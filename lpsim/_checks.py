@@ -45,6 +45,19 @@ def under_torch_func() -> bool:
     return torch._C._functorch.maybe_current_level() is not None
 
 
+def functorch_transforms() -> list:
+    """The kinds (torch._C._functorch.TransformType) of the torch.func transforms active now,
+    outermost first; none outside them and while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return []
+    return [interpreter.key() for interpreter in torch._C._functorch.get_interpreter_stack() or ()]
+
+
+def under_vmap() -> bool:
+    """Whether a torch.func.vmap transform is active (also around grad, jvp, ... inside it)."""
+    return torch._C._functorch.TransformType.Vmap in functorch_transforms()
+
+
 def signature_kept(function_class: type) -> type:
     """Class decorator for a torch.autograd.Function with setup_context: its forward keeps its
     signature, computed once (``__signature__``, which inspect.signature returns as it is).

@@ -59,9 +59,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._functorch import TransformType
 
 from lpsim import _observation
-from lpsim._checks import check_bool, check_container, check_number, check_strided
+from lpsim._checks import (
+    check_bool,
+    check_container,
+    check_number,
+    check_strided,
+    functorch_transforms,
+)
 from lpsim.formats import Fixed, Float, check_int_field, field_state, short_repr
 from lpsim.functional import quantize
 from lpsim.rounding import Rounding
@@ -271,9 +278,20 @@ class DelayedScaler(nn.Module):
         Raises:
             TypeError, ValueError: as lpsim.quantize; x on another device than the buffers;
                 record is neither None nor a bool.
+            RuntimeError: under torch.func's grad, jacrev, jacfwd, hessian or vmap, which do
+                not allow the writes to the state (in eval mode too: the call's scale is kept);
+                torch.func.vjp and jvp are allowed.
         """
         check_container(x)
         check_strided(x, "x", "DelayedScaler")
+        refused = (TransformType.Grad, TransformType.Vmap)
+        if any(transform in refused for transform in functorch_transforms()):
+            raise RuntimeError(
+                "a DelayedScaler writes its state (the scale it used, the amax history) at every "
+                "call, which torch.func's grad, jacrev, jacfwd, hessian and vmap do not allow: "
+                "compute gradients with backward(), torch.autograd.grad or torch.func.vjp (jvp "
+                "is allowed too)"
+            )
         if record is not None:  # a truthy "no" would record
             check_bool("record", record)
         if x.device != self.scale.device:

@@ -73,7 +73,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lpsim._checks import check_container, check_strided, check_tensor
+from lpsim._checks import check_container, check_strided, check_tensor, under_vmap
 from lpsim._ops import call
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.formats import GRID_FORMATS, P3109, BlockFloat, Fixed, Float, Format
@@ -318,6 +318,13 @@ def _in_dtype_of(x, rounded, fmt) -> torch.Tensor:
 
 
 def _from_op(counts: torch.Tensor, sums: torch.Tensor) -> RoundingStatistics:
+    if under_vmap():  # the counts are one per sample, tensors that give no Python numbers
+        raise RuntimeError(
+            "rounding statistics are Python numbers, which a tensor batched by torch.func.vmap "
+            "does not give: compute them outside vmap (a lpsim.diagnostics Recorder attached to "
+            "a model run under vmap computes them there: detach it, or run the model without "
+            "vmap)"
+        )
     return RoundingStatistics(*counts.tolist(), *sums.tolist())
 
 

@@ -811,3 +811,39 @@ def test_every_output_of_a_dict_has_a_scaler_of_its_own():
     assert amaxes == [2.0**k for k in range(9)]
     for key, want in [("a.b", 1.0), ("a_b", 2.0), ("c-1", 4.0), ("", 32.0), ("training_", 256.0)]:
         assert float(out[key].abs().max()) == want, key
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_a_delayed_scaler_under_torch_func_raises_clearly_except_under_jvp(training):
+    # grad failed in its backward pass with torch's "mutate a captured Tensor", vmap, jacrev and
+    # jacfwd with messages about in-place arithmetic or a missing setup_context, naming nothing
+    # of lpsim's.
+    scaling = DelayedScaling(lpsim.Float(4, 3), history_length=4)
+    module = Quantizer(scaling, scaling, "nearest", "nearest").train(training)
+    xs = torch.tensor([[0.5, -3.0, 7.0], [1.0, 2.0, -0.25]])
+    transforms = [
+        lambda: torch.func.grad(lambda x: module(x).sum())(xs[0]),
+        lambda: torch.func.jacrev(module)(xs[0]),
+        lambda: torch.func.jacfwd(module)(xs[0]),
+        lambda: torch.func.vmap(module)(xs),
+    ]
+    for transform in transforms:
+        with pytest.raises(RuntimeError, match=r"^a DelayedScaler writes its state"):
+            transform()
+    # vjp: its function runs the backward pass outside the transform, as backward() runs it
+    module = Quantizer(scaling, scaling, "nearest", "nearest").train(training)
+    value, backward = torch.func.vjp(module, xs[0])
+    (gradient,) = backward(torch.tensor([0.5, 3.0, -7.0]))
+    assert torch.equal(value, torch.tensor([0.5, -3.0, 7.0]))  # on Float(4, 3)'s grid, scale 1
+    assert torch.equal(gradient, torch.tensor([0.5, 3.0, -7.0]))
+    for scaler in (module.forward_scaler, module.backward_scaler):
+        assert int(scaler.calls) == int(training)
+        assert scaler.amax_history.tolist() == [7.0 if training else 0.0, 0.0, 0.0, 0.0]
+    # jvp: the call quantises and records as backward's forward pass does (scale 1 first)
+    module = Quantizer(scaling, scaling, "nearest", "nearest").train(training)
+    value, tangent = torch.func.jvp(module, (xs[0],), (torch.ones(3),))
+    assert torch.equal(value, torch.tensor([0.5, -3.0, 7.0]))  # on Float(4, 3)'s grid
+    assert torch.equal(tangent, torch.ones(3))
+    assert int(module.forward_scaler.calls) == int(training)
+    if training:
+        assert module.forward_scaler.amax_history.tolist() == [7.0, 0.0, 0.0, 0.0]

@@ -692,3 +692,21 @@ def test_recipe_apply_refuses_a_non_optimizer_before_injecting_the_model():
     for call in (lambda: lpsim.recipes.edge_layers(5), lambda: lpsim.recipes.IBM8.layers(5)):
         with pytest.raises(TypeError, match=r"^model must be an nn.Module, got int"):
             call()
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.int64, torch.bool])
+@pytest.mark.parametrize("module", [False, True])
+def test_an_error_only_quantizer_refuses_a_tensor_whose_gradient_it_cannot_round(module, dtype):
+    # Without a forward format the tensor passed unchecked: an integer one silently (its
+    # backward format never rounded anything), a complex one until the backward pass, which
+    # raised there about a tensor "x" the caller never passed.
+    make = lpsim.nn.Quantizer if module else lpsim.nn.quantizer
+    round_errors = make(None, (Float(5, 2), "nearest"))
+    x = torch.ones(3, dtype=dtype, requires_grad=dtype.is_complex)
+    with pytest.raises(TypeError, match=r"^x must be a float32, float64, bfloat16 or float16"):
+        round_errors(x)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        x = torch.ones(3, dtype=dtype, requires_grad=True)
+        round_errors(x).backward(torch.full((3,), 0.3, dtype=dtype))
+        # 0.3 lies between 0.25 and 0.3125 of Float(5, 2), above their midpoint 0.28125
+        assert torch.equal(x.grad, torch.full((3,), 0.3125, dtype=dtype))

@@ -744,6 +744,40 @@ def test_a_parametrisation_before_inject_is_computed_once_per_call_as_under_para
         assert_same_bits(power[0]._v, power[1]._v)
 
 
+class _ScaledByItsPeak(nn.Linear):
+    """Reads its weight first without gradients, under ``context`` (a number: an inference
+    tensor cannot be saved for backward, in a plain layer either)."""
+
+    context = torch.no_grad
+
+    def forward(self, x):
+        with self.context():
+            peak = float(self.weight.abs().amax())
+        return nn.functional.linear(x, self.weight, self.bias) / peak
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("input_grad", [False, True])
+def test_a_weight_read_first_under_inference_mode_still_gets_its_gradient(context, input_grad):
+    torch.manual_seed(0)
+    layer = _ScaledByItsPeak(3, 2)
+    layer.context = context
+    reference = copy.deepcopy(layer)
+    with torch.no_grad():
+        reference.weight.copy_(lpsim.quantize(reference.weight, E4M1, "nearest"))
+    inject(layer, {_ScaledByItsPeak: LayerQuantization(weight=(E4M1, "nearest"))})
+    x = torch.randn(4, 3, requires_grad=input_grad)
+    x_reference = x.detach().clone().requires_grad_(input_grad)
+    got, want = layer(x), reference(x_reference)
+    assert_same_bits(got, want)
+    got.sum().backward(), want.sum().backward()
+    assert_same_bits(layer.parametrizations.weight.original.grad, reference.weight.grad)
+    if input_grad:
+        assert_same_bits(x.grad, x_reference.grad)
+    with torch.inference_mode():  # a forward wholly in inference mode makes inference tensors
+        assert layer(x).is_inference()
+
+
 # lpsim's own state in the model
 
 

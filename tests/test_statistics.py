@@ -722,3 +722,24 @@ def test_bad_arguments_raise_errors_naming_them():
         ops.rounding_statistics(x, x, -1.0, 1.0, -1.0)
     with pytest.raises(RuntimeError, match="x's dtype"):
         ops.rounding_statistics(x, x.double(), -1.0, 1.0, 0.0)
+
+
+def test_statistics_under_vmap_are_refused_clearly_and_a_recorder_under_grad_records():
+    # Under vmap the counts were batched tensors, and turning them into numbers failed with
+    # "Cannot access data pointer of Tensor that doesn't have storage", far from the cause.
+    from lpsim.diagnostics.recorder import Recorder
+
+    fmt = Float(3, 2)
+    xs = torch.randn(3, 8) * 4
+    with pytest.raises(RuntimeError, match=r"^rounding statistics are Python numbers.*vmap"):
+        torch.func.vmap(lambda x: rounding_statistics(x, lpsim.quantize(x, fmt), fmt))(xs)
+    with pytest.raises(RuntimeError, match=r"^rounding statistics are Python numbers.*vmap"):
+        torch.func.vmap(lambda x: quantize_with_statistics(x, fmt)[0])(xs)
+    model = torch.nn.Sequential(lpsim.nn.Quantizer(fmt, None, "nearest"))
+    with Recorder(model) as recorder:
+        with pytest.raises(RuntimeError, match=r"^rounding statistics are Python numbers.*vmap"):
+            torch.func.vmap(model)(xs)
+        # under grad alone (no vmap) the recorder records as in eager mode
+        torch.func.grad(lambda x: model(x).sum())(xs)
+    (record,) = recorder.records
+    assert record.statistics == rounding_statistics(xs, lpsim.quantize(xs, fmt), fmt)

@@ -462,6 +462,54 @@ def test_jvp_through_a_quantizer_is_its_straight_through_derivative(clamp_grad_z
     assert_same_bits(derivative, (passed * (torch.arange(6.0) * 1.1 + 0.1)).sum())
 
 
+def _straight_through(x, fmt):
+    """x rounded into fmt with the straight-through gradient, written with torch alone."""
+    return x + (lpsim.quantize(x.detach(), fmt, "nearest") - x).detach()
+
+
+def test_second_derivatives_through_a_backward_format_round_in_reverse_mode_only():
+    fmt = Float(4, 3)
+    quantise = lpsim.nn.quantizer(fmt, fmt, "nearest", "nearest")
+    x = torch.tensor([-1.3, 1.9, 0.41, -0.77, 0.9], dtype=torch.float64)
+
+    def loss(t):
+        return (quantise(t) ** 3).sum()
+
+    # The oracle: the first derivative is 3 q(x)^2 rounded by the backward format, whose
+    # rounding is straight-through when differentiated; the second derivative 6 q(x) then flows
+    # back through the quantiser, which rounds it in reverse mode and passes it in forward mode.
+    q = _straight_through(x, fmt)
+    second = torch.diag(6 * q.detach())
+    # (+ 0.0: the off-diagonal zeros come as -0.0 from some products)
+    assert_same_bits(torch.func.hessian(loss)(x) + 0.0, second)
+    reverse = lpsim.quantize(6 * q.detach(), fmt, "nearest")
+    assert not torch.equal(reverse, 6 * q.detach())  # the two modes differ here
+    assert_same_bits(torch.func.jacrev(torch.func.jacrev(loss))(x) + 0.0, torch.diag(reverse))
+    leaf = x.clone().requires_grad_()
+    (first,) = torch.autograd.grad(loss(leaf), leaf, create_graph=True)
+    assert_same_bits(first, lpsim.quantize(3 * q.detach() ** 2, fmt, "nearest"))
+    (again,) = torch.autograd.grad(first.sum(), leaf)
+    assert_same_bits(again, reverse)
+
+
+def test_a_retained_graph_rounds_its_errors_anew_at_each_backward():
+    fmt = Float(5, 2)
+    x = torch.linspace(-3, 3, 64, requires_grad=True)
+    error = torch.linspace(0.1, 2.3, 64)
+    y = lpsim.nn.quantizer(fmt, fmt)(x)  # stochastic forward and backward
+    forward = y.detach().clone()
+    torch.manual_seed(5)
+    (first,) = torch.autograd.grad(y, x, error, retain_graph=True)
+    (second,) = torch.autograd.grad(y, x, error, retain_graph=True)
+    assert not torch.equal(first, second)
+    torch.manual_seed(5)
+    (repeated,) = torch.autograd.grad(y, x, error)
+    assert_same_bits(repeated, first)  # the words come from torch's generator
+    assert_same_bits(y, forward)
+    torch.manual_seed(5)
+    assert_same_bits(first, lpsim.quantize(error, fmt, "stochastic"))
+
+
 def test_stochastic_rounding_under_vmap_follows_its_randomness_flag():
     # A seed that lpsim draws (seed=None) is drawn as torch's random ops are under vmap: an error
     # in vmap's default mode, one seed for every sample with "same", a seed each with

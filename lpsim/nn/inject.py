@@ -600,6 +600,10 @@ def _given_stack() -> list:
     return _thread_list("given")
 
 
+# A weight scope's key, not a parametrisation: whether grad mode was on when its call began.
+_GRAD_AT_START = "grad mode at the start of the call"
+
+
 def _weight_scopes() -> list[dict]:
     return _thread_list("scopes")
 
@@ -692,8 +696,9 @@ def _scoped_parametrization(parametrizations: parametrize.ParametrizationList) -
     MultiheadAttention reads in_proj_weight up to three times) quantises it once, one amax
     recorded, one seed drawn, and computes its parametrisations once (spectral_norm's power
     iteration steps once per call, the weight it computes being the one quantised), as under
-    torch's parametrize.cached(). A read without gradients (torch.no_grad) gets it detached; a
-    later read with them gets it with its gradient, whichever came first. Outside every scope each
+    torch's parametrize.cached(). A read without gradients (torch.no_grad, or
+    torch.inference_mode entered inside the forward) gets it detached; a later read with them
+    gets it with its gradient, whichever came first. Outside every scope each
     read computes it afresh."""
     compute = type(parametrizations).forward
     scopes = _weight_scopes()
@@ -705,12 +710,16 @@ def _scoped_parametrization(parametrizations: parametrize.ParametrizationList) -
     if rounded is None:
         if (
             not torch.is_grad_enabled()
-            and not torch.is_inference_mode_enabled()
+            and (cache[_GRAD_AT_START] or not torch.is_inference_mode_enabled())
             and any(t.requires_grad for t in _original_tensors(parametrizations))
         ):
-            # A first read without gradients (torch.no_grad inside forward): computed with
-            # them, so that a later read in the scope, which gets this tensor, has a gradient.
-            with torch.enable_grad():
+            # A first read without gradients (torch.no_grad inside forward, or
+            # torch.inference_mode inside a forward with gradients): computed with them, so that
+            # a later read in the scope, which gets this tensor, has a gradient (an inference
+            # tensor would have none, and could not be saved for backward). Grad mode is read
+            # first: a compiled forward with a no_grad read does not meet
+            # torch.is_inference_mode_enabled, which dynamo does not trace.
+            with torch.inference_mode(False), torch.enable_grad():
                 rounded = compute(parametrizations)
         else:
             rounded = compute(parametrizations)
@@ -840,7 +849,7 @@ def _weight_scoped_forward(self: nn.Module, *args, **kwargs):
     own (see _FakeQuantize)."""
     inner = getattr(self, _WEIGHT_SCOPE)
     scopes = _weight_scopes()
-    scopes.append({})
+    scopes.append({_GRAD_AT_START: torch.is_grad_enabled()})
     try:
         if inner is None:
             return type(self).forward(self, *args, **kwargs)
