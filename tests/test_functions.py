@@ -517,28 +517,31 @@ def test_stochastic_rounding_follows_torch_manual_seed():
     assert not torch.equal(results[0], results[2])
 
 
+def assert_compiled_gives_the_eager_bits(model, x, config, context_of_compiled=False) -> None:
+    """model(x) compiled (aot_eager) inside a quantize_functions context of ``config`` gives the
+    bits of the eager call; the context is the model's, or with ``context_of_compiled`` the
+    compiled wrapper's."""
+    with quantize_functions(model, config):
+        eager = model(x)
+    compiled = torch.compile(model, backend="aot_eager")
+    with quantize_functions(compiled if context_of_compiled else model, config):
+        assert_same_bits(compiled(x), eager)
+
+
 def test_compiled_model_gives_the_eager_bits():
     """Dynamo traces through the context (aot_eager: the traced graph run by torch's eager
     kernels; Inductor's generated softmax and fused scaling may differ in the last bit)."""
     torch.manual_seed(13)
     model, x = Attention(width=16, heads=1), torch.randn(1, 4, 16)
     config = {"attention.scores": nearest(output=E4M3), "linear": nearest(input=E5M2)}
-    with quantize_functions(model, config):
-        eager = model(x)
-    compiled = torch.compile(model, backend="aot_eager")
-    with quantize_functions(model, config):
-        assert_same_bits(compiled(x), eager)
+    assert_compiled_gives_the_eager_bits(model, x, config)
 
 
 def test_a_module_selector_compiled_gives_the_eager_bits():
     torch.manual_seed(22)
     model, x = Products(), torch.randn(3, 5, 8)
     config = {("linear", "a"): nearest(output=E4M3), ("matmul", Products): nearest(output=E5M2)}
-    with quantize_functions(model, config):
-        eager = model(x)
-    compiled = torch.compile(model, backend="aot_eager")
-    with quantize_functions(model, config):
-        assert_same_bits(compiled(x), eager)
+    assert_compiled_gives_the_eager_bits(model, x, config)
 
 
 def test_torch_compiles_wrapper_stands_for_the_model_it_wraps():
@@ -547,22 +550,14 @@ def test_torch_compiles_wrapper_stands_for_the_model_it_wraps():
     torch.manual_seed(23)
     model, x = Products(), torch.randn(3, 5, 8)
     config = {("linear", "a"): nearest(output=E4M3), "matmul": nearest(output=E5M2)}
-    with quantize_functions(model, config):
-        eager = model(x)
-    compiled = torch.compile(model, backend="aot_eager")
-    with quantize_functions(compiled, config):
-        assert_same_bits(compiled(x), eager)
+    assert_compiled_gives_the_eager_bits(model, x, config, context_of_compiled=True)
 
 
 def test_a_masked_softmax_input_format_compiled_gives_the_eager_bits():
     torch.manual_seed(14)
     model, x = Attention(width=16, heads=1), torch.randn(1, 4, 16)
     config = {"attention.softmax": nearest(input=Float(4, 3, special="fn"))}
-    with quantize_functions(model, config):
-        eager = model(x)
-    compiled = torch.compile(model, backend="aot_eager")
-    with quantize_functions(model, config):
-        assert_same_bits(compiled(x), eager)
+    assert_compiled_gives_the_eager_bits(model, x, config)
 
 
 def test_hooks_are_removed_on_exit_and_the_context_is_not_reentrant():
