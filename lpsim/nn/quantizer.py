@@ -20,7 +20,7 @@ import torch.autograd.forward_ad as forward_ad
 from torch import nn
 
 from lpsim import _observation
-from lpsim._checks import CONTAINER_DTYPES, signature_kept, under_torch_func
+from lpsim._checks import check_container, signature_kept, under_torch_func
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.formats import (
     GRID_FORMATS,
@@ -481,8 +481,9 @@ class _QuantizingFunction:
 
     def __call__(self, x: torch.Tensor, observed: tuple | None = None) -> torch.Tensor:
         if self.forward is None and self.backward is not None:
-            # The forward format checks x; here x's gradient is what its backward format rounds.
-            _check_error_container(x)
+            # The forward format checks x; here x's gradient is what its backward format rounds
+            # (an integer x has none, a complex one's would be refused in the backward pass).
+            check_container(x)
         if self._forward_only and observed is None:
             # quantize's own straight-through gradient (and tangent) is _Quantize's here, the
             # same bits without a Python autograd.Function (tens of us per call).
@@ -491,18 +492,6 @@ class _QuantizingFunction:
         return function.apply(
             x, self.forward, self.backward, self.clamp_grad_zero, self.hooks, observed
         )[0]
-
-
-def _check_error_container(x) -> None:
-    """Raises TypeError unless x is a tensor of a dtype whose gradient a backward format can
-    round (float32, float64, bfloat16 or float16): an integer x has no gradient to round, and a
-    complex one's gradient would be refused only in the backward pass."""
-    if not isinstance(x, torch.Tensor) or x.dtype not in CONTAINER_DTYPES:
-        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(
-            "x must be a float32, float64, bfloat16 or float16 tensor, whose gradient the "
-            f"backward format rounds, got {got}"
-        )
 
 
 def _forward_mode_possible() -> bool:
