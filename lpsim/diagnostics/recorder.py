@@ -44,8 +44,7 @@ module, the state tensors of a parameter, the forward passes of gradient accumul
 of a module called several times). A module registered under several names (one module shared by
 two places of the model, such as the one Quantizer of lpsim.compat.qtorch's sequential_lower())
 has one name, the first that model.named_modules() gives it: its roundings in every place add up
-there. A module or parameter added to the model while the recorder is attached is named at its
-first rounding.
+there.
 
 Not recorded: the roundings of lpsim.nn.quantize_functions contexts (matmul, linear, softmax and
 attention called as functions), of the lpsim.nn.quantizer() function (it belongs to no module; the
@@ -62,8 +61,8 @@ no format to count against and are not recorded (their stagnation is).
 
 Names. attach() names the model's modules and parameters and the optimizer's parameters, and so
 does each recorded step of the optimizer, before it runs: a parameter group added meanwhile
-(add_param_group) is recorded from that step on, a module added to the model (whose forward and
-backward passes came before that step) from the next one.
+(add_param_group) is recorded from that step on. A module or parameter added to the model while
+the recorder is attached is named at its first rounding, and recorded from there.
 
 Steps. The step counter starts at 0. The attached optimizer's step() ends a step (through a step
 hook), and so does Recorder.step(): call it yourself when the recorder has no optimizer. With
