@@ -378,11 +378,10 @@ class FunctionQuantization(TorchFunctionMode):
         self._selects: list[tuple[nn.Module, ...] | None] = []
         self._active = False
         self._thread: int | None = None  # the thread that entered the context
-        # Per entry, whether it has decided a call since the context was made (stored, never
-        # read while a call is traced, so that torch.compile installs no guard on it), and
-        # whether a warning said that it had not.
-        self._decided = [False] * len(entries)
-        self._warned = [False] * len(entries)
+        # Per entry, whether it has decided a call since the context was made, or been warned of
+        # not having done so (stored, never read while a call is traced, so that torch.compile
+        # installs no guard on it).
+        self._settled = [False] * len(entries)
         # Per entry index, the backward hooks its error quantiser applies to the gradient before
         # rounding it (DynamicLossScaler.watch_functions).
         self._error_hooks: dict[int, tuple[Callable, ...]] = {}
@@ -435,9 +434,9 @@ class FunctionQuantization(TorchFunctionMode):
         made: a key whose op its modules never call, or whose modules never run (a parent that
         uses a child's weights without calling it, a module inject gave MACs), quantises nothing."""
         for index, entry in enumerate(self.entries):
-            if self._decided[index] or self._warned[index]:
+            if self._settled[index]:
                 continue
-            self._warned[index] = True
+            self._settled[index] = True
             key = entry.op if entry.selector is None else (entry.op, entry.selector)
             where = "" if entry.selector is None else " while a module its selector selects runs"
             warnings.warn(
@@ -516,7 +515,7 @@ class FunctionQuantization(TorchFunctionMode):
         index = self._entry_index(op)
         if index is None:
             return None
-        self._decided[index] = True
+        self._settled[index] = True
         if self._running:
             name, module, calls = self._stack()[-1]
             where, training = name.replace(".", "/"), module.training
