@@ -760,19 +760,23 @@ class OptimLP(Optimizer):
     def _add_flat_segments(self, batch: _Batch, flat: list[tuple[str, torch.Tensor]]) -> None:
         """Each parameter's segment of LBFGS's vectors, shaped as the parameter, added to batch
         for its own ``momentum`` (none: left as it is), as a buffer of that parameter would be."""
-        params = self.optimizer.param_groups[0]["params"] if flat else []
+        if not flat:
+            return
+        params = self.optimizer.param_groups[0]["params"]
+        # A complex parameter's elements are its real and imaginary parts, as LBFGS flattens it.
+        shapes = [torch.view_as_real(p).shape if p.is_complex() else p.shape for p in params]
+        sizes = [shape.numel() for shape in shapes]
         for name, buffer in flat:
-            sizes = [torch.view_as_real(p).numel() if p.is_complex() else p.numel() for p in params]
             if buffer.dim() != 1 or buffer.numel() != sum(sizes):
                 raise RuntimeError(
                     f"OptimLP: LBFGS's {name} holds {buffer.numel()} elements, not the "
                     f"{sum(sizes)} of its parameters"
                 )
-            for p, segment in zip(params, buffer.split(sizes), strict=True):
+            for p, shape, segment in zip(params, shapes, buffer.split(sizes), strict=True):
                 s = self.settings.get(p)
                 if s is None or s.momentum is None:
                     continue
-                segment = segment.view(torch.view_as_real(p).shape if p.is_complex() else p.shape)
+                segment = segment.view(shape)
                 quant = self._quantizer(p, f"momentum.{name}", s.momentum, segment)
                 batch.add(quant, segment, p, "momentum")
 
