@@ -399,3 +399,42 @@ def test_an_operand_broadcast_over_the_batch_is_quantised_once_for_every_matrix(
     assert_same_bits(
         b.grad, torch_grad(inputs.transpose(-2, -1), b, 1), "second operand's gradient"
     )
+
+
+def _sylvester_times_signs(size: int, seed: int) -> torch.Tensor:
+    """H diag(s) / sqrt(size) in float64, H built from Python ints (Sylvester), s the signs the
+    transform documents: 1 - 2 * randint(2) from a CPU generator seeded with ``seed``."""
+    h = [[1]]
+    while len(h) < size:
+        h = [row + row for row in h] + [row + [-v for v in row] for row in h]
+    s = 1 - 2 * torch.randint(2, (size,), generator=torch.Generator().manual_seed(seed))
+    return torch.tensor(h, dtype=torch.float64) * s.to(torch.float64) / size**0.5
+
+
+def test_a_bfloat16_operand_is_quantised_from_its_transform_unrounded():
+    # Integer bfloat16 inputs: every transformed value (a sum of 16 of them over 4) is exact in
+    # float32 and float64, and many of the input's are not bfloat16 values. Each transformed
+    # operand is quantised as computed (E5M2 here, torch's cast the oracle): a rounding into
+    # bfloat16 first moved 72.25 onto E5M2's midpoint 72, which ties to 64, not 80.
+    size, seed = 16, 3
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-64, 65, (512, 16), generator=g).to(torch.bfloat16)
+    grad = torch.randint(-1, 2, (512, 8), generator=g).to(torch.bfloat16)
+    w = torch.zeros(8, 16, dtype=torch.bfloat16)
+    e5m2 = (Float(5, 2), "nearest")
+    ops = Operands(error=e5m2, input=e5m2, transform=RandomHadamard(size, seed=seed))
+    _, _, grad_w = linear_grads(x, w, grad, weight_grad_operands=ops)
+    r = _sylvester_times_signs(size, seed)
+
+    def operand(t):  # (features, tokens): each group g of 16 tokens replaced by R g, then E5M2
+        groups = t.T.double().reshape(t.shape[1], -1, size)
+        return (groups @ r.T).reshape(t.shape[1], -1).to(torch.float8_e5m2).double()
+
+    # E5M2 multiples of 1/4, at most 256 (input) and 4 (error), 512 tokens: the products' float32
+    # sums are exact (below 2**19, multiples of 1/16), and the gradient is their one rounding
+    # into bfloat16.
+    expected = (operand(grad) @ operand(x).T).to(torch.bfloat16)
+    assert_same_bits(grad_w, expected, "weight gradient")
+    fine = Operands(input=Float(5, 10), transform=ops.transform)  # fits float32, not bfloat16
+    with pytest.raises(ValueError, match="does not fit a bfloat16 tensor"):
+        linear_grads(x, w, grad, weight_grad_operands=fine)

@@ -113,6 +113,7 @@ import torch.nn.functional as F
 from lpsim import mac as _mac
 from lpsim._checks import check_strided, draw_seed
 from lpsim.delayed_scaling import DelayedScaling
+from lpsim.formats import check_fits
 from lpsim.mac import MAC
 from lpsim.nn import _hooks
 from lpsim.nn.quantizer import QuantSpec, Spec, as_spec, quantizing_function
@@ -171,8 +172,11 @@ class Operands:
             ``weight_format``. Only in ``input_grad_operands``.
         transform: None, or a RandomHadamard with axis -1 applied to both operands along the
             reduction axis before they are quantised (the product is unchanged up to rounding:
-            R is orthogonal). The reduction length must be a multiple of its size. An operand
-            left None is still transformed.
+            R is orthogonal). The reduction length must be a multiple of its size. The format
+            quantises the transform as computed (float32 for a bfloat16 or float16 tensor, as a
+            fused transform-and-quantise kernel keeps it), not its rounding into the tensor's
+            dtype, and the quantised operand has the tensor's dtype. An operand left None is
+            still transformed (and rounded into its dtype).
 
     For ``matmul`` of batched operands, an operand that the product broadcasts over the batch (a
     (K, N) or (1, K, N) weight by a (B, M, K) input, say) is quantised once, as the tensor it is,
@@ -247,10 +251,19 @@ class OperandSpecs(NamedTuple):
         )
 
     def operand(self, x: torch.Tensor, spec: QuantSpec | None) -> torch.Tensor:
-        """x (reduction axis last) transformed, then quantised by ``spec``."""
-        if self.transform is not None:
-            x = self.transform.apply(x)
-        return x if spec is None else spec(x)
+        """x (reduction axis last) transformed, then quantised by ``spec``, in x's dtype.
+
+        The format quantises the transform as computed (in float32 for a bfloat16 or float16 x,
+        as a fused transform-and-quantise kernel keeps it), not its rounding into x's dtype,
+        which would move values onto the format's midpoints (and shift a stochastic rule's
+        odds). The format must fit x's dtype all the same (ValueError)."""
+        if self.transform is None:
+            return x if spec is None else spec(x)
+        if spec is None:
+            return self.transform.apply(x)
+        check_fits(spec.format, x.dtype)
+        work = torch.promote_types(x.dtype, torch.float32)
+        return spec(self.transform.apply(x.to(work))).to(x.dtype)
 
 
 class Arithmetic(NamedTuple):
