@@ -116,8 +116,8 @@ class RandomHadamard:
     ) -> torch.Tensor:
         """The random signs s, a tensor of ``size`` values +1 or -1 of ``dtype`` on ``device``.
 
-        They are drawn on the CPU, whatever ``device``, so a seed gives the same signs on every
-        device; with torch's generator they are exactly
+        They are drawn on the CPU, whatever ``device`` (and torch's default device), so a seed
+        gives the same signs on every device; with torch's generator they are exactly
 
             generator = torch.Generator().manual_seed(seed)
             s = 1 - 2 * torch.randint(2, (size,), generator=generator)
@@ -262,12 +262,15 @@ def _cached_signs(size: int, seed: int | None) -> torch.Tensor:
     """The signs s (see RandomHadamard.signs) as a float64 CPU tensor.
 
     Built outside inference mode whatever the caller's mode: a cached inference tensor could not
-    be saved for backward by a later differentiable call."""
+    be saved for backward by a later differentiable call. On the CPU whatever torch's default
+    device (torch.device("meta") as a context, torch.set_default_device): a model built there
+    would otherwise cache meta tensors, or draw on another device, for every later transform."""
     with torch.inference_mode(False):
         if seed is None:
-            return torch.ones(size, dtype=torch.float64)
-        generator = torch.Generator().manual_seed(seed)
-        return (1 - 2 * torch.randint(2, (size,), generator=generator)).to(torch.float64)
+            return torch.ones(size, dtype=torch.float64, device="cpu")
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        drawn = torch.randint(2, (size,), generator=generator, device="cpu")
+        return (1 - 2 * drawn).to(torch.float64)
 
 
 @functools.lru_cache(maxsize=64)
@@ -280,7 +283,7 @@ def _cached_matrix(size: int, seed: int | None) -> torch.Tensor:
 def _build_matrix(signs: torch.Tensor) -> torch.Tensor:
     """H @ diag(signs) / sqrt(size) in float64, size the length of signs."""
     size = signs.numel()
-    h = torch.ones(1, 1, dtype=torch.float64)
+    h = torch.ones(1, 1, dtype=torch.float64, device=signs.device)
     while h.shape[0] < size:  # Sylvester: H_2n = [[H_n, H_n], [H_n, -H_n]]
         h = torch.cat((torch.cat((h, h), dim=1), torch.cat((h, -h), dim=1)), dim=0)
     return h * (signs * _scale(size))  # H @ diag(s): column j times s[j]

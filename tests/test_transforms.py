@@ -339,6 +339,27 @@ def test_a_first_call_in_inference_mode_does_not_break_later_gradients():
     assert x.grad is not None
 
 
+@pytest.mark.parametrize(("size", "seed"), [(128, 98765), (8192, None)])
+def test_signs_are_drawn_on_the_cpu_under_another_default_device(size, seed):
+    # A model built under torch.device("meta") (or torch.set_default_device) makes its transforms
+    # there: their signs (and matrix) are the CPU's all the same, and so are those of every later
+    # transform of that size and seed (a size and seed no other test uses: fresh cache entries;
+    # 8192 multiplies by the butterfly, 128 by the matrix).
+    with torch.device("meta"):
+        inside = RandomHadamard(size, seed=seed)
+    later = RandomHadamard(size, seed=seed)
+    x = _randn(3, 2 * size)
+    unit = torch.zeros(size, dtype=torch.float64)
+    j = 101
+    unit[j] = 1.0  # R @ unit is R's column j: H[i, j] = (-1)**popcount(i & j), times s[j]
+    column = 1 - 2 * _parity(torch.arange(size) & j).to(torch.float64)
+    column *= _documented_signs(size, seed)[j] / math.sqrt(size)
+    for t in (inside, later):
+        assert torch.equal(t.signs(torch.float64), _documented_signs(size, seed))
+        assert (t.apply(unit) - column).abs().max() <= 1e-16
+        assert (t.inverse(t.apply(x)) - x).abs().max() <= 1e-13
+
+
 # Products and quantisation
 
 
