@@ -30,6 +30,7 @@ See docs/transforms.md for its use on the two operands of a matrix product.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from dataclasses import dataclass, field
@@ -157,7 +158,8 @@ class RandomHadamard:
 
         Returns:
             A new tensor of x's shape, dtype and device. It is computed in float64 for a float64 x
-            and in float32 otherwise, and rounded once to x's dtype. Up to size MATMUL_MAX_SIZE
+            and in float32 otherwise (inside torch.autocast too, which does not lower it), and
+            rounded once to x's dtype. Up to size MATMUL_MAX_SIZE
             each group is multiplied by the matrix (a float32 product on CUDA follows torch's
             matmul precision setting, TF32 if allowed), whose rounding may depend on the number of
             groups in x (the library picks its kernel by shape); above it, a Walsh-Hadamard
@@ -217,8 +219,9 @@ class RandomHadamard:
             r = self._matrix.to(dtype=work, device=x.device)
             # A group is a row here: R @ g is g @ R.T, and R.T @ g is g @ R. The product is the
             # transform's own arithmetic, not a model's: no TorchFunctionMode sees it (a
-            # lpsim.nn.quantize_functions context would round its operands as a model's matmul).
-            with torch._C.DisableTorchFunction():
+            # lpsim.nn.quantize_functions context would round its operands as a model's matmul),
+            # and torch.autocast does not cast its operands to a lower precision.
+            with torch._C.DisableTorchFunction(), _without_autocast(x.device):
                 result = torch.matmul(groups, r if inverse else r.T)
         else:
             s = self._signs.to(dtype=work, device=x.device)
@@ -250,6 +253,13 @@ class _Rotation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return _Rotation.apply(grad, ctx.transform, not ctx.inverse), None, None
+
+
+def _without_autocast(device: torch.device):
+    """A context in which torch.autocast, if enabled for ``device``, casts nothing."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _check_dtype(dtype) -> None:

@@ -238,6 +238,27 @@ def test_low_precision_tensors_are_computed_in_float32_and_rounded_once(dtype, s
     assert torch.equal(t.inverse(x), t.inverse(x.float()).to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("size", [16, 512])
+def test_autocast_leaves_the_float32_computation_alone(size, dtype):
+    # torch.autocast(bfloat16) casts a float32 matmul's operands to bfloat16: the product by the
+    # matrix (up to size 256) took x's float32 (or float16) values rounded to 8 bits, an error
+    # of 1e-2 where float32 gives 1e-7. The transform computes in float32 under autocast too,
+    # the same bits as outside it, forward and backward.
+    t = RandomHadamard(size, seed=4)
+    x = _randn(4, 2 * size, dtype=torch.float32).to(dtype)
+    r = t.matrix(torch.float64)
+    exact = (x.double().reshape(4, 2, size) @ r.T).reshape(4, 2 * size)
+    upstream = _randn(4, 2 * size, seed=1, dtype=torch.float32).to(dtype)
+    leaf = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = t.apply(leaf)
+        y.backward(upstream)
+    assert torch.equal(y, t.apply(x)) and torch.equal(leaf.grad, t.inverse(upstream))
+    tolerance = {torch.float32: 1e-5, torch.float16: 1e-2}[dtype]  # float16's rounding of y
+    assert (y.double() - exact).abs().max() <= tolerance
+
+
 def test_a_float16_output_beyond_its_range_is_infinity_as_documented():
     # 16 elements of 30000 (no signs): one output of 4 * 30000 = 120000 > 65504, and 15 zeros.
     y = RandomHadamard(16, seed=None).apply(torch.full((16,), 30000.0, dtype=torch.float16))
