@@ -176,7 +176,9 @@ class Operands:
             quantises the transform as computed (float32 for a bfloat16 or float16 tensor, as a
             fused transform-and-quantise kernel keeps it), not its rounding into the tensor's
             dtype, and the quantised operand has the tensor's dtype. An operand left None is
-            still transformed (and rounded into its dtype).
+            still transformed (and rounded into its dtype). Its signs are fixed: every call, step
+            and layer that takes this Operands uses the same ones (an entry per layer with its
+            own seed gives each layer its own).
 
     For ``matmul`` of batched operands, an operand that the product broadcasts over the batch (a
     (K, N) or (1, K, N) weight by a (B, M, K) input, say) is quantised once, as the tensor it is,
