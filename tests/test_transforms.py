@@ -247,7 +247,7 @@ def test_autocast_leaves_the_float32_computation_alone(size, dtype):
     # the same bits as outside it, forward and backward.
     t = RandomHadamard(size, seed=4)
     x = _randn(4, 2 * size, dtype=torch.float32).to(dtype)
-    r = t.matrix(torch.float64)
+    r = _sylvester(size) * _documented_signs(size, 4)[None, :] / math.sqrt(size)
     exact = (x.double().reshape(4, 2, size) @ r.T).reshape(4, 2 * size)
     upstream = _randn(4, 2 * size, seed=1, dtype=torch.float32).to(dtype)
     leaf = x.clone().requires_grad_()
