@@ -762,6 +762,20 @@ def test_a_matmul_with_out_is_refused_when_simulated():
             torch.matmul(a, b, out=out)
 
 
+def test_a_softmax_with_out_is_refused_when_simulated_not_left_unquantised():
+    """torch.softmax takes out=: the context returned the quantised result while the out tensor
+    held torch's unquantised softmax, silently. A softmax no entry selects keeps torch's out=."""
+    x, out = torch.randn(3, 5), torch.empty(3, 5)
+    with quantize_functions(nn.Identity(), {"softmax": nearest(output=E4M3)}):
+        with pytest.raises(ValueError, match="with out= is not simulated"):
+            torch.softmax(x, -1, out=out)
+    with quantize_functions(nn.Identity(), {"matmul": nearest(output=E4M3)}):
+        got = torch.softmax(x, -1, out=out)
+        x @ x.t()  # the entry decides a call
+    assert got is out
+    assert_same_bits(out, torch.softmax(x, -1))
+
+
 @pytest.mark.parametrize(
     "call, keywords",
     [

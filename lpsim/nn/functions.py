@@ -678,6 +678,12 @@ class FunctionQuantization(TorchFunctionMode):
         decision = self.decide(op)
         if decision is None:
             return self._passed_on(op, func, args, kwargs)
+        if kwargs.get("out") is not None:  # torch would write the unquantised result there
+            raise ValueError(
+                f"quantize_functions: {getattr(func, '__name__', func)} with out= is not "
+                "simulated (its out tensor would hold the unquantised result): call it without "
+                "out= and copy the result"
+            )
         position = _SOFTMAX_DTYPE_POSITION.get(func, 2)
         dtype = kwargs.get("dtype", args[position] if len(args) > position else None)
         if args:
