@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from support import assert_same_bits
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import lpsim
 import lpsim.nn.functional as LF
@@ -135,6 +136,34 @@ def test_stepwise_attention_is_torchs_to_float64_rounding_forward_and_backward(o
     with quantize_functions(nn.Identity(), {"attention.scores": LayerQuantization()}):
         got = F.scaled_dot_product_attention(q, k, v, **options)
     got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    for g, e in zip(got_grads, grads):
+        torch.testing.assert_close(g, e, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("lower_right", [False, True], ids=["upper-left", "lower-right"])
+@pytest.mark.parametrize("target, source", [(3, 6), (6, 3), (4, 4)])
+def test_a_causal_bias_mask_is_the_causal_mask_it_stands_for_as_in_torch(
+    lower_right, target, source
+):
+    """torch.nn.attention.bias's causal_upper_left and causal_lower_right make a tensor subclass
+    whose storage holds no mask (torch's attention dispatches on its variant): the stepwise
+    attention added that storage to the scores as a float mask, silently. It is the causal mask
+    torch applies, forward and backward."""
+    torch.manual_seed(26)
+    q = torch.randn(2, 2, target, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, source, 8, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    with warnings.catch_warnings():  # torch warns of lower-right rows without keys
+        warnings.simplefilter("ignore")
+        mask = (causal_lower_right if lower_right else causal_upper_left)(target, source)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    with quantize_functions(nn.Identity(), {"attention.scores": LayerQuantization()}):
+        got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        with pytest.raises(ValueError, match="must have the queries' and keys' sizes"):
+            F.scaled_dot_product_attention(q[..., :2, :], k, v, attn_mask=mask)
+    got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    assert type(got) is torch.Tensor
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     for g, e in zip(got_grads, grads):
         torch.testing.assert_close(g, e, rtol=1e-11, atol=1e-11)

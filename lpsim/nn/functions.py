@@ -65,19 +65,20 @@ Attention is computed step by step where an entry decides one of its steps (else
 fused kernel):
 
 - ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)``:
-  s = q k^T (the scores product: input q, weight k^T, K = head_dim), then s * scale (scale
-  defaults to 1 / sqrt(head_dim)), in the scores' dtype, as the FP8 attention kernels apply it
-  after their product; the causal mask (positions j > i get -inf) and attn_mask (a bool mask's
-  False as -inf, else added: bool, float32 or the query's dtype, as torch takes it; a float32
-  mask is added to lower-precision scores as torch's in-place addition adds it, the sum rounded
-  once to the scores' dtype); softmax over the keys in the scores' dtype (a row of scores
-  that are all -inf, a query no key takes part in, gives weights 0 with zero gradients, as
-  torch's kernels give, not softmax's NaN); dropout with ``dropout_p`` (torch's F.dropout:
-  other random draws than torch's fused kernels); the context product p v (K = the keys). With
-  enable_gqa each key and value head serves its group of query heads as in torch, quantised
-  once: the products broadcast it over the group (torch repeats it; a stochastic rule would
-  round each copy its own way), their operands and results having the heads split into (key
-  heads, group) and k and v a group axis of size 1 (a format's negative axis is unchanged).
+  s = q k^T (the scores product: input q, weight k^T, K = head_dim), then s * scale (scale defaults
+  to 1 / sqrt(head_dim)), in the scores' dtype, as the FP8 attention kernels apply it after their
+  product; the causal mask (positions j > i get -inf) and attn_mask (a bool mask's False as -inf,
+  else added: bool, float32 or the query's dtype, as torch takes it; a float32 mask is added to
+  lower-precision scores as torch's in-place addition adds it, the sum rounded once to the scores'
+  dtype; a torch.nn.attention.bias.CausalBias, causal_upper_left's or causal_lower_right's, is the
+  bool mask it stands for, as torch applies it); softmax over the keys in the scores' dtype (a row
+  of scores that are all -inf, a query no key takes part in, gives weights 0 with zero gradients, as
+  torch's kernels give, not softmax's NaN); dropout with ``dropout_p`` (torch's F.dropout: other
+  random draws than torch's fused kernels); the context product p v (K = the keys). With enable_gqa
+  each key and value head serves its group of query heads as in torch, quantised once: the products
+  broadcast it over the group (torch repeats it; a stochastic rule would round each copy its own
+  way), their operands and results having the heads split into (key heads, group) and k and v a
+  group axis of size 1 (a format's negative axis is unchanged).
 - ``F.multi_head_attention_forward`` (nn.MultiheadAttention, nn.TransformerEncoderLayer and
   nn.TransformerDecoderLayer call it): lpsim.nn.functional.multi_head_attention_forward, whose
   in and out projections are ``"linear"`` calls and whose attention steps are the three above
@@ -155,6 +156,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.overrides import TorchFunctionMode
 
 from lpsim.delayed_scaling import DelayedScaling
@@ -819,6 +821,27 @@ class _Pushed:
         return TorchFunctionMode.__exit__(self.mode, *exc)
 
 
+def _causal_bias_mask(bias: CausalBias, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The bool mask (True: takes part) that a torch.nn.attention.bias.CausalBias stands for, as
+    torch's scaled_dot_product_attention applies it: key j takes part for query i where
+    j <= i (causal_upper_left), or j <= i + S - L (causal_lower_right, the diagonal ending at
+    the last query and key). Its tensor holds no mask: added as a float mask, its storage would
+    shift the scores.
+
+    Raises:
+        ValueError: its sizes are not the queries' and keys' (L, S).
+    """
+    target, source = query.shape[-2], key.shape[-2]
+    if (bias.seq_len_q, bias.seq_len_kv) != (target, source):
+        raise ValueError(
+            f"scaled_dot_product_attention: attn_mask, a CausalBias of ({bias.seq_len_q}, "
+            f"{bias.seq_len_kv}), must have the queries' and keys' sizes ({target}, {source})"
+        )
+    diagonal = source - target if bias.variant == CausalVariant.LOWER_RIGHT else 0
+    allowed = torch.ones(target, source, dtype=torch.bool, device=query.device)
+    return allowed.tril(diagonal)
+
+
 def scaled_dot_product_attention(
     mode: FunctionQuantization,
     query: torch.Tensor,
@@ -834,13 +857,15 @@ def scaled_dot_product_attention(
     docstring states the steps).
 
     Raises:
-        ValueError: is_causal together with attn_mask (as torch), or enable_gqa with head counts
-            that do not divide.
+        ValueError: is_causal together with attn_mask (as torch), a CausalBias mask whose sizes
+            are not the queries' and keys', or enable_gqa with head counts that do not divide.
         TypeError: attn_mask is neither bool, float32 nor the query's dtype (torch refuses it
             too; added, an integer mask would shift the scores).
     """
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: is_causal and attn_mask are exclusive")
+    if isinstance(attn_mask, CausalBias):
+        attn_mask = _causal_bias_mask(attn_mask, query, key)
     if attn_mask is not None and attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
         raise TypeError(
             f"scaled_dot_product_attention: attn_mask must be bool (False: masked), float32 or "
