@@ -1097,6 +1097,15 @@ def test_a_call_outside_the_model_keeps_its_own_history_apart_from_the_models_fo
     assert int(functions.scalers["0:<outside>:matmul:0:input"].calls) == 3
 
 
+@pytest.mark.parametrize("dropout_p", [-0.5, float("nan"), 1.5])
+def test_attention_refuses_a_dropout_p_outside_0_1_naming_it(dropout_p):
+    """A negative or NaN dropout_p ran the attention without dropout, silently."""
+    q, k, v = (torch.randn(1, 2, 3, 4) for _ in range(3))
+    functions = quantize_functions(nn.Identity(), {"attention.scores": LayerQuantization()})
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\]"), functions:
+        F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
+
+
 def test_attention_refuses_an_integer_mask_as_torch_does():
     q, k, v = (torch.randn(1, 2, 3, 4) for _ in range(3))
     mask = torch.ones(3, 3, dtype=torch.int64)

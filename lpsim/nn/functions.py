@@ -857,13 +857,18 @@ def scaled_dot_product_attention(
     docstring states the steps).
 
     Raises:
-        ValueError: is_causal together with attn_mask (as torch), a CausalBias mask whose sizes
-            are not the queries' and keys', or enable_gqa with head counts that do not divide.
+        ValueError: is_causal together with attn_mask (as torch), dropout_p outside [0, 1], a
+            CausalBias mask whose sizes are not the queries' and keys', or enable_gqa with head
+            counts that do not divide.
         TypeError: attn_mask is neither bool, float32 nor the query's dtype (torch refuses it
             too; added, an integer mask would shift the scores).
     """
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: is_causal and attn_mask are exclusive")
+    if not 0.0 <= dropout_p <= 1.0:  # NaN too, which no dropout would have applied
+        raise ValueError(
+            f"scaled_dot_product_attention: dropout_p must be in [0, 1], got {dropout_p}"
+        )
     if isinstance(attn_mask, CausalBias):
         attn_mask = _causal_bias_mask(attn_mask, query, key)
     if attn_mask is not None and attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
