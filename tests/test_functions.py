@@ -208,6 +208,34 @@ def test_an_unselected_encoder_layer_in_eval_is_torchs_non_fused_path_bit_for_bi
     assert_same_bits(got, expected)
 
 
+def test_an_unselected_encoder_with_padding_in_eval_gives_the_padded_positions_of_the_other_path():
+    """nn.TransformerEncoder's fast path turns a padded batch into a nested tensor and returns
+    zeros at the padded positions; inside the context it takes its other path, which computes
+    them, as the docs say (bit for bit that path's, seen under a mode that selects nothing)."""
+
+    class Inert(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(27)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+    model = nn.Sequential(encoder, nn.Linear(16, 4))
+    encoder.eval()
+    x, padding = torch.randn(2, 5, 16), torch.zeros(2, 5, dtype=torch.bool)
+    padding[0, 3:] = True
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes on its fast path
+        fast = encoder(x, src_key_padding_mask=padding)
+        with Inert():
+            expected = encoder(x, src_key_padding_mask=padding)
+        with quantize_functions(model, {("linear", "1"): LayerQuantization()}):
+            got = encoder(x, src_key_padding_mask=padding)
+            model[1](got)
+    assert_same_bits(got, expected)
+    assert fast[0, 3:].eq(0).all() and not got[0, 3:].eq(0).any()
+
+
 def test_multihead_attention_under_empty_settings_is_torchs_to_float64_rounding():
     torch.manual_seed(2)
     mha = nn.MultiheadAttention(16, 4, batch_first=True).double()

@@ -140,7 +140,9 @@ native (one whose are is torch's op, decided as the model's call). While a conte
 torch's own calls are those of its non-fused paths: nn.MultiheadAttention and
 nn.TransformerEncoderLayer in eval mode without gradients take their fused fast path only where no
 TorchFunctionMode is active (torch checks), so an attention no entry selects gives the bits of
-their other path, which may differ in the last place.
+their other path, which may differ in the last place; and nn.TransformerEncoder given a
+src_key_padding_mask, whose fast path runs a nested tensor and returns zeros at the padded
+positions, returns there what its other path computes for them.
 """
 
 from __future__ import annotations
