@@ -819,6 +819,16 @@ def test_a_matmul_with_out_is_refused_when_simulated():
             torch.matmul(a, b, out=out)
 
 
+@pytest.mark.parametrize("call", [torch.matmul, torch.mm, torch.linalg.matmul])
+def test_a_matmul_with_out_none_is_simulated_as_without_it(call):
+    """out=None gives no out tensor: the call is the plain one, not refused."""
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    with quantize_functions(nn.Identity(), {"matmul": nearest(output=E4M3)}):
+        got, want = call(a, b, out=None), call(a, b)
+    assert_same_bits(got, want)
+    assert on_grid(got, E4M3)
+
+
 def test_a_softmax_with_out_is_refused_when_simulated_not_left_unquantised():
     """torch.softmax takes out=: the context returned the quantised result while the out tensor
     held torch's unquantised softmax, silently. A softmax no entry selects keeps torch's out=."""

@@ -654,7 +654,8 @@ class FunctionQuantization(TorchFunctionMode):
         if decision is None:
             return self._passed_on(op, func, args, kwargs)
         second = "mat2" if func in (*_MM_FUNCTIONS, *_BMM_FUNCTIONS) else "other"
-        rest = dict(kwargs)  # operands given by torch's names (input: a method's self)
+        # operands given by torch's names (input: a method's self); out=None is no out tensor
+        rest = {k: v for k, v in kwargs.items() if not (k == "out" and v is None)}
         names = ("input", second)[len(args) :]
         operands = (*args, *(rest.pop(name) for name in names if name in rest))
         if len(operands) != 2 or rest:
