@@ -169,6 +169,26 @@ def test_a_causal_bias_mask_is_the_causal_mask_it_stands_for_as_in_torch(
         torch.testing.assert_close(g, e, rtol=1e-11, atol=1e-11)
 
 
+@pytest.mark.parametrize("key_heads, value_heads", [(4, 2), (2, 4), (2, 1)])
+def test_grouped_query_attention_groups_keys_and_values_by_their_own_head_counts(
+    key_heads, value_heads
+):
+    """torch repeats the key and the value each by its own head count: the stepwise attention
+    grouped both by the key's, and failed on a broadcast where the value had other heads."""
+    torch.manual_seed(28)
+    q = torch.randn(2, 4, 5, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, key_heads, 7, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, value_heads, 7, 3, dtype=torch.float64, requires_grad=True)
+    expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    with quantize_functions(nn.Identity(), {"attention.scores": LayerQuantization()}):
+        got = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    for g, e in zip(got_grads, grads):
+        torch.testing.assert_close(g, e, rtol=1e-11, atol=1e-11)
+
+
 def test_grouped_query_attention_quantises_each_key_and_value_head_once():
     """With enable_gqa a key head serves 3 query heads: stochastic rounding rounds it once, as the
     one tensor it is, not each of 3 repeated copies its own way."""

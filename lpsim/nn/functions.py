@@ -77,8 +77,9 @@ fused kernel):
   random draws than torch's fused kernels); the context product p v (K = the keys). With enable_gqa
   each key and value head serves its group of query heads as in torch, quantised once: the products
   broadcast it over the group (torch repeats it; a stochastic rule would round each copy its own
-  way), their operands and results having the heads split into (key heads, group) and k and v a
-  group axis of size 1 (a format's negative axis is unchanged).
+  way), their operands and results having the heads split into (key heads, group) for the scores
+  and (value heads, group) for the context, each of k and v grouped by its own head count as torch
+  repeats it, and k and v a group axis of size 1 (a format's negative axis is unchanged).
 - ``F.multi_head_attention_forward`` (nn.MultiheadAttention, nn.TransformerEncoderLayer and
   nn.TransformerDecoderLayer call it): lpsim.nn.functional.multi_head_attention_forward, whose
   in and out projections are ``"linear"`` calls and whose attention steps are the three above
@@ -845,6 +846,27 @@ def _causal_bias_mask(bias: CausalBias, query: torch.Tensor, key: torch.Tensor) 
     return allowed.tril(diagonal)
 
 
+def _query_groups(query: torch.Tensor, t: torch.Tensor, name: str, enable_gqa: bool):
+    """(grouped, merged, t): with enable_gqa and fewer heads in t (the key or the value) than in
+    the query, the functions that split the query heads (axis -3) into (t's heads, group) and
+    merge them back, and t with a group axis of size 1, over which the products broadcast it;
+    else identities and t.
+
+    Raises:
+        ValueError: the query heads are not a multiple of t's heads.
+    """
+    if not (enable_gqa and query.dim() >= 3 and t.shape[-3] != query.shape[-3]):
+        return (lambda x: x), (lambda x: x), t
+    heads, kv_heads = query.shape[-3], t.shape[-3]
+    if heads % kv_heads:
+        raise ValueError(
+            f"scaled_dot_product_attention: enable_gqa needs the query heads ({heads}) to be "
+            f"a multiple of the {name} heads ({kv_heads})"
+        )
+    groups = (kv_heads, heads // kv_heads)
+    return (lambda x: x.unflatten(-3, groups)), (lambda x: x.flatten(-4, -3)), t.unsqueeze(-3)
+
+
 def scaled_dot_product_attention(
     mode: FunctionQuantization,
     query: torch.Tensor,
@@ -880,22 +902,14 @@ def scaled_dot_product_attention(
             f"the query's dtype {query.dtype} (added to the scores), as torch requires; got "
             f"{attn_mask.dtype}"
         )
-    groups = None  # with GQA, (key heads, query heads per key head)
-    if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
-        heads, kv_heads = query.shape[-3], key.shape[-3]
-        if heads % kv_heads:
-            raise ValueError(
-                f"scaled_dot_product_attention: enable_gqa needs the query heads ({heads}) to be "
-                f"a multiple of the key heads ({kv_heads})"
-            )
-        # Each key and value head, quantised once, broadcast over its group of query heads (head
-        # h takes key head h // group, as torch's repeat_interleave gives it).
-        groups = (kv_heads, heads // kv_heads)
-        key, value = key.unsqueeze(-3), value.unsqueeze(-3)
-    grouped = (lambda t: t) if groups is None else (lambda t: t.unflatten(-3, groups))
-    merged = (lambda t: t) if groups is None else (lambda t: t.flatten(-4, -3))
+    # With GQA each key head, and each value head, quantised once, is broadcast over its group
+    # of query heads (head h takes head h // group, as torch's repeat_interleave gives it); the
+    # key and the value are grouped each by its own head count, as torch repeats each.
+    (grouped_k, merged_k, key), (grouped_v, merged_v, value) = (
+        _query_groups(query, t, name, enable_gqa) for t, name in ((key, "key"), (value, "value"))
+    )
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = merged(mode.product("attention.scores", grouped(query), key.transpose(-2, -1)))
+    scores = merged_k(mode.product("attention.scores", grouped_k(query), key.transpose(-2, -1)))
     scores = scores * scale
     target, source = query.shape[-2], key.shape[-2]
     if is_causal:
@@ -912,7 +926,7 @@ def scaled_dot_product_attention(
     )
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    return merged(mode.product("attention.context", grouped(weights), value))
+    return merged_v(mode.product("attention.context", grouped_v(weights), value))
 
 
 def quantize_functions(
