@@ -1545,7 +1545,7 @@ def multi_head_attention_forward(
             outside [0, 1] (torch's explicit path skips a negative one), or is_causal is given
             without attn_mask.
     """
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+    if isinstance(num_heads, bool) or not hasattr(num_heads, "__index__") or num_heads < 1:
         raise ValueError(
             f"multi_head_attention_forward: num_heads must be an int >= 1, got {num_heads!r}"
         )
