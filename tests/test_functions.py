@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from support import assert_same_bits
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right, causal_upper_left
 
 import lpsim
 import lpsim.nn.functional as LF
@@ -140,6 +141,54 @@ def test_stepwise_attention_is_torchs_to_float64_rounding_forward_and_backward(o
         torch.testing.assert_close(g, e, rtol=1e-11, atol=1e-11)
 
 
+@pytest.mark.parametrize("lower_right", [False, True], ids=["upper-left", "lower-right"])
+@pytest.mark.parametrize("target, source", [(3, 6), (6, 3), (4, 4)])
+def test_a_causal_bias_mask_is_the_causal_mask_it_stands_for_as_in_torch(
+    lower_right, target, source
+):
+    """torch.nn.attention.bias's causal_upper_left and causal_lower_right make a tensor subclass
+    whose storage holds no mask (torch's attention dispatches on its variant): the stepwise
+    attention added that storage to the scores as a float mask, silently. It is the causal mask
+    torch applies, forward and backward."""
+    torch.manual_seed(26)
+    q = torch.randn(2, 2, target, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 2, source, 8, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    with warnings.catch_warnings():  # torch warns of lower-right rows without keys
+        warnings.simplefilter("ignore")
+        mask = (causal_lower_right if lower_right else causal_upper_left)(target, source)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    with quantize_functions(nn.Identity(), {"attention.scores": LayerQuantization()}):
+        got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        with pytest.raises(ValueError, match="must have the queries' and keys' sizes"):
+            F.scaled_dot_product_attention(q[..., :2, :], k, v, attn_mask=mask)
+    got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    assert type(got) is torch.Tensor
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    for g, e in zip(got_grads, grads):
+        torch.testing.assert_close(g, e, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("key_heads, value_heads", [(4, 2), (2, 4), (2, 1)])
+def test_grouped_query_attention_groups_keys_and_values_by_their_own_head_counts(
+    key_heads, value_heads
+):
+    """torch repeats the key and the value each by its own head count: the stepwise attention
+    grouped both by the key's, and failed on a broadcast where the value had other heads."""
+    torch.manual_seed(28)
+    q = torch.randn(2, 4, 5, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, key_heads, 7, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, value_heads, 7, 3, dtype=torch.float64, requires_grad=True)
+    expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    with quantize_functions(nn.Identity(), {"attention.scores": LayerQuantization()}):
+        got = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    got_grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    for g, e in zip(got_grads, grads):
+        torch.testing.assert_close(g, e, rtol=1e-11, atol=1e-11)
+
+
 def test_grouped_query_attention_quantises_each_key_and_value_head_once():
     """With enable_gqa a key head serves 3 query heads: stochastic rounding rounds it once, as the
     one tensor it is, not each of 3 repeated copies its own way."""
@@ -177,6 +226,34 @@ def test_an_unselected_encoder_layer_in_eval_is_torchs_non_fused_path_bit_for_bi
         with quantize_functions(model, {("linear", "1"): LayerQuantization()}):
             got = model(x)
     assert_same_bits(got, expected)
+
+
+def test_an_unselected_encoder_with_padding_in_eval_gives_the_padded_positions_of_the_other_path():
+    """nn.TransformerEncoder's fast path turns a padded batch into a nested tensor and returns
+    zeros at the padded positions; inside the context it takes its other path, which computes
+    them, as the docs say (bit for bit that path's, seen under a mode that selects nothing)."""
+
+    class Inert(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(27)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+    model = nn.Sequential(encoder, nn.Linear(16, 4))
+    encoder.eval()
+    x, padding = torch.randn(2, 5, 16), torch.zeros(2, 5, dtype=torch.bool)
+    padding[0, 3:] = True
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's notes on its fast path
+        fast = encoder(x, src_key_padding_mask=padding)
+        with Inert():
+            expected = encoder(x, src_key_padding_mask=padding)
+        with quantize_functions(model, {("linear", "1"): LayerQuantization()}):
+            got = encoder(x, src_key_padding_mask=padding)
+            model[1](got)
+    assert_same_bits(got, expected)
+    assert fast[0, 3:].eq(0).all() and not got[0, 3:].eq(0).any()
 
 
 def test_multihead_attention_under_empty_settings_is_torchs_to_float64_rounding():
@@ -762,6 +839,30 @@ def test_a_matmul_with_out_is_refused_when_simulated():
             torch.matmul(a, b, out=out)
 
 
+@pytest.mark.parametrize("call", [torch.matmul, torch.mm, torch.linalg.matmul])
+def test_a_matmul_with_out_none_is_simulated_as_without_it(call):
+    """out=None gives no out tensor: the call is the plain one, not refused."""
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    with quantize_functions(nn.Identity(), {"matmul": nearest(output=E4M3)}):
+        got, want = call(a, b, out=None), call(a, b)
+    assert_same_bits(got, want)
+    assert on_grid(got, E4M3)
+
+
+def test_a_softmax_with_out_is_refused_when_simulated_not_left_unquantised():
+    """torch.softmax takes out=: the context returned the quantised result while the out tensor
+    held torch's unquantised softmax, silently. A softmax no entry selects keeps torch's out=."""
+    x, out = torch.randn(3, 5), torch.empty(3, 5)
+    with quantize_functions(nn.Identity(), {"softmax": nearest(output=E4M3)}):
+        with pytest.raises(ValueError, match="with out= is not simulated"):
+            torch.softmax(x, -1, out=out)
+    with quantize_functions(nn.Identity(), {"matmul": nearest(output=E4M3)}):
+        got = torch.softmax(x, -1, out=out)
+        x @ x.t()  # the entry decides a call
+    assert got is out
+    assert_same_bits(out, torch.softmax(x, -1))
+
+
 @pytest.mark.parametrize(
     "call, keywords",
     [
@@ -1052,6 +1153,15 @@ def test_a_call_outside_the_model_keeps_its_own_history_apart_from_the_models_fo
         "0:<outside>:matmul:0:input",
     ]
     assert int(functions.scalers["0:<outside>:matmul:0:input"].calls) == 3
+
+
+@pytest.mark.parametrize("dropout_p", [-0.5, float("nan"), 1.5])
+def test_attention_refuses_a_dropout_p_outside_0_1_naming_it(dropout_p):
+    """A negative or NaN dropout_p ran the attention without dropout, silently."""
+    q, k, v = (torch.randn(1, 2, 3, 4) for _ in range(3))
+    functions = quantize_functions(nn.Identity(), {"attention.scores": LayerQuantization()})
+    with pytest.raises(ValueError, match=r"dropout_p must be in \[0, 1\]"), functions:
+        F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p)
 
 
 def test_attention_refuses_an_integer_mask_as_torch_does():

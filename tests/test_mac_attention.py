@@ -402,6 +402,12 @@ def test_stochastic_macs_are_reproducible_under_manual_seed():
         (dict(out_proj_macs=FLOAT16), TypeError, "out_proj_macs"),
         (dict(mac="fp16"), TypeError, "mac"),
         (dict(embed_dim_to_check=5), ValueError, "embed_dim_to_check"),
+        # A ZeroDivisionError, a reshape's error: neither named num_heads.
+        (dict(num_heads=0), ValueError, "num_heads must be an int >= 1"),
+        (dict(num_heads=-2), ValueError, "num_heads must be an int >= 1"),
+        # torch's explicit path skips dropout for these, silently.
+        (dict(dropout_p=-0.5), ValueError, r"dropout_p must be in \[0, 1\]"),
+        (dict(dropout_p=float("nan")), ValueError, r"dropout_p must be in \[0, 1\]"),
     ],
 )
 def test_bad_arguments_raise_errors_that_name_them(change, error, words):

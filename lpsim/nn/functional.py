@@ -1556,8 +1556,18 @@ def multi_head_attention_forward(
     Raises:
         TypeError: a MAC argument is malformed, a mask is neither bool nor floating-point, or a
             non-native MAC gets float64 operands.
-        ValueError: the shapes do not match torch's, or is_causal is given without attn_mask.
+        ValueError: the shapes do not match torch's, num_heads is not an int >= 1, dropout_p is
+            outside [0, 1] (torch's explicit path skips a negative one), or is_causal is given
+            without attn_mask.
     """
+    if isinstance(num_heads, bool) or not hasattr(num_heads, "__index__") or num_heads < 1:
+        raise ValueError(
+            f"multi_head_attention_forward: num_heads must be an int >= 1, got {num_heads!r}"
+        )
+    if not 0.0 <= dropout_p <= 1.0:  # NaN too; torch's explicit path skips dropout for them
+        raise ValueError(
+            f"multi_head_attention_forward: dropout_p must be in [0, 1], got {dropout_p}"
+        )
     how = arithmetic(mac, input_grad_mac, weight_grad_mac, None, None, None, "nearest")
     out_how = _out_arithmetic(out_proj_macs, how)
     batched = _attention_is_batched(query, key, value, key_padding_mask, attn_mask)

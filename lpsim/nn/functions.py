@@ -65,19 +65,21 @@ Attention is computed step by step where an entry decides one of its steps (else
 fused kernel):
 
 - ``F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)``:
-  s = q k^T (the scores product: input q, weight k^T, K = head_dim), then s * scale (scale
-  defaults to 1 / sqrt(head_dim)), in the scores' dtype, as the FP8 attention kernels apply it
-  after their product; the causal mask (positions j > i get -inf) and attn_mask (a bool mask's
-  False as -inf, else added: bool, float32 or the query's dtype, as torch takes it; a float32
-  mask is added to lower-precision scores as torch's in-place addition adds it, the sum rounded
-  once to the scores' dtype); softmax over the keys in the scores' dtype (a row of scores
-  that are all -inf, a query no key takes part in, gives weights 0 with zero gradients, as
-  torch's kernels give, not softmax's NaN); dropout with ``dropout_p`` (torch's F.dropout:
-  other random draws than torch's fused kernels); the context product p v (K = the keys). With
-  enable_gqa each key and value head serves its group of query heads as in torch, quantised
-  once: the products broadcast it over the group (torch repeats it; a stochastic rule would
-  round each copy its own way), their operands and results having the heads split into (key
-  heads, group) and k and v a group axis of size 1 (a format's negative axis is unchanged).
+  s = q k^T (the scores product: input q, weight k^T, K = head_dim), then s * scale (scale defaults
+  to 1 / sqrt(head_dim)), in the scores' dtype, as the FP8 attention kernels apply it after their
+  product; the causal mask (positions j > i get -inf) and attn_mask (a bool mask's False as -inf,
+  else added: bool, float32 or the query's dtype, as torch takes it; a float32 mask is added to
+  lower-precision scores as torch's in-place addition adds it, the sum rounded once to the scores'
+  dtype; a torch.nn.attention.bias.CausalBias, causal_upper_left's or causal_lower_right's, is the
+  bool mask it stands for, as torch applies it); softmax over the keys in the scores' dtype (a row
+  of scores that are all -inf, a query no key takes part in, gives weights 0 with zero gradients, as
+  torch's kernels give, not softmax's NaN); dropout with ``dropout_p`` (torch's F.dropout: other
+  random draws than torch's fused kernels); the context product p v (K = the keys). With enable_gqa
+  each key and value head serves its group of query heads as in torch, quantised once: the products
+  broadcast it over the group (torch repeats it; a stochastic rule would round each copy its own
+  way), their operands and results having the heads split into (key heads, group) for the scores
+  and (value heads, group) for the context, each of k and v grouped by its own head count as torch
+  repeats it, and k and v a group axis of size 1 (a format's negative axis is unchanged).
 - ``F.multi_head_attention_forward`` (nn.MultiheadAttention, nn.TransformerEncoderLayer and
   nn.TransformerDecoderLayer call it): lpsim.nn.functional.multi_head_attention_forward, whose
   in and out projections are ``"linear"`` calls and whose attention steps are the three above
@@ -139,7 +141,9 @@ native (one whose are is torch's op, decided as the model's call). While a conte
 torch's own calls are those of its non-fused paths: nn.MultiheadAttention and
 nn.TransformerEncoderLayer in eval mode without gradients take their fused fast path only where no
 TorchFunctionMode is active (torch checks), so an attention no entry selects gives the bits of
-their other path, which may differ in the last place.
+their other path, which may differ in the last place; and nn.TransformerEncoder given a
+src_key_padding_mask, whose fast path runs a nested tensor and returns zeros at the padded
+positions, returns there what its other path computes for them.
 """
 
 from __future__ import annotations
@@ -155,6 +159,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import CausalBias, CausalVariant
 from torch.overrides import TorchFunctionMode
 
 from lpsim.delayed_scaling import DelayedScaling
@@ -650,7 +655,8 @@ class FunctionQuantization(TorchFunctionMode):
         if decision is None:
             return self._passed_on(op, func, args, kwargs)
         second = "mat2" if func in (*_MM_FUNCTIONS, *_BMM_FUNCTIONS) else "other"
-        rest = dict(kwargs)  # operands given by torch's names (input: a method's self)
+        # operands given by torch's names (input: a method's self); out=None is no out tensor
+        rest = {k: v for k, v in kwargs.items() if not (k == "out" and v is None)}
         names = ("input", second)[len(args) :]
         operands = (*args, *(rest.pop(name) for name in names if name in rest))
         if len(operands) != 2 or rest:
@@ -678,6 +684,12 @@ class FunctionQuantization(TorchFunctionMode):
         decision = self.decide(op)
         if decision is None:
             return self._passed_on(op, func, args, kwargs)
+        if kwargs.get("out") is not None:  # torch would write the unquantised result there
+            raise ValueError(
+                f"quantize_functions: {getattr(func, '__name__', func)} with out= is not "
+                "simulated (its out tensor would hold the unquantised result): call it without "
+                "out= and copy the result"
+            )
         position = _SOFTMAX_DTYPE_POSITION.get(func, 2)
         dtype = kwargs.get("dtype", args[position] if len(args) > position else None)
         if args:
@@ -813,6 +825,48 @@ class _Pushed:
         return TorchFunctionMode.__exit__(self.mode, *exc)
 
 
+def _causal_bias_mask(bias: CausalBias, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The bool mask (True: takes part) that a torch.nn.attention.bias.CausalBias stands for, as
+    torch's scaled_dot_product_attention applies it: key j takes part for query i where
+    j <= i (causal_upper_left), or j <= i + S - L (causal_lower_right, the diagonal ending at
+    the last query and key). Its tensor holds no mask: added as a float mask, its storage would
+    shift the scores.
+
+    Raises:
+        ValueError: its sizes are not the queries' and keys' (L, S).
+    """
+    target, source = query.shape[-2], key.shape[-2]
+    if (bias.seq_len_q, bias.seq_len_kv) != (target, source):
+        raise ValueError(
+            f"scaled_dot_product_attention: attn_mask, a CausalBias of ({bias.seq_len_q}, "
+            f"{bias.seq_len_kv}), must have the queries' and keys' sizes ({target}, {source})"
+        )
+    diagonal = source - target if bias.variant == CausalVariant.LOWER_RIGHT else 0
+    allowed = torch.ones(target, source, dtype=torch.bool, device=query.device)
+    return allowed.tril(diagonal)
+
+
+def _query_groups(query: torch.Tensor, t: torch.Tensor, name: str, enable_gqa: bool):
+    """(grouped, merged, t): with enable_gqa and fewer heads in t (the key or the value) than in
+    the query, the functions that split the query heads (axis -3) into (t's heads, group) and
+    merge them back, and t with a group axis of size 1, over which the products broadcast it;
+    else identities and t.
+
+    Raises:
+        ValueError: the query heads are not a multiple of t's heads.
+    """
+    if not (enable_gqa and query.dim() >= 3 and t.shape[-3] != query.shape[-3]):
+        return (lambda x: x), (lambda x: x), t
+    heads, kv_heads = query.shape[-3], t.shape[-3]
+    if heads % kv_heads:
+        raise ValueError(
+            f"scaled_dot_product_attention: enable_gqa needs the query heads ({heads}) to be "
+            f"a multiple of the {name} heads ({kv_heads})"
+        )
+    groups = (kv_heads, heads // kv_heads)
+    return (lambda x: x.unflatten(-3, groups)), (lambda x: x.flatten(-4, -3)), t.unsqueeze(-3)
+
+
 def scaled_dot_product_attention(
     mode: FunctionQuantization,
     query: torch.Tensor,
@@ -828,35 +882,34 @@ def scaled_dot_product_attention(
     docstring states the steps).
 
     Raises:
-        ValueError: is_causal together with attn_mask (as torch), or enable_gqa with head counts
-            that do not divide.
+        ValueError: is_causal together with attn_mask (as torch), dropout_p outside [0, 1], a
+            CausalBias mask whose sizes are not the queries' and keys', or enable_gqa with head
+            counts that do not divide.
         TypeError: attn_mask is neither bool, float32 nor the query's dtype (torch refuses it
             too; added, an integer mask would shift the scores).
     """
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: is_causal and attn_mask are exclusive")
+    if not 0.0 <= dropout_p <= 1.0:  # NaN too, which no dropout would have applied
+        raise ValueError(
+            f"scaled_dot_product_attention: dropout_p must be in [0, 1], got {dropout_p}"
+        )
+    if isinstance(attn_mask, CausalBias):
+        attn_mask = _causal_bias_mask(attn_mask, query, key)
     if attn_mask is not None and attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
         raise TypeError(
             f"scaled_dot_product_attention: attn_mask must be bool (False: masked), float32 or "
             f"the query's dtype {query.dtype} (added to the scores), as torch requires; got "
             f"{attn_mask.dtype}"
         )
-    groups = None  # with GQA, (key heads, query heads per key head)
-    if enable_gqa and query.dim() >= 3 and key.shape[-3] != query.shape[-3]:
-        heads, kv_heads = query.shape[-3], key.shape[-3]
-        if heads % kv_heads:
-            raise ValueError(
-                f"scaled_dot_product_attention: enable_gqa needs the query heads ({heads}) to be "
-                f"a multiple of the key heads ({kv_heads})"
-            )
-        # Each key and value head, quantised once, broadcast over its group of query heads (head
-        # h takes key head h // group, as torch's repeat_interleave gives it).
-        groups = (kv_heads, heads // kv_heads)
-        key, value = key.unsqueeze(-3), value.unsqueeze(-3)
-    grouped = (lambda t: t) if groups is None else (lambda t: t.unflatten(-3, groups))
-    merged = (lambda t: t) if groups is None else (lambda t: t.flatten(-4, -3))
+    # With GQA each key head, and each value head, quantised once, is broadcast over its group
+    # of query heads (head h takes head h // group, as torch's repeat_interleave gives it); the
+    # key and the value are grouped each by its own head count, as torch repeats each.
+    (grouped_k, merged_k, key), (grouped_v, merged_v, value) = (
+        _query_groups(query, t, name, enable_gqa) for t, name in ((key, "key"), (value, "value"))
+    )
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = merged(mode.product("attention.scores", grouped(query), key.transpose(-2, -1)))
+    scores = merged_k(mode.product("attention.scores", grouped_k(query), key.transpose(-2, -1)))
     scores = scores * scale
     target, source = query.shape[-2], key.shape[-2]
     if is_causal:
@@ -873,7 +926,7 @@ def scaled_dot_product_attention(
     )
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    return merged(mode.product("attention.context", grouped(weights), value))
+    return merged_v(mode.product("attention.context", grouped_v(weights), value))
 
 
 def quantize_functions(
