@@ -134,6 +134,11 @@ def train(method: str, seed: int, data, steps: int, lr: float, record_every: int
     else:
         opt = lpsim.optim.SGD([w], lr=lr, rounding=method, seed=seed)
     losses, accuracies, last_change = [], [], 0
+
+    def test_accuracy(weights: torch.Tensor) -> float:
+        with torch.no_grad():
+            return ((x_test @ weights.float() > 0).float() == y_test).float().mean().item()
+
     for step in range(1, steps + 1):
         before = w.detach().clone()
         opt.zero_grad()
@@ -142,12 +147,10 @@ def train(method: str, seed: int, data, steps: int, lr: float, record_every: int
         opt.step()
         if not torch.equal(before, w.detach()):
             last_change = step
-        if step % record_every == 0 or step == 1:
+        if step % record_every == 0 or step in (1, steps):
             with torch.no_grad():
                 losses.append((step, loss.item()))
-                accuracies.append(
-                    (step, ((x_test @ w.float() > 0).float() == y_test).float().mean().item())
-                )
+                accuracies.append((step, test_accuracy(w)))
     with torch.no_grad():
         final_loss = torch.nn.functional.binary_cross_entropy_with_logits(
             x_train @ w.float(), y_train
@@ -156,7 +159,7 @@ def train(method: str, seed: int, data, steps: int, lr: float, record_every: int
         "losses": losses,
         "accuracies": accuracies,
         "final_loss": final_loss,
-        "accuracy": accuracies[-1][1],
+        "accuracy": test_accuracy(w),
         "last_change": last_change,
         "max_weight": w.detach().float().abs().max().item(),
     }

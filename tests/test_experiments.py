@@ -221,6 +221,27 @@ def test_stagnation_gives_no_spread_for_copies_that_overflowed():
     assert rows["stochastic_equal (mode 2)"] == "n/a (1 of 3 copies not finite)"
 
 
+def test_stagnation_test_accuracy_is_that_of_the_final_weights():
+    """The table's test accuracy is the trained weights', beside the final train loss, for any
+    --steps (the curve is recorded every 50 steps, so 120 steps used to report step 100's).
+    Oracle: the same full-batch gradient descent as a plain torch.optim.SGD loop."""
+    data = stagnation.breast_cancer()
+    x_train, y_train, x_test, y_test = data
+    steps, lr = 120, 0.1
+    run = stagnation.train("float32", 0, data, steps, lr, record_every=50)
+    w = torch.zeros(x_train.shape[1], requires_grad=True)
+    opt = torch.optim.SGD([w], lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.binary_cross_entropy_with_logits(x_train @ w, y_train).backward()
+        opt.step()
+    with torch.no_grad():
+        accuracy = ((x_test @ w > 0).float() == y_test).float().mean().item()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(x_train @ w, y_train).item()
+    assert run["accuracy"] == accuracy and run["final_loss"] == loss
+    assert run["accuracies"][-1] == (steps, accuracy)
+
+
 def test_mac_training_committed_table_is_what_the_command_it_names_runs_by_default():
     text = (RESULTS / "mac_training.md").read_text()
     command = text.split("Written by `", 1)[1].split("`", 1)[0].split()
