@@ -14,9 +14,11 @@ beside the exact sum and a float32 accumulator. The stochastic rules run 256 ind
 Part 2, training: logistic regression on scikit-learn's breast_cancer data (569 samples, 30
 standardised features and a bias; 70/30 stratified split), full-batch gradient descent with
 learning rate 1e-3 for 10**4 steps from zero weights. The forward and backward passes run in
-float32 from the stored weights; only the weight storage and update differ: float32
+float32 from the stored weights; the weight storage and update differ: float32
 (torch.optim.SGD) against bfloat16 weights updated by lpsim.optim.SGD with nearest, stochastic
-(three seeds), stochastic_equal (three seeds) and Kahan-compensated nearest.
+(three seeds), stochastic_equal (three seeds) and Kahan-compensated nearest. The gradient of
+bfloat16 weights is bfloat16 too: autograd rounds the float32 gradient to nearest bfloat16 (a
+parameter's gradient has its dtype), and the update w - lr * g is then exact and rounded once.
 
     python -m experiments.stagnation    # writes docs/results/stagnation.{md,png}
     python -m experiments.stagnation --out DIR    # writes DIR/stagnation.{md,png} instead
