@@ -487,6 +487,30 @@ def test_resume_refuses_to_switch_between_eager_and_compiled_training(tiny_cifar
         train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume", "--compile"))
 
 
+def test_resume_refuses_a_checkpoint_of_another_device_type(tiny_cifar10, tmp_path):
+    """Stochastic rounding draws from the generator of the device that trains, and a checkpoint
+    holds only that device type's generator: a GPU run resumed on the CPU (--device auto where
+    CUDA is missing), or a CPU run on a GPU, would continue with another random stream. The
+    device type is one of the settings a resume keeps; a checkpoint written without it counts as
+    trained where its random state says (no CUDA generator state: the CPU), so it resumes."""
+    root, _ = tiny_cifar10
+    straight, pieces = tmp_path / "straight", tmp_path / "pieces"
+    train.main(run_args(root, straight, "fp16", "--epochs", "2"))
+    train.main(run_args(root, pieces, "fp16", "--epochs", "2", "--stop-after", "1"))
+    state = torch.load(pieces / train.CHECKPOINT, weights_only=True)
+    assert state["config"]["device"] == "cpu" and state["rng"]["cuda"] is None
+    state["config"]["device"] = "cuda"  # as written by a GPU run
+    torch.save(state, pieces / train.CHECKPOINT)
+    with pytest.raises(SystemExit, match="'device': \\('cuda', 'cpu'\\)"):
+        train.main(run_args(root, pieces, "fp16", "--epochs", "2", "--resume"))
+    del state["config"]["device"]  # a checkpoint from before the key: its random state says cpu
+    torch.save(state, pieces / train.CHECKPOINT)
+    train.main(run_args(root, pieces, "fp16", "--epochs", "2", "--resume"))
+    a = torch.load(straight / train.CHECKPOINT, weights_only=True)
+    b = torch.load(pieces / train.CHECKPOINT, weights_only=True)
+    assert tensors_equal(a["model"], b["model"]) and tensors_equal(a["rng"], b["rng"])
+
+
 def test_resume_refuses_a_checkpoint_whose_data_orders_came_from_the_seed_itself(
     tiny_cifar10, tmp_path
 ):

@@ -73,6 +73,12 @@ COLUMNS = (
 # from DistributedSampler seeded with the seed itself, and would continue with other orders).
 # compile: Inductor draws the random numbers of stochastic rounding its own way, so a run resumed
 # compiled (or eager) after eager (or compiled) epochs would be neither run.
+# device: the type of device that trains (cpu or cuda). Stochastic rounding draws its seeds from
+# that device's generator, and the checkpoint holds the generator of its own device type only: a
+# CPU run resumed on a GPU (--device auto on a machine with one) would draw from a CUDA generator
+# freshly seeded, and a GPU run resumed on the CPU from the CPU generator's state, neither run's
+# stream. A checkpoint without it trained where its random state says (a CUDA generator state:
+# cuda).
 RUN_KEYS = (
     "recipe",
     "batch_size",
@@ -84,6 +90,7 @@ RUN_KEYS = (
     "data",
     "data_order",
     "compile",
+    "device",
 )
 DATA_ORDER = "order_seed"
 
@@ -213,7 +220,11 @@ class Run:
         )
         saved = None
         if self.saved is not None:
-            saved = {"schedule_epochs": self.saved["config"]["epochs"], **self.saved["config"]}
+            saved = {
+                "schedule_epochs": self.saved["config"]["epochs"],
+                "device": "cpu" if self.saved["rng"]["cuda"] is None else "cuda",
+                **self.saved["config"],
+            }
         self.epochs = args.epochs or (saved["epochs"] if saved else self.recipe.epochs)
         # The epochs the learning-rate schedule spans: the run's first --epochs. Epochs added by
         # --resume --epochs train at the rate the schedule ends on.
@@ -280,6 +291,7 @@ class Run:
             "data": self.data_name,
             "data_order": DATA_ORDER,
             "compile": args.compile,
+            "device": self.device.type,
         }
         if saved:
             different = {
