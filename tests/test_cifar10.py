@@ -511,6 +511,27 @@ def test_resume_refuses_a_checkpoint_of_another_device_type(tiny_cifar10, tmp_pa
     assert tensors_equal(a["model"], b["model"]) and tensors_equal(a["rng"], b["rng"])
 
 
+def test_a_cpu_run_resumes_with_the_thread_count_it_began_with(tiny_cifar10, tmp_path, monkeypatch):
+    """torch's CPU kernels sum in an order that depends on the thread count, so a resume in a
+    process with another count (another machine, another OMP_NUM_THREADS) would continue with
+    other bits: the checkpoint records the count, every epoch of the run trains with it, and the
+    caller's count is left as it was."""
+    root, _ = tiny_cifar10
+    seen = []
+    train_epoch = train.train_epoch
+
+    def counting(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return train_epoch(*args, **kwargs)
+
+    monkeypatch.setattr(train, "train_epoch", counting)
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--stop-after", "1"))
+    assert torch.load(tmp_path / train.CHECKPOINT, weights_only=True)["config"]["threads"] == 1
+    torch.set_num_threads(2)  # the one_thread fixture restores the count afterwards
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume"))
+    assert seen == [1, 1] and torch.get_num_threads() == 2
+
+
 def test_resume_refuses_a_checkpoint_whose_data_orders_came_from_the_seed_itself(
     tiny_cifar10, tmp_path
 ):
