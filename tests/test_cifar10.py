@@ -722,6 +722,46 @@ def test_summary_reports_a_run_only_in_its_recipes_own_configuration_as_a_result
     assert "lr 0.1 (recipe: 0.05)" in rows["other_lr"]["status"]
 
 
+def test_summary_reports_no_run_in_several_processes_as_a_result(tiny_cifar10, tmp_path):
+    """Every process of a torchrun run draws the same random numbers, so that its stochastic
+    rounding rounds the weights as the others do: the processes' shares of the batch get the same
+    dropout masks and stochastic-rounding draws (one process draws anew for each image), and
+    block8's shared exponents, WAGE's shifts and ibm8's batch norms span one share. Such a run is
+    another simulation than the recipe's, and the summary says so. The shares' draws are checked
+    on a recipe's model: rank 1's share gets rank 0's draws."""
+
+    def config(name: str, world_size: int) -> dict:
+        recipe = recipes.RECIPES[name]
+        return {
+            "recipe": name,
+            "epochs": recipe.epochs,
+            "batch_size": recipe.batch_size,
+            "lr": recipe.lr,
+            "swa_start": recipe.default_swa_start(recipe.epochs),
+            "width": 1.0,
+            "world_size": world_size,
+            "data": "cifar10",
+        }
+
+    for name, recipe in recipes.RECIPES.items():
+        assert summarize.departures(config(name, 1)) == []
+        assert summarize.departures(config(name, 2)) == [f"2 processes: {recipe.multi_process}"]
+        assert recipe.multi_process
+    recipe = recipes.RECIPES["fp16"]
+    torch.manual_seed(0)
+    model, _ = recipe.prepare(build_model("vgg16", width=0.0625), recipe.lr)
+    model.train()
+    x = torch.randn(4, 3, 32, 32)
+    x[2:] = x[:2]  # the global batch: two shares of the same two images
+    ranks = []
+    for share in (x[:2], x[2:]):  # every rank starts its step from the same generator state
+        torch.manual_seed(1)
+        ranks.append(model(share))
+    torch.manual_seed(1)
+    one = model(x)  # one process: the same images get other masks and draws
+    assert torch.equal(ranks[0], ranks[1]) and not torch.equal(one[:2], one[2:])
+
+
 # What the command line promises
 
 
