@@ -14,9 +14,11 @@ beside the exact sum and a float32 accumulator. The stochastic rules run 256 ind
 Part 2, training: logistic regression on scikit-learn's breast_cancer data (569 samples, 30
 standardised features and a bias; 70/30 stratified split), full-batch gradient descent with
 learning rate 1e-3 for 10**4 steps from zero weights. The forward and backward passes run in
-float32 from the stored weights; only the weight storage and update differ: float32
+float32 from the stored weights; the weight storage and update differ: float32
 (torch.optim.SGD) against bfloat16 weights updated by lpsim.optim.SGD with nearest, stochastic
-(three seeds), stochastic_equal (three seeds) and Kahan-compensated nearest.
+(three seeds), stochastic_equal (three seeds) and Kahan-compensated nearest. The gradient of
+bfloat16 weights is bfloat16 too: autograd rounds the float32 gradient to nearest bfloat16 (a
+parameter's gradient has its dtype), and the update w - lr * g is then exact and rounded once.
 
     python -m experiments.stagnation    # writes docs/results/stagnation.{md,png}
     python -m experiments.stagnation --out DIR    # writes DIR/stagnation.{md,png} instead
@@ -134,6 +136,11 @@ def train(method: str, seed: int, data, steps: int, lr: float, record_every: int
     else:
         opt = lpsim.optim.SGD([w], lr=lr, rounding=method, seed=seed)
     losses, accuracies, last_change = [], [], 0
+
+    def test_accuracy(weights: torch.Tensor) -> float:
+        with torch.no_grad():
+            return ((x_test @ weights.float() > 0).float() == y_test).float().mean().item()
+
     for step in range(1, steps + 1):
         before = w.detach().clone()
         opt.zero_grad()
@@ -142,12 +149,10 @@ def train(method: str, seed: int, data, steps: int, lr: float, record_every: int
         opt.step()
         if not torch.equal(before, w.detach()):
             last_change = step
-        if step % record_every == 0 or step == 1:
+        if step % record_every == 0 or step in (1, steps):
             with torch.no_grad():
                 losses.append((step, loss.item()))
-                accuracies.append(
-                    (step, ((x_test @ w.float() > 0).float() == y_test).float().mean().item())
-                )
+                accuracies.append((step, test_accuracy(w)))
     with torch.no_grad():
         final_loss = torch.nn.functional.binary_cross_entropy_with_logits(
             x_train @ w.float(), y_train
@@ -156,7 +161,7 @@ def train(method: str, seed: int, data, steps: int, lr: float, record_every: int
         "losses": losses,
         "accuracies": accuracies,
         "final_loss": final_loss,
-        "accuracy": accuracies[-1][1],
+        "accuracy": test_accuracy(w),
         "last_change": last_change,
         "max_weight": w.detach().float().abs().max().item(),
     }

@@ -4,9 +4,10 @@ low-precision recipes, and compare.
     python -m lpsim.demo [--epochs 30] [--out out] [--recipes fp32,bfloat16,ibm8,...]
         [--seed 0] [--threads N]
 
-The data are the 1797 8x8 digit images bundled with scikit-learn (no download), split 80/20 with a
-fixed seed. Every recipe starts from the same initial weights and sees the same batches; see
-lpsim.recipes for what each quantises. By default all of lpsim.recipes.RECIPES run: float32,
+The data are the 1797 8x8 digit images bundled with scikit-learn (no download), split 80/20 by a
+permutation drawn from --seed (so another seed also tests on other images). Every recipe starts
+from the same initial weights and sees the same batches; see lpsim.recipes for what each
+quantises. By default all of lpsim.recipes.RECIPES run: float32,
 bfloat16, IBM8, 8-bit block float, 8-bit fixed point, fixed8-unscaled (the counter-example whose
 fixed-point errors, without the loss scale, fall below the format's spacing), MXFP8, MXFP4 and
 NVFP4. Prints the test accuracy and wall time (training and the per-epoch evaluation) of every

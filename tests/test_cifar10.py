@@ -487,6 +487,51 @@ def test_resume_refuses_to_switch_between_eager_and_compiled_training(tiny_cifar
         train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume", "--compile"))
 
 
+def test_resume_refuses_a_checkpoint_of_another_device_type(tiny_cifar10, tmp_path):
+    """Stochastic rounding draws from the generator of the device that trains, and a checkpoint
+    holds only that device type's generator: a GPU run resumed on the CPU (--device auto where
+    CUDA is missing), or a CPU run on a GPU, would continue with another random stream. The
+    device type is one of the settings a resume keeps; a checkpoint written without it counts as
+    trained where its random state says (no CUDA generator state: the CPU), so it resumes."""
+    root, _ = tiny_cifar10
+    straight, pieces = tmp_path / "straight", tmp_path / "pieces"
+    train.main(run_args(root, straight, "fp16", "--epochs", "2"))
+    train.main(run_args(root, pieces, "fp16", "--epochs", "2", "--stop-after", "1"))
+    state = torch.load(pieces / train.CHECKPOINT, weights_only=True)
+    assert state["config"]["device"] == "cpu" and state["rng"]["cuda"] is None
+    state["config"]["device"] = "cuda"  # as written by a GPU run
+    torch.save(state, pieces / train.CHECKPOINT)
+    with pytest.raises(SystemExit, match="'device': \\('cuda', 'cpu'\\)"):
+        train.main(run_args(root, pieces, "fp16", "--epochs", "2", "--resume"))
+    del state["config"]["device"]  # a checkpoint from before the key: its random state says cpu
+    torch.save(state, pieces / train.CHECKPOINT)
+    train.main(run_args(root, pieces, "fp16", "--epochs", "2", "--resume"))
+    a = torch.load(straight / train.CHECKPOINT, weights_only=True)
+    b = torch.load(pieces / train.CHECKPOINT, weights_only=True)
+    assert tensors_equal(a["model"], b["model"]) and tensors_equal(a["rng"], b["rng"])
+
+
+def test_a_cpu_run_resumes_with_the_thread_count_it_began_with(tiny_cifar10, tmp_path, monkeypatch):
+    """torch's CPU kernels sum in an order that depends on the thread count, so a resume in a
+    process with another count (another machine, another OMP_NUM_THREADS) would continue with
+    other bits: the checkpoint records the count, every epoch of the run trains with it, and the
+    caller's count is left as it was."""
+    root, _ = tiny_cifar10
+    seen = []
+    train_epoch = train.train_epoch
+
+    def counting(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return train_epoch(*args, **kwargs)
+
+    monkeypatch.setattr(train, "train_epoch", counting)
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--stop-after", "1"))
+    assert torch.load(tmp_path / train.CHECKPOINT, weights_only=True)["config"]["threads"] == 1
+    torch.set_num_threads(2)  # the one_thread fixture restores the count afterwards
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume"))
+    assert seen == [1, 1] and torch.get_num_threads() == 2
+
+
 def test_resume_refuses_a_checkpoint_whose_data_orders_came_from_the_seed_itself(
     tiny_cifar10, tmp_path
 ):
@@ -675,6 +720,46 @@ def test_summary_reports_a_run_only_in_its_recipes_own_configuration_as_a_result
     assert [r for r in rows if rows[r]["status"] == "result"] == ["published"]
     assert "epochs 3 (recipe: 300)" in rows["short"]["status"]
     assert "lr 0.1 (recipe: 0.05)" in rows["other_lr"]["status"]
+
+
+def test_summary_reports_no_run_in_several_processes_as_a_result(tiny_cifar10, tmp_path):
+    """Every process of a torchrun run draws the same random numbers, so that its stochastic
+    rounding rounds the weights as the others do: the processes' shares of the batch get the same
+    dropout masks and stochastic-rounding draws (one process draws anew for each image), and
+    block8's shared exponents, WAGE's shifts and ibm8's batch norms span one share. Such a run is
+    another simulation than the recipe's, and the summary says so. The shares' draws are checked
+    on a recipe's model: rank 1's share gets rank 0's draws."""
+
+    def config(name: str, world_size: int) -> dict:
+        recipe = recipes.RECIPES[name]
+        return {
+            "recipe": name,
+            "epochs": recipe.epochs,
+            "batch_size": recipe.batch_size,
+            "lr": recipe.lr,
+            "swa_start": recipe.default_swa_start(recipe.epochs),
+            "width": 1.0,
+            "world_size": world_size,
+            "data": "cifar10",
+        }
+
+    for name, recipe in recipes.RECIPES.items():
+        assert summarize.departures(config(name, 1)) == []
+        assert summarize.departures(config(name, 2)) == [f"2 processes: {recipe.multi_process}"]
+        assert recipe.multi_process
+    recipe = recipes.RECIPES["fp16"]
+    torch.manual_seed(0)
+    model, _ = recipe.prepare(build_model("vgg16", width=0.0625), recipe.lr)
+    model.train()
+    x = torch.randn(4, 3, 32, 32)
+    x[2:] = x[:2]  # the global batch: two shares of the same two images
+    ranks = []
+    for share in (x[:2], x[2:]):  # every rank starts its step from the same generator state
+        torch.manual_seed(1)
+        ranks.append(model(share))
+    torch.manual_seed(1)
+    one = model(x)  # one process: the same images get other masks and draws
+    assert torch.equal(ranks[0], ranks[1]) and not torch.equal(one[:2], one[2:])
 
 
 # What the command line promises

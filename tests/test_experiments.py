@@ -8,6 +8,7 @@ import hashlib
 import math
 import pathlib
 import sys
+from fractions import Fraction
 
 import pytest
 
@@ -219,6 +220,68 @@ def test_stagnation_gives_no_spread_for_copies_that_overflowed():
     assert rows["stochastic (mode 1)"] == "1"  # the standard deviation of 1, 2, 3
     assert rows["nearest"] == "0"
     assert rows["stochastic_equal (mode 2)"] == "n/a (1 of 3 copies not finite)"
+
+
+def test_stagnation_test_accuracy_is_that_of_the_final_weights():
+    """The table's test accuracy is the trained weights', beside the final train loss, for any
+    --steps (the curve is recorded every 50 steps, so 120 steps used to report step 100's).
+    Oracle: the same full-batch gradient descent as a plain torch.optim.SGD loop."""
+    data = stagnation.breast_cancer()
+    x_train, y_train, x_test, y_test = data
+    steps, lr = 120, 0.1
+    run = stagnation.train("float32", 0, data, steps, lr, record_every=50)
+    w = torch.zeros(x_train.shape[1], requires_grad=True)
+    opt = torch.optim.SGD([w], lr=lr)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.binary_cross_entropy_with_logits(x_train @ w, y_train).backward()
+        opt.step()
+    with torch.no_grad():
+        accuracy = ((x_test @ w > 0).float() == y_test).float().mean().item()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(x_train @ w, y_train).item()
+    assert run["accuracy"] == accuracy and run["final_loss"] == loss
+    assert run["accuracies"][-1] == (steps, accuracy)
+
+
+def _round_bfloat16(value: Fraction) -> Fraction:
+    """value rounded to nearest bfloat16 (ties to even; normal range), from the definition."""
+    if value == 0:
+        return value
+    magnitude = abs(value)
+    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
+    if Fraction(2) ** exponent > magnitude:
+        exponent -= 1
+    spacing = Fraction(2) ** (exponent - 7)
+    units, rest = divmod(magnitude, spacing)
+    if rest > spacing / 2 or (rest == spacing / 2 and units % 2):
+        units += 1
+    return (1 if value > 0 else -1) * units * spacing
+
+
+def test_stagnation_bfloat16_weights_get_their_gradient_rounded_to_bfloat16():
+    """The nearest run of part 2 is, step for step, the plain loop its description gives: the
+    float32 gradient rounded to nearest bfloat16 (autograd's gradient of a bfloat16 weight), then
+    w - lr g exact and rounded once to nearest bfloat16. With the float32 gradient the loop ends
+    elsewhere after 20 steps, so the rounding of the gradient is part of the set-up."""
+    data = stagnation.breast_cancer()
+    x_train, y_train = data[0], data[1]
+    steps, lr = 20, 1e-3
+    run = stagnation.train("nearest", 0, data, steps, lr, record_every=50)
+    losses = {}
+    for rounded_gradient in (True, False):
+        w = [Fraction(0)] * x_train.shape[1]
+        for _ in range(steps):
+            w32 = torch.tensor([float(v) for v in w], requires_grad=True)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(x_train @ w32, y_train)
+            loss.backward()
+            g = w32.grad.to(torch.bfloat16).float() if rounded_gradient else w32.grad
+            w = [_round_bfloat16(v - Fraction(lr) * Fraction(gv)) for v, gv in zip(w, g.tolist())]
+        w32 = torch.tensor([float(v) for v in w])
+        losses[rounded_gradient] = torch.nn.functional.binary_cross_entropy_with_logits(
+            x_train @ w32, y_train
+        ).item()
+    assert run["final_loss"] == losses[True] != losses[False]
+    assert run["last_change"] == steps
 
 
 def test_mac_training_committed_table_is_what_the_command_it_names_runs_by_default():

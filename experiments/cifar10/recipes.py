@@ -145,6 +145,12 @@ class CifarRecipe:
             swa_lr: the constant learning rate from then on.
         source: the QPyTorch example (path in the Tiiiger/QPyTorch repository) it follows.
         deviations: where and why it departs from that example.
+        multi_process: what a run in several processes (torchrun) does otherwise than the
+            recipe's one process. Every process draws the same random numbers (its stochastic
+            rounding must round the weights as the others do), so their shares of the batch get
+            the same dropout masks and stochastic-rounding draws, where one process draws anew
+            for every image; and whatever is computed over the batch (a shared exponent, WAGE's
+            shift, batch-norm statistics) spans one process's share.
     """
 
     name: str
@@ -165,6 +171,7 @@ class CifarRecipe:
     swa_start: float | None = None
     swa_lr: float | None = None
     deviations: tuple[str, ...] = field(default=())
+    multi_process: str = ""
 
     @property
     def loss_scale(self) -> float:
@@ -395,6 +402,7 @@ FP32 = CifarRecipe(
     epochs=200,
     lr=0.05,
     source="examples/lp_train/train.py with VGG16 and no quantisation",
+    multi_process="the processes' shares of the batch get the same dropout masks",
 )
 
 FP16 = CifarRecipe(
@@ -414,6 +422,10 @@ FP16 = CifarRecipe(
         "The example script asks for 11 mantissa bits; half precision stores 10, the paper's FP16.",
         _INITIAL_WEIGHTS,
     ),
+    multi_process=(
+        "the processes' shares of the batch get the same dropout masks and stochastic-rounding "
+        "draws"
+    ),
 )
 
 BLOCK8 = CifarRecipe(
@@ -426,6 +438,10 @@ BLOCK8 = CifarRecipe(
     placement=after_relus,
     source="examples/lp_train/sample_scripts/block_baseline.sh",
     deviations=(_INITIAL_WEIGHTS,),
+    multi_process=(
+        "each process's share of the batch has one exponent per activation and error tensor, "
+        "and the shares get the same dropout masks and stochastic-rounding draws"
+    ),
 )
 
 WAGE = WageRecipe(
@@ -445,6 +461,10 @@ WAGE = WageRecipe(
         "rounds them away from zero.",
         "The accumulator is clipped after each update instead of before the next one, and once "
         "at initialisation: the weights seen by every forward pass are the same.",
+    ),
+    multi_process=(
+        "each process's share of the batch has its own per-layer shift of the errors, and the "
+        "shares get the same stochastic-rounding draws"
     ),
 )
 
@@ -466,6 +486,10 @@ SWALP = CifarRecipe(
     placement=after_weight_layers_but_last,
     swa_start=2 / 3,
     swa_lr=0.01,
+    multi_process=(
+        "the processes' shares of the batch get the same dropout masks and stochastic-rounding "
+        "draws"
+    ),
     source="examples/SWALP/example.sh (run with CIFAR10)",
     deviations=(
         _SCHEDULE_TIMING,
@@ -514,6 +538,7 @@ IBM8 = CifarRecipe(
         "the QPyTorch example's, which says they differ from the paper's, for want of a "
         "reference implementation.",
     ),
+    multi_process="each process's batch norms normalise its own share of the batch",
 )
 
 RECIPES = {r.name: r for r in (FP32, FP16, BLOCK8, WAGE, SWALP, IBM8)}

@@ -5,10 +5,11 @@
 Reads RUNS/<name>/checkpoint.pt (for the settings) and RUNS/<name>/log.csv of every run below
 RUNS and prints one row per run: recipe, data, epochs done of those planned, the last epoch's test
 error and, for SWALP, the averaged model's. Only finished runs of a recipe's own configuration
-(its epochs, batch size, learning rate and averaging start, the published network's width) on the
-verified CIFAR10 release are marked as results for the README's lpsim column; runs on fake data, on
-unverified data, not yet finished, or with other settings (a shorter schedule, another learning
-rate, epochs added by --resume) are listed with the reason they are not.
+(its epochs, batch size, learning rate and averaging start, the published network's width, one
+process) on the verified CIFAR10 release are marked as results for the README's lpsim column; runs
+on fake data, on unverified data, not yet finished, or with other settings (a shorter schedule,
+another learning rate, epochs added by --resume, several processes under torchrun) are listed with
+the reason they are not.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ __all__ = ["departures", "collect", "markdown", "main"]
 
 def departures(config: dict) -> list[str]:
     """The settings of a run (its checkpoint's config) that differ from its recipe's own, as
-    "name value (recipe: value)"; empty for a run of the recipe as published."""
+    "name value (recipe: value)", and training in several processes, which is another
+    simulation than the recipe's one process (CifarRecipe.multi_process says how); empty for a
+    run of the recipe as published."""
     recipe = RECIPES.get(config["recipe"])
     if recipe is None:
         return [f"recipe {config['recipe']} (unknown)"]
@@ -40,11 +43,15 @@ def departures(config: dict) -> list[str]:
         "swa start": (config["swa_start"], recipe.default_swa_start(recipe.epochs)),
         "width": (config["width"], 1.0),
     }
-    return [
+    found = [
         f"{name} {mine} (recipe: {theirs})"
         for name, (mine, theirs) in own.items()
         if mine != theirs
     ]
+    processes = config.get("world_size", 1)
+    if processes > 1:
+        found.append(f"{processes} processes: {recipe.multi_process}")
+    return found
 
 
 def collect(runs: pathlib.Path) -> list[dict]:

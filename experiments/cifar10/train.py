@@ -73,6 +73,12 @@ COLUMNS = (
 # from DistributedSampler seeded with the seed itself, and would continue with other orders).
 # compile: Inductor draws the random numbers of stochastic rounding its own way, so a run resumed
 # compiled (or eager) after eager (or compiled) epochs would be neither run.
+# device: the type of device that trains (cpu or cuda). Stochastic rounding draws its seeds from
+# that device's generator, and the checkpoint holds the generator of its own device type only: a
+# CPU run resumed on a GPU (--device auto on a machine with one) would draw from a CUDA generator
+# freshly seeded, and a GPU run resumed on the CPU from the CPU generator's state, neither run's
+# stream. A checkpoint without it trained where its random state says (a CUDA generator state:
+# cuda).
 RUN_KEYS = (
     "recipe",
     "batch_size",
@@ -84,6 +90,7 @@ RUN_KEYS = (
     "data",
     "data_order",
     "compile",
+    "device",
 )
 DATA_ORDER = "order_seed"
 
@@ -213,7 +220,11 @@ class Run:
         )
         saved = None
         if self.saved is not None:
-            saved = {"schedule_epochs": self.saved["config"]["epochs"], **self.saved["config"]}
+            saved = {
+                "schedule_epochs": self.saved["config"]["epochs"],
+                "device": "cpu" if self.saved["rng"]["cuda"] is None else "cuda",
+                **self.saved["config"],
+            }
         self.epochs = args.epochs or (saved["epochs"] if saved else self.recipe.epochs)
         # The epochs the learning-rate schedule spans: the run's first --epochs. Epochs added by
         # --resume --epochs train at the rate the schedule ends on.
@@ -263,6 +274,12 @@ class Run:
             )
         self.local_batch = self.batch_size // self.world_size
         self.device = choose_device(args.device, p, self.world_size, self.local_rank)
+        # torch's CPU kernels sum in an order that depends on the thread count, so a CPU run
+        # trains (and resumes) with the count it began with; a checkpoint written before the count
+        # was recorded resumes with the process's.
+        self.threads = torch.get_num_threads()
+        if saved and self.device.type == "cpu" and saved.get("threads"):
+            self.threads = saved["threads"]
         if args.fake_data:
             self.data_name = f"fake:{args.fake_data}"
         else:
@@ -280,6 +297,8 @@ class Run:
             "data": self.data_name,
             "data_order": DATA_ORDER,
             "compile": args.compile,
+            "device": self.device.type,
+            "threads": self.threads if self.device.type == "cpu" else None,
         }
         if saved:
             different = {
@@ -518,8 +537,9 @@ def train(run: Run, train_set: cifar.Split, test_set: cifar.Split) -> list[dict]
         run.out_dir.mkdir(parents=True, exist_ok=True)
         print(
             f"{recipe.name}: {recipe.summary}\n  {run.epochs} epochs, batch {run.batch_size} "
-            f"({run.world_size} process{'es' if run.distributed else ''} on {run.device}), "
-            f"lr {run.lr:g}, seed {args.seed}, {len(train_set)} training and {len(test_set)} "
+            f"({run.world_size} process{'es' if run.distributed else ''} on {run.device})"
+            + (f", {torch.get_num_threads()} CPU threads" if run.device.type == "cpu" else "")
+            + f", lr {run.lr:g}, seed {args.seed}, {len(train_set)} training and {len(test_set)} "
             f"test images; {'resuming after epoch ' + str(start) if start else 'from scratch'}"
             + (
                 f"; the schedule spans the first {run.schedule_epochs}, later epochs train at "
@@ -619,15 +639,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"could not {'fetch CIFAR10 into' if args.download else 'read CIFAR10 from'} "
             f"{args.data_dir}: {error}"
         )
-    if not run.distributed:
-        return train(run, *data)
-    if run.device.type == "cuda":
-        torch.cuda.set_device(run.device)
-    dist.init_process_group("nccl" if run.device.type == "cuda" else "gloo")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(run.threads)
     try:
-        return train(run, *data)
+        if not run.distributed:
+            return train(run, *data)
+        if run.device.type == "cuda":
+            torch.cuda.set_device(run.device)
+        dist.init_process_group("nccl" if run.device.type == "cuda" else "gloo")
+        try:
+            return train(run, *data)
+        finally:
+            dist.destroy_process_group()
     finally:
-        dist.destroy_process_group()
+        torch.set_num_threads(threads)  # a caller in the same process keeps its setting
 
 
 if __name__ == "__main__":
