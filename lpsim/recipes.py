@@ -208,13 +208,16 @@ class Recipe:
             Linear layer's 3-D (batch, token, channel) input is blocked along its channels, not
             its tokens; ``along`` clears it. A bias (placement "outputs") is blocked along its one
             axis, and so are the weight and bias of one axis of any other leaf layer (a norm
-            layer's, a PReLU's), whatever the recipe's axis. A depthwise convolution's weight
-            (channels, 1, ...) has blocks of one element. In a grouped convolution (groups > 1) each
-            group's product sums over its own in / groups channels, but the blocks of a tensor's
-            channels run on across the groups: where in / groups is not a multiple of the block
-            size, a block holds the channels of two or more groups (in a depthwise convolution's
-            input, of 32 groups for MX) and takes one scale for them, where hardware would scale
-            each group's channels apart.
+            layer's, a PReLU's), whatever the recipe's axis; the outputs and errors of the layers
+            that are not weight layers (placement "outputs") keep the recipe's axis (1 in the
+            scaled recipes: the channels of a (batch, channel, ...) tensor, the tokens of a
+            (batch, token, channel) one; ``along(-1)`` blocks a token model's along channels).
+            A depthwise convolution's weight (channels, 1, ...) has blocks of one element. In a
+            grouped convolution (groups > 1) each group's product sums over its own in / groups
+            channels, but the blocks of a tensor's channels run on across the groups: where
+            in / groups is not a multiple of the block size, a block holds the channels of two or
+            more groups (in a depthwise convolution's input, of 32 groups for MX) and takes one
+            scale for them, where hardware would scale each group's channels apart.
         mac: the arithmetic of the weight layers' products, forward and backward (an lpsim.MAC;
             None: torch's own): every Linear, Conv1d, Conv2d and MultiheadAttention it reaches
             (all of them unless ``keep_edges``) sums its products as the MAC prescribes

@@ -323,6 +323,25 @@ def test_a_scaled_recipe_placed_on_outputs_blocks_one_axis_parameters_along_that
     model(_heavy(8, 64)).sum().backward()
 
 
+@pytest.mark.parametrize(("along", "axis"), [(None, 1), (-1, -1)])
+def test_a_scaled_recipe_placed_on_outputs_blocks_other_layers_outputs_along_its_own_axis(
+    along, axis
+):
+    # A (batch, token, channel) activation after a GELU keeps the recipe's axis 1 (the tokens)
+    # under placement="outputs", as docs/training.md says; along(-1) moves it to the channels.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+    recipe = replace(recipes.MXFP8, placement="outputs")
+    recipe = recipe if along is None else recipe.along(along)
+    model, _ = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    seen = {}
+    model[2].register_forward_hook(lambda m, args, out: seen.update(x=args[0], out=out))
+    model(_heavy(2, 40, 64))
+    fmt, rule = recipe.activation
+    expected = lpsim.quantize(nn.functional.gelu(seen["x"]), replace(fmt, axis=axis), rule)
+    assert torch.equal(seen["out"], expected)
+
+
 class _Decoder(nn.Module):
     """A convolution, two transposed convolutions and a convolution: the inner transposed
     convolution is a weight layer of the scaled recipes."""
