@@ -124,8 +124,8 @@ class _Batch:
         whose blocks lie within each stored entry (blocks along a dense dimension, the whole
         tensor, the whole sparse dimension) rounds the values themselves, its axis counted in
         their dimensions; one whose blocks run across entries (blocks of n or tiles along a
-        sparse dimension) rounds the dense tensor, whose values at the stored positions are
-        then written back."""
+        sparse dimension) rounds the dense tensor (which an observer sees), whose values at the
+        stored positions are then written back."""
         values = _stored_values(t)
         if not (t.is_sparse and isinstance(quant, QuantSpec) and isinstance(quant.format, Scaled)):
             self.add(quant, values, parameter, category)
@@ -134,10 +134,8 @@ class _Batch:
         if fmt is not None:
             self.add(quant._replace(format=fmt), values, parameter, category)
             return
-        if self.observer is not None and self.observer.wants(category):
-            self.observed.append((parameter, category, values.clone(), values, quant))
-        dense = t.to_dense()
-        self.groups.setdefault(quant, []).append(dense)
+        dense = t.to_dense()  # observed as the tensor rounded, its blocks' bounds those of fmt
+        self.add(quant, dense, parameter, category)
         self.stored.append((values, dense, t.indices()))
 
     def run(self) -> None:
