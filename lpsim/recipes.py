@@ -197,10 +197,12 @@ class Recipe:
             which the model sees quantised by ``weight`` in every forward pass only, as FP8 and
             MX training do.
         blocks_along_reduction: whether every Scaled format of a weight layer's quantisers
-            (weight, bias, input, output, error) takes its blocks along that layer's reduction
-            axis instead of its own ``axis``: the channels of a convolution's (batch, channel,
-            *spatial) inputs and errors and (out, in, *kernel) weights, counted from the end
-            (-2, -3 and -4 for Conv1d, Conv2d and Conv3d, so that unbatched inputs have it too);
+            (weight, bias, input, output, error) whose blocks run along an axis (not tiles, nor
+            one block for the whole tensor, which stay as they are) takes its blocks along that
+            layer's reduction axis instead of its own ``axis``: the channels of a convolution's
+            (batch, channel, *spatial) inputs and errors and (out, in, *kernel) weights, counted
+            from the end (-2, -3 and -4 for Conv1d, Conv2d and Conv3d, so that unbatched inputs
+            have it too);
             the same for a transposed convolution's inputs and errors, and the input channels
             of its (in, out, *kernel) weight, its first axis (-3, -4 and -5 for ConvTranspose1d,
             2d and 3d); -1 for Linear layers and MultiheadAttention (inputs (..., features) of
@@ -208,13 +210,16 @@ class Recipe:
             Linear layer's 3-D (batch, token, channel) input is blocked along its channels, not
             its tokens; ``along`` clears it. A bias (placement "outputs") is blocked along its one
             axis, and so are the weight and bias of one axis of any other leaf layer (a norm
-            layer's, a PReLU's), whatever the recipe's axis. A depthwise convolution's weight
-            (channels, 1, ...) has blocks of one element. In a grouped convolution (groups > 1) each
-            group's product sums over its own in / groups channels, but the blocks of a tensor's
-            channels run on across the groups: where in / groups is not a multiple of the block
-            size, a block holds the channels of two or more groups (in a depthwise convolution's
-            input, of 32 groups for MX) and takes one scale for them, where hardware would scale
-            each group's channels apart.
+            layer's, a PReLU's), whatever the recipe's axis; the outputs and errors of the layers
+            that are not weight layers (placement "outputs") keep the recipe's axis (1 in the
+            scaled recipes: the channels of a (batch, channel, ...) tensor, the tokens of a
+            (batch, token, channel) one; ``along(-1)`` blocks a token model's along channels).
+            A depthwise convolution's weight (channels, 1, ...) has blocks of one element. In a
+            grouped convolution (groups > 1) each group's product sums over its own in / groups
+            channels, but the blocks of a tensor's channels run on across the groups: where
+            in / groups is not a multiple of the block size, a block holds the channels of two or
+            more groups (in a depthwise convolution's input, of 32 groups for MX) and takes one
+            scale for them, where hardware would scale each group's channels apart.
         mac: the arithmetic of the weight layers' products, forward and backward (an lpsim.MAC;
             None: torch's own): every Linear, Conv1d, Conv2d and MultiheadAttention it reaches
             (all of them unless ``keep_edges``) sums its products as the MAC prescribes
@@ -272,7 +277,7 @@ class Recipe:
         """This recipe with every Scaled format's blocks along ``axis`` in every layer (and
         ``blocks_along_reduction`` off): the scaled recipes otherwise block each weight layer's
         operands along its reduction axis (the channels for convolutions, -1 for Linear
-        layers)."""
+        layers). Tiles and whole-tensor blocks, which run along no axis, stay as they are."""
         fields = ("weight", "activation", "error", "grad", "momentum", "acc")
         moved = {f: _blocks_along(getattr(self, f), axis) for f in fields}
         return replace(self, **moved, blocks_along_reduction=False)
@@ -465,10 +470,11 @@ def _has_block_axis(fmt) -> bool:
 
 
 def _blocks_along(spec, axis: int):
-    """A spec (None, a format, or (format, rounding)) with a Scaled format's blocks along axis."""
-    if isinstance(spec, Scaled):
+    """A spec (None, a format, or (format, rounding)) with a Scaled format's blocks along axis;
+    tiles and whole-tensor blocks, which run along no axis, as they are."""
+    if _has_block_axis(spec):
         return replace(spec, axis=axis)
-    if isinstance(spec, tuple) and spec and isinstance(spec[0], Scaled):
+    if isinstance(spec, tuple) and spec and _has_block_axis(spec[0]):
         return (replace(spec[0], axis=axis), *spec[1:])
     return spec
 

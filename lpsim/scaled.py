@@ -22,7 +22,8 @@ The parts of a scaled format (class Scaled):
   whole tensor. A last block that is shorter is scaled from the elements it has (as if padded with
   zeros, which do not change its largest magnitude).
 - ``scale_rule``: how a block's scale follows from its largest magnitude amax.
-- ``tensor_scale``: a second, per-tensor float32 scale (NVFP4).
+- ``tensor_scale``: a second, per-tensor float32 scale (NVFP4); computed in the format's
+  arithmetic, so a float64 tensor's is a float64 number, not rounded to float32.
 
 How a block is encoded (``emax`` is the exponent of the largest element ``elem_max``):
 
@@ -208,7 +209,8 @@ class Scaled:
         axis: the dimension blocks run along, torch's convention (negative counts from the end).
         scale_rule: "floor", "ceil", "even" or "rceil" for PowerOfTwo scales (default "floor"),
             "amax" for Float scales (the default and only rule there). See the module docstring.
-        tensor_scale: a second, per-tensor float32 scale (NVFP4); Float scales only, with
+        tensor_scale: a second, per-tensor float32 scale (NVFP4; a float64 one in a float64
+            tensor, whose arithmetic is float64); Float scales only, with
             scale max * elem_max below 2**128, the scale's smallest normal at most 2 and elem_max
             at least 2, so that t, 1 / t and every block's t * s are finite float32 numbers.
 

@@ -6,6 +6,7 @@ import math
 import pickle
 from dataclasses import replace
 
+import ml_dtypes
 import pytest
 import torch
 from sklearn.datasets import load_digits
@@ -18,6 +19,7 @@ from lpsim import BlockFloat, Fixed, Float, recipes
 from lpsim.nn import Quantizer
 from lpsim.optim import OptimLP
 from lpsim.optim.loss_scale import DynamicLossScaler
+from lpsim.scaled import PowerOfTwo, Scaled, preset
 
 E4M3 = lpsim.preset("e4m3fn")  # overflow becomes NaN
 E4M3_SATURATING = lpsim.preset("e4m3fn_saturating")  # overflow clamps to +/-448
@@ -281,6 +283,64 @@ def test_watch_model_sees_the_saturating_errors_of_a_p3109_format(signed, satura
     assert scaler.watch(fmt)(below) is below  # below the largest value, or clipped to 0
     scaler.step(opt)
     assert not scaler.found_overflow
+
+
+# E2M1 elements under E4M3 block scales without a tensor scale (NVFP4's single-level scaling,
+# torchao's nvfp4_quantize without per_tensor_scale): a block's scale stops at E4M3's 448, so the
+# format's values end at 6 * 448, beyond which errors saturate as a saturating Float's do.
+SINGLE_LEVEL_NVFP4 = Scaled(Float(2, 1, special="none"), Float(4, 3, special="fn"), 16)
+E2M1_TIMES_E4M3 = float(ml_dtypes.finfo(ml_dtypes.float4_e2m1fn).max) * float(
+    ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max
+)
+
+
+def test_watch_counts_errors_beyond_the_largest_value_of_a_scaled_format_without_tensor_scale():
+    fmt = SINGLE_LEVEL_NVFP4
+    beyond = torch.full((16,), 3000.0)
+    assert_same_bits(lpsim.quantize(beyond, fmt), torch.full((16,), E2M1_TIMES_E4M3))  # clamped
+    inside = torch.tensor([2000.0, -2000.0, 1e-3, 0.0])
+    scaler = DynamicLossScaler()
+    assert scaler.watch(fmt)(inside) is inside
+    assert not any(bool(flag) for flag in scaler._watched.values())
+    for value in (3000.0, -3000.0, E2M1_TIMES_E4M3, math.inf, math.nan):
+        scaler = DynamicLossScaler()
+        scaler.watch((fmt, "stochastic"))(torch.cat([inside, torch.tensor([value])]))
+        assert any(bool(flag) for flag in scaler._watched.values()), value
+    # A Fixed element's negative limit: MXINT8's -2 under 5-bit power-of-two scales (2**15 at
+    # most) ends at -2**16, its positive one at 127/64 * 2**15.
+    mxint8_narrow = Scaled(Fixed(8, 6), PowerOfTwo(5), 32)
+    assert_same_bits(
+        lpsim.quantize(torch.full((32,), -1e6), mxint8_narrow)[0], torch.tensor(-65536.0)
+    )
+    for value, overflows in ((-65536.0, True), (-65000.0, False), (127 / 64 * 2**15, True)):
+        scaler = DynamicLossScaler()
+        scaler.watch(mxint8_narrow)(torch.tensor([value]))
+        assert any(bool(flag) for flag in scaler._watched.values()) == overflows, value
+
+
+def test_watch_model_sees_the_saturating_errors_of_a_scaled_format_without_tensor_scale():
+    # watch_model skipped such error quantisers (and watch refused the format), though their
+    # errors clamp at 2688: the scale never backed off and the steps took clamped gradients.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    error = lpsim.nn.LayerQuantization(error=(SINGLE_LEVEL_NVFP4, "nearest"))
+    lpsim.nn.inject(model, {"default": error})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = DynamicLossScaler(init_scale=2.0**30)
+    scaler.watch_model(model)
+    before = _snapshot(model, opt)
+    scaler.scale(F.cross_entropy(model(torch.randn(32, 8)), torch.randint(0, 3, (32,)))).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())  # saturated, not Inf
+    assert scaler.step(opt) is None and scaler.found_overflow
+    scaler.update()
+    assert scaler.get_scale() == 2.0**29
+    _assert_unchanged(model, opt, before)
+
+
+def test_watch_rejects_scaled_formats_with_a_tensor_scale():
+    # The tensor scale follows the tensor's largest magnitude: no loss scale pushes errors past it.
+    with pytest.raises(ValueError, match="without a tensor scale"):
+        DynamicLossScaler().watch(preset("nvfp4"))
 
 
 def test_watch_model_needs_an_error_quantiser_that_can_overflow():

@@ -956,6 +956,24 @@ def test_tensor_scale_at_the_limits_of_its_arithmetic_decodes_exactly():
         assert torch.equal(lpsim.quantize(x, fmt), x)
 
 
+def test_nvfp4_tensor_scale_of_a_float64_tensor_is_float64_as_documented():
+    # docs/formats.md: the tensor scale is computed in the format's arithmetic, float64 for a
+    # float64 tensor, and not rounded to float32. A numpy model of NVFP4 (torchao's steps) with t
+    # in float64 gives lpsim's values; with t rounded to float32 it does not.
+    x = torch.tensor([1.0, 0.3, 0.7] + [0.1] * 13, dtype=torch.float64) * 1.2345678901
+    amax = float(x.abs().max())
+
+    def model(t: float) -> np.ndarray:
+        d = min(max((amax / 6) / t, 2.0**-6), 448.0)
+        s = float(np.float64(d).astype(np.float32).astype(ml_dtypes.float8_e4m3fn))
+        elements = np.clip(x.numpy() * ((1 / t) / s), -6, 6).astype(ml_dtypes.float4_e2m1fn)
+        return elements.astype(np.float64) * (t * s)
+
+    got = lpsim.quantize(x, preset("nvfp4")).numpy()
+    assert np.array_equal(got, model(amax / 2688))
+    assert not np.array_equal(got, model(float(np.float32(np.float32(amax) / np.float32(2688)))))
+
+
 def test_decoded_values_beyond_the_dtype_are_inf_as_documented():
     # docs/formats.md: a block's elements may decode to a power of two the dtype cannot hold.
     big = torch.tensor([3.3e38, -3.3e38, 1.0])

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import lpsim
-from lpsim import demo, recipes
+from lpsim import Float, demo, recipes
 from lpsim.nn import LayerQuantization, Quantizer, inject, injected
 from lpsim.optim import OptimLP
-from lpsim.scaled import preset
+from lpsim.scaled import Scaled, preset
 
 MX = preset("mxfp8_e4m3")
 NV = preset("nvfp4")
@@ -323,6 +325,25 @@ def test_a_scaled_recipe_placed_on_outputs_blocks_one_axis_parameters_along_that
     model(_heavy(8, 64)).sum().backward()
 
 
+@pytest.mark.parametrize(("along", "axis"), [(None, 1), (-1, -1)])
+def test_a_scaled_recipe_placed_on_outputs_blocks_other_layers_outputs_along_its_own_axis(
+    along, axis
+):
+    # A (batch, token, channel) activation after a GELU keeps the recipe's axis 1 (the tokens)
+    # under placement="outputs", as docs/training.md says; along(-1) moves it to the channels.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+    recipe = replace(recipes.MXFP8, placement="outputs")
+    recipe = recipe if along is None else recipe.along(along)
+    model, _ = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    seen = {}
+    model[2].register_forward_hook(lambda m, args, out: seen.update(x=args[0], out=out))
+    model(_heavy(2, 40, 64))
+    fmt, rule = recipe.activation
+    expected = lpsim.quantize(nn.functional.gelu(seen["x"]), replace(fmt, axis=axis), rule)
+    assert torch.equal(seen["out"], expected)
+
+
 class _Decoder(nn.Module):
     """A convolution, two transposed convolutions and a convolution: the inner transposed
     convolution is a weight layer of the scaled recipes."""
@@ -433,6 +454,27 @@ def test_a_recipe_that_rounds_weights_in_tiles_rounds_them_in_the_same_tiles():
     weight = model[1].parametrizations.weight.original
     assert torch.equal(weight, lpsim.quantize(weight.detach(), fmt, "nearest"))
     assert torch.equal(model[1].weight, weight)
+
+
+def test_a_scaled_recipe_with_weights_in_tiles_keeps_the_tiles_on_convolutions_and_along():
+    # Tiles run along no axis: blocks_along_reduction (a convolution's channels, -3) and along()
+    # leave them as they are. Before, both moved the tiles' axis, which Scaled refuses
+    # (ValueError: axis must be -1), so the recipe could not be applied to a convolution.
+    tiles = (Scaled(lpsim.preset("e4m3fn"), Float(8, 23), (4, 4)), "nearest")
+    recipe = replace(recipes.MXFP8, weight=tiles)
+    assert recipe.along(0).weight == tiles
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Conv2d(8, 8, 3, padding=1) for _ in range(3)))
+    inner = model[1].weight.detach().numpy().astype(np.float32)
+    model, _ = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model(_heavy(1, 8, 4, 4)).sum().backward()
+    # Each 3 x 3 kernel is one (4, 4) tile of the last two dimensions: s = amax / 448 in float32,
+    # element = x * (1 / s) rounded to nearest E4M3 (ml_dtypes, saturating at 448), value * s.
+    amax = np.abs(inner).max(axis=(2, 3), keepdims=True)
+    s = amax / np.float32(448)
+    elements = np.clip(inner * (np.float32(1) / s), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    expected = torch.from_numpy(elements.astype(np.float32) * s)
+    assert torch.equal(model[1].weight.detach(), expected)
 
 
 def test_weights_that_forward_quantises_in_another_format_keep_the_recipes_in_the_optimizer():

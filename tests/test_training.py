@@ -3,8 +3,11 @@
 import contextlib
 import copy
 import io
+from dataclasses import replace
 from fractions import Fraction
 
+import ml_dtypes
+import numpy as np
 import pytest
 import torch
 import torchvision
@@ -337,6 +340,57 @@ def test_sparse_gradients_and_momentum_have_their_summed_values_rounded():
             opt.state[emb.weight]["momentum_buffer"].to_dense(),
             state["momentum_buffer"].to_dense(),
         )
+
+
+def _mx_e4m3_along_rows(x: np.ndarray) -> np.ndarray:
+    """OCP MX (floor rule) with E4M3 elements, blocks of 32 rows down each column: elements x /
+    2**e, e = floor(log2 amax) - 8, cast by ml_dtypes after saturating at 448."""
+    out = np.zeros_like(x)
+    for start in range(0, x.shape[0], 32):
+        block = x[start : start + 32]
+        amax = np.abs(block).max(axis=0, keepdims=True)
+        e = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1))) - 8, -127)
+        scaled = np.clip(block / np.exp2(e), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        out[start : start + 32] = scaled.astype(np.float64) * np.exp2(e)
+    return out
+
+
+def _e4m3_tiles(x: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """Float32 scales from each tile's amax: s = amax / 448, element = x * (1 / s) cast by
+    ml_dtypes (round to nearest, saturating at 448), value = element * s, in float32."""
+    out = np.zeros_like(x)
+    for r in range(0, x.shape[0], rows):
+        for c in range(0, x.shape[1], cols):
+            tile = x[r : r + rows, c : c + cols]
+            s = np.maximum(np.abs(tile).max() / np.float32(448), np.float32(2.0**-126))
+            y = np.clip(tile * (np.float32(1) / s), -448, 448).astype(ml_dtypes.float8_e4m3fn)
+            out[r : r + rows, c : c + cols] = y.astype(np.float32) * s
+    return out
+
+
+@pytest.mark.parametrize("layout", ["mx_rows", "tiles"])
+def test_sparse_gradients_in_scaled_formats_are_rounded_with_the_blocks_of_their_dense_tensor(
+    layout,
+):
+    """A Scaled format whose blocks run across the rows of nn.Embedding(sparse=True)'s gradient
+    (MX blocks of 32 rows, 8 x 8 tiles) rounds its stored rows as the dense gradient is rounded:
+    rows 3, 40 and 41 lie in different blocks. Before, the blocks were formed from the stored
+    rows alone, so rows of different blocks shared a scale."""
+    if layout == "mx_rows":
+        fmt, oracle = replace(lpsim.scaled.preset("mxfp8_e4m3"), axis=0), _mx_e4m3_along_rows
+    else:
+        fmt = lpsim.Scaled(lpsim.preset("e4m3fn"), Float(8, 23), (8, 8))
+        oracle = lambda x: _e4m3_tiles(x.astype(np.float32), 8, 8)  # noqa: E731
+    torch.manual_seed(0)
+    emb = nn.Embedding(96, 16, sparse=True)
+    opt = OptimLP(torch.optim.SGD(emb.parameters(), lr=0.0, momentum=0.9), grad=(fmt, "nearest"))
+    index = torch.tensor([3, 40, 41, 70, 71, 95])
+    weights = torch.randn(6, 16) * torch.logspace(-3, 3, 6).unsqueeze(1)
+    (emb(index) * weights).sum().backward()
+    dense = emb.weight.grad.coalesce().to_dense().numpy().astype(np.float64)
+    opt.step()
+    expected = torch.from_numpy(oracle(dense)).float()
+    assert_same_bits(emb.weight.grad.to_dense(), expected)
 
 
 def test_a_group_whose_format_does_not_fit_is_refused_and_not_kept():

@@ -36,6 +36,7 @@ from lpsim.formats import P3109, Fixed, Float
 from lpsim.nn.functions import FunctionQuantization
 from lpsim.nn.inject import injected
 from lpsim.nn.quantizer import QuantSpec, Spec, as_spec
+from lpsim.scaled import Scaled
 
 __all__ = ["DynamicLossScaler"]
 
@@ -106,11 +107,20 @@ def _overflow_bounds(spec) -> tuple[float | None, float]:
         return (None if fmt.signed else -math.inf), fmt.max
     if isinstance(fmt, Fixed) and fmt.clamp:
         return (fmt.min if fmt.min < 0 else -math.inf), fmt.max
+    if isinstance(fmt, Scaled) and not fmt.tensor_scale:
+        # A block's scale stops at the scale format's largest, where its elements saturate: the
+        # format's values end at the element's limits times that scale (lpsim.finfo's max, min).
+        element = fmt.element
+        if isinstance(element, Float):
+            return None, fmt.max
+        low = element.min * fmt.scale.max
+        return (low if low < 0 else -math.inf), fmt.max
     raise ValueError(
-        "watch needs a format with a largest value that errors can overflow: a Float, a P3109 or "
-        f"a Fixed with clamp=True, got {fmt!r} (a BlockFloat or Scaled format scales each block, "
-        "and a DelayedScaling each tensor, to a range of its own, which a loss scale does not "
-        "move; a Fixed without clamp keeps its spacing beyond its range)"
+        "watch needs a format with a largest value that errors can overflow: a Float, a P3109, "
+        f"a Fixed with clamp=True or a Scaled format without a tensor scale, got {fmt!r} (a "
+        "BlockFloat format scales each block, a Scaled format with a tensor scale and a "
+        "DelayedScaling each tensor, to a range of its own, which a loss scale does not move; a "
+        "Fixed without clamp keeps its spacing beyond its range)"
     )
 
 
@@ -306,10 +316,11 @@ class DynamicLossScaler(Joinable):
        records overflow when any element e is non-finite or has |e| >= max (for a clamping
        signed Fixed, e >= max or e <= min; for an unsigned Fixed or P3109, e >= max). This is how
        a *saturating* format (Float with saturate=True, clamping Fixed, P3109 with SatFinite or
-       SatPropagate) is seen: it clamps the error to +/-max instead of producing Inf, and the
-       clamped gradient stays finite but wrong. The bound is inclusive because an error equal to
-       max cannot be told apart from one that an earlier quantiser clamped; a legitimate error
-       exactly at max costs one halving.
+       SatPropagate, a Scaled format without a tensor scale, whose blocks' scales stop at the
+       scale format's largest) is seen: it clamps the error to +/-max instead of producing Inf,
+       and the clamped gradient stays finite but wrong. The bound is inclusive because an error
+       equal to max cannot be told apart from one that an earlier quantiser clamped; a
+       legitimate error exactly at max costs one halving.
 
     Not seen: a saturating MAC accumulator in the backward products (inject's and
     quantize_functions' mac, input_grad_mac, weight_grad_mac) clamps the partial sums of the
@@ -519,12 +530,15 @@ class DynamicLossScaler(Joinable):
         (lpsim.diagnostics.Shadow.compare) are not checked.
 
         Args:
-            spec: a Float, a P3109, a clamping Fixed, or a (format, rounding) pair.
+            spec: a Float, a P3109, a clamping Fixed, a Scaled format without a tensor scale
+                (whose blocks' scales stop at the scale format's largest: its values end at
+                lpsim.finfo's max and min), or a (format, rounding) pair.
 
         Raises:
             TypeError: spec is not a format or a (format, rounding) pair.
             ValueError: the format has no fixed largest value that a loss scale can push errors
-                past (BlockFloat, Scaled, DelayedScaling, Fixed without clamp).
+                past (BlockFloat, Scaled with a tensor scale, DelayedScaling, Fixed without
+                clamp).
         """
         return _OverflowWatch(self, *_overflow_bounds(as_spec(spec, "nearest", "spec")))
 
@@ -532,12 +546,14 @@ class DynamicLossScaler(Joinable):
         """Watch every error quantiser that lpsim.nn.inject placed in ``model`` (modules injected
         with LayerQuantization(error=...), as the recipes do): the errors flowing back into each
         such module's outputs are checked against the module's error format, as by watch().
-        Formats without a fixed largest value (BlockFloat, Scaled, DelayedScaling, Fixed without
-        clamp) are not watched: they scale each block or tensor to its own range, which the loss
-        scale does not move (a DelayedScaling element still saturates on an amax spike, and a
-        growth of the loss scale is one: give its error format margin >= log2(growth_factor);
-        see docs/training.md). Inject first; after injecting other formats, remove the handle
-        and watch the model again.
+        Formats without a fixed largest value (BlockFloat, Scaled with a tensor scale,
+        DelayedScaling, Fixed without clamp) are not watched: they scale each block or tensor to
+        its own range, which the loss scale does not move (a DelayedScaling element still
+        saturates on an amax spike, and a growth of the loss scale is one: give its error format
+        margin >= log2(growth_factor); see docs/training.md). A Scaled format without a tensor
+        scale is watched: its blocks' scales stop at the scale format's largest, beyond which
+        its elements saturate (E2M1 elements with E4M3 scales end at 6 * 448 = 2688). Inject
+        first; after injecting other formats, remove the handle and watch the model again.
 
         Returns:
             A handle whose remove() takes the hooks out again.
@@ -552,7 +568,8 @@ class DynamicLossScaler(Joinable):
         if not handles:
             raise ValueError(
                 "watch_model found no error quantiser that can overflow in the model: inject it "
-                "first with LayerQuantization(error=...) in a Float, P3109 or clamping Fixed format"
+                "first with LayerQuantization(error=...) in a Float, P3109, clamping Fixed or "
+                "Scaled format without a tensor scale"
             )
         return _Handles(handles)
 
@@ -572,8 +589,8 @@ class DynamicLossScaler(Joinable):
         """Watch the error quantisers of a ``lpsim.nn.quantize_functions`` context, as
         watch_model() watches inject()'s: the gradient arriving at the result of each call that an
         entry with an error format decides is checked against that format, as by watch(), before
-        it is rounded. Entries whose error format has no fixed largest value (BlockFloat, Scaled,
-        DelayedScaling, Fixed without clamp) are not watched.
+        it is rounded. Entries whose error format has no fixed largest value (BlockFloat, Scaled
+        with a tensor scale, DelayedScaling, Fixed without clamp) are not watched.
 
         Returns:
             A handle whose remove() takes the hooks out again.
@@ -595,7 +612,8 @@ class DynamicLossScaler(Joinable):
         if not handles:
             raise ValueError(
                 "watch_functions found no error format that can overflow in the config: give an "
-                "entry LayerQuantization(error=...) in a Float, P3109 or clamping Fixed format"
+                "entry LayerQuantization(error=...) in a Float, P3109, clamping Fixed or Scaled "
+                "format without a tensor scale"
             )
         return _Handles(handles)
 

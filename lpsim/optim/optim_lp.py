@@ -96,6 +96,7 @@ class _Batch:
         self.groups: dict[QuantSpec, list[torch.Tensor]] = {}
         self.observer = observer
         self.observed: list[tuple] = []  # (parameter, category, value before, tensor, quant)
+        self.stored: list[tuple] = []  # (values, dense tensor, indices): written back when run
 
     def add(
         self,
@@ -111,9 +112,37 @@ class _Batch:
         else:
             t.copy_(quant(t))
 
+    def add_stored(
+        self,
+        quant: QuantFunction,
+        t: torch.Tensor,
+        parameter: torch.Tensor | None = None,
+        category: str = "",
+    ) -> None:
+        """add() for the values t holds (see _stored_values): for a coalesced sparse t, its
+        stored values rounded as the dense tensor it stands for is rounded. A Scaled format
+        whose blocks lie within each stored entry (blocks along a dense dimension, the whole
+        tensor, the whole sparse dimension) rounds the values themselves, its axis counted in
+        their dimensions; one whose blocks run across entries (blocks of n or tiles along a
+        sparse dimension) rounds the dense tensor (which an observer sees), whose values at the
+        stored positions are then written back."""
+        values = _stored_values(t)
+        if not (t.is_sparse and isinstance(quant, QuantSpec) and isinstance(quant.format, Scaled)):
+            self.add(quant, values, parameter, category)
+            return
+        fmt = _values_format(quant.format, t)
+        if fmt is not None:
+            self.add(quant._replace(format=fmt), values, parameter, category)
+            return
+        dense = t.to_dense()  # observed as the tensor rounded, its blocks' bounds those of fmt
+        self.add(quant, dense, parameter, category)
+        self.stored.append((values, dense, t.indices()))
+
     def run(self) -> None:
         for spec, tensors in self.groups.items():
             _quantize_batch(tensors, spec)
+        for values, dense, indices in self.stored:
+            values.copy_(dense[tuple(indices)])
         for parameter, category, before, t, quant in self.observed:
             self.observer.observe(parameter, category, before, t, quant, True)
 
@@ -228,6 +257,27 @@ def _stored_values(t: torch.Tensor) -> torch.Tensor:
     return t.values() if t.is_sparse else t
 
 
+def _values_format(fmt: Scaled, t: torch.Tensor) -> Scaled | None:
+    """The format that rounds the stored values of the coalesced sparse tensor t, (entries,
+    *dense dimensions), as ``fmt`` rounds the dense t at those positions, or None where fmt's
+    blocks hold elements of several entries. Zeros do not change a block's largest magnitude, so
+    a block of the dense t is a block of its stored elements: one per entry where the blocks run
+    along a dense dimension (counted from the end, where the values have it too), or the tiles lie
+    in the last two; one for the whole tensor; one for the whole sparse dimension of a tensor that
+    has one (the values' first)."""
+    if fmt.block == "tensor":
+        return fmt
+    ndim, sparse = t.dim(), t.sparse_dim()
+    if isinstance(fmt.block, tuple):
+        return fmt if ndim - sparse >= 2 else None
+    axis = fmt.axis % max(ndim, 1)
+    if axis >= sparse:
+        return replace(fmt, axis=axis - ndim)
+    if fmt.block is None and sparse == 1:
+        return replace(fmt, axis=0)
+    return None
+
+
 def _fusable_tensor(t: torch.Tensor) -> bool:
     return (
         t.dtype == torch.float32
@@ -302,7 +352,8 @@ class OptimLP(Optimizer):
     1. gradient: multiplied by ``grad_scaling`` (every parameter's, so that a loss scale is undone
        everywhere), then quantised by ``grad`` (parameters whose .grad is None are skipped; a
        sparse gradient, as nn.Embedding(sparse=True) gives, is coalesced and its values, one per
-       stored entry, are quantised);
+       stored entry, are quantised; a Scaled format rounds them with the blocks of the dense
+       gradient, whose blocks of rows or tiles hold only the stored rows that lie in them);
     2. with ``acc``: the parameter's high-precision accumulator (a copy of the weight in a
        container wide enough for ``acc``, float32 unless ``acc`` needs float64, as a Fixed
        without clamp does, itself rounded into ``acc``) takes the weight's place for the update;
@@ -713,7 +764,7 @@ class OptimLP(Optimizer):
                 if p.grad.is_sparse:
                     p.grad = p.grad.coalesce()
                 grad = _stored_values(p.grad)
-                batch.add(self._quantizer(p, "grad", s.grad, grad), grad, p, "grad")
+                batch.add_stored(self._quantizer(p, "grad", s.grad, grad), p.grad, p, "grad")
         batch.run()
 
     def _rounded_state_keys(self) -> list[str]:
@@ -740,9 +791,9 @@ class OptimLP(Optimizer):
                 if _state_tensor(key, value, p):
                     if value.is_sparse:
                         state[key] = value = value.coalesce()
-                    value = _stored_values(value)
-                    quant = self._quantizer(p, f"momentum.{key}", s.momentum, value)
-                    batch.add(quant, value, p, "momentum")
+                    stored = _stored_values(value)
+                    quant = self._quantizer(p, f"momentum.{key}", s.momentum, stored)
+                    batch.add_stored(quant, value, p, "momentum")
         self._add_flat_segments(batch, flat)
         batch.run()
 
