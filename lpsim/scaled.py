@@ -56,7 +56,10 @@ reach at least 2 (elem_max >= 2), so that t * s, about amax / elem_max, is finit
 for t, a tensor) that holds a NaN or an Inf decodes to NaN throughout: the OCP spec's NaN scale.
 
 Values are computed in float32 for float32, bfloat16 and float16 tensors and rounded to nearest
-into the tensor's dtype at the end; in float64 for float64 tensors.
+into the tensor's dtype at the end; in float64 for float64 tensors. In a bfloat16 or float16
+tensor the values of a format with float scales are those decoded values rounded into the
+tensor's dtype, and every rule returns an input equal to one of them unchanged: such an input may
+round differently from the same value in a float32 tensor (docs/formats.md, "Which container").
 """
 
 from __future__ import annotations
