@@ -401,6 +401,30 @@ def test_compare_between_training_steps_changes_no_training_run():
         assert torch.equal(plain, shadowed)
 
 
+@pytest.mark.parametrize("injected", [False, True])
+@pytest.mark.parametrize("kind", [nn.Embedding, nn.EmbeddingBag])
+def test_compare_leaves_the_rows_an_embedding_with_max_norm_would_renormalise(kind, injected):
+    """torch's Embedding and EmbeddingBag with max_norm renormalise the rows they look up in
+    place, in their forward (and so does inject's parametrisation of their weight): compare()'s
+    passes must not, or comparing on a batch the training never sees changes the run."""
+    torch.manual_seed(0)
+    embedding = kind(10, 4, max_norm=1.0)
+    with torch.no_grad():
+        embedding.weight.mul_(3)  # every row's norm is above max_norm
+    model = nn.Sequential(embedding, nn.Linear(4, 2))
+    if injected:
+        model = inject(model, {kind: LayerQuantization(weight=COARSE), nn.Linear: None})
+    stored = dict(model.named_parameters())
+    before = {name: p.detach().clone() for name, p in stored.items()}
+    indices = torch.tensor([[1, 2, 3]])
+    Shadow(model).compare(indices, lambda out: out.square().sum())
+    for name, p in stored.items():
+        assert torch.equal(p, before[name]), name
+    # The premise: a forward of the model renormalises those rows.
+    model(indices)
+    assert not torch.equal(next(model.parameters()), next(iter(before.values())))
+
+
 @pytest.mark.parametrize("watched", ["model", "quantizer"])
 def test_errors_of_compare_that_overflow_make_no_dynamic_loss_scaler_skip_a_step(watched):
     # Errors of 2**20 overflow Float(4, 3) (largest 240). compare() with such a loss is no step of

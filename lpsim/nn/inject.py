@@ -1882,13 +1882,21 @@ def unobserved_pass(*models: nn.Module):
     tensors first quantised inside) are dropped. A DynamicLossScaler's watches record no overflow
     of the errors computed inside (lpsim._observation.hidden), so that the run's next step does
     not skip for them. report(example=...) runs its pass in one, and
-    lpsim.diagnostics.Shadow.compare its two."""
+    lpsim.diagnostics.Shadow.compare its two. The parameters a forward writes in place, those of
+    an Embedding or EmbeddingBag with max_norm (torch's forward, and inject's parametrisation,
+    renormalise the rows looked up), are put back as they were too, bit for bit."""
     modules = [module for model in models for module in model.modules()]
     buffers = [
         (module._buffers, name, buffer, buffer.clone())
         for module in modules
         for name, buffer in module._buffers.items()
         if buffer is not None
+    ]
+    renormed = [
+        (p, p.detach().clone())
+        for module in modules
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None
+        for p in module.parameters()
     ]
     scalers = [(s, set(s._modules)) for s in modules if isinstance(s, _TensorScalers)]
     observer = _observation.current
@@ -1906,6 +1914,8 @@ def unobserved_pass(*models: nn.Module):
                     buffer.copy_(saved)
                 else:
                     buffer.set_(saved)
+            for parameter, saved in renormed:
+                parameter.copy_(saved)
         for found, places in scalers:
             for place in [p for p in found._modules if p not in places]:
                 del found._modules[place]
