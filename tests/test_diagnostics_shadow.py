@@ -401,6 +401,44 @@ def test_compare_between_training_steps_changes_no_training_run():
         assert torch.equal(plain, shadowed)
 
 
+def test_compare_inside_quantize_functions_leaves_the_sites_of_the_runs_later_calls():
+    """A call made outside the model's modules (the loss's softmax) is ranked among such calls
+    since the context was entered, and its rank names its DelayedScaler's site. compare()'s
+    loss_fn makes such a call too; the training's call after it must keep its site (and so its
+    amax history), or comparing in one step only gives that step's loss a fresh history."""
+    e4m3 = DelayedScaling(Float(4, 3, special="fn", saturate=True))
+
+    def loss_fn(out):
+        return -torch.softmax(out, dim=-1)[:, 0].log().sum()
+
+    def train(compare_at: int | None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3))
+        functions = lpsim.nn.quantize_functions(
+            model, {"softmax": LayerQuantization(input=e4m3, rounding="nearest")}
+        )
+        shadow = Shadow(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            x = torch.randn(8, 4) * (step + 1)
+            with functions:
+                if step == compare_at:
+                    shadow.compare(x * 10, loss_fn)
+                loss = loss_fn(model(x))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+        return losses, list(functions.scalers), [p.detach().clone() for p in model.parameters()]
+
+    plain = train(None)
+    compared = train(1)
+    assert compared[1] == plain[1] == ["0:<outside>:softmax:0:input"]
+    for a, b in zip(plain[0] + plain[2], compared[0] + compared[2], strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("injected", [False, True])
 @pytest.mark.parametrize("kind", [nn.Embedding, nn.EmbeddingBag])
 def test_compare_leaves_the_rows_an_embedding_with_max_norm_would_renormalise(kind, injected):

@@ -53,7 +53,9 @@ call compare() inside the lpsim.nn.quantize_functions context that the training 
 simulated model's calls are then quantised as the context says and the reference's are torch's
 own (every active context lets them pass, although a context also quantises calls made outside
 its model's modules), and the context's delayed scalers are left as they were (histories and
-scales bit for bit; no scaler kept for a site first met in compare()).
+scales bit for bit; no scaler kept for a site first met in compare()), as is its count of the
+calls made outside the model's modules: a call of loss_fn's does not shift the site of the run's
+later ones.
 
 nn.TransformerEncoder: both passes run with its ``use_nested_tensor`` False, so that given a key
 padding mask in eval mode without gradients neither model hands its layers nested tensors, and
