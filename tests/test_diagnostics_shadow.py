@@ -512,6 +512,46 @@ def test_dropout_is_identity_by_default_and_its_masks_match_without_stochastic_r
     assert model[1].training and shadow.reference[1].training
 
 
+class DropoutInside(nn.Module):
+    """A Linear, then a module that applies dropout in its own forward, with its attribute
+    ``dropout``: nn.MultiheadAttention to its attention weights, a two-layer nn.LSTM between its
+    layers."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        if kind == "attention":
+            self.inner = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+        else:
+            self.inner = nn.LSTM(8, 8, num_layers=2, dropout=0.5, batch_first=True)
+
+    def forward(self, x):
+        h = self.linear(x)
+        if isinstance(self.inner, nn.MultiheadAttention):
+            return self.inner(h, h, h, need_weights=False)[0]
+        return self.inner(h)[0]
+
+
+@pytest.mark.parametrize("kind", ["attention", "lstm"])
+def test_dropout_inside_attention_and_recurrent_layers_is_off_by_default(kind):
+    """An exact format rounded stochastically changes no value but draws random numbers, which the
+    reference does not: a dropout left on after it draws other masks in the two passes. By
+    default compare() runs without dropout, so the divergence is that of the rounding, 0."""
+    torch.manual_seed(0)
+    model = DropoutInside(kind)
+    inject(model, {"linear": LayerQuantization(output=(FLOAT32, "stochastic"))})
+    shadow = Shadow(model)
+    x = torch.randn(2, 5, 8)
+    report = shadow.compare(x, squared_loss)
+    assert all(r.activation_divergence == 0.0 for r in report.modules)
+    assert all(r.error_divergence == 0.0 for r in report.modules)
+    assert model.inner.dropout == shadow.reference.inner.dropout == 0.5
+    assert model.training and shadow.reference.inner.training
+    # The premise: with dropout the masks differ.
+    report = shadow.compare(x, squared_loss, dropout=True)
+    assert row(report, "inner").activation_divergence > 0
+
+
 def test_in_place_activations_leave_the_layer_errors_intact():
     model = inject(mlp(inplace=True), {"default": LayerQuantization(output=(FLOAT32, "nearest"))})
     x = batch()

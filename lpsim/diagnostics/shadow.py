@@ -91,6 +91,9 @@ DROPOUT_TYPES = (
     nn.AlphaDropout,
     nn.FeatureAlphaDropout,
 )
+# Modules that apply dropout with their attribute ``dropout`` inside their own forward: to the
+# attention weights (nn.MultiheadAttention), between stacked layers (nn.RNN, nn.LSTM, nn.GRU).
+DROPOUT_PROBABILITY_TYPES = (nn.MultiheadAttention, nn.RNNBase)
 
 
 @dataclass(frozen=True)
@@ -469,22 +472,28 @@ def _cuda_devices(model: nn.Module, inputs: tuple) -> list[int]:
 
 
 class _DropoutOff:
-    """Context: dropout modules of the given models in eval mode (identity), their training flags
-    restored on exit."""
+    """Context: dropout modules of the given models in eval mode (identity), and the dropout
+    probability that modules holding one apply in their own forward (DROPOUT_PROBABILITY_TYPES)
+    0; their training flags and probabilities restored on exit."""
 
     def __init__(self, *models: nn.Module):
-        self.modules = [
-            m for model in models for m in model.modules() if isinstance(m, DROPOUT_TYPES)
-        ]
+        modules = [m for model in models for m in model.modules()]
+        self.modules = [m for m in modules if isinstance(m, DROPOUT_TYPES)]
+        self.holders = [m for m in modules if isinstance(m, DROPOUT_PROBABILITY_TYPES)]
 
     def __enter__(self):
         self.flags = [m.training for m in self.modules]
+        self.probabilities = [m.dropout for m in self.holders]
         for m in self.modules:
             m.training = False
+        for m in self.holders:
+            m.dropout = 0.0
 
     def __exit__(self, *exception):
         for m, flag in zip(self.modules, self.flags):
             m.training = flag
+        for m, probability in zip(self.holders, self.probabilities):
+            m.dropout = probability
 
 
 class _DenseTransformers:
@@ -603,7 +612,9 @@ class Shadow:
                 loss by, as it decides where the simulated errors underflow. None: forward only,
                 no error divergences.
             dropout: False (the default) runs the dropout modules (nn.Dropout and its relatives)
-                of both models as identity, so that the divergence measures rounding alone.
+                of both models as identity, and the dropout that nn.MultiheadAttention applies to
+                its attention weights and nn.RNN, nn.LSTM and nn.GRU between their layers with
+                probability 0, so that the divergence measures rounding alone.
                 True runs them as their mode says; their masks then agree only until the
                 simulated model's first stochastic rounding, whose random draws the reference
                 does not make. Dropout called as a function in a forward is never changed.
