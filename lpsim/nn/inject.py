@@ -1926,7 +1926,11 @@ def _modules_that_run(model: nn.Module, example) -> set[int]:
     The pass changes nothing: it runs without gradients, inside a fork of torch's generators (the
     CPU one and those of the CUDA devices the model and the example are on), so it leaves the
     random streams of training where they were, and in an unobserved_pass (a Recorder records
-    nothing; every buffer it writes is put back as it was, the scalers it creates dropped)."""
+    nothing; every buffer it writes is put back as it was, the scalers it creates dropped), the
+    delayed scalers of an active quantize_functions context kept as they were too."""
+    # lpsim.nn.functions imports this module.
+    from lpsim.nn.functions import scalers_kept  # noqa: PLC0415
+
     ran: set[int] = set()
     # A plain tuple holds the arguments; a tuple of another type (a PackedSequence, a named tuple)
     # is one argument, as a tensor is.
@@ -1938,7 +1942,12 @@ def _modules_that_run(model: nn.Module, example) -> set[int]:
         m.register_forward_pre_hook(lambda mod, args: ran.add(id(mod))) for m in model.modules()
     ]
     try:
-        with unobserved_pass(model), torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with (
+            unobserved_pass(model),
+            scalers_kept(),
+            torch.no_grad(),
+            torch.random.fork_rng(devices=devices),
+        ):
             model(*args)
     finally:
         for h in handles:
@@ -1996,8 +2005,9 @@ def report(
     arguments; a tuple of another type, a PackedSequence or a named tuple, is one argument),
     on modules whose forward does not run on it. The example pass runs without gradients, in a
     fork of torch's generators and unobserved, and the buffers it writes (BatchNorm's running
-    statistics, the DelayedScalers' state) are restored afterwards and the scalers it creates
-    dropped, so it changes nothing; each such quantiser also gives a warning.
+    statistics, the DelayedScalers' state, those of an active lpsim.nn.quantize_functions
+    context included) are restored afterwards and the scalers it creates dropped, so it changes
+    nothing; each such quantiser also gives a warning.
     """
     _check_model(model)
     ran = _modules_that_run(model, example) if example is not None else None
