@@ -523,6 +523,21 @@ def test_a_module_added_while_attached_is_recorded_from_its_first_call():
         assert_records_of_a_quantizer_after_a_linear(recorder, model, x)
 
 
+def test_a_module_that_rounded_outside_the_model_is_recorded_once_added_to_it():
+    """A quantiser called on its own while the recorder is attached is outside the model (not
+    recorded); added to the model afterwards, its roundings there are the model's. (It was found
+    to have no name at its first rounding, and kept none for the rest of the run.)"""
+    model = nn.Sequential(nn.Linear(3, 3))
+    x = torch.randn(5, 3)
+    quantizer = Quantizer(FLOAT, FIXED, "nearest", "nearest")
+    with Recorder(model) as recorder:
+        quantizer(torch.randn(2, 3, requires_grad=True)).sum().backward()
+        assert recorder.records == []
+        model.append(quantizer)
+        model(x).backward(torch.randn(5, 3))
+    assert_records_of_a_quantizer_after_a_linear(recorder, model, x)
+
+
 def test_the_quantisers_of_qtorch_lower_are_recorded_under_the_lowered_modules():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3))

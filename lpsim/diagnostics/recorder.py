@@ -62,7 +62,8 @@ no format to count against and are not recorded (their stagnation is).
 Names. attach() names the model's modules and parameters and the optimizer's parameters, and so
 does each recorded step of the optimizer, before it runs: a parameter group added meanwhile
 (add_param_group) is recorded from that step on. A module or parameter added to the model while
-the recorder is attached is named at its first rounding, and recorded from there.
+the recorder is attached is named at its first rounding, and recorded from there (one that
+rounded before, outside the model, too).
 
 Steps. The step counter starts at 0. The attached optimizer's step() ends a step (through a step
 hook), and so does Recorder.step(): call it yourself when the recorder has no optimizer. With
@@ -71,10 +72,12 @@ that a DynamicLossScaler skips does not call the optimizer's step(): its roundin
 the next.
 
 Detached, nothing observes: every call site costs one attribute lookup and a branch. attach()
-makes the recorder lpsim._observation's current observer and registers two step hooks on the
-optimizer; detach() undoes both, and nothing else is changed, so the model and the optimizer are
-exactly as before. Recording draws no random numbers and writes no tensor of the run: a run with
-a recorder attached is bit for bit the run without.
+makes the recorder lpsim._observation's current observer, registers two step hooks on the
+optimizer and two of torch's global module and parameter registration hooks (so that a module
+that rounded outside the model before it was added to it is named once it is); detach() undoes
+these, and nothing else is changed, so the model and the optimizer are exactly as before.
+Recording draws no random numbers and writes no tensor of the run: a run with a recorder attached
+is bit for bit the run without.
 
 torch.compile: a compiled model gives the records it gives in eager mode, bit for bit, and its
 run stays the run without a recorder, except with stochastic rounding under Inductor: the graphs
@@ -113,6 +116,10 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.optim import Optimizer
 
 from lpsim import _observation
@@ -326,8 +333,15 @@ class Recorder:
             raise RuntimeError("another Recorder is attached: detach it first")
         _check_not_wrapped(self.optimizer)
         self._names = self._collect_names()
+        self._unnamed.clear()
+        # A module or parameter registered anywhere may make an owner found to have no name one
+        # of the model's (a module called on its own, then added to the model).
+        self._hooks = [
+            register_module_module_registration_hook(self._forget_unnamed),
+            register_module_parameter_registration_hook(self._forget_unnamed),
+        ]
         if self.optimizer is not None:
-            self._hooks = [
+            self._hooks += [
                 self.optimizer.register_step_pre_hook(self._before_optimizer_step),
                 self.optimizer.register_step_post_hook(self._after_optimizer_step),
             ]
@@ -386,6 +400,11 @@ class Recorder:
             for name, p in self.model.named_parameters():
                 names[id(p)] = parameter_name(name)
         return names
+
+    def _forget_unnamed(self, module: nn.Module, name: str, value: object) -> None:
+        """A module or parameter was registered: the owners found to have no name are looked up
+        again at their next rounding."""
+        self._unnamed.clear()
 
     def _name_of(self, owner: object) -> str | None:
         """owner's name (None: not the model's or the optimizer's). An owner the last naming did
