@@ -538,6 +538,20 @@ def test_a_module_that_rounded_outside_the_model_is_recorded_once_added_to_it():
     assert_records_of_a_quantizer_after_a_linear(recorder, model, x)
 
 
+def test_a_module_replaced_in_the_model_is_no_longer_recorded_under_its_old_name():
+    """Modules outside the recorder's model are not recorded: a quantiser taken out of the model
+    (another put in its place) and called on its own is no longer the model's "1"."""
+    model = nn.Sequential(nn.Linear(3, 3), Quantizer(FLOAT, FIXED, "nearest", "nearest"))
+    old = model[1]
+    x = torch.randn(5, 3)
+    with Recorder(model) as recorder:
+        model[1] = Quantizer(FLOAT, FIXED, "nearest", "nearest")
+        old(torch.randn(2, 3, requires_grad=True)).sum().backward()
+        assert recorder.records == []
+        model(x).backward(torch.randn(5, 3))
+    assert_records_of_a_quantizer_after_a_linear(recorder, model, x)
+
+
 def test_the_quantisers_of_qtorch_lower_are_recorded_under_the_lowered_modules():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3))

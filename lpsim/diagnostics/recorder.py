@@ -63,7 +63,8 @@ Names. attach() names the model's modules and parameters and the optimizer's par
 does each recorded step of the optimizer, before it runs: a parameter group added meanwhile
 (add_param_group) is recorded from that step on. A module or parameter added to the model while
 the recorder is attached is named at its first rounding, and recorded from there (one that
-rounded before, outside the model, too).
+rounded before, outside the model, too); one that another module replaced in the model
+(``model[1] = new``) is no longer recorded.
 
 Steps. The step counter starts at 0. The attached optimizer's step() ends a step (through a step
 hook), and so does Recorder.step(): call it yourself when the recorder has no optimizer. With
@@ -73,8 +74,8 @@ the next.
 
 Detached, nothing observes: every call site costs one attribute lookup and a branch. attach()
 makes the recorder lpsim._observation's current observer, registers two step hooks on the
-optimizer and two of torch's global module and parameter registration hooks (so that a module
-that rounded outside the model before it was added to it is named once it is); detach() undoes
+optimizer and two of torch's global module and parameter registration hooks (after which the
+next rounding names the model's modules and parameters again, see Names); detach() undoes
 these, and nothing else is changed, so the model and the optimizer are exactly as before.
 Recording draws no random numbers and writes no tensor of the run: a run with a recorder attached
 is bit for bit the run without.
@@ -304,6 +305,7 @@ class Recorder:
         self._unnamed: dict[int, weakref.ref] = {}  # owners found to have no name, by id
         self._hooks: list = []
         self._graphs_at_attach = 0
+        self._registered = False  # a module or parameter registered since the last naming
         # id(parameter) -> (its weight before the step, the mask of its nonzero gradient or None)
         self._before_step: dict[int, _BeforeStep] = {}
         # Stagnation in OptimLP is seen in the rounding of the value its update moves (the
@@ -334,11 +336,12 @@ class Recorder:
         _check_not_wrapped(self.optimizer)
         self._names = self._collect_names()
         self._unnamed.clear()
-        # A module or parameter registered anywhere may make an owner found to have no name one
-        # of the model's (a module called on its own, then added to the model).
+        self._registered = False
+        # A module or parameter registered anywhere may give an owner a name in the model (a
+        # module called on its own, then added to the model; one put in another's place).
         self._hooks = [
-            register_module_module_registration_hook(self._forget_unnamed),
-            register_module_parameter_registration_hook(self._forget_unnamed),
+            register_module_module_registration_hook(self._registration),
+            register_module_parameter_registration_hook(self._registration),
         ]
         if self.optimizer is not None:
             self._hooks += [
@@ -401,15 +404,19 @@ class Recorder:
                 names[id(p)] = parameter_name(name)
         return names
 
-    def _forget_unnamed(self, module: nn.Module, name: str, value: object) -> None:
-        """A module or parameter was registered: the owners found to have no name are looked up
-        again at their next rounding."""
-        self._unnamed.clear()
+    def _registration(self, module: nn.Module, name: str, value: object) -> None:
+        """A module or parameter was registered somewhere: the next rounding names the model's
+        modules and parameters again."""
+        self._registered = True
 
     def _name_of(self, owner: object) -> str | None:
-        """owner's name (None: not the model's or the optimizer's). An owner the last naming did
-        not name (a module or parameter added to the model since: without an optimizer, no step
-        names them) names the model's modules and parameters again, once per such owner."""
+        """owner's name (None: not the model's or the optimizer's). After a module or parameter
+        was registered, and for an owner the last naming did not name (once per such owner), the
+        model's modules and parameters are named again."""
+        if self._registered:
+            self._registered = False
+            self._names = self._collect_names()
+            self._unnamed.clear()
         name = self._names.get(id(owner))
         if name is not None:
             return name
