@@ -746,6 +746,44 @@ def test_stagnation_matches_a_hand_count_on_a_tiny_example(kind, want):
     assert record.stagnation.fraction == want.lost / want.updated
 
 
+def test_fused_stagnation_with_an_accumulator_is_that_of_the_accumulator():
+    """With acc_format the update moves the accumulator and the weight follows it rounded: in the
+    tiny example the float32 accumulator keeps every update (0.49 and 0.98 included, which the
+    weight's Fixed(8, 4) rounds back to 0.5 and 1.0), so none is lost, as OptimLP with the same
+    acc counts; over steps of a coarser accumulator the two, whose runs are the same bit for bit,
+    count the same."""
+    weight, gradient = tiny_parameter()
+    grid = Fixed(8, 4)
+    optimizer = FusedSGD(
+        [weight], lr=1.0, weight_format=grid, acc_format=Float(8, 23), rounding="nearest"
+    )
+    with Recorder(optimizer=optimizer) as recorder:
+        (weight * gradient).sum().backward()
+        optimizer.step()
+    assert recorder.stagnation_records == [(0, "group0.param0", Stagnation(6, 5, 0))]
+    assert weight.tolist() == [0.5, 0.5, 0.4375, 0.6875, -0.375, 1.0]  # two kept by the weight
+
+    def run(fused: bool) -> tuple[list, torch.Tensor]:
+        torch.manual_seed(0)
+        weight = nn.Parameter(torch.randn(200))
+        acc = Fixed(12, 8)  # updates below 2**-9 are lost
+        if fused:
+            optimizer = FusedSGD([weight], lr=0.01, weight_format=grid, acc_format=acc)
+        else:
+            sgd = torch.optim.SGD([weight], lr=0.01)
+            optimizer = OptimLP(sgd, weight=grid, acc=acc)
+        with Recorder(optimizer=optimizer, categories="stagnation") as recorder:
+            for _ in range(4):
+                weight.grad = torch.randn(200) * (torch.rand(200) < 0.8)
+                optimizer.step()
+        return recorder.stagnation_records, weight.detach()
+
+    (fused, fused_weight), (plain, plain_weight) = run(True), run(False)
+    assert torch.equal(fused_weight, plain_weight)
+    assert fused == plain
+    assert sum(r.stagnation.lost for r in plain) > 0
+
+
 def test_a_sparse_gradient_moves_the_elements_where_its_dense_value_is_nonzero():
     # nn.Embedding(sparse=True) gives sparse gradients, which torch's SGD takes. Row 1 moves by
     # (-1, -1): 1 -> 0 is kept, 2**25 - 1 rounds back to 2**25 in float32 (spacing 4), so one of

@@ -126,6 +126,7 @@ from torch.optim import Optimizer
 from lpsim import _observation
 from lpsim.nn.inject import parameter_name
 from lpsim.nn.quantizer import QuantSpec, ScalerCall
+from lpsim.optim.fused import FusedAdam, FusedSGD
 from lpsim.optim.optim_lp import OptimLP
 from lpsim.statistics import FRACTIONS, RoundingStatistics, rounding_statistics
 
@@ -191,7 +192,9 @@ class Stagnation:
             step(closure) (for a sparse gradient, a nonzero dense value).
         lost: of the updated elements, those the step left where they were (OptimLP: those its
             rounding returned to the old weight, or to the old accumulator; otherwise those whose
-            weight after the step equals the weight before it).
+            weight after the step equals the weight before it, or for FusedSGD and FusedAdam with
+            an ``acc_format``, whose accumulator after the step equals the accumulator before
+            it: the update moves the accumulator, which keeps what the weight's rounding drops).
 
     Stagnations add up with ``+``.
     """
@@ -504,7 +507,8 @@ class Recorder:
                     before = _BeforeStep(None, p.detach().clone(), "weight")
                     self._before_step[id(p)] = before
             elif p.grad is not None or closure is not None:
-                self._before_step[id(p)] = _BeforeStep(_nonzero(p.grad), p.detach().clone(), "")
+                moved = _moved_value(optimizer, p).detach().clone()
+                self._before_step[id(p)] = _BeforeStep(_nonzero(p.grad), moved, "")
         if closure is None or not any(b.category == "" for b in self._before_step.values()):
             return None
         # The closure computes the step's gradient (after zero_grad): the moving elements are
@@ -528,7 +532,7 @@ class Recorder:
             found = self._before_step.get(id(p))
             if found is not None and found.category == "" and found.moving is not None:
                 moving = found.moving
-                lost = moving & (p.detach() == found.previous)
+                lost = moving & (_moved_value(optimizer, p).detach() == found.previous)
                 stagnation = Stagnation(p.numel(), int(moving.sum()), int(lost.sum()))
                 self._add_stagnation(self._names[id(p)], stagnation)
         self._before_step.clear()
@@ -846,6 +850,17 @@ class _BeforeStep(NamedTuple):
     moving: torch.Tensor | None
     previous: torch.Tensor
     category: str
+
+
+def _moved_value(optimizer: Optimizer, p: torch.Tensor) -> torch.Tensor:
+    """The tensor whose value an optimizer that is not an OptimLP moves: the accumulator of a
+    FusedSGD or FusedAdam parameter with one (made with the optimizer or its parameter group, as
+    OptimLP's), which the weight follows rounded; else the weight."""
+    if isinstance(optimizer, (FusedSGD, FusedAdam)):
+        accumulator = optimizer.state.get(p, {}).get("accumulator")
+        if accumulator is not None:
+            return accumulator
+    return p
 
 
 def _nonzero(grad: torch.Tensor | None) -> torch.Tensor | None:
