@@ -552,6 +552,45 @@ def test_dropout_inside_attention_and_recurrent_layers_is_off_by_default(kind):
     assert row(report, "inner").activation_divergence > 0
 
 
+class Checkpointed(nn.Module):
+    """a, then b = (Linear, Tanh) under activation checkpointing (or not), then c."""
+
+    def __init__(self, checkpoint: bool, reentrant: bool = False):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.c = nn.Linear(8, 2)
+        self.checkpoint, self.reentrant = checkpoint, reentrant
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.checkpoint:
+            h = torch.utils.checkpoint.checkpoint(self.b, h, use_reentrant=self.reentrant)
+        else:
+            h = self.b(h)
+        return self.c(h)
+
+
+def test_a_forward_that_checkpointing_recomputes_adds_no_row():
+    """The backward pass of a checkpointed segment runs its forward again (b.0, until what it
+    saved is recomputed): no second call of b.0, the report is that of the model without
+    checkpointing, row for row and bit for bit."""
+    config = {nn.Linear: LayerQuantization(output=COARSE, error=COARSE)}
+    x = batch()
+    reports = []
+    for checkpoint in (False, True):
+        torch.manual_seed(0)
+        model = inject(Checkpointed(checkpoint), config)
+        reports.append(Shadow(model).compare(x, squared_loss))
+    plain, checkpointed = reports
+    assert [r.label for r in checkpointed.modules] == ["a", "b.0", "b.1", "b", "c", "(model)"]
+    assert checkpointed == plain
+    torch.manual_seed(0)
+    model = inject(Checkpointed(True, reentrant=True), config)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        Shadow(model).compare(x, squared_loss)
+
+
 def test_in_place_activations_leave_the_layer_errors_intact():
     model = inject(mlp(inplace=True), {"default": LayerQuantization(output=(FLOAT32, "nearest"))})
     x = batch()

@@ -74,6 +74,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from lpsim._observation import recomputing
 from lpsim.compat.qtorch.auto_low.auto_low import remove_lowering
 from lpsim.nn._hooks import compiled_model, floating_tensors, map_tensors
 from lpsim.nn.functions import passing_calls, scalers_kept
@@ -239,7 +240,10 @@ class _Recorder:
     inside the module (an output computed from another, (y, relu(y))), or, where the module
     returns a tensor it was given (nn.Identity, dropout as identity), by the other readers of its
     input (a residual connection); the gradients of those readers are not the module's error. And
-    an in-place operation after the module changes the tensor handed on, not the port."""
+    an in-place operation after the module changes the tensor handed on, not the port.
+
+    A forward that activation checkpointing runs again during the backward pass (to recompute
+    what it saved) is no call of its modules: the hooks leave it alone."""
 
     def __init__(self, model: nn.Module, names: list[str], track_errors: bool):
         self.order: list[tuple[str, int]] = []
@@ -261,6 +265,8 @@ class _Recorder:
 
     def _before_other_hooks(self, name: str):
         def hook(module, args, output):
+            if recomputing():  # activation checkpointing's forward, run again in the backward
+                return None
             call = self._calls.get(name, 0) + 1
             self._calls[name] = call
             key = (name, call)
@@ -276,6 +282,8 @@ class _Recorder:
 
     def _after_other_hooks(self, name: str):
         def hook(module, args, output):
+            if recomputing():
+                return
             key = (name, self._calls[name])
             self.activations[key] = [t.detach().clone() for t in floating_tensors(output)]
 
@@ -291,7 +299,17 @@ class _Recorder:
                     wanted[id(t)] = t
         found: dict[int, torch.Tensor | None] = {}
         if loss.requires_grad and wanted:
-            grads = torch.autograd.grad(loss, list(wanted.values()), allow_unused=True)
+            try:
+                grads = torch.autograd.grad(loss, list(wanted.values()), allow_unused=True)
+            except RuntimeError as error:
+                if "use_reentrant=True" not in str(error):
+                    raise
+                raise RuntimeError(
+                    "Shadow.compare: the model checkpoints with torch.utils.checkpoint's "
+                    "use_reentrant=True, through which torch takes no torch.autograd.grad (the "
+                    "errors of the modules' outputs): checkpoint with use_reentrant=False, or "
+                    "compare without loss_fn"
+                ) from error
             found = dict(zip(wanted, grads))
         errors = {}
         for key, tensors in self.raw_outputs.items():
@@ -628,8 +646,11 @@ class Shadow:
             TypeError: inputs is neither a tensor nor a tuple, loss_fn is not callable or
                 returns no one-element floating-point tensor, or dropout is not a bool.
             RuntimeError: the model no longer has a parameter or buffer of the reference (its
-                structure changed: make a new Shadow), or a module's outputs differ in shape
-                between the two models.
+                structure changed: make a new Shadow), a module's outputs differ in shape
+                between the two models, or, given loss_fn, the model checkpoints activations
+                with torch.utils.checkpoint's use_reentrant=True (use_reentrant=False is
+                compared as the model without checkpointing: the forward it recomputes in the
+                backward pass adds no row).
         """
         arguments = _as_arguments(inputs)
         if loss_fn is not None and not callable(loss_fn):
