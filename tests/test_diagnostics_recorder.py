@@ -784,6 +784,25 @@ def test_fused_stagnation_with_an_accumulator_is_that_of_the_accumulator():
     assert sum(r.stagnation.lost for r in plain) > 0
 
 
+def test_kahan_stagnation_counts_the_updates_the_compensation_keeps_as_kept():
+    """lpsim.optim.SGD with kahan=True (Float(5, 2), lr 1, weights 1): y = round(c + u) and the
+    weight w + y rounded, the compensation keeping y minus what the weight gained. u = -0.05:
+    y = -0.046875, w + y rounds back to 1, c = -0.046875 keeps it (not lost). u = -1e-9: y = -0,
+    below Float(5, 2)'s smallest subnormal, w and c stay (lost). u = -0.2: y = -0.1875, w moves to
+    0.75 (a tie, to even) and c = 0.0625. u = 0: no update. The weight alone (unchanged for
+    two elements) would count 2 lost."""
+    weight = nn.Parameter(torch.ones(4))
+    optimizer = lpsim.optim.SGD(
+        [weight], lr=1.0, weight_format=Float(5, 2), rounding="nearest", kahan=True
+    )
+    with Recorder(optimizer=optimizer) as recorder:
+        weight.grad = torch.tensor([0.0, 0.05, 1e-9, 0.2])
+        optimizer.step()
+    assert weight.tolist() == [1.0, 1.0, 1.0, 0.75]
+    assert optimizer.state[weight]["compensation"].tolist() == [0.0, -0.046875, 0.0, 0.0625]
+    assert recorder.stagnation_records == [(0, "group0.param0", Stagnation(4, 3, 1))]
+
+
 def test_a_sparse_gradient_moves_the_elements_where_its_dense_value_is_nonzero():
     # nn.Embedding(sparse=True) gives sparse gradients, which torch's SGD takes. Row 1 moves by
     # (-1, -1): 1 -> 0 is kept, 2**25 - 1 rounds back to 2**25 in float32 (spacing 4), so one of

@@ -128,6 +128,8 @@ from lpsim.nn.inject import parameter_name
 from lpsim.nn.quantizer import QuantSpec, ScalerCall
 from lpsim.optim.fused import FusedAdam, FusedSGD
 from lpsim.optim.optim_lp import OptimLP
+from lpsim.optim.stochastic import SGD as LowPrecisionSGD
+from lpsim.optim.stochastic import AdamW as LowPrecisionAdamW
 from lpsim.statistics import FRACTIONS, RoundingStatistics, rounding_statistics
 
 __all__ = [
@@ -194,7 +196,10 @@ class Stagnation:
             rounding returned to the old weight, or to the old accumulator; otherwise those whose
             weight after the step equals the weight before it, or for FusedSGD and FusedAdam with
             an ``acc_format``, whose accumulator after the step equals the accumulator before
-            it: the update moves the accumulator, which keeps what the weight's rounding drops).
+            it: the update moves the accumulator, which keeps what the weight's rounding drops;
+            for lpsim.optim.SGD and AdamW with ``kahan=True``, whose weight and compensation
+            are both as before it: the compensation keeps the part of the update that the
+            weight's rounding left out, to be applied later).
 
     Stagnations add up with ``+``.
     """
@@ -507,7 +512,7 @@ class Recorder:
                     before = _BeforeStep(None, p.detach().clone(), "weight")
                     self._before_step[id(p)] = before
             elif p.grad is not None or closure is not None:
-                moved = _moved_value(optimizer, p).detach().clone()
+                moved = tuple(t.detach().clone() for t in _moved_values(optimizer, p))
                 self._before_step[id(p)] = _BeforeStep(_nonzero(p.grad), moved, "")
         if closure is None or not any(b.category == "" for b in self._before_step.values()):
             return None
@@ -532,7 +537,9 @@ class Recorder:
             found = self._before_step.get(id(p))
             if found is not None and found.category == "" and found.moving is not None:
                 moving = found.moving
-                lost = moving & (_moved_value(optimizer, p).detach() == found.previous)
+                lost = moving
+                for now, before in zip(_moved_values(optimizer, p), found.previous, strict=True):
+                    lost = lost & (now.detach() == before)
                 stagnation = Stagnation(p.numel(), int(moving.sum()), int(lost.sum()))
                 self._add_stagnation(self._names[id(p)], stagnation)
         self._before_step.clear()
@@ -843,24 +850,35 @@ def _format_of(quantiser):
 class _BeforeStep(NamedTuple):
     """A parameter before an optimizer step. Optimizers whose roundings are not seen: the
     elements with a nonzero gradient (``moving``; None while a closure has yet to compute it), the
-    weight (``previous``) and the category "". OptimLP: moving is None, previous is the value its
-    update moves (the accumulator with one, else the weight), and
-    ``category`` the observed rounding of its new value ("accumulator" or "weight")."""
+    values the step moves (``previous``, a tuple: _moved_values) and the category "". OptimLP:
+    moving is None, previous is the value its update moves (the accumulator with one, else the
+    weight), and ``category`` the observed rounding of its new value ("accumulator" or
+    "weight")."""
 
     moving: torch.Tensor | None
-    previous: torch.Tensor
+    previous: torch.Tensor | tuple[torch.Tensor, ...]
     category: str
 
 
-def _moved_value(optimizer: Optimizer, p: torch.Tensor) -> torch.Tensor:
-    """The tensor whose value an optimizer that is not an OptimLP moves: the accumulator of a
-    FusedSGD or FusedAdam parameter with one (made with the optimizer or its parameter group, as
-    OptimLP's), which the weight follows rounded; else the weight."""
+def _moved_values(optimizer: Optimizer, p: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors whose values the step of an optimizer that is not an OptimLP moves, and keeps
+    the update in: the accumulator of a FusedSGD or FusedAdam parameter with one (made with the
+    optimizer or its parameter group, as OptimLP's), which the weight follows rounded; the weight
+    and its Kahan compensation under lpsim.optim.SGD or AdamW with kahan=True (the compensation
+    holds the part of the updates not applied yet; zero before the first step makes it); else
+    the weight."""
+    state = optimizer.state.get(p, {})
     if isinstance(optimizer, (FusedSGD, FusedAdam)):
-        accumulator = optimizer.state.get(p, {}).get("accumulator")
+        accumulator = state.get("accumulator")
         if accumulator is not None:
-            return accumulator
-    return p
+            return (accumulator,)
+    if isinstance(optimizer, (LowPrecisionSGD, LowPrecisionAdamW)):
+        compensation = state.get("compensation")
+        if compensation is not None:
+            return p, compensation
+        if any(g["kahan"] for g in optimizer.param_groups if any(q is p for q in g["params"])):
+            return p, torch.zeros_like(p)
+    return (p,)
 
 
 def _nonzero(grad: torch.Tensor | None) -> torch.Tensor | None:
