@@ -575,7 +575,7 @@ def test_the_quantisers_of_qtorch_lower_are_recorded_under_the_lowered_modules()
     assert_same_statistics(got["2", "error"], python_recount(dy, lpsim.quantize(dy, fmt), fmt), "")
 
 
-def test_quantize_functions_and_the_quantizer_function_are_not_recorded():
+def test_quantize_functions_the_quantizer_function_and_functional_formats_are_not_recorded():
     # As the recorder's docstring says: they round, but no record is made of them.
     class Model(nn.Module):
         def __init__(self):
@@ -584,7 +584,10 @@ def test_quantize_functions_and_the_quantizer_function_are_not_recorded():
             self.rounding = lpsim.nn.quantizer(FLOAT, FLOAT, "nearest", "nearest")
 
         def forward(self, x):
-            return self.rounding(torch.softmax(self.linear(x), -1))
+            h = lpsim.nn.functional.linear(
+                x, self.linear.weight, input_format=FLOAT, weight_format=FLOAT, grad_format=FLOAT
+            )
+            return self.rounding(torch.softmax(h, -1))
 
     model = Model()
     config = {"softmax": LayerQuantization(output=FLOAT, rounding="nearest")}

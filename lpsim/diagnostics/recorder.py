@@ -49,7 +49,8 @@ there.
 Not recorded: the roundings of lpsim.nn.quantize_functions contexts (matmul, linear, softmax and
 attention called as functions), of the lpsim.nn.quantizer() function (it belongs to no module; the
 Quantizer module's are recorded), of the operands of products under MACs (lpsim.nn.functional's
-Operands), and those inside a MAC's products (LayerQuantization.mac, Recipe.mac: the rounded
+Operands, and the input_format, weight_format and grad_format of its products called directly),
+and those inside a MAC's products (LayerQuantization.mac, Recipe.mac: the rounded
 products and partial sums, forward and backward; a product's result is no rounding of one tensor):
 a model that rounds only there has no records.
 
