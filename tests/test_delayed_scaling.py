@@ -554,6 +554,32 @@ def test_report_with_an_example_leaves_the_scalers_as_they_were():
     assert all(torch.equal(after[k], v) for k, v in before.items())
 
 
+def test_report_with_an_example_inside_quantize_functions_leaves_its_scalers_as_they_were():
+    """The example pass runs the model's softmax, which the active context quantises through a
+    DelayedScaler: its history and scale must be those of the run, as without report()."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.softmax(self.linear(x), -1)
+
+    torch.manual_seed(0)
+    model = inject(Model(), {nn.Linear: LayerQuantization(output=lpsim.Float(5, 2))})
+    functions = lpsim.nn.quantize_functions(
+        model, {"softmax": LayerQuantization(input=DelayedScaling(E4M3), rounding="nearest")}
+    )
+    with functions:
+        model(torch.randn(2, 4))
+        before = copy.deepcopy(functions.scalers.state_dict())
+        lpsim.nn.report(model, example=100 * torch.randn(2, 4))  # another amax
+        after = functions.scalers.state_dict()
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
 def test_optimlp_keeps_one_scaler_per_parameter_and_tensor_in_its_state_dict():
     def run(steps, opt, model):
         for i in range(steps):

@@ -523,6 +523,35 @@ def test_a_module_added_while_attached_is_recorded_from_its_first_call():
         assert_records_of_a_quantizer_after_a_linear(recorder, model, x)
 
 
+def test_a_module_that_rounded_outside_the_model_is_recorded_once_added_to_it():
+    """A quantiser called on its own while the recorder is attached is outside the model (not
+    recorded); added to the model afterwards, its roundings there are the model's. (It was found
+    to have no name at its first rounding, and kept none for the rest of the run.)"""
+    model = nn.Sequential(nn.Linear(3, 3))
+    x = torch.randn(5, 3)
+    quantizer = Quantizer(FLOAT, FIXED, "nearest", "nearest")
+    with Recorder(model) as recorder:
+        quantizer(torch.randn(2, 3, requires_grad=True)).sum().backward()
+        assert recorder.records == []
+        model.append(quantizer)
+        model(x).backward(torch.randn(5, 3))
+    assert_records_of_a_quantizer_after_a_linear(recorder, model, x)
+
+
+def test_a_module_replaced_in_the_model_is_no_longer_recorded_under_its_old_name():
+    """Modules outside the recorder's model are not recorded: a quantiser taken out of the model
+    (another put in its place) and called on its own is no longer the model's "1"."""
+    model = nn.Sequential(nn.Linear(3, 3), Quantizer(FLOAT, FIXED, "nearest", "nearest"))
+    old = model[1]
+    x = torch.randn(5, 3)
+    with Recorder(model) as recorder:
+        model[1] = Quantizer(FLOAT, FIXED, "nearest", "nearest")
+        old(torch.randn(2, 3, requires_grad=True)).sum().backward()
+        assert recorder.records == []
+        model(x).backward(torch.randn(5, 3))
+    assert_records_of_a_quantizer_after_a_linear(recorder, model, x)
+
+
 def test_the_quantisers_of_qtorch_lower_are_recorded_under_the_lowered_modules():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3))
@@ -546,7 +575,7 @@ def test_the_quantisers_of_qtorch_lower_are_recorded_under_the_lowered_modules()
     assert_same_statistics(got["2", "error"], python_recount(dy, lpsim.quantize(dy, fmt), fmt), "")
 
 
-def test_quantize_functions_and_the_quantizer_function_are_not_recorded():
+def test_quantize_functions_the_quantizer_function_and_functional_formats_are_not_recorded():
     # As the recorder's docstring says: they round, but no record is made of them.
     class Model(nn.Module):
         def __init__(self):
@@ -555,7 +584,10 @@ def test_quantize_functions_and_the_quantizer_function_are_not_recorded():
             self.rounding = lpsim.nn.quantizer(FLOAT, FLOAT, "nearest", "nearest")
 
         def forward(self, x):
-            return self.rounding(torch.softmax(self.linear(x), -1))
+            h = lpsim.nn.functional.linear(
+                x, self.linear.weight, input_format=FLOAT, weight_format=FLOAT, grad_format=FLOAT
+            )
+            return self.rounding(torch.softmax(h, -1))
 
     model = Model()
     config = {"softmax": LayerQuantization(output=FLOAT, rounding="nearest")}
@@ -715,6 +747,63 @@ def test_stagnation_matches_a_hand_count_on_a_tiny_example(kind, want):
     (record,) = recorder.stagnation_records
     assert record == (0, "group0.param0", want)
     assert record.stagnation.fraction == want.lost / want.updated
+
+
+def test_fused_stagnation_with_an_accumulator_is_that_of_the_accumulator():
+    """With acc_format the update moves the accumulator and the weight follows it rounded: in the
+    tiny example the float32 accumulator keeps every update (0.49 and 0.98 included, which the
+    weight's Fixed(8, 4) rounds back to 0.5 and 1.0), so none is lost, as OptimLP with the same
+    acc counts; over steps of a coarser accumulator the two, whose runs are the same bit for bit,
+    count the same."""
+    weight, gradient = tiny_parameter()
+    grid = Fixed(8, 4)
+    optimizer = FusedSGD(
+        [weight], lr=1.0, weight_format=grid, acc_format=Float(8, 23), rounding="nearest"
+    )
+    with Recorder(optimizer=optimizer) as recorder:
+        (weight * gradient).sum().backward()
+        optimizer.step()
+    assert recorder.stagnation_records == [(0, "group0.param0", Stagnation(6, 5, 0))]
+    assert weight.tolist() == [0.5, 0.5, 0.4375, 0.6875, -0.375, 1.0]  # two kept by the weight
+
+    def run(fused: bool) -> tuple[list, torch.Tensor]:
+        torch.manual_seed(0)
+        weight = nn.Parameter(torch.randn(200))
+        acc = Fixed(12, 8)  # updates below 2**-9 are lost
+        if fused:
+            optimizer = FusedSGD([weight], lr=0.01, weight_format=grid, acc_format=acc)
+        else:
+            sgd = torch.optim.SGD([weight], lr=0.01)
+            optimizer = OptimLP(sgd, weight=grid, acc=acc)
+        with Recorder(optimizer=optimizer, categories="stagnation") as recorder:
+            for _ in range(4):
+                weight.grad = torch.randn(200) * (torch.rand(200) < 0.8)
+                optimizer.step()
+        return recorder.stagnation_records, weight.detach()
+
+    (fused, fused_weight), (plain, plain_weight) = run(True), run(False)
+    assert torch.equal(fused_weight, plain_weight)
+    assert fused == plain
+    assert sum(r.stagnation.lost for r in plain) > 0
+
+
+def test_kahan_stagnation_counts_the_updates_the_compensation_keeps_as_kept():
+    """lpsim.optim.SGD with kahan=True (Float(5, 2), lr 1, weights 1): y = round(c + u) and the
+    weight w + y rounded, the compensation keeping y minus what the weight gained. u = -0.05:
+    y = -0.046875, w + y rounds back to 1, c = -0.046875 keeps it (not lost). u = -1e-9: y = -0,
+    below Float(5, 2)'s smallest subnormal, w and c stay (lost). u = -0.2: y = -0.1875, w moves to
+    0.75 (a tie, to even) and c = 0.0625. u = 0: no update. The weight alone (unchanged for
+    two elements) would count 2 lost."""
+    weight = nn.Parameter(torch.ones(4))
+    optimizer = lpsim.optim.SGD(
+        [weight], lr=1.0, weight_format=Float(5, 2), rounding="nearest", kahan=True
+    )
+    with Recorder(optimizer=optimizer) as recorder:
+        weight.grad = torch.tensor([0.0, 0.05, 1e-9, 0.2])
+        optimizer.step()
+    assert weight.tolist() == [1.0, 1.0, 1.0, 0.75]
+    assert optimizer.state[weight]["compensation"].tolist() == [0.0, -0.046875, 0.0, 0.0625]
+    assert recorder.stagnation_records == [(0, "group0.param0", Stagnation(4, 3, 1))]
 
 
 def test_a_sparse_gradient_moves_the_elements_where_its_dense_value_is_nonzero():

@@ -401,6 +401,68 @@ def test_compare_between_training_steps_changes_no_training_run():
         assert torch.equal(plain, shadowed)
 
 
+def test_compare_inside_quantize_functions_leaves_the_sites_of_the_runs_later_calls():
+    """A call made outside the model's modules (the loss's softmax) is ranked among such calls
+    since the context was entered, and its rank names its DelayedScaler's site. compare()'s
+    loss_fn makes such a call too; the training's call after it must keep its site (and so its
+    amax history), or comparing in one step only gives that step's loss a fresh history."""
+    e4m3 = DelayedScaling(Float(4, 3, special="fn", saturate=True))
+
+    def loss_fn(out):
+        return -torch.softmax(out, dim=-1)[:, 0].log().sum()
+
+    def train(compare_at: int | None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3))
+        functions = lpsim.nn.quantize_functions(
+            model, {"softmax": LayerQuantization(input=e4m3, rounding="nearest")}
+        )
+        shadow = Shadow(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            x = torch.randn(8, 4) * (step + 1)
+            with functions:
+                if step == compare_at:
+                    shadow.compare(x * 10, loss_fn)
+                loss = loss_fn(model(x))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.detach())
+        return losses, list(functions.scalers), [p.detach().clone() for p in model.parameters()]
+
+    plain = train(None)
+    compared = train(1)
+    assert compared[1] == plain[1] == ["0:<outside>:softmax:0:input"]
+    for a, b in zip(plain[0] + plain[2], compared[0] + compared[2], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("injected", [False, True])
+@pytest.mark.parametrize("kind", [nn.Embedding, nn.EmbeddingBag])
+def test_compare_leaves_the_rows_an_embedding_with_max_norm_would_renormalise(kind, injected):
+    """torch's Embedding and EmbeddingBag with max_norm renormalise the rows they look up in
+    place, in their forward (and so does inject's parametrisation of their weight): compare()'s
+    passes must not, or comparing on a batch the training never sees changes the run."""
+    torch.manual_seed(0)
+    embedding = kind(10, 4, max_norm=1.0)
+    with torch.no_grad():
+        embedding.weight.mul_(3)  # every row's norm is above max_norm
+    model = nn.Sequential(embedding, nn.Linear(4, 2))
+    if injected:
+        model = inject(model, {kind: LayerQuantization(weight=COARSE), nn.Linear: None})
+    stored = dict(model.named_parameters())
+    before = {name: p.detach().clone() for name, p in stored.items()}
+    indices = torch.tensor([[1, 2, 3]])
+    Shadow(model).compare(indices, lambda out: out.square().sum())
+    for name, p in stored.items():
+        assert torch.equal(p, before[name]), name
+    # The premise: a forward of the model renormalises those rows.
+    model(indices)
+    assert not torch.equal(next(model.parameters()), next(iter(before.values())))
+
+
 @pytest.mark.parametrize("watched", ["model", "quantizer"])
 def test_errors_of_compare_that_overflow_make_no_dynamic_loss_scaler_skip_a_step(watched):
     # Errors of 2**20 overflow Float(4, 3) (largest 240). compare() with such a loss is no step of
@@ -448,6 +510,85 @@ def test_dropout_is_identity_by_default_and_its_masks_match_without_stochastic_r
     on = shadow.compare(batch(), dropout=True)
     assert row(off, "1").reference_activation_norm != row(on, "1").reference_activation_norm
     assert model[1].training and shadow.reference[1].training
+
+
+class DropoutInside(nn.Module):
+    """A Linear, then a module that applies dropout in its own forward, with its attribute
+    ``dropout``: nn.MultiheadAttention to its attention weights, a two-layer nn.LSTM between its
+    layers."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        if kind == "attention":
+            self.inner = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+        else:
+            self.inner = nn.LSTM(8, 8, num_layers=2, dropout=0.5, batch_first=True)
+
+    def forward(self, x):
+        h = self.linear(x)
+        if isinstance(self.inner, nn.MultiheadAttention):
+            return self.inner(h, h, h, need_weights=False)[0]
+        return self.inner(h)[0]
+
+
+@pytest.mark.parametrize("kind", ["attention", "lstm"])
+def test_dropout_inside_attention_and_recurrent_layers_is_off_by_default(kind):
+    """An exact format rounded stochastically changes no value but draws random numbers, which the
+    reference does not: a dropout left on after it draws other masks in the two passes. By
+    default compare() runs without dropout, so the divergence is that of the rounding, 0."""
+    torch.manual_seed(0)
+    model = DropoutInside(kind)
+    inject(model, {"linear": LayerQuantization(output=(FLOAT32, "stochastic"))})
+    shadow = Shadow(model)
+    x = torch.randn(2, 5, 8)
+    report = shadow.compare(x, squared_loss)
+    assert all(r.activation_divergence == 0.0 for r in report.modules)
+    assert all(r.error_divergence == 0.0 for r in report.modules)
+    assert model.inner.dropout == shadow.reference.inner.dropout == 0.5
+    assert model.training and shadow.reference.inner.training
+    # The premise: with dropout the masks differ.
+    report = shadow.compare(x, squared_loss, dropout=True)
+    assert row(report, "inner").activation_divergence > 0
+
+
+class Checkpointed(nn.Module):
+    """a, then b = (Linear, Tanh) under activation checkpointing (or not), then c."""
+
+    def __init__(self, checkpoint: bool, reentrant: bool = False):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.c = nn.Linear(8, 2)
+        self.checkpoint, self.reentrant = checkpoint, reentrant
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.checkpoint:
+            h = torch.utils.checkpoint.checkpoint(self.b, h, use_reentrant=self.reentrant)
+        else:
+            h = self.b(h)
+        return self.c(h)
+
+
+def test_a_forward_that_checkpointing_recomputes_adds_no_row():
+    """The backward pass of a checkpointed segment runs its forward again (b.0, until what it
+    saved is recomputed): no second call of b.0, the report is that of the model without
+    checkpointing, row for row and bit for bit."""
+    config = {nn.Linear: LayerQuantization(output=COARSE, error=COARSE)}
+    x = batch()
+    reports = []
+    for checkpoint in (False, True):
+        torch.manual_seed(0)
+        model = inject(Checkpointed(checkpoint), config)
+        reports.append(Shadow(model).compare(x, squared_loss))
+    plain, checkpointed = reports
+    assert [r.label for r in checkpointed.modules] == ["a", "b.0", "b.1", "b", "c", "(model)"]
+    assert checkpointed == plain
+    torch.manual_seed(0)
+    model = inject(Checkpointed(True, reentrant=True), config)
+    with pytest.raises(RuntimeError, match="use_reentrant=False"):
+        Shadow(model).compare(x, squared_loss)
 
 
 def test_in_place_activations_leave_the_layer_errors_intact():

@@ -49,7 +49,8 @@ there.
 Not recorded: the roundings of lpsim.nn.quantize_functions contexts (matmul, linear, softmax and
 attention called as functions), of the lpsim.nn.quantizer() function (it belongs to no module; the
 Quantizer module's are recorded), of the operands of products under MACs (lpsim.nn.functional's
-Operands), and those inside a MAC's products (LayerQuantization.mac, Recipe.mac: the rounded
+Operands, and the input_format, weight_format and grad_format of its products called directly),
+and those inside a MAC's products (LayerQuantization.mac, Recipe.mac: the rounded
 products and partial sums, forward and backward; a product's result is no rounding of one tensor):
 a model that rounds only there has no records.
 
@@ -62,7 +63,9 @@ no format to count against and are not recorded (their stagnation is).
 Names. attach() names the model's modules and parameters and the optimizer's parameters, and so
 does each recorded step of the optimizer, before it runs: a parameter group added meanwhile
 (add_param_group) is recorded from that step on. A module or parameter added to the model while
-the recorder is attached is named at its first rounding, and recorded from there.
+the recorder is attached is named at its first rounding, and recorded from there (one that
+rounded before, outside the model, too); one that another module replaced in the model
+(``model[1] = new``) is no longer recorded.
 
 Steps. The step counter starts at 0. The attached optimizer's step() ends a step (through a step
 hook), and so does Recorder.step(): call it yourself when the recorder has no optimizer. With
@@ -71,10 +74,12 @@ that a DynamicLossScaler skips does not call the optimizer's step(): its roundin
 the next.
 
 Detached, nothing observes: every call site costs one attribute lookup and a branch. attach()
-makes the recorder lpsim._observation's current observer and registers two step hooks on the
-optimizer; detach() undoes both, and nothing else is changed, so the model and the optimizer are
-exactly as before. Recording draws no random numbers and writes no tensor of the run: a run with
-a recorder attached is bit for bit the run without.
+makes the recorder lpsim._observation's current observer, registers two step hooks on the
+optimizer and two of torch's global module and parameter registration hooks (after which the
+next rounding names the model's modules and parameters again, see Names); detach() undoes
+these, and nothing else is changed, so the model and the optimizer are exactly as before.
+Recording draws no random numbers and writes no tensor of the run: a run with a recorder attached
+is bit for bit the run without.
 
 torch.compile: a compiled model gives the records it gives in eager mode, bit for bit, and its
 run stays the run without a recorder, except with stochastic rounding under Inductor: the graphs
@@ -113,12 +118,19 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.optim import Optimizer
 
 from lpsim import _observation
 from lpsim.nn.inject import parameter_name
 from lpsim.nn.quantizer import QuantSpec, ScalerCall
+from lpsim.optim.fused import FusedAdam, FusedSGD
 from lpsim.optim.optim_lp import OptimLP
+from lpsim.optim.stochastic import SGD as LowPrecisionSGD
+from lpsim.optim.stochastic import AdamW as LowPrecisionAdamW
 from lpsim.statistics import FRACTIONS, RoundingStatistics, rounding_statistics
 
 __all__ = [
@@ -183,7 +195,12 @@ class Stagnation:
             step(closure) (for a sparse gradient, a nonzero dense value).
         lost: of the updated elements, those the step left where they were (OptimLP: those its
             rounding returned to the old weight, or to the old accumulator; otherwise those whose
-            weight after the step equals the weight before it).
+            weight after the step equals the weight before it, or for FusedSGD and FusedAdam with
+            an ``acc_format``, whose accumulator after the step equals the accumulator before
+            it: the update moves the accumulator, which keeps what the weight's rounding drops;
+            for lpsim.optim.SGD and AdamW with ``kahan=True``, whose weight and compensation
+            are both as before it: the compensation keeps the part of the update that the
+            weight's rounding left out, to be applied later).
 
     Stagnations add up with ``+``.
     """
@@ -297,6 +314,7 @@ class Recorder:
         self._unnamed: dict[int, weakref.ref] = {}  # owners found to have no name, by id
         self._hooks: list = []
         self._graphs_at_attach = 0
+        self._registered = False  # a module or parameter registered since the last naming
         # id(parameter) -> (its weight before the step, the mask of its nonzero gradient or None)
         self._before_step: dict[int, _BeforeStep] = {}
         # Stagnation in OptimLP is seen in the rounding of the value its update moves (the
@@ -326,8 +344,16 @@ class Recorder:
             raise RuntimeError("another Recorder is attached: detach it first")
         _check_not_wrapped(self.optimizer)
         self._names = self._collect_names()
+        self._unnamed.clear()
+        self._registered = False
+        # A module or parameter registered anywhere may give an owner a name in the model (a
+        # module called on its own, then added to the model; one put in another's place).
+        self._hooks = [
+            register_module_module_registration_hook(self._registration),
+            register_module_parameter_registration_hook(self._registration),
+        ]
         if self.optimizer is not None:
-            self._hooks = [
+            self._hooks += [
                 self.optimizer.register_step_pre_hook(self._before_optimizer_step),
                 self.optimizer.register_step_post_hook(self._after_optimizer_step),
             ]
@@ -387,10 +413,19 @@ class Recorder:
                 names[id(p)] = parameter_name(name)
         return names
 
+    def _registration(self, module: nn.Module, name: str, value: object) -> None:
+        """A module or parameter was registered somewhere: the next rounding names the model's
+        modules and parameters again."""
+        self._registered = True
+
     def _name_of(self, owner: object) -> str | None:
-        """owner's name (None: not the model's or the optimizer's). An owner the last naming did
-        not name (a module or parameter added to the model since: without an optimizer, no step
-        names them) names the model's modules and parameters again, once per such owner."""
+        """owner's name (None: not the model's or the optimizer's). After a module or parameter
+        was registered, and for an owner the last naming did not name (once per such owner), the
+        model's modules and parameters are named again."""
+        if self._registered:
+            self._registered = False
+            self._names = self._collect_names()
+            self._unnamed.clear()
         name = self._names.get(id(owner))
         if name is not None:
             return name
@@ -478,7 +513,8 @@ class Recorder:
                     before = _BeforeStep(None, p.detach().clone(), "weight")
                     self._before_step[id(p)] = before
             elif p.grad is not None or closure is not None:
-                self._before_step[id(p)] = _BeforeStep(_nonzero(p.grad), p.detach().clone(), "")
+                moved = tuple(t.detach().clone() for t in _moved_values(optimizer, p))
+                self._before_step[id(p)] = _BeforeStep(_nonzero(p.grad), moved, "")
         if closure is None or not any(b.category == "" for b in self._before_step.values()):
             return None
         # The closure computes the step's gradient (after zero_grad): the moving elements are
@@ -502,7 +538,9 @@ class Recorder:
             found = self._before_step.get(id(p))
             if found is not None and found.category == "" and found.moving is not None:
                 moving = found.moving
-                lost = moving & (p.detach() == found.previous)
+                lost = moving
+                for now, before in zip(_moved_values(optimizer, p), found.previous, strict=True):
+                    lost = lost & (now.detach() == before)
                 stagnation = Stagnation(p.numel(), int(moving.sum()), int(lost.sum()))
                 self._add_stagnation(self._names[id(p)], stagnation)
         self._before_step.clear()
@@ -813,13 +851,35 @@ def _format_of(quantiser):
 class _BeforeStep(NamedTuple):
     """A parameter before an optimizer step. Optimizers whose roundings are not seen: the
     elements with a nonzero gradient (``moving``; None while a closure has yet to compute it), the
-    weight (``previous``) and the category "". OptimLP: moving is None, previous is the value its
-    update moves (the accumulator with one, else the weight), and
-    ``category`` the observed rounding of its new value ("accumulator" or "weight")."""
+    values the step moves (``previous``, a tuple: _moved_values) and the category "". OptimLP:
+    moving is None, previous is the value its update moves (the accumulator with one, else the
+    weight), and ``category`` the observed rounding of its new value ("accumulator" or
+    "weight")."""
 
     moving: torch.Tensor | None
-    previous: torch.Tensor
+    previous: torch.Tensor | tuple[torch.Tensor, ...]
     category: str
+
+
+def _moved_values(optimizer: Optimizer, p: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors whose values the step of an optimizer that is not an OptimLP moves, and keeps
+    the update in: the accumulator of a FusedSGD or FusedAdam parameter with one (made with the
+    optimizer or its parameter group, as OptimLP's), which the weight follows rounded; the weight
+    and its Kahan compensation under lpsim.optim.SGD or AdamW with kahan=True (the compensation
+    holds the part of the updates not applied yet; zero before the first step makes it); else
+    the weight."""
+    state = optimizer.state.get(p, {})
+    if isinstance(optimizer, (FusedSGD, FusedAdam)):
+        accumulator = state.get("accumulator")
+        if accumulator is not None:
+            return (accumulator,)
+    if isinstance(optimizer, (LowPrecisionSGD, LowPrecisionAdamW)):
+        compensation = state.get("compensation")
+        if compensation is not None:
+            return p, compensation
+        if any(g["kahan"] for g in optimizer.param_groups if any(q is p for q in g["params"])):
+            return p, torch.zeros_like(p)
+    return (p,)
 
 
 def _nonzero(grad: torch.Tensor | None) -> torch.Tensor | None:

@@ -34,7 +34,8 @@ too and inf otherwise; NaN in either model gives NaN. Where compare() hands a mo
 (in its dtype), every container keeps its type: named tuples, OrderedDicts and dict subclasses
 with attribute access such as HuggingFace's ModelOutput stay what the model returned.
 
-compare() never changes the simulated model: its parameters, their .grad (the gradients are taken
+compare() never changes the simulated model: its parameters (the rows that an Embedding with
+max_norm renormalises in its forward restored bit for bit), their .grad (the gradients are taken
 with torch.autograd.grad, which accumulates nothing), its buffers (restored bit for bit:
 BatchNorm running statistics, DelayedScaler histories), the modules' training flags, and the state
 of torch's generators are as before the call. Its passes are not part of the run: a
@@ -52,7 +53,9 @@ call compare() inside the lpsim.nn.quantize_functions context that the training 
 simulated model's calls are then quantised as the context says and the reference's are torch's
 own (every active context lets them pass, although a context also quantises calls made outside
 its model's modules), and the context's delayed scalers are left as they were (histories and
-scales bit for bit; no scaler kept for a site first met in compare()).
+scales bit for bit; no scaler kept for a site first met in compare()), as is its count of the
+calls made outside the model's modules: a call of loss_fn's does not shift the site of the run's
+later ones.
 
 nn.TransformerEncoder: both passes run with its ``use_nested_tensor`` False, so that given a key
 padding mask in eval mode without gradients neither model hands its layers nested tensors, and
@@ -71,6 +74,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from lpsim._observation import recomputing
 from lpsim.compat.qtorch.auto_low.auto_low import remove_lowering
 from lpsim.nn._hooks import compiled_model, floating_tensors, map_tensors
 from lpsim.nn.functions import passing_calls, scalers_kept
@@ -88,6 +92,9 @@ DROPOUT_TYPES = (
     nn.AlphaDropout,
     nn.FeatureAlphaDropout,
 )
+# Modules that apply dropout with their attribute ``dropout`` inside their own forward: to the
+# attention weights (nn.MultiheadAttention), between stacked layers (nn.RNN, nn.LSTM, nn.GRU).
+DROPOUT_PROBABILITY_TYPES = (nn.MultiheadAttention, nn.RNNBase)
 
 
 @dataclass(frozen=True)
@@ -233,7 +240,10 @@ class _Recorder:
     inside the module (an output computed from another, (y, relu(y))), or, where the module
     returns a tensor it was given (nn.Identity, dropout as identity), by the other readers of its
     input (a residual connection); the gradients of those readers are not the module's error. And
-    an in-place operation after the module changes the tensor handed on, not the port."""
+    an in-place operation after the module changes the tensor handed on, not the port.
+
+    A forward that activation checkpointing runs again during the backward pass (to recompute
+    what it saved) is no call of its modules: the hooks leave it alone."""
 
     def __init__(self, model: nn.Module, names: list[str], track_errors: bool):
         self.order: list[tuple[str, int]] = []
@@ -255,6 +265,8 @@ class _Recorder:
 
     def _before_other_hooks(self, name: str):
         def hook(module, args, output):
+            if recomputing():  # activation checkpointing's forward, run again in the backward
+                return None
             call = self._calls.get(name, 0) + 1
             self._calls[name] = call
             key = (name, call)
@@ -270,6 +282,8 @@ class _Recorder:
 
     def _after_other_hooks(self, name: str):
         def hook(module, args, output):
+            if recomputing():
+                return
             key = (name, self._calls[name])
             self.activations[key] = [t.detach().clone() for t in floating_tensors(output)]
 
@@ -285,7 +299,17 @@ class _Recorder:
                     wanted[id(t)] = t
         found: dict[int, torch.Tensor | None] = {}
         if loss.requires_grad and wanted:
-            grads = torch.autograd.grad(loss, list(wanted.values()), allow_unused=True)
+            try:
+                grads = torch.autograd.grad(loss, list(wanted.values()), allow_unused=True)
+            except RuntimeError as error:
+                if "use_reentrant=True" not in str(error):
+                    raise
+                raise RuntimeError(
+                    "Shadow.compare: the model checkpoints with torch.utils.checkpoint's "
+                    "use_reentrant=True, through which torch takes no torch.autograd.grad (the "
+                    "errors of the modules' outputs): checkpoint with use_reentrant=False, or "
+                    "compare without loss_fn"
+                ) from error
             found = dict(zip(wanted, grads))
         errors = {}
         for key, tensors in self.raw_outputs.items():
@@ -466,22 +490,28 @@ def _cuda_devices(model: nn.Module, inputs: tuple) -> list[int]:
 
 
 class _DropoutOff:
-    """Context: dropout modules of the given models in eval mode (identity), their training flags
-    restored on exit."""
+    """Context: dropout modules of the given models in eval mode (identity), and the dropout
+    probability that modules holding one apply in their own forward (DROPOUT_PROBABILITY_TYPES)
+    0; their training flags and probabilities restored on exit."""
 
     def __init__(self, *models: nn.Module):
-        self.modules = [
-            m for model in models for m in model.modules() if isinstance(m, DROPOUT_TYPES)
-        ]
+        modules = [m for model in models for m in model.modules()]
+        self.modules = [m for m in modules if isinstance(m, DROPOUT_TYPES)]
+        self.holders = [m for m in modules if isinstance(m, DROPOUT_PROBABILITY_TYPES)]
 
     def __enter__(self):
         self.flags = [m.training for m in self.modules]
+        self.probabilities = [m.dropout for m in self.holders]
         for m in self.modules:
             m.training = False
+        for m in self.holders:
+            m.dropout = 0.0
 
     def __exit__(self, *exception):
         for m, flag in zip(self.modules, self.flags):
             m.training = flag
+        for m, probability in zip(self.holders, self.probabilities):
+            m.dropout = probability
 
 
 class _DenseTransformers:
@@ -584,9 +614,11 @@ class Shadow:
         compare() was called, and on return the generators are back in that state: the
         simulated model's stochastic roundings draw from them as in training, and compare()
         shifts no training stream. The simulated model's buffers (BatchNorm running statistics,
-        DelayedScaler histories), which its forward updates, are restored bit for bit; its
-        parameters and their .grad are never written. The roundings of both passes are hidden
-        from an attached lpsim.diagnostics.Recorder, which records the training run only.
+        DelayedScaler histories), which its forward updates, are restored bit for bit, and so
+        are the rows of the weight that an Embedding or EmbeddingBag with max_norm renormalises
+        in its forward; its other parameters and their .grad are never written. The roundings
+        of both passes are hidden from an attached lpsim.diagnostics.Recorder, which records
+        the training run only.
 
         Args:
             inputs: the batch: a tensor, or a tuple of the model's positional arguments
@@ -598,7 +630,9 @@ class Shadow:
                 loss by, as it decides where the simulated errors underflow. None: forward only,
                 no error divergences.
             dropout: False (the default) runs the dropout modules (nn.Dropout and its relatives)
-                of both models as identity, so that the divergence measures rounding alone.
+                of both models as identity, and the dropout that nn.MultiheadAttention applies to
+                its attention weights and nn.RNN, nn.LSTM and nn.GRU between their layers with
+                probability 0, so that the divergence measures rounding alone.
                 True runs them as their mode says; their masks then agree only until the
                 simulated model's first stochastic rounding, whose random draws the reference
                 does not make. Dropout called as a function in a forward is never changed.
@@ -612,8 +646,11 @@ class Shadow:
             TypeError: inputs is neither a tensor nor a tuple, loss_fn is not callable or
                 returns no one-element floating-point tensor, or dropout is not a bool.
             RuntimeError: the model no longer has a parameter or buffer of the reference (its
-                structure changed: make a new Shadow), or a module's outputs differ in shape
-                between the two models.
+                structure changed: make a new Shadow), a module's outputs differ in shape
+                between the two models, or, given loss_fn, the model checkpoints activations
+                with torch.utils.checkpoint's use_reentrant=True (use_reentrant=False is
+                compared as the model without checkpointing: the forward it recomputes in the
+                backward pass adds no row).
         """
         arguments = _as_arguments(inputs)
         if loss_fn is not None and not callable(loss_fn):

@@ -780,10 +780,13 @@ def _integer(value) -> bool:
 @contextlib.contextmanager
 def scalers_kept() -> Iterator[None]:
     """A context after which the delayed scalers of every active quantize_functions context are
-    as they were: their buffers (histories, scales) restored bit for bit, the same tensors, and
-    the scalers of sites first met inside dropped. lpsim.diagnostics.Shadow.compare runs its
-    passes in one: they are not part of the run."""
+    as they were: their buffers (histories, scales) restored bit for bit, the same tensors, the
+    scalers of sites first met inside dropped, and the count of the calls made outside the
+    model's modules (which ranks them into sites) and the entries that have decided a call as
+    before, so that a call the run makes afterwards has the site it would have had.
+    lpsim.diagnostics.Shadow.compare runs its passes in one: they are not part of the run."""
     saved = [(context, dict(context.scalers.items())) for context in _ACTIVE]
+    counts = [(context, dict(context._outside), list(context._settled)) for context in _ACTIVE]
     buffers = [
         (scaler._buffers, name, buffer, buffer.clone())
         for _, scalers in saved
@@ -801,6 +804,10 @@ def scalers_kept() -> Iterator[None]:
         for context, scalers in saved:
             for key in [k for k in context.scalers if k not in scalers]:
                 del context.scalers[key]
+        for context, outside, settled in counts:
+            context._outside.clear()
+            context._outside.update(outside)
+            context._settled[:] = settled
 
 
 @contextlib.contextmanager

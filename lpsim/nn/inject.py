@@ -1882,13 +1882,21 @@ def unobserved_pass(*models: nn.Module):
     tensors first quantised inside) are dropped. A DynamicLossScaler's watches record no overflow
     of the errors computed inside (lpsim._observation.hidden), so that the run's next step does
     not skip for them. report(example=...) runs its pass in one, and
-    lpsim.diagnostics.Shadow.compare its two."""
+    lpsim.diagnostics.Shadow.compare its two. The parameters a forward writes in place, those of
+    an Embedding or EmbeddingBag with max_norm (torch's forward, and inject's parametrisation,
+    renormalise the rows looked up), are put back as they were too, bit for bit."""
     modules = [module for model in models for module in model.modules()]
     buffers = [
         (module._buffers, name, buffer, buffer.clone())
         for module in modules
         for name, buffer in module._buffers.items()
         if buffer is not None
+    ]
+    renormed = [
+        (p, p.detach().clone())
+        for module in modules
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None
+        for p in module.parameters()
     ]
     scalers = [(s, set(s._modules)) for s in modules if isinstance(s, _TensorScalers)]
     observer = _observation.current
@@ -1906,6 +1914,8 @@ def unobserved_pass(*models: nn.Module):
                     buffer.copy_(saved)
                 else:
                     buffer.set_(saved)
+            for parameter, saved in renormed:
+                parameter.copy_(saved)
         for found, places in scalers:
             for place in [p for p in found._modules if p not in places]:
                 del found._modules[place]
@@ -1916,7 +1926,11 @@ def _modules_that_run(model: nn.Module, example) -> set[int]:
     The pass changes nothing: it runs without gradients, inside a fork of torch's generators (the
     CPU one and those of the CUDA devices the model and the example are on), so it leaves the
     random streams of training where they were, and in an unobserved_pass (a Recorder records
-    nothing; every buffer it writes is put back as it was, the scalers it creates dropped)."""
+    nothing; every buffer it writes is put back as it was, the scalers it creates dropped), the
+    delayed scalers of an active quantize_functions context kept as they were too."""
+    # lpsim.nn.functions imports this module.
+    from lpsim.nn.functions import scalers_kept  # noqa: PLC0415
+
     ran: set[int] = set()
     # A plain tuple holds the arguments; a tuple of another type (a PackedSequence, a named tuple)
     # is one argument, as a tensor is.
@@ -1928,7 +1942,12 @@ def _modules_that_run(model: nn.Module, example) -> set[int]:
         m.register_forward_pre_hook(lambda mod, args: ran.add(id(mod))) for m in model.modules()
     ]
     try:
-        with unobserved_pass(model), torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with (
+            unobserved_pass(model),
+            scalers_kept(),
+            torch.no_grad(),
+            torch.random.fork_rng(devices=devices),
+        ):
             model(*args)
     finally:
         for h in handles:
@@ -1986,8 +2005,9 @@ def report(
     arguments; a tuple of another type, a PackedSequence or a named tuple, is one argument),
     on modules whose forward does not run on it. The example pass runs without gradients, in a
     fork of torch's generators and unobserved, and the buffers it writes (BatchNorm's running
-    statistics, the DelayedScalers' state) are restored afterwards and the scalers it creates
-    dropped, so it changes nothing; each such quantiser also gives a warning.
+    statistics, the DelayedScalers' state, those of an active lpsim.nn.quantize_functions
+    context included) are restored afterwards and the scalers it creates dropped, so it changes
+    nothing; each such quantiser also gives a warning.
     """
     _check_model(model)
     ran = _modules_that_run(model, example) if example is not None else None
