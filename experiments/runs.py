@@ -26,6 +26,7 @@ __all__ = [
     "weights_digest",
     "rank_digests",
     "rng_state",
+    "rng_device_type",
     "set_rng_state",
     "write_atomically",
     "write_csv",
@@ -134,10 +135,27 @@ def rng_state(device: torch.device) -> dict:
     }
 
 
+def rng_device_type(state: dict) -> str:
+    """The type of device ("cpu" or "cuda") of which rng_state returned ``state``: cuda where it
+    holds a CUDA generator state."""
+    return "cpu" if state["cuda"] is None else "cuda"
+
+
 def set_rng_state(device: torch.device, state: dict) -> None:
-    """Restore what rng_state(device) returned."""
+    """Restore what rng_state(device) returned.
+
+    Raises:
+        ValueError: ``state`` was taken for another device type. It holds the generator state
+            of its own device type only, and a run that draws its random numbers from the other
+            one would continue with a stream neither the run nor its checkpoint had.
+    """
+    if rng_device_type(state) != device.type:
+        raise ValueError(
+            f"the random state was taken on a {rng_device_type(state)} device and cannot be "
+            f"restored on {device}: it holds the generator state of its own device type only"
+        )
     torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and state["cuda"] is not None:
+    if device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
 
 

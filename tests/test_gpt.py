@@ -349,6 +349,50 @@ def test_resume_takes_the_thread_count_from_the_checkpoint(tmp_path, capsys):
         train.main(["--recipe", "fp32", "--out-dir", str(pieces), "--resume", "--threads", "2"])
 
 
+def test_resume_refuses_a_checkpoint_of_another_device_type(tmp_path):
+    """Stochastic rounding draws from the generator of the device that trains, and a checkpoint
+    holds only that device type's generator state: a GPU run resumed on the CPU (--device auto
+    where CUDA is missing), or a CPU run on a GPU, would continue with another random stream. The
+    device type is one of the settings a resume keeps; a checkpoint written without it counts as
+    trained where its random state says (no CUDA generator state: the CPU), and resumes."""
+    name = "bf16-stochastic"
+    straight, pieces = tmp_path / "straight", tmp_path / "pieces"
+    train.main(["--recipe", name, *TINY, "--out-dir", str(straight)])
+    train.main(["--recipe", name, *TINY, "--out-dir", str(pieces), "--stop-after", "4"])
+    state = torch.load(pieces / train.CHECKPOINT, weights_only=True)
+    assert state["settings"]["device"] == "cpu" and state["rng"]["cuda"] is None
+    state["settings"]["device"] = "cuda"  # as written by a GPU run
+    torch.save(state, pieces / train.CHECKPOINT)
+    resume = ["--recipe", name, "--out-dir", str(pieces), "--resume", "--no-progress"]
+    with pytest.raises(SystemExit, match="'device': \\('cuda', 'cpu'\\)"):
+        train.main(resume)
+    del state["settings"]["device"]  # a checkpoint from before the key: its random state says cpu
+    torch.save(state, pieces / train.CHECKPOINT)
+    train.main(resume)
+    a = torch.load(straight / train.CHECKPOINT, weights_only=True)
+    b = torch.load(pieces / train.CHECKPOINT, weights_only=True)
+    assert tensors_equal(a["model"], b["model"]) and tensors_equal(a["rng"], b["rng"])
+    state["rng"]["cuda"] = torch.zeros(16, dtype=torch.uint8)  # an older GPU run's checkpoint
+    torch.save(state, pieces / train.CHECKPOINT)
+    with pytest.raises(SystemExit, match="'device': \\('cuda', 'cpu'\\)"):
+        train.main(resume)
+
+
+def test_a_random_state_is_restored_only_on_its_own_device_type():
+    """A checkpoint's random state holds the generator of the device type that trained: restoring
+    it on another type is refused instead of leaving that type's generator as it was."""
+    from experiments.runs import rng_state, set_rng_state
+
+    state = rng_state(torch.device("cpu"))
+    with pytest.raises(ValueError, match="taken on a cpu device and cannot be restored on cuda"):
+        set_rng_state(torch.device("cuda"), state)
+    with pytest.raises(ValueError, match="taken on a cuda device and cannot be restored on cpu"):
+        set_rng_state(torch.device("cpu"), {**state, "cuda": torch.zeros(16, dtype=torch.uint8)})
+    drawn = torch.rand(4)
+    set_rng_state(torch.device("cpu"), state)
+    assert torch.equal(torch.rand(4), drawn)
+
+
 def test_resume_refuses_other_settings_and_finished_runs_say_so(tmp_path, capsys):
     train.main(["--recipe", "fp32", *TINY, "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="belongs to another run.*'seed': \\(0, 1\\)"):

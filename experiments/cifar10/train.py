@@ -45,6 +45,7 @@ from experiments.runs import (
     positive_float,
     positive_int,
     rank_digests,
+    rng_device_type,
     rng_state,
     seed_int,
     set_rng_state,
@@ -222,7 +223,7 @@ class Run:
         if self.saved is not None:
             saved = {
                 "schedule_epochs": self.saved["config"]["epochs"],
-                "device": "cpu" if self.saved["rng"]["cuda"] is None else "cuda",
+                "device": rng_device_type(self.saved["rng"]),
                 **self.saved["config"],
             }
         self.epochs = args.epochs or (saved["epochs"] if saved else self.recipe.epochs)

@@ -25,10 +25,11 @@ Every evaluation (and step 0, before training) writes in DIR (default out/gpt/NA
 checkpoint.pt (model with its quantisers' state, optimizer, scheduler, torch's generator states,
 the delayed scalers of the attention quantisers, history, settings), log.csv (one row per
 evaluation) and curves.png. ``--resume`` continues from the checkpoint with the same bits as a run
-never interrupted (on the same device); settings not given are taken from the checkpoint, the
+never interrupted (tested on the CPU); settings not given are taken from the checkpoint, the
 thread count included (--threads, torch's choice when the run started, or 1 with --short), and
-given ones must equal it. ``--stop-after N`` ends an invocation after N steps (a
-checkpoint is written).
+given ones must equal it, the device type (cpu or cuda) among them: stochastic rounding draws
+from the generator of the device that trains, the only one the checkpoint holds.
+``--stop-after N`` ends an invocation after N steps (a checkpoint is written).
 
 ``--recipe all`` trains every recipe in turn, each in DIR/NAME (default out/gpt/NAME), then writes
 gpt.md (the table: final validation loss, gap to fp32, training tokens per second and simulation
@@ -74,6 +75,7 @@ from experiments.runs import (
     positive_float,
     positive_int,
     rank_digests,
+    rng_device_type,
     rng_state,
     set_rng_state,
     write_atomically,
@@ -210,6 +212,10 @@ class Settings:
     world_size: int
     corpus: str  # Corpus.fingerprint
     threads: int | None = None  # torch's CPU threads (None: not recorded, an older checkpoint)
+    # The type of device that trains, "cpu" or "cuda": stochastic rounding draws from its
+    # generator, and a checkpoint holds that device type's generator state only (None: not
+    # recorded, an older checkpoint, whose random state says it).
+    device: str | None = None
 
     @property
     def warmup(self) -> int:
@@ -286,9 +292,12 @@ class Run:
             "recipe": recipe.name,
             "world_size": session.world_size,
             "corpus": session.corpus.fingerprint,
+            "device": session.device.type,
         }
         if self.saved is not None:
-            saved = self.saved["settings"]
+            # A checkpoint written before the device type was recorded trained where its random
+            # state says.
+            saved = {"device": rng_device_type(self.saved["rng"]), **self.saved["settings"]}
             # (A checkpoint older than a setting holds no value for it.)
             different = {
                 k: (saved[k], v) for k, v in wanted.items() if k in saved and saved[k] != v
