@@ -341,6 +341,7 @@ def test_resume_takes_the_thread_count_from_the_checkpoint(tmp_path, capsys):
     capsys.readouterr()
     train.main(["--recipe", "fp32", "--out-dir", str(pieces), "--resume", "--no-progress"])
     assert "(1 process on cpu, 1 thread)" in capsys.readouterr().out
+    assert torch.get_num_threads() == 2  # the caller's count, as it was
     a = torch.load(straight / train.CHECKPOINT, weights_only=True)
     b = torch.load(pieces / train.CHECKPOINT, weights_only=True)
     assert a["settings"]["threads"] == b["settings"]["threads"] == 1

@@ -725,20 +725,24 @@ def main(argv: list[str] | None = None):
         p.error("--recipe is required (see --list-recipes)")
     if args.recipe != ALL and args.recipe not in RECIPES:
         p.error(f"unknown recipe {args.recipe!r}; choose from {', '.join(RECIPES)}, or {ALL}")
-    threads = args.threads or (SHORT_THREADS if args.short else None)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    session = Session(args, p, load_corpus())
-    runs = plan(session)
-    if session.distributed:
-        if session.device.type == "cuda":
-            torch.cuda.set_device(session.device)
-        dist.init_process_group("nccl" if session.device.type == "cuda" else "gloo")
+    caller_threads = torch.get_num_threads()
     try:
-        histories = run_all(session, runs)
-    finally:
+        threads = args.threads or (SHORT_THREADS if args.short else None)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        session = Session(args, p, load_corpus())
+        runs = plan(session)
         if session.distributed:
-            dist.destroy_process_group()
+            if session.device.type == "cuda":
+                torch.cuda.set_device(session.device)
+            dist.init_process_group("nccl" if session.device.type == "cuda" else "gloo")
+        try:
+            histories = run_all(session, runs)
+        finally:
+            if session.distributed:
+                dist.destroy_process_group()
+    finally:
+        torch.set_num_threads(caller_threads)  # a caller in the same process keeps its setting
     return histories if args.recipe == ALL else histories[args.recipe]
 
 
