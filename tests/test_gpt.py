@@ -514,6 +514,43 @@ def test_recipe_all_resume_starts_the_missing_runs_with_the_saved_runs_settings(
         train.plan(train.Session(args, p, corpus))
 
 
+def test_a_comparison_trained_in_several_processes_says_what_it_is_not(
+    tmp_path, corpus, monkeypatch
+):
+    """Every process of a torchrun run draws the same random numbers, and a per-tensor scale spans
+    one process's share of the batch: gpt.md from such a run names the launcher and the process
+    count, and says which recipes were not their one-process simulation and why (it read as
+    "Written by python -m experiments.gpt.train --recipe all", the single-process table)."""
+    history = [{"step": 0, "validation_loss": "4.0", "tokens": 0, "train_seconds": "0"}]
+    history += [{"step": 6, "validation_loss": "3.0", "tokens": 96, "train_seconds": "1"}]
+    runs = {name: history for name in recipes.RECIPES}
+    p = train.parser()
+    args = p.parse_args(["--recipe", "all", *TINY, "--device", "cpu"])
+    texts = {}
+    for world_size in (1, 2):
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        session = train.Session(args, p, corpus)
+        values = {
+            **train.DEFAULTS,
+            **{k: v for k, v in session.requested.items() if k in train.DEFAULTS},
+        }
+        settings = train.Settings(
+            recipe="fp32", world_size=world_size, corpus="x", threads=1, **values
+        )
+        out = tmp_path / str(world_size)
+        train.write_comparison(session, runs, out, settings)
+        texts[world_size] = (out / train.TABLE).read_text()
+    assert "Written by `python -m experiments.gpt.train --recipe all --steps 6" in texts[1]
+    assert "processes" not in texts[1].replace("1 process,", "")
+    two = texts[2]
+    assert "Written by `torchrun (2 processes) -m experiments.gpt.train --recipe all" in two
+    differing = [n for n, r in recipes.RECIPES.items() if r.multi_process]
+    assert set(differing) == {"fp8-current", "mxfp4", "nvfp4", "fp8-hopper", "fp8-hopper-promoted"}
+    assert f"{', '.join(differing)} are not the recipes' one-process simulation" in two
+    for name in differing:
+        assert f"- `{name}`: {recipes.RECIPES[name].multi_process}" in two
+
+
 def test_recipe_listing_names_every_recipe(capsys):
     train.main(["--list-recipes"])
     listing = capsys.readouterr().out

@@ -44,6 +44,8 @@ rounding draws the same seeds on every process, and the weights are checked to b
 all ranks after every evaluation. Delayed scalers all-reduce (MAX) each amax over the processes
 before recording it, as Transformer Engine does, so every rank holds the same histories and
 scales; a resumed multi-process run restarts every rank's scalers from rank 0's, which are theirs.
+Such a run is not every recipe's one-process simulation (GPTRecipe.multi_process says where it
+differs), and the gpt.md it writes says so.
 """
 
 from __future__ import annotations
@@ -588,18 +590,42 @@ def command_line(settings: Settings) -> str:
     return " ".join(words)
 
 
+def multi_process_lines(world_size: int, names: list[str]) -> list[str]:
+    """The paragraph gpt.md gives a comparison trained in several processes (none for one): such
+    a run is not the one-process simulation of the recipes (``names``) whose multi_process says
+    what differs."""
+    if world_size == 1:
+        return []
+    differing = [name for name in names if RECIPES[name].multi_process]
+    lines = [
+        f"Trained in {world_size} processes (DistributedDataParallel, each on its share of every "
+        "batch), which adds the processes' weight gradients in float32 in another order than one "
+        "process sums them"
+        + (
+            f"; and {', '.join(differing)} are not the recipes' one-process simulation:"
+            if differing
+            else "; no recipe computes anything else."
+        ),
+        "",
+    ]
+    lines += [f"- `{name}`: {RECIPES[name].multi_process}" for name in differing]
+    return lines + ([""] if differing else [])
+
+
 def write_comparison(session: Session, runs: dict, out_dir: pathlib.Path, settings) -> None:
     """gpt.md and gpt.png in out_dir, from every recipe's history."""
     summaries = {name: r.summary for name, r in RECIPES.items()}
     s = settings
     characters = s.steps * s.batch_size * s.context
     threads = torch.get_num_threads() if s.threads is None else s.threads
+    launcher = "python" if s.world_size == 1 else f"torchrun ({s.world_size} processes)"
     lines = [
         "# Character-level GPT under low-precision recipes",
         "",
-        f"Written by `python -m experiments.gpt.train {command_line(s)}` "
+        f"Written by `{launcher} -m experiments.gpt.train {command_line(s)}` "
         "(experiments/README.md describes the recipes and the configurations).",
         "",
+        *multi_process_lines(s.world_size, [n for n, h in runs.items() if h is not None]),
         f"Model: {s.layers} layers, width {s.width}, {s.heads} heads, context {s.context}. "
         f"Training: {s.steps} steps of {s.batch_size} windows ({characters:,} characters), "
         f"AdamW at peak rate {s.lr:g}, seed {s.seed}. Validation: {s.val_windows} "
