@@ -551,6 +551,40 @@ def test_a_comparison_trained_in_several_processes_says_what_it_is_not(
         assert f"- `{name}`: {recipes.RECIPES[name].multi_process}" in two
 
 
+@pytest.mark.parametrize("name", ["fp32", "mxfp8"])
+def test_validation_loss_is_the_exact_mean_whatever_the_chunks(name, tmp_path, corpus):
+    """The validation loss of recipes without a per-tensor scale does not depend on --batch-size
+    (the chunks evaluation runs in), as experiments/README.md says: it is the mean of every
+    position's float32 cross-entropy (torch's, window by window), summed exactly (Fraction) and
+    rounded once, then divided by the count. A float32 sum per chunk made it differ by a few
+    units in the 7th digit between batch sizes."""
+    from fractions import Fraction
+
+    recipe = recipes.RECIPES[name]
+    p = train.parser()
+    values = []
+    for batch in (1, 3, 8, 16):
+        argv = ["--recipe", name, *TINY, "--batch-size", str(batch), "--val-windows", "16"]
+        session = train.Session(p.parse_args(argv), p, corpus)
+        run = train.Run(session, recipe, tmp_path / "none", resume=False)
+        torch.manual_seed(0)
+        model, _, _ = recipe.build(
+            tiny_model(corpus), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.99), seed=0
+        )
+        context, _ = train.functions_context(model, recipe)
+        windows = corpus.validation_windows(16, 16)
+        values.append(train.evaluate(run, model, context, windows))
+    model.eval()
+    exact = Fraction(0)
+    with torch.no_grad():
+        for x, y in zip(*windows):
+            with context():
+                logits = model(x[None])
+            losses = F.cross_entropy(logits[0], y, reduction="none")
+            exact += sum(Fraction(float(v)) for v in losses)
+    assert values == [float(exact) / (16 * 16)] * 4
+
+
 def test_recipe_listing_names_every_recipe(capsys):
     train.main(["--list-recipes"])
     listing = capsys.readouterr().out

@@ -383,6 +383,11 @@ def functions_state(mode) -> dict | None:
     return None if mode is None else mode.state_dict()
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Every position's cross-entropy (float32, flattened)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+
+
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
@@ -393,13 +398,18 @@ def evaluate(run: Run, model: nn.Module, context, windows) -> float:
     strided share, evaluated in chunks of run.local_batch windows (a per-tensor current scale is
     taken over a chunk, so such recipes' losses depend on the batch and the process count); in
     eval mode (stochastic rules replaced by nearest) and inside a fork of torch's generators, so
-    evaluating never shifts the training stream."""
+    evaluating never shifts the training stream. The mean is the exact sum of every position's
+    float32 loss (math.fsum, over the windows of every rank in order) divided by their count,
+    so that neither the chunks nor the processes change how the losses are added."""
     session = run.session
     inputs, targets = windows
+    count, length = targets.shape
     inputs = inputs[session.rank :: session.world_size].to(session.device)
     targets = targets[session.rank :: session.world_size].to(session.device)
     devices = [session.device] if session.device.type == "cuda" else []
-    total = torch.zeros((), dtype=torch.float64, device=session.device)
+    # This rank's per-position losses, padded to the share of the rank with the most windows.
+    share = -(-count // session.world_size)
+    losses = torch.zeros(share, length, dtype=torch.float32, device=session.device)
     with torch.random.fork_rng(devices=devices):
         model.eval()
         try:
@@ -407,11 +417,18 @@ def evaluate(run: Run, model: nn.Module, context, windows) -> float:
                 x = inputs[start : start + run.local_batch]
                 with context():
                     logits = model(x)
-                total += cross_entropy_sum(logits, targets[start : start + run.local_batch])
+                y = targets[start : start + run.local_batch]
+                losses[start : start + len(x)] = cross_entropy(logits, y).view(y.shape)
         finally:
             model.train()
-    loss_sum, count = all_reduce_sum([total, targets.numel()], session.device, session.distributed)
-    return loss_sum / count
+    if session.distributed:
+        gathered = [torch.empty_like(losses) for _ in range(session.world_size)]
+        dist.all_gather(gathered, losses)
+        # Window w was rank w % world_size's (w // world_size)-th.
+        losses = torch.stack(
+            [gathered[w % session.world_size][w // session.world_size] for w in range(count)]
+        )
+    return math.fsum(losses[:count].double().flatten().tolist()) / (count * length)
 
 
 def _synchronize(device: torch.device) -> None:
