@@ -20,8 +20,9 @@ of scaled formats run along the last axis, the Linear products' reduction axis f
   stochastically (unbiased); its moments stay float32. Every Linear (the head included) takes
   bfloat16 inputs and rounds its output and its error to bfloat16 by round to nearest, as
   torch.autocast(bfloat16) computes them (bfloat16 operands, float32 accumulation, a bfloat16
-  result); embeddings, LayerNorm, GELU, residual additions, attention, softmax and the loss stay
-  float32.
+  result); the results of its backward products, the gradients of its input and of its weight
+  and bias, stay float32, where torch.autocast(bfloat16) rounds them to bfloat16 too.
+  Embeddings, LayerNorm, GELU, residual additions, attention, softmax and the loss stay float32.
 - ``fp8-current``: every Linear but the head (the head and the embeddings stay float32, the usual
   practice of FP8 recipes; the first Linear, block 0's qkv, is quantised, unlike lpsim.recipes'
   keep_edges): E4M3 inputs and weights with one float32 scale per tensor from the tensor's own

@@ -17,7 +17,8 @@ Two configurations (each setting can be overridden):
 
 - the default (for a GPU): 4 layers, width 128, 4 heads, context 128, batch 64, 5000 steps,
   lr 1e-3, evaluated every 250 steps on 256 validation windows;
-- ``--short`` (every recipe on one CPU thread, ``--recipe all`` in about 10 minutes): 2 layers,
+- ``--short`` (every recipe on one CPU thread, ``--recipe all`` in about 4 minutes on an idle
+  2-core machine, twice that on a loaded one): 2 layers,
   width 32, 2 heads, context 64, batch 8, 300 steps, lr 3e-3, evaluated every 50 steps on 64
   validation windows, one thread unless --threads says otherwise.
 
@@ -25,7 +26,9 @@ Every evaluation (and step 0, before training) writes in DIR (default out/gpt/NA
 checkpoint.pt (model with its quantisers' state, optimizer, scheduler, torch's generator states,
 the delayed scalers of the attention quantisers, history, settings), log.csv (one row per
 evaluation) and curves.png. ``--resume`` continues from the checkpoint with the same bits as a run
-never interrupted (tested on the CPU); settings not given are taken from the checkpoint, the
+never interrupted (tested on the CPU; on a GPU not tried, and the trainer asks torch for no
+deterministic kernels, some of which, the fused attention's backward among them, add in an order
+that can change between runs); settings not given are taken from the checkpoint, the
 thread count included (--threads, torch's choice when the run started, or 1 with --short), and
 given ones must equal it, the device type (cpu or cuda) among them: stochastic rounding draws
 from the generator of the device that trains, the only one the checkpoint holds.
@@ -143,7 +146,7 @@ def parser() -> argparse.ArgumentParser:
         "--short",
         action="store_true",
         help="the short configuration (2 layers, width 32, context 64, batch 8, 300 steps, "
-        "lr 3e-3, one thread): every recipe within about 10 minutes on one CPU thread",
+        "lr 3e-3, one thread): every recipe in about 4 minutes on one idle CPU thread",
     )
     p.add_argument("--steps", type=positive_int, help="training steps (default 5000)")
     p.add_argument(
