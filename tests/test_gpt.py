@@ -626,6 +626,18 @@ def test_settings_round_trip_through_the_checkpoint():
     assert settings.warmup == 250 and train.command_line(settings) == "--recipe all"
 
 
+def test_the_tables_command_line_gives_the_runs_learning_rate():
+    """gpt.md names the command that trains its runs: a learning rate of more than six
+    significant digits is written in full (it was written with :g, 0.00123457 for 0.0012345678,
+    another run), and the command line parsed back gives the same settings."""
+    values = {**train.DEFAULTS, "lr": 0.0012345678, "steps": 7}
+    settings = train.Settings(recipe="fp32", world_size=1, corpus="x", **values)
+    words = train.command_line(settings).split()
+    assert words[words.index("--lr") + 1] == "0.0012345678"
+    args = train.parser().parse_args(words)
+    assert {k: getattr(args, k) for k in ("lr", "steps")} == {"lr": 0.0012345678, "steps": 7}
+
+
 def test_recipes_named_after_publications_state_their_deviations():
     """mxfp4 quantises the forward products Tseng et al. keep in BF16, nvfp4 the layers NVIDIA
     keeps in BF16, fp8-hopper-promoted uses per-tensor E4M3/E5M2 operands rather than DeepSeek-V3's

@@ -551,7 +551,7 @@ def train(run: Run) -> list[dict]:
         f"{recipe.name}: {recipe.summary}\n  {s.layers} layers, width {s.width}, {s.heads} heads, "
         f"context {s.context}; {s.steps} steps of batch {s.batch_size} ({session.world_size} "
         f"process{'es' if session.distributed else ''} on {device}, {torch.get_num_threads()} "
-        f"thread{'s' if torch.get_num_threads() > 1 else ''}), lr {s.lr:g}, seed {s.seed}; "
+        f"thread{'s' if torch.get_num_threads() > 1 else ''}), lr {s.lr}, seed {s.seed}; "
         f"{'resuming after step ' + str(start) if start else 'from scratch'}"
     )
     if start == 0 and not history:
@@ -606,7 +606,7 @@ def command_line(settings: Settings) -> str:
     for key in SETTINGS:
         value = getattr(settings, key)
         if value is not None and value != base.get(key):
-            words += [f"--{key.replace('_', '-')}", f"{value:g}" if key == "lr" else str(value)]
+            words += [f"--{key.replace('_', '-')}", str(value)]  # a float's shortest round trip
     return " ".join(words)
 
 
@@ -648,7 +648,7 @@ def write_comparison(session: Session, runs: dict, out_dir: pathlib.Path, settin
         *multi_process_lines(s.world_size, [n for n, h in runs.items() if h is not None]),
         f"Model: {s.layers} layers, width {s.width}, {s.heads} heads, context {s.context}. "
         f"Training: {s.steps} steps of {s.batch_size} windows ({characters:,} characters), "
-        f"AdamW at peak rate {s.lr:g}, seed {s.seed}. Validation: {s.val_windows} "
+        f"AdamW at peak rate {s.lr}, seed {s.seed}. Validation: {s.val_windows} "
         f"windows of the last 10% of the corpus (Python {platform.python_version()}'s "
         f"pydoc topics, fingerprint {s.corpus}), mean cross-entropy in nats per character.",
         "",
