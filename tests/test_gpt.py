@@ -602,6 +602,43 @@ def test_two_gloo_processes_keep_identical_weights(tmp_path):
     assert [int(r["step"]) for r in state["history"]] == [0, 3, 6]
 
 
+def test_each_process_backpropagates_the_errors_of_one_process_on_the_whole_batch():
+    """Under torchrun each process differentiates its share of the batch: the errors flowing
+    back through its model must be those one process training on the whole batch computes for
+    those rows, bit for bit (the recipes round them), for any number of processes. With the
+    mean over its own share they were world_size times larger: rounded otherwise by every error
+    format where world_size is not a power of two (3 here)."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 5, 7)
+    targets = torch.randint(0, 7, (6, 5))
+    whole = logits.clone().requires_grad_()
+    F.cross_entropy(whole.flatten(0, 1), targets.flatten()).backward()
+    for rank in range(3):
+        rows = slice(2 * rank, 2 * rank + 2)
+        share = logits[rows].clone().requires_grad_()
+        loss, mean = train.step_loss(share, targets[rows], 3)
+        loss.backward()
+        assert torch.equal(share.grad, whole.grad[rows])
+        expected = F.cross_entropy(logits[rows].flatten(0, 1), targets[rows].flatten())
+        assert torch.equal(mean, expected)
+
+
+def test_two_processes_take_the_gradient_of_the_whole_batch(tmp_path):
+    """DistributedDataParallel sums the processes' gradients, each of its share's loss over the
+    whole batch: the first step's gradient (AdamW's first moment, 0.1 g, unclipped) is one
+    process's on the whole batch, up to the order of float32 sums."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = ["--recipe", "fp32", *TINY, "--device", "cpu", "--stop-after", "1"]
+    train.main([*args, "--out-dir", str(one)])
+    run_two_gloo_processes("experiments.gpt.train", [*args, "--out-dir", str(two)])
+    a = torch.load(one / train.CHECKPOINT, weights_only=True)["optimizer"]["state"]
+    b = torch.load(two / train.CHECKPOINT, weights_only=True)["optimizer"]["state"]
+    norm = math.sqrt(sum(float(s["exp_avg"].square().sum()) for s in a.values())) / 0.1
+    assert norm < 1  # unclipped
+    for key in a:
+        torch.testing.assert_close(b[key]["exp_avg"], a[key]["exp_avg"], rtol=1e-4, atol=1e-9)
+
+
 def test_two_processes_resumed_between_evaluations_log_the_ranks_mean_training_loss(tmp_path):
     """A two-process run resumed from a checkpoint written between two evaluations (--stop-after)
     logs the training loss of the uninterrupted run: the mean over both ranks' batches of the

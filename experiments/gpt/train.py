@@ -42,7 +42,9 @@ settings (the checkpoints must agree on them).
 
 Under torchrun each process trains with DistributedDataParallel (NCCL on GPUs, gloo on CPUs) on
 its share of every global batch (--batch-size is the global batch: every process draws the same
-windows and keeps its rows) and evaluates its share of the validation windows; stochastic
+windows and keeps its rows; its loss is its share's summed cross-entropy over the positions of the
+whole batch, and the processes' gradients are summed, so that its errors are one process's; see
+step_loss) and evaluates its share of the validation windows; stochastic
 rounding draws the same seeds on every process, and the weights are checked to be identical on
 all ranks after every evaluation. Delayed scalers all-reduce (MAX) each amax over the processes
 before recording it, as Transformer Engine does, so every rank holds the same histories and
@@ -395,6 +397,31 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
 
 
+def step_loss(
+    logits: torch.Tensor, targets: torch.Tensor, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, mean) of one process's share of a step's batch: ``loss``, to differentiate, is the
+    share's summed cross-entropy over the positions of the whole global batch (world_size times
+    the share's), so that the errors flowing back through the model are those of one process
+    training on the whole batch, bit for bit, for every world size; DistributedDataParallel then
+    sums the processes' gradients (sum_gradients) instead of averaging them. (The mean of each
+    share, differentiated and averaged, gives the same gradients, but errors world_size times
+    larger, which every recipe's error formats round otherwise where world_size is not a power
+    of two.) ``mean``, the share's mean cross-entropy, is what the log averages."""
+    total = cross_entropy_sum(logits, targets)
+    loss = total / (targets.numel() * world_size)
+    mean = loss.detach() if world_size == 1 else total.detach() / targets.numel()
+    return loss, mean
+
+
+def sum_gradients(process_group, bucket):  # (torch checks the annotations: none)
+    """A DistributedDataParallel communication hook: the bucket's gradients summed over the
+    processes (DistributedDataParallel's own hook averages them)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda future: future.value()[0])
+
+
 @torch.no_grad()
 def evaluate(run: Run, model: nn.Module, context, windows) -> float:
     """Mean cross-entropy (nats per character) over the validation windows, each rank taking a
@@ -478,6 +505,7 @@ def train(run: Run) -> list[dict]:
     if session.distributed:
         ids = [device.index] if device.type == "cuda" else None
         net = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        net.register_comm_hook(None, sum_gradients)  # see step_loss
 
     context, mode = functions_context(model, recipe)
     windows = corpus.validation_windows(s.val_windows, s.context)
@@ -578,13 +606,13 @@ def train(run: Run) -> list[dict]:
         began = time.perf_counter()
         with context():
             logits = net(inputs)
-        loss = cross_entropy_sum(logits, targets) / targets.numel()
+        loss, mean = step_loss(logits, targets, session.world_size)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), GRADIENT_CLIP)
         optimizer.step()
         scheduler.step()
-        interval.loss_sum += loss.detach().double()
+        interval.loss_sum += mean.double()
         _synchronize(device)
         interval.seconds += time.perf_counter() - began
         interval.steps += 1
