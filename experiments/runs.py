@@ -25,6 +25,7 @@ __all__ = [
     "all_reduce_sum",
     "weights_digest",
     "rank_digests",
+    "sum_gradients",
     "rng_state",
     "rng_device_type",
     "set_rng_state",
@@ -94,6 +95,15 @@ def all_reduce_sum(values: Sequence, device: torch.device, distributed: bool) ->
     if distributed:
         dist.all_reduce(t)
     return t.tolist()
+
+
+def sum_gradients(process_group, bucket):  # (torch checks the annotations: none)
+    """A DistributedDataParallel communication hook: the bucket's gradients summed over the
+    processes (DistributedDataParallel's own hook averages them): for a loss whose errors are
+    one process's on the whole batch (experiments.gpt.train.step_loss)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda future: future.value()[0])
 
 
 def weights_digest(model: nn.Module) -> int:

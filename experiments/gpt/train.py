@@ -85,6 +85,7 @@ from experiments.runs import (
     rng_device_type,
     rng_state,
     set_rng_state,
+    sum_gradients,
     write_atomically,
 )
 
@@ -412,14 +413,6 @@ def step_loss(
     loss = total / (targets.numel() * world_size)
     mean = loss.detach() if world_size == 1 else total.detach() / targets.numel()
     return loss, mean
-
-
-def sum_gradients(process_group, bucket):  # (torch checks the annotations: none)
-    """A DistributedDataParallel communication hook: the bucket's gradients summed over the
-    processes (DistributedDataParallel's own hook averages them)."""
-    group = process_group if process_group is not None else dist.group.WORLD
-    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
-    return work.get_future().then(lambda future: future.value()[0])
 
 
 @torch.no_grad()
