@@ -553,9 +553,13 @@ def test_a_cpu_run_resumes_with_the_thread_count_it_began_with(tiny_cifar10, tmp
     monkeypatch.setattr(train, "train_epoch", counting)
     train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--stop-after", "1"))
     assert torch.load(tmp_path / train.CHECKPOINT, weights_only=True)["config"]["threads"] == 1
-    torch.set_num_threads(2)  # the one_thread fixture restores the count afterwards
-    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume"))
-    assert seen == [1, 1] and torch.get_num_threads() == 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume"))
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)  # the next tests' count (main leaves the caller's, 2)
 
 
 def test_resume_refuses_a_checkpoint_whose_data_orders_came_from_the_seed_itself(

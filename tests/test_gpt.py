@@ -337,11 +337,15 @@ def test_resume_takes_the_thread_count_from_the_checkpoint(tmp_path, capsys):
     straight, pieces = tmp_path / "straight", tmp_path / "pieces"
     train.main(["--recipe", "fp32", *TINY, "--out-dir", str(straight)])
     train.main(["--recipe", "fp32", *TINY, "--out-dir", str(pieces), "--stop-after", "2"])
-    torch.set_num_threads(2)  # torch's choice in the resuming process (the fixture restores it)
-    capsys.readouterr()
-    train.main(["--recipe", "fp32", "--out-dir", str(pieces), "--resume", "--no-progress"])
-    assert "(1 process on cpu, 1 thread)" in capsys.readouterr().out
-    assert torch.get_num_threads() == 2  # the caller's count, as it was
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # torch's choice in the resuming process
+    try:
+        capsys.readouterr()
+        train.main(["--recipe", "fp32", "--out-dir", str(pieces), "--resume", "--no-progress"])
+        assert "(1 process on cpu, 1 thread)" in capsys.readouterr().out
+        assert torch.get_num_threads() == 2  # the caller's count, as it was
+    finally:
+        torch.set_num_threads(threads)  # the next tests' (main no longer leaves it at 1)
     a = torch.load(straight / train.CHECKPOINT, weights_only=True)
     b = torch.load(pieces / train.CHECKPOINT, weights_only=True)
     assert a["settings"]["threads"] == b["settings"]["threads"] == 1
