@@ -25,7 +25,9 @@ __all__ = [
     "all_reduce_sum",
     "weights_digest",
     "rank_digests",
+    "sum_gradients",
     "rng_state",
+    "rng_device_type",
     "set_rng_state",
     "write_atomically",
     "write_csv",
@@ -95,6 +97,15 @@ def all_reduce_sum(values: Sequence, device: torch.device, distributed: bool) ->
     return t.tolist()
 
 
+def sum_gradients(process_group, bucket):  # (torch checks the annotations: none)
+    """A DistributedDataParallel communication hook: the bucket's gradients summed over the
+    processes (DistributedDataParallel's own hook averages them): for a loss whose errors are
+    one process's on the whole batch (experiments.gpt.train.step_loss)."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
+    return work.get_future().then(lambda future: future.value()[0])
+
+
 def weights_digest(model: nn.Module) -> int:
     """A 63-bit hash of the bits of every parameter."""
     h = hashlib.sha256()
@@ -134,10 +145,27 @@ def rng_state(device: torch.device) -> dict:
     }
 
 
+def rng_device_type(state: dict) -> str:
+    """The type of device ("cpu" or "cuda") of which rng_state returned ``state``: cuda where it
+    holds a CUDA generator state."""
+    return "cpu" if state["cuda"] is None else "cuda"
+
+
 def set_rng_state(device: torch.device, state: dict) -> None:
-    """Restore what rng_state(device) returned."""
+    """Restore what rng_state(device) returned.
+
+    Raises:
+        ValueError: ``state`` was taken for another device type. It holds the generator state
+            of its own device type only, and a run that draws its random numbers from the other
+            one would continue with a stream neither the run nor its checkpoint had.
+    """
+    if rng_device_type(state) != device.type:
+        raise ValueError(
+            f"the random state was taken on a {rng_device_type(state)} device and cannot be "
+            f"restored on {device}: it holds the generator state of its own device type only"
+        )
     torch.set_rng_state(state["cpu"])
-    if device.type == "cuda" and state["cuda"] is not None:
+    if device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
 
 

@@ -511,6 +511,32 @@ def test_resume_refuses_a_checkpoint_of_another_device_type(tiny_cifar10, tmp_pa
     assert tensors_equal(a["model"], b["model"]) and tensors_equal(a["rng"], b["rng"])
 
 
+def test_deterministic_kernels_are_a_setting_a_gpu_resume_keeps(
+    tiny_cifar10, tmp_path, monkeypatch
+):
+    """On a GPU, --deterministic picks other kernels, which sum in other orders: a GPU run resumed
+    with it switched would continue as neither run, so it is one of the settings a resume keeps
+    there. On the CPU it changes nothing, and a CPU run resumes with or without it."""
+    root, _ = tiny_cifar10
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--stop-after", "1"))
+    state = torch.load(tmp_path / train.CHECKPOINT, weights_only=True)
+    assert state["config"]["deterministic"] is None  # a CPU run: not a setting
+    state["config"].update(device="cuda", threads=None, deterministic=False)  # as a GPU run's
+    state["rng"]["cuda"] = torch.zeros(16, dtype=torch.uint8)
+    gpu = tmp_path / "gpu"
+    gpu.mkdir()
+    torch.save(state, gpu / train.CHECKPOINT)
+    # Only the settings are checked here, which need no GPU.
+    monkeypatch.setattr(train, "choose_device", lambda *args: torch.device("cuda", 0))
+    p = train.parser()
+    resume = run_args(root, gpu, "fp32", "--epochs", "2", "--resume")
+    with pytest.raises(SystemExit, match="'deterministic': \\(False, True\\)"):
+        train.Run(p.parse_args([*resume, "--deterministic"]), p)
+    assert train.Run(p.parse_args(resume), p).config["deterministic"] is False
+    monkeypatch.undo()
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume", "--deterministic"))
+
+
 def test_a_cpu_run_resumes_with_the_thread_count_it_began_with(tiny_cifar10, tmp_path, monkeypatch):
     """torch's CPU kernels sum in an order that depends on the thread count, so a resume in a
     process with another count (another machine, another OMP_NUM_THREADS) would continue with
@@ -527,9 +553,13 @@ def test_a_cpu_run_resumes_with_the_thread_count_it_began_with(tiny_cifar10, tmp
     monkeypatch.setattr(train, "train_epoch", counting)
     train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--stop-after", "1"))
     assert torch.load(tmp_path / train.CHECKPOINT, weights_only=True)["config"]["threads"] == 1
-    torch.set_num_threads(2)  # the one_thread fixture restores the count afterwards
-    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume"))
-    assert seen == [1, 1] and torch.get_num_threads() == 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume"))
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)  # the next tests' count (main leaves the caller's, 2)
 
 
 def test_resume_refuses_a_checkpoint_whose_data_orders_came_from_the_seed_itself(

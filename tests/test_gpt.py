@@ -337,16 +337,65 @@ def test_resume_takes_the_thread_count_from_the_checkpoint(tmp_path, capsys):
     straight, pieces = tmp_path / "straight", tmp_path / "pieces"
     train.main(["--recipe", "fp32", *TINY, "--out-dir", str(straight)])
     train.main(["--recipe", "fp32", *TINY, "--out-dir", str(pieces), "--stop-after", "2"])
-    torch.set_num_threads(2)  # torch's choice in the resuming process (the fixture restores it)
-    capsys.readouterr()
-    train.main(["--recipe", "fp32", "--out-dir", str(pieces), "--resume", "--no-progress"])
-    assert "(1 process on cpu, 1 thread)" in capsys.readouterr().out
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # torch's choice in the resuming process
+    try:
+        capsys.readouterr()
+        train.main(["--recipe", "fp32", "--out-dir", str(pieces), "--resume", "--no-progress"])
+        assert "(1 process on cpu, 1 thread)" in capsys.readouterr().out
+        assert torch.get_num_threads() == 2  # the caller's count, as it was
+    finally:
+        torch.set_num_threads(threads)  # the next tests' (main no longer leaves it at 1)
     a = torch.load(straight / train.CHECKPOINT, weights_only=True)
     b = torch.load(pieces / train.CHECKPOINT, weights_only=True)
     assert a["settings"]["threads"] == b["settings"]["threads"] == 1
     assert tensors_equal(a["model"], b["model"]) and tensors_equal(a["optimizer"], b["optimizer"])
     with pytest.raises(SystemExit, match="'threads': \\(1, 2\\)"):
         train.main(["--recipe", "fp32", "--out-dir", str(pieces), "--resume", "--threads", "2"])
+
+
+def test_resume_refuses_a_checkpoint_of_another_device_type(tmp_path):
+    """Stochastic rounding draws from the generator of the device that trains, and a checkpoint
+    holds only that device type's generator state: a GPU run resumed on the CPU (--device auto
+    where CUDA is missing), or a CPU run on a GPU, would continue with another random stream. The
+    device type is one of the settings a resume keeps; a checkpoint written without it counts as
+    trained where its random state says (no CUDA generator state: the CPU), and resumes."""
+    name = "bf16-stochastic"
+    straight, pieces = tmp_path / "straight", tmp_path / "pieces"
+    train.main(["--recipe", name, *TINY, "--out-dir", str(straight)])
+    train.main(["--recipe", name, *TINY, "--out-dir", str(pieces), "--stop-after", "4"])
+    state = torch.load(pieces / train.CHECKPOINT, weights_only=True)
+    assert state["settings"]["device"] == "cpu" and state["rng"]["cuda"] is None
+    state["settings"]["device"] = "cuda"  # as written by a GPU run
+    torch.save(state, pieces / train.CHECKPOINT)
+    resume = ["--recipe", name, "--out-dir", str(pieces), "--resume", "--no-progress"]
+    with pytest.raises(SystemExit, match="'device': \\('cuda', 'cpu'\\)"):
+        train.main(resume)
+    del state["settings"]["device"]  # a checkpoint from before the key: its random state says cpu
+    torch.save(state, pieces / train.CHECKPOINT)
+    train.main(resume)
+    a = torch.load(straight / train.CHECKPOINT, weights_only=True)
+    b = torch.load(pieces / train.CHECKPOINT, weights_only=True)
+    assert tensors_equal(a["model"], b["model"]) and tensors_equal(a["rng"], b["rng"])
+    state["rng"]["cuda"] = torch.zeros(16, dtype=torch.uint8)  # an older GPU run's checkpoint
+    torch.save(state, pieces / train.CHECKPOINT)
+    with pytest.raises(SystemExit, match="'device': \\('cuda', 'cpu'\\)"):
+        train.main(resume)
+
+
+def test_a_random_state_is_restored_only_on_its_own_device_type():
+    """A checkpoint's random state holds the generator of the device type that trained: restoring
+    it on another type is refused instead of leaving that type's generator as it was."""
+    from experiments.runs import rng_state, set_rng_state
+
+    state = rng_state(torch.device("cpu"))
+    with pytest.raises(ValueError, match="taken on a cpu device and cannot be restored on cuda"):
+        set_rng_state(torch.device("cuda"), state)
+    with pytest.raises(ValueError, match="taken on a cuda device and cannot be restored on cpu"):
+        set_rng_state(torch.device("cpu"), {**state, "cuda": torch.zeros(16, dtype=torch.uint8)})
+    drawn = torch.rand(4)
+    set_rng_state(torch.device("cpu"), state)
+    assert torch.equal(torch.rand(4), drawn)
 
 
 def test_resume_refuses_other_settings_and_finished_runs_say_so(tmp_path, capsys):
@@ -469,6 +518,77 @@ def test_recipe_all_resume_starts_the_missing_runs_with_the_saved_runs_settings(
         train.plan(train.Session(args, p, corpus))
 
 
+def test_a_comparison_trained_in_several_processes_says_what_it_is_not(
+    tmp_path, corpus, monkeypatch
+):
+    """Every process of a torchrun run draws the same random numbers, and a per-tensor scale spans
+    one process's share of the batch: gpt.md from such a run names the launcher and the process
+    count, and says which recipes were not their one-process simulation and why (it read as
+    "Written by python -m experiments.gpt.train --recipe all", the single-process table)."""
+    history = [{"step": 0, "validation_loss": "4.0", "tokens": 0, "train_seconds": "0"}]
+    history += [{"step": 6, "validation_loss": "3.0", "tokens": 96, "train_seconds": "1"}]
+    runs = {name: history for name in recipes.RECIPES}
+    p = train.parser()
+    args = p.parse_args(["--recipe", "all", *TINY, "--device", "cpu"])
+    texts = {}
+    for world_size in (1, 2):
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        session = train.Session(args, p, corpus)
+        values = {
+            **train.DEFAULTS,
+            **{k: v for k, v in session.requested.items() if k in train.DEFAULTS},
+        }
+        settings = train.Settings(
+            recipe="fp32", world_size=world_size, corpus="x", threads=1, **values
+        )
+        out = tmp_path / str(world_size)
+        train.write_comparison(session, runs, out, settings)
+        texts[world_size] = (out / train.TABLE).read_text()
+    assert "Written by `python -m experiments.gpt.train --recipe all --steps 6" in texts[1]
+    assert "processes" not in texts[1].replace("1 process,", "")
+    two = texts[2]
+    assert "Written by `torchrun (2 processes) -m experiments.gpt.train --recipe all" in two
+    differing = [n for n, r in recipes.RECIPES.items() if r.multi_process]
+    assert set(differing) == {"fp8-current", "mxfp4", "nvfp4", "fp8-hopper", "fp8-hopper-promoted"}
+    assert f"{', '.join(differing)} are not the recipes' one-process simulation" in two
+    for name in differing:
+        assert f"- `{name}`: {recipes.RECIPES[name].multi_process}" in two
+
+
+@pytest.mark.parametrize("name", ["fp32", "mxfp8"])
+def test_validation_loss_is_the_exact_mean_whatever_the_chunks(name, tmp_path, corpus):
+    """The validation loss of recipes without a per-tensor scale does not depend on --batch-size
+    (the chunks evaluation runs in), as experiments/README.md says: it is the mean of every
+    position's float32 cross-entropy (torch's, window by window), summed exactly (Fraction) and
+    rounded once, then divided by the count. A float32 sum per chunk made it differ by a few
+    units in the 7th digit between batch sizes."""
+    from fractions import Fraction
+
+    recipe = recipes.RECIPES[name]
+    p = train.parser()
+    values = []
+    for batch in (1, 3, 8, 16):
+        argv = ["--recipe", name, *TINY, "--batch-size", str(batch), "--val-windows", "16"]
+        session = train.Session(p.parse_args(argv), p, corpus)
+        run = train.Run(session, recipe, tmp_path / "none", resume=False)
+        torch.manual_seed(0)
+        model, _, _ = recipe.build(
+            tiny_model(corpus), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.99), seed=0
+        )
+        context, _ = train.functions_context(model, recipe)
+        windows = corpus.validation_windows(16, 16)
+        values.append(train.evaluate(run, model, context, windows))
+    model.eval()
+    exact = Fraction(0)
+    with torch.no_grad():
+        for x, y in zip(*windows):
+            with context():
+                logits = model(x[None])
+            losses = F.cross_entropy(logits[0], y, reduction="none")
+            exact += sum(Fraction(float(v)) for v in losses)
+    assert values == [float(exact) / (16 * 16)] * 4
+
+
 def test_recipe_listing_names_every_recipe(capsys):
     train.main(["--list-recipes"])
     listing = capsys.readouterr().out
@@ -484,6 +604,43 @@ def test_two_gloo_processes_keep_identical_weights(tmp_path):
     digests = state["rank_digests"]
     assert len(digests) == 2 and digests[0] == digests[1]
     assert [int(r["step"]) for r in state["history"]] == [0, 3, 6]
+
+
+def test_each_process_backpropagates_the_errors_of_one_process_on_the_whole_batch():
+    """Under torchrun each process differentiates its share of the batch: the errors flowing
+    back through its model must be those one process training on the whole batch computes for
+    those rows, bit for bit (the recipes round them), for any number of processes. With the
+    mean over its own share they were world_size times larger: rounded otherwise by every error
+    format where world_size is not a power of two (3 here)."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 5, 7)
+    targets = torch.randint(0, 7, (6, 5))
+    whole = logits.clone().requires_grad_()
+    F.cross_entropy(whole.flatten(0, 1), targets.flatten()).backward()
+    for rank in range(3):
+        rows = slice(2 * rank, 2 * rank + 2)
+        share = logits[rows].clone().requires_grad_()
+        loss, mean = train.step_loss(share, targets[rows], 3)
+        loss.backward()
+        assert torch.equal(share.grad, whole.grad[rows])
+        expected = F.cross_entropy(logits[rows].flatten(0, 1), targets[rows].flatten())
+        assert torch.equal(mean, expected)
+
+
+def test_two_processes_take_the_gradient_of_the_whole_batch(tmp_path):
+    """DistributedDataParallel sums the processes' gradients, each of its share's loss over the
+    whole batch: the first step's gradient (AdamW's first moment, 0.1 g, unclipped) is one
+    process's on the whole batch, up to the order of float32 sums."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = ["--recipe", "fp32", *TINY, "--device", "cpu", "--stop-after", "1"]
+    train.main([*args, "--out-dir", str(one)])
+    run_two_gloo_processes("experiments.gpt.train", [*args, "--out-dir", str(two)])
+    a = torch.load(one / train.CHECKPOINT, weights_only=True)["optimizer"]["state"]
+    b = torch.load(two / train.CHECKPOINT, weights_only=True)["optimizer"]["state"]
+    norm = math.sqrt(sum(float(s["exp_avg"].square().sum()) for s in a.values())) / 0.1
+    assert norm < 1  # unclipped
+    for key in a:
+        torch.testing.assert_close(b[key]["exp_avg"], a[key]["exp_avg"], rtol=1e-4, atol=1e-9)
 
 
 def test_two_processes_resumed_between_evaluations_log_the_ranks_mean_training_loss(tmp_path):
@@ -508,6 +665,18 @@ def test_settings_round_trip_through_the_checkpoint():
     settings = train.Settings(recipe="fp32", world_size=1, corpus="x", **train.DEFAULTS)
     assert train.Settings(**dataclasses.asdict(settings)) == settings
     assert settings.warmup == 250 and train.command_line(settings) == "--recipe all"
+
+
+def test_the_tables_command_line_gives_the_runs_learning_rate():
+    """gpt.md names the command that trains its runs: a learning rate of more than six
+    significant digits is written in full (it was written with :g, 0.00123457 for 0.0012345678,
+    another run), and the command line parsed back gives the same settings."""
+    values = {**train.DEFAULTS, "lr": 0.0012345678, "steps": 7}
+    settings = train.Settings(recipe="fp32", world_size=1, corpus="x", **values)
+    words = train.command_line(settings).split()
+    assert words[words.index("--lr") + 1] == "0.0012345678"
+    args = train.parser().parse_args(words)
+    assert {k: getattr(args, k) for k in ("lr", "steps")} == {"lr": 0.0012345678, "steps": 7}
 
 
 def test_recipes_named_after_publications_state_their_deviations():

@@ -45,6 +45,7 @@ from experiments.runs import (
     positive_float,
     positive_int,
     rank_digests,
+    rng_device_type,
     rng_state,
     seed_int,
     set_rng_state,
@@ -79,6 +80,9 @@ COLUMNS = (
 # freshly seeded, and a GPU run resumed on the CPU from the CPU generator's state, neither run's
 # stream. A checkpoint without it trained where its random state says (a CUDA generator state:
 # cuda).
+# deterministic: on a GPU, --deterministic picks other kernels (cuDNN's benchmark off, torch's
+# deterministic algorithms), which sum in other orders: a run resumed with it switched would be
+# neither run. It changes nothing on a CPU, where it is recorded as None.
 RUN_KEYS = (
     "recipe",
     "batch_size",
@@ -91,6 +95,7 @@ RUN_KEYS = (
     "data_order",
     "compile",
     "device",
+    "deterministic",
 )
 DATA_ORDER = "order_seed"
 
@@ -222,7 +227,7 @@ class Run:
         if self.saved is not None:
             saved = {
                 "schedule_epochs": self.saved["config"]["epochs"],
-                "device": "cpu" if self.saved["rng"]["cuda"] is None else "cuda",
+                "device": rng_device_type(self.saved["rng"]),
                 **self.saved["config"],
             }
         self.epochs = args.epochs or (saved["epochs"] if saved else self.recipe.epochs)
@@ -298,6 +303,7 @@ class Run:
             "data_order": DATA_ORDER,
             "compile": args.compile,
             "device": self.device.type,
+            "deterministic": args.deterministic if self.device.type == "cuda" else None,
             "threads": self.threads if self.device.type == "cpu" else None,
         }
         if saved:

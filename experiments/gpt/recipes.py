@@ -20,8 +20,9 @@ of scaled formats run along the last axis, the Linear products' reduction axis f
   stochastically (unbiased); its moments stay float32. Every Linear (the head included) takes
   bfloat16 inputs and rounds its output and its error to bfloat16 by round to nearest, as
   torch.autocast(bfloat16) computes them (bfloat16 operands, float32 accumulation, a bfloat16
-  result); embeddings, LayerNorm, GELU, residual additions, attention, softmax and the loss stay
-  float32.
+  result); the results of its backward products, the gradients of its input and of its weight
+  and bias, stay float32, where torch.autocast(bfloat16) rounds them to bfloat16 too.
+  Embeddings, LayerNorm, GELU, residual additions, attention, softmax and the loss stay float32.
 - ``fp8-current``: every Linear but the head (the head and the embeddings stay float32, the usual
   practice of FP8 recipes; the first Linear, block 0's qkv, is quantised, unlike lpsim.recipes'
   keep_edges): E4M3 inputs and weights with one float32 scale per tensor from the tensor's own
@@ -194,6 +195,16 @@ class GPTRecipe:
             FP4 recipes' HADAMARD), whose groups the tokens of a step on one process must fill:
             their count, batch x context, a multiple of its size; None: none.
         deviations: where it departs from the published recipe it is named after, and why.
+        multi_process: what a run in several processes (torchrun) computes otherwise than the
+            recipe's one process, beyond the order of float32 sums (DistributedDataParallel adds
+            the processes' weight gradients, each summed over its share of the batch); empty
+            where nothing else differs. Every process draws the same random numbers (its
+            stochastic rounding must round the weights as the others do), so the processes'
+            shares of the batch get the same stochastic-rounding draws, where one process draws
+            anew for every row; and a scale computed over a tensor of the batch (a per-tensor
+            current scale, NVFP4's tensor scale) spans one process's share. Delayed scaling
+            all-reduces its amaxes, and the weights' rounding and the block formats' per-row
+            blocks are the same in every process.
     """
 
     name: str
@@ -205,6 +216,7 @@ class GPTRecipe:
     cpu_only: bool = False
     token_transform: lpsim.RandomHadamard | None = None
     deviations: tuple[str, ...] = ()
+    multi_process: str = ""
 
     def build(
         self,
@@ -324,7 +336,11 @@ NVFP4_LINEAR = LayerQuantization(
 
 
 def _fp4(
-    name: str, linear: LayerQuantization, summary: str, deviations: tuple[str, ...]
+    name: str,
+    linear: LayerQuantization,
+    summary: str,
+    deviations: tuple[str, ...],
+    multi_process: str,
 ) -> GPTRecipe:
     """An FP4 recipe: ``linear`` on every Linear but the head; attention's operands in its input
     format and errors in its input-gradient product's error format."""
@@ -335,6 +351,7 @@ def _fp4(
         functions=attention_functions(linear.input, linear.input_grad_operands.error),
         token_transform=linear.weight_grad_operands.transform,
         deviations=deviations,
+        multi_process=multi_process,
     )
 
 
@@ -346,6 +363,12 @@ def scaled_operands_mac(name: str) -> MAC:
     return replace(mac, tensor_core=replace(mac.tensor_core, operands=None))
 
 
+_CURRENT_SCALES_PER_PROCESS = (
+    "each process's share of the batch has its own per-tensor scale for every Linear input and "
+    "error and every attention operand and error"
+)
+
+
 def _hopper(name: str, mac_name: str, summary: str, deviations: tuple[str, ...] = ()) -> GPTRecipe:
     mac = scaled_operands_mac(mac_name)
     return GPTRecipe(
@@ -355,6 +378,10 @@ def _hopper(name: str, mac_name: str, summary: str, deviations: tuple[str, ...] 
         functions=attention_functions(_E4M3_TENSOR, _E5M2_TENSOR, mac),
         cpu_only=True,
         deviations=deviations,
+        multi_process=(
+            f"{_CURRENT_SCALES_PER_PROCESS}; each process sums the weight gradients over its "
+            "share's tokens on the tensor core, and the processes' sums are added in float32"
+        ),
     )
 
 
@@ -383,6 +410,7 @@ RECIPES: dict[str, GPTRecipe] = {
             "E4M3 inputs and weights, E5M2 errors, per-tensor current scaling; head float32",
             layers=linear_layers(_FP8_CURRENT),
             functions=_FP8_FUNCTIONS,
+            multi_process=_CURRENT_SCALES_PER_PROCESS,
         ),
         GPTRecipe(
             "fp8-delayed",
@@ -402,6 +430,9 @@ RECIPES: dict[str, GPTRecipe] = {
             "MXFP4: E2M1 per 32 (E8M0 scales); backward operands stochastic, Hadamard on the "
             "weight gradient's; head float32",
             _MXFP4_DEVIATIONS,
+            "the processes' shares of the batch get the same stochastic-rounding draws for "
+            "the backward products' operands, and where a share's tokens are not a multiple of "
+            "32 the weight gradient's blocks along them end with the share",
         ),
         _fp4(
             "nvfp4",
@@ -409,6 +440,9 @@ RECIPES: dict[str, GPTRecipe] = {
             "NVFP4: E2M1, E4M3 scale per 16 and a tensor scale, 16x16 weight tiles; errors "
             "stochastic, Hadamard on the weight gradient's operands; head float32",
             _NVFP4_DEVIATIONS,
+            "each process's share of the batch has its own tensor scale for every Linear input "
+            "and error and every attention operand and error, and the shares get the same "
+            "stochastic-rounding draws for the errors",
         ),
         _hopper(
             "fp8-hopper",

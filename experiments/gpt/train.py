@@ -17,7 +17,8 @@ Two configurations (each setting can be overridden):
 
 - the default (for a GPU): 4 layers, width 128, 4 heads, context 128, batch 64, 5000 steps,
   lr 1e-3, evaluated every 250 steps on 256 validation windows;
-- ``--short`` (every recipe on one CPU thread, ``--recipe all`` in about 10 minutes): 2 layers,
+- ``--short`` (every recipe on one CPU thread, ``--recipe all`` in about 4 minutes on an idle
+  2-core machine, twice that on a loaded one): 2 layers,
   width 32, 2 heads, context 64, batch 8, 300 steps, lr 3e-3, evaluated every 50 steps on 64
   validation windows, one thread unless --threads says otherwise.
 
@@ -25,10 +26,13 @@ Every evaluation (and step 0, before training) writes in DIR (default out/gpt/NA
 checkpoint.pt (model with its quantisers' state, optimizer, scheduler, torch's generator states,
 the delayed scalers of the attention quantisers, history, settings), log.csv (one row per
 evaluation) and curves.png. ``--resume`` continues from the checkpoint with the same bits as a run
-never interrupted (on the same device); settings not given are taken from the checkpoint, the
+never interrupted (tested on the CPU; on a GPU not tried, and the trainer asks torch for no
+deterministic kernels, some of which, the fused attention's backward among them, add in an order
+that can change between runs); settings not given are taken from the checkpoint, the
 thread count included (--threads, torch's choice when the run started, or 1 with --short), and
-given ones must equal it. ``--stop-after N`` ends an invocation after N steps (a
-checkpoint is written).
+given ones must equal it, the device type (cpu or cuda) among them: stochastic rounding draws
+from the generator of the device that trains, the only one the checkpoint holds.
+``--stop-after N`` ends an invocation after N steps (a checkpoint is written).
 
 ``--recipe all`` trains every recipe in turn, each in DIR/NAME (default out/gpt/NAME), then writes
 gpt.md (the table: final validation loss, gap to fp32, training tokens per second and simulation
@@ -38,11 +42,15 @@ settings (the checkpoints must agree on them).
 
 Under torchrun each process trains with DistributedDataParallel (NCCL on GPUs, gloo on CPUs) on
 its share of every global batch (--batch-size is the global batch: every process draws the same
-windows and keeps its rows) and evaluates its share of the validation windows; stochastic
+windows and keeps its rows; its loss is its share's summed cross-entropy over the positions of the
+whole batch, and the processes' gradients are summed, so that its errors are one process's; see
+step_loss) and evaluates its share of the validation windows; stochastic
 rounding draws the same seeds on every process, and the weights are checked to be identical on
 all ranks after every evaluation. Delayed scalers all-reduce (MAX) each amax over the processes
 before recording it, as Transformer Engine does, so every rank holds the same histories and
 scales; a resumed multi-process run restarts every rank's scalers from rank 0's, which are theirs.
+Such a run is not every recipe's one-process simulation (GPTRecipe.multi_process says where it
+differs), and the gpt.md it writes says so.
 """
 
 from __future__ import annotations
@@ -74,8 +82,10 @@ from experiments.runs import (
     positive_float,
     positive_int,
     rank_digests,
+    rng_device_type,
     rng_state,
     set_rng_state,
+    sum_gradients,
     write_atomically,
 )
 
@@ -139,7 +149,7 @@ def parser() -> argparse.ArgumentParser:
         "--short",
         action="store_true",
         help="the short configuration (2 layers, width 32, context 64, batch 8, 300 steps, "
-        "lr 3e-3, one thread): every recipe within about 10 minutes on one CPU thread",
+        "lr 3e-3, one thread): every recipe in about 4 minutes on one idle CPU thread",
     )
     p.add_argument("--steps", type=positive_int, help="training steps (default 5000)")
     p.add_argument(
@@ -210,6 +220,10 @@ class Settings:
     world_size: int
     corpus: str  # Corpus.fingerprint
     threads: int | None = None  # torch's CPU threads (None: not recorded, an older checkpoint)
+    # The type of device that trains, "cpu" or "cuda": stochastic rounding draws from its
+    # generator, and a checkpoint holds that device type's generator state only (None: not
+    # recorded, an older checkpoint, whose random state says it).
+    device: str | None = None
 
     @property
     def warmup(self) -> int:
@@ -286,9 +300,12 @@ class Run:
             "recipe": recipe.name,
             "world_size": session.world_size,
             "corpus": session.corpus.fingerprint,
+            "device": session.device.type,
         }
         if self.saved is not None:
-            saved = self.saved["settings"]
+            # A checkpoint written before the device type was recorded trained where its random
+            # state says.
+            saved = {"device": rng_device_type(self.saved["rng"]), **self.saved["settings"]}
             # (A checkpoint older than a setting holds no value for it.)
             different = {
                 k: (saved[k], v) for k, v in wanted.items() if k in saved and saved[k] != v
@@ -372,8 +389,30 @@ def functions_state(mode) -> dict | None:
     return None if mode is None else mode.state_dict()
 
 
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Every position's cross-entropy (float32, flattened)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none")
+
+
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
+def step_loss(
+    logits: torch.Tensor, targets: torch.Tensor, world_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, mean) of one process's share of a step's batch: ``loss``, to differentiate, is the
+    share's summed cross-entropy over the positions of the whole global batch (world_size times
+    the share's), so that the errors flowing back through the model are those of one process
+    training on the whole batch, bit for bit, for every world size; DistributedDataParallel then
+    sums the processes' gradients (sum_gradients) instead of averaging them. (The mean of each
+    share, differentiated and averaged, gives the same gradients, but errors world_size times
+    larger, which every recipe's error formats round otherwise where world_size is not a power
+    of two.) ``mean``, the share's mean cross-entropy, is what the log averages."""
+    total = cross_entropy_sum(logits, targets)
+    loss = total / (targets.numel() * world_size)
+    mean = loss.detach() if world_size == 1 else total.detach() / targets.numel()
+    return loss, mean
 
 
 @torch.no_grad()
@@ -382,13 +421,18 @@ def evaluate(run: Run, model: nn.Module, context, windows) -> float:
     strided share, evaluated in chunks of run.local_batch windows (a per-tensor current scale is
     taken over a chunk, so such recipes' losses depend on the batch and the process count); in
     eval mode (stochastic rules replaced by nearest) and inside a fork of torch's generators, so
-    evaluating never shifts the training stream."""
+    evaluating never shifts the training stream. The mean is the exact sum of every position's
+    float32 loss (math.fsum, over the windows of every rank in order) divided by their count,
+    so that neither the chunks nor the processes change how the losses are added."""
     session = run.session
     inputs, targets = windows
+    count, length = targets.shape
     inputs = inputs[session.rank :: session.world_size].to(session.device)
     targets = targets[session.rank :: session.world_size].to(session.device)
     devices = [session.device] if session.device.type == "cuda" else []
-    total = torch.zeros((), dtype=torch.float64, device=session.device)
+    # This rank's per-position losses, padded to the share of the rank with the most windows.
+    share = -(-count // session.world_size)
+    losses = torch.zeros(share, length, dtype=torch.float32, device=session.device)
     with torch.random.fork_rng(devices=devices):
         model.eval()
         try:
@@ -396,11 +440,18 @@ def evaluate(run: Run, model: nn.Module, context, windows) -> float:
                 x = inputs[start : start + run.local_batch]
                 with context():
                     logits = model(x)
-                total += cross_entropy_sum(logits, targets[start : start + run.local_batch])
+                y = targets[start : start + run.local_batch]
+                losses[start : start + len(x)] = cross_entropy(logits, y).view(y.shape)
         finally:
             model.train()
-    loss_sum, count = all_reduce_sum([total, targets.numel()], session.device, session.distributed)
-    return loss_sum / count
+    if session.distributed:
+        gathered = [torch.empty_like(losses) for _ in range(session.world_size)]
+        dist.all_gather(gathered, losses)
+        # Window w was rank w % world_size's (w // world_size)-th.
+        losses = torch.stack(
+            [gathered[w % session.world_size][w // session.world_size] for w in range(count)]
+        )
+    return math.fsum(losses[:count].double().flatten().tolist()) / (count * length)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -447,6 +498,7 @@ def train(run: Run) -> list[dict]:
     if session.distributed:
         ids = [device.index] if device.type == "cuda" else None
         net = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        net.register_comm_hook(None, sum_gradients)  # see step_loss
 
     context, mode = functions_context(model, recipe)
     windows = corpus.validation_windows(s.val_windows, s.context)
@@ -520,7 +572,7 @@ def train(run: Run) -> list[dict]:
         f"{recipe.name}: {recipe.summary}\n  {s.layers} layers, width {s.width}, {s.heads} heads, "
         f"context {s.context}; {s.steps} steps of batch {s.batch_size} ({session.world_size} "
         f"process{'es' if session.distributed else ''} on {device}, {torch.get_num_threads()} "
-        f"thread{'s' if torch.get_num_threads() > 1 else ''}), lr {s.lr:g}, seed {s.seed}; "
+        f"thread{'s' if torch.get_num_threads() > 1 else ''}), lr {s.lr}, seed {s.seed}; "
         f"{'resuming after step ' + str(start) if start else 'from scratch'}"
     )
     if start == 0 and not history:
@@ -547,13 +599,13 @@ def train(run: Run) -> list[dict]:
         began = time.perf_counter()
         with context():
             logits = net(inputs)
-        loss = cross_entropy_sum(logits, targets) / targets.numel()
+        loss, mean = step_loss(logits, targets, session.world_size)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), GRADIENT_CLIP)
         optimizer.step()
         scheduler.step()
-        interval.loss_sum += loss.detach().double()
+        interval.loss_sum += mean.double()
         _synchronize(device)
         interval.seconds += time.perf_counter() - began
         interval.steps += 1
@@ -575,8 +627,30 @@ def command_line(settings: Settings) -> str:
     for key in SETTINGS:
         value = getattr(settings, key)
         if value is not None and value != base.get(key):
-            words += [f"--{key.replace('_', '-')}", f"{value:g}" if key == "lr" else str(value)]
+            words += [f"--{key.replace('_', '-')}", str(value)]  # a float's shortest round trip
     return " ".join(words)
+
+
+def multi_process_lines(world_size: int, names: list[str]) -> list[str]:
+    """The paragraph gpt.md gives a comparison trained in several processes (none for one): such
+    a run is not the one-process simulation of the recipes (``names``) whose multi_process says
+    what differs."""
+    if world_size == 1:
+        return []
+    differing = [name for name in names if RECIPES[name].multi_process]
+    lines = [
+        f"Trained in {world_size} processes (DistributedDataParallel, each on its share of every "
+        "batch), which adds the processes' weight gradients in float32 in another order than one "
+        "process sums them"
+        + (
+            f"; and {', '.join(differing)} are not the recipes' one-process simulation:"
+            if differing
+            else "; no recipe computes anything else."
+        ),
+        "",
+    ]
+    lines += [f"- `{name}`: {RECIPES[name].multi_process}" for name in differing]
+    return lines + ([""] if differing else [])
 
 
 def write_comparison(session: Session, runs: dict, out_dir: pathlib.Path, settings) -> None:
@@ -585,15 +659,17 @@ def write_comparison(session: Session, runs: dict, out_dir: pathlib.Path, settin
     s = settings
     characters = s.steps * s.batch_size * s.context
     threads = torch.get_num_threads() if s.threads is None else s.threads
+    launcher = "python" if s.world_size == 1 else f"torchrun ({s.world_size} processes)"
     lines = [
         "# Character-level GPT under low-precision recipes",
         "",
-        f"Written by `python -m experiments.gpt.train {command_line(s)}` "
+        f"Written by `{launcher} -m experiments.gpt.train {command_line(s)}` "
         "(experiments/README.md describes the recipes and the configurations).",
         "",
+        *multi_process_lines(s.world_size, [n for n, h in runs.items() if h is not None]),
         f"Model: {s.layers} layers, width {s.width}, {s.heads} heads, context {s.context}. "
         f"Training: {s.steps} steps of {s.batch_size} windows ({characters:,} characters), "
-        f"AdamW at peak rate {s.lr:g}, seed {s.seed}. Validation: {s.val_windows} "
+        f"AdamW at peak rate {s.lr}, seed {s.seed}. Validation: {s.val_windows} "
         f"windows of the last 10% of the corpus (Python {platform.python_version()}'s "
         f"pydoc topics, fingerprint {s.corpus}), mean cross-entropy in nats per character.",
         "",
@@ -716,20 +792,24 @@ def main(argv: list[str] | None = None):
         p.error("--recipe is required (see --list-recipes)")
     if args.recipe != ALL and args.recipe not in RECIPES:
         p.error(f"unknown recipe {args.recipe!r}; choose from {', '.join(RECIPES)}, or {ALL}")
-    threads = args.threads or (SHORT_THREADS if args.short else None)
-    if threads is not None:
-        torch.set_num_threads(threads)
-    session = Session(args, p, load_corpus())
-    runs = plan(session)
-    if session.distributed:
-        if session.device.type == "cuda":
-            torch.cuda.set_device(session.device)
-        dist.init_process_group("nccl" if session.device.type == "cuda" else "gloo")
+    caller_threads = torch.get_num_threads()
     try:
-        histories = run_all(session, runs)
-    finally:
+        threads = args.threads or (SHORT_THREADS if args.short else None)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        session = Session(args, p, load_corpus())
+        runs = plan(session)
         if session.distributed:
-            dist.destroy_process_group()
+            if session.device.type == "cuda":
+                torch.cuda.set_device(session.device)
+            dist.init_process_group("nccl" if session.device.type == "cuda" else "gloo")
+        try:
+            histories = run_all(session, runs)
+        finally:
+            if session.distributed:
+                dist.destroy_process_group()
+    finally:
+        torch.set_num_threads(caller_threads)  # a caller in the same process keeps its setting
     return histories if args.recipe == ALL else histories[args.recipe]
 
 
