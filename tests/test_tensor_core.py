@@ -324,12 +324,19 @@ def test_kernel_equals_the_reference_for_random_tensor_cores(
     k, group, fraction_bits, floor, normalise, order, dtype, seed
 ):
     core = TensorCore(group, fraction_bits, floor, normalise)
-    chunked = (
-        dict(order="chunked", chunk=group * 3, chunk_accumulator=Float(8, 13))
+    chunked = (  # the promotion rounds stochastically; a sequential chain takes no other rule
+        dict(
+            order="chunked", chunk=group * 3, chunk_accumulator=Float(8, 13), rounding="stochastic"
+        )
         if order == "chunked"
         else {}
     )
-    mac = MAC(accumulator=Float(5, 10), rounding="stochastic", rbits=9, tensor_core=core, **chunked)
+    mac = MAC(
+        accumulator=Float(5, 10),
+        rbits=9 if chunked or core.normalise.is_stochastic else None,
+        tensor_core=core,
+        **chunked,
+    )
     a, b = kernel_operands(dtype, 2, k, 2, seed % 1000, None)
     got = lpsim.mac.matmul(a, b, mac, seed=seed)
     assert_same_bits(got.double(), ref.mac_matmul(a, b, mac, seed=seed), repr(mac))
@@ -411,6 +418,29 @@ CORE = TensorCore(4, 23)
 def test_macs_a_tensor_core_cannot_run_raise_errors(kwargs, words):
     with pytest.raises(ValueError, match=words):
         MAC(tensor_core=CORE, **kwargs)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "toward_zero", "up"])
+def test_a_sequential_tensor_core_refuses_a_rounding_that_no_sum_would_take(rounding):
+    """A sequential tensor core rounds each group by its normalise and nothing else: a MAC rounding
+    there would change no bit (stochastic rounding asked for, deterministic truncation given), so
+    it is refused, naming the field; in a chunked one it is the promotion's rule."""
+    core = PRESETS["H100/bf16"].tensor_core
+    with pytest.raises(ValueError, match=f"rounding.*{rounding}.*normalise"):
+        MAC(accumulator=FLOAT32, rounding=rounding, tensor_core=core)
+    chunked = MAC(
+        accumulator=Float(8, 3),
+        rounding=rounding,
+        order="chunked",
+        chunk=16,
+        chunk_accumulator=FLOAT32,
+        tensor_core=core,
+    )
+    a = torch.ones(1, 32)
+    b = torch.zeros(32, 1)
+    b[0, 0], b[16, 0] = 1.0, 2.0**-4  # chunks of 1 and 2^-4: 1.0625, between 1 and 1.125
+    got = lpsim.mac.matmul(a, b, chunked, seed=0).item()
+    assert got == {"toward_zero": 1.0, "up": 1.125}.get(rounding, got) and got in (1.0, 1.125)
 
 
 def test_stochastic_normalisation_takes_rbits_and_unknown_presets_are_listed():
