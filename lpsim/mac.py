@@ -53,7 +53,8 @@ bfloat16 or float16 operands):
   taken ``group`` at a time (exact, ``product`` None), each group and the running value c (+0 at
   the start) aligned to their largest exponent, truncated, added exactly and normalised once into
   the accumulator by the tensor core's own rule; the result is c for the next group. With
-  ``order="sequential"`` the whole sum is one such chain in ``accumulator``; with
+  ``order="sequential"`` the whole sum is one such chain in ``accumulator``, which rounds by the
+  tensor core's rule alone (``rounding`` stays "nearest": another would round nothing); with
   ``order="chunked"`` each chunk (a multiple of ``group`` terms) is a chain in
   ``chunk_accumulator``, whose result is added into ``accumulator`` by ``rounding``: the
   promotion of a partial sum into float32 every ``chunk`` products. ``TensorCore`` defines the
@@ -194,7 +195,8 @@ class MAC:
             float32 product, in an unspecified order.
         product: the format each product is rounded into before it is added; None: exact products
             (fused multiply-add).
-        rounding: the rule of every rounding ("nearest" by default).
+        rounding: the rule of every rounding ("nearest" by default); with a tensor core, of a
+            chunked one's promotions (a sequential one's groups round by its normalise).
         rbits: random bits of a stochastic rule, in [1, 32]; None: 32.
         order: "sequential", "chunked" or "pairwise".
         chunk: the terms per chunk, in [1, 2^31 - 1]; required by, and only for, "chunked".
@@ -279,6 +281,14 @@ class MAC:
             raise ValueError(
                 'a tensor core chains its groups: order must be "sequential" or "chunked", '
                 'not "pairwise"'
+            )
+        if self.order == "sequential" and self.rounding is not Rounding.nearest:
+            # No sum of a sequential chain takes the MAC's rule: each group rounds by normalise.
+            raise ValueError(
+                "a sequential tensor core rounds every group by its normalise and no other sum "
+                "by rounding, which applies to a chunked one's promotion only: leave rounding "
+                f"at 'nearest' (got {self.rounding.name!r}) and set the groups' rule as "
+                "TensorCore(normalise=...)"
             )
         if self.order == "chunked" and self.chunk % core.group:
             raise ValueError(

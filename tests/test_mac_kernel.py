@@ -475,13 +475,14 @@ def test_tensor_core_loop_equals_the_scalar_loop_for_random_tensor_cores(
 ):
     # fraction_bits above 43 with large groups leave float64's exact sums: the loop declines them.
     core = TensorCore(group, fraction_bits, floor, normalise)
-    chunked = dict(order="chunked", chunk=group * (1 + seed % 3), chunk_accumulator=Float(8, 13))
-    mac = MAC(
-        accumulator=acc,
+    # rounding is the chunks' promotion's rule; a sequential chain takes none but normalise
+    chunked = dict(
+        order="chunked",
+        chunk=group * (1 + seed % 3),
+        chunk_accumulator=Float(8, 13),
         rounding=rounding,
-        tensor_core=core,
-        **(chunked if order == "chunked" else {}),
     )
+    mac = MAC(accumulator=acc, tensor_core=core, **(chunked if order == "chunked" else {}))
     a, b = tensor_core_operands(dtype, 5, k, 4, seed, spread=1.0 + seed % 7)
     got, want = lanes_and_scalar(a, b, mac)
     assert_same_bits(got, want, repr(mac))
