@@ -41,8 +41,12 @@ def draw_seed(like: torch.Tensor | None = None) -> torch.Tensor:
 
 
 def under_torch_func() -> bool:
-    """Whether a torch.func transform (grad, vmap, jvp, jacfwd, hessian, ...) is active."""
-    return torch._C._functorch.maybe_current_level() is not None
+    """Whether a torch.func transform (grad, vmap, jvp, jacfwd, hessian, ...) is active: whether
+    functorch's interpreter stack holds one. Asked with isinstance, which dynamo answers while it
+    traces, in a transform or not (it breaks the graph at maybe_current_level(), and it answers
+    ``peek_interpreter_stack() is not None`` with True outside any transform)."""
+    functorch = torch._C._functorch
+    return isinstance(functorch.peek_interpreter_stack(), functorch.CInterpreter)
 
 
 def functorch_transforms() -> list:

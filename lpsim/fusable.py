@@ -11,8 +11,9 @@ costs no extra pass over memory; the custom op is opaque to Inductor and always 
 ``compiled_quantize`` is what ``lpsim.quantize`` calls while torch.compile traces it: the fusable
 form with the straight-through gradient for Float, Fixed and P3109 formats under deterministic
 rules, and None otherwise (stochastic rules, BlockFloat and Scaled formats keep the custom op: the
-Philox stream, the per-block maximum and the scales have no fusable form here). Eager calls keep
-the C++ kernel.
+Philox stream, the per-block maximum and the scales have no fusable form here; so do calls under
+torch.func's transforms, whose vmap dynamo cannot apply to an autograd.Function). Eager calls
+keep the C++ kernel.
 
 Integer work types: int32 for float32, int64 for float64, and int32 for bfloat16 and float16 (their
 int16 views are sign-extended first, so every intermediate value fits and the result converts
@@ -27,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from lpsim._checks import check_container, random_args
+from lpsim._checks import check_container, random_args, under_torch_func
 from lpsim.formats import CONTAINERS, GRID_FORMATS, GridSpec, first_equal
 from lpsim.rounding import Rounding
 
@@ -359,6 +360,10 @@ def _fusable_format(x, fmt, rounding, rbits, seed, offset) -> tuple[object, Roun
     the arguments as quantize() does, so both paths raise the same errors."""
     rule = Rounding.parse(rounding)
     if not isinstance(fmt, GRID_FORMATS) or rule.is_stochastic:
+        return None
+    if under_torch_func():
+        # torch.func's transforms (vmap of grad) traced by dynamo: dynamo's form of the
+        # straight-through Function has no vmap rule and failed there; the custom op has one.
         return None
     check_container(x)
     fmt.grid_arguments(x.dtype)  # raises ValueError when the format does not fit x's dtype

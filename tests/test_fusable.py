@@ -338,6 +338,30 @@ def test_compiled_quantize_gradient_is_straight_through():
     _assert_identical(x.grad, grad, x, "gradient")
 
 
+def test_compiled_per_sample_gradients_through_a_deterministic_quantize_are_straight_through():
+    """torch.compile(vmap(grad(loss))) with a Fixed format under a deterministic rule: the
+    per-sample gradient of sum(q(x * w)**2) is 2 q(x * w) x (straight-through), as in eager mode.
+    It raised: the fusable form's autograd.Function, which dynamo cannot vmap (now the custom
+    op rounds there, as under torch.func in eager mode), and under fullgraph=True the check for
+    an active transform broke the graph. The oracle
+    rounds by hand: Fixed(6, 3) toward -inf is floor(v * 8) / 8, clamped to [-4, 31 / 8]."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(8, generator=gen)
+    xs = torch.randn(5, 8, generator=gen) * 4
+    fmt = Fixed(6, 3)
+
+    def loss(w, x):
+        return (lpsim.quantize(x * w, fmt, "down") ** 2).sum()
+
+    def per_sample(w, xs):
+        return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(w, xs)
+
+    got = torch.compile(per_sample, backend="aot_eager", fullgraph=True)(w, xs)
+    q = ((xs * w) * 8).floor().div(8).clamp(-4, 31 / 8)
+    assert_same_bits(got, (2 * q) * xs)
+
+
 def test_compiled_quantize_in_place_writes_x_and_bumps_its_version():
     x = torch.randn(100)
     want = lpsim.quantize(x, Float(4, 3), "odd")

@@ -478,6 +478,36 @@ def test_lr_schedulers_zero_grad_add_param_group_and_closures_work():
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("where", ["weight_quant", "group"])
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_compiled_step_rounds_by_settings_changed_between_steps(where, fused):
+    """torch.compile(opt.step): settings assigned between steps apply from the next step, as in
+    eager mode. The unfused compiled step kept the settings of its first steps (dynamo dropped
+    the attribute assignments of the traced reconfiguration), rounding by the old format. The
+    oracle is torch's SGD step with the weight rounded by hand: Fixed(8, 4) nearest is
+    round(w * 16) / 16, Fixed(8, 6) down is floor(w * 64) / 64 (inside both ranges here)."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(3)
+    w0 = (torch.rand(4, 5, generator=gen) - 0.5).mul(16).round().div(16)
+    grads = [torch.randn(4, 5, generator=gen) for _ in range(3)]
+    weight = nn.Parameter(w0.clone())
+    opt = OptimLP(torch.optim.SGD([weight], lr=0.01), weight=(Fixed(8, 4), "nearest"), fused=fused)
+    step = torch.compile(opt.step, backend="eager")
+    want = w0.clone()
+    for i, grad in enumerate(grads):
+        if i == 1:  # after a compiled step: a finer format, rounding down
+            fine = (Fixed(8, 6), "down")
+            if where == "weight_quant":
+                opt.weight_quant = fine
+            else:
+                opt.param_groups[0]["quantization"] = ParameterQuantization(weight=fine)
+        weight.grad = grad.clone()
+        step()
+        updated = want - 0.01 * grad
+        want = (updated * 16).round() / 16 if i == 0 else (updated * 64).floor() / 64
+        assert_same_bits(weight.detach(), want)
+
+
 def test_optim_lp_accepts_functions_like_qtorch():
     model, data, target = _problem()
     calls = []

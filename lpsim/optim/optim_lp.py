@@ -613,9 +613,16 @@ class OptimLP(Optimizer):
         if len(keys) != len(configured) or any(a is not b for a, b in zip(keys, configured)):
             self._configure()
 
+    @torch.compiler.disable
     def _configure(self) -> None:
         """Work out every parameter's settings, check that their formats fit, and create the
-        missing accumulators."""
+        missing accumulators.
+
+        Run outside any graph torch.compile traces (a break in it): in a traced frame that holds
+        a grad-mode context (the torch.no_grad() below), dynamo drops the frame's attribute
+        assignments on an optimizer, so a compiled step (``torch.compile(opt.step)``) kept the
+        settings worked out before a change of default_quantization or of a group's
+        "quantization", silently rounding by the old ones."""
         settings = {}
         groups = {}  # each parameter's group
         for g, group in enumerate(self.param_groups):
