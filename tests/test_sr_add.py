@@ -526,6 +526,10 @@ def test_stochastic_adder_methods_take_stochastorchs_parameter_names():
             getattr(adder, name)(a, "0.5")
         with pytest.raises(ValueError, match=re.escape("x of shape (256,) and y of shape (3,)")):
             getattr(adder, name)(a, torch.ones(3))
+        with pytest.raises(ValueError, match=re.escape("y must be on x's device (cpu)")):
+            getattr(adder, name)(a, torch.ones(256, device="meta"))
+        with pytest.raises(ValueError, match=re.escape("y must be within the float64 range")):
+            getattr(adder, name)(a, 2**1100)
         assert adder.calls == 0
 
 

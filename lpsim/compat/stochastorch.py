@@ -129,9 +129,16 @@ class StochasticAdder:
                     f"x of shape {tuple(a.shape)} and y of shape {tuple(b.shape)} cannot be "
                     "broadcast together"
                 ) from None
+            if b.device != a.device:
+                raise ValueError(f"y must be on x's device ({a.device}), got {b.device}")
             a, b = a.expand(shape), b.expand(shape)
         elif not isinstance(b, (int, float)) or isinstance(b, bool):
             raise TypeError(f"y must be a torch.Tensor or a number, got {type(b).__name__}")
+        elif abs(b) >= 2**1024:  # an int that has no float64 value
+            raise ValueError(
+                f"y must be within the float64 range (magnitude below 2**1024), got an int of "
+                f"{abs(b).bit_length()} bits"
+            )
         if a.dtype != self.dtype and isinstance(b, torch.Tensor) and b.dtype == self.dtype:
             a, b = b, a  # addition commutes; the container is the operand of the adder's dtype
         if a.dtype != self.dtype:
