@@ -101,7 +101,8 @@ def quantize_many_(
             refused (round those in separate calls).
         fmt: a Float, Fixed, P3109, BlockFloat or Scaled format. Float, Fixed and P3109 formats
             round every tensor in one compiled call; BlockFloat and Scaled formats are a loop of
-            ``quantize_`` over the tensors, with the same seed and offsets.
+            ``quantize_`` over the tensors, with the same seed and offsets, and so is a list
+            that holds a view with torch's negative bit (``z.conj().imag``).
         rounding: a rule name or lpsim.Rounding (see lpsim.rounding); default "nearest".
         rbits: random bits per decision, 1 to 32, for the stochastic rules only (default 32).
         seed: 0 <= seed < 2**64, for the stochastic rules. None: one seed drawn from torch's
@@ -133,9 +134,12 @@ def quantize_many_(
             f"offset + len(tensors) - 1 must be < 2**64: tensor i uses the stream offset + i; "
             f"got offset {offset} for {len(checked)} tensors"
         )
-    if isinstance(fmt, (BlockFloat, Scaled)):
+    if isinstance(fmt, (BlockFloat, Scaled)) or any(t.is_neg() for t in checked):
         # One loop of quantize_'s op under one seed: the one given, or one drawn here for all. The
-        # tensors must not overlap there either (the op's check, on real tensors).
+        # tensors must not overlap there either (the op's check, on real tensors). A list holding
+        # a view with torch's negative bit (z.conj().imag) takes this loop for every format:
+        # torch's fallback for such views, which writes the results through the view, takes one
+        # tensor, not a list, so the one compiled call of the grid formats raised.
         if not torch.compiler.is_compiling():
             call("_check_disjoint", checked)
         # The call's one seed: the one given; else the one random_args drew while torch.compile

@@ -390,9 +390,18 @@ def test_property_every_format_family_and_rbits_equals_one_by_one(
 
 
 @pytest.mark.parametrize(
-    "fmt", [BlockFloat(4), BlockFloat(4, 0), lpsim.scaled.preset("mxfp4_e2m1")], ids=repr
+    "fmt",
+    [
+        BlockFloat(4),
+        BlockFloat(4, 0),
+        lpsim.scaled.preset("mxfp4_e2m1"),
+        Float(5, 2),
+        Fixed(6, 3, symmetric=True),
+        lpsim.P3109(8, 3),
+    ],
+    ids=repr,
 )
-def test_block_formats_round_a_negative_view_in_place_as_quantize_does(fmt):
+def test_every_format_rounds_a_negative_view_in_place_as_quantize_does(fmt):
     # z.conj().imag views z's imaginary parts with torch's negative bit: after quantize_many_ it
     # holds quantize() of its values and z.imag their negatives. Calls alternate deterministic
     # and stochastic rules: torch's fallback for such views corrupted the heap on the in-place op.

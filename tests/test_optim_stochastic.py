@@ -402,6 +402,41 @@ def test_sgd_with_nearest_on_float32_weights_is_torch_sgd_bit_for_bit(options):
         assert_same_bits(state["momentum_buffer"], their_state["momentum_buffer"])
 
 
+@pytest.mark.parametrize(
+    "options, make_theirs",
+    [
+        (
+            dict(momentum=0.9),
+            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=False),
+        ),
+        (
+            dict(momentum=0.9, nesterov=True),
+            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, foreach=False),
+        ),
+        (
+            dict(weight_decay=0.0),
+            lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.0, foreach=False),
+        ),
+    ],
+    ids=["SGD", "SGD-nesterov", "AdamW"],
+)
+def test_states_kept_in_float64_are_used_in_float32_as_torch_uses_its_states(options, make_theirs):
+    # Float(11, 23) holds every float32 value (so it rounds no state) and only float64 holds it:
+    # the states are kept in float64, and the update must still be torch's float32 computation
+    # (lr rounded to float32 and the term's operations in float32), as with float32 states.
+    optimizer = lpsim.optim.AdamW if "weight_decay" in options else lpsim.optim.SGD
+    lr = 0.01 if optimizer is lpsim.optim.AdamW else 0.1
+    (ours, state), (theirs, their_state) = _steps_of_both(
+        lambda p: optimizer(p, lr=lr, rounding="nearest", state_format=Float(11, 23), **options),
+        make_theirs,
+    )
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == torch.float64
+            assert_same_bits(value.float(), their_state[key], key)
+    assert_same_bits(ours.detach(), theirs.detach())
+
+
 def test_adamw_with_nearest_on_float32_weights_is_torch_adamw_bit_for_bit():
     # Without weight decay torch's AdamW rounds once per weight, as lpsim does: the moments
     # (lerp_, mul_ and addcmul_) and the term (-step_size * m) / denom must be torch's.

@@ -509,6 +509,30 @@ def test_stochastic_adder_takes_stochastorchs_arguments_positionally_and_by_name
         assert_same_bits(adder.add_biased(a, b), want)
 
 
+def test_stochastic_adder_methods_take_stochastorchs_parameter_names():
+    # StochasTorch: add(self, x, y) and add_biased(self, x, y); a call by keyword carries over.
+    a = torch.ones(256, dtype=torch.bfloat16)
+    b = torch.full((256,), 2.0**-10)
+    for name in ("add", "add_biased"):
+        parameters = inspect.signature(getattr(StochasticAdder, name)).parameters
+        assert list(parameters) == ["self", "x", "y"]
+        want = getattr(StochasticAdder(torch.bfloat16, seed=5), name)(a, b)
+        got = getattr(StochasticAdder(torch.bfloat16, seed=5), name)(x=a, y=b)
+        assert_same_bits(got, want, name)
+        adder = StochasticAdder(torch.bfloat16, seed=5)
+        with pytest.raises(TypeError, match=re.escape("x must be a torch.Tensor")):
+            getattr(adder, name)([1.0], b)
+        with pytest.raises(TypeError, match=re.escape("y must be a torch.Tensor")):
+            getattr(adder, name)(a, "0.5")
+        with pytest.raises(ValueError, match=re.escape("x of shape (256,) and y of shape (3,)")):
+            getattr(adder, name)(a, torch.ones(3))
+        with pytest.raises(ValueError, match=re.escape("y must be on x's device (cpu)")):
+            getattr(adder, name)(a, torch.ones(256, device="meta"))
+        with pytest.raises(ValueError, match=re.escape("y must be within the float64 range")):
+            getattr(adder, name)(a, 2**1100)
+        assert adder.calls == 0
+
+
 def test_stochastic_adder_returns_exact_sums_unchanged():
     # StochasTorch's add moves an exact sum one step down half the time, and its add_biased does
     # so for equal operands; here every exact sum (x + x, and sums that fit bfloat16) stays.

@@ -1,4 +1,4 @@
-"""StochasTorch's names on lpsim's kernels: ``StochasticAdder(float_type, seed=None).add(a, b)``.
+"""StochasTorch's names on lpsim's kernels: ``StochasticAdder(float_type, seed=None).add(x, y)``.
 
 StochasTorch's first interface offers stochastic addition into one dtype through an adder object,
 ``StochasticAdder(float_type, seed=None)`` with ``add`` and ``add_biased``; this module gives the
@@ -35,16 +35,17 @@ __all__ = ["StochasticAdder"]
 class StochasticAdder:
     """Stochastic additions into one dtype, with the names StochasTorch users know.
 
-    ``add(a, b)`` rounds the exact sum up or down with probability 1/2 each ("mode 2",
-    rounding="stochastic_equal"). ``add_biased(a, b)`` rounds up with probability proportional to
+    ``add(x, y)`` rounds the exact sum up or down with probability 1/2 each ("mode 2",
+    rounding="stochastic_equal"). ``add_biased(x, y)`` rounds up with probability proportional to
     the distance from the value below ("mode 1", rounding="stochastic"); StochasTorch calls this the
     *biased* random choice because the coin is weighted, but it is the one that is **unbiased in
-    expectation**: E[add_biased(a, b)] = a + b exactly, while E[add(a, b)] is the midpoint of the
-    two neighbours of a + b, which differs from a + b by up to half a spacing. Use ``add_biased``
+    expectation**: E[add_biased(x, y)] = x + y exactly, while E[add(x, y)] is the midpoint of the
+    two neighbours of x + y, which differs from x + y by up to half a spacing. Use ``add_biased``
     to accumulate small updates.
 
-    a and b are tensors of any supported dtype (b may also be a Python number) and broadcast
-    together as in torch's addition; the result has the broadcast shape.
+    x and y (StochasTorch's parameter names, so that calls by keyword carry over) are tensors of
+    any supported dtype (y may also be a Python number) and broadcast together as in torch's
+    addition; the result has the broadcast shape.
 
     Every call draws fresh random words: the adder keeps a seed (given, or drawn from torch's
     default CPU generator when the adder is made) and counts its calls as the offset. Both are
@@ -63,8 +64,8 @@ class StochasticAdder:
         float_type: torch.float32, float64, bfloat16 or float16: results are rounded into this
             dtype's format and returned in it (also the attribute ``dtype``).
         seed: 0 <= seed < 2**64, or None (StochasTorch also takes negative seeds).
-        randomness: "position" or "value" (see lpsim.sr_add). Under both, add(a, b) and
-            add(b, a) round alike.
+        randomness: "position" or "value" (see lpsim.sr_add). Under both, add(x, y) and
+            add(y, x) round alike.
 
     Raises:
         TypeError: float_type is not a supported floating dtype, or seed is not an int or None.
@@ -117,17 +118,27 @@ class StochasticAdder:
         self.calls = check_int("state_dict['calls']", calls, 0, 2**64 - 1)
 
     def _add(self, a: torch.Tensor, b: torch.Tensor | float, rounding: str) -> torch.Tensor:
-        check_container(a, "a")
+        # The messages name StochasTorch's parameters: a is add's x, b its y.
+        check_container(a, "x")
         if isinstance(b, torch.Tensor):
-            check_container(b, "b")
+            check_container(b, "y")
             try:
                 shape = torch.broadcast_shapes(a.shape, b.shape)
             except RuntimeError:
                 raise ValueError(
-                    f"a of shape {tuple(a.shape)} and b of shape {tuple(b.shape)} cannot be "
+                    f"x of shape {tuple(a.shape)} and y of shape {tuple(b.shape)} cannot be "
                     "broadcast together"
                 ) from None
+            if b.device != a.device:
+                raise ValueError(f"y must be on x's device ({a.device}), got {b.device}")
             a, b = a.expand(shape), b.expand(shape)
+        elif not isinstance(b, (int, float)) or isinstance(b, bool):
+            raise TypeError(f"y must be a torch.Tensor or a number, got {type(b).__name__}")
+        elif abs(b) >= 2**1024:  # an int that has no float64 value
+            raise ValueError(
+                f"y must be within the float64 range (magnitude below 2**1024), got an int of "
+                f"{abs(b).bit_length()} bits"
+            )
         if a.dtype != self.dtype and isinstance(b, torch.Tensor) and b.dtype == self.dtype:
             a, b = b, a  # addition commutes; the container is the operand of the adder's dtype
         if a.dtype != self.dtype:
@@ -159,12 +170,12 @@ class StochasticAdder:
         self.calls += 1  # a call that raised drew no words: the next one takes its offset
         return out.to(self.dtype)
 
-    def add(self, a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
-        """a + b rounded up or down with probability 1/2 each when inexact (biased in
+    def add(self, x: torch.Tensor, y: torch.Tensor | float) -> torch.Tensor:
+        """x + y rounded up or down with probability 1/2 each when inexact (biased in
         expectation). The result has the adder's dtype."""
-        return self._add(a, b, "stochastic_equal")
+        return self._add(x, y, "stochastic_equal")
 
-    def add_biased(self, a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
-        """a + b rounded up with probability proportional to its distance from the value below
-        (unbiased in expectation: E[result] = a + b). The result has the adder's dtype."""
-        return self._add(a, b, "stochastic")
+    def add_biased(self, x: torch.Tensor, y: torch.Tensor | float) -> torch.Tensor:
+        """x + y rounded up with probability proportional to its distance from the value below
+        (unbiased in expectation: E[result] = x + y). The result has the adder's dtype."""
+        return self._add(x, y, "stochastic")

@@ -261,9 +261,12 @@ class _LowPrecision(OwnOptions):
         self, group: dict, state: dict, key: str, value: torch.Tensor, kind: int, like: torch.Tensor
     ) -> torch.Tensor:
         """Keep ``value`` (work precision) as state[key], rounded into state_format if given, in
-        the narrowest of the parameter's dtype, float32 and float64 that holds that format.
-        Returns the stored value in the work precision, or in float64 for a format only float64
-        holds (which is then also where the value is rounded)."""
+        the first of the parameter's dtype, float32 and float64 that holds that format.
+        Returns the stored value in the work precision, the precision in which the update is
+        computed from it with torch's operations (and in which the next step reads it), whatever
+        dtype holds the state. A format only float64 holds is rounded in float64, where the
+        value is exact; the rounded value converts back exactly, unless it rounded up past
+        float32's largest value (Inf in float32, as float32 arithmetic would have it)."""
         fmt = group["state_format"]
         if fmt is None:
             state[key] = value
@@ -274,6 +277,7 @@ class _LowPrecision(OwnOptions):
                 break
             except ValueError:
                 continue
+        work = value.dtype
         if dtype == torch.float64:  # a format only float64 holds: round in it (value is exact)
             value = value.to(dtype)
         random = self._random(group, state, kind)
@@ -286,7 +290,7 @@ class _LowPrecision(OwnOptions):
         else:
             stored = quantize(value, fmt, group["rounding"], **random)
         state[key] = stored.to(dtype)
-        return stored
+        return stored.to(work)
 
     def _update(self, group: dict, p: torch.Tensor, state: dict, update: torch.Tensor) -> None:
         """p = p + update rounded into the weight format (with Kahan compensation if asked)."""
