@@ -259,12 +259,10 @@ def test_watch_model_sees_the_saturating_errors_of_a_recipe():
     assert not scaler._watched
 
 
-@pytest.mark.parametrize("signed", [True, False])
-@pytest.mark.parametrize("saturation", ["SatFinite", "SatPropagate"])
-def test_watch_model_sees_the_saturating_errors_of_a_p3109_format(signed, saturation):
-    # A P3109 format has a largest value as a Float has: its saturating modes clamp the errors
-    # to it, leaving finite but wrong gradients. watch_model skipped such error quantisers.
-    fmt = lpsim.P3109(8, 4, signed=signed, saturation=saturation)
+def _watched_model_backs_off(fmt):
+    """A model whose errors are rounded into the saturating ``fmt`` and watched by watch_model,
+    trained one step at a loss scale of 2**30: the errors saturate (finite gradients), the step
+    is skipped with nothing changed and the scale halves. Returns (scaler, optimizer)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     error = lpsim.nn.LayerQuantization(error=(fmt, "nearest"))
@@ -279,6 +277,16 @@ def test_watch_model_sees_the_saturating_errors_of_a_p3109_format(signed, satura
     scaler.update()
     assert scaler.get_scale() == 2.0**29
     _assert_unchanged(model, opt, before)
+    return scaler, opt
+
+
+@pytest.mark.parametrize("signed", [True, False])
+@pytest.mark.parametrize("saturation", ["SatFinite", "SatPropagate"])
+def test_watch_model_sees_the_saturating_errors_of_a_p3109_format(signed, saturation):
+    # A P3109 format has a largest value as a Float has: its saturating modes clamp the errors
+    # to it, leaving finite but wrong gradients. watch_model skipped such error quantisers.
+    fmt = lpsim.P3109(8, 4, signed=signed, saturation=saturation)
+    scaler, opt = _watched_model_backs_off(fmt)
     below = torch.tensor([fmt.max / 2, 0.0, -fmt.max / 2 if signed else -1.0])
     assert scaler.watch(fmt)(below) is below  # below the largest value, or clipped to 0
     scaler.step(opt)
@@ -321,20 +329,7 @@ def test_watch_counts_errors_beyond_the_largest_value_of_a_scaled_format_without
 def test_watch_model_sees_the_saturating_errors_of_a_scaled_format_without_tensor_scale():
     # watch_model skipped such error quantisers (and watch refused the format), though their
     # errors clamp at 2688: the scale never backed off and the steps took clamped gradients.
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
-    error = lpsim.nn.LayerQuantization(error=(SINGLE_LEVEL_NVFP4, "nearest"))
-    lpsim.nn.inject(model, {"default": error})
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    scaler = DynamicLossScaler(init_scale=2.0**30)
-    scaler.watch_model(model)
-    before = _snapshot(model, opt)
-    scaler.scale(F.cross_entropy(model(torch.randn(32, 8)), torch.randint(0, 3, (32,)))).backward()
-    assert all(torch.isfinite(p.grad).all() for p in model.parameters())  # saturated, not Inf
-    assert scaler.step(opt) is None and scaler.found_overflow
-    scaler.update()
-    assert scaler.get_scale() == 2.0**29
-    _assert_unchanged(model, opt, before)
+    _watched_model_backs_off(SINGLE_LEVEL_NVFP4)
 
 
 def test_watch_rejects_scaled_formats_with_a_tensor_scale():
