@@ -207,6 +207,35 @@ def test_parameter_groups_and_mappings_choose_each_parameters_rounding():
         OptimLP(torch.optim.SGD([body], lr=0.1), parameters=[body, edge])
 
 
+@pytest.mark.parametrize("listed", ["iterable", "mapping"])
+@pytest.mark.parametrize("through", ["optimlp", "wrapped"])
+def test_a_group_added_later_takes_its_settings_with_parameters_given(listed, through):
+    """A group added after OptimLP was made, through OptimLP.add_param_group or the wrapped
+    optimizer's own (the groups are the wrapped optimizer's), takes its "quantization", else the
+    defaults, with parameters= as without; the parameters parameters= left out stay in full
+    precision. Oracle: torch's SGD step on twins, rounded by torch's float8_e5m2 cast."""
+    torch.manual_seed(0)
+    listed_p, unlisted, plain, keyed = (nn.Parameter(torch.randn(20)) for _ in range(4))
+    twins = [nn.Parameter(p.detach().clone()) for p in (listed_p, unlisted, plain, keyed)]
+    sgd = torch.optim.SGD([listed_p, unlisted], lr=0.1)
+    own = ParameterQuantization(weight=E5M2, rounding="nearest")
+    chosen = [listed_p] if listed == "iterable" else {listed_p: own}
+    opt = OptimLP(sgd, weight=E5M2, rounding="nearest", parameters=chosen)
+    adder = opt if through == "optimlp" else sgd
+    adder.add_param_group({"params": [plain]})
+    adder.add_param_group({"params": [keyed], "quantization": None})
+    reference = torch.optim.SGD(twins, lr=0.1)
+    for p, twin in zip((listed_p, unlisted, plain, keyed), twins, strict=True):
+        p.grad = twin.grad = torch.randn(20)
+    opt.step()
+    reference.step()
+    e5m2 = lambda t: t.detach().to(torch.float8_e5m2).float()  # noqa: E731
+    for p, twin, rounded in zip(
+        (listed_p, unlisted, plain, keyed), twins, (True, False, True, False), strict=True
+    ):
+        assert_same_bits(p.detach(), e5m2(twin) if rounded else twin.detach())
+
+
 # Item 2: selectors that decide nothing are errors
 
 
