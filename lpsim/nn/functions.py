@@ -309,7 +309,7 @@ def _entry(key, settings) -> _Entry:
     """The validated entry of one config item.
 
     Raises:
-        TypeError: settings is not a LayerQuantization, or gives a DelayedScaling format.
+        TypeError: settings is not a LayerQuantization.
         ValueError: settings sets a field the op does not take.
     """
     op, selector = _parse_key(key)
@@ -945,8 +945,7 @@ def quantize_functions(
     context hooks those modules, which the compiled graph then traces.
 
     Raises:
-        TypeError: model is not an nn.Module, a key or value is malformed, or a format is a
-            DelayedScaling.
+        TypeError: model is not an nn.Module, or a key or value is malformed.
         ValueError: an unknown op, a field its op does not take, or a selector that matches no
             module of the model (a misspelt name would otherwise quantise nothing, silently).
     """
