@@ -2,6 +2,8 @@
 rounds, what report() shows, what remove() restores, and what evaluation draws. Each test here
 reproduces a way in which the stack once silently differed from its configuration."""
 
+import collections
+import copy
 import re
 import warnings
 
@@ -120,6 +122,27 @@ def test_edge_layers_count_every_layer_with_weights_of_its_own(model, edges):
     layers with weights, a transposed convolution or a recurrent layer among them: before, a
     decoder's last ConvTranspose2d was quantised and an inner Conv2d kept in its place."""
     assert lpsim.recipes.edge_layers(model) == edges
+
+
+@pytest.mark.parametrize("first", ["default", "stem[0]", "a?"])
+def test_a_recipe_keeps_an_edge_layer_whatever_its_name_and_only_it(first):
+    """An edge layer is kept in full precision by its exact name: one called "default" (the key
+    of inject's fallback entry) or holding glob characters ("stem[0]", "a?") was quantised, and a
+    name like "a?" kept another layer ("ab") in full precision. Oracle: the plain layers, each
+    weight rounded by torch's float8_e5m2 cast (IBM8's weights are e5m2, to nearest)."""
+    torch.manual_seed(0)
+    names = (first, "ab", "out")
+    model = nn.Sequential(
+        collections.OrderedDict(zip(names, (nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))))
+    )
+    plain = copy.deepcopy(model)
+    model, _ = lpsim.recipes.IBM8.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for name in names:
+        weight = getattr(model, name).weight.detach()
+        want = getattr(plain, name).weight.detach()
+        if name == "ab":  # the only layer that is not an edge
+            want = want.to(torch.float8_e5m2).float()
+        assert_same_bits(weight, want)
 
 
 class TiedLM(nn.Module):
