@@ -230,6 +230,28 @@ def test_parameter_groups_and_mappings_choose_each_parameters_rounding():
         OptimLP(torch.optim.SGD([body], lr=0.1), parameters=[body, edge])
 
 
+@pytest.mark.parametrize("listed", ["none", "iterable"])
+def test_a_parameter_appended_to_a_group_is_rounded_by_its_groups_settings(listed):
+    """torch's optimizer steps a parameter appended to a group's "params" list between steps;
+    OptimLP worked out its settings only when groups were added or their "quantization"
+    changed, so it stepped that parameter unrounded. Oracle: torch's SGD step on twins, rounded
+    by torch's float8_e5m2 cast."""
+    torch.manual_seed(0)
+    first, appended = (nn.Parameter(torch.randn(20)) for _ in range(2))
+    twins = [nn.Parameter(p.detach().clone()) for p in (first, appended)]
+    sgd = torch.optim.SGD([first], lr=0.1)
+    chosen = None if listed == "none" else [first]
+    opt = OptimLP(sgd, weight=E5M2, rounding="nearest", parameters=chosen)
+    sgd.param_groups[0]["params"].append(appended)
+    reference = torch.optim.SGD(twins, lr=0.1)
+    for p, twin in zip((first, appended), twins, strict=True):
+        p.grad = twin.grad = torch.randn(20)
+    opt.step()
+    reference.step()
+    for p, twin in zip((first, appended), twins, strict=True):
+        assert_same_bits(p.detach(), twin.detach().to(torch.float8_e5m2).float())
+
+
 @pytest.mark.parametrize("listed", ["iterable", "mapping"])
 @pytest.mark.parametrize("through", ["optimlp", "wrapped"])
 def test_a_group_added_later_takes_its_settings_with_parameters_given(listed, through):

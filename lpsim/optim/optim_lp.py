@@ -382,8 +382,9 @@ class OptimLP(Optimizer):
       reads it as it is then: one set, replaced or removed since applies from that step.
 
     ``parameters=`` speaks of the parameters the optimizer holds when it is made: a group added
-    later by add_param_group (OptimLP's or the wrapped optimizer's) sets its parameters' settings
-    as above (its ``"quantization"``, else the defaults), with or without ``parameters=``.
+    later by add_param_group (OptimLP's or the wrapped optimizer's), or a parameter appended to a
+    group's ``"params"``, takes its group's settings as above (its ``"quantization"``, else the
+    defaults), with or without ``parameters=``.
 
     A parameter's accumulator may be wider than the parameter itself (a bfloat16 model with an
     e6m9 accumulator in float32): the wrapped optimizer then updates the accumulator directly, and
@@ -615,13 +616,24 @@ class OptimLP(Optimizer):
             *(group.get(_GROUP_KEY, group) for group in self.param_groups),
         ]
 
+    def _group_sizes(self) -> list[int]:
+        """The number of parameters of each parameter group as it is now."""
+        return [len(group["params"]) for group in self.param_groups]
+
     def _configure_changed_groups(self) -> None:
         """Work out the settings again where default_quantization or a group's "quantization"
         was set, replaced or removed since (torch's optimizers read a group's options at every
-        step), with the checks the constructor makes."""
+        step), or a group gained or lost parameters (``group["params"].append(p)``: torch's
+        optimizer steps p, which would otherwise stay unrounded), with the checks the
+        constructor makes."""
         keys = self._group_keys()
         configured = getattr(self, "_groups_configured", ())
-        if len(keys) != len(configured) or any(a is not b for a, b in zip(keys, configured)):
+        sizes = self._group_sizes()
+        if (
+            len(keys) != len(configured)
+            or any(a is not b for a, b in zip(keys, configured))
+            or sizes != getattr(self, "_sizes_configured", sizes)
+        ):
             self._configure()
 
     @torch.compiler.disable
@@ -657,6 +669,7 @@ class OptimLP(Optimizer):
                 settings[p] = s
         self.settings = settings
         self._groups_configured = self._group_keys()
+        self._sizes_configured = self._group_sizes()
         with torch.no_grad():
             for p, s in settings.items():
                 if s is not None and s.acc is not None and p not in self.accumulators:
