@@ -436,6 +436,11 @@ def test_evaluation_with_stochastic_quantisers_is_deterministic_and_draws_nothin
     assert not torch.equal(keep(x * 0.01), keep(x * 0.01))
     with pytest.raises(ValueError, match="eval_rounding must be a deterministic rule"):
         LayerQuantization(output=E5M2, eval_rounding="stochastic")
+    for bad, error in ((0, TypeError), ("Nearest", ValueError)):  # named as eval_rounding
+        with pytest.raises(error, match="^eval_rounding must be"):
+            Quantizer(forward=E5M2, eval_rounding=bad)
+        with pytest.raises(error, match="^eval_rounding must be"):
+            LayerQuantization(output=E5M2, eval_rounding=bad)
 
 
 @pytest.mark.parametrize("mode", ["eval", "train"])

@@ -95,7 +95,7 @@ def parse_eval_rounding(value: Rounding | str | None) -> Rounding | None:
     """
     if value is None:
         return None
-    rule = Rounding.parse(value)
+    rule = Rounding.parse(value, "eval_rounding")
     if rule.is_stochastic:
         raise ValueError(f"eval_rounding must be a deterministic rule or None, got {rule.name!r}")
     return rule
