@@ -288,8 +288,9 @@ class Recipe:
         precision there too: that module's weight (or bias) is not quantised, its other
         quantisers are as the recipe says. TypeError when model is not an nn.Module."""
         _check_model(model)
-        config = {name: None for name in edge_layers(model)} if self.keep_edges else {}
-        shared = _sharing_kept_parameters(model, list(config))
+        edges = edge_layers(model) if self.keep_edges else []
+        config = {_Named(name): None for name in edges}
+        shared = _sharing_kept_parameters(model, edges)
         # A MultiheadAttention's out projection: its weight (and bias) rounded as the layers'
         # below, its input, output and error left to the attention's own quantisers; in full
         # precision where the attention is.
@@ -299,7 +300,9 @@ class Recipe:
         if self.blocks_along_reduction:  # a Linear's (out, in) weight: along in
             projection = _layer_blocks_along(projection, -1, -1)
         for name, attention in attention_out_projections(model).items():
-            config[name] = None if config.get(attention, True) is None else projection
+            config[_Named(name)] = (
+                None if config.get(_Named(attention), True) is None else projection
+            )
         if self.placement == "operands":
             weight_layer = LayerQuantization(
                 weight=self.weight, input=self.activation, error=self.error, mac=self.mac
@@ -324,8 +327,8 @@ class Recipe:
 
         for name, (module, kinds) in shared.items():
             entry = entry_of(module)
-            if entry is not None and name not in config:
-                config[name] = replace(entry, **dict.fromkeys(kinds))
+            if entry is not None and _Named(name) not in config:
+                config[_Named(name)] = replace(entry, **dict.fromkeys(kinds))
         config.update(weight_layers)
         if other is not None:
             one_axis = _leaves_with_one_axis_parameters(model, WEIGHT_LAYERS)
@@ -493,6 +496,21 @@ def _leaves_with_one_axis_parameters(model: nn.Module, skipped: tuple) -> set[in
             if name.endswith(("weight", "bias"))
         )
     }
+
+
+@dataclass(frozen=True, repr=False)
+class _Named:
+    """An inject() selector of the module whose qualified name is exactly ``name``: a name as a
+    glob pattern would select other modules, or none, where it holds "*", "?" or "[" (a
+    ModuleDict's key "stem[0]"), and the name "default" is the key of inject's fallback entry."""
+
+    name: str
+
+    def __call__(self, name: str, module: nn.Module) -> bool:
+        return name == self.name
+
+    def __repr__(self) -> str:
+        return repr(self.name)
 
 
 def _modules_selector(ids: set[int]):

@@ -783,6 +783,30 @@ def test_a_selector_that_matches_no_module_is_refused():
         quantize_functions(model, {key: LayerQuantization()})  # the model itself is "", too
 
 
+def test_a_predicate_that_raises_on_entering_names_itself_and_leaves_the_context_usable():
+    """A predicate that matches a first module passes the construction check and then fails on
+    another when the context is entered: the error did not say which selector on which module,
+    and the context stayed marked active, refusing every later entry ("already active")."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    def wide(name, module):
+        return name == "" or module.in_features > 3
+
+    spec = (Float(4, 3), "nearest")
+    context = quantize_functions(model, {("linear", wide): LayerQuantization(output=spec)})
+    with pytest.raises(AttributeError, match="in_features") as raised, context:
+        pass
+    assert raised.value.__notes__ == [
+        "quantize_functions: raised by the selector wide on the module '1' (ReLU)"
+    ]
+    del model[1]  # the predicate now answers on every module
+    x = torch.randn(2, 4)
+    with context:
+        got = model(x)
+    want = F.linear(x, model[0].weight, model[0].bias).detach()
+    assert_same_bits(got, want.to(torch.float8_e4m3fn).float())
+
+
 class _WeightsBorrowed(nn.Module):
     """Uses its child's weights without calling it, as nn.MultiheadAttention does its out_proj."""
 

@@ -241,6 +241,24 @@ def test_a_quantspec_made_with_a_rules_name_quantises_as_with_the_rule():
     assert_same_bits(models[0](x), models[1](x))
 
 
+@pytest.mark.parametrize("fmt", [None, "e4m3", 3])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda spec: Quantizer(forward=spec),
+        lambda spec: quantizer(backward=spec),
+        lambda spec: LayerQuantization(output=spec),
+        lambda spec: ParameterQuantization(weight=spec),
+    ],
+    ids=["Quantizer", "quantizer", "LayerQuantization", "ParameterQuantization"],
+)
+def test_a_quantspec_without_a_format_is_refused_where_it_is_given(fmt, make):
+    """A QuantSpec is a (format, rounding) pair: one holding no format was taken unchecked, and
+    only quantising raised (with quantize's "fmt" as the culprit), or nothing did."""
+    with pytest.raises(TypeError, match=r"^(forward|backward|output|weight) must be None, a Float"):
+        make(QuantSpec(fmt, "nearest"))
+
+
 # OptimLP
 
 

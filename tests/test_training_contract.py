@@ -2,6 +2,8 @@
 rounds, what report() shows, what remove() restores, and what evaluation draws. Each test here
 reproduces a way in which the stack once silently differed from its configuration."""
 
+import collections
+import copy
 import re
 import warnings
 
@@ -122,6 +124,27 @@ def test_edge_layers_count_every_layer_with_weights_of_its_own(model, edges):
     assert lpsim.recipes.edge_layers(model) == edges
 
 
+@pytest.mark.parametrize("first", ["default", "stem[0]", "a?"])
+def test_a_recipe_keeps_an_edge_layer_whatever_its_name_and_only_it(first):
+    """An edge layer is kept in full precision by its exact name: one called "default" (the key
+    of inject's fallback entry) or holding glob characters ("stem[0]", "a?") was quantised, and a
+    name like "a?" kept another layer ("ab") in full precision. Oracle: the plain layers, each
+    weight rounded by torch's float8_e5m2 cast (IBM8's weights are e5m2, to nearest)."""
+    torch.manual_seed(0)
+    names = (first, "ab", "out")
+    model = nn.Sequential(
+        collections.OrderedDict(zip(names, (nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2))))
+    )
+    plain = copy.deepcopy(model)
+    model, _ = lpsim.recipes.IBM8.apply(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for name in names:
+        weight = getattr(model, name).weight.detach()
+        want = getattr(plain, name).weight.detach()
+        if name == "ab":  # the only layer that is not an edge
+            want = want.to(torch.float8_e5m2).float()
+        assert_same_bits(weight, want)
+
+
 class TiedLM(nn.Module):
     """An embedding whose table is the output layer's weight (tied), two linear layers between."""
 
@@ -205,6 +228,57 @@ def test_parameter_groups_and_mappings_choose_each_parameters_rounding():
     assert on_grid(body, Fixed(8, 4)) and not on_grid(edge, E5M2) and not on_grid(odd, E5M2)
     with pytest.raises(ValueError, match="parameters: 1 tensor"):
         OptimLP(torch.optim.SGD([body], lr=0.1), parameters=[body, edge])
+
+
+@pytest.mark.parametrize("listed", ["none", "iterable"])
+def test_a_parameter_appended_to_a_group_is_rounded_by_its_groups_settings(listed):
+    """torch's optimizer steps a parameter appended to a group's "params" list between steps;
+    OptimLP worked out its settings only when groups were added or their "quantization"
+    changed, so it stepped that parameter unrounded. Oracle: torch's SGD step on twins, rounded
+    by torch's float8_e5m2 cast."""
+    torch.manual_seed(0)
+    first, appended = (nn.Parameter(torch.randn(20)) for _ in range(2))
+    twins = [nn.Parameter(p.detach().clone()) for p in (first, appended)]
+    sgd = torch.optim.SGD([first], lr=0.1)
+    chosen = None if listed == "none" else [first]
+    opt = OptimLP(sgd, weight=E5M2, rounding="nearest", parameters=chosen)
+    sgd.param_groups[0]["params"].append(appended)
+    reference = torch.optim.SGD(twins, lr=0.1)
+    for p, twin in zip((first, appended), twins, strict=True):
+        p.grad = twin.grad = torch.randn(20)
+    opt.step()
+    reference.step()
+    for p, twin in zip((first, appended), twins, strict=True):
+        assert_same_bits(p.detach(), twin.detach().to(torch.float8_e5m2).float())
+
+
+@pytest.mark.parametrize("listed", ["iterable", "mapping"])
+@pytest.mark.parametrize("through", ["optimlp", "wrapped"])
+def test_a_group_added_later_takes_its_settings_with_parameters_given(listed, through):
+    """A group added after OptimLP was made, through OptimLP.add_param_group or the wrapped
+    optimizer's own (the groups are the wrapped optimizer's), takes its "quantization", else the
+    defaults, with parameters= as without; the parameters parameters= left out stay in full
+    precision. Oracle: torch's SGD step on twins, rounded by torch's float8_e5m2 cast."""
+    torch.manual_seed(0)
+    listed_p, unlisted, plain, keyed = (nn.Parameter(torch.randn(20)) for _ in range(4))
+    twins = [nn.Parameter(p.detach().clone()) for p in (listed_p, unlisted, plain, keyed)]
+    sgd = torch.optim.SGD([listed_p, unlisted], lr=0.1)
+    own = ParameterQuantization(weight=E5M2, rounding="nearest")
+    chosen = [listed_p] if listed == "iterable" else {listed_p: own}
+    opt = OptimLP(sgd, weight=E5M2, rounding="nearest", parameters=chosen)
+    adder = opt if through == "optimlp" else sgd
+    adder.add_param_group({"params": [plain]})
+    adder.add_param_group({"params": [keyed], "quantization": None})
+    reference = torch.optim.SGD(twins, lr=0.1)
+    for p, twin in zip((listed_p, unlisted, plain, keyed), twins, strict=True):
+        p.grad = twin.grad = torch.randn(20)
+    opt.step()
+    reference.step()
+    e5m2 = lambda t: t.detach().to(torch.float8_e5m2).float()  # noqa: E731
+    for p, twin, rounded in zip(
+        (listed_p, unlisted, plain, keyed), twins, (True, False, True, False), strict=True
+    ):
+        assert_same_bits(p.detach(), e5m2(twin) if rounded else twin.detach())
 
 
 # Item 2: selectors that decide nothing are errors
@@ -362,6 +436,11 @@ def test_evaluation_with_stochastic_quantisers_is_deterministic_and_draws_nothin
     assert not torch.equal(keep(x * 0.01), keep(x * 0.01))
     with pytest.raises(ValueError, match="eval_rounding must be a deterministic rule"):
         LayerQuantization(output=E5M2, eval_rounding="stochastic")
+    for bad, error in ((0, TypeError), ("Nearest", ValueError)):  # named as eval_rounding
+        with pytest.raises(error, match="^eval_rounding must be"):
+            Quantizer(forward=E5M2, eval_rounding=bad)
+        with pytest.raises(error, match="^eval_rounding must be"):
+            LayerQuantization(output=E5M2, eval_rounding=bad)
 
 
 @pytest.mark.parametrize("mode", ["eval", "train"])

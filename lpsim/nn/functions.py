@@ -169,7 +169,7 @@ from lpsim.nn import functional as _functional
 from lpsim.nn.functional import OperandSpecs
 from lpsim.nn.inject import LayerQuantization, simulates_products
 from lpsim.nn.quantizer import QuantSpec, ScalerCall, parse_eval_rounding, quantizing_function
-from lpsim.nn.selectors import check_selector, matches, module_names
+from lpsim.nn.selectors import check_selector, module_names, selects
 
 __all__ = ["quantize_functions", "FunctionQuantization", "OPS"]
 
@@ -309,7 +309,7 @@ def _entry(key, settings) -> _Entry:
     """The validated entry of one config item.
 
     Raises:
-        TypeError: settings is not a LayerQuantization, or gives a DelayedScaling format.
+        TypeError: settings is not a LayerQuantization.
         ValueError: settings sets a field the op does not take.
     """
     op, selector = _parse_key(key)
@@ -395,21 +395,22 @@ class FunctionQuantization(TorchFunctionMode):
     def __enter__(self):
         if self._active:
             raise RuntimeError("quantize_functions: this context is already active")
-        self._active = True
-        self._thread = threading.get_ident()
-        self._outside.clear()
         names = module_names(self.model)
         modules = {id(m): m for _, m in self.model.named_modules(remove_duplicate=False)}
+        # Before the context counts as active: a predicate that raises leaves it as it was.
         self._selects = [
             None
             if entry.selector is None
             else tuple(
                 modules[key]
                 for key, aliases in names.items()
-                if any(matches(entry.selector, alias, modules[key]) for alias in aliases)
+                if selects(entry.selector, aliases, modules[key], "quantize_functions")
             )
             for entry in self.entries
         ]
+        self._active = True
+        self._thread = threading.get_ident()
+        self._outside.clear()
         for name, module in self.model.named_modules():
             entering, leaving = _Hook(self._entering(name)), _Hook(self._leaving)
             # The module runs from before its first forward pre-hook to after its last forward
@@ -945,8 +946,7 @@ def quantize_functions(
     context hooks those modules, which the compiled graph then traces.
 
     Raises:
-        TypeError: model is not an nn.Module, a key or value is malformed, or a format is a
-            DelayedScaling.
+        TypeError: model is not an nn.Module, or a key or value is malformed.
         ValueError: an unknown op, a field its op does not take, or a selector that matches no
             module of the model (a misspelt name would otherwise quantise nothing, silently).
     """
@@ -958,8 +958,9 @@ def quantize_functions(
     entries = [_entry(k, v) for k, v in config.items()]
     modules = list(model.named_modules(remove_duplicate=False))
     for key, entry in zip(config, entries, strict=True):
-        if entry.selector is not None and not any(
-            matches(entry.selector, name, module) for name, module in modules
+        selector = entry.selector
+        if selector is not None and not any(
+            selects(selector, [name], module, "quantize_functions") for name, module in modules
         ):
             raise ValueError(
                 f"quantize_functions: the key {key!r} selects no module of the model (its "

@@ -69,7 +69,7 @@ from lpsim.nn.quantizer import (
     parse_eval_rounding,
     quantizing_function,
 )
-from lpsim.nn.selectors import check_selector, matches, module_names
+from lpsim.nn.selectors import check_selector, module_names, selector_name, selects
 from lpsim.rounding import Rounding
 
 __all__ = [
@@ -1152,15 +1152,7 @@ def _plan(model: nn.Module, config) -> tuple[list, dict]:
         for selector in config:
             if selector == DEFAULT:
                 continue
-            try:
-                found = any(matches(selector, n, module) for n in names[id(module)])
-            except Exception as error:  # a predicate that fails on some module
-                error.add_note(
-                    f"inject(): raised by the selector {_selector_name(selector)} on the module "
-                    f"{name!r} ({type(module).__name__})"
-                )
-                raise
-            if found:
+            if selects(selector, names[id(module)], module, "inject()"):
                 matched[selector] += 1
                 if chosen is None:
                     chosen = selector
@@ -1173,16 +1165,6 @@ def _plan(model: nn.Module, config) -> tuple[list, dict]:
     return plan, {key: (decided[key], matched[key]) for key in config}
 
 
-def _selector_name(selector) -> str:
-    if isinstance(selector, type):
-        return selector.__name__
-    if isinstance(selector, tuple):
-        return "(" + ", ".join(_selector_name(s) for s in selector) + ")"
-    if isinstance(selector, str):
-        return repr(selector)
-    return getattr(selector, "__name__", repr(selector))
-
-
 def _check_unmatched(counts: dict, unmatched: str, model: nn.Module) -> None:
     problems = []
     for selector, (decided, matched) in counts.items():
@@ -1192,7 +1174,7 @@ def _check_unmatched(counts: dict, unmatched: str, model: nn.Module) -> None:
             why = f"matches {matched} module(s), all decided by an earlier entry"
         else:
             why = "matches no module of the model"
-        problems.append(f"{_selector_name(selector)}: {why}")
+        problems.append(f"{selector_name(selector)}: {why}")
     if not problems or unmatched == "ignore":
         return
     message = (

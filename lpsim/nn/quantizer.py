@@ -95,7 +95,7 @@ def parse_eval_rounding(value: Rounding | str | None) -> Rounding | None:
     """
     if value is None:
         return None
-    rule = Rounding.parse(value)
+    rule = Rounding.parse(value, "eval_rounding")
     if rule.is_stochastic:
         raise ValueError(f"eval_rounding must be a deterministic rule or None, got {rule.name!r}")
     return rule
@@ -114,16 +114,11 @@ def as_spec(
     """
     if value is None:
         return None
-    if isinstance(value, QuantSpec):  # a QuantSpec made with a rule's name holds a str
-        return (
-            value
-            if isinstance(value.rounding, Rounding)
-            else value._replace(rounding=Rounding.parse(value.rounding, f"{name} rounding"))
-        )
     if isinstance(value, _SPEC_FORMATS):
         return QuantSpec(value, Rounding.parse(rounding))
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], _SPEC_FORMATS):
-        # a malformed rule is named by the argument that holds it ("momentum rounding")
+        # A QuantSpec too (its format checked, a rule's name parsed). A malformed rule is named
+        # by the argument that holds it ("momentum rounding").
         return QuantSpec(value[0], Rounding.parse(value[1], f"{name} rounding"))
     kinds = ["None", "a Float, Fixed, P3109, BlockFloat, Scaled or DelayedScaling format"]
     kinds += ["a (format, rounding) pair"] + (["a function tensor -> tensor"] if functions else [])

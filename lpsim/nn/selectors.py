@@ -8,7 +8,7 @@ import fnmatch
 
 from torch import nn
 
-__all__ = ["check_selector", "matches", "module_names"]
+__all__ = ["check_selector", "matches", "module_names", "selects", "selector_name"]
 
 
 def check_selector(selector) -> None:
@@ -49,3 +49,28 @@ def module_names(model: nn.Module) -> dict[int, list[str]]:
     for name, module in model.named_modules(remove_duplicate=False):
         names.setdefault(id(module), []).append(name)
     return names
+
+
+def selects(selector, names: list[str], module: nn.Module, caller: str) -> bool:
+    """Whether ``selector`` selects ``module``, which is called by each of ``names``. An exception
+    the selector raises (a predicate that fails on some module) gets a note naming the selector,
+    the module and ``caller`` (the function that asked, "inject()")."""
+    try:
+        return any(matches(selector, name, module) for name in names)
+    except Exception as error:
+        error.add_note(
+            f"{caller}: raised by the selector {selector_name(selector)} on the module "
+            f"{names[0]!r} ({type(module).__name__})"
+        )
+        raise
+
+
+def selector_name(selector) -> str:
+    """How messages name a selector: a type's name, a pattern's repr, a function's name."""
+    if isinstance(selector, type):
+        return selector.__name__
+    if isinstance(selector, tuple):
+        return "(" + ", ".join(selector_name(s) for s in selector) + ")"
+    if isinstance(selector, str):
+        return repr(selector)
+    return getattr(selector, "__name__", repr(selector))

@@ -382,8 +382,9 @@ class OptimLP(Optimizer):
       reads it as it is then: one set, replaced or removed since applies from that step.
 
     ``parameters=`` speaks of the parameters the optimizer holds when it is made: a group added
-    later by add_param_group sets its parameters' settings as above (its ``"quantization"``, else
-    the defaults), with or without ``parameters=``.
+    later by add_param_group (OptimLP's or the wrapped optimizer's), or a parameter appended to a
+    group's ``"params"``, takes its group's settings as above (its ``"quantization"``, else the
+    defaults), with or without ``parameters=``.
 
     A parameter's accumulator may be wider than the parameter itself (a bfloat16 model with an
     e6m9 accumulator in float32): the wrapped optimizer then updates the accumulator directly, and
@@ -488,6 +489,7 @@ class OptimLP(Optimizer):
                 raise ValueError(
                     f"parameters: {stray} tensor(s) are not parameters of the wrapped optimizer"
                 )
+            self._settle_unlisted(self._params())
         self._configure()
         _WRAPPERS[optimizer] = weakref.ref(self)
 
@@ -509,7 +511,17 @@ class OptimLP(Optimizer):
         if chosen is not None:
             state["_chosen"] = {id(p): settings for p, settings in chosen}
         super().__setstate__(state)
+        if chosen is not None:  # one pickled with the listed parameters only
+            self._settle_unlisted(p for g in self.optimizer.param_groups for p in g["params"])
         _WRAPPERS[self.optimizer] = weakref.ref(self)
+
+    def _settle_unlisted(self, params) -> None:
+        """Record the parameters that ``parameters=`` leaves out as full precision (None), so that
+        a parameter missing from it later is one the optimizer got after OptimLP was made (by
+        OptimLP.add_param_group or the wrapped optimizer's own), which takes its group's settings.
+        """
+        for p in params:
+            self._chosen.setdefault(id(p), None)
 
     @staticmethod
     def wrapping(optimizer: Optimizer) -> OptimLP | None:
@@ -604,13 +616,24 @@ class OptimLP(Optimizer):
             *(group.get(_GROUP_KEY, group) for group in self.param_groups),
         ]
 
+    def _group_sizes(self) -> list[int]:
+        """The number of parameters of each parameter group as it is now."""
+        return [len(group["params"]) for group in self.param_groups]
+
     def _configure_changed_groups(self) -> None:
         """Work out the settings again where default_quantization or a group's "quantization"
         was set, replaced or removed since (torch's optimizers read a group's options at every
-        step), with the checks the constructor makes."""
+        step), or a group gained or lost parameters (``group["params"].append(p)``: torch's
+        optimizer steps p, which would otherwise stay unrounded), with the checks the
+        constructor makes."""
         keys = self._group_keys()
         configured = getattr(self, "_groups_configured", ())
-        if len(keys) != len(configured) or any(a is not b for a, b in zip(keys, configured)):
+        sizes = self._group_sizes()
+        if (
+            len(keys) != len(configured)
+            or any(a is not b for a, b in zip(keys, configured))
+            or sizes != getattr(self, "_sizes_configured", sizes)
+        ):
             self._configure()
 
     @torch.compiler.disable
@@ -637,8 +660,8 @@ class OptimLP(Optimizer):
                     )
                 if self._chosen is None:
                     s = group_settings
-                else:
-                    s = self._chosen.get(id(p))
+                else:  # not in it: added after OptimLP was made (see _settle_unlisted)
+                    s = self._chosen.get(id(p), True)
                     s = group_settings if s is True else s
                 if s is not None:
                     self._check_fits(s, p, f"parameter {i} of group {g}")
@@ -646,6 +669,7 @@ class OptimLP(Optimizer):
                 settings[p] = s
         self.settings = settings
         self._groups_configured = self._group_keys()
+        self._sizes_configured = self._group_sizes()
         with torch.no_grad():
             for p, s in settings.items():
                 if s is not None and s.acc is not None and p not in self.accumulators:
@@ -1040,19 +1064,11 @@ class OptimLP(Optimizer):
             return  # one of the wrapped optimizer's own groups, offered by Optimizer.__init__
         self.optimizer.add_param_group(param_group)
         self._share_with_optimizer()
-        added = []
-        if self._chosen is not None:  # a new group's parameters take the defaults or its own key
-            for p in self.optimizer.param_groups[-1]["params"]:
-                if id(p) not in self._chosen:
-                    self._chosen[id(p)] = True
-                    added.append(id(p))
-        try:
+        try:  # a new group's parameters take its "quantization", else the defaults
             self._configure()
         except (TypeError, ValueError):
             # A refused group is not kept: its parameters would train in full precision.
             self.optimizer.param_groups.pop()
-            for key in added:
-                del self._chosen[key]
             raise
 
     def state_dict(self) -> dict:
