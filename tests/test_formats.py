@@ -486,3 +486,29 @@ def test_edge_floats_round_every_16_bit_pattern_as_the_documented_rules_say(fmt,
         want = _float_model(x, fmt, rule.name, words).to(dtype)
         same = (got.isnan() & want.isnan()) | (got.view(torch.int16) == want.view(torch.int16))
         assert bool(same.all()), (rule.name, x[~same][:4].tolist(), got[~same][:4].tolist())
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        Float(4, 3, special="fnuz"),
+        Float(5, 2, special="fnuz"),
+        lpsim.P3109(8, 4),
+        lpsim.P3109(8, 3, domain="finite"),
+        lpsim.P3109(8, 3, signed=False),
+        lpsim.P3109(6, 2, signed=False, domain="finite"),
+        Fixed(8, 4, signed=False),
+        Fixed(8, 4, signed=False, clamp=False),
+    ],
+    ids=repr,
+)
+def test_formats_without_negative_zero_give_positive_zero_for_every_rule(fmt):
+    # docs/rounding.md: the formats without a -0 (fnuz, every P3109 format, unsigned fixed point)
+    # give +0 for -0 and for every negative value that rounds to zero.
+    x = torch.tensor([-0.0, -1e-30, -0.0, -1e-30])
+    for rule in lpsim.Rounding:
+        kwargs = {"seed": 5} if rule.is_stochastic else {}
+        y = lpsim.quantize(x, fmt, rule, **kwargs)
+        zero = y == 0
+        assert zero[0] and zero[2], rule
+        assert not torch.signbit(y[zero]).any(), (rule, y.tolist())
