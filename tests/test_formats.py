@@ -512,3 +512,22 @@ def test_formats_without_negative_zero_give_positive_zero_for_every_rule(fmt):
         zero = y == 0
         assert zero[0] and zero[2], rule
         assert not torch.signbit(y[zero]).any(), (rule, y.tolist())
+
+
+def test_the_four_format_families_answer_finfos_questions_and_finfo_answers_for_scaled_ones():
+    # docs/formats.md: Float, Fixed, BlockFloat and P3109 formats have bits, max, min,
+    # smallest_normal, smallest_subnormal, eps and values(); for Scaled formats and PowerOfTwo
+    # scales lpsim.finfo gives the facts.
+    from lpsim.scaled import PowerOfTwo
+    from lpsim.scaled import preset as scaled_preset
+
+    facts = ("bits", "max", "min", "smallest_normal", "smallest_subnormal", "eps")
+    for fmt in (Float(4, 3), Fixed(8, 4), BlockFloat(8), lpsim.P3109(8, 4)):
+        for name in facts:
+            assert getattr(fmt, name) == getattr(lpsim.finfo(fmt), name), (fmt, name)
+        values = fmt.values()
+        assert values.dtype == torch.float64
+        assert values[-1].item() == fmt.max and values[0].item() == fmt.min
+    for fmt in (scaled_preset("mxfp4_e2m1"), PowerOfTwo(8)):
+        info = lpsim.finfo(fmt)
+        assert all(isinstance(getattr(info, name), (int, float)) for name in facts)
