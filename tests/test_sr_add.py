@@ -1040,3 +1040,38 @@ def test_unclamped_fixed_past_its_range_rounds_once_onto_the_values_the_dtype_ho
             checked += 1
         assert checked > n * 0.9
     assert lpsim.sr_add(a[:1], b[:1], fmt, "nearest").item() == 247.0
+
+
+@pytest.mark.parametrize(
+    "dtype, fmt, big, top",
+    [
+        (torch.float16, Fixed(2, -14, clamp=False), 65504.0, 49152.0),
+        (torch.float32, Fixed(2, -120, clamp=False), 3.0e38, 255 * 2.0**120),
+        (torch.float16, Fixed(8, 4, clamp=False), 65504.0, 65504.0),
+    ],
+    ids=["float16-coarse", "float32-coarse", "float16-fine"],
+)
+def test_unclamped_fixed_overflow_past_the_dtype_gives_the_largest_grid_value_it_holds(
+    dtype, fmt, big, top
+):
+    # docs/stochastic-rounding.md: past an unclamped Fixed's range the sum is rounded once onto
+    # the grid values a's dtype holds, and a sum beyond the largest of them overflows as IEEE 754
+    # says: the rules that round toward zero there give that largest value (top: the dtype's
+    # largest multiple of the spacing 2**-fl, computed here with Fractions), the others Inf.
+    spacing = Fraction(2) ** -fmt.fl
+    assert float(Fraction(torch.finfo(dtype).max) // spacing * spacing) == top
+    a = torch.tensor([big, -big], dtype=dtype)
+    expected = {
+        "toward_zero": [top, -top],
+        "odd": [top, -top],
+        "down": [top, -math.inf],
+        "up": [math.inf, -top],
+        "nearest": [math.inf, -math.inf],
+        "away": [math.inf, -math.inf],
+    }
+    for rule, want in expected.items():
+        assert lpsim.sr_add(a, a, fmt, rule).tolist() == want, rule
+        assert ref.sr_add(a, a, fmt, rule).tolist() == want, rule
+    # Below the overflow, the same grid: a sum just under top rounds down to it.
+    below = torch.tensor([top / 2], dtype=dtype)
+    assert lpsim.sr_add(below, below, fmt, "toward_zero").tolist() == [top]
