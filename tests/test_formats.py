@@ -531,3 +531,18 @@ def test_the_four_format_families_answer_finfos_questions_and_finfo_answers_for_
     for fmt in (scaled_preset("mxfp4_e2m1"), PowerOfTwo(8)):
         info = lpsim.finfo(fmt)
         assert all(isinstance(getattr(info, name), (int, float)) for name in facts)
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [Float(5, 2, subnormals=False), Float(3, 0, subnormals=False), Float(8, 7, subnormals=False)],
+    ids=repr,
+)
+def test_nearest_sends_half_the_smallest_normal_to_zero_without_subnormals(fmt):
+    # docs/rounding.md: without subnormals, a tie between 0 and the smallest normal goes to 0
+    # (keeping the sign of x) under nearest; just above the tie, to the smallest normal.
+    normal = fmt.smallest_normal
+    x = torch.tensor([normal / 2, -normal / 2, normal * 0.5000001, -normal * 0.5000001])
+    y = lpsim.quantize(x, fmt, "nearest")
+    assert y.tolist() == [0.0, 0.0, normal, -normal]
+    assert torch.signbit(y).tolist() == [False, True, False, True]
