@@ -429,12 +429,13 @@ def addc_term(
 def container_grid(fmt: Float | Fixed, dtype: torch.dtype) -> RefGrid:
     """The grid of fmt's values that a dtype holds, which a rational sum is rounded onto. It is
     grid_of(fmt) except for unclamped Fixed formats, whose grid continues past their range: there
-    only the container's values remain (its precision, and its largest finite value as the limit,
-    past which IEEE 754's overflow rules apply)."""
+    only the container's values remain (its precision), up to the largest of them, the container's
+    largest multiple of the format's spacing, past which IEEE 754's overflow rules apply."""
     grid = grid_of(fmt)
     if isinstance(fmt, Fixed) and not fmt.clamp:
         own = _own_format(dtype)
-        top = Fraction(own.max)
+        spacing = Fraction(2) ** -fmt.fl
+        top = Fraction(own.max) // spacing * spacing
         grid = dataclasses.replace(grid, man=own.man, pos_limit=top, neg_limit=top)
     return grid
 

@@ -33,6 +33,7 @@ trade-offs.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -81,14 +82,17 @@ def sum_grid(fmt: Float | Fixed, dtype: torch.dtype) -> GridSpec:
     container's limits made explicit (a sum may be computed in a wider container). Only Fixed
     formats change: their precision is the container's (their values within range need at most
     wl - 1 bits), and an unclamped one continues past its range, where only the container's values
-    remain and a sum beyond the container's largest value overflows as in IEEE 754 (to Inf, or to
-    that value for the rules that round toward zero)."""
+    remain and a sum beyond the largest of them overflows as in IEEE 754 (to Inf, or to that value
+    for the rules that round toward zero). That value is the container's largest multiple of the
+    format's spacing 2**-fl: the container's largest value itself unless the spacing is coarser
+    than the container's there (float16 and Fixed(2, -14, clamp=False): 49152, not 65504)."""
     grid = fmt.grid()
     if isinstance(fmt, Fixed):
         own = own_format(dtype)
         grid = grid._replace(keep=own.man)
         if not fmt.clamp:
-            grid = grid._replace(pos_limit=own.max, neg_limit=own.max)
+            top = math.ldexp(math.floor(math.ldexp(own.max, min(fmt.fl, 0))), -min(fmt.fl, 0))
+            grid = grid._replace(pos_limit=top, neg_limit=top)
     return grid
 
 

@@ -486,3 +486,63 @@ def test_edge_floats_round_every_16_bit_pattern_as_the_documented_rules_say(fmt,
         want = _float_model(x, fmt, rule.name, words).to(dtype)
         same = (got.isnan() & want.isnan()) | (got.view(torch.int16) == want.view(torch.int16))
         assert bool(same.all()), (rule.name, x[~same][:4].tolist(), got[~same][:4].tolist())
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        Float(4, 3, special="fnuz"),
+        Float(5, 2, special="fnuz"),
+        lpsim.P3109(8, 4),
+        lpsim.P3109(8, 3, domain="finite"),
+        lpsim.P3109(8, 3, signed=False),
+        lpsim.P3109(6, 2, signed=False, domain="finite"),
+        Fixed(8, 4, signed=False),
+        Fixed(8, 4, signed=False, clamp=False),
+    ],
+    ids=repr,
+)
+def test_formats_without_negative_zero_give_positive_zero_for_every_rule(fmt):
+    # docs/rounding.md: the formats without a -0 (fnuz, every P3109 format, unsigned fixed point)
+    # give +0 for -0 and for every negative value that rounds to zero.
+    x = torch.tensor([-0.0, -1e-30, -0.0, -1e-30])
+    for rule in lpsim.Rounding:
+        kwargs = {"seed": 5} if rule.is_stochastic else {}
+        y = lpsim.quantize(x, fmt, rule, **kwargs)
+        zero = y == 0
+        assert zero[0] and zero[2], rule
+        assert not torch.signbit(y[zero]).any(), (rule, y.tolist())
+
+
+def test_the_four_format_families_answer_finfos_questions_and_finfo_answers_for_scaled_ones():
+    # docs/formats.md: Float, Fixed, BlockFloat and P3109 formats have bits, max, min,
+    # smallest_normal, smallest_subnormal, eps and values(); for Scaled formats and PowerOfTwo
+    # scales lpsim.finfo gives the facts.
+    from lpsim.scaled import PowerOfTwo
+    from lpsim.scaled import preset as scaled_preset
+
+    facts = ("bits", "max", "min", "smallest_normal", "smallest_subnormal", "eps")
+    for fmt in (Float(4, 3), Fixed(8, 4), BlockFloat(8), lpsim.P3109(8, 4)):
+        for name in facts:
+            assert getattr(fmt, name) == getattr(lpsim.finfo(fmt), name), (fmt, name)
+        values = fmt.values()
+        assert values.dtype == torch.float64
+        assert values[-1].item() == fmt.max and values[0].item() == fmt.min
+    for fmt in (scaled_preset("mxfp4_e2m1"), PowerOfTwo(8)):
+        info = lpsim.finfo(fmt)
+        assert all(isinstance(getattr(info, name), (int, float)) for name in facts)
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [Float(5, 2, subnormals=False), Float(3, 0, subnormals=False), Float(8, 7, subnormals=False)],
+    ids=repr,
+)
+def test_nearest_sends_half_the_smallest_normal_to_zero_without_subnormals(fmt):
+    # docs/rounding.md: without subnormals, a tie between 0 and the smallest normal goes to 0
+    # (keeping the sign of x) under nearest; just above the tie, to the smallest normal.
+    normal = fmt.smallest_normal
+    x = torch.tensor([normal / 2, -normal / 2, normal * 0.5000001, -normal * 0.5000001])
+    y = lpsim.quantize(x, fmt, "nearest")
+    assert y.tolist() == [0.0, 0.0, normal, -normal]
+    assert torch.signbit(y).tolist() == [False, True, False, True]

@@ -457,3 +457,36 @@ def test_unsigned_satnone_sends_negative_values_to_zero_only_for_the_rules_towar
         assert lpsim.quantize(x, fmt, rule).tolist() == [0.0], rule
     for rule in ("nearest", "nearest_away", "away", "down"):
         assert lpsim.quantize(x, fmt, rule).isnan().all(), rule
+
+
+@pytest.mark.parametrize("precision", range(1, 8))
+def test_signed_finite_formats_round_as_float_fnuz_except_ties_and_odd_at_precision_1(precision):
+    # docs/formats.md: Binary8pPsf has the values of Float(8 - P, P - 1, special="fnuz") and from
+    # precision 2 on rounds as it does under every rule; at precision 1 nearest's ties and odd read
+    # the parity of the exponent code, so only those two rules differ there.
+    fmt = P3109(8, precision, domain="finite")
+    fnuz = Float(8 - precision, precision - 1, special="fnuz")
+    assert torch.equal(fmt.values(), fnuz.values())
+    x = _inputs(fmt)
+    for rule in Rounding:
+        kwargs = {"seed": 3} if rule.is_stochastic else {}
+        got = lpsim.quantize(x, fmt, rule, **kwargs)
+        if precision == 1 and rule in (Rounding.nearest, Rounding.odd):
+            continue
+        assert_same_bits(got, lpsim.quantize(x, fnuz, rule, **kwargs), rule.name)
+
+
+def test_odd_at_precision_1_takes_the_neighbour_with_the_odd_exponent_code():
+    # A plain model of the code parity: between 2**e and 2**(e + 1) (both in range), the value
+    # whose exponent code e + bias is odd; exact powers of two stay.
+    fmt = P3109(8, 1, domain="finite")
+    xs, want = [], []
+    for e in range(-60, 62):
+        for x in (2.0**e, 1.25 * 2.0**e, 1.5 * 2.0**e, 1.75 * 2.0**e):
+            xs += [x, -x]
+            odd = 2.0**e if (e + fmt.bias) % 2 else 2.0 ** (e + 1)
+            value = x if x == 2.0**e else odd
+            want += [value, -value]
+    got = lpsim.quantize(torch.tensor(xs, dtype=torch.float64), fmt, "odd")
+    assert got.tolist() == want
+    assert lpsim.quantize(torch.tensor([5.0, 3.0]), fmt, "odd").tolist() == [8.0, 2.0]

@@ -1003,3 +1003,21 @@ def test_scaled_quantize_compiles_with_dynamic_shapes_to_the_eager_bits():
     for shape in [(3, 64), (5, 96), (2, 7, 32)]:
         x = torch.randn(shape, generator=torch.Generator().manual_seed(len(shape)))
         assert_same_bits(compiled(x), lpsim.quantize(x, fmt))
+
+
+def test_float_scaled_bfloat16_results_differ_from_float32_as_often_as_the_docs_count():
+    # docs/formats.md, "Which container": with fp8_e4m3_1x128, of the 4096 values of
+    # torch.manual_seed(0); torch.randn(4096).bfloat16(), 97 round otherwise in the bfloat16
+    # tensor than in a float32 one under "down", 7 under "stochastic" (seed=3), none under
+    # "nearest".
+    fmt = lpsim.scaled.preset("fp8_e4m3_1x128")
+    torch.manual_seed(0)
+    x = torch.randn(4096).bfloat16()
+    for rule, kwargs, count in [
+        ("down", {}, 97),
+        ("stochastic", {"seed": 3}, 7),
+        ("nearest", {}, 0),
+    ]:
+        in_bfloat16 = lpsim.quantize(x, fmt, rule, **kwargs)
+        in_float32 = lpsim.quantize(x.float(), fmt, rule, **kwargs).bfloat16()
+        assert (in_bfloat16 != in_float32).sum().item() == count, rule

@@ -1014,3 +1014,88 @@ def test_sr_add_and_addcdiv_equal_a_fraction_model_written_from_the_docs(case):
     want = torch.tensor(want, dtype=torch.float64).to(a.dtype)
     got = lpsim.sr_addcdiv(a, b, torch.ones_like(b), 1.0, fmt, rule)
     assert_same_bits(got, want, f"sr_addcdiv {fmt!r} {rule}")
+
+
+def test_unclamped_fixed_past_its_range_rounds_once_onto_the_values_the_dtype_holds():
+    # docs/stochastic-rounding.md: past an unclamped Fixed's range the sum is rounded once onto
+    # the grid values that a's dtype holds. The oracle enumerates them: every finite bfloat16 that
+    # is a multiple of 1/4, and picks the neighbours of the rational sum by each directed rule
+    # and by nearest where the sum is not a tie.
+    import bisect
+
+    fmt = Fixed(6, 2, clamp=False)
+    codes = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    held = codes.double()[torch.isfinite(codes)]
+    grid = sorted({v for v in held.tolist() if (4 * v).is_integer()})
+    gen = torch.Generator().manual_seed(0)
+    n = 2000
+    a = (
+        torch.randn(n, generator=gen) * 2.0 ** torch.randint(-3, 11, (n,), generator=gen)
+    ).bfloat16()
+    b = (
+        torch.randn(n, generator=gen) * 2.0 ** torch.randint(-14, 10, (n,), generator=gen)
+    ).bfloat16()
+    a[0], b[0] = 246.0, 0.6  # 246.6015625: 247 (246.5 rounded again would be 246)
+    pairs = list(zip(a.double().tolist(), b.double().tolist()))
+    for rule in ("nearest", "toward_zero", "away", "up", "down"):
+        got = lpsim.sr_add(a, b, fmt, rule).double().tolist()
+        checked = 0
+        for (x, y), g in zip(pairs, got):
+            exact = Fraction(x) + Fraction(y)
+            i = bisect.bisect_left(grid, exact)
+            if grid[i] == exact:
+                want = grid[i]
+            else:
+                lo, hi = grid[i - 1], grid[i]
+                below, above = exact - Fraction(lo), Fraction(hi) - exact
+                if rule == "nearest":
+                    if below == above:
+                        continue
+                    want = lo if below < above else hi
+                else:
+                    toward_zero = hi if exact < 0 else lo
+                    want = {
+                        "toward_zero": toward_zero,
+                        "away": lo if toward_zero == hi else hi,
+                        "up": hi,
+                        "down": lo,
+                    }[rule]
+            assert g == want, (rule, x, y, g, want)
+            checked += 1
+        assert checked > n * 0.9
+    assert lpsim.sr_add(a[:1], b[:1], fmt, "nearest").item() == 247.0
+
+
+@pytest.mark.parametrize(
+    "dtype, fmt, big, top",
+    [
+        (torch.float16, Fixed(2, -14, clamp=False), 65504.0, 49152.0),
+        (torch.float32, Fixed(2, -120, clamp=False), 3.0e38, 255 * 2.0**120),
+        (torch.float16, Fixed(8, 4, clamp=False), 65504.0, 65504.0),
+    ],
+    ids=["float16-coarse", "float32-coarse", "float16-fine"],
+)
+def test_unclamped_fixed_overflow_past_the_dtype_gives_the_largest_grid_value_it_holds(
+    dtype, fmt, big, top
+):
+    # docs/stochastic-rounding.md: past an unclamped Fixed's range the sum is rounded once onto
+    # the grid values a's dtype holds, and a sum beyond the largest of them overflows as IEEE 754
+    # says: the rules that round toward zero there give that largest value (top: the dtype's
+    # largest multiple of the spacing 2**-fl, computed here with Fractions), the others Inf.
+    spacing = Fraction(2) ** -fmt.fl
+    assert float(Fraction(torch.finfo(dtype).max) // spacing * spacing) == top
+    a = torch.tensor([big, -big], dtype=dtype)
+    expected = {
+        "toward_zero": [top, -top],
+        "odd": [top, -top],
+        "down": [top, -math.inf],
+        "up": [math.inf, -top],
+        "nearest": [math.inf, -math.inf],
+        "away": [math.inf, -math.inf],
+    }
+    for rule, want in expected.items():
+        assert lpsim.sr_add(a, a, fmt, rule).tolist() == want, rule
+        assert ref.sr_add(a, a, fmt, rule).tolist() == want, rule
+    # Below the overflow, the same grid: a sum just under top rounds down to it.
+    below = torch.tensor([top / 2], dtype=dtype)
+    assert lpsim.sr_add(below, below, fmt, "toward_zero").tolist() == [top]
