@@ -31,53 +31,6 @@ def test_docstring_examples_run(module):
     assert result.failed == 0
 
 
-def _keyword_only(function) -> set[str]:
-    import inspect
-
-    parameters = inspect.signature(function).parameters.values()
-    return {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
-
-
-def test_entry_points_take_the_random_keywords_docs_rounding_md_names():
-    # docs/rounding.md, "Default rounding of each entry point": which entry points take
-    # keyword-only rbits=, seed= and offset=, and which take less.
-    import lpsim.accumulate
-    import lpsim.dyadic
-    import lpsim.optim
-
-    full = {"rbits", "seed", "offset"}
-    for function in [
-        lpsim.quantize,
-        lpsim.quantize_,
-        lpsim.quantize_many_,
-        lpsim.sr_add,
-        lpsim.sr_add_,
-        lpsim.sr_addcmul,
-        lpsim.sr_addcmul_,
-        lpsim.sr_addcdiv,
-        lpsim.sr_addcdiv_,
-        lpsim.accumulate.sum,
-        lpsim.accumulate.cumsum,
-        lpsim.accumulate.matvec,
-        lpsim.accumulate.matmul,
-        lpsim.dyadic.from_float,
-        lpsim.dyadic.requantize,
-        lpsim.dyadic.align,
-        lpsim.dyadic.add,
-        lpsim.dyadic.sub,
-        lpsim.dyadic.mul,
-        lpsim.dyadic.div,
-        lpsim.dyadic.saturating_add,
-        lpsim.dyadic.saturating_sub,
-    ]:
-        assert full <= _keyword_only(function), function.__qualname__
-    for optimizer in (lpsim.optim.SGD, lpsim.optim.AdamW):
-        assert {"rbits", "seed"} <= _keyword_only(optimizer.__init__)
-        assert "offset" not in _keyword_only(optimizer.__init__)
-    for function in (lpsim.float_quantize, lpsim.fixed_point_quantize, lpsim.block_quantize):
-        assert _keyword_only(function) == {"seed"}, function.__qualname__
-
-
 def test_fixed_word_and_fraction_lengths_are_those_a_float64_container_holds():
     # docs/formats.md, Fixed's table: wl 2 to 54 signed, 1 to 53 unsigned; fl such that the
     # spacing is at least 2**-1074 and the largest magnitude below 2**1024. Wider formats are

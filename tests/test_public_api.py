@@ -145,6 +145,7 @@ def test_each_feature_has_one_module_named_by_its_word():
 RANDOM_ENTRY_POINTS = [
     lpsim.quantize,
     lpsim.quantize_,
+    lpsim.quantize_many_,
     lpsim.sr_add,
     lpsim.sr_add_,
     lpsim.sr_addcmul,
@@ -171,13 +172,28 @@ RANDOM_ENTRY_POINTS = [
 
 # lpsim.compat.stochastorch.StochasticAdder is absent: it keeps StochasTorch's signature,
 # StochasticAdder(float_type, seed=None), whose seed is positional (tests/test_sr_add.py).
+def _keyword_only(function) -> set[str]:
+    parameters = inspect.signature(function).parameters.values()
+    return {p.name for p in parameters if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+
+# docs/rounding.md, "Default rounding of each entry point": these take keyword-only rbits=, seed=
+# and offset=; the optimizers rbits= and seed= only; the QPyTorch names seed= only.
 @pytest.mark.parametrize("function", RANDOM_ENTRY_POINTS, ids=lambda f: f.__qualname__)
 def test_rbits_seed_and_offset_are_keyword_only(function):
     parameters = inspect.signature(function).parameters
     for name in ("rbits", "seed", "offset"):
         if name in parameters:
             assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, name
-    assert "seed" in parameters
+    if function in (lpsim.optim.SGD, lpsim.optim.AdamW):
+        assert {"rbits", "seed"} <= _keyword_only(function) and "offset" not in parameters
+    else:
+        assert {"rbits", "seed", "offset"} <= _keyword_only(function)
+
+
+def test_the_qpytorch_names_take_a_keyword_only_seed_alone():
+    for function in (lpsim.float_quantize, lpsim.fixed_point_quantize, lpsim.block_quantize):
+        assert _keyword_only(function) == {"seed"}, function.__qualname__
 
 
 def test_positional_seed_is_refused():
