@@ -3,6 +3,7 @@
 import contextlib
 import copy
 import io
+import math
 from dataclasses import replace
 from fractions import Fraction
 
@@ -1508,3 +1509,56 @@ def test_optim_lp_rounds_parameters_on_several_devices_with_the_streams_of_one_b
             p.detach(), lpsim.quantize(q.detach(), fmt, "stochastic", seed=seed, offset=i)
         )
     assert torch.equal(torch.get_rng_state(), after)  # one draw per phase, as on one device
+
+
+def _block_float_nearest(x: torch.Tensor, wl: int, dim, block_size) -> torch.Tensor:
+    """BlockFloat rounding to nearest, ties to even, from docs/formats.md, in Fractions: each
+    block's exponent e is that of its largest magnitude, its elements k * 2**(e - (wl - 2)) with
+    |k| <= 2**(wl - 1) - 1 (normal float32 values only)."""
+    out = x.double().clone()
+    if dim is not None:
+        blocks = [out.select(dim, i) for i in range(out.shape[dim])]
+    else:
+        rows = out.reshape(-1, out.shape[-1])
+        starts = range(0, out.shape[-1], block_size)
+        blocks = [row[c : c + block_size] for row in rows for c in starts]
+    top = 2 ** (wl - 1) - 1
+    for block in blocks:
+        flat = block.reshape(-1)
+        largest = max(abs(Fraction(v)) for v in flat.tolist())
+        if largest == 0:
+            continue
+        e = math.frexp(float(largest))[1] - 1
+        spacing = Fraction(2) ** (e - (wl - 2))
+        new = [
+            math.copysign(float(max(-top, min(top, round(Fraction(v) / spacing))) * spacing), v)
+            for v in flat.tolist()
+        ]
+        block.copy_(torch.tensor(new, dtype=torch.float64).reshape(block.shape))
+    return out.float()
+
+
+@pytest.mark.parametrize("sparse_dim", [2, 3])
+@pytest.mark.parametrize(
+    "fmt", [BlockFloat(4, 0), BlockFloat(4, 1), BlockFloat(4, 2), BlockFloat(4, block_size=2)]
+)
+def test_sparse_gradients_in_block_float_formats_are_rounded_with_the_blocks_of_their_dense_tensor(
+    fmt, sparse_dim
+):
+    """A BlockFloat gradient of a parameter whose gradient is sparse in two or all three of its
+    dimensions is rounded as the dense gradient is: one exponent per slice along dim (a sparse or
+    a dense one), or per block of consecutive elements along the last dimension. Before, the
+    stored values (a 1-D tensor when every dimension is sparse) were rounded as a tensor of their
+    own: a slice along a sparse dim held one entry, dim 2 of a gradient sparse in its first two
+    named the values' dimension 1, and blocks of 2 paired stored values that are not neighbours."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.zeros(3, 4, 6))
+    values = torch.randn(3, 4, 6) * torch.logspace(-3, 3, 6)
+    dense = torch.where(torch.rand(3, 4, 6) < 0.5, values, 0.0)  # +0 where nothing is stored
+    p.grad = dense.to_sparse(sparse_dim)
+    opt = OptimLP(torch.optim.SGD([p], lr=1.0), grad=(fmt, "nearest"))
+    opt.step()
+    expected = _block_float_nearest(dense, fmt.wl, fmt.dim, fmt.block_size)
+    grad = p.grad.coalesce()
+    assert_same_bits(grad.values(), expected[tuple(grad.indices())])  # to_dense would lose -0
+    assert_same_bits(p.detach(), 0.0 - expected)

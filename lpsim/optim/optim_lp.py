@@ -120,14 +120,16 @@ class _Batch:
         category: str = "",
     ) -> None:
         """add() for the values t holds (see _stored_values): for a coalesced sparse t, its
-        stored values rounded as the dense tensor it stands for is rounded. A Scaled format
-        whose blocks lie within each stored entry (blocks along a dense dimension, the whole
-        tensor, the whole sparse dimension) rounds the values themselves, its axis counted in
-        their dimensions; one whose blocks run across entries (blocks of n or tiles along a
-        sparse dimension) rounds the dense tensor (which an observer sees), whose values at the
-        stored positions are then written back."""
+        stored values rounded as the dense tensor it stands for is rounded. A Scaled or
+        BlockFloat format whose blocks are blocks of the values (see _values_format) rounds the
+        values themselves, its axis or dim counted in their dimensions; one whose blocks group
+        elements of several entries that the values do not hold side by side (blocks of n or
+        tiles along a sparse dimension, a BlockFloat's slices along one of several sparse
+        dimensions) rounds the dense tensor (which an observer sees), whose values at the stored
+        positions are then written back."""
         values = _stored_values(t)
-        if not (t.is_sparse and isinstance(quant, QuantSpec) and isinstance(quant.format, Scaled)):
+        blocked = isinstance(quant, QuantSpec) and isinstance(quant.format, (Scaled, BlockFloat))
+        if not (t.is_sparse and blocked):
             self.add(quant, values, parameter, category)
             return
         fmt = _values_format(quant.format, t)
@@ -257,17 +259,25 @@ def _stored_values(t: torch.Tensor) -> torch.Tensor:
     return t.values() if t.is_sparse else t
 
 
-def _values_format(fmt: Scaled, t: torch.Tensor) -> Scaled | None:
+def _values_format(fmt: Scaled | BlockFloat, t: torch.Tensor) -> Scaled | BlockFloat | None:
     """The format that rounds the stored values of the coalesced sparse tensor t, (entries,
     *dense dimensions), as ``fmt`` rounds the dense t at those positions, or None where fmt's
     blocks hold elements of several entries. Zeros do not change a block's largest magnitude, so
     a block of the dense t is a block of its stored elements: one per entry where the blocks run
     along a dense dimension (counted from the end, where the values have it too), or the tiles lie
     in the last two; one for the whole tensor; one for the whole sparse dimension of a tensor that
-    has one (the values' first)."""
+    has one (the values' first). A BlockFloat's slice along a dense dimension d is the values'
+    slice along their dimension d - sparse + 1; along the one sparse dimension, each entry's
+    slice of the values' first."""
+    ndim, sparse = t.dim(), t.sparse_dim()
+    if isinstance(fmt, BlockFloat):
+        if fmt.block_size is not None:
+            return fmt if ndim > sparse else None
+        if fmt.dim is None or sparse == 1:
+            return fmt
+        return replace(fmt, dim=fmt.dim - sparse + 1) if fmt.dim >= sparse else None
     if fmt.block == "tensor":
         return fmt
-    ndim, sparse = t.dim(), t.sparse_dim()
     if isinstance(fmt.block, tuple):
         return fmt if ndim - sparse >= 2 else None
     axis = fmt.axis % max(ndim, 1)
