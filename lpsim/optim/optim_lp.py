@@ -362,8 +362,9 @@ class OptimLP(Optimizer):
     1. gradient: multiplied by ``grad_scaling`` (every parameter's, so that a loss scale is undone
        everywhere), then quantised by ``grad`` (parameters whose .grad is None are skipped; a
        sparse gradient, as nn.Embedding(sparse=True) gives, is coalesced and its values, one per
-       stored entry, are quantised; a Scaled format rounds them with the blocks of the dense
-       gradient, whose blocks of rows or tiles hold only the stored rows that lie in them);
+       stored entry, are quantised; a Scaled or BlockFloat format rounds them with the blocks of
+       the dense gradient, whose blocks of rows, tiles or slices hold only the stored entries that
+       lie in them; a function gets the values tensor, (entries, *dense dimensions));
     2. with ``acc``: the parameter's high-precision accumulator (a copy of the weight in a
        container wide enough for ``acc``, float32 unless ``acc`` needs float64, as a Fixed
        without clamp does, itself rounded into ``acc``) takes the weight's place for the update;
