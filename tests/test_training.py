@@ -1562,3 +1562,24 @@ def test_sparse_gradients_in_block_float_formats_are_rounded_with_the_blocks_of_
     grad = p.grad.coalesce()
     assert_same_bits(grad.values(), expected[tuple(grad.indices())])  # to_dense would lose -0
     assert_same_bits(p.detach(), 0.0 - expected)
+
+
+@pytest.mark.parametrize("fmt", [BlockFloat(4, 0), BlockFloat(4, block_size=2)])
+def test_sparse_momentum_in_block_float_formats_is_rounded_with_the_blocks_of_its_dense_tensor(
+    fmt,
+):
+    """SGD's sparse momentum buffer of a gradient sparse in both dimensions (1-D values), rounded
+    by a BlockFloat momentum format, holds the dense buffer rounded with its blocks (rows, or
+    pairs of neighbours in a row). Before, the 1-D values were rounded as a tensor of their own:
+    each value its own block for dim=0, pairs of stored values that are not neighbours for
+    block_size=2."""
+    torch.manual_seed(1)
+    p = nn.Parameter(torch.zeros(4, 6))
+    values = torch.randn(4, 6) * torch.logspace(-3, 3, 6)
+    dense = torch.where(torch.rand(4, 6) < 0.5, values, 0.0)
+    p.grad = dense.to_sparse(2)
+    opt = OptimLP(torch.optim.SGD([p], lr=1.0, momentum=0.9), momentum=(fmt, "nearest"))
+    opt.step()
+    buffer = opt.optimizer.state[p]["momentum_buffer"].coalesce()
+    expected = _block_float_nearest(dense, fmt.wl, fmt.dim, fmt.block_size)
+    assert_same_bits(buffer.values(), expected[tuple(buffer.indices())])
