@@ -224,10 +224,11 @@ def test_a_resumed_optimizer_s_state_dict_and_later_groups_are_the_uninterrupted
     with pytest.raises(ValueError, match="lr"):
         opt.load_state_dict(refused)
     opt.add_param_group({"params": [extra]})
+    # The state_dict also says FusedAdam's decoupled in torch's name, decoupled_weight_decay.
     assert (
         opt.param_groups[-1].keys()
         == opt.param_groups[0].keys()
-        == straight["param_groups"][0].keys()
+        == straight["param_groups"][0].keys() - {"decoupled_weight_decay"}
     )
     assert resumed["state"].keys() == straight["state"].keys()
     for index, state in straight["state"].items():
@@ -279,6 +280,34 @@ def test_a_torch_optimizer_s_state_dict_loads_as_optimlp_loads_it(kind):
         for key in FusedSGD._RULE.states + FusedAdam._RULE.states:
             if key in reference.state[b]:
                 assert_same_bits(fused_opt.state[a][key], reference.state[b][key], f"{key} {i}")
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
+def test_a_fused_adam_state_dict_continues_in_torch_adam_with_its_weight_decay(decoupled):
+    """A FusedAdam's state_dict loaded into torch's Adam continues the run with the FusedAdam's
+    weight decay, L2 or decoupled, bit for bit as torch's Adam of that algorithm run
+    uninterrupted. (The saved groups said only ``decoupled``, which torch does not read: torch's
+    Adam took its default, L2 decay, and continued a decoupled run with it, silently. torch's
+    AdamW makes every loaded group decoupled, as it does a torch Adam's.)"""
+    hyper = dict(lr=1e-2, weight_decay=0.5)
+    trained, reference = _params(), _params()
+    whole = torch.optim.Adam(reference, foreach=False, decoupled_weight_decay=decoupled, **hyper)
+    first = FusedAdam(trained, decoupled=decoupled, **hyper)
+    for step in range(3):
+        _set_grads(step, trained)
+        _set_grads(step, reference)
+        first.step()
+        whole.step()
+    continued = torch.optim.Adam(trained, foreach=False, **hyper)
+    continued.load_state_dict(copy.deepcopy(first.state_dict()))
+    assert continued.param_groups[0]["decoupled_weight_decay"] is decoupled
+    for step in range(3, 7):
+        _set_grads(step, trained)
+        _set_grads(step, reference)
+        continued.step()
+        whole.step()
+    for i, (a, b) in enumerate(zip(trained, reference)):
+        assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
 
 
 @pytest.mark.parametrize("make", [FusedSGD, FusedAdam])

@@ -207,7 +207,7 @@ class _Fused(OwnOptions):
             TypeError / ValueError / NotImplementedError: a loaded group's option or format is
                 refused, as add_param_group refuses it (the optimizer keeps its state).
         """
-        kept = self.state_dict()
+        kept = super().state_dict()  # this optimizer's own, restored as it was
         super().load_state_dict(state_dict)
         try:
             for index, group in enumerate(self.param_groups):
@@ -689,10 +689,28 @@ class FusedAdam(_Fused):
         if group["amsgrad"] is not False:
             raise ValueError(f"amsgrad must be False: {type(self).__name__} has no amsgrad")
 
+    def state_dict(self) -> dict:
+        """torch's state_dict, each group's ``decoupled`` also saved as torch's
+        ``decoupled_weight_decay``: torch.optim.Adam (since torch 2.6) reads that option from a
+        loaded group and, where it is missing, takes its default, False, so that without it a
+        decoupled run continued by torch's Adam would switch to L2 decay silently. (torch's AdamW
+        makes every loaded group decoupled, as it does a torch Adam's.)"""
+        state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:
+            group["decoupled_weight_decay"] = group["decoupled"]
+        return state_dict
+
     def _options_of_torch_group(self, group: dict) -> None:
-        # torch.optim.AdamW's groups (and Adam's, since torch 2.6) say decoupled_weight_decay.
-        if "decoupled" not in group and "decoupled_weight_decay" in group:
-            group["decoupled"] = bool(group["decoupled_weight_decay"])
+        # torch.optim.AdamW's groups (and Adam's, since torch 2.6) say decoupled_weight_decay,
+        # and this optimizer's state_dict says it too (state_dict). Read into decoupled, it is
+        # dropped, so that a loaded group holds this optimizer's options only; where a group says
+        # both and they disagree, it is kept for _check_options to refuse.
+        torch_decoupled = group.get("decoupled_weight_decay")
+        if torch_decoupled is None:
+            return
+        group.setdefault("decoupled", bool(torch_decoupled))
+        if group["decoupled"] == bool(torch_decoupled):
+            del group["decoupled_weight_decay"]
 
     def _check_options(self, group: dict) -> None:
         for name in ("lr", "eps", "weight_decay"):
