@@ -1043,3 +1043,22 @@ def test_a_copy_of_an_optimizer_with_an_lr_scheduler_steps_the_copy_not_the_orig
     for a, b, c in zip(steps(*original), after_copy, steps(*untouched), strict=True):
         assert_same_bits(a, b)
         assert_same_bits(a, c)
+
+
+@pytest.mark.parametrize("make", [FusedSGD, FusedAdam])
+def test_a_gradient_whose_elements_share_memory_is_refused_before_the_step_changes_anything(make):
+    """A gradient made by expand() (a stride of 0) cannot be written in place: the step raises,
+    naming the parameter, and leaves every parameter, gradient and state as they were. (It raised
+    torch's error while writing the gradient back, after it had moved the parameters: a step
+    half done.)"""
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, 8)) for _ in range(2)]
+    opt = make(params, lr=0.1, grad_format=(Float(5, 2), "nearest"))
+    params[0].grad = torch.full((8,), 0.3)
+    params[1].grad = torch.tensor([0.3]).expand(8)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match="parameter 1 of group 0's gradient .* clone"):
+        opt.step()
+    for p, old in zip(params, before):
+        assert_same_bits(p.detach(), old)
+    assert_same_bits(params[0].grad, torch.full((8,), 0.3))
+    assert not opt.state

@@ -29,7 +29,9 @@ bit-exact on CUDA.
 
 Limits: float32 parameters only (other dtypes raise TypeError), CPU and CUDA devices only (others
 raise NotImplementedError), element formats (Float, Fixed, P3109) only, Adam without amsgrad, no
-closure re-evaluation at accumulator values (the closure runs first, as torch's optimizers run it).
+closure re-evaluation at accumulator values (the closure runs first, as torch's optimizers run it),
+no parameter or gradient whose elements share memory (expand()'s: RuntimeError before the step
+changes anything; the step writes both in place).
 """
 
 from __future__ import annotations
@@ -240,6 +242,15 @@ class _Fused(OwnOptions):
             for i, p in enumerate(group["params"]):
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                for what, t in (("", p), ("'s gradient", p.grad)):
+                    if t is not None and _shares_memory_locations(t):
+                        # Checked before the step changes anything: the op wrote the parameters
+                        # before torch refused to write such a gradient back.
+                        raise RuntimeError(
+                            f"parameter {i} of group {index}{what} has elements that share one "
+                            "memory location (a stride of 0, as expand() gives): the fused step "
+                            "writes it in place; clone() it first"
+                        )
                 if group_spec[_ACC] is not None and "accumulator" not in self.state[p]:
                     # Else the step would update the weight itself, as without acc_format.
                     raise ValueError(
@@ -449,6 +460,12 @@ def _contiguous(tensors: list[torch.Tensor], staged: list) -> list[torch.Tensor]
             t = copy
         out.append(t)
     return out
+
+
+def _shares_memory_locations(t: torch.Tensor) -> bool:
+    """Whether several elements of t are one element of its storage (a stride of 0 along a
+    dimension of size > 1, as expand() gives)."""
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
 
 
 def _round_deferred(t: torch.Tensor, spec: QuantSpec, seeds: dict, category: str, offset: int):
