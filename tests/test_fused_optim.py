@@ -1062,3 +1062,28 @@ def test_a_gradient_whose_elements_share_memory_is_refused_before_the_step_chang
         assert_same_bits(p.detach(), old)
     assert_same_bits(params[0].grad, torch.full((8,), 0.3))
     assert not opt.state
+
+
+@pytest.mark.parametrize("momentum, state_format", [(0.0, Float(5, 2)), (0.0, None), (0.9, None)])
+def test_a_none_momentum_buffer_in_a_loaded_state_steps_as_torch_sgd(momentum, state_format):
+    """torch.optim.SGD before torch 2.0 saved ``momentum_buffer: None`` with momentum 0. Such a
+    state_dict loaded into FusedSGD continues as torch's SGD continues it, a step without a
+    gradient included. (The step passed the None to the op: AttributeError.)"""
+    saved_state = {i: {"momentum_buffer": None} for i in range(len(_params()))}
+
+    def run(make):
+        params = _params()
+        opt = make(params)
+        saved = opt.state_dict()
+        saved["state"] = copy.deepcopy(saved_state)
+        opt.load_state_dict(saved)
+        for step in range(4):
+            _set_grads(step, params, skip=1 if step == 2 else None)
+            opt.step()
+        return params
+
+    hyper = dict(lr=0.1, momentum=momentum, weight_decay=1e-2)
+    want = run(lambda ps: torch.optim.SGD(ps, foreach=False, **hyper))
+    got = run(lambda ps: FusedSGD(ps, state_format=state_format, **hyper))
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a.detach(), b.detach(), f"parameter {i}")

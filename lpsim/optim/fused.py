@@ -323,6 +323,13 @@ def fused_step(
             )
 
 
+def _held(state: dict, key: str) -> torch.Tensor | None:
+    """The state tensor ``state[key]``, or None where there is none: a missing key, or a None
+    value (torch.optim.SGD before torch 2.0 kept ``momentum_buffer: None`` with momentum 0, and its
+    checkpoints load so), which torch's step and OptimLP's rounding pass over."""
+    return state.get(key)
+
+
 def plan_streams(params: list, specs: dict, state: dict, state_keys: tuple[str, ...]):
     """OptimLP's random streams for one step of ``params`` (in parameter order): the stream offset
     of each rounded tensor (five slots per parameter: gradient, the states in ``state_keys``
@@ -340,7 +347,12 @@ def plan_streams(params: list, specs: dict, state: dict, state_keys: tuple[str, 
         rounded = [
             ("grad", grad_spec, 0, grad_spec is not None and p.grad is not None),
             *[
-                ("state", state_spec, 1 + i, state_spec is not None and key in kept)
+                (
+                    "state",
+                    state_spec,
+                    1 + i,
+                    state_spec is not None and _held(kept, key) is not None,
+                )
                 for i, key in enumerate(state_keys)
             ],
             ("acc", acc_spec, 3, acc_spec is not None),
@@ -388,7 +400,8 @@ def run_step(
     for p in params:
         kept = state.get(p, {})
         grads.append(p.grad if p.grad is not None else empty)
-        found = [kept.get(key, empty) for key in state_keys] + [empty, empty]
+        found = [_held(kept, key) for key in state_keys] + [None, None]
+        found = [t if t is not None else empty for t in found]
         states1.append(found[0])
         states2.append(found[1])
         acc = accumulators.get(p) if accumulators is not None else kept.get("accumulator")
@@ -440,7 +453,7 @@ def run_step(
         for p in params:
             kept = state.get(p, {})
             for slot, key in enumerate(state_keys, start=1):
-                if key in kept:
+                if _held(kept, key) is not None:
                     _round_deferred(kept[key], deferred["state"], seeds, "state", offsets[p][slot])
     if "weight" in deferred:
         for p in params:
