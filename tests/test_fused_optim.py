@@ -1087,3 +1087,35 @@ def test_a_none_momentum_buffer_in_a_loaded_state_steps_as_torch_sgd(momentum, s
     got = run(lambda ps: FusedSGD(ps, state_format=state_format, **hyper))
     for i, (a, b) in enumerate(zip(got, want)):
         assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
+
+
+def test_an_adam_state_dict_with_numeric_step_counts_steps_as_torch_adam():
+    """torch's Adam saved its step counts as Python numbers before torch 1.12. Such a state_dict
+    loaded into FusedAdam continues as torch's Adam continues it (which makes them tensors when it
+    loads them), a parameter without a gradient included. (The step called .item() on the int:
+    AttributeError.)"""
+
+    def run(make):
+        params = _params()
+        opt = make(params)
+        saved = opt.state_dict()
+        saved["state"] = {
+            i: {
+                "step": 3,
+                "exp_avg": torch.full(p.shape, 0.1),
+                "exp_avg_sq": torch.full(p.shape, 0.01),
+            }
+            for i, p in enumerate(params)
+        }
+        opt.load_state_dict(saved)
+        for step in range(3):
+            _set_grads(step, params, skip=1 if step == 0 else None)
+            opt.step()
+        return params, opt
+
+    hyper = dict(lr=1e-2, weight_decay=1e-2)
+    want, reference = run(lambda ps: torch.optim.AdamW(ps, foreach=False, **hyper))
+    got, fused_opt = run(lambda ps: FusedAdam(ps, **hyper))
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
+        assert_same_bits(fused_opt.state[a]["step"], reference.state[b]["step"], f"step {i}")

@@ -519,13 +519,18 @@ def sgd_scalars(group: dict) -> list[float]:
     ]
 
 
+def adam_step_count(step: float) -> torch.Tensor:
+    """torch.optim.Adam's (not fused) step count ``step``: a 0-d tensor, float64 where that is
+    the default dtype, else float32."""
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.tensor(float(step), dtype=dtype)
+
+
 def adam_init_state(group: dict, p: torch.Tensor, state: dict) -> None:
     """torch.optim.Adam's state of a parameter with a gradient, in its order, and its step count
     advanced."""
     if "step" not in state:
-        # torch.optim.Adam's (not fused) step count: float64 where that is the default dtype.
-        dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-        state["step"] = torch.tensor(0.0, dtype=dtype)
+        state["step"] = adam_step_count(0)
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     state["step"] += 1
@@ -713,6 +718,15 @@ class FusedAdam(_Fused):
             weight_format=weight_format,
         )
         super().__init__(params, defaults, formats, grad_scaling, rounding)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # torch's Adam saved its step counts as numbers before torch 1.12; its __setstate__ (run
+        # by load_state_dict) makes them tensors, as this optimizer's step reads them.
+        for kept in self.state.values():
+            step = kept.get("step")
+            if step is not None and not torch.is_tensor(step):
+                kept["step"] = adam_step_count(step)
 
     def _refuse_unsupported(self, group: dict) -> None:
         super()._refuse_unsupported(group)
