@@ -1119,3 +1119,39 @@ def test_an_adam_state_dict_with_numeric_step_counts_steps_as_torch_adam():
     for i, (a, b) in enumerate(zip(got, want)):
         assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
         assert_same_bits(fused_opt.state[a]["step"], reference.state[b]["step"], f"step {i}")
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_a_torch_state_dict_without_later_options_steps_as_torch_loads_it(kind):
+    """A torch SGD's or Adam's state_dict saved before torch had ``maximize`` (and SGD's
+    ``nesterov``) continues in a fused optimizer made with them on as in torch's optimizer made
+    with them on: torch gives a loaded group that lacks them its defaults, off (the saved run
+    ran without them). (The fused optimizers took their constructor's values: a run continued
+    maximising, silently.)"""
+    if kind == "sgd":
+        hyper = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=1e-2)
+        on = dict(nesterov=True, maximize=True)
+    else:
+        hyper = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False)
+        on = dict(maximize=True)
+    old = {"state": {}, "param_groups": [{**hyper, "params": list(range(len(_params())))}]}
+    old["param_groups"][0].pop("amsgrad", None)
+
+    def run(make):
+        params = _params()
+        opt = make(params)
+        opt.load_state_dict(copy.deepcopy(old))
+        for step in range(3):
+            _set_grads(step, params)
+            opt.step()
+        return params, opt
+
+    torch_kind = torch.optim.SGD if kind == "sgd" else torch.optim.Adam
+    want, _ = run(lambda ps: torch_kind(ps, foreach=False, **hyper, **on))
+    if kind == "sgd":
+        got, opt = run(lambda ps: FusedSGD(ps, **hyper, **on))
+    else:
+        got, opt = run(lambda ps: FusedAdam(ps, decoupled=False, **hyper, **on))
+    assert not any(opt.param_groups[0][key] for key in on)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a.detach(), b.detach(), f"parameter {i}")

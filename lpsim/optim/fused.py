@@ -81,6 +81,9 @@ class _Fused(OwnOptions):
     OptimLP's batches, and the call of the compiled step."""
 
     _RULE: StepRule  # the step arithmetic
+    # The torch optimizer's options that a group of its state_dict may lack (saved by a torch
+    # that did not have them), with the value torch's __setstate__ then gives them.
+    _TORCH_DEFAULTS: dict = {}
 
     grad_scaling = positive_finite_attribute(
         "grad_scaling",
@@ -200,10 +203,13 @@ class _Fused(OwnOptions):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state_dict of this optimizer, or of the torch optimizer it fuses (SGD, Adam or
         AdamW), as OptimLP loads one: the saved options apply (AdamW's decoupled_weight_decay as
-        ``decoupled``), options and formats a saved group lacks take this optimizer's constructor
-        values, and a parameter of a group with ``acc_format`` whose state holds no accumulator
-        starts one from its current weight. The saved groups' options and formats replace this
-        optimizer's; ``grad_scaling``, which the state_dict does not hold, stays this optimizer's.
+        ``decoupled``), torch's options that its older versions did not save (SGD's nesterov and
+        maximize, Adam's amsgrad and maximize) take torch's defaults where a saved group lacks
+        them, as torch's __setstate__ gives them (the saved run ran without them), other options
+        and formats a saved group lacks take this optimizer's constructor values, and a parameter
+        of a group with ``acc_format`` whose state holds no accumulator starts one from its
+        current weight. The saved groups' options and formats replace this optimizer's;
+        ``grad_scaling``, which the state_dict does not hold, stays this optimizer's.
 
         Raises:
             TypeError / ValueError / NotImplementedError: a loaded group's option or format is
@@ -214,6 +220,8 @@ class _Fused(OwnOptions):
         try:
             for index, group in enumerate(self.param_groups):
                 self._options_of_torch_group(group)
+                for key, value in self._TORCH_DEFAULTS.items():
+                    group.setdefault(key, value)
                 for key, value in self.defaults.items():
                     group.setdefault(key, value)
                 self._check_group(group, index)
@@ -616,6 +624,7 @@ class FusedSGD(_Fused):
     """
 
     _RULE = SGD_RULE
+    _TORCH_DEFAULTS = {"nesterov": False, "maximize": False}
 
     def __init__(
         self,
@@ -683,6 +692,7 @@ class FusedAdam(_Fused):
     """
 
     _RULE = adam_rule("decoupled", True)
+    _TORCH_DEFAULTS = {"amsgrad": False, "maximize": False}
 
     def __init__(
         self,
