@@ -224,10 +224,11 @@ def test_a_resumed_optimizer_s_state_dict_and_later_groups_are_the_uninterrupted
     with pytest.raises(ValueError, match="lr"):
         opt.load_state_dict(refused)
     opt.add_param_group({"params": [extra]})
+    # The state_dict also says FusedAdam's decoupled in torch's name, decoupled_weight_decay.
     assert (
         opt.param_groups[-1].keys()
         == opt.param_groups[0].keys()
-        == straight["param_groups"][0].keys()
+        == straight["param_groups"][0].keys() - {"decoupled_weight_decay"}
     )
     assert resumed["state"].keys() == straight["state"].keys()
     for index, state in straight["state"].items():
@@ -279,6 +280,34 @@ def test_a_torch_optimizer_s_state_dict_loads_as_optimlp_loads_it(kind):
         for key in FusedSGD._RULE.states + FusedAdam._RULE.states:
             if key in reference.state[b]:
                 assert_same_bits(fused_opt.state[a][key], reference.state[b][key], f"{key} {i}")
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam_l2"])
+def test_a_fused_adam_state_dict_continues_in_torch_adam_with_its_weight_decay(decoupled):
+    """A FusedAdam's state_dict loaded into torch's Adam continues the run with the FusedAdam's
+    weight decay, L2 or decoupled, bit for bit as torch's Adam of that algorithm run
+    uninterrupted. (The saved groups said only ``decoupled``, which torch does not read: torch's
+    Adam took its default, L2 decay, and continued a decoupled run with it, silently. torch's
+    AdamW makes every loaded group decoupled, as it does a torch Adam's.)"""
+    hyper = dict(lr=1e-2, weight_decay=0.5)
+    trained, reference = _params(), _params()
+    whole = torch.optim.Adam(reference, foreach=False, decoupled_weight_decay=decoupled, **hyper)
+    first = FusedAdam(trained, decoupled=decoupled, **hyper)
+    for step in range(3):
+        _set_grads(step, trained)
+        _set_grads(step, reference)
+        first.step()
+        whole.step()
+    continued = torch.optim.Adam(trained, foreach=False, **hyper)
+    continued.load_state_dict(copy.deepcopy(first.state_dict()))
+    assert continued.param_groups[0]["decoupled_weight_decay"] is decoupled
+    for step in range(3, 7):
+        _set_grads(step, trained)
+        _set_grads(step, reference)
+        continued.step()
+        whole.step()
+    for i, (a, b) in enumerate(zip(trained, reference)):
+        assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
 
 
 @pytest.mark.parametrize("make", [FusedSGD, FusedAdam])
@@ -1014,3 +1043,115 @@ def test_a_copy_of_an_optimizer_with_an_lr_scheduler_steps_the_copy_not_the_orig
     for a, b, c in zip(steps(*original), after_copy, steps(*untouched), strict=True):
         assert_same_bits(a, b)
         assert_same_bits(a, c)
+
+
+@pytest.mark.parametrize("make", [FusedSGD, FusedAdam])
+def test_a_gradient_whose_elements_share_memory_is_refused_before_the_step_changes_anything(make):
+    """A gradient made by expand() (a stride of 0) cannot be written in place: the step raises,
+    naming the parameter, and leaves every parameter, gradient and state as they were. (It raised
+    torch's error while writing the gradient back, after it had moved the parameters: a step
+    half done.)"""
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, 8)) for _ in range(2)]
+    opt = make(params, lr=0.1, grad_format=(Float(5, 2), "nearest"))
+    params[0].grad = torch.full((8,), 0.3)
+    params[1].grad = torch.tensor([0.3]).expand(8)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match="parameter 1 of group 0's gradient .* clone"):
+        opt.step()
+    for p, old in zip(params, before):
+        assert_same_bits(p.detach(), old)
+    assert_same_bits(params[0].grad, torch.full((8,), 0.3))
+    assert not opt.state
+
+
+@pytest.mark.parametrize("momentum, state_format", [(0.0, Float(5, 2)), (0.0, None), (0.9, None)])
+def test_a_none_momentum_buffer_in_a_loaded_state_steps_as_torch_sgd(momentum, state_format):
+    """torch.optim.SGD before torch 2.0 saved ``momentum_buffer: None`` with momentum 0. Such a
+    state_dict loaded into FusedSGD continues as torch's SGD continues it, a step without a
+    gradient included. (The step passed the None to the op: AttributeError.)"""
+    saved_state = {i: {"momentum_buffer": None} for i in range(len(_params()))}
+
+    def run(make):
+        params = _params()
+        opt = make(params)
+        saved = opt.state_dict()
+        saved["state"] = copy.deepcopy(saved_state)
+        opt.load_state_dict(saved)
+        for step in range(4):
+            _set_grads(step, params, skip=1 if step == 2 else None)
+            opt.step()
+        return params
+
+    hyper = dict(lr=0.1, momentum=momentum, weight_decay=1e-2)
+    want = run(lambda ps: torch.optim.SGD(ps, foreach=False, **hyper))
+    got = run(lambda ps: FusedSGD(ps, state_format=state_format, **hyper))
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
+
+
+def test_an_adam_state_dict_with_numeric_step_counts_steps_as_torch_adam():
+    """torch's Adam saved its step counts as Python numbers before torch 1.12. Such a state_dict
+    loaded into FusedAdam continues as torch's Adam continues it (which makes them tensors when it
+    loads them), a parameter without a gradient included. (The step called .item() on the int:
+    AttributeError.)"""
+
+    def run(make):
+        params = _params()
+        opt = make(params)
+        saved = opt.state_dict()
+        saved["state"] = {
+            i: {
+                "step": 3,
+                "exp_avg": torch.full(p.shape, 0.1),
+                "exp_avg_sq": torch.full(p.shape, 0.01),
+            }
+            for i, p in enumerate(params)
+        }
+        opt.load_state_dict(saved)
+        for step in range(3):
+            _set_grads(step, params, skip=1 if step == 0 else None)
+            opt.step()
+        return params, opt
+
+    hyper = dict(lr=1e-2, weight_decay=1e-2)
+    want, reference = run(lambda ps: torch.optim.AdamW(ps, foreach=False, **hyper))
+    got, fused_opt = run(lambda ps: FusedAdam(ps, **hyper))
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
+        assert_same_bits(fused_opt.state[a]["step"], reference.state[b]["step"], f"step {i}")
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam"])
+def test_a_torch_state_dict_without_later_options_steps_as_torch_loads_it(kind):
+    """A torch SGD's or Adam's state_dict saved before torch had ``maximize`` (and SGD's
+    ``nesterov``) continues in a fused optimizer made with them on as in torch's optimizer made
+    with them on: torch gives a loaded group that lacks them its defaults, off (the saved run
+    ran without them). (The fused optimizers took their constructor's values: a run continued
+    maximising, silently.)"""
+    if kind == "sgd":
+        hyper = dict(lr=0.1, momentum=0.9, dampening=0.0, weight_decay=1e-2)
+        on = dict(nesterov=True, maximize=True)
+    else:
+        hyper = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False)
+        on = dict(maximize=True)
+    old = {"state": {}, "param_groups": [{**hyper, "params": list(range(len(_params())))}]}
+    old["param_groups"][0].pop("amsgrad", None)
+
+    def run(make):
+        params = _params()
+        opt = make(params)
+        opt.load_state_dict(copy.deepcopy(old))
+        for step in range(3):
+            _set_grads(step, params)
+            opt.step()
+        return params, opt
+
+    torch_kind = torch.optim.SGD if kind == "sgd" else torch.optim.Adam
+    want, _ = run(lambda ps: torch_kind(ps, foreach=False, **hyper, **on))
+    if kind == "sgd":
+        got, opt = run(lambda ps: FusedSGD(ps, **hyper, **on))
+    else:
+        got, opt = run(lambda ps: FusedAdam(ps, decoupled=False, **hyper, **on))
+    assert not any(opt.param_groups[0][key] for key in on)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a.detach(), b.detach(), f"parameter {i}")

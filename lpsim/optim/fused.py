@@ -29,7 +29,9 @@ bit-exact on CUDA.
 
 Limits: float32 parameters only (other dtypes raise TypeError), CPU and CUDA devices only (others
 raise NotImplementedError), element formats (Float, Fixed, P3109) only, Adam without amsgrad, no
-closure re-evaluation at accumulator values (the closure runs first, as torch's optimizers run it).
+closure re-evaluation at accumulator values (the closure runs first, as torch's optimizers run it),
+no parameter or gradient whose elements share memory (expand()'s: RuntimeError before the step
+changes anything; the step writes both in place).
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ class _Fused(OwnOptions):
     OptimLP's batches, and the call of the compiled step."""
 
     _RULE: StepRule  # the step arithmetic
+    # The torch optimizer's options that a group of its state_dict may lack (saved by a torch
+    # that did not have them), with the value torch's __setstate__ then gives them.
+    _TORCH_DEFAULTS: dict = {}
 
     grad_scaling = positive_finite_attribute(
         "grad_scaling",
@@ -198,20 +203,25 @@ class _Fused(OwnOptions):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state_dict of this optimizer, or of the torch optimizer it fuses (SGD, Adam or
         AdamW), as OptimLP loads one: the saved options apply (AdamW's decoupled_weight_decay as
-        ``decoupled``), options and formats a saved group lacks take this optimizer's constructor
-        values, and a parameter of a group with ``acc_format`` whose state holds no accumulator
-        starts one from its current weight. The saved groups' options and formats replace this
-        optimizer's; ``grad_scaling``, which the state_dict does not hold, stays this optimizer's.
+        ``decoupled``), torch's options that its older versions did not save (SGD's nesterov and
+        maximize, Adam's amsgrad and maximize) take torch's defaults where a saved group lacks
+        them, as torch's __setstate__ gives them (the saved run ran without them), other options
+        and formats a saved group lacks take this optimizer's constructor values, and a parameter
+        of a group with ``acc_format`` whose state holds no accumulator starts one from its
+        current weight. The saved groups' options and formats replace this optimizer's;
+        ``grad_scaling``, which the state_dict does not hold, stays this optimizer's.
 
         Raises:
             TypeError / ValueError / NotImplementedError: a loaded group's option or format is
                 refused, as add_param_group refuses it (the optimizer keeps its state).
         """
-        kept = self.state_dict()
+        kept = super().state_dict()  # this optimizer's own, restored as it was
         super().load_state_dict(state_dict)
         try:
             for index, group in enumerate(self.param_groups):
                 self._options_of_torch_group(group)
+                for key, value in self._TORCH_DEFAULTS.items():
+                    group.setdefault(key, value)
                 for key, value in self.defaults.items():
                     group.setdefault(key, value)
                 self._check_group(group, index)
@@ -240,6 +250,15 @@ class _Fused(OwnOptions):
             for i, p in enumerate(group["params"]):
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                for what, t in (("", p), ("'s gradient", p.grad)):
+                    if t is not None and _shares_memory_locations(t):
+                        # Checked before the step changes anything: the op wrote the parameters
+                        # before torch refused to write such a gradient back.
+                        raise RuntimeError(
+                            f"parameter {i} of group {index}{what} has elements that share one "
+                            "memory location (a stride of 0, as expand() gives): the fused step "
+                            "writes it in place; clone() it first"
+                        )
                 if group_spec[_ACC] is not None and "accumulator" not in self.state[p]:
                     # Else the step would update the weight itself, as without acc_format.
                     raise ValueError(
@@ -312,6 +331,13 @@ def fused_step(
             )
 
 
+def _held(state: dict, key: str) -> torch.Tensor | None:
+    """The state tensor ``state[key]``, or None where there is none: a missing key, or a None
+    value (torch.optim.SGD before torch 2.0 kept ``momentum_buffer: None`` with momentum 0, and its
+    checkpoints load so), which torch's step and OptimLP's rounding pass over."""
+    return state.get(key)
+
+
 def plan_streams(params: list, specs: dict, state: dict, state_keys: tuple[str, ...]):
     """OptimLP's random streams for one step of ``params`` (in parameter order): the stream offset
     of each rounded tensor (five slots per parameter: gradient, the states in ``state_keys``
@@ -329,7 +355,12 @@ def plan_streams(params: list, specs: dict, state: dict, state_keys: tuple[str, 
         rounded = [
             ("grad", grad_spec, 0, grad_spec is not None and p.grad is not None),
             *[
-                ("state", state_spec, 1 + i, state_spec is not None and key in kept)
+                (
+                    "state",
+                    state_spec,
+                    1 + i,
+                    state_spec is not None and _held(kept, key) is not None,
+                )
                 for i, key in enumerate(state_keys)
             ],
             ("acc", acc_spec, 3, acc_spec is not None),
@@ -377,7 +408,8 @@ def run_step(
     for p in params:
         kept = state.get(p, {})
         grads.append(p.grad if p.grad is not None else empty)
-        found = [kept.get(key, empty) for key in state_keys] + [empty, empty]
+        found = [_held(kept, key) for key in state_keys] + [None, None]
+        found = [t if t is not None else empty for t in found]
         states1.append(found[0])
         states2.append(found[1])
         acc = accumulators.get(p) if accumulators is not None else kept.get("accumulator")
@@ -429,7 +461,7 @@ def run_step(
         for p in params:
             kept = state.get(p, {})
             for slot, key in enumerate(state_keys, start=1):
-                if key in kept:
+                if _held(kept, key) is not None:
                     _round_deferred(kept[key], deferred["state"], seeds, "state", offsets[p][slot])
     if "weight" in deferred:
         for p in params:
@@ -449,6 +481,12 @@ def _contiguous(tensors: list[torch.Tensor], staged: list) -> list[torch.Tensor]
             t = copy
         out.append(t)
     return out
+
+
+def _shares_memory_locations(t: torch.Tensor) -> bool:
+    """Whether several elements of t are one element of its storage (a stride of 0 along a
+    dimension of size > 1, as expand() gives)."""
+    return any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride()))
 
 
 def _round_deferred(t: torch.Tensor, spec: QuantSpec, seeds: dict, category: str, offset: int):
@@ -489,13 +527,18 @@ def sgd_scalars(group: dict) -> list[float]:
     ]
 
 
+def adam_step_count(step: float) -> torch.Tensor:
+    """torch.optim.Adam's (not fused) step count ``step``: a 0-d tensor, float64 where that is
+    the default dtype, else float32."""
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    return torch.tensor(float(step), dtype=dtype)
+
+
 def adam_init_state(group: dict, p: torch.Tensor, state: dict) -> None:
     """torch.optim.Adam's state of a parameter with a gradient, in its order, and its step count
     advanced."""
     if "step" not in state:
-        # torch.optim.Adam's (not fused) step count: float64 where that is the default dtype.
-        dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-        state["step"] = torch.tensor(0.0, dtype=dtype)
+        state["step"] = adam_step_count(0)
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     state["step"] += 1
@@ -581,6 +624,7 @@ class FusedSGD(_Fused):
     """
 
     _RULE = SGD_RULE
+    _TORCH_DEFAULTS = {"nesterov": False, "maximize": False}
 
     def __init__(
         self,
@@ -648,6 +692,7 @@ class FusedAdam(_Fused):
     """
 
     _RULE = adam_rule("decoupled", True)
+    _TORCH_DEFAULTS = {"amsgrad": False, "maximize": False}
 
     def __init__(
         self,
@@ -684,15 +729,42 @@ class FusedAdam(_Fused):
         )
         super().__init__(params, defaults, formats, grad_scaling, rounding)
 
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        # torch's Adam saved its step counts as numbers before torch 1.12; its __setstate__ (run
+        # by load_state_dict) makes them tensors, as this optimizer's step reads them.
+        for kept in self.state.values():
+            step = kept.get("step")
+            if step is not None and not torch.is_tensor(step):
+                kept["step"] = adam_step_count(step)
+
     def _refuse_unsupported(self, group: dict) -> None:
         super()._refuse_unsupported(group)
         if group["amsgrad"] is not False:
             raise ValueError(f"amsgrad must be False: {type(self).__name__} has no amsgrad")
 
+    def state_dict(self) -> dict:
+        """torch's state_dict, each group's ``decoupled`` also saved as torch's
+        ``decoupled_weight_decay``: torch.optim.Adam (since torch 2.6) reads that option from a
+        loaded group and, where it is missing, takes its default, False, so that without it a
+        decoupled run continued by torch's Adam would switch to L2 decay silently. (torch's AdamW
+        makes every loaded group decoupled, as it does a torch Adam's.)"""
+        state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:
+            group["decoupled_weight_decay"] = group["decoupled"]
+        return state_dict
+
     def _options_of_torch_group(self, group: dict) -> None:
-        # torch.optim.AdamW's groups (and Adam's, since torch 2.6) say decoupled_weight_decay.
-        if "decoupled" not in group and "decoupled_weight_decay" in group:
-            group["decoupled"] = bool(group["decoupled_weight_decay"])
+        # torch.optim.AdamW's groups (and Adam's, since torch 2.6) say decoupled_weight_decay,
+        # and this optimizer's state_dict says it too (state_dict). Read into decoupled, it is
+        # dropped, so that a loaded group holds this optimizer's options only; where a group says
+        # both and they disagree, it is kept for _check_options to refuse.
+        torch_decoupled = group.get("decoupled_weight_decay")
+        if torch_decoupled is None:
+            return
+        group.setdefault("decoupled", bool(torch_decoupled))
+        if group["decoupled"] == bool(torch_decoupled):
+            del group["decoupled_weight_decay"]
 
     def _check_options(self, group: dict) -> None:
         for name in ("lr", "eps", "weight_decay"):
