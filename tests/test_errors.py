@@ -710,3 +710,16 @@ def test_an_error_only_quantizer_refuses_a_tensor_whose_gradient_it_cannot_round
         round_errors(x).backward(torch.full((3,), 0.3, dtype=dtype))
         # 0.3 lies between 0.25 and 0.3125 of Float(5, 2), above their midpoint 0.28125
         assert torch.equal(x.grad, torch.full((3,), 0.3125, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+def test_a_quantizer_takes_only_float_tensors_where_it_has_a_format(dtype):
+    # quantizer()'s docstring: with a forward or a backward format only the four float
+    # containers are taken (TypeError naming x); with neither, any tensor passes through.
+    x = torch.ones(3, dtype=dtype)
+    for spec in ({"forward": Float(5, 2)}, {"backward": Float(5, 2)}):
+        for make in (lpsim.nn.quantizer, lpsim.nn.Quantizer):
+            with pytest.raises(TypeError, match="x must be a float32"):
+                make(**spec)(x)
+    for make in (lpsim.nn.quantizer, lpsim.nn.Quantizer):
+        assert make()(x) is x or torch.equal(make()(x), x)

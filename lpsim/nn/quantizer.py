@@ -388,9 +388,10 @@ def quantizer(
     makes forward and backward reproducible. The function has no train/eval mode: the Quantizer
     module and lpsim.nn.inject() switch to deterministic rounding in eval mode.
 
-    The function takes a float32, float64, bfloat16 or float16 tensor, with or without a
-    forward format (TypeError otherwise, when it is called: an integer or complex tensor has no
-    gradient that a backward format rounds).
+    Given a forward or a backward format, the function takes a float32, float64, bfloat16 or
+    float16 tensor (TypeError otherwise, when it is called: an integer or complex tensor has no
+    gradient that a backward format rounds); given neither, it rounds nothing and passes any
+    tensor through, its gradient through the backward hooks.
 
     Raises:
         TypeError: a spec is malformed; clamp_grad_zero is not a bool; a backward hook is not
