@@ -6,6 +6,7 @@ one rename."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import hashlib
 import math
@@ -26,6 +27,8 @@ __all__ = [
     "weights_digest",
     "rank_digests",
     "sum_gradients",
+    "threads_kept",
+    "process_group",
     "rng_state",
     "rng_device_type",
     "set_rng_state",
@@ -104,6 +107,33 @@ def sum_gradients(process_group, bucket):  # (torch checks the annotations: none
     group = process_group if process_group is not None else dist.group.WORLD
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
     return work.get_future().then(lambda future: future.value()[0])
+
+
+@contextlib.contextmanager
+def threads_kept():
+    """Context: the caller's CPU thread count (torch.get_num_threads) put back on exit, so that a
+    trainer may set its run's own count and a caller in the same process keeps its setting."""
+    caller = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(caller)
+
+
+@contextlib.contextmanager
+def process_group(device: torch.device, distributed: bool):
+    """Context: with ``distributed``, torch.distributed's default process group (NCCL on a CUDA
+    ``device``, made the current device; gloo on the CPU), destroyed on exit; else nothing."""
+    if not distributed:
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def weights_digest(model: nn.Module) -> int:

@@ -44,11 +44,13 @@ from experiments.runs import (
     choose_device,
     positive_float,
     positive_int,
+    process_group,
     rank_digests,
     rng_device_type,
     rng_state,
     seed_int,
     set_rng_state,
+    threads_kept,
     write_atomically,
     write_csv,
 )
@@ -645,20 +647,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             f"could not {'fetch CIFAR10 into' if args.download else 'read CIFAR10 from'} "
             f"{args.data_dir}: {error}"
         )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(run.threads)
-    try:
-        if not run.distributed:
+    with threads_kept():
+        torch.set_num_threads(run.threads)
+        with process_group(run.device, run.distributed):
             return train(run, *data)
-        if run.device.type == "cuda":
-            torch.cuda.set_device(run.device)
-        dist.init_process_group("nccl" if run.device.type == "cuda" else "gloo")
-        try:
-            return train(run, *data)
-        finally:
-            dist.destroy_process_group()
-    finally:
-        torch.set_num_threads(threads)  # a caller in the same process keeps its setting
 
 
 if __name__ == "__main__":

@@ -81,11 +81,13 @@ from experiments.runs import (
     choose_device,
     positive_float,
     positive_int,
+    process_group,
     rank_digests,
     rng_device_type,
     rng_state,
     set_rng_state,
     sum_gradients,
+    threads_kept,
     write_atomically,
 )
 
@@ -792,24 +794,14 @@ def main(argv: list[str] | None = None):
         p.error("--recipe is required (see --list-recipes)")
     if args.recipe != ALL and args.recipe not in RECIPES:
         p.error(f"unknown recipe {args.recipe!r}; choose from {', '.join(RECIPES)}, or {ALL}")
-    caller_threads = torch.get_num_threads()
-    try:
+    with threads_kept():
         threads = args.threads or (SHORT_THREADS if args.short else None)
         if threads is not None:
             torch.set_num_threads(threads)
         session = Session(args, p, load_corpus())
         runs = plan(session)
-        if session.distributed:
-            if session.device.type == "cuda":
-                torch.cuda.set_device(session.device)
-            dist.init_process_group("nccl" if session.device.type == "cuda" else "gloo")
-        try:
+        with process_group(session.device, session.distributed):
             histories = run_all(session, runs)
-        finally:
-            if session.distributed:
-                dist.destroy_process_group()
-    finally:
-        torch.set_num_threads(caller_threads)  # a caller in the same process keeps its setting
     return histories if args.recipe == ALL else histories[args.recipe]
 
 
