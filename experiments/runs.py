@@ -103,7 +103,8 @@ def all_reduce_sum(values: Sequence, device: torch.device, distributed: bool) ->
 def sum_gradients(process_group, bucket):  # (torch checks the annotations: none)
     """A DistributedDataParallel communication hook: the bucket's gradients summed over the
     processes (DistributedDataParallel's own hook averages them): for a loss whose errors are
-    one process's on the whole batch (experiments.gpt.train.step_loss)."""
+    one process's on the whole batch (experiments.gpt.train.step_loss,
+    experiments.cifar10.recipes.CifarRecipe.criterion)."""
     group = process_group if process_group is not None else dist.group.WORLD
     work = dist.all_reduce(bucket.buffer(), group=group, async_op=True)
     return work.get_future().then(lambda future: future.value()[0])

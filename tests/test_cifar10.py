@@ -1020,3 +1020,27 @@ def test_ibm8_deviations_name_its_tie_rule_and_e6m9_range_where_qpytorch_differs
     said = " ".join(recipes.IBM8.deviations)
     assert "ties to even" in said and "away from zero" in said
     assert "overflows to Inf" in said and "saturates there" in said
+
+
+@pytest.mark.parametrize("name", ["fp16", "wage"])
+def test_each_process_backpropagates_the_errors_of_one_process_on_the_whole_batch(name):
+    """Under torchrun each process differentiates its share of the batch: the errors at its
+    logits must be those one process training on the whole batch computes for those images, bit
+    for bit, for any number of processes (3 here); the processes' gradients are then summed.
+    With the cross-entropy's mean over the share they were world_size times larger, which the
+    recipes' error formats round otherwise where world_size is not a power of two."""
+    recipe = recipes.RECIPES[name]
+    torch.manual_seed(0)
+    logits = torch.randn(6, 10)
+    labels = torch.randint(0, 10, (6,))
+    whole = logits.clone().requires_grad_()
+    recipe.criterion(whole, labels)[0].backward()
+    logged = 0.0
+    for rank in range(3):
+        rows = slice(2 * rank, 2 * rank + 2)
+        share = logits[rows].clone().requires_grad_()
+        loss, batch_sum = recipe.criterion(share, labels[rows], 3)
+        loss.backward()
+        assert torch.equal(share.grad, whole.grad[rows])
+        logged += float(batch_sum)
+    assert logged == pytest.approx(float(recipe.criterion(logits, labels)[1]), rel=1e-6)

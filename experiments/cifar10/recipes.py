@@ -234,15 +234,25 @@ class CifarRecipe:
         return model, optimizer
 
     def criterion(
-        self, logits: torch.Tensor, labels: torch.Tensor
+        self, logits: torch.Tensor, labels: torch.Tensor, world_size: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the loss to differentiate, its sum over the batch for logging)."""
+        """(the loss to differentiate, its sum over the batch for logging), for one process's
+        share of a global batch of world_size shares. The loss to differentiate gives the errors
+        one process training on the whole batch computes for these images, bit for bit, for any
+        world_size: the summed squared error's are per image, and the cross-entropy is divided by
+        the whole batch's size, not the share's (the share's mean would give errors world_size
+        times larger, rounded otherwise by the error formats where world_size is not a power of
+        two). DistributedDataParallel must then sum the processes' gradients
+        (experiments.runs.sum_gradients), not average them."""
         if self.loss == "sse":
             target = nn.functional.one_hot(labels, logits.shape[1]).to(logits.dtype)
             total = 0.5 * (logits - target).square().sum()
             return total, total.detach()
-        mean = nn.functional.cross_entropy(logits, labels)
-        return mean, mean.detach() * len(labels)
+        if world_size == 1:
+            mean = nn.functional.cross_entropy(logits, labels)
+            return mean, mean.detach() * len(labels)
+        total = nn.functional.cross_entropy(logits, labels, reduction="sum")
+        return total / (len(labels) * world_size), total.detach()
 
 
 # WAGE (Wu, Li, Chen, Shi, "Training and inference with integers in deep neural networks", ICLR

@@ -50,6 +50,7 @@ from experiments.runs import (
     rng_state,
     seed_int,
     set_rng_state,
+    sum_gradients,
     threads_kept,
     write_atomically,
     write_csv,
@@ -386,7 +387,7 @@ def train_epoch(
     )
     for images, labels in bar:
         logits = net(to_inputs(recipe, images))
-        loss, batch_loss = recipe.criterion(logits, labels)
+        loss, batch_loss = recipe.criterion(logits, labels, run.world_size)
         optimizer.zero_grad(set_to_none=True)
         (loss * recipe.loss_scale).backward()
         optimizer.step()
@@ -527,6 +528,7 @@ def train(run: Run, train_set: cifar.Split, test_set: cifar.Split) -> list[dict]
     if run.distributed:
         ids = [run.device.index] if run.device.type == "cuda" else None
         net = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        net.register_comm_hook(None, sum_gradients)  # see CifarRecipe.criterion
     if args.compile:
         net = torch.compile(net)
 
