@@ -1,7 +1,7 @@
 """What the experiments' trainers (experiments.cifar10.train, experiments.gpt.train) share: the
 types of their numeric arguments, the device a process trains on (under torchrun too), the sums
-and the weight check across ranks, the random state a checkpoint keeps, and files written in
-one rename."""
+and the weight check across ranks, the GPU kernels chosen (deterministic or not), the random
+state a checkpoint keeps, and files written in one rename."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ __all__ = [
     "rank_digests",
     "sum_gradients",
     "threads_kept",
+    "kernels_chosen",
     "process_group",
     "rng_state",
     "rng_device_type",
@@ -119,6 +120,30 @@ def threads_kept():
         yield
     finally:
         torch.set_num_threads(caller)
+
+
+@contextlib.contextmanager
+def kernels_chosen(device: torch.device, deterministic: bool | None):
+    """Context: on a CUDA ``device``, with ``deterministic`` torch's deterministic algorithms
+    (warn_only: an op without a deterministic kernel warns instead of stopping the run;
+    CUBLAS_WORKSPACE_CONFIG set where unset) and cuDNN's benchmark off, else cuDNN's benchmark
+    on; the caller's settings put back on exit. On a CPU nothing: torch's CPU kernels give the
+    same bits run after run for a fixed thread count."""
+    if device.type != "cuda":
+        yield
+        return
+    benchmark = torch.backends.cudnn.benchmark
+    algorithms = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.backends.cudnn.benchmark = not deterministic
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = benchmark
+        torch.use_deterministic_algorithms(algorithms, warn_only=warn_only)
 
 
 @contextlib.contextmanager

@@ -878,14 +878,15 @@ def test_resuming_a_finished_run_restores_a_log_that_missed_its_last_epoch(tiny_
     epoch, the log lacks that epoch and summarize would call the run unfinished. --resume on the
     finished run writes the log again from the checkpoint's history."""
     root, _ = tiny_cifar10
-    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2"))
-    complete = read_log(tmp_path)
-    lines = (tmp_path / train.LOG).read_text().splitlines(keepends=True)
-    (tmp_path / train.LOG).write_text("".join(lines[:-1]))  # the log as of epoch 1
-    train.main(run_args(root, tmp_path, "fp32", "--epochs", "2", "--resume"))
-    assert read_log(tmp_path) == complete
-    rows = {r["run"]: r for r in summarize.collect(tmp_path.parent)}
-    assert rows[tmp_path.name]["epochs"] == "2/2"
+    out = tmp_path / "run"  # summarize reads every run below tmp_path, this one only
+    train.main(run_args(root, out, "fp32", "--epochs", "2"))
+    complete = read_log(out)
+    lines = (out / train.LOG).read_text().splitlines(keepends=True)
+    (out / train.LOG).write_text("".join(lines[:-1]))  # the log as of epoch 1
+    train.main(run_args(root, out, "fp32", "--epochs", "2", "--resume"))
+    assert read_log(out) == complete
+    rows = {r["run"]: r for r in summarize.collect(tmp_path)}
+    assert rows["run"]["epochs"] == "2/2"
 
 
 @pytest.mark.parametrize("recipe, final_lr", [("fp32", 0.05 * 0.01), ("swalp", 0.01)])

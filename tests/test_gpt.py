@@ -679,6 +679,62 @@ def test_the_tables_command_line_gives_the_runs_learning_rate():
     assert {k: getattr(args, k) for k in ("lr", "steps")} == {"lr": 0.0012345678, "steps": 7}
 
 
+def test_the_tables_command_line_keeps_deterministic_kernels():
+    """A comparison trained with --deterministic names the flag in its command line (a flag, not
+    a value), and parsed back the command asks for it; without it the flag is absent."""
+    values = {**train.DEFAULTS, "deterministic": True}
+    settings = train.Settings(recipe="fp32", world_size=1, corpus="x", **values)
+    words = train.command_line(settings).split()
+    assert "--deterministic" in words and train.parser().parse_args(words).deterministic is True
+    plain = dataclasses.replace(settings, deterministic=None)
+    assert train.parser().parse_args(train.command_line(plain).split()).deterministic is None
+
+
+def test_deterministic_kernels_are_chosen_on_a_gpu_only_and_put_back_after():
+    """--deterministic turns on torch's deterministic algorithms and turns off cuDNN's benchmark
+    for a CUDA run, and puts the caller's settings back when the run ends; on a CPU, where torch's
+    kernels give the same bits for a fixed thread count, it changes nothing."""
+    from experiments.runs import kernels_chosen
+
+    before = (torch.backends.cudnn.benchmark, torch.are_deterministic_algorithms_enabled())
+    with kernels_chosen(torch.device("cuda"), True):
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled()
+        assert not torch.backends.cudnn.benchmark
+    assert (torch.backends.cudnn.benchmark, torch.are_deterministic_algorithms_enabled()) == before
+    with kernels_chosen(torch.device("cuda"), False):
+        assert torch.backends.cudnn.benchmark
+        assert torch.are_deterministic_algorithms_enabled() == before[1]
+    with kernels_chosen(torch.device("cpu"), True):
+        assert (torch.backends.cudnn.benchmark, torch.are_deterministic_algorithms_enabled()) == (
+            before
+        )
+    assert (torch.backends.cudnn.benchmark, torch.are_deterministic_algorithms_enabled()) == before
+
+
+def test_a_cpu_run_records_deterministic_as_not_set(tmp_path):
+    """On a CPU --deterministic changes nothing, and the checkpoint records it as not set (None):
+    a CPU run resumed with or without the flag is the same run."""
+    train.main(
+        [
+            "--recipe",
+            "fp32",
+            *TINY,
+            "--device",
+            "cpu",
+            "--stop-after",
+            "1",
+            "--deterministic",
+            "--out-dir",
+            str(tmp_path),
+        ]
+    )
+    saved = torch.load(tmp_path / train.CHECKPOINT, weights_only=True)["settings"]
+    assert saved["deterministic"] is None
+    history = train.main(["--recipe", "fp32", "--out-dir", str(tmp_path), "--resume"])
+    assert int(history[-1]["step"]) == 6
+
+
 def test_recipes_named_after_publications_state_their_deviations():
     """mxfp4 quantises the forward products Tseng et al. keep in BF16, nvfp4 the layers NVIDIA
     keeps in BF16, fp8-hopper-promoted uses per-tensor E4M3/E5M2 operands rather than DeepSeek-V3's

@@ -42,6 +42,7 @@ from experiments.cifar10.swa import WeightAverage
 from experiments.runs import (
     all_reduce_sum,
     choose_device,
+    kernels_chosen,
     positive_float,
     positive_int,
     process_group,
@@ -335,15 +336,6 @@ class Run:
         return self.rank == 0
 
 
-def set_up_determinism(run: Run) -> None:
-    if run.device.type == "cuda":
-        torch.backends.cudnn.benchmark = not run.args.deterministic
-        if run.args.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            # warn_only: an op without a deterministic kernel warns instead of stopping the run
-            torch.use_deterministic_algorithms(True, warn_only=True)
-
-
 _MOMENTS: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -507,7 +499,6 @@ def _fmt(value, digits: int) -> str:
 def train(run: Run, train_set: cifar.Split, test_set: cifar.Split) -> list[dict]:
     """Train (or continue) the run; returns the history, one dict per completed epoch."""
     recipe, args = run.recipe, run.args
-    set_up_determinism(run)
     torch.manual_seed(args.seed)
     options = dict(recipe.model_options)
     model = build_model(recipe.model, width=args.width, **options).to(run.device)
@@ -651,7 +642,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
     with threads_kept():
         torch.set_num_threads(run.threads)
-        with process_group(run.device, run.distributed):
+        with (
+            process_group(run.device, run.distributed),
+            kernels_chosen(run.device, run.args.deterministic),
+        ):
             return train(run, *data)
 
 

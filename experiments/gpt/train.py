@@ -3,7 +3,8 @@
     python -m experiments.gpt.train --recipe NAME|all [--short] [--steps N] [--batch-size B]
         [--context T] [--width W] [--layers L] [--heads H] [--lr LR] [--seed S]
         [--device auto|cpu|cuda|cuda:K] [--out-dir DIR] [--resume] [--eval-every N]
-        [--val-windows N] [--stop-after N] [--threads N] [--no-progress] [--list-recipes]
+        [--val-windows N] [--stop-after N] [--threads N] [--deterministic] [--no-progress]
+        [--list-recipes]
     torchrun --nproc_per_node=G -m experiments.gpt.train --recipe NAME ...
 
 The corpus, the model and the recipes are described in experiments/gpt/data.py, model.py and
@@ -26,9 +27,9 @@ Every evaluation (and step 0, before training) writes in DIR (default out/gpt/NA
 checkpoint.pt (model with its quantisers' state, optimizer, scheduler, torch's generator states,
 the delayed scalers of the attention quantisers, history, settings), log.csv (one row per
 evaluation) and curves.png. ``--resume`` continues from the checkpoint with the same bits as a run
-never interrupted (tested on the CPU; on a GPU not tried, and the trainer asks torch for no
-deterministic kernels, some of which, the fused attention's backward among them, add in an order
-that can change between runs); settings not given are taken from the checkpoint, the
+never interrupted (tested on the CPU; on a GPU not tried, and it needs --deterministic, torch's
+deterministic kernels: some of the others, the fused attention's backward among them, add in an
+order that can change between runs); settings not given are taken from the checkpoint, the
 thread count included (--threads, torch's choice when the run started, or 1 with --short), and
 given ones must equal it, the device type (cpu or cuda) among them: stochastic rounding draws
 from the generator of the device that trains, the only one the checkpoint holds.
@@ -79,6 +80,7 @@ from experiments.gpt.recipes import RECIPES, GPTRecipe, describe
 from experiments.runs import (
     all_reduce_sum,
     choose_device,
+    kernels_chosen,
     positive_float,
     positive_int,
     process_group,
@@ -116,9 +118,11 @@ DEFAULTS = dict(
     eval_every=250,
     val_windows=256,
 )
-# The settings of a run (what --resume must find unchanged): DEFAULTS' and the thread count, which
-# changes the bits of torch's CPU kernels (default: torch's choice when the run starts).
-SETTINGS = (*DEFAULTS, "threads")
+# The settings of a run (what --resume must find unchanged): DEFAULTS', the thread count, which
+# changes the bits of torch's CPU kernels (default: torch's choice when the run starts), and on a
+# GPU --deterministic, whose kernels sum in other orders (recorded None on a CPU, where it changes
+# nothing).
+SETTINGS = (*DEFAULTS, "threads", "deterministic")
 SHORT = dict(
     steps=300,
     batch_size=8,
@@ -199,6 +203,14 @@ def parser() -> argparse.ArgumentParser:
         help="torch's CPU threads (default: torch's choice; 1 with --short; with --resume, the "
         "checkpoint's)",
     )
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=None,
+        help="deterministic GPU kernels where torch has them (needed for bit-identical resumes "
+        "on GPUs; CPU runs are deterministic for a fixed thread count); with --resume, the "
+        "checkpoint's",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -226,6 +238,9 @@ class Settings:
     # generator, and a checkpoint holds that device type's generator state only (None: not
     # recorded, an older checkpoint, whose random state says it).
     device: str | None = None
+    # On a GPU, whether torch's deterministic kernels train (--deterministic); None on a CPU and
+    # in an older checkpoint (which trained without them).
+    deterministic: bool | None = None
 
     @property
     def warmup(self) -> int:
@@ -304,6 +319,10 @@ class Run:
             "corpus": session.corpus.fingerprint,
             "device": session.device.type,
         }
+        if session.device.type != "cuda":
+            wanted["deterministic"] = None  # it changes nothing on a CPU
+        elif self.saved is None:
+            wanted.setdefault("deterministic", False)
         if self.saved is not None:
             # A checkpoint written before the device type was recorded trained where its random
             # state says.
@@ -628,7 +647,9 @@ def command_line(settings: Settings) -> str:
     words = ["--recipe", ALL] + (["--short"] if short else [])
     for key in SETTINGS:
         value = getattr(settings, key)
-        if value is not None and value != base.get(key):
+        if value is True:  # a flag
+            words.append(f"--{key}")
+        elif value is not None and value is not False and value != base.get(key):
             words += [f"--{key.replace('_', '-')}", str(value)]  # a float's shortest round trip
     return " ".join(words)
 
@@ -766,7 +787,8 @@ def run_all(session: Session, runs: dict[str, Run | None]) -> dict[str, list[dic
             session.say(f"{run.checkpoint}: this run has finished its {run.settings.steps} steps")
             histories[name] = run.saved["history"]
         else:
-            histories[name] = train(run)
+            with kernels_chosen(session.device, run.settings.deterministic):
+                histories[name] = train(run)
     if session.args.recipe != ALL:
         return histories
     settings = next(run.settings for run in runs.values() if run is not None)
