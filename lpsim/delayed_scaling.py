@@ -38,6 +38,16 @@ zeros to NaN), with one update per call: Transformer Engine updates
 once per training step, which is the same when each tensor is quantised once per step. A tensor
 quantised several times per step (gradient accumulation) records each call.
 
+An amax of 0 (a tensor of zeros, or of NaN only) enters the history as any other amax, as in
+Transformer Engine's per-tensor amax_and_scale_update and its JAX quantizers. Its PyTorch modules
+update through a fused kernel (fused_amax_and_scale_update_after_reduction, the default unless
+NVTE_UNFUSED_FP8_UPDATE=1) that takes an amax of 0 for a tensor not quantised in the step and
+leaves that tensor's history unrolled and its scale as it was. Under "max" with history_length > 1
+the two differ: after amaxes 64, 1, 1 and a tensor of zeros (history_length 3) the scale here is
+448 / 1 = 448, the 64 having left the history, where Transformer Engine's PyTorch keeps
+448 / 64 = 7 until the next nonzero amax pushes the 64 out; the histories then hold different
+windows ([1, 0, 1] here, [1, 1, 1] there, newest first).
+
 Distributed training: Transformer Engine all-reduces the amaxes (MAX) over the data-parallel group
 before they enter the histories (its recipe's ``reduce_amax=True``), so every rank scales with the
 same global amax. So does a scaler here, while torch.distributed is initialised with more than one

@@ -198,6 +198,30 @@ def test_margin_leaves_headroom_of_a_power_of_two():
     assert float(margin.scale) * 4 == float(plain.scale)
 
 
+def test_a_zero_amax_enters_the_history_unlike_transformer_engines_fused_pytorch_update():
+    """A tensor of zeros records amax 0 and rolls the history, as Transformer Engine's per-tensor
+    amax_and_scale_update and its JAX quantizers do. Its PyTorch modules' fused update skips a
+    tensor whose amax is 0 (its sign of a tensor not quantised in the step): no roll, the scale
+    kept. Under "max" the two differ, as the docs say: 448 here, 7 there."""
+    amaxes = (64.0, 1.0, 1.0, 0.0, 1.0)
+    state = DelayedScaling(E4M3, history_length=3).scaler()
+    rolling = _TransformerEngineModel(448.0, 3, "max", 0)
+    fused = _TransformerEngineModel(448.0, 3, "max", 0)
+    scales = []
+    for amax in amaxes:
+        state(torch.tensor([amax, -amax / 2]))
+        rolling.record(amax)
+        if amax != 0:
+            fused.record(amax)
+        assert _same_bits(state.amax_history, rolling.history), amax
+        assert _same_bits(state.scale.reshape(1), np.array([rolling.scale])), amax
+        scales.append((float(state.scale), float(fused.scale)))
+    assert scales[3] == (448.0, 7.0)  # 64 has left the history here, not in the fused update
+    assert scales[4] == (448.0, 448.0)
+    assert state.amax_history.tolist() == [1.0, 0.0, 1.0]
+    assert fused.history.tolist() == [1.0, 1.0, 1.0]
+
+
 def test_eval_mode_and_record_false_leave_the_state_alone():
     state = DelayedScaling(E4M3).scaler()
     state(torch.tensor([2.0]))
