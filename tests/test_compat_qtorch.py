@@ -1433,6 +1433,51 @@ def test_optim_lp_trains_as_qtorchs_with_groups_and_a_parameter_without_gradient
             assert torch.equal(our_state[i][key], value), (i, key)
 
 
+@pytest.mark.parametrize("with_weight_quant", [False, True], ids=["acc only", "acc and weight"])
+def test_a_weight_changed_in_place_between_steps_is_overwritten_by_its_accumulator(
+    with_weight_quant,
+):
+    # A pruning mask applied to the weight between two steps (lr = 0, so a step changes nothing
+    # by itself). QPyTorch keeps the mask where the weight shares the accumulator's memory (with
+    # acc_quant and no weight_quant, after a first step); lpsim's accumulator is the master copy,
+    # so the next step sets the weight back to it, unless the accumulator is masked too.
+    _, quant, optim, _ = _qtorch()
+    start = torch.tensor([[0.5, -0.25, 0.75, 1.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0, 0.0]])
+    results = {}
+    for name, fixed, optim_lp in (
+        ("qtorch", quant.fixed_point_quantize, optim.OptimLP),
+        ("lpsim", q.fixed_point_quantize, q.OptimLP),
+        ("lpsim, accumulator masked", q.fixed_point_quantize, q.OptimLP),
+    ):
+        lin = torch.nn.Linear(4, 1, bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(start)
+
+        def fixed_quant(wl, fl, fixed=fixed):
+            return lambda t: fixed(t, wl, fl, rounding="nearest")
+
+        optimizer = optim_lp(
+            torch.optim.SGD(lin.parameters(), lr=0.0),
+            weight_quant=fixed_quant(8, 4) if with_weight_quant else None,
+            acc_quant=fixed_quant(16, 12),
+        )
+        for step in range(2):
+            lin(torch.ones(1, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:
+                with torch.no_grad():
+                    lin.weight.mul_(mask)
+                    if name.endswith("masked"):
+                        optimizer.weight_acc[lin.weight].mul_(mask)
+        results[name] = lin.weight.detach().clone()
+    # torch.equal: QPyTorch's fixed point turns the masked -0.25's -0.0 into +0.
+    assert torch.equal(results["qtorch"], start if with_weight_quant else start * mask)
+    assert_same_bits(results["lpsim"], start)
+    assert_same_bits(results["lpsim, accumulator masked"], start * mask)
+
+
 def _float32_samples(n: int, seed: int) -> torch.Tensor:
     """Random float32 bit patterns (every class: zeros, subnormals, normals, Inf, NaN) and values
     of moderate magnitude."""

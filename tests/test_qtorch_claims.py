@@ -65,6 +65,21 @@ def test_qtorch_stochastic_fixed_point_moves_odd_codes_on_the_grid_and_lpsim_doe
     assert_same_bits(compat.fixed_point_quantize(x, 16, 8, rounding="stochastic"), x)
 
 
+@pytest.mark.parametrize("code,down,up", [(32765, 1024, 1024), (32767, 1024, 0)])
+def test_qtorch_stochastic_fixed_point_moves_odd_codes_by_float32s_spacing_unless_clamped(
+    code, down, up
+):
+    # code/256 in FixedPoint(16, 8): float32's spacing at code is 2^-9, so r within 2^-10 of 0
+    # (of 1) makes a tie rounded down (up): about 2^-10 of the draws each way, 2^-9 in all. The
+    # largest value, 32767/256, moves only down: its move up, to 128, is clamped back.
+    draws = 1 << 20
+    x = torch.full((draws,), code / 256)
+    got = qq.fixed_point_quantize(x, 16, 8, rounding="stochastic")
+    for expected, moved in ((down, int((got < x).sum())), (up, int((got > x).sum()))):
+        assert abs(moved - expected) <= 5 * math.sqrt(expected), moved
+    assert_same_bits(compat.fixed_point_quantize(x, 16, 8, rounding="stochastic"), x)
+
+
 def test_qtorch_stochastic_rounding_ignores_torch_manual_seed():
     x = torch.full((64,), 1.1)
     torch.manual_seed(0)

@@ -38,7 +38,11 @@ class OptimLP(lpoptim.OptimLP):
     grad_scaling also without grad_quant (QPyTorch then ignores grad_scaling), and rounds each
     accumulator into acc_quant when it is created (QPyTorch copies the weight unrounded).
     As in QPyTorch, weight_quant, grad_quant, momentum_quant and acc_quant may be assigned
-    between steps: the next step uses them. See lpsim.optim.OptimLP for the rest.
+    between steps: the next step uses them. With acc_quant the accumulators are the master copy:
+    a weight changed in place between steps (a pruning mask, say) is set back from its
+    accumulator at the next step, unless weight_acc[p] is changed too (QPyTorch keeps such a
+    change where the weight shares its accumulator's memory, without weight_quant after a first
+    step). See lpsim.optim.OptimLP for the rest.
 
     state_dict() has QPyTorch's layout (a torch optimizer's "state" and "param_groups", here the
     wrapped optimizer's, so the momentum buffers are in it) plus the accumulators under
