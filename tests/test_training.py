@@ -1583,3 +1583,90 @@ def test_sparse_momentum_in_block_float_formats_is_rounded_with_the_blocks_of_it
     buffer = opt.optimizer.state[p]["momentum_buffer"].coalesce()
     expected = _block_float_nearest(dense, fmt.wl, fmt.dim, fmt.block_size)
     assert_same_bits(buffer.values(), expected[tuple(buffer.indices())])
+
+
+def _sgd_around(model, **formats):
+    return OptimLP(torch.optim.SGD(model.parameters(), lr=0.0), **formats)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused step", "wrapped step"])
+@pytest.mark.parametrize(
+    "acc, weight",
+    [(Float(8, 15), None), (Float(8, 15), E5M2), (Fixed(16, 12), Fixed(8, 4))],
+    ids=["acc", "acc and weight", "fixed"],
+)
+def test_weights_loaded_into_the_model_after_the_optimizer_is_made_are_trained(acc, weight, fused):
+    """A model whose state is loaded after its OptimLP is made (fine-tuning from saved weights)
+    trains from the loaded weights: with lr 0 the weights after a step are the loaded ones
+    rounded into acc and then by weight, as in a run whose optimizer is made after the load.
+    (The accumulators, made from the weights at construction, overwrote the loaded weights at
+    the first step: the model silently trained from its initial weights.)"""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    formats = dict(acc=(acc, "nearest"), weight=None if weight is None else (weight, "nearest"))
+    opt = OptimLP(torch.optim.SGD(model.parameters(), lr=0.0), fused=fused, **formats)
+    saved = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    model.load_state_dict(saved)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    for name, p in model.named_parameters():
+        expected = lpsim.quantize(saved[name], acc, "nearest")
+        assert_same_bits(opt.accumulators[p], expected)
+        if weight is not None:
+            expected = lpsim.quantize(expected, weight, "nearest")
+        assert_same_bits(p.detach(), expected)
+
+
+def test_an_in_place_change_between_steps_is_kept_and_unchanged_elements_keep_their_accumulator():
+    """A pruning mask applied to the weights between steps stays (the next step sets the weights
+    from accumulators that took the masked elements' zeros), and the elements it leaves alone keep
+    their accumulators' full precision (not the weight's rounding of them)."""
+    torch.manual_seed(1)
+    model = nn.Linear(8, 4, bias=False)
+    opt = _sgd_around(model, acc=(Float(8, 15), "nearest"), weight=(E5M2, "nearest"))
+    opt.step()  # no gradient: the weights are set from the accumulators
+    before = opt.accumulators[model.weight].clone()
+    mask = (torch.arange(32).reshape(4, 8) % 3 != 0).float()
+    with torch.no_grad():
+        model.weight.mul_(mask)
+    opt.step()
+    assert_same_bits(opt.accumulators[model.weight], torch.where(mask.bool(), before, before * 0))
+    assert_same_bits(model.weight.detach(), lpsim.quantize(before * mask, E5M2, "nearest"))
+
+
+def test_the_model_loaded_after_the_optimizer_from_one_checkpoint_resumes_bit_for_bit():
+    """Loading a checkpoint's optimizer state and then its model state (the weights, which its
+    accumulators round to) continues from the saved accumulators, as the other order does: the
+    weights agree with the accumulators, so nothing is taken from them."""
+    model, data, target = _problem()
+
+    def make(m):
+        return OptimLP(
+            torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+            weight=(E5M2, "stochastic"),
+            acc=(Float(8, 12), "stochastic"),
+        )
+
+    opt = make(model)
+    torch.manual_seed(5)
+    _train(model, opt, data, target, steps=2)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    torch.manual_seed(6)
+    _train(model, opt, data, target, steps=2)
+    results = []
+    for order in ("optimizer first", "model first"):
+        other, _, _ = _problem()
+        other_opt = make(other)
+        # (A copy for each: torch's load_state_dict keeps the given state tensors as its own.)
+        if order == "optimizer first":
+            other_opt.load_state_dict(copy.deepcopy(saved_opt))
+            other.load_state_dict(saved_model)
+        else:
+            other.load_state_dict(saved_model)
+            other_opt.load_state_dict(copy.deepcopy(saved_opt))
+        torch.manual_seed(6)
+        _train(other, other_opt, data, target, steps=2)
+        results.append(other)
+    for trained in results:
+        for p, q in zip(model.parameters(), trained.parameters()):
+            assert_same_bits(p.detach(), q.detach())

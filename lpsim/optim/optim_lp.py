@@ -173,6 +173,22 @@ def _rounded(quant: QuantFunction, t: torch.Tensor) -> torch.Tensor:
     return quant(t.clone())
 
 
+def _could_give(quant: QuantFunction | None, value: torch.Tensor, result: torch.Tensor):
+    """Where ``result`` (of value's shape, in its own dtype) holds what rounding ``value`` by
+    ``quant`` gives, or could give: a value between rounding down and rounding up on quant's
+    grid, so that a stochastic rule's either neighbour counts (None: ``value`` converted to
+    result's dtype, to nearest); NaN where value is NaN. A bool tensor; None where that cannot be
+    told (a function, a block, scaled or delayed-scaling format)."""
+    if quant is None:
+        expected = value.to(result.dtype)
+        return (result == expected) | (result.isnan() & expected.isnan())
+    if not (isinstance(quant, QuantSpec) and isinstance(quant.format, GRID_FORMATS)):
+        return None
+    low = quantize(value, quant.format, "down").to(result.dtype)
+    high = quantize(value, quant.format, "up").to(result.dtype)
+    return ((low <= result) & (result <= high)) | (result.isnan() & value.isnan())
+
+
 _WIDE = (torch.float32, torch.float64)
 
 
@@ -410,6 +426,17 @@ class OptimLP(Optimizer):
     optimizer's state_dict (the accumulators then start from the current weights, rounded into
     ``acc`` as when they are made).
 
+    A weight changed outside the optimizer (model.load_state_dict after the optimizer was made,
+    a pruning mask, any in-place change, seen by its version counter; not a change through
+    ``.data``) is taken into its accumulator by the next step or round_weights(): its elements
+    that hold a value the accumulator does not round to by ``weight`` (either neighbour for a
+    stochastic rule; the accumulator itself without ``weight``), or, before the first step, that
+    do not round into ``acc`` to the accumulator, get the weight rounded into ``acc``; the other
+    elements keep their accumulators. Where ``weight`` or ``acc`` is a function, a block, scaled
+    or delayed-scaling format this cannot be told, and the accumulator is left as it is.
+    load_state_dict() makes the loaded accumulators the source: weights loaded after it that
+    they round to change nothing.
+
     Random streams. Each rounding phase of a step (1: gradients; 4: optimizer state; 5:
     accumulators, then weights) rounds its tensors in batches: the tensors of one spec (format and
     rule) are rounded in place by one ``lpsim.quantize_many_`` call, in parameter order (a
@@ -489,6 +516,10 @@ class OptimLP(Optimizer):
         # Delayed scaling: one DelayedScaler per parameter and rounded tensor ("weight", "grad",
         # "acc", "momentum.<state key>"), made when the tensor is first rounded.
         self.scalers: dict[torch.Tensor, dict[str, DelayedScaler]] = {}
+        # Each parameter with an accumulator: its version counter when the accumulator was made
+        # from it ("made") or it was last set from the accumulator ("written"), to see a weight
+        # changed outside the optimizer (_adopt_changed_weights).
+        self._weight_versions: dict[torch.Tensor, tuple[int, str]] = {}
         # The base class sets up hooks and calls add_param_group on each group, which the wrapped
         # optimizer already holds (see add_param_group); then both share groups and state.
         super().__init__(optimizer.param_groups, optimizer.defaults)
@@ -518,6 +549,7 @@ class OptimLP(Optimizer):
         """A copy (see __getstate__): ``parameters=`` of its own parameters, and the copy of the
         wrapped optimizer answers OptimLP.wrapping with it."""
         state = dict(state)
+        state.setdefault("_weight_versions", {})  # pickled before it was kept
         chosen = state["_chosen"]
         if chosen is not None:
             state["_chosen"] = {id(p): settings for p, settings in chosen}
@@ -687,6 +719,7 @@ class OptimLP(Optimizer):
                     dtype = _accumulator_dtype(s.acc, p.dtype)
                     acc = p.detach().to(dtype)
                     self.accumulators[p] = _rounded(self._quantizer(p, "acc", s.acc, acc), acc)
+                    self._weight_versions[p] = (p._version, "made")
                     # State the wrapped optimizer made before (Adagrad's sum, at construction) in
                     # the parameter's dtype goes to the accumulator's, where the state it makes
                     # in a step (the accumulator's place) would be.
@@ -960,6 +993,37 @@ class OptimLP(Optimizer):
         weights.run()
         for p, value in widened:
             p.copy_(value)
+        self._record_written()
+
+    def _record_written(self) -> None:
+        """Every parameter with an accumulator recorded as just set from it."""
+        for p in self.accumulators:
+            self._weight_versions[p] = (p._version, "written")
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def _adopt_changed_weights(self) -> None:
+        """The elements of a weight changed outside the optimizer since its accumulator was made
+        from it or it was last set from its accumulator (model.load_state_dict, a pruning mask,
+        any in-place change: its version counter moved, and it holds a value the accumulator
+        does not give, or one that does not give the accumulator) become its accumulator's
+        values, rounded into ``acc`` as when it is made; the other elements keep theirs. Where
+        that cannot be told (a function, a block, scaled or delayed-scaling format as ``weight``
+        or ``acc``), the accumulator is left as it is. Outside any graph torch.compile traces."""
+        for p, (version, kind) in self._weight_versions.items():
+            s = self.settings.get(p)
+            if p._version == version or s is None or s.acc is None:
+                continue
+            acc = self.accumulators[p]
+            weight = p.detach()
+            if kind == "written":
+                kept = _could_give(s.weight, acc, weight)
+            else:
+                kept = _could_give(s.acc, weight.to(acc.dtype), acc)
+            if kept is None or bool(kept.all()):
+                continue
+            fresh = _rounded(self._quantizer(p, "acc", s.acc, acc), weight.to(acc.dtype))
+            acc.copy_(torch.where(kept, acc, fresh))
 
     @torch.no_grad()
     def round_weights(self) -> None:
@@ -974,11 +1038,13 @@ class OptimLP(Optimizer):
         ``"quantization"`` as they are now, as step() does.
         """
         self._configure_changed_groups()
+        self._adopt_changed_weights()
         self._set_weights()
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step of the wrapped optimizer with the quantisation above; returns its loss."""
         self._configure_changed_groups()
+        self._adopt_changed_weights()
         if closure is None and self._fused_step_applies():
             self._fused_step()
             return None
@@ -1066,6 +1132,7 @@ class OptimLP(Optimizer):
         fused.fused_step(
             self.param_groups, specs, self.state, rule, self.grad_scaling, accumulators
         )
+        self._record_written()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -1155,6 +1222,9 @@ class OptimLP(Optimizer):
                     raise ValueError(f"state_dict holds no accumulator for parameter {i}")
                 else:
                     acc.copy_(saved[i])
+                # A weight changed after this (the model's state loaded after the optimizer's, or
+                # other weights) is compared with the accumulator as step() compares it.
+                self._weight_versions[p] = (p._version, "made" if saved is None else "written")
         # Torch casts state buffers to their parameter's dtype: show it the accumulators' dtype
         # where they are wider, so that their buffers keep it.
         stand_ins = self._swap_in(for_step=False)

@@ -39,10 +39,11 @@ class OptimLP(lpoptim.OptimLP):
     accumulator into acc_quant when it is created (QPyTorch copies the weight unrounded).
     As in QPyTorch, weight_quant, grad_quant, momentum_quant and acc_quant may be assigned
     between steps: the next step uses them. With acc_quant the accumulators are the master copy:
-    a weight changed in place between steps (a pruning mask, say) is set back from its
-    accumulator at the next step, unless weight_acc[p] is changed too (QPyTorch keeps such a
-    change where the weight shares its accumulator's memory, without weight_quant after a first
-    step). See lpsim.optim.OptimLP for the rest.
+    without weight_quant, a weight changed in place between steps (a pruning mask, say) is taken
+    into its accumulator (QPyTorch keeps it too, after a first step, where the weight shares its
+    accumulator's memory); with a weight_quant function, whose results cannot be predicted, it is
+    set back from its accumulator at the next step (as in QPyTorch), unless weight_acc[p] is
+    changed too. See lpsim.optim.OptimLP for the rest.
 
     state_dict() has QPyTorch's layout (a torch optimizer's "state" and "param_groups", here the
     wrapped optimizer's, so the momentum buffers are in it) plus the accumulators under
