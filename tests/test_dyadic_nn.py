@@ -576,6 +576,25 @@ def test_iris_experiment_runs_and_writes_its_table(tmp_path):
     assert (tmp_path / "iris_int.png").stat().st_size > 10_000
 
 
+def test_iris_experiment_keeps_the_callers_thread_count_when_a_run_fails(tmp_path):
+    # A seed trained in this process runs on one thread; 32-bit weights overflow the 32-bit
+    # accumulator in the first forward pass, and the OverflowError must not leave the caller's
+    # process on that one thread.
+    from experiments.iris_int import run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(OverflowError, match="Linear forward"):
+            run.main(
+                ["--seeds", "1", "--epochs", "1", "--no-ablations", "--workers", "1"]
+                + ["--weight-bits", "32", "--out", str(tmp_path)]
+            )
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_iris_8_bit_weights_are_on_a_grid_of_2_to_the_minus_6_in_every_layer_and_seed():
     # docs/integer.md: the 8-bit-weight ablation's quantum is 2**-6 everywhere, so an update
     # 2**-7 M moves a weight by half a quantum only when |M| reaches 64 quanta, 1 in value.
