@@ -210,6 +210,42 @@ def test_backward_after_an_eval_forward_refuses_to_differentiate_the_earlier_tra
         assert module.stats.backward_shifts == [] and module.weight.grad is None
 
 
+@pytest.mark.parametrize("changed", ["input", "weight"])
+def test_linear_backward_refuses_an_input_or_weight_changed_in_place_since_its_forward(changed):
+    # backward differentiates the last forward(): an input (or weight) mantissa written in place
+    # in between would give dW = g^T x and dx = g W of other values than the forward's, silently.
+    # As torch's autograd, backward raises instead.
+    layer = inn.Linear(2, 2, bias=False, weight=torch.tensor([[1.0, -2.0], [0.5, 1.0]]))
+    x = DyadicTensor(_int([[1, 2], [3, 4]]), 0)
+    out = layer(x)
+    (x.mantissa if changed == "input" else layer.weight.value.mantissa).add_(1)
+    with pytest.raises(RuntimeError, match=f"{changed} of the last forward.*changed in place"):
+        layer.backward(out)
+    with torch.inference_mode():  # inference tensors keep no version counter: nothing to check
+        out = layer(DyadicTensor(_int([[1, 2], [3, 4]]), 0))
+        assert layer.backward(out).shape == (2, 2)
+
+
+def test_linear_backward_takes_the_weight_of_its_forward_when_the_value_was_replaced_since():
+    # dx = g W is the gradient of the forward's product, with the weight the forward used: an
+    # optimizer step (which replaces the parameter's value) between forward and backward must
+    # not change it.
+    weight = torch.tensor([[1.0, -2.0], [0.5, 1.0]])
+    options = dict(bias=False, weight=weight, rounding="nearest", backward_shift=0, error_bits=16)
+    replaced, kept = inn.Linear(2, 2, **options), inn.Linear(2, 2, **options)
+    x = DyadicTensor(_int([[1, 2], [3, 4]]), 0)
+    g = DyadicTensor(_int([[1, -1], [2, 3]]), 0)
+    replaced(x), kept(x)
+    forward_weight = replaced.weight.value.mantissa.tolist()
+    replaced.weight.value = replaced.weight.value.with_mantissa(-replaced.weight.value.mantissa)
+    dx = replaced.backward(g).mantissa.tolist()
+    expected = [
+        [sum(r[o] * forward_weight[o][i] for o in range(2)) for i in range(2)]
+        for r in g.mantissa.tolist()
+    ]
+    assert dx == expected == kept.backward(g).mantissa.tolist()
+
+
 def test_sequential_names_parameters_by_position():
     model = _three_layers((None,) * 3, (None,) * 3)
     assert [p.name for p in model.parameters()] == [
@@ -574,6 +610,25 @@ def test_iris_experiment_runs_and_writes_its_table(tmp_path):
     text = (tmp_path / "iris_int.md").read_text()
     assert "| integer (16-bit weights), stochastic |" in text and "| float32 |" in text
     assert (tmp_path / "iris_int.png").stat().st_size > 10_000
+
+
+def test_iris_experiment_keeps_the_callers_thread_count_when_a_run_fails(tmp_path):
+    # A seed trained in this process runs on one thread; 32-bit weights overflow the 32-bit
+    # accumulator in the first forward pass, and the OverflowError must not leave the caller's
+    # process on that one thread.
+    from experiments.iris_int import run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(OverflowError, match="Linear forward"):
+            run.main(
+                ["--seeds", "1", "--epochs", "1", "--no-ablations", "--workers", "1"]
+                + ["--weight-bits", "32", "--out", str(tmp_path)]
+            )
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_iris_8_bit_weights_are_on_a_grid_of_2_to_the_minus_6_in_every_layer_and_seed():

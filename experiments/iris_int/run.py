@@ -29,7 +29,7 @@ import torch
 from sklearn.datasets import load_iris
 from sklearn.model_selection import train_test_split
 
-from experiments.runs import positive_int, seed_int
+from experiments.runs import positive_int, seed_int, threads_kept
 from lpsim import dyadic
 from lpsim.dyadic import DyadicTensor
 from lpsim.dyadic import nn as inn
@@ -563,9 +563,8 @@ def main(argv: list[str] | None = None) -> None:
         with concurrent.futures.ProcessPoolExecutor(args.workers) as pool:
             per_seed = list(pool.map(train_seed, seeds, [args] * len(seeds), [names] * len(seeds)))
     else:
-        previous = torch.get_num_threads()
-        per_seed = [train_seed(seed, args, names) for seed in seeds]
-        torch.set_num_threads(previous)
+        with threads_kept():  # train_seed runs on one thread; the caller's count comes back
+            per_seed = [train_seed(seed, args, names) for seed in seeds]
     results = {name: [runs[name] for runs in per_seed] for name in names}
     fl, it = results["float32"][0], results["integer"][0]
     print(

@@ -106,6 +106,8 @@ class Module(abc.ABC):
     an earlier training forward kept (overflows are still reported as the overflow policy says).
     backward() runs in training mode only, after a training forward(): in evaluation mode it
     raises RuntimeError (it would otherwise differentiate an earlier input, not the last one).
+    Linear's backward() takes the input and weight its forward() used (kept, not copied) and
+    raises RuntimeError where either mantissa was changed in place since, as torch's autograd.
     """
 
     training: bool = True
@@ -185,6 +187,41 @@ def _check_initial(name: str, value, shape: tuple[int, ...]) -> None:
     finite = torch.isfinite(value.detach().to(torch.float64))  # float8 values too, exactly
     if not bool(finite.all()):
         raise ValueError(f"{name} must be finite, found {int((~finite).sum())} NaN or Inf")
+
+
+def _version(x: DyadicTensor) -> int | None:
+    """The version counter of x's mantissa; None for an inference tensor, which keeps none."""
+    return None if x.mantissa.is_inference() else x.mantissa._version
+
+
+class _Kept(NamedTuple):
+    """What Linear's training forward() keeps for backward(): its input and weight (the
+    DyadicTensors themselves, not copies), their mantissas' version counters then, and the clip
+    mask of its output."""
+
+    input: DyadicTensor
+    weight: DyadicTensor
+    versions: tuple[int | None, int | None]
+    clipped: torch.Tensor
+
+    @classmethod
+    def of(cls, x: DyadicTensor, weight: DyadicTensor, clipped: torch.Tensor) -> _Kept:
+        return cls(x, weight, (_version(x), _version(weight)), clipped)
+
+    def checked(self) -> _Kept:
+        """These values, or a RuntimeError where a kept mantissa was written in place since the
+        forward pass (backward would differentiate other values than the forward's, as torch's
+        autograd refuses to). Tensors made under torch.inference_mode keep no version counter
+        and are not checked."""
+        now = (_version(self.input), _version(self.weight))
+        for name, then, current in zip(("input", "weight"), self.versions, now, strict=True):
+            if current != then:
+                raise RuntimeError(
+                    f"backward(): the {name} of the last forward() was changed in place since "
+                    "(its mantissa's version counter moved), so its gradients would be those of "
+                    "other values: call forward() again after changing it"
+                )
+        return self
 
 
 class Linear(Module):
@@ -276,8 +313,7 @@ class Linear(Module):
             if b is None
             else Parameter("bias", F.from_float(b.detach(), weight_bits, scale).value, weight_bits)
         )
-        self._input: DyadicTensor | None = None
-        self._clipped: torch.Tensor | None = None
+        self._kept: _Kept | None = None  # what the last training forward() keeps for backward()
 
     @classmethod
     def from_torch(cls, module: torch.nn.Linear, **options) -> Linear:
@@ -337,24 +373,25 @@ class Linear(Module):
         if self.training:
             self.stats.forward_shifts.append(shift)
             self.stats.forward_clamps += int(clipped.sum())
-            self._input, self._clipped = x, clipped
+            self._kept = _Kept.of(x, self.weight.value, clipped)
         else:
-            self._input = self._clipped = None
+            self._kept = None
         return y
 
     def backward(self, grad: DyadicTensor) -> DyadicTensor:
-        self._check_backward(self._input)
+        self._check_backward(self._kept)
+        kept = self._kept.checked()
         F.check_dyadic("grad", grad)
-        if grad.shape != self._clipped.shape or grad.per_channel:
+        if grad.shape != kept.clipped.shape or grad.per_channel:
             raise ValueError(
-                f"grad must have the output's shape {tuple(self._clipped.shape)} and one scale"
+                f"grad must have the output's shape {tuple(kept.clipped.shape)} and one scale"
             )
-        g = grad.masked_zero(self._clipped)
-        self.weight.grad = self._product("backward g^T x", g.t(), self._input)
+        g = grad.masked_zero(kept.clipped)
+        self.weight.grad = self._product("backward g^T x", g.t(), kept.input)
         if self.bias is not None:
             self.bias.grad, count = F.saturating_sum(g, 0, accumulator_bits=self.accumulator_bits)
             self._count_overflows("backward sum of g", count)
-        dx = self._product("backward g W", g, self.weight.value)
+        dx = self._product("backward g W", g, kept.weight)
         (dx, clipped), shift = self._requantize(dx, self.backward_shift, self.error_bits)
         self.stats.backward_shifts.append(shift)
         self.stats.backward_clamps += int(clipped.sum())
