@@ -297,10 +297,18 @@ class MAC:
             )
         for name in ("accumulator", "chunk_accumulator"):
             fmt = getattr(self, name)
-            if fmt is not None and not (isinstance(fmt, Float) and fmt.exp <= 8):
+            if fmt is None:
+                continue
+            problem = None if isinstance(fmt, Float) else f"{fmt!r} is not a Float"
+            if problem is None:
+                try:
+                    check_fits(fmt, torch.float32)
+                except ValueError as error:
+                    problem = str(error)
+            if problem is not None:
                 raise ValueError(
-                    f"a tensor core's {name} must be a Float of at most 8 exponent bits (its "
-                    f"values are held as binary32 values), got {fmt}"
+                    f"a tensor core's {name} must be a Float whose values are binary32 values "
+                    f"(it is held as one, its subnormals aligned by exponent -126): {problem}"
                 )
 
     @property

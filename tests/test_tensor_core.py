@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from support import assert_same_bits, assert_same_for_any_thread_count
 
 import lpsim
-from lpsim import MAC, Float
+from lpsim import MAC, Fixed, Float
 from lpsim import reference as ref
 from lpsim.mac import PRESETS, TensorCore
 
@@ -411,7 +411,15 @@ CORE = TensorCore(4, 23)
         (dict(accumulator=FLOAT32, compensated=True), "compensated"),
         (dict(accumulator=FLOAT32, order="pairwise"), "pairwise"),
         (dict(accumulator=FLOAT32, order="chunked", chunk=6), "multiple"),
-        (dict(accumulator=Float(11, 52)), "at most 8 exponent bits"),
+        (dict(accumulator=Float(11, 52)), "binary32 values"),
+        # Values beyond binary32's: more significand bits, or a bias that moves the range.
+        (dict(accumulator=Float(8, 30)), "binary32 values"),
+        (dict(accumulator=Float(8, 7, bias=160)), "binary32 values"),
+        (dict(accumulator=Float(8, 7, bias=100)), "binary32 values"),
+        (
+            dict(accumulator=FLOAT32, chunk_accumulator=Fixed(16, 8), order="chunked", chunk=8),
+            "not a Float",
+        ),
         (dict(accumulator=FLOAT32, rbits=4), "rbits"),
     ],
 )
