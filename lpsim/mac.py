@@ -231,6 +231,12 @@ class MAC:
         core = self.tensor_core
         if core is not None and not isinstance(core, TensorCore):
             raise TypeError(f"tensor_core must be a TensorCore or None, got {type(core).__name__}")
+        if self.rbits is not None and core is not None and not self.drawing_rule.is_stochastic:
+            raise ValueError(
+                "rbits applies to a stochastic rule: with a tensor core, its normalise "
+                f"({core.normalise.name!r}) or the MAC's rounding ({rule.name!r}), neither of "
+                "which is stochastic here"
+            )
         check_rbits(self.rbits, self.drawing_rule)
         check_choice("order", self.order, ORDERS)
         if not isinstance(self.compensated, bool):

@@ -444,6 +444,7 @@ CORE = TensorCore(4, 23)
             "not a Float",
         ),
         (dict(accumulator=FLOAT32, rbits=4), "rbits"),
+        (dict(accumulator=FLOAT32, rbits=4), "its normalise \\('toward_zero'\\)"),
     ],
 )
 def test_macs_a_tensor_core_cannot_run_raise_errors(kwargs, words):
