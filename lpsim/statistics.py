@@ -172,13 +172,13 @@ class RoundingStatistics:
     @property
     def relative_error(self) -> float:
         """sqrt(squared_error / squared_value), the relative error in the 2-norm (nan when there
-        is no signal or a sum overflowed float64; a quotient below float64's normal range is
-        taken as a quotient of square roots, not flushed to 0)."""
+        is no signal or a sum overflowed float64; a quotient outside float64's normal range is
+        taken as a quotient of square roots, neither flushed to 0 nor overflowed to inf)."""
         value, error = self.squared_value, self.squared_error
         if value == 0 or math.isinf(value) or math.isinf(error):
             return math.nan
         quotient = error / value
-        if error == 0 or quotient >= sys.float_info.min:
+        if error == 0 or sys.float_info.min <= quotient <= sys.float_info.max:
             return math.sqrt(quotient)
         return math.sqrt(error) / math.sqrt(value)
 

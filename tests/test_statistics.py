@@ -284,6 +284,20 @@ def test_sqnr_and_relative_error_of_float64_sums_whose_quotient_leaves_float64()
     assert math.log10(s.relative_error) == pytest.approx(exact_log10(error / value) / 2, rel=1e-12)
 
 
+def test_relative_error_is_finite_where_the_quotient_of_the_sums_overflows():
+    """1e-150 rounded up onto Fixed(8, -500)'s grid (spacing 2^500, about 3.27e150): the sums
+    1.07e301 and 1e-300 are finite, their quotient (about 1e601) is not, and the relative error,
+    the square root of it, is about 3.27e300; it was reported as inf."""
+    x = torch.tensor([1e-150], dtype=torch.float64)
+    rounded, s = quantize_with_statistics(x, Fixed(8, -500), "up")
+    assert rounded.item() == 2.0**500
+    error = (Fraction(2) ** 500 - Fraction(1e-150)) ** 2
+    value = Fraction(1e-150) ** 2
+    assert math.isfinite(s.relative_error)
+    assert math.log10(s.relative_error) == pytest.approx(exact_log10(error / value) / 2, rel=1e-12)
+    assert s.sqnr_db == pytest.approx(10 * exact_log10(value / error), rel=1e-12)
+
+
 def test_sqnr_and_relative_error_are_unknown_where_a_sum_overflowed():
     """2^600 squared overflows float64: squared_value is inf, and the ratio of a finite error to it
     is unknown; it was reported as inf dB and a relative error of 0, an exact rounding."""
