@@ -1397,6 +1397,38 @@ def test_quantised_tensors_keep_the_layout_of_the_tensors_they_replace(rounded):
         assert_same_bits(q.grad, p.grad, name)
 
 
+@pytest.mark.parametrize("placed", ["inject", "Quantizer"])
+def test_an_error_format_holding_every_float32_leaves_a_channels_last_models_gradients_alone(
+    placed,
+):
+    """An error format that holds every float32 number (Float(8, 23)) changes no value of the
+    gradient, so a channels_last model's gradients are those of the plain model, bit for bit.
+    lpsim.quantize gives a contiguous tensor, which the error quantisers passed back as the
+    gradient: the convolutions' and BatchNorms' backward kernels then read another layout than
+    in the plain model and summed in another order (every parameter's gradient and the input's
+    differed in the last bits). The rounded error has the layout of the gradient it replaces."""
+    torch.manual_seed(0)
+    f32 = Float(8, 23)
+    plain = nn.Sequential(nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    plain = plain.to(memory_format=torch.channels_last)
+    if placed == "inject":
+        model = inject(copy.deepcopy(plain), {"default": LayerQuantization(error=f32)})
+    else:
+        quantised = [(layer, lpsim.nn.Quantizer(backward=f32)) for layer in copy.deepcopy(plain)]
+        model = nn.Sequential(*[m for pair in quantised for m in pair])
+    x = torch.randn(8, 4, 12, 12).to(memory_format=torch.channels_last).requires_grad_(True)
+    x_plain = x.detach().clone().requires_grad_(True)
+    got, want = model(x), plain(x_plain)
+    g = torch.randn_like(want)
+    got.backward(g)
+    want.backward(g)
+    assert_same_bits(x.grad, x_plain.grad, "input")
+    assert x.grad.stride() == x_plain.grad.stride()
+    got_grads = [p.grad for p in model.parameters()]  # an error format changes no parameter order
+    for (name, p), grad in zip(plain.named_parameters(), got_grads, strict=True):
+        assert_same_bits(grad, p.grad, name)
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_checkpointed_injected_modules_give_the_gradients_of_the_run_without_checkpointing(

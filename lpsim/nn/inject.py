@@ -66,6 +66,7 @@ from lpsim.nn.quantizer import (
     Spec,
     as_spec,
     bind,
+    in_layout_of,
     parse_eval_rounding,
     quantizing_function,
 )
@@ -416,7 +417,7 @@ class _InputQuantiser:
 
         def quantised(tensor: torch.Tensor, place: str) -> torch.Tensor:
             quantiser = self.role(place, tensor, training)
-            rounded = _in_layout_of(tensor, quantiser(tensor))
+            rounded = in_layout_of(tensor, quantiser(tensor))
             if observer is not None:
                 observer.observe(module, "input", tensor, rounded, quantiser, training)
             return rounded
@@ -435,19 +436,6 @@ class _InputQuantiser:
             self.quantise(module, args, done, self.masks),
             self.quantise(module, kwargs, done, masked),
         )
-
-
-def _in_layout_of(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
-    """``rounded`` (x quantised: lpsim.quantize gives a contiguous tensor) in x's memory layout,
-    as torch's elementwise ops give their results: a channels_last activation or weight stays
-    channels_last, a transposed one transposed (x's strides where x is dense and does not
-    overlap itself, else torch.empty_like's choice), so that the modules reading the quantised
-    tensor compute as they would on x (a convolution picks its kernel by the layout of its input
-    and weight, a BatchNorm its order of summation), and code that checks the layout finds it.
-    Costs a copy where x is not contiguous; the gradient passes the copy unchanged."""
-    if x.is_contiguous() or x.layout != torch.strided or rounded.stride() == x.stride():
-        return rounded
-    return torch.empty_like(x).copy_(rounded)
 
 
 def _once(done: list, tensor: torch.Tensor, place: str, quantised) -> torch.Tensor:
@@ -503,7 +491,7 @@ class _OutputQuantiser:
         def quantised(tensor: torch.Tensor, place: str) -> torch.Tensor:
             forward = None if self.output is None else self.output(place, tensor, training)
             backward = None if self.error is None else self.error(place, tensor, training)
-            return _in_layout_of(tensor, quantizing_function(forward, backward)(tensor, observed))
+            return in_layout_of(tensor, quantizing_function(forward, backward)(tensor, observed))
 
         def one(tensor: torch.Tensor, place: str) -> torch.Tensor:
             return _once(done, tensor, place, quantised)
@@ -675,7 +663,7 @@ class _FakeQuantize(nn.Module):
             with torch.no_grad():
                 torch.embedding_renorm_(value, indices, max_norm, norm_type)
         quantise = self.spec if training else self.eval_spec
-        rounded = _in_layout_of(value, quantise(value))
+        rounded = in_layout_of(value, quantise(value))
         observer = _observation.current
         if observer is not None:
             observer.observe(owner, category, value, rounded, quantise, training)
