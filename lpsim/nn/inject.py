@@ -491,7 +491,7 @@ class _OutputQuantiser:
         def quantised(tensor: torch.Tensor, place: str) -> torch.Tensor:
             forward = None if self.output is None else self.output(place, tensor, training)
             backward = None if self.error is None else self.error(place, tensor, training)
-            return in_layout_of(tensor, quantizing_function(forward, backward)(tensor, observed))
+            return quantizing_function(forward, backward)(tensor, observed)  # in tensor's layout
 
         def one(tensor: torch.Tensor, place: str) -> torch.Tensor:
             return _once(done, tensor, place, quantised)

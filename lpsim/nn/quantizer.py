@@ -307,10 +307,10 @@ def _unchanged(x: torch.Tensor) -> torch.Tensor:
 
 @signature_kept
 class _Quantize(torch.autograd.Function):
-    """y = forward_spec(x); dL/dx = backward_spec(hooks(dL/dy)), zero where the forward clipped
-    (where the rounded value lay outside the format's range), in the memory layout of the
-    gradient it rounds (see in_layout_of; under torch.compile, whose backward gets contiguous
-    gradients, contiguous). ``observed`` is None, or the pair
+    """y = forward_spec(x), in x's memory layout; dL/dx = backward_spec(hooks(dL/dy)), zero where
+    the forward clipped (where the rounded value lay outside the format's range), in the memory
+    layout of the gradient it rounds (see in_layout_of; under torch.compile, whose backward gets
+    contiguous gradients, contiguous). ``observed`` is None, or the pair
     (module, training mode) under which both roundings are reported to the current observer (as
     "output" and "error"; see lpsim._observation). Without forward_spec, y is a copy of x, which
     in-place ops may modify (see _unchanged).
@@ -329,6 +329,7 @@ class _Quantize(torch.autograd.Function):
             return _unchanged(x), None
         else:
             out, clipped = forward_spec(x), None
+        out = in_layout_of(x, out)
         if observed is not None:
             _report(observed, "output", x, out, forward_spec)
         return out, clipped
@@ -402,6 +403,9 @@ def quantizer(
             quantize_with_clip_mask): the straight-through estimator with a clip mask.
         backward_hooks: functions applied in order to the gradient before its quantisation (for
             example loss-scaling).
+
+    The result has x's memory layout, and x's gradient that of the gradient it rounds (a
+    channels_last tensor stays channels_last; lpsim.quantize gives a contiguous tensor).
 
     Random numbers of stochastic rules come from torch's default generator, so torch.manual_seed
     makes forward and backward reproducible. The function has no train/eval mode: the Quantizer
@@ -502,7 +506,7 @@ class _QuantizingFunction:
         if self._forward_only and observed is None:
             # quantize's own straight-through gradient (and tangent) is _Quantize's here, the
             # same bits without a Python autograd.Function (tens of us per call).
-            return self.forward(x)
+            return in_layout_of(x, self.forward(x))
         function = _QuantizeWithTangent if _forward_mode_possible() else _Quantize
         return function.apply(
             x, self.forward, self.backward, self.clamp_grad_zero, self.hooks, observed
