@@ -259,6 +259,34 @@ def test_an_already_parametrised_weight_is_quantised_after_its_parametrisation(w
     assert_same_bits(model(x), before)
 
 
+class _Tripled(nn.Module):
+    """A parametrisation: three times the tensor."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 3 * weight
+
+
+def test_a_parametrisation_registered_after_inject_is_refused_not_applied_to_the_rounding():
+    """A parametrisation registered on a quantised weight after inject() goes after inject's
+    fake-quantiser in torch's list, so forward saw it applied to the rounded weight (3 x a grid
+    value: off the format's grid) while report() still listed the weight as quantised. Reading
+    the weight now raises, saying to register it before inject(); remove() still takes the
+    quantiser off, and injecting again quantises after it."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    inject(layer, {nn.Linear: LayerQuantization(weight=E4M1, rounding="nearest")})
+    parametrize.register_parametrization(layer, "weight", _Tripled())
+    with pytest.raises(RuntimeError, match=r"Linear\.weight.*after inject"):
+        layer(x)
+    with pytest.raises(RuntimeError, match="after inject"):
+        layer.weight  # noqa: B018 - a read outside forward too
+    remove(layer)
+    computed = layer.weight.detach().clone()  # the user's parametrisation alone
+    inject(layer, {nn.Linear: LayerQuantization(weight=E4M1, rounding="nearest")})
+    assert_same_bits(layer.weight, lpsim.quantize(computed, E4M1, "nearest"))
+
+
 @pytest.mark.parametrize("wrap", [weight_norm, orthogonal])
 def test_backward_operands_take_the_parametrised_weight_before_quantisation(wrap):
     torch.manual_seed(0)

@@ -113,7 +113,8 @@ class LayerQuantization:
             ``parametrizations.<name>.original``. One that already has torch
             parametrisations (weight_norm, orthogonal, ...) is quantised after them, which are
             computed with it, once per call (spectral_norm's power iteration steps once per call,
-            as under torch's parametrize.cached()), and remove() leaves them; inject refuses
+            as under torch's parametrize.cached()), and remove() leaves them (one registered
+            after inject would change the rounded tensor: reading it raises); inject refuses
             (NotImplementedError) one computed by a forward pre-hook of the older
             torch.nn.utils.weight_norm or spectral_norm, or of torch.nn.utils.prune. An Embedding or
             EmbeddingBag with max_norm renormalises the rows of the weight it reads in place, as
@@ -687,7 +688,14 @@ def _scoped_parametrization(parametrizations: parametrize.ParametrizationList) -
     torch's parametrize.cached(). A read without gradients (torch.no_grad, or
     torch.inference_mode entered inside the forward) gets it detached; a later read with them
     gets it with its gradient, whichever came first. Outside every scope each
-    read computes it afresh."""
+    read computes it afresh.
+
+    Raises:
+        RuntimeError: a parametrisation was registered on the tensor after inject, so that it
+            comes after the fake-quantiser and would be applied to the rounded tensor.
+    """
+    if not isinstance(parametrizations[-1], _FakeQuantize):
+        _refuse_parametrization_after(parametrizations)
     compute = type(parametrizations).forward
     scopes = _weight_scopes()
     if not scopes:
@@ -713,6 +721,27 @@ def _scoped_parametrization(parametrizations: parametrize.ParametrizationList) -
             rounded = compute(parametrizations)
         cache[key] = rounded
     return rounded if torch.is_grad_enabled() else rounded.detach()
+
+
+def _refuse_parametrization_after(parametrizations: parametrize.ParametrizationList) -> None:
+    """Raise for a parametrised tensor whose list has a parametrisation after inject's
+    fake-quantiser (registered after inject): forward would see that parametrisation applied to
+    the rounded tensor, off the format's grid.
+
+    Raises:
+        RuntimeError: always, naming the tensor, the parametrisation and what to do instead.
+    """
+    listed = list(parametrizations)
+    at = next(i for i, p in enumerate(listed) if isinstance(p, _FakeQuantize))
+    quantiser = listed[at]
+    owner = parametrize.type_before_parametrizations(quantiser.site[0]).__name__
+    after = ", ".join(type(p).__name__ for p in listed[at + 1 :])
+    raise RuntimeError(
+        f"{owner}.{quantiser.name} has a parametrisation ({after}) registered after "
+        "inject(), which would be applied to the quantised tensor, off the format's grid: "
+        "remove() the injection, register the parametrisation, and inject() again (inject "
+        "quantises a tensor after the parametrisations it has)"
+    )
 
 
 def own_parametrized_classes(model: nn.Module) -> nn.Module:
