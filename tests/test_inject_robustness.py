@@ -1268,6 +1268,32 @@ class _Pool(nn.Module):
         return x.sum(-1, keepdim=True)
 
 
+@pytest.mark.parametrize("role", ["input", "output", "error"])
+def test_an_injected_in_place_module_leaves_a_channels_last_models_gradients_alone(role):
+    """A format that holds every float32 number (Float(8, 23)) on an in-place ReLU changes no
+    value, so a channels_last model's gradients are those of the plain model, bit for bit. The
+    injected in-place module writes its result into the tensor it was given by copy_, whose
+    backward gave that tensor's earlier value a zero gradient, contiguous, besides its real one
+    through the ReLU: their sum took the zeros' layout, and the BatchNorm before the ReLU summed
+    its backward in another order (every gradient upstream differed in the last bits). The
+    earlier value now gets its real gradient alone, as under torch's in-place ReLU."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(
+        nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.Conv2d(8, 4, 3)
+    ).to(memory_format=torch.channels_last)
+    model = inject(copy.deepcopy(plain), {nn.ReLU: LayerQuantization(**{role: Float(8, 23)})})
+    x = torch.randn(8, 4, 12, 12).to(memory_format=torch.channels_last).requires_grad_(True)
+    x_plain = x.detach().clone().requires_grad_(True)
+    got, want = model(x), plain(x_plain)
+    assert_same_bits(got, want)
+    g = torch.randn_like(want)
+    got.backward(g)
+    want.backward(g)
+    assert_same_bits(x.grad, x_plain.grad, "input")
+    for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        assert_same_bits(q.grad, p.grad, name)
+
+
 @pytest.mark.parametrize("module", [nn.ReLU(inplace=False), _Pool()], ids=["relu", "user"])
 def test_a_module_that_is_not_working_in_place_leaves_its_input_alone(module):
     """Only torch's in-place modules, while their inplace is True, have their result copied into

@@ -48,7 +48,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from lpsim import _observation
-from lpsim._checks import check_bool, check_container
+from lpsim._checks import check_bool, check_container, under_torch_func
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.functional import quantize_op_arguments
 from lpsim.mac import MAC
@@ -566,7 +566,30 @@ class _InPlaceResult:
             or result.dtype != given.dtype
         ):
             return result
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and not under_torch_func():
+            return _WrittenInto.apply(given, result)
+        # Without gradients nothing flows back; under torch.func, and under torch.compile (whose
+        # graphs gave _WrittenInto other gradients than eager), torch's copy_.
         return given.copy_(result)
+
+
+class _WrittenInto(torch.autograd.Function):
+    """given.copy_(result), whose gradient goes to result alone, none to the value given held
+    before, as the gradient of torch's in-place ops goes (_InPlaceResult.after). torch's copy_
+    gives that earlier value a zero gradient, contiguous, which autograd adds to its real one
+    (through the in-place module's op): the sum took the zeros' layout, so in a channels_last
+    model the module before (a BatchNorm) computed its backward on another layout than in the
+    plain model, and summed in another order."""
+
+    @staticmethod
+    def forward(ctx, given: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        given.copy_(result)
+        ctx.mark_dirty(given)
+        return given
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, grad
 
 
 # The weight scopes of the module forwards running now in this thread, innermost last: each maps a
