@@ -259,6 +259,34 @@ def test_an_already_parametrised_weight_is_quantised_after_its_parametrisation(w
     assert_same_bits(model(x), before)
 
 
+class _Tripled(nn.Module):
+    """A parametrisation: three times the tensor."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return 3 * weight
+
+
+def test_a_parametrisation_registered_after_inject_is_refused_not_applied_to_the_rounding():
+    """A parametrisation registered on a quantised weight after inject() goes after inject's
+    fake-quantiser in torch's list, so forward saw it applied to the rounded weight (3 x a grid
+    value: off the format's grid) while report() still listed the weight as quantised. Reading
+    the weight now raises, saying to register it before inject(); remove() still takes the
+    quantiser off, and injecting again quantises after it."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    inject(layer, {nn.Linear: LayerQuantization(weight=E4M1, rounding="nearest")})
+    parametrize.register_parametrization(layer, "weight", _Tripled())
+    with pytest.raises(RuntimeError, match=r"Linear\.weight.*after inject"):
+        layer(x)
+    with pytest.raises(RuntimeError, match="after inject"):
+        layer.weight  # noqa: B018 - a read outside forward too
+    remove(layer)
+    computed = layer.weight.detach().clone()  # the user's parametrisation alone
+    inject(layer, {nn.Linear: LayerQuantization(weight=E4M1, rounding="nearest")})
+    assert_same_bits(layer.weight, lpsim.quantize(computed, E4M1, "nearest"))
+
+
 @pytest.mark.parametrize("wrap", [weight_norm, orthogonal])
 def test_backward_operands_take_the_parametrised_weight_before_quantisation(wrap):
     torch.manual_seed(0)
@@ -1240,6 +1268,32 @@ class _Pool(nn.Module):
         return x.sum(-1, keepdim=True)
 
 
+@pytest.mark.parametrize("role", ["input", "output", "error"])
+def test_an_injected_in_place_module_leaves_a_channels_last_models_gradients_alone(role):
+    """A format that holds every float32 number (Float(8, 23)) on an in-place ReLU changes no
+    value, so a channels_last model's gradients are those of the plain model, bit for bit. The
+    injected in-place module writes its result into the tensor it was given by copy_, whose
+    backward gave that tensor's earlier value a zero gradient, contiguous, besides its real one
+    through the ReLU: their sum took the zeros' layout, and the BatchNorm before the ReLU summed
+    its backward in another order (every gradient upstream differed in the last bits). The
+    earlier value now gets its real gradient alone, as under torch's in-place ReLU."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(
+        nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8), nn.ReLU(inplace=True), nn.Conv2d(8, 4, 3)
+    ).to(memory_format=torch.channels_last)
+    model = inject(copy.deepcopy(plain), {nn.ReLU: LayerQuantization(**{role: Float(8, 23)})})
+    x = torch.randn(8, 4, 12, 12).to(memory_format=torch.channels_last).requires_grad_(True)
+    x_plain = x.detach().clone().requires_grad_(True)
+    got, want = model(x), plain(x_plain)
+    assert_same_bits(got, want)
+    g = torch.randn_like(want)
+    got.backward(g)
+    want.backward(g)
+    assert_same_bits(x.grad, x_plain.grad, "input")
+    for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        assert_same_bits(q.grad, p.grad, name)
+
+
 @pytest.mark.parametrize("module", [nn.ReLU(inplace=False), _Pool()], ids=["relu", "user"])
 def test_a_module_that_is_not_working_in_place_leaves_its_input_alone(module):
     """Only torch's in-place modules, while their inplace is True, have their result copied into
@@ -1395,6 +1449,38 @@ def test_quantised_tensors_keep_the_layout_of_the_tensors_they_replace(rounded):
         if q is None:  # a quantised weight: its Parameter is the parametrisation's original
             q = model.get_submodule(name.rsplit(".", 1)[0]).parametrizations.weight.original
         assert_same_bits(q.grad, p.grad, name)
+
+
+@pytest.mark.parametrize("placed", ["inject", "Quantizer"])
+def test_an_error_format_holding_every_float32_leaves_a_channels_last_models_gradients_alone(
+    placed,
+):
+    """An error format that holds every float32 number (Float(8, 23)) changes no value of the
+    gradient, so a channels_last model's gradients are those of the plain model, bit for bit.
+    lpsim.quantize gives a contiguous tensor, which the error quantisers passed back as the
+    gradient: the convolutions' and BatchNorms' backward kernels then read another layout than
+    in the plain model and summed in another order (every parameter's gradient and the input's
+    differed in the last bits). The rounded error has the layout of the gradient it replaces."""
+    torch.manual_seed(0)
+    f32 = Float(8, 23)
+    plain = nn.Sequential(nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    plain = plain.to(memory_format=torch.channels_last)
+    if placed == "inject":
+        model = inject(copy.deepcopy(plain), {"default": LayerQuantization(error=f32)})
+    else:
+        quantised = [(layer, lpsim.nn.Quantizer(backward=f32)) for layer in copy.deepcopy(plain)]
+        model = nn.Sequential(*[m for pair in quantised for m in pair])
+    x = torch.randn(8, 4, 12, 12).to(memory_format=torch.channels_last).requires_grad_(True)
+    x_plain = x.detach().clone().requires_grad_(True)
+    got, want = model(x), plain(x_plain)
+    g = torch.randn_like(want)
+    got.backward(g)
+    want.backward(g)
+    assert_same_bits(x.grad, x_plain.grad, "input")
+    assert x.grad.stride() == x_plain.grad.stride()
+    got_grads = [p.grad for p in model.parameters()]  # an error format changes no parameter order
+    for (name, p), grad in zip(plain.named_parameters(), got_grads, strict=True):
+        assert_same_bits(grad, p.grad, name)
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])

@@ -54,6 +54,28 @@ def test_forward_quantises_the_input_and_backward_the_gradient():
     assert_same_bits(x.grad, lpsim.quantize(upstream, Fixed(8, 5), "nearest"))
 
 
+@pytest.mark.parametrize("clamp_grad_zero", [False, True])
+def test_a_quantizer_holding_every_float32_leaves_a_channels_last_model_alone(clamp_grad_zero):
+    """A Quantizer whose format holds every float32 number (a saturating Float(8, 23)) changes
+    no value, so a channels_last model with one after each layer computes the plain model's
+    result, bit for bit, on the plain model's layouts. lpsim.quantize gives a contiguous tensor,
+    which the Quantizer returned: the layers after it then read another layout than in the
+    plain model (a BatchNorm summed in another order, a convolution took another kernel), and
+    the result differed in the last bits. Its result has the layout of the tensor it takes."""
+    torch.manual_seed(0)
+    f32 = Float(8, 23, saturate=True)
+    plain = nn.Sequential(nn.Conv2d(4, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    plain = plain.to(memory_format=torch.channels_last)
+    layers = [(layer, Quantizer(f32, clamp_grad_zero=clamp_grad_zero)) for layer in plain]
+    model = nn.Sequential(*[module for pair in layers for module in pair])
+    x = torch.randn(8, 4, 12, 12).to(memory_format=torch.channels_last)
+    got, want = model(x), plain(x)
+    assert_same_bits(got, want)
+    assert got.stride() == want.stride()
+    function = quantizer(forward=f32, clamp_grad_zero=clamp_grad_zero)
+    assert function(x).stride() == x.stride()
+
+
 def test_gradient_passes_unchanged_without_a_backward_format():
     x = torch.randn(50, requires_grad=True)
     upstream = torch.randn(50)

@@ -48,7 +48,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from lpsim import _observation
-from lpsim._checks import check_bool, check_container
+from lpsim._checks import check_bool, check_container, under_torch_func
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.functional import quantize_op_arguments
 from lpsim.mac import MAC
@@ -66,6 +66,7 @@ from lpsim.nn.quantizer import (
     Spec,
     as_spec,
     bind,
+    in_layout_of,
     parse_eval_rounding,
     quantizing_function,
 )
@@ -112,7 +113,8 @@ class LayerQuantization:
             ``parametrizations.<name>.original``. One that already has torch
             parametrisations (weight_norm, orthogonal, ...) is quantised after them, which are
             computed with it, once per call (spectral_norm's power iteration steps once per call,
-            as under torch's parametrize.cached()), and remove() leaves them; inject refuses
+            as under torch's parametrize.cached()), and remove() leaves them (one registered
+            after inject would change the rounded tensor: reading it raises); inject refuses
             (NotImplementedError) one computed by a forward pre-hook of the older
             torch.nn.utils.weight_norm or spectral_norm, or of torch.nn.utils.prune. An Embedding or
             EmbeddingBag with max_norm renormalises the rows of the weight it reads in place, as
@@ -416,7 +418,7 @@ class _InputQuantiser:
 
         def quantised(tensor: torch.Tensor, place: str) -> torch.Tensor:
             quantiser = self.role(place, tensor, training)
-            rounded = _in_layout_of(tensor, quantiser(tensor))
+            rounded = in_layout_of(tensor, quantiser(tensor))
             if observer is not None:
                 observer.observe(module, "input", tensor, rounded, quantiser, training)
             return rounded
@@ -435,19 +437,6 @@ class _InputQuantiser:
             self.quantise(module, args, done, self.masks),
             self.quantise(module, kwargs, done, masked),
         )
-
-
-def _in_layout_of(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
-    """``rounded`` (x quantised: lpsim.quantize gives a contiguous tensor) in x's memory layout,
-    as torch's elementwise ops give their results: a channels_last activation or weight stays
-    channels_last, a transposed one transposed (x's strides where x is dense and does not
-    overlap itself, else torch.empty_like's choice), so that the modules reading the quantised
-    tensor compute as they would on x (a convolution picks its kernel by the layout of its input
-    and weight, a BatchNorm its order of summation), and code that checks the layout finds it.
-    Costs a copy where x is not contiguous; the gradient passes the copy unchanged."""
-    if x.is_contiguous() or x.layout != torch.strided or rounded.stride() == x.stride():
-        return rounded
-    return torch.empty_like(x).copy_(rounded)
 
 
 def _once(done: list, tensor: torch.Tensor, place: str, quantised) -> torch.Tensor:
@@ -503,7 +492,7 @@ class _OutputQuantiser:
         def quantised(tensor: torch.Tensor, place: str) -> torch.Tensor:
             forward = None if self.output is None else self.output(place, tensor, training)
             backward = None if self.error is None else self.error(place, tensor, training)
-            return _in_layout_of(tensor, quantizing_function(forward, backward)(tensor, observed))
+            return quantizing_function(forward, backward)(tensor, observed)  # in tensor's layout
 
         def one(tensor: torch.Tensor, place: str) -> torch.Tensor:
             return _once(done, tensor, place, quantised)
@@ -577,7 +566,30 @@ class _InPlaceResult:
             or result.dtype != given.dtype
         ):
             return result
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling() and not under_torch_func():
+            return _WrittenInto.apply(given, result)
+        # Without gradients nothing flows back; under torch.func, and under torch.compile (whose
+        # graphs gave _WrittenInto other gradients than eager), torch's copy_.
         return given.copy_(result)
+
+
+class _WrittenInto(torch.autograd.Function):
+    """given.copy_(result), whose gradient goes to result alone, none to the value given held
+    before, as the gradient of torch's in-place ops goes (_InPlaceResult.after). torch's copy_
+    gives that earlier value a zero gradient, contiguous, which autograd adds to its real one
+    (through the in-place module's op): the sum took the zeros' layout, so in a channels_last
+    model the module before (a BatchNorm) computed its backward on another layout than in the
+    plain model, and summed in another order."""
+
+    @staticmethod
+    def forward(ctx, given: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        given.copy_(result)
+        ctx.mark_dirty(given)
+        return given
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, grad
 
 
 # The weight scopes of the module forwards running now in this thread, innermost last: each maps a
@@ -675,7 +687,7 @@ class _FakeQuantize(nn.Module):
             with torch.no_grad():
                 torch.embedding_renorm_(value, indices, max_norm, norm_type)
         quantise = self.spec if training else self.eval_spec
-        rounded = _in_layout_of(value, quantise(value))
+        rounded = in_layout_of(value, quantise(value))
         observer = _observation.current
         if observer is not None:
             observer.observe(owner, category, value, rounded, quantise, training)
@@ -699,7 +711,14 @@ def _scoped_parametrization(parametrizations: parametrize.ParametrizationList) -
     torch's parametrize.cached(). A read without gradients (torch.no_grad, or
     torch.inference_mode entered inside the forward) gets it detached; a later read with them
     gets it with its gradient, whichever came first. Outside every scope each
-    read computes it afresh."""
+    read computes it afresh.
+
+    Raises:
+        RuntimeError: a parametrisation was registered on the tensor after inject, so that it
+            comes after the fake-quantiser and would be applied to the rounded tensor.
+    """
+    if not isinstance(parametrizations[-1], _FakeQuantize):
+        _refuse_parametrization_after(parametrizations)
     compute = type(parametrizations).forward
     scopes = _weight_scopes()
     if not scopes:
@@ -725,6 +744,27 @@ def _scoped_parametrization(parametrizations: parametrize.ParametrizationList) -
             rounded = compute(parametrizations)
         cache[key] = rounded
     return rounded if torch.is_grad_enabled() else rounded.detach()
+
+
+def _refuse_parametrization_after(parametrizations: parametrize.ParametrizationList) -> None:
+    """Raise for a parametrised tensor whose list has a parametrisation after inject's
+    fake-quantiser (registered after inject): forward would see that parametrisation applied to
+    the rounded tensor, off the format's grid.
+
+    Raises:
+        RuntimeError: always, naming the tensor, the parametrisation and what to do instead.
+    """
+    listed = list(parametrizations)
+    at = next(i for i, p in enumerate(listed) if isinstance(p, _FakeQuantize))
+    quantiser = listed[at]
+    owner = parametrize.type_before_parametrizations(quantiser.site[0]).__name__
+    after = ", ".join(type(p).__name__ for p in listed[at + 1 :])
+    raise RuntimeError(
+        f"{owner}.{quantiser.name} has a parametrisation ({after}) registered after "
+        "inject(), which would be applied to the quantised tensor, off the format's grid: "
+        "remove() the injection, register the parametrisation, and inject() again (inject "
+        "quantises a tensor after the parametrisations it has)"
+    )
 
 
 def own_parametrized_classes(model: nn.Module) -> nn.Module:

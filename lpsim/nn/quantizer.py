@@ -46,6 +46,7 @@ __all__ = [
     "ScalerCall",
     "bind",
     "quantizing_function",
+    "in_layout_of",
 ]
 
 Spec = Format | Scaled | DelayedScaling | tuple | None
@@ -269,6 +270,20 @@ def quantize_with_clip_mask(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Ten
     return out.to(x.dtype), clipped
 
 
+def in_layout_of(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    """``rounded`` (x quantised: lpsim.quantize gives a contiguous tensor) in x's memory layout,
+    as torch's elementwise ops give their results: a channels_last activation, weight or gradient
+    stays channels_last, a transposed one transposed (x's strides where x is dense and does not
+    overlap itself, else torch.empty_like's choice), so that the modules reading the quantised
+    tensor compute as they would on x (a convolution picks its kernel by the layout of its input,
+    weight and output gradient, a BatchNorm its order of summation), and code that checks the
+    layout finds it. Costs a copy where x is not contiguous; the gradient passes the copy
+    unchanged."""
+    if x.is_contiguous() or x.layout != torch.strided or rounded.stride() == x.stride():
+        return rounded
+    return torch.empty_like(x).copy_(rounded)
+
+
 def _report(observed, category: str, x, rounded, quantiser) -> None:
     """Tell the current observer, if any, that the module ``observed`` names rounded x."""
     observer = _observation.current
@@ -292,8 +307,10 @@ def _unchanged(x: torch.Tensor) -> torch.Tensor:
 
 @signature_kept
 class _Quantize(torch.autograd.Function):
-    """y = forward_spec(x); dL/dx = backward_spec(hooks(dL/dy)), zero where the forward clipped
-    (where the rounded value lay outside the format's range). ``observed`` is None, or the pair
+    """y = forward_spec(x), in x's memory layout; dL/dx = backward_spec(hooks(dL/dy)), zero where
+    the forward clipped (where the rounded value lay outside the format's range), in the memory
+    layout of the gradient it rounds (see in_layout_of; under torch.compile, whose backward gets
+    contiguous gradients, contiguous). ``observed`` is None, or the pair
     (module, training mode) under which both roundings are reported to the current observer (as
     "output" and "error"; see lpsim._observation). Without forward_spec, y is a copy of x, which
     in-place ops may modify (see _unchanged).
@@ -312,6 +329,7 @@ class _Quantize(torch.autograd.Function):
             return _unchanged(x), None
         else:
             out, clipped = forward_spec(x), None
+        out = in_layout_of(x, out)
         if observed is not None:
             _report(observed, "output", x, out, forward_spec)
         return out, clipped
@@ -334,6 +352,8 @@ class _Quantize(torch.autograd.Function):
             if isinstance(spec, ScalerCall):
                 spec = spec._replace(forward_tensor=False)
             rounded = spec(grad)
+            if not torch.compiler.is_compiling():  # dynamo gives backward contiguous gradients
+                rounded = in_layout_of(grad, rounded)
             if ctx.observed is not None:
                 _report(ctx.observed, "error", grad, rounded, ctx.backward_spec)
             grad = rounded
@@ -383,6 +403,9 @@ def quantizer(
             quantize_with_clip_mask): the straight-through estimator with a clip mask.
         backward_hooks: functions applied in order to the gradient before its quantisation (for
             example loss-scaling).
+
+    The result has x's memory layout, and x's gradient that of the gradient it rounds (a
+    channels_last tensor stays channels_last; lpsim.quantize gives a contiguous tensor).
 
     Random numbers of stochastic rules come from torch's default generator, so torch.manual_seed
     makes forward and backward reproducible. The function has no train/eval mode: the Quantizer
@@ -483,7 +506,7 @@ class _QuantizingFunction:
         if self._forward_only and observed is None:
             # quantize's own straight-through gradient (and tangent) is _Quantize's here, the
             # same bits without a Python autograd.Function (tens of us per call).
-            return self.forward(x)
+            return in_layout_of(x, self.forward(x))
         function = _QuantizeWithTangent if _forward_mode_possible() else _Quantize
         return function.apply(
             x, self.forward, self.backward, self.clamp_grad_zero, self.hooks, observed
