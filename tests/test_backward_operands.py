@@ -258,6 +258,29 @@ def test_an_injected_linear_computes_what_the_functional_linear_computes():
     assert_same_bits(layer(x), torch.nn.functional.linear(x, layer.weight), "removed")
 
 
+def test_a_pre_hook_registered_after_inject_sees_the_input_a_linear_with_operands_rounds():
+    """A Linear with backward Operands rounds its input in its own forward, not in a pre-hook, so
+    a forward pre-hook registered after inject() sees the input unquantised (docs/training.md)
+    and what it returns is what the forward rounds: the result is the layer's on the hook's
+    tensor."""
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 8, bias=False)
+    x = torch.randn(4, 32)
+    inject(layer, {nn.Linear: _layer()})
+    seen = []
+
+    def hook(module, args):
+        seen.append(args[0].clone())
+        return (args[0] * 2,)
+
+    layer.register_forward_pre_hook(hook)
+    y = layer(x)
+    assert_same_bits(seen[0], x, "the hook's input")
+    weight = lpsim.quantize(layer.parametrizations.weight.original, FORWARD, "nearest")
+    expected = torch.nn.functional.linear(lpsim.quantize(x * 2, FORWARD, "nearest"), weight)
+    assert_same_bits(y.detach(), expected, "result")
+
+
 def test_an_injected_linear_in_eval_mode_rounds_its_operands_to_nearest():
     layer = nn.Linear(32, 8)
     inject(layer, {nn.Linear: _layer()})
