@@ -701,6 +701,35 @@ def test_every_records_only_every_kth_step():
     assert {r.category for r in recorder.records} == {"output"}
 
 
+def test_a_step_count_set_while_attached_decides_whether_that_step_is_recorded():
+    """current_step set on an attached recorder (a resumed run) records, with every=k, only the
+    steps that are multiples of k, as one set before attach() does. The observer stayed the one
+    attach() chose for step 0: set to 5 with every=2, step 5's roundings were recorded."""
+    model = recount_model()
+    for set_before in (True, False):
+        recorder = Recorder(model, categories="output", every=2)
+        if set_before:
+            recorder.current_step = 5
+        recorder.attach()
+        if not set_before:
+            recorder.current_step = 5
+        for _ in range(4):
+            model(torch.randn(1, 1, 5, 5))
+            recorder.step()
+        recorder.detach()
+        assert sorted({r.step for r in recorder.records}) == [6, 8]
+
+
+@pytest.mark.parametrize(
+    "value, error", [(-1, ValueError), (2.0, TypeError), ("3", TypeError), (True, TypeError)]
+)
+def test_a_step_count_that_is_not_a_non_negative_int_is_refused(value, error):
+    recorder = Recorder(nn.Linear(1, 1))
+    with pytest.raises(error, match="current_step"):
+        recorder.current_step = value
+    assert recorder.current_step == 0
+
+
 def test_eval_roundings_are_recorded_only_when_asked():
     model = recount_model().eval()
     with torch.no_grad():

@@ -4,6 +4,7 @@ import doctest
 import pathlib
 
 import pytest
+import torch
 
 import lpsim
 import lpsim.formats
@@ -50,3 +51,36 @@ def test_fixed_word_and_fraction_lengths_are_those_a_float64_container_holds():
     ):
         with pytest.raises(ValueError, match="does not fit even a float64 container"):
             make()
+
+
+def _text_block_after(path: pathlib.Path, marker: str) -> list[str]:
+    """The lines of the first ```text block after ``marker`` in the document."""
+    text = path.read_text()
+    start = text.index("```text\n", text.index(marker)) + len("```text\n")
+    return text[start : text.index("```", start)].splitlines()
+
+
+def test_the_recorder_table_in_training_md_is_what_its_example_prints():
+    # docs/training.md shows part of recorder.table() for its Recorder example (IBM8, 3 steps);
+    # every line it shows must be a line of the table that example prints, the stagnation of
+    # 2.weight included (updated 132, lost 35: the accumulator's rounding).
+    from torch import nn
+
+    from lpsim import recipes
+    from lpsim.diagnostics import Recorder
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    model, opt = recipes.IBM8.apply(
+        model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    )
+    with Recorder(model, opt) as recorder:
+        for _ in range(3):
+            opt.zero_grad()
+            loss = model(torch.randn(16, 4)).square().mean()
+            (loss * recipes.IBM8.loss_scale).backward()
+            opt.step()
+    printed = recorder.table().splitlines()
+    shown = _text_block_after(ROOT / "docs" / "training.md", "for the run above, in part:")
+    missing = [line for line in shown if line not in ("...", "") and line not in printed]
+    assert not missing, f"lines of the doc's table that the example does not print: {missing}"

@@ -387,12 +387,32 @@ class Recorder:
     def __exit__(self, *exc_info: object) -> None:
         self.detach()
 
+    @property
+    def current_step(self) -> int:
+        """The step being recorded, counted from 0. In a resumed run, set it to the number of
+        optimizer steps already taken (before attach() or while attached: ``every`` then decides
+        at once whether this step is recorded), so that the step numbers continue the run's.
+
+        Raises:
+            TypeError: the value assigned is not an int.
+            ValueError: it is negative.
+        """
+        return self._current_step
+
+    @current_step.setter
+    def current_step(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"current_step must be an int, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"current_step must be at least 0, got {value}")
+        self._current_step = value
+        if self.attached:
+            self._observe_if_recorded()
+
     def step(self) -> None:
         """End the current step and move to the next (the attached optimizer's step() calls
         this)."""
         self.current_step += 1
-        if self.attached:
-            self._observe_if_recorded()
 
     def _recorded(self) -> bool:
         return self.current_step % self.every == 0

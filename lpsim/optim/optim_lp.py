@@ -175,18 +175,24 @@ def _rounded(quant: QuantFunction, t: torch.Tensor) -> torch.Tensor:
 
 def _could_give(quant: QuantFunction | None, value: torch.Tensor, result: torch.Tensor):
     """Where ``result`` (of value's shape, in its own dtype) holds what rounding ``value`` by
-    ``quant`` gives, or could give: a value between rounding down and rounding up on quant's
-    grid, so that a stochastic rule's either neighbour counts (None: ``value`` converted to
-    result's dtype, to nearest); NaN where value is NaN. A bool tensor; None where that cannot be
-    told (a function, a block, scaled or delayed-scaling format)."""
+    ``quant`` gives, or could give: for a deterministic rule the one value it gives, for a
+    stochastic rule either neighbour of ``value`` on quant's grid (None: ``value`` converted to
+    result's dtype, to nearest); NaN where value is NaN. A value between the two neighbours that
+    is neither (off the grid, or the other neighbour of a deterministic rule) is not one. A bool
+    tensor; None where that cannot be told (a function, a block, scaled or delayed-scaling
+    format)."""
     if quant is None:
         expected = value.to(result.dtype)
         return (result == expected) | (result.isnan() & expected.isnan())
     if not (isinstance(quant, QuantSpec) and isinstance(quant.format, GRID_FORMATS)):
         return None
-    low = quantize(value, quant.format, "down").to(result.dtype)
-    high = quantize(value, quant.format, "up").to(result.dtype)
-    return ((low <= result) & (result <= high)) | (result.isnan() & value.isnan())
+    if quant.rounding.is_stochastic:
+        low = quantize(value, quant.format, "down").to(result.dtype)
+        high = quantize(value, quant.format, "up").to(result.dtype)
+        given = (result == low) | (result == high)
+    else:
+        given = result == quantize(value, quant.format, quant.rounding).to(result.dtype)
+    return given | (result.isnan() & value.isnan())
 
 
 _WIDE = (torch.float32, torch.float64)
@@ -429,10 +435,11 @@ class OptimLP(Optimizer):
     A weight changed outside the optimizer (model.load_state_dict after the optimizer was made,
     a pruning mask, any in-place change, seen by its version counter; not a change through
     ``.data``) is taken into its accumulator by the next step or round_weights(): its elements
-    that hold a value the accumulator does not round to by ``weight`` (either neighbour for a
-    stochastic rule; the accumulator itself without ``weight``), or, before the first step, that
-    do not round into ``acc`` to the accumulator, get the weight rounded into ``acc``; the other
-    elements keep their accumulators. Where ``weight`` or ``acc`` is a function, a block, scaled
+    that hold a value the accumulator does not round to by ``weight`` (the one value of a
+    deterministic rule, either neighbour of a stochastic one; the accumulator itself without
+    ``weight``) and that do not round into ``acc`` to the accumulator (before the first step only
+    this counts) get the weight rounded into ``acc``; the other elements keep their
+    accumulators. Where ``weight`` or ``acc`` is a function, a block, scaled
     or delayed-scaling format this cannot be told, and the accumulator is left as it is.
     load_state_dict() makes the loaded accumulators the source: weights loaded after it that
     they round to change nothing.
@@ -1016,10 +1023,15 @@ class OptimLP(Optimizer):
                 continue
             acc = self.accumulators[p]
             weight = p.detach()
+            made = _could_give(s.acc, weight.to(acc.dtype), acc)
             if kind == "written":
+                # What the accumulator rounds to, or a value that rounds into acc to it (the
+                # weights of a checkpoint saved before its first step).
                 kept = _could_give(s.weight, acc, weight)
+                if kept is not None and made is not None:
+                    kept = kept | made
             else:
-                kept = _could_give(s.acc, weight.to(acc.dtype), acc)
+                kept = made
             if kept is None or bool(kept.all()):
                 continue
             fresh = _rounded(self._quantizer(p, "acc", s.acc, acc), weight.to(acc.dtype))
