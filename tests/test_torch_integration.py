@@ -553,6 +553,30 @@ def test_second_derivatives_through_a_backward_format_round_in_reverse_mode_only
     assert_same_bits(again, reverse)
 
 
+def test_second_derivatives_of_a_compiled_quantize_are_refused_or_unconnected_as_documented():
+    """docs/training.md: torch.compile does not differentiate its backward graphs. Eager mode's
+    second derivative of sum(q(x)**3) is 6 q(x) (q straight-through); the compiled function's
+    gradient reaches no input (it saved q(x), not x): grad raises, with allow_unused None, and
+    backward() raises torch's double backward error."""
+    fmt = Float(5, 2)
+
+    def f(t):
+        return (lpsim.quantize(t, fmt, "nearest") ** 3).sum()
+
+    x = torch.tensor([0.3, 1.7, -2.2], requires_grad=True)
+    q = lpsim.quantize(x.detach(), fmt, "nearest")
+    (first,) = torch.autograd.grad(f(x), x, create_graph=True)
+    assert torch.equal(torch.autograd.grad(first.sum(), x)[0], 6 * q)
+    compiled = torch.compile(f, backend="aot_eager")
+    (first,) = torch.autograd.grad(compiled(x), x, create_graph=True)
+    assert torch.equal(first, 3 * q**2)
+    with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+        torch.autograd.grad(first.sum(), x, retain_graph=True)
+    assert torch.autograd.grad(first.sum(), x, retain_graph=True, allow_unused=True) == (None,)
+    with pytest.raises(RuntimeError, match="does not currently support double backward"):
+        first.sum().backward()
+
+
 def test_a_retained_graph_rounds_its_errors_anew_at_each_backward():
     fmt = Float(5, 2)
     x = torch.linspace(-3, 3, 64, requires_grad=True)
