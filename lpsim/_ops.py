@@ -143,6 +143,24 @@ def _to_container_fake(x, dtype):
     return torch.empty_like(x, dtype=dtype, memory_format=torch.contiguous_format)
 
 
+# The sums and products of lpsim.accumulate and lpsim.mac: float64 results
+# (csrc/accumulate_ops.cpp), so that torch.compile and torch.export trace them as ops of a graph.
+
+
+@torch.library.register_fake("lpsim::sum_rounded")
+def _sum_rounded_fake(x, outer, n, inner, cumulative, *args):
+    return x.new_empty((outer * n * inner if cumulative else outer * inner,), dtype=torch.float64)
+
+
+def _product_results_fake(a, b, *args):
+    """The (m, p) float64 results of a (m, n) times the rows of b (p, n)."""
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.float64)
+
+
+torch.library.register_fake("lpsim::dot_rounded")(_product_results_fake)
+torch.library.register_fake("lpsim::mac_matmul")(_product_results_fake)
+
+
 @torch.library.register_fake("lpsim::rounding_statistics")
 def _rounding_statistics_fake(x, rounded, low, high, smallest_normal):
     # The statistics ops count values into CPU tensors, whatever x's device. A meta x (the fake

@@ -414,7 +414,22 @@ def matmul(
             a tensor core's ``operands`` format does not hold every finite value of a or b;
             seed or offset is outside [0, 2**64) (under every MAC, the native one included,
             although a MAC that draws no random words ignores them).
+
+    Under torch.export a non-native MAC's product is an op of the exported program, which draws
+    a stochastic rule's missing seed at each call as eager calls do; a tensor core's check of
+    its operands becomes an assertion of the program, which raises RuntimeError when a call's
+    operands hold values that are not values of the ``operands`` format.
     """
+    return seeded_matmul(a, b, mac, seed, offset)
+
+
+def seeded_matmul(
+    a: torch.Tensor, b: torch.Tensor, mac: MAC, seed: int | torch.Tensor | None, offset: int
+) -> torch.Tensor:
+    """matmul(a, b, mac, seed=seed, offset=offset), whose seed may also be a 0-d int64 tensor
+    holding a seed drawn from torch's generator (lpsim._checks.draw_seed): lpsim.nn.functional
+    draws one so while torch.export traces, so that the exported program draws it at each call
+    (int() of it would make the trace's seed a constant of the program, which export refuses)."""
     if not isinstance(mac, MAC):
         raise TypeError(f"mac must be a MAC, got {type(mac).__name__}")
     if not mac.native:  # before the shapes: a nested tensor has none
@@ -424,7 +439,12 @@ def matmul(
     check_product_operands(a, b, ("a", "b"), "lpsim.mac.matmul", ("cpu", "cuda"))
     # Checked under every MAC: one that draws no random words ignores seed and offset, but not
     # malformed ones (as quantize).
-    _, rbits, seed_bits, offset_bits = _random_args(mac.drawing_rule, mac.rbits, seed, offset)
+    drawn = isinstance(seed, torch.Tensor)  # (0 stands for it in the checks: no second draw)
+    _, rbits, seed_bits, offset_bits = _random_args(
+        mac.drawing_rule, mac.rbits, 0 if drawn else seed, offset
+    )
+    if drawn and seed_bits is not None:
+        seed_bits = seed
     if mac.native:
         return torch.matmul(a, b)
     for fmt in (mac.accumulator, mac.product, mac.chunk_accumulator):
@@ -466,14 +486,21 @@ def _check_holds(operand: torch.Tensor, fmt: Float, name: str) -> None:
     """Refuse an operand of a tensor core whose finite values are not all values of its
     ``operands`` format: the model aligns each operand by the format's exponents, and the
     hardware it models never sees a wider value, so its result would be no GPU's."""
+    message = (
+        f"lpsim.mac.matmul: {name} holds values that are not {fmt!r} values, the tensor "
+        f"core's operands: round them first (lpsim.quantize({name}, {fmt!r}), or an input, "
+        "weight or error format of that format), or give the TensorCore operands=None to "
+        "align each operand by its own exponent"
+    )
+    if torch.compiler.is_exporting():
+        # The values are the program's inputs: the check is an assertion of the program, made
+        # at each call (a Python branch on them would be the trace's alone, which export refuses).
+        finite = torch.where(torch.isfinite(operand), operand, 0).double()
+        torch._assert_async((quantize(finite, fmt, "nearest") == finite).all(), message)
+        return
     finite = operand[torch.isfinite(operand)].double()  # exact, and a container fmt fits
     if not torch.equal(quantize(finite, fmt, "nearest"), finite):
-        raise ValueError(
-            f"lpsim.mac.matmul: {name} holds values that are not {fmt!r} values, the tensor "
-            f"core's operands: round them first (lpsim.quantize({name}, {fmt!r}), or an input, "
-            "weight or error format of that format), or give the TensorCore operands=None to "
-            "align each operand by its own exponent"
-        )
+        raise ValueError(message)
 
 
 # ---- Presets: the published models of NVIDIA's tensor cores (docs/accumulation.md cites each).

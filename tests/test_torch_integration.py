@@ -37,6 +37,67 @@ def test_opcheck_quantize_block(dim, block_size):
     )
 
 
+@pytest.mark.parametrize("rule,seed", [(0, None), (8, torch.tensor(5))])
+def test_opcheck_mac_matmul_and_the_rounded_sums(rule, seed):
+    """The ops of lpsim.mac and lpsim.accumulate have fake kernels, which torch.export and
+    torch.compile trace them with (without, export raised UnsupportedOperatorException)."""
+    grid = tuple(Float(5, 10).grid())
+    random = (rule, 32, seed, 0)
+    a, b = torch.randn(3, 6), torch.randn(4, 6)
+    mac = (a, b, 0, 1, False, False, 0, 0, None, 0, 0) + grid + grid + grid + random
+    torch.library.opcheck(torch.ops.lpsim.mac_matmul, mac)
+    torch.library.opcheck(torch.ops.lpsim.dot_rounded, (a, b, False) + grid + grid + random)
+    for cumulative in (False, True):
+        sums = (a, 3, 2, 3, cumulative) + grid + random
+        torch.library.opcheck(torch.ops.lpsim.sum_rounded, sums)
+
+
+@pytest.mark.parametrize("rule", ["nearest", "stochastic"])
+def test_an_exported_model_with_mac_products_gives_the_eager_bits(rule):
+    """torch.export.export of an injected model whose products run under a non-native MAC (a
+    convolution and a linear layer) gives a program that computes the eager bits, call by call
+    under the same torch.manual_seed: a stochastic MAC's seed is drawn by the program at each
+    call. Export raised UnsupportedOperatorException (the op had no fake kernel), and for a
+    stochastic MAC GuardOnDataDependentSymNode (its seed was made a Python int)."""
+    from lpsim.nn import LayerQuantization, inject
+
+    mac = lpsim.MAC(accumulator=Float(5, 4), rounding=rule)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(2, 3, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(48, 4)
+    )
+    layers = (torch.nn.Conv2d, torch.nn.Linear)
+    inject(model, {layers: LayerQuantization(mac=mac, output=Float(5, 2), rounding=rule)})
+    x = torch.randn(2, 2, 6, 6)
+    exported = torch.export.export(model, (x,)).module()
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        want = model(x)
+        torch.manual_seed(seed)
+        assert_same_bits(exported(x), want, f"seed {seed}")
+
+
+def test_an_exported_tensor_core_checks_its_operands_at_each_call():
+    """A tensor core with an ``operands`` format refuses operands that are not its values; in an
+    exported program the check is made at each call (it failed to export: a Python branch on the
+    values), and the program's products are the eager ones."""
+
+    class Product(torch.nn.Module):
+        def forward(self, a, b):
+            return lpsim.mac.matmul(a, b, lpsim.mac.preset("H100/tf32"))
+
+    a = torch.randn(3, 40).bfloat16().float()  # tf32 values
+    b = torch.randn(40, 2).bfloat16().float()
+    exported = torch.export.export(Product(), (a, b)).module()
+    assert_same_bits(exported(a, b), Product()(a, b))
+    wide = a.clone()
+    wide[1, 7] = 1 + 2.0**-20  # not a tf32 value
+    with pytest.raises(ValueError, match="a holds values that are not"):
+        Product()(wide, b)
+    with pytest.raises(RuntimeError, match="a holds values that are not"):
+        exported(wide, b)
+
+
 def _model(x):
     h = lpsim.quantize(x * 2.0, Float(5, 2), "nearest")
     h = lpsim.quantize(torch.tanh(h), Fixed(8, 6), "stochastic", seed=17)
@@ -490,6 +551,30 @@ def test_second_derivatives_through_a_backward_format_round_in_reverse_mode_only
     assert_same_bits(first, lpsim.quantize(3 * q.detach() ** 2, fmt, "nearest"))
     (again,) = torch.autograd.grad(first.sum(), leaf)
     assert_same_bits(again, reverse)
+
+
+def test_second_derivatives_of_a_compiled_quantize_are_refused_or_unconnected_as_documented():
+    """docs/training.md: torch.compile does not differentiate its backward graphs. Eager mode's
+    second derivative of sum(q(x)**3) is 6 q(x) (q straight-through); the compiled function's
+    gradient reaches no input (it saved q(x), not x): grad raises, with allow_unused None, and
+    backward() raises torch's double backward error."""
+    fmt = Float(5, 2)
+
+    def f(t):
+        return (lpsim.quantize(t, fmt, "nearest") ** 3).sum()
+
+    x = torch.tensor([0.3, 1.7, -2.2], requires_grad=True)
+    q = lpsim.quantize(x.detach(), fmt, "nearest")
+    (first,) = torch.autograd.grad(f(x), x, create_graph=True)
+    assert torch.equal(torch.autograd.grad(first.sum(), x)[0], 6 * q)
+    compiled = torch.compile(f, backend="aot_eager")
+    (first,) = torch.autograd.grad(compiled(x), x, create_graph=True)
+    assert torch.equal(first, 3 * q**2)
+    with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+        torch.autograd.grad(first.sum(), x, retain_graph=True)
+    assert torch.autograd.grad(first.sum(), x, retain_graph=True, allow_unused=True) == (None,)
+    with pytest.raises(RuntimeError, match="does not currently support double backward"):
+        first.sum().backward()
 
 
 def test_a_retained_graph_rounds_its_errors_anew_at_each_backward():

@@ -360,12 +360,17 @@ def arithmetic(
     )
 
 
-def _seed(mac: MAC) -> int | None:
-    """One seed for the products of one call under ``mac`` (None: the rule draws no words)."""
-    return int(draw_seed()) if not mac.native and mac.drawing_rule.is_stochastic else None
+def _seed(mac: MAC) -> int | torch.Tensor | None:
+    """One seed for the products of one call under ``mac`` (None: the rule draws no words). While
+    torch.export traces, the 0-d tensor that holds it: the exported program draws it at each
+    call (an int would be the trace's seed, made a constant of the program)."""
+    if mac.native or not mac.drawing_rule.is_stochastic:
+        return None
+    seed = draw_seed()
+    return seed if torch.compiler.is_exporting() else int(seed)
 
 
-def _product(a: torch.Tensor, b: torch.Tensor, mac: MAC, seed: int | None, offset: int):
+def _product(a: torch.Tensor, b: torch.Tensor, mac: MAC, seed, offset: int):
     """a @ b under mac, the operands brought to one dtype (the wider)."""
     dtype = torch.promote_types(a.dtype, b.dtype)
     a, b = a.to(dtype), b.to(dtype)
@@ -379,7 +384,7 @@ def _product(a: torch.Tensor, b: torch.Tensor, mac: MAC, seed: int | None, offse
             "a Fixed without clamp); give the products that take it native MACs, or an "
             "accumulator that float32 holds"
         )
-    return _mac.matmul(a, b, mac, seed=seed, offset=offset)
+    return _mac.seeded_matmul(a, b, mac, seed, offset)
 
 
 def _batched(a: torch.Tensor, b: torch.Tensor, mac: MAC) -> torch.Tensor:
