@@ -302,6 +302,20 @@ def _train(model, opt, data, target, steps=3):
     return loss
 
 
+def _saved_midway(make):
+    """_problem()'s model and its optimizer make(model) trained 2 steps from seed 5, their
+    state_dicts saved, then 2 more steps from seed 6: (model, optimizer, saved model state,
+    saved optimizer state, data, target)."""
+    model, data, target = _problem()
+    opt = make(model)
+    torch.manual_seed(5)
+    _train(model, opt, data, target, steps=2)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    torch.manual_seed(6)
+    _train(model, opt, data, target, steps=2)
+    return model, opt, saved_model, saved_opt, data, target
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -466,8 +480,6 @@ def test_accumulators_hold_the_high_precision_weights():
 
 
 def test_state_dict_round_trip_continues_identically():
-    model, data, target = _problem()
-
     def make(m):
         return OptimLP(
             torch.optim.Adam(m.parameters(), lr=0.01),
@@ -477,13 +489,7 @@ def test_state_dict_round_trip_continues_identically():
             acc=Float(8, 15),
         )
 
-    opt = make(model)
-    torch.manual_seed(5)
-    _train(model, opt, data, target, steps=2)
-    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-    torch.manual_seed(6)
-    _train(model, opt, data, target, steps=2)
-
+    model, opt, saved_model, saved_opt, data, target = _saved_midway(make)
     restored, _, _ = _problem(seed=1)
     restored.load_state_dict(saved_model)
     opt2 = make(restored)
@@ -1660,7 +1666,6 @@ def test_the_model_loaded_after_the_optimizer_from_one_checkpoint_resumes_bit_fo
     """Loading a checkpoint's optimizer state and then its model state (the weights, which its
     accumulators round to) continues from the saved accumulators, as the other order does: the
     weights agree with the accumulators, so nothing is taken from them."""
-    model, data, target = _problem()
 
     def make(m):
         return OptimLP(
@@ -1669,12 +1674,7 @@ def test_the_model_loaded_after_the_optimizer_from_one_checkpoint_resumes_bit_fo
             acc=(Float(8, 12), "stochastic"),
         )
 
-    opt = make(model)
-    torch.manual_seed(5)
-    _train(model, opt, data, target, steps=2)
-    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-    torch.manual_seed(6)
-    _train(model, opt, data, target, steps=2)
+    model, _, saved_model, saved_opt, data, target = _saved_midway(make)
     results = []
     for order in ("optimizer first", "model first"):
         other, _, _ = _problem()
