@@ -219,7 +219,8 @@ def capture(
 ) -> dict[str, dict[str, torch.Tensor]]:
     """{kind: {layer name: tensor}} for every Conv2d and Linear layer after one forward and
     backward pass of the cross-entropy loss on (x, y) in training mode: the layer's weight, its
-    input and the gradient of the loss with respect to its output, detached float32 copies."""
+    input and the gradient of the loss with respect to its output, detached float32 copies, each
+    kind's layers in the model's order."""
     captured = {kind: {} for kind in KINDS}
     handles = []
 
@@ -252,6 +253,10 @@ def capture(
         nn.functional.cross_entropy(model(x), y).backward()
     for handle in handles:
         handle.remove()
+    # The backward hooks fired from the last layer to the first: list the gradients in the
+    # model's layer order, as the weights and activations.
+    gradients = captured["gradient"]
+    captured["gradient"] = {name: gradients[name] for name, _ in layers if name in gradients}
     return captured
 
 
