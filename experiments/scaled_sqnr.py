@@ -594,8 +594,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                 f"--{option.replace('_', '-')} must be at least {least}, "
                 f"got {getattr(args, option)}"
             )
-    if not args.resnet_lr > 0:
-        p.error(f"--resnet-lr must be positive, got {args.resnet_lr}")
+    if not (args.resnet_lr > 0 and math.isfinite(args.resnet_lr)):
+        p.error(f"--resnet-lr must be a finite positive number, got {args.resnet_lr}")
     if not 0 <= args.seed < 2**63:
         p.error(f"--seed must be in [0, 2**63), got {args.seed}")
     if not 0 <= args.hadamard_seed < 2**64:

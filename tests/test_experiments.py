@@ -374,3 +374,15 @@ def test_plots_label_the_rows_and_learning_rate_of_the_run():
     assert error_growth.panel_title("float16", 2.0**-11, 7).endswith("A x with A 7 x n")
     assert stagnation.steps_label(0.01) == "gradient steps (lr 0.01)"
     assert stagnation.steps_label(1e-3) == "gradient steps (lr 0.001)"
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_scaled_sqnr_refuses_a_learning_rate_that_is_not_finite_and_positive(
+    value, tmp_path, capsys
+):
+    # An infinite rate trained resnet18 into NaN weights and wrote a table of nan SQNRs.
+    tiny = [*TINY[scaled_sqnr], "--models", "resnet18"]
+    with pytest.raises(SystemExit):
+        scaled_sqnr.main([*tiny, "--resnet-lr", value, "--out", str(tmp_path)])
+    assert "--resnet-lr must be a finite positive number" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
