@@ -219,7 +219,8 @@ def capture(
 ) -> dict[str, dict[str, torch.Tensor]]:
     """{kind: {layer name: tensor}} for every Conv2d and Linear layer after one forward and
     backward pass of the cross-entropy loss on (x, y) in training mode: the layer's weight, its
-    input and the gradient of the loss with respect to its output, detached float32 copies."""
+    input and the gradient of the loss with respect to its output, detached float32 copies, each
+    kind's layers in the model's order."""
     captured = {kind: {} for kind in KINDS}
     handles = []
 
@@ -252,6 +253,10 @@ def capture(
         nn.functional.cross_entropy(model(x), y).backward()
     for handle in handles:
         handle.remove()
+    # The backward hooks fired from the last layer to the first: list the gradients in the
+    # model's layer order, as the weights and activations.
+    gradients = captured["gradient"]
+    captured["gradient"] = {name: gradients[name] for name, _ in layers if name in gradients}
     return captured
 
 
@@ -589,8 +594,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                 f"--{option.replace('_', '-')} must be at least {least}, "
                 f"got {getattr(args, option)}"
             )
-    if not args.resnet_lr > 0:
-        p.error(f"--resnet-lr must be positive, got {args.resnet_lr}")
+    if not (args.resnet_lr > 0 and math.isfinite(args.resnet_lr)):
+        p.error(f"--resnet-lr must be a finite positive number, got {args.resnet_lr}")
     if not 0 <= args.seed < 2**63:
         p.error(f"--seed must be in [0, 2**63), got {args.seed}")
     if not 0 <= args.hadamard_seed < 2**64:

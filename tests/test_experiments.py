@@ -147,6 +147,31 @@ def test_scaled_sqnr_lays_blocks_along_the_reduction_and_channel_dimensions():
     assert torch.equal(scaled_sqnr.as_matrix("gradient", linear), linear)
 
 
+def test_scaled_sqnr_lists_block_dimension_lengths_layer_by_layer_for_every_kind():
+    # Backward hooks fire from the last layer to the first; the table's "layer by layer" lengths
+    # must still follow the model's layer order for the gradients as for weights and activations.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 3, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(3 * 4 * 4, 5),
+        torch.nn.ReLU(),
+        torch.nn.Linear(5, 2),
+    )
+    captured = scaled_sqnr.capture(model, torch.randn(4, 1, 4, 4), torch.tensor([0, 1, 0, 1]))
+    assert [list(captured[kind]) for kind in scaled_sqnr.KINDS] == [["0", "3", "5"]] * 3
+    matrices = {
+        kind: {layer: scaled_sqnr.as_matrix(kind, t) for layer, t in captured[kind].items()}
+        for kind in scaled_sqnr.KINDS
+    }
+    # weights: in * kh * kw or in_features; activations: the input's channels or features;
+    # gradients: the output's channels or features
+    assert scaled_sqnr.shapes_line(matrices) == (
+        "weights 9, 48, 5; activations 1, 48, 5; gradients 3, 5, 2"
+    )
+
+
 def test_scaled_sqnr_in_db_with_exact_and_signal_free_tensors():
     x = torch.tensor([3.0, 4.0])
     assert scaled_sqnr.sqnr_db(x, x + torch.tensor([0.05, 0.0])) == pytest.approx(40.0)
@@ -349,3 +374,15 @@ def test_plots_label_the_rows_and_learning_rate_of_the_run():
     assert error_growth.panel_title("float16", 2.0**-11, 7).endswith("A x with A 7 x n")
     assert stagnation.steps_label(0.01) == "gradient steps (lr 0.01)"
     assert stagnation.steps_label(1e-3) == "gradient steps (lr 0.001)"
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "0"])
+def test_scaled_sqnr_refuses_a_learning_rate_that_is_not_finite_and_positive(
+    value, tmp_path, capsys
+):
+    # An infinite rate trained resnet18 into NaN weights and wrote a table of nan SQNRs.
+    tiny = [*TINY[scaled_sqnr], "--models", "resnet18"]
+    with pytest.raises(SystemExit):
+        scaled_sqnr.main([*tiny, "--resnet-lr", value, "--out", str(tmp_path)])
+    assert "--resnet-lr must be a finite positive number" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
