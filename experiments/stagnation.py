@@ -23,8 +23,8 @@ parameter's gradient has its dtype), and the update w - lr * g is then exact and
     python -m experiments.stagnation    # writes docs/results/stagnation.{md,png}
     python -m experiments.stagnation --out DIR    # writes DIR/stagnation.{md,png} instead
 
-About 1.5 minutes on an idle 2-core machine (longer when it is shared); prints a line per tenth of
-the accumulation and per training run as it goes.
+14 to 27 minutes on a 2-core machine (836 s and 1603 s measured, both while it was shared); prints
+a line per tenth of the accumulation and per training run as it goes.
 """
 
 from __future__ import annotations
