@@ -151,6 +151,25 @@ def test_nvfp4_matches_torchao_nvfp4_quantize_bit_for_bit(tensor_scale):
     assert_same_bits(ours, reference.quantize(x, fmt))
 
 
+@pytest.mark.parametrize("rule", TORCHAO_MODES)
+@pytest.mark.parametrize("name", MX_ELEMENTS)
+def test_torchao_gives_a_block_with_an_inf_a_finite_scale_under_every_rule(name, rule):
+    # docs/formats.md: torchao's scale is 2**min(128 - emax, 127) (2**127 under rceil), its Inf
+    # decodes to +/-Inf and its finite elements round at that scale; lpsim's block is NaN.
+    x = torch.full((2, 32), 1.0)
+    x[0, 3], x[1, 5] = math.inf, -math.inf
+    fmt = dataclasses.replace(preset(name), scale_rule=rule)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code, data = to_mx(x, MX_ELEMENTS[name], 32, TORCHAO_MODES[rule])
+        theirs = to_dtype(data, code, MX_ELEMENTS[name], 32, torch.float32)
+    exponent = 127 if rule == "rceil" else min(128 - fmt.element_emax, 127)
+    assert (code.view(torch.uint8).int() - 127 == exponent).all()
+    assert theirs[0, 3] == math.inf and theirs[1, 5] == -math.inf
+    assert not theirs[:, :3].any()
+    assert lpsim.quantize(x, fmt).isnan().all()
+
+
 GFLOAT_MX = {
     "mxfp8_e4m3": gfloat.formats.format_info_mxfp8_e4m3,
     "mxfp8_e5m2": gfloat.formats.format_info_mxfp8_e5m2,
