@@ -27,6 +27,9 @@ operation at a time:
    finite number (an amax so small that the quotient overflows) and at least 2^-128 + 2^-149,
    the smallest float32 number whose reciprocal is finite (a margin that takes the quotient of a
    large amax below it), and scale_inverse = 1 / scale, else both stay as they were.
+   The history is float32: a float64 x's amax enters it rounded to nearest, a positive one below
+   float32's smallest subnormal as 2^-149 (its scale is float32's largest either way), and one
+   beyond float32's range (finite, above 3.4e38) raises ValueError before the state changes.
 
 So the scale a call uses comes from the calls before it: the first call uses scale 1. This is
 Transformer Engine's amax_and_scale_update (history rolled, max or most-recent reduction,
@@ -210,6 +213,28 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
+def _float32_amax(amax: torch.Tensor) -> torch.Tensor:
+    """amax (0-d, >= 0) as the float32 history holds it: rounded to nearest, except that a
+    positive float64 amax below float32's smallest subnormal is that subnormal, 2**-149, so that it
+    gives the scale its value gives (float32's largest), not the kept scale of a zero amax."""
+    rounded = amax.float()
+    return torch.where((amax > 0) & (rounded == 0), math.ldexp(1.0, -149), rounded)
+
+
+def _check_recordable(amax: torch.Tensor) -> None:
+    """Raise where a float64 x's finite amax lies beyond float32's range, which the history cannot
+    hold: rounded to Inf, it would keep the scale as an Inf does, and under "max" for as long as
+    the history remembers it, so that every such value saturated silently."""
+    largest = torch.finfo(torch.float32).max
+    if bool(amax.isfinite()) and float(amax) > largest:
+        raise ValueError(
+            f"x's largest finite magnitude, {float(amax):.6g}, lies beyond float32's range "
+            f"(at most {largest:.6g}), which a DelayedScaler's amax history holds (float32, as "
+            "Transformer Engine's): it would enter it as Inf and keep the scale unchanged. Scale "
+            "the float64 tensor into float32's range first"
+        )
+
+
 def _largest_unsaturated(start: torch.Tensor, limit: float, scale: torch.Tensor) -> float:
     """The largest value of start's dtype, at least ``start`` (a 0-d tensor >= 0), whose product
     with ``scale`` (a 0-d tensor > 0 in the call's arithmetic), rounded there as a call rounds it,
@@ -287,7 +312,8 @@ class DelayedScaler(nn.Module):
 
         Raises:
             TypeError, ValueError: as lpsim.quantize; x on another device than the buffers;
-                record is neither None nor a bool.
+                record is neither None nor a bool; recording a float64 x whose largest finite
+                magnitude exceeds float32's range (the history is float32; nothing changes).
             RuntimeError: under torch.func's grad, jacrev, jacfwd, hessian or vmap, which do
                 not allow the writes to the state (in eval mode too: the call's scale is kept);
                 torch.func.vjp and jvp are allowed.
@@ -320,13 +346,18 @@ class DelayedScaler(nn.Module):
             scaled = torch.where(wide.isinf(), wide, scaled)
             elements = quantize(scaled, self._element, rounding, rbits=rbits, seed=seed)
             value = (elements * self.scale_inverse.to(work)).to(x.dtype)
-            self.call_scale.copy_(self.scale)
-            self.call_scale_inverse.copy_(self.scale_inverse)
-            if self.training if record is None else record:
+            recording = self.training if record is None else record
+            if recording:
                 # fmaxf from 0, as Transformer Engine takes a tensor's amax: NaN is skipped.
                 magnitudes = wide.abs().masked_fill(wide.isnan(), 0.0)
                 amax = magnitudes.amax() if wide.numel() else wide.new_zeros(())
-                self._record(self._across_ranks(amax.float()))
+                recorded = self._across_ranks(_float32_amax(amax))
+                if work == torch.float64:  # after the collective, which every rank makes
+                    _check_recordable(amax)
+            self.call_scale.copy_(self.scale)
+            self.call_scale_inverse.copy_(self.scale_inverse)
+            if recording:
+                self._record(recorded)
         return _StraightThrough.apply(x, value)
 
     def statistics_bounds(self, dtype: torch.dtype) -> tuple[float, float, float]:

@@ -897,3 +897,34 @@ def test_a_delayed_scaler_under_torch_func_raises_clearly_except_under_jvp(train
     assert int(module.forward_scaler.calls) == int(training)
     if training:
         assert module.forward_scaler.amax_history.tolist() == [7.0, 0.0, 0.0, 0.0]
+
+
+def test_a_float64_amax_beyond_float32s_range_is_refused_and_changes_no_state():
+    # Its float32 history entry would be Inf, which keeps the scale: 1e39 saturated to 448 at every
+    # call, for as long as "max" remembered the Inf, while the scale its amax gives, 448 / 1e39, is
+    # a float32 number.
+    state = DelayedScaling(E4M3, history_length=4).scaler()
+    x = torch.tensor([1e39, 1.0, -3e38], dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"x's largest finite magnitude, 1e\+39, lies beyond"):
+        state(x)
+    assert not state.amax_history.any() and int(state.calls) == 0
+    assert float(state.scale) == 1.0 and float(state.scale_inverse) == 1.0
+    # Not recording, the call quantises with the scale it has; an Inf is still an Inf amax.
+    assert state(x, record=False).tolist() == [448.0, 1.0, -448.0]
+    state(torch.tensor([math.inf, 2.0], dtype=torch.float64))
+    assert math.isinf(float(state.amax_history[0])) and float(state.scale) == 1.0
+
+
+def test_a_positive_float64_amax_below_float32s_subnormals_gives_the_largest_scale():
+    # 448 / 1e-47 overflows float32, so the scale is float32's largest, as for any amax below
+    # 448 / 3.4e38; rounded to a float32 zero, the amax kept the scale of the call before (448).
+    largest = torch.finfo(torch.float32).max
+    state = DelayedScaling(E4M3, history_length=1, reduction="most_recent").scaler()
+    state(torch.tensor([1.0], dtype=torch.float64))
+    assert float(state.scale) == 448.0
+    state(torch.tensor([1e-47, -0.0], dtype=torch.float64))
+    assert float(state.scale) == largest
+    assert float(state.amax_history[0]) == 2.0**-149
+    x = torch.tensor([1e-40], dtype=torch.float64)  # 1e-40 * largest = 0.034: E4M3 holds 0.03515625
+    expected = 0.03515625 * float(torch.tensor(1.0) / torch.tensor(largest))
+    assert state(x).item() == expected

@@ -151,6 +151,55 @@ def test_nvfp4_matches_torchao_nvfp4_quantize_bit_for_bit(tensor_scale):
     assert_same_bits(ours, reference.quantize(x, fmt))
 
 
+def _torchao_nvfp4(x: torch.Tensor) -> torch.Tensor:
+    """torchao's two-level NVFP4 of a (rows, 16 k) float32 x, decoded in float32."""
+    t = per_tensor_amax_to_scale(x.abs().amax())
+    scale, data = nvfp4_quantize(x, 16, t)
+    elements = f4_unpacked_to_f32(unpack_uint4(data)).reshape(x.shape[0], -1, 16)
+    return (elements * (t * scale.to(torch.float32)).unsqueeze(-1)).reshape(x.shape)
+
+
+def test_nvfp4_matches_torchao_down_to_its_tensor_scale_floor_as_documented():
+    # docs/formats.md: the match holds for a tensor amax of at least 2688 x 2**-120, where t is at
+    # least lpsim's floor 2**-120; below, the values differ as the page says.
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(4, 32, generator=g)
+    base[:, 16:] *= 2.0**-6  # second blocks with smaller scales
+    floor = 2688 * 2.0**-120
+    for amax in (floor, 2 * floor, 1e-30, 1.0, 1e30):
+        x = (base / base.abs().max() * amax).float()
+        assert_same_bits(lpsim.quantize(x, preset("nvfp4")), _torchao_nvfp4(x))
+    x = torch.zeros(1, 16)
+    x[0, :3] = torch.tensor([1e-35, -1e-35 / 3, 1e-37])
+    assert lpsim.quantize(x, preset("nvfp4"))[0, 0].item() == pytest.approx(1.0156e-35, rel=1e-4)
+    assert _torchao_nvfp4(x)[0, 0].item() == pytest.approx(1.00000009e-35, rel=1e-8)
+    x[0, :3] = torch.tensor([5e-36, -5e-36 / 3, 5e-38])  # below 2688 x 2**-128: 1 / t is Inf
+    assert _torchao_nvfp4(x)[0, :3].abs().unique().numel() == 1
+    x[0, :3] = torch.tensor([1e-40, -1e-41, 1e-42])
+    assert not lpsim.quantize(x, preset("nvfp4")).any()
+    zeros = torch.zeros(1, 16)
+    assert _torchao_nvfp4(zeros).isnan().all() and not lpsim.quantize(zeros, preset("nvfp4")).any()
+
+
+@pytest.mark.parametrize("rule", TORCHAO_MODES)
+@pytest.mark.parametrize("name", MX_ELEMENTS)
+def test_torchao_gives_a_block_with_an_inf_a_finite_scale_under_every_rule(name, rule):
+    # docs/formats.md: torchao's scale is 2**min(128 - emax, 127) (2**127 under rceil), its Inf
+    # decodes to +/-Inf and its finite elements round at that scale; lpsim's block is NaN.
+    x = torch.full((2, 32), 1.0)
+    x[0, 3], x[1, 5] = math.inf, -math.inf
+    fmt = dataclasses.replace(preset(name), scale_rule=rule)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code, data = to_mx(x, MX_ELEMENTS[name], 32, TORCHAO_MODES[rule])
+        theirs = to_dtype(data, code, MX_ELEMENTS[name], 32, torch.float32)
+    exponent = 127 if rule == "rceil" else min(128 - fmt.element_emax, 127)
+    assert (code.view(torch.uint8).int() - 127 == exponent).all()
+    assert theirs[0, 3] == math.inf and theirs[1, 5] == -math.inf
+    assert not theirs[:, :3].any()
+    assert lpsim.quantize(x, fmt).isnan().all()
+
+
 GFLOAT_MX = {
     "mxfp8_e4m3": gfloat.formats.format_info_mxfp8_e4m3,
     "mxfp8_e5m2": gfloat.formats.format_info_mxfp8_e5m2,
