@@ -150,12 +150,19 @@ def table(results: dict, ns: list[int], seconds: float, args) -> str:
     return "\n".join(lines)
 
 
+# The largest --max-exponent: n = 10**8 float32 elements per row already take 400 MB, and 10**9 a
+# row of x alone 4 GB.
+MAX_EXPONENT = 8
+
+
 def half_decade(text: str) -> float:
-    """argparse type: the largest n's exponent, a multiple of 1/2 from 1 (n runs over 10, 10**1.5,
-    10**2, ... up to 10**this)."""
+    """argparse type: the largest n's exponent, a multiple of 1/2 from 1 to MAX_EXPONENT (n runs
+    over 10, 10**1.5, 10**2, ... up to 10**this)."""
     value = float(text)
-    if not (math.isfinite(value) and value >= 1 and (2 * value).is_integer()):
-        raise argparse.ArgumentTypeError(f"must be a multiple of 0.5 from 1 on, got {text}")
+    if not (math.isfinite(value) and 1 <= value <= MAX_EXPONENT and (2 * value).is_integer()):
+        raise argparse.ArgumentTypeError(
+            f"must be a multiple of 0.5 from 1 to {MAX_EXPONENT}, got {text}"
+        )
     return value
 
 
@@ -173,7 +180,7 @@ def parser() -> argparse.ArgumentParser:
         "--max-exponent",
         type=half_decade,
         default=5.0,
-        help="largest n is 10**this, a multiple of 0.5 from 1 on (default 5)",
+        help=f"largest n is 10**this, a multiple of 0.5 from 1 to {MAX_EXPONENT} (default 5)",
     )
     p.add_argument(
         "--repeats", type=positive_int, default=3, help="independent (A, x) per n (default 3)"
