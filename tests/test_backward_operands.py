@@ -213,6 +213,22 @@ def test_operands_that_do_not_fit_are_refused_with_their_names():
         y.sum().backward()  # 4 tokens: the reduction length is not a multiple of 16
 
 
+def test_a_reduction_the_transform_cannot_group_names_the_product_and_its_length():
+    # The transform's own message spoke of "axis -1 of x, 15" where the user's x has 32 columns
+    # along its last axis: the length is the product's reduction (the tokens, out_features).
+    x, w = torch.randn(3, 5, 32, requires_grad=True), torch.randn(24, 32, requires_grad=True)
+    y = LF.linear(x, w, weight_grad_operands=Operands(transform=RandomHadamard(16)))
+    with pytest.raises(ValueError, match=r"weight_grad_operands\.transform: .* 15 .*size, 16"):
+        y.sum().backward()
+    y = LF.linear(x, w, input_grad_operands=Operands(transform=RandomHadamard(16)))
+    with pytest.raises(ValueError, match=r"input_grad_operands\.transform: .* 24 .*size, 16"):
+        y.sum().backward()
+    a, b = torch.randn(2, 16, 8, requires_grad=True), torch.randn(2, 8, 16, requires_grad=True)
+    y = LF.matmul(a, b, weight_grad_operands=Operands(transform=RandomHadamard(32)))
+    with pytest.raises(ValueError, match=r"weight_grad_operands\.transform: .* 16 .*size, 32"):
+        y.sum().backward()
+
+
 # ---- inject and quantize_functions
 
 

@@ -465,6 +465,9 @@ class _BatchedProduct(torch.autograd.Function):
             if ops is None:
                 grad_a = _batched(grad, b.transpose(-2, -1), how.input_grad)
             else:  # the operands with the reduction axis (N) last: E (M x N), B (K x N)
+                _check_grouped(
+                    ops, "input_grad", grad.shape[-1], "columns of the error (out_features)"
+                )
                 error = ops.operand(grad, ops.error)
                 if ops.other is None:
                     weight = ops.operand(b, None)
@@ -476,6 +479,7 @@ class _BatchedProduct(torch.autograd.Function):
             if ops is None:
                 grad_b = _batched(a.transpose(-2, -1), grad, how.weight_grad)
             else:  # the operands with the reduction axis (M) last: A^T (K x M), E^T (N x M)
+                _check_grouped(ops, "weight_grad", grad.shape[-2], "rows of the input (its tokens)")
                 if ops.other is None:
                     inputs = ops.operand(a.transpose(-2, -1), None)
                 else:
@@ -486,6 +490,22 @@ class _BatchedProduct(torch.autograd.Function):
         if ctx.bias_shape is not None and ctx.needs_input_grad[6]:
             grad_bias = _bias_gradient(grad, ctx.bias_shape, how.weight_grad)
         return grad_a, grad_b, None, None, None, None, grad_bias, None
+
+
+def _check_grouped(ops: OperandSpecs, product: str, length: int, what: str) -> None:
+    """Raise unless the reduction of ``product``, of ``length`` terms, fills the groups of its
+    operands' transform (if any).
+
+    Raises:
+        ValueError: length is not a multiple of the transform's size (the message names the
+            product, the reduction and both numbers).
+    """
+    if ops.transform is not None and length % ops.transform.size:
+        raise ValueError(
+            f"{product}_operands.transform: the {product.replace('_', '-')}ient product sums "
+            f"over the {length} {what}, which must be a multiple of RandomHadamard.size, "
+            f"{ops.transform.size}"
+        )
 
 
 def _check_tensors(where: str, bias=None, **operands) -> None:
