@@ -735,3 +735,24 @@ def test_a_weight_format_set_on_a_group_that_one_parameter_cannot_hold_changes_n
         opt.step()
     assert_same_bits(fits.detach(), torch.ones(3))
     assert "step" not in opt.state[fits] and "step" not in opt.state[unfit]
+
+
+def test_nearest_float32_sgd_differs_from_torchs_only_in_the_sign_of_an_inf_minus_inf_nan():
+    # An infinite weight and an infinite update of the other sign: torch's sum is the CPU's
+    # default NaN, sr_add's a positive one; every other element is torch's, bit for bit.
+    inf, nan = float("inf"), float("nan")
+    w = torch.tensor([inf, -inf, inf, 1.0, 0.0, -0.0, nan, 2.0])
+    grad = torch.tensor([inf, -inf, -inf, inf, 0.0, 1e-40, 1.0, -0.5])
+    ours, theirs = w.clone().requires_grad_(), w.clone().requires_grad_()
+    mine = lpsim.optim.SGD([ours], lr=1.0, rounding="nearest")
+    torchs = torch.optim.SGD([theirs], lr=1.0, foreach=False)
+    ours.grad, theirs.grad = grad.clone(), grad.clone()
+    mine.step()
+    torchs.step()
+    made = torch.tensor([True, True, False, False, False, False, False, False])
+    bits, their_bits = ours.detach().view(torch.int32), theirs.detach().view(torch.int32)
+    assert torch.equal(bits[~made], their_bits[~made])
+    assert ours[made].isnan().all() and theirs[made].isnan().all()
+    assert (bits[made] >= 0).all()  # sign bit clear
+    default_nan = (torch.tensor(inf) + torch.tensor(-inf)).view(torch.int32)
+    assert torch.equal(their_bits[made], default_nan.expand(2))

@@ -9,7 +9,9 @@ SGD's alpha * d_p, which torch's ``add_(d_p, alpha=-lr)`` fuses into one roundin
 exactly (in float64, where the product of two float32 values is exact; for float64 parameters it
 is rounded to float64). The weight is then set to the exact sum w + u rounded once into the
 weight format (lpsim.sr_add), so with ``rounding="nearest"`` and float32 weights in their own
-format a step of SGD, or of AdamW without weight decay, is torch's bit for bit.
+format a step of SGD, or of AdamW without weight decay, is torch's bit for bit, except the sign of
+a NaN the sum makes from Inf - Inf (an infinite weight and an update of the other sign): sr_add's
+NaN is positive, torch's is the CPU's default NaN (negative on x86).
 
 With round to nearest an update smaller than half a spacing of w is lost, and
 training stagnates; with ``rounding="stochastic"`` it moves w to the next value with probability
