@@ -371,8 +371,9 @@ class Recipe:
                 QPyTorch's OptimLP does.
 
         Raises:
-            TypeError: model is not an nn.Module or optimizer not a torch optimizer (the model is
-                left as it was).
+            TypeError: model is not an nn.Module, or optimizer not a torch optimizer or an
+                OptimLP already (a recipe applied before: pass ``optimizer.optimizer``, which
+                takes this recipe afresh); the model is left as it was.
             ValueError: parameters is neither "quantized" nor "all", or an entry of ``layers``
                 decides no module.
             TypeError, ValueError: as inject() and OptimLP for malformed settings (a format that
@@ -383,6 +384,12 @@ class Recipe:
         if not isinstance(optimizer, Optimizer):  # before inject: no half-applied recipe
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if isinstance(optimizer, OptimLP):  # a second OptimLP would scale and round twice
+            raise TypeError(
+                "optimizer must be a plain torch optimizer, got an OptimLP (a recipe applied "
+                "before?): wrapping it again divides the gradients by the loss scale twice and "
+                "rounds them twice; pass the optimizer it wraps, optimizer.optimizer"
             )
         if parameters not in _PARAMETERS:
             raise ValueError(f"parameters must be 'quantized' or 'all', got {parameters!r}")

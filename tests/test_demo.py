@@ -187,3 +187,20 @@ def test_the_diagnosis_names_each_layer_and_its_class_as_the_model_does():
     rows = demo.diagnosis({"run": recorder}).splitlines()[2:]
     labels = [row.split(" | ")[0].removeprefix("| ") for row in rows]
     assert labels == ["0 (Linear)", "2 (Linear)", "(model) (Sequential)", "head (Linear)"]
+
+
+@pytest.mark.parametrize("recipe", [recipes.Recipe("scaled", loss_scale=4.0), recipes.IBM8])
+def test_a_recipe_refuses_an_optimizer_that_is_already_an_optim_lp(recipe):
+    # Wrapping the OptimLP of a first apply() in a second one divided every gradient by the loss
+    # scale twice (a step of 1/16 of SGD's under loss scale 4) and rounded it twice, silently.
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model, optimizer = recipe.apply(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    with pytest.raises(TypeError, match="optimizer.*OptimLP"):
+        recipe.apply(model, optimizer)
+    # The optimizer it wraps takes the recipe afresh: one division by the loss scale.
+    model, optimizer = recipe.apply(model, optimizer.optimizer)
+    weight = model[0].weight
+    before = weight.detach().clone()
+    weight.grad = torch.full_like(weight, recipe.loss_scale)
+    optimizer.step()
+    assert torch.equal(weight.detach(), before - 1.0)
