@@ -351,8 +351,9 @@ class Recipe:
         recipe's weight, grad, momentum and acc and gradients divided by its loss scale; returns
         (model, wrapped optimizer). Without ``layers``, a recipe that quantises nothing and scales
         no loss (scale 1) returns both unchanged, and one that only scales the loss returns the
-        model unchanged and the optimizer wrapped, dividing the gradients by the scale; given
-        ``layers`` are injected whatever the recipe.
+        model unchanged and the optimizer wrapped, dividing the gradients by the scale; either
+        takes out the quantisers a recipe or inject() put in the model before (another recipe
+        replaces them with its own). Given ``layers`` are injected whatever the recipe.
 
         Args:
             model: the model to quantise.
@@ -394,6 +395,10 @@ class Recipe:
         if parameters not in _PARAMETERS:
             raise ValueError(f"parameters must be 'quantized' or 'all', got {parameters!r}")
         if not self.quantises and layers is None:
+            # As another recipe's inject() replaces them, this one takes out the quantisers of a
+            # recipe applied before: the model must not round what the optimizer does not.
+            if injected(model):
+                remove(model)
             if self.loss_scale == 1.0:
                 return model, optimizer
             # Nothing to round, but the caller multiplies the loss by loss_scale: the optimizer

@@ -204,3 +204,20 @@ def test_a_recipe_refuses_an_optimizer_that_is_already_an_optim_lp(recipe):
     weight.grad = torch.full_like(weight, recipe.loss_scale)
     optimizer.step()
     assert torch.equal(weight.detach(), before - 1.0)
+
+
+@pytest.mark.parametrize("recipe", [recipes.FP32, recipes.Recipe("scaled", loss_scale=8.0)])
+def test_a_recipe_that_quantises_nothing_takes_the_quantisers_of_an_earlier_one_out(recipe):
+    # FP32 applied to a model that IBM8 had injected left IBM8's quantisers in place: forward
+    # still rounded the activations into e5m2 (0.3 -> 0.3125) while the optimizer rounded nothing.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    reference = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    reference.load_state_dict(model.state_dict())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = recipes.IBM8.apply(model, sgd)
+    model, optimizer = recipe.apply(model, optimizer.optimizer)
+    assert not lpsim.nn.injected(model)
+    x = torch.tensor([[0.3, 0.7, 1.1, -0.4]])
+    assert torch.equal(model(x), reference(x))
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
