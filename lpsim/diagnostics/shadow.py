@@ -641,8 +641,10 @@ class Shadow:
 
         Returns:
             A ShadowReport with one row per call of a module the reference also has (every
-            module but lpsim's quantisers and the parametrisations, the model itself included),
-            in the order the calls finished in the simulated model.
+            module but the parametrisations, the model itself included; an lpsim.nn.Quantizer
+            module, nn.Identity in the reference, has its rows, of type "Quantizer"; the
+            quantisers of inject and lower() are hooks, no modules, and have none), in the
+            order the calls finished in the simulated model.
 
         Raises:
             TypeError: inputs is neither a tensor nor a tuple, loss_fn is not callable or
