@@ -605,6 +605,34 @@ def test_in_place_activations_leave_the_layer_errors_intact():
     )
 
 
+class ScaledInPlace(nn.Module):
+    """Writes its input in place (x *= 2, as a forward normalising its batch in place does) and
+    passes it to a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x, y):
+        return self.linear(x.mul_(2) + y)
+
+
+def test_a_forward_writing_its_inputs_in_place_sees_the_batch_in_both_passes():
+    # A model without quantisers is its own reference: every divergence is exactly 0, and the
+    # batch the caller passed is as it was (the training step after compare() reads it).
+    torch.manual_seed(0)
+    for model in (nn.Sequential(nn.ELU(inplace=True), nn.Linear(4, 3)), ScaledInPlace()):
+        inputs = (batch(8),) if isinstance(model, nn.Sequential) else (batch(8), batch(8))
+        saved = [t.clone() for t in inputs]
+        report = Shadow(model).compare(inputs, squared_loss)
+        assert all(r.activation_divergence == 0.0 for r in report.modules)
+        # (no gradient reaches the output of the ELU, which reads the batch only)
+        assert [r.error_divergence for r in report.modules][-2:] == [0.0, 0.0]
+        assert report.simulated_loss == float(squared_loss(model(*[t.clone() for t in saved])))
+        for t, old in zip(inputs, saved, strict=True):
+            assert torch.equal(t, old)
+
+
 class ShortcutBlock(nn.Module):
     """h = linear(x); out = (shortcut(h) + body(h), pair(h)), pair returning (y, 2 * y) for
     y = h + 1: h is read by the shortcut (which returns it), the body and the pair, and the pair's

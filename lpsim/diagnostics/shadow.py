@@ -478,10 +478,10 @@ def _as_arguments(inputs) -> tuple:
     )
 
 
-def _cast_floating(value, dtype: torch.dtype):
-    """value with every floating-point tensor inside it converted to dtype, its containers of
-    their own types."""
-    return map_tensors(value, lambda t: t.to(dtype))
+def _cast_floating(value, dtype: torch.dtype | None):
+    """value with every floating-point tensor inside it copied (into a new tensor, also where it
+    has dtype already), converted to dtype (None: its own), its containers of their own types."""
+    return map_tensors(value, lambda t: t.to(dtype or t.dtype, copy=True))
 
 
 def _cuda_devices(model: nn.Module, inputs: tuple) -> list[int]:
@@ -623,7 +623,9 @@ class Shadow:
         Args:
             inputs: the batch: a tensor, or a tuple of the model's positional arguments
                 (floating-point tensors among them are converted to the reference's dtype for
-                the reference).
+                the reference). Each pass reads its own copy of the floating-point tensors: a
+                forward that writes its input in place changes neither the other pass's batch nor
+                the caller's.
             loss_fn: a function of the model's output returning the loss, a floating-point
                 tensor with one element (close over the targets: ``lambda out:
                 F.cross_entropy(out, y)``). Include the loss scale the training multiplies the
@@ -639,8 +641,10 @@ class Shadow:
 
         Returns:
             A ShadowReport with one row per call of a module the reference also has (every
-            module but lpsim's quantisers and the parametrisations, the model itself included),
-            in the order the calls finished in the simulated model.
+            module but the parametrisations, the model itself included; an lpsim.nn.Quantizer
+            module, nn.Identity in the reference, has its rows, of type "Quantizer"; the
+            quantisers of inject and lower() are hooks, no modules, and have none), in the
+            order the calls finished in the simulated model.
 
         Raises:
             TypeError: inputs is neither a tensor nor a tuple, loss_fn is not callable or
@@ -676,7 +680,16 @@ class Shadow:
             _DenseTransformers(self._simulated, self._reference),
             torch.compiler.set_stance("force_eager"),
         ):
-            simulated = _run(self._simulated, arguments, self._names, loss_fn, generator_devices)
+            # Each pass reads its own copy of the batch's floating-point tensors: a forward that
+            # writes its input in place (an in-place activation first, x.mul_(...)) would
+            # otherwise hand the reference the simulated pass's result and change the caller's.
+            simulated = _run(
+                self._simulated,
+                _cast_floating(arguments, None),
+                self._names,
+                loss_fn,
+                generator_devices,
+            )
             with passing_calls():
                 reference = _run(
                     self._reference,
