@@ -157,6 +157,26 @@ def run_two_gloo_processes(module: str, args: list[str]) -> str:
     return done.stdout
 
 
+def shares_backpropagate_the_whole_batch(whole_loss, share_loss, logits, targets, world_size):
+    """Check a trainer's loss under torchrun: with the batch (logits, targets) split by rows into
+    world_size equal shares, the gradient of share_loss(share, its targets, world_size)[0] with
+    respect to each share is, bit for bit, the share's rows of the gradient of
+    whole_loss(logits, targets), one process's loss on the whole batch. Returns share_loss's
+    second result for each share, in order."""
+    whole = logits.clone().requires_grad_()
+    whole_loss(whole, targets).backward()
+    size = logits.shape[0] // world_size
+    seconds = []
+    for rank in range(world_size):
+        rows = slice(rank * size, (rank + 1) * size)
+        share = logits[rows].clone().requires_grad_()
+        loss, second = share_loss(share, targets[rows], world_size)
+        loss.backward()
+        assert_same_bits(share.grad, whole.grad[rows], f"the gradient of share {rank}")
+        seconds.append(second)
+    return seconds
+
+
 def power_of_two_exponent(amax: float, fmt, work) -> int:
     """The exponent e of the scale 2**e that lpsim.scaled's documented rules give a block whose
     largest magnitude is ``amax`` (finite), clamped to the scale's exponent range; ``work`` is the

@@ -20,7 +20,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from support import tensors_equal, without_times  # noqa: E402
+from support import (  # noqa: E402
+    shares_backpropagate_the_whole_batch,
+    tensors_equal,
+    without_times,
+)
 
 import lpsim  # noqa: E402
 from experiments.cifar10 import data as cifar  # noqa: E402
@@ -1034,14 +1038,8 @@ def test_each_process_backpropagates_the_errors_of_one_process_on_the_whole_batc
     torch.manual_seed(0)
     logits = torch.randn(6, 10)
     labels = torch.randint(0, 10, (6,))
-    whole = logits.clone().requires_grad_()
-    recipe.criterion(whole, labels)[0].backward()
-    logged = 0.0
-    for rank in range(3):
-        rows = slice(2 * rank, 2 * rank + 2)
-        share = logits[rows].clone().requires_grad_()
-        loss, batch_sum = recipe.criterion(share, labels[rows], 3)
-        loss.backward()
-        assert torch.equal(share.grad, whole.grad[rows])
-        logged += float(batch_sum)
+    batch_sums = shares_backpropagate_the_whole_batch(
+        lambda x, t: recipe.criterion(x, t)[0], recipe.criterion, logits, labels, 3
+    )
+    logged = sum(float(s) for s in batch_sums)
     assert logged == pytest.approx(float(recipe.criterion(logits, labels)[1]), rel=1e-6)
