@@ -246,6 +246,27 @@ def test_linear_backward_takes_the_weight_of_its_forward_when_the_value_was_repl
     assert dx == expected == kept.backward(g).mantissa.tolist()
 
 
+def test_a_second_backward_without_zero_grad_raises_instead_of_dropping_the_first_gradient():
+    # torch's autograd adds a second backward's gradients to .grad (gradient accumulation over
+    # micro-batches). Integer backward() sets them: a second one over a kept gradient would keep
+    # only the last micro-batch's, silently. It raises; after zero_grad() it gives gᵀx again.
+    layer = inn.Linear(2, 2, weight=torch.tensor([[1.0, -2.0], [0.5, 1.0]]), bias_value=None)
+    opt = SGD(layer.parameters(), lr_shift=0)
+    x = DyadicTensor(_int([[1, 2], [3, 4]]), 0)
+    g = DyadicTensor(_int([[1, -1], [2, 3]]), 0)
+    layer(x)
+    layer.backward(g)
+    first = layer.weight.grad.mantissa.clone()
+    layer(x)
+    with pytest.raises(RuntimeError, match=r"\['weight', 'bias'\] still hold one.*zero_grad"):
+        layer.backward(g)
+    opt.zero_grad()
+    layer.backward(g)
+    rows = list(zip(g.mantissa.tolist(), x.mantissa.tolist()))
+    expected = [[sum(gr[o] * xr[i] for gr, xr in rows) for i in range(2)] for o in range(2)]
+    assert layer.weight.grad.mantissa.tolist() == first.tolist() == expected
+
+
 def test_sequential_names_parameters_by_position():
     model = _three_layers((None,) * 3, (None,) * 3)
     assert [p.name for p in model.parameters()] == [

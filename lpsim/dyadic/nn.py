@@ -53,7 +53,8 @@ __all__ = [
 @dataclass(eq=False)
 class Parameter:
     """A trainable tensor: its value at a fixed scale, clipped to a signed ``bits``-bit integer,
-    and the gradient the last backward pass left (None before one)."""
+    and the gradient the last backward pass left (None before one, and after zero_grad()).
+    backward() raises where it is not None: gradients are set, never added to."""
 
     name: str
     value: DyadicTensor
@@ -385,6 +386,13 @@ class Linear(Module):
         if grad.shape != kept.clipped.shape or grad.per_channel:
             raise ValueError(
                 f"grad must have the output's shape {tuple(kept.clipped.shape)} and one scale"
+            )
+        left = [p.name for p in self.parameters() if p.grad is not None]
+        if left:
+            raise RuntimeError(
+                f"backward() sets the gradients and does not add to them (adding gradients of "
+                f"different scales is not modelled), but {left} still hold one from an earlier "
+                f"backward(): call the optimizer's zero_grad() first, or set them to None"
             )
         g = grad.masked_zero(kept.clipped)
         self.weight.grad = self._product("backward g^T x", g.t(), kept.input)
