@@ -52,7 +52,7 @@ from lpsim.formats import BlockFloat, Fixed, Float
 from lpsim.mac import MAC
 from lpsim.nn.inject import LayerQuantization, inject, injected, quantized_parameters, remove
 from lpsim.nn.quantizer import Spec
-from lpsim.optim.optim_lp import OptimLP, ParameterQuantization
+from lpsim.optim.optim_lp import OptimLP, ParameterQuantization, check_wrappable
 from lpsim.scaled import Scaled, preset
 
 __all__ = [
@@ -382,16 +382,7 @@ class Recipe:
                 then left as it was (one injected before keeps the recipe's quantisers).
         """
         _check_model(model)
-        if not isinstance(optimizer, Optimizer):  # before inject: no half-applied recipe
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        if isinstance(optimizer, OptimLP):  # a second OptimLP would scale and round twice
-            raise TypeError(
-                "optimizer must be a plain torch optimizer, got an OptimLP (a recipe applied "
-                "before?): wrapping it again divides the gradients by the loss scale twice and "
-                "rounds them twice; pass the optimizer it wraps, optimizer.optimizer"
-            )
+        check_wrappable(optimizer)  # before inject: no half-applied recipe
         if parameters not in _PARAMETERS:
             raise ValueError(f"parameters must be 'quantized' or 'all', got {parameters!r}")
         if not self.quantises and layers is None:

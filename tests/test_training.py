@@ -572,6 +572,18 @@ def test_optim_lp_accepts_functions_like_qtorch():
         OptimLP(model, weight=E5M2)
 
 
+def test_optimlp_refuses_to_wrap_an_optimlp_which_would_scale_and_round_twice():
+    # OptimLP(OptimLP(sgd, grad_scaling=1/4), grad_scaling=1/4) divided every gradient by 16 (a
+    # step of 1/16 of SGD's with gradients 4x the true ones) and rounded it twice, silently.
+    weight = torch.nn.Parameter(torch.ones(2))
+    inner = OptimLP(torch.optim.SGD([weight], lr=1.0), grad=E5M2, grad_scaling=0.25)
+    with pytest.raises(TypeError, match="got an OptimLP.*optimizer.optimizer"):
+        OptimLP(inner, grad=E5M2, grad_scaling=0.25)
+    weight.grad = torch.full((2,), 4.0)
+    inner.step()  # the one wrapper divides once: 1 - 4/4
+    assert weight.detach().tolist() == [0.0, 0.0]
+
+
 # inject
 
 

@@ -378,6 +378,22 @@ def _default_field(name: str) -> property:
     )
 
 
+def check_wrappable(optimizer: object) -> None:
+    """Raises TypeError unless ``optimizer`` is a torch.optim.Optimizer that OptimLP may wrap:
+    not an OptimLP, whose own step already divides by grad_scaling and rounds (a second wrapper
+    would do both twice, silently)."""
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if isinstance(optimizer, OptimLP):
+        raise TypeError(
+            "optimizer must be a plain torch optimizer, got an OptimLP (a recipe applied "
+            "before?): wrapping it again divides the gradients by grad_scaling twice and "
+            "rounds them twice; pass the optimizer it wraps, optimizer.optimizer"
+        )
+
+
 class OptimLP(Optimizer):
     """Wrap ``optimizer`` (any torch.optim optimizer) so that one step is, for every parameter:
 
@@ -485,8 +501,8 @@ class OptimLP(Optimizer):
     "accumulator" or "weight"; only then are the tensors copied before they are rounded in place.
 
     Raises:
-        TypeError: optimizer is not a torch optimizer, a spec is malformed (the message names
-            the argument), or fused is not a bool.
+        TypeError: optimizer is not a torch optimizer or is an OptimLP, a spec is malformed (the
+            message names the argument), or fused is not a bool.
         ValueError: grad_scaling is not a finite number > 0; a format does not fit the tensor it
             rounds (the message names the argument, the parameter and the dtype); ``parameters``
             holds a tensor the optimizer does not; a parameter is listed twice.
@@ -507,10 +523,7 @@ class OptimLP(Optimizer):
         | None = None,
         fused: bool = True,
     ):
-        if not isinstance(optimizer, Optimizer):
-            raise TypeError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
+        check_wrappable(optimizer)
         if not isinstance(fused, bool):
             raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
         self.optimizer = optimizer
