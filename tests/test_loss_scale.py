@@ -915,3 +915,18 @@ def test_a_scaler_of_a_process_group_deep_copies_and_its_watched_model_has_a_sha
         shadow.compare(torch.ones(2, 4), lambda out: out.sum())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "dtype, smallest",
+    [(torch.float32, 2.0**-149), (torch.bfloat16, 2.0**-133), (torch.float16, 2.0**-24)],
+)
+def test_a_scale_that_rounds_to_zero_in_the_losss_dtype_is_refused_not_trained_on(dtype, smallest):
+    # min_scale=2**-160 let S reach 2**-150 with a float32 loss: loss * S was -0., every gradient
+    # 0, and the steps went on with no update and no error. The smallest subnormal itself is kept.
+    loss = torch.tensor(3.0, dtype=dtype)
+    tiny = DynamicLossScaler(init_scale=smallest / 2, min_scale=2.0**-200)
+    with pytest.raises(ValueError, match=f"loss scale .* rounds to 0 in the loss's dtype {dtype}"):
+        tiny.scale(loss)
+    kept = DynamicLossScaler(init_scale=smallest, min_scale=2.0**-200).scale(loss)
+    assert kept.item() == 3.0 * smallest and kept.dtype == dtype

@@ -373,7 +373,8 @@ class DynamicLossScaler(Joinable):
         backoff_factor: the factor of a backoff, in (0, 1).
         growth_interval: clean iterations before a growth, an integer >= 1.
         min_scale, max_scale: the range of S, 0 < min_scale <= max_scale < inf (by default
-            2**-64 and 2**64, powers of two that float32 and bfloat16 hold).
+            2**-64 and 2**64, powers of two that float32 and bfloat16 hold); scale() refuses an
+            S that rounds to 0 in the loss's dtype.
         power_of_two: require the five numbers above to be powers of two (see above).
         reduce_overflow: take step()'s skip decision over all ranks of ``process_group`` while
             torch.distributed is initialised (see above); a bool.
@@ -512,8 +513,19 @@ class DynamicLossScaler(Joinable):
 
         Raises:
             TypeError: loss is not a tensor or a tuple or list of them.
+            ValueError: S rounds to 0 in a floating loss's dtype (S at most half its smallest
+                subnormal: 2^-150 for float32), which would make every gradient 0 or NaN.
         """
         if isinstance(loss, torch.Tensor):
+            if loss.is_floating_point():
+                finfo = torch.finfo(loss.dtype)
+                smallest = finfo.tiny * finfo.eps  # the smallest subnormal
+                if self._scale <= smallest / 2:
+                    raise ValueError(
+                        f"the loss scale {self._scale!r} rounds to 0 in the loss's dtype "
+                        f"{loss.dtype}, whose smallest subnormal is {smallest!r}: set min_scale "
+                        f"(and init_scale) to at least {smallest!r}"
+                    )
             return loss * self._scale
         if isinstance(loss, (tuple, list)):
             return type(loss)(self.scale(item) for item in loss)
