@@ -1641,3 +1641,33 @@ def test_optim_lp_names_the_qtorch_argument_holding_a_misspelt_rule():
                 torch.optim.SGD(model.parameters(), lr=0.1),
                 **{name: (lpsim.Float(5, 2), "bogus")},
             )
+
+
+def test_numpy_integers_are_taken_as_qtorch_takes_them():
+    # QPyTorch's number classes and functions take numpy integers (a sweep over np.arange(2, 8)
+    # of mantissa widths, say); the drop-in raised TypeError("Float.exp must be an int, got
+    # int64"). They now give QPyTorch's formats and bits; bools and floats are still refused.
+    np = pytest.importorskip("numpy")
+    qtorch, quant, _, _ = _qtorch()
+    x = torch.linspace(-3, 3, 101)
+    for exp, man in [(np.int64(5), np.int64(2)), (np.int32(4), np.int8(3))]:
+        assert q.FloatingPoint(exp, man) == q.FloatingPoint(int(exp), int(man))
+        assert repr(q.FloatingPoint(exp, man)) == repr(qtorch.FloatingPoint(exp, man))
+        ours = q.float_quantize(x, exp, man, "nearest")
+        assert_same_bits(ours, quant.float_quantize(x, exp, man, "nearest"))
+    wl, fl = np.int64(8), np.int64(4)
+    assert q.FixedPoint(wl, fl) == q.FixedPoint(8, 4)
+    assert_same_bits(
+        q.fixed_point_quantize(x, wl, fl, rounding="nearest"),
+        quant.fixed_point_quantize(x, wl, fl, rounding="nearest"),
+    )
+    y = x.reshape(101, 1).repeat(1, 3) * torch.tensor([1.0, 2.0**-9, 2.0**7])
+    # == rather than bits: a negative that rounds to zero in a block is +0 in QPyTorch's kernel
+    # and -0.0 here (docs/migrating-from-qtorch.md, "signed zeros").
+    assert torch.equal(
+        q.block_quantize(y, np.int64(6), np.int64(1), "nearest"),
+        quant.block_quantize(y, np.int64(6), np.int64(1), "nearest"),
+    )
+    for bad in (True, 5.0, np.float64(5.0)):
+        with pytest.raises(TypeError, match="Float.exp must be an int"):
+            q.FloatingPoint(bad, 2)

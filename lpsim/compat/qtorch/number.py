@@ -6,9 +6,23 @@ code is finite, subnormals exist and overflow saturates (``FloatingPoint(5, 2)``
 
 from __future__ import annotations
 
+import operator
+
 from lpsim.formats import BlockFloat, Fixed, Float
 
 __all__ = ["Number", "FixedPoint", "BlockFloatingPoint", "FloatingPoint"]
+
+
+def integer(value):
+    """value as a Python int where it is an integer of another type (numpy's int64, a 0-d integer
+    tensor: what QPyTorch's pure-Python number classes accept); otherwise value itself, which
+    lpsim's formats then check (a bool stays a bool, and is refused)."""
+    if isinstance(value, (int, float, str)) or not hasattr(type(value), "__index__"):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:  # a tensor of several elements, or of a floating dtype
+        return value
 
 
 class Number:
@@ -48,6 +62,7 @@ class FloatingPoint(Number):
     """
 
     def __init__(self, exp: int, man: int):
+        exp, man = integer(exp), integer(man)
         if isinstance(exp, int) and not isinstance(exp, bool) and not 1 <= exp <= 10:
             raise ValueError(
                 f"FloatingPoint exp must be 1 to 10, got {exp} (with its top exponent code "
@@ -55,7 +70,7 @@ class FloatingPoint(Number):
             )
         self.exp = exp
         self.man = man
-        if exp == 8:
+        if isinstance(exp, int) and exp == 8:
             self.format = Float(exp, man)
         else:
             self.format = Float(exp, man, special="none", saturate=True)
@@ -70,6 +85,7 @@ class FixedPoint(Number):
     fl may be zero or negative (a spacing of 1 or more), which QPyTorch refuses."""
 
     def __init__(self, wl: int, fl: int, clamp: bool = True, symmetric: bool = False):
+        wl, fl = integer(wl), integer(fl)
         self.wl = wl
         self.fl = fl
         self.clamp = clamp
@@ -90,6 +106,7 @@ class BlockFloatingPoint(Number):
     """
 
     def __init__(self, wl: int, dim: int = -1):
+        wl, dim = integer(wl), integer(dim)
         if not isinstance(dim, int) or isinstance(dim, bool) or dim < -1:
             raise ValueError(f"BlockFloatingPoint.dim must be -1 or a dimension >= 0, got {dim!r}")
         self.wl = wl

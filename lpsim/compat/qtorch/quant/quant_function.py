@@ -23,6 +23,7 @@ from lpsim.compat.qtorch.number import (
     FixedPoint,
     FloatingPoint,
     Number,
+    integer,
     lpsim_format,
 )
 from lpsim.nn.quantizer import QuantSpec, clip_range, quantize_with_clip_mask
@@ -69,6 +70,7 @@ def block_quantize(
     """x rounded into BlockFloatingPoint(wl, dim): dim=-1 is one block for the whole tensor.
     Other negative dims count from the last dimension, as QPyTorch's function takes them
     (dim=-2 of a 2-D tensor is dim 0); BlockFloatingPoint itself refuses them, as QPyTorch's."""
+    dim = integer(dim)
     if isinstance(x, torch.Tensor) and isinstance(dim, int) and -x.dim() <= dim < -1:
         dim += x.dim()
     return functional.quantize(x, BlockFloatingPoint(wl, dim).format, rounding, seed=seed)
