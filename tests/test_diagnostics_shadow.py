@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from support import assert_same_bits
 from torch import nn
 
 import lpsim
@@ -461,6 +462,39 @@ def test_compare_leaves_the_rows_an_embedding_with_max_norm_would_renormalise(ki
     # The premise: a forward of the model renormalises those rows.
     model(indices)
     assert not torch.equal(next(model.parameters()), next(iter(before.values())))
+
+
+class _WritesItsWeights(nn.Module):
+    """A forward that writes its own parameters in place: a weight normalised in place under
+    no_grad (version counter moves) and a bias written through .data (no counter moves)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.linear.weight.mul_(0.5)
+        self.linear.bias.data.add_(1.0)
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("injected", [False, True])
+def test_compare_puts_back_parameters_a_forward_writes_in_place(injected):
+    # compare() promises to leave the simulated model as it was. Only Embedding's max_norm rows
+    # were put back: a forward that wrote its weight in place (weight 0.5x, bias +1) left it so
+    # after compare(), an extra step of the run on a batch the training never saw.
+    torch.manual_seed(0)
+    model = nn.Sequential(_WritesItsWeights(), nn.Linear(3, 2))
+    if injected:
+        model = inject(model, {nn.Linear: LayerQuantization(weight=COARSE)})
+    stored = dict(model.named_parameters())
+    before = {name: p.detach().clone() for name, p in stored.items()}
+    Shadow(model).compare(torch.randn(4, 3), lambda out: out.square().sum())
+    for name, p in stored.items():
+        assert_same_bits(p.detach(), before[name], name)
+    model(torch.randn(4, 3))  # the premise: a forward writes them
+    assert not torch.equal(stored["0.linear.bias"], before["0.linear.bias"])
 
 
 @pytest.mark.parametrize("watched", ["model", "quantizer"])

@@ -34,11 +34,11 @@ too and inf otherwise; NaN in either model gives NaN. Where compare() hands a mo
 (in its dtype), every container keeps its type: named tuples, OrderedDicts and dict subclasses
 with attribute access such as HuggingFace's ModelOutput stay what the model returned.
 
-compare() never changes the simulated model: its parameters (the rows that an Embedding with
-max_norm renormalises in its forward restored bit for bit), their .grad (the gradients are taken
-with torch.autograd.grad, which accumulates nothing), its buffers (restored bit for bit:
-BatchNorm running statistics, DelayedScaler histories), the modules' training flags, and the state
-of torch's generators are as before the call. Its passes are not part of the run: a
+compare() never changes the simulated model: its parameters (restored bit for bit where its
+forward writes them in place, as an Embedding with max_norm renormalises rows), their .grad (the
+gradients are taken with torch.autograd.grad, which accumulates nothing), its buffers (restored
+bit for bit: BatchNorm running statistics, DelayedScaler histories), the modules' training flags,
+and the state of torch's generators are as before the call. Its passes are not part of the run: a
 lpsim.diagnostics.Recorder attached meanwhile records none of them.
 
 Distributed training (DistributedDataParallel): give Shadow the model inside the wrapper
@@ -615,8 +615,9 @@ class Shadow:
         simulated model's stochastic roundings draw from them as in training, and compare()
         shifts no training stream. The simulated model's buffers (BatchNorm running statistics,
         DelayedScaler histories), which its forward updates, are restored bit for bit, and so
-        are the rows of the weight that an Embedding or EmbeddingBag with max_norm renormalises
-        in its forward; its other parameters and their .grad are never written. The roundings
+        are the parameters its forward writes in place (the rows of the weight that an
+        Embedding or EmbeddingBag with max_norm renormalises, a weight a module normalises in
+        place, through .data too); their .grad are never written. The roundings
         of both passes are hidden from an attached lpsim.diagnostics.Recorder, which records
         the training run only.
 

@@ -1904,9 +1904,11 @@ def unobserved_pass(*models: nn.Module):
     tensors first quantised inside) are dropped. A DynamicLossScaler's watches record no overflow
     of the errors computed inside (lpsim._observation.hidden), so that the run's next step does
     not skip for them. report(example=...) runs its pass in one, and
-    lpsim.diagnostics.Shadow.compare its two. The parameters a forward writes in place, those of
-    an Embedding or EmbeddingBag with max_norm (torch's forward, and inject's parametrisation,
-    renormalise the rows looked up), are put back as they were too, bit for bit."""
+    lpsim.diagnostics.Shadow.compare its two. The parameters a forward writes in place (an
+    Embedding or EmbeddingBag with max_norm renormalises the rows looked up; a module may write
+    its own weight, through .data too) are put back as they were, bit for bit: every parameter is
+    copied on entry, and one whose version counter moved or whose values differ is set back (a
+    parameter the pass left alone is not written, so its version counter stays as it was)."""
     modules = [module for model in models for module in model.modules()]
     buffers = [
         (module._buffers, name, buffer, buffer.clone())
@@ -1914,12 +1916,8 @@ def unobserved_pass(*models: nn.Module):
         for name, buffer in module._buffers.items()
         if buffer is not None
     ]
-    renormed = [
-        (p, p.detach().clone())
-        for module in modules
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None
-        for p in module.parameters()
-    ]
+    parameters = {id(p): p for module in modules for p in module.parameters(recurse=False)}
+    saved_parameters = [(p, p._version, p.detach().clone()) for p in parameters.values()]
     scalers = [(s, set(s._modules)) for s in modules if isinstance(s, _TensorScalers)]
     observer = _observation.current
     _observation.current = None
@@ -1936,8 +1934,9 @@ def unobserved_pass(*models: nn.Module):
                     buffer.copy_(saved)
                 else:
                     buffer.set_(saved)
-            for parameter, saved in renormed:
-                parameter.copy_(saved)
+            for parameter, version, saved in saved_parameters:
+                if parameter._version != version or not torch.equal(parameter, saved):
+                    parameter.copy_(saved)
         for found, places in scalers:
             for place in [p for p in found._modules if p not in places]:
                 del found._modules[place]
