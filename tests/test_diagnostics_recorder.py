@@ -414,9 +414,10 @@ def test_stagnation_with_an_accumulator_is_that_of_its_rounding():
     assert torch.equal(optimizer.accumulators[p], torch.full((8,), 1.375))
 
 
+@pytest.mark.parametrize("kind", ["optim_lp", "fused"])
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_stagnation_after_a_weight_changed_outside_the_optimizer_starts_from_its_accumulator(
-    rounding,
+    rounding, kind
 ):
     """A weight changed between steps (a pruning mask: 1 -> 0.5 for two elements) is taken into
     its accumulator as the step begins, and the update moves that value: accumulators 0.5, 0.5, 1,
@@ -428,8 +429,13 @@ def test_stagnation_after_a_weight_changed_outside_the_optimizer_starts_from_its
     def run(recorded: bool):
         torch.manual_seed(0)
         w = nn.Parameter(torch.ones(4))
-        sgd = torch.optim.SGD([w], lr=1.0)
-        optimizer = OptimLP(sgd, weight=Fixed(8, 4), acc=Fixed(12, 8), rounding=rounding)
+        if kind == "optim_lp":
+            sgd = torch.optim.SGD([w], lr=1.0)
+            optimizer = OptimLP(sgd, weight=Fixed(8, 4), acc=Fixed(12, 8), rounding=rounding)
+        else:
+            optimizer = FusedSGD(
+                [w], lr=1.0, weight_format=Fixed(8, 4), acc_format=Fixed(12, 8), rounding=rounding
+            )
         with torch.no_grad():
             w[:2] = 0.5
         recorder = Recorder(optimizer=optimizer)
@@ -438,7 +444,9 @@ def test_stagnation_after_a_weight_changed_outside_the_optimizer_starts_from_its
         w.grad = torch.tensor([0.0, 1e-3, 0.5, 0.0])
         optimizer.step()
         recorder.detach()
-        return recorder.stagnation_records, w.detach(), optimizer.accumulators[w]
+        if kind == "optim_lp":
+            return recorder.stagnation_records, w.detach(), optimizer.accumulators[w]
+        return recorder.stagnation_records, w.detach(), optimizer.state[w]["accumulator"]
 
     records, weight, accumulator = run(True)
     _, plain_weight, plain_accumulator = run(False)

@@ -516,11 +516,12 @@ class Recorder:
             return None
         # args: the optimizer, then step's own arguments (torch's step hooks).
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
-        if isinstance(optimizer, OptimLP):
+        if isinstance(optimizer, (OptimLP, FusedSGD, FusedAdam)):
             # The accumulators as the update finds them: step() first takes into them the weights
             # changed outside the optimizer (a pruning mask, a loaded model state). Done here, it
             # draws what step() would draw, in the same order, and leaves step() nothing to take.
-            optimizer._configure_changed_groups()
+            if isinstance(optimizer, OptimLP):
+                optimizer._configure_changed_groups()
             optimizer._adopt_changed_weights()
         for p in _parameters(optimizer):
             if id(p) not in self._names:
