@@ -414,6 +414,52 @@ def test_stagnation_with_an_accumulator_is_that_of_its_rounding():
     assert torch.equal(optimizer.accumulators[p], torch.full((8,), 1.375))
 
 
+@pytest.mark.parametrize("kind", ["optim_lp", "fused"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_stagnation_after_a_weight_changed_outside_the_optimizer_starts_from_its_accumulator(
+    rounding, kind
+):
+    """A weight changed between steps (a pruning mask: 1 -> 0.5 for two elements) is taken into
+    its accumulator as the step begins, and the update moves that value: accumulators 0.5, 0.5, 1,
+    1 moved by 0, -1e-3, -0.5, 0 (lr 1) into Fixed(12, 8) (spacing 1/256): 0.499 rounds back to
+    0.5, so 2 updated and 1 lost. (The recorder compared with the accumulator before the change
+    and counted 3 updated, the zero update of a pruned element among them, and none lost.) The run
+    stays the run without a recorder."""
+
+    def run(recorded: bool):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.ones(4))
+        if kind == "optim_lp":
+            sgd = torch.optim.SGD([w], lr=1.0)
+            optimizer = OptimLP(sgd, weight=Fixed(8, 4), acc=Fixed(12, 8), rounding=rounding)
+        else:
+            optimizer = FusedSGD(
+                [w], lr=1.0, weight_format=Fixed(8, 4), acc_format=Fixed(12, 8), rounding=rounding
+            )
+        with torch.no_grad():
+            w[:2] = 0.5
+        recorder = Recorder(optimizer=optimizer)
+        if recorded:
+            recorder.attach()
+        w.grad = torch.tensor([0.0, 1e-3, 0.5, 0.0])
+        optimizer.step()
+        recorder.detach()
+        if kind == "optim_lp":
+            return recorder.stagnation_records, w.detach(), optimizer.accumulators[w]
+        return recorder.stagnation_records, w.detach(), optimizer.state[w]["accumulator"]
+
+    records, weight, accumulator = run(True)
+    _, plain_weight, plain_accumulator = run(False)
+    assert_same_bits(weight, plain_weight)
+    assert_same_bits(accumulator, plain_accumulator)
+    if rounding == "nearest":
+        assert accumulator.tolist() == [0.5, 0.5, 0.5, 1.0]
+        assert records == [(0, "group0.param0", Stagnation(4, 2, 1))]
+    else:  # 0.499 rounds to 0.5 or 0.49609375, the other updates are exact
+        lost = int(accumulator[1] == 0.5)
+        assert records == [(0, "group0.param0", Stagnation(4, 2, lost))]
+
+
 # What is recorded
 
 

@@ -1155,3 +1155,52 @@ def test_a_torch_state_dict_without_later_options_steps_as_torch_loads_it(kind):
     assert not any(opt.param_groups[0][key] for key in on)
     for i, (a, b) in enumerate(zip(got, want)):
         assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
+
+
+@pytest.mark.parametrize("formats", ["bf16_acc", "fixed_nearest_acc_sr"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_a_weight_changed_between_steps_is_taken_into_the_accumulator_as_optimlp_takes_it(
+    kind, formats
+):
+    """A pruning mask applied to the weights before the first step and between steps stays, as
+    OptimLP keeps it (docs/training.md): its step takes the changed elements into their
+    accumulators first. The fused step went on from the accumulators, undoing the mask."""
+    hyper = dict(lr=0.05, momentum=0.9) if kind == "sgd" else dict(lr=1e-2, weight_decay=1e-2)
+    formats = FORMATS[formats]
+
+    def run(make):
+        params = _params()
+        torch.manual_seed(5)
+        opt = make(params)
+        for step in range(4):
+            if step in (0, 2):
+                with torch.no_grad():
+                    params[0][:, ::3] = 0.0  # in place: the version counter moves
+                    params[2][:100] = 0.5
+            _set_grads(step, params)
+            opt.step()
+        return params, opt
+
+    with _unfused():
+        want, reference = run(lambda ps: OptimLP(_torch_optimizer(kind, ps, hyper), **formats))
+    got, fused = run(lambda ps: _fused_optimizer(kind, ps, hyper, formats))
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_same_bits(a.detach(), b.detach(), f"parameter {i}")
+        if b in reference.accumulators:
+            assert_same_bits(fused.state[a]["accumulator"], reference.accumulators[b])
+
+
+def test_a_pruned_weight_stays_pruned_by_the_fused_step():
+    """Weights 1 pruned to 0.5 in two places, then one SGD step (lr 1, gradients 0, 1e-3, 0.5, 0)
+    with acc Fixed(12, 8) and weight Fixed(8, 4): the accumulators 0.5, 0.5, 1, 1 move to 0.5,
+    0.499 -> 0.5, 0.5, 1. (The fused step gave 1, 1, 0.5, 1: the pruned weights restored.)"""
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = FusedSGD(
+        [w], lr=1.0, weight_format=Fixed(8, 4), acc_format=Fixed(12, 8), rounding="nearest"
+    )
+    with torch.no_grad():
+        w[:2] = 0.5
+    w.grad = torch.tensor([0.0, 1e-3, 0.5, 0.0])
+    opt.step()
+    assert w.tolist() == [0.5, 0.5, 0.5, 1.0]
+    assert opt.state[w]["accumulator"].tolist() == [0.5, 0.5, 0.5, 1.0]

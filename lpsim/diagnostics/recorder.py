@@ -188,8 +188,9 @@ class Stagnation:
         elements: elements of the parameter.
         updated: elements whose update was nonzero. With OptimLP: elements whose new value
             before its rounding differs from the value before the step. That value is the
-            weight, or with an accumulator (``acc``) the accumulator: the update moves it, and
-            the weight follows it rounded. With any other optimizer (FusedSGD, FusedAdam,
+            weight, or with an accumulator (``acc``) the accumulator as the step begins (a weight
+            changed outside the optimizer taken in: docs/training.md, OptimLP): the update moves
+            it, and the weight follows it rounded. With any other optimizer (FusedSGD, FusedAdam,
             lpsim.optim.SGD and AdamW, torch's), whose updates are not seen: elements with a
             nonzero gradient before the step, or the gradient its closure computed, for
             step(closure) (for a sparse gradient, a nonzero dense value).
@@ -515,6 +516,13 @@ class Recorder:
             return None
         # args: the optimizer, then step's own arguments (torch's step hooks).
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
+        if isinstance(optimizer, (OptimLP, FusedSGD, FusedAdam)):
+            # The accumulators as the update finds them: step() first takes into them the weights
+            # changed outside the optimizer (a pruning mask, a loaded model state). Done here, it
+            # draws what step() would draw, in the same order, and leaves step() nothing to take.
+            if isinstance(optimizer, OptimLP):
+                optimizer._configure_changed_groups()
+            optimizer._adopt_changed_weights()
         for p in _parameters(optimizer):
             if id(p) not in self._names:
                 continue

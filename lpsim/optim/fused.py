@@ -49,7 +49,7 @@ from lpsim._checks import (
     positive_finite_attribute,
 )
 from lpsim._ops import cuda_built, ops
-from lpsim.formats import BlockFloat, Float, sum_container
+from lpsim.formats import GRID_FORMATS, BlockFloat, Float, sum_container
 from lpsim.functional import quantize, quantize_
 from lpsim.nn.quantizer import QuantSpec, Spec, as_spec
 from lpsim.optim._own_options import OwnOptions
@@ -59,6 +59,7 @@ __all__ = ["FusedSGD", "FusedAdam"]
 
 _CATEGORIES = ("grad", "state", "acc", "weight")  # the op's rounding categories, in its order
 _ACC = _CATEGORIES.index("acc")
+_WEIGHT = _CATEGORIES.index("weight")
 _UNROUNDED = Float(8, 23)  # the grid passed for a category that is not rounded (rule -1)
 _NO_SEED = torch.zeros((), dtype=torch.int64)
 
@@ -101,7 +102,16 @@ class _Fused(OwnOptions):
         defaults["rounding"] = rounding
         self._check_options(defaults)
         self.grad_scaling = grad_scaling
+        # Each parameter with an accumulator: its version counter when the accumulator was made
+        # from it ("made") or it was last set from the accumulator ("written"), to see a weight
+        # changed outside the optimizer (_adopt_changed_weights), as OptimLP sees it.
+        self._weight_versions: dict[torch.Tensor, tuple[int, str]] = {}
         super().__init__(params, defaults)
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        state.setdefault("_weight_versions", {})  # pickled before it was kept
+        super().__setstate__(state)
 
     def _check_options(self, group: dict) -> None:
         """The optimizer's options, of its defaults or of a parameter group (which may set any of
@@ -147,6 +157,48 @@ class _Fused(OwnOptions):
         for p in group["params"]:
             if "accumulator" not in self.state[p]:
                 self.state[p]["accumulator"] = quantize(p.detach().clone(), *acc)
+                self._weight_versions[p] = (p._version, "made")
+
+    @torch.no_grad()
+    def _adopt_changed_weights(self) -> None:
+        """OptimLP's first act in a step (docs/training.md): the elements of a weight changed
+        outside the optimizer since its accumulator was made from it or it was last set from it
+        (a pruning mask, model.load_state_dict; seen by its version counter) that hold a value the
+        accumulator does not round to by weight_format (for a stochastic rule, neither neighbour)
+        and that do not round into acc_format to the accumulator (before the first step only this
+        counts) become the weight rounded into acc_format; the other elements keep theirs. One
+        rounding per parameter so changed, in the order the accumulators were made, with
+        OptimLP's random draws.
+
+        Raises:
+            TypeError / ValueError: a group's option or format is refused (as step()).
+        """
+        specs = {}
+        for group in self.param_groups:
+            group_spec = self._group_specs(group)
+            specs.update((p, group_spec) for p in group["params"])
+        for p, (version, kind) in self._weight_versions.items():
+            acc = self.state.get(p, {}).get("accumulator")
+            spec = specs.get(p)
+            if p._version == version or acc is None or spec is None or spec[_ACC] is None:
+                continue
+            weight = p.detach()
+            made = could_give(spec[_ACC], weight, acc)
+            kept = made
+            if kind == "written":
+                # What the accumulator rounds to, or a value that rounds into acc_format to it.
+                kept = could_give(spec[_WEIGHT], acc, weight)
+                if kept is not None:
+                    kept = kept | made
+            if kept is None or bool(kept.all()):
+                continue
+            fresh = quantize(weight, *spec[_ACC])
+            acc.copy_(torch.where(kept, acc, fresh))
+
+    def _record_written(self) -> None:
+        """Every parameter with an accumulator recorded as just set from it."""
+        for p in self._weight_versions:
+            self._weight_versions[p] = (p._version, "written")
 
     def _group_specs(self, group: dict) -> tuple[QuantSpec | None, ...]:
         """The QuantSpec (or None) of each category of _CATEGORIES in a parameter group, made
@@ -228,6 +280,11 @@ class _Fused(OwnOptions):
         except (TypeError, ValueError, NotImplementedError):
             super().load_state_dict(kept)
             raise
+        # A weight changed after this (the model's state loaded after the optimizer's) is
+        # compared with the loaded accumulators as step() compares it, as OptimLP does.
+        for p, state in self.state.items():
+            if "accumulator" in state:
+                self._weight_versions[p] = (p._version, "written")
         for group in self.param_groups:
             self._start_accumulators(group)
 
@@ -242,6 +299,7 @@ class _Fused(OwnOptions):
         # torch's optimizers read a group's options at every step: each is checked again, and the
         # formats are rounded by the group's rule as it is now (before the closure runs).
         group_specs = [self._group_specs(group) for group in self.param_groups]
+        self._adopt_changed_weights()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -274,6 +332,7 @@ class _Fused(OwnOptions):
             for p in group["params"]
         }
         fused_step(self.param_groups, specs, self.state, self._RULE, self.grad_scaling)
+        self._record_written()
         return loss
 
 
@@ -481,6 +540,32 @@ def _contiguous(tensors: list[torch.Tensor], staged: list) -> list[torch.Tensor]
             t = copy
         out.append(t)
     return out
+
+
+def could_give(
+    quant: QuantSpec | Callable[[torch.Tensor], torch.Tensor] | None,
+    value: torch.Tensor,
+    result: torch.Tensor,
+) -> torch.Tensor | None:
+    """Where ``result`` (of value's shape, in its own dtype) holds what rounding ``value`` by
+    ``quant`` gives, or could give: for a deterministic rule the one value it gives, for a
+    stochastic rule either neighbour of ``value`` on quant's grid (None: ``value`` converted to
+    result's dtype, to nearest); NaN where value is NaN. A value between the two neighbours that
+    is neither (off the grid, or the other neighbour of a deterministic rule) is not one. A bool
+    tensor; None where that cannot be told (a function, a block, scaled or delayed-scaling
+    format)."""
+    if quant is None:
+        expected = value.to(result.dtype)
+        return (result == expected) | (result.isnan() & expected.isnan())
+    if not (isinstance(quant, QuantSpec) and isinstance(quant.format, GRID_FORMATS)):
+        return None
+    if quant.rounding.is_stochastic:
+        low = quantize(value, quant.format, "down").to(result.dtype)
+        high = quantize(value, quant.format, "up").to(result.dtype)
+        given = (result == low) | (result == high)
+    else:
+        given = result == quantize(value, quant.format, quant.rounding).to(result.dtype)
+    return given | (result.isnan() & value.isnan())
 
 
 def _shares_memory_locations(t: torch.Tensor) -> bool:

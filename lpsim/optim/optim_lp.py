@@ -173,28 +173,6 @@ def _rounded(quant: QuantFunction, t: torch.Tensor) -> torch.Tensor:
     return quant(t.clone())
 
 
-def _could_give(quant: QuantFunction | None, value: torch.Tensor, result: torch.Tensor):
-    """Where ``result`` (of value's shape, in its own dtype) holds what rounding ``value`` by
-    ``quant`` gives, or could give: for a deterministic rule the one value it gives, for a
-    stochastic rule either neighbour of ``value`` on quant's grid (None: ``value`` converted to
-    result's dtype, to nearest); NaN where value is NaN. A value between the two neighbours that
-    is neither (off the grid, or the other neighbour of a deterministic rule) is not one. A bool
-    tensor; None where that cannot be told (a function, a block, scaled or delayed-scaling
-    format)."""
-    if quant is None:
-        expected = value.to(result.dtype)
-        return (result == expected) | (result.isnan() & expected.isnan())
-    if not (isinstance(quant, QuantSpec) and isinstance(quant.format, GRID_FORMATS)):
-        return None
-    if quant.rounding.is_stochastic:
-        low = quantize(value, quant.format, "down").to(result.dtype)
-        high = quantize(value, quant.format, "up").to(result.dtype)
-        given = (result == low) | (result == high)
-    else:
-        given = result == quantize(value, quant.format, quant.rounding).to(result.dtype)
-    return given | (result.isnan() & value.isnan())
-
-
 _WIDE = (torch.float32, torch.float64)
 
 
@@ -1036,11 +1014,11 @@ class OptimLP(Optimizer):
                 continue
             acc = self.accumulators[p]
             weight = p.detach()
-            made = _could_give(s.acc, weight.to(acc.dtype), acc)
+            made = fused.could_give(s.acc, weight.to(acc.dtype), acc)
             if kind == "written":
                 # What the accumulator rounds to, or a value that rounds into acc to it (the
                 # weights of a checkpoint saved before its first step).
-                kept = _could_give(s.weight, acc, weight)
+                kept = fused.could_give(s.weight, acc, weight)
                 if kept is not None and made is not None:
                     kept = kept | made
             else:
