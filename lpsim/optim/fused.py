@@ -173,6 +173,8 @@ class _Fused(OwnOptions):
         Raises:
             TypeError / ValueError: a group's option or format is refused (as step()).
         """
+        if all(p._version == version for p, (version, _) in self._weight_versions.items()):
+            return  # the common step: no weight written since (no group's specs to make)
         specs = {}
         for group in self.param_groups:
             group_spec = self._group_specs(group)
