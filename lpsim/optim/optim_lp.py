@@ -433,8 +433,9 @@ class OptimLP(Optimizer):
     deterministic rule, either neighbour of a stochastic one; the accumulator itself without
     ``weight``) and that do not round into ``acc`` to the accumulator (before the first step only
     this counts) get the weight rounded into ``acc``; the other elements keep their
-    accumulators. Where ``weight`` or ``acc`` is a function, a block, scaled
-    or delayed-scaling format this cannot be told, and the accumulator is left as it is.
+    accumulators. Where the format that decides (``weight`` after a step, ``acc`` before the
+    first) is a function, a block, scaled or delayed-scaling format this cannot be told, and the
+    accumulator is left as it is.
     load_state_dict() makes the loaded accumulators the source: weights loaded after it that
     they round to change nothing.
 
@@ -1007,7 +1008,8 @@ class OptimLP(Optimizer):
         does not give, or one that does not give the accumulator) become its accumulator's
         values, rounded into ``acc`` as when it is made; the other elements keep theirs. Where
         that cannot be told (a function, a block, scaled or delayed-scaling format as ``weight``
-        or ``acc``), the accumulator is left as it is. Outside any graph torch.compile traces."""
+        after a step, as ``acc`` before the first), the accumulator is left as it is. Outside
+        any graph torch.compile traces."""
         for p, (version, kind) in self._weight_versions.items():
             s = self.settings.get(p)
             if p._version == version or s is None or s.acc is None:
