@@ -122,6 +122,23 @@ def test_quantizer_module_exposes_its_options():
     assert set(q(x).unique().tolist()) <= set(E5M2.values().tolist())
 
 
+def test_a_quantizer_keeping_stochastic_rules_in_eval_says_so_in_its_repr():
+    # eval_rounding=None keeps the stochastic rules in eval mode; the repr left the setting out,
+    # which read as the default, eval_rounding=nearest (a deterministic evaluation).
+    kept = Quantizer(forward=E5M2, eval_rounding=None)
+    assert repr(kept) == (
+        "Quantizer(forward=Float(exp=5, man=2) stochastic, backward=None, eval_rounding=None)"
+    )
+    default = Quantizer(forward=E5M2)
+    assert repr(default) == (
+        "Quantizer(forward=Float(exp=5, man=2) stochastic, backward=None, eval_rounding=nearest)"
+    )
+    kept.eval()
+    torch.manual_seed(0)
+    x = torch.full((1000,), 1.1)  # between 1.0 and 1.25 in E5M2
+    assert set(kept(x).unique().tolist()) == {1.0, 1.25}  # still stochastic in eval mode
+
+
 # An error-only quantiser leaves its input's values unchanged. It returned a view of the input from
 # a custom autograd Function, on which torch refuses in-place ops ("Output 0 of _Quantize is a view
 # and is being modified inplace"): an inplace ReLU after it failed. It returns a copy now.
