@@ -694,7 +694,11 @@ class _FakeQuantize(nn.Module):
         return rounded
 
     def extra_repr(self) -> str:
-        return str(self.spec)
+        """The spec, and, for a stochastic rule, the rule eval mode uses (None: kept)."""
+        if not self.spec.rounding.is_stochastic:
+            return str(self.spec)
+        kept = self.eval_spec.rounding.is_stochastic  # eval_rounding=None
+        return f"{self.spec}, eval_rounding={'None' if kept else self.eval_spec.rounding.name}"
 
 
 def _scoped_parametrization(parametrizations: parametrize.ParametrizationList) -> torch.Tensor:
