@@ -863,6 +863,36 @@ def test_every_output_of_a_dict_has_a_scaler_of_its_own():
         assert float(out[key].abs().max()) == want, key
 
 
+class _MixedKeys(nn.Module):
+    """Returns a dict whose keys 1 and "1", None and "None" have one str()."""
+
+    def forward(self, x):
+        return {1: x * 100.0, "1": x, None: x * 4.0, "None": x * 8.0}
+
+
+def test_dict_keys_of_other_types_with_one_str_have_scalers_of_their_own():
+    """Keys 1 and "1" (None and "None") were one place, "1": the two tensors shared one scaler,
+    which recorded both amaxes, and the second tensor quantised by the scale of the first's amax:
+    1.0 came out as 1.0044643 (E4M3 of 1.0 * 448/100, divided by 448/100), not 1.0."""
+    mixed = inject(
+        _MixedKeys(),
+        {_MixedKeys: LayerQuantization(output=DelayedScaling(E4M3), rounding="nearest")},
+    )
+    out = mixed(torch.ones(2))
+    scalers = list(mixed.lpsim_scalers.output.children())
+    assert len(scalers) == 4
+    assert sorted(float(s.amax_history[0]) for s in scalers) == [1.0, 4.0, 8.0, 100.0]
+    assert all(int(s.calls) == 1 for s in scalers)
+    # the first call of each scaler has scale 1: E4M3's own values
+    assert {k: v.tolist() for k, v in out.items()} == {
+        1: [96.0, 96.0],
+        "1": [1.0, 1.0],
+        None: [4.0, 4.0],
+        "None": [8.0, 8.0],
+    }
+    assert mixed.lpsim_scalers.output["1"].amax_history[0] == 1.0  # a str key keeps its name
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_a_delayed_scaler_under_torch_func_raises_clearly_except_under_jvp(training):
     # grad failed in its backward pass with torch's "mutate a captured Tensor", vmap, jacrev and

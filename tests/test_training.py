@@ -122,6 +122,48 @@ def test_quantizer_module_exposes_its_options():
     assert set(q(x).unique().tolist()) <= set(E5M2.values().tolist())
 
 
+def test_a_quantizer_keeping_stochastic_rules_in_eval_says_so_in_its_repr():
+    # eval_rounding=None keeps the stochastic rules in eval mode; the repr left the setting out,
+    # which read as the default, eval_rounding=nearest (a deterministic evaluation).
+    kept = Quantizer(forward=E5M2, eval_rounding=None)
+    assert repr(kept) == (
+        "Quantizer(forward=Float(exp=5, man=2) stochastic, backward=None, eval_rounding=None)"
+    )
+    default = Quantizer(forward=E5M2)
+    assert repr(default) == (
+        "Quantizer(forward=Float(exp=5, man=2) stochastic, backward=None, eval_rounding=nearest)"
+    )
+    kept.eval()
+    torch.manual_seed(0)
+    x = torch.full((1000,), 1.1)  # between 1.0 and 1.25 in E5M2
+    assert set(kept(x).unique().tolist()) == {1.0, 1.25}  # still stochastic in eval mode
+
+
+@pytest.mark.parametrize(
+    ("eval_rounding", "stated"),
+    [
+        ("nearest", "eval_rounding=nearest"),
+        ("up", "eval_rounding=up"),
+        (None, "eval_rounding=None"),
+    ],
+)
+def test_an_injected_weight_quantiser_states_its_eval_rounding_in_its_repr(eval_rounding, stated):
+    # The weight's parametrisation printed only its training rule ("Float(exp=5, man=2)
+    # stochastic"), the same for every eval_rounding: the printed model did not say how its
+    # weights round in eval mode.
+    layer = nn.Linear(1, 1000, bias=False)
+    nn.init.constant_(layer.weight, 1.1)  # between 1.0 and 1.25 in E5M2
+    inject(layer, {nn.Linear: LayerQuantization(weight=E5M2, eval_rounding=eval_rounding)})
+    quantiser = layer.parametrizations.weight[0]
+    assert repr(quantiser).endswith(f"(Float(exp=5, man=2) stochastic, {stated})")
+    layer.eval()
+    torch.manual_seed(0)
+    expected = {"nearest": {1.0}, "up": {1.25}, None: {1.0, 1.25}}[eval_rounding]
+    assert set(layer.weight.unique().tolist()) == expected
+    nearest = inject(nn.Linear(1, 1), {nn.Linear: LayerQuantization(weight=(E5M2, "nearest"))})
+    assert repr(nearest.parametrizations.weight[0]).endswith("(Float(exp=5, man=2) nearest)")
+
+
 # An error-only quantiser leaves its input's values unchanged. It returned a view of the input from
 # a custom autograd Function, on which torch refuses in-place ops ("Output 0 of _Quantize is a view
 # and is being modified inplace"): an inplace ReLU after it failed. It returns a copy now.

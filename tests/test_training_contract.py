@@ -353,6 +353,39 @@ def test_report_flags_quantisers_that_never_run_and_counts_only_real_ones():
     assert re.search(r"^out_proj\s+NonDynamicallyQuantizableLinear .*never run", text, re.M)
 
 
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.heads = nn.ModuleDict({"a": nn.Linear(4, 2)})
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.heads["a"](x)
+
+
+@pytest.mark.parametrize("selector", ["blocks", "heads", nn.ModuleList, nn.ModuleDict])
+def test_a_container_selected_for_its_outputs_is_flagged_as_never_running(selector):
+    """A selector matching an nn.ModuleList or nn.ModuleDict decides the container itself, which
+    has no forward (its parent runs the modules inside it): its input, output and error
+    quantisers never run. inject said nothing and report() listed it as quantised ("1 modules
+    quantised", output Float(exp=2, man=1) nearest), while the model computed the plain model's
+    outputs bit for bit."""
+    torch.manual_seed(0)
+    model, x = _Stack(), torch.randn(3, 4)
+    plain = model(x)
+    settings = LayerQuantization(output=(Float(2, 1), "nearest"), error=Float(2, 1))
+    with pytest.warns(UserWarning, match="never run: .*has no forward"):
+        inject(model, {selector: settings})
+    assert torch.equal(model(x), plain)  # nothing quantised, as flagged
+    with pytest.warns(UserWarning, match="input/output/error never run"):
+        text = report(model)
+    assert re.search(
+        r"^(blocks|heads)\s+Module(List|Dict) .*never run: .*has no forward", text, re.M
+    )
+
+
 def test_report_with_an_example_flags_modules_whose_forward_does_not_run():
     class Skips(nn.Module):
         def __init__(self):

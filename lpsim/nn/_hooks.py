@@ -85,7 +85,7 @@ def map_placed_tensors(
     fields. A container none of whose tensors fn changed is returned itself.
 
     ``place`` tells fn where x lies in ``value``: "0" for value itself, "i" for item i of a tuple
-    or list, the key for an entry of a dict (see dict_key_place) and the field's name for a
+    or list, the key for an entry of a dict (see dict_places) and the field's name for a
     dataclass's, the levels below the first joined by "-" ("0-1": item 1 of item 0). Distinct
     places of one value have distinct names.
 
@@ -104,9 +104,9 @@ def map_placed_tensors(
             return type(value)(*items)
         return type(value)(items)
     if isinstance(value, dict):
+        places = dict_places(value)
         items = {
-            k: map_placed_tensors(v, fn, here(dict_key_place(k)), on_complex)
-            for k, v in value.items()
+            k: map_placed_tensors(v, fn, here(places[k]), on_complex) for k, v in value.items()
         }
         if all(items[k] is v for k, v in value.items()):
             return value
@@ -118,6 +118,21 @@ def map_placed_tensors(
             return value
         return same_fields(value, items)
     return value
+
+
+def dict_places(mapping: dict) -> dict:
+    """The place name of each key of ``mapping``: dict_key_place(key), distinct for distinct str
+    keys; a key of another type whose name another key of the mapping has (1 and "1", None and
+    "None") gets "%k" and its position in the mapping after it ("1%k0"), which no dict_key_place
+    name holds, so that every entry of the mapping has a place of its own."""
+    names = {key: dict_key_place(key) for key in mapping}
+    counts: dict[str, int] = {}
+    for name in names.values():
+        counts[name] = counts.get(name, 0) + 1
+    return {
+        key: name if isinstance(key, str) or counts[name] == 1 else f"{name}%k{position}"
+        for position, (key, name) in enumerate(names.items())
+    }
 
 
 def dict_key_place(key) -> str:

@@ -694,7 +694,11 @@ class _FakeQuantize(nn.Module):
         return rounded
 
     def extra_repr(self) -> str:
-        return str(self.spec)
+        """The spec, and, for a stochastic rule, the rule eval mode uses (None: kept)."""
+        if not self.spec.rounding.is_stochastic:
+            return str(self.spec)
+        kept = self.eval_spec.rounding.is_stochastic  # eval_rounding=None
+        return f"{self.spec}, eval_rounding={'None' if kept else self.eval_spec.rounding.name}"
 
 
 def _scoped_parametrization(parametrizations: parametrize.ParametrizationList) -> torch.Tensor:
@@ -1273,9 +1277,15 @@ def _parameter_names(module: nn.Module, kind: str) -> list[str]:
 
 def _bypassed(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     """Qualified names of the modules whose forward their parent never calls, with the parent and
-    the reason."""
+    the reason; and of the modules that have no forward (nn.ModuleList, nn.ModuleDict: their
+    parent runs the modules inside them), with themselves as the parent."""
     found = {}
     for name, module in model.named_modules():
+        if _has_no_forward(module):
+            found[name] = (
+                module,
+                f"{type(module).__name__} has no forward; its parent runs the modules inside it",
+            )
         for parent_type, children in _FORWARD_BYPASSED.items():
             if isinstance(module, parent_type):
                 for child in children:
@@ -1287,6 +1297,12 @@ def _bypassed(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
                             "it reads the parameters directly",
                         )
     return found
+
+
+def _has_no_forward(module: nn.Module) -> bool:
+    """Whether calling ``module`` raises torch's NotImplementedError for a missing forward (a
+    container: nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)."""
+    return "forward" not in vars(module) and type(module).forward is nn.Module.forward
 
 
 def _never_run(done: dict, parent: nn.Module) -> list[str]:

@@ -642,9 +642,10 @@ class Quantizer(nn.Module):
             parts.append("clamp_grad_zero=True")
         if self.backward_hooks:
             parts.append(f"backward_hooks={len(self.backward_hooks)}")
-        if self.eval_rounding is not None and any(
+        if any(
             s is not None and s.rounding.is_stochastic
             for s in (self.forward_spec, self.backward_spec)
-        ):
-            parts.append(f"eval_rounding={self.eval_rounding.name}")
+        ):  # where eval mode rounds otherwise, or keeps the stochastic rules (None)
+            rule = "None" if self.eval_rounding is None else self.eval_rounding.name
+            parts.append(f"eval_rounding={rule}")
         return ", ".join(parts)
