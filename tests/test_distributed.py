@@ -1153,7 +1153,9 @@ def _optimlp_around_zero(rank: int) -> dict:
     """OptimLP around torch's SGD (momentum 0.9), plain and inside ZeroRedundancyOptimizer: with
     weight, grad and an accumulator of the parameters' dtype (round to nearest), 3 steps each;
     with a momentum format, a bfloat16 model with float32 accumulators and the BLOCK8 recipe,
-    what OptimLP (or Recipe.apply) raises around the sharded one."""
+    what OptimLP (or Recipe.apply) raises around the sharded one; and around one made with
+    overlap_with_ddp=True, what OptimLP with a grad or acc format or a grad_scaling (given, or
+    assigned before a step) raises."""
     e5m2 = Float(5, 2)
     got = {}
     for sharded in (False, True):
@@ -1184,6 +1186,31 @@ def _optimlp_around_zero(rank: int) -> dict:
         except ValueError as error:
             got[kind] = str(error)
         got[kind, "injected"] = any(True for _ in lpsim.nn.injected(model))
+    # overlap_with_ddp=True: DDP's communication hook steps the optimizer in the backward pass
+    # (torch refuses that hook under gloo, but not the optimizer), and its step() does nothing.
+    overlapped = {
+        "weight": dict(weight=e5m2),
+        "grad": dict(weight=e5m2, grad=e5m2),
+        "acc": dict(weight=e5m2, acc=Float(6, 4)),
+        "grad_scaling": dict(weight=e5m2, grad_scaling=1e-3),
+    }
+    for kind, options in overlapped.items():
+        model = _classifier_on_grid(e5m2)
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.SGD, lr=0.05, overlap_with_ddp=True
+        )
+        try:
+            opt = OptimLP(zero, rounding="nearest", **options)
+        except ValueError as error:
+            got["overlap", kind] = str(error)
+            continue
+        got["overlap", kind] = "accepted"
+        opt.grad_scaling = 0.5  # assigned after construction: refused by the step
+        try:
+            opt.step()
+            got["overlap", kind, "step"] = "stepped"
+        except ValueError as error:
+            got["overlap", kind, "step"] = str(error)
     return got
 
 
@@ -1194,7 +1221,14 @@ def test_optimlp_refuses_the_state_a_zero_redundancy_optimizer_keeps_out_of_its_
     naming it. Both used to be accepted and do nothing, silently: the shard's momentum buffers
     live in the local optimizer, never rounded, and a wide accumulator's stand-in was never
     stepped (the local optimizer updated the parameter, which the stale accumulator overwrote).
-    Recipe.apply raises likewise and leaves the model without quantisers."""
+    Recipe.apply raises likewise and leaves the model without quantisers. A
+    ZeroRedundancyOptimizer made with overlap_with_ddp=True updates the parameters in DDP's
+    backward pass and its step() does nothing, so OptimLP around it used to round the gradients
+    and scale them by grad_scaling after the update, silently: 5 steps with grad=Float(3, 1), or
+    with grad_scaling=1/1000, gave the very weights of rounding the weights alone (where around
+    the ZeroRedundancyOptimizer without overlap they differ by up to 2^-7 and 2^-6); now a grad
+    or acc format or a grad_scaling other than 1 raises ValueError there, and rounding only the
+    weights is accepted."""
     got = _spawn_two(_optimlp_around_zero)
     for rank in (0, 1):
         assert tensors_equal(got[rank][True], got[rank][False]), rank
@@ -1202,3 +1236,9 @@ def test_optimlp_refuses_the_state_a_zero_redundancy_optimizer_keeps_out_of_its_
         assert "OptimLP acc: cannot reach the wider accumulator" in got[rank]["wide"]
         assert "ZeroRedundancyOptimizer" in got[rank]["BLOCK8"]
         assert not got[rank]["BLOCK8", "injected"]
+        assert got[rank]["overlap", "weight"] == "accepted"
+        for kind in ("grad", "acc"):
+            refused = got[rank]["overlap", kind]
+            assert f"OptimLP {kind}: a ZeroRedundancyOptimizer made with overlap" in refused
+        assert "OptimLP grad_scaling: 0.001 cannot scale" in got[rank]["overlap", "grad_scaling"]
+        assert "OptimLP grad_scaling: 0.5 cannot scale" in got[rank]["overlap", "weight", "step"]
