@@ -320,6 +320,49 @@ def test_loss_scaler_refuses_a_bad_reduce_overflow_or_process_group():
         DynamicLossScaler(process_group="world")
 
 
+def _scaler_around_overlapping_zero(rank: int) -> dict:
+    """What DynamicLossScaler's unscale_() and step() do with a ZeroRedundancyOptimizer made with
+    overlap_with_ddp=True (DDP's communication hook steps it in the backward pass; torch refuses
+    that hook under gloo, but not the optimizer), given it or an OptimLP around it, and with one
+    made without overlap."""
+    got = {}
+    for kind in ("overlap", "OptimLP around overlap", "no overlap"):
+        model = _classifier_on_grid(Float(5, 2))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        zero = ZeroRedundancyOptimizer(
+            ddp.parameters(), torch.optim.SGD, lr=0.05, overlap_with_ddp=kind != "no overlap"
+        )
+        opt = OptimLP(zero, weight=Float(5, 2)) if kind.startswith("OptimLP") else zero
+        scaler = DynamicLossScaler(init_scale=2.0**10)
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(rank))
+        scaler.scale(ddp(x).square().mean()).backward()
+        for method in ("unscale_", "step"):
+            try:
+                getattr(scaler, method)(opt)
+                got[kind, method] = "accepted"
+            except ValueError as error:
+                got[kind, method] = str(error)
+    return got
+
+
+def test_loss_scaler_refuses_an_optimizer_that_steps_in_the_backward_pass():
+    """A ZeroRedundancyOptimizer made with overlap_with_ddp=True is stepped by DDP's
+    communication hook during the backward pass (its step() does nothing), with the gradients of
+    the scaled loss: DynamicLossScaler used to accept it, unscale the gradients after the update
+    and "skip" steps that had been taken, silently (5 SGD steps with an initial scale of 2^10 gave
+    weights up to 1549 where the scale 1 gives at most 0.41, over gloo with torch's backend
+    check bypassed). unscale_() and step() now raise ValueError for it, and for an OptimLP
+    around it; without overlap they take it as before."""
+    got = _spawn_two(_scaler_around_overlapping_zero)
+    for rank in (0, 1):
+        for kind in ("overlap", "OptimLP around overlap"):
+            for method in ("unscale_", "step"):
+                refused = got[rank][kind, method]
+                assert "made with overlap_with_ddp=True updates the parameters" in refused
+        assert got[rank]["no overlap", "unscale_"] == "accepted"
+        assert got[rank]["no overlap", "step"] == "accepted"
+
+
 def _delayed_scaling(rank: int) -> dict:
     """Each rank quantises its own tensors with DelayedScaling: a Quantizer alone (reduced and
     not), and an injected model under DDP whose input, output and error scalers are made after it
