@@ -314,3 +314,20 @@ def check_element_format(name: str, fmt) -> None:
         raise TypeError(
             f"{name} must be a Float, Fixed or P3109 format or None, got {type(fmt).__name__}"
         )
+
+
+def steps_in_backward(optimizer) -> bool:
+    """Whether ``optimizer`` (or the optimizer an OptimLP wraps) is a torch.distributed
+    ZeroRedundancyOptimizer made with ``overlap_with_ddp=True``: DistributedDataParallel's
+    communication hook (ddp_zero_hook.hook_with_zero_step) steps it during the backward pass, as
+    each gradient bucket is reduced, and its own step() does nothing. Nothing called after the
+    backward pass (a rounding of the gradients, an unscaling, a skipped step) reaches its update."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: PLC0415
+
+    while optimizer is not None:
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return bool(optimizer._overlap_with_ddp)  # no public accessor in torch
+        optimizer = getattr(optimizer, "optimizer", None)  # OptimLP's wrapped optimizer
+    return False

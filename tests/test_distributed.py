@@ -320,6 +320,49 @@ def test_loss_scaler_refuses_a_bad_reduce_overflow_or_process_group():
         DynamicLossScaler(process_group="world")
 
 
+def _scaler_around_overlapping_zero(rank: int) -> dict:
+    """What DynamicLossScaler's unscale_() and step() do with a ZeroRedundancyOptimizer made with
+    overlap_with_ddp=True (DDP's communication hook steps it in the backward pass; torch refuses
+    that hook under gloo, but not the optimizer), given it or an OptimLP around it, and with one
+    made without overlap."""
+    got = {}
+    for kind in ("overlap", "OptimLP around overlap", "no overlap"):
+        model = _classifier_on_grid(Float(5, 2))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        zero = ZeroRedundancyOptimizer(
+            ddp.parameters(), torch.optim.SGD, lr=0.05, overlap_with_ddp=kind != "no overlap"
+        )
+        opt = OptimLP(zero, weight=Float(5, 2)) if kind.startswith("OptimLP") else zero
+        scaler = DynamicLossScaler(init_scale=2.0**10)
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(rank))
+        scaler.scale(ddp(x).square().mean()).backward()
+        for method in ("unscale_", "step"):
+            try:
+                getattr(scaler, method)(opt)
+                got[kind, method] = "accepted"
+            except ValueError as error:
+                got[kind, method] = str(error)
+    return got
+
+
+def test_loss_scaler_refuses_an_optimizer_that_steps_in_the_backward_pass():
+    """A ZeroRedundancyOptimizer made with overlap_with_ddp=True is stepped by DDP's
+    communication hook during the backward pass (its step() does nothing), with the gradients of
+    the scaled loss: DynamicLossScaler used to accept it, unscale the gradients after the update
+    and "skip" steps that had been taken, silently (5 SGD steps with an initial scale of 2^10 gave
+    weights up to 1549 where the scale 1 gives at most 0.41, over gloo with torch's backend
+    check bypassed). unscale_() and step() now raise ValueError for it, and for an OptimLP
+    around it; without overlap they take it as before."""
+    got = _spawn_two(_scaler_around_overlapping_zero)
+    for rank in (0, 1):
+        for kind in ("overlap", "OptimLP around overlap"):
+            for method in ("unscale_", "step"):
+                refused = got[rank][kind, method]
+                assert "made with overlap_with_ddp=True updates the parameters" in refused
+        assert got[rank]["no overlap", "unscale_"] == "accepted"
+        assert got[rank]["no overlap", "step"] == "accepted"
+
+
 def _delayed_scaling(rank: int) -> dict:
     """Each rank quantises its own tensors with DelayedScaling: a Quantizer alone (reduced and
     not), and an injected model under DDP whose input, output and error scalers are made after it
@@ -1153,7 +1196,9 @@ def _optimlp_around_zero(rank: int) -> dict:
     """OptimLP around torch's SGD (momentum 0.9), plain and inside ZeroRedundancyOptimizer: with
     weight, grad and an accumulator of the parameters' dtype (round to nearest), 3 steps each;
     with a momentum format, a bfloat16 model with float32 accumulators and the BLOCK8 recipe,
-    what OptimLP (or Recipe.apply) raises around the sharded one."""
+    what OptimLP (or Recipe.apply) raises around the sharded one; and around one made with
+    overlap_with_ddp=True, what OptimLP with a grad or acc format or a grad_scaling (given, or
+    assigned before a step) raises."""
     e5m2 = Float(5, 2)
     got = {}
     for sharded in (False, True):
@@ -1184,6 +1229,31 @@ def _optimlp_around_zero(rank: int) -> dict:
         except ValueError as error:
             got[kind] = str(error)
         got[kind, "injected"] = any(True for _ in lpsim.nn.injected(model))
+    # overlap_with_ddp=True: DDP's communication hook steps the optimizer in the backward pass
+    # (torch refuses that hook under gloo, but not the optimizer), and its step() does nothing.
+    overlapped = {
+        "weight": dict(weight=e5m2),
+        "grad": dict(weight=e5m2, grad=e5m2),
+        "acc": dict(weight=e5m2, acc=Float(6, 4)),
+        "grad_scaling": dict(weight=e5m2, grad_scaling=1e-3),
+    }
+    for kind, options in overlapped.items():
+        model = _classifier_on_grid(e5m2)
+        zero = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.SGD, lr=0.05, overlap_with_ddp=True
+        )
+        try:
+            opt = OptimLP(zero, rounding="nearest", **options)
+        except ValueError as error:
+            got["overlap", kind] = str(error)
+            continue
+        got["overlap", kind] = "accepted"
+        opt.grad_scaling = 0.5  # assigned after construction: refused by the step
+        try:
+            opt.step()
+            got["overlap", kind, "step"] = "stepped"
+        except ValueError as error:
+            got["overlap", kind, "step"] = str(error)
     return got
 
 
@@ -1194,7 +1264,14 @@ def test_optimlp_refuses_the_state_a_zero_redundancy_optimizer_keeps_out_of_its_
     naming it. Both used to be accepted and do nothing, silently: the shard's momentum buffers
     live in the local optimizer, never rounded, and a wide accumulator's stand-in was never
     stepped (the local optimizer updated the parameter, which the stale accumulator overwrote).
-    Recipe.apply raises likewise and leaves the model without quantisers."""
+    Recipe.apply raises likewise and leaves the model without quantisers. A
+    ZeroRedundancyOptimizer made with overlap_with_ddp=True updates the parameters in DDP's
+    backward pass and its step() does nothing, so OptimLP around it used to round the gradients
+    and scale them by grad_scaling after the update, silently: 5 steps with grad=Float(3, 1), or
+    with grad_scaling=1/1000, gave the very weights of rounding the weights alone (where around
+    the ZeroRedundancyOptimizer without overlap they differ by up to 2^-7 and 2^-6); now a grad
+    or acc format or a grad_scaling other than 1 raises ValueError there, and rounding only the
+    weights is accepted."""
     got = _spawn_two(_optimlp_around_zero)
     for rank in (0, 1):
         assert tensors_equal(got[rank][True], got[rank][False]), rank
@@ -1202,3 +1279,9 @@ def test_optimlp_refuses_the_state_a_zero_redundancy_optimizer_keeps_out_of_its_
         assert "OptimLP acc: cannot reach the wider accumulator" in got[rank]["wide"]
         assert "ZeroRedundancyOptimizer" in got[rank]["BLOCK8"]
         assert not got[rank]["BLOCK8", "injected"]
+        assert got[rank]["overlap", "weight"] == "accepted"
+        for kind in ("grad", "acc"):
+            refused = got[rank]["overlap", kind]
+            assert f"OptimLP {kind}: a ZeroRedundancyOptimizer made with overlap" in refused
+        assert "OptimLP grad_scaling: 0.001 cannot scale" in got[rank]["overlap", "grad_scaling"]
+        assert "OptimLP grad_scaling: 0.5 cannot scale" in got[rank]["overlap", "weight", "step"]

@@ -32,6 +32,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.optim import Optimizer
 
 from lpsim import _observation
+from lpsim._checks import steps_in_backward
 from lpsim.formats import P3109, Fixed, Float
 from lpsim.nn.functions import FunctionQuantization
 from lpsim.nn.inject import injected
@@ -344,6 +345,9 @@ class DynamicLossScaler(Joinable):
     same order (it waits for the others). update() counts the non-finite gradients of an
     optimizer that was unscaled but not stepped on its own rank (DDP's gradients agree). With
     ``reduce_overflow=False`` each rank decides alone (independent runs sharing a process group).
+    A ZeroRedundancyOptimizer made with ``overlap_with_ddp=True`` is stepped by DDP's
+    communication hook during the backward pass, with the scaled gradients, before any unscaling
+    or skip: unscale_() and step() refuse it (ValueError), and an OptimLP around it.
     Uneven inputs: the scaler is a torch ``Joinable``; list it after the model,
     ``with torch.distributed.algorithms.join.Join([ddp_model, scaler]):``, and a rank that has run
     out of batches shadows the overflow all-reduces of each iteration of the ranks still training
@@ -641,6 +645,13 @@ class DynamicLossScaler(Joinable):
             raise TypeError(
                 f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
+        if steps_in_backward(optimizer):
+            raise ValueError(
+                "optimizer: a ZeroRedundancyOptimizer made with overlap_with_ddp=True updates the "
+                "parameters inside DistributedDataParallel's backward pass (its step() does "
+                "nothing), with the gradients of the scaled loss, before the scaler could unscale "
+                "them or skip the step; make it without overlap_with_ddp to scale the loss"
+            )
         # Keyed by the parameter groups, which hold the gradients: an OptimLP shares its wrapped
         # optimizer's, so unscaling one and stepping the other divides the gradients once.
         return self._optimizers.setdefault(
@@ -659,6 +670,8 @@ class DynamicLossScaler(Joinable):
         Raises:
             RuntimeError: unscale_ was already called for this optimizer since the last update(),
                 or step() was.
+            ValueError: the optimizer (or the one an OptimLP wraps) is a ZeroRedundancyOptimizer
+                made with overlap_with_ddp=True, which steps in the backward pass.
         """
         state = self._state(optimizer)
         if state["unscaled"]:
@@ -706,6 +719,9 @@ class DynamicLossScaler(Joinable):
         Raises:
             RuntimeError: step() was already called for this optimizer since the last update(),
                 or the closure changed a gradient of the optimizer's parameters.
+            ValueError: the optimizer (or the one an OptimLP wraps) is a ZeroRedundancyOptimizer
+                made with overlap_with_ddp=True, which steps in the backward pass: neither the
+                unscaling nor a skip would reach its update.
         """
         state = self._state(optimizer)
         if state["stepped"]:

@@ -11,7 +11,12 @@ import torch.optim.optimizer as torch_optimizer
 from torch.optim import Optimizer
 
 from lpsim import _observation
-from lpsim._checks import CONTAINER_DTYPES, draw_seed, positive_finite_attribute
+from lpsim._checks import (
+    CONTAINER_DTYPES,
+    draw_seed,
+    positive_finite_attribute,
+    steps_in_backward,
+)
 from lpsim.delayed_scaling import DelayedScaler, DelayedScaling
 from lpsim.formats import GRID_FORMATS, BlockFloat, check_fits, sum_container
 from lpsim.functional import quantize
@@ -484,7 +489,11 @@ class OptimLP(Optimizer):
             message names the argument), or fused is not a bool.
         ValueError: grad_scaling is not a finite number > 0; a format does not fit the tensor it
             rounds (the message names the argument, the parameter and the dtype); ``parameters``
-            holds a tensor the optimizer does not; a parameter is listed twice.
+            holds a tensor the optimizer does not; a parameter is listed twice; around a torch
+            ZeroRedundancyOptimizer, a ``momentum`` format or an accumulator wider than its
+            parameter, and around one made with overlap_with_ddp=True (which steps in the
+            backward pass) any ``grad`` or ``acc`` format or a grad_scaling other than 1.0 (also
+            at step(), where grad_scaling was assigned since).
     """
 
     def __init__(
@@ -532,6 +541,7 @@ class OptimLP(Optimizer):
                 )
             self._settle_unlisted(self._params())
         self._configure()
+        self._check_grad_scaling_applies()
         _WRAPPERS[optimizer] = weakref.ref(self)
 
     def __getstate__(self) -> dict:
@@ -777,6 +787,10 @@ class OptimLP(Optimizer):
         wide accumulator's stand-in in the wrapper's groups would never be stepped (the local
         optimizer updates the parameter, which the stale accumulator then overwrites), silently.
         Weights, gradients and accumulators of the parameter's dtype are rounded as without it.
+        One made with ``overlap_with_ddp=True`` steps in DistributedDataParallel's backward pass
+        (its step() does nothing), before OptimLP's gradient phase: a ``grad`` format would never
+        reach the update, and an ``acc`` would take the weight's place only after it (the update
+        then starts from the rounded weight, not the accumulator); both are refused too.
         """
         if not torch.distributed.is_available():
             return
@@ -784,6 +798,16 @@ class OptimLP(Optimizer):
 
         if not isinstance(self.optimizer, ZeroRedundancyOptimizer):
             return
+        if steps_in_backward(self.optimizer):
+            for name in ("grad", "acc"):
+                if getattr(s, name) is not None:
+                    raise ValueError(
+                        f"OptimLP {name}: a ZeroRedundancyOptimizer made with "
+                        f"overlap_with_ddp=True updates the parameters ({where}) inside "
+                        "DistributedDataParallel's backward pass, before OptimLP could round the "
+                        "gradients or put the accumulator in the weight's place (its step() does "
+                        "nothing). Make it without overlap_with_ddp, or round only the weights"
+                    )
         wide = s.acc is not None and _accumulator_dtype(s.acc, p.dtype) != p.dtype
         for name, refused in (("momentum", s.momentum is not None), ("acc", wide)):
             if refused:
@@ -795,6 +819,20 @@ class OptimLP(Optimizer):
                     "ZeroRedundancyOptimizer(params, optimizer_class=lambda params, **options: "
                     "OptimLP(torch.optim.SGD(params, **options), ...), ...)"
                 )
+
+    def _check_grad_scaling_applies(self) -> None:
+        """Refuse a grad_scaling other than 1 around a ZeroRedundancyOptimizer that steps in
+        DistributedDataParallel's backward pass (overlap_with_ddp=True, see _check_reachable):
+        the gradients it would scale have been used by then, so the update would take them
+        unscaled (a recipe's loss scale times too large), silently."""
+        if self.grad_scaling != 1.0 and steps_in_backward(self.optimizer):
+            raise ValueError(
+                f"OptimLP grad_scaling: {self.grad_scaling} cannot scale the gradients of a "
+                "ZeroRedundancyOptimizer made with overlap_with_ddp=True, which updates the "
+                "parameters inside DistributedDataParallel's backward pass (its step() does "
+                "nothing); it must be 1.0 there: scale the loss by 1.0, or make the "
+                "ZeroRedundancyOptimizer without overlap_with_ddp"
+            )
 
     def _quantizer(self, p: torch.Tensor, name: str, quant: QuantFunction, t: torch.Tensor):
         """What rounds tensor ``name`` of parameter p: ``quant`` itself, or for a DelayedScaling
@@ -1048,6 +1086,7 @@ class OptimLP(Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step of the wrapped optimizer with the quantisation above; returns its loss."""
+        self._check_grad_scaling_applies()  # grad_scaling may have been assigned since
         self._configure_changed_groups()
         self._adopt_changed_weights()
         if closure is None and self._fused_step_applies():
