@@ -9,6 +9,7 @@ from dataclasses import replace
 import ml_dtypes
 import pytest
 import torch
+from scipy.linalg import hadamard
 from sklearn.datasets import load_digits
 from support import assert_same_bits
 from torch import nn
@@ -330,6 +331,66 @@ def test_watch_model_sees_the_saturating_errors_of_a_scaled_format_without_tenso
     # watch_model skipped such error quantisers (and watch refused the format), though their
     # errors clamp at 2688: the scale never backed off and the steps took clamped gradients.
     _watched_model_backs_off(SINGLE_LEVEL_NVFP4)
+
+
+# The error as an operand of a Linear's backward products (LayerQuantization's
+# input_grad_operands and weight_grad_operands with an Operands.error), optionally after a random
+# Hadamard transform along each product's reduction axis: E (tokens x out_features) along
+# out_features for the input gradient, E^T along the tokens for the weight gradient.
+def _backward_operands(error_operand, transform):
+    """The transformed error operands of the middle layer of a 4-16-16-1 MLP (oracle: torch's
+    autograd of an uninjected copy, scipy's Hadamard matrix and the transform's public signs),
+    and the model injected with saturating e4m3 error operands there (the first layer's errors
+    in bfloat16, with LayerQuantization(error=...), which watch_model saw before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1)
+    )
+    data = torch.randn(32, 4)
+    reference = copy.deepcopy(model)
+    out = reference[:3](data)
+    out.retain_grad()
+    reference[3:](out).square().mean().backward()
+    error = out.grad.double()
+    operands = [error, error.t()]  # reduction axis last
+    if transform is not None:
+        size = transform.size
+        rotation = torch.tensor(hadamard(size), dtype=torch.float64) / math.sqrt(size)
+        rotation = rotation * transform.signs(torch.float64)  # R = H diag(s) / sqrt(size)
+        operands = [(e.reshape(e.shape[0], -1, size) @ rotation.t()).flatten(1) for e in operands]
+    operand = lpsim.nn.functional.Operands(error=(error_operand, "nearest"), transform=transform)
+    config = {
+        "0": lpsim.nn.LayerQuantization(error=(BF16, "nearest")),
+        "2": lpsim.nn.LayerQuantization(input_grad_operands=operand, weight_grad_operands=operand),
+    }
+    lpsim.nn.inject(model, config)
+    return model, data, [float(o.abs().max()) for o in operands], float(error.abs().max())
+
+
+@pytest.mark.parametrize("transform", [None, lpsim.RandomHadamard(16, seed=5)])
+def test_watch_model_sees_the_saturating_errors_of_backward_operands(transform):
+    # watch_model watched LayerQuantization(error=...) only: with the scale 2**20 these operands
+    # saturated at 448 (a weight gradient 99.7% off), no overflow was recorded and the step was
+    # taken. Overflow is now |operand| >= 448 in either product, the transformed operand's.
+    e4m3_max = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+    _, _, amaxes, error_amax = _backward_operands(E4M3_SATURATING, transform)
+    amax = max(amaxes)
+    scales = {e4m3_max / amax * 2: True, e4m3_max / amax / 2: False}
+    if transform is not None:  # between E's largest magnitude and the transformed operands'
+        assert abs(math.log2(amax / error_amax)) > 0.1
+        scales[e4m3_max / math.sqrt(amax * error_amax)] = amax > error_amax
+    for scale, overflows in scales.items():
+        model, data, _, _ = _backward_operands(E4M3_SATURATING, transform)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = DynamicLossScaler(init_scale=scale, power_of_two=False)
+        scaler.watch_model(model)
+        before = _snapshot(model, opt)
+        scaler.scale(model(data).square().mean()).backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())  # saturated
+        scaler.step(opt)
+        assert scaler.found_overflow == overflows, scale
+        if overflows:
+            _assert_unchanged(model, opt, before)
 
 
 def test_watch_rejects_scaled_formats_with_a_tensor_scale():

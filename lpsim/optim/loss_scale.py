@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
+from torch.nn.utils import parametrize
 from torch.optim import Optimizer
 
 from lpsim import _observation
@@ -232,6 +233,58 @@ class _ErrorWatch:
                 t.register_hook(self.hook)
 
 
+class _OperandsWatch:
+    """The forward hook (with kwargs) watch_model() puts on a Linear whose backward products take
+    the error as an operand of their own (LayerQuantization's input_grad_operands and
+    weight_grad_operands with an Operands.error): the error flowing back into its output is
+    checked, by each product's _OverflowWatch, as that product quantises it: E (the rows of the
+    output, out_features last) for the input gradient, E^T (the rows, all tokens, last) for the
+    weight gradient, each after the Operands' transform along that axis. A product that does not
+    run (an input or weight without gradient) is not checked. An object, as _OverflowWatch is."""
+
+    def __init__(self, input_grad, weight_grad):
+        # (OperandSpecs, _OverflowWatch) or None, for each product
+        self.input_grad, self.weight_grad = input_grad, weight_grad
+
+    def __call__(self, module: nn.Module, args, kwargs, output) -> None:
+        x = args[0] if args else kwargs.get("input")
+        weight = (
+            module.parametrizations.weight.original
+            if parametrize.is_parametrized(module, "weight")
+            else module.weight
+        )
+        products = []
+        if self.input_grad is not None and isinstance(x, torch.Tensor) and x.requires_grad:
+            products.append((self.input_grad, False))
+        if self.weight_grad is not None and weight.requires_grad:
+            products.append((self.weight_grad, True))
+        if products and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(_OperandsCheck(products))
+
+
+class _OperandsCheck:
+    """The gradient hook of _OperandsWatch: each product's error operand, checked."""
+
+    def __init__(self, products: list):
+        self.products = products
+
+    def __call__(self, error: torch.Tensor) -> torch.Tensor:
+        if _observation.hidden:
+            return error
+        rows = error.reshape(-1, error.shape[-1])  # as Linear's product takes it
+        for (operands, watch), transposed in self.products:
+            operand = rows.t() if transposed else rows
+            transform = operands.transform
+            if transform is not None:
+                if operand.shape[-1] % transform.size:
+                    continue  # the product raises, naming the reduction
+                # as the product transforms it: in float32 at least
+                work = torch.promote_types(operand.dtype, torch.float32)
+                operand = transform.apply(operand.to(work))
+            watch(operand)
+        return error
+
+
 class _Handles:
     """The hooks watch_model() registered; remove() takes them out."""
 
@@ -326,7 +379,9 @@ class DynamicLossScaler(Joinable):
     Not seen: a saturating MAC accumulator in the backward products (inject's and
     quantize_functions' mac, input_grad_mac, weight_grad_mac) clamps the partial sums of the
     scaled gradients, which no check reaches; give them a non-saturating accumulator, whose
-    overflow is Inf.
+    overflow is Inf. Nor a saturating error operand of quantize_functions' backward products (an
+    entry's input_grad_operands or weight_grad_operands with an Operands.error), which
+    watch_functions does not reach; inject's (a Linear's) are watched by watch_model.
 
     A step with either kind of overflow is skipped: optimizer.step() is not called, so
     parameters, optimizer state (and OptimLP's accumulators) stay as they were. Watched overflows
@@ -562,6 +617,12 @@ class DynamicLossScaler(Joinable):
         """Watch every error quantiser that lpsim.nn.inject placed in ``model`` (modules injected
         with LayerQuantization(error=...), as the recipes do): the errors flowing back into each
         such module's outputs are checked against the module's error format, as by watch().
+        So are the error operands of a Linear's backward products (LayerQuantization's
+        input_grad_operands and weight_grad_operands with an Operands.error), each as its product
+        quantises it: the error E (the output's rows) for the input gradient and E^T for the
+        weight gradient, after the Operands' transform along that product's reduction axis (a
+        random Hadamard transform mixes each group of errors, whose largest magnitude then is not
+        E's), and only where the product runs (its input or weight has a gradient).
         Formats without a fixed largest value (BlockFloat, Scaled with a tensor scale,
         DelayedScaling, Fixed without clamp) are not watched: they scale each block or tensor to
         its own range, which the loss scale does not move (a DelayedScaling element still
@@ -578,9 +639,19 @@ class DynamicLossScaler(Joinable):
             ValueError: no module of the model has an error quantiser that can overflow.
         """
         handles = []
-        errors = ((module, done.get("error")) for _, module, done in injected(model))
+        modules = [(module, done) for _, module, done in injected(model)]
+        errors = ((module, done.get("error")) for module, done in modules)
         for module, hook in self._overflow_hooks(errors):
             handles.append(module.register_forward_hook(_ErrorWatch(hook)))
+        for module, done in modules:
+            products = []
+            for operands in done.get("operands") or (None, None):
+                spec = None if operands is None else operands.error
+                hooks = list(self._overflow_hooks([(operands, spec)]))
+                products.append(hooks[0] if hooks else None)
+            if any(products):
+                watch = _OperandsWatch(*products)
+                handles.append(module.register_forward_hook(watch, with_kwargs=True))
         if not handles:
             raise ValueError(
                 "watch_model found no error quantiser that can overflow in the model: inject it "
