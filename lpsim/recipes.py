@@ -170,9 +170,12 @@ class Recipe:
     Attributes:
         name: short label.
         weight, activation, error, grad, momentum, acc: what each category is rounded into.
-        loss_scale: multiply the loss by this before backward; the optimizer divides gradients by
-            it (OptimLP's grad_scaling) before quantising them, also in a recipe that quantises
-            nothing. A positive finite number (ValueError otherwise).
+        loss_scale: multiply the loss by this before backward; the optimizer undoes it before
+            quantising the gradients, also in a recipe that quantises nothing, by multiplying
+            them by 1 / loss_scale (OptimLP's grad_scaling): exact for a power of two, and
+            otherwise rounded twice (the factor, then the product), which may differ from
+            gradient / loss_scale by one unit in the last place. A positive finite number
+            (ValueError otherwise).
         keep_edges: keep the first and last weight layers in full precision (a bool; TypeError
             otherwise, as for round_weights).
         placement: where the model's quantisers go. "outputs" (the default, QPyTorch's

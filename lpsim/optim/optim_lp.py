@@ -363,7 +363,7 @@ def _default_field(name: str) -> property:
 
 def check_wrappable(optimizer: object) -> None:
     """Raises TypeError unless ``optimizer`` is a torch.optim.Optimizer that OptimLP may wrap:
-    not an OptimLP, whose own step already divides by grad_scaling and rounds (a second wrapper
+    not an OptimLP, whose own step already multiplies by grad_scaling and rounds (a second wrapper
     would do both twice, silently)."""
     if not isinstance(optimizer, Optimizer):
         raise TypeError(
@@ -372,7 +372,7 @@ def check_wrappable(optimizer: object) -> None:
     if isinstance(optimizer, OptimLP):
         raise TypeError(
             "optimizer must be a plain torch optimizer, got an OptimLP (a recipe applied "
-            "before?): wrapping it again divides the gradients by grad_scaling twice and "
+            "before?): wrapping it again multiplies the gradients by grad_scaling twice and "
             "rounds them twice; pass the optimizer it wraps, optimizer.optimizer"
         )
 
