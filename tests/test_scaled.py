@@ -115,6 +115,19 @@ def test_rceil_takes_the_exact_ceiling_where_torchao_rounds_log2_first():
     assert ours[0, 1] == 0.25 * 2.0**-4 and theirs[0, 1] == 0.625 * 2.0**-5
 
 
+def test_rceil_quotient_is_rounded_in_float64_for_a_float64_tensor():
+    # docs/formats.md: rceil's quotient amax / elem_max is rounded in the tensor's arithmetic,
+    # float32 or float64. amax = 6 (1 + 2^-30) over E2M1's 6 is 1 + 2^-30 in float64, whose
+    # exact ceiling is 1 (scale 2: 0.3 / 2 rounds to 0); rounded to float32 the quotient is 1 and
+    # the scale 1 (0.3 rounds to 0.5), as the float32 tensor, which holds amax as 6, gives.
+    fmt = dataclasses.replace(preset("mxfp4_e2m1"), scale_rule="rceil")
+    x = torch.tensor([[6 * (1 + 2.0**-30), 0.3]], dtype=torch.float64)
+    quotient = Fraction(float(x[0, 0]) / 6.0)  # Python's float division: rounded in float64
+    assert quotient == 1 + Fraction(1, 2**30)
+    assert lpsim.quantize(x, fmt)[0, 1].item() == 0.0
+    assert lpsim.quantize(x.float(), fmt)[0, 1].item() == 0.5
+
+
 def test_rceil_saturates_the_scale_where_the_quotient_overflows():
     # Elements whose largest value is below 1 (Fixed(5, 7): 15/128): amax / elem_max overflows
     # float32, and the rule takes the largest scale; the reference once raised OverflowError.
