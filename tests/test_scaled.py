@@ -194,6 +194,29 @@ def test_nvfp4_matches_torchao_down_to_its_tensor_scale_floor_as_documented():
     assert _torchao_nvfp4(zeros).isnan().all() and not lpsim.quantize(zeros, preset("nvfp4")).any()
 
 
+@pytest.mark.parametrize("name", MX_ELEMENTS)
+def test_torchao_halves_blocks_whose_e8m0_code_is_0_that_is_amax_below_2_to_emax_minus_126(name):
+    # docs/formats.md: under floor a block gets E8M0 code 0 (scale 2**-127) where amax is below
+    # 2**(emax - 126) (2**-111 for E5M2, not only below 2**-118); torchao divides its elements by
+    # 2**-126 and decodes them with 2**-127, so its values are half lpsim's, which are exact here
+    # (1.5 x 2**(emax - 127) is the element 1.5 x 2**emax at scale 2**-127). From 2**(emax - 126)
+    # on, the code is 1 and the two agree.
+    fmt = preset(name)
+    below = 1.5 * 2.0 ** (fmt.element_emax - 127)
+    at = 2.0 ** (fmt.element_emax - 126)
+    x = torch.zeros(2, 32)
+    x[0, 0], x[0, 1], x[1, 0], x[1, 1] = below, -below / 2, at, -at / 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code, data = to_mx(x, MX_ELEMENTS[name], 32, ScaleCalculationMode.FLOOR)
+        theirs = to_dtype(data, code, MX_ELEMENTS[name], 32, torch.float32)
+    ours = lpsim.quantize(x, fmt)
+    assert code.view(torch.uint8).flatten().tolist() == [0, 1]
+    assert ours[0, :2].tolist() == [below, -below / 2]
+    assert theirs[0, :2].tolist() == [below / 2, -below / 4]
+    assert_same_bits(ours[1], theirs[1])
+
+
 @pytest.mark.parametrize("rule", TORCHAO_MODES)
 @pytest.mark.parametrize("name", MX_ELEMENTS)
 def test_torchao_gives_a_block_with_an_inf_a_finite_scale_under_every_rule(name, rule):
