@@ -471,9 +471,9 @@ class Fixed(_OnGrid):
     """A fixed-point format: values k * 2**-fl for integers k of ``wl`` bits.
 
     Args:
-        wl: word length in bits, the sign bit included: 2 to 64 signed, 1 to 64 unsigned, as far
-            as the container's significand holds the integers (at most 54 signed, 53 unsigned,
-            in float64; 25 and 24 in float32).
+        wl: word length in bits, the sign bit included: 2 to 54 signed, 1 to 53 unsigned (the
+            integers a float64 significand holds), and at most what the container's significand
+            holds (25 signed and 24 unsigned in float32).
         fl: fractional bits; the spacing is 2**-fl. May be negative (spacing above 1).
         signed: two's complement k in [-2**(wl-1), 2**(wl-1) - 1]; unsigned: k in [0, 2**wl - 1].
         clamp: values outside the range saturate to it (and +/-Inf become the limits). Without
@@ -497,7 +497,8 @@ class Fixed(_OnGrid):
         check_bool_field("Fixed", "signed", self.signed)
         check_bool_field("Fixed", "clamp", self.clamp)
         check_bool_field("Fixed", "symmetric", self.symmetric)
-        check_int_field("Fixed", "wl", self.wl, 2 if self.signed else 1, 64)
+        # The widest words whose integers a float64 significand (53 bits) holds.
+        check_int_field("Fixed", "wl", self.wl, *((2, 54) if self.signed else (1, 53)))
         check_int_field("Fixed", "fl", self.fl, -1100, 1100)
         if self.symmetric and not self.signed:
             raise ValueError("Fixed.symmetric applies to signed formats only")
