@@ -630,7 +630,8 @@ class P3109(_OnGrid):
     Args:
         bits: the bit width K, 3 to 16.
         precision: the precision P (significand bits, the leading one included): 1 to bits - 1
-            for signed formats, 1 to bits for unsigned ones.
+            for signed formats, 1 to bits for unsigned ones; from 13 bits (12 unsigned) on at
+            least bits - 11 (bits - 10 unsigned), so that the values fit a float64.
         signed: whether the format has a sign bit and negative values.
         domain: ``"extended"`` (with Inf) or ``"finite"`` (every code but the NaN is finite).
         saturation: ``"SatFinite"``, ``"SatPropagate"`` or ``"SatNone"`` (see above).
@@ -652,11 +653,15 @@ class P3109(_OnGrid):
         if not isinstance(self.precision, int) or isinstance(self.precision, bool):
             raise TypeError(f"P3109.precision must be an int, got {type(self.precision).__name__}")
         top = self.bits - 1 if self.signed else self.bits
-        if not 1 <= self.precision <= top:
+        # The exponent field (bits - precision wide, one bit more unsigned) must be at most 11 bits,
+        # float64's, for the values to fit a float64.
+        low = max(1, self.bits - (11 if self.signed else 10))
+        if not low <= self.precision <= top:
             kind = "a signed" if self.signed else "an unsigned"
+            why = f" (below {low} its values exceed float64's range)" if low > 1 else ""
             raise ValueError(
-                f"P3109.precision must be in [1, {top}] for {kind} {self.bits}-bit format, "
-                f"got {self.precision}"
+                f"P3109.precision must be in [{low}, {top}] for {kind} {self.bits}-bit "
+                f"format{why}, got {self.precision}"
             )
         if self.domain not in P3109_DOMAINS:
             raise ValueError(f"P3109.domain must be one of {P3109_DOMAINS}, got {self.domain!r}")
