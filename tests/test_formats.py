@@ -3,6 +3,7 @@
 each container."""
 
 import math
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -167,6 +168,26 @@ def test_float_without_subnormals_has_no_values_below_the_smallest_normal():
 def test_bad_format_fields_raise_naming_the_field(make, error, pattern):
     with pytest.raises(error, match=pattern):
         make()
+
+
+def test_eleven_exponent_bits_fit_float64_only_where_the_docs_say():
+    # docs/formats.md, Float's table: with the default bias, exp=11 fits float64 under "ieee"
+    # with any man, "fnuz" with man up to 51 and "fn" with man 0 only; "none" never. Float64's
+    # own limits: largest finite binade 2**1023, smallest subnormal 2**-1074.
+    fits = {
+        "ieee": range(53),
+        "fnuz": range(52),
+        "fn": range(1),
+        "none": range(0),
+    }
+    for special, mans in fits.items():
+        for man in range(53):
+            if man in mans:
+                fmt = Float(11, man, special=special)
+                assert fmt.max <= sys.float_info.max and fmt.smallest_subnormal >= 2.0**-1074
+            else:
+                with pytest.raises(ValueError, match="does not fit even a float64 container"):
+                    Float(11, man, special=special)
 
 
 @pytest.mark.parametrize(

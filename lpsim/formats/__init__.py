@@ -286,7 +286,9 @@ class Float(_OnGrid):
     (-1)**s * 2**(1 - bias) * (m / 2**man) for e = 0 (subnormals).
 
     Args:
-        exp: exponent bits, 1 to 11 (2 to 11 for ``special="ieee"``).
+        exp: exponent bits, 1 to 11 (2 to 11 for ``special="ieee"``). The format must fit
+            float64: with the default bias, 11 takes ``"ieee"`` with any man, ``"fnuz"`` with man
+            up to 51 and ``"fn"`` only with man 0, ``"none"`` never (its values reach 2**1024).
         man: stored fraction bits, 0 to 52. Precision is man + 1 bits.
         bias: exponent bias; default 2**(exp-1) - 1, or 2**(exp-1) for ``special="fnuz"``.
         subnormals: whether exponent code 0 holds subnormals. Without them it holds only zero,
