@@ -3,6 +3,7 @@
 each container."""
 
 import math
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -146,9 +147,12 @@ def test_float_without_subnormals_has_no_values_below_the_smallest_normal():
         (lambda: Float(5, 2, saturate=1), TypeError, r"Float\.saturate must be a bool"),
         (lambda: Float(5, 2, subnormals="yes"), TypeError, r"Float\.subnormals must be a bool"),
         (lambda: Float(11, 52, bias=0), ValueError, r"does not fit even a float64 container"),
-        (lambda: Fixed(1, 0), ValueError, r"Fixed\.wl must be in \[2, 64\]"),
+        (lambda: Fixed(1, 0), ValueError, r"Fixed\.wl must be in \[2, 54\]"),
         (lambda: Fixed(8, 2.5), TypeError, r"Fixed\.fl must be an int"),
-        (lambda: Fixed(60, 0), ValueError, r"does not fit even a float64 container"),
+        (lambda: Fixed(60, 0), ValueError, r"Fixed\.wl must be in \[2, 54\], got 60"),
+        (lambda: Fixed(64, 0, clamp=False), ValueError, r"Fixed\.wl must be in \[2, 54\]"),
+        (lambda: Fixed(54, 0, signed=False), ValueError, r"Fixed\.wl must be in \[1, 53\], got 54"),
+        (lambda: Fixed(0, 0, signed=False), ValueError, r"Fixed\.wl must be in \[1, 53\], got 0"),
         (
             lambda: Fixed(8, 4, signed=False, symmetric=True),
             ValueError,
@@ -164,6 +168,26 @@ def test_float_without_subnormals_has_no_values_below_the_smallest_normal():
 def test_bad_format_fields_raise_naming_the_field(make, error, pattern):
     with pytest.raises(error, match=pattern):
         make()
+
+
+def test_eleven_exponent_bits_fit_float64_only_where_the_docs_say():
+    # docs/formats.md, Float's table: with the default bias, exp=11 fits float64 under "ieee"
+    # with any man, "fnuz" with man up to 51 and "fn" with man 0 only; "none" never. Float64's
+    # own limits: largest finite binade 2**1023, smallest subnormal 2**-1074.
+    fits = {
+        "ieee": range(53),
+        "fnuz": range(52),
+        "fn": range(1),
+        "none": range(0),
+    }
+    for special, mans in fits.items():
+        for man in range(53):
+            if man in mans:
+                fmt = Float(11, man, special=special)
+                assert fmt.max <= sys.float_info.max and fmt.smallest_subnormal >= 2.0**-1074
+            else:
+                with pytest.raises(ValueError, match="does not fit even a float64 container"):
+                    Float(11, man, special=special)
 
 
 @pytest.mark.parametrize(

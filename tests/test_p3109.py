@@ -371,12 +371,43 @@ def test_repr_name_and_equality():
         (lambda: P3109(8, 4, domain="Extended"), ValueError, r"P3109\.domain must be one of"),
         (lambda: P3109(8, 4, saturation="sat"), ValueError, r"P3109\.saturation must be one of"),
         (lambda: P3109(8, 4, saturation="OvfInf"), ValueError, r"OvfInf is SatNone"),
-        (lambda: P3109(16, 1), ValueError, r"does not fit even a float64 container"),
+        (
+            lambda: P3109(16, 1),
+            ValueError,
+            r"P3109\.precision must be in \[5, 15\] for a signed 16-bit format.*float64",
+        ),
+        (
+            lambda: P3109(13, 1),
+            ValueError,
+            r"P3109\.precision must be in \[2, 12\] for a signed 13-bit format",
+        ),
+        (
+            lambda: P3109(12, 1, signed=False),
+            ValueError,
+            r"P3109\.precision must be in \[2, 12\] for an unsigned 12-bit format",
+        ),
     ],
 )
 def test_bad_fields_raise_naming_the_field(make, error, pattern):
     with pytest.raises(error, match=pattern):
         make()
+
+
+def test_every_precision_in_the_documented_range_makes_a_format():
+    # docs/formats.md: precision 1 to bits - 1 (signed) or bits (unsigned), and from 13 bits
+    # (12 unsigned) on at least bits - 11 (bits - 10), so that the values fit a float64 (an
+    # exponent field of bits - precision bits, one more unsigned, at most 11 wide).
+    for bits in range(3, 17):
+        for signed, low, top in (
+            (True, max(1, bits - 11), bits - 1),
+            (False, max(1, bits - 10), bits),
+        ):
+            for precision in range(low, top + 1):
+                fmt = P3109(bits, precision, signed=signed)
+                assert math.isfinite(fmt.max) and fmt.smallest_subnormal > 0
+            if low > 1:
+                with pytest.raises(ValueError, match=rf"must be in \[{low}, {top}\]"):
+                    P3109(bits, low - 1, signed=signed)
 
 
 def test_containers_that_do_not_hold_the_format_are_refused():

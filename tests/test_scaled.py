@@ -115,6 +115,19 @@ def test_rceil_takes_the_exact_ceiling_where_torchao_rounds_log2_first():
     assert ours[0, 1] == 0.25 * 2.0**-4 and theirs[0, 1] == 0.625 * 2.0**-5
 
 
+def test_rceil_quotient_is_rounded_in_float64_for_a_float64_tensor():
+    # docs/formats.md: rceil's quotient amax / elem_max is rounded in the tensor's arithmetic,
+    # float32 or float64. amax = 6 (1 + 2^-30) over E2M1's 6 is 1 + 2^-30 in float64, whose
+    # exact ceiling is 1 (scale 2: 0.3 / 2 rounds to 0); rounded to float32 the quotient is 1 and
+    # the scale 1 (0.3 rounds to 0.5), as the float32 tensor, which holds amax as 6, gives.
+    fmt = dataclasses.replace(preset("mxfp4_e2m1"), scale_rule="rceil")
+    x = torch.tensor([[6 * (1 + 2.0**-30), 0.3]], dtype=torch.float64)
+    quotient = Fraction(float(x[0, 0]) / 6.0)  # Python's float division: rounded in float64
+    assert quotient == 1 + Fraction(1, 2**30)
+    assert lpsim.quantize(x, fmt)[0, 1].item() == 0.0
+    assert lpsim.quantize(x.float(), fmt)[0, 1].item() == 0.5
+
+
 def test_rceil_saturates_the_scale_where_the_quotient_overflows():
     # Elements whose largest value is below 1 (Fixed(5, 7): 15/128): amax / elem_max overflows
     # float32, and the rule takes the largest scale; the reference once raised OverflowError.
@@ -179,6 +192,29 @@ def test_nvfp4_matches_torchao_down_to_its_tensor_scale_floor_as_documented():
     assert not lpsim.quantize(x, preset("nvfp4")).any()
     zeros = torch.zeros(1, 16)
     assert _torchao_nvfp4(zeros).isnan().all() and not lpsim.quantize(zeros, preset("nvfp4")).any()
+
+
+@pytest.mark.parametrize("name", MX_ELEMENTS)
+def test_torchao_halves_blocks_whose_e8m0_code_is_0_that_is_amax_below_2_to_emax_minus_126(name):
+    # docs/formats.md: under floor a block gets E8M0 code 0 (scale 2**-127) where amax is below
+    # 2**(emax - 126) (2**-111 for E5M2, not only below 2**-118); torchao divides its elements by
+    # 2**-126 and decodes them with 2**-127, so its values are half lpsim's, which are exact here
+    # (1.5 x 2**(emax - 127) is the element 1.5 x 2**emax at scale 2**-127). From 2**(emax - 126)
+    # on, the code is 1 and the two agree.
+    fmt = preset(name)
+    below = 1.5 * 2.0 ** (fmt.element_emax - 127)
+    at = 2.0 ** (fmt.element_emax - 126)
+    x = torch.zeros(2, 32)
+    x[0, 0], x[0, 1], x[1, 0], x[1, 1] = below, -below / 2, at, -at / 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        code, data = to_mx(x, MX_ELEMENTS[name], 32, ScaleCalculationMode.FLOOR)
+        theirs = to_dtype(data, code, MX_ELEMENTS[name], 32, torch.float32)
+    ours = lpsim.quantize(x, fmt)
+    assert code.view(torch.uint8).flatten().tolist() == [0, 1]
+    assert ours[0, :2].tolist() == [below, -below / 2]
+    assert theirs[0, :2].tolist() == [below / 2, -below / 4]
+    assert_same_bits(ours[1], theirs[1])
 
 
 @pytest.mark.parametrize("rule", TORCHAO_MODES)

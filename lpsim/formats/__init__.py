@@ -286,7 +286,9 @@ class Float(_OnGrid):
     (-1)**s * 2**(1 - bias) * (m / 2**man) for e = 0 (subnormals).
 
     Args:
-        exp: exponent bits, 1 to 11 (2 to 11 for ``special="ieee"``).
+        exp: exponent bits, 1 to 11 (2 to 11 for ``special="ieee"``). The format must fit
+            float64: with the default bias, 11 takes ``"ieee"`` with any man, ``"fnuz"`` with man
+            up to 51 and ``"fn"`` only with man 0, ``"none"`` never (its values reach 2**1024).
         man: stored fraction bits, 0 to 52. Precision is man + 1 bits.
         bias: exponent bias; default 2**(exp-1) - 1, or 2**(exp-1) for ``special="fnuz"``.
         subnormals: whether exponent code 0 holds subnormals. Without them it holds only zero,
@@ -471,9 +473,9 @@ class Fixed(_OnGrid):
     """A fixed-point format: values k * 2**-fl for integers k of ``wl`` bits.
 
     Args:
-        wl: word length in bits, the sign bit included: 2 to 64 signed, 1 to 64 unsigned, as far
-            as the container's significand holds the integers (at most 54 signed, 53 unsigned,
-            in float64; 25 and 24 in float32).
+        wl: word length in bits, the sign bit included: 2 to 54 signed, 1 to 53 unsigned (the
+            integers a float64 significand holds), and at most what the container's significand
+            holds (25 signed and 24 unsigned in float32).
         fl: fractional bits; the spacing is 2**-fl. May be negative (spacing above 1).
         signed: two's complement k in [-2**(wl-1), 2**(wl-1) - 1]; unsigned: k in [0, 2**wl - 1].
         clamp: values outside the range saturate to it (and +/-Inf become the limits). Without
@@ -497,7 +499,8 @@ class Fixed(_OnGrid):
         check_bool_field("Fixed", "signed", self.signed)
         check_bool_field("Fixed", "clamp", self.clamp)
         check_bool_field("Fixed", "symmetric", self.symmetric)
-        check_int_field("Fixed", "wl", self.wl, 2 if self.signed else 1, 64)
+        # The widest words whose integers a float64 significand (53 bits) holds.
+        check_int_field("Fixed", "wl", self.wl, *((2, 54) if self.signed else (1, 53)))
         check_int_field("Fixed", "fl", self.fl, -1100, 1100)
         if self.symmetric and not self.signed:
             raise ValueError("Fixed.symmetric applies to signed formats only")
@@ -629,7 +632,8 @@ class P3109(_OnGrid):
     Args:
         bits: the bit width K, 3 to 16.
         precision: the precision P (significand bits, the leading one included): 1 to bits - 1
-            for signed formats, 1 to bits for unsigned ones.
+            for signed formats, 1 to bits for unsigned ones; from 13 bits (12 unsigned) on at
+            least bits - 11 (bits - 10 unsigned), so that the values fit a float64.
         signed: whether the format has a sign bit and negative values.
         domain: ``"extended"`` (with Inf) or ``"finite"`` (every code but the NaN is finite).
         saturation: ``"SatFinite"``, ``"SatPropagate"`` or ``"SatNone"`` (see above).
@@ -651,11 +655,15 @@ class P3109(_OnGrid):
         if not isinstance(self.precision, int) or isinstance(self.precision, bool):
             raise TypeError(f"P3109.precision must be an int, got {type(self.precision).__name__}")
         top = self.bits - 1 if self.signed else self.bits
-        if not 1 <= self.precision <= top:
+        # The exponent field (bits - precision wide, one bit more unsigned) must be at most 11 bits,
+        # float64's, for the values to fit a float64.
+        low = max(1, self.bits - (11 if self.signed else 10))
+        if not low <= self.precision <= top:
             kind = "a signed" if self.signed else "an unsigned"
+            why = f" (below {low} its values exceed float64's range)" if low > 1 else ""
             raise ValueError(
-                f"P3109.precision must be in [1, {top}] for {kind} {self.bits}-bit format, "
-                f"got {self.precision}"
+                f"P3109.precision must be in [{low}, {top}] for {kind} {self.bits}-bit "
+                f"format{why}, got {self.precision}"
             )
         if self.domain not in P3109_DOMAINS:
             raise ValueError(f"P3109.domain must be one of {P3109_DOMAINS}, got {self.domain!r}")
