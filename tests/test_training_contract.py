@@ -331,6 +331,25 @@ def test_injecting_into_a_single_layer_quantises_it():
 # Item 5: report() shows what really runs
 
 
+@pytest.mark.parametrize("eval_rounding", ["nearest", "up", None])
+def test_report_of_a_module_in_eval_mode_shows_the_rules_eval_mode_runs(eval_rounding):
+    # report() printed "stochastic" for every injected quantiser of a model in eval mode, which
+    # rounds to nearest there (eval_rounding's default): a user checking an evaluation's formats
+    # read a rule that never ran. Each module now shows the rules of its own mode.
+    e4m3 = Float(4, 3)
+    mac = lpsim.MAC(accumulator=Float(8, 10), rounding="stochastic")
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    settings = LayerQuantization(
+        weight=E5M2, output=e4m3, mac=mac, rounding="stochastic", eval_rounding=eval_rounding
+    )
+    inject(model, {nn.Linear: settings})
+    model[1].eval()
+    rows = {line.split()[0]: line for line in report(model).splitlines()[2:4]}
+    assert rows["0"].count("stochastic") == 3 and "nearest" not in rows["0"]
+    shown = "stochastic" if eval_rounding is None else eval_rounding
+    assert rows["1"].count(shown) == 3 and (shown == "stochastic") == ("stochastic" in rows["1"])
+
+
 def test_report_flags_quantisers_that_never_run_and_counts_only_real_ones():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     inject(

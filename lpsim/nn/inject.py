@@ -66,6 +66,7 @@ from lpsim.nn.quantizer import (
     Spec,
     as_spec,
     bind,
+    eval_spec,
     in_layout_of,
     parse_eval_rounding,
     quantizing_function,
@@ -1544,6 +1545,7 @@ def _inject_module(
         "never_run": [],
     }
     eval_rule = parse_eval_rounding(settings.eval_rounding)
+    done["eval_rule"] = eval_rule
     macs = settings.macs()
     operands = settings.operands()
     if operands is not None:
@@ -1992,10 +1994,16 @@ def _modules_that_run(model: nn.Module, example) -> set[int]:
     return ran
 
 
-def _products(done: dict) -> str:
+def _run_as(spec: QuantSpec | None, done: dict, training: bool) -> QuantSpec | None:
+    """The spec an injected module runs in its mode: in eval mode, a stochastic rule replaced by
+    its eval_rounding."""
+    return spec if training else eval_spec(spec, done.get("eval_rule"))
+
+
+def _products(done: dict, training: bool) -> str:
     """The report's summary of a module's MACs (one when the three agree, else each named) and of
-    its backward products' Operands."""
-    macs = done.get("macs")
+    its backward products' Operands, those of training or of eval mode."""
+    macs = done.get("macs" if training else "eval_macs")
     if macs is None:
         return "-"
     forward, input_grad, weight_grad = macs
@@ -2004,7 +2012,9 @@ def _products(done: dict) -> str:
     else:
         text = f"forward {forward}; input grad {input_grad}; weight grad {weight_grad}"
     for product, other, ops in zip(
-        ("input grad", "weight grad"), ("weight", "input"), done.get("operands", (None, None))
+        ("input grad", "weight grad"),
+        ("weight", "input"),
+        done.get("operands" if training else "eval_operands", (None, None)),
     ):
         if ops is not None:
             specs = (("error", ops.error), (other, ops.other))
@@ -2045,6 +2055,9 @@ def report(
     statistics, the DelayedScalers' state, those of an active lpsim.nn.quantize_functions
     context included) are restored afterwards and the scalers it creates dropped, so it changes
     nothing; each such quantiser also gives a warning.
+
+    Each module's formats are those its current mode runs: for a module in eval mode, a stochastic
+    rule shows as the eval_rounding that replaces it (LayerQuantization.eval_rounding).
     """
     _check_model(model)
     ran = _modules_that_run(model, example) if example is not None else None
@@ -2065,16 +2078,17 @@ def report(
             if note:
                 warnings.warn(f"report(): {name or type(module).__name__}: {note}", stacklevel=2)
             quantised += 1
+            training = module.training  # its formats as this mode runs them
             rows.append(
                 (
                     name or "(model)",
                     done["type"],
-                    specs(done["weight"]),
-                    specs(done["bias"]),
-                    str(done["input"] or "-"),
-                    str(done["output"] or "-"),
-                    str(done["error"] or "-"),
-                    _products(done),
+                    specs((p, _run_as(spec, done, training)) for p, spec in done["weight"]),
+                    specs((p, _run_as(spec, done, training)) for p, spec in done["bias"]),
+                    str(_run_as(done["input"], done, training) or "-"),
+                    str(_run_as(done["output"], done, training) or "-"),
+                    str(_run_as(done["error"], done, training) or "-"),
+                    _products(done, training),
                     note,
                 )
             )
