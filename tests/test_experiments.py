@@ -405,9 +405,10 @@ def test_stochastic_rounding_md_sizes_the_error_growth_terms_against_the_spacing
     assert round(math.log2(mean)) == -12
     assert round(math.log2(total)) in (4, 5)  # 16 <= total < 32: the spacing is 2**-6
     assert round(math.log2(mean / spacing)) == -6
+    assert round(math.log2(terms.max().item() / spacing)) == -4  # the largest terms: 1e-3
     text = " ".join((ROOT / "docs" / "stochastic-rounding.md").read_text().split())
     start = text.index("The error-growth experiment below shows it")
     claim = text[start : text.index("16 bits are indistinguishable from 32", start)]
     assert "about 2^-12 (2.5 10^-4)" in claim
-    assert "about 2^-6 of a spacing" in claim
+    assert "about 2^-6 of a spacing and at most 2^-4" in claim
     assert "of the final sum" not in claim
