@@ -2,6 +2,7 @@
 
 import doctest
 import pathlib
+import re
 
 import pytest
 import torch
@@ -83,3 +84,126 @@ def test_the_recorder_table_in_training_md_is_what_its_example_prints():
     shown = _text_block_after(ROOT / "docs" / "training.md", "for the run above, in part:")
     missing = [line for line in shown if line not in ("...", "") and line not in printed]
     assert not missing, f"lines of the doc's table that the example does not print: {missing}"
+
+
+def _table_rows(path: pathlib.Path, heading: str) -> list[list[str]]:
+    """The cells of the body rows of the first table after ``heading`` in the document."""
+    lines = path.read_text().split(heading, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+def _public_callables_with_a_default_rounding():
+    """(qualified name, object, {parameter: default}) of every public function and class of lpsim,
+    and every public method of those classes, with a parameter named ``rounding`` or ending in
+    ``_rounding`` that has a default. lpsim.reference (the tests' oracle) and lpsim.fusable (what
+    quantize runs under torch.compile) are not entry points."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    found, seen = [], set()
+    for info in pkgutil.walk_packages(lpsim.__path__, "lpsim."):
+        if "._" in info.name or info.name in ("lpsim.reference", "lpsim.fusable"):
+            continue
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for name in getattr(module, "__all__", []):
+            obj = getattr(module, name)
+            members = [(f"{info.name}.{name}", obj)]
+            if inspect.isclass(obj):
+                members += [
+                    (f"{info.name}.{name}.{k}", v)
+                    for k, v in vars(obj).items()
+                    if inspect.isfunction(v) and not k.startswith("_")
+                ]
+            for qualified, member in members:
+                if id(member) in seen or not callable(member):
+                    continue
+                try:
+                    parameters = inspect.signature(member).parameters
+                except (TypeError, ValueError):
+                    continue
+                defaults = {
+                    p: v.default
+                    for p, v in parameters.items()
+                    if (p == "rounding" or p.endswith("_rounding"))
+                    and v.default is not inspect.Parameter.empty
+                }
+                if defaults:
+                    seen.add(id(member))
+                    found.append((qualified, member, defaults))
+    return found
+
+
+def _resolve(dotted: str):
+    """The object a dotted name gives as attributes from lpsim down (lpsim.nn.quantizer is the
+    function lpsim.nn exports, not the module of that name), importing a module only where no
+    attribute has the name."""
+    import importlib
+
+    parts = dotted.split(".")
+    obj = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], 2):
+        obj = (
+            getattr(obj, part)
+            if hasattr(obj, part)
+            else importlib.import_module(".".join(parts[:i]))
+        )
+    return obj
+
+
+def test_rounding_md_default_table_gives_every_entry_point_its_default_rounding():
+    # docs/rounding.md: "Every entry point takes rounding= ... Without rounding= it uses:" and a
+    # table. Every public function, class or method with a defaulted rounding parameter must be
+    # named in it (a bare name continues the module of the dotted name before it in the row;
+    # ``x(_)`` names x and x_; ``*_quantize`` every public name ending so), and the first rule
+    # its row gives must be that default (eval_rounding's default, where there is one, in the
+    # row too).
+    import fnmatch
+
+    rules = {rule.name for rule in lpsim.Rounding}
+    named = {}  # id(object) -> (row's first rule, the rules of the row)
+    for first, second in _table_rows(ROOT / "docs" / "rounding.md", "## Default rounding"):
+        row_rules = [t for t in second.split("`")[1::2] if t in rules]
+        home = "lpsim"
+        for token in first.split("`")[1::2]:
+            if not re.fullmatch(r"[\w*.]+(\(_\))?", token):  # code, not a name: scaler(x)
+                continue
+            names = [token[:-3], token[:-3] + "_"] if token.endswith("(_)") else [token]
+            for name in names:
+                if "." in name:
+                    home = name.rsplit(".", 1)[0]
+                    dotted = name
+                else:
+                    dotted = f"{home}.{name}"
+                if "*" in name:
+                    module = _resolve(home)
+                    targets = [getattr(module, n) for n in fnmatch.filter(module.__all__, name)]
+                else:
+                    targets = [_resolve(dotted)]
+                    if not callable(targets[0]):  # a module: its bare names follow
+                        home = dotted
+                for target in targets:
+                    named[id(target)] = row_rules
+    missing, wrong = [], []
+    for qualified, obj, defaults in _public_callables_with_a_default_rounding():
+        if id(obj) not in named:
+            missing.append(qualified)
+            continue
+        row_rules = named[id(obj)]
+        for parameter, default in defaults.items():
+            default = getattr(default, "name", default)
+            if parameter == "eval_rounding":
+                if default is not None and default not in row_rules:
+                    wrong.append(f"{qualified}: {parameter}={default!r}, the row gives {row_rules}")
+            elif not row_rules or row_rules[0] != default:
+                wrong.append(f"{qualified}: {parameter}={default!r}, the row gives {row_rules}")
+    assert not missing, f"entry points missing from the table: {missing}"
+    assert not wrong, wrong

@@ -387,3 +387,28 @@ def test_scaled_sqnr_refuses_a_learning_rate_that_is_not_finite_and_positive(
         scaled_sqnr.main([*tiny, "--resnet-lr", value, "--out", str(tmp_path)])
     assert "--resnet-lr must be a finite positive number" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_stochastic_rounding_md_sizes_the_error_growth_terms_against_the_spacing_of_the_sum():
+    # docs/stochastic-rounding.md explains why few random bits fail in the error-growth experiment
+    # by the size of its terms. A product of entries uniform on [0, 1e-3] and [0, 1] averages
+    # 2.5e-4 (about 2**-12 in absolute terms, not relative to the sum), and a float16 sum of 10**5
+    # of them ends near 25, where float16's spacing is 2**-6: a term is about 2**-6 of a spacing,
+    # below what 4 or 2 random bits can resolve.
+    g = torch.Generator().manual_seed(0)
+    n = 10**5
+    a = (torch.rand(n, generator=g, dtype=torch.float64) * 1e-3).half()
+    x = torch.rand(n, generator=g, dtype=torch.float64).half()
+    terms = a.double() * x.double()
+    total, mean = terms.sum().item(), terms.mean().item()
+    spacing = 2.0 ** (math.floor(math.log2(total)) - 10)  # float16 keeps 10 fraction bits
+    assert round(math.log2(mean)) == -12
+    assert round(math.log2(total)) in (4, 5)  # 16 <= total < 32: the spacing is 2**-6
+    assert round(math.log2(mean / spacing)) == -6
+    assert round(math.log2(terms.max().item() / spacing)) == -4  # the largest terms: 1e-3
+    text = " ".join((ROOT / "docs" / "stochastic-rounding.md").read_text().split())
+    start = text.index("The error-growth experiment below shows it")
+    claim = text[start : text.index("16 bits are indistinguishable from 32", start)]
+    assert "about 2^-12 (2.5 10^-4)" in claim
+    assert "about 2^-6 of a spacing and at most 2^-4" in claim
+    assert "of the final sum" not in claim
