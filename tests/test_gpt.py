@@ -411,6 +411,23 @@ def test_resume_refuses_other_settings_and_finished_runs_say_so(tmp_path, capsys
     assert "has finished its 6 steps" in capsys.readouterr().out and len(history) == 3
 
 
+def test_resuming_a_finished_run_restores_a_log_and_curves_that_missed_its_last_evaluation(
+    tmp_path,
+):
+    """The trainer writes the checkpoint, then the log, then the curves: stopped between them
+    after the last evaluation, the log lacks that row (and the curves that point). --resume on
+    the finished run writes both again from the checkpoint's history."""
+    train.main(["--recipe", "fp32", *TINY, "--out-dir", str(tmp_path)])
+    complete = results.read_log(tmp_path / train.LOG)
+    assert [int(r["step"]) for r in complete] == [0, 3, 6]
+    lines = (tmp_path / train.LOG).read_text().splitlines(keepends=True)
+    (tmp_path / train.LOG).write_text("".join(lines[:-1]))  # the log as of step 3
+    (tmp_path / train.CURVES).unlink()
+    train.main(["--recipe", "fp32", "--out-dir", str(tmp_path), "--resume", "--no-progress"])
+    assert results.read_log(tmp_path / train.LOG) == complete
+    assert (tmp_path / train.CURVES).is_file()
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
