@@ -617,6 +617,29 @@ def test_recipe_listing_names_every_recipe(capsys):
     assert [line.split()[0] for line in listing.splitlines()] == list(recipes.RECIPES)
 
 
+def test_the_short_options_help_names_every_setting_it_changes():
+    """--help's line for --short lists the whole configuration: a setting it changes without
+    saying (heads, the evaluation interval, the validation windows) read as the default's."""
+    text = " ".join(train.parser().format_help().split())
+    options = text[text.index("options:") :]  # past the usage line
+    short = options[options.index("--short") : options.index("--steps")]
+    s = train.SHORT
+    for phrase in (
+        f"{s['layers']} layers",
+        f"width {s['width']}",
+        f"{s['heads']} heads",
+        f"context {s['context']}",
+        f"batch {s['batch_size']}",
+        f"{s['steps']} steps",
+        "lr 3e-3",
+        f"every {s['eval_every']} steps",
+        f"{s['val_windows']} validation windows",
+        "one thread",
+    ):
+        assert phrase in short, phrase
+    assert s["lr"] == 3e-3 and train.SHORT_THREADS == 1
+
+
 def test_two_gloo_processes_keep_identical_weights(tmp_path):
     args = ["--recipe", "bf16-stochastic", *TINY, "--device", "cpu", "--out-dir", str(tmp_path)]
     stdout = run_two_gloo_processes("experiments.gpt.train", args)
