@@ -893,6 +893,16 @@ def test_resuming_a_finished_run_restores_a_log_that_missed_its_last_epoch(tiny_
     assert rows["run"]["epochs"] == "2/2"
 
 
+def test_resuming_a_finished_run_redraws_curves_that_missed_its_last_epoch(tiny_cifar10, tmp_path):
+    """The curves are drawn after the log: stopped between the two after the last epoch, the
+    run has no curves of that epoch. --resume on the finished run draws them again."""
+    root, _ = tiny_cifar10
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "1"))
+    (tmp_path / train.CURVES).unlink()
+    train.main(run_args(root, tmp_path, "fp32", "--epochs", "1", "--resume"))
+    assert (tmp_path / train.CURVES).is_file()
+
+
 @pytest.mark.parametrize("recipe, final_lr", [("fp32", 0.05 * 0.01), ("swalp", 0.01)])
 def test_resume_with_more_epochs_trains_them_at_the_rate_the_schedule_ended_on(
     recipe, final_lr, tiny_cifar10, tmp_path, capsys

@@ -411,6 +411,23 @@ def test_resume_refuses_other_settings_and_finished_runs_say_so(tmp_path, capsys
     assert "has finished its 6 steps" in capsys.readouterr().out and len(history) == 3
 
 
+def test_resuming_a_finished_run_restores_a_log_and_curves_that_missed_its_last_evaluation(
+    tmp_path,
+):
+    """The trainer writes the checkpoint, then the log, then the curves: stopped between them
+    after the last evaluation, the log lacks that row (and the curves that point). --resume on
+    the finished run writes both again from the checkpoint's history."""
+    train.main(["--recipe", "fp32", *TINY, "--out-dir", str(tmp_path)])
+    complete = results.read_log(tmp_path / train.LOG)
+    assert [int(r["step"]) for r in complete] == [0, 3, 6]
+    lines = (tmp_path / train.LOG).read_text().splitlines(keepends=True)
+    (tmp_path / train.LOG).write_text("".join(lines[:-1]))  # the log as of step 3
+    (tmp_path / train.CURVES).unlink()
+    train.main(["--recipe", "fp32", "--out-dir", str(tmp_path), "--resume", "--no-progress"])
+    assert results.read_log(tmp_path / train.LOG) == complete
+    assert (tmp_path / train.CURVES).is_file()
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -598,6 +615,29 @@ def test_recipe_listing_names_every_recipe(capsys):
     train.main(["--list-recipes"])
     listing = capsys.readouterr().out
     assert [line.split()[0] for line in listing.splitlines()] == list(recipes.RECIPES)
+
+
+def test_the_short_options_help_names_every_setting_it_changes():
+    """--help's line for --short lists the whole configuration: a setting it changes without
+    saying (heads, the evaluation interval, the validation windows) read as the default's."""
+    text = " ".join(train.parser().format_help().split())
+    options = text[text.index("options:") :]  # past the usage line
+    short = options[options.index("--short") : options.index("--steps")]
+    s = train.SHORT
+    for phrase in (
+        f"{s['layers']} layers",
+        f"width {s['width']}",
+        f"{s['heads']} heads",
+        f"context {s['context']}",
+        f"batch {s['batch_size']}",
+        f"{s['steps']} steps",
+        "lr 3e-3",
+        f"every {s['eval_every']} steps",
+        f"{s['val_windows']} validation windows",
+        "one thread",
+    ):
+        assert phrase in short, phrase
+    assert s["lr"] == 3e-3 and train.SHORT_THREADS == 1
 
 
 def test_two_gloo_processes_keep_identical_weights(tmp_path):

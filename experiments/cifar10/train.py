@@ -619,9 +619,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if run.finished:
         last = run.saved["history"][-1]
         if run.main_process:
-            # The checkpoint is written before the log: an invocation stopped between the two
-            # after the last epoch left a log without that epoch, which no later epoch rewrites.
+            # The checkpoint is written before the log and the curves: an invocation stopped
+            # between them after the last epoch left them without that epoch, which no later
+            # epoch rewrites.
             write_csv(run.out_dir / LOG, run.saved["history"], COLUMNS)
+            plot_curves(
+                run.out_dir / CURVES, run.saved["history"], f"{run.recipe.name} ({run.out_dir})"
+            )
             print(
                 f"{run.checkpoint}: this run already finished its {run.epochs} "
                 f"epoch{'s' if run.epochs > 1 else ''} (last test error {last['test_error']}%); "

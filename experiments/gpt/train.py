@@ -33,7 +33,8 @@ order that can change between runs); settings not given are taken from the check
 thread count included (--threads, torch's choice when the run started, or 1 with --short), and
 given ones must equal it, the device type (cpu or cuda) among them: stochastic rounding draws
 from the generator of the device that trains, the only one the checkpoint holds.
-``--stop-after N`` ends an invocation after N steps (a checkpoint is written).
+``--stop-after N`` ends an invocation after N steps (a checkpoint is written). Resuming a
+finished run trains nothing and writes its log.csv and curves.png again from the checkpoint.
 
 ``--recipe all`` trains every recipe in turn, each in DIR/NAME (default out/gpt/NAME), then writes
 gpt.md (the table: final validation loss, gap to fp32, training tokens per second and simulation
@@ -154,8 +155,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--short",
         action="store_true",
-        help="the short configuration (2 layers, width 32, context 64, batch 8, 300 steps, "
-        "lr 3e-3, one thread): every recipe in about 4 minutes on one idle CPU thread",
+        help="the short configuration (2 layers, width 32, 2 heads, context 64, batch 8, 300 "
+        "steps, lr 3e-3, evaluated every 50 steps on 64 validation windows, one thread): every "
+        "recipe in about 4 minutes on one idle CPU thread",
     )
     p.add_argument("--steps", type=positive_int, help="training steps (default 5000)")
     p.add_argument(
@@ -786,6 +788,12 @@ def run_all(session: Session, runs: dict[str, Run | None]) -> dict[str, list[dic
         elif run.finished:
             session.say(f"{run.checkpoint}: this run has finished its {run.settings.steps} steps")
             histories[name] = run.saved["history"]
+            if session.main_process:
+                # The checkpoint is written before the log and the curves: an invocation
+                # stopped between them after the last evaluation left them without it, which
+                # no later evaluation rewrites.
+                results.write_log(run.out_dir / LOG, histories[name])
+                results.plot_run(run.out_dir / CURVES, histories[name], f"{name} ({run.out_dir})")
         else:
             with kernels_chosen(session.device, run.settings.deterministic):
                 histories[name] = train(run)
