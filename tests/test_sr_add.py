@@ -290,6 +290,29 @@ def test_rbits_gives_the_bias_of_truncating_the_exact_sum(rbits):
     _assert_mean(draws, 1.0 + 2.0**-7 * p, 1.0, 1.0 + 2.0**-7, p)
 
 
+@pytest.mark.parametrize("rbits", [2, 8])
+def test_rbits_truncates_the_magnitude_so_small_steps_toward_zero_move_a_whole_spacing(rbits):
+    # rbits=k truncates |a + b| to k bits below the format's last digit. So -1.5 + 0.1 spacings
+    # of bfloat16 rounds up (toward zero) with probability 1 - floor(0.9 * 2**k) / 2**k, not
+    # floor(0.1 * 2**k) / 2**k; and a term of 0.001 spacings is never added when it moves the
+    # value away from zero, while one that moves it toward zero moves it a whole spacing with
+    # probability 2**-k.
+    spacing = 2.0**-7
+    a = torch.full((N,), -1.5, dtype=torch.bfloat16)
+    draws = lpsim.sr_add(a, 0.1 * spacing, rbits=rbits, seed=2)
+    p = 1 - math.floor(0.9 * 2**rbits) / 2**rbits
+    _assert_mean(draws.double(), -1.5 + spacing * p, -1.5, -1.5 + spacing, p)
+    for start in (1.5, -1.5):
+        a = torch.full((N,), start, dtype=torch.bfloat16)
+        step = math.copysign(1e-3 * spacing, start)
+        assert lpsim.sr_add(a, step, rbits=rbits, seed=3).eq(start).all()
+        toward = lpsim.sr_add(a, -step, rbits=rbits, seed=3).double()
+        moved = toward.ne(start)
+        assert toward[moved].eq(start - math.copysign(spacing, start)).all()
+        p = 2.0**-rbits
+        assert abs(moved.double().mean().item() - p) <= 4 * math.sqrt(p * (1 - p) / N)
+
+
 def test_probability_is_resolved_to_two_to_the_minus_32():
     # A fraction below 2**-32 of a spacing never rounds up; one within 2**-32 of 1 always does.
     a = torch.ones(N, dtype=torch.bfloat16)
