@@ -205,6 +205,55 @@ def test_exact_sums_are_returned_unchanged_by_every_rule(fmt):
                 assert_same_bits(got[nonzero], want[nonzero], f"{rule.name} rbits={rbits}")
 
 
+def _bfloat16_rounding(x: Fraction, rule: str) -> Fraction:
+    """x (nonzero, within bfloat16's normal range) rounded into bfloat16 by rule, from the two
+    neighbours of |x| with 8 significant bits."""
+    magnitude = abs(x)
+    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
+    if Fraction(2) ** exponent > magnitude:
+        exponent -= 1
+    spacing = Fraction(2) ** (exponent - 7)
+    steps = math.floor(magnitude / spacing)
+    excess = magnitude / spacing - steps
+    away_from_zero = {
+        "toward_zero": False,
+        "away": excess > 0,
+        "up": excess > 0 and x > 0,
+        "down": excess > 0 and x < 0,
+        "odd": excess > 0 and steps % 2 == 0,
+        "nearest": excess > Fraction(1, 2) or (excess == Fraction(1, 2) and steps % 2 == 1),
+    }[rule]
+    return (1 if x > 0 else -1) * (steps + away_from_zero) * spacing
+
+
+def test_a_second_rounding_by_the_same_directed_rule_is_harmless_and_torch_bfloat16_adds_right():
+    # docs/stochastic-rounding.md: the float32 sum of a bfloat16 a and a float32 b, rounded again
+    # into bfloat16 by the same rule, is the exact sum rounded once for toward_zero, away, up, down
+    # and odd (sr_add rounds once for every rule); and torch's bfloat16 + bfloat16, computed in
+    # float32, is the exact sum rounded to nearest.
+    generator = torch.Generator().manual_seed(8)
+    a = (torch.randn(3000, generator=generator) * 4).bfloat16()
+    scales = torch.randint(-30, 1, (3000,), generator=generator).float()
+    b = torch.randn(3000, generator=generator) * 2.0**scales
+    exact = [Fraction(x) + Fraction(y) for x, y in zip(a.double().tolist(), b.double().tolist())]
+    for rule in ("toward_zero", "away", "up", "down", "odd", "nearest"):
+        want = [float(_bfloat16_rounding(x, rule)) for x in exact]
+        assert lpsim.sr_add(a, b, rounding=rule).double().tolist() == want, rule
+        if rule != "nearest":
+            wide = lpsim.sr_add(a.float(), b, rounding=rule)
+            twice = lpsim.quantize(wide, Float(8, 7), rule).bfloat16()
+            assert twice.double().tolist() == want, rule
+    c = (torch.randn(3000, generator=generator) * 2.0**scales).bfloat16()
+    exact = [Fraction(x) + Fraction(y) for x, y in zip(a.double().tolist(), c.double().tolist())]
+    assert (a + c).double().tolist() == [float(_bfloat16_rounding(x, "nearest")) for x in exact]
+    # Rounded twice to nearest, the sum can be wrong: 1 + 2**-8 + 2**-24 is a float32 tie that
+    # goes to even, 1 + 2**-8, and then a bfloat16 tie that goes to 1.
+    one, over_half = torch.ones(1, dtype=torch.bfloat16), torch.tensor([2.0**-8 + 2.0**-24])
+    wide = lpsim.sr_add(one.float(), over_half, rounding="nearest")
+    assert lpsim.quantize(wide, Float(8, 7), "nearest").item() == 1.0
+    assert lpsim.sr_add(one, over_half, rounding="nearest").item() == 1.0 + 2.0**-7
+
+
 @pytest.mark.parametrize("a_dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_every_depth_of_the_excess_is_seen_by_every_rule(a_dtype):
     # a + b with a on the bfloat16 grid and b's bits lying 1 to 140 bits below the grid's last bit,
