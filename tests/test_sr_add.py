@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import doctest
 import inspect
+import itertools
 import math
 import re
 from fractions import Fraction
@@ -768,6 +769,28 @@ def test_addcmul_and_addcdiv_with_nearest_into_a_own_dtype_are_torchs(op, dtype)
         getattr(lpsim, f"sr_{op}_")(inplace, t1, t2, value, rounding="nearest")
         want = getattr(a.clone(), f"{op}_")(t1, t2, value=value)
         assert_same_bits(inplace, want, f"value {value} in place")
+
+
+@pytest.mark.parametrize("op", ["addcmul", "addcdiv"])
+def test_addcmul_and_addcdiv_are_torchs_on_special_operands_up_to_the_bits_of_a_nan(op):
+    # Every triple of zeros, infinities, NaNs, extremes and subnormals: float32 results with
+    # "nearest" are torch's bit for bit, NaN where torch's is NaN. A NaN's sign may differ: Inf -
+    # Inf gives +NaN, and a NaN a is kept before a NaN term (torch on x86: its negative default
+    # NaN, and the term's NaN).
+    finfo = torch.finfo(torch.float32)
+    values = [0.0, -0.0, 1.0, -1.5, math.inf, -math.inf, math.nan, finfo.max, -finfo.max]
+    values += [finfo.smallest_normal, -(2.0**-149), 3.0]
+    a, t1, t2 = (torch.tensor(column) for column in zip(*itertools.product(values, repeat=3)))
+    for value in (1.0, -0.5, 0.0, math.inf):
+        got = getattr(lpsim, f"sr_{op}")(a, t1, t2, value, rounding="nearest")
+        want = getattr(torch, op)(a, t1, t2, value=value)
+        assert_same_bits(got, want, f"value {value}")
+        assert torch.equal(got.isnan(), want.isnan())
+        term = getattr(torch, op)(torch.zeros_like(a), t1, t2, value=value)
+        nan_sum = a.isinf() & term.isinf() & got.isnan()  # Inf - Inf
+        assert not got[nan_sum].signbit().any()
+        nan_a = a.isnan()
+        assert torch.equal(got[nan_a].view(torch.int32), a[nan_a].view(torch.int32))
 
 
 @pytest.mark.parametrize("op", ["addcmul", "addcdiv"])
