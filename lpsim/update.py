@@ -286,7 +286,10 @@ _ADDC_DOC = """{summary}
     float32, then to a's dtype); torch's CPU addcmul fuses its last multiplication with the
     addition, and so does sr_addcmul: that product is exact (held in float64), so that with
     "nearest" into float32 sr_addcmul is torch's CPU addcmul bit for bit (in float64 it is rounded
-    to nearest, as no wider container holds it). tensor1 and tensor2 are broadcast to a's shape.
+    to nearest, as no wider container holds it). A NaN result is NaN in both, but its sign and
+    payload may differ from torch's: an Inf - Inf sum is +NaN here (x86's default NaN, negative, in
+    torch), and of a NaN a and a NaN term this keeps a's (torch on x86 the term's). tensor1 and
+    tensor2 are broadcast to a's shape.
     Other arguments, among them the default rounding "stochastic", and errors as for sr_add
     (TypeError also when value is not a number, ValueError when it is beyond float32's range as
     above). Not differentiable: with grad mode on and an argument that requires grad, a backward

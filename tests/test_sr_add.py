@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import doctest
 import inspect
+import itertools
 import math
 import re
 from fractions import Fraction
@@ -205,6 +206,55 @@ def test_exact_sums_are_returned_unchanged_by_every_rule(fmt):
                 assert_same_bits(got[nonzero], want[nonzero], f"{rule.name} rbits={rbits}")
 
 
+def _bfloat16_rounding(x: Fraction, rule: str) -> Fraction:
+    """x (nonzero, within bfloat16's normal range) rounded into bfloat16 by rule, from the two
+    neighbours of |x| with 8 significant bits."""
+    magnitude = abs(x)
+    exponent = magnitude.numerator.bit_length() - magnitude.denominator.bit_length()
+    if Fraction(2) ** exponent > magnitude:
+        exponent -= 1
+    spacing = Fraction(2) ** (exponent - 7)
+    steps = math.floor(magnitude / spacing)
+    excess = magnitude / spacing - steps
+    away_from_zero = {
+        "toward_zero": False,
+        "away": excess > 0,
+        "up": excess > 0 and x > 0,
+        "down": excess > 0 and x < 0,
+        "odd": excess > 0 and steps % 2 == 0,
+        "nearest": excess > Fraction(1, 2) or (excess == Fraction(1, 2) and steps % 2 == 1),
+    }[rule]
+    return (1 if x > 0 else -1) * (steps + away_from_zero) * spacing
+
+
+def test_a_second_rounding_by_the_same_directed_rule_is_harmless_and_torch_bfloat16_adds_right():
+    # docs/stochastic-rounding.md: the float32 sum of a bfloat16 a and a float32 b, rounded again
+    # into bfloat16 by the same rule, is the exact sum rounded once for toward_zero, away, up, down
+    # and odd (sr_add rounds once for every rule); and torch's bfloat16 + bfloat16, computed in
+    # float32, is the exact sum rounded to nearest.
+    generator = torch.Generator().manual_seed(8)
+    a = (torch.randn(3000, generator=generator) * 4).bfloat16()
+    scales = torch.randint(-30, 1, (3000,), generator=generator).float()
+    b = torch.randn(3000, generator=generator) * 2.0**scales
+    exact = [Fraction(x) + Fraction(y) for x, y in zip(a.double().tolist(), b.double().tolist())]
+    for rule in ("toward_zero", "away", "up", "down", "odd", "nearest"):
+        want = [float(_bfloat16_rounding(x, rule)) for x in exact]
+        assert lpsim.sr_add(a, b, rounding=rule).double().tolist() == want, rule
+        if rule != "nearest":
+            wide = lpsim.sr_add(a.float(), b, rounding=rule)
+            twice = lpsim.quantize(wide, Float(8, 7), rule).bfloat16()
+            assert twice.double().tolist() == want, rule
+    c = (torch.randn(3000, generator=generator) * 2.0**scales).bfloat16()
+    exact = [Fraction(x) + Fraction(y) for x, y in zip(a.double().tolist(), c.double().tolist())]
+    assert (a + c).double().tolist() == [float(_bfloat16_rounding(x, "nearest")) for x in exact]
+    # Rounded twice to nearest, the sum can be wrong: 1 + 2**-8 + 2**-24 is a float32 tie that
+    # goes to even, 1 + 2**-8, and then a bfloat16 tie that goes to 1.
+    one, over_half = torch.ones(1, dtype=torch.bfloat16), torch.tensor([2.0**-8 + 2.0**-24])
+    wide = lpsim.sr_add(one.float(), over_half, rounding="nearest")
+    assert lpsim.quantize(wide, Float(8, 7), "nearest").item() == 1.0
+    assert lpsim.sr_add(one, over_half, rounding="nearest").item() == 1.0 + 2.0**-7
+
+
 @pytest.mark.parametrize("a_dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_every_depth_of_the_excess_is_seen_by_every_rule(a_dtype):
     # a + b with a on the bfloat16 grid and b's bits lying 1 to 140 bits below the grid's last bit,
@@ -288,6 +338,29 @@ def test_rbits_gives_the_bias_of_truncating_the_exact_sum(rbits):
     draws = lpsim.sr_add(a, b, rbits=rbits, seed=4).double()
     p = math.floor(0.7 * 2**rbits) / 2**rbits
     _assert_mean(draws, 1.0 + 2.0**-7 * p, 1.0, 1.0 + 2.0**-7, p)
+
+
+@pytest.mark.parametrize("rbits", [2, 8])
+def test_rbits_truncates_the_magnitude_so_small_steps_toward_zero_move_a_whole_spacing(rbits):
+    # rbits=k truncates |a + b| to k bits below the format's last digit. So -1.5 + 0.1 spacings
+    # of bfloat16 rounds up (toward zero) with probability 1 - floor(0.9 * 2**k) / 2**k, not
+    # floor(0.1 * 2**k) / 2**k; and a term of 0.001 spacings is never added when it moves the
+    # value away from zero, while one that moves it toward zero moves it a whole spacing with
+    # probability 2**-k.
+    spacing = 2.0**-7
+    a = torch.full((N,), -1.5, dtype=torch.bfloat16)
+    draws = lpsim.sr_add(a, 0.1 * spacing, rbits=rbits, seed=2)
+    p = 1 - math.floor(0.9 * 2**rbits) / 2**rbits
+    _assert_mean(draws.double(), -1.5 + spacing * p, -1.5, -1.5 + spacing, p)
+    for start in (1.5, -1.5):
+        a = torch.full((N,), start, dtype=torch.bfloat16)
+        step = math.copysign(1e-3 * spacing, start)
+        assert lpsim.sr_add(a, step, rbits=rbits, seed=3).eq(start).all()
+        toward = lpsim.sr_add(a, -step, rbits=rbits, seed=3).double()
+        moved = toward.ne(start)
+        assert toward[moved].eq(start - math.copysign(spacing, start)).all()
+        p = 2.0**-rbits
+        assert abs(moved.double().mean().item() - p) <= 4 * math.sqrt(p * (1 - p) / N)
 
 
 def test_probability_is_resolved_to_two_to_the_minus_32():
@@ -696,6 +769,28 @@ def test_addcmul_and_addcdiv_with_nearest_into_a_own_dtype_are_torchs(op, dtype)
         getattr(lpsim, f"sr_{op}_")(inplace, t1, t2, value, rounding="nearest")
         want = getattr(a.clone(), f"{op}_")(t1, t2, value=value)
         assert_same_bits(inplace, want, f"value {value} in place")
+
+
+@pytest.mark.parametrize("op", ["addcmul", "addcdiv"])
+def test_addcmul_and_addcdiv_are_torchs_on_special_operands_up_to_the_bits_of_a_nan(op):
+    # Every triple of zeros, infinities, NaNs, extremes and subnormals: float32 results with
+    # "nearest" are torch's bit for bit, NaN where torch's is NaN. A NaN's sign may differ: Inf -
+    # Inf gives +NaN, and a NaN a is kept before a NaN term (torch on x86: its negative default
+    # NaN, and the term's NaN).
+    finfo = torch.finfo(torch.float32)
+    values = [0.0, -0.0, 1.0, -1.5, math.inf, -math.inf, math.nan, finfo.max, -finfo.max]
+    values += [finfo.smallest_normal, -(2.0**-149), 3.0]
+    a, t1, t2 = (torch.tensor(column) for column in zip(*itertools.product(values, repeat=3)))
+    for value in (1.0, -0.5, 0.0, math.inf):
+        got = getattr(lpsim, f"sr_{op}")(a, t1, t2, value, rounding="nearest")
+        want = getattr(torch, op)(a, t1, t2, value=value)
+        assert_same_bits(got, want, f"value {value}")
+        assert torch.equal(got.isnan(), want.isnan())
+        term = getattr(torch, op)(torch.zeros_like(a), t1, t2, value=value)
+        nan_sum = a.isinf() & term.isinf() & got.isnan()  # Inf - Inf
+        assert not got[nan_sum].signbit().any()
+        nan_a = a.isnan()
+        assert torch.equal(got[nan_a].view(torch.int32), a[nan_a].view(torch.int32))
 
 
 @pytest.mark.parametrize("op", ["addcmul", "addcdiv"])
