@@ -1258,8 +1258,12 @@ class OptimLP(Optimizer):
             raise ValueError(
                 f"state_dict holds scalers for {len(scalers)} of {len(params)} parameters"
             )
-        self._take_saved_quantization(inner)
-        self._load_scalers(params, scalers)
+        before = self._take_saved_quantization(inner)
+        try:
+            self._load_scalers(params, scalers)
+        except (RuntimeError, ValueError):
+            self._restore_quantization(before)
+            raise
         with torch.no_grad():
             for i, p in enumerate(params):
                 s = self.settings.get(p)
@@ -1290,23 +1294,26 @@ class OptimLP(Optimizer):
         self._share_with_optimizer()
         self._configure()
 
-    def _take_saved_quantization(self, inner: dict) -> None:
+    def _take_saved_quantization(self, inner: dict) -> list:
         """Give each parameter group the ``"quantization"`` of its saved group (none where the
         saved group has none), as torch's load_state_dict replaces the groups with the saved
         ones, and work out the settings from them before the accumulators and delayed-scaling
         states are loaded: a group whose "quantization" the saved run set or replaced between
         steps (a precision schedule) has its saved accumulators and scalers loaded, as in the
         uninterrupted run. Saved groups that do not match the groups in number and size are left
-        to torch's load_state_dict, which refuses them. A saved setting that does not fit a
-        parameter raises as the constructor's does, the groups left as they were."""
-        saved_groups = inner.get("param_groups")
-        if (
-            not isinstance(saved_groups, list)
-            or [len(g.get("params", ())) if isinstance(g, dict) else None for g in saved_groups]
-            != self._group_sizes()
-        ):
-            return
+        to torch's load_state_dict, which refuses them. Returns what _restore_quantization
+        needs to put the groups back. A saved setting that does not fit a parameter raises as
+        the constructor's does, the groups left as they were."""
         before = [(group, group.get(_GROUP_KEY, group)) for group in self.param_groups]
+        saved_groups = inner.get("param_groups")
+        sizes = self._group_sizes()
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(sizes):
+            return before
+        if any(
+            not isinstance(g, dict) or len(g.get("params", ())) != n
+            for g, n in zip(saved_groups, sizes)
+        ):
+            return before
         for group, saved in zip(self.param_groups, saved_groups, strict=True):
             if _GROUP_KEY in saved:
                 group[_GROUP_KEY] = saved[_GROUP_KEY]
@@ -1315,19 +1322,28 @@ class OptimLP(Optimizer):
         try:
             self._configure(make_accumulators=False)
         except (TypeError, ValueError):
-            for group, value in before:
-                if value is group:
-                    group.pop(_GROUP_KEY, None)
-                else:
-                    group[_GROUP_KEY] = value
-            self._configure(make_accumulators=False)
+            self._restore_quantization(before)
             raise
+        return before
+
+    def _restore_quantization(self, before: list) -> None:
+        """Each group's "quantization" as _take_saved_quantization found it, and the settings
+        worked out from them."""
+        for group, value in before:
+            if value is group:
+                group.pop(_GROUP_KEY, None)
+            else:
+                group[_GROUP_KEY] = value
+        self._configure(make_accumulators=False)
 
     def _load_scalers(self, params: list, saved: list | None) -> None:
-        """Delayed-scaling states from a state_dict (None: none saved; scalers start afresh)."""
-        self.scalers = {}
+        """Delayed-scaling states from a state_dict (None: none saved; scalers start afresh).
+        The scalers are replaced once every state has loaded: a state that does not load leaves
+        them as they were."""
         if saved is None:
+            self.scalers = {}
             return
+        loaded = {}
         for p, states in zip(params, saved, strict=True):
             s = self.settings.get(p)
             for name, state in states.items():
@@ -1340,7 +1356,8 @@ class OptimLP(Optimizer):
                     )
                 scaler = quant.format.scaler(p.device)
                 scaler.load_state_dict(state)
-                self.scalers.setdefault(p, {})[name] = scaler
+                loaded.setdefault(p, {})[name] = scaler
+        self.scalers = loaded
 
     def __repr__(self) -> str:
         parts = [
