@@ -93,7 +93,14 @@ REDUCTIONS = ("max", "most_recent")
 # The float32 buffers.
 # The smallest float32 number whose reciprocal is finite in float32: 2**-128 + 2**-149.
 _SMALLEST_INVERTIBLE = math.ldexp(1.0, -128) + math.ldexp(1.0, -149)
-_FLOAT32_STATE = ("amax_history", "scale", "scale_inverse", "call_scale", "call_scale_inverse")
+_FLOAT32_STATE = (
+    "amax_history",
+    "scale",
+    "scale_inverse",
+    "scaled_max",
+    "call_scale",
+    "call_scale_inverse",
+)
 
 
 @dataclass(frozen=True, repr=False)
@@ -273,6 +280,11 @@ class DelayedScaler(nn.Module):
         scale: what x is multiplied by before rounding (1 before the first recorded call).
         scale_inverse: 1 / scale, what the rounded elements are multiplied by.
         calls: how many calls have been recorded (a 0-d int64).
+        scaled_max: elem_max * 2^-margin (``DelayedScaling.scaled_max()``), the numerator the
+            scale is computed with. Loading a state saved with another one raises RuntimeError:
+            its scale was made for another element range (an E5M2 scale, 57344 / amax, would
+            clamp an E4M3 tensor at amax / 128 in the next call). A state_dict saved without it
+            loads as before.
 
     And one that is not in the ``state_dict``:
         call_scale, call_scale_inverse: the scale and scale_inverse the latest call used (before
@@ -289,8 +301,38 @@ class DelayedScaler(nn.Module):
         self.register_buffer("scale", torch.ones(()))
         self.register_buffer("scale_inverse", torch.ones(()))
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("scaled_max", scaling.scaled_max())
         self.register_buffer("call_scale", torch.ones(()), persistent=False)
         self.register_buffer("call_scale_inverse", torch.ones(()), persistent=False)
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        """nn.Module's, where the state was saved with this scaler's elem_max * 2^-margin (a
+        state_dict saved before it was kept has none and loads as it did). Another one is an
+        error that load_state_dict raises (torch's RuntimeError, as for a history of another
+        length), and this scaler's state is left as it is."""
+        key, own = prefix + "scaled_max", float(self.scaling.scaled_max())
+        saved = state_dict.get(key)
+        if saved is None:
+            if any(prefix + name in state_dict for name in ("amax_history", "scale", "calls")):
+                state_dict[key] = self.scaled_max  # saved before it was kept
+        elif not (
+            isinstance(saved, torch.Tensor)
+            and saved.shape == ()
+            and (saved.is_meta or float(saved) == own)
+        ):
+            error_msgs.append(
+                f"{key}: a DelayedScaler state saved with elem_max * 2^-margin = {saved!r} cannot "
+                f"be loaded into a scaler of {self.scaling!r}, whose elem_max * 2^-margin is "
+                f"{own!r}: its scale was computed for the other element range. Load it where the "
+                "checkpoint's DelayedScaling is used, or take the scaler's keys out of the "
+                "state_dict (and load it with strict=False) to keep this scaler's state"
+            )
+            return
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def forward(
         self,

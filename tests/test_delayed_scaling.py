@@ -446,7 +446,7 @@ def test_every_input_and_output_of_a_module_has_its_own_scaler():
     assert sorted(add.state_dict()) == [
         f"lpsim_scalers.input.{place}.{key}"
         for place in ("0", "1", "b")
-        for key in ("amax_history", "calls", "scale", "scale_inverse")
+        for key in ("amax_history", "calls", "scale", "scale_inverse", "scaled_max")
     ]
     assert (
         int(add.lpsim_scalers.input["0"].calls) == 2
@@ -958,3 +958,61 @@ def test_a_positive_float64_amax_below_float32s_subnormals_gives_the_largest_sca
     x = torch.tensor([1e-40], dtype=torch.float64)  # 1e-40 * largest = 0.034: E4M3 holds 0.03515625
     expected = 0.03515625 * float(torch.tensor(1.0) / torch.tensor(largest))
     assert state(x).item() == expected
+
+
+def _delayed_linear(scaling: DelayedScaling) -> nn.Sequential:
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    inject(model, {"1": LayerQuantization(weight=scaling, input=scaling, rounding="nearest")})
+    return model
+
+
+@pytest.mark.parametrize(
+    "other",
+    [DelayedScaling(E4M3, history_length=4), DelayedScaling(E5M2, history_length=4, margin=2)],
+    ids=["another element", "another margin"],
+)
+def test_a_delayed_scaler_state_of_another_scaling_is_refused_not_loaded(other):
+    """A checkpoint of a model whose weight and input E5M2 scalers have recorded (scale 57344 /
+    amax) loaded into the same model injected with another element range or margin raises
+    torch's RuntimeError naming the key, as a history of another length does, and leaves the
+    scalers as they were. (It loaded silently: the next forward multiplied the E4M3 weight by
+    57344 / amax and clamped it at amax / 128.) The optimizer's scalers are refused alike."""
+    torch.manual_seed(0)
+    saved = _delayed_linear(DelayedScaling(E5M2, history_length=4))
+    for _ in range(2):
+        saved(torch.randn(32, 8))
+    model = _delayed_linear(other)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match=r"1\.parametrizations\.weight\.0\.scaler\.scaled_max"):
+        model.load_state_dict(saved.state_dict())
+    after = model.state_dict()
+    for key in [k for k in before if "scaler" in k]:
+        assert torch.equal(after[key], before[key]), key
+
+    def optimizer(model, scaling):
+        return OptimLP(torch.optim.SGD(model.parameters(), lr=0.1), grad=(scaling, "nearest"))
+
+    saved_opt = optimizer(saved, DelayedScaling(E5M2))
+    saved(torch.randn(32, 8)).sum().backward()
+    saved_opt.step()
+    with pytest.raises(RuntimeError, match="scaled_max"):
+        optimizer(model, other).load_state_dict(saved_opt.state_dict())
+
+
+def test_a_delayed_scaler_state_saved_without_its_scaled_max_loads_as_before():
+    """A state_dict saved before a scaler kept its scaled_max (the key taken out) loads, strictly,
+    into the scalers of its own scaling and continues as the saved model does."""
+    torch.manual_seed(0)
+    scaling = DelayedScaling(E4M3, history_length=4)
+    saved = _delayed_linear(scaling)
+    for _ in range(2):
+        saved(torch.randn(32, 8))
+    old = {k: v for k, v in saved.state_dict().items() if not k.endswith("scaled_max")}
+    model = _delayed_linear(scaling)
+    model.load_state_dict(old)
+    x = torch.randn(32, 8)
+    assert torch.equal(model(x), saved(x))
+    after, want = model.state_dict(), saved.state_dict()
+    assert after.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(after[key], value), key

@@ -1829,3 +1829,57 @@ def test_a_checkpoint_of_the_first_step_loaded_optimizer_first_resumes_bit_for_b
     for resumed in results[1:]:
         for p, q in zip(results[0], resumed, strict=True):
             assert_same_bits(q, p)
+
+
+@pytest.mark.parametrize(
+    "scheduled",
+    [
+        ParameterQuantization(weight=(E5M2, "stochastic"), acc=(Float(6, 9), "stochastic")),
+        ParameterQuantization(weight=(E5M2, "stochastic"), grad=DelayedScaling(_E4M3)),
+    ],
+    ids=["acc", "delayed-scaling grad"],
+)
+def test_a_run_resumed_after_its_precision_schedule_changed_a_group_is_the_uninterrupted_run(
+    scheduled,
+):
+    """A precision schedule sets a group's "quantization" after the first step (an accumulator,
+    or a DelayedScaling gradient, that the optimizer was not made with). A checkpoint taken after
+    that, loaded into an OptimLP made as the run began (the settings come from the saved groups,
+    as the docs say), continues bit for bit: the saved accumulators and amax histories are
+    loaded. (The settings were worked out from the groups before the load: the saved
+    accumulators were skipped and made again from the E5M2 weights, every element of them up to
+    9% off the master copy, and a saved delayed-scaling state was refused with ValueError.)"""
+
+    def make():
+        model, _, _ = _problem()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return model, OptimLP(sgd, weight=(E5M2, "stochastic"))
+
+    def steps(model, opt, first, last):
+        for step in range(first, last):
+            if step == 1:
+                opt.param_groups[0]["quantization"] = scheduled
+            data = torch.randn(32, 8, generator=torch.Generator().manual_seed(step))
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(data), torch.arange(32) % 3).backward()
+            opt.step()
+
+    torch.manual_seed(0)
+    model, opt = make()
+    steps(model, opt, 0, 5)
+    straight = (model.state_dict(), opt.state_dict())
+
+    torch.manual_seed(0)
+    model, opt = make()
+    steps(model, opt, 0, 3)
+    checkpoint = io.BytesIO()
+    torch.save([model.state_dict(), opt.state_dict(), torch.get_rng_state()], checkpoint)
+    checkpoint.seek(0)
+    saved_model, saved_opt, rng = torch.load(checkpoint)
+    torch.manual_seed(99)
+    model, opt = make()
+    opt.load_state_dict(saved_opt)
+    model.load_state_dict(saved_model)
+    torch.set_rng_state(rng)
+    steps(model, opt, 3, 5)
+    _assert_same_state((model.state_dict(), opt.state_dict()), straight)

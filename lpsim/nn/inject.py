@@ -247,7 +247,8 @@ class _Scalers(nn.Module):
     state_dict and follows .to()."""
 
 
-_SCALER_STATE = ("amax_history", "scale", "scale_inverse", "calls")  # a DelayedScaler's buffers
+# A DelayedScaler's buffers.
+_SCALER_STATE = ("amax_history", "scale", "scale_inverse", "calls", "scaled_max")
 
 
 def _loading_strictly() -> bool:

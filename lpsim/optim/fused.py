@@ -106,11 +106,16 @@ class _Fused(OwnOptions):
         # from it ("made") or it was last set from the accumulator ("written"), to see a weight
         # changed outside the optimizer (_adopt_changed_weights), as OptimLP sees it.
         self._weight_versions: dict[torch.Tensor, tuple[int, str]] = {}
+        # The accumulator each of those versions was recorded with: a state put in place without
+        # load_state_dict (ZeroRedundancyOptimizer.load_state_dict sets the local optimizer's
+        # state itself) holds another, loaded one.
+        self._recorded_accumulators: dict[torch.Tensor, torch.Tensor] = {}
         super().__init__(params, defaults)
 
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
         state.setdefault("_weight_versions", {})  # pickled before it was kept
+        state.setdefault("_recorded_accumulators", {})
         super().__setstate__(state)
 
     def _check_options(self, group: dict) -> None:
@@ -157,7 +162,7 @@ class _Fused(OwnOptions):
         for p in group["params"]:
             if "accumulator" not in self.state[p]:
                 self.state[p]["accumulator"] = quantize(p.detach().clone(), *acc)
-                self._weight_versions[p] = (p._version, "made")
+                self._record(p, "made")
 
     @torch.no_grad()
     def _adopt_changed_weights(self) -> None:
@@ -181,6 +186,10 @@ class _Fused(OwnOptions):
             specs.update((p, group_spec) for p in group["params"])
         for p, (version, kind) in self._weight_versions.items():
             acc = self.state.get(p, {}).get("accumulator")
+            if acc is not None and acc is not self._recorded_accumulators.get(p, acc):
+                # Loaded without load_state_dict (by ZeroRedundancyOptimizer): the weights it was
+                # saved with were set from it, as load_state_dict takes a loaded one.
+                kind = "written"
             spec = specs.get(p)
             if p._version == version or acc is None or spec is None or spec[_ACC] is None:
                 continue
@@ -200,7 +209,12 @@ class _Fused(OwnOptions):
     def _record_written(self) -> None:
         """Every parameter with an accumulator recorded as just set from it."""
         for p in self._weight_versions:
-            self._weight_versions[p] = (p._version, "written")
+            self._record(p, "written")
+
+    def _record(self, p: torch.Tensor, kind: str) -> None:
+        """p's version counter now, with its accumulator ("made" from p, or "written" to p)."""
+        self._weight_versions[p] = (p._version, kind)
+        self._recorded_accumulators[p] = self.state.get(p, {}).get("accumulator")
 
     def _group_specs(self, group: dict) -> tuple[QuantSpec | None, ...]:
         """The QuantSpec (or None) of each category of _CATEGORIES in a parameter group, made
@@ -286,7 +300,7 @@ class _Fused(OwnOptions):
         # compared with the loaded accumulators as step() compares it, as OptimLP does.
         for p, state in self.state.items():
             if "accumulator" in state:
-                self._weight_versions[p] = (p._version, "written")
+                self._record(p, "written")
         for group in self.param_groups:
             self._start_accumulators(group)
 

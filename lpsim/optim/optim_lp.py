@@ -689,9 +689,10 @@ class OptimLP(Optimizer):
             self._configure()
 
     @torch.compiler.disable
-    def _configure(self) -> None:
+    def _configure(self, make_accumulators: bool = True) -> None:
         """Work out every parameter's settings, check that their formats fit, and create the
-        missing accumulators.
+        missing accumulators (unless ``make_accumulators`` is False: load_state_dict makes them
+        from the state_dict).
 
         Run outside any graph torch.compile traces (a break in it): in a traced frame that holds
         a grad-mode context (the torch.no_grad() below), dynamo drops the frame's attribute
@@ -722,6 +723,8 @@ class OptimLP(Optimizer):
         self.settings = settings
         self._groups_configured = self._group_keys()
         self._sizes_configured = self._group_sizes()
+        if not make_accumulators:
+            return
         with torch.no_grad():
             for p, s in settings.items():
                 if s is not None and s.acc is not None and p not in self.accumulators:
@@ -1217,7 +1220,9 @@ class OptimLP(Optimizer):
         current weights, rounded into acc as when they are made.
 
         As torch's load_state_dict, the saved parameter groups replace the wrapped optimizer's:
-        their options (lr, momentum, ...) and their ``"quantization"`` come from the state_dict.
+        their options (lr, momentum, ...) and their ``"quantization"`` come from the state_dict,
+        and the accumulators and delayed-scaling states are loaded for those settings (a group
+        whose "quantization" a precision schedule changed before the checkpoint included).
         What this OptimLP was made with stays its own: the default formats, ``parameters=``,
         ``grad_scaling`` and ``fused`` (none of them is in the state_dict).
 
@@ -1253,14 +1258,24 @@ class OptimLP(Optimizer):
             raise ValueError(
                 f"state_dict holds scalers for {len(scalers)} of {len(params)} parameters"
             )
-        self._load_scalers(params, scalers)
+        before = self._take_saved_quantization(inner)
+        try:
+            self._load_scalers(params, scalers)
+        except (RuntimeError, ValueError):
+            self._restore_quantization(before)
+            raise
         with torch.no_grad():
             for i, p in enumerate(params):
+                s = self.settings.get(p)
                 if p not in self.accumulators:
-                    continue
+                    if s is None or s.acc is None:
+                        continue
+                    # An acc that the saved group's "quantization" set during the saved run.
+                    dtype = _accumulator_dtype(s.acc, p.dtype)
+                    self.accumulators[p] = torch.empty_like(p, dtype=dtype)
                 acc = self.accumulators[p]
                 if saved is None:  # as the constructor makes it: the weight rounded into acc
-                    quant = self._quantizer(p, "acc", self.settings[p].acc, acc)
+                    quant = self._quantizer(p, "acc", s.acc, acc)
                     acc.copy_(_rounded(quant, p.detach().to(acc.dtype)))
                 elif saved[i] is None:
                     raise ValueError(f"state_dict holds no accumulator for parameter {i}")
@@ -1279,11 +1294,56 @@ class OptimLP(Optimizer):
         self._share_with_optimizer()
         self._configure()
 
+    def _take_saved_quantization(self, inner: dict) -> list:
+        """Give each parameter group the ``"quantization"`` of its saved group (none where the
+        saved group has none), as torch's load_state_dict replaces the groups with the saved
+        ones, and work out the settings from them before the accumulators and delayed-scaling
+        states are loaded: a group whose "quantization" the saved run set or replaced between
+        steps (a precision schedule) has its saved accumulators and scalers loaded, as in the
+        uninterrupted run. Saved groups that do not match the groups in number and size are left
+        to torch's load_state_dict, which refuses them. Returns what _restore_quantization
+        needs to put the groups back. A saved setting that does not fit a parameter raises as
+        the constructor's does, the groups left as they were."""
+        before = [(group, group.get(_GROUP_KEY, group)) for group in self.param_groups]
+        saved_groups = inner.get("param_groups")
+        sizes = self._group_sizes()
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(sizes):
+            return before
+        if any(
+            not isinstance(g, dict) or len(g.get("params", ())) != n
+            for g, n in zip(saved_groups, sizes)
+        ):
+            return before
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            if _GROUP_KEY in saved:
+                group[_GROUP_KEY] = saved[_GROUP_KEY]
+            else:
+                group.pop(_GROUP_KEY, None)
+        try:
+            self._configure(make_accumulators=False)
+        except (TypeError, ValueError):
+            self._restore_quantization(before)
+            raise
+        return before
+
+    def _restore_quantization(self, before: list) -> None:
+        """Each group's "quantization" as _take_saved_quantization found it, and the settings
+        worked out from them."""
+        for group, value in before:
+            if value is group:
+                group.pop(_GROUP_KEY, None)
+            else:
+                group[_GROUP_KEY] = value
+        self._configure(make_accumulators=False)
+
     def _load_scalers(self, params: list, saved: list | None) -> None:
-        """Delayed-scaling states from a state_dict (None: none saved; scalers start afresh)."""
-        self.scalers = {}
+        """Delayed-scaling states from a state_dict (None: none saved; scalers start afresh).
+        The scalers are replaced once every state has loaded: a state that does not load leaves
+        them as they were."""
         if saved is None:
+            self.scalers = {}
             return
+        loaded = {}
         for p, states in zip(params, saved, strict=True):
             s = self.settings.get(p)
             for name, state in states.items():
@@ -1296,7 +1356,8 @@ class OptimLP(Optimizer):
                     )
                 scaler = quant.format.scaler(p.device)
                 scaler.load_state_dict(state)
-                self.scalers.setdefault(p, {})[name] = scaler
+                loaded.setdefault(p, {})[name] = scaler
+        self.scalers = loaded
 
     def __repr__(self) -> str:
         parts = [
