@@ -26,7 +26,11 @@ operation at a time:
    if a is finite and positive, scale = (elem_max * 2^-margin) / a, at most float32's largest
    finite number (an amax so small that the quotient overflows) and at least 2^-128 + 2^-149,
    the smallest float32 number whose reciprocal is finite (a margin that takes the quotient of a
-   large amax below it), and scale_inverse = 1 / scale, else both stay as they were.
+   large amax below it), and scale_inverse = 1 / scale, else both stay as they were. The
+   numerator elem_max * 2^-margin is a float32 number, as Transformer Engine's scaled_max, where
+   that is a normal one; an element format whose range reaches beyond float32's (Float(8, 24)
+   and wider, or tiny ones, for float64 tensors) takes the quotient from the float64 numerator,
+   rounded to float32 once.
    The history is float32: a float64 x's amax enters it rounded to nearest, a positive one below
    float32's smallest subnormal as 2^-149 (its scale is float32's largest either way), and one
    beyond float32's range (finite, above 3.4e38) raises ValueError before the state changes.
@@ -407,9 +411,16 @@ class DelayedScaler(nn.Module):
         # An amax below elem_max / 2**128 overflows the quotient; an infinite scale would turn
         # zeros into NaN (0 * Inf) and every other element into 0 (scale_inverse 0). A quotient
         # at or below 2**-128 (a margin on a large amax) would give an infinite scale_inverse,
-        # and the same NaN and Inf in the decoded values.
-        largest = torch.finfo(torch.float32).max
-        quotient = (self.scaling.scaled_max() / reduced).clamp(_SMALLEST_INVERTIBLE, largest)
+        # and the same NaN and Inf in the decoded values. The numerator is Transformer Engine's
+        # float32 scaled_max where that is a normal float32 number; beyond float32's range (an
+        # element format wider than float32's, for float64 tensors) it would be Inf or 0, and the
+        # float64 quotient is rounded to float32 once instead.
+        info = torch.finfo(torch.float32)
+        narrow = self.scaling.scaled_max()
+        wide = self.scaling.scaled_max(torch.float64) / reduced.double()
+        normal = (narrow >= info.tiny) & (narrow <= info.max)
+        quotient = torch.where(normal, narrow / reduced, wide.float())
+        quotient = quotient.clamp(_SMALLEST_INVERTIBLE, info.max)
         scale = torch.where(usable, quotient, self.scale)
         self.scale_inverse.copy_(torch.where(usable, 1 / scale, self.scale_inverse))
         self.scale.copy_(scale)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
@@ -958,3 +959,65 @@ def test_a_positive_float64_amax_below_float32s_subnormals_gives_the_largest_sca
     x = torch.tensor([1e-40], dtype=torch.float64)  # 1e-40 * largest = 0.034: E4M3 holds 0.03515625
     expected = 0.03515625 * float(torch.tensor(1.0) / torch.tensor(largest))
     assert state(x).item() == expected
+
+
+def _nearest_float32(q: Fraction) -> float:
+    """q rounded to the nearest float32 (ties to even), from exact arithmetic."""
+    guess = np.float32(float(q))
+    candidates = [np.nextafter(guess, np.float32(-np.inf)), guess]
+    candidates.append(np.nextafter(guess, np.float32(np.inf)))
+    finite = [c for c in candidates if np.isfinite(c)]
+    best = min(finite, key=lambda c: (abs(Fraction(float(c)) - q), int(c.view(np.int32)) & 1))
+    return float(best)
+
+
+def _nearest_with_significand_bits(y: float, bits: int, largest: float) -> float:
+    """y (a normal float64) rounded to ``bits`` significant bits, ties to even, at most
+    ``largest`` in magnitude."""
+    fraction, exponent = math.frexp(y)
+    rounded = math.ldexp(round(math.ldexp(fraction, bits)), exponent - bits)
+    return math.copysign(min(abs(rounded), largest), y)
+
+
+@pytest.mark.parametrize("margin", [0, 1, 8])
+def test_an_element_format_wider_than_float32_gets_the_scale_its_amax_gives(margin):
+    """Float(8, 24)'s largest value, (2 - 2**-24) * 2**127, exceeds float32's: elem_max * 2**-margin
+    rounded to float32 was Inf (margin 0 to 8 here), so every scale was float32's largest, and a
+    float64 tensor [100, -3, 0.5] decoded to [1, -1, 0.5] at every call after the first. The scale
+    is the quotient rounded once to float32, from exact arithmetic here."""
+    element = lpsim.Float(8, 24)
+    state = DelayedScaling(element, history_length=2, margin=margin).scaler()
+    x = torch.tensor([100.0, -3.0, 0.5], dtype=torch.float64)
+    state(x)
+    numerator = Fraction(element.max) / 2**margin
+    assert float(state.scale) == _nearest_float32(numerator / 100)
+    inverse = np.float32(1) / np.float32(float(state.scale))
+    assert float(state.scale_inverse) == float(inverse)
+    scale = float(state.scale)
+    expected = [
+        _nearest_with_significand_bits(v * scale, 25, element.max) * float(inverse)
+        for v in x.tolist()
+    ]
+    assert state(x).tolist() == expected
+    assert state(x).tolist() == pytest.approx([100.0, -3.0, 0.5], rel=2**-22)
+
+
+def test_an_element_format_below_float32s_range_gets_the_scale_its_amax_gives():
+    """Float(4, 3, bias=200, special="fn") is E4M3 times 2**-193: its largest value, 448 * 2**-193,
+    lies below float32's subnormals, so elem_max rounded to float32 was 0, the scale 0 raised to
+    2**-128 + 2**-149, and a float64 tensor [1e-30, -3e-31] decoded to zeros. The scale is
+    448 * 2**-193 / amax rounded to float32 (3.6e-26 here), and the elements are ml_dtypes' E4M3
+    of x * scale * 2**193, times 2**-193."""
+    element = lpsim.Float(4, 3, bias=200, special="fn")
+    assert element.max == 448 * 2.0**-193
+    state = DelayedScaling(element, history_length=2).scaler()
+    x = torch.tensor([1e-30, -3e-31, 0.0], dtype=torch.float64)
+    state(x)
+    amax = float(np.float32(1e-30))  # the float32 history's amax
+    assert float(state.scale) == _nearest_float32(Fraction(element.max) / Fraction(amax))
+    scale = float(state.scale)
+    inverse = float(np.float32(1) / np.float32(scale))
+    products = np.array([v * scale * 2.0**193 for v in x.tolist()])
+    elements = products.astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * 2.0**-193
+    assert state(x).tolist() == (elements * inverse).tolist()
+    assert state(x)[0].item() == pytest.approx(1e-30, rel=2**-4)
