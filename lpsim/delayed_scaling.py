@@ -41,9 +41,22 @@ Transformer Engine's amax_and_scale_update (history rolled, max or most-recent r
 max reduction as CUDA's fmaxf ignores it; an infinite quotient becomes float32's largest finite
 number, as in its compute_scale_from_amax; Transformer Engine has no lower bound, and a scale
 below 2^-128 gives it an infinite scale_inverse, which decodes a finite tensor to Inf and its
-zeros to NaN), with one update per call: Transformer Engine updates
-once per training step, which is the same when each tensor is quantised once per step. A tensor
-quantised several times per step (gradient accumulation) records each call.
+zeros to NaN), with one update per recording call. Transformer Engine updates the forward
+tensors' scales at the exit of the outermost fp8_autocast and the gradients' at the end of each
+backward pass, which is the same when each tensor is quantised once between two updates (a
+micro-batch of gradient accumulation in its own fp8_autocast included). A module called twice
+inside one fp8_autocast is quantised there twice with one scale, its larger amax entering the
+history once; here each call records, and the second uses the scale the first left.
+
+Whether a call records is the module's training mode (or ``record``); Transformer Engine decides
+by grad mode instead. Its casts write every forward's amax into the history's pending entry (the
+largest of them), but the forward histories roll and the scales change at fp8_autocast's exit
+only where torch.is_grad_enabled(): a forward under torch.no_grad leaves its scales as they were
+and its amax goes into the next training step's entry (a validation pass in eval mode too),
+while a forward in eval mode with gradients enabled updates them, and so does its backward pass.
+Here a training-mode forward under torch.no_grad records as any other call, and nothing records
+in eval mode, gradients or not: call ``model.eval()`` around a pass that is to leave the scales
+alone.
 
 An amax of 0 (a tensor of zeros, or of NaN only) enters the history as any other amax, as in
 Transformer Engine's per-tensor amax_and_scale_update and its JAX quantizers. Its PyTorch modules

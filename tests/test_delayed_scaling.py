@@ -1021,3 +1021,28 @@ def test_an_element_format_below_float32s_range_gets_the_scale_its_amax_gives():
     elements = products.astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * 2.0**-193
     assert state(x).tolist() == (elements * inverse).tolist()
     assert state(x)[0].item() == pytest.approx(1e-30, rel=2**-4)
+
+
+def test_recording_follows_the_training_mode_not_grad_mode_and_every_call_records():
+    """The documented rule, where Transformer Engine decides by grad mode and updates once per
+    fp8_autocast: a training-mode call under torch.no_grad records, eval mode with gradients
+    records nothing (neither the forward nor the backward scaler), and a module called twice
+    records twice, the second call quantising with the scale the first left."""
+    q = Quantizer(
+        forward=(DelayedScaling(E4M3, history_length=4), "nearest"),
+        backward=(DelayedScaling(E5M2, history_length=4), "nearest"),
+    )
+    with torch.no_grad():
+        assert q(torch.tensor([2.0])).item() == 2.0
+    assert int(q.forward_scaler.calls) == 1 and float(q.forward_scaler.scale) == 224.0
+    q.eval()
+    x = torch.tensor([4.0], requires_grad=True)
+    q(x).backward(torch.tensor([8.0]))
+    assert int(q.forward_scaler.calls) == 1 and int(q.backward_scaler.calls) == 0
+    q.train()
+    y = torch.tensor([1000.0])
+    assert q(y).item() == 2.0  # 1000 * 224 saturates at 448, times 1 / 224
+    scale = np.float32(448.0) / np.float32(1000.0)
+    assert float(q.forward_scaler.scale) == float(scale)
+    assert q(y).item() == float(np.float32(448.0) * (np.float32(1) / scale))
+    assert q.forward_scaler.amax_history.tolist() == [1000.0, 1000.0, 2.0, 0.0]
