@@ -17,7 +17,9 @@ operation at a time:
    element = y rounded onto the saturating element format by ``rounding``; the result is
    element * scale_inverse, in x's dtype (rounded to nearest where x is bfloat16 or float16).
    A finite x thus never gives Inf; an infinite x gives what the element format makes of Inf
-   (see Float's ``saturate``). The gradient passes straight through.
+   (see Float's ``saturate``): +-elem_max for E4M3, as Transformer Engine's satfinite cast,
+   which takes +-Inf to +-elem_max in every FP8 format, but +-Inf for E5M2, where Transformer
+   Engine decodes it to +-57344 * scale_inverse. The gradient passes straight through.
 2. When recording (the default in training mode): amax = max |x| over x's elements that are not
    NaN (0 if there are none), as Transformer Engine's fmaxf from 0 takes it, is pushed onto the
    history (the oldest entry drops out; under torch.distributed, the ranks' largest amax: see

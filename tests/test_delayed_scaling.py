@@ -1046,3 +1046,16 @@ def test_recording_follows_the_training_mode_not_grad_mode_and_every_call_record
     assert float(q.forward_scaler.scale) == float(scale)
     assert q(y).item() == float(np.float32(448.0) * (np.float32(1) / scale))
     assert q.forward_scaler.amax_history.tolist() == [1000.0, 1000.0, 2.0, 0.0]
+
+
+def test_an_infinite_value_is_the_element_formats_largest_in_e4m3_and_stays_infinite_in_e5m2():
+    """As documented: E4M3 has no Inf, and +-Inf decodes to +-448 * scale_inverse, as under
+    Transformer Engine's satfinite cast; a saturating E5M2 keeps +-Inf, which that cast takes to
+    +-57344 (an amax of Inf keeps the scale in both)."""
+    decoded_max = float(np.float32(448.0) * (np.float32(1.0) / np.float32(224.0)))
+    for element, expected in ((E4M3, decoded_max), (E5M2, math.inf)):
+        state = DelayedScaling(element, history_length=1).scaler()
+        state(torch.tensor([element.max / 224.0]))  # scale 224
+        y = state(torch.tensor([math.inf, -math.inf, 1.0]))
+        assert y.tolist() == [expected, -expected, 1.0], element
+        assert float(state.scale) == 224.0
