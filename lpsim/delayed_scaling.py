@@ -17,7 +17,9 @@ operation at a time:
    element = y rounded onto the saturating element format by ``rounding``; the result is
    element * scale_inverse, in x's dtype (rounded to nearest where x is bfloat16 or float16).
    A finite x thus never gives Inf; an infinite x gives what the element format makes of Inf
-   (see Float's ``saturate``). The gradient passes straight through.
+   (see Float's ``saturate``): +-elem_max for E4M3, as Transformer Engine's satfinite cast,
+   which takes +-Inf to +-elem_max in every FP8 format, but +-Inf for E5M2, where Transformer
+   Engine decodes it to +-57344 * scale_inverse. The gradient passes straight through.
 2. When recording (the default in training mode): amax = max |x| over x's elements that are not
    NaN (0 if there are none), as Transformer Engine's fmaxf from 0 takes it, is pushed onto the
    history (the oldest entry drops out; under torch.distributed, the ranks' largest amax: see
@@ -26,7 +28,11 @@ operation at a time:
    if a is finite and positive, scale = (elem_max * 2^-margin) / a, at most float32's largest
    finite number (an amax so small that the quotient overflows) and at least 2^-128 + 2^-149,
    the smallest float32 number whose reciprocal is finite (a margin that takes the quotient of a
-   large amax below it), and scale_inverse = 1 / scale, else both stay as they were.
+   large amax below it), and scale_inverse = 1 / scale, else both stay as they were. The
+   numerator elem_max * 2^-margin is a float32 number, as Transformer Engine's scaled_max, where
+   that is a normal one; an element format whose range reaches beyond float32's (Float(8, 24)
+   and wider, or tiny ones, for float64 tensors) takes the quotient from the float64 numerator,
+   rounded to float32 once.
    The history is float32: a float64 x's amax enters it rounded to nearest, a positive one below
    float32's smallest subnormal as 2^-149 (its scale is float32's largest either way), and one
    beyond float32's range (finite, above 3.4e38) raises ValueError before the state changes.
@@ -37,9 +43,22 @@ Transformer Engine's amax_and_scale_update (history rolled, max or most-recent r
 max reduction as CUDA's fmaxf ignores it; an infinite quotient becomes float32's largest finite
 number, as in its compute_scale_from_amax; Transformer Engine has no lower bound, and a scale
 below 2^-128 gives it an infinite scale_inverse, which decodes a finite tensor to Inf and its
-zeros to NaN), with one update per call: Transformer Engine updates
-once per training step, which is the same when each tensor is quantised once per step. A tensor
-quantised several times per step (gradient accumulation) records each call.
+zeros to NaN), with one update per recording call. Transformer Engine updates the forward
+tensors' scales at the exit of the outermost fp8_autocast and the gradients' at the end of each
+backward pass, which is the same when each tensor is quantised once between two updates (a
+micro-batch of gradient accumulation in its own fp8_autocast included). A module called twice
+inside one fp8_autocast is quantised there twice with one scale, its larger amax entering the
+history once; here each call records, and the second uses the scale the first left.
+
+Whether a call records is the module's training mode (or ``record``); Transformer Engine decides
+by grad mode instead. Its casts write every forward's amax into the history's pending entry (the
+largest of them), but the forward histories roll and the scales change at fp8_autocast's exit
+only where torch.is_grad_enabled(): a forward under torch.no_grad leaves its scales as they were
+and its amax goes into the next training step's entry (a validation pass in eval mode too),
+while a forward in eval mode with gradients enabled updates them, and so does its backward pass.
+Here a training-mode forward under torch.no_grad records as any other call, and nothing records
+in eval mode, gradients or not: call ``model.eval()`` around a pass that is to leave the scales
+alone.
 
 An amax of 0 (a tensor of zeros, or of NaN only) enters the history as any other amax, as in
 Transformer Engine's per-tensor amax_and_scale_update and its JAX quantizers. Its PyTorch modules
@@ -449,9 +468,16 @@ class DelayedScaler(nn.Module):
         # An amax below elem_max / 2**128 overflows the quotient; an infinite scale would turn
         # zeros into NaN (0 * Inf) and every other element into 0 (scale_inverse 0). A quotient
         # at or below 2**-128 (a margin on a large amax) would give an infinite scale_inverse,
-        # and the same NaN and Inf in the decoded values.
-        largest = torch.finfo(torch.float32).max
-        quotient = (self.scaling.scaled_max() / reduced).clamp(_SMALLEST_INVERTIBLE, largest)
+        # and the same NaN and Inf in the decoded values. The numerator is Transformer Engine's
+        # float32 scaled_max where that is a normal float32 number; beyond float32's range (an
+        # element format wider than float32's, for float64 tensors) it would be Inf or 0, and the
+        # float64 quotient is rounded to float32 once instead.
+        info = torch.finfo(torch.float32)
+        narrow = self.scaling.scaled_max()
+        wide = self.scaling.scaled_max(torch.float64) / reduced.double()
+        normal = (narrow >= info.tiny) & (narrow <= info.max)
+        quotient = torch.where(normal, narrow / reduced, wide.float())
+        quotient = quotient.clamp(_SMALLEST_INVERTIBLE, info.max)
         scale = torch.where(usable, quotient, self.scale)
         self.scale_inverse.copy_(torch.where(usable, 1 / scale, self.scale_inverse))
         self.scale.copy_(scale)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+from fractions import Fraction
 
 import ml_dtypes
 import numpy as np
@@ -1016,3 +1017,103 @@ def test_a_delayed_scaler_state_saved_without_its_scaled_max_loads_as_before():
     assert after.keys() == want.keys()
     for key, value in want.items():
         assert torch.equal(after[key], value), key
+
+
+def _nearest_float32(q: Fraction) -> float:
+    """q rounded to the nearest float32 (ties to even), from exact arithmetic."""
+    guess = np.float32(float(q))
+    candidates = [np.nextafter(guess, np.float32(-np.inf)), guess]
+    candidates.append(np.nextafter(guess, np.float32(np.inf)))
+    finite = [c for c in candidates if np.isfinite(c)]
+    best = min(finite, key=lambda c: (abs(Fraction(float(c)) - q), int(c.view(np.int32)) & 1))
+    return float(best)
+
+
+def _nearest_with_significand_bits(y: float, bits: int, largest: float) -> float:
+    """y (a normal float64) rounded to ``bits`` significant bits, ties to even, at most
+    ``largest`` in magnitude."""
+    fraction, exponent = math.frexp(y)
+    rounded = math.ldexp(round(math.ldexp(fraction, bits)), exponent - bits)
+    return math.copysign(min(abs(rounded), largest), y)
+
+
+@pytest.mark.parametrize("margin", [0, 1, 8])
+def test_an_element_format_wider_than_float32_gets_the_scale_its_amax_gives(margin):
+    """Float(8, 24)'s largest value, (2 - 2**-24) * 2**127, exceeds float32's: elem_max * 2**-margin
+    rounded to float32 was Inf (margin 0 to 8 here), so every scale was float32's largest, and a
+    float64 tensor [100, -3, 0.5] decoded to [1, -1, 0.5] at every call after the first. The scale
+    is the quotient rounded once to float32, from exact arithmetic here."""
+    element = lpsim.Float(8, 24)
+    state = DelayedScaling(element, history_length=2, margin=margin).scaler()
+    x = torch.tensor([100.0, -3.0, 0.5], dtype=torch.float64)
+    state(x)
+    numerator = Fraction(element.max) / 2**margin
+    assert float(state.scale) == _nearest_float32(numerator / 100)
+    inverse = np.float32(1) / np.float32(float(state.scale))
+    assert float(state.scale_inverse) == float(inverse)
+    scale = float(state.scale)
+    expected = [
+        _nearest_with_significand_bits(v * scale, 25, element.max) * float(inverse)
+        for v in x.tolist()
+    ]
+    assert state(x).tolist() == expected
+    assert state(x).tolist() == pytest.approx([100.0, -3.0, 0.5], rel=2**-22)
+
+
+def test_an_element_format_below_float32s_range_gets_the_scale_its_amax_gives():
+    """Float(4, 3, bias=200, special="fn") is E4M3 times 2**-193: its largest value, 448 * 2**-193,
+    lies below float32's subnormals, so elem_max rounded to float32 was 0, the scale 0 raised to
+    2**-128 + 2**-149, and a float64 tensor [1e-30, -3e-31] decoded to zeros. The scale is
+    448 * 2**-193 / amax rounded to float32 (3.6e-26 here), and the elements are ml_dtypes' E4M3
+    of x * scale * 2**193, times 2**-193."""
+    element = lpsim.Float(4, 3, bias=200, special="fn")
+    assert element.max == 448 * 2.0**-193
+    state = DelayedScaling(element, history_length=2).scaler()
+    x = torch.tensor([1e-30, -3e-31, 0.0], dtype=torch.float64)
+    state(x)
+    amax = float(np.float32(1e-30))  # the float32 history's amax
+    assert float(state.scale) == _nearest_float32(Fraction(element.max) / Fraction(amax))
+    scale = float(state.scale)
+    inverse = float(np.float32(1) / np.float32(scale))
+    products = np.array([v * scale * 2.0**193 for v in x.tolist()])
+    elements = products.astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * 2.0**-193
+    assert state(x).tolist() == (elements * inverse).tolist()
+    assert state(x)[0].item() == pytest.approx(1e-30, rel=2**-4)
+
+
+def test_recording_follows_the_training_mode_not_grad_mode_and_every_call_records():
+    """The documented rule, where Transformer Engine decides by grad mode and updates once per
+    fp8_autocast: a training-mode call under torch.no_grad records, eval mode with gradients
+    records nothing (neither the forward nor the backward scaler), and a module called twice
+    records twice, the second call quantising with the scale the first left."""
+    q = Quantizer(
+        forward=(DelayedScaling(E4M3, history_length=4), "nearest"),
+        backward=(DelayedScaling(E5M2, history_length=4), "nearest"),
+    )
+    with torch.no_grad():
+        assert q(torch.tensor([2.0])).item() == 2.0
+    assert int(q.forward_scaler.calls) == 1 and float(q.forward_scaler.scale) == 224.0
+    q.eval()
+    x = torch.tensor([4.0], requires_grad=True)
+    q(x).backward(torch.tensor([8.0]))
+    assert int(q.forward_scaler.calls) == 1 and int(q.backward_scaler.calls) == 0
+    q.train()
+    y = torch.tensor([1000.0])
+    assert q(y).item() == 2.0  # 1000 * 224 saturates at 448, times 1 / 224
+    scale = np.float32(448.0) / np.float32(1000.0)
+    assert float(q.forward_scaler.scale) == float(scale)
+    assert q(y).item() == float(np.float32(448.0) * (np.float32(1) / scale))
+    assert q.forward_scaler.amax_history.tolist() == [1000.0, 1000.0, 2.0, 0.0]
+
+
+def test_an_infinite_value_is_the_element_formats_largest_in_e4m3_and_stays_infinite_in_e5m2():
+    """As documented: E4M3 has no Inf, and +-Inf decodes to +-448 * scale_inverse, as under
+    Transformer Engine's satfinite cast; a saturating E5M2 keeps +-Inf, which that cast takes to
+    +-57344 (an amax of Inf keeps the scale in both)."""
+    decoded_max = float(np.float32(448.0) * (np.float32(1.0) / np.float32(224.0)))
+    for element, expected in ((E4M3, decoded_max), (E5M2, math.inf)):
+        state = DelayedScaling(element, history_length=1).scaler()
+        state(torch.tensor([element.max / 224.0]))  # scale 224
+        y = state(torch.tensor([math.inf, -math.inf, 1.0]))
+        assert y.tolist() == [expected, -expected, 1.0], element
+        assert float(state.scale) == 224.0
