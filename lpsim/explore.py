@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import pathlib
 from dataclasses import dataclass
 
 import torch
@@ -244,8 +245,17 @@ def _listed(fmt: Float | Fixed | P3109 | BlockFloat | Scaled) -> Float | Fixed |
     return fmt.element if isinstance(fmt, Scaled) else fmt
 
 
+def _plot_format(path: str) -> str:
+    """The file format the plot is written in at ``path``: the one its extension names (in lower
+    case: "spacing.SVG" is an SVG file), PNG where it has none. The file is written at ``path``
+    itself in either case (matplotlib alone adds ".png" to a path without an extension)."""
+    suffix = pathlib.PurePath(path).suffix
+    return suffix[1:].lower() if suffix else "png"
+
+
 def plot(names: list[str], formats: list, path: str) -> None:
-    """Relative spacing against magnitude, log-log, one step line per format."""
+    """Relative spacing against magnitude, log-log, one step line per format, written at ``path``
+    in the file format _plot_format(path) names."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -263,7 +273,7 @@ def plot(names: list[str], formats: list, path: str) -> None:
     ax.grid(True, which="major", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format=_plot_format(path))
     plt.close(fig)
 
 
@@ -272,7 +282,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m lpsim.explore") -
     --plot their relative spacing. ``prog`` is the command's name in its usage messages."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("formats", nargs="+", metavar="NAME_OR_FORMAT")
-    parser.add_argument("--plot", metavar="PATH", help="write the relative-spacing plot here")
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write the relative-spacing plot to this file, in the format its extension names "
+        "(png, pdf, svg, ...; png where it has none)",
+    )
     args = parser.parse_args(argv)
     try:
         formats = [parse_format(text) for text in args.formats]
@@ -281,6 +296,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m lpsim.explore") -
     wide = [
         n for n, f in zip(args.formats, formats, strict=True) if _listed(f).bits > MAX_VALUES_BITS
     ]
+    if args.plot and pathlib.Path(args.plot).is_dir():
+        parser.error(f"--plot PATH is a directory, not a file to write: {args.plot!r}")
     if args.plot and wide:
         parser.error(
             f"--plot lists every value of a format, so it draws formats of at most "

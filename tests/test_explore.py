@@ -244,6 +244,28 @@ def test_command_reports_a_plot_path_it_cannot_write(tmp_path, capsys):
     assert "cannot write the plot to" in capsys.readouterr().err
 
 
+def test_command_writes_the_plot_at_exactly_the_path_it_reports(tmp_path, capsys):
+    """A PATH without an extension is a PNG file at that very path (matplotlib alone would add
+    ".png" to it while the command reported the path given), an extension names the file format
+    in any case, and a directory is refused before anything is printed (matplotlib alone wrote
+    a hidden file ".png" inside it)."""
+    path = tmp_path / "spacing"
+    main(["e4m3fn", "--plot", str(path)])
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {path}"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = tmp_path / "spacing.SVG"
+    main(["e4m3fn", "--plot", str(svg)])
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {svg}"
+    assert b"<svg" in svg.read_bytes()[:1000]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spacing", "spacing.SVG"]
+    with pytest.raises(SystemExit):
+        main(["e4m3fn", "--plot", f"{tmp_path}/"])
+    captured = capsys.readouterr()
+    assert "--plot" in captured.err and "is a directory" in captured.err
+    assert captured.out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spacing", "spacing.SVG"]
+
+
 def test_command_refuses_unknown_names():
     with pytest.raises(SystemExit):
         main(["e9m9"])
