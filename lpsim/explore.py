@@ -253,6 +253,26 @@ def _plot_format(path: str) -> str:
     return suffix[1:].lower() if suffix else "png"
 
 
+def _plot_path_problem(path: str) -> str | None:
+    """Why the plot cannot be written at ``path`` (checked before anything is printed), or None:
+    matplotlib is missing, PATH is a directory, or its extension names a file format that
+    matplotlib does not write."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase  # noqa: PLC0415
+    except ImportError:
+        return "--plot needs matplotlib, which is not installed (pip install matplotlib)"
+    if pathlib.Path(path).is_dir():
+        return f"--plot PATH is a directory, not a file to write: {path!r}"
+    kind = _plot_format(path)
+    supported = sorted(FigureCanvasBase.get_supported_filetypes())
+    if kind not in supported:
+        return (
+            f"--plot writes the file format that PATH's extension names, one of "
+            f"{', '.join(supported)} (png where there is none); {path!r} names {kind!r}"
+        )
+    return None
+
+
 def plot(names: list[str], formats: list, path: str) -> None:
     """Relative spacing against magnitude, log-log, one step line per format, written at ``path``
     in the file format _plot_format(path) names."""
@@ -296,8 +316,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m lpsim.explore") -
     wide = [
         n for n, f in zip(args.formats, formats, strict=True) if _listed(f).bits > MAX_VALUES_BITS
     ]
-    if args.plot and pathlib.Path(args.plot).is_dir():
-        parser.error(f"--plot PATH is a directory, not a file to write: {args.plot!r}")
+    if args.plot:
+        problem = _plot_path_problem(args.plot)
+        if problem:
+            parser.error(problem)
     if args.plot and wide:
         parser.error(
             f"--plot lists every value of a format, so it draws formats of at most "

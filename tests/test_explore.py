@@ -266,6 +266,33 @@ def test_command_writes_the_plot_at_exactly_the_path_it_reports(tmp_path, capsys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["spacing", "spacing.SVG"]
 
 
+def test_command_refuses_a_plot_file_format_it_cannot_write_before_printing(tmp_path, capsys):
+    """--plot spacing.txt raised matplotlib's ValueError, a traceback after the table; it is a
+    usage error naming --plot and the extensions it writes."""
+    path = tmp_path / "spacing.txt"
+    with pytest.raises(SystemExit):
+        main(["e4m3fn", "--plot", str(path)])
+    captured = capsys.readouterr()
+    assert "--plot" in captured.err and "'txt'" in captured.err
+    assert "png" in captured.err and "svg" in captured.err
+    assert captured.out == ""
+    assert not path.exists()
+
+
+def test_command_without_matplotlib_refuses_to_plot_before_printing(tmp_path, capsys, monkeypatch):
+    """matplotlib is not among lpsim's dependencies: without it --plot raised
+    ModuleNotFoundError after the table; it is a usage error saying what to install."""
+    for module in ("matplotlib", "matplotlib.backend_bases", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
+    with pytest.raises(SystemExit):
+        main(["e4m3fn", "--plot", str(tmp_path / "spacing.png")])
+    captured = capsys.readouterr()
+    assert "--plot needs matplotlib" in captured.err
+    assert captured.out == ""
+    main(["e4m3fn"])  # the table itself needs no matplotlib
+    assert capsys.readouterr().out.splitlines()[1].split() == ["bits", "8"]
+
+
 def test_command_refuses_unknown_names():
     with pytest.raises(SystemExit):
         main(["e9m9"])
