@@ -300,8 +300,21 @@ def plot(names: list[str], formats: list, path: str) -> None:
 def main(argv: list[str] | None = None, prog: str = "python -m lpsim.explore") -> None:
     """The command: a table of the formats named in argv (sys.argv[1:] by default), and with
     --plot their relative spacing. ``prog`` is the command's name in its usage messages."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("formats", nargs="+", metavar="NAME_OR_FORMAT")
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Print the facts of number formats side by side, under torch.finfo's names "
+        "(bits, max, min, smallest_normal, smallest_subnormal, eps, resolution) and binades, "
+        "log2(max / smallest_subnormal); with --plot, also draw each format's relative spacing "
+        "over its positive range.",
+    )
+    parser.add_argument(
+        "formats",
+        nargs="+",
+        metavar="NAME_OR_FORMAT",
+        help="a preset of lpsim.PRESETS or lpsim.scaled.SCALED_PRESETS (e4m3fn, binary8p4se, "
+        "nvfp4, ...) or a constructor call of Float, Fixed, P3109, BlockFloat, Scaled or "
+        "PowerOfTwo, such as \"Float(4, 3, special='fn')\"",
+    )
     parser.add_argument(
         "--plot",
         metavar="PATH",

@@ -347,3 +347,17 @@ def test_resolution_of_coarse_formats_follows_numpys_definition(fmt):
     info = finfo(fmt)
     assert info.resolution == 10.0 ** -int(-np.log10(info.eps))
     assert finfo(lpsim.Fixed(8, -3)).resolution == 1.0
+
+
+def test_help_describes_the_command_and_its_arguments(capsys):
+    """--help printed the module docstring's first line, cut mid-sentence ("... for every format
+    family, and a command"), and nothing about NAME_OR_FORMAT."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    description = " ".join(text.split("positional arguments:")[0].split("\n\n", 1)[1].split())
+    assert description.endswith(".") and "--plot" in description
+    arguments = " ".join(text.split("positional arguments:")[1].split())
+    for words in ("lpsim.PRESETS", "SCALED_PRESETS", "constructor call", "P3109", "PowerOfTwo"):
+        assert words in arguments, words
