@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import pathlib
 from dataclasses import dataclass
 
 import torch
@@ -244,8 +245,37 @@ def _listed(fmt: Float | Fixed | P3109 | BlockFloat | Scaled) -> Float | Fixed |
     return fmt.element if isinstance(fmt, Scaled) else fmt
 
 
+def _plot_format(path: str) -> str:
+    """The file format the plot is written in at ``path``: the one its extension names (in lower
+    case: "spacing.SVG" is an SVG file), PNG where it has none. The file is written at ``path``
+    itself in either case (matplotlib alone adds ".png" to a path without an extension)."""
+    suffix = pathlib.PurePath(path).suffix
+    return suffix[1:].lower() if suffix else "png"
+
+
+def _plot_path_problem(path: str) -> str | None:
+    """Why the plot cannot be written at ``path`` (checked before anything is printed), or None:
+    matplotlib is missing, PATH is a directory, or its extension names a file format that
+    matplotlib does not write."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase  # noqa: PLC0415
+    except ImportError:
+        return "--plot needs matplotlib, which is not installed (pip install matplotlib)"
+    if pathlib.Path(path).is_dir():
+        return f"--plot PATH is a directory, not a file to write: {path!r}"
+    kind = _plot_format(path)
+    supported = sorted(FigureCanvasBase.get_supported_filetypes())
+    if kind not in supported:
+        return (
+            f"--plot writes the file format that PATH's extension names, one of "
+            f"{', '.join(supported)} (png where there is none); {path!r} names {kind!r}"
+        )
+    return None
+
+
 def plot(names: list[str], formats: list, path: str) -> None:
-    """Relative spacing against magnitude, log-log, one step line per format."""
+    """Relative spacing against magnitude, log-log, one step line per format, written at ``path``
+    in the file format _plot_format(path) names."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -263,16 +293,34 @@ def plot(names: list[str], formats: list, path: str) -> None:
     ax.grid(True, which="major", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format=_plot_format(path))
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m lpsim.explore") -> None:
     """The command: a table of the formats named in argv (sys.argv[1:] by default), and with
     --plot their relative spacing. ``prog`` is the command's name in its usage messages."""
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("formats", nargs="+", metavar="NAME_OR_FORMAT")
-    parser.add_argument("--plot", metavar="PATH", help="write the relative-spacing plot here")
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Print the facts of number formats side by side, under torch.finfo's names "
+        "(bits, max, min, smallest_normal, smallest_subnormal, eps, resolution) and binades, "
+        "log2(max / smallest_subnormal); with --plot, also draw each format's relative spacing "
+        "over its positive range.",
+    )
+    parser.add_argument(
+        "formats",
+        nargs="+",
+        metavar="NAME_OR_FORMAT",
+        help="a preset of lpsim.PRESETS or lpsim.scaled.SCALED_PRESETS (e4m3fn, binary8p4se, "
+        "nvfp4, ...) or a constructor call of Float, Fixed, P3109, BlockFloat, Scaled or "
+        "PowerOfTwo, such as \"Float(4, 3, special='fn')\"",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="write the relative-spacing plot to this file, in the format its extension names "
+        "(png, pdf, svg, ...; png where it has none)",
+    )
     args = parser.parse_args(argv)
     try:
         formats = [parse_format(text) for text in args.formats]
@@ -281,6 +329,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m lpsim.explore") -
     wide = [
         n for n, f in zip(args.formats, formats, strict=True) if _listed(f).bits > MAX_VALUES_BITS
     ]
+    if args.plot:
+        problem = _plot_path_problem(args.plot)
+        if problem:
+            parser.error(problem)
     if args.plot and wide:
         parser.error(
             f"--plot lists every value of a format, so it draws formats of at most "

@@ -244,6 +244,55 @@ def test_command_reports_a_plot_path_it_cannot_write(tmp_path, capsys):
     assert "cannot write the plot to" in capsys.readouterr().err
 
 
+def test_command_writes_the_plot_at_exactly_the_path_it_reports(tmp_path, capsys):
+    """A PATH without an extension is a PNG file at that very path (matplotlib alone would add
+    ".png" to it while the command reported the path given), an extension names the file format
+    in any case, and a directory is refused before anything is printed (matplotlib alone wrote
+    a hidden file ".png" inside it)."""
+    path = tmp_path / "spacing"
+    main(["e4m3fn", "--plot", str(path)])
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {path}"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = tmp_path / "spacing.SVG"
+    main(["e4m3fn", "--plot", str(svg)])
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {svg}"
+    assert b"<svg" in svg.read_bytes()[:1000]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spacing", "spacing.SVG"]
+    with pytest.raises(SystemExit):
+        main(["e4m3fn", "--plot", f"{tmp_path}/"])
+    captured = capsys.readouterr()
+    assert "--plot" in captured.err and "is a directory" in captured.err
+    assert captured.out == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["spacing", "spacing.SVG"]
+
+
+def test_command_refuses_a_plot_file_format_it_cannot_write_before_printing(tmp_path, capsys):
+    """--plot spacing.txt raised matplotlib's ValueError, a traceback after the table; it is a
+    usage error naming --plot and the extensions it writes."""
+    path = tmp_path / "spacing.txt"
+    with pytest.raises(SystemExit):
+        main(["e4m3fn", "--plot", str(path)])
+    captured = capsys.readouterr()
+    assert "--plot" in captured.err and "'txt'" in captured.err
+    assert "png" in captured.err and "svg" in captured.err
+    assert captured.out == ""
+    assert not path.exists()
+
+
+def test_command_without_matplotlib_refuses_to_plot_before_printing(tmp_path, capsys, monkeypatch):
+    """matplotlib is not among lpsim's dependencies: without it --plot raised
+    ModuleNotFoundError after the table; it is a usage error saying what to install."""
+    for module in ("matplotlib", "matplotlib.backend_bases", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, module, None)  # import raises ImportError
+    with pytest.raises(SystemExit):
+        main(["e4m3fn", "--plot", str(tmp_path / "spacing.png")])
+    captured = capsys.readouterr()
+    assert "--plot needs matplotlib" in captured.err
+    assert captured.out == ""
+    main(["e4m3fn"])  # the table itself needs no matplotlib
+    assert capsys.readouterr().out.splitlines()[1].split() == ["bits", "8"]
+
+
 def test_command_refuses_unknown_names():
     with pytest.raises(SystemExit):
         main(["e9m9"])
@@ -298,3 +347,17 @@ def test_resolution_of_coarse_formats_follows_numpys_definition(fmt):
     info = finfo(fmt)
     assert info.resolution == 10.0 ** -int(-np.log10(info.eps))
     assert finfo(lpsim.Fixed(8, -3)).resolution == 1.0
+
+
+def test_help_describes_the_command_and_its_arguments(capsys):
+    """--help printed the module docstring's first line, cut mid-sentence ("... for every format
+    family, and a command"), and nothing about NAME_OR_FORMAT."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    description = " ".join(text.split("positional arguments:")[0].split("\n\n", 1)[1].split())
+    assert description.endswith(".") and "--plot" in description
+    arguments = " ".join(text.split("positional arguments:")[1].split())
+    for words in ("lpsim.PRESETS", "SCALED_PRESETS", "constructor call", "P3109", "PowerOfTwo"):
+        assert words in arguments, words
