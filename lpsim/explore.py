@@ -15,6 +15,7 @@ classes and nothing else in scope).
 from __future__ import annotations
 
 import argparse
+import decimal
 import math
 import pathlib
 from dataclasses import dataclass
@@ -185,18 +186,23 @@ def parse_format(text: str) -> Float | Fixed | P3109 | BlockFloat | Scaled | Pow
 
 
 def _number(v: float) -> str:
-    """v as the table prints it: an exact power of two beyond 2^+-10 as 2^k, anything else with
-    six significant digits. (The power is read off frexp's significand, which is exactly 1/2 for
-    powers of two only: a log2 that merely rounds to an integer, as that of Float(11, 52)'s max
-    2^1024 (1 - 2^-53) does, is not one.)"""
+    """v as the table prints it, exactly where that is short: an exact power of two beyond 2^+-10
+    as 2^k, else its exact decimal where that has at most 10 significant digits (0.001953125,
+    1.984375), else "~" and six significant digits (~3.40282e+38). The power is read off
+    frexp's significand, which is exactly 1/2 for powers of two only: a log2 that merely rounds
+    to an integer, as that of Float(11, 52)'s max 2^1024 (1 - 2^-53) does, is not one."""
     if v == 0:
         return "0"
     if not math.isfinite(v):
         return f"{v:.6g}"
+    sign = "-" if v < 0 else ""
     significand, exponent = math.frexp(abs(v))
     if significand == 0.5 and abs(exponent - 1) > 10:
-        return ("-" if v < 0 else "") + f"2^{exponent - 1}"
-    return f"{v:.6g}"
+        return f"{sign}2^{exponent - 1}"
+    exact = decimal.Decimal(abs(v))  # a float's decimal expansion, exactly
+    if len(exact.as_tuple().digits) <= 10:
+        return sign + format(exact, "f")
+    return f"~{v:.6g}"
 
 
 def table(names: list[str], infos: list[FormatInfo]) -> str:
@@ -208,7 +214,8 @@ def table(names: list[str], infos: list[FormatInfo]) -> str:
         ("smallest_normal", [_number(i.smallest_normal) for i in infos]),
         ("smallest_subnormal", [_number(i.smallest_subnormal) for i in infos]),
         ("eps", [_number(i.eps) for i in infos]),
-        ("resolution", [_number(i.resolution) for i in infos]),
+        # 10**-k by definition (the float only approximates it): printed as that power of ten.
+        ("resolution", [f"{i.resolution:g}" for i in infos]),
         ("binades", [f"{i.binades:.1f}" for i in infos]),
     ]
     if any(i.note for i in infos):

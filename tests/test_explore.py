@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from decimal import Decimal
 from fractions import Fraction
 
 import ml_dtypes
@@ -185,7 +186,7 @@ def test_the_table_prints_powers_of_two_only_where_they_are_exact():
     lines = table(["a", "b", "c", "d"], [finfo(f) for f in formats]).splitlines()
     rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
     # max is 2**1024 (1 - 2**-53), 2**16 (1 - 2**-53), 2**128 (1 - 2**-53), 2**128 (1 - 2**-24)
-    assert rows["max"] == ["1.79769e+308", "65536", "3.40282e+38", "3.40282e+38"]
+    assert rows["max"] == ["~1.79769e+308", "~65536", "~3.40282e+38", "~3.40282e+38"]
     assert rows["smallest_subnormal"] == ["2^-1074", "2^-66", "2^-178", "2^-149"]
     assert rows["eps"] == ["2^-52", "2^-52", "2^-52", "2^-23"]
     assert rows["binades"] == ["2098.0", "82.0", "306.0", "277.0"]
@@ -361,3 +362,50 @@ def test_help_describes_the_command_and_its_arguments(capsys):
     arguments = " ".join(text.split("positional arguments:")[1].split())
     for words in ("lpsim.PRESETS", "SCALED_PRESETS", "constructor call", "P3109", "PowerOfTwo"):
         assert words in arguments, words
+
+
+def _table_formats() -> list:
+    """Every preset the table prints, and every P3109 format of 3 to 16 bits that lpsim holds."""
+    formats = list(lpsim.PRESETS.values())
+    for bits in range(3, 17):
+        for signed in (True, False):
+            for domain in ("extended", "finite"):
+                for precision in range(1, bits + (0 if signed else 1)):
+                    try:
+                        formats.append(P3109(bits, precision, signed=signed, domain=domain))
+                    except ValueError:  # wider than float64
+                        continue
+    return formats
+
+
+def _rows(formats: list) -> dict[str, list[str]]:
+    lines = table([str(k) for k in range(len(formats))], [finfo(f) for f in formats])
+    return {line.split()[0]: line.split()[1:] for line in lines.splitlines()[1:]}
+
+
+def test_every_number_the_table_prints_is_exact_or_marked_approximate():
+    """A fact prints as 2^k (an exact power of two beyond 2^+-10), as its exact decimal (at most
+    10 significant digits), or marked "~" with six significant digits. Unmarked six-digit
+    roundings read as exact: e4m3fn's smallest_subnormal 2^-9 printed 0.00195312 (it is
+    0.001953125), binary8p7sf's max 127/64 printed 1.98438 (1.984375), and Float(5, 52)'s max
+    2^16 (1 - 2^-53) printed 65536."""
+    formats = _table_formats()
+    rows = _rows(formats)
+    checked = 0
+    for fact in ("max", "min", "smallest_normal", "smallest_subnormal", "eps"):
+        for cell, fmt in zip(rows[fact], formats, strict=True):
+            value = Fraction(getattr(finfo(fmt), fact))
+            if cell.startswith("~"):  # only where the exact decimal is long
+                assert len(Decimal(float(value)).as_tuple().digits) > 10, (fact, cell)
+                assert float(cell[1:]) == float(f"{float(value):.6g}"), (fact, cell)
+            elif cell.lstrip("-").startswith("2^"):
+                sign = -1 if cell.startswith("-") else 1
+                assert value == sign * Fraction(2) ** int(cell.lstrip("-")[2:]), (fact, cell)
+            else:
+                assert Fraction(cell) == value, (fact, cell, float(value))
+            checked += 1
+    assert checked == 5 * len(formats)
+    rows = _rows([lpsim.preset("e4m3fn"), P3109(8, 7, domain="finite"), Float(5, 52)])
+    assert rows["smallest_subnormal"] == ["0.001953125", "0.015625", "2^-66"]
+    assert rows["max"] == ["448", "1.984375", "~65536"]
+    assert rows["min"] == ["-448", "-1.984375", "~-65536"]
