@@ -15,6 +15,7 @@ classes and nothing else in scope).
 from __future__ import annotations
 
 import argparse
+import ast
 import decimal
 import math
 import pathlib
@@ -173,7 +174,9 @@ def parse_format(text: str) -> Float | Fixed | P3109 | BlockFloat | Scaled | Pow
         return SCALED_PRESETS[text]
     if "(" in text:
         try:
-            fmt = eval(text, {"__builtins__": {}}, dict(_CONSTRUCTORS))  # noqa: S307
+            tree = ast.parse(text, mode="eval")
+            _check_constructor_call(tree)
+            fmt = eval(compile(tree, "<format>", "eval"), {"__builtins__": {}}, dict(_CONSTRUCTORS))  # noqa: S307
         except Exception as error:  # a malformed call: report it as the argument's problem
             raise ValueError(f"cannot make a format of {text!r}: {error}") from None
         if isinstance(fmt, tuple(_CONSTRUCTORS.values())):
@@ -183,6 +186,41 @@ def parse_format(text: str) -> Float | Fixed | P3109 | BlockFloat | Scaled | Pow
         f"{text!r} is neither a preset (lpsim.PRESETS, lpsim.scaled.SCALED_PRESETS) nor a "
         "constructor call such as \"Float(4, 3, special='fn')\""
     )
+
+
+_LITERAL_NODES = (
+    ast.Expression,
+    ast.Call,
+    ast.keyword,
+    ast.Constant,
+    ast.Tuple,
+    ast.List,
+    ast.UnaryOp,
+    ast.BinOp,
+    ast.USub,
+    ast.UAdd,
+    ast.Add,
+    ast.Sub,
+    ast.Mult,
+    ast.Div,
+    ast.Pow,
+    ast.Load,
+)
+
+
+def _check_constructor_call(tree: ast.Expression) -> None:
+    """Raises ValueError unless ``tree`` holds only calls of the format classes by name, with
+    literal numbers, strings, bools, None, tuples, lists and arithmetic on them: no attribute,
+    subscript or other name, so that evaluating it runs nothing but the constructors."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            if node.id not in _CONSTRUCTORS:
+                raise ValueError(f"{node.id!r} is not one of {', '.join(_CONSTRUCTORS)}")
+        elif isinstance(node, ast.Call):
+            if not isinstance(node.func, ast.Name):
+                raise ValueError("only the format classes may be called, by name")
+        elif not isinstance(node, _LITERAL_NODES):
+            raise ValueError(f"{type(node).__name__} is not allowed in a format")
 
 
 def _number(v: float) -> str:

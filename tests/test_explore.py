@@ -409,3 +409,21 @@ def test_every_number_the_table_prints_is_exact_or_marked_approximate():
     assert rows["smallest_subnormal"] == ["0.001953125", "0.015625", "2^-66"]
     assert rows["max"] == ["448", "1.984375", "~65536"]
     assert rows["min"] == ["-448", "-1.984375", "~-65536"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Float(4, 3, special=Float.__init__.__globals__['__builtins__'])",
+        "Float(4, 3).__class__.__base__",
+        "Fixed(8, (lambda: 4)())",
+        "P3109(8, [c for c in ()])",
+    ],
+)
+def test_parse_format_runs_nothing_but_the_format_constructors(text):
+    # parse_format evaluated the text with the builtins removed, but attribute chains reach them
+    # again (Float.__init__.__globals__): an argument could run any code. Only calls of the
+    # format classes on literals are evaluated now.
+    with pytest.raises(ValueError, match="is not allowed in a format|may be called"):
+        parse_format(text)
+    assert parse_format("Scaled(Float(2, 1), block=32)") == Scaled(Float(2, 1), block=32)
