@@ -39,6 +39,7 @@ import torch
 
 from lpsim._checks import (
     RANDOMNESS,
+    as_float64,
     check_container,
     check_element_format,
     check_factor,
@@ -113,27 +114,12 @@ def _update_args(a, fmt, rounding, rbits, seed, offset, randomness) -> tuple:
     return (*sum_grid(fmt, a.dtype), int(rule), *random, check_randomness(randomness))
 
 
-def _float64(number: int | float, name: str) -> float:
-    """A Python number as the float64 the ops take.
-
-    Raises:
-        ValueError: an int beyond the float64 range.
-    """
-    try:
-        return float(number)
-    except OverflowError:
-        raise ValueError(
-            f"{name} must be within the float64 range (magnitude below 2**1024), got an int of "
-            f"{abs(number).bit_length()} bits"
-        ) from None
-
-
 def _operand(a: torch.Tensor, b, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """b as the update ops take it: a tensor of a's shape and device whose dtype is ``dtype``, or
     when None a's, float32 or float64 (other dtypes are converted, exactly, to float32; a Python
     number becomes float64)."""
     if isinstance(b, (int, float)) and not isinstance(b, bool):
-        b = torch.tensor(_float64(b, name), dtype=torch.float64, device=a.device)
+        b = torch.tensor(as_float64(name, b), dtype=torch.float64, device=a.device)
     check_container(b, name)
     check_strided(b, name, "the sr_add family")
     if b.device != a.device:
@@ -264,7 +250,7 @@ def _term_value(value: int | float, dtype: torch.dtype) -> float:
     Raises:
         ValueError: such a value, or an int beyond the float64 range.
     """
-    number = _float64(value, "value")
+    number = as_float64("value", value)
     if dtype != torch.float64:
         where = "when the term is computed in float32, as torch.addcmul and torch.addcdiv require"
         check_factor("value", number, torch.float32, where)
