@@ -651,6 +651,17 @@ def test_sr_add_gradient_is_the_identity_for_both_operands():
         (lambda a: lpsim.sr_add(a.to_sparse(), 1.0), TypeError, "a is a sparse_coo tensor"),
         (lambda a: lpsim.sr_add_(a, a.to_sparse()), TypeError, "b is a sparse_coo tensor"),
         (lambda a: lpsim.sr_addcdiv(a, a, a.to_sparse()), TypeError, "tensor2 is a sparse_coo"),
+        # named a (sr_add's), and y's raised torch's "expand is unsupported for Sparse tensors"
+        (
+            lambda a: StochasticAdder(torch.bfloat16, 0).add(a.to_sparse(), a),
+            TypeError,
+            "x is a sparse_coo tensor; StochasticAdder takes strided tensors",
+        ),
+        (
+            lambda a: StochasticAdder(torch.bfloat16, 0).add_biased(a, a.to_sparse()),
+            TypeError,
+            "y is a sparse_coo tensor; StochasticAdder takes strided tensors",
+        ),
     ],
 )
 def test_bad_arguments_raise_errors_that_name_them(call, error, words):
