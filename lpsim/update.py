@@ -232,6 +232,9 @@ def _addc(
     args = _update_args(a, fmt, rounding, rbits, seed, offset, randomness)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"value must be a number, got {type(value).__name__}")
+    for name, operand in (("tensor1", tensor1), ("tensor2", tensor2)):
+        if isinstance(operand, torch.Tensor):  # before its dtype is promoted (float8's is not)
+            check_container(operand, name)
     dtype = _term_dtype(a, tensor1, tensor2)
     t1 = _operand(a, tensor1, "tensor1", dtype)
     t2 = _operand(a, tensor2, "tensor2", dtype)
