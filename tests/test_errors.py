@@ -756,3 +756,11 @@ def test_an_int_option_beyond_float64_is_refused_by_name(call, pattern):
     # op, "Expected a value of type 'List[float]'", naming no option.
     with pytest.raises(ValueError, match=rf"^{pattern} must be within the float64 range"):
         call()
+
+
+@pytest.mark.parametrize("lookup", [lpsim.preset, lpsim.scaled.preset], ids=["format", "scaled"])
+@pytest.mark.parametrize("name", [["e4m3fn"], {"nvfp4": 1}, None, 8])
+def test_a_preset_name_that_is_not_a_str_is_refused_by_name(lookup, name):
+    # A list or dict raised "unhashable type: 'list'" from the lookup.
+    with pytest.raises(TypeError, match=rf"^name must be a str, got {type(name).__name__}$"):
+        lookup(name)
