@@ -64,17 +64,18 @@ __all__ = [
 ]
 
 
-@functools.cache
+_OWN_FORMATS = {dtype: Float(c.exp, c.man) for dtype, c in CONTAINERS.items()}
+
+
 def own_format(dtype: torch.dtype) -> Float:
     """The format of the values a floating dtype holds: Float(8, 7) for bfloat16, and so on.
 
     Raises:
         TypeError: the dtype is not float32, float64, bfloat16 or float16.
     """
-    if not isinstance(dtype, torch.dtype) or dtype not in CONTAINERS:
+    if not isinstance(dtype, torch.dtype) or dtype not in _OWN_FORMATS:
         raise TypeError(f"dtype must be torch.float32, float64, bfloat16 or float16, got {dtype}")
-    container = CONTAINERS[dtype]
-    return Float(container.exp, container.man)
+    return _OWN_FORMATS[dtype]
 
 
 @functools.lru_cache(maxsize=256)  # formats are frozen dataclasses; grid() costs ~25 us

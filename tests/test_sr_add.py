@@ -648,6 +648,8 @@ def test_sr_add_gradient_is_the_identity_for_both_operands():
             "tensor1 must be within the float64 range",
         ),
         (lambda a: StochasticAdder(torch.int32), TypeError, "float_type must be"),
+        # "unhashable type: 'list'" from the cache of the dtype's format
+        (lambda a: StochasticAdder([torch.bfloat16]), TypeError, "float_type must be"),
         (lambda a: lpsim.sr_add(a.to_sparse(), 1.0), TypeError, "a is a sparse_coo tensor"),
         (lambda a: lpsim.sr_add_(a, a.to_sparse()), TypeError, "b is a sparse_coo tensor"),
         (lambda a: lpsim.sr_addcdiv(a, a, a.to_sparse()), TypeError, "tensor2 is a sparse_coo"),
