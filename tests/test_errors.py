@@ -764,3 +764,10 @@ def test_a_preset_name_that_is_not_a_str_is_refused_by_name(lookup, name):
     # A list or dict raised "unhashable type: 'list'" from the lookup.
     with pytest.raises(TypeError, match=rf"^name must be a str, got {type(name).__name__}$"):
         lookup(name)
+
+
+@pytest.mark.parametrize("categories", [3, 2.5, True, Float(5, 2)])
+def test_recorder_categories_that_are_not_iterable_are_refused_by_name(categories):
+    # These raised "'int' object is not iterable" (and so on), naming no parameter.
+    with pytest.raises(TypeError, match=r"^categories must be a str, an iterable of str or None"):
+        lpsim.diagnostics.Recorder(torch.nn.Linear(2, 2), categories=categories)
