@@ -207,15 +207,32 @@ def check_bool(name: str, value) -> bool:
     return value
 
 
+def as_float64(name: str, value: int | float) -> float:
+    """A Python number (int or float) as a float64.
+
+    Raises:
+        ValueError: an int beyond the float64 range (the message calls it ``name``).
+    """
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(
+            f"{name} must be within the float64 range (magnitude below 2**1024), got an int of "
+            f"{abs(value).bit_length()} bits"
+        ) from None
+
+
 def check_number(name: str, value, low: float = 0.0, high: float = math.inf) -> float:
-    """value, checked to be a real number (an int or float, not a bool) in [low, high].
+    """value, checked to be a real number (an int or float, not a bool) in [low, high] and, an
+    int, within the float64 range (the optimizers compute with it as a float).
 
     Raises:
         TypeError: value is not a number.
-        ValueError: value is outside [low, high].
+        ValueError: value is outside [low, high] or, an int, beyond the float64 range.
     """
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    as_float64(name, value)
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
     return value
@@ -225,11 +242,12 @@ def check_positive_finite(name: str, value) -> float:
     """value as a float, checked to be a finite number > 0 (an int or float, not a bool).
 
     Raises:
-        ValueError: value is not such a number (inf, nan, 0, negative or not a number).
+        ValueError: value is not such a number (inf, nan, 0, negative or not a number), or an
+            int beyond the float64 range.
     """
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < math.inf:
         raise ValueError(f"{name} must be a positive finite number, got {value!r}")
-    return float(value)
+    return as_float64(name, value)
 
 
 def positive_finite_attribute(name: str, doc: str) -> property:

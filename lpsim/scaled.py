@@ -474,8 +474,11 @@ def preset(name: str) -> Scaled:
     """The scaled preset called ``name`` (see SCALED_PRESETS).
 
     Raises:
+        TypeError: name is not a str.
         ValueError: no scaled preset has that name; the message lists them.
     """
+    if not isinstance(name, str):  # an unhashable one raised "unhashable type" from the dict
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
     try:
         return SCALED_PRESETS[name]
     except KeyError:

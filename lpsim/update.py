@@ -39,6 +39,7 @@ import torch
 
 from lpsim._checks import (
     RANDOMNESS,
+    as_float64,
     check_container,
     check_element_format,
     check_factor,
@@ -63,17 +64,18 @@ __all__ = [
 ]
 
 
-@functools.cache
+_OWN_FORMATS = {dtype: Float(c.exp, c.man) for dtype, c in CONTAINERS.items()}
+
+
 def own_format(dtype: torch.dtype) -> Float:
     """The format of the values a floating dtype holds: Float(8, 7) for bfloat16, and so on.
 
     Raises:
         TypeError: the dtype is not float32, float64, bfloat16 or float16.
     """
-    if not isinstance(dtype, torch.dtype) or dtype not in CONTAINERS:
+    if not isinstance(dtype, torch.dtype) or dtype not in _OWN_FORMATS:
         raise TypeError(f"dtype must be torch.float32, float64, bfloat16 or float16, got {dtype}")
-    container = CONTAINERS[dtype]
-    return Float(container.exp, container.man)
+    return _OWN_FORMATS[dtype]
 
 
 @functools.lru_cache(maxsize=256)  # formats are frozen dataclasses; grid() costs ~25 us
@@ -113,27 +115,12 @@ def _update_args(a, fmt, rounding, rbits, seed, offset, randomness) -> tuple:
     return (*sum_grid(fmt, a.dtype), int(rule), *random, check_randomness(randomness))
 
 
-def _float64(number: int | float, name: str) -> float:
-    """A Python number as the float64 the ops take.
-
-    Raises:
-        ValueError: an int beyond the float64 range.
-    """
-    try:
-        return float(number)
-    except OverflowError:
-        raise ValueError(
-            f"{name} must be within the float64 range (magnitude below 2**1024), got an int of "
-            f"{abs(number).bit_length()} bits"
-        ) from None
-
-
 def _operand(a: torch.Tensor, b, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """b as the update ops take it: a tensor of a's shape and device whose dtype is ``dtype``, or
     when None a's, float32 or float64 (other dtypes are converted, exactly, to float32; a Python
     number becomes float64)."""
     if isinstance(b, (int, float)) and not isinstance(b, bool):
-        b = torch.tensor(_float64(b, name), dtype=torch.float64, device=a.device)
+        b = torch.tensor(as_float64(name, b), dtype=torch.float64, device=a.device)
     check_container(b, name)
     check_strided(b, name, "the sr_add family")
     if b.device != a.device:
@@ -246,6 +233,9 @@ def _addc(
     args = _update_args(a, fmt, rounding, rbits, seed, offset, randomness)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TypeError(f"value must be a number, got {type(value).__name__}")
+    for name, operand in (("tensor1", tensor1), ("tensor2", tensor2)):
+        if isinstance(operand, torch.Tensor):  # before its dtype is promoted (float8's is not)
+            check_container(operand, name)
     dtype = _term_dtype(a, tensor1, tensor2)
     t1 = _operand(a, tensor1, "tensor1", dtype)
     t2 = _operand(a, tensor2, "tensor2", dtype)
@@ -264,7 +254,7 @@ def _term_value(value: int | float, dtype: torch.dtype) -> float:
     Raises:
         ValueError: such a value, or an int beyond the float64 range.
     """
-    number = _float64(value, "value")
+    number = as_float64("value", value)
     if dtype != torch.float64:
         where = "when the term is computed in float32, as torch.addcmul and torch.addcdiv require"
         check_factor("value", number, torch.float32, where)

@@ -3,6 +3,7 @@ and the docstring examples of the package run as written."""
 
 import doctest
 import math
+import warnings
 
 import pytest
 import torch
@@ -456,6 +457,13 @@ def test_a_per_channel_scale_out_of_range_is_refused_at_either_end(bad):
         dyadic.from_float(torch.ones(2), 8, torch.tensor([0, bad]), axis=0)
 
 
+def _nested(dtype: torch.dtype) -> torch.Tensor:
+    """A nested tensor of two vectors of ``dtype`` (whose layout is torch.strided)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the prototype stage of nested tensors
+        return torch.nested.nested_tensor([torch.ones(2, dtype=dtype), torch.ones(3, dtype=dtype)])
+
+
 @pytest.mark.parametrize(
     ("call", "error", "pattern"),
     [
@@ -483,6 +491,35 @@ def test_a_per_channel_scale_out_of_range_is_refused_at_either_end(bad):
             lambda: inn.Linear(3, 1, bias_value=torch.ones(1, device="meta")),
             ValueError,
             r"^bias_value must be a CPU tensor \(lpsim.dyadic.nn.Linear runs on the CPU\)",
+        ),
+        # These raised from inside torch: "Could not run 'aten::ne.Scalar' with arguments from
+        # the 'NestedTensorCPU' backend", "NestedTensorImpl doesn't support sizes", "Could not
+        # run 'aten::amax' ... 'SparseCPU' backend", "Tensor.item() cannot be called on meta
+        # tensors".
+        (
+            lambda: dyadic.from_float(_nested(torch.float32), 8),
+            TypeError,
+            r"^x is a nested tensor; lpsim.dyadic.from_float takes dense \(strided\) tensors$",
+        ),
+        (
+            lambda: DyadicTensor(_nested(torch.int32), 0),
+            TypeError,
+            r"^mantissa is a nested tensor; DyadicTensor takes dense \(strided\) tensors$",
+        ),
+        (
+            lambda: dyadic.scale_for(torch.tensor([1.0, 0.0, 2.5]).to_sparse(), 8),
+            TypeError,
+            r"^x is a sparse_coo tensor; lpsim.dyadic.scale_for takes strided tensors",
+        ),
+        (
+            lambda: dyadic.scale_for(_nested(torch.float32), 8),
+            TypeError,
+            r"^x is a nested tensor; lpsim.dyadic.scale_for takes strided tensors",
+        ),
+        (
+            lambda: dyadic.scale_for(torch.ones(3, device="meta"), 8),
+            ValueError,
+            r"^x is a meta tensor, which holds no values",
         ),
     ],
 )

@@ -723,3 +723,51 @@ def test_a_quantizer_takes_only_float_tensors_where_it_has_a_format(dtype):
                 make(**spec)(x)
     for make in (lpsim.nn.quantizer, lpsim.nn.Quantizer):
         assert make()(x) is x or torch.equal(make()(x), x)
+
+
+def _stepped(make):
+    """make([w]) for a float32 weight with a gradient, stepped once."""
+    w = torch.nn.Parameter(torch.ones(2))
+    w.grad = torch.ones(2)
+    make([w]).step()
+
+
+HUGE = 2**1100  # an int that no float64 holds: float(HUGE) raises OverflowError
+
+
+@pytest.mark.parametrize(
+    "call,pattern",
+    [
+        (lambda: _stepped(lambda ps: lpsim.optim.SGD(ps, lr=HUGE)), "lr"),
+        (lambda: _stepped(lambda ps: lpsim.optim.SGD(ps, weight_decay=HUGE)), "weight_decay"),
+        (lambda: _stepped(lambda ps: lpsim.optim.AdamW(ps, eps=HUGE)), "eps"),
+        (lambda: _stepped(lambda ps: lpsim.optim.FusedSGD(ps, momentum=HUGE)), "momentum"),
+        (lambda: _stepped(lambda ps: lpsim.optim.FusedAdam(ps, eps=HUGE)), "eps"),
+        (lambda: lpsim.optim.FusedSGD([torch.ones(2)], grad_scaling=HUGE), "grad_scaling"),
+        (
+            lambda: lpsim.optim.OptimLP(torch.optim.SGD([torch.ones(2)]), grad_scaling=HUGE),
+            "grad_scaling",
+        ),
+        (lambda: lpsim.recipes.Recipe("huge", loss_scale=HUGE), r"Recipe\.loss_scale"),
+    ],
+)
+def test_an_int_option_beyond_float64_is_refused_by_name(call, pattern):
+    # These raised OverflowError ("int too large to convert to float") or, from the fused step's
+    # op, "Expected a value of type 'List[float]'", naming no option.
+    with pytest.raises(ValueError, match=rf"^{pattern} must be within the float64 range"):
+        call()
+
+
+@pytest.mark.parametrize("lookup", [lpsim.preset, lpsim.scaled.preset], ids=["format", "scaled"])
+@pytest.mark.parametrize("name", [["e4m3fn"], {"nvfp4": 1}, None, 8])
+def test_a_preset_name_that_is_not_a_str_is_refused_by_name(lookup, name):
+    # A list or dict raised "unhashable type: 'list'" from the lookup.
+    with pytest.raises(TypeError, match=rf"^name must be a str, got {type(name).__name__}$"):
+        lookup(name)
+
+
+@pytest.mark.parametrize("categories", [3, 2.5, True, Float(5, 2)])
+def test_recorder_categories_that_are_not_iterable_are_refused_by_name(categories):
+    # These raised "'int' object is not iterable" (and so on), naming no parameter.
+    with pytest.raises(TypeError, match=r"^categories must be a str, an iterable of str or None"):
+        lpsim.diagnostics.Recorder(torch.nn.Linear(2, 2), categories=categories)

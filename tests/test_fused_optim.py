@@ -1204,3 +1204,55 @@ def test_a_pruned_weight_stays_pruned_by_the_fused_step():
     opt.step()
     assert w.tolist() == [0.5, 0.5, 0.5, 1.0]
     assert opt.state[w]["accumulator"].tolist() == [0.5, 0.5, 0.5, 1.0]
+
+
+FACTOR_CASES = {
+    "sgd_lr": ("sgd", dict(lr=1e39), r"^lr must be within float32's range"),
+    "sgd_weight_decay": ("sgd", dict(lr=0.1, weight_decay=1e39), r"^weight_decay must be within"),
+    "sgd_dampening": (
+        "sgd",
+        dict(lr=0.1, momentum=0.5, dampening=1e39),
+        r"^1 - dampening must be within",
+    ),
+    "sgd_nesterov": ("sgd", dict(lr=0.1, momentum=1e39, nesterov=True), r"^momentum must be"),
+    "adam_step_size": ("adamw", dict(lr=1e38), r"the step size of step 1, must be within"),
+    "adam_l2": ("adam", dict(lr=0.1, weight_decay=1e39), r"^weight_decay must be within"),
+}
+
+
+@pytest.mark.parametrize("case", FACTOR_CASES.values(), ids=FACTOR_CASES.keys())
+def test_the_fused_step_refuses_a_factor_torch_cannot_convert_to_float32(case):
+    # torch's optimizers refuse these options (a float32 alpha or value would overflow); the fused
+    # step of FusedSGD, FusedAdam and OptimLP wrote -Inf, Inf or NaN into every weight instead.
+    kind, options, pattern = case
+    made = {
+        "sgd": (torch.optim.SGD, lambda ps: FusedSGD(ps, **options)),
+        "adam": (torch.optim.Adam, lambda ps: FusedAdam(ps, decoupled=False, **options)),
+        "adamw": (torch.optim.AdamW, lambda ps: FusedAdam(ps, **options)),
+    }
+    torch_class, make_fused = made[kind]
+
+    def make_torch(ps):
+        return torch_class(ps, foreach=False, **options)
+
+    makers = {
+        "torch": make_torch,
+        "fused": make_fused,
+        "optimlp": lambda ps: OptimLP(make_torch(ps), weight=Float(8, 7)),
+    }
+    refused_step = 2 if "dampening" in options else 1  # dampening applies from step 2 on
+    for name, make in makers.items():
+        p = torch.nn.Parameter(torch.tensor([1.0, -0.5]))
+        optimizer = make([p])
+        for _ in range(refused_step - 1):
+            p.grad = torch.tensor([0.25, 1.0])
+            optimizer.step()
+        before = p.detach().clone()
+        p.grad = torch.tensor([0.25, 1.0])
+        if name == "torch":
+            with pytest.raises(RuntimeError, match="cannot be converted to type float"):
+                optimizer.step()
+        else:
+            with pytest.raises(ValueError, match=pattern):
+                optimizer.step()
+            assert_same_bits(p.detach(), before)

@@ -756,3 +756,64 @@ def test_nearest_float32_sgd_differs_from_torchs_only_in_the_sign_of_an_inf_minu
     assert (bits[made] >= 0).all()  # sign bit clear
     default_nan = (torch.tensor(inf) + torch.tensor(-inf)).view(torch.int32)
     assert torch.equal(their_bits[made], default_nan.expand(2))
+
+
+FACTOR_CASES = {
+    "sgd_weight_decay": (
+        lpsim.optim.SGD,
+        torch.optim.SGD,
+        dict(lr=0.1, weight_decay=1e39),
+        r"^weight_decay must be within",
+    ),
+    "sgd_dampening": (
+        lpsim.optim.SGD,
+        torch.optim.SGD,
+        dict(lr=0.1, momentum=0.5, dampening=1e39),
+        r"^1 - dampening must be within",
+    ),
+    "sgd_nesterov": (
+        lpsim.optim.SGD,
+        torch.optim.SGD,
+        dict(lr=0.1, momentum=1e39, nesterov=True),
+        r"^momentum must be within",
+    ),
+    "adamw_step_size": (
+        lpsim.optim.AdamW,
+        torch.optim.AdamW,
+        dict(lr=1e38),
+        r"the step size of step 1, must be within",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FACTOR_CASES.values(), ids=FACTOR_CASES.keys())
+def test_a_factor_beyond_the_work_precision_is_refused_before_the_state_changes(case):
+    # torch's optimizers raise for these options on float32 parameters ("cannot be converted to
+    # type float without overflow"); here torch's error came from within the step, which had
+    # already counted it and written the momentum buffer or Adam's moments.
+    make, torch_class, options, pattern = case
+    refused_step = 2 if "dampening" in options else 1  # dampening applies from step 2 on
+    reference = torch.nn.Parameter(torch.tensor([1.0, -0.5]))
+    torch_optimizer = torch_class([reference], foreach=False, **options)
+    w = torch.nn.Parameter(torch.tensor([1.0, -0.5]))
+    optimizer = make([w], rounding="nearest", **options)
+    for _ in range(refused_step - 1):
+        reference.grad = torch.tensor([0.25, 1.0])
+        torch_optimizer.step()
+        w.grad = torch.tensor([0.25, 1.0])
+        optimizer.step()
+    reference.grad = torch.tensor([0.25, 1.0])
+    with pytest.raises(RuntimeError, match="cannot be converted to type float without overflow"):
+        torch_optimizer.step()
+    before = {k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[w].items()}
+    weight = w.detach().clone()
+    w.grad = torch.tensor([0.25, 1.0])
+    with pytest.raises(ValueError, match=pattern):
+        optimizer.step()
+    assert_same_bits(w.detach(), weight)
+    assert optimizer.state[w].keys() == before.keys()
+    for key, value in before.items():
+        if torch.is_tensor(value):
+            assert_same_bits(optimizer.state[w][key], value)
+        else:
+            assert optimizer.state[w][key] == value

@@ -721,9 +721,33 @@ def test_sr_add_gradient_is_the_identity_for_both_operands():
             "tensor1 must be within the float64 range",
         ),
         (lambda a: StochasticAdder(torch.int32), TypeError, "float_type must be"),
+        # "unhashable type: 'list'" from the cache of the dtype's format
+        (lambda a: StochasticAdder([torch.bfloat16]), TypeError, "float_type must be"),
         (lambda a: lpsim.sr_add(a.to_sparse(), 1.0), TypeError, "a is a sparse_coo tensor"),
         (lambda a: lpsim.sr_add_(a, a.to_sparse()), TypeError, "b is a sparse_coo tensor"),
         (lambda a: lpsim.sr_addcdiv(a, a, a.to_sparse()), TypeError, "tensor2 is a sparse_coo"),
+        # torch's "Promotion for Float8 Types is not supported" before the operands were checked
+        (
+            lambda a: lpsim.sr_addcmul(a, a.to(torch.float8_e4m3fn), a),
+            TypeError,
+            "tensor1 must be a float32, float64, bfloat16 or float16 tensor, got torch.float8",
+        ),
+        (
+            lambda a: lpsim.sr_addcdiv_(a, a, a.to(torch.float8_e5m2)),
+            TypeError,
+            "tensor2 must be a float32, float64, bfloat16 or float16 tensor, got torch.float8",
+        ),
+        # named a (sr_add's), and y's raised torch's "expand is unsupported for Sparse tensors"
+        (
+            lambda a: StochasticAdder(torch.bfloat16, 0).add(a.to_sparse(), a),
+            TypeError,
+            "x is a sparse_coo tensor; StochasticAdder takes strided tensors",
+        ),
+        (
+            lambda a: StochasticAdder(torch.bfloat16, 0).add_biased(a, a.to_sparse()),
+            TypeError,
+            "y is a sparse_coo tensor; StochasticAdder takes strided tensors",
+        ),
     ],
 )
 def test_bad_arguments_raise_errors_that_name_them(call, error, words):

@@ -23,6 +23,7 @@ from lpsim._checks import (
     check_container,
     check_int,
     check_randomness,
+    check_strided,
     draw_seed,
     seed_argument,
 )
@@ -120,8 +121,10 @@ class StochasticAdder:
     def _add(self, a: torch.Tensor, b: torch.Tensor | float, rounding: str) -> torch.Tensor:
         # The messages name StochasTorch's parameters: a is add's x, b its y.
         check_container(a, "x")
+        check_strided(a, "x", "StochasticAdder")
         if isinstance(b, torch.Tensor):
             check_container(b, "y")
+            check_strided(b, "y", "StochasticAdder")
             try:
                 shape = torch.broadcast_shapes(a.shape, b.shape)
             except RuntimeError:

@@ -823,6 +823,10 @@ def _check_path(path) -> None:
 def _checked_categories(categories) -> tuple[str, ...]:
     if categories is None:
         return CATEGORIES
+    if not isinstance(categories, (str, Iterable)):
+        raise TypeError(
+            f"categories must be a str, an iterable of str or None, got {type(categories).__name__}"
+        )
     names = (categories,) if isinstance(categories, str) else tuple(categories)
     for name in names:
         if not isinstance(name, str):

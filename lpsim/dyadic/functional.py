@@ -50,6 +50,7 @@ from lpsim._checks import (
     check_int,
     check_offset,
     check_rule,
+    check_strided,
     check_tensor,
     draw_seed,
     seed_argument,
@@ -226,14 +227,17 @@ def scale_for(
     end) an int64 tensor per channel.
 
     Raises:
-        TypeError: x is not a real floating or integer tensor (complex, bool); an argument has
-            the wrong type.
-        ValueError: x has NaN or Inf, or bits is out of range.
+        TypeError: x is not a real floating or integer tensor (complex, bool) or not strided
+            (sparse, nested); an argument has the wrong type.
+        ValueError: x has NaN or Inf or is a meta tensor, or bits is out of range.
         IndexError: ``axis`` does not exist in x.
     """
     check_tensor(x)
     if x.is_complex() or x.dtype == torch.bool:
         raise TypeError(f"x must be a real floating or integer tensor, got {x.dtype}")
+    check_strided(x, "x", "lpsim.dyadic.scale_for")
+    if x.is_meta:
+        raise ValueError("x is a meta tensor, which holds no values: scale_for reads its values")
     integer_range(bits, signed)
     if axis is not None:
         axis = normalize_axis(axis, x.dim())

@@ -44,8 +44,10 @@ def _check_scale_value(s: int) -> int:
 
 def check_cpu_dense(x: torch.Tensor, name: str, function: str) -> None:
     """Raises unless x is a dense CPU tensor, the only kind the integer kernels read: TypeError for
-    a sparse layout, ValueError for another device (the messages call x ``name`` and the caller
-    ``function``)."""
+    a sparse layout or a nested tensor, ValueError for another device (the messages call x
+    ``name`` and the caller ``function``)."""
+    if x.is_nested:  # a nested tensor may have torch.strided as its layout
+        raise TypeError(f"{name} is a nested tensor; {function} takes dense (strided) tensors")
     if x.layout != torch.strided:
         layout = str(x.layout).replace("torch.", "")
         raise TypeError(f"{name} is a {layout} tensor; {function} takes dense (strided) tensors")

@@ -998,8 +998,11 @@ def preset(name: str) -> Float | P3109:
     """The preset format called ``name`` (see PRESETS).
 
     Raises:
+        TypeError: name is not a str.
         ValueError: no preset has that name; the message lists them.
     """
+    if not isinstance(name, str):  # an unhashable one raised "unhashable type" from the dict
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
     try:
         return PRESETS[name]
     except KeyError:

@@ -44,6 +44,7 @@ import torch
 from lpsim._checks import (
     check_betas,
     check_element_format,
+    check_factor,
     check_number,
     draw_seed,
     positive_finite_attribute,
@@ -356,13 +357,17 @@ class _Fused(OwnOptions):
 class StepRule:
     """The arithmetic of one optimizer's fused step: the op's algorithm, the state tensors it
     updates (in the state dict's order), the state it creates for a parameter with a gradient, its
-    values per parameter and its scalars per parameter group."""
+    values per parameter, its scalars per parameter group, and its factors: the numbers that
+    torch's step of a parameter (given its group and its state before the step) passes as the
+    ``alpha`` or ``value`` of an in-place op, named. torch converts those to float32 and refuses
+    one beyond its range, where the op's float32 conversion would make it infinite."""
 
     algorithm: int
     states: tuple[str, ...]
     init_state: Callable[[dict, torch.Tensor, dict], None]
     per_parameter: Callable[[dict, torch.Tensor, dict], list[float]]
     scalars: Callable[[dict], list[float]]
+    factors: Callable[[dict, dict], list[tuple[str, float]]]
 
 
 def fused_step(
@@ -378,8 +383,19 @@ def fused_step(
     (run_step) per group, setting ``specs[p]`` and device, parameters in order. ``state``: the
     optimizer's state per parameter; ``accumulators``: as run_step. A group may hold parameters on
     several devices (a model split across them), as OptimLP's may: the op takes the tensors of
-    one device, and each parameter's streams are its own, so the split changes no bits."""
+    one device, and each parameter's streams are its own, so the split changes no bits.
+
+    Raises:
+        ValueError: a factor of the step (rule.factors) is beyond float32's range, as torch's
+            step raises for it; checked before any tensor or state changes.
+    """
     params = [p for group in param_groups for p in group["params"]]
+    why = "for float32 parameters, as torch's optimizers require"
+    for group in param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                for name, value in rule.factors(group, state.get(p, {})):
+                    check_factor(name, value, torch.float32, why)
     for group in param_groups:
         for p in group["params"]:
             if p.grad is not None:
@@ -611,6 +627,21 @@ def sgd_init_state(group: dict, p: torch.Tensor, state: dict) -> None:
         state["fresh"] = True  # removed by sgd_per_parameter
 
 
+def sgd_factors(group: dict, state: dict) -> list[tuple[str, float]]:
+    """The numbers torch.optim.SGD's step of a parameter with this state passes as ``alpha``:
+    weight_decay (where nonzero), 1 - dampening (momentum onto an existing buffer), momentum
+    (Nesterov's) and lr (negated)."""
+    factors = []
+    if group["weight_decay"] != 0:
+        factors.append(("weight_decay", group["weight_decay"]))
+    if group["momentum"] != 0:
+        if state.get("momentum_buffer") is not None:
+            factors.append(("1 - dampening", 1 - group["dampening"]))
+        if group["nesterov"]:
+            factors.append(("momentum", group["momentum"]))
+    return factors + [("lr", group["lr"])]
+
+
 def sgd_per_parameter(state: dict) -> list[float]:
     """The SGD step's value per parameter: whether its momentum buffer is fresh."""
     return [1.0 if state.pop("fresh", False) else 0.0]
@@ -655,6 +686,19 @@ def adam_per_parameter(group: dict, p: torch.Tensor, state: dict) -> list[float]
     return [-(group["lr"] / (1 - beta1**step)), (1 - beta2**step) ** 0.5]
 
 
+def adam_factors(group: dict, state: dict, decoupled: bool) -> list[tuple[str, float]]:
+    """The numbers torch.optim.Adam's (AdamW's with ``decoupled``) step of a parameter with this
+    state passes as ``alpha`` or ``value``: weight_decay (coupled, where nonzero) and the step
+    size lr / (1 - beta1^step) of the step about to be taken (negated)."""
+    factors = []
+    if group["weight_decay"] != 0 and not decoupled:
+        factors.append(("weight_decay", group["weight_decay"]))
+    step = float(state["step"]) + 1 if "step" in state else 1.0
+    beta1 = group["betas"][0]
+    name = f"lr / (1 - betas[0]**step), the step size of step {step:g},"
+    return factors + [(name, group["lr"] / (1 - beta1**step))]
+
+
 def adam_scalars(group: dict, decoupled: bool) -> list[float]:
     """The Adam step's scalars from a parameter group (AdamW's with ``decoupled``)."""
     beta1, beta2 = group["betas"]
@@ -678,6 +722,7 @@ SGD_RULE = StepRule(
     init_state=sgd_init_state,
     per_parameter=lambda group, p, state: sgd_per_parameter(state),
     scalars=sgd_scalars,
+    factors=sgd_factors,
 )
 
 
@@ -689,6 +734,9 @@ def adam_rule(decoupled_key: str, decoupled: bool) -> StepRule:
         init_state=adam_init_state,
         per_parameter=adam_per_parameter,
         scalars=lambda group: adam_scalars(group, group.get(decoupled_key, decoupled)),
+        factors=lambda group, state: adam_factors(
+            group, state, group.get(decoupled_key, decoupled)
+        ),
     )
 
 
@@ -719,7 +767,10 @@ class FusedSGD(_Fused):
         TypeError: a parameter is not float32, a format is not a Float, Fixed, P3109 or pair, or an
             option has the wrong type.
         ValueError: an option is out of range (the message names it and the range), or
-            acc_format is a Fixed without clamp, or a parameter is listed twice in a group.
+            acc_format is a Fixed without clamp, or a parameter is listed twice in a group; by
+            step(), a number torch's step converts to float32 (lr, weight_decay, 1 - dampening,
+            Nesterov's momentum, Adam's step size lr / (1 - beta1^step)) is beyond its range,
+            as torch's optimizers refuse it.
         NotImplementedError: a parameter is neither on the CPU nor, where lpsim is built with
             its CUDA kernels, on a CUDA device.
     """

@@ -310,6 +310,13 @@ class _LowPrecision(OwnOptions):
         c.copy_(sr_add(y, gained.neg(), fmt, "nearest"))
         p.copy_(new)
 
+    def _factors(self, group: dict, state: dict) -> list[tuple[str, float]]:
+        """The numbers that the step of a parameter with this state (before the step) converts
+        to its work precision as a factor, named: torch's optimizers refuse one beyond that
+        precision's range (``value cannot be converted to type float without overflow``), where
+        it would become an infinite factor."""
+        return [("lr", group["lr"])]
+
     def _steps(self, closure):
         """Evaluate the closure; then (group, p, state, grad in work precision) for every
         parameter with a gradient, its step count advanced."""
@@ -332,7 +339,8 @@ class _LowPrecision(OwnOptions):
             if p.grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             why = "for parameters of that work precision, as torch's optimizers require"
-            check_factor("lr", group["lr"], self._work_dtype(p), why)
+            for name, value in self._factors(group, self.state.get(p, {})):
+                check_factor(name, value, self._work_dtype(p), why)
         self._number_states()
         work = []
         for group, _, p in stepped:
@@ -422,6 +430,19 @@ class SGD(_LowPrecision):
             raise ValueError("nesterov needs momentum > 0 and dampening = 0")
         super()._check_options(group)
 
+    def _factors(self, group: dict, state: dict) -> list[tuple[str, float]]:
+        """weight_decay (where nonzero), 1 - dampening (momentum onto an existing buffer),
+        momentum (Nesterov's) and lr: the alpha of torch.optim.SGD's in-place adds."""
+        factors = []
+        if group["weight_decay"] != 0:
+            factors.append(("weight_decay", group["weight_decay"]))
+        if group["momentum"] != 0:
+            if state.get("momentum_buffer") is not None:
+                factors.append(("1 - dampening", 1 - group["dampening"]))
+            if group["nesterov"]:
+                factors.append(("momentum", group["momentum"]))
+        return factors + [("lr", group["lr"])]
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One update of every parameter that has a gradient. Returns the closure's loss."""
@@ -503,6 +524,16 @@ class AdamW(_LowPrecision):
                 f"decay, got {group['decoupled_weight_decay']!r}"
             )
         super()._check_options(group)
+
+    def _factors(self, group: dict, state: dict) -> list[tuple[str, float]]:
+        """lr and the step size lr / (1 - beta1^step) of the step about to be taken: the value of
+        torch.optim.AdamW's addcdiv_."""
+        step = state.get("step", 0) + 1
+        size = group["lr"] / (1 - group["betas"][0] ** step)
+        return [
+            ("lr", group["lr"]),
+            (f"lr / (1 - betas[0]**step), the step size of step {step},", size),
+        ]
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
