@@ -54,6 +54,7 @@ from lpsim._checks import (
 from lpsim.formats import Fixed, Float, check_fits
 from lpsim.functional import quantize, quantize_
 from lpsim.optim._own_options import OwnOptions
+from lpsim.optim.fused import sgd_factors
 from lpsim.rounding import Rounding, check_rbits
 from lpsim.update import own_format, sr_add, sr_add_, sr_addcdiv_
 
@@ -432,16 +433,9 @@ class SGD(_LowPrecision):
 
     def _factors(self, group: dict, state: dict) -> list[tuple[str, float]]:
         """weight_decay (where nonzero), 1 - dampening (momentum onto an existing buffer),
-        momentum (Nesterov's) and lr: the alpha of torch.optim.SGD's in-place adds."""
-        factors = []
-        if group["weight_decay"] != 0:
-            factors.append(("weight_decay", group["weight_decay"]))
-        if group["momentum"] != 0:
-            if state.get("momentum_buffer") is not None:
-                factors.append(("1 - dampening", 1 - group["dampening"]))
-            if group["nesterov"]:
-                factors.append(("momentum", group["momentum"]))
-        return factors + [("lr", group["lr"])]
+        momentum (Nesterov's) and lr: the alpha of torch.optim.SGD's in-place adds, as the fused
+        step checks them."""
+        return sgd_factors(group, state)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
